@@ -1,0 +1,80 @@
+"""Engine configuration: typed, frozen, validated once. Every field has a default and a reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of the runtime. Construct with keyword arguments; `resolve()` fills "auto" values."""
+
+    model: str | None = None
+    """HF model directory, .gguf file, architecture preset (with load_format="dummy") or hub id.
+    None means the embedded default (SmolLM2-135M-Instruct)."""
+    load_format: str = "auto"
+    """"auto" (read the checkpoint) or "dummy" (random weights at a sane scale, for benchmarks)."""
+    dtype: str = "auto"
+    """"auto" (float32 on CPU, bfloat16 on GPU), "float32", "float16" or "bfloat16"."""
+    device: str = "auto"
+    """"auto" (cuda if available, else cpu), "cpu" or "cuda"."""
+    max_model_len: int | None = None
+    """Longest prompt + output; None means the model's own context length."""
+    max_num_seqs: int = 256
+    """Most requests running at once (the decode batch size ceiling)."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step: decodes plus prefill chunks. A long prompt is chunked to fit."""
+    block_size: int = 16
+    """Tokens per KV cache block (page)."""
+    kv_cache_memory_gb: float | None = None
+    """KV cache budget in GiB. None: 2 GiB on the CPU; on GPU, derived from gpu_memory_utilization."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory kiln may use (weights + activations + KV cache)."""
+    num_kv_blocks: int | None = None
+    """Exact number of KV blocks, overriding the memory budget (tests use it to force preemption)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes (chained block hashes)."""
+    scheduling_policy: str = "fcfs"
+    """"fcfs" or "priority" (lower priority value is served first; ties by arrival)."""
+    attention_backend: str = "auto"
+    """"auto", "torch" or "triton"."""
+    seed: int = 0
+    """Seed of the global RNG (rows without their own seed) and of dummy weights."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (GPU only)."""
+    chat: bool | None = None
+    """Apply the chat template in generate(); None: only in chat()."""
+
+    def __post_init__(self) -> None:
+        def fail(name: str, why: str) -> None:
+            raise ValueError(f"EngineConfig.{name} {why}, got {getattr(self, name)!r}")
+
+        if self.max_num_seqs < 1:
+            fail("max_num_seqs", "must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            fail("max_num_batched_tokens", "must be >= 1")
+        if self.block_size < 1:
+            fail("block_size", "must be >= 1")
+        if self.load_format not in ("auto", "dummy"):
+            fail("load_format", 'must be "auto" or "dummy"')
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            fail("dtype", 'must be "auto", "float32", "float16" or "bfloat16"')
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            fail("device", 'must be "auto", "cpu" or "cuda[:N]"')
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            fail("scheduling_policy", 'must be "fcfs" or "priority"')
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            fail("gpu_memory_utilization", "must be in (0, 1]")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            fail("kv_cache_memory_gb", "must be > 0")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            fail("num_kv_blocks", "must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            fail("max_model_len", "must be >= 1")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def with_updates(self, **changes: object) -> EngineConfig:
+        return replace(self, **changes)

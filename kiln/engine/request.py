@@ -1,0 +1,79 @@
+"""The one mutable object of the control plane: a request catching its tokens up."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kiln.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass(eq=False)
+class Request:
+    """A sequence whose `num_computed_tokens` catches up to `len(all_token_ids)`.
+
+    Prefill, chunked prefill, prefix hits and recompute after preemption are all the same thing:
+    computing the tokens from num_computed_tokens onward, as many as the step's budget allows.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    max_tokens: int  # resolved: never past the model's context length
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def sort_key(self) -> tuple[int, float]:
+        """Lower is served first (priority policy); FCFS uses arrival alone via priority 0."""
+        return (self.priority, self.arrival_time)

@@ -1,0 +1,287 @@
+"""Token-budget scheduler: decodes and prefill chunks share each step.
+
+schedule() -> SchedulerOutput hands out `{req_id: num_tokens}` within `max_num_batched_tokens`;
+update(SchedulerOutput, ModelRunnerOutput) appends sampled tokens, applies stop rules and frees
+finished requests. Pure Python: no torch, so it is unit-tested with fake runner outputs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from kiln.engine.request import Request, RequestStatus
+from kiln.kv_cache.manager import KVCacheManager
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has not seen (or must rebuild after preemption), sent in full."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: object  # SamplingParams; typed loosely to keep this module import-light
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the runner already holds: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Finished, aborted or preempted since the last step: the runner drops their state.
+    finished_req_ids: frozenset[str]
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprobs at one position: column 0 is the chosen token, then the top-N alternatives."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # rank of token_ids[0] (1 = most likely)
+
+
+@dataclass(frozen=True)
+class PromptLogprobsChunk:
+    """Logprobs of prompt tokens first_index .. first_index + len(entries) - 1, scored this step.
+    (The first prompt token has none: nothing predicts it.)"""
+
+    first_index: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]  # requests that reached their last token this step
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: PromptLogprobsChunk | None = None
+    num_cached_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        policy: str = "fcfs",
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.requests: dict[str, Request] = {}
+        # Both kept sorted by `_key`: the front is served first, the back preempted first.
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._finished_req_ids: set[str] = set()
+        self.num_preemptions_total = 0
+
+    def _key(self, request: Request) -> tuple[int, float]:
+        if self.policy == "priority":
+            return request.sort_key()
+        return (0, request.arrival_time)
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.req_id in self.requests:
+            raise ValueError(f"request id {request.req_id!r} is already in use")
+        self.requests[request.req_id] = request
+        bisect.insort(self.waiting, request, key=self._key)
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Abort (or stop) requests wherever they are; their blocks are freed at once."""
+        finished = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._free(request, status)
+            finished.append(request)
+        return finished
+
+    def _free(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache.free(request)
+        self._finished_req_ids.add(request.req_id)
+        del self.requests[request.req_id]
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._finished_req_ids.add(request.req_id)
+        bisect.insort(self.waiting, request, key=self._key)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        num_preempted = 0
+
+        # 1. Running requests first, in priority order: decodes and unfinished prefill chunks.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self.kv_cache.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self.running[-1]  # lowest priority, never one already scheduled
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is request:
+                    break
+                new_blocks = self.kv_cache.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            num_scheduled[request.req_id] = num_new
+            cached_reqs.append(
+                CachedRequestData(
+                    request.req_id, [b.block_id for b in new_blocks], request.num_computed_tokens
+                )
+            )
+            budget -= num_new
+            index += 1
+
+        # 2. Admit waiting requests while budget, sequence slots and blocks allow. Not in a step
+        #    that had to preempt: admitting would only evict someone again.
+        while (
+            not num_preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            new_blocks = self.kv_cache.allocate_slots(request, num_new, hit_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.pop(0)
+            if request.num_preemptions == 0:
+                self.kv_cache.record_admission(request, num_hit_tokens)
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=self._key)
+            num_scheduled[request.req_id] = num_new
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.req_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv_cache.block_ids(request.req_id),
+                    num_computed_tokens=num_hit_tokens,
+                )
+            )
+            budget -= num_new
+
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(
+            new_requests=new_reqs,
+            cached_requests=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=frozenset(finished),
+            num_preempted=num_preempted,
+        )
+
+    def update(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Advance computed tokens, append sampled tokens, apply stop rules, free finished."""
+        outputs: list[EngineCoreOutput] = []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += num_tokens
+            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            token_id = runner_output.sampled_token_ids.get(req_id)
+            if token_id is None:
+                if prompt_logprobs:
+                    outputs.append(EngineCoreOutput(req_id, [], prompt_logprobs=prompt_logprobs))
+                continue
+            request.append_output_token(token_id)
+            finish = self._check_stop(request, token_id)
+            if finish is not None:
+                self.running.remove(request)
+                self._free(request, finish)
+            outputs.append(
+                EngineCoreOutput(
+                    req_id,
+                    [token_id],
+                    finish_reason=finish.value if finish else None,
+                    stop_reason=request.stop_reason,
+                    logprobs=runner_output.logprobs.get(req_id),
+                    prompt_logprobs=prompt_logprobs,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

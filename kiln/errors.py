@@ -1,0 +1,18 @@
+"""Errors a user can act on. Each names the field or file at fault."""
+
+
+class KilnError(Exception):
+    """Base class of every error kiln raises on purpose."""
+
+
+class InvalidRequestError(KilnError, ValueError):
+    """A request parameter or prompt is invalid. `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class ModelLoadError(KilnError):
+    """A model could not be found, read or understood (path, architecture, dtype, corrupt file)."""

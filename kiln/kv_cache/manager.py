@@ -1,0 +1,102 @@
+"""Maps requests to KV blocks: prefix-cache lookup, slot allocation, freeing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.engine.request import Request
+from kiln.kv_cache.block_pool import BlockPool, KVBlock, hash_block_tokens
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which served from the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are hashed
+        self.stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def _update_block_hashes(self, request: Request) -> None:
+        bs = self.block_size
+        hashes = request.block_hashes
+        while (len(hashes) + 1) * bs <= request.num_tokens:
+            start = len(hashes) * bs
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[start : start + bs]))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of a waiting request, in whole blocks, leaving at least one
+        token to compute (its logits are needed to sample)."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_admission(self, request: Request, num_hit_tokens: int) -> None:
+        """Count a first admission's prefix lookup in the hit-rate statistics."""
+        self.stats.queries += request.num_tokens
+        self.stats.hits += num_hit_tokens
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] = ()
+    ) -> list[KVBlock] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones (prefix hits
+        included). Returns the newly allocated blocks, or None when the pool is too small (nothing
+        is changed then)."""
+        blocks = self.req_to_blocks.get(request.req_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total_tokens = num_computed + num_new_tokens
+        num_required = -(-total_tokens // self.block_size)
+        num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
+        # Cached hits nobody references sit on the free list: touching them uses up free blocks.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_count == 0)
+        if num_new_blocks + num_evictable_hits > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(list(new_computed_blocks))
+        new_blocks = self.pool.allocate(num_new_blocks)
+        blocks = [*blocks, *new_computed_blocks, *new_blocks]
+        self.req_to_blocks[request.req_id] = blocks
+        self._cache_full_blocks(request, blocks, total_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        # The tokens of this step are known (prompt or already sampled), and their K/V are written
+        # before any later step reads them, so their full blocks can be published right away.
+        if not self.enable_caching:
+            return
+        self._update_block_hashes(request)
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        start = self._num_cached_blocks.get(request.req_id, 0)
+        for i in range(start, num_full):
+            self.pool.cache_full_block(blocks[i], request.block_hashes[i])
+        self._num_cached_blocks[request.req_id] = max(start, num_full)
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(req_id, [])]
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.req_id, [])
+        self._num_cached_blocks.pop(request.req_id, None)
+        self.pool.free(list(reversed(blocks)))

@@ -1,0 +1,47 @@
+"""What the engine hands back to users: the shapes known from vLLM's and TensorRT-LLM's LLM APIs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token, its rank among the vocabulary (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# One position: token id -> Logprob, holding the chosen token and the top-N alternatives.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None
+    """'stop' (EOS, stop token or stop string), 'length' (max_tokens or context), 'abort', or None
+    while running."""
+    stop_reason: int | str | None = None
+    """The stop string or stop token id that ended the completion, if any."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,263 @@
+"""Scheduler and KV block pool with fake model outputs: no model, no torch."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from kiln.engine.request import Request, RequestStatus
+from kiln.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from kiln.kv_cache.block_pool import BlockPool
+from kiln.kv_cache.manager import KVCacheManager
+from kiln.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def make_scheduler(
+    num_blocks=64,
+    block_size=4,
+    max_num_seqs=8,
+    budget=32,
+    policy="fcfs",
+    caching=True,
+    max_model_len=1024,
+) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+    return Scheduler(kv, max_num_seqs, budget, max_model_len, policy)
+
+
+def make_request(
+    req_id, prompt_len=8, max_tokens=4, priority=0, arrival=0.0, prompt=None, **params
+) -> Request:
+    # Distinct prompts per request id, so no test hits the prefix cache by accident.
+    base = 1000 * (1 + sum(ord(c) * 31**k for k, c in enumerate(req_id)) % 997)
+    prompt = prompt if prompt is not None else [base + i for i in range(prompt_len)]
+    sp = SamplingParams(max_tokens=max_tokens, **params)
+    return Request(req_id, prompt, sp, (EOS,), max_tokens, priority=priority, arrival_time=arrival)
+
+
+def fake_step(s: Scheduler, next_token=lambda req: 7) -> tuple[SchedulerOutput, list]:
+    """Schedule, pretend the model ran, sample `next_token` for requests that reached the end."""
+    out = s.schedule()
+    sampled = {}
+    for req_id, n in out.num_scheduled_tokens.items():
+        req = s.requests[req_id]
+        if req.num_computed_tokens + n == req.num_tokens:
+            sampled[req_id] = next_token(req)
+    return out, s.update(out, ModelRunnerOutput(sampled))
+
+
+def run_to_completion(s: Scheduler, max_steps=1000, **kw) -> list[SchedulerOutput]:
+    steps = []
+    while s.has_unfinished_requests() and len(steps) < max_steps:
+        steps.append(fake_step(s, **kw)[0])
+    assert not s.has_unfinished_requests()
+    return steps
+
+
+# ---- block pool ------------------------------------------------------------------------------
+
+
+def test_block_pool_refcounts_and_lru_eviction():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    assert pool.num_free_blocks == 2 and a.ref_count == 1
+    pool.cache_full_block(a, b"ha")
+    pool.free([b, a])  # freed tail first: b is evicted before a
+    assert pool.num_free_blocks == 4
+    assert pool.lookup(b"ha") is a
+    taken = pool.allocate(3)  # the two never-used blocks, then b (freed first)
+    assert b in taken and a not in taken
+    assert pool.lookup(b"ha") is a  # still cached
+    (again,) = pool.allocate(1)
+    assert again is a and pool.lookup(b"ha") is None  # evicted: its hash is gone
+    with pytest.raises(RuntimeError):
+        pool.allocate(1)
+
+
+def test_block_pool_touch_takes_cached_blocks_off_free_list():
+    pool = BlockPool(2)
+    (a,) = pool.allocate(1)
+    pool.cache_full_block(a, b"h")
+    pool.free([a])
+    pool.touch([a])
+    assert a.ref_count == 1 and pool.num_free_blocks == 1
+    pool.touch([a])
+    assert a.ref_count == 2
+    pool.free([a])
+    pool.free([a])
+    assert pool.num_free_blocks == 2
+    with pytest.raises(RuntimeError):
+        pool.free([a])
+    assert pool.reset_prefix_cache() and pool.lookup(b"h") is None
+
+
+def test_prefix_lookup_leaves_one_token_and_chains_hashes():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    first = make_request("a", prompt=list(range(12)))
+    assert kv.allocate_slots(first, 12) is not None  # 3 full blocks, all published
+    same = make_request("b", prompt=list(range(12)))
+    hits, num_tokens = kv.get_computed_blocks(same)
+    assert num_tokens == 8 and len(hits) == 2  # the last block is recomputed for its logits
+    longer = make_request("c", prompt=[*range(12), 50, 51])
+    assert kv.get_computed_blocks(longer)[1] == 12
+    # Same second block but a different first block: the chain breaks at block 0.
+    other = make_request("d", prompt=[99, 1, 2, 3, *range(4, 12)])
+    assert kv.get_computed_blocks(other) == ([], 0)
+
+
+def test_allocate_slots_fails_without_changing_anything():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    r = make_request("a", prompt_len=12)
+    assert kv.allocate_slots(r, 12) is None
+    assert kv.pool.num_free_blocks == 2 and "a" not in kv.req_to_blocks
+
+
+# ---- scheduler -------------------------------------------------------------------------------
+
+
+def test_token_budget_chunks_prefill_and_mixes_decodes():
+    s = make_scheduler(budget=16, block_size=4)
+    s.add_request(make_request("a", prompt_len=10, arrival=0))
+    s.add_request(make_request("b", prompt_len=10, arrival=1))
+    out, _ = fake_step(s)
+    assert out.num_scheduled_tokens == {"a": 10, "b": 6}  # b's prompt is chunked
+    out, _ = fake_step(s)
+    # a decodes one token, b finishes its prefill: decode and prefill share the step.
+    assert out.num_scheduled_tokens == {"a": 1, "b": 4}
+    assert [c.req_id for c in out.cached_requests] == ["a", "b"]
+    assert s.requests["b"].num_output_tokens == 1
+    out, _ = fake_step(s)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}
+
+
+def test_max_num_seqs_limits_running():
+    s = make_scheduler(max_num_seqs=2)
+    for i in range(4):
+        s.add_request(make_request(str(i), prompt_len=4, arrival=i))
+    out, _ = fake_step(s)
+    assert set(out.num_scheduled_tokens) == {"0", "1"}
+    steps = run_to_completion(s)
+    assert all(len(o.num_scheduled_tokens) <= 2 for o in steps)
+
+
+def test_stop_rules():
+    s = make_scheduler()
+    s.add_request(make_request("eos", max_tokens=10, arrival=0))
+    s.add_request(make_request("ignore", max_tokens=3, ignore_eos=True, arrival=1))
+    s.add_request(make_request("stopid", max_tokens=10, stop_token_ids=[9], arrival=2))
+    s.add_request(make_request("min", max_tokens=10, min_tokens=2, arrival=3))
+    tokens = {"eos": EOS, "ignore": EOS, "stopid": 9, "min": EOS}
+    finished = {}
+    while s.has_unfinished_requests():
+        _, outs = fake_step(s, next_token=lambda r: tokens[r.req_id])
+        for o in outs:
+            if o.finish_reason:
+                finished[o.req_id] = (o.finish_reason, o.stop_reason)
+    assert finished == {
+        "eos": ("stop", None),
+        "ignore": ("length", None),
+        "stopid": ("stop", 9),
+        "min": ("stop", None),
+    }
+
+
+def test_max_tokens_and_context_limit():
+    s = make_scheduler(max_model_len=10)
+    s.add_request(make_request("a", prompt_len=8, max_tokens=100))
+    outs = []
+    while s.has_unfinished_requests():
+        outs += fake_step(s)[1]
+    assert sum(len(o.new_token_ids) for o in outs) == 2 and outs[-1].finish_reason == "length"
+
+
+def test_preemption_by_recompute_keeps_tokens_and_order():
+    # 6 blocks of 4 tokens: two requests of 8-token prompts fit (4 blocks) but not as they grow.
+    s = make_scheduler(num_blocks=6, block_size=4, caching=False)
+    s.add_request(make_request("old", prompt_len=8, max_tokens=8, arrival=0))
+    s.add_request(make_request("new", prompt_len=8, max_tokens=8, arrival=1))
+    preempted_seen = False
+    counter = {"old": 0, "new": 0}
+
+    def token(req):
+        counter[req.req_id] += 1
+        return 1000 + counter[req.req_id]
+
+    while s.has_unfinished_requests():
+        out, _ = fake_step(s, next_token=token)
+        if out.num_preempted:
+            preempted_seen = True
+            assert "new" in out.finished_req_ids  # runner is told to drop its state
+            assert s.requests["new"].status == RequestStatus.PREEMPTED
+            assert s.requests["new"].num_computed_tokens == 0
+        assert s.kv_cache.pool.num_free_blocks >= 0
+    assert preempted_seen
+    assert s.num_preemptions_total >= 1
+    assert s.kv_cache.pool.num_free_blocks == 6
+
+
+def test_preempted_request_is_resent_in_full():
+    s = make_scheduler(num_blocks=5, block_size=4, caching=False)
+    s.add_request(make_request("a", prompt_len=8, max_tokens=8, arrival=0))
+    s.add_request(make_request("b", prompt_len=7, max_tokens=8, arrival=1))
+    resent = None
+    while s.has_unfinished_requests():
+        out, _ = fake_step(s)
+        for new in out.new_requests:
+            if new.output_token_ids:
+                resent = new
+    assert resent is not None
+    assert resent.num_computed_tokens == 0 and len(resent.output_token_ids) >= 1
+
+
+def test_priority_policy_admits_and_preempts_by_priority():
+    s = make_scheduler(policy="priority", max_num_seqs=1)
+    s.add_request(make_request("low", priority=5, arrival=0))
+    s.add_request(make_request("high", priority=-1, arrival=1))
+    out, _ = fake_step(s)
+    assert list(out.num_scheduled_tokens) == ["high"]
+
+    s = make_scheduler(policy="priority", num_blocks=5, block_size=4, caching=False)
+    s.add_request(make_request("low", prompt_len=8, max_tokens=8, priority=5, arrival=0))
+    s.add_request(make_request("high", prompt_len=8, max_tokens=8, priority=0, arrival=1))
+    victims = set()
+    while s.has_unfinished_requests():
+        out, _ = fake_step(s)
+        victims |= {r for r in out.finished_req_ids if r in s.requests}
+    assert victims == {"low"}
+
+
+def test_abort_frees_blocks_at_once():
+    s = make_scheduler()
+    s.add_request(make_request("a", prompt_len=20, max_tokens=50))
+    s.add_request(make_request("b", prompt_len=20, max_tokens=50, arrival=1))
+    fake_step(s)
+    assert s.kv_cache.usage > 0
+    s.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
+    assert s.kv_cache.usage == 0 and not s.has_unfinished_requests()
+    out = s.schedule()
+    assert out.finished_req_ids == {"a", "b"} and out.is_empty
+
+
+def test_prefix_cache_hit_on_admission():
+    s = make_scheduler(block_size=4)
+    prompt = list(range(200, 213))  # 13 tokens: 3 full blocks
+    s.add_request(make_request("a", prompt=prompt, max_tokens=2))
+    run_to_completion(s)
+    s.add_request(make_request("b", prompt=prompt, max_tokens=2))
+    out, _ = fake_step(s)
+    assert out.new_requests[0].num_computed_tokens == 12
+    assert out.num_scheduled_tokens == {"b": 1}
+    assert s.kv_cache.stats.hits == 12
+
+
+def test_scheduler_does_not_import_torch():
+    assert "kiln.engine.scheduler" in sys.modules
+    import subprocess
+
+    code = (
+        "import sys, kiln.engine.scheduler, kiln.kv_cache.manager;sys.exit('torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
