@@ -27,11 +27,11 @@ class EngineConfig:
     block_size: int = 16
     """Tokens per KV cache block (page)."""
     kv_cache_memory_gb: float | None = None
-    """KV cache budget in GiB. None: 2 GiB on the CPU; on GPU, derived from gpu_memory_utilization."""
+    """KV cache budget in GiB. None: 2 GiB on the CPU; on GPU, from gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.9
     """Fraction of GPU memory kiln may use (weights + activations + KV cache)."""
     num_kv_blocks: int | None = None
-    """Exact number of KV blocks, overriding the memory budget (tests use it to force preemption)."""
+    """Exact number of KV blocks, overriding the budget (tests use it to force preemption)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes (chained block hashes)."""
     scheduling_policy: str = "fcfs"

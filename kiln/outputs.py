@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Logprob:
-    """Log-probability of one token, its rank among the vocabulary (1 = most likely) and its text."""
+    """Log-probability of one token, its rank in the vocabulary (1 = most likely), its text."""
 
     logprob: float
     rank: int

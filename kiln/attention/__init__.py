@@ -1,0 +1,3 @@
+from kiln.attention.backend import AttentionBackend, AttentionMetadata, get_attention_backend
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]

@@ -1,0 +1,76 @@
+"""The attention backend interface: what the model needs from attention, and a registry of
+implementations ("torch" is the reference on any device; "triton" is the GPU fast path)."""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """How one step's packed tokens map onto sequences and the paged KV cache.
+
+    Tokens are packed sequence after sequence, with no padding. The first `num_decodes` sequences
+    contribute exactly one query token each (decodes); the rest are prefill chunks of any length
+    whose earlier tokens (a cached prefix or previous chunks) are already in the cache.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each token
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: where each sequence's tokens start
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length after this step (cached + new)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    num_decodes: int
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+class AttentionBackend(ABC):
+    """Writes this step's keys/values into the paged cache, then attends over it.
+
+    KV cache layout, per layer: k_cache and v_cache are each
+    [num_blocks, block_size, num_kv_heads, head_dim].
+    """
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+# name -> "module:Class", imported only when chosen (a GPU backend must not be imported on CPU).
+_BACKENDS: dict[str, str] = {
+    "torch": "kiln.attention.torch_backend:TorchAttentionBackend",
+    "triton": "kiln.attention.triton_backend:TritonAttentionBackend",
+}
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Resolve a backend name ("auto" picks triton on CUDA when importable, else torch)."""
+    if name == "auto":
+        name = "torch"
+        if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+            name = "triton"
+    if name not in _BACKENDS:
+        known = ", ".join(sorted(_BACKENDS))
+        raise ValueError(f"unknown attention backend {name!r}; known: {known}, auto")
+    module_name, class_name = _BACKENDS[name].split(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, class_name)()

@@ -1,0 +1,61 @@
+"""Pure-PyTorch attention over the paged KV cache: the reference backend, used on the CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.attention.backend import AttentionBackend, AttentionMetadata
+from kiln.kernels import reference
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        reference.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+        return run_split_attention(reference, query, k_cache, v_cache, metadata, scale)
+
+
+def run_split_attention(
+    ops,  # a module exposing paged_decode_attention and paged_prefill_attention
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Decodes (the first `num_decodes` sequences, one token each) go through the decode kernel,
+    the remaining prefill chunks through the prefill kernel; shared by every backend."""
+    m = metadata
+    nd = m.num_decodes
+    if nd == m.num_seqs:
+        return ops.paged_decode_attention(
+            query, k_cache, v_cache, m.block_tables, m.seq_lens, scale, m.max_seq_len
+        )
+    prefill_qsl = m.query_start_loc[nd:] - nd
+    prefill_out = ops.paged_prefill_attention(
+        query[nd:],
+        k_cache,
+        v_cache,
+        m.block_tables[nd:],
+        prefill_qsl,
+        m.seq_lens[nd:],
+        scale,
+        m.max_query_len,
+        m.max_seq_len,
+    )
+    if nd == 0:
+        return prefill_out
+    decode_out = ops.paged_decode_attention(
+        query[:nd], k_cache, v_cache, m.block_tables[:nd], m.seq_lens[:nd], scale, m.max_seq_len
+    )
+    return torch.cat([decode_out, prefill_out], dim=0)

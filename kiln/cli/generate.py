@@ -1,0 +1,88 @@
+"""`kiln generate`: one prompt printed as it streams, or a file of prompts to JSONL."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from kiln.cli.engine_args import (
+    add_engine_args,
+    add_sampling_args,
+    engine_config_from_args,
+    sampling_params_from_args,
+)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text for a prompt or a file of prompts")
+    p.add_argument("prompt", nargs="?", help="the prompt (omit with --prompts-file)")
+    p.add_argument("--prompts-file", help="one prompt per line; writes JSONL (one object a line)")
+    p.add_argument("--output", "-o", help="JSONL output path (default: stdout)")
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the chat template (default: on when the model has one)",
+    )
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if (args.prompt is None) == (args.prompts_file is None):
+        print("error: give a prompt or --prompts-file (not both)", file=sys.stderr)
+        return 2
+    params = sampling_params_from_args(args)
+    from kiln.llm import LLM
+
+    config = engine_config_from_args(args)
+    llm = LLM(**{k: v for k, v in vars(config).items()})
+    tokenizer = llm.get_tokenizer()
+    use_chat = args.chat
+    if use_chat is None:
+        use_chat = bool(tokenizer is not None and getattr(tokenizer, "chat_template", None))
+
+    def as_prompt(text: str) -> str | list[dict]:
+        return [{"role": "user", "content": text}] if use_chat else text
+
+    if args.prompt is not None:
+        if params.n == 1:
+            for piece in llm.stream(as_prompt(args.prompt), params):
+                print(piece, end="", flush=True)
+            print()
+            return 0
+        outputs = (
+            llm.chat(as_prompt(args.prompt), params)
+            if use_chat
+            else llm.generate(args.prompt, params)
+        )
+        for completion in outputs[0].outputs:
+            print(f"[{completion.index}] {completion.text}")
+        return 0
+
+    with open(args.prompts_file, encoding="utf-8") as f:
+        prompts = [line.rstrip("\n") for line in f if line.strip()]
+    if use_chat:
+        outputs = llm.chat([as_prompt(p) for p in prompts], params, use_tqdm=True)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=True)
+    with open(args.output or os.devnull, "w", encoding="utf-8") as file:
+        sink = file if args.output else sys.stdout
+        for prompt, out in zip(prompts, outputs):
+            record = {
+                "prompt": prompt,
+                "outputs": [
+                    {
+                        "text": c.text,
+                        "token_ids": c.token_ids,
+                        "finish_reason": c.finish_reason,
+                    }
+                    for c in out.outputs
+                ],
+                "num_prompt_tokens": len(out.prompt_token_ids),
+            }
+            sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return 0

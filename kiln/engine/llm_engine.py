@@ -1,0 +1,200 @@
+"""The synchronous engine: add requests, step, abort. LLM and the async server loop drive it."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from kiln.config import EngineConfig
+from kiln.engine.output_processor import OutputProcessor
+from kiln.engine.request import Request, RequestStatus
+from kiln.engine.scheduler import Scheduler
+from kiln.errors import InvalidRequestError
+from kiln.kv_cache.manager import KVCacheManager
+from kiln.outputs import RequestOutput
+from kiln.runtime.memory_plan import plan_kv_blocks
+from kiln.runtime.model_loader import load_model, resolve_device, resolve_dtype
+from kiln.runtime.model_runner import ModelRunner
+from kiln.sampling_params import SamplingParams
+
+logger = logging.getLogger("kiln")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        loaded = load_model(config, self.device, self.dtype)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.generation_defaults = loaded.generation_defaults
+        self.model_description = loaded.description
+        self.eos_token_ids = tuple(loaded.config.eos_token_ids)
+
+        max_model_len = config.max_model_len or loaded.config.max_position_embeddings
+        self.memory_plan = plan_kv_blocks(config, loaded.model, max_model_len, self.device)
+        num_blocks = self.memory_plan.num_blocks
+        # Every admitted request must fit the cache on its own, or preemption could never help.
+        self.max_model_len = min(max_model_len, num_blocks * config.block_size)
+        if self.max_model_len < max_model_len:
+            logger.warning(
+                "KV cache holds %d tokens: max_model_len lowered from %d",
+                self.max_model_len,
+                max_model_len,
+            )
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            policy=config.scheduling_policy,
+        )
+        self.runner = ModelRunner(
+            loaded.model,
+            num_blocks,
+            config.block_size,
+            self.eos_token_ids,
+            attention_backend=config.attention_backend,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams from the model's generation_config.json, when a request gives none."""
+        d = self.generation_defaults
+        kwargs = {}
+        for ours, theirs in (
+            ("temperature", "temperature"),
+            ("top_p", "top_p"),
+            ("top_k", "top_k"),
+            ("repetition_penalty", "repetition_penalty"),
+            ("max_tokens", "max_new_tokens"),
+        ):
+            if d.get(theirs) is not None:
+                kwargs[ours] = d[theirs]
+        if d.get("do_sample") is False:
+            kwargs["temperature"] = 0.0
+        return SamplingParams(**kwargs)
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "this model has no tokenizer: pass prompt_token_ids", param="prompt"
+            )
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def add_request(
+        self,
+        prompt: str | list[int] | None,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Validate and queue a request (a text prompt or token ids); returns its id."""
+        params = params or self.default_sampling_params()
+        if request_id is None:
+            request_id = str(next(self._ids))
+        if request_id in self.output_processor.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt or [])
+        self._validate(token_ids, params)
+        max_tokens = self.max_model_len - len(token_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        child_ids = self.output_processor.add_request(request_id, text, token_ids, params)
+        now = time.monotonic()
+        for index, child_id in enumerate(child_ids):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                # Distinct but reproducible streams for each completion.
+                child_params = _with_seed(params, params.seed + index)
+            self.scheduler.add_request(
+                Request(
+                    child_id,
+                    token_ids,
+                    child_params,
+                    self.eos_token_ids,
+                    max_tokens,
+                    priority=priority,
+                    arrival_time=now,
+                )
+            )
+        return request_id
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(token_ids)} tokens, but this model's context holds "
+                f"{self.max_model_len} (prompt plus at least one generated token)",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer", param="stop")
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Abort requests: their KV blocks are freed now. Returns their final outputs."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        finals = []
+        for req_id in request_ids:
+            children = self.output_processor.child_ids(req_id)
+            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            final = self.output_processor.abort(req_id)
+            if final is not None:
+                self.output_processor.pop(req_id)
+                finals.append(final)
+        return finals
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- stepping ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns delta outputs of the requests that progressed.
+
+        A delta's completions carry only this step's new text, tokens and logprobs; the full
+        output of a finished request is `finished_output(req_id)`.
+        """
+        sched = self.scheduler.schedule()
+        runner_output = self.runner.execute(sched)
+        core_outputs = self.scheduler.update(sched, runner_output)
+        deltas, stopped = self.output_processor.process(core_outputs)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return deltas
+
+    def finished_output(self, request_id: str) -> RequestOutput | None:
+        """Pop the cumulative output of a finished request (None if unknown or unfinished)."""
+        state = self.output_processor.requests.get(request_id)
+        if state is None or not state.finished:
+            return None
+        self.output_processor.pop(request_id)
+        return state.snapshot()
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache.usage
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)

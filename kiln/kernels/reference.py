@@ -1,0 +1,152 @@
+"""Pure-PyTorch kernels. Each Triton kernel in kernels/triton has a twin here with the same
+signature; these are the oracle in tests and the implementation on the CPU.
+
+Shapes: packed tokens (no padding); KV cache per layer [num_blocks, block_size, num_kv_heads,
+head_dim]; a slot is block_id * block_size + offset.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def _gather_context(
+    cache: torch.Tensor, block_ids: torch.Tensor, length: int
+) -> torch.Tensor:  # [length, num_kv_heads, head_dim]
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    return cache[block_ids[:num_blocks]].flatten(0, 1)[:length]
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], one query token per sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the query token
+    scale: float,
+    max_seq_len: int,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """Each query attends to its sequence's first seq_lens[i] cached tokens (itself included)."""
+    num_heads = query.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_blocks = (max_seq_len + block_size - 1) // block_size
+    tables = block_tables[:, :num_blocks].long()
+    # Gather every sequence's context padded to the longest one: [num_seqs, kv_heads, len, dim].
+    keys = k_cache[tables].flatten(1, 2).transpose(1, 2).to(query.dtype)
+    values = v_cache[tables].flatten(1, 2).transpose(1, 2).to(query.dtype)
+    positions = torch.arange(num_blocks * block_size, device=query.device)
+    mask = (positions[None, :] < seq_lens[:, None].to(positions.dtype))[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        query[:, :, None, :],  # [num_seqs, num_heads, 1, head_dim]
+        keys,
+        values,
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return out[:, :, 0, :]
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], packed sequences
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including this step's tokens
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention for chunks whose earlier context (cached prefix, previous chunks) is
+    already in the cache: the j-th of q_len queries sits at position seq_len - q_len + j and sees
+    every key at or before it."""
+    num_heads = query.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lengths = seq_lens.tolist()
+    for i, seq_len in enumerate(lengths):
+        start, end = starts[i], starts[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        keys = _gather_context(k_cache, block_tables[i].long(), seq_len).to(query.dtype)
+        values = _gather_context(v_cache, block_tables[i].long(), seq_len).to(query.dtype)
+        q = query[start:end].transpose(0, 1)  # [num_heads, q_len, head_dim]
+        k = keys.transpose(0, 1)  # [num_kv_heads, seq_len, head_dim]
+        v = values.transpose(0, 1)
+        if q_len == seq_len:
+            mask, causal = None, True
+        else:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+            k_pos = torch.arange(seq_len, device=query.device)
+            mask, causal = k_pos[None, :] <= q_pos[:, None], False
+        o = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> torch.Tensor:
+    """Transformers' LlamaRMSNorm, bit for bit: normalise in fp32, scale in the input dtype."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    residual: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual): the residual stream and the next input."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim] fp32: cos in the first half, sin after
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half (GPT-NeoX / Hugging Face Llama layout) rotary embedding, computed in fp32."""
+    half = cos_sin_cache.shape[1] // 2
+    cos_sin = cos_sin_cache[positions]
+    cos = cos_sin[:, None, :half]
+    sin = cos_sin[:, None, half:]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x1, x2 = x32[..., :half], x32[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    return rotate(query), rotate(key)

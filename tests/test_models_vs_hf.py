@@ -1,0 +1,67 @@
+"""Hugging Face transformers is the oracle: greedy tokens identical, logprobs close."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln import LLM, SamplingParams
+from tests.conftest import TINY_VARIANTS, build_tiny_hf_model
+
+PROMPTS = [
+    [1, 5, 9, 30, 77, 3],
+    [1, 200, 13],
+    [1, *range(40, 90)],  # longer than one KV block
+    [1, 7],
+    [1, 99, 98, 97, 96, 95, 94, 93, 92, 91, 90, 89, 88, 87, 86, 85, 84],
+]
+NEW_TOKENS = 24
+
+
+def hf_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    model.generation_config.eos_token_id = None  # like ignore_eos: never stop early
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = torch.stack(out.logits, dim=1)[0].float().log_softmax(-1)  # [new, vocab]
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
+def test_tiny_model_matches_hf(variant, tmp_path):
+    hf_model = build_tiny_hf_model(variant, str(tmp_path))
+    llm = LLM(str(tmp_path), block_size=16, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+    outputs = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outputs):
+        hf_tokens, hf_logprobs = hf_greedy(hf_model, prompt)
+        completion = out.outputs[0]
+        assert completion.token_ids == hf_tokens, f"{variant}: prompt {prompt[:5]}..."
+        ours = torch.tensor([completion.logprobs[i][t].logprob for i, t in enumerate(hf_tokens)])
+        theirs = hf_logprobs[torch.arange(len(hf_tokens)), torch.tensor(hf_tokens)]
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+        # The top alternatives are HF's top tokens too.
+        top_hf = hf_logprobs[0].topk(3).indices.tolist()
+        assert set(completion.logprobs[0]) >= set(top_hf[:1])
+
+
+def test_prompt_logprobs_match_hf(tmp_path):
+    hf_model = build_tiny_hf_model("llama-gqa", str(tmp_path))
+    llm = LLM(str(tmp_path), max_num_batched_tokens=16)  # chunked: prompt logprobs span steps
+    prompt = PROMPTS[2]
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    assert out.prompt_logprobs[0] is None
+    for pos in range(1, len(prompt)):
+        entry = out.prompt_logprobs[pos]
+        assert prompt[pos] in entry
+        expected = logits[pos - 1, prompt[pos]].item()
+        assert entry[prompt[pos]].logprob == pytest.approx(expected, abs=1e-4)
