@@ -1,0 +1,449 @@
+"""Read a GGUF file (llama.cpp's format) as Hugging Face-named float32 tensors plus a ModelConfig.
+
+The header is parsed here with `struct` over a memory map rather than with `gguf.GGUFReader`: the
+reader builds a numpy view per vocabulary string and takes 3-6 s on SmolLM2's 49k-token vocabulary,
+while this parser skips string arrays it is not asked for and takes ~0.1 s. The `gguf` package still
+supplies the type table and the dequantizers (`gguf.quants.dequantize`).
+
+    model = GGUFModel(path)            # parses the header once
+    model.config                       # ModelConfig
+    for name, tensor in model.tensors(): ...
+    tokenizer = model.tokenizer()
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import mmap
+import os
+import re
+import struct
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize
+
+from kiln.build.model_config import ModelConfig
+from kiln.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+# GGUF architecture -> kiln architecture. Mistral 7B GGUFs are written as "llama".
+SUPPORTED_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+_ALIGNMENT = 32  # llama.cpp's default when general.alignment is absent
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, folded into ModelConfig.rope_scaling
+
+
+class _Corrupt(Exception):
+    """The header does not parse; turned into a ModelLoadError naming the file."""
+
+
+class GGUFStringArray(Sequence[str]):
+    """A string array of the header, decoded on first use (a vocabulary is ~100k strings)."""
+
+    def __init__(self, buf: mmap.mmap, offset: int, count: int) -> None:
+        self._buf, self._offset, self._count = buf, offset, count
+        self._values: list[str] | None = None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._decoded()[index]
+
+    def _decoded(self) -> list[str]:
+        if self._values is not None:
+            return self._values
+        values, pos = [], self._offset
+        for _ in range(self._count):
+            (length,) = struct.unpack_from("<Q", self._buf, pos)
+            values.append(self._buf[pos + 8 : pos + 8 + length].decode("utf-8", "replace"))
+            pos += 8 + length
+        self._values = values
+        return values
+
+
+class _Header:
+    """Parses metadata and the tensor table; `pos` walks the file."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf, self.pos = buf, 0
+
+    def take(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        length = self.take("<Q")
+        if self.pos + length > len(self.buf):
+            raise _Corrupt(f"a string of {length} bytes runs past the end of the file")
+        value = self.buf[self.pos : self.pos + length].decode("utf-8", "replace")
+        self.pos += length
+        return value
+
+    def value(self, value_type: int) -> Any:
+        if value_type == GGUFValueType.STRING:
+            return self.string()
+        if value_type != GGUFValueType.ARRAY:
+            fmt = _SCALAR_FORMATS.get(value_type)
+            if fmt is None:
+                raise _Corrupt(f"unknown metadata value type {value_type}")
+            value = self.take(fmt)
+            # A float32 like 1e-5 reads back as 9.9999997e-06; its shortest repr is the original.
+            return float(str(np.float32(value))) if value_type == GGUFValueType.FLOAT32 else value
+        item_type, count = self.take("<I"), self.take("<Q")
+        if count > len(self.buf):
+            raise _Corrupt(f"an array claims {count} items")
+        if item_type == GGUFValueType.STRING:
+            start = self.pos
+            for _ in range(count):  # only walk the lengths; GGUFStringArray decodes on demand
+                self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
+            return GGUFStringArray(self.buf, start, count)
+        fmt = _SCALAR_FORMATS.get(item_type)
+        if fmt is None:
+            raise _Corrupt(f"unsupported metadata array item type {item_type}")
+        values = np.frombuffer(self.buf, np.dtype(fmt), count, self.pos)
+        self.pos += values.nbytes
+        return values.tolist()
+
+
+class _TensorInfo:
+    """Where one tensor's bytes are and how to turn them into a float32 torch tensor."""
+
+    def __init__(self, name: str, dims: tuple[int, ...], qtype: GGMLQuantizationType) -> None:
+        self.name, self.qtype = name, qtype
+        self.shape = tuple(reversed(dims))  # ggml lists the fastest-moving dim first; torch last
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        if dims[0] % block_size:
+            raise _Corrupt(f"tensor {name!r}: row of {dims[0]} is not a multiple of {block_size}")
+        self.row_bytes = dims[0] // block_size * type_size
+        self.nbytes = self.row_bytes * math.prod(dims[1:])
+        self.start = 0  # absolute file offset, set once the data section is located
+
+
+class GGUFModel:
+    """An opened GGUF file: the header is parsed once, tensors are read and dequantized lazily."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._buf = _open(path)
+        try:
+            self.metadata, self._tensors = _parse(self._buf, path)
+        except (_Corrupt, struct.error, ValueError) as e:
+            raise ModelLoadError(f"{path}: truncated or corrupt GGUF header ({e})") from e
+        self.gguf_architecture: str = self.metadata["general.architecture"]
+        if self.gguf_architecture not in SUPPORTED_GGUF_ARCHITECTURES:
+            raise ModelLoadError(
+                f"{path}: unsupported GGUF architecture {self.gguf_architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+            )
+        for info in self._tensors.values():
+            if not _can_dequantize(info.qtype):
+                raise ModelLoadError(
+                    f"{path}: tensor {info.name!r} has type {info.qtype.name}, which "
+                    f"gguf.quants cannot dequantize; supported: {', '.join(_dequantizable())}"
+                )
+            if info.name != _ROPE_FREQS:
+                _hf_name(info.name, path)  # fails now, not halfway through tensors()
+        self.config = _config(self)
+
+    @property
+    def tensor_types(self) -> dict[str, str]:
+        """{gguf tensor name: ggml type name}, e.g. {"blk.0.attn_q.weight": "Q4_1"}."""
+        return {name: info.qtype.name for name, info in self._tensors.items()}
+
+    @property
+    def tokenizer_metadata(self) -> dict[str, Any]:
+        """What a tokenizer/chat layer needs: chat template and special token ids."""
+        meta = self.metadata
+        return {
+            "chat_template": meta.get("tokenizer.chat_template"),
+            "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+            "eos_token_ids": self.config.eos_token_ids,
+            "unk_token_id": meta.get("tokenizer.ggml.unknown_token_id"),
+            "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+            "add_bos_token": meta.get("tokenizer.ggml.add_bos_token"),
+            "add_eos_token": meta.get("tokenizer.ggml.add_eos_token"),
+            "tokenizer_model": meta.get("tokenizer.ggml.model"),
+            "tokenizer_pre": meta.get("tokenizer.ggml.pre"),
+            "model_name": meta.get("general.name"),
+        }
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, float32 tensor) for every weight, in file order, one dequantized at a time."""
+        for info in self._tensors.values():
+            if info.name == _ROPE_FREQS:
+                continue
+            hf_name = _hf_name(info.name, self.path)
+            tensor = self._read(info)
+            # Only llama's convert permutes q/k; qwen2's stores HF order.
+            if self.gguf_architecture == "llama" and ".q_proj." in hf_name:
+                tensor = _unpermute_rotary(tensor, self.config.num_attention_heads)
+            elif self.gguf_architecture == "llama" and ".k_proj." in hf_name:
+                tensor = _unpermute_rotary(tensor, self.config.num_key_value_heads)
+            yield hf_name, tensor
+
+    def tokenizer(self) -> PreTrainedTokenizerFast:
+        """The file's tokenizer, built by transformers from the GGUF vocabulary and merges.
+
+        transformers re-reads the header itself (~0.1 s with its own parser in 5.x); building the
+        BPE model from the merges is the bulk of the ~0.7 s this takes.
+        """
+        from transformers import PreTrainedTokenizerFast
+
+        directory, name = os.path.split(os.path.abspath(self.path))
+        try:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(directory, gguf_file=name)
+        except Exception as e:  # transformers raises ValueError/KeyError/OSError variously
+            raise ModelLoadError(f"{self.path}: cannot build a tokenizer: {e}") from e
+        template = self.metadata.get("tokenizer.chat_template")
+        if template and not tokenizer.chat_template:
+            tokenizer.chat_template = template
+        return tokenizer
+
+    def _read(self, info: _TensorInfo) -> torch.Tensor:
+        raw = np.frombuffer(self._buf, np.uint8, info.nbytes, info.start)
+        values = dequantize(raw.reshape(-1, info.row_bytes), info.qtype).reshape(info.shape)
+        if not values.flags.writeable:  # F32 comes back as a view of the read-only map
+            values = values.copy()
+        return torch.from_numpy(values.astype(np.float32, copy=False))
+
+
+def load_gguf(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]], dict[str, Any]]:
+    """(config, lazy iterator of (hf_name, float32 tensor), tokenizer metadata) for a GGUF file."""
+    model = GGUFModel(path)
+    return model.config, model.tensors(), model.tokenizer_metadata
+
+
+def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
+    """The tokenizer of a GGUF file, chat template included."""
+    return GGUFModel(path).tokenizer()
+
+
+def _open(path: str) -> mmap.mmap:
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"GGUF file {path!r} does not exist")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+        if magic != b"GGUF":
+            old = " (an old GGML/GGJT file: reconvert it)" if magic in (b"lmgg", b"tjgg") else ""
+            raise ModelLoadError(f"{path} is not a GGUF file: magic {magic!r}, not b'GGUF'{old}")
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def _parse(buf: mmap.mmap, path: str) -> tuple[dict[str, Any], dict[str, _TensorInfo]]:
+    header = _Header(buf)
+    header.pos = 4
+    version = header.take("<I")
+    if version not in (2, 3):
+        endian = " (a big-endian file?)" if version > 0xFFFF else ""
+        raise ModelLoadError(f"{path}: GGUF version {version} is not supported (2, 3){endian}")
+    num_tensors, num_fields = header.take("<Q"), header.take("<Q")
+    metadata: dict[str, Any] = {}
+    for _ in range(num_fields):
+        key = header.string()
+        metadata[key] = header.value(header.take("<I"))
+    if "general.architecture" not in metadata:
+        raise _Corrupt("no general.architecture in the metadata")
+    tensors: dict[str, _TensorInfo] = {}
+    for _ in range(num_tensors):
+        name = header.string()
+        num_dims = header.take("<I")
+        if not 0 < num_dims <= _MAX_DIMS:
+            raise _Corrupt(f"tensor {name!r} has {num_dims} dimensions")
+        dims = struct.unpack_from(f"<{num_dims}Q", buf, header.pos)
+        header.pos += 8 * num_dims
+        type_id, offset = header.take("<I"), header.take("<Q")
+        try:
+            qtype = GGMLQuantizationType(type_id)
+        except ValueError:
+            message = f"{path}: tensor {name!r} has unknown ggml type id {type_id}"
+            raise ModelLoadError(message) from None
+        tensors[name] = info = _TensorInfo(name, dims, qtype)
+        info.start = offset  # relative until the data section is known
+    alignment = int(metadata.get("general.alignment", _ALIGNMENT))
+    data_start = -(-header.pos // alignment) * alignment
+    for info in tensors.values():
+        info.start += data_start
+        if info.start + info.nbytes > len(buf):
+            raise ModelLoadError(
+                f"{path} is truncated: tensor {info.name!r} needs bytes up to "
+                f"{info.start + info.nbytes}, the file has {len(buf)}"
+            )
+    return metadata, tensors
+
+
+def _hf_name(gguf_name: str, path: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match and match[2] in _LAYER_NAMES:
+        return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
+    raise ModelLoadError(f"{path}: tensor {gguf_name!r} has no Llama/Qwen2 Hugging Face name")
+
+
+def _unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's convert permutation of q/k rows (weights and biases).
+
+    convert_hf_to_gguf interleaves each head's two rotary halves:
+    `w.reshape(n_head, 2, dim // n_head // 2, *rest).swapaxes(1, 2).reshape(shape)`; this is the
+    inverse, giving HF's rotate_half layout back.
+    """
+    shape = w.shape
+    halves = w.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:])
+    return halves.transpose(1, 2).reshape(shape)
+
+
+@functools.cache
+def _can_dequantize(qtype: GGMLQuantizationType) -> bool:
+    """Whether gguf.quants has a dequantizer for qtype (probed on one zero block: the package has no
+    public list, and its coverage grows between versions)."""
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    try:
+        dequantize(np.zeros((1, type_size), np.uint8), qtype)
+    except (NotImplementedError, ValueError, TypeError):
+        return False
+    return True
+
+
+def _dequantizable() -> list[str]:
+    return [qtype.name for qtype in GGMLQuantizationType if _can_dequantize(qtype)]
+
+
+def _config(model: GGUFModel) -> ModelConfig:
+    meta, path = model.metadata, model.path
+    arch = model.gguf_architecture
+
+    def field(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: metadata has no {arch}.{key}")
+        if isinstance(value, list):  # per-layer values (some hybrid models): not a Llama
+            raise ModelLoadError(f"{path}: {arch}.{key} varies per layer, which is not supported")
+        return value
+
+    hidden, num_heads = field("embedding_length"), field("attention.head_count")
+    head_dim = field("attention.key_length", hidden // num_heads)
+    rotary_dim = field("rope.dimension_count", head_dim)
+    if rotary_dim != head_dim:
+        raise ModelLoadError(f"{path}: partial rotary ({rotary_dim} of {head_dim}) unsupported")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    embedding = model._tensors.get("token_embd.weight")
+    vocab_size = len(tokens) if tokens else embedding.shape[0] if embedding else field("vocab_size")
+    theta = float(field("rope.freq_base", 10000.0))
+    eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")  # llama.cpp stops on all three
+    eos_ids = [meta[f"tokenizer.ggml.{key}"] for key in eos_keys if f"tokenizer.ggml.{key}" in meta]
+    types = {info.qtype for info in model._tensors.values()}
+    dtype = "float32"
+    if GGMLQuantizationType.BF16 in types:
+        dtype = "bfloat16"
+    elif GGMLQuantizationType.F16 in types:
+        dtype = "float16"
+    try:
+        return ModelConfig(
+            architecture=SUPPORTED_GGUF_ARCHITECTURES[arch],
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=field("feed_forward_length"),
+            num_hidden_layers=field("block_count"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=field("attention.head_count_kv", num_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(field("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=theta,
+            rope_scaling=_rope_scaling(model, field, theta, head_dim),
+            max_position_embeddings=field("context_length"),
+            tie_word_embeddings="output.weight" not in model._tensors,
+            attention_bias="blk.0.attn_q.bias" in model._tensors,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+            torch_dtype=dtype,
+            sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+        )
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+
+
+def _rope_scaling(model: GGUFModel, field: Any, theta: float, head_dim: int) -> dict | None:
+    """HF rope_scaling from `rope.scaling.*` metadata, or llama3's from the rope_freqs tensor."""
+    kind = field("rope.scaling.type", "none")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(field("rope.scaling.factor"))}
+    if kind == "yarn":
+        return {
+            "rope_type": "yarn",
+            "factor": float(field("rope.scaling.factor")),
+            "original_max_position_embeddings": field("rope.scaling.original_context_length"),
+        }
+    if kind != "none":
+        raise ModelLoadError(f"{model.path}: rope scaling type {kind!r} is not supported")
+    info = model._tensors.get(_ROPE_FREQS)
+    if info is None:
+        return None
+    # llama.cpp's convert stores llama3 scaling as per-frequency divisors; rebuild HF's parameters
+    # (factor = the largest divisor; the other three are fixed across Llama 3.x) and check they
+    # reproduce the tensor exactly, rather than guess.
+    divisors = model._read(info).double()
+    factor = float(divisors.max())
+    if factor == 1.0:
+        return None
+    scaling = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": field("rope.scaling.original_context_length", 8192),
+    }
+    if not torch.allclose(divisors, llama3_rope_divisors(scaling, theta, head_dim), rtol=1e-4):
+        raise ModelLoadError(f"{model.path}: {_ROPE_FREQS} is not llama3 rope scaling")
+    return scaling
+
+
+def llama3_rope_divisors(scaling: dict[str, Any], theta: float, head_dim: int) -> torch.Tensor:
+    """llama.cpp's rope_freqs tensor for HF llama3 rope scaling (inv_freq / scaled inv_freq)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    divisors = 1 / ((1 - smooth) / factor + smooth)
+    divisors = torch.where(wavelen < original / high, 1.0, divisors)
+    return torch.where(wavelen > original / low, factor, divisors)

@@ -1,0 +1,347 @@
+"""ModelConfig: a Llama-family checkpoint's shape, read from (and written back to) HF config.json.
+
+Every reader in kiln/build (safetensors, GGUF, dummy-weight presets) produces one of these, so the
+model code never sees a raw config dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.errors import ModelLoadError
+
+# HF class name -> kiln architecture name. model_type is the same string as the kiln name.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_HF_CLASS = {arch: cls for cls, arch in SUPPORTED_ARCHITECTURES.items()}
+_POSITIVE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+_DTYPES = ("float32", "float16", "bfloat16")
+# Spellings of the three dtypes seen in the wild config.json files.
+_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-family decoder: RMSNorm, rotary attention with GQA, SwiGLU MLP."""
+
+    architecture: str
+    """"llama", "mistral" or "qwen2" (see SUPPORTED_ARCHITECTURES)."""
+    vocab_size: int
+    """Rows of the embedding (and of lm_head)."""
+    hidden_size: int
+    """Width of the residual stream."""
+    intermediate_size: int
+    """Width of the SwiGLU MLP."""
+    num_hidden_layers: int
+    """Number of decoder layers."""
+    num_attention_heads: int
+    """Query heads."""
+    num_key_value_heads: int
+    """Key/value heads (GQA); divides num_attention_heads."""
+    head_dim: int
+    """Per-head width; hidden_size // num_attention_heads unless the checkpoint says otherwise."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 10000.0
+    """Rotary base frequency."""
+    # hash=False: a dict is unhashable; configs differing only here still differ under ==.
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    """HF rope_scaling dict with a "rope_type" key (e.g. "llama3", "linear", "yarn"); None = plain
+    rotary. Never contains rope_theta."""
+    max_position_embeddings: int = 2048
+    """Longest context the model was trained for."""
+    tie_word_embeddings: bool = False
+    """lm_head reuses the embedding matrix (the checkpoint may then have no lm_head.weight)."""
+    attention_bias: bool = False
+    """q/k/v projections have biases (always for qwen2; for llama HF also gives o_proj a bias)."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence token, if the model has one."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Every token that ends generation (config.json and generation_config.json together)."""
+    torch_dtype: str = "float32"
+    """The dtype the checkpoint was trained/saved in: "float32", "float16" or "bfloat16"."""
+    sliding_window: int | None = None
+    """Attention window of every layer (mistral v0.1, qwen2 use_sliding_window); None = full."""
+
+    def __post_init__(self) -> None:
+        if self.architecture not in _HF_CLASS:
+            raise ModelLoadError(
+                f"unsupported architecture {self.architecture!r}; supported: {_supported_names()}"
+            )
+        for name in _POSITIVE_FIELDS:
+            _require_positive(name, getattr(self, name))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelLoadError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.torch_dtype not in _DTYPES:
+            raise ModelLoadError(f"torch_dtype={self.torch_dtype!r} is not one of {_DTYPES}")
+        if self.rope_scaling is not None and "rope_type" not in self.rope_scaling:
+            raise ModelLoadError(f"rope_scaling={self.rope_scaling!r} has no 'rope_type'")
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Parse an HF config.json dict (transformers 4.x or 5.x layout)."""
+        architecture = _architecture_of(d)
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        ):
+            if d.get(name) is None:
+                raise ModelLoadError(f"config for {architecture!r} has no {name!r}")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
+        if d.get("mlp_bias"):
+            raise ModelLoadError("mlp_bias=true is not supported")
+        num_heads = int(d["num_attention_heads"])
+        rope_theta, rope_scaling = _rope_of(d)
+        return cls(
+            architecture=architecture,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),
+            # Mistral configs sometimes carry "head_dim": null, hence `or`.
+            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // num_heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; its config has no flag for them.
+            attention_bias=architecture == "qwen2" or bool(d.get("attention_bias", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=_as_ids(d.get("eos_token_id")),
+            torch_dtype=_dtype_of(d),
+            sliding_window=_sliding_window_of(architecture, d),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A config.json dict that transformers' Llama/Mistral/Qwen2Config accepts.
+
+        Rope settings are written both the transformers 4 way (rope_theta + rope_scaling) and the
+        transformers 5 way (rope_parameters), so either version reads the same rotary embedding.
+        """
+        d: dict[str, Any] = {
+            "architectures": [_HF_CLASS[self.architecture]],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "rope_parameters": {
+                **(self.rope_scaling or {"rope_type": "default"}),
+                "rope_theta": self.rope_theta,
+            },
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": _ids_to_hf(self.eos_token_ids),
+            "torch_dtype": self.torch_dtype,
+            "dtype": self.torch_dtype,
+            "sliding_window": self.sliding_window,
+        }
+        if self.architecture == "llama":
+            d["attention_bias"] = self.attention_bias
+            d["mlp_bias"] = False
+        if self.architecture == "qwen2":
+            # max_window_layers=0: the window (when set) applies to every layer, as kiln assumes.
+            d["use_sliding_window"] = self.sliding_window is not None
+            sliding = self.sliding_window is not None
+            d["max_window_layers"] = 0 if sliding else self.num_hidden_layers
+        return d
+
+
+def _supported_names() -> str:
+    return ", ".join(f"{cls} ({arch})" for cls, arch in SUPPORTED_ARCHITECTURES.items())
+
+
+def _require_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ModelLoadError(f"{name}={value!r} must be a positive integer")
+
+
+def _architecture_of(d: dict[str, Any]) -> str:
+    """The kiln architecture name, from `architectures` (preferred) or `model_type`."""
+    classes = d.get("architectures") or []
+    for cls in classes:
+        if cls in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[cls]
+    model_type = d.get("model_type")
+    if not classes and model_type in _HF_CLASS:
+        return model_type
+    named = classes[0] if classes else model_type
+    raise ModelLoadError(
+        f"unsupported architecture {named!r} (model_type={model_type!r}); "
+        f"supported: {_supported_names()}"
+    )
+
+
+def _rope_of(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either layout.
+
+    transformers 5 folds theta and scaling into one `rope_parameters` dict; transformers 4 has
+    top-level `rope_theta` and `rope_scaling` (whose older files spell rope_type as "type").
+    """
+    params = d.get("rope_parameters") or {}
+    source = d.get("rope_scaling") or params
+    theta = d.get("rope_theta") or params.get("rope_theta") or 10000.0
+    rope_type = source.get("rope_type") or source.get("type") or "default"
+    if rope_type == "default":
+        return float(theta), None
+    extra = {k: v for k, v in source.items() if k not in ("rope_theta", "type", "rope_type")}
+    return float(theta), {"rope_type": rope_type, **extra}
+
+
+def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _ids_to_hf(ids: tuple[int, ...]) -> int | list[int] | None:
+    if not ids:
+        return None
+    return ids[0] if len(ids) == 1 else list(ids)
+
+
+def _dtype_of(d: dict[str, Any]) -> str:
+    # transformers 5 writes "dtype", 4.x "torch_dtype"; a missing one means float32, as in HF.
+    raw = d.get("dtype") or d.get("torch_dtype") or "float32"
+    name = str(raw).removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in _DTYPES:
+        raise ModelLoadError(f"torch_dtype={raw!r} is not supported; expected one of {_DTYPES}")
+    return name
+
+
+def _sliding_window_of(architecture: str, d: dict[str, Any]) -> int | None:
+    window = d.get("sliding_window")
+    if architecture == "llama" or window is None:
+        return None
+    if architecture == "mistral":
+        return int(window)
+    # qwen2: no window unless use_sliding_window, and then only from layer max_window_layers on.
+    if not d.get("use_sliding_window", False):
+        return None
+    first_sliding = int(d.get("max_window_layers", 0))
+    if first_sliding >= int(d["num_hidden_layers"]):
+        return None
+    if first_sliding > 0:
+        raise ModelLoadError(
+            f"qwen2 sliding window on only layers >= max_window_layers={first_sliding} "
+            "is not supported (kiln applies one window to every layer)"
+        )
+    return int(window)
+
+
+def _preset(
+    architecture: str,
+    vocab: int,
+    hidden: int,
+    ffn: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    **extra: Any,
+) -> dict[str, Any]:
+    """An HF config.json dict, with the fields every preset shares filled in."""
+    return {
+        "architectures": [_HF_CLASS[architecture]],
+        "model_type": architecture,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+        **extra,
+    }
+
+
+_LLAMA3_EOS = [128001, 128008, 128009]  # <|end_of_text|>, <|eom_id|>, <|eot_id|> (Instruct)
+_QWEN_IDS = {"bos_token_id": 151643, "eos_token_id": 151645}  # <|endoftext|>, <|im_end|>
+
+# Published config.json shapes (the Instruct/Chat release where one exists, since that is what gets
+# served), for building engines with dummy weights. Each parses with ModelConfig.from_hf_dict.
+# fmt: off
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": _preset(
+        "llama", 128256, 4096, 14336, 32, 32, 8,
+        rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        bos_token_id=128000, eos_token_id=_LLAMA3_EOS,
+    ),
+    "llama-3.2-1b": _preset(
+        "llama", 128256, 2048, 8192, 16, 32, 8,
+        head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        tie_word_embeddings=True, bos_token_id=128000, eos_token_id=_LLAMA3_EOS,
+    ),
+    "llama-2-7b": _preset(
+        "llama", 32000, 4096, 11008, 32, 32, 32,
+        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
+        bos_token_id=1, eos_token_id=2, torch_dtype="float16",
+    ),
+    # v0.1, the release with a 4096-token sliding window (v0.3: vocab 32768, theta 1e6, no window).
+    "mistral-7b": _preset(
+        "mistral", 32000, 4096, 14336, 32, 32, 8,
+        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=32768,
+        sliding_window=4096, bos_token_id=1, eos_token_id=2,
+    ),
+    "qwen2.5-7b": _preset(
+        "qwen2", 152064, 3584, 18944, 28, 28, 4,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
+        sliding_window=131072, use_sliding_window=False, max_window_layers=28, **_QWEN_IDS,
+    ),
+    "qwen2.5-0.5b": _preset(
+        "qwen2", 151936, 896, 4864, 24, 14, 2,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
+        sliding_window=32768, use_sliding_window=False, max_window_layers=21,
+        tie_word_embeddings=True, **_QWEN_IDS,
+    ),
+    "smollm2-135m": _preset(
+        "llama", 49152, 576, 1536, 30, 9, 3,
+        rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    ),
+    "tinyllama-1.1b": _preset(
+        "llama", 32000, 2048, 5632, 22, 32, 4,
+        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2,
+    ),
+}
+# fmt: on
