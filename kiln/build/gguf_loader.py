@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 
 # GGUF architecture -> kiln architecture. Mistral 7B GGUFs are written as "llama".
 SUPPORTED_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
-_ALIGNMENT = 32  # llama.cpp's default when general.alignment is absent
-_MAX_DIMS = 4  # GGML_MAX_DIMS
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B",
     GGUFValueType.INT8: "<b",
@@ -68,6 +66,7 @@ _LAYER_NAMES = {
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, folded into ModelConfig.rope_scaling
+_TYPE_IDS = {int(t) for t in GGMLQuantizationType}
 
 
 class _Corrupt(Exception):
@@ -174,14 +173,9 @@ class GGUFModel:
                 f"{path}: unsupported GGUF architecture {self.gguf_architecture!r}; "
                 f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
             )
-        for info in self._tensors.values():
-            if not _can_dequantize(info.qtype):
-                raise ModelLoadError(
-                    f"{path}: tensor {info.name!r} has type {info.qtype.name}, which "
-                    f"gguf.quants cannot dequantize; supported: {', '.join(_dequantizable())}"
-                )
-            if info.name != _ROPE_FREQS:
-                _hf_name(info.name, path)  # fails now, not halfway through tensors()
+        for name in self._tensors:
+            if name != _ROPE_FREQS:
+                _hf_name(name, path)  # fails now, not halfway through tensors()
         self.config = _config(self)
 
     @property
@@ -287,19 +281,21 @@ def _parse(buf: mmap.mmap, path: str) -> tuple[dict[str, Any], dict[str, _Tensor
     for _ in range(num_tensors):
         name = header.string()
         num_dims = header.take("<I")
-        if not 0 < num_dims <= _MAX_DIMS:
+        if not 0 < num_dims <= 4:  # GGML_MAX_DIMS
             raise _Corrupt(f"tensor {name!r} has {num_dims} dimensions")
         dims = struct.unpack_from(f"<{num_dims}Q", buf, header.pos)
         header.pos += 8 * num_dims
         type_id, offset = header.take("<I"), header.take("<Q")
-        try:
-            qtype = GGMLQuantizationType(type_id)
-        except ValueError:
-            message = f"{path}: tensor {name!r} has unknown ggml type id {type_id}"
-            raise ModelLoadError(message) from None
+        qtype = _dequantizable().get(type_id)
+        if qtype is None:
+            known = GGMLQuantizationType(type_id).name if type_id in _TYPE_IDS else f"id {type_id}"
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} has ggml type {known}, which gguf.quants cannot "
+                f"dequantize; supported: {', '.join(t.name for t in _dequantizable().values())}"
+            )
         tensors[name] = info = _TensorInfo(name, dims, qtype)
         info.start = offset  # relative until the data section is known
-    alignment = int(metadata.get("general.alignment", _ALIGNMENT))
+    alignment = int(metadata.get("general.alignment", 32))  # 32: llama.cpp's default
     data_start = -(-header.pos // alignment) * alignment
     for info in tensors.values():
         info.start += data_start
@@ -333,19 +329,20 @@ def _unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 @functools.cache
-def _can_dequantize(qtype: GGMLQuantizationType) -> bool:
-    """Whether gguf.quants has a dequantizer for qtype (probed on one zero block: the package has no
-    public list, and its coverage grows between versions)."""
-    type_size = GGML_QUANT_SIZES[qtype][1]
-    try:
-        dequantize(np.zeros((1, type_size), np.uint8), qtype)
-    except (NotImplementedError, ValueError, TypeError):
-        return False
-    return True
+def _dequantizable() -> dict[int, GGMLQuantizationType]:
+    """{type id: type} of the ggml types gguf.quants can dequantize.
 
-
-def _dequantizable() -> list[str]:
-    return [qtype.name for qtype in GGMLQuantizationType if _can_dequantize(qtype)]
+    Probed on one zero block per type: the package has no public list, and its coverage grows
+    between versions (0.19 has no I8/I16/I32/I64/F64).
+    """
+    types = {}
+    for qtype, (_, type_size) in GGML_QUANT_SIZES.items():
+        try:
+            dequantize(np.zeros((1, type_size), np.uint8), qtype)
+        except (NotImplementedError, ValueError, TypeError):
+            continue
+        types[int(qtype)] = qtype
+    return types
 
 
 def _config(model: GGUFModel) -> ModelConfig:
