@@ -1,0 +1,31 @@
+"""`kiln bench throughput|latency`: kiln on synthetic requests, optionally beside HF generate."""
+
+from __future__ import annotations
+
+import argparse
+
+from kiln.cli.engine_args import add_engine_args, engine_config_from_args
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="measure throughput or latency (optionally vs a baseline)")
+    p.add_argument("mode", choices=["throughput", "latency"])
+    p.add_argument("--num-requests", type=int, default=None, help="default: 64 / 3 (latency)")
+    p.add_argument("--input-len", default="128", help="N or LOW:HIGH (uniform, seeded)")
+    p.add_argument("--output-len", default="128", help="N or LOW:HIGH (uniform, seeded)")
+    p.add_argument("--dataset-seed", type=int, default=0)
+    p.add_argument("--concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--baseline", choices=["none", "hf"], default="none")
+    p.add_argument("--hf-batch-size", type=int, default=None, help="default: all at once")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up requests before timing")
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--no-progress", action="store_true")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln.bench.runner import run_bench
+
+    run_bench(args, engine_config_from_args(args))
+    return 0
