@@ -1,0 +1,371 @@
+"""Time each Triton kernel against its pure-PyTorch twin (kiln.kernels.reference) and, for
+attention, against torch's scaled_dot_product_attention on equivalent contiguous data, at
+Llama-3.1-8B shapes.
+
+    python benchmarks/kernels_gpu.py benchmarks/results/kernels_h200.json
+    python benchmarks/kernels_gpu.py /tmp/kernels_tiny.json --tiny   # CPU smoke run (interpreter)
+
+Each kernel is timed twice: `eager` (triton.testing.do_bench on the Python call, L2 flushed:
+includes launch overhead whenever that exceeds the GPU time) and `graph` (the calls captured in a
+CUDA graph, as the engine replays decode steps: GPU time only; decode rotates over copies of its
+K/V spanning 256 MB so that L2 holds none of it). Rates use the graph time. Decode rows report
+achieved bandwidth (bytes of K/V the step must read / time), prefill rows TFLOP/s. Prints a table
+and writes JSON (command, git revision, GPU, date, versions, one row per measurement).
+Every kernel's output is also compared with the reference (max_abs_err): a fast wrong kernel shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Runnable from a plain checkout (kiln need not be installed): put the repo root on the path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@dataclass(frozen=True)
+class Shapes:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden: int
+    block_size: int
+    dtype: torch.dtype
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    prefill_tokens: int
+    prefix_tokens: int  # a chunk of prefill_tokens // 4 after this many cached tokens
+    norm_tokens: tuple[int, ...]
+
+
+LLAMA_8B = Shapes(32, 8, 128, 4096, 16, torch.bfloat16, (1, 32, 128), (1024, 4096), 2048, 6144,
+                  (128, 2048))  # fmt: skip
+TINY = Shapes(4, 2, 16, 64, 4, torch.float32, (1, 2), (20, 40), 24, 16, (3,))
+
+
+def _git_revision() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+Call = Callable[[], object]
+# Decode inputs are replicated until they span this many bytes, and the timed calls rotate over
+# the copies, so the K/V a call reads is not left in the 60 MB L2 by the previous call.
+ROTATE_BYTES = 256 << 20
+
+
+def _time_eager(fn: Call, device: torch.device) -> float:
+    """Milliseconds per call as launched from Python: triton's do_bench (median, L2 flushed
+    between calls) on a GPU, wall clock otherwise. Includes launch overhead when that dominates."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def _time_graph(calls: list[Call], target_ms: float = 30.0) -> float:
+    """Milliseconds per call with launch overhead removed: the calls, cycled, are captured in one
+    CUDA graph (as the engine replays decode steps); median of 5 replays / number of calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compile, allocate) off the capture
+        for call in calls:
+            call()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for call in calls:
+            call()
+        end.record()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    per_call = max(start.elapsed_time(end) / len(calls), 1e-3)
+    rounds = max(1, min(int(target_ms / per_call / len(calls)), 2000 // len(calls)))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for call in calls:
+                call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / (rounds * len(calls)))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def _paged(
+    seq_lens: list[int], s: Shapes, device: torch.device, gen: torch.Generator, copies: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Caches holding `copies` disjoint sets of these contexts in shuffled blocks, and one block
+    table per set."""
+    per_seq = [(n + s.block_size - 1) // s.block_size for n in seq_lens]
+    num_blocks = sum(per_seq) * copies
+    shape = (num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+    k_cache = torch.randn(shape, generator=gen, device=device).to(s.dtype)
+    v_cache = torch.randn(shape, generator=gen, device=device).to(s.dtype)
+    order = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32)
+    all_tables = []
+    used = 0
+    for _ in range(copies):
+        tables = torch.zeros((len(seq_lens), max(per_seq)), dtype=torch.int32, device=device)
+        for i, n in enumerate(per_seq):
+            tables[i, :n] = order[used : used + n]
+            used += n
+        all_tables.append(tables)
+    return k_cache, v_cache, all_tables
+
+
+def _contiguous_kv(
+    cache: torch.Tensor, tables: torch.Tensor, length: int
+) -> torch.Tensor:  # [num_seqs, num_kv_heads, length, head_dim]
+    return cache[tables.long()].flatten(1, 2)[:, :length].transpose(1, 2).contiguous()
+
+
+def _err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.float() - expected.float()).abs().max())
+
+
+def run(shapes: Shapes, device: torch.device) -> list[dict]:
+    import torch.nn.functional as F
+
+    from kiln.kernels import reference
+    from kiln.kernels import triton as triton_ops
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    s = shapes
+    elem = torch.finfo(s.dtype).bits // 8
+    scale = s.head_dim**-0.5
+    rows: list[dict] = []
+
+    def record(
+        kernel: str, case: str, impl: str, calls: list[Call], graph: bool = True, **extra
+    ) -> None:
+        """Times calls[0] eagerly and, on a GPU, all calls (rotating) in a CUDA graph; rates use
+        the graph time when there is one."""
+        row: dict = {"kernel": kernel, "case": case, "impl": impl}
+        try:
+            row["eager_ms"] = _time_eager(calls[0], device)
+        except Exception as exc:  # one failing baseline must not lose the other rows
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        if graph and device.type == "cuda" and "error" not in row:
+            try:
+                row["graph_ms"] = _time_graph(calls)
+            except Exception as exc:
+                row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                torch.cuda.synchronize()
+        row.update(extra)
+        ms = row.get("graph_ms", row.get("eager_ms"))
+        if ms is not None and "bytes" in row:
+            row["GB/s"] = row["bytes"] / ms / 1e6
+        if ms is not None and "flops" in row:
+            row["TFLOP/s"] = row["flops"] / ms / 1e9
+        rows.append(row)
+        _print_row(row)
+
+    # --- decode attention: every sequence at the same context length ---------------------------
+    for batch in s.decode_batches:
+        for context in s.decode_contexts:
+            case = f"batch={batch} ctx={context}"
+            kv_bytes = 2 * batch * context * s.num_kv_heads * s.head_dim * elem
+            copies = max(1, -(-ROTATE_BYTES // kv_bytes)) if device.type == "cuda" else 1
+            k_cache, v_cache, all_tables = _paged([context] * batch, s, device, gen, copies)
+            query = torch.randn(batch, s.num_heads, s.head_dim, generator=gen, device=device)
+            query = query.to(s.dtype)
+            seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+            all_args = [
+                (query, k_cache, v_cache, tables, seq_lens, scale, context) for tables in all_tables
+            ]
+            expected = reference.paged_decode_attention(*all_args[0])
+            err = _err(triton_ops.paged_decode_attention(*all_args[0]), expected)
+            record("decode", case, "triton",
+                   [lambda a=a: triton_ops.paged_decode_attention(*a) for a in all_args],
+                   bytes=kv_bytes, max_abs_err=err)  # fmt: skip
+            # The reference gathers the whole context: one copy is enough to be slow.
+            record("decode", case, "reference",
+                   [lambda a=all_args[0]: reference.paged_decode_attention(*a)],
+                   bytes=kv_bytes)  # fmt: skip
+            q4 = query[:, :, None, :]
+            sdpa_calls = []
+            for tables in all_tables:
+                k4 = _contiguous_kv(k_cache, tables, context)
+                v4 = _contiguous_kv(v_cache, tables, context)
+                sdpa_calls.append(
+                    lambda q=q4, k=k4, v=v4: F.scaled_dot_product_attention(
+                        q, k, v, scale=scale, enable_gqa=True
+                    )
+                )
+            record("decode", case, "sdpa_contiguous", sdpa_calls, bytes=kv_bytes)
+            del k_cache, v_cache, all_args, sdpa_calls, expected
+
+    # --- prefill attention: a whole prompt, and a chunk after a cached prefix -------------------
+    for q_len, prefix in ((s.prefill_tokens, 0), (s.prefill_tokens // 4, s.prefix_tokens)):
+        seq_len = q_len + prefix
+        case = f"q_len={q_len} prefix={prefix}"
+        k_cache, v_cache, (tables,) = _paged([seq_len], s, device, gen)
+        query = torch.randn(q_len, s.num_heads, s.head_dim, generator=gen, device=device)
+        query = query.to(s.dtype)
+        qsl = torch.tensor([0, q_len], dtype=torch.int32, device=device)
+        seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
+        args = (query, k_cache, v_cache, tables, qsl, seq_lens, scale, q_len, seq_len)
+        # QK^T and PV over the causal half of the new block plus the whole prefix.
+        flops = 4 * s.num_heads * s.head_dim * q_len * (prefix + (q_len + 1) / 2)
+        expected = reference.paged_prefill_attention(*args)
+        err = _err(triton_ops.paged_prefill_attention(*args), expected)
+        record("prefill", case, "triton", [lambda a=args: triton_ops.paged_prefill_attention(*a)],
+               flops=flops, max_abs_err=err)  # fmt: skip
+        # The reference reads lengths back to the host (.tolist()): it cannot be graph-captured.
+        record("prefill", case, "reference",
+               [lambda a=args: reference.paged_prefill_attention(*a)], graph=False,
+               flops=flops)  # fmt: skip
+        q4 = query.transpose(0, 1)[None].contiguous()  # [1, num_heads, q_len, head_dim]
+        k4 = _contiguous_kv(k_cache, tables, seq_len)
+        v4 = _contiguous_kv(v_cache, tables, seq_len)
+        if prefix == 0:
+            sdpa = lambda q=q4, k=k4, v=v4: F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            q_pos = torch.arange(prefix, seq_len, device=device)
+            mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+            sdpa = lambda q=q4, k=k4, v=v4, m=mask: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=m, scale=scale, enable_gqa=True
+            )
+        record("prefill", case, "sdpa_contiguous", [sdpa], flops=flops)
+        del k_cache, v_cache, k4, v4, expected
+
+    # --- KV cache write, RMSNorm, rotary --------------------------------------------------------
+    for tokens in s.norm_tokens:
+        case = f"tokens={tokens}"
+        kv_shape = (tokens, s.num_kv_heads, s.head_dim)
+        key = torch.randn(kv_shape, generator=gen, device=device).to(s.dtype)
+        value = torch.randn(kv_shape, generator=gen, device=device).to(s.dtype)
+        k_cache, v_cache, _ = _paged([tokens], s, device, gen)
+        slots = torch.randperm(tokens, generator=gen, device=device)
+        move = 4 * key.numel() * elem  # read key, value; write both
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        triton_ops.write_kv_cache(key, value, k_cache, v_cache, slots)
+        reference.write_kv_cache(key, value, k_ref, v_ref, slots)
+        err = max(_err(k_cache, k_ref), _err(v_cache, v_ref))
+        for impl, ops in (("triton", triton_ops), ("reference", reference)):
+            record("write_kv_cache", case, impl,
+                   [lambda o=ops, a=(key, value, k_cache, v_cache, slots): o.write_kv_cache(*a)],
+                   bytes=move, **({"max_abs_err": err} if impl == "triton" else {}))  # fmt: skip
+
+        x = torch.randn(tokens, s.hidden, generator=gen, device=device).to(s.dtype)
+        residual = torch.randn(tokens, s.hidden, generator=gen, device=device).to(s.dtype)
+        weight = torch.rand(s.hidden, generator=gen, device=device).to(s.dtype)
+        norm_err = _err(triton_ops.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+        add_err = _err(
+            triton_ops.fused_add_rms_norm(x, residual, weight, 1e-5)[0],
+            reference.fused_add_rms_norm(x, residual, weight, 1e-5)[0],
+        )
+        for impl, ops in (("triton", triton_ops), ("reference", reference)):
+            triton_only = impl == "triton"
+            record("rms_norm", case, impl, [lambda o=ops, a=(x, weight): o.rms_norm(*a, 1e-5)],
+                   bytes=2 * x.numel() * elem,
+                   **({"max_abs_err": norm_err} if triton_only else {}))  # fmt: skip
+            record("fused_add_rms_norm", case, impl,
+                   [lambda o=ops, a=(x, residual, weight): o.fused_add_rms_norm(*a, 1e-5)],
+                   bytes=4 * x.numel() * elem,
+                   **({"max_abs_err": add_err} if triton_only else {}))  # fmt: skip
+
+        q_shape = (tokens, s.num_heads, s.head_dim)
+        query = torch.randn(q_shape, generator=gen, device=device).to(s.dtype)
+        positions = torch.randint(0, 8192, (tokens,), generator=gen, device=device)
+        inv_freq = 1.0 / 500000.0 ** (
+            torch.arange(0, s.head_dim, 2, device=device, dtype=torch.float32) / s.head_dim
+        )
+        freqs = torch.outer(torch.arange(8192, device=device, dtype=torch.float32), inv_freq)
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        rot_err = _err(
+            triton_ops.rotary_embedding(positions, query, key, cos_sin)[0],
+            reference.rotary_embedding(positions, query, key, cos_sin)[0],
+        )
+        for impl, ops in (("triton", triton_ops), ("reference", reference)):
+            record("rotary", case, impl,
+                   [lambda o=ops, a=(positions, query, key, cos_sin): o.rotary_embedding(*a)],
+                   bytes=2 * (query.numel() + key.numel()) * elem,
+                   **({"max_abs_err": rot_err} if impl == "triton" else {}))  # fmt: skip
+    return rows
+
+
+def _print_row(row: dict) -> None:
+    def us(key: str) -> str:
+        return f"{row[key] * 1e3:10.1f}" if key in row else f"{'-':>10}"
+
+    if "error" in row:
+        print(f"{row['kernel']:<19}{row['case']:<24}{row['impl']:<16}  ERROR {row['error']}")
+        return
+    timing = us("eager_ms") + us("graph_ms")
+    rate = ""
+    if "GB/s" in row:
+        rate = f"{row['GB/s']:9.1f} GB/s"
+    elif "TFLOP/s" in row:
+        rate = f"{row['TFLOP/s']:9.2f} TFLOP/s"
+    err = f"  err={row['max_abs_err']:.2e}" if "max_abs_err" in row else ""
+    print(f"{row['kernel']:<19}{row['case']:<24}{row['impl']:<16}{timing}{rate:>18}{err}")
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("output", type=Path, help="where to write the JSON results")
+    parser.add_argument(
+        "--tiny", action="store_true", help="tiny fp32 shapes (a smoke run; CPU interpreter)"
+    )
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        if not args.tiny:
+            parser.error("no CUDA GPU: only --tiny runs here (under the Triton interpreter)")
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = TINY if args.tiny else LLAMA_8B
+    import triton
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
+    print(f"{gpu}; torch {torch.__version__}; triton {triton.__version__}; dtype {shapes.dtype}")
+    print(f"{'kernel':<19}{'case':<24}{'impl':<16}{'eager us':>10}{'graph us':>10}{'rate':>18}")
+    with torch.inference_mode():
+        rows = run(shapes, device)
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "git_revision": _git_revision(),
+        "gpu": gpu,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "shapes": {k: str(v) for k, v in shapes.__dict__.items()},
+        "results": rows,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""Triton GPU kernels, each with the same signature as its pure-PyTorch twin in
+kiln.kernels.reference, so either module can be passed wherever an `ops` module is expected.
+
+Importing this package imports triton: do it only when the triton backend is chosen. On a machine
+without a GPU the kernels run under the interpreter when TRITON_INTERPRET=1 is set before import.
+"""
+
+from kiln.kernels.triton.decode_attention import paged_decode_attention
+from kiln.kernels.triton.kv_cache import write_kv_cache
+from kiln.kernels.triton.prefill_attention import paged_prefill_attention
+from kiln.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
+from kiln.kernels.triton.rotary import rotary_embedding
+
+__all__ = [
+    "fused_add_rms_norm",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "write_kv_cache",
+]

@@ -1,0 +1,26 @@
+"""Small host-side helpers shared by the kernel launchers."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def _cuda_num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of the device (cached: no query per launch)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_num_sms(index)
+    return 132  # the interpreter: pretend to be an H200 so launch policies run the same way
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision: exact fp32 products for fp32 inputs (tf32 would lose ~1e-3);
+    ignored for fp16/bf16."""
+    return "ieee" if dtype == torch.float32 else "tf32"

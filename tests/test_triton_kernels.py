@@ -1,0 +1,415 @@
+"""Every Triton kernel against its pure-PyTorch twin in kiln.kernels.reference (the oracle).
+
+Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set before triton is
+imported) on CPU tensors, at tiny shapes, in fp32 and fp16 (the interpreter mis-computes bf16 dots).
+With CUDA the same tests run on the GPU, plus bf16 and Llama-3.1-8B-sized shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' @triton.jit
+
+pytest.importorskip("triton", reason="triton is not installed (pip install kiln[triton])")
+
+from kiln.attention.backend import AttentionMetadata, get_attention_backend
+from kiln.attention.torch_backend import TorchAttentionBackend
+from kiln.attention.triton_backend import TritonAttentionBackend
+from kiln.kernels import reference
+from kiln.kernels import triton as triton_ops
+from kiln.kernels.triton.decode_attention import (
+    choose_num_splits,
+    paged_decode_attention_splits,
+)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+on_gpu = pytest.mark.skipif(INTERPRET, reason="needs a CUDA GPU (interpreter run)")
+
+# bf16 only compiled: the interpreter gets bf16 dot products and additions wrong.
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    pytest.param(torch.bfloat16, marks=on_gpu),
+]
+# Tolerances of the attention kernels against the fp32 reference on the same (rounded) inputs.
+ATTN_ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _paged_cache(
+    seq_lens: list[int],
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    extra_blocks: int = 3,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random caches (unused slots hold random values too) and shuffled block tables."""
+    blocks_per_seq = [_cdiv(n, block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + extra_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.zeros((len(seq_lens), max(blocks_per_seq) + 1), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        block_tables[i, :n] = order[used : used + n].int()
+        used += n
+    return k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(DEVICE)
+
+
+def _slots(block_tables: torch.Tensor, seq: int, positions: range, block_size: int) -> list[int]:
+    table = block_tables[seq].tolist()
+    return [table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float) -> None:
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=atol)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache write
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_write_kv_cache(cache_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    num_blocks, block_size, num_kv_heads, head_dim = 6, 4, 3, 16
+    # key/value as strided views of a fused projection, as the model produces them.
+    fused = torch.randn(7, 2, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    key, value = fused[:, 0], fused[:, 1]
+    slot_mapping = torch.tensor([0, 5, 6, 7, 13, 22, 23], dtype=torch.int64, device=DEVICE)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(DEVICE, cache_dtype)
+    v_cache = torch.randn(shape, generator=gen).to(DEVICE, cache_dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    triton_ops.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    reference.write_kv_cache(key, value, k_ref, v_ref, slot_mapping)
+    assert torch.equal(k_cache, k_ref)
+    assert torch.equal(v_cache, v_ref)
+
+
+def test_write_kv_cache_skips_negative_slots() -> None:
+    gen = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(2, 4, 1, 16, generator=gen).to(DEVICE)
+    v_cache = torch.randn(2, 4, 1, 16, generator=gen).to(DEVICE)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    key = torch.randn(2, 1, 16, generator=gen).to(DEVICE)
+    slot_mapping = torch.tensor([3, -1], dtype=torch.int64, device=DEVICE)
+    triton_ops.write_kv_cache(key, key, k_cache, v_cache, slot_mapping)
+    before_k.view(-1, 1, 16)[3] = key[0]
+    before_v.view(-1, 1, 16)[3] = key[0]
+    assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode attention
+
+
+def _check_decode(
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    num_splits: int | None,
+    seed: int = 0,
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, block_tables = _paged_cache(
+        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen
+    )
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    max_seq_len = max(seq_lens)
+    if num_splits is None:
+        out = triton_ops.paged_decode_attention(
+            query, k_cache, v_cache, block_tables, lens, scale, max_seq_len
+        )
+    else:
+        out = paged_decode_attention_splits(
+            query, k_cache, v_cache, block_tables, lens, scale, max_seq_len, num_splits
+        )
+    expected = reference.paged_decode_attention(
+        query.float(), k_cache.float(), v_cache.float(), block_tables, lens, scale, max_seq_len
+    )
+    assert out.dtype == dtype and out.shape == query.shape
+    _assert_close(out, expected, ATTN_ATOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(4, 2, 16, 4), (2, 2, 32, 16)],
+)
+@pytest.mark.parametrize("num_splits", [1, 3, None], ids=["nosplit", "split3", "auto"])
+def test_decode_attention(
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_splits: int | None,
+) -> None:
+    # Contexts of one token, mid-block ends, many blocks; with 3 splits of the longest context
+    # (and with the policy's choice, 3 as well) the short sequences have empty partitions.
+    _check_decode([1, 13, 137], num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits)
+
+
+def test_decode_attention_many_splits() -> None:
+    # More splits than tiles for the short sequence; partitions of exactly one tile.
+    _check_decode([5, 70], 4, 1, 16, 4, torch.float32, num_splits=5, seed=3)
+
+
+def test_choose_num_splits() -> None:
+    # A full batch keeps the GPU busy on its own: no split.
+    assert choose_num_splits(128, 8, 4096, 132) == 1
+    assert choose_num_splits(64, 8, 2048, 132) == 1
+    # Up to ~4 programs per SM, never past it.
+    assert choose_num_splits(32, 8, 4096, 132) == 2
+    assert choose_num_splits(16, 8, 4096, 132) == 4
+    # Batch 1: as many as allowed, but no partition under 64 tokens.
+    assert choose_num_splits(1, 8, 4096, 132) == 64
+    assert choose_num_splits(1, 8, 1024, 132) == 16
+    assert choose_num_splits(1, 8, 64, 132) == 1
+
+
+@on_gpu
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("batch", [1, 7, 64])
+def test_decode_attention_llama8b_bf16(block_size: int, batch: int) -> None:
+    gen = torch.Generator().manual_seed(batch)
+    seq_lens = torch.randint(1, 4097, (batch,), generator=gen).tolist()
+    seq_lens[0] = 4096
+    _check_decode(seq_lens, 32, 8, 128, block_size, torch.bfloat16, None, seed=batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill attention
+
+
+def _check_prefill(
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, block_tables = _paged_cache(
+        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen
+    )
+    num_tokens = sum(q_lens)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    starts = [0]
+    for q_len in q_lens:
+        starts.append(starts[-1] + q_len)
+    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    args = (block_tables, query_start_loc, lens, scale, max(q_lens), max(seq_lens))
+    out = triton_ops.paged_prefill_attention(query, k_cache, v_cache, *args)
+    expected = reference.paged_prefill_attention(
+        query.float(), k_cache.float(), v_cache.float(), *args
+    )
+    assert out.dtype == dtype and out.shape == query.shape
+    _assert_close(out, expected, ATTN_ATOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(4, 2, 16, 4), (2, 2, 32, 16)],
+)
+def test_prefill_attention(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    # A whole prompt over two query tiles; a chunk after a cached prefix ending mid-block;
+    # a single-token chunk; a chunk whose prefix is not a multiple of the key tile.
+    _check_prefill(
+        q_lens=[21, 9, 1, 6],
+        seq_lens=[21, 30, 11, 23],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+    )
+
+
+@on_gpu
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_attention_llama8b_bf16(block_size: int) -> None:
+    # A whole 1000-token prompt, a 512-token chunk after a 2488-token prefix, a short chunk, and
+    # a 4k prompt.
+    _check_prefill(
+        q_lens=[1000, 512, 77, 4096],
+        seq_lens=[1000, 3000, 4000, 4096],
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=block_size,
+        dtype=torch.bfloat16,
+    )
+
+
+@on_gpu
+def test_prefill_attention_short_chunks_bf16() -> None:
+    # max_query_len <= 64 takes the small-tile configuration.
+    _check_prefill([3, 64, 17], [900, 64, 2000], 32, 8, 128, 16, torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend: write + split attention over a mixed batch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_backend_matches_torch_backend(dtype: torch.dtype) -> None:
+    assert isinstance(get_attention_backend("triton", DEVICE), TritonAttentionBackend)
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 16, 4
+    # Two decodes, then a fresh prompt and a chunk after a cached prefix.
+    q_lens = [1, 1, 6, 5]
+    seq_lens = [9, 17, 6, 14]
+    gen = torch.Generator().manual_seed(7)
+    k_cache, v_cache, block_tables = _paged_cache(
+        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen
+    )
+    slots: list[int] = []
+    for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        slots += _slots(block_tables, i, range(seq_len - q_len, seq_len), block_size)
+    starts = [0]
+    for q_len in q_lens:
+        starts.append(starts[-1] + q_len)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=block_tables,
+        num_decodes=2,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
+    num_tokens = sum(q_lens)
+
+    def rand(heads: int) -> torch.Tensor:
+        return torch.randn(num_tokens, heads, head_dim, generator=gen).to(DEVICE, dtype)
+
+    query, key, value = rand(num_heads), rand(num_kv_heads), rand(num_kv_heads)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    scale = head_dim**-0.5
+    out = TritonAttentionBackend().forward(query, key, value, k_cache, v_cache, metadata, scale)
+    expected = TorchAttentionBackend().forward(query, key, value, k_ref, v_ref, metadata, scale)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    _assert_close(out, expected, ATTN_ATOL[dtype] if dtype == torch.float32 else 5e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm and rotary embedding: same rounding as the reference, so (nearly) exact
+
+
+ELEMENTWISE_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [48, 64])
+def test_rms_norm(dtype: torch.dtype, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(hidden)
+    x = (3 * torch.randn(5, hidden, generator=gen)).to(DEVICE, dtype)
+    residual = torch.randn(5, hidden, generator=gen).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DEVICE, dtype)
+    tol = ELEMENTWISE_TOL[dtype]
+
+    out = triton_ops.rms_norm(x, weight, 1e-6)
+    expected = reference.rms_norm(x, weight, 1e-6)
+    assert out.dtype == expected.dtype
+    _assert_close(out, expected, tol)
+
+    normed, summed = triton_ops.fused_add_rms_norm(x, residual, weight, 1e-6)
+    normed_ref, summed_ref = reference.fused_add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(summed, summed_ref)
+    assert normed.dtype == normed_ref.dtype
+    _assert_close(normed, normed_ref, tol)
+
+
+def test_rms_norm_fp32_weight_promotes() -> None:
+    # Like torch, an fp16 activation times an fp32 weight gives fp32.
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 32, generator=gen).to(DEVICE, torch.float16)
+    weight = torch.randn(32, generator=gen).to(DEVICE)
+    out = triton_ops.rms_norm(x, weight, 1e-5)
+    expected = reference.rms_norm(x, weight, 1e-5)
+    assert out.dtype == torch.float32
+    _assert_close(out, expected, 1e-6)
+
+
+@on_gpu
+def test_rms_norm_llama8b_bf16() -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(300, 4096, generator=gen).to(DEVICE, torch.bfloat16)
+    residual = torch.randn(300, 4096, generator=gen).to(DEVICE, torch.bfloat16)
+    weight = torch.rand(4096, generator=gen).to(DEVICE, torch.bfloat16)
+    normed, summed = triton_ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    normed_ref, summed_ref = reference.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(summed, summed_ref)
+    _assert_close(normed, normed_ref, 8e-3)
+
+
+def _cos_sin_cache(max_positions: int, head_dim: int, base: float = 10000.0) -> torch.Tensor:
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 16), (3, 1, 32)])
+def test_rotary_embedding(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
+    gen = torch.Generator().manual_seed(head_dim)
+    num_tokens = 6
+    # query and key as strided views of a fused qkv projection.
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    qkv = qkv.to(DEVICE, dtype)
+    query, key = qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv_heads]
+    positions = torch.tensor([0, 1, 2, 17, 63, 5], dtype=torch.int64, device=DEVICE)
+    cos_sin = _cos_sin_cache(64, head_dim).to(DEVICE)
+    qkv_before = qkv.clone()
+    q_out, k_out = triton_ops.rotary_embedding(positions, query, key, cos_sin)
+    q_ref, k_ref = reference.rotary_embedding(positions, query, key, cos_sin)
+    assert torch.equal(qkv, qkv_before), "the inputs must be left untouched"
+    assert q_out.dtype == dtype and k_out.dtype == dtype
+    _assert_close(q_out, q_ref, ELEMENTWISE_TOL[dtype])
+    _assert_close(k_out, k_ref, ELEMENTWISE_TOL[dtype])
+
+
+@on_gpu
+def test_rotary_embedding_llama8b_bf16() -> None:
+    gen = torch.Generator().manual_seed(9)
+    query = torch.randn(500, 32, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    key = torch.randn(500, 8, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    positions = torch.randint(0, 8192, (500,), generator=gen).to(DEVICE)
+    cos_sin = _cos_sin_cache(8192, 128, base=500000.0).to(DEVICE)
+    q_out, k_out = triton_ops.rotary_embedding(positions, query, key, cos_sin)
+    q_ref, k_ref = reference.rotary_embedding(positions, query, key, cos_sin)
+    _assert_close(q_out, q_ref, 8e-3)
+    _assert_close(k_out, k_ref, 8e-3)
+
+
+def test_attention_padded_head_dim() -> None:
+    # head_dim 24 is padded to a 32-wide tile: the padding must be masked off.
+    _check_decode([9, 30], 4, 2, 24, 4, torch.float32, num_splits=2, seed=11)
+    _check_prefill([7, 18], [7, 25], 4, 2, 24, 4, torch.float32, seed=12)
