@@ -60,7 +60,8 @@ def _git_revision() -> str:
         )
         return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        # A copy of the tree without .git (e.g. on a remote GPU machine): let the caller say.
+        return os.environ.get("KILN_GIT_REVISION", "unknown")
 
 
 Call = Callable[[], object]
