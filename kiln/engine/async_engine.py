@@ -3,11 +3,15 @@
 The event loop never runs model code: add/abort are commands the loop thread picks up between
 steps, and each step's deltas are handed back with `call_soon_threadsafe`. If the loop dies,
 every open stream ends with the error and `healthy` turns False.
+
+Each request's first delta carries `metrics["first_scheduled_time"]` (time.monotonic() at the
+start of the step that first scheduled it): the end of its queue time, which the server reports.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 from kiln.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
 from kiln.errors import KilnError
-from kiln.outputs import RequestOutput
+from kiln.outputs import CompletionOutput, RequestOutput
 from kiln.sampling_params import SamplingParams
 
 logger = logging.getLogger("kiln.async_engine")
@@ -32,6 +36,42 @@ class EngineDeadError(KilnError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    accepted: asyncio.Future  # resolved when the loop thread has queued (or rejected) the request
+
+
+class RequestStream:
+    """Delta outputs of one accepted request, in order. Closing it before the last delta (or
+    never iterating it) aborts the request and frees its KV blocks; closing is idempotent."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._stream = stream
+        self._finished = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished or self._closed:
+            raise StopAsyncIteration
+        item = await self._stream.queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        if item.finished:
+            self._finished = True
+            self.close()
+        return item
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._engine._streams.pop(self.request_id, None)
+        if not self._finished:
+            self._engine.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -40,6 +80,9 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        # Loop-thread only: requests not yet scheduled, and when the scheduled ones first were.
+        self._unscheduled: set[str] = set()
+        self._scheduled_at: dict[str, float] = {}
         self._stop = False
         self.error: BaseException | None = None
         self.last_step_time = time.monotonic()
@@ -60,6 +103,32 @@ class AsyncEngine:
 
     # ---- API used from the event loop ----------------------------------------------------
 
+    async def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        request_id: str,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Queue a request; returns its delta stream once the engine has accepted it. Invalid
+        input raises InvalidRequestError here, so a server can answer 400 before streaming."""
+        if not self.healthy:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue(), loop.create_future())
+        self._streams[request_id] = stream
+        if not self.healthy:  # died between the check and registering: nobody would tell us
+            self._streams.pop(request_id, None)
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        self._send(("add", request_id, prompt, params, priority, stream.accepted))
+        try:
+            await stream.accepted  # raises InvalidRequestError from the engine thread
+        except BaseException:
+            self._streams.pop(request_id, None)
+            self.abort(request_id)  # cancelled after the loop thread queued it
+            raise
+        return RequestStream(self, request_id, stream)
+
     async def generate(
         self,
         prompt: str | list[int],
@@ -69,38 +138,24 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its delta outputs until it finishes. Invalid input raises
         here, before anything is yielded. Leaving the iteration early aborts the request."""
-        if not self.healthy:
-            raise EngineDeadError(f"engine is not running: {self.error!r}")
-        loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
-        accepted: asyncio.Future = loop.create_future()
-        self._streams[request_id] = stream
-        self._send(("add", request_id, prompt, params, priority, accepted))
+        stream = await self.submit(prompt, params, request_id, priority)
         try:
-            await accepted  # raises InvalidRequestError from the engine thread
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
-        finished = False
-        try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+            async for delta in stream:
+                yield delta
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+            stream.close()
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
     def call(self, fn, *args):
-        """Run fn(engine, *args) on the loop thread between steps; returns a future."""
+        """Run fn(engine, *args) on the loop thread between steps; returns a future (failed
+        with EngineDeadError if the loop is dead, so no caller waits forever)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        if not self.healthy:
+            fut.set_exception(EngineDeadError(f"engine is not running: {self.error!r}"))
+            return fut
         self._send(("call", fn, args, fut))
         return fut
 
@@ -123,8 +178,10 @@ class AsyncEngine:
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue
+                step_start = time.monotonic()
                 deltas = self.engine.step()
                 self.last_step_time = time.monotonic()
+                self._stamp_scheduled(step_start)
                 for delta in deltas:
                     if delta.finished:
                         self.engine.finished_output(delta.request_id)
@@ -132,9 +189,34 @@ class AsyncEngine:
         except BaseException as exc:  # the loop must never die silently
             logger.exception("engine loop died")
             self.error = exc
-            dead = EngineDeadError(f"engine loop died: {type(exc).__name__}: {exc}")
-            for req_id in list(self._streams):
-                self._deliver(req_id, dead)
+            self._fail_everyone(EngineDeadError(f"engine loop died: {type(exc).__name__}: {exc}"))
+
+    def _fail_everyone(self, dead: EngineDeadError) -> None:
+        """End every open stream and every pending add/call with the error: nobody may hang."""
+        for stream in list(self._streams.values()):
+            with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening
+                stream.loop.call_soon_threadsafe(_set_exception, stream.accepted, dead)
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, dead)
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "call":
+                fut = command[3]
+                with contextlib.suppress(RuntimeError):
+                    fut.get_loop().call_soon_threadsafe(_set_exception, fut, dead)
+
+    def _stamp_scheduled(self, step_start: float) -> None:
+        """Requests no longer waiting after this step were first scheduled at its start."""
+        if not self._unscheduled:
+            return
+        waiting = {r.req_id for r in self.engine.scheduler.waiting}
+        for req_id in list(self._unscheduled):
+            children = self.engine.output_processor.child_ids(req_id)
+            if not any(child in waiting for child in children):
+                self._unscheduled.discard(req_id)
+                self._scheduled_at[req_id] = step_start
 
     def _drain_commands(self) -> None:
         while True:
@@ -147,7 +229,7 @@ class AsyncEngine:
                 _, req_id, prompt, params, priority, accepted = command
                 self._add(req_id, prompt, params, priority, accepted)
             elif kind == "abort":
-                self.engine.abort_request(command[1])
+                self._abort(command[1])
             elif kind == "call":
                 _, fn, args, fut = command
                 try:
@@ -165,15 +247,43 @@ class AsyncEngine:
         except Exception as exc:
             loop.call_soon_threadsafe(_set_exception, accepted, exc)
             return
+        self._unscheduled.add(req_id)
         loop.call_soon_threadsafe(_set_result, accepted, None)
 
+    def _abort(self, req_id: str) -> None:
+        """Abort in the engine; a stream still listening (a server-side abort, e.g. the drain
+        deadline) gets a last delta with finish_reason "abort" instead of waiting forever."""
+        self._unscheduled.discard(req_id)
+        self._scheduled_at.pop(req_id, None)
+        for final in self.engine.abort_request(req_id):
+            ended = [
+                CompletionOutput(o.index, "", [], None, o.finish_reason, o.stop_reason)
+                for o in final.outputs
+                if o.finish_reason == "abort"
+            ]
+            last = RequestOutput(
+                final.request_id, final.prompt, final.prompt_token_ids, ended, finished=True
+            )
+            self._deliver(req_id, last)
+
     def _deliver(self, req_id: str, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, RequestOutput):
+            scheduled = self._scheduled_at.pop(req_id, None)
+            if scheduled is not None:
+                item.metrics["first_scheduled_time"] = scheduled
+            if item.finished:
+                self._unscheduled.discard(req_id)
         stream = self._streams.get(req_id)
         if stream is None:
             if isinstance(item, RequestOutput) and not item.finished:
-                self.engine.abort_request(req_id)  # nobody is listening any more
+                self._abort(req_id)  # nobody is listening any more
             return
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+            self._streams.pop(req_id, None)
+            if isinstance(item, RequestOutput) and not item.finished:
+                self._abort(req_id)
 
 
 def _set_result(fut: asyncio.Future, value: object) -> None:
