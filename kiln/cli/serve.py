@@ -1,0 +1,65 @@
+"""`kiln serve`: the OpenAI-compatible HTTP server.
+
+SIGTERM (or Ctrl-C) drains: new work gets 503, requests in flight get `--shutdown-grace` seconds
+to finish (the rest are aborted), then the process exits 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from kiln.cli.engine_args import add_engine_args, engine_config_from_args
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key", default=os.environ.get("KILN_API_KEY"), help="default: $KILN_API_KEY"
+    )
+    p.add_argument("--served-model-name", default=None, help="default: --model as given")
+    p.add_argument(
+        "--max-waiting", type=int, default=1024, help="requests queued beyond this get 503"
+    )
+    p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger bodies get 413")
+    p.add_argument(
+        "--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get"
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kiln.engine.async_engine import AsyncEngine
+    from kiln.server.app import build_app
+    from kiln.server.lifecycle import DrainingServer
+
+    engine = AsyncEngine.from_config(engine_config_from_args(args))
+    app = build_app(
+        engine,
+        args.served_model_name or args.model or DEFAULT_MODEL_NAME,
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+        max_body_bytes=args.max_body_bytes,
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        lifespan="off",
+    )
+    server = DrainingServer(config, app.state.kiln, args.shutdown_grace)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,48 @@
+"""The FastAPI app: routes, OpenAI error objects, auth and body limits, metrics, lifecycle.
+
+The app does not own the engine: whoever built the AsyncEngine (the CLI, a test) shuts it down.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+import kiln
+from kiln.engine.async_engine import AsyncEngine
+from kiln.server import chat, completions, routes
+from kiln.server.errors import install_error_handlers
+from kiln.server.lifecycle import Lifecycle
+from kiln.server.metrics import ServerMetrics
+from kiln.server.middleware import GuardMiddleware
+from kiln.server.state import ServerState
+
+DEFAULT_MAX_WAITING = 1024
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+
+
+def build_app(
+    async_engine: AsyncEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_waiting: int = DEFAULT_MAX_WAITING,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """An OpenAI-compatible app over a running AsyncEngine. `app.state.kiln` holds the
+    ServerState (its `lifecycle.drain` is what SIGTERM calls)."""
+    if max_waiting < 1:
+        raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    app = FastAPI(title="kiln", version=kiln.__version__, summary="OpenAI-compatible LLM server")
+    app.state.kiln = ServerState(
+        engine=async_engine,
+        model_name=served_model_name,
+        lifecycle=Lifecycle(max_waiting),
+        metrics=ServerMetrics(served_model_name),
+    )
+    install_error_handlers(app)
+    app.include_router(completions.router)
+    app.include_router(chat.router)
+    app.include_router(routes.router)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    return app

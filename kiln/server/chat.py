@@ -1,0 +1,195 @@
+"""POST /v1/chat/completions: the model's chat template, n, stop, seed, logprobs, streaming with
+`stream_options.include_usage`. The prompt ids are exactly those `LLM.chat` uses, so greedy
+output equals the offline API's."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kiln.errors import InvalidRequestError
+from kiln.server.errors import error_body
+from kiln.server.generation import (
+    SSE_DONE,
+    ClientDisconnected,
+    EngineRequest,
+    Generation,
+    sse,
+    unless_disconnected,
+)
+from kiln.server.logprobs import chat_logprobs
+from kiln.server.params import build_sampling_params
+from kiln.server.protocol import (
+    ERROR_RESPONSES,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+)
+from kiln.server.state import ServerState, State
+
+router = APIRouter()
+
+
+def chat_prompt_ids(
+    state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True
+) -> list[int]:
+    """Template -> text -> ids, as LLM.chat does (the template already holds any BOS token)."""
+    tokenizer = state.require_tokenizer("messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("this model has no chat template", param="messages")
+    conversation = [
+        {"role": "system" if m.role == "developer" else m.role, "content": _text(m)}
+        for m in messages
+    ]
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except Exception as exc:  # a template may reject a conversation (e.g. role order)
+        raise InvalidRequestError(f"the chat template failed: {exc}", param="messages") from exc
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _text(message: ChatMessage) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    return "\n".join(part.text for part in message.content)
+
+
+def _refuse_unsupported(body: ChatCompletionRequest) -> None:
+    if body.tools:
+        raise InvalidRequestError("tools are not supported", param="tools")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise InvalidRequestError("tool_choice is not supported", param="tool_choice")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise InvalidRequestError("only text responses are supported", param="response_format")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses={200: {"model": ChatCompletionResponse}, **ERROR_RESPONSES},
+)
+async def create_chat_completion(
+    body: ChatCompletionRequest, raw: Request, state: State
+) -> Response:
+    state.check_model(body.model)
+    _refuse_unsupported(body)
+    prompt_ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt is not False)
+    num_top = body.top_logprobs or 0
+    params = build_sampling_params(
+        body,
+        state.defaults,
+        state.vocab_size,
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        logprobs=num_top if body.logprobs else None,
+    )
+    req_id = state.new_id("chatcmpl")
+    head = {"id": req_id, "created": state.created, "model": state.model_name}
+    engine_request = EngineRequest(req_id, prompt_ids, params, body.priority or 0)
+    gen = await Generation.start(state.engine, state.lifecycle, state.metrics, [engine_request])
+    n = params.n
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = _stream(gen, state, head, n, len(prompt_ids), num_top, include_usage)
+        return StreamingResponse(
+            chunks, media_type="text/event-stream", background=BackgroundTask(gen.close)
+        )
+
+    texts, token_ids = [""] * n, [[] for _ in range(n)]
+    logprobs: list[list[dict] | None] = [[] if body.logprobs else None for _ in range(n)]
+    finish: list[tuple[str | None, int | str | None]] = [(None, None)] * n
+
+    async def collect() -> None:
+        async for _, delta in gen.deltas():
+            for out in delta.outputs:
+                texts[out.index] += out.text
+                token_ids[out.index] += out.token_ids
+                if logprobs[out.index] is not None and out.logprobs:
+                    entries = chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, num_top)
+                    logprobs[out.index] += entries
+                if out.finish_reason is not None:
+                    finish[out.index] = (out.finish_reason, out.stop_reason)
+
+    try:
+        await unless_disconnected(raw, collect())
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        gen.close()
+    completion_tokens = sum(len(ids) for ids in token_ids)
+    return JSONResponse(
+        {
+            **head,
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": texts[i]},
+                    "logprobs": None if logprobs[i] is None else {"content": logprobs[i]},
+                    "finish_reason": finish[i][0],
+                    "stop_reason": finish[i][1],
+                }
+                for i in range(n)
+            ],
+            "usage": _usage(len(prompt_ids), completion_tokens),
+        }
+    )
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+async def _stream(
+    gen: Generation,
+    state: ServerState,
+    head: dict,
+    n: int,
+    num_prompt_tokens: int,
+    num_top: int,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    head = {**head, "object": "chat.completion.chunk"}
+
+    def chunk(index: int, delta: dict, logprobs=None, finish=(None, None)) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs}
+        choice["finish_reason"], choice["stop_reason"] = finish
+        return sse({**head, "choices": [choice]})
+
+    completion_tokens = 0
+    try:
+        for i in range(n):  # the role first, as OpenAI streams it
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async for _, delta in gen.deltas():
+            for out in delta.outputs:
+                completion_tokens += len(out.token_ids)
+                if not out.text and out.finish_reason is None and not out.logprobs:
+                    continue
+                lps = None
+                if out.logprobs:
+                    entries = chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, num_top)
+                    lps = {"content": entries}
+                content = {"content": out.text} if out.text else {}
+                yield chunk(out.index, content, lps, (out.finish_reason, out.stop_reason))
+        if include_usage:
+            usage = _usage(num_prompt_tokens, completion_tokens)
+            yield sse({**head, "choices": [], "usage": usage})
+        yield SSE_DONE
+    except Exception as exc:  # the engine died mid-stream: say so, then end the stream
+        yield sse(error_body(503, f"generation failed: {exc}", code="engine_dead"))
+        yield SSE_DONE
+    finally:
+        gen.close()

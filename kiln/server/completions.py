@@ -1,0 +1,257 @@
+"""POST /v1/completions: string, list or token-id prompts; stream, echo, logprobs, n.
+
+Each prompt is one engine request; choice `i * n + j` is completion j of prompt i (OpenAI's and
+vLLM's order). `echo` with `max_tokens=0` scores the prompt without generating: the engine must
+generate at least one token, so one is generated and dropped. With `logprobs` that returns the
+prompt's logprobs (the first is null: nothing predicts it), which is how lm-evaluation-harness's
+`local-completions` computes loglikelihoods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kiln.errors import InvalidRequestError
+from kiln.outputs import CompletionOutput, RequestOutput
+from kiln.server.errors import error_body
+from kiln.server.generation import (
+    SSE_DONE,
+    ClientDisconnected,
+    EngineRequest,
+    Generation,
+    sse,
+    unless_disconnected,
+)
+from kiln.server.logprobs import CompletionLogprobs
+from kiln.server.params import build_sampling_params
+from kiln.server.protocol import ERROR_RESPONSES, CompletionRequest, CompletionResponse
+from kiln.server.state import ServerState, State
+
+router = APIRouter()
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: CompletionLogprobs | None = None
+    echoed: bool = False
+
+
+@dataclass
+class _Plan:
+    """What the request asked for, resolved against the model."""
+
+    id: str
+    model: str
+    created: int
+    n: int
+    prompts: list[tuple[str | None, list[int]]]
+    echo: bool
+    drop_output: bool  # max_tokens=0 with echo: the one generated token is not returned
+    include_usage: bool
+    requests: list[EngineRequest] = field(default_factory=list)
+
+
+def _prompts(prompt: object, state: ServerState) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) per prompt."""
+    if isinstance(prompt, str):
+        return [(prompt, state.tokenize(prompt))]
+    if not prompt:
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], str):
+        return [(p, state.tokenize(p)) for p in prompt]
+    id_lists = [prompt] if isinstance(prompt[0], int) else prompt
+    for ids in id_lists:
+        # The engine rejects these too, but without naming the field.
+        bad = next((t for t in ids if t >= state.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"token id {bad} is outside the vocabulary [0, {state.vocab_size})", "prompt"
+            )
+    return [(None, list(ids)) for ids in id_lists]
+
+
+def _plan(body: CompletionRequest, state: ServerState) -> _Plan:
+    if body.suffix:
+        raise InvalidRequestError("suffix is not supported", param="suffix")
+    n = body.n or 1
+    if body.best_of is not None and body.best_of != n:
+        raise InvalidRequestError("best_of other than n is not supported", param="best_of")
+    echo = bool(body.echo)
+    if body.max_tokens == 0 and not echo:
+        raise InvalidRequestError("max_tokens must be >= 1 (0 only with echo)", "max_tokens")
+    prompts = _prompts(body.prompt, state)
+    if len(prompts) > state.lifecycle.max_waiting:
+        raise InvalidRequestError(
+            f"{len(prompts)} prompts are more than this server queues "
+            f"({state.lifecycle.max_waiting})",
+            param="prompt",
+        )
+    drop_output = body.max_tokens == 0
+    want_logprobs = body.logprobs is not None
+    params = build_sampling_params(
+        body,
+        state.defaults,
+        state.vocab_size,
+        max_tokens=1 if drop_output else body.max_tokens,
+        logprobs=body.logprobs if want_logprobs and not drop_output else None,
+        prompt_logprobs=body.logprobs if want_logprobs and echo else None,
+    )
+    plan = _Plan(
+        id=state.new_id("cmpl"),
+        model=state.model_name,
+        created=state.created,
+        n=n,
+        prompts=prompts,
+        echo=echo,
+        drop_output=drop_output,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+    )
+    plan.requests = [
+        EngineRequest(f"{plan.id}-{i}", ids, params, body.priority or 0)
+        for i, (_, ids) in enumerate(prompts)
+    ]
+    return plan
+
+
+def _advance(
+    plan: _Plan,
+    state: ServerState,
+    choice: _Choice,
+    index: int,
+    delta: RequestOutput,
+    out: CompletionOutput,
+) -> str:
+    """Fold one completion delta into its choice; returns the new text (the prompt first, when
+    echoing)."""
+    text = ""
+    if plan.echo and not choice.echoed:
+        choice.echoed = True
+        prompt_text, prompt_ids = plan.prompts[index]
+        if prompt_text is None:
+            prompt_text = state.tokenizer.decode(prompt_ids) if state.tokenizer else ""
+        text = prompt_text
+        if choice.logprobs is not None:
+            positions = delta.prompt_logprobs or [None] * len(prompt_ids)
+            choice.logprobs.extend(prompt_ids, positions)
+    if not plan.drop_output:
+        text += out.text
+        choice.num_tokens += len(out.token_ids)
+        if choice.logprobs is not None and out.logprobs:
+            choice.logprobs.extend(out.token_ids, out.logprobs)
+    if out.finish_reason is not None:
+        choice.finish_reason = "length" if plan.drop_output else out.finish_reason
+        choice.stop_reason = None if plan.drop_output else out.stop_reason
+    choice.text += text
+    return text
+
+
+def _choices(plan: _Plan, state: ServerState, want_logprobs: bool) -> list[_Choice]:
+    return [
+        _Choice(logprobs=CompletionLogprobs(state.tokenizer) if want_logprobs else None)
+        for _ in range(len(plan.prompts) * plan.n)
+    ]
+
+
+def _usage(plan: _Plan, choices: list[_Choice]) -> dict:
+    prompt_tokens = sum(len(ids) for _, ids in plan.prompts)
+    completion_tokens = sum(c.num_tokens for c in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _head(plan: _Plan) -> dict:
+    return {
+        "id": plan.id,
+        "object": "text_completion",
+        "created": plan.created,
+        "model": plan.model,
+    }
+
+
+@router.post(
+    "/v1/completions",
+    response_model=None,
+    responses={200: {"model": CompletionResponse}, **ERROR_RESPONSES},
+)
+async def create_completion(body: CompletionRequest, raw: Request, state: State) -> Response:
+    state.check_model(body.model)
+    plan = _plan(body, state)
+    choices = _choices(plan, state, body.logprobs is not None)
+    gen = await Generation.start(state.engine, state.lifecycle, state.metrics, plan.requests)
+    if body.stream:
+        return StreamingResponse(
+            _stream(gen, plan, state, choices),
+            media_type="text/event-stream",
+            background=BackgroundTask(gen.close),  # in case the stream never started
+        )
+
+    async def collect() -> None:
+        async for index, delta in gen.deltas():
+            for out in delta.outputs:
+                _advance(plan, state, choices[index * plan.n + out.index], index, delta, out)
+
+    try:
+        await unless_disconnected(raw, collect())
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody reads it; the requests are aborted
+    finally:
+        gen.close()
+    result = {
+        **_head(plan),
+        "choices": [
+            {
+                "index": i,
+                "text": c.text,
+                "logprobs": c.logprobs.take() if c.logprobs else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for i, c in enumerate(choices)
+        ],
+        "usage": _usage(plan, choices),
+    }
+    return JSONResponse(result)
+
+
+async def _stream(
+    gen: Generation, plan: _Plan, state: ServerState, choices: list[_Choice]
+) -> AsyncIterator[bytes]:
+    try:
+        async for index, delta in gen.deltas():
+            for out in delta.outputs:
+                number = index * plan.n + out.index
+                choice = choices[number]
+                text = _advance(plan, state, choice, index, delta, out)
+                if not text and out.finish_reason is None and not plan.drop_output:
+                    continue  # a token that completes no character yet
+                if plan.drop_output and out.finish_reason is None:
+                    continue
+                item = {
+                    "index": number,
+                    "text": text,
+                    "logprobs": choice.logprobs.take() if choice.logprobs else None,
+                    "finish_reason": choice.finish_reason,
+                    "stop_reason": choice.stop_reason,
+                }
+                yield sse({**_head(plan), "choices": [item]})
+        if plan.include_usage:
+            yield sse({**_head(plan), "choices": [], "usage": _usage(plan, choices)})
+        yield SSE_DONE
+    except Exception as exc:  # the engine died mid-stream: say so, then end the stream
+        yield sse(error_body(503, f"generation failed: {exc}", code="engine_dead"))
+        yield SSE_DONE
+    finally:
+        gen.close()

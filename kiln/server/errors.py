@@ -1,0 +1,106 @@
+"""Every failure leaves the server as an OpenAI error object:
+`{"error": {"message", "type", "param", "code"}}`, which the openai client turns into its own
+exception classes. Validation failures are 400 (as OpenAI answers), never FastAPI's 422."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kiln.engine.async_engine import EngineDeadError
+from kiln.errors import InvalidRequestError
+
+logger = logging.getLogger("kiln.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class APIError(Exception):
+    """An error with its HTTP status, raised anywhere in a handler."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None):
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def _validation_param(loc: tuple) -> str | None:
+    # ("body", "messages", 0, "content") -> "messages": the top-level field a client can fix.
+    fields = [p for p in loc[1:] if isinstance(p, str)]
+    return fields[0] if fields else None
+
+
+async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    if not errors:
+        return error_response(400, "invalid request body")
+    first = errors[0]
+    param = _validation_param(tuple(first.get("loc", ())))
+    where = f"{param}: " if param else ""
+    message = f"{where}{first.get('msg', 'invalid value')}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problems)"
+    return error_response(400, message, param)
+
+
+async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
+    return error_response(exc.status, exc.message, exc.param, exc.code)
+
+
+async def _on_invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
+    return error_response(400, str(exc), exc.param, exc.code)
+
+
+async def _on_engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+    return error_response(503, str(exc), code="engine_dead")
+
+
+async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_response(exc.status_code, str(exc.detail))
+
+
+async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error", exc_info=exc)
+    return error_response(500, f"internal error: {type(exc).__name__}")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(InvalidRequestError, _on_invalid_request)
+    app.add_exception_handler(EngineDeadError, _on_engine_dead)
+    app.add_exception_handler(StarletteHTTPException, _on_http)
+    app.add_exception_handler(Exception, _on_unexpected)

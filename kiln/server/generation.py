@@ -1,0 +1,165 @@
+"""The engine requests behind one HTTP request: submit them all, merge their delta streams, keep
+the waiting-queue and in-flight books and the latency metrics, and abort whatever is left when the
+client goes away. Shared by /v1/completions (one engine request per prompt) and chat."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from starlette.requests import Request
+
+from kiln.engine.async_engine import AsyncEngine, RequestStream
+from kiln.outputs import RequestOutput
+from kiln.sampling_params import SamplingParams
+from kiln.server.lifecycle import Lifecycle
+from kiln.server.metrics import RequestTimer, ServerMetrics
+
+T = TypeVar("T")
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+class Generation:
+    """Use `await Generation.start(...)`, iterate `deltas()`, and always `close()` (idempotent):
+    closing aborts unfinished engine requests and frees their KV blocks."""
+
+    def __init__(
+        self, engine: AsyncEngine, lifecycle: Lifecycle, metrics: ServerMetrics, n: int
+    ) -> None:
+        self.engine = engine
+        self.lifecycle = lifecycle
+        self.metrics = metrics
+        self.requests: list[EngineRequest] = []
+        self.streams: list[RequestStream] = []
+        self._timers: list[RequestTimer] = []
+        self._started: list[bool] = []
+        self._done: list[bool] = []
+        self._tasks: list[asyncio.Task] = []
+        self._closed = False
+
+    @classmethod
+    async def start(
+        cls,
+        engine: AsyncEngine,
+        lifecycle: Lifecycle,
+        metrics: ServerMetrics,
+        requests: list[EngineRequest],
+    ) -> Generation:
+        """Submit every request. One the engine rejects (InvalidRequestError) rejects them all,
+        before any response byte is sent; nothing stays queued."""
+        lifecycle.admit(len(requests))
+        gen = cls(engine, lifecycle, metrics, len(requests))
+        try:
+            for r in requests:
+                gen.requests.append(r)
+                gen._timers.append(RequestTimer(metrics))
+                gen._started.append(False)
+                gen._done.append(False)
+                lifecycle.num_waiting += 1
+                lifecycle.in_flight.add(r.req_id)
+                gen.streams.append(
+                    await engine.submit(r.prompt_token_ids, r.params, r.req_id, r.priority)
+                )
+                metrics.prompt_tokens.inc(len(r.prompt_token_ids))  # accepted ones only
+        except BaseException:
+            gen.close()
+            raise
+        return gen
+
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(request index, delta) in arrival order until every request has finished. An engine
+        failure is raised here (EngineDeadError)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for delta in stream:
+                    queue.put_nowait((index, delta))
+                queue.put_nowait((index, None))
+            except Exception as exc:
+                queue.put_nowait((index, exc))
+
+        self._tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        remaining = len(self.streams)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                self._observe(index, item)
+                yield index, item
+        finally:
+            self.close()
+
+    def _observe(self, index: int, delta: RequestOutput) -> None:
+        self._timers[index].on_delta(delta)
+        if not self._started[index]:
+            self._started[index] = True
+            self.lifecycle.num_waiting -= 1
+        if delta.finished:
+            self._release(index)
+
+    def _release(self, index: int) -> None:
+        if self._done[index]:
+            return
+        self._done[index] = True
+        if not self._started[index]:
+            self._started[index] = True
+            self.lifecycle.num_waiting -= 1
+        self.lifecycle.in_flight.discard(self.requests[index].req_id)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        for stream in self.streams:
+            stream.close()  # aborts the unfinished ones
+        for index in range(len(self.requests)):
+            self._release(index)
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, but give up (cancelling it) if the client disconnects first: a non-streaming
+    request whose client left must not keep its KV blocks until it completes."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        if work_task.done():
+            return work_task.result()
+        work_task.cancel()
+        await asyncio.wait({work_task})  # let its cleanup (the aborts) run
+        raise ClientDisconnected()
+    finally:
+        watch_task.cancel()
+        work_task.cancel()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body has been read: the next message the server sends is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,97 @@
+"""What every HTTP request passes before routing: the API key, then the body size limit.
+
+Pure ASGI (no BaseHTTPMiddleware), so streaming responses and disconnect messages pass through
+untouched. The body is read here, up to the limit, and replayed to the app; after the replay the
+app's `receive` is the server's again, so disconnects still reach the handlers.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kiln.server.errors import error_body
+
+OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentials
+_DISCARD_LIMIT = 64 << 20
+
+
+class GuardMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        needs_key = self.api_key is not None and scope["path"] not in OPEN_PATHS
+        if needs_key and not self._authorized(headers.get(b"authorization", b"")):
+            message = "invalid or missing API key (Authorization: Bearer <key>)"
+            await _reply(send, 401, message, "invalid_api_key")
+            return
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+            await self._refuse_body(receive, send)
+            return
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:  # a chunked body has no Content-Length to check
+                await self._refuse_body(receive, send, more=message.get("more_body", False))
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, token = header.partition(b" ")
+        # compare_digest takes as long for a wrong key as for a right one: no timing oracle.
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+
+    async def _refuse_body(self, receive: Receive, send: Send, more: bool = True) -> None:
+        """413. A client still sending would see a reset instead of our answer, so read (and
+        drop) a bounded amount of what it sends first; past that, it gets the reset."""
+        budget = _DISCARD_LIMIT
+        while more and budget > 0:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            budget -= len(message.get("body", b""))
+            more = message.get("more_body", False)
+        message = f"request body is larger than the limit of {self.max_body_bytes} bytes"
+        await _reply(send, 413, message, "request_too_large")
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _reply(send: Send, status: int, message: str, code: str | None) -> None:
+    body = json.dumps(error_body(status, message, None, code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

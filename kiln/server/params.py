@@ -1,0 +1,60 @@
+"""Request body -> SamplingParams, with the checks that need the model (its vocabulary) and the
+refusals of OpenAI features kiln does not implement (a clear 400 rather than silent ignoring)."""
+
+from __future__ import annotations
+
+from kiln.errors import InvalidRequestError
+from kiln.sampling_params import SamplingParams
+from kiln.server.protocol import SamplingFields
+
+
+def _pick(value: object, default: object) -> object:
+    return default if value is None else value
+
+
+def refuse_unsupported(req: SamplingFields) -> None:
+    if req.logit_bias:
+        raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
+
+
+def build_sampling_params(
+    req: SamplingFields,
+    defaults: SamplingParams,
+    vocab_size: int,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    """SamplingParams for one request; fields the client left out take the model's defaults.
+    SamplingParams validates the rest and names the field (-> 400 with `param`)."""
+    refuse_unsupported(req)
+    stop_token_ids = list(req.stop_token_ids or [])
+    # Out-of-vocabulary ids would index past the logits when masked under min_tokens.
+    bad = [t for t in stop_token_ids if t >= vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})",
+            param="stop_token_ids",
+        )
+    stop = req.stop if req.stop is not None else []
+    return SamplingParams(
+        n=_pick(req.n, 1),
+        temperature=_pick(req.temperature, defaults.temperature),
+        top_p=_pick(req.top_p, defaults.top_p),
+        top_k=_pick(req.top_k, defaults.top_k),
+        min_p=_pick(req.min_p, defaults.min_p),
+        repetition_penalty=_pick(req.repetition_penalty, defaults.repetition_penalty),
+        presence_penalty=_pick(req.presence_penalty, 0.0),
+        frequency_penalty=_pick(req.frequency_penalty, 0.0),
+        seed=req.seed,
+        max_tokens=max_tokens,
+        min_tokens=_pick(req.min_tokens, 0),
+        stop=[stop] if isinstance(stop, str) else list(stop),
+        stop_token_ids=stop_token_ids,
+        ignore_eos=bool(req.ignore_eos),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=_pick(req.skip_special_tokens, True),
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+    )

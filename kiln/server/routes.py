@@ -1,0 +1,69 @@
+"""The small endpoints: /v1/models, /health, /version, /metrics, /tokenize, /detokenize."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from starlette.responses import JSONResponse, Response
+
+import kiln
+from kiln.errors import InvalidRequestError
+from kiln.server.chat import chat_prompt_ids
+from kiln.server.errors import error_response
+from kiln.server.metrics import CONTENT_TYPE
+from kiln.server.protocol import ERROR_RESPONSES, DetokenizeRequest, TokenizeRequest
+from kiln.server.state import State
+
+router = APIRouter()
+
+
+@router.get("/v1/models", responses=ERROR_RESPONSES)
+async def list_models(state: State) -> dict:
+    card = {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "kiln",
+        "root": state.model_name,
+        "max_model_len": state.max_model_len,
+    }
+    return {"object": "list", "data": [card]}
+
+
+@router.get("/health", responses=ERROR_RESPONSES)
+async def health(state: State) -> Response:
+    """200 while the engine loop runs and the server accepts work; 503 otherwise."""
+    if not state.engine.healthy:
+        message = f"engine loop is dead: {state.engine.error!r}"
+        return error_response(503, message, code="engine_dead")
+    if state.lifecycle.draining:
+        return error_response(503, "the server is shutting down", code="shutting_down")
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": kiln.__version__}
+
+
+@router.get("/metrics", response_class=Response, responses=ERROR_RESPONSES)
+async def metrics(state: State) -> Response:
+    body = await state.metrics.render(state.engine)
+    return Response(body, media_type=CONTENT_TYPE)
+
+
+@router.post("/tokenize", responses=ERROR_RESPONSES)
+async def tokenize(body: TokenizeRequest, state: State) -> JSONResponse:
+    state.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
+    if body.messages is not None:
+        ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt is not False)
+    else:
+        ids = state.tokenize(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
+
+
+@router.post("/detokenize", responses=ERROR_RESPONSES)
+async def detokenize(body: DetokenizeRequest, state: State) -> JSONResponse:
+    state.check_model(body.model)
+    return JSONResponse({"prompt": state.detokenize(body.tokens)})
