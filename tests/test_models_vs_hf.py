@@ -65,3 +65,38 @@ def test_prompt_logprobs_match_hf(tmp_path):
         assert prompt[pos] in entry
         expected = logits[pos - 1, prompt[pos]].item()
         assert entry[prompt[pos]].logprob == pytest.approx(expected, abs=1e-4)
+
+
+def test_generation_config_defaults_and_eos_ids(tmp_path):
+    import json
+
+    build_tiny_hf_model("llama-gqa", str(tmp_path))
+    greedy = LLM(str(tmp_path)).generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8))
+    first_token = greedy[0].outputs[0].token_ids[0]
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [2, first_token], "temperature": 0.0, "max_new_tokens": 5})
+    )
+    llm = LLM(str(tmp_path))
+    assert first_token in llm.engine.eos_token_ids
+    out = llm.generate([PROMPTS[0]])[0].outputs[0]  # no params: the file's defaults apply
+    assert out.token_ids == [first_token] and out.finish_reason == "stop"
+    out = llm.generate([PROMPTS[1]])[0].outputs[0]
+    assert len(out.token_ids) <= 5
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    hf_model = build_tiny_hf_model("llama-gqa", str(tmp_path / "one"))
+    hf_model.save_pretrained(str(tmp_path / "many"), max_shard_size="50KB")
+    assert (tmp_path / "many" / "model.safetensors.index.json").exists()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    one = LLM(str(tmp_path / "one")).generate(PROMPTS, params)
+    many = LLM(str(tmp_path / "many")).generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in one] == [o.outputs[0].token_ids for o in many]
+
+
+def test_dummy_weights_from_preset():
+    llm = LLM("smollm2-135m", load_format="dummy", max_model_len=256)
+    weight = llm.engine.runner.model.layers[0].mlp.down_proj.weight
+    assert 0.015 < weight.std().item() < 0.025  # a trained model's scale, not zeros or garbage
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].text == ""  # no tokenizer

@@ -37,6 +37,12 @@ class LLMEngine:
         self.eos_token_ids = tuple(loaded.config.eos_token_ids)
 
         max_model_len = config.max_model_len or loaded.config.max_position_embeddings
+        window = loaded.config.sliding_window
+        if window is not None and window < max_model_len:
+            # Sliding-window attention is not built: within the window it equals full attention,
+            # so cap the context there rather than compute something else past it.
+            logger.warning("sliding window %d: max_model_len capped to it", window)
+            max_model_len = window
         self.memory_plan = plan_kv_blocks(config, loaded.model, max_model_len, self.device)
         num_blocks = self.memory_plan.num_blocks
         # Every admitted request must fit the cache on its own, or preemption could never help.
@@ -68,7 +74,9 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------
 
     def default_sampling_params(self) -> SamplingParams:
-        """SamplingParams from the model's generation_config.json, when a request gives none."""
+        """SamplingParams from the model's generation_config.json, when a request gives none
+        (like vLLM: its temperature/top_p/top_k/repetition_penalty/max_new_tokens; do_sample is
+        not consulted)."""
         d = self.generation_defaults
         kwargs = {}
         for ours, theirs in (
@@ -80,8 +88,6 @@ class LLMEngine:
         ):
             if d.get(theirs) is not None:
                 kwargs[ours] = d[theirs]
-        if d.get("do_sample") is False:
-            kwargs["temperature"] = 0.0
         return SamplingParams(**kwargs)
 
     def tokenize(self, prompt: str) -> list[int]:
