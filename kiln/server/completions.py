@@ -235,10 +235,11 @@ async def _stream(
                 number = index * plan.n + out.index
                 choice = choices[number]
                 text = _advance(plan, state, choice, index, delta, out)
-                if not text and out.finish_reason is None and not plan.drop_output:
-                    continue  # a token that completes no character yet
-                if plan.drop_output and out.finish_reason is None:
-                    continue
+                pending_logprobs = choice.logprobs is not None and choice.logprobs.tokens
+                if out.finish_reason is None and (
+                    plan.drop_output or not (text or pending_logprobs)
+                ):
+                    continue  # a token that completes no character yet: its text comes later
                 item = {
                     "index": number,
                     "text": text,
