@@ -176,13 +176,13 @@ async def _stream(
         async for _, delta in gen.deltas():
             for out in delta.outputs:
                 completion_tokens += len(out.token_ids)
-                if not out.text and out.finish_reason is None and not out.logprobs:
-                    continue
+                if not out.token_ids and out.finish_reason is None:
+                    continue  # a chunk per token, text or not: clients time arrivals by chunks
                 lps = None
                 if out.logprobs:
                     entries = chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, num_top)
                     lps = {"content": entries}
-                content = {"content": out.text} if out.text else {}
+                content = {"content": out.text} if out.text or out.token_ids else {}
                 yield chunk(out.index, content, lps, (out.finish_reason, out.stop_reason))
         if include_usage:
             usage = _usage(num_prompt_tokens, completion_tokens)

@@ -235,11 +235,10 @@ async def _stream(
                 number = index * plan.n + out.index
                 choice = choices[number]
                 text = _advance(plan, state, choice, index, delta, out)
-                pending_logprobs = choice.logprobs is not None and choice.logprobs.tokens
-                if out.finish_reason is None and (
-                    plan.drop_output or not (text or pending_logprobs)
-                ):
-                    continue  # a token that completes no character yet: its text comes later
+                # One chunk per generated token, even one that completes no character yet (as
+                # vLLM streams): clients time token arrivals by chunks.
+                if out.finish_reason is None and (plan.drop_output or not out.token_ids):
+                    continue
                 item = {
                     "index": number,
                     "text": text,

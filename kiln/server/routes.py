@@ -25,6 +25,7 @@ async def list_models(state: State) -> dict:
         "owned_by": "kiln",
         "root": state.model_name,
         "max_model_len": state.max_model_len,
+        "vocab_size": state.vocab_size,  # lets a load generator draw valid random token ids
     }
     return {"object": "list", "data": [card]}
 
