@@ -63,7 +63,11 @@ def paged_decode_attention(
 
     keys, values = gather(k_cache), gather(v_cache)
     mask = None
-    if num_seqs > 1:  # one sequence is exactly max_seq_len long: nothing to mask
+    # max_seq_len is an upper bound, not the length: decodes in a mixed step get the whole step's
+    # maximum, a graph-padded batch its bucket's. Only a lone sequence known (on the CPU, where
+    # looking costs no sync) to be exactly max_seq_len long needs no mask.
+    exact = num_seqs == 1 and query.device.type == "cpu" and int(seq_lens[0]) == max_seq_len
+    if not exact:
         positions = torch.arange(max_seq_len, device=query.device)
         mask = (positions[None, :] < seq_lens[:, None].to(positions.dtype))[:, None, None, :]
     out = F.scaled_dot_product_attention(
