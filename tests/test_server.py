@@ -390,3 +390,29 @@ def test_metrics_carry_vllm_names(http):
         assert f"kiln:{name}" in text, name
     assert metric(http, "generation_tokens_total") >= 3
     assert 'finished_reason="length"' in text
+
+
+def test_bench_serve_client(server):
+    """`kiln bench serve` against this server: every request completes, every token is timed."""
+    import argparse
+
+    from kiln.bench.serve_client import run_serve_bench
+
+    args = argparse.Namespace(
+        base_url=server.base_url,
+        api_key=None,
+        vocab_size=None,
+        concurrency=2,
+        num_requests=4,
+        input_len="16",
+        output_len="4",
+        dataset_seed=0,
+        warmup=0,
+        request_rate=float("inf"),
+        output_json=None,
+    )
+    record = run_serve_bench(args)
+    report = record["kiln"]
+    assert record["num_failed"] == 0 and report["num_requests"] == 4
+    assert report["output_tokens"] == 16 and report["input_tokens"] == 64
+    assert report["ttft"]["p50_ms"] > 0 and report["itl"]["p99_ms"] > 0

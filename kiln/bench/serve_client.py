@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import os
 import platform
 import random
 import subprocess
@@ -125,7 +126,9 @@ def _environment() -> dict:
         "command": " ".join(sys.argv),
         "git_revision": rev or "unknown",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "client_host": f"{platform.machine()} {platform.system()}",
+        "client_host": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs",
+        # Client and server often share the host: its load says how noisy the numbers are.
+        "load_avg_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "python": platform.python_version(),
     }
 

@@ -64,25 +64,39 @@ class Generation:
         metrics: ServerMetrics,
         requests: list[EngineRequest],
     ) -> Generation:
-        """Submit every request. One the engine rejects (InvalidRequestError) rejects them all,
-        before any response byte is sent; nothing stays queued."""
+        """Submit every request at once (the engine thread takes them in one go, so a list of
+        prompts is scheduled together rather than one step each). One the engine rejects
+        (InvalidRequestError) rejects them all before any response byte is sent; the accepted
+        ones are aborted, nothing stays queued."""
         lifecycle.admit(len(requests))
         gen = cls(engine, lifecycle, metrics, len(requests))
+        for r in requests:
+            gen.requests.append(r)
+            gen._timers.append(RequestTimer(metrics))
+            gen._started.append(False)
+            gen._done.append(False)
+            lifecycle.num_waiting += 1
+            lifecycle.in_flight.add(r.req_id)
+        tasks = [
+            asyncio.ensure_future(engine.submit(r.prompt_token_ids, r.params, r.req_id, r.priority))
+            for r in requests
+        ]
+        interrupted = True
         try:
-            for r in requests:
-                gen.requests.append(r)
-                gen._timers.append(RequestTimer(metrics))
-                gen._started.append(False)
-                gen._done.append(False)
-                lifecycle.num_waiting += 1
-                lifecycle.in_flight.add(r.req_id)
-                gen.streams.append(
-                    await engine.submit(r.prompt_token_ids, r.params, r.req_id, r.priority)
-                )
-                metrics.prompt_tokens.inc(len(r.prompt_token_ids))  # accepted ones only
-        except BaseException:
-            gen.close()
-            raise
+            await asyncio.wait(tasks)
+            interrupted = False
+        finally:
+            for task in tasks:
+                task.cancel()  # only those still waiting: they withdraw their own requests
+            done = [t for t in tasks if t.done() and not t.cancelled()]
+            gen.streams = [t.result() for t in done if t.exception() is None]
+            failure = next((t.exception() for t in done if t.exception() is not None), None)
+            if interrupted or failure is not None or len(gen.streams) < len(tasks):
+                gen.close()  # aborts the accepted ones
+        if failure is not None:
+            raise failure
+        for r in requests:
+            metrics.prompt_tokens.inc(len(r.prompt_token_ids))  # accepted ones only
         return gen
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
