@@ -40,6 +40,19 @@ class AttentionBackend(ABC):
     """
 
     name: str
+    supports_cuda_graphs: bool = False
+    """Decode steps may be captured in CUDA graphs (no host syncs, no data-dependent launches)."""
+
+    def decode_graph_seq_lens(
+        self, num_seqs: int, num_kv_heads: int, max_model_len: int, device: torch.device
+    ) -> list[int]:
+        """Context-length buckets to capture decode graphs at for a batch of `num_seqs`.
+
+        A graph freezes every host-side launch choice made from `metadata.max_seq_len` (a split-K
+        factor, say): one graph is needed per distinct choice, captured at the bucket's upper
+        bound. The last bucket must be `max_model_len`. Default: choices do not depend on it.
+        """
+        return [max_model_len]
 
     @abstractmethod
     def forward(

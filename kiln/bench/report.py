@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -15,18 +16,22 @@ import torch
 def environment(device: torch.device) -> dict:
     import transformers
 
-    try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        rev, dirty = "unknown", ""
+    # KILN_GIT_REVISION: for machines the code reaches without its .git (a copied tree).
+    rev, dirty = os.environ.get("KILN_GIT_REVISION", ""), ""
+    if not rev:
+        try:
+            rev = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    rev = rev or "unknown"
     if device.type == "cuda":
         hardware = torch.cuda.get_device_name(device)
     else:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import gc
+import time
+
+import torch
 
 from kiln.bench.hf_baseline import hf_decode_rate, load_hf_model, run_hf
 from kiln.bench.metrics import throughput_report
@@ -15,7 +19,9 @@ from kiln.engine.llm_engine import LLMEngine
 
 
 def run_bench(args: argparse.Namespace, config: EngineConfig) -> dict:
+    start = time.perf_counter()
     engine = LLMEngine(config)
+    startup_s = time.perf_counter() - start
     num_requests = args.num_requests or (64 if args.mode == "throughput" else 3)
     requests = synthetic_requests(
         num_requests,
@@ -40,35 +46,59 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> dict:
         },
         "engine_config": {k: v for k, v in vars(config).items() if v is not None},
         "memory_plan": {
-            "weight_gib": plan.weight_bytes / 2**30,
-            "kv_blocks": plan.num_blocks,
-            "kv_tokens": plan.kv_tokens,
+            **plan.as_dict(),
             "summary": plan.describe(max(len(r.prompt_token_ids) + r.output_len for r in requests)),
         },
+        "startup_s": startup_s,
         "env": environment(engine.device),
     }
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        record["cuda_graphs"] = {
+            "num_graphs": graphs.num_graphs,
+            "batch_sizes": graphs.batch_sizes,
+            "capture_s": graphs.capture_seconds,
+            "pool_gib": graphs.pool_bytes / 2**30,
+        }
     print(f"memory plan: {record['memory_plan']['summary']}")
 
     if args.warmup:
         run_kiln(engine, requests[: args.warmup], progress=False)
     concurrency = args.concurrency if args.mode == "throughput" else 1
-    kiln_report = throughput_report(run_kiln(engine, requests, concurrency, progress))
+    engine.runner.step_timing = {}  # a few clock reads per step: host vs GPU time, recorded
+    step_clock: dict[str, float] = {}
+    kiln_report = throughput_report(run_kiln(engine, requests, concurrency, progress, step_clock))
     record["kiln"] = kiln_report
+    record["step_profile"] = _step_profile(engine.runner.step_timing, step_clock)
     if args.mode == "latency":
         record["kiln"]["decode_tok_s"] = 1000.0 / kiln_report["tpot"]["mean_ms"]
         record["roofline"] = _decode_roofline(engine, requests, kiln_report)
 
     if args.baseline == "hf":
         model_path = config.model or default_model_path()
-        hf_model = load_hf_model(model_path, engine.dtype, engine.device)
-        del engine  # free the KV cache before the baseline runs
+        dtype, device = engine.dtype, engine.device
+        # Free kiln's weights, KV cache and graphs before the baseline loads: both at once would
+        # not fit an 8B model next to a KV cache planned for most of the card.
+        del engine, graphs
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        hf_model = load_hf_model(model_path, dtype, device)
+        # HF's share of the requests: it is slow, and its static batches reach steady state in
+        # one batch. Default: one batch (throughput) or one request (latency).
+        hf_num = getattr(args, "hf_num_requests", None)
         if args.mode == "throughput":
             batch = args.hf_batch_size or args.concurrency or len(requests)
-            record["hf"] = throughput_report(run_hf(hf_model, requests, batch, progress))
+            hf_requests = requests[: hf_num or batch]
+            record["hf"] = throughput_report(run_hf(hf_model, hf_requests, batch, progress))
             record["hf"]["batch_size"] = batch
         else:
-            rates = [hf_decode_rate(hf_model, r.prompt_token_ids, r.output_len) for r in requests]
+            hf_requests = requests[: hf_num or 1]
+            rates = [
+                hf_decode_rate(hf_model, r.prompt_token_ids, r.output_len) for r in hf_requests
+            ]
             record["hf"] = {
+                "num_requests": len(hf_requests),
                 "decode_tok_s": sum(r["decode_tok_s"] for r in rates) / len(rates),
                 "ttft": {"mean_ms": sum(r["ttft_ms"] for r in rates) / len(rates)},
             }
@@ -79,6 +109,28 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> dict:
         write_json(args.output_json, record)
         print(f"wrote {args.output_json}")
     return record
+
+
+def _step_profile(runner_timing: dict, step_clock: dict) -> dict:
+    """Per-step means (ms): where the host spends a step, and how much of it the GPU was busy."""
+    steps = max(runner_timing.get("steps", 0), 1)
+    profile = {
+        name + "_ms": runner_timing[name] / steps * 1000
+        for name in ("prepare", "forward_launch", "sample_launch", "sync_wait", "finish", "gpu")
+        if name in runner_timing
+    }
+    profile["runner_steps"] = runner_timing.get("steps", 0)
+    profile["graph_steps"] = runner_timing.get("graph_steps", 0)
+    if step_clock.get("steps"):
+        wall = step_clock["wall"] / step_clock["steps"] * 1000
+        profile["engine_step_ms"] = wall
+        runner_ms = sum(profile.get(n + "_ms", 0.0) for n in ("prepare", "forward_launch"))
+        runner_ms += sum(profile.get(n + "_ms", 0.0) for n in ("sample_launch", "sync_wait"))
+        runner_ms += profile.get("finish_ms", 0.0)
+        profile["engine_outside_runner_ms"] = wall - runner_ms  # schedule, update, outputs
+        if "gpu_ms" in profile:
+            profile["gpu_busy_fraction"] = profile["gpu_ms"] / wall
+    return profile
 
 
 def _decode_roofline(engine: LLMEngine, requests, report: dict) -> dict:

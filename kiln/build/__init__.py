@@ -1,18 +1,30 @@
-"""Checkpoint readers: Hugging Face safetensors directories and GGUF files, as HF-named tensors."""
+"""Checkpoint readers: Hugging Face safetensors directories and GGUF files, as HF-named tensors.
 
-from kiln.build.default_model import default_model_path
-from kiln.build.gguf_loader import GGUFModel, load_gguf, load_gguf_tokenizer
-from kiln.build.model_config import PRESETS, SUPPORTED_ARCHITECTURES, ModelConfig
-from kiln.build.safetensors_loader import load_hf_checkpoint, read_generation_config
+Names are imported on first use (PEP 562), so loading an HF checkpoint or a preset never imports
+the `gguf` package (absent on some GPU images), nor safetensors for a GGUF file.
+"""
 
-__all__ = [
-    "PRESETS",
-    "SUPPORTED_ARCHITECTURES",
-    "GGUFModel",
-    "ModelConfig",
-    "default_model_path",
-    "load_gguf",
-    "load_gguf_tokenizer",
-    "load_hf_checkpoint",
-    "read_generation_config",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "default_model_path": "kiln.build.default_model",
+    "GGUFModel": "kiln.build.gguf_loader",
+    "load_gguf": "kiln.build.gguf_loader",
+    "load_gguf_tokenizer": "kiln.build.gguf_loader",
+    "PRESETS": "kiln.build.model_config",
+    "SUPPORTED_ARCHITECTURES": "kiln.build.model_config",
+    "ModelConfig": "kiln.build.model_config",
+    "load_hf_checkpoint": "kiln.build.safetensors_loader",
+    "read_generation_config": "kiln.build.safetensors_loader",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kiln.build' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

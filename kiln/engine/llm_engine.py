@@ -67,6 +67,10 @@ class LLMEngine:
             config.block_size,
             self.eos_token_ids,
             attention_backend=config.attention_backend,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enforce_eager=config.enforce_eager,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

@@ -1,8 +1,15 @@
-"""Packs one step's scheduled tokens into flat tensors (no padding) for the model."""
+"""Packs one step's scheduled tokens into flat tensors (no padding) for the model.
+
+The buffers persist across steps: host arrays (pinned on CUDA, so copies are asynchronous) are
+filled with numpy, copied once into device tensors of fixed address, and the model reads views of
+those. Fixed addresses are what CUDA graphs need; pinned memory is what lets the host run ahead of
+the GPU. Each request keeps a row of a persistent host block table, so a step gathers block ids
+with one numpy index instead of converting Python lists.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,9 +28,17 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    row: int = -1  # its row in InputBuffers' persistent block table (set by the runner)
+    token_ids: list[int] = field(init=False)
+    plain_greedy: bool = field(init=False)
+    """Greedy with nothing else to do (no penalties, logprobs or min_tokens): argmax alone."""
 
     def __post_init__(self) -> None:
         self.token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+        p = self.sampling_params
+        self.plain_greedy = (
+            p.greedy and not p.uses_penalties and p.logprobs is None and p.min_tokens == 0
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -34,72 +49,206 @@ class CachedRequestState:
 class PackedBatch:
     req_ids: list[str]  # batch order: decodes (one token) first, then prefill chunks
     num_scheduled: list[int]  # tokens of each request this step, batch order
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
-    metadata: AttentionMetadata
-    query_start_loc_cpu: list[int]
+    input_ids: torch.Tensor  # [num_tokens (padded)] int64
+    positions: torch.Tensor  # [num_tokens (padded)] int64
+    metadata: AttentionMetadata  # unpadded: num_seqs real sequences
+    query_start_loc_np: np.ndarray  # [num_seqs + 1] host copy
     sampling_rows: list[int]  # batch indices of requests that sample this step
-    logits_indices: torch.Tensor  # [len(sampling_rows)]: each one's last token in the pack
+    logits_indices: torch.Tensor | None  # [len(sampling_rows)]; None: row i samples at token i
+    num_padded_seqs: int  # num_seqs rounded up to a CUDA-graph batch size (= num_seqs if eager)
 
 
-def build_packed_batch(
-    states: list[CachedRequestState],  # in batch order
-    num_scheduled: list[int],
-    block_size: int,
-    device: torch.device,
-) -> PackedBatch:
-    num_seqs = len(states)
-    query_lens = np.asarray(num_scheduled, dtype=np.int64)
-    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(query_lens, out=query_start_loc[1:])
-    num_tokens = int(query_start_loc[-1])
-    start_positions = np.asarray([s.num_computed_tokens for s in states], dtype=np.int64)
-    seq_lens = start_positions + query_lens
+class InputBuffers:
+    """Persistent host and device buffers for one step's inputs (see the module docstring)."""
 
-    # Token i of sequence r sits at position start_positions[r] + i.
-    seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
-    positions = (
-        np.arange(num_tokens) - query_start_loc[seq_of_token] + start_positions[seq_of_token]
-    )
-    input_ids = np.empty(num_tokens, dtype=np.int64)
-    for r, state in enumerate(states):
-        a, b = int(start_positions[r]), int(seq_lens[r])
-        input_ids[query_start_loc[r] : query_start_loc[r + 1]] = state.token_ids[a:b]
+    def __init__(
+        self,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.device = device
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_tokens = max(max_num_tokens, max_num_seqs)  # a padded decode batch fits
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        pin = device.type == "cuda"
+        t, s, w = self.max_num_tokens, max_num_seqs, self.max_blocks_per_seq
 
-    max_blocks = max(len(s.block_ids) for s in states)
-    block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-    for r, state in enumerate(states):
-        block_tables[r, : len(state.block_ids)] = state.block_ids
-    slot_mapping = (
-        block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size
-        + positions % block_size
-    )
+        def host(n: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, pin_memory=pin)
 
-    sampling_rows = [r for r, s in enumerate(states) if seq_lens[r] == s.num_tokens]
-    logits_indices = query_start_loc[1:][sampling_rows] - 1
-    num_decodes = 0
-    while num_decodes < num_seqs and query_lens[num_decodes] == 1:
-        num_decodes += 1
+        def dev(shape: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
 
-    def to_dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(a).to(device=device, dtype=dtype, non_blocking=True)
+        self.input_ids_cpu = host(t, torch.int64)
+        self.positions_cpu = host(t, torch.int64)
+        self.slot_mapping_cpu = host(t, torch.int64)
+        self.seq_lens_cpu = host(s, torch.int32)
+        self.query_start_loc_cpu = host(s + 1, torch.int32)
+        self.block_table_cpu = host(s * w, torch.int32)  # compact [num_seqs, num_cols] prefix
+        self.logits_indices_cpu = host(s, torch.int64)
+        self.sampled_cpu = host(s, torch.int64)  # the step's one device->host copy lands here
 
-    metadata = AttentionMetadata(
-        slot_mapping=to_dev(slot_mapping, torch.int64),
-        query_start_loc=to_dev(query_start_loc, torch.int32),
-        seq_lens=to_dev(seq_lens, torch.int32),
-        block_tables=to_dev(block_tables, torch.int32),
-        num_decodes=num_decodes,
-        max_query_len=int(query_lens.max()),
-        max_seq_len=int(seq_lens.max()),
-    )
-    return PackedBatch(
-        req_ids=[s.req_id for s in states],
-        num_scheduled=list(num_scheduled),
-        input_ids=to_dev(input_ids, torch.int64),
-        positions=to_dev(positions, torch.int64),
-        metadata=metadata,
-        query_start_loc_cpu=query_start_loc.tolist(),
-        sampling_rows=sampling_rows,
-        logits_indices=to_dev(np.asarray(logits_indices, dtype=np.int64), torch.int64),
-    )
+        self.input_ids = dev(t, torch.int64)
+        self.positions = dev(t, torch.int64)
+        self.slot_mapping = dev(t, torch.int64)
+        self.seq_lens = dev(s, torch.int32)
+        self.query_start_loc = dev(s + 1, torch.int32)
+        self.block_tables = dev((s, w), torch.int32)  # the kernels' table: row stride w
+        self.block_table_staging = dev(s * w, torch.int32)
+        self.logits_indices = dev(s, torch.int64)
+
+        # numpy views of the host buffers (same memory).
+        self._ids = self.input_ids_cpu.numpy()
+        self._pos = self.positions_cpu.numpy()
+        self._slots = self.slot_mapping_cpu.numpy()
+        self._seq_lens = self.seq_lens_cpu.numpy()
+        self._qsl = self.query_start_loc_cpu.numpy()
+        self._bt = self.block_table_cpu.numpy()
+        self._logits_idx = self.logits_indices_cpu.numpy()
+
+        # Each live request's block ids, one persistent row each.
+        self.req_block_table = np.zeros((s, w), dtype=np.int32)
+        self._free_rows = list(range(s - 1, -1, -1))
+        self._copies_done = torch.cuda.Event() if pin else None
+        self._copies_pending = False
+
+    # ---- per-request rows --------------------------------------------------------------------
+
+    def add_request(self, block_ids: list[int]) -> int:
+        if not self._free_rows:
+            raise RuntimeError(f"more than max_num_seqs={self.max_num_seqs} requests in the runner")
+        row = self._free_rows.pop()
+        self.req_block_table[row, : len(block_ids)] = block_ids
+        return row
+
+    def append_blocks(self, row: int, start: int, block_ids: list[int]) -> None:
+        if block_ids:
+            self.req_block_table[row, start : start + len(block_ids)] = block_ids
+
+    def remove_request(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def wait_for_copies(self) -> None:
+        """The host buffers are about to be rewritten: the last step's copies must have read them.
+        (Normally long done: every sampling step syncs on its tokens after these copies.)"""
+        if self._copies_pending:
+            self._copies_done.synchronize()
+            self._copies_pending = False
+
+    def prepare(
+        self,
+        states: list[CachedRequestState],  # in batch order: decodes first
+        num_scheduled: list[int],
+        num_padded_seqs: int | None = None,  # decode-only: pad to this many one-token rows
+    ) -> PackedBatch:
+        self.wait_for_copies()
+        n = len(states)
+        bs = self.block_size
+        query_lens = np.asarray(num_scheduled, dtype=np.int64)
+        qsl = self._qsl
+        qsl[0] = 0
+        np.cumsum(query_lens, out=qsl[1 : n + 1])
+        num_tokens = int(qsl[n])
+        start = np.fromiter((s.num_computed_tokens for s in states), np.int64, n)
+        seq_lens = start + query_lens
+        rows = np.fromiter((s.row for s in states), np.int64, n)
+        decode_only = num_tokens == n
+
+        ids = self._ids
+        if decode_only:
+            seq_of_token = np.arange(n)
+            positions = start
+            for r, s in enumerate(states):
+                ids[r] = s.token_ids[s.num_computed_tokens]
+        else:
+            # Token i of sequence r sits at position start[r] + i.
+            seq_of_token = np.repeat(np.arange(n), query_lens)
+            positions = np.arange(num_tokens) - qsl[seq_of_token] + start[seq_of_token]
+            for r, s in enumerate(states):
+                a = s.num_computed_tokens
+                ids[qsl[r] : qsl[r + 1]] = s.token_ids[a : a + num_scheduled[r]]
+
+        num_cols = -(-int(seq_lens.max()) // bs)
+        padded = n if num_padded_seqs is None else num_padded_seqs
+        assert padded == n or decode_only, "only decode-only steps are padded"
+        table = self._bt[: padded * num_cols].reshape(padded, num_cols)
+        table[:n] = self.req_block_table[rows, :num_cols]
+        self._pos[:num_tokens] = positions
+        self._slots[:num_tokens] = table[seq_of_token, positions // bs] * bs + positions % bs
+        self._seq_lens[:n] = seq_lens
+        if padded > n:
+            # Padding rows: token 0 at position 0 attending to one key of block 0 (harmless reads);
+            # slot -1 tells the KV write to skip them, so no real sequence's cache is touched.
+            ids[n:padded] = 0
+            self._pos[n:padded] = 0
+            self._slots[n:padded] = -1
+            self._seq_lens[n:padded] = 1
+            qsl[n + 1 : padded + 1] = np.arange(n + 1, padded + 1)
+            table[n:] = 0
+
+        # Who samples: requests whose scheduled tokens reach their last known token.
+        num_known = np.fromiter((s.num_tokens for s in states), np.int64, n)
+        samples = seq_lens == num_known
+        logits_indices = None
+        if decode_only and samples.all():
+            sampling_rows = list(range(n))
+        else:
+            sampling_rows = np.flatnonzero(samples).tolist()
+            k = len(sampling_rows)
+            self._logits_idx[:k] = qsl[1 : n + 1][samples] - 1
+            logits_indices = self.logits_indices[:k]
+
+        self._copy_to_device(max(num_tokens, padded), padded, num_cols, logits_indices)
+        metadata = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_tokens],
+            query_start_loc=self.query_start_loc[: n + 1],
+            seq_lens=self.seq_lens[:n],
+            block_tables=self.block_tables[:n, :num_cols],
+            # Decodes lead the batch: the first row of more than one token ends them.
+            num_decodes=n if decode_only else int(np.argmax(query_lens != 1)),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return PackedBatch(
+            req_ids=[s.req_id for s in states],
+            num_scheduled=num_scheduled,
+            input_ids=self.input_ids[:num_tokens],
+            positions=self.positions[:num_tokens],
+            metadata=metadata,
+            query_start_loc_np=qsl[: n + 1].copy(),
+            sampling_rows=sampling_rows,
+            logits_indices=logits_indices,
+            num_padded_seqs=padded,
+        )
+
+    def _copy_to_device(
+        self, num_tokens: int, num_seqs: int, num_cols: int, logits_indices: torch.Tensor | None
+    ) -> None:
+        """One asynchronous copy per buffer, of the prefix this step uses."""
+        nb = True
+        self.input_ids[:num_tokens].copy_(self.input_ids_cpu[:num_tokens], non_blocking=nb)
+        self.positions[:num_tokens].copy_(self.positions_cpu[:num_tokens], non_blocking=nb)
+        self.slot_mapping[:num_tokens].copy_(self.slot_mapping_cpu[:num_tokens], non_blocking=nb)
+        self.seq_lens[:num_seqs].copy_(self.seq_lens_cpu[:num_seqs], non_blocking=nb)
+        self.query_start_loc[: num_seqs + 1].copy_(
+            self.query_start_loc_cpu[: num_seqs + 1], non_blocking=nb
+        )
+        # The table travels compact ([num_seqs, num_cols]) and is spread into its row-stride-w
+        # home on the device: a step moves only the columns its longest sequence needs.
+        size = num_seqs * num_cols
+        self.block_table_staging[:size].copy_(self.block_table_cpu[:size], non_blocking=nb)
+        self.block_tables[:num_seqs, :num_cols].copy_(
+            self.block_table_staging[:size].view(num_seqs, num_cols)
+        )
+        if logits_indices is not None:
+            k = logits_indices.shape[0]
+            logits_indices.copy_(self.logits_indices_cpu[:k], non_blocking=nb)
+        if self._copies_done is not None:
+            self._copies_done.record()
+            self._copies_pending = True

@@ -1,16 +1,33 @@
-"""How many KV blocks fit: from a memory budget on the CPU, from free GPU memory on CUDA."""
+"""How many KV blocks fit: from a memory budget on the CPU, from a profiled plan on CUDA.
+
+On CUDA: weights are loaded; a dummy step at the largest shape the scheduler can hand out
+(max_num_batched_tokens tokens, max_num_seqs sampling rows, random sampling with top-k/top-p) is
+run and its peak measured; whatever `gpu_memory_utilization` of the card is left after weights,
+that peak, memory outside PyTorch's allocator (CUDA context, cuBLAS workspaces, other processes)
+and a reserve for the decode graphs becomes KV cache. No step the scheduler can form needs more
+than the profiled one, so no load the plan admits runs out of memory.
+"""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from kiln.attention.backend import AttentionMetadata, get_attention_backend
 from kiln.config import EngineConfig
+from kiln.kernels.ops import kernel_ops
 from kiln.models.llama import LlamaForCausalLM
+from kiln.sampling.sampler import Sampler, SamplingMetadata
+
+logger = logging.getLogger("kiln")
 
 GiB = 1 << 30
 _CPU_DEFAULT_KV_GB = 2.0
+# Beyond the profiled peaks: allocator fragmentation, the graph capture stream's cuBLAS workspace,
+# Triton's launch-time scratch. Measured slack on an H200 was well under this.
+_SAFETY_MARGIN = GiB // 2
 
 
 @dataclass(frozen=True)
@@ -20,19 +37,44 @@ class MemoryPlan:
     kv_budget_bytes: int
     num_blocks: int
     block_size: int
+    activation_bytes: int = 0  # profiled peak of the largest step, above the weights
+    graph_reserve_bytes: int = 0  # set aside for the decode graphs' memory pool
+    non_torch_bytes: int = 0  # CUDA context, library workspaces, other processes
+    total_bytes: int = 0  # the device's memory (0 on the CPU)
 
     @property
     def kv_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    def max_concurrent_seqs(self, context_len: int) -> int:
+        blocks_per_seq = -(-max(context_len, 1) // self.block_size)
+        return self.num_blocks // blocks_per_seq
+
     def describe(self, context_len: int) -> str:
-        max_seqs = self.kv_tokens // max(context_len, 1)
-        return (
+        text = (
             f"weights {self.weight_bytes / GiB:.2f} GiB, KV cache {self.num_blocks} blocks x "
             f"{self.block_size} = {self.kv_tokens} tokens "
             f"({self.num_blocks * self.bytes_per_block / GiB:.2f} GiB): "
-            f"{max_seqs} sequences of {context_len} tokens at once"
+            f"{self.max_concurrent_seqs(context_len)} sequences of {context_len} tokens at once"
         )
+        if self.total_bytes:
+            text += (
+                f"; activations {self.activation_bytes / GiB:.2f} GiB (profiled), graphs "
+                f"{self.graph_reserve_bytes / GiB:.2f} GiB, outside torch "
+                f"{self.non_torch_bytes / GiB:.2f} GiB, of {self.total_bytes / GiB:.1f} GiB"
+            )
+        return text
+
+    def as_dict(self) -> dict:
+        return {
+            "weight_gib": self.weight_bytes / GiB,
+            "activation_gib": self.activation_bytes / GiB,
+            "graph_reserve_gib": self.graph_reserve_bytes / GiB,
+            "non_torch_gib": self.non_torch_bytes / GiB,
+            "kv_gib": self.num_blocks * self.bytes_per_block / GiB,
+            "kv_blocks": self.num_blocks,
+            "kv_tokens": self.kv_tokens,
+        }
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int) -> int:
@@ -46,14 +88,28 @@ def plan_kv_blocks(
 ) -> MemoryPlan:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     per_block = kv_bytes_per_block(model, config.block_size)
+    activation = graph_reserve = non_torch = total = 0
+    if device.type == "cuda":
+        activation, forward_peak = profile_activation_peak(config, model, device)
+        graph_reserve = 0
+        if not config.enforce_eager:
+            # The pool holds one decode forward's intermediates at the largest graph batch size
+            # (captures share it) plus each graph's output.
+            per_token = forward_peak / max(config.max_num_batched_tokens, 1)
+            graph_reserve = int(per_token * config.max_num_seqs) + 256 * (1 << 20)
+        free, total = torch.cuda.mem_get_info(device)
+        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
     if config.kv_cache_memory_gb is not None:
         budget = int(config.kv_cache_memory_gb * GiB)
     elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used_by_others = total - free  # weights already loaded count here
-        # Leave room for activations: a generous fixed reserve until the profiled plan lands.
-        reserve = 4 * GiB
-        budget = int(total * config.gpu_memory_utilization) - used_by_others - reserve
+        budget = (
+            int(total * config.gpu_memory_utilization)
+            - non_torch
+            - torch.cuda.memory_allocated(device)  # the weights (and buffers) already loaded
+            - activation
+            - graph_reserve
+            - _SAFETY_MARGIN
+        )
     else:
         budget = int(_CPU_DEFAULT_KV_GB * GiB)
     num_blocks = budget // per_block
@@ -65,6 +121,105 @@ def plan_kv_blocks(
     if num_blocks < 1:
         raise RuntimeError(
             f"no memory left for the KV cache (budget {budget / GiB:.2f} GiB after weights "
-            f"{weight_bytes / GiB:.2f} GiB): lower the model size or raise the budget"
+            f"{weight_bytes / GiB:.2f} GiB, activations {activation / GiB:.2f} GiB): lower "
+            "max_num_batched_tokens or max_num_seqs, or raise gpu_memory_utilization"
         )
-    return MemoryPlan(weight_bytes, per_block, budget, num_blocks, config.block_size)
+    plan = MemoryPlan(
+        weight_bytes,
+        per_block,
+        budget,
+        num_blocks,
+        config.block_size,
+        activation,
+        graph_reserve,
+        non_torch,
+        total,
+    )
+    logger.info("memory plan: %s", plan.describe(max_model_len))
+    return plan
+
+
+@torch.inference_mode()
+def profile_activation_peak(
+    config: EngineConfig, model: LlamaForCausalLM, device: torch.device
+) -> tuple[int, int]:
+    """(peak of a whole step, peak of the forward alone), in bytes above what was allocated
+    before: max_num_batched_tokens prompt tokens spread over up to max_num_seqs sequences, every
+    one sampling with penalties, temperature, top-k, top-p and logprobs (the sampler's largest
+    temporaries)."""
+    cfg = model.config
+    num_tokens = config.max_num_batched_tokens
+    num_seqs = max(1, min(config.max_num_seqs, num_tokens))
+    block_size = config.block_size
+    lens = [num_tokens // num_seqs] * num_seqs
+    lens[-1] += num_tokens - sum(lens)
+    blocks = [-(-n // block_size) for n in lens]
+    # A scratch cache just big enough for this batch (its size is not part of the peak).
+    shape = (sum(blocks), block_size, cfg.num_key_value_heads, cfg.head_dim)
+    dtype = model.norm.dtype
+    caches = [
+        tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+        for _ in range(cfg.num_hidden_layers)
+    ]
+    tables = torch.zeros((num_seqs, max(blocks)), dtype=torch.int32)
+    slots, first = [], 0
+    for r, (n, b) in enumerate(zip(lens, blocks)):
+        tables[r, :b] = torch.arange(first, first + b, dtype=torch.int32)
+        slots.append(torch.arange(n) + first * block_size)
+        first += b
+    starts = torch.zeros(num_seqs + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(torch.tensor(lens), 0)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.cat(slots).to(device),
+        query_start_loc=starts.to(device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
+        num_decodes=0,
+        max_query_len=max(lens),
+        max_seq_len=max(lens),
+    )
+    input_ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=device)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+    ops = kernel_ops(device)
+    backend = get_attention_backend(config.attention_backend, device)
+
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    hidden = model(ops, backend, input_ids, positions, caches, metadata)
+    torch.cuda.synchronize(device)
+    forward_peak = torch.cuda.max_memory_allocated(device) - base
+    last = (starts[1:] - 1).to(device)
+    logits = model.compute_logits(hidden[last])
+    del hidden
+    sampler_metadata = SamplingMetadata(
+        temperature=torch.full((num_seqs,), 0.8, device=device),
+        top_k=torch.full((num_seqs,), 50, dtype=torch.int64, device=device),
+        top_p=torch.full((num_seqs,), 0.9, device=device),
+        min_p=torch.full((num_seqs,), 0.05, device=device),
+        repetition_penalty=torch.full((num_seqs,), 1.1, device=device),
+        presence_penalty=torch.full((num_seqs,), 0.1, device=device),
+        frequency_penalty=torch.full((num_seqs,), 0.1, device=device),
+        prompt_token_ids=[[1, 2, 3]] * num_seqs,
+        output_token_ids=[[4]] * num_seqs,
+        generators=[None] * num_seqs,
+        min_tokens_mask_ids=[[] for _ in range(num_seqs)],
+        max_num_logprobs=5,
+        all_greedy=False,
+        all_random=True,
+        no_penalties=False,
+    )
+    Sampler()(logits, sampler_metadata)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del logits, caches, metadata, input_ids, positions
+    torch.cuda.empty_cache()
+    logger.info(
+        "profiled step of %d tokens / %d sequences: peak %.2f GiB (forward %.2f GiB)",
+        num_tokens,
+        num_seqs,
+        peak / GiB,
+        forward_peak / GiB,
+    )
+    return peak, forward_peak

@@ -17,6 +17,51 @@ def step_generator(seed: int, step: int, device: torch.device) -> torch.Generato
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
+class SamplingMetadataBuilder:
+    """`build(states)` per step. A batch of plain greedy rows (the common decode) costs one pass
+    over the states and no tensor work: its metadata is cached per batch size, since the greedy
+    fast path reads none of the per-row tensors."""
+
+    def __init__(self, eos_token_ids: tuple[int, ...], vocab_size: int, device: torch.device):
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.device = device
+        self._greedy: dict[int, SamplingMetadata] = {}
+
+    def build(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        if all(s.plain_greedy for s in states):
+            metadata = self._greedy.get(len(states))
+            if metadata is None:
+                metadata = self._greedy[len(states)] = _plain_greedy_metadata(
+                    len(states), self.device
+                )
+            return metadata
+        return build_sampling_metadata(states, self.eos_token_ids, self.vocab_size, self.device)
+
+
+def _plain_greedy_metadata(num_rows: int, device: torch.device) -> SamplingMetadata:
+    def column(value: float, dtype: torch.dtype) -> torch.Tensor:
+        return torch.full((num_rows,), value, dtype=dtype, device=device)
+
+    return SamplingMetadata(
+        temperature=column(0.0, torch.float32),
+        top_k=column(0, torch.int64),
+        top_p=column(1.0, torch.float32),
+        min_p=column(0.0, torch.float32),
+        repetition_penalty=None,
+        presence_penalty=None,
+        frequency_penalty=None,
+        prompt_token_ids=None,
+        output_token_ids=[[] for _ in range(num_rows)],  # unused: no penalties
+        generators=[None] * num_rows,
+        min_tokens_mask_ids=[[] for _ in range(num_rows)],
+        max_num_logprobs=None,
+        all_greedy=True,
+        all_random=False,
+        no_penalties=True,
+    )
+
+
 def build_sampling_metadata(
     states: list[CachedRequestState],
     eos_token_ids: tuple[int, ...],
@@ -26,7 +71,10 @@ def build_sampling_metadata(
     params = [s.sampling_params for s in states]
 
     def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
+        # Through pinned memory, so the copy to a GPU does not stall the host.
+        if device.type == "cpu":
+            return torch.tensor(values, dtype=dtype)
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
     any_repetition = any(p.repetition_penalty != 1.0 for p in params)
     any_presence = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)

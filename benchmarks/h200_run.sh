@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# One H200 lease: GPU correctness tests and the issue-4 benchmark set, Llama-3.1-8B shape, dummy
+# weights, bf16. Usage: benchmarks/h200_run.sh STAGE... (see the case below); JSON and the log go
+# to $OUT (the device tool's folder) or ./h200_out. Each stage has its own time limit, so one that
+# hangs or fails leaves the others their time.
+set -u
+OUT=${OUT:-h200_out}
+mkdir -p "$OUT"
+export PYTHONPATH=.
+export PYTHONUNBUFFERED=1
+export TOKENIZERS_PARALLELISM=false
+BENCH="python3 -m kiln.cli.main bench"
+COMMON="--model llama-3.1-8b --load-format dummy --dtype bfloat16 --no-progress"
+
+stage() {  # name, seconds, command...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name ($(date +%T), limit ${limit}s)"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@"
+    echo "=== $name: exit $? after $((SECONDS - t0))s"
+}
+
+for s in "$@"; do
+    case $s in
+    env)
+        nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv
+        python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+        ;;
+    test-gpu)
+        stage test-gpu 170 python3 -m pytest -q -x -p no:cacheprovider -s tests/test_gpu.py
+        ;;
+    test-graph-cpu)
+        stage test-graph-cpu 60 python3 -m pytest -q -p no:cacheprovider tests/test_graph_runner.py
+        ;;
+    test-kernels)
+        stage test-kernels 100 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
+        ;;
+    lat1k)  # batch-1 decode at 1k context: roofline fraction; HF generate on one request
+        stage lat1k 150 $BENCH latency $COMMON --input-len 1024 --output-len 128 \
+            --num-requests 3 --max-model-len 1280 --baseline hf --output-json "$OUT/lat1k.json"
+        ;;
+    lat1k-eager)
+        stage lat1k-eager 90 $BENCH latency $COMMON --input-len 1024 --output-len 128 \
+            --num-requests 3 --max-model-len 1280 --enforce-eager --output-json "$OUT/lat1k_eager.json"
+        ;;
+    ttft2k)  # time to first token of a 2048-token prompt at batch 1
+        stage ttft2k 120 $BENCH latency $COMMON --input-len 2048 --output-len 4 \
+            --num-requests 5 --max-model-len 2176 --baseline hf --output-json "$OUT/ttft2k.json"
+        ;;
+    tput128)  # 128/128 max throughput; HF generate on one static batch of 64
+        stage tput128 170 $BENCH throughput $COMMON --input-len 128 --output-len 128 \
+            --num-requests 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 \
+            --max-model-len 256 --warmup 64 --baseline hf --hf-batch-size 64 \
+            --output-json "$OUT/tput128.json"
+        ;;
+    tput128-eager)  # the same without CUDA graphs: what graphs buy at high batch
+        stage tput128-eager 120 $BENCH throughput $COMMON --input-len 128 --output-len 128 \
+            --num-requests 1024 --max-num-seqs 512 --max-num-batched-tokens 8192 \
+            --max-model-len 256 --warmup 64 --enforce-eager --output-json "$OUT/tput128_eager.json"
+        ;;
+    tput1000)  # 1000/1000 max throughput (HF generate would need minutes here: not run)
+        stage tput1000 170 $BENCH throughput $COMMON --input-len 1000 --output-len 1000 \
+            --num-requests 384 --max-num-seqs 384 --max-num-batched-tokens 8192 \
+            --max-model-len 2048 --warmup 16 --output-json "$OUT/tput1000.json"
+        ;;
+    tput2048)  # 2048/128 max throughput; HF generate on one static batch of 16
+        stage tput2048 170 $BENCH throughput $COMMON --input-len 2048 --output-len 128 \
+            --num-requests 256 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+            --max-model-len 2176 --warmup 8 --baseline hf --hf-batch-size 16 \
+            --output-json "$OUT/tput2048.json"
+        ;;
+    *)
+        echo "unknown stage $s"
+        ;;
+    esac
+done
+echo "=== done ($(date +%T))"

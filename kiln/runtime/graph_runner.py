@@ -1,0 +1,197 @@
+"""CUDA graphs for decode steps: the whole model forward captured once per bucketed batch size.
+
+An eager decode step of an 8B model issues ~400 kernel launches; at 10-60 us of host time each,
+the GPU would wait on Python. A graph replays them all with one call.
+
+Inputs live in InputBuffers' fixed device tensors; a batch of n decodes is padded to the next
+captured size with rows whose KV slot is -1 (the KV write skips them) and whose outputs are ignored.
+Host-side launch choices the kernels make from `max_seq_len` (the decode kernel's split-K factor)
+are frozen at capture, so the attention backend names context buckets per batch size and a step
+replays the graph of the smallest bucket that holds its longest context.
+
+On the CPU there are no graphs; `FakeGraph` stands in (it re-runs the captured function into the
+same output tensor), so the bucketing, padding and static-buffer logic is testable anywhere.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import gc
+import logging
+import time
+from collections.abc import Callable
+from types import ModuleType
+from unittest import mock
+
+import torch
+
+from kiln.attention.backend import AttentionBackend, AttentionMetadata
+from kiln.runtime.input_batch import InputBuffers
+
+logger = logging.getLogger("kiln")
+
+_SMALL_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+_LARGE_BATCH_STEP = 32
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, then every 32 up to max_num_seqs (always last).
+    Padding wastes at most ~25% of a small step and 32 rows of a large one."""
+    sizes = [b for b in _SMALL_BATCH_SIZES if b < max_num_seqs]
+    b = _SMALL_BATCH_SIZES[-1] + _LARGE_BATCH_STEP
+    while b < max_num_seqs:
+        sizes.append(b)
+        b += _LARGE_BATCH_STEP
+    return [*sizes, max_num_seqs]
+
+
+class FakeGraph:
+    """torch.cuda.CUDAGraph's shape for the CPU: capture records the function, replay re-runs it
+    and copies into the tensor capture returned, so callers see the same static output."""
+
+    def __init__(self) -> None:
+        self._fn: Callable[[], torch.Tensor] | None = None
+        self._out: torch.Tensor | None = None
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        self._fn, self._out = fn, fn()
+        return self._out
+
+    def replay(self) -> None:
+        self._out.copy_(self._fn())
+
+
+class _CudaGraph:
+    def __init__(self, pool: tuple) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            return fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class GraphRunner:
+    """Captures and replays decode forwards; `lookup` says whether a step can use one."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ops: ModuleType,
+        backend: AttentionBackend,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        buffers: InputBuffers,
+        max_num_seqs: int,
+        max_model_len: int,
+        fake: bool = False,
+    ) -> None:
+        self.model, self.ops, self.backend = model, ops, backend
+        self.kv_caches, self.buffers = kv_caches, buffers
+        self.max_model_len = max_model_len
+        self.fake = fake
+        self.device = buffers.device
+        self.batch_sizes = graph_batch_sizes(min(max_num_seqs, buffers.max_num_seqs))
+        num_kv_heads = kv_caches[0][0].shape[2]
+        self.seq_len_buckets = {
+            b: backend.decode_graph_seq_lens(b, num_kv_heads, max_model_len, self.device)
+            for b in self.batch_sizes
+        }
+        self.graphs: dict[tuple[int, int], tuple[FakeGraph | _CudaGraph, torch.Tensor]] = {}
+        self.capture_seconds = 0.0
+        self.pool_bytes = 0
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.graphs)
+
+    def lookup(self, num_seqs: int, max_seq_len: int) -> tuple[int, int] | None:
+        """(padded batch size, context bucket) of the graph for this decode step, if any."""
+        i = bisect.bisect_left(self.batch_sizes, num_seqs)
+        if i == len(self.batch_sizes):
+            return None
+        batch = self.batch_sizes[i]
+        buckets = self.seq_len_buckets[batch]
+        j = bisect.bisect_left(buckets, max_seq_len)
+        if j == len(buckets):
+            return None
+        return batch, buckets[j]
+
+    def replay(self, key: tuple[int, int]) -> torch.Tensor:  # [padded batch, hidden]
+        graph, hidden = self.graphs[key]
+        graph.replay()
+        return hidden
+
+    def _forward(self, num_seqs: int, max_seq_len: int) -> torch.Tensor:
+        buf = self.buffers
+        metadata = AttentionMetadata(
+            slot_mapping=buf.slot_mapping[:num_seqs],
+            query_start_loc=buf.query_start_loc[: num_seqs + 1],
+            seq_lens=buf.seq_lens[:num_seqs],
+            block_tables=buf.block_tables[:num_seqs],  # full width: any context up to the bucket
+            num_decodes=num_seqs,
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+        )
+        return self.model(
+            self.ops,
+            self.backend,
+            buf.input_ids[:num_seqs],
+            buf.positions[:num_seqs],
+            self.kv_caches,
+            metadata,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every (batch size, context bucket), largest first so that smaller graphs reuse
+        the memory pool the largest one sized."""
+        buf = self.buffers
+        buf.wait_for_copies()
+        # Padding-shaped inputs: every row skips the KV write and reads one key of block 0.
+        size = self.batch_sizes[-1]
+        buf.input_ids[:size].zero_()
+        buf.positions[:size].zero_()
+        buf.slot_mapping[:size].fill_(-1)
+        buf.seq_lens[:size].fill_(1)
+        buf.query_start_loc[: size + 1].copy_(torch.arange(size + 1, dtype=torch.int32))
+        buf.block_tables[:size].zero_()
+        keys = [(b, c) for b in self.batch_sizes for c in self.seq_len_buckets[b]]
+        start = time.perf_counter()
+        cuda = self.device.type == "cuda" and not self.fake
+        pool = torch.cuda.graph_pool_handle() if cuda else None
+        reserved_before = torch.cuda.memory_reserved(self.device) if cuda else 0
+        with _fast_capture(cuda):
+            for key in sorted(keys, reverse=True):
+                self._forward(*key)  # warm-up: compiles kernels, picks cuBLAS algorithms
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                graph = _CudaGraph(pool) if cuda else FakeGraph()
+                hidden = graph.capture(lambda key=key: self._forward(*key))
+                self.graphs[key] = (graph, hidden)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+        self.capture_seconds = time.perf_counter() - start
+        logger.info(
+            "captured %d decode graphs (batch sizes %s) in %.1f s, %.2f GiB",
+            len(self.graphs),
+            self.batch_sizes,
+            self.capture_seconds,
+            self.pool_bytes / 2**30,
+        )
+
+
+@contextlib.contextmanager
+def _fast_capture(cuda: bool):
+    """torch.cuda.graph runs gc.collect() and empty_cache() before every capture; over dozens of
+    graphs that is seconds of startup for nothing (vLLM skips them the same way)."""
+    if not cuda:
+        yield
+        return
+    gc.collect()
+    with mock.patch("gc.collect", lambda *a, **k: 0), mock.patch("torch.cuda.empty_cache"):
+        yield
