@@ -46,8 +46,10 @@ def run_kiln(
         deltas = engine.step()
         now = time.perf_counter()
         if step_clock is not None:  # the whole engine step, for the host-time profile
-            step_clock["wall"] = step_clock.get("wall", 0.0) + now - before
-            step_clock["steps"] = step_clock.get("steps", 0) + 1
+            kind = "graph_" if engine.runner.last_step_used_graph else "eager_"
+            for key, value in (("wall", now - before), ("steps", 1)):
+                step_clock[key] = step_clock.get(key, 0.0) + value
+                step_clock[kind + key] = step_clock.get(kind + key, 0.0) + value
         for delta in deltas:
             timing = timings[delta.request_id]
             for completion in delta.outputs:

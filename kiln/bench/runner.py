@@ -112,24 +112,30 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> dict:
 
 
 def _step_profile(runner_timing: dict, step_clock: dict) -> dict:
-    """Per-step means (ms): where the host spends a step, and how much of it the GPU was busy."""
-    steps = max(runner_timing.get("steps", 0), 1)
-    profile = {
-        name + "_ms": runner_timing[name] / steps * 1000
-        for name in ("prepare", "forward_launch", "sample_launch", "sync_wait", "finish", "gpu")
-        if name in runner_timing
-    }
-    profile["runner_steps"] = runner_timing.get("steps", 0)
-    profile["graph_steps"] = runner_timing.get("graph_steps", 0)
-    if step_clock.get("steps"):
-        wall = step_clock["wall"] / step_clock["steps"] * 1000
-        profile["engine_step_ms"] = wall
-        runner_ms = sum(profile.get(n + "_ms", 0.0) for n in ("prepare", "forward_launch"))
-        runner_ms += sum(profile.get(n + "_ms", 0.0) for n in ("sample_launch", "sync_wait"))
-        runner_ms += profile.get("finish_ms", 0.0)
-        profile["engine_outside_runner_ms"] = wall - runner_ms  # schedule, update, outputs
-        if "gpu_ms" in profile:
-            profile["gpu_busy_fraction"] = profile["gpu_ms"] / wall
+    """Per-step means (ms), over all steps and per kind (graph: decode-only steps replayed from a
+    CUDA graph; eager: the rest): where the host spends a step, and how busy the GPU was.
+    engine_step is the whole engine.step(); outside_runner is scheduling, the scheduler's update
+    and output processing; gpu is device time from the step's first kernel to its sampled ids."""
+    names = ("prepare", "forward_launch", "sample_launch", "sync_wait", "finish", "gpu")
+    profile: dict = {}
+    for kind in ("", "graph_", "eager_"):
+        steps = runner_timing.get(kind + "steps", 0)
+        if not steps:
+            continue
+        part = {
+            n + "_ms": runner_timing[kind + n] / steps * 1000
+            for n in names
+            if kind + n in runner_timing
+        }
+        part["steps"] = int(steps)
+        wall_steps = step_clock.get(kind + "steps", 0)
+        if wall_steps:
+            runner_ms = sum(v for k, v in part.items() if k.endswith("_ms") and k != "gpu_ms")
+            part["engine_step_ms"] = step_clock[kind + "wall"] / wall_steps * 1000
+            part["outside_runner_ms"] = part["engine_step_ms"] - runner_ms
+            if "gpu_ms" in part:
+                part["gpu_busy_fraction"] = part["gpu_ms"] / part["engine_step_ms"]
+        profile[kind.rstrip("_") or "all"] = part
     return profile
 
 

@@ -84,6 +84,7 @@ class ModelRunner:
             )
             self.graphs.capture()
         self.step_timing: dict[str, float] | None = None  # set to {} to collect host timings
+        self.last_step_used_graph = False
 
     def enable_fake_graphs(self) -> None:
         """Use FakeGraph (CPU) decode graphs: exercises padding and bucketing without CUDA."""
@@ -150,6 +151,7 @@ class ModelRunner:
             max_seq_len = max(s.num_computed_tokens for s in states) + 1
             graph_key = self.graphs.lookup(len(states), max_seq_len)
         batch = self.inputs.prepare(states, num_scheduled, graph_key and graph_key[0])
+        self.last_step_used_graph = graph_key is not None
         t1 = time.perf_counter()
         gpu_events = None
         if timing is not None and self.device.type == "cuda":
@@ -200,19 +202,20 @@ class ModelRunner:
                     logprobs[state.req_id] = TokenLogprobs(ids[: n + 1], lps[: n + 1], rank)
         if timing is not None:
             t5 = time.perf_counter()
-            for name, dt in (
-                ("prepare", t1 - t0),
-                ("forward_launch", t2 - t1),
-                ("sample_launch", t3 - t2),
-                ("sync_wait", t4 - t3),
-                ("finish", t5 - t4),
-            ):
-                timing[name] = timing.get(name, 0.0) + dt
-            timing["steps"] = timing.get("steps", 0) + 1
+            parts = {
+                "prepare": t1 - t0,
+                "forward_launch": t2 - t1,
+                "sample_launch": t3 - t2,
+                "sync_wait": t4 - t3,
+                "finish": t5 - t4,
+                "steps": 1,
+            }
             if gpu_events is not None:  # complete: the sync above waited for the sampler
-                gpu_s = gpu_events[0].elapsed_time(gpu_events[1]) / 1000
-                timing["gpu"] = timing.get("gpu", 0.0) + gpu_s
-            timing["graph_steps"] = timing.get("graph_steps", 0) + (graph_key is not None)
+                parts["gpu"] = gpu_events[0].elapsed_time(gpu_events[1]) / 1000
+            kind = "graph_" if graph_key is not None else "eager_"
+            for name, value in parts.items():  # totals, and per kind of step
+                timing[name] = timing.get(name, 0.0) + value
+                timing[kind + name] = timing.get(kind + name, 0.0) + value
         return ModelRunnerOutput(sampled_ids, logprobs, prompt_logprobs)
 
     def _to_host(
