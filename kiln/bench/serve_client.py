@@ -117,14 +117,17 @@ def _server_facts(base_url: str, api_key: str | None) -> dict:
 
 def _environment() -> dict:
     try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
-        ).stdout.strip()
+        git = ["git", "rev-parse", "--short", "HEAD"], ["git", "status", "--porcelain", "-uno"]
+        rev, dirty = (
+            subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout.strip()
+            for cmd in git
+        )
     except (OSError, subprocess.SubprocessError):
-        rev = "unknown"
+        rev, dirty = "unknown", ""
     return {
         "command": " ".join(sys.argv),
-        "git_revision": rev or "unknown",
+        # The client's checkout: the server's code is whatever it was started from.
+        "git_revision": (rev or "unknown") + ("-dirty" if dirty else ""),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "client_host": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs",
         # Client and server often share the host: its load says how noisy the numbers are.
