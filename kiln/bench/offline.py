@@ -17,7 +17,7 @@ def run_kiln(
     requests: list[BenchRequest],
     concurrency: int | None = None,
     progress: bool = True,
-    step_clock: dict[str, float] | None = None,
+    step_clock: dict | None = None,
 ) -> list[RequestTiming]:
     """Submit every request at t=0 (or keep `concurrency` in flight), EOS ignored; record the
     wall time of every generated token."""
@@ -50,6 +50,7 @@ def run_kiln(
             for key, value in (("wall", now - before), ("steps", 1)):
                 step_clock[key] = step_clock.get(key, 0.0) + value
                 step_clock[kind + key] = step_clock.get(kind + key, 0.0) + value
+            step_clock.setdefault("walls", []).append(round((now - before) * 1000, 3))
         for delta in deltas:
             timing = timings[delta.request_id]
             for completion in delta.outputs:

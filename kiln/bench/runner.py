@@ -16,6 +16,7 @@ from kiln.bench.workload import synthetic_requests
 from kiln.build.default_model import default_model_path
 from kiln.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
+from kiln.runtime.model_runner import TRACE_COLUMNS
 
 
 def run_bench(args: argparse.Namespace, config: EngineConfig) -> dict:
@@ -63,13 +64,33 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> dict:
     print(f"memory plan: {record['memory_plan']['summary']}")
 
     if args.warmup:
-        run_kiln(engine, requests[: args.warmup], progress=False)
+        # Other prompts than the timed ones (a prefix-cache hit would flatter TTFT), and short
+        # outputs: enough to compile and tune every kernel shape, mixed prefill+decode steps too.
+        warmup = synthetic_requests(
+            args.warmup,
+            args.input_len,
+            "16",
+            engine.model_config.vocab_size,
+            seed=args.dataset_seed + 1,
+            avoid_ids=engine.eos_token_ids,
+        )
+        run_kiln(engine, warmup, progress=False)
     concurrency = args.concurrency if args.mode == "throughput" else 1
     engine.runner.step_timing = {}  # a few clock reads per step: host vs GPU time, recorded
-    step_clock: dict[str, float] = {}
+    step_clock: dict = {}
     kiln_report = throughput_report(run_kiln(engine, requests, concurrency, progress, step_clock))
     record["kiln"] = kiln_report
     record["step_profile"] = _step_profile(engine.runner.step_timing, step_clock)
+    # Every step, for distributions: the runner's phases and the whole engine step's wall time.
+    record["step_trace"] = {
+        "columns": [*TRACE_COLUMNS, "engine_step"],
+        "rows": [
+            [*row, wall]
+            for row, wall in zip(engine.runner.step_timing.get("trace", []), step_clock["walls"])
+        ]
+        if len(engine.runner.step_timing.get("trace", [])) == len(step_clock.get("walls", []))
+        else [],
+    }
     if args.mode == "latency":
         record["kiln"]["decode_tok_s"] = 1000.0 / kiln_report["tpot"]["mean_ms"]
         record["roofline"] = _decode_roofline(engine, requests, kiln_report)

@@ -29,6 +29,19 @@ from kiln.sampling.sampling_metadata import SamplingMetadataBuilder
 
 logger = logging.getLogger("kiln")
 
+# ModelRunner.step_timing["trace"] rows; times in ms.
+TRACE_COLUMNS = (
+    "graph",
+    "num_seqs",
+    "num_tokens",
+    "prepare",
+    "forward_launch",
+    "sample_launch",
+    "sync_wait",
+    "finish",
+    "gpu",
+)
+
 
 class ModelRunner:
     def __init__(
@@ -173,6 +186,10 @@ class ModelRunner:
         for state, n in zip(states, num_scheduled):
             state.num_computed_tokens += n
         if not batch.sampling_rows:
+            if timing is not None:  # a step of prompt chunks only: no sampling, no sync
+                t2 = time.perf_counter()
+                times = (t0, t1, t2, t2, t2, t2)
+                self._record_timing(timing, times, None, graph_key is not None, sched, len(states))
             return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs)
 
         sampling_states = [states[r] for r in batch.sampling_rows]
@@ -201,22 +218,33 @@ class ModelRunner:
                     ids, lps, rank = logprob_rows[i]
                     logprobs[state.req_id] = TokenLogprobs(ids[: n + 1], lps[: n + 1], rank)
         if timing is not None:
-            t5 = time.perf_counter()
-            parts = {
-                "prepare": t1 - t0,
-                "forward_launch": t2 - t1,
-                "sample_launch": t3 - t2,
-                "sync_wait": t4 - t3,
-                "finish": t5 - t4,
-                "steps": 1,
-            }
-            if gpu_events is not None:  # complete: the sync above waited for the sampler
-                parts["gpu"] = gpu_events[0].elapsed_time(gpu_events[1]) / 1000
-            kind = "graph_" if graph_key is not None else "eager_"
-            for name, value in parts.items():  # totals, and per kind of step
-                timing[name] = timing.get(name, 0.0) + value
-                timing[kind + name] = timing.get(kind + name, 0.0) + value
+            times = (t0, t1, t2, t3, t4, time.perf_counter())
+            self._record_timing(
+                timing, times, gpu_events, graph_key is not None, sched, len(states)
+            )
         return ModelRunnerOutput(sampled_ids, logprobs, prompt_logprobs)
+
+    @staticmethod
+    def _record_timing(
+        timing: dict,
+        times: tuple[float, ...],  # perf_counter at the phase boundaries (TRACE_COLUMNS[3:8])
+        gpu_events: tuple | None,
+        graph: bool,
+        sched: SchedulerOutput,
+        num_seqs: int,
+    ) -> None:
+        parts = {name: b - a for name, a, b in zip(TRACE_COLUMNS[3:8], times, times[1:])}
+        if gpu_events is not None:  # complete: the step's sync waited for the sampler
+            parts["gpu"] = gpu_events[0].elapsed_time(gpu_events[1]) / 1000
+        row = [round(parts[n] * 1000, 3) if n in parts else None for n in TRACE_COLUMNS[3:]]
+        timing.setdefault("trace", []).append(
+            [graph, num_seqs, sched.total_num_scheduled_tokens, *row]
+        )
+        parts["steps"] = 1
+        kind = "graph_" if graph else "eager_"
+        for name, value in parts.items():  # totals, and per kind of step
+            timing[name] = timing.get(name, 0.0) + value
+            timing[kind + name] = timing.get(kind + name, 0.0) + value
 
     def _to_host(
         self, sampled: torch.Tensor, logprobs: LogprobsTensors | None
