@@ -34,7 +34,7 @@ for s in "$@"; do
         stage test-graph-cpu 60 python3 -m pytest -q -p no:cacheprovider tests/test_graph_runner.py
         ;;
     test-kernels)
-        stage test-kernels 100 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
+        stage test-kernels 60 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
         ;;
     lat1k)  # batch-1 decode at 1k context: roofline fraction; HF generate on one request
         stage lat1k 150 $BENCH latency $COMMON --input-len 1024 --output-len 128 \
@@ -51,23 +51,23 @@ for s in "$@"; do
     tput128)  # 128/128 max throughput; HF generate on one static batch of 64
         stage tput128 170 $BENCH throughput $COMMON --input-len 128 --output-len 128 \
             --num-requests 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 \
-            --max-model-len 256 --warmup 64 --baseline hf --hf-batch-size 64 \
+            --max-model-len 256 --warmup 192 --baseline hf --hf-batch-size 64 \
             --output-json "$OUT/tput128.json"
         ;;
     tput128-eager)  # the same without CUDA graphs: what graphs buy at high batch
         stage tput128-eager 120 $BENCH throughput $COMMON --input-len 128 --output-len 128 \
             --num-requests 1024 --max-num-seqs 512 --max-num-batched-tokens 8192 \
-            --max-model-len 256 --warmup 64 --enforce-eager --output-json "$OUT/tput128_eager.json"
+            --max-model-len 256 --warmup 192 --enforce-eager --output-json "$OUT/tput128_eager.json"
         ;;
     tput1000)  # 1000/1000 max throughput (HF generate would need minutes here: not run)
         stage tput1000 170 $BENCH throughput $COMMON --input-len 1000 --output-len 1000 \
             --num-requests 384 --max-num-seqs 384 --max-num-batched-tokens 8192 \
-            --max-model-len 2048 --warmup 16 --output-json "$OUT/tput1000.json"
+            --max-model-len 2048 --warmup 24 --output-json "$OUT/tput1000.json"
         ;;
     tput2048)  # 2048/128 max throughput; HF generate on one static batch of 16
         stage tput2048 170 $BENCH throughput $COMMON --input-len 2048 --output-len 128 \
             --num-requests 256 --max-num-seqs 256 --max-num-batched-tokens 8192 \
-            --max-model-len 2176 --warmup 8 --baseline hf --hf-batch-size 16 \
+            --max-model-len 2176 --warmup 12 --baseline hf --hf-batch-size 16 \
             --output-json "$OUT/tput2048.json"
         ;;
     *)
