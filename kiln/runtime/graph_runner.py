@@ -171,6 +171,7 @@ class GraphRunner:
                     torch.cuda.synchronize(self.device)
                 graph = _CudaGraph(pool) if cuda else FakeGraph()
                 hidden = graph.capture(lambda key=key: self._forward(*key))
+                graph.replay()  # the first replay uploads the graph: not in a timed step
                 self.graphs[key] = (graph, hidden)
         if cuda:
             torch.cuda.synchronize(self.device)
