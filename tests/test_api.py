@@ -43,6 +43,9 @@ def test_empty_and_too_long_prompts(smollm2_llm):
     assert info.value.code == "context_length_exceeded"
     with pytest.raises(InvalidRequestError, match="vocabulary"):
         smollm2_llm.generate([[10**9]], SamplingParams())
+    with pytest.raises(InvalidRequestError) as info:
+        smollm2_llm.generate("Hi", SamplingParams(stop_token_ids=[-5], min_tokens=1))
+    assert info.value.param == "stop_token_ids"
     # A bad prompt in a batch queues nothing, and the engine keeps serving.
     with pytest.raises(InvalidRequestError):
         smollm2_llm.generate(["fine", ""], SamplingParams())

@@ -154,7 +154,15 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+            raise InvalidRequestError(
+                f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt"
+            )
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:  # would index out of range when masked under min_tokens
+            raise InvalidRequestError(
+                f"stop token id {bad} is outside the vocabulary [0, {vocab})",
+                param="stop_token_ids",
+            )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
 
