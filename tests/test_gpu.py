@@ -18,15 +18,7 @@ if not torch.cuda.is_available():
 
 from kiln import LLM, SamplingParams
 from tests.conftest import TINY_VARIANTS, build_tiny_hf_model
-
-PROMPTS = [
-    [1, 5, 9, 30, 77, 3],
-    [1, 200, 13],
-    [1, *range(40, 90)],
-    [1, 7],
-    [1, 99, 98, 97, 96, 95, 94, 93, 92, 91, 90, 89, 88, 87, 86, 85, 84],
-]
-NEW_TOKENS = 24
+from tests.test_models_vs_hf import NEW_TOKENS, PROMPTS, hf_greedy  # the same oracle
 
 
 def _tokens(outputs) -> list[list[int]]:
@@ -116,21 +108,6 @@ def test_llama8b_graphs_match_eager_bf16(llama8b_pair):
 # ---- tiny models, fp32: tokens identical ---------------------------------------------------
 
 
-def _hf_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    return tokens, torch.stack(out.logits, dim=1)[0].float().log_softmax(-1)
-
-
 @pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
 def test_tiny_greedy_matches_hf_on_gpu(variant, tmp_path):
     hf_model = build_tiny_hf_model(variant, str(tmp_path))  # the CPU fp32 oracle
@@ -138,7 +115,7 @@ def test_tiny_greedy_matches_hf_on_gpu(variant, tmp_path):
     assert llm.engine.runner.graphs is not None
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
     for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
-        hf_tokens, hf_logprobs = _hf_greedy(hf_model, prompt)
+        hf_tokens, hf_logprobs = hf_greedy(hf_model, prompt)
         completion = out.outputs[0]
         assert completion.token_ids == hf_tokens, f"{variant}: prompt {prompt[:5]}..."
         ours = torch.tensor([completion.logprobs[i][t].logprob for i, t in enumerate(hf_tokens)])

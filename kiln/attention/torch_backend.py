@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from kiln.attention.backend import AttentionBackend, AttentionMetadata
 from kiln.kernels import reference
 
 
-class TorchAttentionBackend(AttentionBackend):
-    name = "torch"
+class PagedAttentionBackend(AttentionBackend):
+    """Writes K/V with `ops.write_kv_cache`, then attends with `ops`' decode and prefill kernels.
+    Backends differ only in their `ops` module (the kernel twins share one signature)."""
+
+    ops: ModuleType
 
     def forward(
         self,
@@ -21,8 +26,13 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        reference.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
-        return run_split_attention(reference, query, k_cache, v_cache, metadata, scale)
+        self.ops.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+        return run_split_attention(self.ops, query, k_cache, v_cache, metadata, scale)
+
+
+class TorchAttentionBackend(PagedAttentionBackend):
+    name = "torch"
+    ops = reference
 
 
 def run_split_attention(

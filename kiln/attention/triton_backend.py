@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.attention.backend import AttentionBackend, AttentionMetadata
-from kiln.attention.torch_backend import run_split_attention
+from kiln.attention.torch_backend import PagedAttentionBackend
 from kiln.kernels import triton as triton_ops
 from kiln.kernels.triton._device import num_sms
 from kiln.kernels.triton.decode_attention import choose_num_splits
@@ -14,8 +13,9 @@ from kiln.kernels.triton.decode_attention import choose_num_splits
 _MIN_GRAPH_SEQ_LEN = 256
 
 
-class TritonAttentionBackend(AttentionBackend):
+class TritonAttentionBackend(PagedAttentionBackend):
     name = "triton"
+    ops = triton_ops
     supports_cuda_graphs = True
 
     def decode_graph_seq_lens(
@@ -33,16 +33,3 @@ class TritonAttentionBackend(AttentionBackend):
             buckets.append(seq_len)
             seq_len *= 2
         return [*buckets, max_model_len]
-
-    def forward(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        triton_ops.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
-        return run_split_attention(triton_ops, query, k_cache, v_cache, metadata, scale)
