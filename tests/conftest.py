@@ -8,6 +8,12 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Without a GPU, Triton kernels run under the interpreter. It must be on before any module
+    # defines a @triton.jit function, and pytest imports every test module (some import kiln's
+    # kernels indirectly) before the kernel tests run: set it once, here, for the whole session.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY_BASE = dict(
     vocab_size=256,
     hidden_size=64,
