@@ -409,6 +409,51 @@ def test_rotary_embedding_llama8b_bf16() -> None:
     _assert_close(k_out, k_ref, 8e-3)
 
 
+# ---------------------------------------------------------------------------------------------
+# SiLU-and-multiply: same rounding as the reference (silu rounded to the dtype, then the product)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_tokens", "d"),
+    [(129, 40), (3, 1100)],  # odd row count, d not a power of two; d over two column blocks
+)
+def test_silu_and_mul(dtype: torch.dtype, num_tokens: int, d: int) -> None:
+    gen = torch.Generator().manual_seed(d)
+    x = (4 * torch.randn(num_tokens, 2 * d, generator=gen)).to(DEVICE, dtype)
+    # Saturated gates: silu(-60) is -0 (exp overflows in fp16/fp32 math), silu(60) is 60.
+    x[0, :3] = torch.tensor([-60.0, 60.0, 0.0], dtype=dtype, device=DEVICE)
+    x_before = x.clone()
+    out = triton_ops.silu_and_mul(x)
+    expected = reference.silu_and_mul(x)
+    assert torch.equal(x, x_before), "the input must be left untouched"
+    assert out.shape == (num_tokens, d) and out.dtype == dtype
+    assert not out.isnan().any()
+    _assert_close(out, expected, ELEMENTWISE_TOL[dtype])
+
+
+def test_silu_and_mul_row_stride_and_empty() -> None:
+    # Rows of a wider buffer (row stride != 2 * d), with leading dims kept; and zero tokens.
+    gen = torch.Generator().manual_seed(4)
+    wide = torch.randn(2, 5, 2 * 24 + 8, generator=gen).to(DEVICE)
+    x = wide[..., : 2 * 24]
+    out = triton_ops.silu_and_mul(x)
+    assert out.shape == (2, 5, 24)
+    _assert_close(out, reference.silu_and_mul(x), 1e-5)
+    empty = triton_ops.silu_and_mul(torch.empty(0, 48, device=DEVICE))
+    assert empty.shape == (0, 24)
+
+
+@on_gpu
+def test_silu_and_mul_llama8b_bf16() -> None:
+    gen = torch.Generator().manual_seed(13)
+    x = (3 * torch.randn(2048, 2 * 14336, generator=gen)).to(DEVICE, torch.bfloat16)
+    out = triton_ops.silu_and_mul(x)
+    expected = reference.silu_and_mul(x)
+    assert out.dtype == torch.bfloat16
+    _assert_close(out, expected, ELEMENTWISE_TOL[torch.bfloat16])
+
+
 def test_attention_padded_head_dim() -> None:
     # head_dim 24 is padded to a 32-wide tile: the padding must be masked off.
     _check_decode([9, 30], 4, 2, 24, 4, torch.float32, num_splits=2, seed=11)

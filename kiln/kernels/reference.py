@@ -170,3 +170,15 @@ def rotary_embedding(
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
     return rotate(query), rotate(key)
+
+
+def silu_and_mul(
+    x: torch.Tensor,  # [num_tokens, 2 * d]: gate in the first half, up in the second
+) -> torch.Tensor:  # [num_tokens, d]
+    """The Llama MLP's activation, silu(gate) * up, over the fused gate_up projection's output.
+
+    Transformers' LlamaMLP, bit for bit: act_fn(gate_proj(x)) * up_proj(x) in the model dtype,
+    i.e. silu computed in fp32 and rounded to the input dtype, then the product rounded again.
+    """
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -61,9 +61,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
+        # gate_up_proj's output is [gate | up]; ops.silu_and_mul gives silu(gate) * up in one pass.
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -116,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = ops.fused_add_rms_norm(
                 hidden, residual, layer.post_attention_layernorm, eps
             )
-            hidden = layer.mlp(hidden)
+            hidden = layer.mlp(ops, hidden)
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, eps)
         return hidden
 

@@ -10,6 +10,7 @@ from kiln.kernels.triton.kv_cache import write_kv_cache
 from kiln.kernels.triton.prefill_attention import paged_prefill_attention
 from kiln.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from kiln.kernels.triton.rotary import rotary_embedding
+from kiln.kernels.triton.silu_mul import silu_and_mul
 
 __all__ = [
     "fused_add_rms_norm",
@@ -17,5 +18,6 @@ __all__ = [
     "paged_prefill_attention",
     "rms_norm",
     "rotary_embedding",
+    "silu_and_mul",
     "write_kv_cache",
 ]
