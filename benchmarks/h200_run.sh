@@ -70,6 +70,25 @@ for s in "$@"; do
             --max-model-len 2176 --warmup 12 --baseline hf --hf-batch-size 16 \
             --output-json "$OUT/tput2048.json"
         ;;
+    prof1)  # kernel-level profile of batch-1 decode steps at 1k context
+        stage prof1 120 python3 benchmarks/profile_decode.py --batch 1 --context 1024 \
+            --out "$OUT/profile_decode_b1.txt"
+        ;;
+    prof256)  # ... and of 256-row decode steps at 256 context
+        stage prof256 120 python3 benchmarks/profile_decode.py --batch 256 --context 256 \
+            --out "$OUT/profile_decode_b256.txt"
+        ;;
+    tput128-sync)  # 128/128 with async scheduling off: what overlapping the host buys
+        stage tput128-sync 170 $BENCH throughput $COMMON --input-len 128 --output-len 128 \
+            --num-requests 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 \
+            --max-model-len 256 --warmup 192 --no-async-scheduling \
+            --output-json "$OUT/tput128_sync.json"
+        ;;
+    lat1k-sync)
+        stage lat1k-sync 90 $BENCH latency $COMMON --input-len 1024 --output-len 128 \
+            --num-requests 3 --max-model-len 1280 --no-async-scheduling \
+            --output-json "$OUT/lat1k_sync.json"
+        ;;
     *)
         echo "unknown stage $s"
         ;;

@@ -42,6 +42,9 @@ class EngineConfig:
     """Seed of the global RNG (rows without their own seed) and of dummy weights."""
     enforce_eager: bool = False
     """Disable CUDA graphs (GPU only)."""
+    async_scheduling: bool = True
+    """Schedule step N+1 while step N runs on the device (the host's Python overlaps the GPU).
+    Outputs are the same either way; off, every step waits for its sampled ids first."""
     chat: bool | None = None
     """Apply the chat template in generate(); None: only in chat()."""
 

@@ -83,3 +83,50 @@ def test_prefix_cache_hits_do_not_change_outputs(smollm2_path, alone):
     assert tokens(first) == alone and tokens(second) == alone
     assert all(o.num_cached_tokens > 0 for o in second)
     assert llm.engine.kv_cache.stats.hits > 0
+
+
+def test_synchronous_scheduling_gives_the_same_tokens(smollm2_path, alone):
+    """`alone` ran with async scheduling (the default); waiting for every step changes nothing."""
+    llm = LLM(smollm2_path, async_scheduling=False, max_num_batched_tokens=64)
+    assert tokens(llm.generate(PROMPTS, PARAMS)) == alone
+
+
+MIXED_PARAMS = [
+    SamplingParams(temperature=0, max_tokens=20),  # may stop at EOS: its in-flight step is dropped
+    SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=16, logprobs=2),
+    SamplingParams(temperature=0.8, top_k=20, seed=3, repetition_penalty=1.3, max_tokens=16),
+    SamplingParams(temperature=0, presence_penalty=0.8, frequency_penalty=0.3, max_tokens=16),
+    SamplingParams(temperature=0.7, seed=11, min_tokens=6, max_tokens=14),
+    SamplingParams(temperature=0, stop=[" the", "."], max_tokens=30),  # stopped by the detokenizer
+    SamplingParams(temperature=0, max_tokens=1),
+    SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=10),
+]
+
+
+def assert_same_completions(got, want) -> None:
+    """Tokens, text and finish reasons equal; logprobs equal up to the last digits, which batch
+    shapes (GEMM sizes) may move."""
+    got = [c for o in got for c in o.outputs]
+    want = [c for o in want for c in o.outputs]
+    assert [(c.token_ids, c.text, c.finish_reason) for c in got] == [
+        (c.token_ids, c.text, c.finish_reason) for c in want
+    ]
+    for a, b in zip(got, want):
+        assert (a.logprobs is None) == (b.logprobs is None)
+        for pos_a, pos_b in zip(a.logprobs or [], b.logprobs or []):
+            assert pos_a.keys() == pos_b.keys()
+            assert all(abs(pos_a[t].logprob - pos_b[t].logprob) < 1e-4 for t in pos_a)
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"num_kv_blocks": 10, "block_size": 16}])
+def test_async_scheduling_matches_synchronous_for_every_sampling_feature(smollm2_path, engine_args):
+    """Seeds, penalties (which need the in-flight token on the host), min_tokens, stop strings,
+    logprobs, n > 1 and EOS give the same outputs whether step N+1 is scheduled before step N's
+    tokens are back or after; also under preemption."""
+    prompts = [PROMPTS[i] for i in range(len(MIXED_PARAMS))]
+    results = []
+    for async_scheduling in (False, True):
+        llm = LLM(smollm2_path, async_scheduling=async_scheduling, **engine_args)
+        results.append(llm.generate(prompts, MIXED_PARAMS))
+        assert llm.engine.kv_cache_usage == 0 and not llm.engine.has_unfinished_requests()
+    assert_same_completions(results[1], results[0])

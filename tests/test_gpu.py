@@ -147,10 +147,11 @@ def alone_gpu(tiny_gpu_path) -> list[list[int]]:
     [
         dict(max_num_seqs=64),  # all batched: decode graphs of every size up to 32
         dict(max_num_seqs=64, enforce_eager=True),
+        dict(max_num_seqs=64, async_scheduling=False),
         dict(max_num_batched_tokens=7, max_num_seqs=8, enable_prefix_caching=False),
         dict(num_kv_blocks=12, block_size=16, enable_prefix_caching=False),  # preemption
     ],
-    ids=["batched-graphs", "batched-eager", "chunked", "preempted"],
+    ids=["batched-graphs", "batched-eager", "batched-sync", "chunked", "preempted"],
 )
 def test_batch_invariance_on_gpu(tiny_gpu_path, alone_gpu, engine_args):
     llm = LLM(tiny_gpu_path, device="cuda", dtype="float32", **engine_args)
@@ -177,3 +178,30 @@ def test_memory_plan_admits_its_own_worst_case(tiny_gpu_path):
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=8, logprobs=3)
     outs = llm.generate(prompts, params)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+
+
+def test_async_scheduling_matches_synchronous_on_gpu(tiny_gpu_path):
+    """Every sampling feature, EOS allowed, graphs on: step N+1 launched before step N's tokens
+    reach the host gives the same tokens and logprobs as waiting for them."""
+    prompts = INVARIANCE_PROMPTS[:12]
+    params = [
+        SamplingParams(temperature=0, max_tokens=16),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=16, logprobs=2),
+        SamplingParams(temperature=0.8, top_k=20, seed=3, repetition_penalty=1.3, max_tokens=16),
+        SamplingParams(temperature=0, presence_penalty=0.8, frequency_penalty=0.3, max_tokens=9),
+        SamplingParams(temperature=0.7, seed=11, min_tokens=6, max_tokens=14),
+        SamplingParams(temperature=0, max_tokens=1),
+    ] * 2
+    results = []
+    for async_scheduling in (False, True):
+        llm = LLM(tiny_gpu_path, device="cuda", dtype="float32", async_scheduling=async_scheduling)
+        outs = llm.generate(prompts, params)
+        results.append([o.outputs[0] for o in outs])
+    sync, async_ = results
+    assert [c.token_ids for c in async_] == [c.token_ids for c in sync]
+    for a, b in zip(async_, sync):  # equal up to GEMM shapes (batch sizes) that differ
+        assert (a.logprobs is None) == (b.logprobs is None)
+        for pos_a, pos_b in zip(a.logprobs or [], b.logprobs or []):
+            assert pos_a.keys() == pos_b.keys()
+            for t in pos_a:
+                assert abs(pos_a[t].logprob - pos_b[t].logprob) < 1e-3

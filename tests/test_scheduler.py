@@ -41,12 +41,20 @@ def make_request(
 def fake_step(s: Scheduler, next_token=lambda req: 7) -> tuple[SchedulerOutput, list]:
     """Schedule, pretend the model ran, sample `next_token` for requests that reached the end."""
     out = s.schedule()
+    return out, s.update(out, fake_runner_output(s, out, next_token))
+
+
+def fake_runner_output(s: Scheduler, out: SchedulerOutput, next_token) -> ModelRunnerOutput:
+    """What a runner would return: a token for each scheduled request whose computed tokens
+    (advanced by schedule()) reach its end, its last placeholder. Call it right after schedule()."""
     sampled = {}
-    for req_id, n in out.num_scheduled_tokens.items():
-        req = s.requests[req_id]
-        if req.num_computed_tokens + n == req.num_tokens:
+    for req_id in out.num_scheduled_tokens:
+        req = s.requests.get(req_id)
+        if req is None or not req.num_output_placeholders:
+            continue
+        if req.num_computed_tokens == req.num_tokens_with_placeholders - 1:
             sampled[req_id] = next_token(req)
-    return out, s.update(out, ModelRunnerOutput(sampled))
+    return ModelRunnerOutput(sampled)
 
 
 def run_to_completion(s: Scheduler, max_steps=1000, **kw) -> list[SchedulerOutput]:
@@ -261,3 +269,97 @@ def test_scheduler_does_not_import_torch():
         "import sys, kiln.engine.scheduler, kiln.kv_cache.manager;sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# ---- async scheduling: step N+1 scheduled before step N's tokens are applied ---------------------
+
+
+def _token_at(req: Request) -> int:
+    """A deterministic 'model': the token depends on the request and the output index it fills
+    (its outputs so far plus those in flight), so both scheduling orders must agree."""
+    index = req.num_output_tokens + req.num_output_placeholders - 1
+    if req.req_id == "stops" and index == 3:
+        return EOS
+    return 100 + 7 * index + len(req.req_id)
+
+
+def _drive(s: Scheduler, lag: int, finish_after: dict[str, int] | None = None) -> dict:
+    """Run to completion with `lag` steps in flight (0: synchronous). Returns each request's
+    tokens and finish reason; `finish_after` stops a request (like a stop string) once it has
+    that many tokens, from outside the scheduler."""
+    from collections import deque
+
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    in_flight: deque = deque()
+    for _ in range(2000):
+        if not (s.has_unfinished_requests() or in_flight):
+            break
+        out = s.schedule()
+        if not out.is_empty:
+            in_flight.append((out, fake_runner_output(s, out, _token_at)))
+        if len(in_flight) <= lag and s.has_unfinished_requests() and not out.is_empty:
+            continue
+        if not in_flight:
+            continue
+        for core in s.update(*in_flight.popleft()):
+            tokens.setdefault(core.req_id, []).extend(core.new_token_ids)
+            if core.finish_reason:
+                reasons[core.req_id] = core.finish_reason
+            limit = (finish_after or {}).get(core.req_id)
+            if limit is not None and len(tokens[core.req_id]) == limit and not core.finish_reason:
+                s.finish_requests([core.req_id], RequestStatus.FINISHED_STOPPED)
+                reasons[core.req_id] = "stop"
+    assert not s.has_unfinished_requests() and not in_flight
+    assert s.kv_cache.pool.num_free_blocks == s.kv_cache.pool.num_blocks
+    assert not s._scheduled  # every scheduled step was applied
+    return {"tokens": tokens, "reasons": reasons}
+
+
+def _add_mix(s: Scheduler) -> None:
+    s.add_request(make_request("long", prompt_len=13, max_tokens=9, arrival=0))
+    s.add_request(make_request("stops", prompt_len=5, max_tokens=12, arrival=1))
+    s.add_request(make_request("cut", prompt_len=7, max_tokens=12, arrival=2))
+    s.add_request(make_request("one", prompt_len=9, max_tokens=1, arrival=3))
+    s.add_request(make_request("late", prompt_len=21, max_tokens=6, arrival=4))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"budget": 6},  # chunked prefills share steps with decodes
+        {"num_blocks": 9, "caching": False},  # preemption, also of requests with tokens in flight
+        {"max_num_seqs": 2},
+    ],
+    ids=["plain", "chunked", "preempting", "two_seqs"],
+)
+def test_async_order_gives_the_same_tokens(kwargs):
+    results = []
+    for lag in (0, 1):
+        s = make_scheduler(**kwargs)
+        _add_mix(s)
+        results.append(_drive(s, lag, finish_after={"cut": 4}))
+    if "num_blocks" in kwargs:
+        assert s.num_preemptions_total > 0  # async: a victim had its token in flight
+    sync, async_ = results
+    assert async_ == sync
+    assert sync["reasons"] == {
+        "long": "length",
+        "stops": "stop",
+        "cut": "stop",
+        "one": "length",
+        "late": "length",
+    }
+    assert len(sync["tokens"]["stops"]) == 4 and len(sync["tokens"]["one"]) == 1
+
+
+def test_async_never_schedules_past_max_tokens():
+    s = make_scheduler()
+    s.add_request(make_request("a", prompt_len=4, max_tokens=2))
+    first = s.schedule()  # prefill: samples output 1
+    fake_runner_output(s, first, _token_at)
+    second = s.schedule()  # decodes output 2, before output 1 is back
+    assert second.num_scheduled_tokens == {"a": 1}
+    assert s.requests["a"].num_output_placeholders == 2
+    assert s.schedule().is_empty  # output 2 is the last: nothing more until update()

@@ -5,13 +5,14 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 
 import torch
 
 from kiln.config import EngineConfig
 from kiln.engine.output_processor import OutputProcessor
 from kiln.engine.request import Request, RequestStatus
-from kiln.engine.scheduler import Scheduler
+from kiln.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
 from kiln.errors import InvalidRequestError
 from kiln.kv_cache.manager import KVCacheManager
 from kiln.outputs import RequestOutput
@@ -74,6 +75,7 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._in_flight: deque[SchedulerOutput] = deque()  # submitted to the runner, uncollected
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -178,10 +180,11 @@ class LLMEngine:
             if final is not None:
                 self.output_processor.pop(req_id)
                 finals.append(final)
+        self._drain_if_idle()
         return finals
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     # ---- stepping ----------------------------------------------------------------------------
 
@@ -192,7 +195,27 @@ class LLMEngine:
         output of a finished request is `finished_output(req_id)`.
         """
         sched = self.scheduler.schedule()
-        runner_output = self.runner.execute(sched)
+        if not self.config.async_scheduling:
+            return self._apply(sched, self.runner.execute(sched))
+        # Async: launch this step, then wait for the previous one and process its tokens while
+        # this one runs. A step's deltas therefore come out of the next call.
+        if self.runner.submit(sched):
+            self._in_flight.append(sched)
+            if len(self._in_flight) == 1 and self.scheduler.has_unfinished_requests():
+                return []  # nothing older to collect: the next call schedules ahead of this one
+        if not self._in_flight:
+            return []
+        deltas = self._apply(self._in_flight.popleft(), self.runner.collect())
+        self._drain_if_idle()
+        return deltas
+
+    def _drain_if_idle(self) -> None:
+        """No request left (finished early by a stop string, or aborted): what is still in flight
+        only computes dropped tokens. Collect it now, so an idle engine holds no step."""
+        while self._in_flight and not self.scheduler.has_unfinished_requests():
+            self._apply(self._in_flight.popleft(), self.runner.collect())
+
+    def _apply(self, sched: SchedulerOutput, runner_output: ModelRunnerOutput) -> list:
         core_outputs = self.scheduler.update(sched, runner_output)
         deltas, stopped = self.output_processor.process(core_outputs)
         if stopped:

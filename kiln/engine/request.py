@@ -45,6 +45,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    # Tokens scheduled to be sampled whose ids have not come back yet (async scheduling runs one
+    # step ahead of the sampled ids; at most 2, 0 once a step's output has been applied).
+    num_output_placeholders: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
@@ -57,6 +60,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Tokens the sequence will have once every scheduled sample is back."""
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

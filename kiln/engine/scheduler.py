@@ -1,13 +1,21 @@
 """Token-budget scheduler: decodes and prefill chunks share each step.
 
-schedule() -> SchedulerOutput hands out `{req_id: num_tokens}` within `max_num_batched_tokens`;
-update(SchedulerOutput, ModelRunnerOutput) appends sampled tokens, applies stop rules and frees
-finished requests. Pure Python: no torch, so it is unit-tested with fake runner outputs.
+schedule() -> SchedulerOutput hands out `{req_id: num_tokens}` within `max_num_batched_tokens`
+and advances each request's `num_computed_tokens` right away; a request whose tokens reach its end
+will sample, and holds an output placeholder until update(SchedulerOutput, ModelRunnerOutput)
+brings the token, applies stop rules and frees finished requests.
+
+Because schedule() does not wait for update(), the engine may schedule step N+1 while step N still
+runs (async scheduling): a decode then computes its placeholder token, whose id the runner takes
+from step N's sampled ids on the device. A request that finishes in step N may already be in step
+N+1: its extra token is dropped by update(), which only applies tokens to live requests. Pure
+Python: no torch, so it is unit-tested with fake runner outputs, in both orders.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 
 from kiln.engine.request import Request, RequestStatus
@@ -44,6 +52,7 @@ class SchedulerOutput:
     # Finished, aborted or preempted since the last step: the runner drops their state.
     finished_req_ids: frozenset[str]
     num_preempted: int = 0
+    step_id: int = 0  # increasing: lets update() tell a request from a later one of the same id
 
     @property
     def is_empty(self) -> bool:
@@ -108,6 +117,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
+        self._step_ids = itertools.count(1)
+        # The Request objects each scheduled step ran, until update() has applied its output.
+        self._scheduled: dict[int, dict[str, Request]] = {}
 
     def _key(self, request: Request) -> tuple[int, float]:
         if self.policy == "priority":
@@ -174,7 +186,12 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._has_all_samples_scheduled(request):
+                index += 1  # its last token is in flight: nothing more to compute
+                continue
+            num_new = min(
+                request.num_tokens_with_placeholders - request.num_computed_tokens, budget
+            )
             new_blocks = self.kv_cache.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self.running[-1]  # lowest priority, never one already scheduled
@@ -203,6 +220,8 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a token in flight: resent in full once it is back
             hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             new_blocks = self.kv_cache.allocate_slots(request, num_new, hit_blocks)
@@ -228,7 +247,20 @@ class Scheduler:
             )
             budget -= num_new
 
+        # The step's tokens count as computed from now on; a request whose tokens reach its end
+        # samples, and holds a placeholder until update() brings the token.
+        scheduled: dict[str, Request] = {}
+        for req_id, num_new in num_scheduled.items():
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+                request.num_output_placeholders += 1
+            scheduled[req_id] = request
+
         finished, self._finished_req_ids = self._finished_req_ids, set()
+        step_id = next(self._step_ids)
+        if scheduled:
+            self._scheduled[step_id] = scheduled
         return SchedulerOutput(
             new_requests=new_reqs,
             cached_requests=cached_reqs,
@@ -236,6 +268,18 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=frozenset(finished),
             num_preempted=num_preempted,
+            step_id=step_id,
+        )
+
+    def _has_all_samples_scheduled(self, request: Request) -> bool:
+        """Its remaining tokens are all scheduled already: the last one it may sample (by
+        max_tokens or the context length) is in flight, awaiting update()."""
+        if not request.num_output_placeholders:
+            return False
+        num_outputs = request.num_output_tokens + request.num_output_placeholders
+        return (
+            num_outputs >= request.max_tokens
+            or request.num_tokens_with_placeholders >= self.max_model_len
         )
 
     def update(
@@ -243,21 +287,24 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Advance computed tokens, append sampled tokens, apply stop rules, free finished."""
         outputs: list[EngineCoreOutput] = []
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(req_id)
-            if request is None:  # aborted while the step ran
-                continue
-            request.num_computed_tokens += num_tokens
+        scheduled = self._scheduled.pop(scheduler_output.step_id, {})
+        for req_id, request in scheduled.items():
+            if request.is_finished or self.requests.get(req_id) is not request:
+                continue  # finished, or aborted, while the step ran: its token is dropped
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             token_id = runner_output.sampled_token_ids.get(req_id)
             if token_id is None:
                 if prompt_logprobs:
                     outputs.append(EngineCoreOutput(req_id, [], prompt_logprobs=prompt_logprobs))
                 continue
+            request.num_output_placeholders -= 1
             request.append_output_token(token_id)
             finish = self._check_stop(request, token_id)
             if finish is not None:
-                self.running.remove(request)
+                if request.status == RequestStatus.RUNNING:
+                    self.running.remove(request)
+                else:  # preempted while its token was in flight
+                    self.waiting.remove(request)
                 self._free(request, finish)
             outputs.append(
                 EngineCoreOutput(

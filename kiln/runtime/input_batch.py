@@ -29,6 +29,10 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     row: int = -1  # its row in InputBuffers' persistent block table (set by the runner)
+    # Sampled in steps whose ids are not back on the host yet (async scheduling: at most 2), and
+    # where the latest sits in its step's sampled-ids tensor on the device.
+    num_pending: int = 0
+    pending_index: int = -1
     token_ids: list[int] = field(init=False)
     plain_greedy: bool = field(init=False)
     """Greedy with nothing else to do (no penalties, logprobs or min_tokens): argmax alone."""
@@ -42,7 +46,17 @@ class CachedRequestState:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens known on the host, plus one sampled on the device if pending."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def needs_history(self) -> bool:
+        """Sampling reads every generated token (penalties), not just how many there are."""
+        return self.sampling_params.uses_penalties
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,9 @@ class PackedBatch:
     sampling_rows: list[int]  # batch indices of requests that sample this step
     logits_indices: torch.Tensor | None  # [len(sampling_rows)]; None: row i samples at token i
     num_padded_seqs: int  # num_seqs rounded up to a CUDA-graph batch size (= num_seqs if eager)
+    # Input tokens still on the device (sampled by the previous step, async scheduling): the
+    # runner copies them into input_ids from that step's ids (InputBuffers.pending_src/dst).
+    num_pending_inputs: int = 0
 
 
 class InputBuffers:
@@ -90,7 +107,11 @@ class InputBuffers:
         self.query_start_loc_cpu = host(s + 1, torch.int32)
         self.block_table_cpu = host(s * w, torch.int32)  # compact [num_seqs, num_cols] prefix
         self.logits_indices_cpu = host(s, torch.int64)
-        self.sampled_cpu = host(s, torch.int64)  # the step's one device->host copy lands here
+        # The step's one device->host copy lands here; two, since with async scheduling a step's
+        # ids are copied while the previous step's are still being read.
+        self.sampled_cpu = (host(s, torch.int64), host(s, torch.int64))
+        self.pending_dst_cpu = host(s, torch.int64)  # input_ids positions to fill on the device
+        self.pending_src_cpu = host(s, torch.int64)  # ... from these rows of the last sampled ids
 
         self.input_ids = dev(t, torch.int64)
         self.positions = dev(t, torch.int64)
@@ -100,6 +121,8 @@ class InputBuffers:
         self.block_tables = dev((s, w), torch.int32)  # the kernels' table: row stride w
         self.block_table_staging = dev(s * w, torch.int32)
         self.logits_indices = dev(s, torch.int64)
+        self.pending_dst = dev(s, torch.int64)
+        self.pending_src = dev(s, torch.int64)
 
         # numpy views of the host buffers (same memory).
         self._ids = self.input_ids_cpu.numpy()
@@ -109,6 +132,8 @@ class InputBuffers:
         self._qsl = self.query_start_loc_cpu.numpy()
         self._bt = self.block_table_cpu.numpy()
         self._logits_idx = self.logits_indices_cpu.numpy()
+        self._pending_dst = self.pending_dst_cpu.numpy()
+        self._pending_src = self.pending_src_cpu.numpy()
 
         # Each live request's block ids, one persistent row each.
         self.req_block_table = np.zeros((s, w), dtype=np.int32)
@@ -136,7 +161,8 @@ class InputBuffers:
 
     def wait_for_copies(self) -> None:
         """The host buffers are about to be rewritten: the last step's copies must have read them.
-        (Normally long done: every sampling step syncs on its tokens after these copies.)"""
+        (Normally done: they were queued before the last step's forward, and the host has since
+        waited for the step before that.)"""
         if self._copies_pending:
             self._copies_done.synchronize()
             self._copies_pending = False
@@ -161,18 +187,28 @@ class InputBuffers:
         decode_only = num_tokens == n
 
         ids = self._ids
+        pending: list[tuple[int, int]] = []  # (input position, row of the last sampled ids)
         if decode_only:
             seq_of_token = np.arange(n)
             positions = start
             for r, s in enumerate(states):
-                ids[r] = s.token_ids[s.num_computed_tokens]
+                if s.num_computed_tokens < len(s.token_ids):
+                    ids[r] = s.token_ids[s.num_computed_tokens]
+                else:  # the token this decode computes was sampled by the step still running
+                    pending.append((r, s.pending_index))
         else:
             # Token i of sequence r sits at position start[r] + i.
             seq_of_token = np.repeat(np.arange(n), query_lens)
             positions = np.arange(num_tokens) - qsl[seq_of_token] + start[seq_of_token]
             for r, s in enumerate(states):
                 a = s.num_computed_tokens
-                ids[qsl[r] : qsl[r + 1]] = s.token_ids[a : a + num_scheduled[r]]
+                if a >= len(s.token_ids):  # a decode of the token still on the device
+                    pending.append((int(qsl[r]), s.pending_index))
+                else:
+                    ids[qsl[r] : qsl[r + 1]] = s.token_ids[a : a + num_scheduled[r]]
+        for i, (dst, src) in enumerate(pending):
+            self._pending_dst[i] = dst
+            self._pending_src[i] = src
 
         num_cols = -(-int(seq_lens.max()) // bs)
         padded = n if num_padded_seqs is None else num_padded_seqs
@@ -204,7 +240,9 @@ class InputBuffers:
             self._logits_idx[:k] = qsl[1 : n + 1][samples] - 1
             logits_indices = self.logits_indices[:k]
 
-        self._copy_to_device(max(num_tokens, padded), padded, num_cols, logits_indices)
+        self._copy_to_device(
+            max(num_tokens, padded), padded, num_cols, logits_indices, len(pending)
+        )
         metadata = AttentionMetadata(
             slot_mapping=self.slot_mapping[:num_tokens],
             query_start_loc=self.query_start_loc[: n + 1],
@@ -225,10 +263,16 @@ class InputBuffers:
             sampling_rows=sampling_rows,
             logits_indices=logits_indices,
             num_padded_seqs=padded,
+            num_pending_inputs=len(pending),
         )
 
     def _copy_to_device(
-        self, num_tokens: int, num_seqs: int, num_cols: int, logits_indices: torch.Tensor | None
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        num_cols: int,
+        logits_indices: torch.Tensor | None,
+        num_pending: int,
     ) -> None:
         """One asynchronous copy per buffer, of the prefix this step uses."""
         nb = True
@@ -249,6 +293,13 @@ class InputBuffers:
         if logits_indices is not None:
             k = logits_indices.shape[0]
             logits_indices.copy_(self.logits_indices_cpu[:k], non_blocking=nb)
+        if num_pending:
+            self.pending_dst[:num_pending].copy_(
+                self.pending_dst_cpu[:num_pending], non_blocking=nb
+            )
+            self.pending_src[:num_pending].copy_(
+                self.pending_src_cpu[:num_pending], non_blocking=nb
+            )
         if self._copies_done is not None:
             self._copies_done.record()
             self._copies_pending = True

@@ -1,15 +1,21 @@
-"""The data plane: execute(SchedulerOutput) -> ModelRunnerOutput.
+"""The data plane: submit(SchedulerOutput), then collect() -> ModelRunnerOutput.
 
 Keeps a per-request copy of tokens and block tables, packs each step into persistent buffers, runs
 the model over the paged KV cache (a CUDA graph for decode-only steps, eager otherwise), samples on
 the device, and returns plain Python values to the scheduler. One device->host sync per step: the
-sampled token ids (plus logprobs when asked for, in the same sync).
+sampled token ids (plus logprobs when asked for, in the same sync), waited for in collect().
+
+submit() only launches work, so the engine can schedule and submit step N+1 before collecting
+step N (async scheduling): a decode in N+1 whose input token N sampled reads it from N's sampled
+ids on the device. execute() is submit() + collect(), the synchronous step.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -98,6 +104,9 @@ class ModelRunner:
             self.graphs.capture()
         self.step_timing: dict[str, float] | None = None  # set to {} to collect host timings
         self.last_step_used_graph = False
+        self._in_flight: deque[_InFlightStep] = deque()  # submitted, not yet collected
+        self._last_sampled: torch.Tensor | None = None  # the latest step's sampled ids (device)
+        self._host_slot = 0  # which of the two pinned buffers the next step's ids land in
 
     def enable_fake_graphs(self) -> None:
         """Use FakeGraph (CPU) decode graphs: exercises padding and bucketing without CUDA."""
@@ -143,13 +152,20 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """One synchronous step."""
+        if not self.submit(sched):
+            return ModelRunnerOutput(sampled_token_ids={})
+        return self.collect()
+
+    @torch.inference_mode()
+    def submit(self, sched: SchedulerOutput) -> bool:
+        """Launch a step; False if it had no tokens (then there is nothing to collect)."""
         timing = self.step_timing
         t0 = time.perf_counter()
         self._update_states(sched)
         if sched.is_empty:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return False
         # Decodes (one token) first: the attention backend takes them as one batched call.
         scheduled = sched.num_scheduled_tokens
         req_ids = [r for r, n in scheduled.items() if n == 1]
@@ -158,6 +174,9 @@ class ModelRunner:
             req_ids += [r for r, n in scheduled.items() if n != 1]
         states = [self.requests[r] for r in req_ids]
         num_scheduled = [scheduled[r] for r in req_ids]
+        if self._in_flight and any(s.num_pending and s.needs_history for s in states):
+            # Penalties read every generated token: bring the running step's ids back first.
+            self._resolve_in_flight()
 
         graph_key = None
         if self.graphs is not None and num_decodes == len(req_ids):
@@ -170,6 +189,8 @@ class ModelRunner:
         if timing is not None and self.device.type == "cuda":
             gpu_events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
             gpu_events[0].record()
+        if batch.num_pending_inputs:
+            self._fill_pending_inputs(batch.num_pending_inputs)
         if graph_key is not None:
             hidden = self.graphs.replay(graph_key)
         else:
@@ -185,55 +206,126 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(batch, states, hidden)
         for state, n in zip(states, num_scheduled):
             state.num_computed_tokens += n
-        if not batch.sampling_rows:
-            if timing is not None:  # a step of prompt chunks only: no sampling, no sync
-                t2 = time.perf_counter()
-                times = (t0, t1, t2, t2, t2, t2)
-                self._record_timing(timing, times, None, graph_key is not None, sched, len(states))
-            return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs)
+        step = _InFlightStep(sched, graph_key is not None, len(states), prompt_logprobs)
+        self._in_flight.append(step)
+        if not batch.sampling_rows:  # a step of prompt chunks only: nothing to sample or wait for
+            step.times = (t0, t1, t2, t2)
+            return True
 
-        sampling_states = [states[r] for r in batch.sampling_rows]
-        num_rows = len(sampling_states)
+        step.states = [states[r] for r in batch.sampling_rows]
+        num_rows = len(step.states)
         if batch.logits_indices is None:
             logits = self.model.compute_logits(hidden[:num_rows])
         else:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
-        metadata = self.sampling.build(sampling_states)
+        metadata = self.sampling.build(step.states)
         result = self.sampler(logits, metadata)
         if gpu_events is not None:
             gpu_events[1].record()
-        t3 = time.perf_counter()
-        sampled, logprob_rows = self._to_host(result.sampled_token_ids, result.logprobs)
+        step.gpu_events = gpu_events
+        step.sampled = result.sampled_token_ids
+        self._copy_to_host(step, result.logprobs)
+        for index, state in enumerate(step.states):
+            state.num_pending += 1
+            state.pending_index = index
+        self._last_sampled = step.sampled
+        step.times = (t0, t1, t2, time.perf_counter())
+        return True
+
+    def collect(self) -> ModelRunnerOutput:
+        """Wait for the oldest submitted step's sampled ids and return them."""
+        if self._in_flight[0].output is None:
+            self._finish(self._in_flight[0])
+        return self._in_flight.popleft().output
+
+    def _resolve_in_flight(self) -> None:
+        for step in self._in_flight:
+            if step.output is None:
+                self._finish(step)
+
+    def _fill_pending_inputs(self, k: int) -> None:
+        """Input tokens the previous step sampled, copied on the device: no wait for the host."""
+        buf = self.inputs
+        buf.input_ids.index_copy_(
+            0, buf.pending_dst[:k], self._last_sampled.index_select(0, buf.pending_src[:k])
+        )
+
+    def _copy_to_host(self, step: _InFlightStep, logprobs: LogprobsTensors | None) -> None:
+        """Start the step's one device->host copy (ids, and logprobs if asked for)."""
+        if self.device.type != "cuda":
+            step.host_sampled, step.host_logprobs = step.sampled, logprobs
+            return
+        self._host_slot ^= 1
+        host = self.inputs.sampled_cpu[self._host_slot][: step.sampled.shape[0]]
+        host.copy_(step.sampled, non_blocking=True)
+        step.host_sampled = host
+        if logprobs is not None:
+            step.host_logprobs = LogprobsTensors(
+                *(t.to("cpu", non_blocking=True) for t in _fields(logprobs))
+            )
+        step.done = torch.cuda.Event()
+        step.done.record()
+
+    def _finish(self, step: _InFlightStep) -> None:
+        """Wait for a step's ids and hand them to its requests' states (the one sync)."""
         t4 = time.perf_counter()
+        if step.states is None:
+            step.output = ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=step.prompt_lp)
+            self._record(step, t4, t4, t4)
+            return
+        if step.done is not None:
+            step.done.synchronize()
+        t5 = time.perf_counter()
+        sampled = step.host_sampled.tolist()
+        logprob_rows = None
+        if step.host_logprobs is not None:
+            logprob_rows = _logprobs_to_lists(step.host_logprobs)
         sampled_ids: dict[str, int] = {}
-        for state, token_id in zip(sampling_states, sampled):
+        for state, token_id in zip(step.states, sampled):
             state.output_token_ids.append(token_id)
             state.token_ids.append(token_id)
+            state.num_pending -= 1
             sampled_ids[state.req_id] = token_id
         logprobs = {}
         if logprob_rows is not None:
-            for i, state in enumerate(sampling_states):
+            for i, state in enumerate(step.states):
                 n = state.sampling_params.logprobs
                 if n is not None:
                     ids, lps, rank = logprob_rows[i]
                     logprobs[state.req_id] = TokenLogprobs(ids[: n + 1], lps[: n + 1], rank)
-        if timing is not None:
-            times = (t0, t1, t2, t3, t4, time.perf_counter())
+        step.output = ModelRunnerOutput(sampled_ids, logprobs, step.prompt_lp)
+        self._record(step, t4, t5, time.perf_counter())
+
+    def _record(self, step: _InFlightStep, t4: float, t5: float, t6: float) -> None:
+        if self.step_timing is not None:
             self._record_timing(
-                timing, times, gpu_events, graph_key is not None, sched, len(states)
+                self.step_timing,
+                (*step.times, t4, t5, t6),
+                step.gpu_events,
+                step.graph,
+                step.sched,
+                step.num_seqs,
             )
-        return ModelRunnerOutput(sampled_ids, logprobs, prompt_logprobs)
 
     @staticmethod
     def _record_timing(
         timing: dict,
-        times: tuple[float, ...],  # perf_counter at the phase boundaries (TRACE_COLUMNS[3:8])
+        times: tuple[float, ...],  # perf_counter at the phase boundaries
         gpu_events: tuple | None,
         graph: bool,
         sched: SchedulerOutput,
         num_seqs: int,
     ) -> None:
-        parts = {name: b - a for name, a, b in zip(TRACE_COLUMNS[3:8], times, times[1:])}
+        # times: submit start, prepared, forward launched, sampling launched | collect start,
+        # ids back, done. The gap between the two calls (the engine's own work) is not counted.
+        t0, t1, t2, t3, t4, t5, t6 = times
+        parts = {
+            "prepare": t1 - t0,
+            "forward_launch": t2 - t1,
+            "sample_launch": t3 - t2,
+            "sync_wait": t5 - t4,
+            "finish": t6 - t5,
+        }
         if gpu_events is not None:  # complete: the step's sync waited for the sampler
             parts["gpu"] = gpu_events[0].elapsed_time(gpu_events[1]) / 1000
         row = [round(parts[n] * 1000, 3) if n in parts else None for n in TRACE_COLUMNS[3:]]
@@ -245,27 +337,6 @@ class ModelRunner:
         for name, value in parts.items():  # totals, and per kind of step
             timing[name] = timing.get(name, 0.0) + value
             timing[kind + name] = timing.get(kind + name, 0.0) + value
-
-    def _to_host(
-        self, sampled: torch.Tensor, logprobs: LogprobsTensors | None
-    ) -> tuple[list[int], list[tuple[list[int], list[float], int]] | None]:
-        """The step's one sync: sampled ids (and logprobs) copied out, then waited for once."""
-        if self.device.type != "cuda":
-            rows = None if logprobs is None else _logprobs_to_lists(logprobs)
-            return sampled.tolist(), rows
-        n = sampled.shape[0]
-        host = self.inputs.sampled_cpu[:n]
-        host.copy_(sampled, non_blocking=True)
-        host_logprobs = None
-        if logprobs is not None:
-            host_logprobs = LogprobsTensors(
-                *(t.to("cpu", non_blocking=True) for t in (*_fields(logprobs),))
-            )
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
-        rows = None if host_logprobs is None else _logprobs_to_lists(host_logprobs)
-        return host.tolist(), rows
 
     def _prompt_logprobs(
         self, batch: PackedBatch, states: list[CachedRequestState], hidden: torch.Tensor
@@ -300,3 +371,21 @@ def _fields(t: LogprobsTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 def _logprobs_to_lists(t: LogprobsTensors) -> list[tuple[list[int], list[float], int]]:
     return list(zip(t.token_ids.tolist(), t.logprobs.tolist(), t.ranks.tolist()))
+
+
+@dataclass(eq=False)
+class _InFlightStep:
+    """A submitted step until collect() hands its output on."""
+
+    sched: SchedulerOutput
+    graph: bool
+    num_seqs: int
+    prompt_lp: dict[str, PromptLogprobsChunk]
+    states: list[CachedRequestState] | None = None  # the rows that sample, in sampled-ids order
+    sampled: torch.Tensor | None = None  # [rows] on the device
+    host_sampled: torch.Tensor | None = None
+    host_logprobs: LogprobsTensors | None = None
+    done: torch.cuda.Event | None = None  # the host copies have landed
+    gpu_events: tuple | None = None
+    times: tuple[float, ...] = ()
+    output: ModelRunnerOutput | None = None

@@ -80,14 +80,12 @@ def build_sampling_metadata(
     any_presence = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
     masks = []
     for state, p in zip(states, params):
-        if len(state.output_token_ids) < p.min_tokens:
+        if state.num_output_tokens < p.min_tokens:
             masks.append(sorted(set(eos_token_ids) | set(p.stop_token_ids)))
         else:
             masks.append([])
     generators = [
-        None
-        if p.seed is None or p.greedy
-        else step_generator(p.seed, len(s.output_token_ids), device)
+        None if p.seed is None or p.greedy else step_generator(p.seed, s.num_output_tokens, device)
         for s, p in zip(states, params)
     ]
     wanted_logprobs = [p.logprobs for p in params if p.logprobs is not None]
