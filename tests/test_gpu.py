@@ -205,3 +205,13 @@ def test_async_scheduling_matches_synchronous_on_gpu(tiny_gpu_path):
             assert pos_a.keys() == pos_b.keys()
             for t in pos_a:
                 assert abs(pos_a[t].logprob - pos_b[t].logprob) < 1e-3
+
+
+def test_memory_plan_with_a_step_budget_beyond_the_context(tiny_gpu_path):
+    """max_num_batched_tokens larger than one sequence may hold: the startup profile must not
+    build a step with a sequence past max_model_len (it read out of bounds on an H200)."""
+    llm = LLM(
+        tiny_gpu_path, device="cuda", max_num_seqs=1, max_model_len=64, max_num_batched_tokens=512
+    )
+    out = llm.generate([[3] * 40], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 8

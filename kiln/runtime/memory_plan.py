@@ -90,7 +90,7 @@ def plan_kv_blocks(
     per_block = kv_bytes_per_block(model, config.block_size)
     activation = graph_reserve = non_torch = total = 0
     if device.type == "cuda":
-        activation, forward_peak = profile_activation_peak(config, model, device)
+        activation, forward_peak = profile_activation_peak(config, model, max_model_len, device)
         graph_reserve = 0
         if not config.enforce_eager:
             # The pool holds one decode forward's intermediates at the largest graph batch size
@@ -141,15 +141,17 @@ def plan_kv_blocks(
 
 @torch.inference_mode()
 def profile_activation_peak(
-    config: EngineConfig, model: LlamaForCausalLM, device: torch.device
+    config: EngineConfig, model: LlamaForCausalLM, max_model_len: int, device: torch.device
 ) -> tuple[int, int]:
     """(peak of a whole step, peak of the forward alone), in bytes above what was allocated
     before: max_num_batched_tokens prompt tokens spread over up to max_num_seqs sequences, every
     one sampling with penalties, temperature, top-k, top-p and logprobs (the sampler's largest
     temporaries)."""
     cfg = model.config
-    num_tokens = config.max_num_batched_tokens
-    num_seqs = max(1, min(config.max_num_seqs, num_tokens))
+    # The largest step the scheduler can form: no sequence longer than max_model_len (a longer
+    # one would index past the rotary table and the block table).
+    num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len)
+    num_seqs = max(1, min(config.max_num_seqs, num_tokens), -(-num_tokens // max_model_len))
     block_size = config.block_size
     lens = [num_tokens // num_seqs] * num_seqs
     lens[-1] += num_tokens - sum(lens)
