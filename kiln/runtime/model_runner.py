@@ -103,7 +103,6 @@ class ModelRunner:
             )
             self.graphs.capture()
         self.step_timing: dict[str, float] | None = None  # set to {} to collect host timings
-        self.last_step_used_graph = False
         self._in_flight: deque[_InFlightStep] = deque()  # submitted, not yet collected
         self._last_sampled: torch.Tensor | None = None  # the latest step's sampled ids (device)
         self._host_slot = 0  # which of the two pinned buffers the next step's ids land in
@@ -183,7 +182,6 @@ class ModelRunner:
             max_seq_len = max(s.num_computed_tokens for s in states) + 1
             graph_key = self.graphs.lookup(len(states), max_seq_len)
         batch = self.inputs.prepare(states, num_scheduled, graph_key and graph_key[0])
-        self.last_step_used_graph = graph_key is not None
         t1 = time.perf_counter()
         gpu_events = None
         if timing is not None and self.device.type == "cuda":
