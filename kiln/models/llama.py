@@ -120,9 +120,11 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, eps)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] fp32
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab], model dtype
+        # Not cast to fp32 here: a greedy batch takes its argmax on these as they are (the cast
+        # is exact, so the argmax is the same) and skips writing and re-reading a fp32 copy.
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, weight)
 
     # ---- weights -------------------------------------------------------------------------
 

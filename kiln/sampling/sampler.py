@@ -54,6 +54,10 @@ class Sampler:
     """logits [B, V] -> one token per row. Stateless: all per-request state comes in `metadata`."""
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        md = metadata
+        plain_greedy = md.all_greedy and md.no_penalties and md.max_num_logprobs is None
+        if plain_greedy and not any(md.min_tokens_mask_ids):
+            return SamplerOutput(logits.argmax(dim=-1), None)  # the common decode: nothing else
         logits = logits.float()  # a no-op for float32; half-precision logits lose top-p accuracy
         # (1) Logprobs describe the model, not the sampling transform, so take them first.
         raw_logprobs = None if metadata.max_num_logprobs is None else logits.log_softmax(dim=-1)
