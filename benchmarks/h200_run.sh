@@ -74,9 +74,9 @@ for s in "$@"; do
         stage prof1 120 python3 benchmarks/profile_decode.py --batch 1 --context 1024 \
             --out "$OUT/profile_decode_b1.txt"
         ;;
-    prof256)  # ... and of 256-row decode steps at 256 context
-        stage prof256 120 python3 benchmarks/profile_decode.py --batch 256 --context 256 \
-            --out "$OUT/profile_decode_b256.txt"
+    prof512)  # ... and of 512-row decode steps at ~200 context (the 128/128 steady state)
+        stage prof512 120 python3 benchmarks/profile_decode.py --batch 512 --context 192 \
+            --out "$OUT/profile_decode_b512.txt"
         ;;
     tput128-sync)  # 128/128 with async scheduling off: what overlapping the host buys
         stage tput128-sync 170 $BENCH throughput $COMMON --input-len 128 --output-len 128 \
