@@ -78,6 +78,14 @@ for s in "$@"; do
         stage prof512 120 python3 benchmarks/profile_decode.py --batch 512 --context 192 \
             --out "$OUT/profile_decode_b512.txt"
         ;;
+    prof384)  # 384-row decode steps at 1.5k context (the 1000/1000 steady state)
+        stage prof384 150 python3 benchmarks/profile_decode.py --batch 384 --context 1500 \
+            --out "$OUT/profile_decode_b384_1500.txt"
+        ;;
+    profprefill)  # prefill steps of 8192 tokens: 4 prompts of 2048 (the 2048/128 workload)
+        stage profprefill 120 python3 benchmarks/profile_decode.py --prefill --batch 4 \
+            --context 2048 --steps 4 --out "$OUT/profile_prefill_4x2048.txt"
+        ;;
     tput128-sync)  # 128/128 with async scheduling off: what overlapping the host buys
         stage tput128-sync 170 $BENCH throughput $COMMON --input-len 128 --output-len 128 \
             --num-requests 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 \

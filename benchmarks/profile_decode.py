@@ -27,6 +27,12 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--prefill",
+        action="store_true",
+        help="profile the prefill steps of the batch instead (after a warm-up batch of the same "
+        "shape, so no compilation is profiled)",
+    )
     p.add_argument("--out", default="profile_decode.txt")
     args = p.parse_args()
 
@@ -40,30 +46,48 @@ def main() -> None:
         enforce_eager=args.enforce_eager,
     )
     engine = LLMEngine(config)
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    for i in range(args.batch):
-        engine.add_request([(7 * i + j) % 1000 + 10 for j in range(args.context)], params)
-    while engine.scheduler.waiting or any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
-    ):  # prefill everything, then a few warm decode steps
-        engine.step()
-    for _ in range(4):
-        engine.step()
+
+    def add_batch(offset: int, max_tokens: int) -> None:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        for i in range(args.batch):
+            prompt = [(7 * i + 13 * offset + j) % 1000 + 10 for j in range(args.context)]
+            engine.add_request(prompt, params)
+
+    def prefilling() -> bool:
+        return bool(engine.scheduler.waiting) or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+        )
+
+    if args.prefill:  # warm up on other prompts of the same shape, then profile a fresh batch
+        add_batch(1, 2)
+        while engine.has_unfinished_requests():
+            engine.step()
+        add_batch(2, 200)
+    else:
+        add_batch(0, 200)
+        while prefilling():  # prefill everything, then a few warm decode steps
+            engine.step()
+        for _ in range(4):
+            engine.step()
     torch.cuda.synchronize()
     walls = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
+            if args.prefill and not prefilling():
+                break
             t0 = time.perf_counter()
             engine.step()
             walls.append((time.perf_counter() - t0) * 1000)
         torch.cuda.synchronize()
+    args.steps = len(walls)
     table = prof.key_averages().table(
         sort_by="cuda_time_total", row_limit=40, max_name_column_width=70
     )
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total_us = sum(e.self_device_time_total for e in kernels)
     lines = [
-        f"batch {args.batch}, context {args.context}, {args.steps} steps, graphs "
+        f"{'prefill' if args.prefill else 'decode'}: batch {args.batch}, context {args.context}, "
+        f"{args.steps} steps, graphs "
         f"{'off' if args.enforce_eager else 'on'}",
         f"wall per step (ms): median {sorted(walls)[len(walls) // 2]:.3f}, "
         f"mean {sum(walls) / len(walls):.3f}",
