@@ -64,6 +64,11 @@ for s in "$@"; do
             --num-requests 384 --max-num-seqs 384 --max-num-batched-tokens 8192 \
             --max-model-len 2048 --warmup 24 --output-json "$OUT/tput1000.json"
         ;;
+    tput1000-max)  # 1000/1000 at the most sequences the memory plan holds at 2000 tokens (432)
+        stage tput1000-max 170 $BENCH throughput $COMMON --input-len 1000 --output-len 1000 \
+            --num-requests 432 --max-num-seqs 432 --max-num-batched-tokens 8192 \
+            --max-model-len 2048 --warmup 24 --output-json "$OUT/tput1000_max.json"
+        ;;
     tput2048)  # 2048/128 max throughput; HF generate on one static batch of 16
         stage tput2048 170 $BENCH throughput $COMMON --input-len 2048 --output-len 128 \
             --num-requests 256 --max-num-seqs 256 --max-num-batched-tokens 8192 \
