@@ -42,9 +42,11 @@ class EngineConfig:
     """Seed of the global RNG (rows without their own seed) and of dummy weights."""
     enforce_eager: bool = False
     """Disable CUDA graphs (GPU only)."""
-    async_scheduling: bool = True
+    async_scheduling: bool | None = None
     """Schedule step N+1 while step N runs on the device (the host's Python overlaps the GPU).
-    Outputs are the same either way; off, every step waits for its sampled ids first."""
+    Outputs are the same either way; off, every step waits for its sampled ids first. None: on
+    with CUDA, off on the CPU, where a step computes while it is submitted, so there is nothing to
+    overlap and each step's tokens would only come out one step later (TTFT + one decode step)."""
     chat: bool | None = None
     """Apply the chat template in generate(); None: only in chat()."""
 

@@ -179,3 +179,21 @@ def test_cli_reports_bad_input_clearly():
         timeout=120,
     )
     assert result.returncode == 2 and "temperature" in result.stderr
+
+
+def test_async_scheduling_defaults_off_on_the_cpu_and_can_be_forced(smollm2_path):
+    """On the CPU a step computes while it is submitted: overlapping would only hold each step's
+    tokens back one step. Forced on, it runs the same path the GPU uses."""
+    from kiln import LLM
+
+    assert LLM(smollm2_path, kv_cache_memory_gb=0.1).engine.async_scheduling is False
+    forced = LLM(smollm2_path, kv_cache_memory_gb=0.1, async_scheduling=True)
+    assert forced.engine.async_scheduling is True
+    engine = forced.engine
+    engine.add_request("Hello", SamplingParams(temperature=0, max_tokens=3))
+    assert engine.step() == []  # launched; its token comes out of the next call
+    assert engine.has_unfinished_requests()
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].finished and len(outputs) == 3

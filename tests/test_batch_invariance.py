@@ -64,14 +64,33 @@ def test_batch_of_32_mixed_lengths(smollm2_llm, alone):
     assert tokens(smollm2_llm.generate(PROMPTS, PARAMS)) == alone
 
 
-def test_tiny_chunked_prefill_budget(smollm2_path, alone):
-    llm = LLM(smollm2_path, max_num_batched_tokens=7, max_num_seqs=8, enable_prefix_caching=False)
+# Async scheduling (step N+1 scheduled before step N's tokens are applied) is off by default on the
+# CPU, where there is nothing to overlap; the tests that stress the scheduler run it both ways.
+BOTH_SCHEDULINGS = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+
+
+@BOTH_SCHEDULINGS
+def test_tiny_chunked_prefill_budget(smollm2_path, alone, async_scheduling):
+    llm = LLM(
+        smollm2_path,
+        max_num_batched_tokens=7,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+        async_scheduling=async_scheduling,
+    )
     assert tokens(llm.generate(PROMPTS, PARAMS)) == alone
 
 
-def test_preemption_under_tiny_kv_pool(smollm2_path, alone):
+@BOTH_SCHEDULINGS
+def test_preemption_under_tiny_kv_pool(smollm2_path, alone, async_scheduling):
     # 12 blocks of 16 tokens: the longest request (~110 tokens) fits alone, 32 at once do not.
-    llm = LLM(smollm2_path, num_kv_blocks=12, block_size=16, enable_prefix_caching=False)
+    llm = LLM(
+        smollm2_path,
+        num_kv_blocks=12,
+        block_size=16,
+        enable_prefix_caching=False,
+        async_scheduling=async_scheduling,
+    )
     assert tokens(llm.generate(PROMPTS, PARAMS)) == alone
     assert llm.engine.scheduler.num_preemptions_total > 0
 
@@ -85,9 +104,10 @@ def test_prefix_cache_hits_do_not_change_outputs(smollm2_path, alone):
     assert llm.engine.kv_cache.stats.hits > 0
 
 
-def test_synchronous_scheduling_gives_the_same_tokens(smollm2_path, alone):
-    """`alone` ran with async scheduling (the default); waiting for every step changes nothing."""
-    llm = LLM(smollm2_path, async_scheduling=False, max_num_batched_tokens=64)
+def test_async_scheduling_gives_the_same_tokens(smollm2_path, alone):
+    """`alone` ran synchronously (the CPU default); scheduling a step ahead changes nothing."""
+    llm = LLM(smollm2_path, async_scheduling=True, max_num_batched_tokens=64)
+    assert llm.engine.async_scheduling
     assert tokens(llm.generate(PROMPTS, PARAMS)) == alone
 
 

@@ -29,10 +29,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument(
-        "--no-async-scheduling",
-        dest="async_scheduling",
-        action="store_false",
-        help="wait for each step's sampled ids before scheduling the next",
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule step N+1 while step N runs (default: on with CUDA, off on the CPU)",
     )
     g.add_argument("--seed", type=int, default=0)
 

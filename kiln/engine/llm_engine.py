@@ -76,6 +76,9 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self.async_scheduling = config.async_scheduling
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device.type == "cuda"
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted to the runner, uncollected
         # Startup objects (model, tokenizer, graphs) live as long as the engine: keep the cyclic
         # GC from walking them on every full collection while requests churn.
@@ -200,7 +203,7 @@ class LLMEngine:
         output of a finished request is `finished_output(req_id)`.
         """
         sched = self.scheduler.schedule()
-        if not self.config.async_scheduling:
+        if not self.async_scheduling:
             return self._apply(sched, self.runner.execute(sched))
         # Async: launch this step, then wait for the previous one and process its tokens while
         # this one runs. A step's deltas therefore come out of the next call.
