@@ -36,12 +36,15 @@ class CachedRequestState:
     token_ids: list[int] = field(init=False)
     plain_greedy: bool = field(init=False)
     """Greedy with nothing else to do (no penalties, logprobs or min_tokens): argmax alone."""
+    needs_history: bool = field(init=False)
+    """Sampling reads every generated token (penalties), not just how many there are."""
 
     def __post_init__(self) -> None:
         self.token_ids = [*self.prompt_token_ids, *self.output_token_ids]
         p = self.sampling_params
+        self.needs_history = p.uses_penalties
         self.plain_greedy = (
-            p.greedy and not p.uses_penalties and p.logprobs is None and p.min_tokens == 0
+            p.greedy and not self.needs_history and p.logprobs is None and p.min_tokens == 0
         )
 
     @property
@@ -52,11 +55,6 @@ class CachedRequestState:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids) + self.num_pending
-
-    @property
-    def needs_history(self) -> bool:
-        """Sampling reads every generated token (penalties), not just how many there are."""
-        return self.sampling_params.uses_penalties
 
 
 @dataclass(frozen=True)

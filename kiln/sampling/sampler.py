@@ -55,25 +55,26 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         md = metadata
-        plain_greedy = md.all_greedy and md.no_penalties and md.max_num_logprobs is None
-        if plain_greedy and not any(md.min_tokens_mask_ids):
-            return SamplerOutput(logits.argmax(dim=-1), None)  # the common decode: nothing else
+        has_masks = any(md.min_tokens_mask_ids)
+        argmax_only = md.all_greedy and md.no_penalties and not has_masks
+        if argmax_only and md.max_num_logprobs is None:
+            # The common decode: the argmax of the model-dtype logits (a cast to fp32 is exact,
+            # so it would pick the same ids after writing and re-reading a [rows, vocab] copy).
+            return SamplerOutput(logits.argmax(dim=-1), None)
         logits = logits.float()  # a no-op for float32; half-precision logits lose top-p accuracy
         # (1) Logprobs describe the model, not the sampling transform, so take them first.
-        raw_logprobs = None if metadata.max_num_logprobs is None else logits.log_softmax(dim=-1)
+        raw_logprobs = None if md.max_num_logprobs is None else logits.log_softmax(dim=-1)
 
-        sampled = self._sample(logits, metadata)
+        sampled = logits.argmax(dim=-1) if argmax_only else self._sample(logits, md, has_masks)
 
         logprobs = None
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
-    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:  # [B] int64
-        has_masks = any(md.min_tokens_mask_ids)
-        if md.all_greedy and md.no_penalties and not has_masks:
-            return logits.argmax(dim=-1)  # fast path: the common greedy decode needs nothing else
-
+    def _sample(  # [B] int64
+        self, logits: torch.Tensor, md: SamplingMetadata, has_masks: bool
+    ) -> torch.Tensor:
         # (2) Penalties, (3) forbidden tokens: both change what greedy and random rows see.
         if not md.no_penalties:
             logits = apply_penalties(
