@@ -84,3 +84,18 @@ def smollm2_llm(smollm2_path):
     from kiln import LLM
 
     return LLM(smollm2_path, max_num_seqs=64, kv_cache_memory_gb=1.0)
+
+
+def assert_same_completions(got, want, atol: float) -> None:
+    """Tokens, text and finish reasons equal; logprobs within `atol`, since batch shapes (GEMM
+    sizes) may move their last digits."""
+    got = [c for o in got for c in o.outputs]
+    want = [c for o in want for c in o.outputs]
+    assert [(c.token_ids, c.text, c.finish_reason) for c in got] == [
+        (c.token_ids, c.text, c.finish_reason) for c in want
+    ]
+    for a, b in zip(got, want):
+        assert (a.logprobs is None) == (b.logprobs is None)
+        for pos_a, pos_b in zip(a.logprobs or [], b.logprobs or []):
+            assert pos_a.keys() == pos_b.keys()
+            assert all(abs(pos_a[t].logprob - pos_b[t].logprob) < atol for t in pos_a)

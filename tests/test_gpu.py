@@ -17,8 +17,12 @@ if not torch.cuda.is_available():
     )
 
 from kiln import LLM, SamplingParams
-from tests.conftest import TINY_VARIANTS, build_tiny_hf_model
-from tests.test_models_vs_hf import NEW_TOKENS, PROMPTS, hf_greedy  # the same oracle
+from tests.conftest import TINY_VARIANTS, assert_same_completions, build_tiny_hf_model
+from tests.test_models_vs_hf import (  # the same oracle
+    NEW_TOKENS,
+    PROMPTS,
+    assert_greedy_matches_hf,
+)
 
 
 def _tokens(outputs) -> list[list[int]]:
@@ -117,12 +121,7 @@ def test_tiny_greedy_matches_hf_on_gpu(variant, tmp_path):
     assert llm.engine.runner.graphs is not None
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
     for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
-        hf_tokens, hf_logprobs = hf_greedy(hf_model, prompt)
-        completion = out.outputs[0]
-        assert completion.token_ids == hf_tokens, f"{variant}: prompt {prompt[:5]}..."
-        ours = torch.tensor([completion.logprobs[i][t].logprob for i, t in enumerate(hf_tokens)])
-        theirs = hf_logprobs[torch.arange(len(hf_tokens)), torch.tensor(hf_tokens)]
-        torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=2e-3)
+        assert_greedy_matches_hf(hf_model, prompt, out.outputs[0], 2e-3, variant)
 
 
 @pytest.fixture(scope="module")
@@ -195,16 +194,8 @@ def test_async_scheduling_matches_synchronous_on_gpu(tiny_gpu_path):
     results = []
     for async_scheduling in (False, True):
         llm = LLM(tiny_gpu_path, device="cuda", dtype="float32", async_scheduling=async_scheduling)
-        outs = llm.generate(prompts, params)
-        results.append([o.outputs[0] for o in outs])
-    sync, async_ = results
-    assert [c.token_ids for c in async_] == [c.token_ids for c in sync]
-    for a, b in zip(async_, sync):  # equal up to GEMM shapes (batch sizes) that differ
-        assert (a.logprobs is None) == (b.logprobs is None)
-        for pos_a, pos_b in zip(a.logprobs or [], b.logprobs or []):
-            assert pos_a.keys() == pos_b.keys()
-            for t in pos_a:
-                assert abs(pos_a[t].logprob - pos_b[t].logprob) < 1e-3
+        results.append(llm.generate(prompts, params))
+    assert_same_completions(results[1], results[0], atol=1e-3)
 
 
 def test_memory_plan_with_a_step_budget_beyond_the_context(tiny_gpu_path):

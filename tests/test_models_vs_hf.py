@@ -18,6 +18,19 @@ PROMPTS = [
 NEW_TOKENS = 24
 
 
+def assert_greedy_matches_hf(
+    hf_model, prompt: list[int], completion, tol: float, label: str
+) -> torch.Tensor:
+    """kiln's greedy tokens equal HF's, and the logprobs of those tokens are within `tol`.
+    Returns HF's logprobs [new tokens, vocab] for further checks."""
+    hf_tokens, hf_logprobs = hf_greedy(hf_model, prompt)
+    assert completion.token_ids == hf_tokens, f"{label}: prompt {prompt[:5]}..."
+    ours = torch.tensor([completion.logprobs[i][t].logprob for i, t in enumerate(hf_tokens)])
+    theirs = hf_logprobs[torch.arange(len(hf_tokens)), torch.tensor(hf_tokens)]
+    torch.testing.assert_close(ours, theirs, atol=tol, rtol=tol)
+    return hf_logprobs
+
+
 def hf_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     model.generation_config.eos_token_id = None  # like ignore_eos: never stop early
     with torch.no_grad():
@@ -41,12 +54,8 @@ def test_tiny_model_matches_hf(variant, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
     outputs = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outputs):
-        hf_tokens, hf_logprobs = hf_greedy(hf_model, prompt)
         completion = out.outputs[0]
-        assert completion.token_ids == hf_tokens, f"{variant}: prompt {prompt[:5]}..."
-        ours = torch.tensor([completion.logprobs[i][t].logprob for i, t in enumerate(hf_tokens)])
-        theirs = hf_logprobs[torch.arange(len(hf_tokens)), torch.tensor(hf_tokens)]
-        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+        hf_logprobs = assert_greedy_matches_hf(hf_model, prompt, completion, 1e-4, variant)
         # The top alternatives are HF's top tokens too.
         top_hf = hf_logprobs[0].topk(3).indices.tolist()
         assert set(completion.logprobs[0]) >= set(top_hf[:1])
