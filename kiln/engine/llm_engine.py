@@ -223,7 +223,9 @@ class LLMEngine:
         while self._in_flight and not self.scheduler.has_unfinished_requests():
             self._apply(self._in_flight.popleft(), self.runner.collect())
 
-    def _apply(self, sched: SchedulerOutput, runner_output: ModelRunnerOutput) -> list:
+    def _apply(
+        self, sched: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
         core_outputs = self.scheduler.update(sched, runner_output)
         deltas, stopped = self.output_processor.process(core_outputs)
         if stopped:

@@ -49,7 +49,7 @@ class CachedRequestState:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens known on the host, plus one sampled on the device if pending."""
+        """Tokens known on the host, plus those sampled on the device and not yet back."""
         return len(self.token_ids) + self.num_pending
 
     @property
