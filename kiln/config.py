@@ -26,6 +26,10 @@ class EngineConfig:
     """Token budget of one step: decodes plus prefill chunks. A long prompt is chunked to fit."""
     block_size: int = 16
     """Tokens per KV cache block (page)."""
+    kv_cache_dtype: str = "auto"
+    """"auto" (the model dtype) or "fp8" (float8 e4m3, unscaled: half the bytes of bf16, so twice
+    the tokens and half the reads per decode step, at a small accuracy cost; see
+    docs/performance.md)."""
     kv_cache_memory_gb: float | None = None
     """KV cache budget in GiB. None: 2 GiB on the CPU; on GPU, from gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.9
@@ -64,6 +68,8 @@ class EngineConfig:
             fail("load_format", 'must be "auto" or "dummy"')
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             fail("dtype", 'must be "auto", "float32", "float16" or "bfloat16"')
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            fail("kv_cache_dtype", 'must be "auto" or "fp8" (alias "fp8_e4m3")')
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             fail("device", 'must be "auto", "cpu" or "cuda[:N]"')
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -22,6 +22,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--block-size", type=int, default=16)
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        help="KV cache element type: the model dtype, or float8 e4m3 (half the memory and reads)",
+    )
     g.add_argument("--kv-cache-memory-gb", type=float, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
@@ -47,6 +53,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -18,7 +18,12 @@ from kiln.errors import InvalidRequestError
 from kiln.kv_cache.manager import KVCacheManager
 from kiln.outputs import RequestOutput
 from kiln.runtime.memory_plan import plan_kv_blocks
-from kiln.runtime.model_loader import load_model, resolve_device, resolve_dtype
+from kiln.runtime.model_loader import (
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from kiln.runtime.model_runner import ModelRunner
 from kiln.sampling_params import SamplingParams
 
@@ -45,7 +50,10 @@ class LLMEngine:
             # so cap the context there rather than compute something else past it.
             logger.warning("sliding window %d: max_model_len capped to it", window)
             max_model_len = window
-        self.memory_plan = plan_kv_blocks(config, loaded.model, max_model_len, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.memory_plan = plan_kv_blocks(
+            config, loaded.model, max_model_len, self.device, self.kv_cache_dtype
+        )
         num_blocks = self.memory_plan.num_blocks
         # Every admitted request must fit the cache on its own, or preemption could never help.
         self.max_model_len = min(max_model_len, num_blocks * config.block_size)
@@ -73,6 +81,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enforce_eager=config.enforce_eager,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

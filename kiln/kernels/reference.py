@@ -10,6 +10,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+FP8_E4M3_MAX = 448.0  # largest finite float8 e4m3fn value
+
+
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """Rounds keys/values to the cache's element type. float8 e4m3 is unscaled and saturates at
+    +-448 (as the GPU's conversion does) rather than overflowing to NaN."""
+    if cache_dtype == torch.float8_e4m3fn:
+        x = x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return x.to(cache_dtype)
+
 
 def write_kv_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -25,8 +35,12 @@ def write_kv_cache(
     if slot_mapping.device.type == "cpu" and bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    for cache, x in ((k_cache, key), (v_cache, value)):
+        x = to_cache_dtype(x, cache.dtype)
+        if cache.element_size() == 1:
+            # index_copy_ has no float8 kernel on the CPU: copy the bytes.
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, x)
 
 
 def _gather_context(

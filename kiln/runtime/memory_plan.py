@@ -41,6 +41,7 @@ class MemoryPlan:
     graph_reserve_bytes: int = 0  # set aside for the decode graphs' memory pool
     non_torch_bytes: int = 0  # CUDA context, library workspaces, other processes
     total_bytes: int = 0  # the device's memory (0 on the CPU)
+    kv_dtype: str = ""  # the cache's element type, e.g. "bfloat16" or "float8_e4m3fn"
 
     @property
     def kv_tokens(self) -> int:
@@ -52,7 +53,8 @@ class MemoryPlan:
 
     def describe(self, context_len: int) -> str:
         text = (
-            f"weights {self.weight_bytes / GiB:.2f} GiB, KV cache {self.num_blocks} blocks x "
+            f"weights {self.weight_bytes / GiB:.2f} GiB, KV cache ({self.kv_dtype}) "
+            f"{self.num_blocks} blocks x "
             f"{self.block_size} = {self.kv_tokens} tokens "
             f"({self.num_blocks * self.bytes_per_block / GiB:.2f} GiB): "
             f"{self.max_concurrent_seqs(context_len)} sequences of {context_len} tokens at once"
@@ -74,23 +76,30 @@ class MemoryPlan:
             "kv_gib": self.num_blocks * self.bytes_per_block / GiB,
             "kv_blocks": self.num_blocks,
             "kv_tokens": self.kv_tokens,
+            "kv_dtype": self.kv_dtype,
         }
 
 
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int) -> int:
+def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
     cfg = model.config
-    elem = model.norm.element_size()
+    elem = kv_dtype.itemsize
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
 def plan_kv_blocks(
-    config: EngineConfig, model: LlamaForCausalLM, max_model_len: int, device: torch.device
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    max_model_len: int,
+    device: torch.device,
+    kv_dtype: torch.dtype,
 ) -> MemoryPlan:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    per_block = kv_bytes_per_block(model, config.block_size)
+    per_block = kv_bytes_per_block(model, config.block_size, kv_dtype)
     activation = graph_reserve = non_torch = total = 0
     if device.type == "cuda":
-        activation, forward_peak = profile_activation_peak(config, model, max_model_len, device)
+        activation, forward_peak = profile_activation_peak(
+            config, model, max_model_len, device, kv_dtype
+        )
         graph_reserve = 0
         if not config.enforce_eager:
             # The pool holds one decode forward's intermediates at the largest graph batch size
@@ -134,6 +143,7 @@ def plan_kv_blocks(
         graph_reserve,
         non_torch,
         total,
+        str(kv_dtype).removeprefix("torch."),
     )
     logger.info("memory plan: %s", plan.describe(max_model_len))
     return plan
@@ -141,7 +151,11 @@ def plan_kv_blocks(
 
 @torch.inference_mode()
 def profile_activation_peak(
-    config: EngineConfig, model: LlamaForCausalLM, max_model_len: int, device: torch.device
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    max_model_len: int,
+    device: torch.device,
+    kv_dtype: torch.dtype,
 ) -> tuple[int, int]:
     """(peak of a whole step, peak of the forward alone), in bytes above what was allocated
     before: max_num_batched_tokens prompt tokens spread over up to max_num_seqs sequences, every
@@ -158,9 +172,8 @@ def profile_activation_peak(
     blocks = [-(-n // block_size) for n in lens]
     # A scratch cache just big enough for this batch (its size is not part of the peak).
     shape = (sum(blocks), block_size, cfg.num_key_value_heads, cfg.head_dim)
-    dtype = model.norm.dtype
     caches = [
-        tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+        tuple(torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(2))
         for _ in range(cfg.num_hidden_layers)
     ]
     tables = torch.zeros((num_seqs, max(blocks)), dtype=torch.int32)

@@ -56,6 +56,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's own, or float8 e4m3 ("fp8")."""
+    if name == "auto":
+        return model_dtype
+    return torch.float8_e4m3fn  # "fp8" / "fp8_e4m3" (validated by EngineConfig)
+
+
 def find_model_source(model: str | None, load_format: str) -> ModelSource:
     from kiln.build.default_model import default_model_path
 

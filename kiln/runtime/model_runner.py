@@ -62,6 +62,7 @@ class ModelRunner:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         cfg = model.config
@@ -77,10 +78,11 @@ class ModelRunner:
         shape = (num_kv_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         # Zeroed, not empty: padded block-table entries are read (and masked) by the reference
         # decode path, and masked garbage can still be NaN.
+        kv_dtype = kv_cache_dtype or self.dtype
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=kv_dtype, device=self.device),
             )
             for _ in range(cfg.num_hidden_layers)
         ]

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.reference import FP8_E4M3_MAX
+
 
 @triton.jit
 def _write_kv_cache_kernel(
@@ -23,6 +25,8 @@ def _write_kv_cache_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,  # next power of two >= NUM_KV_HEADS
     BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
+    FP8: tl.constexpr,  # the cache is float8 e4m3: saturate at +-FP8_MAX before the cast
+    FP8_MAX: tl.constexpr,
 ):
     """One program per token: copies its [num_kv_heads, head_dim] key and value rows to its slot."""
     token = tl.program_id(0).to(tl.int64)
@@ -44,6 +48,9 @@ def _write_kv_cache_kernel(
             + dims[None, :],
             mask=mask,
         )
+        if FP8:
+            key = tl.clamp(key.to(tl.float32), -FP8_MAX, FP8_MAX)
+            value = tl.clamp(value.to(tl.float32), -FP8_MAX, FP8_MAX)
         # The cache is contiguous: a slot is NUM_KV_HEADS * HEAD_DIM consecutive elements.
         cache_offsets = slot * (NUM_KV_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]
         tl.store(k_cache_ptr + cache_offsets, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -57,7 +64,8 @@ def write_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
-    """Writes key[i] and value[i] to slot slot_mapping[i] of the caches (cast to the cache dtype).
+    """Writes key[i] and value[i] to slot slot_mapping[i] of the caches (cast to the cache dtype;
+    a float8 e4m3 cache saturates at +-448, see reference.to_cache_dtype).
 
     key/value may be strided views (e.g. slices of a fused qkv projection) as long as head_dim is
     contiguous; the caches must be contiguous.
@@ -86,5 +94,7 @@ def write_kv_cache(
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
+        FP8_MAX=FP8_E4M3_MAX,
         num_warps=4,
     )

@@ -1,0 +1,114 @@
+"""What an FP8 KV cache costs in accuracy: the same model with kv_cache_dtype "auto" and "fp8".
+
+Two measurements on real text, each run with both caches in one process:
+- WikiText-2 (test split) perplexity from prompt logprobs over fixed token windows;
+- greedy GSM8K answers (chat template): how many completions are token-for-token identical to
+  the "auto" cache's, where they first differ, and the accuracy of the final number of each.
+
+    python benchmarks/kv_cache_accuracy.py --out benchmarks/results/kv_fp8_accuracy_smollm2_cpu.json
+
+Defaults to the embedded SmolLM2-135M-Instruct (a real model; dummy weights have no meaningful
+perplexity). Data: ../shared/data (WikiText-2 raw, GSM8K test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+from kiln import LLM, SamplingParams
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def perplexity(llm: LLM, windows: list[list[int]]) -> float:
+    outs = llm.generate(windows, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    nll, count = 0.0, 0
+    for window, out in zip(windows, outs, strict=True):
+        for token, position in zip(window[1:], out.prompt_logprobs[1:], strict=True):
+            nll -= position[token].logprob
+            count += 1
+    return math.exp(nll / count)
+
+
+def final_number(text: str) -> str | None:
+    numbers = re.findall(r"-?\d[\d,]*\.?\d*", text)
+    return numbers[-1].replace(",", "").rstrip(".") if numbers else None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--windows", type=int, default=32)
+    p.add_argument("--window-len", type=int, default=512)
+    p.add_argument("--questions", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    text = (DATA / "wikitext-2" / "test.txt").read_text()
+    questions = [
+        json.loads(line) for line in (DATA / "gsm8k" / "test.jsonl").read_text().splitlines()
+    ][: args.questions]
+    results: dict[str, dict] = {}
+    completions: dict[str, list[list[int]]] = {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=kv, max_num_seqs=64)
+        ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
+        n = args.window_len
+        windows = [ids[i * n : (i + 1) * n] for i in range(args.windows)]
+        start = time.perf_counter()
+        ppl = perplexity(llm, windows)
+        conversations = [[{"role": "user", "content": q["question"]}] for q in questions]
+        outs = llm.chat(conversations, SamplingParams(max_tokens=args.max_tokens, temperature=0))
+        completions[kv] = [list(o.outputs[0].token_ids) for o in outs]
+        correct = sum(
+            final_number(o.outputs[0].text)
+            == q["answer"].split("####")[-1].strip().replace(",", "")
+            for o, q in zip(outs, questions, strict=True)
+        )
+        results[kv] = {
+            "kv_cache_dtype": str(llm.engine.kv_cache_dtype).removeprefix("torch."),
+            "wikitext2_perplexity": ppl,
+            "gsm8k_correct": correct,
+            "seconds": time.perf_counter() - start,
+        }
+        print(kv, results[kv], flush=True)
+        del llm
+
+    ref, fp8 = completions["auto"], completions["fp8"]
+    first_diff = []
+    for a, b in zip(ref, fp8, strict=True):
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if k is None and len(a) != len(b):
+            k = min(len(a), len(b))
+        first_diff.append(k)
+    differing = [k for k in first_diff if k is not None]
+    record = {
+        "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
+        "model": args.model or "SmolLM2-135M-Instruct (embedded GGUF)",
+        "wikitext2_windows": f"{args.windows} x {args.window_len} tokens",
+        "gsm8k_questions": len(questions),
+        "max_tokens": args.max_tokens,
+        "results": results,
+        "perplexity_change": results["fp8"]["wikitext2_perplexity"]
+        / results["auto"]["wikitext2_perplexity"]
+        - 1,
+        "identical_greedy_completions": sum(k is None for k in first_diff),
+        "first_differing_token_median": sorted(differing)[len(differing) // 2]
+        if differing
+        else None,
+    }
+    print(json.dumps(record, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Attention kernels over a float8 KV cache against the same kernels over bf16, at Llama-3.1-8B
+shapes (GPU), and the decode kernel's tile configurations for a float8 cache.
+
+    PYTHONPATH=. python3 benchmarks/kv_fp8_kernel_sweep.py --out kv_fp8_kernel_sweep.json
+
+Decode: for each (batch, context), the time and achieved bandwidth (bytes of K/V the step must
+read / time) with a bf16 cache and with a float8 cache at today's tile configuration, then every
+(BLOCK_N, num_warps, num_stages) for float8. Prefill: bf16 against float8 cache at today's tiles.
+Each output is checked against the bf16 run's (float8 rounding only: max abs error ~1e-1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from functools import partial
+
+import torch
+
+from kiln.kernels.triton import decode_attention as da
+from kiln.kernels.triton import prefill_attention as pa
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DECODE_SHAPES = [(384, 1500), (256, 2112), (64, 4096), (1, 1024)]
+PREFILL_SHAPES = {"4x2048_fresh": ([2048] * 4, 0), "1x512_after_6k": ([512], 6144)}
+FP8 = torch.float8_e4m3fn
+
+
+def paged(seq_lens: list[int], gen: torch.Generator):
+    blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    shape = (sum(blocks), BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    k = torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16)
+    perm = torch.randperm(sum(blocks), device="cuda", generator=gen).to(torch.int32)
+    table = torch.zeros((len(seq_lens), max(blocks)), dtype=torch.int32, device="cuda")
+    first = 0
+    for r, b in enumerate(blocks):
+        table[r, :b] = perm[first : first + b]
+        first += b
+    return k, v, table
+
+
+def time_ms(fn, reps: int = 20) -> float:
+    """Mean of `reps` calls captured in one CUDA graph (GPU time, no launch overhead)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def sweep_decode() -> list[dict]:
+    default_config = da._tile_config
+    rows = []
+    for batch, context in DECODE_SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(batch)
+        k, v, table = paged([context] * batch, gen)
+        k8, v8 = k.to(FP8), v.to(FP8)
+        q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
+        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        scale = HEAD_DIM**-0.5
+
+        def run(kc, vc, q=q, table=table, lens=lens, scale=scale, context=context):
+            return da.paged_decode_attention(q, kc, vc, table, lens, scale, context)
+
+        elems = 2 * batch * context * KV_HEADS * HEAD_DIM
+        da._tile_config = default_config
+        ref = run(k, v)
+        row = {"batch": batch, "context": context, "default": list(default_config(16, q.device))}
+        row["bf16_ms"] = time_ms(partial(run, k, v))
+        row["fp8_ms"] = time_ms(partial(run, k8, v8))
+        row["fp8_max_abs_err_vs_bf16"] = (run(k8, v8).float() - ref.float()).abs().max().item()
+        row["bf16_GBps"] = elems * 2 / row["bf16_ms"] / 1e6
+        row["fp8_GBps"] = elems / row["fp8_ms"] / 1e6
+        row["fp8_configs"] = []
+        for cfg in itertools.product((64, 128), (4, 8), (2, 3, 4)):
+            da._tile_config = lambda *a, cfg=cfg: cfg
+            try:
+                err = (run(k8, v8).float() - ref.float()).abs().max().item()
+                t = time_ms(partial(run, k8, v8))
+            except Exception as exc:  # out of shared memory / registers
+                print(batch, context, cfg, "failed:", type(exc).__name__)
+                continue
+            row["fp8_configs"].append({"config": list(cfg), "ms": t, "max_abs_err": err})
+        da._tile_config = default_config
+        best = min(row["fp8_configs"], key=lambda c: c["ms"])
+        row["fp8_best"] = best
+        print(
+            f"decode b={batch} ctx={context}: bf16 {row['bf16_ms'] * 1e3:.1f} us "
+            f"({row['bf16_GBps']:.0f} GB/s); fp8 {row['fp8_ms'] * 1e3:.1f} us "
+            f"({row['fp8_GBps']:.0f} GB/s), best fp8 {best['config']} {best['ms'] * 1e3:.1f} us "
+            f"({elems / best['ms'] / 1e6:.0f} GB/s); err {row['fp8_max_abs_err_vs_bf16']:.3f}",
+            flush=True,
+        )
+        for c in sorted(row["fp8_configs"], key=lambda c: c["ms"])[:4]:
+            print("   ", c["config"], f"{c['ms'] * 1e3:.1f} us")
+        rows.append(row)
+        del k, v, k8, v8
+    return rows
+
+
+def compare_prefill() -> list[dict]:
+    rows = []
+    for name, (lens, prefix) in PREFILL_SHAPES.items():
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        seq_lens = [n + prefix for n in lens]
+        k, v, table = paged(seq_lens, gen)
+        k8, v8 = k.to(FP8), v.to(FP8)
+        q = torch.randn(
+            (sum(lens), HEADS, HEAD_DIM), device="cuda", generator=gen, dtype=torch.bfloat16
+        )
+        qsl = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+        sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+        flops = sum(4 * n * (prefix + (n + 1) / 2) * HEAD_DIM * HEADS for n in lens)
+
+        def run(kc, vc, q=q, table=table, qsl=qsl, sl=sl, lens=lens, seq_lens=seq_lens):
+            scale = HEAD_DIM**-0.5
+            return pa.paged_prefill_attention(
+                q, kc, vc, table, qsl, sl, scale, max(lens), max(seq_lens)
+            )
+
+        row = {"shape": name, "bf16_ms": time_ms(partial(run, k, v), 5)}
+        row["fp8_ms"] = time_ms(partial(run, k8, v8), 5)
+        row["fp8_max_abs_err_vs_bf16"] = (
+            (run(k8, v8).float() - run(k, v).float()).abs().max().item()
+        )
+        row["bf16_TFLOPs"] = flops / row["bf16_ms"] / 1e9
+        row["fp8_TFLOPs"] = flops / row["fp8_ms"] / 1e9
+        print(f"prefill {name}: {row}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="kv_fp8_kernel_sweep.json")
+    args = p.parse_args()
+    record = {"gpu": torch.cuda.get_device_name(), "decode": sweep_decode()}
+    record["prefill"] = compare_prefill()
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
