@@ -102,7 +102,8 @@ def test_llama8b_fp8_kv_cache_close_to_hf(llama8b_pair):
         kv_cache_dtype="fp8",
     )
     assert llm.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
-    assert llm.engine.memory_plan.kv_tokens == 2 * bf16_llm.engine.memory_plan.kv_tokens
+    plan, bf16_plan = llm.engine.memory_plan, bf16_llm.engine.memory_plan
+    assert 2 * plan.bytes_per_block == bf16_plan.bytes_per_block
     llm.engine.runner.model.load_weights(hf.state_dict().items())
     rel, max_abs, agree = _compare_prompt_logprobs_with_hf(hf, llm, _random_prompts(3, 128256, 1))
     print(

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton._device import dot_precision, num_sms
+from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms
 
 _LOG2E = 1.4426950408889634
 
@@ -55,6 +55,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,  # keys per tile
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: widen K/V to fp16, not bf16 (see below)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -77,6 +78,8 @@ def _decode_kernel(
         mask=row_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
+    if FP16_DOTS:
+        q = q.to(tl.float16)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -273,6 +276,7 @@ def paged_decode_attention_splits(
         BLOCK_N=block_n,
         SPLIT=split,
         DOT_PRECISION=dot_precision(query.dtype),
+        FP16_DOTS=fp16_dots(query, k_cache),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton._device import dot_precision, num_sms
+from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms
 
 _LOG2E = 1.4426950408889634
 
@@ -89,6 +89,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: widen K/V to fp16 (see _device.py)
 ):
     # Reversed so the longest (last, most keys under the causal mask) tiles start first.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -115,6 +116,8 @@ def _prefill_kernel(
         mask=m_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
+    if FP16_DOTS:
+        q = q.to(tl.float16)
     q_pos = context_len + offs_m
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -218,6 +221,7 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(query.dtype),
+        FP16_DOTS=fp16_dots(query, k_cache),
         num_warps=num_warps,
         num_stages=num_stages,
     )
