@@ -22,7 +22,9 @@ from kiln.kernels.triton import decode_attention as da
 from kiln.kernels.triton import prefill_attention as pa
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-DECODE_SHAPES = [(384, 1500), (256, 2112), (64, 4096), (1, 1024)]
+DECODE_SHAPES = [(384, 1500), (64, 4096), (1, 1024)]
+DECODE_BLOCK_N = (64, 128, 256)
+PREFILL_CONFIGS = list(itertools.product((64, 128), (64, 128), (4, 8), (1, 2, 3)))
 PREFILL_SHAPES = {"4x2048_fresh": ([2048] * 4, 0), "1x512_after_6k": ([512], 6144)}
 FP8 = torch.float8_e4m3fn
 
@@ -83,7 +85,7 @@ def sweep_decode() -> list[dict]:
         row["bf16_GBps"] = elems * 2 / row["bf16_ms"] / 1e6
         row["fp8_GBps"] = elems / row["fp8_ms"] / 1e6
         row["fp8_configs"] = []
-        for cfg in itertools.product((64, 128), (4, 8), (2, 3, 4)):
+        for cfg in itertools.product(DECODE_BLOCK_N, (4, 8), (1, 2, 3)):
             da._tile_config = lambda *a, cfg=cfg: cfg
             try:
                 err = (run(k8, v8).float() - ref.float()).abs().max().item()
@@ -130,6 +132,19 @@ def compare_prefill() -> list[dict]:
             )
 
         row = {"shape": name, "bf16_ms": time_ms(partial(run, k, v), 5)}
+        default_config = pa._tile_config
+        row["fp8_configs"] = []
+        for cfg in PREFILL_CONFIGS:
+            pa._tile_config = lambda *a, cfg=cfg: cfg
+            try:
+                t = time_ms(partial(run, k8, v8), 5)
+            except Exception as exc:  # out of shared memory
+                print(name, cfg, "failed:", type(exc).__name__)
+                continue
+            row["fp8_configs"].append({"config": list(cfg), "ms": t, "TFLOPs": flops / t / 1e9})
+        pa._tile_config = default_config
+        for c in sorted(row["fp8_configs"], key=lambda c: c["ms"])[:4]:
+            print("    prefill fp8", c["config"], f"{c['ms']:.3f} ms {c['TFLOPs']:.0f} TFLOP/s")
         row["fp8_ms"] = time_ms(partial(run, k8, v8), 5)
         row["fp8_max_abs_err_vs_bf16"] = (
             (run(k8, v8).float() - run(k, v).float()).abs().max().item()
