@@ -183,10 +183,17 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return max(1, min(wanted, useful, _MAX_SPLITS))
 
 
-def _tile_config(block_size: int, device: torch.device) -> tuple[int, int, int]:
+def _tile_config(
+    block_size: int, device: torch.device, kv_fp8: bool = False
+) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages)."""
     if device.type != "cuda":
         return 16, 4, 1  # the interpreter's cost grows with tile size; 16 is tl.dot's minimum
+    if kv_fp8:
+        # A float8 cache does not reach the copy bandwidth (Triton's float8 -> fp16 operand path
+        # caps it near 2.4 TB/s on an H200); 128-key tiles in 2 stages were best or within 5% at
+        # 384 x 1.5k, 64 x 4k and batch 1 (benchmarks/results/fp8_run3/kv_fp8_kernel_sweep.json).
+        return 128, 4, 2
     # Tiles of whole cache blocks (or whole tiles of one block), at least 64 keys per tile.
     # 64 keys, 4 warps, 3 stages was within 1-3% of the best of {32,64,128} x {2,4,8} x {2,3} at
     # every H200 decode shape measured (batch 1-128, context 1k-32k).
@@ -234,7 +241,8 @@ def paged_decode_attention_splits(
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
     group = num_heads // num_kv_heads
-    block_n, num_warps, num_stages = _tile_config(block_size, query.device)
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    block_n, num_warps, num_stages = _tile_config(block_size, query.device, kv_fp8)
     max_seq_len = max(max_seq_len, 1)
     # Partitions are whole tiles; recompute the count so none is entirely past max_seq_len.
     partition_size = triton.cdiv(triton.cdiv(max_seq_len, max(num_splits, 1)), block_n) * block_n
