@@ -75,6 +75,11 @@ for s in "$@"; do
             --num-requests 432 --max-num-seqs 432 --max-num-batched-tokens 8192 \
             --max-model-len 2048 --warmup 24 --output-json "$OUT/tput1000_max$SFX.json"
         ;;
+    tput1000-768)  # 1000/1000 with 768 in flight: only a float8 cache holds them (2000 tokens each)
+        stage tput1000-768 200 $BENCH throughput $COMMON $KV --input-len 1000 --output-len 1000 \
+            --num-requests 768 --max-num-seqs 768 --max-num-batched-tokens 8192 \
+            --max-model-len 2048 --warmup 24 --output-json "$OUT/tput1000_768$SFX.json"
+        ;;
     tput2048)  # 2048/128 max throughput; HF generate on one static batch of 16
         stage tput2048 170 $BENCH throughput $COMMON $KV --input-len 2048 --output-len 128 \
             --num-requests 256 --max-num-seqs 256 --max-num-batched-tokens 8192 \
