@@ -117,6 +117,10 @@ for s in "$@"; do
         stage fp8-sweep 300 python3 benchmarks/kv_fp8_kernel_sweep.py \
             --out "$OUT/kv_fp8_kernel_sweep.json"
         ;;
+    fp8-mixed)  # decode over fp16/float8 K and V in all four combinations: which operand is slow
+        stage fp8-mixed 120 python3 benchmarks/kv_fp8_kernel_sweep.py --mixed-only \
+            --out "$OUT/kv_fp8_mixed_decode.json"
+        ;;
     *)
         echo "unknown stage $s"
         ;;

@@ -111,6 +111,33 @@ def sweep_decode() -> list[dict]:
     return rows
 
 
+def mixed_kv_decode(batch: int = 384, context: int = 1500) -> list[dict]:
+    """Which operand is slow over float8: fp16 query, K and V each fp16 or float8 (float8 widens
+    to fp16, so no other conversion is involved), at today's tiles."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    k, v, table = paged([context] * batch, gen)
+    caches = {"fp16": (k.half(), v.half()), "fp8": (k.to(FP8), v.to(FP8))}
+    q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", generator=gen, dtype=torch.float16)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    elems = batch * context * KV_HEADS * HEAD_DIM  # per cache
+    rows = []
+    default_config = da._tile_config
+    for cfg, k_name, v_name in itertools.product(((64, 4, 3), (128, 4, 2)), caches, caches):
+        da._tile_config = lambda *a, cfg=cfg: cfg
+        kc, vc = caches[k_name][0], caches[v_name][1]
+        fn = partial(da.paged_decode_attention, q, kc, vc, table, lens, HEAD_DIM**-0.5, context)
+        ms = time_ms(fn)
+        nbytes = elems * (kc.element_size() + vc.element_size())
+        row = {"config": cfg, "k": k_name, "v": v_name, "batch": batch, "context": context}
+        row.update(ms=ms, GBps=nbytes / ms / 1e6)
+        print(
+            f"mixed decode {cfg} K {k_name} V {v_name}: {ms * 1e3:.1f} us, {row['GBps']:.0f} GB/s"
+        )
+        rows.append(row)
+    da._tile_config = default_config
+    return rows
+
+
 def compare_prefill() -> list[dict]:
     rows = []
     for name, (lens, prefix) in PREFILL_SHAPES.items():
@@ -159,8 +186,14 @@ def compare_prefill() -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="kv_fp8_kernel_sweep.json")
+    p.add_argument("--mixed-only", action="store_true", help="only the K/V dtype experiment")
     args = p.parse_args()
-    record = {"gpu": torch.cuda.get_device_name(), "decode": sweep_decode()}
+    record = {"gpu": torch.cuda.get_device_name(), "mixed_kv_decode": mixed_kv_decode()}
+    if args.mixed_only:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+        return
+    record["decode"] = sweep_decode()
     record["prefill"] = compare_prefill()
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)

@@ -317,6 +317,17 @@ def test_prefill_attention_llama8b_bf16(block_size: int) -> None:
 
 
 @on_gpu
+def test_fp8_to_fp16_conversion_is_exact() -> None:
+    from kiln.kernels.triton._fp8 import fp8_to_fp16
+
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8)
+    every = every[~every.float().isnan()].to(DEVICE)  # 254 values: all but the two NaN codes
+    assert torch.equal(fp8_to_fp16(every), every.to(torch.float16))
+    odd = every[:253]  # a length that is not a multiple of the four-value packing
+    assert torch.equal(fp8_to_fp16(odd), odd.to(torch.float16))
+
+
+@on_gpu
 def test_attention_llama8b_fp8_cache() -> None:
     # Real shapes with a float8 cache: batch 1 at 4k (split-K), a batch of 64, and prefill chunks.
     _check_decode([4096], 32, 8, 128, 16, torch.bfloat16, None, cache_dtype=FP8)

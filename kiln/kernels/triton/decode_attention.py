@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms
+from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 
 _LOG2E = 1.4426950408889634
 
@@ -95,7 +96,11 @@ def _decode_kernel(
         kv_offsets = slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset + dims[None, :]
         kv_mask = n_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if FP16_DOTS:  # noqa: SIM108 (resolved at compile time)
+            v = fp8e4m3_to_fp16(v)  # not v.to(tl.float16): see _fp8.py
+        else:
+            v = v.to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))

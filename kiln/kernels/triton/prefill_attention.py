@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms
+from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 
 _LOG2E = 1.4426950408889634
 
@@ -40,6 +41,7 @@ def _attend_tile(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,  # apply the causal / end-of-context mask
     DOT_PRECISION: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
 ):
     n = n_start + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -52,7 +54,11 @@ def _attend_tile(
     kv_offsets = slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head_offset + dims[None, :]
     kv_mask = n_mask[:, None] & dim_mask[None, :]
     k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
-    v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if FP16_DOTS:  # noqa: SIM108 (resolved at compile time)
+        v = fp8e4m3_to_fp16(v)  # not v.to(tl.float16): see _fp8.py
+    else:
+        v = v.to(q.dtype)
 
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
@@ -133,7 +139,7 @@ def _prefill_kernel(
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, n_start, seq_len, block_table, k_cache_ptr, v_cache_ptr,
             kv_head_offset, dims, dim_mask, qk_scale,
-            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, FP16_DOTS,
         )  # fmt: skip
     # The diagonal: the first of these tiles holds key `first_pos`, seen by every row.
     causal_end = tl.minimum(seq_len, first_pos + BLOCK_M)
@@ -141,7 +147,7 @@ def _prefill_kernel(
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, n_start, seq_len, block_table, k_cache_ptr, v_cache_ptr,
             kv_head_offset, dims, dim_mask, qk_scale,
-            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP16_DOTS,
         )  # fmt: skip
 
     out = acc / l_i[:, None]
