@@ -86,7 +86,7 @@ def sweep_decode() -> list[dict]:
         row["fp8_GBps"] = elems / row["fp8_ms"] / 1e6
         row["fp8_configs"] = []
         for cfg in itertools.product(DECODE_BLOCK_N, (4, 8), (1, 2, 3)):
-            da._tile_config = lambda *a, cfg=cfg: cfg
+            da._tile_config = lambda *a, cfg=cfg, **kw: cfg
             try:
                 err = (run(k8, v8).float() - ref.float()).abs().max().item()
                 t = time_ms(partial(run, k8, v8))
@@ -123,7 +123,7 @@ def mixed_kv_decode(batch: int = 384, context: int = 1500) -> list[dict]:
     rows = []
     default_config = da._tile_config
     for cfg, k_name, v_name in itertools.product(((64, 4, 3), (128, 4, 2)), caches, caches):
-        da._tile_config = lambda *a, cfg=cfg: cfg
+        da._tile_config = lambda *a, cfg=cfg, **kw: cfg
         kc, vc = caches[k_name][0], caches[v_name][1]
         fn = partial(da.paged_decode_attention, q, kc, vc, table, lens, HEAD_DIM**-0.5, context)
         ms = time_ms(fn)
@@ -162,7 +162,7 @@ def compare_prefill() -> list[dict]:
         default_config = pa._tile_config
         row["fp8_configs"] = []
         for cfg in PREFILL_CONFIGS:
-            pa._tile_config = lambda *a, cfg=cfg: cfg
+            pa._tile_config = lambda *a, cfg=cfg, **kw: cfg
             try:
                 t = time_ms(partial(run, k8, v8), 5)
             except Exception as exc:  # out of shared memory
