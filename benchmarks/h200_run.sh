@@ -40,7 +40,7 @@ for s in "$@"; do
         stage test-graph-cpu 60 python3 -m pytest -q -p no:cacheprovider tests/test_graph_runner.py
         ;;
     test-kernels)
-        stage test-kernels 60 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
+        stage test-kernels 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
         ;;
     lat1k)  # batch-1 decode at 1k context: roofline fraction; HF generate on one request
         stage lat1k 150 $BENCH latency $COMMON $KV --input-len 1024 --output-len 128 \
