@@ -28,8 +28,9 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def fp16_dots(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether attention over a float8 cache should widen K/V to fp16 rather than to the bf16
-    query's dtype. On an H200 the float8 -> bf16 conversion, not memory, bounded the decode kernel
-    (2.1 TB/s: as slow as reading bf16), while float8 -> fp16 is one instruction per two values.
-    The query (|q| far below fp16's 65504) and the softmax weights (in [0, 1]) are exact enough
-    in fp16, which has more mantissa than bf16; products still accumulate in fp32."""
+    query's dtype: float8 -> fp16 is one instruction per two values, float8 -> bf16 goes through
+    fp32 (H200 decode over float8: 2.1 TB/s widened to bf16, 2.3 to fp16; the V operand's own
+    limit is handled in _fp8.py). The query (|q| far below fp16's 65504) and the softmax weights
+    (in [0, 1]) lose nothing in fp16, which has more mantissa than bf16; products still
+    accumulate in fp32."""
     return k_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16

@@ -10,6 +10,7 @@ values) makes V reach shared memory as fp16, which the 16-bit transposing load h
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -41,9 +42,8 @@ def _fp8_to_fp16_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, fp8e4m3_to_fp16(x), mask=mask)
 
 
-def fp8_to_fp16(x):  # torch.Tensor (float8_e4m3fn, CUDA) -> fp16; for tests
-    import torch
-
+def fp8_to_fp16(x: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn CUDA tensor -> fp16 through fp8e4m3_to_fp16 (for tests)."""
     out = torch.empty(x.shape, dtype=torch.float16, device=x.device)
     n = x.numel()
     _fp8_to_fp16_kernel[(triton.cdiv(n, 1024),)](x, out, n, BLOCK=1024)

@@ -56,7 +56,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,  # keys per tile
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: widen K/V to fp16, not bf16 (see below)
+    FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)

@@ -95,7 +95,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: widen K/V to fp16 (see _device.py)
+    FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
 ):
     # Reversed so the longest (last, most keys under the causal mask) tiles start first.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -178,9 +178,10 @@ def _tile_config(
     if head_dim > 128:
         return 64, 32, 4, 2  # keep the K/V stages within shared memory
     if kv_fp8:
-        # Float8 K/V (widened to fp16 in the kernel): 128 x 128 tiles on 8 warps were best or
-        # within 2% for four 2k prompts and a 512-token chunk after 6k (274 and 318 TFLOP/s; bf16
-        # 322 and 338), where the bf16 choices gave 260 and 242 (fp8_run3/kv_fp8_kernel_sweep.json).
+        # Float8 K/V: 128 x 128 tiles on 8 warps were best or within 2% for four 2k prompts and a
+        # 512-token chunk after 6k (274 and 318 TFLOP/s; bf16 322 and 338), where the bf16 choices
+        # gave 260 and 242 (fp8_run3/kv_fp8_kernel_sweep.json, before V was widened by _fp8.py;
+        # with it, 270 and 319 at this tile in fp8_run7, whose re-sweep failed on a script bug).
         return 128, 128, 8, 2
     if triton.cdiv(max_query_len, 128) * num_heads * num_seqs >= 8 * num_sms(device):
         return 128, 64, 4, 3
