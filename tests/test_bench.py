@@ -45,3 +45,25 @@ def test_bench_latency_reports_decode_rate_and_roofline(tiny_dir, tmp_path):
     record = json.loads(out.read_text())
     assert record["kiln"]["decode_tok_s"] > 0 and record["hf"]["decode_tok_s"] > 0
     assert record["roofline"]["achieved_fraction"] > 0
+
+
+def test_bench_kv_cache_dtype_flag_reaches_the_engine_and_the_roofline(tiny_dir, tmp_path):
+    """--kv-cache-dtype fp8 is recorded, sizes the plan in float8, and shrinks the KV bytes the
+    decode roofline counts (fp32 -> float8: a quarter)."""
+    records = {}
+    for kv in ("auto", "fp8"):
+        out = tmp_path / f"lat_{kv}.json"
+        args = ["bench", "latency", "--model", tiny_dir, "--num-requests", "1",
+                "--input-len", "64", "--output-len", "4", "--kv-cache-dtype", kv,
+                "--kv-cache-memory-gb", "0.01", "--no-progress",
+                "--output-json", str(out)]  # fmt: skip
+        assert main(args) == 0
+        records[kv] = json.loads(out.read_text())
+    auto, fp8 = records["auto"], records["fp8"]
+    assert fp8["engine_config"]["kv_cache_dtype"] == "fp8"
+    assert auto["memory_plan"]["kv_dtype"] == "float32"
+    assert fp8["memory_plan"]["kv_dtype"] == "float8_e4m3fn"
+    # The same budget holds four times the blocks (up to the budget's rounding to whole blocks).
+    assert fp8["memory_plan"]["kv_blocks"] // 4 == auto["memory_plan"]["kv_blocks"]
+    kv_auto = auto["roofline"]["bytes_per_step"] - fp8["roofline"]["bytes_per_step"]
+    assert kv_auto > 0  # the weights are the same; only the KV share shrank
