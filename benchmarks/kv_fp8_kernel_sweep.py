@@ -17,6 +17,7 @@ import json
 from functools import partial
 
 import torch
+from tile_sweep import forced_tile_config, sweep  # benchmarks/, the script's own folder
 
 from kiln.kernels.triton import decode_attention as da
 from kiln.kernels.triton import prefill_attention as pa
@@ -62,7 +63,6 @@ def time_ms(fn, reps: int = 20) -> float:
 
 
 def sweep_decode() -> list[dict]:
-    default_config = da._tile_config
     rows = []
     for batch, context in DECODE_SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(batch)
@@ -76,25 +76,23 @@ def sweep_decode() -> list[dict]:
             return da.paged_decode_attention(q, kc, vc, table, lens, scale, context)
 
         elems = 2 * batch * context * KV_HEADS * HEAD_DIM
-        da._tile_config = default_config
         ref = run(k, v)
-        row = {"batch": batch, "context": context, "default": list(default_config(16, q.device))}
+        row = {"batch": batch, "context": context}
+        row["default_bf16"] = list(da._tile_config(BLOCK_SIZE, q.device))
+        row["default_fp8"] = list(da._tile_config(BLOCK_SIZE, q.device, kv_fp8=True))
         row["bf16_ms"] = time_ms(partial(run, k, v))
         row["fp8_ms"] = time_ms(partial(run, k8, v8))
         row["fp8_max_abs_err_vs_bf16"] = (run(k8, v8).float() - ref.float()).abs().max().item()
         row["bf16_GBps"] = elems * 2 / row["bf16_ms"] / 1e6
         row["fp8_GBps"] = elems / row["fp8_ms"] / 1e6
-        row["fp8_configs"] = []
-        for cfg in itertools.product(DECODE_BLOCK_N, (4, 8), (1, 2, 3)):
-            da._tile_config = lambda *a, cfg=cfg, **kw: cfg
-            try:
-                err = (run(k8, v8).float() - ref.float()).abs().max().item()
-                t = time_ms(partial(run, k8, v8))
-            except Exception as exc:  # out of shared memory / registers
-                print(batch, context, cfg, "failed:", type(exc).__name__)
-                continue
-            row["fp8_configs"].append({"config": list(cfg), "ms": t, "max_abs_err": err})
-        da._tile_config = default_config
+        row["fp8_configs"] = sweep(
+            da,
+            itertools.product(DECODE_BLOCK_N, (4, 8), (1, 2, 3)),
+            partial(run, k8, v8),
+            time_ms,
+            reference=ref,
+            label=f"decode b={batch} ctx={context}",
+        )
         best = min(row["fp8_configs"], key=lambda c: c["ms"])
         row["fp8_best"] = best
         print(
@@ -121,12 +119,11 @@ def mixed_kv_decode(batch: int = 384, context: int = 1500) -> list[dict]:
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     elems = batch * context * KV_HEADS * HEAD_DIM  # per cache
     rows = []
-    default_config = da._tile_config
     for cfg, k_name, v_name in itertools.product(((64, 4, 3), (128, 4, 2)), caches, caches):
-        da._tile_config = lambda *a, cfg=cfg, **kw: cfg
         kc, vc = caches[k_name][0], caches[v_name][1]
         fn = partial(da.paged_decode_attention, q, kc, vc, table, lens, HEAD_DIM**-0.5, context)
-        ms = time_ms(fn)
+        with forced_tile_config(da, cfg):
+            ms = time_ms(fn)
         nbytes = elems * (kc.element_size() + vc.element_size())
         row = {"config": cfg, "k": k_name, "v": v_name, "batch": batch, "context": context}
         row.update(ms=ms, GBps=nbytes / ms / 1e6)
@@ -134,7 +131,6 @@ def mixed_kv_decode(batch: int = 384, context: int = 1500) -> list[dict]:
             f"mixed decode {cfg} K {k_name} V {v_name}: {ms * 1e3:.1f} us, {row['GBps']:.0f} GB/s"
         )
         rows.append(row)
-    da._tile_config = default_config
     return rows
 
 
@@ -159,17 +155,11 @@ def compare_prefill() -> list[dict]:
             )
 
         row = {"shape": name, "bf16_ms": time_ms(partial(run, k, v), 5)}
-        default_config = pa._tile_config
-        row["fp8_configs"] = []
-        for cfg in PREFILL_CONFIGS:
-            pa._tile_config = lambda *a, cfg=cfg, **kw: cfg
-            try:
-                t = time_ms(partial(run, k8, v8), 5)
-            except Exception as exc:  # out of shared memory
-                print(name, cfg, "failed:", type(exc).__name__)
-                continue
-            row["fp8_configs"].append({"config": list(cfg), "ms": t, "TFLOPs": flops / t / 1e9})
-        pa._tile_config = default_config
+        row["fp8_configs"] = sweep(
+            pa, PREFILL_CONFIGS, partial(run, k8, v8), partial(time_ms, reps=5), label=name
+        )
+        for c in row["fp8_configs"]:
+            c["TFLOPs"] = flops / c["ms"] / 1e9
         for c in sorted(row["fp8_configs"], key=lambda c: c["ms"])[:4]:
             print("    prefill fp8", c["config"], f"{c['ms']:.3f} ms {c['TFLOPs']:.0f} TFLOP/s")
         row["fp8_ms"] = time_ms(partial(run, k8, v8), 5)

@@ -14,6 +14,7 @@ import itertools
 import json
 
 import torch
+from tile_sweep import sweep  # benchmarks/, the script's own folder
 
 from kiln.kernels.triton import prefill_attention as pa
 
@@ -64,7 +65,6 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="prefill_attention_sweep.json")
     args = p.parse_args()
-    default_config = pa._tile_config
     results = []
     for name, (lens, prefix) in SHAPES.items():
         inputs = make_inputs(lens, prefix)
@@ -75,21 +75,12 @@ def main() -> None:
             q, k, v, table, qsl, sl, mq, ms = inputs
             return pa.paged_prefill_attention(q, k, v, table, qsl, sl, scale, mq, ms)
 
-        pa._tile_config = default_config
-        chosen = default_config(HEAD_DIM, max(lens), HEADS, len(lens), torch.device("cuda"))
+        chosen = pa._tile_config(HEAD_DIM, max(lens), HEADS, len(lens), torch.device("cuda"))
         ref = run()
         base = time_ms(run)
-        row = {"shape": name, "default": list(chosen), "default_ms": base, "configs": []}
-        for cfg in itertools.product((64, 128), (64, 128), (4, 8), (3, 4)):
-            pa._tile_config = lambda *a, cfg=cfg: cfg
-            try:
-                err = (run().float() - ref.float()).abs().max().item()
-                t = time_ms(run)
-            except Exception as exc:  # out of shared memory
-                print(name, cfg, "failed:", type(exc).__name__)
-                continue
-            row["configs"].append({"config": list(cfg), "ms": t, "max_abs_err": err})
-        pa._tile_config = default_config
+        row = {"shape": name, "default": list(chosen), "default_ms": base}
+        configs = itertools.product((64, 128), (64, 128), (4, 8), (3, 4))
+        row["configs"] = sweep(pa, configs, run, time_ms, reference=ref, label=name)
         best = min(row["configs"], key=lambda c: c["ms"])
         row["best"] = best
         print(

@@ -1,0 +1,45 @@
+"""Shared by the kernel tile sweeps: run a kernel's launcher under forced tile configurations."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from types import ModuleType
+
+import torch
+
+
+@contextlib.contextmanager
+def forced_tile_config(module: ModuleType, config: tuple) -> Iterator[None]:
+    """Makes `module._tile_config` return `config` whatever it is asked; restored on exit."""
+    chosen = module._tile_config
+    module._tile_config = lambda *args, **kwargs: config
+    try:
+        yield
+    finally:
+        module._tile_config = chosen
+
+
+def sweep(
+    module: ModuleType,
+    configs: Iterable[tuple],
+    run: Callable[[], torch.Tensor],
+    time_ms: Callable[[Callable[[], torch.Tensor]], float],
+    reference: torch.Tensor | None = None,
+    label: str = "",
+) -> list[dict]:
+    """{"config", "ms"[, "max_abs_err" against `reference`]} for every configuration that
+    compiles and runs (one that does not, e.g. out of shared memory, is reported and skipped)."""
+    rows = []
+    for config in configs:
+        row: dict = {"config": list(config)}
+        with forced_tile_config(module, config):
+            try:
+                if reference is not None:
+                    row["max_abs_err"] = (run().float() - reference.float()).abs().max().item()
+                row["ms"] = time_ms(run)
+            except Exception as exc:
+                print(label, config, "failed:", type(exc).__name__)
+                continue
+        rows.append(row)
+    return rows
