@@ -99,3 +99,16 @@ def assert_same_completions(got, want, atol: float) -> None:
         for pos_a, pos_b in zip(a.logprobs or [], b.logprobs or []):
             assert pos_a.keys() == pos_b.keys()
             assert all(abs(pos_a[t].logprob - pos_b[t].logprob) < atol for t in pos_a)
+
+
+def generated_logprob_gaps(ours, ref) -> torch.Tensor:
+    """|logprob difference| of each generated token of two runs over the same prompts (first
+    completion each, logprobs=0 or more), up to and including where their greedy choices part."""
+    gaps = []
+    for a, b in zip(ours, ref, strict=True):
+        a, b = a.outputs[0], b.outputs[0]
+        for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+            gaps.append(abs(a.logprobs[i][ta].logprob - b.logprobs[i][tb].logprob))
+            if ta != tb:
+                break
+    return torch.tensor(gaps)

@@ -17,7 +17,12 @@ if not torch.cuda.is_available():
     )
 
 from kiln import LLM, SamplingParams
-from tests.conftest import TINY_VARIANTS, assert_same_completions, build_tiny_hf_model
+from tests.conftest import (
+    TINY_VARIANTS,
+    assert_same_completions,
+    build_tiny_hf_model,
+    generated_logprob_gaps,
+)
 from tests.test_models_vs_hf import (  # the same oracle
     NEW_TOKENS,
     PROMPTS,
@@ -38,6 +43,20 @@ def _random_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 # ---- Llama-3.1-8B shape, bf16: logits close to HF -------------------------------------------
 
 
+def _llama8b_llm(hf, **engine_args) -> LLM:
+    """A kiln engine of the Llama-3.1-8B shape holding `hf`'s weights."""
+    llm = LLM(
+        "llama-3.1-8b",
+        load_format="dummy",
+        device="cuda",
+        max_model_len=512,
+        max_num_seqs=8,
+        **engine_args,
+    )
+    llm.engine.runner.model.load_weights(hf.state_dict().items())
+    return llm
+
+
 @pytest.fixture(scope="module")
 def llama8b_pair():
     """An HF Llama-3.1-8B-shaped model with random weights (std 0.02, norms 1) and a kiln engine
@@ -45,15 +64,7 @@ def llama8b_pair():
     from kiln.bench.hf_baseline import load_hf_model
 
     hf = load_hf_model("llama-3.1-8b", torch.bfloat16, torch.device("cuda"))
-    llm = LLM(
-        "llama-3.1-8b",
-        load_format="dummy",
-        device="cuda",
-        max_model_len=512,
-        max_num_seqs=8,
-        kv_cache_memory_gb=2.0,
-    )
-    llm.engine.runner.model.load_weights(hf.state_dict().items())
+    llm = _llama8b_llm(hf, kv_cache_memory_gb=2.0)
     yield hf, llm
     del hf, llm
     torch.cuda.empty_cache()
@@ -92,19 +103,10 @@ def test_llama8b_fp8_kv_cache_close_to_hf(llama8b_pair):
     """The same weights with a float8 KV cache (Triton write, decode and prefill kernels reading
     float8): still close to HF's bf16 model, and decode steps through graphs run on it."""
     hf, bf16_llm = llama8b_pair
-    llm = LLM(
-        "llama-3.1-8b",
-        load_format="dummy",
-        device="cuda",
-        max_model_len=512,
-        max_num_seqs=8,
-        kv_cache_memory_gb=1.0,
-        kv_cache_dtype="fp8",
-    )
+    llm = _llama8b_llm(hf, kv_cache_memory_gb=1.0, kv_cache_dtype="fp8")
     assert llm.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
     plan, bf16_plan = llm.engine.memory_plan, bf16_llm.engine.memory_plan
     assert 2 * plan.bytes_per_block == bf16_plan.bytes_per_block
-    llm.engine.runner.model.load_weights(hf.state_dict().items())
     rel, max_abs, agree = _compare_prompt_logprobs_with_hf(hf, llm, _random_prompts(3, 128256, 1))
     print(
         f"8B fp8 KV vs HF: rel err {rel:.2e}, max abs {max_abs:.3f}, argmax agreement {agree:.2f}"
@@ -255,16 +257,9 @@ def test_fp8_kv_cache_graphs_match_eager_on_gpu(tiny_gpu_path):
         llm = LLM(tiny_gpu_path, device="cuda", dtype="float32", max_num_seqs=64, **args)
         runs[name] = llm.generate(prompts, params)
     for other in ("eager", "fp32-kv"):
-        gaps = []
-        for a, b in zip(runs["graphs"], runs[other]):
-            a, b = a.outputs[0], b.outputs[0]
-            for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
-                gaps.append(abs(a.logprobs[i][ta].logprob - b.logprobs[i][tb].logprob))
-                if ta != tb:
-                    break
-        gaps_t = torch.tensor(gaps)
-        print(f"fp8 graphs vs {other}: mean |dlogprob| {gaps_t.mean():.4f}, max {gaps_t.max():.3f}")
-        assert gaps_t.mean() < 0.25 and gaps_t.max() < 1.5 and len(gaps) >= 3 * len(prompts)
+        gaps = generated_logprob_gaps(runs["graphs"], runs[other])
+        print(f"fp8 graphs vs {other}: mean |dlogprob| {gaps.mean():.4f}, max {gaps.max():.3f}")
+        assert gaps.mean() < 0.25 and gaps.max() < 1.5 and len(gaps) >= 3 * len(prompts)
 
 
 def test_memory_plan_with_a_step_budget_beyond_the_context(tiny_gpu_path):

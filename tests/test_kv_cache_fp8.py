@@ -10,6 +10,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.config import EngineConfig
+from tests.conftest import generated_logprob_gaps
 from tests.test_batch_invariance import make_prompts
 
 PROMPTS = make_prompts(16, seed=5)
@@ -82,18 +83,6 @@ def test_fp8_batched_decode_matches_alone(fp8_llm, fp8_alone) -> None:
     assert _tokens(fp8_llm.generate(PROMPTS, PARAMS)) == fp8_alone
 
 
-def _generated_logprob_gap(ours, ref) -> torch.Tensor:
-    """|logprob difference| of each generated token, up to where the two greedy paths part."""
-    diffs = []
-    for a, b in zip(ours, ref, strict=True):
-        a, b = a.outputs[0], b.outputs[0]
-        for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
-            diffs.append(abs(a.logprobs[i][ta].logprob - b.logprobs[i][tb].logprob))
-            if ta != tb:
-                break
-    return torch.tensor(diffs)
-
-
 LOGPROB_PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
 
 
@@ -117,7 +106,7 @@ def test_fp8_chunked_preempted_prefix_cached_stay_within_quantization_noise(
     llm = LLM(smollm2_path, kv_cache_dtype="fp8", **engine_args)
     if engine_args.get("block_size") == 4:
         llm.generate(PROMPTS, LOGPROB_PARAMS)  # the second pass is served from the prefix cache
-    diffs = _generated_logprob_gap(
+    diffs = generated_logprob_gaps(
         llm.generate(PROMPTS, LOGPROB_PARAMS), fp8_llm.generate(PROMPTS, LOGPROB_PARAMS)
     )
     print(f"{engine_args}: mean |dlogprob| {diffs.mean():.4f}, max {diffs.max():.3f}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-FP8_E4M3_MAX = 448.0  # largest finite float8 e4m3fn value
+FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
 
 
 def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
