@@ -40,7 +40,7 @@ for s in "$@"; do
         stage test-graph-cpu 60 python3 -m pytest -q -p no:cacheprovider tests/test_graph_runner.py
         ;;
     test-kernels)
-        stage test-kernels 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
+        stage test-kernels 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
         ;;
     lat1k)  # batch-1 decode at 1k context: roofline fraction; HF generate on one request
         stage lat1k 150 $BENCH latency $COMMON $KV --input-len 1024 --output-len 128 \
@@ -112,6 +112,19 @@ for s in "$@"; do
         stage lat1k-sync 90 $BENCH latency $COMMON $KV --input-len 1024 --output-len 128 \
             --num-requests 3 --max-model-len 1280 --no-async-scheduling \
             --output-json "$OUT/lat1k_sync$SFX.json"
+        ;;
+    lat1k-unfused)  # batch 1 with the fused small-batch linear kernels off: same-lease A/B
+        KILN_FUSED_LINEAR_MAX_ROWS=0 stage lat1k-unfused 120 $BENCH latency $COMMON $KV \
+            --input-len 1024 --output-len 128 --num-requests 3 --max-model-len 1280 \
+            --output-json "$OUT/lat1k_unfused$SFX.json"
+        ;;
+    prof1-unfused)
+        KILN_FUSED_LINEAR_MAX_ROWS=0 stage prof1-unfused 120 python3 benchmarks/profile_decode.py \
+            --batch 1 --context 1024 --out "$OUT/profile_decode_b1_unfused.txt"
+        ;;
+    sbl-sweep)  # fused small-batch linear kernels vs the unfused ops, and their tile sweep
+        stage sbl-sweep 300 python3 benchmarks/small_batch_linear_sweep.py \
+            --out "$OUT/small_batch_linear_sweep.json"
         ;;
     fp8-sweep)  # attention kernels over a float8 cache vs bf16; float8 decode tile sweep
         stage fp8-sweep 300 python3 benchmarks/kv_fp8_kernel_sweep.py \

@@ -534,3 +534,149 @@ def test_attention_padded_head_dim() -> None:
     # head_dim 24 is padded to a 32-wide tile: the padding must be masked off.
     _check_decode([9, 30], 4, 2, 24, 4, torch.float32, num_splits=2, seed=11)
     _check_prefill([7, 18], [7, 25], 4, 2, 24, 4, torch.float32, seed=12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small-batch linear layers with the op before them fused in (batch-1 decode)
+
+
+def _assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
+    """Max error within `rel` of the largest expected magnitude (matmul outputs: the error of a
+    K-term sum scales with its terms, not with each output)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    scale = expected.float().abs().max().item()
+    err = (actual.float() - expected.float()).abs().max().item()
+    assert err <= rel * scale, f"max error {err:.3g} > {rel} x {scale:.3g}"
+
+
+LINEAR_REL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+
+
+def _no_cublas(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    """Within MAX_ROWS the fused kernel must run, not the F.linear fallback."""
+    from kiln.kernels.triton import small_batch_linear
+
+    if rows <= small_batch_linear.MAX_ROWS:
+
+        def fail(*args: object, **kwargs: object) -> None:
+            raise AssertionError("fell back to F.linear")
+
+        monkeypatch.setattr(small_batch_linear, "F", type("NoLinear", (), {"linear": fail}))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])  # 11 > MAX_ROWS: the unfused path
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm_linear(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, with_residual: bool
+) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    k, n = 72, 40  # neither a multiple of the interpreter's 32 x 16 tiles
+    x = (3 * torch.randn(rows, k, generator=gen)).to(DEVICE, dtype)
+    residual = torch.randn(rows, k, generator=gen).to(DEVICE, dtype) if with_residual else None
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(DEVICE, dtype)
+    weight = (0.1 * torch.randn(n, k, generator=gen)).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
+    inputs = [t.clone() for t in (x, residual) if t is not None]
+    out_ref, summed_ref = reference.add_rms_norm_linear(
+        x, residual, norm_weight, 1e-5, weight, bias
+    )
+    _no_cublas(monkeypatch, rows)
+    out, summed = triton_ops.add_rms_norm_linear(x, residual, norm_weight, 1e-5, weight, bias)
+    assert all(torch.equal(a, b) for a, b in zip(inputs, (x, residual))), "inputs changed"
+    assert torch.equal(summed, summed_ref), "the residual stream must round as the reference"
+    _assert_close_to_scale(out, out_ref, LINEAR_REL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 12])
+def test_silu_mul_linear_and_linear(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int
+) -> None:
+    gen = torch.Generator().manual_seed(100 + rows)
+    k, n = 72, 40
+    # gate|up as rows of a wider buffer (row stride != 2k), gates large enough to saturate.
+    wide = (4 * torch.randn(rows, 2 * k + 8, generator=gen)).to(DEVICE, dtype)
+    gate_up = wide[:, : 2 * k]
+    weight = (0.1 * torch.randn(n, k, generator=gen)).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
+    out_ref = reference.silu_mul_linear(gate_up, weight)
+    plain_ref = reference.linear(gate_up[:, :k], weight, bias)
+    _no_cublas(monkeypatch, rows)
+    _assert_close_to_scale(triton_ops.silu_mul_linear(gate_up, weight), out_ref, LINEAR_REL[dtype])
+    plain = triton_ops.linear(gate_up[:, :k], weight, bias)
+    _assert_close_to_scale(plain, plain_ref, LINEAR_REL[dtype])
+
+
+@on_gpu
+@pytest.mark.parametrize("rows", [1, 8])
+def test_small_batch_linear_llama8b_bf16(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    gen = torch.Generator().manual_seed(21)
+
+    def randn(*shape: int, std: float = 1.0) -> torch.Tensor:
+        return (std * torch.randn(*shape, generator=gen)).to(DEVICE, torch.bfloat16)
+
+    x, residual, norm_weight = randn(rows, 4096), randn(rows, 4096), 1 + randn(4096, std=0.1)
+    gate_up = randn(rows, 2 * 14336, std=3.0)
+    qkv_w, o_w = randn(6144, 4096, std=0.02), randn(4096, 4096, std=0.02)
+    gate_up_w, down_w = randn(28672, 4096, std=0.02), randn(4096, 14336, std=0.02)
+
+    def run(ops: object) -> list[torch.Tensor]:
+        qkv, summed = ops.add_rms_norm_linear(x, residual, norm_weight, 1e-5, qkv_w)
+        first, _ = ops.add_rms_norm_linear(x, None, norm_weight, 1e-5, gate_up_w)
+        return [summed, qkv, first, ops.linear(x, o_w), ops.silu_mul_linear(gate_up, down_w)]
+
+    expected = run(reference)
+    _no_cublas(monkeypatch, rows)
+    actual = run(triton_ops)
+    assert torch.equal(actual[0], expected[0])
+    for a, e in zip(actual[1:], expected[1:]):
+        _assert_close_to_scale(a, e, LINEAR_REL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("num_tokens", [3, 12])  # fused small-batch path; unfused above MAX_ROWS
+def test_llama_forward_triton_ops_match_reference(num_tokens: int) -> None:
+    """The model's wiring of the fused ops (residual stream across layers, biases, the first
+    layer's norm without a residual) against the reference ops, both over the torch attention."""
+    from kiln.build.model_config import ModelConfig
+    from kiln.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig(
+        architecture="qwen2",
+        vocab_size=50,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_bias=True,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg, max_positions=64).to(DEVICE)
+    model.init_dummy_weights(seed=3)
+    with torch.no_grad():  # norms away from 1 and biases away from 0, so both are exercised
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(0.1 * torch.randn(param.shape, device=DEVICE))
+    block_size = 4
+    num_blocks = _cdiv(num_tokens, block_size)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens, device=DEVICE),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=DEVICE),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=DEVICE)[None],
+        num_decodes=0,
+        max_query_len=num_tokens,
+        max_seq_len=num_tokens,
+    )
+    input_ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=DEVICE)
+    positions = torch.arange(num_tokens, device=DEVICE)
+
+    def forward(ops: object) -> torch.Tensor:
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        caches = [(torch.zeros(shape, device=DEVICE), torch.zeros(shape, device=DEVICE))] * 2
+        with torch.no_grad():
+            return model(ops, TorchAttentionBackend(), input_ids, positions, caches, metadata)
+
+    _assert_close_to_scale(forward(triton_ops), forward(reference), 2e-5)

@@ -196,3 +196,36 @@ def silu_and_mul(
     """
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def linear(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # [..., N]
+    return F.linear(x, weight, bias)
+
+
+def add_rms_norm_linear(
+    x: torch.Tensor,  # [num_tokens, K]
+    residual: torch.Tensor | None,  # [num_tokens, K], or None: no residual to add
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(x + residual)), x + residual); with no residual, (linear(rms_norm(x)), x).
+    The norm before a projection (the GPU fuses them for a handful of rows)."""
+    if residual is None:
+        normed, summed = rms_norm(x, norm_weight, eps), x
+    else:
+        normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return F.linear(normed, weight, bias), summed
+
+
+def silu_mul_linear(
+    x: torch.Tensor,  # [num_tokens, 2K]: gate in the first half, up in the second
+    weight: torch.Tensor,  # [N, K]
+) -> torch.Tensor:  # [num_tokens, N]
+    """linear(silu(gate) * up): the Llama MLP's activation and down projection."""
+    return F.linear(silu_and_mul(x), weight)

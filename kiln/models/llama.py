@@ -39,19 +39,18 @@ class LlamaAttention(nn.Module):
         ops: ModuleType,
         backend: AttentionBackend,
         positions: torch.Tensor,
-        hidden: torch.Tensor,  # [num_tokens, hidden]
+        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]: qkv_proj's output
         cos_sin_cache: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return ops.linear(out.reshape(-1, self.q_size), self.o_proj.weight)
 
 
 class LlamaMLP(nn.Module):
@@ -61,9 +60,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
-        # gate_up_proj's output is [gate | up]; ops.silu_and_mul gives silu(gate) * up in one pass.
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+    # No forward: the decoder loop calls ops.add_rms_norm_linear (norm + gate_up) and
+    # ops.silu_mul_linear (activation + down), which fuse each op into the matmul after it for a
+    # handful of rows on the GPU.
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -101,22 +100,25 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden], final-normed
         eps = self.config.rms_norm_eps
         hidden = self.embed_tokens(input_ids)
-        residual = None
+        residual = None  # the residual stream; `hidden` is the last block's output until added
         for layer, kv_cache in zip(self.layers, kv_caches):
-            if residual is None:
-                residual = hidden
-                hidden = ops.rms_norm(hidden, layer.input_layernorm, eps)
-            else:
-                hidden, residual = ops.fused_add_rms_norm(
-                    hidden, residual, layer.input_layernorm, eps
-                )
-            hidden = layer.self_attn(
-                ops, backend, positions, hidden, self.cos_sin_cache, kv_cache, metadata
+            attn, mlp = layer.self_attn, layer.mlp
+            # Each projection takes the residual add and RMSNorm before it in one op (one kernel
+            # for a handful of rows on the GPU: batch-1 decode is mostly launch-bound small ops).
+            qkv, residual = ops.add_rms_norm_linear(
+                hidden,
+                residual,
+                layer.input_layernorm,
+                eps,
+                attn.qkv_proj.weight,
+                attn.qkv_proj.bias,
             )
-            hidden, residual = ops.fused_add_rms_norm(
-                hidden, residual, layer.post_attention_layernorm, eps
+            hidden = attn(ops, backend, positions, qkv, self.cos_sin_cache, kv_cache, metadata)
+            gate_up, residual = ops.add_rms_norm_linear(
+                hidden, residual, layer.post_attention_layernorm, eps, mlp.gate_up_proj.weight
             )
-            hidden = layer.mlp(ops, hidden)
+            # gate_up is [gate | up]: down_proj(silu(gate) * up).
+            hidden = ops.silu_mul_linear(gate_up, mlp.down_proj.weight)
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, eps)
         return hidden
 

@@ -11,13 +11,17 @@ from kiln.kernels.triton.prefill_attention import paged_prefill_attention
 from kiln.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from kiln.kernels.triton.rotary import rotary_embedding
 from kiln.kernels.triton.silu_mul import silu_and_mul
+from kiln.kernels.triton.small_batch_linear import add_rms_norm_linear, linear, silu_mul_linear
 
 __all__ = [
+    "add_rms_norm_linear",
     "fused_add_rms_norm",
+    "linear",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "silu_mul_linear",
     "write_kv_cache",
 ]

@@ -1,0 +1,153 @@
+"""The fused small-batch linear kernels against the unfused ops they replace, at the batch-1..8
+decode shapes of Llama-3.1-8B (GPU), plus a tile sweep of the fused kernel.
+
+    PYTHONPATH=. python3 benchmarks/small_batch_linear_sweep.py --out sweep.json
+
+Per projection, "unfused" is what a decode layer ran before: the Triton RMSNorm (with residual
+add) or SiLU-mul, then cuBLAS (F.linear, with its split-K reduce where it picks one). Each variant
+is timed as back-to-back calls inside one CUDA graph (launch gaps included, as in a decode graph),
+cycling over enough copies of the weight that every call reads it from HBM, not from L2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.tile_sweep import sweep
+from kiln.kernels.triton import small_batch_linear
+from kiln.kernels.triton.rms_norm import fused_add_rms_norm
+from kiln.kernels.triton.silu_mul import silu_and_mul
+
+HIDDEN, INTERMEDIATE = 4096, 14336
+SHAPES = {  # name: (N, K, the op fused before it)
+    "qkv": (6144, HIDDEN, "add_norm"),
+    "o_proj": (HIDDEN, HIDDEN, "none"),
+    "gate_up": (2 * INTERMEDIATE, HIDDEN, "add_norm"),
+    "down": (HIDDEN, INTERMEDIATE, "silu_mul"),
+}
+COPY_BANDWIDTH = 4.25e12  # bytes/s, the H200's measured device-to-device copy (FACTS.md)
+L2_BYTES = 50 * 2**20
+
+
+def graph_time_us(calls: list[Callable[[], object]], reps: int = 4) -> float:
+    """Mean time per call of `calls` run back to back, `reps` times over, in one CUDA graph."""
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            for fn in calls:
+                fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / (reps * len(calls)))
+    return best
+
+
+@dataclasses.dataclass
+class Inputs:
+    prologue: str  # the op fused before the matmul: "add_norm", "silu_mul" or "none"
+    x: torch.Tensor
+    residual: torch.Tensor
+    norm_weight: torch.Tensor
+    gate_up: torch.Tensor
+
+
+def unfused_call(a: Inputs, w: torch.Tensor) -> torch.Tensor:
+    if a.prologue == "add_norm":
+        return F.linear(fused_add_rms_norm(a.x, a.residual, a.norm_weight, 1e-5)[0], w)
+    if a.prologue == "silu_mul":
+        return F.linear(silu_and_mul(a.gate_up), w)
+    return F.linear(a.x, w)
+
+
+def fused_call(a: Inputs, w: torch.Tensor) -> torch.Tensor:
+    if a.prologue == "add_norm":
+        return small_batch_linear.add_rms_norm_linear(a.x, a.residual, a.norm_weight, 1e-5, w)[0]
+    if a.prologue == "silu_mul":
+        return small_batch_linear.silu_mul_linear(a.gate_up, w)
+    return small_batch_linear.linear(a.x, w)
+
+
+def time_all_copies_ms(fn: Callable, weights: list[torch.Tensor], *unused: object) -> float:
+    """Mean ms per call of fn over every weight copy in turn (the sweep passes its run too)."""
+    return graph_time_us([functools.partial(fn, w) for w in weights]) / 1000
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--out", default="small_batch_linear_sweep.json")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    bf16, dev = torch.bfloat16, "cuda"
+    results = []
+    for name, (n, k, prologue) in SHAPES.items():
+        weight_bytes = n * k * 2
+        copies = max(2, -(-3 * L2_BYTES // weight_bytes))  # cycle past the L2 every call
+        weights = [0.02 * torch.randn(n, k, device=dev, dtype=bf16) for _ in range(copies)]
+        norm_weight = 1 + 0.1 * torch.randn(k, device=dev, dtype=bf16)
+        for rows in args.rows:
+            x = torch.randn(rows, k, device=dev, dtype=bf16)
+            residual = torch.randn(rows, k, device=dev, dtype=bf16)
+            gate_up = 3 * torch.randn(rows, 2 * k, device=dev, dtype=bf16)
+
+            inputs = Inputs(prologue, x, residual, norm_weight, gate_up)
+            unfused = functools.partial(unfused_call, inputs)
+            fused = functools.partial(fused_call, inputs)
+            reference = unfused(weights[0])
+            row = {
+                "shape": name,
+                "n": n,
+                "k": k,
+                "fused_op": prologue,
+                "rows": rows,
+                "weight_copies": copies,
+                "bytes_floor_us": weight_bytes / COPY_BANDWIDTH * 1e6,
+                "unfused_us": time_all_copies_ms(unfused, weights) * 1000,
+                "fused_us": time_all_copies_ms(fused, weights) * 1000,
+                "default_config": list(small_batch_linear._tile_config(n, k, x.device)),
+                "max_abs_err_vs_unfused": (fused(weights[0]) - reference).abs().max().item(),
+            }
+            configs = itertools.product((32, 64), (128, 256, 512), (4, 8), (3, 4))
+            tiles = sweep(
+                small_batch_linear,
+                configs,
+                functools.partial(fused, weights[0]),
+                functools.partial(time_all_copies_ms, fused, weights),
+                reference,
+                f"{name} rows={rows}",
+            )
+            tiles.sort(key=lambda t: t["ms"])
+            row["best_tiles"] = tiles[:5]
+            row["speedup"] = row["unfused_us"] / row["fused_us"]
+            print(
+                f"{name:8s} rows={rows}: floor {row['bytes_floor_us']:6.1f} us, unfused "
+                f"{row['unfused_us']:6.1f}, fused {row['fused_us']:6.1f} "
+                f"{row['default_config']}, best {tiles[0]['ms'] * 1000:6.1f} {tiles[0]['config']}, "
+                f"err {row['max_abs_err_vs_unfused']:.3g}",
+                flush=True,
+            )
+            results.append(row)
+    with open(args.out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""Linear layers for a handful of rows, with the elementwise op before them fused in (twins of
+reference.linear, reference.add_rms_norm_linear and reference.silu_mul_linear).
+
+At batch-1 decode a linear layer is a matrix-vector product bound by reading its weight once, and
+the small kernels between them cost more than their bytes: on an H200 (Llama-3.1-8B, 1k context,
+benchmarks/results/profile_decode_b1_h200.txt) each layer ran two RMSNorms (2.1 us each), a SiLU-mul
+(1.5 us) and two cuBLAS split-K reduces (1.7 us each) around four GEMVs, ~9 us of a 148 us layer
+plus the gaps between launches. Here each program owns BLOCK_N output columns for every row and
+streams its [BLOCK_N, K] slice of the weight once (rows padded to tl.dot's minimum of 16, no
+split-K, so no reduce kernel), and builds its input tile from the previous op's inputs on the fly:
+
+- ADD_NORM: x + residual (the residual stream; program 0 writes it out), then RMSNorm. The
+  normalisation is a per-row scalar, so the loop multiplies by the norm weight only and the
+  accumulator is scaled by rsqrt(mean(h^2) + eps) at the end: the sum of squares is gathered in the
+  same pass, and the weight's stream never waits for it.
+- SILU_MUL: silu(gate) * up from the fused gate_up output, rounded as reference.silu_and_mul.
+
+Each program reads the whole (tiny) input from L2; the weight is read once. Bigger batches, and
+operands this kernel does not take, go through the unfused kernels and cuBLAS.
+
+Rounding differs from the unfused path only inside the norm (h * weight is rounded to the model
+dtype instead of normalised-then-rounded twice); fp32 agrees to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kiln.kernels.triton._device import dot_precision, num_sms
+from kiln.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
+from kiln.kernels.triton.silu_mul import silu_and_mul
+
+# Above this cuBLAS's GEMM tiles win, and the small kernels matter less.
+# KILN_FUSED_LINEAR_MAX_ROWS=0 turns the fused kernels off (the benchmarks' A/B switch).
+MAX_ROWS = int(os.environ.get("KILN_FUSED_LINEAR_MAX_ROWS", "8"))
+
+_PLAIN, _NORM, _ADD_NORM, _SILU_MUL = 0, 1, 2, 3
+
+
+@triton.jit
+def _small_batch_linear_kernel(
+    x_ptr,  # [M, K] (SILU_MUL: [M, 2K], gate then up)
+    residual_ptr,  # [M, K], read when ADD_NORM
+    norm_weight_ptr,  # [K], read when NORM or ADD_NORM
+    w_ptr,  # [N, K], contiguous
+    bias_ptr,  # [N], read when HAS_BIAS
+    out_ptr,  # [M, N]
+    sum_ptr,  # [M, K]: x + residual, written by program 0 when ADD_NORM
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_rm,
+    stride_om,
+    stride_sm,
+    eps,
+    PROLOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_mask = rows < M
+    col_mask = cols < N
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * K
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_mask = (k + ks) < K
+        x_mask = row_mask[:, None] & k_mask[None, :]
+        if PROLOGUE == 3:  # SILU_MUL
+            gate = tl.load(x_rows + k + ks[None, :], mask=x_mask, other=0.0)
+            up = tl.load(x_rows + K + k + ks[None, :], mask=x_mask, other=0.0)
+            g = gate.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+            a = (act.to(tl.float32) * up.to(tl.float32)).to(w_ptr.dtype.element_ty)
+        else:
+            a = tl.load(x_rows + k + ks[None, :], mask=x_mask, other=0.0)
+            if PROLOGUE == 2:  # ADD_NORM
+                r_rows = residual_ptr + rows[:, None].to(tl.int64) * stride_rm
+                r = tl.load(r_rows + k + ks[None, :], mask=x_mask, other=0.0)
+                a = (a.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+                if pid == 0:
+                    s_rows = sum_ptr + rows[:, None].to(tl.int64) * stride_sm
+                    tl.store(s_rows + k + ks[None, :], a, mask=x_mask)
+            if PROLOGUE == 1 or PROLOGUE == 2:  # NORM, ADD_NORM
+                a32 = a.to(tl.float32)
+                sum_sq += tl.sum(a32 * a32, 1)
+                nw = tl.load(norm_weight_ptr + k + ks, mask=k_mask, other=0.0)
+                a = (a32 * nw.to(tl.float32)[None, :]).to(w_ptr.dtype.element_ty)
+        w = tl.load(w_rows + k + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        acc = acc * tl.rsqrt(sum_sq / K + eps)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def _tile_config(n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    if device.type != "cuda":
+        return 16, 32, 4, 1  # the interpreter: small tiles, every masking path exercised
+    # As many columns per program as still leave about one program per SM, and 32 KiB weight
+    # tiles. H200 sweep of the unfused kernel (gemv_sweep_h200.json): qkv 64 x 256, o_proj and
+    # down 32 x 512, gate_up 64 x 256, 4 warps, 3-4 stages.
+    block_n = 64 if triton.cdiv(n, 64) >= 0.7 * num_sms(device) else 32
+    return block_n, 16384 // block_n, 4, 4 if triton.cdiv(n, block_n) <= num_sms(device) else 3
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def _fits(x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
+    """Whether the fused kernel takes these operands (else the unfused path runs)."""
+    return (
+        0 < _rows(x) <= MAX_ROWS
+        and weight.is_contiguous()
+        and weight.shape[1] == k
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    )
+
+
+def _launch(
+    prologue: int,
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    summed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    m = x2.shape[0]
+    n, k = weight.shape
+    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    block_n, block_k, num_warps, num_stages = _tile_config(n, k, x2.device)
+    _small_batch_linear_kernel[(triton.cdiv(n, block_n),)](
+        x2,
+        residual if residual is not None else x2,
+        norm_weight if norm_weight is not None else weight,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        summed if summed is not None else out,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0),
+        summed.stride(0) if summed is not None else 0,
+        eps,
+        PROLOGUE=prologue,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=16,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        DOT_PRECISION=dot_precision(x2.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+def _rows_2d(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def linear(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # [..., N]
+    """F.linear; a handful of rows take one kernel without a split-K reduce."""
+    if not _fits(x, weight, x.shape[-1]):
+        return F.linear(x, weight, bias)
+    out = _launch(_PLAIN, _rows_2d(x), weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def add_rms_norm_linear(
+    x: torch.Tensor,  # [num_tokens, K]
+    residual: torch.Tensor | None,  # [num_tokens, K], or None: no residual to add
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(x + residual)), x + residual); with no residual,
+    (linear(rms_norm(x)), x)."""
+    hidden = x.shape[-1]
+    fused = (
+        _fits(x, weight, hidden)
+        and norm_weight.dtype == x.dtype
+        and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))
+    )
+    if not fused:
+        if residual is None:
+            normed, summed = rms_norm(x, norm_weight, eps), x
+        else:
+            normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
+        return F.linear(normed, weight, bias), summed
+    x2 = _rows_2d(x)
+    if residual is None:
+        out = _launch(_NORM, x2, weight, bias, norm_weight=norm_weight, eps=eps)
+        summed = x
+    else:
+        # A new tensor, never x or residual: other programs still read those while program 0
+        # writes the sum.
+        summed2 = torch.empty_like(x2)
+        out = _launch(_ADD_NORM, x2, weight, bias, _rows_2d(residual), norm_weight, eps, summed2)
+        summed = summed2.view(x.shape)
+    return out.view(*x.shape[:-1], weight.shape[0]), summed
+
+
+def silu_mul_linear(
+    x: torch.Tensor,  # [num_tokens, 2K]: gate in the first half, up in the second
+    weight: torch.Tensor,  # [N, K]
+) -> torch.Tensor:  # [num_tokens, N]
+    """linear(silu(gate) * up): the Llama MLP's activation and down projection."""
+    two_k = x.shape[-1]
+    if two_k % 2 or not _fits(x, weight, two_k // 2):
+        return F.linear(silu_and_mul(x), weight)
+    out = _launch(_SILU_MUL, _rows_2d(x), weight, None)
+    return out.view(*x.shape[:-1], weight.shape[0])
