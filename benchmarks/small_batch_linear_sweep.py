@@ -3,7 +3,8 @@ decode shapes of Llama-3.1-8B (GPU), plus a tile sweep of the fused kernel.
 
     PYTHONPATH=. python3 benchmarks/small_batch_linear_sweep.py --out sweep.json
 
-Per projection, "unfused" is what a decode layer ran before: the Triton RMSNorm (with residual
+Per projection, "plain" is the kernel with nothing fused before it (what the prologue costs),
+"unfused" is what a decode layer ran before: the Triton RMSNorm (with residual
 add) or SiLU-mul, then cuBLAS (F.linear, with its split-K reduce where it picks one). Each variant
 is timed as back-to-back calls inside one CUDA graph (launch gaps included, as in a decode graph),
 cycling over enough copies of the weight that every call reads it from HBM, not from L2.
@@ -122,9 +123,26 @@ def main() -> None:
                 "bytes_floor_us": weight_bytes / COPY_BANDWIDTH * 1e6,
                 "unfused_us": time_all_copies_ms(unfused, weights) * 1000,
                 "fused_us": time_all_copies_ms(fused, weights) * 1000,
+                # The same weight stream with nothing fused before it: the prologue's cost.
+                "plain_us": time_all_copies_ms(
+                    functools.partial(fused_call, dataclasses.replace(inputs, prologue="none")),
+                    weights,
+                )
+                * 1000,
                 "default_config": list(small_batch_linear._tile_config(n, k, x.device)),
                 "max_abs_err_vs_unfused": (fused(weights[0]) - reference).abs().max().item(),
             }
+            row["speedup"] = row["unfused_us"] / row["fused_us"]
+            results.append(row)
+            print(
+                f"{name:8s} rows={rows}: floor {row['bytes_floor_us']:6.1f} us, unfused "
+                f"{row['unfused_us']:6.1f}, fused {row['fused_us']:6.1f} "
+                f"{row['default_config']}, plain {row['plain_us']:6.1f}, "
+                f"err {row['max_abs_err_vs_unfused']:.3g}",
+                flush=True,
+            )
+            if rows != 1:
+                continue  # the tiles are swept where the fused ops run: one row
             configs = itertools.product((32, 64), (128, 256, 512), (4, 8), (3, 4))
             tiles = sweep(
                 small_batch_linear,
@@ -136,15 +154,7 @@ def main() -> None:
             )
             tiles.sort(key=lambda t: t["ms"])
             row["best_tiles"] = tiles[:5]
-            row["speedup"] = row["unfused_us"] / row["fused_us"]
-            print(
-                f"{name:8s} rows={rows}: floor {row['bytes_floor_us']:6.1f} us, unfused "
-                f"{row['unfused_us']:6.1f}, fused {row['fused_us']:6.1f} "
-                f"{row['default_config']}, best {tiles[0]['ms'] * 1000:6.1f} {tiles[0]['config']}, "
-                f"err {row['max_abs_err_vs_unfused']:.3g}",
-                flush=True,
-            )
-            results.append(row)
+            print(f"  best tiles: {[(round(t['ms'] * 1000, 1), t['config']) for t in tiles[:3]]}")
     with open(args.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=1)
 

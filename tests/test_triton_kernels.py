@@ -552,11 +552,12 @@ def _assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, rel: fl
 LINEAR_REL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 
 
-def _no_cublas(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
-    """Within MAX_ROWS the fused kernel must run, not the F.linear fallback."""
+def _no_cublas(monkeypatch: pytest.MonkeyPatch, rows: int, fused_op: bool) -> None:
+    """The kernel must run, not the F.linear fallback: a fused op before the matmul takes one
+    row, a plain linear up to MAX_ROWS."""
     from kiln.kernels.triton import small_batch_linear
 
-    if rows <= small_batch_linear.MAX_ROWS:
+    if rows <= (1 if fused_op else small_batch_linear.MAX_ROWS):
 
         def fail(*args: object, **kwargs: object) -> None:
             raise AssertionError("fell back to F.linear")
@@ -565,7 +566,7 @@ def _no_cublas(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8, 11])  # 11 > MAX_ROWS: the unfused path
+@pytest.mark.parametrize("rows", [1, 3])  # fused for one row; the unfused path for more
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_add_rms_norm_linear(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, with_residual: bool
@@ -581,7 +582,7 @@ def test_add_rms_norm_linear(
     out_ref, summed_ref = reference.add_rms_norm_linear(
         x, residual, norm_weight, 1e-5, weight, bias
     )
-    _no_cublas(monkeypatch, rows)
+    _no_cublas(monkeypatch, rows, fused_op=True)
     out, summed = triton_ops.add_rms_norm_linear(x, residual, norm_weight, 1e-5, weight, bias)
     assert all(torch.equal(a, b) for a, b in zip(inputs, (x, residual))), "inputs changed"
     assert torch.equal(summed, summed_ref), "the residual stream must round as the reference"
@@ -589,23 +590,32 @@ def test_add_rms_norm_linear(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, 12])
-def test_silu_mul_linear_and_linear(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int
-) -> None:
+@pytest.mark.parametrize("rows", [1, 5])
+def test_silu_mul_linear(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int) -> None:
     gen = torch.Generator().manual_seed(100 + rows)
     k, n = 72, 40
     # gate|up as rows of a wider buffer (row stride != 2k), gates large enough to saturate.
     wide = (4 * torch.randn(rows, 2 * k + 8, generator=gen)).to(DEVICE, dtype)
     gate_up = wide[:, : 2 * k]
     weight = (0.1 * torch.randn(n, k, generator=gen)).to(DEVICE, dtype)
-    bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
     out_ref = reference.silu_mul_linear(gate_up, weight)
-    plain_ref = reference.linear(gate_up[:, :k], weight, bias)
-    _no_cublas(monkeypatch, rows)
+    _no_cublas(monkeypatch, rows, fused_op=True)
     _assert_close_to_scale(triton_ops.silu_mul_linear(gate_up, weight), out_ref, LINEAR_REL[dtype])
-    plain = triton_ops.linear(gate_up[:, :k], weight, bias)
-    _assert_close_to_scale(plain, plain_ref, LINEAR_REL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 8, 12])  # 12 > MAX_ROWS: cuBLAS
+def test_small_batch_linear(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int) -> None:
+    gen = torch.Generator().manual_seed(200 + rows)
+    k, n = 72, 40
+    wide = torch.randn(rows, k + 8, generator=gen).to(DEVICE, dtype)  # row stride != k
+    weight = (0.1 * torch.randn(n, k, generator=gen)).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
+    expected = reference.linear(wide[:, :k], weight, bias)
+    _no_cublas(monkeypatch, rows, fused_op=False)
+    _assert_close_to_scale(
+        triton_ops.linear(wide[:, :k], weight, bias), expected, LINEAR_REL[dtype]
+    )
 
 
 @on_gpu
@@ -627,14 +637,14 @@ def test_small_batch_linear_llama8b_bf16(monkeypatch: pytest.MonkeyPatch, rows: 
         return [summed, qkv, first, ops.linear(x, o_w), ops.silu_mul_linear(gate_up, down_w)]
 
     expected = run(reference)
-    _no_cublas(monkeypatch, rows)
+    _no_cublas(monkeypatch, rows, fused_op=rows == 1)
     actual = run(triton_ops)
     assert torch.equal(actual[0], expected[0])
     for a, e in zip(actual[1:], expected[1:]):
         _assert_close_to_scale(a, e, LINEAR_REL[torch.bfloat16])
 
 
-@pytest.mark.parametrize("num_tokens", [3, 12])  # fused small-batch path; unfused above MAX_ROWS
+@pytest.mark.parametrize("num_tokens", [1, 3, 12])  # fused ops; plain linear; cuBLAS
 def test_llama_forward_triton_ops_match_reference(num_tokens: int) -> None:
     """The model's wiring of the fused ops (residual stream across layers, biases, the first
     layer's norm without a residual) against the reference ops, both over the torch attention."""

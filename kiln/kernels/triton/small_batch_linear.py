@@ -6,16 +6,17 @@ the small kernels between them cost more than their bytes: on an H200 (Llama-3.1
 benchmarks/results/profile_decode_b1_h200.txt) each layer ran two RMSNorms (2.1 us each), a SiLU-mul
 (1.5 us) and two cuBLAS split-K reduces (1.7 us each) around four GEMVs, ~9 us of a 148 us layer
 plus the gaps between launches. Here each program owns BLOCK_N output columns for every row and
-streams its [BLOCK_N, K] slice of the weight once (rows padded to tl.dot's minimum of 16, no
-split-K, so no reduce kernel), and builds its input tile from the previous op's inputs on the fly:
+streams its [BLOCK_N, K] slice of the weight once (rows padded to tl.dot's minimum of 16; no
+split-K, so no reduce kernel). For one row (batch-1 decode) the program also builds its input
+from the previous op's inputs on the fly, on [BLOCK_K] vectors:
 
-- ADD_NORM: x + residual (the residual stream; program 0 writes it out), then RMSNorm. The
-  normalisation is a per-row scalar, so the loop multiplies by the norm weight only and the
-  accumulator is scaled by rsqrt(mean(h^2) + eps) at the end: the sum of squares is gathered in the
-  same pass, and the weight's stream never waits for it.
+- ADD_NORM: h = x + residual (the residual stream, written out in slices, one per program), then
+  RMSNorm. Its scale is one scalar per row, so the loop multiplies h by the norm weight only and
+  the dot product is scaled by rsqrt(mean(h^2) + eps) at the end: the sum of squares is gathered
+  in the same pass, and the weight's stream never waits for it.
 - SILU_MUL: silu(gate) * up from the fused gate_up output, rounded as reference.silu_and_mul.
 
-Each program reads the whole (tiny) input from L2; the weight is read once. Bigger batches, and
+Each program reads the whole (tiny) input from L2; the weight is read once. More rows, and
 operands this kernel does not take, go through the unfused kernels and cuBLAS.
 
 Rounding differs from the unfused path only inside the norm (h * weight is rounded to the model
@@ -43,6 +44,22 @@ _PLAIN, _NORM, _ADD_NORM, _SILU_MUL = 0, 1, 2, 3
 
 
 @triton.jit
+def _load_input_chunk(x_ptr, second_ptr, norm_weight_ptr, offs, mask, PROLOGUE: tl.constexpr):
+    """One K-chunk of the row's inputs: x, then the residual (ADD_NORM) or up (SILU_MUL), then
+    the norm weight (NORM, ADD_NORM); unused slots repeat x (no load)."""
+    xa = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if PROLOGUE == 2 or PROLOGUE == 3:  # noqa: SIM108 (a constexpr branch: no load otherwise)
+        xb = tl.load(second_ptr + offs, mask=mask, other=0.0)
+    else:
+        xb = xa
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        nw = tl.load(norm_weight_ptr + offs, mask=mask, other=0.0)
+    else:
+        nw = xa
+    return xa, xb, nw
+
+
+@triton.jit
 def _small_batch_linear_kernel(
     x_ptr,  # [M, K] (SILU_MUL: [M, 2K], gate then up)
     residual_ptr,  # [M, K], read when ADD_NORM
@@ -50,14 +67,12 @@ def _small_batch_linear_kernel(
     w_ptr,  # [N, K], contiguous
     bias_ptr,  # [N], read when HAS_BIAS
     out_ptr,  # [M, N]
-    sum_ptr,  # [M, K]: x + residual, written by program 0 when ADD_NORM
+    sum_ptr,  # [M, K]: x + residual, written when ADD_NORM
     M,
     N,
     K,
     stride_xm,
-    stride_rm,
     stride_om,
-    stride_sm,
     eps,
     PROLOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -72,44 +87,75 @@ def _small_batch_linear_kernel(
     ks = tl.arange(0, BLOCK_K)
     row_mask = rows < M
     col_mask = cols < N
-    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + cols[:, None].to(tl.int64) * K
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_mask = (k + ks) < K
-        x_mask = row_mask[:, None] & k_mask[None, :]
-        if PROLOGUE == 3:  # SILU_MUL
-            gate = tl.load(x_rows + k + ks[None, :], mask=x_mask, other=0.0)
-            up = tl.load(x_rows + K + k + ks[None, :], mask=x_mask, other=0.0)
-            g = gate.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-            a = (act.to(tl.float32) * up.to(tl.float32)).to(w_ptr.dtype.element_ty)
-        else:
-            a = tl.load(x_rows + k + ks[None, :], mask=x_mask, other=0.0)
-            if PROLOGUE == 2:  # ADD_NORM
-                r_rows = residual_ptr + rows[:, None].to(tl.int64) * stride_rm
-                r = tl.load(r_rows + k + ks[None, :], mask=x_mask, other=0.0)
-                a = (a.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
-                if pid == 0:
-                    s_rows = sum_ptr + rows[:, None].to(tl.int64) * stride_sm
-                    tl.store(s_rows + k + ks[None, :], a, mask=x_mask)
-            if PROLOGUE == 1 or PROLOGUE == 2:  # NORM, ADD_NORM
-                a32 = a.to(tl.float32)
-                sum_sq += tl.sum(a32 * a32, 1)
-                nw = tl.load(norm_weight_ptr + k + ks, mask=k_mask, other=0.0)
-                a = (a32 * nw.to(tl.float32)[None, :]).to(w_ptr.dtype.element_ty)
-        w = tl.load(w_rows + k + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    if PROLOGUE == 1 or PROLOGUE == 2:
-        acc = acc * tl.rsqrt(sum_sq / K + eps)[:, None]
+    if PROLOGUE == 0:
+        x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+        for k in range(0, K, BLOCK_K):
+            k_mask = (k + ks) < K
+            a = tl.load(
+                x_rows + k + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+            )
+            w = tl.load(
+                w_rows + k + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0
+            )
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    else:
+        # One row (M == 1). The op before the matmul runs on [BLOCK_K] vectors (padding it to the
+        # dot's 16 rows would compute, and hold in registers, 16 times as much), and the result
+        # goes into row 0 of the dot's tile. The next chunk's inputs are loaded one iteration
+        # ahead by hand: they feed arithmetic, not the dot, so the pipeliner leaves their latency
+        # exposed otherwise.
+        second_ptr = residual_ptr if PROLOGUE == 2 else x_ptr + K
+        first_row = rows[:, None] == 0
+        sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        xa, xb, nw = _load_input_chunk(x_ptr, second_ptr, norm_weight_ptr, ks, ks < K, PROLOGUE)
+        for k in range(0, K, BLOCK_K):
+            k_mask = (k + ks) < K
+            nxt = k + BLOCK_K + ks
+            xa_next, xb_next, nw_next = _load_input_chunk(
+                x_ptr, second_ptr, norm_weight_ptr, nxt, nxt < K, PROLOGUE
+            )
+            if PROLOGUE == 3:  # SILU_MUL, rounded as reference.silu_and_mul
+                g = xa.to(tl.float32)
+                act = (g / (1.0 + tl.exp(-g))).to(xa.dtype)
+                v = act.to(tl.float32) * xb.to(tl.float32)
+            else:
+                h = xa
+                if PROLOGUE == 2:  # the residual stream rounds to its dtype, as unfused
+                    h = (xa.to(tl.float32) + xb.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+                h32 = h.to(tl.float32)
+                sum_sq += h32 * h32
+                v = h32 * nw.to(tl.float32)
+            a = tl.where(first_row, v.to(w_ptr.dtype.element_ty)[None, :], 0.0)
+            w = tl.load(
+                w_rows + k + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0
+            )
+            acc = tl.dot(
+                a.to(w_ptr.dtype.element_ty), tl.trans(w), acc, input_precision=DOT_PRECISION
+            )
+            xa, xb, nw = xa_next, xb_next, nw_next
+        if PROLOGUE == 1 or PROLOGUE == 2:
+            # RMSNorm's scale is one scalar per row: applied to the dot product instead.
+            acc = acc * tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
+        if PROLOGUE == 2:
+            # The residual stream x + residual, written out in slices: each program its own.
+            per = tl.cdiv(K, tl.num_programs(0))
+            for k in range(pid * per, (pid + 1) * per, BLOCK_K):
+                offs = k + ks
+                mask = (offs < K) & (offs < (pid + 1) * per)
+                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                r = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(sum_ptr + offs, (x + r).to(sum_ptr.dtype.element_ty), mask=mask)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-def _tile_config(n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
+def _tile_config(
+    n: int, k: int, device: torch.device, element_size: int = 2
+) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     if device.type != "cuda":
         return 16, 32, 4, 1  # the interpreter: small tiles, every masking path exercised
@@ -117,17 +163,19 @@ def _tile_config(n: int, k: int, device: torch.device) -> tuple[int, int, int, i
     # tiles. H200 sweep of the unfused kernel (gemv_sweep_h200.json): qkv 64 x 256, o_proj and
     # down 32 x 512, gate_up 64 x 256, 4 warps, 3-4 stages.
     block_n = 64 if triton.cdiv(n, 64) >= 0.7 * num_sms(device) else 32
-    return block_n, 16384 // block_n, 4, 4 if triton.cdiv(n, block_n) <= num_sms(device) else 3
+    block_k = 32768 // (block_n * element_size)
+    return block_n, block_k, 4, 4 if triton.cdiv(n, block_n) <= num_sms(device) else 3
 
 
 def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
-def _fits(x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
-    """Whether the fused kernel takes these operands (else the unfused path runs)."""
+def _fits(x: torch.Tensor, weight: torch.Tensor, k: int, one_row: bool = False) -> bool:
+    """Whether the kernel takes these operands (else the unfused path runs). The fused ops
+    before the matmul take one row (batch-1 decode); the plain linear up to MAX_ROWS."""
     return (
-        0 < _rows(x) <= MAX_ROWS
+        0 < _rows(x) <= (min(1, MAX_ROWS) if one_row else MAX_ROWS)
         and weight.is_contiguous()
         and weight.shape[1] == k
         and x.dtype == weight.dtype
@@ -148,7 +196,7 @@ def _launch(
     m = x2.shape[0]
     n, k = weight.shape
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    block_n, block_k, num_warps, num_stages = _tile_config(n, k, x2.device)
+    block_n, block_k, num_warps, num_stages = _tile_config(n, k, x2.device, x2.element_size())
     _small_batch_linear_kernel[(triton.cdiv(n, block_n),)](
         x2,
         residual if residual is not None else x2,
@@ -161,9 +209,7 @@ def _launch(
         n,
         k,
         x2.stride(0),
-        residual.stride(0) if residual is not None else 0,
         out.stride(0),
-        summed.stride(0) if summed is not None else 0,
         eps,
         PROLOGUE=prologue,
         HAS_BIAS=bias is not None,
@@ -206,7 +252,7 @@ def add_rms_norm_linear(
     (linear(rms_norm(x)), x)."""
     hidden = x.shape[-1]
     fused = (
-        _fits(x, weight, hidden)
+        _fits(x, weight, hidden, one_row=True)
         and norm_weight.dtype == x.dtype
         and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))
     )
@@ -235,7 +281,7 @@ def silu_mul_linear(
 ) -> torch.Tensor:  # [num_tokens, N]
     """linear(silu(gate) * up): the Llama MLP's activation and down projection."""
     two_k = x.shape[-1]
-    if two_k % 2 or not _fits(x, weight, two_k // 2):
+    if two_k % 2 or not _fits(x, weight, two_k // 2, one_row=True):
         return F.linear(silu_and_mul(x), weight)
     out = _launch(_SILU_MUL, _rows_2d(x), weight, None)
     return out.view(*x.shape[:-1], weight.shape[0])
