@@ -229,3 +229,8 @@ def silu_mul_linear(
 ) -> torch.Tensor:  # [num_tokens, N]
     """linear(silu(gate) * up): the Llama MLP's activation and down projection."""
     return F.linear(silu_and_mul(x), weight)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:  # [rows] int64
+    """Greedy sampling's argmax over [rows, vocab] logits; ties to the lowest index."""
+    return logits.argmax(dim=-1)

@@ -89,7 +89,7 @@ class ModelRunner:
         self.inputs = InputBuffers(
             max_num_batched_tokens, max_num_seqs, self.max_model_len, block_size, self.device
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(argmax=self.ops.argmax)
         self.sampling = SamplingMetadataBuilder(eos_token_ids, self.vocab_size, self.device)
         self.requests: dict[str, CachedRequestState] = {}
         self.graphs: GraphRunner | None = None

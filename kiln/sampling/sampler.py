@@ -8,9 +8,12 @@ The sampler never writes into the caller's logits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from kiln.kernels import reference
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,14 @@ class SamplingMetadata:
 
 
 class Sampler:
-    """logits [B, V] -> one token per row. Stateless: all per-request state comes in `metadata`."""
+    """logits [B, V] -> one token per row. Stateless: all per-request state comes in `metadata`.
+
+    `argmax` is the kernel module's greedy argmax (ops.argmax: Triton on the GPU), the same
+    function as torch's argmax(dim=-1).
+    """
+
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] = reference.argmax) -> None:
+        self.argmax = argmax
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         md = metadata
@@ -60,12 +70,12 @@ class Sampler:
         if argmax_only and md.max_num_logprobs is None:
             # The common decode: the argmax of the model-dtype logits (a cast to fp32 is exact,
             # so it would pick the same ids after writing and re-reading a [rows, vocab] copy).
-            return SamplerOutput(logits.argmax(dim=-1), None)
+            return SamplerOutput(self.argmax(logits), None)
         logits = logits.float()  # a no-op for float32; half-precision logits lose top-p accuracy
         # (1) Logprobs describe the model, not the sampling transform, so take them first.
         raw_logprobs = None if md.max_num_logprobs is None else logits.log_softmax(dim=-1)
 
-        sampled = logits.argmax(dim=-1) if argmax_only else self._sample(logits, md, has_masks)
+        sampled = self.argmax(logits) if argmax_only else self._sample(logits, md, has_masks)
 
         logprobs = None
         if raw_logprobs is not None:
@@ -89,7 +99,7 @@ class Sampler:
             logits = mask_tokens(logits, md.min_tokens_mask_ids)
 
         # (4) Greedy rows: argmax, ties to the lowest id.
-        greedy = None if md.all_random else logits.argmax(dim=-1)
+        greedy = None if md.all_random else self.argmax(logits)
         if md.all_greedy:
             return greedy
 

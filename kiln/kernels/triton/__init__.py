@@ -5,6 +5,7 @@ Importing this package imports triton: do it only when the triton backend is cho
 without a GPU the kernels run under the interpreter when TRITON_INTERPRET=1 is set before import.
 """
 
+from kiln.kernels.triton.argmax import argmax
 from kiln.kernels.triton.decode_attention import paged_decode_attention
 from kiln.kernels.triton.kv_cache import write_kv_cache
 from kiln.kernels.triton.prefill_attention import paged_prefill_attention
@@ -15,6 +16,7 @@ from kiln.kernels.triton.small_batch_linear import add_rms_norm_linear, linear, 
 
 __all__ = [
     "add_rms_norm_linear",
+    "argmax",
     "fused_add_rms_norm",
     "linear",
     "paged_decode_attention",

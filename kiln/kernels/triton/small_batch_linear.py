@@ -1,4 +1,4 @@
-"""Linear layers for a handful of rows, with the elementwise op before them fused in (twins of
+"""Linear layers for a handful of rows, the norm before qkv and gate_up fused in (twins of
 reference.linear, reference.add_rms_norm_linear and reference.silu_mul_linear).
 
 At batch-1 decode a linear layer is a matrix-vector product bound by reading its weight once, and
@@ -7,18 +7,13 @@ benchmarks/results/profile_decode_b1_h200.txt) each layer ran two RMSNorms (2.1 
 (1.5 us) and two cuBLAS split-K reduces (1.7 us each) around four GEMVs, ~9 us of a 148 us layer
 plus the gaps between launches. Here each program owns BLOCK_N output columns for every row and
 streams its [BLOCK_N, K] slice of the weight once (rows padded to tl.dot's minimum of 16; no
-split-K, so no reduce kernel). For one row (batch-1 decode) the program also builds its input
-from the previous op's inputs on the fly, on [BLOCK_K] vectors:
+split-K, so no reduce kernel). For one row (batch-1 decode) the residual add and RMSNorm before
+qkv_proj and gate_up_proj run inside the matmul's loop, on [BLOCK_K] vectors: h = x + residual
+(the residual stream, written out in slices, one per program), times the norm weight; RMSNorm's
+scale is one scalar per row, so the dot product is scaled by rsqrt(mean(h^2) + eps) at the end and
+the weight's stream never waits for it. Each program reads the whole (tiny) input from L2.
 
-- ADD_NORM: h = x + residual (the residual stream, written out in slices, one per program), then
-  RMSNorm. Its scale is one scalar per row, so the loop multiplies h by the norm weight only and
-  the dot product is scaled by rsqrt(mean(h^2) + eps) at the end: the sum of squares is gathered
-  in the same pass, and the weight's stream never waits for it.
-- SILU_MUL: silu(gate) * up from the fused gate_up output, rounded as reference.silu_and_mul.
-
-Each program reads the whole (tiny) input from L2; the weight is read once. More rows, and
-operands this kernel does not take, go through the unfused kernels and cuBLAS.
-
+More rows, and operands this kernel does not take, go through the unfused kernels and cuBLAS.
 Rounding differs from the unfused path only inside the norm (h * weight is rounded to the model
 dtype instead of normalised-then-rounded twice); fp32 agrees to ~1e-6.
 """
@@ -32,7 +27,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton._device import dot_precision, num_sms
+from kiln.kernels.triton._device import dot_precision, num_sms, pdl_launch_options
+from kiln.kernels.triton._pdl import wait_for_previous_kernel
 from kiln.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from kiln.kernels.triton.silu_mul import silu_and_mul
 
@@ -40,28 +36,25 @@ from kiln.kernels.triton.silu_mul import silu_and_mul
 # KILN_FUSED_LINEAR_MAX_ROWS=0 turns the fused kernels off (the benchmarks' A/B switch).
 MAX_ROWS = int(os.environ.get("KILN_FUSED_LINEAR_MAX_ROWS", "8"))
 
-_PLAIN, _NORM, _ADD_NORM, _SILU_MUL = 0, 1, 2, 3
+_PLAIN, _NORM, _ADD_NORM = 0, 1, 2
 
 
 @triton.jit
-def _load_input_chunk(x_ptr, second_ptr, norm_weight_ptr, offs, mask, PROLOGUE: tl.constexpr):
-    """One K-chunk of the row's inputs: x, then the residual (ADD_NORM) or up (SILU_MUL), then
-    the norm weight (NORM, ADD_NORM); unused slots repeat x (no load)."""
-    xa = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    if PROLOGUE == 2 or PROLOGUE == 3:  # noqa: SIM108 (a constexpr branch: no load otherwise)
-        xb = tl.load(second_ptr + offs, mask=mask, other=0.0)
+def _load_input_chunk(x_ptr, residual_ptr, norm_weight_ptr, offs, mask, PROLOGUE: tl.constexpr):
+    """One K-chunk of the row's inputs: x, the residual (ADD_NORM; else x again, not loaded) and
+    the norm weight."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if PROLOGUE == 2:  # noqa: SIM108 (a constexpr branch: no load otherwise)
+        residual = tl.load(residual_ptr + offs, mask=mask, other=0.0)
     else:
-        xb = xa
-    if PROLOGUE == 1 or PROLOGUE == 2:
-        nw = tl.load(norm_weight_ptr + offs, mask=mask, other=0.0)
-    else:
-        nw = xa
-    return xa, xb, nw
+        residual = x
+    norm_weight = tl.load(norm_weight_ptr + offs, mask=mask, other=0.0)
+    return x, residual, norm_weight
 
 
 @triton.jit
 def _small_batch_linear_kernel(
-    x_ptr,  # [M, K] (SILU_MUL: [M, 2K], gate then up)
+    x_ptr,  # [M, K]
     residual_ptr,  # [M, K], read when ADD_NORM
     norm_weight_ptr,  # [K], read when NORM or ADD_NORM
     w_ptr,  # [N, K], contiguous
@@ -80,7 +73,9 @@ def _small_batch_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,  # see _pdl.wait_for_previous_kernel
 ):
+    wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,43 +96,34 @@ def _small_batch_linear_kernel(
             )
             acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
     else:
-        # One row (M == 1). The op before the matmul runs on [BLOCK_K] vectors (padding it to the
-        # dot's 16 rows would compute, and hold in registers, 16 times as much), and the result
-        # goes into row 0 of the dot's tile. The next chunk's inputs are loaded one iteration
-        # ahead by hand: they feed arithmetic, not the dot, so the pipeliner leaves their latency
-        # exposed otherwise.
-        second_ptr = residual_ptr if PROLOGUE == 2 else x_ptr + K
+        # One row (M == 1). The residual add and the norm run on [BLOCK_K] vectors (padding
+        # them to the dot's 16 rows would compute, and hold in registers, 16 times as much: that
+        # version ran 3-5x slower than unfused on the H200), and the result goes into row 0 of
+        # the dot's tile. The next chunk's inputs are loaded one iteration ahead by hand: they
+        # feed arithmetic, not the dot, so the pipeliner leaves their latency exposed otherwise.
         first_row = rows[:, None] == 0
         sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-        xa, xb, nw = _load_input_chunk(x_ptr, second_ptr, norm_weight_ptr, ks, ks < K, PROLOGUE)
+        xa, xb, nw = _load_input_chunk(x_ptr, residual_ptr, norm_weight_ptr, ks, ks < K, PROLOGUE)
         for k in range(0, K, BLOCK_K):
             k_mask = (k + ks) < K
             nxt = k + BLOCK_K + ks
             xa_next, xb_next, nw_next = _load_input_chunk(
-                x_ptr, second_ptr, norm_weight_ptr, nxt, nxt < K, PROLOGUE
+                x_ptr, residual_ptr, norm_weight_ptr, nxt, nxt < K, PROLOGUE
             )
-            if PROLOGUE == 3:  # SILU_MUL, rounded as reference.silu_and_mul
-                g = xa.to(tl.float32)
-                act = (g / (1.0 + tl.exp(-g))).to(xa.dtype)
-                v = act.to(tl.float32) * xb.to(tl.float32)
-            else:
-                h = xa
-                if PROLOGUE == 2:  # the residual stream rounds to its dtype, as unfused
-                    h = (xa.to(tl.float32) + xb.to(tl.float32)).to(sum_ptr.dtype.element_ty)
-                h32 = h.to(tl.float32)
-                sum_sq += h32 * h32
-                v = h32 * nw.to(tl.float32)
-            a = tl.where(first_row, v.to(w_ptr.dtype.element_ty)[None, :], 0.0)
+            h = xa
+            if PROLOGUE == 2:  # the residual stream rounds to its dtype, as unfused
+                h = (xa.to(tl.float32) + xb.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+            h32 = h.to(tl.float32)
+            sum_sq += h32 * h32
+            v = (h32 * nw.to(tl.float32)).to(w_ptr.dtype.element_ty)
+            a = tl.where(first_row, v[None, :], 0.0).to(w_ptr.dtype.element_ty)
             w = tl.load(
                 w_rows + k + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0
             )
-            acc = tl.dot(
-                a.to(w_ptr.dtype.element_ty), tl.trans(w), acc, input_precision=DOT_PRECISION
-            )
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
             xa, xb, nw = xa_next, xb_next, nw_next
-        if PROLOGUE == 1 or PROLOGUE == 2:
-            # RMSNorm's scale is one scalar per row: applied to the dot product instead.
-            acc = acc * tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
+        # RMSNorm's scale is one scalar per row: applied to the dot product instead.
+        acc = acc * tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
         if PROLOGUE == 2:
             # The residual stream x + residual, written out in slices: each program its own.
             per = tl.cdiv(K, tl.num_programs(0))
@@ -154,17 +140,23 @@ def _small_batch_linear_kernel(
 
 
 def _tile_config(
-    n: int, k: int, device: torch.device, element_size: int = 2
+    n: int, k: int, device: torch.device, element_size: int = 2, fused_norm: bool = False
 ) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     if device.type != "cuda":
         return 16, 32, 4, 1  # the interpreter: small tiles, every masking path exercised
-    # As many columns per program as still leave about one program per SM, and 32 KiB weight
-    # tiles. H200 sweep of the unfused kernel (gemv_sweep_h200.json): qkv 64 x 256, o_proj and
-    # down 32 x 512, gate_up 64 x 256, 4 warps, 3-4 stages.
-    block_n = 64 if triton.cdiv(n, 64) >= 0.7 * num_sms(device) else 32
+    # As many columns per program as still leave about one program per SM. H200 sweeps at
+    # Llama-3.1-8B shapes (benchmarks/results/fused_linear/run2): plain, 32 KiB weight tiles in 4
+    # stages (o_proj, down: 32 x 512); with the norm fused, 3 stages, and 128-wide K steps when
+    # the programs outnumber the SMs (qkv 64 x 256: 17.2 us; gate_up 64 x 128: 57.5 us).
+    sms = num_sms(device)
+    block_n = 64 if triton.cdiv(n, 64) >= 0.7 * sms else 32
     block_k = 32768 // (block_n * element_size)
-    return block_n, block_k, 4, 4 if triton.cdiv(n, block_n) <= num_sms(device) else 3
+    if not fused_norm:
+        return block_n, block_k, 4, 4 if triton.cdiv(n, block_n) <= sms else 3
+    if triton.cdiv(n, block_n) > sms:
+        block_k //= 2
+    return block_n, block_k, 4, 3
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -196,7 +188,9 @@ def _launch(
     m = x2.shape[0]
     n, k = weight.shape
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    block_n, block_k, num_warps, num_stages = _tile_config(n, k, x2.device, x2.element_size())
+    block_n, block_k, num_warps, num_stages = _tile_config(
+        n, k, x2.device, x2.element_size(), fused_norm=prologue != _PLAIN
+    )
     _small_batch_linear_kernel[(triton.cdiv(n, block_n),)](
         x2,
         residual if residual is not None else x2,
@@ -217,6 +211,7 @@ def _launch(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         DOT_PRECISION=dot_precision(x2.dtype),
+        **pdl_launch_options(x2.device),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -279,9 +274,7 @@ def silu_mul_linear(
     x: torch.Tensor,  # [num_tokens, 2K]: gate in the first half, up in the second
     weight: torch.Tensor,  # [N, K]
 ) -> torch.Tensor:  # [num_tokens, N]
-    """linear(silu(gate) * up): the Llama MLP's activation and down projection."""
-    two_k = x.shape[-1]
-    if two_k % 2 or not _fits(x, weight, two_k // 2, one_row=True):
-        return F.linear(silu_and_mul(x), weight)
-    out = _launch(_SILU_MUL, _rows_2d(x), weight, None)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    """linear(silu(gate) * up): the Llama MLP's activation and down projection. Two kernels: SiLU
+    fused into the matmul's loop measured slower (H200, batch 1: 38.5 us against 32.3 for the
+    SiLU kernel and the plain one, benchmarks/results/fused_linear/run2)."""
+    return linear(silu_and_mul(x), weight)
