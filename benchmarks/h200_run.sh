@@ -32,7 +32,6 @@ for s in "$@"; do
     env)
         nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv
         python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
-        python3 -c "import torch; from kiln.kernels.triton._device import use_pdl; print('programmatic dependent launch:', use_pdl(torch.device('cuda')))"
         ;;
     test-gpu)
         stage test-gpu 170 python3 -m pytest -q -x -p no:cacheprovider -s tests/test_gpu.py
@@ -114,18 +113,13 @@ for s in "$@"; do
             --num-requests 3 --max-model-len 1280 --no-async-scheduling \
             --output-json "$OUT/lat1k_sync$SFX.json"
         ;;
-    lat1k-nopdl)  # batch 1 without programmatic dependent launch: same-lease A/B
-        KILN_PDL=0 stage lat1k-nopdl 120 $BENCH latency $COMMON $KV \
-            --input-len 1024 --output-len 128 --num-requests 3 --max-model-len 1280 \
-            --output-json "$OUT/lat1k_nopdl$SFX.json"
-        ;;
-    lat1k-unfused)  # batch 1 with the fused small-batch linear kernels and PDL off: A/B
-        KILN_PDL=0 KILN_FUSED_LINEAR_MAX_ROWS=0 stage lat1k-unfused 120 $BENCH latency $COMMON $KV \
+    lat1k-unfused)  # batch 1 with the fused small-batch linear kernels off: same-lease A/B
+        KILN_FUSED_LINEAR_MAX_ROWS=0 stage lat1k-unfused 120 $BENCH latency $COMMON $KV \
             --input-len 1024 --output-len 128 --num-requests 3 --max-model-len 1280 \
             --output-json "$OUT/lat1k_unfused$SFX.json"
         ;;
     prof1-unfused)
-        KILN_PDL=0 KILN_FUSED_LINEAR_MAX_ROWS=0 stage prof1-unfused 120 python3 benchmarks/profile_decode.py \
+        KILN_FUSED_LINEAR_MAX_ROWS=0 stage prof1-unfused 120 python3 benchmarks/profile_decode.py \
             --batch 1 --context 1024 --out "$OUT/profile_decode_b1_unfused.txt"
         ;;
     sbl-sweep)  # fused small-batch linear kernels vs the unfused ops, and their tile sweep

@@ -694,7 +694,7 @@ def test_llama_forward_triton_ops_match_reference(num_tokens: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Greedy argmax and programmatic dependent launch
+# Greedy argmax
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -732,14 +732,3 @@ def test_argmax_llama_vocab_bf16() -> None:
     # A strided view (rows of a wider buffer).
     wide = torch.randn(4, 130000, generator=gen).to(DEVICE, torch.bfloat16)
     assert torch.equal(triton_ops.argmax(wide[:, :128256]), reference.argmax(wide[:, :128256]))
-
-
-@on_gpu
-def test_pdl_is_on_where_supported() -> None:
-    """On Hopper the kernels launch with programmatic dependent launch (unless KILN_PDL=0): the
-    check keeps a Triton without it, or a renamed option, from switching it off silently."""
-    from kiln.kernels.triton._device import use_pdl
-
-    major = torch.cuda.get_device_capability()[0]
-    if major >= 9 and os.environ.get("KILN_PDL", "1") != "0":
-        assert use_pdl(DEVICE), "PDL unsupported by this Triton/driver: a decode-speed regression"

@@ -13,9 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton._device import pdl_launch_options
-from kiln.kernels.triton._pdl import wait_for_previous_kernel
-
 _CHUNK = 4096  # elements per program of the first pass
 
 
@@ -28,9 +25,7 @@ def _chunk_argmax_kernel(
     stride_x,
     num_chunks,
     CHUNK: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -49,9 +44,7 @@ def _merge_argmax_kernel(
     out_ptr,  # [rows] int64
     num_chunks,
     BLOCK: tl.constexpr,  # >= num_chunks
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     chunks = tl.arange(0, BLOCK)
     mask = chunks < num_chunks
@@ -73,13 +66,12 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:  # [rows] int64
     num_chunks = triton.cdiv(vocab, _CHUNK)
     chunk_max = torch.empty((rows, num_chunks), dtype=torch.float32, device=logits.device)
     chunk_idx = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
-    pdl = pdl_launch_options(logits.device)
     _chunk_argmax_kernel[(rows, num_chunks)](
         logits, chunk_max, chunk_idx, vocab, logits.stride(0), num_chunks,
-        CHUNK=_CHUNK, **pdl, num_warps=8,
+        CHUNK=_CHUNK, num_warps=8,
     )  # fmt: skip
     _merge_argmax_kernel[(rows,)](
         chunk_max, chunk_idx, out, num_chunks,
-        BLOCK=max(triton.next_power_of_2(num_chunks), 2), **pdl, num_warps=1,
+        BLOCK=max(triton.next_power_of_2(num_chunks), 2), num_warps=1,
     )  # fmt: skip
     return out

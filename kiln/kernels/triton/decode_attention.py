@@ -16,9 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, pdl_launch_options
+from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
-from kiln.kernels.triton._pdl import wait_for_previous_kernel
 
 _LOG2E = 1.4426950408889634
 
@@ -58,9 +57,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
-    USE_PDL: tl.constexpr,  # see _pdl.wait_for_previous_kernel
 ):
-    wait_for_previous_kernel(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -149,10 +146,8 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
-    USE_PDL: tl.constexpr,  # see _pdl.wait_for_previous_kernel
 ):
     """Merges one (sequence, head)'s partial outputs: weights exp2(lse_i - max lse)."""
-    wait_for_previous_kernel(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -295,7 +290,6 @@ def paged_decode_attention_splits(
         SPLIT=split,
         DOT_PRECISION=dot_precision(query.dtype),
         FP16_DOTS=fp16_dots(query, k_cache),
-        **pdl_launch_options(query.device),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -313,7 +307,6 @@ def paged_decode_attention_splits(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
-            **pdl_launch_options(query.device),
             num_warps=4,
         )
     return out

@@ -8,8 +8,6 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.reference import FP8_E4M3_MAX
-from kiln.kernels.triton._device import pdl_launch_options
-from kiln.kernels.triton._pdl import wait_for_previous_kernel
 
 
 @triton.jit
@@ -29,10 +27,8 @@ def _write_kv_cache_kernel(
     BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
     FP8: tl.constexpr,  # the cache is float8 e4m3: saturate at +-FP8_MAX before the cast
     FP8_MAX: tl.constexpr,
-    USE_PDL: tl.constexpr,  # see _pdl.wait_for_previous_kernel
 ):
     """One program per token: copies its [num_kv_heads, head_dim] key and value rows to its slot."""
-    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     # A negative slot marks a padding token (e.g. a CUDA-graph batch padded past its real size):
@@ -100,6 +96,5 @@ def write_kv_cache(
         BLOCK_D=triton.next_power_of_2(head_dim),
         FP8=k_cache.dtype == torch.float8_e4m3fn,
         FP8_MAX=FP8_E4M3_MAX,
-        **pdl_launch_options(key.device),
         num_warps=4,
     )

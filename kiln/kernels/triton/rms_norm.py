@@ -11,9 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton._device import pdl_launch_options
-from kiln.kernels.triton._pdl import wait_for_previous_kernel
-
 
 @triton.jit
 def _rms_norm_kernel(
@@ -30,9 +27,7 @@ def _rms_norm_kernel(
     eps,
     ADD_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= hidden: one row per program
-    USE_PDL: tl.constexpr,  # see _pdl.wait_for_previous_kernel
 ):
-    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -90,7 +85,6 @@ def _launch(
             eps,
             ADD_RESIDUAL=summed is not None,
             BLOCK=block,
-            **pdl_launch_options(x.device),
             num_warps=min(16, max(1, block // 512)),
         )
     out = out.view(x.shape)

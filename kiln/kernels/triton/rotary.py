@@ -11,9 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton._device import pdl_launch_options
-from kiln.kernels.triton._pdl import wait_for_previous_kernel
-
 
 @triton.jit
 def _rotate_heads(
@@ -68,9 +65,7 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_KV_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
-    USE_PDL: tl.constexpr,  # see _pdl.wait_for_previous_kernel
 ):
-    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)
@@ -134,7 +129,6 @@ def rotary_embedding(
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_KV_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half),
-        **pdl_launch_options(query.device),
         num_warps=4,
     )
     return q_out, k_out

@@ -12,9 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton._device import pdl_launch_options
-from kiln.kernels.triton._pdl import wait_for_previous_kernel
-
 _MAX_BLOCK = 1024
 
 
@@ -26,9 +23,7 @@ def _silu_and_mul_kernel(
     stride_out,
     d,
     BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,  # see _pdl.wait_for_previous_kernel
 ):
-    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -64,7 +59,6 @@ def silu_and_mul(
             out.stride(0),
             d,
             BLOCK=block,
-            **pdl_launch_options(x.device),
             num_warps=max(1, min(4, block // 256)),
         )
     return out.view(*x.shape[:-1], d)

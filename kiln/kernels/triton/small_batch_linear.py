@@ -27,8 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton._device import dot_precision, num_sms, pdl_launch_options
-from kiln.kernels.triton._pdl import wait_for_previous_kernel
+from kiln.kernels.triton._device import dot_precision, num_sms
 from kiln.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from kiln.kernels.triton.silu_mul import silu_and_mul
 
@@ -73,9 +72,7 @@ def _small_batch_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,  # see _pdl.wait_for_previous_kernel
 ):
-    wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -211,7 +208,6 @@ def _launch(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         DOT_PRECISION=dot_precision(x2.dtype),
-        **pdl_launch_options(x2.device),
         num_warps=num_warps,
         num_stages=num_stages,
     )
