@@ -32,8 +32,18 @@ class AttentionMetadata:
         return self.seq_lens.shape[0]
 
 
+@dataclass(frozen=True)
+class Rotary:
+    """The rotary embedding a backend applies to queries and keys before attending (fused with
+    the KV-cache write on the GPU)."""
+
+    positions: torch.Tensor  # [num_tokens] int64
+    cos_sin_cache: torch.Tensor  # [max_positions, head_dim] fp32: cos in the first half, sin after
+
+
 class AttentionBackend(ABC):
-    """Writes this step's keys/values into the paged cache, then attends over it.
+    """Rotates queries and keys (when given a Rotary), writes this step's keys/values into the
+    paged cache, then attends over it.
 
     KV cache layout, per layer: k_cache and v_cache are each
     [num_blocks, block_size, num_kv_heads, head_dim].
@@ -64,6 +74,7 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 

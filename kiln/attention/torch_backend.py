@@ -6,13 +6,14 @@ from types import ModuleType
 
 import torch
 
-from kiln.attention.backend import AttentionBackend, AttentionMetadata
+from kiln.attention.backend import AttentionBackend, AttentionMetadata, Rotary
 from kiln.kernels import reference
 
 
 class PagedAttentionBackend(AttentionBackend):
-    """Writes K/V with `ops.write_kv_cache`, then attends with `ops`' decode and prefill kernels.
-    Backends differ only in their `ops` module (the kernel twins share one signature)."""
+    """Writes K/V with `ops.write_kv_cache` (`ops.rotary_embedding_write_kv` when given a Rotary),
+    then attends with `ops`' decode and prefill kernels. Backends differ only in their `ops`
+    module (the kernel twins share one signature)."""
 
     ops: ModuleType
 
@@ -25,8 +26,15 @@ class PagedAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:
-        self.ops.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+        if rotary is None:
+            self.ops.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+        else:
+            query = self.ops.rotary_embedding_write_kv(
+                rotary.positions, query, key, value, rotary.cos_sin_cache,
+                k_cache, v_cache, metadata.slot_mapping,
+            )  # fmt: skip
         return run_split_attention(self.ops, query, k_cache, v_cache, metadata, scale)
 
 

@@ -186,6 +186,23 @@ def rotary_embedding(
     return rotate(query), rotate(key)
 
 
+def rotary_embedding_write_kv(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim] fp32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> torch.Tensor:  # the rotated query
+    """rotary_embedding(query, key), then write_kv_cache(rotated key, value): what the attention
+    backends run first (one kernel on the GPU)."""
+    query, key = rotary_embedding(positions, query, key, cos_sin_cache)
+    write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    return query
+
+
 def silu_and_mul(
     x: torch.Tensor,  # [num_tokens, 2 * d]: gate in the first half, up in the second
 ) -> torch.Tensor:  # [num_tokens, d]

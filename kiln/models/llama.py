@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.attention.backend import AttentionBackend, AttentionMetadata
+from kiln.attention.backend import AttentionBackend, AttentionMetadata, Rotary
 from kiln.build.model_config import ModelConfig
 from kiln.errors import ModelLoadError
 from kiln.layers.rotary import build_cos_sin_cache
@@ -48,8 +48,8 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        rotary = Rotary(positions, cos_sin_cache)  # applied where the keys are cached
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, rotary)
         return ops.linear(out.reshape(-1, self.q_size), self.o_proj.weight)
 
 

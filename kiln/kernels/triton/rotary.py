@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.reference import FP8_E4M3_MAX
+
 
 @triton.jit
 def _rotate_heads(
@@ -27,6 +29,7 @@ def _rotate_heads(
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # > 0: the output is a float8 cache, saturated at +-FP8_MAX
 ):
     heads = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_HALF)
@@ -39,8 +42,16 @@ def _rotate_heads(
     out1 = x1f * cos[None, :] - x2f * sin[None, :]
     out2 = x2f * cos[None, :] + x1f * sin[None, :]
     dst = out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + cols[None, :]
-    tl.store(dst, out1.to(x1.dtype), mask=mask)
-    tl.store(dst + HALF, out2.to(x1.dtype), mask=mask)
+    # Rounded to the input dtype first (as reference.rotary_embedding), then to the output's.
+    tl.store(dst, _to_output(out1.to(x1.dtype), out_ptr, FP8_MAX), mask=mask)
+    tl.store(dst + HALF, _to_output(out2.to(x1.dtype), out_ptr, FP8_MAX), mask=mask)
+
+
+@triton.jit
+def _to_output(x, out_ptr, FP8_MAX: tl.constexpr):
+    if FP8_MAX > 0:
+        x = tl.clamp(x.to(tl.float32), -FP8_MAX, FP8_MAX)
+    return x.to(out_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -74,11 +85,11 @@ def _rotary_kernel(
     sin = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + cols, mask=col_mask, other=0.0)
     _rotate_heads(
         q_ptr, q_out_ptr, token, stride_q_token, stride_q_head, stride_qo_token, stride_qo_head,
-        cos, sin, num_heads, HALF, BLOCK_H, BLOCK_HALF,
+        cos, sin, num_heads, HALF, BLOCK_H, BLOCK_HALF, 0.0,
     )  # fmt: skip
     _rotate_heads(
         k_ptr, k_out_ptr, token, stride_k_token, stride_k_head, stride_ko_token, stride_ko_head,
-        cos, sin, num_kv_heads, HALF, BLOCK_KV_H, BLOCK_HALF,
+        cos, sin, num_kv_heads, HALF, BLOCK_KV_H, BLOCK_HALF, 0.0,
     )  # fmt: skip
 
 
@@ -132,3 +143,103 @@ def rotary_embedding(
         num_warps=4,
     )
     return q_out, k_out
+
+
+@triton.jit
+def _rotary_write_kv_kernel(
+    positions_ptr,  # [num_tokens] int64
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    v_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    q_out_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    v_cache_ptr,
+    slot_mapping_ptr,  # [num_tokens] int64; negative: a padding token, not written
+    cos_sin_ptr,  # [max_positions, head_dim] fp32, contiguous
+    stride_q_token,
+    stride_q_head,
+    stride_k_token,
+    stride_k_head,
+    stride_v_token,
+    stride_v_head,
+    stride_qo_token,
+    stride_qo_head,
+    num_heads,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,  # head_dim // 2
+    BLOCK_H: tl.constexpr,
+    BLOCK_KV_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # > 0 for a float8 cache
+):
+    """One program per token: rotates its query heads (out) and key heads (into the cache at its
+    slot), and copies its value heads into the cache: rotary_embedding + write_kv_cache in one
+    launch, since at batch-1 decode each was a ~2 us kernel of a few hundred bytes."""
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)
+    col_mask = cols < HALF
+    cos = tl.load(cos_sin_ptr + position * (2 * HALF) + cols, mask=col_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + cols, mask=col_mask, other=0.0)
+    _rotate_heads(
+        q_ptr, q_out_ptr, token, stride_q_token, stride_q_head, stride_qo_token, stride_qo_head,
+        cos, sin, num_heads, HALF, BLOCK_H, BLOCK_HALF, 0.0,
+    )  # fmt: skip
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:
+        # The cache is contiguous: a slot is NUM_KV_HEADS * 2 * HALF consecutive elements.
+        _rotate_heads(
+            k_ptr, k_cache_ptr + slot * (NUM_KV_HEADS * 2 * HALF), token, stride_k_token,
+            stride_k_head, 0, 2 * HALF, cos, sin, NUM_KV_HEADS, HALF, BLOCK_KV_H, BLOCK_HALF,
+            FP8_MAX,
+        )  # fmt: skip
+        heads = tl.arange(0, BLOCK_KV_H)
+        dims = tl.arange(0, 2 * BLOCK_HALF)
+        mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < 2 * HALF)
+        src = v_ptr + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :]
+        value = tl.load(src, mask=mask)
+        dst = v_cache_ptr + slot * (NUM_KV_HEADS * 2 * HALF) + heads[:, None] * 2 * HALF
+        tl.store(dst + dims[None, :], _to_output(value, v_cache_ptr, FP8_MAX), mask=mask)
+
+
+def rotary_embedding_write_kv(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim] fp32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> torch.Tensor:  # the rotated query
+    """rotary_embedding(query, key), then write_kv_cache(rotated key, value): returns the rotated
+    query; the inputs are left untouched (they may be strided views of a fused qkv projection,
+    head_dim contiguous)."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    assert key.shape == value.shape == (num_tokens, num_kv_heads, head_dim)
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.shape == v_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert cos_sin_cache.shape[1] == head_dim and head_dim % 2 == 0, "full-width rotary only"
+    query, key, value = (t if t.stride(2) == 1 else t.contiguous() for t in (query, key, value))
+    if not cos_sin_cache.is_contiguous():
+        cos_sin_cache = cos_sin_cache.contiguous()
+    q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return q_out
+    half = head_dim // 2
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    _rotary_write_kv_kernel[(num_tokens,)](
+        positions, query, key, value, q_out, k_cache, v_cache, slot_mapping, cos_sin_cache,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1), q_out.stride(0), q_out.stride(1),
+        num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HALF=half,
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_KV_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(half),
+        FP8_MAX=FP8_E4M3_MAX if fp8 else 0.0,
+        num_warps=4,
+    )  # fmt: skip
+    return q_out
