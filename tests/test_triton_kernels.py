@@ -103,19 +103,24 @@ def _fp8_exact_in_interpreter(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x.abs() > 448, x, exact)
 
 
-def _assert_same_cache(cache: torch.Tensor, expected: torch.Tensor) -> None:
-    """Bit-equal caches. Except under the interpreter for float8 values it rounded itself (keys
-    after rotary): its fp32 -> float8 rounding is wrong when it carries into the next power of
-    two (see _fp8_exact_in_interpreter: -125.7 gives -64, not -128) and by one step among the
-    subnormals (below 2^-6); only those are let through. On the GPU: bit-equal."""
-    if not (INTERPRET and cache.dtype == FP8):
+def _assert_same_cache(cache: torch.Tensor, expected: torch.Tensor, rotated: bool = False) -> None:
+    """Bit-equal caches; or, for keys the kernel rotated itself, within one step of the cache's
+    element type: the GPU contracts the rotation into FMAs (last-bit differences in fp32, which
+    can move a rounding to a narrower cache type by one step). The interpreter rounds fp32 to
+    float8 wrongly when it carries into the next power of two (see _fp8_exact_in_interpreter:
+    -125.7 gives -64, not -128) and by a step among subnormals, so there float8 caches are
+    compared with the same tolerance plus that pattern; on the GPU unrotated values are exact."""
+    if not rotated and not (INTERPRET and cache.dtype == FP8):
         assert torch.equal(_bits(cache), _bits(expected))
         return
     a, b = cache.float(), expected.float()
-    power_of_two = (b != 0) & (torch.log2(b.abs()) == torch.log2(b.abs()).round())
-    subnormal_step = (b.abs() <= 2**-6) & ((a - b).abs() <= 2**-9)
-    bad = ~((a == b) | ((2 * a == b) & power_of_two) | subnormal_step)
-    assert not bad.any(), list(zip(a[bad].tolist(), b[bad].tolist()))
+    step = {torch.float32: 1e-6, torch.float16: 2**-10, torch.bfloat16: 2**-7, FP8: 2**-3}
+    tol = step[cache.dtype] * b.abs() + (2**-9 if cache.dtype == FP8 else 1e-6)  # + subnormals
+    ok = (a - b).abs() <= tol
+    if INTERPRET and cache.dtype == FP8:
+        power_of_two = (b != 0) & (torch.log2(b.abs()) == torch.log2(b.abs()).round())
+        ok |= (2 * a == b) & power_of_two
+    assert ok.all(), list(zip(a[~ok].tolist()[:8], b[~ok].tolist()[:8]))
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, FP8])
@@ -420,7 +425,7 @@ def test_triton_backend_matches_torch_backend(
     expected = TorchAttentionBackend().forward(
         query, key, value, k_ref, v_ref, metadata, scale, rotary
     )
-    _assert_same_cache(k_cache, k_ref)
+    _assert_same_cache(k_cache, k_ref, rotated=with_rotary)
     _assert_same_cache(v_cache, v_ref)
     _assert_close(out, expected, ATTN_ATOL[dtype] if dtype == torch.float32 else 5e-3)
 
@@ -531,11 +536,14 @@ def test_rotary_embedding_write_kv(dtype: torch.dtype, cache_dtype: torch.dtype)
     qkv_before = qkv.clone()
     args = (positions, query, key, value, cos_sin)
     q_out = triton_ops.rotary_embedding_write_kv(*args, k_cache, v_cache, slots)
-    q_ref = reference.rotary_embedding_write_kv(*args, k_ref, v_ref, slots)
+    # The reference is never given padding on CUDA (its index_copy_ would fault): leave it out.
+    keep = slots >= 0
+    q_ref, k_rot = reference.rotary_embedding(positions, query, key, cos_sin)
+    reference.write_kv_cache(k_rot[keep], value[keep], k_ref, v_ref, slots[keep])
     assert torch.equal(qkv, qkv_before), "the inputs must be left untouched"
     _assert_close(q_out, q_ref, ELEMENTWISE_TOL[dtype])
-    # Same rounding as the reference: the rotated key in the input dtype, then the cache's.
-    _assert_same_cache(k_cache, k_ref)
+    # Rounded as the reference: the rotated key in the input dtype, then the cache's.
+    _assert_same_cache(k_cache, k_ref, rotated=True)
     _assert_same_cache(v_cache, v_ref)
     if cache_dtype == FP8:
         assert k_cache.float().abs().max() == 448.0
