@@ -303,14 +303,16 @@ def run(shapes: Shapes, device: torch.device) -> list[dict]:
         )
         freqs = torch.outer(torch.arange(8192, device=device, dtype=torch.float32), inv_freq)
         cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        rot_args = (positions, query, key, value, cos_sin)
         rot_err = _err(
-            triton_ops.rotary_embedding(positions, query, key, cos_sin)[0],
-            reference.rotary_embedding(positions, query, key, cos_sin)[0],
+            triton_ops.rotary_embedding_write_kv(*rot_args, k_cache, v_cache, slots),
+            reference.rotary_embedding_write_kv(*rot_args, k_ref, v_ref, slots),
         )
         for impl, ops in (("triton", triton_ops), ("reference", reference)):
-            record("rotary", case, impl,
-                   [lambda o=ops, a=(positions, query, key, cos_sin): o.rotary_embedding(*a)],
-                   bytes=2 * (query.numel() + key.numel()) * elem,
+            record("rotary_write_kv", case, impl,
+                   [lambda o=ops, a=(*rot_args, k_cache, v_cache, slots):
+                    o.rotary_embedding_write_kv(*a)],
+                   bytes=2 * (query.numel() + 2 * key.numel()) * elem,
                    **({"max_abs_err": rot_err} if impl == "triton" else {}))  # fmt: skip
     return rows
 

@@ -487,26 +487,6 @@ def _cos_sin_cache(max_positions: int, head_dim: int, base: float = 10000.0) -> 
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 16), (3, 1, 32)])
-def test_rotary_embedding(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
-    gen = torch.Generator().manual_seed(head_dim)
-    num_tokens = 6
-    # query and key as strided views of a fused qkv projection.
-    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
-    qkv = qkv.to(DEVICE, dtype)
-    query, key = qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv_heads]
-    positions = torch.tensor([0, 1, 2, 17, 63, 5], dtype=torch.int64, device=DEVICE)
-    cos_sin = _cos_sin_cache(64, head_dim).to(DEVICE)
-    qkv_before = qkv.clone()
-    q_out, k_out = triton_ops.rotary_embedding(positions, query, key, cos_sin)
-    q_ref, k_ref = reference.rotary_embedding(positions, query, key, cos_sin)
-    assert torch.equal(qkv, qkv_before), "the inputs must be left untouched"
-    assert q_out.dtype == dtype and k_out.dtype == dtype
-    _assert_close(q_out, q_ref, ELEMENTWISE_TOL[dtype])
-    _assert_close(k_out, k_ref, ELEMENTWISE_TOL[dtype])
-
-
 @pytest.mark.parametrize(
     ("dtype", "cache_dtype"),
     [
@@ -517,9 +497,12 @@ def test_rotary_embedding(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
         pytest.param(torch.bfloat16, FP8, marks=on_gpu),
     ],
 )
-def test_rotary_embedding_write_kv(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
-    gen = torch.Generator().manual_seed(41)
-    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 16, 4
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 16), (3, 1, 24)])
+def test_rotary_embedding_write_kv(
+    dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    gen = torch.Generator().manual_seed(41 + head_dim)
+    block_size = 4
     # q, k, v as strided views of a fused qkv projection; keys large enough that a float8 cache
     # saturates some of them.
     qkv = torch.randn(6, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
@@ -550,16 +533,22 @@ def test_rotary_embedding_write_kv(dtype: torch.dtype, cache_dtype: torch.dtype)
 
 
 @on_gpu
-def test_rotary_embedding_llama8b_bf16() -> None:
+def test_rotary_embedding_write_kv_llama8b_bf16() -> None:
     gen = torch.Generator().manual_seed(9)
     query = torch.randn(500, 32, 128, generator=gen).to(DEVICE, torch.bfloat16)
     key = torch.randn(500, 8, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    value = torch.randn(500, 8, 128, generator=gen).to(DEVICE, torch.bfloat16)
     positions = torch.randint(0, 8192, (500,), generator=gen).to(DEVICE)
+    slots = torch.randperm(64 * 16, generator=gen)[:500].to(DEVICE)
     cos_sin = _cos_sin_cache(8192, 128, base=500000.0).to(DEVICE)
-    q_out, k_out = triton_ops.rotary_embedding(positions, query, key, cos_sin)
-    q_ref, k_ref = reference.rotary_embedding(positions, query, key, cos_sin)
+    k_cache = torch.zeros(64, 16, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+    v_cache, k_ref, v_ref = k_cache.clone(), k_cache.clone(), k_cache.clone()
+    args = (positions, query, key, value, cos_sin)
+    q_out = triton_ops.rotary_embedding_write_kv(*args, k_cache, v_cache, slots)
+    q_ref = reference.rotary_embedding_write_kv(*args, k_ref, v_ref, slots)
     _assert_close(q_out, q_ref, 8e-3)
-    _assert_close(k_out, k_ref, 8e-3)
+    _assert_same_cache(k_cache, k_ref, rotated=True)
+    _assert_same_cache(v_cache, v_ref)
 
 
 # ---------------------------------------------------------------------------------------------

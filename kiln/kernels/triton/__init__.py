@@ -10,7 +10,7 @@ from kiln.kernels.triton.decode_attention import paged_decode_attention
 from kiln.kernels.triton.kv_cache import write_kv_cache
 from kiln.kernels.triton.prefill_attention import paged_prefill_attention
 from kiln.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
-from kiln.kernels.triton.rotary import rotary_embedding, rotary_embedding_write_kv
+from kiln.kernels.triton.rotary import rotary_embedding_write_kv
 from kiln.kernels.triton.silu_mul import silu_and_mul
 from kiln.kernels.triton.small_batch_linear import add_rms_norm_linear, linear, silu_mul_linear
 
@@ -22,7 +22,6 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
-    "rotary_embedding",
     "rotary_embedding_write_kv",
     "silu_and_mul",
     "silu_mul_linear",

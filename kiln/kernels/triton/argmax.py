@@ -31,7 +31,7 @@ def _chunk_argmax_kernel(
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf"))
     x = x.to(tl.float32)
-    x = tl.where(x != x, float("inf"), x)  # NaN ranks above everything, like torch
+    x = tl.where(x != x, float("inf"), x)  # NaN ranks as +inf (see the module docstring)
     best = tl.argmax(x, 0, tie_break_left=True)
     tl.store(max_ptr + row * num_chunks + chunk, tl.max(x, 0))
     tl.store(idx_ptr + row * num_chunks + chunk, chunk * CHUNK + best)

@@ -1,7 +1,10 @@
-"""Rotate-half rotary embedding (twin of reference.rotary_embedding).
+"""Rotate-half rotary embedding fused with the KV-cache write (twin of
+reference.rotary_embedding_write_kv).
 
-One program per token rotates all its query and key heads: cos/sin are read once per token. Math in
-fp32, results rounded to the input dtype. Scaled variants (llama3, linear, ...) differ only in the
+One program per token rotates all its query and key heads (cos/sin read once per token), writes
+the rotated keys and the values to its cache slot, and returns the rotated queries. Math in fp32,
+results rounded to the input dtype, then to the cache's (float8 saturating at +-448, as
+reference.to_cache_dtype). Scaled variants (llama3, linear, ...) differ only in the
 cos_sin_cache, so the kernel is the same.
 """
 
@@ -55,97 +58,6 @@ def _to_output(x, out_ptr, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _rotary_kernel(
-    positions_ptr,  # [num_tokens] int64
-    q_ptr,  # [num_tokens, num_heads, head_dim]
-    k_ptr,  # [num_tokens, num_kv_heads, head_dim]
-    q_out_ptr,
-    k_out_ptr,
-    cos_sin_ptr,  # [max_positions, head_dim] fp32, contiguous
-    stride_q_token,
-    stride_q_head,
-    stride_k_token,
-    stride_k_head,
-    stride_qo_token,
-    stride_qo_head,
-    stride_ko_token,
-    stride_ko_head,
-    num_heads,
-    num_kv_heads,
-    HALF: tl.constexpr,  # head_dim // 2
-    BLOCK_H: tl.constexpr,
-    BLOCK_KV_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    cols = tl.arange(0, BLOCK_HALF)
-    col_mask = cols < HALF
-    cos = tl.load(cos_sin_ptr + position * (2 * HALF) + cols, mask=col_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + cols, mask=col_mask, other=0.0)
-    _rotate_heads(
-        q_ptr, q_out_ptr, token, stride_q_token, stride_q_head, stride_qo_token, stride_qo_head,
-        cos, sin, num_heads, HALF, BLOCK_H, BLOCK_HALF, 0.0,
-    )  # fmt: skip
-    _rotate_heads(
-        k_ptr, k_out_ptr, token, stride_k_token, stride_k_head, stride_ko_token, stride_ko_head,
-        cos, sin, num_kv_heads, HALF, BLOCK_KV_H, BLOCK_HALF, 0.0,
-    )  # fmt: skip
-
-
-def rotary_embedding(
-    positions: torch.Tensor,  # [num_tokens] int64
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim] fp32: cos in the first half, sin after
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half (GPT-NeoX / Hugging Face Llama layout) rotary embedding, computed in fp32.
-
-    Returns new (query, key) tensors; the inputs (which may be strided views of a fused qkv
-    projection, head_dim contiguous) are left untouched.
-    """
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[1]
-    assert key.shape == (num_tokens, num_kv_heads, head_dim)
-    assert cos_sin_cache.shape[1] == head_dim and head_dim % 2 == 0, "full-width rotary only"
-    if query.stride(2) != 1:
-        query = query.contiguous()
-    if key.stride(2) != 1:
-        key = key.contiguous()
-    if not cos_sin_cache.is_contiguous():
-        cos_sin_cache = cos_sin_cache.contiguous()
-    q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
-    if num_tokens == 0:
-        return q_out, k_out
-    half = head_dim // 2
-    _rotary_kernel[(num_tokens,)](
-        positions,
-        query,
-        key,
-        q_out,
-        k_out,
-        cos_sin_cache,
-        query.stride(0),
-        query.stride(1),
-        key.stride(0),
-        key.stride(1),
-        q_out.stride(0),
-        q_out.stride(1),
-        k_out.stride(0),
-        k_out.stride(1),
-        num_heads,
-        num_kv_heads,
-        HALF=half,
-        BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_KV_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half),
-        num_warps=4,
-    )
-    return q_out, k_out
-
-
-@triton.jit
 def _rotary_write_kv_kernel(
     positions_ptr,  # [num_tokens] int64
     q_ptr,  # [num_tokens, num_heads, head_dim]
@@ -173,8 +85,8 @@ def _rotary_write_kv_kernel(
     FP8_MAX: tl.constexpr,  # > 0 for a float8 cache
 ):
     """One program per token: rotates its query heads (out) and key heads (into the cache at its
-    slot), and copies its value heads into the cache: rotary_embedding + write_kv_cache in one
-    launch, since at batch-1 decode each was a ~2 us kernel of a few hundred bytes."""
+    slot), and copies its value heads into the cache. One launch instead of a rotary and a
+    KV-write kernel: at batch-1 decode each was a ~2 us kernel of a few hundred bytes."""
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)
