@@ -60,9 +60,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    # No forward: the decoder loop calls ops.add_rms_norm_linear (norm + gate_up) and
-    # ops.silu_mul_linear (activation + down), which fuse each op into the matmul after it for a
-    # handful of rows on the GPU.
+    # No forward: the decoder loop calls ops.add_rms_norm_linear (residual add + norm + gate_up,
+    # one kernel at batch-1 decode on the GPU) and ops.silu_mul_linear (activation + down).
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -103,8 +102,8 @@ class LlamaForCausalLM(nn.Module):
         residual = None  # the residual stream; `hidden` is the last block's output until added
         for layer, kv_cache in zip(self.layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
-            # Each projection takes the residual add and RMSNorm before it in one op (one kernel
-            # for a handful of rows on the GPU: batch-1 decode is mostly launch-bound small ops).
+            # qkv and gate_up take the residual add and RMSNorm before them in one op: one kernel
+            # at batch-1 decode on the GPU, where a step is mostly small launch-bound kernels.
             qkv, residual = ops.add_rms_norm_linear(
                 hidden,
                 residual,

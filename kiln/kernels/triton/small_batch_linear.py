@@ -258,8 +258,8 @@ def add_rms_norm_linear(
         out = _launch(_NORM, x2, weight, bias, norm_weight=norm_weight, eps=eps)
         summed = x
     else:
-        # A new tensor, never x or residual: other programs still read those while program 0
-        # writes the sum.
+        # A new tensor, never x or residual: every program reads all of those while the others
+        # write their slices of the sum.
         summed2 = torch.empty_like(x2)
         out = _launch(_ADD_NORM, x2, weight, bias, _rows_2d(residual), norm_weight, eps, summed2)
         summed = summed2.view(x.shape)
