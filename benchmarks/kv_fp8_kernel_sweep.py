@@ -17,7 +17,7 @@ import json
 from functools import partial
 
 import torch
-from tile_sweep import forced_tile_config, sweep  # benchmarks/, the script's own folder
+from tile_sweep import forced_tile_config, graph_time_ms, sweep  # benchmarks/, the script's folder
 
 from kiln.kernels.triton import decode_attention as da
 from kiln.kernels.triton import prefill_attention as pa
@@ -46,20 +46,7 @@ def paged(seq_lens: list[int], gen: torch.Generator):
 
 def time_ms(fn, reps: int = 20) -> float:
     """Mean of `reps` calls captured in one CUDA graph (GPU time, no launch overhead)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
+    return graph_time_ms([fn], reps)
 
 
 def sweep_decode() -> list[dict]:

@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from tile_sweep import graph_time_ms, sweep  # benchmarks/, the script's own folder
 
-from benchmarks.tile_sweep import sweep
 from kiln.kernels.triton import small_batch_linear
 from kiln.kernels.triton.rms_norm import fused_add_rms_norm
 from kiln.kernels.triton.silu_mul import silu_and_mul
@@ -36,29 +36,6 @@ SHAPES = {  # name: (N, K, the op fused before it)
 }
 COPY_BANDWIDTH = 4.25e12  # bytes/s, the H200's measured device-to-device copy (FACTS.md)
 L2_BYTES = 50 * 2**20
-
-
-def graph_time_us(calls: list[Callable[[], object]], reps: int = 4) -> float:
-    """Mean time per call of `calls` run back to back, `reps` times over, in one CUDA graph."""
-    for fn in calls:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            for fn in calls:
-                fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / (reps * len(calls)))
-    return best
 
 
 @dataclasses.dataclass
@@ -88,7 +65,7 @@ def fused_call(a: Inputs, w: torch.Tensor) -> torch.Tensor:
 
 def time_all_copies_ms(fn: Callable, weights: list[torch.Tensor], *unused: object) -> float:
     """Mean ms per call of fn over every weight copy in turn (the sweep passes its run too)."""
-    return graph_time_us([functools.partial(fn, w) for w in weights]) / 1000
+    return graph_time_ms([functools.partial(fn, w) for w in weights], reps=4, replays=5)
 
 
 def main() -> None:

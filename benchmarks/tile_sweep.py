@@ -1,4 +1,5 @@
-"""Shared by the kernel tile sweeps: run a kernel's launcher under forced tile configurations."""
+"""Shared by the kernel tile sweeps: run a kernel's launcher under forced tile configurations,
+and time calls inside a CUDA graph."""
 
 from __future__ import annotations
 
@@ -43,3 +44,27 @@ def sweep(
                 continue
         rows.append(row)
     return rows
+
+
+def graph_time_ms(calls: list[Callable[[], object]], reps: int, replays: int = 1) -> float:
+    """Milliseconds per call of `calls` run back to back `reps` times over inside one CUDA graph
+    (GPU time, no launch overhead); the best of `replays` timed replays."""
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            for fn in calls:
+                fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / (reps * len(calls)))
+    return best

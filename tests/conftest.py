@@ -14,6 +14,30 @@ if not torch.cuda.is_available():
     # kernels indirectly) before the kernel tests run: set it once, here, for the whole session.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def tiny_model_config(architecture: str = "llama", **overrides):
+    """A tiny kiln ModelConfig (2 layers, GQA 4/2, hidden 64; q/k/v biases for qwen2)."""
+    from kiln.build.model_config import ModelConfig
+
+    fields = dict(
+        architecture=architecture,
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        attention_bias=architecture == "qwen2",
+    )
+    return ModelConfig(**{**fields, **overrides})
+
+
 TINY_BASE = dict(
     vocab_size=256,
     hidden_size=64,

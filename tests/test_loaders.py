@@ -27,6 +27,7 @@ from kiln.build import (
 )
 from kiln.build.gguf_loader import llama3_rope_divisors
 from kiln.errors import ModelLoadError
+from tests.conftest import tiny_model_config
 
 _HF_CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -40,26 +41,6 @@ _LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
-
-
-def _tiny(architecture: str = "llama", **overrides: Any) -> ModelConfig:
-    fields: dict[str, Any] = dict(
-        architecture=architecture,
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_ids=(2,),
-        attention_bias=architecture == "qwen2",
-    )
-    return ModelConfig(**{**fields, **overrides})
 
 
 def _save_hf_model(config: ModelConfig, path: Path, **save_kwargs: Any) -> dict[str, torch.Tensor]:
@@ -78,12 +59,15 @@ def _save_hf_model(config: ModelConfig, path: Path, **save_kwargs: Any) -> dict[
 @pytest.mark.parametrize(
     ("config", "save_kwargs"),
     [
-        (_tiny("llama"), {}),
-        (_tiny("llama"), {"max_shard_size": "40KB"}),
-        (_tiny("llama", rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE), {}),
-        (_tiny("llama", attention_bias=True, torch_dtype="bfloat16"), {}),
-        (_tiny("qwen2", tie_word_embeddings=True, eos_token_ids=(2, 3)), {}),
-        (_tiny("mistral", sliding_window=32, num_key_value_heads=1), {"max_shard_size": "60KB"}),
+        (tiny_model_config("llama"), {}),
+        (tiny_model_config("llama"), {"max_shard_size": "40KB"}),
+        (tiny_model_config("llama", rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE), {}),
+        (tiny_model_config("llama", attention_bias=True, torch_dtype="bfloat16"), {}),
+        (tiny_model_config("qwen2", tie_word_embeddings=True, eos_token_ids=(2, 3)), {}),
+        (
+            tiny_model_config("mistral", sliding_window=32, num_key_value_heads=1),
+            {"max_shard_size": "60KB"},
+        ),
     ],
     ids=["llama-gqa", "llama-sharded", "llama3-rope", "llama-bias-bf16", "qwen2-tied", "mistral"],
 )
@@ -107,7 +91,7 @@ def test_hf_checkpoint_matches_state_dict(
 
 
 def test_generation_config_extends_eos_and_gives_sampling_defaults(tmp_path: Path) -> None:
-    _save_hf_model(_tiny(), tmp_path)
+    _save_hf_model(tiny_model_config(), tmp_path)
     generation = {"eos_token_id": [5, 2], "temperature": 0.6, "top_p": 0.9, "do_sample": True}
     (tmp_path / "generation_config.json").write_text(json.dumps(generation))
     config, _ = load_hf_checkpoint(str(tmp_path))
@@ -152,7 +136,7 @@ def _pytorch_bin_only(path: Path) -> None:
 def test_broken_hf_checkpoint_is_named(
     tmp_path: Path, breakage: Any, shard: str | None, message: str
 ) -> None:
-    _save_hf_model(_tiny(), tmp_path, **({"max_shard_size": shard} if shard else {}))
+    _save_hf_model(tiny_model_config(), tmp_path, **({"max_shard_size": shard} if shard else {}))
     breakage(tmp_path)
     with pytest.raises(ModelLoadError, match=message.replace("(", r"\(")):
         load_hf_checkpoint(str(tmp_path))
@@ -189,7 +173,7 @@ def test_config_is_hashable_and_validated() -> None:
     config = ModelConfig.from_hf_dict(PRESETS["llama-3.1-8b"])
     assert hash(config) == hash(ModelConfig.from_hf_dict(PRESETS["llama-3.1-8b"]))
     with pytest.raises(ModelLoadError, match="num_attention_heads=4 is not a multiple of"):
-        _tiny(num_key_value_heads=3)
+        tiny_model_config(num_key_value_heads=3)
     with pytest.raises(ModelLoadError, match="torch_dtype='int8'"):
         ModelConfig.from_hf_dict({**PRESETS["llama-2-7b"], "torch_dtype": "int8"})
 
@@ -378,7 +362,7 @@ _TOLERANCE = {
 def test_written_gguf_dequantizes_within_tolerance(
     tmp_path: Path, qtype: GGMLQuantizationType
 ) -> None:
-    config = _tiny("llama", tie_word_embeddings=True)
+    config = tiny_model_config("llama", tie_word_embeddings=True)
     weights = _write_gguf(tmp_path / "m.gguf", config, qtype)
     loaded_config, tensors, meta = load_gguf(str(tmp_path / "m.gguf"))
     loaded = dict(tensors)
@@ -393,7 +377,7 @@ def test_written_gguf_dequantizes_within_tolerance(
         error = np.abs(got.numpy() - w).max() / (np.abs(w).max() or 1.0)
         assert error <= _TOLERANCE[qtype] if w.ndim == 2 else error == 0, (name, error)
     expected_dtype = {"F16": "float16", "BF16": "bfloat16"}.get(qtype.name, "float32")
-    assert loaded_config == _tiny(
+    assert loaded_config == tiny_model_config(
         "llama", tie_word_embeddings=True, eos_token_ids=(2, 7), torch_dtype=expected_dtype
     )
     assert meta["chat_template"] == "{{ messages[0]['content'] }}"
@@ -401,19 +385,19 @@ def test_written_gguf_dequantizes_within_tolerance(
 
 
 def test_written_qwen2_gguf_is_not_permuted(tmp_path: Path) -> None:
-    config = _tiny("qwen2")
+    config = tiny_model_config("qwen2")
     weights = _write_gguf(tmp_path / "q.gguf", config)
     loaded_config, tensors, _ = load_gguf(str(tmp_path / "q.gguf"))
     loaded = dict(tensors)
     assert set(loaded) == set(weights) and "lm_head.weight" in loaded
     for name, w in weights.items():
         assert np.array_equal(loaded[name].numpy(), w), name
-    assert loaded_config == _tiny("qwen2", eos_token_ids=(2, 7))
+    assert loaded_config == tiny_model_config("qwen2", eos_token_ids=(2, 7))
 
 
 def test_llama3_rope_freqs_become_rope_scaling(tmp_path: Path) -> None:
     scaling = {**_LLAMA3_ROPE, "original_max_position_embeddings": 8192}
-    config = _tiny("llama", rope_theta=500000.0, rope_scaling=scaling)
+    config = tiny_model_config("llama", rope_theta=500000.0, rope_scaling=scaling)
     divisors = llama3_rope_divisors(scaling, config.rope_theta, config.head_dim)
     extra = {"rope_freqs.weight": divisors.float().numpy()}
     _write_gguf(tmp_path / "l3.gguf", config, extra=extra)
@@ -425,7 +409,7 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def small_gguf(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     path = tmp_path_factory.mktemp("gguf") / "small.gguf"
-    _write_gguf(path, _tiny("llama", num_hidden_layers=1))
+    _write_gguf(path, tiny_model_config("llama", num_hidden_layers=1))
     return path.read_bytes()
 
 
@@ -448,14 +432,14 @@ def test_broken_gguf_is_named(tmp_path: Path, small_gguf: bytes, make: Any, mess
 
 
 def test_gguf_unknown_architecture(tmp_path: Path) -> None:
-    _write_gguf(tmp_path / "g.gguf", _tiny(), arch="gpt2")
+    _write_gguf(tmp_path / "g.gguf", tiny_model_config(), arch="gpt2")
     with pytest.raises(ModelLoadError, match=r"unsupported GGUF architecture 'gpt2'.*llama, qwen2"):
         load_gguf(str(tmp_path / "g.gguf"))
 
 
 def test_gguf_unsupported_tensor_type(tmp_path: Path) -> None:
     extra = {"blk.0.attn_norm.scale": np.zeros(32, np.int8)}
-    _write_gguf(tmp_path / "i8.gguf", _tiny(), extra=extra)
+    _write_gguf(tmp_path / "i8.gguf", tiny_model_config(), extra=extra)
     with pytest.raises(ModelLoadError, match=r"type I8, which gguf\.quants cannot dequantize"):
         GGUFModel(str(tmp_path / "i8.gguf"))
 

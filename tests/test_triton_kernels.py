@@ -715,20 +715,10 @@ def test_small_batch_linear_llama8b_bf16(monkeypatch: pytest.MonkeyPatch, rows: 
 def test_llama_forward_triton_ops_match_reference(num_tokens: int) -> None:
     """The model's wiring of the fused ops (residual stream across layers, biases, the first
     layer's norm without a residual) against the reference ops, both over the torch attention."""
-    from kiln.build.model_config import ModelConfig
     from kiln.models.llama import LlamaForCausalLM
+    from tests.conftest import tiny_model_config
 
-    cfg = ModelConfig(
-        architecture="qwen2",
-        vocab_size=50,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        attention_bias=True,
-    )
+    cfg = tiny_model_config("qwen2")  # q/k/v biases
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg, max_positions=64).to(DEVICE)
     model.init_dummy_weights(seed=3)

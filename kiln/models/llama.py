@@ -38,9 +38,8 @@ class LlamaAttention(nn.Module):
         self,
         ops: ModuleType,
         backend: AttentionBackend,
-        positions: torch.Tensor,
         qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]: qkv_proj's output
-        cos_sin_cache: torch.Tensor,
+        rotary: Rotary,  # applied where the keys are cached
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
@@ -48,7 +47,6 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        rotary = Rotary(positions, cos_sin_cache)  # applied where the keys are cached
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, rotary)
         return ops.linear(out.reshape(-1, self.q_size), self.o_proj.weight)
 
@@ -100,6 +98,7 @@ class LlamaForCausalLM(nn.Module):
         eps = self.config.rms_norm_eps
         hidden = self.embed_tokens(input_ids)
         residual = None  # the residual stream; `hidden` is the last block's output until added
+        rotary = Rotary(positions, self.cos_sin_cache)
         for layer, kv_cache in zip(self.layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
             # qkv and gate_up take the residual add and RMSNorm before them in one op: one kernel
@@ -112,7 +111,7 @@ class LlamaForCausalLM(nn.Module):
                 attn.qkv_proj.weight,
                 attn.qkv_proj.bias,
             )
-            hidden = attn(ops, backend, positions, qkv, self.cos_sin_cache, kv_cache, metadata)
+            hidden = attn(ops, backend, qkv, rotary, kv_cache, metadata)
             gate_up, residual = ops.add_rms_norm_linear(
                 hidden, residual, layer.post_attention_layernorm, eps, mlp.gate_up_proj.weight
             )
