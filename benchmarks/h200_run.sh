@@ -126,6 +126,10 @@ for s in "$@"; do
         stage sbl-sweep 300 python3 benchmarks/small_batch_linear_sweep.py \
             --out "$OUT/small_batch_linear_sweep.json"
         ;;
+    sbl-gate-up)  # the gated gate_up kernel (norm before, SiLU-mul after) at 1/4/8 rows + tiles
+        stage sbl-gate-up 150 python3 benchmarks/small_batch_linear_sweep.py --shapes gate_up \
+            --rows 1 4 8 --out "$OUT/small_batch_linear_gate_up.json"
+        ;;
     fp8-sweep)  # attention kernels over a float8 cache vs bf16; float8 decode tile sweep
         stage fp8-sweep 300 python3 benchmarks/kv_fp8_kernel_sweep.py \
             --out "$OUT/kv_fp8_kernel_sweep.json"

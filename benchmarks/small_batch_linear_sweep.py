@@ -3,11 +3,11 @@ decode shapes of Llama-3.1-8B (GPU), plus a tile sweep of the fused kernel.
 
     PYTHONPATH=. python3 benchmarks/small_batch_linear_sweep.py --out sweep.json
 
-Per projection, "plain" is the kernel with nothing fused before it (what the prologue costs),
-"unfused" is what a decode layer ran before: the Triton RMSNorm (with residual
-add) or SiLU-mul, then cuBLAS (F.linear, with its split-K reduce where it picks one). Each variant
-is timed as back-to-back calls inside one CUDA graph (launch gaps included, as in a decode graph),
-cycling over enough copies of the weight that every call reads it from HBM, not from L2.
+Per projection, "plain" is the kernel with nothing fused into it (what the fused ops cost),
+"unfused" is what a decode layer ran before: the Triton RMSNorm (with residual add), then cuBLAS
+(F.linear, with its split-K reduce where it picks one), then for gate_up the SiLU-mul kernel.
+Each variant is timed as back-to-back calls inside one CUDA graph (launch gaps included, as in a
+decode graph), cycling over enough copies of the weight that every call reads it from HBM.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from kiln.kernels.triton.rms_norm import fused_add_rms_norm
 from kiln.kernels.triton.silu_mul import silu_and_mul
 
 HIDDEN, INTERMEDIATE = 4096, 14336
-SHAPES = {  # name: (N, K, the op fused before it)
+SHAPES = {  # name: (N, K, the ops fused in)
     "qkv": (6144, HIDDEN, "add_norm"),
     "o_proj": (HIDDEN, HIDDEN, "none"),
-    "gate_up": (2 * INTERMEDIATE, HIDDEN, "add_norm"),
-    "down": (HIDDEN, INTERMEDIATE, "silu_mul"),
+    "gate_up": (2 * INTERMEDIATE, HIDDEN, "add_norm_silu_mul"),
+    "down": (HIDDEN, INTERMEDIATE, "none"),
 }
 COPY_BANDWIDTH = 4.25e12  # bytes/s, the H200's measured device-to-device copy (FACTS.md)
 L2_BYTES = 50 * 2**20
@@ -40,26 +40,25 @@ L2_BYTES = 50 * 2**20
 
 @dataclasses.dataclass
 class Inputs:
-    prologue: str  # the op fused before the matmul: "add_norm", "silu_mul" or "none"
+    fused_ops: str  # "add_norm" (before the matmul), "add_norm_silu_mul" (and after) or "none"
     x: torch.Tensor
     residual: torch.Tensor
     norm_weight: torch.Tensor
-    gate_up: torch.Tensor
 
 
 def unfused_call(a: Inputs, w: torch.Tensor) -> torch.Tensor:
-    if a.prologue == "add_norm":
-        return F.linear(fused_add_rms_norm(a.x, a.residual, a.norm_weight, 1e-5)[0], w)
-    if a.prologue == "silu_mul":
-        return F.linear(silu_and_mul(a.gate_up), w)
-    return F.linear(a.x, w)
+    if a.fused_ops == "none":
+        return F.linear(a.x, w)
+    out = F.linear(fused_add_rms_norm(a.x, a.residual, a.norm_weight, 1e-5)[0], w)
+    return silu_and_mul(out) if a.fused_ops == "add_norm_silu_mul" else out
 
 
 def fused_call(a: Inputs, w: torch.Tensor) -> torch.Tensor:
-    if a.prologue == "add_norm":
-        return small_batch_linear.add_rms_norm_linear(a.x, a.residual, a.norm_weight, 1e-5, w)[0]
-    if a.prologue == "silu_mul":
-        return small_batch_linear.silu_mul_linear(a.gate_up, w)
+    norm_args = (a.x, a.residual, a.norm_weight, 1e-5, w)
+    if a.fused_ops == "add_norm":
+        return small_batch_linear.add_rms_norm_linear(*norm_args)[0]
+    if a.fused_ops == "add_norm_silu_mul":
+        return small_batch_linear.add_rms_norm_linear_silu_mul(*norm_args)[0]
     return small_batch_linear.linear(a.x, w)
 
 
@@ -71,12 +70,14 @@ def time_all_copies_ms(fn: Callable, weights: list[torch.Tensor], *unused: objec
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     p.add_argument("--out", default="small_batch_linear_sweep.json")
     args = p.parse_args()
     torch.manual_seed(0)
     bf16, dev = torch.bfloat16, "cuda"
     results = []
-    for name, (n, k, prologue) in SHAPES.items():
+    for name in args.shapes:
+        n, k, fused_ops = SHAPES[name]
         weight_bytes = n * k * 2
         copies = max(2, -(-3 * L2_BYTES // weight_bytes))  # cycle past the L2 every call
         weights = [0.02 * torch.randn(n, k, device=dev, dtype=bf16) for _ in range(copies)]
@@ -84,9 +85,7 @@ def main() -> None:
         for rows in args.rows:
             x = torch.randn(rows, k, device=dev, dtype=bf16)
             residual = torch.randn(rows, k, device=dev, dtype=bf16)
-            gate_up = 3 * torch.randn(rows, 2 * k, device=dev, dtype=bf16)
-
-            inputs = Inputs(prologue, x, residual, norm_weight, gate_up)
+            inputs = Inputs(fused_ops, x, residual, norm_weight)
             unfused = functools.partial(unfused_call, inputs)
             fused = functools.partial(fused_call, inputs)
             reference = unfused(weights[0])
@@ -94,7 +93,7 @@ def main() -> None:
                 "shape": name,
                 "n": n,
                 "k": k,
-                "fused_op": prologue,
+                "fused_ops": fused_ops,
                 "rows": rows,
                 "weight_copies": copies,
                 "bytes_floor_us": weight_bytes / COPY_BANDWIDTH * 1e6,
@@ -102,7 +101,7 @@ def main() -> None:
                 "fused_us": time_all_copies_ms(fused, weights) * 1000,
                 # The same weight stream with nothing fused before it: the prologue's cost.
                 "plain_us": time_all_copies_ms(
-                    functools.partial(fused_call, dataclasses.replace(inputs, prologue="none")),
+                    functools.partial(fused_call, dataclasses.replace(inputs, fused_ops="none")),
                     weights,
                 )
                 * 1000,

@@ -235,6 +235,19 @@ def test_decode_attention_many_splits() -> None:
     _check_decode([5, 70], 4, 1, 16, 4, torch.float32, num_splits=5, seed=3)
 
 
+def test_decode_attention_merge_in_chunks_leaves_counters_zero() -> None:
+    """64 partitions of a 128-wide head are merged 16 at a time (more chunks than one), by the
+    last of each group's programs to finish; every split-K ticket counter is back at zero after
+    the launch (CUDA graphs replay the same counters), so a second launch gives the same output."""
+    from kiln.kernels.triton import decode_attention
+
+    args = ([1100, 37], 8, 2, 128, 16, torch.float32)
+    _check_decode(*args, num_splits=64, seed=4)
+    _check_decode(*args, num_splits=64, seed=4)
+    buffers = [b for per_device in decode_attention._COUNTERS.values() for b in per_device]
+    assert buffers and all(b.abs().sum().item() == 0 for b in buffers)
+
+
 def test_choose_num_splits() -> None:
     # A full batch keeps the GPU busy on its own: no split.
     assert choose_num_splits(128, 8, 4096, 132) == 1
@@ -656,17 +669,26 @@ def test_add_rms_norm_linear(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5])
-def test_silu_mul_linear(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 5, 12])  # norm fused in; norm kernel + gated; cuBLAS
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm_linear_silu_mul(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, with_residual: bool
+) -> None:
     gen = torch.Generator().manual_seed(100 + rows)
-    k, n = 72, 40
-    # gate|up as rows of a wider buffer (row stride != 2k), gates large enough to saturate.
-    wide = (4 * torch.randn(rows, 2 * k + 8, generator=gen)).to(DEVICE, dtype)
-    gate_up = wide[:, : 2 * k]
-    weight = (0.1 * torch.randn(n, k, generator=gen)).to(DEVICE, dtype)
-    out_ref = reference.silu_mul_linear(gate_up, weight)
-    _no_cublas(monkeypatch, rows, fused_op=False)  # the SiLU kernel, then the plain linear
-    _assert_close_to_scale(triton_ops.silu_mul_linear(gate_up, weight), out_ref, LINEAR_REL[dtype])
+    k, n = 72, 40  # 40 output columns: the last 16-wide tile of each half is partly masked
+    x = (3 * torch.randn(rows, k, generator=gen)).to(DEVICE, dtype)
+    residual = torch.randn(rows, k, generator=gen).to(DEVICE, dtype) if with_residual else None
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(DEVICE, dtype)
+    # Gates large enough to reach SiLU's saturated tails.
+    weight = (0.5 * torch.randn(2 * n, k, generator=gen)).to(DEVICE, dtype)
+    out_ref, summed_ref = reference.add_rms_norm_linear_silu_mul(
+        x, residual, norm_weight, 1e-5, weight
+    )
+    assert out_ref.shape == (rows, n)
+    _no_cublas(monkeypatch, rows, fused_op=False)
+    out, summed = triton_ops.add_rms_norm_linear_silu_mul(x, residual, norm_weight, 1e-5, weight)
+    assert torch.equal(summed, summed_ref), "the residual stream must round as the reference"
+    _assert_close_to_scale(out, out_ref, LINEAR_REL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -693,14 +715,15 @@ def test_small_batch_linear_llama8b_bf16(monkeypatch: pytest.MonkeyPatch, rows: 
         return (std * torch.randn(*shape, generator=gen)).to(DEVICE, torch.bfloat16)
 
     x, residual, norm_weight = randn(rows, 4096), randn(rows, 4096), 1 + randn(4096, std=0.1)
-    gate_up = randn(rows, 2 * 14336, std=3.0)
+    act = randn(rows, 14336)
     qkv_w, o_w = randn(6144, 4096, std=0.02), randn(4096, 4096, std=0.02)
     gate_up_w, down_w = randn(28672, 4096, std=0.02), randn(4096, 14336, std=0.02)
 
     def run(ops: object) -> list[torch.Tensor]:
         qkv, summed = ops.add_rms_norm_linear(x, residual, norm_weight, 1e-5, qkv_w)
         first, _ = ops.add_rms_norm_linear(x, None, norm_weight, 1e-5, gate_up_w)
-        return [summed, qkv, first, ops.linear(x, o_w), ops.silu_mul_linear(gate_up, down_w)]
+        activation, _ = ops.add_rms_norm_linear_silu_mul(x, residual, norm_weight, 1e-5, gate_up_w)
+        return [summed, qkv, first, ops.linear(x, o_w), activation, ops.linear(act, down_w)]
 
     expected = run(reference)
     if rows == 1:  # (more rows: the norms fall back to cuBLAS, the plain linears do not)

@@ -240,12 +240,17 @@ def add_rms_norm_linear(
     return F.linear(normed, weight, bias), summed
 
 
-def silu_mul_linear(
-    x: torch.Tensor,  # [num_tokens, 2K]: gate in the first half, up in the second
-    weight: torch.Tensor,  # [N, K]
-) -> torch.Tensor:  # [num_tokens, N]
-    """linear(silu(gate) * up): the Llama MLP's activation and down projection."""
-    return F.linear(silu_and_mul(x), weight)
+def add_rms_norm_linear_silu_mul(
+    x: torch.Tensor,  # [num_tokens, K]
+    residual: torch.Tensor | None,  # [num_tokens, K], or None: no residual to add
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [2N, K]: the gate projection's rows, then the up projection's
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, N], [num_tokens, K])
+    """(silu_and_mul(add_rms_norm_linear(...)), x + residual): the Llama MLP up to its down
+    projection (one kernel for a handful of rows on the GPU)."""
+    gate_up, summed = add_rms_norm_linear(x, residual, norm_weight, eps, weight)
+    return silu_and_mul(gate_up), summed
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:  # [rows] int64

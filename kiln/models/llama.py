@@ -58,8 +58,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    # No forward: the decoder loop calls ops.add_rms_norm_linear (residual add + norm + gate_up,
-    # one kernel at batch-1 decode on the GPU) and ops.silu_mul_linear (activation + down).
+    # No forward: the decoder loop calls ops.add_rms_norm_linear_silu_mul (residual add + norm +
+    # gate_up + activation, one kernel at batch-1 decode on the GPU) and ops.linear (down).
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -112,11 +112,11 @@ class LlamaForCausalLM(nn.Module):
                 attn.qkv_proj.bias,
             )
             hidden = attn(ops, backend, qkv, rotary, kv_cache, metadata)
-            gate_up, residual = ops.add_rms_norm_linear(
+            # gate_up is [gate; up]: down_proj(silu(gate) * up).
+            activation, residual = ops.add_rms_norm_linear_silu_mul(
                 hidden, residual, layer.post_attention_layernorm, eps, mlp.gate_up_proj.weight
             )
-            # gate_up is [gate | up]: down_proj(silu(gate) * up).
-            hidden = ops.silu_mul_linear(gate_up, mlp.down_proj.weight)
+            hidden = ops.linear(activation, mlp.down_proj.weight)
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, eps)
         return hidden
 

@@ -12,10 +12,15 @@ from kiln.kernels.triton.prefill_attention import paged_prefill_attention
 from kiln.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from kiln.kernels.triton.rotary import rotary_embedding_write_kv
 from kiln.kernels.triton.silu_mul import silu_and_mul
-from kiln.kernels.triton.small_batch_linear import add_rms_norm_linear, linear, silu_mul_linear
+from kiln.kernels.triton.small_batch_linear import (
+    add_rms_norm_linear,
+    add_rms_norm_linear_silu_mul,
+    linear,
+)
 
 __all__ = [
     "add_rms_norm_linear",
+    "add_rms_norm_linear_silu_mul",
     "argmax",
     "fused_add_rms_norm",
     "linear",
@@ -24,6 +29,5 @@ __all__ = [
     "rms_norm",
     "rotary_embedding_write_kv",
     "silu_and_mul",
-    "silu_mul_linear",
     "write_kv_cache",
 ]

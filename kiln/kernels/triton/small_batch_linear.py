@@ -1,5 +1,6 @@
-"""Linear layers for a handful of rows, the norm before qkv and gate_up fused in (twins of
-reference.linear, reference.add_rms_norm_linear and reference.silu_mul_linear).
+"""Linear layers for a handful of rows, the norm before qkv and gate_up fused in, SiLU-mul after
+gate_up (twins of reference.linear, reference.add_rms_norm_linear and
+reference.add_rms_norm_linear_silu_mul).
 
 At batch-1 decode a linear layer is a matrix-vector product bound by reading its weight once, and
 the small kernels between them cost more than their bytes: on an H200 (Llama-3.1-8B, 1k context,
@@ -12,6 +13,8 @@ qkv_proj and gate_up_proj run inside the matmul's loop, on [BLOCK_K] vectors: h 
 (the residual stream, written out in slices, one per program), times the norm weight; RMSNorm's
 scale is one scalar per row, so the dot product is scaled by rsqrt(mean(h^2) + eps) at the end and
 the weight's stream never waits for it. Each program reads the whole (tiny) input from L2.
+For gate_up a program streams the gate rows of its output columns and the matching up rows, and
+writes silu(gate) * up: the MLP's activation costs no kernel of its own.
 
 More rows, and operands this kernel does not take, go through the unfused kernels and cuBLAS.
 Rounding differs from the unfused path only inside the norm (h * weight is rounded to the model
@@ -58,7 +61,7 @@ def _small_batch_linear_kernel(
     norm_weight_ptr,  # [K], read when NORM or ADD_NORM
     w_ptr,  # [N, K], contiguous
     bias_ptr,  # [N], read when HAS_BIAS
-    out_ptr,  # [M, N]
+    out_ptr,  # [M, N]: x @ w.T, or with GATED silu(x @ w[:N].T) * (x @ w[N:].T)
     sum_ptr,  # [M, K]: x + residual, written when ADD_NORM
     M,
     N,
@@ -68,6 +71,7 @@ def _small_batch_linear_kernel(
     eps,
     PROLOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,  # w is [2N, K] = [gate; up]: each program streams both halves' rows
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -80,7 +84,9 @@ def _small_batch_linear_kernel(
     row_mask = rows < M
     col_mask = cols < N
     w_rows = w_ptr + cols[:, None].to(tl.int64) * K
+    up_rows = w_rows + N.to(tl.int64) * K  # GATED: the up projection's rows for these columns
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # GATED only
     if PROLOGUE == 0:
         x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
         for k in range(0, K, BLOCK_K):
@@ -88,10 +94,12 @@ def _small_batch_linear_kernel(
             a = tl.load(
                 x_rows + k + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
             )
-            w = tl.load(
-                w_rows + k + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0
-            )
+            w_mask = col_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_rows + k + ks[None, :], mask=w_mask, other=0.0)
             acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            if GATED:
+                w_up = tl.load(up_rows + k + ks[None, :], mask=w_mask, other=0.0)
+                acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
     else:
         # One row (M == 1). The residual add and the norm run on [BLOCK_K] vectors (padding
         # them to the dot's 16 rows would compute, and hold in registers, 16 times as much: that
@@ -114,13 +122,17 @@ def _small_batch_linear_kernel(
             sum_sq += h32 * h32
             v = (h32 * nw.to(tl.float32)).to(w_ptr.dtype.element_ty)
             a = tl.where(first_row, v[None, :], 0.0).to(w_ptr.dtype.element_ty)
-            w = tl.load(
-                w_rows + k + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0
-            )
+            w_mask = col_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_rows + k + ks[None, :], mask=w_mask, other=0.0)
             acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            if GATED:
+                w_up = tl.load(up_rows + k + ks[None, :], mask=w_mask, other=0.0)
+                acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
             xa, xb, nw = xa_next, xb_next, nw_next
         # RMSNorm's scale is one scalar per row: applied to the dot product instead.
-        acc = acc * tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
+        inv_rms = tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
+        acc = acc * inv_rms
+        acc_up = acc_up * inv_rms
         if PROLOGUE == 2:
             # The residual stream x + residual, written out in slices: each program its own.
             per = tl.cdiv(K, tl.num_programs(0))
@@ -132,6 +144,13 @@ def _small_batch_linear_kernel(
                 tl.store(sum_ptr + offs, (x + r).to(sum_ptr.dtype.element_ty), mask=mask)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        # silu(gate) * up rounded as reference.silu_and_mul over the unfused projection's
+        # output: gate and up to the model dtype, silu in fp32 to the dtype, the product again.
+        dtype = out_ptr.dtype.element_ty
+        gate = acc.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        acc = act * acc_up.to(dtype).to(tl.float32)
     out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
@@ -139,7 +158,8 @@ def _small_batch_linear_kernel(
 def _tile_config(
     n: int, k: int, device: torch.device, element_size: int = 2, fused_norm: bool = False
 ) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for n weight rows (a gated kernel's program
+    streams BLOCK_N // 2 rows of each half)."""
     if device.type != "cuda":
         return 16, 32, 4, 1  # the interpreter: small tiles, every masking path exercised
     # As many columns per program as still leave about one program per SM. H200 sweeps at
@@ -181,13 +201,17 @@ def _launch(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     summed: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     m = x2.shape[0]
-    n, k = weight.shape
+    rows, k = weight.shape
+    n = rows // 2 if gated else rows
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     block_n, block_k, num_warps, num_stages = _tile_config(
-        n, k, x2.device, x2.element_size(), fused_norm=prologue != _PLAIN
+        rows, k, x2.device, x2.element_size(), fused_norm=prologue != _PLAIN
     )
+    if gated and x2.device.type == "cuda":
+        block_n //= 2  # the same bytes per step: BLOCK_N / 2 rows of gate and of up
     _small_batch_linear_kernel[(triton.cdiv(n, block_n),)](
         x2,
         residual if residual is not None else x2,
@@ -204,6 +228,7 @@ def _launch(
         eps,
         PROLOGUE=prologue,
         HAS_BIAS=bias is not None,
+        GATED=gated,
         BLOCK_M=16,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -231,6 +256,47 @@ def linear(
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def _fused_norm_fits(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor
+) -> bool:
+    return (
+        _fits(x, weight, x.shape[-1], one_row=True)
+        and norm_weight.dtype == x.dtype
+        and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))
+    )
+
+
+def _add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) as kernels of their own: the unfused path."""
+    if residual is None:
+        return rms_norm(x, norm_weight, eps), x
+    return fused_add_rms_norm(x, residual, norm_weight, eps)
+
+
+def _launch_norm_fused(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gated: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x2 = _rows_2d(x)
+    if residual is None:
+        out = _launch(_NORM, x2, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated)
+        return out, x
+    # A new tensor, never x or residual: every program reads all of those while the others
+    # write their slices of the sum.
+    summed = torch.empty_like(x2)
+    out = _launch(
+        _ADD_NORM, x2, weight, bias, _rows_2d(residual), norm_weight, eps, summed, gated=gated
+    )
+    return out, summed.view(x.shape)
+
+
 def add_rms_norm_linear(
     x: torch.Tensor,  # [num_tokens, K]
     residual: torch.Tensor | None,  # [num_tokens, K], or None: no residual to add
@@ -241,36 +307,30 @@ def add_rms_norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(x + residual)), x + residual); with no residual,
     (linear(rms_norm(x)), x)."""
-    hidden = x.shape[-1]
-    fused = (
-        _fits(x, weight, hidden, one_row=True)
-        and norm_weight.dtype == x.dtype
-        and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))
-    )
-    if not fused:
-        if residual is None:
-            normed, summed = rms_norm(x, norm_weight, eps), x
-        else:
-            normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
+    if not _fused_norm_fits(x, residual, norm_weight, weight):
+        normed, summed = _add_rms_norm(x, residual, norm_weight, eps)
         return F.linear(normed, weight, bias), summed
-    x2 = _rows_2d(x)
-    if residual is None:
-        out = _launch(_NORM, x2, weight, bias, norm_weight=norm_weight, eps=eps)
-        summed = x
-    else:
-        # A new tensor, never x or residual: every program reads all of those while the others
-        # write their slices of the sum.
-        summed2 = torch.empty_like(x2)
-        out = _launch(_ADD_NORM, x2, weight, bias, _rows_2d(residual), norm_weight, eps, summed2)
-        summed = summed2.view(x.shape)
+    out, summed = _launch_norm_fused(x, residual, norm_weight, eps, weight, bias, gated=False)
     return out.view(*x.shape[:-1], weight.shape[0]), summed
 
 
-def silu_mul_linear(
-    x: torch.Tensor,  # [num_tokens, 2K]: gate in the first half, up in the second
-    weight: torch.Tensor,  # [N, K]
-) -> torch.Tensor:  # [num_tokens, N]
-    """linear(silu(gate) * up): the Llama MLP's activation and down projection. Two kernels: SiLU
-    fused into the matmul's loop measured slower (H200, batch 1: 38.5 us against 32.3 for the
-    SiLU kernel and the plain one, benchmarks/results/fused_linear/run2)."""
-    return linear(silu_and_mul(x), weight)
+def add_rms_norm_linear_silu_mul(
+    x: torch.Tensor,  # [num_tokens, K]
+    residual: torch.Tensor | None,  # [num_tokens, K], or None: no residual to add
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [2N, K]: the gate projection's rows, then the up projection's
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, N], [num_tokens, K])
+    """(silu_and_mul(add_rms_norm_linear(...)), x + residual): the Llama MLP up to its down
+    projection. One kernel for one row: each program streams the gate rows of its output columns
+    and the matching up rows, so SiLU-mul runs on its accumulators (at batch 1 its own kernel
+    was 1.5 us plus a launch gap per layer); the plain gated kernel up to MAX_ROWS after the norm
+    kernel; above that cuBLAS and the SiLU kernel."""
+    if _fused_norm_fits(x, residual, norm_weight, weight):
+        out, summed = _launch_norm_fused(x, residual, norm_weight, eps, weight, None, gated=True)
+        return out.view(*x.shape[:-1], weight.shape[0] // 2), summed
+    normed, summed = _add_rms_norm(x, residual, norm_weight, eps)
+    if not _fits(normed, weight, normed.shape[-1]):
+        return silu_and_mul(F.linear(normed, weight)), summed
+    out = _launch(_PLAIN, _rows_2d(normed), weight, None, gated=True)
+    return out.view(*x.shape[:-1], weight.shape[0] // 2), summed
