@@ -32,18 +32,10 @@ class AttentionMetadata:
         return self.seq_lens.shape[0]
 
 
-@dataclass(frozen=True)
-class Rotary:
-    """The rotary embedding a backend applies to queries and keys before attending (fused with
-    the KV-cache write on the GPU)."""
-
-    positions: torch.Tensor  # [num_tokens] int64
-    cos_sin_cache: torch.Tensor  # [max_positions, head_dim] fp32: cos in the first half, sin after
-
-
 class AttentionBackend(ABC):
-    """Rotates queries and keys (when given a Rotary), writes this step's keys/values into the
-    paged cache, then attends over it.
+    """Attends over the paged KV cache, which already holds this step's keys and values: the
+    model writes them (rotated) in the op that projects them, `ops.add_rms_norm_qkv_rotary_write_kv`
+    (one kernel with the projection at batch-1 decode on the GPU).
 
     KV cache layout, per layer: k_cache and v_cache are each
     [num_blocks, block_size, num_kv_heads, head_dim].
@@ -67,14 +59,11 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(
         self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
-        rotary: Rotary | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 

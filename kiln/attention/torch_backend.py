@@ -6,35 +6,24 @@ from types import ModuleType
 
 import torch
 
-from kiln.attention.backend import AttentionBackend, AttentionMetadata, Rotary
+from kiln.attention.backend import AttentionBackend, AttentionMetadata
 from kiln.kernels import reference
 
 
 class PagedAttentionBackend(AttentionBackend):
-    """Writes K/V with `ops.write_kv_cache` (`ops.rotary_embedding_write_kv` when given a Rotary),
-    then attends with `ops`' decode and prefill kernels. Backends differ only in their `ops`
-    module (the kernel twins share one signature)."""
+    """Attends with `ops`' decode and prefill kernels. Backends differ only in their `ops` module
+    (the kernel twins share one signature)."""
 
     ops: ModuleType
 
     def forward(
         self,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
-        rotary: Rotary | None = None,
     ) -> torch.Tensor:
-        if rotary is None:
-            self.ops.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
-        else:
-            query = self.ops.rotary_embedding_write_kv(
-                rotary.positions, query, key, value, rotary.cos_sin_cache,
-                k_cache, v_cache, metadata.slot_mapping,
-            )  # fmt: skip
         return run_split_attention(self.ops, query, k_cache, v_cache, metadata, scale)
 
 

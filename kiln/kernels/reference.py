@@ -240,6 +240,46 @@ def add_rms_norm_linear(
     return F.linear(normed, weight, bias), summed
 
 
+def split_qkv_heads(
+    qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]: a fused qkv projection's output
+    head_dim: int,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views [num_tokens, heads, head_dim] of the query, key and value columns."""
+    kv_size = num_kv_heads * head_dim
+    q, k, v = qkv.split([qkv.shape[-1] - 2 * kv_size, kv_size, kv_size], dim=-1)
+    return (
+        q.view(-1, q.shape[-1] // head_dim, head_dim),
+        k.view(-1, num_kv_heads, head_dim),
+        v.view(-1, num_kv_heads, head_dim),
+    )
+
+
+def add_rms_norm_qkv_rotary_write_kv(
+    x: torch.Tensor,  # [num_tokens, K]
+    residual: torch.Tensor | None,  # [num_tokens, K], or None: no residual to add
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [q_size + 2 * kv_size, K]: q, k, v projections stacked
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim] fp32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, num_heads, head_dim], x + residual)
+    """The attention block up to attending: the norm and qkv projection (add_rms_norm_linear),
+    then rotary embedding on queries and keys and this step's keys/values into the paged cache
+    (rotary_embedding_write_kv). Returns (rotated query, x + residual); one kernel at batch-1
+    decode on the GPU."""
+    qkv, summed = add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+    query, key, value = split_qkv_heads(qkv, cos_sin_cache.shape[1], k_cache.shape[2])
+    rotated = rotary_embedding_write_kv(
+        positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping
+    )
+    return rotated, summed
+
+
 def add_rms_norm_linear_silu_mul(
     x: torch.Tensor,  # [num_tokens, K]
     residual: torch.Tensor | None,  # [num_tokens, K], or None: no residual to add

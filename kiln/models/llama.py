@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.attention.backend import AttentionBackend, AttentionMetadata, Rotary
+from kiln.attention.backend import AttentionBackend, AttentionMetadata
 from kiln.build.model_config import ModelConfig
 from kiln.errors import ModelLoadError
 from kiln.layers.rotary import build_cos_sin_cache
@@ -34,21 +34,9 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
 
-    def forward(
-        self,
-        ops: ModuleType,
-        backend: AttentionBackend,
-        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]: qkv_proj's output
-        rotary: Rotary,  # applied where the keys are cached
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, rotary)
-        return ops.linear(out.reshape(-1, self.q_size), self.o_proj.weight)
+    # No forward: the decoder loop calls ops.add_rms_norm_qkv_rotary_write_kv (residual add +
+    # norm + qkv + rotary + the KV-cache write, one kernel at batch-1 decode on the GPU), the
+    # attention backend, and ops.linear (o_proj).
 
 
 class LlamaMLP(nn.Module):
@@ -98,20 +86,18 @@ class LlamaForCausalLM(nn.Module):
         eps = self.config.rms_norm_eps
         hidden = self.embed_tokens(input_ids)
         residual = None  # the residual stream; `hidden` is the last block's output until added
-        rotary = Rotary(positions, self.cos_sin_cache)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
-            # qkv and gate_up take the residual add and RMSNorm before them in one op: one kernel
-            # at batch-1 decode on the GPU, where a step is mostly small launch-bound kernels.
-            qkv, residual = ops.add_rms_norm_linear(
-                hidden,
-                residual,
-                layer.input_layernorm,
-                eps,
-                attn.qkv_proj.weight,
-                attn.qkv_proj.bias,
-            )
-            hidden = attn(ops, backend, qkv, rotary, kv_cache, metadata)
+            # Each projection takes the ops around it (residual add + RMSNorm before; rotary and
+            # the KV-cache write, or SiLU-mul, after): one kernel each at batch-1 decode on the
+            # GPU, where a step is otherwise mostly small launch-bound kernels.
+            query, residual = ops.add_rms_norm_qkv_rotary_write_kv(
+                hidden, residual, layer.input_layernorm, eps,
+                attn.qkv_proj.weight, attn.qkv_proj.bias,
+                positions, self.cos_sin_cache, k_cache, v_cache, metadata.slot_mapping,
+            )  # fmt: skip
+            out = backend.forward(query, k_cache, v_cache, metadata, attn.scale)
+            hidden = ops.linear(out.reshape(-1, attn.q_size), attn.o_proj.weight)
             # gate_up is [gate; up]: down_proj(silu(gate) * up).
             activation, residual = ops.add_rms_norm_linear_silu_mul(
                 hidden, residual, layer.post_attention_layernorm, eps, mlp.gate_up_proj.weight

@@ -9,6 +9,7 @@ from kiln.kernels.triton.argmax import argmax
 from kiln.kernels.triton.decode_attention import paged_decode_attention
 from kiln.kernels.triton.kv_cache import write_kv_cache
 from kiln.kernels.triton.prefill_attention import paged_prefill_attention
+from kiln.kernels.triton.qkv_rotary import add_rms_norm_qkv_rotary_write_kv
 from kiln.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from kiln.kernels.triton.rotary import rotary_embedding_write_kv
 from kiln.kernels.triton.silu_mul import silu_and_mul
@@ -21,6 +22,7 @@ from kiln.kernels.triton.small_batch_linear import (
 __all__ = [
     "add_rms_norm_linear",
     "add_rms_norm_linear_silu_mul",
+    "add_rms_norm_qkv_rotary_write_kv",
     "argmax",
     "fused_add_rms_norm",
     "linear",

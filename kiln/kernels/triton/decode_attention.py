@@ -7,9 +7,7 @@ each token's slot found through the block table, with an online softmax in fp32.
 
 Split-K (flash-decoding): when the batch alone would leave the GPU's multiprocessors underused,
 each sequence's context is cut into `num_splits` partitions handled by separate programs; each
-writes a partial output and its log-sum-exp, then takes a ticket from a per-(sequence, KV head)
-counter, and the last to arrive merges the partitions and resets the counter. At batch-1 decode
-a separate merge kernel cost 2.2 us plus a launch gap per layer (H200, Llama-3.1-8B).
+writes a partial output and its log-sum-exp, and a second small kernel merges them.
 """
 
 from __future__ import annotations
@@ -41,7 +39,6 @@ def _decode_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim] (written when not SPLIT)
     part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32 (written when SPLIT)
     part_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, log2 domain (written when SPLIT)
-    counters_ptr,  # [>= num_seqs * NUM_KV_HEADS] int32, zero between launches (used when SPLIT)
     qk_scale,  # softmax scale * log2(e): the softmax runs on exp2
     stride_q_seq,
     stride_q_head,
@@ -53,8 +50,6 @@ def _decode_kernel(
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum M)
-    GROUP_P2: tl.constexpr,  # GROUP padded to a power of two (the merge: no dot)
-    MERGE_CHUNK: tl.constexpr,  # partitions the merge reads at once (a power of two)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # KV cache block size
@@ -126,18 +121,6 @@ def _decode_kernel(
         part_index = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split
         tl.store(part_lse_ptr + part_index, lse, mask=row_mask)
         tl.store(part_out_ptr + part_index[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
-        # Every thread's stores are issued before the ticket is taken (barrier), and the atomic's
-        # release makes them visible to the program that merges (its acquire).
-        tl.debug_barrier()
-        counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
-        ticket = tl.atomic_add(counter, 1, sem="acq_rel")
-        if ticket == num_splits - 1:
-            tl.store(counter, 0)  # ready for the next launch (CUDA graphs replay this buffer)
-            _merge_partitions(
-                part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, seq_len, partition_size,
-                num_splits, stride_o_seq, stride_o_head, NUM_KV_HEADS * GROUP, GROUP, GROUP_P2,
-                HEAD_DIM, BLOCK_D, MERGE_CHUNK,
-            )  # fmt: skip
     else:
         tl.store(
             out_ptr
@@ -150,85 +133,45 @@ def _decode_kernel(
 
 
 @triton.jit
-def _merge_partitions(
+def _decode_reduce_kernel(
     part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32
     part_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, log2 domain
-    out_ptr,
-    seq,
-    kv_head,
-    seq_len,
-    partition_size,
-    num_splits,
+    seq_lens_ptr,
+    out_ptr,  # [num_seqs, num_heads, head_dim]
     stride_o_seq,
     stride_o_head,
+    partition_size,
+    num_splits,
     NUM_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    CHUNK: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
-    """One GQA group's output from its partitions: weights exp2(lse_i - max lse). Loaded a chunk
-    of partitions at a time (not one by one: each load would wait out an L2 round trip), through
-    L2 only (.cg): other SMs wrote them during this launch."""
+    """Merges one (sequence, head)'s partial outputs: weights exp2(lse_i - max lse)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
     num_valid = tl.minimum(tl.cdiv(seq_len, partition_size), num_splits)
-    rows = tl.arange(0, GROUP_P2)
-    heads = kv_head * GROUP + rows
-    row_mask = rows < GROUP
+    splits = tl.arange(0, SPLITS_PAD)
+    split_mask = splits < num_valid
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
-    base = (seq.to(tl.int64) * NUM_HEADS + heads) * num_splits  # [GROUP_P2]
-    lse_max = tl.full([GROUP_P2], float("-inf"), dtype=tl.float32)
-    for start in range(0, num_valid, CHUNK):
-        splits = start + tl.arange(0, CHUNK)
-        mask = row_mask[:, None] & (splits < num_valid)[None, :]
-        lse = tl.load(
-            part_lse_ptr + base[:, None] + splits[None, :], mask=mask, other=float("-inf"),
-            cache_modifier=".cg",
-        )  # fmt: skip
-        lse_max = tl.maximum(lse_max, tl.max(lse, 1))
-    lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)
-    total = tl.zeros([GROUP_P2], dtype=tl.float32)
-    acc = tl.zeros([GROUP_P2, BLOCK_D], dtype=tl.float32)
-    for start in range(0, num_valid, CHUNK):
-        splits = start + tl.arange(0, CHUNK)
-        mask = row_mask[:, None] & (splits < num_valid)[None, :]
-        index = base[:, None] + splits[None, :]  # [GROUP_P2, CHUNK]
-        lse = tl.load(part_lse_ptr + index, mask=mask, other=float("-inf"), cache_modifier=".cg")
-        weights = tl.where(mask, tl.exp2(lse - lse_max[:, None]), 0.0)
-        parts = tl.load(
-            part_out_ptr + index[:, :, None] * HEAD_DIM + dims[None, None, :],
-            mask=mask[:, :, None] & dim_mask[None, None, :], other=0.0, cache_modifier=".cg",
-        )  # fmt: skip
-        total += tl.sum(weights, 1)
-        acc += tl.sum(weights[:, :, None] * parts, 1)
-    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-    tl.store(
-        out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & dim_mask[None, :],
+    base = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits
+    lse = tl.load(part_lse_ptr + base + splits, mask=split_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    weights = tl.where(split_mask, tl.exp2(lse - lse_max), 0.0)
+    parts = tl.load(
+        part_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_mask[:, None] & dim_mask[None, :],
+        other=0.0,
     )
-
-
-# Per device, every counter buffer ever handed out, the newest (largest) last: a captured CUDA
-# graph keeps the address it was captured with, so an outgrown buffer must stay allocated.
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _split_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """The split-K tickets, one int32 per (sequence, KV head), zero between launches (each
-    launch's last program resets its own). Allocated outside CUDA-graph capture (the graph runner
-    warms every batch size up eagerly first); split-K runs only while sequences x KV heads stay
-    under 2 programs per SM, far below the first buffer's 64K entries."""
-    buffers = _COUNTERS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < needed:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"decode attention needs {needed} split-K counters during CUDA-graph capture; "
-                "run one eager step of that size first"
-            )
-        buffers.append(torch.zeros(max(needed, 1 << 16), dtype=torch.int32, device=device))
-    return buffers[-1]
+    total = tl.sum(weights, 0)
+    out = tl.sum(weights[:, None] * parts, 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dim_mask,
+    )
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
@@ -317,11 +260,9 @@ def paged_decode_attention_splits(
         part_lse = torch.empty(
             (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
         )
-        counters = _split_counters(query.device, num_seqs * num_kv_heads)
     else:
-        part_out = part_lse = counters = out  # unused by the kernel
+        part_out = part_lse = out  # unused by the kernel
     block_d = triton.next_power_of_2(head_dim)
-    group_p2 = triton.next_power_of_2(group)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -331,7 +272,6 @@ def paged_decode_attention_splits(
         out,
         part_out,
         part_lse,
-        counters,
         scale * _LOG2E,
         query.stride(0),
         query.stride(1),
@@ -342,10 +282,7 @@ def paged_decode_attention_splits(
         num_splits,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
-        GROUP_PAD=max(16, group_p2),
-        GROUP_P2=group_p2,
-        # Up to 8K fp32 partial values in registers at once (64 per thread at 4 warps).
-        MERGE_CHUNK=max(1, min(triton.next_power_of_2(num_splits), 8192 // (group_p2 * block_d))),
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
@@ -356,4 +293,20 @@ def paged_decode_attention_splits(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if split:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_out,
+            part_lse,
+            seq_lens,
+            out,
+            out.stride(0),
+            out.stride(1),
+            partition_size,
+            num_splits,
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
     return out

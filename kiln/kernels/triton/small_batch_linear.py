@@ -55,38 +55,33 @@ def _load_input_chunk(x_ptr, residual_ptr, norm_weight_ptr, offs, mask, PROLOGUE
 
 
 @triton.jit
-def _small_batch_linear_kernel(
+def _project(
     x_ptr,  # [M, K]
     residual_ptr,  # [M, K], read when ADD_NORM
     norm_weight_ptr,  # [K], read when NORM or ADD_NORM
-    w_ptr,  # [N, K], contiguous
-    bias_ptr,  # [N], read when HAS_BIAS
-    out_ptr,  # [M, N]: x @ w.T, or with GATED silu(x @ w[:N].T) * (x @ w[N:].T)
-    sum_ptr,  # [M, K]: x + residual, written when ADD_NORM
+    w_ptr,  # the weight (its dtype is the dot's)
+    w_rows,  # [BLOCK_N, 1] pointers: the weight rows of this program's columns
+    w_rows_hi,  # [BLOCK_N, 1] pointers: a second set of rows, read when PAIRED
+    col_mask,  # [BLOCK_N]
+    sum_ptr,  # [M, K]: x + residual (its dtype rounds the residual stream)
     M,
-    N,
     K,
     stride_xm,
-    stride_om,
     eps,
     PROLOGUE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    GATED: tl.constexpr,  # w is [2N, K] = [gate; up]: each program streams both halves' rows
+    PAIRED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    """[BLOCK_M, BLOCK_N] fp32 dot products of the rows' (normed) inputs with w_rows, and with
+    w_rows_hi when PAIRED (zeros otherwise); the weight is streamed once."""
     rows = tl.arange(0, BLOCK_M)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_mask = rows < M
-    col_mask = cols < N
-    w_rows = w_ptr + cols[:, None].to(tl.int64) * K
-    up_rows = w_rows + N.to(tl.int64) * K  # GATED: the up projection's rows for these columns
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # GATED only
+    acc_hi = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if PROLOGUE == 0:
         x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
         for k in range(0, K, BLOCK_K):
@@ -97,9 +92,9 @@ def _small_batch_linear_kernel(
             w_mask = col_mask[:, None] & k_mask[None, :]
             w = tl.load(w_rows + k + ks[None, :], mask=w_mask, other=0.0)
             acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-            if GATED:
-                w_up = tl.load(up_rows + k + ks[None, :], mask=w_mask, other=0.0)
-                acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
+            if PAIRED:
+                w_hi = tl.load(w_rows_hi + k + ks[None, :], mask=w_mask, other=0.0)
+                acc_hi = tl.dot(a, tl.trans(w_hi), acc_hi, input_precision=DOT_PRECISION)
     else:
         # One row (M == 1). The residual add and the norm run on [BLOCK_K] vectors (padding
         # them to the dot's 16 rows would compute, and hold in registers, 16 times as much: that
@@ -125,23 +120,65 @@ def _small_batch_linear_kernel(
             w_mask = col_mask[:, None] & k_mask[None, :]
             w = tl.load(w_rows + k + ks[None, :], mask=w_mask, other=0.0)
             acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-            if GATED:
-                w_up = tl.load(up_rows + k + ks[None, :], mask=w_mask, other=0.0)
-                acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
+            if PAIRED:
+                w_hi = tl.load(w_rows_hi + k + ks[None, :], mask=w_mask, other=0.0)
+                acc_hi = tl.dot(a, tl.trans(w_hi), acc_hi, input_precision=DOT_PRECISION)
             xa, xb, nw = xa_next, xb_next, nw_next
         # RMSNorm's scale is one scalar per row: applied to the dot product instead.
         inv_rms = tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
         acc = acc * inv_rms
-        acc_up = acc_up * inv_rms
-        if PROLOGUE == 2:
-            # The residual stream x + residual, written out in slices: each program its own.
-            per = tl.cdiv(K, tl.num_programs(0))
-            for k in range(pid * per, (pid + 1) * per, BLOCK_K):
-                offs = k + ks
-                mask = (offs < K) & (offs < (pid + 1) * per)
-                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                r = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                tl.store(sum_ptr + offs, (x + r).to(sum_ptr.dtype.element_ty), mask=mask)
+        acc_hi = acc_hi * inv_rms
+    return acc, acc_hi
+
+
+@triton.jit
+def _write_residual_sum(x_ptr, residual_ptr, sum_ptr, K, BLOCK_K: tl.constexpr):
+    """x + residual (one row) into sum_ptr, written out in slices: each program its own."""
+    pid = tl.program_id(0)
+    ks = tl.arange(0, BLOCK_K)
+    per = tl.cdiv(K, tl.num_programs(0))
+    for k in range(pid * per, (pid + 1) * per, BLOCK_K):
+        offs = k + ks
+        mask = (offs < K) & (offs < (pid + 1) * per)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(sum_ptr + offs, (x + r).to(sum_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _small_batch_linear_kernel(
+    x_ptr,  # [M, K]
+    residual_ptr,  # [M, K], read when ADD_NORM
+    norm_weight_ptr,  # [K], read when NORM or ADD_NORM
+    w_ptr,  # [N, K], contiguous
+    bias_ptr,  # [N], read when HAS_BIAS
+    out_ptr,  # [M, N]: x @ w.T, or with GATED silu(x @ w[:N].T) * (x @ w[N:].T)
+    sum_ptr,  # [M, K]: x + residual, written when ADD_NORM
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    eps,
+    PROLOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,  # w is [2N, K] = [gate; up]: each program streams both halves' rows
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * K
+    up_rows = w_rows + N.to(tl.int64) * K  # GATED: the up projection's rows for these columns
+    acc, acc_up = _project(
+        x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_rows, up_rows, col_mask, sum_ptr, M, K,
+        stride_xm, eps, PROLOGUE, GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+    )  # fmt: skip
+    if PROLOGUE == 2:
+        _write_residual_sum(x_ptr, residual_ptr, sum_ptr, K, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if GATED:
@@ -152,7 +189,7 @@ def _small_batch_linear_kernel(
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         acc = act * acc_up.to(dtype).to(tl.float32)
     out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & col_mask[None, :])
 
 
 def _tile_config(

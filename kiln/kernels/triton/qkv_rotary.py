@@ -1,0 +1,177 @@
+"""The attention block's input at batch-1 decode in one kernel: residual add + RMSNorm, the fused
+qkv projection, rotary embedding, and this step's key/value into the paged cache (twin of
+reference.add_rms_norm_qkv_rotary_write_kv).
+
+Unfused that is the normed qkv kernel, then the rotary/KV-write kernel: at batch 1 the second is a
+~2 us kernel over a few kilobytes plus a launch gap, per layer (H200, Llama-3.1-8B). Here each
+program owns BLOCK_N rotate-half pairs of output columns (column c of a head and c + head_dim / 2)
+and streams the weight rows of both, like the gated gate_up kernel (small_batch_linear), so the
+rotation happens on its accumulators. Query columns go out rotated; key columns are rotated and
+written to the token's cache slot; value columns are written as they are. Rounded as the unfused
+path: the projection to the model dtype, the rotation in fp32 back to it, then to the cache's
+dtype (float8 saturating at +-448).
+
+More rows (and operands the kernel does not take) run the unfused ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.reference import FP8_E4M3_MAX, split_qkv_heads
+from kiln.kernels.triton._device import dot_precision
+from kiln.kernels.triton.rotary import _to_output, rotary_embedding_write_kv
+from kiln.kernels.triton.small_batch_linear import (
+    _ADD_NORM,
+    _NORM,
+    _fused_norm_fits,
+    _project,
+    _rows_2d,
+    _tile_config,
+    _write_residual_sum,
+    add_rms_norm_linear,
+)
+
+
+@triton.jit
+def _qkv_rotary_write_kv_kernel(
+    x_ptr,  # [1, K]
+    residual_ptr,  # [1, K], read when ADD_NORM
+    norm_weight_ptr,  # [K]
+    w_ptr,  # [Q_SIZE + 2 * KV_SIZE, K], contiguous
+    bias_ptr,  # [Q_SIZE + 2 * KV_SIZE], read when HAS_BIAS
+    sum_ptr,  # [1, K]: x + residual, written when ADD_NORM
+    positions_ptr,  # [1] int64
+    cos_sin_ptr,  # [max_positions, 2 * HALF] fp32, contiguous
+    q_out_ptr,  # [Q_SIZE]: the rotated query
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    v_cache_ptr,
+    slot_mapping_ptr,  # [1] int64; negative: a padding token, not written
+    K,
+    eps,
+    Q_SIZE: tl.constexpr,
+    KV_SIZE: tl.constexpr,
+    HALF: tl.constexpr,  # head_dim // 2
+    PROLOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # column pairs per program
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # > 0 for a float8 cache
+):
+    pairs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pair_mask = pairs < (Q_SIZE + 2 * KV_SIZE) // 2
+    dims = pairs % HALF  # the rotary frequency of the pair
+    lo = (pairs // HALF) * (2 * HALF) + dims  # the pair's first column; its partner is lo + HALF
+    w_lo = w_ptr + lo[:, None].to(tl.int64) * K
+    acc_lo, acc_hi = _project(
+        x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_lo, w_lo + HALF * K, pair_mask, sum_ptr,
+        1, K, 0, eps, PROLOGUE, True, 16, BLOCK_N, BLOCK_K, DOT_PRECISION,
+    )  # fmt: skip
+    if PROLOGUE == 2:
+        _write_residual_sum(x_ptr, residual_ptr, sum_ptr, K, BLOCK_K)
+    # Row 0 of the dot's tiles (the other rows are exact zeros: their inputs were).
+    out_lo = tl.sum(acc_lo, 0)
+    out_hi = tl.sum(acc_hi, 0)
+    if HAS_BIAS:
+        out_lo += tl.load(bias_ptr + lo, mask=pair_mask, other=0.0).to(tl.float32)
+        out_hi += tl.load(bias_ptr + lo + HALF, mask=pair_mask, other=0.0).to(tl.float32)
+    dtype = q_out_ptr.dtype.element_ty
+    x1 = out_lo.to(dtype).to(tl.float32)  # the projection's output, rounded as unfused
+    x2 = out_hi.to(dtype).to(tl.float32)
+    position = tl.load(positions_ptr).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + position * (2 * HALF) + dims, mask=pair_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + dims, mask=pair_mask, other=0.0)
+    rot1 = (x1 * cos - x2 * sin).to(dtype)
+    rot2 = (x2 * cos + x1 * sin).to(dtype)
+
+    is_q = pair_mask & (lo < Q_SIZE)
+    tl.store(q_out_ptr + lo, rot1, mask=is_q)
+    tl.store(q_out_ptr + lo + HALF, rot2, mask=is_q)
+    slot = tl.load(slot_mapping_ptr).to(tl.int64)
+    if slot >= 0:
+        # The cache is contiguous: a slot is KV_SIZE consecutive elements.
+        is_k = pair_mask & (lo >= Q_SIZE) & (lo < Q_SIZE + KV_SIZE)
+        k_dst = k_cache_ptr + slot * KV_SIZE + (lo - Q_SIZE)
+        tl.store(k_dst, _to_output(rot1, k_cache_ptr, FP8_MAX), mask=is_k)
+        tl.store(k_dst + HALF, _to_output(rot2, k_cache_ptr, FP8_MAX), mask=is_k)
+        is_v = pair_mask & (lo >= Q_SIZE + KV_SIZE)
+        v_dst = v_cache_ptr + slot * KV_SIZE + (lo - Q_SIZE - KV_SIZE)
+        tl.store(v_dst, _to_output(x1.to(dtype), v_cache_ptr, FP8_MAX), mask=is_v)
+        tl.store(v_dst + HALF, _to_output(x2.to(dtype), v_cache_ptr, FP8_MAX), mask=is_v)
+
+
+def add_rms_norm_qkv_rotary_write_kv(
+    x: torch.Tensor,  # [num_tokens, K]
+    residual: torch.Tensor | None,  # [num_tokens, K], or None: no residual to add
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [q_size + 2 * kv_size, K]: q, k, v projections stacked
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim] fp32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, num_heads, head_dim], x + residual)
+    """(rotated query, x + residual) of add_rms_norm_linear followed by
+    rotary_embedding_write_kv; one kernel for one row."""
+    head_dim = cos_sin_cache.shape[1]
+    kv_size = k_cache.shape[2] * head_dim
+    fused = (
+        _fused_norm_fits(x, residual, norm_weight, weight)
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and k_cache.shape[3] == head_dim
+        and head_dim % 2 == 0
+        and (weight.shape[0] - 2 * kv_size) % head_dim == 0
+        and cos_sin_cache.is_contiguous()
+        and cos_sin_cache.dtype == torch.float32
+        and (bias is None or bias.is_contiguous())
+    )
+    if not fused:
+        qkv, summed = add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+        query, key, value = split_qkv_heads(qkv, head_dim, k_cache.shape[2])
+        rotated = rotary_embedding_write_kv(
+            positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping
+        )
+        return rotated, summed
+    q_size = weight.shape[0] - 2 * kv_size
+    x2 = _rows_2d(x)
+    query = torch.empty((1, q_size // head_dim, head_dim), dtype=x.dtype, device=x.device)
+    summed = x if residual is None else torch.empty_like(x2)
+    block_n, block_k, num_warps, num_stages = _tile_config(
+        weight.shape[0], weight.shape[1], x.device, x.element_size(), fused_norm=True
+    )
+    if x.device.type == "cuda":
+        block_n //= 2  # the same bytes per step: BLOCK_N / 2 pairs of rows
+    _qkv_rotary_write_kv_kernel[(triton.cdiv(weight.shape[0] // 2, block_n),)](
+        x2,
+        _rows_2d(residual) if residual is not None else x2,
+        norm_weight,
+        weight,
+        bias if bias is not None else weight,
+        summed,
+        positions,
+        cos_sin_cache,
+        query,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        weight.shape[1],
+        eps,
+        Q_SIZE=q_size,
+        KV_SIZE=kv_size,
+        HALF=head_dim // 2,
+        PROLOGUE=_NORM if residual is None else _ADD_NORM,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        DOT_PRECISION=dot_precision(x.dtype),
+        FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 0.0,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return query, summed.view(x.shape)
