@@ -22,11 +22,14 @@ stage() {  # name, seconds, command...
 }
 
 for s in "$@"; do
-    # A "-fp8" suffix runs a benchmark stage with a float8 KV cache (no HF baseline: the one in the
-    # bf16 stage of the same lease is the comparison) and writes NAME_fp8.json.
-    KV="" SFX="" HF_BASELINE="--baseline hf"
+    # A suffix runs a benchmark stage as a variant, with no HF baseline (the one in the plain
+    # stage of the same lease is the comparison), and writes NAME_SUFFIX.json: "-fp8" a float8
+    # KV cache, "-gc0" Python's default GC threshold (the engine raises it; A/B of that).
+    VARIANT="" SFX="" HF_BASELINE="--baseline hf"
     if [[ $s == *-fp8 ]]; then
-        s=${s%-fp8} KV="--kv-cache-dtype fp8" SFX=_fp8 HF_BASELINE=""
+        s=${s%-fp8} VARIANT="--kv-cache-dtype fp8" SFX=_fp8 HF_BASELINE=""
+    elif [[ $s == *-gc0 ]]; then
+        s=${s%-gc0} VARIANT="--gc-gen0-threshold 0" SFX=_gc0 HF_BASELINE=""
     fi
     case $s in
     env)
@@ -43,45 +46,45 @@ for s in "$@"; do
         stage test-kernels 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
         ;;
     lat1k)  # batch-1 decode at 1k context: roofline fraction; HF generate on one request
-        stage lat1k 150 $BENCH latency $COMMON $KV --input-len 1024 --output-len 128 \
+        stage lat1k 150 $BENCH latency $COMMON $VARIANT --input-len 1024 --output-len 128 \
             --num-requests 3 --max-model-len 1280 $HF_BASELINE --output-json "$OUT/lat1k$SFX.json"
         ;;
     lat1k-eager)
-        stage lat1k-eager 90 $BENCH latency $COMMON $KV --input-len 1024 --output-len 128 \
+        stage lat1k-eager 90 $BENCH latency $COMMON $VARIANT --input-len 1024 --output-len 128 \
             --num-requests 3 --max-model-len 1280 --enforce-eager --output-json "$OUT/lat1k_eager$SFX.json"
         ;;
     ttft2k)  # time to first token of a 2048-token prompt at batch 1
-        stage ttft2k 120 $BENCH latency $COMMON $KV --input-len 2048 --output-len 4 \
+        stage ttft2k 120 $BENCH latency $COMMON $VARIANT --input-len 2048 --output-len 4 \
             --num-requests 5 --max-model-len 2176 $HF_BASELINE --output-json "$OUT/ttft2k$SFX.json"
         ;;
     tput128)  # 128/128 max throughput; HF generate on one static batch of 64
-        stage tput128 170 $BENCH throughput $COMMON $KV --input-len 128 --output-len 128 \
+        stage tput128 170 $BENCH throughput $COMMON $VARIANT --input-len 128 --output-len 128 \
             --num-requests 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 \
             --max-model-len 256 --warmup 192 $HF_BASELINE --hf-batch-size 64 \
             --output-json "$OUT/tput128$SFX.json"
         ;;
     tput128-eager)  # the same without CUDA graphs: what graphs buy at high batch
-        stage tput128-eager 120 $BENCH throughput $COMMON $KV --input-len 128 --output-len 128 \
+        stage tput128-eager 120 $BENCH throughput $COMMON $VARIANT --input-len 128 --output-len 128 \
             --num-requests 1024 --max-num-seqs 512 --max-num-batched-tokens 8192 \
             --max-model-len 256 --warmup 192 --enforce-eager --output-json "$OUT/tput128_eager$SFX.json"
         ;;
     tput1000)  # 1000/1000 max throughput (HF generate would need minutes here: not run)
-        stage tput1000 170 $BENCH throughput $COMMON $KV --input-len 1000 --output-len 1000 \
+        stage tput1000 170 $BENCH throughput $COMMON $VARIANT --input-len 1000 --output-len 1000 \
             --num-requests 384 --max-num-seqs 384 --max-num-batched-tokens 8192 \
             --max-model-len 2048 --warmup 24 --output-json "$OUT/tput1000$SFX.json"
         ;;
     tput1000-max)  # 1000/1000 at the most sequences the memory plan holds at 2000 tokens (432)
-        stage tput1000-max 170 $BENCH throughput $COMMON $KV --input-len 1000 --output-len 1000 \
+        stage tput1000-max 170 $BENCH throughput $COMMON $VARIANT --input-len 1000 --output-len 1000 \
             --num-requests 432 --max-num-seqs 432 --max-num-batched-tokens 8192 \
             --max-model-len 2048 --warmup 24 --output-json "$OUT/tput1000_max$SFX.json"
         ;;
     tput1000-768)  # 1000/1000 with 768 in flight: only a float8 cache holds them (2000 tokens each)
-        stage tput1000-768 200 $BENCH throughput $COMMON $KV --input-len 1000 --output-len 1000 \
+        stage tput1000-768 200 $BENCH throughput $COMMON $VARIANT --input-len 1000 --output-len 1000 \
             --num-requests 768 --max-num-seqs 768 --max-num-batched-tokens 8192 \
             --max-model-len 2048 --warmup 24 --output-json "$OUT/tput1000_768$SFX.json"
         ;;
     tput2048)  # 2048/128 max throughput; HF generate on one static batch of 16
-        stage tput2048 170 $BENCH throughput $COMMON $KV --input-len 2048 --output-len 128 \
+        stage tput2048 170 $BENCH throughput $COMMON $VARIANT --input-len 2048 --output-len 128 \
             --num-requests 256 --max-num-seqs 256 --max-num-batched-tokens 8192 \
             --max-model-len 2176 --warmup 12 $HF_BASELINE --hf-batch-size 16 \
             --output-json "$OUT/tput2048$SFX.json"
@@ -103,18 +106,18 @@ for s in "$@"; do
             --context 2048 --steps 4 --out "$OUT/profile_prefill_4x2048.txt"
         ;;
     tput128-sync)  # 128/128 with async scheduling off: what overlapping the host buys
-        stage tput128-sync 170 $BENCH throughput $COMMON $KV --input-len 128 --output-len 128 \
+        stage tput128-sync 170 $BENCH throughput $COMMON $VARIANT --input-len 128 --output-len 128 \
             --num-requests 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 \
             --max-model-len 256 --warmup 192 --no-async-scheduling \
             --output-json "$OUT/tput128_sync$SFX.json"
         ;;
     lat1k-sync)
-        stage lat1k-sync 90 $BENCH latency $COMMON $KV --input-len 1024 --output-len 128 \
+        stage lat1k-sync 90 $BENCH latency $COMMON $VARIANT --input-len 1024 --output-len 128 \
             --num-requests 3 --max-model-len 1280 --no-async-scheduling \
             --output-json "$OUT/lat1k_sync$SFX.json"
         ;;
     lat1k-unfused)  # batch 1 with the fused small-batch linear kernels off: same-lease A/B
-        KILN_FUSED_LINEAR_MAX_ROWS=0 stage lat1k-unfused 120 $BENCH latency $COMMON $KV \
+        KILN_FUSED_LINEAR_MAX_ROWS=0 stage lat1k-unfused 120 $BENCH latency $COMMON $VARIANT \
             --input-len 1024 --output-len 128 --num-requests 3 --max-model-len 1280 \
             --output-json "$OUT/lat1k_unfused$SFX.json"
         ;;

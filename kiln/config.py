@@ -51,6 +51,12 @@ class EngineConfig:
     Outputs are the same either way; off, every step waits for its sampled ids first. None: on
     with CUDA, off on the CPU, where a step computes while it is submitted, so there is nothing to
     overlap and each step's tokens would only come out one step later (TTFT + one decode step)."""
+    gc_gen0_threshold: int = 20_000
+    """Python's cyclic-GC gen-0 threshold, set process-wide when the engine starts (0: leave
+    Python's, 700). With 700, hundreds of running requests allocate enough per step for a full
+    collection every ~30 steps, and a full collection walks every live token list: 60-120 ms
+    host stalls that the GPU waited out at 1000/1000 (docs/performance.md). TensorRT-LLM's
+    executor raises it too."""
     chat: bool | None = None
     """Apply the chat template in generate(); None: only in chat()."""
 
@@ -60,6 +66,8 @@ class EngineConfig:
 
         if self.max_num_seqs < 1:
             fail("max_num_seqs", "must be >= 1")
+        if self.gc_gen0_threshold < 0:
+            fail("gc_gen0_threshold", "must be >= 0")
         if self.max_num_batched_tokens < 1:
             fail("max_num_batched_tokens", "must be >= 1")
         if self.block_size < 1:

@@ -197,3 +197,22 @@ def test_async_scheduling_defaults_off_on_the_cpu_and_can_be_forced(smollm2_path
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert outputs[-1].finished and len(outputs) == 3
+
+
+def test_engine_raises_the_gc_gen0_threshold(smollm2_path):
+    """Python's default (700) gives hundreds of running requests a full collection every ~30
+    steps, each walking every live token list; the engine raises gen 0's threshold at startup
+    (process-wide, like its gc.freeze), and 0 leaves Python's setting alone."""
+    import gc
+
+    from kiln import LLM
+
+    saved = gc.get_threshold()
+    try:
+        gc.set_threshold(700, *saved[1:])
+        LLM(smollm2_path, kv_cache_memory_gb=0.1, gc_gen0_threshold=0)
+        assert gc.get_threshold() == (700, *saved[1:])
+        LLM(smollm2_path, kv_cache_memory_gb=0.1)
+        assert gc.get_threshold() == (20_000, *saved[1:])
+    finally:
+        gc.set_threshold(*saved)

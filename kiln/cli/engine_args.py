@@ -40,6 +40,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="schedule step N+1 while step N runs (default: on with CUDA, off on the CPU)",
     )
+    g.add_argument(
+        "--gc-gen0-threshold",
+        type=int,
+        default=20_000,
+        help="Python GC gen-0 threshold while stepping (0: Python's default)",
+    )
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -61,6 +67,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        gc_gen0_threshold=args.gc_gen0_threshold,
         seed=args.seed,
     )
 

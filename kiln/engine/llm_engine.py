@@ -93,6 +93,10 @@ class LLMEngine:
         # GC from walking them on every full collection while requests churn.
         gc.collect()
         gc.freeze()
+        # Process-wide, like the freeze: the loop that drives step() (LLM.generate, the server,
+        # kiln bench) allocates between steps too. Full collections come every 100 gen-0 ones.
+        if config.gc_gen0_threshold:
+            gc.set_threshold(config.gc_gen0_threshold, *gc.get_threshold()[1:])
 
     # ---- requests ----------------------------------------------------------------------------
 
