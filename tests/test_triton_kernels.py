@@ -463,7 +463,9 @@ def _cos_sin_cache(max_positions: int, head_dim: int, base: float = 10000.0) -> 
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-@pytest.mark.parametrize(
+# Model dtype x cache dtype, and head shapes (head_dim 24: padded tiles, and a program's tile
+# crossing heads), for the ops that rotate keys and write them to the cache.
+ROTARY_CACHE_CASES = pytest.mark.parametrize(
     ("dtype", "cache_dtype"),
     [
         (torch.float32, torch.float32),
@@ -473,7 +475,13 @@ def _cos_sin_cache(max_positions: int, head_dim: int, base: float = 10000.0) -> 
         pytest.param(torch.bfloat16, FP8, marks=on_gpu),
     ],
 )
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 16), (3, 1, 24)])
+ROTARY_HEAD_SHAPES = pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 16), (3, 1, 24)]
+)
+
+
+@ROTARY_CACHE_CASES
+@ROTARY_HEAD_SHAPES
 def test_rotary_embedding_write_kv(
     dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> None:
@@ -654,17 +662,8 @@ def test_add_rms_norm_linear_silu_mul(
     _assert_close_to_scale(out, out_ref, LINEAR_REL[dtype])
 
 
-@pytest.mark.parametrize(
-    ("dtype", "cache_dtype"),
-    [
-        (torch.float32, torch.float32),
-        (torch.float16, torch.float16),
-        (torch.float32, FP8),
-        pytest.param(torch.bfloat16, torch.bfloat16, marks=on_gpu),
-        pytest.param(torch.bfloat16, FP8, marks=on_gpu),
-    ],
-)
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 16), (3, 1, 24)])
+@ROTARY_CACHE_CASES
+@ROTARY_HEAD_SHAPES
 @pytest.mark.parametrize(
     ("rows", "with_residual", "padding"),
     [(1, True, False), (1, False, False), (1, True, True), (3, True, False)],
