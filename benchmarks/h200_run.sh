@@ -105,6 +105,10 @@ for s in "$@"; do
         stage profprefill 120 python3 benchmarks/profile_decode.py --prefill --batch 4 \
             --context 2048 --steps 4 --out "$OUT/profile_prefill_4x2048.txt"
         ;;
+    profmixed)  # 2048/128's mixed steps: 4 prompts of 2048 prefilled beside 240 decodes at 2k
+        stage profmixed 150 python3 benchmarks/profile_decode.py --prefill --batch 4 \
+            --context 2048 --mixed-decodes 240 --steps 4 --out "$OUT/profile_mixed_4x2048_240.txt"
+        ;;
     tput128-sync)  # 128/128 with async scheduling off: what overlapping the host buys
         stage tput128-sync 170 $BENCH throughput $COMMON $VARIANT --input-len 128 --output-len 128 \
             --num-requests 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 \

@@ -33,6 +33,13 @@ def main() -> None:
         help="profile the prefill steps of the batch instead (after a warm-up batch of the same "
         "shape, so no compilation is profiled)",
     )
+    p.add_argument(
+        "--mixed-decodes",
+        type=int,
+        default=0,
+        help="with --prefill: that many sequences decode (at --context) in the profiled prefill "
+        "steps, as in a max-throughput run's mixed steps (warmed up on a mixed step first)",
+    )
     p.add_argument("--out", default="profile_decode.txt")
     args = p.parse_args()
 
@@ -41,15 +48,15 @@ def main() -> None:
         load_format="dummy",
         dtype="bfloat16",
         max_model_len=args.context + 256,
-        max_num_seqs=max(args.batch, 1),
+        max_num_seqs=max(args.batch, 1) + args.mixed_decodes,
         max_num_batched_tokens=max(8192, args.context),
         enforce_eager=args.enforce_eager,
     )
     engine = LLMEngine(config)
 
-    def add_batch(offset: int, max_tokens: int) -> None:
+    def add_batch(offset: int, max_tokens: int, size: int = args.batch) -> None:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        for i in range(args.batch):
+        for i in range(size):
             prompt = [(7 * i + 13 * offset + j) % 1000 + 10 for j in range(args.context)]
             engine.add_request(prompt, params)
 
@@ -59,8 +66,12 @@ def main() -> None:
         )
 
     if args.prefill:  # warm up on other prompts of the same shape, then profile a fresh batch
+        if args.mixed_decodes:  # sequences that keep decoding through the profiled steps
+            add_batch(3, 240, size=args.mixed_decodes)
+            while prefilling():
+                engine.step()
         add_batch(1, 2)
-        while engine.has_unfinished_requests():
+        while prefilling() or len(engine.scheduler.running) > args.mixed_decodes:
             engine.step()
         add_batch(2, 200)
     else:
@@ -87,6 +98,7 @@ def main() -> None:
     total_us = sum(e.self_device_time_total for e in kernels)
     lines = [
         f"{'prefill' if args.prefill else 'decode'}: batch {args.batch}, context {args.context}, "
+        f"{args.mixed_decodes} sequences decoding alongside, "
         f"{args.steps} steps, graphs "
         f"{'off' if args.enforce_eager else 'on'}",
         f"wall per step (ms): median {sorted(walls)[len(walls) // 2]:.3f}, "
