@@ -10,6 +10,7 @@ writes the per-kernel table (sorted by total GPU time) and the per-step GPU/wall
 from __future__ import annotations
 
 import argparse
+import random
 import time
 
 import torch
@@ -49,7 +50,8 @@ def main() -> None:
         dtype="bfloat16",
         max_model_len=args.context + 256,
         max_num_seqs=max(args.batch, 1) + args.mixed_decodes,
-        max_num_batched_tokens=max(8192, args.context),
+        # With --mixed-decodes the decodes ride along with a full 8192-token prefill chunk.
+        max_num_batched_tokens=max(8192, args.context) + args.mixed_decodes,
         enforce_eager=args.enforce_eager,
     )
     engine = LLMEngine(config)
@@ -57,7 +59,10 @@ def main() -> None:
     def add_batch(offset: int, max_tokens: int, size: int = args.batch) -> None:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         for i in range(size):
-            prompt = [(7 * i + 13 * offset + j) % 1000 + 10 for j in range(args.context)]
+            # Random per (offset, i): no prompt shares a prefix-cache block with another (a
+            # shifted arithmetic sequence did: the mixed profile's batch hit the decoders' cache).
+            rng = random.Random(f"{offset}-{i}")
+            prompt = [rng.randrange(10, 1010) for _ in range(args.context)]
             engine.add_request(prompt, params)
 
     def prefilling() -> bool:
