@@ -55,7 +55,10 @@ def run_split_attention(
         # view starting at an odd row would compile another variant mid-run (seen on an H200:
         # one 1.1 s step in a 21 s benchmark).
         block_tables, seq_lens = block_tables.clone(), seq_lens.clone()
-    prefill_out = ops.paged_prefill_attention(
+    # Both kernels write their rows of one output (no concatenation afterwards: a copy of every
+    # row per layer, 1.1 ms of a 197 ms mixed step on the H200, session5/mixed2).
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    ops.paged_prefill_attention(
         query[nd:],
         k_cache,
         v_cache,
@@ -65,10 +68,11 @@ def run_split_attention(
         scale,
         m.max_query_len,
         m.max_seq_len,
+        out=out[nd:],
     )
-    if nd == 0:
-        return prefill_out
-    decode_out = ops.paged_decode_attention(
-        query[:nd], k_cache, v_cache, m.block_tables[:nd], m.seq_lens[:nd], scale, m.max_seq_len
-    )
-    return torch.cat([decode_out, prefill_out], dim=0)
+    if nd:
+        ops.paged_decode_attention(
+            query[:nd], k_cache, v_cache, m.block_tables[:nd], m.seq_lens[:nd], scale,
+            m.max_seq_len, out=out[:nd],
+        )  # fmt: skip
+    return out

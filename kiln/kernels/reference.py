@@ -60,6 +60,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the query token
     scale: float,
     max_seq_len: int,
+    out: torch.Tensor | None = None,  # written and returned when given (a slice of a larger one)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Each query attends to its sequence's first seq_lens[i] cached tokens (itself included)."""
     num_heads = query.shape[1]
@@ -84,15 +85,15 @@ def paged_decode_attention(
     if not exact:
         positions = torch.arange(max_seq_len, device=query.device)
         mask = (positions[None, :] < seq_lens[:, None].to(positions.dtype))[:, None, None, :]
-    out = F.scaled_dot_product_attention(
+    attended = F.scaled_dot_product_attention(
         query[:, :, None, :],  # [num_seqs, num_heads, 1, head_dim]
         keys,
         values,
         attn_mask=mask,
         scale=scale,
         enable_gqa=num_heads != num_kv_heads,
-    )
-    return out[:, :, 0, :]
+    )[:, :, 0, :]
+    return attended if out is None else out.copy_(attended)
 
 
 def paged_prefill_attention(
@@ -105,13 +106,15 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    out: torch.Tensor | None = None,  # written and returned when given (a slice of a larger one)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention for chunks whose earlier context (cached prefix, previous chunks) is
     already in the cache: the j-th of q_len queries sits at position seq_len - q_len + j and sees
     every key at or before it."""
     num_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]
-    out = torch.empty_like(query)
+    if out is None:
+        out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lengths = seq_lens.tolist()
     for i, seq_len in enumerate(lengths):

@@ -34,3 +34,13 @@ def fp16_dots(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     (in [0, 1]) lose nothing in fp16, which has more mantissa than bf16; products still
     accumulate in fp32."""
     return k_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16
+
+
+def output_like(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """An attention kernel's output: `out` when the caller gives one (a slice of a larger
+    tensor; head_dim contiguous, as the kernels store it), else a new tensor shaped like the
+    query."""
+    if out is None:
+        return torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1
+    return out

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms
+from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 
 _LOG2E = 1.4426950408889634
@@ -213,13 +213,14 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the query token
     scale: float,
     max_seq_len: int,
+    out: torch.Tensor | None = None,  # written and returned when given (a slice of a larger one)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Each query attends to its sequence's first seq_lens[i] cached tokens (itself included)."""
     num_splits = choose_num_splits(
         query.shape[0], k_cache.shape[2], max_seq_len, num_sms(query.device)
     )
     return paged_decode_attention_splits(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num_splits
+        query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num_splits, out
     )
 
 
@@ -232,13 +233,14 @@ def paged_decode_attention_splits(
     scale: float,
     max_seq_len: int,
     num_splits: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_decode_attention with an explicit number of context partitions (1 = no split-K)."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    out = torch.empty((num_seqs, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    out = output_like(query, out)
     if num_seqs == 0:
         return out
     if query.stride(2) != 1:
