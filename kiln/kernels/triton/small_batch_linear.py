@@ -55,6 +55,19 @@ def _load_input_chunk(x_ptr, residual_ptr, norm_weight_ptr, offs, mask, PROLOGUE
 
 
 @triton.jit
+def _dot_step(a, w_rows, w_rows_hi, k_offsets, w_mask, acc, acc_hi, PAIRED: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """One K-step: the weight tile of w_rows (and of w_rows_hi when PAIRED) times the inputs `a`,
+    accumulated into acc (acc_hi)."""
+    w = tl.load(w_rows + k_offsets[None, :], mask=w_mask, other=0.0)
+    acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if PAIRED:
+        w_hi = tl.load(w_rows_hi + k_offsets[None, :], mask=w_mask, other=0.0)
+        acc_hi = tl.dot(a, tl.trans(w_hi), acc_hi, input_precision=DOT_PRECISION)
+    return acc, acc_hi
+
+
+@triton.jit
 def _project(
     x_ptr,  # [M, K]
     residual_ptr,  # [M, K], read when ADD_NORM
@@ -89,12 +102,10 @@ def _project(
             a = tl.load(
                 x_rows + k + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
             )
-            w_mask = col_mask[:, None] & k_mask[None, :]
-            w = tl.load(w_rows + k + ks[None, :], mask=w_mask, other=0.0)
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-            if PAIRED:
-                w_hi = tl.load(w_rows_hi + k + ks[None, :], mask=w_mask, other=0.0)
-                acc_hi = tl.dot(a, tl.trans(w_hi), acc_hi, input_precision=DOT_PRECISION)
+            acc, acc_hi = _dot_step(
+                a, w_rows, w_rows_hi, k + ks, col_mask[:, None] & k_mask[None, :], acc, acc_hi,
+                PAIRED, DOT_PRECISION,
+            )  # fmt: skip
     else:
         # One row (M == 1). The residual add and the norm run on [BLOCK_K] vectors (padding
         # them to the dot's 16 rows would compute, and hold in registers, 16 times as much: that
@@ -117,12 +128,10 @@ def _project(
             sum_sq += h32 * h32
             v = (h32 * nw.to(tl.float32)).to(w_ptr.dtype.element_ty)
             a = tl.where(first_row, v[None, :], 0.0).to(w_ptr.dtype.element_ty)
-            w_mask = col_mask[:, None] & k_mask[None, :]
-            w = tl.load(w_rows + k + ks[None, :], mask=w_mask, other=0.0)
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-            if PAIRED:
-                w_hi = tl.load(w_rows_hi + k + ks[None, :], mask=w_mask, other=0.0)
-                acc_hi = tl.dot(a, tl.trans(w_hi), acc_hi, input_precision=DOT_PRECISION)
+            acc, acc_hi = _dot_step(
+                a, w_rows, w_rows_hi, k + ks, col_mask[:, None] & k_mask[None, :], acc, acc_hi,
+                PAIRED, DOT_PRECISION,
+            )  # fmt: skip
             xa, xb, nw = xa_next, xb_next, nw_next
         # RMSNorm's scale is one scalar per row: applied to the dot product instead.
         inv_rms = tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
