@@ -6,6 +6,13 @@
 set -u
 OUT=${OUT:-h200_out}
 mkdir -p "$OUT"
+# h200_stages.txt (untracked, at the repository root), when present, replaces the stages given:
+# it lets a lease's later call change plan after its command was written. The log names every
+# stage that ran.
+if [[ -f h200_stages.txt ]]; then
+    echo "=== stages from h200_stages.txt (given: $*)"
+    set -- $(cat h200_stages.txt)
+fi
 export PYTHONPATH=.
 export PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false
@@ -16,20 +23,34 @@ stage() {  # name, seconds, command...
     local name=$1$SFX limit=$2
     shift 2
     echo "=== $name ($(date +%T), limit ${limit}s)"
-    local t0=$SECONDS
+    local t0=$SECONDS dmon=""
+    if [[ -n ${DMON:-} ]] && command -v nvidia-smi >/dev/null; then
+        # DMON=1: the GPU's power, temperature and clocks every 2 s (sustained-load throttling)
+        nvidia-smi dmon -s pc -d 2 -o T >"$OUT/dmon_$name.txt" 2>&1 &
+        dmon=$!
+    fi
     timeout --kill-after=10 "$limit" "$@"
     echo "=== $name: exit $? after $((SECONDS - t0))s"
+    [[ -n $dmon ]] && kill "$dmon"
 }
 
 for s in "$@"; do
     # A suffix runs a benchmark stage as a variant, with no HF baseline (the one in the plain
     # stage of the same lease is the comparison), and writes NAME_SUFFIX.json: "-fp8" a float8
-    # KV cache, "-gc0" Python's default GC threshold (the engine raises it; A/B of that).
+    # KV cache, "-gc0" Python's default GC threshold (the engine raises it; A/B of that), "-seq"
+    # a mixed step's decode and prefill attention in turn rather than on two streams.
     VARIANT="" SFX="" HF_BASELINE="--baseline hf"
+    unset KILN_OVERLAP_MIXED_ATTENTION
     if [[ $s == *-fp8 ]]; then
         s=${s%-fp8} VARIANT="--kv-cache-dtype fp8" SFX=_fp8 HF_BASELINE=""
     elif [[ $s == *-gc0 ]]; then
         s=${s%-gc0} VARIANT="--gc-gen0-threshold 0" SFX=_gc0 HF_BASELINE=""
+    elif [[ $s == *-ovl ]]; then  # the default, named: a same-lease A/B with -seq
+        s=${s%-ovl} SFX=_ovl HF_BASELINE=""
+        export KILN_OVERLAP_MIXED_ATTENTION=1
+    elif [[ $s == *-seq ]]; then
+        s=${s%-seq} SFX=_seq HF_BASELINE=""
+        export KILN_OVERLAP_MIXED_ATTENTION=0
     fi
     case $s in
     env)
@@ -83,11 +104,18 @@ for s in "$@"; do
             --num-requests 768 --max-num-seqs 768 --max-num-batched-tokens 8192 \
             --max-model-len 2048 --warmup 24 --output-json "$OUT/tput1000_768$SFX.json"
         ;;
-    tput2048)  # 2048/128 max throughput; HF generate on one static batch of 16
-        stage tput2048 170 $BENCH throughput $COMMON $VARIANT --input-len 2048 --output-len 128 \
-            --num-requests 256 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+    tput2048)  # 2048/128 max throughput at TensorRT-LLM's request count for it (3000: the
+        # 127-step decode tail after the last prefill is ~1% of the run, not 15% as at 256);
+        # HF generate on one static batch of 16
+        stage tput2048 330 $BENCH throughput $COMMON $VARIANT --input-len 2048 --output-len 128 \
+            --num-requests 3000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
             --max-model-len 2176 --warmup 12 $HF_BASELINE --hf-batch-size 16 \
             --output-json "$OUT/tput2048$SFX.json"
+        ;;
+    tput2048-short)  # the same with 256 requests (sessions 1-5's stage): one wave and its tail
+        stage tput2048-short 170 $BENCH throughput $COMMON $VARIANT --input-len 2048 --output-len 128 \
+            --num-requests 256 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+            --max-model-len 2176 --warmup 12 --output-json "$OUT/tput2048_short$SFX.json"
         ;;
     prof1)  # kernel-level profile of batch-1 decode steps at 1k context
         stage prof1 120 python3 benchmarks/profile_decode.py --batch 1 --context 1024 \
@@ -140,6 +168,14 @@ for s in "$@"; do
     fp8-sweep)  # attention kernels over a float8 cache vs bf16; float8 decode tile sweep
         stage fp8-sweep 300 python3 benchmarks/kv_fp8_kernel_sweep.py \
             --out "$OUT/kv_fp8_kernel_sweep.json"
+        ;;
+    fp8-prefetch)  # float8 decode with V loaded a tile ahead against without, and its tiles
+        stage fp8-prefetch 200 python3 benchmarks/kv_fp8_kernel_sweep.py --prefetch-only \
+            --out "$OUT/kv_fp8_prefetch.json"
+        ;;
+    overlap)  # a mixed step's decode and prefill attention side by side on two streams vs in turn
+        stage overlap 150 python3 benchmarks/mixed_attention_overlap.py \
+            --out "$OUT/mixed_attention_overlap.json"
         ;;
     fp8-mixed)  # decode over fp16/float8 K and V in all four combinations: which operand is slow
         stage fp8-mixed 120 python3 benchmarks/kv_fp8_kernel_sweep.py --mixed-only \

@@ -121,6 +121,56 @@ def mixed_kv_decode(batch: int = 384, context: int = 1500) -> list[dict]:
     return rows
 
 
+def prefetch_ab() -> list[dict]:
+    """Float8 decode with V loaded a tile ahead (da.PREFETCH_FP8_V) against without, at today's
+    tiles, and the tiles with it; bf16 at the same shape for the bandwidth it reaches."""
+    rows = []
+    for batch, context in DECODE_SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(batch)
+        k, v, table = paged([context] * batch, gen)
+        k8, v8 = k.to(FP8), v.to(FP8)
+        q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
+        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+
+        def run(kc, vc, q=q, table=table, lens=lens, context=context):
+            return da.paged_decode_attention(q, kc, vc, table, lens, HEAD_DIM**-0.5, context)
+
+        elems = 2 * batch * context * KV_HEADS * HEAD_DIM
+        row = {"batch": batch, "context": context, "bf16_ms": time_ms(partial(run, k, v))}
+        for prefetch in (False, True):
+            da.PREFETCH_FP8_V = prefetch
+            name = "prefetch" if prefetch else "no_prefetch"
+            row[f"fp8_{name}_ms"] = time_ms(partial(run, k8, v8))
+            row[f"fp8_{name}_max_abs_err_vs_bf16"] = (
+                (run(k8, v8).float() - run(k, v).float()).abs().max().item()
+            )
+        row["fp8_prefetch_configs"] = sweep(
+            da,
+            itertools.product((32, 64, 128), (4, 8), (1, 2, 3)),
+            partial(run, k8, v8),
+            time_ms,
+            reference=run(k, v),
+            label=f"prefetch decode b={batch} ctx={context}",
+        )
+        for key in ("bf16", "fp8_no_prefetch", "fp8_prefetch"):
+            nbytes = elems * (2 if key == "bf16" else 1)
+            row[f"{key}_GBps"] = nbytes / row[f"{key}_ms"] / 1e6
+        best = min(row["fp8_prefetch_configs"], key=lambda c: c["ms"])
+        row["fp8_prefetch_best"] = best
+        print(
+            f"decode b={batch} ctx={context}: bf16 {row['bf16_ms'] * 1e3:.1f} us "
+            f"({row['bf16_GBps']:.0f} GB/s); fp8 without prefetch "
+            f"{row['fp8_no_prefetch_ms'] * 1e3:.1f} us ({row['fp8_no_prefetch_GBps']:.0f} GB/s), "
+            f"with {row['fp8_prefetch_ms'] * 1e3:.1f} us ({row['fp8_prefetch_GBps']:.0f} GB/s); "
+            f"best with prefetch {best['config']} {best['ms'] * 1e3:.1f} us",
+            flush=True,
+        )
+        rows.append(row)
+        del k, v, k8, v8
+    da.PREFETCH_FP8_V = True
+    return rows
+
+
 def compare_prefill() -> list[dict]:
     rows = []
     for name, (lens, prefix) in PREFILL_SHAPES.items():
@@ -164,7 +214,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="kv_fp8_kernel_sweep.json")
     p.add_argument("--mixed-only", action="store_true", help="only the K/V dtype experiment")
+    p.add_argument("--prefetch-only", action="store_true", help="only the V-prefetch A/B")
     args = p.parse_args()
+    if args.prefetch_only:
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "prefetch_ab": prefetch_ab()}, f)
+        return
     record = {"gpu": torch.cuda.get_device_name(), "mixed_kv_decode": mixed_kv_decode()}
     if args.mixed_only:
         with open(args.out, "w") as f:

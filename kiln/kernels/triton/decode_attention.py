@@ -27,6 +27,32 @@ _LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS_PER_SM = 4
 _MIN_TOKENS_PER_SPLIT = 64
 _MAX_SPLITS = 64
+# Whether decode over a float8 cache loads V a tile ahead (module-level so the H200 sweep can
+# measure both in one process).
+PREFETCH_FP8_V = True
+
+
+@triton.jit
+def _tile_offsets(block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE):
+    """Element offsets of keys n (one KV head's rows) in the paged cache, through the block
+    table."""
+    block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    slots = block_ids * BLOCK_SIZE + n % BLOCK_SIZE
+    return slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset + dims[None, :]
+
+
+@triton.jit
+def _online_softmax_step(acc, l_i, m_i, q, k, v, n_mask, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One key tile of the online softmax: acc/l_i/m_i updated with keys k and values v."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    # Every tile holds at least one valid key (n_start < end), so m_new is finite.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
 
 
 @triton.jit
@@ -57,6 +83,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
+    PREFETCH_V: tl.constexpr,  # load V a tile ahead (float8 caches)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -88,29 +115,57 @@ def _decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     head_offset = kv_head * HEAD_DIM
-    for n_start in range(start, end, BLOCK_N):
-        n = n_start + offs_n
+    if PREFETCH_V:
+        # Float8 cache: V's raw bytes for the next tile are loaded one iteration ahead. V is
+        # widened by inline asm right after its load (see _fp8.py), which keeps Triton from
+        # pipelining that load through shared memory as it does K's; issued a tile early, its
+        # latency overlaps this tile's dots instead of stalling them.
+        n = start + offs_n
         n_mask = n < end
-        block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        slots = block_ids * BLOCK_SIZE + n % BLOCK_SIZE
-        kv_offsets = slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset + dims[None, :]
         kv_mask = n_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        if FP16_DOTS:  # noqa: SIM108 (resolved at compile time)
-            v = fp8e4m3_to_fp16(v)  # not v.to(tl.float16): see _fp8.py
-        else:
-            v = v.to(q.dtype)
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        # Every tile holds at least one valid key (n_start < end), so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        v_offsets = _tile_offsets(
+            block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
+        )
+        v_raw = tl.load(v_cache_ptr + v_offsets, mask=kv_mask, other=0.0)
+        for n_start in range(start, end, BLOCK_N):
+            n = n_start + offs_n
+            n_mask = n < end
+            kv_offsets = _tile_offsets(
+                block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
+            )
+            k = tl.load(
+                k_cache_ptr + kv_offsets, mask=n_mask[:, None] & dim_mask[None, :], other=0.0
+            )
+            next_n = n + BLOCK_N
+            next_mask = next_n < end
+            next_offsets = _tile_offsets(
+                block_table, next_n, next_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM,
+                BLOCK_SIZE,
+            )  # fmt: skip
+            next_v_raw = tl.load(
+                v_cache_ptr + next_offsets, mask=next_mask[:, None] & dim_mask[None, :], other=0.0
+            )
+            if FP16_DOTS:  # noqa: SIM108 (resolved at compile time)
+                v = fp8e4m3_to_fp16(v_raw)  # not v.to(tl.float16): see _fp8.py
+            else:
+                v = v_raw.to(q.dtype)
+            acc, l_i, m_i = _online_softmax_step(
+                acc, l_i, m_i, q, k.to(q.dtype), v, n_mask, qk_scale, DOT_PRECISION
+            )
+            v_raw = next_v_raw
+    else:
+        for n_start in range(start, end, BLOCK_N):
+            n = n_start + offs_n
+            n_mask = n < end
+            kv_offsets = _tile_offsets(
+                block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
+            )
+            kv_mask = n_mask[:, None] & dim_mask[None, :]
+            k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+            acc, l_i, m_i = _online_softmax_step(
+                acc, l_i, m_i, q, k, v, n_mask, qk_scale, DOT_PRECISION
+            )
 
     # An empty partition (start >= seq_len) leaves l_i == 0: it writes zeros and lse = -inf.
     nonempty = l_i > 0.0
@@ -292,6 +347,7 @@ def paged_decode_attention_splits(
         SPLIT=split,
         DOT_PRECISION=dot_precision(query.dtype),
         FP16_DOTS=fp16_dots(query, k_cache),
+        PREFETCH_V=kv_fp8 and PREFETCH_FP8_V,
         num_warps=num_warps,
         num_stages=num_stages,
     )
