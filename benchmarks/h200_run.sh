@@ -37,20 +37,17 @@ stage() {  # name, seconds, command...
 for s in "$@"; do
     # A suffix runs a benchmark stage as a variant, with no HF baseline (the one in the plain
     # stage of the same lease is the comparison), and writes NAME_SUFFIX.json: "-fp8" a float8
-    # KV cache, "-gc0" Python's default GC threshold (the engine raises it; A/B of that), "-seq"
-    # a mixed step's decode and prefill attention in turn rather than on two streams.
+    # KV cache ("-fp8nopf": without the float8 decode kernel's V prefetch), "-gc0" Python's
+    # default GC threshold (the engine raises it; A/B of that).
     VARIANT="" SFX="" HF_BASELINE="--baseline hf"
-    unset KILN_OVERLAP_MIXED_ATTENTION
-    if [[ $s == *-fp8 ]]; then
+    unset KILN_PREFETCH_FP8_V
+    if [[ $s == *-fp8nopf ]]; then  # float8 without the decode kernel's V prefetch: its A/B
+        s=${s%-fp8nopf} VARIANT="--kv-cache-dtype fp8" SFX=_fp8_noprefetch HF_BASELINE=""
+        export KILN_PREFETCH_FP8_V=0
+    elif [[ $s == *-fp8 ]]; then
         s=${s%-fp8} VARIANT="--kv-cache-dtype fp8" SFX=_fp8 HF_BASELINE=""
     elif [[ $s == *-gc0 ]]; then
         s=${s%-gc0} VARIANT="--gc-gen0-threshold 0" SFX=_gc0 HF_BASELINE=""
-    elif [[ $s == *-ovl ]]; then  # the default, named: a same-lease A/B with -seq
-        s=${s%-ovl} SFX=_ovl HF_BASELINE=""
-        export KILN_OVERLAP_MIXED_ATTENTION=1
-    elif [[ $s == *-seq ]]; then
-        s=${s%-seq} SFX=_seq HF_BASELINE=""
-        export KILN_OVERLAP_MIXED_ATTENTION=0
     fi
     case $s in
     env)
@@ -172,10 +169,6 @@ for s in "$@"; do
     fp8-prefetch)  # float8 decode with V loaded a tile ahead against without, and its tiles
         stage fp8-prefetch 200 python3 benchmarks/kv_fp8_kernel_sweep.py --prefetch-only \
             --out "$OUT/kv_fp8_prefetch.json"
-        ;;
-    overlap)  # a mixed step's decode and prefill attention side by side on two streams vs in turn
-        stage overlap 150 python3 benchmarks/mixed_attention_overlap.py \
-            --out "$OUT/mixed_attention_overlap.json"
         ;;
     fp8-mixed)  # decode over fp16/float8 K and V in all four combinations: which operand is slow
         stage fp8-mixed 120 python3 benchmarks/kv_fp8_kernel_sweep.py --mixed-only \

@@ -419,46 +419,6 @@ def test_triton_backend_matches_torch_backend(
     assert torch.equal(expected, separate)
 
 
-@on_gpu
-@pytest.mark.parametrize("cache_dtype", [None, FP8], ids=["bf16", "fp8"])
-def test_mixed_step_overlap_matches_sequential(
-    monkeypatch: pytest.MonkeyPatch, cache_dtype: torch.dtype | None
-) -> None:
-    # The Triton backend runs a mixed step's decode kernel on a second stream beside the
-    # prefill kernel: the same kernels, so the same bits as running them one after the other.
-    from kiln.attention import triton_backend
-
-    num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
-    gen = torch.Generator().manual_seed(11)
-    num_decodes = 96
-    q_lens = [1] * num_decodes + [700, 300]
-    seq_lens = [*torch.randint(1, 2049, (num_decodes,), generator=gen).tolist(), 700, 1300]
-    k_cache, v_cache, block_tables = _paged_cache(
-        seq_lens, block_size, num_kv_heads, head_dim, torch.bfloat16, gen, cache_dtype=cache_dtype
-    )
-    starts = [0]
-    for q_len in q_lens:
-        starts.append(starts[-1] + q_len)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64, device=DEVICE),  # unused
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=block_tables,
-        num_decodes=num_decodes,
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-    )
-    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(DEVICE, torch.bfloat16)
-    backend = TritonAttentionBackend()
-    monkeypatch.setattr(triton_backend, "OVERLAP_MIXED_ATTENTION", False)
-    sequential = backend.forward(query, k_cache, v_cache, metadata, head_dim**-0.5)
-    monkeypatch.setattr(triton_backend, "OVERLAP_MIXED_ATTENTION", True)
-    overlapped = backend.forward(query, k_cache, v_cache, metadata, head_dim**-0.5)
-    assert backend._decode_streams  # the overlap path ran
-    torch.cuda.synchronize()
-    assert torch.equal(overlapped, sequential)
-
-
 # ---------------------------------------------------------------------------------------------
 # RMSNorm and rotary embedding: same rounding as the reference, so (nearly) exact
 

@@ -39,15 +39,9 @@ def run_split_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
-    decode_stream: torch.cuda.Stream | None = None,
 ) -> torch.Tensor:
     """Decodes (the first `num_decodes` sequences, one token each) go through the decode kernel,
-    the remaining prefill chunks through the prefill kernel; shared by every backend.
-
-    With `decode_stream` (CUDA), a mixed step's decode kernel runs on that stream while the
-    prefill kernel runs on the current one, which waits for it before returning: the decode
-    kernel streams the KV cache and the prefill kernel is bound by the tensor cores, so the GPU
-    can run them side by side."""
+    the remaining prefill chunks through the prefill kernel; shared by every backend."""
     m = metadata
     nd = m.num_decodes
     if nd == m.num_seqs:
@@ -64,21 +58,6 @@ def run_split_attention(
     # Both kernels write their rows of one output (no concatenation afterwards: a copy of every
     # row per layer, 1.1 ms of a 197 ms mixed step on the H200, session5/mixed2).
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-
-    def decode() -> None:
-        ops.paged_decode_attention(
-            query[:nd], k_cache, v_cache, m.block_tables[:nd], m.seq_lens[:nd], scale,
-            m.max_seq_len, out=out[:nd],
-        )  # fmt: skip
-
-    overlap = nd > 0 and decode_stream is not None
-    if overlap:
-        # Every tensor the decode kernel touches was made on the current stream, which waits for
-        # the decode stream below before any later work (or a reuse of their memory) is queued.
-        main_stream = torch.cuda.current_stream(query.device)
-        decode_stream.wait_stream(main_stream)
-        with torch.cuda.stream(decode_stream):
-            decode()
     ops.paged_prefill_attention(
         query[nd:],
         k_cache,
@@ -91,8 +70,9 @@ def run_split_attention(
         m.max_seq_len,
         out=out[nd:],
     )
-    if overlap:
-        main_stream.wait_stream(decode_stream)
-    elif nd:
-        decode()
+    if nd:
+        ops.paged_decode_attention(
+            query[:nd], k_cache, v_cache, m.block_tables[:nd], m.seq_lens[:nd], scale,
+            m.max_seq_len, out=out[:nd],
+        )  # fmt: skip
     return out

@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from kiln.attention.backend import AttentionMetadata
-from kiln.attention.torch_backend import PagedAttentionBackend, run_split_attention
+from kiln.attention.torch_backend import PagedAttentionBackend
 from kiln.kernels import triton as triton_ops
 from kiln.kernels.triton._device import num_sms
 from kiln.kernels.triton.decode_attention import choose_num_splits
-
-# Whether a mixed step's decode attention runs on a second stream beside the prefill attention
-# (module-level so the H200 benchmark can measure both in one process;
-# KILN_OVERLAP_MIXED_ATTENTION=0 turns it off for an end-to-end A/B).
-OVERLAP_MIXED_ATTENTION = os.environ.get("KILN_OVERLAP_MIXED_ATTENTION", "1") != "0"
 
 # Smallest context bucket of a split-K decode graph: below it splits are few and cheap anyway.
 _MIN_GRAPH_SEQ_LEN = 256
@@ -25,32 +17,6 @@ class TritonAttentionBackend(PagedAttentionBackend):
     name = "triton"
     ops = triton_ops
     supports_cuda_graphs = True
-
-    def __init__(self) -> None:
-        self._decode_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        decode_stream = None
-        if (
-            OVERLAP_MIXED_ATTENTION
-            and query.is_cuda
-            and 0 < metadata.num_decodes < metadata.num_seqs
-            and not torch.cuda.is_current_stream_capturing()
-        ):
-            decode_stream = self._decode_streams.get(query.device)
-            if decode_stream is None:
-                decode_stream = torch.cuda.Stream(query.device)
-                self._decode_streams[query.device] = decode_stream
-        return run_split_attention(
-            self.ops, query, k_cache, v_cache, metadata, scale, decode_stream
-        )
 
     def decode_graph_seq_lens(
         self, num_seqs: int, num_kv_heads: int, max_model_len: int, device: torch.device

@@ -12,6 +12,8 @@ writes a partial output and its log-sum-exp, and a second small kernel merges th
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -28,8 +30,8 @@ _TARGET_PROGRAMS_PER_SM = 4
 _MIN_TOKENS_PER_SPLIT = 64
 _MAX_SPLITS = 64
 # Whether decode over a float8 cache loads V a tile ahead (module-level so the H200 sweep can
-# measure both in one process).
-PREFETCH_FP8_V = True
+# measure both in one process; KILN_PREFETCH_FP8_V=0 turns it off for an end-to-end A/B).
+PREFETCH_FP8_V = os.environ.get("KILN_PREFETCH_FP8_V", "1") != "0"
 
 
 @triton.jit
