@@ -44,6 +44,15 @@ def paged(seq_lens: list[int], gen: torch.Generator):
     return k, v, table
 
 
+def decode_inputs(batch: int, context: int):
+    """bf16 and float8 caches of `batch` contexts of `context` tokens, a bf16 query, lengths."""
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    k, v, table = paged([context] * batch, gen)
+    q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    return k, v, k.to(FP8), v.to(FP8), q, table, lens
+
+
 def time_ms(fn, reps: int = 20) -> float:
     """Mean of `reps` calls captured in one CUDA graph (GPU time, no launch overhead)."""
     return graph_time_ms([fn], reps)
@@ -52,11 +61,7 @@ def time_ms(fn, reps: int = 20) -> float:
 def sweep_decode() -> list[dict]:
     rows = []
     for batch, context in DECODE_SHAPES:
-        gen = torch.Generator(device="cuda").manual_seed(batch)
-        k, v, table = paged([context] * batch, gen)
-        k8, v8 = k.to(FP8), v.to(FP8)
-        q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
-        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        k, v, k8, v8, q, table, lens = decode_inputs(batch, context)
         scale = HEAD_DIM**-0.5
 
         def run(kc, vc, q=q, table=table, lens=lens, scale=scale, context=context):
@@ -126,11 +131,7 @@ def prefetch_ab() -> list[dict]:
     tiles, and the tiles with it; bf16 at the same shape for the bandwidth it reaches."""
     rows = []
     for batch, context in DECODE_SHAPES:
-        gen = torch.Generator(device="cuda").manual_seed(batch)
-        k, v, table = paged([context] * batch, gen)
-        k8, v8 = k.to(FP8), v.to(FP8)
-        q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
-        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        k, v, k8, v8, q, table, lens = decode_inputs(batch, context)
 
         def run(kc, vc, q=q, table=table, lens=lens, context=context):
             return da.paged_decode_attention(q, kc, vc, table, lens, HEAD_DIM**-0.5, context)

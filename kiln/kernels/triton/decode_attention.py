@@ -20,6 +20,7 @@ import triton.language as tl
 
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
+from kiln.kernels.triton._online_softmax import online_softmax_update
 
 _LOG2E = 1.4426950408889634
 
@@ -41,20 +42,6 @@ def _tile_offsets(block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_
     block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     slots = block_ids * BLOCK_SIZE + n % BLOCK_SIZE
     return slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset + dims[None, :]
-
-
-@triton.jit
-def _online_softmax_step(acc, l_i, m_i, q, k, v, n_mask, qk_scale, DOT_PRECISION: tl.constexpr):
-    """One key tile of the online softmax: acc/l_i/m_i updated with keys k and values v."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
-    s = tl.where(n_mask[None, :], s, float("-inf"))
-    # Every tile holds at least one valid key (n_start < end), so m_new is finite.
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
 
 
 @triton.jit
@@ -117,6 +104,7 @@ def _decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     head_offset = kv_head * HEAD_DIM
+    # Every tile below holds at least one valid key (n_start < end): its row maxima are finite.
     if PREFETCH_V:
         # Float8 cache: V's raw bytes for the next tile are loaded one iteration ahead. V is
         # widened by inline asm right after its load (see _fp8.py), which keeps Triton from
@@ -151,9 +139,9 @@ def _decode_kernel(
                 v = fp8e4m3_to_fp16(v_raw)  # not v.to(tl.float16): see _fp8.py
             else:
                 v = v_raw.to(q.dtype)
-            acc, l_i, m_i = _online_softmax_step(
-                acc, l_i, m_i, q, k.to(q.dtype), v, n_mask, qk_scale, DOT_PRECISION
-            )
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+            s = tl.where(n_mask[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
+            acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v, DOT_PRECISION)
             v_raw = next_v_raw
     else:
         for n_start in range(start, end, BLOCK_N):
@@ -165,9 +153,9 @@ def _decode_kernel(
             kv_mask = n_mask[:, None] & dim_mask[None, :]
             k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
             v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
-            acc, l_i, m_i = _online_softmax_step(
-                acc, l_i, m_i, q, k, v, n_mask, qk_scale, DOT_PRECISION
-            )
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            s = tl.where(n_mask[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
+            acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v, DOT_PRECISION)
 
     # An empty partition (start >= seq_len) leaves l_i == 0: it writes zeros and lse = -inf.
     nonempty = l_i > 0.0

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
+from kiln.kernels.triton._online_softmax import online_softmax_update
 
 _LOG2E = 1.4426950408889634
 
@@ -64,12 +65,7 @@ def _attend_tile(
     if MASKED:
         s = tl.where((n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
     # Rows fully masked in this tile keep m_i (finite: every row saw a key in an earlier tile).
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
+    return online_softmax_update(acc, l_i, m_i, s, v, DOT_PRECISION)
 
 
 @triton.jit

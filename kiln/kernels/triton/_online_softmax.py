@@ -1,0 +1,20 @@
+"""The online-softmax update shared by the attention kernels (flash-attention's inner step)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def online_softmax_update(acc, l_i, m_i, s, v, DOT_PRECISION: tl.constexpr):
+    """Folds one key tile into the running output: `s` [M, N] are the tile's scores, already
+    scaled by softmax_scale * log2(e) and masked to -inf; `v` [N, D] its values. Returns the new
+    (acc, l_i, m_i): the unnormalised output, the row sums and the row maxima, in the log2 domain.
+    Every row must have seen a finite score by now, in this tile or an earlier one."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
