@@ -240,9 +240,9 @@ def _tile_config(
     if device.type != "cuda":
         return 16, 4, 1  # the interpreter's cost grows with tile size; 16 is tl.dot's minimum
     if kv_fp8:
-        # Float8 K/V (V widened by _fp8.fp8e4m3_to_fp16): 64 keys in 2 stages were best or within
-        # 1% at 384 x 1.5k (424 us, 2.8 TB/s; bf16 534), 64 x 4k and batch 1
-        # (benchmarks/results/fp8_run7/kv_fp8_kernel_sweep.json).
+        # Float8 K/V (V widened by _fp8.fp8e4m3_to_fp16, loaded a tile ahead): 64 keys, 4 warps,
+        # 2 stages were best of 18 at 384 x 1.5k and 64 x 4k, within 10% at batch 1 (6.6 vs 6.0 us)
+        # (benchmarks/results/session6/lease2/kv_fp8_prefetch.json; before the prefetch, fp8_run7).
         return 64, 4, 2
     # Tiles of whole cache blocks (or whole tiles of one block), at least 64 keys per tile.
     # 64 keys, 4 warps, 3 stages was within 1-3% of the best of {32,64,128} x {2,4,8} x {2,3} at
