@@ -259,7 +259,7 @@ def run(shapes: Shapes, device: torch.device) -> list[dict]:
         record("prefill", case, "sdpa_contiguous", [sdpa], flops=flops)
         del k_cache, v_cache, k4, v4, expected
 
-    # --- KV cache write, RMSNorm, rotary --------------------------------------------------------
+    # --- RMSNorm, rotary --------------------------------------------------------
     for tokens in s.norm_tokens:
         case = f"tokens={tokens}"
         kv_shape = (tokens, s.num_kv_heads, s.head_dim)
@@ -267,16 +267,7 @@ def run(shapes: Shapes, device: torch.device) -> list[dict]:
         value = torch.randn(kv_shape, generator=gen, device=device).to(s.dtype)
         k_cache, v_cache, _ = _paged([tokens], s, device, gen)
         slots = torch.randperm(tokens, generator=gen, device=device)
-        move = 4 * key.numel() * elem  # read key, value; write both
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
-        triton_ops.write_kv_cache(key, value, k_cache, v_cache, slots)
-        reference.write_kv_cache(key, value, k_ref, v_ref, slots)
-        err = max(_err(k_cache, k_ref), _err(v_cache, v_ref))
-        for impl, ops in (("triton", triton_ops), ("reference", reference)):
-            record("write_kv_cache", case, impl,
-                   [lambda o=ops, a=(key, value, k_cache, v_cache, slots): o.write_kv_cache(*a)],
-                   bytes=move, **({"max_abs_err": err} if impl == "triton" else {}))  # fmt: skip
-
         x = torch.randn(tokens, s.hidden, generator=gen, device=device).to(s.dtype)
         residual = torch.randn(tokens, s.hidden, generator=gen, device=device).to(s.dtype)
         weight = torch.rand(s.hidden, generator=gen, device=device).to(s.dtype)

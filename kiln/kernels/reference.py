@@ -199,8 +199,8 @@ def rotary_embedding_write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> torch.Tensor:  # the rotated query
-    """rotary_embedding(query, key), then write_kv_cache(rotated key, value): what the attention
-    backends run first (one kernel on the GPU)."""
+    """rotary_embedding(query, key), then write_kv_cache(rotated key, value): what follows the
+    qkv projection (one kernel on the GPU; at one row, part of the projection's kernel)."""
     query, key = rotary_embedding(positions, query, key, cos_sin_cache)
     write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
     return query
