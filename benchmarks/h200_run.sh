@@ -6,13 +6,6 @@
 set -u
 OUT=${OUT:-h200_out}
 mkdir -p "$OUT"
-# h200_stages.txt (untracked, at the repository root), when present, replaces the stages given:
-# it lets a lease's later call change plan after its command was written. The log names every
-# stage that ran.
-if [[ -f h200_stages.txt ]]; then
-    echo "=== stages from h200_stages.txt (given: $*)"
-    set -- $(cat h200_stages.txt)
-fi
 export PYTHONPATH=.
 export PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false
