@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 def tiny_model_config(architecture: str = "llama", **overrides):
     """A tiny kiln ModelConfig (2 layers, GQA 4/2, hidden 64; q/k/v biases for qwen2)."""
-    from kiln.build.model_config import ModelConfig
+    from kiln.models.config import ModelConfig
 
     fields = dict(
         architecture=architecture,

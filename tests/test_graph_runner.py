@@ -12,7 +12,7 @@ from kiln import LLM, SamplingParams
 from kiln.attention.torch_backend import TorchAttentionBackend
 from kiln.runtime.graph_runner import GraphRunner, graph_batch_sizes
 from kiln.runtime.input_batch import CachedRequestState, InputBuffers
-from kiln.sampling.sampling_metadata import SamplingMetadataBuilder
+from kiln.runtime.sampling_inputs import SamplingMetadataBuilder
 from tests.conftest import build_tiny_hf_model
 
 PROMPTS = [[1, *range(10 + 7 * i, 10 + 7 * i + 3 + 11 * i)] for i in range(11)]

@@ -15,18 +15,17 @@ import transformers
 from gguf import GGMLQuantizationType
 from safetensors.torch import save_file
 
-from kiln.build import (
-    PRESETS,
+from kiln.checkpoint import (
     GGUFModel,
-    ModelConfig,
     default_model_path,
     load_gguf,
     load_gguf_tokenizer,
     load_hf_checkpoint,
     read_generation_config,
 )
-from kiln.build.gguf_loader import llama3_rope_divisors
+from kiln.checkpoint.gguf_loader import llama3_rope_divisors
 from kiln.errors import ModelLoadError
+from kiln.models.config import PRESETS, ModelConfig
 from tests.conftest import tiny_model_config
 
 _HF_CLASSES = {

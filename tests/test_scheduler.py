@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from kiln.engine.request import Request, RequestStatus
-from kiln.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from kiln.engine.scheduler import Scheduler
+from kiln.interfaces import ModelRunnerOutput, SchedulerOutput
 from kiln.kv_cache.block_pool import BlockPool
 from kiln.kv_cache.manager import KVCacheManager
 from kiln.sampling_params import SamplingParams
@@ -53,7 +54,7 @@ def fake_runner_output(s: Scheduler, out: SchedulerOutput, next_token) -> ModelR
         if req is None or not req.num_output_placeholders:
             continue
         if req.num_computed_tokens == req.num_tokens_with_placeholders - 1:
-            sampled[req_id] = next_token(req)
+            sampled[req_id] = [next_token(req)]
     return ModelRunnerOutput(sampled)
 
 

@@ -18,7 +18,7 @@ def load_hf_model(model_path: str, dtype: torch.dtype, device: torch.device):
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kiln.build.model_config import PRESETS
+    from kiln.models.config import PRESETS
 
     if model_path in PRESETS:  # dummy weights of a preset shape, drawn like kiln's
         config = AutoConfig.for_model(**_preset_kwargs(PRESETS[model_path]))

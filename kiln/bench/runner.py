@@ -13,7 +13,7 @@ from kiln.bench.metrics import throughput_report
 from kiln.bench.offline import run_kiln
 from kiln.bench.report import environment, format_table, measure_copy_bandwidth, write_json
 from kiln.bench.workload import synthetic_requests
-from kiln.build.default_model import default_model_path
+from kiln.checkpoint.default_model import default_model_path
 from kiln.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
 from kiln.runtime.model_runner import TRACE_COLUMNS

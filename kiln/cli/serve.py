@@ -57,7 +57,10 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=5,
         lifespan="off",
     )
-    server = DrainingServer(config, app.state.kiln, args.shutdown_grace)
+    state = app.state.kiln
+    server = DrainingServer(
+        config, lambda: state.lifecycle.drain(args.shutdown_grace, state.engine.abort)
+    )
     try:
         server.run()
     finally:

@@ -13,8 +13,9 @@ import torch
 from kiln.config import EngineConfig
 from kiln.engine.output_processor import OutputProcessor
 from kiln.engine.request import Request, RequestStatus
-from kiln.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from kiln.engine.scheduler import Scheduler
 from kiln.errors import InvalidRequestError
+from kiln.interfaces import ModelRunnerOutput, SchedulerOutput
 from kiln.kv_cache.manager import KVCacheManager
 from kiln.outputs import RequestOutput
 from kiln.runtime.memory_plan import plan_kv_blocks

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kiln.engine.detokenizer import IncrementalDetokenizer, decode_token
-from kiln.engine.scheduler import EngineCoreOutput, TokenLogprobs
+from kiln.engine.scheduler import EngineCoreOutput
+from kiln.interfaces import TokenLogprobs
 from kiln.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -157,7 +158,7 @@ class OutputProcessor:
         o.token_ids.extend(out.new_token_ids)
         new_logprobs = None
         if o.logprobs is not None and out.logprobs is not None:
-            new_logprobs = [self._position(out.logprobs)]
+            new_logprobs = [self._position(entry) for entry in out.logprobs]
             o.logprobs.extend(new_logprobs)
         if o.finish_reason is None and out.finish_reason is not None:
             o.finish_reason, o.stop_reason = out.finish_reason, out.stop_reason

@@ -16,72 +16,18 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kiln.engine.request import Request, RequestStatus
+from kiln.interfaces import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    PromptLogprobsChunk,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from kiln.kv_cache.manager import KVCacheManager
-
-
-@dataclass(frozen=True)
-class NewRequestData:
-    """A request the runner has not seen (or must rebuild after preemption), sent in full."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    sampling_params: object  # SamplingParams; typed loosely to keep this module import-light
-    block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass(frozen=True)
-class CachedRequestData:
-    """A request the runner already holds: only what changed."""
-
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    new_requests: list[NewRequestData]
-    cached_requests: list[CachedRequestData]
-    num_scheduled_tokens: dict[str, int]
-    total_num_scheduled_tokens: int
-    # Finished, aborted or preempted since the last step: the runner drops their state.
-    finished_req_ids: frozenset[str]
-    num_preempted: int = 0
-    step_id: int = 0  # increasing: lets update() tell a request from a later one of the same id
-
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Logprobs at one position: column 0 is the chosen token, then the top-N alternatives."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    rank: int  # rank of token_ids[0] (1 = most likely)
-
-
-@dataclass(frozen=True)
-class PromptLogprobsChunk:
-    """Logprobs of prompt tokens first_index .. first_index + len(entries) - 1, scored this step.
-    (The first prompt token has none: nothing predicts it.)"""
-
-    first_index: int
-    entries: list[TokenLogprobs]
-
-
-@dataclass(frozen=True)
-class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]  # requests that reached their last token this step
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -92,7 +38,7 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: TokenLogprobs | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
     prompt_logprobs: PromptLogprobsChunk | None = None
     num_cached_tokens: int = 0
 
@@ -285,39 +231,50 @@ class Scheduler:
     def update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Advance computed tokens, append sampled tokens, apply stop rules, free finished."""
+        """Append each request's sampled tokens in order, checking the stop rules after every
+        one (a token past a stop is dropped), and free the requests that finished."""
         outputs: list[EngineCoreOutput] = []
         scheduled = self._scheduled.pop(scheduler_output.step_id, {})
         for req_id, request in scheduled.items():
             if request.is_finished or self.requests.get(req_id) is not request:
-                continue  # finished, or aborted, while the step ran: its token is dropped
+                continue  # finished, or aborted, while the step ran: its tokens are dropped
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
-            token_id = runner_output.sampled_token_ids.get(req_id)
-            if token_id is None:
+            token_ids = runner_output.sampled_token_ids.get(req_id)
+            if not token_ids:
                 if prompt_logprobs:
                     outputs.append(EngineCoreOutput(req_id, [], prompt_logprobs=prompt_logprobs))
                 continue
-            request.num_output_placeholders -= 1
-            request.append_output_token(token_id)
-            finish = self._check_stop(request, token_id)
+            request.num_output_placeholders -= 1  # the step held one placeholder
+            new_token_ids, finish = self._append_until_stop(request, token_ids)
             if finish is not None:
                 if request.status == RequestStatus.RUNNING:
                     self.running.remove(request)
                 else:  # preempted while its token was in flight
                     self.waiting.remove(request)
                 self._free(request, finish)
+            logprobs = runner_output.logprobs.get(req_id)
             outputs.append(
                 EngineCoreOutput(
                     req_id,
-                    [token_id],
+                    new_token_ids,
                     finish_reason=finish.value if finish else None,
                     stop_reason=request.stop_reason,
-                    logprobs=runner_output.logprobs.get(req_id),
+                    logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
                     prompt_logprobs=prompt_logprobs,
                     num_cached_tokens=request.num_cached_tokens,
                 )
             )
         return outputs
+
+    def _append_until_stop(
+        self, request: Request, token_ids: list[int]
+    ) -> tuple[list[int], RequestStatus | None]:
+        for count, token_id in enumerate(token_ids, 1):
+            request.append_output_token(token_id)
+            finish = self._check_stop(request, token_id)
+            if finish is not None:
+                return token_ids[:count], finish
+        return token_ids, None
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

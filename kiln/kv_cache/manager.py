@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.engine.request import Request
+from kiln.interfaces import KVCacheRequest
 from kiln.kv_cache.block_pool import BlockPool, KVBlock, hash_block_tokens
 
 
@@ -31,7 +31,7 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
-    def _update_block_hashes(self, request: Request) -> None:
+    def _update_block_hashes(self, request: KVCacheRequest) -> None:
         bs = self.block_size
         hashes = request.block_hashes
         while (len(hashes) + 1) * bs <= request.num_tokens:
@@ -39,7 +39,7 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block_tokens(parent, request.all_token_ids[start : start + bs]))
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: KVCacheRequest) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of a waiting request, in whole blocks, leaving at least one
         token to compute (its logits are needed to sample)."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
@@ -54,13 +54,13 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def record_admission(self, request: Request, num_hit_tokens: int) -> None:
+    def record_admission(self, request: KVCacheRequest, num_hit_tokens: int) -> None:
         """Count a first admission's prefix lookup in the hit-rate statistics."""
         self.stats.queries += request.num_tokens
         self.stats.hits += num_hit_tokens
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] = ()
+        self, request: KVCacheRequest, num_new_tokens: int, new_computed_blocks: list[KVBlock] = ()
     ) -> list[KVBlock] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones (prefix hits
         included). Returns the newly allocated blocks, or None when the pool is too small (nothing
@@ -81,7 +81,9 @@ class KVCacheManager:
         self._cache_full_blocks(request, blocks, total_tokens)
         return new_blocks
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+    def _cache_full_blocks(
+        self, request: KVCacheRequest, blocks: list[KVBlock], num_tokens: int
+    ) -> None:
         # The tokens of this step are known (prompt or already sampled), and their K/V are written
         # before any later step reads them, so their full blocks can be published right away.
         if not self.enable_caching:
@@ -96,7 +98,7 @@ class KVCacheManager:
     def block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(req_id, [])]
 
-    def free(self, request: Request) -> None:
+    def free(self, request: KVCacheRequest) -> None:
         blocks = self.req_to_blocks.pop(request.req_id, [])
         self._num_cached_blocks.pop(request.req_id, None)
         self.pool.free(list(reversed(blocks)))

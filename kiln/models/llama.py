@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.attention.backend import AttentionBackend, AttentionMetadata
-from kiln.build.model_config import ModelConfig
 from kiln.errors import ModelLoadError
 from kiln.layers.rotary import build_cos_sin_cache
+from kiln.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):

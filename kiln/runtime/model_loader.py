@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.build.model_config import PRESETS, ModelConfig
 from kiln.config import EngineConfig
 from kiln.errors import ModelLoadError
+from kiln.models.config import PRESETS, ModelConfig
 from kiln.models.llama import LlamaForCausalLM
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -64,7 +64,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def find_model_source(model: str | None, load_format: str) -> ModelSource:
-    from kiln.build.default_model import default_model_path
+    from kiln.checkpoint.default_model import default_model_path
 
     path = default_model_path() if model is None else os.path.expanduser(model)
     if load_format == "dummy":
@@ -83,7 +83,7 @@ def find_model_source(model: str | None, load_format: str) -> ModelSource:
 
 
 def _gguf_source(path: str) -> ModelSource:
-    from kiln.build.gguf_loader import GGUFModel
+    from kiln.checkpoint.gguf_loader import GGUFModel
 
     gguf_model = GGUFModel(path)
     return ModelSource(
@@ -92,7 +92,7 @@ def _gguf_source(path: str) -> ModelSource:
 
 
 def _hf_dir_source(path: str) -> ModelSource:
-    from kiln.build.safetensors_loader import load_hf_checkpoint, read_generation_config
+    from kiln.checkpoint.safetensors_loader import load_hf_checkpoint, read_generation_config
 
     config, weights = load_hf_checkpoint(path)
     return ModelSource(
@@ -124,7 +124,7 @@ def _dummy_source(name: str) -> ModelSource:
             config = ModelConfig.from_hf_dict(json.load(f))
         return ModelSource(config, None, _load_tokenizer(name), {}, f"dummy {name}")
     if name.endswith(".gguf") and os.path.isfile(name):
-        from kiln.build.gguf_loader import GGUFModel
+        from kiln.checkpoint.gguf_loader import GGUFModel
 
         gguf_model = GGUFModel(name)
         return ModelSource(gguf_model.config, None, gguf_model.tokenizer(), {}, f"dummy {name}")

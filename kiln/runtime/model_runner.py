@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from kiln.attention.backend import get_attention_backend
-from kiln.engine.scheduler import (
+from kiln.interfaces import (
+    EMPTY_RUNNER_OUTPUT,
     ModelRunnerOutput,
     PromptLogprobsChunk,
     SchedulerOutput,
@@ -30,8 +31,8 @@ from kiln.kernels.ops import kernel_ops
 from kiln.models.llama import LlamaForCausalLM
 from kiln.runtime.graph_runner import GraphRunner
 from kiln.runtime.input_batch import CachedRequestState, InputBuffers, PackedBatch
+from kiln.runtime.sampling_inputs import SamplingMetadataBuilder
 from kiln.sampling.sampler import LogprobsTensors, Sampler, compute_logprobs
-from kiln.sampling.sampling_metadata import SamplingMetadataBuilder
 
 logger = logging.getLogger("kiln")
 
@@ -156,7 +157,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One synchronous step."""
         if not self.submit(sched):
-            return ModelRunnerOutput(sampled_token_ids={})
+            return EMPTY_RUNNER_OUTPUT
         return self.collect()
 
     @torch.inference_mode()
@@ -280,19 +281,19 @@ class ModelRunner:
         logprob_rows = None
         if step.host_logprobs is not None:
             logprob_rows = _logprobs_to_lists(step.host_logprobs)
-        sampled_ids: dict[str, int] = {}
+        sampled_ids: dict[str, list[int]] = {}
         for state, token_id in zip(step.states, sampled):
             state.output_token_ids.append(token_id)
             state.token_ids.append(token_id)
             state.num_pending -= 1
-            sampled_ids[state.req_id] = token_id
+            sampled_ids[state.req_id] = [token_id]
         logprobs = {}
         if logprob_rows is not None:
             for i, state in enumerate(step.states):
                 n = state.sampling_params.logprobs
                 if n is not None:
                     ids, lps, rank = logprob_rows[i]
-                    logprobs[state.req_id] = TokenLogprobs(ids[: n + 1], lps[: n + 1], rank)
+                    logprobs[state.req_id] = [TokenLogprobs(ids[: n + 1], lps[: n + 1], rank)]
         step.output = ModelRunnerOutput(sampled_ids, logprobs, step.prompt_lp)
         self._record(step, t4, t5, time.perf_counter())
 

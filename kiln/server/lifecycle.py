@@ -13,15 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 import uvicorn
 
 from kiln.server.errors import APIError
-
-if TYPE_CHECKING:
-    from kiln.server.state import ServerState
 
 logger = logging.getLogger("kiln.server")
 
@@ -66,10 +62,9 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's Server, but the first SIGTERM/SIGINT drains instead of closing the sockets: a
     client that connects during the drain gets a 503 it can act on, not a refused connection."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]) -> None:
         super().__init__(config)
-        self.state = state
-        self.grace_s = grace_s
+        self.drain = drain  # waits out (or aborts) the in-flight requests
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
 
@@ -87,5 +82,5 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
 
     async def _drain(self) -> None:
-        await self.state.lifecycle.drain(self.grace_s, self.state.engine.abort)
+        await self.drain()
         self.should_exit = True

@@ -1,7 +1,7 @@
 """ModelConfig: a Llama-family checkpoint's shape, read from (and written back to) HF config.json.
 
-Every reader in kiln/build (safetensors, GGUF, dummy-weight presets) produces one of these, so the
-model code never sees a raw config dict.
+Every checkpoint reader (kiln/checkpoint: safetensors, GGUF) and the dummy-weight presets produce
+one of these, so the model code never sees a raw config dict.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
-from kiln.build.model_config import ModelConfig
 from kiln.errors import ModelLoadError
+from kiln.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

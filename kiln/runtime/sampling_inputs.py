@@ -1,4 +1,4 @@
-"""Builds the sampler's per-row tensors from the runner's request states."""
+"""Builds the sampler's per-row tensors (SamplingMetadata) from the runner's request states."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kiln.build.model_config import ModelConfig
 from kiln.errors import ModelLoadError
+from kiln.models.config import ModelConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
