@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# One H200 lease: GPU correctness tests and the issue-4 benchmark set, Llama-3.1-8B shape, dummy
-# weights, bf16. Usage: benchmarks/h200_run.sh STAGE... (see the case below); JSON and the log go
-# to $OUT (the device tool's folder) or ./h200_out. Each stage has its own time limit, so one that
-# hangs or fails leaves the others their time.
+# One H200 run: GPU correctness tests and the issue-4 benchmark set, Llama-3.1-8B shape, dummy
+# weights, bf16. Usage: benchmarks/h200_run.sh STAGE... (see the case below), from the repository
+# root. JSON and the log go to $OUT (the device tool's folder) if it is set, else to
+# benchmarks/results/$RUN_NAME, named by date and what was measured: RUN_NAME defaults to
+# DATE-h200-STAGES (e.g. 2026-11-30-h200-tput1000-fp8nopf-tput1000-fp8); a folder that comes back
+# from the device is committed under benchmarks/results/ by the same rule. Each stage has its own
+# time limit, so one that hangs or fails leaves the others their time.
 set -u
-OUT=${OUT:-h200_out}
+STAGES=$(IFS=-; echo "$*")
+OUT=${OUT:-benchmarks/results/${RUN_NAME:-$(date +%F)-h200-${STAGES:-none}}}
 mkdir -p "$OUT"
 export PYTHONPATH=.
 export PYTHONUNBUFFERED=1
@@ -29,7 +33,7 @@ stage() {  # name, seconds, command...
 
 for s in "$@"; do
     # A suffix runs a benchmark stage as a variant, with no HF baseline (the one in the plain
-    # stage of the same lease is the comparison), and writes NAME_SUFFIX.json: "-fp8" a float8
+    # stage of the same run is the comparison), and writes NAME_SUFFIX.json: "-fp8" a float8
     # KV cache ("-fp8nopf": without the float8 decode kernel's V prefetch), "-gc0" Python's
     # default GC threshold (the engine raises it; A/B of that).
     VARIANT="" SFX="" HF_BASELINE="--baseline hf"
@@ -102,7 +106,7 @@ for s in "$@"; do
             --max-model-len 2176 --warmup 12 $HF_BASELINE --hf-batch-size 16 \
             --output-json "$OUT/tput2048$SFX.json"
         ;;
-    tput2048-short)  # the same with 256 requests (sessions 1-5's stage): one wave and its tail
+    tput2048-short)  # the same with 256 requests (tput2048 before it took TensorRT-LLM's 3000): one wave and its tail
         stage tput2048-short 170 $BENCH throughput $COMMON $VARIANT --input-len 2048 --output-len 128 \
             --num-requests 256 --max-num-seqs 256 --max-num-batched-tokens 8192 \
             --max-model-len 2176 --warmup 12 --output-json "$OUT/tput2048_short$SFX.json"
@@ -138,7 +142,7 @@ for s in "$@"; do
             --num-requests 3 --max-model-len 1280 --no-async-scheduling \
             --output-json "$OUT/lat1k_sync$SFX.json"
         ;;
-    lat1k-unfused)  # batch 1 with the fused small-batch linear kernels off: same-lease A/B
+    lat1k-unfused)  # batch 1 with the fused small-batch linear kernels off: A/B in one run
         KILN_FUSED_LINEAR_MAX_ROWS=0 stage lat1k-unfused 120 $BENCH latency $COMMON $VARIANT \
             --input-len 1024 --output-len 128 --num-requests 3 --max-model-len 1280 \
             --output-json "$OUT/lat1k_unfused$SFX.json"

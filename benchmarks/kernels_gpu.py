@@ -61,7 +61,9 @@ def _git_revision() -> str:
         return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         # A copy of the tree without .git (e.g. on a remote GPU machine): let the caller say.
-        return os.environ.get("KILN_GIT_REVISION", "unknown")
+        from kiln.envs import envs
+
+        return envs().git_revision or "unknown"
 
 
 Call = Callable[[], object]
