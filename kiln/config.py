@@ -1,20 +1,32 @@
-"""Engine configuration: typed, frozen, validated once. Every field has a default and a reason."""
+"""Engine configuration: typed, frozen, validated once. Every field has a default and a reason.
+
+Field metadata, read by `__post_init__` and by the CLI (kiln.cli.engine_args, which makes one
+flag per field, its help the field's docstring): "choices", the values a field accepts, declared
+once for both; "cli": False keeps a field off the command line.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields
+
+
+def _one_of(default: str, *choices: str) -> str:
+    """A string field that accepts only `choices` (validated, and the CLI flag's choices)."""
+    return field(default=default, metadata={"choices": (default, *choices)})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Knobs of the runtime. Construct with keyword arguments; `resolve()` fills "auto" values."""
+    """Knobs of the runtime. Construct with keyword arguments. "auto" and None values are kept as
+    given: the engine resolves them where the device and the model are known (kiln.engine,
+    kiln.runtime), so a config means the same on every machine."""
 
     model: str | None = None
     """HF model directory, .gguf file, architecture preset (with load_format="dummy") or hub id.
     None means the embedded default (SmolLM2-135M-Instruct)."""
-    load_format: str = "auto"
+    load_format: str = _one_of("auto", "dummy")
     """"auto" (read the checkpoint) or "dummy" (random weights at a sane scale, for benchmarks)."""
-    dtype: str = "auto"
+    dtype: str = _one_of("auto", "float32", "float16", "bfloat16")
     """"auto" (float32 on CPU, bfloat16 on GPU), "float32", "float16" or "bfloat16"."""
     device: str = "auto"
     """"auto" (cuda if available, else cpu), "cpu" or "cuda"."""
@@ -26,7 +38,7 @@ class EngineConfig:
     """Token budget of one step: decodes plus prefill chunks. A long prompt is chunked to fit."""
     block_size: int = 16
     """Tokens per KV cache block (page)."""
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = _one_of("auto", "fp8", "fp8_e4m3")
     """"auto" (the model dtype) or "fp8" (float8 e4m3, unscaled: half the bytes of bf16, so twice
     the tokens and half the reads per decode step, at a small accuracy cost; see
     docs/performance.md)."""
@@ -38,10 +50,12 @@ class EngineConfig:
     """Exact number of KV blocks, overriding the budget (tests use it to force preemption)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes (chained block hashes)."""
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = _one_of("fcfs", "priority")
     """"fcfs" or "priority" (lower priority value is served first; ties by arrival)."""
-    attention_backend: str = "auto"
-    """"auto", "torch" or "triton"."""
+    attention_backend: str = _one_of("auto", "torch", "triton")
+    """The kernels everything runs on (attention, norms, linears, rotary, argmax; one choice, in
+    kiln.kernels.ops): "auto" (triton on CUDA when it imports, else torch), "torch" (the
+    pure-PyTorch reference) or "triton"."""
     seed: int = 0
     """Seed of the global RNG (rows without their own seed) and of dummy weights."""
     enforce_eager: bool = False
@@ -57,8 +71,6 @@ class EngineConfig:
     collection every ~30 steps, and a full collection walks every live token list: 60-120 ms
     host stalls that the GPU waited out at 1000/1000 (docs/performance.md). TensorRT-LLM's
     executor raises it too."""
-    chat: bool | None = None
-    """Apply the chat template in generate(); None: only in chat()."""
 
     def __post_init__(self) -> None:
         def fail(name: str, why: str) -> None:
@@ -72,16 +84,12 @@ class EngineConfig:
             fail("max_num_batched_tokens", "must be >= 1")
         if self.block_size < 1:
             fail("block_size", "must be >= 1")
-        if self.load_format not in ("auto", "dummy"):
-            fail("load_format", 'must be "auto" or "dummy"')
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            fail("dtype", 'must be "auto", "float32", "float16" or "bfloat16"')
-        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
-            fail("kv_cache_dtype", 'must be "auto" or "fp8" (alias "fp8_e4m3")')
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices is not None and getattr(self, f.name) not in choices:
+                fail(f.name, "must be one of " + ", ".join(f'"{c}"' for c in choices))
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             fail("device", 'must be "auto", "cpu" or "cuda[:N]"')
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            fail("scheduling_policy", 'must be "fcfs" or "priority"')
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             fail("gpu_memory_utilization", "must be in (0, 1]")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
@@ -94,6 +102,3 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
-
-    def with_updates(self, **changes: object) -> EngineConfig:
-        return replace(self, **changes)

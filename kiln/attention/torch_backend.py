@@ -56,7 +56,8 @@ def run_split_attention(
         # one 1.1 s step in a 21 s benchmark).
         block_tables, seq_lens = block_tables.clone(), seq_lens.clone()
     # Both kernels write their rows of one output (no concatenation afterwards: a copy of every
-    # row per layer, 1.1 ms of a 197 ms mixed step on the H200, session5/mixed2).
+    # row per layer, 1.1 ms of a 197 ms mixed step on the H200: docs/performance.md, "Where the
+    # time goes").
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     ops.paged_prefill_attention(
         query[nd:],

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -12,12 +11,14 @@ import time
 
 import torch
 
+from kiln.envs import envs
+
 
 def environment(device: torch.device) -> dict:
     import transformers
 
     # KILN_GIT_REVISION: for machines the code reaches without its .git (a copied tree).
-    rev, dirty = os.environ.get("KILN_GIT_REVISION", ""), ""
+    rev, dirty = envs().git_revision or "", ""
     if not rev:
         try:
             rev = subprocess.run(

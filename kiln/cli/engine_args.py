@@ -3,73 +3,84 @@
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
+import inspect
+import types
+import typing
+from dataclasses import Field, fields
 
 from kiln.config import EngineConfig
 from kiln.sampling_params import SamplingParams
 
+# Spellings kiln shipped before the flags were generated, kept so scripts keep working:
+# field -> an extra flag that sets it False.
+_NEGATIVE_ALIASES = {"enable_prefix_caching": "--no-prefix-caching"}
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings of a dataclass (the string literal under each field), by field."""
+    (node,) = ast.parse(inspect.getsource(cls)).body
+    docs = {}
+    for stmt, after in zip(node.body, node.body[1:]):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[stmt.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def engine_fields() -> list[Field]:
+    """The EngineConfig fields that are flags (all but those marked `metadata={"cli": False}`)."""
+    return [f for f in fields(EngineConfig) if f.metadata.get("cli", True)]
+
+
+def _flag_kwargs(f: Field, annotation: object, doc: str) -> dict:
+    """add_argument's keywords for one field: type from the annotation, default and choices from
+    the field, help from its docstring ("%" escaped: argparse formats help strings)."""
+    kind = annotation
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        (kind,) = (a for a in typing.get_args(kind) if a is not type(None))
+    text = doc.replace("%", "%%") + ("" if f.default is None else " (default: %(default)s)")
+    kwargs: dict = {"default": f.default, "help": text}
+    if kind is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction  # --x and --no-x
+    elif kind in (int, float, str):
+        kwargs["type"] = kind
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+    else:
+        raise TypeError(f"EngineConfig.{f.name}: no flag for type {annotation!r}")
+    return kwargs
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field: `--field-name`, typed, defaulted and documented by it."""
     g = p.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="HF dir, .gguf file or preset (default: embedded SmolLM2-135M-Instruct)",
-    )
-    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    g.add_argument("--device", default="auto")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "fp8", "fp8_e4m3"],
-        help="KV cache element type: the model dtype, or float8 e4m3 (half the memory and reads)",
-    )
-    g.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="schedule step N+1 while step N runs (default: on with CUDA, off on the CPU)",
-    )
-    g.add_argument(
-        "--gc-gen0-threshold",
-        type=int,
-        default=20_000,
-        help="Python GC gen-0 threshold while stepping (0: Python's default)",
-    )
-    g.add_argument("--seed", type=int, default=0)
+    hints = typing.get_type_hints(EngineConfig)
+    docs = field_docs(EngineConfig)
+    for f in engine_fields():
+        flag = "--" + f.name.replace("_", "-")
+        kwargs = _flag_kwargs(f, hints[f.name], docs.get(f.name, ""))
+        action = g.add_argument(flag, dest=f.name, **kwargs)
+        action.help = kwargs["help"]  # Python 3.10's BooleanOptionalAction appends a 2nd default
+        if f.name in _NEGATIVE_ALIASES:
+            g.add_argument(
+                _NEGATIVE_ALIASES[f.name],
+                dest=f.name,
+                action="store_false",
+                default=argparse.SUPPRESS,  # the main flag sets the default
+                help=f"same as --no-{flag[2:]}",
+            )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        load_format=args.load_format,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=args.enable_prefix_caching,
-        scheduling_policy=args.scheduling_policy,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
-        gc_gen0_threshold=args.gc_gen0_threshold,
-        seed=args.seed,
-    )
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in engine_fields()})
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

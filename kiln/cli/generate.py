@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln.llm import LLM
 
     config = engine_config_from_args(args)
-    llm = LLM(**{k: v for k, v in vars(config).items()})
+    llm = LLM(**vars(config))
     tokenizer = llm.get_tokenizer()
     use_chat = args.chat
     if use_chat is None:

@@ -1,4 +1,11 @@
-"""`kiln` command line: one sub-command per verb, each in its own module."""
+"""`kiln` command line: one sub-command per verb, each in its own module.
+
+A verb module imports only the standard library and kiln's light modules at its top; its heavy
+dependencies (torch, transformers, fastapi, uvicorn) are imported inside its `run`, so `kiln --help`
+is quick and a verb works on a machine without another verb's dependencies (`kiln bench` and
+`kiln generate` run where fastapi is not installed). An import error in a verb module is a bug,
+raised rather than hidden.
+"""
 
 from __future__ import annotations
 
@@ -6,21 +13,17 @@ import argparse
 import logging
 import sys
 
+from kiln.cli import bench, generate, serve
 from kiln.errors import KilnError
+
+VERBS = (generate, serve, bench)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kiln", description="kiln LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
-    from kiln.cli import generate
-
-    generate.add_parser(sub)
-    for name in ("serve", "bench"):  # verbs that land with their own modules
-        try:
-            module = __import__(f"kiln.cli.{name}", fromlist=["add_parser"])
-        except ImportError:
-            continue
-        module.add_parser(sub)
+    for verb in VERBS:
+        verb.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -7,9 +7,9 @@ to finish (the rest are aborted), then the process exits 0. A second signal exit
 from __future__ import annotations
 
 import argparse
-import os
 
 from kiln.cli.engine_args import add_engine_args, engine_config_from_args
+from kiln.envs import envs
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -18,9 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--api-key", default=os.environ.get("KILN_API_KEY"), help="default: $KILN_API_KEY"
-    )
+    p.add_argument("--api-key", default=envs().api_key, help="default: $KILN_API_KEY")
     p.add_argument("--served-model-name", default=None, help="default: --model as given")
     p.add_argument(
         "--max-waiting", type=int, default=1024, help="requests queued beyond this get 503"

@@ -12,12 +12,11 @@ writes a partial output and its log-sum-exp, and a second small kernel merges th
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kiln.envs import envs
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 from kiln.kernels.triton._online_softmax import online_softmax_update
@@ -32,7 +31,7 @@ _MIN_TOKENS_PER_SPLIT = 64
 _MAX_SPLITS = 64
 # Whether decode over a float8 cache loads V a tile ahead (module-level so the H200 sweep can
 # measure both in one process; KILN_PREFETCH_FP8_V=0 turns it off for an end-to-end A/B).
-PREFETCH_FP8_V = os.environ.get("KILN_PREFETCH_FP8_V", "1") != "0"
+PREFETCH_FP8_V = envs().prefetch_fp8_v
 
 
 @triton.jit
@@ -242,7 +241,7 @@ def _tile_config(
     if kv_fp8:
         # Float8 K/V (V widened by _fp8.fp8e4m3_to_fp16, loaded a tile ahead): 64 keys, 4 warps,
         # 2 stages were best of 18 at 384 x 1.5k and 64 x 4k, within 10% at batch 1 (6.6 vs 6.0 us)
-        # (benchmarks/results/session6/lease2/kv_fp8_prefetch.json; before the prefetch, fp8_run7).
+        # (docs/performance.md, "FP8 KV cache").
         return 64, 4, 2
     # Tiles of whole cache blocks (or whole tiles of one block), at least 64 keys per tile.
     # 64 keys, 4 warps, 3 stages was within 1-3% of the best of {32,64,128} x {2,4,8} x {2,3} at

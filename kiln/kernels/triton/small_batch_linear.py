@@ -23,20 +23,19 @@ dtype instead of normalised-then-rounded twice); fp32 agrees to ~1e-6.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kiln.envs import envs
 from kiln.kernels.triton._device import dot_precision, num_sms
 from kiln.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from kiln.kernels.triton.silu_mul import silu_and_mul
 
 # Above this cuBLAS's GEMM tiles win, and the small kernels matter less.
 # KILN_FUSED_LINEAR_MAX_ROWS=0 turns the fused kernels off (the benchmarks' A/B switch).
-MAX_ROWS = int(os.environ.get("KILN_FUSED_LINEAR_MAX_ROWS", "8"))
+MAX_ROWS = envs().fused_linear_max_rows
 
 _PLAIN, _NORM, _ADD_NORM = 0, 1, 2
 

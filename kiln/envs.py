@@ -1,0 +1,75 @@
+"""Every KILN_* environment variable kiln reads, typed, with its default and why, read once.
+
+A field `name` is the variable `KILN_NAME`. Unset or empty means the default; a value that does not
+parse raises a ValueError naming the variable. Code reads `envs().name`, never `os.environ`: one
+place lists what the environment can change, and a typo in a value fails instead of being ignored.
+The kernels read their switches at import, so a value must be set before kiln is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+PREFIX = "KILN_"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Envs:
+    prefetch_fp8_v: bool = True
+    """Decode attention over a float8 KV cache loads V a tile ahead. Off (0) is the end-to-end A/B
+    of the prefetch (benchmarks/h200_run.sh); kernels.triton.decode_attention reads it at import."""
+    fused_linear_max_rows: int = 8
+    """Most rows the fused small-batch linear kernels take (above it cuBLAS's GEMM tiles win). 0
+    turns them off, the benchmarks' A/B switch; kernels.triton.small_batch_linear reads it at
+    import."""
+    api_key: str | None = None
+    """Default of `kiln serve --api-key`: a key kept off the command line (and so out of `ps`)."""
+    git_revision: str | None = None
+    """The revision benchmark records name when the tree has no .git (a copy on a GPU machine);
+    None: ask git."""
+
+
+def _parse(name: str, kind: object, text: str) -> object:
+    if isinstance(kind, types.UnionType):  # `X | None`: an unset variable is already the None
+        (kind,) = (a for a in typing.get_args(kind) if a is not type(None))
+    if kind is bool:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ValueError(f"{name} must be one of {', '.join(_TRUE + _FALSE)}, got {text!r}")
+    if kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{name} must be an integer, got {text!r}") from None
+    if kind is str:
+        return text
+    raise TypeError(f"Envs: no parser for {name}'s type {kind!r}")
+
+
+def read_envs(environ: Mapping[str, str] | None = None) -> Envs:
+    """The variables of `environ` (default: the process's), parsed; unset or empty ones default."""
+    environ = os.environ if environ is None else environ
+    hints = typing.get_type_hints(Envs)
+    values = {}
+    for f in fields(Envs):
+        name = PREFIX + f.name.upper()
+        text = environ.get(name, "")
+        if text:
+            values[f.name] = _parse(name, hints[f.name], text)
+    return Envs(**values)
+
+
+@functools.cache
+def envs() -> Envs:
+    """The process's variables, read on first use and fixed from then on."""
+    return read_envs()
