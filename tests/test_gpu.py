@@ -53,7 +53,7 @@ def _llama8b_llm(hf, **engine_args) -> LLM:
         max_num_seqs=8,
         **engine_args,
     )
-    llm.engine.runner.model.load_weights(hf.state_dict().items())
+    llm.engine.executor.runner.model.load_weights(hf.state_dict().items())
     return llm
 
 
@@ -104,7 +104,7 @@ def test_llama8b_fp8_kv_cache_close_to_hf(llama8b_pair):
     float8): still close to HF's bf16 model, and decode steps through graphs run on it."""
     hf, bf16_llm = llama8b_pair
     llm = _llama8b_llm(hf, kv_cache_memory_gb=1.0, kv_cache_dtype="fp8")
-    assert llm.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    assert llm.engine.executor.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
     plan, bf16_plan = llm.engine.memory_plan, bf16_llm.engine.memory_plan
     assert 2 * plan.bytes_per_block == bf16_plan.bytes_per_block
     rel, max_abs, agree = _compare_prompt_logprobs_with_hf(hf, llm, _random_prompts(3, 128256, 1))
@@ -133,13 +133,16 @@ def test_llama8b_graphs_match_eager_bf16(llama8b_pair):
     """Decode steps through CUDA graphs (padded batches, bucketed split-K) against eager steps
     on the same bf16 weights: the logprob of every token both chose is close."""
     _, llm = llama8b_pair
-    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.num_graphs > 0
+    assert (
+        llm.engine.executor.runner.graphs is not None
+        and llm.engine.executor.runner.graphs.num_graphs > 0
+    )
     prompts = _random_prompts(5, 128256, seed=2)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     graph_out = llm.generate(prompts, params)
     # Same prefill path for both runs (no prefix hits from the first): only decode differs.
     assert llm.engine.kv_cache.pool.reset_prefix_cache()
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     graphs, runner.graphs = runner.graphs, None
     try:
         eager_out = llm.generate(prompts, params)
@@ -163,7 +166,7 @@ def test_llama8b_graphs_match_eager_bf16(llama8b_pair):
 def test_tiny_greedy_matches_hf_on_gpu(variant, tmp_path):
     hf_model = build_tiny_hf_model(variant, str(tmp_path))  # the CPU fp32 oracle
     llm = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=16)
-    assert llm.engine.runner.graphs is not None
+    assert llm.engine.executor.runner.graphs is not None
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
     for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
         assert_greedy_matches_hf(hf_model, prompt, out.outputs[0], 2e-3, variant)

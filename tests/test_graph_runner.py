@@ -49,7 +49,7 @@ def _tokens(outputs) -> list[list[int]]:
 def test_fake_graphs_match_eager(tiny_path):
     eager = _tokens(LLM(tiny_path, max_num_seqs=8).generate(PROMPTS, PARAMS))
     llm = LLM(tiny_path, max_num_seqs=8)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     runner.graphs = GraphRunner(
         runner.model,
         runner.ops,
@@ -72,7 +72,7 @@ def test_fake_graphs_match_eager(tiny_path):
 
 def test_lookup_picks_smallest_bucket(tiny_path):
     llm = LLM(tiny_path, max_num_seqs=8)
-    r = llm.engine.runner
+    r = llm.engine.executor.runner
     graphs = GraphRunner(
         r.model, r.ops, _BucketedTorchBackend(), r.kv_caches, r.inputs, 8, 512, fake=True
     )

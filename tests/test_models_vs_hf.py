@@ -105,7 +105,7 @@ def test_sharded_checkpoint_loads(tmp_path):
 
 def test_dummy_weights_from_preset():
     llm = LLM("smollm2-135m", load_format="dummy", max_model_len=256)
-    weight = llm.engine.runner.model.layers[0].mlp.down_proj.weight
+    weight = llm.engine.executor.runner.model.layers[0].mlp.down_proj.weight
     assert 0.015 < weight.std().item() < 0.025  # a trained model's scale, not zeros or garbage
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].text == ""  # no tokenizer

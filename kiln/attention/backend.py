@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.kernels.ops import resolve_kernel_backend
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -68,7 +70,8 @@ class AttentionBackend(ABC):
         ...
 
 
-# name -> "module:Class", imported only when chosen (a GPU backend must not be imported on CPU).
+# Kernel-backend name -> "module:Class", imported only when chosen (a GPU backend must not be
+# imported on the CPU).
 _BACKENDS: dict[str, str] = {
     "torch": "kiln.attention.torch_backend:TorchAttentionBackend",
     "triton": "kiln.attention.triton_backend:TritonAttentionBackend",
@@ -76,14 +79,8 @@ _BACKENDS: dict[str, str] = {
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Resolve a backend name ("auto" picks triton on CUDA when importable, else torch)."""
-    if name == "auto":
-        name = "torch"
-        if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
-            name = "triton"
-    if name not in _BACKENDS:
-        known = ", ".join(sorted(_BACKENDS))
-        raise ValueError(f"unknown attention backend {name!r}; known: {known}, auto")
+    """The backend of a kernel-backend name ("auto" resolves as kernels.ops does: one choice)."""
+    name = resolve_kernel_backend(name, device)
     module_name, class_name = _BACKENDS[name].split(":")
     module = importlib.import_module(module_name)
     return getattr(module, class_name)()

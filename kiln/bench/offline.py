@@ -41,7 +41,7 @@ def run_kiln(
             in_flight += 1
 
     submit()
-    timing = engine.runner.step_timing
+    timing = engine.executor.stats().step_timing
     trace = timing.setdefault("trace", []) if timing is not None else []
     while engine.has_unfinished_requests():
         before = time.perf_counter()

@@ -12,7 +12,7 @@ from kiln.bench.hf_baseline import hf_decode_rate, load_hf_model, run_hf
 from kiln.bench.metrics import throughput_report
 from kiln.bench.offline import run_kiln
 from kiln.bench.report import environment, format_table, measure_copy_bandwidth, write_json
-from kiln.bench.workload import synthetic_requests
+from kiln.bench.workload import BenchRequest, synthetic_requests
 from kiln.checkpoint.default_model import default_model_path
 from kiln.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
@@ -32,14 +32,44 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> dict:
         seed=args.dataset_seed,
         avoid_ids=engine.eos_token_ids,
     )
-    progress = not args.no_progress
-    plan = engine.memory_plan
+    record = _setup_record(args, config, engine, requests, startup_s)
+    print(f"memory plan: {record['memory_plan']['summary']}")
+    _run_kiln_timed(args, engine, requests, record)
+    if args.baseline == "hf":
+        model_path = config.model or default_model_path()
+        dtype, device = getattr(torch, engine.dtype), torch.device(engine.device)
+        # Free kiln's weights, KV cache and graphs before the baseline loads: both at once would
+        # not fit an 8B model next to a KV cache planned for most of the card.
+        del engine
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        record["hf"] = _run_hf_baseline(args, load_hf_model(model_path, dtype, device), requests)
+        record["speedup_vs_hf"] = _speedups(record)
+
+    print(_table(record))
+    if args.output_json:
+        write_json(args.output_json, record)
+        print(f"wrote {args.output_json}")
+    return record
+
+
+def _setup_record(
+    args: argparse.Namespace,
+    config: EngineConfig,
+    engine: LLMEngine,
+    requests: list[BenchRequest],
+    startup_s: float,
+) -> dict:
+    """What was run, on what, with which plan: the record's fields before any timing."""
+    stats = engine.executor.stats()
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     record: dict = {
         "mode": args.mode,
         "model": engine.model_description,
-        "dtype": str(engine.dtype).removeprefix("torch."),
+        "dtype": engine.dtype,
         "workload": {
-            "num_requests": num_requests,
+            "num_requests": len(requests),
             "input_len": args.input_len,
             "output_len": args.output_len,
             "dataset_seed": args.dataset_seed,
@@ -47,22 +77,22 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> dict:
         },
         "engine_config": {k: v for k, v in vars(config).items() if v is not None},
         "memory_plan": {
-            **plan.as_dict(),
-            "summary": plan.describe(max(len(r.prompt_token_ids) + r.output_len for r in requests)),
+            **stats.memory_plan.as_dict(),
+            "summary": stats.memory_plan.describe(longest),
         },
         "startup_s": startup_s,
-        "env": environment(engine.device),
+        "env": environment(torch.device(engine.device)),
     }
-    graphs = engine.runner.graphs
-    if graphs is not None:
-        record["cuda_graphs"] = {
-            "num_graphs": graphs.num_graphs,
-            "batch_sizes": graphs.batch_sizes,
-            "capture_s": graphs.capture_seconds,
-            "pool_gib": graphs.pool_bytes / 2**30,
-        }
-    print(f"memory plan: {record['memory_plan']['summary']}")
+    if stats.cuda_graphs is not None:
+        record["cuda_graphs"] = stats.cuda_graphs
+    return record
 
+
+def _run_kiln_timed(
+    args: argparse.Namespace, engine: LLMEngine, requests: list[BenchRequest], record: dict
+) -> None:
+    """Warm up on other prompts, then the timed run with per-step timings, into `record`."""
+    progress = not args.no_progress
     if args.warmup:
         # Other prompts than the timed ones (a prefix-cache hit would flatter TTFT), and short
         # outputs: enough to compile and tune every kernel shape, mixed prefill+decode steps too.
@@ -76,64 +106,47 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> dict:
         )
         run_kiln(engine, warmup, progress=False)
     concurrency = args.concurrency if args.mode == "throughput" else 1
-    engine.runner.step_timing = {}  # a few clock reads per step: host vs GPU time, recorded
+    engine.executor.enable_step_timing()  # a few clock reads per step: host vs GPU time
     step_clock: dict = {}
     kiln_report = throughput_report(run_kiln(engine, requests, concurrency, progress, step_clock))
     record["kiln"] = kiln_report
-    record["step_profile"] = _step_profile(engine.runner.step_timing, step_clock)
+    timing = engine.executor.stats().step_timing
+    record["step_profile"] = _step_profile(timing, step_clock)
     # Every step, for distributions: the runner's phases and the whole engine step's wall time.
+    trace, walls = timing.get("trace", []), step_clock.get("walls", [])
     record["step_trace"] = {
         "columns": [*TRACE_COLUMNS, "engine_step"],
-        "rows": [
-            [*row, wall]
-            for row, wall in zip(engine.runner.step_timing.get("trace", []), step_clock["walls"])
-        ]
-        if len(engine.runner.step_timing.get("trace", [])) == len(step_clock.get("walls", []))
+        "rows": [[*row, wall] for row, wall in zip(trace, walls)]
+        if len(trace) == len(walls)
         else [],
     }
     if args.mode == "latency":
         record["kiln"]["decode_tok_s"] = 1000.0 / kiln_report["tpot"]["mean_ms"]
         record["roofline"] = _decode_roofline(engine, requests, kiln_report)
 
-    if args.baseline == "hf":
-        model_path = config.model or default_model_path()
-        dtype, device = engine.dtype, engine.device
-        # Free kiln's weights, KV cache and graphs before the baseline loads: both at once would
-        # not fit an 8B model next to a KV cache planned for most of the card.
-        del engine, graphs
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        hf_model = load_hf_model(model_path, dtype, device)
-        # HF's share of the requests: it is slow, and its static batches reach steady state in
-        # one batch. Default: one batch (throughput) or one request (latency).
-        hf_num = getattr(args, "hf_num_requests", None)
-        if args.mode == "throughput":
-            batch = args.hf_batch_size or args.concurrency or len(requests)
-            hf_requests = requests[: hf_num or batch]
-            hf = throughput_report(run_hf(hf_model, hf_requests, batch, progress))
-            # generate returns a batch's tokens together: per-token gaps are not observable.
-            del hf["tpot"], hf["itl"]
-            hf["note"] = "TTFT and E2E are each static batch's completion time"
-            hf["batch_size"] = batch
-            record["hf"] = hf
-        else:
-            hf_requests = requests[: hf_num or 1]
-            rates = [
-                hf_decode_rate(hf_model, r.prompt_token_ids, r.output_len) for r in hf_requests
-            ]
-            record["hf"] = {
-                "num_requests": len(hf_requests),
-                "decode_tok_s": sum(r["decode_tok_s"] for r in rates) / len(rates),
-                "ttft": {"mean_ms": sum(r["ttft_ms"] for r in rates) / len(rates)},
-            }
-        record["speedup_vs_hf"] = _speedups(record)
 
-    print(_table(record))
-    if args.output_json:
-        write_json(args.output_json, record)
-        print(f"wrote {args.output_json}")
-    return record
+def _run_hf_baseline(
+    args: argparse.Namespace, hf_model: object, requests: list[BenchRequest]
+) -> dict:
+    """HF's share of the requests: it is slow, and its static batches reach steady state in one
+    batch. Default: one batch (throughput) or one request (latency)."""
+    progress = not args.no_progress
+    hf_num = getattr(args, "hf_num_requests", None)
+    if args.mode == "throughput":
+        batch = args.hf_batch_size or args.concurrency or len(requests)
+        hf = throughput_report(run_hf(hf_model, requests[: hf_num or batch], batch, progress))
+        # generate returns a batch's tokens together: per-token gaps are not observable.
+        del hf["tpot"], hf["itl"]
+        hf["note"] = "TTFT and E2E are each static batch's completion time"
+        hf["batch_size"] = batch
+        return hf
+    hf_requests = requests[: hf_num or 1]
+    rates = [hf_decode_rate(hf_model, r.prompt_token_ids, r.output_len) for r in hf_requests]
+    return {
+        "num_requests": len(hf_requests),
+        "decode_tok_s": sum(r["decode_tok_s"] for r in rates) / len(rates),
+        "ttft": {"mean_ms": sum(r["ttft_ms"] for r in rates) / len(rates)},
+    }
 
 
 def _step_profile(runner_timing: dict, step_clock: dict) -> dict:
@@ -164,17 +177,16 @@ def _step_profile(runner_timing: dict, step_clock: dict) -> dict:
     return profile
 
 
-def _decode_roofline(engine: LLMEngine, requests, report: dict) -> dict:
+def _decode_roofline(engine: LLMEngine, requests: list[BenchRequest], report: dict) -> dict:
     """Bytes one decode step must read (weights but the embedding table, plus the context's KV)
     over the measured copy bandwidth: the floor on time per output token."""
-    model = engine.runner.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    weight_bytes -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    if model.lm_head is None:  # tied: the table is read once as the output projection
-        weight_bytes += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    plan, cfg = engine.memory_plan, engine.model_config
+    weight_bytes = plan.weight_bytes
+    if not cfg.tie_word_embeddings:  # untied: the table is only gathered from, never streamed
+        weight_bytes -= cfg.vocab_size * cfg.hidden_size * getattr(torch, engine.dtype).itemsize
     mean_context = sum(len(r.prompt_token_ids) + r.output_len / 2 for r in requests) / len(requests)
-    kv_bytes = engine.memory_plan.bytes_per_block / engine.memory_plan.block_size * mean_context
-    bandwidth = measure_copy_bandwidth(engine.device)
+    kv_bytes = plan.bytes_per_block / plan.block_size * mean_context
+    bandwidth = measure_copy_bandwidth(torch.device(engine.device))
     floor_ms = (weight_bytes + kv_bytes) / bandwidth * 1000
     return {
         "bytes_per_step": weight_bytes + kv_bytes,

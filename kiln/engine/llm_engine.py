@@ -8,24 +8,15 @@ import logging
 import time
 from collections import deque
 
-import torch
-
 from kiln.config import EngineConfig
 from kiln.engine.output_processor import OutputProcessor
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler
 from kiln.errors import InvalidRequestError
+from kiln.executor import create_executor
 from kiln.interfaces import ModelRunnerOutput, SchedulerOutput
 from kiln.kv_cache.manager import KVCacheManager
 from kiln.outputs import RequestOutput
-from kiln.runtime.memory_plan import plan_kv_blocks
-from kiln.runtime.model_loader import (
-    load_model,
-    resolve_device,
-    resolve_dtype,
-    resolve_kv_cache_dtype,
-)
-from kiln.runtime.model_runner import ModelRunner
 from kiln.sampling_params import SamplingParams
 
 logger = logging.getLogger("kiln")
@@ -34,37 +25,24 @@ logger = logging.getLogger("kiln")
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        torch.manual_seed(config.seed)
-        loaded = load_model(config, self.device, self.dtype)
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.generation_defaults = loaded.generation_defaults
-        self.model_description = loaded.description
-        self.eos_token_ids = tuple(loaded.config.eos_token_ids)
-
-        max_model_len = config.max_model_len or loaded.config.max_position_embeddings
-        window = loaded.config.sliding_window
-        if window is not None and window < max_model_len:
-            # Sliding-window attention is not built: within the window it equals full attention,
-            # so cap the context there rather than compute something else past it.
-            logger.warning("sliding window %d: max_model_len capped to it", window)
-            max_model_len = window
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        self.memory_plan = plan_kv_blocks(
-            config, loaded.model, max_model_len, self.device, self.kv_cache_dtype
+        self.executor = create_executor(config)
+        facts = self.executor.facts
+        self.model_config = facts.config
+        self.tokenizer = facts.tokenizer
+        self.generation_defaults = facts.generation_defaults
+        self.model_description = facts.description
+        self.device, self.dtype, self.kv_cache_dtype = (
+            facts.device,
+            facts.dtype,
+            facts.kv_cache_dtype,
         )
-        num_blocks = self.memory_plan.num_blocks
-        # Every admitted request must fit the cache on its own, or preemption could never help.
-        self.max_model_len = min(max_model_len, num_blocks * config.block_size)
-        if self.max_model_len < max_model_len:
-            logger.warning(
-                "KV cache holds %d tokens: max_model_len lowered from %d",
-                self.max_model_len,
-                max_model_len,
-            )
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.eos_token_ids = tuple(facts.config.eos_token_ids)
+        self.memory_plan = self.executor.stats().memory_plan
+        capacity = self.executor.kv_capacity()
+        self.max_model_len = capacity.max_model_len
+        self.kv_cache = KVCacheManager(
+            capacity.num_blocks, capacity.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.kv_cache,
             max_num_seqs=config.max_num_seqs,
@@ -72,23 +50,11 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
         )
-        self.runner = ModelRunner(
-            loaded.model,
-            num_blocks,
-            config.block_size,
-            self.eos_token_ids,
-            attention_backend=config.attention_backend,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enforce_eager=config.enforce_eager,
-            kv_cache_dtype=self.kv_cache_dtype,
-        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling is None:
-            self.async_scheduling = self.device.type == "cuda"
+            self.async_scheduling = self.device.startswith("cuda")
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted to the runner, uncollected
         # Startup objects (model, tokenizer, graphs) live as long as the engine: keep the cyclic
         # GC from walking them on every full collection while requests churn.
@@ -218,16 +184,16 @@ class LLMEngine:
         """
         sched = self.scheduler.schedule()
         if not self.async_scheduling:
-            return self._apply(sched, self.runner.execute(sched))
+            return self._apply(sched, self.executor.execute(sched))
         # Async: launch this step, then wait for the previous one and process its tokens while
         # this one runs. A step's deltas therefore come out of the next call.
-        if self.runner.submit(sched):
+        if self.executor.submit(sched):
             self._in_flight.append(sched)
             if len(self._in_flight) == 1 and self.scheduler.has_unfinished_requests():
                 return []  # nothing older to collect: the next call schedules ahead of this one
         if not self._in_flight:
             return []
-        deltas = self._apply(self._in_flight.popleft(), self.runner.collect())
+        deltas = self._apply(self._in_flight.popleft(), self.executor.collect())
         self._drain_if_idle()
         return deltas
 
@@ -235,7 +201,7 @@ class LLMEngine:
         """No request left (finished early by a stop string, or aborted): what is still in flight
         only computes dropped tokens. Collect it now, so an idle engine holds no step."""
         while self._in_flight and not self.scheduler.has_unfinished_requests():
-            self._apply(self._in_flight.popleft(), self.runner.collect())
+            self._apply(self._in_flight.popleft(), self.executor.collect())
 
     def _apply(
         self, sched: SchedulerOutput, runner_output: ModelRunnerOutput

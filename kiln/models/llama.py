@@ -16,6 +16,7 @@ from torch import nn
 
 from kiln.attention.backend import AttentionBackend, AttentionMetadata
 from kiln.errors import ModelLoadError
+from kiln.layers.linear import Linear
 from kiln.layers.rotary import build_cos_sin_cache
 from kiln.models.config import ModelConfig
 
@@ -29,25 +30,29 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        self.qkv_proj = Linear(
+            cfg.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            bias=cfg.attention_bias,
+            output_sizes=[self.q_size, self.kv_size, self.kv_size],
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
 
-    # No forward: the decoder loop calls ops.add_rms_norm_qkv_rotary_write_kv (residual add +
-    # norm + qkv + rotary + the KV-cache write, one kernel at batch-1 decode on the GPU), the
-    # attention backend, and ops.linear (o_proj).
+    # No forward: the decoder loop calls qkv_proj's fused entry point (residual add + norm + qkv
+    # + rotary + the KV-cache write, one kernel at batch-1 decode on the GPU), the attention
+    # backend, and o_proj.
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        n = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * n, output_sizes=[n, n])
+        self.down_proj = Linear(n, cfg.hidden_size)
 
-    # No forward: the decoder loop calls ops.add_rms_norm_linear_silu_mul (residual add + norm +
-    # gate_up + activation, one kernel at batch-1 decode on the GPU) and ops.linear (down).
+    # No forward: the decoder loop calls gate_up_proj's fused entry point (residual add + norm +
+    # gate_up + activation, one kernel at batch-1 decode on the GPU) and down_proj.
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -70,7 +75,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         cache = build_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
@@ -91,18 +96,17 @@ class LlamaForCausalLM(nn.Module):
             # Each projection takes the ops around it (residual add + RMSNorm before; rotary and
             # the KV-cache write, or SiLU-mul, after): one kernel each at batch-1 decode on the
             # GPU, where a step is otherwise mostly small launch-bound kernels.
-            query, residual = ops.add_rms_norm_qkv_rotary_write_kv(
-                hidden, residual, layer.input_layernorm, eps,
-                attn.qkv_proj.weight, attn.qkv_proj.bias,
+            query, residual = attn.qkv_proj.add_rms_norm_qkv_rotary_write_kv(
+                ops, hidden, residual, layer.input_layernorm, eps,
                 positions, self.cos_sin_cache, k_cache, v_cache, metadata.slot_mapping,
             )  # fmt: skip
             out = backend.forward(query, k_cache, v_cache, metadata, attn.scale)
-            hidden = ops.linear(out.reshape(-1, attn.q_size), attn.o_proj.weight)
+            hidden = attn.o_proj(ops, out.reshape(-1, attn.q_size))
             # gate_up is [gate; up]: down_proj(silu(gate) * up).
-            activation, residual = ops.add_rms_norm_linear_silu_mul(
-                hidden, residual, layer.post_attention_layernorm, eps, mlp.gate_up_proj.weight
+            activation, residual = mlp.gate_up_proj.add_rms_norm_silu_mul(
+                ops, hidden, residual, layer.post_attention_layernorm, eps
             )
-            hidden = ops.linear(activation, mlp.down_proj.weight)
+            hidden = mlp.down_proj(ops, activation)
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, eps)
         return hidden
 
@@ -116,8 +120,15 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive."""
+        """Copy Hugging Face-named tensors in, each through its layer's loader (which places q/k/v
+        and gate/up into their fused projection), then let every linear method process them."""
         params = dict(self.named_parameters())
+        owners = {
+            f"{prefix}.{name}": module
+            for prefix, module in self.named_modules()
+            if isinstance(module, Linear)
+            for name, _ in module.named_parameters(recurse=False)
+        }
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             target = _map_hf_name(hf_name)
@@ -128,43 +139,36 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied: the embedding serves as the output projection
             if name not in params:
                 raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in the model")
-            param = params[name]
-            dst = self._shard_view(param, name, shard)
+            param, owner = params[name], owners.get(name)
+            dst = param if owner is None else owner.shard_view(param, shard)
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ModelLoadError(
                     f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                     f"the model expects {tuple(dst.shape)}"
                 )
-            dst.copy_(tensor)
+            if owner is None:
+                param.copy_(tensor)
+            else:
+                owner.weight_loader(param, shard, tensor)
             loaded.add(f"{name}:{shard}")
-        missing = [k for k in self._expected_keys() if k not in loaded]
+        missing = [k for k in self._expected_keys(owners) if k not in loaded]
         if missing:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        self.process_weights_after_loading()
 
-    def _shard_view(self, param: torch.Tensor, name: str, shard: str | None) -> torch.Tensor:
-        if shard is None:
-            return param
-        cfg = self.config
-        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        offsets = {
-            "q": (0, q),
-            "k": (q, kv),
-            "v": (q + kv, kv),
-            "gate": (0, cfg.intermediate_size),
-            "up": (cfg.intermediate_size, cfg.intermediate_size),
-        }
-        start, size = offsets[shard]
-        return param.narrow(0, start, size)
+    def process_weights_after_loading(self) -> None:
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.method.process_weights_after_loading(module)
 
-    def _expected_keys(self) -> list[str]:
+    def _expected_keys(self, owners: dict[str, Linear]) -> list[str]:
         keys = []
         for name, _ in self.named_parameters():
-            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-                keys += [f"{name}:{s}" for s in ("q", "k", "v")]
-            elif name.endswith("gate_up_proj.weight"):
-                keys += [f"{name}:{s}" for s in ("gate", "up")]
-            else:
+            owner = owners.get(name)
+            if owner is None or len(owner.output_sizes) == 1:
                 keys.append(f"{name}:None")
+            else:
+                keys += [f"{name}:{shard}" for shard in range(len(owner.output_sizes))]
         return keys
 
     @torch.no_grad()
@@ -181,22 +185,23 @@ class LlamaForCausalLM(nn.Module):
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _LAYER_MAP = {
-    "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", "q"),
-    "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", "k"),
-    "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", "v"),
-    "self_attn.q_proj.bias": ("self_attn.qkv_proj.bias", "q"),
-    "self_attn.k_proj.bias": ("self_attn.qkv_proj.bias", "k"),
-    "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", "v"),
+    # Fused projections: (kiln parameter, index of the shard in the layer's output_sizes).
+    "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
+    "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 1),
+    "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 2),
+    "self_attn.q_proj.bias": ("self_attn.qkv_proj.bias", 0),
+    "self_attn.k_proj.bias": ("self_attn.qkv_proj.bias", 1),
+    "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", 2),
     "self_attn.o_proj.weight": ("self_attn.o_proj.weight", None),
-    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", "gate"),
-    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", "up"),
+    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
+    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
     "mlp.down_proj.weight": ("mlp.down_proj.weight", None),
     "input_layernorm.weight": ("input_layernorm", None),
     "post_attention_layernorm.weight": ("post_attention_layernorm", None),
 }
 
 
-def _map_hf_name(hf_name: str) -> tuple[str, str | None] | None:
+def _map_hf_name(hf_name: str) -> tuple[str, int | None] | None:
     """HF tensor name -> (kiln parameter name, fused shard) or None for tensors kiln ignores."""
     if hf_name.endswith("rotary_emb.inv_freq"):
         return None

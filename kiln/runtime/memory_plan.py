@@ -17,7 +17,7 @@ import torch
 
 from kiln.attention.backend import AttentionMetadata, get_attention_backend
 from kiln.config import EngineConfig
-from kiln.kernels.ops import kernel_ops
+from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
 from kiln.models.llama import LlamaForCausalLM
 from kiln.sampling.sampler import Sampler, SamplingMetadata
 
@@ -195,8 +195,8 @@ def profile_activation_peak(
     )
     input_ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=device)
     positions = torch.cat([torch.arange(n) for n in lens]).to(device)
-    ops = kernel_ops(device)
-    backend = get_attention_backend(config.attention_backend, device)
+    kernels = resolve_kernel_backend(config.attention_backend, device)
+    ops, backend = kernel_ops(kernels), get_attention_backend(kernels, device)
 
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()

@@ -7,7 +7,7 @@ sampled token ids (plus logprobs when asked for, in the same sync), waited for i
 
 submit() only launches work, so the engine can schedule and submit step N+1 before collecting
 step N (async scheduling): a decode in N+1 whose input token N sampled reads it from N's sampled
-ids on the device. execute() is submit() + collect(), the synchronous step.
+ids on the device. The executor's execute() is submit() + collect(), the synchronous step.
 """
 
 from __future__ import annotations
@@ -21,13 +21,12 @@ import torch
 
 from kiln.attention.backend import get_attention_backend
 from kiln.interfaces import (
-    EMPTY_RUNNER_OUTPUT,
     ModelRunnerOutput,
     PromptLogprobsChunk,
     SchedulerOutput,
     TokenLogprobs,
 )
-from kiln.kernels.ops import kernel_ops
+from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
 from kiln.models.llama import LlamaForCausalLM
 from kiln.runtime.graph_runner import GraphRunner
 from kiln.runtime.input_batch import CachedRequestState, InputBuffers, PackedBatch
@@ -74,8 +73,9 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len or model.cos_sin_cache.shape[0]
-        self.ops = kernel_ops(self.device)
-        self.backend = get_attention_backend(attention_backend, self.device)
+        kernels = resolve_kernel_backend(attention_backend, self.device)
+        self.ops = kernel_ops(kernels)
+        self.backend = get_attention_backend(kernels, self.device)
         shape = (num_kv_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         # Zeroed, not empty: padded block-table entries are read (and masked) by the reference
         # decode path, and masked garbage can still be NaN.
@@ -110,20 +110,6 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None  # the latest step's sampled ids (device)
         self._host_slot = 0  # which of the two pinned buffers the next step's ids land in
 
-    def enable_fake_graphs(self) -> None:
-        """Use FakeGraph (CPU) decode graphs: exercises padding and bucketing without CUDA."""
-        self.graphs = GraphRunner(
-            self.model,
-            self.ops,
-            self.backend,
-            self.kv_caches,
-            self.inputs,
-            self.max_num_seqs,
-            self.max_model_len,
-            fake=True,
-        )
-        self.graphs.capture()
-
     # ---- state -------------------------------------------------------------------------------
 
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -153,12 +139,6 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     # ---- one step ----------------------------------------------------------------------------
-
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """One synchronous step."""
-        if not self.submit(sched):
-            return EMPTY_RUNNER_OUTPUT
-        return self.collect()
 
     @torch.inference_mode()
     def submit(self, sched: SchedulerOutput) -> bool:

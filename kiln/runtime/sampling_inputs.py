@@ -7,6 +7,7 @@ import hashlib
 import torch
 
 from kiln.runtime.input_batch import CachedRequestState
+from kiln.sampling.host_copy import to_device
 from kiln.sampling.sampler import SamplingMetadata
 
 
@@ -71,10 +72,7 @@ def build_sampling_metadata(
     params = [s.sampling_params for s in states]
 
     def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-        # Through pinned memory, so the copy to a GPU does not stall the host.
-        if device.type == "cpu":
-            return torch.tensor(values, dtype=dtype)
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        return to_device(values, dtype, device)
 
     any_repetition = any(p.repetition_penalty != 1.0 for p in params)
     any_presence = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)

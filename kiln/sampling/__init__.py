@@ -1,6 +1,7 @@
-"""Token sampling: `Sampler` turns a step's logits into tokens; `compute_logprobs` serves prompt
-logprobs too."""
+"""Token sampling: `Sampler` turns a step's logits into tokens (penalties, then the logits
+processors, then greedy or random choice); `compute_logprobs` serves prompt logprobs too."""
 
+from kiln.sampling.logits_processors import LogitsProcessor, MinTokensProcessor
 from kiln.sampling.sampler import (
     LogprobsTensors,
     Sampler,
@@ -11,7 +12,9 @@ from kiln.sampling.sampler import (
 )
 
 __all__ = [
+    "LogitsProcessor",
     "LogprobsTensors",
+    "MinTokensProcessor",
     "Sampler",
     "SamplerOutput",
     "SamplingMetadata",

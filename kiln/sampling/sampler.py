@@ -8,12 +8,14 @@ The sampler never writes into the caller's logits.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kiln.kernels import reference
+from kiln.sampling.host_copy import to_device
+from kiln.sampling.logits_processors import LogitsProcessor, default_logits_processors
 
 
 @dataclass(frozen=True)
@@ -57,16 +59,22 @@ class Sampler:
     """logits [B, V] -> one token per row. Stateless: all per-request state comes in `metadata`.
 
     `argmax` is the kernel module's greedy argmax (ops.argmax: Triton on the GPU), the same
-    function as torch's argmax(dim=-1).
+    function as torch's argmax(dim=-1). `processors` run in order after the penalties
+    (logits_processors.py); by default the min_tokens mask.
     """
 
-    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] = reference.argmax) -> None:
+    def __init__(
+        self,
+        argmax: Callable[[torch.Tensor], torch.Tensor] = reference.argmax,
+        processors: Sequence[LogitsProcessor] | None = None,
+    ) -> None:
         self.argmax = argmax
+        self.processors = tuple(default_logits_processors() if processors is None else processors)
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         md = metadata
-        has_masks = any(md.min_tokens_mask_ids)
-        argmax_only = md.all_greedy and md.no_penalties and not has_masks
+        active = [p for p in self.processors if p.is_active(md)]
+        argmax_only = md.all_greedy and md.no_penalties and all(p.preserves_argmax for p in active)
         if argmax_only and md.max_num_logprobs is None:
             # The common decode: the argmax of the model-dtype logits (a cast to fp32 is exact,
             # so it would pick the same ids after writing and re-reading a [rows, vocab] copy).
@@ -75,7 +83,7 @@ class Sampler:
         # (1) Logprobs describe the model, not the sampling transform, so take them first.
         raw_logprobs = None if md.max_num_logprobs is None else logits.log_softmax(dim=-1)
 
-        sampled = self.argmax(logits) if argmax_only else self._sample(logits, md, has_masks)
+        sampled = self.argmax(logits) if argmax_only else self._sample(logits, md, active)
 
         logprobs = None
         if raw_logprobs is not None:
@@ -83,9 +91,9 @@ class Sampler:
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def _sample(  # [B] int64
-        self, logits: torch.Tensor, md: SamplingMetadata, has_masks: bool
+        self, logits: torch.Tensor, md: SamplingMetadata, processors: list[LogitsProcessor]
     ) -> torch.Tensor:
-        # (2) Penalties, (3) forbidden tokens: both change what greedy and random rows see.
+        # (2) Penalties, (3) logits processors: both change what greedy and random rows see.
         if not md.no_penalties:
             logits = apply_penalties(
                 logits,
@@ -95,8 +103,8 @@ class Sampler:
                 md.presence_penalty,
                 md.frequency_penalty,
             )
-        if has_masks:
-            logits = mask_tokens(logits, md.min_tokens_mask_ids)
+        for processor in processors:
+            logits = processor.apply(logits, md)
 
         # (4) Greedy rows: argmax, ties to the lowest id.
         greedy = None if md.all_random else self.argmax(logits)
@@ -146,19 +154,10 @@ def token_counts(
     which lands in one spare column that is dropped, so padding needs no mask."""
     max_len = max((len(ids) for ids in token_ids), default=0)
     padded = [ids + [vocab_size] * (max_len - len(ids)) for ids in token_ids]
-    ids = _to_device(padded, torch.long, device).view(len(token_ids), max_len)  # [B, max_len]
+    ids = to_device(padded, torch.long, device).view(len(token_ids), max_len)  # [B, max_len]
     counts = torch.zeros(len(token_ids), vocab_size + 1, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
     return counts[:, :vocab_size]
-
-
-def mask_tokens(logits: torch.Tensor, token_ids: list[list[int]]) -> torch.Tensor:
-    """Set logits[i, id] = -inf for every id in token_ids[i]; returns a new tensor."""
-    rows = [row for row, ids in enumerate(token_ids) for _ in ids]
-    cols = [token_id for ids in token_ids for token_id in ids]
-    device = logits.device
-    index = (_to_device(rows, torch.long, device), _to_device(cols, torch.long, device))
-    return logits.index_put(index, logits.new_full((), float("-inf")))  # a fill, not a host copy
 
 
 def apply_top_k_top_p_min_p(
@@ -231,10 +230,3 @@ def gather_logprobs(
         logprobs=torch.cat([token_logprobs, top_logprobs], dim=1),
         ranks=ranks,
     )
-
-
-def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host list -> tensor on device; pinned memory makes the copy to a GPU asynchronous."""
-    if device.type == "cpu":
-        return torch.tensor(data, dtype=dtype)
-    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

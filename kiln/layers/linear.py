@@ -1,0 +1,223 @@
+"""Linear layers that own their parameters and a `LinearMethod`: how the weights are made, loaded
+from a checkpoint, processed after loading, and applied.
+
+The model's forward calls a layer, never a raw `.weight`, so a quantization scheme (FP8 next) is
+one more method, not a special case in the model. A layer's entry points include the fused ones
+the decoder uses (residual add + RMSNorm before the projection; rotary + KV write, or SiLU-mul,
+after it): a method with a fused kernel for them overrides them; the defaults compose the method's
+own `apply` with the reference-shaped kernels of `ops`, so a new method works before it is fast.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from kiln.kernels.reference import split_qkv_heads
+
+
+class LinearMethod(ABC):
+    """A scheme's weights and arithmetic. Subclasses define create_weights and apply; the fused
+    entry points default to compositions of `apply` with `ops`' norm, rotary and activation."""
+
+    @abstractmethod
+    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
+        """Register the layer's parameters (shapes from layer.in_features/out_features)."""
+
+    def load_weight(self, param: torch.Tensor, shard: int | None, loaded: torch.Tensor) -> None:
+        """Copy a checkpoint tensor into `param` (already narrowed to shard `shard` of a fused
+        projection, if any)."""
+        param.copy_(loaded)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:  # noqa: B027 (optional hook)
+        """Convert loaded weights into what apply() reads (quantize, transpose, ...)."""
+
+    @abstractmethod
+    def apply(
+        self, layer: Linear, ops: ModuleType, x: torch.Tensor
+    ) -> torch.Tensor:  # [..., out_features]
+        ...
+
+    def add_rms_norm_apply(
+        self,
+        layer: Linear,
+        ops: ModuleType,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(apply(rms_norm(x + residual)), x + residual); with no residual, x is the stream."""
+        if residual is None:
+            normed, summed = ops.rms_norm(x, norm_weight, eps), x
+        else:
+            normed, summed = ops.fused_add_rms_norm(x, residual, norm_weight, eps)
+        return self.apply(layer, ops, normed), summed
+
+    def add_rms_norm_qkv_rotary_write_kv(
+        self,
+        layer: Linear,
+        ops: ModuleType,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (rotated query, x + residual)
+        """The attention block up to attending: norm, qkv projection, rotary, the KV write."""
+        qkv, summed = self.add_rms_norm_apply(layer, ops, x, residual, norm_weight, eps)
+        query, key, value = split_qkv_heads(qkv, cos_sin_cache.shape[1], k_cache.shape[2])
+        rotated = ops.rotary_embedding_write_kv(
+            positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping
+        )
+        return rotated, summed
+
+    def add_rms_norm_silu_mul(
+        self,
+        layer: Linear,
+        ops: ModuleType,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (silu(gate) * up, x + residual)
+        """The MLP up to its down projection."""
+        gate_up, summed = self.add_rms_norm_apply(layer, ops, x, residual, norm_weight, eps)
+        return ops.silu_and_mul(gate_up), summed
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """Weights in the model dtype. Every entry point is one `ops` call, so at batch-1 decode on
+    the GPU the norm, the projection and its epilogue run as one kernel."""
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
+        shape = (layer.out_features, layer.in_features)
+        layer.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        layer.bias = None
+        if layer.has_bias:
+            bias = torch.empty(layer.out_features, dtype=dtype)
+            layer.bias = nn.Parameter(bias, requires_grad=False)
+
+    def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, layer.weight, layer.bias)
+
+    def add_rms_norm_apply(
+        self,
+        layer: Linear,
+        ops: ModuleType,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.add_rms_norm_linear(x, residual, norm_weight, eps, layer.weight, layer.bias)
+
+    def add_rms_norm_qkv_rotary_write_kv(
+        self,
+        layer: Linear,
+        ops: ModuleType,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.add_rms_norm_qkv_rotary_write_kv(
+            x, residual, norm_weight, eps, layer.weight, layer.bias,
+            positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        )  # fmt: skip
+
+    def add_rms_norm_silu_mul(
+        self,
+        layer: Linear,
+        ops: ModuleType,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer.has_bias:  # the fused kernel takes no bias: compose instead
+            return super().add_rms_norm_silu_mul(layer, ops, x, residual, norm_weight, eps)
+        return ops.add_rms_norm_linear_silu_mul(x, residual, norm_weight, eps, layer.weight)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), with `output_sizes` naming the row blocks of a fused projection
+    (q, k, v or gate, up) so checkpoint tensors load into their shard."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        output_sizes: list[int] | None = None,
+        method: LinearMethod | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.has_bias = in_features, out_features, bias
+        self.output_sizes = output_sizes or [out_features]
+        if sum(self.output_sizes) != out_features:
+            raise ValueError(f"output_sizes {self.output_sizes} do not sum to {out_features}")
+        self.method = method or UnquantizedLinearMethod()
+        self.method.create_weights(self, dtype)
+
+    def forward(self, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, ops, x)
+
+    # The decoder's fused entry points (see LinearMethod): residual add + RMSNorm, then this
+    # projection, then its epilogue.
+
+    def add_rms_norm_qkv_rotary_write_kv(
+        self,
+        ops: ModuleType,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (rotated query, x + residual)
+        return self.method.add_rms_norm_qkv_rotary_write_kv(
+            self, ops, x, residual, norm_weight, eps,
+            positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        )  # fmt: skip
+
+    def add_rms_norm_silu_mul(
+        self,
+        ops: ModuleType,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (silu(gate) * up, x + residual)
+        return self.method.add_rms_norm_silu_mul(self, ops, x, residual, norm_weight, eps)
+
+    def shard_view(self, param: torch.Tensor, shard: int | None) -> torch.Tensor:
+        """The rows of `param` that fused shard `shard` (an index into output_sizes) owns."""
+        if shard is None:
+            return param
+        start = sum(self.output_sizes[:shard])
+        return param.narrow(0, start, self.output_sizes[shard])
+
+    def weight_loader(self, param: torch.Tensor, shard: int | None, loaded: torch.Tensor) -> None:
+        self.method.load_weight(self.shard_view(param, shard), shard, loaded)
+
+    def extra_repr(self) -> str:
+        method = type(self.method).__name__
+        return f"in={self.in_features}, out={self.out_features}, bias={self.has_bias}, {method}"
