@@ -85,7 +85,6 @@ class AsyncEngine:
         self._scheduled_at: dict[str, float] = {}
         self._stop = False
         self.error: BaseException | None = None
-        self.last_step_time = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="kiln-engine-loop", daemon=True)
         self._thread.start()
 
@@ -96,10 +95,6 @@ class AsyncEngine:
     @property
     def healthy(self) -> bool:
         return self.error is None and self._thread.is_alive()
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._streams)
 
     # ---- API used from the event loop ----------------------------------------------------
 
@@ -180,7 +175,6 @@ class AsyncEngine:
                     continue
                 step_start = time.monotonic()
                 deltas = self.engine.step()
-                self.last_step_time = time.monotonic()
                 self._stamp_scheduled(step_start)
                 for delta in deltas:
                     if delta.finished:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kiln.engine.request import Request, RequestStatus
 from kiln.interfaces import (
@@ -41,6 +41,21 @@ class EngineCoreOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
     prompt_logprobs: PromptLogprobsChunk | None = None
     num_cached_tokens: int = 0
+
+
+@dataclass
+class _StepPlan:
+    """One step's schedule while schedule() builds it."""
+
+    budget: int  # tokens still to hand out
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_preempted: int = 0
+
+    def add(self, req_id: str, num_tokens: int) -> None:
+        self.num_scheduled[req_id] = num_tokens
+        self.budget -= num_tokens
 
 
 class Scheduler:
@@ -101,10 +116,6 @@ class Scheduler:
         self._finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -122,81 +133,16 @@ class Scheduler:
         bisect.insort(self.waiting, request, key=self._key)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        num_preempted = 0
-
-        # 1. Running requests first, in priority order: decodes and unfinished prefill chunks.
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            if self._has_all_samples_scheduled(request):
-                index += 1  # its last token is in flight: nothing more to compute
-                continue
-            num_new = min(
-                request.num_tokens_with_placeholders - request.num_computed_tokens, budget
-            )
-            new_blocks = self.kv_cache.allocate_slots(request, num_new)
-            while new_blocks is None:
-                victim = self.running[-1]  # lowest priority, never one already scheduled
-                self._preempt(victim)
-                num_preempted += 1
-                if victim is request:
-                    break
-                new_blocks = self.kv_cache.allocate_slots(request, num_new)
-            if new_blocks is None:
-                break
-            num_scheduled[request.req_id] = num_new
-            cached_reqs.append(
-                CachedRequestData(
-                    request.req_id, [b.block_id for b in new_blocks], request.num_computed_tokens
-                )
-            )
-            budget -= num_new
-            index += 1
-
-        # 2. Admit waiting requests while budget, sequence slots and blocks allow. Not in a step
-        #    that had to preempt: admitting would only evict someone again.
-        while (
-            not num_preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-        ):
-            request = self.waiting[0]
-            if request.num_output_placeholders:
-                break  # preempted with a token in flight: resent in full once it is back
-            hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
-            new_blocks = self.kv_cache.allocate_slots(request, num_new, hit_blocks)
-            if new_blocks is None:
-                break
-            self.waiting.pop(0)
-            if request.num_preemptions == 0:
-                self.kv_cache.record_admission(request, num_hit_tokens)
-                request.num_cached_tokens = num_hit_tokens
-            request.num_computed_tokens = num_hit_tokens
-            request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=self._key)
-            num_scheduled[request.req_id] = num_new
-            new_reqs.append(
-                NewRequestData(
-                    req_id=request.req_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=list(request.output_token_ids),
-                    sampling_params=request.sampling_params,
-                    block_ids=self.kv_cache.block_ids(request.req_id),
-                    num_computed_tokens=num_hit_tokens,
-                )
-            )
-            budget -= num_new
+        plan = _StepPlan(budget=self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        # Not in a step that had to preempt: admitting would only evict someone again.
+        if not plan.num_preempted:
+            self._admit_waiting(plan)
 
         # The step's tokens count as computed from now on; a request whose tokens reach its end
         # samples, and holds a placeholder until update() brings the token.
         scheduled: dict[str, Request] = {}
-        for req_id, num_new in num_scheduled.items():
+        for req_id, num_new in plan.num_scheduled.items():
             request = self.requests[req_id]
             request.num_computed_tokens += num_new
             if request.num_computed_tokens == request.num_tokens_with_placeholders:
@@ -208,14 +154,74 @@ class Scheduler:
         if scheduled:
             self._scheduled[step_id] = scheduled
         return SchedulerOutput(
-            new_requests=new_reqs,
-            cached_requests=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            new_requests=plan.new_requests,
+            cached_requests=plan.cached_requests,
+            num_scheduled_tokens=plan.num_scheduled,
+            total_num_scheduled_tokens=sum(plan.num_scheduled.values()),
             finished_req_ids=frozenset(finished),
-            num_preempted=num_preempted,
+            num_preempted=plan.num_preempted,
             step_id=step_id,
         )
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Running requests first, in priority order: decodes and unfinished prefill chunks. When
+        the pool is full, the lowest-priority running request is preempted to make room."""
+        index = 0
+        while index < len(self.running) and plan.budget > 0:
+            request = self.running[index]
+            if self._has_all_samples_scheduled(request):
+                index += 1  # its last token is in flight: nothing more to compute
+                continue
+            num_new = min(
+                request.num_tokens_with_placeholders - request.num_computed_tokens, plan.budget
+            )
+            new_blocks = self.kv_cache.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self.running[-1]  # lowest priority, never one already scheduled
+                self._preempt(victim)
+                plan.num_preempted += 1
+                if victim is request:
+                    break
+                new_blocks = self.kv_cache.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            plan.add(request.req_id, num_new)
+            plan.cached_requests.append(
+                CachedRequestData(
+                    request.req_id, [b.block_id for b in new_blocks], request.num_computed_tokens
+                )
+            )
+            index += 1
+
+    def _admit_waiting(self, plan: _StepPlan) -> None:
+        """Admit waiting requests, prefix hits first, while budget, sequence slots and blocks
+        allow."""
+        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a token in flight: resent in full once it is back
+            hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, plan.budget)
+            if self.kv_cache.allocate_slots(request, num_new, hit_blocks) is None:
+                break
+            self.waiting.pop(0)
+            if request.num_preemptions == 0:
+                self.kv_cache.record_admission(request, num_hit_tokens)
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=self._key)
+            plan.add(request.req_id, num_new)
+            plan.new_requests.append(
+                NewRequestData(
+                    req_id=request.req_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv_cache.block_ids(request.req_id),
+                    num_computed_tokens=num_hit_tokens,
+                )
+            )
 
     def _has_all_samples_scheduled(self, request: Request) -> bool:
         """Its remaining tokens are all scheduled already: the last one it may sample (by

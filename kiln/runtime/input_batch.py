@@ -173,7 +173,6 @@ class InputBuffers:
     ) -> PackedBatch:
         self.wait_for_copies()
         n = len(states)
-        bs = self.block_size
         query_lens = np.asarray(num_scheduled, dtype=np.int64)
         qsl = self._qsl
         qsl[0] = 0
@@ -181,66 +180,19 @@ class InputBuffers:
         num_tokens = int(qsl[n])
         start = np.fromiter((s.num_computed_tokens for s in states), np.int64, n)
         seq_lens = start + query_lens
-        rows = np.fromiter((s.row for s in states), np.int64, n)
         decode_only = num_tokens == n
+        seq_of_token, positions, num_pending = self._fill_input_ids(
+            states, num_scheduled, start, decode_only
+        )
 
-        ids = self._ids
-        pending: list[tuple[int, int]] = []  # (input position, row of the last sampled ids)
-        if decode_only:
-            seq_of_token = np.arange(n)
-            positions = start
-            for r, s in enumerate(states):
-                if s.num_computed_tokens < len(s.token_ids):
-                    ids[r] = s.token_ids[s.num_computed_tokens]
-                else:  # the token this decode computes was sampled by the step still running
-                    pending.append((r, s.pending_index))
-        else:
-            # Token i of sequence r sits at position start[r] + i.
-            seq_of_token = np.repeat(np.arange(n), query_lens)
-            positions = np.arange(num_tokens) - qsl[seq_of_token] + start[seq_of_token]
-            for r, s in enumerate(states):
-                a = s.num_computed_tokens
-                if a >= len(s.token_ids):  # a decode of the token still on the device
-                    pending.append((int(qsl[r]), s.pending_index))
-                else:
-                    ids[qsl[r] : qsl[r + 1]] = s.token_ids[a : a + num_scheduled[r]]
-        for i, (dst, src) in enumerate(pending):
-            self._pending_dst[i] = dst
-            self._pending_src[i] = src
-
-        num_cols = -(-int(seq_lens.max()) // bs)
+        num_cols = -(-int(seq_lens.max()) // self.block_size)
         padded = n if num_padded_seqs is None else num_padded_seqs
         assert padded == n or decode_only, "only decode-only steps are padded"
-        table = self._bt[: padded * num_cols].reshape(padded, num_cols)
-        table[:n] = self.req_block_table[rows, :num_cols]
-        self._pos[:num_tokens] = positions
-        self._slots[:num_tokens] = table[seq_of_token, positions // bs] * bs + positions % bs
-        self._seq_lens[:n] = seq_lens
-        if padded > n:
-            # Padding rows: token 0 at position 0 attending to one key of block 0 (harmless reads);
-            # slot -1 tells the KV write to skip them, so no real sequence's cache is touched.
-            ids[n:padded] = 0
-            self._pos[n:padded] = 0
-            self._slots[n:padded] = -1
-            self._seq_lens[n:padded] = 1
-            qsl[n + 1 : padded + 1] = np.arange(n + 1, padded + 1)
-            table[n:] = 0
-
-        # Who samples: requests whose scheduled tokens reach their last known token.
-        num_known = np.fromiter((s.num_tokens for s in states), np.int64, n)
-        samples = seq_lens == num_known
-        logits_indices = None
-        if decode_only and samples.all():
-            sampling_rows = list(range(n))
-        else:
-            sampling_rows = np.flatnonzero(samples).tolist()
-            k = len(sampling_rows)
-            self._logits_idx[:k] = qsl[1 : n + 1][samples] - 1
-            logits_indices = self.logits_indices[:k]
-
-        self._copy_to_device(
-            max(num_tokens, padded), padded, num_cols, logits_indices, len(pending)
+        self._fill_positions_and_slots(
+            states, seq_of_token, positions, seq_lens, num_cols, num_tokens, padded
         )
+        sampling_rows, logits_indices = self._sampling_rows(states, seq_lens, decode_only)
+        self._copy_to_device(max(num_tokens, padded), padded, num_cols, logits_indices, num_pending)
         metadata = AttentionMetadata(
             slot_mapping=self.slot_mapping[:num_tokens],
             query_start_loc=self.query_start_loc[: n + 1],
@@ -261,8 +213,87 @@ class InputBuffers:
             sampling_rows=sampling_rows,
             logits_indices=logits_indices,
             num_padded_seqs=padded,
-            num_pending_inputs=len(pending),
+            num_pending_inputs=num_pending,
         )
+
+    def _fill_input_ids(
+        self,
+        states: list[CachedRequestState],
+        num_scheduled: list[int],
+        start: np.ndarray,  # [n] each sequence's first position this step
+        decode_only: bool,
+    ) -> tuple[np.ndarray, np.ndarray, int]:  # (sequence of each token, positions, num pending)
+        """The step's input ids from the host copies of the tokens; a token the running step
+        sampled (still on the device) is listed in pending_src/dst for the runner to copy."""
+        n, ids, qsl = len(states), self._ids, self._qsl
+        pending: list[tuple[int, int]] = []  # (input position, row of the last sampled ids)
+        if decode_only:
+            seq_of_token = np.arange(n)
+            positions = start
+            for r, s in enumerate(states):
+                if s.num_computed_tokens < len(s.token_ids):
+                    ids[r] = s.token_ids[s.num_computed_tokens]
+                else:  # the token this decode computes was sampled by the step still running
+                    pending.append((r, s.pending_index))
+        else:
+            # Token i of sequence r sits at position start[r] + i.
+            num_tokens = int(qsl[n])
+            seq_of_token = np.repeat(np.arange(n), np.asarray(num_scheduled, dtype=np.int64))
+            positions = np.arange(num_tokens) - qsl[seq_of_token] + start[seq_of_token]
+            for r, s in enumerate(states):
+                a = s.num_computed_tokens
+                if a >= len(s.token_ids):  # a decode of the token still on the device
+                    pending.append((int(qsl[r]), s.pending_index))
+                else:
+                    ids[qsl[r] : qsl[r + 1]] = s.token_ids[a : a + num_scheduled[r]]
+        for i, (dst, src) in enumerate(pending):
+            self._pending_dst[i] = dst
+            self._pending_src[i] = src
+        return seq_of_token, positions, len(pending)
+
+    def _fill_positions_and_slots(
+        self,
+        states: list[CachedRequestState],
+        seq_of_token: np.ndarray,
+        positions: np.ndarray,
+        seq_lens: np.ndarray,
+        num_cols: int,
+        num_tokens: int,
+        padded: int,
+    ) -> None:
+        """Positions, the compact block table, slot mapping and sequence lengths; rows past the
+        real sequences (a decode batch padded to a graph size) are harmless padding."""
+        n, bs, ids, qsl = len(states), self.block_size, self._ids, self._qsl
+        rows = np.fromiter((s.row for s in states), np.int64, n)
+        table = self._bt[: padded * num_cols].reshape(padded, num_cols)
+        table[:n] = self.req_block_table[rows, :num_cols]
+        self._pos[:num_tokens] = positions
+        self._slots[:num_tokens] = table[seq_of_token, positions // bs] * bs + positions % bs
+        self._seq_lens[:n] = seq_lens
+        if padded > n:
+            # Padding rows: token 0 at position 0 attending to one key of block 0 (harmless reads);
+            # slot -1 tells the KV write to skip them, so no real sequence's cache is touched.
+            ids[n:padded] = 0
+            self._pos[n:padded] = 0
+            self._slots[n:padded] = -1
+            self._seq_lens[n:padded] = 1
+            qsl[n + 1 : padded + 1] = np.arange(n + 1, padded + 1)
+            table[n:] = 0
+
+    def _sampling_rows(
+        self, states: list[CachedRequestState], seq_lens: np.ndarray, decode_only: bool
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Who samples: requests whose scheduled tokens reach their last known token; and where
+        their logits are (None: row i samples at token i)."""
+        n, qsl = len(states), self._qsl
+        num_known = np.fromiter((s.num_tokens for s in states), np.int64, n)
+        samples = seq_lens == num_known
+        if decode_only and samples.all():
+            return list(range(n)), None
+        sampling_rows = np.flatnonzero(samples).tolist()
+        k = len(sampling_rows)
+        self._logits_idx[:k] = qsl[1 : n + 1][samples] - 1
+        return sampling_rows, self.logits_indices[:k]
 
     def _copy_to_device(
         self,

@@ -18,6 +18,7 @@ import torch
 from kiln.attention.backend import AttentionMetadata, get_attention_backend
 from kiln.config import EngineConfig
 from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
+from kiln.models.config import ModelConfig
 from kiln.models.llama import LlamaForCausalLM
 from kiln.sampling.sampler import Sampler, SamplingMetadata
 
@@ -161,16 +162,61 @@ def profile_activation_peak(
     before: max_num_batched_tokens prompt tokens spread over up to max_num_seqs sequences, every
     one sampling with penalties, temperature, top-k, top-p and logprobs (the sampler's largest
     temporaries)."""
-    cfg = model.config
-    # The largest step the scheduler can form: no sequence longer than max_model_len (a longer
-    # one would index past the rotary table and the block table).
+    step = _largest_step(config, model.config, max_model_len, device, kv_dtype)
+    kernels = resolve_kernel_backend(config.attention_backend, device)
+    ops, backend = kernel_ops(kernels), get_attention_backend(kernels, device)
+
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    hidden = model(ops, backend, step.input_ids, step.positions, step.caches, step.metadata)
+    torch.cuda.synchronize(device)
+    forward_peak = torch.cuda.max_memory_allocated(device) - base
+    logits = model.compute_logits(hidden[step.last_token_indices])
+    del hidden
+    Sampler()(logits, _heaviest_sampling(step.num_seqs, device))
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    num_tokens, num_seqs = step.input_ids.shape[0], step.num_seqs
+    del logits, step
+    torch.cuda.empty_cache()
+    logger.info(
+        "profiled step of %d tokens / %d sequences: peak %.2f GiB (forward %.2f GiB)",
+        num_tokens,
+        num_seqs,
+        peak / GiB,
+        forward_peak / GiB,
+    )
+    return peak, forward_peak
+
+
+@dataclass
+class _ProfileStep:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    caches: list[tuple[torch.Tensor, torch.Tensor]]
+    metadata: AttentionMetadata
+    last_token_indices: torch.Tensor
+    num_seqs: int
+
+
+def _largest_step(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    max_model_len: int,
+    device: torch.device,
+    kv_dtype: torch.dtype,
+) -> _ProfileStep:
+    """The largest step the scheduler can form, as prompt chunks in a scratch cache just big
+    enough for it: no sequence longer than max_model_len (a longer one would index past the
+    rotary table and the block table)."""
     num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len)
     num_seqs = max(1, min(config.max_num_seqs, num_tokens), -(-num_tokens // max_model_len))
     block_size = config.block_size
     lens = [num_tokens // num_seqs] * num_seqs
     lens[-1] += num_tokens - sum(lens)
     blocks = [-(-n // block_size) for n in lens]
-    # A scratch cache just big enough for this batch (its size is not part of the peak).
     shape = (sum(blocks), block_size, cfg.num_key_value_heads, cfg.head_dim)
     caches = [
         tuple(torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(2))
@@ -193,29 +239,31 @@ def profile_activation_peak(
         max_query_len=max(lens),
         max_seq_len=max(lens),
     )
-    input_ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=device)
-    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
-    kernels = resolve_kernel_backend(config.attention_backend, device)
-    ops, backend = kernel_ops(kernels), get_attention_backend(kernels, device)
+    return _ProfileStep(
+        input_ids=torch.randint(0, cfg.vocab_size, (num_tokens,), device=device),
+        positions=torch.cat([torch.arange(n) for n in lens]).to(device),
+        caches=caches,
+        metadata=metadata,
+        last_token_indices=(starts[1:] - 1).to(device),
+        num_seqs=num_seqs,
+    )
 
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    hidden = model(ops, backend, input_ids, positions, caches, metadata)
-    torch.cuda.synchronize(device)
-    forward_peak = torch.cuda.max_memory_allocated(device) - base
-    last = (starts[1:] - 1).to(device)
-    logits = model.compute_logits(hidden[last])
-    del hidden
-    sampler_metadata = SamplingMetadata(
-        temperature=torch.full((num_seqs,), 0.8, device=device),
-        top_k=torch.full((num_seqs,), 50, dtype=torch.int64, device=device),
-        top_p=torch.full((num_seqs,), 0.9, device=device),
-        min_p=torch.full((num_seqs,), 0.05, device=device),
-        repetition_penalty=torch.full((num_seqs,), 1.1, device=device),
-        presence_penalty=torch.full((num_seqs,), 0.1, device=device),
-        frequency_penalty=torch.full((num_seqs,), 0.1, device=device),
+
+def _heaviest_sampling(num_seqs: int, device: torch.device) -> SamplingMetadata:
+    """Every row random with penalties, top-k/p, min-p and logprobs: the sampler's largest
+    temporaries."""
+
+    def column(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.full((num_seqs,), value, dtype=dtype, device=device)
+
+    return SamplingMetadata(
+        temperature=column(0.8),
+        top_k=column(50, torch.int64),
+        top_p=column(0.9),
+        min_p=column(0.05),
+        repetition_penalty=column(1.1),
+        presence_penalty=column(0.1),
+        frequency_penalty=column(0.1),
         prompt_token_ids=[[1, 2, 3]] * num_seqs,
         output_token_ids=[[4]] * num_seqs,
         generators=[None] * num_seqs,
@@ -225,16 +273,3 @@ def profile_activation_peak(
         all_random=True,
         no_penalties=False,
     )
-    Sampler()(logits, sampler_metadata)
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
-    del logits, caches, metadata, input_ids, positions
-    torch.cuda.empty_cache()
-    logger.info(
-        "profiled step of %d tokens / %d sequences: peak %.2f GiB (forward %.2f GiB)",
-        num_tokens,
-        num_seqs,
-        peak / GiB,
-        forward_peak / GiB,
-    )
-    return peak, forward_peak
