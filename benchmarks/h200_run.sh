@@ -10,7 +10,9 @@ set -u
 STAGES=$(IFS=-; echo "$*")
 OUT=${OUT:-benchmarks/results/${RUN_NAME:-$(date +%F)-h200-${STAGES:-none}}}
 mkdir -p "$OUT"
-export PYTHONPATH=.
+# KILN_TREE: run another checkout's kiln (e.g. an extracted older commit) for a same-run A/B;
+# TAG: appended to every output name (lat1k_TAG.json); NO_HF=1: skip the HF baselines.
+export PYTHONPATH=${KILN_TREE:-.}
 export PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false
 BENCH="python3 -m kiln.cli.main bench"
@@ -46,6 +48,8 @@ for s in "$@"; do
     elif [[ $s == *-gc0 ]]; then
         s=${s%-gc0} VARIANT="--gc-gen0-threshold 0" SFX=_gc0 HF_BASELINE=""
     fi
+    SFX=$SFX${TAG:+_$TAG}
+    [[ -n ${NO_HF:-} ]] && HF_BASELINE=""
     case $s in
     env)
         nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv
