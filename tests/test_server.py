@@ -387,6 +387,26 @@ def test_models_health_version(client, http):
     assert http.post("/detokenize", json={"tokens": [10**9]}).status_code == 400
 
 
+def test_models_retrieve_and_tokenizer_info(client, http):
+    """The openai SDK's models.retrieve, and what lm-eval's remote tokenizer reads."""
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    info = http.get("/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
+    assert info["model_max_length"] == http.get("/v1/models").json()["data"][0]["max_model_len"]
+
+
+def test_created_is_each_responses_own(client):
+    """Not the server's start time: a response made a second later says so."""
+    started = time.time()  # the module's server started before this
+    time.sleep(1.1)
+    reply = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=1)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=1)
+    assert reply.created > started and chat.created > started
+    assert client.models.list().data[0].created > started
+
+
 def test_metrics_carry_vllm_names(http):
     http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
     text = http.get("/metrics").text

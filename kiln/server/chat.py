@@ -4,6 +4,7 @@ output equals the offline API's."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
@@ -93,7 +94,7 @@ async def create_chat_completion(
         logprobs=num_top if body.logprobs else None,
     )
     req_id = state.new_id("chatcmpl")
-    head = {"id": req_id, "created": state.created, "model": state.model_name}
+    head = {"id": req_id, "created": int(time.time()), "model": state.model_name}
     engine_request = EngineRequest(req_id, prompt_ids, params, body.priority or 0)
     gen = await Generation.start(state.engine, state.lifecycle, state.metrics, [engine_request])
     n = params.n

@@ -9,6 +9,7 @@ prompt's logprobs (the first is null: nothing predicts it), which is how lm-eval
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -109,7 +110,7 @@ def _plan(body: CompletionRequest, state: ServerState) -> _Plan:
     plan = _Plan(
         id=state.new_id("cmpl"),
         model=state.model_name,
-        created=state.created,
+        created=int(time.time()),  # this response's, as OpenAI's (not the server's start)
         n=n,
         prompts=prompts,
         echo=echo,

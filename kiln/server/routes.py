@@ -1,6 +1,9 @@
-"""The small endpoints: /v1/models, /health, /version, /metrics, /tokenize, /detokenize."""
+"""The small endpoints: /v1/models, /health, /version, /metrics, /tokenize, /detokenize,
+/tokenizer_info."""
 
 from __future__ import annotations
+
+import time
 
 from fastapi import APIRouter
 from starlette.responses import JSONResponse, Response
@@ -11,23 +14,51 @@ from kiln.server.chat import chat_prompt_ids
 from kiln.server.errors import error_response
 from kiln.server.metrics import CONTENT_TYPE
 from kiln.server.protocol import ERROR_RESPONSES, DetokenizeRequest, TokenizeRequest
-from kiln.server.state import State
+from kiln.server.state import ServerState, State
 
 router = APIRouter()
 
 
-@router.get("/v1/models", responses=ERROR_RESPONSES)
-async def list_models(state: State) -> dict:
-    card = {
+def _model_card(state: ServerState) -> dict:
+    return {
         "id": state.model_name,
         "object": "model",
-        "created": state.created,
+        "created": int(time.time()),
         "owned_by": "kiln",
         "root": state.model_name,
         "max_model_len": state.max_model_len,
         "vocab_size": state.vocab_size,  # lets a load generator draw valid random token ids
     }
-    return {"object": "list", "data": [card]}
+
+
+@router.get("/v1/models", responses=ERROR_RESPONSES)
+async def list_models(state: State) -> dict:
+    return {"object": "list", "data": [_model_card(state)]}
+
+
+@router.get("/v1/models/{model_id:path}", responses=ERROR_RESPONSES)
+async def retrieve_model(model_id: str, state: State) -> dict:
+    """The openai SDK's models.retrieve; ids may contain slashes (hub-style names)."""
+    state.check_model(model_id)
+    return _model_card(state)
+
+
+@router.get("/tokenizer_info", responses=ERROR_RESPONSES)
+async def tokenizer_info(state: State) -> dict:
+    """The tokenizer's special tokens, chat template and limits, as vLLM serves them:
+    lm-evaluation-harness's remote tokenizer reads eos/bos/pad and the chat template here."""
+    tokenizer = state.require_tokenizer("model")
+    special = {
+        name: getattr(tokenizer, name, None)
+        for name in ("eos_token", "bos_token", "pad_token", "unk_token")
+    }
+    return {
+        "tokenizer_class": type(tokenizer).__name__,
+        **special,
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "model_max_length": state.max_model_len,
+        "add_bos_token": getattr(tokenizer, "add_bos_token", None),
+    }
 
 
 @router.get("/health", responses=ERROR_RESPONSES)

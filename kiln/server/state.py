@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends
@@ -24,7 +23,6 @@ class ServerState:
     model_name: str
     lifecycle: Lifecycle
     metrics: ServerMetrics
-    created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         # Read once: immutable after the engine is built, so safe from the event-loop thread.
