@@ -190,6 +190,55 @@ def test_echo_prompt_logprobs_for_lm_eval(engine, http):
     assert "Hi there" in stream.text and stream.text.rstrip().endswith("data: [DONE]")
 
 
+def test_prompt_logprobs_extra_on_completions(engine, http):
+    """vLLM's prompt_logprobs: per prompt token, {id: {logprob, rank, decoded_token}}, equal to
+    the offline API's; null for the first token. Streamed once, in the first chunk."""
+    ids = http.post("/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    ref = offline(engine, lambda llm: llm.generate(ids, params)[0].prompt_logprobs)
+    body = {"prompt": [ids], "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    got = choice["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for token_id, ours, theirs in zip(ids[1:], got[1:], ref[1:]):
+        assert str(token_id) in ours and len(ours) <= 3
+        assert ours[str(token_id)]["logprob"] == pytest.approx(theirs[token_id].logprob)
+        assert {e["rank"] for e in ours.values()} >= {1, 2}
+    stream = http.post("/v1/completions", json={**body, "stream": True}).text
+    assert stream.count('"prompt_logprobs"') == 1
+    plain = http.post("/v1/completions", json={**body, "prompt_logprobs": None}).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+
+
+def test_chat_continue_final_message_and_echo(engine, client, http):
+    """vLLM's chat extras: the reply continues the assistant's last message (the template gets
+    continue_final_message, no generation prompt), and echo prepends that message's text."""
+    partial = [*CHAT, {"role": "assistant", "content": "The capital of France"}]
+    body = {"model": MODEL_NAME, "messages": partial, "max_tokens": 6, "temperature": 0}
+    body.update(add_generation_prompt=False, continue_final_message=True)
+    reply = http.post("/v1/chat/completions", json=body).json()
+    tokenizer = engine.engine.tokenizer
+    prompt = tokenizer.apply_chat_template(partial, tokenize=False, continue_final_message=True)
+    ref = offline(
+        engine,
+        lambda llm: (
+            llm.generate(
+                tokenizer.encode(prompt, add_special_tokens=False),
+                SamplingParams(temperature=0, max_tokens=6),
+            )[0]
+            .outputs[0]
+            .text
+        ),
+    )
+    assert reply["choices"][0]["message"]["content"] == ref
+    echoed = http.post("/v1/chat/completions", json={**body, "echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"] == "The capital of France" + ref
+    stream = http.post("/v1/chat/completions", json={**body, "echo": True, "stream": True})
+    assert '"content":"The capital of France"' in stream.text.replace(": ", ":")
+    both = http.post("/v1/chat/completions", json={**body, "add_generation_prompt": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
 # ---- load, disconnects ---------------------------------------------------------------------
 
 

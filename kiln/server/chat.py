@@ -36,9 +36,22 @@ router = APIRouter()
 
 
 def chat_prompt_ids(
-    state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True
+    state: ServerState,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """Template -> text -> ids, as LLM.chat does (the template already holds any BOS token)."""
+    if add_generation_prompt and continue_final_message:
+        raise InvalidRequestError(
+            "continue_final_message needs add_generation_prompt=false (as vLLM)",
+            param="continue_final_message",
+        )
+    if continue_final_message and messages[-1].role != "assistant":
+        raise InvalidRequestError(
+            "continue_final_message needs the last message to be the assistant's",
+            param="continue_final_message",
+        )
     tokenizer = state.require_tokenizer("messages")
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model has no chat template", param="messages")
@@ -48,7 +61,10 @@ def chat_prompt_ids(
     ]
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversation,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )
     except Exception as exc:  # a template may reject a conversation (e.g. role order)
         raise InvalidRequestError(f"the chat template failed: {exc}", param="messages") from exc
@@ -84,7 +100,14 @@ async def create_chat_completion(
 ) -> Response:
     state.check_model(body.model)
     _refuse_unsupported(body)
-    prompt_ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt is not False)
+    prompt_ids = chat_prompt_ids(
+        state,
+        body.messages,
+        body.add_generation_prompt is not False,
+        bool(body.continue_final_message),
+    )
+    last = body.messages[-1]
+    echoed = _text(last) if body.echo and last.role == "assistant" else ""
     num_top = body.top_logprobs or 0
     params = build_sampling_params(
         body,
@@ -100,12 +123,12 @@ async def create_chat_completion(
     n = params.n
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _stream(gen, state, head, n, len(prompt_ids), num_top, include_usage)
+        chunks = _stream(gen, state, head, n, len(prompt_ids), num_top, include_usage, echoed)
         return StreamingResponse(
             chunks, media_type="text/event-stream", background=BackgroundTask(gen.close)
         )
 
-    texts, token_ids = [""] * n, [[] for _ in range(n)]
+    texts, token_ids = [echoed] * n, [[] for _ in range(n)]
     logprobs: list[list[dict] | None] = [[] if body.logprobs else None for _ in range(n)]
     finish: list[tuple[str | None, int | str | None]] = [(None, None)] * n
 
@@ -162,6 +185,7 @@ async def _stream(
     num_prompt_tokens: int,
     num_top: int,
     include_usage: bool,
+    echoed: str,
 ) -> AsyncIterator[bytes]:
     head = {**head, "object": "chat.completion.chunk"}
 
@@ -173,7 +197,7 @@ async def _stream(
     completion_tokens = 0
     try:
         for i in range(n):  # the role first, as OpenAI streams it
-            yield chunk(i, {"role": "assistant", "content": ""})
+            yield chunk(i, {"role": "assistant", "content": echoed})
         async for _, delta in gen.deltas():
             for out in delta.outputs:
                 completion_tokens += len(out.token_ids)

@@ -29,7 +29,7 @@ from kiln.server.generation import (
     sse,
     unless_disconnected,
 )
-from kiln.server.logprobs import CompletionLogprobs
+from kiln.server.logprobs import CompletionLogprobs, finite
 from kiln.server.params import build_sampling_params
 from kiln.server.protocol import ERROR_RESPONSES, CompletionRequest, CompletionResponse
 from kiln.server.state import ServerState, State
@@ -45,6 +45,8 @@ class _Choice:
     stop_reason: int | str | None = None
     logprobs: CompletionLogprobs | None = None
     echoed: bool = False
+    prompt_logprobs: list[dict | None] | None = None  # vLLM's format, once the prompt is scored
+    prompt_logprobs_sent: bool = False
 
 
 @dataclass
@@ -57,6 +59,7 @@ class _Plan:
     n: int
     prompts: list[tuple[str | None, list[int]]]
     echo: bool
+    num_prompt_logprobs: int | None  # vLLM's prompt_logprobs extra
     drop_output: bool  # max_tokens=0 with echo: the one generated token is not returned
     include_usage: bool
     requests: list[EngineRequest] = field(default_factory=list)
@@ -105,7 +108,9 @@ def _plan(body: CompletionRequest, state: ServerState) -> _Plan:
         state.vocab_size,
         max_tokens=1 if drop_output else body.max_tokens,
         logprobs=body.logprobs if want_logprobs and not drop_output else None,
-        prompt_logprobs=body.logprobs if want_logprobs and echo else None,
+        prompt_logprobs=_max_or_none(
+            body.logprobs if want_logprobs and echo else None, body.prompt_logprobs
+        ),
     )
     plan = _Plan(
         id=state.new_id("cmpl"),
@@ -114,6 +119,7 @@ def _plan(body: CompletionRequest, state: ServerState) -> _Plan:
         n=n,
         prompts=prompts,
         echo=echo,
+        num_prompt_logprobs=body.prompt_logprobs,
         drop_output=drop_output,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
     )
@@ -135,6 +141,11 @@ def _advance(
     """Fold one completion delta into its choice; returns the new text (the prompt first, when
     echoing)."""
     text = ""
+    wants_prompt_logprobs = plan.num_prompt_logprobs is not None
+    if wants_prompt_logprobs and choice.prompt_logprobs is None and delta.prompt_logprobs:
+        choice.prompt_logprobs = _vllm_prompt_logprobs(
+            plan.prompts[index][1], delta.prompt_logprobs, plan.num_prompt_logprobs
+        )
     if plan.echo and not choice.echoed:
         choice.echoed = True
         prompt_text, prompt_ids = plan.prompts[index]
@@ -154,6 +165,35 @@ def _advance(
         choice.stop_reason = None if plan.drop_output else out.stop_reason
     choice.text += text
     return text
+
+
+def _max_or_none(*values: int | None) -> int | None:
+    given = [v for v in values if v is not None]
+    return max(given) if given else None
+
+
+def _vllm_prompt_logprobs(
+    prompt_ids: list[int], positions: list, num_top: int
+) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token, {token id: {logprob, rank, decoded_token}} for
+    the token itself and the top `num_top` (None for the first: nothing predicts it)."""
+    out: list[dict | None] = []
+    for token_id, position in zip(prompt_ids, positions):
+        if position is None:
+            out.append(None)
+            continue
+        out.append(
+            {
+                str(tid): {
+                    "logprob": finite(lp.logprob),
+                    "rank": lp.rank,
+                    "decoded_token": lp.decoded_token,
+                }
+                for tid, lp in position.items()
+                if tid == token_id or lp.rank <= num_top
+            }
+        )
+    return out
 
 
 def _choices(plan: _Plan, state: ServerState, want_logprobs: bool) -> list[_Choice]:
@@ -219,6 +259,11 @@ async def create_completion(body: CompletionRequest, raw: Request, state: State)
                 "logprobs": c.logprobs.take() if c.logprobs else None,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
+                **(
+                    {"prompt_logprobs": c.prompt_logprobs}
+                    if plan.num_prompt_logprobs is not None
+                    else {}
+                ),
             }
             for i, c in enumerate(choices)
         ],
@@ -247,6 +292,9 @@ async def _stream(
                     "finish_reason": choice.finish_reason,
                     "stop_reason": choice.stop_reason,
                 }
+                if choice.prompt_logprobs is not None and not choice.prompt_logprobs_sent:
+                    item["prompt_logprobs"] = choice.prompt_logprobs  # once, in the first chunk
+                    choice.prompt_logprobs_sent = True
                 yield sse({**_head(plan), "choices": [item]})
         if plan.include_usage:
             yield sse({**_head(plan), "choices": [], "usage": _usage(plan, choices)})

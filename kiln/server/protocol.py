@@ -62,6 +62,8 @@ class CompletionRequest(SamplingFields):
     """0 is allowed only with echo: score the prompt, generate nothing (lm-eval loglikelihood)."""
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    """vLLM's extra: each prompt token's logprob and the top-N, in the choice's prompt_logprobs."""
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
@@ -88,6 +90,11 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    """vLLM's extra: the reply continues the last (assistant) message instead of starting one."""
+    echo: bool | None = False
+    """vLLM's extra: the reply's content starts with the last message's, if that is the
+    assistant's (what continue_final_message continues)."""
 
 
 class TokenizeRequest(_Body):
