@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 
 from kiln.cli.main import main
 from tests.conftest import build_tiny_hf_model
+
+_REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +70,21 @@ def test_bench_kv_cache_dtype_flag_reaches_the_engine_and_the_roofline(tiny_dir,
     assert fp8["memory_plan"]["kv_blocks"] // 4 == auto["memory_plan"]["kv_blocks"]
     kv_auto = auto["roofline"]["bytes_per_step"] - fp8["roofline"]["bytes_per_step"]
     assert kv_auto > 0  # the weights are the same; only the KV share shrank
+
+
+def test_revision_is_kilns_own_wherever_it_runs(tmp_path, monkeypatch):
+    """Run from another git repository (or none), the record names kiln's checkout, not the
+    current directory's."""
+    import subprocess
+
+    from kiln.bench.report import kiln_revision, kiln_source_hash
+
+    here = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=_REPO
+    ).stdout.strip()
+    other = tmp_path / "other"
+    other.mkdir()
+    subprocess.run(["git", "init", "-q", str(other)], check=True)
+    monkeypatch.chdir(other)
+    assert kiln_revision().removesuffix("-dirty") == here
+    assert len(kiln_source_hash()) == 16

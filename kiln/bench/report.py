@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
+import pathlib
 import platform
 import subprocess
 import sys
@@ -11,28 +13,42 @@ import time
 
 import torch
 
+import kiln
 from kiln.envs import envs
+
+
+def kiln_revision() -> str:
+    """kiln's own git revision (of the checkout kiln is imported from, not the current
+    directory's), "-dirty" if its tracked files changed; KILN_GIT_REVISION overrides it for trees
+    copied without their .git."""
+    if envs().git_revision:
+        return envs().git_revision
+    here = pathlib.Path(kiln.__file__).resolve().parent
+    try:
+        run = dict(capture_output=True, text=True, timeout=5, cwd=here)
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **run).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "."], **run
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (rev or "unknown") + ("-dirty" if rev and dirty else "")
+
+
+def kiln_source_hash() -> str:
+    """A hash of kiln's Python sources as imported: names the code that ran even where the
+    revision cannot (a copied tree, uncommitted changes)."""
+    root = pathlib.Path(kiln.__file__).resolve().parent
+    digest = hashlib.blake2b(digest_size=8)
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def environment(device: torch.device) -> dict:
     import transformers
 
-    # KILN_GIT_REVISION: for machines the code reaches without its .git (a copied tree).
-    rev, dirty = envs().git_revision or "", ""
-    if not rev:
-        try:
-            rev = subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
-            ).stdout.strip()
-            dirty = subprocess.run(
-                ["git", "status", "--porcelain", "--untracked-files=no"],
-                capture_output=True,
-                text=True,
-                timeout=5,
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            pass
-    rev = rev or "unknown"
     if device.type == "cuda":
         hardware = torch.cuda.get_device_name(device)
     else:
@@ -41,7 +57,9 @@ def environment(device: torch.device) -> dict:
         )
     env = {
         "command": " ".join(sys.argv),
-        "git_revision": rev + ("-dirty" if dirty else ""),
+        "kiln_version": kiln.__version__,
+        "git_revision": kiln_revision(),
+        "kiln_source_hash": kiln_source_hash(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": hardware,
         "python": platform.python_version(),
