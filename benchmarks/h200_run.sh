@@ -37,7 +37,8 @@ for s in "$@"; do
     # A suffix runs a benchmark stage as a variant, with no HF baseline (the one in the plain
     # stage of the same run is the comparison), and writes NAME_SUFFIX.json: "-fp8" a float8
     # KV cache ("-fp8nopf": without the float8 decode kernel's V prefetch), "-gc0" Python's
-    # default GC threshold (the engine raises it; A/B of that).
+    # default GC threshold (the engine raises it; A/B of that), "-fp8w" FP8 W8A8 weights
+    # (--quantization fp8-dynamic).
     VARIANT="" SFX="" HF_BASELINE="--baseline hf"
     unset KILN_PREFETCH_FP8_V
     if [[ $s == *-fp8nopf ]]; then  # float8 without the decode kernel's V prefetch: its A/B
@@ -45,6 +46,8 @@ for s in "$@"; do
         export KILN_PREFETCH_FP8_V=0
     elif [[ $s == *-fp8 ]]; then
         s=${s%-fp8} VARIANT="--kv-cache-dtype fp8" SFX=_fp8 HF_BASELINE=""
+    elif [[ $s == *-fp8w ]]; then  # FP8 W8A8 weights, dynamic per-token activations
+        s=${s%-fp8w} VARIANT="--quantization fp8-dynamic" SFX=_fp8w HF_BASELINE=""
     elif [[ $s == *-gc0 ]]; then
         s=${s%-gc0} VARIANT="--gc-gen0-threshold 0" SFX=_gc0 HF_BASELINE=""
     fi
@@ -166,6 +169,9 @@ for s in "$@"; do
     fp8-sweep)  # attention kernels over a float8 cache vs bf16; float8 decode tile sweep
         stage fp8-sweep 300 python3 benchmarks/kv_fp8_kernel_sweep.py \
             --out "$OUT/kv_fp8_kernel_sweep.json"
+        ;;
+    fp8-linear)  # FP8 W8A8 GEMMs (quantize + _scaled_mm) against bf16, 8B shapes, M=1..8192
+        stage fp8-linear 240 python3 benchmarks/fp8_linear_check.py --out "$OUT/fp8_linear.json"
         ;;
     fp8-prefetch)  # float8 decode with V loaded a tile ahead against without, and its tiles
         stage fp8-prefetch 200 python3 benchmarks/kv_fp8_kernel_sweep.py --prefetch-only \

@@ -16,3 +16,12 @@ class InvalidRequestError(KilnError, ValueError):
 
 class ModelLoadError(KilnError):
     """A model could not be found, read or understood (path, architecture, dtype, corrupt file)."""
+
+
+class BuildError(KilnError):
+    """`kiln build` cannot make the engine asked for (a bad output directory, an accuracy check
+    the engine fails, a scheme that is not available)."""
+
+
+class EvalError(KilnError):
+    """`kiln eval` cannot run a task: an unknown task name, or its data is missing or malformed."""

@@ -18,6 +18,7 @@ def load_hf_model(model_path: str, dtype: torch.dtype, device: torch.device):
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from kiln.checkpoint.engine_dir import is_engine_dir, read_manifest
     from kiln.models.config import PRESETS
 
     if model_path in PRESETS:  # dummy weights of a preset shape, drawn like kiln's
@@ -31,6 +32,9 @@ def load_hf_model(model_path: str, dtype: torch.dtype, device: torch.device):
                 else:
                     p.normal_(0.0, 0.02)
         return model.eval()
+    if os.path.isdir(model_path) and is_engine_dir(model_path):
+        # transformers cannot read kiln's fused tensors: the baseline runs the engine's source.
+        model_path = read_manifest(model_path)["source"]
     if model_path.endswith(".gguf"):
         model = AutoModelForCausalLM.from_pretrained(
             os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=dtype

@@ -13,14 +13,16 @@ import argparse
 import logging
 import sys
 
-from kiln.cli import bench, generate, serve
+import kiln
+from kiln.cli import bench, build, eval, generate, serve
 from kiln.errors import KilnError
 
-VERBS = (generate, serve, bench)
+VERBS = (generate, serve, bench, build, eval)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kiln", description="kiln LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"kiln {kiln.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for verb in VERBS:
         verb.add_parser(sub)

@@ -26,6 +26,8 @@ class InProcessExecutor(Executor):
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         torch.manual_seed(config.seed)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         loaded = load_model(config, device, dtype)
         kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
         self.facts = ModelFacts(

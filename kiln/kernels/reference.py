@@ -299,3 +299,42 @@ def add_rms_norm_linear_silu_mul(
 def argmax(logits: torch.Tensor) -> torch.Tensor:  # [rows] int64
     """Greedy sampling's argmax over [rows, vocab] logits; ties to the lowest index."""
     return logits.argmax(dim=-1)
+
+
+# ---- FP8 W8A8 (kiln.quantization.fp8) ----------------------------------------------------------
+
+FP8_MIN_SCALE = 1e-12  # a dynamic scale's floor: an all-zero row quantizes to zeros, not NaN
+
+
+def quantize_fp8(
+    x: torch.Tensor,  # [M, K]
+    scale: torch.Tensor | None,  # [] or [1] fp32 static per-tensor scale; None: per row
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, K] float8 e4m3, the scale: [M, 1] or as given)
+    """x ~= x_fp8 * scale. Dynamic (scale None): each row's absmax / 448 (floored at
+    FP8_MIN_SCALE), so each row uses e4m3's whole range. Static: x / scale saturates at +-448,
+    as the float8 KV path (to_cache_dtype) does, rather than overflowing to NaN."""
+    x32 = x.float()
+    if scale is None:
+        absmax = x32.abs().amax(dim=-1, keepdim=True)
+        scale = (absmax / FP8_E4M3_MAX).clamp(min=FP8_MIN_SCALE)
+    scaled = (x32 / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return scaled.to(torch.float8_e4m3fn), scale
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [..., K] in the model dtype
+    weight: torch.Tensor,  # [N, K] float8 e4m3
+    weight_scale: torch.Tensor,  # [N] fp32, per output channel
+    input_scale: torch.Tensor | None,  # [] fp32 static per-tensor; None: dynamic per token
+    bias: torch.Tensor | None = None,  # [N] in the model dtype
+) -> torch.Tensor:  # [..., N] in x.dtype
+    """W8A8: quantize x (quantize_fp8), then the FP8 tensor cores' arithmetic: float8 x float8
+    products (exact in fp32) summed in fp32, scaled by the row's input scale and the column's
+    weight scale after the sum, plus the bias, rounded once to x.dtype."""
+    x2d = x.reshape(-1, x.shape[-1])
+    x_fp8, x_scale = quantize_fp8(x2d, input_scale)
+    acc = x_fp8.float() @ weight.float().t()  # [M, N] fp32
+    y = acc * x_scale * weight_scale.float()  # x_scale [M, 1] (dynamic) or [] / [1] (static)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

@@ -7,7 +7,7 @@ sequences are packed into one [num_tokens, hidden] batch with no padding.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 
 import torch
@@ -16,13 +16,22 @@ from torch import nn
 
 from kiln.attention.backend import AttentionBackend, AttentionMetadata
 from kiln.errors import ModelLoadError
-from kiln.layers.linear import Linear
+from kiln.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 from kiln.layers.rotary import build_cos_sin_cache
 from kiln.models.config import ModelConfig
 
+# A layer's qualified name (e.g. "layers.3.self_attn.qkv_proj") -> its LinearMethod.
+LinearMethodFactory = Callable[[str], LinearMethod]
+
+
+def _unquantized(name: str) -> LinearMethod:
+    return UnquantizedLinearMethod()
+
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self, cfg: ModelConfig, prefix: str, method: LinearMethodFactory, dtype: torch.dtype | None
+    ) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -35,8 +44,12 @@ class LlamaAttention(nn.Module):
             self.q_size + 2 * self.kv_size,
             bias=cfg.attention_bias,
             output_sizes=[self.q_size, self.kv_size, self.kv_size],
+            method=method(f"{prefix}.qkv_proj"),
+            dtype=dtype,
         )
-        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.o_proj = Linear(
+            self.q_size, cfg.hidden_size, method=method(f"{prefix}.o_proj"), dtype=dtype
+        )
 
     # No forward: the decoder loop calls qkv_proj's fused entry point (residual add + norm + qkv
     # + rotary + the KV-cache write, one kernel at batch-1 decode on the GPU), the attention
@@ -44,38 +57,68 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self, cfg: ModelConfig, prefix: str, method: LinearMethodFactory, dtype: torch.dtype | None
+    ) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         n = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * n, output_sizes=[n, n])
-        self.down_proj = Linear(n, cfg.hidden_size)
+        self.gate_up_proj = Linear(
+            cfg.hidden_size,
+            2 * n,
+            output_sizes=[n, n],
+            method=method(f"{prefix}.gate_up_proj"),
+            dtype=dtype,
+        )
+        self.down_proj = Linear(
+            n, cfg.hidden_size, method=method(f"{prefix}.down_proj"), dtype=dtype
+        )
 
     # No forward: the decoder loop calls gate_up_proj's fused entry point (residual add + norm +
     # gate_up + activation, one kernel at batch-1 decode on the GPU) and down_proj.
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self, cfg: ModelConfig, prefix: str, method: LinearMethodFactory, dtype: torch.dtype | None
+    ) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
-        self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.self_attn = LlamaAttention(cfg, f"{prefix}.self_attn", method, dtype)
+        self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", method, dtype)
+        self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    """`linear_method` gives every decoder projection (qkv, o, gate_up, down) its LinearMethod
+    by qualified name; None: unquantized. The LM head stays unquantized: the logits feed sampling
+    and logprobs directly, where float8's 3-bit mantissa would show, and it is one matrix of
+    ~100 (issue 13: measure before quantizing it).
+
+    `dtype` is where the parameters are made; with a quantized method pass it rather than calling
+    `.to(dtype)` afterwards, which would widen the float8 weights and their fp32 scales."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        linear_method: LinearMethodFactory | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        method = linear_method or _unquantized
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, f"layers.{i}", method, dtype)
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
         cache = build_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
@@ -123,12 +166,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors in, each through its layer's loader (which places q/k/v
         and gate/up into their fused projection), then let every linear method process them."""
         params = dict(self.named_parameters())
-        owners = {
-            f"{prefix}.{name}": module
-            for prefix, module in self.named_modules()
-            if isinstance(module, Linear)
-            for name, _ in module.named_parameters(recurse=False)
-        }
+        owners = self._linear_owners()
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             target = _map_hf_name(hf_name)
@@ -156,6 +194,46 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
         self.process_weights_after_loading()
 
+    @torch.no_grad()
+    def load_fused_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors named as `named_parameters()` names them (already fused: qkv_proj,
+        gate_up_proj; what an engine directory holds) in, strictly: every parameter exactly
+        once, with its shape and dtype. Linear parameters go through their method's loader, so
+        a quantized method's parameters (fp8 weights, scales) load the same way."""
+        params = dict(self.named_parameters())
+        owners = self._linear_owners()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            param = params.get(name)
+            if param is None:
+                raise ModelLoadError(f"engine tensor {name!r} has no place in the model")
+            if name in loaded:
+                raise ModelLoadError(f"engine tensor {name!r} appears twice")
+            if tuple(param.shape) != tuple(tensor.shape) or param.dtype != tensor.dtype:
+                raise ModelLoadError(
+                    f"engine tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, the model "
+                    f"expects {param.dtype} {tuple(param.shape)} (built with another dtype?)"
+                )
+            owner = owners.get(name)
+            if owner is None:
+                param.copy_(tensor)
+            else:
+                owner.method.load_weight(param, None, tensor)
+            loaded.add(name)
+        missing = [name for name in params if name not in loaded]
+        if missing:
+            raise ModelLoadError(f"engine lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        self.process_weights_after_loading()
+
+    def _linear_owners(self) -> dict[str, Linear]:
+        """Each Linear-owned parameter's name -> its layer (whose method loads it)."""
+        return {
+            f"{prefix}.{name}": module
+            for prefix, module in self.named_modules()
+            if isinstance(module, Linear)
+            for name, _ in module.named_parameters(recurse=False)
+        }
+
     def process_weights_after_loading(self) -> None:
         for module in self.modules():
             if isinstance(module, Linear):
@@ -165,6 +243,8 @@ class LlamaForCausalLM(nn.Module):
         keys = []
         for name, _ in self.named_parameters():
             owner = owners.get(name)
+            if _derived(name, owner):
+                continue
             if owner is None or len(owner.output_sizes) == 1:
                 keys.append(f"{name}:None")
             else:
@@ -176,11 +256,26 @@ class LlamaForCausalLM(nn.Module):
         """Random weights at the scale of a trained model (normal, std 0.02; norms at 1): not
         zeros or garbage, which run at different speeds than real data."""
         gen = torch.Generator(device=self.norm.device).manual_seed(seed)
+        owners = self._linear_owners()
         for name, param in self.named_parameters():
+            owner = owners.get(name)
+            if _derived(name, owner):
+                continue
             if param.dim() == 1 and "bias" not in name:
                 param.fill_(1.0)
+            elif param.element_size() == 1:  # float8: drawn as a checkpoint would be, then loaded
+                drawn = torch.empty(param.shape, device=param.device).normal_(
+                    0.0, 0.02, generator=gen
+                )
+                owner.weight_loader(param, None, drawn)
             else:
                 param.normal_(0.0, 0.02, generator=gen)
+
+
+def _derived(name: str, owner: Linear | None) -> bool:
+    """A linear method's tensor that no HF checkpoint holds (a quantized weight's scale): its
+    method's loader fills it while loading the weight."""
+    return owner is not None and name.rsplit(".", 1)[-1] not in ("weight", "bias")
 
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

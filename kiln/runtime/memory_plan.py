@@ -81,6 +81,11 @@ class MemoryPlan:
         }
 
 
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
+    """K and V of every layer for one token (what `kiln build` plans with, before any load)."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_dtype.itemsize
+
+
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
     cfg = model.config
     elem = kv_dtype.itemsize

@@ -14,7 +14,8 @@ import torch
 from kiln.config import EngineConfig
 from kiln.errors import ModelLoadError
 from kiln.models.config import PRESETS, ModelConfig
-from kiln.models.llama import LlamaForCausalLM
+from kiln.models.llama import LinearMethodFactory, LlamaForCausalLM
+from kiln.quantization import linear_method_factory
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -28,6 +29,12 @@ class ModelSource:
     tokenizer: object | None
     generation_defaults: dict
     description: str
+    # True for an engine directory: kiln-named, already fused tensors (load_fused_weights).
+    weights_fused: bool = False
+    # An engine directory's scheme ("none", "fp8", "fp8-dynamic"): its model must be built with
+    # that scheme's linear methods before its (already quantized) tensors load.
+    quantization: str = "none"
+    input_scales: dict[str, float] | None = None  # an "fp8" engine's calibrated static scales
 
 
 @dataclass
@@ -65,6 +72,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 def find_model_source(model: str | None, load_format: str) -> ModelSource:
     from kiln.checkpoint.default_model import default_model_path
+    from kiln.checkpoint.engine_dir import is_engine_dir
 
     path = default_model_path() if model is None else os.path.expanduser(model)
     if load_format == "dummy":
@@ -73,6 +81,8 @@ def find_model_source(model: str | None, load_format: str) -> ModelSource:
         if not os.path.isfile(path):
             raise ModelLoadError(f"GGUF file not found: {path}")
         return _gguf_source(path)
+    if os.path.isdir(path) and is_engine_dir(path):
+        return _engine_dir_source(path)
     if os.path.isdir(path):
         return _hf_dir_source(path)
     if model in PRESETS:
@@ -89,6 +99,53 @@ def _gguf_source(path: str) -> ModelSource:
     return ModelSource(
         gguf_model.config, gguf_model.tensors(), gguf_model.tokenizer(), {}, f"GGUF {path}"
     )
+
+
+def _engine_dir_source(path: str) -> ModelSource:
+    from kiln.checkpoint.engine_dir import iter_engine_weights, open_engine_dir
+    from kiln.checkpoint.safetensors_loader import read_generation_config
+
+    engine = open_engine_dir(path)  # verifies version, GPU class, sizes and hashes first
+    return ModelSource(
+        engine.config,
+        iter_engine_weights(path),
+        _load_engine_tokenizer(path),
+        read_generation_config(path),
+        engine.description,
+        weights_fused=True,
+        quantization=engine.manifest["quantization"],
+        input_scales=engine.manifest.get("input_scales"),
+    )
+
+
+def _linear_method(engine_config: EngineConfig, source: ModelSource) -> LinearMethodFactory:
+    """An engine directory's own scheme (and its static scales) make its linear methods; any
+    other source takes EngineConfig.quantization."""
+    if not source.weights_fused:
+        return linear_method_factory(engine_config.quantization)
+    if engine_config.quantization not in ("none", source.quantization):
+        raise ModelLoadError(
+            f"{source.description} holds {source.quantization!r} weights; it cannot load as "
+            f"quantization={engine_config.quantization!r} (build another engine for that)"
+        )
+    return linear_method_factory(source.quantization, source.input_scales)
+
+
+def _load_engine_tokenizer(path: str) -> object | None:
+    """A plain fast tokenizer (what a GGUF source's becomes) loads without AutoTokenizer, whose
+    imports add seconds to a cold start (3 s on a 2-core CPU host); others go through it."""
+    config_file = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(os.path.join(path, "tokenizer.json")) and os.path.isfile(config_file):
+        with open(config_file, encoding="utf-8") as f:
+            tokenizer_class = json.load(f).get("tokenizer_class")
+        if tokenizer_class in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+            from transformers import PreTrainedTokenizerFast
+
+            try:
+                return PreTrainedTokenizerFast.from_pretrained(path)
+            except Exception as exc:  # a broken tokenizer file must say which directory
+                raise ModelLoadError(f"could not load the tokenizer in {path}: {exc}") from exc
+    return _load_tokenizer(path)
 
 
 def _hf_dir_source(path: str) -> ModelSource:
@@ -162,11 +219,17 @@ def load_model(
     source = find_model_source(engine_config.model, engine_config.load_format)
     cfg = source.config
     max_positions = engine_config.max_model_len or cfg.max_position_embeddings
+    linear_method = _linear_method(engine_config, source)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, max_positions).to(dtype)
-    model.cos_sin_cache = model.cos_sin_cache.float()  # rotary tables stay fp32
+        # Made in `dtype`, not `.to(dtype)` after: float8 weights and fp32 scales keep their types.
+        model = LlamaForCausalLM(cfg, max_positions, linear_method, dtype)
+    # Rotary tables stay fp32, holding the model dtype's values (transformers rounds cos/sin to
+    # the activations' dtype too).
+    model.cos_sin_cache = model.cos_sin_cache.to(dtype).float()
     if source.weights is None:
         model.init_dummy_weights(engine_config.seed)
+    elif source.weights_fused:
+        model.load_fused_weights(source.weights)
     else:
         model.load_weights(source.weights)
     model.eval()

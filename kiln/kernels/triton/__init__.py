@@ -7,6 +7,7 @@ without a GPU the kernels run under the interpreter when TRITON_INTERPRET=1 is s
 
 from kiln.kernels.triton.argmax import argmax
 from kiln.kernels.triton.decode_attention import paged_decode_attention
+from kiln.kernels.triton.fp8_linear import fp8_linear, quantize_fp8
 from kiln.kernels.triton.prefill_attention import paged_prefill_attention
 from kiln.kernels.triton.qkv_rotary import add_rms_norm_qkv_rotary_write_kv
 from kiln.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
@@ -23,10 +24,12 @@ __all__ = [
     "add_rms_norm_linear_silu_mul",
     "add_rms_norm_qkv_rotary_write_kv",
     "argmax",
+    "fp8_linear",
     "fused_add_rms_norm",
     "linear",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "quantize_fp8",
     "rms_norm",
     "rotary_embedding_write_kv",
     "silu_and_mul",

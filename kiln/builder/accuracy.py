@@ -1,0 +1,55 @@
+"""The accuracy check of a build that changes the arithmetic: source and engine perplexity on
+held-out text (WikiText-2's valid split, never the calibration text), and whether the engine's is
+within `max_ppl_increase` percent of the source's."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import kiln
+
+_DATA = os.path.join(os.path.dirname(os.path.dirname(kiln.__file__)), "..", "shared", "data")
+HELD_OUT_FILE = os.path.normpath(os.path.join(_DATA, "wikitext-2", "valid.txt"))
+CALIBRATION_FILE = os.path.normpath(os.path.join(_DATA, "wikitext-2", "test.txt"))
+# The first articles of the valid split: thousands of tokens, so a 1% change stands well above
+# what a reordered sum moves, and the check adds seconds to a build, not minutes.
+_HELD_OUT_ARTICLES = 1
+
+
+def wikitext_articles(path: str, limit: int) -> list[str]:
+    """The first `limit` articles of a raw WikiText file (an article starts at a " = Title = "
+    line; " = = Section = = " lines stay inside it)."""
+    articles: list[list[str]] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            stripped = line.strip()
+            if stripped.startswith("= ") and not stripped.startswith("= ="):
+                if len(articles) == limit:
+                    break
+                articles.append([])
+            if articles:
+                articles[-1].append(line)
+    return ["".join(a) for a in articles]
+
+
+def measure(llm: object, max_length: int | None) -> dict[str, float]:
+    """Word and token perplexity of `llm` on the held-out articles."""
+    from kiln.eval.perplexity import rolling_perplexity
+
+    documents = wikitext_articles(HELD_OUT_FILE, _HELD_OUT_ARTICLES)
+    result = rolling_perplexity(llm, documents, max_length=max_length)
+    return {"word_perplexity": result.word_perplexity, "token_perplexity": result.token_perplexity}
+
+
+def report(source: dict[str, float], engine: dict[str, float], limit_pct: float) -> dict[str, Any]:
+    increase = 100.0 * (engine["word_perplexity"] / source["word_perplexity"] - 1.0)
+    return {
+        "checked": True,
+        "held_out": f"wikitext-2 valid.txt, first {_HELD_OUT_ARTICLES} articles",
+        **{f"source_{k}": v for k, v in source.items()},
+        **{f"engine_{k}": v for k, v in engine.items()},
+        "word_perplexity_increase_pct": increase,
+        "max_ppl_increase_pct": limit_pct,
+        "passed": increase <= limit_pct,
+    }

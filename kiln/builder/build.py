@@ -1,0 +1,260 @@
+"""build_engine: source -> engine directory. Hash the source, return a cached engine if these
+inputs were built before, print the memory plan, load (and quantize), write fused weights,
+tokenizer and configs, check accuracy, write the manifest, move the directory into place."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+import kiln
+from kiln.builder import cache
+from kiln.builder.manifest import EngineManifest
+from kiln.builder.plan import plan_memory
+from kiln.builder.quantize import SCALES_METHOD, calibrate, linear_method_factory, text_hash
+from kiln.builder.weights import write_weights
+from kiln.checkpoint.engine_dir import current_gpu_class, is_engine_dir
+from kiln.checkpoint.file_hash import hash_files
+from kiln.errors import BuildError
+from kiln.models.config import ModelConfig
+from kiln.models.llama import LlamaForCausalLM
+from kiln.runtime.model_loader import (
+    find_model_source,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
+
+QUANTIZATIONS = ("none", "fp8", "fp8-dynamic")
+KV_CACHE_DTYPES = ("auto", "fp8")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+# Copied verbatim from an HF source directory (the tokenizer, its chat template, sampling
+# defaults); a GGUF source's tokenizer is saved by transformers instead.
+_HF_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    quantization: str = "none"
+    """"none", "fp8" (static input scales calibrated at build time) or "fp8-dynamic"."""
+    kv_cache_dtype: str = "auto"
+    """"auto" (the model dtype) or "fp8"."""
+    dtype: str = "auto"
+    """Unquantized weights' dtype: "auto" (float32 on the CPU, bfloat16 on CUDA) or a name."""
+    max_model_len: int | None = None
+    """Longest prompt + output the memory plan and the accuracy check assume (None: the model's)."""
+    calibration_data: str | None = None
+    """Text file for static scales (None: the head of WikiText-2's test split)."""
+    max_ppl_increase: float = 1.0
+    """Most word-perplexity increase (percent) over the source a quantized engine may have."""
+    accuracy_check: bool = True
+    """Measure source and engine perplexity on held-out text (quantized builds only)."""
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("quantization", QUANTIZATIONS),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
+            ("dtype", DTYPES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise BuildError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise BuildError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+def build_engine(
+    model: str | None, out_dir: str | None, options: BuildOptions, cache_dir: str | None
+) -> EngineManifest:
+    """Build (or find already built) the engine of `model` with `options`. With no out_dir the
+    engine lives in the cache, under its id."""
+    from kiln.checkpoint.default_model import default_model_path
+
+    start = time.perf_counter()
+    path = default_model_path() if model is None else os.path.expanduser(model)
+    if os.path.isdir(path) and is_engine_dir(path):
+        raise BuildError(f"{path} is already an engine directory; build from its source")
+    device = resolve_device("auto")
+    dtype = resolve_dtype(options.dtype, device)
+    gpu_class = current_gpu_class() if device.type == "cuda" else None
+    calibration = _calibration_text(options)
+    key = {
+        **asdict(options),
+        "dtype": str(dtype).removeprefix("torch."),
+        "calibration_data": text_hash(calibration) if calibration else None,
+        "target": gpu_class or "cpu",
+    }
+    source_digest = cache.source_hash(path)
+    engine_id = cache.engine_id(source_digest, key)
+    cache_dir = cache_dir or (cache.default_cache_dir() if out_dir is None else None)
+    cached = os.path.join(cache_dir, engine_id) if cache_dir else None
+    target = os.path.abspath(os.path.expanduser(out_dir)) if out_dir else cached
+    found = _already_built(engine_id, target, cached)
+    if found is not None:
+        print(f"engine {engine_id} was already built: {target}")
+        return found
+    if os.path.isdir(target) and os.listdir(target) and not is_engine_dir(target):
+        raise BuildError(f"output directory {target} exists and is not an engine directory")
+
+    source = find_model_source(path, "auto")
+    cfg = source.config
+    max_model_len = options.max_model_len or cfg.max_position_embeddings
+    kv_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, dtype)
+    plan = plan_memory(cfg, dtype, kv_dtype, options.quantization, max_model_len, device)
+    print(plan.describe(), flush=True)
+
+    tmp = f"{target}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        check = options.accuracy_check and _changes_arithmetic(options)
+        source_ppl, scales = _run_source(path, options, calibration, check)
+        factory = linear_method_factory(options.quantization, scales)
+        with torch.device(device):
+            # Made in `dtype` (not .to(dtype) after): float8 weights and scales keep their types.
+            net = LlamaForCausalLM(cfg, max_model_len, factory, dtype)
+        net.load_weights(tqdm(source.weights, desc="loading source", unit=" tensors", leave=False))
+        names = write_weights(net.named_parameters(), tmp)
+        del net
+        names += _write_side_files(path, cfg, source.tokenizer, tmp)
+        digests = hash_files([os.path.join(tmp, n) for n in names], desc="hashing engine")
+        manifest = EngineManifest(
+            engine_id=engine_id,
+            kiln_version=kiln.__version__,
+            source=os.path.abspath(path),
+            source_hash=source_digest,
+            architecture=cfg.to_hf_dict(),
+            dtype=key["dtype"],
+            kv_cache_dtype=options.kv_cache_dtype,
+            max_model_len=options.max_model_len,
+            quantization=options.quantization,
+            scales_method=SCALES_METHOD.get(options.quantization),
+            calibration_data_hash=key["calibration_data"],
+            input_scales=scales,
+            accuracy={},
+            gpu_class=gpu_class,
+            kernel_tiles=None,  # no kernel is tuned per build yet: every GPU uses the defaults
+            build_seconds=0.0,
+            files={n: {"size": d.size, "blake2b": d.blake2b} for n, d in zip(names, digests)},
+        )
+        manifest.write(tmp)  # the check loads the engine from tmp: it needs a manifest
+        accuracy = _accuracy(tmp, options, source_ppl)
+        manifest = EngineManifest(
+            **{**asdict(manifest), "accuracy": accuracy,
+               "build_seconds": round(time.perf_counter() - start, 3)}
+        )  # fmt: skip
+        manifest.write(tmp)
+        if accuracy.get("passed") is False:
+            raise BuildError(
+                f"the engine's word perplexity {accuracy['engine_word_perplexity']:.4f} is "
+                f"{accuracy['word_perplexity_increase_pct']:.2f}% above the source's "
+                f"{accuracy['source_word_perplexity']:.4f} (limit {options.max_ppl_increase}%; "
+                "--no-accuracy-check builds it anyway)"
+            )
+        cache.publish(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if cached and cached != target:
+        cache.copy_engine(target, cached)
+    print(f"built engine {engine_id} in {manifest.build_seconds:.1f} s: {target}")
+    return manifest
+
+
+def _already_built(engine_id: str, target: str, cached: str | None) -> EngineManifest | None:
+    """The finished engine at `target`, or the cache's (copied to `target`), or None."""
+    for candidate in (target, cached):
+        found = candidate and cache.existing_engine(candidate, engine_id)
+        if found:
+            if candidate != target:
+                cache.copy_engine(candidate, target)
+            return found
+    return None
+
+
+def _calibration_text(options: BuildOptions) -> str | None:
+    """The text static scales are calibrated on: only "fp8" calibrates."""
+    if options.quantization != "fp8":
+        return None
+    from kiln.builder.accuracy import CALIBRATION_FILE
+
+    file = options.calibration_data or CALIBRATION_FILE
+    try:
+        with open(file, encoding="utf-8") as f:
+            return f.read() if options.calibration_data else f.read(200_000)
+    except OSError as e:
+        raise BuildError(f"calibration data {file} cannot be read: {e}") from e
+
+
+def _write_side_files(
+    source: str, cfg: ModelConfig, tokenizer: object | None, out: str
+) -> list[str]:
+    """config.json, tokenizer files (chat template included) and generation_config.json."""
+    before = set(os.listdir(out))
+    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg.to_hf_dict(), f, indent=2, sort_keys=True)
+    if os.path.isdir(source):
+        for name in _HF_TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(source, name)):
+                shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
+    else:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+        generation = {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids)}
+        with open(os.path.join(out, "generation_config.json"), "w", encoding="utf-8") as f:
+            json.dump(generation, f, indent=2, sort_keys=True)
+    return sorted(set(os.listdir(out)) - before)
+
+
+def _changes_arithmetic(options: BuildOptions) -> bool:
+    return options.quantization != "none" or options.kv_cache_dtype != "auto"
+
+
+def _run_source(
+    path: str, options: BuildOptions, calibration: str | None, check: bool
+) -> tuple[dict[str, float] | None, dict[str, float] | None]:
+    """(the source's held-out perplexity if checked, static input scales if "fp8") from one
+    `LLM` of the unquantized source, freed before the quantized model is made."""
+    if not check and calibration is None:
+        return None, None
+    from kiln.builder.accuracy import measure
+    from kiln.llm import LLM
+
+    llm = LLM(path, dtype=options.dtype, max_model_len=options.max_model_len,
+              enable_prefix_caching=False)  # fmt: skip
+    source_ppl = measure(llm, options.max_model_len) if check else None
+    scales = calibrate(llm, calibration) if calibration is not None else None
+    del llm
+    gc.collect()
+    return source_ppl, scales
+
+
+def _accuracy(engine: str, options: BuildOptions, source_ppl: dict[str, float] | None) -> dict:
+    if not _changes_arithmetic(options):
+        return {"checked": False, "reason": "unquantized: the weights are the source's, unchanged"}
+    if source_ppl is None:
+        return {"checked": False, "reason": "--no-accuracy-check"}
+    from kiln.builder.accuracy import measure, report
+    from kiln.llm import LLM
+
+    llm = LLM(engine, kv_cache_dtype=options.kv_cache_dtype, max_model_len=options.max_model_len)
+    engine_ppl = measure(llm, options.max_model_len)
+    del llm
+    gc.collect()
+    return report(source_ppl, engine_ppl, options.max_ppl_increase)

@@ -1,0 +1,59 @@
+"""EngineManifest: what an engine directory holds and how it was made (`kiln_engine.json`).
+
+The reader (kiln.checkpoint.engine_dir) owns the file name and the format version and checks a
+loaded directory against `files`; everything else is a record for people and for the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kiln.checkpoint.engine_dir import ENGINE_FORMAT_VERSION, MANIFEST_FILE
+
+
+@dataclass(frozen=True)
+class EngineManifest:
+    engine_id: str
+    """blake2b of the source's content hash, the build options and the kiln version."""
+    kiln_version: str
+    source: str
+    """The path the engine was built from (informational; `source_hash` identifies it)."""
+    source_hash: str
+    """blake2b over the source's files (config, weights, tokenizer; or the GGUF file)."""
+    architecture: dict[str, Any]
+    """The ModelConfig as an HF config.json dict."""
+    dtype: str
+    """Element type of the unquantized weights ("float32", "bfloat16", ...)."""
+    kv_cache_dtype: str
+    max_model_len: int | None
+    quantization: str
+    """"none", "fp8" (static calibrated input scales) or "fp8-dynamic"."""
+    scales_method: str | None
+    """How the activation scales were chosen; None when unquantized."""
+    calibration_data_hash: str | None
+    input_scales: dict[str, float] | None
+    """Static "fp8": each projection's calibrated input scale (also a tensor in the weights),
+    which loading needs to make the projection's method."""
+    accuracy: dict[str, Any]
+    """The accuracy check's report: source and engine perplexities, or why it was skipped."""
+    gpu_class: str | None
+    """The CUDA device the engine was built on (None on the CPU); loading elsewhere fails."""
+    kernel_tiles: dict[str, Any] | None
+    """Kernel tile choices tuned at build time (None: none are tuned yet)."""
+    build_seconds: float
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """{file name: {"size": bytes, "blake2b": hex}} of every file but this one."""
+    format_version: int = ENGINE_FORMAT_VERSION
+
+    def write(self, directory: str) -> None:
+        with open(os.path.join(directory, MANIFEST_FILE), "w", encoding="utf-8") as f:
+            json.dump(asdict(self), f, indent=2, sort_keys=True)
+            f.write("\n")
+
+    @classmethod
+    def read(cls, directory: str) -> EngineManifest:
+        with open(os.path.join(directory, MANIFEST_FILE), encoding="utf-8") as f:
+            return cls(**json.load(f))

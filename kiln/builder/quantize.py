@@ -1,0 +1,38 @@
+"""A quantized build's two passes over the source: the unquantized source runs as an `LLM` (its
+perplexity for the accuracy check, and for static "fp8" the activations that calibrate each
+projection's input scale), then the weights load again into a model made with the scheme's
+linear methods, which quantize each tensor as it arrives."""
+
+from __future__ import annotations
+
+import hashlib
+
+from kiln.quantization import linear_method_factory
+
+_CALIBRATION_TOKENS = 512
+_CALIBRATION_BATCHES = 8
+SCALES_METHOD = {
+    "fp8": "static per-tensor input scales calibrated at build time; per-channel weights",
+    "fp8-dynamic": "dynamic per-token input scales; per-channel weights",
+}
+
+__all__ = ["SCALES_METHOD", "calibrate", "linear_method_factory", "text_hash"]
+
+
+def text_hash(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=32).hexdigest()
+
+
+def calibrate(llm: object, text: str) -> dict[str, float]:
+    """Static input scales (layer name -> absmax / 448) from `llm`'s unquantized model run over
+    the first tokens of `text`, in windows that share no prefix (the engine's prefix cache would
+    skip repeated ones)."""
+    from kiln.quantization.calibration import calibrate_input_scales
+    from kiln.sampling_params import SamplingParams
+
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    n = _CALIBRATION_TOKENS
+    batches = [ids[i : i + n] for i in range(0, len(ids), n)][:_CALIBRATION_BATCHES]
+    model = llm.engine.executor.runner.model
+    one_token = SamplingParams(max_tokens=1, temperature=0.0)
+    return calibrate_input_scales(model, batches, lambda b: llm.generate(b, one_token))

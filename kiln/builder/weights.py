@@ -1,0 +1,56 @@
+"""Write a loaded model's parameters, as kiln names them (already fused: qkv_proj, gate_up_proj;
+quantized ones as their method made them), into safetensors shards of at most 4 GiB + an index.
+
+The bytes depend only on the tensors: fixed shard names, fixed metadata, parameters in
+`named_parameters()` order (safetensors orders a file's tensors itself, by dtype and name), and a
+key-sorted index, so the same model writes byte-identical files (what the engine cache and its
+content addressing rely on). kiln.checkpoint.engine_dir.iter_engine_weights reads them back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from kiln.checkpoint.engine_dir import WEIGHT_INDEX_FILE
+
+MAX_SHARD_BYTES = 4 << 30
+_METADATA = {"format": "pt", "writer": "kiln build"}
+
+
+def write_weights(
+    params: Iterable[tuple[str, torch.Tensor]],
+    directory: str,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> list[str]:
+    """Write the shards and the index into `directory`; returns the file names written."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in params:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        # Host copies, contiguous: safetensors writes raw storage.
+        shards[-1][name] = tensor.detach().to("cpu").contiguous()
+        shard_bytes += nbytes
+    names = [f"weights-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map: dict[str, str] = {}
+    total = 0
+    for shard_name, tensors in tqdm(
+        list(zip(names, shards)), desc="writing weights", unit="shard", leave=False
+    ):
+        save_file(tensors, os.path.join(directory, shard_name), metadata=_METADATA)
+        for name, tensor in tensors.items():
+            weight_map[name] = shard_name
+            total += tensor.numel() * tensor.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    with open(os.path.join(directory, WEIGHT_INDEX_FILE), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+        f.write("\n")
+    return [*names, WEIGHT_INDEX_FILE]

@@ -1,0 +1,127 @@
+"""Read and verify an engine directory (what `kiln build` writes): its manifest, its files'
+sizes and hashes, its fused kiln-named weights.
+
+The on-disk contract lives here, beside the other readers: the manifest's file name and format
+version, the weight index. Every way an engine directory can be wrong (another format version, a
+GPU class it was not built for, a truncated or tampered file) is a one-line ModelLoadError naming
+the file or both versions, raised before any tensor is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from kiln.checkpoint.file_hash import hash_files
+from kiln.errors import ModelLoadError
+from kiln.models.config import ModelConfig
+
+MANIFEST_FILE = "kiln_engine.json"
+ENGINE_FORMAT_VERSION = 1
+WEIGHT_INDEX_FILE = "weights.index.json"
+
+
+@dataclass(frozen=True)
+class EngineDir:
+    """A verified engine directory: its manifest (as the JSON dict) and architecture config."""
+
+    path: str
+    manifest: dict[str, Any]
+    config: ModelConfig
+
+    @property
+    def description(self) -> str:
+        m = self.manifest
+        return f"engine {self.path} ({m['dtype']}, quantization {m['quantization']})"
+
+
+def is_engine_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST_FILE))
+
+
+def current_gpu_class() -> str | None:
+    """The CUDA device's name (e.g. "NVIDIA H200"), or None without one."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def open_engine_dir(path: str, verify_hashes: bool = True) -> EngineDir:
+    """Read the manifest and check the format version, the GPU class and every file's size (and,
+    with verify_hashes, its hash) against it."""
+    manifest = read_manifest(path)
+    version = manifest.get("format_version")
+    if version != ENGINE_FORMAT_VERSION:
+        raise ModelLoadError(
+            f"{path} is an engine of format version {version}; this kiln reads version "
+            f"{ENGINE_FORMAT_VERSION} (rebuild it with this kiln's `kiln build`)"
+        )
+    built_on, here = manifest.get("gpu_class"), current_gpu_class()
+    if built_on is not None and built_on != here:
+        raise ModelLoadError(
+            f"{path} was built for {built_on} (its kernel choices are tuned to it); this machine "
+            f"has {here or 'no GPU'}: rebuild it here"
+        )
+    verify_files(path, manifest["files"], verify_hashes)
+    try:
+        config = ModelConfig.from_hf_dict(manifest["architecture"])
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{os.path.join(path, MANIFEST_FILE)}: {e}") from e
+    return EngineDir(path, manifest, config)
+
+
+def read_manifest(path: str) -> dict[str, Any]:
+    file = os.path.join(path, MANIFEST_FILE)
+    try:
+        with open(file, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{file} is not a readable engine manifest: {e}") from e
+    for key in ("format_version", "files", "architecture", "dtype", "quantization"):
+        if not isinstance(manifest, dict) or key not in manifest:
+            raise ModelLoadError(f"{file} is not an engine manifest: it has no {key!r}")
+    return manifest
+
+
+def verify_files(path: str, files: dict[str, dict[str, Any]], verify_hashes: bool) -> None:
+    """Every file the manifest lists exists with its recorded size (and blake2b)."""
+    paths = [os.path.join(path, name) for name in files]
+    for name, file in zip(files, paths):
+        if not os.path.isfile(file):
+            raise ModelLoadError(f"engine file {file} is missing")
+        size = os.path.getsize(file)
+        if size != files[name]["size"]:
+            raise ModelLoadError(
+                f"engine file {file} has {size} bytes, the manifest says {files[name]['size']} "
+                "(truncated or replaced: rebuild the engine)"
+            )
+    if not verify_hashes:
+        return
+    for name, file, digest in zip(files, paths, hash_files(paths, desc="verifying engine")):
+        if digest.blake2b != files[name]["blake2b"]:
+            raise ModelLoadError(
+                f"engine file {file} does not match its hash in the manifest "
+                "(corrupt or modified: rebuild the engine)"
+            )
+
+
+def iter_engine_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(kiln parameter name, tensor) of every weight, shard by shard in index order."""
+    index_file = os.path.join(path, WEIGHT_INDEX_FILE)
+    try:
+        with open(index_file, encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+    except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{index_file} is not a readable weight index: {e}") from e
+    for shard in dict.fromkeys(weight_map.values()):
+        file = os.path.join(path, shard)
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:
+            raise ModelLoadError(f"engine file {file} could not be read: {e}") from e

@@ -1,0 +1,50 @@
+"""`kiln build`: an HF directory or GGUF file -> an engine directory (see kiln.builder)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("build", help="build an engine directory from a checkpoint")
+    p.add_argument(
+        "model", nargs="?", default=None, help="HF directory or .gguf (default: SmolLM2)"
+    )
+    p.add_argument("-o", "--output", default=None, help="engine directory (default: in the cache)")
+    p.add_argument("--quantization", choices=("none", "fp8", "fp8-dynamic"), default="none")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    p.add_argument(
+        "--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
+        help="unquantized weights' dtype (auto: float32 on the CPU, bfloat16 on CUDA)",
+    )  # fmt: skip
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--calibration-data", default=None, help="text file for static fp8 scales")
+    p.add_argument(
+        "--max-ppl-increase", type=float, default=1.0, metavar="PCT",
+        help="most word-perplexity increase over the source, percent (default: 1)",
+    )  # fmt: skip
+    p.add_argument("--no-accuracy-check", dest="accuracy_check", action="store_false")
+    p.add_argument(
+        "--cache-dir", default=None,
+        help="engine cache (default with no -o: $XDG_CACHE_HOME/kiln/engines or ~/.cache/...)",
+    )  # fmt: skip
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln.builder.build import BuildOptions, build_engine
+    from kiln.builder.cache import default_cache_dir
+
+    options = BuildOptions(
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        calibration_data=args.calibration_data,
+        max_ppl_increase=args.max_ppl_increase,
+        accuracy_check=args.accuracy_check,
+    )
+    manifest = build_engine(args.model, args.output, options, args.cache_dir)
+    where = args.output or f"{args.cache_dir or default_cache_dir()}/{manifest.engine_id}"
+    print(f"engine {manifest.engine_id}: {where}")
+    return 0

@@ -1,0 +1,184 @@
+"""FP8 W8A8 linear (twins of reference.quantize_fp8 / fp8_linear): a Triton kernel quantizes the
+activations, `torch._scaled_mm` runs the float8 GEMM on the tensor cores.
+
+Which `_scaled_mm` scaling: the weights carry per-output-channel scales and the activations a
+per-token (dynamic) or per-tensor (static) one. Rowwise scaling ([M, 1] x [1, N], applied in
+the GEMM's epilogue) takes them as they are, but runs 0.63-0.81x bf16 at 1-32 rows. Below
+_ROWWISE_MIN_ROWS rows the GEMM instead runs with unit per-tensor scales into fp32 and one Triton
+epilogue applies the scales and the bias: 1.02-1.55x bf16 at 1-128 rows. Rowwise wins from 512
+rows on every Llama-3.1-8B shape and about ties at 256 (H200, torch 2.11, whole calls in CUDA
+graphs: benchmarks/results/2026-12-01-h200-fp8-linear-gemm-choice/).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE
+
+# From this many rows on, rowwise-scaled _scaled_mm; below, unit scales and _scale_epilogue
+# (see the module docstring).
+_ROWWISE_MIN_ROWS = 256
+
+
+@triton.jit
+def _quantize_fp8_kernel(
+    x_ptr,  # [M, K]
+    out_ptr,  # [M, K] float8 e4m3
+    scale_ptr,  # [M] fp32 written (DYNAMIC), or [1] fp32 read (static)
+    stride_x,
+    stride_out,
+    K,
+    DYNAMIC: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    if DYNAMIC:
+        # Pass 1: the row's absmax; pass 2 (below) re-reads the row, which is in L2 by then.
+        absmax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, K, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+            absmax = tl.maximum(absmax, tl.abs(x))
+        scale = tl.maximum(tl.math.div_rn(tl.max(absmax, 0), FP8_MAX), MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
+    else:
+        scale = tl.load(scale_ptr)
+    for start in range(0, K, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < K
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        # IEEE division (Triton's `/` is approximate on the GPU): the float8 bits then equal the
+        # reference's, so one activation cannot land a step away and move a whole sum.
+        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+        tl.store(out_ptr + row * stride_out + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_fp8(
+    x: torch.Tensor,  # [M, K]
+    scale: torch.Tensor | None,  # [] or [1] fp32 static per-tensor scale; None: per row
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, K] float8 e4m3, the scale: [M, 1] or as given)
+    """One program per row; see reference.quantize_fp8 for the contract."""
+    assert x.dim() == 2
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    num_rows, k = x.shape
+    out = torch.empty((num_rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    dynamic = scale is None
+    if dynamic:
+        scale_arg = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
+    else:
+        assert scale.numel() == 1 and scale.dtype == torch.float32
+        scale_arg = scale
+    if num_rows > 0:
+        _quantize_fp8_kernel[(num_rows,)](
+            x,
+            out,
+            scale_arg,
+            x.stride(0),
+            out.stride(0),
+            k,
+            DYNAMIC=dynamic,
+            FP8_MAX=FP8_E4M3_MAX,
+            MIN_SCALE=FP8_MIN_SCALE,
+            BLOCK=min(triton.next_power_of_2(k), 2048),
+        )
+    return out, scale_arg
+
+
+@triton.jit
+def _scale_epilogue_kernel(
+    acc_ptr,  # [M, N] fp32: the float8 GEMM with unit scales
+    x_scale_ptr,  # [M] fp32 (PER_ROW) or [1]
+    w_scale_ptr,  # [N] fp32
+    bias_ptr,  # [N] (read when HAS_BIAS)
+    out_ptr,  # [M, N] in the model dtype
+    N,
+    PER_ROW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    acc = tl.load(acc_ptr + row * N + cols, mask=mask, other=0.0)
+    x_scale = tl.load(x_scale_ptr + row) if PER_ROW else tl.load(x_scale_ptr)
+    y = acc * x_scale * tl.load(w_scale_ptr + cols, mask=mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _scale_epilogue(
+    acc: torch.Tensor,  # [M, N] fp32
+    x_scale: torch.Tensor,  # [M, 1] or [] / [1] fp32
+    weight_scale: torch.Tensor,  # [N] fp32
+    bias: torch.Tensor | None,  # [N]
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N] in dtype
+    """(acc * x_scale * weight_scale + bias) rounded once to dtype, in one launch (as torch ops
+    it is three or four, which at a handful of rows cost more than the GEMM)."""
+    num_rows, n = acc.shape
+    out = torch.empty((num_rows, n), dtype=dtype, device=acc.device)
+    if num_rows > 0:
+        block = 1024
+        _scale_epilogue_kernel[(num_rows, triton.cdiv(n, block))](
+            acc,
+            x_scale,
+            weight_scale,
+            bias if bias is not None else weight_scale,
+            out,
+            n,
+            PER_ROW=x_scale.numel() == num_rows and x_scale.dim() == 2,
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+        )
+    return out
+
+
+@functools.cache
+def _one(device: torch.device) -> torch.Tensor:
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [..., K] in the model dtype
+    weight: torch.Tensor,  # [N, K] float8 e4m3
+    weight_scale: torch.Tensor,  # [N] fp32, per output channel
+    input_scale: torch.Tensor | None,  # [] fp32 static per-tensor; None: dynamic per token
+    bias: torch.Tensor | None = None,  # [N] in the model dtype
+) -> torch.Tensor:  # [..., N] in x.dtype
+    """quantize_fp8 (the Triton kernel), then `torch._scaled_mm` on CUDA. Off CUDA (the Triton
+    interpreter in tests) `_scaled_mm` has no kernel, so the GEMM falls back to the reference's
+    arithmetic (fp32 sums of the float8 products, scaled after); so does a GEMM whose K or N is
+    not a multiple of 16, which `_scaled_mm` rejects."""
+    n, k = weight.shape
+    x2d = x.reshape(-1, k)
+    x_fp8, x_scale = quantize_fp8(x2d, input_scale)
+    num_rows = x2d.shape[0]
+    if x.device.type != "cuda" or k % 16 or n % 16:
+        acc = x_fp8.float() @ weight.float().t()  # [M, N]: the reference's sums
+        return _scale_epilogue(acc, x_scale, weight_scale, bias, x.dtype).reshape(*x.shape[:-1], n)
+    if num_rows >= _ROWWISE_MIN_ROWS and x.dtype == torch.bfloat16:
+        # Rowwise scaling takes an [M, 1] scale_a and a bf16 output only.
+        scale_a = x_scale if x_scale.dim() == 2 else x_scale.reshape(1, 1).expand(num_rows, 1)
+        y = torch._scaled_mm(
+            x_fp8,
+            weight.t(),  # [K, N] column-major, as _scaled_mm wants its second operand
+            scale_a=scale_a.contiguous(),
+            scale_b=weight_scale.view(1, n),
+            bias=bias,
+            out_dtype=x.dtype,
+        )
+    else:
+        one = _one(x.device)
+        acc = torch._scaled_mm(x_fp8, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        y = _scale_epilogue(acc, x_scale, weight_scale, bias, x.dtype)
+    return y.reshape(*x.shape[:-1], n)

@@ -1,0 +1,46 @@
+"""Weight quantization schemes, one file each; `linear_method_factory` is the registry: a scheme's
+name -> a function giving each projection (by its qualified name) its LinearMethod."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kiln.errors import ModelLoadError
+from kiln.layers.linear import LinearMethod, UnquantizedLinearMethod
+
+QUANTIZATIONS = ("none", "fp8", "fp8-dynamic")
+
+
+def linear_method_factory(
+    quantization: str, input_scales: dict[str, float] | None = None
+) -> Callable[[str], LinearMethod]:
+    """name (e.g. "layers.3.self_attn.qkv_proj") -> a new LinearMethod for that projection.
+
+    "fp8-dynamic": float8 weights, activations scaled per token at run time. "fp8": float8
+    weights, activations with static per-tensor scales from `input_scales` (layer name ->
+    scale, as calibrate_input_scales makes them), which `kiln build` calibrates."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"unknown quantization {quantization!r}; known: {', '.join(QUANTIZATIONS)}"
+        )
+    if quantization == "none":
+        return lambda name: UnquantizedLinearMethod()
+    from kiln.quantization.fp8 import Fp8LinearMethod
+
+    if quantization == "fp8-dynamic":
+        return lambda name: Fp8LinearMethod("dynamic")
+    if input_scales is None:  # a loading error: the CLI prints it as one line
+        raise ModelLoadError(
+            'quantization "fp8" uses static activation scales calibrated on sample text: build '
+            'an engine with `kiln build --quantization fp8` and load it, or use "fp8-dynamic"'
+        )
+    scales = input_scales
+
+    def static(name: str) -> LinearMethod:
+        if name not in scales:
+            raise ModelLoadError(
+                f'quantization "fp8": no calibrated input scale for layer {name!r}'
+            )
+        return Fp8LinearMethod("static", scales[name])
+
+    return static

@@ -1,0 +1,64 @@
+"""Static activation scales for "fp8": run the unquantized model over sample tokens and keep
+each projection's largest input magnitude; its scale is absmax / 448, so the largest value seen
+maps to e4m3's largest (larger ones at run time saturate)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE
+from kiln.layers.linear import Linear, LinearMethod
+from kiln.models.llama import LlamaForCausalLM
+
+
+class _ObservingMethod(LinearMethod):
+    """Wraps a layer's method: records max |input| of every apply, otherwise the wrapped
+    method's arithmetic. The fused entry points are the base class's, which call this apply on
+    the normed input: the tensor a static scale will quantize."""
+
+    def __init__(self, inner: LinearMethod) -> None:
+        self.inner = inner
+        self.absmax = 0.0
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
+        raise RuntimeError("an observing method wraps a built layer")
+
+    def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
+        if x.numel():
+            self.absmax = max(self.absmax, float(x.abs().max()))
+        return self.inner.apply(layer, ops, x)
+
+
+def calibrate_input_scales(
+    model: LlamaForCausalLM,
+    token_batches: list[list[int]],
+    run: Callable[[list[list[int]]], object],
+) -> dict[str, float]:
+    """Layer name (as linear_method_factory takes it) -> static input scale, absmax / 448.
+
+    `run(token_batches)` must run `model`'s forward over every token of every batch, e.g.
+    `lambda b: llm.generate(b, SamplingParams(max_tokens=1))` for the `LLM` that holds the model
+    (with prefix caching off, or prompts that share no prefix, so that no token is skipped).
+    Only prefills are needed, which run eagerly: CUDA graphs, captured before the wrappers, would
+    not observe. Every decoder projection must be seen at least once."""
+    wrapped: dict[str, tuple[Linear, _ObservingMethod]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and name != "lm_head":
+            observer = _ObservingMethod(module.method)
+            wrapped[name] = (module, observer)
+            module.method = observer
+    try:
+        run(token_batches)
+    finally:
+        for module, observer in wrapped.values():
+            module.method = observer.inner
+    unseen = [name for name, (_, observer) in wrapped.items() if observer.absmax == 0.0]
+    if unseen:
+        raise ValueError(f"calibration saw no input to {len(unseen)} layers, e.g. {unseen[:3]}")
+    return {
+        name: max(observer.absmax / FP8_E4M3_MAX, FP8_MIN_SCALE)
+        for name, (_, observer) in wrapped.items()
+    }

@@ -1,0 +1,79 @@
+"""FP8 W8A8: float8 e4m3 weights with per-output-channel scales; activations quantized per token
+at run time ("dynamic") or with one calibrated per-tensor scale per projection ("static")."""
+
+from __future__ import annotations
+
+import weakref
+from types import ModuleType
+from typing import Literal
+
+import torch
+from torch import nn
+
+from kiln.kernels.reference import quantize_fp8
+from kiln.layers.linear import Linear, LinearMethod
+
+
+class Fp8LinearMethod(LinearMethod):
+    """weight [out, in] float8 e4m3 and weight_scale [out] fp32 (row absmax / 448), plus
+    input_scale [] fp32 for static activations; the bias stays in the model dtype.
+
+    Each checkpoint tensor is quantized as it arrives (load_weight): a row's scale depends on that
+    row alone, so every fused shard (q, k, v; gate, up) quantizes on its own, and loading never
+    holds more than one checkpoint tensor in high precision. A staging copy quantized in
+    process_weights_after_loading would hold the whole model at the checkpoint's precision first
+    (the unquantized peak, twice the float8 model's bytes at bf16) for no difference in result.
+
+    One instance per layer (linear_method_factory makes one per name): it keeps a weak reference
+    to its layer to find the scale rows of the shard being loaded.
+
+    The fused entry points are the base class's compositions (norm, then apply, then rotary or
+    SiLU-mul): correct, not fused. Fusing the activation quantization into the norm and SiLU-mul
+    kernels, and float8 variants of the small-batch kernels, are still to do (issue 13).
+    """
+
+    def __init__(
+        self, activation_scheme: Literal["dynamic", "static"], input_scale: float | None = None
+    ) -> None:
+        if activation_scheme not in ("dynamic", "static"):
+            raise ValueError(
+                f"activation_scheme must be dynamic or static, got {activation_scheme!r}"
+            )
+        if (activation_scheme == "static") != (input_scale is not None):
+            raise ValueError("a static activation scheme needs an input_scale; dynamic takes none")
+        if input_scale is not None and not input_scale > 0:
+            raise ValueError(f"input_scale must be > 0, got {input_scale!r}")
+        self.activation_scheme = activation_scheme
+        self.static_input_scale = input_scale
+        self._layer: weakref.ref[Linear] | None = None
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
+        if self._layer is not None:
+            raise RuntimeError("an Fp8LinearMethod serves one layer; make one per layer")
+        self._layer = weakref.ref(layer)
+
+        def param(t: torch.Tensor) -> nn.Parameter:
+            return nn.Parameter(t, requires_grad=False)
+
+        shape = (layer.out_features, layer.in_features)
+        layer.weight = param(torch.empty(shape, dtype=torch.float8_e4m3fn))
+        layer.weight_scale = param(torch.ones(layer.out_features, dtype=torch.float32))
+        layer.input_scale = None
+        if self.static_input_scale is not None:
+            layer.input_scale = param(torch.tensor(self.static_input_scale, dtype=torch.float32))
+        layer.bias = None
+        if layer.has_bias:
+            layer.bias = param(torch.empty(layer.out_features, dtype=dtype))
+
+    def load_weight(self, param: torch.Tensor, shard: int | None, loaded: torch.Tensor) -> None:
+        if param.dtype != torch.float8_e4m3fn or loaded.dtype == torch.float8_e4m3fn:
+            param.copy_(loaded)  # the bias, a scale, or weights quantized already (an engine)
+            return
+        layer = self._layer()
+        # [rows, in] -> float8 rows and their [rows, 1] scales, on the weight's device.
+        weight_fp8, scale = quantize_fp8(loaded.to(param.device), None)
+        param.copy_(weight_fp8)
+        layer.shard_view(layer.weight_scale, shard).copy_(scale.view(-1))
+
+    def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
+        return ops.fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias)

@@ -1,0 +1,187 @@
+"""`kiln build` and engine directories: an engine answers as its source does, the same inputs
+build the same bytes, the cache returns a built engine at once, and a damaged or foreign engine
+is a one-line error."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kiln import LLM, SamplingParams
+from kiln.builder.build import BuildOptions, build_engine
+from kiln.checkpoint.engine_dir import MANIFEST_FILE
+from kiln.cli.main import main
+from kiln.errors import ModelLoadError
+from kiln.models.llama import LlamaForCausalLM
+from tests.conftest import assert_same_completions, build_tiny_hf_model
+
+PROMPTS = [[1, 5, 9, 33, 7], [1, 200, 3, 17]]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)
+_ENGINE_ARGS = dict(kv_cache_memory_gb=0.05, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def tiny_source(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("src") / "llama")
+    build_tiny_hf_model("llama-gqa", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_source, tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("engine") / "e")
+    build_engine(tiny_source, out, BuildOptions(), None)
+    return out
+
+
+def _weight_bytes(engine: str) -> dict[str, bytes]:
+    return {
+        n: (Path(engine) / n).read_bytes()
+        for n in sorted(os.listdir(engine))
+        if n.startswith("weights")
+    }
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "llama-tied"])
+def test_an_engine_generates_what_its_source_does(variant, tmp_path):
+    src, out = str(tmp_path / "src"), str(tmp_path / "engine")
+    build_tiny_hf_model(variant, src)
+    build_engine(src, out, BuildOptions(), None)
+    want = LLM(src, **_ENGINE_ARGS).generate(PROMPTS, GREEDY)
+    got = LLM(out, **_ENGINE_ARGS).generate(PROMPTS, GREEDY)
+    assert_same_completions(got, want, atol=1e-9)  # the same fp32 weights: identical
+
+
+def test_the_manifest_records_the_build(tiny_engine, tiny_source):
+    with open(os.path.join(tiny_engine, MANIFEST_FILE)) as f:
+        manifest = json.load(f)
+    assert manifest["format_version"] == 1
+    assert manifest["quantization"] == "none" and manifest["scales_method"] is None
+    assert manifest["dtype"] == "float32" and manifest["gpu_class"] is None
+    assert manifest["accuracy"]["checked"] is False  # unquantized: nothing to check
+    assert manifest["architecture"]["num_hidden_layers"] == 2
+    assert len(manifest["source_hash"]) == 64 and manifest["build_seconds"] > 0
+    assert manifest["source"] == os.path.abspath(tiny_source)
+    for name in ("weights-00001-of-00001.safetensors", "weights.index.json", "config.json"):
+        entry = manifest["files"][name]
+        assert entry["size"] == os.path.getsize(os.path.join(tiny_engine, name))
+    for key in ("kiln_version", "engine_id", "calibration_data_hash", "kernel_tiles"):
+        assert key in manifest
+
+
+def test_the_same_inputs_build_the_same_engine_byte_for_byte(tiny_source, tiny_engine, tmp_path):
+    again = build_engine(tiny_source, str(tmp_path / "again"), BuildOptions(), None)
+    with open(os.path.join(tiny_engine, MANIFEST_FILE)) as f:
+        first_id = json.load(f)["engine_id"]
+    assert again.engine_id == first_id
+    assert _weight_bytes(str(tmp_path / "again")) == _weight_bytes(tiny_engine)
+    other = build_engine(tiny_source, str(tmp_path / "bf16"), BuildOptions(dtype="bfloat16"), None)
+    assert other.engine_id != first_id
+
+
+def test_the_cache_returns_a_built_engine_without_loading(tiny_source, tmp_path, monkeypatch):
+    cache = str(tmp_path / "cache")
+    first = build_engine(tiny_source, str(tmp_path / "a"), BuildOptions(), cache)
+    assert os.path.isfile(os.path.join(cache, first.engine_id, MANIFEST_FILE))
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a cached engine must not load its source")
+
+    monkeypatch.setattr("kiln.builder.build.find_model_source", no_load)
+    second = build_engine(tiny_source, str(tmp_path / "b"), BuildOptions(), cache)
+    assert second == first
+    assert _weight_bytes(str(tmp_path / "b")) == _weight_bytes(str(tmp_path / "a"))
+    in_cache = build_engine(tiny_source, None, BuildOptions(), cache)  # no -o: the cache's copy
+    assert in_cache.engine_id == first.engine_id
+
+
+def test_the_memory_plan_is_printed_before_any_weight_loads(
+    tiny_source, tmp_path, monkeypatch, capsys
+):
+    printed_before_load = []
+    real = LlamaForCausalLM.load_weights
+
+    def load_weights(self, weights):
+        printed_before_load.append("memory plan (cpu): weights" in capsys.readouterr().out)
+        return real(self, weights)
+
+    monkeypatch.setattr(LlamaForCausalLM, "load_weights", load_weights)
+    build_engine(tiny_source, str(tmp_path / "e"), BuildOptions(max_model_len=128), None)
+    assert printed_before_load == [True]
+
+
+def _damaged_copy(engine: str, tmp_path, damage: str) -> str:
+    out = tmp_path / damage
+    out.mkdir()
+    for name in os.listdir(engine):
+        shutil.copyfile(os.path.join(engine, name), out / name)
+    weights = out / "weights-00001-of-00001.safetensors"
+    data = bytearray(weights.read_bytes())
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    if damage == "truncated":
+        weights.write_bytes(data[: len(data) // 2])
+    elif damage == "tampered":
+        data[-100] ^= 0x01  # one bit of one weight: same size, wrong bytes
+        weights.write_bytes(data)
+    elif damage == "version":
+        manifest["format_version"] = 99
+    elif damage == "gpu":
+        manifest["gpu_class"] = "NVIDIA H200"
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest))
+    return str(out)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("truncated", "weights-00001-of-00001.safetensors has"),
+        ("tampered", "weights-00001-of-00001.safetensors does not match its hash"),
+        ("version", "format version 99; this kiln reads version 1"),
+        ("gpu", "was built for NVIDIA H200"),
+    ],
+)
+def test_a_damaged_or_foreign_engine_is_a_one_line_error(
+    tiny_engine, tmp_path, capsys, damage, message
+):
+    if damage == "gpu":
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.get_device_name() == "NVIDIA H200":
+            pytest.skip("this machine is the GPU class the manifest names")
+    engine = _damaged_copy(tiny_engine, tmp_path, damage)
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(engine, **_ENGINE_ARGS)
+    assert main(["generate", "--model", engine, "--max-tokens", "1", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+
+
+def test_smollm2_gguf_builds_an_engine_that_answers_as_the_gguf(smollm2_path, tmp_path):
+    out = str(tmp_path / "smollm2")
+    manifest = build_engine(smollm2_path, out, BuildOptions(), None)
+    assert manifest.architecture["num_hidden_layers"] == 30
+    engine = LLM(out, kv_cache_memory_gb=0.2, max_num_seqs=4)
+    source = LLM(smollm2_path, kv_cache_memory_gb=0.2, max_num_seqs=4)
+    assert engine.get_tokenizer().chat_template == source.get_tokenizer().chat_template
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
+    assert_same_completions(engine.chat(messages, params), source.chat(messages, params), 1e-9)
+
+
+def test_an_fp8_dynamic_engine_generates_what_the_quantized_source_does(tiny_source, tmp_path):
+    """The engine holds the float8 weights and scales the source quantizes to at load, and its
+    manifest names the scheme, so it loads them without --quantization."""
+    out = str(tmp_path / "fp8")
+    options = BuildOptions(quantization="fp8-dynamic", accuracy_check=False)
+    manifest = build_engine(tiny_source, out, options, None)
+    assert manifest.quantization == "fp8-dynamic" and manifest.scales_method is not None
+    assert manifest.accuracy == {"checked": False, "reason": "--no-accuracy-check"}
+    want = LLM(tiny_source, quantization="fp8-dynamic", **_ENGINE_ARGS).generate(PROMPTS, GREEDY)
+    got = LLM(out, **_ENGINE_ARGS).generate(PROMPTS, GREEDY)
+    assert_same_completions(got, want, atol=1e-6)
+    with pytest.raises(ModelLoadError, match="holds 'fp8-dynamic' weights"):
+        LLM(out, quantization="fp8", **_ENGINE_ARGS)
