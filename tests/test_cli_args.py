@@ -43,7 +43,9 @@ def test_every_field_has_a_flag_defaulted_and_documented_by_it():
             continue
         assert flag in flags and flags[flag].dest == f.name
         assert f.default is not MISSING and defaults[f.name] == f.default, f.name
-        assert flags[flag].choices == f.metadata.get("choices"), f.name
+        # The field's choices, then (for dtype) vLLM's aliases of them.
+        choices = f.metadata.get("choices")
+        assert flags[flag].choices == choices or flags[flag].choices[: len(choices)] == choices
     assert engine_config_from_args(p.parse_args([])) == EngineConfig()
 
 
@@ -124,3 +126,78 @@ def test_the_cli_imports_no_heavy_dependency():
     )
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip().splitlines()[-1] == "[]"
+
+
+# ---- vLLM's spellings -------------------------------------------------------------------------
+
+
+def _serve_args(argv: list[str]) -> argparse.Namespace:
+    from kiln.cli import serve
+
+    top = argparse.ArgumentParser()
+    serve.add_parser(top.add_subparsers())
+    return top.parse_args(["serve", *argv])
+
+
+def test_vllm_engine_flags_alias_what_kiln_has():
+    args = _parser().parse_args(
+        ["--dtype", "half", "-tp", "1", "--enable-chunked-prefill", "--trust-remote-code"]
+    )
+    assert engine_config_from_args(args).dtype == "float16"
+    assert engine_config_from_args(_parser().parse_args(["--dtype", "float"])).dtype == "float32"
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["-tp", "2"], "--tensor-parallel-size 2"),
+        (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
+        (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill"),
+        (["--tokenizer", "other/dir"], "--tokenizer other/dir"),
+    ],
+)
+def test_what_kiln_lacks_is_refused_by_name(argv, named, capsys):
+    """Never accepted and ignored: the verb exits 2 with "not supported: <the flag>"."""
+    assert main(["generate", *argv, "hi"]) == 2
+    assert f"not supported: {named}" in capsys.readouterr().err
+
+
+def test_serve_takes_the_model_positionally_and_vllm_log_flags():
+    from kiln.cli.vllm_flags import UnsupportedFlagError, check_vllm_serve_flags
+
+    args = _serve_args(["some/model", "--disable-log-requests", "--uvicorn-log-level", "debug"])
+    check_vllm_serve_flags(args)
+    assert args.model == "some/model" and not args.enable_log_requests
+    assert args.log_level == "debug"
+    assert not _serve_args([]).enable_log_requests  # access log off by default
+    assert _serve_args(["--enable-log-requests"]).enable_log_requests
+    for argv in (["m", "--model", "n"], ["--max-logprobs", "5"], ["--chat-template", "t.jinja"]):
+        with pytest.raises(UnsupportedFlagError):
+            check_vllm_serve_flags(_serve_args(argv))
+
+
+def test_version(capsys):
+    import kiln
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert (
+        exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"kiln {kiln.__version__}"
+    )
+
+
+def test_threads_flag_sets_torchs_intra_op_threads(tmp_path):
+    import torch
+
+    from kiln import LLM
+    from tests.conftest import build_tiny_hf_model
+
+    build_tiny_hf_model("llama-gqa", str(tmp_path))
+
+    assert engine_config_from_args(_parser().parse_args(["--threads", "1"])).num_threads == 1
+    before = torch.get_num_threads()
+    try:
+        LLM(str(tmp_path), num_threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -8,7 +8,9 @@ the offline `LLM` API run on that same engine between requests.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -504,3 +506,221 @@ def test_bench_serve_client(server):
     assert record["num_failed"] == 0 and report["num_requests"] == 4
     assert report["output_tokens"] == 16 and report["input_tokens"] == 64
     assert report["ttft"]["p50_ms"] > 0 and report["itl"]["p99_ms"] > 0
+
+
+# ---- metrics under vLLM's names: vLLM's own Grafana dashboard ------------------------------
+
+DASHBOARD_QUERIES = Path(__file__).parent / "data" / "vllm_dashboard_queries.txt"
+
+
+def scrape(base_url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """/metrics as {sample name: [(labels, value)]}, parsed by prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base_url + "/metrics", timeout=60).text
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((s.labels, s.value))
+    return samples
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    return sum(
+        v for got, v in samples.get(name, []) if all(got.get(k) == x for k, x in labels.items())
+    )
+
+
+@pytest.fixture(scope="module")
+def vllm_server(engine):
+    with ServerThread(build_app(engine, MODEL_NAME, metrics_prefix="vllm")) as srv:
+        yield srv
+
+
+def test_vllm_dashboard_queries_find_their_series(vllm_server):
+    """Each expr of vLLM's Grafana dashboard, evaluated structurally: every metric it names is
+    scraped, with model_name="$model_name" matching ours and the labels it groups by."""
+    httpx.post(
+        vllm_server.base_url + "/v1/completions",
+        json={"prompt": "Hello", "max_tokens": 3},
+        timeout=60,
+    )
+    samples = scrape(vllm_server.base_url)
+    lines = DASHBOARD_QUERIES.read_text().splitlines()
+    queries = [q for q in lines if q.strip() and not q.startswith("#")]
+    assert len(queries) > 20
+    for query in queries:
+        query = query.replace("$model_name", MODEL_NAME)
+        by = ",".join(re.findall(r"by\s*\(([^)]*)\)", query))
+        grouped = {label.strip() for label in by.split(",")} - {""}
+        selectors = re.findall(r"(vllm:[A-Za-z0-9_:]+)(?:\{([^}]*)\})?", query)
+        assert selectors, query
+        for name, matchers in selectors:
+            assert name in samples, f"{name} (from {query})"
+            wanted = dict(re.findall(r'(\w+)="([^"]*)"', matchers))
+            series = [labels for labels, _ in samples[name] if wanted.items() <= labels.items()]
+            assert series, f"no {name} series with {wanted}"
+            assert all(grouped <= set(labels) for labels in series), (name, grouped)
+    # Not only names: the quantile panels have cumulative buckets up to +Inf.
+    buckets = samples["vllm:e2e_request_latency_seconds_bucket"]
+    counts = [v for _, v in sorted(buckets, key=lambda lv: float(lv[0]["le"]))]
+    assert counts == sorted(counts) and counts[-1] >= 1
+    assert not any(name.startswith("kiln:") for name in samples)
+    assert "process_resident_memory_bytes" in samples  # the process collector, unprefixed
+    assert "python_gc_objects_collected_total" in samples
+
+
+def test_vllm_only_metrics_and_cache_config_info(engine, vllm_server):
+    samples = scrape(vllm_server.base_url)
+    (info, value), *_ = samples["vllm:cache_config_info"]
+    kv = engine.engine.kv_cache
+    assert value == 1 and info["block_size"] == str(kv.block_size)
+    assert info["num_gpu_blocks"] == str(kv.pool.num_blocks) and info["cache_dtype"]
+    assert info["enable_prefix_caching"] in ("True", "False")
+    for name in (
+        "request_prompt_tokens_bucket",
+        "request_generation_tokens_bucket",
+        "request_prefill_time_seconds_bucket",
+        "request_decode_time_seconds_bucket",
+        "request_inference_time_seconds_bucket",
+        "iteration_tokens_total_bucket",
+        "request_params_n_bucket",
+        "request_params_max_tokens_bucket",
+        "time_per_output_token_seconds_bucket",
+        "gpu_cache_usage_perc",
+    ):
+        assert all("model_name" in labels for labels, _ in samples[f"vllm:{name}"]), name
+    # vLLM's bucket boundaries: 1-2-5 up to max_model_len (512) for token counts.
+    les = [labels["le"] for labels, _ in samples["vllm:request_prompt_tokens_bucket"]]
+    assert les == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0", "+Inf"]
+    les = [labels["le"] for labels, _ in samples["vllm:iteration_tokens_total_bucket"]]
+    assert les[:3] == ["1.0", "8.0", "16.0"] and les[-2:] == ["16384.0", "+Inf"]
+
+
+def test_histograms_count_finished_requests(vllm_server):
+    """Per finished completion (each of n counts): request_success, the latency and token-count
+    histograms; per accepted prompt: the request_params ones."""
+    names = [
+        "e2e_request_latency_seconds_count",
+        "request_queue_time_seconds_count",
+        "request_prefill_time_seconds_count",
+        "request_decode_time_seconds_count",
+        "request_inference_time_seconds_count",
+        "request_prompt_tokens_count",
+        "request_generation_tokens_count",
+    ]
+    before = scrape(vllm_server.base_url)
+    url = vllm_server.base_url + "/v1/completions"
+    body = {"max_tokens": 5, "ignore_eos": True, "temperature": 0}
+    one = httpx.post(url, json={**body, "prompt": "Hello"}, timeout=60).json()
+    two = httpx.post(url, json={**body, "prompt": ["Hi", "Yo"], "n": 2}, timeout=60).json()
+    after = scrape(vllm_server.base_url)
+
+    def delta(name: str, **labels: str) -> float:
+        return total(after, f"vllm:{name}", **labels) - total(before, f"vllm:{name}", **labels)
+
+    assert delta("request_success_total") == 5
+    assert delta("request_success_total", finished_reason="length") == 5
+    for name in names:
+        assert delta(name) == 5, name
+    generated = one["usage"]["completion_tokens"] + two["usage"]["completion_tokens"]
+    assert delta("request_generation_tokens_sum") == generated == 25
+    prompt_tokens = one["usage"]["prompt_tokens"] + two["usage"]["prompt_tokens"]
+    assert delta("prompt_tokens_total") == prompt_tokens
+    assert delta("request_params_n_count") == 3 and delta("request_params_n_sum") == 5
+    assert delta("request_params_max_tokens_sum") == 15
+    assert delta("request_max_num_generation_tokens_count") == 3
+    # Every token the engine produced went through some step; ITL under both names.
+    assert delta("iteration_tokens_total_count") >= 5
+    assert delta("iteration_tokens_total_sum") >= generated
+    itl = delta("inter_token_latency_seconds_count")
+    assert delta("time_per_output_token_seconds_count") == itl
+    assert 0 < itl <= generated - 5  # one per later delta: none for a completion's first token
+
+
+def test_disconnects_count_as_aborted(vllm_server):
+    body = {"prompt": "Count forever:", "max_tokens": 400, "ignore_eos": True}
+    abort = {"finished_reason": "abort"}
+    before = total(scrape(vllm_server.base_url), "vllm:request_success_total", **abort)
+
+    async def drop_both() -> None:
+        timeout = httpx.Timeout(120, read=1.0)  # the non-streaming client hangs up after 1 s
+        async with httpx.AsyncClient(base_url=vllm_server.base_url, timeout=timeout) as ac:
+
+            async def streaming() -> None:
+                async with ac.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data:"):
+                            return  # leaving the block closes the connection mid-stream
+
+            async def plain() -> None:
+                with pytest.raises(httpx.ReadTimeout):
+                    await ac.post("/v1/completions", json=body)
+
+            await asyncio.gather(streaming(), plain())
+
+    asyncio.run(drop_both())
+    deadline = time.monotonic() + 10
+    while True:
+        samples = scrape(vllm_server.base_url)
+        aborted = total(samples, "vllm:request_success_total", **abort) - before
+        if aborted >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert aborted == 2
+    assert total(samples, "vllm:num_requests_running") == 0
+
+
+def test_metrics_prefix_both_exports_each_metric_twice(engine):
+    with ServerThread(build_app(engine, MODEL_NAME, metrics_prefix="both")) as srv:
+        httpx.post(srv.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        samples = scrape(srv.base_url)
+    kiln = {name.removeprefix("kiln:") for name in samples if name.startswith("kiln:")}
+    vllm = {name.removeprefix("vllm:") for name in samples if name.startswith("vllm:")}
+    assert kiln == vllm and len(kiln) > 40
+    for name in kiln:
+        assert len(samples[f"kiln:{name}"]) == len(samples[f"vllm:{name}"]), name
+    assert len(samples["process_resident_memory_bytes"]) == 1  # unprefixed, once
+    with pytest.raises(ValueError, match="metrics_prefix"):
+        build_app(engine, MODEL_NAME, metrics_prefix="tgi")
+
+
+def test_server_side_abort_counts_as_aborted(engine):
+    """What the drain deadline does (engine.abort of each in-flight request): the stream ends with
+    finish_reason "abort", counted in request_success and, having ended, in the histograms."""
+    app = build_app(engine, MODEL_NAME, metrics_prefix="vllm")
+    in_flight = app.state.kiln.lifecycle.in_flight
+    body = {"prompt": "Count forever:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with ServerThread(app) as srv:
+        before = scrape(srv.base_url)
+        reasons = []
+        with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and not reasons:
+                    reasons.append(None)
+                    for req_id in set(in_flight):
+                        engine.abort(req_id)
+                if '"finish_reason":"abort"' in line.replace(" ", ""):
+                    reasons.append("abort")
+        after = scrape(srv.base_url)
+    assert reasons[-1] == "abort"
+
+    def delta(name: str, **labels: str) -> float:
+        return total(after, f"vllm:{name}", **labels) - total(before, f"vllm:{name}", **labels)
+
+    assert delta("request_success_total", finished_reason="abort") == 1
+    assert delta("e2e_request_latency_seconds_count") == 1
+    assert delta("request_decode_time_seconds_count") == 1
+
+
+def test_max_tokens_default_caps_requests_that_name_none(engine):
+    """A client that forgets max_tokens would run to the context (vLLM's default); a server
+    started with --max-tokens-default bounds it, and an explicit max_tokens still wins."""
+    app = build_app(engine, MODEL_NAME, max_tokens_default=3)
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        chat = {"model": MODEL_NAME, "messages": CHAT, "temperature": 0, "ignore_eos": True}
+        assert c.post("/v1/chat/completions", json=chat).json()["usage"]["completion_tokens"] == 3
+        more = c.post("/v1/chat/completions", json={**chat, "max_tokens": 5}).json()
+        assert more["usage"]["completion_tokens"] == 5
+        body = {"prompt": "Hi", "max_tokens": None, "ignore_eos": True}
+        assert c.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 3

@@ -10,12 +10,15 @@ import types
 import typing
 from dataclasses import Field, fields
 
+from kiln.cli.vllm_flags import DTYPE_ALIASES, add_vllm_engine_flags, check_vllm_engine_flags
 from kiln.config import EngineConfig
 from kiln.sampling_params import SamplingParams
 
 # Spellings kiln shipped before the flags were generated, kept so scripts keep working:
 # field -> an extra flag that sets it False.
 _NEGATIVE_ALIASES = {"enable_prefix_caching": "--no-prefix-caching"}
+# field -> another spelling of its flag.
+_ALIASES = {"num_threads": "--threads"}
 
 
 @functools.cache
@@ -54,6 +57,8 @@ def _flag_kwargs(f: Field, annotation: object, doc: str) -> dict:
         kwargs["type"] = kind
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
+            if f.name == "dtype":  # vLLM's names too (half, float, ...), mapped when parsed
+                kwargs["choices"] = (*f.metadata["choices"], *DTYPE_ALIASES)
     else:
         raise TypeError(f"EngineConfig.{f.name}: no flag for type {annotation!r}")
     return kwargs
@@ -67,7 +72,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     for f in engine_fields():
         flag = "--" + f.name.replace("_", "-")
         kwargs = _flag_kwargs(f, hints[f.name], docs.get(f.name, ""))
-        action = g.add_argument(flag, dest=f.name, **kwargs)
+        spellings = [flag, _ALIASES[f.name]] if f.name in _ALIASES else [flag]
+        action = g.add_argument(*spellings, dest=f.name, **kwargs)
         action.help = kwargs["help"]  # Python 3.10's BooleanOptionalAction appends a 2nd default
         if f.name in _NEGATIVE_ALIASES:
             g.add_argument(
@@ -77,9 +83,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                 default=argparse.SUPPRESS,  # the main flag sets the default
                 help=f"same as --no-{flag[2:]}",
             )
+    add_vllm_engine_flags(g)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    check_vllm_engine_flags(args)
     return EngineConfig(**{f.name: getattr(args, f.name) for f in engine_fields()})
 
 

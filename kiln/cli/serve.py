@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from kiln.cli.engine_args import add_engine_args, engine_config_from_args
+from kiln.cli.vllm_flags import add_vllm_serve_flags, check_vllm_serve_flags
 from kiln.envs import envs
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -27,7 +28,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get"
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--metrics-prefix",
+        default="kiln",
+        choices=["kiln", "vllm", "both"],
+        help="/metrics names: kiln:*, vllm:* (vLLM's dashboards work as they are), or both",
+    )
+    p.add_argument(
+        "--log-level",
+        "--uvicorn-log-level",  # vLLM's name
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical", "trace"],
+    )
+    p.add_argument(
+        "--max-tokens-default",
+        type=int,
+        default=None,
+        help="output limit of a request that names no max_tokens (default: up to the context, "
+        "as vLLM; a cap keeps a forgetful client from holding the engine for minutes)",
+    )
+    p.add_argument("model_tag", nargs="?", default=None, help="the model, as vLLM takes it")
+    add_vllm_serve_flags(p)
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -39,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln.server.app import build_app
     from kiln.server.lifecycle import DrainingServer
 
+    check_vllm_serve_flags(args)
     engine = AsyncEngine.from_config(engine_config_from_args(args))
     app = build_app(
         engine,
@@ -46,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
+        metrics_prefix=args.metrics_prefix,
+        max_tokens_default=args.max_tokens_default,
     )
     config = uvicorn.Config(
         app,
@@ -54,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
         lifespan="off",
+        # One log line per request costs the event loop under load: off unless asked for.
+        access_log=args.enable_log_requests,
     )
     state = app.state.kiln
     server = DrainingServer(

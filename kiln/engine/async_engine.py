@@ -6,6 +6,7 @@ every open stream ends with the error and `healthy` turns False.
 
 Each request's first delta carries `metrics["first_scheduled_time"]` (time.monotonic() at the
 start of the step that first scheduled it): the end of its queue time, which the server reports.
+`iteration_tokens` counts steps by the tokens they produced, for the server's metrics.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -83,6 +85,9 @@ class AsyncEngine:
         # Loop-thread only: requests not yet scheduled, and when the scheduled ones first were.
         self._unscheduled: set[str] = set()
         self._scheduled_at: dict[str, float] = {}
+        # Loop-thread only (read through `call`): tokens in a step -> how many steps had that
+        # many. Exact and bounded: one key per distinct step size.
+        self.iteration_tokens: Counter[int] = Counter()
         self._stop = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kiln-engine-loop", daemon=True)
@@ -176,6 +181,7 @@ class AsyncEngine:
                 step_start = time.monotonic()
                 deltas = self.engine.step()
                 self._stamp_scheduled(step_start)
+                self._count_iteration_tokens(deltas)
                 for delta in deltas:
                     if delta.finished:
                         self.engine.finished_output(delta.request_id)
@@ -211,6 +217,20 @@ class AsyncEngine:
             if not any(child in waiting for child in children):
                 self._unscheduled.discard(req_id)
                 self._scheduled_at[req_id] = step_start
+
+    def _count_iteration_tokens(self, deltas: list[RequestOutput]) -> None:
+        """The step's tokens as vLLM's iteration_tokens_total counts them: every new token, plus
+        a prompt's length in the step that gave a completion its first token."""
+        total = 0
+        for delta in deltas:
+            state = self.engine.output_processor.requests.get(delta.request_id)
+            for o in delta.outputs:
+                total += len(o.token_ids)
+                so_far = len(state.completions[o.index].output.token_ids) if state else 0
+                if o.token_ids and so_far == len(o.token_ids):
+                    total += len(delta.prompt_token_ids)
+        if total:
+            self.iteration_tokens[total] += 1
 
     def _drain_commands(self) -> None:
         while True:

@@ -12,7 +12,7 @@ from kiln.engine.async_engine import AsyncEngine
 from kiln.server import chat, completions, routes
 from kiln.server.errors import install_error_handlers
 from kiln.server.lifecycle import Lifecycle
-from kiln.server.metrics import ServerMetrics
+from kiln.server.metrics import PREFIXES, ServerMetrics, cache_config_info
 from kiln.server.middleware import GuardMiddleware
 from kiln.server.state import ServerState
 
@@ -26,9 +26,19 @@ def build_app(
     api_key: str | None = None,
     max_waiting: int = DEFAULT_MAX_WAITING,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    metrics_prefix: str = "kiln",
+    max_tokens_default: int | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over a running AsyncEngine. `app.state.kiln` holds the
-    ServerState (its `lifecycle.drain` is what SIGTERM calls)."""
+    ServerState (its `lifecycle.drain` is what SIGTERM calls). `metrics_prefix`: "kiln",
+    "vllm" (vLLM's dashboards work unchanged) or "both". `max_tokens_default`: the output limit
+    of a request that names none (None: up to the context, as vLLM)."""
+    if metrics_prefix not in PREFIXES:
+        raise ValueError(
+            f"metrics_prefix must be one of {sorted(PREFIXES)}, got {metrics_prefix!r}"
+        )
+    if max_tokens_default is not None and max_tokens_default < 1:
+        raise ValueError(f"max_tokens_default must be >= 1, got {max_tokens_default}")
     if max_waiting < 1:
         raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
     if max_body_bytes < 1:
@@ -38,7 +48,13 @@ def build_app(
         engine=async_engine,
         model_name=served_model_name,
         lifecycle=Lifecycle(max_waiting),
-        metrics=ServerMetrics(served_model_name),
+        metrics=ServerMetrics(
+            served_model_name,
+            async_engine.engine.max_model_len,
+            cache_config_info(async_engine.engine),
+            prefix=metrics_prefix,
+        ),
+        max_tokens_default=max_tokens_default,
     )
     install_error_handlers(app)
     app.include_router(completions.router)

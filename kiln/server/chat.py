@@ -113,7 +113,7 @@ async def create_chat_completion(
         body,
         state.defaults,
         state.vocab_size,
-        max_tokens=body.max_completion_tokens or body.max_tokens,
+        max_tokens=body.max_completion_tokens or body.max_tokens or state.max_tokens_default,
         logprobs=num_top if body.logprobs else None,
     )
     req_id = state.new_id("chatcmpl")

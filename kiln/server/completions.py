@@ -106,7 +106,7 @@ def _plan(body: CompletionRequest, state: ServerState) -> _Plan:
         body,
         state.defaults,
         state.vocab_size,
-        max_tokens=1 if drop_output else body.max_tokens,
+        max_tokens=1 if drop_output else body.max_tokens or state.max_tokens_default,
         logprobs=body.logprobs if want_logprobs and not drop_output else None,
         prompt_logprobs=_max_or_none(
             body.logprobs if want_logprobs and echo else None, body.prompt_logprobs

@@ -55,6 +55,8 @@ class Generation:
         self._done: list[bool] = []
         self._tasks: list[asyncio.Task] = []
         self._closed = False
+        self._admitted = False  # every request accepted: from here on, an early end is an abort
+        self._failed = False  # the engine failed: its requests were not aborted, they died
 
     @classmethod
     async def start(
@@ -72,7 +74,7 @@ class Generation:
         gen = cls(engine, lifecycle, metrics, len(requests))
         for r in requests:
             gen.requests.append(r)
-            gen._timers.append(RequestTimer(metrics))
+            gen._timers.append(RequestTimer(metrics, len(r.prompt_token_ids), r.params.n))
             gen._started.append(False)
             gen._done.append(False)
             lifecycle.num_waiting += 1
@@ -96,7 +98,8 @@ class Generation:
         if failure is not None:
             raise failure
         for r in requests:
-            metrics.prompt_tokens.inc(len(r.prompt_token_ids))  # accepted ones only
+            metrics.admitted(len(r.prompt_token_ids), r.params)
+        gen._admitted = True
         return gen
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -121,6 +124,7 @@ class Generation:
                     remaining -= 1
                     continue
                 if isinstance(item, Exception):
+                    self._failed = True
                     raise item
                 self._observe(index, item)
                 yield index, item
@@ -148,6 +152,9 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        if self._admitted and not self._failed:
+            for timer in self._timers:
+                timer.abandon()  # counts the unfinished completions as aborted
         for task in self._tasks:
             task.cancel()
         for stream in self.streams:

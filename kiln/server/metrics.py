@@ -1,9 +1,15 @@
-"""Prometheus metrics named after vLLM's (`vllm:` -> `kiln:`), so existing dashboards carry over.
+"""Prometheus metrics with vLLM's names, types, labels and buckets, so vLLM's dashboards work.
+
+Each metric is defined once, unprefixed, in a private registry; /metrics renders that registry
+under the chosen prefix(es): `kiln:` (the default), `vllm:` (a vLLM Grafana dashboard works as it
+is), or both. prometheus_client's process, platform and GC collectors come once, unprefixed, as
+vLLM's do. Each app owns its registries, so several apps in one process (tests) do not collide.
 
 Per-request latencies are observed in the server as deltas arrive (the same clock the client
-sees, minus the network). Engine state (queue lengths, KV usage, prefix-cache and preemption
-counters) is read on the engine's loop thread at scrape time, never from the event loop's side.
-Each app owns its registry, so several apps in one process (tests) do not collide.
+sees, minus the network), per completion (each of a request's n counts, as in vLLM, where each
+is a request of its own). Engine state (queue lengths, KV usage, prefix-cache and preemption
+counters, tokens per step) is read on the engine's loop thread at scrape time, never from the
+event loop's side.
 """
 
 from __future__ import annotations
@@ -12,24 +18,63 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.metrics_core import Metric
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.utils import floatToGoString
 
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.llm_engine import LLMEngine
 from kiln.outputs import RequestOutput
+from kiln.sampling_params import SamplingParams
+
+# `--metrics-prefix` choices -> the prefixes every metric is rendered under.
+PREFIXES: dict[str, tuple[str, ...]] = {
+    "kiln": ("kiln",),
+    "vllm": ("vllm",),
+    "both": ("kiln", "vllm"),
+}
 
 # vLLM's buckets, so quantiles computed from either server line up.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value: vLLM's buckets for token counts."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max(max_value, 1):
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+def cache_config_info(engine: LLMEngine) -> dict[str, str]:
+    """vLLM's cache_config_info labels (the KV pool as built). Immutable once the engine is up,
+    so safe to read from the event-loop thread."""
+    kv = engine.kv_cache
+    return {
+        "block_size": str(kv.block_size),
+        "num_gpu_blocks": str(kv.pool.num_blocks),
+        "cache_dtype": str(engine.kv_cache_dtype),
+        "enable_prefix_caching": str(kv.pool.enable_caching),
+    }
 
 
 @dataclass(frozen=True)
@@ -40,10 +85,12 @@ class EngineSnapshot:
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_preemptions: int = 0
+    iteration_tokens: dict[int, int] = field(default_factory=dict)  # tokens in a step -> steps
 
 
-def read_engine(engine: LLMEngine) -> EngineSnapshot:
-    """Runs on the engine loop thread (via AsyncEngine.call): the scheduler is not shared."""
+def read_engine(engine: LLMEngine, iteration_tokens: dict[int, int]) -> EngineSnapshot:
+    """Runs on the engine loop thread (via AsyncEngine.call): the scheduler and the loop's
+    per-step counts are not shared."""
     stats = engine.kv_cache.stats
     return EngineSnapshot(
         num_running=len(engine.scheduler.running),
@@ -52,6 +99,7 @@ def read_engine(engine: LLMEngine) -> EngineSnapshot:
         prefix_queries=stats.queries,
         prefix_hits=stats.hits,
         num_preemptions=engine.scheduler.num_preemptions_total,
+        iteration_tokens=dict(iteration_tokens),
     )
 
 
@@ -60,95 +108,233 @@ class _EngineCollector:
         self.labels = labels
         self.snapshot = EngineSnapshot()
 
-    def collect(self) -> Iterator:
+    def collect(self) -> Iterator[Metric]:
         s, names, values = self.snapshot, list(self.labels), list(self.labels.values())
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(f"kiln:{name}", doc, labels=names)
+            g = GaugeMetricFamily(name, doc, labels=names)
             g.add_metric(values, value)
             return g
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(f"kiln:{name}", doc, labels=names)
+            c = CounterMetricFamily(name, doc, labels=names)
             c.add_metric(values, value)
             return c
 
         yield gauge("num_requests_running", "Sequences in the running batch.", s.num_running)
         yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
+        # vLLM V0's panels: kiln never swaps (preemption recomputes) and has no CPU KV tier.
+        yield gauge("num_requests_swapped", "Sequences swapped to CPU (kiln: always 0).", 0)
+        yield gauge("cpu_cache_usage_perc", "CPU KV cache usage (kiln: always 0).", 0.0)
         yield gauge("kv_cache_usage_perc", "KV cache usage (1 = full).", s.kv_cache_usage)
+        # vLLM's older name, still on its dashboard.
+        yield gauge(
+            "gpu_cache_usage_perc", "KV cache usage (= kv_cache_usage_perc).", s.kv_cache_usage
+        )
         hit_rate = s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0
         yield gauge("prefix_cache_hit_rate", "Prefix-cache hits / queries, tokens.", hit_rate)
         yield counter("prefix_cache_queries", "Prompt tokens looked up.", s.prefix_queries)
         yield counter("prefix_cache_hits", "Prompt tokens served from the cache.", s.prefix_hits)
         yield counter("num_preemptions", "Preemptions (recompute).", s.num_preemptions)
+        yield self._iteration_tokens(names, values)
+
+    def _iteration_tokens(self, names: list[str], values: list[str]) -> HistogramMetricFamily:
+        # Rendered from the loop's exact counts (one per distinct step size): nothing is lost
+        # between scrapes, however many steps ran.
+        counts = self.snapshot.iteration_tokens
+        h = HistogramMetricFamily("iteration_tokens_total", "Tokens per engine step.", labels=names)
+        buckets = [
+            (floatToGoString(le), sum(c for size, c in counts.items() if size <= le))
+            for le in _ITERATION_BUCKETS
+        ]
+        buckets.append(("+Inf", sum(counts.values())))
+        h.add_metric(values, buckets, sum(size * c for size, c in counts.items()))
+        return h
+
+
+class _Prefixed:
+    """Every family of `source`, renamed `<prefix>:<name>` once per prefix."""
+
+    def __init__(self, source: CollectorRegistry, prefixes: tuple[str, ...]) -> None:
+        self.source = source
+        self.prefixes = prefixes
+
+    def collect(self) -> Iterator[Metric]:
+        families = list(self.source.collect())
+        for prefix in self.prefixes:
+            for family in families:
+                renamed = Metric(
+                    f"{prefix}:{family.name}", family.documentation, family.type, family.unit
+                )
+                renamed.samples = [s._replace(name=f"{prefix}:{s.name}") for s in family.samples]
+                yield renamed
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        cache_info: dict[str, str],
+        prefix: str = "kiln",
+    ) -> None:
+        if prefix not in PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {sorted(PREFIXES)}, got {prefix!r}")
+        self.max_model_len = max_model_len
+        source = CollectorRegistry()  # the definitions, unprefixed
         labels = {"model_name": model_name}
         self._labels = labels
         names = list(labels)
+        tokens = buckets_1_2_5(max_model_len)
 
         def hist(name: str, doc: str, buckets: tuple) -> Histogram:
-            h = Histogram(f"kiln:{name}", doc, names, registry=self.registry, buckets=buckets)
+            h = Histogram(name, doc, names, registry=source, buckets=buckets)
             return h.labels(**labels)
+
+        def count(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=source).labels(**labels)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Inter-token latency.", _ITL_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", _E2E_BUCKETS)
-        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.", _E2E_BUCKETS)
-        self.prompt_tokens = Counter(
-            "kiln:prompt_tokens", "Prompt tokens processed.", names, registry=self.registry
-        ).labels(**labels)
-        self.generation_tokens = Counter(
-            "kiln:generation_tokens", "Tokens generated.", names, registry=self.registry
-        ).labels(**labels)
-        self._success = Counter(
-            "kiln:request_success",
-            "Finished completions by finish reason.",
-            [*names, "finished_reason"],
-            registry=self.registry,
+        self.tpot = hist(
+            "time_per_output_token_seconds", "Inter-token latency (older name).", _ITL_BUCKETS
         )
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
+        self.queue = hist(
+            "request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS
+        )
+        self.prefill = hist(
+            "request_prefill_time_seconds", "First scheduled to first token.", _REQUEST_BUCKETS
+        )
+        self.decode = hist(
+            "request_decode_time_seconds", "First token to last token.", _REQUEST_BUCKETS
+        )
+        self.inference = hist(
+            "request_inference_time_seconds", "First scheduled to last token.", _REQUEST_BUCKETS
+        )
+        self.request_prompt_tokens = hist(
+            "request_prompt_tokens", "Prompt tokens of each finished request.", tokens
+        )
+        self.request_generation_tokens = hist(
+            "request_generation_tokens", "Tokens generated by each finished request.", tokens
+        )
+        self.max_generation_tokens = hist(
+            "request_max_num_generation_tokens",
+            "Most tokens generated by one of a request's n completions.",
+            tokens,
+        )
+        self.params_n = hist("request_params_n", "The n request parameter.", _N_BUCKETS)
+        self.params_max_tokens = hist(
+            "request_params_max_tokens", "The max_tokens request parameter.", tokens
+        )
+        self.prompt_tokens = count("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = count("generation_tokens", "Tokens generated.")
+        self._success = Counter(
+            "request_success",
+            "Finished completions by finish reason (abort: the client left, or the drain).",
+            [*names, "finished_reason"],
+            registry=source,
+        )
+        info = Gauge(
+            "cache_config_info", "The KV cache as built.", list(cache_info), registry=source
+        )
+        info.labels(**cache_info).set(1)  # an info metric: the labels are the data
         self._engine = _EngineCollector(labels)
-        self.registry.register(self._engine)
+        source.register(self._engine)
+
+        self.registry = CollectorRegistry()  # what /metrics serves
+        self.registry.register(_Prefixed(source, PREFIXES[prefix]))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)  # registers nothing off CPython
+
+    def admitted(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """An engine request the server accepted (one prompt, its n completions)."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.params_n.observe(params.n)
+        max_tokens = params.max_tokens
+        if max_tokens is None:  # up to the context: what vLLM's server would have filled in
+            max_tokens = max(1, self.max_model_len - num_prompt_tokens)
+        self.params_max_tokens.observe(max_tokens)
 
     def finished(self, reason: str) -> None:
         self._success.labels(**self._labels, finished_reason=reason).inc()
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+        self.tpot.observe(seconds)  # vLLM's older name for the same observation
 
     async def render(self, engine: AsyncEngine) -> bytes:
         """Refresh the engine snapshot (a stale one if the engine is dead or busy) and render."""
         if engine.healthy:
             # A dead or stuck engine must not break the scrape: keep the last snapshot.
             with contextlib.suppress(Exception):
-                self._engine.snapshot = await asyncio.wait_for(engine.call(read_engine), 5.0)
+                self._engine.snapshot = await asyncio.wait_for(
+                    engine.call(read_engine, engine.iteration_tokens), 5.0
+                )
         return generate_latest(self.registry)
 
 
-class RequestTimer:
-    """One engine request's timestamps; observes TTFT, ITL, queue time and E2E as it goes."""
+@dataclass
+class _Completion:
+    first: float | None = None  # when its first token arrived
+    last: float | None = None  # when its latest token arrived
+    num_tokens: int = 0
+    done: bool = False
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+
+class RequestTimer:
+    """One engine request's timestamps, per completion: observes TTFT and ITL as tokens arrive,
+    and the per-request histograms and request_success as each completion finishes."""
+
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int, n: int = 1) -> None:
         self.metrics = metrics
+        self.num_prompt_tokens = num_prompt_tokens
         self.arrival = time.monotonic()
-        self.last: float | None = None
+        self.scheduled: float | None = None
+        self.completions = [_Completion() for _ in range(n)]
 
     def on_delta(self, delta: RequestOutput) -> None:
         now = time.monotonic()
         m = self.metrics
-        num_new = sum(len(o.token_ids) for o in delta.outputs)
         scheduled = delta.metrics.get("first_scheduled_time")
-        if scheduled is not None:
-            m.queue.observe(max(0.0, scheduled - self.arrival))
-        if num_new:
-            if self.last is None:
-                m.ttft.observe(now - self.arrival)
-            else:
-                m.itl.observe(now - self.last)
-            self.last = now
-            m.generation_tokens.inc(num_new)
+        if scheduled is not None and self.scheduled is None:
+            self.scheduled = max(self.arrival, scheduled)
         for o in delta.outputs:
-            if o.finish_reason is not None:
-                m.finished(o.finish_reason)
-        if delta.finished:
-            m.e2e.observe(now - self.arrival)
+            c = self.completions[o.index]
+            if o.token_ids:
+                if c.first is None:
+                    c.first = now
+                    m.ttft.observe(now - self.arrival)
+                else:
+                    m.observe_itl(now - (c.last or now))
+                c.last = now
+                c.num_tokens += len(o.token_ids)
+                m.generation_tokens.inc(len(o.token_ids))
+            if o.finish_reason is not None and not c.done:
+                self._finish(c, o.finish_reason, now)
+                if all(c.done for c in self.completions):
+                    m.max_generation_tokens.observe(max(c.num_tokens for c in self.completions))
+
+    def _finish(self, c: _Completion, reason: str, now: float) -> None:
+        c.done = True
+        m = self.metrics
+        m.finished(reason)
+        scheduled = self.scheduled if self.scheduled is not None else now  # never scheduled
+        first = c.first if c.first is not None else now  # no token (an abort mid-prefill)
+        last = c.last if c.last is not None else now
+        m.e2e.observe(now - self.arrival)
+        m.queue.observe(scheduled - self.arrival)
+        m.prefill.observe(max(0.0, first - scheduled))
+        m.decode.observe(max(0.0, last - first))
+        m.inference.observe(max(0.0, last - scheduled))
+        m.request_prompt_tokens.observe(self.num_prompt_tokens)
+        m.request_generation_tokens.observe(c.num_tokens)
+
+    def abandon(self) -> None:
+        """The client went away: its unfinished completions count as aborted. Only in
+        request_success: nobody received a last token to time."""
+        for c in self.completions:
+            if not c.done:
+                c.done = True
+                self.metrics.finished("abort")

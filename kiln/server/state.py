@@ -23,6 +23,7 @@ class ServerState:
     model_name: str
     lifecycle: Lifecycle
     metrics: ServerMetrics
+    max_tokens_default: int | None = None  # for requests that name no max_tokens
 
     def __post_init__(self) -> None:
         # Read once: immutable after the engine is built, so safe from the event-loop thread.
