@@ -181,6 +181,19 @@ for s in "$@"; do
         stage fp8-mixed 120 python3 benchmarks/kv_fp8_kernel_sweep.py --mixed-only \
             --out "$OUT/kv_fp8_mixed_decode.json"
         ;;
+    prof1-fp8w)  # batch-1 decode profile with FP8 W8A8 weights (the fused float8 kernels)
+        stage prof1-fp8w 150 python3 benchmarks/profile_decode.py --batch 1 --context 1024 \
+            --quantization fp8-dynamic --out "$OUT/profile_decode_b1_fp8w$SFX.txt"
+        ;;
+    test-fp8)  # the FP8 W8A8 kernels at real shapes and the small-batch kernels they share
+        stage test-fp8 240 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_linear.py \
+            tests/test_triton_kernels.py -k "fp8 or small_batch or add_rms_norm or qkv"
+        ;;
+    build8b)  # kiln build of an 8B dummy HF checkpoint to FP8, then cold first token from it
+        stage build8b 400 python3 benchmarks/build_and_first_token.py --preset llama-3.1-8b \
+            --work "${WORK:-/tmp/kiln-build8b}" --quantization fp8-dynamic \
+            --output-json "$OUT/build_first_token_8b$SFX.json"
+        ;;
     *)
         echo "unknown stage $s"
         ;;

@@ -28,6 +28,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--quantization", default="none", help="none, fp8-dynamic (weights), ...")
     p.add_argument(
         "--prefill",
         action="store_true",
@@ -53,6 +54,7 @@ def main() -> None:
         # With --mixed-decodes the decodes ride along with a full 8192-token prefill chunk.
         max_num_batched_tokens=max(8192, args.context) + args.mixed_decodes,
         enforce_eager=args.enforce_eager,
+        quantization=args.quantization,
     )
     engine = LLMEngine(config)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -12,7 +13,8 @@ from kiln.errors import InvalidRequestError
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+# vLLM's prompt forms: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
+Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, str]
 
 
@@ -55,10 +57,11 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); returns outputs in prompt order."""
-        if isinstance(prompts, str) or (
+        if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
+        prompts = [_plain_prompt(p) for p in prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]
         token_ids = [p if not isinstance(p, str) else None for p in prompts]
         return self._run(texts, token_ids, sampling_params, use_tqdm, priority)
@@ -144,3 +147,18 @@ class LLM:
                         pending.discard(delta.request_id)
                         bar.update(1)
         return [results[r] for r in req_ids]
+
+
+def _plain_prompt(prompt: Prompt) -> str | list[int]:
+    """A dict prompt (vLLM's TextPrompt / TokensPrompt) as its text or token ids."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt)
+    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], list):
+        return prompt["prompt_token_ids"]
+    raise InvalidRequestError(
+        "a dict prompt must be {'prompt': str} or {'prompt_token_ids': list[int]}, "
+        f"got keys {sorted(keys)}"
+    )

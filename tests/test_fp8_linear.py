@@ -189,6 +189,148 @@ def test_triton_fp8_linear_llama8b_shapes(num_rows) -> None:
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
 
 
+# ---- the small-batch float8 kernels (one row fused with the norm; up to MAX_ROWS plain) ------
+
+FUSED_REL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def _no_unfused_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The small-batch kernel must run: the quantize + GEMM path and the norm kernels fail."""
+    from kiln.kernels.triton import small_batch_linear
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise AssertionError("fell back to the unfused path")
+
+    monkeypatch.setattr(small_batch_linear, "fp8_gemm", type("No", (), {"fp8_linear": fail}))
+    monkeypatch.setattr(small_batch_linear, "rms_norm", fail)
+    monkeypatch.setattr(small_batch_linear, "fused_add_rms_norm", fail)
+
+
+def _fp8_inputs(rows: int, k: int, n: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(rows, k, generator=gen)).to(dtype)
+    residual = torch.randn(rows, k, generator=gen).to(dtype)
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype)
+    w_fp8, w_scale = _quantized_weight(n, k, gen)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    return x, residual, norm_weight, w_fp8, w_scale, bias
+
+
+def _on(*tensors):
+    return [t.to(DEVICE) if t is not None else None for t in tensors]
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=on_gpu)]
+)
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_small_batch_fp8_linear_is_the_reference(monkeypatch, dtype, static, rows) -> None:
+    """Random (off-grid) activations quantized inside the kernel, K and N not multiples of the
+    interpreter's tiles: the same float8 products as reference.fp8_linear."""
+    x, _, _, w_fp8, w_scale, bias = _fp8_inputs(rows, 72, 40, dtype, seed=rows)
+    input_scale = torch.tensor(x.float().abs().max().item() / 300) if static else None
+    want = reference.fp8_linear(x, w_fp8, w_scale, input_scale, bias)
+    _no_unfused_path(monkeypatch)
+    got = triton_ops.fp8_linear(*_on(x, w_fp8, w_scale, input_scale, bias))
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(
+        got.cpu().float(), want.float(), rtol=0, atol=FUSED_REL[dtype] * float(want.abs().max())
+    )
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=on_gpu)]
+)
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("rows", [1, 3])  # the norm fused in; the norm kernel, then fp8_linear
+def test_fp8_add_rms_norm_linear_and_silu_mul(
+    monkeypatch, dtype, static, with_residual, rows
+) -> None:
+    x, residual, norm_weight, w_fp8, w_scale, bias = _fp8_inputs(rows, 72, 80, dtype, seed=9)
+    residual = residual if with_residual else None
+    input_scale = torch.tensor(0.02) if static else None  # some normed values saturate
+    want, want_sum = reference.add_rms_norm_linear(
+        x, residual, norm_weight, 1e-5, w_fp8, bias, w_scale, input_scale
+    )
+    want_act, _ = reference.add_rms_norm_linear_silu_mul(
+        x, residual, norm_weight, 1e-5, w_fp8, w_scale, input_scale
+    )
+    if rows == 1:
+        _no_unfused_path(monkeypatch)
+    args = _on(x, residual, norm_weight)
+    scales = _on(w_scale, input_scale)
+    got, got_sum = triton_ops.add_rms_norm_linear(
+        *args, 1e-5, w_fp8.to(DEVICE), bias.to(DEVICE), *scales
+    )
+    got_act, _ = triton_ops.add_rms_norm_linear_silu_mul(*args, 1e-5, w_fp8.to(DEVICE), *scales)
+    assert torch.equal(got_sum.cpu(), want_sum)
+    for g, w in ((got, want), (got_act, want_act)):
+        assert g.dtype == dtype and g.shape == w.shape
+        torch.testing.assert_close(
+            g.cpu().float(), w.float(), rtol=0, atol=FUSED_REL[dtype] * float(w.abs().max())
+        )
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_qkv_rotary_write_kv_one_row(monkeypatch, static) -> None:
+    """The attention block's fused kernel on float8 weights: query, cache writes and the
+    residual stream as reference.add_rms_norm_qkv_rotary_write_kv with the same scales."""
+    num_heads, num_kv_heads, head_dim, k = 4, 2, 8, 40
+    n = (num_heads + 2 * num_kv_heads) * head_dim
+    x, residual, norm_weight, w_fp8, w_scale, bias = _fp8_inputs(1, k, n, torch.float32, 11)
+    input_scale = torch.tensor(0.01) if static else None
+    half = torch.arange(head_dim // 2, dtype=torch.float32)
+    freqs = torch.arange(64, dtype=torch.float32)[:, None] / (10000 ** (2 * half / head_dim))
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    positions, slots = torch.tensor([21]), torch.tensor([5])
+    caches = [torch.zeros(3, 4, num_kv_heads, head_dim) for _ in range(2)]
+    want_q, want_sum = reference.add_rms_norm_qkv_rotary_write_kv(
+        x, residual, norm_weight, 1e-5, w_fp8, bias, positions, cos_sin, *caches, slots,
+        w_scale, input_scale,
+    )  # fmt: skip
+    got_caches = [torch.zeros_like(c).to(DEVICE) for c in caches]
+    _no_unfused_path(monkeypatch)
+    got_q, got_sum = triton_ops.add_rms_norm_qkv_rotary_write_kv(
+        *_on(x, residual, norm_weight), 1e-5, *_on(w_fp8, bias, positions, cos_sin),
+        *got_caches, slots.to(DEVICE), *_on(w_scale, input_scale),
+    )  # fmt: skip
+    assert torch.equal(got_sum.cpu(), want_sum)
+    for g, w in ((got_q, want_q), *zip(got_caches, caches)):
+        torch.testing.assert_close(g.cpu(), w, rtol=0, atol=1e-5 * float(w.abs().max()))
+
+
+@on_gpu
+@pytest.mark.parametrize("rows", [1, 8])
+def test_fp8_small_batch_llama8b_shapes(rows) -> None:
+    """Llama-3.1-8B's projections in bf16 through the float8 small-batch kernels (one row: the
+    norm fused; 8 rows: the plain kernel after the norm kernel) against the fp32 reference on
+    the same float8 weights."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(rows, 4096, generator=gen).bfloat16()
+    residual = torch.randn(rows, 4096, generator=gen).bfloat16()
+    norm_weight = (1 + 0.1 * torch.randn(4096, generator=gen)).bfloat16()
+    gate_up, gate_up_scale = _quantized_weight(2 * 14336, 4096, gen)
+    down, down_scale = _quantized_weight(4096, 14336, gen)
+    for input_scale in (None, torch.tensor(0.01)):
+        want, _ = reference.add_rms_norm_linear_silu_mul(
+            x, residual, norm_weight, 1e-5, gate_up, gate_up_scale, input_scale
+        )
+        got, _ = triton_ops.add_rms_norm_linear_silu_mul(
+            *_on(x, residual, norm_weight), 1e-5, *_on(gate_up, gate_up_scale, input_scale)
+        )
+        torch.testing.assert_close(
+            got.float().cpu(), want.float(), rtol=0, atol=2e-2 * float(want.abs().max())
+        )
+        want_down = reference.fp8_linear(want, down, down_scale, input_scale)
+        got_down = triton_ops.fp8_linear(want.cuda(), *_on(down, down_scale, input_scale))
+        torch.testing.assert_close(
+            got_down.float().cpu(), want_down.float(), rtol=0,
+            atol=2e-2 * float(want_down.abs().max()),
+        )  # fmt: skip
+
+
 # ---- the scheme registry ---------------------------------------------------------------------
 
 

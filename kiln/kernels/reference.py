@@ -231,15 +231,20 @@ def add_rms_norm_linear(
     residual: torch.Tensor | None,  # [num_tokens, K], or None: no residual to add
     norm_weight: torch.Tensor,  # [K]
     eps: float,
-    weight: torch.Tensor,  # [N, K]
+    weight: torch.Tensor,  # [N, K] (float8 e4m3 when weight_scale is given)
     bias: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,  # [N] fp32: an FP8 W8A8 projection
+    input_scale: torch.Tensor | None = None,  # [] fp32 static; None: dynamic per token
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(x + residual)), x + residual); with no residual, (linear(rms_norm(x)), x).
-    The norm before a projection (the GPU fuses them for a handful of rows)."""
+    The norm before a projection (the GPU fuses them for a handful of rows); with weight_scale
+    the projection is fp8_linear."""
     if residual is None:
         normed, summed = rms_norm(x, norm_weight, eps), x
     else:
         normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
+    if weight_scale is not None:
+        return fp8_linear(normed, weight, weight_scale, input_scale, bias), summed
     return F.linear(normed, weight, bias), summed
 
 
@@ -270,12 +275,16 @@ def add_rms_norm_qkv_rotary_write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    weight_scale: torch.Tensor | None = None,  # [q_size + 2 * kv_size] fp32: FP8 W8A8
+    input_scale: torch.Tensor | None = None,  # [] fp32 static; None: dynamic per token
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, num_heads, head_dim], x + residual)
     """The attention block up to attending: the norm and qkv projection (add_rms_norm_linear),
     then rotary embedding on queries and keys and this step's keys/values into the paged cache
     (rotary_embedding_write_kv). Returns (rotated query, x + residual); one kernel at batch-1
     decode on the GPU."""
-    qkv, summed = add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+    qkv, summed = add_rms_norm_linear(
+        x, residual, norm_weight, eps, weight, bias, weight_scale, input_scale
+    )
     query, key, value = split_qkv_heads(qkv, cos_sin_cache.shape[1], k_cache.shape[2])
     rotated = rotary_embedding_write_kv(
         positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping
@@ -289,10 +298,14 @@ def add_rms_norm_linear_silu_mul(
     norm_weight: torch.Tensor,  # [K]
     eps: float,
     weight: torch.Tensor,  # [2N, K]: the gate projection's rows, then the up projection's
+    weight_scale: torch.Tensor | None = None,  # [2N] fp32: an FP8 W8A8 projection
+    input_scale: torch.Tensor | None = None,  # [] fp32 static; None: dynamic per token
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, N], [num_tokens, K])
     """(silu_and_mul(add_rms_norm_linear(...)), x + residual): the Llama MLP up to its down
     projection (one kernel for a handful of rows on the GPU)."""
-    gate_up, summed = add_rms_norm_linear(x, residual, norm_weight, eps, weight)
+    gate_up, summed = add_rms_norm_linear(
+        x, residual, norm_weight, eps, weight, None, weight_scale, input_scale
+    )
     return silu_and_mul(gate_up), summed
 
 

@@ -27,9 +27,10 @@ class Fp8LinearMethod(LinearMethod):
     One instance per layer (linear_method_factory makes one per name): it keeps a weak reference
     to its layer to find the scale rows of the shard being loaded.
 
-    The fused entry points are the base class's compositions (norm, then apply, then rotary or
-    SiLU-mul): correct, not fused. Fusing the activation quantization into the norm and SiLU-mul
-    kernels, and float8 variants of the small-batch kernels, are still to do (issue 13).
+    The fused entry points pass the scales to the same `ops` calls the unquantized method makes,
+    so at batch-1 decode on the GPU the norm, the activation quantization, the float8 projection
+    and its epilogue (rotary + KV write, SiLU-mul) run as one kernel that reads half bf16's
+    weight bytes; more rows run the norm kernel, then quantize + the FP8 GEMM.
     """
 
     def __init__(
@@ -77,3 +78,52 @@ class Fp8LinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         return ops.fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias)
+
+    def add_rms_norm_apply(
+        self,
+        layer: Linear,
+        ops: ModuleType,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.add_rms_norm_linear(
+            x, residual, norm_weight, eps, layer.weight, layer.bias,
+            layer.weight_scale, layer.input_scale,
+        )  # fmt: skip
+
+    def add_rms_norm_qkv_rotary_write_kv(
+        self,
+        layer: Linear,
+        ops: ModuleType,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.add_rms_norm_qkv_rotary_write_kv(
+            x, residual, norm_weight, eps, layer.weight, layer.bias,
+            positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+            layer.weight_scale, layer.input_scale,
+        )  # fmt: skip
+
+    def add_rms_norm_silu_mul(
+        self,
+        layer: Linear,
+        ops: ModuleType,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer.has_bias:  # the fused kernel takes no bias: compose instead
+            return super().add_rms_norm_silu_mul(layer, ops, x, residual, norm_weight, eps)
+        return ops.add_rms_norm_linear_silu_mul(
+            x, residual, norm_weight, eps, layer.weight, layer.weight_scale, layer.input_scale
+        )

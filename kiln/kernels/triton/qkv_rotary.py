@@ -26,8 +26,10 @@ from kiln.kernels.triton.rotary import _to_output, rotary_embedding_write_kv
 from kiln.kernels.triton.small_batch_linear import (
     _ADD_NORM,
     _NORM,
+    _fp8_dot,
     _fused_norm_fits,
     _project,
+    _quant_mode,
     _rows_2d,
     _tile_config,
     _write_residual_sum,
@@ -49,6 +51,8 @@ def _qkv_rotary_write_kv_kernel(
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
     v_cache_ptr,
     slot_mapping_ptr,  # [1] int64; negative: a padding token, not written
+    w_scale_ptr,  # [Q_SIZE + 2 * KV_SIZE] fp32 per-row weight scales, read when QUANT
+    in_scale_ptr,  # [] fp32 static activation scale, read when QUANT == 2
     K,
     eps,
     Q_SIZE: tl.constexpr,
@@ -60,6 +64,9 @@ def _qkv_rotary_write_kv_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8_MAX: tl.constexpr,  # > 0 for a float8 cache
+    QUANT: tl.constexpr,  # 0, or float8 weights with dynamic (1) / static (2) activations
+    FP8_DOT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     pairs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     pair_mask = pairs < (Q_SIZE + 2 * KV_SIZE) // 2
@@ -68,13 +75,17 @@ def _qkv_rotary_write_kv_kernel(
     w_lo = w_ptr + lo[:, None].to(tl.int64) * K
     acc_lo, acc_hi = _project(
         x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_lo, w_lo + HALF * K, pair_mask, sum_ptr,
-        1, K, 0, eps, PROLOGUE, True, 16, BLOCK_N, BLOCK_K, DOT_PRECISION,
+        in_scale_ptr, 1, K, 0, eps, PROLOGUE, True, 16, BLOCK_N, BLOCK_K, DOT_PRECISION, QUANT,
+        FP8_DOT, INTERPRETED,
     )  # fmt: skip
     if PROLOGUE == 2:
         _write_residual_sum(x_ptr, residual_ptr, sum_ptr, K, BLOCK_K)
     # Row 0 of the dot's tiles (the other rows are exact zeros: their inputs were).
     out_lo = tl.sum(acc_lo, 0)
     out_hi = tl.sum(acc_hi, 0)
+    if QUANT != 0:  # the weight's per-row scales, after the sum as reference.fp8_linear
+        out_lo *= tl.load(w_scale_ptr + lo, mask=pair_mask, other=0.0)
+        out_hi *= tl.load(w_scale_ptr + lo + HALF, mask=pair_mask, other=0.0)
     if HAS_BIAS:
         out_lo += tl.load(bias_ptr + lo, mask=pair_mask, other=0.0).to(tl.float32)
         out_hi += tl.load(bias_ptr + lo + HALF, mask=pair_mask, other=0.0).to(tl.float32)
@@ -115,13 +126,15 @@ def add_rms_norm_qkv_rotary_write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    weight_scale: torch.Tensor | None = None,  # [q_size + 2 * kv_size] fp32: FP8 W8A8
+    input_scale: torch.Tensor | None = None,  # [] fp32 static; None: dynamic per token
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, num_heads, head_dim], x + residual)
     """(rotated query, x + residual) of add_rms_norm_linear followed by
-    rotary_embedding_write_kv; one kernel for one row."""
+    rotary_embedding_write_kv; one kernel for one row (float8 weights too)."""
     head_dim = cos_sin_cache.shape[1]
     kv_size = k_cache.shape[2] * head_dim
     fused = (
-        _fused_norm_fits(x, residual, norm_weight, weight)
+        _fused_norm_fits(x, residual, norm_weight, weight, weight_scale, input_scale)
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
         and k_cache.shape[3] == head_dim
@@ -132,7 +145,9 @@ def add_rms_norm_qkv_rotary_write_kv(
         and (bias is None or bias.is_contiguous())
     )
     if not fused:
-        qkv, summed = add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+        qkv, summed = add_rms_norm_linear(
+            x, residual, norm_weight, eps, weight, bias, weight_scale, input_scale
+        )
         query, key, value = split_qkv_heads(qkv, head_dim, k_cache.shape[2])
         rotated = rotary_embedding_write_kv(
             positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping
@@ -143,7 +158,7 @@ def add_rms_norm_qkv_rotary_write_kv(
     query = torch.empty((1, q_size // head_dim, head_dim), dtype=x.dtype, device=x.device)
     summed = x if residual is None else torch.empty_like(x2)
     block_n, block_k, num_warps, num_stages = _tile_config(
-        weight.shape[0], weight.shape[1], x.device, x.element_size(), fused_norm=True
+        weight.shape[0], weight.shape[1], x.device, weight.element_size(), fused_norm=True
     )
     if x.device.type == "cuda":
         block_n //= 2  # the same bytes per step: BLOCK_N / 2 pairs of rows
@@ -160,6 +175,8 @@ def add_rms_norm_qkv_rotary_write_kv(
         k_cache,
         v_cache,
         slot_mapping,
+        weight_scale if weight_scale is not None else cos_sin_cache,
+        input_scale if input_scale is not None else cos_sin_cache,
         weight.shape[1],
         eps,
         Q_SIZE=q_size,
@@ -171,6 +188,9 @@ def add_rms_norm_qkv_rotary_write_kv(
         BLOCK_K=block_k,
         DOT_PRECISION=dot_precision(x.dtype),
         FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 0.0,
+        QUANT=_quant_mode(weight_scale, input_scale),
+        FP8_DOT=_fp8_dot(x.device),
+        INTERPRETED=x.device.type != "cuda",
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kiln.envs import envs
+from kiln.kernels.triton import fp8_linear as fp8_gemm
 from kiln.kernels.triton._device import dot_precision, num_sms
 from kiln.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from kiln.kernels.triton.silu_mul import silu_and_mul
@@ -55,15 +56,47 @@ def _load_input_chunk(x_ptr, residual_ptr, norm_weight_ptr, offs, mask, PROLOGUE
 
 @triton.jit
 def _dot_step(a, w_rows, w_rows_hi, k_offsets, w_mask, acc, acc_hi, PAIRED: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):  # fmt: skip
+              DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr):  # fmt: skip
     """One K-step: the weight tile of w_rows (and of w_rows_hi when PAIRED) times the inputs `a`,
-    accumulated into acc (acc_hi)."""
+    accumulated into acc (acc_hi). WIDEN: float8 weights go to fp16 (exact) for an fp16 dot."""
     w = tl.load(w_rows + k_offsets[None, :], mask=w_mask, other=0.0)
+    if WIDEN:
+        w = w.to(tl.float16)
     acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if PAIRED:
         w_hi = tl.load(w_rows_hi + k_offsets[None, :], mask=w_mask, other=0.0)
+        if WIDEN:
+            w_hi = w_hi.to(tl.float16)
         acc_hi = tl.dot(a, tl.trans(w_hi), acc_hi, input_precision=DOT_PRECISION)
     return acc, acc_hi
+
+
+@triton.jit
+def _round_to_e4m3_grid(v):
+    """fp32 -> the nearest e4m3 value (ties to even), still in fp32, for |v| <= 448: the step of
+    v's binade (2^(exponent - 3), subnormals 2^-9) from its bits, then the round-to-integer of
+    adding and subtracting 2^23. Only the interpreter needs it: Triton 3.x's interpreter rounds
+    fp32 -> float8 half-up and drops a carry into the exponent (126.8 gives 64); the GPU's
+    conversion rounds correctly, and a value already on the grid converts exactly in both."""
+    a = tl.abs(v)
+    exponent = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    rounded = ((a / step + 8388608.0) - 8388608.0) * step
+    return tl.where(v < 0, -rounded, rounded)
+
+
+@triton.jit
+def _quantize(v, scale, FP8_DOT: tl.constexpr, FP8_MAX: tl.constexpr, INTERPRETED: tl.constexpr):
+    """fp32 activations as the float8 dot operand: v / scale saturated at +-448, rounded to e4m3
+    (IEEE division, as quantize_fp8's kernel, so the float8 bits equal the reference's); widened
+    to fp16 (exact) unless the dot takes float8 itself."""
+    q = tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX, FP8_MAX)
+    if INTERPRETED:
+        q = _round_to_e4m3_grid(q)
+    q = q.to(tl.float8e4nv)
+    if not FP8_DOT:
+        q = q.to(tl.float16)
+    return q
 
 
 @triton.jit
@@ -76,6 +109,7 @@ def _project(
     w_rows_hi,  # [BLOCK_N, 1] pointers: a second set of rows, read when PAIRED
     col_mask,  # [BLOCK_N]
     sum_ptr,  # [M, K]: x + residual (its dtype rounds the residual stream)
+    in_scale_ptr,  # [] fp32: the static activation scale, read when QUANT == STATIC
     M,
     K,
     stride_xm,
@@ -86,25 +120,94 @@ def _project(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr = 0,  # 0: weights in the model dtype; float8 weights with activations
+    # quantized per row (1, dynamic) or by in_scale (2, static): W8A8, scaled by the activation
+    # scale here and by the caller's per-column weight scales
+    FP8_DOT: tl.constexpr = False,  # float8 x float8 dots (else both widened to fp16, exact)
+    INTERPRETED: tl.constexpr = False,  # the Triton interpreter (see _round_to_e4m3_grid)
+    FP8_MAX: tl.constexpr = 448.0,
+    MIN_SCALE: tl.constexpr = 1e-12,
 ):
     """[BLOCK_M, BLOCK_N] fp32 dot products of the rows' (normed) inputs with w_rows, and with
-    w_rows_hi when PAIRED (zeros otherwise); the weight is streamed once."""
+    w_rows_hi when PAIRED (zeros otherwise); the weight is streamed once. With QUANT, the
+    activations are quantized to float8 as reference.quantize_fp8 does: a dynamic scale needs
+    the row's absmax first, so a first pass over the (small, L2-resident) input row finds it."""
     rows = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     row_mask = rows < M
+    widen: tl.constexpr = QUANT != 0 and not FP8_DOT
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if PROLOGUE == 0:
         x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+        scale = 1.0
+        if QUANT == 1:
+            absmax = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                k_mask = (k + ks) < K
+                a = tl.load(
+                    x_rows + k + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+                )
+                absmax = tl.maximum(absmax, tl.abs(a.to(tl.float32)))
+            row_max = tl.max(absmax, 1)[:, None]
+            scale = tl.maximum(tl.math.div_rn(row_max, FP8_MAX), MIN_SCALE)
+        elif QUANT == 2:
+            scale = tl.load(in_scale_ptr)
         for k in range(0, K, BLOCK_K):
             k_mask = (k + ks) < K
             a = tl.load(
                 x_rows + k + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
             )
+            if QUANT != 0:
+                a = _quantize(a.to(tl.float32), scale, FP8_DOT, FP8_MAX, INTERPRETED)
             acc, acc_hi = _dot_step(
                 a, w_rows, w_rows_hi, k + ks, col_mask[:, None] & k_mask[None, :], acc, acc_hi,
-                PAIRED, DOT_PRECISION,
+                PAIRED, DOT_PRECISION, widen,
             )  # fmt: skip
+        if QUANT != 0:
+            acc = acc * scale
+            acc_hi = acc_hi * scale
+    elif QUANT != 0:
+        # One row, float8: a first pass for RMSNorm's scale (and the absmax of the normed row,
+        # for a dynamic scale), then each chunk normalised as reference.rms_norm rounds it
+        # (fp32, to the model dtype, times the norm weight in the model dtype), quantized, and
+        # multiplied into the weight's stream.
+        first_row = rows[:, None] == 0
+        dtype = sum_ptr.dtype.element_ty
+        sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        hw_max = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            xa, xb, nw = _load_input_chunk(
+                x_ptr, residual_ptr, norm_weight_ptr, k + ks, (k + ks) < K, PROLOGUE
+            )
+            h32 = xa.to(tl.float32)
+            if PROLOGUE == 2:
+                h32 = (xa.to(tl.float32) + xb.to(tl.float32)).to(dtype).to(tl.float32)
+            sum_sq += h32 * h32
+            hw_max = tl.maximum(hw_max, tl.abs(h32 * nw.to(tl.float32)))
+        inv_rms = tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
+        if QUANT == 1:
+            # absmax(normed) up to the normed values' rounding: the largest one maps to ~448.
+            scale = tl.maximum(tl.math.div_rn(tl.max(hw_max, 0) * inv_rms, FP8_MAX), MIN_SCALE)
+        else:
+            scale = tl.load(in_scale_ptr)
+        for k in range(0, K, BLOCK_K):
+            k_mask = (k + ks) < K
+            xa, xb, nw = _load_input_chunk(
+                x_ptr, residual_ptr, norm_weight_ptr, k + ks, k_mask, PROLOGUE
+            )
+            h32 = xa.to(tl.float32)
+            if PROLOGUE == 2:
+                h32 = (xa.to(tl.float32) + xb.to(tl.float32)).to(dtype).to(tl.float32)
+            normed = ((h32 * inv_rms).to(dtype) * nw.to(dtype)).to(tl.float32)
+            q = _quantize(normed, scale, FP8_DOT, FP8_MAX, INTERPRETED)
+            a = tl.where(first_row, q[None, :], 0.0).to(q.dtype)
+            acc, acc_hi = _dot_step(
+                a, w_rows, w_rows_hi, k + ks, col_mask[:, None] & k_mask[None, :], acc, acc_hi,
+                PAIRED, DOT_PRECISION, widen,
+            )  # fmt: skip
+        acc = acc * scale
+        acc_hi = acc_hi * scale
     else:
         # One row (M == 1). The residual add and the norm run on [BLOCK_K] vectors (padding
         # them to the dot's 16 rows would compute, and hold in registers, 16 times as much: that
@@ -129,7 +232,7 @@ def _project(
             a = tl.where(first_row, v[None, :], 0.0).to(w_ptr.dtype.element_ty)
             acc, acc_hi = _dot_step(
                 a, w_rows, w_rows_hi, k + ks, col_mask[:, None] & k_mask[None, :], acc, acc_hi,
-                PAIRED, DOT_PRECISION,
+                PAIRED, DOT_PRECISION, False,
             )  # fmt: skip
             xa, xb, nw = xa_next, xb_next, nw_next
         # RMSNorm's scale is one scalar per row: applied to the dot product instead.
@@ -162,6 +265,8 @@ def _small_batch_linear_kernel(
     bias_ptr,  # [N], read when HAS_BIAS
     out_ptr,  # [M, N]: x @ w.T, or with GATED silu(x @ w[:N].T) * (x @ w[N:].T)
     sum_ptr,  # [M, K]: x + residual, written when ADD_NORM
+    w_scale_ptr,  # [N] (GATED: [2N]) fp32 per-row weight scales, read when QUANT
+    in_scale_ptr,  # [] fp32 static activation scale, read when QUANT == 2
     M,
     N,
     K,
@@ -175,6 +280,9 @@ def _small_batch_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,  # 0, or float8 weights with dynamic (1) / static (2) activations
+    FP8_DOT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -182,9 +290,14 @@ def _small_batch_linear_kernel(
     w_rows = w_ptr + cols[:, None].to(tl.int64) * K
     up_rows = w_rows + N.to(tl.int64) * K  # GATED: the up projection's rows for these columns
     acc, acc_up = _project(
-        x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_rows, up_rows, col_mask, sum_ptr, M, K,
-        stride_xm, eps, PROLOGUE, GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+        x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_rows, up_rows, col_mask, sum_ptr,
+        in_scale_ptr, M, K, stride_xm, eps, PROLOGUE, GATED, BLOCK_M, BLOCK_N, BLOCK_K,
+        DOT_PRECISION, QUANT, FP8_DOT, INTERPRETED,
     )  # fmt: skip
+    if QUANT != 0:  # the weight's per-row scales, after the sum as reference.fp8_linear
+        acc *= tl.load(w_scale_ptr + cols, mask=col_mask, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(w_scale_ptr + N + cols, mask=col_mask, other=0.0)[None, :]
     if PROLOGUE == 2:
         _write_residual_sum(x_ptr, residual_ptr, sum_ptr, K, BLOCK_K)
     if HAS_BIAS:
@@ -225,16 +338,45 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
-def _fits(x: torch.Tensor, weight: torch.Tensor, k: int, one_row: bool = False) -> bool:
+def _fits(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    k: int,
+    one_row: bool = False,
+    weight_scale: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
+) -> bool:
     """Whether the kernel takes these operands (else the unfused path runs). The fused ops
-    before the matmul take one row (batch-1 decode); the plain linear up to MAX_ROWS."""
+    before the matmul take one row (batch-1 decode); the plain linear up to MAX_ROWS. With a
+    weight_scale the weight is float8 (W8A8; input_scale static, or None: dynamic)."""
+    if weight_scale is None:
+        dtypes_ok = x.dtype == weight.dtype
+    else:
+        dtypes_ok = (
+            weight.dtype == torch.float8_e4m3fn
+            and weight_scale.dtype == torch.float32
+            and weight_scale.is_contiguous()
+            and weight_scale.numel() == weight.shape[0]
+            and (input_scale is None or input_scale.numel() == 1)
+        )
     return (
         0 < _rows(x) <= (min(1, MAX_ROWS) if one_row else MAX_ROWS)
         and weight.is_contiguous()
         and weight.shape[1] == k
-        and x.dtype == weight.dtype
+        and dtypes_ok
         and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
     )
+
+
+def _quant_mode(weight_scale: torch.Tensor | None, input_scale: torch.Tensor | None) -> int:
+    if weight_scale is None:
+        return 0
+    return 1 if input_scale is None else 2
+
+
+def _fp8_dot(device: torch.device) -> bool:
+    """float8 x float8 dots on the GPU's tensor cores; the interpreter widens to fp16 (exact)."""
+    return device.type == "cuda" and envs().fp8_small_batch_dot
 
 
 def _launch(
@@ -247,13 +389,15 @@ def _launch(
     eps: float = 0.0,
     summed: torch.Tensor | None = None,
     gated: bool = False,
+    weight_scale: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     m = x2.shape[0]
     rows, k = weight.shape
     n = rows // 2 if gated else rows
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     block_n, block_k, num_warps, num_stages = _tile_config(
-        rows, k, x2.device, x2.element_size(), fused_norm=prologue != _PLAIN
+        rows, k, x2.device, weight.element_size(), fused_norm=prologue != _PLAIN
     )
     if gated and x2.device.type == "cuda":
         block_n //= 2  # the same bytes per step: BLOCK_N / 2 rows of gate and of up
@@ -265,6 +409,8 @@ def _launch(
         bias if bias is not None else weight,
         out,
         summed if summed is not None else out,
+        weight_scale if weight_scale is not None else out,
+        input_scale if input_scale is not None else out,
         m,
         n,
         k,
@@ -278,6 +424,9 @@ def _launch(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         DOT_PRECISION=dot_precision(x2.dtype),
+        QUANT=_quant_mode(weight_scale, input_scale),
+        FP8_DOT=_fp8_dot(x2.device),
+        INTERPRETED=x2.device.type != "cuda",
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -301,11 +450,33 @@ def linear(
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def fp8_linear(
+    x: torch.Tensor,  # [..., K] in the model dtype
+    weight: torch.Tensor,  # [N, K] float8 e4m3
+    weight_scale: torch.Tensor,  # [N] fp32, per output channel
+    input_scale: torch.Tensor | None,  # [] fp32 static per-tensor; None: dynamic per token
+    bias: torch.Tensor | None = None,  # [N] in the model dtype
+) -> torch.Tensor:  # [..., N] in x.dtype
+    """W8A8 (reference.fp8_linear): a handful of rows quantize and multiply in one kernel that
+    reads the float8 weight once (half bf16's bytes); more rows quantize, then _scaled_mm."""
+    if not _fits(x, weight, x.shape[-1], False, weight_scale, input_scale):
+        return fp8_gemm.fp8_linear(x, weight, weight_scale, input_scale, bias)
+    out = _launch(
+        _PLAIN, _rows_2d(x), weight, bias, weight_scale=weight_scale, input_scale=input_scale
+    )
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 def _fused_norm_fits(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
 ) -> bool:
     return (
-        _fits(x, weight, x.shape[-1], one_row=True)
+        _fits(x, weight, x.shape[-1], True, weight_scale, input_scale)
         and norm_weight.dtype == x.dtype
         and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))
     )
@@ -320,6 +491,19 @@ def _add_rms_norm(
     return fused_add_rms_norm(x, residual, norm_weight, eps)
 
 
+def _any_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight_scale: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """The projection alone: linear, or fp8_linear when the weight carries scales."""
+    if weight_scale is None:
+        return linear(x, weight, bias)
+    return fp8_linear(x, weight, weight_scale, input_scale, bias)
+
+
 def _launch_norm_fused(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -328,17 +512,23 @@ def _launch_norm_fused(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     gated: bool,
+    weight_scale: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     x2 = _rows_2d(x)
+    scales = {"weight_scale": weight_scale, "input_scale": input_scale}
     if residual is None:
-        out = _launch(_NORM, x2, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated)
+        out = _launch(
+            _NORM, x2, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated, **scales
+        )
         return out, x
     # A new tensor, never x or residual: every program reads all of those while the others
     # write their slices of the sum.
     summed = torch.empty_like(x2)
     out = _launch(
-        _ADD_NORM, x2, weight, bias, _rows_2d(residual), norm_weight, eps, summed, gated=gated
-    )
+        _ADD_NORM, x2, weight, bias, _rows_2d(residual), norm_weight, eps, summed, gated=gated,
+        **scales,
+    )  # fmt: skip
     return out, summed.view(x.shape)
 
 
@@ -347,15 +537,19 @@ def add_rms_norm_linear(
     residual: torch.Tensor | None,  # [num_tokens, K], or None: no residual to add
     norm_weight: torch.Tensor,  # [K]
     eps: float,
-    weight: torch.Tensor,  # [N, K]
+    weight: torch.Tensor,  # [N, K] (float8 e4m3 when weight_scale is given)
     bias: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,  # [N] fp32: an FP8 W8A8 projection
+    input_scale: torch.Tensor | None = None,  # [] fp32 static; None: dynamic per token
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(x + residual)), x + residual); with no residual,
-    (linear(rms_norm(x)), x)."""
-    if not _fused_norm_fits(x, residual, norm_weight, weight):
+    (linear(rms_norm(x)), x); fp8_linear instead of linear when weight_scale is given."""
+    if not _fused_norm_fits(x, residual, norm_weight, weight, weight_scale, input_scale):
         normed, summed = _add_rms_norm(x, residual, norm_weight, eps)
-        return F.linear(normed, weight, bias), summed
-    out, summed = _launch_norm_fused(x, residual, norm_weight, eps, weight, bias, gated=False)
+        return _any_linear(normed, weight, bias, weight_scale, input_scale), summed
+    out, summed = _launch_norm_fused(
+        x, residual, norm_weight, eps, weight, bias, False, weight_scale, input_scale
+    )
     return out.view(*x.shape[:-1], weight.shape[0]), summed
 
 
@@ -365,17 +559,23 @@ def add_rms_norm_linear_silu_mul(
     norm_weight: torch.Tensor,  # [K]
     eps: float,
     weight: torch.Tensor,  # [2N, K]: the gate projection's rows, then the up projection's
+    weight_scale: torch.Tensor | None = None,  # [2N] fp32: an FP8 W8A8 projection
+    input_scale: torch.Tensor | None = None,  # [] fp32 static; None: dynamic per token
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, N], [num_tokens, K])
     """(silu_and_mul(add_rms_norm_linear(...)), x + residual): the Llama MLP up to its down
     projection. One kernel for one row: each program streams the gate rows of its output columns
     and the matching up rows, so SiLU-mul runs on its accumulators (at batch 1 its own kernel
     was 1.5 us plus a launch gap per layer); the plain gated kernel up to MAX_ROWS after the norm
-    kernel; above that cuBLAS and the SiLU kernel."""
-    if _fused_norm_fits(x, residual, norm_weight, weight):
-        out, summed = _launch_norm_fused(x, residual, norm_weight, eps, weight, None, gated=True)
+    kernel; above that cuBLAS (or the FP8 GEMM) and the SiLU kernel."""
+    scales = {"weight_scale": weight_scale, "input_scale": input_scale}
+    if _fused_norm_fits(x, residual, norm_weight, weight, **scales):
+        out, summed = _launch_norm_fused(
+            x, residual, norm_weight, eps, weight, None, True, **scales
+        )
         return out.view(*x.shape[:-1], weight.shape[0] // 2), summed
     normed, summed = _add_rms_norm(x, residual, norm_weight, eps)
-    if not _fits(normed, weight, normed.shape[-1]):
-        return silu_and_mul(F.linear(normed, weight)), summed
-    out = _launch(_PLAIN, _rows_2d(normed), weight, None, gated=True)
+    if not _fits(normed, weight, normed.shape[-1], False, **scales):
+        gate_up = _any_linear(normed, weight, None, weight_scale, input_scale)
+        return silu_and_mul(gate_up), summed
+    out = _launch(_PLAIN, _rows_2d(normed), weight, None, gated=True, **scales)
     return out.view(*x.shape[:-1], weight.shape[0] // 2), summed
