@@ -181,13 +181,18 @@ for s in "$@"; do
         stage fp8-mixed 120 python3 benchmarks/kv_fp8_kernel_sweep.py --mixed-only \
             --out "$OUT/kv_fp8_mixed_decode.json"
         ;;
-    prof1-fp8w)  # batch-1 decode profile with FP8 W8A8 weights (the fused float8 kernels)
-        stage prof1-fp8w 150 python3 benchmarks/profile_decode.py --batch 1 --context 1024 \
+    # (No stage name may end in a variant's suffix: "prof1-fp8w" would run prof1 as a variant.)
+    w8a8-prof1)  # batch-1 decode profile with FP8 W8A8 weights (the fused float8 kernels)
+        stage w8a8-prof1 150 python3 benchmarks/profile_decode.py --batch 1 --context 1024 \
             --quantization fp8-dynamic --out "$OUT/profile_decode_b1_fp8w$SFX.txt"
         ;;
-    test-fp8)  # the FP8 W8A8 kernels at real shapes and the small-batch kernels they share
-        stage test-fp8 240 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_linear.py \
+    w8a8-tests)  # the FP8 W8A8 kernels at real shapes and the small-batch kernels they share
+        stage w8a8-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_linear.py \
             tests/test_triton_kernels.py -k "fp8 or small_batch or add_rms_norm or qkv"
+        ;;
+    w8a8-sweep)  # float8 small-batch kernels vs bf16's and the FP8 GEMM path; their tiles
+        stage w8a8-sweep 300 python3 benchmarks/fp8_small_batch_sweep.py \
+            --out "$OUT/fp8_small_batch_sweep$SFX.json"
         ;;
     build8b)  # kiln build of an 8B dummy HF checkpoint to FP8, then cold first token from it
         stage build8b 400 python3 benchmarks/build_and_first_token.py --preset llama-3.1-8b \

@@ -195,13 +195,17 @@ FUSED_REL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
 def _no_unfused_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The small-batch kernel must run: the quantize + GEMM path and the norm kernels fail."""
+    """The small-batch kernel must run: the FP8 GEMM path and the norm kernels fail (a few rows
+    may still be quantized by quantize_fp8's kernel first)."""
     from kiln.kernels.triton import small_batch_linear
 
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("fell back to the unfused path")
 
-    monkeypatch.setattr(small_batch_linear, "fp8_gemm", type("No", (), {"fp8_linear": fail}))
+    gemm_path = type(
+        "NoGemm", (), {"fp8_linear": fail, "quantize_fp8": staticmethod(triton_ops.quantize_fp8)}
+    )
+    monkeypatch.setattr(small_batch_linear, "fp8_gemm", gemm_path)
     monkeypatch.setattr(small_batch_linear, "rms_norm", fail)
     monkeypatch.setattr(small_batch_linear, "fused_add_rms_norm", fail)
 

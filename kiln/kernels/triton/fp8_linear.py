@@ -26,6 +26,20 @@ _ROWWISE_MIN_ROWS = 256
 
 
 @triton.jit
+def round_to_e4m3_grid(v):
+    """fp32 -> the nearest e4m3 value (ties to even), still in fp32, for |v| <= 448: the step of
+    v's binade (2^(exponent - 3), subnormals 2^-9) from its bits, then the round-to-integer of
+    adding and subtracting 2^23. Only the interpreter needs it: Triton 3.x's interpreter rounds
+    fp32 -> float8 half-up and drops a carry into the exponent (126.8 gives 64); the GPU's
+    conversion rounds correctly, and a value already on the grid converts exactly in both."""
+    a = tl.abs(v)
+    exponent = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    rounded = ((a / step + 8388608.0) - 8388608.0) * step
+    return tl.where(v < 0, -rounded, rounded)
+
+
+@triton.jit
 def _quantize_fp8_kernel(
     x_ptr,  # [M, K]
     out_ptr,  # [M, K] float8 e4m3
@@ -37,6 +51,7 @@ def _quantize_fp8_kernel(
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
+    INTERPRETED: tl.constexpr,  # the Triton interpreter: see round_to_e4m3_grid
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -58,6 +73,8 @@ def _quantize_fp8_kernel(
         # IEEE division (Triton's `/` is approximate on the GPU): the float8 bits then equal the
         # reference's, so one activation cannot land a step away and move a whole sum.
         q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+        if INTERPRETED:
+            q = round_to_e4m3_grid(q)
         tl.store(out_ptr + row * stride_out + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -89,6 +106,7 @@ def quantize_fp8(
             FP8_MAX=FP8_E4M3_MAX,
             MIN_SCALE=FP8_MIN_SCALE,
             BLOCK=min(triton.next_power_of_2(k), 2048),
+            INTERPRETED=x.device.type != "cuda",
         )
     return out, scale_arg
 

@@ -188,7 +188,7 @@ def add_rms_norm_qkv_rotary_write_kv(
         BLOCK_K=block_k,
         DOT_PRECISION=dot_precision(x.dtype),
         FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 0.0,
-        QUANT=_quant_mode(weight_scale, input_scale),
+        QUANT=_quant_mode(weight_scale, input_scale, x),
         FP8_DOT=_fp8_dot(x.device),
         INTERPRETED=x.device.type != "cuda",
         num_warps=num_warps,

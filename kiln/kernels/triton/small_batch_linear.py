@@ -31,6 +31,7 @@ import triton.language as tl
 from kiln.envs import envs
 from kiln.kernels.triton import fp8_linear as fp8_gemm
 from kiln.kernels.triton._device import dot_precision, num_sms
+from kiln.kernels.triton.fp8_linear import round_to_e4m3_grid
 from kiln.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from kiln.kernels.triton.silu_mul import silu_and_mul
 
@@ -72,27 +73,13 @@ def _dot_step(a, w_rows, w_rows_hi, k_offsets, w_mask, acc, acc_hi, PAIRED: tl.c
 
 
 @triton.jit
-def _round_to_e4m3_grid(v):
-    """fp32 -> the nearest e4m3 value (ties to even), still in fp32, for |v| <= 448: the step of
-    v's binade (2^(exponent - 3), subnormals 2^-9) from its bits, then the round-to-integer of
-    adding and subtracting 2^23. Only the interpreter needs it: Triton 3.x's interpreter rounds
-    fp32 -> float8 half-up and drops a carry into the exponent (126.8 gives 64); the GPU's
-    conversion rounds correctly, and a value already on the grid converts exactly in both."""
-    a = tl.abs(v)
-    exponent = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
-    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    rounded = ((a / step + 8388608.0) - 8388608.0) * step
-    return tl.where(v < 0, -rounded, rounded)
-
-
-@triton.jit
 def _quantize(v, scale, FP8_DOT: tl.constexpr, FP8_MAX: tl.constexpr, INTERPRETED: tl.constexpr):
     """fp32 activations as the float8 dot operand: v / scale saturated at +-448, rounded to e4m3
     (IEEE division, as quantize_fp8's kernel, so the float8 bits equal the reference's); widened
     to fp16 (exact) unless the dot takes float8 itself."""
     q = tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX, FP8_MAX)
     if INTERPRETED:
-        q = _round_to_e4m3_grid(q)
+        q = round_to_e4m3_grid(q)
     q = q.to(tl.float8e4nv)
     if not FP8_DOT:
         q = q.to(tl.float16)
@@ -120,11 +107,12 @@ def _project(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    QUANT: tl.constexpr = 0,  # 0: weights in the model dtype; float8 weights with activations
-    # quantized per row (1, dynamic) or by in_scale (2, static): W8A8, scaled by the activation
-    # scale here and by the caller's per-column weight scales
+    QUANT: tl.constexpr = 0,  # 0: weights in the model dtype. Float8 weights (W8A8, scaled by
+    # the activation scale here and by the caller's per-column weight scales) with activations
+    # quantized here per row (1, dynamic) or by in_scale (2, static), or given in float8 with a
+    # scale per row (3) or one static scale (4) at in_scale_ptr
     FP8_DOT: tl.constexpr = False,  # float8 x float8 dots (else both widened to fp16, exact)
-    INTERPRETED: tl.constexpr = False,  # the Triton interpreter (see _round_to_e4m3_grid)
+    INTERPRETED: tl.constexpr = False,  # the Triton interpreter (see fp8_linear.round_to_e4m3_grid)
     FP8_MAX: tl.constexpr = 448.0,
     MIN_SCALE: tl.constexpr = 1e-12,
 ):
@@ -138,35 +126,52 @@ def _project(
     widen: tl.constexpr = QUANT != 0 and not FP8_DOT
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if PROLOGUE == 0:
-        x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
-        scale = 1.0
+    if PROLOGUE == 0 and (QUANT == 1 or QUANT == 2):
+        # One row quantized here (batch-1 decode: no kernel of its own for it). The row is a
+        # [BLOCK_K] vector, put into row 0 of the dot's tile: quantizing a [BLOCK_M, BLOCK_K]
+        # tile would do the arithmetic (an IEEE division per value) for 16 rows.
+        first_row = rows[:, None] == 0
         if QUANT == 1:
-            absmax = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+            absmax = tl.zeros([BLOCK_K], dtype=tl.float32)
             for k in range(0, K, BLOCK_K):
-                k_mask = (k + ks) < K
-                a = tl.load(
-                    x_rows + k + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
-                )
-                absmax = tl.maximum(absmax, tl.abs(a.to(tl.float32)))
-            row_max = tl.max(absmax, 1)[:, None]
-            scale = tl.maximum(tl.math.div_rn(row_max, FP8_MAX), MIN_SCALE)
-        elif QUANT == 2:
+                v = tl.load(x_ptr + k + ks, mask=(k + ks) < K, other=0.0)
+                absmax = tl.maximum(absmax, tl.abs(v.to(tl.float32)))
+            scale = tl.maximum(tl.math.div_rn(tl.max(absmax, 0), FP8_MAX), MIN_SCALE)
+        else:
             scale = tl.load(in_scale_ptr)
+        for k in range(0, K, BLOCK_K):
+            k_mask = (k + ks) < K
+            v = tl.load(x_ptr + k + ks, mask=k_mask, other=0.0).to(tl.float32)
+            q = _quantize(v, scale, FP8_DOT, FP8_MAX, INTERPRETED)
+            a = tl.where(first_row, q[None, :], 0.0).to(q.dtype)
+            acc, acc_hi = _dot_step(
+                a, w_rows, w_rows_hi, k + ks, col_mask[:, None] & k_mask[None, :], acc, acc_hi,
+                PAIRED, DOT_PRECISION, widen,
+            )  # fmt: skip
+        acc = acc * scale
+        acc_hi = acc_hi * scale
+    elif PROLOGUE == 0:
+        # Inputs in the dot's dtype: the model's, or float8 already quantized (QUANT 3: a scale
+        # per row at in_scale_ptr; 4: one static scale).
+        x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
         for k in range(0, K, BLOCK_K):
             k_mask = (k + ks) < K
             a = tl.load(
                 x_rows + k + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
             )
-            if QUANT != 0:
-                a = _quantize(a.to(tl.float32), scale, FP8_DOT, FP8_MAX, INTERPRETED)
+            if widen:
+                a = a.to(tl.float16)
             acc, acc_hi = _dot_step(
                 a, w_rows, w_rows_hi, k + ks, col_mask[:, None] & k_mask[None, :], acc, acc_hi,
                 PAIRED, DOT_PRECISION, widen,
             )  # fmt: skip
-        if QUANT != 0:
-            acc = acc * scale
-            acc_hi = acc_hi * scale
+        if QUANT == 3:
+            row_scale = tl.load(in_scale_ptr + rows, mask=row_mask, other=0.0)[:, None]
+            acc = acc * row_scale
+            acc_hi = acc_hi * row_scale
+        elif QUANT == 4:
+            acc = acc * tl.load(in_scale_ptr)
+            acc_hi = acc_hi * tl.load(in_scale_ptr)
     elif QUANT != 0:
         # One row, float8: a first pass for RMSNorm's scale (and the absmax of the normed row,
         # for a dynamic scale), then each chunk normalised as reference.rms_norm rounds it
@@ -280,7 +285,7 @@ def _small_batch_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    QUANT: tl.constexpr,  # 0, or float8 weights with dynamic (1) / static (2) activations
+    QUANT: tl.constexpr,  # 0, or float8 weights: see _project
     FP8_DOT: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
@@ -368,9 +373,14 @@ def _fits(
     )
 
 
-def _quant_mode(weight_scale: torch.Tensor | None, input_scale: torch.Tensor | None) -> int:
+def _quant_mode(
+    weight_scale: torch.Tensor | None, input_scale: torch.Tensor | None, x: torch.Tensor
+) -> int:
+    """_project's QUANT for these operands (x already float8: its scale is per row when 2-D)."""
     if weight_scale is None:
         return 0
+    if x.dtype == torch.float8_e4m3fn:
+        return 3 if input_scale is not None and input_scale.dim() == 2 else 4
     return 1 if input_scale is None else 2
 
 
@@ -391,11 +401,12 @@ def _launch(
     gated: bool = False,
     weight_scale: torch.Tensor | None = None,
     input_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     m = x2.shape[0]
     rows, k = weight.shape
     n = rows // 2 if gated else rows
-    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    out = torch.empty((m, n), dtype=out_dtype or x2.dtype, device=x2.device)
     block_n, block_k, num_warps, num_stages = _tile_config(
         rows, k, x2.device, weight.element_size(), fused_norm=prologue != _PLAIN
     )
@@ -424,7 +435,7 @@ def _launch(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         DOT_PRECISION=dot_precision(x2.dtype),
-        QUANT=_quant_mode(weight_scale, input_scale),
+        QUANT=_quant_mode(weight_scale, input_scale, x2),
         FP8_DOT=_fp8_dot(x2.device),
         INTERPRETED=x2.device.type != "cuda",
         num_warps=num_warps,
@@ -461,10 +472,27 @@ def fp8_linear(
     reads the float8 weight once (half bf16's bytes); more rows quantize, then _scaled_mm."""
     if not _fits(x, weight, x.shape[-1], False, weight_scale, input_scale):
         return fp8_gemm.fp8_linear(x, weight, weight_scale, input_scale, bias)
-    out = _launch(
-        _PLAIN, _rows_2d(x), weight, bias, weight_scale=weight_scale, input_scale=input_scale
-    )
+    out = _launch_fp8_plain(_rows_2d(x), weight, bias, weight_scale, input_scale, gated=False)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _launch_fp8_plain(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    gated: bool,
+) -> torch.Tensor:
+    """One row is quantized inside the kernel; a few rows by quantize_fp8's kernel first (inside
+    the matmul's loop it would quantize a whole 16-row tile per step, padding included)."""
+    scales = {"weight_scale": weight_scale}
+    if x2.shape[0] == 1:
+        return _launch(_PLAIN, x2, weight, bias, gated=gated, input_scale=input_scale, **scales)
+    x_fp8, x_scale = fp8_gemm.quantize_fp8(x2, input_scale)
+    return _launch(
+        _PLAIN, x_fp8, weight, bias, gated=gated, input_scale=x_scale, out_dtype=x2.dtype, **scales
+    )
 
 
 def _fused_norm_fits(
@@ -577,5 +605,8 @@ def add_rms_norm_linear_silu_mul(
     if not _fits(normed, weight, normed.shape[-1], False, **scales):
         gate_up = _any_linear(normed, weight, None, weight_scale, input_scale)
         return silu_and_mul(gate_up), summed
-    out = _launch(_PLAIN, _rows_2d(normed), weight, None, gated=True, **scales)
+    if weight_scale is None:
+        out = _launch(_PLAIN, _rows_2d(normed), weight, None, gated=True)
+    else:
+        out = _launch_fp8_plain(_rows_2d(normed), weight, None, weight_scale, input_scale, True)
     return out.view(*x.shape[:-1], weight.shape[0] // 2), summed
