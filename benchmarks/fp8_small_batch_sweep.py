@@ -21,7 +21,7 @@ import torch
 from tile_sweep import graph_time_ms, sweep  # benchmarks/, the script's own folder
 
 from kiln.kernels import reference
-from kiln.kernels.triton import fp8_linear as fp8_gemm
+from kiln.kernels.triton import fp8_gemm
 from kiln.kernels.triton import small_batch_linear as sbl
 from kiln.kernels.triton.rms_norm import fused_add_rms_norm
 from kiln.kernels.triton.silu_mul import silu_and_mul

@@ -7,7 +7,7 @@ without a GPU the kernels run under the interpreter when TRITON_INTERPRET=1 is s
 
 from kiln.kernels.triton.argmax import argmax
 from kiln.kernels.triton.decode_attention import paged_decode_attention
-from kiln.kernels.triton.fp8_linear import quantize_fp8
+from kiln.kernels.triton.fp8_gemm import quantize_fp8
 from kiln.kernels.triton.prefill_attention import paged_prefill_attention
 from kiln.kernels.triton.qkv_rotary import add_rms_norm_qkv_rotary_write_kv
 from kiln.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm

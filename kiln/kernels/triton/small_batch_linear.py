@@ -29,9 +29,9 @@ import triton
 import triton.language as tl
 
 from kiln.envs import envs
-from kiln.kernels.triton import fp8_linear as fp8_gemm
+from kiln.kernels.triton import fp8_gemm
 from kiln.kernels.triton._device import dot_precision, num_sms
-from kiln.kernels.triton.fp8_linear import round_to_e4m3_grid
+from kiln.kernels.triton.fp8_gemm import round_to_e4m3_grid
 from kiln.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from kiln.kernels.triton.silu_mul import silu_and_mul
 
@@ -112,7 +112,7 @@ def _project(
     # quantized here per row (1, dynamic) or by in_scale (2, static), or given in float8 with a
     # scale per row (3) or one static scale (4) at in_scale_ptr
     FP8_DOT: tl.constexpr = False,  # float8 x float8 dots (else both widened to fp16, exact)
-    INTERPRETED: tl.constexpr = False,  # the Triton interpreter (see fp8_linear.round_to_e4m3_grid)
+    INTERPRETED: tl.constexpr = False,  # the Triton interpreter (see fp8_gemm.round_to_e4m3_grid)
     FP8_MAX: tl.constexpr = 448.0,
     MIN_SCALE: tl.constexpr = 1e-12,
 ):
@@ -180,7 +180,12 @@ def _project(
         first_row = rows[:, None] == 0
         dtype = sum_ptr.dtype.element_ty
         sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-        hw_max = tl.zeros([BLOCK_K], dtype=tl.float32)
+        # Per lane, the element of largest |h * norm weight| and its factors: the normed row's
+        # absmax needs RMSNorm's scale, known only after this pass, so the candidates are
+        # normalised (and rounded as the reference rounds them) after it.
+        best = tl.full([BLOCK_K], -1.0, dtype=tl.float32)
+        best_h = tl.zeros([BLOCK_K], dtype=tl.float32)
+        best_nw = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             xa, xb, nw = _load_input_chunk(
                 x_ptr, residual_ptr, norm_weight_ptr, k + ks, (k + ks) < K, PROLOGUE
@@ -189,11 +194,20 @@ def _project(
             if PROLOGUE == 2:
                 h32 = (xa.to(tl.float32) + xb.to(tl.float32)).to(dtype).to(tl.float32)
             sum_sq += h32 * h32
-            hw_max = tl.maximum(hw_max, tl.abs(h32 * nw.to(tl.float32)))
+            if QUANT == 1:
+                nw32 = nw.to(tl.float32)
+                hw = tl.abs(h32 * nw32)
+                larger = hw > best
+                best = tl.where(larger, hw, best)
+                best_h = tl.where(larger, h32, best_h)
+                best_nw = tl.where(larger, nw32, best_nw)
         inv_rms = tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
         if QUANT == 1:
-            # absmax(normed) up to the normed values' rounding: the largest one maps to ~448.
-            scale = tl.maximum(tl.math.div_rn(tl.max(hw_max, 0) * inv_rms, FP8_MAX), MIN_SCALE)
+            # The normed row's absmax as reference.rms_norm rounds it (the element of largest
+            # |h * w| is the largest normed value up to that rounding: ties are what can differ).
+            candidates = ((best_h * inv_rms).to(dtype) * best_nw.to(dtype)).to(tl.float32)
+            absmax = tl.max(tl.abs(candidates), 0)
+            scale = tl.maximum(tl.math.div_rn(absmax, FP8_MAX), MIN_SCALE)
         else:
             scale = tl.load(in_scale_ptr)
         for k in range(0, K, BLOCK_K):

@@ -1,5 +1,6 @@
-"""FP8 W8A8 linear (twins of reference.quantize_fp8 / fp8_linear): a Triton kernel quantizes the
-activations, `torch._scaled_mm` runs the float8 GEMM on the tensor cores.
+"""FP8 W8A8 GEMMs (twins of reference.quantize_fp8 / fp8_linear): a Triton kernel quantizes the
+activations, `torch._scaled_mm` runs the float8 GEMM on the tensor cores. The public fp8_linear
+(small_batch_linear.fp8_linear) sends a handful of rows to the small-batch kernels instead.
 
 Which `_scaled_mm` scaling: the weights carry per-output-channel scales and the activations a
 per-token (dynamic) or per-tensor (static) one. Rowwise scaling ([M, 1] x [1, N], applied in
