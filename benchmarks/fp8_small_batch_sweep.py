@@ -91,9 +91,7 @@ def main() -> None:
                 "fp8_us": time_us(f_fp8, fp8),
                 "fp8_gemm_us": time_us(f_gemm, fp8),
                 "fp8_max_abs_err_vs_gemm": (f_fp8(*fp8[0]) - want).abs().max().item(),
-                "fp8_default_config": list(
-                    sbl._tile_config(n, k, x.device, 1, ops != "none", sbl._gemv(1, rows))
-                ),
+                "fp8_default_config": list(sbl._tile_config(n, k, x.device, 1, ops != "none")),
             }  # fmt: skip
             results.append(row)
             print(
@@ -105,7 +103,7 @@ def main() -> None:
             )
             if rows != 1 or args.no_sweep:
                 continue
-            configs = itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4))
+            configs = itertools.product((32, 64), (128, 256, 512, 1024), (4,), (3, 4, 6))
             tiles = sweep(
                 sbl,
                 configs,

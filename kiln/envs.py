@@ -30,9 +30,9 @@ class Envs:
     """Most rows the fused small-batch linear kernels take (above it cuBLAS's GEMM tiles win). 0
     turns them off, the benchmarks' A/B switch; kernels.triton.small_batch_linear reads it at
     import."""
-    fp8_one_row_gemv: bool = True
-    """A batch-1 FP8 projection multiplies on the CUDA cores; off (0) runs the tensor-core dot
-    over a tile padded to 16 rows: the A/B of the two (benchmarks/h200_run.sh)."""
+    fp8_small_batch_dot: bool = True
+    """The FP8 small-batch kernels multiply float8 x float8 on the tensor cores; off (0) widens
+    both operands to fp16 first (exact, more ALU work): the A/B of the two on the GPU."""
     api_key: str | None = None
     """Default of `kiln serve --api-key`: a key kept off the command line (and so out of `ps`)."""
     git_revision: str | None = None

@@ -28,7 +28,6 @@ from kiln.kernels.triton.small_batch_linear import (
     _NORM,
     _fp8_dot,
     _fused_norm_fits,
-    _gemv,
     _project,
     _quant_mode,
     _rows_2d,
@@ -68,7 +67,6 @@ def _qkv_rotary_write_kv_kernel(
     QUANT: tl.constexpr,  # 0, or float8 weights with dynamic (1) / static (2) activations
     FP8_DOT: tl.constexpr,
     INTERPRETED: tl.constexpr,
-    GEMV: tl.constexpr,
 ):
     pairs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     pair_mask = pairs < (Q_SIZE + 2 * KV_SIZE) // 2
@@ -78,7 +76,7 @@ def _qkv_rotary_write_kv_kernel(
     acc_lo, acc_hi = _project(
         x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_lo, w_lo + HALF * K, pair_mask, sum_ptr,
         in_scale_ptr, 1, K, 0, eps, PROLOGUE, True, 16, BLOCK_N, BLOCK_K, DOT_PRECISION, QUANT,
-        FP8_DOT, INTERPRETED, GEMV,
+        FP8_DOT, INTERPRETED,
     )  # fmt: skip
     if PROLOGUE == 2:
         _write_residual_sum(x_ptr, residual_ptr, sum_ptr, K, BLOCK_K)
@@ -159,9 +157,8 @@ def add_rms_norm_qkv_rotary_write_kv(
     x2 = _rows_2d(x)
     query = torch.empty((1, q_size // head_dim, head_dim), dtype=x.dtype, device=x.device)
     summed = x if residual is None else torch.empty_like(x2)
-    quant = _quant_mode(weight_scale, input_scale, x)
     block_n, block_k, num_warps, num_stages = _tile_config(
-        weight.shape[0], weight.shape[1], x.device, weight.element_size(), True, _gemv(quant, 1)
+        weight.shape[0], weight.shape[1], x.device, weight.element_size(), fused_norm=True
     )
     if x.device.type == "cuda":
         block_n //= 2  # the same bytes per step: BLOCK_N / 2 pairs of rows
@@ -191,10 +188,9 @@ def add_rms_norm_qkv_rotary_write_kv(
         BLOCK_K=block_k,
         DOT_PRECISION=dot_precision(x.dtype),
         FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 0.0,
-        QUANT=quant,
+        QUANT=_quant_mode(weight_scale, input_scale, x),
         FP8_DOT=_fp8_dot(x.device),
         INTERPRETED=x.device.type != "cuda",
-        GEMV=_gemv(quant, 1),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -73,20 +73,6 @@ def _dot_step(a, w_rows, w_rows_hi, k_offsets, w_mask, acc, acc_hi, PAIRED: tl.c
 
 
 @triton.jit
-def _gemv_step(v, w_rows, w_rows_hi, k_offsets, w_mask, acc, acc_hi, PAIRED: tl.constexpr):
-    """One K-step of one row on the CUDA cores: float8 weights widened to fp32 (exact) times the
-    row's [BLOCK_K] values, summed over K into the [BLOCK_N] accumulators. A tensor-core dot
-    pads the row to 16 and on the H200 ran no faster per byte with float8 weights than with bf16
-    (benchmarks/results/2026-12-01-h200-fp8-small-batch/)."""
-    w = tl.load(w_rows + k_offsets[None, :], mask=w_mask, other=0.0).to(tl.float32)
-    acc += tl.sum(w * v[None, :], 1)
-    if PAIRED:
-        w_hi = tl.load(w_rows_hi + k_offsets[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        acc_hi += tl.sum(w_hi * v[None, :], 1)
-    return acc, acc_hi
-
-
-@triton.jit
 def _quantize(v, scale, FP8_DOT: tl.constexpr, FP8_MAX: tl.constexpr, INTERPRETED: tl.constexpr):
     """fp32 activations as the float8 dot operand: v / scale saturated at +-448, rounded to e4m3
     (IEEE division, as quantize_fp8's kernel, so the float8 bits equal the reference's); widened
@@ -127,7 +113,6 @@ def _project(
     # scale per row (3) or one static scale (4) at in_scale_ptr
     FP8_DOT: tl.constexpr = False,  # float8 x float8 dots (else both widened to fp16, exact)
     INTERPRETED: tl.constexpr = False,  # the Triton interpreter (see fp8_gemm.round_to_e4m3_grid)
-    GEMV: tl.constexpr = True,  # one float8 row on the CUDA cores (_gemv_step), else tl.dot
     FP8_MAX: tl.constexpr = 448.0,
     MIN_SCALE: tl.constexpr = 1e-12,
 ):
@@ -154,26 +139,15 @@ def _project(
             scale = tl.maximum(tl.math.div_rn(tl.max(absmax, 0), FP8_MAX), MIN_SCALE)
         else:
             scale = tl.load(in_scale_ptr)
-        acc_v = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc_hi_v = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             k_mask = (k + ks) < K
-            w_mask = col_mask[:, None] & k_mask[None, :]
             v = tl.load(x_ptr + k + ks, mask=k_mask, other=0.0).to(tl.float32)
-            if GEMV:
-                q = _quantize(v, scale, True, FP8_MAX, INTERPRETED).to(tl.float32)
-                acc_v, acc_hi_v = _gemv_step(
-                    q, w_rows, w_rows_hi, k + ks, w_mask, acc_v, acc_hi_v, PAIRED
-                )
-            else:
-                q = _quantize(v, scale, FP8_DOT, FP8_MAX, INTERPRETED)
-                a = tl.where(first_row, q[None, :], 0.0).to(q.dtype)
-                acc, acc_hi = _dot_step(
-                    a, w_rows, w_rows_hi, k + ks, w_mask, acc, acc_hi, PAIRED, DOT_PRECISION, widen
-                )
-        if GEMV:
-            acc = tl.where(first_row, acc_v[None, :], 0.0)
-            acc_hi = tl.where(first_row, acc_hi_v[None, :], 0.0)
+            q = _quantize(v, scale, FP8_DOT, FP8_MAX, INTERPRETED)
+            a = tl.where(first_row, q[None, :], 0.0).to(q.dtype)
+            acc, acc_hi = _dot_step(
+                a, w_rows, w_rows_hi, k + ks, col_mask[:, None] & k_mask[None, :], acc, acc_hi,
+                PAIRED, DOT_PRECISION, widen,
+            )  # fmt: skip
         acc = acc * scale
         acc_hi = acc_hi * scale
     elif PROLOGUE == 0:
@@ -236,8 +210,6 @@ def _project(
             scale = tl.maximum(tl.math.div_rn(absmax, FP8_MAX), MIN_SCALE)
         else:
             scale = tl.load(in_scale_ptr)
-        acc_v = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc_hi_v = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             k_mask = (k + ks) < K
             xa, xb, nw = _load_input_chunk(
@@ -247,21 +219,12 @@ def _project(
             if PROLOGUE == 2:
                 h32 = (xa.to(tl.float32) + xb.to(tl.float32)).to(dtype).to(tl.float32)
             normed = ((h32 * inv_rms).to(dtype) * nw.to(dtype)).to(tl.float32)
-            w_mask = col_mask[:, None] & k_mask[None, :]
-            if GEMV:
-                q = _quantize(normed, scale, True, FP8_MAX, INTERPRETED).to(tl.float32)
-                acc_v, acc_hi_v = _gemv_step(
-                    q, w_rows, w_rows_hi, k + ks, w_mask, acc_v, acc_hi_v, PAIRED
-                )
-            else:
-                q = _quantize(normed, scale, FP8_DOT, FP8_MAX, INTERPRETED)
-                a = tl.where(first_row, q[None, :], 0.0).to(q.dtype)
-                acc, acc_hi = _dot_step(
-                    a, w_rows, w_rows_hi, k + ks, w_mask, acc, acc_hi, PAIRED, DOT_PRECISION, widen
-                )
-        if GEMV:
-            acc = tl.where(first_row, acc_v[None, :], 0.0)
-            acc_hi = tl.where(first_row, acc_hi_v[None, :], 0.0)
+            q = _quantize(normed, scale, FP8_DOT, FP8_MAX, INTERPRETED)
+            a = tl.where(first_row, q[None, :], 0.0).to(q.dtype)
+            acc, acc_hi = _dot_step(
+                a, w_rows, w_rows_hi, k + ks, col_mask[:, None] & k_mask[None, :], acc, acc_hi,
+                PAIRED, DOT_PRECISION, widen,
+            )  # fmt: skip
         acc = acc * scale
         acc_hi = acc_hi * scale
     else:
@@ -339,7 +302,6 @@ def _small_batch_linear_kernel(
     QUANT: tl.constexpr,  # 0, or float8 weights: see _project
     FP8_DOT: tl.constexpr,
     INTERPRETED: tl.constexpr,
-    GEMV: tl.constexpr,
 ):
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -349,7 +311,7 @@ def _small_batch_linear_kernel(
     acc, acc_up = _project(
         x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_rows, up_rows, col_mask, sum_ptr,
         in_scale_ptr, M, K, stride_xm, eps, PROLOGUE, GATED, BLOCK_M, BLOCK_N, BLOCK_K,
-        DOT_PRECISION, QUANT, FP8_DOT, INTERPRETED, GEMV,
+        DOT_PRECISION, QUANT, FP8_DOT, INTERPRETED,
     )  # fmt: skip
     if QUANT != 0:  # the weight's per-row scales, after the sum as reference.fp8_linear
         acc *= tl.load(w_scale_ptr + cols, mask=col_mask, other=0.0)[None, :]
@@ -371,22 +333,12 @@ def _small_batch_linear_kernel(
 
 
 def _tile_config(
-    n: int,
-    k: int,
-    device: torch.device,
-    element_size: int = 2,
-    fused_norm: bool = False,
-    gemv: bool = False,
+    n: int, k: int, device: torch.device, element_size: int = 2, fused_norm: bool = False
 ) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for n weight rows (a gated kernel's program
-    streams BLOCK_N // 2 rows of each half). `gemv`: one float8 row on the CUDA cores, whose
-    [BLOCK_N, BLOCK_K] products live in registers."""
+    streams BLOCK_N // 2 rows of each half)."""
     if device.type != "cuda":
         return 16, 32, 4, 1  # the interpreter: small tiles, every masking path exercised
-    if gemv:
-        # Not yet swept (benchmarks/fp8_small_batch_sweep.py): 8 KiB float8 tiles, 64 products
-        # per thread, and about two programs per SM on the smallest projections.
-        return 32, 256, 4, 4
     # As many columns per program as still leave about one program per SM. H200 sweeps at
     # Llama-3.1-8B shapes (benchmarks/results/fused_linear/run2): plain, 32 KiB weight tiles in 4
     # stages (o_proj, down: 32 x 512); with the norm fused, 3 stages, and 128-wide K steps when
@@ -446,14 +398,9 @@ def _quant_mode(
     return 1 if input_scale is None else 2
 
 
-def _gemv(quant: int, rows: int) -> bool:
-    """Whether _project multiplies on the CUDA cores: one row quantized in the kernel."""
-    return quant in (1, 2) and rows == 1 and envs().fp8_one_row_gemv
-
-
 def _fp8_dot(device: torch.device) -> bool:
     """float8 x float8 dots on the GPU's tensor cores; the interpreter widens to fp16 (exact)."""
-    return device.type == "cuda"
+    return device.type == "cuda" and envs().fp8_small_batch_dot
 
 
 def _launch(
@@ -474,9 +421,8 @@ def _launch(
     rows, k = weight.shape
     n = rows // 2 if gated else rows
     out = torch.empty((m, n), dtype=out_dtype or x2.dtype, device=x2.device)
-    quant = _quant_mode(weight_scale, input_scale, x2)
     block_n, block_k, num_warps, num_stages = _tile_config(
-        rows, k, x2.device, weight.element_size(), prologue != _PLAIN, _gemv(quant, m)
+        rows, k, x2.device, weight.element_size(), fused_norm=prologue != _PLAIN
     )
     if gated and x2.device.type == "cuda":
         block_n //= 2  # the same bytes per step: BLOCK_N / 2 rows of gate and of up
@@ -503,10 +449,9 @@ def _launch(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         DOT_PRECISION=dot_precision(x2.dtype),
-        QUANT=quant,
+        QUANT=_quant_mode(weight_scale, input_scale, x2),
         FP8_DOT=_fp8_dot(x2.device),
         INTERPRETED=x2.device.type != "cuda",
-        GEMV=_gemv(quant, m),
         num_warps=num_warps,
         num_stages=num_stages,
     )
