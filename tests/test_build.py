@@ -185,3 +185,17 @@ def test_an_fp8_dynamic_engine_generates_what_the_quantized_source_does(tiny_sou
     assert_same_completions(got, want, atol=1e-6)
     with pytest.raises(ModelLoadError, match="holds 'fp8-dynamic' weights"):
         LLM(out, quantization="fp8", **_ENGINE_ARGS)
+
+
+def test_an_engine_runs_with_the_kv_cache_dtype_and_context_it_was_built_for(tiny_source, tmp_path):
+    """--kv-cache-dtype fp8 and --max-model-len at build time are the engine's defaults at
+    run time; a max_model_len chosen at run time wins ("auto", the only other cache choice, is
+    the default: the cache dtype is the engine's)."""
+    out = str(tmp_path / "kv8")
+    options = BuildOptions(kv_cache_dtype="fp8", max_model_len=96, accuracy_check=False)
+    build_engine(tiny_source, out, options, None)
+    facts_of = lambda llm: (llm.engine.executor.facts.kv_cache_dtype, llm.engine.max_model_len)
+    assert facts_of(LLM(out, **_ENGINE_ARGS)) == ("float8_e4m3fn", 96)
+    chosen = LLM(out, max_model_len=64, **_ENGINE_ARGS)
+    assert facts_of(chosen) == ("float8_e4m3fn", 64)
+    assert facts_of(LLM(tiny_source, **_ENGINE_ARGS))[0] == "float32"  # not an engine: as before

@@ -74,6 +74,21 @@ def open_engine_dir(path: str, verify_hashes: bool = True) -> EngineDir:
     return EngineDir(path, manifest, config)
 
 
+def runtime_defaults(model: str | None) -> dict[str, Any]:
+    """What an engine directory was built for that the runtime should take unless told
+    otherwise: its KV cache dtype (when not "auto") and its max_model_len (when set). Empty for
+    any other model."""
+    if not model or not os.path.isdir(model) or not is_engine_dir(model):
+        return {}
+    manifest = read_manifest(model)
+    defaults: dict[str, Any] = {}
+    if manifest.get("kv_cache_dtype", "auto") != "auto":
+        defaults["kv_cache_dtype"] = manifest["kv_cache_dtype"]
+    if manifest.get("max_model_len") is not None:
+        defaults["max_model_len"] = manifest["max_model_len"]
+    return defaults
+
+
 def read_manifest(path: str) -> dict[str, Any]:
     file = os.path.join(path, MANIFEST_FILE)
     try:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
+from kiln.checkpoint.engine_dir import runtime_defaults
 from kiln.config import EngineConfig
 from kiln.executor.base import Executor, ExecutorStats, KVCapacity, ModelFacts
 from kiln.interfaces import ModelRunnerOutput, SchedulerOutput
@@ -23,6 +25,14 @@ logger = logging.getLogger("kiln")
 
 class InProcessExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
+        # An engine directory built with --kv-cache-dtype / --max-model-len runs with them unless
+        # the config chooses otherwise ("auto" and None are not choices).
+        unset = {
+            k: v
+            for k, v in runtime_defaults(config.model).items()
+            if getattr(config, k) in ("auto", None)
+        }
+        config = dataclasses.replace(config, **unset)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         torch.manual_seed(config.seed)
