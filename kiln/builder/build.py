@@ -114,6 +114,11 @@ def build_engine(
         raise BuildError(f"output directory {target} exists and is not an engine directory")
 
     source = find_model_source(path, "auto")
+    if source.quantization != "none" and not source.weights_fused:
+        raise BuildError(
+            f"{source.description} is already quantized: serve it directly (`kiln serve "
+            f"{path}`); building an engine from a pre-quantized checkpoint is not supported yet"
+        )
     cfg = source.config
     max_model_len = options.max_model_len or cfg.max_position_embeddings
     kv_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, dtype)

@@ -20,20 +20,29 @@ from kiln.models.config import ModelConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-# safetensors dtype codes kiln loads as weights (integer-quantized checkpoints are not supported).
+# safetensors dtype codes kiln loads as weights (integer-quantized checkpoints are not supported;
+# float8 ones only when the checkpoint declares an FP8 scheme: kiln.checkpoint.prequantized).
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens")
 
 
-def load_hf_checkpoint(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+def read_hf_config(path: str) -> dict[str, Any]:
+    """config.json of an HF checkpoint directory, as a dict (its quantization_config included)."""
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"checkpoint directory {path!r} does not exist")
+    return _read_json(os.path.join(path, "config.json"), required=True)
+
+
+def load_hf_checkpoint(
+    path: str, allow_fp8: bool = False
+) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
     """(config, lazy iterator of (hf_name, tensor)) for an HF checkpoint directory.
 
     Tensors keep the dtype stored in the file. eos ids are those of config.json followed by any
     extra ones generation_config.json names (chat models list their end-of-turn token there).
+    float8 tensors only with allow_fp8 (a checkpoint that declares its FP8 scheme).
     """
-    if not os.path.isdir(path):
-        raise ModelLoadError(f"checkpoint directory {path!r} does not exist")
-    config_dict = _read_json(os.path.join(path, "config.json"), required=True)
+    config_dict = read_hf_config(path)
     generation = _read_json(os.path.join(path, "generation_config.json"), required=False)
     config_dict = _merge_generation_ids(config_dict, generation)
     try:
@@ -42,7 +51,7 @@ def load_hf_checkpoint(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torc
         raise ModelLoadError(f"{os.path.join(path, 'config.json')}: {e}") from e
     files = _weight_files(path)
     for file in files:
-        _check_file(file)
+        _check_file(file, FLOAT_DTYPES + (("F8_E4M3",) if allow_fp8 else ()))
     return config, _iter_tensors(files)
 
 
@@ -110,16 +119,18 @@ def _weight_files(path: str) -> list[str]:
     raise ModelLoadError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}{hint}")
 
 
-def _check_file(file: str) -> None:
+def _check_file(file: str, dtypes: tuple[str, ...]) -> None:
     """Open the header (safetensors validates its length against the file) and check dtypes."""
     try:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 dtype = f.get_slice(name).get_dtype()
-                if dtype not in FLOAT_DTYPES:
+                if dtype not in dtypes:
                     raise ModelLoadError(
-                        f"{file}: tensor {name!r} has dtype {dtype}; kiln loads only "
-                        f"{', '.join(FLOAT_DTYPES)} weights (quantized checkpoints are unsupported)"
+                        f"{file}: tensor {name!r} has dtype {dtype}; kiln loads "
+                        f"{', '.join(dtypes)} tensors here (FP8 checkpoints declare their scheme "
+                        "in config.json or hf_quant_config.json; other quantized formats are "
+                        "unsupported)"
                     )
     except SafetensorError as e:
         raise ModelLoadError(f"{file} is truncated or not a safetensors file: {e}") from e

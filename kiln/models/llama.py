@@ -168,6 +168,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         owners = self._linear_owners()
         loaded: set[str] = set()
+        fp8_loaded: set[str] = set()
         for hf_name, tensor in weights:
             target = _map_hf_name(hf_name)
             if target is None:
@@ -179,6 +180,14 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in the model")
             param, owner = params[name], owners.get(name)
             dst = param if owner is None else owner.shard_view(param, shard)
+            if name.endswith("weight_scale") and tensor.numel() in (1, dst.numel()):
+                # Per channel ([rows, 1]) or per tensor ([]): kiln keeps one scale per row.
+                tensor = tensor.reshape(-1).expand(dst.shape)
+            if tensor.dtype == torch.float8_e4m3fn and param.dtype != torch.float8_e4m3fn:
+                raise ModelLoadError(
+                    f"checkpoint tensor {hf_name!r} is float8 but the model was built without "
+                    "FP8 weights (the checkpoint declares no FP8 scheme kiln reads)"
+                )
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ModelLoadError(
                     f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
@@ -189,7 +198,15 @@ class LlamaForCausalLM(nn.Module):
             else:
                 owner.weight_loader(param, shard, tensor)
             loaded.add(f"{name}:{shard}")
+            if tensor.dtype == torch.float8_e4m3fn:
+                fp8_loaded.add(f"{name}:{shard}")
         missing = [k for k in self._expected_keys(owners) if k not in loaded]
+        # float8 weights loaded as they are need their scales from the checkpoint too.
+        missing += [
+            k.replace(".weight:", ".weight_scale:")
+            for k in sorted(fp8_loaded)
+            if k.replace(".weight:", ".weight_scale:") not in loaded
+        ]
         if missing:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
         self.process_weights_after_loading()
@@ -296,9 +313,25 @@ _LAYER_MAP = {
 }
 
 
+# A pre-quantized checkpoint's weight scales load into their projection's shard, as its weights.
+_LAYER_MAP.update(
+    {
+        hf.removesuffix("weight") + "weight_scale": (
+            ours.removesuffix("weight") + "weight_scale",
+            i,
+        )
+        for hf, (ours, i) in list(_LAYER_MAP.items())
+        if hf.endswith("proj.weight")
+    }
+)
+# Read before the model is built (input scales: kiln.checkpoint.prequantized) or not applied
+# (the KV cache's scales: kiln's float8 cache is unscaled; the loader says so).
+_SCALES_READ_ELSEWHERE = (".input_scale", ".k_scale", ".v_scale")
+
+
 def _map_hf_name(hf_name: str) -> tuple[str, int | None] | None:
     """HF tensor name -> (kiln parameter name, fused shard) or None for tensors kiln ignores."""
-    if hf_name.endswith("rotary_emb.inv_freq"):
+    if hf_name.endswith("rotary_emb.inv_freq") or hf_name.endswith(_SCALES_READ_ELSEWHERE):
         return None
     if hf_name == "model.embed_tokens.weight":
         return "embed_tokens.weight", None

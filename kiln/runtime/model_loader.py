@@ -31,8 +31,9 @@ class ModelSource:
     description: str
     # True for an engine directory: kiln-named, already fused tensors (load_fused_weights).
     weights_fused: bool = False
-    # An engine directory's scheme ("none", "fp8", "fp8-dynamic"): its model must be built with
-    # that scheme's linear methods before its (already quantized) tensors load.
+    # An engine directory's or a pre-quantized checkpoint's scheme ("none", "fp8",
+    # "fp8-dynamic"): its model must be built with that scheme's linear methods before its
+    # (already quantized) tensors load.
     quantization: str = "none"
     input_scales: dict[str, float] | None = None  # an "fp8" engine's calibrated static scales
 
@@ -119,9 +120,9 @@ def _engine_dir_source(path: str) -> ModelSource:
 
 
 def _linear_method(engine_config: EngineConfig, source: ModelSource) -> LinearMethodFactory:
-    """An engine directory's own scheme (and its static scales) make its linear methods; any
-    other source takes EngineConfig.quantization."""
-    if not source.weights_fused:
+    """An engine directory's or a pre-quantized checkpoint's own scheme (and its static scales)
+    make its linear methods; any other source takes EngineConfig.quantization."""
+    if not source.weights_fused and source.quantization == "none":
         return linear_method_factory(engine_config.quantization)
     if engine_config.quantization not in ("none", source.quantization):
         raise ModelLoadError(
@@ -149,12 +150,22 @@ def _load_engine_tokenizer(path: str) -> object | None:
 
 
 def _hf_dir_source(path: str) -> ModelSource:
-    from kiln.checkpoint.safetensors_loader import load_hf_checkpoint, read_generation_config
+    from kiln.checkpoint.prequantized import read_prequantized
+    from kiln.checkpoint.safetensors_loader import (
+        load_hf_checkpoint,
+        read_generation_config,
+        read_hf_config,
+    )
 
-    config, weights = load_hf_checkpoint(path)
-    return ModelSource(
+    fp8 = read_prequantized(path, read_hf_config(path))
+    config, weights = load_hf_checkpoint(path, allow_fp8=fp8 is not None)
+    source = ModelSource(
         config, weights, _load_tokenizer(path), read_generation_config(path), f"HF {path}"
     )
+    if fp8 is not None:
+        source.description = f"HF {path} ({fp8.producer} {fp8.quantization})"
+        source.quantization, source.input_scales = fp8.quantization, fp8.input_scales
+    return source
 
 
 def _load_tokenizer(path: str) -> object | None:
