@@ -155,6 +155,16 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
+        if params.guided_decoding is not None:
+            # Compile now (cached by spec): a bad schema or grammar is a 400 before queueing.
+            from kiln.structured_output import compiler_for
+
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "structured output needs a tokenizer", param="guided_decoding"
+                )
+            vocab = self.model_config.vocab_size
+            compiler_for(self.tokenizer, vocab, self.eos_token_ids).compile(params.guided_decoding)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Abort requests: their KV blocks are freed now. Returns their final outputs."""

@@ -1,0 +1,116 @@
+"""One xgrammar compiler per tokenizer, with compiled grammars cached by the spec's key.
+
+The engine compiles when a request arrives (so a bad schema is a 400 before anything is queued);
+the runner asks again when the request first runs and gets the cached grammar. Both reach the same
+cache through compiler_for() when they share a process (the in-process executor).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from kiln.errors import InvalidRequestError
+from kiln.sampling_params import GuidedDecodingParams
+
+MAX_CACHED_GRAMMARS = 512  # distinct specs kept compiled; least recently used go first
+
+_compilers: dict[tuple[int, int, tuple[int, ...]], GrammarCompilerCache] = {}
+_compilers_lock = threading.Lock()
+
+
+def compiler_for(
+    tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]
+) -> GrammarCompilerCache:
+    """The process's compiler for this tokenizer object and logits width."""
+    key = (id(tokenizer), vocab_size, tuple(eos_token_ids))
+    with _compilers_lock:
+        compiler = _compilers.get(key)
+        if compiler is None:
+            compiler = _compilers[key] = GrammarCompilerCache(tokenizer, vocab_size, eos_token_ids)
+        return compiler
+
+
+class GrammarCompilerCache:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        import xgrammar as xgr
+
+        if tokenizer is None:
+            raise InvalidRequestError(
+                "structured output needs the model's tokenizer (this model has none)",
+                param="guided_decoding",
+            )
+        self.tokenizer = tokenizer  # held so its id() stays this compiler's key
+        self.vocab_size = vocab_size
+        # The model's EOS ids end a grammar: EOS is allowed exactly when the grammar accepts.
+        self.info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
+        )
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=4, cache_enabled=False)
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: GuidedDecodingParams) -> Any:
+        """The xgrammar CompiledGrammar for a spec; InvalidRequestError names a bad one."""
+        key = spec.key
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
+        compiled = self._compile(*key)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, kind: str, text: str) -> Any:
+        param = "response_format" if kind in ("json", "json_object") else f"guided_{kind}"
+        what = {
+            "json": "JSON schema",
+            "json_object": "JSON object",
+            "regex": "regex",
+            "choice": "choice",
+            "grammar": "EBNF grammar",
+        }[kind]
+        try:
+            if kind == "json":
+                schema = json.loads(text)
+                if not isinstance(schema, dict | bool):
+                    raise ValueError("a JSON schema is an object")
+                # Compact JSON (no free whitespace): a model may otherwise emit spaces or
+                # newlines until max_tokens, which is valid JSON never finished.
+                return self._compiler.compile_json_schema(text, any_whitespace=False)
+            if kind == "json_object":
+                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if kind == "regex":
+                return self._compiler.compile_regex(text)
+            if kind == "choice":
+                alternatives = " | ".join(_ebnf_literal(c) for c in json.loads(text))
+                return self._compiler.compile_grammar(f"root ::= {alternatives}")
+            return self._compiler.compile_grammar(text)
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError with its parser's text
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InvalidRequestError(f"invalid {what}: {message}", param=param) from exc
+
+
+def _ebnf_literal(text: str) -> str:
+    """A string literal of xgrammar's EBNF: double-quoted, with backslash escapes."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ord(ch) < 0x20:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
