@@ -2,8 +2,8 @@
 
 Each says whether it can change a greedy row's argmax. The sampler's greedy fast path (argmax of
 the raw logits, no fp32 copy) runs only when every active processor preserves it; a processor
-that may change it (min_tokens, a grammar's token bitmask; logit bias later) sends the batch down the
-full path. Processors never write into the logits they are given.
+that may change it (min_tokens, a grammar's token bitmask; logit bias later) sends the batch down
+the full path. Processors never write into the logits they are given.
 """
 
 from __future__ import annotations

@@ -85,7 +85,8 @@ class GrammarCompilerCache:
                 # newlines until max_tokens, which is valid JSON never finished.
                 return self._compiler.compile_json_schema(text, any_whitespace=False)
             if kind == "json_object":
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                schema = '{"type": "object"}'
+                return self._compiler.compile_json_schema(schema, any_whitespace=False)
             if kind == "regex":
                 return self._compiler.compile_regex(text)
             if kind == "choice":
