@@ -44,10 +44,7 @@ class GrammarCompilerCache:
             )
         self.tokenizer = tokenizer  # held so its id() stays this compiler's key
         self.vocab_size = vocab_size
-        # The model's EOS ids end a grammar: EOS is allowed exactly when the grammar accepts.
-        self.info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
-        )
+        self.info = _tokenizer_info(xgr, tokenizer, vocab_size, eos_token_ids)
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=4, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
@@ -81,12 +78,9 @@ class GrammarCompilerCache:
                 schema = json.loads(text)
                 if not isinstance(schema, dict | bool):
                     raise ValueError("a JSON schema is an object")
-                # Compact JSON (no free whitespace): a model may otherwise emit spaces or
-                # newlines until max_tokens, which is valid JSON never finished.
-                return self._compiler.compile_json_schema(text, any_whitespace=False)
+                return self._compile_json_schema(text)
             if kind == "json_object":
-                schema = '{"type": "object"}'
-                return self._compiler.compile_json_schema(schema, any_whitespace=False)
+                return self._compile_json_schema('{"type": "object"}')
             if kind == "regex":
                 return self._compiler.compile_regex(text)
             if kind == "choice":
@@ -96,6 +90,48 @@ class GrammarCompilerCache:
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with its parser's text
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise InvalidRequestError(f"invalid {what}: {message}", param=param) from exc
+
+    def _compile_json_schema(self, schema: str) -> Any:
+        import xgrammar as xgr
+
+        # Compact JSON (no free whitespace): a model may otherwise emit spaces or newlines
+        # until max_tokens, which is valid JSON never finished.
+        grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+        # xgrammar 0.2.9 writes the characters of a string with minLength/maxLength as
+        # [^"\\\r\n], which lets raw control characters through (invalid JSON: json.loads
+        # rejects them); its plain strings exclude \0-\x1f. Use that class for both.
+        grammar = grammar.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+        return self._compiler.compile_grammar(grammar)
+
+
+def _tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    """xgrammar's view of the vocabulary. The model's EOS ids end a grammar (EOS is allowed
+    exactly when the grammar accepts). Special tokens (chat markers such as <|im_start|>) are
+    blanked, so xgrammar never allows them: left as text they would match inside a JSON string,
+    and vanish from the output under skip_special_tokens."""
+    stop = list(eos_token_ids)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
+    special = set(getattr(tokenizer, "all_special_ids", []))
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special |= {i for i, added in decoder.items() if getattr(added, "special", False)}
+    special -= set(stop)
+    if not special:
+        return info
+    encoded = [""] * vocab_size
+    for token, index in tokenizer.get_vocab().items():
+        if index < vocab_size and index not in special:
+            encoded[index] = token
+    return xgr.TokenizerInfo(
+        encoded,
+        vocab_type=info.vocab_type,
+        vocab_size=vocab_size,
+        stop_token_ids=stop,
+        add_prefix_space=info.add_prefix_space,
+    )
+
+
+_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 
 
 def _ebnf_literal(text: str) -> str:
