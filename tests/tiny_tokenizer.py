@@ -30,7 +30,7 @@ CHAT_TEMPLATE = (
 CORPUS = [
     '{"name": "Ada", "age": 36, "tags": ["math", "code"], "ok": true, "x": null}',
     '{"city": "Paris", "unit": "celsius", "items": [1, 2, 3], "nested": {"a": 1.5}}',
-    "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>",
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
     "The quick brown fox jumps over the lazy dog. Hello world! 0123456789 -_.:,;",
 ]
 

@@ -87,7 +87,7 @@ class GrammarCompilerCache:
                 alternatives = " | ".join(_ebnf_literal(c) for c in json.loads(text))
                 return self._compiler.compile_grammar(f"root ::= {alternatives}")
             return self._compiler.compile_grammar(text)
-        except Exception as exc:  # xgrammar raises RuntimeError/ValueError with its parser's text
+        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's, with its parser's text
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise InvalidRequestError(f"invalid {what}: {message}", param=param) from exc
 
@@ -97,10 +97,12 @@ class GrammarCompilerCache:
         # Compact JSON (no free whitespace): a model may otherwise emit spaces or newlines
         # until max_tokens, which is valid JSON never finished.
         grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
-        # xgrammar 0.2.9 writes the characters of a string with minLength/maxLength as
-        # [^"\\\r\n], which lets raw control characters through (invalid JSON: json.loads
-        # rejects them); its plain strings exclude \0-\x1f. Use that class for both.
-        grammar = grammar.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+        # Two fixes to xgrammar 0.2.9's JSON strings: a string with minLength/maxLength takes
+        # any character but quote, backslash, CR and LF, so raw control characters get through
+        # (json.loads rejects them); and both kinds of string accept UTF-8-encoded surrogates
+        # (U+D800..U+DFFF), which decode to three U+FFFD each. Use one strict class for both.
+        for loose in _LOOSE_STRING_CHARS:
+            grammar = grammar.replace(loose, _JSON_STRING_CHAR)
         return self._compiler.compile_grammar(grammar)
 
 
@@ -130,8 +132,8 @@ def _tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int, eos_token_ids: tu
     )
 
 
-_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
-_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
+_LOOSE_STRING_CHARS = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\uD800-\uDFFF]"
 
 
 def _ebnf_literal(text: str) -> str:
