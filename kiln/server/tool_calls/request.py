@@ -44,18 +44,17 @@ class ToolPlan:
 
 
 def apply_plan(plan: ToolPlan | None, params: SamplingParams) -> SamplingParams:
-    """The sampling params a plan needs: the call's grammar (required / named), or the special
-    tokens kept in the text (auto: a format's markers may be special tokens)."""
-    if plan is None:
+    """The sampling params a plan needs: the call's grammar (required / named). `auto` changes
+    nothing: Hermes' <tool_call> is not a special token in the tokenizers that use it, and
+    Llama 3.1's special <|python_tag|> is optional to its parser."""
+    if plan is None or plan.guided is None:
         return params
-    if plan.guided is not None:
-        if params.guided_decoding is not None:
-            raise InvalidRequestError(
-                f"tool_choice {plan.mode!r} already constrains the reply: drop response_format",
-                param="tool_choice",
-            )
-        return replace(params, guided_decoding=plan.guided)
-    return replace(params, skip_special_tokens=False)
+    if params.guided_decoding is not None:
+        raise InvalidRequestError(
+            f"tool_choice {plan.mode!r} already constrains the reply: drop response_format",
+            param="tool_choice",
+        )
+    return replace(params, guided_decoding=plan.guided)
 
 
 def plan_tools(
