@@ -37,13 +37,12 @@ class CachedRequestState:
     plain_greedy: bool = field(init=False)
     """Greedy with nothing else to do (no penalties, logprobs or min_tokens): argmax alone."""
     needs_history: bool = field(init=False)
-    """Sampling reads every generated token (penalties, grammars), not just how many."""
+    """Sampling reads every generated token (penalties), not just how many there are."""
 
     def __post_init__(self) -> None:
         self.token_ids = [*self.prompt_token_ids, *self.output_token_ids]
         p = self.sampling_params
-        # A grammar advances with every token: its mask needs the previous one back first.
-        self.needs_history = p.uses_penalties or p.guided_decoding is not None
+        self.needs_history = p.uses_penalties
         self.plain_greedy = (
             p.greedy and not self.needs_history and p.logprobs is None and p.min_tokens == 0
         )

@@ -216,13 +216,23 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[:num_rows])
         else:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
-        metadata = self.sampling.build(step.states)
+        bitmask = None
         if self._grammars is not None and self._grammars.matchers:
             # Host work while the device runs the forward just launched (on the CPU the forward
-            # has already run: nothing to overlap there).
+            # has already run: nothing to overlap there). A grammar needs the previous step's
+            # tokens: wait for them now, not before the launch, so the step was still prepared
+            # and launched while the previous one ran (async scheduling keeps its overlap).
+            matchers = self._grammars.matchers
+            if len(self._in_flight) > 1 and any(
+                s.num_pending and s.req_id in matchers for s in step.states
+            ):
+                for older in list(self._in_flight)[:-1]:
+                    if older.output is None:
+                        self._finish(older)
             bitmask = self._grammars.fill_bitmask([s.req_id for s in step.states], self.device)
-            if bitmask is not None:
-                metadata = replace(metadata, token_bitmask=bitmask)
+        metadata = self.sampling.build(step.states)
+        if bitmask is not None:
+            metadata = replace(metadata, token_bitmask=bitmask)
         result = self.sampler(logits, metadata)
         if gpu_events is not None:
             gpu_events[1].record()
