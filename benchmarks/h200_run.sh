@@ -181,6 +181,12 @@ for s in "$@"; do
         stage fp8-mixed 120 python3 benchmarks/kv_fp8_kernel_sweep.py --mixed-only \
             --out "$OUT/kv_fp8_mixed_decode.json"
         ;;
+    so-json)  # issue 18: 64 concurrent 128/128 JSON-schema requests vs the same unconstrained
+        # (3 alternating rounds each, one process); needs xgrammar (pip install xgrammar)
+        stage so-json 600 python3 benchmarks/structured_output_bench.py --model llama-3.1-8b \
+            --load-format dummy --dtype bfloat16 --num-requests 64 --input-len 128 \
+            --output-len 128 --rounds 3 --out "$OUT/structured_output$SFX.json"
+        ;;
     *)
         echo "unknown stage $s"
         ;;
