@@ -185,6 +185,7 @@ def test_completions_take_response_format_and_the_guided_extras(client):
             "not among the tools",
         ),
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ("/v1/completions", {"use_beam_search": True}, "use_beam_search", "beam search"),
     ],
 )
 def test_bad_specs_are_400_naming_the_problem(http, path, body, param, words):

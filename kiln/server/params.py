@@ -16,6 +16,8 @@ def _pick(value: object, default: object) -> object:
 def refuse_unsupported(req: SamplingFields) -> None:
     if req.logit_bias:
         raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
+    if req.use_beam_search:
+        raise InvalidRequestError("beam search is not built yet", param="use_beam_search")
 
 
 def build_sampling_params(

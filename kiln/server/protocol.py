@@ -59,6 +59,7 @@ class SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    use_beam_search: bool | None = False  # refused (400): beam search is not built
 
 
 class CompletionRequest(SamplingFields):
