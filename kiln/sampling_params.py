@@ -110,6 +110,16 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     guided_decoding: GuidedDecodingParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar (structured output)."""
+    use_beam_search: bool = False
+    """Beam search (deterministic, as HF generate(num_beams=best_of, do_sample=False)); returns
+    the n best of best_of beams. Sampling fields are not used."""
+    best_of: int | None = None
+    """Beam width with use_beam_search (default: n)."""
+    length_penalty: float = 1.0
+    """Beam search: a finished beam's score is its log-probability / length ** length_penalty."""
+    early_stopping: bool | str = False
+    """Beam search: True stops once best_of beams have finished; False stops when no running
+    beam can (heuristically) beat them; "never" only at max_tokens or by the exact bound."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -157,6 +167,17 @@ class SamplingParams:
             fail("stop", "must not contain empty strings")
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", "must be an integer")
+        if self.best_of is not None and (
+            not isinstance(self.best_of, int) or self.best_of < self.n
+        ):
+            fail("best_of", f"must be an integer >= n ({self.n})")
+        if self.early_stopping not in (True, False, "never"):
+            fail("early_stopping", 'must be true, false or "never"')
+        if self.use_beam_search:
+            if self.guided_decoding is not None:
+                fail("use_beam_search", "does not combine with guided_decoding")
+            if self.stop or self.logprobs is not None or self.prompt_logprobs is not None:
+                fail("use_beam_search", "does not combine with stop strings or logprobs")
 
     @property
     def greedy(self) -> bool:
