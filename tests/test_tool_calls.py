@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from server_harness import ServerThread
+from server_harness import ServerThread, offline
 
 from kiln.server.tool_calls import ToolCallStream, ToolPlan, get_parser, plan_tools
 
@@ -63,16 +63,22 @@ class Person(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def async_engine(tmp_path_factory):
     from kiln.config import EngineConfig
     from kiln.engine.async_engine import AsyncEngine
     from kiln.engine.llm_engine import LLMEngine
-    from kiln.server.app import build_app
     from tests.tiny_tokenizer import build_tiny_chat_model
 
     path = build_tiny_chat_model(str(tmp_path_factory.mktemp("tiny-tools")))
     config = EngineConfig(model=path, max_model_len=512, kv_cache_memory_gb=0.05, max_num_seqs=16)
-    with ServerThread(build_app(AsyncEngine(LLMEngine(config)), MODEL)) as srv:
+    return AsyncEngine(LLMEngine(config))
+
+
+@pytest.fixture(scope="module")
+def server(async_engine):
+    from kiln.server.app import build_app
+
+    with ServerThread(build_app(async_engine, MODEL)) as srv:
         yield srv
 
 
@@ -185,7 +191,13 @@ def test_completions_take_response_format_and_the_guided_extras(client):
             "not among the tools",
         ),
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "needs tools"),
-        ("/v1/completions", {"use_beam_search": True}, "use_beam_search", "beam search"),
+        (
+            "/v1/completions",
+            {"use_beam_search": True, "stop": ["x"]},
+            "use_beam_search",
+            "does not combine",
+        ),
+        ("/v1/completions", {"use_beam_search": True, "n": 3, "best_of": 2}, "best_of", ">= n"),
     ],
 )
 def test_bad_specs_are_400_naming_the_problem(http, path, body, param, words):
@@ -194,6 +206,23 @@ def test_bad_specs_are_400_naming_the_problem(http, path, body, param, words):
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_beam_search_extras_equal_the_offline_api(client, async_engine):
+    from kiln import SamplingParams
+
+    reply = client.completions.create(
+        model=MODEL,
+        prompt="Once upon",
+        n=2,
+        best_of=4,
+        max_tokens=8,
+        extra_body={"use_beam_search": True, "length_penalty": 0.5},
+    )
+    params = SamplingParams(use_beam_search=True, best_of=4, n=2, max_tokens=8, length_penalty=0.5)
+    want = offline(async_engine, lambda llm: llm.generate(["Once upon"], params))[0]
+    assert [c.text for c in reply.choices] == [c.text for c in want.outputs]
+    assert reply.usage.completion_tokens == sum(len(c.token_ids) for c in want.outputs)
 
 
 # ---- tool calls -----------------------------------------------------------------------------

@@ -16,8 +16,6 @@ def _pick(value: object, default: object) -> object:
 def refuse_unsupported(req: SamplingFields) -> None:
     if req.logit_bias:
         raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
-    if req.use_beam_search:
-        raise InvalidRequestError("beam search is not built yet", param="use_beam_search")
 
 
 def build_sampling_params(
@@ -61,4 +59,8 @@ def build_sampling_params(
         skip_special_tokens=_pick(req.skip_special_tokens, True),
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
         guided_decoding=guided_decoding_params(req),
+        use_beam_search=bool(req.use_beam_search),
+        best_of=getattr(req, "best_of", None) if req.use_beam_search else None,
+        length_penalty=_pick(req.length_penalty, 1.0),
+        early_stopping=_pick(req.early_stopping, False),
     )

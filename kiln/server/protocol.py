@@ -59,7 +59,10 @@ class SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    use_beam_search: bool | None = False  # refused (400): beam search is not built
+    # Beam search (vLLM's extras; completions' best_of is the beam width)
+    use_beam_search: bool | None = False
+    length_penalty: float | None = Field(None, ge=-10.0, le=10.0)
+    early_stopping: bool | Literal["never"] | None = None
 
 
 class CompletionRequest(SamplingFields):
