@@ -199,6 +199,17 @@ for s in "$@"; do
             --work "${WORK:-/tmp/kiln-build8b}" --quantization fp8-dynamic \
             --output-json "$OUT/build_first_token_8b$SFX.json"
         ;;
+    so-json)  # issue 18: 64 concurrent 128/128 JSON-schema requests vs the same unconstrained
+        # (3 alternating rounds each, one process); needs xgrammar (pip install xgrammar)
+        stage so-json 600 python3 benchmarks/structured_output_bench.py --model llama-3.1-8b \
+            --load-format dummy --dtype bfloat16 --num-requests 64 --input-len 128 \
+            --output-len 128 --rounds 3 --out "$OUT/structured_output$SFX.json"
+        ;;
+    beam4)  # issue 18: beam width 4 at batch 1 vs a plain batch-4 decode step, and HF's beams
+        stage beam4 400 python3 benchmarks/beam_search_bench.py --model llama-3.1-8b \
+            --load-format dummy --dtype bfloat16 --width 4 --input-len 128 --output-len 64 \
+            --out "$OUT/beam_search$SFX.json"
+        ;;
     *)
         echo "unknown stage $s"
         ;;

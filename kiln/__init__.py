@@ -3,7 +3,7 @@
 from kiln.config import EngineConfig
 from kiln.errors import InvalidRequestError, KilnError, ModelLoadError
 from kiln.outputs import CompletionOutput, Logprob, RequestOutput
-from kiln.sampling_params import SamplingParams
+from kiln.sampling_params import GuidedDecodingParams, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -21,6 +21,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "EngineConfig",
+    "GuidedDecodingParams",
     "InvalidRequestError",
     "KilnError",
     "Logprob",

@@ -132,8 +132,9 @@ class LLM:
                         prompt, params_list[i], priority=priority[i] if priority else 0
                     )
                 )
-                if texts[i] is not None:
-                    self.engine.output_processor.requests[req_ids[-1]].prompt = texts[i]
+                state = self.engine.output_processor.requests.get(req_ids[-1])
+                if texts[i] is not None and state is not None:  # (a beam search has none)
+                    state.prompt = texts[i]
         except Exception:
             self.engine.abort_request(req_ids)
             raise

@@ -29,6 +29,9 @@ class CompletionOutput:
     while running."""
     stop_reason: int | str | None = None
     """The stop string or stop token id that ended the completion, if any."""
+    cumulative_logprob: float | None = None
+    """Sum of the tokens' log-probabilities; set by beam search (its beam's score before the
+    length penalty)."""
 
     @property
     def finished(self) -> bool:

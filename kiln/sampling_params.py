@@ -2,9 +2,65 @@
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass, field
+from typing import Any
 
 from kiln.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class GuidedDecodingParams:
+    """Constrain the output to a grammar (vLLM's name and fields). Exactly one of them is set.
+
+    json: a JSON schema (a dict or its text); regex: a regular expression the whole output
+    matches; choice: the output is one of these strings; grammar: an EBNF grammar (xgrammar's
+    GBNF dialect, root rule `root`); json_object: any JSON object. Compiled by
+    kiln/structured_output (xgrammar), which names a bad schema or grammar in a 400.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        set_fields = [name for name in _GUIDED_KINDS if getattr(self, name) not in (None, False)]
+        if len(set_fields) != 1:
+            raise InvalidRequestError(
+                "guided_decoding needs exactly one of json, regex, choice, grammar, json_object"
+                f" (got {set_fields or 'none'})",
+                param="guided_decoding",
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise InvalidRequestError(
+                "guided_choice must be a non-empty list of non-empty strings",
+                param="guided_choice",
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _GUIDED_KINDS if getattr(self, name) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What the compiled grammar is cached under: the kind and a canonical spec text."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, str):
+            # Key order kept: a schema's property order is the order the grammar generates.
+            return kind, _json.dumps(value)
+        if kind == "choice":
+            return kind, _json.dumps(list(value))
+        if kind == "json_object":
+            return kind, ""
+        return kind, value
+
+
+_GUIDED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass
@@ -52,12 +108,26 @@ class SamplingParams:
     skip_special_tokens: bool = True
     """Leave special tokens (EOS, chat markers) out of the text."""
     include_stop_str_in_output: bool = False
+    guided_decoding: GuidedDecodingParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (structured output)."""
+    use_beam_search: bool = False
+    """Beam search (deterministic, as HF generate(num_beams=best_of, do_sample=False)); returns
+    the n best of best_of beams. Sampling fields are not used."""
+    best_of: int | None = None
+    """Beam width with use_beam_search (default: n)."""
+    length_penalty: float = 1.0
+    """Beam search: a finished beam's score is its log-probability / length ** length_penalty."""
+    early_stopping: bool | str = False
+    """Beam search: True stops once best_of beams have finished; False stops when no running
+    beam can (heuristically) beat them; "never" only at max_tokens or by the exact bound."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.guided_decoding, dict):
+            self.guided_decoding = GuidedDecodingParams(**self.guided_decoding)
         self._validate()
 
     def _validate(self) -> None:
@@ -97,6 +167,17 @@ class SamplingParams:
             fail("stop", "must not contain empty strings")
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", "must be an integer")
+        if self.best_of is not None and (
+            not isinstance(self.best_of, int) or self.best_of < self.n
+        ):
+            fail("best_of", f"must be an integer >= n ({self.n})")
+        if self.early_stopping not in (True, False, "never"):
+            fail("early_stopping", 'must be true, false or "never"')
+        if self.use_beam_search:
+            if self.guided_decoding is not None:
+                fail("use_beam_search", "does not combine with guided_decoding")
+            if self.stop or self.logprobs is not None or self.prompt_logprobs is not None:
+                fail("use_beam_search", "does not combine with stop strings or logprobs")
 
     @property
     def greedy(self) -> bool:

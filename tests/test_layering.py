@@ -17,7 +17,7 @@ LEAVES = {"errors", "sampling_params", "envs"}
 ALLOWED = {
     "interfaces": set(),
     "kv_cache": {"interfaces"},
-    "engine": {"interfaces", "kv_cache", "executor", "config", "outputs"},
+    "engine": {"interfaces", "kv_cache", "executor", "config", "outputs", "structured_output"},
     "executor": {"interfaces", "runtime", "models", "config"},
     "runtime": {
         "interfaces",
@@ -29,6 +29,7 @@ ALLOWED = {
         "checkpoint",
         "config",
         "quantization",
+        "structured_output",
     },
     "models": {"layers", "attention", "kernels"},
     "layers": {"kernels"},
@@ -37,6 +38,7 @@ ALLOWED = {
     "sampling": {"kernels"},
     "kernels": set(),
     "checkpoint": {"models"},
+    "structured_output": set(),
 }
 
 

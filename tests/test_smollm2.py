@@ -76,3 +76,31 @@ def test_stream_equals_generate(smollm2_llm):
     pieces = list(smollm2_llm.stream("The three primary colours are", params))
     full = smollm2_llm.generate("The three primary colours are", params)[0].outputs[0].text
     assert "".join(pieces) == full and len(pieces) > 1
+
+
+def test_beam_search_matches_hf(smollm2_llm, hf_smollm2):
+    """Beam search (engine/beam_search.py), width 4, against HF generate(num_beams=4)."""
+    tok = smollm2_llm.get_tokenizer()
+    conv = [{"role": "user", "content": "Name a fruit."}]
+    text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tok.encode(text, add_special_tokens=False)
+    with torch.no_grad():
+        hf = hf_smollm2.generate(
+            torch.tensor([prompt_ids]),
+            num_beams=4,
+            num_return_sequences=2,
+            do_sample=False,
+            max_new_tokens=8,
+            output_scores=True,
+            return_dict_in_generate=True,
+            eos_token_id=2,
+            pad_token_id=2,
+        )
+    want = []
+    for seq in hf.sequences[:, len(prompt_ids) :].tolist():
+        want.append(seq[: seq.index(2) + 1] if 2 in seq else seq)
+    params = SamplingParams(use_beam_search=True, best_of=4, n=2, max_tokens=8)
+    got = smollm2_llm.generate([prompt_ids], params)[0].outputs
+    assert [c.token_ids for c in got] == want
+    scores = [c.cumulative_logprob / len(c.token_ids) for c in got]
+    assert scores == pytest.approx(hf.sequences_scores.tolist(), abs=1e-3)

@@ -26,6 +26,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="apply the chat template (default: on when the model has one)",
     )
+    p.add_argument(
+        "--beam-width",
+        type=int,
+        default=None,
+        help="beam search with this many beams (returns --n of them; sampling flags unused)",
+    )
+    p.add_argument("--length-penalty", type=float, default=1.0, help="beam search: as HF's")
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=run)
@@ -36,6 +43,21 @@ def run(args: argparse.Namespace) -> int:
         print("error: give a prompt or --prompts-file (not both)", file=sys.stderr)
         return 2
     params = sampling_params_from_args(args)
+    if args.beam_width is not None:
+        from dataclasses import replace
+
+        from kiln.errors import InvalidRequestError
+
+        try:
+            params = replace(
+                params,
+                use_beam_search=True,
+                best_of=args.beam_width,
+                length_penalty=args.length_penalty,
+            )
+        except InvalidRequestError as exc:
+            print(f"error: --beam-width: {exc}", file=sys.stderr)
+            return 2
     from kiln.llm import LLM
 
     config = engine_config_from_args(args)
@@ -49,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         return [{"role": "user", "content": text}] if use_chat else text
 
     if args.prompt is not None:
-        if params.n == 1:
+        if params.n == 1 and not params.use_beam_search:
             for piece in llm.stream(as_prompt(args.prompt), params):
                 print(piece, end="", flush=True)
             print()

@@ -11,6 +11,7 @@ import argparse
 from kiln.cli.engine_args import add_engine_args, engine_config_from_args
 from kiln.cli.vllm_flags import add_vllm_serve_flags, check_vllm_serve_flags
 from kiln.envs import envs
+from kiln.server.tool_calls.parsers import PARSERS
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -47,6 +48,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="output limit of a request that names no max_tokens (default: up to the context, "
         "as vLLM; a cap keeps a forgetful client from holding the engine for minutes)",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        default=None,
+        help="the model's tool-call format for tool_choice auto (default: from its chat template)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM compatibility: tool_choice auto is always on",
+    )
     p.add_argument("model_tag", nargs="?", default=None, help="the model, as vLLM takes it")
     add_vllm_serve_flags(p)
     add_engine_args(p)
@@ -70,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         metrics_prefix=args.metrics_prefix,
         max_tokens_default=args.max_tokens_default,
+        tool_call_parser=args.tool_call_parser,
     )
     config = uvicorn.Config(
         app,

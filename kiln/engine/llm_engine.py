@@ -9,6 +9,7 @@ import time
 from collections import deque
 
 from kiln.config import EngineConfig
+from kiln.engine.beam_search import BeamSearchManager
 from kiln.engine.output_processor import OutputProcessor
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler
@@ -51,6 +52,7 @@ class LLMEngine:
             policy=config.scheduling_policy,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.beam_search = BeamSearchManager(self)  # above the scheduler: beams are requests
         self._ids = itertools.count()
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling is None:
@@ -103,7 +105,7 @@ class LLMEngine:
         params = params or self.default_sampling_params()
         if request_id is None:
             request_id = str(next(self._ids))
-        if request_id in self.output_processor.requests:
+        if request_id in self.output_processor.requests or self.beam_search.owns(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt or [])
@@ -111,6 +113,8 @@ class LLMEngine:
         max_tokens = self.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
+        if params.use_beam_search:
+            return self.beam_search.add(request_id, text, token_ids, params, max_tokens)
         child_ids = self.output_processor.add_request(request_id, text, token_ids, params)
         now = time.monotonic()
         for index, child_id in enumerate(child_ids):
@@ -155,6 +159,16 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
+        if params.guided_decoding is not None:
+            # Compile now (cached by spec): a bad schema or grammar is a 400 before queueing.
+            from kiln.structured_output import compiler_for
+
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "structured output needs a tokenizer", param="guided_decoding"
+                )
+            vocab = self.model_config.vocab_size
+            compiler_for(self.tokenizer, vocab, self.eos_token_ids).compile(params.guided_decoding)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Abort requests: their KV blocks are freed now. Returns their final outputs."""
@@ -162,6 +176,10 @@ class LLMEngine:
             request_ids = [request_ids]
         finals = []
         for req_id in request_ids:
+            beam_final = self.beam_search.abort(req_id)
+            if beam_final is not None:
+                finals.append(beam_final)
+                continue
             children = self.output_processor.child_ids(req_id)
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
             final = self.output_processor.abort(req_id)
@@ -172,7 +190,11 @@ class LLMEngine:
         return finals
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self._in_flight)
+            or self.beam_search.active
+        )
 
     # ---- stepping ----------------------------------------------------------------------------
 
@@ -210,10 +232,15 @@ class LLMEngine:
         deltas, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self.beam_search.active:
+            deltas = self.beam_search.route(deltas)  # beams' one-token steps stay inside
         return deltas
 
     def finished_output(self, request_id: str) -> RequestOutput | None:
         """Pop the cumulative output of a finished request (None if unknown or unfinished)."""
+        beam_final = self.beam_search.finished_output(request_id)
+        if beam_final is not None:
+            return beam_final
         state = self.output_processor.requests.get(request_id)
         if state is None or not state.finished:
             return None

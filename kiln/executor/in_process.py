@@ -78,6 +78,7 @@ class InProcessExecutor(Executor):
             max_model_len=capped,
             enforce_eager=config.enforce_eager,
             kv_cache_dtype=kv_cache_dtype,
+            tokenizer=loaded.tokenizer,
         )
 
     def kv_capacity(self) -> KVCapacity:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -63,6 +63,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         enforce_eager: bool = False,
         kv_cache_dtype: torch.dtype | None = None,
+        tokenizer: object | None = None,
     ) -> None:
         self.model = model
         cfg = model.config
@@ -93,6 +94,8 @@ class ModelRunner:
         self.sampler = Sampler(argmax=self.ops.argmax)
         self.sampling = SamplingMetadataBuilder(eos_token_ids, self.vocab_size, self.device)
         self.requests: dict[str, CachedRequestState] = {}
+        self.tokenizer = tokenizer  # for grammars (structured output), built on first use
+        self._grammars = None  # kiln.structured_output.GrammarBatch
         self.graphs: GraphRunner | None = None
         if self.device.type == "cuda" and not enforce_eager and self.backend.supports_cuda_graphs:
             self.graphs = GraphRunner(
@@ -117,10 +120,16 @@ class ModelRunner:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 self.inputs.remove_request(state.row)
+            if self._grammars is not None:
+                self._grammars.remove(req_id)
         for new in sched.new_requests:
             old = self.requests.pop(new.req_id, None)
             if old is not None:
                 self.inputs.remove_request(old.row)
+            if new.sampling_params.guided_decoding is not None:
+                self._grammar_batch().add(
+                    new.req_id, new.sampling_params.guided_decoding, new.output_token_ids
+                )
             state = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=new.prompt_token_ids,
@@ -137,6 +146,14 @@ class ModelRunner:
                 self.inputs.append_blocks(state.row, len(state.block_ids), cached.new_block_ids)
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def _grammar_batch(self):  # -> kiln.structured_output.GrammarBatch
+        if self._grammars is None:
+            from kiln.structured_output import GrammarBatch, compiler_for
+
+            compiler = compiler_for(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self._grammars = GrammarBatch(compiler)
+        return self._grammars
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -199,7 +216,23 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[:num_rows])
         else:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
+        bitmask = None
+        if self._grammars is not None and self._grammars.matchers:
+            # Host work while the device runs the forward just launched (on the CPU the forward
+            # has already run: nothing to overlap there). A grammar needs the previous step's
+            # tokens: wait for them now, not before the launch, so the step was still prepared
+            # and launched while the previous one ran (async scheduling keeps its overlap).
+            matchers = self._grammars.matchers
+            if len(self._in_flight) > 1 and any(
+                s.num_pending and s.req_id in matchers for s in step.states
+            ):
+                for older in list(self._in_flight)[:-1]:
+                    if older.output is None:
+                        self._finish(older)
+            bitmask = self._grammars.fill_bitmask([s.req_id for s in step.states], self.device)
         metadata = self.sampling.build(step.states)
+        if bitmask is not None:
+            metadata = replace(metadata, token_bitmask=bitmask)
         result = self.sampler(logits, metadata)
         if gpu_events is not None:
             gpu_events[1].record()
@@ -262,11 +295,14 @@ class ModelRunner:
         if step.host_logprobs is not None:
             logprob_rows = _logprobs_to_lists(step.host_logprobs)
         sampled_ids: dict[str, list[int]] = {}
+        grammars = self._grammars
         for state, token_id in zip(step.states, sampled):
             state.output_token_ids.append(token_id)
             state.token_ids.append(token_id)
             state.num_pending -= 1
             sampled_ids[state.req_id] = [token_id]
+            if grammars is not None:
+                grammars.accept(state.req_id, token_id)
         logprobs = {}
         if logprob_rows is not None:
             for i, state in enumerate(step.states):

@@ -2,8 +2,8 @@
 
 Each says whether it can change a greedy row's argmax. The sampler's greedy fast path (argmax of
 the raw logits, no fp32 copy) runs only when every active processor preserves it; a processor
-that may change it (min_tokens today; grammars and logit bias later) sends the batch down the
-full path. Processors never write into the logits they are given.
+that may change it (min_tokens, a grammar's token bitmask; logit bias later) sends the batch down
+the full path. Processors never write into the logits they are given.
 """
 
 from __future__ import annotations
@@ -44,8 +44,34 @@ class MinTokensProcessor(LogitsProcessor):
         return mask_tokens(logits, metadata.min_tokens_mask_ids)
 
 
+class TokenBitmaskProcessor(LogitsProcessor):
+    """Tokens outside a row's allowed set (a packed bitmask, e.g. a grammar's next tokens, built
+    by kiln/structured_output) are set to -inf. Rows without a constraint are all ones."""
+
+    preserves_argmax = False
+
+    def is_active(self, metadata: SamplingMetadata) -> bool:
+        return metadata.token_bitmask is not None
+
+    def apply(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        allowed = unpack_bitmask(metadata.token_bitmask, logits.shape[-1])
+        return logits.masked_fill(~allowed, float("-inf"))
+
+
 def default_logits_processors() -> tuple[LogitsProcessor, ...]:
-    return (MinTokensProcessor(),)
+    return (MinTokensProcessor(), TokenBitmaskProcessor())
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, ceil(V/32)] int32 (bit j of word w allows token 32w + j; xgrammar's layout) ->
+    [B, V] bool. Ids past the mask's width (a padded vocabulary) are not allowed."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # arithmetic shift: the sign bit is bit 31
+    allowed = bits.view(bitmask.shape[0], -1).bool()
+    if allowed.shape[1] >= vocab_size:
+        return allowed[:, :vocab_size]
+    pad = allowed.new_zeros(allowed.shape[0], vocab_size - allowed.shape[1])
+    return torch.cat([allowed, pad], dim=1)
 
 
 def mask_tokens(logits: torch.Tensor, token_ids: list[list[int]]) -> torch.Tensor:

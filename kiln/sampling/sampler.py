@@ -53,6 +53,7 @@ class SamplingMetadata:
     all_greedy: bool
     all_random: bool
     no_penalties: bool
+    token_bitmask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 allowed ids (grammars)
 
 
 class Sampler:

@@ -15,6 +15,7 @@ from kiln.server.lifecycle import Lifecycle
 from kiln.server.metrics import PREFIXES, ServerMetrics, cache_config_info
 from kiln.server.middleware import GuardMiddleware
 from kiln.server.state import ServerState
+from kiln.server.tool_calls.parsers import PARSERS
 
 DEFAULT_MAX_WAITING = 1024
 DEFAULT_MAX_BODY_BYTES = 16 << 20
@@ -28,6 +29,7 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics_prefix: str = "kiln",
     max_tokens_default: int | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over a running AsyncEngine. `app.state.kiln` holds the
     ServerState (its `lifecycle.drain` is what SIGTERM calls). `metrics_prefix`: "kiln",
@@ -39,6 +41,8 @@ def build_app(
         )
     if max_tokens_default is not None and max_tokens_default < 1:
         raise ValueError(f"max_tokens_default must be >= 1, got {max_tokens_default}")
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}")
     if max_waiting < 1:
         raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
     if max_body_bytes < 1:
@@ -55,6 +59,7 @@ def build_app(
             prefix=metrics_prefix,
         ),
         max_tokens_default=max_tokens_default,
+        tool_call_parser=tool_call_parser,
     )
     install_error_handlers(app)
     app.include_router(completions.router)

@@ -31,6 +31,17 @@ from kiln.server.protocol import (
     ChatMessage,
 )
 from kiln.server.state import ServerState, State
+from kiln.server.tool_calls import (
+    ToolCallStream,
+    ToolPlan,
+    apply_plan,
+    detect_parser,
+    get_parser,
+    plan_tools,
+)
+from kiln.server.tool_calls.parsers import ToolCallParser
+from kiln.server.tool_calls.request import template_tool_call
+from kiln.server.tool_calls.stream import tool_call_chunks
 
 router = APIRouter()
 
@@ -40,6 +51,7 @@ def chat_prompt_ids(
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Template -> text -> ids, as LLM.chat does (the template already holds any BOS token)."""
     if add_generation_prompt and continue_final_message:
@@ -55,13 +67,11 @@ def chat_prompt_ids(
     tokenizer = state.require_tokenizer("messages")
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model has no chat template", param="messages")
-    conversation = [
-        {"role": "system" if m.role == "developer" else m.role, "content": _text(m)}
-        for m in messages
-    ]
+    conversation = [template_message(m) for m in messages]
     try:
         text = tokenizer.apply_chat_template(
             conversation,
+            tools=tools,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
@@ -80,12 +90,6 @@ def _text(message: ChatMessage) -> str:
 
 
 def _refuse_unsupported(body: ChatCompletionRequest) -> None:
-    if body.tools:
-        raise InvalidRequestError("tools are not supported", param="tools")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise InvalidRequestError("tool_choice is not supported", param="tool_choice")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise InvalidRequestError("only text responses are supported", param="response_format")
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
 
@@ -100,11 +104,15 @@ async def create_chat_completion(
 ) -> Response:
     state.check_model(body.model)
     _refuse_unsupported(body)
+    tool_plan = plan_tools(
+        body.tools, body.tool_choice, body.parallel_tool_calls, tool_call_parser(state)
+    )
     prompt_ids = chat_prompt_ids(
         state,
         body.messages,
         body.add_generation_prompt is not False,
         bool(body.continue_final_message),
+        tools=tool_plan and tool_plan.tools,
     )
     last = body.messages[-1]
     echoed = _text(last) if body.echo and last.role == "assistant" else ""
@@ -116,6 +124,7 @@ async def create_chat_completion(
         max_tokens=body.max_completion_tokens or body.max_tokens or state.max_tokens_default,
         logprobs=num_top if body.logprobs else None,
     )
+    params = apply_plan(tool_plan, params)
     req_id = state.new_id("chatcmpl")
     head = {"id": req_id, "created": int(time.time()), "model": state.model_name}
     engine_request = EngineRequest(req_id, prompt_ids, params, body.priority or 0)
@@ -123,7 +132,9 @@ async def create_chat_completion(
     n = params.n
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _stream(gen, state, head, n, len(prompt_ids), num_top, include_usage, echoed)
+        chunks = _stream(
+            gen, state, head, n, len(prompt_ids), num_top, include_usage, echoed, tool_plan
+        )
         return StreamingResponse(
             chunks, media_type="text/event-stream", background=BackgroundTask(gen.close)
         )
@@ -150,6 +161,7 @@ async def create_chat_completion(
     finally:
         gen.close()
     completion_tokens = sum(len(ids) for ids in token_ids)
+    messages = [reply_message(tool_plan, texts[i], finish[i][0]) for i in range(n)]
     return JSONResponse(
         {
             **head,
@@ -157,9 +169,9 @@ async def create_chat_completion(
             "choices": [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": texts[i]},
+                    "message": messages[i][0],
                     "logprobs": None if logprobs[i] is None else {"content": logprobs[i]},
-                    "finish_reason": finish[i][0],
+                    "finish_reason": messages[i][1],
                     "stop_reason": finish[i][1],
                 }
                 for i in range(n)
@@ -167,6 +179,38 @@ async def create_chat_completion(
             "usage": _usage(len(prompt_ids), completion_tokens),
         }
     )
+
+
+def template_message(m: ChatMessage) -> dict:
+    """A message as chat templates read it: tool calls with their arguments as objects (the
+    templates apply `tojson`), a tool result with the call it answers."""
+    message: dict = {"role": "system" if m.role == "developer" else m.role, "content": _text(m)}
+    if m.name is not None:
+        message["name"] = m.name
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        message["tool_calls"] = [template_tool_call(call) for call in m.tool_calls]
+    return message
+
+
+def tool_call_parser(state: ServerState) -> ToolCallParser:
+    if state.tool_call_parser is not None:
+        return get_parser(state.tool_call_parser)
+    return detect_parser(getattr(state.tokenizer, "chat_template", None))
+
+
+def reply_message(plan: ToolPlan | None, text: str, finish: str | None) -> tuple[dict, str | None]:
+    """The assistant message of a whole reply, and its finish_reason ("tool_calls" when the
+    reply is calls, as OpenAI; a reply cut short by max_tokens stays "length")."""
+    if plan is None:
+        return {"role": "assistant", "content": text}, finish
+    content, calls = plan.message(text) if finish != "length" else (text, [])
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [c.to_openai() for c in calls]
+        return message, "tool_calls" if finish == "stop" else finish
+    return message, finish
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -186,6 +230,7 @@ async def _stream(
     num_top: int,
     include_usage: bool,
     echoed: str,
+    tool_plan: ToolPlan | None = None,
 ) -> AsyncIterator[bytes]:
     head = {**head, "object": "chat.completion.chunk"}
 
@@ -195,6 +240,7 @@ async def _stream(
         return sse({**head, "choices": [choice]})
 
     completion_tokens = 0
+    tool_streams = [ToolCallStream(tool_plan) if tool_plan else None for _ in range(n)]
     try:
         for i in range(n):  # the role first, as OpenAI streams it
             yield chunk(i, {"role": "assistant", "content": echoed})
@@ -207,6 +253,11 @@ async def _stream(
                 if out.logprobs:
                     entries = chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, num_top)
                     lps = {"content": entries}
+                tools = tool_streams[out.index]
+                if tools is not None:
+                    for part in tool_call_chunks(tools, out.text, out.finish_reason, lps):
+                        yield chunk(out.index, *part[:2], (part[2], out.stop_reason))
+                    continue
                 content = {"content": out.text} if out.text or out.token_ids else {}
                 yield chunk(out.index, content, lps, (out.finish_reason, out.stop_reason))
         if include_usage:

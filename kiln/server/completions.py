@@ -88,7 +88,7 @@ def _plan(body: CompletionRequest, state: ServerState) -> _Plan:
     if body.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
     n = body.n or 1
-    if body.best_of is not None and body.best_of != n:
+    if body.best_of is not None and body.best_of != n and not body.use_beam_search:
         raise InvalidRequestError("best_of other than n is not supported", param="best_of")
     echo = bool(body.echo)
     if body.max_tokens == 0 and not echo:

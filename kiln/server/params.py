@@ -6,6 +6,7 @@ from __future__ import annotations
 from kiln.errors import InvalidRequestError
 from kiln.sampling_params import SamplingParams
 from kiln.server.protocol import SamplingFields
+from kiln.server.structured_output import guided_decoding_params
 
 
 def _pick(value: object, default: object) -> object:
@@ -57,4 +58,9 @@ def build_sampling_params(
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=_pick(req.skip_special_tokens, True),
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        guided_decoding=guided_decoding_params(req),
+        use_beam_search=bool(req.use_beam_search),
+        best_of=getattr(req, "best_of", None) if req.use_beam_search else None,
+        length_penalty=_pick(req.length_penalty, 1.0),
+        early_stopping=_pick(req.early_stopping, False),
     )

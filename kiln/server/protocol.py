@@ -54,6 +54,15 @@ class SamplingFields(_Body):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP)
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    # Structured output (vLLM's extras; OpenAI's response_format is on each body)
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Beam search (vLLM's extras; completions' best_of is the beam width)
+    use_beam_search: bool | None = False
+    length_penalty: float | None = Field(None, ge=-10.0, le=10.0)
+    early_stopping: bool | Literal["never"] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -66,6 +75,7 @@ class CompletionRequest(SamplingFields):
     """vLLM's extra: each prompt token's logprob and the top-N, in the choice's prompt_logprobs."""
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class TextPart(_Body):
@@ -77,6 +87,8 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: which call it answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -88,6 +100,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False

@@ -1,0 +1,110 @@
+"""Beam search's cost per step: beam width W at batch 1 against a plain batch-W greedy decode,
+and HF's generate(num_beams=W) on the same weights, in one process (issue 18's target on the
+H200, 8B bf16: <= 1.3x the plain batch-4 decode step).
+
+kiln's beam step is W one-token requests whose prompts are the request's prompt plus each beam's
+tokens: the full blocks come from the prefix cache, the last partial block (up to block_size - 1
+tokens a beam) is recomputed, eagerly (a prefill step: no CUDA graph). So expect it above the
+target; the record says by how much, which is what copy-on-write forking of the partial block
+(not built) would have to win back.
+
+    python3 benchmarks/beam_search_bench.py --model llama-3.1-8b --load-format dummy \\
+        --dtype bfloat16 --width 4 --input-len 128 --output-len 64 --out beam_search.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--width", type=int, default=4)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    import torch
+
+    from kiln.config import EngineConfig
+    from kiln.llm import LLM
+    from kiln.sampling_params import SamplingParams
+
+    llm = LLM(
+        **vars(EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype))
+    )
+    vocab = llm.engine.model_config.vocab_size
+    rng = random.Random(0)
+    prompt = [rng.randrange(vocab // 4, vocab) for _ in range(args.input_len)]
+    W, n_out = args.width, args.output_len
+
+    def timed(fn) -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    beam = SamplingParams(use_beam_search=True, best_of=W, n=1, max_tokens=n_out, ignore_eos=True)
+    plain = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prompts = [[*prompt[:-1], prompt[-1] - i] for i in range(W)]  # W distinct prompts
+    llm.generate([prompt], SamplingParams(use_beam_search=True, best_of=W, max_tokens=4))  # warm
+    llm.generate(prompts, plain)
+    record = {"args": vars(args), "device": llm.engine.device}
+    # Plain: batch W, the decode steps alone (the prefill measured apart and subtracted).
+    prefill_s = timed(lambda: llm.generate(prompts, short))
+    plain_s = timed(lambda: llm.generate(prompts, plain))
+    record["plain_batch_step_ms"] = round(1000 * (plain_s - prefill_s) / (n_out - 1), 3)
+    beam_s = timed(lambda: llm.generate([prompt], beam))
+    out = llm.generate([prompt], beam)[0].outputs[0]
+    steps = len(out.token_ids)
+    one_prefill_s = timed(lambda: llm.generate([prompt], short))
+    record["beam_steps"] = steps
+    record["beam_step_ms"] = round(1000 * (beam_s - one_prefill_s) / max(steps - 1, 1), 3)
+    record["beam_over_plain"] = round(record["beam_step_ms"] / record["plain_batch_step_ms"], 3)
+    if not args.no_hf:
+        record["hf"] = hf_beam_step_ms(args, prompt, W, n_out)
+    print(json.dumps(record, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+def hf_beam_step_ms(args, prompt, width, n_out) -> dict:
+    """HF generate(num_beams=W) on the same architecture (kiln's HF baseline loader)."""
+    import torch
+
+    from kiln.bench.hf_baseline import load_hf_model
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype, torch.float32)
+    model = load_hf_model(args.model, dtype, device)
+    ids = torch.tensor([prompt], device=device)
+
+    def run(num_beams: int, new: int) -> float:
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        t = time.perf_counter()
+        model.generate(
+            ids, num_beams=num_beams, do_sample=False, max_new_tokens=new, min_new_tokens=new
+        )
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        return time.perf_counter() - t
+
+    run(width, 4)
+    full, first = run(width, n_out), run(width, 1)
+    return {"hf_beam_step_ms": round(1000 * (full - first) / (n_out - 1), 3)}
+
+
+if __name__ == "__main__":
+    main()

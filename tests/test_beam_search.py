@@ -1,0 +1,184 @@
+"""Beam search (engine/beam_search.py) against Hugging Face's generate(num_beams=W,
+do_sample=False, length_penalty, early_stopping) in fp32: the same sequences in the same order
+and the same scores, for tiny random models and SmolLM2; beams batch with ordinary requests,
+share blocks through the prefix cache, and free every block when done or aborted."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import build_tiny_hf_model
+
+from kiln import InvalidRequestError, SamplingParams
+
+PROMPTS = [[1, 17, 42, 99, 5, 7], [1, 200, 3, 3, 150], [1, 64, 65, 66, 67, 68, 69, 70, 71, 72]]
+# (the comparisons use the first two; the third only batches beside a beam search)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from kiln import LLM
+
+    path = str(tmp_path_factory.mktemp("beam"))
+    hf = build_tiny_hf_model("llama-gqa", path)
+    return hf, LLM(path, dtype="float32", max_num_seqs=32, kv_cache_memory_gb=0.05)
+
+
+def hf_beams(hf, prompt, width, n, max_tokens, length_penalty, early_stopping, eos=2):
+    out = hf.generate(
+        torch.tensor([prompt]),
+        num_beams=width,
+        num_return_sequences=n,
+        do_sample=False,
+        max_new_tokens=max_tokens,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        output_scores=True,
+        return_dict_in_generate=True,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    seqs = []
+    for s in out.sequences[:, len(prompt) :].tolist():
+        seqs.append(s[: s.index(eos) + 1] if eos in s else s)
+    return seqs, out.sequences_scores.tolist()
+
+
+def kiln_beams(llm, prompt, width, n, max_tokens, length_penalty, early_stopping):
+    params = SamplingParams(
+        use_beam_search=True,
+        best_of=width,
+        n=n,
+        max_tokens=max_tokens,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+    )
+    return llm.generate([prompt], params)[0]
+
+
+@pytest.mark.parametrize(
+    "width, n, max_tokens, length_penalty, early_stopping",
+    [
+        (2, 2, 8, 1.0, False),
+        (4, 3, 10, 1.0, True),
+        (4, 4, 10, 2.0, "never"),
+        (8, 3, 12, 0.5, False),
+        (8, 8, 6, 0.0, True),
+    ],
+)
+def test_same_beams_and_scores_as_hf(tiny, width, n, max_tokens, length_penalty, early_stopping):
+    hf, llm = tiny
+    for prompt in PROMPTS[:2]:
+        want, want_scores = hf_beams(
+            hf, prompt, width, n, max_tokens, length_penalty, early_stopping
+        )
+        got = kiln_beams(llm, prompt, width, n, max_tokens, length_penalty, early_stopping)
+        assert [c.token_ids for c in got.outputs] == want
+        scores = [c.cumulative_logprob / len(c.token_ids) ** length_penalty for c in got.outputs]
+        assert scores == pytest.approx(want_scores, abs=1e-4)
+        assert all(
+            c.finish_reason == "length" and len(c.token_ids) == max_tokens for c in got.outputs
+        ) or any(c.token_ids[-1] == 2 for c in got.outputs)
+
+
+@pytest.fixture(scope="module")
+def tiny_eos(tiny, tmp_path_factory):
+    """The same weights with EOS moved to a token the beams pick early (found by a first search),
+    so that beams end in EOS before max_tokens."""
+    import json
+    import shutil
+
+    from kiln import LLM
+
+    hf, llm = tiny
+    src = llm.engine.config.model
+    first = kiln_beams(llm, PROMPTS[0], 8, 8, 12, 0.5, False)
+    eos = first.outputs[0].token_ids[2]
+    path = str(tmp_path_factory.mktemp("beam-eos"))
+    shutil.copytree(src, path, dirs_exist_ok=True)
+    for name in ("config.json", "generation_config.json"):
+        file = os.path.join(path, name)
+        if os.path.exists(file):
+            with open(file) as f:
+                cfg = json.load(f)
+            cfg["eos_token_id"] = eos
+            with open(file, "w") as f:
+                json.dump(cfg, f)
+    return hf, LLM(path, dtype="float32", max_num_seqs=32, kv_cache_memory_gb=0.05), eos
+
+
+@pytest.mark.parametrize(
+    "width, n, length_penalty, early_stopping",
+    [(2, 2, 1.0, False), (4, 3, 1.0, True), (8, 8, 0.5, False), (8, 4, 2.0, "never")],
+)
+def test_beams_ending_in_eos_match_hf(tiny_eos, width, n, length_penalty, early_stopping):
+    hf, llm, eos = tiny_eos
+    ended = 0
+    for prompt in PROMPTS[:2]:
+        want, want_scores = hf_beams(
+            hf, prompt, width, n, 12, length_penalty, early_stopping, eos=eos
+        )
+        got = kiln_beams(llm, prompt, width, n, 12, length_penalty, early_stopping)
+        assert [c.token_ids for c in got.outputs] == want
+        scores = [c.cumulative_logprob / len(c.token_ids) ** length_penalty for c in got.outputs]
+        assert scores == pytest.approx(want_scores, abs=1e-4)
+        for c in got.outputs:
+            assert c.finish_reason == ("stop" if c.token_ids[-1] == eos else "length")
+            ended += c.token_ids[-1] == eos
+    if length_penalty <= 1.0:  # (a penalty of 2 favours the long beams: they may all run on)
+        assert ended  # EOS inside the beams (the tiny fixture's searches have none)
+
+
+def test_beams_batch_with_ordinary_requests_and_free_their_blocks(tiny):
+    hf, llm = tiny
+    engine = llm.engine
+    plain = SamplingParams(temperature=0, max_tokens=12)
+    alone = llm.generate(PROMPTS[1:], plain)
+    hits_before = engine.kv_cache.stats.hits
+    beam = SamplingParams(use_beam_search=True, best_of=4, n=2, max_tokens=10)
+    long_prompt = [1, *range(100, 139)]  # 40 tokens: two full blocks of 16
+    mixed = llm.generate([long_prompt, *PROMPTS[1:]], [beam, plain, plain])
+    assert [o.outputs[0].token_ids for o in mixed[1:]] == [o.outputs[0].token_ids for o in alone]
+    want, _ = hf_beams(hf, long_prompt, 4, 2, 10, 1.0, False)
+    assert [c.token_ids for c in mixed[0].outputs] == want
+    # After the first step, each step's 4 beams find the prompt's two full blocks in the cache
+    # (one copy of the prompt's KV, not four): 9 steps x 4 beams x 32 tokens.
+    assert engine.kv_cache.stats.hits - hits_before >= 9 * 4 * 32
+    assert engine.kv_cache.usage == 0.0 and not engine.has_unfinished_requests()
+
+
+def test_abort_frees_every_block(tiny):
+    _, llm = tiny
+    engine = llm.engine
+    long_prompt = list(range(3, 60))
+    params = SamplingParams(use_beam_search=True, best_of=4, max_tokens=40)
+    engine.add_request(long_prompt, params, request_id="beam-abort")
+    for _ in range(6):
+        engine.step()
+    # Between steps the search holds only its next step's queued children (the last step's
+    # finished and let go of their blocks).
+    assert engine.scheduler.has_unfinished_requests() and engine.beam_search.active
+    [final] = engine.abort_request("beam-abort")
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert not engine.scheduler.has_unfinished_requests() and not engine.has_unfinished_requests()
+    assert not [r for r in engine.output_processor.requests if r.startswith("beam-abort")]
+    assert engine.kv_cache.usage == 0.0
+    assert engine.finished_output("beam-abort") is None
+    # Mid-step: the children are running and hold blocks; an abort frees them.
+    engine.add_request(long_prompt, params, request_id="beam-abort-2")
+    sched = engine.scheduler.schedule()
+    assert engine.kv_cache.usage > 0.0
+    engine._apply(sched, engine.executor.execute(sched))
+    engine.abort_request("beam-abort-2")
+    assert engine.kv_cache.usage == 0.0 and not engine.has_unfinished_requests()
+
+
+def test_beam_params_are_validated():
+    with pytest.raises(InvalidRequestError, match="best_of"):
+        SamplingParams(use_beam_search=True, best_of=2, n=3)
+    with pytest.raises(InvalidRequestError, match="early_stopping"):
+        SamplingParams(use_beam_search=True, early_stopping="sometimes")
+    with pytest.raises(InvalidRequestError, match="use_beam_search"):
+        SamplingParams(use_beam_search=True, stop=["x"])
