@@ -220,6 +220,10 @@ class LLMEngine:
         self.output_processor.pop(request_id)
         return state.snapshot()
 
+    def shutdown(self) -> None:
+        """Release the executor's workers and devices (a parallel engine's rank processes)."""
+        self.executor.shutdown()
+
     @property
     def kv_cache_usage(self) -> float:
         return self.kv_cache.usage

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.config import EngineConfig
+from kiln.distributed.parallel_state import ParallelContext
 from kiln.errors import ModelLoadError
 from kiln.models.config import PRESETS, ModelConfig
 from kiln.models.llama import LinearMethodFactory, LlamaForCausalLM
@@ -213,8 +214,13 @@ def _hub_source(model_id: str) -> ModelSource:
 
 
 def load_model(
-    engine_config: EngineConfig, device: torch.device, dtype: torch.dtype
+    engine_config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    parallel: ParallelContext | None = None,
 ) -> LoadedModel:
+    """The model, or under TP/PP this rank's part of it (`parallel`): each rank reads the
+    checkpoint and keeps only its heads, rows and layers."""
     start = time.perf_counter()
     source = find_model_source(engine_config.model, engine_config.load_format)
     cfg = source.config
@@ -222,7 +228,7 @@ def load_model(
     linear_method = _linear_method(engine_config, source)
     with torch.device(device):
         # Made in `dtype`, not `.to(dtype)` after: float8 weights and fp32 scales keep their types.
-        model = LlamaForCausalLM(cfg, max_positions, linear_method, dtype)
+        model = LlamaForCausalLM(cfg, max_positions, linear_method, dtype, parallel)
     # Rotary tables stay fp32, holding the model dtype's values (transformers rounds cos/sin to
     # the activations' dtype too).
     model.cos_sin_cache = model.cos_sin_cache.to(dtype).float()
