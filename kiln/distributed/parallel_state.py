@@ -123,6 +123,9 @@ class ParallelContext:
         return self.layout.global_rank(self.tp_rank, self.pp_rank - 1)
 
 
+_kiln_made_default = False  # whether kiln made this process's default group (and owns it)
+
+
 def init_process_groups(
     tp_size: int,
     pp_size: int,
@@ -139,7 +142,15 @@ def init_process_groups(
 
     layout = RankLayout(tp_size, pp_size, rank)
     timeout = datetime.timedelta(seconds=timeout_s)
-    if not dist.is_initialized():
+    global _kiln_made_default
+    if dist.is_initialized() and _kiln_made_default:
+        # torch.distributed has one default group per process: one parallel engine at a time.
+        raise RuntimeError(
+            "a tensor/pipeline-parallel engine already runs in this process: shut it down "
+            "(LLM.shutdown()) before starting another"
+        )
+    if not dist.is_initialized():  # else: the caller's own group (under torchrun), joined
+        _kiln_made_default = True
         dist.init_process_group(
             backend,
             init_method=init_method,
@@ -164,5 +175,7 @@ def init_process_groups(
 
 
 def destroy_process_groups() -> None:
+    global _kiln_made_default
     if dist.is_initialized():
         dist.destroy_process_group()
+    _kiln_made_default = False

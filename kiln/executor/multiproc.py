@@ -145,7 +145,7 @@ class MultiprocExecutor(Executor):
             time.sleep(0.05)
         if self._failure is None:
             self._failure = f"a rank failed ({type(exc).__name__}: {exc})"
-            self._kill_workers()
+        self._kill_workers()  # (again: the watcher may still be at it) none outlives the engine
         return RankFailedError(f"tensor/pipeline-parallel engine stopped: {self._failure}")
 
     def _check(self) -> None:
@@ -194,5 +194,6 @@ class MultiprocExecutor(Executor):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
         self._kill_workers()
-        if healthy:
-            destroy_process_groups()
+        if hasattr(self, "parallel"):  # this engine made the group (not a refused second one)
+            with contextlib.suppress(Exception):  # a group broken by a dead rank still goes
+                destroy_process_groups()
