@@ -320,3 +320,20 @@ def test_two_torchrun_nodes_on_localhost_give_the_same_tokens(models, llama_refs
     assert [node.returncode for node in nodes] == [0, 0], logs
     (line,) = [x for x in logs[0].splitlines() if x.startswith("TOKENS ")]
     assert json.loads(line.removeprefix("TOKENS ")) == [t[:6] for t in _tokens(llama_refs)]
+
+
+@pytest.mark.skipif(
+    os.environ.get("KILN_SLOW_PARALLEL") != "1",
+    reason="3 processes of the real SmolLM2 take ~60 s on the 2-core CI host: KILN_SLOW_PARALLEL=1",
+)
+def test_smollm2_at_tp3_equals_one_process(smollm2_path) -> None:
+    """9 query heads and 3 KV heads over 3 tensor ranks; vocab 49152 cut in 3 (tied)."""
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=1)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    engine = dict(num_threads=1, kv_cache_memory_gb=0.25)
+    want = LLM(smollm2_path, **engine).generate(prompts, params)
+    llm = LLM(smollm2_path, **engine, tensor_parallel_size=3, distributed_timeout_s=120)
+    try:
+        _assert_same(llm.generate(prompts, params), want)
+    finally:
+        llm.shutdown()
