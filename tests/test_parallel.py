@@ -347,3 +347,32 @@ def test_smollm2_at_tp3_equals_one_process(smollm2_path) -> None:
         _assert_same(llm.generate(prompts, params), want)
     finally:
         llm.shutdown()
+
+
+def test_kiln_build_tp2_writes_each_rank_its_cut(models, tmp_path) -> None:
+    """`kiln build -tp 2`: rank R's shard holds exactly what rank R cuts from the whole model
+    (FP8 included), each rank reads only its folder, and the engine refuses another -tp."""
+    from kiln.builder.build import BuildOptions, build_engine
+    from kiln.checkpoint.engine_dir import rank_dir_name
+
+    out = str(tmp_path / "engine")
+    options = BuildOptions(quantization="fp8-dynamic", accuracy_check=False, tensor_parallel_size=2)
+    manifest = build_engine(models["qwen2"], out, options, None)
+    assert manifest.tensor_parallel_size == 2
+    assert all(
+        n.startswith(("rank-0-of-2/", "rank-1-of-2/")) or "/" not in n for n in manifest.files
+    )
+    assert os.path.isdir(os.path.join(out, rank_dir_name(1, 2)))
+    _, want = _rank_models(models["qwen2"], 2, "fp8-dynamic")
+    for rank in range(2):
+        ctx = ParallelContext(RankLayout(2, 1, rank), None, None, None)
+        config = EngineConfig(model=out, dtype="float32", tensor_parallel_size=2)
+        got = load_model(config, torch.device("cpu"), torch.float32, ctx).model
+        expected = dict(want[rank].named_parameters())
+        for name, param in got.named_parameters():
+            a, b = param.detach(), expected[name].detach()
+            if a.dtype == torch.float8_e4m3fn:
+                a, b = a.view(torch.uint8), b.view(torch.uint8)
+            assert torch.equal(a, b), name
+    with pytest.raises(ModelLoadError, match="tensor_parallel_size=2; it cannot load at"):
+        load_model(EngineConfig(model=out, dtype="float32"), torch.device("cpu"), torch.float32)

@@ -306,11 +306,15 @@ class LlamaForCausalLM(nn.Module):
         self.process_weights_after_loading()
 
     @torch.no_grad()
-    def load_fused_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_fused_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], cut: bool = True
+    ) -> None:
         """Copy tensors named as `named_parameters()` names them (already fused: qkv_proj,
         gate_up_proj; what an engine directory holds) in, strictly: every parameter exactly
         once, with its shape and dtype. Linear parameters go through their method's loader, so
-        a quantized method's parameters (fp8 weights, scales) load the same way."""
+        a quantized method's parameters (fp8 weights, scales) load the same way. Under TP each
+        tensor is cut to this rank's part unless `cut` is False (a `kiln build -tp N` shard,
+        already cut)."""
         params = dict(self.named_parameters())
         owners = self._linear_owners()
         loaded: set[str] = set()
@@ -324,7 +328,9 @@ class LlamaForCausalLM(nn.Module):
             if name in loaded:
                 raise ModelLoadError(f"engine tensor {engine_name!r} appears twice")
             owner = owners.get(name)
-            if owner is not None:  # TP: this rank's part of the fused tensor
+            if not cut:
+                pass
+            elif owner is not None:  # TP: this rank's part of the fused tensor
                 tensor = owner.cut(param, None, tensor)
             elif isinstance(self._vocab_owner(name), VocabParallelEmbedding):
                 tensor = self._vocab_owner(name).cut(tensor)
