@@ -109,8 +109,8 @@ class MultiprocExecutor(Executor):
                 "RANK": str(rank),
                 "LOCAL_RANK": str(rank),
                 "WORLD_SIZE": str(self.config.world_size),
-                "KILN_INIT_METHOD": init_method,
-                "KILN_ENGINE_CONFIG": env_config,
+                "KILN_WORKER_INIT_METHOD": init_method,
+                "KILN_WORKER_CONFIG": env_config,
             }
             cmd = [sys.executable, "-m", "kiln.executor.worker"]
             self._procs[rank] = subprocess.Popen(cmd, env=env)

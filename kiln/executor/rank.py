@@ -39,14 +39,18 @@ def rank_device(name: str, parallel: ParallelContext | None) -> torch.device:
     """The device of this rank: under TP/PP on CUDA, GPU LOCAL_RANK (set by torchrun or by kiln's
     launcher) unless an index is given."""
     device = resolve_device(name)
-    if parallel is not None and device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if parallel is not None and device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)  # NCCL's communicators bind to the current device
     return device
 
 
 def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) -> Rank:
+    if parallel is not None:
+        # CUDA graphs with the collectives inside are for the multi-GPU issues: ranks run eager
+        # (and the memory plan reserves no graph pool).
+        config = dataclasses.replace(config, enforce_eager=True)
     device = rank_device(config.device, parallel)
     dtype = resolve_dtype(config.dtype, device)
     torch.manual_seed(config.seed)
@@ -91,8 +95,7 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=capped,
-        # CUDA graphs with the collectives inside are for the multi-GPU issues: eager for now.
-        enforce_eager=config.enforce_eager or parallel is not None,
+        enforce_eager=config.enforce_eager,
         kv_cache_dtype=kv_cache_dtype,
     )
     return Rank(facts, memory_plan, KVCapacity(num_blocks, config.block_size, capped), runner)

@@ -2,7 +2,7 @@
 driver broadcasts, until it says shut down.
 
 Started by kiln's own launcher (multiproc.py: `python -m kiln.executor.worker`, the engine config
-as JSON in KILN_ENGINE_CONFIG) or, under torchrun, called by create_executor on ranks != 0.
+as JSON in KILN_WORKER_CONFIG) or, under torchrun, called by create_executor on ranks != 0.
 """
 
 from __future__ import annotations
@@ -75,11 +75,15 @@ def die_with_parent() -> None:
 
 
 def main() -> None:
+    from kiln.envs import envs
+
     die_with_parent()
-    logging.basicConfig(level=os.environ.get("KILN_LOG_LEVEL", "WARNING"))
-    config = EngineConfig(**json.loads(os.environ["KILN_ENGINE_CONFIG"]))
+    logging.basicConfig(level=logging.WARNING)
+    if envs().worker_config is None:
+        raise SystemExit("kiln.executor.worker is started by kiln itself (KILN_WORKER_CONFIG)")
+    config = EngineConfig(**json.loads(envs().worker_config))
     try:
-        run_worker(config, int(os.environ["RANK"]), os.environ.get("KILN_INIT_METHOD", "env://"))
+        run_worker(config, int(os.environ["RANK"]), envs().worker_init_method or "env://")
     except Exception as exc:  # the driver names the rank and this line
         print(f"kiln rank {os.environ['RANK']}: {type(exc).__name__}: {exc}", file=sys.stderr)
         raise SystemExit(1) from exc
