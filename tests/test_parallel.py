@@ -101,7 +101,8 @@ def _reference(path: str, **engine) -> list:
 
 
 def _parallel_engine(path: str, tp: int, pp: int, **engine):  # a fixture's body
-    llm = LLM(path, **COMMON, tensor_parallel_size=tp, pipeline_parallel_size=pp, **engine)
+    engine = {**COMMON, **engine}
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **engine)
     yield llm
     llm.shutdown()
 
@@ -280,12 +281,33 @@ class TestMistralTP2PP2:
 
 @pytest.fixture(scope="class")
 def qwen2_tp2(models):
-    yield from _parallel_engine(models["qwen2"], 2, 1)
+    # A short collective timeout: the hang test below waits it out.
+    yield from _parallel_engine(models["qwen2"], 2, 1, distributed_timeout_s=4)
 
 
 class TestQwen2TP2:
     def test_tp2_with_fewer_kv_heads_than_ranks(self, qwen2_tp2, models) -> None:
         _assert_same(qwen2_tp2.generate(PROMPTS, GREEDY), _reference(models["qwen2"]))
+
+    def test_idle_longer_than_the_timeout_is_fine(self, qwen2_tp2) -> None:
+        """Workers wait for the next step on an untimed control group: an idle engine (a quiet
+        server) outlives distributed_timeout_s."""
+        time.sleep(5)
+        assert qwen2_tp2.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
+
+    @cpu_only
+    def test_a_hung_rank_ends_the_engine_within_the_timeout(self, qwen2_tp2) -> None:
+        """Last in the class: a stopped (not dead) rank. The step's collective times out after
+        distributed_timeout_s (4 s here), the engine stops with the error, the rank is killed."""
+        from kiln.executor.multiproc import RankFailedError
+
+        (proc,) = qwen2_tp2.engine.executor._procs.values()
+        os.kill(proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RankFailedError, match=r"stopped: a rank failed .*[Tt]imed out"):
+            qwen2_tp2.generate(PROMPTS[:1], GREEDY)
+        assert time.monotonic() - start < 20
+        assert proc.wait(timeout=10) is not None
 
 
 @cpu_only

@@ -45,6 +45,11 @@ def broadcast_sampled(
     return sampled
 
 
+def barrier(ctx: ParallelContext) -> None:
+    """Every rank got here (startup: all have loaded, before the memory plan's collectives)."""
+    dist.barrier(group=ctx.cpu_group)
+
+
 def all_reduce_min(ctx: ParallelContext, value: int) -> int:
     """The smallest `value` over every rank (the KV blocks that fit on all of them)."""
     t = torch.tensor([value], dtype=torch.int64)

@@ -88,13 +88,18 @@ class ParallelContext:
 
     `tp_group`: this stage's tensor ranks (all-reduce, all-gather). `world_group`: every rank, on
     the data backend (nccl on GPUs, gloo on the CPU): the sampled ids' broadcast, send/recv between
-    stages. `cpu_group`: every rank on gloo, for the driver's per-step messages, which are host
-    bytes (no device copy on the GPU)."""
+    stages. These two time out after distributed_timeout_s (a step that waits longer for a rank
+    fails). `cpu_group`: every rank on gloo, for startup (the barrier after loading, the
+    KV-block minimum), with the startup timeout (loading a large model can take minutes).
+    `control_group`: every rank on gloo with no practical
+    timeout, for the driver's per-step messages: an idle worker waits on it for the next step as
+    long as the server stays idle (a dead driver kills it; a dead worker is seen by the driver)."""
 
     layout: RankLayout
     tp_group: object | None
     world_group: object | None
     cpu_group: object | None
+    control_group: object | None = None
 
     @property
     def tp_size(self) -> int:
@@ -123,6 +128,7 @@ class ParallelContext:
         return self.layout.global_rank(self.tp_rank, self.pp_rank - 1)
 
 
+STARTUP_TIMEOUT_S = 1800.0
 _kiln_made_default = False  # whether kiln made this process's default group (and owns it)
 
 
@@ -142,6 +148,8 @@ def init_process_groups(
 
     layout = RankLayout(tp_size, pp_size, rank)
     timeout = datetime.timedelta(seconds=timeout_s)
+    # Starting (importing torch, loading weights) takes longer than any step should.
+    startup = datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S))
     global _kiln_made_default
     if dist.is_initialized() and _kiln_made_default:
         # torch.distributed has one default group per process: one parallel engine at a time.
@@ -156,22 +164,23 @@ def init_process_groups(
             init_method=init_method,
             rank=rank,
             world_size=layout.world_size,
-            timeout=timeout,
+            timeout=startup,
         )
     if dist.get_world_size() != layout.world_size:
         raise RuntimeError(
             f"the process group has {dist.get_world_size()} ranks; tensor_parallel_size x "
             f"pipeline_parallel_size is {layout.world_size}"
         )
-    world = dist.group.WORLD
-    cpu = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    world = dist.new_group(timeout=timeout)  # the data backend's, with the step timeout
+    cpu = dist.new_group(backend="gloo", timeout=startup)
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
     tp_group = None
     for stage in range(pp_size):
         ranks = layout.tp_group_ranks(stage)
         group = world if len(ranks) == layout.world_size else dist.new_group(ranks, timeout=timeout)
         if stage == layout.pp_rank:
             tp_group = group
-    return ParallelContext(layout, tp_group, world, cpu)
+    return ParallelContext(layout, tp_group, world, cpu, control)
 
 
 def destroy_process_groups() -> None:

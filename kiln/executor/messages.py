@@ -1,11 +1,13 @@
 """The driver's per-step message to the other ranks: a SchedulerOutput as JSON bytes, broadcast
-over the gloo control group (a header of two int64s, then the bytes as uint8).
+over the gloo control group (a header of two int64s, then the bytes as uint8; no timeout: workers
+wait there while the engine is idle).
 
 JSON of plain dataclasses, never pickle: a rank decodes data, it runs no code it is sent."""
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 from enum import IntEnum
 
@@ -60,20 +62,24 @@ def decode_step(data: bytes) -> SchedulerOutput:
     )
 
 
-def send_message(ctx: ParallelContext, kind: Kind, payload: bytes = b"") -> None:
-    """From the driver (rank 0) to every other rank."""
-    dist.broadcast(torch.tensor([int(kind), len(payload)]), src=0, group=ctx.cpu_group)
+def send_message(ctx: ParallelContext, kind: Kind, payload: bytes, timeout_s: float) -> None:
+    """From the driver (rank 0) to every other rank. A gloo broadcast's root waits until every
+    receiver takes it, so the driver bounds that wait by the step timeout: a stopped worker ends
+    the step with an error, while the workers' side waits without limit."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    header = torch.tensor([int(kind), len(payload)])
+    dist.broadcast(header, src=0, group=ctx.control_group, async_op=True).wait(timeout)
     if payload:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        dist.broadcast(data, src=0, group=ctx.cpu_group)
+        dist.broadcast(data, src=0, group=ctx.control_group, async_op=True).wait(timeout)
 
 
 def recv_message(ctx: ParallelContext) -> tuple[Kind, bytes]:
     header = torch.empty(2, dtype=torch.int64)
-    dist.broadcast(header, src=0, group=ctx.cpu_group)
+    dist.broadcast(header, src=0, group=ctx.control_group)
     kind, size = Kind(int(header[0])), int(header[1])
     if not size:
         return kind, b""
     data = torch.empty(size, dtype=torch.uint8)
-    dist.broadcast(data, src=0, group=ctx.cpu_group)
+    dist.broadcast(data, src=0, group=ctx.control_group)
     return kind, data.numpy().tobytes()

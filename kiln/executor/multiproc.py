@@ -62,6 +62,7 @@ def _free_port() -> int:
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self._timeout = config.distributed_timeout_s
         self._procs: dict[int, subprocess.Popen] = {}
         self._failure: str | None = None
         self._closed = False
@@ -162,7 +163,7 @@ class MultiprocExecutor(Executor):
     def submit(self, step: SchedulerOutput) -> bool:
         self._check()
         try:
-            send_message(self.parallel, Kind.STEP, encode_step(step))
+            send_message(self.parallel, Kind.STEP, encode_step(step), self._timeout)
             return self.runner.submit(step)
         except RuntimeError as exc:  # a collective that failed: a peer died or timed out
             raise self._failed(exc) from exc
@@ -176,7 +177,7 @@ class MultiprocExecutor(Executor):
 
     def enable_step_timing(self) -> None:
         self._check()
-        send_message(self.parallel, Kind.ENABLE_TIMING)
+        send_message(self.parallel, Kind.ENABLE_TIMING, b"", self._timeout)
         self.runner.step_timing = {}
 
     def stats(self) -> ExecutorStats:
@@ -189,7 +190,7 @@ class MultiprocExecutor(Executor):
         self._closed = True
         if healthy:
             with contextlib.suppress(RuntimeError):
-                send_message(self.parallel, Kind.SHUTDOWN)
+                send_message(self.parallel, Kind.SHUTDOWN, b"", 10.0)
         for proc in self._procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)

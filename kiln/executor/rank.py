@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.config import EngineConfig
-from kiln.distributed.comm import all_reduce_min
+from kiln.distributed.comm import all_reduce_min, barrier
 from kiln.distributed.parallel_state import ParallelContext
 from kiln.executor.base import KVCapacity, ModelFacts
 from kiln.runtime.memory_plan import MemoryPlan, plan_kv_blocks
@@ -57,6 +57,8 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     loaded = load_model(config, device, dtype, parallel)
+    if parallel is not None:
+        barrier(parallel)  # the GPU memory profile's forward has collectives of the step timeout
     kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
     facts = ModelFacts(
         config=loaded.config,
