@@ -88,6 +88,10 @@ class MultiprocExecutor(Executor):
                 init_method,
             )
             rank = build_rank(config, self.parallel)
+        except KilnError:  # this rank's own error (a model that does not split, a bad path):
+            self._closed = True  # every rank hits it; it says more than a worker's exit code
+            self._kill_workers()
+            raise
         except Exception as exc:
             raise self._failed(exc) from exc
         self.facts, self.memory_plan, self.runner = rank.facts, rank.memory_plan, rank.runner
