@@ -210,6 +210,50 @@ for s in "$@"; do
             --load-format dummy --dtype bfloat16 --width 4 --input-len 128 --output-len 64 \
             --out "$OUT/beam_search$SFX.json"
         ;;
+    # ---- tensor/pipeline parallel (issue 17; docs/parallelism.md). NVLink multicast stays off
+    # (the lent machines' rule): the variables are set again here, where the ranks inherit them.
+    tp1-check)  # one H200: batch 1 and 128/128 before and after the parallel layers, one run
+        BASE_TREE=${KILN_BASE_TREE:-/tmp/kiln_base_tree}
+        if [[ -z ${KILN_BASE_TREE:-} ]]; then
+            rm -rf "$BASE_TREE" && mkdir -p "$BASE_TREE"
+            if ! git archive "${KILN_BASE_COMMIT:-2f5976f}" kiln | tar -x -C "$BASE_TREE"; then
+                echo "tp1-check: no git history here: set KILN_BASE_TREE to a copy of the old tree"
+                continue
+            fi
+        fi
+        # base, parallel, base, parallel: drift shows as a pass difference. Each pass is ~6-7 min
+        # (lat1k + tput128, twice): PASSES=1 and PASSES=2 as two commands fit a 10-min limit.
+        for pass in ${PASSES:-1 2}; do
+            KILN_TREE=$BASE_TREE TAG=base$pass NO_HF=1 OUT=$OUT bash "$0" lat1k tput128
+            KILN_TREE=. TAG=tp1_$pass NO_HF=1 OUT=$OUT bash "$0" lat1k tput128
+        done
+        ;;
+    test-parallel-gpu)  # 2 GPUs: the CPU suite's parallel tests on CUDA with NCCL
+        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+            KILN_PARALLEL_TEST_DEVICE=cuda stage test-parallel-gpu 400 \
+            python3 -m pytest -q -x -p no:cacheprovider tests/test_parallel.py
+        ;;
+    tp8b-2 | pp8b-2)  # 2 GPUs: Llama-3.1-8B bf16, batch 1 and 128/128 at TP=2 or PP=2
+        PAR="--tensor-parallel-size 2" && [[ $s == pp8b-2 ]] && PAR="--pipeline-parallel-size 2"
+        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+            stage "${s}_lat1k" 300 $BENCH latency $COMMON $VARIANT $PAR --input-len 1024 \
+            --output-len 128 --num-requests 3 --max-model-len 1280 \
+            --output-json "$OUT/${s}_lat1k$SFX.json"
+        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+            stage "${s}_tput128" 400 $BENCH throughput $COMMON $VARIANT $PAR --input-len 128 \
+            --output-len 128 --num-requests 2048 --max-num-seqs 512 \
+            --max-num-batched-tokens 8192 --max-model-len 256 --warmup 192 \
+            --output-json "$OUT/${s}_tput128$SFX.json"
+        ;;
+    tp70b-1 | tp70b-2 | tp70b-4 | tp70b-8)  # 1/2/4/8 GPUs: 70B FP8 128/128 (TRT-LLM's table)
+        N=${s#tp70b-}
+        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+            stage "$s" 600 $BENCH throughput --model llama-3.1-70b --load-format dummy \
+            --dtype bfloat16 --no-progress --quantization fp8-dynamic --tensor-parallel-size "$N" \
+            --input-len 128 --output-len 128 --num-requests 2048 --max-num-seqs 512 \
+            --max-num-batched-tokens 8192 --max-model-len 256 --warmup 192 \
+            --output-json "$OUT/tput128_70b_fp8_tp$N$SFX.json"
+        ;;
     *)
         echo "unknown stage $s"
         ;;

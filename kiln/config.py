@@ -81,6 +81,19 @@ class EngineConfig:
     default, one per core). On a shared machine fewer can be much faster: with two busy cores,
     two threads collapsed batch-1 decode to 0.7 tok/s where one gave 2.5."""
 
+    tensor_parallel_size: int = 1
+    """Tensor-parallel ranks (vLLM's -tp): every layer's heads and MLP rows, the embedding and
+    the LM head are cut over this many processes (one GPU each), which all-reduce twice per
+    layer. With 1, one process as before. See docs/parallelism.md."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages (vLLM's -pp): the decoder layers split into this many consecutive groups,
+    each on its own tensor_parallel_size ranks; hidden states pass from stage to stage. kiln
+    starts the tensor_parallel_size x pipeline_parallel_size processes itself, or joins
+    torchrun's (several machines: torchrun --nnodes ... --rdzv-endpoint ...)."""
+    distributed_timeout_s: float = 300.0
+    """Under TP/PP: how long a rank waits for the others (startup, a collective) before the
+    engine stops with an error naming the rank, rather than hanging."""
+
     def __post_init__(self) -> None:
         def fail(name: str, why: str) -> None:
             raise ValueError(f"EngineConfig.{name} {why}, got {getattr(self, name)!r}")
@@ -91,6 +104,11 @@ class EngineConfig:
             fail("num_threads", "must be >= 1")
         if self.gc_gen0_threshold < 0:
             fail("gc_gen0_threshold", "must be >= 0")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                fail(name, "must be >= 1")
+        if self.distributed_timeout_s <= 0:
+            fail("distributed_timeout_s", "must be > 0")
         if self.max_num_batched_tokens < 1:
             fail("max_num_batched_tokens", "must be >= 1")
         if self.block_size < 1:
@@ -109,6 +127,11 @@ class EngineConfig:
             fail("num_kv_blocks", "must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             fail("max_model_len", "must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        """Processes (one device each) the engine runs on: tensor x pipeline parallel ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @classmethod
     def field_names(cls) -> set[str]:

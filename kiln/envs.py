@@ -38,6 +38,12 @@ class Envs:
     git_revision: str | None = None
     """The revision benchmark records name when the tree has no .git (a copy on a GPU machine);
     None: ask git."""
+    worker_config: str | None = None
+    """Set by kiln's own launcher (kiln.executor.multiproc) for the rank processes it starts, not
+    by users: the engine config as JSON."""
+    worker_init_method: str | None = None
+    """Likewise: the rendezvous of kiln-started ranks (tcp://127.0.0.1:PORT); None: env://
+    (torchrun's MASTER_ADDR/MASTER_PORT)."""
 
 
 def _parse(name: str, kind: object, text: str) -> object:

@@ -30,6 +30,10 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_args)
         self.engine = LLMEngine(self.config)
 
+    def shutdown(self) -> None:
+        """Stop the engine's rank processes (tensor/pipeline parallel); a no-op otherwise."""
+        self.engine.shutdown()
+
     def get_tokenizer(self) -> object | None:
         return self.engine.tokenizer
 

@@ -5,6 +5,7 @@ same engine for reference outputs."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -26,7 +27,16 @@ _engines: dict[str, AsyncEngine] = {}
 def shared_engine() -> AsyncEngine:
     """The embedded SmolLM2 behind an AsyncEngine, loaded once per process."""
     if "smollm2" not in _engines:
-        config = EngineConfig(max_model_len=512, kv_cache_memory_gb=0.25, max_num_seqs=64)
+        # KILN_SERVER_TEST_PARALLEL="TP,PP" (e.g. "1,2" or "3,1"): the same server tests on a
+        # tensor/pipeline-parallel engine (slow on the CPU: run by hand, not in CI).
+        tp, pp = (int(x) for x in os.environ.get("KILN_SERVER_TEST_PARALLEL", "1,1").split(","))
+        config = EngineConfig(
+            max_model_len=512,
+            kv_cache_memory_gb=0.25,
+            max_num_seqs=64,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+        )
         _engines["smollm2"] = AsyncEngine(LLMEngine(config))
     return _engines["smollm2"]
 

@@ -145,13 +145,16 @@ def test_vllm_engine_flags_alias_what_kiln_has():
     )
     assert engine_config_from_args(args).dtype == "float16"
     assert engine_config_from_args(_parser().parse_args(["--dtype", "float"])).dtype == "float32"
+    parallel = engine_config_from_args(_parser().parse_args(["-tp", "2", "-pp", "3"]))
+    assert (parallel.tensor_parallel_size, parallel.pipeline_parallel_size) == (2, 3)
+    long = ["--tensor-parallel-size", "4", "--pipeline-parallel-size", "2"]
+    parallel = engine_config_from_args(_parser().parse_args(long))
+    assert (parallel.tensor_parallel_size, parallel.pipeline_parallel_size) == (4, 2)
 
 
 @pytest.mark.parametrize(
     "argv, named",
     [
-        (["-tp", "2"], "--tensor-parallel-size 2"),
-        (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
         (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill"),
         (["--tokenizer", "other/dir"], "--tokenizer other/dir"),
     ],

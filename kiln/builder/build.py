@@ -19,7 +19,7 @@ from kiln.builder import cache
 from kiln.builder.manifest import EngineManifest
 from kiln.builder.plan import plan_memory
 from kiln.builder.quantize import SCALES_METHOD, calibrate, linear_method_factory, text_hash
-from kiln.builder.weights import write_weights
+from kiln.builder.weights import write_rank_shards, write_weights
 from kiln.checkpoint.engine_dir import current_gpu_class, is_engine_dir
 from kiln.checkpoint.file_hash import hash_files
 from kiln.errors import BuildError
@@ -67,6 +67,9 @@ class BuildOptions:
     """Most word-perplexity increase (percent) over the source a quantized engine may have."""
     accuracy_check: bool = True
     """Measure source and engine perplexity on held-out text (quantized builds only)."""
+    tensor_parallel_size: int = 1
+    """> 1: write one weight shard per tensor rank (rank-R/), so each rank of an engine run with
+    that tensor_parallel_size reads only its part; such an engine loads at that size only."""
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -78,6 +81,8 @@ class BuildOptions:
                 raise BuildError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise BuildError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise BuildError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
 def build_engine(
@@ -101,6 +106,8 @@ def build_engine(
         "calibration_data": text_hash(calibration) if calibration else None,
         "target": gpu_class or "cpu",
     }
+    if options.tensor_parallel_size == 1:
+        del key["tensor_parallel_size"]  # so unsharded engines keep their ids
     source_digest = cache.source_hash(path)
     engine_id = cache.engine_id(source_digest, key)
     cache_dir = cache_dir or (cache.default_cache_dir() if out_dir is None else None)
@@ -136,7 +143,13 @@ def build_engine(
             # Made in `dtype` (not .to(dtype) after): float8 weights and scales keep their types.
             net = LlamaForCausalLM(cfg, max_model_len, factory, dtype)
         net.load_weights(tqdm(source.weights, desc="loading source", unit=" tensors", leave=False))
-        names = write_weights(net.named_parameters(), tmp)
+        if options.tensor_parallel_size == 1:
+            names = write_weights(net.named_parameters(), tmp)
+        else:
+            names = write_rank_shards(
+                net, options.tensor_parallel_size, tmp,
+                lambda ctx: LlamaForCausalLM(cfg, max_model_len, factory, dtype, ctx),
+            )  # fmt: skip
         del net
         names += _write_side_files(path, cfg, source.tokenizer, tmp)
         digests = hash_files([os.path.join(tmp, n) for n in names], desc="hashing engine")
@@ -158,6 +171,7 @@ def build_engine(
             kernel_tiles=None,  # no kernel is tuned per build yet: every GPU uses the defaults
             build_seconds=0.0,
             files={n: {"size": d.size, "blake2b": d.blake2b} for n, d in zip(names, digests)},
+            tensor_parallel_size=options.tensor_parallel_size,
         )
         manifest.write(tmp)  # the check loads the engine from tmp: it needs a manifest
         accuracy = _accuracy(tmp, options, source_ppl)
@@ -258,8 +272,14 @@ def _accuracy(engine: str, options: BuildOptions, source_ppl: dict[str, float] |
     from kiln.builder.accuracy import measure, report
     from kiln.llm import LLM
 
-    llm = LLM(engine, kv_cache_dtype=options.kv_cache_dtype, max_model_len=options.max_model_len)
+    llm = LLM(
+        engine,
+        kv_cache_dtype=options.kv_cache_dtype,
+        max_model_len=options.max_model_len,
+        tensor_parallel_size=options.tensor_parallel_size,
+    )
     engine_ppl = measure(llm, options.max_model_len)
+    llm.shutdown()
     del llm
     gc.collect()
     return report(source_ppl, engine_ppl, options.max_ppl_increase)

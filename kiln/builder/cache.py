@@ -94,12 +94,19 @@ def copy_engine(src: str, dst: str) -> None:
     tmp = f"{dst}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    for name in os.listdir(src):
-        s, d = os.path.join(src, name), os.path.join(tmp, name)
+
+    def link_or_copy(s: str, d: str) -> None:
         try:
             os.link(s, d)
         except OSError:
             shutil.copy2(s, d)
+
+    for name in os.listdir(src):
+        s, d = os.path.join(src, name), os.path.join(tmp, name)
+        if os.path.isdir(s):  # a `kiln build -tp N` engine's rank-R-of-N/ folders
+            shutil.copytree(s, d, copy_function=link_or_copy)
+        else:
+            link_or_copy(s, d)
     publish(tmp, dst)
 
 

@@ -47,6 +47,8 @@ class EngineManifest:
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     """{file name: {"size": bytes, "blake2b": hex}} of every file but this one."""
     format_version: int = ENGINE_FORMAT_VERSION
+    tensor_parallel_size: int = 1
+    """> 1: the weights are one shard per tensor rank (rank-R/...), loadable at this size only."""
 
     def write(self, directory: str) -> None:
         with open(os.path.join(directory, MANIFEST_FILE), "w", encoding="utf-8") as f:

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from kiln.checkpoint.engine_dir import WEIGHT_INDEX_FILE
+from kiln.checkpoint.engine_dir import WEIGHT_INDEX_FILE, rank_dir_name
+from kiln.distributed.parallel_state import ParallelContext, RankLayout
+from kiln.models.llama import LlamaForCausalLM
 
 MAX_SHARD_BYTES = 4 << 30
 # One key only: safetensors writes its metadata map in hash order, which differed between two
@@ -56,3 +58,27 @@ def write_weights(
         json.dump(index, f, indent=2, sort_keys=True)
         f.write("\n")
     return [*names, WEIGHT_INDEX_FILE]
+
+
+def write_rank_shards(
+    net: LlamaForCausalLM,
+    tp: int,
+    directory: str,
+    make_rank_model: Callable[[ParallelContext], LlamaForCausalLM],
+) -> list[str]:
+    """`kiln build -tp N`: each tensor rank's cut of the built model (the same cut a rank makes
+    when it loads the whole engine: LlamaForCausalLM.load_fused_weights) into rank-R/, each with
+    its own shards and index. Returns the file names, relative to `directory`."""
+    full = dict(net.named_parameters())
+    names = []
+    for rank in range(tp):
+        part = make_rank_model(ParallelContext(RankLayout(tp, 1, rank), None, None, None))
+        part.load_fused_weights(full.items())
+        sub = rank_dir_name(rank, tp)
+        os.makedirs(os.path.join(directory, sub))
+        names += [
+            f"{sub}/{n}"
+            for n in write_weights(part.named_parameters(), os.path.join(directory, sub))
+        ]
+        del part
+    return names

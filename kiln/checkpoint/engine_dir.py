@@ -124,6 +124,11 @@ def verify_files(path: str, files: dict[str, dict[str, Any]], verify_hashes: boo
             )
 
 
+def rank_dir_name(rank: int, tp: int) -> str:
+    """Where `kiln build -tp N` puts tensor rank `rank`'s weights, inside the engine."""
+    return f"rank-{rank}-of-{tp}"
+
+
 def iter_engine_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(kiln parameter name, tensor) of every weight, shard by shard in index order."""
     index_file = os.path.join(path, WEIGHT_INDEX_FILE)

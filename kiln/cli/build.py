@@ -25,6 +25,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("--no-accuracy-check", dest="accuracy_check", action="store_false")
     p.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="write one weight shard per tensor rank (the engine then loads at this -tp only)",
+    )  # fmt: skip
+    p.add_argument(
         "--cache-dir", default=None,
         help="engine cache (default with no -o: $XDG_CACHE_HOME/kiln/engines or ~/.cache/...)",
     )  # fmt: skip
@@ -43,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         calibration_data=args.calibration_data,
         max_ppl_increase=args.max_ppl_increase,
         accuracy_check=args.accuracy_check,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     manifest = build_engine(args.model, args.output, options, args.cache_dir)
     where = args.output or f"{args.cache_dir or default_cache_dir()}/{manifest.engine_id}"

@@ -18,7 +18,11 @@ from kiln.sampling_params import SamplingParams
 # field -> an extra flag that sets it False.
 _NEGATIVE_ALIASES = {"enable_prefix_caching": "--no-prefix-caching"}
 # field -> another spelling of its flag.
-_ALIASES = {"num_threads": "--threads"}
+_ALIASES = {
+    "num_threads": "--threads",
+    "tensor_parallel_size": "-tp",  # vLLM's short spellings
+    "pipeline_parallel_size": "-pp",
+}
 
 
 @functools.cache

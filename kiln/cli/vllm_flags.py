@@ -20,20 +20,6 @@ class UnsupportedFlagError(KilnError):
 
 def add_vllm_engine_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=1,
-        help="vLLM's flag; only 1 is supported (tensor parallelism is not built yet)",
-    )
-    g.add_argument(
-        "--pipeline-parallel-size",
-        "-pp",
-        type=int,
-        default=1,
-        help="vLLM's flag; only 1 is supported (pipeline parallelism is not built yet)",
-    )
-    g.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -53,15 +39,6 @@ def add_vllm_engine_flags(g: argparse._ArgumentGroup) -> None:
 
 def check_vllm_engine_flags(args: argparse.Namespace) -> None:
     """Refuse what kiln does not have, naming it; normalise vLLM's dtype names."""
-    for flag, value in (
-        ("--tensor-parallel-size", args.tensor_parallel_size),
-        ("--pipeline-parallel-size", args.pipeline_parallel_size),
-    ):
-        if value != 1:
-            raise UnsupportedFlagError(
-                f"not supported: {flag} {value} (kiln runs on one device; parallelism is not "
-                "built yet)"
-            )
     if not args.enable_chunked_prefill:
         raise UnsupportedFlagError(
             "not supported: --no-enable-chunked-prefill (kiln always chunks prompts longer "

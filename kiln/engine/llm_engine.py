@@ -167,6 +167,11 @@ class LLMEngine:
                 raise InvalidRequestError(
                     "structured output needs a tokenizer", param="guided_decoding"
                 )
+            if self.config.world_size > 1:  # the ranks' sampler applies no token bitmask yet
+                raise InvalidRequestError(
+                    "structured output is not supported with tensor or pipeline parallelism yet",
+                    param="guided_decoding",
+                )
             vocab = self.model_config.vocab_size
             compiler_for(self.tokenizer, vocab, self.eos_token_ids).compile(params.guided_decoding)
 
@@ -246,6 +251,10 @@ class LLMEngine:
             return None
         self.output_processor.pop(request_id)
         return state.snapshot()
+
+    def shutdown(self) -> None:
+        """Release the executor's workers and devices (a parallel engine's rank processes)."""
+        self.executor.shutdown()
 
     @property
     def kv_cache_usage(self) -> float:

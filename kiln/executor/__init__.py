@@ -6,7 +6,20 @@ __all__ = ["Executor", "ExecutorStats", "KVCapacity", "ModelFacts", "create_exec
 
 
 def create_executor(config: object) -> Executor:
-    """The executor for an EngineConfig (one process, one device: the only kind today)."""
-    from kiln.executor.in_process import InProcessExecutor
+    """One process on one device at tensor_parallel_size = pipeline_parallel_size = 1; otherwise
+    one process per rank (multiproc.py). Under torchrun, ranks other than 0 serve as workers here
+    until the driver shuts down, then exit: only rank 0 goes on to run the caller's engine."""
+    if config.world_size == 1:
+        from kiln.executor.in_process import InProcessExecutor
 
-    return InProcessExecutor(config)
+        return InProcessExecutor(config)
+    import os
+
+    from kiln.executor.multiproc import MultiprocExecutor, launched_by_torchrun
+
+    if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
+        from kiln.executor.worker import run_worker
+
+        run_worker(config, int(os.environ["RANK"]))
+        raise SystemExit(0)
+    return MultiprocExecutor(config)

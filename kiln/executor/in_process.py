@@ -2,84 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-
-import torch
-
-from kiln.checkpoint.engine_dir import runtime_defaults
 from kiln.config import EngineConfig
-from kiln.executor.base import Executor, ExecutorStats, KVCapacity, ModelFacts
+from kiln.executor.base import Executor, ExecutorStats, KVCapacity
+from kiln.executor.rank import build_rank
 from kiln.interfaces import ModelRunnerOutput, SchedulerOutput
-from kiln.runtime.memory_plan import plan_kv_blocks
-from kiln.runtime.model_loader import (
-    load_model,
-    resolve_device,
-    resolve_dtype,
-    resolve_kv_cache_dtype,
-)
+from kiln.runtime.memory_plan import MemoryPlan
 from kiln.runtime.model_runner import ModelRunner
-
-logger = logging.getLogger("kiln")
 
 
 class InProcessExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
-        # An engine directory built with --kv-cache-dtype / --max-model-len runs with them unless
-        # the config chooses otherwise ("auto" and None are not choices).
-        unset = {
-            k: v
-            for k, v in runtime_defaults(config.model).items()
-            if getattr(config, k) in ("auto", None)
-        }
-        config = dataclasses.replace(config, **unset)
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
-        torch.manual_seed(config.seed)
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        loaded = load_model(config, device, dtype)
-        kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
-        self.facts = ModelFacts(
-            config=loaded.config,
-            tokenizer=loaded.tokenizer,
-            generation_defaults=loaded.generation_defaults,
-            description=loaded.description,
-            device=str(device),
-            dtype=str(dtype).removeprefix("torch."),
-            kv_cache_dtype=str(kv_cache_dtype).removeprefix("torch."),
-        )
-        max_model_len = config.max_model_len or loaded.config.max_position_embeddings
-        window = loaded.config.sliding_window
-        if window is not None and window < max_model_len:
-            # Sliding-window attention is not built: within the window it equals full attention,
-            # so cap the context there rather than compute something else past it.
-            logger.warning("sliding window %d: max_model_len capped to it", window)
-            max_model_len = window
-        self.memory_plan = plan_kv_blocks(
-            config, loaded.model, max_model_len, device, kv_cache_dtype
-        )
-        num_blocks = self.memory_plan.num_blocks
-        # Every admitted request must fit the cache on its own, or preemption could never help.
-        capped = min(max_model_len, num_blocks * config.block_size)
-        if capped < max_model_len:
-            logger.warning(
-                "KV cache holds %d tokens: max_model_len lowered from %d", capped, max_model_len
-            )
-        self._capacity = KVCapacity(num_blocks, config.block_size, capped)
-        self.runner = ModelRunner(
-            loaded.model,
-            num_blocks,
-            config.block_size,
-            tuple(loaded.config.eos_token_ids),
-            attention_backend=config.attention_backend,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=capped,
-            enforce_eager=config.enforce_eager,
-            kv_cache_dtype=kv_cache_dtype,
-            tokenizer=loaded.tokenizer,
-        )
+        rank = build_rank(config)
+        self.facts, self.memory_plan, self.runner = rank.facts, rank.memory_plan, rank.runner
+        self._capacity = rank.capacity
 
     def kv_capacity(self) -> KVCapacity:
         return self._capacity
@@ -97,13 +32,17 @@ class InProcessExecutor(Executor):
         pass  # the runner's tensors go with the executor
 
     def stats(self) -> ExecutorStats:
-        graphs = self.runner.graphs
-        cuda_graphs = None
-        if graphs is not None:
-            cuda_graphs = {
-                "num_graphs": graphs.num_graphs,
-                "batch_sizes": graphs.batch_sizes,
-                "capture_s": graphs.capture_seconds,
-                "pool_gib": graphs.pool_bytes / 2**30,
-            }
-        return ExecutorStats(self.memory_plan, cuda_graphs, self.runner.step_timing)
+        return runner_stats(self.memory_plan, self.runner)
+
+
+def runner_stats(memory_plan: MemoryPlan, runner: ModelRunner) -> ExecutorStats:
+    graphs = runner.graphs
+    cuda_graphs = None
+    if graphs is not None:
+        cuda_graphs = {
+            "num_graphs": graphs.num_graphs,
+            "batch_sizes": graphs.batch_sizes,
+            "capture_s": graphs.capture_seconds,
+            "pool_gib": graphs.pool_bytes / 2**30,
+        }
+    return ExecutorStats(memory_plan, cuda_graphs, runner.step_timing)

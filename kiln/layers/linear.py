@@ -11,12 +11,30 @@ own `apply` with the reference-shaped kernels of `ops`, so a new method works be
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 from torch import nn
 
+from kiln.distributed.comm import tp_all_reduce
+from kiln.distributed.parallel_state import ParallelContext
 from kiln.kernels.reference import split_qkv_heads
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """How a layer's weights are cut over the tensor ranks (None on a Linear: not cut, TP=1).
+
+    Column-parallel (`rows`): each fused block (q, k, v; gate, up) keeps rows [start, start+len)
+    of its block in the full checkpoint tensor; `full_sizes` are the blocks' full row counts (to
+    cut an already fused tensor). Row-parallel (`cols`): the layer keeps input columns
+    [start, start+len) and its partial products are summed over the ranks after apply."""
+
+    ctx: ParallelContext
+    rows: tuple[tuple[int, int], ...] | None = None
+    full_sizes: tuple[int, ...] | None = None
+    cols: tuple[int, int] | None = None
 
 
 class LinearMethod(ABC):
@@ -29,8 +47,17 @@ class LinearMethod(ABC):
 
     def load_weight(self, param: torch.Tensor, shard: int | None, loaded: torch.Tensor) -> None:
         """Copy a checkpoint tensor into `param` (already narrowed to shard `shard` of a fused
-        projection, if any)."""
+        projection, if any, and to this tensor rank's part)."""
         param.copy_(loaded)
+
+    def load_checkpoint_tensor(
+        self, layer: Linear, param: torch.Tensor, shard: int | None, loaded: torch.Tensor
+    ) -> None:
+        """A full checkpoint tensor (one fused block's, or the whole fused tensor when `shard` is
+        None) into this rank's `param`: cut to the rank's part, then load_weight. A method whose
+        tensors must be derived before the cut (a row-parallel weight's per-row scale) overrides
+        this; at TP=1 nothing is cut."""
+        self.load_weight(layer.shard_view(param, shard), shard, layer.cut(param, shard, loaded))
 
     def process_weights_after_loading(self, layer: Linear) -> None:  # noqa: B027 (optional hook)
         """Convert loaded weights into what apply() reads (quantize, transpose, ...)."""
@@ -165,9 +192,14 @@ class Linear(nn.Module):
         output_sizes: list[int] | None = None,
         method: LinearMethod | None = None,
         dtype: torch.dtype | None = None,
+        split: TensorSplit | None = None,
     ) -> None:
         super().__init__()
+        # in/out features and output_sizes are this rank's (the cut sizes under `split`).
         self.in_features, self.out_features, self.has_bias = in_features, out_features, bias
+        self.split = split
+        # The row-parallel all-reduce; None at TP=1 and for column-parallel layers.
+        self.reduce = split.ctx if split is not None and split.cols is not None else None
         self.output_sizes = output_sizes or [out_features]
         if sum(self.output_sizes) != out_features:
             raise ValueError(f"output_sizes {self.output_sizes} do not sum to {out_features}")
@@ -175,7 +207,10 @@ class Linear(nn.Module):
         self.method.create_weights(self, dtype)
 
     def forward(self, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, ops, x)
+        y = self.method.apply(self, ops, x)
+        if self.reduce is not None:  # row-parallel: sum the partial products over tensor ranks
+            tp_all_reduce(self.reduce, y)
+        return y
 
     # The decoder's fused entry points (see LinearMethod): residual add + RMSNorm, then this
     # projection, then its epilogue.
@@ -216,7 +251,32 @@ class Linear(nn.Module):
         return param.narrow(0, start, self.output_sizes[shard])
 
     def weight_loader(self, param: torch.Tensor, shard: int | None, loaded: torch.Tensor) -> None:
-        self.method.load_weight(self.shard_view(param, shard), shard, loaded)
+        """A full checkpoint tensor (shard `shard` of a fused projection, or the whole fused
+        tensor when None) into `param`, through the method (which cuts it under TP)."""
+        self.method.load_checkpoint_tensor(self, param, shard, loaded)
+
+    def cut(self, param: torch.Tensor, shard: int | None, loaded: torch.Tensor) -> torch.Tensor:
+        """This tensor rank's part of full checkpoint tensor `loaded` for `param` (`loaded`
+        itself at TP=1). Column-parallel: the rank's rows of each fused block (weights, biases
+        and per-row scales alike). Row-parallel: the weight's input columns; the bias on tensor
+        rank 0 only (it is added once, before the sum); per-row scales whole."""
+        split = self.split
+        if split is None or loaded.dim() == 0:
+            return loaded
+        if split.rows is not None:
+            if shard is not None:
+                start, length = split.rows[shard]
+                return loaded.narrow(0, start, length)
+            blocks, offset = [], 0
+            for (start, length), full in zip(split.rows, split.full_sizes):
+                blocks.append(loaded.narrow(0, offset + start, length))
+                offset += full
+            return torch.cat(blocks) if len(blocks) > 1 else blocks[0]
+        if param is self.weight:
+            return loaded.narrow(1, *split.cols)
+        if param is self.bias and split.ctx.tp_rank != 0:
+            return torch.zeros_like(loaded)
+        return loaded
 
     def extra_repr(self) -> str:
         method = type(self.method).__name__

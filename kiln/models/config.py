@@ -304,6 +304,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         bos_token_id=128000, eos_token_id=_LLAMA3_EOS,
     ),
+    # The 2/4/8-GPU benchmarks' model (docs/parallelism.md): 8 KV heads, so TP=8 splits them.
+    "llama-3.1-70b": _preset(
+        "llama", 128256, 8192, 28672, 80, 64, 8,
+        rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        bos_token_id=128000, eos_token_id=_LLAMA3_EOS,
+    ),
     "llama-3.2-1b": _preset(
         "llama", 128256, 2048, 8192, 16, 32, 8,
         head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,

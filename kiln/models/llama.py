@@ -6,6 +6,7 @@ sequences are packed into one [num_tokens, hidden] batch with no padding.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Iterable
 from types import ModuleType
@@ -15,9 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.attention.backend import AttentionBackend, AttentionMetadata
+from kiln.distributed.comm import recv_from_prev_stage, send_to_next_stage
+from kiln.distributed.parallel_state import ParallelContext, kv_head_range, split_layers
 from kiln.errors import ModelLoadError
-from kiln.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
+from kiln.layers.linear import Linear, LinearMethod, TensorSplit, UnquantizedLinearMethod
 from kiln.layers.rotary import build_cos_sin_cache
+from kiln.layers.vocab_parallel import VocabParallelEmbedding
 from kiln.models.config import ModelConfig
 
 # A layer's qualified name (e.g. "layers.3.self_attn.qkv_proj") -> its LinearMethod.
@@ -28,17 +32,63 @@ def _unquantized(name: str) -> LinearMethod:
     return UnquantizedLinearMethod()
 
 
+def shard_config(cfg: ModelConfig, ctx: ParallelContext | None) -> ModelConfig:
+    """The part of the model one rank holds, as a ModelConfig: its query and KV heads, its MLP
+    width and its pipeline stage's layers (what the KV cache, the memory plan and the runner are
+    sized by). `cfg` itself at TP=1, PP=1."""
+    if ctx is None or (ctx.tp_size == 1 and ctx.pp_size == 1):
+        return cfg
+    tp = ctx.tp_size
+    for name in ("num_attention_heads", "intermediate_size"):
+        if getattr(cfg, name) % tp:
+            raise ModelLoadError(
+                f"{name}={getattr(cfg, name)} does not split over tensor_parallel_size={tp}"
+            )
+    try:
+        _, kv_heads = kv_head_range(cfg.num_key_value_heads, tp, ctx.tp_rank)
+        layers = split_layers(cfg.num_hidden_layers, ctx.pp_size, ctx.pp_rank)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+    return dataclasses.replace(
+        cfg,
+        num_attention_heads=cfg.num_attention_heads // tp,
+        num_key_value_heads=kv_heads,
+        intermediate_size=cfg.intermediate_size // tp,
+        num_hidden_layers=len(layers),
+    )
+
+
 class LlamaAttention(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, prefix: str, method: LinearMethodFactory, dtype: torch.dtype | None
+        self,
+        cfg: ModelConfig,
+        prefix: str,
+        method: LinearMethodFactory,
+        dtype: torch.dtype | None,
+        ctx: ParallelContext | None = None,
+        full: ModelConfig | None = None,
     ) -> None:
         super().__init__()
+        # cfg is this rank's shard (shard_config); `full` the whole model's, under TP.
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
+        qkv_split = o_split = None
+        if ctx is not None and ctx.tp_size > 1:
+            # Query heads split evenly; KV heads split, or replicated when fewer than ranks.
+            hd, r = self.head_dim, ctx.tp_rank
+            kv_start, _ = kv_head_range(full.num_key_value_heads, ctx.tp_size, r)
+            q_full, kv_full = full.num_attention_heads * hd, full.num_key_value_heads * hd
+            kv_rows = (kv_start * hd, self.kv_size)
+            qkv_split = TensorSplit(
+                ctx,
+                rows=((r * self.q_size, self.q_size), kv_rows, kv_rows),
+                full_sizes=(q_full, kv_full, kv_full),
+            )
+            o_split = TensorSplit(ctx, cols=(r * self.q_size, self.q_size))
         self.qkv_proj = Linear(
             cfg.hidden_size,
             self.q_size + 2 * self.kv_size,
@@ -46,9 +96,14 @@ class LlamaAttention(nn.Module):
             output_sizes=[self.q_size, self.kv_size, self.kv_size],
             method=method(f"{prefix}.qkv_proj"),
             dtype=dtype,
+            split=qkv_split,
         )
         self.o_proj = Linear(
-            self.q_size, cfg.hidden_size, method=method(f"{prefix}.o_proj"), dtype=dtype
+            self.q_size,
+            cfg.hidden_size,
+            method=method(f"{prefix}.o_proj"),
+            dtype=dtype,
+            split=o_split,
         )
 
     # No forward: the decoder loop calls qkv_proj's fused entry point (residual add + norm + qkv
@@ -58,20 +113,31 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, prefix: str, method: LinearMethodFactory, dtype: torch.dtype | None
+        self,
+        cfg: ModelConfig,
+        prefix: str,
+        method: LinearMethodFactory,
+        dtype: torch.dtype | None,
+        ctx: ParallelContext | None = None,
     ) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        n = cfg.intermediate_size
+        n = cfg.intermediate_size  # this rank's share under TP
+        gate_up_split = down_split = None
+        if ctx is not None and ctx.tp_size > 1:
+            rows = (ctx.tp_rank * n, n)
+            gate_up_split = TensorSplit(ctx, rows=(rows, rows), full_sizes=(n * ctx.tp_size,) * 2)
+            down_split = TensorSplit(ctx, cols=rows)
         self.gate_up_proj = Linear(
             cfg.hidden_size,
             2 * n,
             output_sizes=[n, n],
             method=method(f"{prefix}.gate_up_proj"),
             dtype=dtype,
+            split=gate_up_split,
         )
         self.down_proj = Linear(
-            n, cfg.hidden_size, method=method(f"{prefix}.down_proj"), dtype=dtype
+            n, cfg.hidden_size, method=method(f"{prefix}.down_proj"), dtype=dtype, split=down_split
         )
 
     # No forward: the decoder loop calls gate_up_proj's fused entry point (residual add + norm +
@@ -80,12 +146,18 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, prefix: str, method: LinearMethodFactory, dtype: torch.dtype | None
+        self,
+        cfg: ModelConfig,
+        prefix: str,
+        method: LinearMethodFactory,
+        dtype: torch.dtype | None,
+        ctx: ParallelContext | None = None,
+        full: ModelConfig | None = None,
     ) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
-        self.self_attn = LlamaAttention(cfg, f"{prefix}.self_attn", method, dtype)
-        self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", method, dtype)
+        self.self_attn = LlamaAttention(cfg, f"{prefix}.self_attn", method, dtype, ctx, full)
+        self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", method, dtype, ctx)
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
 
@@ -97,7 +169,13 @@ class LlamaForCausalLM(nn.Module):
     ~100 (issue 13: measure before quantizing it).
 
     `dtype` is where the parameters are made; with a quantized method pass it rather than calling
-    `.to(dtype)` afterwards, which would widen the float8 weights and their fp32 scales."""
+    `.to(dtype)` afterwards, which would widen the float8 weights and their fp32 scales.
+
+    `parallel`: this rank's place under tensor/pipeline parallelism (None: the whole model).
+    `config` is then this rank's shard (shard_config: its heads, MLP width, layers) and
+    `full_config` the whole model's. Under PP every stage keeps the (vocab-cut) embedding, the
+    final norm and the LM head, though only the first and last stage use them: simple, and small
+    next to the layers."""
 
     def __init__(
         self,
@@ -105,20 +183,39 @@ class LlamaForCausalLM(nn.Module):
         max_positions: int,
         linear_method: LinearMethodFactory | None = None,
         dtype: torch.dtype | None = None,
+        parallel: ParallelContext | None = None,
     ) -> None:
         super().__init__()
-        self.config = cfg
+        if parallel is not None and parallel.tp_size == 1 and parallel.pp_size == 1:
+            parallel = None
+        self.parallel = parallel
+        self.full_config = cfg
+        self.config = shard_config(cfg, parallel)
+        local = self.config
         method = linear_method or _unquantized
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        tp = parallel if parallel is not None and parallel.tp_size > 1 else None
+        self.layer_start = 0  # the global index of this stage's first layer
+        if parallel is not None:
+            self.layer_start = split_layers(
+                cfg.num_hidden_layers, parallel.pp_size, parallel.pp_rank
+            ).start
+        # The runner computes logits (and samples) only where this is True: the last stage.
+        self.computes_logits = parallel is None or parallel.layout.is_last_stage
+        if tp is None:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, f"layers.{i}", method, dtype)
-            for i in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(local, f"layers.{self.layer_start + i}", method, dtype, tp, cfg)
+            for i in range(local.num_hidden_layers)
         )
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
         if cfg.tie_word_embeddings:
             self.lm_head = None
-        else:
+        elif tp is None:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        else:
+            self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         cache = build_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
@@ -132,8 +229,13 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden], final-normed
         eps = self.config.rms_norm_eps
-        hidden = self.embed_tokens(input_ids)
-        residual = None  # the residual stream; `hidden` is the last block's output until added
+        pp = self.parallel if self.parallel is not None and self.parallel.pp_size > 1 else None
+        if pp is None or pp.layout.is_first_stage:
+            hidden = self.embed_tokens(input_ids)
+            residual = None  # the residual stream; `hidden` is the last block's output until added
+        else:  # the previous stage's (block output, residual stream), as one [2, n, hidden]
+            shape = (2, input_ids.shape[0], self.full_config.hidden_size)
+            hidden, residual = recv_from_prev_stage(pp, shape, self.norm).unbind(0)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
             # Each projection takes the ops around it (residual add + RMSNorm before; rotary and
@@ -150,14 +252,21 @@ class LlamaForCausalLM(nn.Module):
                 ops, hidden, residual, layer.post_attention_layernorm, eps
             )
             hidden = mlp.down_proj(ops, activation)
+        if pp is not None and not pp.layout.is_last_stage:
+            # Both tensors, not their sum: the next stage's first fused add + norm then rounds
+            # exactly as one process would.
+            send_to_next_stage(pp, torch.stack((hidden, residual)))
+            return hidden  # no logits here (computes_logits is False)
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, eps)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab], model dtype
         # Not cast to fp32 here: a greedy batch takes its argmax on these as they are (the cast
         # is exact, so the argmax is the same) and skips writing and re-reading a fp32 copy.
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if isinstance(head, VocabParallelEmbedding):  # TP: a collective of the tensor ranks
+            return head.logits(hidden)
+        return F.linear(hidden, head.weight)
 
     # ---- weights -------------------------------------------------------------------------
 
@@ -176,25 +285,26 @@ class LlamaForCausalLM(nn.Module):
             name, shard = target
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding serves as the output projection
+            name = self._local_name(name)
+            if name is None:
+                continue  # another pipeline stage's layer
             if name not in params:
                 raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in the model")
             param, owner = params[name], owners.get(name)
-            dst = param if owner is None else owner.shard_view(param, shard)
-            if name.endswith("weight_scale") and tensor.numel() in (1, dst.numel()):
-                # Per channel ([rows, 1]) or per tensor ([]): kiln keeps one scale per row.
-                tensor = tensor.reshape(-1).expand(dst.shape)
+            if owner is not None and name.endswith("weight_scale"):
+                tensor = _scale_rows(owner, param, shard, tensor)
             if tensor.dtype == torch.float8_e4m3fn and param.dtype != torch.float8_e4m3fn:
                 raise ModelLoadError(
                     f"checkpoint tensor {hf_name!r} is float8 but the model was built without "
                     "FP8 weights (the checkpoint declares no FP8 scheme kiln reads)"
                 )
-            if tuple(dst.shape) != tuple(tensor.shape):
+            if owner is not None and not _cut_fits(owner, param, shard, tensor):
                 raise ModelLoadError(
-                    f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(dst.shape)}"
+                    f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, the model expects "
+                    f"{tuple(owner.shard_view(param, shard).shape)} (of this tensor rank's part)"
                 )
             if owner is None:
-                param.copy_(tensor)
+                self._copy_unsplit(name, param, tensor, hf_name)
             else:
                 owner.weight_loader(param, shard, tensor)
             loaded.add(f"{name}:{shard}")
@@ -212,26 +322,40 @@ class LlamaForCausalLM(nn.Module):
         self.process_weights_after_loading()
 
     @torch.no_grad()
-    def load_fused_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_fused_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], cut: bool = True
+    ) -> None:
         """Copy tensors named as `named_parameters()` names them (already fused: qkv_proj,
         gate_up_proj; what an engine directory holds) in, strictly: every parameter exactly
         once, with its shape and dtype. Linear parameters go through their method's loader, so
-        a quantized method's parameters (fp8 weights, scales) load the same way."""
+        a quantized method's parameters (fp8 weights, scales) load the same way. Under TP each
+        tensor is cut to this rank's part unless `cut` is False (a `kiln build -tp N` shard,
+        already cut)."""
         params = dict(self.named_parameters())
         owners = self._linear_owners()
         loaded: set[str] = set()
         for name, tensor in weights:
+            engine_name, name = name, self._local_name(name)
+            if name is None:
+                continue  # another pipeline stage's layer
             param = params.get(name)
             if param is None:
-                raise ModelLoadError(f"engine tensor {name!r} has no place in the model")
+                raise ModelLoadError(f"engine tensor {engine_name!r} has no place in the model")
             if name in loaded:
-                raise ModelLoadError(f"engine tensor {name!r} appears twice")
+                raise ModelLoadError(f"engine tensor {engine_name!r} appears twice")
+            owner = owners.get(name)
+            if not cut:
+                pass
+            elif owner is not None:  # TP: this rank's part of the fused tensor
+                tensor = owner.cut(param, None, tensor)
+            elif isinstance(self._vocab_owner(name), VocabParallelEmbedding):
+                tensor = self._vocab_owner(name).cut(tensor)
             if tuple(param.shape) != tuple(tensor.shape) or param.dtype != tensor.dtype:
                 raise ModelLoadError(
-                    f"engine tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, the model "
-                    f"expects {param.dtype} {tuple(param.shape)} (built with another dtype?)"
+                    f"engine tensor {engine_name!r} is {tensor.dtype} {tuple(tensor.shape)}, the "
+                    f"model expects {param.dtype} {tuple(param.shape)} (built with another dtype "
+                    "or another tensor_parallel_size?)"
                 )
-            owner = owners.get(name)
             if owner is None:
                 param.copy_(tensor)
             else:
@@ -241,6 +365,34 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ModelLoadError(f"engine lacks {len(missing)} tensors, e.g. {missing[:3]}")
         self.process_weights_after_loading()
+
+    def _local_name(self, name: str) -> str | None:
+        """A whole-model parameter name -> this stage's (layer indices from 0), or None for a
+        layer another pipeline stage holds."""
+        match = _LOCAL_RE.match(name)
+        if match is None or self.parallel is None:
+            return name
+        index = int(match.group(1)) - self.layer_start
+        if not 0 <= index < len(self.layers):
+            return None
+        return f"layers.{index}.{match.group(2)}"
+
+    def _vocab_owner(self, name: str) -> nn.Module | None:
+        return {"embed_tokens.weight": self.embed_tokens, "lm_head.weight": self.lm_head}.get(name)
+
+    def _copy_unsplit(
+        self, name: str, param: torch.Tensor, tensor: torch.Tensor, hf_name: str
+    ) -> None:
+        """A parameter no Linear owns: the norms, the embedding, a vocab-cut head."""
+        owner = self._vocab_owner(name)
+        if isinstance(owner, VocabParallelEmbedding):
+            tensor = owner.cut(tensor)
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ModelLoadError(
+                f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                f"the model expects {tuple(param.shape)}"
+            )
+        param.copy_(tensor)
 
     def _linear_owners(self) -> dict[str, Linear]:
         """Each Linear-owned parameter's name -> its layer (whose method loads it)."""
@@ -284,9 +436,38 @@ class LlamaForCausalLM(nn.Module):
                 drawn = torch.empty(param.shape, device=param.device).normal_(
                     0.0, 0.02, generator=gen
                 )
-                owner.weight_loader(param, None, drawn)
+                owner.method.load_weight(param, None, drawn)  # drawn at this rank's shape
             else:
                 param.normal_(0.0, 0.02, generator=gen)
+
+
+def _scale_rows(
+    owner: Linear, param: torch.Tensor, shard: int | None, tensor: torch.Tensor
+) -> torch.Tensor:
+    """A pre-quantized checkpoint's weight scale as one scale per row of the full checkpoint
+    tensor (what the weight's rows are cut from under TP): per channel it is [rows, 1], per
+    tensor a single value, repeated for every row of the projection it scales."""
+    if tensor.numel() != 1:
+        return tensor.reshape(-1)
+    split = owner.split
+    if split is None or split.rows is None:  # TP=1, or row-parallel: every row is this rank's
+        rows = owner.shard_view(param, shard).shape[0]
+    elif shard is not None:
+        rows = split.full_sizes[shard]
+    else:
+        rows = sum(split.full_sizes)
+    return tensor.reshape(()).expand(rows)
+
+
+def _cut_fits(owner: Linear, param: torch.Tensor, shard: int | None, tensor: torch.Tensor) -> bool:
+    """Whether a full checkpoint tensor, cut to this rank's part, fills its place in `param`."""
+    want = tuple(owner.shard_view(param, shard).shape)
+    if owner.split is None:
+        return tuple(tensor.shape) == want
+    try:
+        return tuple(owner.cut(param, shard, tensor).shape) == want
+    except (RuntimeError, IndexError):  # narrow() past the end: the tensor is too small
+        return False
 
 
 def _derived(name: str, owner: Linear | None) -> bool:
@@ -296,6 +477,7 @@ def _derived(name: str, owner: Linear | None) -> bool:
 
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LOCAL_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 _LAYER_MAP = {
     # Fused projections: (kiln parameter, index of the shard in the layer's output_sizes).
     "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),

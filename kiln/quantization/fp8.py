@@ -76,6 +76,21 @@ class Fp8LinearMethod(LinearMethod):
         param.copy_(weight_fp8)
         layer.shard_view(layer.weight_scale, shard).copy_(scale.view(-1))
 
+    def load_checkpoint_tensor(
+        self, layer: Linear, param: torch.Tensor, shard: int | None, loaded: torch.Tensor
+    ) -> None:
+        """Column-parallel: the base class's cut-then-quantize (a row's scale is its own, so a
+        rank's rows quantize as at TP=1). Row-parallel: quantize the whole rows first, then keep
+        this rank's columns, so every rank's weight bytes and [out] scales equal TP=1's."""
+        split = layer.split
+        row_parallel = split is not None and split.cols is not None
+        if row_parallel and param is layer.weight and loaded.dtype != torch.float8_e4m3fn:
+            weight_fp8, scale = quantize_fp8(loaded.to(param.device), None)
+            param.copy_(layer.cut(param, shard, weight_fp8))
+            layer.shard_view(layer.weight_scale, shard).copy_(scale.view(-1))
+            return
+        super().load_checkpoint_tensor(layer, param, shard, loaded)
+
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         return ops.fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.config import EngineConfig
+from kiln.distributed.parallel_state import ParallelContext
 from kiln.errors import ModelLoadError
 from kiln.models.config import PRESETS, ModelConfig
 from kiln.models.llama import LinearMethodFactory, LlamaForCausalLM
@@ -36,6 +37,8 @@ class ModelSource:
     # (already quantized) tensors load.
     quantization: str = "none"
     input_scales: dict[str, float] | None = None  # an "fp8" engine's calibrated static scales
+    # > 1: an engine built with `kiln build -tp N`; `weights` are then one tensor rank's, cut.
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -71,7 +74,9 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return torch.float8_e4m3fn  # "fp8" / "fp8_e4m3" (validated by EngineConfig)
 
 
-def find_model_source(model: str | None, load_format: str) -> ModelSource:
+def find_model_source(model: str | None, load_format: str, tp_rank: int = 0) -> ModelSource:
+    """`tp_rank`: which tensor rank's weights to read from an engine built with one shard per
+    rank (other sources hold the whole model, which each rank cuts as it loads)."""
     from kiln.checkpoint.default_model import default_model_path
     from kiln.checkpoint.engine_dir import is_engine_dir
 
@@ -83,7 +88,7 @@ def find_model_source(model: str | None, load_format: str) -> ModelSource:
             raise ModelLoadError(f"GGUF file not found: {path}")
         return _gguf_source(path)
     if os.path.isdir(path) and is_engine_dir(path):
-        return _engine_dir_source(path)
+        return _engine_dir_source(path, tp_rank)
     if os.path.isdir(path):
         return _hf_dir_source(path)
     if model in PRESETS:
@@ -102,20 +107,23 @@ def _gguf_source(path: str) -> ModelSource:
     )
 
 
-def _engine_dir_source(path: str) -> ModelSource:
-    from kiln.checkpoint.engine_dir import iter_engine_weights, open_engine_dir
+def _engine_dir_source(path: str, tp_rank: int = 0) -> ModelSource:
+    from kiln.checkpoint.engine_dir import iter_engine_weights, open_engine_dir, rank_dir_name
     from kiln.checkpoint.safetensors_loader import read_generation_config
 
     engine = open_engine_dir(path)  # verifies version, GPU class, sizes and hashes first
+    tp = engine.manifest.get("tensor_parallel_size", 1)
+    weights_dir = path if tp == 1 else os.path.join(path, rank_dir_name(tp_rank, tp))
     return ModelSource(
         engine.config,
-        iter_engine_weights(path),
+        iter_engine_weights(weights_dir),
         _load_engine_tokenizer(path),
         read_generation_config(path),
         engine.description,
         weights_fused=True,
         quantization=engine.manifest["quantization"],
         input_scales=engine.manifest.get("input_scales"),
+        tensor_parallel_size=tp,
     )
 
 
@@ -224,23 +232,35 @@ def _hub_source(model_id: str) -> ModelSource:
 
 
 def load_model(
-    engine_config: EngineConfig, device: torch.device, dtype: torch.dtype
+    engine_config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    parallel: ParallelContext | None = None,
 ) -> LoadedModel:
+    """The model, or under TP/PP this rank's part of it (`parallel`): each rank reads the
+    checkpoint and keeps only its heads, rows and layers."""
     start = time.perf_counter()
-    source = find_model_source(engine_config.model, engine_config.load_format)
+    tp_rank = 0 if parallel is None else parallel.tp_rank
+    source = find_model_source(engine_config.model, engine_config.load_format, tp_rank)
+    if source.tensor_parallel_size not in (1, engine_config.tensor_parallel_size):
+        raise ModelLoadError(
+            f"{source.description} holds one weight shard per rank for tensor_parallel_size="
+            f"{source.tensor_parallel_size}; it cannot load at tensor_parallel_size="
+            f"{engine_config.tensor_parallel_size} (build another engine, or build without -tp)"
+        )
     cfg = source.config
     max_positions = engine_config.max_model_len or cfg.max_position_embeddings
     linear_method = _linear_method(engine_config, source)
     with torch.device(device):
         # Made in `dtype`, not `.to(dtype)` after: float8 weights and fp32 scales keep their types.
-        model = LlamaForCausalLM(cfg, max_positions, linear_method, dtype)
+        model = LlamaForCausalLM(cfg, max_positions, linear_method, dtype, parallel)
     # Rotary tables stay fp32, holding the model dtype's values (transformers rounds cos/sin to
     # the activations' dtype too).
     model.cos_sin_cache = model.cos_sin_cache.to(dtype).float()
     if source.weights is None:
         model.init_dummy_weights(engine_config.seed)
     elif source.weights_fused:
-        model.load_fused_weights(source.weights)
+        model.load_fused_weights(source.weights, cut=source.tensor_parallel_size == 1)
     else:
         model.load_weights(source.weights)
     model.eval()

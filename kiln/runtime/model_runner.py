@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kiln.attention.backend import get_attention_backend
+from kiln.distributed.comm import broadcast_sampled
 from kiln.interfaces import (
     ModelRunnerOutput,
     PromptLogprobsChunk,
@@ -31,7 +32,7 @@ from kiln.models.llama import LlamaForCausalLM
 from kiln.runtime.graph_runner import GraphRunner
 from kiln.runtime.input_batch import CachedRequestState, InputBuffers, PackedBatch
 from kiln.runtime.sampling_inputs import SamplingMetadataBuilder
-from kiln.sampling.sampler import LogprobsTensors, Sampler, compute_logprobs
+from kiln.sampling.sampler import LogprobsTensors, Sampler, SamplerOutput, compute_logprobs
 
 logger = logging.getLogger("kiln")
 
@@ -74,6 +75,9 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len or model.cos_sin_cache.shape[0]
+        # Tensor/pipeline parallel (kiln/distributed): None in one process. `cfg` is then this
+        # rank's shard (its KV heads and layers size the cache below).
+        self.parallel = getattr(model, "parallel", None)
         kernels = resolve_kernel_backend(attention_backend, self.device)
         self.ops = kernel_ops(kernels)
         self.backend = get_attention_backend(kernels, self.device)
@@ -212,28 +216,32 @@ class ModelRunner:
 
         step.states = [states[r] for r in batch.sampling_rows]
         num_rows = len(step.states)
-        if batch.logits_indices is None:
-            logits = self.model.compute_logits(hidden[:num_rows])
+        if self.parallel is not None:
+            result = self._sample_parallel(hidden, batch, step.states)
         else:
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
-        bitmask = None
-        if self._grammars is not None and self._grammars.matchers:
-            # Host work while the device runs the forward just launched (on the CPU the forward
-            # has already run: nothing to overlap there). A grammar needs the previous step's
-            # tokens: wait for them now, not before the launch, so the step was still prepared
-            # and launched while the previous one ran (async scheduling keeps its overlap).
-            matchers = self._grammars.matchers
-            if len(self._in_flight) > 1 and any(
-                s.num_pending and s.req_id in matchers for s in step.states
-            ):
-                for older in list(self._in_flight)[:-1]:
-                    if older.output is None:
-                        self._finish(older)
-            bitmask = self._grammars.fill_bitmask([s.req_id for s in step.states], self.device)
-        metadata = self.sampling.build(step.states)
-        if bitmask is not None:
-            metadata = replace(metadata, token_bitmask=bitmask)
-        result = self.sampler(logits, metadata)
+            if batch.logits_indices is None:
+                logits = self.model.compute_logits(hidden[:num_rows])
+            else:
+                logits = self.model.compute_logits(hidden[batch.logits_indices])
+            bitmask = None
+            if self._grammars is not None and self._grammars.matchers:
+                # Host work while the device runs the forward just launched (on the CPU the
+                # forward has already run: nothing to overlap there). A grammar needs the
+                # previous step's tokens: wait for them now, not before the launch, so the step
+                # was still prepared and launched while the previous one ran (async scheduling
+                # keeps its overlap).
+                matchers = self._grammars.matchers
+                if len(self._in_flight) > 1 and any(
+                    s.num_pending and s.req_id in matchers for s in step.states
+                ):
+                    for older in list(self._in_flight)[:-1]:
+                        if older.output is None:
+                            self._finish(older)
+                bitmask = self._grammars.fill_bitmask([s.req_id for s in step.states], self.device)
+            metadata = self.sampling.build(step.states)
+            if bitmask is not None:
+                metadata = replace(metadata, token_bitmask=bitmask)
+            result = self.sampler(logits, metadata)
         if gpu_events is not None:
             gpu_events[1].record()
         step.gpu_events = gpu_events
@@ -245,6 +253,23 @@ class ModelRunner:
         self._last_sampled = step.sampled
         step.times = (t0, t1, t2, time.perf_counter())
         return True
+
+    def _sample_parallel(
+        self, hidden: torch.Tensor, batch: PackedBatch, states: list[CachedRequestState]
+    ) -> SamplerOutput:
+        """TP/PP: the last stage's tensor ranks make the logits together (a collective), the
+        driver (global rank 0) samples, and every rank gets the ids (so each keeps the same
+        token history). Logprobs exist on the driver only, the one rank whose output is read."""
+        sampled = logprobs = None
+        if self.model.computes_logits:
+            index = batch.logits_indices
+            rows = hidden[: len(states)] if index is None else hidden[index]
+            logits = self.model.compute_logits(rows)
+            if self.parallel.layout.samples:
+                result = self.sampler(logits, self.sampling.build(states))
+                sampled, logprobs = result.sampled_token_ids, result.logprobs
+        sampled = broadcast_sampled(self.parallel, sampled, len(states), self.device)
+        return SamplerOutput(sampled, logprobs)
 
     def collect(self) -> ModelRunnerOutput:
         """Wait for the oldest submitted step's sampled ids and return them."""
@@ -362,6 +387,8 @@ class ModelRunner:
         Rows go through the vocabulary projection max_num_seqs at a time, so the memory this
         takes never exceeds what the startup profile measured for sampling."""
         out: dict[str, PromptLogprobsChunk] = {}
+        if not getattr(self.model, "computes_logits", True):
+            return out  # an earlier pipeline stage: no logits here (the driver's are read)
         for r, state in enumerate(states):
             num_top = state.sampling_params.prompt_logprobs
             if num_top is None:

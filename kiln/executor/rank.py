@@ -1,0 +1,113 @@
+"""One rank's data plane: load the model (or this rank's part of it), plan the KV cache, make the
+model runner. The in-process executor builds one with no `parallel`; under TP/PP every rank
+builds its own, and the KV blocks are the minimum over all ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kiln.checkpoint.engine_dir import runtime_defaults
+from kiln.config import EngineConfig
+from kiln.distributed.comm import all_reduce_min, barrier
+from kiln.distributed.parallel_state import ParallelContext
+from kiln.executor.base import KVCapacity, ModelFacts
+from kiln.runtime.memory_plan import MemoryPlan, plan_kv_blocks
+from kiln.runtime.model_loader import (
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
+from kiln.runtime.model_runner import ModelRunner
+
+logger = logging.getLogger("kiln")
+
+
+@dataclass
+class Rank:
+    facts: ModelFacts
+    memory_plan: MemoryPlan
+    capacity: KVCapacity
+    runner: ModelRunner
+
+
+def rank_device(name: str, parallel: ParallelContext | None) -> torch.device:
+    """The device of this rank: under TP/PP on CUDA, GPU LOCAL_RANK (set by torchrun or by kiln's
+    launcher) unless an index is given."""
+    device = resolve_device(name)
+    if parallel is not None and device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)  # NCCL's communicators bind to the current device
+    return device
+
+
+def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) -> Rank:
+    # An engine directory built with --kv-cache-dtype / --max-model-len runs with them unless
+    # the config chooses otherwise ("auto" and None are not choices).
+    unset = {
+        k: v
+        for k, v in runtime_defaults(config.model).items()
+        if getattr(config, k) in ("auto", None)
+    }
+    config = dataclasses.replace(config, **unset)
+    if parallel is not None:
+        # CUDA graphs with the collectives inside are for the multi-GPU issues: ranks run eager
+        # (and the memory plan reserves no graph pool).
+        config = dataclasses.replace(config, enforce_eager=True)
+    device = rank_device(config.device, parallel)
+    dtype = resolve_dtype(config.dtype, device)
+    torch.manual_seed(config.seed)
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    loaded = load_model(config, device, dtype, parallel)
+    if parallel is not None:
+        barrier(parallel)  # the GPU memory profile's forward has collectives of the step timeout
+    kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+    facts = ModelFacts(
+        config=loaded.config,
+        tokenizer=loaded.tokenizer,
+        generation_defaults=loaded.generation_defaults,
+        description=loaded.description,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        kv_cache_dtype=str(kv_cache_dtype).removeprefix("torch."),
+    )
+    max_model_len = config.max_model_len or loaded.config.max_position_embeddings
+    window = loaded.config.sliding_window
+    if window is not None and window < max_model_len:
+        # Sliding-window attention is not built: within the window it equals full attention,
+        # so cap the context there rather than compute something else past it.
+        logger.warning("sliding window %d: max_model_len capped to it", window)
+        max_model_len = window
+    memory_plan = plan_kv_blocks(config, loaded.model, max_model_len, device, kv_cache_dtype)
+    if parallel is not None:
+        # Every rank holds the same blocks (of its own heads and layers): the fewest that fit.
+        fewest = all_reduce_min(parallel, memory_plan.num_blocks)
+        memory_plan = dataclasses.replace(memory_plan, num_blocks=fewest)
+    num_blocks = memory_plan.num_blocks
+    # Every admitted request must fit the cache on its own, or preemption could never help.
+    capped = min(max_model_len, num_blocks * config.block_size)
+    if capped < max_model_len:
+        logger.warning(
+            "KV cache holds %d tokens: max_model_len lowered from %d", capped, max_model_len
+        )
+    runner = ModelRunner(
+        loaded.model,
+        num_blocks,
+        config.block_size,
+        tuple(loaded.config.eos_token_ids),
+        attention_backend=config.attention_backend,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=capped,
+        enforce_eager=config.enforce_eager,
+        kv_cache_dtype=kv_cache_dtype,
+        tokenizer=loaded.tokenizer,
+    )
+    return Rank(facts, memory_plan, KVCapacity(num_blocks, config.block_size, capped), runner)
