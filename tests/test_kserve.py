@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import queue
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -23,7 +24,7 @@ from kiln.server.app import build_app
 pytestmark = pytest.mark.timeout(300)  # the first test also waits for the model to load
 
 PROMPT = "The capital of France is"
-MAX_TOKENS = 8
+MAX_TOKENS = 6
 
 
 def _serve(engine, **kwargs) -> ServerThread:
@@ -256,41 +257,77 @@ def test_tensorrt_llm_grpc_and_stream_equal_completions(tc_grpc, ref):
     assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
 
 
-def test_ensemble_equals_completions(tc_http, tc_grpc, http, ref):
+def test_ensemble_equals_completions(server, tc_grpc, http, ref):
+    """Every text path at once (the engine batches them; each must equal the request alone)."""
     exclude = np.array([[True]], dtype=bool)
-    for client, mod in ((tc_http, httpclient), (tc_grpc, grpcclient)):
-        result = client.infer(
-            "ensemble", _text_inputs(mod, PROMPT, exclude_input_in_output=exclude)
-        )
-        assert result.as_numpy("text_output")[0, 0].decode() == ref["text"]
-    full = tc_http.infer("ensemble", _text_inputs(httpclient, PROMPT)).as_numpy("text_output")
-    assert full[0, 0].decode() == PROMPT + ref["text"]  # the backend's default includes the input
-    responses = _stream(
-        tc_grpc, "ensemble", _text_inputs(grpcclient, PROMPT, stream=np.array([[True]]))
-    )
-    assert "".join(r.as_numpy("text_output")[0, 0].decode() for r in responses) == ref["text"]
-    # Triton's generate extension, whole and as server-sent events.
     body = {"text_input": PROMPT, "max_tokens": MAX_TOKENS, "exclude_input_in_output": True}
-    reply = http.post("/v2/models/ensemble/generate", json=body)
-    assert reply.status_code == 200, reply.text
-    assert reply.json()["text_output"] == ref["text"]
-    assert reply.json()["model_name"] == "ensemble"
-    with http.stream(
-        "POST", "/v2/models/ensemble/generate_stream", json={**body, "parameters": {"stream": True}}
-    ) as stream:
-        assert stream.headers["content-type"].startswith("text/event-stream")
-        events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: ")]
-    assert "".join(e["text_output"] for e in events) == ref["text"]
-    ids = http.post(
-        "/v2/models/tensorrt_llm/generate",
-        json={
-            "input_ids": ref["prompt_ids"],
-            "input_lengths": len(ref["prompt_ids"]),
-            "request_output_len": MAX_TOKENS,
-            "exclude_input_in_output": True,
-        },
-    ).json()
-    assert ids["output_ids"] == ref["ids"]
+
+    def tc_http_infer(exclude_input: bool) -> str:
+        client = httpclient.InferenceServerClient(server.base_url.removeprefix("http://"))
+        try:
+            extra = {"exclude_input_in_output": exclude} if exclude_input else {}
+            result = client.infer("ensemble", _text_inputs(httpclient, PROMPT, **extra))
+            return result.as_numpy("text_output")[0, 0].decode()
+        finally:
+            client.close()
+
+    def tc_grpc_infer() -> str:
+        result = tc_grpc.infer(
+            "ensemble", _text_inputs(grpcclient, PROMPT, exclude_input_in_output=exclude)
+        )
+        return result.as_numpy("text_output")[0, 0].decode()
+
+    def tc_grpc_stream() -> str:
+        client = grpcclient.InferenceServerClient(server.grpc_url)  # one stream per client
+        try:
+            inputs = _text_inputs(grpcclient, PROMPT, stream=np.array([[True]]))
+            responses = _stream(client, "ensemble", inputs)
+        finally:
+            client.close()
+        assert len(responses) >= 2
+        return "".join(r.as_numpy("text_output")[0, 0].decode() for r in responses)
+
+    def generate() -> str:
+        reply = http.post("/v2/models/ensemble/generate", json=body)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["model_name"] == "ensemble"
+        return reply.json()["text_output"]
+
+    def generate_stream() -> str:
+        stream_body = {**body, "parameters": {"stream": True}}
+        with http.stream("POST", "/v2/models/ensemble/generate_stream", json=stream_body) as s:
+            assert s.headers["content-type"].startswith("text/event-stream")
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+        return "".join(e["text_output"] for e in events)
+
+    def generate_ids() -> list[int]:
+        reply = http.post(
+            "/v2/models/tensorrt_llm/generate",
+            json={
+                "input_ids": ref["prompt_ids"],
+                "input_lengths": len(ref["prompt_ids"]),
+                "request_output_len": MAX_TOKENS,
+                "exclude_input_in_output": True,
+            },
+        )
+        return reply.json()["output_ids"]
+
+    jobs = {
+        "http": lambda: tc_http_infer(True),
+        "http, with the input": lambda: tc_http_infer(False),
+        "grpc": tc_grpc_infer,
+        "grpc stream": tc_grpc_stream,
+        "generate": generate,
+        "generate_stream": generate_stream,
+        "generate ids": generate_ids,
+    }
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        got = {name: f.result(timeout=240) for name, f in futures.items()}
+    expected = {name: ref["text"] for name in jobs}
+    expected["http, with the input"] = PROMPT + ref["text"]  # the backend's default
+    expected["generate ids"] = ref["ids"]
+    assert got == expected
 
 
 # ---- the protocol's errors -----------------------------------------------------------------
