@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import queue
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -482,3 +483,63 @@ def test_api_key_guards_grpc_and_v2_routes(engine):
         finally:
             client.close()
         assert httpx.get(srv.base_url + "/v2/models/ensemble").status_code == 401
+
+
+def _wait_idle(server, engine, timeout: float = 20.0) -> bool:
+    """The server's books empty and the engine holding no request (its KV blocks freed). Also
+    keeps the process from exiting while the engine thread is mid-step: a daemon thread inside
+    torch at interpreter exit aborts Python 3.11."""
+    lifecycle = server.app.state.kiln.lifecycle
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        books_empty = not lifecycle.in_flight and lifecycle.num_waiting == 0
+        if books_empty and not offline(engine, lambda llm: llm.engine.has_unfinished_requests()):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_clients_that_leave_mid_stream_free_their_requests(server, engine, http, ref):
+    """A gRPC stream cancelled and an SSE stream closed after their first token: both requests
+    are aborted at once (a 400-token generation would hold the engine for a minute here)."""
+    lifecycle = server.app.state.kiln.lifecycle
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    # end_id -1: no EOS ends it early, only the abort can.
+    long = {
+        "request_output_len": np.array([[400]], dtype=np.int32),
+        "end_id": np.array([[-1]], dtype=np.int32),
+    }
+    inputs = _token_inputs(grpcclient, ref["prompt_ids"], streaming=np.array([[True]]), **long)
+    client.async_stream_infer("tensorrt_llm", inputs)
+    result, error = results.get(timeout=60)
+    assert error is None and result.as_numpy("output_ids").size >= 1
+    assert lifecycle.in_flight  # still generating
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    assert _wait_idle(server, engine), "the cancelled gRPC stream's request is still in flight"
+    body = {"text_input": PROMPT, "max_tokens": 400, "stream": True, "end_id": -1}
+    with http.stream("POST", "/v2/models/ensemble/generate_stream", json=body) as s:
+        lines = s.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        busy = set(lifecycle.in_flight)
+        assert "text_output" in first and busy, (first, [line for line in lines if line][:3])
+    assert _wait_idle(server, engine), "the closed SSE stream's request is still in flight"
+
+
+def test_draining_server_answers_unavailable(server, http, tc_http, tc_grpc):
+    lifecycle = server.app.state.kiln.lifecycle
+    lifecycle.draining = True
+    try:
+        assert not tc_http.is_server_ready() and not tc_grpc.is_server_ready()
+        assert not tc_grpc.is_model_ready("ensemble")
+        assert tc_grpc.is_server_live()
+        reply = http.post("/v2/models/tensorrt_llm/infer", json=_infer_body())
+        assert reply.status_code == 503 and "shutting down" in reply.json()["error"]
+        with pytest.raises(InferenceServerException) as err:
+            tc_grpc.infer("tensorrt_llm", _token_inputs(grpcclient, [1, 2]))
+        assert err.value.status() == "StatusCode.UNAVAILABLE"
+    finally:
+        lifecycle.draining = False
+    assert tc_grpc.is_server_ready()

@@ -189,9 +189,12 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 yield item
             await reader  # re-raises a failed read (a broken stream)
         finally:
-            reader.cancel()
-            for task in list(tasks):
+            pending = [reader, *tasks]
+            for task in pending:
                 task.cancel()  # the client left: their finally blocks abort the rows
+            # Let them end before the RPC does: a read of the request stream still pending when
+            # the call is torn down leaves gRPC's core unable to shut down at exit.
+            await asyncio.gather(*pending, return_exceptions=True)
 
 
 def _stream_error(exc: BaseException, request_id: str) -> pb.ModelStreamInferResponse:
