@@ -34,7 +34,7 @@ from kiln.server.kserve.core import (
     find_model,
     max_batch_size,
 )
-from kiln.server.kserve.errors import as_kserve_error, invalid
+from kiln.server.kserve.errors import KServeError, as_kserve_error, invalid
 from kiln.server.state import ServerState, get_state
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -112,7 +112,10 @@ async def ready(request: Request) -> Response:
 
 @_get(_model_paths("/ready"))
 async def model_ready(request: Request, model: str, version: str = "") -> Response:
-    find_model(model, version)
+    try:
+        find_model(model, version)
+    except KServeError as exc:  # Triton answers 400 here (404 for the metadata)
+        return JSONResponse({"error": exc.message}, status_code=400)
     return Response(status_code=200 if _ready(get_state(request)) else 503)
 
 
