@@ -383,6 +383,10 @@ BAD_TENSORS = {
     ),
     "unknown output": {**_infer_body(), "outputs": [{"name": "generation_logits"}]},
     "unknown parameter": {**_infer_body(), "parameters": {"sequence_id": 3}},
+    "classification": {
+        **_infer_body(),
+        "outputs": [{"name": "output_ids", "parameters": {"classification": 3}}],
+    },
 }
 
 

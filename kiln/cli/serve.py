@@ -75,9 +75,9 @@ def run(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         metrics_prefix=args.metrics_prefix,
-        max_tokens_default=args.max_tokens_default,
         grpc_port=args.grpc_port,
         grpc_host=args.host,
+        max_tokens_default=args.max_tokens_default,
     )
     config = uvicorn.Config(
         app,

@@ -27,9 +27,9 @@ def build_app(
     max_waiting: int = DEFAULT_MAX_WAITING,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics_prefix: str = "kiln",
-    max_tokens_default: int | None = None,
     grpc_port: int | None = None,
     grpc_host: str = "127.0.0.1",
+    max_tokens_default: int | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over a running AsyncEngine. `app.state.kiln` holds the
     ServerState (its `lifecycle.drain` is what SIGTERM calls). `metrics_prefix`: "kiln",

@@ -214,7 +214,11 @@ def parse_infer(body: bytes, header_length: str | None, model: str, version: str
     for i, o in enumerate(obj.get("outputs") or []):
         if not isinstance(o, dict) or not isinstance(o.get("name"), str):
             raise invalid(f"outputs[{i}] must be an object with a 'name'")
-        binary = _parameters(o, f"output '{o['name']}'").get("binary_data")
+        params = _parameters(o, f"output '{o['name']}'")
+        unknown = sorted(set(params) - {"binary_data"})
+        if unknown:
+            raise invalid(f"output '{o['name']}': parameters {unknown} are not supported")
+        binary = params.get("binary_data")
         outputs.append(RequestedOutput(o["name"], None if binary is None else bool(binary)))
     request_id = obj.get("id", "")
     return InferRequest(
