@@ -20,6 +20,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="also serve KServe v2 / Triton's gRPC protocol on this port (Triton's is 8001)",
+    )
     p.add_argument("--api-key", default=envs().api_key, help="default: $KILN_API_KEY")
     p.add_argument("--served-model-name", default=None, help="default: --model as given")
     p.add_argument(
@@ -81,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         metrics_prefix=args.metrics_prefix,
+        grpc_port=args.grpc_port,
+        grpc_host=args.host,
         max_tokens_default=args.max_tokens_default,
         tool_call_parser=args.tool_call_parser,
     )
@@ -90,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
-        lifespan="off",
+        lifespan="off" if args.grpc_port is None else "on",  # the lifespan serves gRPC
         # One log line per request costs the event loop under load: off unless asked for.
         access_log=args.enable_log_requests,
     )

@@ -9,7 +9,7 @@ from fastapi import FastAPI
 
 import kiln
 from kiln.engine.async_engine import AsyncEngine
-from kiln.server import chat, completions, routes
+from kiln.server import chat, completions, kserve, routes
 from kiln.server.errors import install_error_handlers
 from kiln.server.lifecycle import Lifecycle
 from kiln.server.metrics import PREFIXES, ServerMetrics, cache_config_info
@@ -28,13 +28,17 @@ def build_app(
     max_waiting: int = DEFAULT_MAX_WAITING,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics_prefix: str = "kiln",
+    grpc_port: int | None = None,
+    grpc_host: str = "127.0.0.1",
     max_tokens_default: int | None = None,
     tool_call_parser: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over a running AsyncEngine. `app.state.kiln` holds the
     ServerState (its `lifecycle.drain` is what SIGTERM calls). `metrics_prefix`: "kiln",
     "vllm" (vLLM's dashboards work unchanged) or "both". `max_tokens_default`: the output limit
-    of a request that names none (None: up to the context, as vLLM)."""
+    of a request that names none (None: up to the context, as vLLM). `grpc_port`: also serve
+    KServe v2 over gRPC there (0: any free port, then in `app.state.grpc_port`) while the app's
+    lifespan runs."""
     if metrics_prefix not in PREFIXES:
         raise ValueError(
             f"metrics_prefix must be one of {sorted(PREFIXES)}, got {metrics_prefix!r}"
@@ -47,7 +51,15 @@ def build_app(
         raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
-    app = FastAPI(title="kiln", version=kiln.__version__, summary="OpenAI-compatible LLM server")
+    lifespan = None
+    if grpc_port is not None:
+        lifespan = kserve.grpc_lifespan(grpc_host, grpc_port, api_key, max_body_bytes)
+    app = FastAPI(
+        title="kiln",
+        version=kiln.__version__,
+        summary="OpenAI-compatible LLM server",
+        lifespan=lifespan,
+    )
     app.state.kiln = ServerState(
         engine=async_engine,
         model_name=served_model_name,
@@ -65,5 +77,6 @@ def build_app(
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(routes.router)
+    app.include_router(kserve.router)  # KServe v2 / Triton: /v2/...
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     return app
