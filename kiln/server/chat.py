@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
 from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -23,7 +24,7 @@ from kiln.server.generation import (
     unless_disconnected,
 )
 from kiln.server.logprobs import chat_logprobs
-from kiln.server.params import build_sampling_params
+from kiln.server.params import build_sampling_params, check_max_tokens
 from kiln.server.protocol import (
     ERROR_RESPONSES,
     ChatCompletionRequest,
@@ -59,6 +60,7 @@ def chat_prompt_ids(
         {"role": "system" if m.role == "developer" else m.role, "content": _text(m)}
         for m in messages
     ]
+    state.check_messages([c["content"] for c in conversation])  # before the template's work
     try:
         text = tokenizer.apply_chat_template(
             conversation,
@@ -100,11 +102,15 @@ async def create_chat_completion(
 ) -> Response:
     state.check_model(body.model)
     _refuse_unsupported(body)
-    prompt_ids = chat_prompt_ids(
+    prompt_ids = await run_in_threadpool(  # off the event loop: templates take time
+        chat_prompt_ids,
         state,
         body.messages,
         body.add_generation_prompt is not False,
         bool(body.continue_final_message),
+    )
+    check_max_tokens(
+        body.max_completion_tokens or body.max_tokens, [len(prompt_ids)], state.max_model_len
     )
     last = body.messages[-1]
     echoed = _text(last) if body.echo and last.role == "assistant" else ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
 import kiln
@@ -88,10 +89,12 @@ async def tokenize(body: TokenizeRequest, state: State) -> JSONResponse:
     state.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
-    if body.messages is not None:
-        ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt is not False)
+    add_generation_prompt = body.add_generation_prompt is not False
+    if body.messages is not None:  # off the event loop, as for generation requests
+        ids = await run_in_threadpool(chat_prompt_ids, state, body.messages, add_generation_prompt)
     else:
-        ids = state.tokenize(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        special = body.add_special_tokens is not False
+        ids = await run_in_threadpool(state.tokenize, body.prompt, special)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
 
 
