@@ -7,7 +7,8 @@ offline run comes first, on the same engine flags, with no server alive. Writes 
 cell and `serve_vs_offline.json` + `.md` (the table docs/performance.md takes).
 
     python benchmarks/serve_vs_offline.py --out DIR --shapes 128x128 1000x1000 \
-        --concurrency 1 64 256 512 -- --model llama-3.1-8b --load-format dummy --dtype bfloat16
+        --concurrency 1 64 256 512 --check-client-from 256 \
+        -- --model llama-3.1-8b --load-format dummy --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -87,7 +88,12 @@ def main() -> int:
     p.add_argument("--requests-per-concurrency", type=float, default=2.0)
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--check-client", action="store_true", help="rerun each with one more client")
+    p.add_argument(
+        "--check-client-from",
+        type=int,
+        default=None,
+        help="from this concurrency on, rerun each streaming cell with one more client process",
+    )
     p.add_argument("engine_flags", nargs=argparse.REMAINDER)
     args = p.parse_args()
     engine_flags = [f for f in args.engine_flags if f != "--"]
@@ -122,7 +128,8 @@ def main() -> int:
                     cmd += ["--input-len", input_len, "--output-len", output_len]
                     cmd += ["--num-requests", str(work[c]), "--concurrency", str(c)]
                     cmd += [] if stream else ["--no-stream"]
-                    cmd += ["--check-client"] if args.check_client else []
+                    check = args.check_client_from is not None and c >= args.check_client_from
+                    cmd += ["--check-client"] if stream and check else []
                     cell = _cell(_run_json(cmd, os.path.join(args.out, name), args.timeout))
                     row["stream" if stream else "no_stream"] = cell
                     if cell and offline[c]:

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
 from starlette.background import BackgroundTask
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -31,7 +30,7 @@ from kiln.server.protocol import (
     ChatCompletionResponse,
     ChatMessage,
 )
-from kiln.server.state import ServerState, State
+from kiln.server.state import ServerState, State, off_the_loop, text_size
 
 router = APIRouter()
 
@@ -102,7 +101,8 @@ async def create_chat_completion(
 ) -> Response:
     state.check_model(body.model)
     _refuse_unsupported(body)
-    prompt_ids = await run_in_threadpool(  # off the event loop: templates take time
+    prompt_ids = await off_the_loop(  # a long conversation's template takes time
+        text_size(body.messages),
         chat_prompt_ids,
         state,
         body.messages,

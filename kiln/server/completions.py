@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 from fastapi import APIRouter
 from starlette.background import BackgroundTask
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -33,7 +32,7 @@ from kiln.server.generation import (
 from kiln.server.logprobs import CompletionLogprobs, finite
 from kiln.server.params import build_sampling_params, check_max_tokens
 from kiln.server.protocol import ERROR_RESPONSES, CompletionRequest, CompletionResponse
-from kiln.server.state import ServerState, State
+from kiln.server.state import ServerState, State, off_the_loop, text_size
 
 router = APIRouter()
 
@@ -229,7 +228,7 @@ def _head(plan: _Plan) -> dict:
 )
 async def create_completion(body: CompletionRequest, raw: Request, state: State) -> Response:
     state.check_model(body.model)
-    plan = await run_in_threadpool(_plan, body, state)  # tokenizing is off the event loop
+    plan = await off_the_loop(text_size(body.prompt), _plan, body, state)  # long text: a thread
     choices = _choices(plan, state, body.logprobs is not None)
     gen = await Generation.start(state.engine, state.lifecycle, state.metrics, plan.requests)
     if body.stream:

@@ -107,6 +107,17 @@ class Generation:
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(request index, delta) in arrival order until every request has finished. An engine
         failure is raised here (EngineDeadError)."""
+        if len(self.streams) == 1:  # one engine request (chat, one prompt): no merge needed
+            try:
+                async for delta in self.streams[0]:
+                    self._observe(0, delta)
+                    yield 0, delta
+            except Exception:
+                self._failed = True
+                raise
+            finally:
+                self.close()
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, stream: RequestStream) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter
-from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
 import kiln
@@ -15,7 +14,7 @@ from kiln.server.chat import chat_prompt_ids
 from kiln.server.errors import error_response
 from kiln.server.metrics import CONTENT_TYPE
 from kiln.server.protocol import ERROR_RESPONSES, DetokenizeRequest, TokenizeRequest
-from kiln.server.state import ServerState, State
+from kiln.server.state import ServerState, State, off_the_loop, text_size
 
 router = APIRouter()
 
@@ -91,10 +90,11 @@ async def tokenize(body: TokenizeRequest, state: State) -> JSONResponse:
         raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
     add_generation_prompt = body.add_generation_prompt is not False
     if body.messages is not None:  # off the event loop, as for generation requests
-        ids = await run_in_threadpool(chat_prompt_ids, state, body.messages, add_generation_prompt)
+        size = text_size(body.messages)
+        ids = await off_the_loop(size, chat_prompt_ids, state, body.messages, add_generation_prompt)
     else:
         special = body.add_special_tokens is not False
-        ids = await run_in_threadpool(state.tokenize, body.prompt, special)
+        ids = await off_the_loop(len(body.prompt), state.tokenize, body.prompt, special)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
 
 

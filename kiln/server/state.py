@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import Depends
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from kiln.engine.async_engine import AsyncEngine
@@ -16,6 +18,8 @@ from kiln.sampling_params import SamplingParams
 from kiln.server.errors import APIError
 from kiln.server.lifecycle import Lifecycle
 from kiln.server.metrics import ServerMetrics
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -100,6 +104,33 @@ class ServerState:
     @staticmethod
     def new_id(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# Text beyond this many characters is tokenized (or templated) on a worker thread; below it,
+# inline: a hop to the thread pool (and its capacity limiter, under a burst of hundreds of
+# requests) costs more than tokenizing a short prompt, and token-id prompts need neither.
+OFFLOAD_CHARS = 4096
+
+
+async def off_the_loop(num_chars: int, fn: Callable[..., T], *args: object) -> T:
+    """fn(*args), on a worker thread if the text it works on is long enough to stall the event
+    loop (every open stream and /health wait while it holds the loop)."""
+    if num_chars <= OFFLOAD_CHARS:
+        return fn(*args)
+    return await run_in_threadpool(fn, *args)
+
+
+def text_size(value: object) -> int:
+    """Characters of text in a prompt or chat messages (token ids count nothing)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(text_size(v) for v in value)
+    content = getattr(value, "content", None)  # a ChatMessage
+    if content is not None:
+        return text_size(content)
+    text = getattr(value, "text", None)  # a TextPart
+    return len(text) if isinstance(text, str) else 0
 
 
 def check_text(text: str, param: str) -> None:
