@@ -128,6 +128,9 @@ def main() -> int:
                     cmd += ["--input-len", input_len, "--output-len", output_len]
                     cmd += ["--num-requests", str(work[c]), "--concurrency", str(c)]
                     cmd += [] if stream else ["--no-stream"]
+                    # Fresh random prompts per run (same lengths, same work): one server serves
+                    # every run of the shape, and repeated prompts would hit its prefix cache.
+                    cmd += ["--dataset-seed", str(1000 * c + (1 if stream else 2))]
                     check = args.check_client_from is not None and c >= args.check_client_from
                     cmd += ["--check-client"] if stream and check else []
                     cell = _cell(_run_json(cmd, os.path.join(args.out, name), args.timeout))

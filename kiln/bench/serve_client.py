@@ -284,8 +284,13 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
         "saturated": any(c["cpu_util"] > 0.8 for c in clients),
     }
     if getattr(args, "check_client", False):
-        # The proof the client is not the bottleneck: one more client process, same load.
-        more, _, _ = run_load(*load, args.dataset_seed + 1, stream, len(clients) + 1)
+        # The proof the client is not the bottleneck: one more client process, the same load
+        # shape on fresh prompts (the same ones would hit the prefix cache and run faster).
+        fresh = synthetic_requests(
+            num_requests, args.input_len, args.output_len, vocab_size, args.dataset_seed + 7919
+        )
+        rerun = (base_url, args.api_key, model, fresh, concurrency, args.request_rate)
+        more, _, _ = run_load(*rerun, args.dataset_seed + 1, stream, len(clients) + 1)
         if more:
             extra = throughput_report(more)["output_tok_s"]
             client["one_more_client_output_tok_s"] = extra

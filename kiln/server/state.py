@@ -38,9 +38,10 @@ class ServerState:
         self.vocab_size: int = info.vocab_size
         self.defaults: SamplingParams = info.default_params
         # Bounds that reject an over-long prompt from its size alone, before the tokenizer or
-        # the chat template spends seconds (and gigabytes) on it.
-        self.max_chars_per_token = _longest_token_chars(self.tokenizer)
-        self.min_tokens_per_message = _min_tokens_per_message(self.tokenizer)
+        # the chat template spends seconds (and gigabytes) on it: measured on first need (the
+        # vocabulary walk takes ~0.5 s, and only text longer than the context needs it).
+        self._max_chars_per_token: int | None = None
+        self._min_tokens_per_message: int | None = None
 
     def check_model(self, model: str | None) -> None:
         if model:
@@ -64,10 +65,15 @@ class ServerState:
         """400 if text of `num_chars` characters (in `num_messages` chat messages) cannot fit the
         context whatever it says: each token is at most `max_chars_per_token` characters, each
         message costs the template's markup. O(1): the tokenizer never sees such a prompt."""
-        if self.max_chars_per_token is None:
+        if num_chars + num_messages <= self.max_model_len:
+            return  # this short, tokenizing is quick and says exactly: no bound needed
+        if self._max_chars_per_token is None:
+            self._max_chars_per_token = _longest_token_chars(self.tokenizer) or 0
+            self._min_tokens_per_message = _min_tokens_per_message(self.tokenizer)
+        if not self._max_chars_per_token:
             return
-        at_least = -(-num_chars // self.max_chars_per_token)
-        at_least += num_messages * self.min_tokens_per_message
+        at_least = -(-num_chars // self._max_chars_per_token)
+        at_least += num_messages * self._min_tokens_per_message
         if at_least > self.max_model_len:
             raise InvalidRequestError(
                 f"{param} is at least {at_least} tokens long ({num_chars} characters"
