@@ -254,6 +254,24 @@ for s in "$@"; do
             --max-num-batched-tokens 8192 --max-model-len 256 --warmup 192 \
             --output-json "$OUT/tput128_70b_fp8_tp$N$SFX.json"
         ;;
+    serve128 | serve1000-lo | serve1000-256 | serve1000-512)
+        # Issue 15: kiln serve (engine process; SERVE_FLAGS=--no-engine-process for the A/B)
+        # beside the offline engine in the same run, streaming and not, 2 requests per slot
+        # (1000/1000: 1), the client checked by one more process from concurrency 256 on.
+        # Expectations: benchmarks/serve_vs_offline_expected.md.
+        ENGINE="--model llama-3.1-8b --load-format dummy --dtype bfloat16 $VARIANT"
+        SVO="python3 benchmarks/serve_vs_offline.py --check-client-from 256 --min-requests 8"
+        case $s in
+        serve128) stage serve128 560 $SVO --out "$OUT/serve128$SFX" --shapes 128x128 \
+            --concurrency 1 64 256 512 --requests-per-concurrency 2 -- $ENGINE ;;
+        serve1000-lo) stage serve1000-lo 560 $SVO --out "$OUT/serve1000_lo$SFX" \
+            --shapes 1000x1000 --concurrency 1 64 --requests-per-concurrency 1 -- $ENGINE ;;
+        serve1000-256) stage serve1000-256 560 $SVO --out "$OUT/serve1000_256$SFX" \
+            --shapes 1000x1000 --concurrency 256 --requests-per-concurrency 1 -- $ENGINE ;;
+        serve1000-512) stage serve1000-512 580 $SVO --out "$OUT/serve1000_512$SFX" \
+            --shapes 1000x1000 --concurrency 512 --requests-per-concurrency 1 -- $ENGINE ;;
+        esac
+        ;;
     *)
         echo "unknown stage $s"
         ;;

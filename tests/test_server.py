@@ -278,9 +278,11 @@ def test_64_concurrent_streams_equal_alone(engine, server):
     assert results == alone * 4
 
 
-def _wait_until_idle(http: httpx.Client, since: float, within_s: float = 1.0) -> None:
+def _wait_until_idle(http: httpx.Client, since: float, within_s: float = 15.0) -> None:
+    # /metrics answers at once from the engine's last step (it used to wait for the step in
+    # progress): the aborts show once that step ends, and a CPU step under load takes seconds.
     while metric(http, "kv_cache_usage_perc") > 0 or metric(http, "num_requests_running") > 0:
-        assert time.monotonic() - since < within_s, "KV blocks not freed within a second"
+        assert time.monotonic() - since < within_s, f"KV blocks not freed within {within_s}s"
         time.sleep(0.05)
 
 

@@ -1,11 +1,19 @@
 """`kiln bench serve`: load on an OpenAI-compatible server, timed per token as the client sees it.
 
 Streams /v1/completions with synthetic random token-id prompts (trtllm-bench's workload; EOS
-ignored, greedy), at most `--concurrency` requests in flight, arrivals either all at once or a
-seeded Poisson process at `--request-rate`. Each SSE chunk is one token arrival (kiln, like vLLM,
-streams a chunk per generated token); the final usage chunk checks the count. Metrics are
-MEASURING.md's (metrics.py): output tok/s from first submission to last completion, TTFT, TPOT,
-ITL, E2E. Needs no local model: the vocabulary size comes from /v1/models (or --vocab-size).
+ignored, greedy). Arrivals: all at once (the default), a seeded Poisson process at
+`--request-rate`, and/or at most `--max-concurrency` requests in flight. Each SSE chunk is one
+token arrival (kiln, like vLLM, streams a chunk per generated token); the final usage chunk
+checks the count. `--no-stream` asks for whole responses (TTFT is then the E2E latency).
+
+The load comes from `--num-clients` processes (default: one per 64 requests in flight, up to the
+CPUs but one), each with its share of the requests, the concurrency and the rate, started at one
+instant; their timings share one clock (perf_counter is the system's monotonic clock). Each
+reports its CPU time: a client process near 100% of a core is itself a limit, and the record says
+so (`client.saturated`), as one httpx process limited the first serve measurements.
+
+Metrics are MEASURING.md's (metrics.py): output tok/s from first submission to last completion,
+TTFT, TPOT, ITL, E2E. Needs no local model: the vocabulary size comes from /v1/models.
 """
 
 from __future__ import annotations
@@ -29,6 +37,28 @@ from kiln.bench.workload import BenchRequest, synthetic_requests
 
 class ServeBenchError(RuntimeError):
     pass
+
+
+async def _whole_one(client: httpx.AsyncClient, model: str, request: BenchRequest) -> RequestTiming:
+    """A non-streaming request: every token 'arrives' with the response."""
+    payload = {
+        "model": model,
+        "prompt": request.prompt_token_ids,
+        "max_tokens": request.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    timing = RequestTiming(submitted=time.perf_counter())
+    response = await client.post("/v1/completions", json=payload)
+    now = time.perf_counter()
+    if response.status_code != 200:
+        raise ServeBenchError(f"HTTP {response.status_code}: {response.text[:300]}")
+    usage = response.json()["usage"]
+    timing.num_prompt_tokens = usage["prompt_tokens"]
+    timing.token_times = [now] * usage["completion_tokens"]
+    if not timing.token_times:
+        raise ServeBenchError("the response has no token")
+    return timing
 
 
 async def _stream_one(
@@ -80,7 +110,9 @@ async def _run(
     concurrency: int,
     request_rate: float,
     seed: int,
+    stream: bool = True,
 ) -> tuple[list[RequestTiming], list[str]]:
+    send = _stream_one if stream else _whole_one
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     timeout = httpx.Timeout(None, connect=30.0)
@@ -95,7 +127,7 @@ async def _run(
         async def one(request: BenchRequest) -> None:
             async with gate:  # TTFT counts from the send, not from the queue in this client
                 try:
-                    timings.append(await _stream_one(client, model, request))
+                    timings.append(await send(client, model, request))
                 except (ServeBenchError, httpx.HTTPError) as exc:
                     failures.append(str(exc))
 
@@ -136,6 +168,92 @@ def _environment() -> dict:
     }
 
 
+def _client_worker(job: dict) -> dict:
+    """One client process: wait for the common start, run its share, report its CPU time."""
+    delay = job["start_at"] - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    timings, failures = asyncio.run(
+        _run(
+            job["base_url"],
+            job["api_key"],
+            job["model"],
+            job["requests"],
+            job["concurrency"],
+            job["request_rate"],
+            job["seed"],
+            job["stream"],
+        )
+    )
+    wall = time.perf_counter() - wall0
+    return {
+        "timings": [(t.submitted, t.token_times, t.num_prompt_tokens) for t in timings],
+        "failures": failures,
+        "cpu_s": time.process_time() - cpu0,
+        "wall_s": wall,
+    }
+
+
+def default_num_clients(concurrency: int) -> int:
+    """One client process per 64 requests in flight, up to the CPUs less one (the server's)."""
+    return max(1, min(-(-concurrency // 64), (os.cpu_count() or 2) - 1))
+
+
+def run_load(
+    base_url: str,
+    api_key: str | None,
+    model: str,
+    requests: list[BenchRequest],
+    concurrency: int,
+    request_rate: float,
+    seed: int,
+    stream: bool,
+    num_clients: int,
+) -> tuple[list[RequestTiming], list[str], list[dict]]:
+    """The load split over `num_clients` processes (in this process when 1)."""
+    num_clients = max(1, min(num_clients, len(requests)))
+    jobs = [
+        {
+            "base_url": base_url,
+            "api_key": api_key,
+            "model": model,
+            "requests": requests[i::num_clients],
+            "concurrency": max(1, -(-concurrency // num_clients)),
+            "request_rate": request_rate / num_clients,  # K Poisson streams sum to one
+            "seed": seed + i,
+            "stream": stream,
+            "start_at": 0.0,
+        }
+        for i in range(num_clients)
+    ]
+    if num_clients == 1:
+        results = [_client_worker(jobs[0])]
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(num_clients, mp_context=ctx) as pool:
+            # Warm the processes (spawn imports httpx) before the common start.
+            list(pool.map(time.sleep, [0.0] * num_clients))
+            start_at = time.perf_counter() + 1.0
+            for job in jobs:
+                job["start_at"] = start_at
+            results = list(pool.map(_client_worker, jobs))
+    timings = [RequestTiming(s, list(tt), n) for r in results for s, tt, n in r["timings"]]
+    failures = [f for r in results for f in r["failures"]]
+    clients = [
+        {
+            "cpu_s": r["cpu_s"],
+            "wall_s": r["wall_s"],
+            "cpu_util": r["cpu_s"] / max(r["wall_s"], 1e-9),
+        }
+        for r in results
+    ]
+    return timings, failures, clients
+
+
 def run_serve_bench(args: argparse.Namespace) -> dict:
     """Run the load, print a table, write the JSON record (if --output-json); returns it."""
     base_url = args.base_url.rstrip("/")
@@ -143,29 +261,40 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
     vocab_size = args.vocab_size or card.get("vocab_size")
     if not vocab_size:
         raise ServeBenchError("the server does not say its vocabulary size: pass --vocab-size")
-    concurrency = args.concurrency or 1
     num_requests = args.num_requests or 64
+    concurrency = args.concurrency or num_requests  # no cap: all in flight at once
+    stream = not getattr(args, "no_stream", False)
+    num_clients = getattr(args, "num_clients", None) or default_num_clients(concurrency)
     requests = synthetic_requests(
         num_requests + args.warmup, args.input_len, args.output_len, vocab_size, args.dataset_seed
     )
     warmup, requests = requests[: args.warmup], requests[args.warmup :]
     model = card["id"]
     if warmup:
-        asyncio.run(_run(base_url, args.api_key, model, warmup, 1, float("inf"), 0))
-    timings, failures = asyncio.run(
-        _run(
-            base_url,
-            args.api_key,
-            model,
-            requests,
-            concurrency,
-            args.request_rate,
-            args.dataset_seed,
-        )
-    )
+        asyncio.run(_run(base_url, args.api_key, model, warmup, 1, float("inf"), 0, stream))
+    load = (base_url, args.api_key, model, requests, concurrency, args.request_rate)
+    timings, failures, clients = run_load(*load, args.dataset_seed, stream, num_clients)
     if not timings:
         raise ServeBenchError(f"every request failed; first error: {failures[:1]}")
     report = throughput_report(timings)
+    client = {
+        "num_clients": len(clients),
+        "processes": clients,
+        # A client process busy most of the time is itself a limit on what it measures.
+        "saturated": any(c["cpu_util"] > 0.8 for c in clients),
+    }
+    if getattr(args, "check_client", False):
+        # The proof the client is not the bottleneck: one more client process, the same load
+        # shape on fresh prompts (the same ones would hit the prefix cache and run faster).
+        fresh = synthetic_requests(
+            num_requests, args.input_len, args.output_len, vocab_size, args.dataset_seed + 7919
+        )
+        rerun = (base_url, args.api_key, model, fresh, concurrency, args.request_rate)
+        more, _, _ = run_load(*rerun, args.dataset_seed + 1, stream, len(clients) + 1)
+        if more:
+            extra = throughput_report(more)["output_tok_s"]
+            client["one_more_client_output_tok_s"] = extra
+            client["one_more_client_gain"] = extra / report["output_tok_s"] - 1
     record = {
         "mode": "serve",
         "base_url": base_url,
@@ -177,21 +306,34 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
             "dataset_seed": args.dataset_seed,
             "concurrency": concurrency,
             "request_rate": None if args.request_rate == float("inf") else args.request_rate,
+            "stream": stream,
             "ignore_eos": True,
             "temperature": 0.0,
         },
         "num_failed": len(failures),
         "failures": failures[:5],
         "kiln": report,
+        "client": client,
         "env": _environment(),
     }
     print(_table(report, len(failures)))
+    print(_client_line(client))
     if args.output_json:
         from kiln.bench.report import write_json
 
         write_json(args.output_json, record)
         print(f"wrote {args.output_json}")
     return record
+
+
+def _client_line(client: dict) -> str:
+    utils = ", ".join(f"{c['cpu_util']:.0%}" for c in client["processes"])
+    line = f"client: {client['num_clients']} processes, CPU {utils}"
+    if client["saturated"]:
+        line += " -- SATURATED: the client may be the limit, add --num-clients"
+    if "one_more_client_gain" in client:
+        line += f"; one more client: {client['one_more_client_gain']:+.1%} output tok/s"
+    return line
 
 
 def _table(report: dict, num_failed: int) -> str:

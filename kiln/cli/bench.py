@@ -15,7 +15,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", default="128", help="N or LOW:HIGH (uniform, seeded)")
     p.add_argument("--output-len", default="128", help="N or LOW:HIGH (uniform, seeded)")
     p.add_argument("--dataset-seed", type=int, default=0)
-    p.add_argument("--concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument(
+        "--concurrency",
+        "--max-concurrency",  # vLLM's benchmark_serving name
+        type=int,
+        default=None,
+        help="cap on requests in flight (serve: default all at once)",
+    )
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
     p.add_argument("--hf-batch-size", type=int, default=None, help="default: all at once")
     p.add_argument("--warmup", type=int, default=1, help="warm-up requests before timing")
@@ -25,6 +31,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson req/s")
     g.add_argument("--api-key", default=None)
     g.add_argument("--vocab-size", type=int, default=None, help="default: from /v1/models")
+    g.add_argument(
+        "--num-clients",
+        type=int,
+        default=None,
+        help="client processes (default: one per 64 in flight, up to the CPUs less one)",
+    )
+    g.add_argument("--no-stream", action="store_true", help="whole responses, not SSE")
+    g.add_argument(
+        "--check-client",
+        action="store_true",
+        help="rerun with one more client process and report the gain (none: not the client)",
+    )
     p.add_argument("--no-progress", action="store_true")
     add_engine_args(p)
     p.set_defaults(func=run)

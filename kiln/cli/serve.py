@@ -1,7 +1,13 @@
 """`kiln serve`: the OpenAI-compatible HTTP server.
 
 SIGTERM (or Ctrl-C) drains: new work gets 503, requests in flight get `--shutdown-grace` seconds
-to finish (the rest are aborted), then the process exits 0. A second signal exits at once.
+to finish (the rest are aborted), then the process exits 0. A second signal aborts what is
+still running (each stream still ends with its last event and [DONE]) and exits.
+
+The engine (scheduler, executor, model) runs in its own process by default (kiln.engine_core):
+this process's interpreter lock then serves HTTP, JSON and SSE only. `--no-engine-process` keeps
+it on a thread of this process. If the engine process dies, /health turns 503, open streams end
+with an error event, and the server exits 1 rather than serving nothing.
 """
 
 from __future__ import annotations
@@ -65,6 +71,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="accepted for vLLM compatibility: tool_choice auto is always on",
     )
+    p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine in its own process (default), or on a thread of the server's",
+    )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="send a stream's tokens every N tokens in one frame (vLLM's name; the first token "
+        "goes out at once): fewer frames per token when many streams run",
+    )
+    p.add_argument(
+        "--max-seqs-per-request",
+        type=int,
+        default=256,
+        help="most sequences one request may ask for (prompts x n); more gets a 400",
+    )
     p.add_argument("model_tag", nargs="?", default=None, help="the model, as vLLM takes it")
     add_vllm_serve_flags(p)
     add_engine_args(p)
@@ -74,12 +99,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kiln.engine.async_engine import AsyncEngine
     from kiln.server.app import build_app
     from kiln.server.lifecycle import DrainingServer
 
     check_vllm_serve_flags(args)
-    engine = AsyncEngine.from_config(engine_config_from_args(args))
+    if args.stream_interval < 1:
+        raise SystemExit(f"error: --stream-interval must be >= 1, got {args.stream_interval}")
+    config = engine_config_from_args(args)
+    if args.engine_process:
+        from kiln.engine_core.client import EngineClient
+
+        engine = EngineClient.start(config, stream_interval=args.stream_interval)
+    else:
+        from kiln.engine.async_engine import AsyncEngine
+
+        engine = AsyncEngine.from_config(config, stream_interval=args.stream_interval)
     app = build_app(
         engine,
         args.served_model_name or args.model or DEFAULT_MODEL_NAME,
@@ -91,8 +125,9 @@ def run(args: argparse.Namespace) -> int:
         grpc_host=args.host,
         max_tokens_default=args.max_tokens_default,
         tool_call_parser=args.tool_call_parser,
+        max_seqs_per_request=args.max_seqs_per_request,
     )
-    config = uvicorn.Config(
+    uv_config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -104,10 +139,13 @@ def run(args: argparse.Namespace) -> int:
     )
     state = app.state.kiln
     server = DrainingServer(
-        config, lambda: state.lifecycle.drain(args.shutdown_grace, state.engine.abort)
+        uv_config,
+        lambda: state.lifecycle.drain(args.shutdown_grace, state.engine.abort),
+        abort_all=lambda: state.lifecycle.abort_all(state.engine.abort),
     )
+    engine.on_dead = server.engine_died
     try:
         server.run()
     finally:
         engine.shutdown()
-    return 0
+    return 1 if server.engine_dead else 0

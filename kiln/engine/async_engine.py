@@ -4,9 +4,10 @@ The event loop never runs model code: add/abort are commands the loop thread pic
 steps, and each step's deltas are handed back with `call_soon_threadsafe`. If the loop dies,
 every open stream ends with the error and `healthy` turns False.
 
-Each request's first delta carries `metrics["first_scheduled_time"]` (time.monotonic() at the
-start of the step that first scheduled it): the end of its queue time, which the server reports.
-`iteration_tokens` counts steps by the tokens they produced, for the server's metrics.
+The books around each step (queue times, tokens per step, the last-step snapshot, the stream
+interval) are StepLoop's, shared with the engine process (kiln.engine_core), whose client has the
+same surface as this class: submit/add_request/generate/abort, healthy/error, info, tokenizer,
+stats, shutdown.
 """
 
 from __future__ import annotations
@@ -16,15 +17,14 @@ import contextlib
 import logging
 import queue
 import threading
-import time
-from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kiln.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
+from kiln.engine.step_loop import EngineInfo, EngineSnapshot, StepLoop, engine_info
 from kiln.errors import KilnError
-from kiln.outputs import CompletionOutput, RequestOutput
+from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 
 logger = logging.getLogger("kiln.async_engine")
@@ -77,29 +77,36 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, stream_interval: int = 1) -> None:
         self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.info: EngineInfo = engine_info(engine)
+        self._loop = StepLoop(engine, stream_interval)  # loop-thread only
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
-        # Loop-thread only: requests not yet scheduled, and when the scheduled ones first were.
-        self._unscheduled: set[str] = set()
-        self._scheduled_at: dict[str, float] = {}
-        # Loop-thread only (read through `call`): tokens in a step -> how many steps had that
-        # many. Exact and bounded: one key per distinct step size.
-        self.iteration_tokens: Counter[int] = Counter()
         self._stop = False
         self.error: BaseException | None = None
+        self.on_dead = None  # called (from the loop thread) once the loop has died
         self._thread = threading.Thread(target=self._run, name="kiln-engine-loop", daemon=True)
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        return cls(LLMEngine(config))
+    def from_config(cls, config: EngineConfig, stream_interval: int = 1) -> AsyncEngine:
+        return cls(LLMEngine(config), stream_interval)
 
     @property
     def healthy(self) -> bool:
         return self.error is None and self._thread.is_alive()
+
+    @property
+    def stats(self) -> EngineSnapshot:
+        """The engine as of its last step (replaced whole by the loop thread: no lock, no wait)."""
+        return self._loop.snapshot
+
+    @property
+    def iteration_tokens(self) -> dict[int, int]:
+        return self._loop.snapshot.iteration_tokens
 
     # ---- API used from the event loop ----------------------------------------------------
 
@@ -128,6 +135,8 @@ class AsyncEngine:
             self.abort(request_id)  # cancelled after the loop thread queued it
             raise
         return RequestStream(self, request_id, stream)
+
+    add_request = submit  # the name vLLM's AsyncLLM and LLMEngine use
 
     async def generate(
         self,
@@ -174,22 +183,19 @@ class AsyncEngine:
         try:
             while not self._stop:
                 self._drain_commands()
-                if not self.engine.has_unfinished_requests():
+                if not self._loop.has_work():
+                    self._loop.refresh_snapshot(force=True)  # idle: the gauges say so at once
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue
-                step_start = time.monotonic()
-                deltas = self.engine.step()
-                self._stamp_scheduled(step_start)
-                self._count_iteration_tokens(deltas)
-                for delta in deltas:
-                    if delta.finished:
-                        self.engine.finished_output(delta.request_id)
+                for delta in self._loop.step():
                     self._deliver(delta.request_id, delta)
         except BaseException as exc:  # the loop must never die silently
             logger.exception("engine loop died")
             self.error = exc
             self._fail_everyone(EngineDeadError(f"engine loop died: {type(exc).__name__}: {exc}"))
+            if self.on_dead is not None:
+                self.on_dead()
 
     def _fail_everyone(self, dead: EngineDeadError) -> None:
         """End every open stream and every pending add/call with the error: nobody may hang."""
@@ -206,31 +212,6 @@ class AsyncEngine:
                 fut = command[3]
                 with contextlib.suppress(RuntimeError):
                     fut.get_loop().call_soon_threadsafe(_set_exception, fut, dead)
-
-    def _stamp_scheduled(self, step_start: float) -> None:
-        """Requests no longer waiting after this step were first scheduled at its start."""
-        if not self._unscheduled:
-            return
-        waiting = {r.req_id for r in self.engine.scheduler.waiting}
-        for req_id in list(self._unscheduled):
-            children = self.engine.output_processor.child_ids(req_id)
-            if not any(child in waiting for child in children):
-                self._unscheduled.discard(req_id)
-                self._scheduled_at[req_id] = step_start
-
-    def _count_iteration_tokens(self, deltas: list[RequestOutput]) -> None:
-        """The step's tokens as vLLM's iteration_tokens_total counts them: every new token, plus
-        a prompt's length in the step that gave a completion its first token."""
-        total = 0
-        for delta in deltas:
-            state = self.engine.output_processor.requests.get(delta.request_id)
-            for o in delta.outputs:
-                total += len(o.token_ids)
-                so_far = len(state.completions[o.index].output.token_ids) if state else 0
-                if o.token_ids and so_far == len(o.token_ids):
-                    total += len(delta.prompt_token_ids)
-        if total:
-            self.iteration_tokens[total] += 1
 
     def _drain_commands(self) -> None:
         while True:
@@ -257,36 +238,19 @@ class AsyncEngine:
         if req_id not in self._streams:  # the client left before we got to it
             return
         try:
-            self.engine.add_request(prompt, params, request_id=req_id, priority=priority)
+            self._loop.add(req_id, prompt, params, priority)
         except Exception as exc:
             loop.call_soon_threadsafe(_set_exception, accepted, exc)
             return
-        self._unscheduled.add(req_id)
         loop.call_soon_threadsafe(_set_result, accepted, None)
 
     def _abort(self, req_id: str) -> None:
         """Abort in the engine; a stream still listening (a server-side abort, e.g. the drain
         deadline) gets a last delta with finish_reason "abort" instead of waiting forever."""
-        self._unscheduled.discard(req_id)
-        self._scheduled_at.pop(req_id, None)
-        for final in self.engine.abort_request(req_id):
-            ended = [
-                CompletionOutput(o.index, "", [], None, o.finish_reason, o.stop_reason)
-                for o in final.outputs
-                if o.finish_reason == "abort"
-            ]
-            last = RequestOutput(
-                final.request_id, final.prompt, final.prompt_token_ids, ended, finished=True
-            )
-            self._deliver(req_id, last)
+        for item in self._loop.abort(req_id):
+            self._deliver(req_id, item)
 
     def _deliver(self, req_id: str, item: RequestOutput | BaseException) -> None:
-        if isinstance(item, RequestOutput):
-            scheduled = self._scheduled_at.pop(req_id, None)
-            if scheduled is not None:
-                item.metrics["first_scheduled_time"] = scheduled
-            if item.finished:
-                self._unscheduled.discard(req_id)
         stream = self._streams.get(req_id)
         if stream is None:
             if isinstance(item, RequestOutput) and not item.finished:

@@ -18,6 +18,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
 }
 _HF_CLASS = {arch: cls for cls, arch in SUPPORTED_ARCHITECTURES.items()}
+# The deepest published decoders have ~130 layers; building 10k layers' modules already takes
+# minutes on a CPU, and a config saying 1e7 would otherwise look like a hang.
+MAX_LAYERS = 10_000
 _POSITIVE_FIELDS = (
     "vocab_size",
     "hidden_size",
@@ -83,6 +86,11 @@ class ModelConfig:
             )
         for name in _POSITIVE_FIELDS:
             _require_positive(name, getattr(self, name))
+        if self.num_hidden_layers > MAX_LAYERS:
+            raise ModelLoadError(
+                f"num_hidden_layers={self.num_hidden_layers} is more than any model has "
+                f"(kiln builds at most {MAX_LAYERS})"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelLoadError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -92,6 +100,37 @@ class ModelConfig:
             raise ModelLoadError(f"torch_dtype={self.torch_dtype!r} is not one of {_DTYPES}")
         if self.rope_scaling is not None and "rope_type" not in self.rope_scaling:
             raise ModelLoadError(f"rope_scaling={self.rope_scaling!r} has no 'rope_type'")
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Weights per part of the model (no quantization): what a size check names."""
+        kv_width = self.num_key_value_heads * self.head_dim
+        attention = self.hidden_size * (self.num_attention_heads * self.head_dim) * 2
+        attention += self.hidden_size * kv_width * 2
+        per_layer = attention + 3 * self.hidden_size * self.intermediate_size
+        embeddings = self.vocab_size * self.hidden_size
+        return {
+            "vocab_size": embeddings * (1 if self.tie_word_embeddings else 2),
+            "num_hidden_layers": self.num_hidden_layers * per_layer,
+        }
+
+    def check_fits(self, bytes_per_weight: int, available_bytes: int, where: str) -> None:
+        """ModelLoadError naming the field, before anything is allocated, if the weights alone
+        need more than `available_bytes` (absurd sizes would hit the allocator or run for
+        hours building ten million layers)."""
+        counts = self.parameter_counts()
+        need = sum(counts.values()) * bytes_per_weight
+        if need <= available_bytes:
+            return
+        biggest = max(counts, key=counts.get)
+        fields = {
+            "vocab_size": f"vocab_size={self.vocab_size}, hidden_size={self.hidden_size}",
+            "num_hidden_layers": f"num_hidden_layers={self.num_hidden_layers}, hidden_size="
+            f"{self.hidden_size}, intermediate_size={self.intermediate_size}",
+        }
+        raise ModelLoadError(
+            f"the model's weights need {need / 2**30:,.1f} GiB, more than the "
+            f"{available_bytes / 2**30:,.1f} GiB of {where}: check {fields[biggest]}"
+        )
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -111,6 +150,12 @@ class ModelConfig:
         if d.get("mlp_bias"):
             raise ModelLoadError("mlp_bias=true is not supported")
         num_heads = int(d["num_attention_heads"])
+        if not d.get("head_dim") and num_heads > 0 and int(d["hidden_size"]) % num_heads:
+            # Else head_dim = hidden // heads silently drops columns (transformers refuses it).
+            raise ModelLoadError(
+                f"hidden_size={d['hidden_size']} is not divisible by num_attention_heads="
+                f"{num_heads} (and the config gives no head_dim)"
+            )
         rope_theta, rope_scaling = _rope_of(d)
         return cls(
             architecture=architecture,
@@ -211,6 +256,14 @@ def _rope_of(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """
     params = d.get("rope_parameters") or {}
     source = d.get("rope_scaling") or params
+    for name, value in (("rope_parameters", params), ("rope_scaling", source)):
+        if not isinstance(value, dict):
+            raise ModelLoadError(f"{name}={value!r} must be a dict (with a 'rope_type')")
+    factor = source.get("factor")
+    if factor is not None and (
+        isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0
+    ):
+        raise ModelLoadError(f"rope_scaling.factor={factor!r} must be a positive number")
     theta = d.get("rope_theta") or params.get("rope_theta") or 10000.0
     rope_type = source.get("rope_type") or source.get("type") or "default"
     if rope_type == "default":

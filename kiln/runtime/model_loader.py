@@ -231,6 +231,13 @@ def _hub_source(model_id: str) -> ModelSource:
     return _hf_dir_source(local)
 
 
+def _memory_of(device: torch.device) -> tuple[int, str]:
+    """(bytes, what) the weights must fit in: the GPU's total memory, or the host's RAM."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, f"{device} memory"
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host memory"
+
+
 def load_model(
     engine_config: EngineConfig,
     device: torch.device,
@@ -251,6 +258,9 @@ def load_model(
     cfg = source.config
     max_positions = engine_config.max_model_len or cfg.max_position_embeddings
     linear_method = _linear_method(engine_config, source)
+    # Quantized weights may take one byte each: the check must not refuse what would fit.
+    weight_bytes = 1 if engine_config.quantization != "none" else dtype.itemsize
+    cfg.check_fits(weight_bytes, *_memory_of(device))
     with torch.device(device):
         # Made in `dtype`, not `.to(dtype)` after: float8 weights and fp32 scales keep their types.
         model = LlamaForCausalLM(cfg, max_positions, linear_method, dtype, parallel)

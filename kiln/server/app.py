@@ -9,10 +9,11 @@ from fastapi import FastAPI
 
 import kiln
 from kiln.engine.async_engine import AsyncEngine
+from kiln.engine_core.client import EngineClient
 from kiln.server import chat, completions, kserve, routes
 from kiln.server.errors import install_error_handlers
 from kiln.server.lifecycle import Lifecycle
-from kiln.server.metrics import PREFIXES, ServerMetrics, cache_config_info
+from kiln.server.metrics import PREFIXES, ServerMetrics
 from kiln.server.middleware import GuardMiddleware
 from kiln.server.state import ServerState
 from kiln.server.tool_calls.parsers import PARSERS
@@ -22,7 +23,7 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 
 def build_app(
-    async_engine: AsyncEngine,
+    async_engine: AsyncEngine | EngineClient,
     served_model_name: str,
     api_key: str | None = None,
     max_waiting: int = DEFAULT_MAX_WAITING,
@@ -32,13 +33,15 @@ def build_app(
     grpc_host: str = "127.0.0.1",
     max_tokens_default: int | None = None,
     tool_call_parser: str | None = None,
+    max_seqs_per_request: int | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over a running AsyncEngine. `app.state.kiln` holds the
     ServerState (its `lifecycle.drain` is what SIGTERM calls). `metrics_prefix`: "kiln",
     "vllm" (vLLM's dashboards work unchanged) or "both". `max_tokens_default`: the output limit
     of a request that names none (None: up to the context, as vLLM). `grpc_port`: also serve
     KServe v2 over gRPC there (0: any free port, then in `app.state.grpc_port`) while the app's
-    lifespan runs."""
+    lifespan runs. `max_seqs_per_request`: most sequences (prompts x n) one request may ask for
+    (None: max_waiting); more is a 400."""
     if metrics_prefix not in PREFIXES:
         raise ValueError(
             f"metrics_prefix must be one of {sorted(PREFIXES)}, got {metrics_prefix!r}"
@@ -47,6 +50,8 @@ def build_app(
         raise ValueError(f"max_tokens_default must be >= 1, got {max_tokens_default}")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}")
+    if max_seqs_per_request is not None and max_seqs_per_request < 1:
+        raise ValueError(f"max_seqs_per_request must be >= 1, got {max_seqs_per_request}")
     if max_waiting < 1:
         raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
     if max_body_bytes < 1:
@@ -63,11 +68,11 @@ def build_app(
     app.state.kiln = ServerState(
         engine=async_engine,
         model_name=served_model_name,
-        lifecycle=Lifecycle(max_waiting),
+        lifecycle=Lifecycle(max_waiting, max_seqs_per_request),
         metrics=ServerMetrics(
             served_model_name,
-            async_engine.engine.max_model_len,
-            cache_config_info(async_engine.engine),
+            async_engine.info.max_model_len,
+            async_engine.info.cache_config,
             prefix=metrics_prefix,
         ),
         max_tokens_default=max_tokens_default,

@@ -23,14 +23,14 @@ from kiln.server.generation import (
     unless_disconnected,
 )
 from kiln.server.logprobs import chat_logprobs
-from kiln.server.params import build_sampling_params
+from kiln.server.params import build_sampling_params, check_max_tokens
 from kiln.server.protocol import (
     ERROR_RESPONSES,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessage,
 )
-from kiln.server.state import ServerState, State
+from kiln.server.state import ServerState, State, off_the_loop, text_size
 from kiln.server.tool_calls import (
     ToolCallStream,
     ToolPlan,
@@ -68,6 +68,7 @@ def chat_prompt_ids(
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model has no chat template", param="messages")
     conversation = [template_message(m) for m in messages]
+    state.check_messages([c["content"] for c in conversation])  # before the template's work
     try:
         text = tokenizer.apply_chat_template(
             conversation,
@@ -107,12 +108,17 @@ async def create_chat_completion(
     tool_plan = plan_tools(
         body.tools, body.tool_choice, body.parallel_tool_calls, tool_call_parser(state)
     )
-    prompt_ids = chat_prompt_ids(
+    prompt_ids = await off_the_loop(  # a long conversation's template takes time
+        text_size(body.messages),
+        chat_prompt_ids,
         state,
         body.messages,
         body.add_generation_prompt is not False,
         bool(body.continue_final_message),
-        tools=tool_plan and tool_plan.tools,
+        tool_plan and tool_plan.tools,
+    )
+    check_max_tokens(
+        body.max_completion_tokens or body.max_tokens, [len(prompt_ids)], state.max_model_len
     )
     last = body.messages[-1]
     echoed = _text(last) if body.echo and last.role == "assistant" else ""

@@ -30,9 +30,9 @@ from kiln.server.generation import (
     unless_disconnected,
 )
 from kiln.server.logprobs import CompletionLogprobs, finite
-from kiln.server.params import build_sampling_params
+from kiln.server.params import build_sampling_params, check_max_tokens
 from kiln.server.protocol import ERROR_RESPONSES, CompletionRequest, CompletionResponse
-from kiln.server.state import ServerState, State
+from kiln.server.state import ServerState, State, off_the_loop, text_size
 
 router = APIRouter()
 
@@ -93,13 +93,12 @@ def _plan(body: CompletionRequest, state: ServerState) -> _Plan:
     echo = bool(body.echo)
     if body.max_tokens == 0 and not echo:
         raise InvalidRequestError("max_tokens must be >= 1 (0 only with echo)", "max_tokens")
+    num_prompts = len(body.prompt) if isinstance(body.prompt, list) and body.prompt else 1
+    if num_prompts > 1 and not isinstance(body.prompt[0], int):
+        # Counted before any prompt is tokenized: the cap bounds the work, not just the queue.
+        state.lifecycle.admit(num_prompts * n, check_queue=False)
     prompts = _prompts(body.prompt, state)
-    if len(prompts) > state.lifecycle.max_waiting:
-        raise InvalidRequestError(
-            f"{len(prompts)} prompts are more than this server queues "
-            f"({state.lifecycle.max_waiting})",
-            param="prompt",
-        )
+    check_max_tokens(body.max_tokens, [len(ids) for _, ids in prompts], state.max_model_len)
     drop_output = body.max_tokens == 0
     want_logprobs = body.logprobs is not None
     params = build_sampling_params(
@@ -229,7 +228,7 @@ def _head(plan: _Plan) -> dict:
 )
 async def create_completion(body: CompletionRequest, raw: Request, state: State) -> Response:
     state.check_model(body.model)
-    plan = _plan(body, state)
+    plan = await off_the_loop(text_size(body.prompt), _plan, body, state)  # long text: a thread
     choices = _choices(plan, state, body.logprobs is not None)
     gen = await Generation.start(state.engine, state.lifecycle, state.metrics, plan.requests)
     if body.stream:

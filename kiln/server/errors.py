@@ -63,14 +63,29 @@ def _validation_param(loc: tuple) -> str | None:
     return fields[0] if fields else None
 
 
+def _most_specific(errors: list[dict]) -> dict:
+    """The error a client can act on. A union (prompt: str | list[int] | ...) reports one error
+    per member; a violated bound (a negative token id) says more than "should be a valid
+    string", and the deepest location more than the shallowest."""
+
+    def rank(error: dict) -> tuple[bool, int]:
+        kind = str(error.get("type", ""))
+        mismatch = kind.endswith(("_type", "_parsing")) or kind in ("missing", "union_tag_invalid")
+        return (mismatch, -len(error.get("loc", ())))
+
+    return min(errors, key=rank)
+
+
 async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     if not errors:
         return error_response(400, "invalid request body")
-    first = errors[0]
+    first = _most_specific(list(errors))
     param = _validation_param(tuple(first.get("loc", ())))
     where = f"{param}: " if param else ""
     message = f"{where}{first.get('msg', 'invalid value')}"
+    if "input" in first and not isinstance(first["input"], (dict, list)):
+        message += f", got {first['input']!r}"[:200]
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problems)"
     return error_response(400, message, param)
@@ -89,7 +104,10 @@ async def _on_engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
 
 
 async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return error_response(exc.status_code, str(exc.detail))
+    response = error_response(exc.status_code, str(exc.detail))
+    for name, value in (exc.headers or {}).items():  # 405's Allow, 401's WWW-Authenticate
+        response.headers[name] = value
+    return response
 
 
 async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -5,11 +5,11 @@ client goes away. Shared by /v1/completions (one engine request per prompt) and 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import orjson
 from starlette.requests import Request
 
 from kiln.engine.async_engine import AsyncEngine, RequestStream
@@ -23,7 +23,9 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    """One SSE frame, the JSON built by orjson straight from the dict (no pydantic model, no
+    str round trip): the per-token cost of a stream. Non-finite floats become null."""
+    return b"data: " + orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS) + b"\n\n"
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class Generation:
         self.requests: list[EngineRequest] = []
         self.streams: list[RequestStream] = []
         self._timers: list[RequestTimer] = []
-        self._started: list[bool] = []
+        self._started: list[set[int]] = []  # per request: completions that have a token
         self._done: list[bool] = []
         self._tasks: list[asyncio.Task] = []
         self._closed = False
@@ -70,14 +72,14 @@ class Generation:
         prompts is scheduled together rather than one step each). One the engine rejects
         (InvalidRequestError) rejects them all before any response byte is sent; the accepted
         ones are aborted, nothing stays queued."""
-        lifecycle.admit(len(requests))
+        lifecycle.admit(sum(r.params.n for r in requests))
         gen = cls(engine, lifecycle, metrics, len(requests))
         for r in requests:
             gen.requests.append(r)
             gen._timers.append(RequestTimer(metrics, len(r.prompt_token_ids), r.params.n))
-            gen._started.append(False)
+            gen._started.append(set())
             gen._done.append(False)
-            lifecycle.num_waiting += 1
+            lifecycle.num_waiting += r.params.n
             lifecycle.in_flight.add(r.req_id)
         tasks = [
             asyncio.ensure_future(engine.submit(r.prompt_token_ids, r.params, r.req_id, r.priority))
@@ -105,6 +107,17 @@ class Generation:
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(request index, delta) in arrival order until every request has finished. An engine
         failure is raised here (EngineDeadError)."""
+        if len(self.streams) == 1:  # one engine request (chat, one prompt): no merge needed
+            try:
+                async for delta in self.streams[0]:
+                    self._observe(0, delta)
+                    yield 0, delta
+            except Exception:
+                self._failed = True
+                raise
+            finally:
+                self.close()
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, stream: RequestStream) -> None:
@@ -133,9 +146,11 @@ class Generation:
 
     def _observe(self, index: int, delta: RequestOutput) -> None:
         self._timers[index].on_delta(delta)
-        if not self._started[index]:
-            self._started[index] = True
-            self.lifecycle.num_waiting -= 1
+        started = self._started[index]
+        for o in delta.outputs:  # a sequence stops waiting with its first token (or its end)
+            if o.index not in started and (o.token_ids or o.finish_reason is not None):
+                started.add(o.index)
+                self.lifecycle.num_waiting -= 1
         if delta.finished:
             self._release(index)
 
@@ -143,9 +158,9 @@ class Generation:
         if self._done[index]:
             return
         self._done[index] = True
-        if not self._started[index]:
-            self._started[index] = True
-            self.lifecycle.num_waiting -= 1
+        n = self.requests[index].params.n
+        self.lifecycle.num_waiting -= n - len(self._started[index])
+        self._started[index].update(range(n))
         self.lifecycle.in_flight.discard(self.requests[index].req_id)
 
     def close(self) -> None:

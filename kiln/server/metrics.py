@@ -8,17 +8,16 @@ vLLM's do. Each app owns its registries, so several apps in one process (tests) 
 Per-request latencies are observed in the server as deltas arrive (the same clock the client
 sees, minus the network), per completion (each of a request's n counts, as in vLLM, where each
 is a request of its own). Engine state (queue lengths, KV usage, prefix-cache and preemption
-counters, tokens per step) is read on the engine's loop thread at scrape time, never from the
-event loop's side.
+counters, tokens per step) is the engine's own snapshot as of its last step (StepLoop's,
+refreshed at least every 0.1 s while it steps and whenever it goes idle): a scrape answers at once,
+even during a long prefill, and never waits on the engine thread or process.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -28,8 +27,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.utils import floatToGoString
 
-from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.llm_engine import LLMEngine
+from kiln.engine.step_loop import EngineSnapshot
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -63,44 +61,6 @@ def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
                 return tuple(buckets)
             buckets.append(mantissa * scale)
         scale *= 10
-
-
-def cache_config_info(engine: LLMEngine) -> dict[str, str]:
-    """vLLM's cache_config_info labels (the KV pool as built). Immutable once the engine is up,
-    so safe to read from the event-loop thread."""
-    kv = engine.kv_cache
-    return {
-        "block_size": str(kv.block_size),
-        "num_gpu_blocks": str(kv.pool.num_blocks),
-        "cache_dtype": str(engine.kv_cache_dtype),
-        "enable_prefix_caching": str(kv.pool.enable_caching),
-    }
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    num_preemptions: int = 0
-    iteration_tokens: dict[int, int] = field(default_factory=dict)  # tokens in a step -> steps
-
-
-def read_engine(engine: LLMEngine, iteration_tokens: dict[int, int]) -> EngineSnapshot:
-    """Runs on the engine loop thread (via AsyncEngine.call): the scheduler and the loop's
-    per-step counts are not shared."""
-    stats = engine.kv_cache.stats
-    return EngineSnapshot(
-        num_running=len(engine.scheduler.running),
-        num_waiting=len(engine.scheduler.waiting),
-        kv_cache_usage=engine.kv_cache_usage,
-        prefix_queries=stats.queries,
-        prefix_hits=stats.hits,
-        num_preemptions=engine.scheduler.num_preemptions_total,
-        iteration_tokens=dict(iteration_tokens),
-    )
 
 
 class _EngineCollector:
@@ -264,14 +224,10 @@ class ServerMetrics:
         self.itl.observe(seconds)
         self.tpot.observe(seconds)  # vLLM's older name for the same observation
 
-    async def render(self, engine: AsyncEngine) -> bytes:
-        """Refresh the engine snapshot (a stale one if the engine is dead or busy) and render."""
-        if engine.healthy:
-            # A dead or stuck engine must not break the scrape: keep the last snapshot.
-            with contextlib.suppress(Exception):
-                self._engine.snapshot = await asyncio.wait_for(
-                    engine.call(read_engine, engine.iteration_tokens), 5.0
-                )
+    async def render(self, engine: object) -> bytes:
+        """Render with the engine's last-step snapshot (`engine.stats`, an AsyncEngine or an
+        EngineClient): no round trip to the engine, so a long step cannot delay the scrape."""
+        self._engine.snapshot = engine.stats
         return generate_latest(self.registry)
 
 

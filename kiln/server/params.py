@@ -18,6 +18,24 @@ def refuse_unsupported(req: SamplingFields) -> None:
         raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
 
 
+def check_max_tokens(max_tokens: int | None, prompt_lens: list[int], max_model_len: int) -> None:
+    """A max_tokens that does not fit beside the prompt is a 400, as vLLM answers, not a silent
+    cap (the client would read 'length' and think it got what it asked for)."""
+    if max_tokens is None or not prompt_lens:
+        return
+    longest = max(prompt_lens)
+    if longest >= max_model_len:
+        return  # the prompt alone is too long: the engine says so (param "prompt")
+    if longest + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in "
+            "the completion). Please reduce the length of the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+
+
 def build_sampling_params(
     req: SamplingFields,
     defaults: SamplingParams,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 MAX_N = 128  # OpenAI's own ceiling on n
 MAX_LOGPROBS = 20  # OpenAI's ceiling on top_logprobs
@@ -19,6 +19,13 @@ INT64 = 2**63 - 1
 
 TokenId = Annotated[int, Field(ge=0, le=INT64)]
 StopList = Annotated[list[str], Field(max_length=MAX_STOP)]
+# Empty prompts are rejected by the server: the schema says so too (schemathesis reads it).
+Prompt = (
+    Annotated[str, Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+)
 
 
 class _Body(BaseModel):
@@ -66,11 +73,11 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: Prompt
     max_tokens: int | None = Field(16, ge=0, le=INT64)
     """0 is allowed only with echo: score the prompt, generate nothing (lm-eval loglikelihood)."""
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool | None = False
+    echo: StrictBool | None = False  # not 0/1: the schema's boolean is what the server takes
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """vLLM's extra: each prompt token's logprob and the top-N, in the choice's prompt_logprobs."""
     best_of: int | None = Field(None, ge=1, le=MAX_N)
@@ -92,6 +99,16 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(SamplingFields):
+    # top_logprobs needs logprobs=true: the server's 400, said in the schema too.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {
+                "properties": {"top_logprobs": {"type": "integer"}},
+                "required": ["top_logprobs"],
+            },
+            "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+        }
+    )
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64)
     max_tokens: int | None = Field(None, ge=1, le=INT64)
@@ -105,7 +122,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     """vLLM's extra: the reply continues the last (assistant) message instead of starting one."""
-    echo: bool | None = False
+    echo: StrictBool | None = False
     """vLLM's extra: the reply's content starts with the last message's, if that is the
     assistant's (what continue_final_message continues)."""
 

@@ -14,7 +14,7 @@ from kiln.server.chat import chat_prompt_ids
 from kiln.server.errors import error_response
 from kiln.server.metrics import CONTENT_TYPE
 from kiln.server.protocol import ERROR_RESPONSES, DetokenizeRequest, TokenizeRequest
-from kiln.server.state import ServerState, State
+from kiln.server.state import ServerState, State, off_the_loop, text_size
 
 router = APIRouter()
 
@@ -88,10 +88,13 @@ async def tokenize(body: TokenizeRequest, state: State) -> JSONResponse:
     state.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
-    if body.messages is not None:
-        ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt is not False)
+    add_generation_prompt = body.add_generation_prompt is not False
+    if body.messages is not None:  # off the event loop, as for generation requests
+        size = text_size(body.messages)
+        ids = await off_the_loop(size, chat_prompt_ids, state, body.messages, add_generation_prompt)
     else:
-        ids = state.tokenize(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        special = body.add_special_tokens is not False
+        ids = await off_the_loop(len(body.prompt), state.tokenize, body.prompt, special)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
 
 

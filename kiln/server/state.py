@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import Depends
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from kiln.engine.async_engine import AsyncEngine
+from kiln.engine_core.client import EngineClient
 from kiln.errors import InvalidRequestError
 from kiln.sampling_params import SamplingParams
 from kiln.server.errors import APIError
 from kiln.server.lifecycle import Lifecycle
 from kiln.server.metrics import ServerMetrics
 
+T = TypeVar("T")
+
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: AsyncEngine | EngineClient  # the engine thread, or the engine process's client
     model_name: str
     lifecycle: Lifecycle
     metrics: ServerMetrics
@@ -28,13 +33,20 @@ class ServerState:
 
     def __post_init__(self) -> None:
         # Read once: immutable after the engine is built, so safe from the event-loop thread.
-        core = self.engine.engine
-        self.tokenizer = core.tokenizer
-        self.max_model_len: int = core.max_model_len
-        self.vocab_size: int = core.model_config.vocab_size
-        self.defaults: SamplingParams = core.default_sampling_params()
+        info = self.engine.info
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len: int = info.max_model_len
+        self.vocab_size: int = info.vocab_size
+        self.defaults: SamplingParams = info.default_params
+        # Bounds that reject an over-long prompt from its size alone, before the tokenizer or
+        # the chat template spends seconds (and gigabytes) on it: measured on first need (the
+        # vocabulary walk takes ~0.5 s, and only text longer than the context needs it).
+        self._max_chars_per_token: int | None = None
+        self._min_tokens_per_message: int | None = None
 
     def check_model(self, model: str | None) -> None:
+        if model:
+            check_text(model, "model")
         if model and model != self.model_name:
             raise APIError(
                 404,
@@ -50,9 +62,41 @@ class ServerState:
             )
         return self.tokenizer
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def check_prompt_size(self, num_chars: int, param: str, num_messages: int = 0) -> None:
+        """400 if text of `num_chars` characters (in `num_messages` chat messages) cannot fit the
+        context whatever it says: each token is at most `max_chars_per_token` characters, each
+        message costs the template's markup. O(1): the tokenizer never sees such a prompt."""
+        if num_chars + num_messages <= self.max_model_len:
+            return  # this short, tokenizing is quick and says exactly: no bound needed
+        if self._max_chars_per_token is None:
+            self._max_chars_per_token = _longest_token_chars(self.tokenizer) or 0
+            self._min_tokens_per_message = _min_tokens_per_message(self.tokenizer)
+        if not self._max_chars_per_token:
+            return
+        at_least = -(-num_chars // self._max_chars_per_token)
+        at_least += num_messages * self._min_tokens_per_message
+        if at_least > self.max_model_len:
+            raise InvalidRequestError(
+                f"{param} is at least {at_least} tokens long ({num_chars} characters"
+                + (f" in {num_messages} messages" if num_messages else "")
+                + f"), more than this model's context of {self.max_model_len} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def check_messages(self, contents: list[str]) -> None:
+        """Chat contents: valid Unicode, and not over the context by their size alone."""
+        for content in contents:
+            check_text(content, "messages")
+        self.check_prompt_size(sum(map(len, contents)), "messages", len(contents))
+
+    def tokenize(
+        self, text: str, add_special_tokens: bool = True, param: str = "prompt"
+    ) -> list[int]:
         """The same ids the offline API would use for this text."""
-        tokenizer = self.require_tokenizer("prompt")
+        tokenizer = self.require_tokenizer(param)
+        check_text(text, param)
+        self.check_prompt_size(len(text), param)
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def detokenize(self, token_ids: list[int], param: str = "tokens") -> str:
@@ -67,6 +111,78 @@ class ServerState:
     @staticmethod
     def new_id(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# Text beyond this many characters is tokenized (or templated) on a worker thread; below it,
+# inline: a hop to the thread pool (and its capacity limiter, under a burst of hundreds of
+# requests) costs more than tokenizing a short prompt, and token-id prompts need neither.
+OFFLOAD_CHARS = 4096
+
+
+async def off_the_loop(num_chars: int, fn: Callable[..., T], *args: object) -> T:
+    """fn(*args), on a worker thread if the text it works on is long enough to stall the event
+    loop (every open stream and /health wait while it holds the loop)."""
+    if num_chars <= OFFLOAD_CHARS:
+        return fn(*args)
+    return await run_in_threadpool(fn, *args)
+
+
+def text_size(value: object) -> int:
+    """Characters of text in a prompt or chat messages (token ids count nothing)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(text_size(v) for v in value)
+    content = getattr(value, "content", None)  # a ChatMessage
+    if content is not None:
+        return text_size(content)
+    text = getattr(value, "text", None)  # a TextPart
+    return len(text) if isinstance(text, str) else 0
+
+
+def check_text(text: str, param: str) -> None:
+    """A lone surrogate (JSON allows "\\ud800") is no Unicode text: the tokenizer would fail
+    with a 500. A 400 naming the field instead."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{param} is not valid Unicode: a lone surrogate at character {exc.start}",
+            param=param,
+        ) from None
+
+
+def _longest_token_chars(tokenizer: object | None) -> int | None:
+    """The most characters one token can stand for: the longest vocabulary entry (byte-level
+    BPE writes one character per byte, SentencePiece one per character), special tokens
+    included. None when unknown (no tokenizer, no vocabulary): no size bound then."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    try:
+        longest = max((len(piece) for piece in get_vocab()), default=0)
+    except Exception:
+        return None
+    return longest or None
+
+
+def _min_tokens_per_message(tokenizer: object | None) -> int:
+    """The template's markup per chat message, measured once (an empty assistant turn); at
+    least 1. A template that renders nothing for it counts 1."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return 1
+    try:
+        one = [{"role": "user", "content": ""}]
+        two = [*one, {"role": "assistant", "content": ""}]
+        render = tokenizer.apply_chat_template
+        a = render(one, tokenize=False, add_generation_prompt=False)
+        b = render(two, tokenize=False, add_generation_prompt=False)
+        extra = len(tokenizer.encode(b, add_special_tokens=False)) - len(
+            tokenizer.encode(a, add_special_tokens=False)
+        )
+    except Exception:
+        return 1
+    return max(1, extra)
 
 
 def get_state(request: Request) -> ServerState:

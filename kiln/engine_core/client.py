@@ -1,0 +1,307 @@
+"""EngineClient: the AsyncEngine's surface over an engine process.
+
+The API process binds two ZMQ sockets (PUSH requests, PULL outputs) on ipc:// paths in a private
+temp directory and starts `python -m kiln.engine_core.process`. Sends happen on the caller's
+thread (under a lock); one reader thread decodes each step's Outputs and hands it to the event
+loops of the streams it concerns with a single `call_soon_threadsafe` per loop, so the event
+loop does per-delta work only in its own callbacks.
+
+If the engine process dies (a failed step, a kill, a crash), every open stream ends with
+EngineDeadError, `healthy` turns False, and `on_dead` is called (kiln serve exits on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import msgspec
+import zmq
+
+from kiln.config import EngineConfig
+from kiln.engine.async_engine import EngineDeadError, RequestStream, _Stream
+from kiln.engine.step_loop import EngineInfo, EngineSnapshot
+from kiln.engine_core import messages as m
+from kiln.errors import InvalidRequestError, KilnError
+from kiln.outputs import RequestOutput
+from kiln.sampling_params import SamplingParams
+
+logger = logging.getLogger("kiln.engine_core")
+
+
+class EngineStartupError(KilnError):
+    """The engine process could not start; the message is the engine's own reason."""
+
+
+@dataclass
+class _ClientStream(_Stream):
+    prompt_token_ids: list[int]
+
+
+class EngineClient:
+    """Use `EngineClient.start(config)`; `shutdown()` stops the engine process."""
+
+    def __init__(self, config: EngineConfig, stream_interval: int = 1) -> None:
+        self.config = config
+        self.error: BaseException | None = None
+        self.on_dead: Callable[[], None] | None = None
+        self.stats = EngineSnapshot()
+        self._streams: dict[str, _ClientStream] = {}
+        self._send_lock = threading.Lock()
+        self._stop = False
+        self._dir = tempfile.mkdtemp(prefix="kiln-engine-")
+        self._ctx = zmq.Context()
+        self._inputs = self._ctx.socket(zmq.PUSH)
+        self._inputs.setsockopt(zmq.SNDHWM, 0)
+        self._inputs.setsockopt(zmq.LINGER, 0)
+        self._inputs.bind(f"ipc://{self._dir}/inputs")
+        self._outputs = self._ctx.socket(zmq.PULL)
+        self._outputs.setsockopt(zmq.RCVHWM, 0)
+        self._outputs.bind(f"ipc://{self._dir}/outputs")
+        cmd = [sys.executable, "-m", "kiln.engine_core.process"]
+        cmd += ["--inputs", f"ipc://{self._dir}/inputs", "--outputs", f"ipc://{self._dir}/outputs"]
+        cmd += ["--config", msgspec.json.encode(config).decode()]
+        cmd += ["--stream-interval", str(stream_interval), "--parent-pid", str(os.getpid())]
+        # Its own session: a terminal's Ctrl-C goes to the API process, which drains first.
+        self.process = subprocess.Popen(cmd, start_new_session=True)
+        self._reader: threading.Thread | None = None
+
+    @classmethod
+    def start(
+        cls, config: EngineConfig, stream_interval: int = 1, timeout: float | None = None
+    ) -> EngineClient:
+        """Start the engine process and wait until it is ready (or say why it is not)."""
+        client = cls(config, stream_interval)
+        try:
+            client._await_ready(timeout)
+        except BaseException:
+            client.shutdown(timeout=1.0)
+            raise
+        return client
+
+    def _await_ready(self, timeout: float | None) -> None:
+        from kiln.runtime.model_loader import find_model_source
+
+        # The tokenizer is the API process's own (detokenizing ids for /detokenize, logprobs
+        # and echo; tokenizing prompts off the engine): loaded while the engine process loads.
+        tokenizer_error: BaseException | None = None
+        try:
+            self.tokenizer = find_model_source(self.config.model, self.config.load_format).tokenizer
+        except BaseException as exc:  # the engine will say the same, better: wait for it
+            tokenizer_error, self.tokenizer = exc, None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._outputs.poll(200):
+                msg = m.output_decoder.decode(self._outputs.recv())
+                if isinstance(msg, m.StartupFailed):
+                    self.process.wait(10)
+                    raise EngineStartupError(msg.message)
+                if isinstance(msg, m.Ready):
+                    break
+            elif self.process.poll() is not None:
+                raise EngineStartupError(
+                    f"the engine process exited with code {self.process.returncode} before it "
+                    "was ready (its output is above)"
+                )
+            if deadline is not None and time.monotonic() > deadline:
+                raise EngineStartupError(f"the engine process was not ready within {timeout}s")
+        if tokenizer_error is not None:
+            raise tokenizer_error
+        self.info = EngineInfo(
+            msg.max_model_len, msg.vocab_size, msg.default_params, msg.cache_config
+        )
+        # What code written against AsyncEngine.engine (the LLMEngine) reads of it.
+        defaults = msg.default_params
+        self.engine = SimpleNamespace(
+            config=self.config,
+            tokenizer=self.tokenizer,
+            max_model_len=msg.max_model_len,
+            model_config=SimpleNamespace(vocab_size=msg.vocab_size),
+            default_sampling_params=lambda: dataclasses.replace(defaults),
+        )
+        self._reader = threading.Thread(target=self._read, name="kiln-engine-client", daemon=True)
+        self._reader.start()
+
+    @property
+    def healthy(self) -> bool:
+        return (
+            self.error is None
+            and self.process.poll() is None
+            and self._reader is not None
+            and self._reader.is_alive()
+        )
+
+    @property
+    def iteration_tokens(self) -> dict[int, int]:
+        return self.stats.iteration_tokens
+
+    # ---- API used from the event loop ----------------------------------------------------
+
+    async def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        request_id: str,
+        priority: int = 0,
+    ) -> RequestStream:
+        """As AsyncEngine.submit: returns the delta stream once the engine process accepted the
+        request; its InvalidRequestError is raised here (a 400 before any byte is streamed)."""
+        if not self.healthy:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass token ids", "prompt")
+            prompt = list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        params = params or self.info.default_params
+        loop = asyncio.get_running_loop()
+        stream = _ClientStream(loop, asyncio.Queue(), loop.create_future(), list(prompt))
+        self._streams[request_id] = stream
+        if not self.healthy:  # died between the check and registering: nobody would tell us
+            self._streams.pop(request_id, None)
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        self._send(m.AddRequest(request_id, stream.prompt_token_ids, params, priority))
+        try:
+            await stream.accepted
+        except BaseException:
+            self._streams.pop(request_id, None)
+            self.abort(request_id)
+            raise
+        return RequestStream(self, request_id, stream)
+
+    add_request = submit
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        stream = await self.submit(prompt, params, request_id, priority)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        if self.healthy:
+            self._send(m.Abort([request_id]))
+
+    def call(self, fn, *args):
+        raise TypeError("the engine runs in its own process: no function can be run on it")
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Ask the engine process to stop; kill it if it does not within `timeout`."""
+        self._stop = True
+        if self.process.poll() is None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(m.Shutdown())
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._reader is not None:
+            self._reader.join(2.0)
+        self._inputs.close(linger=0)
+        self._outputs.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ---- the reader thread ---------------------------------------------------------------
+
+    def _send(self, msg: m.EngineInput) -> None:
+        data = m.encoder.encode(msg)
+        with self._send_lock:
+            self._inputs.send(data, copy=False)
+
+    def _read(self) -> None:
+        try:
+            while not self._stop:
+                if not self._outputs.poll(200):
+                    if self.process.poll() is not None and not self._outputs.poll(0):
+                        code = self.process.returncode
+                        raise EngineDeadError(f"the engine process exited with code {code}")
+                    continue
+                msg = m.output_decoder.decode(self._outputs.recv(copy=False).buffer)
+                if isinstance(msg, m.Outputs):
+                    self._dispatch(msg)
+                elif isinstance(msg, m.EngineDied):
+                    raise EngineDeadError(f"engine loop died: {msg.message}")
+        except BaseException as exc:
+            if self._stop:
+                return
+            logger.error("engine process failed: %s", exc)
+            dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(repr(exc))
+            self.error = dead
+            self._fail_everyone(dead)
+            if self.on_dead is not None:
+                self.on_dead()
+
+    def _dispatch(self, msg: m.Outputs) -> None:
+        if msg.snapshot is not None:
+            self.stats = msg.snapshot
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        orphans: list[str] = []
+        for req_id in msg.accepted:
+            stream = self._streams.get(req_id)
+            if stream is None:
+                orphans.append(req_id)  # withdrawn before the engine took it
+            else:
+                by_loop.setdefault(stream.loop, []).append((_set_result, stream.accepted, None))
+        for r in msg.rejected:
+            stream = self._streams.get(r.req_id)
+            if stream is not None:
+                exc = InvalidRequestError(r.message, r.param, r.code)
+                by_loop.setdefault(stream.loop, []).append((_set_exception, stream.accepted, exc))
+        for delta in msg.deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is None:
+                if not delta.finished:
+                    orphans.append(delta.request_id)  # nobody is listening any more
+                continue
+            delta.prompt_token_ids = stream.prompt_token_ids
+            by_loop.setdefault(stream.loop, []).append((_put, stream.queue, delta))
+        if orphans:
+            self._send(m.Abort(orphans))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that event loop is closed: nobody listens
+                loop.call_soon_threadsafe(_apply, items)
+
+    def _fail_everyone(self, dead: EngineDeadError) -> None:
+        for stream in list(self._streams.values()):
+            items = [(_set_exception, stream.accepted, dead), (_put, stream.queue, dead)]
+            with contextlib.suppress(RuntimeError):
+                stream.loop.call_soon_threadsafe(_apply, items)
+
+
+def _apply(items: list) -> None:
+    for fn, target, value in items:
+        fn(target, value)
+
+
+def _put(queue: asyncio.Queue, item: object) -> None:
+    queue.put_nowait(item)
+
+
+def _set_result(fut: asyncio.Future, value: object) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,72 @@
+"""What crosses the API <-> engine process boundary: msgspec structs (msgpack on the wire), a
+tagged union each way. Nothing is ever unpickled from a socket: a decode either yields one of
+these types, validated field by field, or fails.
+
+One `Outputs` message per engine step carries every request's delta of that step (token ids and
+text), the acceptances of the adds it took in, and the engine's snapshot when it changed.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kiln.engine.step_loop import EngineSnapshot
+from kiln.outputs import RequestOutput
+from kiln.sampling_params import SamplingParams
+
+
+# ---- API process -> engine process ---------------------------------------------------------
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    req_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+EngineInput = AddRequest | Abort | Shutdown
+
+
+# ---- engine process -> API process ---------------------------------------------------------
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    pid: int
+    max_model_len: int
+    vocab_size: int
+    default_params: SamplingParams
+    cache_config: dict[str, str]
+
+
+class StartupFailed(msgspec.Struct, tag="failed", array_like=True):
+    message: str  # what the user must read: the engine's own error, as `kiln serve` prints it
+
+
+class Rejected(msgspec.Struct, array_like=True):
+    req_id: str
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+class Outputs(msgspec.Struct, tag="outputs", array_like=True):
+    accepted: list[str]
+    rejected: list[Rejected]
+    deltas: list[RequestOutput]  # prompt_token_ids emptied: the client knows each prompt
+    snapshot: EngineSnapshot | None = None
+
+
+class EngineDied(msgspec.Struct, tag="died", array_like=True):
+    message: str
+
+
+EngineOutput = Ready | StartupFailed | Outputs | EngineDied
+
+encoder = msgspec.msgpack.Encoder()
+input_decoder = msgspec.msgpack.Decoder(EngineInput)
+output_decoder = msgspec.msgpack.Decoder(EngineOutput)

@@ -1,0 +1,120 @@
+"""`kiln serve` with the engine in its own process (the default): issue 3's guarantees across
+the process boundary. A client that leaves frees its KV blocks; a dead engine process turns
+/health 503, ends open streams with an error event, and the server exits 1; a second SIGTERM
+still ends every stream with [DONE]; an engine that cannot start says why and exits nonzero.
+(SIGTERM's drain and exit 0 with the engine process: tests/test_server_lifecycle.py.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import build_tiny_hf_model
+from server_harness import free_port
+from test_server_lifecycle import PROMPT, _start_serve, _Stream, _wait_healthy
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tiny-llama"))
+    build_tiny_hf_model("llama-gqa", path)
+    return path
+
+
+def _engine_pid(server_pid: int) -> int:
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    assert len(children) == 1, children  # the engine process, and nothing else
+    cmdline = Path(f"/proc/{children[0]}/cmdline").read_text()
+    assert "kiln.engine_core.process" in cmdline
+    return int(children[0])
+
+
+def _gauge(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics", timeout=10).text
+    return float(re.search(rf"^kiln:{name}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))
+
+
+@pytest.mark.timeout(240)
+def test_disconnect_frees_blocks_then_a_dead_engine_process_ends_the_server(tiny_dir):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = _start_serve(tiny_dir, port, grace=30)
+    try:
+        _wait_healthy(proc, base)
+        engine_pid = _engine_pid(proc.pid)
+        # Clients that leave mid-stream: their requests are aborted in the engine process.
+        for _ in range(3):
+            with httpx.stream(
+                "POST",
+                base + "/v1/completions",
+                json={"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True},
+                timeout=60,
+            ) as response:
+                assert response.status_code == 200
+                next(response.iter_lines())
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if (
+                _gauge(base, "kv_cache_usage_perc") == 0
+                and _gauge(base, "num_requests_running") == 0
+            ):
+                break
+            time.sleep(0.2)
+        assert _gauge(base, "kv_cache_usage_perc") == 0.0
+        assert _gauge(base, "num_requests_running") == 0.0
+
+        # The engine process dies under an open stream.
+        stream = _Stream(base, max_tokens=480)
+        stream.start()
+        assert stream.first.wait(60)
+        os.kill(engine_pid, signal.SIGKILL)
+        stream.join(30)
+        assert not stream.is_alive() and stream.done and stream.error is None
+        assert stream.error_event["code"] == "engine_dead"
+        health = httpx.get(base + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        assert proc.wait(30) == 1  # it exits rather than serve nothing
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.timeout(240)
+def test_second_sigterm_still_ends_streams_with_done(tiny_dir):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = _start_serve(tiny_dir, port, grace=60)
+    try:
+        _wait_healthy(proc, base)
+        streams = [_Stream(base, max_tokens=480) for _ in range(2)]
+        for s in streams:
+            s.start()
+        assert all(s.first.wait(60) for s in streams)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)  # impatient: abort now, but say so to the clients
+        assert proc.wait(60) == 0
+        for s in streams:
+            s.join(30)
+            assert not s.is_alive() and s.error is None and s.done, s.error
+            assert s.finish == "abort"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_that_cannot_start_says_why(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    cmd = [sys.executable, "-m", "kiln.cli.main", "serve", "--model", missing]
+    cmd += ["--port", str(free_port()), "--log-level", "warning"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=110)
+    assert done.returncode != 0
+    assert "error:" in done.stderr and "no-such-model" in done.stderr, done.stderr
