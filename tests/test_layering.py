@@ -18,7 +18,7 @@ ALLOWED = {
     "interfaces": set(),
     "kv_cache": {"interfaces"},
     "engine": {"interfaces", "kv_cache", "executor", "config", "outputs"},
-    "executor": {"interfaces", "runtime", "models", "config"},
+    "executor": {"interfaces", "runtime", "models", "config", "spec_decode"},
     "runtime": {
         "interfaces",
         "models",
@@ -29,7 +29,9 @@ ALLOWED = {
         "checkpoint",
         "config",
         "quantization",
+        "spec_decode",
     },
+    "spec_decode": {"interfaces", "models", "layers", "attention", "kernels", "sampling", "config"},
     "models": {"layers", "attention", "kernels"},
     "layers": {"kernels"},
     "quantization": {"layers", "kernels", "models"},

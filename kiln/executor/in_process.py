@@ -17,6 +17,7 @@ from kiln.runtime.model_loader import (
     resolve_kv_cache_dtype,
 )
 from kiln.runtime.model_runner import ModelRunner
+from kiln.spec_decode.factory import build_proposer, load_draft_model
 
 logger = logging.getLogger("kiln")
 
@@ -46,8 +47,12 @@ class InProcessExecutor(Executor):
             # so cap the context there rather than compute something else past it.
             logger.warning("sliding window %d: max_model_len capped to it", window)
             max_model_len = window
+        spec = config.speculative
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = load_draft_model(config, spec, loaded, device, dtype, load_model)
         self.memory_plan = plan_kv_blocks(
-            config, loaded.model, max_model_len, device, kv_cache_dtype
+            config, loaded.model, max_model_len, device, kv_cache_dtype, draft_model=draft
         )
         num_blocks = self.memory_plan.num_blocks
         # Every admitted request must fit the cache on its own, or preemption could never help.
@@ -68,6 +73,19 @@ class InProcessExecutor(Executor):
             max_model_len=capped,
             enforce_eager=config.enforce_eager,
             kv_cache_dtype=kv_cache_dtype,
+            proposer=None
+            if spec is None
+            else build_proposer(
+                spec,
+                loaded.config.vocab_size,
+                draft_model=draft,
+                num_blocks=num_blocks,
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=capped,
+                attention_backend=config.attention_backend,
+                kv_cache_dtype=kv_cache_dtype,
+            ),
         )
 
     def kv_capacity(self) -> KVCapacity:

@@ -38,6 +38,8 @@ class CachedRequestState:
     """Greedy with nothing else to do (no penalties, logprobs or min_tokens): argmax alone."""
     needs_history: bool = field(init=False)
     """Sampling reads every generated token (penalties), not just how many there are."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Drafts this step verifies (speculative decoding): input tokens after the last known one."""
 
     def __post_init__(self) -> None:
         self.token_ids = [*self.prompt_token_ids, *self.output_token_ids]
@@ -104,7 +106,7 @@ class InputBuffers:
         self.seq_lens_cpu = host(s, torch.int32)
         self.query_start_loc_cpu = host(s + 1, torch.int32)
         self.block_table_cpu = host(s * w, torch.int32)  # compact [num_seqs, num_cols] prefix
-        self.logits_indices_cpu = host(s, torch.int64)
+        self.logits_indices_cpu = host(t, torch.int64)  # t: a row per verified draft too
         # The step's one device->host copy lands here; two, since with async scheduling a step's
         # ids are copied while the previous step's are still being read.
         self.sampled_cpu = (host(s, torch.int64), host(s, torch.int64))
@@ -118,7 +120,7 @@ class InputBuffers:
         self.query_start_loc = dev(s + 1, torch.int32)
         self.block_tables = dev((s, w), torch.int32)  # the kernels' table: row stride w
         self.block_table_staging = dev(s * w, torch.int32)
-        self.logits_indices = dev(s, torch.int64)
+        self.logits_indices = dev(t, torch.int64)
         self.pending_dst = dev(s, torch.int64)
         self.pending_src = dev(s, torch.int64)
 
@@ -244,6 +246,9 @@ class InputBuffers:
                 a = s.num_computed_tokens
                 if a >= len(s.token_ids):  # a decode of the token still on the device
                     pending.append((int(qsl[r]), s.pending_index))
+                elif s.spec_token_ids:  # the last known token, then the drafts to verify
+                    k = num_scheduled[r] - len(s.spec_token_ids)
+                    ids[qsl[r] : qsl[r + 1]] = s.token_ids[a : a + k] + s.spec_token_ids
                 else:
                     ids[qsl[r] : qsl[r + 1]] = s.token_ids[a : a + num_scheduled[r]]
         for i, (dst, src) in enumerate(pending):
@@ -283,16 +288,25 @@ class InputBuffers:
     def _sampling_rows(
         self, states: list[CachedRequestState], seq_lens: np.ndarray, decode_only: bool
     ) -> tuple[list[int], torch.Tensor | None]:
-        """Who samples: requests whose scheduled tokens reach their last known token; and where
-        their logits are (None: row i samples at token i)."""
+        """Who samples: requests whose scheduled tokens reach their last known token (plus the
+        drafts they verify); and where their logits are (None: row i samples at token i). A
+        request verifying K drafts has K + 1 logits rows, its last K + 1 tokens."""
         n, qsl = len(states), self._qsl
         num_known = np.fromiter((s.num_tokens for s in states), np.int64, n)
-        samples = seq_lens == num_known
+        num_spec = np.fromiter((len(s.spec_token_ids) for s in states), np.int64, n)
+        samples = seq_lens - num_spec == num_known
         if decode_only and samples.all():
             return list(range(n)), None
         sampling_rows = np.flatnonzero(samples).tolist()
-        k = len(sampling_rows)
-        self._logits_idx[:k] = qsl[1 : n + 1][samples] - 1
+        ends = qsl[1 : n + 1][samples]
+        if not num_spec.any():
+            k = len(sampling_rows)
+            self._logits_idx[:k] = ends - 1
+        else:
+            rows = num_spec[samples] + 1
+            k = int(rows.sum())
+            first = np.repeat(ends - rows, rows)  # each row's first logits position ...
+            self._logits_idx[:k] = first + np.arange(k) - np.repeat(np.cumsum(rows) - rows, rows)
         return sampling_rows, self.logits_indices[:k]
 
     def _copy_to_device(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,8 +30,14 @@ from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
 from kiln.models.llama import LlamaForCausalLM
 from kiln.runtime.graph_runner import GraphRunner
 from kiln.runtime.input_batch import CachedRequestState, InputBuffers, PackedBatch
-from kiln.runtime.sampling_inputs import SamplingMetadataBuilder
-from kiln.sampling.sampler import LogprobsTensors, Sampler, compute_logprobs
+from kiln.runtime.sampling_inputs import (
+    SamplingMetadataBuilder,
+    build_sampling_metadata,
+    verification_rows,
+)
+from kiln.sampling.rejection_sampler import emitted_tokens, rejection_sample
+from kiln.sampling.sampler import LogprobsTensors, Sampler, SamplerOutput, compute_logprobs
+from kiln.spec_decode.proposer import Proposer
 
 logger = logging.getLogger("kiln")
 
@@ -63,8 +69,12 @@ class ModelRunner:
         max_model_len: int | None = None,
         enforce_eager: bool = False,
         kv_cache_dtype: torch.dtype | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         self.model = model
+        # Speculative decoding: proposes each sampling request's next drafts once its tokens are
+        # back (kiln.spec_decode); the scheduler sends them to verify in the next step.
+        self.proposer = proposer
         cfg = model.config
         self.device = model.norm.device
         self.dtype = model.norm.dtype
@@ -117,10 +127,14 @@ class ModelRunner:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 self.inputs.remove_request(state.row)
+            if self.proposer is not None:
+                self.proposer.remove(req_id)
         for new in sched.new_requests:
             old = self.requests.pop(new.req_id, None)
             if old is not None:
                 self.inputs.remove_request(old.row)
+            if self.proposer is not None:
+                self.proposer.remove(new.req_id)
             state = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=new.prompt_token_ids,
@@ -133,6 +147,10 @@ class ModelRunner:
             self.requests[new.req_id] = state
         for cached in sched.cached_requests:
             state = self.requests[cached.req_id]
+            if state.spec_token_ids:
+                # It verified drafts: the scheduler gave back the blocks only rejected ones used.
+                del state.block_ids[-(-cached.num_computed_tokens // self.block_size) :]
+                state.spec_token_ids = []
             if cached.new_block_ids:
                 self.inputs.append_blocks(state.row, len(state.block_ids), cached.new_block_ids)
                 state.block_ids.extend(cached.new_block_ids)
@@ -156,6 +174,8 @@ class ModelRunner:
             req_ids += [r for r, n in scheduled.items() if n != 1]
         states = [self.requests[r] for r in req_ids]
         num_scheduled = [scheduled[r] for r in req_ids]
+        for req_id, drafts in sched.scheduled_spec_decode_tokens.items():
+            self.requests[req_id].spec_token_ids = drafts
         if self._in_flight and any(s.num_pending and s.needs_history for s in states):
             # Penalties read every generated token: bring the running step's ids back first.
             self._resolve_in_flight()
@@ -199,8 +219,12 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[:num_rows])
         else:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
-        metadata = self.sampling.build(step.states)
-        result = self.sampler(logits, metadata)
+        if sched.scheduled_spec_decode_tokens:
+            logits = self._verify(step, logits)
+        if step.states:
+            result = self.sampler(logits, self.sampling.build(step.states))
+        else:  # every sampling row verified drafts
+            result = SamplerOutput(logits.new_zeros(0, dtype=torch.long), None)
         if gpu_events is not None:
             gpu_events[1].record()
         step.gpu_events = gpu_events
@@ -267,6 +291,8 @@ class ModelRunner:
             state.token_ids.append(token_id)
             state.num_pending -= 1
             sampled_ids[state.req_id] = [token_id]
+        if step.spec_states:
+            self._finish_verification(step, sampled_ids)
         logprobs = {}
         if logprob_rows is not None:
             for i, state in enumerate(step.states):
@@ -274,8 +300,60 @@ class ModelRunner:
                 if n is not None:
                     ids, lps, rank = logprob_rows[i]
                     logprobs[state.req_id] = [TokenLogprobs(ids[: n + 1], lps[: n + 1], rank)]
-        step.output = ModelRunnerOutput(sampled_ids, logprobs, step.prompt_lp)
+        spec_ids = {}
+        if self.proposer is not None:
+            # Drafts only for requests without logprobs (their drafts' logprobs are not built).
+            wanting = [
+                s
+                for s in (*step.states, *step.spec_states)
+                if s.sampling_params.logprobs is None and s.req_id in self.requests
+            ]
+            spec_ids = self.proposer.propose(wanting) if wanting else {}
+        step.output = ModelRunnerOutput(sampled_ids, logprobs, step.prompt_lp, spec_ids)
         self._record(step, t4, t5, time.perf_counter())
+
+    def _verify(self, step: _InFlightStep, logits: torch.Tensor) -> torch.Tensor:
+        """Take the requests that verify drafts out of the step's sampling rows and verify them
+        (rejection sampling over their K + 1 rows each); returns the other rows' logits, which
+        the ordinary sampler handles exactly as without speculation."""
+        plain_rows, spec_rows, spec_states, plain_states = [], [], [], []
+        row = 0
+        for state in step.states:
+            n = len(state.spec_token_ids) + 1 if state.spec_token_ids else 1
+            if state.spec_token_ids:
+                spec_rows.extend(range(row, row + n))
+                spec_states.append(state)
+            else:
+                plain_rows.append(row)
+                plain_states.append(state)
+            row += n
+        step.states, step.spec_states = plain_states, spec_states
+        spec_logits = logits[torch.tensor(spec_rows, device=logits.device)]
+        rows = verification_rows(spec_states)
+        metadata = build_sampling_metadata(rows, self.eos_token_ids, self.vocab_size, self.device)
+        greedy, probs = self.sampler.target_distribution(spec_logits, metadata)
+        drafts = [d for s in spec_states for d in (*s.spec_token_ids, -1)]
+        accepted, recovered = rejection_sample(
+            drafts, greedy, probs, metadata.temperature == 0, metadata.generators
+        )
+        step.spec_drafts = drafts
+        step.spec_result = (
+            accepted.to("cpu", non_blocking=True),
+            recovered.to("cpu", non_blocking=True),
+        )
+        for state in spec_states:
+            state.num_pending += 1
+        return logits[torch.tensor(plain_rows, dtype=torch.long, device=logits.device)]
+
+    def _finish_verification(self, step: _InFlightStep, sampled_ids: dict[str, list[int]]) -> None:
+        accepted, recovered = (t.tolist() for t in step.spec_result)
+        num_drafts = [len(s.spec_token_ids) for s in step.spec_states]
+        emitted = emitted_tokens(num_drafts, step.spec_drafts, accepted, recovered)
+        for state, tokens in zip(step.spec_states, emitted):
+            state.output_token_ids.extend(tokens)
+            state.token_ids.extend(tokens)
+            state.num_pending -= 1
+            sampled_ids[state.req_id] = tokens
 
     def _record(self, step: _InFlightStep, t4: float, t5: float, t6: float) -> None:
         if self.step_timing is not None:
@@ -363,6 +441,9 @@ class _InFlightStep:
     num_seqs: int
     prompt_lp: dict[str, PromptLogprobsChunk]
     states: list[CachedRequestState] | None = None  # the rows that sample, in sampled-ids order
+    spec_states: list[CachedRequestState] = field(default_factory=list)  # verifying drafts
+    spec_drafts: list[int] = field(default_factory=list)  # per verification row (-1: bonus)
+    spec_result: tuple[torch.Tensor, torch.Tensor] | None = None  # accepted, recovered (host)
     sampled: torch.Tensor | None = None  # [rows] on the device
     host_sampled: torch.Tensor | None = None
     host_logprobs: LogprobsTensors | None = None
