@@ -82,9 +82,10 @@ class EngineConfig:
     two threads collapsed batch-1 decode to 0.7 tok/s where one gave 2.5."""
 
     speculative_config: dict | None = None
-    """Speculative decoding, vLLM's dict: {"method": "ngram" | "draft_model", "num_speculative_tokens":
-    K, "model": DRAFT, "prompt_lookup_min": N, "prompt_lookup_max": N, ...} (all keys:
-    kiln.spec_decode.config.SpeculativeConfig; on the command line, JSON). None: off."""
+    """Speculative decoding, vLLM's dict: {"method": "ngram" | "draft_model",
+    "num_speculative_tokens": K, "model": DRAFT, "prompt_lookup_min": N, "prompt_lookup_max": N,
+    ...} (all keys: kiln.spec_decode.config.SpeculativeConfig; on the command line, JSON).
+    None: off."""
 
     def __post_init__(self) -> None:
         def fail(name: str, why: str) -> None:

@@ -99,7 +99,7 @@ class DraftModelProposer(Proposer):
         chunks = [r.token_ids[s.num_computed :] for r, s in batch]
         starts = [s.num_computed for _, s in batch]
         drafts = [[t] for t in self._forward(batch, chunks, starts)]
-        for (request, state), chunk in zip(batch, chunks):
+        for request, state in batch:
             state.num_computed = len(request.token_ids)
         for j in range(1, k):
             last = [[d[-1]] for d in drafts]
