@@ -282,11 +282,32 @@ def test_ngram_and_draft_model_are_exact_with_prefix_caching(tiny_paths, tiny_re
     )
     outs = _check(draft, prompts, want)
     assert all(o.outputs[0].num_draft_tokens > 0 for o in outs)
+    _check_prometheus(draft.engine, outs)
     proposer = draft.engine.executor.runner.proposer
     draft.engine.step()  # the runner (and so the draft) hear of finished requests next step
     assert not proposer.states and proposer.num_free_blocks == proposer.kv_caches[0][0].shape[0]
     # The draft's KV pool is in the memory plan: fewer target blocks than without a draft.
     assert draft.engine.memory_plan.bytes_per_block > ngram.engine.memory_plan.bytes_per_block
+
+
+def _check_prometheus(engine, outs):
+    """vLLM's spec_decode_* counters, equal to the sums of the per-request counts."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kiln.server.metrics import _EngineCollector, read_engine
+
+    collector = _EngineCollector({"model_name": "m"})
+    collector.snapshot = read_engine(engine, {})
+    registry = CollectorRegistry()
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    drafted = sum(o.outputs[0].num_draft_tokens for o in outs)
+    accepted = sum(o.outputs[0].num_accepted_tokens for o in outs)
+    steps = sum(o.outputs[0].num_spec_steps for o in outs)
+    assert f'spec_decode_num_draft_tokens_total{{model_name="m"}} {drafted:.1f}' in text
+    assert f'spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted:.1f}' in text
+    assert f'spec_decode_num_drafts_total{{model_name="m"}} {steps:.1f}' in text
+    assert 'spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}' in text
 
 
 def test_draft_of_another_vocabulary_is_refused_at_load(tiny_paths):

@@ -48,6 +48,16 @@ class EngineCoreOutput:
 
 
 @dataclass
+class SpecDecodeStats:
+    """Totals since start (Prometheus counters, vLLM's spec_decode_* names)."""
+
+    num_drafts: int = 0  # verification steps of a request
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at i
+
+
+@dataclass
 class _StepPlan:
     """One step's schedule while schedule() builds it."""
 
@@ -81,6 +91,7 @@ class Scheduler:
         # Speculative decoding: how many drafts a decode may verify, given the running batch's
         # size (kiln.spec_decode's policy); None: no speculation.
         self.num_spec_tokens = num_spec_tokens
+        self.spec_stats = SpecDecodeStats()
         self.requests: dict[str, Request] = {}
         # Both kept sorted by `_key`: the front is served first, the back preempted first.
         self.waiting: list[Request] = []
@@ -321,6 +332,13 @@ class Scheduler:
         request.num_draft_tokens += num_drafts
         request.num_accepted_tokens += num_tokens - 1
         request.num_spec_steps += 1
+        stats = self.spec_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_tokens - 1
+        stats.accepted_per_pos.extend([0] * (num_drafts - len(stats.accepted_per_pos)))
+        for pos in range(num_tokens - 1):
+            stats.accepted_per_pos[pos] += 1
         request.spec_token_ids = []
         if request.status == RequestStatus.RUNNING:
             request.num_computed_tokens -= num_drafts + 1 - num_tokens

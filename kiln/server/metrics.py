@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from prometheus_client.utils import floatToGoString
 
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.llm_engine import LLMEngine
+from kiln.engine.scheduler import SpecDecodeStats
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -86,6 +88,7 @@ class EngineSnapshot:
     prefix_hits: int = 0
     num_preemptions: int = 0
     iteration_tokens: dict[int, int] = field(default_factory=dict)  # tokens in a step -> steps
+    spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
 
 
 def read_engine(engine: LLMEngine, iteration_tokens: dict[int, int]) -> EngineSnapshot:
@@ -100,6 +103,12 @@ def read_engine(engine: LLMEngine, iteration_tokens: dict[int, int]) -> EngineSn
         prefix_hits=stats.hits,
         num_preemptions=engine.scheduler.num_preemptions_total,
         iteration_tokens=dict(iteration_tokens),
+        spec_decode=None
+        if engine.scheduler.num_spec_tokens is None
+        else dataclasses.replace(
+            engine.scheduler.spec_stats,
+            accepted_per_pos=list(engine.scheduler.spec_stats.accepted_per_pos),
+        ),
     )
 
 
@@ -137,6 +146,26 @@ class _EngineCollector:
         yield counter("prefix_cache_hits", "Prompt tokens served from the cache.", s.prefix_hits)
         yield counter("num_preemptions", "Preemptions (recompute).", s.num_preemptions)
         yield self._iteration_tokens(names, values)
+        if s.spec_decode is not None:
+            yield from self._spec_decode(s.spec_decode, counter, names, values)
+
+    @staticmethod
+    def _spec_decode(sd: SpecDecodeStats, counter, names: list[str], values: list[str]):
+        """vLLM's spec_decode_* counters: acceptance rate = accepted / draft tokens, mean
+        acceptance length = 1 + accepted / drafts."""
+        yield counter("spec_decode_num_drafts", "Verification steps (per request).", sd.num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", sd.num_draft_tokens)
+        yield counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted.", sd.num_accepted_tokens
+        )
+        per_pos = CounterMetricFamily(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft.",
+            labels=[*names, "position"],
+        )
+        for pos, count in enumerate(sd.accepted_per_pos):
+            per_pos.add_metric([*values, str(pos)], count)
+        yield per_pos
 
     def _iteration_tokens(self, names: list[str], values: list[str]) -> HistogramMetricFamily:
         # Rendered from the loop's exact counts (one per distinct step size): nothing is lost
