@@ -84,8 +84,11 @@ def test_policy_by_batch_size_and_overrides():
     spec = SpeculativeConfig("ngram", 4)
     assert [spec.num_tokens_for_batch(b) for b in (1, 16, 17, 64, 65)] == [4, 4, 2, 2, 0]
     table = SpeculativeConfig.from_dict(
-        {"method": "ngram", "num_speculative_tokens": 4, "num_speculative_tokens_by_batch_size":
-         {"2": 3, "8": 1}}  # fmt: skip
+        {
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "num_speculative_tokens_by_batch_size": {"2": 3, "8": 1},
+        }
     )
     assert [table.num_tokens_for_batch(b) for b in (1, 2, 3, 8, 9)] == [3, 3, 1, 1, 0]
     off = SpeculativeConfig("ngram", 4, disable_by_batch_size=2)
@@ -202,7 +205,6 @@ def tiny_paths(tmp_path_factory):
     hf.save_pretrained(str(base / "draft"))
     other = str(base / "other")
     import transformers
-
     from conftest import TINY_BASE
 
     cfg = transformers.AutoConfig.for_model("llama", **{**TINY_BASE, "vocab_size": 200})
@@ -263,6 +265,25 @@ def test_oracle_drafts_are_exact(tiny_paths, tiny_reference, engine_args):
         assert llm.engine.scheduler.num_preemptions_total > 0
 
 
+def test_verification_steps_replay_decode_graphs(tiny_paths, tiny_reference):
+    """Decodes and verifications alone are one attention row per token: the decode graphs (here
+    FakeGraph, the CPU stand-in for CUDA graphs) replay them, padded to a captured size."""
+    from kiln.runtime.graph_runner import GraphRunner
+
+    prompts, want = tiny_reference
+    llm = LLM(tiny_paths[0], speculative_config=_oracle(prompts, want), max_num_seqs=16, **ENGINE)
+    r = llm.engine.executor.runner
+    r.graphs = GraphRunner(
+        r.model, r.ops, r.backend, r.kv_caches, r.inputs, 16, r.max_model_len, fake=True
+    )
+    r.graphs.capture()
+    r.step_timing = {}
+    outs = _check(llm, prompts, want)
+    assert all(o.outputs[0].num_accepted_tokens > 0 for o in outs)
+    graph_rows = [row for row in r.step_timing["trace"] if row[0]]
+    assert any(row[2] > row[1] for row in graph_rows)  # a graph step of more tokens than requests
+
+
 def test_ngram_and_draft_model_are_exact_with_prefix_caching(tiny_paths, tiny_reference):
     prompts, want = tiny_reference
     ngram = LLM(
@@ -276,8 +297,11 @@ def test_ngram_and_draft_model_are_exact_with_prefix_caching(tiny_paths, tiny_re
     assert sum(o.outputs[0].num_accepted_tokens for o in outs) > 0
     draft = LLM(
         tiny_paths[0],
-        speculative_config={"method": "draft_model", "num_speculative_tokens": 3,
-                            "model": tiny_paths[1]},  # fmt: skip
+        speculative_config={
+            "method": "draft_model",
+            "num_speculative_tokens": 3,
+            "model": tiny_paths[1],
+        },
         **ENGINE,
     )
     outs = _check(draft, prompts, want)

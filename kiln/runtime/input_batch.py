@@ -172,6 +172,7 @@ class InputBuffers:
         states: list[CachedRequestState],  # in batch order: decodes first
         num_scheduled: list[int],
         num_padded_seqs: int | None = None,  # decode-only: pad to this many one-token rows
+        flatten: bool = False,  # verification steps: every token an attention row of its own
     ) -> PackedBatch:
         self.wait_for_copies()
         n = len(states)
@@ -188,6 +189,12 @@ class InputBuffers:
         )
 
         num_cols = -(-int(seq_lens.max()) // self.block_size)
+        query_start_loc_np = qsl[: n + 1].copy()
+        if flatten:
+            return self._prepare_flat(
+                states, num_scheduled, seq_of_token, positions, seq_lens, num_cols,
+                num_padded_seqs, num_pending, query_start_loc_np,
+            )  # fmt: skip
         padded = n if num_padded_seqs is None else num_padded_seqs
         assert padded == n or decode_only, "only decode-only steps are padded"
         self._fill_positions_and_slots(
@@ -211,7 +218,68 @@ class InputBuffers:
             input_ids=self.input_ids[:num_tokens],
             positions=self.positions[:num_tokens],
             metadata=metadata,
-            query_start_loc_np=qsl[: n + 1].copy(),
+            query_start_loc_np=query_start_loc_np,
+            sampling_rows=sampling_rows,
+            logits_indices=logits_indices,
+            num_padded_seqs=padded,
+            num_pending_inputs=num_pending,
+        )
+
+    def _prepare_flat(
+        self,
+        states: list[CachedRequestState],
+        num_scheduled: list[int],
+        seq_of_token: np.ndarray,
+        positions: np.ndarray,
+        seq_lens: np.ndarray,  # per request
+        num_cols: int,
+        num_padded_rows: int | None,
+        num_pending: int,
+        query_start_loc_np: np.ndarray,
+    ) -> PackedBatch:
+        """A step of decodes and verifications (each a few tokens after a cached context) as a
+        decode batch of one row per token: token i of a request attends to its context plus its
+        first i + 1 tokens, through the same block-table row. The decode kernel and the decode
+        CUDA graphs then serve verification steps too (vLLM and FlashInfer do the same)."""
+        n = len(states)
+        num_tokens = positions.shape[0]
+        assert num_tokens <= self.max_num_seqs, "flattened rows must fit the decode buffers"
+        # Sampling rows and logits indices are per request: taken before qsl becomes per token.
+        sampling_rows, logits_indices = self._sampling_rows(states, seq_lens, False)
+        padded = num_tokens if num_padded_rows is None else num_padded_rows
+        bs, ids, qsl = self.block_size, self._ids, self._qsl
+        rows = np.fromiter((s.row for s in states), np.int64, n)
+        table = self._bt[: padded * num_cols].reshape(padded, num_cols)
+        table[:num_tokens] = self.req_block_table[rows[seq_of_token], :num_cols]
+        self._pos[:num_tokens] = positions
+        tokens = np.arange(num_tokens)
+        self._slots[:num_tokens] = table[tokens, positions // bs] * bs + positions % bs
+        self._seq_lens[:num_tokens] = positions + 1
+        qsl[: num_tokens + 1] = np.arange(num_tokens + 1)
+        if padded > num_tokens:  # as in _fill_positions_and_slots: rows that touch nothing
+            ids[num_tokens:padded] = 0
+            self._pos[num_tokens:padded] = 0
+            self._slots[num_tokens:padded] = -1
+            self._seq_lens[num_tokens:padded] = 1
+            qsl[num_tokens + 1 : padded + 1] = np.arange(num_tokens + 1, padded + 1)
+            table[num_tokens:] = 0
+        self._copy_to_device(padded, padded, num_cols, logits_indices, num_pending)
+        metadata = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_tokens],
+            query_start_loc=self.query_start_loc[: num_tokens + 1],
+            seq_lens=self.seq_lens[:num_tokens],
+            block_tables=self.block_tables[:num_tokens, :num_cols],
+            num_decodes=num_tokens,
+            max_query_len=1,
+            max_seq_len=int(seq_lens.max()),
+        )
+        return PackedBatch(
+            req_ids=[s.req_id for s in states],
+            num_scheduled=num_scheduled,
+            input_ids=self.input_ids[:num_tokens],
+            positions=self.positions[:num_tokens],
+            metadata=metadata,
+            query_start_loc_np=query_start_loc_np,
             sampling_rows=sampling_rows,
             logits_indices=logits_indices,
             num_padded_seqs=padded,

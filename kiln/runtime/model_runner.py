@@ -181,10 +181,18 @@ class ModelRunner:
             self._resolve_in_flight()
 
         graph_key = None
-        if self.graphs is not None and num_decodes == len(req_ids):
-            max_seq_len = max(s.num_computed_tokens for s in states) + 1
-            graph_key = self.graphs.lookup(len(states), max_seq_len)
-        batch = self.inputs.prepare(states, num_scheduled, graph_key and graph_key[0])
+        # Verification steps of decodes alone run as a decode batch of one row per token (graphs
+        # too); with prefill chunks in the step, as chunks of K + 1 tokens.
+        spec = sched.scheduled_spec_decode_tokens
+        flatten = bool(spec) and (
+            sched.total_num_scheduled_tokens <= self.inputs.max_num_seqs
+            and all(n == 1 + len(spec.get(r, ())) for r, n in scheduled.items())
+        )
+        num_rows = sched.total_num_scheduled_tokens if flatten else len(states)
+        if self.graphs is not None and (flatten or num_decodes == len(req_ids)):
+            max_seq_len = max(s.num_computed_tokens + n for s, n in zip(states, num_scheduled))
+            graph_key = self.graphs.lookup(num_rows, max_seq_len)
+        batch = self.inputs.prepare(states, num_scheduled, graph_key and graph_key[0], flatten)
         t1 = time.perf_counter()
         gpu_events = None
         if timing is not None and self.device.type == "cuda":
