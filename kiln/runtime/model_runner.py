@@ -337,13 +337,20 @@ class ModelRunner:
             row += n
         step.states, step.spec_states = plain_states, spec_states
         spec_logits = logits[torch.tensor(spec_rows, device=logits.device)]
-        rows = verification_rows(spec_states)
-        metadata = build_sampling_metadata(rows, self.eos_token_ids, self.vocab_size, self.device)
-        greedy, probs = self.sampler.target_distribution(spec_logits, metadata)
         drafts = [d for s in spec_states for d in (*s.spec_token_ids, -1)]
-        accepted, recovered = rejection_sample(
-            drafts, greedy, probs, metadata.temperature == 0, metadata.generators
-        )
+        if all(s.plain_greedy for s in spec_states):  # the common case: argmax, nothing else
+            greedy = self.sampler.argmax(spec_logits)
+            is_greedy = torch.ones(len(drafts), dtype=torch.bool, device=logits.device)
+            accepted, recovered = rejection_sample(drafts, greedy, None, is_greedy, [])
+        else:
+            rows = verification_rows(spec_states)
+            metadata = build_sampling_metadata(
+                rows, self.eos_token_ids, self.vocab_size, self.device
+            )
+            greedy, probs = self.sampler.target_distribution(spec_logits, metadata)
+            accepted, recovered = rejection_sample(
+                drafts, greedy, probs, metadata.temperature == 0, metadata.generators
+            )
         step.spec_drafts = drafts
         step.spec_result = (
             accepted.to("cpu", non_blocking=True),

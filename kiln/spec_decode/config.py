@@ -31,6 +31,8 @@ class SpeculativeConfig:
     """oracle: the probability that each proposed token is the reference's."""
     oracle_token_ids: list[list[int]] = field(default_factory=list)
     """oracle: reference sequences (prompt + greedy continuation) that requests are matched to."""
+    oracle_always_propose: bool = False
+    """oracle: propose K wrong tokens where no reference matches (verification-shaped steps)."""
     num_speculative_tokens_by_batch_size: dict[int, int] | None = None
     """Policy override: {batch size: K}, read as "up to this many running requests, K drafts";
     past the largest key, no drafts. None: the default policy (see `num_tokens_for_batch`)."""

@@ -81,7 +81,13 @@ def build_proposer(
     if spec.method == "oracle":
         from kiln.spec_decode.oracle import OracleProposer
 
-        return OracleProposer(k, spec.oracle_token_ids, spec.acceptance_rate, vocab_size)
+        return OracleProposer(
+            k,
+            spec.oracle_token_ids,
+            spec.acceptance_rate,
+            vocab_size,
+            always_propose=spec.oracle_always_propose,
+        )
     if spec.method == "draft_model":
         from kiln.spec_decode.draft_model import DraftModelProposer
 

@@ -36,12 +36,16 @@ class OracleProposer(Proposer):
         acceptance_rate: float,
         vocab_size: int,
         seed: int = 0,
+        always_propose: bool = False,
     ) -> None:
         self.num_speculative_tokens = num_speculative_tokens
         self.references = [list(r) for r in references]
         self.acceptance_rate = acceptance_rate
         self.vocab_size = vocab_size
         self.rng = random.Random(seed)
+        # Without a (matching) reference, propose K wrong tokens anyway: every step then has the
+        # verification shape, e.g. to record references with the numerics of verification steps.
+        self.always_propose = always_propose
         self._match: dict[str, int] = {}  # request -> index of its reference
 
     def _reference(self, request: DraftRequest) -> list[int] | None:
@@ -64,9 +68,12 @@ class OracleProposer(Proposer):
         out = {}
         for request in requests:
             ref = self._reference(request)
-            if ref is None:
-                continue
             n = len(request.token_ids)
+            if ref is None:
+                if self.always_propose:
+                    wrong = (request.token_ids[-1] + 1) % self.vocab_size
+                    out[request.req_id] = [wrong] * self.num_speculative_tokens
+                continue
             drafts = []
             for token in ref[n : n + self.num_speculative_tokens]:
                 if self.rng.random() >= self.acceptance_rate:
