@@ -362,7 +362,7 @@ def test_smollm2_ngram_and_truncated_draft_are_exact(smollm2_llm, smollm2_path):
         "Copy this list: apples, pears, plums, apples, pears, plums, apples, pears,",
         "The capital of France is",
     ]
-    params = SamplingParams(max_tokens=16, temperature=0)
+    params = SamplingParams(max_tokens=12, temperature=0)
     want = [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, params)]
     base = dict(kv_cache_memory_gb=0.1, max_num_seqs=4, num_threads=1)
     ngram = LLM(
@@ -371,7 +371,8 @@ def test_smollm2_ngram_and_truncated_draft_are_exact(smollm2_llm, smollm2_path):
     outs = _check(ngram, prompts, want, params)
     assert outs[0].outputs[0].num_accepted_tokens > 0
     del ngram
-    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": smollm2_path,
-            "draft_num_hidden_layers": 15}  # fmt: skip
-    outs = _check(LLM(smollm2_path, speculative_config=spec, **base), prompts, want, params)
-    assert all(o.outputs[0].num_draft_tokens > 0 for o in outs)
+    # A layer-truncated SmolLM2 as its own draft: few drafts accepted, tokens unchanged.
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": smollm2_path,
+            "draft_num_hidden_layers": 6}  # fmt: skip
+    outs = _check(LLM(smollm2_path, speculative_config=spec, **base), prompts[:1], want[:1], params)
+    assert outs[0].outputs[0].num_draft_tokens > 0
