@@ -85,6 +85,7 @@ class InProcessExecutor(Executor):
                 max_model_len=capped,
                 attention_backend=config.attention_backend,
                 kv_cache_dtype=kv_cache_dtype,
+                max_num_batched_tokens=config.max_num_batched_tokens,
             ),
         )
 

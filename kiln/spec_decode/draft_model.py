@@ -40,8 +40,10 @@ class DraftModelProposer(Proposer):
         max_model_len: int,
         attention_backend: str = "auto",
         kv_cache_dtype: torch.dtype | None = None,
+        max_num_batched_tokens: int = 2048,
     ) -> None:
         self.model = model
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.num_speculative_tokens = num_speculative_tokens
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -94,8 +96,8 @@ class DraftModelProposer(Proposer):
                 batch.append((request, state))
         if not batch:
             return {}
-        # One-token queries first: the attention backend takes the decodes as a block.
-        batch.sort(key=lambda rs: len(rs[0].token_ids) - rs[1].num_computed != 1)
+        self._catch_up(batch)
+        # Now one token each (the last known one): a decode batch.
         chunks = [r.token_ids[s.num_computed :] for r, s in batch]
         starts = [s.num_computed for _, s in batch]
         drafts = [[t] for t in self._forward(batch, chunks, starts)]
@@ -107,6 +109,31 @@ class DraftModelProposer(Proposer):
             for d, t in zip(drafts, self._forward(batch, last, positions)):
                 d.append(t)
         return {r.req_id: d for (r, _), d in zip(batch, drafts)}
+
+    def _catch_up(self, batch: list[tuple[DraftRequest, _DraftState]]) -> None:
+        """Run the draft over every token it has not seen but the last, at most
+        `max_num_batched_tokens` a forward (a new request's whole prompt, in chunks), so no
+        draft pass is larger than a step the memory plan profiled."""
+        while True:
+            group, chunks, starts, budget = [], [], [], self.max_num_batched_tokens
+            for request, state in batch:
+                todo = len(request.token_ids) - 1 - state.num_computed
+                if todo <= 0 or budget <= 0:
+                    continue
+                take = min(todo, budget)
+                group.append((request, state))
+                chunks.append(request.token_ids[state.num_computed : state.num_computed + take])
+                starts.append(state.num_computed)
+                budget -= take
+            if not group:
+                return
+            # One-token queries first: the attention backend takes the decodes as a block.
+            order = sorted(range(len(group)), key=lambda i: len(chunks[i]) != 1)
+            self._forward(
+                [group[i] for i in order], [chunks[i] for i in order], [starts[i] for i in order]
+            )
+            for (_, state), chunk in zip(group, chunks):
+                state.num_computed += len(chunk)
 
     def _forward(
         self,

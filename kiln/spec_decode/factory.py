@@ -72,6 +72,7 @@ def build_proposer(
     max_model_len: int,
     attention_backend: str,
     kv_cache_dtype: torch.dtype,
+    max_num_batched_tokens: int = 2048,
 ) -> Proposer:
     k = spec.num_speculative_tokens
     if spec.method == "ngram":
@@ -92,7 +93,8 @@ def build_proposer(
         from kiln.spec_decode.draft_model import DraftModelProposer
 
         # As many blocks as the target's (the memory plan counted them), plus room for every
-        # sequence's K draft positions past what the target holds.
+        # sequence's K draft positions past what the target holds (a few blocks a sequence, not
+        # in the plan: the plan's safety margin holds them for a small draft).
         extra = max_num_seqs * -(-(k + 1) // block_size)
         return DraftModelProposer(
             draft_model,
@@ -102,5 +104,6 @@ def build_proposer(
             max_model_len,
             attention_backend,
             kv_cache_dtype,
+            max_num_batched_tokens,
         )
     raise ValueError(f"speculative_config.method {spec.method!r} is not built")
