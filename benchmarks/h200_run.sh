@@ -272,6 +272,15 @@ for s in "$@"; do
             --shapes 1000x1000 --concurrency 512 --requests-per-concurrency 1 -- $ENGINE ;;
         esac
         ;;
+    spec)  # speculative decoding at batch 1 (and 4, 16, 32): verification step cost with K=4
+        # vs a plain decode step, tok/s at mean acceptance lengths 2, 3, 4 (oracle proposer);
+        # expectations: benchmarks/spec_decode_gpu_expected.md
+        stage spec 420 python3 benchmarks/spec_decode_gpu.py --model llama-3.1-8b \
+            --load-format dummy --dtype bfloat16 --out "$OUT/spec_decode_gpu$SFX.json"
+        ;;
+    test-spec)  # the speculative-decoding tests on the GPU machine (Triton kernels, real graphs)
+        stage test-spec 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_spec_decode.py
+        ;;
     *)
         echo "unknown stage $s"
         ;;

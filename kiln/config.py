@@ -93,6 +93,11 @@ class EngineConfig:
     distributed_timeout_s: float = 300.0
     """Under TP/PP: how long a rank waits for the others (startup, a collective) before the
     engine stops with an error naming the rank, rather than hanging."""
+    speculative_config: dict | None = None
+    """Speculative decoding, vLLM's dict: {"method": "ngram" | "draft_model",
+    "num_speculative_tokens": K, "model": DRAFT, "prompt_lookup_min": N, "prompt_lookup_max": N,
+    ...} (all keys: kiln.spec_decode.config.SpeculativeConfig; on the command line, JSON).
+    None: off."""
 
     def __post_init__(self) -> None:
         def fail(name: str, why: str) -> None:
@@ -127,6 +132,19 @@ class EngineConfig:
             fail("num_kv_blocks", "must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             fail("max_model_len", "must be >= 1")
+        if self.speculative_config is not None:
+            from kiln.spec_decode.config import SpeculativeConfig  # pure Python, no cycle
+
+            SpeculativeConfig.from_dict(self.speculative_config)  # raises, naming the key
+
+    @property
+    def speculative(self):  # -> SpeculativeConfig | None
+        """The parsed speculative_config (None: off)."""
+        if self.speculative_config is None:
+            return None
+        from kiln.spec_decode.config import SpeculativeConfig
+
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     @property
     def world_size(self) -> int:

@@ -46,6 +46,9 @@ class SchedulerOutput:
     finished_req_ids: frozenset[str]
     num_preempted: int = 0
     step_id: int = 0  # increasing: lets update() tell a request from a later one of the same id
+    # Speculative decoding: a decode's draft tokens, scheduled as extra tokens of the request
+    # (its num_scheduled_tokens is 1 + len(drafts)); the runner verifies them in the same pass.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -78,6 +81,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]  # requests that reached their last token this step
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # one per sampled id
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    # Speculative decoding: draft tokens proposed for each request's next step (kiln.spec_decode).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 EMPTY_RUNNER_OUTPUT = ModelRunnerOutput(sampled_token_ids={})

@@ -32,6 +32,20 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     """Sum of the tokens' log-probabilities; set by beam search (its beam's score before the
     length penalty)."""
+    num_draft_tokens: int = 0
+    """Speculative decoding: drafts verified (in a delta: this step's)."""
+    num_accepted_tokens: int = 0
+    """Speculative decoding: drafts accepted."""
+    num_spec_steps: int = 0
+    """Speculative decoding: verification steps (each emits its accepted drafts plus one)."""
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens per verification step (1 + accepted / steps, vLLM's definition); None if no
+        step verified drafts."""
+        if not self.num_spec_steps:
+            return None
+        return 1 + self.num_accepted_tokens / self.num_spec_steps
 
     @property
     def finished(self) -> bool:

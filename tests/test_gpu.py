@@ -273,3 +273,24 @@ def test_memory_plan_with_a_step_budget_beyond_the_context(tiny_gpu_path):
     )
     out = llm.generate([[3] * 40], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("method", ["oracle", "ngram", "draft_model"])
+def test_speculative_decoding_is_exact_on_gpu(tiny_gpu_path, alone_gpu, method):
+    """Verification steps through the decode graphs (one row per token) and the Triton kernels:
+    greedy tokens as without drafts; the pool back to empty."""
+    refs = [p + o for p, o in zip(INVARIANCE_PROMPTS, alone_gpu)]
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "oracle":
+        spec |= {"acceptance_rate": 0.6, "oracle_token_ids": refs[::2]}  # half without drafts
+    if method == "draft_model":
+        spec |= {"model": tiny_gpu_path, "draft_num_hidden_layers": 1}
+    llm = LLM(tiny_gpu_path, device="cuda", dtype="float32", max_num_seqs=128,
+              speculative_config=spec)  # fmt: skip
+    runner = llm.engine.executor.runner
+    runner.step_timing = {}
+    outs = llm.generate(INVARIANCE_PROMPTS, INVARIANCE_PARAMS)
+    assert _tokens(outs) == alone_gpu
+    assert sum(o.outputs[0].num_draft_tokens for o in outs) > 0
+    assert any(row[0] and row[2] > row[1] for row in runner.step_timing["trace"])  # graphs
+    assert llm.engine.kv_cache.pool.num_free_blocks == llm.engine.kv_cache.pool.num_blocks

@@ -15,6 +15,10 @@ class RequestTiming:
     submitted: float
     token_times: list[float] = field(default_factory=list)  # one per generated token
     num_prompt_tokens: int = 0
+    # Speculative decoding: drafts verified, accepted, and verification steps.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0
 
     @property
     def ttft(self) -> float:
@@ -69,4 +73,37 @@ def throughput_report(timings: list[RequestTiming], num_gpus: int = 1) -> dict:
         "tpot": summarize(tpots),
         "itl": summarize([x for t in timings for x in t.itls]),
         "e2e": summarize([t.e2e for t in timings]),
+        **spec_decode_report(timings),
+    }
+
+
+def spec_decode_report(timings: list[RequestTiming]) -> dict:
+    """Acceptance of speculative decoding, over all requests and per request ({} if none)."""
+    drafted = sum(t.num_draft_tokens for t in timings)
+    if not drafted:
+        return {}
+    accepted = sum(t.num_accepted_tokens for t in timings)
+    steps = sum(t.num_spec_steps for t in timings)
+    per_request = [
+        1 + t.num_accepted_tokens / t.num_spec_steps for t in timings if t.num_spec_steps
+    ]
+    return {
+        "spec_decode": {
+            "num_draft_tokens": drafted,
+            "num_accepted_tokens": accepted,
+            "num_verification_steps": steps,
+            "acceptance_rate": accepted / drafted,
+            "mean_acceptance_length": 1 + accepted / steps,
+            "per_request_mean_acceptance_length": summarize_plain(per_request),
+        }
+    }
+
+
+def summarize_plain(values: list[float]) -> dict[str, float]:
+    arr = np.asarray(values)
+    return {
+        "mean": float(arr.mean()),
+        "min": float(arr.min()),
+        "p50": float(np.percentile(arr, 50)),
+        "max": float(arr.max()),
     }

@@ -54,6 +54,9 @@ def run_kiln(
             timing = timings[delta.request_id]
             for completion in delta.outputs:
                 timing.token_times.extend([now] * len(completion.token_ids))
+                timing.num_draft_tokens += completion.num_draft_tokens
+                timing.num_accepted_tokens += completion.num_accepted_tokens
+                timing.num_spec_steps += completion.num_spec_steps
             if delta.finished:
                 engine.finished_output(delta.request_id)
                 in_flight -= 1

@@ -224,6 +224,13 @@ def _table(record: dict) -> str:
                 theirs = (hf or {}).get(metric, {}).get(stat)
                 row(f"{metric} {stat}", kiln[metric][stat], theirs, ratio=False)
     table = format_table(rows)
+    if "spec_decode" in kiln:
+        sd = kiln["spec_decode"]
+        table += (
+            f"\nspeculative decoding: {sd['num_accepted_tokens']:,} of {sd['num_draft_tokens']:,}"
+            f" drafts accepted ({sd['acceptance_rate']:.0%}), mean acceptance length "
+            f"{sd['mean_acceptance_length']:.2f} tokens per verification step"
+        )
     if "roofline" in record:
         r = record["roofline"]
         table += (

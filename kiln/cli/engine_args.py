@@ -6,6 +6,7 @@ import argparse
 import ast
 import functools
 import inspect
+import json
 import types
 import typing
 from dataclasses import Field, fields
@@ -63,9 +64,22 @@ def _flag_kwargs(f: Field, annotation: object, doc: str) -> dict:
             kwargs["choices"] = f.metadata["choices"]
             if f.name == "dtype":  # vLLM's names too (half, float, ...), mapped when parsed
                 kwargs["choices"] = (*f.metadata["choices"], *DTYPE_ALIASES)
+    elif kind is dict:  # JSON, as vLLM's --speculative-config '{"method": ...}'
+        kwargs["type"] = _json_object
+        kwargs["metavar"] = "JSON"
     else:
         raise TypeError(f"EngineConfig.{f.name}: no flag for type {annotation!r}")
     return kwargs
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -50,6 +50,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
+            num_spec_tokens=spec.num_tokens_for_batch if (spec := config.speculative) else None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_search = BeamSearchManager(self)  # above the scheduler: beams are requests
@@ -57,6 +58,11 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith("cuda")
+        if spec is not None and self.async_scheduling:
+            # A step's drafts come from its own sampled tokens, and how many it accepts decides
+            # where the next step starts: the next step cannot be scheduled before this one ends.
+            logger.info("speculative decoding: async scheduling off (steps wait for their drafts)")
+            self.async_scheduling = False
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted to the runner, uncollected
         # Startup objects (model, tokenizer, graphs) live as long as the engine: keep the cyclic
         # GC from walking them on every full collection while requests churn.

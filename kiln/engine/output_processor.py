@@ -57,6 +57,9 @@ def _copy(o: CompletionOutput) -> CompletionOutput:
         None if o.logprobs is None else list(o.logprobs),
         o.finish_reason,
         o.stop_reason,
+        o.num_draft_tokens,
+        o.num_accepted_tokens,
+        o.num_spec_steps,
     )
 
 
@@ -162,8 +165,20 @@ class OutputProcessor:
             o.logprobs.extend(new_logprobs)
         if o.finish_reason is None and out.finish_reason is not None:
             o.finish_reason, o.stop_reason = out.finish_reason, out.stop_reason
+        num_spec_steps = 1 if out.num_draft_tokens else 0
+        o.num_draft_tokens += out.num_draft_tokens
+        o.num_accepted_tokens += out.num_accepted_tokens
+        o.num_spec_steps += num_spec_steps
         return CompletionOutput(
-            o.index, text, list(out.new_token_ids), new_logprobs, o.finish_reason, o.stop_reason
+            o.index,
+            text,
+            list(out.new_token_ids),
+            new_logprobs,
+            o.finish_reason,
+            o.stop_reason,
+            out.num_draft_tokens,
+            out.num_accepted_tokens,
+            num_spec_steps,
         )
 
     def abort(self, req_id: str) -> RequestOutput | None:

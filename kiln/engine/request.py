@@ -53,6 +53,11 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_preemptions: int = 0
+    # Speculative decoding: drafts proposed for the next step, and the totals of this request.
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0  # verification steps (each gave accepted + 1 tokens)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

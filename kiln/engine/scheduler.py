@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kiln.engine.request import Request, RequestStatus
@@ -41,6 +42,19 @@ class EngineCoreOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
     prompt_logprobs: PromptLogprobsChunk | None = None
     num_cached_tokens: int = 0
+    # Speculative decoding, this step: drafts verified and how many of them were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+@dataclass
+class SpecDecodeStats:
+    """Totals since start (Prometheus counters, vLLM's spec_decode_* names)."""
+
+    num_drafts: int = 0  # verification steps of a request
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at i
 
 
 @dataclass
@@ -52,6 +66,7 @@ class _StepPlan:
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     num_preempted: int = 0
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, req_id: str, num_tokens: int) -> None:
         self.num_scheduled[req_id] = num_tokens
@@ -66,12 +81,17 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         policy: str = "fcfs",
+        num_spec_tokens: Callable[[int], int] | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = policy
+        # Speculative decoding: how many drafts a decode may verify, given the running batch's
+        # size (kiln.spec_decode's policy); None: no speculation.
+        self.num_spec_tokens = num_spec_tokens
+        self.spec_stats = SpecDecodeStats()
         self.requests: dict[str, Request] = {}
         # Both kept sorted by `_key`: the front is served first, the back preempted first.
         self.waiting: list[Request] = []
@@ -145,7 +165,8 @@ class Scheduler:
         for req_id, num_new in plan.num_scheduled.items():
             request = self.requests[req_id]
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+            num_drafts = len(plan.spec_tokens.get(req_id, ()))
+            if request.num_computed_tokens - num_drafts == request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1
             scheduled[req_id] = request
 
@@ -161,6 +182,7 @@ class Scheduler:
             finished_req_ids=frozenset(finished),
             num_preempted=plan.num_preempted,
             step_id=step_id,
+            scheduled_spec_decode_tokens=plan.spec_tokens,
         )
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -175,6 +197,8 @@ class Scheduler:
             num_new = min(
                 request.num_tokens_with_placeholders - request.num_computed_tokens, plan.budget
             )
+            drafts = self._drafts_to_verify(request, plan.budget)
+            num_new += len(drafts)
             new_blocks = self.kv_cache.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self.running[-1]  # lowest priority, never one already scheduled
@@ -186,6 +210,8 @@ class Scheduler:
             if new_blocks is None:
                 break
             plan.add(request.req_id, num_new)
+            if drafts:
+                plan.spec_tokens[request.req_id] = drafts
             plan.cached_requests.append(
                 CachedRequestData(
                     request.req_id, [b.block_id for b in new_blocks], request.num_computed_tokens
@@ -223,6 +249,26 @@ class Scheduler:
                 )
             )
 
+    def _drafts_to_verify(self, request: Request, budget: int) -> list[int]:
+        """The drafts a decode verifies this step: as many as the policy allows for this batch
+        size, the budget holds, and neither max_tokens nor the context is passed by accepting
+        them all plus the bonus token."""
+        if (
+            not request.spec_token_ids
+            or self.num_spec_tokens is None
+            or request.num_output_placeholders
+            or request.num_tokens - request.num_computed_tokens != 1
+        ):
+            return []
+        k = min(
+            len(request.spec_token_ids),
+            self.num_spec_tokens(len(self.running)),
+            budget - 1,
+            self.max_model_len - request.num_tokens,
+            request.max_tokens - request.num_output_tokens - 1,
+        )
+        return request.spec_token_ids[: max(k, 0)]
+
     def _has_all_samples_scheduled(self, request: Request) -> bool:
         """Its remaining tokens are all scheduled already: the last one it may sample (by
         max_tokens or the context length) is in flight, awaiting update()."""
@@ -251,6 +297,9 @@ class Scheduler:
                     outputs.append(EngineCoreOutput(req_id, [], prompt_logprobs=prompt_logprobs))
                 continue
             request.num_output_placeholders -= 1  # the step held one placeholder
+            num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+            if num_drafts:
+                self._apply_verification(request, num_drafts, len(token_ids))
             new_token_ids, finish = self._append_until_stop(request, token_ids)
             if finish is not None:
                 if request.status == RequestStatus.RUNNING:
@@ -268,9 +317,32 @@ class Scheduler:
                     logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
                     prompt_logprobs=prompt_logprobs,
                     num_cached_tokens=request.num_cached_tokens,
+                    num_draft_tokens=num_drafts,
+                    num_accepted_tokens=len(token_ids) - 1 if num_drafts else 0,
                 )
             )
+            if finish is None:
+                request.spec_token_ids = runner_output.spec_token_ids.get(req_id, [])
         return outputs
+
+    def _apply_verification(self, request: Request, num_drafts: int, num_tokens: int) -> None:
+        """A step verified `num_drafts` drafts and gave back `num_tokens` (the accepted ones and
+        a bonus): the rejected positions were computed for nothing, so they count as not computed
+        and the blocks only they used go back to the pool."""
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_tokens += num_tokens - 1
+        request.num_spec_steps += 1
+        stats = self.spec_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_tokens - 1
+        stats.accepted_per_pos.extend([0] * (num_drafts - len(stats.accepted_per_pos)))
+        for pos in range(num_tokens - 1):
+            stats.accepted_per_pos[pos] += 1
+        request.spec_token_ids = []
+        if request.status == RequestStatus.RUNNING:
+            request.num_computed_tokens -= num_drafts + 1 - num_tokens
+            self.kv_cache.free_excess_slots(request)
 
     def _append_until_stop(
         self, request: Request, token_ids: list[int]

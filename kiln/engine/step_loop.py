@@ -10,11 +10,13 @@ start of the step that first scheduled it): the end of its queue time, which the
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 from kiln.engine.llm_engine import LLMEngine
+from kiln.engine.scheduler import SpecDecodeStats
 from kiln.outputs import CompletionOutput, RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -33,6 +35,7 @@ class EngineSnapshot:
     num_preemptions: int = 0
     iteration_tokens: dict[int, int] = field(default_factory=dict)  # tokens in a step -> steps
     time: float = 0.0  # time.monotonic() of the step it describes
+    spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,12 @@ class StepLoop:
             num_preemptions=engine.scheduler.num_preemptions_total,
             iteration_tokens=dict(self.iteration_tokens),
             time=now,
+            spec_decode=None
+            if engine.scheduler.num_spec_tokens is None
+            else dataclasses.replace(
+                engine.scheduler.spec_stats,
+                accepted_per_pos=list(engine.scheduler.spec_stats.accepted_per_pos),
+            ),
         )
         return True
 

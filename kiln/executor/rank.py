@@ -24,6 +24,7 @@ from kiln.runtime.model_loader import (
     resolve_kv_cache_dtype,
 )
 from kiln.runtime.model_runner import ModelRunner
+from kiln.spec_decode.factory import build_proposer, load_draft_model
 
 logger = logging.getLogger("kiln")
 
@@ -56,6 +57,10 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
         if getattr(config, k) in ("auto", None)
     }
     config = dataclasses.replace(config, **unset)
+    if parallel is not None and config.speculative_config is not None:
+        raise ValueError(
+            "speculative decoding is not supported with tensor or pipeline parallelism yet"
+        )
     if parallel is not None:
         # CUDA graphs with the collectives inside are for the multi-GPU issues: ranks run eager
         # (and the memory plan reserves no graph pool).
@@ -85,7 +90,13 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
         # so cap the context there rather than compute something else past it.
         logger.warning("sliding window %d: max_model_len capped to it", window)
         max_model_len = window
-    memory_plan = plan_kv_blocks(config, loaded.model, max_model_len, device, kv_cache_dtype)
+    spec = config.speculative
+    draft = None
+    if spec is not None and spec.method == "draft_model":
+        draft = load_draft_model(config, spec, loaded, device, dtype, load_model)
+    memory_plan = plan_kv_blocks(
+        config, loaded.model, max_model_len, device, kv_cache_dtype, draft_model=draft
+    )
     if parallel is not None:
         # Every rank holds the same blocks (of its own heads and layers): the fewest that fit.
         fewest = all_reduce_min(parallel, memory_plan.num_blocks)
@@ -109,5 +120,19 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
         enforce_eager=config.enforce_eager,
         kv_cache_dtype=kv_cache_dtype,
         tokenizer=loaded.tokenizer,
+        proposer=None
+        if spec is None
+        else build_proposer(
+            spec,
+            loaded.config.vocab_size,
+            draft_model=draft,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=capped,
+            attention_backend=config.attention_backend,
+            kv_cache_dtype=kv_cache_dtype,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        ),
     )
     return Rank(facts, memory_plan, KVCapacity(num_blocks, config.block_size, capped), runner)

@@ -98,6 +98,18 @@ class KVCacheManager:
     def block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(req_id, [])]
 
+    def free_excess_slots(self, request: KVCacheRequest) -> None:
+        """Give back the blocks past the request's computed tokens (speculative decoding: slots
+        of rejected drafts). They hold no full block of known tokens, so none is cached."""
+        blocks = self.req_to_blocks.get(request.req_id)
+        if not blocks:
+            return
+        keep = -(-request.num_computed_tokens // self.block_size)
+        if len(blocks) > keep:
+            excess = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free(list(reversed(excess)))
+
     def free(self, request: KVCacheRequest) -> None:
         blocks = self.req_to_blocks.pop(request.req_id, [])
         self._num_cached_blocks.pop(request.req_id, None)

@@ -38,6 +38,8 @@ class CachedRequestState:
     """Greedy with nothing else to do (no penalties, logprobs or min_tokens): argmax alone."""
     needs_history: bool = field(init=False)
     """Sampling reads every generated token (penalties), not just how many there are."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Drafts this step verifies (speculative decoding): input tokens after the last known one."""
 
     def __post_init__(self) -> None:
         self.token_ids = [*self.prompt_token_ids, *self.output_token_ids]
@@ -104,7 +106,7 @@ class InputBuffers:
         self.seq_lens_cpu = host(s, torch.int32)
         self.query_start_loc_cpu = host(s + 1, torch.int32)
         self.block_table_cpu = host(s * w, torch.int32)  # compact [num_seqs, num_cols] prefix
-        self.logits_indices_cpu = host(s, torch.int64)
+        self.logits_indices_cpu = host(t, torch.int64)  # t: a row per verified draft too
         # The step's one device->host copy lands here; two, since with async scheduling a step's
         # ids are copied while the previous step's are still being read.
         self.sampled_cpu = (host(s, torch.int64), host(s, torch.int64))
@@ -118,7 +120,7 @@ class InputBuffers:
         self.query_start_loc = dev(s + 1, torch.int32)
         self.block_tables = dev((s, w), torch.int32)  # the kernels' table: row stride w
         self.block_table_staging = dev(s * w, torch.int32)
-        self.logits_indices = dev(s, torch.int64)
+        self.logits_indices = dev(t, torch.int64)
         self.pending_dst = dev(s, torch.int64)
         self.pending_src = dev(s, torch.int64)
 
@@ -170,6 +172,7 @@ class InputBuffers:
         states: list[CachedRequestState],  # in batch order: decodes first
         num_scheduled: list[int],
         num_padded_seqs: int | None = None,  # decode-only: pad to this many one-token rows
+        flatten: bool = False,  # verification steps: every token an attention row of its own
     ) -> PackedBatch:
         self.wait_for_copies()
         n = len(states)
@@ -186,6 +189,12 @@ class InputBuffers:
         )
 
         num_cols = -(-int(seq_lens.max()) // self.block_size)
+        query_start_loc_np = qsl[: n + 1].copy()
+        if flatten:
+            return self._prepare_flat(
+                states, num_scheduled, seq_of_token, positions, seq_lens, num_cols,
+                num_padded_seqs, num_pending, query_start_loc_np,
+            )  # fmt: skip
         padded = n if num_padded_seqs is None else num_padded_seqs
         assert padded == n or decode_only, "only decode-only steps are padded"
         self._fill_positions_and_slots(
@@ -209,7 +218,68 @@ class InputBuffers:
             input_ids=self.input_ids[:num_tokens],
             positions=self.positions[:num_tokens],
             metadata=metadata,
-            query_start_loc_np=qsl[: n + 1].copy(),
+            query_start_loc_np=query_start_loc_np,
+            sampling_rows=sampling_rows,
+            logits_indices=logits_indices,
+            num_padded_seqs=padded,
+            num_pending_inputs=num_pending,
+        )
+
+    def _prepare_flat(
+        self,
+        states: list[CachedRequestState],
+        num_scheduled: list[int],
+        seq_of_token: np.ndarray,
+        positions: np.ndarray,
+        seq_lens: np.ndarray,  # per request
+        num_cols: int,
+        num_padded_rows: int | None,
+        num_pending: int,
+        query_start_loc_np: np.ndarray,
+    ) -> PackedBatch:
+        """A step of decodes and verifications (each a few tokens after a cached context) as a
+        decode batch of one row per token: token i of a request attends to its context plus its
+        first i + 1 tokens, through the same block-table row. The decode kernel and the decode
+        CUDA graphs then serve verification steps too (vLLM and FlashInfer do the same)."""
+        n = len(states)
+        num_tokens = positions.shape[0]
+        assert num_tokens <= self.max_num_seqs, "flattened rows must fit the decode buffers"
+        # Sampling rows and logits indices are per request: taken before qsl becomes per token.
+        sampling_rows, logits_indices = self._sampling_rows(states, seq_lens, False)
+        padded = num_tokens if num_padded_rows is None else num_padded_rows
+        bs, ids, qsl = self.block_size, self._ids, self._qsl
+        rows = np.fromiter((s.row for s in states), np.int64, n)
+        table = self._bt[: padded * num_cols].reshape(padded, num_cols)
+        table[:num_tokens] = self.req_block_table[rows[seq_of_token], :num_cols]
+        self._pos[:num_tokens] = positions
+        tokens = np.arange(num_tokens)
+        self._slots[:num_tokens] = table[tokens, positions // bs] * bs + positions % bs
+        self._seq_lens[:num_tokens] = positions + 1
+        qsl[: num_tokens + 1] = np.arange(num_tokens + 1)
+        if padded > num_tokens:  # as in _fill_positions_and_slots: rows that touch nothing
+            ids[num_tokens:padded] = 0
+            self._pos[num_tokens:padded] = 0
+            self._slots[num_tokens:padded] = -1
+            self._seq_lens[num_tokens:padded] = 1
+            qsl[num_tokens + 1 : padded + 1] = np.arange(num_tokens + 1, padded + 1)
+            table[num_tokens:] = 0
+        self._copy_to_device(padded, padded, num_cols, logits_indices, num_pending)
+        metadata = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_tokens],
+            query_start_loc=self.query_start_loc[: num_tokens + 1],
+            seq_lens=self.seq_lens[:num_tokens],
+            block_tables=self.block_tables[:num_tokens, :num_cols],
+            num_decodes=num_tokens,
+            max_query_len=1,
+            max_seq_len=int(seq_lens.max()),
+        )
+        return PackedBatch(
+            req_ids=[s.req_id for s in states],
+            num_scheduled=num_scheduled,
+            input_ids=self.input_ids[:num_tokens],
+            positions=self.positions[:num_tokens],
+            metadata=metadata,
+            query_start_loc_np=query_start_loc_np,
             sampling_rows=sampling_rows,
             logits_indices=logits_indices,
             num_padded_seqs=padded,
@@ -244,6 +314,9 @@ class InputBuffers:
                 a = s.num_computed_tokens
                 if a >= len(s.token_ids):  # a decode of the token still on the device
                     pending.append((int(qsl[r]), s.pending_index))
+                elif s.spec_token_ids:  # the last known token, then the drafts to verify
+                    k = num_scheduled[r] - len(s.spec_token_ids)
+                    ids[qsl[r] : qsl[r + 1]] = s.token_ids[a : a + k] + s.spec_token_ids
                 else:
                     ids[qsl[r] : qsl[r + 1]] = s.token_ids[a : a + num_scheduled[r]]
         for i, (dst, src) in enumerate(pending):
@@ -283,16 +356,25 @@ class InputBuffers:
     def _sampling_rows(
         self, states: list[CachedRequestState], seq_lens: np.ndarray, decode_only: bool
     ) -> tuple[list[int], torch.Tensor | None]:
-        """Who samples: requests whose scheduled tokens reach their last known token; and where
-        their logits are (None: row i samples at token i)."""
+        """Who samples: requests whose scheduled tokens reach their last known token (plus the
+        drafts they verify); and where their logits are (None: row i samples at token i). A
+        request verifying K drafts has K + 1 logits rows, its last K + 1 tokens."""
         n, qsl = len(states), self._qsl
         num_known = np.fromiter((s.num_tokens for s in states), np.int64, n)
-        samples = seq_lens == num_known
+        num_spec = np.fromiter((len(s.spec_token_ids) for s in states), np.int64, n)
+        samples = seq_lens - num_spec == num_known
         if decode_only and samples.all():
             return list(range(n)), None
         sampling_rows = np.flatnonzero(samples).tolist()
-        k = len(sampling_rows)
-        self._logits_idx[:k] = qsl[1 : n + 1][samples] - 1
+        ends = qsl[1 : n + 1][samples]
+        if not num_spec.any():
+            k = len(sampling_rows)
+            self._logits_idx[:k] = ends - 1
+        else:
+            rows = num_spec[samples] + 1
+            k = int(rows.sum())
+            first = np.repeat(ends - rows, rows)  # each row's first logits position ...
+            self._logits_idx[:k] = first + np.arange(k) - np.repeat(np.cumsum(rows) - rows, rows)
         return sampling_rows, self.logits_indices[:k]
 
     def _copy_to_device(

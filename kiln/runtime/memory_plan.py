@@ -98,9 +98,15 @@ def plan_kv_blocks(
     max_model_len: int,
     device: torch.device,
     kv_dtype: torch.dtype,
+    draft_model: LlamaForCausalLM | None = None,
 ) -> MemoryPlan:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     per_block = kv_bytes_per_block(model, config.block_size, kv_dtype)
+    if draft_model is not None:
+        # Speculative decoding's draft: its weights, and a KV pool of as many blocks as the
+        # target's (kiln.spec_decode.draft_model), so every target block costs both.
+        weight_bytes += sum(p.numel() * p.element_size() for p in draft_model.parameters())
+        per_block += kv_bytes_per_block(draft_model, config.block_size, kv_dtype)
     activation = graph_reserve = non_torch = total = 0
     if device.type == "cuda":
         activation, forward_peak = profile_activation_peak(

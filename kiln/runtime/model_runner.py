@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -31,8 +31,14 @@ from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
 from kiln.models.llama import LlamaForCausalLM
 from kiln.runtime.graph_runner import GraphRunner
 from kiln.runtime.input_batch import CachedRequestState, InputBuffers, PackedBatch
-from kiln.runtime.sampling_inputs import SamplingMetadataBuilder
+from kiln.runtime.sampling_inputs import (
+    SamplingMetadataBuilder,
+    build_sampling_metadata,
+    verification_rows,
+)
+from kiln.sampling.rejection_sampler import emitted_tokens, rejection_sample
 from kiln.sampling.sampler import LogprobsTensors, Sampler, SamplerOutput, compute_logprobs
+from kiln.spec_decode.proposer import Proposer
 
 logger = logging.getLogger("kiln")
 
@@ -65,8 +71,12 @@ class ModelRunner:
         enforce_eager: bool = False,
         kv_cache_dtype: torch.dtype | None = None,
         tokenizer: object | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         self.model = model
+        # Speculative decoding: proposes each sampling request's next drafts once its tokens are
+        # back (kiln.spec_decode); the scheduler sends them to verify in the next step.
+        self.proposer = proposer
         cfg = model.config
         self.device = model.norm.device
         self.dtype = model.norm.dtype
@@ -126,6 +136,8 @@ class ModelRunner:
                 self.inputs.remove_request(state.row)
             if self._grammars is not None:
                 self._grammars.remove(req_id)
+            if self.proposer is not None:
+                self.proposer.remove(req_id)
         for new in sched.new_requests:
             old = self.requests.pop(new.req_id, None)
             if old is not None:
@@ -134,6 +146,8 @@ class ModelRunner:
                 self._grammar_batch().add(
                     new.req_id, new.sampling_params.guided_decoding, new.output_token_ids
                 )
+            if self.proposer is not None:
+                self.proposer.remove(new.req_id)
             state = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=new.prompt_token_ids,
@@ -146,6 +160,10 @@ class ModelRunner:
             self.requests[new.req_id] = state
         for cached in sched.cached_requests:
             state = self.requests[cached.req_id]
+            if state.spec_token_ids:
+                # It verified drafts: the scheduler gave back the blocks only rejected ones used.
+                del state.block_ids[-(-cached.num_computed_tokens // self.block_size) :]
+                state.spec_token_ids = []
             if cached.new_block_ids:
                 self.inputs.append_blocks(state.row, len(state.block_ids), cached.new_block_ids)
                 state.block_ids.extend(cached.new_block_ids)
@@ -177,15 +195,25 @@ class ModelRunner:
             req_ids += [r for r, n in scheduled.items() if n != 1]
         states = [self.requests[r] for r in req_ids]
         num_scheduled = [scheduled[r] for r in req_ids]
+        for req_id, drafts in sched.scheduled_spec_decode_tokens.items():
+            self.requests[req_id].spec_token_ids = drafts
         if self._in_flight and any(s.num_pending and s.needs_history for s in states):
             # Penalties read every generated token: bring the running step's ids back first.
             self._resolve_in_flight()
 
         graph_key = None
-        if self.graphs is not None and num_decodes == len(req_ids):
-            max_seq_len = max(s.num_computed_tokens for s in states) + 1
-            graph_key = self.graphs.lookup(len(states), max_seq_len)
-        batch = self.inputs.prepare(states, num_scheduled, graph_key and graph_key[0])
+        # Verification steps of decodes alone run as a decode batch of one row per token (graphs
+        # too); with prefill chunks in the step, as chunks of K + 1 tokens.
+        spec = sched.scheduled_spec_decode_tokens
+        flatten = bool(spec) and (
+            sched.total_num_scheduled_tokens <= self.inputs.max_num_seqs
+            and all(n == 1 + len(spec.get(r, ())) for r, n in scheduled.items())
+        )
+        num_rows = sched.total_num_scheduled_tokens if flatten else len(states)
+        if self.graphs is not None and (flatten or num_decodes == len(req_ids)):
+            max_seq_len = max(s.num_computed_tokens + n for s, n in zip(states, num_scheduled))
+            graph_key = self.graphs.lookup(num_rows, max_seq_len)
+        batch = self.inputs.prepare(states, num_scheduled, graph_key and graph_key[0], flatten)
         t1 = time.perf_counter()
         gpu_events = None
         if timing is not None and self.device.type == "cuda":
@@ -223,13 +251,15 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[:num_rows])
             else:
                 logits = self.model.compute_logits(hidden[batch.logits_indices])
+            if sched.scheduled_spec_decode_tokens:
+                logits = self._verify(step, logits)
             bitmask = None
-            if self._grammars is not None and self._grammars.matchers:
+            if self._grammars is not None and self._grammars.matchers and step.states:
                 # Host work while the device runs the forward just launched (on the CPU the
                 # forward has already run: nothing to overlap there). A grammar needs the
                 # previous step's tokens: wait for them now, not before the launch, so the step
                 # was still prepared and launched while the previous one ran (async scheduling
-                # keeps its overlap).
+                # keeps its overlap). Grammar requests get no drafts: none verifies here.
                 matchers = self._grammars.matchers
                 if len(self._in_flight) > 1 and any(
                     s.num_pending and s.req_id in matchers for s in step.states
@@ -238,10 +268,13 @@ class ModelRunner:
                         if older.output is None:
                             self._finish(older)
                 bitmask = self._grammars.fill_bitmask([s.req_id for s in step.states], self.device)
-            metadata = self.sampling.build(step.states)
-            if bitmask is not None:
-                metadata = replace(metadata, token_bitmask=bitmask)
-            result = self.sampler(logits, metadata)
+            if step.states:
+                metadata = self.sampling.build(step.states)
+                if bitmask is not None:
+                    metadata = replace(metadata, token_bitmask=bitmask)
+                result = self.sampler(logits, metadata)
+            else:  # every sampling row verified drafts
+                result = SamplerOutput(logits.new_zeros(0, dtype=torch.long), None)
         if gpu_events is not None:
             gpu_events[1].record()
         step.gpu_events = gpu_events
@@ -328,6 +361,8 @@ class ModelRunner:
             sampled_ids[state.req_id] = [token_id]
             if grammars is not None:
                 grammars.accept(state.req_id, token_id)
+        if step.spec_states:
+            self._finish_verification(step, sampled_ids)
         logprobs = {}
         if logprob_rows is not None:
             for i, state in enumerate(step.states):
@@ -335,8 +370,70 @@ class ModelRunner:
                 if n is not None:
                     ids, lps, rank = logprob_rows[i]
                     logprobs[state.req_id] = [TokenLogprobs(ids[: n + 1], lps[: n + 1], rank)]
-        step.output = ModelRunnerOutput(sampled_ids, logprobs, step.prompt_lp)
+        spec_ids = {}
+        if self.proposer is not None:
+            # Drafts only for requests without logprobs (their drafts' logprobs are not built)
+            # and without a grammar (drafts are not checked against it).
+            wanting = [
+                s
+                for s in (*step.states, *step.spec_states)
+                if s.sampling_params.logprobs is None
+                and s.sampling_params.guided_decoding is None
+                and s.req_id in self.requests
+            ]
+            spec_ids = self.proposer.propose(wanting) if wanting else {}
+        step.output = ModelRunnerOutput(sampled_ids, logprobs, step.prompt_lp, spec_ids)
         self._record(step, t4, t5, time.perf_counter())
+
+    def _verify(self, step: _InFlightStep, logits: torch.Tensor) -> torch.Tensor:
+        """Take the requests that verify drafts out of the step's sampling rows and verify them
+        (rejection sampling over their K + 1 rows each); returns the other rows' logits, which
+        the ordinary sampler handles exactly as without speculation."""
+        plain_rows, spec_rows, spec_states, plain_states = [], [], [], []
+        row = 0
+        for state in step.states:
+            n = len(state.spec_token_ids) + 1 if state.spec_token_ids else 1
+            if state.spec_token_ids:
+                spec_rows.extend(range(row, row + n))
+                spec_states.append(state)
+            else:
+                plain_rows.append(row)
+                plain_states.append(state)
+            row += n
+        step.states, step.spec_states = plain_states, spec_states
+        spec_logits = logits[torch.tensor(spec_rows, device=logits.device)]
+        drafts = [d for s in spec_states for d in (*s.spec_token_ids, -1)]
+        if all(s.plain_greedy for s in spec_states):  # the common case: argmax, nothing else
+            greedy = self.sampler.argmax(spec_logits)
+            is_greedy = torch.ones(len(drafts), dtype=torch.bool, device=logits.device)
+            accepted, recovered = rejection_sample(drafts, greedy, None, is_greedy, [])
+        else:
+            rows = verification_rows(spec_states)
+            metadata = build_sampling_metadata(
+                rows, self.eos_token_ids, self.vocab_size, self.device
+            )
+            greedy, probs = self.sampler.target_distribution(spec_logits, metadata)
+            accepted, recovered = rejection_sample(
+                drafts, greedy, probs, metadata.temperature == 0, metadata.generators
+            )
+        step.spec_drafts = drafts
+        step.spec_result = (
+            accepted.to("cpu", non_blocking=True),
+            recovered.to("cpu", non_blocking=True),
+        )
+        for state in spec_states:
+            state.num_pending += 1
+        return logits[torch.tensor(plain_rows, dtype=torch.long, device=logits.device)]
+
+    def _finish_verification(self, step: _InFlightStep, sampled_ids: dict[str, list[int]]) -> None:
+        accepted, recovered = (t.tolist() for t in step.spec_result)
+        num_drafts = [len(s.spec_token_ids) for s in step.spec_states]
+        emitted = emitted_tokens(num_drafts, step.spec_drafts, accepted, recovered)
+        for state, tokens in zip(step.spec_states, emitted):
+            state.output_token_ids.extend(tokens)
+            state.token_ids.extend(tokens)
+            state.num_pending -= 1
+            sampled_ids[state.req_id] = tokens
 
     def _record(self, step: _InFlightStep, t4: float, t5: float, t6: float) -> None:
         if self.step_timing is not None:
@@ -426,6 +523,9 @@ class _InFlightStep:
     num_seqs: int
     prompt_lp: dict[str, PromptLogprobsChunk]
     states: list[CachedRequestState] | None = None  # the rows that sample, in sampled-ids order
+    spec_states: list[CachedRequestState] = field(default_factory=list)  # verifying drafts
+    spec_drafts: list[int] = field(default_factory=list)  # per verification row (-1: bonus)
+    spec_result: tuple[torch.Tensor, torch.Tensor] | None = None  # accepted, recovered (host)
     sampled: torch.Tensor | None = None  # [rows] on the device
     host_sampled: torch.Tensor | None = None
     host_logprobs: LogprobsTensors | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import torch
 
@@ -112,3 +113,27 @@ def build_sampling_metadata(
         all_random=not any(p.greedy for p in params),
         no_penalties=not (any_repetition or any_presence),
     )
+
+
+@dataclass(frozen=True)
+class _VerifyRow:
+    """One position a request verifies: the request as it would be after its first i drafts
+    (penalties see them, min_tokens counts them, the seed's step is theirs)."""
+
+    sampling_params: object
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+
+def verification_rows(states: list[CachedRequestState]) -> list[_VerifyRow]:
+    """K + 1 rows per request verifying K drafts, in order: drafts 0..K-1, then the bonus row."""
+    rows = []
+    for s in states:
+        for i in range(len(s.spec_token_ids) + 1):
+            outputs = s.output_token_ids + s.spec_token_ids[:i] if i else s.output_token_ids
+            rows.append(_VerifyRow(s.sampling_params, s.prompt_token_ids, outputs))
+    return rows

@@ -94,6 +94,24 @@ class Sampler:
     def _sample(  # [B] int64
         self, logits: torch.Tensor, md: SamplingMetadata, processors: list[LogitsProcessor]
     ) -> torch.Tensor:
+        greedy, probs = self._target(logits, md, processors)
+        if probs is None:
+            return greedy
+        sampled = random_sample(probs, md.generators)
+        return sampled if greedy is None else torch.where(md.temperature == 0, greedy, sampled)
+
+    def target_distribution(
+        self, logits: torch.Tensor, metadata: SamplingMetadata
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What a row would be drawn from, without drawing: (greedy ids [B] or None when every row
+        is random, probs [B, V] after penalties, processors, temperature and top-k/top-p/min-p, or
+        None when every row is greedy). Speculative decoding verifies drafts against these."""
+        active = [p for p in self.processors if p.is_active(metadata)]
+        return self._target(logits.float(), metadata, active)
+
+    def _target(
+        self, logits: torch.Tensor, md: SamplingMetadata, processors: list[LogitsProcessor]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         # (2) Penalties, (3) logits processors: both change what greedy and random rows see.
         if not md.no_penalties:
             logits = apply_penalties(
@@ -110,15 +128,14 @@ class Sampler:
         # (4) Greedy rows: argmax, ties to the lowest id.
         greedy = None if md.all_random else self.argmax(logits)
         if md.all_greedy:
-            return greedy
+            return greedy, None
 
-        # (5) Random rows. Greedy rows (temperature 0) divide by 1 instead and are replaced below.
+        # (5) Random rows. Greedy rows (temperature 0) divide by 1 instead and are replaced later.
         is_greedy = md.temperature == 0
         temperature = torch.where(is_greedy, torch.ones_like(md.temperature), md.temperature)
         logits = logits / temperature[:, None]
         logits = apply_top_k_top_p_min_p(logits, md.top_k, md.top_p, md.min_p)
-        sampled = random_sample(logits.softmax(dim=-1), md.generators)
-        return sampled if greedy is None else torch.where(is_greedy, greedy, sampled)
+        return greedy, logits.softmax(dim=-1)
 
 
 def apply_penalties(

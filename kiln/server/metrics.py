@@ -27,6 +27,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.utils import floatToGoString
 
+from kiln.engine.scheduler import SpecDecodeStats
 from kiln.engine.step_loop import EngineSnapshot
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
@@ -97,6 +98,26 @@ class _EngineCollector:
         yield counter("prefix_cache_hits", "Prompt tokens served from the cache.", s.prefix_hits)
         yield counter("num_preemptions", "Preemptions (recompute).", s.num_preemptions)
         yield self._iteration_tokens(names, values)
+        if s.spec_decode is not None:
+            yield from self._spec_decode(s.spec_decode, counter, names, values)
+
+    @staticmethod
+    def _spec_decode(sd: SpecDecodeStats, counter, names: list[str], values: list[str]):
+        """vLLM's spec_decode_* counters: acceptance rate = accepted / draft tokens, mean
+        acceptance length = 1 + accepted / drafts."""
+        yield counter("spec_decode_num_drafts", "Verification steps (per request).", sd.num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", sd.num_draft_tokens)
+        yield counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted.", sd.num_accepted_tokens
+        )
+        per_pos = CounterMetricFamily(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft.",
+            labels=[*names, "position"],
+        )
+        for pos, count in enumerate(sd.accepted_per_pos):
+            per_pos.add_metric([*values, str(pos)], count)
+        yield per_pos
 
     def _iteration_tokens(self, names: list[str], values: list[str]) -> HistogramMetricFamily:
         # Rendered from the loop's exact counts (one per distinct step size): nothing is lost

@@ -1,0 +1,179 @@
+"""Speculative decoding on the GPU as a function of acceptance: Llama-3.1-8B dummy bf16.
+
+Random weights accept nothing a real drafter proposes, so the oracle proposer stands in: it
+proposes the target's own greedy continuation, each token right with probability a, so the mean
+acceptance length (tokens per verification step) is 1 + a + ... + a^K. In one run:
+
+1. plain decoding (async scheduling, CUDA graphs): decode tok/s and the GPU time of a step, per
+   batch size;
+2. the speculative engine with K wrong drafts every step (a = 0): each step verifies K + 1 tokens
+   and emits one, so its time per token is the verification step's cost (vs a plain decode step),
+   and its greedy outputs are the references the oracle then proposes from (recorded with the
+   verification steps' own numerics, so bf16 rounding does not make the references drift);
+3. the oracle at the rates that give mean acceptance lengths 2, 3 and 4 (batch 1), and at 3 for
+   the larger batch sizes (the crossover that the K-by-batch-size policy should follow).
+
+    python benchmarks/spec_decode_gpu.py --out benchmarks/results/.../spec_decode_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import time
+
+import torch
+
+from kiln.bench.metrics import RequestTiming, throughput_report
+from kiln.bench.workload import synthetic_requests
+from kiln.config import EngineConfig
+from kiln.engine.llm_engine import LLMEngine
+from kiln.sampling_params import SamplingParams
+from kiln.spec_decode.oracle import acceptance_rate_for_length
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], output_len: int):
+    """All prompts at once, greedy, EOS ignored: (timings, output token ids)."""
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    timings, outputs = {}, {}
+    for i, prompt in enumerate(prompts):
+        rid = f"r{i}"
+        timings[rid] = RequestTiming(time.perf_counter(), [], len(prompt))
+        outputs[rid] = []
+        engine.add_request(prompt, params, request_id=rid)
+    while engine.has_unfinished_requests():
+        deltas = engine.step()
+        now = time.perf_counter()
+        for delta in deltas:
+            t = timings[delta.request_id]
+            for c in delta.outputs:
+                t.token_times.extend([now] * len(c.token_ids))
+                outputs[delta.request_id].extend(c.token_ids)
+                t.num_draft_tokens += c.num_draft_tokens
+                t.num_accepted_tokens += c.num_accepted_tokens
+                t.num_spec_steps += c.num_spec_steps
+            if delta.finished:
+                engine.finished_output(delta.request_id)
+    keys = [f"r{i}" for i in range(len(prompts))]
+    return [timings[k] for k in keys], [outputs[k] for k in keys]
+
+
+def step_gpu_ms(engine: LLMEngine, num_tokens: int) -> float | None:
+    """Median GPU time of the traced steps with this many tokens (then clears the trace)."""
+    timing = engine.executor.stats().step_timing
+    rows = timing.get("trace", [])
+    gpu = [r[-1] for r in rows if r[2] == num_tokens and r[-1] is not None]
+    timing.clear()
+    return statistics.median(gpu) if gpu else None
+
+
+def measure(engine, prompts, output_len, label, k=0):
+    timings, outputs = run(engine, prompts, output_len)
+    report = throughput_report(timings)
+    report["decode_tok_s_per_request"] = 1000.0 / report["tpot"]["mean_ms"]
+    b = len(prompts)
+    report["step_gpu_ms"] = step_gpu_ms(engine, b * (k + 1))
+    sd = report.get("spec_decode", {})
+    print(
+        f"{label:28s} batch {b:3d}: {report['output_tok_s']:8.1f} tok/s, TPOT "
+        f"{report['tpot']['mean_ms']:.2f} ms, step GPU {report['step_gpu_ms']} ms, "
+        f"acceptance length {sd.get('mean_acceptance_length')}"
+    )
+    return report, outputs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--input-len", default="128")
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--lengths", type=float, nargs="+", default=[2.0, 3.0, 4.0])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    k = args.k
+    base = dict(
+        model=args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        # Every verification step must fit the decode buffers as one row per token.
+        max_num_seqs=max(args.batches) * (k + 1),
+    )
+    engine = LLMEngine(EngineConfig(**base))
+    vocab = engine.model_config.vocab_size
+    requests = synthetic_requests(
+        max(args.batches), args.input_len, str(args.output_len), vocab, seed=0,
+        avoid_ids=engine.eos_token_ids,
+    )  # fmt: skip
+    prompts = [r.prompt_token_ids for r in requests]
+    warm = synthetic_requests(2, args.input_len, "8", vocab, seed=1, avoid_ids=engine.eos_token_ids)
+    run(engine, [r.prompt_token_ids for r in warm], 8)
+    engine.executor.enable_step_timing()
+    record: dict = {"args": vars(args), "plain": {}, "verify_a0": {}, "oracle": {}}
+    for b in args.batches:
+        record["plain"][b], _ = measure(engine, prompts[:b], args.output_len, "plain")
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+    spec = {
+        "method": "oracle",
+        "num_speculative_tokens": k,
+        "acceptance_rate": 0.0,
+        "oracle_always_propose": True,
+        # The crossover is measured, not assumed: K drafts at every batch size here.
+        "num_speculative_tokens_by_batch_size": {max(args.batches): k},
+    }
+    engine = LLMEngine(EngineConfig(**base, speculative_config=spec))
+    proposer = engine.executor.runner.proposer
+    run(engine, [r.prompt_token_ids for r in warm], 8)
+    engine.executor.enable_step_timing()
+    references: dict[int, list[list[int]]] = {}
+    for b in args.batches:
+        proposer.references, proposer.acceptance_rate = [], 0.0
+        report, outputs = measure(engine, prompts[:b], args.output_len, "verify (a=0)", k)
+        plain = record["plain"][b]
+        report["tpot_vs_plain"] = report["tpot"]["mean_ms"] / plain["tpot"]["mean_ms"]
+        if report["step_gpu_ms"] and plain["step_gpu_ms"]:
+            report["step_gpu_vs_plain"] = report["step_gpu_ms"] / plain["step_gpu_ms"]
+        record["verify_a0"][b] = report
+        references[b] = [p + o for p, o in zip(prompts[:b], outputs)]
+    proposer.always_propose = False
+    for b in args.batches:
+        lengths = args.lengths if b == 1 else [3.0]
+        for length in lengths:
+            proposer.references = references[b]
+            proposer.acceptance_rate = acceptance_rate_for_length(length, k)
+            proposer._match.clear()
+            report, _ = measure(engine, prompts[:b], args.output_len, f"oracle L={length}", k)
+            report["target_mean_acceptance_length"] = length
+            report["acceptance_rate_per_token"] = proposer.acceptance_rate
+            report["speedup_vs_plain"] = report["output_tok_s"] / record["plain"][b]["output_tok_s"]
+            record["oracle"][f"{b}@{length}"] = report
+    record["git_rev"] = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    record["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    if torch.cuda.is_available():
+        record["gpu"] = torch.cuda.get_device_name()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1, default=str)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

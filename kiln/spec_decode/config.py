@@ -1,0 +1,108 @@
+"""`SpeculativeConfig`: vLLM's `speculative_config` dict, validated, plus the K-by-batch policy.
+
+Pure Python (no torch): the engine and the CLI read it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+METHODS = ("ngram", "draft_model", "eagle3", "oracle")
+NOT_BUILT = {"eagle3": "EAGLE-3 drafting is not built yet (README: Not built yet)"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    """"ngram" (prompt lookup), "draft_model" (a smaller model of the same vocabulary), "oracle"
+    (benchmarks: a known continuation, each token right with probability acceptance_rate)."""
+    num_speculative_tokens: int
+    """K: drafts verified per decode step (at most; the policy may lower it by batch size)."""
+    model: str | None = None
+    """The draft model (draft_model): an HF directory or .gguf file."""
+    prompt_lookup_min: int = 2
+    """ngram: the shortest suffix that is looked up in the request's earlier tokens."""
+    prompt_lookup_max: int = 5
+    """ngram: the longest suffix tried first (a longer match predicts better)."""
+    draft_num_hidden_layers: int | None = None
+    """draft_model: keep only the draft's first N decoder layers (a layer-truncated draft)."""
+    acceptance_rate: float = 1.0
+    """oracle: the probability that each proposed token is the reference's."""
+    oracle_token_ids: list[list[int]] = field(default_factory=list)
+    """oracle: reference sequences (prompt + greedy continuation) that requests are matched to."""
+    oracle_always_propose: bool = False
+    """oracle: propose K wrong tokens where no reference matches (verification-shaped steps)."""
+    num_speculative_tokens_by_batch_size: dict[int, int] | None = None
+    """Policy override: {batch size: K}, read as "up to this many running requests, K drafts";
+    past the largest key, no drafts. None: the default policy (see `num_tokens_for_batch`)."""
+    disable_by_batch_size: int | None = None
+    """vLLM's switch: no drafts while more than this many requests run."""
+
+    def __post_init__(self) -> None:
+        def fail(name: str, why: str) -> None:
+            raise ValueError(f"speculative_config.{name} {why}, got {getattr(self, name)!r}")
+
+        if self.method not in METHODS:
+            fail("method", "must be one of " + ", ".join(f'"{m}"' for m in METHODS))
+        if self.method in NOT_BUILT:
+            fail("method", NOT_BUILT[self.method] + "; use ngram or draft_model")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            fail("num_speculative_tokens", "must be an integer >= 1")
+        if self.method == "draft_model" and not self.model:
+            fail("model", 'must name the draft model for method "draft_model"')
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            fail("prompt_lookup_min", "must be >= 1 and <= prompt_lookup_max")
+        if self.draft_num_hidden_layers is not None and self.draft_num_hidden_layers < 1:
+            fail("draft_num_hidden_layers", "must be >= 1")
+        if not 0.0 <= self.acceptance_rate <= 1.0:
+            fail("acceptance_rate", "must be in [0, 1]")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            fail("disable_by_batch_size", "must be >= 1")
+        table = self.num_speculative_tokens_by_batch_size
+        if table is not None and (not table or any(b < 1 or k < 0 for b, k in table.items())):
+            fail("num_speculative_tokens_by_batch_size", "must map batch sizes >= 1 to K >= 0")
+
+    @classmethod
+    def from_dict(cls, value: dict | SpeculativeConfig) -> SpeculativeConfig:
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown keys {unknown}; known: {sorted(known)}"
+            )
+        for key in ("method", "num_speculative_tokens"):
+            if key not in value:
+                raise ValueError(f"speculative_config.{key} is required")
+        value = dict(value)
+        # vLLM accepts "draft_model" under the older name too; a model alone means a draft model.
+        table = value.get("num_speculative_tokens_by_batch_size")
+        if table is not None:
+            value["num_speculative_tokens_by_batch_size"] = {
+                int(b): int(k) for b, k in table.items()
+            }
+        return cls(**value)
+
+    def num_tokens_for_batch(self, batch_size: int) -> int:
+        """How many drafts a decode verifies when `batch_size` requests run. Speculation pays
+        while a step is bound by reading the weights (small batches) and costs compute past it,
+        so K falls with the batch: the default keeps K up to 16 running requests, half of it up to
+        64 and none beyond (a guess to be replaced by the measured crossover, benchmarks/)."""
+        k = self.num_speculative_tokens
+        if self.disable_by_batch_size is not None and batch_size > self.disable_by_batch_size:
+            return 0
+        table = self.num_speculative_tokens_by_batch_size
+        if table is not None:
+            for limit in sorted(table):
+                if batch_size <= limit:
+                    return min(k, table[limit])
+            return 0
+        if batch_size <= 16:
+            return k
+        if batch_size <= 64:
+            return math.ceil(k / 2)
+        return 0

@@ -1,0 +1,109 @@
+"""Builds the proposer a SpeculativeConfig names (and loads a draft model, checked against the
+target's vocabulary and tokenizer)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from kiln.config import EngineConfig
+from kiln.errors import ModelLoadError
+from kiln.models.llama import LlamaForCausalLM
+from kiln.spec_decode.config import SpeculativeConfig
+from kiln.spec_decode.proposer import Proposer
+
+
+def load_draft_model(
+    config: EngineConfig,
+    spec: SpeculativeConfig,
+    target,  # kiln.runtime.model_loader.LoadedModel
+    device: torch.device,
+    dtype: torch.dtype,
+    load_model: Callable,  # kiln.runtime.model_loader.load_model (runtime sits above this)
+) -> LlamaForCausalLM:
+    draft_config = dataclasses.replace(
+        config, model=spec.model, speculative_config=None, quantization="none"
+    )
+    draft = load_model(draft_config, device, dtype)
+    check_draft_matches(target, draft)
+    model = draft.model
+    n = spec.draft_num_hidden_layers
+    if n is not None:
+        if n > len(model.layers):
+            raise ModelLoadError(
+                f"speculative_config.draft_num_hidden_layers={n}, but the draft has only "
+                f"{len(model.layers)} layers"
+            )
+        model.layers = model.layers[:n]
+        model.config = dataclasses.replace(model.config, num_hidden_layers=n)
+    return model
+
+
+def check_draft_matches(target, draft) -> None:  # two LoadedModels
+    """A draft must speak the target's token ids: same vocabulary size and, where both carry a
+    tokenizer, the same token -> id map."""
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    if tv != dv:
+        raise ModelLoadError(
+            f"speculative_config.model: the draft's vocabulary has {dv} tokens, the target's "
+            f"{tv}: a draft model must use the target's tokenizer"
+        )
+    t_tok, d_tok = target.tokenizer, draft.tokenizer
+    if t_tok is not None and d_tok is not None and hasattr(t_tok, "get_vocab"):
+        t_vocab, d_vocab = t_tok.get_vocab(), d_tok.get_vocab()
+        if t_vocab != d_vocab:
+            differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()))[:3]
+            raise ModelLoadError(
+                "speculative_config.model: the draft's tokenizer maps tokens to other ids than "
+                f"the target's (e.g. {differ}): a draft model must use the target's tokenizer"
+            )
+
+
+def build_proposer(
+    spec: SpeculativeConfig,
+    vocab_size: int,
+    *,
+    draft_model: LlamaForCausalLM | None,
+    num_blocks: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    attention_backend: str,
+    kv_cache_dtype: torch.dtype,
+    max_num_batched_tokens: int = 2048,
+) -> Proposer:
+    k = spec.num_speculative_tokens
+    if spec.method == "ngram":
+        from kiln.spec_decode.ngram import NgramProposer
+
+        return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "oracle":
+        from kiln.spec_decode.oracle import OracleProposer
+
+        return OracleProposer(
+            k,
+            spec.oracle_token_ids,
+            spec.acceptance_rate,
+            vocab_size,
+            always_propose=spec.oracle_always_propose,
+        )
+    if spec.method == "draft_model":
+        from kiln.spec_decode.draft_model import DraftModelProposer
+
+        # As many blocks as the target's (the memory plan counted them), plus room for every
+        # sequence's K draft positions past what the target holds (a few blocks a sequence, not
+        # in the plan: the plan's safety margin holds them for a small draft).
+        extra = max_num_seqs * -(-(k + 1) // block_size)
+        return DraftModelProposer(
+            draft_model,
+            k,
+            num_blocks + extra,
+            block_size,
+            max_model_len,
+            attention_backend,
+            kv_cache_dtype,
+            max_num_batched_tokens,
+        )
+    raise ValueError(f"speculative_config.method {spec.method!r} is not built")
