@@ -319,10 +319,11 @@ def _check_prometheus(engine, outs):
     """vLLM's spec_decode_* counters, equal to the sums of the per-request counts."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from kiln.server.metrics import _EngineCollector, read_engine
+    from kiln.engine.step_loop import read_snapshot
+    from kiln.server.metrics import _EngineCollector
 
     collector = _EngineCollector({"model_name": "m"})
-    collector.snapshot = read_engine(engine, {})
+    collector.snapshot = read_snapshot(engine, {}, 0.0)
     registry = CollectorRegistry()
     registry.register(collector)
     text = generate_latest(registry).decode()

@@ -57,9 +57,10 @@ def _copy(o: CompletionOutput) -> CompletionOutput:
         None if o.logprobs is None else list(o.logprobs),
         o.finish_reason,
         o.stop_reason,
-        o.num_draft_tokens,
-        o.num_accepted_tokens,
-        o.num_spec_steps,
+        cumulative_logprob=o.cumulative_logprob,
+        num_draft_tokens=o.num_draft_tokens,
+        num_accepted_tokens=o.num_accepted_tokens,
+        num_spec_steps=o.num_spec_steps,
     )
 
 
@@ -176,9 +177,9 @@ class OutputProcessor:
             new_logprobs,
             o.finish_reason,
             o.stop_reason,
-            out.num_draft_tokens,
-            out.num_accepted_tokens,
-            num_spec_steps,
+            num_draft_tokens=out.num_draft_tokens,
+            num_accepted_tokens=out.num_accepted_tokens,
+            num_spec_steps=num_spec_steps,
         )
 
     def abort(self, req_id: str) -> RequestOutput | None:

@@ -38,6 +38,29 @@ class EngineSnapshot:
     spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
 
 
+def read_snapshot(
+    engine: LLMEngine, iteration_tokens: dict[int, int], now: float
+) -> EngineSnapshot:
+    """The engine's gauges and counters now (on the thread that runs its steps)."""
+    stats = engine.kv_cache.stats
+    scheduler = engine.scheduler
+    return EngineSnapshot(
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        kv_cache_usage=engine.kv_cache_usage,
+        prefix_queries=stats.queries,
+        prefix_hits=stats.hits,
+        num_preemptions=scheduler.num_preemptions_total,
+        iteration_tokens=dict(iteration_tokens),
+        time=now,
+        spec_decode=None
+        if scheduler.num_spec_tokens is None
+        else dataclasses.replace(
+            scheduler.spec_stats, accepted_per_pos=list(scheduler.spec_stats.accepted_per_pos)
+        ),
+    )
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     """Facts of a running engine, fixed once it is built (safe to read from any thread)."""
@@ -137,24 +160,7 @@ class StepLoop:
         if not force and now < self._snapshot_due:
             return False
         self._snapshot_due = now + SNAPSHOT_PERIOD_S
-        engine = self.engine
-        stats = engine.kv_cache.stats
-        self.snapshot = EngineSnapshot(
-            num_running=len(engine.scheduler.running),
-            num_waiting=len(engine.scheduler.waiting),
-            kv_cache_usage=engine.kv_cache_usage,
-            prefix_queries=stats.queries,
-            prefix_hits=stats.hits,
-            num_preemptions=engine.scheduler.num_preemptions_total,
-            iteration_tokens=dict(self.iteration_tokens),
-            time=now,
-            spec_decode=None
-            if engine.scheduler.num_spec_tokens is None
-            else dataclasses.replace(
-                engine.scheduler.spec_stats,
-                accepted_per_pos=list(engine.scheduler.spec_stats.accepted_per_pos),
-            ),
-        )
+        self.snapshot = read_snapshot(self.engine, self.iteration_tokens, now)
         return True
 
     # ---- books ---------------------------------------------------------------------------
@@ -221,6 +227,10 @@ def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
             logprobs,
             o.finish_reason,
             o.stop_reason,
+            cumulative_logprob=o.cumulative_logprob,
+            num_draft_tokens=prev.num_draft_tokens + o.num_draft_tokens,
+            num_accepted_tokens=prev.num_accepted_tokens + o.num_accepted_tokens,
+            num_spec_steps=prev.num_spec_steps + o.num_spec_steps,
         )
     return RequestOutput(
         a.request_id,
