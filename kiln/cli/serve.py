@@ -19,7 +19,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=envs().api_key, help="default: $KILN_API_KEY")
+    p.add_argument(
+        "--api-key",
+        default=envs().api_key,
+        help="guards every route but /health and /metrics (default: $KILN_API_KEY)",
+    )
+    p.add_argument(
+        "--metrics-api-key",
+        default=None,
+        help="a key for /metrics (default: open, as vLLM's, so a Prometheus scrape set up for "
+        "vLLM works)",
+    )
     p.add_argument("--served-model-name", default=None, help="default: --model as given")
     p.add_argument(
         "--max-waiting", type=int, default=1024, help="requests queued beyond this get 503"
@@ -70,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         metrics_prefix=args.metrics_prefix,
         max_tokens_default=args.max_tokens_default,
+        metrics_api_key=args.metrics_api_key,
     )
     config = uvicorn.Config(
         app,

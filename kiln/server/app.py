@@ -28,11 +28,13 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics_prefix: str = "kiln",
     max_tokens_default: int | None = None,
+    metrics_api_key: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over a running AsyncEngine. `app.state.kiln` holds the
     ServerState (its `lifecycle.drain` is what SIGTERM calls). `metrics_prefix`: "kiln",
     "vllm" (vLLM's dashboards work unchanged) or "both". `max_tokens_default`: the output limit
-    of a request that names none (None: up to the context, as vLLM)."""
+    of a request that names none (None: up to the context, as vLLM). `api_key` guards every
+    route but /health and /metrics; /metrics is open (as vLLM's) unless `metrics_api_key`."""
     if metrics_prefix not in PREFIXES:
         raise ValueError(
             f"metrics_prefix must be one of {sorted(PREFIXES)}, got {metrics_prefix!r}"
@@ -60,5 +62,10 @@ def build_app(
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(routes.router)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        metrics_api_key=metrics_api_key,
+    )
     return app
