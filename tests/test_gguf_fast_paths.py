@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -76,3 +78,17 @@ def test_other_tokenizer_models_are_left_to_transformers() -> None:
     assert not can_build({**base, "tokenizer.ggml.model": "llama"})  # sentencepiece
     assert not can_build({"tokenizer.ggml.model": "gpt2"})  # merges missing
     assert not can_build({**base, "tokenizer.ggml.pre": "tekken"})  # a split kiln doesn't carry
+
+
+def test_the_embedded_tokenizer_skips_transformers_gguf_tables(smollm2_path: str) -> None:
+    """The startup saving itself: no second header read, no transformers.models import."""
+    code = (
+        "import sys\n"
+        "from kiln.checkpoint.gguf_loader import GGUFModel\n"
+        f"GGUFModel({smollm2_path!r}).tokenizer()\n"
+        "slow = ('transformers.integrations.gguf', 'transformers.models.llama')\n"
+        "print(sorted(m for m in slow if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -178,7 +178,7 @@ def plot_sweep(record: dict, path: str) -> None:
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
     workload = record["workload"]
-    title = record.get("model") or record.get("base_url", "")
+    title = (record.get("model") or record.get("base_url", "")).rsplit("/", 1)[-1]
     fig.suptitle(f"{title}: {workload['input_len']} in / {workload['output_len']} out")
     fig.savefig(path, dpi=110)
     plt.close(fig)
