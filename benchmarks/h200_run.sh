@@ -67,6 +67,17 @@ for s in "$@"; do
     test-kernels)
         stage test-kernels 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
         ;;
+    sweep)  # the throughput-latency curve, 1000/128, 4x the level in requests (256: 1024)
+        stage sweep 420 $BENCH sweep $COMMON $VARIANT --concurrency 1,8,64,256 \
+            --input-len 1000 --output-len 128 --output-json "$OUT/sweep$SFX.json"
+        ;;
+    startup)  # cold process to the first token / healthy, dummy 8B and the embedded SmolLM2
+        stage startup 300 bash -c "python3 benchmarks/startup.py generate --runs 3 \
+            --output-json $OUT/startup$SFX.jsonl -- python3 -m kiln.cli.main generate \
+            --max-tokens 8 'What is the capital of France?' && python3 benchmarks/startup.py \
+            health --runs 3 --port 8131 --output-json $OUT/startup$SFX.jsonl -- python3 -m \
+            kiln.cli.main serve --port 8131 $COMMON"
+        ;;
     lat1k)  # batch-1 decode at 1k context: roofline fraction; HF generate on one request
         stage lat1k 150 $BENCH latency $COMMON $VARIANT --input-len 1024 --output-len 128 \
             --num-requests 3 --max-model-len 1280 $HF_BASELINE --output-json "$OUT/lat1k$SFX.json"

@@ -112,13 +112,15 @@ def test_the_cli_imports_no_heavy_dependency():
     modules import torch, transformers, fastapi and uvicorn inside their run functions."""
     code = (
         "import sys\n"
+        "import kiln\n"
+        "from kiln import EngineConfig, SamplingParams\n"
         "from kiln.cli.main import main\n"
         "for verb in ([], ['generate'], ['serve'], ['bench']):\n"
         "    try:\n"
         "        main([*verb, '--help'])\n"
         "    except SystemExit:\n"
         "        pass\n"
-        "heavy = ('fastapi', 'uvicorn', 'torch', 'transformers', 'numpy')\n"
+        "heavy = ('fastapi', 'uvicorn', 'torch', 'transformers', 'numpy', 'triton', 'gguf')\n"
         "print(sorted(m for m in heavy if m in sys.modules), file=sys.stderr)\n"
     )
     result = subprocess.run(

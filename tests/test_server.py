@@ -420,12 +420,29 @@ def test_api_key(engine):
         reply = c.post("/v1/completions", json=body, headers=wrong)
         assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
         assert c.get("/v1/models").status_code == 401
-        assert c.get("/metrics").status_code == 401
+        # Only /metrics is open beside /health (as vLLM's: a scrape set up for vLLM sends no key);
+        # kiln keeps its other routes behind the key.
+        assert c.get("/metrics").status_code == 200
+        for path in ("/tokenize", "/detokenize"):
+            assert c.post(path, json={"prompt": "Hi", "tokens": [1]}).status_code == 401
+        for path in ("/version", "/tokenizer_info", "/v1/models/x", "/nonexistent"):
+            assert c.get(path).status_code == 401, path
         good = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="s3cret", max_retries=0)
         assert good.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=1).choices
         bad = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="nope", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
+
+
+def test_metrics_api_key_guards_only_metrics(engine):
+    app = build_app(engine, MODEL_NAME, metrics_api_key="scrape")
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        assert c.get("/metrics").status_code == 401
+        wrong = c.get("/metrics", headers={"Authorization": "Bearer other"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        ok = c.get("/metrics", headers={"Authorization": "Bearer scrape"})
+        assert ok.status_code == 200 and "num_requests_running" in ok.text
+        assert c.get("/v1/models").status_code == 200  # no --api-key: the rest is open
 
 
 # ---- small endpoints, metrics ----------------------------------------------------------------

@@ -27,6 +27,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
+from kiln.checkpoint import gguf_tokenizer
+from kiln.checkpoint.gguf_dequant import FAST_DEQUANTIZERS
 from kiln.errors import ModelLoadError
 from kiln.models.config import ModelConfig
 
@@ -85,6 +87,9 @@ class GGUFStringArray(Sequence[str]):
 
     def __getitem__(self, index: Any) -> Any:
         return self._decoded()[index]
+
+    def __iter__(self) -> Iterator[str]:  # Sequence's default indexes one item at a time
+        return iter(self._decoded())
 
     def _decoded(self) -> list[str]:
         if self._values is not None:
@@ -216,11 +221,11 @@ class GGUFModel:
             yield hf_name, tensor
 
     def tokenizer(self) -> PreTrainedTokenizerFast:
-        """The file's tokenizer, built by transformers from the GGUF vocabulary and merges.
-
-        transformers re-reads the header itself (~0.1 s with its own parser in 5.x); building the
-        BPE model from the merges is the bulk of the ~0.7 s this takes.
-        """
+        """The file's tokenizer: a byte-level BPE one built by gguf_tokenizer.py from the header
+        parsed here, any other by transformers from the file (which re-reads the header and
+        imports its GGUF tables: 1.7-5 s of startup on a 2-core machine)."""
+        if gguf_tokenizer.can_build(self.metadata):  # byte-level BPE: from our own header parse
+            return gguf_tokenizer.build_tokenizer(self.metadata)
         from transformers import PreTrainedTokenizerFast
 
         directory, name = os.path.split(os.path.abspath(self.path))
@@ -235,6 +240,9 @@ class GGUFModel:
 
     def _read(self, info: _TensorInfo) -> torch.Tensor:
         raw = np.frombuffer(self._buf, np.uint8, info.nbytes, info.start)
+        fast = FAST_DEQUANTIZERS.get(info.qtype.name)
+        if fast is not None:
+            return fast(raw).reshape(info.shape)
         values = dequantize(raw.reshape(-1, info.row_bytes), info.qtype).reshape(info.shape)
         if not values.flags.writeable:  # F32 comes back as a view of the read-only map
             values = values.copy()

@@ -1,33 +1,106 @@
 """`kiln bench throughput|latency`: kiln on synthetic requests, optionally beside HF generate.
-`kiln bench serve --base-url URL`: the same requests as load on a running server."""
+`kiln bench serve --base-url URL`: the same requests as load on a running server.
+`kiln bench sweep --concurrency 1,8,64`: the throughput-latency curve (table, JSON, PNG).
+
+Each mode is its own sub-command with its own `--help`. vLLM's benchmark flag names are accepted
+beside kiln's (`--num-prompts`, `--max-concurrency`, `--random-input-len`, `--random-output-len`,
+`--dataset-name random`, `--save-result` with `--result-dir` / `--result-filename`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
 
 from kiln.cli.engine_args import add_engine_args, engine_config_from_args
+from kiln.cli.vllm_flags import UnsupportedFlagError
+
+_MODES = {
+    "throughput": "kiln's engine on synthetic requests, all submitted at once",
+    "latency": "one request at a time: TTFT, TPOT, decode tok/s against the roofline",
+    "serve": "load on a running OpenAI-compatible server (kiln's, vLLM's, ...)",
+    "sweep": "the throughput-latency curve over several concurrencies: table, JSON, PNG",
+}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure throughput or latency (optionally vs a baseline)")
-    p.add_argument("mode", choices=["throughput", "latency", "serve"])
-    p.add_argument("--num-requests", type=int, default=None, help="default: 64 / 3 (latency)")
-    p.add_argument("--input-len", default="128", help="N or LOW:HIGH (uniform, seeded)")
-    p.add_argument("--output-len", default="128", help="N or LOW:HIGH (uniform, seeded)")
-    p.add_argument("--dataset-seed", type=int, default=0)
+    modes = p.add_subparsers(dest="mode", required=True, metavar="MODE")
+    for mode, text in _MODES.items():
+        m = modes.add_parser(mode, help=text, description=text)
+        _add_workload_args(m, mode)
+        if mode in ("serve", "sweep"):
+            _add_serve_args(m, optional=mode == "sweep")
+        if mode in ("throughput", "latency"):
+            m.add_argument("--baseline", choices=["none", "hf"], default="none")
+            m.add_argument("--hf-batch-size", type=int, default=None, help="default: all at once")
+        if mode != "serve":
+            add_engine_args(m)
+        m.set_defaults(func=run)
+
+
+def _add_workload_args(p: argparse.ArgumentParser, mode: str) -> None:
+    sweep = mode == "sweep"
     p.add_argument(
-        "--concurrency",
-        "--max-concurrency",  # vLLM's benchmark_serving name
+        "--num-requests",
+        "--num-prompts",  # vLLM's name
         type=int,
         default=None,
-        help="cap on requests in flight (serve: default all at once)",
+        help="requests per concurrency level (default: 4x the level, at least 8)"
+        if sweep
+        else f"default: {3 if mode == 'latency' else 64}",
     )
-    p.add_argument("--baseline", choices=["none", "hf"], default="none")
-    p.add_argument("--hf-batch-size", type=int, default=None, help="default: all at once")
+    p.add_argument(
+        "--input-len",
+        "--random-input-len",  # vLLM's name
+        default="128",
+        help="N or LOW:HIGH (uniform, seeded)",
+    )
+    p.add_argument(
+        "--output-len", "--random-output-len", default="128", help="N or LOW:HIGH (uniform, seeded)"
+    )
+    p.add_argument("--dataset-seed", type=int, default=0)
+    p.add_argument(
+        "--dataset-name",
+        default="random",
+        help="vLLM's flag: only 'random' (synthetic token ids, as trtllm-bench's) is built",
+    )
+    if sweep:
+        p.add_argument(
+            "--concurrency",
+            "--max-concurrency",
+            default="1,8,64,256",
+            help="comma-separated levels of requests in flight (default: %(default)s)",
+        )
+    else:
+        p.add_argument(
+            "--concurrency",
+            "--max-concurrency",  # vLLM's name
+            type=int,
+            default=None,
+            help="cap on requests in flight",
+        )
     p.add_argument("--warmup", type=int, default=1, help="warm-up requests before timing")
     p.add_argument("--output-json", default=None)
-    g = p.add_argument_group("serve mode (no local model)")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument(
+        "--save-result",
+        action="store_true",
+        help="vLLM's flag: write the JSON record to --result-dir/--result-filename",
+    )
+    p.add_argument("--result-dir", default=None, help="with --save-result (default: .)")
+    p.add_argument(
+        "--result-filename", default=None, help="with --save-result (default: kiln-MODE-DATE.json)"
+    )
+    if sweep:
+        p.add_argument("--output-png", default=None, help="the plot (default: beside the JSON)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _add_serve_args(p: argparse.ArgumentParser, optional: bool) -> None:
+    title = "server (sweep: give --base-url to sweep a server)" if optional else "server"
+    g = p.add_argument_group(title)
+    g.add_argument("--base-url", default=None if optional else "http://127.0.0.1:8000")
     g.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson req/s")
     g.add_argument("--api-key", default=None)
     g.add_argument("--vocab-size", type=int, default=None, help="default: from /v1/models")
@@ -43,16 +116,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="rerun with one more client process and report the gain (none: not the client)",
     )
-    p.add_argument("--no-progress", action="store_true")
-    add_engine_args(p)
-    p.set_defaults(func=run)
+
+
+def _resolve_vllm_names(args: argparse.Namespace) -> None:
+    if args.dataset_name != "random":
+        raise UnsupportedFlagError(
+            f"not supported: --dataset-name {args.dataset_name} (kiln bench has the 'random' "
+            "dataset only: synthetic token ids of --input-len/--output-len)"
+        )
+    if (args.result_dir or args.result_filename) and not args.save_result:
+        raise UnsupportedFlagError("--result-dir/--result-filename need --save-result")
+    if args.save_result and not args.output_json:
+        date = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        name = args.result_filename or f"kiln-{args.mode}-{date}.json"
+        directory = args.result_dir or "."
+        os.makedirs(directory, exist_ok=True)
+        args.output_json = os.path.join(directory, name)
 
 
 def run(args: argparse.Namespace) -> int:
+    _resolve_vllm_names(args)
     if args.mode == "serve":
         from kiln.bench.serve_client import run_serve_bench
 
         run_serve_bench(args)
+        return 0
+    if args.mode == "sweep":
+        from kiln.bench.sweep import run_sweep
+
+        run_sweep(args, None if args.base_url else engine_config_from_args(args))
         return 0
     from kiln.bench.runner import run_bench
 

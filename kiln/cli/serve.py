@@ -32,7 +32,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="also serve KServe v2 / Triton's gRPC protocol on this port (Triton's is 8001)",
     )
-    p.add_argument("--api-key", default=envs().api_key, help="default: $KILN_API_KEY")
+    p.add_argument(
+        "--api-key",
+        default=envs().api_key,
+        help="guards every route but /health and /metrics (default: $KILN_API_KEY)",
+    )
+    p.add_argument(
+        "--metrics-api-key",
+        default=None,
+        help="a key for /metrics (default: open, as vLLM's, so a Prometheus scrape set up for "
+        "vLLM works)",
+    )
     p.add_argument("--served-model-name", default=None, help="default: --model as given")
     p.add_argument(
         "--max-waiting", type=int, default=1024, help="requests queued beyond this get 503"
@@ -126,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens_default=args.max_tokens_default,
         tool_call_parser=args.tool_call_parser,
         max_seqs_per_request=args.max_seqs_per_request,
+        metrics_api_key=args.metrics_api_key,
     )
     uv_config = uvicorn.Config(
         app,

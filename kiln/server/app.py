@@ -34,6 +34,7 @@ def build_app(
     max_tokens_default: int | None = None,
     tool_call_parser: str | None = None,
     max_seqs_per_request: int | None = None,
+    metrics_api_key: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over a running AsyncEngine. `app.state.kiln` holds the
     ServerState (its `lifecycle.drain` is what SIGTERM calls). `metrics_prefix`: "kiln",
@@ -41,7 +42,8 @@ def build_app(
     of a request that names none (None: up to the context, as vLLM). `grpc_port`: also serve
     KServe v2 over gRPC there (0: any free port, then in `app.state.grpc_port`) while the app's
     lifespan runs. `max_seqs_per_request`: most sequences (prompts x n) one request may ask for
-    (None: max_waiting); more is a 400."""
+    (None: max_waiting); more is a 400. `api_key` guards every route but /health and /metrics;
+    /metrics is open (as vLLM's) unless `metrics_api_key`."""
     if metrics_prefix not in PREFIXES:
         raise ValueError(
             f"metrics_prefix must be one of {sorted(PREFIXES)}, got {metrics_prefix!r}"
@@ -83,5 +85,10 @@ def build_app(
     app.include_router(chat.router)
     app.include_router(routes.router)
     app.include_router(kserve.router)  # KServe v2 / Triton: /v2/...
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        metrics_api_key=metrics_api_key,
+    )
     return app

@@ -15,13 +15,23 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kiln.server.errors import error_body
 
 OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentials
+# Open unless --metrics-api-key: vLLM guards only /v1/*, so a Prometheus scrape set up for vLLM
+# sends no key. Every other route (tokenize, version, ...) stays behind --api-key.
+METRICS_PATH = "/metrics"
 _DISCARD_LIMIT = 64 << 20
 
 
 class GuardMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        max_body_bytes: int,
+        metrics_api_key: str | None = None,
+    ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
+        self.metrics_api_key = metrics_api_key.encode() if metrics_api_key else None
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -29,8 +39,15 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        needs_key = self.api_key is not None and scope["path"] not in OPEN_PATHS
-        if needs_key and not self._authorized(headers.get(b"authorization", b"")):
+        path = scope["path"]
+        key = (
+            self.metrics_api_key
+            if path == METRICS_PATH
+            else None
+            if path in OPEN_PATHS
+            else self.api_key
+        )
+        if key is not None and not self._authorized(headers.get(b"authorization", b""), key):
             message = "invalid or missing API key (Authorization: Bearer <key>)"
             await _reply(send, 401, message, "invalid_api_key")
             return
@@ -56,10 +73,10 @@ class GuardMiddleware:
                 break
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
-    def _authorized(self, header: bytes) -> bool:
+    def _authorized(self, header: bytes, key: bytes) -> bool:
         scheme, _, token = header.partition(b" ")
         # compare_digest takes as long for a wrong key as for a right one: no timing oracle.
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
 
     async def _refuse_body(self, receive: Receive, send: Send, more: bool = True) -> None:
         """413. A client still sending would see a reset instead of our answer, so read (and
