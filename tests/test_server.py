@@ -667,7 +667,10 @@ def test_disconnects_count_as_aborted(vllm_server):
         async with httpx.AsyncClient(base_url=vllm_server.base_url, timeout=timeout) as ac:
 
             async def streaming() -> None:
-                async with ac.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                # Its own read timeout: its first token may take more than a second on a busy
+                # CPU, and the 1 s one is the non-streaming client's way of hanging up.
+                request = dict(json={**body, "stream": True}, timeout=httpx.Timeout(120))
+                async with ac.stream("POST", "/v1/completions", **request) as r:
                     async for line in r.aiter_lines():
                         if line.startswith("data:"):
                             return  # leaving the block closes the connection mid-stream

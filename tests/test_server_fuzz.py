@@ -40,8 +40,9 @@ def _keep_short(case) -> None:
     for key, cap in (("max_tokens", _MAX_TOKENS), ("max_completion_tokens", _MAX_TOKENS)):
         if _is_int(body.get(key)) and body[key] > cap:
             body[key] = cap
-    if _is_int(body.get("n")) and body["n"] > _MAX_N:
-        body["n"] = _MAX_N
+    for key in ("n", "best_of"):  # best_of: a beam search's width
+        if _is_int(body.get(key)) and body[key] > _MAX_N:
+            body[key] = _MAX_N
     if case.path == "/v1/chat/completions" and "max_tokens" not in body:
         body.setdefault("max_completion_tokens", _MAX_TOKENS)  # chat defaults to the context
     if isinstance(body.get("prompt"), list):

@@ -120,20 +120,13 @@ class LinearMethod(ABC):
         return ops.silu_and_mul(gate_up), summed
 
 
-class UnquantizedLinearMethod(LinearMethod):
-    """Weights in the model dtype. Every entry point is one `ops` call, so at batch-1 decode on
-    the GPU the norm, the projection and its epilogue run as one kernel."""
+class FusedOpsLinearMethod(LinearMethod):
+    """A method whose fused entry points are single `ops` calls (one kernel at batch-1 decode on
+    the GPU: norm, projection and epilogue), given the weight and what `op_scales` adds to it."""
 
-    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
-        shape = (layer.out_features, layer.in_features)
-        layer.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-        layer.bias = None
-        if layer.has_bias:
-            bias = torch.empty(layer.out_features, dtype=dtype)
-            layer.bias = nn.Parameter(bias, requires_grad=False)
-
-    def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, layer.weight, layer.bias)
+    def op_scales(self, layer: Linear) -> tuple[torch.Tensor | None, ...]:
+        """The scale arguments the ops take after the weight (none: unquantized)."""
+        return ()
 
     def add_rms_norm_apply(
         self,
@@ -144,7 +137,9 @@ class UnquantizedLinearMethod(LinearMethod):
         norm_weight: torch.Tensor,
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.add_rms_norm_linear(x, residual, norm_weight, eps, layer.weight, layer.bias)
+        return ops.add_rms_norm_linear(
+            x, residual, norm_weight, eps, layer.weight, layer.bias, *self.op_scales(layer)
+        )
 
     def add_rms_norm_qkv_rotary_write_kv(
         self,
@@ -162,7 +157,7 @@ class UnquantizedLinearMethod(LinearMethod):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return ops.add_rms_norm_qkv_rotary_write_kv(
             x, residual, norm_weight, eps, layer.weight, layer.bias,
-            positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+            positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *self.op_scales(layer),
         )  # fmt: skip
 
     def add_rms_norm_silu_mul(
@@ -176,7 +171,25 @@ class UnquantizedLinearMethod(LinearMethod):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if layer.has_bias:  # the fused kernel takes no bias: compose instead
             return super().add_rms_norm_silu_mul(layer, ops, x, residual, norm_weight, eps)
-        return ops.add_rms_norm_linear_silu_mul(x, residual, norm_weight, eps, layer.weight)
+        return ops.add_rms_norm_linear_silu_mul(
+            x, residual, norm_weight, eps, layer.weight, *self.op_scales(layer)
+        )
+
+
+class UnquantizedLinearMethod(FusedOpsLinearMethod):
+    """Weights in the model dtype. Every entry point is one `ops` call, so at batch-1 decode on
+    the GPU the norm, the projection and its epilogue run as one kernel."""
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
+        shape = (layer.out_features, layer.in_features)
+        layer.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        layer.bias = None
+        if layer.has_bias:
+            bias = torch.empty(layer.out_features, dtype=dtype)
+            layer.bias = nn.Parameter(bias, requires_grad=False)
+
+    def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, layer.weight, layer.bias)
 
 
 class Linear(nn.Module):

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from kiln.kernels.reference import quantize_fp8
-from kiln.layers.linear import Linear, LinearMethod
+from kiln.layers.linear import FusedOpsLinearMethod, Linear
 
 
-class Fp8LinearMethod(LinearMethod):
+class Fp8LinearMethod(FusedOpsLinearMethod):
     """weight [out, in] float8 e4m3 and weight_scale [out] fp32 (row absmax / 448), plus
     input_scale [] fp32 for static activations; the bias stays in the model dtype.
 
@@ -94,51 +94,5 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         return ops.fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias)
 
-    def add_rms_norm_apply(
-        self,
-        layer: Linear,
-        ops: ModuleType,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.add_rms_norm_linear(
-            x, residual, norm_weight, eps, layer.weight, layer.bias,
-            layer.weight_scale, layer.input_scale,
-        )  # fmt: skip
-
-    def add_rms_norm_qkv_rotary_write_kv(
-        self,
-        layer: Linear,
-        ops: ModuleType,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        positions: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.add_rms_norm_qkv_rotary_write_kv(
-            x, residual, norm_weight, eps, layer.weight, layer.bias,
-            positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-            layer.weight_scale, layer.input_scale,
-        )  # fmt: skip
-
-    def add_rms_norm_silu_mul(
-        self,
-        layer: Linear,
-        ops: ModuleType,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer.has_bias:  # the fused kernel takes no bias: compose instead
-            return super().add_rms_norm_silu_mul(layer, ops, x, residual, norm_weight, eps)
-        return ops.add_rms_norm_linear_silu_mul(
-            x, residual, norm_weight, eps, layer.weight, layer.weight_scale, layer.input_scale
-        )
+    def op_scales(self, layer: Linear) -> tuple[torch.Tensor | None, ...]:
+        return layer.weight_scale, layer.input_scale
