@@ -31,7 +31,13 @@ import msgspec
 import zmq
 
 from kiln.config import EngineConfig
-from kiln.engine.async_engine import EngineDeadError, RequestStream, _Stream
+from kiln.engine.async_engine import (
+    EngineDeadError,
+    RequestStream,
+    _set_exception,
+    _set_result,
+    _Stream,
+)
 from kiln.engine.step_loop import EngineInfo, EngineSnapshot
 from kiln.engine_core import messages as m
 from kiln.errors import InvalidRequestError, KilnError
@@ -295,13 +301,3 @@ def _apply(items: list) -> None:
 
 def _put(queue: asyncio.Queue, item: object) -> None:
     queue.put_nowait(item)
-
-
-def _set_result(fut: asyncio.Future, value: object) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)

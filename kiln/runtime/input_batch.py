@@ -212,18 +212,10 @@ class InputBuffers:
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
         )
-        return PackedBatch(
-            req_ids=[s.req_id for s in states],
-            num_scheduled=num_scheduled,
-            input_ids=self.input_ids[:num_tokens],
-            positions=self.positions[:num_tokens],
-            metadata=metadata,
-            query_start_loc_np=query_start_loc_np,
-            sampling_rows=sampling_rows,
-            logits_indices=logits_indices,
-            num_padded_seqs=padded,
-            num_pending_inputs=num_pending,
-        )
+        return self._packed(
+            states, num_scheduled, num_tokens, metadata, query_start_loc_np, sampling_rows,
+            logits_indices, padded, num_pending,
+        )  # fmt: skip
 
     def _prepare_flat(
         self,
@@ -273,6 +265,24 @@ class InputBuffers:
             max_query_len=1,
             max_seq_len=int(seq_lens.max()),
         )
+        return self._packed(
+            states, num_scheduled, num_tokens, metadata, query_start_loc_np, sampling_rows,
+            logits_indices, padded, num_pending,
+        )  # fmt: skip
+
+    def _packed(
+        self,
+        states: list[CachedRequestState],
+        num_scheduled: list[int],
+        num_tokens: int,
+        metadata: AttentionMetadata,
+        query_start_loc_np: np.ndarray,
+        sampling_rows: list[int],
+        logits_indices: torch.Tensor | None,
+        padded: int,
+        num_pending: int,
+    ) -> PackedBatch:
+        """The step's PackedBatch over the first num_tokens of the persistent buffers."""
         return PackedBatch(
             req_ids=[s.req_id for s in states],
             num_scheduled=num_scheduled,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 
@@ -27,15 +28,16 @@ class ToolCall:
         return call if index is None else {"index": index, **call}
 
 
-class ToolCallParser:
+class ToolCallParser(ABC):
     name: str
     markers: tuple[str, ...]
     """Text that starts a tool call: streaming holds back from the first one on."""
     at_start_only: bool = False
     """A marker counts only at the start of the reply (Llama 3.1's bare JSON)."""
 
+    @abstractmethod
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        raise NotImplementedError
+        """(the reply's text outside calls, or None; the calls found)."""
 
 
 def _call(obj: object, arguments_key: str) -> ToolCall | None:
