@@ -26,16 +26,23 @@ from safetensors.torch import save_file
 from kiln.models.config import PRESETS
 
 _FIRST_TOKEN = r"""
-import sys, time
+import json, sys, time
 t0 = float(sys.argv[2])
+t_python = time.time()
 from kiln import LLM, SamplingParams
-llm = LLM(sys.argv[1], max_model_len=int(sys.argv[3]) + 16)
+t_imported = time.time()
+llm = LLM(sys.argv[1], max_model_len=int(sys.argv[3]) + 16, enforce_eager=sys.argv[4] == "eager")
 t_loaded = time.time()
 out = llm.generate(
     [{"prompt_token_ids": list(range(100, 100 + int(sys.argv[3])))}],
     SamplingParams(max_tokens=1, temperature=0),
 )
 print("RESULT", time.time() - t0, t_loaded - t0, len(out[0].outputs[0].token_ids))
+stats = llm.engine.executor.stats()
+phases = {"python_start_s": t_python - t0, "import_kiln_s": t_imported - t_python,
+          "llm_init_s": t_loaded - t_imported, "rank": stats.startup,
+          "cuda_graphs": stats.cuda_graphs}
+print("PHASES", json.dumps(phases))
 """
 
 
@@ -92,10 +99,18 @@ def write_dummy_checkpoint(preset: str, path: str, device: str) -> float:
     return time.time() - t0
 
 
-def first_token(model: str, prompt_len: int) -> dict[str, float]:
+def first_token(model: str, prompt_len: int, eager: bool = False) -> dict[str, object]:
     t0 = time.time()
     proc = subprocess.run(
-        [sys.executable, "-c", _FIRST_TOKEN, model, repr(t0), str(prompt_len)],
+        [
+            sys.executable,
+            "-c",
+            _FIRST_TOKEN,
+            model,
+            repr(t0),
+            str(prompt_len),
+            "eager" if eager else "graphs",
+        ],
         capture_output=True,
         text=True,
         check=False,
@@ -104,9 +119,11 @@ def first_token(model: str, prompt_len: int) -> dict[str, float]:
     if proc.returncode or line is None:
         raise RuntimeError(f"first-token run of {model} failed:\n{proc.stderr[-3000:]}")
     _, total, loaded, _ = line.split()
+    phases = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PHASES ")), None)
     return {
         "process_start_to_first_token_s": float(total),
         "process_start_to_loaded_s": float(loaded),
+        "phases": json.loads(phases.removeprefix("PHASES ")) if phases else None,
     }
 
 
@@ -142,6 +159,8 @@ def main() -> None:
         result["first_token_from_engine"] = first_token(engine, args.prompt_len)
         # A second cold process: the page cache now holds the engine's files either way.
         result["first_token_from_engine_again"] = first_token(engine, args.prompt_len)
+        # Without CUDA graphs: what startup costs besides capturing them.
+        result["first_token_from_engine_eager"] = first_token(engine, args.prompt_len, eager=True)
     result["first_token_from_source_bf16"] = first_token(src, args.prompt_len)
     with open(args.output_json, "w") as f:
         json.dump(result, f, indent=2)

@@ -38,7 +38,7 @@ for s in "$@"; do
     # stage of the same run is the comparison), and writes NAME_SUFFIX.json: "-fp8" a float8
     # KV cache ("-fp8nopf": without the float8 decode kernel's V prefetch), "-gc0" Python's
     # default GC threshold (the engine raises it; A/B of that), "-fp8w" FP8 W8A8 weights
-    # (--quantization fp8-dynamic).
+    # (--quantization fp8-dynamic), "-w8kv8" FP8 weights and a float8 KV cache together.
     VARIANT="" SFX="" HF_BASELINE="--baseline hf"
     unset KILN_PREFETCH_FP8_V
     if [[ $s == *-fp8nopf ]]; then  # float8 without the decode kernel's V prefetch: its A/B
@@ -48,6 +48,9 @@ for s in "$@"; do
         s=${s%-fp8} VARIANT="--kv-cache-dtype fp8" SFX=_fp8 HF_BASELINE=""
     elif [[ $s == *-fp8w ]]; then  # FP8 W8A8 weights, dynamic per-token activations
         s=${s%-fp8w} VARIANT="--quantization fp8-dynamic" SFX=_fp8w HF_BASELINE=""
+    elif [[ $s == *-w8kv8 ]]; then  # FP8 W8A8 weights and a float8 KV cache: TRT-LLM's FP8 setup
+        s=${s%-w8kv8} VARIANT="--quantization fp8-dynamic --kv-cache-dtype fp8" SFX=_fp8w_fp8kv
+        HF_BASELINE=""
     elif [[ $s == *-gc0 ]]; then
         s=${s%-gc0} VARIANT="--gc-gen0-threshold 0" SFX=_gc0 HF_BASELINE=""
     fi
@@ -95,6 +98,11 @@ for s in "$@"; do
             --num-requests 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 \
             --max-model-len 256 --warmup 192 $HF_BASELINE --hf-batch-size 64 \
             --output-json "$OUT/tput128$SFX.json"
+        ;;
+    tput128-1k)  # 128/128 with 1024 in flight (TensorRT-LLM's max-throughput runs batch >= 1024)
+        stage tput128-1k 200 $BENCH throughput $COMMON $VARIANT --input-len 128 --output-len 128 \
+            --num-requests 4096 --max-num-seqs 1024 --max-num-batched-tokens 8192 \
+            --max-model-len 256 --warmup 384 --output-json "$OUT/tput128_1k$SFX.json"
         ;;
     tput128-eager)  # the same without CUDA graphs: what graphs buy at high batch
         stage tput128-eager 120 $BENCH throughput $COMMON $VARIANT --input-len 128 --output-len 128 \

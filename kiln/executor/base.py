@@ -44,6 +44,7 @@ class ExecutorStats:
     memory_plan: MemoryPlan
     cuda_graphs: dict | None  # num_graphs, batch_sizes, capture_s, pool_gib; None when eager
     step_timing: dict | None  # live host/GPU phase totals and a per-step trace, once enabled
+    startup: dict | None = None  # seconds: weights loaded, KV cache planned, runner built
 
 
 class Executor(ABC):

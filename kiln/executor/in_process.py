@@ -15,6 +15,7 @@ class InProcessExecutor(Executor):
         rank = build_rank(config)
         self.facts, self.memory_plan, self.runner = rank.facts, rank.memory_plan, rank.runner
         self._capacity = rank.capacity
+        self._startup = rank.startup
 
     def kv_capacity(self) -> KVCapacity:
         return self._capacity
@@ -32,10 +33,12 @@ class InProcessExecutor(Executor):
         pass  # the runner's tensors go with the executor
 
     def stats(self) -> ExecutorStats:
-        return runner_stats(self.memory_plan, self.runner)
+        return runner_stats(self.memory_plan, self.runner, self._startup)
 
 
-def runner_stats(memory_plan: MemoryPlan, runner: ModelRunner) -> ExecutorStats:
+def runner_stats(
+    memory_plan: MemoryPlan, runner: ModelRunner, startup: dict | None = None
+) -> ExecutorStats:
     graphs = runner.graphs
     cuda_graphs = None
     if graphs is not None:
@@ -43,6 +46,8 @@ def runner_stats(memory_plan: MemoryPlan, runner: ModelRunner) -> ExecutorStats:
             "num_graphs": graphs.num_graphs,
             "batch_sizes": graphs.batch_sizes,
             "capture_s": graphs.capture_seconds,
+            "warmup_s": graphs.warmup_seconds,
+            "record_s": graphs.record_seconds,
             "pool_gib": graphs.pool_bytes / 2**30,
         }
-    return ExecutorStats(memory_plan, cuda_graphs, runner.step_timing)
+    return ExecutorStats(memory_plan, cuda_graphs, runner.step_timing, startup)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ class Rank:
     memory_plan: MemoryPlan
     capacity: KVCapacity
     runner: ModelRunner
+    startup: dict[str, float]  # seconds per phase: load_s, plan_s, runner_s (graphs included)
 
 
 def rank_device(name: str, parallel: ParallelContext | None) -> torch.device:
@@ -70,7 +72,9 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
     torch.manual_seed(config.seed)
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
+    t_start = time.perf_counter()
     loaded = load_model(config, device, dtype, parallel)
+    t_loaded = time.perf_counter()
     if parallel is not None:
         barrier(parallel)  # the GPU memory profile's forward has collectives of the step timeout
     kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
@@ -102,6 +106,7 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
         fewest = all_reduce_min(parallel, memory_plan.num_blocks)
         memory_plan = dataclasses.replace(memory_plan, num_blocks=fewest)
     num_blocks = memory_plan.num_blocks
+    t_planned = time.perf_counter()
     # Every admitted request must fit the cache on its own, or preemption could never help.
     capped = min(max_model_len, num_blocks * config.block_size)
     if capped < max_model_len:
@@ -135,4 +140,10 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
             max_num_batched_tokens=config.max_num_batched_tokens,
         ),
     )
-    return Rank(facts, memory_plan, KVCapacity(num_blocks, config.block_size, capped), runner)
+    startup = {
+        "load_s": t_loaded - t_start,
+        "plan_s": t_planned - t_loaded,
+        "runner_s": time.perf_counter() - t_planned,
+    }
+    capacity = KVCapacity(num_blocks, config.block_size, capped)
+    return Rank(facts, memory_plan, capacity, runner, startup)

@@ -103,6 +103,10 @@ class GraphRunner:
         self.graphs: dict[tuple[int, int], tuple[FakeGraph | _CudaGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.pool_bytes = 0
+        # Where capture's time goes, summed over graphs: the eager warm-up forwards (first calls
+        # of each kernel specialization) against recording and uploading the graphs.
+        self.warmup_seconds = 0.0
+        self.record_seconds = 0.0
 
     @property
     def num_graphs(self) -> int:
@@ -166,12 +170,18 @@ class GraphRunner:
         reserved_before = torch.cuda.memory_reserved(self.device) if cuda else 0
         with _fast_capture(cuda):
             for key in sorted(keys, reverse=True):
+                t0 = time.perf_counter()
                 self._forward(*key)  # warm-up: compiles kernels, picks cuBLAS algorithms
                 if cuda:
                     torch.cuda.synchronize(self.device)
+                t1 = time.perf_counter()
                 graph = _CudaGraph(pool) if cuda else FakeGraph()
                 hidden = graph.capture(lambda key=key: self._forward(*key))
                 graph.replay()  # the first replay uploads the graph: not in a timed step
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                self.warmup_seconds += t1 - t0
+                self.record_seconds += time.perf_counter() - t1
                 self.graphs[key] = (graph, hidden)
         if cuda:
             torch.cuda.synchronize(self.device)
