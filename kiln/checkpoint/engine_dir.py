@@ -4,7 +4,8 @@ sizes and hashes, its fused kiln-named weights.
 The on-disk contract lives here, beside the other readers: the manifest's file name and format
 version, the weight index. Every way an engine directory can be wrong (another format version, a
 GPU class it was not built for, a truncated or tampered file) is a one-line ModelLoadError naming
-the file or both versions, raised before any tensor is read.
+the file or both versions, raised before any tensor reaches the model (a weight shard's hash is
+checked as the shard is read, in the same pass: shard_reader.py).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from kiln.checkpoint.file_hash import hash_files
+from kiln.checkpoint.shard_reader import ShardReader
 from kiln.errors import ModelLoadError
 from kiln.models.config import ModelConfig
 
@@ -52,7 +53,8 @@ def current_gpu_class() -> str | None:
 
 def open_engine_dir(path: str, verify_hashes: bool = True) -> EngineDir:
     """Read the manifest and check the format version, the GPU class and every file's size (and,
-    with verify_hashes, its hash) against it."""
+    with verify_hashes, the hash of every file but the weight shards, which
+    iter_engine_weights checks as it reads them) against it."""
     manifest = read_manifest(path)
     version = manifest.get("format_version")
     if version != ENGINE_FORMAT_VERSION:
@@ -116,7 +118,9 @@ def verify_files(path: str, files: dict[str, dict[str, Any]], verify_hashes: boo
             )
     if not verify_hashes:
         return
-    for name, file, digest in zip(files, paths, hash_files(paths, desc="verifying engine")):
+    small = [(name, file) for name, file in zip(files, paths) if not is_weight_shard(name)]
+    names, paths = [n for n, _ in small], [f for _, f in small]
+    for name, file, digest in zip(names, paths, hash_files(paths, desc="verifying engine")):
         if digest.blake2b != files[name]["blake2b"]:
             raise ModelLoadError(
                 f"engine file {file} does not match its hash in the manifest "
@@ -129,19 +133,28 @@ def rank_dir_name(rank: int, tp: int) -> str:
     return f"rank-{rank}-of-{tp}"
 
 
-def iter_engine_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(kiln parameter name, tensor) of every weight, shard by shard in index order."""
+def is_weight_shard(name: str) -> bool:
+    return name.endswith(".safetensors")
+
+
+def iter_engine_weights(
+    engine: EngineDir, path: str, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(kiln parameter name, tensor on `device`) of every weight in `path` (the engine's folder or
+    one rank's), shard by shard in index order, each shard checked against the manifest's hash
+    as it is read."""
     index_file = os.path.join(path, WEIGHT_INDEX_FILE)
     try:
         with open(index_file, encoding="utf-8") as f:
             weight_map: dict[str, str] = json.load(f)["weight_map"]
     except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{index_file} is not a readable weight index: {e}") from e
-    for shard in dict.fromkeys(weight_map.values()):
-        file = os.path.join(path, shard)
-        try:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                    yield name, f.get_tensor(name)
-        except SafetensorError as e:
-            raise ModelLoadError(f"engine file {file} could not be read: {e}") from e
+    files = [os.path.join(path, shard) for shard in dict.fromkeys(weight_map.values())]
+    root = os.path.abspath(engine.path)
+    manifest_files = engine.manifest["files"]
+    expected = {os.path.join(root, n): entry["blake2b"] for n, entry in manifest_files.items()}
+    missing = [f for f in files if os.path.abspath(f) not in expected]
+    if missing:
+        raise ModelLoadError(f"engine file {missing[0]} is not in the manifest")
+    by_path = {f: expected[os.path.abspath(f)] for f in files}
+    yield from ShardReader(device, by_path).tensors(files)

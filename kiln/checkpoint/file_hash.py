@@ -66,10 +66,10 @@ def hash_files(paths: Sequence[str], desc: str = "hashing") -> list[FileDigest]:
     per_file: list[list[bytes]] = [[] for _ in paths]
     for (i, _), digest in zip(jobs, digests):
         per_file[i].append(digest)
-    return [FileDigest(size, _tree_digest(size, chunks)) for size, chunks in zip(sizes, per_file)]
+    return [FileDigest(size, tree_digest(size, chunks)) for size, chunks in zip(sizes, per_file)]
 
 
-def _tree_digest(size: int, chunk_digests: list[bytes]) -> str:
+def tree_digest(size: int, chunk_digests: list[bytes]) -> str:
     root = hashlib.blake2b(size.to_bytes(8, "little"), digest_size=DIGEST_BYTES)
     for digest in chunk_digests:
         root.update(digest)

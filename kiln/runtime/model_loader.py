@@ -74,9 +74,12 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return torch.float8_e4m3fn  # "fp8" / "fp8_e4m3" (validated by EngineConfig)
 
 
-def find_model_source(model: str | None, load_format: str, tp_rank: int = 0) -> ModelSource:
+def find_model_source(
+    model: str | None, load_format: str, tp_rank: int = 0, device: torch.device | None = None
+) -> ModelSource:
     """`tp_rank`: which tensor rank's weights to read from an engine built with one shard per
-    rank (other sources hold the whole model, which each rank cuts as it loads)."""
+    rank (other sources hold the whole model, which each rank cuts as it loads). `device`: where
+    an engine directory's weights are read to (its shards go there directly)."""
     from kiln.checkpoint.default_model import default_model_path
     from kiln.checkpoint.engine_dir import is_engine_dir
 
@@ -88,7 +91,7 @@ def find_model_source(model: str | None, load_format: str, tp_rank: int = 0) -> 
             raise ModelLoadError(f"GGUF file not found: {path}")
         return _gguf_source(path)
     if os.path.isdir(path) and is_engine_dir(path):
-        return _engine_dir_source(path, tp_rank)
+        return _engine_dir_source(path, tp_rank, device or torch.device("cpu"))
     if os.path.isdir(path):
         return _hf_dir_source(path)
     if model in PRESETS:
@@ -107,16 +110,16 @@ def _gguf_source(path: str) -> ModelSource:
     )
 
 
-def _engine_dir_source(path: str, tp_rank: int = 0) -> ModelSource:
+def _engine_dir_source(path: str, tp_rank: int, device: torch.device) -> ModelSource:
     from kiln.checkpoint.engine_dir import iter_engine_weights, open_engine_dir, rank_dir_name
     from kiln.checkpoint.safetensors_loader import read_generation_config
 
-    engine = open_engine_dir(path)  # verifies version, GPU class, sizes and hashes first
+    engine = open_engine_dir(path)  # version, GPU class, sizes; the shards' hashes as they load
     tp = engine.manifest.get("tensor_parallel_size", 1)
     weights_dir = path if tp == 1 else os.path.join(path, rank_dir_name(tp_rank, tp))
     return ModelSource(
         engine.config,
-        iter_engine_weights(weights_dir),
+        iter_engine_weights(engine, weights_dir, device),
         _load_engine_tokenizer(path),
         read_generation_config(path),
         engine.description,
@@ -248,7 +251,7 @@ def load_model(
     checkpoint and keeps only its heads, rows and layers."""
     start = time.perf_counter()
     tp_rank = 0 if parallel is None else parallel.tp_rank
-    source = find_model_source(engine_config.model, engine_config.load_format, tp_rank)
+    source = find_model_source(engine_config.model, engine_config.load_format, tp_rank, device)
     if source.tensor_parallel_size not in (1, engine_config.tensor_parallel_size):
         raise ModelLoadError(
             f"{source.description} holds one weight shard per rank for tensor_parallel_size="
