@@ -25,6 +25,7 @@ from kiln.checkpoint.file_hash import hash_files
 from kiln.errors import BuildError
 from kiln.models.config import ModelConfig
 from kiln.models.llama import LlamaForCausalLM
+from kiln.quantization.kv_scales import fold_kv_scales
 from kiln.runtime.model_loader import (
     find_model_source,
     resolve_device,
@@ -137,12 +138,14 @@ def build_engine(
     os.makedirs(tmp)
     try:
         check = options.accuracy_check and _changes_arithmetic(options)
-        source_ppl, scales = _run_source(path, options, calibration, check)
+        source_ppl, scales, kv_scales = _run_source(path, options, calibration, check)
         factory = linear_method_factory(options.quantization, scales)
         with torch.device(device):
             # Made in `dtype` (not .to(dtype) after): float8 weights and scales keep their types.
             net = LlamaForCausalLM(cfg, max_model_len, factory, dtype)
         net.load_weights(tqdm(source.weights, desc="loading source", unit=" tensors", leave=False))
+        if kv_scales is not None:
+            fold_kv_scales(net, kv_scales)  # the weights hold them; loading folds the rest
         if options.tensor_parallel_size == 1:
             names = write_weights(net.named_parameters(), tmp)
         else:
@@ -172,6 +175,7 @@ def build_engine(
             build_seconds=0.0,
             files={n: {"size": d.size, "blake2b": d.blake2b} for n, d in zip(names, digests)},
             tensor_parallel_size=options.tensor_parallel_size,
+            kv_scales=None if kv_scales is None else [list(s) for s in kv_scales],
         )
         manifest.write(tmp)  # the check loads the engine from tmp: it needs a manifest
         accuracy = _accuracy(tmp, options, source_ppl)
@@ -208,8 +212,9 @@ def _already_built(engine_id: str, target: str, cached: str | None) -> EngineMan
 
 
 def _calibration_text(options: BuildOptions) -> str | None:
-    """The text static scales are calibrated on: only "fp8" calibrates."""
-    if options.quantization != "fp8":
+    """The text scales are calibrated on: "fp8"'s static input scales and a float8 KV cache's
+    per-layer scales calibrate; nothing else does."""
+    if options.quantization != "fp8" and not _float8_kv(options):
         return None
     from kiln.builder.accuracy import CALIBRATION_FILE
 
@@ -241,27 +246,36 @@ def _write_side_files(
     return sorted(set(os.listdir(out)) - before)
 
 
+def _float8_kv(options: BuildOptions) -> bool:
+    return options.kv_cache_dtype in ("fp8", "fp8_e4m3")
+
+
 def _changes_arithmetic(options: BuildOptions) -> bool:
     return options.quantization != "none" or options.kv_cache_dtype != "auto"
 
 
 def _run_source(
     path: str, options: BuildOptions, calibration: str | None, check: bool
-) -> tuple[dict[str, float] | None, dict[str, float] | None]:
-    """(the source's held-out perplexity if checked, static input scales if "fp8") from one
-    `LLM` of the unquantized source, freed before the quantized model is made."""
+) -> tuple[dict[str, float] | None, dict[str, float] | None, list[tuple[float, float]] | None]:
+    """(the source's held-out perplexity if checked, static input scales if "fp8", KV cache
+    scales if float8) from one `LLM` of the unquantized source, freed before the quantized
+    model is made."""
     if not check and calibration is None:
-        return None, None
+        return None, None, None
     from kiln.builder.accuracy import measure
     from kiln.llm import LLM
 
     llm = LLM(path, dtype=options.dtype, max_model_len=options.max_model_len,
               enable_prefix_caching=False)  # fmt: skip
     source_ppl = measure(llm, options.max_model_len) if check else None
-    scales = calibrate(llm, calibration) if calibration is not None else None
+    scales = kv_scales = None
+    if calibration is not None:
+        scales, kv_scales = calibrate(
+            llm, calibration, options.quantization == "fp8", _float8_kv(options)
+        )
     del llm
     gc.collect()
-    return source_ppl, scales
+    return source_ppl, scales, kv_scales
 
 
 def _accuracy(engine: str, options: BuildOptions, source_ppl: dict[str, float] | None) -> dict:

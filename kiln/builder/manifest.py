@@ -49,6 +49,10 @@ class EngineManifest:
     format_version: int = ENGINE_FORMAT_VERSION
     tensor_parallel_size: int = 1
     """> 1: the weights are one shard per tensor rank (rank-R/...), loadable at this size only."""
+    kv_scales: list[list[float]] | None = None
+    """`--kv-cache-dtype fp8`: each layer's calibrated [k_scale, v_scale] (powers of two), already
+    folded into the weights (kiln.quantization.kv_scales); loading folds them into the softmax
+    scales."""
 
     def write(self, directory: str) -> None:
         with open(os.path.join(directory, MANIFEST_FILE), "w", encoding="utf-8") as f:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 
+from kiln.errors import BuildError
 from kiln.quantization import linear_method_factory
 
 _CALIBRATION_TOKENS = 512
@@ -23,16 +24,32 @@ def text_hash(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=32).hexdigest()
 
 
-def calibrate(llm: object, text: str) -> dict[str, float]:
-    """Static input scales (layer name -> absmax / 448) from `llm`'s unquantized model run over
-    the first tokens of `text`, in windows that share no prefix (the engine's prefix cache would
-    skip repeated ones)."""
+def calibrate(
+    llm: object, text: str, input_scales: bool, kv_scales: bool
+) -> tuple[dict[str, float] | None, list[tuple[float, float]] | None]:
+    """(static input scales, layer name -> absmax / 448, if `input_scales`; per-layer float8 KV
+    cache scales if `kv_scales`) from `llm`'s unquantized model run over the first tokens of
+    `text`, in windows that share no prefix (the engine's prefix cache would skip repeated
+    ones)."""
     from kiln.quantization.calibration import calibrate_input_scales
+    from kiln.quantization.kv_scales import calibrate_kv_scales
     from kiln.sampling_params import SamplingParams
 
-    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    tokenizer = llm.get_tokenizer()
+    if tokenizer is None:  # calibration text needs the model's tokenizer
+        if input_scales:
+            raise BuildError('quantization "fp8" calibrates on text: the source has no tokenizer')
+        print("the source has no tokenizer: its float8 KV cache stays unscaled", flush=True)
+        return None, None
+    ids = tokenizer.encode(text, add_special_tokens=False)
     n = _CALIBRATION_TOKENS
     batches = [ids[i : i + n] for i in range(0, len(ids), n)][:_CALIBRATION_BATCHES]
     model = llm.engine.executor.runner.model
     one_token = SamplingParams(max_tokens=1, temperature=0.0)
-    return calibrate_input_scales(model, batches, lambda b: llm.generate(b, one_token))
+
+    def run(b: list[list[int]]) -> object:
+        return llm.generate(b, one_token)
+
+    inputs = calibrate_input_scales(model, batches, run) if input_scales else None
+    kv = calibrate_kv_scales(model, batches, run) if kv_scales else None
+    return inputs, kv

@@ -39,6 +39,8 @@ class ModelSource:
     input_scales: dict[str, float] | None = None  # an "fp8" engine's calibrated static scales
     # > 1: an engine built with `kiln build -tp N`; `weights` are then one tensor rank's, cut.
     tensor_parallel_size: int = 1
+    # An engine built with a float8 KV cache: per-layer (k_scale, v_scale) its weights hold.
+    kv_scales: list[tuple[float, float]] | None = None
 
 
 @dataclass
@@ -127,6 +129,7 @@ def _engine_dir_source(path: str, tp_rank: int, device: torch.device) -> ModelSo
         quantization=engine.manifest["quantization"],
         input_scales=engine.manifest.get("input_scales"),
         tensor_parallel_size=tp,
+        kv_scales=engine.manifest.get("kv_scales"),
     )
 
 
@@ -276,6 +279,10 @@ def load_model(
         model.load_fused_weights(source.weights, cut=source.tensor_parallel_size == 1)
     else:
         model.load_weights(source.weights)
+    if source.kv_scales is not None:
+        from kiln.quantization.kv_scales import fold_kv_scales
+
+        fold_kv_scales(model, [tuple(s) for s in source.kv_scales], into_weights=False)
     model.eval()
     return LoadedModel(
         model,
