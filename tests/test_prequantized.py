@@ -68,6 +68,30 @@ def test_a_prequantized_checkpoint_loads_its_own_weights_and_scheme(
         assert (g - r).abs().max() < 0.05, (g - r).abs().max()
 
 
+def test_modelopt_kv_scales_fold_into_a_float8_cache_only(source_llm) -> None:
+    """ModelOpt's k_scale / v_scale: a float8 cache stores k / k_scale (qkv's k rows carry
+    1 / k_scale, the softmax scale k_scale); another cache leaves the model as written."""
+    written = _tensors(DATA / "modelopt")
+    k_scale = written["model.layers.0.self_attn.k_proj.k_scale"].item()
+    plain = LLM(str(DATA / "modelopt"), **ARGS).engine.executor.runner.model
+    llm = LLM(str(DATA / "modelopt"), kv_cache_dtype="fp8", **ARGS)
+    folded = llm.engine.executor.runner.model
+    attn, plain_attn = folded.layers[0].self_attn, plain.layers[0].self_attn
+    assert attn.scale == pytest.approx(plain_attn.scale * k_scale)
+    rows = slice(attn.q_size, attn.q_size + attn.kv_size)
+    torch.testing.assert_close(
+        attn.qkv_proj.weight_scale[rows], plain_attn.qkv_proj.weight_scale[rows] / k_scale
+    )
+    # Still the model: the source's greedy tokens score as the source scores them.
+    want = source_llm.generate(PROMPTS, GREEDY)
+    forced = [p + list(o.outputs[0].token_ids) for p, o in zip(PROMPTS, want)]
+    one = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    for got, ref in zip(llm.generate(forced, one), source_llm.generate(forced, one)):
+        g = torch.tensor([next(iter(d.values())).logprob for d in got.prompt_logprobs[1:]])
+        r = torch.tensor([next(iter(d.values())).logprob for d in ref.prompt_logprobs[1:]])
+        assert (g - r).abs().max() < 0.1, (g - r).abs().max()
+
+
 def test_asking_for_another_scheme_than_the_checkpoint_holds_is_refused() -> None:
     with pytest.raises(ModelLoadError, match="holds 'fp8' weights"):
         LLM(str(DATA / "modelopt"), quantization="fp8-dynamic", **ARGS)

@@ -35,6 +35,8 @@ _FUSED = {  # an HF projection -> kiln's fused projection it loads into
     "down_proj": "down_proj",
 }
 _INPUT_SCALE_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.input_scale$")
+# ModelOpt writes self_attn.k_proj.k_scale / v_proj.v_scale, compressed-tensors self_attn.k_scale.
+_KV_SCALE_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:[kv]_proj\.)?([kv])_scale$")
 # Modules a checkpoint may leave unquantized: kiln keeps them in the model dtype anyway.
 _UNQUANTIZED_OK = ("lm_head", "model.embed_tokens", "embed_tokens")
 
@@ -44,7 +46,9 @@ class PrequantizedFp8:
     producer: str  # "compressed-tensors" or "modelopt"
     quantization: str  # kiln's scheme: "fp8-dynamic" or "fp8" (static input scales)
     input_scales: dict[str, float] | None  # "fp8": kiln layer name -> scale
-    has_kv_scales: bool  # k_scale / v_scale present (kiln's float8 cache is unscaled)
+    # Per layer (k_scale, v_scale) of the float8 KV cache, when the checkpoint has them: folded
+    # into the model (kiln.quantization.kv_scales) when the cache is float8, else unused.
+    kv_scales: list[tuple[float, float]] | None
 
 
 def read_prequantized(path: str, config: dict[str, Any]) -> PrequantizedFp8 | None:
@@ -90,20 +94,17 @@ def _compressed_tensors(path: str, declared: dict[str, Any]) -> PrequantizedFp8:
             "channel or tensor with FP8 activations)"
         )
     _check_ignored(path, declared.get("ignore") or [], group.get("targets") or [])
-    if declared.get("kv_cache_scheme"):
-        logger.warning(
-            "%s: its KV cache scales are not applied (kiln's float8 cache is unscaled)", path
-        )
+    kv_scales = _kv_scales(path) if declared.get("kv_cache_scheme") else None
     if inputs.get("dynamic"):
         if inputs.get("strategy") != "token":
             raise ModelLoadError(
                 f"{path}: dynamic activations per {inputs.get('strategy')!r} are not supported "
                 "(kiln quantizes activations per token)"
             )
-        return PrequantizedFp8("compressed-tensors", "fp8-dynamic", None, False)
+        return PrequantizedFp8("compressed-tensors", "fp8-dynamic", None, kv_scales)
     if inputs.get("strategy") != "tensor":
         raise ModelLoadError(f"{path}: static activation scales must be per tensor")
-    return PrequantizedFp8("compressed-tensors", "fp8", _input_scales(path), False)
+    return PrequantizedFp8("compressed-tensors", "fp8", _input_scales(path), kv_scales)
 
 
 def _modelopt(path: str, quant: dict[str, Any]) -> PrequantizedFp8:
@@ -117,11 +118,8 @@ def _modelopt(path: str, quant: dict[str, Any]) -> PrequantizedFp8:
         raise ModelLoadError(f"{path}: ModelOpt kv_cache_quant_algo {kv_algo!r} is not supported")
     excluded = quant.get("exclude_modules") or quant.get("ignore") or []
     _check_ignored(path, excluded, ["Linear"])
-    if kv_algo == "FP8":
-        logger.warning(
-            "%s: its k_scale / v_scale are not applied (kiln's float8 KV cache is unscaled)", path
-        )
-    return PrequantizedFp8("modelopt", "fp8", _input_scales(path), kv_algo == "FP8")
+    kv_scales = _kv_scales(path) if kv_algo == "FP8" else None
+    return PrequantizedFp8("modelopt", "fp8", _input_scales(path), kv_scales)
 
 
 def _check_ignored(path: str, ignored: list[str], targets: list[str]) -> None:
@@ -161,6 +159,23 @@ def _input_scales(path: str) -> dict[str, float]:
     if not scales:
         raise ModelLoadError(f"{path}: a static FP8 checkpoint without input_scale tensors")
     return scales
+
+
+def _kv_scales(path: str) -> list[tuple[float, float]] | None:
+    """Each layer's (k_scale, v_scale), or None (with a warning) when the checkpoint declares a
+    float8 KV cache but holds no scale for some layer."""
+    found: dict[tuple[int, str], float] = {}
+    for file in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(path, file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                match = _KV_SCALE_RE.match(name)
+                if match is not None:
+                    found[int(match.group(1)), match.group(2)] = float(f.get_tensor(name).max())
+    layers = 1 + max((layer for layer, _ in found), default=-1)
+    if not layers or any((i, kv) not in found for i in range(layers) for kv in "kv"):
+        logger.warning("%s: KV cache scales incomplete: its float8 cache stays unscaled", path)
+        return None
+    return [(found[i, "k"], found[i, "v"]) for i in range(layers)]
 
 
 def _describe(q: dict[str, Any]) -> str:

@@ -39,8 +39,10 @@ class ModelSource:
     input_scales: dict[str, float] | None = None  # an "fp8" engine's calibrated static scales
     # > 1: an engine built with `kiln build -tp N`; `weights` are then one tensor rank's, cut.
     tensor_parallel_size: int = 1
-    # An engine built with a float8 KV cache: per-layer (k_scale, v_scale) its weights hold.
+    # Per-layer (k_scale, v_scale) of a float8 KV cache: an engine's weights hold them already
+    # (kv_scales_in_weights); a pre-quantized checkpoint's are folded in when the cache is float8.
     kv_scales: list[tuple[float, float]] | None = None
+    kv_scales_in_weights: bool = False
 
 
 @dataclass
@@ -130,6 +132,7 @@ def _engine_dir_source(path: str, tp_rank: int, device: torch.device) -> ModelSo
         input_scales=engine.manifest.get("input_scales"),
         tensor_parallel_size=tp,
         kv_scales=engine.manifest.get("kv_scales"),
+        kv_scales_in_weights=True,
     )
 
 
@@ -179,6 +182,7 @@ def _hf_dir_source(path: str) -> ModelSource:
     if fp8 is not None:
         source.description = f"HF {path} ({fp8.producer} {fp8.quantization})"
         source.quantization, source.input_scales = fp8.quantization, fp8.input_scales
+        source.kv_scales = fp8.kv_scales
     return source
 
 
@@ -279,10 +283,14 @@ def load_model(
         model.load_fused_weights(source.weights, cut=source.tensor_parallel_size == 1)
     else:
         model.load_weights(source.weights)
-    if source.kv_scales is not None:
+    float8_cache = engine_config.kv_cache_dtype in ("fp8", "fp8_e4m3")
+    if source.kv_scales is not None and (source.kv_scales_in_weights or float8_cache):
         from kiln.quantization.kv_scales import fold_kv_scales
 
-        fold_kv_scales(model, [tuple(s) for s in source.kv_scales], into_weights=False)
+        scales = [tuple(s) for s in source.kv_scales]
+        start = model.layer_start  # a pipeline stage holds layers start..start + len - 1
+        scales = scales[start : start + len(model.layers)]
+        fold_kv_scales(model, scales, into_weights=not source.kv_scales_in_weights)
     model.eval()
     return LoadedModel(
         model,
