@@ -142,6 +142,31 @@ def test_triton_quantize_fp8_strided_rows_and_no_rows() -> None:
     assert empty.shape == (0, 32) and scale.shape == (0, 1)
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=on_gpu)]
+)
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("shape", [(3, 40), (2, 2500)] if INTERPRET else [(512, 4096), (7, 14336)])
+def test_triton_add_rms_norm_quant_fp8_matches_reference(dtype, static, residual, shape) -> None:
+    """The norm kernel's float8 output: the reference's norm then quantize_fp8, scale for
+    scale and (up to the interpreter's mis-roundings) byte for byte; the residual sum exact."""
+    gen = torch.Generator().manual_seed(6)
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    r = (torch.randn(shape, generator=gen) * 3).to(dtype) if residual else None
+    w = (1 + torch.rand(shape[1], generator=gen)).to(dtype)
+    scale = torch.tensor(0.01) if static else None
+    want, want_scale, want_sum = reference.add_rms_norm_quant_fp8(x, r, w, 1e-5, scale)
+    dev = [t.to(DEVICE) if t is not None else None for t in (x, r, w, scale)]
+    got, got_scale, got_sum = triton_ops.add_rms_norm_quant_fp8(
+        dev[0], dev[1], dev[2], 1e-5, dev[3]
+    )
+    assert got.dtype == FP8 and got_scale.shape == want_scale.shape
+    torch.testing.assert_close(got_scale.cpu(), want_scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got_sum.cpu(), want_sum, rtol=0, atol=0)
+    _assert_fp8_close(got, want)
+
+
 # Rows on both sides of the GEMM choice (few rows: unit per-tensor scales and fp32 out; many:
 # rowwise scales in the GEMM), and K, N multiples of 16 as _scaled_mm needs.
 @pytest.mark.parametrize("num_rows", [1, 7, 64, 300])

@@ -334,6 +334,23 @@ def quantize_fp8(
     return scaled.to(torch.float8_e4m3fn), scale
 
 
+def add_rms_norm_quant_fp8(
+    x: torch.Tensor,  # [M, hidden]
+    residual: torch.Tensor | None,  # [M, hidden], or None: no residual to add
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    input_scale: torch.Tensor | None,  # [] fp32 static per-tensor scale; None: per row
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(quantize_fp8 of rms_norm(x + residual): float8 rows and their scale, x + residual): an
+    FP8 projection's input straight from the norm (with no residual, summed is x)."""
+    if residual is None:
+        normed, summed = rms_norm(x, weight, eps), x
+    else:
+        normed, summed = fused_add_rms_norm(x, residual, weight, eps)
+    x_fp8, scale = quantize_fp8(normed, input_scale)
+    return x_fp8, scale, summed
+
+
 def fp8_linear(
     x: torch.Tensor,  # [..., K] in the model dtype
     weight: torch.Tensor,  # [N, K] float8 e4m3

@@ -10,7 +10,7 @@ from kiln.kernels.triton.decode_attention import paged_decode_attention
 from kiln.kernels.triton.fp8_gemm import quantize_fp8
 from kiln.kernels.triton.prefill_attention import paged_prefill_attention
 from kiln.kernels.triton.qkv_rotary import add_rms_norm_qkv_rotary_write_kv
-from kiln.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
+from kiln.kernels.triton.rms_norm import add_rms_norm_quant_fp8, fused_add_rms_norm, rms_norm
 from kiln.kernels.triton.rotary import rotary_embedding_write_kv
 from kiln.kernels.triton.silu_mul import silu_and_mul
 from kiln.kernels.triton.small_batch_linear import (
@@ -24,6 +24,7 @@ __all__ = [
     "add_rms_norm_linear",
     "add_rms_norm_linear_silu_mul",
     "add_rms_norm_qkv_rotary_write_kv",
+    "add_rms_norm_quant_fp8",
     "argmax",
     "fp8_linear",
     "fused_add_rms_norm",

@@ -181,23 +181,34 @@ def fp8_linear(
     n, k = weight.shape
     x2d = x.reshape(-1, k)
     x_fp8, x_scale = quantize_fp8(x2d, input_scale)
-    num_rows = x2d.shape[0]
-    if x.device.type != "cuda" or k % 16 or n % 16:
+    return fp8_matmul(x_fp8, x_scale, weight, weight_scale, bias, x.dtype).reshape(*x.shape[:-1], n)
+
+
+def fp8_matmul(
+    x_fp8: torch.Tensor,  # [M, K] float8 e4m3, quantized already (quantize_fp8 or a fused norm)
+    x_scale: torch.Tensor,  # [M, 1] per row, or [] / [1] per tensor, fp32
+    weight: torch.Tensor,  # [N, K] float8 e4m3
+    weight_scale: torch.Tensor,  # [N] fp32, per output channel
+    bias: torch.Tensor | None,  # [N]
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N] in out_dtype
+    """fp8_linear after its quantization: the float8 GEMM and its scales."""
+    n, k = weight.shape
+    num_rows = x_fp8.shape[0]
+    if x_fp8.device.type != "cuda" or k % 16 or n % 16:
         acc = x_fp8.float() @ weight.float().t()  # [M, N]: the reference's sums
-        return _scale_epilogue(acc, x_scale, weight_scale, bias, x.dtype).reshape(*x.shape[:-1], n)
-    if num_rows >= _ROWWISE_MIN_ROWS and x.dtype == torch.bfloat16:
+        return _scale_epilogue(acc, x_scale, weight_scale, bias, out_dtype)
+    if num_rows >= _ROWWISE_MIN_ROWS and out_dtype == torch.bfloat16:
         # Rowwise scaling takes an [M, 1] scale_a and a bf16 output only.
         scale_a = x_scale if x_scale.dim() == 2 else x_scale.reshape(1, 1).expand(num_rows, 1)
-        y = torch._scaled_mm(
+        return torch._scaled_mm(
             x_fp8,
             weight.t(),  # [K, N] column-major, as _scaled_mm wants its second operand
             scale_a=scale_a.contiguous(),
             scale_b=weight_scale.view(1, n),
             bias=bias,
-            out_dtype=x.dtype,
+            out_dtype=out_dtype,
         )
-    else:
-        one = _one(x.device)
-        acc = torch._scaled_mm(x_fp8, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
-        y = _scale_epilogue(acc, x_scale, weight_scale, bias, x.dtype)
-    return y.reshape(*x.shape[:-1], n)
+    one = _one(x_fp8.device)
+    acc = torch._scaled_mm(x_fp8, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    return _scale_epilogue(acc, x_scale, weight_scale, bias, out_dtype)

@@ -3,6 +3,11 @@
 Rounding follows the reference (transformers' LlamaRMSNorm): normalise in fp32, round to the input
 dtype, then multiply by the weight in the promoted dtype; the residual sum is rounded to its dtype
 before it is normalised.
+
+add_rms_norm_quant_fp8 is the same pass ending in float8 (the input of an FP8 W8A8 projection
+above the small-batch kernels' rows): the normed row, rounded as above, is quantized as
+quantize_fp8 would quantize it (its absmax / 448, or a static scale), so a projection's input
+costs one read of x and one float8 write instead of a bf16 round trip and a second kernel.
 """
 
 from __future__ import annotations
@@ -10,6 +15,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE
+from kiln.kernels.triton.fp8_gemm import round_to_e4m3_grid
 
 
 @triton.jit
@@ -25,8 +33,13 @@ def _rms_norm_kernel(
     stride_sum,
     hidden,
     eps,
+    scale_ptr,  # QUANT: [num_rows] fp32 written (DYNAMIC), or [1] fp32 read (static)
     ADD_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= hidden: one row per program
+    QUANT: tl.constexpr = False,  # out_ptr is float8 e4m3: quantize the normed row into it
+    DYNAMIC: tl.constexpr = True,
+    OUT_DTYPE: tl.constexpr = tl.float32,  # QUANT: the dtype the unfused norm would write
+    INTERPRETED: tl.constexpr = False,  # the Triton interpreter: see round_to_e4m3_grid
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -41,7 +54,20 @@ def _rms_norm_kernel(
     normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = normed.to(tl.float32) * weight.to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANT:
+        out = out.to(OUT_DTYPE).to(tl.float32)  # what quantize_fp8 would read
+        if DYNAMIC:
+            absmax = tl.max(tl.where(mask, tl.abs(out), 0.0), 0)
+            scale = tl.maximum(tl.math.div_rn(absmax, FP8_E4M3_MAX), FP8_MIN_SCALE)
+            tl.store(scale_ptr + row, scale)
+        else:
+            scale = tl.load(scale_ptr)
+        q = tl.clamp(tl.math.div_rn(out, scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+        if INTERPRETED:
+            q = round_to_e4m3_grid(q)
+        tl.store(out_ptr + row * stride_out + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(
@@ -83,6 +109,7 @@ def _launch(
             summed.stride(0) if summed is not None else 0,
             hidden,
             eps,
+            out,  # no scale: unused
             ADD_RESIDUAL=summed is not None,
             BLOCK=block,
             num_warps=min(16, max(1, block // 512)),
@@ -110,3 +137,48 @@ def fused_add_rms_norm(
     normed, summed = _launch(x, residual, weight, eps)
     assert summed is not None
     return normed, summed
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def add_rms_norm_quant_fp8(
+    x: torch.Tensor,  # [M, hidden]
+    residual: torch.Tensor | None,  # [M, hidden], or None: no residual to add
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    input_scale: torch.Tensor | None,  # [] fp32 static per-tensor scale; None: per row
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(float8 rms_norm(x + residual), its scale: [M, 1] or input_scale, x + residual): what
+    quantize_fp8(fused_add_rms_norm(...)[0]) gives, in one kernel (the reference's twin)."""
+    hidden = x.shape[-1]
+    assert x.dim() == 2 and weight.shape == (hidden,) and x.stride(-1) == 1
+    num_rows = x.shape[0]
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(-1) == 1
+        summed = torch.empty(
+            x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device
+        )
+        norm_dtype = summed.dtype
+    else:
+        summed, norm_dtype = x, x.dtype
+    out_dtype = torch.promote_types(weight.dtype, norm_dtype)
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    dynamic = input_scale is None
+    if dynamic:
+        scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
+    else:
+        assert input_scale.numel() == 1 and input_scale.dtype == torch.float32
+        scale = input_scale
+    if num_rows > 0:
+        block = triton.next_power_of_2(hidden)
+        r2d = residual if residual is not None else x
+        _rms_norm_kernel[(num_rows,)](
+            x, r2d, weight, out, summed,
+            x.stride(0), r2d.stride(0), out.stride(0), summed.stride(0),
+            hidden, eps, scale,
+            ADD_RESIDUAL=residual is not None, BLOCK=block, QUANT=True, DYNAMIC=dynamic,
+            OUT_DTYPE=_TL_DTYPES[out_dtype], INTERPRETED=x.device.type != "cuda",
+            num_warps=min(16, max(1, block // 512)),
+        )  # fmt: skip
+    return out, scale, summed

@@ -32,7 +32,7 @@ from kiln.envs import envs
 from kiln.kernels.triton import fp8_gemm
 from kiln.kernels.triton._device import dot_precision, num_sms
 from kiln.kernels.triton.fp8_gemm import round_to_e4m3_grid
-from kiln.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
+from kiln.kernels.triton.rms_norm import add_rms_norm_quant_fp8, fused_add_rms_norm, rms_norm
 from kiln.kernels.triton.silu_mul import silu_and_mul
 
 # Above this cuBLAS's GEMM tiles win, and the small kernels matter less.
@@ -546,6 +546,25 @@ def _any_linear(
     return fp8_linear(x, weight, weight_scale, input_scale, bias)
 
 
+def _norm_quant_fp8_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Above the small-batch rows, an FP8 projection's input is quantized by the norm's own
+    kernel (add_rms_norm_quant_fp8), then the float8 GEMM: one pass fewer over the activations
+    than norm, quantize_fp8, GEMM."""
+    x2, r2 = _rows_2d(x).contiguous(), None if residual is None else _rows_2d(residual).contiguous()
+    x_fp8, x_scale, summed = add_rms_norm_quant_fp8(x2, r2, norm_weight, eps, input_scale)
+    out = fp8_gemm.fp8_matmul(x_fp8, x_scale, weight, weight_scale, bias, x.dtype)
+    return out.view(*x.shape[:-1], weight.shape[0]), summed.view(x.shape)
+
+
 def _launch_norm_fused(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -587,8 +606,12 @@ def add_rms_norm_linear(
     """(linear(rms_norm(x + residual)), x + residual); with no residual,
     (linear(rms_norm(x)), x); fp8_linear instead of linear when weight_scale is given."""
     if not _fused_norm_fits(x, residual, norm_weight, weight, weight_scale, input_scale):
+        if weight_scale is not None:
+            return _norm_quant_fp8_linear(
+                x, residual, norm_weight, eps, weight, bias, weight_scale, input_scale
+            )
         normed, summed = _add_rms_norm(x, residual, norm_weight, eps)
-        return _any_linear(normed, weight, bias, weight_scale, input_scale), summed
+        return linear(normed, weight, bias), summed
     out, summed = _launch_norm_fused(
         x, residual, norm_weight, eps, weight, bias, False, weight_scale, input_scale
     )
@@ -615,6 +638,11 @@ def add_rms_norm_linear_silu_mul(
             x, residual, norm_weight, eps, weight, None, True, **scales
         )
         return out.view(*x.shape[:-1], weight.shape[0] // 2), summed
+    if weight_scale is not None and not _fits(x, weight, x.shape[-1], False, **scales):
+        gate_up, summed = _norm_quant_fp8_linear(
+            x, residual, norm_weight, eps, weight, None, weight_scale, input_scale
+        )
+        return silu_and_mul(gate_up), summed
     normed, summed = _add_rms_norm(x, residual, norm_weight, eps)
     if not _fits(normed, weight, normed.shape[-1], False, **scales):
         gate_up = _any_linear(normed, weight, None, weight_scale, input_scale)
