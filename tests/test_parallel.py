@@ -222,6 +222,39 @@ class TestLlamaTP2:
 
 
 @pytest.fixture(scope="class")
+def llama_tp2_graphs(models):
+    """TP=2 with decode graphs: on the CPU FakeGraph (KILN_CPU_FAKE_GRAPHS, inherited by the
+    worker rank), which re-runs the captured forward, all-reduces included; on the GPU stage
+    real CUDA graphs with the NCCL all-reduces captured inside."""
+    from kiln.envs import envs
+
+    before = os.environ.get("KILN_CPU_FAKE_GRAPHS")
+    os.environ["KILN_CPU_FAKE_GRAPHS"] = "1"
+    envs.cache_clear()
+    try:
+        yield from _parallel_engine(models["llama"], 2, 1, max_num_seqs=4)
+    finally:
+        if before is None:
+            os.environ.pop("KILN_CPU_FAKE_GRAPHS")
+        else:
+            os.environ["KILN_CPU_FAKE_GRAPHS"] = before
+        envs.cache_clear()
+
+
+class TestLlamaTP2DecodeGraphs:
+    def test_tp2_decode_graphs_equal_one_process(self, llama_tp2_graphs, llama_refs) -> None:
+        """Every rank captured the same (batch size, context) keys in the same order: a rank
+        that captured other keys, or none, would leave the others waiting in a capture's
+        collectives until the step timeout. The decode steps replay them (3 requests pad to 4)."""
+        graphs = llama_tp2_graphs.engine.executor.stats().cuda_graphs
+        assert graphs is not None and graphs["batch_sizes"] == [1, 2, 4]
+        llama_tp2_graphs.engine.executor.enable_step_timing()
+        _assert_same(llama_tp2_graphs.generate(PROMPTS, GREEDY), llama_refs)
+        timing = llama_tp2_graphs.engine.executor.runner.step_timing
+        assert timing["graph_steps"] > 0 and timing["eager_steps"] > 0  # decodes, prefills
+
+
+@pytest.fixture(scope="class")
 def llama_pp2(models):
     # 3 layers over 2 stages (2 + 1); async scheduling: stage 0 feeds inputs from the
     # driver's broadcast ids of the step still in flight.

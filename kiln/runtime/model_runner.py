@@ -23,6 +23,7 @@ import torch
 
 from kiln.attention.backend import get_attention_backend
 from kiln.distributed.comm import broadcast_sampled
+from kiln.envs import envs
 from kiln.interfaces import (
     ModelRunnerOutput,
     PromptLogprobsChunk,
@@ -110,7 +111,12 @@ class ModelRunner:
         self.tokenizer = tokenizer  # for grammars (structured output), built on first use
         self._grammars = None  # kiln.structured_output.GrammarBatch
         self.graphs: GraphRunner | None = None
-        if self.device.type == "cuda" and not enforce_eager and self.backend.supports_cuda_graphs:
+        fake_graphs = self.device.type == "cpu" and envs().cpu_fake_graphs  # tests, no GPU
+        cuda_graphs = self.device.type == "cuda" and self.backend.supports_cuda_graphs
+        if (cuda_graphs or fake_graphs) and not enforce_eager:
+            # Under TP the all-reduces are captured inside (NCCL collectives on the capturing
+            # stream); each rank captures the same keys in the same order, so their captures'
+            # warm-up forwards meet in the same collectives.
             self.graphs = GraphRunner(
                 model,
                 self.ops,
@@ -119,6 +125,7 @@ class ModelRunner:
                 self.inputs,
                 max_num_seqs,
                 self.max_model_len,
+                fake=fake_graphs,
             )
             self.graphs.capture()
         self.step_timing: dict[str, float] | None = None  # set to {} to collect host timings
