@@ -256,14 +256,35 @@ class TestLlamaTP2DecodeGraphs:
 
 @pytest.fixture(scope="class")
 def llama_pp2(models):
-    # 3 layers over 2 stages (2 + 1); async scheduling: stage 0 feeds inputs from the
-    # driver's broadcast ids of the step still in flight.
-    yield from _parallel_engine(models["llama"], 1, 2, async_scheduling=True)
+    # 3 layers over 2 stages (2 + 1); async scheduling: two micro-batches in flight, of
+    # different requests (16-token steps split the prompts between them).
+    yield from _parallel_engine(
+        models["llama"], 1, 2, async_scheduling=True, max_num_batched_tokens=16
+    )
 
 
 class TestLlamaPP2:
-    def test_pp2_equals_one_process(self, llama_pp2, llama_refs) -> None:
-        _assert_same(llama_pp2.generate(PROMPTS, GREEDY), llama_refs)
+    def test_pp2_micro_batches_equal_one_process(self, llama_pp2, llama_refs) -> None:
+        """Two steps in flight at once (stage 0 may run one while the last stage runs the
+        other), never both decoding the same request: its input token is not known before the
+        older step's sample."""
+        engine = llama_pp2.engine
+        assert engine.max_steps_in_flight == 2 and engine.scheduler.one_step_per_request
+        submit, overlaps = engine.executor.submit, []
+
+        def recording_submit(step):
+            decodes = {r for r, n in step.num_scheduled_tokens.items() if n == 1}
+            for older in engine._in_flight:
+                overlaps.append(decodes & set(older.num_scheduled_tokens))
+            return submit(step)
+
+        engine.executor.submit = recording_submit
+        try:
+            got = llama_pp2.generate(PROMPTS, GREEDY)
+        finally:
+            engine.executor.submit = submit
+        _assert_same(got, llama_refs)
+        assert overlaps and not any(overlaps)  # steps overlapped; no request in two of them
 
     def test_pp2_prompt_logprobs_come_from_the_last_stage(self, llama_pp2, models) -> None:
         params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)

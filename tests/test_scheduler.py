@@ -364,3 +364,36 @@ def test_async_never_schedules_past_max_tokens():
     assert second.num_scheduled_tokens == {"a": 1}
     assert s.requests["a"].num_output_placeholders == 2
     assert s.schedule().is_empty  # output 2 is the last: nothing more until update()
+
+
+@pytest.mark.parametrize("lag", [1, 2], ids=["pp2", "pp3"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"budget": 6}, {"num_blocks": 9, "caching": False}],
+    ids=["plain", "chunked", "preempting"],
+)
+def test_pipeline_micro_batches_give_the_same_tokens(kwargs, lag):
+    """one_step_per_request (pipeline parallel, `lag` + 1 steps in flight): a request whose
+    sampled token is in flight is not scheduled again until it is back, so the steps in flight
+    sample different requests; the tokens equal the synchronous order's. Micro-batches form
+    where a step cannot take every request (the token budget here): a step that takes them all
+    leaves the next one empty."""
+    sync = make_scheduler(**kwargs)
+    _add_mix(sync)
+    want = _drive(sync, 0, finish_after={"cut": 4})
+    s = make_scheduler(**kwargs)
+    s.one_step_per_request = True
+    _add_mix(s)
+    schedule, num_steps_ahead = s.schedule, []
+
+    def checked_schedule() -> SchedulerOutput:
+        waiting_for_token = {r for r, req in s.requests.items() if req.num_output_placeholders}
+        out = schedule()
+        assert not waiting_for_token & set(out.num_scheduled_tokens)
+        num_steps_ahead.append(len(s._scheduled))
+        return out
+
+    s.schedule = checked_schedule
+    assert _drive(s, lag, finish_after={"cut": 4}) == want
+    if "budget" in kwargs:  # 6-token steps: requests spread over every step in flight
+        assert max(num_steps_ahead) == lag + 1

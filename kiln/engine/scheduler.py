@@ -82,6 +82,7 @@ class Scheduler:
         max_model_len: int,
         policy: str = "fcfs",
         num_spec_tokens: Callable[[int], int] | None = None,
+        one_step_per_request: bool = False,
     ) -> None:
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
@@ -91,6 +92,10 @@ class Scheduler:
         # Speculative decoding: how many drafts a decode may verify, given the running batch's
         # size (kiln.spec_decode's policy); None: no speculation.
         self.num_spec_tokens = num_spec_tokens
+        # Pipeline micro-batches: a request whose sampled token is still in flight waits for it
+        # instead of being scheduled ahead on a placeholder, so the steps in flight hold
+        # different requests and no stage needs another step's sampled ids for its inputs.
+        self.one_step_per_request = one_step_per_request
         self.spec_stats = SpecDecodeStats()
         self.requests: dict[str, Request] = {}
         # Both kept sorted by `_key`: the front is served first, the back preempted first.
@@ -191,8 +196,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and plan.budget > 0:
             request = self.running[index]
-            if self._has_all_samples_scheduled(request):
-                index += 1  # its last token is in flight: nothing more to compute
+            if self._has_all_samples_scheduled(request) or (
+                self.one_step_per_request and request.num_output_placeholders
+            ):
+                index += 1  # its (last) token is in flight: nothing to compute before it is back
                 continue
             num_new = min(
                 request.num_tokens_with_placeholders - request.num_computed_tokens, plan.budget
