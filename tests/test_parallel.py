@@ -257,9 +257,16 @@ class TestLlamaTP2DecodeGraphs:
 @pytest.fixture(scope="class")
 def llama_pp2(models):
     # 3 layers over 2 stages (2 + 1); async scheduling: two micro-batches in flight, of
-    # different requests (16-token steps split the prompts between them).
+    # different requests (16-token steps split the prompts between them); a 32-token KV cache:
+    # requests are preempted, some with a token in flight.
     yield from _parallel_engine(
-        models["llama"], 1, 2, async_scheduling=True, max_num_batched_tokens=16
+        models["llama"],
+        1,
+        2,
+        async_scheduling=True,
+        max_num_batched_tokens=16,
+        num_kv_blocks=8,
+        block_size=4,
     )
 
 
@@ -267,7 +274,7 @@ class TestLlamaPP2:
     def test_pp2_micro_batches_equal_one_process(self, llama_pp2, llama_refs) -> None:
         """Two steps in flight at once (stage 0 may run one while the last stage runs the
         other), never both decoding the same request: its input token is not known before the
-        older step's sample."""
+        older step's sample. Batched, chunked and preempted, equal to one process."""
         engine = llama_pp2.engine
         assert engine.max_steps_in_flight == 2 and engine.scheduler.one_step_per_request
         submit, overlaps = engine.executor.submit, []
@@ -285,6 +292,7 @@ class TestLlamaPP2:
             engine.executor.submit = submit
         _assert_same(got, llama_refs)
         assert overlaps and not any(overlaps)  # steps overlapped; no request in two of them
+        assert engine.scheduler.num_preemptions_total > 0
 
     def test_pp2_prompt_logprobs_come_from_the_last_stage(self, llama_pp2, models) -> None:
         params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
