@@ -276,7 +276,7 @@ class TestLlamaPP2:
         other), never both decoding the same request: its input token is not known before the
         older step's sample. Batched, chunked and preempted, equal to one process."""
         engine = llama_pp2.engine
-        assert engine.max_steps_in_flight == 2 and engine.scheduler.one_step_per_request
+        assert engine.max_steps_in_flight == engine.scheduler.num_micro_batches == 2
         submit, overlaps = engine.executor.submit, []
 
         def recording_submit(step):

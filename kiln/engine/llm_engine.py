@@ -70,9 +70,8 @@ class LLMEngine:
         self.max_steps_in_flight = 1
         if self.async_scheduling:
             self.max_steps_in_flight = max(2, config.pipeline_parallel_size)
-        self.scheduler.one_step_per_request = config.pipeline_parallel_size > 1 and bool(
-            self.async_scheduling
-        )
+        if self.async_scheduling and config.pipeline_parallel_size > 1:
+            self.scheduler.num_micro_batches = config.pipeline_parallel_size
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted to the runner, uncollected
         # Startup objects (model, tokenizer, graphs) live as long as the engine: keep the cyclic
         # GC from walking them on every full collection while requests churn.
