@@ -258,6 +258,12 @@ for s in "$@"; do
             stage "${s}_lat1k" 300 $BENCH latency $COMMON $VARIANT $PAR --input-len 1024 \
             --output-len 128 --num-requests 3 --max-model-len 1280 \
             --output-json "$OUT/${s}_lat1k$SFX.json"
+        # TP=2 captures its decode graphs with the NCCL all-reduces inside: the eager run
+        # beside it is their A/B (PP=2 stages run eager either way).
+        [[ $s == tp8b-2 ]] && NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+            NVSHMEM_DISABLE_NVLS=1 stage "${s}_lat1k_eager" 300 $BENCH latency $COMMON $VARIANT \
+            $PAR --input-len 1024 --output-len 128 --num-requests 3 --max-model-len 1280 \
+            --enforce-eager --output-json "$OUT/${s}_lat1k_eager$SFX.json"
         NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
             stage "${s}_tput128" 400 $BENCH throughput $COMMON $VARIANT $PAR --input-len 128 \
             --output-len 128 --num-requests 2048 --max-num-seqs 512 \

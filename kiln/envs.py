@@ -33,6 +33,11 @@ class Envs:
     fp8_small_batch_dot: bool = True
     """The FP8 small-batch kernels multiply float8 x float8 on the tensor cores; off (0) widens
     both operands to fp16 first (exact, more ALU work): the A/B of the two on the GPU."""
+    cpu_fake_graphs: bool = False
+    """Capture decode "graphs" on the CPU with FakeGraph, which re-runs the captured forward at
+    replay (never faster): how tests run the graph path end to end without a GPU, under tensor
+    parallelism too (every rank captures the same keys in the same order, collectives inside).
+    Read by the model runner; worker ranks inherit it from the driver's environment."""
     api_key: str | None = None
     """Default of `kiln serve --api-key`: a key kept off the command line (and so out of `ps`)."""
     git_revision: str | None = None

@@ -222,15 +222,77 @@ class TestLlamaTP2:
 
 
 @pytest.fixture(scope="class")
+def llama_tp2_graphs(models):
+    """TP=2 with decode graphs: on the CPU FakeGraph (KILN_CPU_FAKE_GRAPHS, inherited by the
+    worker rank), which re-runs the captured forward, all-reduces included; on the GPU stage
+    real CUDA graphs with the NCCL all-reduces captured inside."""
+    from kiln.envs import envs
+
+    before = os.environ.get("KILN_CPU_FAKE_GRAPHS")
+    os.environ["KILN_CPU_FAKE_GRAPHS"] = "1"
+    envs.cache_clear()
+    try:
+        yield from _parallel_engine(models["llama"], 2, 1, max_num_seqs=4)
+    finally:
+        if before is None:
+            os.environ.pop("KILN_CPU_FAKE_GRAPHS")
+        else:
+            os.environ["KILN_CPU_FAKE_GRAPHS"] = before
+        envs.cache_clear()
+
+
+class TestLlamaTP2DecodeGraphs:
+    def test_tp2_decode_graphs_equal_one_process(self, llama_tp2_graphs, llama_refs) -> None:
+        """Every rank captured the same (batch size, context) keys in the same order: a rank
+        that captured other keys, or none, would leave the others waiting in a capture's
+        collectives until the step timeout. The decode steps replay them (3 requests pad to 4)."""
+        graphs = llama_tp2_graphs.engine.executor.stats().cuda_graphs
+        assert graphs is not None and graphs["batch_sizes"] == [1, 2, 4]
+        llama_tp2_graphs.engine.executor.enable_step_timing()
+        _assert_same(llama_tp2_graphs.generate(PROMPTS, GREEDY), llama_refs)
+        timing = llama_tp2_graphs.engine.executor.runner.step_timing
+        assert timing["graph_steps"] > 0 and timing["eager_steps"] > 0  # decodes, prefills
+
+
+@pytest.fixture(scope="class")
 def llama_pp2(models):
-    # 3 layers over 2 stages (2 + 1); async scheduling: stage 0 feeds inputs from the
-    # driver's broadcast ids of the step still in flight.
-    yield from _parallel_engine(models["llama"], 1, 2, async_scheduling=True)
+    # 3 layers over 2 stages (2 + 1); async scheduling: two micro-batches in flight, of
+    # different requests (16-token steps split the prompts between them); a 32-token KV cache:
+    # requests are preempted, some with a token in flight.
+    yield from _parallel_engine(
+        models["llama"],
+        1,
+        2,
+        async_scheduling=True,
+        max_num_batched_tokens=16,
+        num_kv_blocks=8,
+        block_size=4,
+    )
 
 
 class TestLlamaPP2:
-    def test_pp2_equals_one_process(self, llama_pp2, llama_refs) -> None:
-        _assert_same(llama_pp2.generate(PROMPTS, GREEDY), llama_refs)
+    def test_pp2_micro_batches_equal_one_process(self, llama_pp2, llama_refs) -> None:
+        """Two steps in flight at once (stage 0 may run one while the last stage runs the
+        other), never both decoding the same request: its input token is not known before the
+        older step's sample. Batched, chunked and preempted, equal to one process."""
+        engine = llama_pp2.engine
+        assert engine.max_steps_in_flight == engine.scheduler.num_micro_batches == 2
+        submit, overlaps = engine.executor.submit, []
+
+        def recording_submit(step):
+            decodes = {r for r, n in step.num_scheduled_tokens.items() if n == 1}
+            for older in engine._in_flight:
+                overlaps.append(decodes & set(older.num_scheduled_tokens))
+            return submit(step)
+
+        engine.executor.submit = recording_submit
+        try:
+            got = llama_pp2.generate(PROMPTS, GREEDY)
+        finally:
+            engine.executor.submit = submit
+        _assert_same(got, llama_refs)
+        assert overlaps and not any(overlaps)  # steps overlapped; no request in two of them
+        assert engine.scheduler.num_preemptions_total > 0
 
     def test_pp2_prompt_logprobs_come_from_the_last_stage(self, llama_pp2, models) -> None:
         params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
@@ -355,17 +417,21 @@ def test_two_torchrun_nodes_on_localhost_give_the_same_tokens(models, llama_refs
     assert json.loads(line.removeprefix("TOKENS ")) == [t[:6] for t in _tokens(llama_refs)]
 
 
-@pytest.mark.skipif(
-    os.environ.get("KILN_SLOW_PARALLEL") != "1",
-    reason="3 processes of the real SmolLM2 take ~60 s on the 2-core CI host: KILN_SLOW_PARALLEL=1",
-)
-def test_smollm2_at_tp3_equals_one_process(smollm2_path) -> None:
-    """9 query heads and 3 KV heads over 3 tensor ranks; vocab 49152 cut in 3 (tied)."""
-    params = SamplingParams(temperature=0, max_tokens=12, logprobs=1)
+@pytest.mark.skipif(DEVICE != "cpu", reason="three ranks: the GPU stage has two GPUs")
+def test_smollm2_at_tp3_equals_one_process(smollm2_llm, smollm2_path) -> None:
+    """The real model: 9 query heads and 3 KV heads over 3 tensor ranks; vocab 49152 cut in 3
+    (tied). Kept cheap for every run: the one-process side is the suite's shared engine, two
+    prompts, 8 tokens (~8 s of three ranks starting and stepping on a quiet 2-core host)."""
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1)
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    engine = dict(num_threads=1, kv_cache_memory_gb=0.25)
-    want = LLM(smollm2_path, **engine).generate(prompts, params)
-    llm = LLM(smollm2_path, **engine, tensor_parallel_size=3, distributed_timeout_s=120)
+    want = smollm2_llm.generate(prompts, params)
+    llm = LLM(
+        smollm2_path,
+        num_threads=1,
+        kv_cache_memory_gb=0.25,
+        tensor_parallel_size=3,
+        distributed_timeout_s=120,
+    )
     try:
         _assert_same(llm.generate(prompts, params), want)
     finally:

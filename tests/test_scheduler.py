@@ -364,3 +364,34 @@ def test_async_never_schedules_past_max_tokens():
     assert second.num_scheduled_tokens == {"a": 1}
     assert s.requests["a"].num_output_placeholders == 2
     assert s.schedule().is_empty  # output 2 is the last: nothing more until update()
+
+
+@pytest.mark.parametrize("lag", [1, 2], ids=["pp2", "pp3"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"budget": 6}, {"num_blocks": 9, "caching": False}],
+    ids=["plain", "chunked", "preempting"],
+)
+def test_pipeline_micro_batches_give_the_same_tokens(kwargs, lag):
+    """Pipeline micro-batches (`lag` + 1 steps in flight): a request whose sampled token is in
+    flight is not scheduled again until it is back, so the steps in flight sample different
+    requests, each step takes its share of them, and the tokens equal the synchronous order's."""
+    sync = make_scheduler(**kwargs)
+    _add_mix(sync)
+    want = _drive(sync, 0, finish_after={"cut": 4})
+    s = make_scheduler(**kwargs)
+    s.num_micro_batches = lag + 1
+    _add_mix(s)
+    schedule, num_steps_ahead = s.schedule, []
+
+    def checked_schedule() -> SchedulerOutput:
+        waiting_for_token = {r for r, req in s.requests.items() if req.num_output_placeholders}
+        out = schedule()
+        assert not waiting_for_token & set(out.num_scheduled_tokens)
+        num_steps_ahead.append(len(s._scheduled))
+        return out
+
+    s.schedule = checked_schedule
+    assert _drive(s, lag, finish_after={"cut": 4}) == want
+    if "num_blocks" not in kwargs:  # (9 blocks hold too few requests to fill every step)
+        assert max(num_steps_ahead) == lag + 1  # requests spread over every step in flight

@@ -34,15 +34,21 @@ def recv_from_prev_stage(ctx: ParallelContext, shape: tuple[int, ...], like: tor
 
 def broadcast_sampled(
     ctx: ParallelContext, sampled: torch.Tensor | None, num_rows: int, device: torch.device
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, dist.Work | None]:
     """The driver's sampled ids [num_rows] (int64) on every rank, so each rank's runner keeps the
-    same token history (and feeds the next step's inputs from it)."""
-    if sampled is None:
-        sampled = torch.empty(num_rows, dtype=torch.int64, device=device)
-    elif sampled.dtype != torch.int64:
-        sampled = sampled.to(torch.int64)
-    dist.broadcast(sampled, src=0, group=ctx.world_group)
-    return sampled
+    same token history (and feeds the next step's inputs from it).
+
+    The driver sends and gets no handle back. Every other rank gets the tensor and the pending
+    receive's handle, to wait on only when it reads the ids: an earlier pipeline stage then goes
+    on to the next micro-batch's forward while the last stage still computes this one (on the
+    GPU the receive is queued on NCCL's stream, not on the compute stream)."""
+    if sampled is not None:
+        if sampled.dtype != torch.int64:
+            sampled = sampled.to(torch.int64)
+        dist.broadcast(sampled, src=0, group=ctx.sampled_group)
+        return sampled, None
+    sampled = torch.empty(num_rows, dtype=torch.int64, device=device)
+    return sampled, dist.broadcast(sampled, src=0, group=ctx.sampled_group, async_op=True)
 
 
 def barrier(ctx: ParallelContext) -> None:

@@ -87,19 +87,23 @@ class ParallelContext:
     """A rank's layout and its process groups (made once, in init_process_groups).
 
     `tp_group`: this stage's tensor ranks (all-reduce, all-gather). `world_group`: every rank, on
-    the data backend (nccl on GPUs, gloo on the CPU): the sampled ids' broadcast, send/recv between
-    stages. These two time out after distributed_timeout_s (a step that waits longer for a rank
+    the data backend (nccl on GPUs, gloo on the CPU): send/recv between stages. These two (and
+    `sampled_group`) time out after distributed_timeout_s (a step that waits longer for a rank
     fails). `cpu_group`: every rank on gloo, for startup (the barrier after loading, the
     KV-block minimum), with the startup timeout (loading a large model can take minutes).
     `control_group`: every rank on gloo with no practical
     timeout, for the driver's per-step messages: an idle worker waits on it for the next step as
-    long as the server stays idle (a dead driver kills it; a dead worker is seen by the driver)."""
+    long as the server stays idle (a dead driver kills it; a dead worker is seen by the driver).
+    `sampled_group`: every rank on the data backend, for the driver's sampled ids alone: its own
+    communicator (on the GPU its own NCCL stream), so a stage's pending receive of micro-batch
+    n's ids never holds up its send of micro-batch n+1 to the next stage."""
 
     layout: RankLayout
     tp_group: object | None
     world_group: object | None
     cpu_group: object | None
     control_group: object | None = None
+    sampled_group: object | None = None
 
     @property
     def tp_size(self) -> int:
@@ -174,13 +178,14 @@ def init_process_groups(
     world = dist.new_group(timeout=timeout)  # the data backend's, with the step timeout
     cpu = dist.new_group(backend="gloo", timeout=startup)
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+    sampled = dist.new_group(timeout=timeout)
     tp_group = None
     for stage in range(pp_size):
         ranks = layout.tp_group_ranks(stage)
         group = world if len(ranks) == layout.world_size else dist.new_group(ranks, timeout=timeout)
         if stage == layout.pp_rank:
             tp_group = group
-    return ParallelContext(layout, tp_group, world, cpu, control)
+    return ParallelContext(layout, tp_group, world, cpu, control, sampled)
 
 
 def destroy_process_groups() -> None:

@@ -63,6 +63,15 @@ class LLMEngine:
             # where the next step starts: the next step cannot be scheduled before this one ends.
             logger.info("speculative decoding: async scheduling off (steps wait for their drafts)")
             self.async_scheduling = False
+        # Steps submitted before the oldest is collected: two under async scheduling (the next
+        # is scheduled and launched while one runs); under pipeline parallelism one per stage, in
+        # micro-batches of different requests (the scheduler then schedules no request whose
+        # token is in flight), so stage 0 runs step n+1 while the last stage runs step n.
+        self.max_steps_in_flight = 1
+        if self.async_scheduling:
+            self.max_steps_in_flight = max(2, config.pipeline_parallel_size)
+        if self.async_scheduling and config.pipeline_parallel_size > 1:
+            self.scheduler.num_micro_batches = config.pipeline_parallel_size
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted to the runner, uncollected
         # Startup objects (model, tokenizer, graphs) live as long as the engine: keep the cyclic
         # GC from walking them on every full collection while requests churn.
@@ -222,8 +231,11 @@ class LLMEngine:
         # this one runs. A step's deltas therefore come out of the next call.
         if self.executor.submit(sched):
             self._in_flight.append(sched)
-            if len(self._in_flight) == 1 and self.scheduler.has_unfinished_requests():
-                return []  # nothing older to collect: the next call schedules ahead of this one
+            if (
+                len(self._in_flight) < self.max_steps_in_flight
+                and self.scheduler.has_unfinished_requests()
+            ):
+                return []  # room for another step: the next call schedules ahead of this one
         if not self._in_flight:
             return []
         deltas = self._apply(self._in_flight.popleft(), self.executor.collect())

@@ -62,6 +62,7 @@ class _StepPlan:
     """One step's schedule while schedule() builds it."""
 
     budget: int  # tokens still to hand out
+    max_requests: int = 1 << 62  # requests this step may take (pipeline micro-batches: a share)
     num_scheduled: dict[str, int] = field(default_factory=dict)
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
@@ -82,6 +83,7 @@ class Scheduler:
         max_model_len: int,
         policy: str = "fcfs",
         num_spec_tokens: Callable[[int], int] | None = None,
+        num_micro_batches: int = 1,
     ) -> None:
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
@@ -91,6 +93,12 @@ class Scheduler:
         # Speculative decoding: how many drafts a decode may verify, given the running batch's
         # size (kiln.spec_decode's policy); None: no speculation.
         self.num_spec_tokens = num_spec_tokens
+        # Pipeline micro-batches (> 1: that many steps in flight): a request whose sampled token
+        # is in flight waits for it instead of being scheduled ahead on a placeholder, so the
+        # steps in flight hold different requests and no stage needs another step's sampled ids
+        # for its inputs; and a step takes at most its share of the requests, so that one step
+        # taking them all does not leave the next one (and a pipeline stage) empty.
+        self.num_micro_batches = num_micro_batches
         self.spec_stats = SpecDecodeStats()
         self.requests: dict[str, Request] = {}
         # Both kept sorted by `_key`: the front is served first, the back preempted first.
@@ -154,6 +162,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(budget=self.max_num_batched_tokens)
+        if self.num_micro_batches > 1:  # this step's share of the requests that may run
+            num_live = min(len(self.running) + len(self.waiting), self.max_num_seqs)
+            plan.max_requests = max(1, -(-num_live // self.num_micro_batches))
         self._schedule_running(plan)
         # Not in a step that had to preempt: admitting would only evict someone again.
         if not plan.num_preempted:
@@ -191,9 +202,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and plan.budget > 0:
             request = self.running[index]
-            if self._has_all_samples_scheduled(request):
-                index += 1  # its last token is in flight: nothing more to compute
+            if self._has_all_samples_scheduled(request) or (
+                self.num_micro_batches > 1 and request.num_output_placeholders
+            ):
+                index += 1  # its (last) token is in flight: nothing to compute before it is back
                 continue
+            if len(plan.num_scheduled) >= plan.max_requests:
+                break
             num_new = min(
                 request.num_tokens_with_placeholders - request.num_computed_tokens, plan.budget
             )
@@ -222,7 +237,12 @@ class Scheduler:
     def _admit_waiting(self, plan: _StepPlan) -> None:
         """Admit waiting requests, prefix hits first, while budget, sequence slots and blocks
         allow."""
-        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            self.waiting
+            and plan.budget > 0
+            and len(self.running) < self.max_num_seqs
+            and len(plan.num_scheduled) < plan.max_requests
+        ):
             request = self.waiting[0]
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: resent in full once it is back

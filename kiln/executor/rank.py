@@ -63,9 +63,10 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
         raise ValueError(
             "speculative decoding is not supported with tensor or pipeline parallelism yet"
         )
-    if parallel is not None:
-        # CUDA graphs with the collectives inside are for the multi-GPU issues: ranks run eager
-        # (and the memory plan reserves no graph pool).
+    if parallel is not None and parallel.pp_size > 1:
+        # Tensor ranks capture their decode graphs with the all-reduces inside; pipeline stages
+        # run eager: their send/recv between stages would sit inside the graphs (not built), and
+        # the memory plan then reserves no graph pool.
         config = dataclasses.replace(config, enforce_eager=True)
     device = rank_device(config.device, parallel)
     dtype = resolve_dtype(config.dtype, device)

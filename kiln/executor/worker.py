@@ -44,6 +44,13 @@ def run_worker(config: EngineConfig, rank: int, init_method: str = "env://") -> 
         init_method,
     )
     runner = build_rank(config, parallel).runner
+    # Steps left uncollected after a submit: under pipeline parallelism one fewer than the stages,
+    # so this rank takes the next micro-batch's message (and runs its forward) before the driver
+    # has sampled the current one. A request comes back at the earliest pp steps later (the
+    # scheduler does not schedule it while its token is in flight), by which time its step has
+    # been collected here, so its input token is in this rank's history.
+    keep_uncollected = parallel.pp_size - 1
+    num_uncollected = 0
     while True:
         kind, payload = recv_message(parallel)
         if kind is Kind.SHUTDOWN:
@@ -52,7 +59,10 @@ def run_worker(config: EngineConfig, rank: int, init_method: str = "env://") -> 
             runner.step_timing = {}
             continue
         if runner.submit(decode_step(payload)):
+            num_uncollected += 1
+        while num_uncollected > keep_uncollected:
             runner.collect()  # this rank's copy of the output: the driver's is the one read
+            num_uncollected -= 1
     destroy_process_groups()
 
 

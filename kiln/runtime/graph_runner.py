@@ -63,12 +63,15 @@ class FakeGraph:
 
 
 class _CudaGraph:
-    def __init__(self, pool: tuple) -> None:
+    def __init__(self, pool: tuple, capture_error_mode: str) -> None:
         self.graph = torch.cuda.CUDAGraph()
         self.pool = pool
+        self.capture_error_mode = capture_error_mode
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        with torch.cuda.graph(
+            self.graph, pool=self.pool, capture_error_mode=self.capture_error_mode
+        ):
             return fn()
 
     def replay(self) -> None:
@@ -167,6 +170,11 @@ class GraphRunner:
         start = time.perf_counter()
         cuda = self.device.type == "cuda" and not self.fake
         pool = torch.cuda.graph_pool_handle() if cuda else None
+        # Under TP, NCCL's watchdog thread polls the events of earlier collectives while this
+        # thread captures: "global" mode would count its polls as unsafe calls made during the
+        # capture and invalidate it, so only this thread's calls are checked there.
+        parallel = getattr(self.model, "parallel", None) is not None
+        error_mode = "thread_local" if parallel else "global"
         reserved_before = torch.cuda.memory_reserved(self.device) if cuda else 0
         with _fast_capture(cuda):
             for key in sorted(keys, reverse=True):
@@ -175,7 +183,7 @@ class GraphRunner:
                 if cuda:
                     torch.cuda.synchronize(self.device)
                 t1 = time.perf_counter()
-                graph = _CudaGraph(pool) if cuda else FakeGraph()
+                graph = _CudaGraph(pool, error_mode) if cuda else FakeGraph()
                 hidden = graph.capture(lambda key=key: self._forward(*key))
                 graph.replay()  # the first replay uploads the graph: not in a timed step
                 if cuda:

@@ -33,6 +33,7 @@ class CachedRequestState:
     # where the latest sits in its step's sampled-ids tensor on the device.
     num_pending: int = 0
     pending_index: int = -1
+    pending_step: int = 0  # which of the runner's sampling steps holds the pending token
     token_ids: list[int] = field(init=False)
     plain_greedy: bool = field(init=False)
     """Greedy with nothing else to do (no penalties, logprobs or min_tokens): argmax alone."""

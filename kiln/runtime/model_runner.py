@@ -23,6 +23,7 @@ import torch
 
 from kiln.attention.backend import get_attention_backend
 from kiln.distributed.comm import broadcast_sampled
+from kiln.envs import envs
 from kiln.interfaces import (
     ModelRunnerOutput,
     PromptLogprobsChunk,
@@ -110,7 +111,12 @@ class ModelRunner:
         self.tokenizer = tokenizer  # for grammars (structured output), built on first use
         self._grammars = None  # kiln.structured_output.GrammarBatch
         self.graphs: GraphRunner | None = None
-        if self.device.type == "cuda" and not enforce_eager and self.backend.supports_cuda_graphs:
+        fake_graphs = self.device.type == "cpu" and envs().cpu_fake_graphs  # tests, no GPU
+        cuda_graphs = self.device.type == "cuda" and self.backend.supports_cuda_graphs
+        if (cuda_graphs or fake_graphs) and not enforce_eager:
+            # Under TP the all-reduces are captured inside (NCCL collectives on the capturing
+            # stream); each rank captures the same keys in the same order, so their captures'
+            # warm-up forwards meet in the same collectives.
             self.graphs = GraphRunner(
                 model,
                 self.ops,
@@ -119,11 +125,16 @@ class ModelRunner:
                 self.inputs,
                 max_num_seqs,
                 self.max_model_len,
+                fake=fake_graphs,
             )
             self.graphs.capture()
         self.step_timing: dict[str, float] | None = None  # set to {} to collect host timings
         self._in_flight: deque[_InFlightStep] = deque()  # submitted, not yet collected
         self._last_sampled: torch.Tensor | None = None  # the latest step's sampled ids (device)
+        # TP/PP ranks other than the driver: the pending receive of the driver's ids (a
+        # torch.distributed Work), waited on only when they are read.
+        self._sampled_arrival = self._last_arrival = None
+        self._num_sampling_steps = 0  # steps that sampled so far (CachedRequestState.pending_step)
         self._host_slot = 0  # which of the two pinned buffers the next step's ids land in
 
     # ---- state -------------------------------------------------------------------------------
@@ -196,8 +207,13 @@ class ModelRunner:
         num_scheduled = [scheduled[r] for r in req_ids]
         for req_id, drafts in sched.scheduled_spec_decode_tokens.items():
             self.requests[req_id].spec_token_ids = drafts
-        if self._in_flight and any(s.num_pending and s.needs_history for s in states):
+        latest = self._num_sampling_steps
+        if self._in_flight and any(
+            s.num_pending and (s.needs_history or s.pending_step != latest) for s in states
+        ):
             # Penalties read every generated token: bring the running step's ids back first.
+            # So too for a pending token of an older step than the latest (pending inputs are
+            # read from the latest step's ids): a pipeline stage's older micro-batch.
             self._resolve_in_flight()
 
         graph_key = None
@@ -278,11 +294,14 @@ class ModelRunner:
             gpu_events[1].record()
         step.gpu_events = gpu_events
         step.sampled = result.sampled_token_ids
+        step.arrival, self._sampled_arrival = self._sampled_arrival, None
         self._copy_to_host(step, result.logprobs)
+        self._num_sampling_steps += 1
         for index, state in enumerate(step.states):
             state.num_pending += 1
             state.pending_index = index
-        self._last_sampled = step.sampled
+            state.pending_step = self._num_sampling_steps
+        self._last_sampled, self._last_arrival = step.sampled, step.arrival
         step.times = (t0, t1, t2, time.perf_counter())
         return True
 
@@ -300,7 +319,9 @@ class ModelRunner:
             if self.parallel.layout.samples:
                 result = self.sampler(logits, self.sampling.build(states))
                 sampled, logprobs = result.sampled_token_ids, result.logprobs
-        sampled = broadcast_sampled(self.parallel, sampled, len(states), self.device)
+        sampled, self._sampled_arrival = broadcast_sampled(
+            self.parallel, sampled, len(states), self.device
+        )
         return SamplerOutput(sampled, logprobs)
 
     def collect(self) -> ModelRunnerOutput:
@@ -317,12 +338,17 @@ class ModelRunner:
     def _fill_pending_inputs(self, k: int) -> None:
         """Input tokens the previous step sampled, copied on the device: no wait for the host."""
         buf = self.inputs
+        if self._last_arrival is not None:  # TP/PP: the driver's ids have landed (stream order)
+            self._last_arrival.wait()
+            self._last_arrival = None
         buf.input_ids.index_copy_(
             0, buf.pending_dst[:k], self._last_sampled.index_select(0, buf.pending_src[:k])
         )
 
     def _copy_to_host(self, step: _InFlightStep, logprobs: LogprobsTensors | None) -> None:
         """Start the step's one device->host copy (ids, and logprobs if asked for)."""
+        if step.arrival is not None:
+            return  # the driver's ids are still on their way: copied in _finish, once waited for
         if self.device.type != "cuda":
             step.host_sampled, step.host_logprobs = step.sampled, logprobs
             return
@@ -344,6 +370,11 @@ class ModelRunner:
             step.output = ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=step.prompt_lp)
             self._record(step, t4, t4, t4)
             return
+        if step.arrival is not None:  # a rank other than the driver: its ids, received
+            step.arrival.wait()
+            if step.arrival is self._last_arrival:
+                self._last_arrival = None
+            step.arrival, step.host_sampled = None, step.sampled.cpu()
         if step.done is not None:
             step.done.synchronize()
         t5 = time.perf_counter()
@@ -526,6 +557,7 @@ class _InFlightStep:
     spec_drafts: list[int] = field(default_factory=list)  # per verification row (-1: bonus)
     spec_result: tuple[torch.Tensor, torch.Tensor] | None = None  # accepted, recovered (host)
     sampled: torch.Tensor | None = None  # [rows] on the device
+    arrival: object | None = None  # TP/PP, not the driver: the pending receive of `sampled`
     host_sampled: torch.Tensor | None = None
     host_logprobs: LogprobsTensors | None = None
     done: torch.cuda.Event | None = None  # the host copies have landed
