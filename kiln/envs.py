@@ -33,6 +33,10 @@ class Envs:
     fp8_small_batch_dot: bool = True
     """The FP8 small-batch kernels multiply float8 x float8 on the tensor cores; off (0) widens
     both operands to fp16 first (exact, more ALU work): the A/B of the two on the GPU."""
+    small_batch_tiles: str | None = None
+    """A JSON file written by benchmarks/fp8_small_batch_sweep.py: its suggested launch shapes
+    (split-K factors, tiles) override the small-batch kernels' table, the end-to-end A/B of a
+    sweep's choice before it is written into kernels.triton.small_batch_tiles (read at import)."""
     api_key: str | None = None
     """Default of `kiln serve --api-key`: a key kept off the command line (and so out of `ps`)."""
     git_revision: str | None = None

@@ -7,6 +7,7 @@ test_fp8_linear's and test_triton_kernels', with every launch cut over K."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -227,6 +228,26 @@ def test_split_k_slices_and_the_default_table(monkeypatch) -> None:
         small_batch_tiles.tile_config("gemv", 16, 16, torch.device("cpu"))
 
 
+def test_a_sweeps_suggestions_override_the_table(monkeypatch, tmp_path) -> None:
+    """KILN_SMALL_BATCH_TILES' file: the entries fp8_small_batch_sweep.py writes, read back as
+    the table's keys and Tiles; anything else is refused naming the variable."""
+    path = tmp_path / "sweep.json"
+    entry = ["linear", 4096, 4096, 1, True, [32, 256, 4, 4, 4, 2048], 6.1, 12.3]
+    path.write_text(json.dumps({"results": [], "suggested": [entry]}))
+    table = small_batch_tiles.load_tiles(str(path))
+    assert table == {("linear", 4096, 4096, 1, True): Tiles(32, 256, 4, 4, 4, 2048)}
+    monkeypatch.setattr(small_batch_tiles, "_FROM_ENV", table)
+    monkeypatch.setattr(small_batch_tiles, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert small_batch_tiles.tile_config("linear", 4096, 4096, cuda, 1, 1).split_k == 4
+    assert small_batch_tiles.tile_config("linear", 4096, 4096, cuda, 1, 8).split_k == 1
+    assert small_batch_tiles.tile_config("linear", 4096, 4096, cuda, 2, 1).split_k == 1
+    for bad in ("{}", json.dumps({"suggested": [["gemv", *entry[1:]]]}), "not json"):
+        path.write_text(bad)
+        with pytest.raises(ValueError, match="KILN_SMALL_BATCH_TILES"):
+            small_batch_tiles.load_tiles(str(path))
+
+
 # ---- on the GPU: Llama-3.1-8B's projections, eager and in CUDA graphs -----------------------
 
 HIDDEN, INTERMEDIATE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS = 4096, 14336, 128, 32, 8
@@ -249,31 +270,44 @@ def _llama_weights(gen: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.
 
 @pytest.fixture(scope="module")
 def llama_fp8() -> dict:
+    """Float8 weights of one layer, one decode row's inputs, and the reference's outputs."""
     if INTERPRET:
         pytest.skip("needs a CUDA GPU (interpreter run)")
     gen = torch.Generator().manual_seed(5)
     weights = _llama_weights(gen)
     half = torch.arange(HEAD_DIM // 2, dtype=torch.float32)
     freqs = torch.arange(2048, dtype=torch.float32)[:, None] / (500000 ** (2 * half / HEAD_DIM))
-    return {
-        "weights": weights,
-        "gpu": {name: on(*w) for name, w in weights.items()},
-        "cos_sin": torch.cat([freqs.cos(), freqs.sin()], dim=-1),
+    x, residual = (torch.randn(1, HIDDEN, generator=gen).bfloat16() for _ in range(2))
+    layer = {
+        "x": x,
+        "residual": residual,
+        "act": torch.randn(1, INTERMEDIATE, generator=gen).bfloat16(),
         "norm_weight": (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).bfloat16(),
+        "cos_sin": torch.cat([freqs.cos(), freqs.sin()], dim=-1),
+        "positions": torch.tensor([1000]),
+        "slots": torch.tensor([77]),
+    }
+    caches = [torch.zeros(8, 16, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2)]
+    want = _decode_layer(reference, weights, layer, caches)
+    return {
+        "weights": {name: on(*w) for name, w in weights.items()},
+        "layer": {name: t.to(DEVICE) for name, t in layer.items()},
+        "want": [*want, *caches],
     }
 
 
-def _decode_layer(ops, fp8: dict, x, residual, act, cos_sin, caches, positions, slots, where):
+def _decode_layer(ops, weights: dict, layer: dict, caches: list) -> tuple:
     """The four projections of a decode layer as the model calls them (one row: norm fused)."""
-    w = fp8[where]
-    norm_weight = fp8["norm_weight"] if where == "weights" else fp8["norm_weight"].cuda()
+    w, a = weights, layer
     query, summed = ops.add_rms_norm_qkv_rotary_write_kv(
-        x, residual, norm_weight, 1e-5, *w["qkv"][:1], None, positions, cos_sin, *caches, slots,
-        w["qkv"][1], None,
+        a["x"], a["residual"], a["norm_weight"], 1e-5, w["qkv"][0], None, a["positions"],
+        a["cos_sin"], *caches, a["slots"], w["qkv"][1], None,
     )  # fmt: skip
-    o = ops.fp8_linear(query.reshape(x.shape[0], -1), *w["o_proj"], None)
-    gated, _ = ops.add_rms_norm_linear_silu_mul(o, summed, norm_weight, 1e-5, *w["gate_up"], None)
-    down = ops.fp8_linear(act, *w["down"], None)
+    o = ops.fp8_linear(query.reshape(1, -1), *w["o_proj"], None)
+    gated, _ = ops.add_rms_norm_linear_silu_mul(
+        o, summed, a["norm_weight"], 1e-5, *w["gate_up"], None
+    )
+    down = ops.fp8_linear(a["act"], *w["down"], None)
     return query, summed, o, gated, down
 
 
@@ -283,25 +317,13 @@ def test_split_k_llama8b_decode_layer_bf16(monkeypatch, llama_fp8, split) -> Non
     """Each projection of a batch-1 decode layer, every launch cut `split` ways, against the
     reference on the same float8 weights; the same bits on a second run (the partials are
     summed in split order whatever order the programs finish in)."""
-    gen = torch.Generator().manual_seed(split)
-    x, residual, act = (
-        torch.randn(1, k, generator=gen).bfloat16() for k in (HIDDEN,) * 2 + (INTERMEDIATE,)
-    )
-    cos_sin, positions, slots = llama_fp8["cos_sin"], torch.tensor([1000]), torch.tensor([77])
-    caches = [torch.zeros(8, 16, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2)]
-    want = _decode_layer(
-        reference, llama_fp8, x, residual, act, cos_sin, caches, positions, slots, "weights"
-    )
     force_tiles(monkeypatch, split)
     runs = []
     for _ in range(2):
-        gpu_caches = [torch.zeros_like(c).cuda() for c in caches]
-        got = _decode_layer(
-            triton_ops, llama_fp8, *on(x, residual, act, cos_sin), gpu_caches,
-            *on(positions, slots), "gpu",
-        )  # fmt: skip
-        runs.append([t.clone() for t in (*got, *gpu_caches)])
-    for g, w in zip(runs[0], (*want, *caches)):
+        caches = [torch.zeros_like(c, device=DEVICE) for c in llama_fp8["want"][-2:]]
+        got = _decode_layer(triton_ops, llama_fp8["weights"], llama_fp8["layer"], caches)
+        runs.append([t.clone() for t in (*got, *caches)])
+    for g, w in zip(runs[0], llama_fp8["want"]):
         torch.testing.assert_close(
             g.float().cpu(), w.float(), rtol=0, atol=2e-2 * float(w.float().abs().max())
         )
@@ -314,7 +336,7 @@ def test_split_k_in_a_cuda_graph(monkeypatch, llama_fp8) -> None:
     """Split-K launches captured once and replayed on new inputs: the eager results each time,
     the counters back at zero (no memset in the graph resets them)."""
     force_tiles(monkeypatch, 4)
-    w = llama_fp8["gpu"]
+    w = llama_fp8["weights"]
     x = torch.zeros(1, HIDDEN, dtype=torch.bfloat16, device="cuda")
     act = torch.zeros(1, INTERMEDIATE, dtype=torch.bfloat16, device="cuda")
 

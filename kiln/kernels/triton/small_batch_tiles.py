@@ -3,15 +3,19 @@ depth and the split-K factor of every launch of small_batch_linear's and qkv_rot
 
 A measured entry (MEASURED_TILES, written from an H200 sweep, benchmarks/fp8_small_batch_sweep.py)
 wins; otherwise the rule below, fitted to the bf16 sweeps, with no split (one program per tile).
+KILN_SMALL_BATCH_TILES names a sweep's JSON whose suggestions win over both (the A/B of a sweep's
+choice in the same GPU run, before the table is edited).
 """
 
 from __future__ import annotations
 
+import json
 from typing import NamedTuple
 
 import torch
 import triton
 
+from kiln.envs import envs
 from kiln.kernels.triton._device import num_sms
 
 # The kernels, as the table names them: the plain projection (`linear`, also the 2-8 row float8
@@ -42,6 +46,25 @@ class Tiles(NamedTuple):
 MEASURED_TILES: dict[tuple[str, int, int, int, bool], Tiles] = {}
 
 
+def load_tiles(path: str) -> dict[tuple[str, int, int, int, bool], Tiles]:
+    """The "suggested" entries of a benchmarks/fp8_small_batch_sweep.py JSON, as table entries:
+    each [kernel, weight rows, K, element bytes, one row, [Tiles fields], us, us before]."""
+    try:
+        with open(path) as f:
+            suggested = json.load(f)["suggested"]
+        table = {}
+        for kernel, n, k, element_size, one_row, tiles, *_ in suggested:
+            if kernel not in KERNELS:
+                raise ValueError(f"unknown kernel {kernel!r}")
+            table[(kernel, int(n), int(k), int(element_size), bool(one_row))] = Tiles(*tiles)
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"KILN_SMALL_BATCH_TILES={path}: not a sweep's tiles ({exc})") from None
+    return table
+
+
+_FROM_ENV = load_tiles(envs().small_batch_tiles) if envs().small_batch_tiles else {}
+
+
 def tile_config(
     kernel: str, n: int, k: int, device: torch.device, element_size: int = 2, rows: int = 1
 ) -> Tiles:
@@ -51,7 +74,8 @@ def tile_config(
         raise ValueError(f"unknown small-batch kernel {kernel!r}; known: {', '.join(KERNELS)}")
     if device.type != "cuda":
         return Tiles(16, 32, 4, 1)  # the interpreter: small tiles, every masking path exercised
-    measured = MEASURED_TILES.get((kernel, n, k, element_size, rows == 1))
+    key = (kernel, n, k, element_size, rows == 1)
+    measured = _FROM_ENV.get(key) or MEASURED_TILES.get(key)
     if measured is not None:
         return measured
     # As many columns per program as still leave about one program per SM. H200 sweeps at
