@@ -34,14 +34,18 @@ K, N = 136, 48
 FP32, FP16 = torch.float32, torch.float16
 
 
-def force_tiles(monkeypatch: pytest.MonkeyPatch, split: int, stats_block: int = 0) -> list:
-    """Every small-batch launch gets its default tiles cut `split` ways (the interpreter's are
-    16 x 32); returns the kernels the launches asked tiles for."""
+def force_tiles(
+    monkeypatch: pytest.MonkeyPatch, split: int, stats_block: int = 0, block_k: int | None = 32
+) -> list:
+    """Every small-batch launch gets its default tiles cut `split` ways, in block_k steps (32:
+    the interpreter's, and what makes a tiny K split on a GPU too; None: the default's); returns
+    the kernels the launches asked tiles for."""
     asked, default = [], small_batch_tiles.tile_config
 
     def forced(kernel: str, *args: object, **kwargs: object) -> Tiles:
         asked.append(kernel)
-        return default(kernel, *args, **kwargs)._replace(split_k=split, stats_block=stats_block)
+        tiles = default(kernel, *args, **kwargs)._replace(split_k=split, stats_block=stats_block)
+        return tiles if block_k is None else tiles._replace(block_k=block_k)
 
     monkeypatch.setattr(small_batch_tiles, "tile_config", forced)
     return asked
@@ -317,7 +321,7 @@ def test_split_k_llama8b_decode_layer_bf16(monkeypatch, llama_fp8, split) -> Non
     """Each projection of a batch-1 decode layer, every launch cut `split` ways, against the
     reference on the same float8 weights; the same bits on a second run (the partials are
     summed in split order whatever order the programs finish in)."""
-    force_tiles(monkeypatch, split)
+    force_tiles(monkeypatch, split, block_k=None)
     runs = []
     for _ in range(2):
         caches = [torch.zeros_like(c, device=DEVICE) for c in llama_fp8["want"][-2:]]
@@ -335,7 +339,7 @@ def test_split_k_llama8b_decode_layer_bf16(monkeypatch, llama_fp8, split) -> Non
 def test_split_k_in_a_cuda_graph(monkeypatch, llama_fp8) -> None:
     """Split-K launches captured once and replayed on new inputs: the eager results each time,
     the counters back at zero (no memset in the graph resets them)."""
-    force_tiles(monkeypatch, 4)
+    force_tiles(monkeypatch, 4, block_k=None)
     w = llama_fp8["weights"]
     x = torch.zeros(1, HIDDEN, dtype=torch.bfloat16, device="cuda")
     act = torch.zeros(1, INTERMEDIATE, dtype=torch.bfloat16, device="cuda")
