@@ -199,7 +199,7 @@ for s in "$@"; do
         ;;
     w8a8-tests)  # the FP8 W8A8 kernels at real shapes and the small-batch kernels they share,
         # split-K included (eager, in CUDA graphs, the same bits run to run)
-        stage w8a8-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_linear.py \
+        stage w8a8-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_linear.py \
             tests/test_triton_kernels.py tests/test_split_k_linear.py \
             -k "fp8 or small_batch or add_rms_norm or qkv or split_k"
         ;;
