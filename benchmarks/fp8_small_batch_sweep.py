@@ -1,13 +1,19 @@
-"""The float8 small-batch kernels against bf16's and against the FP8 GEMM path, at the batch-1/8
-decode shapes of Llama-3.1-8B (GPU), plus a tile sweep of the float8 kernels at one row.
+"""The float8 small-batch kernels against bf16's and the FP8 GEMM path at Llama-3.1-8B's decode
+shapes (GPU), and a sweep of their launch shapes: split-K factors 1/2/4/8, tiles and pipeline
+depth, then the input row's first-pass step for the best few. One run picks the entries of
+small_batch_tiles.MEASURED_TILES (printed at the end, and in the JSON under "suggested").
 
     PYTHONPATH=. python3 benchmarks/fp8_small_batch_sweep.py --out fp8_small_batch.json
 
-Per projection: "bf16" is the bf16 fused op (norm + projection + epilogue), "fp8" the same op on
-float8 weights with dynamic activations (the norm, quantization, projection and epilogue in one
-kernel at one row), "fp8_gemm" what FP8 ran before at these rows (the norm kernel, quantize_fp8,
-_scaled_mm, the scale epilogue, and SiLU-mul's kernel for gate_up). Timed as back-to-back calls in
-one CUDA graph over enough weight copies that each call reads its weight from HBM.
+Per projection, the op a decode layer calls: "bf16" on bf16 weights, "fp8" the same op on
+float8 weights with dynamic activations at today's launch shape, "fp8_gemm" what FP8 ran before
+at these rows (the norm kernel, quantize_fp8, _scaled_mm, the scale epilogue; SiLU-mul's kernel
+for gate_up, the rotary kernel for qkv). One row runs the fused kernels (qkv: norm, projection,
+rotary and KV write in one); 8 rows the plain kernel after the norm kernel and quantize_fp8.
+Timed as back-to-back calls in one CUDA graph over enough weight copies that each call reads its
+weight from HBM. Every swept configuration's output is checked against the FP8 GEMM path's; a
+configuration off by more than --max-err (relative to the output's largest value) is reported
+and never suggested. The sweep stops at --budget-s (compiles dominate: ~0.5 s a configuration).
 """
 
 from __future__ import annotations
@@ -16,40 +22,75 @@ import argparse
 import functools
 import itertools
 import json
+import time
 
 import torch
+import triton
 from tile_sweep import graph_time_ms, sweep  # benchmarks/, the script's own folder
 
 from kiln.kernels import reference
-from kiln.kernels.triton import fp8_gemm
+from kiln.kernels.triton import fp8_gemm, qkv_rotary, small_batch_tiles
 from kiln.kernels.triton import small_batch_linear as sbl
 from kiln.kernels.triton.rms_norm import fused_add_rms_norm
+from kiln.kernels.triton.rotary import rotary_embedding_write_kv
 from kiln.kernels.triton.silu_mul import silu_and_mul
+from kiln.kernels.triton.small_batch_tiles import Tiles
 
-HIDDEN, INTERMEDIATE = 4096, 14336
-SHAPES = {  # name: (N, K, the ops fused in)
-    "qkv": (6144, HIDDEN, "add_norm"),
-    "o_proj": (HIDDEN, HIDDEN, "none"),
-    "gate_up": (2 * INTERMEDIATE, HIDDEN, "add_norm_silu_mul"),
-    "down": (HIDDEN, INTERMEDIATE, "none"),
+HIDDEN, INTERMEDIATE, HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS = 4096, 14336, 128, 8, 32
+SHAPES = {  # name: (weight rows, K, the kernel at one row, at 2-8 rows)
+    "qkv": (6144, HIDDEN, "qkv_rotary", "linear"),
+    "o_proj": (HIDDEN, HIDDEN, "linear", "linear"),
+    "gate_up": (2 * INTERMEDIATE, HIDDEN, "norm_linear_silu_mul", "linear_silu_mul"),
+    "down": (HIDDEN, INTERMEDIATE, "linear", "linear"),
 }
 COPY_BANDWIDTH = 4.25e12  # bytes/s, the H200's measured device-to-device copy (FACTS.md)
 L2_BYTES = 50 * 2**20
+SMEM_BYTES = 227 * 1024  # an H100/H200 program's most shared memory
 
 
-def fused(fused_ops, x, residual, nw, w, ws=None):
-    """The op a decode layer calls for this projection (ws: float8 weight scales)."""
-    if fused_ops == "add_norm":
-        return sbl.add_rms_norm_linear(x, residual, nw, 1e-5, w, None, ws, None)[0]
-    if fused_ops == "add_norm_silu_mul":
-        return sbl.add_rms_norm_linear_silu_mul(x, residual, nw, 1e-5, w, ws, None)[0]
-    return sbl.linear(x, w) if ws is None else sbl.fp8_linear(x, w, ws, None)
+class Op:
+    """The call a decode layer makes for one projection, on given weights."""
 
+    def __init__(self, name: str, rows: int, dev: str) -> None:
+        k = SHAPES[name][1]
+        self.name = name
+        self.x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+        self.residual = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+        self.norm_weight = 1 + 0.1 * torch.randn(k, device=dev, dtype=torch.bfloat16)
+        half = torch.arange(HEAD_DIM // 2, dtype=torch.float32, device=dev)
+        freqs = torch.arange(2048, dtype=torch.float32, device=dev)[:, None] / (
+            500000 ** (2 * half / HEAD_DIM)
+        )
+        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.positions = torch.arange(1000, 1000 + rows, device=dev)
+        self.slots = torch.arange(rows, device=dev) + 16
+        cache = (4, 16, NUM_KV_HEADS, HEAD_DIM)
+        self.caches = [torch.zeros(cache, device=dev, dtype=torch.bfloat16) for _ in range(2)]
 
-def gemm_path(fused_ops, x, residual, nw, w, ws):
-    h = x if fused_ops == "none" else fused_add_rms_norm(x, residual, nw, 1e-5)[0]
-    out = fp8_gemm.fp8_linear(h, w, ws, None)
-    return silu_and_mul(out) if fused_ops == "add_norm_silu_mul" else out
+    def fused(self, w: torch.Tensor, ws: torch.Tensor | None = None) -> torch.Tensor:
+        """The small-batch op (ws: float8 weight scales, dynamic activations)."""
+        x, res, nw = self.x, self.residual, self.norm_weight
+        if self.name == "qkv":
+            return qkv_rotary.add_rms_norm_qkv_rotary_write_kv(
+                x, res, nw, 1e-5, w, None, self.positions, self.cos_sin, *self.caches,
+                self.slots, ws, None,
+            )[0]  # fmt: skip
+        if self.name == "gate_up":
+            return sbl.add_rms_norm_linear_silu_mul(x, res, nw, 1e-5, w, ws, None)[0]
+        return sbl.linear(x, w) if ws is None else sbl.fp8_linear(x, w, ws, None)
+
+    def gemm_path(self, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+        """What FP8 ran before the small-batch kernels took float8 weights."""
+        if self.name in ("o_proj", "down"):
+            return fp8_gemm.fp8_linear(self.x, w, ws, None)
+        h = fused_add_rms_norm(self.x, self.residual, self.norm_weight, 1e-5)[0]
+        out = fp8_gemm.fp8_linear(h, w, ws, None)
+        if self.name == "gate_up":
+            return silu_and_mul(out)
+        q, k, v = reference.split_qkv_heads(out, HEAD_DIM, NUM_KV_HEADS)
+        return rotary_embedding_write_kv(
+            self.positions, q, k, v, self.cos_sin, *self.caches, self.slots
+        )
 
 
 def time_us(fn, weights) -> float:
@@ -58,65 +99,204 @@ def time_us(fn, weights) -> float:
     return graph_time_ms(calls, reps=4, replays=5) * 1000
 
 
+def candidate_tiles(kernel: str, n: int, k: int, rows: int, sms: int) -> list[Tiles]:
+    """The launch shapes worth timing, split factors interleaved (so a budget cut leaves each
+    factor some): per split at least two K steps, 1/2 to 16 programs per SM, tiles that fit in
+    shared memory, gated and qkv programs with at least 16 rows of each half. Fewer at 8 rows,
+    whose plain kernel has no first pass over the row."""
+    paired = kernel in ("linear_silu_mul", "norm_linear_silu_mul", "qkv_rotary")
+    block_ns = (32, 64) if paired or rows > 1 else (16, 32, 64)
+    block_ks = (128, 256, 512, 1024) if rows == 1 else (256, 512, 1024)
+    stages = (3, 4) if rows == 1 else (4,)
+    by_split: dict[int, list[Tiles]] = {}
+    for split, block_n, block_k, num_stages in itertools.product(
+        (1, 2, 4, 8), block_ns, block_ks, stages
+    ):
+        programs = triton.cdiv(n, block_n) * split
+        if k // split < 2 * block_k or not sms / 2 <= programs <= 16 * sms:
+            continue
+        if block_n * block_k * num_stages > SMEM_BYTES:
+            continue
+        by_split.setdefault(split, []).append(Tiles(block_n, block_k, 4, num_stages, split))
+    interleaved = itertools.zip_longest(*by_split.values())
+    return [t for group in interleaved for t in group if t is not None]
+
+
+def sweep_shape(op: Op, kernel: str, fp8: list, want: torch.Tensor, budget_s: float,
+                max_err: float, rows: int) -> tuple[list[dict], int, int]:  # fmt: skip
+    """Phase 1: the candidates, the first pass over the row in BLOCK_K steps; phase 2 (one row):
+    the best three with wider first-pass steps. Returns (the timed configurations, how many
+    candidates, how many were left for the budget)."""
+    n, k = fp8[0][0].shape
+    deadline = time.perf_counter() + budget_s
+    run = functools.partial(op.fused, *fp8[0])
+
+    def timed_ms(run: object) -> float:  # every weight copy in turn, not only run's
+        return time_us(op.fused, fp8) / 1000
+
+    scale = float(want.float().abs().max())
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    candidates = candidate_tiles(kernel, n, k, rows, sms)
+    results, skipped = [], 0
+
+    def run_phase(configs: list[Tiles]) -> None:
+        nonlocal skipped
+        for config in configs:
+            if time.perf_counter() > deadline:
+                skipped += 1
+                continue
+            label = f"{op.name} rows={rows}"
+            results.extend(
+                sweep(small_batch_tiles, [config], run, timed_ms, want, label, "tile_config")
+            )
+
+    run_phase(candidates)
+    good = sorted((r for r in results if r["max_abs_err"] <= max_err * scale), key=by_ms)
+    if rows == 1:
+        widths = [w for w in (1024, 2048, 4096) if w <= triton.next_power_of_2(k)]
+        run_phase(
+            [Tiles(*r["config"][:5], w) for r in good[:3] for w in widths if w > r["config"][1]]
+        )
+    for r in results:
+        r["us"] = r.pop("ms") * 1000
+        r["ok"] = r["max_abs_err"] <= max_err * scale
+    return results, len(candidates), skipped
+
+
+def by_ms(result: dict) -> float:
+    return result["ms"]
+
+
+def by_us(result: dict) -> float:
+    return result["us"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--budget-s", type=float, default=200.0, help="all the sweeps together")
+    p.add_argument("--max-err", type=float, default=0.02, help="relative to the largest output")
+    p.add_argument(
+        "--fp8-step-ms",
+        type=float,
+        default=3.611,  # lat1k-fp8w's TPOT, benchmarks/results/2026-12-01-h200-fp8-small-batch/
+        help="the batch-1 FP8 decode step the projected saving is taken from",
+    )
     p.add_argument("--out", default="fp8_small_batch.json")
     args = p.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
-    results = []
+    results, suggested = [], {}
+    start = time.perf_counter()
+    # A sweep gets its share of what is left of the budget (one row's 4x 8 rows': batch-1 decode
+    # is what they are for), so the time a quick sweep leaves goes to the next.
+    sweeps = [(name, rows) for name in args.shapes for rows in args.rows]
+    share = {rows: 4.0 if rows == 1 else 1.0 for rows in args.rows}
     for name in args.shapes:
-        n, k, ops = SHAPES[name]
+        n, k, one_row_kernel, rows_kernel = SHAPES[name]
         copies = max(2, -(-3 * L2_BYTES // (n * k)))
         bf16 = [0.02 * torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
         fp8 = []
         for w in bf16:
             w8, s = reference.quantize_fp8(w, None)
             fp8.append((w8, s.view(-1).contiguous()))
-        nw = 1 + 0.1 * torch.randn(k, device=dev, dtype=torch.bfloat16)
         for rows in args.rows:
-            x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
-            res = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
-            f_bf16 = functools.partial(fused, ops, x, res, nw)
-            f_fp8 = functools.partial(fused, ops, x, res, nw)
-            f_gemm = functools.partial(gemm_path, ops, x, res, nw)
-            want = f_gemm(*fp8[0])
+            kernel = one_row_kernel if rows == 1 else rows_kernel
+            op = Op(name, rows, dev)
+            want = op.gemm_path(*fp8[0])
+            default = small_batch_tiles.tile_config(kernel, n, k, op.x.device, 1, rows)
             row = {
-                "shape": name, "n": n, "k": k, "rows": rows, "fused_ops": ops,
+                "shape": name, "n": n, "k": k, "rows": rows, "kernel": kernel,
                 "fp8_bytes_floor_us": n * k / COPY_BANDWIDTH * 1e6,
-                "bf16_us": time_us(f_bf16, bf16),
-                "fp8_us": time_us(f_fp8, fp8),
-                "fp8_gemm_us": time_us(f_gemm, fp8),
-                "fp8_max_abs_err_vs_gemm": (f_fp8(*fp8[0]) - want).abs().max().item(),
-                "fp8_default_config": list(sbl._tile_config(n, k, x.device, 1, ops != "none")),
+                "bf16_us": time_us(op.fused, bf16),
+                "fp8_us": time_us(op.fused, fp8),
+                "fp8_gemm_us": time_us(op.gemm_path, fp8),
+                "fp8_max_abs_err_vs_gemm": (op.fused(*fp8[0]) - want).abs().max().item(),
+                "fp8_default_config": list(default),
             }  # fmt: skip
             results.append(row)
             print(
                 f"{name:8s} rows={rows}: floor {row['fp8_bytes_floor_us']:6.1f} us, bf16 "
-                f"{row['bf16_us']:6.1f}, fp8 {row['fp8_us']:6.1f} {row['fp8_default_config']}, "
+                f"{row['bf16_us']:6.1f}, fp8 {row['fp8_us']:6.1f} {list(default)}, "
                 f"fp8 gemm path {row['fp8_gemm_us']:6.1f}, "
                 f"err {row['fp8_max_abs_err_vs_gemm']:.3g}",
                 flush=True,
             )
-            if rows != 1 or args.no_sweep:
+            sweeps.remove((name, rows))
+            if args.no_sweep:
                 continue
-            configs = itertools.product((32, 64), (128, 256, 512, 1024), (4,), (3, 4, 6))
-            tiles = sweep(
-                sbl,
-                configs,
-                functools.partial(f_fp8, *fp8[0]),
-                lambda run, f=f_fp8, w=fp8: time_us(f, w) / 1000,
-                want,
-                f"{name} rows={rows}",
+            left = args.budget_s - (time.perf_counter() - start)
+            budget = left * share[rows] / (share[rows] + sum(share[r] for _, r in sweeps))
+            tiles, num_candidates, skipped = sweep_shape(
+                op, kernel, fp8, want, budget, args.max_err, rows
             )
-            tiles.sort(key=lambda t: t["ms"])
-            row["best_tiles"] = tiles[:6]
-            print(f"  best tiles: {[(round(t['ms'] * 1000, 1), t['config']) for t in tiles[:4]]}")
+            good = sorted((t for t in tiles if t["ok"]), key=by_us)
+            row["num_candidates"], row["skipped_for_budget"] = num_candidates, skipped
+            row["wrong"] = [t for t in tiles if not t["ok"]]
+            row["best_tiles"] = good[:8]
+            row["best_by_split"] = {}
+            for split in (1, 2, 4, 8):
+                of_split = [t for t in good if t["config"][4] == split]
+                row["best_by_split"][split] = of_split[0] if of_split else None
+            print(
+                f"  {len(tiles)} timed of {num_candidates} (+ first-pass widths), {skipped} "
+                f"left for the budget, {len(row['wrong'])} wrong; best by split: "
+                + ", ".join(
+                    f"{split}: {t['us']:.1f} {t['config']}"
+                    for split, t in row["best_by_split"].items()
+                    if t is not None
+                ),
+                flush=True,
+            )
+            # Suggested only when it beats today's shape by more than the timing's noise.
+            if good and good[0]["us"] < 0.97 * row["fp8_us"]:
+                key = (kernel, n, k, 1, rows == 1)
+                suggested[key] = (Tiles(*good[0]["config"]), good[0]["us"], row["fp8_us"])
+    summary = layer_summary(results, args.fp8_step_ms)
+    print(f"took {time.perf_counter() - start:.0f} s")
+    print("small_batch_tiles.MEASURED_TILES entries (the best shape; us, today's in brackets):")
+    for key, (tiles, us, before) in suggested.items():
+        print(f"    {key}: {tiles!r},  # {us:.1f} us ({before:.1f})")
     with open(args.out, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+        json.dump(
+            {
+                "gpu": torch.cuda.get_device_name(),
+                "results": results,
+                "suggested": [[*key, list(t), us, was] for key, (t, us, was) in suggested.items()],
+                "one_row_layer": summary,
+            },
+            f,
+            indent=1,
+        )
+
+
+def layer_summary(results: list[dict], fp8_step_ms: float) -> dict | None:
+    """One row's four projections per layer (bf16, FP8 today, FP8 at the best shapes), and what
+    the saving would make of a batch-1 FP8 decode step of fp8_step_ms: a projection from kernel
+    times, not a measurement of the step."""
+    one_row = {r["shape"]: r for r in results if r["rows"] == 1}
+    if set(one_row) != set(SHAPES):
+        return None
+    bf16 = sum(r["bf16_us"] for r in one_row.values())
+    today = sum(r["fp8_us"] for r in one_row.values())
+    best = sum(
+        min([r["fp8_us"], *(t["us"] for t in r.get("best_tiles", [])[:1])])
+        for r in one_row.values()
+    )
+    floor = sum(r["fp8_bytes_floor_us"] for r in one_row.values())
+    step_ms = fp8_step_ms - NUM_LAYERS * (today - best) / 1000
+    print(
+        f"per layer, one row: bf16 {bf16:.1f} us, fp8 today {today:.1f}, fp8 best {best:.1f}, "
+        f"floor {floor:.1f}; a {fp8_step_ms:.3f} ms step would take {step_ms:.3f} ms "
+        f"({1000 / step_ms:.0f} tok/s, projected)"
+    )
+    return {
+        "per_layer_us": {"bf16": bf16, "fp8_today": today, "fp8_best": best, "fp8_floor": floor},
+        "projected_step_ms": step_ms,
+        "projected_tok_s": 1000 / step_ms,
+    }
 
 
 if __name__ == "__main__":

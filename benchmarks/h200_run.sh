@@ -205,13 +205,30 @@ for s in "$@"; do
         stage w8a8-prof1 150 python3 benchmarks/profile_decode.py --batch 1 --context 1024 \
             --quantization fp8-dynamic --out "$OUT/profile_decode_b1_fp8w$SFX.txt"
         ;;
-    w8a8-tests)  # the FP8 W8A8 kernels at real shapes and the small-batch kernels they share
-        stage w8a8-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_linear.py \
-            tests/test_triton_kernels.py -k "fp8 or small_batch or add_rms_norm or qkv"
+    w8a8-tests)  # the FP8 W8A8 kernels at real shapes and the small-batch kernels they share,
+        # split-K included (eager, in CUDA graphs, the same bits run to run)
+        stage w8a8-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_linear.py \
+            tests/test_triton_kernels.py tests/test_split_k_linear.py \
+            -k "fp8 or small_batch or add_rms_norm or qkv or split_k"
         ;;
-    w8a8-sweep)  # float8 small-batch kernels vs bf16's and the FP8 GEMM path; their tiles
-        stage w8a8-sweep 300 python3 benchmarks/fp8_small_batch_sweep.py \
+    w8a8-sweep)  # float8 small-batch kernels vs bf16's and the FP8 GEMM path; their launch
+        # shapes (split-K 1/2/4/8, tiles, stages), the table entries they suggest
+        stage w8a8-sweep 300 python3 benchmarks/fp8_small_batch_sweep.py --budget-s 200 \
             --out "$OUT/fp8_small_batch_sweep$SFX.json"
+        ;;
+    w8a8-lat1k-swept | w8a8-prof1-swept)  # lat1k-fp8w / w8a8-prof1 with the shapes w8a8-sweep
+        # suggested (its JSON in this run's $OUT, or SWEPT_TILES=FILE), before they are written
+        # into small_batch_tiles.MEASURED_TILES: the end-to-end A/B in the same run
+        swept=${SWEPT_TILES:-$OUT/fp8_small_batch_sweep.json}
+        if [[ $s == w8a8-lat1k-swept ]]; then
+            KILN_SMALL_BATCH_TILES=$swept stage w8a8-lat1k-swept 150 $BENCH latency $COMMON \
+                --quantization fp8-dynamic --input-len 1024 --output-len 128 --num-requests 3 \
+                --max-model-len 1280 --output-json "$OUT/lat1k_fp8w_swept$SFX.json"
+        else
+            KILN_SMALL_BATCH_TILES=$swept stage w8a8-prof1-swept 150 python3 \
+                benchmarks/profile_decode.py --batch 1 --context 1024 --quantization fp8-dynamic \
+                --out "$OUT/profile_decode_b1_fp8w_swept$SFX.txt"
+        fi
         ;;
     build8b)  # kiln build of an 8B dummy HF checkpoint to FP8, then cold first token from it
         stage build8b 400 python3 benchmarks/build_and_first_token.py --preset llama-3.1-8b \

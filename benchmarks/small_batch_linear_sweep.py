@@ -23,11 +23,13 @@ import torch
 import torch.nn.functional as F
 from tile_sweep import graph_time_ms, sweep  # benchmarks/, the script's own folder
 
-from kiln.kernels.triton import small_batch_linear
+from kiln.kernels.triton import small_batch_linear, small_batch_tiles
 from kiln.kernels.triton.rms_norm import fused_add_rms_norm
 from kiln.kernels.triton.silu_mul import silu_and_mul
 
 HIDDEN, INTERMEDIATE = 4096, 14336
+# The fused ops -> the kernel that runs them at one row (small_batch_tiles' names).
+KERNEL = {"add_norm": "norm_linear", "add_norm_silu_mul": "norm_linear_silu_mul", "none": "linear"}
 SHAPES = {  # name: (N, K, the ops fused in)
     "qkv": (6144, HIDDEN, "add_norm"),
     "o_proj": (HIDDEN, HIDDEN, "none"),
@@ -105,7 +107,9 @@ def main() -> None:
                     weights,
                 )
                 * 1000,
-                "default_config": list(small_batch_linear._tile_config(n, k, x.device)),
+                "default_config": list(
+                    small_batch_tiles.tile_config(KERNEL[fused_ops], n, k, x.device, 2, rows)
+                ),
                 "max_abs_err_vs_unfused": (fused(weights[0]) - reference).abs().max().item(),
             }
             row["speedup"] = row["unfused_us"] / row["fused_us"]
@@ -121,12 +125,13 @@ def main() -> None:
                 continue  # the tiles are swept where the fused ops run: one row
             configs = itertools.product((32, 64), (128, 256, 512), (4, 8), (3, 4))
             tiles = sweep(
-                small_batch_linear,
-                configs,
+                small_batch_tiles,
+                (small_batch_tiles.Tiles(*config) for config in configs),
                 functools.partial(fused, weights[0]),
                 functools.partial(time_all_copies_ms, fused, weights),
                 reference,
                 f"{name} rows={rows}",
+                attribute="tile_config",
             )
             tiles.sort(key=lambda t: t["ms"])
             row["best_tiles"] = tiles[:5]

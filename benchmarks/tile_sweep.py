@@ -11,14 +11,17 @@ import torch
 
 
 @contextlib.contextmanager
-def forced_tile_config(module: ModuleType, config: tuple) -> Iterator[None]:
-    """Makes `module._tile_config` return `config` whatever it is asked; restored on exit."""
-    chosen = module._tile_config
-    module._tile_config = lambda *args, **kwargs: config
+def forced_tile_config(
+    module: ModuleType, config: tuple, attribute: str = "_tile_config"
+) -> Iterator[None]:
+    """Makes `module.<attribute>` (its tile choice) return `config` whatever it is asked;
+    restored on exit."""
+    chosen = getattr(module, attribute)
+    setattr(module, attribute, lambda *args, **kwargs: config)
     try:
         yield
     finally:
-        module._tile_config = chosen
+        setattr(module, attribute, chosen)
 
 
 def sweep(
@@ -28,13 +31,14 @@ def sweep(
     time_ms: Callable[[Callable[[], torch.Tensor]], float],
     reference: torch.Tensor | None = None,
     label: str = "",
+    attribute: str = "_tile_config",
 ) -> list[dict]:
     """{"config", "ms"[, "max_abs_err" against `reference`]} for every configuration that
     compiles and runs (one that does not, e.g. out of shared memory, is reported and skipped)."""
     rows = []
     for config in configs:
         row: dict = {"config": list(config)}
-        with forced_tile_config(module, config):
+        with forced_tile_config(module, config, attribute):
             try:
                 if reference is not None:
                     row["max_abs_err"] = (run().float() - reference.float()).abs().max().item()

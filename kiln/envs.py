@@ -38,6 +38,10 @@ class Envs:
     replay (never faster): how tests run the graph path end to end without a GPU, under tensor
     parallelism too (every rank captures the same keys in the same order, collectives inside).
     Read by the model runner; worker ranks inherit it from the driver's environment."""
+    small_batch_tiles: str | None = None
+    """A JSON file written by benchmarks/fp8_small_batch_sweep.py: its suggested launch shapes
+    (split-K factors, tiles) override the small-batch kernels' table, the end-to-end A/B of a
+    sweep's choice before it is written into kernels.triton.small_batch_tiles (read at import)."""
     api_key: str | None = None
     """Default of `kiln serve --api-key`: a key kept off the command line (and so out of `ps`)."""
     git_revision: str | None = None

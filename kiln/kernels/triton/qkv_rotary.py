@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.reference import FP8_E4M3_MAX, split_qkv_heads
+from kiln.kernels.triton import small_batch_tiles, split_k
 from kiln.kernels.triton._device import dot_precision
 from kiln.kernels.triton.rotary import _to_output, rotary_embedding_write_kv
 from kiln.kernels.triton.small_batch_linear import (
@@ -31,7 +32,6 @@ from kiln.kernels.triton.small_batch_linear import (
     _project,
     _quant_mode,
     _rows_2d,
-    _tile_config,
     _write_residual_sum,
     add_rms_norm_linear,
 )
@@ -53,7 +53,10 @@ def _qkv_rotary_write_kv_kernel(
     slot_mapping_ptr,  # [1] int64; negative: a padding token, not written
     w_scale_ptr,  # [Q_SIZE + 2 * KV_SIZE] fp32 per-row weight scales, read when QUANT
     in_scale_ptr,  # [] fp32 static activation scale, read when QUANT == 2
+    part_ptr,  # [SPLIT_K, 2, (Q_SIZE + 2 * KV_SIZE) // 2] fp32 partial sums, when SPLIT_K > 1
+    counter_ptr,  # [number of pair tiles] int32 zeros (split_k.counters), when SPLIT_K > 1
     K,
+    k_per_split,  # K when SPLIT_K is 1
     eps,
     Q_SIZE: tl.constexpr,
     KV_SIZE: tl.constexpr,
@@ -62,27 +65,43 @@ def _qkv_rotary_write_kv_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,  # column pairs per program
     BLOCK_K: tl.constexpr,
+    STATS_BLOCK: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs per pair tile, program_id(1) the split (split_k.py)
     DOT_PRECISION: tl.constexpr,
     FP8_MAX: tl.constexpr,  # > 0 for a float8 cache
     QUANT: tl.constexpr,  # 0, or float8 weights with dynamic (1) / static (2) activations
     FP8_DOT: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
+    tl.static_assert(SPLIT_K == 1 or QUANT != 0, "bf16 norm: no split-K")
+    num_pairs: tl.constexpr = (Q_SIZE + 2 * KV_SIZE) // 2
     pairs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    pair_mask = pairs < (Q_SIZE + 2 * KV_SIZE) // 2
+    pair_mask = pairs < num_pairs
     dims = pairs % HALF  # the rotary frequency of the pair
     lo = (pairs // HALF) * (2 * HALF) + dims  # the pair's first column; its partner is lo + HALF
     w_lo = w_ptr + lo[:, None].to(tl.int64) * K
+    k_start, k_stop = split_k.k_range(K, k_per_split, SPLIT_K)
     acc_lo, acc_hi = _project(
         x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_lo, w_lo + HALF * K, pair_mask, sum_ptr,
-        in_scale_ptr, 1, K, 0, eps, PROLOGUE, True, 16, BLOCK_N, BLOCK_K, DOT_PRECISION, QUANT,
-        FP8_DOT, INTERPRETED,
+        in_scale_ptr, 1, K, k_start, k_stop, 0, eps, PROLOGUE, True, 16, BLOCK_N, BLOCK_K,
+        STATS_BLOCK, DOT_PRECISION, QUANT, FP8_DOT, INTERPRETED,
     )  # fmt: skip
     if PROLOGUE == 2:
         _write_residual_sum(x_ptr, residual_ptr, sum_ptr, K, BLOCK_K)
     # Row 0 of the dot's tiles (the other rows are exact zeros: their inputs were).
     out_lo = tl.sum(acc_lo, 0)
     out_hi = tl.sum(acc_hi, 0)
+    if SPLIT_K > 1:
+        # The pairs' sums over all K: complete in the program that arrives last, the only one
+        # whose stores below are unmasked (pair_mask carries it).
+        mine = part_ptr + tl.program_id(1) * (2 * num_pairs)
+        tl.store(mine + pairs, out_lo, mask=pair_mask)
+        tl.store(mine + num_pairs + pairs, out_hi, mask=pair_mask)
+        pair_mask = pair_mask & split_k.arrive(counter_ptr, tl.program_id(0), pairs, SPLIT_K)
+        out_lo = split_k.sum_partials(part_ptr, pairs, pair_mask, 2 * num_pairs, SPLIT_K)
+        out_hi = split_k.sum_partials(
+            part_ptr + num_pairs, pairs, pair_mask, 2 * num_pairs, SPLIT_K
+        )
     if QUANT != 0:  # the weight's per-row scales, after the sum as reference.fp8_linear
         out_lo *= tl.load(w_scale_ptr + lo, mask=pair_mask, other=0.0)
         out_hi *= tl.load(w_scale_ptr + lo + HALF, mask=pair_mask, other=0.0)
@@ -157,12 +176,22 @@ def add_rms_norm_qkv_rotary_write_kv(
     x2 = _rows_2d(x)
     query = torch.empty((1, q_size // head_dim, head_dim), dtype=x.dtype, device=x.device)
     summed = x if residual is None else torch.empty_like(x2)
-    block_n, block_k, num_warps, num_stages = _tile_config(
-        weight.shape[0], weight.shape[1], x.device, weight.element_size(), fused_norm=True
+    tiles = small_batch_tiles.tile_config(
+        "qkv_rotary", weight.shape[0], weight.shape[1], x.device, weight.element_size()
     )
+    block_n = tiles.block_n
     if x.device.type == "cuda":
         block_n //= 2  # the same bytes per step: BLOCK_N / 2 pairs of rows
-    _qkv_rotary_write_kv_kernel[(triton.cdiv(weight.shape[0] // 2, block_n),)](
+    num_tiles = triton.cdiv(weight.shape[0] // 2, block_n)
+    per_split, num_splits = split_k.k_per_split(weight.shape[1], tiles.split_k, tiles.block_k)
+    if num_splits > 1 and weight_scale is None:
+        raise ValueError(f"qkv_rotary in {x.dtype} takes no split-K (tiles {tiles})")
+    part = counters = cos_sin_cache
+    if num_splits > 1:
+        assert num_tiles <= split_k.MAX_TILES
+        part = split_k.partials(num_splits, 2, weight.shape[0] // 2, device=x.device)
+        counters = split_k.counters(x.device)
+    _qkv_rotary_write_kv_kernel[(num_tiles, num_splits)](
         x2,
         _rows_2d(residual) if residual is not None else x2,
         norm_weight,
@@ -177,7 +206,10 @@ def add_rms_norm_qkv_rotary_write_kv(
         slot_mapping,
         weight_scale if weight_scale is not None else cos_sin_cache,
         input_scale if input_scale is not None else cos_sin_cache,
+        part,
+        counters,
         weight.shape[1],
+        per_split,
         eps,
         Q_SIZE=q_size,
         KV_SIZE=kv_size,
@@ -185,13 +217,15 @@ def add_rms_norm_qkv_rotary_write_kv(
         PROLOGUE=_NORM if residual is None else _ADD_NORM,
         HAS_BIAS=bias is not None,
         BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_K=tiles.block_k,
+        STATS_BLOCK=tiles.stats_block or tiles.block_k,
+        SPLIT_K=num_splits,
         DOT_PRECISION=dot_precision(x.dtype),
         FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 0.0,
         QUANT=_quant_mode(weight_scale, input_scale, x),
         FP8_DOT=_fp8_dot(x.device),
         INTERPRETED=x.device.type != "cuda",
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return query, summed.view(x.shape)

@@ -7,12 +7,15 @@ the small kernels between them cost more than their bytes: on an H200 (Llama-3.1
 benchmarks/results/profile_decode_b1_h200.txt) each layer ran two RMSNorms (2.1 us each), a SiLU-mul
 (1.5 us) and two cuBLAS split-K reduces (1.7 us each) around four GEMVs, ~9 us of a 148 us layer
 plus the gaps between launches. Here each program owns BLOCK_N output columns for every row and
-streams its [BLOCK_N, K] slice of the weight once (rows padded to tl.dot's minimum of 16; no
-split-K, so no reduce kernel). For one row (batch-1 decode) the residual add and RMSNorm before
-qkv_proj and gate_up_proj run inside the matmul's loop, on [BLOCK_K] vectors: h = x + residual
-(the residual stream, written out in slices, one per program), times the norm weight; RMSNorm's
-scale is one scalar per row, so the dot product is scaled by rsqrt(mean(h^2) + eps) at the end and
-the weight's stream never waits for it. Each program reads the whole (tiny) input from L2.
+streams its [BLOCK_N, K] slice of the weight once (rows padded to tl.dot's minimum of 16). A
+launch may instead cut K over several programs per tile, their partial sums reduced inside the
+same kernel (split_k.py; which launches, and their tiles: small_batch_tiles.py). For one row
+(batch-1 decode) the residual add and RMSNorm before qkv_proj and gate_up_proj run inside the
+matmul's loop, on [BLOCK_K] vectors: h = x + residual (the residual stream, written out in
+slices, one per program), times the norm weight; RMSNorm's scale is one scalar per row, so the
+dot product is scaled by rsqrt(mean(h^2) + eps) at the end and the weight's stream never waits
+for it (in bf16; float8 needs the scale, and the absmax, before quantizing: a first pass over
+the row finds them). Each program reads the whole (tiny) input from L2.
 For gate_up a program streams the gate rows of its output columns and the matching up rows, and
 writes silu(gate) * up: the MLP's activation costs no kernel of its own.
 
@@ -29,8 +32,8 @@ import triton
 import triton.language as tl
 
 from kiln.envs import envs
-from kiln.kernels.triton import fp8_gemm
-from kiln.kernels.triton._device import dot_precision, num_sms
+from kiln.kernels.triton import fp8_gemm, small_batch_tiles, split_k
+from kiln.kernels.triton._device import dot_precision
 from kiln.kernels.triton.fp8_gemm import round_to_e4m3_grid
 from kiln.kernels.triton.rms_norm import add_rms_norm_quant_fp8, fused_add_rms_norm, rms_norm
 from kiln.kernels.triton.silu_mul import silu_and_mul
@@ -99,6 +102,8 @@ def _project(
     in_scale_ptr,  # [] fp32: the static activation scale, read when QUANT == STATIC
     M,
     K,
+    k_start,  # the weight stream's K range: all of K, or a split-K program's slice (whole
+    k_stop,  # BLOCK_K steps from k_start); the passes over the input row always read all of K
     stride_xm,
     eps,
     PROLOGUE: tl.constexpr,
@@ -106,6 +111,7 @@ def _project(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STATS_BLOCK: tl.constexpr,  # K per step of those passes over the input row
     DOT_PRECISION: tl.constexpr,
     QUANT: tl.constexpr = 0,  # 0: weights in the model dtype. Float8 weights (W8A8, scaled by
     # the activation scale here and by the caller's per-column weight scales) with activations
@@ -117,11 +123,14 @@ def _project(
     MIN_SCALE: tl.constexpr = 1e-12,
 ):
     """[BLOCK_M, BLOCK_N] fp32 dot products of the rows' (normed) inputs with w_rows, and with
-    w_rows_hi when PAIRED (zeros otherwise); the weight is streamed once. With QUANT, the
-    activations are quantized to float8 as reference.quantize_fp8 does: a dynamic scale needs
-    the row's absmax first, so a first pass over the (small, L2-resident) input row finds it."""
+    w_rows_hi when PAIRED (zeros otherwise), over K in [k_start, k_stop); the weight is streamed
+    once. With QUANT, the activations are quantized to float8 as reference.quantize_fp8 does: a
+    dynamic scale needs the row's absmax first, so a first pass over the (small, L2-resident)
+    input row finds it. The one-row bf16 path with the norm fused takes all of K (its norm scale
+    is summed along the stream)."""
     rows = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
+    stats_ks = tl.arange(0, STATS_BLOCK)
     row_mask = rows < M
     widen: tl.constexpr = QUANT != 0 and not FP8_DOT
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -132,14 +141,14 @@ def _project(
         # tile would do the arithmetic (an IEEE division per value) for 16 rows.
         first_row = rows[:, None] == 0
         if QUANT == 1:
-            absmax = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k in range(0, K, BLOCK_K):
-                v = tl.load(x_ptr + k + ks, mask=(k + ks) < K, other=0.0)
+            absmax = tl.zeros([STATS_BLOCK], dtype=tl.float32)
+            for k in range(0, K, STATS_BLOCK):
+                v = tl.load(x_ptr + k + stats_ks, mask=(k + stats_ks) < K, other=0.0)
                 absmax = tl.maximum(absmax, tl.abs(v.to(tl.float32)))
             scale = tl.maximum(tl.math.div_rn(tl.max(absmax, 0), FP8_MAX), MIN_SCALE)
         else:
             scale = tl.load(in_scale_ptr)
-        for k in range(0, K, BLOCK_K):
+        for k in range(k_start, k_stop, BLOCK_K):
             k_mask = (k + ks) < K
             v = tl.load(x_ptr + k + ks, mask=k_mask, other=0.0).to(tl.float32)
             q = _quantize(v, scale, FP8_DOT, FP8_MAX, INTERPRETED)
@@ -154,7 +163,7 @@ def _project(
         # Inputs in the dot's dtype: the model's, or float8 already quantized (QUANT 3: a scale
         # per row at in_scale_ptr; 4: one static scale).
         x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
-        for k in range(0, K, BLOCK_K):
+        for k in range(k_start, k_stop, BLOCK_K):
             k_mask = (k + ks) < K
             a = tl.load(
                 x_rows + k + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
@@ -179,16 +188,16 @@ def _project(
         # multiplied into the weight's stream.
         first_row = rows[:, None] == 0
         dtype = sum_ptr.dtype.element_ty
-        sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        sum_sq = tl.zeros([STATS_BLOCK], dtype=tl.float32)
         # Per lane, the element of largest |h * norm weight| and its factors: the normed row's
         # absmax needs RMSNorm's scale, known only after this pass, so the candidates are
         # normalised (and rounded as the reference rounds them) after it.
-        best = tl.full([BLOCK_K], -1.0, dtype=tl.float32)
-        best_h = tl.zeros([BLOCK_K], dtype=tl.float32)
-        best_nw = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
+        best = tl.full([STATS_BLOCK], -1.0, dtype=tl.float32)
+        best_h = tl.zeros([STATS_BLOCK], dtype=tl.float32)
+        best_nw = tl.zeros([STATS_BLOCK], dtype=tl.float32)
+        for k in range(0, K, STATS_BLOCK):
             xa, xb, nw = _load_input_chunk(
-                x_ptr, residual_ptr, norm_weight_ptr, k + ks, (k + ks) < K, PROLOGUE
+                x_ptr, residual_ptr, norm_weight_ptr, k + stats_ks, (k + stats_ks) < K, PROLOGUE
             )
             h32 = xa.to(tl.float32)
             if PROLOGUE == 2:
@@ -210,7 +219,7 @@ def _project(
             scale = tl.maximum(tl.math.div_rn(absmax, FP8_MAX), MIN_SCALE)
         else:
             scale = tl.load(in_scale_ptr)
-        for k in range(0, K, BLOCK_K):
+        for k in range(k_start, k_stop, BLOCK_K):
             k_mask = (k + ks) < K
             xa, xb, nw = _load_input_chunk(
                 x_ptr, residual_ptr, norm_weight_ptr, k + ks, k_mask, PROLOGUE
@@ -263,10 +272,11 @@ def _project(
 
 @triton.jit
 def _write_residual_sum(x_ptr, residual_ptr, sum_ptr, K, BLOCK_K: tl.constexpr):
-    """x + residual (one row) into sum_ptr, written out in slices: each program its own."""
-    pid = tl.program_id(0)
+    """x + residual (one row) into sum_ptr, written out in slices: each program (over the
+    tiles and their splits) its own."""
+    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     ks = tl.arange(0, BLOCK_K)
-    per = tl.cdiv(K, tl.num_programs(0))
+    per = tl.cdiv(K, tl.num_programs(0) * tl.num_programs(1))
     for k in range(pid * per, (pid + 1) * per, BLOCK_K):
         offs = k + ks
         mask = (offs < K) & (offs < (pid + 1) * per)
@@ -286,9 +296,12 @@ def _small_batch_linear_kernel(
     sum_ptr,  # [M, K]: x + residual, written when ADD_NORM
     w_scale_ptr,  # [N] (GATED: [2N]) fp32 per-row weight scales, read when QUANT
     in_scale_ptr,  # [] fp32 static activation scale, read when QUANT == 2
+    part_ptr,  # [SPLIT_K, 1 + GATED, M, N] fp32 partial sums, when SPLIT_K > 1
+    counter_ptr,  # [number of column tiles] int32 zeros (split_k.counters), when SPLIT_K > 1
     M,
     N,
     K,
+    k_per_split,  # K when SPLIT_K is 1
     stride_xm,
     stride_om,
     eps,
@@ -298,27 +311,49 @@ def _small_batch_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STATS_BLOCK: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs per column tile, program_id(1) the split (split_k.py)
     DOT_PRECISION: tl.constexpr,
     QUANT: tl.constexpr,  # 0, or float8 weights: see _project
     FP8_DOT: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
+    tl.static_assert(SPLIT_K == 1 or PROLOGUE == 0 or QUANT != 0, "bf16 norm: no split-K")
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     w_rows = w_ptr + cols[:, None].to(tl.int64) * K
     up_rows = w_rows + N.to(tl.int64) * K  # GATED: the up projection's rows for these columns
+    k_start, k_stop = split_k.k_range(K, k_per_split, SPLIT_K)
     acc, acc_up = _project(
         x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_rows, up_rows, col_mask, sum_ptr,
-        in_scale_ptr, M, K, stride_xm, eps, PROLOGUE, GATED, BLOCK_M, BLOCK_N, BLOCK_K,
-        DOT_PRECISION, QUANT, FP8_DOT, INTERPRETED,
+        in_scale_ptr, M, K, k_start, k_stop, stride_xm, eps, PROLOGUE, GATED, BLOCK_M, BLOCK_N,
+        BLOCK_K, STATS_BLOCK, DOT_PRECISION, QUANT, FP8_DOT, INTERPRETED,
     )  # fmt: skip
+    if PROLOGUE == 2:
+        _write_residual_sum(x_ptr, residual_ptr, sum_ptr, K, BLOCK_K)
+    if SPLIT_K > 1:
+        # The tile's sums over all K: complete in the program that arrives last, the only one
+        # whose stores below are unmasked.
+        num_accs: tl.constexpr = 2 if GATED else 1
+        part = rows[:, None] * N + cols[None, :]  # [BLOCK_M, BLOCK_N] offsets in one [M, N]
+        part_mask = (rows < M)[:, None] & col_mask[None, :]
+        mine = part_ptr + tl.program_id(1) * (num_accs * M * N)
+        tl.store(mine + part, acc, mask=part_mask)
+        if GATED:
+            tl.store(mine + M * N + part, acc_up, mask=part_mask)
+        is_last = split_k.arrive(counter_ptr, tl.program_id(0), cols, SPLIT_K)
+        col_mask = col_mask & is_last
+        part_mask = part_mask & is_last[None, :]
+        acc = split_k.sum_partials(part_ptr, part, part_mask, num_accs * M * N, SPLIT_K)
+        if GATED:
+            acc_up = split_k.sum_partials(
+                part_ptr + M * N, part, part_mask, num_accs * M * N, SPLIT_K
+            )
     if QUANT != 0:  # the weight's per-row scales, after the sum as reference.fp8_linear
         acc *= tl.load(w_scale_ptr + cols, mask=col_mask, other=0.0)[None, :]
         if GATED:
             acc_up *= tl.load(w_scale_ptr + N + cols, mask=col_mask, other=0.0)[None, :]
-    if PROLOGUE == 2:
-        _write_residual_sum(x_ptr, residual_ptr, sum_ptr, K, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if GATED:
@@ -330,27 +365,6 @@ def _small_batch_linear_kernel(
         acc = act * acc_up.to(dtype).to(tl.float32)
     out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & col_mask[None, :])
-
-
-def _tile_config(
-    n: int, k: int, device: torch.device, element_size: int = 2, fused_norm: bool = False
-) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for n weight rows (a gated kernel's program
-    streams BLOCK_N // 2 rows of each half)."""
-    if device.type != "cuda":
-        return 16, 32, 4, 1  # the interpreter: small tiles, every masking path exercised
-    # As many columns per program as still leave about one program per SM. H200 sweeps at
-    # Llama-3.1-8B shapes (benchmarks/results/fused_linear/run2): plain, 32 KiB weight tiles in 4
-    # stages (o_proj, down: 32 x 512); with the norm fused, 3 stages, and 128-wide K steps when
-    # the programs outnumber the SMs (qkv 64 x 256: 17.2 us; gate_up 64 x 128: 57.5 us).
-    sms = num_sms(device)
-    block_n = 64 if triton.cdiv(n, 64) >= 0.7 * sms else 32
-    block_k = 32768 // (block_n * element_size)
-    if not fused_norm:
-        return block_n, block_k, 4, 4 if triton.cdiv(n, block_n) <= sms else 3
-    if triton.cdiv(n, block_n) > sms:
-        block_k //= 2
-    return block_n, block_k, 4, 3
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -418,15 +432,27 @@ def _launch(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     m = x2.shape[0]
-    rows, k = weight.shape
-    n = rows // 2 if gated else rows
+    weight_rows, k = weight.shape
+    n = weight_rows // 2 if gated else weight_rows
     out = torch.empty((m, n), dtype=out_dtype or x2.dtype, device=x2.device)
-    block_n, block_k, num_warps, num_stages = _tile_config(
-        rows, k, x2.device, weight.element_size(), fused_norm=prologue != _PLAIN
+    kernel = ("linear" if prologue == _PLAIN else "norm_linear") + ("_silu_mul" if gated else "")
+    quant = _quant_mode(weight_scale, input_scale, x2)
+    tiles = small_batch_tiles.tile_config(
+        kernel, weight_rows, k, x2.device, weight.element_size(), rows=m
     )
+    block_n = tiles.block_n
     if gated and x2.device.type == "cuda":
         block_n //= 2  # the same bytes per step: BLOCK_N / 2 rows of gate and of up
-    _small_batch_linear_kernel[(triton.cdiv(n, block_n),)](
+    num_tiles = triton.cdiv(n, block_n)
+    per_split, num_splits = split_k.k_per_split(k, tiles.split_k, tiles.block_k)
+    if num_splits > 1 and prologue != _PLAIN and quant == 0:
+        raise ValueError(f"{kernel} in {x2.dtype} takes no split-K (tiles {tiles})")
+    part = counters = out
+    if num_splits > 1:
+        assert num_tiles <= split_k.MAX_TILES
+        part = split_k.partials(num_splits, 2 if gated else 1, m, n, device=x2.device)
+        counters = split_k.counters(x2.device)
+    _small_batch_linear_kernel[(num_tiles, num_splits)](
         x2,
         residual if residual is not None else x2,
         norm_weight if norm_weight is not None else weight,
@@ -436,9 +462,12 @@ def _launch(
         summed if summed is not None else out,
         weight_scale if weight_scale is not None else out,
         input_scale if input_scale is not None else out,
+        part,
+        counters,
         m,
         n,
         k,
+        per_split,
         x2.stride(0),
         out.stride(0),
         eps,
@@ -447,13 +476,15 @@ def _launch(
         GATED=gated,
         BLOCK_M=16,
         BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_K=tiles.block_k,
+        STATS_BLOCK=tiles.stats_block or tiles.block_k,
+        SPLIT_K=num_splits,
         DOT_PRECISION=dot_precision(x2.dtype),
-        QUANT=_quant_mode(weight_scale, input_scale, x2),
+        QUANT=quant,
         FP8_DOT=_fp8_dot(x2.device),
         INTERPRETED=x2.device.type != "cuda",
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return out
 

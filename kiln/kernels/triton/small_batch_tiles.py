@@ -1,0 +1,92 @@
+"""The small-batch linear kernels' launch shapes, chosen in one place: the tiles, the pipeline
+depth and the split-K factor of every launch of small_batch_linear's and qkv_rotary's kernels.
+
+A measured entry (MEASURED_TILES, written from an H200 sweep, benchmarks/fp8_small_batch_sweep.py)
+wins; otherwise the rule below, fitted to the bf16 sweeps, with no split (one program per tile).
+KILN_SMALL_BATCH_TILES names a sweep's JSON whose suggestions win over both (the A/B of a sweep's
+choice in the same GPU run, before the table is edited).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import NamedTuple
+
+import torch
+import triton
+
+from kiln.envs import envs
+from kiln.kernels.triton._device import num_sms
+
+# The kernels, as the table names them: the plain projection (`linear`, also the 2-8 row float8
+# projection after quantize_fp8), its gated form (SiLU-mul after gate_up), the one-row kernels
+# with the residual add and RMSNorm fused before (`norm_*`), and the attention block's one-row
+# kernel (norm, qkv, rotary, KV write).
+KERNELS = ("linear", "linear_silu_mul", "norm_linear", "norm_linear_silu_mul", "qkv_rotary")
+NORM_KERNELS = ("norm_linear", "norm_linear_silu_mul", "qkv_rotary")
+
+
+class Tiles(NamedTuple):
+    """One launch's shape. A gated or qkv kernel's program streams block_n // 2 rows of each
+    half (the launcher halves it on the GPU), so the bytes per step are block_n rows' either way.
+    """
+
+    block_n: int  # weight rows per program
+    block_k: int  # K per step of the weight stream
+    num_warps: int
+    num_stages: int
+    split_k: int = 1  # programs per output tile, over K slices (split_k.py); 1: none
+    stats_block: int = 0  # K per step of the pass over the input row before the stream (the
+    # absmax of a dynamic activation scale, RMSNorm's sum of squares); 0: block_k
+
+
+# (kernel, weight rows, K, weight element bytes, one row) -> Tiles, from an H200 sweep
+# (benchmarks/fp8_small_batch_sweep.py prints these entries for its best configurations).
+# Empty until that sweep has run with split-K: the rule below holds meanwhile.
+MEASURED_TILES: dict[tuple[str, int, int, int, bool], Tiles] = {}
+
+
+def load_tiles(path: str) -> dict[tuple[str, int, int, int, bool], Tiles]:
+    """The "suggested" entries of a benchmarks/fp8_small_batch_sweep.py JSON, as table entries:
+    each [kernel, weight rows, K, element bytes, one row, [Tiles fields], us, us before]."""
+    try:
+        with open(path) as f:
+            suggested = json.load(f)["suggested"]
+        table = {}
+        for kernel, n, k, element_size, one_row, tiles, *_ in suggested:
+            if kernel not in KERNELS:
+                raise ValueError(f"unknown kernel {kernel!r}")
+            table[(kernel, int(n), int(k), int(element_size), bool(one_row))] = Tiles(*tiles)
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"KILN_SMALL_BATCH_TILES={path}: not a sweep's tiles ({exc})") from None
+    return table
+
+
+_FROM_ENV = load_tiles(envs().small_batch_tiles) if envs().small_batch_tiles else {}
+
+
+def tile_config(
+    kernel: str, n: int, k: int, device: torch.device, element_size: int = 2, rows: int = 1
+) -> Tiles:
+    """The launch shape for `kernel` over an [n, k] weight of element_size bytes and `rows`
+    input rows (a gated kernel's n counts both halves)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown small-batch kernel {kernel!r}; known: {', '.join(KERNELS)}")
+    if device.type != "cuda":
+        return Tiles(16, 32, 4, 1)  # the interpreter: small tiles, every masking path exercised
+    key = (kernel, n, k, element_size, rows == 1)
+    measured = _FROM_ENV.get(key) or MEASURED_TILES.get(key)
+    if measured is not None:
+        return measured
+    # As many columns per program as still leave about one program per SM. H200 sweeps at
+    # Llama-3.1-8B shapes (benchmarks/results/fused_linear/run2): plain, 32 KiB weight tiles in 4
+    # stages (o_proj, down: 32 x 512); with the norm fused, 3 stages, and 128-wide K steps when
+    # the programs outnumber the SMs (qkv 64 x 256: 17.2 us; gate_up 64 x 128: 57.5 us).
+    sms = num_sms(device)
+    block_n = 64 if triton.cdiv(n, 64) >= 0.7 * sms else 32
+    block_k = 32768 // (block_n * element_size)
+    if kernel not in NORM_KERNELS:
+        return Tiles(block_n, block_k, 4, 4 if triton.cdiv(n, block_n) <= sms else 3)
+    if triton.cdiv(n, block_n) > sms:
+        block_k //= 2
+    return Tiles(block_n, block_k, 4, 3)
