@@ -30,9 +30,14 @@ def shard(tmp_path, monkeypatch):
     return path
 
 
-def test_reads_what_safetensors_reads_and_checks_the_digest(shard):
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)  # cuda: through the pinned staging buffers
+def test_reads_what_safetensors_reads_and_checks_the_digest(shard, device):
     (digest,) = hash_files([shard])
-    got = dict(ShardReader(torch.device("cpu"), {shard: digest.blake2b}).tensors([shard]))
+    reader = ShardReader(torch.device(device), {shard: digest.blake2b})
+    got = {name: t.cpu() for name, t in reader.tensors([shard])}
     want = load_file(shard)
     assert got.keys() == want.keys()
     for name, tensor in want.items():
