@@ -33,6 +33,11 @@ class SpeculativeConfig:
     """oracle: reference sequences (prompt + greedy continuation) that requests are matched to."""
     oracle_always_propose: bool = False
     """oracle: propose K wrong tokens where no reference matches (verification-shaped steps)."""
+    oracle_accept_by_draw: bool = False
+    """oracle: the oracle's own seeded draw decides how many drafts each verification accepts
+    (P(at least i) = acceptance_rate^i), not the target: the measured acceptance length is the
+    one set whatever the weights do (speed benchmarks on random weights; the text is then not
+    the target's). No references needed."""
     num_speculative_tokens_by_batch_size: dict[int, int] | None = None
     """Policy override: {batch size: K}, read as "up to this many running requests, K drafts";
     past the largest key, no drafts. None: the default policy (see `num_tokens_for_batch`)."""

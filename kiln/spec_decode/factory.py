@@ -88,6 +88,7 @@ def build_proposer(
             spec.acceptance_rate,
             vocab_size,
             always_propose=spec.oracle_always_propose,
+            accept_by_draw=spec.oracle_accept_by_draw,
         )
     if spec.method == "draft_model":
         from kiln.spec_decode.draft_model import DraftModelProposer

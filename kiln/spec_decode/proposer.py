@@ -22,10 +22,18 @@ class Proposer(ABC):
     empty (nothing found); the scheduler may verify fewer (policy, budget, max_tokens)."""
 
     num_speculative_tokens: int
+    decides_acceptance: bool = False
+    """Benchmarks only (the oracle's accept_by_draw): the proposer, not the target, says which
+    drafts a verification accepts (`accepted_rows`). False for every real proposer."""
 
     @abstractmethod
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
         """Drafts for each request's next tokens, by request id (absent: none)."""
+
+    def accepted_rows(self, req_ids: Sequence[str], num_drafts: Sequence[int]) -> list[bool]:
+        """Only where `decides_acceptance`: per verification row, whether its draft counts as
+        accepted (each request's num_drafts rows, then its bonus row)."""
+        raise NotImplementedError(f"{type(self).__name__} does not decide acceptance")
 
     def remove(self, req_id: str) -> None:
         """The request finished or was preempted: drop any state held for it."""
