@@ -99,7 +99,7 @@ def test_policy_by_batch_size_and_overrides():
     "bad, key",
     [
         ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
-        ({"method": "eagle3", "num_speculative_tokens": 2}, "method"),
+        ({"method": "eagle3", "num_speculative_tokens": 2}, "model"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
         ({"method": "ngram", "num_speculative_tokens": 2, "colour": 1}, "unknown keys"),

@@ -232,6 +232,10 @@ class ModelRunner:
                 batch.metadata,
             )
         t2 = time.perf_counter()
+        if self.proposer is not None and self.proposer.uses_target_hidden_states:  # EAGLE-3
+            self.proposer.record_target_hidden_states(
+                states, num_scheduled, batch.query_start_loc_np, self.model.aux_hidden_states
+            )
         prompt_logprobs = self._prompt_logprobs(batch, states, hidden)
         for state, n in zip(states, num_scheduled):
             state.num_computed_tokens += n
