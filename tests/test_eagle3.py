@@ -295,3 +295,82 @@ def test_smollm2_eagle3_greedy_is_exact(smollm2_llm, smollm2_path, tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == want
     assert all(o.outputs[0].num_draft_tokens > 0 for o in outs)
     _check_pools_empty(llm)
+
+
+def _train_head(head_dir: str, out_dir: str, sequences, hf, steps: int = 150) -> None:
+    """Fit the head's first draft step to `sequences` (teacher forcing on the target's own
+    states): memorised, so its drafts are often right and verification accepts some."""
+    from safetensors.torch import load_file, save_file
+
+    t = {k: v.clone().requires_grad_(v.is_floating_point()) for k, v in load_file(
+        os.path.join(head_dir, "model.safetensors")).items()}  # fmt: skip
+    trained = [v for k, v in t.items() if v.requires_grad]
+    embed = hf.model.embed_tokens.weight.detach()
+    data = []
+    with torch.no_grad():
+        for seq in sequences:
+            states = hf(torch.tensor([seq]), output_hidden_states=True).hidden_states
+            data.append((seq, torch.cat([states[i][0] for i in (2, 4, 5)], dim=-1)))
+    opt = torch.optim.Adam(trained, lr=1e-2)
+    d2t = t["d2t"]
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = 0.0
+        for seq, aux in data:
+            logits = _head_logits(t, embed, seq[1:-1], aux[:-2])  # position p predicts p + 2
+            draft_targets = torch.tensor(seq[2:]) - d2t[torch.tensor(seq[2:])]  # full vocab
+            loss = loss + torch.nn.functional.cross_entropy(logits, draft_targets)
+        loss.backward()
+        opt.step()
+    os.makedirs(out_dir, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in t.items()},
+              os.path.join(out_dir, "model.safetensors"))  # fmt: skip
+    with (
+        open(os.path.join(head_dir, "config.json")) as f,
+        open(os.path.join(out_dir, "config.json"), "w") as g,
+    ):
+        g.write(f.read())
+
+
+def _head_logits(t, embed, ids, target_hidden):
+    """The head's first step over a whole sequence, differentiable (the transcription above)."""
+    heads, kv = TARGET["num_attention_heads"], TARGET["num_key_value_heads"]
+    hd = TARGET["hidden_size"] // heads
+    m, n = "midlayer.", len(ids)
+    hidden = target_hidden @ t["fc.weight"].T
+    positions = torch.arange(n)
+    x = torch.cat([_rms(embed[torch.tensor(ids)], t[m + "input_layernorm.weight"]),
+                   _rms(hidden, t[m + "hidden_norm.weight"])], -1)  # fmt: skip
+    q = _rope((x @ t[m + "self_attn.q_proj.weight"].T).view(n, heads, hd), positions)
+    k = _rope((x @ t[m + "self_attn.k_proj.weight"].T).view(n, kv, hd), positions)
+    v = (x @ t[m + "self_attn.v_proj.weight"].T).view(n, kv, hd)
+    k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
+    mask = torch.ones(n, n, dtype=torch.bool).triu(1)
+    attn = torch.einsum("hqk,khd->qhd", scores.masked_fill(mask, -1e9).softmax(-1), v)
+    r = attn.reshape(n, -1) @ t[m + "self_attn.o_proj.weight"].T + hidden
+    y = _rms(r, t[m + "post_attention_layernorm.weight"])
+    act = torch.nn.functional.silu(y @ t[m + "mlp.gate_proj.weight"].T)
+    pre = (act * (y @ t[m + "mlp.up_proj.weight"].T)) @ t[m + "mlp.down_proj.weight"].T + r
+    return _rms(pre, t["norm.weight"]) @ t["lm_head.weight"].T
+
+
+def test_eagle3_trained_head_accepts_drafts_and_stays_exact(paths, reference, tmp_path):
+    """A head fitted to these very outputs: verification accepts many of its drafts (the
+    bookkeeping after accepted drafts: states kept, rejected ones dropped), tokens unchanged."""
+    import transformers
+
+    prompts, want = reference
+    hf = transformers.AutoModelForCausalLM.from_pretrained(paths["target"], dtype=torch.float32)
+    trained = str(tmp_path / "trained")
+    sequences = [p + o for p, o in zip(prompts, want)]
+    write_eagle3_head(str(tmp_path / "start"), TARGET, draft_vocab_size=256)
+    _train_head(str(tmp_path / "start"), trained, sequences, hf)
+    llm = LLM(paths["target"], speculative_config=_spec(trained, k=3), **ENGINE)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    drafted = sum(o.outputs[0].num_draft_tokens for o in outs)
+    accepted = sum(o.outputs[0].num_accepted_tokens for o in outs)
+    print(f"trained tiny head: {accepted} of {drafted} drafts accepted")
+    assert 0 < accepted < drafted
+    _check_pools_empty(llm)
