@@ -148,17 +148,18 @@ class Eagle3Proposer(Proposer):
         if not work:
             return {}
         normed, prenorm = self._catch_up(work)
-        drafts = [[t] for t in self.head.draft_token_ids(self.ops, normed).tolist()]
-        last_ids = [d[0] for d in drafts]
+        # The chain stays on the device (each draft feeds the next step as a tensor): one copy
+        # to the host at the end, not one sync per draft.
+        drafts = [self.head.draft_token_ids(self.ops, normed)]
+        states = [s for _, s, _ in work]
         for j in range(1, k):
-            chunks = [([t], end + j - 1) for t, (_, _, end) in zip(last_ids, work)]
+            chunks = [((0,), end + j - 1) for _, _, end in work]  # one token each, on the device
             normed, prenorm = self._forward(
-                [s for _, s, _ in work], chunks, prenorm, num_decodes=len(work)
+                states, chunks, prenorm, num_decodes=len(work), input_ids=drafts[-1]
             )
-            last_ids = self.head.draft_token_ids(self.ops, normed).tolist()
-            for d, t in zip(drafts, last_ids):
-                d.append(t)
-        return {r.req_id: d for (r, _, _), d in zip(work, drafts)}
+            drafts.append(self.head.draft_token_ids(self.ops, normed))
+        rows = torch.stack(drafts, dim=1).tolist()  # [requests, K]
+        return {r.req_id: d for (r, _, _), d in zip(work, rows)}
 
     def _catch_up(
         self, work: list[tuple[DraftRequest, _HeadState, int]]
@@ -214,9 +215,10 @@ class Eagle3Proposer(Proposer):
     def _forward(
         self,
         states: list[_HeadState],
-        chunks: list[tuple[list[int], int]],  # per sequence: (input ids, first position)
+        chunks: list[tuple[Sequence[int], int]],  # per sequence: (input ids, first position)
         hidden: torch.Tensor,  # [num_tokens, hidden], in chunk order
         num_decodes: int,  # the leading chunks of one token
+        input_ids: torch.Tensor | None = None,  # on the device already (chunks give lengths)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         bs, dev = self.block_size, self.device
         ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
@@ -241,11 +243,13 @@ class Eagle3Proposer(Proposer):
             max_query_len=max(len(c) for c, _ in chunks),
             max_seq_len=max(seq_lens),
         )
+        if input_ids is None:
+            input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         return self.head(
             self.ops,
             self.backend,
             self.embedding,
-            torch.tensor(ids, dtype=torch.int64, device=dev),
+            input_ids,
             torch.tensor(pos, dtype=torch.int64, device=dev),
             hidden,
             self.kv_cache,
