@@ -33,6 +33,7 @@ def write_eagle3_head(
     seed: int = 0,
     with_embedding: bool = False,
     std: float = 0.1,
+    aux_layer_ids: list[int] | None = None,  # eagle_config's; None: the default 2, L/2, L-3
 ) -> None:
     """A random EAGLE-3 head in the published layout (config.json + model.safetensors)."""
     from safetensors.torch import save_file
@@ -86,6 +87,8 @@ def write_eagle3_head(
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
     }
+    if aux_layer_ids is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layer_ids}
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
@@ -159,6 +162,28 @@ def test_eagle3_greedy_is_exact(paths, reference, head, engine_args):
     assert all(d > 0 for d in drafted[:-1]) and drafted[-1] == 0
     if "num_kv_blocks" in engine_args:
         assert llm.engine.scheduler.num_preemptions_total > 0
+    _check_pools_empty(llm)
+
+
+def test_eagle3_through_decode_graphs_with_named_layers(paths, reference, tmp_path):
+    """Verification steps replayed by the decode graphs (FakeGraph, the CPU stand-in) write the
+    target's states into the same buffer; the head names its layers (eagle_config)."""
+    from kiln.runtime.graph_runner import GraphRunner
+
+    prompts, want = reference
+    head = str(tmp_path / "named")
+    write_eagle3_head(head, TARGET, draft_vocab_size=64, aux_layer_ids=[1, 3, 6])
+    llm = LLM(paths["target"], speculative_config=_spec(head), max_num_seqs=16, **ENGINE)
+    r = llm.engine.executor.runner
+    assert sorted(r.model._aux_columns) == [1, 3, 6]
+    r.graphs = GraphRunner(
+        r.model, r.ops, r.backend, r.kv_caches, r.inputs, 16, r.max_model_len, fake=True
+    )
+    r.graphs.capture()
+    r.step_timing = {}
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert any(row[0] and row[2] > row[1] for row in r.step_timing["trace"])  # graph steps
     _check_pools_empty(llm)
 
 
