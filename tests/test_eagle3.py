@@ -4,7 +4,8 @@ Heads here are random (written with the key names of yuhuili/EAGLE3-LLaMA3.1-Ins
 SpecForge's outputs: `fc`, `midlayer.*`, `norm`, `lm_head` over a reduced vocabulary, `d2t`,
 `t2d`), so they accept few drafts; what is checked is the mechanism: greedy tokens identical to
 decoding without drafts (fp32 CPU) on a tiny random Llama and on SmolLM2, batched with requests
-that get no drafts, under chunked prefill and preemption, the KV pools empty after; the head's
+that get no drafts, under chunked prefill, preemption and prefix caching, through the decode
+graphs, the KV pools empty after; the head's
 forward equal to a plain-torch transcription of EAGLE-3's layer; and a clear error for a head
 trained for another model.
 """
@@ -162,6 +163,10 @@ def test_eagle3_greedy_is_exact(paths, reference, head, engine_args):
     assert all(d > 0 for d in drafted[:-1]) and drafted[-1] == 0
     if "num_kv_blocks" in engine_args:
         assert llm.engine.scheduler.num_preemptions_total > 0
+    else:  # again: the prompts' first blocks now come from the prefix cache (no target states)
+        outs = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert sum(o.num_cached_tokens for o in outs) > 0
     _check_pools_empty(llm)
 
 
