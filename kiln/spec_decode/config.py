@@ -9,7 +9,6 @@ import math
 from dataclasses import dataclass, field, fields
 
 METHODS = ("ngram", "draft_model", "eagle3", "oracle")
-NOT_BUILT: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -52,8 +51,6 @@ class SpeculativeConfig:
 
         if self.method not in METHODS:
             fail("method", "must be one of " + ", ".join(f'"{m}"' for m in METHODS))
-        if self.method in NOT_BUILT:
-            fail("method", NOT_BUILT[self.method] + "; use ngram or draft_model")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             fail("num_speculative_tokens", "must be an integer >= 1")
         if self.method in ("draft_model", "eagle3") and not self.model:
