@@ -1,17 +1,24 @@
 """Speculative decoding on the GPU as a function of acceptance: Llama-3.1-8B dummy bf16.
 
-Random weights accept nothing a real drafter proposes, so the oracle proposer stands in: it
-proposes the target's own greedy continuation, each token right with probability a, so the mean
-acceptance length (tokens per verification step) is 1 + a + ... + a^K. In one run:
+Random weights accept nothing a real drafter proposes, so the oracle proposer stands in, deciding
+acceptance by its own seeded draw (`oracle_accept_by_draw`): each verification accepts the first
+n of its K drafts with P(n >= i) = a^i, so the mean acceptance length (tokens per verification
+step) is 1 + a + ... + a^K whatever the random bf16 weights make of the tokens; the target's
+forward and verification run as for any proposer (a step's cost does not depend on which tokens
+it verifies). In one run:
 
 1. plain decoding (async scheduling, CUDA graphs): decode tok/s and the GPU time of a step, per
    batch size;
-2. the speculative engine with K wrong drafts every step (a = 0): each step verifies K + 1 tokens
-   and emits one, so its time per token is the verification step's cost (vs a plain decode step),
-   and its greedy outputs are the references the oracle then proposes from (recorded with the
-   verification steps' own numerics, so bf16 rounding does not make the references drift);
+2. the speculative engine with K wrong drafts every step (a = 0, rejected by the target's own
+   verification): each step verifies K + 1 tokens and emits one, so its time per token is the
+   verification step's cost (vs a plain decode step);
 3. the oracle at the rates that give mean acceptance lengths 2, 3 and 4 (batch 1), and at 3 for
-   the larger batch sizes (the crossover that the K-by-batch-size policy should follow).
+   the larger batch sizes (the crossover that the K-by-batch-size policy should follow); each row
+   reports the measured acceptance length beside the set one;
+4. EAGLE-3 with a random head of the target's shapes (Llama-3.1-8B: hidden 4096, a 32,000-token
+   draft vocabulary), K drafts a step at batch 1: it accepts next to nothing, so a step emits
+   ~1 token and its time minus the a = 0 verification step's is the head's own cost (K head
+   forwards, the first over the verified positions, plus fusing the target's states).
 
     python benchmarks/spec_decode_gpu.py --out benchmarks/results/.../spec_decode_gpu.json
 """
@@ -21,8 +28,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import subprocess
+import tempfile
 import time
 
 import torch
@@ -85,6 +94,49 @@ def measure(engine, prompts, output_len, label, k=0):
     return report, outputs
 
 
+def write_random_eagle3_head(path: str, cfg, dtype: str) -> str:  # cfg: the target's ModelConfig
+    """A random EAGLE-3 head (published layout) of the target's shapes."""
+    from safetensors.torch import save_file
+
+    h, heads, kv, hd = (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    )
+    inter, draft_vocab = cfg.intermediate_size, min(32_000, cfg.vocab_size)
+    torch_dtype = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch_dtype)
+
+    m = "midlayer."
+    tensors = {
+        "fc.weight": rand(h, 3 * h),
+        m + "hidden_norm.weight": torch.ones(h, dtype=torch_dtype),
+        m + "input_layernorm.weight": torch.ones(h, dtype=torch_dtype),
+        m + "post_attention_layernorm.weight": torch.ones(h, dtype=torch_dtype),
+        m + "self_attn.q_proj.weight": rand(heads * hd, 2 * h),
+        m + "self_attn.k_proj.weight": rand(kv * hd, 2 * h),
+        m + "self_attn.v_proj.weight": rand(kv * hd, 2 * h),
+        m + "self_attn.o_proj.weight": rand(h, heads * hd),
+        m + "mlp.gate_proj.weight": rand(inter, h),
+        m + "mlp.up_proj.weight": rand(inter, h),
+        m + "mlp.down_proj.weight": rand(h, inter),
+        "norm.weight": torch.ones(h, dtype=torch_dtype),
+        "lm_head.weight": rand(draft_vocab, h),
+        "d2t": torch.zeros(draft_vocab, dtype=torch.int64),  # the first draft_vocab ids
+    }
+    config = {**cfg.to_hf_dict(), "architectures": ["LlamaForCausalLMEagle3"],
+              "num_hidden_layers": 1, "draft_vocab_size": draft_vocab}  # fmt: skip
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama-3.1-8b")
@@ -98,6 +150,12 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--eagle3-head",
+        default="random",
+        help="an EAGLE-3 head directory, 'random' (the target's shapes), or '' to skip",
+    )
+    p.add_argument("--eagle3-batches", type=int, nargs="+", default=[1])
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -113,7 +171,8 @@ def main() -> None:
         max_num_seqs=max(args.batches) * (k + 1),
     )
     engine = LLMEngine(EngineConfig(**base))
-    vocab = engine.model_config.vocab_size
+    target_config = engine.model_config
+    vocab = target_config.vocab_size
     requests = synthetic_requests(
         max(args.batches), args.input_len, str(args.output_len), vocab, seed=0,
         avoid_ids=engine.eos_token_ids,
@@ -141,28 +200,49 @@ def main() -> None:
     proposer = engine.executor.runner.proposer
     run(engine, [r.prompt_token_ids for r in warm], 8)
     engine.executor.enable_step_timing()
-    references: dict[int, list[list[int]]] = {}
     for b in args.batches:
         proposer.references, proposer.acceptance_rate = [], 0.0
-        report, outputs = measure(engine, prompts[:b], args.output_len, "verify (a=0)", k)
+        report, _ = measure(engine, prompts[:b], args.output_len, "verify (a=0)", k)
         plain = record["plain"][b]
         report["tpot_vs_plain"] = report["tpot"]["mean_ms"] / plain["tpot"]["mean_ms"]
         if report["step_gpu_ms"] and plain["step_gpu_ms"]:
             report["step_gpu_vs_plain"] = report["step_gpu_ms"] / plain["step_gpu_ms"]
         record["verify_a0"][b] = report
-        references[b] = [p + o for p, o in zip(prompts[:b], outputs)]
     proposer.always_propose = False
+    proposer.decides_acceptance = True  # oracle_accept_by_draw from here on
     for b in args.batches:
         lengths = args.lengths if b == 1 else [3.0]
         for length in lengths:
-            proposer.references = references[b]
             proposer.acceptance_rate = acceptance_rate_for_length(length, k)
-            proposer._match.clear()
             report, _ = measure(engine, prompts[:b], args.output_len, f"oracle L={length}", k)
+            measured = report.get("spec_decode", {}).get("mean_acceptance_length")
             report["target_mean_acceptance_length"] = length
+            report["measured_mean_acceptance_length"] = measured
             report["acceptance_rate_per_token"] = proposer.acceptance_rate
             report["speedup_vs_plain"] = report["output_tok_s"] / record["plain"][b]["output_tok_s"]
+            print(f"{'':28s} set L {length}, measured L {measured}")
             record["oracle"][f"{b}@{length}"] = report
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if args.eagle3_head:
+        head = args.eagle3_head
+        if head == "random":
+            head = write_random_eagle3_head(tempfile.mkdtemp(), target_config, args.dtype)
+        spec = {"method": "eagle3", "model": head, "num_speculative_tokens": k}
+        engine = LLMEngine(EngineConfig(**base, speculative_config=spec))
+        run(engine, [r.prompt_token_ids for r in warm], 8)
+        engine.executor.enable_step_timing()
+        record["eagle3"] = {}
+        for b in args.eagle3_batches:
+            report, _ = measure(engine, prompts[:b], args.output_len, "eagle3 (random head)", k)
+            verify = record["verify_a0"].get(b)
+            if verify is not None:
+                tokens = report.get("spec_decode", {}).get("mean_acceptance_length") or 1.0
+                step_ms = report["tpot"]["mean_ms"] * tokens
+                report["head_ms_per_step"] = step_ms - verify["tpot"]["mean_ms"]
+                print(f"{'':28s} head cost per step ~{report['head_ms_per_step']:.2f} ms")
+            record["eagle3"][b] = report
     record["git_rev"] = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()

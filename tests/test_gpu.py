@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 
 from kiln import LLM, SamplingParams
 from tests.conftest import (
+    TINY_BASE,
     TINY_VARIANTS,
     assert_same_completions,
     build_tiny_hf_model,
@@ -275,8 +276,8 @@ def test_memory_plan_with_a_step_budget_beyond_the_context(tiny_gpu_path):
     assert len(out[0].outputs[0].token_ids) == 8
 
 
-@pytest.mark.parametrize("method", ["oracle", "ngram", "draft_model"])
-def test_speculative_decoding_is_exact_on_gpu(tiny_gpu_path, alone_gpu, method):
+@pytest.mark.parametrize("method", ["oracle", "ngram", "draft_model", "eagle3"])
+def test_speculative_decoding_is_exact_on_gpu(tiny_gpu_path, alone_gpu, method, tmp_path):
     """Verification steps through the decode graphs (one row per token) and the Triton kernels:
     greedy tokens as without drafts; the pool back to empty."""
     refs = [p + o for p, o in zip(INVARIANCE_PROMPTS, alone_gpu)]
@@ -285,6 +286,11 @@ def test_speculative_decoding_is_exact_on_gpu(tiny_gpu_path, alone_gpu, method):
         spec |= {"acceptance_rate": 0.6, "oracle_token_ids": refs[::2]}  # half without drafts
     if method == "draft_model":
         spec |= {"model": tiny_gpu_path, "draft_num_hidden_layers": 1}
+    if method == "eagle3":  # the target's states written inside the decode graphs' replays
+        from tests.test_eagle3 import write_eagle3_head
+
+        write_eagle3_head(str(tmp_path), TINY_BASE, 64, aux_layer_ids=[0, 1, 1])
+        spec |= {"model": str(tmp_path)}
     llm = LLM(tiny_gpu_path, device="cuda", dtype="float32", max_num_seqs=128,
               speculative_config=spec)  # fmt: skip
     runner = llm.engine.executor.runner

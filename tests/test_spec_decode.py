@@ -27,7 +27,7 @@ from kiln.sampling.rejection_sampler import emitted_tokens, rejection_sample
 from kiln.sampling_params import SamplingParams
 from kiln.spec_decode.config import SpeculativeConfig
 from kiln.spec_decode.ngram import ngram_lookup
-from kiln.spec_decode.oracle import acceptance_rate_for_length
+from kiln.spec_decode.oracle import acceptance_rate_for_length, num_accepted_for_draw
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory_gb=0.05, num_threads=1)
@@ -99,7 +99,7 @@ def test_policy_by_batch_size_and_overrides():
     "bad, key",
     [
         ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
-        ({"method": "eagle3", "num_speculative_tokens": 2}, "method"),
+        ({"method": "eagle3", "num_speculative_tokens": 2}, "model"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
         ({"method": "ngram", "num_speculative_tokens": 2, "colour": 1}, "unknown keys"),
@@ -135,6 +135,27 @@ def test_ngram_lookup_takes_the_longest_latest_match():
 def test_oracle_rate_gives_the_mean_length():
     a = acceptance_rate_for_length(3.0, 4)
     assert abs(sum(a**i for i in range(5)) - 3.0) < 1e-9
+    # The draw's distribution: P(n >= i) = a^i, so 1 + E[n] over evenly spread u is 3.
+    draws = [num_accepted_for_draw((i + 0.5) / 10_000, a, 4) for i in range(10_000)]
+    assert abs(1 + sum(draws) / len(draws) - 3.0) < 1e-3
+    assert num_accepted_for_draw(0.0, a, 4) == 4 and num_accepted_for_draw(0.999, a, 4) == 0
+
+
+def test_oracle_accepting_by_its_draw_measures_the_set_length(tiny_paths):
+    """The speed benchmark's oracle: the acceptance length measured is the one set, whatever the
+    target's tokens are (here a random model's), and the pool is empty after."""
+    k, length = 4, 3.0
+    spec = {"method": "oracle", "num_speculative_tokens": k, "oracle_accept_by_draw": True,
+            "acceptance_rate": acceptance_rate_for_length(length, k)}  # fmt: skip
+    llm = LLM(tiny_paths[0], speculative_config=spec, **ENGINE)
+    params = SamplingParams(max_tokens=241, temperature=0, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7], [8, 9, 10, 11]], params)
+    steps = sum(o.outputs[0].num_spec_steps for o in outs)
+    accepted = sum(o.outputs[0].num_accepted_tokens for o in outs)
+    assert steps > 100 and abs(1 + accepted / steps - length) < 0.05
+    assert all(len(o.outputs[0].token_ids) == 241 for o in outs)
+    kv = llm.engine.kv_cache
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks and not kv.req_to_blocks
 
 
 # ---- rejection sampling: the target distribution, whatever the drafts ------------------------

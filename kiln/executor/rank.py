@@ -25,7 +25,7 @@ from kiln.runtime.model_loader import (
     resolve_kv_cache_dtype,
 )
 from kiln.runtime.model_runner import ModelRunner
-from kiln.spec_decode.factory import build_proposer, load_draft_model
+from kiln.spec_decode.factory import build_proposer, load_draft_model, load_eagle3
 
 logger = logging.getLogger("kiln")
 
@@ -99,6 +99,8 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
     draft = None
     if spec is not None and spec.method == "draft_model":
         draft = load_draft_model(config, spec, loaded, device, dtype, load_model)
+    elif spec is not None and spec.method == "eagle3":
+        draft = load_eagle3(config, spec, loaded, device, dtype)
     memory_plan = plan_kv_blocks(
         config, loaded.model, max_model_len, device, kv_cache_dtype, draft_model=draft
     )
@@ -139,6 +141,7 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
             attention_backend=config.attention_backend,
             kv_cache_dtype=kv_cache_dtype,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            target_embedding=loaded.model.embed_tokens,
         ),
     )
     startup = {

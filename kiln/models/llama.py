@@ -218,6 +218,30 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         cache = build_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        # EAGLE-3 (kiln.spec_decode.eagle3): layer index -> its column blocks in
+        # `aux_hidden_states`; empty (and the forward writes nothing) unless a head is loaded.
+        self._aux_columns: dict[int, list[int]] = {}
+        self.aux_hidden_states: torch.Tensor | None = None
+
+    def enable_aux_hidden_states(self, layer_ids: tuple[int, ...], max_num_tokens: int) -> None:
+        """From now on every forward also writes the residual stream entering each of these
+        layers (the hidden state after the layer before it) into `aux_hidden_states`
+        [max_num_tokens, len(layer_ids) * hidden], one row per token of the forward, in order:
+        what an EAGLE-3 head drafts from. A preallocated buffer, so a CUDA graph replays the
+        writes into it. The sums are the fused add + norm's own output: three row copies a
+        forward, nothing recomputed."""
+        if any(not 0 <= i < len(self.layers) for i in layer_ids):
+            raise ModelLoadError(
+                f"EAGLE-3 auxiliary hidden-state layers {layer_ids} are not all among the "
+                f"target's {len(self.layers)} layers"
+            )
+        hidden = self.full_config.hidden_size
+        self._aux_columns = {}
+        for c, i in enumerate(layer_ids):
+            self._aux_columns.setdefault(i, []).append(c * hidden)
+        self.aux_hidden_states = torch.zeros(
+            max_num_tokens, len(layer_ids) * hidden, dtype=self.norm.dtype, device=self.norm.device
+        )
 
     def forward(
         self,
@@ -236,7 +260,8 @@ class LlamaForCausalLM(nn.Module):
         else:  # the previous stage's (block output, residual stream), as one [2, n, hidden]
             shape = (2, input_ids.shape[0], self.full_config.hidden_size)
             hidden, residual = recv_from_prev_stage(pp, shape, self.norm).unbind(0)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        aux_columns, num_tokens = self._aux_columns, input_ids.shape[0]
+        for index, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             attn, mlp = layer.self_attn, layer.mlp
             # Each projection takes the ops around it (residual add + RMSNorm before; rotary and
             # the KV-cache write, or SiLU-mul, after): one kernel each at batch-1 decode on the
@@ -245,6 +270,10 @@ class LlamaForCausalLM(nn.Module):
                 ops, hidden, residual, layer.input_layernorm, eps,
                 positions, self.cos_sin_cache, k_cache, v_cache, metadata.slot_mapping,
             )  # fmt: skip
+            if aux_columns and index in aux_columns:  # EAGLE-3: the stream entering this layer
+                width = residual.shape[1]
+                for column in aux_columns[index]:
+                    self.aux_hidden_states[:num_tokens, column : column + width].copy_(residual)
             out = backend.forward(query, k_cache, v_cache, metadata, attn.scale)
             hidden = attn.o_proj(ops, out.reshape(-1, attn.q_size))
             # gate_up is [gate; up]: down_proj(silu(gate) * up).

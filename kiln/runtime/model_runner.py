@@ -248,6 +248,10 @@ class ModelRunner:
                 batch.metadata,
             )
         t2 = time.perf_counter()
+        if self.proposer is not None and self.proposer.uses_target_hidden_states:  # EAGLE-3
+            self.proposer.record_target_hidden_states(
+                states, num_scheduled, batch.query_start_loc_np, self.model.aux_hidden_states
+            )
         prompt_logprobs = self._prompt_logprobs(batch, states, hidden)
         for state, n in zip(states, num_scheduled):
             state.num_computed_tokens += n
@@ -458,6 +462,9 @@ class ModelRunner:
     def _finish_verification(self, step: _InFlightStep, sampled_ids: dict[str, list[int]]) -> None:
         accepted, recovered = (t.tolist() for t in step.spec_result)
         num_drafts = [len(s.spec_token_ids) for s in step.spec_states]
+        if self.proposer.decides_acceptance:  # the speed benchmark's oracle: its draw decides
+            req_ids = [s.req_id for s in step.spec_states]
+            accepted = self.proposer.accepted_rows(req_ids, num_drafts)
         emitted = emitted_tokens(num_drafts, step.spec_drafts, accepted, recovered)
         for state, tokens in zip(step.spec_states, emitted):
             state.output_token_ids.extend(tokens)

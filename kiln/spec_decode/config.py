@@ -9,18 +9,19 @@ import math
 from dataclasses import dataclass, field, fields
 
 METHODS = ("ngram", "draft_model", "eagle3", "oracle")
-NOT_BUILT = {"eagle3": "EAGLE-3 drafting is not built yet (README: Not built yet)"}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
-    """"ngram" (prompt lookup), "draft_model" (a smaller model of the same vocabulary), "oracle"
+    """"ngram" (prompt lookup), "draft_model" (a smaller model of the same vocabulary), "eagle3"
+    (an EAGLE-3 head over the target's hidden states), "oracle"
     (benchmarks: a known continuation, each token right with probability acceptance_rate)."""
     num_speculative_tokens: int
     """K: drafts verified per decode step (at most; the policy may lower it by batch size)."""
     model: str | None = None
-    """The draft model (draft_model): an HF directory or .gguf file."""
+    """The draft model (draft_model): an HF directory or .gguf file; eagle3: the head's directory
+    (the published EAGLE-3 layout, e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B)."""
     prompt_lookup_min: int = 2
     """ngram: the shortest suffix that is looked up in the request's earlier tokens."""
     prompt_lookup_max: int = 5
@@ -33,6 +34,11 @@ class SpeculativeConfig:
     """oracle: reference sequences (prompt + greedy continuation) that requests are matched to."""
     oracle_always_propose: bool = False
     """oracle: propose K wrong tokens where no reference matches (verification-shaped steps)."""
+    oracle_accept_by_draw: bool = False
+    """oracle: the oracle's own seeded draw decides how many drafts each verification accepts
+    (P(at least i) = acceptance_rate^i), not the target: the measured acceptance length is the
+    one set whatever the weights do (speed benchmarks on random weights; the text is then not
+    the target's). No references needed."""
     num_speculative_tokens_by_batch_size: dict[int, int] | None = None
     """Policy override: {batch size: K}, read as "up to this many running requests, K drafts";
     past the largest key, no drafts. None: the default policy (see `num_tokens_for_batch`)."""
@@ -45,12 +51,10 @@ class SpeculativeConfig:
 
         if self.method not in METHODS:
             fail("method", "must be one of " + ", ".join(f'"{m}"' for m in METHODS))
-        if self.method in NOT_BUILT:
-            fail("method", NOT_BUILT[self.method] + "; use ngram or draft_model")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             fail("num_speculative_tokens", "must be an integer >= 1")
-        if self.method == "draft_model" and not self.model:
-            fail("model", 'must name the draft model for method "draft_model"')
+        if self.method in ("draft_model", "eagle3") and not self.model:
+            fail("model", f'must name the draft model for method "{self.method}"')
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             fail("prompt_lookup_min", "must be >= 1 and <= prompt_lookup_max")
         if self.draft_num_hidden_layers is not None and self.draft_num_hidden_layers < 1:

@@ -12,6 +12,7 @@ from kiln.config import EngineConfig
 from kiln.errors import ModelLoadError
 from kiln.models.llama import LlamaForCausalLM
 from kiln.spec_decode.config import SpeculativeConfig
+from kiln.spec_decode.eagle3.head import Eagle3Head, load_eagle3_head
 from kiln.spec_decode.proposer import Proposer
 
 
@@ -41,6 +42,17 @@ def load_draft_model(
     return model
 
 
+def load_eagle3(
+    config: EngineConfig, spec: SpeculativeConfig, target, device: torch.device, dtype: torch.dtype
+) -> Eagle3Head:  # target: kiln.runtime.model_loader.LoadedModel
+    """The EAGLE-3 head, checked against the target, and the target told to expose the hidden
+    states it fuses (rows for the largest forward: a prefill budget or a graph's padded batch)."""
+    head = load_eagle3_head(spec.model, target.model, device, dtype)
+    rows = max(config.max_num_batched_tokens, config.max_num_seqs)
+    target.model.enable_aux_hidden_states(head.aux_layer_ids, rows)
+    return head
+
+
 def check_draft_matches(target, draft) -> None:  # two LoadedModels
     """A draft must speak the target's token ids: same vocabulary size and, where both carry a
     tokenizer, the same token -> id map."""
@@ -65,7 +77,7 @@ def build_proposer(
     spec: SpeculativeConfig,
     vocab_size: int,
     *,
-    draft_model: LlamaForCausalLM | None,
+    draft_model: LlamaForCausalLM | Eagle3Head | None,
     num_blocks: int,
     block_size: int,
     max_num_seqs: int,
@@ -73,6 +85,7 @@ def build_proposer(
     attention_backend: str,
     kv_cache_dtype: torch.dtype,
     max_num_batched_tokens: int = 2048,
+    target_embedding: torch.nn.Module | None = None,  # eagle3: the target's token embedding
 ) -> Proposer:
     k = spec.num_speculative_tokens
     if spec.method == "ngram":
@@ -88,6 +101,7 @@ def build_proposer(
             spec.acceptance_rate,
             vocab_size,
             always_propose=spec.oracle_always_propose,
+            accept_by_draw=spec.oracle_accept_by_draw,
         )
     if spec.method == "draft_model":
         from kiln.spec_decode.draft_model import DraftModelProposer
@@ -98,6 +112,23 @@ def build_proposer(
         extra = max_num_seqs * -(-(k + 1) // block_size)
         return DraftModelProposer(
             draft_model,
+            k,
+            num_blocks + extra,
+            block_size,
+            max_model_len,
+            attention_backend,
+            kv_cache_dtype,
+            max_num_batched_tokens,
+        )
+    if spec.method == "eagle3":
+        from kiln.spec_decode.eagle3.proposer import Eagle3Proposer
+
+        head = draft_model
+        embedding = head.embed_tokens if head.embed_tokens is not None else target_embedding
+        extra = max_num_seqs * -(-(k + 1) // block_size)  # as for draft_model, above
+        return Eagle3Proposer(
+            head,
+            embedding,
             k,
             num_blocks + extra,
             block_size,
