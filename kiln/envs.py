@@ -33,6 +33,9 @@ class Envs:
     fp8_small_batch_dot: bool = True
     """The FP8 small-batch kernels multiply float8 x float8 on the tensor cores; off (0) widens
     both operands to fp16 first (exact, more ALU work): the A/B of the two on the GPU."""
+    grammar_fill_threads: int = 0
+    """Threads that fill a step's grammar masks (structured output); 0: half the CPUs the process
+    may run on, at most 8 (kiln.structured_output.matchers)."""
     api_key: str | None = None
     """Default of `kiln serve --api-key`: a key kept off the command line (and so out of `ps`)."""
     git_revision: str | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -109,6 +110,9 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.tokenizer = tokenizer  # for grammars (structured output), built on first use
         self._grammars = None  # kiln.structured_output.GrammarBatch
+        # The submitted step whose sampler waits for its grammar mask (launched by the next
+        # submit or collect, whichever comes first): see _launch_deferred_sample.
+        self._deferred: _InFlightStep | None = None
         self.graphs: GraphRunner | None = None
         if self.device.type == "cuda" and not enforce_eager and self.backend.supports_cuda_graphs:
             self.graphs = GraphRunner(
@@ -183,6 +187,9 @@ class ModelRunner:
         """Launch a step; False if it had no tokens (then there is nothing to collect)."""
         timing = self.step_timing
         t0 = time.perf_counter()
+        # The previous step's sampler first: its matchers may be removed below, and this step's
+        # inputs may be its tokens.
+        self._launch_deferred_sample()
         self._update_states(sched)
         if sched.is_empty:
             return False
@@ -252,28 +259,33 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[batch.logits_indices])
             if sched.scheduled_spec_decode_tokens:
                 logits = self._verify(step, logits)
-            bitmask = None
             if self._grammars is not None and self._grammars.matchers and step.states:
-                # Host work while the device runs the forward just launched (on the CPU the
-                # forward has already run: nothing to overlap there). A grammar needs the
-                # previous step's tokens: wait for them now, not before the launch, so the step
-                # was still prepared and launched while the previous one ran (async scheduling
-                # keeps its overlap). Grammar requests get no drafts: none verifies here.
-                matchers = self._grammars.matchers
-                if len(self._in_flight) > 1 and any(
-                    s.num_pending and s.req_id in matchers for s in step.states
-                ):
-                    for older in list(self._in_flight)[:-1]:
-                        if older.output is None:
-                            self._finish(older)
-                bitmask = self._grammars.fill_bitmask([s.req_id for s in step.states], self.device)
+                # Grammar rows get no drafts, so none verifies here. Their mask needs the older
+                # steps' tokens: a worker waits for them and fills it while the device runs this
+                # forward and this thread returns to the engine loop (it collects the previous
+                # step, schedules and prepares the next); the sampler is launched when the next
+                # submit or collect needs it.
+                older = list(self._in_flight)[:-1]
+                waits = [s.tokens_accepted for s in older if s.output is None]
+                req_ids = [s.req_id for s in step.states]
+                pending = self._grammars.start_fill(req_ids, self.device, waits)
+                if pending is not None:
+                    step.deferred = (logits, pending, gpu_events)
+                    self._deferred = step
+                    step.times = (t0, t1, t2, time.perf_counter())
+                    return True
             if step.states:
-                metadata = self.sampling.build(step.states)
-                if bitmask is not None:
-                    metadata = replace(metadata, token_bitmask=bitmask)
-                result = self.sampler(logits, metadata)
+                result = self.sampler(logits, self.sampling.build(step.states))
             else:  # every sampling row verified drafts
                 result = SamplerOutput(logits.new_zeros(0, dtype=torch.long), None)
+        self._sampled(step, result, gpu_events)
+        step.times = (t0, t1, t2, time.perf_counter())
+        return True
+
+    def _sampled(
+        self, step: _InFlightStep, result: SamplerOutput, gpu_events: tuple | None
+    ) -> None:
+        """A step's sampler is launched: start its copy to the host, mark its rows pending."""
         if gpu_events is not None:
             gpu_events[1].record()
         step.gpu_events = gpu_events
@@ -283,8 +295,27 @@ class ModelRunner:
             state.num_pending += 1
             state.pending_index = index
         self._last_sampled = step.sampled
-        step.times = (t0, t1, t2, time.perf_counter())
-        return True
+
+    def _launch_deferred_sample(self) -> None:
+        """Sample the step that waits for its grammar mask. The mask's worker first needs the
+        older steps' tokens, which this thread hands to the matchers in _finish: finish those
+        first (a no-op on the engine's usual path, which has collected them already)."""
+        step = self._deferred
+        if step is None:
+            return
+        self._deferred = None
+        for older in self._in_flight:
+            if older is step:
+                break
+            if older.output is None:
+                self._finish(older)
+        logits, pending, gpu_events = step.deferred
+        step.deferred = None
+        bitmask = self._grammars.finish_fill(pending, self.device)
+        metadata = self.sampling.build(step.states)
+        if bitmask is not None:
+            metadata = replace(metadata, token_bitmask=bitmask)
+        self._sampled(step, self.sampler(logits, metadata), gpu_events)
 
     def _sample_parallel(
         self, hidden: torch.Tensor, batch: PackedBatch, states: list[CachedRequestState]
@@ -305,11 +336,14 @@ class ModelRunner:
 
     def collect(self) -> ModelRunnerOutput:
         """Wait for the oldest submitted step's sampled ids and return them."""
+        if self._in_flight[0] is self._deferred:
+            self._launch_deferred_sample()
         if self._in_flight[0].output is None:
             self._finish(self._in_flight[0])
         return self._in_flight.popleft().output
 
     def _resolve_in_flight(self) -> None:
+        self._launch_deferred_sample()
         for step in self._in_flight:
             if step.output is None:
                 self._finish(step)
@@ -342,6 +376,7 @@ class ModelRunner:
         t4 = time.perf_counter()
         if step.states is None:
             step.output = ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=step.prompt_lp)
+            step.tokens_accepted.set()
             self._record(step, t4, t4, t4)
             return
         if step.done is not None:
@@ -352,14 +387,14 @@ class ModelRunner:
         if step.host_logprobs is not None:
             logprob_rows = _logprobs_to_lists(step.host_logprobs)
         sampled_ids: dict[str, list[int]] = {}
-        grammars = self._grammars
         for state, token_id in zip(step.states, sampled):
             state.output_token_ids.append(token_id)
             state.token_ids.append(token_id)
             state.num_pending -= 1
             sampled_ids[state.req_id] = [token_id]
-            if grammars is not None:
-                grammars.accept(state.req_id, token_id)
+        if self._grammars is not None:
+            self._grammars.accept_tokens([s.req_id for s in step.states], sampled)
+        step.tokens_accepted.set()  # a later step's mask may be filled from here on
         if step.spec_states:
             self._finish_verification(step, sampled_ids)
         logprobs = {}
@@ -532,6 +567,9 @@ class _InFlightStep:
     gpu_events: tuple | None = None
     times: tuple[float, ...] = ()
     output: ModelRunnerOutput | None = None
+    deferred: tuple | None = None  # (logits, PendingBitmask, gpu_events) until it samples
+    tokens_accepted: threading.Event = field(default_factory=threading.Event)
+    """Set once this step's tokens are in its requests' states and grammar matchers."""
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
