@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -259,21 +258,18 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[batch.logits_indices])
             if sched.scheduled_spec_decode_tokens:
                 logits = self._verify(step, logits)
-            if self._grammars is not None and self._grammars.matchers and step.states:
+            grammars = self._grammars
+            if grammars is not None and grammars.has_grammar([s.req_id for s in step.states]):
                 # Grammar rows get no drafts, so none verifies here. Their mask needs the older
-                # steps' tokens: a worker waits for them and fills it while the device runs this
-                # forward and this thread returns to the engine loop (it collects the previous
-                # step, schedules and prepares the next); the sampler is launched when the next
+                # steps' tokens: it is filled by a worker from when those are in (now, or when
+                # the previous step is collected) while the device runs this forward and this
+                # thread goes on with the engine loop; the sampler is launched when the next
                 # submit or collect needs it.
-                older = list(self._in_flight)[:-1]
-                waits = [s.tokens_accepted for s in older if s.output is None]
-                req_ids = [s.req_id for s in step.states]
-                pending = self._grammars.start_fill(req_ids, self.device, waits)
-                if pending is not None:
-                    step.deferred = (logits, pending, gpu_events)
-                    self._deferred = step
-                    step.times = (t0, t1, t2, time.perf_counter())
-                    return True
+                step.deferred = (logits, gpu_events)
+                self._deferred = step
+                self._start_deferred_fill()
+                step.times = (t0, t1, t2, time.perf_counter())
+                return True
             if step.states:
                 result = self.sampler(logits, self.sampling.build(step.states))
             else:  # every sampling row verified drafts
@@ -296,21 +292,36 @@ class ModelRunner:
             state.pending_index = index
         self._last_sampled = step.sampled
 
+    def _start_deferred_fill(self) -> None:
+        """Start the deferred step's mask once every older step's tokens are in the matchers."""
+        step = self._deferred
+        if step is None or step.pending_mask is not None:
+            return
+        for older in self._in_flight:
+            if older is step:
+                break
+            if older.output is None:
+                return  # its _finish calls back here
+        req_ids = [s.req_id for s in step.states]
+        step.pending_mask = self._grammars.start_fill(req_ids, self.device)
+
+    @torch.inference_mode()
     def _launch_deferred_sample(self) -> None:
-        """Sample the step that waits for its grammar mask. The mask's worker first needs the
-        older steps' tokens, which this thread hands to the matchers in _finish: finish those
-        first (a no-op on the engine's usual path, which has collected them already)."""
+        """Sample the step that waits for its grammar mask. Its fill needs the older steps'
+        tokens: finish those first (a no-op on the engine's usual path, which has collected
+        them already)."""
         step = self._deferred
         if step is None:
             return
-        self._deferred = None
         for older in self._in_flight:
             if older is step:
                 break
             if older.output is None:
                 self._finish(older)
-        logits, pending, gpu_events = step.deferred
-        step.deferred = None
+        self._start_deferred_fill()
+        self._deferred = None
+        logits, gpu_events = step.deferred
+        pending, step.deferred, step.pending_mask = step.pending_mask, None, None
         bitmask = self._grammars.finish_fill(pending, self.device)
         metadata = self.sampling.build(step.states)
         if bitmask is not None:
@@ -376,8 +387,8 @@ class ModelRunner:
         t4 = time.perf_counter()
         if step.states is None:
             step.output = ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=step.prompt_lp)
-            step.tokens_accepted.set()
             self._record(step, t4, t4, t4)
+            self._start_deferred_fill()
             return
         if step.done is not None:
             step.done.synchronize()
@@ -394,7 +405,6 @@ class ModelRunner:
             sampled_ids[state.req_id] = [token_id]
         if self._grammars is not None:
             self._grammars.accept_tokens([s.req_id for s in step.states], sampled)
-        step.tokens_accepted.set()  # a later step's mask may be filled from here on
         if step.spec_states:
             self._finish_verification(step, sampled_ids)
         logprobs = {}
@@ -418,6 +428,7 @@ class ModelRunner:
             spec_ids = self.proposer.propose(wanting) if wanting else {}
         step.output = ModelRunnerOutput(sampled_ids, logprobs, step.prompt_lp, spec_ids)
         self._record(step, t4, t5, time.perf_counter())
+        self._start_deferred_fill()  # a later step's mask may be filled from here on
 
     def _verify(self, step: _InFlightStep, logits: torch.Tensor) -> torch.Tensor:
         """Take the requests that verify drafts out of the step's sampling rows and verify them
@@ -567,9 +578,8 @@ class _InFlightStep:
     gpu_events: tuple | None = None
     times: tuple[float, ...] = ()
     output: ModelRunnerOutput | None = None
-    deferred: tuple | None = None  # (logits, PendingBitmask, gpu_events) until it samples
-    tokens_accepted: threading.Event = field(default_factory=threading.Event)
-    """Set once this step's tokens are in its requests' states and grammar matchers."""
+    deferred: tuple | None = None  # (logits, gpu_events) while its sampler waits for a mask
+    pending_mask: object | None = None  # kiln.structured_output.PendingBitmask once started
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,20 +1,19 @@
 """Per-request grammar matchers and each step's allowed-token bitmask, filled off the main thread.
 
-The runner's thread owns the matchers: it adds, removes and advances them (accept_tokens). A
-step's mask is filled by a worker (start_fill) while the runner's thread goes on with the rest
-of the step loop (collecting the previous step, scheduling, preparing the next); finish_fill
-waits for it just before the sampler needs it. The worker first waits until the older steps'
-tokens have been accepted (the events it is given), so the two threads never use a matcher at
-the same time. xgrammar releases the GIL while it fills, so the worker runs beside Python work,
-and the rows are split over `fill_threads` threads of a pool that lives as long as the batch
-(xgrammar's own BatchGrammarMatcher(n) starts and joins n threads on every call).
+The runner's thread owns the matchers: it adds, removes and advances them (accept_tokens), and
+starts a step's fill (start_fill) once every older step's tokens are in them. A worker thread
+then fills the mask while the runner's thread goes on with the step loop (collecting, scheduling,
+preparing the next step); finish_fill waits for it just before the sampler needs it. Between the
+two calls the runner's thread leaves the matchers alone. xgrammar releases the GIL while it
+fills, and splits the rows over its own C++ threads (`fill_threads`), which never need the GIL:
+the worker takes it once to start and once to hand the result back.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,7 +27,10 @@ from kiln.structured_output.compiler import GrammarCompilerCache
 
 logger = logging.getLogger("kiln")
 
-MAX_FILL_THREADS = 8  # rows are ~0.01-0.4 ms each: more threads than this mostly wait on a lock
+MAX_FILL_THREADS = 8  # 64 rows of ~0.01-0.4 ms each: more threads mostly start and join
+# A thread waiting for the GIL gets it after at most this long (Python's default is 5 ms): the
+# worker must start filling while the runner's thread runs Python, not once it blocks.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def default_fill_threads() -> int:
@@ -46,10 +48,9 @@ class GrammarStats:
 
     num_fills: int = 0
     num_rows_filled: int = 0
-    fill_s: float = 0.0  # the worker's wall time filling (after its waits)
-    fill_cpu_s: float = 0.0  # CPU time of every fill thread, summed
+    fill_s: float = 0.0  # the worker's wall time filling
     wait_s: float = 0.0  # the runner's thread blocked on a mask it needed: the critical path
-    accept_s: float = 0.0  # the runner's thread advancing matchers
+    accept_s: float = 0.0  # the runner's thread advancing matchers and starting fills
 
 
 @dataclass(eq=False)
@@ -73,15 +74,11 @@ class GrammarBatch:
         self.fill_threads = fill_threads or default_fill_threads()
         self.stats = GrammarStats()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kiln-grammar")
-        self._helpers = (
-            ThreadPoolExecutor(self.fill_threads - 1, thread_name_prefix="kiln-grammar-fill")
-            if self.fill_threads > 1
-            else None
-        )
-        # One serial batch matcher per fill thread: max_threads=1 starts no threads of its own.
-        self._fillers = [xgr.BatchGrammarMatcher(1) for _ in range(self.fill_threads)]
+        self._filler = xgr.BatchGrammarMatcher(self.fill_threads)  # 1: fills in the caller
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._slot = 0
+        if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
     # ---- the runner's thread --------------------------------------------------------------
 
@@ -112,19 +109,30 @@ class GrammarBatch:
                     logger.warning("request %s: token %d rejected by its grammar", req_id, token_id)
         self.stats.accept_s += time.perf_counter() - t
 
-    def start_fill(
-        self, req_ids: list[str], device: torch.device, wait_for: list[threading.Event]
-    ) -> PendingBitmask | None:
-        """Start filling the mask of a step's sampling rows (None if no row has a grammar).
-        `wait_for`: set once every older step's tokens are accepted. Rows without a grammar, or
-        whose grammar has ended, allow every token."""
-        rows = [(row, self.matchers.get(req_id)) for row, req_id in enumerate(req_ids)]
-        rows = [(row, matcher) for row, matcher in rows if matcher is not None]
-        if not rows:
-            return None
+    def has_grammar(self, req_ids: list[str]) -> bool:
+        matchers = self.matchers
+        return any(req_id in matchers for req_id in req_ids)
+
+    def start_fill(self, req_ids: list[str], device: torch.device) -> PendingBitmask:
+        """Start filling the mask of a step's sampling rows. Every older step's tokens must be
+        accepted already. Rows without a grammar, or whose grammar has ended, allow every
+        token."""
+        t = time.perf_counter()
+        rows, live = [], []
+        for row, req_id in enumerate(req_ids):
+            matcher = self.matchers.get(req_id)
+            if matcher is not None and not matcher.is_terminated():
+                rows.append(row)
+                live.append(matcher)
         host = self._buffer(len(req_ids), device)
-        host.fill_(-1)  # all allowed; the worker overwrites the grammar rows whole
-        return PendingBitmask(host, self._worker.submit(self._fill, rows, host, wait_for))
+        if live:
+            host.fill_(-1)  # all allowed; xgrammar overwrites the grammar rows whole
+            done = self._worker.submit(self._fill, live, host, rows)
+        else:
+            done = Future()
+            done.set_result(False)
+        self.stats.accept_s += time.perf_counter() - t
+        return PendingBitmask(host, done)
 
     def finish_fill(self, pending: PendingBitmask, device: torch.device) -> torch.Tensor | None:
         """Wait for a mask and start its copy to `device` (None: nothing to apply)."""
@@ -136,9 +144,8 @@ class GrammarBatch:
         return pending.host.to(device, non_blocking=True)  # pinned: an asynchronous copy
 
     def fill_bitmask(self, req_ids: list[str], device: torch.device) -> torch.Tensor | None:
-        """The synchronous fill: start_fill + finish_fill with nothing to wait for."""
-        pending = self.start_fill(req_ids, device, [])
-        return None if pending is None else self.finish_fill(pending, device)
+        """The synchronous fill: start_fill + finish_fill."""
+        return self.finish_fill(self.start_fill(req_ids, device), device)
 
     def _buffer(self, num_rows: int, device: torch.device) -> torch.Tensor:
         """One of two host buffers, alternating: the step before this one may still be copying
@@ -148,37 +155,18 @@ class GrammarBatch:
         if buf is None or buf.shape[0] < num_rows:
             words = -(-self.compiler.vocab_size // 32)
             pin = device.type == "cuda"
-            buf = torch.empty((max(num_rows, 64), words), dtype=torch.int32, pin_memory=pin)
+            with torch.inference_mode(False):  # written in place outside it too
+                buf = torch.empty((max(num_rows, 64), words), dtype=torch.int32, pin_memory=pin)
             self._buffers[self._slot] = buf
         return buf[:num_rows]
 
     # ---- the worker -----------------------------------------------------------------------
 
-    def _fill(
-        self, rows: list[tuple[int, Any]], host: torch.Tensor, wait_for: list[threading.Event]
-    ) -> bool:
-        for event in wait_for:
-            event.wait()
-        t, cpu = time.perf_counter(), time.thread_time()
-        live = [(row, matcher) for row, matcher in rows if not matcher.is_terminated()]
-        if not live:
-            return False
-        # Interleaved slices: rows inside strings cost ~30x the others and tend to cluster.
-        k = min(self.fill_threads, len(live))
-        slices = [live[i::k] for i in range(k)]
-        helpers = [self._helpers.submit(self._fill_slice, i, slices[i], host) for i in range(1, k)]
-        cpu_s = self._fill_slice(0, slices[0], host)
-        cpu_s += sum(f.result() for f in helpers)
+    def _fill(self, matchers: list[Any], host: torch.Tensor, rows: list[int]) -> bool:
+        t = time.perf_counter()
+        self._filler.batch_fill_next_token_bitmask(matchers, host, rows)
         stats = self.stats
         stats.num_fills += 1
-        stats.num_rows_filled += len(live)
+        stats.num_rows_filled += len(rows)
         stats.fill_s += time.perf_counter() - t
-        stats.fill_cpu_s += cpu_s + time.thread_time() - cpu
         return True
-
-    def _fill_slice(self, index: int, rows: list[tuple[int, Any]], host: torch.Tensor) -> float:
-        cpu = time.thread_time()
-        self._fillers[index].batch_fill_next_token_bitmask(
-            [matcher for _, matcher in rows], host, [row for row, _ in rows]
-        )
-        return time.thread_time() - cpu if index else 0.0  # slice 0's is the worker's own
