@@ -8,6 +8,8 @@ sampled token ids (plus logprobs when asked for, in the same sync), waited for i
 submit() only launches work, so the engine can schedule and submit step N+1 before collecting
 step N (async scheduling): a decode in N+1 whose input token N sampled reads it from N's sampled
 ids on the device. The executor's execute() is submit() + collect(), the synchronous step.
+A step with grammar rows launches its sampler later, in the next submit() or its collect(),
+so that a worker can fill its token mask meanwhile (kiln.structured_output).
 """
 
 from __future__ import annotations
