@@ -241,6 +241,16 @@ for s in "$@"; do
             --load-format dummy --dtype bfloat16 --num-requests 64 --input-len 128 \
             --output-len 128 --rounds 3 --out "$OUT/structured_output$SFX.json"
         ;;
+    so-mask-host)  # issue 18: the grammar mask's host cost at 64 rows on this host's CPUs, old
+        # way vs new, over 1/4/8 fill threads (no GPU; the thread scaling so-json depends on)
+        for t in 1 4 8; do
+            stage so-mask-host-t$t 120 python3 benchmarks/grammar_mask_cpu.py --rows 64 \
+                --steps 24 --fill-threads $t --engine-work-ms 3 --out "$OUT/grammar_mask_t$t$SFX.json"
+        done
+        ;;
+    test-so)  # issue 18: the structured-output tests on CUDA (async scheduling on, graphs)
+        stage test-so 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_structured_output.py
+        ;;
     beam4)  # issue 18: beam width 4 at batch 1 vs a plain batch-4 decode step, and HF's beams
         stage beam4 400 python3 benchmarks/beam_search_bench.py --model llama-3.1-8b \
             --load-format dummy --dtype bfloat16 --width 4 --input-len 128 --output-len 64 \

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import string
@@ -71,47 +72,51 @@ def synthetic_tokenizer(vocab_size: int, seed: int = 0):
 
 
 def run_round(engine, prompts, params, label: str) -> dict:
-    from kiln.structured_output import matchers as matchers_module
-
-    timers = {"fill_s": 0.0, "fill_calls": 0}
-    original = matchers_module.GrammarBatch.fill_bitmask
-
-    def timed_fill(self, req_ids, device):
-        t = time.perf_counter()
-        try:
-            return original(self, req_ids, device)
-        finally:
-            timers["fill_s"] += time.perf_counter() - t
-            timers["fill_calls"] += 1
-
-    matchers_module.GrammarBatch.fill_bitmask = timed_fill
-    try:
-        t0 = time.perf_counter()
-        ids = [
-            engine.add_request(p, params, request_id=f"{label}-{i}") for i, p in enumerate(prompts)
-        ]
-        outputs = {}
-        while engine.has_unfinished_requests():
-            for delta in engine.step():
-                if delta.finished:
-                    outputs[delta.request_id] = engine.finished_output(delta.request_id)
-        wall = time.perf_counter() - t0
-    finally:
-        matchers_module.GrammarBatch.fill_bitmask = original
+    runner = engine.executor.runner
+    before = _grammar_stats(runner)
+    t0 = time.perf_counter()
+    ids = [engine.add_request(p, params, request_id=f"{label}-{i}") for i, p in enumerate(prompts)]
+    outputs = {}
+    num_steps = 0
+    while engine.has_unfinished_requests():
+        num_steps += 1
+        for delta in engine.step():
+            if delta.finished:
+                outputs[delta.request_id] = engine.finished_output(delta.request_id)
+    wall = time.perf_counter() - t0
+    after = _grammar_stats(runner)
     outs = [outputs[i].outputs[0] for i in ids]
     tokens = sum(len(o.token_ids) for o in outs)
-    steps = max(timers["fill_calls"], 1)
-    return {
+    record = {
         "label": label,
         "wall_s": round(wall, 4),
         "output_tokens": tokens,
         "output_tok_s": round(tokens / wall, 1),
+        "engine_steps": num_steps,
         "finish_reasons": sorted({o.finish_reason for o in outs}),
-        "mask_fill_ms_per_step": round(1000 * timers["fill_s"] / steps, 3)
-        if timers["fill_calls"]
-        else None,
         "_outputs": outs,
     }
+    fills = after["num_fills"] - before["num_fills"]
+    if fills:
+        # Host ms per filled mask: the worker's wall time filling (overlapped with the forward
+        # and the engine loop), the runner's thread blocked on a mask it needed (what the step
+        # loop actually waits for) and advancing the matchers / starting the fill.
+        for name in ("fill_s", "wait_s", "accept_s"):
+            key = "mask_" + name.removesuffix("_s") + "_ms_per_step"
+            record[key] = round(1000 * (after[name] - before[name]) / fills, 3)
+        record["mask_rows_per_step"] = round(
+            (after["num_rows_filled"] - before["num_rows_filled"]) / fills, 1
+        )
+    return record
+
+
+def _grammar_stats(runner) -> dict:
+    from dataclasses import asdict
+
+    from kiln.structured_output.matchers import GrammarStats
+
+    grammars = runner._grammars  # built on the first grammar request
+    return asdict(GrammarStats() if grammars is None else grammars.stats)
 
 
 def check_constrained(compiler, spec, outs) -> dict:
@@ -207,10 +212,17 @@ def main() -> None:
         r.pop("_outputs")
     plain_tps = [r["output_tok_s"] for r in rounds if r["label"].startswith("plain")]
     json_tps = [r["output_tok_s"] for r in rounds if r["label"].startswith("json")]
+    from kiln.structured_output.matchers import default_fill_threads
+
     record = {
         "what": "structured output cost: JSON-schema vs unconstrained, same run",
         "args": vars(args),
         "device": engine.device,
+        "host_cpus": {
+            "os_cpu_count": os.cpu_count(),
+            "affinity": len(os.sched_getaffinity(0)),
+            "grammar_fill_threads": default_fill_threads(),
+        },
         "vocab_size": vocab,
         "synthetic_tokenizer_s": round(tokenizer_s, 2),
         "schema_compile_s": round(compile_s, 3),

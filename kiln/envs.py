@@ -42,6 +42,9 @@ class Envs:
     """A JSON file written by benchmarks/fp8_small_batch_sweep.py: its suggested launch shapes
     (split-K factors, tiles) override the small-batch kernels' table, the end-to-end A/B of a
     sweep's choice before it is written into kernels.triton.small_batch_tiles (read at import)."""
+    grammar_fill_threads: int = 0
+    """Threads that fill a step's grammar masks (structured output); 0: half the CPUs the process
+    may run on, at most 8 (kiln.structured_output.matchers)."""
     api_key: str | None = None
     """Default of `kiln serve --api-key`: a key kept off the command line (and so out of `ps`)."""
     git_revision: str | None = None

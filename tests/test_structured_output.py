@@ -14,7 +14,11 @@ import pytest
 import torch
 
 from kiln import GuidedDecodingParams, InvalidRequestError, SamplingParams
-from kiln.sampling.logits_processors import TokenBitmaskProcessor, unpack_bitmask
+from kiln.sampling.logits_processors import (
+    TokenBitmaskProcessor,
+    forbidden_by_bitmask,
+    unpack_bitmask,
+)
 from kiln.sampling_params import GuidedDecodingParams as GDP
 
 PERSON = {
@@ -242,6 +246,109 @@ def test_bitmask_processor_masks_exactly_the_cleared_bits():
     assert torch.equal(logits, before)  # never writes into its input
     assert torch.isinf(out[0]).sum() == vocab - 2 and out[0, 5] == logits[0, 5]
     assert torch.isinf(out[1]).sum() == 1 and torch.isinf(out[1, 63])
+
+
+def test_byte_lookup_is_the_negation_of_the_unpack():
+    g = torch.Generator().manual_seed(0)
+    for vocab in (70, 96, 384):
+        words = -(-vocab // 32)
+        bitmask = torch.randint(-(2**31), 2**31, (5, words), generator=g).to(torch.int32)
+        bitmask[0] = -1  # all allowed
+        bitmask[1] = 0  # none
+        for width in (vocab - 3, vocab, words * 32, words * 32 + 9):  # narrower, padded, wider
+            want = ~unpack_bitmask(bitmask, width)
+            assert torch.equal(forbidden_by_bitmask(bitmask, width), want), (vocab, width)
+
+
+def test_threaded_fill_equals_xgrammar_serial(tiny_llm):
+    """GrammarBatch's worker over several fill threads gives xgrammar's own masks row for row:
+    rows at different places in different grammars, a row without a grammar and a grammar that
+    has ended (both all allowed)."""
+    import xgrammar as xgr
+
+    from kiln.structured_output import GrammarBatch, compiler_for
+
+    engine = tiny_llm.engine
+    tok = engine.tokenizer
+    compiler = compiler_for(tok, engine.model_config.vocab_size, engine.eos_token_ids)
+    batch = GrammarBatch(compiler, fill_threads=3)
+    specs = [GDP(json=PERSON), GDP(regex="[a-z]{3,9}"), GDP(choice=["red", "blue sky"])]
+    prefixes = ['{"name": "Al', "", '{"name": "Bo", "age": 3', "abc", "blue"]
+    req_ids = []
+    for i, prefix in enumerate(prefixes):
+        req_ids.append(f"r{i}")
+        spec = specs[0] if prefix.startswith("{") else specs[1 + (i == 4)]
+        batch.add(f"r{i}", spec, tok.encode(prefix, add_special_tokens=False))
+    ended = "r5"
+    batch.add(ended, specs[2], tok.encode("red", add_special_tokens=False))
+    batch.accept_tokens([ended], [tok.eos_token_id])
+    assert batch.matchers[ended].is_terminated()
+    rows = [*req_ids[:2], "plain", *req_ids[2:], ended]
+    assert batch.has_grammar(rows) and not batch.has_grammar(["plain"])
+
+    got = batch.finish_fill(batch.start_fill(rows, torch.device("cpu")), torch.device("cpu"))
+    want = xgr.allocate_token_bitmask(len(rows), compiler.vocab_size)
+    for row, req_id in enumerate(rows):
+        matcher = batch.matchers.get(req_id)
+        if matcher is not None and not matcher.is_terminated():
+            matcher.fill_next_token_bitmask(want, row)
+    assert torch.equal(got, want)
+    assert (got[2] == -1).all() and (got[-1] == -1).all()
+    assert (got[0] != -1).any()  # a constrained row really is constrained
+    assert batch.stats.num_rows_filled == 5
+    # Every grammar ended: nothing to apply.
+    assert batch.fill_bitmask(["plain", ended], torch.device("cpu")) is None
+
+
+def test_grammar_rows_beside_speculating_rows(tiny_path, tiny_llm):
+    """With n-gram drafts on, grammar requests get none: their outputs are those of the plain
+    engine and validate, and the speculating plain rows beside them are unchanged."""
+    from kiln import LLM
+
+    spec_llm = LLM(
+        tiny_path,
+        max_num_seqs=16,
+        kv_cache_memory_gb=0.05,
+        max_model_len=512,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    prompts = ["ab ab ab ab ab ab", "Person:", "cd cd cd cd cd", "Row:"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=24),
+        _guided(spec={"json": PERSON}, temperature=0, max_tokens=200),
+        SamplingParams(temperature=0, max_tokens=24),
+        _guided(spec={"regex": "[a-z]{3,9}"}, temperature=1.0, seed=4, max_tokens=20),
+    ]
+    want = tiny_llm.generate(prompts, params)
+    got = spec_llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert got[1].outputs[0].num_draft_tokens == 0 and got[3].outputs[0].num_draft_tokens == 0
+    assert sum(o.outputs[0].num_draft_tokens for o in (got[0], got[2])) > 0
+    if got[1].outputs[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(got[1].outputs[0].text), PERSON)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_deferred_mask_on_gpu_matches_synchronous(tiny_path):
+    """On CUDA: pinned mask buffers reused every other step, asynchronous copies, CUDA graphs,
+    two steps in flight. The same tokens as the synchronous engine, mixed with plain rows, and
+    every finished JSON reply validates (benchmarks/h200_run.sh test-so)."""
+    from kiln import LLM
+
+    args = dict(device="cuda", max_num_seqs=16, kv_cache_memory_gb=0.05, max_model_len=512)
+    prompts = [f"Row {i}:" for i in range(12)]
+    params = [
+        _guided(spec={"json": PERSON}, temperature=1.0, seed=i, max_tokens=200)
+        if i % 3
+        else SamplingParams(temperature=1.0, seed=i, max_tokens=40)
+        for i in range(12)
+    ]
+    want = LLM(tiny_path, async_scheduling=False, **args).generate(prompts, params)
+    got = LLM(tiny_path, async_scheduling=True, **args).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for i, out in enumerate(got):
+        if i % 3 and out.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
 
 
 def test_smollm2_json_schema(smollm2_llm):

@@ -8,6 +8,8 @@ sampled token ids (plus logprobs when asked for, in the same sync), waited for i
 submit() only launches work, so the engine can schedule and submit step N+1 before collecting
 step N (async scheduling): a decode in N+1 whose input token N sampled reads it from N's sampled
 ids on the device. The executor's execute() is submit() + collect(), the synchronous step.
+A step with grammar rows launches its sampler later, in the next submit() or its collect(),
+so that a worker can fill its token mask meanwhile (kiln.structured_output).
 """
 
 from __future__ import annotations
@@ -110,6 +112,9 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.tokenizer = tokenizer  # for grammars (structured output), built on first use
         self._grammars = None  # kiln.structured_output.GrammarBatch
+        # The submitted step whose sampler waits for its grammar mask (launched by the next
+        # submit or collect, whichever comes first): see _launch_deferred_sample.
+        self._deferred: _InFlightStep | None = None
         self.graphs: GraphRunner | None = None
         fake_graphs = self.device.type == "cpu" and envs().cpu_fake_graphs  # tests, no GPU
         cuda_graphs = self.device.type == "cuda" and self.backend.supports_cuda_graphs
@@ -194,6 +199,9 @@ class ModelRunner:
         """Launch a step; False if it had no tokens (then there is nothing to collect)."""
         timing = self.step_timing
         t0 = time.perf_counter()
+        # The previous step's sampler first: its matchers may be removed below, and this step's
+        # inputs may be its tokens.
+        self._launch_deferred_sample()
         self._update_states(sched)
         if sched.is_empty:
             return False
@@ -272,28 +280,30 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[batch.logits_indices])
             if sched.scheduled_spec_decode_tokens:
                 logits = self._verify(step, logits)
-            bitmask = None
-            if self._grammars is not None and self._grammars.matchers and step.states:
-                # Host work while the device runs the forward just launched (on the CPU the
-                # forward has already run: nothing to overlap there). A grammar needs the
-                # previous step's tokens: wait for them now, not before the launch, so the step
-                # was still prepared and launched while the previous one ran (async scheduling
-                # keeps its overlap). Grammar requests get no drafts: none verifies here.
-                matchers = self._grammars.matchers
-                if len(self._in_flight) > 1 and any(
-                    s.num_pending and s.req_id in matchers for s in step.states
-                ):
-                    for older in list(self._in_flight)[:-1]:
-                        if older.output is None:
-                            self._finish(older)
-                bitmask = self._grammars.fill_bitmask([s.req_id for s in step.states], self.device)
+            grammars = self._grammars
+            if grammars is not None and grammars.has_grammar([s.req_id for s in step.states]):
+                # Grammar rows get no drafts, so none verifies here. Their mask needs the older
+                # steps' tokens: it is filled by a worker from when those are in (now, or when
+                # the previous step is collected) while the device runs this forward and this
+                # thread goes on with the engine loop; the sampler is launched when the next
+                # submit or collect needs it.
+                step.deferred = (logits, gpu_events)
+                self._deferred = step
+                self._start_deferred_fill()
+                step.times = (t0, t1, t2, time.perf_counter())
+                return True
             if step.states:
-                metadata = self.sampling.build(step.states)
-                if bitmask is not None:
-                    metadata = replace(metadata, token_bitmask=bitmask)
-                result = self.sampler(logits, metadata)
+                result = self.sampler(logits, self.sampling.build(step.states))
             else:  # every sampling row verified drafts
                 result = SamplerOutput(logits.new_zeros(0, dtype=torch.long), None)
+        self._sampled(step, result, gpu_events)
+        step.times = (t0, t1, t2, time.perf_counter())
+        return True
+
+    def _sampled(
+        self, step: _InFlightStep, result: SamplerOutput, gpu_events: tuple | None
+    ) -> None:
+        """A step's sampler is launched: start its copy to the host, mark its rows pending."""
         if gpu_events is not None:
             gpu_events[1].record()
         step.gpu_events = gpu_events
@@ -306,8 +316,42 @@ class ModelRunner:
             state.pending_index = index
             state.pending_step = self._num_sampling_steps
         self._last_sampled, self._last_arrival = step.sampled, step.arrival
-        step.times = (t0, t1, t2, time.perf_counter())
-        return True
+
+    def _start_deferred_fill(self) -> None:
+        """Start the deferred step's mask once every older step's tokens are in the matchers."""
+        step = self._deferred
+        if step is None or step.pending_mask is not None:
+            return
+        for older in self._in_flight:
+            if older is step:
+                break
+            if older.output is None:
+                return  # its _finish calls back here
+        req_ids = [s.req_id for s in step.states]
+        step.pending_mask = self._grammars.start_fill(req_ids, self.device)
+
+    @torch.inference_mode()
+    def _launch_deferred_sample(self) -> None:
+        """Sample the step that waits for its grammar mask. Its fill needs the older steps'
+        tokens: finish those first (a no-op on the engine's usual path, which has collected
+        them already)."""
+        step = self._deferred
+        if step is None:
+            return
+        for older in self._in_flight:
+            if older is step:
+                break
+            if older.output is None:
+                self._finish(older)
+        self._start_deferred_fill()
+        self._deferred = None
+        logits, gpu_events = step.deferred
+        pending, step.deferred, step.pending_mask = step.pending_mask, None, None
+        bitmask = self._grammars.finish_fill(pending, self.device)
+        metadata = self.sampling.build(step.states)
+        if bitmask is not None:
+            metadata = replace(metadata, token_bitmask=bitmask)
+        self._sampled(step, self.sampler(logits, metadata), gpu_events)
 
     def _sample_parallel(
         self, hidden: torch.Tensor, batch: PackedBatch, states: list[CachedRequestState]
@@ -330,11 +374,14 @@ class ModelRunner:
 
     def collect(self) -> ModelRunnerOutput:
         """Wait for the oldest submitted step's sampled ids and return them."""
+        if self._in_flight[0] is self._deferred:
+            self._launch_deferred_sample()
         if self._in_flight[0].output is None:
             self._finish(self._in_flight[0])
         return self._in_flight.popleft().output
 
     def _resolve_in_flight(self) -> None:
+        self._launch_deferred_sample()
         for step in self._in_flight:
             if step.output is None:
                 self._finish(step)
@@ -373,6 +420,7 @@ class ModelRunner:
         if step.states is None:
             step.output = ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=step.prompt_lp)
             self._record(step, t4, t4, t4)
+            self._start_deferred_fill()
             return
         if step.arrival is not None:  # a rank other than the driver: its ids, received
             step.arrival.wait()
@@ -387,14 +435,13 @@ class ModelRunner:
         if step.host_logprobs is not None:
             logprob_rows = _logprobs_to_lists(step.host_logprobs)
         sampled_ids: dict[str, list[int]] = {}
-        grammars = self._grammars
         for state, token_id in zip(step.states, sampled):
             state.output_token_ids.append(token_id)
             state.token_ids.append(token_id)
             state.num_pending -= 1
             sampled_ids[state.req_id] = [token_id]
-            if grammars is not None:
-                grammars.accept(state.req_id, token_id)
+        if self._grammars is not None:
+            self._grammars.accept_tokens([s.req_id for s in step.states], sampled)
         if step.spec_states:
             self._finish_verification(step, sampled_ids)
         logprobs = {}
@@ -418,6 +465,7 @@ class ModelRunner:
             spec_ids = self.proposer.propose(wanting) if wanting else {}
         step.output = ModelRunnerOutput(sampled_ids, logprobs, step.prompt_lp, spec_ids)
         self._record(step, t4, t5, time.perf_counter())
+        self._start_deferred_fill()  # a later step's mask may be filled from here on
 
     def _verify(self, step: _InFlightStep, logits: torch.Tensor) -> torch.Tensor:
         """Take the requests that verify drafts out of the step's sampling rows and verify them
@@ -571,6 +619,8 @@ class _InFlightStep:
     gpu_events: tuple | None = None
     times: tuple[float, ...] = ()
     output: ModelRunnerOutput | None = None
+    deferred: tuple | None = None  # (logits, gpu_events) while its sampler waits for a mask
+    pending_mask: object | None = None  # kiln.structured_output.PendingBitmask once started
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -2,9 +2,10 @@
 
 xgrammar compiles each distinct spec once per tokenizer (compiler.py, cached by the spec's key);
 each request gets its own matcher, which accepts the request's tokens as they come back and
-fills its row of the step's allowed-token bitmask (matchers.py). The runner fills the bitmask
-right after launching the forward, so on a GPU the host work overlaps the model, and hands it to
-the sampler as `SamplingMetadata.token_bitmask` (TokenBitmaskProcessor applies it). xgrammar is
+fills its row of the step's allowed-token bitmask (matchers.py). A worker fills a step's mask
+while the device runs its forward and the runner's thread goes on with the engine loop; the
+runner waits for it when it launches the step's sampler (the next submit or collect) and hands
+it over as `SamplingMetadata.token_bitmask` (TokenBitmaskProcessor applies it). xgrammar is
 imported only when a request asks for a grammar.
 """
 
