@@ -134,6 +134,7 @@ def test_step_message_round_trips_as_json() -> None:
         finished_req_ids=frozenset({"c"}),
         num_preempted=1,
         step_id=12,
+        block_copies=[(3, 5), (3, 6)],
     )
     data = encode_step(step)
     assert data.startswith(b"{")  # JSON, never pickle

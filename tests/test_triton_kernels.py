@@ -851,3 +851,36 @@ def test_argmax_llama_vocab_bf16() -> None:
     # A strided view (rows of a wider buffer).
     wide = torch.randn(4, 130000, generator=gen).to(DEVICE, torch.bfloat16)
     assert torch.equal(triton_ops.argmax(wide[:, :128256]), reference.argmax(wide[:, :128256]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Copy-on-write block copies (beam search forks)
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim",
+    [
+        (torch.float32, 8),
+        (torch.float16, 8),
+        (torch.uint8, 5),  # a block of 5 bytes: copied byte by byte
+        pytest.param(torch.bfloat16, 128, marks=on_gpu),
+        pytest.param(torch.float8_e4m3fn, 128, marks=on_gpu),
+    ],
+)
+def test_copy_kv_blocks(dtype: torch.dtype, head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(33)
+    shape = (7, 4, 2, head_dim)  # [num_blocks, block_size, num_kv_heads, head_dim]
+    if dtype == torch.uint8:
+        shape = (7, 1, 1, head_dim)
+        caches = [torch.randint(0, 256, shape, generator=gen, dtype=dtype) for _ in range(2)]
+        caches = [c.to(DEVICE) for c in caches]
+    else:
+        caches = [torch.randn(shape, generator=gen).to(DEVICE, dtype) for _ in range(3)]
+    want = [c.clone() for c in caches]
+    mapping = torch.tensor([[1, 4], [1, 6], [3, 0]], dtype=torch.int64, device=DEVICE)
+    reference.copy_kv_blocks(want, mapping)
+    triton_ops.copy_kv_blocks(caches, mapping)
+    for got, ref in zip(caches, want):
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(want[0][4].view(torch.uint8), want[0][1].view(torch.uint8))
+    triton_ops.copy_kv_blocks(caches, mapping[:0])  # no copies: nothing launched

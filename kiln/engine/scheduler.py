@@ -97,6 +97,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._finished_req_ids: set[str] = set()
+        # Finished requests whose KV is kept (Request.retain_kv) until fork() hands it on.
+        self.retained: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self._step_ids = itertools.count(1)
         # The Request objects each scheduled step ran, until update() has applied its output.
@@ -116,9 +118,14 @@ class Scheduler:
         bisect.insort(self.waiting, request, key=self._key)
 
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[Request]:
-        """Abort (or stop) requests wherever they are; their blocks are freed at once."""
+        """Abort (or stop) requests wherever they are; their blocks are freed at once (those a
+        finished request retained too)."""
         finished = []
         for req_id in req_ids:
+            retained = self.retained.pop(req_id, None)
+            if retained is not None:
+                self.kv_cache.free(retained)
+                continue
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
@@ -132,9 +139,39 @@ class Scheduler:
 
     def _free(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv_cache.free(request)
+        if request.retain_kv and status != RequestStatus.FINISHED_ABORTED:
+            self.retained[request.req_id] = request
+        else:
+            self.kv_cache.free(request)
         self._finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]
+
+    def release(self, req_id: str) -> None:
+        """Let go of the KV a finished request retained (Request.retain_kv)."""
+        self.kv_cache.free(self.retained.pop(req_id))
+
+    def fork(self, parent_id: str, children: list[Request]) -> bool:
+        """Queue `children`, each continuing the retained request `parent_id`: its tokens up to
+        the parent's computed ones are the parent's, then at least one more. Their KV up to there
+        is the parent's, forked copy-on-write (KVCacheManager.fork), so each computes only its new
+        tokens (one, for a beam: a plain decode row). When the pool cannot hold the copies, or
+        the parent lost its KV (preempted while its last token was in flight), they queue as
+        fresh requests (prefix-cache hits, then a recompute). The parent's KV is let go either
+        way. Returns whether they were forked."""
+        parent = self.retained.pop(parent_id)
+        num_computed = parent.num_computed_tokens
+        for child in children:
+            if child.num_tokens <= num_computed or (
+                child.all_token_ids[:num_computed] != parent.all_token_ids[:num_computed]
+            ):
+                raise ValueError(f"{child.req_id!r} does not continue {parent_id!r}")
+        forked = bool(children) and self.kv_cache.fork(parent, children)
+        self.kv_cache.free(parent)  # (the children's own references keep what they share)
+        for child in children:
+            if forked:
+                child.num_computed_tokens = num_computed
+            self.add_request(child)
+        return forked
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -172,6 +209,7 @@ class Scheduler:
 
         finished, self._finished_req_ids = self._finished_req_ids, set()
         step_id = next(self._step_ids)
+        block_copies = self.kv_cache.take_block_copies()
         if scheduled:
             self._scheduled[step_id] = scheduled
         return SchedulerOutput(
@@ -183,6 +221,7 @@ class Scheduler:
             num_preempted=plan.num_preempted,
             step_id=step_id,
             scheduled_spec_decode_tokens=plan.spec_tokens,
+            block_copies=block_copies,
         )
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -226,12 +265,18 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: resent in full once it is back
-            hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            # A waiting request with computed tokens was forked (fork()): its KV up to there is
+            # in the blocks it holds already, no prefix lookup. Any other starts from nothing.
+            forked = request.num_computed_tokens > 0
+            if forked:
+                hit_blocks, num_hit_tokens = [], request.num_computed_tokens
+            else:
+                hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, plan.budget)
             if self.kv_cache.allocate_slots(request, num_new, hit_blocks) is None:
                 break
             self.waiting.pop(0)
-            if request.num_preemptions == 0:
+            if request.num_preemptions == 0 and not forked:
                 self.kv_cache.record_admission(request, num_hit_tokens)
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens = num_hit_tokens
