@@ -37,11 +37,20 @@ NEG = -1.0e9  # HF's "impossible" score
 @dataclass
 class _Beam:
     tokens: list[int]
-    score: torch.Tensor  # fp32 scalar: cumulative log-probability (HF's arithmetic)
+    score: float  # cumulative log-probability, an fp32 value (HF's arithmetic)
+
+
+def _fp32(values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
 
 
 @dataclass
 class BeamSearchState:
+    """One search's beams. Scores are fp32 values kept as Python floats (exact): the arithmetic
+    runs as HF's, in fp32 torch ops, one op over a step's candidates rather than one per
+    candidate (an elementwise op rounds each element as it would a scalar; the host time of a
+    beam step is not hidden behind the device, as the next step waits for the selection)."""
+
     req_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -50,7 +59,7 @@ class BeamSearchState:
     max_tokens: int
     width: int
     running: list[_Beam] = field(default_factory=list)
-    finished: list[tuple[torch.Tensor, bool, list[int], torch.Tensor]] = field(default_factory=list)
+    finished: list[tuple[float, bool, list[int], float]] = field(default_factory=list)
     """W slots of (penalized score, is finished, tokens, cumulative logprob), best first."""
     priority: int = 0
     arrival_time: float = 0.0  # the search's: its beams keep its place in the queue
@@ -59,56 +68,51 @@ class BeamSearchState:
     children: dict[str, int] = field(default_factory=dict)  # child id -> running beam index
     results: dict[int, dict] = field(default_factory=dict)  # beam index -> top-K {token: lp}
     parents: list[int] = field(default_factory=list)  # running beam -> its beam of the last step
-    output: RequestOutput | None = None
 
     @property
     def keep(self) -> int:
         return max(2, 1 + len(self.eos_token_ids)) * self.width
 
     def __post_init__(self) -> None:
-        zero = torch.zeros((), dtype=torch.float32)
         # Beams 1.. start at -1e9, so the first step expands beam 0 alone (as HF).
-        self.running = [_Beam([], zero if i == 0 else zero + NEG) for i in range(self.width)]
-        self.finished = [(zero + NEG, False, [], zero + NEG) for _ in range(self.width)]
+        self.running = [_Beam([], 0.0 if i == 0 else NEG) for i in range(self.width)]
+        self.finished = [(NEG, False, [], NEG) for _ in range(self.width)]
 
     def advance(self) -> bool:
         """One HF step from the children's top-K logprobs; True when the search is over."""
         W, K = self.width, self.keep
         generated = self.step + 1  # tokens each candidate has (cur_len + 1 - prompt_len)
-        candidates = []  # (accumulated fp32, beam index, token)
+        beam_of, token_of, logprobs, base = [], [], [], []  # the candidates
         for b, beam in enumerate(self.running):
             for token, logprob in self.results.get(b, {}).items():
-                acc = torch.tensor(logprob, dtype=torch.float32) + beam.score
-                candidates.append((acc, b, token))
-        candidates.sort(key=lambda c: (-c[0].item(), c[1], c[2]))
-        top = candidates[:K]
-        hits = [t in self.eos_token_ids or generated >= self.max_tokens for _, _, t in top]
+                beam_of.append(b)
+                token_of.append(token)
+                logprobs.append(logprob)
+                base.append(beam.score)
+        acc = (_fp32(logprobs) + _fp32(base)).tolist()  # accumulated, fp32
+        top = sorted(range(len(acc)), key=lambda c: (-acc[c], beam_of[c], token_of[c]))[:K]
+        top_acc = _fp32([acc[c] for c in top])
+        hit_list = [token_of[c] in self.eos_token_ids or generated >= self.max_tokens for c in top]
+        hits = torch.tensor(hit_list)
+        tokens = [[*self.running[beam_of[c]].tokens, token_of[c]] for c in top]
         # Running beams for the next step: the best W that did not just finish.
-        alive = sorted(
-            range(len(top)), key=lambda i: (-(top[i][0] + (NEG if hits[i] else 0.0)).item(), i)
-        )[:W]
-        new_running = [
-            _Beam(
-                [*self.running[top[i][1]].tokens, top[i][2]], top[i][0] + (NEG if hits[i] else 0.0)
-            )
-            for i in alive
-        ]
-        self.parents = [top[i][1] for i in alive]
+        running_scores = (top_acc + torch.where(hits, NEG, 0.0)).tolist()
+        alive = sorted(range(len(top)), key=lambda i: (-running_scores[i], i))[:W]
+        new_running = [_Beam(tokens[i], running_scores[i]) for i in alive]
+        self.parents = [beam_of[top[i]] for i in alive]
         # Finished hypotheses: the top-W candidates that hit a stop, length-penalized.
         all_finished = all(f[1] for f in self.finished)
         lp = self.params.length_penalty
+        done = [hit and i < W for i, hit in enumerate(hit_list)]
+        score = top_acc / (generated**lp)
+        if all_finished and self.params.early_stopping is True:
+            score = score + NEG
+        if not self.unsatisfied:
+            score = score + NEG
+        score = (score + torch.where(torch.tensor(done), 0.0, NEG)).tolist()
         merged = list(self.finished)
-        for i, (acc, b, token) in enumerate(top):
-            done = hits[i] and i < W
-            score = acc / (generated**lp)
-            if all_finished and self.params.early_stopping is True:
-                score = score + NEG
-            if not self.unsatisfied:
-                score = score + NEG
-            if not done:
-                score = score + NEG
-            merged.append((score, done, [*self.running[b].tokens, token], acc))
-        order = sorted(range(len(merged)), key=lambda i: (-merged[i][0].item(), i))[:W]
+        merged += [(score[i], done[i], tokens[i], acc[c]) for i, c in enumerate(top)]
+        order = sorted(range(len(merged)), key=lambda i: (-merged[i][0], i))[:W]
         self.finished = [merged[i] for i in order]
         self.running = new_running
         self.step += 1
@@ -117,12 +121,12 @@ class BeamSearchState:
             best_len = self.max_tokens
         else:
             best_len = self.step
-        best_running = self.running[0].score / (best_len**lp)
-        worst = min(f[0] for f in self.finished).item()
+        best_running = (_fp32([self.running[0].score]) / (best_len**lp)).item()
+        worst = min(f[0] for f in self.finished)
         worst_finished = [worst if f[1] else NEG for f in self.finished]
-        self.unsatisfied = self.unsatisfied and any(best_running.item() > w for w in worst_finished)
+        self.unsatisfied = self.unsatisfied and any(best_running > w for w in worst_finished)
         open_beam = not (all(f[1] for f in self.finished) and self.params.early_stopping is True)
-        return not (self.unsatisfied and open_beam and not all(hits))
+        return not (self.unsatisfied and open_beam and not all(hit_list))
 
 
 class BeamSearchManager:
@@ -252,7 +256,7 @@ class BeamSearchManager:
                     None,
                     "stop" if ended_by_eos else "length",
                     tokens[-1] if ended_by_eos else None,
-                    cumulative_logprob=cumulative.item(),
+                    cumulative_logprob=cumulative,
                 )
             )
         result = RequestOutput(
