@@ -100,7 +100,7 @@ def step_profile(llm, run) -> dict:
     engine = llm.engine
     executor, manager = engine.executor, engine.beam_search
     steps, select_s = [], []
-    submit, consume = executor.submit, manager.consume
+    submit, consume = executor.submit, getattr(manager, "consume", None)
 
     def recording_submit(step):
         if not step.is_empty:
@@ -114,20 +114,28 @@ def step_profile(llm, run) -> dict:
         return result
 
     runner = getattr(executor, "runner", None)
-    executor.submit, manager.consume = recording_submit, timed_consume
+    executor.submit = recording_submit
+    forks = hasattr(manager, "consume")  # (an older tree, run for an A/B, has no forks)
+    if forks:
+        manager.consume = timed_consume
     if runner is not None:
         runner.step_timing = {}
     try:
         run()
     finally:
-        del executor.submit, manager.consume  # the instance attributes: back to the methods
+        del executor.submit  # the instance attributes: back to the methods
+        if forks:
+            del manager.consume
     decode = steps[1:]
     profile = {
         "steps": len(steps),
         "tokens_per_step": sorted({s.total_num_scheduled_tokens for s in decode}),
+        "mean_tokens_per_step": round(
+            sum(s.total_num_scheduled_tokens for s in decode) / max(len(decode), 1), 2
+        ),
         "rows_per_step": sorted({len(s.num_scheduled_tokens) for s in decode}),
         "block_copies_per_step": round(
-            sum(len(s.block_copies) for s in decode) / max(len(decode), 1), 3
+            sum(len(getattr(s, "block_copies", ())) for s in decode) / max(len(decode), 1), 3
         ),
     }
     if runner is not None:
