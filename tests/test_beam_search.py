@@ -236,6 +236,44 @@ def test_beams_under_async_scheduling_match_hf(tiny, monkeypatch):
     assert llm.engine.kv_cache.usage == 0.0 and not llm.engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("num_kv_blocks, plain_tokens", [(6, 60), (9, 12)])
+def test_beams_in_a_tight_pool_match_hf(tiny, num_kv_blocks, plain_tokens):
+    """A pool too small for every fork: forks that find no room for their blocks fall back to a
+    recompute, retained KV is reclaimed rather than waited for, forked beams (holding their
+    blocks) are admitted before a queue the pool has stopped, an ordinary request is preempted
+    (6 blocks); the beams and the ordinary outputs are the same, and nothing stalls."""
+    from kiln import LLM
+
+    hf, roomy = tiny
+    plain = SamplingParams(temperature=0, max_tokens=plain_tokens)
+    alone = roomy.generate(PROMPTS[1:], plain)
+    llm = LLM(roomy.engine.config.model, dtype="float32", num_kv_blocks=num_kv_blocks)
+    engine = llm.engine
+    engine.add_request(
+        LONG_PROMPT,
+        SamplingParams(use_beam_search=True, best_of=8, n=4, max_tokens=12),
+        request_id="beams",
+    )
+    for i, prompt in enumerate(PROMPTS[1:]):
+        engine.add_request(prompt, plain, request_id=f"plain{i}")
+    finals = {}
+    for _ in range(500):
+        for delta in engine.step():
+            if delta.finished:
+                finals[delta.request_id] = engine.finished_output(delta.request_id)
+        if not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests(), "stalled"
+    want, _ = hf_beams(hf, LONG_PROMPT, 8, 4, 12, 1.0, False)
+    assert [c.token_ids for c in finals["beams"].outputs] == want
+    assert [finals[f"plain{i}"].outputs[0].token_ids for i in range(2)] == [
+        o.outputs[0].token_ids for o in alone
+    ]
+    assert engine.kv_cache.usage == 0.0 and not engine.scheduler.retained
+    if num_kv_blocks == 6:
+        assert engine.scheduler.num_preemptions_total > 0
+
+
 def test_abort_frees_every_block(tiny):
     _, llm = tiny
     engine = llm.engine

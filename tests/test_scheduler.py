@@ -379,8 +379,9 @@ def _retained_parent(s: Scheduler, prompt_len: int) -> Request:
     return parent
 
 
-def _continuations(parent: Request, n: int) -> list[Request]:
-    tokens = parent.all_token_ids[: parent.num_computed_tokens]
+def _continuations(parent: Request, n: int, num_tokens: int | None = None) -> list[Request]:
+    """n requests continuing the parent's first num_tokens tokens (its computed ones) by one."""
+    tokens = parent.all_token_ids[: num_tokens or parent.num_computed_tokens]
     return [
         Request(f"k{i}", [*tokens, 50 + i], SamplingParams(max_tokens=1), (EOS,), 1)
         for i in range(n)
@@ -415,7 +416,8 @@ def test_fork_at_a_block_boundary_copies_nothing():
     out, _ = fake_step(s)
     assert out.block_copies == [] and out.num_scheduled_tokens == {"k0": 1, "k1": 1}
     assert [new.block_ids[:2] for new in out.new_requests] == [[b.block_id for b in shared]] * 2
-    assert len({new.block_ids[2] for new in out.new_requests}) == 2  # each its own third block
+    assert len({new.block_ids[2] for new in out.new_requests}) == 2  # each its own third block,
+    # reserved by the fork: admitting a forked request never waits for the pool
     assert s.kv_cache.usage == 0
 
 
@@ -450,3 +452,15 @@ def test_aborting_forked_and_retained_requests_frees_everything():
     with pytest.raises(ValueError, match="does not continue"):
         _retained_parent(s, prompt_len=6)
         s.fork("p", [make_request("x", prompt_len=9)])
+
+
+def test_retained_kv_is_reclaimed_before_anyone_waits_for_blocks():
+    s = make_scheduler(num_blocks=4, block_size=4)
+    parent = _retained_parent(s, prompt_len=6)  # holds 2 of the 4 blocks
+    s.add_request(make_request("big", prompt_len=12, max_tokens=1))  # needs 3
+    out, _ = fake_step(s)
+    assert out.num_scheduled_tokens == {"big": 12}  # admitted: the retained KV went first
+    assert "p" in s.retained and parent.num_computed_tokens == 0
+    assert not s.fork("p", _continuations(parent, 2, num_tokens=6))  # nothing to fork from
+    run_to_completion(s)  # they recompute
+    assert s.kv_cache.usage == 0 and not s.retained

@@ -105,30 +105,31 @@ class KVCacheManager:
         `parent.num_computed_tokens` tokens (which the caller guarantees are the children's
         first tokens too). The full blocks are shared by reference; the last, partial block is
         shared with the first child and copied for each other one, since every child writes its
-        next token there (the copies are queued for the next step: take_block_copies). Returns
-        False, changing nothing, when the parent holds no such KV or the pool lacks the copies'
-        blocks. The parent keeps its references: free it afterwards."""
+        next token there (the copies are queued for the next step: take_block_copies). Each child
+        also gets the blocks its remaining tokens need (a beam's next token past a block
+        boundary), so admitting a forked child never waits for the pool. Returns False, changing
+        nothing, when the parent holds no such KV or the pool lacks the blocks. The parent keeps
+        its references: free it afterwards."""
         blocks = self.req_to_blocks.get(parent.req_id, [])
+        bs = self.block_size
         num_tokens = parent.num_computed_tokens
-        num_full, num_partial = divmod(num_tokens, self.block_size)
-        num_blocks = num_full + (num_partial > 0)
-        num_copies = max(len(children) - 1, 0) if num_partial else 0
-        if not num_tokens or len(blocks) < num_blocks or num_copies > self.pool.num_free_blocks:
+        num_full, num_partial = divmod(num_tokens, bs)
+        num_shared = num_full + (num_partial > 0)
+        num_own = [
+            -(-child.num_tokens // bs) - num_full - (num_partial > 0 and i == 0)
+            for i, child in enumerate(children)
+        ]
+        if not num_tokens or len(blocks) < num_shared or sum(num_own) > self.pool.num_free_blocks:
             return False
-        shared = blocks[:num_blocks]
-        copies = self.pool.allocate(num_copies)
+        shared = blocks[:num_shared]
         num_hashed = min(self._num_cached_blocks.get(parent.req_id, 0), num_full)
         for index, child in enumerate(children):
-            if index == 0 or not num_partial:
-                own = list(shared)
-                self.pool.touch(own)
-            else:
-                own = shared[:num_full]
-                self.pool.touch(own)
-                copy = copies[index - 1]
-                own.append(copy)
-                self._pending_block_copies.append((shared[-1].block_id, copy.block_id))
-            self.req_to_blocks[child.req_id] = own
+            own = shared if index == 0 else shared[:num_full]
+            self.pool.touch(own)
+            new = self.pool.allocate(num_own[index])
+            if index and num_partial:  # the partial block's tokens go first into its own copy
+                self._pending_block_copies.append((shared[-1].block_id, new[0].block_id))
+            self.req_to_blocks[child.req_id] = [*own, *new]
             # The shared full blocks hold the same tokens: the same chained hashes.
             child.block_hashes[:] = parent.block_hashes[:num_full]
             self._num_cached_blocks[child.req_id] = num_hashed
