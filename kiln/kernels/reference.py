@@ -322,6 +322,8 @@ def copy_kv_blocks(
     `destination`. Destinations are distinct and never a source in the same call."""
     src, dst = block_mapping[:, 0], block_mapping[:, 1]
     for cache in caches:
+        if cache.element_size() == 1:  # float8: torch's index_copy_ has no float8 kernel on CPU
+            cache = cache.view(torch.uint8)
         cache.index_copy_(0, dst, cache.index_select(0, src))
 
 
