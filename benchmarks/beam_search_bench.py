@@ -1,15 +1,20 @@
 """Beam search's cost per step: beam width W at batch 1 against a plain batch-W greedy decode,
 and HF's generate(num_beams=W) on the same weights, in one process (issue 18's target on the
-H200, 8B bf16: <= 1.3x the plain batch-4 decode step).
+H200, 8B bf16: <= 1.3x the plain batch-W decode step).
 
-kiln's beam step is W one-token requests whose prompts are the request's prompt plus each beam's
-tokens: the full blocks come from the prefix cache, the last partial block (up to block_size - 1
-tokens a beam) is recomputed, eagerly (a prefill step: no CUDA graph). So expect it above the
-target; the record says by how much, which is what copy-on-write forking of the partial block
-(not built) would have to win back.
+kiln's beam step is W one-token requests, each forked copy-on-write from the request that ran
+its parent beam (engine/beam_search.py): the full blocks shared, the last partial block copied
+on the device, so after the prompt a beam step is a decode step of W rows (CUDA graphs on the
+GPU). It cannot overlap the host with the device as async scheduling does for a plain decode:
+the next step's beams are known only once the selection has read this step's logprobs.
+
+Besides the times, the record counts what each step computed (tokens, rows, block copies, graph
+replays: a separate, traced run of each, so the timed runs carry no tracing), and the host time
+of the selection and forks per beam step.
 
     python3 benchmarks/beam_search_bench.py --model llama-3.1-8b --load-format dummy \\
         --dtype bfloat16 --width 4 --input-len 128 --output-len 64 --out beam_search.json
+    # on the CPU, a tiny model: --model DIR --load-format auto --dtype float32 --no-hf
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 
 
@@ -28,6 +34,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=4)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs of each (the median)")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -47,13 +54,16 @@ def main() -> None:
     W, n_out = args.width, args.output_len
 
     def timed(fn) -> float:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter() - t
+        times = []
+        for _ in range(args.repeats):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
 
     beam = SamplingParams(use_beam_search=True, best_of=W, n=1, max_tokens=n_out, ignore_eos=True)
     plain = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
@@ -73,12 +83,68 @@ def main() -> None:
     record["beam_steps"] = steps
     record["beam_step_ms"] = round(1000 * (beam_s - one_prefill_s) / max(steps - 1, 1), 3)
     record["beam_over_plain"] = round(record["beam_step_ms"] / record["plain_batch_step_ms"], 3)
+    record["plain_profile"] = step_profile(llm, lambda: llm.generate(prompts, plain))
+    record["beam_profile"] = step_profile(llm, lambda: llm.generate([prompt], beam))
     if not args.no_hf:
         record["hf"] = hf_beam_step_ms(args, prompt, W, n_out)
     print(json.dumps(record, indent=1))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
+
+
+def step_profile(llm, run) -> dict:
+    """One more run, traced: per step after the first (the prompts' prefill), the tokens
+    computed, the rows, the block copies and whether it replayed a CUDA graph; and the host time
+    beam search's selection and forks took per step."""
+    engine = llm.engine
+    executor, manager = engine.executor, engine.beam_search
+    steps, select_s = [], []
+    submit, consume = executor.submit, getattr(manager, "consume", None)
+
+    def recording_submit(step):
+        if not step.is_empty:
+            steps.append(step)
+        return submit(step)
+
+    def timed_consume(outputs):
+        t = time.perf_counter()
+        result = consume(outputs)
+        select_s.append(time.perf_counter() - t)
+        return result
+
+    runner = getattr(executor, "runner", None)
+    executor.submit = recording_submit
+    forks = hasattr(manager, "consume")  # (an older tree, run for an A/B, has no forks)
+    if forks:
+        manager.consume = timed_consume
+    if runner is not None:
+        runner.step_timing = {}
+    try:
+        run()
+    finally:
+        del executor.submit  # the instance attributes: back to the methods
+        if forks:
+            del manager.consume
+    decode = steps[1:]
+    profile = {
+        "steps": len(steps),
+        "tokens_per_step": sorted({s.total_num_scheduled_tokens for s in decode}),
+        "mean_tokens_per_step": round(
+            sum(s.total_num_scheduled_tokens for s in decode) / max(len(decode), 1), 2
+        ),
+        "rows_per_step": sorted({len(s.num_scheduled_tokens) for s in decode}),
+        "block_copies_per_step": round(
+            sum(len(getattr(s, "block_copies", ())) for s in decode) / max(len(decode), 1), 3
+        ),
+    }
+    if runner is not None:
+        trace = runner.step_timing.get("trace", [])[1:]
+        profile["graph_steps"] = sum(1 for row in trace if row[0])
+        runner.step_timing = None
+    if select_s:
+        profile["select_and_fork_ms_per_step"] = round(1000 * sum(select_s) / len(decode), 3)
+    return profile
 
 
 def hf_beam_step_ms(args, prompt, width, n_out) -> dict:

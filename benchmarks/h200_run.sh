@@ -252,9 +252,29 @@ for s in "$@"; do
         stage test-so 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_structured_output.py
         ;;
     beam4)  # issue 18: beam width 4 at batch 1 vs a plain batch-4 decode step, and HF's beams
+        # (expectations: benchmarks/beam_search_expected.md)
         stage beam4 400 python3 benchmarks/beam_search_bench.py --model llama-3.1-8b \
             --load-format dummy --dtype bfloat16 --width 4 --input-len 128 --output-len 64 \
-            --out "$OUT/beam_search$SFX.json"
+            --repeats 3 ${NO_HF:+--no-hf} --out "$OUT/beam_search$SFX.json"
+        ;;
+    beam4ab)  # beam4 before the copy-on-write forks (KILN_BASE_COMMIT, default 6451c35), then
+        # now, in one run; each pass ~3-6 min: BEAM_PASSES=before and =forks as two commands fit
+        # a 10-min limit
+        BASE_TREE=${KILN_BASE_TREE:-/tmp/kiln_beam_base_tree}
+        for pass in ${BEAM_PASSES:-before forks}; do
+            if [[ $pass == before ]]; then
+                if [[ -z ${KILN_BASE_TREE:-} ]]; then
+                    rm -rf "$BASE_TREE" && mkdir -p "$BASE_TREE"
+                    if ! git archive "${KILN_BASE_COMMIT:-6451c35}" kiln | tar -x -C "$BASE_TREE"; then
+                        echo "beam4ab: no git history here: set KILN_BASE_TREE to a copy of the old tree"
+                        continue
+                    fi
+                fi
+                KILN_TREE=$BASE_TREE TAG=before NO_HF=1 OUT=$OUT bash "$0" beam4
+            else
+                KILN_TREE=. TAG=forks OUT=$OUT bash "$0" beam4
+            fi
+        done
         ;;
     # ---- tensor/pipeline parallel (issue 17; docs/parallelism.md). NVLink multicast stays off
     # (the lent machines' rule): the variables are set again here, where the ranks inherit them.

@@ -49,6 +49,9 @@ class SchedulerOutput:
     # Speculative decoding: a decode's draft tokens, scheduled as extra tokens of the request
     # (its num_scheduled_tokens is 1 + len(drafts)); the runner verifies them in the same pass.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Copy-on-write forks (KVCacheManager.fork): (source, destination) KV block ids whose
+    # contents the runner copies, in every layer, before this step's forward.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

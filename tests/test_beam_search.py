@@ -1,7 +1,8 @@
 """Beam search (engine/beam_search.py) against Hugging Face's generate(num_beams=W,
 do_sample=False, length_penalty, early_stopping) in fp32: the same sequences in the same order
 and the same scores, for tiny random models and SmolLM2; beams batch with ordinary requests,
-share blocks through the prefix cache, and free every block when done or aborted."""
+fork their KV copy-on-write (a beam step computes one token a beam), and free every block when
+done or aborted."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 from conftest import build_tiny_hf_model
 
 from kiln import InvalidRequestError, SamplingParams
+from kiln.interfaces import SchedulerOutput
+from kiln.runtime.graph_runner import GraphRunner
 
 PROMPTS = [[1, 17, 42, 99, 5, 7], [1, 200, 3, 3, 150], [1, 64, 65, 66, 67, 68, 69, 70, 71, 72]]
 # (the comparisons use the first two; the third only batches beside a beam search)
@@ -131,22 +134,144 @@ def test_beams_ending_in_eos_match_hf(tiny_eos, width, n, length_penalty, early_
         assert ended  # EOS inside the beams (the tiny fixture's searches have none)
 
 
-def test_beams_batch_with_ordinary_requests_and_free_their_blocks(tiny):
+LONG_PROMPT = [1, *range(100, 139)]  # 40 tokens: two full blocks of 16, 8 tokens of a third
+
+
+def record_steps(monkeypatch, engine) -> list[tuple[SchedulerOutput, int]]:
+    """Every step the engine submits, with the KV blocks referenced at that moment."""
+    steps = []
+    submit = engine.executor.submit
+    pool = engine.kv_cache.pool
+
+    def recording(step: SchedulerOutput) -> bool:
+        steps.append((step, pool.num_blocks - pool.num_free_blocks))
+        return submit(step)
+
+    monkeypatch.setattr(engine.executor, "submit", recording)
+    return steps
+
+
+def is_beam(req_id: str) -> bool:
+    return "#beam" in req_id
+
+
+def test_beams_batch_with_ordinary_requests_and_free_their_blocks(tiny, monkeypatch):
     hf, llm = tiny
     engine = llm.engine
     plain = SamplingParams(temperature=0, max_tokens=12)
     alone = llm.generate(PROMPTS[1:], plain)
-    hits_before = engine.kv_cache.stats.hits
     beam = SamplingParams(use_beam_search=True, best_of=4, n=2, max_tokens=10)
-    long_prompt = [1, *range(100, 139)]  # 40 tokens: two full blocks of 16
-    mixed = llm.generate([long_prompt, *PROMPTS[1:]], [beam, plain, plain])
+    steps = record_steps(monkeypatch, engine)
+    mixed = llm.generate([LONG_PROMPT, *PROMPTS[1:]], [beam, plain, plain])
     assert [o.outputs[0].token_ids for o in mixed[1:]] == [o.outputs[0].token_ids for o in alone]
-    want, _ = hf_beams(hf, long_prompt, 4, 2, 10, 1.0, False)
+    want, _ = hf_beams(hf, LONG_PROMPT, 4, 2, 10, 1.0, False)
     assert [c.token_ids for c in mixed[0].outputs] == want
-    # After the first step, each step's 4 beams find the prompt's two full blocks in the cache
-    # (one copy of the prompt's KV, not four): 9 steps x 4 beams x 32 tokens.
-    assert engine.kv_cache.stats.hits - hits_before >= 9 * 4 * 32
+    # Beams and ordinary requests in the same steps; after the prompt's step every beam computes
+    # one token (forked from its parent's KV, not recomputed from the prefix cache).
+    assert any(
+        any(map(is_beam, s.num_scheduled_tokens)) and not all(map(is_beam, s.num_scheduled_tokens))
+        for s, _ in steps
+    )
+    beam_rows = [(r, n) for s, _ in steps for r, n in s.num_scheduled_tokens.items() if is_beam(r)]
+    assert beam_rows[0][0].endswith("#beam0.0")  # the prompt's step: beam 0 alone
+    assert len(beam_rows) == 1 + 9 * 4 and all(n == 1 for _, n in beam_rows[1:])
     assert engine.kv_cache.usage == 0.0 and not engine.has_unfinished_requests()
+    assert not engine.scheduler.retained
+
+
+def test_each_beam_step_is_a_graph_step_of_one_row_a_beam(tiny, monkeypatch):
+    """After the prompt, a beam step is a pure decode step of W rows: the decode-graph path
+    (FakeGraph on the CPU), one token a beam, the prompt's full blocks shared, partial blocks
+    copied on the device, and the same beams as HF."""
+    hf, llm = tiny
+    engine = llm.engine
+    runner = engine.executor.runner
+    graphs = GraphRunner(
+        runner.model,
+        runner.ops,
+        runner.backend,
+        runner.kv_caches,
+        runner.inputs,
+        runner.max_num_seqs,
+        runner.max_model_len,
+        fake=True,
+    )
+    graphs.capture()
+    monkeypatch.setattr(runner, "graphs", graphs)
+    monkeypatch.setattr(runner, "step_timing", {})
+    steps = record_steps(monkeypatch, engine)
+    width, max_tokens = 4, 12  # 40 + 8 tokens reach a block boundary: a fork that copies nothing
+    got = kiln_beams(llm, LONG_PROMPT, width, width, max_tokens, 1.0, False)
+    want, want_scores = hf_beams(hf, LONG_PROMPT, width, width, max_tokens, 1.0, False)
+    assert [c.token_ids for c in got.outputs] == want
+    scores = [c.cumulative_logprob / len(c.token_ids) for c in got.outputs]
+    assert scores == pytest.approx(want_scores, abs=1e-4)
+    assert len(steps) == max_tokens
+    first, _ = steps[0]  # the prompt, once (past its prefix-cache hits)
+    assert len(first.num_scheduled_tokens) == 1 and first.total_num_scheduled_tokens > 1
+    for step, _ in steps[1:]:
+        assert list(step.num_scheduled_tokens.values()) == [1] * width
+        assert {new.num_computed_tokens for new in step.new_requests} == {
+            len(new.prompt_token_ids) - 1 for new in step.new_requests
+        }
+    assert sum(len(s.block_copies) for s, _ in steps) > 0
+    trace = runner.step_timing["trace"]  # [graph, num_seqs, num_tokens, ...] per step
+    assert [row[:3] for row in trace[1:]] == [[True, width, width]] * (max_tokens - 1)
+    # The prompt's two full blocks are held once; each beam adds at most its last two blocks.
+    assert max(in_use for _, in_use in steps) <= 2 + 2 * width
+    assert engine.kv_cache.usage == 0.0 and not engine.scheduler.retained
+
+
+def test_beams_under_async_scheduling_match_hf(tiny, monkeypatch):
+    """Async scheduling: a beam step's children are queued while the next step already runs."""
+    hf, llm = tiny
+    monkeypatch.setattr(llm.engine, "async_scheduling", True)
+    plain = SamplingParams(temperature=0, max_tokens=12)
+    alone = llm.generate(PROMPTS[1:], plain)
+    beam = SamplingParams(use_beam_search=True, best_of=4, n=3, max_tokens=10)
+    mixed = llm.generate([LONG_PROMPT, *PROMPTS[1:]], [beam, plain, plain])
+    assert [o.outputs[0].token_ids for o in mixed[1:]] == [o.outputs[0].token_ids for o in alone]
+    want, _ = hf_beams(hf, LONG_PROMPT, 4, 3, 10, 1.0, False)
+    assert [c.token_ids for c in mixed[0].outputs] == want
+    assert llm.engine.kv_cache.usage == 0.0 and not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("num_kv_blocks, plain_tokens", [(6, 60), (9, 12)])
+def test_beams_in_a_tight_pool_match_hf(tiny, num_kv_blocks, plain_tokens):
+    """A pool too small for every fork: forks that find no room for their blocks fall back to a
+    recompute, retained KV is reclaimed rather than waited for, forked beams (holding their
+    blocks) are admitted before a queue the pool has stopped, an ordinary request is preempted
+    (6 blocks); the beams and the ordinary outputs are the same, and nothing stalls."""
+    from kiln import LLM
+
+    hf, roomy = tiny
+    plain = SamplingParams(temperature=0, max_tokens=plain_tokens)
+    alone = roomy.generate(PROMPTS[1:], plain)
+    llm = LLM(roomy.engine.config.model, dtype="float32", num_kv_blocks=num_kv_blocks)
+    engine = llm.engine
+    engine.add_request(
+        LONG_PROMPT,
+        SamplingParams(use_beam_search=True, best_of=8, n=4, max_tokens=12),
+        request_id="beams",
+    )
+    for i, prompt in enumerate(PROMPTS[1:]):
+        engine.add_request(prompt, plain, request_id=f"plain{i}")
+    finals = {}
+    for _ in range(500):
+        for delta in engine.step():
+            if delta.finished:
+                finals[delta.request_id] = engine.finished_output(delta.request_id)
+        if not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests(), "stalled"
+    want, _ = hf_beams(hf, LONG_PROMPT, 8, 4, 12, 1.0, False)
+    assert [c.token_ids for c in finals["beams"].outputs] == want
+    assert [finals[f"plain{i}"].outputs[0].token_ids for i in range(2)] == [
+        o.outputs[0].token_ids for o in alone
+    ]
+    assert engine.kv_cache.usage == 0.0 and not engine.scheduler.retained
+    if num_kv_blocks == 6:
+        assert engine.scheduler.num_preemptions_total > 0
 
 
 def test_abort_frees_every_block(tiny):
@@ -164,7 +289,7 @@ def test_abort_frees_every_block(tiny):
     assert final.finished and final.outputs[0].finish_reason == "abort"
     assert not engine.scheduler.has_unfinished_requests() and not engine.has_unfinished_requests()
     assert not [r for r in engine.output_processor.requests if r.startswith("beam-abort")]
-    assert engine.kv_cache.usage == 0.0
+    assert engine.kv_cache.usage == 0.0 and not engine.scheduler.retained
     assert engine.finished_output("beam-abort") is None
     # Mid-step: the children are running and hold blocks; an abort frees them.
     engine.add_request(long_prompt, params, request_id="beam-abort-2")

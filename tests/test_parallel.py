@@ -134,6 +134,7 @@ def test_step_message_round_trips_as_json() -> None:
         finished_req_ids=frozenset({"c"}),
         num_preempted=1,
         step_id=12,
+        block_copies=[(3, 5), (3, 6)],
     )
     data = encode_step(step)
     assert data.startswith(b"{")  # JSON, never pickle
@@ -200,6 +201,16 @@ def llama_refs(models):
     return _reference(models["llama"])
 
 
+# Beam search: its copy-on-write forks' block copies travel in the step message to every rank.
+BEAM = SamplingParams(use_beam_search=True, best_of=4, n=2, max_tokens=10)
+BEAM_PROMPT = [1, *range(40, 58)]  # 19 tokens: the beams fork a partial block
+
+
+@pytest.fixture(scope="module")
+def llama_beam_ref(models):
+    return LLM(models["llama"], **COMMON).generate([BEAM_PROMPT], BEAM)[0]
+
+
 # One parallel engine at a time (torch.distributed has one default group per process): each
 # class's engine is class-scoped, so it is shut down before the next class starts its own.
 
@@ -212,6 +223,13 @@ def llama_tp2(models):
 class TestLlamaTP2:
     def test_tp2_equals_one_process(self, llama_tp2, llama_refs) -> None:
         _assert_same(llama_tp2.generate(PROMPTS, GREEDY), llama_refs)
+
+    def test_tp2_beam_search_equals_one_process(self, llama_tp2, llama_beam_ref) -> None:
+        got = llama_tp2.generate([BEAM_PROMPT], BEAM)[0].outputs
+        assert [c.token_ids for c in got] == [c.token_ids for c in llama_beam_ref.outputs]
+        want = [c.cumulative_logprob for c in llama_beam_ref.outputs]
+        assert [c.cumulative_logprob for c in got] == pytest.approx(want, abs=1e-4)
+        assert llama_tp2.engine.kv_cache.usage == 0.0
 
     def test_a_second_parallel_engine_in_the_process_is_refused(self, llama_tp2, models) -> None:
         from kiln.executor.multiproc import RankFailedError

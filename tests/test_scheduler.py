@@ -395,3 +395,103 @@ def test_pipeline_micro_batches_give_the_same_tokens(kwargs, lag):
     assert _drive(s, lag, finish_after={"cut": 4}) == want
     if "num_blocks" not in kwargs:  # (9 blocks hold too few requests to fill every step)
         assert max(num_steps_ahead) == lag + 1  # requests spread over every step in flight
+
+
+# ---- copy-on-write forks (beam search) -------------------------------------------------------
+
+
+def _retained_parent(s: Scheduler, prompt_len: int) -> Request:
+    """A one-token request that ran and finished, its KV retained for fork()."""
+    parent = make_request("p", prompt_len=prompt_len, max_tokens=1)
+    parent.retain_kv = True
+    s.add_request(parent)
+    fake_step(s)
+    assert "p" in s.retained and "p" not in s.requests
+    return parent
+
+
+def _continuations(parent: Request, n: int, num_tokens: int | None = None) -> list[Request]:
+    """n requests continuing the parent's first num_tokens tokens (its computed ones) by one."""
+    tokens = parent.all_token_ids[: num_tokens or parent.num_computed_tokens]
+    return [
+        Request(f"k{i}", [*tokens, 50 + i], SamplingParams(max_tokens=1), (EOS,), 1)
+        for i in range(n)
+    ]
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    s = make_scheduler(num_blocks=16, block_size=4)
+    parent = _retained_parent(s, prompt_len=6)  # a full block and 2 tokens of a second
+    full, partial = s.kv_cache.req_to_blocks["p"]
+    kids = _continuations(parent, 3)
+    assert s.fork("p", kids)
+    blocks = [s.kv_cache.req_to_blocks[k.req_id] for k in kids]
+    assert [b[0] for b in blocks] == [full] * 3 and blocks[0][1] is partial
+    assert len({b[1].block_id for b in blocks}) == 3  # the others got blocks of their own
+    assert full.ref_count == 3 and partial.ref_count == 1 and not s.retained
+    out, _ = fake_step(s)
+    # One token a child (a decode row each), after the copies of the partial block.
+    assert out.num_scheduled_tokens == {"k0": 1, "k1": 1, "k2": 1}
+    assert [new.num_computed_tokens for new in out.new_requests] == [6, 6, 6]
+    assert out.block_copies == [(partial.block_id, b[1].block_id) for b in blocks[1:]]
+    assert s.schedule().block_copies == []  # a copy runs once
+    assert s.kv_cache.usage == 0 and s.kv_cache.stats.queries == 6  # forks are no prefix lookups
+
+
+def test_fork_at_a_block_boundary_copies_nothing():
+    s = make_scheduler(num_blocks=16, block_size=4)
+    parent = _retained_parent(s, prompt_len=8)  # two full blocks
+    shared = list(s.kv_cache.req_to_blocks["p"])
+    kids = _continuations(parent, 2)
+    assert s.fork("p", kids)
+    out, _ = fake_step(s)
+    assert out.block_copies == [] and out.num_scheduled_tokens == {"k0": 1, "k1": 1}
+    assert [new.block_ids[:2] for new in out.new_requests] == [[b.block_id for b in shared]] * 2
+    assert len({new.block_ids[2] for new in out.new_requests}) == 2  # each its own third block,
+    # reserved by the fork: admitting a forked request never waits for the pool
+    assert s.kv_cache.usage == 0
+
+
+def test_fork_without_room_for_the_copies_falls_back_to_recompute():
+    s = make_scheduler(num_blocks=3, block_size=4)
+    parent = _retained_parent(s, prompt_len=6)  # holds 2 of the 3 blocks
+    kids = _continuations(parent, 3)  # would need 2 copies: 1 block is free
+    assert not s.fork("p", kids)
+    assert not s.retained and all(k.num_computed_tokens == 0 for k in kids)
+    out, _ = fake_step(s)
+    # A prefix hit on the full block, then the partial block's 2 tokens and the new one; the
+    # third child waits for a block.
+    assert out.block_copies == [] and out.num_scheduled_tokens == {"k0": 3, "k1": 3}
+    run_to_completion(s)
+    assert s.kv_cache.usage == 0
+    assert not s.kv_cache.fork(parent, kids)  # (a parent without KV forks nothing)
+
+
+def test_aborting_forked_and_retained_requests_frees_everything():
+    s = make_scheduler(num_blocks=16, block_size=4)
+    parent = _retained_parent(s, prompt_len=6)
+    kids = _continuations(parent, 3)
+    for kid in kids:
+        kid.retain_kv = True
+    s.fork("p", kids)
+    s.finish_requests(["k1", "k2"], RequestStatus.FINISHED_ABORTED)  # before their copies ran
+    out, _ = fake_step(s)  # k0 runs and finishes: retained
+    assert out.block_copies == [] and out.num_scheduled_tokens == {"k0": 1}
+    assert "k0" in s.retained and s.kv_cache.usage > 0
+    s.finish_requests(["k0"], RequestStatus.FINISHED_ABORTED)  # a retained one goes too
+    assert not s.retained and s.kv_cache.usage == 0
+    with pytest.raises(ValueError, match="does not continue"):
+        _retained_parent(s, prompt_len=6)
+        s.fork("p", [make_request("x", prompt_len=9)])
+
+
+def test_retained_kv_is_reclaimed_before_anyone_waits_for_blocks():
+    s = make_scheduler(num_blocks=4, block_size=4)
+    parent = _retained_parent(s, prompt_len=6)  # holds 2 of the 4 blocks
+    s.add_request(make_request("big", prompt_len=12, max_tokens=1))  # needs 3
+    out, _ = fake_step(s)
+    assert out.num_scheduled_tokens == {"big": 12}  # admitted: the retained KV went first
+    assert "p" in s.retained and parent.num_computed_tokens == 0
+    assert not s.fork("p", _continuations(parent, 2, num_tokens=6))  # nothing to fork from
+    run_to_completion(s)  # they recompute
+    assert s.kv_cache.usage == 0 and not s.retained

@@ -851,3 +851,39 @@ def test_argmax_llama_vocab_bf16() -> None:
     # A strided view (rows of a wider buffer).
     wide = torch.randn(4, 130000, generator=gen).to(DEVICE, torch.bfloat16)
     assert torch.equal(triton_ops.argmax(wide[:, :128256]), reference.argmax(wide[:, :128256]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Copy-on-write block copies (beam search forks)
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim",
+    [
+        (torch.float32, 8),
+        (torch.float16, 8),
+        (torch.uint8, 5),  # a block of 5 bytes: copied byte by byte
+        (torch.float8_e4m3fn, 8),
+        pytest.param(torch.bfloat16, 128, marks=on_gpu),
+    ],
+)
+def test_copy_kv_blocks(dtype: torch.dtype, head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(33)
+    shape = (7, 4, 2, head_dim)  # [num_blocks, block_size, num_kv_heads, head_dim]
+    if dtype == torch.uint8:
+        shape = (7, 1, 1, head_dim)
+        caches = [torch.randint(0, 256, shape, generator=gen, dtype=dtype) for _ in range(2)]
+        caches = [c.to(DEVICE) for c in caches]
+    else:
+        caches = [torch.randn(shape, generator=gen).to(DEVICE, dtype) for _ in range(3)]
+    want = [c.clone() for c in caches]
+    mapping = torch.tensor([[1, 4], [1, 6], [3, 0]], dtype=torch.int64, device=DEVICE)
+    by_hand = [c.view(torch.uint8).clone() for c in caches]  # the bytes, block by block
+    for blocks in by_hand:
+        blocks[4], blocks[6], blocks[0] = blocks[1].clone(), blocks[1].clone(), blocks[3].clone()
+    reference.copy_kv_blocks(want, mapping)
+    triton_ops.copy_kv_blocks(caches, mapping)
+    for got, ref, hand in zip(caches, want, by_hand):
+        assert torch.equal(ref.view(torch.uint8), hand)
+        assert torch.equal(got.view(torch.uint8), hand)
+    triton_ops.copy_kv_blocks(caches, mapping[:0])  # no copies: nothing launched

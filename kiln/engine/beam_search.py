@@ -1,9 +1,11 @@
 """Beam search above the scheduler: each step, every running beam is one ordinary request of one
-token (its prompt = the request's prompt + the beam's tokens, greedy, with the raw top-K
-logprobs), so beams batch with every other request, and share their KV blocks through the prefix
-cache and the block pool's reference counts: a beam's full blocks are hits (the prompt's and the
-common prefix's), only its last partial block is recomputed. A step's children finish with their
-one token, so nothing outlives a step and an abort frees every block.
+token (greedy, with the raw top-K logprobs), so beams batch with every other request. A step's
+beams continue the previous step's by copy-on-write forks: a finished beam request keeps its KV
+(Request.retain_kv) until the selection is made, then each beam that continues it gets its
+blocks (Scheduler.fork: the full ones shared by reference, the last partial one copied on the
+device), so the next step computes one token a beam, a plain decode row (CUDA graphs on the GPU).
+Nothing outlives a step but those retained blocks, which the search lets go of when it forks,
+finishes or is aborted: an abort frees every block.
 
 The selection is Hugging Face's `generate(num_beams=W, do_sample=False, length_penalty,
 early_stopping)` step for step (transformers' _beam_search): the top K = max(2, 1 + #EOS) * W
@@ -15,11 +17,14 @@ the best W others run on; the early-stopping heuristic and `early_stopping` True
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from kiln.engine.request import Request, RequestStatus
+from kiln.engine.scheduler import EngineCoreOutput
 from kiln.outputs import CompletionOutput, RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -32,11 +37,20 @@ NEG = -1.0e9  # HF's "impossible" score
 @dataclass
 class _Beam:
     tokens: list[int]
-    score: torch.Tensor  # fp32 scalar: cumulative log-probability (HF's arithmetic)
+    score: float  # cumulative log-probability, an fp32 value (HF's arithmetic)
+
+
+def _fp32(values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
 
 
 @dataclass
 class BeamSearchState:
+    """One search's beams. Scores are fp32 values kept as Python floats (exact): the arithmetic
+    runs as HF's, in fp32 torch ops, one op over a step's candidates rather than one per
+    candidate (an elementwise op rounds each element as it would a scalar; the host time of a
+    beam step is not hidden behind the device, as the next step waits for the selection)."""
+
     req_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -45,61 +59,60 @@ class BeamSearchState:
     max_tokens: int
     width: int
     running: list[_Beam] = field(default_factory=list)
-    finished: list[tuple[torch.Tensor, bool, list[int], torch.Tensor]] = field(default_factory=list)
+    finished: list[tuple[float, bool, list[int], float]] = field(default_factory=list)
     """W slots of (penalized score, is finished, tokens, cumulative logprob), best first."""
+    priority: int = 0
+    arrival_time: float = 0.0  # the search's: its beams keep its place in the queue
     unsatisfied: bool = True  # HF's is_early_stop_heuristic_unsatisfied
     step: int = 0
     children: dict[str, int] = field(default_factory=dict)  # child id -> running beam index
     results: dict[int, dict] = field(default_factory=dict)  # beam index -> top-K {token: lp}
-    output: RequestOutput | None = None
+    parents: list[int] = field(default_factory=list)  # running beam -> its beam of the last step
 
     @property
     def keep(self) -> int:
         return max(2, 1 + len(self.eos_token_ids)) * self.width
 
     def __post_init__(self) -> None:
-        zero = torch.zeros((), dtype=torch.float32)
         # Beams 1.. start at -1e9, so the first step expands beam 0 alone (as HF).
-        self.running = [_Beam([], zero if i == 0 else zero + NEG) for i in range(self.width)]
-        self.finished = [(zero + NEG, False, [], zero + NEG) for _ in range(self.width)]
+        self.running = [_Beam([], 0.0 if i == 0 else NEG) for i in range(self.width)]
+        self.finished = [(NEG, False, [], NEG) for _ in range(self.width)]
 
     def advance(self) -> bool:
         """One HF step from the children's top-K logprobs; True when the search is over."""
         W, K = self.width, self.keep
         generated = self.step + 1  # tokens each candidate has (cur_len + 1 - prompt_len)
-        candidates = []  # (accumulated fp32, beam index, token)
+        beam_of, token_of, logprobs, base = [], [], [], []  # the candidates
         for b, beam in enumerate(self.running):
             for token, logprob in self.results.get(b, {}).items():
-                acc = torch.tensor(logprob, dtype=torch.float32) + beam.score
-                candidates.append((acc, b, token))
-        candidates.sort(key=lambda c: (-c[0].item(), c[1], c[2]))
-        top = candidates[:K]
-        hits = [t in self.eos_token_ids or generated >= self.max_tokens for _, _, t in top]
+                beam_of.append(b)
+                token_of.append(token)
+                logprobs.append(logprob)
+                base.append(beam.score)
+        acc = (_fp32(logprobs) + _fp32(base)).tolist()  # accumulated, fp32
+        top = sorted(range(len(acc)), key=lambda c: (-acc[c], beam_of[c], token_of[c]))[:K]
+        top_acc = _fp32([acc[c] for c in top])
+        hit_list = [token_of[c] in self.eos_token_ids or generated >= self.max_tokens for c in top]
+        hits = torch.tensor(hit_list)
+        tokens = [[*self.running[beam_of[c]].tokens, token_of[c]] for c in top]
         # Running beams for the next step: the best W that did not just finish.
-        alive = sorted(
-            range(len(top)), key=lambda i: (-(top[i][0] + (NEG if hits[i] else 0.0)).item(), i)
-        )[:W]
-        new_running = [
-            _Beam(
-                [*self.running[top[i][1]].tokens, top[i][2]], top[i][0] + (NEG if hits[i] else 0.0)
-            )
-            for i in alive
-        ]
+        running_scores = (top_acc + torch.where(hits, NEG, 0.0)).tolist()
+        alive = sorted(range(len(top)), key=lambda i: (-running_scores[i], i))[:W]
+        new_running = [_Beam(tokens[i], running_scores[i]) for i in alive]
+        self.parents = [beam_of[top[i]] for i in alive]
         # Finished hypotheses: the top-W candidates that hit a stop, length-penalized.
         all_finished = all(f[1] for f in self.finished)
         lp = self.params.length_penalty
+        done = [hit and i < W for i, hit in enumerate(hit_list)]
+        score = top_acc / (generated**lp)
+        if all_finished and self.params.early_stopping is True:
+            score = score + NEG
+        if not self.unsatisfied:
+            score = score + NEG
+        score = (score + torch.where(torch.tensor(done), 0.0, NEG)).tolist()
         merged = list(self.finished)
-        for i, (acc, b, token) in enumerate(top):
-            done = hits[i] and i < W
-            score = acc / (generated**lp)
-            if all_finished and self.params.early_stopping is True:
-                score = score + NEG
-            if not self.unsatisfied:
-                score = score + NEG
-            if not done:
-                score = score + NEG
-            merged.append((score, done, [*self.running[b].tokens, token], acc))
-        order = sorted(range(len(merged)), key=lambda i: (-merged[i][0].item(), i))[:W]
+        merged += [(score[i], done[i], tokens[i], acc[c]) for i, c in enumerate(top)]
+        order = sorted(range(len(merged)), key=lambda i: (-merged[i][0], i))[:W]
         self.finished = [merged[i] for i in order]
         self.running = new_running
         self.step += 1
@@ -108,21 +121,23 @@ class BeamSearchState:
             best_len = self.max_tokens
         else:
             best_len = self.step
-        best_running = self.running[0].score / (best_len**lp)
-        worst = min(f[0] for f in self.finished).item()
+        best_running = (_fp32([self.running[0].score]) / (best_len**lp)).item()
+        worst = min(f[0] for f in self.finished)
         worst_finished = [worst if f[1] else NEG for f in self.finished]
-        self.unsatisfied = self.unsatisfied and any(best_running.item() > w for w in worst_finished)
+        self.unsatisfied = self.unsatisfied and any(best_running > w for w in worst_finished)
         open_beam = not (all(f[1] for f in self.finished) and self.params.early_stopping is True)
-        return not (self.unsatisfied and open_beam and not all(hits))
+        return not (self.unsatisfied and open_beam and not all(hit_list))
 
 
 class BeamSearchManager:
-    """The engine's beam searches: issues each step's children, routes their outputs back."""
+    """The engine's beam searches: queues each step's beams in the scheduler, takes their outputs
+    before the output processor (a beam's one token is not a user's), forks the next step."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.searches: dict[str, BeamSearchState] = {}
-        self._child_to_parent: dict[str, str] = {}
+        self._child_to_search: dict[str, str] = {}
+        self._child_params: dict[str, SamplingParams] = {}  # search id -> its beams' params
         self._done: dict[str, RequestOutput] = {}
 
     @property
@@ -136,59 +151,94 @@ class BeamSearchManager:
         token_ids: list[int],
         params: SamplingParams,
         max_tokens: int,
+        priority: int = 0,
     ) -> str:
         width = params.best_of or params.n
         state = BeamSearchState(
-            req_id, prompt, token_ids, params, self.engine.eos_token_ids, max_tokens, width
+            req_id,
+            prompt,
+            token_ids,
+            params,
+            self.engine.eos_token_ids,
+            max_tokens,
+            width,
+            priority=priority,
+            arrival_time=time.monotonic(),
         )
-        self.searches[req_id] = state
-        self._issue(state)
-        return req_id
-
-    def _issue(self, state: BeamSearchState) -> None:
-        child_params = SamplingParams(
+        self._child_params[req_id] = SamplingParams(
             temperature=0.0,
             max_tokens=1,
             logprobs=state.keep,
             ignore_eos=True,
-            skip_special_tokens=state.params.skip_special_tokens,
+            skip_special_tokens=params.skip_special_tokens,
         )
-        state.children, state.results = {}, {}
-        # The first step expands beam 0 alone: the others are the same prompt at -1e9.
-        beams = [0] if state.step == 0 else range(len(state.running))
-        for b in beams:
-            child_id = f"{state.req_id}#beam{state.step}.{b}"
-            tokens = state.prompt_token_ids + state.running[b].tokens
-            state.children[child_id] = b
-            self._child_to_parent[child_id] = state.req_id
-            self.engine.add_request(tokens, child_params, request_id=child_id)
+        self.searches[req_id] = state
+        # The first step expands beam 0 alone (the others are the same prompt at -1e9): the
+        # prompt's prefill, prefix-cache hits included.
+        self.engine.scheduler.add_request(self._child(state, 0, token_ids))
+        return req_id
 
-    def route(self, deltas: list[RequestOutput]) -> list[RequestOutput]:
-        """Consume the children's outputs; returns the other deltas plus finished searches."""
-        out = []
-        for delta in deltas:
-            parent = self._child_to_parent.get(delta.request_id)
-            if parent is None:
-                out.append(delta)
+    def _child(self, state: BeamSearchState, beam: int, token_ids: list[int]) -> Request:
+        """The request that computes one step of a running beam."""
+        child_id = f"{state.req_id}#beam{state.step}.{beam}"
+        state.children[child_id] = beam
+        self._child_to_search[child_id] = state.req_id
+        return Request(
+            child_id,
+            token_ids,
+            self._child_params[state.req_id],
+            state.eos_token_ids,
+            max_tokens=1,
+            priority=state.priority,
+            arrival_time=state.arrival_time,
+            retain_kv=True,
+        )
+
+    def _issue(self, state: BeamSearchState) -> None:
+        """Queue the step's beams, each forked from the request that ran its parent beam."""
+        ran = {beam: child_id for child_id, beam in state.children.items()}
+        forks: dict[str, list[Request]] = {child_id: [] for child_id in state.children}
+        state.children, state.results = {}, {}
+        for index, beam in enumerate(state.running):
+            tokens = state.prompt_token_ids + beam.tokens
+            forks[ran[state.parents[index]]].append(self._child(state, index, tokens))
+        # Beams nobody continues first: their partial blocks go back before the copies are taken.
+        scheduler = self.engine.scheduler
+        for parent, children in sorted(forks.items(), key=lambda item: bool(item[1])):
+            scheduler.fork(parent, children)
+
+    def consume(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[EngineCoreOutput], list[RequestOutput]]:
+        """Take the beams' outputs out of a step's; returns the others, and the searches that
+        finished (their final outputs)."""
+        rest: list[EngineCoreOutput] = []
+        finished: list[RequestOutput] = []
+        for out in outputs:
+            search_id = self._child_to_search.get(out.req_id)
+            if search_id is None:
+                rest.append(out)
                 continue
-            if not delta.finished:
-                continue
-            final = self.engine.finished_output(delta.request_id)
-            self._child_to_parent.pop(delta.request_id)
-            state = self.searches[parent]
-            position = final.outputs[0].logprobs[0]
-            state.results[state.children[delta.request_id]] = {
-                t: lp.logprob for t, lp in position.items()
-            }
+            if out.finish_reason is None:
+                continue  # (a beam's request ends with its one token: not reached)
+            del self._child_to_search[out.req_id]
+            state = self.searches[search_id]
+            [position] = out.logprobs  # column 0 is the argmax, again among the top K
+            state.results[state.children[out.req_id]] = dict(
+                zip(position.token_ids, position.logprobs)
+            )
             if len(state.results) == len(state.children):
                 if state.advance():
-                    out.append(self._finish(state))
+                    finished.append(self._finish(state))
                 else:
                     self._issue(state)
-        return out
+        return rest, finished
 
     def _finish(self, state: BeamSearchState) -> RequestOutput:
         del self.searches[state.req_id]
+        del self._child_params[state.req_id]
+        for child_id in state.children:  # the last step's beams: their KV goes back
+            self.engine.scheduler.release(child_id)
         tokenizer = self.engine.tokenizer
         outputs = []
         for index, (_, _, tokens, cumulative) in enumerate(state.finished[: state.params.n]):
@@ -206,7 +256,7 @@ class BeamSearchManager:
                     None,
                     "stop" if ended_by_eos else "length",
                     tokens[-1] if ended_by_eos else None,
-                    cumulative_logprob=cumulative.item(),
+                    cumulative_logprob=cumulative,
                 )
             )
         result = RequestOutput(
@@ -222,15 +272,15 @@ class BeamSearchManager:
         return req_id in self.searches or req_id in self._done
 
     def abort(self, req_id: str) -> RequestOutput | None:
-        """Abort a search: its step's children (the only requests holding its blocks) go."""
+        """Abort a search: its step's beams go, queued, running or finished (their kept KV)."""
         self._done.pop(req_id, None)
         state = self.searches.pop(req_id, None)
         if state is None:
             return None
-        children = [c for c in state.children if c in self._child_to_parent]
-        for child in children:
-            self._child_to_parent.pop(child)
-        if children:
-            self.engine.abort_request(children)
+        del self._child_params[req_id]
+        children = list(state.children)
+        for child_id in children:
+            self._child_to_search.pop(child_id, None)
+        self.engine.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
         outputs = [CompletionOutput(0, "", [], None, "abort")]
         return RequestOutput(req_id, state.prompt, state.prompt_token_ids, outputs, True)

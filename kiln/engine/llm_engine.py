@@ -129,7 +129,7 @@ class LLMEngine:
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         if params.use_beam_search:
-            return self.beam_search.add(request_id, text, token_ids, params, max_tokens)
+            return self.beam_search.add(request_id, text, token_ids, params, max_tokens, priority)
         child_ids = self.output_processor.add_request(request_id, text, token_ids, params)
         now = time.monotonic()
         for index, child_id in enumerate(child_ids):
@@ -252,12 +252,13 @@ class LLMEngine:
         self, sched: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
         core_outputs = self.scheduler.update(sched, runner_output)
+        finished_searches: list[RequestOutput] = []
+        if self.beam_search.active:  # beams' one-token steps stay inside
+            core_outputs, finished_searches = self.beam_search.consume(core_outputs)
         deltas, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        if self.beam_search.active:
-            deltas = self.beam_search.route(deltas)  # beams' one-token steps stay inside
-        return deltas
+        return deltas + finished_searches
 
     def finished_output(self, request_id: str) -> RequestOutput | None:
         """Pop the cumulative output of a finished request (None if unknown or unfinished)."""

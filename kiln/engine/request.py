@@ -58,6 +58,9 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_spec_steps: int = 0  # verification steps (each gave accepted + 1 tokens)
+    # Its KV outlives it when it finishes (not when aborted): the scheduler keeps the blocks
+    # until Scheduler.fork() hands them on (beam search: the next step's beams continue it).
+    retain_kv: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -104,7 +104,12 @@ class Scheduler:
         # Both kept sorted by `_key`: the front is served first, the back preempted first.
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        # Forked requests (fork()): they continue a running sequence and hold every block they
+        # need, so they are admitted before the waiting queue, whatever the pool holds.
+        self.forked: list[Request] = []
         self._finished_req_ids: set[str] = set()
+        # Finished requests whose KV is kept (Request.retain_kv) until fork() hands it on.
+        self.retained: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self._step_ids = itertools.count(1)
         # The Request objects each scheduled step ran, until update() has applied its output.
@@ -124,14 +129,21 @@ class Scheduler:
         bisect.insort(self.waiting, request, key=self._key)
 
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[Request]:
-        """Abort (or stop) requests wherever they are; their blocks are freed at once."""
+        """Abort (or stop) requests wherever they are; their blocks are freed at once (those a
+        finished request retained too)."""
         finished = []
         for req_id in req_ids:
+            retained = self.retained.pop(req_id, None)
+            if retained is not None:
+                self.kv_cache.free(retained)
+                continue
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request in self.forked:
+                self.forked.remove(request)
             else:
                 self.waiting.remove(request)
             self._free(request, status)
@@ -140,12 +152,61 @@ class Scheduler:
 
     def _free(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv_cache.free(request)
+        if request.retain_kv and status != RequestStatus.FINISHED_ABORTED:
+            self.retained[request.req_id] = request
+        else:
+            self.kv_cache.free(request)
         self._finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]
 
+    def release(self, req_id: str) -> None:
+        """Let go of the KV a finished request retained (Request.retain_kv)."""
+        self.kv_cache.free(self.retained.pop(req_id))
+
+    def _reclaim_retained(self) -> bool:
+        """The pool is short: drop the KV that finished requests retained (a fork from them then
+        falls back to a recompute) before anyone waits or is preempted for it. Retained KV waits
+        on its owner (a beam step's other requests), which may itself wait for blocks: held
+        through that, it could stall every request. Returns whether any blocks were let go."""
+        reclaimed = False
+        for request in self.retained.values():
+            if request.num_computed_tokens:
+                self.kv_cache.free(request)
+                request.num_computed_tokens = 0
+                reclaimed = True
+        return reclaimed
+
+    def fork(self, parent_id: str, children: list[Request]) -> bool:
+        """Queue `children`, each continuing the retained request `parent_id`: its tokens up to
+        the parent's computed ones are the parent's, then at least one more. Their KV up to there
+        is the parent's, forked copy-on-write (KVCacheManager.fork), so each computes only its new
+        tokens (one, for a beam: a plain decode row); they hold every block they need and are
+        admitted before the waiting queue. When the pool cannot hold their blocks, or the parent
+        lost its KV (preempted while its last token was in flight, or reclaimed), they queue as
+        fresh requests (prefix-cache hits, then a recompute). The parent's KV is let go either
+        way. Returns whether they were forked."""
+        parent = self.retained.pop(parent_id)
+        num_computed = parent.num_computed_tokens
+        for child in children:
+            if child.num_tokens <= num_computed or (
+                child.all_token_ids[:num_computed] != parent.all_token_ids[:num_computed]
+            ):
+                raise ValueError(f"{child.req_id!r} does not continue {parent_id!r}")
+        forked = bool(children) and self.kv_cache.fork(parent, children)
+        self.kv_cache.free(parent)  # (the children's own references keep what they share)
+        for child in children:
+            if not forked:
+                self.add_request(child)
+                continue
+            if child.req_id in self.requests:
+                raise ValueError(f"request id {child.req_id!r} is already in use")
+            child.num_computed_tokens = num_computed
+            self.requests[child.req_id] = child
+            bisect.insort(self.forked, child, key=self._key)
+        return forked
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.forked)
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -166,6 +227,7 @@ class Scheduler:
             num_live = min(len(self.running) + len(self.waiting), self.max_num_seqs)
             plan.max_requests = max(1, -(-num_live // self.num_micro_batches))
         self._schedule_running(plan)
+        self._admit_forked(plan)
         # Not in a step that had to preempt: admitting would only evict someone again.
         if not plan.num_preempted:
             self._admit_waiting(plan)
@@ -183,6 +245,7 @@ class Scheduler:
 
         finished, self._finished_req_ids = self._finished_req_ids, set()
         step_id = next(self._step_ids)
+        block_copies = self.kv_cache.take_block_copies()
         if scheduled:
             self._scheduled[step_id] = scheduled
         return SchedulerOutput(
@@ -194,6 +257,7 @@ class Scheduler:
             num_preempted=plan.num_preempted,
             step_id=step_id,
             scheduled_spec_decode_tokens=plan.spec_tokens,
+            block_copies=block_copies,
         )
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -215,6 +279,8 @@ class Scheduler:
             drafts = self._drafts_to_verify(request, plan.budget)
             num_new += len(drafts)
             new_blocks = self.kv_cache.allocate_slots(request, num_new)
+            if new_blocks is None and self._reclaim_retained():
+                new_blocks = self.kv_cache.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self.running[-1]  # lowest priority, never one already scheduled
                 self._preempt(victim)
@@ -234,6 +300,17 @@ class Scheduler:
             )
             index += 1
 
+    def _admit_forked(self, plan: _StepPlan) -> None:
+        """Admit forked requests while budget and sequence slots allow: their KV up to their
+        computed tokens is the parent's, and their blocks are all theirs already (fork())."""
+        while self.forked and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.forked[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+            if self.kv_cache.allocate_slots(request, num_new) is None:
+                break  # (not reached: a fork reserves every block its request needs)
+            self.forked.pop(0)
+            self._start(request, num_new, plan)
+
     def _admit_waiting(self, plan: _StepPlan) -> None:
         """Admit waiting requests, prefix hits first, while budget, sequence slots and blocks
         allow."""
@@ -249,25 +326,31 @@ class Scheduler:
             hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, plan.budget)
             if self.kv_cache.allocate_slots(request, num_new, hit_blocks) is None:
+                if self._reclaim_retained():
+                    continue  # (its prefix hits looked up again)
                 break
             self.waiting.pop(0)
             if request.num_preemptions == 0:
                 self.kv_cache.record_admission(request, num_hit_tokens)
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens = num_hit_tokens
-            request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=self._key)
-            plan.add(request.req_id, num_new)
-            plan.new_requests.append(
-                NewRequestData(
-                    req_id=request.req_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=list(request.output_token_ids),
-                    sampling_params=request.sampling_params,
-                    block_ids=self.kv_cache.block_ids(request.req_id),
-                    num_computed_tokens=num_hit_tokens,
-                )
+            self._start(request, num_new, plan)
+
+    def _start(self, request: Request, num_new: int, plan: _StepPlan) -> None:
+        """An admitted request runs from this step, its blocks allocated: sent in full."""
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=self._key)
+        plan.add(request.req_id, num_new)
+        plan.new_requests.append(
+            NewRequestData(
+                req_id=request.req_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=self.kv_cache.block_ids(request.req_id),
+                num_computed_tokens=request.num_computed_tokens,
             )
+        )
 
     def _drafts_to_verify(self, request: Request, budget: int) -> list[int]:
         """The drafts a decode verifies this step: as many as the policy allows for this batch

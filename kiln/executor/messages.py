@@ -41,6 +41,7 @@ def encode_step(step: SchedulerOutput) -> bytes:
         "finished": sorted(step.finished_req_ids),
         "preempted": step.num_preempted,
         "step_id": step.step_id,
+        "copies": step.block_copies,
     }
     return json.dumps(body, separators=(",", ":")).encode()
 
@@ -59,6 +60,7 @@ def decode_step(data: bytes) -> SchedulerOutput:
         finished_req_ids=frozenset(body["finished"]),
         num_preempted=body["preempted"],
         step_id=body["step_id"],
+        block_copies=[tuple(c) for c in body["copies"]],
     )
 
 

@@ -314,6 +314,19 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:  # [rows] int64
     return logits.argmax(dim=-1)
 
 
+def copy_kv_blocks(
+    caches: list[torch.Tensor],  # each [num_blocks, block_size, num_kv_heads, head_dim]
+    block_mapping: torch.Tensor,  # [num_copies, 2] int64 (source, destination), on the device
+) -> None:
+    """Copy-on-write forks: block `source` of every cache (each layer's K and V) into block
+    `destination`. Destinations are distinct and never a source in the same call."""
+    src, dst = block_mapping[:, 0], block_mapping[:, 1]
+    for cache in caches:
+        if cache.element_size() == 1:  # float8: torch's index_copy_ has no float8 kernel on CPU
+            cache = cache.view(torch.uint8)
+        cache.index_copy_(0, dst, cache.index_select(0, src))
+
+
 # ---- FP8 W8A8 (kiln.quantization.fp8) ----------------------------------------------------------
 
 FP8_MIN_SCALE = 1e-12  # a dynamic scale's floor: an all-zero row quantizes to zeros, not NaN

@@ -1,7 +1,9 @@
-"""Maps requests to KV blocks: prefix-cache lookup, slot allocation, freeing."""
+"""Maps requests to KV blocks: prefix-cache lookup, slot allocation, copy-on-write forks,
+freeing."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kiln.interfaces import KVCacheRequest
@@ -26,6 +28,9 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are hashed
         self.stats = PrefixCacheStats()
+        # (source, destination) block ids that fork() copied on the host's books: the next step
+        # copies their contents on the device before its forward (SchedulerOutput.block_copies).
+        self._pending_block_copies: list[tuple[int, int]] = []
 
     @property
     def usage(self) -> float:
@@ -95,6 +100,46 @@ class KVCacheManager:
             self.pool.cache_full_block(blocks[i], request.block_hashes[i])
         self._num_cached_blocks[request.req_id] = max(start, num_full)
 
+    def fork(self, parent: KVCacheRequest, children: Sequence[KVCacheRequest]) -> bool:
+        """Copy-on-write: give each child the parent's KV of its first
+        `parent.num_computed_tokens` tokens (which the caller guarantees are the children's
+        first tokens too). The full blocks are shared by reference; the last, partial block is
+        shared with the first child and copied for each other one, since every child writes its
+        next token there (the copies are queued for the next step: take_block_copies). Each child
+        also gets the blocks its remaining tokens need (a beam's next token past a block
+        boundary), so admitting a forked child never waits for the pool. Returns False, changing
+        nothing, when the parent holds no such KV or the pool lacks the blocks. The parent keeps
+        its references: free it afterwards."""
+        blocks = self.req_to_blocks.get(parent.req_id, [])
+        bs = self.block_size
+        num_tokens = parent.num_computed_tokens
+        num_full, num_partial = divmod(num_tokens, bs)
+        num_shared = num_full + (num_partial > 0)
+        num_own = [
+            -(-child.num_tokens // bs) - num_full - (num_partial > 0 and i == 0)
+            for i, child in enumerate(children)
+        ]
+        if not num_tokens or len(blocks) < num_shared or sum(num_own) > self.pool.num_free_blocks:
+            return False
+        shared = blocks[:num_shared]
+        num_hashed = min(self._num_cached_blocks.get(parent.req_id, 0), num_full)
+        for index, child in enumerate(children):
+            own = shared if index == 0 else shared[:num_full]
+            self.pool.touch(own)
+            new = self.pool.allocate(num_own[index])
+            if index and num_partial:  # the partial block's tokens go first into its own copy
+                self._pending_block_copies.append((shared[-1].block_id, new[0].block_id))
+            self.req_to_blocks[child.req_id] = [*own, *new]
+            # The shared full blocks hold the same tokens: the same chained hashes.
+            child.block_hashes[:] = parent.block_hashes[:num_full]
+            self._num_cached_blocks[child.req_id] = num_hashed
+        return True
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The block copies fork() queued since the last call, for the next step to run."""
+        copies, self._pending_block_copies = self._pending_block_copies, []
+        return copies
+
     def block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(req_id, [])]
 
@@ -113,4 +158,11 @@ class KVCacheManager:
     def free(self, request: KVCacheRequest) -> None:
         blocks = self.req_to_blocks.pop(request.req_id, [])
         self._num_cached_blocks.pop(request.req_id, None)
+        if self._pending_block_copies and blocks:
+            # A forked request let go before its copy ran (an abort): the copy would write into
+            # a block someone else may get now.
+            freed = {b.block_id for b in blocks if b.ref_count == 1}
+            self._pending_block_copies = [
+                c for c in self._pending_block_copies if c[1] not in freed
+            ]
         self.pool.free(list(reversed(blocks)))

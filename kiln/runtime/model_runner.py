@@ -104,6 +104,7 @@ class ModelRunner:
             (_zeros(shape, kv_dtype, self.device), _zeros(shape, kv_dtype, self.device))
             for _ in range(cfg.num_hidden_layers)
         ]
+        self._all_caches = [cache for pair in self.kv_caches for cache in pair]  # block copies
         self.inputs = InputBuffers(
             max_num_batched_tokens, max_num_seqs, self.max_model_len, block_size, self.device
         )
@@ -203,6 +204,8 @@ class ModelRunner:
         # inputs may be its tokens.
         self._launch_deferred_sample()
         self._update_states(sched)
+        if sched.block_copies:  # before any step's forward reads or writes these blocks
+            self._copy_blocks(sched.block_copies)
         if sched.is_empty:
             return False
         # Decodes (one token) first: the attention backend takes them as one batched call.
@@ -352,6 +355,16 @@ class ModelRunner:
         if bitmask is not None:
             metadata = replace(metadata, token_bitmask=bitmask)
         self._sampled(step, self.sampler(logits, metadata), gpu_events)
+
+    def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write forks (KVCacheManager.fork): each (source, destination) block of every
+        layer's K and V, in one kernel on the GPU, queued before this step's forward."""
+        mapping = torch.tensor(block_copies, dtype=torch.int64)  # [num_copies, 2]
+        if self.device.type == "cuda":
+            # Pinned, so the copy is asynchronous; torch's pinned-memory cache keeps the buffer
+            # until the copy has read it.
+            mapping = mapping.pin_memory().to(self.device, non_blocking=True)
+        self.ops.copy_kv_blocks(self._all_caches, mapping)
 
     def _sample_parallel(
         self, hidden: torch.Tensor, batch: PackedBatch, states: list[CachedRequestState]
