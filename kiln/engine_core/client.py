@@ -3,11 +3,11 @@
 The API process binds two ZMQ sockets (PUSH requests, PULL outputs) on ipc:// paths in a private
 temp directory and starts `python -m kiln.engine_core.process` (EngineProcess). With several API
 processes (`kiln serve --api-server-count N`) the launcher starts the engine process for all of
-them, and each API process attaches to its own pair of addresses (`EngineClient.attach`). Sends
-happen on the caller's
-thread (under a lock); one reader thread decodes each step's Outputs and hands it to the event
-loops of the streams it concerns with a single `call_soon_threadsafe` per loop, so the event
-loop does per-delta work only in its own callbacks.
+them, and each API process attaches to its own pair of addresses (`EngineClient.attach`).
+
+Sends happen on the caller's thread (under a lock); one reader thread decodes each step's
+Outputs and hands it to the event loops of the streams it concerns with a single
+`call_soon_threadsafe` per loop, so the event loop does per-delta work only in its own callbacks.
 
 If the engine process dies (a failed step, a kill, a crash), every open stream ends with
 EngineDeadError, `healthy` turns False, and `on_dead` is called (kiln serve exits on it).
