@@ -292,10 +292,10 @@ for s in "$@"; do
         ENGINE="--model llama-3.1-8b --load-format dummy --dtype bfloat16 $VARIANT"
         SVO="python3 benchmarks/serve_vs_offline.py --min-requests 8 --concurrency 256 512"
         case $s in
-        serve-api128) stage serve-api128 240 $SVO --out "$OUT/serve_api128$SFX" \
+        serve-api128) stage serve-api128 230 $SVO --out "$OUT/serve_api128$SFX" \
             --shapes 128x128 --requests-per-concurrency 4 --check-client-from 512 \
             --serve-variants "" "--api-server-count 2" -- $ENGINE ;;
-        serve-api1000) stage serve-api1000 300 $SVO --out "$OUT/serve_api1000$SFX" \
+        serve-api1000) stage serve-api1000 310 $SVO --out "$OUT/serve_api1000$SFX" \
             --shapes 1000x1000 --requests-per-concurrency 1 --modes stream \
             --serve-variants "" "--api-server-count 2" -- $ENGINE ;;
         esac
