@@ -18,6 +18,7 @@ process group, so a terminal's Ctrl-C reaches them once, through here. The serve
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -73,7 +74,8 @@ def run_api_servers(args: Namespace, config: EngineConfig) -> int:
     def forward(signum: int, frame: object) -> None:
         for worker in workers:
             if worker.exitcode is None and worker.pid is not None:
-                os.kill(worker.pid, signum)
+                with contextlib.suppress(ProcessLookupError):  # it has just exited
+                    os.kill(worker.pid, signum)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
@@ -110,7 +112,8 @@ def _supervise(
             logger.error("API process %s exited with %s", failed[0].name, failed[0].exitcode)
             for w in workers:
                 if w.exitcode is None:
-                    os.kill(w.pid, signal.SIGTERM)  # drain: nobody is left behind mid-stream
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(w.pid, signal.SIGTERM)  # drain: nobody is left mid-stream
         _join(workers, grace_s + 30.0)
     engine.stop(ENGINE_EXIT_WAIT_S)
     failed = engine_dead or any(w.exitcode != 0 for w in workers)
