@@ -344,6 +344,23 @@ for s in "$@"; do
             --shapes 1000x1000 --concurrency 512 --requests-per-concurrency 1 -- $ENGINE ;;
         esac
         ;;
+    serve-api128 | serve-api1000)
+        # kiln serve with one API process against two (--api-server-count 2), beside the
+        # offline engine in the same run, at concurrency 256 and 512. 128/128: 4 requests per
+        # slot (ramp and tail a small part of the run), streaming and not, the client checked
+        # at 512; 1000/1000: 1 per slot, streaming only (the time limit). Expectations:
+        # benchmarks/serve_api_servers_expected.md.
+        ENGINE="--model llama-3.1-8b --load-format dummy --dtype bfloat16 $VARIANT"
+        SVO="python3 benchmarks/serve_vs_offline.py --min-requests 8 --concurrency 256 512"
+        case $s in
+        serve-api128) stage serve-api128 230 $SVO --out "$OUT/serve_api128$SFX" \
+            --shapes 128x128 --requests-per-concurrency 4 --check-client-from 512 \
+            --serve-variants "" "--api-server-count 2" -- $ENGINE ;;
+        serve-api1000) stage serve-api1000 310 $SVO --out "$OUT/serve_api1000$SFX" \
+            --shapes 1000x1000 --requests-per-concurrency 1 --modes stream \
+            --serve-variants "" "--api-server-count 2" -- $ENGINE ;;
+        esac
+        ;;
     spec)  # speculative decoding at batch 1 (and 4, 16, 32): verification step cost with K=4
         # vs a plain decode step, tok/s at mean acceptance lengths 2, 3, 4 (the oracle accepting
         # by its own draw), a random EAGLE-3 head's cost per step at 8B shapes;

@@ -1,8 +1,10 @@
 """Serve vs offline in one run: the offline engine (`kiln bench throughput`) and `kiln serve`
 (`kiln bench serve`, streaming and not) on the same requests, per concurrency and shape.
 
-Each shape starts one `kiln serve` (the engine process by default; SERVE_FLAGS adds flags, e.g.
-"--no-engine-process" or "--stream-interval 4"), so the server is warm across concurrencies; the
+Each shape starts one `kiln serve` per serve variant (`--serve-variants`, each a string of extra
+serve flags, "" the plain server: e.g. `--serve-variants "" "--api-server-count 2"` compares one
+API process with two in the same run; SERVE_FLAGS adds flags to every variant, e.g.
+"--no-engine-process" or "--stream-interval 4"), so a server is warm across concurrencies; the
 offline run comes first, on the same engine flags, with no server alive. Writes one JSON per
 cell and `serve_vs_offline.json` + `.md` (the table docs/performance.md takes).
 
@@ -46,8 +48,10 @@ def _run_json(cmd: list[str], path: str, timeout: float) -> dict | None:
         return json.load(f)
 
 
-def _start_server(engine_flags: list[str], port: int, max_seqs: int) -> subprocess.Popen:
-    extra = shlex.split(os.environ.get("SERVE_FLAGS", ""))
+def _start_server(
+    engine_flags: list[str], variant: str, port: int, max_seqs: int
+) -> subprocess.Popen:
+    extra = shlex.split(os.environ.get("SERVE_FLAGS", "")) + shlex.split(variant)
     cmd = _kiln("serve", "--port", str(port), "--log-level", "warning", *engine_flags, *extra)
     cmd += ["--max-num-seqs", str(max_seqs), "--max-waiting", "100000"]
     cmd += ["--max-seqs-per-request", "100000"]
@@ -94,6 +98,19 @@ def main() -> int:
         default=None,
         help="from this concurrency on, rerun each streaming cell with one more client process",
     )
+    p.add_argument(
+        "--serve-variants",
+        nargs="+",
+        default=[""],
+        help='kiln serve flags per server to compare, "" the plain one (each its own server)',
+    )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["stream", "no-stream"],
+        default=["stream", "no-stream"],
+        help="which serve runs each cell makes",
+    )
     p.add_argument("engine_flags", nargs=argparse.REMAINDER)
     args = p.parse_args()
     engine_flags = [f for f in args.engine_flags if f != "--"]
@@ -112,39 +129,47 @@ def main() -> int:
             cmd += ["--input-len", input_len, "--output-len", output_len]
             cmd += ["--num-requests", str(work[c]), "--concurrency", str(c)]
             offline[c] = _cell(_run_json(cmd, path, args.timeout))
-        port = _free_port()
-        server = _start_server(engine_flags, port, max(args.concurrency))
-        try:
-            for c in args.concurrency:
-                row = {
-                    "shape": shape,
-                    "concurrency": c,
-                    "num_requests": work[c],
-                    "offline": offline[c],
-                }
-                for stream in (True, False):
-                    name = f"serve_{shape}_c{c}_{'stream' if stream else 'nostream'}.json"
-                    cmd = _kiln("bench", "serve", "--base-url", f"http://127.0.0.1:{port}")
-                    cmd += ["--input-len", input_len, "--output-len", output_len]
-                    cmd += ["--num-requests", str(work[c]), "--concurrency", str(c)]
-                    cmd += [] if stream else ["--no-stream"]
-                    # Fresh random prompts per run (same lengths, same work): one server serves
-                    # every run of the shape, and repeated prompts would hit its prefix cache.
-                    cmd += ["--dataset-seed", str(1000 * c + (1 if stream else 2))]
-                    check = args.check_client_from is not None and c >= args.check_client_from
-                    cmd += ["--check-client"] if stream and check else []
-                    cell = _cell(_run_json(cmd, os.path.join(args.out, name), args.timeout))
-                    row["stream" if stream else "no_stream"] = cell
-                    if cell and offline[c]:
-                        cell["vs_offline"] = cell["output_tok_s"] / offline[c]["output_tok_s"]
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        finally:
-            server.terminate()
-            server.wait(120)
+        shape_rows = {
+            c: {"shape": shape, "concurrency": c, "num_requests": work[c], "offline": offline[c]}
+            for c in args.concurrency
+        }
+        for v, variant in enumerate(args.serve_variants):
+            port = _free_port()
+            server = _start_server(engine_flags, variant, port, max(args.concurrency))
+            tag = f"_v{v}" if len(args.serve_variants) > 1 else ""
+            try:
+                for c in args.concurrency:
+                    row = shape_rows[c]
+                    cells = row.setdefault("serve", {}).setdefault(variant or "default", {})
+                    for stream in (mode == "stream" for mode in args.modes):
+                        kind = "stream" if stream else "nostream"
+                        name = f"serve_{shape}_c{c}_{kind}{tag}.json"
+                        cmd = _kiln("bench", "serve", "--base-url", f"http://127.0.0.1:{port}")
+                        cmd += ["--input-len", input_len, "--output-len", output_len]
+                        cmd += ["--num-requests", str(work[c]), "--concurrency", str(c)]
+                        cmd += [] if stream else ["--no-stream"]
+                        # Fresh random prompts per run (same lengths, same work): one server
+                        # serves every run of the shape, and repeated prompts would hit its
+                        # prefix cache.
+                        seed = 1000 * c + 10 * v + (1 if stream else 2)
+                        cmd += ["--dataset-seed", str(seed)]
+                        check = args.check_client_from is not None and c >= args.check_client_from
+                        cmd += ["--check-client"] if stream and check else []
+                        cell = _cell(_run_json(cmd, os.path.join(args.out, name), args.timeout))
+                        cells["stream" if stream else "no_stream"] = cell
+                        if cell and offline[c]:
+                            cell["vs_offline"] = cell["output_tok_s"] / offline[c]["output_tok_s"]
+                        if v == 0:  # the first variant's cells, where earlier records had them
+                            row["stream" if stream else "no_stream"] = cell
+                    print(json.dumps({"variant": variant, **row}), flush=True)
+            finally:
+                server.terminate()
+                server.wait(120)
+        rows.extend(shape_rows.values())
     record = {
         "engine_flags": engine_flags,
         "serve_flags": os.environ.get("SERVE_FLAGS", ""),
+        "serve_variants": args.serve_variants,
         "rows": rows,
     }
     with open(os.path.join(args.out, "serve_vs_offline.json"), "w") as f:
@@ -152,6 +177,8 @@ def main() -> int:
     with open(os.path.join(args.out, "serve_vs_offline.md"), "w") as f:
         f.write(_markdown(rows))
     print(_markdown(rows))
+    # The whole record in the log too: a device run may bring back only some of the files.
+    print("serve_vs_offline.json:", json.dumps(record), flush=True)
     return 0
 
 
@@ -165,25 +192,31 @@ def _markdown(rows: list[dict]) -> str:
     def lat(cell: dict | None, metric: str) -> str:
         if not cell or metric not in cell:
             return "-"
-        return f"{cell[metric]['p50_ms']:.1f} / {cell[metric]['p99_ms']:.1f}"
+        q = cell[metric]
+        mean = f"{q['mean_ms']:.1f} / " if metric == "itl" else ""  # tokens sent together: 0 ms
+        return f"{mean}{q['p50_ms']:.1f} / {q['p99_ms']:.1f}"
 
     lines = [
-        "| shape | conc. | offline tok/s | serve stream tok/s | serve non-stream tok/s "
-        "| TTFT p50/p99 ms offline | TTFT stream | ITL p50/p99 ms offline | ITL stream "
-        "| client CPU (stream) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | conc. | serve flags | offline tok/s | serve stream tok/s "
+        "| serve non-stream tok/s | TTFT p50/p99 ms offline | TTFT stream "
+        "| ITL mean/p50/p99 ms offline | ITL stream | client CPU (stream) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        s, ns, off = r.get("stream"), r.get("no_stream"), r["offline"]
-        client = "-"
-        if s and "client" in s:
-            utils = [c["cpu_util"] for c in s["client"]["processes"]]
-            client = f"{len(utils)} x max {max(utils):.0%}"
-            if "one_more_client_gain" in s["client"]:
-                client += f", +1 client {s['client']['one_more_client_gain']:+.1%}"
-        cells = [r["shape"], str(r["concurrency"]), tok(off), tok(s) + pct(s), tok(ns) + pct(ns)]
-        cells += [lat(off, "ttft"), lat(s, "ttft"), lat(off, "itl"), lat(s, "itl"), client]
-        lines.append("| " + " | ".join(cells) + " |")
+        off = r["offline"]
+        for variant, cells in r.get("serve", {"default": r}).items():
+            s, ns = cells.get("stream"), cells.get("no_stream")
+            client = "-"
+            if s and "client" in s:
+                utils = [c["cpu_util"] for c in s["client"]["processes"]]
+                client = f"{len(utils)} x max {max(utils):.0%}"
+                if "one_more_client_gain" in s["client"]:
+                    client += f", +1 client {s['client']['one_more_client_gain']:+.1%}"
+            cells_md = [r["shape"], str(r["concurrency"]), variant, tok(off)]
+            cells_md += ["-" if "stream" not in cells else tok(s) + pct(s)]
+            cells_md += ["-" if "no_stream" not in cells else tok(ns) + pct(ns)]
+            cells_md += [lat(off, "ttft"), lat(s, "ttft"), lat(off, "itl"), lat(s, "itl"), client]
+            lines.append("| " + " | ".join(cells_md) + " |")
     return "\n".join(lines) + "\n"
 
 

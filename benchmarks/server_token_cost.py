@@ -8,7 +8,8 @@ the CPU seconds per token of the API process and of the engine process (utime + 
         [--serve-flags "--no-engine-process"] [--concurrency 64] [--num-requests 256]
 
 `--tree` runs another checkout's kiln as the server (e.g. the commit before), the client is this
-tree's.
+tree's. With `--serve-flags "--api-server-count N"` the API CPU is the launcher's and its N API
+processes' together (each one's is listed too).
 """
 
 from __future__ import annotations
@@ -47,8 +48,18 @@ def _tiny_model(path: str) -> None:
 
 
 def _cpu_s(pid: int) -> float:
+    user, system = _user_system_s(pid)
+    return user + system
+
+
+def _user_system_s(pid: int) -> tuple[float, float]:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
 
 
 def _children(pid: int) -> list[int]:
@@ -86,18 +97,26 @@ def main() -> int:
             if time.monotonic() > deadline or server.poll() is not None:
                 raise RuntimeError("kiln serve did not start")
             time.sleep(0.5)
-        engine = _children(server.pid)
+        children = _children(server.pid)
+        engine = [c for c in children if "kiln.engine_core" in _cmdline(c)]
+        # The launcher and its API processes (the engine process aside; --api-server-count N).
+        api_pids = [server.pid] + [c for c in children if "spawn_main" in _cmdline(c)]
         requests = synthetic_requests(args.num_requests + 8, "16", str(args.output_len), 512, 0)
         load = (base, None, model, requests[:8], 8, float("inf"), 0, True, 1)
         run_load(*load)  # warm-up
-        api0, eng0 = _cpu_s(server.pid), [_cpu_s(c) for c in engine]
+        api0 = [_user_system_s(p) for p in api_pids]
+        eng0 = [_cpu_s(c) for c in engine]
         t0 = time.perf_counter()
         timings, failures, clients = run_load(
             base, None, model, requests[8:], args.concurrency, float("inf"), 1, True,
             args.num_clients,
         )  # fmt: skip
         wall = time.perf_counter() - t0
-        api = _cpu_s(server.pid) - api0
+        api_each = [
+            tuple(a - b for a, b in zip(_user_system_s(p), before))
+            for p, before in zip(api_pids, api0)
+        ]
+        api = sum(u + s for u, s in api_each)
         eng = sum(_cpu_s(c) - e for c, e in zip(engine, eng0))
     finally:
         server.terminate()
@@ -115,6 +134,10 @@ def main() -> int:
         "api_process_cpu_us_per_token": api / tokens * 1e6,
         "engine_process_cpu_us_per_token": eng / tokens * 1e6 if engine else None,
         "api_process_cpu_util": api / wall,
+        # per API process (the launcher first when there are several): user, system us/token
+        "api_processes_user_system_us_per_token": [
+            [u / tokens * 1e6, s / tokens * 1e6] for u, s in api_each
+        ],
         "client": clients,
         "load_avg_1_5_15": list(os.getloadavg()),
     }

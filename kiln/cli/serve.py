@@ -8,6 +8,9 @@ The engine (scheduler, executor, model) runs in its own process by default (kiln
 this process's interpreter lock then serves HTTP, JSON and SSE only. `--no-engine-process` keeps
 it on a thread of this process. If the engine process dies, /health turns 503, open streams end
 with an error event, and the server exits 1 rather than serving nothing.
+
+`--api-server-count N` runs N API processes over the one engine process (kiln.server.api_servers),
+each with its own share of the connections; /metrics in any of them reports the whole server.
 """
 
 from __future__ import annotations
@@ -88,6 +91,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="run the engine in its own process (default), or on a thread of the server's",
     )
     p.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="API processes (uvicorn + FastAPI each) over the one engine process (vLLM's name): "
+        "one streams at most ~10k tok/s per core (docs/performance.md)",
+    )
+    p.add_argument(
         "--stream-interval",
         type=int,
         default=1,
@@ -107,15 +117,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from kiln.server.app import build_app
-    from kiln.server.lifecycle import DrainingServer
-
     check_vllm_serve_flags(args)
     if args.stream_interval < 1:
         raise SystemExit(f"error: --stream-interval must be >= 1, got {args.stream_interval}")
+    if args.api_server_count < 1:
+        raise SystemExit(f"error: --api-server-count must be >= 1, got {args.api_server_count}")
     config = engine_config_from_args(args)
+    if args.api_server_count > 1:
+        if not args.engine_process:
+            raise SystemExit("error: --api-server-count above 1 needs the engine process")
+        from kiln.server.api_servers.launcher import run_api_servers
+
+        return run_api_servers(args, config)
     if args.engine_process:
         from kiln.engine_core.client import EngineClient
 
@@ -124,6 +137,23 @@ def run(args: argparse.Namespace) -> int:
         from kiln.engine.async_engine import AsyncEngine
 
         engine = AsyncEngine.from_config(config, stream_interval=args.stream_interval)
+    return serve_app(args, engine, grpc_port=args.grpc_port)
+
+
+def serve_app(
+    args: argparse.Namespace,
+    engine: object,
+    sockets: list | None = None,
+    grpc_port: int | None = None,
+    metrics_dir: str | None = None,
+) -> int:
+    """Serve the app over `engine` (on `sockets`, else --host/--port) until the drain or the
+    engine's death; shuts the engine down. kiln serve's exit status."""
+    import uvicorn
+
+    from kiln.server.app import build_app
+    from kiln.server.lifecycle import DrainingServer
+
     app = build_app(
         engine,
         args.served_model_name or args.model or DEFAULT_MODEL_NAME,
@@ -131,12 +161,13 @@ def run(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         metrics_prefix=args.metrics_prefix,
-        grpc_port=args.grpc_port,
+        grpc_port=grpc_port,
         grpc_host=args.host,
         max_tokens_default=args.max_tokens_default,
         tool_call_parser=args.tool_call_parser,
         max_seqs_per_request=args.max_seqs_per_request,
         metrics_api_key=args.metrics_api_key,
+        metrics_multiprocess_dir=metrics_dir,
     )
     uv_config = uvicorn.Config(
         app,
@@ -144,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
-        lifespan="off" if args.grpc_port is None else "on",  # the lifespan serves gRPC
+        lifespan="off" if grpc_port is None else "on",  # the lifespan serves gRPC
         # One log line per request costs the event loop under load: off unless asked for.
         access_log=args.enable_log_requests,
     )
@@ -156,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     )
     engine.on_dead = server.engine_died
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         engine.shutdown()
     return 1 if server.engine_dead else 0

@@ -51,11 +51,16 @@ class RequestStream:
         self._stream = stream
         self._finished = False
         self._closed = False
+        self._error: BaseException | None = None  # met by ready(), raised by the next __anext__
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
+        if self._error is not None:
+            error, self._error = self._error, None
+            self.close()
+            raise error
         if self._finished or self._closed:
             raise StopAsyncIteration
         item = await self._stream.queue.get()
@@ -66,6 +71,22 @@ class RequestStream:
             self._finished = True
             self.close()
         return item
+
+    def ready(self) -> list[RequestOutput]:
+        """The deltas that have arrived already, in order, without waiting (the last one
+        included); an error among them is raised by the next `__anext__`."""
+        items: list[RequestOutput] = []
+        queue = self._stream.queue
+        while not (self._finished or self._closed or self._error) and not queue.empty():
+            item = queue.get_nowait()
+            if isinstance(item, BaseException):
+                self._error = item
+                break
+            items.append(item)
+            if item.finished:
+                self._finished = True
+                self.close()
+        return items
 
     def close(self) -> None:
         if self._closed:

@@ -1,10 +1,13 @@
 """EngineClient: the AsyncEngine's surface over an engine process.
 
 The API process binds two ZMQ sockets (PUSH requests, PULL outputs) on ipc:// paths in a private
-temp directory and starts `python -m kiln.engine_core.process`. Sends happen on the caller's
-thread (under a lock); one reader thread decodes each step's Outputs and hands it to the event
-loops of the streams it concerns with a single `call_soon_threadsafe` per loop, so the event
-loop does per-delta work only in its own callbacks.
+temp directory and starts `python -m kiln.engine_core.process` (EngineProcess). With several API
+processes (`kiln serve --api-server-count N`) the launcher starts the engine process for all of
+them, and each API process attaches to its own pair of addresses (`EngineClient.attach`).
+
+Sends happen on the caller's thread (under a lock); one reader thread decodes each step's
+Outputs and hands it to the event loops of the streams it concerns with a single
+`call_soon_threadsafe` per loop, so the event loop does per-delta work only in its own callbacks.
 
 If the engine process dies (a failed step, a kill, a crash), every open stream ends with
 EngineDeadError, `healthy` turns False, and `on_dead` is called (kiln serve exits on it).
@@ -17,6 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -56,10 +60,78 @@ class _ClientStream(_Stream):
     prompt_token_ids: list[int]
 
 
-class EngineClient:
-    """Use `EngineClient.start(config)`; `shutdown()` stops the engine process."""
+@dataclass(frozen=True)
+class ClientAddresses:
+    """One API process's pair of ZMQ addresses; the API process binds both."""
 
-    def __init__(self, config: EngineConfig, stream_interval: int = 1) -> None:
+    inputs: str  # requests, API -> engine
+    outputs: str  # outputs, engine -> API
+
+
+class EngineProcess:
+    """`python -m kiln.engine_core.process` serving `num_clients` API processes, whose socket
+    addresses (ipc:// in a private temp dir) are `addresses`. The engine connects; each client
+    binds its pair (ZMQ reconnects, so either may come first)."""
+
+    def __init__(self, config: EngineConfig, stream_interval: int = 1, num_clients: int = 1):
+        self.dir = tempfile.mkdtemp(prefix="kiln-engine-")
+        self.addresses = [
+            ClientAddresses(f"ipc://{self.dir}/inputs-{i}", f"ipc://{self.dir}/outputs-{i}")
+            for i in range(num_clients)
+        ]
+        cmd = [sys.executable, "-m", "kiln.engine_core.process"]
+        for a in self.addresses:
+            cmd += ["--inputs", a.inputs, "--outputs", a.outputs]
+        cmd += ["--config", msgspec.json.encode(config).decode()]
+        cmd += ["--stream-interval", str(stream_interval), "--parent-pid", str(os.getpid())]
+        # Its own session: a terminal's Ctrl-C goes to the API process, which drains first.
+        self.popen = subprocess.Popen(cmd, start_new_session=True)
+        self.pid = self.popen.pid
+
+    def exit_code(self) -> int | None:
+        return self.popen.poll()
+
+    def stop(self, timeout: float) -> None:
+        """Wait up to `timeout` for it to exit (every client sent Shutdown), then kill it."""
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _ProcessWatch:
+    """Whether a process that is not our child (another process started it) still runs: a pidfd
+    turns readable when it exits, zombie or not, and never mistakes a reused pid for it."""
+
+    def __init__(self, pid: int) -> None:
+        try:
+            self._fd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._fd = None  # already gone
+
+    def exit_code(self) -> int | None:
+        """None while it runs; -1 once it has exited (its parent holds the real code)."""
+        if self._fd is None:
+            return -1
+        return -1 if select.select([self._fd], [], [], 0)[0] else None
+
+    def stop(self, timeout: float) -> None:
+        """Not ours to stop: the process that started it does."""
+
+
+class EngineClient:
+    """Use `EngineClient.start(config)` (it starts and owns the engine process; `shutdown()`
+    stops it) or `EngineClient.attach(...)` (one of several API processes over an engine process
+    the launcher owns; `shutdown()` says this client is done)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        addresses: ClientAddresses,
+        engine: EngineProcess | _ProcessWatch,
+    ) -> None:
         self.config = config
         self.error: BaseException | None = None
         self.on_dead: Callable[[], None] | None = None
@@ -67,21 +139,15 @@ class EngineClient:
         self._streams: dict[str, _ClientStream] = {}
         self._send_lock = threading.Lock()
         self._stop = False
-        self._dir = tempfile.mkdtemp(prefix="kiln-engine-")
+        self._engine = engine
         self._ctx = zmq.Context()
         self._inputs = self._ctx.socket(zmq.PUSH)
         self._inputs.setsockopt(zmq.SNDHWM, 0)
         self._inputs.setsockopt(zmq.LINGER, 0)
-        self._inputs.bind(f"ipc://{self._dir}/inputs")
+        self._inputs.bind(addresses.inputs)
         self._outputs = self._ctx.socket(zmq.PULL)
         self._outputs.setsockopt(zmq.RCVHWM, 0)
-        self._outputs.bind(f"ipc://{self._dir}/outputs")
-        cmd = [sys.executable, "-m", "kiln.engine_core.process"]
-        cmd += ["--inputs", f"ipc://{self._dir}/inputs", "--outputs", f"ipc://{self._dir}/outputs"]
-        cmd += ["--config", msgspec.json.encode(config).decode()]
-        cmd += ["--stream-interval", str(stream_interval), "--parent-pid", str(os.getpid())]
-        # Its own session: a terminal's Ctrl-C goes to the API process, which drains first.
-        self.process = subprocess.Popen(cmd, start_new_session=True)
+        self._outputs.bind(addresses.outputs)
         self._reader: threading.Thread | None = None
 
     @classmethod
@@ -89,7 +155,23 @@ class EngineClient:
         cls, config: EngineConfig, stream_interval: int = 1, timeout: float | None = None
     ) -> EngineClient:
         """Start the engine process and wait until it is ready (or say why it is not)."""
-        client = cls(config, stream_interval)
+        engine = EngineProcess(config, stream_interval)
+        return cls._ready(cls(config, engine.addresses[0], engine), timeout)
+
+    @classmethod
+    def attach(
+        cls,
+        config: EngineConfig,
+        addresses: ClientAddresses,
+        engine_pid: int,
+        timeout: float | None = None,
+    ) -> EngineClient:
+        """Connect to an engine process another process started, at this client's addresses,
+        and wait until it is ready (or say why it is not)."""
+        return cls._ready(cls(config, addresses, _ProcessWatch(engine_pid)), timeout)
+
+    @classmethod
+    def _ready(cls, client: EngineClient, timeout: float | None) -> EngineClient:
         try:
             client._await_ready(timeout)
         except BaseException:
@@ -112,14 +194,13 @@ class EngineClient:
             if self._outputs.poll(200):
                 msg = m.output_decoder.decode(self._outputs.recv())
                 if isinstance(msg, m.StartupFailed):
-                    self.process.wait(10)
                     raise EngineStartupError(msg.message)
                 if isinstance(msg, m.Ready):
                     break
-            elif self.process.poll() is not None:
+            elif (code := self._engine.exit_code()) is not None:
                 raise EngineStartupError(
-                    f"the engine process exited with code {self.process.returncode} before it "
-                    "was ready (its output is above)"
+                    f"the engine process exited (code {code}) before it was ready (its output "
+                    "is above)"
                 )
             if deadline is not None and time.monotonic() > deadline:
                 raise EngineStartupError(f"the engine process was not ready within {timeout}s")
@@ -144,7 +225,7 @@ class EngineClient:
     def healthy(self) -> bool:
         return (
             self.error is None
-            and self.process.poll() is None
+            and self._engine.exit_code() is None
             and self._reader is not None
             and self._reader.is_alive()
         )
@@ -210,22 +291,20 @@ class EngineClient:
         raise TypeError("the engine runs in its own process: no function can be run on it")
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Ask the engine process to stop; kill it if it does not within `timeout`."""
+        """Tell the engine process this client is done (it stops once all of its clients are);
+        if this client started it, wait up to `timeout` for it to exit, then kill it."""
         self._stop = True
-        if self.process.poll() is None:
+        if self._engine.exit_code() is None:
             with contextlib.suppress(zmq.ZMQError):
                 self._send(m.Shutdown())
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+                # LINGER 0 drops what is unsent at close: give the Shutdown its moment.
+                self._inputs.setsockopt(zmq.LINGER, 1000)
+        self._engine.stop(timeout)
         if self._reader is not None:
             self._reader.join(2.0)
-        self._inputs.close(linger=0)
+        self._inputs.close()
         self._outputs.close(linger=0)
         self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
     # ---- the reader thread ---------------------------------------------------------------
 
@@ -238,9 +317,9 @@ class EngineClient:
         try:
             while not self._stop:
                 if not self._outputs.poll(200):
-                    if self.process.poll() is not None and not self._outputs.poll(0):
-                        code = self.process.returncode
-                        raise EngineDeadError(f"the engine process exited with code {code}")
+                    code = self._engine.exit_code()
+                    if code is not None and not self._outputs.poll(0):
+                        raise EngineDeadError(f"the engine process exited (code {code})")
                     continue
                 msg = m.output_decoder.decode(self._outputs.recv(copy=False).buffer)
                 if isinstance(msg, m.Outputs):

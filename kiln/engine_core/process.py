@@ -2,7 +2,13 @@
 
 It builds the LLMEngine, says Ready (or StartupFailed with the reason, exit 1), then loops: take
 in every queued add/abort, run one step, send one Outputs message with the step's deltas. It stops
-on Shutdown (exit 0), when its parent goes away, or on a failed step (EngineDied, exit 1).
+once every API process has sent Shutdown (exit 0), when its parent goes away, or on a failed step
+(EngineDied, exit 1).
+
+It serves one or more API processes (`kiln serve --api-server-count N`), one pair of sockets
+each (`--inputs`/`--outputs` given once per API process, in the same order). A request belongs to
+the API process that added it: its acceptance and deltas go to that process alone; Ready, the
+snapshot and a failure go to all of them.
 
 Signals: it ignores SIGINT and SIGTERM. The API process owns the shutdown (its drain lets
 requests finish, then it sends Shutdown); a terminal's Ctrl-C, which reaches the whole process
@@ -36,19 +42,26 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def serve(loop: StepLoop, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
+def serve(loop: StepLoop, clients: list[tuple[zmq.Socket, zmq.Socket]], parent_pid: int) -> None:
+    """Run until every client has sent Shutdown. `clients`: (inputs, outputs) per API process."""
     poller = zmq.Poller()
-    poller.register(inputs, zmq.POLLIN)
+    for inputs, _ in clients:
+        poller.register(inputs, zmq.POLLIN)
+    owner: dict[str, int] = {}  # req_id -> the client that added it
+    open_clients = set(range(len(clients)))
     idle_snapshot_sent = False
     while True:
         busy = loop.has_work()
         if not busy and os.getppid() != parent_pid:
             logger.warning("the API process is gone: the engine process exits")
             return
-        accepted: list[str] = []
-        rejected: list[m.Rejected] = []
+        accepted: list[list[str]] = [[] for _ in clients]
+        rejected: list[list[m.Rejected]] = [[] for _ in clients]
         deltas = []
-        if poller.poll(0 if busy else IDLE_POLL_MS):
+        ready = dict(poller.poll(0 if busy else IDLE_POLL_MS))
+        for index, (inputs, _) in enumerate(clients):
+            if inputs not in ready:
+                continue
             while True:
                 try:
                     raw = inputs.recv(zmq.NOBLOCK, copy=False)
@@ -58,14 +71,18 @@ def serve(loop: StepLoop, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: i
                 if isinstance(msg, m.AddRequest):
                     try:
                         loop.add(msg.req_id, msg.prompt_token_ids, msg.params, msg.priority)
-                        accepted.append(msg.req_id)
+                        owner[msg.req_id] = index
+                        accepted[index].append(msg.req_id)
                     except InvalidRequestError as exc:
-                        rejected.append(m.Rejected(msg.req_id, str(exc), exc.param, exc.code))
+                        reason = m.Rejected(msg.req_id, str(exc), exc.param, exc.code)
+                        rejected[index].append(reason)
                 elif isinstance(msg, m.Abort):
                     for req_id in msg.req_ids:
                         deltas.extend(loop.abort(req_id))
-                else:  # Shutdown
-                    return
+                else:  # Shutdown: this API process is done
+                    open_clients.discard(index)
+                    if not open_clients:
+                        return
         version = loop.snapshot
         if loop.has_work():
             deltas.extend(loop.step())
@@ -73,18 +90,27 @@ def serve(loop: StepLoop, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: i
         elif not idle_snapshot_sent:
             loop.refresh_snapshot(force=True)  # idle now: the gauges say so at once
             idle_snapshot_sent = True
-        if accepted or rejected or deltas or loop.snapshot is not version:
-            for delta in deltas:
-                delta.prompt_token_ids = []  # the client has each prompt: don't resend it
-            snapshot = loop.snapshot if loop.snapshot is not version else None
-            out = m.Outputs(accepted, rejected, deltas, snapshot)
-            outputs.send(m.encoder.encode(out), copy=False)
+        snapshot = loop.snapshot if loop.snapshot is not version else None
+        routed: list[list] = [[] for _ in clients]
+        for delta in deltas:
+            delta.prompt_token_ids = []  # the client has each prompt: don't resend it
+            index = owner.pop(delta.request_id) if delta.finished else owner.get(delta.request_id)
+            if index is not None:
+                routed[index].append(delta)
+        for index in open_clients:
+            if accepted[index] or rejected[index] or routed[index] or snapshot is not None:
+                out = m.Outputs(accepted[index], rejected[index], routed[index], snapshot)
+                clients[index][1].send(m.encoder.encode(out), copy=False)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kiln-engine-core")
-    parser.add_argument("--inputs", required=True, help="ZMQ address to pull requests from")
-    parser.add_argument("--outputs", required=True, help="ZMQ address to push outputs to")
+    parser.add_argument(
+        "--inputs", action="append", required=True, help="ZMQ address to pull requests from"
+    )
+    parser.add_argument(
+        "--outputs", action="append", required=True, help="ZMQ address to push outputs to"
+    )
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
     parser.add_argument("--stream-interval", type=int, default=1)
     parser.add_argument("--parent-pid", type=int, required=True)
@@ -93,14 +119,25 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
+    if len(args.inputs) != len(args.outputs):
+        parser.error("give --inputs and --outputs once per API process")
     ctx = zmq.Context()
-    inputs = ctx.socket(zmq.PULL)
-    inputs.setsockopt(zmq.RCVHWM, 0)
-    inputs.connect(args.inputs)
-    outputs = ctx.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.SNDHWM, 0)
-    outputs.setsockopt(zmq.LINGER, 5000)  # the last message (a failure) must get out
-    outputs.connect(args.outputs)
+    clients: list[tuple[zmq.Socket, zmq.Socket]] = []
+    for inputs_address, outputs_address in zip(args.inputs, args.outputs):
+        inputs = ctx.socket(zmq.PULL)
+        inputs.setsockopt(zmq.RCVHWM, 0)
+        inputs.connect(inputs_address)
+        outputs = ctx.socket(zmq.PUSH)
+        outputs.setsockopt(zmq.SNDHWM, 0)
+        outputs.setsockopt(zmq.LINGER, 5000)  # the last message (a failure) must get out
+        outputs.connect(outputs_address)
+        clients.append((inputs, outputs))
+
+    def tell_everyone(msg: m.EngineOutput) -> None:
+        data = m.encoder.encode(msg)
+        for _, outputs in clients:
+            outputs.send(data)
+
     try:
         try:
             config = msgspec.json.decode(args.config.encode(), type=EngineConfig)
@@ -110,29 +147,35 @@ def main(argv: list[str] | None = None) -> int:
         except BaseException as exc:
             if not isinstance(exc, KilnError):
                 logger.exception("the engine could not start")
-            outputs.send(m.encoder.encode(m.StartupFailed(describe(exc))))
+            tell_everyone(m.StartupFailed(describe(exc)))
+            if len(clients) > 1:
+                # Several API processes may not have bound their sockets yet (each is still
+                # starting): the message may never reach them, so the reason is said here.
+                print(f"error: {describe(exc)}", file=sys.stderr)
             return 1
         from kiln.engine.step_loop import engine_info
 
         info = engine_info(loop.engine)
-        ready = m.Ready(
-            os.getpid(),
-            info.max_model_len,
-            info.vocab_size,
-            info.default_params,
-            info.cache_config,
+        tell_everyone(
+            m.Ready(
+                os.getpid(),
+                info.max_model_len,
+                info.vocab_size,
+                info.default_params,
+                info.cache_config,
+            )
         )
-        outputs.send(m.encoder.encode(ready))
         try:
-            serve(loop, inputs, outputs, args.parent_pid)
+            serve(loop, clients, args.parent_pid)
         except BaseException as exc:
             logger.exception("engine step failed")
-            outputs.send(m.encoder.encode(m.EngineDied(describe(exc))))
+            tell_everyone(m.EngineDied(describe(exc)))
             return 1
         return 0
     finally:
-        inputs.close(linger=0)
-        outputs.close()
+        for inputs, outputs in clients:
+            inputs.close(linger=0)
+            outputs.close()
         ctx.term()
 
 

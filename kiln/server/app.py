@@ -35,6 +35,7 @@ def build_app(
     tool_call_parser: str | None = None,
     max_seqs_per_request: int | None = None,
     metrics_api_key: str | None = None,
+    metrics_multiprocess_dir: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over a running AsyncEngine. `app.state.kiln` holds the
     ServerState (its `lifecycle.drain` is what SIGTERM calls). `metrics_prefix`: "kiln",
@@ -43,7 +44,8 @@ def build_app(
     KServe v2 over gRPC there (0: any free port, then in `app.state.grpc_port`) while the app's
     lifespan runs. `max_seqs_per_request`: most sequences (prompts x n) one request may ask for
     (None: max_waiting); more is a 400. `api_key` guards every route but /health and /metrics;
-    /metrics is open (as vLLM's) unless `metrics_api_key`."""
+    /metrics is open (as vLLM's) unless `metrics_api_key`. `metrics_multiprocess_dir`: the
+    Prometheus multiprocess directory shared by several API processes (kiln.server.api_servers)."""
     if metrics_prefix not in PREFIXES:
         raise ValueError(
             f"metrics_prefix must be one of {sorted(PREFIXES)}, got {metrics_prefix!r}"
@@ -76,6 +78,7 @@ def build_app(
             async_engine.info.max_model_len,
             async_engine.info.cache_config,
             prefix=metrics_prefix,
+            multiprocess_dir=metrics_multiprocess_dir,
         ),
         max_tokens_default=max_tokens_default,
         tool_call_parser=tool_call_parser,

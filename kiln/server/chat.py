@@ -16,9 +16,11 @@ from kiln.errors import InvalidRequestError
 from kiln.server.errors import error_body
 from kiln.server.generation import (
     SSE_DONE,
+    ChunkFrames,
     ClientDisconnected,
     EngineRequest,
     Generation,
+    close_later,
     sse,
     unless_disconnected,
 )
@@ -142,7 +144,7 @@ async def create_chat_completion(
             gen, state, head, n, len(prompt_ids), num_top, include_usage, echoed, tool_plan
         )
         return StreamingResponse(
-            chunks, media_type="text/event-stream", background=BackgroundTask(gen.close)
+            chunks, media_type="text/event-stream", background=BackgroundTask(close_later, gen)
         )
 
     texts, token_ids = [echoed] * n, [[] for _ in range(n)]
@@ -239,33 +241,41 @@ async def _stream(
     tool_plan: ToolPlan | None = None,
 ) -> AsyncIterator[bytes]:
     head = {**head, "object": "chat.completion.chunk"}
+    frames = ChunkFrames(head)
 
     def chunk(index: int, delta: dict, logprobs=None, finish=(None, None)) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": logprobs}
         choice["finish_reason"], choice["stop_reason"] = finish
-        return sse({**head, "choices": [choice]})
+        return frames.chunk(choice)
 
     completion_tokens = 0
     tool_streams = [ToolCallStream(tool_plan) if tool_plan else None for _ in range(n)]
     try:
         for i in range(n):  # the role first, as OpenAI streams it
             yield chunk(i, {"role": "assistant", "content": echoed})
-        async for _, delta in gen.deltas():
-            for out in delta.outputs:
-                completion_tokens += len(out.token_ids)
-                if not out.token_ids and out.finish_reason is None:
-                    continue  # a chunk per token, text or not: clients time arrivals by chunks
-                lps = None
-                if out.logprobs:
-                    entries = chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, num_top)
-                    lps = {"content": entries}
-                tools = tool_streams[out.index]
-                if tools is not None:
-                    for part in tool_call_chunks(tools, out.text, out.finish_reason, lps):
-                        yield chunk(out.index, *part[:2], (part[2], out.stop_reason))
-                    continue
-                content = {"content": out.text} if out.text or out.token_ids else {}
-                yield chunk(out.index, content, lps, (out.finish_reason, out.stop_reason))
+        async for batch in gen.batches():
+            chunks = []  # what arrived since the last write: one write
+            for _, delta in batch:
+                for out in delta.outputs:
+                    completion_tokens += len(out.token_ids)
+                    if not out.token_ids and out.finish_reason is None:
+                        continue  # a chunk per token, text or not: clients time them by chunks
+                    lps = None
+                    if out.logprobs:
+                        entries = chat_logprobs(
+                            state.tokenizer, out.token_ids, out.logprobs, num_top
+                        )
+                        lps = {"content": entries}
+                    tools = tool_streams[out.index]
+                    if tools is not None:
+                        for part in tool_call_chunks(tools, out.text, out.finish_reason, lps):
+                            chunks.append(chunk(out.index, *part[:2], (part[2], out.stop_reason)))
+                        continue
+                    content = {"content": out.text} if out.text or out.token_ids else {}
+                    finish = (out.finish_reason, out.stop_reason)
+                    chunks.append(chunk(out.index, content, lps, finish))
+            if chunks:
+                yield b"".join(chunks)
         if include_usage:
             usage = _usage(num_prompt_tokens, completion_tokens)
             yield sse({**head, "choices": [], "usage": usage})

@@ -23,9 +23,11 @@ from kiln.outputs import CompletionOutput, RequestOutput
 from kiln.server.errors import error_body
 from kiln.server.generation import (
     SSE_DONE,
+    ChunkFrames,
     ClientDisconnected,
     EngineRequest,
     Generation,
+    close_later,
     sse,
     unless_disconnected,
 )
@@ -235,7 +237,7 @@ async def create_completion(body: CompletionRequest, raw: Request, state: State)
         return StreamingResponse(
             _stream(gen, plan, state, choices),
             media_type="text/event-stream",
-            background=BackgroundTask(gen.close),  # in case the stream never started
+            background=BackgroundTask(close_later, gen),  # in case the stream never started
         )
 
     async def collect() -> None:
@@ -274,27 +276,32 @@ async def create_completion(body: CompletionRequest, raw: Request, state: State)
 async def _stream(
     gen: Generation, plan: _Plan, state: ServerState, choices: list[_Choice]
 ) -> AsyncIterator[bytes]:
+    frames = ChunkFrames(_head(plan))
     try:
-        async for index, delta in gen.deltas():
-            for out in delta.outputs:
-                number = index * plan.n + out.index
-                choice = choices[number]
-                text = _advance(plan, state, choice, index, delta, out)
-                # One chunk per generated token, even one that completes no character yet (as
-                # vLLM streams): clients time token arrivals by chunks.
-                if out.finish_reason is None and (plan.drop_output or not out.token_ids):
-                    continue
-                item = {
-                    "index": number,
-                    "text": text,
-                    "logprobs": choice.logprobs.take() if choice.logprobs else None,
-                    "finish_reason": choice.finish_reason,
-                    "stop_reason": choice.stop_reason,
-                }
-                if choice.prompt_logprobs is not None and not choice.prompt_logprobs_sent:
-                    item["prompt_logprobs"] = choice.prompt_logprobs  # once, in the first chunk
-                    choice.prompt_logprobs_sent = True
-                yield sse({**_head(plan), "choices": [item]})
+        async for batch in gen.batches():
+            chunks = []  # what arrived since the last write: one write
+            for index, delta in batch:
+                for out in delta.outputs:
+                    number = index * plan.n + out.index
+                    choice = choices[number]
+                    text = _advance(plan, state, choice, index, delta, out)
+                    # One chunk per generated token, even one that completes no character yet
+                    # (as vLLM streams): clients time token arrivals by chunks.
+                    if out.finish_reason is None and (plan.drop_output or not out.token_ids):
+                        continue
+                    item = {
+                        "index": number,
+                        "text": text,
+                        "logprobs": choice.logprobs.take() if choice.logprobs else None,
+                        "finish_reason": choice.finish_reason,
+                        "stop_reason": choice.stop_reason,
+                    }
+                    if choice.prompt_logprobs is not None and not choice.prompt_logprobs_sent:
+                        item["prompt_logprobs"] = choice.prompt_logprobs  # once, the first chunk
+                        choice.prompt_logprobs_sent = True
+                    chunks.append(frames.chunk(item))
+            if chunks:
+                yield b"".join(chunks)
         if plan.include_usage:
             yield sse({**_head(plan), "choices": [], "usage": _usage(plan, choices)})
         yield SSE_DONE

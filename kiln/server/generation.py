@@ -28,6 +28,26 @@ def sse(obj: dict) -> bytes:
     return b"data: " + orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS) + b"\n\n"
 
 
+class ChunkFrames:
+    """The SSE frames of one streamed response, whose every chunk repeats the same head (id,
+    object, created, model) before its `choices`: the head is serialized once, not per token."""
+
+    def __init__(self, head: dict) -> None:
+        encoded = orjson.dumps({**head, "choices": []})  # ...,"choices":[]}
+        self._prefix = b"data: " + encoded[:-2]
+
+    def chunk(self, choice: dict) -> bytes:
+        """The frame of `{**head, "choices": [choice]}`, byte for byte as `sse` writes it."""
+        return self._prefix + orjson.dumps(choice, option=orjson.OPT_NON_STR_KEYS) + b"]}\n\n"
+
+
+async def close_later(gen: Generation) -> None:
+    """A response's background task: close the generation on the event loop (a plain function
+    there would run on a worker thread, a thread-pool hop per request and off the loop that
+    owns the books)."""
+    gen.close()
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     req_id: str
@@ -107,11 +127,26 @@ class Generation:
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(request index, delta) in arrival order until every request has finished. An engine
         failure is raised here (EngineDeadError)."""
+        try:
+            async for batch in self.batches():
+                for item in batch:
+                    yield item
+        finally:
+            self.close()
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        """As `deltas()`, but every delta that has arrived by the time the caller asks comes in
+        one list: a response that fell behind (its event loop busy with other streams) catches
+        up in one socket write rather than one per token, as vLLM merges the outputs a slow
+        consumer has not taken yet. When the loop keeps up, each list holds one delta."""
         if len(self.streams) == 1:  # one engine request (chat, one prompt): no merge needed
+            stream = self.streams[0]
             try:
-                async for delta in self.streams[0]:
-                    self._observe(0, delta)
-                    yield 0, delta
+                async for delta in stream:
+                    batch = [(0, delta)] + [(0, d) for d in stream.ready()]
+                    for index, d in batch:
+                        self._observe(index, d)
+                    yield batch
             except Exception:
                 self._failed = True
                 raise
@@ -132,15 +167,23 @@ class Generation:
         remaining = len(self.streams)
         try:
             while remaining:
-                index, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                    continue
-                if isinstance(item, Exception):
-                    self._failed = True
-                    raise item
-                self._observe(index, item)
-                yield index, item
+                arrived = [await queue.get()]
+                while not queue.empty():
+                    arrived.append(queue.get_nowait())
+                batch = []
+                for index, item in arrived:
+                    if item is None:
+                        remaining -= 1
+                        continue
+                    if isinstance(item, Exception):
+                        if batch:
+                            yield batch  # what arrived before the failure, first
+                        self._failed = True
+                        raise item
+                    self._observe(index, item)
+                    batch.append((index, item))
+                if batch:
+                    yield batch
         finally:
             self.close()
 

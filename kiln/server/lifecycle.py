@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from collections.abc import Awaitable, Callable
 
@@ -96,6 +97,12 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        # Our handlers are installed now: a signal held back while the process started (one of
+        # several API processes blocks them until here) is handled as a drain.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
 
     def handle_exit(self, sig: int, frame: object) -> None:
         # Not uvicorn's handler: it re-raises the signal after shutdown, and a re-raised

@@ -11,6 +11,11 @@ is a request of its own). Engine state (queue lengths, KV usage, prefix-cache an
 counters, tokens per step) is the engine's own snapshot as of its last step (StepLoop's,
 refreshed at least every 0.1 s while it steps and whenever it goes idle): a scrape answers at once,
 even during a long prefill, and never waits on the engine thread or process.
+
+With several API processes (`kiln serve --api-server-count N`), each observes its own requests
+into Prometheus's multiprocess files (`multiprocess_dir`: one file per process, summed at each
+scrape), so any process's /metrics reports the whole server; the engine's snapshot reaches every
+API process alike.
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.utils import floatToGoString
@@ -65,12 +71,18 @@ def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
 
 
 class _EngineCollector:
-    def __init__(self, labels: dict[str, str]) -> None:
+    def __init__(self, labels: dict[str, str], cache_info: dict[str, str]) -> None:
         self.labels = labels
+        self.cache_info = cache_info
         self.snapshot = EngineSnapshot()
 
     def collect(self) -> Iterator[Metric]:
         s, names, values = self.snapshot, list(self.labels), list(self.labels.values())
+        info = GaugeMetricFamily(
+            "cache_config_info", "The KV cache as built.", labels=list(self.cache_info)
+        )
+        info.add_metric(list(self.cache_info.values()), 1)  # an info metric: labels are the data
+        yield info
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=names)
@@ -133,21 +145,37 @@ class _EngineCollector:
         return h
 
 
+# Families rendered a second time under another name: (name, documentation). vLLM's older
+# time_per_output_token_seconds is the same observation as inter_token_latency_seconds, so it is
+# observed once (a histogram observation per streamed token is the server's hot path).
+_ALIASES = {
+    "inter_token_latency_seconds": (
+        "time_per_output_token_seconds",
+        "Inter-token latency (older name).",
+    ),
+}
+
+
 class _Prefixed:
-    """Every family of `source`, renamed `<prefix>:<name>` once per prefix."""
+    """Every family of `source` (and its alias), renamed `<prefix>:<name>` once per prefix."""
 
     def __init__(self, source: CollectorRegistry, prefixes: tuple[str, ...]) -> None:
         self.source = source
         self.prefixes = prefixes
 
     def collect(self) -> Iterator[Metric]:
-        families = list(self.source.collect())
+        families = []
+        for family in self.source.collect():
+            families.append((family.name, family.documentation, family))
+            if family.name in _ALIASES:
+                families.append((*_ALIASES[family.name], family))
         for prefix in self.prefixes:
-            for family in families:
-                renamed = Metric(
-                    f"{prefix}:{family.name}", family.documentation, family.type, family.unit
-                )
-                renamed.samples = [s._replace(name=f"{prefix}:{s.name}") for s in family.samples]
+            for name, doc, family in families:
+                renamed = Metric(f"{prefix}:{name}", doc, family.type, family.unit)
+                renamed.samples = [
+                    s._replace(name=f"{prefix}:{name}{s.name[len(family.name) :]}")
+                    for s in family.samples
+                ]
                 yield renamed
 
 
@@ -158,7 +186,10 @@ class ServerMetrics:
         max_model_len: int,
         cache_info: dict[str, str],
         prefix: str = "kiln",
+        multiprocess_dir: str | None = None,
     ) -> None:
+        """`multiprocess_dir`: this server's Prometheus multiprocess directory when it runs
+        several API processes (their values are summed from it); None: this process's own."""
         if prefix not in PREFIXES:
             raise ValueError(f"metrics prefix must be one of {sorted(PREFIXES)}, got {prefix!r}")
         self.max_model_len = max_model_len
@@ -177,9 +208,6 @@ class ServerMetrics:
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Inter-token latency.", _ITL_BUCKETS)
-        self.tpot = hist(
-            "time_per_output_token_seconds", "Inter-token latency (older name).", _ITL_BUCKETS
-        )
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
         self.queue = hist(
             "request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS
@@ -216,11 +244,15 @@ class ServerMetrics:
             [*names, "finished_reason"],
             registry=source,
         )
-        info = Gauge(
-            "cache_config_info", "The KV cache as built.", list(cache_info), registry=source
-        )
-        info.labels(**cache_info).set(1)  # an info metric: the labels are the data
-        self._engine = _EngineCollector(labels)
+        self._engine = _EngineCollector(labels, cache_info)
+        if multiprocess_dir is not None:
+            if not values.ValueClass._multiprocess:
+                raise RuntimeError(
+                    "multiprocess metrics need PROMETHEUS_MULTIPROC_DIR set before "
+                    "prometheus_client is imported"
+                )
+            source = CollectorRegistry()  # every API process's values, summed per scrape
+            MultiProcessCollector(source, path=multiprocess_dir)
         source.register(self._engine)
 
         self.registry = CollectorRegistry()  # what /metrics serves
@@ -242,8 +274,7 @@ class ServerMetrics:
         self._success.labels(**self._labels, finished_reason=reason).inc()
 
     def observe_itl(self, seconds: float) -> None:
-        self.itl.observe(seconds)
-        self.tpot.observe(seconds)  # vLLM's older name for the same observation
+        self.itl.observe(seconds)  # rendered as time_per_output_token_seconds too
 
     async def render(self, engine: object) -> bytes:
         """Render with the engine's last-step snapshot (`engine.stats`, an AsyncEngine or an
