@@ -40,6 +40,8 @@ def _rms_norm_kernel(
     DYNAMIC: tl.constexpr = True,
     OUT_DTYPE: tl.constexpr = tl.float32,  # QUANT: the dtype the unfused norm would write
     INTERPRETED: tl.constexpr = False,  # the Triton interpreter: see round_to_e4m3_grid
+    FP8_MAX: tl.constexpr = 448.0,
+    MIN_SCALE: tl.constexpr = 1e-12,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -58,11 +60,11 @@ def _rms_norm_kernel(
         out = out.to(OUT_DTYPE).to(tl.float32)  # what quantize_fp8 would read
         if DYNAMIC:
             absmax = tl.max(tl.where(mask, tl.abs(out), 0.0), 0)
-            scale = tl.maximum(tl.math.div_rn(absmax, FP8_E4M3_MAX), FP8_MIN_SCALE)
+            scale = tl.maximum(tl.math.div_rn(absmax, FP8_MAX), MIN_SCALE)
             tl.store(scale_ptr + row, scale)
         else:
             scale = tl.load(scale_ptr)
-        q = tl.clamp(tl.math.div_rn(out, scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+        q = tl.clamp(tl.math.div_rn(out, scale), -FP8_MAX, FP8_MAX)
         if INTERPRETED:
             q = round_to_e4m3_grid(q)
         tl.store(out_ptr + row * stride_out + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
@@ -179,6 +181,7 @@ def add_rms_norm_quant_fp8(
             hidden, eps, scale,
             ADD_RESIDUAL=residual is not None, BLOCK=block, QUANT=True, DYNAMIC=dynamic,
             OUT_DTYPE=_TL_DTYPES[out_dtype], INTERPRETED=x.device.type != "cuda",
+            FP8_MAX=FP8_E4M3_MAX, MIN_SCALE=FP8_MIN_SCALE,
             num_warps=min(16, max(1, block // 512)),
         )  # fmt: skip
     return out, scale, summed
