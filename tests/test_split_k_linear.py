@@ -220,14 +220,18 @@ def test_split_k_slices_and_the_default_table(monkeypatch) -> None:
     assert split_k.k_per_split(K, 3, 32) == (64, 3)
     assert split_k.k_per_split(K, 8, 32) == (32, 5)
     assert split_k.k_per_split(4096, 1, 512) == (4096, 1)
-    # Until an H200 sweep fills the table, no launch is split (an H200's 132 SMs).
+    # The rule splits nothing (an H200's 132 SMs); only the measured entries split.
     monkeypatch.setattr(small_batch_tiles, "num_sms", lambda device: 132)
     cuda = torch.device("cuda")
     for kernel in small_batch_tiles.KERNELS:
         for n, k in ((4096, 4096), (4096, 14336), (6144, 4096), (28672, 4096)):
             for element_size, rows in ((1, 1), (1, 8), (2, 1)):
                 tiles = small_batch_tiles.tile_config(kernel, n, k, cuda, element_size, rows)
-                assert tiles.split_k == 1 and tiles.block_n in (32, 64)
+                key = (kernel, n, k, element_size, rows == 1)
+                if key in small_batch_tiles.MEASURED_TILES:
+                    assert tiles == small_batch_tiles.MEASURED_TILES[key]
+                else:
+                    assert tiles.split_k == 1 and tiles.block_n in (32, 64)
     with pytest.raises(ValueError, match="unknown small-batch kernel"):
         small_batch_tiles.tile_config("gemv", 16, 16, torch.device("cpu"))
 
@@ -241,6 +245,7 @@ def test_a_sweeps_suggestions_override_the_table(monkeypatch, tmp_path) -> None:
     table = small_batch_tiles.load_tiles(str(path))
     assert table == {("linear", 4096, 4096, 1, True): Tiles(32, 256, 4, 4, 4, 2048)}
     monkeypatch.setattr(small_batch_tiles, "_FROM_ENV", table)
+    monkeypatch.setattr(small_batch_tiles, "MEASURED_TILES", {})
     monkeypatch.setattr(small_batch_tiles, "num_sms", lambda device: 132)
     cuda = torch.device("cuda")
     assert small_batch_tiles.tile_config("linear", 4096, 4096, cuda, 1, 1).split_k == 4

@@ -41,9 +41,21 @@ class Tiles(NamedTuple):
 
 
 # (kernel, weight rows, K, weight element bytes, one row) -> Tiles, from an H200 sweep
-# (benchmarks/fp8_small_batch_sweep.py prints these entries for its best configurations).
-# Empty until that sweep has run with split-K: the rule below holds meanwhile.
-MEASURED_TILES: dict[tuple[str, int, int, int, bool], Tiles] = {}
+# (benchmarks/fp8_small_batch_sweep.py prints these entries for its best configurations; every
+# configuration it times is checked against the FP8 GEMM path on the GPU). Llama-3.1-8B's float8
+# projections, split-K 4: benchmarks/results/2026-12-01-h200-final-wave/run1 (us per call, the
+# rule's in brackets; batch-1 decode 256.5 -> 314.9 tok/s with them, same run). gate_up and the
+# 2-8 row qkv gained nothing from splitting and keep the rule.
+MEASURED_TILES: dict[tuple[str, int, int, int, bool], Tiles] = {
+    # qkv + rotary + KV write, one row: 12.8 us (16.7)
+    ("qkv_rotary", 6144, 4096, 1, True): Tiles(64, 256, 4, 3, split_k=4, stats_block=2048),
+    # o_proj, one row: 9.1 us (12.3); 2-8 rows: 11.1 (12.7)
+    ("linear", 4096, 4096, 1, True): Tiles(64, 256, 4, 3, split_k=4, stats_block=1024),
+    ("linear", 4096, 4096, 1, False): Tiles(64, 256, 4, 4, split_k=4, stats_block=0),
+    # down, one row: 20.6 us (32.4); 2-8 rows: 27.3 (32.4)
+    ("linear", 4096, 14336, 1, True): Tiles(64, 256, 4, 4, split_k=4, stats_block=1024),
+    ("linear", 4096, 14336, 1, False): Tiles(64, 256, 4, 4, split_k=4, stats_block=0),
+}
 
 
 def load_tiles(path: str) -> dict[tuple[str, int, int, int, bool], Tiles]:
