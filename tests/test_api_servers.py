@@ -239,18 +239,24 @@ def test_a_dead_engine_ends_streams_in_every_api_process_and_the_server(server):
 def test_sigterm_drains_every_api_process_then_exits_0(tiny_dir):
     server = Server(tiny_dir, grace=60)
     try:
-        streams = streams_on_every_api_server(server, 200)
+        # Long streams: the drain must outlast the probes below (a tiny model makes 200 tokens
+        # in well under a second, after which the server rightly exits and refuses connections).
+        streams = streams_on_every_api_server(server, 480)
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        for _ in range(4):  # new connections: whichever process they reach, it is draining
+        time.sleep(0.2)
+        probes = 0
+        while probes < 4 and not all(s.done for s in streams):
+            # New connections: whichever process they reach, it is draining.
             refused = httpx.post(server.base + "/v1/completions", json={"prompt": PROMPT})
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+            probes += 1
+        assert probes >= 1, "the streams ended before any probe: nothing was checked"
         for s in streams:
             s.join(60)
         assert server.proc.wait(60) == 0
         for s in streams:
             assert s.error is None and s.done and s.finish == "length"
-            assert s.num_tokens == 200  # every token, none cut off by the shutdown
+            assert s.num_tokens == 480  # every token, none cut off by the shutdown
     finally:
         server.kill()
 
