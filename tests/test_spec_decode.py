@@ -343,7 +343,7 @@ def _check_prometheus(engine, outs):
     from kiln.engine.step_loop import read_snapshot
     from kiln.server.metrics import _EngineCollector
 
-    collector = _EngineCollector({"model_name": "m"})
+    collector = _EngineCollector({"model_name": "m"}, {})
     collector.snapshot = read_snapshot(engine, {}, 0.0)
     registry = CollectorRegistry()
     registry.register(collector)
