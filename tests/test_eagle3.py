@@ -137,7 +137,8 @@ def _check_pools_empty(llm):
     assert kv.pool.num_free_blocks == kv.pool.num_blocks and not kv.req_to_blocks
     proposer = llm.engine.executor.runner.proposer
     llm.engine.step()  # the runner (and so the proposer) hear of finished requests next step
-    assert not proposer.states and proposer.num_free_blocks == proposer.kv_cache[0].shape[0]
+    pool = proposer.pool
+    assert not proposer.states and pool.num_free_blocks == pool.kv_caches[0][0].shape[0]
 
 
 @pytest.mark.parametrize(

@@ -331,7 +331,8 @@ def test_ngram_and_draft_model_are_exact_with_prefix_caching(tiny_paths, tiny_re
     _check_prometheus(draft.engine, outs)
     proposer = draft.engine.executor.runner.proposer
     draft.engine.step()  # the runner (and so the draft) hear of finished requests next step
-    assert not proposer.states and proposer.num_free_blocks == proposer.kv_caches[0][0].shape[0]
+    pool = proposer.pool
+    assert not proposer.states and pool.num_free_blocks == pool.kv_caches[0][0].shape[0]
     # The draft's KV pool is in the memory plan: fewer target blocks than without a draft.
     assert draft.engine.memory_plan.bytes_per_block > ngram.engine.memory_plan.bytes_per_block
 

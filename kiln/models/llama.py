@@ -507,8 +507,9 @@ def _derived(name: str, owner: Linear | None) -> bool:
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _LOCAL_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
-_LAYER_MAP = {
-    # Fused projections: (kiln parameter, index of the shard in the layer's output_sizes).
+# One decoder layer's HF tensors -> (kiln parameter, index of the fused shard in the layer's
+# output_sizes, None when not fused). The EAGLE-3 head's midlayer loads by it too.
+LAYER_TENSOR_MAP = {
     "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
     "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 1),
     "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 2),
@@ -523,18 +524,18 @@ _LAYER_MAP = {
     "post_attention_layernorm.weight": ("post_attention_layernorm", None),
 }
 
-
 # A pre-quantized checkpoint's weight scales load into their projection's shard, as its weights.
-_LAYER_MAP.update(
-    {
+_LAYER_MAP = {
+    **LAYER_TENSOR_MAP,
+    **{
         hf.removesuffix("weight") + "weight_scale": (
             ours.removesuffix("weight") + "weight_scale",
             i,
         )
-        for hf, (ours, i) in list(_LAYER_MAP.items())
+        for hf, (ours, i) in LAYER_TENSOR_MAP.items()
         if hf.endswith("proj.weight")
-    }
-)
+    },
+}
 # Read before the model is built (input scales: kiln.checkpoint.prequantized) or not applied
 # (the KV cache's scales: kiln's float8 cache is unscaled; the loader says so).
 _SCALES_READ_ELSEWHERE = (".input_scale", ".k_scale", ".v_scale")

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
-from kiln.attention.backend import AttentionMetadata, get_attention_backend
+from kiln.attention.backend import get_attention_backend
 from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
 from kiln.models.llama import LlamaForCausalLM
+from kiln.spec_decode.kv_pool import DraftKVPool
 from kiln.spec_decode.proposer import DraftRequest, Proposer
 
 
@@ -45,41 +47,21 @@ class DraftModelProposer(Proposer):
         self.model = model
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_speculative_tokens = num_speculative_tokens
-        self.block_size = block_size
         self.max_model_len = max_model_len
         self.device = model.norm.device
         kernels = resolve_kernel_backend(attention_backend, self.device)
         self.ops = kernel_ops(kernels)
         self.backend = get_attention_backend(kernels, self.device)
-        cfg = model.config
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        dtype = kv_cache_dtype or model.norm.dtype
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=dtype, device=self.device),
-                torch.zeros(shape, dtype=dtype, device=self.device),
-            )
-            for _ in range(cfg.num_hidden_layers)
-        ]
-        self._free = list(range(num_blocks - 1, -1, -1))
+        cfg, dtype = model.config, kv_cache_dtype or model.norm.dtype
+        self.pool = DraftKVPool(
+            cfg, cfg.num_hidden_layers, num_blocks, block_size, dtype, self.device
+        )
         self.states: dict[str, _DraftState] = {}
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
 
     def remove(self, req_id: str) -> None:
         state = self.states.pop(req_id, None)
         if state is not None:
-            self._free.extend(reversed(state.blocks))
-
-    def _reserve(self, state: _DraftState, num_positions: int) -> bool:
-        need = -(-num_positions // self.block_size) - len(state.blocks)
-        if need > len(self._free):
-            return False
-        for _ in range(max(need, 0)):
-            state.blocks.append(self._free.pop())
-        return True
+            self.pool.release(state.blocks)
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
@@ -92,7 +74,7 @@ class DraftModelProposer(Proposer):
             state = self.states.setdefault(request.req_id, _DraftState())
             state.num_computed = min(state.num_computed, n - 1)  # always recompute the last token
             # Positions up to n + k - 2 are written (the last draft is never fed back).
-            if self._reserve(state, n + k - 1):
+            if self.pool.reserve(state.blocks, n + k - 1):
                 batch.append((request, state))
         if not batch:
             return {}
@@ -141,37 +123,21 @@ class DraftModelProposer(Proposer):
         chunks: list[list[int]],  # each sequence's query tokens
         starts: list[int],  # position of each chunk's first token
     ) -> list[int]:  # the draft's argmax after each chunk's last token
-        bs, dev = self.block_size, self.device
-        ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
-        width = max(len(s.blocks) for _, s in batch)
-        table = torch.zeros(len(batch), width, dtype=torch.int32)
-        for row, ((_, state), chunk, start) in enumerate(zip(batch, chunks, starts)):
-            table[row, : len(state.blocks)] = torch.tensor(state.blocks, dtype=torch.int32)
-            for i, token in enumerate(chunk):
-                p = start + i
-                ids.append(token)
-                pos.append(p)
-                slots.append(state.blocks[p // bs] * bs + p % bs)
-            qsl.append(qsl[-1] + len(chunk))
-            seq_lens.append(start + len(chunk))
+        dev = self.device
+        ids = [t for chunk in chunks for t in chunk]
+        pos = [p for chunk, start in zip(chunks, starts) for p in range(start, start + len(chunk))]
         query_lens = [len(c) for c in chunks]
         num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
-        metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=table.to(dev),
-            num_decodes=num_decodes,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
+        metadata = self.pool.attention_metadata(
+            [s.blocks for _, s in batch], starts, query_lens, num_decodes
         )
         hidden = self.model(
             self.ops,
             self.backend,
             torch.tensor(ids, dtype=torch.int64, device=dev),
             torch.tensor(pos, dtype=torch.int64, device=dev),
-            self.kv_caches,
+            self.pool.kv_caches,
             metadata,
         )
-        last = torch.tensor([q - 1 for q in qsl[1:]], dtype=torch.int64, device=dev)
+        last = torch.tensor([e - 1 for e in accumulate(query_lens)], dtype=torch.int64, device=dev)
         return self.ops.argmax(self.model.compute_logits(hidden[last])).tolist()

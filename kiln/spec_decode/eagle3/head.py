@@ -34,7 +34,7 @@ from kiln.errors import ModelLoadError
 from kiln.layers.linear import Linear, UnquantizedLinearMethod
 from kiln.layers.rotary import build_cos_sin_cache
 from kiln.models.config import ModelConfig
-from kiln.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from kiln.models.llama import LAYER_TENSOR_MAP, LlamaDecoderLayer, LlamaForCausalLM
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -209,20 +209,9 @@ def _read_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     raise ModelLoadError(f"speculative_config.model: {path} has none of {list(_WEIGHT_FILES)}")
 
 
-# checkpoint name -> (parameter name, fused shard)
-_FUSED = {
-    "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
-    "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 1),
-    "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 2),
-    "self_attn.q_proj.bias": ("self_attn.qkv_proj.bias", 0),
-    "self_attn.k_proj.bias": ("self_attn.qkv_proj.bias", 1),
-    "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", 2),
-    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
-    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
-    "input_layernorm.weight": ("input_layernorm", None),
-    "post_attention_layernorm.weight": ("post_attention_layernorm", None),
-    "hidden_norm.weight": ("hidden_norm", None),
-}
+# midlayer checkpoint name -> (parameter name, fused shard): a Llama decoder layer's, and its
+# hidden state's norm
+_FUSED = {**LAYER_TENSOR_MAP, "hidden_norm.weight": ("hidden_norm", None)}
 _TOP = {"norm.weight": "norm"}
 
 

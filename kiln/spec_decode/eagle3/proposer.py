@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kiln.attention.backend import AttentionMetadata, get_attention_backend
+from kiln.attention.backend import get_attention_backend
 from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
 from kiln.spec_decode.eagle3.head import Eagle3Head
+from kiln.spec_decode.kv_pool import DraftKVPool
 from kiln.spec_decode.proposer import DraftRequest, Proposer
 
 
@@ -63,32 +64,20 @@ class Eagle3Proposer(Proposer):
     ) -> None:
         self.head, self.embedding = head, embedding
         self.num_speculative_tokens = num_speculative_tokens
-        self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.device = head.norm.device
         kernels = resolve_kernel_backend(attention_backend, self.device)
         self.ops = kernel_ops(kernels)
         self.backend = get_attention_backend(kernels, self.device)
-        cfg = head.config
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         dtype = kv_cache_dtype or head.norm.dtype
-        self.kv_cache = (
-            torch.zeros(shape, dtype=dtype, device=self.device),
-            torch.zeros(shape, dtype=dtype, device=self.device),
-        )
-        self._num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self.pool = DraftKVPool(head.config, 1, num_blocks, block_size, dtype, self.device)
         self.states: dict[str, _HeadState] = {}
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
 
     def remove(self, req_id: str) -> None:
         state = self.states.pop(req_id, None)
         if state is not None:
-            self._free.extend(reversed(state.blocks))
+            self.pool.release(state.blocks)
 
     # ---- the target's side: its hidden states, every step ------------------------------------
 
@@ -143,7 +132,7 @@ class Eagle3Proposer(Proposer):
             ):
                 continue  # nothing new verified (or states missing): no drafts this step
             # Slots up to end + k - 2 are written (the last draft is never fed back).
-            if self._reserve(state, end + k - 1 - state.first):
+            if self.pool.reserve(state.blocks, end + k - 1 - state.first):
                 work.append((request, state, end))
         if not work:
             return {}
@@ -204,14 +193,6 @@ class Eagle3Proposer(Proposer):
             state.pending, state.pending_start = [], state.num_seen
         return torch.stack(last_normed), torch.stack(last_prenorm)
 
-    def _reserve(self, state: _HeadState, num_slots: int) -> bool:
-        need = -(-num_slots // self.block_size) - len(state.blocks)
-        if need > len(self._free):
-            return False
-        for _ in range(max(need, 0)):
-            state.blocks.append(self._free.pop())
-        return True
-
     def _forward(
         self,
         states: list[_HeadState],
@@ -220,28 +201,15 @@ class Eagle3Proposer(Proposer):
         num_decodes: int,  # the leading chunks of one token
         input_ids: torch.Tensor | None = None,  # on the device already (chunks give lengths)
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        bs, dev = self.block_size, self.device
-        ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
-        width = max(len(s.blocks) for s in states)
-        table = torch.zeros(len(states), width, dtype=torch.int32)
-        for row, (state, (chunk, start)) in enumerate(zip(states, chunks)):
-            table[row, : len(state.blocks)] = torch.tensor(state.blocks, dtype=torch.int32)
-            for i, token in enumerate(chunk):
-                p = start + i
-                slot = p - state.first  # the head's context starts at its first position
-                ids.append(token)
-                pos.append(p)
-                slots.append(state.blocks[slot // bs] * bs + slot % bs)
-            qsl.append(qsl[-1] + len(chunk))
-            seq_lens.append(start - state.first + len(chunk))
-        metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=table.to(dev),
-            num_decodes=num_decodes,
-            max_query_len=max(len(c) for c, _ in chunks),
-            max_seq_len=max(seq_lens),
+        dev = self.device
+        ids = [t for chunk, _ in chunks for t in chunk]
+        pos = [p for chunk, start in chunks for p in range(start, start + len(chunk))]
+        metadata = self.pool.attention_metadata(
+            [s.blocks for s in states],
+            # The head's context starts at its first position (slot 0).
+            [start - s.first for s, (_, start) in zip(states, chunks)],
+            [len(chunk) for chunk, _ in chunks],
+            num_decodes,
         )
         if input_ids is None:
             input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
@@ -252,7 +220,7 @@ class Eagle3Proposer(Proposer):
             input_ids,
             torch.tensor(pos, dtype=torch.int64, device=dev),
             hidden,
-            self.kv_cache,
+            self.pool.kv_caches[0],  # the midlayer's
             metadata,
         )
 
