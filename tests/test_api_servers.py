@@ -176,10 +176,14 @@ def server(tiny_dir):
 @pytest.mark.timeout(120)
 def test_disconnects_in_every_api_process_free_kv_and_metrics_count_them_all(server):
     leave = threading.Event()
-    streams = streams_on_every_api_server(server, 400, leave=leave)
+    streams = streams_on_every_api_server(server, 480, leave=leave)
     leave.set()  # every client goes away mid-stream
     for s in streams:
         s.join(30)
+    # A stream opened first can end while the later ones look for the other API process (a tiny
+    # model is fast): the aborts to count are those of the streams that left before their end.
+    left = [s for s in streams if not s.done]
+    assert left, "every stream ended before its client left: nothing was aborted"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         aborted = re.search(
@@ -189,14 +193,14 @@ def test_disconnects_in_every_api_process_free_kv_and_metrics_count_them_all(ser
         )
         if (
             aborted
-            and float(aborted.group(1)) == len(streams)
+            and float(aborted.group(1)) == len(left)
             and server.gauge("kv_cache_usage_perc") == 0
             and server.gauge("num_requests_running") == 0
         ):
             break
         time.sleep(0.2)
     # Any API process's /metrics counts every process's requests.
-    assert aborted and float(aborted.group(1)) == len(streams)
+    assert aborted and float(aborted.group(1)) == len(left)
     assert server.gauge("kv_cache_usage_perc") == 0.0
     assert server.gauge("num_requests_running") == 0.0
     done = [
@@ -208,7 +212,7 @@ def test_disconnects_in_every_api_process_free_kv_and_metrics_count_them_all(ser
     length = re.search(
         r'^kiln:request_success_total\{finished_reason="length"[^}]*\} (\S+)$', text, re.M
     )
-    assert float(length.group(1)) == 4
+    assert float(length.group(1)) == 4 + len(streams) - len(left)
     tokens = re.search(r"^kiln:generation_tokens_total\{[^}]*\} (\S+)$", text, re.M)
     assert float(tokens.group(1)) >= 4 * 3 + len(streams)
 
