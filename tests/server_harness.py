@@ -5,11 +5,12 @@ same engine for reference outputs."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import uvicorn
@@ -75,6 +76,24 @@ class ServerThread:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def read_completion_stream(response, into) -> Iterator[dict]:
+    """A streaming completion's SSE lines, recorded on `into` (its done, error_event,
+    num_tokens and finish attributes); yields each chunk that is not an error event."""
+    for line in response.iter_lines():
+        if line == "data: [DONE]":
+            into.done = True
+        elif line.startswith("data: "):
+            event = json.loads(line[6:])
+            if "error" in event:
+                into.error_event = event["error"]
+                continue
+            if event.get("usage"):
+                into.num_tokens = event["usage"]["completion_tokens"]
+            for choice in event["choices"]:
+                into.finish = choice["finish_reason"] or into.finish
+            yield event
 
 
 def offline(engine: AsyncEngine, fn: Callable[[LLM], T]) -> T:

@@ -10,7 +10,6 @@ connections until each process holds one, and find the owner of each from /proc.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -23,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import build_tiny_hf_model
-from server_harness import free_port
+from server_harness import free_port, read_completion_stream
 
 PROMPT = [5, 17, 42, 9, 33, 71, 12, 8]
 NUM_API_SERVERS = 2
@@ -132,21 +131,10 @@ class Stream(threading.Thread):
                 assert r.status_code == 200, r.read()
                 stream = r.extensions["network_stream"]
                 self.client_port = stream.get_extra_info("client_addr")[1]
-                for line in r.iter_lines():
-                    if line == "data: [DONE]":
-                        self.done = True
-                    elif line.startswith("data: "):
-                        event = json.loads(line[6:])
-                        if "error" in event:
-                            self.error_event = event["error"]
-                            continue
-                        if event.get("usage"):
-                            self.num_tokens = event["usage"]["completion_tokens"]
-                        for choice in event["choices"]:
-                            self.finish = choice["finish_reason"] or self.finish
-                        self.first.set()
-                        if self.leave is not None and self.leave.is_set():
-                            return  # the client goes away mid-stream
+                for _ in read_completion_stream(r, self):
+                    self.first.set()
+                    if self.leave is not None and self.leave.is_set():
+                        return  # the client goes away mid-stream
         except Exception as exc:
             self.error = exc
         finally:

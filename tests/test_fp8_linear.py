@@ -227,12 +227,14 @@ def _no_unfused_path(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("fell back to the unfused path")
 
+    methods = {"fp8_linear": fail, "fp8_matmul": fail}
     gemm_path = type(
-        "NoGemm", (), {"fp8_linear": fail, "quantize_fp8": staticmethod(triton_ops.quantize_fp8)}
+        "NoGemm", (), {**methods, "quantize_fp8": staticmethod(triton_ops.quantize_fp8)}
     )
     monkeypatch.setattr(small_batch_linear, "fp8_gemm", gemm_path)
     monkeypatch.setattr(small_batch_linear, "rms_norm", fail)
     monkeypatch.setattr(small_batch_linear, "fused_add_rms_norm", fail)
+    monkeypatch.setattr(small_batch_linear, "add_rms_norm_quant_fp8", fail)
 
 
 def _fp8_inputs(rows: int, k: int, n: int, dtype: torch.dtype, seed: int):

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import httpx
 import openai
 import pytest
 from conftest import build_tiny_hf_model
-from server_harness import ServerThread, free_port
+from server_harness import ServerThread, free_port, read_completion_stream
 
 from kiln.config import EngineConfig
 from kiln.engine.async_engine import AsyncEngine
@@ -73,19 +72,8 @@ class _Stream(threading.Thread):
             ) as response:
                 self.status = response.status_code
                 self.accepted.set()
-                for line in response.iter_lines():
-                    if line == "data: [DONE]":
-                        self.done = True
-                    elif line.startswith("data: "):
-                        event = json.loads(line[6:])
-                        if "error" in event:
-                            self.error_event = event["error"]
-                            continue
-                        if event.get("usage"):
-                            self.num_tokens = event["usage"]["completion_tokens"]
-                        for choice in event["choices"]:
-                            self.finish = choice["finish_reason"] or self.finish
-                        self.first.set()
+                for _ in read_completion_stream(response, self):
+                    self.first.set()
         except Exception as exc:
             self.error = exc
             self.accepted.set()

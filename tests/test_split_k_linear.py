@@ -20,8 +20,10 @@ pytest.importorskip("triton", reason="triton is not installed (pip install kiln[
 
 from kiln.kernels import reference
 from kiln.kernels import triton as triton_ops
-from kiln.kernels.triton import small_batch_linear, small_batch_tiles, split_k
+from kiln.kernels.triton import small_batch_tiles, split_k
 from kiln.kernels.triton.small_batch_tiles import Tiles
+from tests.test_fp8_linear import _fp8_inputs as inputs
+from tests.test_fp8_linear import _no_unfused_path as no_unfused_path
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
@@ -49,32 +51,6 @@ def force_tiles(
 
     monkeypatch.setattr(small_batch_tiles, "tile_config", forced)
     return asked
-
-
-def no_unfused_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The small-batch kernels must run: the FP8 GEMM path and the norm kernels fail."""
-
-    def fail(*args: object, **kwargs: object) -> None:
-        raise AssertionError("fell back to the unfused path")
-
-    gemm_path = type(
-        "NoGemm", (), {"fp8_linear": fail, "quantize_fp8": staticmethod(triton_ops.quantize_fp8)}
-    )
-    monkeypatch.setattr(small_batch_linear, "fp8_gemm", gemm_path)
-    monkeypatch.setattr(small_batch_linear, "rms_norm", fail)
-    monkeypatch.setattr(small_batch_linear, "fused_add_rms_norm", fail)
-
-
-def inputs(rows: int, k: int, n: int, dtype: torch.dtype, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    x = (3 * torch.randn(rows, k, generator=gen)).to(dtype)
-    residual = torch.randn(rows, k, generator=gen).to(dtype)
-    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype)
-    # Rows of very different magnitudes, as real projections have.
-    w = torch.randn(n, k, generator=gen) * torch.logspace(-3, 1, n)[:, None]
-    w_fp8, w_scale = reference.quantize_fp8(w, None)
-    bias = torch.randn(n, generator=gen).to(dtype)
-    return x, residual, norm_weight, w_fp8, w_scale.view(-1), bias
 
 
 def on(*tensors):

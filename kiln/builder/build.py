@@ -28,6 +28,7 @@ from kiln.models.llama import LlamaForCausalLM
 from kiln.quantization.kv_scales import fold_kv_scales
 from kiln.runtime.model_loader import (
     find_model_source,
+    is_float8_kv_cache,
     resolve_device,
     resolve_dtype,
     resolve_kv_cache_dtype,
@@ -214,7 +215,7 @@ def _already_built(engine_id: str, target: str, cached: str | None) -> EngineMan
 def _calibration_text(options: BuildOptions) -> str | None:
     """The text scales are calibrated on: "fp8"'s static input scales and a float8 KV cache's
     per-layer scales calibrate; nothing else does."""
-    if options.quantization != "fp8" and not _float8_kv(options):
+    if options.quantization != "fp8" and not is_float8_kv_cache(options.kv_cache_dtype):
         return None
     from kiln.builder.accuracy import CALIBRATION_FILE
 
@@ -246,10 +247,6 @@ def _write_side_files(
     return sorted(set(os.listdir(out)) - before)
 
 
-def _float8_kv(options: BuildOptions) -> bool:
-    return options.kv_cache_dtype in ("fp8", "fp8_e4m3")
-
-
 def _changes_arithmetic(options: BuildOptions) -> bool:
     return options.quantization != "none" or options.kv_cache_dtype != "auto"
 
@@ -271,7 +268,10 @@ def _run_source(
     scales = kv_scales = None
     if calibration is not None:
         scales, kv_scales = calibrate(
-            llm, calibration, options.quantization == "fp8", _float8_kv(options)
+            llm,
+            calibration,
+            options.quantization == "fp8",
+            is_float8_kv_cache(options.kv_cache_dtype),
         )
     del llm
     gc.collect()

@@ -50,6 +50,13 @@ def calibrate(
     def run(b: list[list[int]]) -> object:
         return llm.generate(b, one_token)
 
-    inputs = calibrate_input_scales(model, batches, run) if input_scales else None
-    kv = calibrate_kv_scales(model, batches, run) if kv_scales else None
+    if not kv_scales:
+        return calibrate_input_scales(model, batches, run), None
+    if not input_scales:
+        return None, calibrate_kv_scales(model, batches, run)
+    # Both from one pass: the input observers wrap the KV observers, which wrap the methods.
+    inputs: dict[str, float] = {}
+    kv = calibrate_kv_scales(
+        model, batches, lambda b: inputs.update(calibrate_input_scales(model, b, run))
+    )
     return inputs, kv

@@ -71,6 +71,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def is_float8_kv_cache(name: str) -> bool:
+    """Whether a kv_cache_dtype name ("auto", "fp8", "fp8_e4m3") asks for a float8 cache."""
+    return name in ("fp8", "fp8_e4m3")
+
+
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The KV cache's element type: the model's own, or float8 e4m3 ("fp8")."""
     if name == "auto":
@@ -283,7 +288,7 @@ def load_model(
         model.load_fused_weights(source.weights, cut=source.tensor_parallel_size == 1)
     else:
         model.load_weights(source.weights)
-    float8_cache = engine_config.kv_cache_dtype in ("fp8", "fp8_e4m3")
+    float8_cache = is_float8_kv_cache(engine_config.kv_cache_dtype)
     if source.kv_scales is not None and (source.kv_scales_in_weights or float8_cache):
         from kiln.quantization.kv_scales import fold_kv_scales
 
