@@ -139,15 +139,15 @@ for s in "$@"; do
         ;;
     prof1)  # kernel-level profile of batch-1 decode steps at 1k context
         stage prof1 120 python3 benchmarks/profile_decode.py --batch 1 --context 1024 \
-            --out "$OUT/profile_decode_b1.txt"
+            $VARIANT --out "$OUT/profile_decode_b1$SFX.txt"
         ;;
     prof512)  # ... and of 512-row decode steps at ~200 context (the 128/128 steady state)
         stage prof512 120 python3 benchmarks/profile_decode.py --batch 512 --context 192 \
-            --out "$OUT/profile_decode_b512.txt"
+            $VARIANT --out "$OUT/profile_decode_b512$SFX.txt"
         ;;
     prof384)  # 384-row decode steps at 1.5k context (the 1000/1000 steady state)
         stage prof384 150 python3 benchmarks/profile_decode.py --batch 384 --context 1500 \
-            --out "$OUT/profile_decode_b384_1500.txt"
+            $VARIANT --out "$OUT/profile_decode_b384_1500$SFX.txt"
         ;;
     profprefill)  # prefill steps of 8192 tokens: 4 prompts of 2048 (the 2048/128 workload)
         stage profprefill 120 python3 benchmarks/profile_decode.py --prefill --batch 4 \

@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--quantization", default="none", help="none, fp8-dynamic (weights), ...")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8")
     p.add_argument(
         "--prefill",
         action="store_true",
@@ -55,6 +56,7 @@ def main() -> None:
         max_num_batched_tokens=max(8192, args.context) + args.mixed_decodes,
         enforce_eager=args.enforce_eager,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     engine = LLMEngine(config)
 
