@@ -128,6 +128,9 @@ def main() -> int:
             cmd = _kiln("bench", "throughput", *engine_flags, "--no-progress")
             cmd += ["--input-len", input_len, "--output-len", output_len]
             cmd += ["--num-requests", str(work[c]), "--concurrency", str(c)]
+            # The same in-flight limit the server gets (_start_server): without it the offline
+            # engine keeps its default of 256 and is no ceiling above that.
+            cmd += ["--max-num-seqs", str(c)]
             offline[c] = _cell(_run_json(cmd, path, args.timeout))
         shape_rows = {
             c: {"shape": shape, "concurrency": c, "num_requests": work[c], "offline": offline[c]}
@@ -147,6 +150,9 @@ def main() -> int:
                         cmd = _kiln("bench", "serve", "--base-url", f"http://127.0.0.1:{port}")
                         cmd += ["--input-len", input_len, "--output-len", output_len]
                         cmd += ["--num-requests", str(work[c]), "--concurrency", str(c)]
+            # The same in-flight limit the server gets (_start_server): without it the offline
+            # engine keeps its default of 256 and is no ceiling above that.
+            cmd += ["--max-num-seqs", str(c)]
                         cmd += [] if stream else ["--no-stream"]
                         # Fresh random prompts per run (same lengths, same work): one server
                         # serves every run of the shape, and repeated prompts would hit its
