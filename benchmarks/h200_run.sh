@@ -361,6 +361,16 @@ for s in "$@"; do
             --serve-variants "" "--api-server-count 2" -- $ENGINE ;;
         esac
         ;;
+    serve-c512)  # 128/128 and 1000/1000 at concurrency 512 against an offline engine with the
+        # same --max-num-seqs 512 (serve_vs_offline.py gave it its default of 256 before, so the
+        # earlier 105-107% at 512 compared with a smaller engine); one API process
+        ENGINE="--model llama-3.1-8b --load-format dummy --dtype bfloat16 $VARIANT"
+        SVO="python3 benchmarks/serve_vs_offline.py --min-requests 8 --concurrency 512"
+        stage serve-c512-128 200 $SVO --out "$OUT/serve_c512_128$SFX" --shapes 128x128 \
+            --requests-per-concurrency 4 -- $ENGINE
+        stage serve-c512-1000 280 $SVO --out "$OUT/serve_c512_1000$SFX" --shapes 1000x1000 \
+            --requests-per-concurrency 1 --modes stream -- $ENGINE
+        ;;
     spec)  # speculative decoding at batch 1 (and 4, 16, 32): verification step cost with K=4
         # vs a plain decode step, tok/s at mean acceptance lengths 2, 3, 4 (the oracle accepting
         # by its own draw), a random EAGLE-3 head's cost per step at 8B shapes;
