@@ -132,6 +132,12 @@ for s in "$@"; do
             --max-model-len 2176 --warmup 12 $HF_BASELINE --hf-batch-size 16 \
             --output-json "$OUT/tput2048$SFX.json"
         ;;
+    tput2048-512seqs)  # the same with 512 in flight: a second wave prefills while the first
+        # decodes (at 256 with equal lengths the requests move in waves: 664 pure decode steps)
+        stage tput2048-512seqs 330 $BENCH throughput $COMMON $VARIANT --input-len 2048 \
+            --output-len 128 --num-requests 3000 --max-num-seqs 512 --max-num-batched-tokens 8192 \
+            --max-model-len 2176 --warmup 12 --output-json "$OUT/tput2048_512seqs$SFX.json"
+        ;;
     tput2048-short)  # the same with 256 requests (tput2048 before it took TensorRT-LLM's 3000): one wave and its tail
         stage tput2048-short 170 $BENCH throughput $COMMON $VARIANT --input-len 2048 --output-len 128 \
             --num-requests 256 --max-num-seqs 256 --max-num-batched-tokens 8192 \
