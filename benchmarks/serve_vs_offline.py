@@ -150,9 +150,6 @@ def main() -> int:
                         cmd = _kiln("bench", "serve", "--base-url", f"http://127.0.0.1:{port}")
                         cmd += ["--input-len", input_len, "--output-len", output_len]
                         cmd += ["--num-requests", str(work[c]), "--concurrency", str(c)]
-            # The same in-flight limit the server gets (_start_server): without it the offline
-            # engine keeps its default of 256 and is no ceiling above that.
-            cmd += ["--max-num-seqs", str(c)]
                         cmd += [] if stream else ["--no-stream"]
                         # Fresh random prompts per run (same lengths, same work): one server
                         # serves every run of the shape, and repeated prompts would hit its
