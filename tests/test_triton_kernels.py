@@ -20,7 +20,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install kiln[
 from kiln.attention.backend import AttentionMetadata, get_attention_backend
 from kiln.attention.torch_backend import TorchAttentionBackend
 from kiln.attention.triton_backend import TritonAttentionBackend
-from kiln.kernels import reference
+from kiln.kernels import kv_layout, reference
 from kiln.kernels import triton as triton_ops
 from kiln.kernels.triton.decode_attention import (
     choose_num_splits,
@@ -54,14 +54,18 @@ def _paged_cache(
     gen: torch.Generator,
     extra_blocks: int = 3,
     cache_dtype: torch.dtype | None = None,
+    v_transposed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random caches (unused slots hold random values too) and shuffled block tables; the caches
-    are `cache_dtype` (e.g. float8) when given, else `dtype`."""
+    are `cache_dtype` (e.g. float8) when given, else `dtype`; V transposed per block
+    (kernels.kv_layout) when asked."""
     blocks_per_seq = [_cdiv(n, block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + extra_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(cache_dtype or dtype)
     v_cache = torch.randn(shape, generator=gen).to(cache_dtype or dtype)
+    if v_transposed:
+        v_cache = _transposed(v_cache)
     order = torch.randperm(num_blocks, generator=gen)
     block_tables = torch.zeros((len(seq_lens), max(blocks_per_seq) + 1), dtype=torch.int32)
     used = 0
@@ -69,6 +73,25 @@ def _paged_cache(
         block_tables[i, :n] = order[used : used + n].int()
         used += n
     return k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(DEVICE)
+
+
+def _transposed(v_cache: torch.Tensor) -> torch.Tensor:
+    """The same values in kv_layout's transposed V layout (a permuted view of its storage)."""
+    storage = torch.empty(
+        (v_cache.shape[0], v_cache.shape[2], v_cache.shape[3], v_cache.shape[1]),
+        dtype=v_cache.dtype, device=v_cache.device,
+    )  # fmt: skip
+    view = storage.permute(0, 3, 1, 2)
+    _bits(view).copy_(_bits(v_cache))  # (copy_ has no float8 kernel on the CPU)
+    assert kv_layout.v_is_transposed(view)
+    return view
+
+
+def _as_engine_allocates(v_cache: torch.Tensor) -> torch.Tensor:
+    """A V cache in the layout the engine gives its dtype: float8 transposed (kv_layout), so the
+    writers' float8 cases write that layout (their other layout is the bf16/fp32 one)."""
+    assert kv_layout.transposes_v(FP8), "KILN_FP8_V_TRANSPOSED=0 in the test environment"
+    return _transposed(v_cache) if kv_layout.transposes_v(v_cache.dtype) else v_cache
 
 
 def _slots(block_tables: torch.Tensor, seq: int, positions: range, block_size: int) -> list[int]:
@@ -127,11 +150,13 @@ def _check_decode(
     num_splits: int | None,
     seed: int = 0,
     cache_dtype: torch.dtype | None = None,
+    v_transposed: bool = False,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_tables = _paged_cache(
-        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype
-    )
+        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype,
+        v_transposed=v_transposed,
+    )  # fmt: skip
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim**-0.5
@@ -172,10 +197,31 @@ def test_decode_attention(
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["nosplit", "split3"])
-def test_decode_attention_fp8_cache(dtype: torch.dtype, num_splits: int) -> None:
+@pytest.mark.parametrize("v_transposed", [False, True], ids=["v_as_k", "v_transposed"])
+def test_decode_attention_fp8_cache(
+    dtype: torch.dtype, num_splits: int, v_transposed: bool
+) -> None:
     # Keys/values stored as float8 e4m3, read and widened to the query's dtype in the kernel; the
-    # reference attends in fp32 over the same float8 values.
-    _check_decode([1, 13, 137], 4, 2, 16, 4, dtype, num_splits, cache_dtype=FP8)
+    # reference attends in fp32 over the same float8 values. V in either layout (kv_layout): the
+    # transposed one is what float8 caches get; the other stays supported (its A/B).
+    _check_decode(
+        [1, 13, 137], 4, 2, 16, 4, dtype, num_splits, cache_dtype=FP8, v_transposed=v_transposed
+    )
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "block_size", "num_splits"),
+    [([16, 32, 48], 16, 1), ([7, 40, 64], 8, 2), ([5, 33], 24, 1)],
+    ids=["whole_tiles", "tile_spans_blocks", "odd_block_size"],
+)
+def test_decode_attention_v_transposed(
+    seq_lens: list[int], block_size: int, num_splits: int
+) -> None:
+    # The transposed V's tiles: contexts of whole tiles only (no masked tile), a 16-key tile over
+    # two 8-key blocks with split partitions, and a block size that is not a power of two (runs
+    # of 8 contiguous keys, tiles across block boundaries).
+    _check_decode(seq_lens, 4, 2, 16, block_size, torch.float32, num_splits, seed=4,
+                  v_transposed=True)  # fmt: skip
 
 
 def test_decode_attention_many_splits() -> None:
@@ -220,11 +266,13 @@ def _check_prefill(
     dtype: torch.dtype,
     seed: int = 0,
     cache_dtype: torch.dtype | None = None,
+    v_transposed: bool = False,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_tables = _paged_cache(
-        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype
-    )
+        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype,
+        v_transposed=v_transposed,
+    )  # fmt: skip
     num_tokens = sum(q_lens)
     query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(DEVICE, dtype)
     starts = [0]
@@ -264,8 +312,12 @@ def test_prefill_attention(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_attention_fp8_cache(dtype: torch.dtype) -> None:
-    _check_prefill([21, 9, 1, 6], [21, 30, 11, 23], 4, 2, 16, 4, dtype, cache_dtype=FP8)
+@pytest.mark.parametrize("v_transposed", [False, True], ids=["v_as_k", "v_transposed"])
+def test_prefill_attention_fp8_cache(dtype: torch.dtype, v_transposed: bool) -> None:
+    _check_prefill(
+        [21, 9, 1, 6], [21, 30, 11, 23], 4, 2, 16, 4, dtype, cache_dtype=FP8,
+        v_transposed=v_transposed,
+    )  # fmt: skip
 
 
 @on_gpu
@@ -459,8 +511,8 @@ def test_rotary_embedding_write_kv(
     cos_sin = _cos_sin_cache(64, head_dim).to(DEVICE)
     shape = (6, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(DEVICE, cache_dtype)
-    v_cache = torch.randn(shape, generator=gen).to(DEVICE, cache_dtype)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    v_cache = _as_engine_allocates(torch.randn(shape, generator=gen).to(DEVICE, cache_dtype))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()  # (clone keeps a transposed V's strides)
     qkv_before = qkv.clone()
     args = (positions, query, key, value, cos_sin)
     q_out = triton_ops.rotary_embedding_write_kv(*args, k_cache, v_cache, slots)
@@ -663,8 +715,8 @@ def test_add_rms_norm_qkv_rotary_write_kv(
     cos_sin = _cos_sin_cache(64, head_dim).to(DEVICE)
     shape = (6, 4, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(DEVICE, cache_dtype)
-    v_cache = torch.randn(shape, generator=gen).to(DEVICE, cache_dtype)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    v_cache = _as_engine_allocates(torch.randn(shape, generator=gen).to(DEVICE, cache_dtype))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()  # (clone keeps a transposed V's strides)
     inputs = [t.clone() for t in (x, residual) if t is not None]
 
     head = (x, residual, norm_weight, 1e-5, weight, bias, positions, cos_sin)
@@ -863,7 +915,7 @@ def test_argmax_llama_vocab_bf16() -> None:
         (torch.float32, 8),
         (torch.float16, 8),
         (torch.uint8, 5),  # a block of 5 bytes: copied byte by byte
-        (torch.float8_e4m3fn, 8),
+        (torch.float8_e4m3fn, 8),  # with every other cache's V transposed (kv_layout)
         pytest.param(torch.bfloat16, 128, marks=on_gpu),
     ],
 )
@@ -876,6 +928,8 @@ def test_copy_kv_blocks(dtype: torch.dtype, head_dim: int) -> None:
         caches = [c.to(DEVICE) for c in caches]
     else:
         caches = [torch.randn(shape, generator=gen).to(DEVICE, dtype) for _ in range(3)]
+    if dtype == FP8:  # a transposed V's blocks are whole byte ranges too: copied as they are
+        caches[1] = _transposed(caches[1])
     want = [c.clone() for c in caches]
     mapping = torch.tensor([[1, 4], [1, 6], [3, 0]], dtype=torch.int64, device=DEVICE)
     by_hand = [c.view(torch.uint8).clone() for c in caches]  # the bytes, block by block
