@@ -27,20 +27,27 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 KV_SIZE = KV_HEADS * HEAD_DIM
 
 
-def compile_kernel(kernel, types: dict[str, str], constexprs: dict[str, object], aligned=()):
+def compile_kernel(
+    kernel, types: dict[str, str], constexprs: dict[str, object], aligned=(), warps=4, stages=3
+):
     """types: each runtime argument's Triton type; aligned: those a launch sees as 16-aligned."""
     signature, names = {}, kernel.arg_names
     for name in names:
         signature[name] = "constexpr" if name in constexprs else types[name]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET)
+    source = ASTSource(kernel, signature, constexprs, attrs)
+    options = {"num_warps": warps, "num_stages": stages}
+    return triton.compile(source, target=TARGET, options=options)
 
 
 def ptx_loads(compiled) -> str:
+    """The kernel's global loads (plain, by width), 16-byte asynchronous copies to shared memory,
+    and shared-memory matrix loads (.trans: the 16-bit transposing one 8-bit V needed)."""
     ptx = compiled.asm["ptx"]
-    loads = Counter(re.findall(r"\b(ld\.global(?:\.\w+)*)", ptx))
-    copies = Counter(re.findall(r"\b(cp\.async\.\w+\.shared\.global(?:\.\w+)*) [^;]*, (\d+)", ptx))
-    return f"loads {dict(loads)}; async copies {dict(copies)}"
+    found = Counter(
+        re.findall(r"\b(ld\.global[\w.]*|cp\.async\.cg\.shared\.global|ldmatrix[\w.]*)", ptx)
+    )
+    return ", ".join(f"{name} x{n}" for name, n in sorted(found.items()))
 
 
 def decode(v_transposed: bool, block_n=64, warps=4, stages=3):
@@ -57,13 +64,12 @@ def decode(v_transposed: bool, block_n=64, warps=4, stages=3):
                 V_CONTIG=min(BLOCK_SIZE, block_n))  # fmt: skip
     aligned = [*ptrs, "stride_q_seq", "stride_q_head", "stride_o_seq", "stride_o_head",
                "stride_bt_seq", "partition_size"]  # fmt: skip
-    c = compile_kernel(k, types, cons, aligned)
-    return c
+    return compile_kernel(k, types, cons, aligned, warps, stages)
 
 
 def main() -> None:
     for name, vt in (("decode, V as K (old float8)", False), ("decode, V transposed", True)):
-        c = decode(vt)
+        c = decode(vt, *((64, 4, 2) if not vt else (64, 4, 3)))  # each one's default tiles
         print(f"{name}: {ptx_loads(c)}; shared {c.metadata.shared} B")
     for cfg in ((64, 4, 2), (128, 4, 2), (128, 8, 3), (32, 4, 3)):
         c = decode(True, *cfg)
@@ -81,7 +87,7 @@ def main() -> None:
                     FP16_DOTS=True, V_TRANSPOSED=vt, V_CONTIG=BLOCK_SIZE)  # fmt: skip
         aligned = [*ptrs, "stride_q_token", "stride_q_head", "stride_o_token", "stride_o_head",
                    "stride_bt_seq"]  # fmt: skip
-        c = compile_kernel(k, types, cons, aligned)
+        c = compile_kernel(k, types, cons, aligned, warps=8, stages=2)
         print(f"prefill, V {'transposed' if vt else 'as K'}: {ptx_loads(c)}")
 
     k = rotary._rotary_write_kv_kernel

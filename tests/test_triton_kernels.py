@@ -87,6 +87,23 @@ def _transposed(v_cache: torch.Tensor) -> torch.Tensor:
     return view
 
 
+def _poison_stale_slots(
+    caches: tuple[torch.Tensor, torch.Tensor], block_tables: torch.Tensor, seq_lens: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NaN into every slot no context covers (the unused tail of each sequence's last block, and
+    the blocks no sequence holds), returning clean copies for the reference (whose masked
+    softmax weights of 0 still multiply the NaN). A kernel must never let a stale slot reach its
+    output: a freed block keeps whatever its last owner wrote there."""
+    clean = tuple(c.clone() for c in caches)
+    stale = torch.ones(caches[0].shape[:2], dtype=torch.bool)
+    for seq, n in enumerate(seq_lens):
+        for p in range(n):
+            stale[int(block_tables[seq, p // caches[0].shape[1]]), p % caches[0].shape[1]] = False
+    for cache in caches:
+        cache[stale.to(cache.device)] = float("nan")
+    return clean
+
+
 def _as_engine_allocates(v_cache: torch.Tensor) -> torch.Tensor:
     """A V cache in the layout the engine gives its dtype: float8 transposed (kv_layout), so the
     writers' float8 cases write that layout (their other layout is the bf16/fp32 one)."""
@@ -151,12 +168,16 @@ def _check_decode(
     seed: int = 0,
     cache_dtype: torch.dtype | None = None,
     v_transposed: bool = False,
+    stale_nan: bool = False,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_tables = _paged_cache(
         seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype,
         v_transposed=v_transposed,
     )  # fmt: skip
+    k_ref, v_ref = k_cache, v_cache
+    if stale_nan:
+        k_ref, v_ref = _poison_stale_slots((k_cache, v_cache), block_tables.cpu(), seq_lens)
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim**-0.5
@@ -170,7 +191,7 @@ def _check_decode(
             query, k_cache, v_cache, block_tables, lens, scale, max_seq_len, num_splits
         )
     expected = reference.paged_decode_attention(
-        query.float(), k_cache.float(), v_cache.float(), block_tables, lens, scale, max_seq_len
+        query.float(), k_ref.float(), v_ref.float(), block_tables, lens, scale, max_seq_len
     )
     assert out.dtype == dtype and out.shape == query.shape
     _assert_close(out, expected, ATTN_ATOL[dtype])
@@ -219,9 +240,10 @@ def test_decode_attention_v_transposed(
 ) -> None:
     # The transposed V's tiles: contexts of whole tiles only (no masked tile), a 16-key tile over
     # two 8-key blocks with split partitions, and a block size that is not a power of two (runs
-    # of 8 contiguous keys, tiles across block boundaries).
+    # of 8 contiguous keys, tiles across block boundaries). Stale slots hold NaN: the masked
+    # tile reads its last block whole and must zero what lies past the context.
     _check_decode(seq_lens, 4, 2, 16, block_size, torch.float32, num_splits, seed=4,
-                  v_transposed=True)  # fmt: skip
+                  v_transposed=True, stale_nan=True)  # fmt: skip
 
 
 def test_decode_attention_many_splits() -> None:
@@ -267,12 +289,16 @@ def _check_prefill(
     seed: int = 0,
     cache_dtype: torch.dtype | None = None,
     v_transposed: bool = False,
+    stale_nan: bool = False,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_tables = _paged_cache(
         seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype,
         v_transposed=v_transposed,
     )  # fmt: skip
+    k_ref, v_ref = k_cache, v_cache
+    if stale_nan:
+        k_ref, v_ref = _poison_stale_slots((k_cache, v_cache), block_tables.cpu(), seq_lens)
     num_tokens = sum(q_lens)
     query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(DEVICE, dtype)
     starts = [0]
@@ -283,9 +309,7 @@ def _check_prefill(
     scale = head_dim**-0.5
     args = (block_tables, query_start_loc, lens, scale, max(q_lens), max(seq_lens))
     out = triton_ops.paged_prefill_attention(query, k_cache, v_cache, *args)
-    expected = reference.paged_prefill_attention(
-        query.float(), k_cache.float(), v_cache.float(), *args
-    )
+    expected = reference.paged_prefill_attention(query.float(), k_ref.float(), v_ref.float(), *args)
     assert out.dtype == dtype and out.shape == query.shape
     _assert_close(out, expected, ATTN_ATOL[dtype])
 
@@ -318,6 +342,13 @@ def test_prefill_attention_fp8_cache(dtype: torch.dtype, v_transposed: bool) -> 
         [21, 9, 1, 6], [21, 30, 11, 23], 4, 2, 16, 4, dtype, cache_dtype=FP8,
         v_transposed=v_transposed,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("block_size", [8, 24])
+def test_prefill_attention_v_transposed(block_size: int) -> None:
+    # The transposed V under prefill's masked (causal, end-of-context) tiles, stale slots NaN.
+    _check_prefill([21, 9, 6], [21, 30, 23], 4, 2, 16, block_size, torch.float32, seed=5,
+                   v_transposed=True, stale_nan=True)  # fmt: skip
 
 
 @on_gpu

@@ -91,9 +91,12 @@ def _decode_tile_vt(
     n = n_start + offs_n
     if MASKED:
         n_mask = n < end
-        block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        # V is read by whole blocks (a mask constant along each block's keys keeps its loads
+        # vectorised), the keys past `end` in the last one zeroed after the load.
+        in_blocks = n // BLOCK_SIZE < tl.cdiv(end, BLOCK_SIZE)
+        block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=in_blocks, other=0).to(tl.int64)
         k_mask = n_mask[:, None] & dim_mask[None, :]
-        vt_mask = dim_mask[:, None] & n_mask[None, :]
+        vt_mask = dim_mask[:, None] & in_blocks[None, :]
     else:
         block_ids = tl.load(block_table + n // BLOCK_SIZE).to(tl.int64)
         k_mask = dim_mask[None, :]
@@ -107,10 +110,13 @@ def _decode_tile_vt(
     vt = tl.load(v_cache_ptr + vt_offsets, mask=vt_mask, other=0.0)  # [BLOCK_D, BLOCK_N]
     # Plain conversions: both operands are K-major in memory, so Triton pipelines the float8
     # loads through shared memory and widens them on the way into the dots.
+    vt = vt.to(q.dtype)
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         s = tl.where(n_mask[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
-    return online_softmax_update(acc, l_i, m_i, s, tl.trans(vt.to(q.dtype)), DOT_PRECISION)
+        # Zero, not just weighted 0: a stale byte past `end` could be NaN, and 0 * NaN is NaN.
+        vt = tl.where(n_mask[None, :], vt, 0.0)
+    return online_softmax_update(acc, l_i, m_i, s, tl.trans(vt), DOT_PRECISION)
 
 
 @triton.jit

@@ -51,8 +51,11 @@ def _attend_tile(
     n = n_start + tl.arange(0, BLOCK_N)
     if MASKED:
         n_mask = n < seq_len
-        block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n_mask, other=0)
+        # Whole blocks (a transposed V is read by whole blocks: see decode_attention's tile).
+        in_blocks = n // BLOCK_SIZE < tl.cdiv(seq_len, BLOCK_SIZE)
+        block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=in_blocks, other=0)
     else:
+        in_blocks = tl.full([BLOCK_N], 1, tl.int1)
         n_mask = tl.full([BLOCK_N], 1, tl.int1)  # the whole tile lies before seq_len
         block_ids = tl.load(block_table + n // BLOCK_SIZE)
     slots = block_ids.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
@@ -66,8 +69,11 @@ def _attend_tile(
             block_ids.to(tl.int64), n, kv_head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
             V_CONTIG,
         )  # fmt: skip
-        vt_mask = dim_mask[:, None] & n_mask[None, :]
-        v = tl.trans(tl.load(v_cache_ptr + vt_offsets, mask=vt_mask, other=0.0).to(q.dtype))
+        vt_mask = dim_mask[:, None] & in_blocks[None, :]
+        vt = tl.load(v_cache_ptr + vt_offsets, mask=vt_mask, other=0.0).to(q.dtype)
+        if MASKED:  # keys past seq_len in its last block: zero (a stale byte could be NaN)
+            vt = tl.where(n_mask[None, :], vt, 0.0)
+        v = tl.trans(vt)
     elif FP16_DOTS:
         v = fp8e4m3_to_fp16(tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0))
     else:  # (fp8e4m3_to_fp16, not v.to(tl.float16): see _fp8.py)
