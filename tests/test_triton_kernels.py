@@ -413,8 +413,9 @@ def test_triton_backend_matches_torch_backend(
     seq_lens = [9, 17, 6, 14]
     gen = torch.Generator().manual_seed(7)
     k_cache, v_cache, block_tables = _paged_cache(
-        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype
-    )
+        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype,
+        v_transposed=cache_dtype == FP8,  # as the engine allocates it (kv_layout)
+    )  # fmt: skip
     slots: list[int] = []
     for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
         slots += _slots(block_tables, i, range(seq_len - q_len, seq_len), block_size)
