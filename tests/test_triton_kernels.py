@@ -100,7 +100,10 @@ def _poison_stale_slots(
         for p in range(n):
             stale[int(block_tables[seq, p // caches[0].shape[1]]), p % caches[0].shape[1]] = False
     for cache in caches:
-        cache[stale.to(cache.device)] = float("nan")
+        if cache.element_size() == 1:  # float8: its NaN byte (no float8 index_put on the CPU)
+            _bits(cache)[stale.to(cache.device)] = 0x7F
+        else:
+            cache[stale.to(cache.device)] = float("nan")
     return clean
 
 
@@ -226,8 +229,9 @@ def test_decode_attention_fp8_cache(
     # reference attends in fp32 over the same float8 values. V in either layout (kv_layout): the
     # transposed one is what float8 caches get; the other stays supported (its A/B).
     _check_decode(
-        [1, 13, 137], 4, 2, 16, 4, dtype, num_splits, cache_dtype=FP8, v_transposed=v_transposed
-    )
+        [1, 13, 137], 4, 2, 16, 4, dtype, num_splits, cache_dtype=FP8, v_transposed=v_transposed,
+        stale_nan=True,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -340,7 +344,7 @@ def test_prefill_attention(
 def test_prefill_attention_fp8_cache(dtype: torch.dtype, v_transposed: bool) -> None:
     _check_prefill(
         [21, 9, 1, 6], [21, 30, 11, 23], 4, 2, 16, 4, dtype, cache_dtype=FP8,
-        v_transposed=v_transposed,
+        v_transposed=v_transposed, stale_nan=True,
     )  # fmt: skip
 
 
@@ -379,14 +383,15 @@ def test_fp8_to_fp16_conversion_is_exact() -> None:
 
 
 @on_gpu
-def test_attention_llama8b_fp8_cache() -> None:
-    # Real shapes with a float8 cache: batch 1 at 4k (split-K), a batch of 64, and prefill chunks.
-    _check_decode([4096], 32, 8, 128, 16, torch.bfloat16, None, cache_dtype=FP8)
+@pytest.mark.parametrize("v_transposed", [False, True], ids=["v_as_k", "v_transposed"])
+def test_attention_llama8b_fp8_cache(v_transposed: bool) -> None:
+    # Real shapes with a float8 cache: batch 1 at 4k (split-K), a batch of 64, and prefill chunks;
+    # V in either layout, stale slots NaN (the transposed V's masked tiles read whole blocks).
+    fp8 = dict(cache_dtype=FP8, v_transposed=v_transposed, stale_nan=True)
+    _check_decode([4096], 32, 8, 128, 16, torch.bfloat16, None, **fp8)
     lens = torch.randint(1, 4097, (64,), generator=torch.Generator().manual_seed(5)).tolist()
-    _check_decode(lens, 32, 8, 128, 16, torch.bfloat16, None, seed=5, cache_dtype=FP8)
-    _check_prefill(
-        [1000, 512, 77], [1000, 3000, 4000], 32, 8, 128, 16, torch.bfloat16, cache_dtype=FP8
-    )
+    _check_decode(lens, 32, 8, 128, 16, torch.bfloat16, None, seed=5, **fp8)
+    _check_prefill([1000, 512, 77], [1000, 3000, 4000], 32, 8, 128, 16, torch.bfloat16, **fp8)
 
 
 @on_gpu
