@@ -50,7 +50,10 @@ def ptx_loads(compiled) -> str:
     return ", ".join(f"{name} x{n}" for name, n in sorted(found.items()))
 
 
-def decode(v_transposed: bool, block_n=64, warps=4, stages=3):
+def decode(
+    v_transposed: bool, block_n=64, warps=4, stages=3, split=False, block_size=BLOCK_SIZE,
+    head_dim=HEAD_DIM,
+):  # fmt: skip
     k = decode_attention._decode_kernel
     ptrs = ["q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "out_ptr",
             "part_out_ptr", "part_lse_ptr"]  # fmt: skip
@@ -58,10 +61,11 @@ def decode(v_transposed: bool, block_n=64, warps=4, stages=3):
     types.update(q_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv",
                  block_tables_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*bf16",
                  part_out_ptr="*fp32", part_lse_ptr="*fp32", qk_scale="fp32")  # fmt: skip
-    cons = dict(NUM_KV_HEADS=KV_HEADS, GROUP=4, GROUP_PAD=16, HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM,
-                BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n, SPLIT=False, DOT_PRECISION="ieee",
-                FP16_DOTS=True, PREFETCH_V=not v_transposed, V_TRANSPOSED=v_transposed,
-                V_CONTIG=min(BLOCK_SIZE, block_n))  # fmt: skip
+    cons = dict(NUM_KV_HEADS=KV_HEADS, GROUP=4, GROUP_PAD=16, HEAD_DIM=head_dim,
+                BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_N=block_n,
+                SPLIT=split, DOT_PRECISION="ieee", FP16_DOTS=True, PREFETCH_V=not v_transposed,
+                V_TRANSPOSED=v_transposed,
+                V_CONTIG=min(block_size & -block_size, block_n))  # fmt: skip
     aligned = [*ptrs, "stride_q_seq", "stride_q_head", "stride_o_seq", "stride_o_head",
                "stride_bt_seq", "partition_size"]  # fmt: skip
     return compile_kernel(k, types, cons, aligned, warps, stages)
@@ -74,6 +78,14 @@ def main() -> None:
     for cfg in ((64, 4, 2), (128, 4, 2), (128, 8, 3), (32, 4, 3)):
         c = decode(True, *cfg)
         print(f"decode V transposed {cfg}: compiled, shared {c.metadata.shared} B")
+    for what, kwargs in (
+        ("split-K", dict(split=True)),
+        ("block 32", dict(block_size=32)),
+        ("block 24 (runs of 8 keys)", dict(block_size=24)),
+        ("head_dim 80 (padded to 128)", dict(head_dim=80)),
+    ):
+        c = decode(True, **kwargs)
+        print(f"decode V transposed, {what}: {ptx_loads(c)}")
 
     k = prefill_attention._prefill_kernel
     types = dict.fromkeys(k.arg_names, "i32")

@@ -634,6 +634,11 @@ def test_attention_padded_head_dim() -> None:
     # head_dim 24 is padded to a 32-wide tile: the padding must be masked off.
     _check_decode([9, 30], 4, 2, 24, 4, torch.float32, num_splits=2, seed=11)
     _check_prefill([7, 18], [7, 25], 4, 2, 24, 4, torch.float32, seed=12)
+    # ... in a transposed V too (its tile is [dims, keys]: the padding is its rows).
+    _check_decode([9, 30], 4, 2, 24, 4, torch.float32, num_splits=2, seed=11, v_transposed=True,
+                  stale_nan=True)  # fmt: skip
+    _check_prefill([7, 18], [7, 25], 4, 2, 24, 4, torch.float32, seed=12, v_transposed=True,
+                   stale_nan=True)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
