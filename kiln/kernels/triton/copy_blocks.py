@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.kv_layout import blocks_are_dense
+
 _WORDS_PER_PROGRAM = 1024
 
 _address_tables: dict[tuple, torch.Tensor] = {}  # the caches' data_ptrs -> [num_caches] int64
@@ -50,7 +52,8 @@ def copy_kv_blocks(
         return
     first = caches[0]
     for cache in caches:
-        assert cache.is_contiguous() and cache.shape == first.shape and cache.dtype == first.dtype
+        # Contiguous, or a float8 V transposed per block: each block one byte range either way.
+        assert blocks_are_dense(cache) and cache.shape == first.shape and cache.dtype == first.dtype
     block_bytes = first[0].numel() * first.element_size()
     aligned = block_bytes % 4 == 0 and all(c.data_ptr() % 4 == 0 for c in caches)
     word_bytes = 4 if aligned else 1
