@@ -122,8 +122,10 @@ def _gguf_source(path: str) -> ModelSource:
 def _engine_dir_source(path: str, tp_rank: int, device: torch.device) -> ModelSource:
     from kiln.checkpoint.engine_dir import iter_engine_weights, open_engine_dir, rank_dir_name
     from kiln.checkpoint.safetensors_loader import read_generation_config
+    from kiln.kernel_cache.triton_cache import install
 
     engine = open_engine_dir(path)  # version, GPU class, sizes; the shards' hashes as they load
+    install(path)  # its compiled kernels (verified with the other files), before any compile
     tp = engine.manifest.get("tensor_parallel_size", 1)
     weights_dir = path if tp == 1 else os.path.join(path, rank_dir_name(tp_rank, tp))
     return ModelSource(
@@ -192,14 +194,14 @@ def _hf_dir_source(path: str) -> ModelSource:
 
 
 def _load_tokenizer(path: str) -> object | None:
-    from transformers import AutoTokenizer
-
     has_tokenizer = any(
         os.path.exists(os.path.join(path, f))
         for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     )
     if not has_tokenizer:
-        return None
+        return None  # before importing transformers: that import alone is seconds of a start
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # a broken tokenizer file must say which directory
@@ -285,7 +287,8 @@ def load_model(
     if source.weights is None:
         model.init_dummy_weights(engine_config.seed)
     elif source.weights_fused:
-        model.load_fused_weights(source.weights, cut=source.tensor_parallel_size == 1)
+        # The reader's tensors are fresh verified buffers of their own: the model takes them.
+        model.load_fused_weights(source.weights, cut=source.tensor_parallel_size == 1, adopt=True)
     else:
         model.load_weights(source.weights)
     float8_cache = is_float8_kv_cache(engine_config.kv_cache_dtype)
