@@ -53,6 +53,9 @@ class LoadedModel:
     generation_defaults: dict
     description: str
     load_seconds: float
+    # Seconds of each part of the load (device work waited for at each edge): where a start's
+    # time goes (ExecutorStats.startup["load_phases"]).
+    phases: dict[str, float] | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -264,8 +267,13 @@ def load_model(
     """The model, or under TP/PP this rank's part of it (`parallel`): each rank reads the
     checkpoint and keeps only its heads, rows and layers."""
     start = time.perf_counter()
+    clock = _PhaseClock(device)
+    if device.type == "cuda":
+        torch.empty(0, device=device)  # the CUDA context, on its own line of the breakdown
+        clock.mark("cuda_init_s")
     tp_rank = 0 if parallel is None else parallel.tp_rank
     source = find_model_source(engine_config.model, engine_config.load_format, tp_rank, device)
+    clock.mark("source_s")  # manifest, file checks, tokenizer, carried kernels
     if source.tensor_parallel_size not in (1, engine_config.tensor_parallel_size):
         raise ModelLoadError(
             f"{source.description} holds one weight shard per rank for tensor_parallel_size="
@@ -284,6 +292,7 @@ def load_model(
     # Rotary tables stay fp32, holding the model dtype's values (transformers rounds cos/sin to
     # the activations' dtype too).
     model.cos_sin_cache = model.cos_sin_cache.to(dtype).float()
+    clock.mark("construct_s")
     if source.weights is None:
         model.init_dummy_weights(engine_config.seed)
     elif source.weights_fused:
@@ -291,6 +300,7 @@ def load_model(
         model.load_fused_weights(source.weights, cut=source.tensor_parallel_size == 1, adopt=True)
     else:
         model.load_weights(source.weights)
+    clock.mark("weights_s")  # read, hashed, copied to the device, taken by the parameters
     float8_cache = is_float8_kv_cache(engine_config.kv_cache_dtype)
     if source.kv_scales is not None and (source.kv_scales_in_weights or float8_cache):
         from kiln.quantization.kv_scales import fold_kv_scales
@@ -300,6 +310,7 @@ def load_model(
         scales = scales[start : start + len(model.layers)]
         fold_kv_scales(model, scales, into_weights=not source.kv_scales_in_weights)
     model.eval()
+    clock.mark("after_s")
     return LoadedModel(
         model,
         cfg,
@@ -307,4 +318,22 @@ def load_model(
         source.generation_defaults,
         source.description,
         time.perf_counter() - start,
+        clock.phases,
     )
+
+
+class _PhaseClock:
+    """Seconds since the last mark, per named phase; on CUDA each mark waits for the device, so
+    queued work is charged to the phase that queued it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.phases[name] = round(now - self.last, 4)
+        self.last = now
