@@ -75,9 +75,11 @@ class ShardReader:
             for file in files:
                 yield from self._read_shard(file)
         finally:
-            self._pool.shutdown()
+            self._pool.shutdown()  # its threads end, and their staging buffers with them
             if self.cuda:
                 torch.cuda.empty_cache()  # the last shard's buffer: not part of the KV plan
+                if hasattr(torch._C, "_host_emptyCache"):  # the pinned staging, back to the host
+                    torch._C._host_emptyCache()
 
     def _read_shard(self, file: str) -> Iterator[tuple[str, torch.Tensor]]:
         fd = os.open(file, os.O_RDONLY)
