@@ -7,6 +7,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ class ModelSource:
 
     config: ModelConfig
     weights: Iterator[tuple[str, torch.Tensor]] | None  # None: dummy weights
-    tokenizer: object | None
+    tokenizer: object | None  # a Future of it with find_model_source(background_tokenizer=True)
     generation_defaults: dict
     description: str
     # True for an engine directory: kiln-named, already fused tensors (load_fused_weights).
@@ -87,11 +88,17 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def find_model_source(
-    model: str | None, load_format: str, tp_rank: int = 0, device: torch.device | None = None
+    model: str | None,
+    load_format: str,
+    tp_rank: int = 0,
+    device: torch.device | None = None,
+    background_tokenizer: bool = False,
 ) -> ModelSource:
     """`tp_rank`: which tensor rank's weights to read from an engine built with one shard per
     rank (other sources hold the whole model, which each rank cuts as it loads). `device`: where
-    an engine directory's weights are read to (its shards go there directly)."""
+    an engine directory's weights are read to (its shards go there directly).
+    `background_tokenizer`: an engine directory's tokenizer loads on a thread while the weights
+    are read, and `tokenizer` is then a Future (load_model resolves it)."""
     from kiln.checkpoint.default_model import default_model_path
     from kiln.checkpoint.engine_dir import is_engine_dir
 
@@ -103,7 +110,9 @@ def find_model_source(
             raise ModelLoadError(f"GGUF file not found: {path}")
         return _gguf_source(path)
     if os.path.isdir(path) and is_engine_dir(path):
-        return _engine_dir_source(path, tp_rank, device or torch.device("cpu"))
+        return _engine_dir_source(
+            path, tp_rank, device or torch.device("cpu"), background_tokenizer
+        )
     if os.path.isdir(path):
         return _hf_dir_source(path)
     if model in PRESETS:
@@ -122,7 +131,9 @@ def _gguf_source(path: str) -> ModelSource:
     )
 
 
-def _engine_dir_source(path: str, tp_rank: int, device: torch.device) -> ModelSource:
+def _engine_dir_source(
+    path: str, tp_rank: int, device: torch.device, background_tokenizer: bool = False
+) -> ModelSource:
     from kiln.checkpoint.engine_dir import iter_engine_weights, open_engine_dir, rank_dir_name
     from kiln.checkpoint.safetensors_loader import read_generation_config
     from kiln.kernel_cache.triton_cache import install
@@ -131,10 +142,19 @@ def _engine_dir_source(path: str, tp_rank: int, device: torch.device) -> ModelSo
     install(path)  # its compiled kernels (verified with the other files), before any compile
     tp = engine.manifest.get("tensor_parallel_size", 1)
     weights_dir = path if tp == 1 else os.path.join(path, rank_dir_name(tp_rank, tp))
+    if background_tokenizer:
+        # Importing transformers and parsing tokenizer.json take seconds of a cold start
+        # (7.9 s of SmolLM2's engine load on the loaded 2-core CPU); the weight reader's threads
+        # mostly release the GIL, so the two overlap.
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-tokenizer")
+        tokenizer: object = pool.submit(_load_engine_tokenizer, path)
+        pool.shutdown(wait=False)
+    else:
+        tokenizer = _load_engine_tokenizer(path)
     return ModelSource(
         engine.config,
         iter_engine_weights(engine, weights_dir, device),
-        _load_engine_tokenizer(path),
+        tokenizer,
         read_generation_config(path),
         engine.description,
         weights_fused=True,
@@ -272,8 +292,10 @@ def load_model(
         torch.empty(0, device=device)  # the CUDA context, on its own line of the breakdown
         clock.mark("cuda_init_s")
     tp_rank = 0 if parallel is None else parallel.tp_rank
-    source = find_model_source(engine_config.model, engine_config.load_format, tp_rank, device)
-    clock.mark("source_s")  # manifest, file checks, tokenizer, carried kernels
+    source = find_model_source(
+        engine_config.model, engine_config.load_format, tp_rank, device, background_tokenizer=True
+    )
+    clock.mark("source_s")  # manifest, file checks, tokenizer (not an engine's), carried kernels
     if source.tensor_parallel_size not in (1, engine_config.tensor_parallel_size):
         raise ModelLoadError(
             f"{source.description} holds one weight shard per rank for tensor_parallel_size="
@@ -311,10 +333,14 @@ def load_model(
         fold_kv_scales(model, scales, into_weights=not source.kv_scales_in_weights)
     model.eval()
     clock.mark("after_s")
+    tokenizer = source.tokenizer
+    if isinstance(tokenizer, Future):
+        tokenizer = tokenizer.result()  # its error, if any, is the load's
+        clock.mark("tokenizer_wait_s")  # what of the tokenizer's load the weights did not hide
     return LoadedModel(
         model,
         cfg,
-        source.tokenizer,
+        tokenizer,
         source.generation_defaults,
         source.description,
         time.perf_counter() - start,
