@@ -160,3 +160,11 @@ def test_the_build_warm_up_runs_an_engine(tiny_engine, tmp_path):
         env=env, capture_output=True, text=True, check=False, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_an_unwritable_triton_cache_only_costs_the_compiles(carried, tmp_path, monkeypatch):
+    engine, _ = carried
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(blocker / "cache"))  # makedirs fails under a file
+    assert install(engine, KEY) == 0

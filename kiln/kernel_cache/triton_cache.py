@@ -108,6 +108,16 @@ def install(engine_dir: str, key: dict[str, str] | None = None) -> int:
         )
         return 0
     dest_root = active_cache_dir()
+    try:
+        copied = _copy_entries(root, dest_root)
+    except OSError as e:  # an unwritable cache costs the compiles it would have saved, no more
+        logger.warning("engine kernels not installed into %s: %s", dest_root, e)
+        return 0
+    logger.info("engine kernels: %d cache files into %s", copied, dest_root)
+    return copied
+
+
+def _copy_entries(root: str, dest_root: str) -> int:
     copied = 0
     for entry in sorted(os.listdir(root)):
         src_entry = os.path.join(root, entry)
@@ -115,7 +125,9 @@ def install(engine_dir: str, key: dict[str, str] | None = None) -> int:
             continue
         dest_entry = os.path.join(dest_root, entry)
         os.makedirs(dest_entry, exist_ok=True)
-        for file in sorted(os.listdir(src_entry)):
+        # The group last: Triton looks its members up by it, so it must not name a missing one.
+        files = sorted(os.listdir(src_entry))
+        for file in sorted(files, key=lambda f: f.startswith(_GROUP_PREFIX)):
             dst = os.path.join(dest_entry, file)
             if os.path.exists(dst):
                 continue
@@ -126,7 +138,6 @@ def install(engine_dir: str, key: dict[str, str] | None = None) -> int:
                 shutil.copyfile(os.path.join(src_entry, file), tmp)
             os.replace(tmp, dst)
             copied += 1
-    logger.info("engine kernels: %d cache files into %s", copied, dest_root)
     return copied
 
 
