@@ -7,8 +7,12 @@ Writes an HF-format checkpoint of the preset with dummy weights (normal, std 0.0
   2. first token from the engine directory: process start to the first generated token of a
      `prompt_len`-token prompt (`LLM(ENGINE).generate`, token ids, max_tokens=1), and the same
      from the HF source directory (unquantized, fused at load) for comparison.
+Every "first process" gets an empty Triton cache of its own (TRITON_CACHE_DIR), as on a fresh
+machine; its "again" run reuses that cache (a second process). The engine's carried kernels
+(kiln.kernel_cache) are measured on and off (KILN_ENGINE_KERNEL_CACHE=0), and with --base-tree
+the same engine is loaded by an older kiln checkout too (PYTHONPATH), the before of one run.
 Usage: python benchmarks/build_and_first_token.py --preset llama-3.1-8b --work /tmp/w \
-    --output-json F
+    --output-json F [--base-tree DIR]
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -31,7 +36,9 @@ t0 = float(sys.argv[2])
 t_python = time.time()
 from kiln import LLM, SamplingParams
 t_imported = time.time()
-llm = LLM(sys.argv[1], max_model_len=int(sys.argv[3]) + 16, enforce_eager=sys.argv[4] == "eager")
+# The engine's own max_model_len, as `kiln build`'s kernel warm-up runs it: the block table's
+# width is a kernel argument whose divisibility Triton specialises on.
+llm = LLM(sys.argv[1], enforce_eager=sys.argv[4] == "eager")
 t_loaded = time.time()
 out = llm.generate(
     [{"prompt_token_ids": list(range(100, 100 + int(sys.argv[3])))}],
@@ -99,7 +106,9 @@ def write_dummy_checkpoint(preset: str, path: str, device: str) -> float:
     return time.time() - t0
 
 
-def first_token(model: str, prompt_len: int, eager: bool = False) -> dict[str, object]:
+def first_token(
+    model: str, prompt_len: int, eager: bool = False, env: dict[str, str] | None = None
+) -> dict[str, object]:
     t0 = time.time()
     proc = subprocess.run(
         [
@@ -114,6 +123,10 @@ def first_token(model: str, prompt_len: int, eager: bool = False) -> dict[str, o
         capture_output=True,
         text=True,
         check=False,
+        env={**os.environ, **(env or {})},
+        # `python -c` puts the working directory first on sys.path, before PYTHONPATH: another
+        # tree's kiln must be run from inside it.
+        cwd=(env or {}).get("PYTHONPATH"),
     )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), None)
     if proc.returncode or line is None:
@@ -134,6 +147,7 @@ def main() -> None:
     ap.add_argument("--quantization", default="fp8-dynamic")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-json", required=True)
+    ap.add_argument("--base-tree", help="an older kiln checkout: its first and second process")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     src = os.path.join(args.work, "source")
@@ -156,11 +170,31 @@ def main() -> None:
         result["engine_bytes"] = sum(
             os.path.getsize(os.path.join(engine, f)) for f in os.listdir(engine)
         )
-        result["first_token_from_engine"] = first_token(engine, args.prompt_len)
+        caches = os.path.join(args.work, "triton-caches")
+        shutil.rmtree(caches, ignore_errors=True)
+
+        def cache(name: str) -> dict[str, str]:
+            return {"TRITON_CACHE_DIR": os.path.join(caches, name)}
+
+        if args.base_tree:  # before: the older loader, compiling every kernel itself
+            base = {**cache("base"), "PYTHONPATH": os.path.abspath(args.base_tree)}
+            result["base_first_token_from_engine"] = first_token(engine, args.prompt_len, env=base)
+            result["base_first_token_from_engine_again"] = first_token(
+                engine, args.prompt_len, env=base
+            )
+        off = {**cache("off"), "KILN_ENGINE_KERNEL_CACHE": "0"}
+        result["first_token_from_engine_no_kernels"] = first_token(engine, args.prompt_len, env=off)
+        result["first_token_from_engine"] = first_token(engine, args.prompt_len, env=cache("on"))
         # A second cold process: the page cache now holds the engine's files either way.
-        result["first_token_from_engine_again"] = first_token(engine, args.prompt_len)
+        result["first_token_from_engine_again"] = first_token(
+            engine, args.prompt_len, env=cache("on")
+        )
         # Without CUDA graphs: what startup costs besides capturing them.
-        result["first_token_from_engine_eager"] = first_token(engine, args.prompt_len, eager=True)
+        result["first_token_from_engine_eager"] = first_token(
+            engine, args.prompt_len, eager=True, env=cache("on")
+        )
+        kernels = os.path.join(engine, "triton_cache")
+        result["engine_kernel_files"] = sum(len(f) for _, _, f in os.walk(kernels))
     result["first_token_from_source_bf16"] = first_token(src, args.prompt_len)
     with open(args.output_json, "w") as f:
         json.dump(result, f, indent=2)

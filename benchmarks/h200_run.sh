@@ -247,9 +247,21 @@ for s in "$@"; do
                 --out "$OUT/profile_decode_b1_fp8w_swept$SFX.txt"
         fi
         ;;
-    build8b)  # kiln build of an 8B dummy HF checkpoint to FP8, then cold first token from it
-        stage build8b 400 python3 benchmarks/build_and_first_token.py --preset llama-3.1-8b \
-            --work "${WORK:-/tmp/kiln-build8b}" --quantization fp8-dynamic \
+    build8b)  # kiln build of an 8B dummy HF checkpoint to FP8, then cold first token from it:
+        # first and second process of the older loader (KILN_BASE_COMMIT, default 5c1028b: before
+        # issue 13's startup work) and of this tree, with and without the engine's carried Triton
+        # kernels, each first process on an empty Triton cache (expectations:
+        # benchmarks/startup_expected.md)
+        BASE_TREE=${KILN_BASE_TREE:-/tmp/kiln_startup_base_tree}
+        BASE_ARG=()
+        if [[ -z ${KILN_BASE_TREE:-} ]]; then
+            rm -rf "$BASE_TREE" && mkdir -p "$BASE_TREE"
+            git archive "${KILN_BASE_COMMIT:-5c1028b}" kiln | tar -x -C "$BASE_TREE" ||
+                { echo "build8b: no git history here: set KILN_BASE_TREE for the before"; BASE_TREE=""; }
+        fi
+        [[ -n $BASE_TREE ]] && BASE_ARG=(--base-tree "$BASE_TREE")
+        stage build8b 500 python3 benchmarks/build_and_first_token.py --preset llama-3.1-8b \
+            --work "${WORK:-/tmp/kiln-build8b}" --quantization fp8-dynamic "${BASE_ARG[@]}" \
             --output-json "$OUT/build_first_token_8b$SFX.json"
         ;;
     so-json)  # issue 18: 64 concurrent 128/128 JSON-schema requests vs the same unconstrained

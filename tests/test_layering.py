@@ -40,6 +40,7 @@ ALLOWED = {
         "structured_output",
         "distributed",
         "spec_decode",
+        "kernel_cache",
     },
     "spec_decode": {"interfaces", "models", "layers", "attention", "kernels", "sampling", "config"},
     "models": {"layers", "attention", "kernels", "distributed"},
@@ -51,6 +52,7 @@ ALLOWED = {
     "kernels": set(),
     "checkpoint": {"models"},
     "structured_output": set(),
+    "kernel_cache": set(),
 }
 
 

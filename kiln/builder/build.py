@@ -72,6 +72,9 @@ class BuildOptions:
     tensor_parallel_size: int = 1
     """> 1: write one weight shard per tensor rank (rank-R/), so each rank of an engine run with
     that tensor_parallel_size reads only its part; such an engine loads at that size only."""
+    warm_kernels: bool = True
+    """On a GPU: run the engine once and carry the Triton kernels it compiled (kiln.builder.warm),
+    so its first process does not compile them. Not part of the engine id: an optimisation."""
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -108,6 +111,7 @@ def build_engine(
         "calibration_data": text_hash(calibration) if calibration else None,
         "target": gpu_class or "cpu",
     }
+    del key["warm_kernels"]  # the same weights either way
     if options.tensor_parallel_size == 1:
         del key["tensor_parallel_size"]  # so unsharded engines keep their ids
     source_digest = cache.source_hash(path)
@@ -180,8 +184,20 @@ def build_engine(
         )
         manifest.write(tmp)  # the check loads the engine from tmp: it needs a manifest
         accuracy = _accuracy(tmp, options, source_ppl)
+        files = dict(manifest.files)
+        if options.warm_kernels and device.type == "cuda" and options.tensor_parallel_size == 1:
+            from kiln.builder.warm import warm_kernels
+
+            gc.collect()
+            torch.cuda.empty_cache()  # the child process's memory plan takes what is free
+            # Its files are verified at load like the weights: a changed cubin is a corrupt engine.
+            kernels = warm_kernels(tmp, options.kv_cache_dtype, options.max_model_len)
+            kernel_digests = hash_files([os.path.join(tmp, n) for n in kernels])
+            files.update(
+                {n: {"size": d.size, "blake2b": d.blake2b} for n, d in zip(kernels, kernel_digests)}
+            )
         manifest = EngineManifest(
-            **{**asdict(manifest), "accuracy": accuracy,
+            **{**asdict(manifest), "accuracy": accuracy, "files": files,
                "build_seconds": round(time.perf_counter() - start, 3)}
         )  # fmt: skip
         manifest.write(tmp)

@@ -17,8 +17,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tqdm.auto import tqdm
-
 # Part of the engine format: a manifest's digests are of 8 MiB chunks (another size, another
 # ENGINE_FORMAT_VERSION), as the source hashes in the engine ids are.
 CHUNK_BYTES = 8 << 20
@@ -39,6 +37,8 @@ def hash_files(paths: Sequence[str], desc: str = "hashing") -> list[FileDigest]:
     jobs = [(i, off) for i, size in enumerate(sizes) for off in range(0, max(size, 1), CHUNK_BYTES)]
     fds = [os.open(p, os.O_RDONLY) for p in paths]
     total = sum(sizes)
+    from tqdm.auto import tqdm  # here, not at import: an engine's load hashes no big file here
+
     try:
         with (
             ThreadPoolExecutor(max_workers=min(32, 2 * (os.cpu_count() or 1))) as pool,

@@ -5,9 +5,12 @@ manifest, once through safetensors into host tensors, then copy them to the GPU 
 memory (11.3 s of a 15.6 s start for an 8B FP8 engine on the H200, docs/performance.md). Here
 each shard is read once, in the manifest digests' own 8 MiB chunks, on a thread pool (os.pread and
 hashlib release the GIL): a thread reads a chunk, hashes it and copies its tensor bytes into one
-device buffer for the shard, through a pinned staging buffer of its own on CUDA. The shard's
-tensors are views of that buffer. A shard whose digest differs from the manifest raises before
-its tensors are handed out, so a tampered engine never reaches a forward.
+device buffer for the shard: on CUDA through two pinned staging buffers of its own in turn,
+the copy left running while the thread reads and hashes its next chunk; on the CPU straight
+into the buffer. The shard's tensors are views of that buffer, and an engine's model takes them
+as its parameters' storage (LlamaForCausalLM.load_fused_weights, adopt) instead of copying. A
+shard whose digest differs from the manifest raises before its tensors are handed out, so a
+tampered engine never reaches a forward.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class ShardReader:
         self.device, self.expected = device, expected
         self.cuda = device.type == "cuda"
         self._local = threading.local()
+        self._streams: list[torch.cuda.Stream] = []  # every thread's copy stream (CUDA)
+        self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=min(32, 2 * (os.cpu_count() or 1)))
 
     def tensors(self, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -70,9 +75,11 @@ class ShardReader:
             for file in files:
                 yield from self._read_shard(file)
         finally:
-            self._pool.shutdown()
+            self._pool.shutdown()  # its threads end, and their staging buffers with them
             if self.cuda:
                 torch.cuda.empty_cache()  # the last shard's buffer: not part of the KV plan
+                if hasattr(torch._C, "_host_emptyCache"):  # the pinned staging, back to the host
+                    torch._C._host_emptyCache()
 
     def _read_shard(self, file: str) -> Iterator[tuple[str, torch.Tensor]]:
         fd = os.open(file, os.O_RDONLY)
@@ -84,6 +91,8 @@ class ShardReader:
             digests = list(self._pool.map(lambda o: self._chunk(fd, o, data_start, data), offsets))
         finally:
             os.close(fd)
+        for stream in self._streams:  # the chunks' copies, still in flight: done before any use
+            stream.synchronize()
         want = None if self.expected is None else self.expected.get(file)
         if want is not None and tree_digest(size, digests) != want:
             raise ModelLoadError(
@@ -101,6 +110,12 @@ class ShardReader:
             yield name, raw.view(dtype).view(entry["shape"])
 
     def _chunk(self, fd: int, offset: int, data_start: int, data: torch.Tensor) -> bytes:
+        if not self.cuda and offset >= data_start:
+            # Host memory: read straight into the shard's buffer and hash it there (no staging
+            # copy; the buffer is the model's storage once the model takes its tensors).
+            view = data[offset - data_start : offset - data_start + CHUNK_BYTES].numpy()
+            n = os.preadv(fd, [memoryview(view)], offset)
+            return hashlib.blake2b(view[:n], digest_size=DIGEST_BYTES).digest()
         staging = self._staging()
         n = os.preadv(fd, [memoryview(staging.numpy())], offset)
         digest = hashlib.blake2b(staging.numpy()[:n], digest_size=DIGEST_BYTES).digest()
@@ -109,19 +124,35 @@ class ShardReader:
             src = staging[begin - offset : n]
             dst = data[begin - data_start : offset + n - data_start]
             if self.cuda:
-                with torch.cuda.stream(self._local.stream):
+                stream = self._local.stream
+                with torch.cuda.stream(stream):
                     dst.copy_(src, non_blocking=True)
-                self._local.stream.synchronize()  # before this staging buffer is reused
+                # Not waited for here: this buffer's next use waits (two chunks on, by when it
+                # has long finished), so a thread reads and hashes while its copy runs instead
+                # of spinning in a synchronize per chunk beside the hashing threads.
+                self._local.events[self._local.turn].record(stream)
             else:
                 dst.copy_(src)
         return digest
 
     def _staging(self) -> torch.Tensor:
-        """This thread's chunk-sized host buffer (pinned on CUDA, for asynchronous copies)."""
-        buf = getattr(self._local, "staging", None)
-        if buf is None:
-            buf = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=self.cuda)
-            self._local.staging = buf
+        """This thread's next chunk-sized host buffer: on CUDA two pinned ones in turn (for
+        asynchronous copies), the one returned free of its last copy; one pageable otherwise."""
+        local = self._local
+        if getattr(local, "buffers", None) is None:
+            count = 2 if self.cuda else 1
+            local.buffers = [
+                torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=self.cuda)
+                for _ in range(count)
+            ]
+            local.turn = 0
             if self.cuda:
-                self._local.stream = torch.cuda.Stream(self.device)
-        return buf
+                local.stream = torch.cuda.Stream(self.device)
+                local.events = [torch.cuda.Event() for _ in range(count)]
+                with self._lock:
+                    self._streams.append(local.stream)
+        else:
+            local.turn = (local.turn + 1) % len(local.buffers)
+        if self.cuda:
+            local.events[local.turn].synchronize()  # its copy of two chunks ago (or never used)
+        return local.buffers[local.turn]

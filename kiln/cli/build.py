@@ -25,6 +25,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("--no-accuracy-check", dest="accuracy_check", action="store_false")
     p.add_argument(
+        "--no-warm-kernels", dest="warm_kernels", action="store_false",
+        help="on a GPU, do not run the engine once to carry its compiled Triton kernels",
+    )  # fmt: skip
+    p.add_argument(
         "--tensor-parallel-size", "-tp", type=int, default=1,
         help="write one weight shard per tensor rank (the engine then loads at this -tp only)",
     )  # fmt: skip
@@ -48,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         max_ppl_increase=args.max_ppl_increase,
         accuracy_check=args.accuracy_check,
         tensor_parallel_size=args.tensor_parallel_size,
+        warm_kernels=args.warm_kernels,
     )
     manifest = build_engine(args.model, args.output, options, args.cache_dir)
     where = args.output or f"{args.cache_dir or default_cache_dir()}/{manifest.engine_id}"

@@ -36,7 +36,8 @@ class Rank:
     memory_plan: MemoryPlan
     capacity: KVCapacity
     runner: ModelRunner
-    startup: dict[str, float]  # seconds per phase: load_s, plan_s, runner_s (graphs included)
+    # Seconds per phase: load_s, plan_s, runner_s (graphs included); load_phases: load_s's parts.
+    startup: dict[str, object]
 
 
 def rank_device(name: str, parallel: ParallelContext | None) -> torch.device:
@@ -148,6 +149,7 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
         "load_s": t_loaded - t_start,
         "plan_s": t_planned - t_loaded,
         "runner_s": time.perf_counter() - t_planned,
+        "load_phases": loaded.phases,  # load_s's parts
     }
     capacity = KVCapacity(num_blocks, config.block_size, capped)
     return Rank(facts, memory_plan, capacity, runner, startup)

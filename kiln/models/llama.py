@@ -202,7 +202,10 @@ class LlamaForCausalLM(nn.Module):
         # The runner computes logits (and samples) only where this is True: the last stage.
         self.computes_logits = parallel is None or parallel.layout.is_last_stage
         if tp is None:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+            # Uninitialised: every loader overwrites it (nn.Embedding's own normal_ init took
+            # ~1 s per 32k rows of an 8B-wide table on the CPU, for nothing).
+            weight = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         else:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(
@@ -352,14 +355,15 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_fused_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], cut: bool = True
+        self, weights: Iterable[tuple[str, torch.Tensor]], cut: bool = True, adopt: bool = False
     ) -> None:
         """Copy tensors named as `named_parameters()` names them (already fused: qkv_proj,
         gate_up_proj; what an engine directory holds) in, strictly: every parameter exactly
         once, with its shape and dtype. Linear parameters go through their method's loader, so
         a quantized method's parameters (fp8 weights, scales) load the same way. Under TP each
         tensor is cut to this rank's part unless `cut` is False (a `kiln build -tp N` shard,
-        already cut)."""
+        already cut). `adopt`: the tensors are the caller's to give away (an engine reader's
+        fresh device buffers), so an uncut one may become its parameter's storage, not a copy."""
         params = dict(self.named_parameters())
         owners = self._linear_owners()
         loaded: set[str] = set()
@@ -372,7 +376,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(f"engine tensor {engine_name!r} has no place in the model")
             if name in loaded:
                 raise ModelLoadError(f"engine tensor {engine_name!r} appears twice")
-            owner = owners.get(name)
+            owner, read = owners.get(name), tensor
             if not cut:
                 pass
             elif owner is not None:  # TP: this rank's part of the fused tensor
@@ -385,7 +389,13 @@ class LlamaForCausalLM(nn.Module):
                     f"model expects {param.dtype} {tuple(param.shape)} (built with another dtype "
                     "or another tensor_parallel_size?)"
                 )
-            if owner is None:
+            if adopt and tensor is read and _can_adopt(param, tensor):  # not a cut (a view of more)
+                # The engine stores each tensor as its parameter holds it (same dtype and shape,
+                # checked above), so the method's loader would copy it unchanged: take the
+                # reader's (verified) device tensor as the parameter's storage instead of copying
+                # it, which saves a device copy and, on the CPU, a page-faulting copy per weight.
+                param.data = tensor
+            elif owner is None:
                 param.copy_(tensor)
             else:
                 owner.method.load_weight(param, None, tensor)
@@ -468,6 +478,19 @@ class LlamaForCausalLM(nn.Module):
                 owner.method.load_weight(param, None, drawn)  # drawn at this rank's shape
             else:
                 param.normal_(0.0, 0.02, generator=gen)
+
+
+def _can_adopt(param: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether `tensor` can become `param`'s storage as it is: same device, dtype and shape, dense,
+    and 16-byte aligned (what the kernels' vectorised loads and Triton's pointer specialisation
+    expect of a freshly allocated parameter)."""
+    return (
+        tensor.device == param.device
+        and tensor.dtype == param.dtype
+        and tensor.shape == param.shape
+        and tensor.is_contiguous()
+        and tensor.data_ptr() % 16 == 0
+    )
 
 
 def _scale_rows(

@@ -7,6 +7,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ class ModelSource:
 
     config: ModelConfig
     weights: Iterator[tuple[str, torch.Tensor]] | None  # None: dummy weights
-    tokenizer: object | None
+    tokenizer: object | None  # a Future of it with find_model_source(background_tokenizer=True)
     generation_defaults: dict
     description: str
     # True for an engine directory: kiln-named, already fused tensors (load_fused_weights).
@@ -53,6 +54,9 @@ class LoadedModel:
     generation_defaults: dict
     description: str
     load_seconds: float
+    # Seconds of each part of the load (device work waited for at each edge): where a start's
+    # time goes (ExecutorStats.startup["load_phases"]).
+    phases: dict[str, float] | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -84,11 +88,17 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def find_model_source(
-    model: str | None, load_format: str, tp_rank: int = 0, device: torch.device | None = None
+    model: str | None,
+    load_format: str,
+    tp_rank: int = 0,
+    device: torch.device | None = None,
+    background_tokenizer: bool = False,
 ) -> ModelSource:
     """`tp_rank`: which tensor rank's weights to read from an engine built with one shard per
     rank (other sources hold the whole model, which each rank cuts as it loads). `device`: where
-    an engine directory's weights are read to (its shards go there directly)."""
+    an engine directory's weights are read to (its shards go there directly).
+    `background_tokenizer`: an engine directory's tokenizer loads on a thread while the weights
+    are read, and `tokenizer` is then a Future (load_model resolves it)."""
     from kiln.checkpoint.default_model import default_model_path
     from kiln.checkpoint.engine_dir import is_engine_dir
 
@@ -100,7 +110,9 @@ def find_model_source(
             raise ModelLoadError(f"GGUF file not found: {path}")
         return _gguf_source(path)
     if os.path.isdir(path) and is_engine_dir(path):
-        return _engine_dir_source(path, tp_rank, device or torch.device("cpu"))
+        return _engine_dir_source(
+            path, tp_rank, device or torch.device("cpu"), background_tokenizer
+        )
     if os.path.isdir(path):
         return _hf_dir_source(path)
     if model in PRESETS:
@@ -119,17 +131,30 @@ def _gguf_source(path: str) -> ModelSource:
     )
 
 
-def _engine_dir_source(path: str, tp_rank: int, device: torch.device) -> ModelSource:
+def _engine_dir_source(
+    path: str, tp_rank: int, device: torch.device, background_tokenizer: bool = False
+) -> ModelSource:
     from kiln.checkpoint.engine_dir import iter_engine_weights, open_engine_dir, rank_dir_name
     from kiln.checkpoint.safetensors_loader import read_generation_config
+    from kiln.kernel_cache.triton_cache import install
 
     engine = open_engine_dir(path)  # version, GPU class, sizes; the shards' hashes as they load
+    install(path)  # its compiled kernels (verified with the other files), before any compile
     tp = engine.manifest.get("tensor_parallel_size", 1)
     weights_dir = path if tp == 1 else os.path.join(path, rank_dir_name(tp_rank, tp))
+    if background_tokenizer:
+        # Importing transformers and parsing tokenizer.json take seconds of a cold start
+        # (7.9 s of SmolLM2's engine load on the loaded 2-core CPU); the weight reader's threads
+        # mostly release the GIL, so the two overlap.
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-tokenizer")
+        tokenizer: object = pool.submit(_load_engine_tokenizer, path)
+        pool.shutdown(wait=False)
+    else:
+        tokenizer = _load_engine_tokenizer(path)
     return ModelSource(
         engine.config,
         iter_engine_weights(engine, weights_dir, device),
-        _load_engine_tokenizer(path),
+        tokenizer,
         read_generation_config(path),
         engine.description,
         weights_fused=True,
@@ -192,14 +217,14 @@ def _hf_dir_source(path: str) -> ModelSource:
 
 
 def _load_tokenizer(path: str) -> object | None:
-    from transformers import AutoTokenizer
-
     has_tokenizer = any(
         os.path.exists(os.path.join(path, f))
         for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     )
     if not has_tokenizer:
-        return None
+        return None  # before importing transformers: that import alone is seconds of a start
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # a broken tokenizer file must say which directory
@@ -262,8 +287,15 @@ def load_model(
     """The model, or under TP/PP this rank's part of it (`parallel`): each rank reads the
     checkpoint and keeps only its heads, rows and layers."""
     start = time.perf_counter()
+    clock = _PhaseClock(device)
+    if device.type == "cuda":
+        torch.empty(0, device=device)  # the CUDA context, on its own line of the breakdown
+        clock.mark("cuda_init_s")
     tp_rank = 0 if parallel is None else parallel.tp_rank
-    source = find_model_source(engine_config.model, engine_config.load_format, tp_rank, device)
+    source = find_model_source(
+        engine_config.model, engine_config.load_format, tp_rank, device, background_tokenizer=True
+    )
+    clock.mark("source_s")  # manifest, file checks, tokenizer (not an engine's), carried kernels
     if source.tensor_parallel_size not in (1, engine_config.tensor_parallel_size):
         raise ModelLoadError(
             f"{source.description} holds one weight shard per rank for tensor_parallel_size="
@@ -282,12 +314,15 @@ def load_model(
     # Rotary tables stay fp32, holding the model dtype's values (transformers rounds cos/sin to
     # the activations' dtype too).
     model.cos_sin_cache = model.cos_sin_cache.to(dtype).float()
+    clock.mark("construct_s")
     if source.weights is None:
         model.init_dummy_weights(engine_config.seed)
     elif source.weights_fused:
-        model.load_fused_weights(source.weights, cut=source.tensor_parallel_size == 1)
+        # The reader's tensors are fresh verified buffers of their own: the model takes them.
+        model.load_fused_weights(source.weights, cut=source.tensor_parallel_size == 1, adopt=True)
     else:
         model.load_weights(source.weights)
+    clock.mark("weights_s")  # read, hashed, copied to the device, taken by the parameters
     float8_cache = is_float8_kv_cache(engine_config.kv_cache_dtype)
     if source.kv_scales is not None and (source.kv_scales_in_weights or float8_cache):
         from kiln.quantization.kv_scales import fold_kv_scales
@@ -297,11 +332,34 @@ def load_model(
         scales = scales[start : start + len(model.layers)]
         fold_kv_scales(model, scales, into_weights=not source.kv_scales_in_weights)
     model.eval()
+    clock.mark("after_s")
+    tokenizer = source.tokenizer
+    if isinstance(tokenizer, Future):
+        tokenizer = tokenizer.result()  # its error, if any, is the load's
+        clock.mark("tokenizer_wait_s")  # what of the tokenizer's load the weights did not hide
     return LoadedModel(
         model,
         cfg,
-        source.tokenizer,
+        tokenizer,
         source.generation_defaults,
         source.description,
         time.perf_counter() - start,
+        clock.phases,
     )
+
+
+class _PhaseClock:
+    """Seconds since the last mark, per named phase; on CUDA each mark waits for the device, so
+    queued work is charged to the phase that queued it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.phases[name] = round(now - self.last, 4)
+        self.last = now

@@ -1,0 +1,1 @@
+"""Compiled kernels carried with an engine directory (Triton's cache, keyed by GPU and Triton)."""
