@@ -38,10 +38,9 @@ for s in "$@"; do
     # stage of the same run is the comparison), and writes NAME_SUFFIX.json: "-fp8" a float8
     # KV cache ("-fp8nopf": without the float8 decode kernel's V prefetch), "-gc0" Python's
     # default GC threshold (the engine raises it; A/B of that), "-fp8w" FP8 W8A8 weights
-    # (--quantization fp8-dynamic), "-w8kv8" FP8 weights and a float8 KV cache together
-    # ("-w8kv8oldv": with the float8 cache's V stored as K, the layout before issue 13's).
+    # (--quantization fp8-dynamic), "-w8kv8" FP8 weights and a float8 KV cache together.
     VARIANT="" SFX="" HF_BASELINE="--baseline hf"
-    unset KILN_PREFETCH_FP8_V KILN_FP8_V_TRANSPOSED
+    unset KILN_PREFETCH_FP8_V
     if [[ $s == *-fp8nopf ]]; then  # float8 without the decode kernel's V prefetch: its A/B
         s=${s%-fp8nopf} VARIANT="--kv-cache-dtype fp8" SFX=_fp8_noprefetch HF_BASELINE=""
         export KILN_PREFETCH_FP8_V=0
@@ -49,10 +48,6 @@ for s in "$@"; do
         s=${s%-fp8} VARIANT="--kv-cache-dtype fp8" SFX=_fp8 HF_BASELINE=""
     elif [[ $s == *-fp8w ]]; then  # FP8 W8A8 weights, dynamic per-token activations
         s=${s%-fp8w} VARIANT="--quantization fp8-dynamic" SFX=_fp8w HF_BASELINE=""
-    elif [[ $s == *-w8kv8oldv ]]; then  # the same with V stored as K: the transposed-V A/B
-        s=${s%-w8kv8oldv} VARIANT="--quantization fp8-dynamic --kv-cache-dtype fp8"
-        SFX=_fp8w_fp8kv_oldv HF_BASELINE=""
-        export KILN_FP8_V_TRANSPOSED=0
     elif [[ $s == *-w8kv8 ]]; then  # FP8 W8A8 weights and a float8 KV cache: TRT-LLM's FP8 setup
         s=${s%-w8kv8} VARIANT="--quantization fp8-dynamic --kv-cache-dtype fp8" SFX=_fp8w_fp8kv
         HF_BASELINE=""
@@ -202,12 +197,6 @@ for s in "$@"; do
         ;;
     fp8-linear)  # FP8 W8A8 GEMMs (quantize + _scaled_mm) against bf16, 8B shapes, M=1..8192
         stage fp8-linear 240 python3 benchmarks/fp8_linear_check.py --out "$OUT/fp8_linear.json"
-        ;;
-    fp8-vlayout)  # issue 13: float8 decode/prefill with V transposed per block vs V as K vs
-        # bf16 at 384x1.5k, 512x192, 64x4k, 1x1k, and the transposed kernel's 18 tiles
-        # (expectations: benchmarks/kv_fp8_vlayout_expected.md)
-        stage fp8-vlayout 200 python3 benchmarks/kv_fp8_kernel_sweep.py --vlayout \
-            --out "$OUT/kv_fp8_vlayout.json"
         ;;
     fp8-prefetch)  # float8 decode with V loaded a tile ahead against without, and its tiles
         stage fp8-prefetch 200 python3 benchmarks/kv_fp8_kernel_sweep.py --prefetch-only \

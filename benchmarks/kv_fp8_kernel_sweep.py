@@ -7,12 +7,6 @@ Decode: for each (batch, context), the time and achieved bandwidth (bytes of K/V
 read / time) with a bf16 cache and with a float8 cache at today's tile configuration, then every
 (BLOCK_N, num_warps, num_stages) for float8. Prefill: bf16 against float8 cache at today's tiles.
 Each output is checked against the bf16 run's (float8 rounding only: max abs error ~1e-1).
-
-    PYTHONPATH=. python3 benchmarks/kv_fp8_kernel_sweep.py --vlayout --out kv_fp8_vlayout.json
-
-Issue 13's A/B: float8 V stored transposed per block (kernels.kv_layout) against the old float8
-layout and bf16 at 384 x 1.5k, 512 x 192, 64 x 4k and 1 x 1k, then the transposed kernel's tiles
-(expectations: benchmarks/kv_fp8_vlayout_expected.md).
 """
 
 from __future__ import annotations
@@ -25,7 +19,6 @@ from functools import partial
 import torch
 from tile_sweep import forced_tile_config, graph_time_ms, sweep  # benchmarks/, the script's folder
 
-from kiln.kernels import kv_layout
 from kiln.kernels.triton import decode_attention as da
 from kiln.kernels.triton import prefill_attention as pa
 
@@ -179,111 +172,6 @@ def prefetch_ab() -> list[dict]:
     return rows
 
 
-VLAYOUT_SHAPES = [(384, 1500), (512, 192), (64, 4096), (1, 1024)]
-VLAYOUT_CONFIGS = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
-
-
-def transposed_v(v8: torch.Tensor) -> torch.Tensor:
-    """The same float8 values in kernels.kv_layout's transposed V layout (what the engine now
-    allocates for a float8 cache)."""
-    view = v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-    assert kv_layout.v_is_transposed(view)
-    return view
-
-
-def vlayout_decode(configs=VLAYOUT_CONFIGS) -> list[dict]:
-    """Issue 13: float8 decode with V stored transposed per block against the old float8 layout
-    (V as K, widened by inline asm and loaded a tile ahead) and against bf16, each at its default
-    tiles, then the transposed kernel's (BLOCK_N, num_warps, num_stages)."""
-    rows = []
-    for batch, context in VLAYOUT_SHAPES:
-        k, v, k8, v8, q, table, lens = decode_inputs(batch, context)
-        v8t = transposed_v(v8)
-
-        def run(kc, vc, q=q, table=table, lens=lens, context=context):
-            return da.paged_decode_attention(q, kc, vc, table, lens, HEAD_DIM**-0.5, context)
-
-        ref = run(k, v)
-        elems = 2 * batch * context * KV_HEADS * HEAD_DIM  # K and V elements a step reads
-        row = {"batch": batch, "context": context, "MB_fp8": elems / 1e6}
-        row["default_tiles"] = {
-            "bf16": list(da._tile_config(BLOCK_SIZE, q.device)),
-            "fp8_v_as_k": list(da._tile_config(BLOCK_SIZE, q.device, kv_fp8=True)),
-            "fp8_v_transposed": list(da._tile_config(BLOCK_SIZE, q.device, True, True)),
-        }
-        for name, kc, vc, size in (
-            ("bf16", k, v, 2),
-            ("fp8_v_as_k", k8, v8, 1),
-            ("fp8_v_transposed", k8, v8t, 1),
-        ):
-            row[f"{name}_us"] = time_ms(partial(run, kc, vc)) * 1e3
-            row[f"{name}_TBps"] = elems * size / row[f"{name}_us"] / 1e6
-            row[f"{name}_max_abs_err_vs_bf16"] = (
-                (run(kc, vc).float() - ref.float()).abs().max().item()
-            )
-        # The two float8 layouts hold the same values: their outputs should agree to the bit
-        # (same arithmetic, same order), up to the dots' tile shapes when the tiles differ.
-        row["fp8_layouts_max_abs_diff"] = (
-            (run(k8, v8).float() - run(k8, v8t).float()).abs().max().item()
-        )
-        row["configs"] = sweep(
-            da, configs, partial(run, k8, v8t), time_ms, reference=ref,
-            label=f"vlayout decode b={batch} ctx={context}",
-        )  # fmt: skip
-        best = min(row["configs"], key=lambda c: c["ms"])
-        row["best"] = {**best, "us": best["ms"] * 1e3, "TBps": elems / best["ms"] / 1e9}
-        print(
-            f"decode b={batch} ctx={context}: bf16 {row['bf16_us']:.1f} us "
-            f"({row['bf16_TBps']:.2f} TB/s); fp8 V as K {row['fp8_v_as_k_us']:.1f} us "
-            f"({row['fp8_v_as_k_TBps']:.2f} TB/s); fp8 V transposed "
-            f"{row['fp8_v_transposed_us']:.1f} us ({row['fp8_v_transposed_TBps']:.2f} TB/s), "
-            f"best {best['config']} "
-            f"{row['best']['us']:.1f} us ({row['best']['TBps']:.2f} TB/s); layouts differ by "
-            f"{row['fp8_layouts_max_abs_diff']:.2e}",
-            flush=True,
-        )
-        for c in sorted(row["configs"], key=lambda c: c["ms"])[:4]:
-            print("   ", c["config"], f"{c['ms'] * 1e3:.1f} us")
-        rows.append(row)
-        del k, v, k8, v8, v8t
-    return rows
-
-
-def vlayout_prefill() -> list[dict]:
-    """Prefill over a float8 cache, V as K against V transposed (and bf16), default tiles."""
-    rows = []
-    for name, (lens, prefix) in PREFILL_SHAPES.items():
-        gen = torch.Generator(device="cuda").manual_seed(1)
-        seq_lens = [n + prefix for n in lens]
-        k, v, table = paged(seq_lens, gen)
-        k8, v8 = k.to(FP8), v.to(FP8)
-        v8t = transposed_v(v8)
-        q = torch.randn(
-            (sum(lens), HEADS, HEAD_DIM), device="cuda", generator=gen, dtype=torch.bfloat16
-        )
-        qsl = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
-        sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-        flops = sum(4 * n * (prefix + (n + 1) / 2) * HEAD_DIM * HEADS for n in lens)
-
-        def run(kc, vc, q=q, table=table, qsl=qsl, sl=sl, lens=lens, seq_lens=seq_lens):
-            scale = HEAD_DIM**-0.5
-            return pa.paged_prefill_attention(
-                q, kc, vc, table, qsl, sl, scale, max(lens), max(seq_lens)
-            )
-
-        row = {"shape": name}
-        ref = run(k, v)
-        for key, kc, vc in (("bf16", k, v), ("fp8_v_as_k", k8, v8), ("fp8_v_transposed", k8, v8t)):
-            row[f"{key}_ms"] = time_ms(partial(run, kc, vc), 5)
-            row[f"{key}_TFLOPs"] = flops / row[f"{key}_ms"] / 1e9
-            row[f"{key}_max_abs_err_vs_bf16"] = (
-                (run(kc, vc).float() - ref.float()).abs().max().item()
-            )
-        print(f"prefill {name}: {row}", flush=True)
-        rows.append(row)
-    return rows
-
-
 def compare_prefill() -> list[dict]:
     rows = []
     for name, (lens, prefix) in PREFILL_SHAPES.items():
@@ -328,16 +216,7 @@ def main() -> None:
     p.add_argument("--out", default="kv_fp8_kernel_sweep.json")
     p.add_argument("--mixed-only", action="store_true", help="only the K/V dtype experiment")
     p.add_argument("--prefetch-only", action="store_true", help="only the V-prefetch A/B")
-    p.add_argument(
-        "--vlayout", action="store_true", help="only issue 13's transposed-V A/B and its tiles"
-    )
     args = p.parse_args()
-    if args.vlayout:
-        record = {"gpu": torch.cuda.get_device_name(), "decode": vlayout_decode()}
-        record["prefill"] = vlayout_prefill()
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
-        return
     if args.prefetch_only:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "prefetch_ab": prefetch_ab()}, f)

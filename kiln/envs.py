@@ -26,10 +26,6 @@ class Envs:
     prefetch_fp8_v: bool = True
     """Decode attention over a float8 KV cache loads V a tile ahead. Off (0) is the end-to-end A/B
     of the prefetch (benchmarks/h200_run.sh); kernels.triton.decode_attention reads it at import."""
-    fp8_v_transposed: bool = True
-    """A float8 KV cache stores V transposed per block ([head_dim, block_size] per KV head), which
-    decode attention reads at the copy bandwidth (kiln.kernels.kv_layout). Off (0): V as K is,
-    the old layout, the end-to-end A/B; read when the caches are allocated."""
     fused_linear_max_rows: int = 8
     """Most rows the fused small-batch linear kernels take (above it cuBLAS's GEMM tiles win). 0
     turns them off, the benchmarks' A/B switch; kernels.triton.small_batch_linear reads it at

@@ -23,7 +23,6 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.config import EngineConfig
-from kiln.kernels import kv_layout
 from kiln.kv_cache.block_pool import hash_block_tokens
 from tests.conftest import generated_logprob_gaps
 from tests.test_batch_invariance import make_prompts
@@ -144,22 +143,6 @@ def test_fp8_same_requests_on_a_cold_cache_reproduce(fp8_llm, fp8_batched) -> No
     again = fp8_llm.generate(PROMPTS, LOGPROB_PARAMS)
     assert _tokens(again) == _tokens(fp8_batched)
     assert _logprobs(again) == _logprobs(fp8_batched)
-
-
-def test_fp8_v_layout_changes_no_output(fp8_llm, fp8_batched, smollm2_path, monkeypatch) -> None:
-    """The engine's float8 cache stores V transposed per block (kernels.kv_layout; K, and fp32
-    caches, as they were). An engine with V stored as K, the layout before, gives the same
-    tokens and logprobs to the bit: the same float8 values, attended in the same arithmetic.
-    Fails if a writer and a reader disagree on where a value lives (whole nats off), or if the
-    float8 cache is not in the new layout at all."""
-    k, v = _kv_caches(fp8_llm)[0]
-    assert kv_layout.v_is_transposed(v) and k.is_contiguous()
-    monkeypatch.setattr(kv_layout, "transposes_v", lambda dtype: False)
-    old = LLM(smollm2_path, kv_cache_dtype="fp8", max_num_seqs=64, kv_cache_memory_gb=0.25)
-    assert not kv_layout.v_is_transposed(_kv_caches(old)[0][1])
-    outputs = old.generate(PROMPTS, LOGPROB_PARAMS)
-    assert _tokens(outputs) == _tokens(fp8_batched)
-    assert _logprobs(outputs) == _logprobs(fp8_batched)
 
 
 def test_fp8_prefix_hit_attends_over_the_bytes_written_before(fp8_llm) -> None:

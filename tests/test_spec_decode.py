@@ -337,34 +337,6 @@ def test_ngram_and_draft_model_are_exact_with_prefix_caching(tiny_paths, tiny_re
     assert draft.engine.memory_plan.bytes_per_block > ngram.engine.memory_plan.bytes_per_block
 
 
-def test_draft_model_over_a_float8_cache_gives_what_the_old_v_layout_gives(tiny_paths, monkeypatch):
-    """A float8 cache stores V transposed per block (kernels.kv_layout), in the target's cache
-    and in the draft's pool alike. Drafting and verification over it give, token for token, what
-    the old layout (V stored as K) gives: the same float8 values in the same arithmetic. Fails if
-    a writer and a reader of either cache disagree on where a value lives."""
-    from kiln.kernels import kv_layout
-
-    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": tiny_paths[1]}
-    prompts = _prompts()
-
-    def run(transposed: bool) -> tuple[list[list[int]], int]:
-        llm = LLM(tiny_paths[0], speculative_config=spec, kv_cache_dtype="fp8",
-                  max_num_batched_tokens=16, **ENGINE)  # fmt: skip
-        runner = llm.engine.executor.runner
-        for caches in (runner.kv_caches, runner.proposer.pool.kv_caches):
-            assert kv_layout.v_is_transposed(caches[0][1]) == transposed
-        outs = llm.generate(prompts, GREEDY)
-        return [o.outputs[0].token_ids for o in outs], sum(
-            o.outputs[0].num_accepted_tokens for o in outs
-        )
-
-    new, accepted = run(transposed=True)
-    monkeypatch.setattr(kv_layout, "transposes_v", lambda dtype: False)
-    old, _ = run(transposed=False)
-    assert new == old
-    assert accepted > 0
-
-
 def _check_prometheus(engine, outs):
     """vLLM's spec_decode_* counters, equal to the sums of the per-request counts."""
     from prometheus_client import CollectorRegistry, generate_latest

@@ -20,7 +20,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install kiln[
 from kiln.attention.backend import AttentionMetadata, get_attention_backend
 from kiln.attention.torch_backend import TorchAttentionBackend
 from kiln.attention.triton_backend import TritonAttentionBackend
-from kiln.kernels import kv_layout, reference
+from kiln.kernels import reference
 from kiln.kernels import triton as triton_ops
 from kiln.kernels.triton.decode_attention import (
     choose_num_splits,
@@ -54,18 +54,14 @@ def _paged_cache(
     gen: torch.Generator,
     extra_blocks: int = 3,
     cache_dtype: torch.dtype | None = None,
-    v_transposed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random caches (unused slots hold random values too) and shuffled block tables; the caches
-    are `cache_dtype` (e.g. float8) when given, else `dtype`; V transposed per block
-    (kernels.kv_layout) when asked."""
+    are `cache_dtype` (e.g. float8) when given, else `dtype`."""
     blocks_per_seq = [_cdiv(n, block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + extra_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(cache_dtype or dtype)
     v_cache = torch.randn(shape, generator=gen).to(cache_dtype or dtype)
-    if v_transposed:
-        v_cache = _transposed(v_cache)
     order = torch.randperm(num_blocks, generator=gen)
     block_tables = torch.zeros((len(seq_lens), max(blocks_per_seq) + 1), dtype=torch.int32)
     used = 0
@@ -73,45 +69,6 @@ def _paged_cache(
         block_tables[i, :n] = order[used : used + n].int()
         used += n
     return k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(DEVICE)
-
-
-def _transposed(v_cache: torch.Tensor) -> torch.Tensor:
-    """The same values in kv_layout's transposed V layout (a permuted view of its storage)."""
-    storage = torch.empty(
-        (v_cache.shape[0], v_cache.shape[2], v_cache.shape[3], v_cache.shape[1]),
-        dtype=v_cache.dtype, device=v_cache.device,
-    )  # fmt: skip
-    view = storage.permute(0, 3, 1, 2)
-    _bits(view).copy_(_bits(v_cache))  # (copy_ has no float8 kernel on the CPU)
-    assert kv_layout.v_is_transposed(view)
-    return view
-
-
-def _poison_stale_slots(
-    caches: tuple[torch.Tensor, torch.Tensor], block_tables: torch.Tensor, seq_lens: list[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """NaN into every slot no context covers (the unused tail of each sequence's last block, and
-    the blocks no sequence holds), returning clean copies for the reference (whose masked
-    softmax weights of 0 still multiply the NaN). A kernel must never let a stale slot reach its
-    output: a freed block keeps whatever its last owner wrote there."""
-    clean = tuple(c.clone() for c in caches)
-    stale = torch.ones(caches[0].shape[:2], dtype=torch.bool)
-    for seq, n in enumerate(seq_lens):
-        for p in range(n):
-            stale[int(block_tables[seq, p // caches[0].shape[1]]), p % caches[0].shape[1]] = False
-    for cache in caches:
-        if cache.element_size() == 1:  # float8: its NaN byte (no float8 index_put on the CPU)
-            _bits(cache)[stale.to(cache.device)] = 0x7F
-        else:
-            cache[stale.to(cache.device)] = float("nan")
-    return clean
-
-
-def _as_engine_allocates(v_cache: torch.Tensor) -> torch.Tensor:
-    """A V cache in the layout the engine gives its dtype: float8 transposed (kv_layout), so the
-    writers' float8 cases write that layout (their other layout is the bf16/fp32 one)."""
-    assert kv_layout.transposes_v(FP8), "KILN_FP8_V_TRANSPOSED=0 in the test environment"
-    return _transposed(v_cache) if kv_layout.transposes_v(v_cache.dtype) else v_cache
 
 
 def _slots(block_tables: torch.Tensor, seq: int, positions: range, block_size: int) -> list[int]:
@@ -170,17 +127,11 @@ def _check_decode(
     num_splits: int | None,
     seed: int = 0,
     cache_dtype: torch.dtype | None = None,
-    v_transposed: bool = False,
-    stale_nan: bool = False,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_tables = _paged_cache(
-        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype,
-        v_transposed=v_transposed,
-    )  # fmt: skip
-    k_ref, v_ref = k_cache, v_cache
-    if stale_nan:
-        k_ref, v_ref = _poison_stale_slots((k_cache, v_cache), block_tables.cpu(), seq_lens)
+        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype
+    )
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim**-0.5
@@ -194,7 +145,7 @@ def _check_decode(
             query, k_cache, v_cache, block_tables, lens, scale, max_seq_len, num_splits
         )
     expected = reference.paged_decode_attention(
-        query.float(), k_ref.float(), v_ref.float(), block_tables, lens, scale, max_seq_len
+        query.float(), k_cache.float(), v_cache.float(), block_tables, lens, scale, max_seq_len
     )
     assert out.dtype == dtype and out.shape == query.shape
     _assert_close(out, expected, ATTN_ATOL[dtype])
@@ -221,33 +172,10 @@ def test_decode_attention(
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["nosplit", "split3"])
-@pytest.mark.parametrize("v_transposed", [False, True], ids=["v_as_k", "v_transposed"])
-def test_decode_attention_fp8_cache(
-    dtype: torch.dtype, num_splits: int, v_transposed: bool
-) -> None:
+def test_decode_attention_fp8_cache(dtype: torch.dtype, num_splits: int) -> None:
     # Keys/values stored as float8 e4m3, read and widened to the query's dtype in the kernel; the
-    # reference attends in fp32 over the same float8 values. V in either layout (kv_layout): the
-    # transposed one is what float8 caches get; the other stays supported (its A/B).
-    _check_decode(
-        [1, 13, 137], 4, 2, 16, 4, dtype, num_splits, cache_dtype=FP8, v_transposed=v_transposed,
-        stale_nan=True,
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("seq_lens", "block_size", "num_splits"),
-    [([16, 32, 48], 16, 1), ([7, 40, 64], 8, 2), ([5, 33], 24, 1)],
-    ids=["whole_tiles", "tile_spans_blocks", "odd_block_size"],
-)
-def test_decode_attention_v_transposed(
-    seq_lens: list[int], block_size: int, num_splits: int
-) -> None:
-    # The transposed V's tiles: contexts of whole tiles only (no masked tile), a 16-key tile over
-    # two 8-key blocks with split partitions, and a block size that is not a power of two (runs
-    # of 8 contiguous keys, tiles across block boundaries). Stale slots hold NaN: the masked
-    # tile reads its last block whole and must zero what lies past the context.
-    _check_decode(seq_lens, 4, 2, 16, block_size, torch.float32, num_splits, seed=4,
-                  v_transposed=True, stale_nan=True)  # fmt: skip
+    # reference attends in fp32 over the same float8 values.
+    _check_decode([1, 13, 137], 4, 2, 16, 4, dtype, num_splits, cache_dtype=FP8)
 
 
 def test_decode_attention_many_splits() -> None:
@@ -292,17 +220,11 @@ def _check_prefill(
     dtype: torch.dtype,
     seed: int = 0,
     cache_dtype: torch.dtype | None = None,
-    v_transposed: bool = False,
-    stale_nan: bool = False,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_tables = _paged_cache(
-        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype,
-        v_transposed=v_transposed,
-    )  # fmt: skip
-    k_ref, v_ref = k_cache, v_cache
-    if stale_nan:
-        k_ref, v_ref = _poison_stale_slots((k_cache, v_cache), block_tables.cpu(), seq_lens)
+        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype
+    )
     num_tokens = sum(q_lens)
     query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(DEVICE, dtype)
     starts = [0]
@@ -313,7 +235,9 @@ def _check_prefill(
     scale = head_dim**-0.5
     args = (block_tables, query_start_loc, lens, scale, max(q_lens), max(seq_lens))
     out = triton_ops.paged_prefill_attention(query, k_cache, v_cache, *args)
-    expected = reference.paged_prefill_attention(query.float(), k_ref.float(), v_ref.float(), *args)
+    expected = reference.paged_prefill_attention(
+        query.float(), k_cache.float(), v_cache.float(), *args
+    )
     assert out.dtype == dtype and out.shape == query.shape
     _assert_close(out, expected, ATTN_ATOL[dtype])
 
@@ -340,19 +264,8 @@ def test_prefill_attention(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("v_transposed", [False, True], ids=["v_as_k", "v_transposed"])
-def test_prefill_attention_fp8_cache(dtype: torch.dtype, v_transposed: bool) -> None:
-    _check_prefill(
-        [21, 9, 1, 6], [21, 30, 11, 23], 4, 2, 16, 4, dtype, cache_dtype=FP8,
-        v_transposed=v_transposed, stale_nan=True,
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize("block_size", [8, 24])
-def test_prefill_attention_v_transposed(block_size: int) -> None:
-    # The transposed V under prefill's masked (causal, end-of-context) tiles, stale slots NaN.
-    _check_prefill([21, 9, 6], [21, 30, 23], 4, 2, 16, block_size, torch.float32, seed=5,
-                   v_transposed=True, stale_nan=True)  # fmt: skip
+def test_prefill_attention_fp8_cache(dtype: torch.dtype) -> None:
+    _check_prefill([21, 9, 1, 6], [21, 30, 11, 23], 4, 2, 16, 4, dtype, cache_dtype=FP8)
 
 
 @on_gpu
@@ -383,15 +296,14 @@ def test_fp8_to_fp16_conversion_is_exact() -> None:
 
 
 @on_gpu
-@pytest.mark.parametrize("v_transposed", [False, True], ids=["v_as_k", "v_transposed"])
-def test_attention_llama8b_fp8_cache(v_transposed: bool) -> None:
-    # Real shapes with a float8 cache: batch 1 at 4k (split-K), a batch of 64, and prefill chunks;
-    # V in either layout, stale slots NaN (the transposed V's masked tiles read whole blocks).
-    fp8 = dict(cache_dtype=FP8, v_transposed=v_transposed, stale_nan=True)
-    _check_decode([4096], 32, 8, 128, 16, torch.bfloat16, None, **fp8)
+def test_attention_llama8b_fp8_cache() -> None:
+    # Real shapes with a float8 cache: batch 1 at 4k (split-K), a batch of 64, and prefill chunks.
+    _check_decode([4096], 32, 8, 128, 16, torch.bfloat16, None, cache_dtype=FP8)
     lens = torch.randint(1, 4097, (64,), generator=torch.Generator().manual_seed(5)).tolist()
-    _check_decode(lens, 32, 8, 128, 16, torch.bfloat16, None, seed=5, **fp8)
-    _check_prefill([1000, 512, 77], [1000, 3000, 4000], 32, 8, 128, 16, torch.bfloat16, **fp8)
+    _check_decode(lens, 32, 8, 128, 16, torch.bfloat16, None, seed=5, cache_dtype=FP8)
+    _check_prefill(
+        [1000, 512, 77], [1000, 3000, 4000], 32, 8, 128, 16, torch.bfloat16, cache_dtype=FP8
+    )
 
 
 @on_gpu
@@ -418,9 +330,8 @@ def test_triton_backend_matches_torch_backend(
     seq_lens = [9, 17, 6, 14]
     gen = torch.Generator().manual_seed(7)
     k_cache, v_cache, block_tables = _paged_cache(
-        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype,
-        v_transposed=cache_dtype == FP8,  # as the engine allocates it (kv_layout)
-    )  # fmt: skip
+        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype
+    )
     slots: list[int] = []
     for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
         slots += _slots(block_tables, i, range(seq_len - q_len, seq_len), block_size)
@@ -548,8 +459,8 @@ def test_rotary_embedding_write_kv(
     cos_sin = _cos_sin_cache(64, head_dim).to(DEVICE)
     shape = (6, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(DEVICE, cache_dtype)
-    v_cache = _as_engine_allocates(torch.randn(shape, generator=gen).to(DEVICE, cache_dtype))
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()  # (clone keeps a transposed V's strides)
+    v_cache = torch.randn(shape, generator=gen).to(DEVICE, cache_dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
     qkv_before = qkv.clone()
     args = (positions, query, key, value, cos_sin)
     q_out = triton_ops.rotary_embedding_write_kv(*args, k_cache, v_cache, slots)
@@ -634,11 +545,6 @@ def test_attention_padded_head_dim() -> None:
     # head_dim 24 is padded to a 32-wide tile: the padding must be masked off.
     _check_decode([9, 30], 4, 2, 24, 4, torch.float32, num_splits=2, seed=11)
     _check_prefill([7, 18], [7, 25], 4, 2, 24, 4, torch.float32, seed=12)
-    # ... in a transposed V too (its tile is [dims, keys]: the padding is its rows).
-    _check_decode([9, 30], 4, 2, 24, 4, torch.float32, num_splits=2, seed=11, v_transposed=True,
-                  stale_nan=True)  # fmt: skip
-    _check_prefill([7, 18], [7, 25], 4, 2, 24, 4, torch.float32, seed=12, v_transposed=True,
-                   stale_nan=True)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -757,8 +663,8 @@ def test_add_rms_norm_qkv_rotary_write_kv(
     cos_sin = _cos_sin_cache(64, head_dim).to(DEVICE)
     shape = (6, 4, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(DEVICE, cache_dtype)
-    v_cache = _as_engine_allocates(torch.randn(shape, generator=gen).to(DEVICE, cache_dtype))
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()  # (clone keeps a transposed V's strides)
+    v_cache = torch.randn(shape, generator=gen).to(DEVICE, cache_dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
     inputs = [t.clone() for t in (x, residual) if t is not None]
 
     head = (x, residual, norm_weight, 1e-5, weight, bias, positions, cos_sin)
@@ -957,7 +863,7 @@ def test_argmax_llama_vocab_bf16() -> None:
         (torch.float32, 8),
         (torch.float16, 8),
         (torch.uint8, 5),  # a block of 5 bytes: copied byte by byte
-        (torch.float8_e4m3fn, 8),  # with every other cache's V transposed (kv_layout)
+        (torch.float8_e4m3fn, 8),
         pytest.param(torch.bfloat16, 128, marks=on_gpu),
     ],
 )
@@ -970,8 +876,6 @@ def test_copy_kv_blocks(dtype: torch.dtype, head_dim: int) -> None:
         caches = [c.to(DEVICE) for c in caches]
     else:
         caches = [torch.randn(shape, generator=gen).to(DEVICE, dtype) for _ in range(3)]
-    if dtype == FP8:  # a transposed V's blocks are whole byte ranges too: copied as they are
-        caches[1] = _transposed(caches[1])
     want = [c.clone() for c in caches]
     mapping = torch.tensor([[1, 4], [1, 6], [3, 0]], dtype=torch.int64, device=DEVICE)
     by_hand = [c.view(torch.uint8).clone() for c in caches]  # the bytes, block by block

@@ -40,9 +40,7 @@ class AttentionBackend(ABC):
     (one kernel with the projection at batch-1 decode on the GPU).
 
     KV cache layout, per layer: k_cache and v_cache are each
-    [num_blocks, block_size, num_kv_heads, head_dim]; a float8 cache's v_cache is a view of
-    storage transposed per block (kernels.kv_layout: allocate_kv_cache makes both, and every
-    kernel reads the layout from the strides).
+    [num_blocks, block_size, num_kv_heads, head_dim].
     """
 
     name: str

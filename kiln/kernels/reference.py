@@ -2,8 +2,7 @@
 signature; these are the oracle in tests and the implementation on the CPU.
 
 Shapes: packed tokens (no padding); KV cache per layer [num_blocks, block_size, num_kv_heads,
-head_dim]; a slot is block_id * block_size + offset. A float8 V cache may be a transposed view
-(kv_layout): the same logical indices, so these twins read and write it unchanged.
+head_dim]; a slot is block_id * block_size + offset.
 """
 
 from __future__ import annotations
@@ -41,11 +40,7 @@ def write_kv_cache(
         if cache.element_size() == 1:
             # index_copy_ has no float8 kernel on the CPU: copy the bytes.
             cache, x = cache.view(torch.uint8), x.view(torch.uint8)
-        if cache.is_contiguous():
-            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, x)
-        else:  # a float8 V stored transposed per block (kv_layout): the same logical indices
-            block_size = cache.shape[1]
-            cache[slot_mapping // block_size, slot_mapping % block_size] = x
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, x)
 
 
 def _gather_context(
@@ -76,8 +71,7 @@ def paged_decode_attention(
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
         # Every sequence's context padded to the longest: [num_seqs, kv_heads, max_seq_len, dim].
-        # reshape: a transposed V cache (kv_layout) gathers to a non-contiguous tensor.
-        flat = cache.index_select(0, tables).reshape(
+        flat = cache.index_select(0, tables).view(
             num_seqs, num_blocks * block_size, *cache.shape[2:]
         )
         return flat[:, :max_seq_len].transpose(1, 2).to(query.dtype)

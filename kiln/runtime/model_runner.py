@@ -32,7 +32,6 @@ from kiln.interfaces import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from kiln.kernels.kv_layout import allocate_kv_cache
 from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
 from kiln.models.llama import LlamaForCausalLM
 from kiln.runtime.graph_runner import GraphRunner
@@ -100,10 +99,9 @@ class ModelRunner:
         shape = (num_kv_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         # Zeroed, not empty: padded block-table entries are read (and masked) by the reference
         # decode path, and masked garbage can still be NaN.
-        # A float8 cache's V is a transposed view (kernels.kv_layout); bf16 is as K.
         kv_dtype = kv_cache_dtype or self.dtype
         self.kv_caches = [
-            allocate_kv_cache(shape, kv_dtype, self.device, alloc=_zeros)
+            (_zeros(shape, kv_dtype, self.device), _zeros(shape, kv_dtype, self.device))
             for _ in range(cfg.num_hidden_layers)
         ]
         self._all_caches = [cache for pair in self.kv_caches for cache in pair]  # block copies

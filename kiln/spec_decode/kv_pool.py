@@ -13,7 +13,6 @@ from collections.abc import Sequence
 import torch
 
 from kiln.attention.backend import AttentionMetadata
-from kiln.kernels.kv_layout import allocate_kv_cache
 from kiln.models.config import ModelConfig
 
 
@@ -30,8 +29,13 @@ class DraftKVPool:
         self.block_size = block_size
         self.device = device
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        # The target's cache format: a float8 V transposed per block (kernels.kv_layout).
-        self.kv_caches = [allocate_kv_cache(shape, dtype, device) for _ in range(num_layers)]
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(num_layers)
+        ]
         self._free = list(range(num_blocks - 1, -1, -1))
 
     @property

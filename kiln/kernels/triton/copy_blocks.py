@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.kv_layout import blocks_are_dense
-
 _WORDS_PER_PROGRAM = 1024
 
 _address_tables: dict[tuple, torch.Tensor] = {}  # the caches' data_ptrs -> [num_caches] int64
@@ -52,8 +50,7 @@ def copy_kv_blocks(
         return
     first = caches[0]
     for cache in caches:
-        # Contiguous, or a float8 V transposed per block: each block one byte range either way.
-        assert blocks_are_dense(cache) and cache.shape == first.shape and cache.dtype == first.dtype
+        assert cache.is_contiguous() and cache.shape == first.shape and cache.dtype == first.dtype
     block_bytes = first[0].numel() * first.element_size()
     aligned = block_bytes % 4 == 0 and all(c.data_ptr() % 4 == 0 for c in caches)
     word_bytes = 4 if aligned else 1

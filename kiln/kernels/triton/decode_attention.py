@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from kiln.envs import envs
-from kiln.kernels.kv_layout import v_is_transposed
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 from kiln.kernels.triton._online_softmax import online_softmax_update
@@ -42,81 +41,6 @@ def _tile_offsets(block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_
     block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     slots = block_ids * BLOCK_SIZE + n % BLOCK_SIZE
     return slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset + dims[None, :]
-
-
-@triton.jit
-def _vt_tile_offsets(
-    block_ids, n, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, V_CONTIG: tl.constexpr
-):
-    """[BLOCK_D, BLOCK_N] element offsets of keys n's values (one KV head's) in a V cache stored
-    transposed per block (kernels.kv_layout): dims down, keys across, keys of one block
-    consecutive. The hints say so to the compiler (it cannot see through the block table): runs
-    of V_CONTIG keys, each starting V_CONTIG-aligned, so the loads vectorise along the keys and
-    V reaches the dot as K does, key dimension contiguous."""
-    offsets = (
-        block_ids[None, :] * (NUM_KV_HEADS * HEAD_DIM * BLOCK_SIZE)
-        + (head_offset + dims[:, None]) * BLOCK_SIZE
-        + (n % BLOCK_SIZE)[None, :]
-    )
-    if V_CONTIG > 1:
-        offsets = tl.max_contiguous(tl.multiple_of(offsets, [1, V_CONTIG]), [1, V_CONTIG])
-    return offsets
-
-
-@triton.jit
-def _decode_tile_vt(
-    acc,
-    l_i,
-    m_i,
-    q,
-    n_start,
-    end,
-    block_table,
-    k_cache_ptr,
-    v_cache_ptr,
-    head_offset,
-    dims,
-    dim_mask,
-    qk_scale,
-    offs_n,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    V_CONTIG: tl.constexpr,
-    MASKED: tl.constexpr,  # the partition's last, partial tile: keys at or past `end` masked
-    DOT_PRECISION: tl.constexpr,
-):
-    """One BLOCK_N-key tile over a V cache stored transposed. Unmasked tiles (every key < end)
-    load without a key mask, which would keep the V loads from vectorising along the keys."""
-    n = n_start + offs_n
-    if MASKED:
-        n_mask = n < end
-        # V is read by whole blocks (a mask constant along each block's keys keeps its loads
-        # vectorised), the keys past `end` in the last one zeroed after the load.
-        in_blocks = n // BLOCK_SIZE < tl.cdiv(end, BLOCK_SIZE)
-        block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=in_blocks, other=0).to(tl.int64)
-        k_mask = n_mask[:, None] & dim_mask[None, :]
-        vt_mask = dim_mask[:, None] & in_blocks[None, :]
-    else:
-        block_ids = tl.load(block_table + n // BLOCK_SIZE).to(tl.int64)
-        k_mask = dim_mask[None, :]
-        vt_mask = dim_mask[:, None]
-    slots = block_ids * BLOCK_SIZE + n % BLOCK_SIZE
-    k_offsets = slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset + dims[None, :]
-    k = tl.load(k_cache_ptr + k_offsets, mask=k_mask, other=0.0)
-    vt_offsets = _vt_tile_offsets(
-        block_ids, n, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, V_CONTIG
-    )
-    vt = tl.load(v_cache_ptr + vt_offsets, mask=vt_mask, other=0.0)  # [BLOCK_D, BLOCK_N]
-    # Plain conversions: both operands are K-major in memory, so Triton pipelines the float8
-    # loads through shared memory and widens them on the way into the dots.
-    vt = vt.to(q.dtype)
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-    if MASKED:
-        s = tl.where(n_mask[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
-        # Zero, not just weighted 0: a stale byte past `end` could be NaN, and 0 * NaN is NaN.
-        vt = tl.where(n_mask[None, :], vt, 0.0)
-    return online_softmax_update(acc, l_i, m_i, s, tl.trans(vt), DOT_PRECISION)
 
 
 @triton.jit
@@ -147,9 +71,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
-    PREFETCH_V: tl.constexpr,  # load V a tile ahead (float8 caches, V stored as K)
-    V_TRANSPOSED: tl.constexpr,  # V stored [num_kv_heads, head_dim, block_size] per block
-    V_CONTIG: tl.constexpr,  # run of contiguous keys in a transposed V (see _vt_tile_offsets)
+    PREFETCH_V: tl.constexpr,  # load V a tile ahead (float8 caches)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -182,22 +104,7 @@ def _decode_kernel(
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     head_offset = kv_head * HEAD_DIM
     # Every tile below holds at least one valid key (n_start < end): its row maxima are finite.
-    if V_TRANSPOSED:
-        # Whole tiles first (partition starts are whole tiles), then the partial one, if any.
-        full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
-        for n_start in range(start, full_end, BLOCK_N):
-            acc, l_i, m_i = _decode_tile_vt(
-                acc, l_i, m_i, q, n_start, end, block_table, k_cache_ptr, v_cache_ptr,
-                head_offset, dims, dim_mask, qk_scale, offs_n, NUM_KV_HEADS, HEAD_DIM,
-                BLOCK_SIZE, V_CONTIG, False, DOT_PRECISION,
-            )  # fmt: skip
-        if full_end < end:
-            acc, l_i, m_i = _decode_tile_vt(
-                acc, l_i, m_i, q, full_end, end, block_table, k_cache_ptr, v_cache_ptr,
-                head_offset, dims, dim_mask, qk_scale, offs_n, NUM_KV_HEADS, HEAD_DIM,
-                BLOCK_SIZE, V_CONTIG, True, DOT_PRECISION,
-            )  # fmt: skip
-    elif PREFETCH_V:
+    if PREFETCH_V:
         # Float8 cache: V's raw bytes for the next tile are loaded one iteration ahead. V is
         # widened by inline asm right after its load (see _fp8.py), which keeps Triton from
         # pipelining that load through shared memory as it does K's; issued a tile early, its
@@ -326,16 +233,11 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 
 
 def _tile_config(
-    block_size: int, device: torch.device, kv_fp8: bool = False, v_transposed: bool = False
+    block_size: int, device: torch.device, kv_fp8: bool = False
 ) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages)."""
     if device.type != "cuda":
         return 16, 4, 1  # the interpreter's cost grows with tile size; 16 is tl.dot's minimum
-    if kv_fp8 and v_transposed:
-        # Float8 K and V both K-major, both on the pipelined load path: a guess from the bf16
-        # choice (same load path, half the bytes a tile), until the H200 sweep
-        # (benchmarks/kv_fp8_kernel_sweep.py --vlayout) measures it.
-        return 64, 4, 3
     if kv_fp8:
         # Float8 K/V (V widened by _fp8.fp8e4m3_to_fp16, loaded a tile ahead): 64 keys, 4 warps,
         # 2 stages were best of 18 at 384 x 1.5k and 64 x 4k, within 10% at batch 1 (6.6 vs 6.0 us)
@@ -381,8 +283,7 @@ def paged_decode_attention_splits(
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
-    assert k_cache.is_contiguous() and v_cache.shape == k_cache.shape
-    v_transposed = v_is_transposed(v_cache)  # a float8 cache's V (kernels.kv_layout)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
     out = output_like(query, out)
     if num_seqs == 0:
         return out
@@ -392,7 +293,7 @@ def paged_decode_attention_splits(
         block_tables = block_tables.contiguous()
     group = num_heads // num_kv_heads
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
-    block_n, num_warps, num_stages = _tile_config(block_size, query.device, kv_fp8, v_transposed)
+    block_n, num_warps, num_stages = _tile_config(block_size, query.device, kv_fp8)
     max_seq_len = max(max_seq_len, 1)
     # Partitions are whole tiles; recompute the count so none is entirely past max_seq_len.
     partition_size = triton.cdiv(triton.cdiv(max_seq_len, max(num_splits, 1)), block_n) * block_n
@@ -435,9 +336,7 @@ def paged_decode_attention_splits(
         SPLIT=split,
         DOT_PRECISION=dot_precision(query.dtype),
         FP16_DOTS=fp16_dots(query, k_cache),
-        PREFETCH_V=kv_fp8 and PREFETCH_FP8_V and not v_transposed,
-        V_TRANSPOSED=v_transposed,
-        V_CONTIG=min(block_size & -block_size, block_n),
+        PREFETCH_V=kv_fp8 and PREFETCH_FP8_V,
         num_warps=num_warps,
         num_stages=num_stages,
     )

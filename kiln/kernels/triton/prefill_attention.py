@@ -13,11 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.kv_layout import v_is_transposed
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 from kiln.kernels.triton._online_softmax import online_softmax_update
-from kiln.kernels.triton.decode_attention import _vt_tile_offsets
 
 _LOG2E = 1.4426950408889634
 
@@ -45,39 +43,23 @@ def _attend_tile(
     MASKED: tl.constexpr,  # apply the causal / end-of-context mask
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,
-    V_TRANSPOSED: tl.constexpr,
-    V_CONTIG: tl.constexpr,
 ):
     n = n_start + tl.arange(0, BLOCK_N)
     if MASKED:
         n_mask = n < seq_len
-        # Whole blocks (a transposed V is read by whole blocks: see decode_attention's tile).
-        in_blocks = n // BLOCK_SIZE < tl.cdiv(seq_len, BLOCK_SIZE)
-        block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=in_blocks, other=0)
+        block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n_mask, other=0)
     else:
-        in_blocks = tl.full([BLOCK_N], 1, tl.int1)
         n_mask = tl.full([BLOCK_N], 1, tl.int1)  # the whole tile lies before seq_len
         block_ids = tl.load(block_table + n // BLOCK_SIZE)
     slots = block_ids.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
     kv_offsets = slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head_offset + dims[None, :]
     kv_mask = n_mask[:, None] & dim_mask[None, :]
     k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
-    if V_TRANSPOSED:
-        # V stored transposed per block (kernels.kv_layout): loaded [BLOCK_D, BLOCK_N], keys
-        # contiguous, and widened plainly, as K is (see decode_attention._vt_tile_offsets).
-        vt_offsets = _vt_tile_offsets(
-            block_ids.to(tl.int64), n, kv_head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-            V_CONTIG,
-        )  # fmt: skip
-        vt_mask = dim_mask[:, None] & in_blocks[None, :]
-        vt = tl.load(v_cache_ptr + vt_offsets, mask=vt_mask, other=0.0).to(q.dtype)
-        if MASKED:  # keys past seq_len in its last block: zero (a stale byte could be NaN)
-            vt = tl.where(n_mask[None, :], vt, 0.0)
-        v = tl.trans(vt)
-    elif FP16_DOTS:
-        v = fp8e4m3_to_fp16(tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0))
-    else:  # (fp8e4m3_to_fp16, not v.to(tl.float16): see _fp8.py)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if FP16_DOTS:  # noqa: SIM108 (resolved at compile time)
+        v = fp8e4m3_to_fp16(v)  # not v.to(tl.float16): see _fp8.py
+    else:
+        v = v.to(q.dtype)
 
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
@@ -110,8 +92,6 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
-    V_TRANSPOSED: tl.constexpr,  # V stored [num_kv_heads, head_dim, block_size] per block
-    V_CONTIG: tl.constexpr,  # keys contiguous in a transposed V (decode_attention's)
 ):
     # Reversed so the longest (last, most keys under the causal mask) tiles start first.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -156,7 +136,6 @@ def _prefill_kernel(
             acc, l_i, m_i, q, q_pos, n_start, seq_len, block_table, k_cache_ptr, v_cache_ptr,
             kv_head_offset, dims, dim_mask, qk_scale,
             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, FP16_DOTS,
-            V_TRANSPOSED, V_CONTIG,
         )  # fmt: skip
     # The diagonal: the first of these tiles holds key `first_pos`, seen by every row.
     causal_end = tl.minimum(seq_len, first_pos + BLOCK_M)
@@ -165,7 +144,6 @@ def _prefill_kernel(
             acc, l_i, m_i, q, q_pos, n_start, seq_len, block_table, k_cache_ptr, v_cache_ptr,
             kv_head_offset, dims, dim_mask, qk_scale,
             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP16_DOTS,
-            V_TRANSPOSED, V_CONTIG,
         )  # fmt: skip
 
     out = acc / l_i[:, None]
@@ -222,8 +200,7 @@ def paged_prefill_attention(
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
-    assert k_cache.is_contiguous() and v_cache.shape == k_cache.shape
-    v_transposed = v_is_transposed(v_cache)  # a float8 cache's V (kernels.kv_layout)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
     out = output_like(query, out)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
@@ -264,8 +241,6 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(query.dtype),
         FP16_DOTS=fp16_dots(query, k_cache),
-        V_TRANSPOSED=v_transposed,
-        V_CONTIG=min(block_size & -block_size, block_n),
         num_warps=num_warps,
         num_stages=num_stages,
     )

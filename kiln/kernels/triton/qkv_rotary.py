@@ -20,11 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels import kv_layout
 from kiln.kernels.reference import FP8_E4M3_MAX, split_qkv_heads
 from kiln.kernels.triton import small_batch_tiles, split_k
 from kiln.kernels.triton._device import dot_precision
-from kiln.kernels.triton.rotary import _to_output, _v_offsets, rotary_embedding_write_kv
+from kiln.kernels.triton.rotary import _to_output, rotary_embedding_write_kv
 from kiln.kernels.triton.small_batch_linear import (
     _ADD_NORM,
     _NORM,
@@ -73,8 +72,6 @@ def _qkv_rotary_write_kv_kernel(
     QUANT: tl.constexpr,  # 0, or float8 weights with dynamic (1) / static (2) activations
     FP8_DOT: tl.constexpr,
     INTERPRETED: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,  # the cache's block size (read when V_TRANSPOSED)
-    V_TRANSPOSED: tl.constexpr,  # V stored [num_kv_heads, head_dim, block_size] per block
 ):
     tl.static_assert(SPLIT_K == 1 or QUANT != 0, "bf16 norm: no split-K")
     num_pairs: tl.constexpr = (Q_SIZE + 2 * KV_SIZE) // 2
@@ -125,17 +122,15 @@ def _qkv_rotary_write_kv_kernel(
     tl.store(q_out_ptr + lo + HALF, rot2, mask=is_q)
     slot = tl.load(slot_mapping_ptr).to(tl.int64)
     if slot >= 0:
-        # The K cache is contiguous: a slot is KV_SIZE consecutive elements (V: _v_offsets).
+        # The cache is contiguous: a slot is KV_SIZE consecutive elements.
         is_k = pair_mask & (lo >= Q_SIZE) & (lo < Q_SIZE + KV_SIZE)
         k_dst = k_cache_ptr + slot * KV_SIZE + (lo - Q_SIZE)
         tl.store(k_dst, _to_output(rot1, k_cache_ptr, FP8_MAX), mask=is_k)
         tl.store(k_dst + HALF, _to_output(rot2, k_cache_ptr, FP8_MAX), mask=is_k)
         is_v = pair_mask & (lo >= Q_SIZE + KV_SIZE)
-        v_col = lo - Q_SIZE - KV_SIZE
-        v_lo = v_cache_ptr + _v_offsets(slot, v_col, KV_SIZE, BLOCK_SIZE, V_TRANSPOSED)
-        v_hi = v_cache_ptr + _v_offsets(slot, v_col + HALF, KV_SIZE, BLOCK_SIZE, V_TRANSPOSED)
-        tl.store(v_lo, _to_output(x1.to(dtype), v_cache_ptr, FP8_MAX), mask=is_v)
-        tl.store(v_hi, _to_output(x2.to(dtype), v_cache_ptr, FP8_MAX), mask=is_v)
+        v_dst = v_cache_ptr + slot * KV_SIZE + (lo - Q_SIZE - KV_SIZE)
+        tl.store(v_dst, _to_output(x1.to(dtype), v_cache_ptr, FP8_MAX), mask=is_v)
+        tl.store(v_dst + HALF, _to_output(x2.to(dtype), v_cache_ptr, FP8_MAX), mask=is_v)
 
 
 def add_rms_norm_qkv_rotary_write_kv(
@@ -160,7 +155,7 @@ def add_rms_norm_qkv_rotary_write_kv(
     fused = (
         _fused_norm_fits(x, residual, norm_weight, weight, weight_scale, input_scale)
         and k_cache.is_contiguous()
-        and kv_layout.blocks_are_dense(v_cache)
+        and v_cache.is_contiguous()
         and k_cache.shape[3] == head_dim
         and head_dim % 2 == 0
         and (weight.shape[0] - 2 * kv_size) % head_dim == 0
@@ -230,8 +225,6 @@ def add_rms_norm_qkv_rotary_write_kv(
         QUANT=_quant_mode(weight_scale, input_scale, x),
         FP8_DOT=_fp8_dot(x.device),
         INTERPRETED=x.device.type != "cuda",
-        BLOCK_SIZE=k_cache.shape[1],
-        V_TRANSPOSED=kv_layout.v_is_transposed(v_cache),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.kv_layout import v_is_transposed
 from kiln.kernels.reference import FP8_E4M3_MAX
 
 
@@ -84,8 +83,6 @@ def _rotary_write_kv_kernel(
     BLOCK_KV_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     FP8_MAX: tl.constexpr,  # > 0 for a float8 cache
-    BLOCK_SIZE: tl.constexpr,  # the cache's block size (read when V_TRANSPOSED)
-    V_TRANSPOSED: tl.constexpr,  # V stored [num_kv_heads, head_dim, block_size] per block
 ):
     """One program per token: rotates its query heads (out) and key heads (into the cache at its
     slot), and copies its value heads into the cache. One launch instead of a rotary and a
@@ -102,7 +99,7 @@ def _rotary_write_kv_kernel(
     )  # fmt: skip
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
-        # The K cache is contiguous: a slot is NUM_KV_HEADS * 2 * HALF consecutive elements.
+        # The cache is contiguous: a slot is NUM_KV_HEADS * 2 * HALF consecutive elements.
         _rotate_heads(
             k_ptr, k_cache_ptr + slot * (NUM_KV_HEADS * 2 * HALF), token, stride_k_token,
             stride_k_head, 0, 2 * HALF, cos, sin, NUM_KV_HEADS, HALF, BLOCK_KV_H, BLOCK_HALF,
@@ -113,23 +110,8 @@ def _rotary_write_kv_kernel(
         mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < 2 * HALF)
         src = v_ptr + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :]
         value = tl.load(src, mask=mask)
-        columns = heads[:, None] * 2 * HALF + dims[None, :]  # head * head_dim + dim
-        offsets = _v_offsets(slot, columns, NUM_KV_HEADS * 2 * HALF, BLOCK_SIZE, V_TRANSPOSED)
-        dst = v_cache_ptr + offsets
-        tl.store(dst, _to_output(value, v_cache_ptr, FP8_MAX), mask=mask)
-
-
-@triton.jit
-def _v_offsets(
-    slot, columns, KV_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, V_TRANSPOSED: tl.constexpr
-):
-    """Element offsets of a token's V `columns` (head * head_dim + dim) at `slot` in the cache:
-    KV_SIZE consecutive elements per slot, or transposed per block (kernels.kv_layout), each
-    column a row of BLOCK_SIZE tokens."""
-    if V_TRANSPOSED:
-        block_start = (slot // BLOCK_SIZE) * (KV_SIZE * BLOCK_SIZE)
-        return block_start + columns * BLOCK_SIZE + slot % BLOCK_SIZE
-    return slot * KV_SIZE + columns
+        dst = v_cache_ptr + slot * (NUM_KV_HEADS * 2 * HALF) + heads[:, None] * 2 * HALF
+        tl.store(dst + dims[None, :], _to_output(value, v_cache_ptr, FP8_MAX), mask=mask)
 
 
 def rotary_embedding_write_kv(
@@ -149,8 +131,7 @@ def rotary_embedding_write_kv(
     num_kv_heads = key.shape[1]
     assert key.shape == value.shape == (num_tokens, num_kv_heads, head_dim)
     assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.shape == v_cache.shape
-    assert k_cache.is_contiguous()
-    v_transposed = v_is_transposed(v_cache)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert cos_sin_cache.shape[1] == head_dim and head_dim % 2 == 0, "full-width rotary only"
     query, key, value = (t if t.stride(2) == 1 else t.contiguous() for t in (query, key, value))
     if not cos_sin_cache.is_contiguous():
@@ -171,8 +152,6 @@ def rotary_embedding_write_kv(
         BLOCK_KV_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half),
         FP8_MAX=FP8_E4M3_MAX if fp8 else 0.0,
-        BLOCK_SIZE=k_cache.shape[1],
-        V_TRANSPOSED=v_transposed,
         num_warps=4,
     )  # fmt: skip
     return q_out
