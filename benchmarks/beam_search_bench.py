@@ -107,9 +107,9 @@ def step_profile(llm, run) -> dict:
             steps.append(step)
         return submit(step)
 
-    def timed_consume(outputs):
+    def timed_consume(*args):
         t = time.perf_counter()
-        result = consume(outputs)
+        result = consume(*args)
         select_s.append(time.perf_counter() - t)
         return result
 
