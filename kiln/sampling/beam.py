@@ -33,7 +33,8 @@ def beam_top_k(
     groups: list[tuple[int, int]],  # (rows in the group, keep): consecutive rows, in order
 ) -> BeamTopK:
     """Per group of consecutive rows: its `keep` best (row, token) by accumulated score."""
-    logprobs = logits.float().log_softmax(dim=-1) + scores[:, None]
+    # (fp32 from the start: the same values as log_softmax of the upcast logits, one pass less)
+    logprobs = logits.log_softmax(dim=-1, dtype=torch.float32).add_(scores[:, None])
     max_keep = min(max(keep for _, keep in groups), logprobs.shape[-1])
     row_scores, row_ids = logprobs.topk(max_keep, dim=-1)  # [R, max_keep], sorted descending
     if len(groups) == 1:  # the common step: one search, all its rows
