@@ -350,3 +350,18 @@ def test_beam_params_are_validated():
         SamplingParams(use_beam_search=True, early_stopping="sometimes")
     with pytest.raises(InvalidRequestError, match="use_beam_search"):
         SamplingParams(use_beam_search=True, stop=["x"])
+
+
+def test_host_fp32_arithmetic_is_torchs():
+    """The search's host arithmetic (Python doubles rounded to fp32 after each op) gives what
+    HF's torch fp32 ops give: sums with -1e9 and divisions by a Python float's fp32 value."""
+    from kiln.engine.beam_search import NEG, _fp32
+
+    gen = torch.Generator().manual_seed(3)
+    a = (-30 * torch.rand(2000, generator=gen) - 1e-3 * torch.rand(2000, generator=gen)).float()
+    values = a.tolist()
+    assert _fp32(values) == values  # fp32 values stay exact
+    assert _fp32([x + NEG for x in values]) == (a + NEG).tolist()
+    for length, penalty in [(7, 1.0), (13, 0.5), (64, 2.0), (3, 1.3)]:
+        [divisor] = _fp32([length**penalty])
+        assert _fp32([x / divisor for x in values]) == (a / length**penalty).tolist()

@@ -14,18 +14,18 @@ early_stopping)` step for step (transformers' _beam_search): the top K = max(2, 
 continuations over all beams by cumulative fp32 log-probability (on the device); those ending
 in EOS or at max_tokens finish, if among the top W, with score logprob / generated_len **
 length_penalty; the best W others run on; the early-stopping heuristic and `early_stopping`
-True / False / "never" as HF's. The host's part is K candidates a step, in numpy float32 (the
-same IEEE fp32 rounding as HF's torch ops, at a fraction of their per-call cost: the host time
-of a beam step is not hidden behind the device, as the next step waits for the selection).
+True / False / "never" as HF's. The host's part is K candidates a step, in fp32 (Python
+floats rounded to fp32 after every op: the result of HF's torch fp32 op, at a fraction of its
+per-call cost: the host time of a beam step is not hidden behind the device, as the next step
+waits for the selection).
 """
 
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import EngineCoreOutput
@@ -36,8 +36,7 @@ from kiln.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from kiln.engine.llm_engine import LLMEngine
 
-NEG = -1.0e9  # HF's "impossible" score
-_NEG32, _ZERO32 = np.float32(NEG), np.float32(0.0)
+NEG = -1.0e9  # HF's "impossible" score (an fp32 value)
 
 
 @dataclass
@@ -46,15 +45,18 @@ class _Beam:
     score: float  # cumulative log-probability, an fp32 value (HF's arithmetic)
 
 
-def _fp32(values: list[float]) -> np.ndarray:
-    return np.array(values, dtype=np.float32)
+def _fp32(values: list[float]) -> list[float]:
+    """Each value rounded to the nearest fp32. An op on fp32 values done in Python's doubles, then
+    rounded so, is the fp32 op's result (a double holds more than 2 x 24 + 2 bits, so rounding
+    twice gives the correctly rounded +, -, x, /): what torch's fp32 ops compute."""
+    return array("f", values).tolist()
 
 
 @dataclass
 class BeamSearchState:
     """One search's beams. Scores are fp32 values kept as Python floats (exact): the arithmetic
-    runs as HF's, in fp32 (numpy float32: each op rounds as torch's fp32 op does, a Python float
-    operand cast to fp32 first), one op over a step's K candidates."""
+    runs as HF's, in fp32 (each op's result rounded by _fp32; a Python float operand, such as
+    torch casts to the tensor's fp32, rounded first)."""
 
     req_id: str
     prompt: str | None
@@ -92,18 +94,16 @@ class BeamSearchState:
         # HF's top K over W x vocab: ties in the flat (beam, token) order.
         top = sorted(self.candidates, key=lambda c: (-c[0], c[1], c[2]))[:K]
         self.candidates, self.num_back = [], 0
-        acc = [c[0] for c in top]
-        top_acc = _fp32(acc)
+        acc = [c[0] for c in top]  # fp32 values
         eos, max_tokens = self.eos_token_ids, self.max_tokens
         hit_list = [token in eos or generated >= max_tokens for _, _, token in top]
-        hits = np.array(hit_list)
 
         def tokens(i: int) -> list[int]:  # (built only for the candidates that are kept)
             _, beam, token = top[i]
             return [*self.running[beam].tokens, token]
 
         # Running beams for the next step: the best W that did not just finish.
-        running_scores = (top_acc + np.where(hits, _NEG32, _ZERO32)).tolist()
+        running_scores = _fp32([a + NEG if hit else a for a, hit in zip(acc, hit_list)])
         alive = sorted(range(len(top)), key=lambda i: (-running_scores[i], i))[:W]
         new_running = [_Beam(tokens(i), running_scores[i]) for i in alive]
         self.parents = [top[i][1] for i in alive]
@@ -111,12 +111,13 @@ class BeamSearchState:
         all_finished = all(f[1] for f in self.finished)
         lp = self.params.length_penalty
         done = [hit and i < W for i, hit in enumerate(hit_list)]
-        score = top_acc / np.float32(generated**lp)
+        [divisor] = _fp32([generated**lp])
+        score = _fp32([a / divisor for a in acc])
         if all_finished and self.params.early_stopping is True:
-            score = score + _NEG32
+            score = _fp32([x + NEG for x in score])
         if not self.unsatisfied:
-            score = score + _NEG32
-        score = (score + np.where(np.array(done), _ZERO32, _NEG32)).tolist()
+            score = _fp32([x + NEG for x in score])
+        score = _fp32([x if d else x + NEG for x, d in zip(score, done)])
         merged = [f[0] for f in self.finished] + score
         order = sorted(range(len(merged)), key=lambda i: (-merged[i], i))[:W]
         self.finished = [
@@ -130,7 +131,8 @@ class BeamSearchState:
             best_len = self.max_tokens
         else:
             best_len = self.step
-        best_running = float(np.float32(self.running[0].score) / np.float32(best_len**lp))
+        [divisor] = _fp32([best_len**lp])
+        [best_running] = _fp32([self.running[0].score / divisor])
         worst = min(f[0] for f in self.finished)
         worst_finished = [worst if f[1] else NEG for f in self.finished]
         self.unsatisfied = self.unsatisfied and any(best_running > w for w in worst_finished)
