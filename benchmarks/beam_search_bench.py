@@ -9,8 +9,11 @@ GPU). It cannot overlap the host with the device as async scheduling does for a 
 the next step's beams are known only once the selection has read this step's logprobs.
 
 Besides the times, the record counts what each step computed (tokens, rows, block copies, graph
-replays: a separate, traced run of each, so the timed runs carry no tracing), and the host time
-of the selection and forks per beam step.
+replays: a separate, traced run of each, so the timed runs carry no tracing), the host time of
+the selection and forks per beam step, and the beam step's host critical path: from a step's
+results on the host (the end of the runner's wait) to the next step's graph launch, the time the
+device has nothing to run. `--cprofile N` adds the N functions of most own time per beam step
+(cProfile of one more beam run: its overhead inflates Python-heavy code, so read it for shares).
 
     python3 benchmarks/beam_search_bench.py --model llama-3.1-8b --load-format dummy \\
         --dtype bfloat16 --width 4 --input-len 128 --output-len 64 --out beam_search.json
@@ -20,6 +23,7 @@ of the selection and forks per beam step.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -36,6 +40,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="timed runs of each (the median)")
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--cprofile", type=int, default=0, help="top N functions per beam step")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -85,6 +90,10 @@ def main() -> None:
     record["beam_over_plain"] = round(record["beam_step_ms"] / record["plain_batch_step_ms"], 3)
     record["plain_profile"] = step_profile(llm, lambda: llm.generate(prompts, plain))
     record["beam_profile"] = step_profile(llm, lambda: llm.generate([prompt], beam))
+    if args.cprofile:
+        record["beam_cprofile_us_per_step"] = cprofile(
+            lambda: llm.generate([prompt], beam), steps, args.cprofile
+        )
     if not args.no_hf:
         record["hf"] = hf_beam_step_ms(args, prompt, W, n_out)
     print(json.dumps(record, indent=1))
@@ -107,13 +116,32 @@ def step_profile(llm, run) -> dict:
             steps.append(step)
         return submit(step)
 
-    def timed_consume(outputs):
+    def timed_consume(*args):
         t = time.perf_counter()
-        result = consume(outputs)
+        result = consume(*args)
         select_s.append(time.perf_counter() - t)
         return result
 
     runner = getattr(executor, "runner", None)
+    graphs = getattr(runner, "graphs", None)
+    marks: list[tuple[str, float]] = []  # ("back" | "launch", perf_counter)
+    if runner is not None:
+        finish = runner._finish
+
+        def marked_finish(step):
+            result = finish(step)  # (the wait for the step's results, then their lists)
+            marks.append(("back", time.perf_counter()))
+            return result
+
+        runner._finish = marked_finish
+    if graphs is not None:
+        replay = graphs.replay
+
+        def marked_replay(key):
+            marks.append(("launch", time.perf_counter()))
+            return replay(key)
+
+        graphs.replay = marked_replay
     executor.submit = recording_submit
     forks = hasattr(manager, "consume")  # (an older tree, run for an A/B, has no forks)
     if forks:
@@ -126,6 +154,10 @@ def step_profile(llm, run) -> dict:
         del executor.submit  # the instance attributes: back to the methods
         if forks:
             del manager.consume
+        if runner is not None:
+            del runner._finish
+        if graphs is not None:
+            del graphs.replay
     decode = steps[1:]
     profile = {
         "steps": len(steps),
@@ -144,7 +176,33 @@ def step_profile(llm, run) -> dict:
         runner.step_timing = None
     if select_s:
         profile["select_and_fork_ms_per_step"] = round(1000 * sum(select_s) / len(decode), 3)
+    # A step's results back, then the next launch with no other results between: the gap the
+    # device idles through (under async scheduling a plain decode's launch precedes the wait).
+    gaps = [b - a for (x, a), (y, b) in itertools.pairwise(marks) if (x, y) == ("back", "launch")]
+    if gaps:
+        profile["results_to_next_launch_ms"] = {
+            "median": round(1000 * statistics.median(gaps), 3),
+            "mean": round(1000 * statistics.mean(gaps), 3),
+            "steps": len(gaps),
+        }
     return profile
+
+
+def cprofile(run, steps: int, top: int) -> list[list]:
+    """The `top` functions of most own time in one more run, in us per beam step."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (cc, nc, tottime, cumtime, _)}
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    return [
+        [f"{file.rsplit('/', 1)[-1]}:{line}({name})", round(1e6 * tt / steps, 1), nc]
+        for (file, line, name), (_, nc, tt, _, _) in rows
+    ]
 
 
 def hf_beam_step_ms(args, prompt, width, n_out) -> dict:

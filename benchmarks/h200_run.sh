@@ -273,7 +273,7 @@ for s in "$@"; do
         # (expectations: benchmarks/beam_search_expected.md)
         stage beam4 400 python3 benchmarks/beam_search_bench.py --model llama-3.1-8b \
             --load-format dummy --dtype bfloat16 --width 4 --input-len 128 --output-len 64 \
-            --repeats 3 ${NO_HF:+--no-hf} --out "$OUT/beam_search$SFX.json"
+            --repeats 3 --cprofile 30 ${NO_HF:+--no-hf} --out "$OUT/beam_search$SFX.json"
         ;;
     beam4ab)  # beam4 before the copy-on-write forks (KILN_BASE_COMMIT, default 6451c35), then
         # now, in one run; each pass ~3-6 min: BEAM_PASSES=before and =forks as two commands fit

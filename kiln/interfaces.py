@@ -37,6 +37,29 @@ class CachedRequestData:
 
 
 @dataclass(frozen=True)
+class BeamRow:
+    """A row of a beam-search step (kiln.engine.beam_search): the runner turns its logits into
+    the search's best continuations on the device (kiln.sampling.beam), so only those come back."""
+
+    search_id: str
+    beam: int  # which running beam of the search this row continues
+    score: float  # that beam's cumulative log-probability (an fp32 value)
+    keep: int  # continuations the search keeps per step (HF's beams_to_keep)
+    num_beams: int  # the search's rows this step: all in one step -> one top-`keep` over them
+
+
+@dataclass(frozen=True)
+class BeamCandidates:
+    """A beam-search step's best continuations over some of its rows (all of them, when the step
+    held them all), best first: the cumulative fp32 log-probability, the beam each continues and
+    its next token."""
+
+    scores: list[float]
+    beams: list[int]
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     new_requests: list[NewRequestData]
     cached_requests: list[CachedRequestData]
@@ -52,6 +75,9 @@ class SchedulerOutput:
     # Copy-on-write forks (KVCacheManager.fork): (source, destination) KV block ids whose
     # contents the runner copies, in every layer, before this step's forward.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Beam-search rows of this step, by request id (the driver's runner alone reads them: the
+    # other ranks' runners return no sampled values, so the rank message leaves them out).
+    beam_rows: dict[str, BeamRow] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -86,6 +112,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     # Speculative decoding: draft tokens proposed for each request's next step (kiln.spec_decode).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Beam search: each step group's best continuations, under the request id of its first row.
+    beam_candidates: dict[str, BeamCandidates] = field(default_factory=dict)
 
 
 EMPTY_RUNNER_OUTPUT = ModelRunnerOutput(sampled_token_ids={})

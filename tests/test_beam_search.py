@@ -236,6 +236,49 @@ def test_beams_under_async_scheduling_match_hf(tiny, monkeypatch):
     assert llm.engine.kv_cache.usage == 0.0 and not llm.engine.has_unfinished_requests()
 
 
+def record_outputs(monkeypatch, engine) -> list:
+    """Every step's ModelRunnerOutput, as the engine collects it."""
+    outputs = []
+    collect = engine.executor.collect
+
+    def recording():
+        outputs.append(collect())
+        return outputs[-1]
+
+    monkeypatch.setattr(engine.executor, "collect", recording)
+    return outputs
+
+
+@pytest.mark.parametrize("max_num_seqs", [32, 3])
+def test_only_each_searchs_top_k_comes_back(tiny, monkeypatch, max_num_seqs):
+    """The selection's top K runs on the device: a step of a search's W beams sends back K = 2W
+    candidates (no logprobs over the vocabulary); a step that holds only some of its beams (3
+    sequence slots for 4 beams) sends K a row, which the search merges once all are back; the
+    beams are HF's either way."""
+    hf, llm = tiny
+    engine = llm.engine
+    monkeypatch.setattr(engine.scheduler, "max_num_seqs", max_num_seqs)
+    outputs = record_outputs(monkeypatch, engine)
+    width, max_tokens = 4, 8
+    got = kiln_beams(llm, LONG_PROMPT, width, width, max_tokens, 1.0, False)
+    want, want_scores = hf_beams(hf, LONG_PROMPT, width, width, max_tokens, 1.0, False)
+    assert [c.token_ids for c in got.outputs] == want
+    scores = [c.cumulative_logprob / len(c.token_ids) for c in got.outputs]
+    assert scores == pytest.approx(want_scores, abs=1e-4)
+    groups = [c for out in outputs for c in out.beam_candidates.values()]
+    assert groups and not any(out.logprobs for out in outputs)
+    assert {len(c.scores) for c in groups} == {2 * width}
+    for c in groups:
+        assert c.scores == sorted(c.scores, reverse=True) and set(c.beams) <= set(range(width))
+    per_step = [len(out.beam_candidates) for out in outputs if out.beam_candidates]
+    if max_num_seqs >= width:  # one group a step: the prompt's, then the search's 4 beams
+        assert per_step == [1] * max_tokens
+    else:  # 3 rows, then 1: a group a row
+        assert per_step[0] == 1 and set(per_step[1:]) == {3, 1}
+        assert sum(per_step[1:]) == width * (max_tokens - 1)
+    assert engine.kv_cache.usage == 0.0 and not engine.scheduler.retained
+
+
 @pytest.mark.parametrize("num_kv_blocks, plain_tokens", [(6, 60), (9, 12)])
 def test_beams_in_a_tight_pool_match_hf(tiny, num_kv_blocks, plain_tokens):
     """A pool too small for every fork: forks that find no room for their blocks fall back to a
@@ -307,3 +350,18 @@ def test_beam_params_are_validated():
         SamplingParams(use_beam_search=True, early_stopping="sometimes")
     with pytest.raises(InvalidRequestError, match="use_beam_search"):
         SamplingParams(use_beam_search=True, stop=["x"])
+
+
+def test_host_fp32_arithmetic_is_torchs():
+    """The search's host arithmetic (Python doubles rounded to fp32 after each op) gives what
+    HF's torch fp32 ops give: sums with -1e9 and divisions by a Python float's fp32 value."""
+    from kiln.engine.beam_search import NEG, _fp32
+
+    gen = torch.Generator().manual_seed(3)
+    a = (-30 * torch.rand(2000, generator=gen) - 1e-3 * torch.rand(2000, generator=gen)).float()
+    values = a.tolist()
+    assert _fp32(values) == values  # fp32 values stay exact
+    assert _fp32([x + NEG for x in values]) == (a + NEG).tolist()
+    for length, penalty in [(7, 1.0), (13, 0.5), (64, 2.0), (3, 1.3)]:
+        [divisor] = _fp32([length**penalty])
+        assert _fp32([x / divisor for x in values]) == (a / length**penalty).tolist()

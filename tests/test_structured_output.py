@@ -377,3 +377,26 @@ def test_smollm2_json_schema(smollm2_llm):
     assert "paris" in value["city"].lower()
     alone = smollm2_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8))
     assert out[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
+def test_beam_search_beside_grammar_rows(tiny_llm, monkeypatch):
+    """Beam rows in steps whose sampler waits for a grammar mask (the runner's deferred sample)
+    still bring back their search's candidates: the same beams and scores as the search alone."""
+    beam = SamplingParams(use_beam_search=True, best_of=4, n=2, max_tokens=12)
+    alone = tiny_llm.generate(["Beams:"], beam)[0]
+    engine = tiny_llm.engine
+    steps, submit = [], engine.executor.submit
+
+    def recording(step):
+        steps.append(step)
+        return submit(step)
+
+    monkeypatch.setattr(engine.executor, "submit", recording)
+    grammar = _guided(spec={"json": PERSON}, temperature=0, max_tokens=200)
+    got = tiny_llm.generate(["Beams:", "Person:"], [beam, grammar])[0]
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in alone.outputs]
+    assert [c.cumulative_logprob for c in got.outputs] == pytest.approx(
+        [c.cumulative_logprob for c in alone.outputs], abs=1e-4
+    )
+    assert any(s.beam_rows and len(s.num_scheduled_tokens) > len(s.beam_rows) for s in steps)
+    assert engine.kv_cache.usage == 0.0

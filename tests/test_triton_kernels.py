@@ -887,3 +887,18 @@ def test_copy_kv_blocks(dtype: torch.dtype, head_dim: int) -> None:
         assert torch.equal(ref.view(torch.uint8), hand)
         assert torch.equal(got.view(torch.uint8), hand)
     triton_ops.copy_kv_blocks(caches, mapping[:0])  # no copies: nothing launched
+
+
+def test_copy_kv_blocks_checks_each_list_of_caches_once() -> None:
+    """The address table is kept per list of caches (the runner's, every step): a second list
+    of the same shapes gets its own, and the first list's calls still copy in its caches."""
+    gen = torch.Generator().manual_seed(34)
+    a, b = ([torch.randn((5, 2, 1, 8), generator=gen).to(DEVICE) for _ in range(2)] for _ in "ab")
+    want_a, want_b = [c.clone() for c in a], [c.clone() for c in b]
+    calls = [(a, want_a, [[0, 3]]), (b, want_b, [[2, 4]]), (a, want_a, [[1, 2], [4, 0]])]
+    for caches, want, pairs in calls:
+        mapping = torch.tensor(pairs, dtype=torch.int64, device=DEVICE)
+        reference.copy_kv_blocks(want, mapping)
+        triton_ops.copy_kv_blocks(caches, mapping)
+    for got, ref in zip(a + b, want_a + want_b):
+        assert torch.equal(got, ref)

@@ -1,5 +1,7 @@
 """Beam search above the scheduler: each step, every running beam is one ordinary request of one
-token (greedy, with the raw top-K logprobs), so beams batch with every other request. A step's
+token, so beams batch with every other request; its row carries the beam's score
+(interfaces.BeamRow), and the runner sends back the search's K best continuations, selected on
+the device (kiln.sampling.beam), not log-probabilities over the vocabulary. A step's
 beams continue the previous step's by copy-on-write forks: a finished beam request keeps its KV
 (Request.retain_kv) until the selection is made, then each beam that continues it gets its
 blocks (Scheduler.fork: the full ones shared by reference, the last partial one copied on the
@@ -9,29 +11,32 @@ finishes or is aborted: an abort frees every block.
 
 The selection is Hugging Face's `generate(num_beams=W, do_sample=False, length_penalty,
 early_stopping)` step for step (transformers' _beam_search): the top K = max(2, 1 + #EOS) * W
-continuations over all beams by cumulative fp32 log-probability; those ending in EOS or at
-max_tokens finish, if among the top W, with score logprob / generated_len ** length_penalty;
-the best W others run on; the early-stopping heuristic and `early_stopping` True / False /
-"never" as HF's.
+continuations over all beams by cumulative fp32 log-probability (on the device); those ending
+in EOS or at max_tokens finish, if among the top W, with score logprob / generated_len **
+length_penalty; the best W others run on; the early-stopping heuristic and `early_stopping`
+True / False / "never" as HF's. The host's part is K candidates a step, in fp32 (Python
+floats rounded to fp32 after every op: the result of HF's torch fp32 op, at a fraction of its
+per-call cost: the host time of a beam step is not hidden behind the device, as the next step
+waits for the selection).
 """
 
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import EngineCoreOutput
+from kiln.interfaces import BeamCandidates, BeamRow
 from kiln.outputs import CompletionOutput, RequestOutput
 from kiln.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kiln.engine.llm_engine import LLMEngine
 
-NEG = -1.0e9  # HF's "impossible" score
+NEG = -1.0e9  # HF's "impossible" score (an fp32 value)
 
 
 @dataclass
@@ -40,16 +45,18 @@ class _Beam:
     score: float  # cumulative log-probability, an fp32 value (HF's arithmetic)
 
 
-def _fp32(values: list[float]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32)
+def _fp32(values: list[float]) -> list[float]:
+    """Each value rounded to the nearest fp32. An op on fp32 values done in Python's doubles, then
+    rounded so, is the fp32 op's result (a double holds more than 2 x 24 + 2 bits, so rounding
+    twice gives the correctly rounded +, -, x, /): what torch's fp32 ops compute."""
+    return array("f", values).tolist()
 
 
 @dataclass
 class BeamSearchState:
     """One search's beams. Scores are fp32 values kept as Python floats (exact): the arithmetic
-    runs as HF's, in fp32 torch ops, one op over a step's candidates rather than one per
-    candidate (an elementwise op rounds each element as it would a scalar; the host time of a
-    beam step is not hidden behind the device, as the next step waits for the selection)."""
+    runs as HF's, in fp32 (each op's result rounded by _fp32; a Python float operand, such as
+    torch casts to the tensor's fp32, rounded first)."""
 
     req_id: str
     prompt: str | None
@@ -66,7 +73,8 @@ class BeamSearchState:
     unsatisfied: bool = True  # HF's is_early_stop_heuristic_unsatisfied
     step: int = 0
     children: dict[str, int] = field(default_factory=dict)  # child id -> running beam index
-    results: dict[int, dict] = field(default_factory=dict)  # beam index -> top-K {token: lp}
+    num_back: int = 0  # children whose candidates are in
+    candidates: list[tuple[float, int, int]] = field(default_factory=list)  # (score, beam, token)
     parents: list[int] = field(default_factory=list)  # running beam -> its beam of the last step
 
     @property
@@ -79,41 +87,43 @@ class BeamSearchState:
         self.finished = [(NEG, False, [], NEG) for _ in range(self.width)]
 
     def advance(self) -> bool:
-        """One HF step from the children's top-K logprobs; True when the search is over."""
+        """One HF step from the children's candidates (their accumulated fp32 scores, each row's
+        or the search's top K, from the device); True when the search is over."""
         W, K = self.width, self.keep
         generated = self.step + 1  # tokens each candidate has (cur_len + 1 - prompt_len)
-        beam_of, token_of, logprobs, base = [], [], [], []  # the candidates
-        for b, beam in enumerate(self.running):
-            for token, logprob in self.results.get(b, {}).items():
-                beam_of.append(b)
-                token_of.append(token)
-                logprobs.append(logprob)
-                base.append(beam.score)
-        acc = (_fp32(logprobs) + _fp32(base)).tolist()  # accumulated, fp32
-        top = sorted(range(len(acc)), key=lambda c: (-acc[c], beam_of[c], token_of[c]))[:K]
-        top_acc = _fp32([acc[c] for c in top])
-        hit_list = [token_of[c] in self.eos_token_ids or generated >= self.max_tokens for c in top]
-        hits = torch.tensor(hit_list)
-        tokens = [[*self.running[beam_of[c]].tokens, token_of[c]] for c in top]
+        # HF's top K over W x vocab: ties in the flat (beam, token) order.
+        top = sorted(self.candidates, key=lambda c: (-c[0], c[1], c[2]))[:K]
+        self.candidates, self.num_back = [], 0
+        acc = [c[0] for c in top]  # fp32 values
+        eos, max_tokens = self.eos_token_ids, self.max_tokens
+        hit_list = [token in eos or generated >= max_tokens for _, _, token in top]
+
+        def tokens(i: int) -> list[int]:  # (built only for the candidates that are kept)
+            _, beam, token = top[i]
+            return [*self.running[beam].tokens, token]
+
         # Running beams for the next step: the best W that did not just finish.
-        running_scores = (top_acc + torch.where(hits, NEG, 0.0)).tolist()
+        running_scores = _fp32([a + NEG if hit else a for a, hit in zip(acc, hit_list)])
         alive = sorted(range(len(top)), key=lambda i: (-running_scores[i], i))[:W]
-        new_running = [_Beam(tokens[i], running_scores[i]) for i in alive]
-        self.parents = [beam_of[top[i]] for i in alive]
+        new_running = [_Beam(tokens(i), running_scores[i]) for i in alive]
+        self.parents = [top[i][1] for i in alive]
         # Finished hypotheses: the top-W candidates that hit a stop, length-penalized.
         all_finished = all(f[1] for f in self.finished)
         lp = self.params.length_penalty
         done = [hit and i < W for i, hit in enumerate(hit_list)]
-        score = top_acc / (generated**lp)
+        [divisor] = _fp32([generated**lp])
+        score = _fp32([a / divisor for a in acc])
         if all_finished and self.params.early_stopping is True:
-            score = score + NEG
+            score = _fp32([x + NEG for x in score])
         if not self.unsatisfied:
-            score = score + NEG
-        score = (score + torch.where(torch.tensor(done), 0.0, NEG)).tolist()
-        merged = list(self.finished)
-        merged += [(score[i], done[i], tokens[i], acc[c]) for i, c in enumerate(top)]
-        order = sorted(range(len(merged)), key=lambda i: (-merged[i][0], i))[:W]
-        self.finished = [merged[i] for i in order]
+            score = _fp32([x + NEG for x in score])
+        score = _fp32([x if d else x + NEG for x, d in zip(score, done)])
+        merged = [f[0] for f in self.finished] + score
+        order = sorted(range(len(merged)), key=lambda i: (-merged[i], i))[:W]
+        self.finished = [
+            self.finished[i] if i < W else (score[i - W], done[i - W], tokens(i - W), acc[i - W])
+            for i in order
+        ]
         self.running = new_running
         self.step += 1
         # HF's early-stopping heuristic, then its loop condition.
@@ -121,7 +131,8 @@ class BeamSearchState:
             best_len = self.max_tokens
         else:
             best_len = self.step
-        best_running = (_fp32([self.running[0].score]) / (best_len**lp)).item()
+        [divisor] = _fp32([best_len**lp])
+        [best_running] = _fp32([self.running[0].score / divisor])
         worst = min(f[0] for f in self.finished)
         worst_finished = [worst if f[1] else NEG for f in self.finished]
         self.unsatisfied = self.unsatisfied and any(best_running > w for w in worst_finished)
@@ -168,18 +179,19 @@ class BeamSearchManager:
         self._child_params[req_id] = SamplingParams(
             temperature=0.0,
             max_tokens=1,
-            logprobs=state.keep,
             ignore_eos=True,
             skip_special_tokens=params.skip_special_tokens,
         )
         self.searches[req_id] = state
         # The first step expands beam 0 alone (the others are the same prompt at -1e9): the
         # prompt's prefill, prefix-cache hits included.
-        self.engine.scheduler.add_request(self._child(state, 0, token_ids))
+        self.engine.scheduler.add_request(self._child(state, 0, token_ids, 1))
         return req_id
 
-    def _child(self, state: BeamSearchState, beam: int, token_ids: list[int]) -> Request:
-        """The request that computes one step of a running beam."""
+    def _child(
+        self, state: BeamSearchState, beam: int, token_ids: list[int], num_beams: int
+    ) -> Request:
+        """The request that computes one step of a running beam (`num_beams` in the step)."""
         child_id = f"{state.req_id}#beam{state.step}.{beam}"
         state.children[child_id] = beam
         self._child_to_search[child_id] = state.req_id
@@ -192,26 +204,29 @@ class BeamSearchManager:
             priority=state.priority,
             arrival_time=state.arrival_time,
             retain_kv=True,
+            beam=BeamRow(state.req_id, beam, state.running[beam].score, state.keep, num_beams),
         )
 
     def _issue(self, state: BeamSearchState) -> None:
         """Queue the step's beams, each forked from the request that ran its parent beam."""
         ran = {beam: child_id for child_id, beam in state.children.items()}
         forks: dict[str, list[Request]] = {child_id: [] for child_id in state.children}
-        state.children, state.results = {}, {}
+        state.children = {}
+        num_beams = len(state.running)
         for index, beam in enumerate(state.running):
             tokens = state.prompt_token_ids + beam.tokens
-            forks[ran[state.parents[index]]].append(self._child(state, index, tokens))
+            forks[ran[state.parents[index]]].append(self._child(state, index, tokens, num_beams))
         # Beams nobody continues first: their partial blocks go back before the copies are taken.
         scheduler = self.engine.scheduler
         for parent, children in sorted(forks.items(), key=lambda item: bool(item[1])):
             scheduler.fork(parent, children)
 
     def consume(
-        self, outputs: list[EngineCoreOutput]
+        self, outputs: list[EngineCoreOutput], candidates: dict[str, BeamCandidates]
     ) -> tuple[list[EngineCoreOutput], list[RequestOutput]]:
-        """Take the beams' outputs out of a step's; returns the others, and the searches that
-        finished (their final outputs)."""
+        """Take the beams' outputs out of a step's (their candidates: the runner's, by the
+        request that carries each group); returns the others, and the searches that finished
+        (their final outputs)."""
         rest: list[EngineCoreOutput] = []
         finished: list[RequestOutput] = []
         for out in outputs:
@@ -223,11 +238,11 @@ class BeamSearchManager:
                 continue  # (a beam's request ends with its one token: not reached)
             del self._child_to_search[out.req_id]
             state = self.searches[search_id]
-            [position] = out.logprobs  # column 0 is the argmax, again among the top K
-            state.results[state.children[out.req_id]] = dict(
-                zip(position.token_ids, position.logprobs)
-            )
-            if len(state.results) == len(state.children):
+            found = candidates.get(out.req_id)
+            if found is not None:
+                state.candidates += zip(found.scores, found.beams, found.token_ids)
+            state.num_back += 1
+            if state.num_back == len(state.children):
                 if state.advance():
                     finished.append(self._finish(state))
                 else:

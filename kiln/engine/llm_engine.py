@@ -254,7 +254,9 @@ class LLMEngine:
         core_outputs = self.scheduler.update(sched, runner_output)
         finished_searches: list[RequestOutput] = []
         if self.beam_search.active:  # beams' one-token steps stay inside
-            core_outputs, finished_searches = self.beam_search.consume(core_outputs)
+            core_outputs, finished_searches = self.beam_search.consume(
+                core_outputs, runner_output.beam_candidates
+            )
         deltas, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kiln.interfaces import BeamRow
 from kiln.sampling_params import SamplingParams
 
 
@@ -61,6 +62,8 @@ class Request:
     # Its KV outlives it when it finishes (not when aborted): the scheduler keeps the blocks
     # until Scheduler.fork() hands them on (beam search: the next step's beams continue it).
     retain_kv: bool = False
+    # A beam-search step's row: the runner returns the search's best continuations, not logprobs.
+    beam: BeamRow | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -258,6 +258,7 @@ class Scheduler:
             step_id=step_id,
             scheduled_spec_decode_tokens=plan.spec_tokens,
             block_copies=block_copies,
+            beam_rows={r: q.beam for r, q in scheduled.items() if q.beam is not None},
         )
 
     def _schedule_running(self, plan: _StepPlan) -> None:

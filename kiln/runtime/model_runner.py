@@ -27,6 +27,8 @@ from kiln.attention.backend import get_attention_backend
 from kiln.distributed.comm import broadcast_sampled
 from kiln.envs import envs
 from kiln.interfaces import (
+    BeamCandidates,
+    BeamRow,
     ModelRunnerOutput,
     PromptLogprobsChunk,
     SchedulerOutput,
@@ -41,6 +43,8 @@ from kiln.runtime.sampling_inputs import (
     build_sampling_metadata,
     verification_rows,
 )
+from kiln.sampling.beam import BeamTopK, beam_top_k
+from kiln.sampling.host_copy import to_device
 from kiln.sampling.rejection_sampler import emitted_tokens, rejection_sample
 from kiln.sampling.sampler import LogprobsTensors, Sampler, SamplerOutput, compute_logprobs
 from kiln.spec_decode.proposer import Proposer
@@ -275,7 +279,7 @@ class ModelRunner:
         step.states = [states[r] for r in batch.sampling_rows]
         num_rows = len(step.states)
         if self.parallel is not None:
-            result = self._sample_parallel(hidden, batch, step.states)
+            result = self._sample_parallel(hidden, batch, step)
         else:
             if batch.logits_indices is None:
                 logits = self.model.compute_logits(hidden[:num_rows])
@@ -283,6 +287,8 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[batch.logits_indices])
             if sched.scheduled_spec_decode_tokens:
                 logits = self._verify(step, logits)
+            if sched.beam_rows:
+                self._beam_top_k(step, logits)
             grammars = self._grammars
             if grammars is not None and grammars.has_grammar([s.req_id for s in step.states]):
                 # Grammar rows get no drafts, so none verifies here. Their mask needs the older
@@ -367,23 +373,69 @@ class ModelRunner:
         self.ops.copy_kv_blocks(self._all_caches, mapping)
 
     def _sample_parallel(
-        self, hidden: torch.Tensor, batch: PackedBatch, states: list[CachedRequestState]
+        self, hidden: torch.Tensor, batch: PackedBatch, step: _InFlightStep
     ) -> SamplerOutput:
         """TP/PP: the last stage's tensor ranks make the logits together (a collective), the
         driver (global rank 0) samples, and every rank gets the ids (so each keeps the same
         token history). Logprobs exist on the driver only, the one rank whose output is read."""
         sampled = logprobs = None
+        states = step.states
         if self.model.computes_logits:
             index = batch.logits_indices
             rows = hidden[: len(states)] if index is None else hidden[index]
             logits = self.model.compute_logits(rows)
             if self.parallel.layout.samples:
+                if step.sched.beam_rows:
+                    self._beam_top_k(step, logits)
                 result = self.sampler(logits, self.sampling.build(states))
                 sampled, logprobs = result.sampled_token_ids, result.logprobs
         sampled, self._sampled_arrival = broadcast_sampled(
             self.parallel, sampled, len(states), self.device
         )
         return SamplerOutput(sampled, logprobs)
+
+    def _beam_top_k(self, step: _InFlightStep, logits: torch.Tensor) -> None:
+        """A step's beam-search rows: each search's best continuations on the device
+        (kiln.sampling.beam), copied to the host with the sampled ids. A search whose rows are
+        all in this step (the usual case: its forks are admitted together) is one group; one
+        split over steps (short of sequence slots or blocks) gets a group a row, and the search
+        merges them once its last row is back."""
+        rows = step.sched.beam_rows
+        searches: dict[str, list[tuple[int, str, BeamRow]]] = {}
+        for index, state in enumerate(step.states):
+            row = rows.get(state.req_id)
+            if row is not None:
+                searches.setdefault(row.search_id, []).append((index, state.req_id, row))
+        if not searches:
+            return
+        indices: list[int] = []
+        scores: list[float] = []
+        groups: list[tuple[int, int]] = []
+        owners: list[tuple[str, list[int]]] = []  # (the request that carries a group, its beams)
+        for members in searches.values():
+            whole = len(members) == members[0][2].num_beams
+            for part in [members] if whole else [[m] for m in members]:
+                indices += [index for index, _, _ in part]
+                scores += [row.score for _, _, row in part]
+                groups.append((len(part), part[0][2].keep))
+                owners.append((part[0][1], [row.beam for _, _, row in part]))
+        if indices == list(range(len(indices))):
+            beam_logits = logits[: len(indices)]  # (one search alone in the step: no gather)
+        else:
+            beam_logits = logits[to_device(indices, torch.long, self.device)]
+        step.beam = beam_top_k(beam_logits, to_device(scores, torch.float32, self.device), groups)
+        step.beam_owners = owners
+
+    def _beam_candidates(self, step: _InFlightStep) -> dict[str, BeamCandidates]:
+        scores, rows, tokens = (t.tolist() for t in step.host_beam)
+        out, start = {}, 0
+        for (req_id, beams), size in zip(step.beam_owners, step.beam.sizes):
+            end = start + size
+            out[req_id] = BeamCandidates(
+                scores[start:end], [beams[r] for r in rows[start:end]], tokens[start:end]
+            )
+            start = end
+        return out
 
     def collect(self) -> ModelRunnerOutput:
         """Wait for the oldest submitted step's sampled ids and return them."""
@@ -413,8 +465,11 @@ class ModelRunner:
         """Start the step's one device->host copy (ids, and logprobs if asked for)."""
         if step.arrival is not None:
             return  # the driver's ids are still on their way: copied in _finish, once waited for
+        beam = step.beam
         if self.device.type != "cuda":
             step.host_sampled, step.host_logprobs = step.sampled, logprobs
+            if beam is not None:
+                step.host_beam = (beam.scores, beam.rows, beam.token_ids)
             return
         self._host_slot ^= 1
         host = self.inputs.sampled_cpu[self._host_slot][: step.sampled.shape[0]]
@@ -423,6 +478,10 @@ class ModelRunner:
         if logprobs is not None:
             step.host_logprobs = LogprobsTensors(
                 *(t.to("cpu", non_blocking=True) for t in _fields(logprobs))
+            )
+        if beam is not None:
+            step.host_beam = tuple(
+                t.to("cpu", non_blocking=True) for t in (beam.scores, beam.rows, beam.token_ids)
             )
         step.done = torch.cuda.Event()
         step.done.record()
@@ -473,10 +532,12 @@ class ModelRunner:
                 for s in (*step.states, *step.spec_states)
                 if s.sampling_params.logprobs is None
                 and s.sampling_params.guided_decoding is None
+                and s.req_id not in step.sched.beam_rows  # (one token each: nothing to draft)
                 and s.req_id in self.requests
             ]
             spec_ids = self.proposer.propose(wanting) if wanting else {}
-        step.output = ModelRunnerOutput(sampled_ids, logprobs, step.prompt_lp, spec_ids)
+        beams = self._beam_candidates(step) if step.host_beam is not None else {}
+        step.output = ModelRunnerOutput(sampled_ids, logprobs, step.prompt_lp, spec_ids, beams)
         self._record(step, t4, t5, time.perf_counter())
         self._start_deferred_fill()  # a later step's mask may be filled from here on
 
@@ -634,6 +695,9 @@ class _InFlightStep:
     output: ModelRunnerOutput | None = None
     deferred: tuple | None = None  # (logits, gpu_events) while its sampler waits for a mask
     pending_mask: object | None = None  # kiln.structured_output.PendingBitmask once started
+    beam: BeamTopK | None = None  # beam-search rows' best continuations (device)
+    beam_owners: list[tuple[str, list[int]]] = field(default_factory=list)  # per group
+    host_beam: tuple[torch.Tensor, ...] | None = None  # beam's tensors, on the host
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
