@@ -63,6 +63,7 @@ class Timers:
 def instrument(llm: LLM) -> Timers:
     engine = llm.engine
     runner = engine.executor.runner
+    runner.step_timing = {}
     t = Timers()
     t.wrap(engine, "step", "step")
     t.wrap(engine.scheduler, "schedule", "scheduler.schedule")
@@ -104,6 +105,25 @@ def profile(llm: LLM, prompt: list[int], max_tokens: int, repeats: int) -> dict:
         compute = sum(ms.get(k, 0.0) for k in COMPUTE)
         ms["host (step - compute)"] = ms["step"] - compute
         ms["outside step (the driving loop)"] = wall * 1000 / steps - ms["step"]
+        # The runner's own phase clock (ModelRunner.step_timing): submit up to the forward's
+        # launch ("prepare"), after it ("sample_launch": logits, verification, sampling), and
+        # collect's work once the ids are back ("finish", the proposer included).
+        rt = engine.executor.runner.step_timing
+        for name in ("prepare", "sample_launch", "finish"):
+            ms["runner." + name] = rt.get(name, 0.0) * 1000 / steps
+        engine.executor.runner.step_timing = None
+        # On a GPU, between one step's ids coming back and the next step's forward launching,
+        # the host does this whatever the engine overlaps: apply the tokens, schedule, prepare.
+        ms["critical path (GPU idle)"] = (
+            ms["runner.finish"] + ms["scheduler.update"] + ms["scheduler.schedule"]
+            + ms["runner.prepare"]
+        )  # fmt: skip
+        # ... and this can run while a step is on the device (it does under async scheduling):
+        # the launches after the forward, the outputs, the caller's loop.
+        ms["overlappable"] = (
+            ms["runner.sample_launch"] - ms.get("compute_logits", 0.0) - ms.get("argmax", 0.0)
+            + ms["output_processor.process"] + ms["outside step (the driving loop)"]
+        )  # fmt: skip
         runs.append({"steps": steps, "tokens": tokens, "ms_per_step": ms})
     # The median over repeats of each phase (a shared machine: single runs are noisy).
     keys = runs[0]["ms_per_step"].keys()
