@@ -20,17 +20,25 @@ it verifies). In one run:
    ~1 token and its time minus the a = 0 verification step's is the head's own cost (K head
    forwards, the first over the verified positions, plus fusing the target's states).
 
+Each engine runs in a process of its own (`--phase`; the default `all` runs the phases one after
+another as child processes and merges their JSON): an engine's GPU memory is not given back
+within a process once it is built (LLMEngine freezes the GC over its startup objects, whose
+cycles then stay), so a fourth engine in one process found no memory for its KV cache (the
+2026-12-01 run's EAGLE-3 phase). Phases: `plain`, `spec` (async scheduling, the default on CUDA:
+a speculative step's outputs made while the next step runs), `spec-sync` (the same at batch 1
+with async scheduling off: what that overlap buys, in the same run), `eagle3`.
+
     python benchmarks/spec_decode_gpu.py --out benchmarks/results/.../spec_decode_gpu.json
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -40,6 +48,8 @@ from kiln.bench.metrics import RequestTiming, throughput_report
 from kiln.bench.workload import synthetic_requests
 from kiln.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
+from kiln.runtime.model_loader import find_model_source
+from kiln.runtime.model_runner import TRACE_COLUMNS
 from kiln.sampling_params import SamplingParams
 from kiln.spec_decode.oracle import acceptance_rate_for_length
 
@@ -70,13 +80,21 @@ def run(engine: LLMEngine, prompts: list[list[int]], output_len: int):
     return [timings[k] for k in keys], [outputs[k] for k in keys]
 
 
-def step_gpu_ms(engine: LLMEngine, num_tokens: int) -> float | None:
-    """Median GPU time of the traced steps with this many tokens (then clears the trace)."""
+def step_times(engine: LLMEngine, num_tokens: int) -> dict[str, float | None]:
+    """Medians over the traced steps with this many tokens (then clears the trace): the GPU
+    time of a step, and the runner's host phases (ms): "prepare" (submit up to the forward's
+    launch), "sample_launch" (the launches after it: logits, verification; a wait for the
+    device in there shows as this phase taking the forward's time), "finish" (collect's work
+    once the ids are back, the proposer included)."""
     timing = engine.executor.stats().step_timing
-    rows = timing.get("trace", [])
-    gpu = [r[-1] for r in rows if r[2] == num_tokens and r[-1] is not None]
+    rows = [r for r in timing.get("trace", []) if r[2] == num_tokens]
     timing.clear()
-    return statistics.median(gpu) if gpu else None
+    out = {}
+    for name in ("prepare", "sample_launch", "finish", "gpu"):
+        col = 3 + list(TRACE_COLUMNS[3:]).index(name)
+        values = [r[col] for r in rows if r[col] is not None]
+        out[name] = statistics.median(values) if values else None
+    return out
 
 
 def measure(engine, prompts, output_len, label, k=0):
@@ -84,12 +102,14 @@ def measure(engine, prompts, output_len, label, k=0):
     report = throughput_report(timings)
     report["decode_tok_s_per_request"] = 1000.0 / report["tpot"]["mean_ms"]
     b = len(prompts)
-    report["step_gpu_ms"] = step_gpu_ms(engine, b * (k + 1))
+    times = step_times(engine, b * (k + 1))
+    report["step_gpu_ms"] = times.pop("gpu")
+    report["step_host_ms"] = times
     sd = report.get("spec_decode", {})
     print(
         f"{label:28s} batch {b:3d}: {report['output_tok_s']:8.1f} tok/s, TPOT "
         f"{report['tpot']['mean_ms']:.2f} ms, step GPU {report['step_gpu_ms']} ms, "
-        f"acceptance length {sd.get('mean_acceptance_length')}"
+        f"acceptance length {sd.get('mean_acceptance_length')}, host ms {times}"
     )
     return report, outputs
 
@@ -137,6 +157,38 @@ def write_random_eagle3_head(path: str, cfg, dtype: str) -> str:  # cfg: the tar
     return path
 
 
+def syncs_per_submit(engine: LLMEngine, prompt: list[int]) -> float | None:
+    """Synchronising CUDA calls in a step's submit() (torch's sync debug mode), median over a
+    short batch-1 run's steps: one there holds the host behind the step it has just launched
+    (the verification's pageable copies did, before). None off CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    import warnings
+
+    runner = engine.executor.runner
+    submit, counts = runner.submit, []
+
+    def counted(sched):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return submit(sched)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                counts.append(sum("synchroniz" in str(w.message).lower() for w in caught))
+
+    runner.submit = counted
+    try:
+        run(engine, [prompt], 24)
+    finally:
+        del runner.submit
+    return statistics.median(counts[1:]) if len(counts) > 1 else None  # (not the prefill)
+
+
+PHASES = ("plain", "spec", "spec-sync", "eagle3")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama-3.1-8b")
@@ -156,9 +208,83 @@ def main() -> None:
         help="an EAGLE-3 head directory, 'random' (the target's shapes), or '' to skip",
     )
     p.add_argument("--eagle3-batches", type=int, nargs="+", default=[1])
+    p.add_argument("--phase", choices=("all", *PHASES), default="all")
+    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.phase != "all":
+        record = run_phase(args)
+        with open(args.out, "w") as f:
+            json.dump(record, f, default=str)
+        return
 
+    record: dict = {"args": vars(args)}
+    for phase in args.phases:
+        if phase == "eagle3" and not args.eagle3_head:
+            continue
+        part = tempfile.mktemp(suffix=f"-{phase}.json")
+        argv = [a for a in sys.argv[1:]]
+        if "--out" in argv:  # the child writes its part; the parent the whole
+            i = argv.index("--out")
+            del argv[i : i + 2]
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--phase", phase, "--out", part]
+        print(f"--- phase {phase}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd).returncode
+        record.setdefault("phase_seconds", {})[phase] = round(time.perf_counter() - t0, 1)
+        if rc != 0 or not os.path.exists(part):
+            record.setdefault("failed_phases", {})[phase] = f"exit {rc}"
+            continue
+        with open(part) as f:
+            record.update(json.load(f))
+        os.remove(part)
+    derive(record)
+    record["git_rev"] = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    record["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    if torch.cuda.is_available():
+        record["gpu"] = torch.cuda.get_device_name()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1, default=str)
+        print(f"wrote {args.out}")
+
+
+def derive(record: dict) -> None:
+    """The ratios across phases (batch sizes are string keys once a part went through JSON)."""
+    plain = record.get("plain", {})
+    for key in ("verify_a0", "verify_a0_sync"):
+        for b, report in record.get(key, {}).items():
+            base = plain.get(b)
+            if base is None:
+                continue
+            report["tpot_vs_plain"] = report["tpot"]["mean_ms"] / base["tpot"]["mean_ms"]
+            if report["step_gpu_ms"] and base["step_gpu_ms"]:
+                report["step_gpu_vs_plain"] = report["step_gpu_ms"] / base["step_gpu_ms"]
+    for key in ("oracle", "oracle_sync"):
+        for name, report in record.get(key, {}).items():
+            base = plain.get(name.split("@")[0])
+            if base is not None:
+                report["speedup_vs_plain"] = report["output_tok_s"] / base["output_tok_s"]
+    for b, report in record.get("eagle3", {}).items():
+        verify = record.get("verify_a0", {}).get(b)
+        if verify is not None:
+            tokens = report.get("spec_decode", {}).get("mean_acceptance_length") or 1.0
+            step_ms = report["tpot"]["mean_ms"] * tokens
+            report["head_ms_per_step"] = step_ms - verify["tpot"]["mean_ms"]
+            print(f"eagle3 batch {b}: head cost per step ~{report['head_ms_per_step']:.2f} ms")
+    for key in ("oracle", "oracle_sync"):
+        for name, report in record.get(key, {}).items():
+            print(
+                f"{key:12s} {name:8s}: {report['output_tok_s']:8.1f} tok/s "
+                f"({report.get('speedup_vs_plain', 0):.2f}x plain), measured L "
+                f"{report.get('measured_mean_acceptance_length')}"
+            )
+
+
+def run_phase(args) -> dict:
+    """One phase's engine, in this process: its part of the record."""
     k = args.k
     base = dict(
         model=args.model,
@@ -170,24 +296,6 @@ def main() -> None:
         # Every verification step must fit the decode buffers as one row per token.
         max_num_seqs=max(args.batches) * (k + 1),
     )
-    engine = LLMEngine(EngineConfig(**base))
-    target_config = engine.model_config
-    vocab = target_config.vocab_size
-    requests = synthetic_requests(
-        max(args.batches), args.input_len, str(args.output_len), vocab, seed=0,
-        avoid_ids=engine.eos_token_ids,
-    )  # fmt: skip
-    prompts = [r.prompt_token_ids for r in requests]
-    warm = synthetic_requests(2, args.input_len, "8", vocab, seed=1, avoid_ids=engine.eos_token_ids)
-    run(engine, [r.prompt_token_ids for r in warm], 8)
-    engine.executor.enable_step_timing()
-    record: dict = {"args": vars(args), "plain": {}, "verify_a0": {}, "oracle": {}}
-    for b in args.batches:
-        record["plain"][b], _ = measure(engine, prompts[:b], args.output_len, "plain")
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-
     spec = {
         "method": "oracle",
         "num_speculative_tokens": k,
@@ -196,63 +304,65 @@ def main() -> None:
         # The crossover is measured, not assumed: K drafts at every batch size here.
         "num_speculative_tokens_by_batch_size": {max(args.batches): k},
     }
-    engine = LLMEngine(EngineConfig(**base, speculative_config=spec))
-    proposer = engine.executor.runner.proposer
+    batches, suffix = args.batches, ""
+    if args.phase == "spec-sync":  # batch 1 only: the overlap's A/B
+        base["async_scheduling"], batches, suffix = False, [1], "_sync"
+    if args.phase == "eagle3":
+        head = args.eagle3_head
+        if head == "random":  # the target's config without building an engine for it
+            target = find_model_source(args.model, args.load_format).config
+            head = write_random_eagle3_head(tempfile.mkdtemp(), target, args.dtype)
+        spec = {"method": "eagle3", "model": head, "num_speculative_tokens": k}
+    engine = LLMEngine(
+        EngineConfig(**base, speculative_config=None if args.phase == "plain" else spec)
+    )
+    vocab = engine.model_config.vocab_size
+    requests = synthetic_requests(
+        max(args.batches), args.input_len, str(args.output_len), vocab, seed=0,
+        avoid_ids=engine.eos_token_ids,
+    )  # fmt: skip
+    prompts = [r.prompt_token_ids for r in requests]
+    warm = synthetic_requests(2, args.input_len, "8", vocab, seed=1, avoid_ids=engine.eos_token_ids)
     run(engine, [r.prompt_token_ids for r in warm], 8)
     engine.executor.enable_step_timing()
-    for b in args.batches:
+    record: dict = {}
+    if args.phase == "plain":
+        record["plain"] = {b: measure(engine, prompts[:b], args.output_len, "plain")[0]
+                           for b in batches}  # fmt: skip
+        return record
+    if args.phase == "eagle3":
+        record["eagle3"] = {}
+        for b in args.eagle3_batches:
+            report, _ = measure(engine, prompts[:b], args.output_len, "eagle3 (random head)", k)
+            record["eagle3"][b] = report
+        return record
+    proposer = engine.executor.runner.proposer
+    record["verify_a0" + suffix], record["oracle" + suffix] = {}, {}
+    label = "" if not suffix else " sync"
+    for b in batches:
         proposer.references, proposer.acceptance_rate = [], 0.0
-        report, _ = measure(engine, prompts[:b], args.output_len, "verify (a=0)", k)
-        plain = record["plain"][b]
-        report["tpot_vs_plain"] = report["tpot"]["mean_ms"] / plain["tpot"]["mean_ms"]
-        if report["step_gpu_ms"] and plain["step_gpu_ms"]:
-            report["step_gpu_vs_plain"] = report["step_gpu_ms"] / plain["step_gpu_ms"]
-        record["verify_a0"][b] = report
+        report, _ = measure(engine, prompts[:b], args.output_len, f"verify (a=0){label}", k)
+        record["verify_a0" + suffix][b] = report
     proposer.always_propose = False
     proposer.decides_acceptance = True  # oracle_accept_by_draw from here on
-    for b in args.batches:
+    for b in batches:
         lengths = args.lengths if b == 1 else [3.0]
+        if suffix:
+            lengths = [3.0]
         for length in lengths:
             proposer.acceptance_rate = acceptance_rate_for_length(length, k)
-            report, _ = measure(engine, prompts[:b], args.output_len, f"oracle L={length}", k)
+            report, _ = measure(
+                engine, prompts[:b], args.output_len, f"oracle L={length}{label}", k
+            )
             measured = report.get("spec_decode", {}).get("mean_acceptance_length")
             report["target_mean_acceptance_length"] = length
             report["measured_mean_acceptance_length"] = measured
             report["acceptance_rate_per_token"] = proposer.acceptance_rate
-            report["speedup_vs_plain"] = report["output_tok_s"] / record["plain"][b]["output_tok_s"]
             print(f"{'':28s} set L {length}, measured L {measured}")
-            record["oracle"][f"{b}@{length}"] = report
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    if args.eagle3_head:
-        head = args.eagle3_head
-        if head == "random":
-            head = write_random_eagle3_head(tempfile.mkdtemp(), target_config, args.dtype)
-        spec = {"method": "eagle3", "model": head, "num_speculative_tokens": k}
-        engine = LLMEngine(EngineConfig(**base, speculative_config=spec))
-        run(engine, [r.prompt_token_ids for r in warm], 8)
-        engine.executor.enable_step_timing()
-        record["eagle3"] = {}
-        for b in args.eagle3_batches:
-            report, _ = measure(engine, prompts[:b], args.output_len, "eagle3 (random head)", k)
-            verify = record["verify_a0"].get(b)
-            if verify is not None:
-                tokens = report.get("spec_decode", {}).get("mean_acceptance_length") or 1.0
-                step_ms = report["tpot"]["mean_ms"] * tokens
-                report["head_ms_per_step"] = step_ms - verify["tpot"]["mean_ms"]
-                print(f"{'':28s} head cost per step ~{report['head_ms_per_step']:.2f} ms")
-            record["eagle3"][b] = report
-    record["git_rev"] = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    record["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    if torch.cuda.is_available():
-        record["gpu"] = torch.cuda.get_device_name()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1, default=str)
-        print(f"wrote {args.out}")
+            record["oracle" + suffix][f"{b}@{length}"] = report
+    record["syncs_per_submit" + suffix] = syncs_per_submit(engine, prompts[0])
+    print(f"synchronising calls per submit (median): {record['syncs_per_submit' + suffix]}")
+    return record
 
 
 if __name__ == "__main__":

@@ -148,8 +148,11 @@ def _check_pools_empty(llm):
         ("head", {"max_num_batched_tokens": 8}),  # prompts in chunks next to verifications
         ("head", {"num_kv_blocks": 16, "block_size": 4}),  # preemption
         ("head_emb", {}),  # a head with its own embedding
+        # Async scheduling: a step's outputs made while the next one runs.
+        ("head", {"async_scheduling": True, "max_num_batched_tokens": 8}),
+        ("head", {"async_scheduling": True, "num_kv_blocks": 16, "block_size": 4}),
     ],
-    ids=["plain", "chunked", "preempt", "own-embedding"],
+    ids=["plain", "chunked", "preempt", "own-embedding", "async-chunked", "async-preempt"],
 )
 def test_eagle3_greedy_is_exact(paths, reference, head, engine_args):
     prompts, want = reference

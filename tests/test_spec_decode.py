@@ -4,7 +4,8 @@ Exactness: greedy tokens with drafts equal plain decoding (fp32 CPU) on a tiny r
 the real SmolLM2, with the n-gram, draft-model and oracle proposers (the oracle gets a known mix
 of right and wrong drafts, so both acceptance and rejection are exercised in every case), alone
 and batched with requests that get no drafts, under chunked prefill, preemption and prefix
-caching, with async scheduling asked for; the KV pool is empty after every run. Sampling: the
+caching, with and without async scheduling (with it, a step's outputs are made while the next
+step runs, checked to happen); the KV pool is empty after every run. Sampling: the
 rejection sampler's output follows the target distribution (chi-square over many draws) and the
 same statistic flags a sampler that is biased on purpose.
 """
@@ -254,6 +255,19 @@ def _oracle(prompts, outputs, rate=0.6):
             "oracle_token_ids": refs}  # fmt: skip
 
 
+def _check_overlap(llm, overlapped: bool) -> None:
+    """Under async scheduling a speculative step's outputs are made while the next step runs:
+    the first call launches the prompt's step and returns nothing, the second returns its token
+    (synchronous: the first call does). Leaves the engine idle."""
+    engine = llm.engine
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, temperature=0), request_id="o")
+    first = engine.step()
+    assert (first == []) == overlapped
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.finished_output("o")
+
+
 def _check(llm, prompts, want, params=GREEDY):
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == want
@@ -269,14 +283,17 @@ def _check(llm, prompts, want, params=GREEDY):
         {"max_num_batched_tokens": 8},  # chunked prefill next to verification steps
         {"num_kv_blocks": 16, "block_size": 4},  # preemption
         {"async_scheduling": True},
+        {"async_scheduling": True, "max_num_batched_tokens": 8},
+        {"async_scheduling": True, "num_kv_blocks": 16, "block_size": 4},
     ],
-    ids=["plain", "chunked", "preempt", "async"],
+    ids=["plain", "chunked", "preempt", "async", "async-chunked", "async-preempt"],
 )
 def test_oracle_drafts_are_exact(tiny_paths, tiny_reference, engine_args):
     prompts, want = tiny_reference
     # Only the first two prompts have references: the others run without drafts in the batch.
     spec = _oracle(prompts[:2], want[:2])
     llm = LLM(tiny_paths[0], speculative_config=spec, **{**ENGINE, **engine_args})
+    _check_overlap(llm, engine_args.get("async_scheduling", False))
     outs = _check(llm, prompts, want)
     drafted = [o.outputs[0].num_draft_tokens for o in outs]
     accepted = [o.outputs[0].num_accepted_tokens for o in outs]
@@ -305,11 +322,15 @@ def test_verification_steps_replay_decode_graphs(tiny_paths, tiny_reference):
     assert any(row[2] > row[1] for row in graph_rows)  # a graph step of more tokens than requests
 
 
-def test_ngram_and_draft_model_are_exact_with_prefix_caching(tiny_paths, tiny_reference):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_ngram_and_draft_model_are_exact_with_prefix_caching(
+    tiny_paths, tiny_reference, async_scheduling
+):
     prompts, want = tiny_reference
     ngram = LLM(
         tiny_paths[0],
         speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        async_scheduling=async_scheduling,
         **ENGINE,
     )
     _check(ngram, prompts, want)
@@ -324,8 +345,10 @@ def test_ngram_and_draft_model_are_exact_with_prefix_caching(tiny_paths, tiny_re
             "model": tiny_paths[1],
         },
         max_num_batched_tokens=16,  # the draft catches up on 20-30-token prompts in chunks
+        async_scheduling=async_scheduling,
         **ENGINE,
     )
+    _check_overlap(draft, async_scheduling)
     outs = _check(draft, prompts, want)
     assert all(o.outputs[0].num_draft_tokens > 0 for o in outs)
     _check_prometheus(draft.engine, outs)
@@ -389,11 +412,21 @@ def test_smollm2_ngram_and_truncated_draft_are_exact(smollm2_llm, smollm2_path):
     params = SamplingParams(max_tokens=12, temperature=0)
     want = [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, params)]
     base = dict(kv_cache_memory_gb=0.1, max_num_seqs=4, num_threads=1)
+    # n-gram under async scheduling (a step's outputs made while the next one runs); a stop
+    # string then ends its request one step after the step that produced it: same text.
     ngram = LLM(
-        smollm2_path, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **base
+        smollm2_path,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+        async_scheduling=True,
+        **base,
     )
     outs = _check(ngram, prompts, want, params)
     assert outs[0].outputs[0].num_accepted_tokens > 0
+    stop = SamplingParams(max_tokens=24, temperature=0, stop=["plums, apples, pears"])
+    want_stop = smollm2_llm.generate(prompts[:1], stop)[0].outputs[0]
+    got_stop = _check(ngram, prompts[:1], [want_stop.token_ids], stop)[0].outputs[0]
+    assert want_stop.finish_reason == "stop" and want_stop.text == got_stop.text
+    assert got_stop.finish_reason == "stop" and got_stop.num_accepted_tokens > 0
     del ngram
     # A layer-truncated SmolLM2 as its own draft: few drafts accepted, tokens unchanged.
     spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": smollm2_path,

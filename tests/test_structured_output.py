@@ -300,9 +300,11 @@ def test_threaded_fill_equals_xgrammar_serial(tiny_llm):
     assert batch.fill_bitmask(["plain", ended], torch.device("cpu")) is None
 
 
-def test_grammar_rows_beside_speculating_rows(tiny_path, tiny_llm):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_grammar_rows_beside_speculating_rows(tiny_path, tiny_llm, async_scheduling):
     """With n-gram drafts on, grammar requests get none: their outputs are those of the plain
-    engine and validate, and the speculating plain rows beside them are unchanged."""
+    engine and validate, and the speculating plain rows beside them are unchanged (also with
+    async scheduling: a step's outputs made while the next step runs)."""
     from kiln import LLM
 
     spec_llm = LLM(
@@ -311,6 +313,7 @@ def test_grammar_rows_beside_speculating_rows(tiny_path, tiny_llm):
         kv_cache_memory_gb=0.05,
         max_model_len=512,
         speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        async_scheduling=async_scheduling,
     )
     prompts = ["ab ab ab ab ab ab", "Person:", "cd cd cd cd cd", "Row:"]
     params = [

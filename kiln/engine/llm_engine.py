@@ -12,7 +12,7 @@ from kiln.config import EngineConfig
 from kiln.engine.beam_search import BeamSearchManager
 from kiln.engine.output_processor import OutputProcessor
 from kiln.engine.request import Request, RequestStatus
-from kiln.engine.scheduler import Scheduler
+from kiln.engine.scheduler import EngineCoreOutput, Scheduler
 from kiln.errors import InvalidRequestError
 from kiln.executor import create_executor
 from kiln.interfaces import ModelRunnerOutput, SchedulerOutput
@@ -58,17 +58,18 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith("cuda")
-        if spec is not None and self.async_scheduling:
-            # A step's drafts come from its own sampled tokens, and how many it accepts decides
-            # where the next step starts: the next step cannot be scheduled before this one ends.
-            logger.info("speculative decoding: async scheduling off (steps wait for their drafts)")
-            self.async_scheduling = False
+        # Speculative decoding: a step's drafts come from its own sampled tokens, and how many it
+        # accepts decides where the next step starts, so the next step is scheduled only once
+        # this one's tokens are back. What async scheduling overlaps instead is everything after
+        # that: the previous step's outputs (detokenizing, stop strings, the caller's loop) are
+        # made while the next step runs (_step_overlapping_outputs).
+        self._overlap_outputs = spec is not None and self.async_scheduling
         # Steps submitted before the oldest is collected: two under async scheduling (the next
         # is scheduled and launched while one runs); under pipeline parallelism one per stage, in
         # micro-batches of different requests (the scheduler then schedules no request whose
         # token is in flight), so stage 0 runs step n+1 while the last stage runs step n.
         self.max_steps_in_flight = 1
-        if self.async_scheduling:
+        if self.async_scheduling and not self._overlap_outputs:
             self.max_steps_in_flight = max(2, config.pipeline_parallel_size)
         if self.async_scheduling and config.pipeline_parallel_size > 1:
             self.scheduler.num_micro_batches = config.pipeline_parallel_size
@@ -224,6 +225,8 @@ class LLMEngine:
         A delta's completions carry only this step's new text, tokens and logprobs; the full
         output of a finished request is `finished_output(req_id)`.
         """
+        if self._overlap_outputs:
+            return self._step_overlapping_outputs()
         sched = self.scheduler.schedule()
         if not self.async_scheduling:
             return self._apply(sched, self.executor.execute(sched))
@@ -242,6 +245,28 @@ class LLMEngine:
         self._drain_if_idle()
         return deltas
 
+    def _step_overlapping_outputs(self) -> list[RequestOutput]:
+        """Async scheduling with speculative decoding: wait for the step in flight and apply its
+        tokens to the scheduler (accepted counts, next drafts), schedule and launch the next
+        step, and only then turn the tokens into outputs, while that step runs. The runner sees
+        the same steps in the same order as synchronous stepping (one in flight, each scheduled
+        from all earlier tokens), so the tokens are the same; a request ended by a stop string
+        (found by the output processor) is then in one more step, whose tokens update() drops,
+        as under plain async scheduling. A step's deltas come out of the next call."""
+        core_outputs: list[EngineCoreOutput] | None = []
+        deltas: list[RequestOutput] = []
+        if self._in_flight:
+            core_outputs = self.scheduler.update(self._in_flight.popleft(), self.executor.collect())
+            if self.beam_search.active:  # beams fork on their step's outputs: before scheduling
+                deltas, core_outputs = self._process(core_outputs), None
+        sched = self.scheduler.schedule()
+        if self.executor.submit(sched):
+            self._in_flight.append(sched)
+        if core_outputs is not None:
+            deltas = self._process(core_outputs)
+        self._drain_if_idle()
+        return deltas
+
     def _drain_if_idle(self) -> None:
         """No request left (finished early by a stop string, or aborted): what is still in flight
         only computes dropped tokens. Collect it now, so an idle engine holds no step."""
@@ -251,7 +276,11 @@ class LLMEngine:
     def _apply(
         self, sched: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
-        core_outputs = self.scheduler.update(sched, runner_output)
+        return self._process(self.scheduler.update(sched, runner_output))
+
+    def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        """A step's outputs, applied by the scheduler, made into deltas; stop strings end their
+        requests here."""
         finished_searches: list[RequestOutput] = []
         if self.beam_search.active:  # beams' one-token steps stay inside
             core_outputs, finished_searches = self.beam_search.consume(

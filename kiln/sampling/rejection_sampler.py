@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.sampling.host_copy import to_device
 from kiln.sampling.sampler import random_sample
 
 
@@ -37,7 +38,7 @@ def rejection_sample(
     """Per row: whether its draft is accepted, and the token to emit if it is not (or, for a bonus
     row, the token it emits). `emitted_tokens` turns these into each request's tokens."""
     device = is_greedy.device
-    draft = torch.tensor(draft_token_ids, dtype=torch.long, device=device)
+    draft = to_device(draft_token_ids, torch.long, device)  # pinned: no wait for the stream
     has_draft = draft >= 0
     safe_draft = draft.clamp(min=0)[:, None]
     accepted = recovered = None

@@ -22,6 +22,7 @@ import torch
 from kiln.attention.backend import get_attention_backend
 from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
 from kiln.models.llama import LlamaForCausalLM
+from kiln.sampling.host_copy import to_device
 from kiln.spec_decode.kv_pool import DraftKVPool
 from kiln.spec_decode.proposer import DraftRequest, Proposer
 
@@ -134,10 +135,10 @@ class DraftModelProposer(Proposer):
         hidden = self.model(
             self.ops,
             self.backend,
-            torch.tensor(ids, dtype=torch.int64, device=dev),
-            torch.tensor(pos, dtype=torch.int64, device=dev),
+            to_device(ids, torch.int64, dev),
+            to_device(pos, torch.int64, dev),
             self.pool.kv_caches,
             metadata,
         )
-        last = torch.tensor([e - 1 for e in accumulate(query_lens)], dtype=torch.int64, device=dev)
+        last = to_device([e - 1 for e in accumulate(query_lens)], torch.int64, dev)
         return self.ops.argmax(self.model.compute_logits(hidden[last])).tolist()

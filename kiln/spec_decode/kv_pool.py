@@ -14,6 +14,7 @@ import torch
 
 from kiln.attention.backend import AttentionMetadata
 from kiln.models.config import ModelConfig
+from kiln.sampling.host_copy import to_device
 
 
 class DraftKVPool:
@@ -65,17 +66,20 @@ class DraftKVPool:
         up to its last."""
         bs, dev = self.block_size, self.device
         slots, qsl, seq_lens = [], [0], []
-        table = torch.zeros(len(blocks), max(len(b) for b in blocks), dtype=torch.int32)
-        for row, (seq_blocks, first, n) in enumerate(zip(blocks, first_slots, query_lens)):
-            table[row, : len(seq_blocks)] = torch.tensor(seq_blocks, dtype=torch.int32)
+        width = max(len(b) for b in blocks)
+        table = []
+        for seq_blocks, first, n in zip(blocks, first_slots, query_lens):
+            table += [*seq_blocks, *[0] * (width - len(seq_blocks))]
             slots += [seq_blocks[s // bs] * bs + s % bs for s in range(first, first + n)]
             qsl.append(qsl[-1] + n)
             seq_lens.append(first + n)
+        # Pinned copies (to_device): the host goes on launching the draft's forward instead of
+        # waiting for the stream at every pageable copy.
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=table.to(dev),
+            slot_mapping=to_device(slots, torch.int64, dev),
+            query_start_loc=to_device(qsl, torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
+            block_tables=to_device(table, torch.int32, dev).view(len(blocks), width),
             num_decodes=num_decodes,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),

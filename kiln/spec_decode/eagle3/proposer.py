@@ -30,6 +30,7 @@ import torch
 
 from kiln.attention.backend import get_attention_backend
 from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
+from kiln.sampling.host_copy import to_device
 from kiln.spec_decode.eagle3.head import Eagle3Head
 from kiln.spec_decode.kv_pool import DraftKVPool
 from kiln.spec_decode.proposer import DraftRequest, Proposer
@@ -212,13 +213,13 @@ class Eagle3Proposer(Proposer):
             num_decodes,
         )
         if input_ids is None:
-            input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+            input_ids = to_device(ids, torch.int64, dev)  # pinned: no wait for the stream
         return self.head(
             self.ops,
             self.backend,
             self.embedding,
             input_ids,
-            torch.tensor(pos, dtype=torch.int64, device=dev),
+            to_device(pos, torch.int64, dev),
             hidden,
             self.pool.kv_caches[0],  # the midlayer's
             metadata,
