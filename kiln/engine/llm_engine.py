@@ -15,7 +15,7 @@ from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import EngineCoreOutput, Scheduler
 from kiln.errors import InvalidRequestError
 from kiln.executor import create_executor
-from kiln.interfaces import ModelRunnerOutput, SchedulerOutput
+from kiln.interfaces import BeamCandidates, ModelRunnerOutput, SchedulerOutput
 from kiln.kv_cache.manager import KVCacheManager
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
@@ -255,15 +255,18 @@ class LLMEngine:
         as under plain async scheduling. A step's deltas come out of the next call."""
         core_outputs: list[EngineCoreOutput] | None = []
         deltas: list[RequestOutput] = []
+        beam_candidates: dict[str, BeamCandidates] = {}
         if self._in_flight:
-            core_outputs = self.scheduler.update(self._in_flight.popleft(), self.executor.collect())
+            runner_output = self.executor.collect()
+            core_outputs = self.scheduler.update(self._in_flight.popleft(), runner_output)
+            beam_candidates = runner_output.beam_candidates
             if self.beam_search.active:  # beams fork on their step's outputs: before scheduling
-                deltas, core_outputs = self._process(core_outputs), None
+                deltas, core_outputs = self._process(core_outputs, beam_candidates), None
         sched = self.scheduler.schedule()
         if self.executor.submit(sched):
             self._in_flight.append(sched)
         if core_outputs is not None:
-            deltas = self._process(core_outputs)
+            deltas = self._process(core_outputs, beam_candidates)
         self._drain_if_idle()
         return deltas
 
@@ -276,15 +279,20 @@ class LLMEngine:
     def _apply(
         self, sched: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
-        return self._process(self.scheduler.update(sched, runner_output))
+        core_outputs = self.scheduler.update(sched, runner_output)
+        return self._process(core_outputs, runner_output.beam_candidates)
 
-    def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+    def _process(
+        self,
+        core_outputs: list[EngineCoreOutput],
+        beam_candidates: dict[str, BeamCandidates],
+    ) -> list[RequestOutput]:
         """A step's outputs, applied by the scheduler, made into deltas; stop strings end their
         requests here."""
         finished_searches: list[RequestOutput] = []
         if self.beam_search.active:  # beams' one-token steps stay inside
             core_outputs, finished_searches = self.beam_search.consume(
-                core_outputs, runner_output.beam_candidates
+                core_outputs, beam_candidates
             )
         deltas, stopped = self.output_processor.process(core_outputs)
         if stopped:
