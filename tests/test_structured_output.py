@@ -281,12 +281,14 @@ def test_threaded_fill_equals_xgrammar_serial(tiny_llm):
         batch.add(f"r{i}", spec, tok.encode(prefix, add_special_tokens=False))
     ended = "r5"
     batch.add(ended, specs[2], tok.encode("red", add_special_tokens=False))
+    # Queued, applied by the worker before it fills: the row ends there and is all allowed.
     batch.accept_tokens([ended], [tok.eos_token_id])
-    assert batch.matchers[ended].is_terminated()
+    assert not batch.matchers[ended].is_terminated()
     rows = [*req_ids[:2], "plain", *req_ids[2:], ended]
     assert batch.has_grammar(rows) and not batch.has_grammar(["plain"])
 
     got = batch.finish_fill(batch.start_fill(rows, torch.device("cpu")), torch.device("cpu"))
+    assert batch.matchers[ended].is_terminated() and batch.rows[ended].ended
     want = xgr.allocate_token_bitmask(len(rows), compiler.vocab_size)
     for row, req_id in enumerate(rows):
         matcher = batch.matchers.get(req_id)
