@@ -98,9 +98,7 @@ class GrammarBatch:
         self.stats = GrammarStats()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kiln-grammar")
         self._filler = xgr.BatchGrammarMatcher(self.fill_threads)  # 1: fills in the caller
-        # xgrammar's batched accept without its wrapper, which reads the result array back one
-        # FFI call an element (each a GIL round trip): the worker does not read it.
-        self._batch_accept = xgr.matcher._core.BatchGrammarMatcher.batch_accept_token
+        self._batch_accept = _batch_accept_function(xgr)
         # The matchers' stop tokens (the model's EOS ids): every matcher here has the same.
         self._stop_token_ids = frozenset(compiler.info.stop_token_ids)
         self._queued: list[tuple[_Row, int]] = []  # tokens the next fill applies first
@@ -128,7 +126,7 @@ class GrammarBatch:
 
     def accept_tokens(self, req_ids: list[str], token_ids: list[int]) -> None:
         """Queue the tokens sampled for a step's rows: the next fill's worker applies them
-        before it fills (or apply_queued, for a caller that reads the matchers)."""
+        before it fills."""
         t = time.perf_counter()
         rows = self.rows
         queued = self._queued
@@ -137,11 +135,6 @@ class GrammarBatch:
             if row is not None:
                 queued.append((row, token_id))
         self.stats.start_s += time.perf_counter() - t
-
-    def apply_queued(self) -> None:
-        """Apply the queued tokens now, on this thread (no fill may be in flight)."""
-        queued, self._queued = self._queued, []
-        self._accept(queued)
 
     def has_grammar(self, req_ids: list[str]) -> bool:
         rows = self.rows
@@ -244,9 +237,19 @@ class GrammarBatch:
                 (later if id(row) in seen else batch).append(item)
                 seen.add(id(row))
             if batch:
-                handles = [row.matcher._handle for row, _ in batch]
-                self._batch_accept(handles, [token_id for _, token_id in batch], False)
+                self._batch_accept([row.matcher for row, _ in batch], [t for _, t in batch])
                 for row, token_id in batch:
                     if token_id in row.stop_token_ids:  # the one way a grammar ends
                         row.ended = row.matcher.is_terminated()
             queued = later
+
+
+def _batch_accept_function(xgr: Any) -> Any:
+    """(matchers, tokens) -> None: xgrammar's batched accept. Its public wrapper reads the
+    result array back one FFI call an element (each a GIL round trip), and nothing here reads
+    the result, so call the binding beneath it (xgrammar 0.2.9's layout) when it is there."""
+    core = getattr(getattr(xgr, "matcher", None), "_core", None)
+    raw = getattr(getattr(core, "BatchGrammarMatcher", None), "batch_accept_token", None)
+    if raw is None:
+        return xgr.BatchGrammarMatcher.batch_accept_token
+    return lambda matchers, tokens: raw([m._handle for m in matchers], tokens, False)
