@@ -39,7 +39,7 @@ MAX_FILL_THREADS = 8  # 64 rows of ~0.01-0.4 ms each: more threads mostly start 
 # A thread waiting for the GIL gets it after at most this long (Python's default is 5 ms): the
 # worker takes it three times a step (to wake, after its accept, after its fill) while the
 # runner's thread runs Python. Only a thread that waits for the GIL forces a switch, so a
-# short interval costs nothing when nobody waits.
+# short interval costs little beyond those waits.
 GIL_SWITCH_INTERVAL_S = 0.0001
 
 
