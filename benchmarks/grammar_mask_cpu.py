@@ -5,9 +5,9 @@ allowed tokens, so both ways fill the same masks (checked every step).
 
 - old: accept each row's token (one call a row), allocate the mask, fill it with xgrammar's
   BatchGrammarMatcher("auto") on the runner's thread, unpack it with 32 shifts a word and mask.
-- new: GrammarBatch (one batched accept, a worker filling over `--fill-threads` of xgrammar's
-  threads, the runner's thread free until it needs the mask) and forbidden_by_bitmask's byte
-  lookup.
+- new: GrammarBatch (the runner's thread queues the tokens; a worker applies them in one
+  batched accept and fills over `--fill-threads` of xgrammar's threads, the runner's thread
+  free until it needs the mask) and forbidden_by_bitmask's byte lookup.
 
 Per step it reports the runner's thread's CPU and wall time on mask work (what the step loop
 waits for; `--engine-work-ms` of busy Python between starting and needing the mask stands for

@@ -260,8 +260,8 @@ for s in "$@"; do
             --output-len 128 --rounds 3 --out "$OUT/structured_output$SFX.json"
         ;;
     so-mask-host)  # issue 18: the grammar mask's host cost at 64 rows on this host's CPUs, old
-        # way vs new, over 1/4/8 fill threads (no GPU; the thread scaling so-json depends on)
-        for t in 1 4 8; do
+        # way vs new, over 1/4/8/12 fill threads (no GPU; the thread scaling so-json depends on)
+        for t in 1 4 8 12; do
             stage so-mask-host-t$t 120 python3 benchmarks/grammar_mask_cpu.py --rows 64 \
                 --steps 24 --fill-threads $t --engine-work-ms 3 --out "$OUT/grammar_mask_t$t$SFX.json"
         done

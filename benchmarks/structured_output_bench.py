@@ -98,10 +98,12 @@ def run_round(engine, prompts, params, label: str) -> dict:
     }
     fills = after["num_fills"] - before["num_fills"]
     if fills:
-        # Host ms per filled mask: the worker's wall time filling (overlapped with the forward
-        # and the engine loop), the runner's thread blocked on a mask it needed (what the step
-        # loop actually waits for) and advancing the matchers / starting the fill.
-        for name in ("fill_s", "wait_s", "accept_s"):
+        # Host ms per filled mask (GrammarStats): the runner's thread queuing tokens and
+        # starting the fill (start), the worker waiting to run (start_delay: its wake-up and
+        # the GIL), applying the step's tokens (accept) and filling (fill), the runner's own
+        # work between starting and needing the mask (window) and the runner's thread blocked
+        # on it (wait: what the step loop actually waits for).
+        for name in ("start_s", "start_delay_s", "accept_s", "fill_s", "window_s", "wait_s"):
             key = "mask_" + name.removesuffix("_s") + "_ms_per_step"
             record[key] = round(1000 * (after[name] - before[name]) / fills, 3)
         record["mask_rows_per_step"] = round(

@@ -281,12 +281,14 @@ def test_threaded_fill_equals_xgrammar_serial(tiny_llm):
         batch.add(f"r{i}", spec, tok.encode(prefix, add_special_tokens=False))
     ended = "r5"
     batch.add(ended, specs[2], tok.encode("red", add_special_tokens=False))
+    # Queued, applied by the worker before it fills: the row ends there and is all allowed.
     batch.accept_tokens([ended], [tok.eos_token_id])
-    assert batch.matchers[ended].is_terminated()
+    assert not batch.matchers[ended].is_terminated()
     rows = [*req_ids[:2], "plain", *req_ids[2:], ended]
     assert batch.has_grammar(rows) and not batch.has_grammar(["plain"])
 
     got = batch.finish_fill(batch.start_fill(rows, torch.device("cpu")), torch.device("cpu"))
+    assert batch.matchers[ended].is_terminated() and batch.rows[ended].ended
     want = xgr.allocate_token_bitmask(len(rows), compiler.vocab_size)
     for row, req_id in enumerate(rows):
         matcher = batch.matchers.get(req_id)
@@ -298,6 +300,62 @@ def test_threaded_fill_equals_xgrammar_serial(tiny_llm):
     assert batch.stats.num_rows_filled == 5
     # Every grammar ended: nothing to apply.
     assert batch.fill_bitmask(["plain", ended], torch.device("cpu")) is None
+
+
+def test_the_engine_thread_makes_no_xgrammar_call_a_step(tiny_llm, monkeypatch):
+    """Every xgrammar call releases the GIL and takes it back (tvm-ffi), so the runner's thread
+    leaves them to the worker: per step it queues tokens and starts the fill. Counted on the
+    engine's thread over a run of grammar rows: matchers made and replayed when a request is
+    added, nothing per step (it made two is_terminated a row a step, and a batched accept whose
+    wrapper reads its result back one call an element). Ended grammars are still known: a
+    grammar that ends early leaves its row free and the others constrained."""
+    import threading
+
+    import xgrammar as xgr
+
+    main = threading.get_ident()
+    calls: dict[str, int] = {}
+    for cls, name in (
+        (xgr.GrammarMatcher, "is_terminated"),
+        (xgr.GrammarMatcher, "accept_token"),
+        (xgr.GrammarMatcher, "fill_next_token_bitmask"),
+        (xgr.BatchGrammarMatcher, "batch_fill_next_token_bitmask"),
+    ):
+        original = getattr(cls, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            if threading.get_ident() == main:
+                calls[_name] = calls.get(_name, 0) + 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(cls, name, counted)
+    accept = xgr.BatchGrammarMatcher.batch_accept_token
+    monkeypatch.setattr(
+        xgr.BatchGrammarMatcher,
+        "batch_accept_token",
+        staticmethod(lambda *a, **k: calls.__setitem__("batch_accept", 1) or accept(*a, **k)),
+    )
+    prompts = [f"Q{i}:" for i in range(4)]
+    params = [
+        _guided(spec={"choice": ["yes", "no"]}, temperature=0, max_tokens=12, ignore_eos=True),
+        *(_guided(spec={"json": PERSON}, temperature=1.0, seed=i, max_tokens=40) for i in range(3)),
+    ]
+    outs = tiny_llm.generate(prompts, params)
+    # A new matcher per request (the grammar cache), each asked once whether its replayed
+    # output ended it: nothing that grows with the steps.
+    assert calls == {"is_terminated": 4}, calls
+    # The choice ended after its first tokens and EOS; with EOS ignored the row ran on free.
+    choice = outs[0].outputs[0]
+    eos = tiny_llm.get_tokenizer().eos_token_id
+    assert len(choice.token_ids) == 12 and eos in choice.token_ids, choice.token_ids
+    assert choice.text.startswith(("yes", "no"))
+    after = choice.token_ids[choice.token_ids.index(eos) + 1 :]
+    assert after and any(t != eos for t in after), choice.token_ids  # not held to EOS
+    for out in outs[1:]:
+        c = out.outputs[0]
+        assert c.text.startswith('{"name": "'), c.text
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), PERSON)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

@@ -204,13 +204,17 @@ class ModelRunner:
         """Launch a step; False if it had no tokens (then there is nothing to collect)."""
         timing = self.step_timing
         t0 = time.perf_counter()
-        # The previous step's sampler first: its matchers may be removed below, and this step's
-        # inputs may be its tokens.
-        self._launch_deferred_sample()
+        # A previous step whose sampler waits for its grammar mask is launched as late as it
+        # can be, just before this step's forward (whose inputs may be its tokens): the host
+        # work up to there (states, block copies, packing the batch) runs while its mask is
+        # filled. Its rows are marked pending already (so the packing reads their tokens from
+        # its ids on the device), and the fill holds its own matchers, so removing finished
+        # requests' matchers below does not touch it.
         self._update_states(sched)
         if sched.block_copies:  # before any step's forward reads or writes these blocks
             self._copy_blocks(sched.block_copies)
         if sched.is_empty:
+            self._launch_deferred_sample()
             return False
         # Decodes (one token) first: the attention backend takes them as one batched call.
         scheduled = sched.num_scheduled_tokens
@@ -244,6 +248,7 @@ class ModelRunner:
             max_seq_len = max(s.num_computed_tokens + n for s, n in zip(states, num_scheduled))
             graph_key = self.graphs.lookup(num_rows, max_seq_len)
         batch = self.inputs.prepare(states, num_scheduled, graph_key and graph_key[0], flatten)
+        self._launch_deferred_sample()
         t1 = time.perf_counter()
         gpu_events = None
         if timing is not None and self.device.type == "cuda":
@@ -298,6 +303,7 @@ class ModelRunner:
                 # submit or collect needs it.
                 step.deferred = (logits, gpu_events)
                 self._deferred = step
+                self._mark_pending(step)
                 self._start_deferred_fill()
                 step.times = (t0, t1, t2, time.perf_counter())
                 return True
@@ -305,6 +311,7 @@ class ModelRunner:
                 result = self.sampler(logits, self.sampling.build(step.states))
             else:  # every sampling row verified drafts
                 result = SamplerOutput(logits.new_zeros(0, dtype=torch.long), None)
+        self._mark_pending(step)
         self._sampled(step, result, gpu_events)
         step.times = (t0, t1, t2, time.perf_counter())
         return True
@@ -312,19 +319,24 @@ class ModelRunner:
     def _sampled(
         self, step: _InFlightStep, result: SamplerOutput, gpu_events: tuple | None
     ) -> None:
-        """A step's sampler is launched: start its copy to the host, mark its rows pending."""
+        """A step's sampler is launched: start its copy to the host (its rows are marked
+        pending already)."""
         if gpu_events is not None:
             gpu_events[1].record()
         step.gpu_events = gpu_events
         step.sampled = result.sampled_token_ids
         step.arrival, self._sampled_arrival = self._sampled_arrival, None
         self._copy_to_host(step, result.logprobs)
+        self._last_sampled, self._last_arrival = step.sampled, step.arrival
+
+    def _mark_pending(self, step: _InFlightStep) -> None:
+        """A step's rows will have a token in its sampled ids (launched now, or when its
+        grammar mask is ready): the next step reads them from there."""
         self._num_sampling_steps += 1
         for index, state in enumerate(step.states):
             state.num_pending += 1
             state.pending_index = index
             state.pending_step = self._num_sampling_steps
-        self._last_sampled, self._last_arrival = step.sampled, step.arrival
 
     def _start_deferred_fill(self) -> None:
         """Start the deferred step's mask once every older step's tokens are in the matchers."""
@@ -356,8 +368,8 @@ class ModelRunner:
         self._deferred = None
         logits, gpu_events = step.deferred
         pending, step.deferred, step.pending_mask = step.pending_mask, None, None
+        metadata = self.sampling.build(step.states)  # while the worker may still be filling
         bitmask = self._grammars.finish_fill(pending, self.device)
-        metadata = self.sampling.build(step.states)
         if bitmask is not None:
             metadata = replace(metadata, token_bitmask=bitmask)
         self._sampled(step, self.sampler(logits, metadata), gpu_events)

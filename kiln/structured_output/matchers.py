@@ -1,12 +1,20 @@
-"""Per-request grammar matchers and each step's allowed-token bitmask, filled off the main thread.
+"""Per-request grammar matchers and each step's allowed-token bitmask, advanced and filled off
+the runner's thread.
 
-The runner's thread owns the matchers: it adds, removes and advances them (accept_tokens), and
-starts a step's fill (start_fill) once every older step's tokens are in them. A worker thread
-then fills the mask while the runner's thread goes on with the step loop (collecting, scheduling,
-preparing the next step); finish_fill waits for it just before the sampler needs it. Between the
-two calls the runner's thread leaves the matchers alone. xgrammar releases the GIL while it
-fills, and splits the rows over its own C++ threads (`fill_threads`), which never need the GIL:
-the worker takes it once to start and once to hand the result back.
+The runner's thread owns the table of matchers: it adds and removes them, queues each step's
+sampled tokens (accept_tokens) and starts a step's fill (start_fill) once every older step's
+tokens are queued. A worker thread then applies the queued tokens and fills the mask while the
+runner's thread goes on with the step loop (collecting, scheduling, preparing the next step);
+finish_fill waits for it just before the sampler needs it. Between the two calls the runner's
+thread leaves the matchers alone.
+
+Why the worker makes exactly two calls into xgrammar a step: each call releases the GIL (tvm-ffi
+does, by default) and must take it back when it returns, and while the runner's thread runs
+Python that takes up to the switch interval. So the worker never calls xgrammar per row (no
+is_terminated, no per-element read of a result array, which is an FFI call an element): it
+makes one batched accept and one batched fill (over `fill_threads` of xgrammar's C++ threads,
+which never need the GIL). Which grammars have ended is tracked here, not asked: a matcher
+terminates only by accepting a stop token.
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ logger = logging.getLogger("kiln")
 
 MAX_FILL_THREADS = 8  # 64 rows of ~0.01-0.4 ms each: more threads mostly start and join
 # A thread waiting for the GIL gets it after at most this long (Python's default is 5 ms): the
-# worker must start filling while the runner's thread runs Python, not once it blocks.
-GIL_SWITCH_INTERVAL_S = 0.0005
+# worker takes it three times a step (to wake, after its accept, after its fill) while the
+# runner's thread runs Python. Only a thread that waits for the GIL forces a switch, so a
+# short interval costs little beyond those waits.
+GIL_SWITCH_INTERVAL_S = 0.0001
 
 
 def default_fill_threads() -> int:
@@ -44,13 +54,16 @@ def default_fill_threads() -> int:
 
 @dataclass
 class GrammarStats:
-    """Host seconds spent on masks, summed over steps (benchmarks read them)."""
+    """Host seconds spent on masks, summed over fills (benchmarks read them)."""
 
     num_fills: int = 0
     num_rows_filled: int = 0
-    fill_s: float = 0.0  # the worker's wall time filling
+    start_s: float = 0.0  # the runner's thread queuing tokens and starting fills
+    start_delay_s: float = 0.0  # start_fill until the worker runs (its wake-up and the GIL)
+    accept_s: float = 0.0  # the worker applying the step's tokens (one batched call)
+    fill_s: float = 0.0  # the worker filling the mask (one batched call)
+    window_s: float = 0.0  # start_fill until finish_fill is called: what the work hides under
     wait_s: float = 0.0  # the runner's thread blocked on a mask it needed: the critical path
-    accept_s: float = 0.0  # the runner's thread advancing matchers and starting fills
 
 
 @dataclass(eq=False)
@@ -59,6 +72,16 @@ class PendingBitmask:
 
     host: torch.Tensor
     done: Future  # -> bool: whether any row was filled (False: every grammar had ended)
+    started: float = 0.0  # perf_counter at start_fill
+
+
+@dataclass(eq=False)
+class _Row:
+    """A request's matcher and whether its grammar has ended (it accepted a stop token)."""
+
+    matcher: Any
+    stop_token_ids: frozenset[int]
+    ended: bool = False
 
 
 class GrammarBatch:
@@ -70,15 +93,24 @@ class GrammarBatch:
 
         self._xgr = xgr
         self.compiler = compiler
-        self.matchers: dict[str, Any] = {}
+        self.rows: dict[str, _Row] = {}
         self.fill_threads = fill_threads or default_fill_threads()
         self.stats = GrammarStats()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kiln-grammar")
         self._filler = xgr.BatchGrammarMatcher(self.fill_threads)  # 1: fills in the caller
+        self._batch_accept = _batch_accept_function(xgr)
+        # The matchers' stop tokens (the model's EOS ids): every matcher here has the same.
+        self._stop_token_ids = frozenset(compiler.info.stop_token_ids)
+        self._queued: list[tuple[_Row, int]] = []  # tokens the next fill applies first
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._slot = 0
         if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+
+    @property
+    def matchers(self) -> dict[str, Any]:
+        """Request id -> its xgrammar matcher (tokens queued since the last fill not yet in)."""
+        return {req_id: row.matcher for req_id, row in self.rows.items()}
 
     # ---- the runner's thread --------------------------------------------------------------
 
@@ -87,58 +119,58 @@ class GrammarBatch:
         for token_id in output_token_ids:
             if not matcher.accept_token(token_id):
                 break
-        self.matchers[req_id] = matcher
+        self.rows[req_id] = _Row(matcher, self._stop_token_ids, matcher.is_terminated())
 
     def remove(self, req_id: str) -> None:
-        self.matchers.pop(req_id, None)
+        self.rows.pop(req_id, None)
 
     def accept_tokens(self, req_ids: list[str], token_ids: list[int]) -> None:
-        """Advance the matchers of a step's rows by the tokens sampled for them."""
+        """Queue the tokens sampled for a step's rows: the next fill's worker applies them
+        before it fills."""
         t = time.perf_counter()
-        live, tokens, names = [], [], []
+        rows = self.rows
+        queued = self._queued
         for req_id, token_id in zip(req_ids, token_ids):
-            matcher = self.matchers.get(req_id)
-            if matcher is not None and not matcher.is_terminated():
-                live.append(matcher)
-                tokens.append(token_id)
-                names.append(req_id)
-        if live:
-            accepted = self._xgr.BatchGrammarMatcher.batch_accept_token(live, tokens)
-            for req_id, token_id, ok in zip(names, tokens, accepted):
-                if not ok:  # cannot happen for a token the mask allowed
-                    logger.warning("request %s: token %d rejected by its grammar", req_id, token_id)
-        self.stats.accept_s += time.perf_counter() - t
+            row = rows.get(req_id)
+            if row is not None:
+                queued.append((row, token_id))
+        self.stats.start_s += time.perf_counter() - t
 
     def has_grammar(self, req_ids: list[str]) -> bool:
-        matchers = self.matchers
-        return any(req_id in matchers for req_id in req_ids)
+        rows = self.rows
+        return any(req_id in rows for req_id in req_ids)
 
     def start_fill(self, req_ids: list[str], device: torch.device) -> PendingBitmask:
-        """Start filling the mask of a step's sampling rows. Every older step's tokens must be
-        accepted already. Rows without a grammar, or whose grammar has ended, allow every
-        token."""
+        """Start applying the queued tokens and filling the mask of a step's sampling rows.
+        Every older step's tokens must be queued already. Rows without a grammar, or whose
+        grammar has ended, allow every token."""
         t = time.perf_counter()
-        rows, live = [], []
-        for row, req_id in enumerate(req_ids):
-            matcher = self.matchers.get(req_id)
-            if matcher is not None and not matcher.is_terminated():
-                rows.append(row)
-                live.append(matcher)
+        queued, self._queued = self._queued, []
+        rows = self.rows
+        live, indices = [], []
+        for index, req_id in enumerate(req_ids):
+            row = rows.get(req_id)
+            if row is not None and not row.ended:
+                live.append(row)
+                indices.append(index)
         host = self._buffer(len(req_ids), device)
-        if live:
-            host.fill_(-1)  # all allowed; xgrammar overwrites the grammar rows whole
-            done = self._worker.submit(self._fill, live, host, rows)
+        if len(live) < len(req_ids):
+            host.fill_(-1)  # all allowed; xgrammar overwrites the filled rows whole
+        if live or queued:
+            done = self._worker.submit(self._work, queued, live, host, indices, t)
         else:
             done = Future()
             done.set_result(False)
-        self.stats.accept_s += time.perf_counter() - t
-        return PendingBitmask(host, done)
+        self.stats.start_s += time.perf_counter() - t
+        return PendingBitmask(host, done, t)
 
     def finish_fill(self, pending: PendingBitmask, device: torch.device) -> torch.Tensor | None:
         """Wait for a mask and start its copy to `device` (None: nothing to apply)."""
         t = time.perf_counter()
         filled = pending.done.result()
-        self.stats.wait_s += time.perf_counter() - t
+        stats = self.stats
+        stats.wait_s += time.perf_counter() - t
+        stats.window_s += t - pending.started
         if not filled:
             return None
         return pending.host.to(device, non_blocking=True)  # pinned: an asynchronous copy
@@ -162,11 +194,62 @@ class GrammarBatch:
 
     # ---- the worker -----------------------------------------------------------------------
 
-    def _fill(self, matchers: list[Any], host: torch.Tensor, rows: list[int]) -> bool:
-        t = time.perf_counter()
-        self._filler.batch_fill_next_token_bitmask(matchers, host, rows)
+    def _work(
+        self,
+        queued: list[tuple[_Row, int]],
+        live: list[_Row],
+        host: torch.Tensor,
+        indices: list[int],
+        started: float,
+    ) -> bool:
+        t0 = time.perf_counter()
+        self._accept(queued)
+        t1 = time.perf_counter()
+        matchers, filled = [], []
+        for row, index in zip(live, indices):
+            if row.ended:  # it ended with the token just applied: all allowed from now on
+                host[index].fill_(-1)
+            else:
+                matchers.append(row.matcher)
+                filled.append(index)
+        if matchers:
+            self._filler.batch_fill_next_token_bitmask(matchers, host, filled)
+        t2 = time.perf_counter()
         stats = self.stats
-        stats.num_fills += 1
-        stats.num_rows_filled += len(rows)
-        stats.fill_s += time.perf_counter() - t
-        return True
+        stats.start_delay_s += t0 - started
+        stats.accept_s += t1 - t0
+        if matchers:
+            stats.fill_s += t2 - t1
+            stats.num_fills += 1
+            stats.num_rows_filled += len(matchers)
+        return bool(matchers)
+
+    def _accept(self, queued: list[tuple[_Row, int]]) -> None:
+        """Advance matchers by their queued tokens, in order: one batched call a round (a
+        matcher queued twice, which the runner does not do, takes a second round)."""
+        while queued:
+            seen: set[int] = set()
+            batch, later = [], []
+            for item in queued:
+                row = item[0]
+                if row.ended:
+                    continue  # an ended grammar takes nothing more (ignore_eos goes on freely)
+                (later if id(row) in seen else batch).append(item)
+                seen.add(id(row))
+            if batch:
+                self._batch_accept([row.matcher for row, _ in batch], [t for _, t in batch])
+                for row, token_id in batch:
+                    if token_id in row.stop_token_ids:  # the one way a grammar ends
+                        row.ended = row.matcher.is_terminated()
+            queued = later
+
+
+def _batch_accept_function(xgr: Any) -> Any:
+    """(matchers, tokens) -> None: xgrammar's batched accept. Its public wrapper reads the
+    result array back one FFI call an element (each a GIL round trip), and nothing here reads
+    the result, so call the binding beneath it (xgrammar 0.2.9's layout) when it is there."""
+    core = getattr(getattr(xgr, "matcher", None), "_core", None)
+    raw = getattr(getattr(core, "BatchGrammarMatcher", None), "batch_accept_token", None)
+    if raw is None:
+        return xgr.BatchGrammarMatcher.batch_accept_token
+    return lambda matchers, tokens: raw([m._handle for m in matchers], tokens, False)
