@@ -141,7 +141,7 @@ class LlamaMLP(nn.Module):
         )
 
     # No forward: the decoder loop calls gate_up_proj's fused entry point (residual add + norm +
-    # gate_up + activation, one kernel at batch-1 decode on the GPU) and down_proj.
+    # gate_up + activation, one kernel at batch-1 decode on the GPU, then down_proj).
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -276,11 +276,10 @@ class LlamaForCausalLM(nn.Module):
                     self.aux_hidden_states[:num_tokens, column : column + width].copy_(residual)
             out = backend.forward(query, k_cache, v_cache, metadata, attn.scale)
             hidden = attn.o_proj(ops, out.reshape(-1, attn.q_size))
-            # gate_up is [gate; up]: down_proj(silu(gate) * up).
-            activation, residual = mlp.gate_up_proj.add_rms_norm_silu_mul(
-                ops, hidden, residual, layer.post_attention_layernorm, eps
+            # gate_up is [gate; up]: down_proj(silu(gate) * up) (float8 between them with FP8).
+            hidden, residual = mlp.gate_up_proj.silu_mul_into(
+                ops, mlp.down_proj, hidden, residual, layer.post_attention_layernorm, eps
             )
-            hidden = mlp.down_proj(ops, activation)
         if pp is not None and not pp.layout.is_last_stage:
             # Both tensors, not their sum: the next stage's first fused add + norm then rounds
             # exactly as one process would.
