@@ -278,9 +278,9 @@ class ModelRunner:
             result = self._sample_parallel(hidden, batch, step.states)
         else:
             if batch.logits_indices is None:
-                logits = self.model.compute_logits(hidden[:num_rows])
+                logits = self.model.compute_logits(hidden[:num_rows], self.ops)
             else:
-                logits = self.model.compute_logits(hidden[batch.logits_indices])
+                logits = self.model.compute_logits(hidden[batch.logits_indices], self.ops)
             if sched.scheduled_spec_decode_tokens:
                 logits = self._verify(step, logits)
             grammars = self._grammars
@@ -376,7 +376,7 @@ class ModelRunner:
         if self.model.computes_logits:
             index = batch.logits_indices
             rows = hidden[: len(states)] if index is None else hidden[index]
-            logits = self.model.compute_logits(rows)
+            logits = self.model.compute_logits(rows, self.ops)
             if self.parallel.layout.samples:
                 result = self.sampler(logits, self.sampling.build(states))
                 sampled, logprobs = result.sampled_token_ids, result.logprobs
@@ -596,7 +596,8 @@ class ModelRunner:
             entries = []
             for a in range(first, last, self.max_num_seqs):
                 b = min(a + self.max_num_seqs, last)
-                logits = self.model.compute_logits(hidden[start + a - first : start + b - first])
+                chunk = hidden[start + a - first : start + b - first]
+                logits = self.model.compute_logits(chunk, self.ops)
                 targets = torch.tensor(state.prompt_token_ids[a + 1 : b + 1], device=logits.device)
                 rows = _logprobs_to_lists(compute_logprobs(logits, targets, num_top))
                 entries += [TokenLogprobs(ids, lps, rank) for ids, lps, rank in rows]

@@ -140,4 +140,4 @@ class DraftModelProposer(Proposer):
             metadata,
         )
         last = torch.tensor([e - 1 for e in accumulate(query_lens)], dtype=torch.int64, device=dev)
-        return self.ops.argmax(self.model.compute_logits(hidden[last])).tolist()
+        return self.ops.argmax(self.model.compute_logits(hidden[last], self.ops)).tolist()
