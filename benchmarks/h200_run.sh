@@ -38,7 +38,8 @@ for s in "$@"; do
     # stage of the same run is the comparison), and writes NAME_SUFFIX.json: "-fp8" a float8
     # KV cache ("-fp8nopf": without the float8 decode kernel's V prefetch), "-gc0" Python's
     # default GC threshold (the engine raises it; A/B of that), "-fp8w" FP8 W8A8 weights
-    # (--quantization fp8-dynamic), "-w8kv8" FP8 weights and a float8 KV cache together.
+    # (--quantization fp8-dynamic), "-w8kv8" FP8 weights and a float8 KV cache together,
+    # "-fp8wh8" / "-w8kv8h8" those with a float8 LM head (--lm-head-quantization fp8).
     VARIANT="" SFX="" HF_BASELINE="--baseline hf"
     unset KILN_PREFETCH_FP8_V
     if [[ $s == *-fp8nopf ]]; then  # float8 without the decode kernel's V prefetch: its A/B
@@ -51,6 +52,12 @@ for s in "$@"; do
     elif [[ $s == *-w8kv8 ]]; then  # FP8 W8A8 weights and a float8 KV cache: TRT-LLM's FP8 setup
         s=${s%-w8kv8} VARIANT="--quantization fp8-dynamic --kv-cache-dtype fp8" SFX=_fp8w_fp8kv
         HF_BASELINE=""
+    elif [[ $s == *-w8kv8h8 ]]; then  # ... and the LM head in float8 (--lm-head-quantization)
+        s=${s%-w8kv8h8} SFX=_fp8w_fp8kv_fp8head HF_BASELINE=""
+        VARIANT="--quantization fp8-dynamic --kv-cache-dtype fp8 --lm-head-quantization fp8"
+    elif [[ $s == *-fp8wh8 ]]; then  # FP8 W8A8 weights and a float8 LM head
+        s=${s%-fp8wh8} VARIANT="--quantization fp8-dynamic --lm-head-quantization fp8"
+        SFX=_fp8w_fp8head HF_BASELINE=""
     elif [[ $s == *-gc0 ]]; then
         s=${s%-gc0} VARIANT="--gc-gen0-threshold 0" SFX=_gc0 HF_BASELINE=""
     fi
