@@ -231,6 +231,10 @@ for s in "$@"; do
             --shapes gate_up down --splits 1 2 4 --budget-s 360 \
             --out "$OUT/fp8_small_batch_sweep_wide$SFX.json"
         ;;
+    w8a8-sweep-head)  # the float8 LM head's one-row kernel (128256 x 4096, no table entry yet)
+        stage w8a8-sweep-head 200 python3 benchmarks/fp8_small_batch_sweep.py --rows 1 \
+            --shapes lm_head --budget-s 120 --out "$OUT/fp8_small_batch_sweep_head$SFX.json"
+        ;;
     fp8-epilogue)  # issue 13: the MLP activation before down_proj (bf16 SiLU-mul + quantize vs
         # the float8 SiLU-mul), o_proj's quantize, and rowwise vs tensorwise _scaled_mm at 512
         # decode rows and an 8192-token prefill chunk
