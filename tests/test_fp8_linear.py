@@ -448,6 +448,22 @@ def test_fp8_mlp_hands_down_proj_float8_above_small_batch_rows(monkeypatch, stat
     torch.testing.assert_close(ref_got, want, rtol=0, atol=1e-6 * float(want.abs().max()))
 
 
+@on_gpu
+@pytest.mark.parametrize("rows", [1, 512])
+def test_fp8_lm_head_shape_on_gpu(rows) -> None:
+    """A float8 LM head at Llama-3.1-8B's shape (128256 x 4096) through fp8_linear: the
+    small-batch kernel's widest launch (2004 tiles) at one row, _scaled_mm at 512; the
+    reference's arithmetic on the same GPU (a CPU fp32 matmul of this size is too slow)."""
+    gen = torch.Generator(device="cuda").manual_seed(18)
+    x = torch.randn(rows, 4096, device="cuda", generator=gen).bfloat16()
+    w = 0.02 * torch.randn(128256, 4096, device="cuda", generator=gen)
+    w_fp8, w_scale = reference.quantize_fp8(w, None)
+    del w
+    want = reference.fp8_linear(x.float(), w_fp8, w_scale.view(-1), None)
+    got = triton_ops.fp8_linear(x, w_fp8, w_scale.view(-1).contiguous(), None).float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
 def test_a_row_parallel_down_proj_reduces_its_float8_product(monkeypatch) -> None:
     """Under TP the down projection is row-parallel: its GEMM on the float8 activation is
     summed over the ranks as forward() sums it (the collective stubbed: it doubles)."""
