@@ -43,6 +43,10 @@ SHAPES = {  # name: (weight rows, K, the kernel at one row, at 2-8 rows)
     "gate_up": (2 * INTERMEDIATE, HIDDEN, "norm_linear_silu_mul", "linear_silu_mul"),
     "down": (HIDDEN, INTERMEDIATE, "linear", "linear"),
 }
+LAYER_SHAPES = tuple(SHAPES)  # a decoder layer's projections (the default, the layer summary)
+# The LM head as --lm-head-quantization fp8 runs it: fp8_linear, the plain kernel (its bf16
+# column is the small-batch kernel, not the cuBLAS GEMV compute_logits runs in bf16).
+SHAPES["lm_head"] = (128256, HIDDEN, "linear", "linear")
 COPY_BANDWIDTH = 4.25e12  # bytes/s, the H200's measured device-to-device copy (FACTS.md)
 L2_BYTES = 50 * 2**20
 SMEM_BYTES = 227 * 1024  # an H100/H200 program's most shared memory
@@ -81,7 +85,7 @@ class Op:
 
     def gemm_path(self, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
         """What FP8 ran before the small-batch kernels took float8 weights."""
-        if self.name in ("o_proj", "down"):
+        if self.name in ("o_proj", "down", "lm_head"):
             return fp8_gemm.fp8_linear(self.x, w, ws, None)
         h = fused_add_rms_norm(self.x, self.residual, self.norm_weight, 1e-5)[0]
         out = fp8_gemm.fp8_linear(h, w, ws, None)
@@ -99,31 +103,43 @@ def time_us(fn, weights) -> float:
     return graph_time_ms(calls, reps=4, replays=5) * 1000
 
 
-def candidate_tiles(kernel: str, n: int, k: int, rows: int, sms: int) -> list[Tiles]:
-    """The launch shapes worth timing, split factors interleaved (so a budget cut leaves each
-    factor some): per split at least two K steps, 1/2 to 16 programs per SM, tiles that fit in
-    shared memory, gated and qkv programs with at least 16 rows of each half. Fewer at 8 rows,
-    whose plain kernel has no first pass over the row."""
+def candidate_tiles(
+    kernel: str, n: int, k: int, rows: int, sms: int, wide: bool = False,
+    splits: tuple[int, ...] = (1, 2, 4, 8),
+) -> list[Tiles]:  # fmt: skip
+    """The launch shapes worth timing, split factors (and, --wide, warp counts) interleaved so a
+    budget cut leaves each some: per split at least two K steps, 1/2 to 16 programs per SM,
+    tiles that fit in shared memory, gated and qkv programs with at least 16 rows of each half.
+    Fewer at 8 rows, whose plain kernel has no first pass over the row. --wide adds 8 warps,
+    pipelines of 2-6 stages, 128-row and 64-wide tiles: what the 4-warp, 3-4 stage sweep never
+    tried (gate_up at one row stayed at 35.8 us against 27.6 at the copy bandwidth)."""
     paired = kernel in ("linear_silu_mul", "norm_linear_silu_mul", "qkv_rotary")
     block_ns = (32, 64) if paired or rows > 1 else (16, 32, 64)
     block_ks = (128, 256, 512, 1024) if rows == 1 else (256, 512, 1024)
     stages = (3, 4) if rows == 1 else (4,)
-    by_split: dict[int, list[Tiles]] = {}
-    for split, block_n, block_k, num_stages in itertools.product(
-        (1, 2, 4, 8), block_ns, block_ks, stages
+    warps: tuple[int, ...] = (4,)
+    if wide:
+        block_ns = (*block_ns, 128)
+        block_ks = (64, *block_ks) if rows == 1 else (128, *block_ks)
+        stages, warps = (2, 3, 4, 5, 6), (4, 8)
+    groups: dict[tuple[int, int], list[Tiles]] = {}
+    for split, num_warps, block_n, block_k, num_stages in itertools.product(
+        splits, warps, block_ns, block_ks, stages
     ):
         programs = triton.cdiv(n, block_n) * split
         if k // split < 2 * block_k or not sms / 2 <= programs <= 16 * sms:
             continue
         if block_n * block_k * num_stages > SMEM_BYTES:
             continue
-        by_split.setdefault(split, []).append(Tiles(block_n, block_k, 4, num_stages, split))
-    interleaved = itertools.zip_longest(*by_split.values())
+        tiles = Tiles(block_n, block_k, num_warps, num_stages, split)
+        groups.setdefault((split, num_warps), []).append(tiles)
+    interleaved = itertools.zip_longest(*groups.values())
     return [t for group in interleaved for t in group if t is not None]
 
 
 def sweep_shape(op: Op, kernel: str, fp8: list, want: torch.Tensor, budget_s: float,
-                max_err: float, rows: int) -> tuple[list[dict], int, int]:  # fmt: skip
+                max_err: float, rows: int, wide: bool = False,
+                splits: tuple[int, ...] = (1, 2, 4, 8)) -> tuple[list[dict], int, int]:  # fmt: skip
     """Phase 1: the candidates, the first pass over the row in BLOCK_K steps; phase 2 (one row):
     the best three with wider first-pass steps. Returns (the timed configurations, how many
     candidates, how many were left for the budget)."""
@@ -136,7 +152,7 @@ def sweep_shape(op: Op, kernel: str, fp8: list, want: torch.Tensor, budget_s: fl
 
     scale = float(want.float().abs().max())
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    candidates = candidate_tiles(kernel, n, k, rows, sms)
+    candidates = candidate_tiles(kernel, n, k, rows, sms, wide, splits)
     results, skipped = [], 0
 
     def run_phase(configs: list[Tiles]) -> None:
@@ -174,7 +190,7 @@ def by_us(result: dict) -> float:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(LAYER_SHAPES))
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--budget-s", type=float, default=200.0, help="all the sweeps together")
     p.add_argument("--max-err", type=float, default=0.02, help="relative to the largest output")
@@ -184,6 +200,8 @@ def main() -> None:
         default=3.611,  # lat1k-fp8w's TPOT, benchmarks/results/2026-12-01-h200-fp8-small-batch/
         help="the batch-1 FP8 decode step the projected saving is taken from",
     )
+    p.add_argument("--wide", action="store_true", help="8 warps, 2-6 stages, wider tiles too")
+    p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--out", default="fp8_small_batch.json")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -230,14 +248,14 @@ def main() -> None:
             left = args.budget_s - (time.perf_counter() - start)
             budget = left * share[rows] / (share[rows] + sum(share[r] for _, r in sweeps))
             tiles, num_candidates, skipped = sweep_shape(
-                op, kernel, fp8, want, budget, args.max_err, rows
+                op, kernel, fp8, want, budget, args.max_err, rows, args.wide, tuple(args.splits)
             )
             good = sorted((t for t in tiles if t["ok"]), key=by_us)
             row["num_candidates"], row["skipped_for_budget"] = num_candidates, skipped
             row["wrong"] = [t for t in tiles if not t["ok"]]
             row["best_tiles"] = good[:8]
             row["best_by_split"] = {}
-            for split in (1, 2, 4, 8):
+            for split in args.splits:
                 of_split = [t for t in good if t["config"][4] == split]
                 row["best_by_split"][split] = of_split[0] if of_split else None
             print(
@@ -277,7 +295,8 @@ def layer_summary(results: list[dict], fp8_step_ms: float) -> dict | None:
     the saving would make of a batch-1 FP8 decode step of fp8_step_ms: a projection from kernel
     times, not a measurement of the step."""
     one_row = {r["shape"]: r for r in results if r["rows"] == 1}
-    if set(one_row) != set(SHAPES):
+    one_row = {name: r for name, r in one_row.items() if name in LAYER_SHAPES}
+    if set(one_row) != set(LAYER_SHAPES):
         return None
     bf16 = sum(r["bf16_us"] for r in one_row.values())
     today = sum(r["fp8_us"] for r in one_row.values())

@@ -38,7 +38,8 @@ for s in "$@"; do
     # stage of the same run is the comparison), and writes NAME_SUFFIX.json: "-fp8" a float8
     # KV cache ("-fp8nopf": without the float8 decode kernel's V prefetch), "-gc0" Python's
     # default GC threshold (the engine raises it; A/B of that), "-fp8w" FP8 W8A8 weights
-    # (--quantization fp8-dynamic), "-w8kv8" FP8 weights and a float8 KV cache together.
+    # (--quantization fp8-dynamic), "-w8kv8" FP8 weights and a float8 KV cache together,
+    # "-fp8wh8" / "-w8kv8h8" those with a float8 LM head (--lm-head-quantization fp8).
     VARIANT="" SFX="" HF_BASELINE="--baseline hf"
     unset KILN_PREFETCH_FP8_V
     if [[ $s == *-fp8nopf ]]; then  # float8 without the decode kernel's V prefetch: its A/B
@@ -51,6 +52,12 @@ for s in "$@"; do
     elif [[ $s == *-w8kv8 ]]; then  # FP8 W8A8 weights and a float8 KV cache: TRT-LLM's FP8 setup
         s=${s%-w8kv8} VARIANT="--quantization fp8-dynamic --kv-cache-dtype fp8" SFX=_fp8w_fp8kv
         HF_BASELINE=""
+    elif [[ $s == *-w8kv8h8 ]]; then  # ... and the LM head in float8 (--lm-head-quantization)
+        s=${s%-w8kv8h8} SFX=_fp8w_fp8kv_fp8head HF_BASELINE=""
+        VARIANT="--quantization fp8-dynamic --kv-cache-dtype fp8 --lm-head-quantization fp8"
+    elif [[ $s == *-fp8wh8 ]]; then  # FP8 W8A8 weights and a float8 LM head
+        s=${s%-fp8wh8} VARIANT="--quantization fp8-dynamic --lm-head-quantization fp8"
+        SFX=_fp8w_fp8head HF_BASELINE=""
     elif [[ $s == *-gc0 ]]; then
         s=${s%-gc0} VARIANT="--gc-gen0-threshold 0" SFX=_gc0 HF_BASELINE=""
     fi
@@ -157,11 +164,12 @@ for s in "$@"; do
         ;;
     profprefill)  # prefill steps of 8192 tokens: 4 prompts of 2048 (the 2048/128 workload)
         stage profprefill 120 python3 benchmarks/profile_decode.py --prefill --batch 4 \
-            --context 2048 --steps 4 --out "$OUT/profile_prefill_4x2048.txt"
+            --context 2048 --steps 4 $VARIANT --out "$OUT/profile_prefill_4x2048$SFX.txt"
         ;;
     profmixed)  # 2048/128's mixed steps: 4 prompts of 2048 prefilled beside 240 decodes at 2k
         stage profmixed 150 python3 benchmarks/profile_decode.py --prefill --batch 4 \
-            --context 2048 --mixed-decodes 240 --steps 4 --out "$OUT/profile_mixed_4x2048_240.txt"
+            --context 2048 --mixed-decodes 240 --steps 4 $VARIANT \
+            --out "$OUT/profile_mixed_4x2048_240$SFX.txt"
         ;;
     tput128-sync)  # 128/128 with async scheduling off: what overlapping the host buys
         stage tput128-sync 170 $BENCH throughput $COMMON $VARIANT --input-len 128 --output-len 128 \
@@ -221,6 +229,23 @@ for s in "$@"; do
         # shapes (split-K 1/2/4/8, tiles, stages), the table entries they suggest
         stage w8a8-sweep 300 python3 benchmarks/fp8_small_batch_sweep.py --budget-s 200 \
             --out "$OUT/fp8_small_batch_sweep$SFX.json"
+        ;;
+    w8a8-sweep-wide)  # issue 13, batch 1: gate_up and down at one row over what w8a8-sweep
+        # never tries (8 warps, 2-6 stages, 64-wide K steps, 128-row tiles); A/B its suggestions
+        # with SWEPT_TILES=$OUT/fp8_small_batch_sweep_wide.json w8a8-lat1k-swept
+        stage w8a8-sweep-wide 450 python3 benchmarks/fp8_small_batch_sweep.py --wide --rows 1 \
+            --shapes gate_up down --splits 1 2 4 --budget-s 360 \
+            --out "$OUT/fp8_small_batch_sweep_wide$SFX.json"
+        ;;
+    w8a8-sweep-head)  # the float8 LM head's one-row kernel (128256 x 4096, no table entry yet)
+        stage w8a8-sweep-head 200 python3 benchmarks/fp8_small_batch_sweep.py --rows 1 \
+            --shapes lm_head --budget-s 120 --out "$OUT/fp8_small_batch_sweep_head$SFX.json"
+        ;;
+    fp8-epilogue)  # issue 13: the MLP activation before down_proj (bf16 SiLU-mul + quantize vs
+        # the float8 SiLU-mul), o_proj's quantize, and rowwise vs tensorwise _scaled_mm at 512
+        # decode rows and an 8192-token prefill chunk
+        stage fp8-epilogue 240 python3 benchmarks/fp8_epilogue_bench.py --rows 512 8192 \
+            --out "$OUT/fp8_epilogue$SFX.json"
         ;;
     w8a8-lat1k-swept | w8a8-prof1-swept)  # lat1k-fp8w / w8a8-prof1 with the shapes w8a8-sweep
         # suggested (its JSON in this run's $OUT, or SWEPT_TILES=FILE), before they are written

@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--quantization", default="none", help="none, fp8-dynamic (weights), ...")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8")
+    p.add_argument("--lm-head-quantization", default="none", help="none or fp8 (float8 head)")
     p.add_argument(
         "--prefill",
         action="store_true",
@@ -57,6 +58,7 @@ def main() -> None:
         enforce_eager=args.enforce_eager,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        lm_head_quantization=args.lm_head_quantization,
     )
     engine = LLMEngine(config)
 

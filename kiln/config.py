@@ -47,6 +47,11 @@ class EngineConfig:
     "fp8-dynamic" (float8 e4m3 weights with per-output-channel scales, activations scaled per
     token at run time) or "fp8" (the same weights, activations with static per-tensor scales
     calibrated by `kiln build`; load its engine directory). The LM head stays unquantized."""
+    lm_head_quantization: str = _one_of("none", "fp8")
+    """The LM head's weights: "none" (the model dtype) or "fp8" (float8 e4m3 per vocabulary row,
+    activations per token: half the head's bytes, at an accuracy cost measured in
+    docs/performance.md). A tied embedding keeps its own copy for the lookup. An engine built
+    with `--lm-head-quantization fp8` loads with its float8 head whatever this says; TP=1 only."""
     kv_cache_memory_gb: float | None = None
     """KV cache budget in GiB. None: 2 GiB on the CPU; on GPU, from gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.9

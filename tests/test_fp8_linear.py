@@ -362,6 +362,142 @@ def test_fp8_small_batch_llama8b_shapes(rows) -> None:
         )  # fmt: skip
 
 
+# ---- the SiLU-mul writing float8 for the down projection (above the small-batch rows) --------
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=on_gpu)]
+)
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("one_pass", [True, False])  # the row in registers; two 16-wide passes
+def test_triton_silu_and_mul_quant_fp8_matches_reference(monkeypatch, dtype, static, one_pass):
+    """quantize_fp8(silu_and_mul(x)) in one kernel: the scales exact, the float8 bytes the
+    reference's (up to the interpreter's mis-roundings); a zero row gets the floor scale."""
+    from kiln.kernels.triton import silu_mul
+
+    if not one_pass:
+        monkeypatch.setattr(silu_mul, "_QUANT_ONE_PASS_MAX", 16)
+        monkeypatch.setattr(silu_mul, "_QUANT_LOOP_BLOCK", 16)
+    gen = torch.Generator().manual_seed(13)
+    x = (torch.randn(4, 2 * 40, generator=gen) * 3).to(dtype)
+    x[1] = 0.0
+    x[2, 40] = 500.0  # an up value whose product saturates under the static scale
+    scale = torch.tensor(0.01) if static else None
+    want, want_scale = reference.silu_and_mul_quant_fp8(x, scale)
+    got, got_scale = triton_ops.silu_and_mul_quant_fp8(*_on(x, scale))
+    assert got.dtype == FP8 and got.shape == (4, 40) and got_scale.shape == want_scale.shape
+    torch.testing.assert_close(got_scale.cpu(), want_scale, rtol=1e-6, atol=0)
+    _assert_fp8_close(got, want)
+    assert not bool(got[1].float().any())
+    if not static:
+        assert float(got.float().abs().amax(1).min(0).values) == 0.0  # the zero row
+        assert float(got[0].float().abs().max()) == 448.0  # each row spans e4m3's range
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch, module: object, names: list[str]) -> dict:
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        real = getattr(module, name)
+
+        def counted(*args: object, _name: str = name, _real=real, **kwargs: object):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("rows", [3, 12])  # the small-batch kernels (MAX_ROWS 8); the FP8 GEMMs
+def test_fp8_mlp_hands_down_proj_float8_above_small_batch_rows(monkeypatch, static, rows):
+    """The MLP block through Linear.silu_mul_into, FP8 gate_up and down: above the small-batch
+    rows the SiLU-mul kernel writes float8 and down_proj's GEMM reads it, with no SiLU-mul in
+    the model dtype and no quantize kernel; at a few rows the small-batch kernels as before.
+    Either way the block's output equals the unfused composition (reference ops)."""
+    from kiln.kernels.triton import small_batch_linear
+    from kiln.quantization.fp8 import Fp8LinearMethod
+
+    gen = torch.Generator().manual_seed(14)
+    x, residual = 3 * torch.randn(rows, 48, generator=gen), torch.randn(rows, 48, generator=gen)
+    norm_weight = 1 + 0.1 * torch.randn(48, generator=gen)
+    scheme = ("static", 0.02) if static else ("dynamic", None)
+    gate_up = Linear(48, 64, output_sizes=[32, 32], method=Fp8LinearMethod(*scheme))
+    down = Linear(32, 48, method=Fp8LinearMethod(*scheme))
+    for layer, (n, k) in ((gate_up, (64, 48)), (down, (48, 32))):
+        layer.weight_loader(layer.weight, None, torch.randn(n, k, generator=gen) * 0.3)
+    act, want_sum = reference.add_rms_norm_linear_silu_mul(
+        x, residual, norm_weight, 1e-5, gate_up.weight, gate_up.weight_scale, gate_up.input_scale
+    )
+    want = reference.fp8_linear(act, down.weight, down.weight_scale, down.input_scale)
+    calls = _count_calls(
+        monkeypatch, small_batch_linear, ["silu_and_mul", "silu_and_mul_quant_fp8"]
+    )
+    quantized = _count_calls(monkeypatch, small_batch_linear.fp8_gemm, ["quantize_fp8"])
+    got, got_sum = gate_up.silu_mul_into(triton_ops, down, *_on(x, residual, norm_weight), 1e-5)
+    if rows > small_batch_linear.MAX_ROWS:
+        assert calls == {"silu_and_mul": 0, "silu_and_mul_quant_fp8": 1}
+        assert quantized["quantize_fp8"] == 0
+    else:
+        assert calls["silu_and_mul_quant_fp8"] == 0
+    assert torch.equal(got_sum.cpu(), want_sum)
+    torch.testing.assert_close(
+        got.cpu(), want, rtol=0, atol=FUSED_REL[torch.float32] * float(want.abs().max())
+    )
+    # The reference ops take the same route (float8 always) to the same result.
+    ref_got, _ = gate_up.silu_mul_into(reference, down, x, residual, norm_weight, 1e-5)
+    torch.testing.assert_close(ref_got, want, rtol=0, atol=1e-6 * float(want.abs().max()))
+
+
+@on_gpu
+@pytest.mark.parametrize("rows", [1, 512])
+def test_fp8_lm_head_shape_on_gpu(rows) -> None:
+    """A float8 LM head at Llama-3.1-8B's shape (128256 x 4096) through fp8_linear: the
+    small-batch kernel's widest launch (2004 tiles) at one row, _scaled_mm at 512; the
+    reference's arithmetic on the same GPU (a CPU fp32 matmul of this size is too slow)."""
+    gen = torch.Generator(device="cuda").manual_seed(18)
+    x = torch.randn(rows, 4096, device="cuda", generator=gen).bfloat16()
+    w = 0.02 * torch.randn(128256, 4096, device="cuda", generator=gen)
+    w_fp8, w_scale = reference.quantize_fp8(w, None)
+    del w
+    want = reference.fp8_linear(x.float(), w_fp8, w_scale.view(-1), None)
+    got = triton_ops.fp8_linear(x, w_fp8, w_scale.view(-1).contiguous(), None).float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+def test_a_row_parallel_down_proj_reduces_its_float8_product(monkeypatch) -> None:
+    """Under TP the down projection is row-parallel: its GEMM on the float8 activation is
+    summed over the ranks as forward() sums it (the collective stubbed: it doubles)."""
+    import kiln.layers.linear as linear_module
+    from kiln.quantization.fp8 import Fp8LinearMethod
+
+    gen = torch.Generator().manual_seed(17)
+    gate_up = Linear(16, 32, output_sizes=[16, 16], method=Fp8LinearMethod("dynamic"))
+    down = Linear(16, 16, method=Fp8LinearMethod("dynamic"))
+    for layer in (gate_up, down):
+        shape = (layer.out_features, layer.in_features)
+        layer.weight_loader(layer.weight, None, torch.randn(shape, generator=gen))
+    x, norm_weight = torch.randn(12, 16, generator=gen), torch.ones(16)
+    want, _ = gate_up.silu_mul_into(reference, down, x, None, norm_weight, 1e-5)
+    monkeypatch.setattr(linear_module, "tp_all_reduce", lambda ctx, y: y.mul_(2))
+    down.reduce = object()  # any context: the stub ignores it
+    got, _ = gate_up.silu_mul_into(reference, down, x, None, norm_weight, 1e-5)
+    assert torch.equal(got, 2 * want)
+
+
+def test_an_unquantized_down_proj_gets_the_model_dtype_activation() -> None:
+    from kiln.quantization.fp8 import Fp8LinearMethod
+
+    gen = torch.Generator().manual_seed(16)
+    gate_up = Linear(16, 32, output_sizes=[16, 16], method=Fp8LinearMethod("dynamic"))
+    gate_up.weight_loader(gate_up.weight, None, torch.randn(32, 16, generator=gen))
+    down = Linear(16, 16)
+    down.weight.data = torch.randn(16, 16, generator=gen)
+    x, norm_weight = torch.randn(12, 16, generator=gen), torch.ones(16)
+    act, _ = gate_up.add_rms_norm_silu_mul(reference, x, None, norm_weight, 1e-5)
+    got, _ = gate_up.silu_mul_into(reference, down, x, None, norm_weight, 1e-5)
+    assert torch.equal(got, act @ down.weight.t())
+
+
 # ---- the scheme registry ---------------------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ from kiln.checkpoint.file_hash import hash_files
 from kiln.errors import BuildError
 from kiln.models.config import ModelConfig
 from kiln.models.llama import LlamaForCausalLM
+from kiln.quantization.fp8 import Fp8LinearMethod
 from kiln.quantization.kv_scales import fold_kv_scales
 from kiln.runtime.model_loader import (
     find_model_source,
@@ -75,12 +76,15 @@ class BuildOptions:
     warm_kernels: bool = True
     """On a GPU: run the engine once and carry the Triton kernels it compiled (kiln.builder.warm),
     so its first process does not compile them. Not part of the engine id: an optimisation."""
+    lm_head_quantization: str = "none"
+    """"fp8": the LM head in float8 with per-row scales (tensor_parallel_size 1 only); "none"."""
 
     def __post_init__(self) -> None:
         for name, allowed in (
             ("quantization", QUANTIZATIONS),
             ("kv_cache_dtype", KV_CACHE_DTYPES),
             ("dtype", DTYPES),
+            ("lm_head_quantization", ("none", "fp8")),
         ):
             if getattr(self, name) not in allowed:
                 raise BuildError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -88,6 +92,8 @@ class BuildOptions:
             raise BuildError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
             raise BuildError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.lm_head_quantization != "none" and self.tensor_parallel_size != 1:
+            raise BuildError("a float8 LM head (--lm-head-quantization fp8) needs -tp 1")
 
 
 def build_engine(
@@ -114,6 +120,8 @@ def build_engine(
     del key["warm_kernels"]  # the same weights either way
     if options.tensor_parallel_size == 1:
         del key["tensor_parallel_size"]  # so unsharded engines keep their ids
+    if options.lm_head_quantization == "none":
+        del key["lm_head_quantization"]  # likewise engines with the head in the model dtype
     source_digest = cache.source_hash(path)
     engine_id = cache.engine_id(source_digest, key)
     cache_dir = cache_dir or (cache.default_cache_dir() if out_dir is None else None)
@@ -145,9 +153,10 @@ def build_engine(
         check = options.accuracy_check and _changes_arithmetic(options)
         source_ppl, scales, kv_scales = _run_source(path, options, calibration, check)
         factory = linear_method_factory(options.quantization, scales)
+        head = Fp8LinearMethod("dynamic") if options.lm_head_quantization == "fp8" else None
         with torch.device(device):
             # Made in `dtype` (not .to(dtype) after): float8 weights and scales keep their types.
-            net = LlamaForCausalLM(cfg, max_model_len, factory, dtype)
+            net = LlamaForCausalLM(cfg, max_model_len, factory, dtype, lm_head_method=head)
         net.load_weights(tqdm(source.weights, desc="loading source", unit=" tensors", leave=False))
         if kv_scales is not None:
             fold_kv_scales(net, kv_scales)  # the weights hold them; loading folds the rest
@@ -181,6 +190,7 @@ def build_engine(
             files={n: {"size": d.size, "blake2b": d.blake2b} for n, d in zip(names, digests)},
             tensor_parallel_size=options.tensor_parallel_size,
             kv_scales=None if kv_scales is None else [list(s) for s in kv_scales],
+            lm_head_quantization=options.lm_head_quantization,
         )
         manifest.write(tmp)  # the check loads the engine from tmp: it needs a manifest
         accuracy = _accuracy(tmp, options, source_ppl)
@@ -264,7 +274,11 @@ def _write_side_files(
 
 
 def _changes_arithmetic(options: BuildOptions) -> bool:
-    return options.quantization != "none" or options.kv_cache_dtype != "auto"
+    return (
+        options.quantization != "none"
+        or options.kv_cache_dtype != "auto"
+        or options.lm_head_quantization != "none"
+    )
 
 
 def _run_source(

@@ -53,6 +53,9 @@ class EngineManifest:
     """`--kv-cache-dtype fp8`: each layer's calibrated [k_scale, v_scale] (powers of two), already
     folded into the weights (kiln.quantization.kv_scales); loading folds them into the softmax
     scales."""
+    lm_head_quantization: str = "none"
+    """"fp8": the LM head's weights are float8 with per-row scales (`--lm-head-quantization`),
+    and the engine loads with that head; "none": the model dtype."""
 
     def write(self, directory: str) -> None:
         with open(os.path.join(directory, MANIFEST_FILE), "w", encoding="utf-8") as f:

@@ -14,6 +14,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantization", choices=("none", "fp8", "fp8-dynamic"), default="none")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument(
+        "--lm-head-quantization", choices=("none", "fp8"), default="none",
+        help="fp8: the LM head in float8 with per-row scales (half its bytes; see docs)",
+    )  # fmt: skip
+    p.add_argument(
         "--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
         help="unquantized weights' dtype (auto: float32 on the CPU, bfloat16 on CUDA)",
     )  # fmt: skip
@@ -53,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         accuracy_check=args.accuracy_check,
         tensor_parallel_size=args.tensor_parallel_size,
         warm_kernels=args.warm_kernels,
+        lm_head_quantization=args.lm_head_quantization,
     )
     manifest = build_engine(args.model, args.output, options, args.cache_dir)
     where = args.output or f"{args.cache_dir or default_cache_dir()}/{manifest.engine_id}"

@@ -376,8 +376,54 @@ def fp8_linear(
     weight scale after the sum, plus the bias, rounded once to x.dtype."""
     x2d = x.reshape(-1, x.shape[-1])
     x_fp8, x_scale = quantize_fp8(x2d, input_scale)
+    y = fp8_matmul(x_fp8, x_scale, weight, weight_scale, bias, x.dtype)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_matmul(
+    x_fp8: torch.Tensor,  # [M, K] float8 e4m3, quantized already (quantize_fp8 or a fused norm)
+    x_scale: torch.Tensor,  # [M, 1] per row, or [] / [1] per tensor, fp32
+    weight: torch.Tensor,  # [N, K] float8 e4m3
+    weight_scale: torch.Tensor,  # [N] fp32, per output channel
+    bias: torch.Tensor | None,  # [N]
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N] in out_dtype
+    """fp8_linear after its quantization: float8 x float8 products (exact in fp32) summed in
+    fp32, scaled by the row's and the column's scales after the sum, plus the bias, rounded once
+    to out_dtype."""
     acc = x_fp8.float() @ weight.float().t()  # [M, N] fp32
     y = acc * x_scale * weight_scale.float()  # x_scale [M, 1] (dynamic) or [] / [1] (static)
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return y.to(out_dtype)
+
+
+def silu_and_mul_quant_fp8(
+    x: torch.Tensor,  # [M, 2 * d]: gate in the first half, up in the second
+    input_scale: torch.Tensor | None,  # [] fp32 static per-tensor scale; None: per row
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, d] float8 e4m3, [M, 1] or input_scale)
+    """quantize_fp8 of silu_and_mul(x): an FP8 down projection's input straight from the
+    activation, as add_rms_norm_quant_fp8 is for the projections after a norm."""
+    return quantize_fp8(silu_and_mul(x), input_scale)
+
+
+def add_rms_norm_linear_silu_mul_fp8(
+    x: torch.Tensor,  # [num_tokens, K]
+    residual: torch.Tensor | None,  # [num_tokens, K], or None: no residual to add
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [2N, K] float8 e4m3: the gate rows, then the up rows
+    weight_scale: torch.Tensor,  # [2N] fp32
+    input_scale: torch.Tensor | None,  # [] fp32 static scale of x's norm; None: per token
+    out_scale: torch.Tensor | None,  # [] fp32 static scale of the activation; None: per token
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """add_rms_norm_linear_silu_mul for an FP8 W8A8 MLP whose down projection takes float8:
+    (activation, its scale, x + residual). The activation is float8 with its scale ([M, 1] per
+    token, or out_scale) as quantize_fp8 makes it; or, where the GPU's down projection quantizes
+    its input inside its own kernel (the small-batch rows), in the model dtype with scale None.
+    Either way the down projection sees the same float8 values. The reference always quantizes."""
+    act, summed = add_rms_norm_linear_silu_mul(
+        x, residual, norm_weight, eps, weight, weight_scale, input_scale
+    )
+    act_fp8, act_scale = quantize_fp8(act.reshape(-1, act.shape[-1]), out_scale)
+    return act_fp8, act_scale, summed

@@ -37,6 +37,15 @@ class TensorSplit:
     cols: tuple[int, int] | None = None
 
 
+@dataclass(frozen=True)
+class Fp8Input:
+    """That a projection takes its input as float8 e4m3 made by the op before it (the MLP's
+    SiLU-mul for down_proj), and with which activation scale: per token (None) or this static
+    per-tensor one ([] fp32)."""
+
+    static_scale: torch.Tensor | None
+
+
 class LinearMethod(ABC):
     """A scheme's weights and arithmetic. Subclasses define create_weights and apply; the fused
     entry points default to compositions of `apply` with `ops`' norm, rotary and activation."""
@@ -118,6 +127,37 @@ class LinearMethod(ABC):
         """The MLP up to its down projection."""
         gate_up, summed = self.add_rms_norm_apply(layer, ops, x, residual, norm_weight, eps)
         return ops.silu_and_mul(gate_up), summed
+
+    def fp8_input(self, layer: Linear) -> Fp8Input | None:
+        """Whether apply_fp8 takes this layer's input already in float8 (None: it does not)."""
+        return None
+
+    def apply_fp8(
+        self,
+        layer: Linear,
+        ops: ModuleType,
+        x_fp8: torch.Tensor,  # [M, in_features] float8 e4m3, quantized as fp8_input says
+        x_scale: torch.Tensor,  # [M, 1] or [] fp32
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:  # [M, out_features] in out_dtype
+        """apply() on an input the op before quantized (only where fp8_input is not None)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no float8 input")
+
+    def add_rms_norm_silu_mul_fp8(
+        self,
+        layer: Linear,
+        ops: ModuleType,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        into: Fp8Input,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """add_rms_norm_silu_mul for a down projection that takes float8 (`into`): (activation,
+        its scale, x + residual), the activation float8 where the method's kernels make it so,
+        else in the model dtype with scale None (the down projection then quantizes it)."""
+        activation, summed = self.add_rms_norm_silu_mul(layer, ops, x, residual, norm_weight, eps)
+        return activation, None, summed
 
 
 class FusedOpsLinearMethod(LinearMethod):
@@ -255,6 +295,32 @@ class Linear(nn.Module):
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (silu(gate) * up, x + residual)
         return self.method.add_rms_norm_silu_mul(self, ops, x, residual, norm_weight, eps)
+
+    def silu_mul_into(
+        self,
+        ops: ModuleType,
+        down: Linear,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (down(silu(gate) * up), x + residual)
+        """The MLP block from this gate_up projection through `down`. When down's method takes
+        float8 input (FP8 W8A8), the activation may reach it quantized by the SiLU-mul's own
+        kernel: no model-dtype activation written and re-read, no quantize kernel of its own."""
+        into = down.method.fp8_input(down)
+        if into is None:
+            activation, summed = self.add_rms_norm_silu_mul(ops, x, residual, norm_weight, eps)
+            return down(ops, activation), summed
+        activation, scale, summed = self.method.add_rms_norm_silu_mul_fp8(
+            self, ops, x, residual, norm_weight, eps, into
+        )
+        if scale is None:
+            return down(ops, activation), summed
+        y = down.method.apply_fp8(down, ops, activation, scale, x.dtype)
+        if down.reduce is not None:  # row-parallel, as forward()
+            tp_all_reduce(down.reduce, y)
+        return y, summed
 
     def shard_view(self, param: torch.Tensor, shard: int | None) -> torch.Tensor:
         """The rows of `param` that fused shard `shard` (an index into output_sizes) owns."""

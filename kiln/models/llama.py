@@ -141,7 +141,7 @@ class LlamaMLP(nn.Module):
         )
 
     # No forward: the decoder loop calls gate_up_proj's fused entry point (residual add + norm +
-    # gate_up + activation, one kernel at batch-1 decode on the GPU) and down_proj.
+    # gate_up + activation, one kernel at batch-1 decode on the GPU, then down_proj).
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -164,9 +164,10 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """`linear_method` gives every decoder projection (qkv, o, gate_up, down) its LinearMethod
-    by qualified name; None: unquantized. The LM head stays unquantized: the logits feed sampling
-    and logprobs directly, where float8's 3-bit mantissa would show, and it is one matrix of
-    ~100 (issue 13: measure before quantizing it).
+    by qualified name; None: unquantized. The LM head is unquantized unless `lm_head_method`
+    gives it one (EngineConfig.lm_head_quantization="fp8": its bytes halve, at an accuracy cost
+    measured in docs/performance.md); with tied embeddings the head is then a float8 copy of the
+    embedding, which itself stays in the model dtype for the lookup. TP=1 only.
 
     `dtype` is where the parameters are made; with a quantized method pass it rather than calling
     `.to(dtype)` afterwards, which would widen the float8 weights and their fp32 scales.
@@ -184,6 +185,7 @@ class LlamaForCausalLM(nn.Module):
         linear_method: LinearMethodFactory | None = None,
         dtype: torch.dtype | None = None,
         parallel: ParallelContext | None = None,
+        lm_head_method: LinearMethod | None = None,
     ) -> None:
         super().__init__()
         if parallel is not None and parallel.tp_size == 1 and parallel.pp_size == 1:
@@ -213,7 +215,20 @@ class LlamaForCausalLM(nn.Module):
             for i in range(local.num_hidden_layers)
         )
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
-        if cfg.tie_word_embeddings:
+        # A head with its own method (float8): its own Linear, filled from the embedding when
+        # the checkpoint ties them.
+        self.tied_head = cfg.tie_word_embeddings
+        self.head_quantized = lm_head_method is not None
+        if lm_head_method is not None:
+            if parallel is not None:
+                raise ModelLoadError(
+                    "a float8 LM head (lm_head_quantization='fp8') needs tensor_parallel_size=1 "
+                    "and pipeline_parallel_size=1"
+                )
+            self.lm_head = Linear(
+                cfg.hidden_size, cfg.vocab_size, method=lm_head_method, dtype=dtype
+            )
+        elif cfg.tie_word_embeddings:
             self.lm_head = None
         elif tp is None:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
@@ -279,11 +294,10 @@ class LlamaForCausalLM(nn.Module):
                     self.aux_hidden_states[:num_tokens, column : column + width].copy_(residual)
             out = backend.forward(query, k_cache, v_cache, metadata, attn.scale)
             hidden = attn.o_proj(ops, out.reshape(-1, attn.q_size))
-            # gate_up is [gate; up]: down_proj(silu(gate) * up).
-            activation, residual = mlp.gate_up_proj.add_rms_norm_silu_mul(
-                ops, hidden, residual, layer.post_attention_layernorm, eps
+            # gate_up is [gate; up]: down_proj(silu(gate) * up) (float8 between them with FP8).
+            hidden, residual = mlp.gate_up_proj.silu_mul_into(
+                ops, mlp.down_proj, hidden, residual, layer.post_attention_layernorm, eps
             )
-            hidden = mlp.down_proj(ops, activation)
         if pp is not None and not pp.layout.is_last_stage:
             # Both tensors, not their sum: the next stage's first fused add + norm then rounds
             # exactly as one process would.
@@ -292,9 +306,17 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, eps)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab], model dtype
+    def compute_logits(
+        self, hidden: torch.Tensor, ops: ModuleType | None = None
+    ) -> torch.Tensor:  # [n, vocab], model dtype
+        """The logits of final-normed rows. `ops` (the forward's kernels) is needed by a
+        quantized head only."""
         # Not cast to fp32 here: a greedy batch takes its argmax on these as they are (the cast
         # is exact, so the argmax is the same) and skips writing and re-reading a fp32 copy.
+        if self.head_quantized:
+            if ops is None:
+                raise ValueError("a quantized LM head needs the kernels: compute_logits(h, ops)")
+            return self.lm_head(ops, hidden)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, VocabParallelEmbedding):  # TP: a collective of the tensor ranks
             return head.logits(hidden)
@@ -315,8 +337,8 @@ class LlamaForCausalLM(nn.Module):
             if target is None:
                 continue
             name, shard = target
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding serves as the output projection
+            if name == "lm_head.weight" and self.tied_head:
+                continue  # tied: the embedding serves as the output projection (or fills it)
             name = self._local_name(name)
             if name is None:
                 continue  # another pipeline stage's layer
@@ -340,6 +362,9 @@ class LlamaForCausalLM(nn.Module):
             else:
                 owner.weight_loader(param, shard, tensor)
             loaded.add(f"{name}:{shard}")
+            if name == "embed_tokens.weight" and self.tied_head and self.head_quantized:
+                self.lm_head.weight_loader(self.lm_head.weight, None, tensor)
+                loaded.add("lm_head.weight:None")
             if tensor.dtype == torch.float8_e4m3fn:
                 fp8_loaded.add(f"{name}:{shard}")
         missing = [k for k in self._expected_keys(owners) if k not in loaded]
@@ -383,7 +408,15 @@ class LlamaForCausalLM(nn.Module):
                 tensor = owner.cut(param, None, tensor)
             elif isinstance(self._vocab_owner(name), VocabParallelEmbedding):
                 tensor = self._vocab_owner(name).cut(tensor)
-            if tuple(param.shape) != tuple(tensor.shape) or param.dtype != tensor.dtype:
+            # An engine built with the head in the model dtype, loaded with a float8 head: the
+            # head is quantized here (its scales too), as from a checkpoint.
+            quantize_head = (
+                owner is not None and owner is self.lm_head and self.head_quantized
+                and param is owner.weight and tensor.dtype != param.dtype
+            )  # fmt: skip
+            if tuple(param.shape) != tuple(tensor.shape) or (
+                param.dtype != tensor.dtype and not quantize_head
+            ):
                 raise ModelLoadError(
                     f"engine tensor {engine_name!r} is {tensor.dtype} {tuple(tensor.shape)}, the "
                     f"model expects {param.dtype} {tuple(param.shape)} (built with another dtype "
@@ -400,6 +433,11 @@ class LlamaForCausalLM(nn.Module):
             else:
                 owner.method.load_weight(param, None, tensor)
             loaded.add(name)
+            if quantize_head:
+                loaded.add("lm_head.weight_scale")
+        if self.head_quantized and self.tied_head and "lm_head.weight" not in loaded:
+            self._fill_tied_head()  # an engine of a tied model built without a float8 head
+            loaded.update(("lm_head.weight", "lm_head.weight_scale"))
         missing = [name for name in params if name not in loaded]
         if missing:
             raise ModelLoadError(f"engine lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -478,6 +516,13 @@ class LlamaForCausalLM(nn.Module):
                 owner.method.load_weight(param, None, drawn)  # drawn at this rank's shape
             else:
                 param.normal_(0.0, 0.02, generator=gen)
+        if self.head_quantized and self.tied_head:
+            self._fill_tied_head()
+
+    def _fill_tied_head(self) -> None:
+        """A float8 head of a tied model: the embedding, quantized by the head's method."""
+        head = self.lm_head
+        head.method.load_weight(head.weight, None, self.embed_tokens.weight.detach())
 
 
 def _can_adopt(param: torch.Tensor, tensor: torch.Tensor) -> bool:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kiln.kernels.reference import quantize_fp8
-from kiln.layers.linear import FusedOpsLinearMethod, Linear
+from kiln.layers.linear import Fp8Input, FusedOpsLinearMethod, Linear
 
 
 class Fp8LinearMethod(FusedOpsLinearMethod):
@@ -96,3 +96,37 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
 
     def op_scales(self, layer: Linear) -> tuple[torch.Tensor | None, ...]:
         return layer.weight_scale, layer.input_scale
+
+    def fp8_input(self, layer: Linear) -> Fp8Input | None:
+        return Fp8Input(layer.input_scale)
+
+    def apply_fp8(
+        self,
+        layer: Linear,
+        ops: ModuleType,
+        x_fp8: torch.Tensor,
+        x_scale: torch.Tensor,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        return ops.fp8_matmul(
+            x_fp8, x_scale, layer.weight, layer.weight_scale, layer.bias, out_dtype
+        )
+
+    def add_rms_norm_silu_mul_fp8(
+        self,
+        layer: Linear,
+        ops: ModuleType,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        into: Fp8Input,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        if layer.has_bias:  # the fused kernels take no bias: compose instead
+            return super().add_rms_norm_silu_mul_fp8(
+                layer, ops, x, residual, norm_weight, eps, into
+            )
+        return ops.add_rms_norm_linear_silu_mul_fp8(
+            x, residual, norm_weight, eps, layer.weight, layer.weight_scale, layer.input_scale,
+            into.static_scale,
+        )  # fmt: skip

@@ -184,7 +184,7 @@ def profile_activation_peak(
     hidden = model(ops, backend, step.input_ids, step.positions, step.caches, step.metadata)
     torch.cuda.synchronize(device)
     forward_peak = torch.cuda.max_memory_allocated(device) - base
-    logits = model.compute_logits(hidden[step.last_token_indices])
+    logits = model.compute_logits(hidden[step.last_token_indices], ops)
     del hidden
     Sampler()(logits, _heaviest_sampling(step.num_seqs, device))
     torch.cuda.synchronize(device)

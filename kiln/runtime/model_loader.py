@@ -15,6 +15,7 @@ import torch
 from kiln.config import EngineConfig
 from kiln.distributed.parallel_state import ParallelContext
 from kiln.errors import ModelLoadError
+from kiln.layers.linear import LinearMethod
 from kiln.models.config import PRESETS, ModelConfig
 from kiln.models.llama import LinearMethodFactory, LlamaForCausalLM
 from kiln.quantization import linear_method_factory
@@ -44,6 +45,8 @@ class ModelSource:
     # (kv_scales_in_weights); a pre-quantized checkpoint's are folded in when the cache is float8.
     kv_scales: list[tuple[float, float]] | None = None
     kv_scales_in_weights: bool = False
+    # An engine built with a float8 LM head (`kiln build --lm-head-quantization fp8`).
+    lm_head_quantization: str = "none"
 
 
 @dataclass
@@ -163,6 +166,7 @@ def _engine_dir_source(
         tensor_parallel_size=tp,
         kv_scales=engine.manifest.get("kv_scales"),
         kv_scales_in_weights=True,
+        lm_head_quantization=engine.manifest.get("lm_head_quantization", "none"),
     )
 
 
@@ -177,6 +181,16 @@ def _linear_method(engine_config: EngineConfig, source: ModelSource) -> LinearMe
             f"quantization={engine_config.quantization!r} (build another engine for that)"
         )
     return linear_method_factory(source.quantization, source.input_scales)
+
+
+def lm_head_method(engine_config: EngineConfig, source: ModelSource) -> LinearMethod | None:
+    """The LM head's method: float8 (weights per vocabulary row, activations per token) when
+    asked for or when the engine's head is float8 already; None: the model dtype."""
+    if "fp8" not in (engine_config.lm_head_quantization, source.lm_head_quantization):
+        return None
+    from kiln.quantization.fp8 import Fp8LinearMethod
+
+    return Fp8LinearMethod("dynamic")
 
 
 def _load_engine_tokenizer(path: str) -> object | None:
@@ -310,7 +324,14 @@ def load_model(
     cfg.check_fits(weight_bytes, *_memory_of(device))
     with torch.device(device):
         # Made in `dtype`, not `.to(dtype)` after: float8 weights and fp32 scales keep their types.
-        model = LlamaForCausalLM(cfg, max_positions, linear_method, dtype, parallel)
+        model = LlamaForCausalLM(
+            cfg,
+            max_positions,
+            linear_method,
+            dtype,
+            parallel,
+            lm_head_method(engine_config, source),
+        )
     # Rotary tables stay fp32, holding the model dtype's values (transformers rounds cos/sin to
     # the activations' dtype too).
     model.cos_sin_cache = model.cos_sin_cache.to(dtype).float()

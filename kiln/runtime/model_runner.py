@@ -287,9 +287,9 @@ class ModelRunner:
             result = self._sample_parallel(hidden, batch, step)
         else:
             if batch.logits_indices is None:
-                logits = self.model.compute_logits(hidden[:num_rows])
+                logits = self.model.compute_logits(hidden[:num_rows], self.ops)
             else:
-                logits = self.model.compute_logits(hidden[batch.logits_indices])
+                logits = self.model.compute_logits(hidden[batch.logits_indices], self.ops)
             if sched.scheduled_spec_decode_tokens:
                 logits = self._verify(step, logits)
             if sched.beam_rows:
@@ -395,7 +395,7 @@ class ModelRunner:
         if self.model.computes_logits:
             index = batch.logits_indices
             rows = hidden[: len(states)] if index is None else hidden[index]
-            logits = self.model.compute_logits(rows)
+            logits = self.model.compute_logits(rows, self.ops)
             if self.parallel.layout.samples:
                 if step.sched.beam_rows:
                     self._beam_top_k(step, logits)
@@ -684,7 +684,8 @@ class ModelRunner:
             entries = []
             for a in range(first, last, self.max_num_seqs):
                 b = min(a + self.max_num_seqs, last)
-                logits = self.model.compute_logits(hidden[start + a - first : start + b - first])
+                chunk = hidden[start + a - first : start + b - first]
+                logits = self.model.compute_logits(chunk, self.ops)
                 targets = torch.tensor(state.prompt_token_ids[a + 1 : b + 1], device=logits.device)
                 rows = _logprobs_to_lists(compute_logprobs(logits, targets, num_top))
                 entries += [TokenLogprobs(ids, lps, rank) for ids, lps, rank in rows]

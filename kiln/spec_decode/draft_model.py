@@ -141,4 +141,4 @@ class DraftModelProposer(Proposer):
             metadata,
         )
         last = to_device([e - 1 for e in accumulate(query_lens)], torch.int64, dev)
-        return self.ops.argmax(self.model.compute_logits(hidden[last])).tolist()
+        return self.ops.argmax(self.model.compute_logits(hidden[last], self.ops)).tolist()

@@ -8,15 +8,16 @@ without a GPU the kernels run under the interpreter when TRITON_INTERPRET=1 is s
 from kiln.kernels.triton.argmax import argmax
 from kiln.kernels.triton.copy_blocks import copy_kv_blocks
 from kiln.kernels.triton.decode_attention import paged_decode_attention
-from kiln.kernels.triton.fp8_gemm import quantize_fp8
+from kiln.kernels.triton.fp8_gemm import fp8_matmul, quantize_fp8
 from kiln.kernels.triton.prefill_attention import paged_prefill_attention
 from kiln.kernels.triton.qkv_rotary import add_rms_norm_qkv_rotary_write_kv
 from kiln.kernels.triton.rms_norm import add_rms_norm_quant_fp8, fused_add_rms_norm, rms_norm
 from kiln.kernels.triton.rotary import rotary_embedding_write_kv
-from kiln.kernels.triton.silu_mul import silu_and_mul
+from kiln.kernels.triton.silu_mul import silu_and_mul, silu_and_mul_quant_fp8
 from kiln.kernels.triton.small_batch_linear import (
     add_rms_norm_linear,
     add_rms_norm_linear_silu_mul,
+    add_rms_norm_linear_silu_mul_fp8,
     fp8_linear,
     linear,
 )
@@ -24,11 +25,13 @@ from kiln.kernels.triton.small_batch_linear import (
 __all__ = [
     "add_rms_norm_linear",
     "add_rms_norm_linear_silu_mul",
+    "add_rms_norm_linear_silu_mul_fp8",
     "add_rms_norm_qkv_rotary_write_kv",
     "add_rms_norm_quant_fp8",
     "argmax",
     "copy_kv_blocks",
     "fp8_linear",
+    "fp8_matmul",
     "fused_add_rms_norm",
     "linear",
     "paged_decode_attention",
@@ -37,4 +40,5 @@ __all__ = [
     "rms_norm",
     "rotary_embedding_write_kv",
     "silu_and_mul",
+    "silu_and_mul_quant_fp8",
 ]

@@ -36,7 +36,7 @@ from kiln.kernels.triton import fp8_gemm, small_batch_tiles, split_k
 from kiln.kernels.triton._device import dot_precision
 from kiln.kernels.triton.fp8_gemm import round_to_e4m3_grid
 from kiln.kernels.triton.rms_norm import add_rms_norm_quant_fp8, fused_add_rms_norm, rms_norm
-from kiln.kernels.triton.silu_mul import silu_and_mul
+from kiln.kernels.triton.silu_mul import silu_and_mul, silu_and_mul_quant_fp8
 
 # Above this cuBLAS's GEMM tiles win, and the small kernels matter less.
 # KILN_FUSED_LINEAR_MAX_ROWS=0 turns the fused kernels off (the benchmarks' A/B switch).
@@ -683,3 +683,30 @@ def add_rms_norm_linear_silu_mul(
     else:
         out = _launch_fp8_plain(_rows_2d(normed), weight, None, weight_scale, input_scale, True)
     return out.view(*x.shape[:-1], weight.shape[0] // 2), summed
+
+
+def add_rms_norm_linear_silu_mul_fp8(
+    x: torch.Tensor,  # [num_tokens, K]
+    residual: torch.Tensor | None,  # [num_tokens, K], or None: no residual to add
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [2N, K] float8 e4m3: the gate rows, then the up rows
+    weight_scale: torch.Tensor,  # [2N] fp32
+    input_scale: torch.Tensor | None,  # [] fp32 static scale of x's norm; None: per token
+    out_scale: torch.Tensor | None,  # [] fp32 static scale of the activation; None: per token
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The FP8 MLP up to a down projection that takes float8 (reference's twin). Up to
+    MAX_ROWS rows: add_rms_norm_linear_silu_mul's small-batch kernels, the activation in the
+    model dtype (scale None), since the down projection's small-batch kernel quantizes one row
+    inside itself. Above: the norm kernel quantizes gate_up's input, the FP8 GEMM, then the
+    SiLU-mul kernel writes float8 and its scales (silu_and_mul_quant_fp8): no bf16 activation
+    round trip, no quantize kernel before the down projection."""
+    scales = {"weight_scale": weight_scale, "input_scale": input_scale}
+    if _fits(x, weight, x.shape[-1], False, **scales):
+        act, summed = add_rms_norm_linear_silu_mul(x, residual, norm_weight, eps, weight, **scales)
+        return act, None, summed
+    gate_up, summed = _norm_quant_fp8_linear(
+        x, residual, norm_weight, eps, weight, None, weight_scale, input_scale
+    )
+    act, act_scale = silu_and_mul_quant_fp8(gate_up.reshape(-1, gate_up.shape[-1]), out_scale)
+    return act, act_scale, summed
