@@ -414,6 +414,12 @@ for s in "$@"; do
         stage serve-c512-1000 280 $SVO --out "$OUT/serve_c512_1000$SFX" --shapes 1000x1000 \
             --requests-per-concurrency 1 --modes stream -- $ENGINE
         ;;
+    serve1000-nostream)  # 1000/1000 non-streaming at concurrency 256 against the offline engine
+        ENGINE="--model llama-3.1-8b --load-format dummy --dtype bfloat16 $VARIANT"
+        stage serve1000-nostream 240 python3 benchmarks/serve_vs_offline.py --min-requests 8 \
+            --concurrency 256 --out "$OUT/serve1000_nostream$SFX" --shapes 1000x1000 \
+            --requests-per-concurrency 1 --modes no-stream -- $ENGINE
+        ;;
     spec)  # speculative decoding at batch 1 (and 4, 16, 32): verification step cost with K=4
         # vs a plain decode step, tok/s at mean acceptance lengths 2, 3, 4 (the oracle accepting
         # by its own draw), a random EAGLE-3 head's cost per step at 8B shapes; each engine in a
