@@ -10,6 +10,7 @@ with one numpy index instead of converting Python lists.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -228,16 +229,17 @@ class InputBuffers:
         qsl = self._qsl
         if decode_only:
             qsl[: n + 1] = self._iota[: n + 1]
+            qsl_list = None
         else:
-            qsl[0] = 0
-            np.cumsum(num_scheduled, out=qsl[1 : n + 1])
+            qsl_list = [0, *accumulate(num_scheduled)]
+            qsl[: n + 1] = qsl_list
         starts = [s.num_computed_tokens for s in states]
         seq_lens_list = [a + q for a, q in zip(starts, num_scheduled)]
         max_seq_len = max(seq_lens_list)
         start = np.array(starts, dtype=np.int64)
         seq_lens = np.array(seq_lens_list, dtype=np.int64)
         seq_of_token, positions, num_pending = self._fill_input_ids(
-            states, num_scheduled, start, decode_only
+            states, num_scheduled, start, qsl_list
         )
 
         num_cols = -(-max_seq_len // self.block_size)
@@ -362,13 +364,13 @@ class InputBuffers:
         states: list[CachedRequestState],
         num_scheduled: list[int],
         start: np.ndarray,  # [n] each sequence's first position this step
-        decode_only: bool,
+        qsl: list[int] | None,  # query start locations; None: a decode-only step
     ) -> tuple[np.ndarray, np.ndarray, int]:  # (sequence of each token, positions, num pending)
         """The step's input ids from the host copies of the tokens; a token the running step
         sampled (still on the device) is listed in pending_src/dst for the runner to copy."""
-        n, ids, qsl = len(states), self._ids, self._qsl
+        n, ids = len(states), self._ids
         pending: list[tuple[int, int]] = []  # (input position, row of the last sampled ids)
-        if decode_only:
+        if qsl is None:
             seq_of_token = np.arange(n)
             positions = start
             for r, s in enumerate(states):
@@ -378,13 +380,15 @@ class InputBuffers:
                     pending.append((r, s.pending_index))
         else:
             # Token i of sequence r sits at position start[r] + i.
-            num_tokens = int(qsl[n])
-            seq_of_token = np.repeat(np.arange(n), np.asarray(num_scheduled, dtype=np.int64))
-            positions = np.arange(num_tokens) - qsl[seq_of_token] + start[seq_of_token]
+            num_tokens = qsl[n]
+            seq_of_token = np.repeat(np.arange(n), num_scheduled)
+            # start[r] - qsl[r] per sequence, spread over its tokens.
+            offset = start - np.array(qsl[:n], dtype=np.int64)
+            positions = np.arange(num_tokens) + offset[seq_of_token]
             for r, s in enumerate(states):
                 a = s.num_computed_tokens
                 if a >= len(s.token_ids):  # a decode of the token still on the device
-                    pending.append((int(qsl[r]), s.pending_index))
+                    pending.append((qsl[r], s.pending_index))
                 elif s.spec_token_ids:  # the last known token, then the drafts to verify
                     k = num_scheduled[r] - len(s.spec_token_ids)
                     ids[qsl[r] : qsl[r + 1]] = s.token_ids[a : a + k] + s.spec_token_ids
