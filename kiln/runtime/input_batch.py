@@ -127,6 +127,8 @@ class InputBuffers:
         # The step's one device->host copy lands here; two, since with async scheduling a step's
         # ids are copied while the previous step's are still being read.
         self.sampled_cpu = (host(s, torch.int64), host(s, torch.int64))
+        # ... and a greedy verification's argmax ids (a row per verified token), beside them.
+        self.verified_cpu = (host(t, torch.int64), host(t, torch.int64))
         # Pending input tokens (async scheduling): input_ids positions to fill on the device |
         # ... from these rows of the last sampled ids. One copy, as above.
         self._pending_cpu, self._pending = host(2 * s, torch.int64), dev(2 * s, torch.int64)

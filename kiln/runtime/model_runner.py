@@ -582,7 +582,7 @@ class ModelRunner:
             # compared with the drafts on the host once they are back (_finish_verification).
             # One kernel and one copy, as a plain decode's sampling.
             greedy = self.sampler.argmax(spec_logits)
-            step.spec_result = (None, greedy.to("cpu", non_blocking=True))
+            step.spec_result = (None, self._verified_to_host(greedy))
         else:
             rows = verification_rows(spec_states)
             metadata = build_sampling_metadata(rows, self.eos_token_ids, self.vocab_size, device)
@@ -600,6 +600,20 @@ class ModelRunner:
         if not plain_rows:
             return logits[:0]
         return logits[to_device(plain_rows, torch.long, device)]
+
+    def _verified_to_host(self, ids: torch.Tensor) -> torch.Tensor:
+        """Start the copy of a greedy verification's ids to the host, into the pinned buffer
+        beside the one the step's sampled ids will land in (_copy_to_host takes slot
+        _host_slot ^ 1 next, and nothing copies in between): no pinned allocation a step.
+        Waited for by the step's `done` event, recorded after."""
+        if self.device.type != "cuda":
+            return ids
+        host = self.inputs.verified_cpu[self._host_slot ^ 1]
+        if ids.shape[0] > host.shape[0]:  # cannot happen (a row per token); never truncate
+            return ids.to("cpu", non_blocking=True)
+        host = host[: ids.shape[0]]
+        host.copy_(ids, non_blocking=True)
+        return host
 
     def _finish_verification(self, step: _InFlightStep, sampled_ids: dict[str, list[int]]) -> None:
         accepted, recovered = step.spec_result
