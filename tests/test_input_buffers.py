@@ -64,9 +64,7 @@ def test_flattened_verification_step_padded_then_repeated():
         if step == 0:
             batch = buf.prepare([s], [5], num_padded_seqs=8, flatten=True)
             assert batch.input_ids.tolist() == [61, 70, 71, 72, 73]
-            assert batch.metadata.slot_mapping.tolist() == [
-                _slot(blocks, p) for p in range(13, 18)
-            ]
+            assert batch.metadata.slot_mapping.tolist() == [_slot(blocks, p) for p in range(13, 18)]
             assert batch.metadata.block_tables.tolist() == [blocks] * 5
             assert batch.metadata.max_seq_len == 18
             # Back to the first step's state for the repeat.
