@@ -183,7 +183,10 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
-    record: dict = {"args": vars(args), "direct": direct()}
+    from kiln.bench.report import environment
+
+    record: dict = {"env": environment(torch.device("cpu")), "args": vars(args)}
+    record["direct"] = direct()
     with tempfile.TemporaryDirectory() as d:
         model = tiny_model(d)
         common = dict(kv_cache_memory_gb=0.05, max_num_seqs=8, num_threads=1)
