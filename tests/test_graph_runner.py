@@ -107,13 +107,14 @@ def test_input_buffers_pack_mixed_and_padded_steps():
     assert batch.metadata.num_decodes == 1
     assert batch.metadata.block_tables.tolist() == [[7, 3, 5], [2, 6, 1]]
     assert batch.sampling_rows == [0]  # the chunk stops short of its last prompt token
-    assert batch.logits_indices.tolist() == [0]
+    assert batch.logits_indices is None and batch.num_logits_rows == 1  # row 0: a view
 
     # A decode-only step padded to 4 rows: padding writes nowhere and reads block 0.
     other = _state("e", range(300, 305), 4, [0, 1])
     other.row = buf.add_request(other.block_ids)
     batch = buf.prepare([decode, other], [1, 1], num_padded_seqs=4)
     assert batch.logits_indices is None and batch.sampling_rows == [0, 1]
+    assert batch.num_logits_rows == 2
     assert buf.slot_mapping[:4].tolist() == [5 * 4 + 1, 1 * 4 + 0, -1, -1]
     assert buf.seq_lens[:4].tolist() == [10, 5, 1, 1]
     assert buf.query_start_loc[:5].tolist() == [0, 1, 2, 3, 4]

@@ -10,6 +10,7 @@ with one numpy index instead of converting Python lists.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -69,11 +70,14 @@ class PackedBatch:
     metadata: AttentionMetadata  # unpadded: num_seqs real sequences
     query_start_loc_np: np.ndarray  # [num_seqs + 1] host copy
     sampling_rows: list[int]  # batch indices of requests that sample this step
-    logits_indices: torch.Tensor | None  # [len(sampling_rows)]; None: row i samples at token i
+    # Where the sampling rows' logits are: [num_logits_rows] token indices (a request verifying K
+    # drafts has K + 1); None: at tokens 0..num_logits_rows-1 (then a view, no gather, no copy).
+    logits_indices: torch.Tensor | None
     num_padded_seqs: int  # num_seqs rounded up to a CUDA-graph batch size (= num_seqs if eager)
     # Input tokens still on the device (sampled by the previous step, async scheduling): the
     # runner copies them into input_ids from that step's ids (InputBuffers.pending_src/dst).
     num_pending_inputs: int = 0
+    num_logits_rows: int = 0
 
 
 class InputBuffers:
@@ -101,29 +105,38 @@ class InputBuffers:
         def dev(shape: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        self.input_ids_cpu = host(t, torch.int64)
-        self.positions_cpu = host(t, torch.int64)
-        self.slot_mapping_cpu = host(t, torch.int64)
-        self.seq_lens_cpu = host(s, torch.int32)
-        self.query_start_loc_cpu = host(s + 1, torch.int32)
-        self.block_table_cpu = host(s * w, torch.int32)  # compact [num_seqs, num_cols] prefix
+        # Buffers of one dtype that every step copies share one host and one device allocation,
+        # laid out so that a step's used parts fall in one prefix: one copy moves them all (each
+        # copy is a launch, ~5-10 us of host time, and a fixed latency on the device), at the
+        # price of also moving the unused tails of the buffers before the last (2 * t int64 and
+        # 2 * s + 1 int32: ~32 KiB at t = 2048, well under a copy's own latency).
+        # int64, per token: input ids | positions | slot mapping.
+        self._tok_cpu, self._tok = host(3 * t, torch.int64), dev(3 * t, torch.int64)
+        self.input_ids_cpu, self.positions_cpu, self.slot_mapping_cpu = self._tok_cpu.split(t)
+        self.input_ids, self.positions, self.slot_mapping = self._tok.split(t)
+        # int32, per sequence: query start locations | sequence lengths | the compact table.
+        n32 = (s + 1) + s + s * w
+        self._seq_cpu, self._seq = host(n32, torch.int32), dev(n32, torch.int32)
+        self.query_start_loc_cpu, self.seq_lens_cpu, self.block_table_cpu = self._seq_cpu.split(
+            [s + 1, s, s * w]
+        )
+        self.query_start_loc, self.seq_lens, self.block_table_staging = self._seq.split(
+            [s + 1, s, s * w]
+        )
         self.logits_indices_cpu = host(t, torch.int64)  # t: a row per verified draft too
         # The step's one device->host copy lands here; two, since with async scheduling a step's
         # ids are copied while the previous step's are still being read.
         self.sampled_cpu = (host(s, torch.int64), host(s, torch.int64))
-        self.pending_dst_cpu = host(s, torch.int64)  # input_ids positions to fill on the device
-        self.pending_src_cpu = host(s, torch.int64)  # ... from these rows of the last sampled ids
+        # ... and a greedy verification's argmax ids (a row per verified token), beside them.
+        self.verified_cpu = (host(t, torch.int64), host(t, torch.int64))
+        # Pending input tokens (async scheduling): input_ids positions to fill on the device |
+        # ... from these rows of the last sampled ids. One copy, as above.
+        self._pending_cpu, self._pending = host(2 * s, torch.int64), dev(2 * s, torch.int64)
+        self.pending_dst_cpu, self.pending_src_cpu = self._pending_cpu.split(s)
+        self.pending_dst, self.pending_src = self._pending.split(s)
 
-        self.input_ids = dev(t, torch.int64)
-        self.positions = dev(t, torch.int64)
-        self.slot_mapping = dev(t, torch.int64)
-        self.seq_lens = dev(s, torch.int32)
-        self.query_start_loc = dev(s + 1, torch.int32)
         self.block_tables = dev((s, w), torch.int32)  # the kernels' table: row stride w
-        self.block_table_staging = dev(s * w, torch.int32)
         self.logits_indices = dev(t, torch.int64)
-        self.pending_dst = dev(s, torch.int64)
-        self.pending_src = dev(s, torch.int64)
 
         # numpy views of the host buffers (same memory).
         self._ids = self.input_ids_cpu.numpy()
@@ -141,6 +154,41 @@ class InputBuffers:
         self._free_rows = list(range(s - 1, -1, -1))
         self._copies_done = torch.cuda.Event() if pin else None
         self._copies_pending = False
+        # A step's views of the persistent buffers, by size: slicing a tensor costs ~1-3 us of
+        # host time, a step takes a dozen such views, and decode steps repeat a few sizes.
+        self._view_cache: dict[tuple, object] = {}
+        self._iota = np.arange(max(t, s) + 1, dtype=np.int32)  # query start locations of rows
+
+    def _views(self, kind: str, *size: int) -> tuple[torch.Tensor, ...]:
+        """The step's views of one group of buffers (see _make_views), made once per size."""
+        key = (kind, *size)
+        views = self._view_cache.get(key)
+        if views is None:
+            if len(self._view_cache) >= 4096:  # bounded: sizes seen once are not kept forever
+                self._view_cache.clear()
+            views = self._view_cache[key] = self._make_views(kind, *size)
+        return views
+
+    def _make_views(self, kind: str, *size: int) -> tuple[torch.Tensor, ...]:
+        if kind == "tokens":  # (input ids, positions, slot mapping) of num_tokens
+            (k,) = size
+            return self.input_ids[:k], self.positions[:k], self.slot_mapping[:k]
+        if kind == "seqs":  # (query start locations, sequence lengths) of num_seqs
+            (k,) = size
+            return self.query_start_loc[: k + 1], self.seq_lens[:k]
+        if kind == "table":  # the kernels' table, and its compact staging, [num_seqs, num_cols]
+            k, c = size
+            return self.block_tables[:k, :c], self.block_table_staging[: k * c].view(k, c)
+        if kind == "copy":  # (device, host) prefixes of one copy's shared allocation
+            which, end = size
+            dev, host = [
+                (self._tok, self._tok_cpu),
+                (self._seq, self._seq_cpu),
+                (self._pending, self._pending_cpu),
+                (self.logits_indices, self.logits_indices_cpu),
+            ][which]
+            return dev[:end], host[:end]
+        raise ValueError(kind)
 
     # ---- per-request rows --------------------------------------------------------------------
 
@@ -176,46 +224,57 @@ class InputBuffers:
         flatten: bool = False,  # verification steps: every token an attention row of its own
     ) -> PackedBatch:
         self.wait_for_copies()
+        # Sizes in plain Python: numpy's reductions cost microseconds each on arrays this small.
         n = len(states)
-        query_lens = np.asarray(num_scheduled, dtype=np.int64)
-        qsl = self._qsl
-        qsl[0] = 0
-        np.cumsum(query_lens, out=qsl[1 : n + 1])
-        num_tokens = int(qsl[n])
-        start = np.fromiter((s.num_computed_tokens for s in states), np.int64, n)
-        seq_lens = start + query_lens
+        num_tokens = sum(num_scheduled)
         decode_only = num_tokens == n
+        qsl = self._qsl
+        if decode_only:
+            qsl[: n + 1] = self._iota[: n + 1]
+            qsl_list = None
+        else:
+            qsl_list = [0, *accumulate(num_scheduled)]
+            qsl[: n + 1] = qsl_list
+        starts = [s.num_computed_tokens for s in states]
+        seq_lens_list = [a + q for a, q in zip(starts, num_scheduled)]
+        max_seq_len = max(seq_lens_list)
+        start = np.array(starts, dtype=np.int64)
+        seq_lens = np.array(seq_lens_list, dtype=np.int64)
         seq_of_token, positions, num_pending = self._fill_input_ids(
-            states, num_scheduled, start, decode_only
+            states, num_scheduled, start, qsl_list
         )
 
-        num_cols = -(-int(seq_lens.max()) // self.block_size)
+        num_cols = -(-max_seq_len // self.block_size)
         query_start_loc_np = qsl[: n + 1].copy()
         if flatten:
             return self._prepare_flat(
-                states, num_scheduled, seq_of_token, positions, seq_lens, num_cols,
-                num_padded_seqs, num_pending, query_start_loc_np,
+                states, num_scheduled, seq_of_token, positions, seq_lens_list, num_cols,
+                num_padded_seqs, num_pending, query_start_loc_np, max_seq_len,
             )  # fmt: skip
         padded = n if num_padded_seqs is None else num_padded_seqs
         assert padded == n or decode_only, "only decode-only steps are padded"
         self._fill_positions_and_slots(
             states, seq_of_token, positions, seq_lens, num_cols, num_tokens, padded
         )
-        sampling_rows, logits_indices = self._sampling_rows(states, seq_lens, decode_only)
+        sampling_rows, logits_rows = self._sampling_rows(states, seq_lens_list)
+        logits_indices = self._logits_indices(logits_rows)
         self._copy_to_device(max(num_tokens, padded), padded, num_cols, logits_indices, num_pending)
+        slot_mapping = self._views("tokens", num_tokens)[2]
+        query_start_loc, seq_lens_dev = self._views("seqs", n)
+        # Decodes lead the batch: the first row of more than one token ends them.
+        num_decodes = n if decode_only else next(i for i, q in enumerate(num_scheduled) if q != 1)
         metadata = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:num_tokens],
-            query_start_loc=self.query_start_loc[: n + 1],
-            seq_lens=self.seq_lens[:n],
-            block_tables=self.block_tables[:n, :num_cols],
-            # Decodes lead the batch: the first row of more than one token ends them.
-            num_decodes=n if decode_only else int(np.argmax(query_lens != 1)),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens_dev,
+            block_tables=self._views("table", n, num_cols)[0],
+            num_decodes=num_decodes,
+            max_query_len=max(num_scheduled),
+            max_seq_len=max_seq_len,
         )
         return self._packed(
             states, num_scheduled, num_tokens, metadata, query_start_loc_np, sampling_rows,
-            logits_indices, padded, num_pending,
+            logits_indices, len(logits_rows), padded, num_pending,
         )  # fmt: skip
 
     def _prepare_flat(
@@ -224,11 +283,12 @@ class InputBuffers:
         num_scheduled: list[int],
         seq_of_token: np.ndarray,
         positions: np.ndarray,
-        seq_lens: np.ndarray,  # per request
+        seq_lens: list[int],  # per request
         num_cols: int,
         num_padded_rows: int | None,
         num_pending: int,
         query_start_loc_np: np.ndarray,
+        max_seq_len: int,
     ) -> PackedBatch:
         """A step of decodes and verifications (each a few tokens after a cached context) as a
         decode batch of one row per token: token i of a request attends to its context plus its
@@ -238,37 +298,38 @@ class InputBuffers:
         num_tokens = positions.shape[0]
         assert num_tokens <= self.max_num_seqs, "flattened rows must fit the decode buffers"
         # Sampling rows and logits indices are per request: taken before qsl becomes per token.
-        sampling_rows, logits_indices = self._sampling_rows(states, seq_lens, False)
+        sampling_rows, logits_rows = self._sampling_rows(states, seq_lens)
+        logits_indices = self._logits_indices(logits_rows)
         padded = num_tokens if num_padded_rows is None else num_padded_rows
         bs, ids, qsl = self.block_size, self._ids, self._qsl
         rows = np.fromiter((s.row for s in states), np.int64, n)
         table = self._bt[: padded * num_cols].reshape(padded, num_cols)
         table[:num_tokens] = self.req_block_table[rows[seq_of_token], :num_cols]
         self._pos[:num_tokens] = positions
-        tokens = np.arange(num_tokens)
-        self._slots[:num_tokens] = table[tokens, positions // bs] * bs + positions % bs
+        block, offset = np.divmod(positions, bs)
+        self._slots[:num_tokens] = table[self._iota[:num_tokens], block] * bs + offset
         self._seq_lens[:num_tokens] = positions + 1
-        qsl[: num_tokens + 1] = np.arange(num_tokens + 1)
+        qsl[: padded + 1] = self._iota[: padded + 1]  # one row per token, padding rows too
         if padded > num_tokens:  # as in _fill_positions_and_slots: rows that touch nothing
             ids[num_tokens:padded] = 0
             self._pos[num_tokens:padded] = 0
             self._slots[num_tokens:padded] = -1
             self._seq_lens[num_tokens:padded] = 1
-            qsl[num_tokens + 1 : padded + 1] = np.arange(num_tokens + 1, padded + 1)
             table[num_tokens:] = 0
         self._copy_to_device(padded, padded, num_cols, logits_indices, num_pending)
+        query_start_loc, seq_lens_dev = self._views("seqs", num_tokens)
         metadata = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:num_tokens],
-            query_start_loc=self.query_start_loc[: num_tokens + 1],
-            seq_lens=self.seq_lens[:num_tokens],
-            block_tables=self.block_tables[:num_tokens, :num_cols],
+            slot_mapping=self._views("tokens", num_tokens)[2],
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens_dev,
+            block_tables=self._views("table", num_tokens, num_cols)[0],
             num_decodes=num_tokens,
             max_query_len=1,
-            max_seq_len=int(seq_lens.max()),
+            max_seq_len=max_seq_len,
         )
         return self._packed(
             states, num_scheduled, num_tokens, metadata, query_start_loc_np, sampling_rows,
-            logits_indices, padded, num_pending,
+            logits_indices, len(logits_rows), padded, num_pending,
         )  # fmt: skip
 
     def _packed(
@@ -280,21 +341,24 @@ class InputBuffers:
         query_start_loc_np: np.ndarray,
         sampling_rows: list[int],
         logits_indices: torch.Tensor | None,
+        num_logits_rows: int,
         padded: int,
         num_pending: int,
     ) -> PackedBatch:
         """The step's PackedBatch over the first num_tokens of the persistent buffers."""
+        input_ids, positions, _ = self._views("tokens", num_tokens)
         return PackedBatch(
             req_ids=[s.req_id for s in states],
             num_scheduled=num_scheduled,
-            input_ids=self.input_ids[:num_tokens],
-            positions=self.positions[:num_tokens],
+            input_ids=input_ids,
+            positions=positions,
             metadata=metadata,
             query_start_loc_np=query_start_loc_np,
             sampling_rows=sampling_rows,
             logits_indices=logits_indices,
             num_padded_seqs=padded,
             num_pending_inputs=num_pending,
+            num_logits_rows=num_logits_rows,
         )
 
     def _fill_input_ids(
@@ -302,13 +366,13 @@ class InputBuffers:
         states: list[CachedRequestState],
         num_scheduled: list[int],
         start: np.ndarray,  # [n] each sequence's first position this step
-        decode_only: bool,
+        qsl: list[int] | None,  # query start locations; None: a decode-only step
     ) -> tuple[np.ndarray, np.ndarray, int]:  # (sequence of each token, positions, num pending)
         """The step's input ids from the host copies of the tokens; a token the running step
         sampled (still on the device) is listed in pending_src/dst for the runner to copy."""
-        n, ids, qsl = len(states), self._ids, self._qsl
+        n, ids = len(states), self._ids
         pending: list[tuple[int, int]] = []  # (input position, row of the last sampled ids)
-        if decode_only:
+        if qsl is None:
             seq_of_token = np.arange(n)
             positions = start
             for r, s in enumerate(states):
@@ -318,13 +382,15 @@ class InputBuffers:
                     pending.append((r, s.pending_index))
         else:
             # Token i of sequence r sits at position start[r] + i.
-            num_tokens = int(qsl[n])
-            seq_of_token = np.repeat(np.arange(n), np.asarray(num_scheduled, dtype=np.int64))
-            positions = np.arange(num_tokens) - qsl[seq_of_token] + start[seq_of_token]
+            num_tokens = qsl[n]
+            seq_of_token = np.repeat(np.arange(n), num_scheduled)
+            # start[r] - qsl[r] per sequence, spread over its tokens.
+            offset = start - np.array(qsl[:n], dtype=np.int64)
+            positions = np.arange(num_tokens) + offset[seq_of_token]
             for r, s in enumerate(states):
                 a = s.num_computed_tokens
                 if a >= len(s.token_ids):  # a decode of the token still on the device
-                    pending.append((int(qsl[r]), s.pending_index))
+                    pending.append((qsl[r], s.pending_index))
                 elif s.spec_token_ids:  # the last known token, then the drafts to verify
                     k = num_scheduled[r] - len(s.spec_token_ids)
                     ids[qsl[r] : qsl[r + 1]] = s.token_ids[a : a + k] + s.spec_token_ids
@@ -352,7 +418,8 @@ class InputBuffers:
         table = self._bt[: padded * num_cols].reshape(padded, num_cols)
         table[:n] = self.req_block_table[rows, :num_cols]
         self._pos[:num_tokens] = positions
-        self._slots[:num_tokens] = table[seq_of_token, positions // bs] * bs + positions % bs
+        block, offset = np.divmod(positions, bs)
+        self._slots[:num_tokens] = table[seq_of_token, block] * bs + offset
         self._seq_lens[:n] = seq_lens
         if padded > n:
             # Padding rows: token 0 at position 0 attending to one key of block 0 (harmless reads);
@@ -361,32 +428,35 @@ class InputBuffers:
             self._pos[n:padded] = 0
             self._slots[n:padded] = -1
             self._seq_lens[n:padded] = 1
-            qsl[n + 1 : padded + 1] = np.arange(n + 1, padded + 1)
+            qsl[n + 1 : padded + 1] = self._iota[n + 1 : padded + 1]
             table[n:] = 0
 
     def _sampling_rows(
-        self, states: list[CachedRequestState], seq_lens: np.ndarray, decode_only: bool
-    ) -> tuple[list[int], torch.Tensor | None]:
+        self, states: list[CachedRequestState], seq_lens: list[int]
+    ) -> tuple[list[int], list[int]]:
         """Who samples: requests whose scheduled tokens reach their last known token (plus the
-        drafts they verify); and where their logits are (None: row i samples at token i). A
-        request verifying K drafts has K + 1 logits rows, its last K + 1 tokens."""
-        n, qsl = len(states), self._qsl
-        num_known = np.fromiter((s.num_tokens for s in states), np.int64, n)
-        num_spec = np.fromiter((len(s.spec_token_ids) for s in states), np.int64, n)
-        samples = seq_lens - num_spec == num_known
-        if decode_only and samples.all():
-            return list(range(n)), None
-        sampling_rows = np.flatnonzero(samples).tolist()
-        ends = qsl[1 : n + 1][samples]
-        if not num_spec.any():
-            k = len(sampling_rows)
-            self._logits_idx[:k] = ends - 1
-        else:
-            rows = num_spec[samples] + 1
-            k = int(rows.sum())
-            first = np.repeat(ends - rows, rows)  # each row's first logits position ...
-            self._logits_idx[:k] = first + np.arange(k) - np.repeat(np.cumsum(rows) - rows, rows)
-        return sampling_rows, self.logits_indices[:k]
+        drafts they verify); and the tokens their logits are at. A request verifying K drafts
+        has K + 1 logits rows, its last K + 1 tokens. A Python loop: at the batch sizes where
+        the host's time shows (a few requests), numpy's per-call costs are most of it."""
+        sampling_rows: list[int] = []
+        logits_idx: list[int] = []
+        ends = self._qsl[1 : len(states) + 1].tolist()  # each request's last token + 1
+        for r, (state, seq_len, end) in enumerate(zip(states, seq_lens, ends)):
+            k = len(state.spec_token_ids)
+            if seq_len - k == state.num_tokens:
+                sampling_rows.append(r)
+                logits_idx.extend(range(end - k - 1, end))
+        return sampling_rows, logits_idx
+
+    def _logits_indices(self, logits_idx: list[int]) -> torch.Tensor | None:
+        """The device tensor of the logits rows' tokens; None where they are the first ones
+        (every decode samples; a verification step of decodes alone): the runner takes a view.
+        The indices increase strictly, so the last being k - 1 means they are 0..k-1."""
+        k = len(logits_idx)
+        if not k or logits_idx[-1] == k - 1:
+            return None
+        self._logits_idx[:k] = logits_idx
+        return self._views("copy", 3, k)[0]
 
     def _copy_to_device(
         self,
@@ -396,32 +466,25 @@ class InputBuffers:
         logits_indices: torch.Tensor | None,
         num_pending: int,
     ) -> None:
-        """One asynchronous copy per buffer, of the prefix this step uses."""
+        """Three asynchronous copies at most (per-token int64, per-sequence int32, logits
+        indices), plus the pending-input indices when there are any; see __init__'s layout."""
         nb = True
-        self.input_ids[:num_tokens].copy_(self.input_ids_cpu[:num_tokens], non_blocking=nb)
-        self.positions[:num_tokens].copy_(self.positions_cpu[:num_tokens], non_blocking=nb)
-        self.slot_mapping[:num_tokens].copy_(self.slot_mapping_cpu[:num_tokens], non_blocking=nb)
-        self.seq_lens[:num_seqs].copy_(self.seq_lens_cpu[:num_seqs], non_blocking=nb)
-        self.query_start_loc[: num_seqs + 1].copy_(
-            self.query_start_loc_cpu[: num_seqs + 1], non_blocking=nb
-        )
+        views = self._views
+        t, s = self.max_num_tokens, self.max_num_seqs
+        dev, host = views("copy", 0, 2 * t + num_tokens)  # ... through the slot mapping's prefix
+        dev.copy_(host, non_blocking=nb)
         # The table travels compact ([num_seqs, num_cols]) and is spread into its row-stride-w
         # home on the device: a step moves only the columns its longest sequence needs.
-        size = num_seqs * num_cols
-        self.block_table_staging[:size].copy_(self.block_table_cpu[:size], non_blocking=nb)
-        self.block_tables[:num_seqs, :num_cols].copy_(
-            self.block_table_staging[:size].view(num_seqs, num_cols)
-        )
+        dev, host = views("copy", 1, 2 * s + 1 + num_seqs * num_cols)
+        dev.copy_(host, non_blocking=nb)
+        table, staging = views("table", num_seqs, num_cols)
+        table.copy_(staging)
         if logits_indices is not None:
-            k = logits_indices.shape[0]
-            logits_indices.copy_(self.logits_indices_cpu[:k], non_blocking=nb)
+            dev, host = views("copy", 3, logits_indices.shape[0])
+            dev.copy_(host, non_blocking=nb)
         if num_pending:
-            self.pending_dst[:num_pending].copy_(
-                self.pending_dst_cpu[:num_pending], non_blocking=nb
-            )
-            self.pending_src[:num_pending].copy_(
-                self.pending_src_cpu[:num_pending], non_blocking=nb
-            )
+            dev, host = views("copy", 2, s + num_pending)
+            dev.copy_(host, non_blocking=nb)
         if self._copies_done is not None:
             self._copies_done.record()
             self._copies_pending = True

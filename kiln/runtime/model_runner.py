@@ -146,6 +146,8 @@ class ModelRunner:
         self._sampled_arrival = self._last_arrival = None
         self._num_sampling_steps = 0  # steps that sampled so far (CachedRequestState.pending_step)
         self._host_slot = 0  # which of the two pinned buffers the next step's ids land in
+        # A step whose every sampling row verified drafts samples no ids: this, never written.
+        self._no_ids = torch.zeros(0, dtype=torch.long, device=self.device)
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -282,14 +284,10 @@ class ModelRunner:
             return True
 
         step.states = [states[r] for r in batch.sampling_rows]
-        num_rows = len(step.states)
         if self.parallel is not None:
             result = self._sample_parallel(hidden, batch, step)
         else:
-            if batch.logits_indices is None:
-                logits = self.model.compute_logits(hidden[:num_rows], self.ops)
-            else:
-                logits = self.model.compute_logits(hidden[batch.logits_indices], self.ops)
+            logits = self.model.compute_logits(_logits_rows(hidden, batch), self.ops)
             if sched.scheduled_spec_decode_tokens:
                 logits = self._verify(step, logits)
             if sched.beam_rows:
@@ -310,7 +308,7 @@ class ModelRunner:
             if step.states:
                 result = self.sampler(logits, self.sampling.build(step.states))
             else:  # every sampling row verified drafts
-                result = SamplerOutput(logits.new_zeros(0, dtype=torch.long), None)
+                result = SamplerOutput(self._no_ids, None)
         self._mark_pending(step)
         self._sampled(step, result, gpu_events)
         step.times = (t0, t1, t2, time.perf_counter())
@@ -393,9 +391,7 @@ class ModelRunner:
         sampled = logprobs = None
         states = step.states
         if self.model.computes_logits:
-            index = batch.logits_indices
-            rows = hidden[: len(states)] if index is None else hidden[index]
-            logits = self.model.compute_logits(rows, self.ops)
+            logits = self.model.compute_logits(_logits_rows(hidden, batch), self.ops)
             if self.parallel.layout.samples:
                 if step.sched.beam_rows:
                     self._beam_top_k(step, logits)
@@ -484,8 +480,10 @@ class ModelRunner:
                 step.host_beam = (beam.scores, beam.rows, beam.token_ids)
             return
         self._host_slot ^= 1
-        host = self.inputs.sampled_cpu[self._host_slot][: step.sampled.shape[0]]
-        host.copy_(step.sampled, non_blocking=True)
+        num_ids = step.sampled.shape[0]
+        host = self.inputs.sampled_cpu[self._host_slot][:num_ids]
+        if num_ids:  # (none: every row verified drafts, whose ids come back in spec_result)
+            host.copy_(step.sampled, non_blocking=True)
         step.host_sampled = host
         if logprobs is not None:
             step.host_logprobs = LogprobsTensors(
@@ -584,7 +582,7 @@ class ModelRunner:
             # compared with the drafts on the host once they are back (_finish_verification).
             # One kernel and one copy, as a plain decode's sampling.
             greedy = self.sampler.argmax(spec_logits)
-            step.spec_result = (None, greedy.to("cpu", non_blocking=True))
+            step.spec_result = (None, self._verified_to_host(greedy))
         else:
             rows = verification_rows(spec_states)
             metadata = build_sampling_metadata(rows, self.eos_token_ids, self.vocab_size, device)
@@ -602,6 +600,20 @@ class ModelRunner:
         if not plain_rows:
             return logits[:0]
         return logits[to_device(plain_rows, torch.long, device)]
+
+    def _verified_to_host(self, ids: torch.Tensor) -> torch.Tensor:
+        """Start the copy of a greedy verification's ids to the host, into the pinned buffer
+        beside the one the step's sampled ids will land in (_copy_to_host takes slot
+        _host_slot ^ 1 next, and nothing copies in between): no pinned allocation a step.
+        Waited for by the step's `done` event, recorded after."""
+        if self.device.type != "cuda":
+            return ids
+        host = self.inputs.verified_cpu[self._host_slot ^ 1]
+        if ids.shape[0] > host.shape[0]:  # cannot happen (a row per token); never truncate
+            return ids.to("cpu", non_blocking=True)
+        host = host[: ids.shape[0]]
+        host.copy_(ids, non_blocking=True)
+        return host
 
     def _finish_verification(self, step: _InFlightStep, sampled_ids: dict[str, list[int]]) -> None:
         accepted, recovered = step.spec_result
@@ -691,6 +703,14 @@ class ModelRunner:
                 entries += [TokenLogprobs(ids, lps, rank) for ids, lps, rank in rows]
             out[state.req_id] = PromptLogprobsChunk(first + 1, entries)
         return out
+
+
+def _logits_rows(hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """The hidden states of the step's logits rows: a view where they lead the batch (decodes;
+    verification steps of decodes alone), else a gather."""
+    if batch.logits_indices is None:
+        return hidden[: batch.num_logits_rows]
+    return hidden[batch.logits_indices]
 
 
 def _fields(t: LogprobsTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
