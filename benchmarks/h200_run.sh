@@ -424,9 +424,11 @@ for s in "$@"; do
         # vs a plain decode step, tok/s at mean acceptance lengths 2, 3, 4 (the oracle accepting
         # by its own draw), a random EAGLE-3 head's cost per step at 8B shapes; each engine in a
         # process of its own (plain, spec with async scheduling, spec-sync: batch 1 with it off,
-        # eagle3); expectations: benchmarks/spec_decode_gpu_expected.md
+        # eagle3; SPEC_PHASES="plain spec" runs only those); expectations:
+        # benchmarks/spec_decode_gpu_expected.md
         stage spec 560 python3 benchmarks/spec_decode_gpu.py --model llama-3.1-8b \
-            --load-format dummy --dtype bfloat16 --out "$OUT/spec_decode_gpu$SFX.json"
+            --load-format dummy --dtype bfloat16 ${SPEC_PHASES:+--phases $SPEC_PHASES} \
+            --out "$OUT/spec_decode_gpu$SFX.json"
         ;;
     test-spec)  # the speculative-decoding tests on the GPU machine (Triton kernels, real graphs)
         # (test_gpu's speculative test: every method on CUDA, async scheduling on by default)
