@@ -424,10 +424,12 @@ for s in "$@"; do
         # vs a plain decode step, tok/s at mean acceptance lengths 2, 3, 4 (the oracle accepting
         # by its own draw), a random EAGLE-3 head's cost per step at 8B shapes; each engine in a
         # process of its own (plain, spec with async scheduling, spec-sync: batch 1 with it off,
-        # eagle3; SPEC_PHASES="plain spec" runs only those); expectations:
+        # eagle3; SPEC_PHASES="plain spec" runs only those; SPEC_BATCHES="1 64 128 256" the
+        # batch sizes of the oracle and plain rows: the crossover); expectations:
         # benchmarks/spec_decode_gpu_expected.md
         stage spec 560 python3 benchmarks/spec_decode_gpu.py --model llama-3.1-8b \
             --load-format dummy --dtype bfloat16 ${SPEC_PHASES:+--phases $SPEC_PHASES} \
+            ${SPEC_BATCHES:+--batches $SPEC_BATCHES} \
             --out "$OUT/spec_decode_gpu$SFX.json"
         ;;
     test-spec)  # the speculative-decoding tests on the GPU machine (Triton kernels, real graphs)
