@@ -88,6 +88,33 @@ def test_json_schema_outputs_validate_and_batch_with_plain_requests(tiny_llm):
     assert not any(o.outputs[0].text.startswith('{"name"') for o in free)
 
 
+def test_a_deferred_grammar_row_draws_from_its_own_steps_generator(tiny_llm, monkeypatch):
+    """A grammar row's sampler waits for its mask (deferred) and is launched later, but its
+    seeded generator is the one of the token it samples, as for a row without a grammar: the
+    n-th token draws from (seed, n), and min_tokens counts the tokens before it. (Built after
+    its rows were marked pending, the deferred metadata once counted its own token: every draw
+    and the min_tokens mask one step ahead.)"""
+    from kiln.runtime import sampling_inputs
+
+    calls = []
+    real = sampling_inputs.step_generator
+
+    def spy(seed, step, device):
+        calls.append((seed, step))
+        return real(seed, step, device)
+
+    monkeypatch.setattr(sampling_inputs, "step_generator", spy)
+    for params in (
+        SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True),
+        _guided(
+            spec={"regex": "[a-z]{6}"}, temperature=1.0, seed=12, max_tokens=6, ignore_eos=True
+        ),
+    ):
+        out = tiny_llm.generate(["Steps:"], params)[0].outputs[0]
+        assert len(out.token_ids) == 6, out.text
+    assert calls == [(11, n) for n in range(6)] + [(12, n) for n in range(6)]
+
+
 def test_async_scheduling_gives_the_same_outputs(tiny_llm, tiny_path):
     """The GPU's schedule on the CPU: step N+1 is launched before N's tokens are back, and the
     runner waits for them only after the launch, to build N+1's mask. Same tokens as the

@@ -299,7 +299,10 @@ class ModelRunner:
                 # the previous step is collected) while the device runs this forward and this
                 # thread goes on with the engine loop; the sampler is launched when the next
                 # submit or collect needs it.
-                step.deferred = (logits, gpu_events)
+                # Its sampling metadata is built now, before its rows are marked pending, as
+                # the undeferred path below builds it: the seeded generators and min_tokens
+                # count the tokens sampled before this step, not this step's own.
+                step.deferred = (logits, gpu_events, self.sampling.build(step.states))
                 self._deferred = step
                 self._mark_pending(step)
                 self._start_deferred_fill()
@@ -364,9 +367,8 @@ class ModelRunner:
                 self._finish(older)
         self._start_deferred_fill()
         self._deferred = None
-        logits, gpu_events = step.deferred
+        logits, gpu_events, metadata = step.deferred
         pending, step.deferred, step.pending_mask = step.pending_mask, None, None
-        metadata = self.sampling.build(step.states)  # while the worker may still be filling
         bitmask = self._grammars.finish_fill(pending, self.device)
         if bitmask is not None:
             metadata = replace(metadata, token_bitmask=bitmask)
@@ -742,7 +744,7 @@ class _InFlightStep:
     gpu_events: tuple | None = None
     times: tuple[float, ...] = ()
     output: ModelRunnerOutput | None = None
-    deferred: tuple | None = None  # (logits, gpu_events) while its sampler waits for a mask
+    deferred: tuple | None = None  # (logits, gpu_events, metadata) while it waits for a mask
     pending_mask: object | None = None  # kiln.structured_output.PendingBitmask once started
     beam: BeamTopK | None = None  # beam-search rows' best continuations (device)
     beam_owners: list[tuple[str, list[int]]] = field(default_factory=list)  # per group
