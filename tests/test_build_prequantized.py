@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,41 @@ def test_modelopt_kv_scales_are_the_engines_and_apply_to_a_float8_cache(prequant
     assert _manifest(folded)["kv_scales_in_weights"] is True
     assert _manifest(folded)["kv_scales"] == want_scales
     assert_same_completions(LLM(folded, **ARGS).generate(PROMPTS, GREEDY), want, atol=1e-6)
+
+
+def _char_tokenizer(path: Path) -> None:
+    """A character tokenizer that fits the test checkpoints' 256-token vocabulary."""
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{chr(c): c - 29 for c in range(32, 127)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(str(path))
+
+
+def test_a_float8_cache_the_checkpoint_has_no_scales_for(tmp_path):
+    """Without a tokenizer the cache stays unscaled, as loading the checkpoint leaves it (the
+    same arithmetic: checked against it); with one, the build calibrates k/v scales into the
+    weights and checks them against the checkpoint's model-dtype cache, within the 1% limit."""
+    options = BuildOptions(kv_cache_dtype="fp8")
+    plain = build_engine(str(DATA / "compressed_tensors"), str(tmp_path / "plain"), options, None)
+    assert plain.kv_scales is None and plain.quantization_source["kv_scales"] is None
+    assert plain.accuracy["passed"] and plain.accuracy["max_ppl_increase_pct"] == 0.01
+    src = tmp_path / "with-tokenizer"
+    shutil.copytree(DATA / "compressed_tensors", src)
+    _char_tokenizer(src)
+    built = build_engine(str(src), str(tmp_path / "calibrated"), options, None)
+    assert len(built.kv_scales) == 2 and built.kv_scales_in_weights
+    assert built.quantization_source["kv_scales"].startswith("calibrated at build time")
+    accuracy = built.accuracy
+    assert accuracy["passed"] and "model-dtype KV cache" in accuracy["baseline"]
+    assert accuracy["metric"] == "word_perplexity" and accuracy["max_ppl_increase_pct"] == 1.0
+    assert accuracy["source_word_perplexity"] != accuracy["engine_word_perplexity"]
+    qkv = _tensors(tmp_path / "calibrated")["layers.0.self_attn.qkv_proj.weight"]
+    src_q = _tensors(src)["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(qkv[: len(src_q)].view(torch.uint8), src_q.view(torch.uint8))
 
 
 @pytest.mark.parametrize(

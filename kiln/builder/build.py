@@ -120,10 +120,8 @@ def build_engine(
     gpu_class = current_gpu_class() if device.type == "cuda" else None
     if fp8 is None:
         calibration = _calibration_text(options)
-    elif fp8.kv_scales is None:  # its weight and input scales are its own: only a KV cache's
-        calibration = _calibration_text(replace(options, quantization="none"))
-    else:
-        calibration = None
+    else:  # its weight and input scales are its own: only a float8 KV cache may calibrate
+        calibration = prequantized.kv_calibration(path, fp8, options, _calibration_text)
     key = {
         **asdict(options),
         "dtype": str(dtype).removeprefix("torch."),

@@ -22,7 +22,8 @@ import gc
 import json
 import math
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kiln.checkpoint.prequantized import PrequantizedFp8, read_prequantized
@@ -39,6 +40,7 @@ _SCHEMES = {
     "fp8": "static per-tensor input scales",
     "fp8-dynamic": "dynamic per-token activation scales",
 }
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _PRODUCERS = {"compressed-tensors": "llm-compressor", "modelopt": "NVIDIA ModelOpt"}
 
 
@@ -70,6 +72,23 @@ def resolve_quantization(requested: str, fp8: PrequantizedFp8 | None, path: str)
         f"re-quantize it: leave --quantization out (or pass {fp8.quantization}), or build "
         f"{requested} from the unquantized checkpoint"
     )
+
+
+def kv_calibration(
+    path: str, fp8: PrequantizedFp8, options: Any, read_text: Callable[[Any], str | None]
+) -> str | None:
+    """The text a float8 KV cache's scales are calibrated on, when the build needs them: the
+    cache is float8 and the checkpoint has no k/v scales of its own. Calibration tokenizes text:
+    a checkpoint without a tokenizer keeps an unscaled float8 cache, as loading it does."""
+    if fp8.kv_scales is not None:
+        return None
+    text = read_text(replace(options, quantization="none"))  # a float8 cache's text, or None
+    if text is not None and not any(
+        os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES
+    ):
+        print("the checkpoint has no tokenizer: its float8 KV cache stays unscaled", flush=True)
+        return None
+    return text
 
 
 def scales_method(fp8: PrequantizedFp8) -> str:
@@ -185,7 +204,7 @@ def run_source(
         _, kv_scales = calibrate(llm, calibration, False, True)
     llm.shutdown()
     del llm
-    gc.collect()
+    _release_memory()
     return scores, kv_scales
 
 
@@ -208,7 +227,7 @@ def accuracy(
     got = score(llm, options.max_model_len)
     llm.shutdown()
     del llm
-    gc.collect()
+    _release_memory()
     metric = "word_perplexity" if baseline.word_perplexity is not None else "token_perplexity"
     source_ppl, engine_ppl = getattr(baseline, metric), getattr(got, metric)
     increase = 100.0 * (engine_ppl / source_ppl - 1.0)
@@ -238,6 +257,16 @@ def accuracy(
         "max_ppl_increase_pct": limit,
         "passed": passed,
     }
+
+
+def _release_memory() -> None:
+    """Hand a freed `LLM`'s device memory back before the next one is made (each sizes its KV
+    cache from the memory that is free)."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def failure(report: dict[str, Any]) -> str:
