@@ -101,7 +101,7 @@ def describe(tiles: dict[str, Any] | None, reason: str | None) -> str:
         t = e["tiles"]
         split = f" split-k {t['split_k']}" if t["split_k"] > 1 else ""
         lines.append(
-            f"  {e['projection']:<13} {e['rows']:>3} rows {e['kernel']:<21} {e['n']}x{e['k']}: "
+            f"  {e['projection']:<13} rows {e['rows']:<3} {e['kernel']:<21} {e['n']}x{e['k']}: "
             f"{t['block_n']}x{t['block_k']} {t['num_warps']} warps {t['num_stages']} stages"
             f"{split} ({e['from']})"
         )
