@@ -21,7 +21,7 @@ from kiln.builder.manifest import EngineManifest
 from kiln.builder.tiles import CPU_REASON, describe, kernel_tiles
 from kiln.checkpoint.engine_dir import MANIFEST_FILE
 from kiln.cli.main import main
-from kiln.errors import BuildError
+from kiln.errors import BuildError, ModelLoadError
 from kiln.models.config import PRESETS, ModelConfig
 from tests.conftest import assert_same_completions
 
@@ -262,3 +262,15 @@ def test_the_kernel_tiles_recorded_for_an_h200_build(monkeypatch, capsys):
         None,
         CPU_REASON,
     )
+
+
+def test_a_scheme_kiln_cannot_carry_is_refused_by_name(tmp_path):
+    """An int4 compressed-tensors checkpoint: the loader's one-line error, before any weight."""
+    src = tmp_path / "int4"
+    shutil.copytree(DATA / "compressed_tensors", src)
+    config = json.loads((src / "config.json").read_text())
+    weights = config["quantization_config"]["config_groups"]["group_0"]["weights"]
+    weights.update(type="int", num_bits=4, strategy="group", group_size=128)
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="int4/group weights"):
+        build_engine(str(src), str(tmp_path / "e"), BuildOptions(), None)
