@@ -24,10 +24,13 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.checkpoint.prequantized import PrequantizedFp8, read_prequantized
 from kiln.errors import BuildError
+
+if TYPE_CHECKING:  # build.py imports this module
+    from kiln.builder.build import BuildOptions
 
 # The engine's and the checkpoint's perplexities may differ by float noise only (the same
 # weights and the same kernels: on the CPU they are equal to the bit; a reordered sum on a GPU
@@ -75,7 +78,10 @@ def resolve_quantization(requested: str, fp8: PrequantizedFp8 | None, path: str)
 
 
 def kv_calibration(
-    path: str, fp8: PrequantizedFp8, options: Any, read_text: Callable[[Any], str | None]
+    path: str,
+    fp8: PrequantizedFp8,
+    options: BuildOptions,
+    read_text: Callable[[BuildOptions], str | None],
 ) -> str | None:
     """The text a float8 KV cache's scales are calibrated on, when the build needs them: the
     cache is float8 and the checkpoint has no k/v scales of its own. Calibration tokenizes text:
@@ -178,7 +184,7 @@ def score(llm: Any, max_length: int | None) -> Scores:
 
 
 def run_source(
-    path: str, options: Any, calibration: str | None, check: bool
+    path: str, options: BuildOptions, calibration: str | None, check: bool
 ) -> tuple[Scores | None, list[tuple[float, float]] | None]:
     """(the checkpoint's scores as kiln loads it directly, KV cache scales calibrated on
     `calibration` when the build needs them and the checkpoint has none), from one `LLM` of the
@@ -209,7 +215,7 @@ def run_source(
 
 
 def accuracy(
-    engine: str, options: Any, baseline: Scores | None, same_arithmetic: bool
+    engine: str, options: BuildOptions, baseline: Scores | None, same_arithmetic: bool
 ) -> dict[str, Any]:
     """The engine's scores against the checkpoint's: equal within float noise when the build
     added nothing (`same_arithmetic`), else (new KV scales) within --max-ppl-increase."""
