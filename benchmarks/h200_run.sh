@@ -278,6 +278,13 @@ for s in "$@"; do
             --work "${WORK:-/tmp/kiln-build8b}" --quantization fp8-dynamic "${BASE_ARG[@]}" \
             --output-json "$OUT/build_first_token_8b$SFX.json"
         ;;
+    prequant)  # issue 13: kiln build from pre-quantized FP8 checkpoints on the GPU: the
+        # llm-compressor / ModelOpt test checkpoints (accuracy check vs the checkpoint loaded
+        # directly, the kernel tiles recorded for this GPU), and build time of an 8B-shaped
+        # compressed-tensors checkpoint (expectations: benchmarks/prequant_build_expected.md)
+        stage prequant 580 python3 benchmarks/prequant_build_gpu.py \
+            --work "${WORK:-/tmp/kiln-prequant}" --output-json "$OUT/prequant_build$SFX.json"
+        ;;
     so-json)  # issue 18: 64 concurrent 128/128 JSON-schema requests vs the same unconstrained
         # (3 alternating rounds each, one process); needs xgrammar (pip install xgrammar)
         stage so-json 600 python3 benchmarks/structured_output_bench.py --model llama-3.1-8b \

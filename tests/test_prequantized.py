@@ -138,11 +138,3 @@ def _undeclared(c):
 def test_what_kiln_cannot_load_is_a_clear_error(tmp_path, name, edit, message) -> None:
     with pytest.raises(ModelLoadError, match=message):
         LLM(_edited_copy(tmp_path, name, edit), **ARGS)
-
-
-def test_kiln_build_refuses_a_prequantized_checkpoint_clearly(tmp_path) -> None:
-    from kiln.builder.build import BuildOptions, build_engine
-    from kiln.errors import BuildError
-
-    with pytest.raises(BuildError, match="already quantized: serve it directly"):
-        build_engine(str(DATA / "compressed_tensors"), str(tmp_path / "e"), BuildOptions(), None)

@@ -9,16 +9,17 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
 
 import kiln
-from kiln.builder import cache
+from kiln.builder import cache, prequantized
 from kiln.builder.manifest import EngineManifest
 from kiln.builder.plan import plan_memory
 from kiln.builder.quantize import SCALES_METHOD, calibrate, linear_method_factory, text_hash
+from kiln.builder.tiles import kernel_tiles
 from kiln.builder.weights import write_rank_shards, write_weights
 from kiln.checkpoint.engine_dir import current_gpu_class, is_engine_dir
 from kiln.checkpoint.file_hash import hash_files
@@ -35,7 +36,7 @@ from kiln.runtime.model_loader import (
     resolve_kv_cache_dtype,
 )
 
-QUANTIZATIONS = ("none", "fp8", "fp8-dynamic")
+QUANTIZATIONS = ("auto", "none", "fp8", "fp8-dynamic")
 KV_CACHE_DTYPES = ("auto", "fp8")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # Copied verbatim from an HF source directory (the tokenizer, its chat template, sampling
@@ -56,8 +57,9 @@ _HF_TOKENIZER_FILES = (
 
 @dataclass(frozen=True)
 class BuildOptions:
-    quantization: str = "none"
-    """"none", "fp8" (static input scales calibrated at build time) or "fp8-dynamic"."""
+    quantization: str = "auto"
+    """"none", "fp8" (static input scales calibrated at build time), "fp8-dynamic", or "auto": a
+    pre-quantized checkpoint's own scheme (kiln.builder.prequantized), else "none"."""
     kv_cache_dtype: str = "auto"
     """"auto" (the model dtype) or "fp8"."""
     dtype: str = "auto"
@@ -107,10 +109,19 @@ def build_engine(
     path = default_model_path() if model is None else os.path.expanduser(model)
     if os.path.isdir(path) and is_engine_dir(path):
         raise BuildError(f"{path} is already an engine directory; build from its source")
+    # A pre-quantized checkpoint's scheme decides "auto" (and refuses a contradicting one)
+    # before the options name the engine.
+    fp8 = prequantized.inspect(path) if os.path.isdir(path) else None
+    options = replace(
+        options, quantization=prequantized.resolve_quantization(options.quantization, fp8, path)
+    )
     device = resolve_device("auto")
     dtype = resolve_dtype(options.dtype, device)
     gpu_class = current_gpu_class() if device.type == "cuda" else None
-    calibration = _calibration_text(options)
+    if fp8 is None:
+        calibration = _calibration_text(options)
+    else:  # its weight and input scales are its own: only a float8 KV cache may calibrate
+        calibration = prequantized.kv_calibration(path, fp8, options, _calibration_text)
     key = {
         **asdict(options),
         "dtype": str(dtype).removeprefix("torch."),
@@ -135,11 +146,6 @@ def build_engine(
         raise BuildError(f"output directory {target} exists and is not an engine directory")
 
     source = find_model_source(path, "auto")
-    if source.quantization != "none" and not source.weights_fused:
-        raise BuildError(
-            f"{source.description} is already quantized: serve it directly (`kiln serve "
-            f"{path}`); building an engine from a pre-quantized checkpoint is not supported yet"
-        )
     cfg = source.config
     max_model_len = options.max_model_len or cfg.max_position_embeddings
     kv_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, dtype)
@@ -150,15 +156,24 @@ def build_engine(
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        check = options.accuracy_check and _changes_arithmetic(options)
-        source_ppl, scales, kv_scales = _run_source(path, options, calibration, check)
+        # A pre-quantized source is always checked: its engine must equal it.
+        check = options.accuracy_check and (fp8 is not None or _changes_arithmetic(options))
+        calibrated = None
+        if fp8 is None:
+            source_ppl, scales, kv_scales = _run_source(path, options, calibration, check)
+            kv_in_weights = True
+        else:  # its own float8 weights and scales, loaded as written
+            source_ppl, calibrated = prequantized.run_source(path, options, calibration, check)
+            scales, kv_scales = fp8.input_scales, calibrated or fp8.kv_scales
+            # Its own k/v scales fold in for a float8 cache only, as loading it directly does.
+            kv_in_weights = is_float8_kv_cache(options.kv_cache_dtype)
         factory = linear_method_factory(options.quantization, scales)
         head = Fp8LinearMethod("dynamic") if options.lm_head_quantization == "fp8" else None
         with torch.device(device):
             # Made in `dtype` (not .to(dtype) after): float8 weights and scales keep their types.
             net = LlamaForCausalLM(cfg, max_model_len, factory, dtype, lm_head_method=head)
         net.load_weights(tqdm(source.weights, desc="loading source", unit=" tensors", leave=False))
-        if kv_scales is not None:
+        if kv_scales is not None and kv_in_weights:
             fold_kv_scales(net, kv_scales)  # the weights hold them; loading folds the rest
         if options.tensor_parallel_size == 1:
             names = write_weights(net.named_parameters(), tmp)
@@ -169,6 +184,13 @@ def build_engine(
             )  # fmt: skip
         del net
         names += _write_side_files(path, cfg, source.tokenizer, tmp)
+        tiles, tiles_reason = kernel_tiles(
+            cfg, options.quantization, dtype, kv_dtype, device, gpu_class
+        )
+        origin = None
+        if fp8 is not None:
+            kv_origin = _kv_origin(fp8.kv_scales, calibrated, kv_in_weights)
+            origin = prequantized.quantization_source(path, fp8, kv_origin)
         digests = hash_files([os.path.join(tmp, n) for n in names], desc="hashing engine")
         manifest = EngineManifest(
             engine_id=engine_id,
@@ -180,20 +202,28 @@ def build_engine(
             kv_cache_dtype=options.kv_cache_dtype,
             max_model_len=options.max_model_len,
             quantization=options.quantization,
-            scales_method=SCALES_METHOD.get(options.quantization),
+            scales_method=(
+                prequantized.scales_method(fp8) if fp8 else SCALES_METHOD.get(options.quantization)
+            ),
             calibration_data_hash=key["calibration_data"],
             input_scales=scales,
             accuracy={},
             gpu_class=gpu_class,
-            kernel_tiles=None,  # no kernel is tuned per build yet: every GPU uses the defaults
+            kernel_tiles=tiles,
             build_seconds=0.0,
             files={n: {"size": d.size, "blake2b": d.blake2b} for n, d in zip(names, digests)},
             tensor_parallel_size=options.tensor_parallel_size,
             kv_scales=None if kv_scales is None else [list(s) for s in kv_scales],
             lm_head_quantization=options.lm_head_quantization,
+            kv_scales_in_weights=kv_scales is None or kv_in_weights,
+            quantization_source=origin,
+            kernel_tiles_reason=tiles_reason,
         )
         manifest.write(tmp)  # the check loads the engine from tmp: it needs a manifest
-        accuracy = _accuracy(tmp, options, source_ppl)
+        if fp8 is None:
+            accuracy = _accuracy(tmp, options, source_ppl)
+        else:
+            accuracy = prequantized.accuracy(tmp, options, source_ppl, calibrated is None)
         files = dict(manifest.files)
         if options.warm_kernels and device.type == "cuda" and options.tensor_parallel_size == 1:
             from kiln.builder.warm import warm_kernels
@@ -211,6 +241,8 @@ def build_engine(
                "build_seconds": round(time.perf_counter() - start, 3)}
         )  # fmt: skip
         manifest.write(tmp)
+        if accuracy.get("passed") is False and fp8 is not None:
+            raise BuildError(prequantized.failure(accuracy))
         if accuracy.get("passed") is False:
             raise BuildError(
                 f"the engine's word perplexity {accuracy['engine_word_perplexity']:.4f} is "
@@ -235,6 +267,17 @@ def _already_built(engine_id: str, target: str, cached: str | None) -> EngineMan
             if candidate != target:
                 cache.copy_engine(candidate, target)
             return found
+    return None
+
+
+def _kv_origin(checkpoint: object, calibrated: object, folded: bool) -> str | None:
+    """Where a pre-quantized build's KV cache scales came from, for its manifest."""
+    if calibrated:
+        return "calibrated at build time (the checkpoint has none)"
+    if checkpoint:
+        return "the checkpoint's k_scale/v_scale" + (
+            "" if folded else " (applied when the KV cache is float8: --kv-cache-dtype fp8)"
+        )
     return None
 
 

@@ -42,7 +42,9 @@ class EngineManifest:
     gpu_class: str | None
     """The CUDA device the engine was built on (None on the CPU); loading elsewhere fails."""
     kernel_tiles: dict[str, Any] | None
-    """Kernel tile choices tuned at build time (None: none are tuned yet)."""
+    """The kernel tile choices the engine runs with on `gpu_class` (kiln.builder.tiles: the
+    small-batch linear kernels' at the model's shapes, decode attention's); None without a GPU
+    (`kernel_tiles_reason` says why)."""
     build_seconds: float
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     """{file name: {"size": bytes, "blake2b": hex}} of every file but this one."""
@@ -56,6 +58,16 @@ class EngineManifest:
     lm_head_quantization: str = "none"
     """"fp8": the LM head's weights are float8 with per-row scales (`--lm-head-quantization`),
     and the engine loads with that head; "none": the model dtype."""
+    kv_scales_in_weights: bool = True
+    """Whether `kv_scales` are folded into the weights already (every calibrated set is). False:
+    a pre-quantized checkpoint's k_scale / v_scale carried for a float8 cache, which loading
+    folds in only when the cache is float8, as it does loading the checkpoint itself."""
+    quantization_source: dict[str, Any] | None = None
+    """A build from a pre-quantized checkpoint (kiln.builder.prequantized): the method, the
+    checkpoint's format and producer, the quantization config it declares, where the KV scales
+    came from. None: kiln quantized the engine itself (or it is unquantized)."""
+    kernel_tiles_reason: str | None = None
+    """Why `kernel_tiles` is None."""
 
     def write(self, directory: str) -> None:
         with open(os.path.join(directory, MANIFEST_FILE), "w", encoding="utf-8") as f:

@@ -42,7 +42,8 @@ def calibrate(
         print("the source has no tokenizer: its float8 KV cache stays unscaled", flush=True)
         return None, None
     ids = tokenizer.encode(text, add_special_tokens=False)
-    n = _CALIBRATION_TOKENS
+    # A window and its one generated token must fit the model's context.
+    n = min(_CALIBRATION_TOKENS, llm.engine.max_model_len - 1)
     batches = [ids[i : i + n] for i in range(0, len(ids), n)][:_CALIBRATION_BATCHES]
     model = llm.engine.executor.runner.model
     one_token = SamplingParams(max_tokens=1, temperature=0.0)

@@ -1,4 +1,5 @@
-"""`kiln build`: an HF directory or GGUF file -> an engine directory (see kiln.builder)."""
+"""`kiln build`: an HF directory (pre-quantized FP8 ones too) or GGUF file -> an engine directory
+(see kiln.builder)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "model", nargs="?", default=None, help="HF directory or .gguf (default: SmolLM2)"
     )
     p.add_argument("-o", "--output", default=None, help="engine directory (default: in the cache)")
-    p.add_argument("--quantization", choices=("none", "fp8", "fp8-dynamic"), default="none")
+    p.add_argument(
+        "--quantization", choices=("auto", "none", "fp8", "fp8-dynamic"), default="auto",
+        help="auto: a pre-quantized FP8 checkpoint's own scheme (carried as written), else none",
+    )  # fmt: skip
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument(
         "--lm-head-quantization", choices=("none", "fp8"), default="none",
@@ -46,6 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from kiln.builder.build import BuildOptions, build_engine
     from kiln.builder.cache import default_cache_dir
+    from kiln.builder.tiles import describe as describe_tiles
 
     options = BuildOptions(
         quantization=args.quantization,
@@ -61,5 +66,6 @@ def run(args: argparse.Namespace) -> int:
     )
     manifest = build_engine(args.model, args.output, options, args.cache_dir)
     where = args.output or f"{args.cache_dir or default_cache_dir()}/{manifest.engine_id}"
+    print(describe_tiles(manifest.kernel_tiles, manifest.kernel_tiles_reason))
     print(f"engine {manifest.engine_id}: {where}")
     return 0

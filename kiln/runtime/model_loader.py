@@ -165,7 +165,8 @@ def _engine_dir_source(
         input_scales=engine.manifest.get("input_scales"),
         tensor_parallel_size=tp,
         kv_scales=engine.manifest.get("kv_scales"),
-        kv_scales_in_weights=True,
+        # False: a pre-quantized checkpoint's scales, folded at load for a float8 cache only.
+        kv_scales_in_weights=engine.manifest.get("kv_scales_in_weights", True),
         lm_head_quantization=engine.manifest.get("lm_head_quantization", "none"),
     )
 
