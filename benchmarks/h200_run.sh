@@ -214,6 +214,20 @@ for s in "$@"; do
         stage fp8-mixed 120 python3 benchmarks/kv_fp8_kernel_sweep.py --mixed-only \
             --out "$OUT/kv_fp8_mixed_decode.json"
         ;;
+    decode-splits)  # issue 13, startup: decode attention with per-sequence split-K partitions
+        # at batch 1/8/64 x context 1k/8k/32k, bf16 and float8 caches, at eager's grid, today's
+        # graph grid and one graph per batch size's, against the kernel before (DECODE_BEFORE=FILE,
+        # else `git show DECODE_BASE_COMMIT` (default 37597ee) where the tree has history);
+        # expectations: benchmarks/decode_splits_expected.md
+        before=${DECODE_BEFORE:-/tmp/decode_attention_before.py}
+        if [[ -z ${DECODE_BEFORE:-} ]]; then
+            git show "${DECODE_BASE_COMMIT:-37597ee}:kiln/kernels/triton/decode_attention.py" \
+                >"$before" 2>/dev/null ||
+                { echo "decode-splits: no git history: set DECODE_BEFORE for the before"; before=""; }
+        fi
+        stage decode-splits 240 python3 benchmarks/decode_splits_bench.py \
+            ${before:+--before "$before"} --out "$OUT/decode_splits$SFX.json"
+        ;;
     # (No stage name may end in a variant's suffix: "prof1-fp8w" would run prof1 as a variant.)
     w8a8-prof1)  # batch-1 decode profile with FP8 W8A8 weights (the fused float8 kernels)
         stage w8a8-prof1 150 python3 benchmarks/profile_decode.py --batch 1 --context 1024 \

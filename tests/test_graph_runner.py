@@ -4,6 +4,8 @@ tests/test_gpu.py repeats the end-to-end checks with real graphs."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -82,6 +84,51 @@ def test_lookup_picks_smallest_bucket(tiny_path):
     assert graphs.lookup(5, 65) == (8, 512)
     assert graphs.lookup(9, 10) is None
     assert graphs.lookup(2, 513) is None
+
+
+def test_triton_buckets_at_8b_shapes(monkeypatch):
+    # Llama-3.1-8B on an H200: 8 KV heads, 132 SMs, 15 batch sizes up to 256, 131072 context. The
+    # decode kernel's partitions follow each sequence's length, so a graph freezes only the grid's
+    # split count: buckets with equal counts collapse into the largest (78 graphs before: every
+    # batch that splits had all 10 power-of-two buckets from 256).
+    from kiln.attention import triton_backend
+    from kiln.kernels.triton.decode_attention import choose_num_splits
+
+    monkeypatch.setattr(triton_backend, "num_sms", lambda device: 132)
+    kv = (torch.empty(1, 1, 8, 1), torch.empty(1, 1, 8, 1))
+    buffers = SimpleNamespace(max_num_seqs=256, device=torch.device("cpu"))
+    max_len = 131072
+    runner = GraphRunner(
+        None, None, triton_backend.TritonAttentionBackend(), [kv], buffers, 256, max_len
+    )
+    buckets = runner.seq_len_buckets
+    # Batch 1 and 2 saturate at 64 and 33 splits from 4k; batch 4 at 16 from 1k; 8 at 8 from
+    # 512; from batch 16 up the SM target allows 4, 2, 1 splits at every bucket.
+    assert buckets[1] == buckets[2] == [256, 512, 1024, 2048, max_len]
+    assert buckets[4] == [256, 512, max_len]
+    assert buckets[8] == [256, max_len]
+    assert all(buckets[b] == [max_len] for b in runner.batch_sizes if b >= 16)
+    assert sum(len(c) for c in buckets.values()) == 26
+
+    def old_bucket(batch: int, seq_len: int) -> int:  # the power-of-two bucket eager used to get
+        if choose_num_splits(batch, 8, max_len, 132) == 1:
+            return max_len
+        c = 256
+        while c < seq_len and c < max_len:
+            c *= 2
+        return min(c, max_len)
+
+    keys = {(b, c) for b, cs in buckets.items() for c in cs}
+    lengths = [1, 200, 256, 257, 700, 1024, 1025, 2048, 2049, 4096, 4097, 9000, 65537, max_len]
+    for num_seqs in [1, 2, 3, 4, 5, 8, 9, 16, 17, 30, 33, 64, 100, 250, 256]:
+        for seq_len in lengths:
+            batch, bucket = runner.lookup(num_seqs, seq_len)
+            assert (batch, bucket) in keys and batch >= num_seqs and bucket >= seq_len
+            # The captured grid is the one eager mode chooses at the step's old bucket.
+            old = choose_num_splits(batch, 8, old_bucket(batch, seq_len), 132)
+            assert choose_num_splits(batch, 8, bucket, 132) == old, (num_seqs, seq_len)
+        assert runner.lookup(num_seqs, max_len + 1) is None
+    assert runner.lookup(257, 10) is None
 
 
 def _state(req_id, prompt, computed, blocks) -> CachedRequestState:

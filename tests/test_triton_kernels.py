@@ -22,6 +22,7 @@ from kiln.attention.torch_backend import TorchAttentionBackend
 from kiln.attention.triton_backend import TritonAttentionBackend
 from kiln.kernels import reference
 from kiln.kernels import triton as triton_ops
+from kiln.kernels.triton import decode_attention
 from kiln.kernels.triton.decode_attention import (
     choose_num_splits,
     paged_decode_attention_splits,
@@ -181,6 +182,73 @@ def test_decode_attention_fp8_cache(dtype: torch.dtype, num_splits: int) -> None
 def test_decode_attention_many_splits() -> None:
     # More splits than tiles for the short sequence; partitions of exactly one tile.
     _check_decode([5, 70], 4, 1, 16, 4, torch.float32, num_splits=5, seed=3)
+
+
+def _decode_inputs(
+    seq_lens: list[int], dtype: torch.dtype, cache_dtype, seed: int, num_kv_heads: int = 2
+):
+    """(query, k_cache, v_cache, block_tables, lens, scale): 4 query heads, head_dim 16."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, block_tables = _paged_cache(
+        seq_lens, 4, num_kv_heads, 16, dtype, gen, cache_dtype=cache_dtype
+    )
+    query = torch.randn(len(seq_lens), 4, 16, generator=gen).to(DEVICE, dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return query, k_cache, v_cache, block_tables, lens, 16**-0.5
+
+
+def _reference_decode(query, k_cache, v_cache, block_tables, lens, scale) -> torch.Tensor:
+    return reference.paged_decode_attention(
+        query.float(), k_cache.float(), v_cache.float(), block_tables, lens, scale,
+        int(lens.max()),
+    )  # fmt: skip
+
+
+# fp32 and fp16, and a float8 cache through the V-prefetch loop (its default).
+GRID_CASES = [
+    pytest.param(torch.float32, None, id="fp32"),
+    pytest.param(torch.float16, None, id="fp16"),
+    pytest.param(torch.float16, FP8, id="fp16-fp8cache"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "cache_dtype"), GRID_CASES)
+def test_decode_attention_graph_grid_mixed_lengths(
+    dtype: torch.dtype, cache_dtype, monkeypatch
+) -> None:
+    # What a graph replay does: the launcher is given its bucket's max_seq_len (far above every
+    # context here) with the split count chosen for that bucket. Each sequence must still cut
+    # its own context into partitions of that count (a 1-token, a 3-tile and an 8-tile context
+    # in one batch), so the replay computes bit for bit what an eager step with the same count
+    # computes, batched or alone, and matches the reference.
+    monkeypatch.setattr(decode_attention, "PREFETCH_FP8_V", True)
+    seq_lens, bucket, num_splits = [1, 45, 120], 131072, 5
+    query, k_cache, v_cache, tables, lens, scale = _decode_inputs(seq_lens, dtype, cache_dtype, 5)
+    args = (query, k_cache, v_cache, tables, lens, scale)
+    replay = paged_decode_attention_splits(*args, bucket, num_splits)
+    assert torch.equal(replay, paged_decode_attention_splits(*args, max(seq_lens), num_splits))
+    alone = paged_decode_attention_splits(
+        query[1:2], k_cache, v_cache, tables[1:2], lens[1:2], scale, seq_lens[1], num_splits
+    )
+    assert torch.equal(alone[0], replay[1])
+    _assert_close(replay, _reference_decode(*args), ATTN_ATOL[dtype])
+
+
+@pytest.mark.parametrize(("dtype", "cache_dtype"), GRID_CASES)
+def test_decode_attention_more_splits_than_tiles(dtype: torch.dtype, cache_dtype) -> None:
+    # The policy's split count for batch 2 at a 128k bucket (64) against contexts of 1 and 3
+    # tiles (16 keys a tile in the interpreter): most of each sequence's splits are past its
+    # last partition and exit; the reduce merges only the ones written.
+    seq_lens = [5, 40]
+    query, k_cache, v_cache, tables, lens, scale = _decode_inputs(
+        seq_lens, dtype, cache_dtype, 6, num_kv_heads=1
+    )
+    assert choose_num_splits(len(seq_lens), 1, 131072, 132) == 64
+    out = triton_ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale, 131072)
+    assert out.dtype == dtype
+    _assert_close(
+        out, _reference_decode(query, k_cache, v_cache, tables, lens, scale), ATTN_ATOL[dtype]
+    )
 
 
 def test_choose_num_splits() -> None:

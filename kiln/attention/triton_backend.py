@@ -21,15 +21,23 @@ class TritonAttentionBackend(PagedAttentionBackend):
     def decode_graph_seq_lens(
         self, num_seqs: int, num_kv_heads: int, max_model_len: int, device: torch.device
     ) -> list[int]:
-        """The decode kernel cuts contexts into splits from max_seq_len when the batch alone
-        leaves SMs idle. A graph captured at max_model_len would freeze partitions sized for the
-        longest context (batch 1 at 1k context on one partition: 8 programs on 132 SMs), so small
-        batches get power-of-two context buckets, each with its own partitioning."""
-        if choose_num_splits(num_seqs, num_kv_heads, max_model_len, num_sms(device)) == 1:
-            return [max_model_len]
-        buckets = []
+        """Small batches get power-of-two context buckets from 256 up, and max_model_len, each
+        captured with the split count eager mode chooses at it (choose_num_splits). A graph
+        freezes only that count: each sequence's partitions follow its own length on the device.
+        So buckets of equal count would capture the same graph, and only the largest of each run
+        is kept (batch 1 on an H200: 4, 8, 16, 32 splits up to 2k, then 64 up to max_model_len;
+        batches of 16 and more: one graph)."""
+        sms = num_sms(device)
+        candidates = []
         seq_len = _MIN_GRAPH_SEQ_LEN
         while seq_len < max_model_len:
-            buckets.append(seq_len)
+            candidates.append(seq_len)
             seq_len *= 2
-        return [*buckets, max_model_len]
+        candidates.append(max_model_len)
+        splits = [choose_num_splits(num_seqs, num_kv_heads, c, sms) for c in candidates]
+        # choose_num_splits never falls as the context grows: equal counts are contiguous.
+        return [
+            c
+            for i, c in enumerate(candidates)
+            if i + 1 == len(candidates) or splits[i + 1] != splits[i]
+        ]

@@ -5,9 +5,9 @@ the GPU would wait on Python. A graph replays them all with one call.
 
 Inputs live in InputBuffers' fixed device tensors; a batch of n decodes is padded to the next
 captured size with rows whose KV slot is -1 (the KV write skips them) and whose outputs are ignored.
-Host-side launch choices the kernels make from `max_seq_len` (the decode kernel's split-K factor)
-are frozen at capture, so the attention backend names context buckets per batch size and a step
-replays the graph of the smallest bucket that holds its longest context.
+Host-side launch choices the kernels make from `max_seq_len` (the decode kernel's split-K grid)
+are frozen at capture, so the attention backend names context buckets per batch size (one per
+distinct choice) and a step replays the graph of the smallest bucket that holds its longest context.
 
 On the CPU there are no graphs; `FakeGraph` stands in (it re-runs the captured function into the
 same output tensor), so the bucketing, padding and static-buffer logic is testable anywhere.

@@ -6,8 +6,11 @@ cache once per group instead of once per query head. Keys are visited BLOCK_N to
 each token's slot found through the block table, with an online softmax in fp32.
 
 Split-K (flash-decoding): when the batch alone would leave the GPU's multiprocessors underused,
-each sequence's context is cut into `num_splits` partitions handled by separate programs; each
-writes a partial output and its log-sum-exp, and a second small kernel merges them.
+each sequence's context is cut into up to `num_splits` partitions handled by separate programs;
+each writes a partial output and its log-sum-exp, and a second small kernel merges them. The grid's
+split count is the host's choice (from max_seq_len); each sequence's partition size is the device's,
+from its own seq_len (`_partition`), so a CUDA graph captured at one context bucket stays right for
+any shorter context, and buckets with the same split count share one graph.
 """
 
 from __future__ import annotations
@@ -44,6 +47,16 @@ def _tile_offsets(block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_
 
 
 @triton.jit
+def _partition(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """(tokens per partition, partitions in use) of one sequence: its context cut into at most
+    num_splits partitions of whole BLOCK_N tiles (at least one tile, so a zero length divides by
+    no zero). Both kernels call it, so the reduce merges exactly the partitions written."""
+    tiles = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N), 1)
+    partition_size = tiles * BLOCK_N
+    return partition_size, tl.cdiv(seq_len, partition_size)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
@@ -59,8 +72,7 @@ def _decode_kernel(
     stride_o_seq,
     stride_o_head,
     stride_bt_seq,
-    partition_size,  # tokens per split, a multiple of BLOCK_N
-    num_splits,
+    num_splits,  # the grid's split count; each sequence uses as many as _partition says
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum M)
@@ -77,6 +89,12 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    partition_size, num_valid = _partition(seq_len, num_splits, BLOCK_N)
+    if SPLIT:  # noqa: SIM102 (resolved at compile time; the inner `if` is the device's)
+        if split >= num_valid:
+            # Past this sequence's last partition (a short context in a grid sized for a longer
+            # one, as a graph replay has): the reduce never reads this split's slot.
+            return
     start = split * partition_size
     end = tl.minimum(start + partition_size, seq_len)
 
@@ -156,7 +174,7 @@ def _decode_kernel(
             s = tl.where(n_mask[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
             acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v, DOT_PRECISION)
 
-    # An empty partition (start >= seq_len) leaves l_i == 0: it writes zeros and lse = -inf.
+    # Only an empty context (seq_len 0, unsplit) leaves l_i == 0: it writes zeros.
     nonempty = l_i > 0.0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     out_mask = row_mask[:, None] & dim_mask[None, :]
@@ -184,18 +202,18 @@ def _decode_reduce_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim]
     stride_o_seq,
     stride_o_head,
-    partition_size,
     num_splits,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # the decode kernel's, for _partition
 ):
     """Merges one (sequence, head)'s partial outputs: weights exp2(lse_i - max lse)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_valid = tl.minimum(tl.cdiv(seq_len, partition_size), num_splits)
+    _, num_valid = _partition(seq_len, num_splits, BLOCK_N)
     splits = tl.arange(0, SPLITS_PAD)
     split_mask = splits < num_valid
     dims = tl.arange(0, BLOCK_D)
@@ -259,7 +277,8 @@ def paged_decode_attention(
     max_seq_len: int,
     out: torch.Tensor | None = None,  # written and returned when given (a slice of a larger one)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Each query attends to its sequence's first seq_lens[i] cached tokens (itself included)."""
+    """Each query attends to its sequence's first seq_lens[i] cached tokens (itself included).
+    max_seq_len (an upper bound of seq_lens) only sets the grid's split count."""
     num_splits = choose_num_splits(
         query.shape[0], k_cache.shape[2], max_seq_len, num_sms(query.device)
     )
@@ -279,7 +298,8 @@ def paged_decode_attention_splits(
     num_splits: int,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """paged_decode_attention with an explicit number of context partitions (1 = no split-K)."""
+    """paged_decode_attention with an explicit grid split count (1 = no split-K): each sequence
+    uses up to num_splits partitions of whole tiles, sized from its own length."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
@@ -294,10 +314,11 @@ def paged_decode_attention_splits(
     group = num_heads // num_kv_heads
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
     block_n, num_warps, num_stages = _tile_config(block_size, query.device, kv_fp8)
-    max_seq_len = max(max_seq_len, 1)
-    # Partitions are whole tiles; recompute the count so none is entirely past max_seq_len.
-    partition_size = triton.cdiv(triton.cdiv(max_seq_len, max(num_splits, 1)), block_n) * block_n
-    num_splits = triton.cdiv(max_seq_len, partition_size)
+    # The grid's split count is taken as given (not trimmed to what max_seq_len can use): each
+    # sequence's partitions depend on its own length and this count only, so a graph replay and
+    # an eager step with the same count compute the same partitions; splits a sequence cannot
+    # use exit at once.
+    num_splits = max(num_splits, 1)
     split = num_splits > 1
     if split:
         part_out = torch.empty(
@@ -324,7 +345,6 @@ def paged_decode_attention_splits(
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
-        partition_size,
         num_splits,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
@@ -348,12 +368,12 @@ def paged_decode_attention_splits(
             out,
             out.stride(0),
             out.stride(1),
-            partition_size,
             num_splits,
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
+            BLOCK_N=block_n,
             num_warps=4,
         )
     return out
