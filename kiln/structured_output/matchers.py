@@ -21,9 +21,11 @@ which never need the GIL). Which grammars have ended is tracked here, not asked:
 terminates only by accepting a stop token.
 
 Rows in identical grammar states could share one fill, but xgrammar 0.2.9 exposes no key of a
-matcher's state (its stack of positions in the grammar) to find them by, and the accepted token
-sequences are no honest stand-in (two different texts can reach the same state, and one text the
-same state only within one grammar), so every live row is filled.
+matcher's state to find them by. Its private `_debug_print_internal_state` prints only the last
+step's Earley states, whose `rule_start_pos` points back into a history it does not print (what
+may follow a closing quote depends on it, and a token can span the quote), and costs an FFI
+call (a GIL round trip) a row; the accepted token sequences are no honest stand-in either (two
+texts can reach one state). So every live row is filled.
 """
 
 from __future__ import annotations
