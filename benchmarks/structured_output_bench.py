@@ -103,9 +103,15 @@ def run_round(engine, prompts, params, label: str) -> dict:
         # the GIL), applying the step's tokens (accept) and filling (fill), the runner's own
         # work between starting and needing the mask (window) and the runner's thread blocked
         # on it (wait: what the step loop actually waits for).
-        for name in ("start_s", "start_delay_s", "accept_s", "fill_s", "window_s", "wait_s"):
+        # ids_wait: the worker waiting for the previous step's ids to land (the fill takes
+        # them from their host copy itself: early_fill_fraction of the fills); start_delay and
+        # window count from the landing.
+        names = ("start_s", "ids_wait_s", "start_delay_s", "accept_s", "fill_s", "window_s")
+        for name in (*names, "wait_s"):
             key = "mask_" + name.removesuffix("_s") + "_ms_per_step"
             record[key] = round(1000 * (after[name] - before[name]) / fills, 3)
+        early = after.get("num_early_fills", 0) - before.get("num_early_fills", 0)
+        record["mask_early_fill_fraction"] = round(early / fills, 3)
         record["mask_rows_per_step"] = round(
             (after["num_rows_filled"] - before["num_rows_filled"]) / fills, 1
         )
@@ -153,6 +159,12 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3, help="rounds of each arm, alternating")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument(
+        "--async-scheduling",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="auto: the engine's default (on with CUDA, off on the CPU)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -168,17 +180,21 @@ def main() -> None:
             dtype=args.dtype,
             max_num_seqs=max(args.num_requests, 8),
             kv_cache_memory_gb=args.kv_cache_memory_gb,
+            async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         )
     )
     vocab = engine.model_config.vocab_size
     t = time.perf_counter()
-    tokenizer = synthetic_tokenizer(vocab)
+    if args.load_format == "dummy":
+        tokenizer = synthetic_tokenizer(vocab)
+        # The dummy model has no tokenizer: give the engine (validation, detokenizing) and the
+        # runner (grammar matchers) the synthetic one.
+        engine.tokenizer = tokenizer
+        engine.output_processor.tokenizer = tokenizer
+        engine.executor.runner.tokenizer = tokenizer
+    else:  # a real checkpoint (the CPU run on SmolLM2's GGUF): its own tokenizer
+        tokenizer = engine.tokenizer
     tokenizer_s = time.perf_counter() - t
-    # The dummy model has no tokenizer: give the engine (validation, detokenizing) and the
-    # runner (grammar matchers) the synthetic one.
-    engine.tokenizer = tokenizer
-    engine.output_processor.tokenizer = tokenizer
-    engine.executor.runner.tokenizer = tokenizer
 
     rng = random.Random(0)
     prompts = [
@@ -220,6 +236,7 @@ def main() -> None:
         "what": "structured output cost: JSON-schema vs unconstrained, same run",
         "args": vars(args),
         "device": engine.device,
+        "async_scheduling": engine.async_scheduling,
         "host_cpus": {
             "os_cpu_count": os.cpu_count(),
             "affinity": len(os.sched_getaffinity(0)),

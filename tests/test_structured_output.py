@@ -115,32 +115,118 @@ def test_a_deferred_grammar_row_draws_from_its_own_steps_generator(tiny_llm, mon
     assert calls == [(11, n) for n in range(6)] + [(12, n) for n in range(6)]
 
 
-def test_async_scheduling_gives_the_same_outputs(tiny_llm, tiny_path):
-    """The GPU's schedule on the CPU: step N+1 is launched before N's tokens are back, and the
-    runner waits for them only after the launch, to build N+1's mask. Same tokens as the
-    synchronous engine, for grammar rows and the plain rows beside them."""
+@pytest.fixture(scope="module")
+def async_llm(tiny_path):
+    """Async scheduling (the GPU's schedule) on a KV pool too small for the mixed batch below
+    at once: requests are preempted and added back (their matchers replay their output)."""
     from kiln import LLM
 
-    async_llm = LLM(
+    llm = LLM(
         tiny_path,
         max_num_seqs=16,
-        kv_cache_memory_gb=0.05,
-        max_model_len=512,
+        num_kv_blocks=10,  # 160 tokens: the longest reply below (~100) fits alone
+        block_size=16,
+        enable_prefix_caching=False,
+        max_model_len=160,
         async_scheduling=True,
     )
-    assert async_llm.engine.async_scheduling
-    prompts = [f"Row {i}:" for i in range(5)]
-    params = [
-        SamplingParams(temperature=0, max_tokens=30),
-        _guided(spec={"json": PERSON}, temperature=1.0, seed=7, max_tokens=200),
-        _guided(spec={"regex": "[a-z]{3,9}"}, temperature=1.0, seed=8, max_tokens=20),
-        SamplingParams(temperature=1.0, seed=9, max_tokens=30),
-        _guided(spec={"json": PERSON}, temperature=0, max_tokens=200),
-    ]
-    want = tiny_llm.generate(prompts, params)
-    got = async_llm.generate(prompts, params)
+    assert llm.engine.async_scheduling
+    return llm
+
+
+# Grammar rows (seeded, greedy; some ended early by max_tokens or a stop string while the next
+# step is in flight) beside plain rows.
+MIXED_PROMPTS = [f"Row {i}:" for i in range(7)]
+MIXED_PARAMS = [
+    SamplingParams(temperature=0, max_tokens=30),
+    _guided(spec={"json": PERSON}, temperature=1.0, seed=7, max_tokens=200),
+    _guided(spec={"regex": "[a-z]{3,9}"}, temperature=1.0, seed=8, max_tokens=20),
+    SamplingParams(temperature=1.0, seed=9, max_tokens=30),
+    _guided(spec={"json": PERSON}, temperature=0, max_tokens=200),
+    _guided(spec={"json": PERSON}, temperature=1.0, seed=5, max_tokens=3),
+    _guided(spec={"json": PERSON}, temperature=1.0, seed=6, max_tokens=80, stop=['",']),
+]
+
+
+def test_async_scheduling_gives_the_same_outputs(tiny_llm, async_llm):
+    """The GPU's schedule on the CPU: step N+1 is launched before N's tokens are back, and N+1's
+    mask is filled from N's ids as soon as they are on the host (the worker takes them there,
+    before the runner's thread collects N). Same tokens as the synchronous engine, for grammar
+    rows and the plain rows beside them, through preemptions."""
+    grammars = async_llm.engine.executor.runner._grammars
+    early = grammars.stats.num_early_fills if grammars is not None else 0
+    want = tiny_llm.generate(MIXED_PROMPTS, MIXED_PARAMS)
+    got = async_llm.generate(MIXED_PROMPTS, MIXED_PARAMS)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     jsonschema.validate(json.loads(got[1].outputs[0].text), PERSON)
+    assert [o.outputs[0].finish_reason for o in got[5:]] == ["length", "stop"]
+    assert async_llm.engine.scheduler.num_preemptions_total > 0
+    # The fills took the previous step's ids themselves (the synchronous engine's never do).
+    assert async_llm.engine.executor.runner._grammars.stats.num_early_fills > early
+    assert tiny_llm.engine.executor.runner._grammars.stats.num_early_fills == 0
+
+
+def test_requests_aborted_and_preempted_while_a_fill_runs(tiny_llm, async_llm, monkeypatch):
+    """A slowed worker: each fill is still running when the next submit removes finished and
+    aborted requests' matchers and adds preempted ones back (a new matcher replays the output).
+    The requests left give the synchronous engine's tokens, and each matcher was given exactly
+    its request's next tokens: none twice (an invalid repeat would be refused by xgrammar
+    without a trace in the output), none skipped, none lost."""
+    import time
+
+    from kiln.structured_output.matchers import GrammarBatch
+
+    engine = async_llm.engine
+    grammars = engine.executor.runner._grammar_batch()
+    added: dict[str, list[tuple[object, int]]] = {}  # request -> [(its matcher, replayed)]
+    applied: dict[int, list[int]] = {}  # id(matcher) -> tokens given to it, in order
+    real_add, real_accept, real_work = grammars.add, grammars._batch_accept, GrammarBatch._work
+
+    def add(req_id, spec, output_token_ids):
+        real_add(req_id, spec, output_token_ids)
+        added.setdefault(req_id, []).append((grammars.rows[req_id].matcher, len(output_token_ids)))
+
+    def accept(matchers, tokens):
+        for m, t in zip(matchers, tokens):
+            applied.setdefault(id(m), []).append(t)
+        return real_accept(matchers, tokens)
+
+    def slow_work(self, *args):
+        time.sleep(0.01)
+        return real_work(self, *args)
+
+    monkeypatch.setattr(grammars, "add", add)
+    monkeypatch.setattr(grammars, "_batch_accept", accept)
+    monkeypatch.setattr(GrammarBatch, "_work", slow_work)
+    preemptions = engine.scheduler.num_preemptions_total
+    ids = [
+        engine.add_request(p, params, request_id=f"abort-{i}")
+        for i, (p, params) in enumerate(zip(MIXED_PROMPTS, MIXED_PARAMS))
+    ]
+    aborted = {ids[2], ids[6]}  # grammar rows, aborted with a grammar step in flight
+    outputs, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        if steps == 4:
+            assert engine.executor.runner._deferred is not None
+            assert not aborted & outputs.keys()  # still running
+            engine.abort_request(sorted(aborted))
+        for delta in engine.step():
+            if delta.finished:
+                outputs[delta.request_id] = engine.finished_output(delta.request_id)
+    assert engine.scheduler.num_preemptions_total > preemptions
+    want = tiny_llm.generate(MIXED_PROMPTS, MIXED_PARAMS)
+    for i, req_id in enumerate(ids):
+        if req_id in aborted:
+            continue
+        tokens = outputs[req_id].outputs[0].token_ids
+        assert tokens == want[i].outputs[0].token_ids, i
+        if MIXED_PARAMS[i].guided_decoding is None:
+            continue
+        for matcher, replayed in added[req_id]:
+            seen = [*tokens[:replayed], *applied.get(id(matcher), [])]
+            assert seen == tokens[: len(seen)], (i, replayed)  # in order, none twice or skipped
+        assert len(seen) >= len(tokens) - 1, i  # the last matcher: all but maybe the last token
 
 
 def test_greedy_json_object_and_n_completions(tiny_llm):
@@ -327,6 +413,75 @@ def test_threaded_fill_equals_xgrammar_serial(tiny_llm):
     assert batch.stats.num_rows_filled == 5
     # Every grammar ended: nothing to apply.
     assert batch.fill_bitmask(["plain", ended], torch.device("cpu")) is None
+
+
+def test_a_fill_waits_for_incoming_ids_and_reads_them_where_they_land(tiny_llm):
+    """The GPU's ordering on the CPU: a fill started before the previous step's ids are on the
+    host waits for their copy's event in the worker, then reads the grammar rows' ids from the
+    host buffer as they are then (written after start_fill here), applies them after the tokens
+    the runner queued, and fills as xgrammar does serially. A request removed after the start
+    still gets its token in that fill; the next fill applies nothing again."""
+    import threading
+    import time
+
+    import xgrammar as xgr
+
+    from kiln.structured_output import GrammarBatch, compiler_for
+    from kiln.structured_output.matchers import IncomingTokens
+
+    class Landing:  # a CUDA event's two calls that the worker makes
+        def __init__(self):
+            self.landed = threading.Event()
+
+        def query(self):
+            return self.landed.is_set()
+
+        def synchronize(self):
+            self.landed.wait(10)
+
+    engine = tiny_llm.engine
+    tok = engine.tokenizer
+    compiler = compiler_for(tok, engine.model_config.vocab_size, engine.eos_token_ids)
+    batch = GrammarBatch(compiler, fill_threads=2)
+    spec_re, spec_json = GDP(regex="[a-z]{3,9}"), GDP(json=PERSON)
+    enc = lambda text: tok.encode(text, add_special_tokens=False)
+    batch.add("a", spec_re, [])
+    batch.add("b", spec_json, enc('{"name": "'))
+    batch.add("gone", spec_re, [])
+    (first,), (second,) = enc("a"), enc("b")
+    batch.accept_tokens(["a"], [first])  # an older step, collected: queued
+    ids = torch.full((4,), -1, dtype=torch.long)  # not landed yet
+    landing = Landing()
+    step_rows = ["plain", "a", "gone", "b"]
+    pending = batch.start_fill(
+        ["b", "plain", "a"], torch.device("cpu"), [IncomingTokens(ids, landing, step_rows)]
+    )
+    batch.remove("gone")
+    time.sleep(0.05)
+    assert not pending.done.done()  # the worker waits for the landing
+    b_token = enc("Al")[0]
+    ids.copy_(torch.tensor([0, second, first, b_token]))
+    landing.landed.set()
+    got = batch.finish_fill(pending, torch.device("cpu"))
+    assert batch.stats.num_early_fills == 1 and batch.stats.ids_wait_s > 0.04
+
+    def want(tokens_by_row):
+        mask = xgr.allocate_token_bitmask(len(tokens_by_row), compiler.vocab_size)
+        for row, (spec, tokens) in enumerate(tokens_by_row):
+            if spec is None:
+                continue
+            matcher = xgr.GrammarMatcher(compiler.compile(spec))
+            assert all(matcher.accept_token(t) for t in tokens)
+            matcher.fill_next_token_bitmask(mask, row)
+        return mask
+
+    b_tokens = [*enc('{"name": "'), b_token]
+    expected = want([(spec_json, b_tokens), (None, []), (spec_re, [first, second])])
+    assert torch.equal(got, expected)
+    assert (got[0] != -1).any() and (got[1] == -1).all()
+    assert batch.matchers["a"] is not None and "gone" not in batch.rows
+    again = batch.fill_bitmask(["b", "plain", "a"], torch.device("cpu"))
+    assert torch.equal(again, expected)  # nothing applied a second time
 
 
 def test_the_engine_thread_makes_no_xgrammar_call_a_step(tiny_llm, monkeypatch):

@@ -295,10 +295,10 @@ class ModelRunner:
             grammars = self._grammars
             if grammars is not None and grammars.has_grammar([s.req_id for s in step.states]):
                 # Grammar rows get no drafts, so none verifies here. Their mask needs the older
-                # steps' tokens: it is filled by a worker from when those are in (now, or when
-                # the previous step is collected) while the device runs this forward and this
-                # thread goes on with the engine loop; the sampler is launched when the next
-                # submit or collect needs it.
+                # steps' tokens: a worker fills it from when those are on the host (now, or
+                # when the previous step's copy lands, which the worker waits for itself) while
+                # the device runs this forward and this thread goes on with the engine loop;
+                # the sampler is launched when the next submit or collect needs it.
                 # Its sampling metadata is built now, before its rows are marked pending, as
                 # the undeferred path below builds it: the seeded generators and min_tokens
                 # count the tokens sampled before this step, not this step's own.
@@ -340,17 +340,36 @@ class ModelRunner:
             state.pending_step = self._num_sampling_steps
 
     def _start_deferred_fill(self) -> None:
-        """Start the deferred step's mask once every older step's tokens are in the matchers."""
+        """Start the deferred step's mask. Its fill needs every older step's tokens: the
+        collected ones are queued in the matchers already; those of steps still in flight
+        (the previous step, whose sampler was launched just before this step's forward) the
+        worker takes from their host copy as soon as it lands, so the fill starts then, not
+        when this thread gets round to collecting them. Under TP/PP (structured output is
+        refused there) a rank's ids may not be copied yet: then _finish calls back here."""
         step = self._deferred
         if step is None or step.pending_mask is not None:
             return
+        from kiln.structured_output.matchers import IncomingTokens
+
+        incoming = []
         for older in self._in_flight:
             if older is step:
                 break
-            if older.output is None:
-                return  # its _finish calls back here
-        req_ids = [s.req_id for s in step.states]
-        step.pending_mask = self._grammars.start_fill(req_ids, self.device)
+            if older.output is not None or older.states is None:
+                continue  # collected (tokens queued), or a step of prompt chunks only
+            if older.arrival is not None or older.host_sampled is None:
+                return
+            incoming.append(older)
+        for older in incoming:
+            older.tokens_to_grammar = False  # the fill takes them: _finish must not queue them
+        step.pending_mask = self._grammars.start_fill(
+            [s.req_id for s in step.states],
+            self.device,
+            [
+                IncomingTokens(o.host_sampled, o.done, [s.req_id for s in o.states])
+                for o in incoming
+            ],
+        )
 
     @torch.inference_mode()
     def _launch_deferred_sample(self) -> None:
@@ -524,7 +543,7 @@ class ModelRunner:
             state.token_ids.append(token_id)
             state.num_pending -= 1
             sampled_ids[state.req_id] = [token_id]
-        if self._grammars is not None:
+        if self._grammars is not None and step.tokens_to_grammar:
             self._grammars.accept_tokens([s.req_id for s in step.states], sampled)
         if step.spec_states:
             self._finish_verification(step, sampled_ids)
@@ -746,6 +765,8 @@ class _InFlightStep:
     output: ModelRunnerOutput | None = None
     deferred: tuple | None = None  # (logits, gpu_events, metadata) while it waits for a mask
     pending_mask: object | None = None  # kiln.structured_output.PendingBitmask once started
+    # False once a later step's grammar fill took this step's ids from its host copy itself.
+    tokens_to_grammar: bool = True
     beam: BeamTopK | None = None  # beam-search rows' best continuations (device)
     beam_owners: list[tuple[str, list[int]]] = field(default_factory=list)  # per group
     host_beam: tuple[torch.Tensor, ...] | None = None  # beam's tensors, on the host

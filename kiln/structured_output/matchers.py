@@ -1,12 +1,16 @@
 """Per-request grammar matchers and each step's allowed-token bitmask, advanced and filled off
 the runner's thread.
 
-The runner's thread owns the table of matchers: it adds and removes them, queues each step's
-sampled tokens (accept_tokens) and starts a step's fill (start_fill) once every older step's
-tokens are queued. A worker thread then applies the queued tokens and fills the mask while the
-runner's thread goes on with the step loop (collecting, scheduling, preparing the next step);
-finish_fill waits for it just before the sampler needs it. Between the two calls the runner's
-thread leaves the matchers alone.
+The runner's thread owns the table of matchers: it adds and removes them and starts a step's fill
+(start_fill) when it defers the step's sampler. The fill needs every older step's tokens. Those
+the runner has collected it queues (accept_tokens); those still on their way it hands to the fill
+as IncomingTokens (the step's host buffer and the CUDA event of its copy), and the worker waits
+for them itself: it wakes when the ids land (event.synchronize releases the GIL), reads the
+grammar rows' ids from the host buffer, applies the queued and landed tokens and fills the mask,
+whatever the runner's thread is doing meanwhile (collecting, the engine's output processing,
+scheduling, preparing the next step). finish_fill waits for it just before the sampler needs it.
+Between the two calls the runner's thread leaves the matchers alone, and it does not queue the
+handed steps' tokens again when it collects them.
 
 Why the worker makes exactly two calls into xgrammar a step: each call releases the GIL (tvm-ffi
 does, by default) and must take it back when it returns, and while the runner's thread runs
@@ -15,6 +19,13 @@ is_terminated, no per-element read of a result array, which is an FFI call an el
 makes one batched accept and one batched fill (over `fill_threads` of xgrammar's C++ threads,
 which never need the GIL). Which grammars have ended is tracked here, not asked: a matcher
 terminates only by accepting a stop token.
+
+Rows in identical grammar states could share one fill, but xgrammar 0.2.9 exposes no key of a
+matcher's state to find them by. Its private `_debug_print_internal_state` prints only the last
+step's Earley states, whose `rule_start_pos` points back into a history it does not print (what
+may follow a closing quote depends on it, and a token can span the quote), and costs an FFI
+call (a GIL round trip) a row; the accepted token sequences are no honest stand-in either (two
+texts can reach one state). So every live row is filled.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -58,12 +70,34 @@ class GrammarStats:
 
     num_fills: int = 0
     num_rows_filled: int = 0
+    # Fills that took a step's ids from its host copy themselves (IncomingTokens), rather than
+    # from the runner's thread once it collected the step: the asynchronous schedule's usual case.
+    num_early_fills: int = 0
     start_s: float = 0.0  # the runner's thread queuing tokens and starting fills
-    start_delay_s: float = 0.0  # start_fill until the worker runs (its wake-up and the GIL)
+    # The worker waiting for incoming ids to land, from when it was free to (it ran and the
+    # fill was started): hidden under the device's work. Includes taking the GIL back after the
+    # event's wait returns, which cannot be told apart from the landing in Python.
+    ids_wait_s: float = 0.0
+    # From the mask's inputs being there (the incoming ids landed; or start_fill, where every
+    # token was queued already) until the worker applies them: its wake-up and the GIL.
+    start_delay_s: float = 0.0
     accept_s: float = 0.0  # the worker applying the step's tokens (one batched call)
     fill_s: float = 0.0  # the worker filling the mask (one batched call)
-    window_s: float = 0.0  # start_fill until finish_fill is called: what the work hides under
+    # From the mask's inputs being there until finish_fill is called: what the work hides under.
+    window_s: float = 0.0
     wait_s: float = 0.0  # the runner's thread blocked on a mask it needed: the critical path
+
+
+@dataclass(eq=False)
+class IncomingTokens:
+    """A submitted step's sampled ids on their way to the host, for a fill to take there: `ids`
+    is its [rows] buffer (pinned on a GPU; on the CPU the ids themselves, already computed),
+    `ready` the CUDA event recorded after their copy (None: there already), `req_ids` the
+    request of each row. The buffer must not be written again before the fill is finished."""
+
+    ids: torch.Tensor
+    ready: Any | None
+    req_ids: list[str]
 
 
 @dataclass(eq=False)
@@ -73,6 +107,7 @@ class PendingBitmask:
     host: torch.Tensor
     done: Future  # -> bool: whether any row was filled (False: every grammar had ended)
     started: float = 0.0  # perf_counter at start_fill
+    inputs_at: float = 0.0  # perf_counter once its tokens were there (set by the worker)
 
 
 @dataclass(eq=False)
@@ -140,10 +175,17 @@ class GrammarBatch:
         rows = self.rows
         return any(req_id in rows for req_id in req_ids)
 
-    def start_fill(self, req_ids: list[str], device: torch.device) -> PendingBitmask:
-        """Start applying the queued tokens and filling the mask of a step's sampling rows.
-        Every older step's tokens must be queued already. Rows without a grammar, or whose
-        grammar has ended, allow every token."""
+    def start_fill(
+        self,
+        req_ids: list[str],
+        device: torch.device,
+        incoming: Sequence[IncomingTokens] = (),
+    ) -> PendingBitmask:
+        """Start filling the mask of a step's sampling rows. Every older step's tokens must be
+        queued already or be in `incoming` (oldest first): the worker waits for those to land
+        and applies them after the queued ones. Rows without a grammar, or whose grammar has
+        ended, allow every token. The rows of incoming tokens are looked up now: a request
+        removed or added again later does not change what this fill applies."""
         t = time.perf_counter()
         queued, self._queued = self._queued, []
         rows = self.rows
@@ -153,16 +195,22 @@ class GrammarBatch:
             if row is not None and not row.ended:
                 live.append(row)
                 indices.append(index)
+        landing = []  # (ids, ready, [(index in the step's ids, row)])
+        for step in incoming:
+            taken = [(i, row) for i, r in enumerate(step.req_ids) if (row := rows.get(r))]
+            landing.append((step.ids, step.ready, taken))
         host = self._buffer(len(req_ids), device)
-        if len(live) < len(req_ids):
-            host.fill_(-1)  # all allowed; xgrammar overwrites the filled rows whole
-        if live or queued:
-            done = self._worker.submit(self._work, queued, live, host, indices, t)
+        pending = PendingBitmask(host, Future(), t, t)
+        if live or queued or any(taken for _, _, taken in landing):
+            pending.done = self._worker.submit(
+                self._work, queued, landing, live, host, indices, pending
+            )
+            if incoming:
+                self.stats.num_early_fills += 1
         else:
-            done = Future()
-            done.set_result(False)
+            pending.done.set_result(False)
         self.stats.start_s += time.perf_counter() - t
-        return PendingBitmask(host, done, t)
+        return pending
 
     def finish_fill(self, pending: PendingBitmask, device: torch.device) -> torch.Tensor | None:
         """Wait for a mask and start its copy to `device` (None: nothing to apply)."""
@@ -170,7 +218,7 @@ class GrammarBatch:
         filled = pending.done.result()
         stats = self.stats
         stats.wait_s += time.perf_counter() - t
-        stats.window_s += t - pending.started
+        stats.window_s += max(0.0, t - pending.inputs_at)
         if not filled:
             return None
         return pending.host.to(device, non_blocking=True)  # pinned: an asynchronous copy
@@ -181,7 +229,9 @@ class GrammarBatch:
 
     def _buffer(self, num_rows: int, device: torch.device) -> torch.Tensor:
         """One of two host buffers, alternating: the step before this one may still be copying
-        out of the other. (Two steps back has finished: at most two are in flight.)"""
+        out of the other. The one returned was copied out two fills ago: that copy has been read
+        once the step before this one has sampled, which the worker waits for (its incoming
+        ids) before writing, or which was collected already when nothing is incoming."""
         self._slot ^= 1
         buf = self._buffers[self._slot]
         if buf is None or buf.shape[0] < num_rows:
@@ -197,14 +247,27 @@ class GrammarBatch:
     def _work(
         self,
         queued: list[tuple[_Row, int]],
+        landing: list[tuple[torch.Tensor, Any, list[tuple[int, _Row]]]],
         live: list[_Row],
         host: torch.Tensor,
         indices: list[int],
-        started: float,
+        pending: PendingBitmask,
     ) -> bool:
         t0 = time.perf_counter()
-        self._accept(queued)
+        ready_at = pending.started  # landed before the worker ran: counted from start_fill
+        for ids, ready, taken in landing:
+            if ready is not None and not ready.query():
+                ready.synchronize()  # releases the GIL while it waits
+                ready_at = time.perf_counter()
+            if taken:
+                values = ids.tolist()
+                queued.extend((row, values[i]) for i, row in taken)
+        if len(live) < host.shape[0]:
+            host.fill_(-1)  # all allowed; xgrammar overwrites the filled rows whole
         t1 = time.perf_counter()
+        pending.inputs_at = ready_at
+        self._accept(queued)
+        t2 = time.perf_counter()
         matchers, filled = [], []
         for row, index in zip(live, indices):
             if row.ended:  # it ended with the token just applied: all allowed from now on
@@ -214,12 +277,13 @@ class GrammarBatch:
                 filled.append(index)
         if matchers:
             self._filler.batch_fill_next_token_bitmask(matchers, host, filled)
-        t2 = time.perf_counter()
+        t3 = time.perf_counter()
         stats = self.stats
-        stats.start_delay_s += t0 - started
-        stats.accept_s += t1 - t0
+        stats.ids_wait_s += max(0.0, ready_at - t0)
+        stats.start_delay_s += t1 - ready_at
+        stats.accept_s += t2 - t1
         if matchers:
-            stats.fill_s += t2 - t1
+            stats.fill_s += t3 - t2
             stats.num_fills += 1
             stats.num_rows_filled += len(matchers)
         return bool(matchers)
