@@ -181,13 +181,22 @@ def test_cli_reports_bad_input_clearly():
     assert result.returncode == 2 and "temperature" in result.stderr
 
 
-def test_async_scheduling_defaults_off_on_the_cpu_and_can_be_forced(smollm2_path):
+@pytest.fixture(scope="module")
+def tiny_chat_path(tmp_path_factory) -> str:
+    """A tiny random model with a tokenizer: the engine-wiring tests below need an engine, not
+    SmolLM2's weights (each SmolLM2 load is seconds)."""
+    from tests.tiny_tokenizer import build_tiny_chat_model
+
+    return build_tiny_chat_model(str(tmp_path_factory.mktemp("tiny-chat")))
+
+
+def test_async_scheduling_defaults_off_on_the_cpu_and_can_be_forced(tiny_chat_path):
     """On the CPU a step computes while it is submitted: overlapping would only hold each step's
     tokens back one step. Forced on, it runs the same path the GPU uses."""
     from kiln import LLM
 
-    assert LLM(smollm2_path, kv_cache_memory_gb=0.1).engine.async_scheduling is False
-    forced = LLM(smollm2_path, kv_cache_memory_gb=0.1, async_scheduling=True)
+    assert LLM(tiny_chat_path, kv_cache_memory_gb=0.05).engine.async_scheduling is False
+    forced = LLM(tiny_chat_path, kv_cache_memory_gb=0.05, async_scheduling=True)
     assert forced.engine.async_scheduling is True
     engine = forced.engine
     engine.add_request("Hello", SamplingParams(temperature=0, max_tokens=3))
@@ -199,7 +208,7 @@ def test_async_scheduling_defaults_off_on_the_cpu_and_can_be_forced(smollm2_path
     assert outputs[-1].finished and len(outputs) == 3
 
 
-def test_engine_raises_the_gc_gen0_threshold(smollm2_path):
+def test_engine_raises_the_gc_gen0_threshold(tiny_chat_path):
     """Python's default (700) gives hundreds of running requests a full collection every ~30
     steps, each walking every live token list; the engine raises gen 0's threshold at startup
     (process-wide, like its gc.freeze), and 0 leaves Python's setting alone."""
@@ -210,9 +219,9 @@ def test_engine_raises_the_gc_gen0_threshold(smollm2_path):
     saved = gc.get_threshold()
     try:
         gc.set_threshold(700, *saved[1:])
-        LLM(smollm2_path, kv_cache_memory_gb=0.1, gc_gen0_threshold=0)
+        LLM(tiny_chat_path, kv_cache_memory_gb=0.05, gc_gen0_threshold=0)
         assert gc.get_threshold() == (700, *saved[1:])
-        LLM(smollm2_path, kv_cache_memory_gb=0.1)
+        LLM(tiny_chat_path, kv_cache_memory_gb=0.05)
         assert gc.get_threshold() == (20_000, *saved[1:])
     finally:
         gc.set_threshold(*saved)
