@@ -222,6 +222,10 @@ def test_a_compile_failing_after_validation_is_an_error_for_that_request(http, m
     reply = http.post("/v1/completions", json=body)
     assert reply.status_code == 400, reply.text
     assert "the compiler gave up" in reply.json()["error"]["message"]
+    streamed = http.post("/v1/completions", json={**body, "stream": True})
+    assert streamed.status_code == 200  # the stream began before the compile failed
+    assert "the compiler gave up" in streamed.text and '"invalid_request_error"' in streamed.text
+    assert streamed.text.endswith("data: [DONE]\n\n")
     plain = http.post("/v1/completions", json={"prompt": "Q:", "max_tokens": 4})
     assert plain.status_code == 200 and plain.json()["choices"][0]["finish_reason"] == "length"
 
