@@ -25,8 +25,8 @@ class CompletionOutput:
     token_ids: list[int]
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
-    """'stop' (EOS, stop token or stop string), 'length' (max_tokens or context), 'abort', or None
-    while running."""
+    """'stop' (EOS, stop token or stop string), 'length' (max_tokens or context), 'abort',
+    'error' (see `error`), or None while running."""
     stop_reason: int | str | None = None
     """The stop string or stop token id that ended the completion, if any."""
     cumulative_logprob: float | None = None
@@ -38,6 +38,9 @@ class CompletionOutput:
     """Speculative decoding: drafts accepted."""
     num_spec_steps: int = 0
     """Speculative decoding: verification steps (each emits its accepted drafts plus one)."""
+    error: str | None = None
+    """With finish_reason 'error': what went wrong (a grammar that failed to compile after its
+    spec was accepted); the server answers that request with an error."""
 
     @property
     def mean_acceptance_length(self) -> float | None:

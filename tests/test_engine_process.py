@@ -118,3 +118,29 @@ def test_an_engine_that_cannot_start_says_why(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=110)
     assert done.returncode != 0
     assert "error:" in done.stderr and "no-such-model" in done.stderr, done.stderr
+
+
+@pytest.mark.timeout(240)
+def test_grammar_requests_through_the_engine_process(tmp_path):
+    """The engine process compiles a new grammar in the background and its runner finds it in
+    the cache: a constrained completion and a plain one are served, a bad regex is a 400."""
+    from tests.tiny_tokenizer import build_tiny_chat_model
+
+    model_dir = build_tiny_chat_model(str(tmp_path / "tiny-chat"))
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = _start_serve(model_dir, port, grace=5)
+    try:
+        _wait_healthy(proc, base)
+        body = {"prompt": "Q:", "max_tokens": 12, "guided_regex": r"[0-9]{3}-ok"}
+        with httpx.Client(base_url=base, timeout=60) as http:
+            guided = http.post("/v1/completions", json=body)
+            plain = http.post("/v1/completions", json={"prompt": "Q:", "max_tokens": 3})
+            bad = http.post("/v1/completions", json={**body, "guided_regex": "a(b"})
+        assert guided.status_code == 200, guided.text
+        assert re.fullmatch(r"[0-9]{3}-ok", guided.json()["choices"][0]["text"])
+        assert plain.status_code == 200
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
+    finally:
+        proc.kill()
+        proc.wait(10)

@@ -643,3 +643,88 @@ def test_beam_search_beside_grammar_rows(tiny_llm, monkeypatch):
     )
     assert any(s.beam_rows and len(s.num_scheduled_tokens) > len(s.beam_rows) for s in steps)
     assert engine.kv_cache.usage == 0.0
+
+
+# ---- grammars compile off the engine loop --------------------------------------------------
+
+
+@pytest.fixture
+def held_compile(monkeypatch):
+    """Every compile waits for the returned event (set it to let them finish)."""
+    import threading
+
+    from kiln.structured_output.compiler import GrammarCompilerCache
+
+    release = threading.Event()
+    real = GrammarCompilerCache._compile
+
+    def slow(self, kind, text):
+        assert release.wait(60), "the test never released the compile"
+        return real(self, kind, text)
+
+    monkeypatch.setattr(GrammarCompilerCache, "_compile", slow)
+    yield release
+    release.set()
+
+
+def test_a_compiling_grammar_does_not_hold_back_plain_requests(tiny_llm, held_compile):
+    engine = tiny_llm.engine
+    spec = GuidedDecodingParams(regex=r"[0-9]{3}-held")  # a spec no other test compiles
+    greedy = SamplingParams(max_tokens=8, temperature=0, guided_decoding=spec)
+    engine.add_request("hello", greedy, request_id="g")
+    engine.add_request("hello", SamplingParams(max_tokens=5, temperature=0), request_id="p")
+    plain_tokens = 0
+    for _ in range(5):  # the grammar request arrived first, and is still compiling
+        for delta in engine.step():
+            assert delta.request_id == "p"
+            plain_tokens += len(delta.outputs[0].token_ids)
+    assert plain_tokens == 5  # one token a step, as if the grammar request were not there
+    assert "g" in engine.grammar_waitlist and engine.finished_output("p") is not None
+    held_compile.set()
+    while engine.has_unfinished_requests():
+        engine.step()
+    text = engine.finished_output("g").outputs[0].text
+    assert re.fullmatch(r"[0-9]{3}-held", text), text
+    # Same output as when the grammar was cached before the request came (greedy).
+    again = tiny_llm.generate(["hello"], greedy)
+    assert again[0].outputs[0].text == text
+
+
+def test_abort_while_compiling_frees_the_request(tiny_llm, held_compile):
+    engine = tiny_llm.engine
+    spec = GuidedDecodingParams(regex=r"[a-z]{2}-aborted")
+    engine.add_request("hi", SamplingParams(max_tokens=8, guided_decoding=spec), request_id="a")
+    [final] = engine.abort_request("a")
+    assert final.outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests() and engine.kv_cache_usage == 0
+    held_compile.set()
+    out = tiny_llm.generate(["hi"], SamplingParams(max_tokens=8, guided_decoding=spec))
+    assert re.fullmatch(r"[a-z]{2}-aborted", out[0].outputs[0].text)
+
+
+def test_a_compile_that_fails_after_validation_ends_that_request_only(tiny_llm, monkeypatch):
+    from kiln.structured_output.compiler import GrammarCompilerCache
+
+    def fail(self, kind, text):
+        raise InvalidRequestError("invalid regex: the compiler gave up", param="guided_regex")
+
+    monkeypatch.setattr(GrammarCompilerCache, "_compile", fail)
+    bad = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(regex="x+failed"))
+    out = tiny_llm.generate(["a", "b"], [bad, SamplingParams(max_tokens=4)])
+    assert out[0].outputs[0].finish_reason == "error" and not out[0].outputs[0].token_ids
+    assert "the compiler gave up" in out[0].outputs[0].error
+    assert out[1].outputs[0].finish_reason == "length" and len(out[1].outputs[0].token_ids) == 4
+    assert not tiny_llm.engine.has_unfinished_requests()
+
+
+def test_validation_parses_without_compiling(tiny_llm, monkeypatch):
+    from kiln.structured_output import compiler_for
+    from kiln.structured_output.compiler import GrammarCompilerCache
+
+    engine = tiny_llm.engine
+    compiler = compiler_for(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
+    monkeypatch.setattr(GrammarCompilerCache, "_compile", lambda *a: pytest.fail("compiled"))
+    compiler.validate(GuidedDecodingParams(json={"type": "object", "required": ["zz"]}))
+    with pytest.raises(InvalidRequestError, match="JSON schema") as info:
+        compiler.validate(GuidedDecodingParams(json={"type": "strin"}))
+    assert info.value.param == "response_format"

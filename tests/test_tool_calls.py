@@ -208,6 +208,28 @@ def test_bad_specs_are_400_naming_the_problem(http, path, body, param, words):
     assert error["param"] == param and words in error["message"], error
 
 
+def test_a_compile_failing_after_validation_is_an_error_for_that_request(http, monkeypatch):
+    """The compile runs after the request is accepted: its failure still reaches the client as
+    an error (a 400 naming it), and a plain request beside it is served."""
+    from kiln.errors import InvalidRequestError
+    from kiln.structured_output.compiler import GrammarCompilerCache
+
+    def fail(self, kind, text):
+        raise InvalidRequestError("invalid regex: the compiler gave up", param="guided_regex")
+
+    monkeypatch.setattr(GrammarCompilerCache, "_compile", fail)
+    body = {"prompt": "Q:", "max_tokens": 4, "guided_regex": "y+late-failure"}
+    reply = http.post("/v1/completions", json=body)
+    assert reply.status_code == 400, reply.text
+    assert "the compiler gave up" in reply.json()["error"]["message"]
+    streamed = http.post("/v1/completions", json={**body, "stream": True})
+    assert streamed.status_code == 200  # the stream began before the compile failed
+    assert "the compiler gave up" in streamed.text and '"invalid_request_error"' in streamed.text
+    assert streamed.text.endswith("data: [DONE]\n\n")
+    plain = http.post("/v1/completions", json={"prompt": "Q:", "max_tokens": 4})
+    assert plain.status_code == 200 and plain.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_beam_search_extras_equal_the_offline_api(client, async_engine):
     from kiln import SamplingParams
 

@@ -19,8 +19,12 @@ from kiln.interfaces import BeamCandidates, ModelRunnerOutput, SchedulerOutput
 from kiln.kv_cache.manager import KVCacheManager
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
+from kiln.structured_output.waitlist import GrammarWaitlist
 
 logger = logging.getLogger("kiln")
+# An engine with only compiling requests waits at most this long per step() for one to finish
+# (then returns, so its driver can take in new requests).
+GRAMMAR_WAIT_S = 0.01
 
 
 class LLMEngine:
@@ -54,6 +58,8 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_search = BeamSearchManager(self)  # above the scheduler: beams are requests
+        # Requests whose grammar compiles in the background: out of the scheduler until ready.
+        self.grammar_waitlist = GrammarWaitlist()
         self._ids = itertools.count()
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling is None:
@@ -74,6 +80,7 @@ class LLMEngine:
         if self.async_scheduling and config.pipeline_parallel_size > 1:
             self.scheduler.num_micro_batches = config.pipeline_parallel_size
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted to the runner, uncollected
+        self._failed_deltas: list[RequestOutput] = []  # compiles that failed: out of next step()
         # Startup objects (model, tokenizer, graphs) live as long as the engine: keep the cyclic
         # GC from walking them on every full collection while requests churn.
         gc.collect()
@@ -131,6 +138,9 @@ class LLMEngine:
             max_tokens = min(max_tokens, params.max_tokens)
         if params.use_beam_search:
             return self.beam_search.add(request_id, text, token_ids, params, max_tokens, priority)
+        compiled = None
+        if params.guided_decoding is not None:  # validated: its compile starts in the background
+            compiled = self._grammar_compiler().compile_async(params.guided_decoding)
         child_ids = self.output_processor.add_request(request_id, text, token_ids, params)
         now = time.monotonic()
         for index, child_id in enumerate(child_ids):
@@ -138,18 +148,41 @@ class LLMEngine:
             if params.n > 1 and params.seed is not None:
                 # Distinct but reproducible streams for each completion.
                 child_params = _with_seed(params, params.seed + index)
-            self.scheduler.add_request(
-                Request(
-                    child_id,
-                    token_ids,
-                    child_params,
-                    self.eos_token_ids,
-                    max_tokens,
-                    priority=priority,
-                    arrival_time=now,
-                )
+            request = Request(
+                child_id,
+                token_ids,
+                child_params,
+                self.eos_token_ids,
+                max_tokens,
+                priority=priority,
+                arrival_time=now,
             )
+            if compiled is not None and not compiled.done():
+                self.grammar_waitlist.add(child_id, request, compiled)
+            else:
+                self.scheduler.add_request(request)
+        self._admit_compiled()  # a compile that failed at once (cached or not) ends it now
         return request_id
+
+    def _grammar_compiler(self):  # -> kiln.structured_output.GrammarCompilerCache
+        from kiln.structured_output import compiler_for
+
+        return compiler_for(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the held requests whose grammar is ready (by arrival time: FCFS keeps their
+        place) and finish those whose compile failed, with finish_reason "error"."""
+        if not self.grammar_waitlist:
+            return []
+        ready, failed = self.grammar_waitlist.take_done()
+        for request in ready:
+            self.scheduler.add_request(request)
+        if not failed:
+            return []
+        ended = [EngineCoreOutput(f.item.req_id, [], "error", error=f.error) for f in failed]
+        deltas, _ = self.output_processor.process(ended)
+        self._failed_deltas.extend(deltas)
+        return deltas
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
@@ -176,9 +209,8 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
         if params.guided_decoding is not None:
-            # Compile now (cached by spec): a bad schema or grammar is a 400 before queueing.
-            from kiln.structured_output import compiler_for
-
+            # Parse now (cheap; the compile runs in the background): a bad schema or grammar is
+            # a 400 before queueing.
             if self.tokenizer is None:
                 raise InvalidRequestError(
                     "structured output needs a tokenizer", param="guided_decoding"
@@ -188,8 +220,7 @@ class LLMEngine:
                     "structured output is not supported with tensor or pipeline parallelism yet",
                     param="guided_decoding",
                 )
-            vocab = self.model_config.vocab_size
-            compiler_for(self.tokenizer, vocab, self.eos_token_ids).compile(params.guided_decoding)
+            self._grammar_compiler().validate(params.guided_decoding)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Abort requests: their KV blocks are freed now. Returns their final outputs."""
@@ -202,6 +233,8 @@ class LLMEngine:
                 finals.append(beam_final)
                 continue
             children = self.output_processor.child_ids(req_id)
+            for child in children:  # held while compiling: nothing allocated, just let go
+                self.grammar_waitlist.abort(child)
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
             final = self.output_processor.abort(req_id)
             if final is not None:
@@ -215,6 +248,8 @@ class LLMEngine:
             self.scheduler.has_unfinished_requests()
             or bool(self._in_flight)
             or self.beam_search.active
+            or bool(self.grammar_waitlist)
+            or bool(self._failed_deltas)
         )
 
     # ---- stepping ----------------------------------------------------------------------------
@@ -225,6 +260,19 @@ class LLMEngine:
         A delta's completions carry only this step's new text, tokens and logprobs; the full
         output of a finished request is `finished_output(req_id)`.
         """
+        self._admit_compiled()
+        failed, self._failed_deltas = self._failed_deltas, []
+        if (
+            self.grammar_waitlist
+            and not self._in_flight
+            and not self.scheduler.has_unfinished_requests()
+        ):
+            # Only compiles to wait for: block briefly on them rather than spin.
+            self.grammar_waitlist.wait(GRAMMAR_WAIT_S)
+            self._admit_compiled()
+        return failed + self._step()
+
+    def _step(self) -> list[RequestOutput]:
         if self._overlap_outputs:
             return self._step_overlapping_outputs()
         sched = self.scheduler.schedule()

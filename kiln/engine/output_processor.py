@@ -61,6 +61,7 @@ def _copy(o: CompletionOutput) -> CompletionOutput:
         num_draft_tokens=o.num_draft_tokens,
         num_accepted_tokens=o.num_accepted_tokens,
         num_spec_steps=o.num_spec_steps,
+        error=o.error,
     )
 
 
@@ -166,6 +167,7 @@ class OutputProcessor:
             o.logprobs.extend(new_logprobs)
         if o.finish_reason is None and out.finish_reason is not None:
             o.finish_reason, o.stop_reason = out.finish_reason, out.stop_reason
+            o.error = out.error
         num_spec_steps = 1 if out.num_draft_tokens else 0
         o.num_draft_tokens += out.num_draft_tokens
         o.num_accepted_tokens += out.num_accepted_tokens
@@ -180,6 +182,7 @@ class OutputProcessor:
             num_draft_tokens=out.num_draft_tokens,
             num_accepted_tokens=out.num_accepted_tokens,
             num_spec_steps=num_spec_steps,
+            error=o.error,
         )
 
     def abort(self, req_id: str) -> RequestOutput | None:

@@ -45,6 +45,7 @@ class EngineCoreOutput:
     # Speculative decoding, this step: drafts verified and how many of them were accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    error: str | None = None  # finish_reason "error": why (a grammar's compile failed)
 
 
 @dataclass

@@ -46,7 +46,7 @@ def read_snapshot(
     scheduler = engine.scheduler
     return EngineSnapshot(
         num_running=len(scheduler.running),
-        num_waiting=len(scheduler.waiting),
+        num_waiting=len(scheduler.waiting) + len(engine.grammar_waitlist),
         kv_cache_usage=engine.kv_cache_usage,
         prefix_queries=stats.queries,
         prefix_hits=stats.hits,
@@ -188,6 +188,7 @@ class StepLoop:
         if not self._unscheduled:
             return
         waiting = {r.req_id for r in self.engine.scheduler.waiting}
+        waiting |= self.engine.grammar_waitlist.req_ids  # compiling: not scheduled yet
         for req_id in list(self._unscheduled):
             children = self.engine.output_processor.child_ids(req_id)
             if not any(child in waiting for child in children):
@@ -231,6 +232,7 @@ def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
             num_draft_tokens=prev.num_draft_tokens + o.num_draft_tokens,
             num_accepted_tokens=prev.num_accepted_tokens + o.num_accepted_tokens,
             num_spec_steps=prev.num_spec_steps + o.num_spec_steps,
+            error=o.error,
         )
     return RequestOutput(
         a.request_id,

@@ -280,6 +280,9 @@ async def _stream(
             usage = _usage(num_prompt_tokens, completion_tokens)
             yield sse({**head, "choices": [], "usage": usage})
         yield SSE_DONE
+    except InvalidRequestError as exc:  # its grammar failed to compile after it was accepted
+        yield sse(error_body(400, str(exc), exc.param, exc.code))
+        yield SSE_DONE
     except Exception as exc:  # the engine died mid-stream: say so, then end the stream
         yield sse(error_body(503, f"generation failed: {exc}", code="engine_dead"))
         yield SSE_DONE

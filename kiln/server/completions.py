@@ -305,6 +305,9 @@ async def _stream(
         if plan.include_usage:
             yield sse({**_head(plan), "choices": [], "usage": _usage(plan, choices)})
         yield SSE_DONE
+    except InvalidRequestError as exc:  # its grammar failed to compile after it was accepted
+        yield sse(error_body(400, str(exc), exc.param, exc.code))
+        yield SSE_DONE
     except Exception as exc:  # the engine died mid-stream: say so, then end the stream
         yield sse(error_body(503, f"generation failed: {exc}", code="engine_dead"))
         yield SSE_DONE

@@ -13,6 +13,7 @@ import orjson
 from starlette.requests import Request
 
 from kiln.engine.async_engine import AsyncEngine, RequestStream
+from kiln.errors import InvalidRequestError
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 from kiln.server.lifecycle import Lifecycle
@@ -188,6 +189,10 @@ class Generation:
             self.close()
 
     def _observe(self, index: int, delta: RequestOutput) -> None:
+        failed = next((o for o in delta.outputs if o.finish_reason == "error"), None)
+        if failed is not None:  # its grammar failed to compile: this request is an error
+            self._release(index)
+            raise InvalidRequestError(failed.error or "the request failed", param=None)
         self._timers[index].on_delta(delta)
         started = self._started[index]
         for o in delta.outputs:  # a sequence stops waiting with its first token (or its end)

@@ -1,8 +1,12 @@
 """One xgrammar compiler per tokenizer, with compiled grammars cached by the spec's key.
 
-The engine compiles when a request arrives (so a bad schema is a 400 before anything is queued);
-the runner asks again when the request first runs and gets the cached grammar. Both reach the same
-cache through compiler_for() when they share a process (the in-process executor).
+The engine validates a request's spec when it arrives (validate(): xgrammar parses it without
+the tokenizer, so a bad schema is a 400 before anything is queued, at a fraction of a compile's
+cost) and starts its compile on a background thread (compile_async(): xgrammar compiles in C++
+without the GIL, so the engine loop goes on stepping everyone else). The runner asks again when
+the request first runs and gets the cached grammar. Both reach the same cache through
+compiler_for() when they share a process (the in-process executor, also inside the server's
+engine process; structured output is refused under the multiprocess executor).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from kiln.errors import InvalidRequestError
@@ -48,6 +53,41 @@ class GrammarCompilerCache:
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=4, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
+        # One background compile at a time (each uses xgrammar's own threads); compiles under
+        # way by spec key, so requests with the same new spec share one.
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="kiln-grammar-compile")
+        self._compiling: dict[tuple[str, str], Future] = {}
+
+    def validate(self, spec: GuidedDecodingParams) -> None:
+        """Parse the spec without the tokenizer: InvalidRequestError names a bad one. Cheap
+        next to a compile (no pass over the vocabulary); a cached spec is not parsed again."""
+        with self._lock:
+            if spec.key in self._cache or spec.key in self._compiling:
+                return
+        self._parse(*spec.key)
+
+    def compile_async(self, spec: GuidedDecodingParams) -> Future:
+        """A future of the CompiledGrammar, compiled on the background thread (done at once
+        when cached). A failed compile's future holds its InvalidRequestError."""
+        key = spec.key
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is None:
+                future = self._compiling.get(key)
+                if future is None:
+                    future = self._compiling[key] = self._background.submit(self._run, spec)
+                return future
+            self._cache.move_to_end(key)
+        done: Future = Future()
+        done.set_result(compiled)
+        return done
+
+    def _run(self, spec: GuidedDecodingParams) -> Any:
+        try:
+            return self.compile(spec)
+        finally:
+            with self._lock:
+                self._compiling.pop(spec.key, None)
 
     def compile(self, spec: GuidedDecodingParams) -> Any:
         """The xgrammar CompiledGrammar for a spec; InvalidRequestError names a bad one."""
@@ -65,35 +105,34 @@ class GrammarCompilerCache:
         return compiled
 
     def _compile(self, kind: str, text: str) -> Any:
-        param = "response_format" if kind in ("json", "json_object") else f"guided_{kind}"
-        what = {
-            "json": "JSON schema",
-            "json_object": "JSON object",
-            "regex": "regex",
-            "choice": "choice",
-            "grammar": "EBNF grammar",
-        }[kind]
+        grammar = self._parse(kind, text)
+        try:
+            return self._compiler.compile_grammar(grammar)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise _invalid(kind, exc) from exc
+
+    def _parse(self, kind: str, text: str) -> Any:
+        """The spec as an xgrammar Grammar (parsed, not compiled: no tokenizer needed)."""
+        import xgrammar as xgr
+
         try:
             if kind == "json":
                 schema = json.loads(text)
                 if not isinstance(schema, dict | bool):
                     raise ValueError("a JSON schema is an object")
-                return self._compile_json_schema(text)
+                return self._json_schema_grammar(xgr, text)
             if kind == "json_object":
-                return self._compile_json_schema('{"type": "object"}')
+                return self._json_schema_grammar(xgr, '{"type": "object"}')
             if kind == "regex":
-                return self._compiler.compile_regex(text)
+                return xgr.Grammar.from_regex(text)
             if kind == "choice":
                 alternatives = " | ".join(_ebnf_literal(c) for c in json.loads(text))
-                return self._compiler.compile_grammar(f"root ::= {alternatives}")
-            return self._compiler.compile_grammar(text)
+                return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
+            return xgr.Grammar.from_ebnf(text)
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's, with its parser's text
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise InvalidRequestError(f"invalid {what}: {message}", param=param) from exc
+            raise _invalid(kind, exc) from exc
 
-    def _compile_json_schema(self, schema: str) -> Any:
-        import xgrammar as xgr
-
+    def _json_schema_grammar(self, xgr: Any, schema: str) -> Any:
         # Compact JSON (no free whitespace): a model may otherwise emit spaces or newlines
         # until max_tokens, which is valid JSON never finished.
         grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
@@ -103,7 +142,20 @@ class GrammarCompilerCache:
         # (U+D800..U+DFFF), which decode to three U+FFFD each. Use one strict class for both.
         for loose in _LOOSE_STRING_CHARS:
             grammar = grammar.replace(loose, _JSON_STRING_CHAR)
-        return self._compiler.compile_grammar(grammar)
+        return xgr.Grammar.from_ebnf(grammar)
+
+
+def _invalid(kind: str, exc: BaseException) -> InvalidRequestError:
+    param = "response_format" if kind in ("json", "json_object") else f"guided_{kind}"
+    what = {
+        "json": "JSON schema",
+        "json_object": "JSON object",
+        "regex": "regex",
+        "choice": "choice",
+        "grammar": "EBNF grammar",
+    }[kind]
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return InvalidRequestError(f"invalid {what}: {message}", param=param)
 
 
 def _tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]):
