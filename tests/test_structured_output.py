@@ -728,3 +728,27 @@ def test_validation_parses_without_compiling(tiny_llm, monkeypatch):
     with pytest.raises(InvalidRequestError, match="JSON schema") as info:
         compiler.validate(GuidedDecodingParams(json={"type": "strin"}))
     assert info.value.param == "response_format"
+
+
+def test_a_compile_that_failed_before_its_request_was_queued_is_not_scheduled(
+    tiny_llm, monkeypatch
+):
+    """The race the background compile opens: its future can be done, failed, by the time the
+    engine looks at it. Such a request must end with the error, not reach the runner (whose
+    own compile would raise inside the step and kill the engine loop)."""
+    from concurrent.futures import Future
+
+    from kiln.structured_output.compiler import GrammarCompilerCache
+
+    def failed_at_once(self, spec):
+        done = Future()
+        done.set_exception(InvalidRequestError("invalid regex: gave up at once"))
+        return done
+
+    monkeypatch.setattr(GrammarCompilerCache, "compile_async", failed_at_once)
+    bad = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(regex="x+at-once"))
+    out = tiny_llm.generate(["a", "b"], [bad, SamplingParams(max_tokens=4)])
+    assert out[0].outputs[0].finish_reason == "error"
+    assert "gave up at once" in out[0].outputs[0].error
+    assert out[1].outputs[0].finish_reason == "length" and len(out[1].outputs[0].token_ids) == 4
+    assert not tiny_llm.engine.has_unfinished_requests()

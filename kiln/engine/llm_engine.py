@@ -157,11 +157,11 @@ class LLMEngine:
                 priority=priority,
                 arrival_time=now,
             )
-            if compiled is not None and not compiled.done():
+            if compiled is not None:  # even when done: a failed compile must not be scheduled
                 self.grammar_waitlist.add(child_id, request, compiled)
             else:
                 self.scheduler.add_request(request)
-        self._admit_compiled()  # a compile that failed at once (cached or not) ends it now
+        self._admit_compiled()  # queues a grammar ready already; a failed compile ends it now
         return request_id
 
     def _grammar_compiler(self):  # -> kiln.structured_output.GrammarCompilerCache
