@@ -76,13 +76,6 @@ def tiny_builds(work: str) -> dict:
             manifest = read_manifest(out)
             want = _generate(LLM(str(DATA / name), kv_cache_dtype=kv, **args), greedy)
             got = _generate(LLM(out, **args), greedy)
-            diffs = [
-                abs(a.logprobs[i][t].logprob - b.logprobs[i][t].logprob)
-                for wa, ga in zip(want, got)
-                for a, b in [(wa.outputs[0], ga.outputs[0])]
-                for i, t in enumerate(a.token_ids)
-                if t in b.logprobs[i]
-            ]
             results[key] = {
                 "build_seconds": seconds,
                 "accuracy": manifest["accuracy"],
@@ -90,16 +83,30 @@ def tiny_builds(work: str) -> dict:
                 "quantization_source": manifest.get("quantization_source"),
                 "gpu_class": manifest["gpu_class"],
                 "kernel_tiles_gpu_class": (manifest.get("kernel_tiles") or {}).get("gpu_class"),
-                "greedy_tokens_equal": all(
-                    list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
-                    for a, b in zip(want, got)
-                ),
-                "max_abs_greedy_logprob_diff": max(diffs, default=None),
+                **_agreement(want, got),
             }
         except Exception:  # one failing build must not hide the others' numbers
             results[key] = {"error": traceback.format_exc()[-3000:]}
         print(key, json.dumps(results[key], default=str)[:1500], flush=True)
     return results
+
+
+def _agreement(want: list, got: list) -> dict:
+    """Whether two runs' greedy tokens are equal, and their largest log-probability difference
+    over the tokens both scored."""
+    diffs = [
+        abs(a.logprobs[i][t].logprob - b.logprobs[i][t].logprob)
+        for wa, ga in zip(want, got)
+        for a, b in [(wa.outputs[0], ga.outputs[0])]
+        for i, t in enumerate(a.token_ids)
+        if t in b.logprobs[i]
+    ]
+    return {
+        "greedy_tokens_equal": all(
+            list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids) for a, b in zip(want, got)
+        ),
+        "max_abs_greedy_logprob_diff": max(diffs, default=None),
+    }
 
 
 def compare(src: str, engine: str) -> dict:
@@ -115,18 +122,8 @@ def compare(src: str, engine: str) -> dict:
     t0 = time.perf_counter()
     got = _generate(LLM(engine, **args), greedy)
     engine_s = time.perf_counter() - t0
-    diffs = [
-        abs(a.logprobs[i][t].logprob - b.logprobs[i][t].logprob)
-        for wa, ga in zip(want, got)
-        for a, b in [(wa.outputs[0], ga.outputs[0])]
-        for i, t in enumerate(a.token_ids)
-        if t in b.logprobs[i]
-    ]
     return {
-        "greedy_tokens_equal": all(
-            list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids) for a, b in zip(want, got)
-        ),
-        "max_abs_greedy_logprob_diff": max(diffs, default=None),
+        **_agreement(want, got),
         "direct_load_and_generate_s": direct_s,
         "engine_load_and_generate_s": engine_s,
     }

@@ -4,7 +4,10 @@ within `max_ppl_increase` percent of the source's."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import kiln
@@ -15,6 +18,26 @@ CALIBRATION_FILE = os.path.normpath(os.path.join(_DATA, "wikitext-2", "test.txt"
 # The first articles of the valid split: thousands of tokens, so a 1% change stands well above
 # what a reordered sum moves, and the check adds seconds to a build, not minutes.
 _HELD_OUT_ARTICLES = 1
+
+
+@contextlib.contextmanager
+def measuring_llm(path: str, **engine_args: Any) -> Iterator[Any]:
+    """An `LLM` for one of the build's measurements (source, engine, checkpoint), shut down
+    and its device memory handed back when done: the next one sizes its KV cache from what is
+    free."""
+    import torch
+
+    from kiln.llm import LLM
+
+    llm = LLM(path, **engine_args)
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def wikitext_articles(path: str, limit: int) -> list[str]:

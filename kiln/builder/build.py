@@ -332,22 +332,19 @@ def _run_source(
     model is made."""
     if not check and calibration is None:
         return None, None, None
-    from kiln.builder.accuracy import measure
-    from kiln.llm import LLM
+    from kiln.builder.accuracy import measure, measuring_llm
 
-    llm = LLM(path, dtype=options.dtype, max_model_len=options.max_model_len,
-              enable_prefix_caching=False)  # fmt: skip
-    source_ppl = measure(llm, options.max_model_len) if check else None
     scales = kv_scales = None
-    if calibration is not None:
-        scales, kv_scales = calibrate(
-            llm,
-            calibration,
-            options.quantization == "fp8",
-            is_float8_kv_cache(options.kv_cache_dtype),
-        )
-    del llm
-    gc.collect()
+    with measuring_llm(path, dtype=options.dtype, max_model_len=options.max_model_len,
+                       enable_prefix_caching=False) as llm:  # fmt: skip
+        source_ppl = measure(llm, options.max_model_len) if check else None
+        if calibration is not None:
+            scales, kv_scales = calibrate(
+                llm,
+                calibration,
+                options.quantization == "fp8",
+                is_float8_kv_cache(options.kv_cache_dtype),
+            )
     return source_ppl, scales, kv_scales
 
 
@@ -356,17 +353,13 @@ def _accuracy(engine: str, options: BuildOptions, source_ppl: dict[str, float] |
         return {"checked": False, "reason": "unquantized: the weights are the source's, unchanged"}
     if source_ppl is None:
         return {"checked": False, "reason": "--no-accuracy-check"}
-    from kiln.builder.accuracy import measure, report
-    from kiln.llm import LLM
+    from kiln.builder.accuracy import measure, measuring_llm, report
 
-    llm = LLM(
+    with measuring_llm(
         engine,
         kv_cache_dtype=options.kv_cache_dtype,
         max_model_len=options.max_model_len,
         tensor_parallel_size=options.tensor_parallel_size,
-    )
-    engine_ppl = measure(llm, options.max_model_len)
-    llm.shutdown()
-    del llm
-    gc.collect()
+    ) as llm:
+        engine_ppl = measure(llm, options.max_model_len)
     return report(source_ppl, engine_ppl, options.max_ppl_increase)

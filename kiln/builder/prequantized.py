@@ -18,7 +18,6 @@ refuses to quantize a checkpoint that is quantized already).
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
@@ -193,24 +192,21 @@ def run_source(
     the arithmetic the new scales are checked against."""
     if not check and calibration is None:
         return None, None
+    from kiln.builder.accuracy import measuring_llm
     from kiln.builder.quantize import calibrate
-    from kiln.llm import LLM
 
-    llm = LLM(
+    kv_scales = None
+    with measuring_llm(
         path,
         dtype=options.dtype,
         max_model_len=options.max_model_len,
         kv_cache_dtype="auto" if calibration is not None else options.kv_cache_dtype,
         lm_head_quantization=options.lm_head_quantization,
         enable_prefix_caching=False,
-    )
-    scores = score(llm, options.max_model_len) if check else None
-    kv_scales = None
-    if calibration is not None:
-        _, kv_scales = calibrate(llm, calibration, False, True)
-    llm.shutdown()
-    del llm
-    _release_memory()
+    ) as llm:
+        scores = score(llm, options.max_model_len) if check else None
+        if calibration is not None:
+            _, kv_scales = calibrate(llm, calibration, False, True)
     return scores, kv_scales
 
 
@@ -221,19 +217,16 @@ def accuracy(
     added nothing (`same_arithmetic`), else (new KV scales) within --max-ppl-increase."""
     if baseline is None:
         return {"checked": False, "reason": "--no-accuracy-check"}
-    from kiln.llm import LLM
+    from kiln.builder.accuracy import measuring_llm
 
-    llm = LLM(
+    with measuring_llm(
         engine,
         kv_cache_dtype=options.kv_cache_dtype,
         max_model_len=options.max_model_len,
         tensor_parallel_size=options.tensor_parallel_size,
         enable_prefix_caching=False,
-    )
-    got = score(llm, options.max_model_len)
-    llm.shutdown()
-    del llm
-    _release_memory()
+    ) as llm:
+        got = score(llm, options.max_model_len)
     metric = "word_perplexity" if baseline.word_perplexity is not None else "token_perplexity"
     source_ppl, engine_ppl = getattr(baseline, metric), getattr(got, metric)
     increase = 100.0 * (engine_ppl / source_ppl - 1.0)
@@ -263,16 +256,6 @@ def accuracy(
         "max_ppl_increase_pct": limit,
         "passed": passed,
     }
-
-
-def _release_memory() -> None:
-    """Hand a freed `LLM`'s device memory back before the next one is made (each sizes its KV
-    cache from the memory that is free)."""
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def failure(report: dict[str, Any]) -> str:
