@@ -148,14 +148,28 @@ MIXED_PARAMS = [
 ]
 
 
-def test_async_scheduling_gives_the_same_outputs(tiny_llm, async_llm):
+@pytest.fixture(scope="module")
+def sync_llm(tiny_path):
+    """The synchronous engine, explicitly: on CUDA the default is async scheduling."""
+    from kiln import LLM
+
+    return LLM(
+        tiny_path,
+        max_num_seqs=16,
+        kv_cache_memory_gb=0.05,
+        max_model_len=512,
+        async_scheduling=False,
+    )
+
+
+def test_async_scheduling_gives_the_same_outputs(sync_llm, async_llm):
     """The GPU's schedule on the CPU: step N+1 is launched before N's tokens are back, and N+1's
     mask is filled from N's ids as soon as they are on the host (the worker takes them there,
     before the runner's thread collects N). Same tokens as the synchronous engine, for grammar
     rows and the plain rows beside them, through preemptions."""
     grammars = async_llm.engine.executor.runner._grammars
     early = grammars.stats.num_early_fills if grammars is not None else 0
-    want = tiny_llm.generate(MIXED_PROMPTS, MIXED_PARAMS)
+    want = sync_llm.generate(MIXED_PROMPTS, MIXED_PARAMS)
     got = async_llm.generate(MIXED_PROMPTS, MIXED_PARAMS)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     jsonschema.validate(json.loads(got[1].outputs[0].text), PERSON)
@@ -163,7 +177,7 @@ def test_async_scheduling_gives_the_same_outputs(tiny_llm, async_llm):
     assert async_llm.engine.scheduler.num_preemptions_total > 0
     # The fills took the previous step's ids themselves (the synchronous engine's never do).
     assert async_llm.engine.executor.runner._grammars.stats.num_early_fills > early
-    assert tiny_llm.engine.executor.runner._grammars.stats.num_early_fills == 0
+    assert sync_llm.engine.executor.runner._grammars.stats.num_early_fills == 0
 
 
 def test_requests_aborted_and_preempted_while_a_fill_runs(tiny_llm, async_llm, monkeypatch):
@@ -648,6 +662,11 @@ def test_beam_search_beside_grammar_rows(tiny_llm, monkeypatch):
 # ---- grammars compile off the engine loop --------------------------------------------------
 
 
+# The compile waitlist under both schedules: async scheduling is the GPU's default (a step's
+# tokens come back with the next step), and the CPU runs it too.
+BOTH_SCHEDULES = pytest.mark.parametrize("llm_name", ["tiny_llm", "async_llm"])
+
+
 @pytest.fixture
 def held_compile(monkeypatch):
     """Every compile waits for the returned event (set it to let them finish)."""
@@ -667,18 +686,25 @@ def held_compile(monkeypatch):
     release.set()
 
 
-def test_a_compiling_grammar_does_not_hold_back_plain_requests(tiny_llm, held_compile):
-    engine = tiny_llm.engine
+@BOTH_SCHEDULES
+def test_a_compiling_grammar_does_not_hold_back_plain_requests(llm_name, request, held_compile):
+    llm = request.getfixturevalue(llm_name)
+    engine = llm.engine
     spec = GuidedDecodingParams(regex=r"[0-9]{3}-held")  # a spec no other test compiles
     greedy = SamplingParams(max_tokens=8, temperature=0, guided_decoding=spec)
     engine.add_request("hello", greedy, request_id="g")
     engine.add_request("hello", SamplingParams(max_tokens=5, temperature=0), request_id="p")
-    plain_tokens = 0
-    for _ in range(5):  # the grammar request arrived first, and is still compiling
+    plain_tokens = steps = 0
+    # The grammar request arrived first, and is still compiling: one token a step for the plain
+    # one, as if the grammar request were not there (plus one step when async scheduling hands a
+    # step's tokens back with the next step).
+    lag = engine.max_steps_in_flight - 1
+    while plain_tokens < 5 and steps < 5 + lag:
         for delta in engine.step():
             assert delta.request_id == "p"
             plain_tokens += len(delta.outputs[0].token_ids)
-    assert plain_tokens == 5  # one token a step, as if the grammar request were not there
+        steps += 1
+    assert plain_tokens == 5 and steps == 5 + lag
     assert "g" in engine.grammar_waitlist and engine.finished_output("p") is not None
     held_compile.set()
     while engine.has_unfinished_requests():
@@ -686,23 +712,31 @@ def test_a_compiling_grammar_does_not_hold_back_plain_requests(tiny_llm, held_co
     text = engine.finished_output("g").outputs[0].text
     assert re.fullmatch(r"[0-9]{3}-held", text), text
     # Same output as when the grammar was cached before the request came (greedy).
-    again = tiny_llm.generate(["hello"], greedy)
+    again = llm.generate(["hello"], greedy)
     assert again[0].outputs[0].text == text
 
 
-def test_abort_while_compiling_frees_the_request(tiny_llm, held_compile):
-    engine = tiny_llm.engine
+@BOTH_SCHEDULES
+def test_abort_while_compiling_frees_the_request(llm_name, request, held_compile):
+    llm = request.getfixturevalue(llm_name)
+    engine = llm.engine
     spec = GuidedDecodingParams(regex=r"[a-z]{2}-aborted")
     engine.add_request("hi", SamplingParams(max_tokens=8, guided_decoding=spec), request_id="a")
     [final] = engine.abort_request("a")
     assert final.outputs[0].finish_reason == "abort"
     assert not engine.has_unfinished_requests() and engine.kv_cache_usage == 0
     held_compile.set()
-    out = tiny_llm.generate(["hi"], SamplingParams(max_tokens=8, guided_decoding=spec))
+    # Room for the whole match (10 characters, one token each at worst) and its end of text.
+    again = SamplingParams(max_tokens=16, temperature=0, guided_decoding=spec)
+    out = llm.generate(["hi"], again)
     assert re.fullmatch(r"[a-z]{2}-aborted", out[0].outputs[0].text)
 
 
-def test_a_compile_that_fails_after_validation_ends_that_request_only(tiny_llm, monkeypatch):
+@BOTH_SCHEDULES
+def test_a_compile_that_fails_after_validation_ends_that_request_only(
+    llm_name, request, monkeypatch
+):
+    llm = request.getfixturevalue(llm_name)
     from kiln.structured_output.compiler import GrammarCompilerCache
 
     def fail(self, kind, text):
@@ -710,11 +744,11 @@ def test_a_compile_that_fails_after_validation_ends_that_request_only(tiny_llm, 
 
     monkeypatch.setattr(GrammarCompilerCache, "_compile", fail)
     bad = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(regex="x+failed"))
-    out = tiny_llm.generate(["a", "b"], [bad, SamplingParams(max_tokens=4)])
+    out = llm.generate(["a", "b"], [bad, SamplingParams(max_tokens=4)])
     assert out[0].outputs[0].finish_reason == "error" and not out[0].outputs[0].token_ids
     assert "the compiler gave up" in out[0].outputs[0].error
     assert out[1].outputs[0].finish_reason == "length" and len(out[1].outputs[0].token_ids) == 4
-    assert not tiny_llm.engine.has_unfinished_requests()
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_validation_parses_without_compiling(tiny_llm, monkeypatch):
@@ -730,14 +764,16 @@ def test_validation_parses_without_compiling(tiny_llm, monkeypatch):
     assert info.value.param == "response_format"
 
 
+@BOTH_SCHEDULES
 def test_a_compile_that_failed_before_its_request_was_queued_is_not_scheduled(
-    tiny_llm, monkeypatch
+    llm_name, request, monkeypatch
 ):
     """The race the background compile opens: its future can be done, failed, by the time the
     engine looks at it. Such a request must end with the error, not reach the runner (whose
     own compile would raise inside the step and kill the engine loop)."""
     from concurrent.futures import Future
 
+    llm = request.getfixturevalue(llm_name)
     from kiln.structured_output.compiler import GrammarCompilerCache
 
     def failed_at_once(self, spec):
@@ -747,8 +783,8 @@ def test_a_compile_that_failed_before_its_request_was_queued_is_not_scheduled(
 
     monkeypatch.setattr(GrammarCompilerCache, "compile_async", failed_at_once)
     bad = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(regex="x+at-once"))
-    out = tiny_llm.generate(["a", "b"], [bad, SamplingParams(max_tokens=4)])
+    out = llm.generate(["a", "b"], [bad, SamplingParams(max_tokens=4)])
     assert out[0].outputs[0].finish_reason == "error"
     assert "gave up at once" in out[0].outputs[0].error
     assert out[1].outputs[0].finish_reason == "length" and len(out[1].outputs[0].token_ids) == 4
-    assert not tiny_llm.engine.has_unfinished_requests()
+    assert not llm.engine.has_unfinished_requests()
