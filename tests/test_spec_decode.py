@@ -83,7 +83,7 @@ def test_scheduler_caps_drafts_by_policy_budget_and_max_tokens():
 
 def test_policy_by_batch_size_and_overrides():
     spec = SpeculativeConfig("ngram", 4)
-    assert [spec.num_tokens_for_batch(b) for b in (1, 16, 17, 64, 65)] == [4, 4, 2, 2, 0]
+    assert [spec.num_tokens_for_batch(b) for b in (1, 32, 33, 64, 65)] == [4, 4, 2, 2, 0]
     table = SpeculativeConfig.from_dict(
         {
             "method": "ngram",
