@@ -300,10 +300,11 @@ for s in "$@"; do
             --work "${WORK:-/tmp/kiln-prequant}" --output-json "$OUT/prequant_build$SFX.json"
         ;;
     so-json)  # issue 18: 64 concurrent 128/128 JSON-schema requests vs the same unconstrained
-        # (3 alternating rounds each, one process); needs xgrammar (pip install xgrammar)
+        # (5 alternating rounds each after a warm-up of each at the same 64 rows, one process);
+        # needs xgrammar (pip install xgrammar)
         stage so-json 600 python3 benchmarks/structured_output_bench.py --model llama-3.1-8b \
             --load-format dummy --dtype bfloat16 --num-requests 64 --input-len 128 \
-            --output-len 128 --rounds 3 --out "$OUT/structured_output$SFX.json"
+            --output-len 128 --rounds 5 --out "$OUT/structured_output$SFX.json"
         ;;
     so-mask-host)  # issue 18: the grammar mask's host cost at 64 rows on this host's CPUs, old
         # way vs new, over 1/4/8/12 fill threads (no GPU; the thread scaling so-json depends on)
