@@ -18,7 +18,13 @@ import kiln
 from kiln.builder import cache, prequantized
 from kiln.builder.manifest import EngineManifest
 from kiln.builder.plan import plan_memory
-from kiln.builder.quantize import SCALES_METHOD, calibrate, linear_method_factory, text_hash
+from kiln.builder.quantize import (
+    SCALES_METHOD,
+    WEIGHT_ROUNDINGS,
+    calibrate,
+    linear_method_factory,
+    text_hash,
+)
 from kiln.builder.tiles import kernel_tiles
 from kiln.builder.weights import write_rank_shards, write_weights
 from kiln.checkpoint.engine_dir import current_gpu_class, is_engine_dir
@@ -80,6 +86,10 @@ class BuildOptions:
     so its first process does not compile them. Not part of the engine id: an optimisation."""
     lm_head_quantization: str = "none"
     """"fp8": the LM head in float8 with per-row scales (tensor_parallel_size 1 only); "none"."""
+    weight_rounding: str = "nearest"
+    """How float8 weights round: "nearest", or "gptq" (kiln.quantization.gptq: each projection's
+    rounding error spread over its other weights by its inputs' statistics on the calibration
+    text; the same format, scales and kernels, a slower build)."""
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -87,6 +97,7 @@ class BuildOptions:
             ("kv_cache_dtype", KV_CACHE_DTYPES),
             ("dtype", DTYPES),
             ("lm_head_quantization", ("none", "fp8")),
+            ("weight_rounding", WEIGHT_ROUNDINGS),
         ):
             if getattr(self, name) not in allowed:
                 raise BuildError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -94,6 +105,11 @@ class BuildOptions:
             raise BuildError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
             raise BuildError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.weight_rounding == "gptq" and self.quantization == "none":
+            raise BuildError(
+                'weight_rounding "gptq" rounds float8 weights: it needs --quantization fp8 '
+                "or fp8-dynamic"
+            )
         if self.lm_head_quantization != "none" and self.tensor_parallel_size != 1:
             raise BuildError("a float8 LM head (--lm-head-quantization fp8) needs -tp 1")
 
@@ -118,6 +134,11 @@ def build_engine(
     device = resolve_device("auto")
     dtype = resolve_dtype(options.dtype, device)
     gpu_class = current_gpu_class() if device.type == "cuda" else None
+    if fp8 is not None and options.weight_rounding != "nearest":
+        raise BuildError(
+            f"{path} is quantized already: its float8 weights are carried as written "
+            '(weight_rounding "gptq" rounds weights from a higher-precision source)'
+        )
     if fp8 is None:
         calibration = _calibration_text(options)
     else:  # its weight and input scales are its own: only a float8 KV cache may calibrate
@@ -133,6 +154,8 @@ def build_engine(
         del key["tensor_parallel_size"]  # so unsharded engines keep their ids
     if options.lm_head_quantization == "none":
         del key["lm_head_quantization"]  # likewise engines with the head in the model dtype
+    if options.weight_rounding == "nearest":
+        del key["weight_rounding"]  # and engines rounded to nearest
     source_digest = cache.source_hash(path)
     engine_id = cache.engine_id(source_digest, key)
     cache_dir = cache_dir or (cache.default_cache_dir() if out_dir is None else None)
@@ -160,14 +183,15 @@ def build_engine(
         check = options.accuracy_check and (fp8 is not None or _changes_arithmetic(options))
         calibrated = None
         if fp8 is None:
-            source_ppl, scales, kv_scales = _run_source(path, options, calibration, check)
+            source_ppl, scales, kv_scales, hessians = _run_source(path, options, calibration, check)
             kv_in_weights = True
         else:  # its own float8 weights and scales, loaded as written
             source_ppl, calibrated = prequantized.run_source(path, options, calibration, check)
+            hessians = None
             scales, kv_scales = fp8.input_scales, calibrated or fp8.kv_scales
             # Its own k/v scales fold in for a float8 cache only, as loading it directly does.
             kv_in_weights = is_float8_kv_cache(options.kv_cache_dtype)
-        factory = linear_method_factory(options.quantization, scales)
+        factory = linear_method_factory(options.quantization, scales, hessians)
         head = Fp8LinearMethod("dynamic") if options.lm_head_quantization == "fp8" else None
         with torch.device(device):
             # Made in `dtype` (not .to(dtype) after): float8 weights and scales keep their types.
@@ -202,9 +226,7 @@ def build_engine(
             kv_cache_dtype=options.kv_cache_dtype,
             max_model_len=options.max_model_len,
             quantization=options.quantization,
-            scales_method=(
-                prequantized.scales_method(fp8) if fp8 else SCALES_METHOD.get(options.quantization)
-            ),
+            scales_method=(prequantized.scales_method(fp8) if fp8 else _scales_method(options)),
             calibration_data_hash=key["calibration_data"],
             input_scales=scales,
             accuracy={},
@@ -281,10 +303,18 @@ def _kv_origin(checkpoint: object, calibrated: object, folded: bool) -> str | No
     return None
 
 
+def _scales_method(options: BuildOptions) -> str | None:
+    method = SCALES_METHOD.get(options.quantization)
+    if method and options.weight_rounding == "gptq":
+        method += "; weights rounded by GPTQ on the calibration text's input statistics"
+    return method
+
+
 def _calibration_text(options: BuildOptions) -> str | None:
-    """The text scales are calibrated on: "fp8"'s static input scales and a float8 KV cache's
-    per-layer scales calibrate; nothing else does."""
-    if options.quantization != "fp8" and not is_float8_kv_cache(options.kv_cache_dtype):
+    """The text scales are calibrated on: "fp8"'s static input scales, a float8 KV cache's
+    per-layer scales and GPTQ's input statistics calibrate; nothing else does."""
+    calibrates = options.quantization == "fp8" or options.weight_rounding == "gptq"
+    if not calibrates and not is_float8_kv_cache(options.kv_cache_dtype):
         return None
     from kiln.builder.accuracy import CALIBRATION_FILE
 
@@ -324,28 +354,27 @@ def _changes_arithmetic(options: BuildOptions) -> bool:
     )
 
 
-def _run_source(
-    path: str, options: BuildOptions, calibration: str | None, check: bool
-) -> tuple[dict[str, float] | None, dict[str, float] | None, list[tuple[float, float]] | None]:
+def _run_source(path: str, options: BuildOptions, calibration: str | None, check: bool) -> tuple:
     """(the source's held-out perplexity if checked, static input scales if "fp8", KV cache
-    scales if float8) from one `LLM` of the unquantized source, freed before the quantized
-    model is made."""
+    scales if float8, GPTQ's input statistics if weight_rounding "gptq") from one `LLM` of the
+    unquantized source, freed before the quantized model is made."""
     if not check and calibration is None:
-        return None, None, None
+        return None, None, None, None
     from kiln.builder.accuracy import measure, measuring_llm
 
-    scales = kv_scales = None
+    scales = kv_scales = hessians = None
     with measuring_llm(path, dtype=options.dtype, max_model_len=options.max_model_len,
                        enable_prefix_caching=False) as llm:  # fmt: skip
         source_ppl = measure(llm, options.max_model_len) if check else None
         if calibration is not None:
-            scales, kv_scales = calibrate(
+            scales, kv_scales, hessians = calibrate(
                 llm,
                 calibration,
                 options.quantization == "fp8",
                 is_float8_kv_cache(options.kv_cache_dtype),
+                options.weight_rounding == "gptq",
             )
-    return source_ppl, scales, kv_scales
+    return source_ppl, scales, kv_scales, hessians
 
 
 def _accuracy(engine: str, options: BuildOptions, source_ppl: dict[str, float] | None) -> dict:

@@ -17,7 +17,9 @@ SCALES_METHOD = {
     "fp8-dynamic": "dynamic per-token input scales; per-channel weights",
 }
 
-__all__ = ["SCALES_METHOD", "calibrate", "linear_method_factory", "text_hash"]
+WEIGHT_ROUNDINGS = ("nearest", "gptq")
+
+__all__ = ["SCALES_METHOD", "WEIGHT_ROUNDINGS", "calibrate", "linear_method_factory", "text_hash"]
 
 
 def text_hash(text: str) -> str:
@@ -25,22 +27,27 @@ def text_hash(text: str) -> str:
 
 
 def calibrate(
-    llm: object, text: str, input_scales: bool, kv_scales: bool
-) -> tuple[dict[str, float] | None, list[tuple[float, float]] | None]:
+    llm: object, text: str, input_scales: bool, kv_scales: bool, hessians: bool = False
+) -> tuple[dict[str, float] | None, list[tuple[float, float]] | None, dict | None]:
     """(static input scales, layer name -> absmax / 448, if `input_scales`; per-layer float8 KV
-    cache scales if `kv_scales`) from `llm`'s unquantized model run over the first tokens of
-    `text`, in windows that share no prefix (the engine's prefix cache would skip repeated
-    ones)."""
+    cache scales if `kv_scales`; layer name -> GPTQ's input statistics if `hessians`) from
+    `llm`'s unquantized model run over the first tokens of `text`, in windows that share no
+    prefix (the engine's prefix cache would skip repeated ones), in one pass: each observer
+    wraps the ones before it."""
     from kiln.quantization.calibration import calibrate_input_scales
+    from kiln.quantization.gptq import calibrate_hessians
     from kiln.quantization.kv_scales import calibrate_kv_scales
     from kiln.sampling_params import SamplingParams
 
     tokenizer = llm.get_tokenizer()
     if tokenizer is None:  # calibration text needs the model's tokenizer
-        if input_scales:
-            raise BuildError('quantization "fp8" calibrates on text: the source has no tokenizer')
+        if input_scales or hessians:
+            raise BuildError(
+                'quantization "fp8" and weight_rounding "gptq" calibrate on text: the source '
+                "has no tokenizer"
+            )
         print("the source has no tokenizer: its float8 KV cache stays unscaled", flush=True)
-        return None, None
+        return None, None, None
     ids = tokenizer.encode(text, add_special_tokens=False)
     # A window and its one generated token must fit the model's context.
     n = min(_CALIBRATION_TOKENS, llm.engine.max_model_len - 1)
@@ -48,16 +55,22 @@ def calibrate(
     model = llm.engine.executor.runner.model
     one_token = SamplingParams(max_tokens=1, temperature=0.0)
 
-    def run(b: list[list[int]]) -> object:
-        return llm.generate(b, one_token)
-
-    if not kv_scales:
-        return calibrate_input_scales(model, batches, run), None
-    if not input_scales:
-        return None, calibrate_kv_scales(model, batches, run)
-    # Both from one pass: the input observers wrap the KV observers, which wrap the methods.
-    inputs: dict[str, float] = {}
-    kv = calibrate_kv_scales(
-        model, batches, lambda b: inputs.update(calibrate_input_scales(model, b, run))
+    wanted = (
+        ("kv", calibrate_kv_scales, kv_scales),
+        ("scales", calibrate_input_scales, input_scales),
+        ("hessians", calibrate_hessians, hessians),
     )
-    return inputs, kv
+    calibrators = [(key, calibrator) for key, calibrator, want in wanted if want]
+    found: dict[str, object] = {}
+
+    def nest(depth: int, b: list[list[int]]) -> None:
+        """Each calibrator wraps the layers' methods, then runs the next one inside: every
+        observer sees the same single pass over the text."""
+        if depth == len(calibrators):
+            llm.generate(b, one_token)
+            return
+        key, calibrator = calibrators[depth]
+        found[key] = calibrator(model, b, lambda inner: nest(depth + 1, inner))
+
+    nest(0, batches)
+    return found.get("scales"), found.get("kv"), found.get("hessians")

@@ -18,6 +18,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument(
+        "--weight-rounding", choices=("nearest", "gptq"), default="nearest",
+        help="gptq: float8 weights rounded by GPTQ on the calibration text (slower build)",
+    )  # fmt: skip
+    p.add_argument(
         "--lm-head-quantization", choices=("none", "fp8"), default="none",
         help="fp8: the LM head in float8 with per-row scales (half its bytes; see docs)",
     )  # fmt: skip
@@ -62,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         accuracy_check=args.accuracy_check,
         tensor_parallel_size=args.tensor_parallel_size,
         warm_kernels=args.warm_kernels,
+        weight_rounding=args.weight_rounding,
         lm_head_quantization=args.lm_head_quantization,
     )
     manifest = build_engine(args.model, args.output, options, args.cache_dir)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from kiln.errors import ModelLoadError
 from kiln.layers.linear import LinearMethod, UnquantizedLinearMethod
 
@@ -12,13 +14,17 @@ QUANTIZATIONS = ("none", "fp8", "fp8-dynamic")
 
 
 def linear_method_factory(
-    quantization: str, input_scales: dict[str, float] | None = None
+    quantization: str,
+    input_scales: dict[str, float] | None = None,
+    hessians: dict[str, torch.Tensor] | None = None,
 ) -> Callable[[str], LinearMethod]:
     """name (e.g. "layers.3.self_attn.qkv_proj") -> a new LinearMethod for that projection.
 
     "fp8-dynamic": float8 weights, activations scaled per token at run time. "fp8": float8
     weights, activations with static per-tensor scales from `input_scales` (layer name ->
-    scale, as calibrate_input_scales makes them), which `kiln build` calibrates."""
+    scale, as calibrate_input_scales makes them), which `kiln build` calibrates. `hessians`
+    (layer name -> input statistics, as kiln.quantization.gptq.calibrate_hessians makes them):
+    float8 weights rounded by GPTQ instead of to nearest."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"unknown quantization {quantization!r}; known: {', '.join(QUANTIZATIONS)}"
@@ -27,8 +33,15 @@ def linear_method_factory(
         return lambda name: UnquantizedLinearMethod()
     from kiln.quantization.fp8 import Fp8LinearMethod
 
+    def hessian(name: str) -> torch.Tensor | None:
+        if hessians is None:
+            return None
+        if name not in hessians:
+            raise ModelLoadError(f"GPTQ rounding: no calibrated input statistics for {name!r}")
+        return hessians[name]
+
     if quantization == "fp8-dynamic":
-        return lambda name: Fp8LinearMethod("dynamic")
+        return lambda name: Fp8LinearMethod("dynamic", hessian=hessian(name))
     if input_scales is None:  # a loading error: the CLI prints it as one line
         raise ModelLoadError(
             'quantization "fp8" uses static activation scales calibrated on sample text: build '
@@ -41,6 +54,6 @@ def linear_method_factory(
             raise ModelLoadError(
                 f'quantization "fp8": no calibrated input scale for layer {name!r}'
             )
-        return Fp8LinearMethod("static", scales[name])
+        return Fp8LinearMethod("static", scales[name], hessian(name))
 
     return static

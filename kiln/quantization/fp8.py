@@ -34,7 +34,10 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
     """
 
     def __init__(
-        self, activation_scheme: Literal["dynamic", "static"], input_scale: float | None = None
+        self,
+        activation_scheme: Literal["dynamic", "static"],
+        input_scale: float | None = None,
+        hessian: torch.Tensor | None = None,
     ) -> None:
         if activation_scheme not in ("dynamic", "static"):
             raise ValueError(
@@ -46,6 +49,9 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
             raise ValueError(f"input_scale must be > 0, got {input_scale!r}")
         self.activation_scheme = activation_scheme
         self.static_input_scale = input_scale
+        # The layer's input statistics (kiln.quantization.gptq): weights round by GPTQ, not to
+        # nearest. Whole rows only, as both load paths below quantize them.
+        self.hessian = hessian
         self._layer: weakref.ref[Linear] | None = None
 
     def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
@@ -72,7 +78,7 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
             return
         layer = self._layer()
         # [rows, in] -> float8 rows and their [rows, 1] scales, on the weight's device.
-        weight_fp8, scale = quantize_fp8(loaded.to(param.device), None)
+        weight_fp8, scale = self._quantize_rows(loaded.to(param.device))
         param.copy_(weight_fp8)
         layer.shard_view(layer.weight_scale, shard).copy_(scale.view(-1))
 
@@ -85,11 +91,18 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
         split = layer.split
         row_parallel = split is not None and split.cols is not None
         if row_parallel and param is layer.weight and loaded.dtype != torch.float8_e4m3fn:
-            weight_fp8, scale = quantize_fp8(loaded.to(param.device), None)
+            weight_fp8, scale = self._quantize_rows(loaded.to(param.device))
             param.copy_(layer.cut(param, shard, weight_fp8))
             layer.shard_view(layer.weight_scale, shard).copy_(scale.view(-1))
             return
         super().load_checkpoint_tensor(layer, param, shard, loaded)
+
+    def _quantize_rows(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.hessian is None:
+            return quantize_fp8(weight, None)
+        from kiln.quantization.gptq import gptq_fp8
+
+        return gptq_fp8(weight, self.hessian.to(weight.device))
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         return ops.fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias)

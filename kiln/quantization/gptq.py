@@ -1,0 +1,114 @@
+"""GPTQ rounding for float8 weights: each weight column is rounded to e4m3 in turn and the error
+it leaves is spread over the columns not yet rounded, weighted by the layer's input statistics
+(H = sum of x x^T over calibration tokens), so the layer's output on inputs like those moves
+less than with independent round-to-nearest (Frantar et al., 2022, "GPTQ"; here with e4m3's grid
+and the same per-output-channel scales as round-to-nearest, so the engine format and kernels do
+not change).
+
+`kiln build --weight-rounding gptq` collects H per projection while the source runs over the
+calibration text (HessianObserver), then quantizes each weight as it loads with gptq_fp8 instead
+of quantize_fp8.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE
+from kiln.layers.linear import Linear, LinearMethod
+from kiln.models.llama import LlamaForCausalLM
+
+_BLOCK = 128  # columns rounded together before their error reaches the rest (speed only)
+_DAMP = 0.01  # of H's mean diagonal, added to it: keeps H invertible with few tokens
+
+
+def gptq_fp8(
+    weight: torch.Tensor,  # [out, in]
+    hessian: torch.Tensor,  # [in, in] fp32: sum of x x^T (any positive multiple)
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([out, in] float8 e4m3, [out, 1] fp32 scale)
+    """weight ~= w_fp8 * scale with each row's scale its absmax / 448, as quantize_fp8 (the
+    error feedback changes values below the absmax, never the scale). Columns whose input was
+    always zero are rounded to nearest (they cannot move the output)."""
+    w = weight.double().clone()
+    in_features = w.shape[1]
+    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_E4M3_MAX).clamp(min=FP8_MIN_SCALE)
+    h = hessian.double().clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    h += _DAMP * torch.diag(h).mean() * torch.eye(in_features, dtype=h.dtype, device=h.device)
+    # The upper Cholesky factor of H^-1: row i holds how column i's error moves columns > i.
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+
+    def round_fp8(col: torch.Tensor) -> torch.Tensor:  # [out, n] -> the e4m3 values, rescaled
+        scaled = (col / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        return scaled.to(torch.float8_e4m3fn).double() * scale
+
+    quantized = torch.empty_like(w)
+    for start in range(0, in_features, _BLOCK):
+        end = min(start + _BLOCK, in_features)
+        block = w[:, start:end].clone()
+        errors = torch.empty_like(block)
+        hb = hinv[start:end, start:end]
+        for i in range(end - start):
+            q = round_fp8(block[:, i : i + 1])
+            quantized[:, start + i : start + i + 1] = q
+            err = (block[:, i : i + 1] - q) / hb[i, i]
+            block[:, i:] -= err @ hb[i : i + 1, i:]
+            errors[:, i : i + 1] = err
+        w[:, end:] -= errors @ hinv[start:end, end:]
+    fp8 = (quantized / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return fp8, scale.float()
+
+
+class HessianObserver(LinearMethod):
+    """Wraps a layer's method: adds x x^T of every input row of apply to `hessian` (fp32, on the
+    input's device), otherwise the wrapped method's arithmetic. The fused entry points are the
+    base class's, which call this apply on the normed input: the tensor the projection sees."""
+
+    def __init__(self, inner: LinearMethod) -> None:
+        self.inner = inner
+        self.hessian: torch.Tensor | None = None
+        self.rows = 0
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
+        raise RuntimeError("an observing method wraps a built layer")
+
+    def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).float()
+        if rows.shape[0]:
+            if self.hessian is None:
+                self.hessian = torch.zeros(rows.shape[1], rows.shape[1], device=rows.device)
+            self.hessian.addmm_(rows.T, rows)
+            self.rows += rows.shape[0]
+        return self.inner.apply(layer, ops, x)
+
+
+def calibrate_hessians(
+    model: LlamaForCausalLM,
+    token_batches: list[list[int]],
+    run: Callable[[list[list[int]]], object],
+) -> dict[str, torch.Tensor]:
+    """Layer name (as linear_method_factory takes it) -> H / rows, on the CPU, for every decoder
+    projection; `run` as calibrate_input_scales takes it (prefills only, prefix caching off)."""
+    wrapped: dict[str, tuple[Linear, HessianObserver]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and name != "lm_head":
+            observer = HessianObserver(module.method)
+            wrapped[name] = (module, observer)
+            module.method = observer
+    try:
+        run(token_batches)
+    finally:
+        for module, observer in wrapped.values():
+            module.method = observer.inner
+    unseen = [name for name, (_, observer) in wrapped.items() if observer.hessian is None]
+    if unseen:
+        raise ValueError(f"calibration saw no input to {len(unseen)} layers, e.g. {unseen[:3]}")
+    return {
+        name: (observer.hessian / observer.rows).cpu()
+        for name, (_, observer) in wrapped.items()
+        if observer.hessian is not None
+    }
