@@ -113,7 +113,7 @@ def smollm2_path() -> str:
 def cached_embedded_weights():
     """Dequantize the embedded SmolLM2's Q4_1 tensors once per session, not once per engine.
 
-    About 30 tests build their own engine on the embedded model, and each load spent ~2.6 s of
+    About 20 engines across the suite load the embedded model in-process, each spending ~2.6 s of
     its ~8 s turning the same Q4_1 bytes into the same float32 tensors. The GGUF source of that
     one file now hands out the session's tensors; everything else (header, config, tokenizer,
     the model's construction and its copy of every weight) runs as before, and other files
