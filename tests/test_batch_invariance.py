@@ -72,9 +72,12 @@ BOTH_SCHEDULINGS = pytest.mark.parametrize("async_scheduling", [False, True], id
 
 @BOTH_SCHEDULINGS
 def test_tiny_chunked_prefill_budget(smollm2_path, alone, async_scheduling):
+    # 15 tokens a step: every chunk is shorter than a block and its boundaries fall anywhere in
+    # one (15 and 16 share no factor); prompts over 15 tokens (most) take several chunks, beside
+    # up to 7 decodes. (A budget of 7 checked the same in twice the steps: 65 s a run in CI.)
     llm = LLM(
         smollm2_path,
-        max_num_batched_tokens=7,
+        max_num_batched_tokens=15,
         max_num_seqs=8,
         enable_prefix_caching=False,
         async_scheduling=async_scheduling,
@@ -84,10 +87,11 @@ def test_tiny_chunked_prefill_budget(smollm2_path, alone, async_scheduling):
 
 @BOTH_SCHEDULINGS
 def test_preemption_under_tiny_kv_pool(smollm2_path, alone, async_scheduling):
-    # 12 blocks of 16 tokens: the longest request (~110 tokens) fits alone, 32 at once do not.
+    # 24 blocks of 16 tokens (384): the longest request (~107 tokens) fits alone, the 32 (1372
+    # prompt tokens) at once do not. Measured: 6 preemptions (12 blocks: 7, in 40% more time).
     llm = LLM(
         smollm2_path,
-        num_kv_blocks=12,
+        num_kv_blocks=24,
         block_size=16,
         enable_prefix_caching=False,
         async_scheduling=async_scheduling,
@@ -125,14 +129,24 @@ MIXED_PARAMS = [
 
 
 @pytest.mark.parametrize("engine_args", [{}, {"num_kv_blocks": 10, "block_size": 16}])
-def test_async_scheduling_matches_synchronous_for_every_sampling_feature(smollm2_path, engine_args):
+def test_async_scheduling_matches_synchronous_for_every_sampling_feature(
+    smollm2_path, smollm2_llm, engine_args
+):
     """Seeds, penalties (which need the in-flight token on the host), min_tokens, stop strings,
     logprobs, n > 1 and EOS give the same outputs whether step N+1 is scheduled before step N's
     tokens are back or after; also under preemption."""
     prompts = [PROMPTS[i] for i in range(len(MIXED_PARAMS))]
     results = []
     for async_scheduling in (False, True):
-        llm = LLM(smollm2_path, async_scheduling=async_scheduling, **engine_args)
+        if not engine_args and not async_scheduling:
+            # The shared engine is synchronous and its other settings (max_num_seqs=64, a 1 GiB
+            # cache) do not bind 9 sequences: it is the synchronous side, from a cold prefix
+            # cache like the fresh asynchronous engine's (saves an 8 s load).
+            llm = smollm2_llm
+            assert not llm.engine.async_scheduling
+            assert llm.engine.kv_cache.pool.reset_prefix_cache()
+        else:
+            llm = LLM(smollm2_path, async_scheduling=async_scheduling, **engine_args)
         results.append(llm.generate(prompts, MIXED_PARAMS))
         assert llm.engine.kv_cache_usage == 0 and not llm.engine.has_unfinished_requests()
     assert_same_completions(results[1], results[0], atol=1e-4)

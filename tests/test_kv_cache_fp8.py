@@ -28,6 +28,10 @@ from tests.conftest import generated_logprob_gaps
 from tests.test_batch_invariance import make_prompts
 
 PROMPTS = make_prompts(16, seed=5)
+# The noise test's paths run these 8 of PROMPTS (about 315 prompt tokens of the 805): two long
+# ones spanning 6 blocks, the rest 8-49 tokens, so chunks, preemption and block-sized prefix hits
+# still happen, at under half the steps (that test took 81 s of a 2-core CI run with all 16).
+PATH_PROMPTS = [0, 2, 4, 9, 10, 11, 12, 13]
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 LOGPROB_PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
 
@@ -198,19 +202,21 @@ def test_fp8_batched_chunked_preempted_prefix_cached_stay_within_quantization_no
     in one batch, to the bound of float8 against the unquantized cache, over the tokens both
     generate until their greedy choices part. Fails when a path reads the wrong bytes, block or
     scale (off by whole nats), or when its case does not happen (no preemption, no hit)."""
+    prompts = [PROMPTS[i] for i in PATH_PROMPTS]
+    ref = [fp8_batched[i] for i in PATH_PROMPTS]
     if engine_args is None:  # batched: each prompt alone, against all of them in one call
         _cold(fp8_llm)
-        llm, ours = fp8_llm, [fp8_llm.generate(p, LOGPROB_PARAMS)[0] for p in PROMPTS]
+        llm, ours = fp8_llm, [fp8_llm.generate(p, LOGPROB_PARAMS)[0] for p in prompts]
     else:
         llm = LLM(smollm2_path, kv_cache_dtype="fp8", **engine_args)
         if engine_args.get("block_size") == 4:
-            llm.generate(PROMPTS, LOGPROB_PARAMS)  # the second pass is served from the prefix cache
-        ours = llm.generate(PROMPTS, LOGPROB_PARAMS)
-    diffs = generated_logprob_gaps(ours, fp8_batched)
+            llm.generate(prompts, LOGPROB_PARAMS)  # the second pass is served from the prefix cache
+        ours = llm.generate(prompts, LOGPROB_PARAMS)
+    diffs = generated_logprob_gaps(ours, ref)
     print(f"{engine_args}: mean |dlogprob| {diffs.mean():.4f}, max {diffs.max():.3f}, "
-          f"same tokens {_tokens(ours) == _tokens(fp8_batched)}")  # fmt: skip
+          f"same tokens {_tokens(ours) == _tokens(ref)}")  # fmt: skip
     assert diffs.mean() < 0.25 and diffs.max() < 1.5
-    assert len(diffs) >= 3 * len(PROMPTS)
+    assert len(diffs) >= 3 * len(prompts)
     if engine_args and "num_kv_blocks" in engine_args:
         assert llm.engine.scheduler.num_preemptions_total > 0
     elif engine_args and engine_args.get("block_size") == 4:
