@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
+from typing import TypeVar
 
 import torch
 
 from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE
 from kiln.layers.linear import Linear, LinearMethod
 from kiln.models.llama import LlamaForCausalLM
+
+ObserverT = TypeVar("ObserverT", bound=LinearMethod)
 
 
 class _ObservingMethod(LinearMethod):
@@ -44,10 +47,29 @@ def calibrate_input_scales(
     (with prefix caching off, or prompts that share no prefix, so that no token is skipped).
     Only prefills are needed, which run eagerly: CUDA graphs, captured before the wrappers, would
     not observe. Every decoder projection must be seen at least once."""
-    wrapped: dict[str, tuple[Linear, _ObservingMethod]] = {}
+    observers = observe_projections(model, _ObservingMethod, token_batches, run)
+    unseen = [name for name, observer in observers.items() if observer.absmax == 0.0]
+    if unseen:
+        raise ValueError(f"calibration saw no input to {len(unseen)} layers, e.g. {unseen[:3]}")
+    return {
+        name: max(observer.absmax / FP8_E4M3_MAX, FP8_MIN_SCALE)
+        for name, observer in observers.items()
+    }
+
+
+def observe_projections(
+    model: LlamaForCausalLM,
+    make_observer: Callable[[LinearMethod], ObserverT],
+    token_batches: list[list[int]],
+    run: Callable[[list[list[int]]], object],
+) -> dict[str, ObserverT]:
+    """Layer name -> the observer that wrapped that decoder projection's method (every Linear
+    but the LM head) while `run(token_batches)` ran; the methods are restored afterwards, also
+    when `run` raises."""
+    wrapped: dict[str, tuple[Linear, ObserverT]] = {}
     for name, module in model.named_modules():
         if isinstance(module, Linear) and name != "lm_head":
-            observer = _ObservingMethod(module.method)
+            observer = make_observer(module.method)
             wrapped[name] = (module, observer)
             module.method = observer
     try:
@@ -55,10 +77,4 @@ def calibrate_input_scales(
     finally:
         for module, observer in wrapped.values():
             module.method = observer.inner
-    unseen = [name for name, (_, observer) in wrapped.items() if observer.absmax == 0.0]
-    if unseen:
-        raise ValueError(f"calibration saw no input to {len(unseen)} layers, e.g. {unseen[:3]}")
-    return {
-        name: max(observer.absmax / FP8_E4M3_MAX, FP8_MIN_SCALE)
-        for name, (_, observer) in wrapped.items()
-    }
+    return {name: observer for name, (_, observer) in wrapped.items()}

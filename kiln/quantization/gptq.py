@@ -20,6 +20,7 @@ import torch
 from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE
 from kiln.layers.linear import Linear, LinearMethod
 from kiln.models.llama import LlamaForCausalLM
+from kiln.quantization.calibration import observe_projections
 
 _BLOCK = 128  # columns rounded together before their error reaches the rest (speed only)
 _DAMP = 0.01  # of H's mean diagonal, added to it: keeps H invertible with few tokens
@@ -93,22 +94,8 @@ def calibrate_hessians(
 ) -> dict[str, torch.Tensor]:
     """Layer name (as linear_method_factory takes it) -> H / rows, on the CPU, for every decoder
     projection; `run` as calibrate_input_scales takes it (prefills only, prefix caching off)."""
-    wrapped: dict[str, tuple[Linear, HessianObserver]] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, Linear) and name != "lm_head":
-            observer = HessianObserver(module.method)
-            wrapped[name] = (module, observer)
-            module.method = observer
-    try:
-        run(token_batches)
-    finally:
-        for module, observer in wrapped.values():
-            module.method = observer.inner
-    unseen = [name for name, (_, observer) in wrapped.items() if observer.hessian is None]
+    observers = observe_projections(model, HessianObserver, token_batches, run)
+    unseen = [name for name, observer in observers.items() if observer.hessian is None]
     if unseen:
         raise ValueError(f"calibration saw no input to {len(unseen)} layers, e.g. {unseen[:3]}")
-    return {
-        name: (observer.hessian / observer.rows).cpu()
-        for name, (_, observer) in wrapped.items()
-        if observer.hessian is not None
-    }
+    return {name: (observer.hessian / observer.rows).cpu() for name, observer in observers.items()}
