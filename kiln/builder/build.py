@@ -354,7 +354,14 @@ def _changes_arithmetic(options: BuildOptions) -> bool:
     )
 
 
-def _run_source(path: str, options: BuildOptions, calibration: str | None, check: bool) -> tuple:
+def _run_source(
+    path: str, options: BuildOptions, calibration: str | None, check: bool
+) -> tuple[
+    dict[str, float] | None,
+    dict[str, float] | None,
+    list[tuple[float, float]] | None,
+    dict[str, torch.Tensor] | None,
+]:
     """(the source's held-out perplexity if checked, static input scales if "fp8", KV cache
     scales if float8, GPTQ's input statistics if weight_rounding "gptq") from one `LLM` of the
     unquantized source, freed before the quantized model is made."""

@@ -52,6 +52,7 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
         # The layer's input statistics (kiln.quantization.gptq): weights round by GPTQ, not to
         # nearest. Whole rows only, as both load paths below quantize them.
         self.hessian = hessian
+        self._gptq_factor: torch.Tensor | None = None  # from the hessian, once for all shards
         self._layer: weakref.ref[Linear] | None = None
 
     def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
@@ -100,9 +101,11 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
     def _quantize_rows(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.hessian is None:
             return quantize_fp8(weight, None)
-        from kiln.quantization.gptq import gptq_fp8
+        from kiln.quantization.gptq import inverse_factor, round_with_factor
 
-        return gptq_fp8(weight, self.hessian.to(weight.device))
+        if self._gptq_factor is None:
+            self._gptq_factor = inverse_factor(self.hessian.to(weight.device))
+        return round_with_factor(weight, self._gptq_factor)
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         return ops.fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias)

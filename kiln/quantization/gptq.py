@@ -33,35 +33,41 @@ def gptq_fp8(
     """weight ~= w_fp8 * scale with each row's scale its absmax / 448, as quantize_fp8 (the
     error feedback changes values below the absmax, never the scale). Columns whose input was
     always zero are rounded to nearest (they cannot move the output)."""
-    w = weight.double().clone()
-    in_features = w.shape[1]
-    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_E4M3_MAX).clamp(min=FP8_MIN_SCALE)
+    return round_with_factor(weight, inverse_factor(hessian))
+
+
+def inverse_factor(hessian: torch.Tensor) -> torch.Tensor:  # [in, in] float64
+    """The upper Cholesky factor of (damped) H^-1: row i holds how column i's rounding error
+    moves the columns after it. One per layer input: a fused projection's shards (q, k, v;
+    gate, up) share it."""
     h = hessian.double().clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
-    h += _DAMP * torch.diag(h).mean() * torch.eye(in_features, dtype=h.dtype, device=h.device)
-    # The upper Cholesky factor of H^-1: row i holds how column i's error moves columns > i.
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    h += _DAMP * torch.diag(h).mean() * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
 
-    def round_fp8(col: torch.Tensor) -> torch.Tensor:  # [out, n] -> the e4m3 values, rescaled
-        scaled = (col / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-        return scaled.to(torch.float8_e4m3fn).double() * scale
 
-    quantized = torch.empty_like(w)
+def round_with_factor(
+    weight: torch.Tensor, hinv: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:  # as gptq_fp8, from inverse_factor's result
+    w = weight.double().clone()
+    in_features = w.shape[1]
+    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_E4M3_MAX).clamp(min=FP8_MIN_SCALE)
+    codes = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
     for start in range(0, in_features, _BLOCK):
         end = min(start + _BLOCK, in_features)
         block = w[:, start:end].clone()
         errors = torch.empty_like(block)
         hb = hinv[start:end, start:end]
         for i in range(end - start):
-            q = round_fp8(block[:, i : i + 1])
-            quantized[:, start + i : start + i + 1] = q
-            err = (block[:, i : i + 1] - q) / hb[i, i]
+            code = (block[:, i : i + 1] / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+            codes[:, start + i : start + i + 1] = code.to(torch.float8_e4m3fn)
+            rounded = codes[:, start + i : start + i + 1].double() * scale
+            err = (block[:, i : i + 1] - rounded) / hb[i, i]
             block[:, i:] -= err @ hb[i : i + 1, i:]
             errors[:, i : i + 1] = err
         w[:, end:] -= errors @ hinv[start:end, end:]
-    fp8 = (quantized / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return fp8, scale.float()
+    return codes, scale.float()
 
 
 class HessianObserver(LinearMethod):
