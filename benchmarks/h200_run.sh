@@ -203,6 +203,12 @@ for s in "$@"; do
         stage fp8-sweep 300 python3 benchmarks/kv_fp8_kernel_sweep.py \
             --out "$OUT/kv_fp8_kernel_sweep.json"
         ;;
+    fp8-dots)  # float8 decode attention with float8 tensor-core dots (decode_attention_fp8.py)
+        # against today's widening kernel, every variant's error and PTX; expectations:
+        # benchmarks/decode_fp8_dots_expected.md
+        stage fp8-dots 420 python3 benchmarks/decode_fp8_dots_sweep.py \
+            --out "$OUT/decode_fp8_dots.json"
+        ;;
     fp8-linear)  # FP8 W8A8 GEMMs (quantize + _scaled_mm) against bf16, 8B shapes, M=1..8192
         stage fp8-linear 240 python3 benchmarks/fp8_linear_check.py --out "$OUT/fp8_linear.json"
         ;;

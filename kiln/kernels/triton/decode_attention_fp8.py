@@ -1,0 +1,276 @@
+"""Paged decode attention over a float8 cache with float8 tensor-core dots (experimental).
+
+Why: the decode kernel of decode_attention.py widens float8 K and V to fp16 before its dots, at
+one query token padded to 16 rows (mma.sync). On an H200 it reads a float8 cache at ~2.5 TB/s
+against the 4.3 of a bf16 cache (docs/performance.md, "FP8 KV cache"): per tile the widening, the
+V transpose through shared memory and the padded rows cost more issue slots than the bytes take to
+arrive. Hopper's wgmma multiplies float8 operands directly, but only at 64 rows or more, so this
+kernel puts 64 rows where they exist:
+
+- ORIENT "swap": keys are the rows. S^T = K @ Q^T ([BLOCK_N keys, GROUP_PAD]) and
+  O^T = V^T @ P^T ([head_dim, GROUP_PAD]): the query group is the small N of the dots (16), and the
+  softmax runs along the keys (axis 0).
+- ORIENT "pad": the query group padded to 64 rows (the plain orientation, 16x the softmax work).
+
+The query is quantized to float8 per head (scale amax/448) and the probabilities as p * 256 (the
+tile's maximum becomes 256, so weights down to 2^-17 of it survive instead of 2^-9), which the
+final division takes back. The twin is reference.paged_decode_attention_fp8_dots.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.triton._device import output_like
+from kiln.kernels.triton.decode_attention import (
+    _LOG2E,
+    _decode_reduce_kernel,
+    _partition,
+    _tile_offsets,
+    choose_num_splits,
+)
+from kiln.kernels.triton._device import num_sms
+
+_FP8_MAX = 448.0
+_P_SCALE = 256.0  # probabilities enter the P @ V dot as p * 256 (see the module docstring)
+
+
+@triton.jit
+def _decode_fp8_kernel(
+    q_ptr,  # [num_seqs, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] float8, contiguous
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    stride_q_seq,
+    stride_q_head,
+    stride_o_seq,
+    stride_o_head,
+    stride_bt_seq,
+    num_splits,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,  # 16 for "swap", 64 for "pad"
+    HEAD_DIM: tl.constexpr,  # a power of two (the dots take whole head_dim tiles)
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SWAP: tl.constexpr,  # True: ORIENT "swap"; False: "pad"
+    Q_FP8: tl.constexpr,  # the query quantized to float8 (else Q @ K^T in fp16, K widened)
+    TWO_TERMS: tl.constexpr,  # float8 operands as a value plus its rounding error (2 dots each)
+    FP8_MAX: tl.constexpr,
+    P_SCALE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    partition_size, num_valid = _partition(seq_len, num_splits, BLOCK_N)
+    if SPLIT:  # noqa: SIM102
+        if split >= num_valid:
+            return
+    start = split * partition_size
+    end = tl.minimum(start + partition_size, seq_len)
+
+    rows = tl.arange(0, GROUP_PAD)
+    row_mask = rows < GROUP
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
+        mask=row_mask[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    if Q_FP8:
+        q_amax = tl.max(tl.abs(q), 1)
+        q_scale = tl.where(q_amax > 0.0, q_amax / FP8_MAX, 1.0)
+        q_unit = q / q_scale[:, None]
+        qd = q_unit.to(tl.float8e4nv)
+        # The rounding error, x16 (it is at most half a float8 step of the value), in float8 too.
+        q_lo = ((q_unit - qd.to(tl.float32)) * 16.0).to(tl.float8e4nv)
+        row_scale = q_scale * qk_scale  # [GROUP_PAD]: a score is dot(qd, k) * row_scale
+    else:
+        qd = q.to(tl.float16)
+        q_lo = qd
+        row_scale = tl.full([GROUP_PAD], 1.0, tl.float32) * qk_scale
+
+    offs_n = tl.arange(0, BLOCK_N)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    head_offset = kv_head * HEAD_DIM
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([HEAD_DIM, GROUP_PAD], dtype=tl.float32)  # O^T
+    else:
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    for n_start in range(start, end, BLOCK_N):
+        n = n_start + offs_n
+        n_mask = n < end
+        offsets = _tile_offsets(
+            block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
+        )
+        k = tl.load(k_cache_ptr + offsets, mask=n_mask[:, None], other=0.0)
+        if not Q_FP8:
+            k = k.to(tl.float16)
+        v = tl.load(v_cache_ptr + offsets, mask=n_mask[:, None], other=0.0)
+        if SWAP:
+            s = tl.dot(k, tl.trans(qd))
+            if TWO_TERMS and Q_FP8:
+                s += tl.dot(k, tl.trans(q_lo)) * 0.0625
+            s = s * row_scale[None, :]  # [BLOCK_N, GROUP_PAD]
+            s = tl.where(n_mask[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            p_scaled = p * P_SCALE
+            p8 = p_scaled.to(tl.float8e4nv)
+            acc = tl.dot(tl.trans(v), p8, acc * alpha[None, :])
+            if TWO_TERMS:
+                p_lo = ((p_scaled - p8.to(tl.float32)) * 16.0).to(tl.float8e4nv)
+                acc += tl.dot(tl.trans(v), p_lo) * 0.0625
+        else:
+            s = tl.dot(qd, tl.trans(k))
+            if TWO_TERMS and Q_FP8:
+                s += tl.dot(q_lo, tl.trans(k)) * 0.0625
+            s = s * row_scale[:, None]  # [GROUP_PAD, BLOCK_N]
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            p_scaled = p * P_SCALE
+            p8 = p_scaled.to(tl.float8e4nv)
+            acc = tl.dot(p8, v, acc * alpha[:, None])
+            if TWO_TERMS:
+                p_lo = ((p_scaled - p8.to(tl.float32)) * 16.0).to(tl.float8e4nv)
+                acc += tl.dot(p_lo, v) * 0.0625
+        m_i = m_new
+
+    nonempty = l_i > 0.0
+    inv = 1.0 / (tl.where(nonempty, l_i, 1.0) * P_SCALE)
+    if SWAP:
+        out = acc * inv[None, :]  # [HEAD_DIM, GROUP_PAD]
+        out_mask = row_mask[None, :]
+        head_index = heads[None, :]
+        dim_index = dims[:, None]
+    else:
+        out = acc * inv[:, None]
+        out_mask = row_mask[:, None]
+        head_index = heads[:, None]
+        dim_index = dims[None, :]
+    if SPLIT:
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        part_rows = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split
+        tl.store(part_lse_ptr + part_rows, lse, mask=row_mask)
+        if SWAP:
+            part_index = part_rows[None, :] * HEAD_DIM + dim_index
+        else:
+            part_index = part_rows[:, None] * HEAD_DIM + dim_index
+        tl.store(part_out_ptr + part_index, out, mask=out_mask)
+    else:
+        tl.store(
+            out_ptr + seq.to(tl.int64) * stride_o_seq + head_index * stride_o_head + dim_index,
+            out.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+
+
+def paged_decode_attention_fp8_dots(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    orient: str = "swap",
+    q_fp8: bool = True,
+    two_terms: bool = False,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """paged_decode_attention over a float8_e4m3fn cache with float8 dots (see the module)."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    assert k_cache.dtype == torch.float8_e4m3fn and v_cache.dtype == torch.float8_e4m3fn
+    assert head_dim == triton.next_power_of_2(head_dim) and head_dim >= 16
+    out = output_like(query, out)
+    if num_seqs == 0:
+        return out
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms(query.device))
+    num_splits = max(num_splits, 1)
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(
+            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty(
+            (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
+        )
+    else:
+        part_out = part_lse = out
+    group = num_heads // num_kv_heads
+    swap = orient == "swap"
+    group_pad = max(16 if swap else 64, triton.next_power_of_2(group))
+    _decode_fp8_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        num_splits,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        SPLIT=split,
+        SWAP=swap,
+        Q_FP8=q_fp8,
+        TWO_TERMS=two_terms,
+        FP8_MAX=_FP8_MAX,
+        P_SCALE=_P_SCALE,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if split:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_out,
+            part_lse,
+            seq_lens,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_splits,
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=head_dim,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            BLOCK_N=block_n,
+            num_warps=4,
+        )
+    return out
