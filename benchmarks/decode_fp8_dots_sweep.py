@@ -37,9 +37,11 @@ VARIANTS = [  # (orient, q_fp8, two_terms)
     ("pad", True, True),
     ("pad", False, True),
 ]
-TILES = list(itertools.product((64, 128), (4, 8), (2, 3, 4)))
+TILES = list(itertools.product((64, 128), (4, 8), (2, 3)))
 FP8 = torch.float8_e4m3fn
-_PTX_COUNTS = ("wgmma.mma_async", "mma.sync", "cvt.rn.f16x2.e4m3x2", "prmt", "cp.async.cg", "ldmatrix")
+_PTX_COUNTS = (
+    "wgmma.mma_async", "mma.sync", "cvt.rn.f16x2.e4m3x2", "prmt", "cp.async.cg", "ldmatrix",
+)  # fmt: skip
 
 
 def inputs(batch: int, context: int):
@@ -104,7 +106,9 @@ def main() -> None:
     for batch, context in SHAPES:
         q, k8, v8, table, lens = inputs(batch, context)
         kb, vb = k8.bfloat16(), v8.bfloat16()
-        ref = reference.paged_decode_attention(q.float(), kb.float(), vb.float(), table, lens, scale, context)
+        ref = reference.paged_decode_attention(
+            q.float(), kb.float(), vb.float(), table, lens, scale, context
+        )
         kv_bytes_fp8 = 2 * batch * context * KV_HEADS * HEAD_DIM
         row: dict = {"batch": batch, "context": context}
 
@@ -118,14 +122,15 @@ def main() -> None:
         row["today_fp8_TBps"] = kv_bytes_fp8 / row["today_fp8_us"] / 1e6
         row["variants"] = []
         for orient, q_fp8, two in VARIANTS:
-            tiles = TILES if orient == "swap" and not args.no_tiles else [(64, 4, 2)]
+            sweep_tiles = orient == "swap" and (q_fp8 or two) and not args.no_tiles
+            tiles = TILES if sweep_tiles else [(64, 4, 2)]
             for block_n, warps, stages in tiles:
                 entry = {
                     "orient": orient, "q_fp8": q_fp8, "two_terms": two,
                     "tile": [block_n, warps, stages],
                 }  # fmt: skip
 
-                def run(q=q, table=table, lens=lens, context=context, entry=entry):
+                def run(q=q, k8=k8, v8=v8, table=table, lens=lens, context=context, entry=entry):
                     o, qf, tw = entry["orient"], entry["q_fp8"], entry["two_terms"]
                     bn, w, st = entry["tile"]
                     return dfp8.paged_decode_attention_fp8_dots(

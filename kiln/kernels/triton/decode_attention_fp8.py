@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton._device import output_like
+from kiln.kernels.triton._device import num_sms, output_like
 from kiln.kernels.triton.decode_attention import (
     _LOG2E,
     _decode_reduce_kernel,
@@ -31,7 +31,6 @@ from kiln.kernels.triton.decode_attention import (
     _tile_offsets,
     choose_num_splits,
 )
-from kiln.kernels.triton._device import num_sms
 
 _FP8_MAX = 448.0
 _P_SCALE = 256.0  # probabilities enter the P @ V dot as p * 256 (see the module docstring)
