@@ -94,11 +94,59 @@ def ptx_counts(compiled) -> dict:
     return counts
 
 
+WIDEN_MODES = [  # (K, V): -1 Triton's own .to, 0 cvt by inline asm, 1 integer bits, 2 none
+    (-1, 0), (-1, 1), (1, 1), (0, 1), (-1, 2), (2, 2),
+]  # fmt: skip
+
+
+def widen_sweep() -> list[dict]:
+    """Today's kernel with the float8 -> fp16 widening done differently: what the conversions
+    cost (mode 2 does none and gives wrong values: a ceiling, not a kernel)."""
+    return [_widen_shape(batch, context) for batch, context in SHAPES[:4]]
+
+
+def _widen_shape(batch: int, context: int) -> dict:
+    scale = HEAD_DIM**-0.5
+    q, k8, v8, table, lens = inputs(batch, context)
+
+    def today() -> torch.Tensor:
+        return da.paged_decode_attention(q, k8, v8, table, lens, scale, context)
+
+    reference_out = today()
+    row: dict = {"batch": batch, "context": context, "modes": []}
+    row["today_us"] = graph_time_ms([today], 20, 3) * 1e3
+    for k_mode, v_mode in WIDEN_MODES:
+        for block_n, warps, stages in ((64, 4, 2), (64, 4, 3), (128, 4, 2)):
+
+            def run(km=k_mode, vm=v_mode, bn=block_n, w=warps, st=stages) -> torch.Tensor:
+                return dfp8.paged_decode_attention_widen(
+                    q, k8, v8, table, lens, scale, context, k_widen=km, v_widen=vm,
+                    block_n=bn, num_warps=w, num_stages=st,
+                )  # fmt: skip
+
+            entry: dict = {"k": k_mode, "v": v_mode, "tile": [block_n, warps, stages]}
+            try:
+                out = run()
+                entry["bit_equal_today"] = bool(torch.equal(out, reference_out))
+                entry["max_abs_vs_today"] = (out.float() - reference_out.float()).abs().max().item()
+                entry["us"] = graph_time_ms([run], 20, 3) * 1e3
+            except Exception as exc:
+                entry["failed"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            row["modes"].append(entry)
+            print(batch, context, round(row["today_us"], 1), entry, flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="decode_fp8_dots.json")
     parser.add_argument("--no-tiles", action="store_true", help="skip the tile sweep")
+    parser.add_argument("--widen-only", action="store_true", help="only the widening modes")
     args = parser.parse_args()
+    if args.widen_only:
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "widen": widen_sweep()}, f, indent=1)
+        return
     capture = _Capture(dfp8._decode_fp8_kernel)
     dfp8._decode_fp8_kernel = capture
     record: dict = {"gpu": torch.cuda.get_device_name(), "shapes": []}

@@ -209,6 +209,11 @@ for s in "$@"; do
         stage fp8-dots 420 python3 benchmarks/decode_fp8_dots_sweep.py \
             --out "$OUT/decode_fp8_dots.json"
         ;;
+    fp8-widen)  # today's float8 decode kernel with the fp8 -> fp16 widening by cvt, by integer
+        # bits, or none (a ceiling): what the conversions cost
+        stage fp8-widen 300 python3 benchmarks/decode_fp8_dots_sweep.py --widen-only \
+            --out "$OUT/decode_fp8_widen.json"
+        ;;
     fp8-linear)  # FP8 W8A8 GEMMs (quantize + _scaled_mm) against bf16, 8B shapes, M=1..8192
         stage fp8-linear 240 python3 benchmarks/fp8_linear_check.py --out "$OUT/fp8_linear.json"
         ;;

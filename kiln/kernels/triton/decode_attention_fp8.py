@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.triton._device import num_sms, output_like
+from kiln.kernels.triton._fp8 import fp8e4m3_no_widening, fp8e4m3_to_fp16, fp8e4m3_to_fp16_div256
+from kiln.kernels.triton._online_softmax import online_softmax_update
 from kiln.kernels.triton.decode_attention import (
     _LOG2E,
     _decode_reduce_kernel,
@@ -272,4 +274,155 @@ def paged_decode_attention_fp8_dots(
             BLOCK_N=block_n,
             num_warps=4,
         )
+    return out
+
+
+@triton.jit
+def _widen(x, MODE: tl.constexpr, PURE: tl.constexpr):
+    """float8 -> fp16 by MODE: 0 cvt (today), 1 integer bits (value / 256), 2 none (timing)."""
+    if MODE == 0:
+        return fp8e4m3_to_fp16(x)
+    elif MODE == 1:
+        return fp8e4m3_to_fp16_div256(x, PURE)
+    else:
+        return fp8e4m3_no_widening(x, PURE)
+
+
+@triton.jit
+def _decode_widen_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,
+    stride_q_seq,
+    stride_q_head,
+    stride_o_seq,
+    stride_o_head,
+    stride_bt_seq,
+    num_splits,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    K_WIDEN: tl.constexpr,  # -1: Triton's .to(fp16) (today); else _widen's MODE, pure
+    V_WIDEN: tl.constexpr,  # _widen's MODE right after the load (today: 0)
+):
+    """decode_attention._decode_kernel's float8 prefetch path with the widening chosen."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    partition_size, num_valid = _partition(seq_len, num_splits, BLOCK_N)
+    if SPLIT:  # noqa: SIM102
+        if split >= num_valid:
+            return
+    start = split * partition_size
+    end = tl.minimum(start + partition_size, seq_len)
+    rows = tl.arange(0, GROUP_PAD)
+    row_mask = rows < GROUP
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
+        mask=row_mask[:, None],
+        other=0.0,
+    ).to(tl.float16)
+    if K_WIDEN == 1:
+        qk_scale = qk_scale * 256.0  # the keys arrive as value / 256
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    head_offset = kv_head * HEAD_DIM
+    n = start + offs_n
+    n_mask = n < end
+    v_offsets = _tile_offsets(
+        block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
+    )
+    v_raw = tl.load(v_cache_ptr + v_offsets, mask=n_mask[:, None], other=0.0)
+    for n_start in range(start, end, BLOCK_N):
+        n = n_start + offs_n
+        n_mask = n < end
+        kv_offsets = _tile_offsets(
+            block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
+        )
+        k_raw = tl.load(k_cache_ptr + kv_offsets, mask=n_mask[:, None], other=0.0)
+        next_n = n + BLOCK_N
+        next_mask = next_n < end
+        next_offsets = _tile_offsets(
+            block_table, next_n, next_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
+        )
+        next_v_raw = tl.load(v_cache_ptr + next_offsets, mask=next_mask[:, None], other=0.0)
+        v = _widen(v_raw, V_WIDEN, False)
+        if K_WIDEN < 0:  # noqa: SIM108
+            k = k_raw.to(tl.float16)
+        else:
+            k = _widen(k_raw, K_WIDEN, True)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v, "ieee")
+        v_raw = next_v_raw
+    nonempty = l_i > 0.0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if V_WIDEN == 1:
+        out = out * 256.0  # the values arrived as value / 256
+    out_mask = row_mask[:, None]
+    if SPLIT:
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        part_index = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split
+        tl.store(part_lse_ptr + part_index, lse, mask=row_mask)
+        tl.store(part_out_ptr + part_index[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
+    else:
+        tl.store(
+            out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head
+            + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )  # fmt: skip
+
+
+def paged_decode_attention_widen(
+    query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, *,
+    k_widen: int = -1, v_widen: int = 0, block_n: int = 64, num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:  # fmt: skip
+    """Today's float8 decode (fp16 dots, V a tile ahead) with the widening modes chosen."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(query)
+    num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms(query.device))
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(
+            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty(
+            (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
+        )
+    else:
+        part_out = part_lse = out
+    group = num_heads // num_kv_heads
+    _decode_widen_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * _LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), num_splits,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split,
+        K_WIDEN=k_widen, V_WIDEN=v_widen, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if split:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_splits,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=head_dim,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_N=block_n, num_warps=4,
+        )  # fmt: skip
     return out
