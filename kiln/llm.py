@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from kiln.checkpoint import prehash
 from kiln.config import EngineConfig
-from kiln.engine.llm_engine import LLMEngine
 from kiln.errors import InvalidRequestError
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
@@ -26,7 +27,30 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
         self.config = EngineConfig(model=model, **engine_args)
-        self.engine = LLMEngine(self.config)
+        # An engine directory's weights hash in a child process while the engine's imports
+        # (torch and its CUDA libraries: ~4 s of a cold start on the H200 host) run here, so
+        # the loader only reads and copies them (kiln.checkpoint.prehash). This module imports
+        # no torch for that reason: `from kiln import LLM` is cheap, the import happens below.
+        if self._prehash_applies() and prehash.worth_it():
+            prehash.start(os.path.expanduser(self.config.model))
+        try:
+            from kiln.engine.llm_engine import LLMEngine
+
+            self.engine = LLMEngine(self.config)
+        finally:
+            prehash.discard()  # whatever the load did not take
+
+    def _prehash_applies(self) -> bool:
+        """An engine directory loaded by this process alone (under TP/PP each rank reads its
+        own shards in its own process)."""
+        c = self.config
+        return (
+            c.model is not None
+            and c.load_format == "auto"
+            and c.tensor_parallel_size == 1
+            and c.pipeline_parallel_size == 1
+            and os.path.isfile(os.path.join(os.path.expanduser(c.model), "kiln_engine.json"))
+        )
 
     def shutdown(self) -> None:
         """Stop the engine's rank processes (tensor/pipeline parallel); a no-op otherwise."""
