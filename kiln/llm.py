@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -31,14 +32,20 @@ class LLM:
         # (torch and its CUDA libraries: ~4 s of a cold start on the H200 host) run here, so
         # the loader only reads and copies them (kiln.checkpoint.prehash). This module imports
         # no torch for that reason: `from kiln import LLM` is cheap, the import happens below.
+        start = time.perf_counter()
+        queued = 0
         if self._prehash_applies() and prehash.worth_it():
-            prehash.start(os.path.expanduser(self.config.model))
+            queued = prehash.start(os.path.expanduser(self.config.model))
         try:
             from kiln.engine.llm_engine import LLMEngine
 
+            imported = time.perf_counter()
             self.engine = LLMEngine(self.config)
         finally:
             prehash.discard()  # whatever the load did not take
+        # For startup breakdowns (benchmarks/build_and_first_token.py): the engine's imports
+        # (torch's, in a fresh process), and how many shards were hashed beside them.
+        self.startup = {"engine_import_s": imported - start, "prehash_shards": queued}
 
     def _prehash_applies(self) -> bool:
         """An engine directory loaded by this process alone (under TP/PP each rank reads its

@@ -155,3 +155,18 @@ def test_the_record_is_read_from_an_engine_manifest(tmp_path) -> None:
     assert recorded_activation_profile(str(tmp_path)) == ("e1", None)
     assert recorded_activation_profile(os.path.join(str(tmp_path), "nope")) == (None, None)
     assert recorded_activation_profile(None) == (None, None)
+
+
+def test_switched_off_by_the_environment_it_profiles(fake_cuda, monkeypatch) -> None:
+    from kiln.envs import envs
+
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=512)
+    record = _plan(config, None).activation_profile.as_record()
+    monkeypatch.setenv("KILN_ENGINE_ACTIVATION_RECORD", "0")
+    envs.cache_clear()
+    try:
+        assert _plan(config, record).activation_profile.source == "profiled"
+    finally:
+        monkeypatch.delenv("KILN_ENGINE_ACTIVATION_RECORD")
+        envs.cache_clear()
+    assert fake_cuda.calls == 2

@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kiln.checkpoint.file_hash import CHUNK_BYTES, DIGEST_BYTES
+from kiln.envs import envs
 
 _MANIFEST_FILE = "kiln_engine.json"  # kiln.checkpoint.engine_dir's (which imports torch)
 _WEIGHT_INDEX_FILE = "weights.index.json"
@@ -69,10 +70,11 @@ def usable_cores() -> int:
 
 
 def worth_it() -> bool:
-    """Whether this host has cores to hash on beside the importing one. On the 2-core CPU host,
+    """Whether this host has cores to hash on beside the importing one (and KILN_ENGINE_PREHASH
+    is not off). On the 2-core CPU host,
     hashing SmolLM2's 0.54 GB beside the import made the import as much slower as the load got
     faster (~1.2 s each way): there is no idle core to take the work."""
-    return usable_cores() >= MIN_CORES
+    return envs().engine_prehash and usable_cores() >= MIN_CORES
 
 
 def start(engine_dir: str) -> int:

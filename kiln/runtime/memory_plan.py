@@ -19,6 +19,7 @@ import torch
 
 from kiln.attention.backend import AttentionMetadata, get_attention_backend
 from kiln.config import EngineConfig
+from kiln.envs import envs
 from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
 from kiln.models.config import ModelConfig
 from kiln.models.llama import LlamaForCausalLM
@@ -131,6 +132,8 @@ def plan_kv_blocks(
     profile = None
     if device.type == "cuda":
         key = None
+        if not envs().engine_activation_record:
+            recorded_profile = None  # KILN_ENGINE_ACTIVATION_RECORD=0: the A/B of the plan
         if engine_id is not None:
             key = profile_key(
                 engine_id, profile_shapes(config, model, max_model_len, device, kv_dtype)
