@@ -4,7 +4,7 @@ A cold `LLM(DIR)` on the H200 host spends ~4 s importing torch and its CUDA libr
 before the loader starts, then 2.4 s reading, hashing and copying the 8B FP8 engine's 9.1 GB,
 bound by blake2b (~0.4 GB/s a thread; benchmarks/results/
 2026-12-02-h200-splits-json-spec-prequant-tput/run1). `LLM` calls `start` before its first torch
-import: a child process (`python -m kiln.checkpoint.prehash`, no torch) hashes every shard's
+import: a child process (`_hash_shards` in a fresh interpreter, no torch) hashes every shard's
 8 MiB chunks on a thread pool, in the manifest digests' own chunking, while this process imports.
 A process, not threads here: the importer holds this process's GIL nearly all the time, and
 threads that must take it back after every read and hash would contend with it for it. The
@@ -91,16 +91,20 @@ def start(engine_dir: str) -> int:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return 0
     paths = [os.path.abspath(os.path.join(engine_dir, s)) for s in shards]
-    # The child finds this kiln whatever put it on this process's path.
+    # The environment's kiln (this one, however it is installed), else the folder this one is in
+    # (a script that put it on sys.path itself), appended so no stdlib module is shadowed.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    code = (
+        f"import sys; sys.path.append({root!r}); "
+        "from kiln.checkpoint.prehash import _hash_shards; "
+        "_hash_shards(int(sys.argv[1]), sys.argv[2:])"
+    )
     try:
         child = subprocess.Popen(
-            [sys.executable, "-m", "kiln.checkpoint.prehash", str(CHUNK_BYTES), *paths],
+            [sys.executable, "-c", code, str(CHUNK_BYTES), *paths],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             stdin=subprocess.DEVNULL,
-            env=env,
         )
     except OSError:
         return 0
@@ -191,7 +195,3 @@ def _hash_shards(chunk_bytes: int, paths: list[str]) -> None:
 def _chunk_digest(fd: int, offset: int, chunk_bytes: int) -> bytes:
     data = os.pread(fd, chunk_bytes, offset)
     return hashlib.blake2b(data, digest_size=DIGEST_BYTES).digest()
-
-
-if __name__ == "__main__":
-    _hash_shards(int(sys.argv[1]), sys.argv[2:])
