@@ -289,14 +289,15 @@ def test_a_gpu_built_engine_carries_its_profiled_peak(tiny_gpu_path, tmp_path, m
     record = EngineManifest.read(engine).activation_profile
     assert record is not None and record["key"]["gpu_class"] == torch.cuda.get_device_name()
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    recorded = LLM(engine)
+    small = dict(kv_cache_memory_gb=1.0)  # three engines in one process (not in the key)
+    recorded = LLM(engine, **small)
     assert recorded.engine.memory_plan.activation_profile.source == "recorded"
     want = _tokens(recorded.generate([[3] * 40], params))
     del recorded
     monkeypatch.setenv("KILN_ENGINE_ACTIVATION_RECORD", "0")
     envs.cache_clear()
     try:
-        profiled = LLM(engine)
+        profiled = LLM(engine, **small)
     finally:
         monkeypatch.delenv("KILN_ENGINE_ACTIVATION_RECORD")
         envs.cache_clear()
@@ -305,7 +306,7 @@ def test_a_gpu_built_engine_carries_its_profiled_peak(tiny_gpu_path, tmp_path, m
     assert plan.activation_bytes == record["peak_bytes"]  # the same step, the same peak
     assert _tokens(profiled.generate([[3] * 40], params)) == want
     del profiled
-    other = LLM(engine, max_num_seqs=7)
+    other = LLM(engine, max_num_seqs=7, **small)
     assert other.engine.memory_plan.activation_profile.source == "profiled"
 
 

@@ -39,7 +39,7 @@ def engine(tmp_path, monkeypatch) -> tuple[str, str, str]:
     prehash.discard()
 
 
-def _read(shard: str, digest: str) -> tuple[dict, int]:
+def _read(shard: str, digest: str, device: str = "cpu") -> tuple[dict, int]:
     """The shard through the reader, and how many chunks the reader hashed itself (its own
     blake2b counted; the background pool's is another module's)."""
     real, calls = shard_reader.hashlib, []
@@ -50,16 +50,18 @@ def _read(shard: str, digest: str) -> tuple[dict, int]:
 
     shard_reader.hashlib = SimpleNamespace(blake2b=blake2b)
     try:
-        got = dict(ShardReader(torch.device("cpu"), {shard: digest}).tensors([shard]))
+        reader = ShardReader(torch.device(device), {shard: digest})
+        got = {name: t.cpu() for name, t in reader.tensors([shard])}
     finally:
         shard_reader.hashlib = real
     return got, len(calls)
 
 
-def test_the_reader_takes_the_prehashed_digests(engine, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_the_reader_takes_the_prehashed_digests(engine, device):
     path, shard, digest = engine
     assert prehash.start(path) == 1
-    got, hashed_by_reader = _read(shard, digest)
+    got, hashed_by_reader = _read(shard, digest, device)  # cuda: through the pinned staging
     assert hashed_by_reader == 0  # every chunk's digest came from the background pass
     want = load_file(shard)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
