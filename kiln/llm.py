@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from kiln.checkpoint import prehash
 from kiln.config import EngineConfig
-from kiln.engine.llm_engine import LLMEngine
 from kiln.errors import InvalidRequestError
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
@@ -26,7 +28,36 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
         self.config = EngineConfig(model=model, **engine_args)
-        self.engine = LLMEngine(self.config)
+        # An engine directory's weights hash in a child process while the engine's imports
+        # (torch and its CUDA libraries: ~4 s of a cold start on the H200 host) run here, so
+        # the loader only reads and copies them (kiln.checkpoint.prehash). This module imports
+        # no torch for that reason: `from kiln import LLM` is cheap, the import happens below.
+        start = time.perf_counter()
+        queued = 0
+        if self._prehash_applies() and prehash.worth_it():
+            queued = prehash.start(os.path.expanduser(self.config.model))
+        try:
+            from kiln.engine.llm_engine import LLMEngine
+
+            imported = time.perf_counter()
+            self.engine = LLMEngine(self.config)
+        finally:
+            prehash.discard()  # whatever the load did not take
+        # For startup breakdowns (benchmarks/build_and_first_token.py): the engine's imports
+        # (torch's, in a fresh process), and how many shards were hashed beside them.
+        self.startup = {"engine_import_s": imported - start, "prehash_shards": queued}
+
+    def _prehash_applies(self) -> bool:
+        """An engine directory loaded by this process alone (under TP/PP each rank reads its
+        own shards in its own process)."""
+        c = self.config
+        return (
+            c.model is not None
+            and c.load_format == "auto"
+            and c.tensor_parallel_size == 1
+            and c.pipeline_parallel_size == 1
+            and os.path.isfile(os.path.join(os.path.expanduser(c.model), "kiln_engine.json"))
+        )
 
     def shutdown(self) -> None:
         """Stop the engine's rank processes (tensor/pipeline parallel); a no-op otherwise."""

@@ -10,7 +10,9 @@ the copy left running while the thread reads and hashes its next chunk; on the C
 into the buffer. The shard's tensors are views of that buffer, and an engine's model takes them
 as its parameters' storage (LlamaForCausalLM.load_fused_weights, adopt) instead of copying. A
 shard whose digest differs from the manifest raises before its tensors are handed out, so a
-tampered engine never reaches a forward.
+tampered engine never reaches a forward. Where `LLM(DIR)` had the shards hashed while torch
+imported (kiln.checkpoint.prehash), a chunk's digest comes from there instead of being made
+again.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from kiln.checkpoint import prehash
 from kiln.checkpoint.file_hash import CHUNK_BYTES, DIGEST_BYTES, tree_digest
 from kiln.errors import ModelLoadError
 
@@ -82,13 +85,23 @@ class ShardReader:
                     torch._C._host_emptyCache()
 
     def _read_shard(self, file: str) -> Iterator[tuple[str, torch.Tensor]]:
+        hashed = prehash.take(file) if self.expected is not None else None
         fd = os.open(file, os.O_RDONLY)
         try:
-            size = os.fstat(fd).st_size
+            stat = os.fstat(fd)
+            if hashed is not None and hashed.identity != prehash.file_identity(stat):
+                hashed = None  # changed since it was hashed: hash what is read now
+            size = stat.st_size
             data_start, header = read_header(fd, file)
             data = torch.empty(max(size - data_start, 0), dtype=torch.uint8, device=self.device)
             offsets = range(0, max(size, 1), CHUNK_BYTES)
-            digests = list(self._pool.map(lambda o: self._chunk(fd, o, data_start, data), offsets))
+            digests = list(
+                self._pool.map(lambda o: self._chunk(fd, o, data_start, data, hashed), offsets)
+            )
+            if hashed is not None and hashed.identity != prehash.file_identity(os.fstat(fd)):
+                raise ModelLoadError(
+                    f"engine file {file} changed while it was loading (load it again)"
+                )
         finally:
             os.close(fd)
         for stream in self._streams:  # the chunks' copies, still in flight: done before any use
@@ -109,16 +122,26 @@ class ShardReader:
                 raw = raw.clone()
             yield name, raw.view(dtype).view(entry["shape"])
 
-    def _chunk(self, fd: int, offset: int, data_start: int, data: torch.Tensor) -> bytes:
+    def _chunk(
+        self,
+        fd: int,
+        offset: int,
+        data_start: int,
+        data: torch.Tensor,
+        hashed: prehash.PrehashedShard | None,
+    ) -> bytes:
         if not self.cuda and offset >= data_start:
             # Host memory: read straight into the shard's buffer and hash it there (no staging
             # copy; the buffer is the model's storage once the model takes its tensors).
             view = data[offset - data_start : offset - data_start + CHUNK_BYTES].numpy()
             n = os.preadv(fd, [memoryview(view)], offset)
-            return hashlib.blake2b(view[:n], digest_size=DIGEST_BYTES).digest()
+            digest = self._hashed(hashed, offset)
+            return digest or hashlib.blake2b(view[:n], digest_size=DIGEST_BYTES).digest()
         staging = self._staging()
         n = os.preadv(fd, [memoryview(staging.numpy())], offset)
-        digest = hashlib.blake2b(staging.numpy()[:n], digest_size=DIGEST_BYTES).digest()
+        digest = self._hashed(hashed, offset)
+        if digest is None:
+            digest = hashlib.blake2b(staging.numpy()[:n], digest_size=DIGEST_BYTES).digest()
         begin = max(offset, data_start)  # the header's bytes are hashed, not copied
         if offset + n > begin:
             src = staging[begin - offset : n]
@@ -134,6 +157,11 @@ class ShardReader:
             else:
                 dst.copy_(src)
         return digest
+
+    @staticmethod
+    def _hashed(hashed: prehash.PrehashedShard | None, offset: int) -> bytes | None:
+        """The chunk's digest made while torch imported, or None: this thread hashes it."""
+        return hashed.digest(offset // CHUNK_BYTES) if hashed is not None else None
 
     def _staging(self) -> torch.Tensor:
         """This thread's next chunk-sized host buffer: on CUDA two pinned ones in turn (for
