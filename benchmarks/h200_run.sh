@@ -214,6 +214,10 @@ for s in "$@"; do
         stage fp8-widen 300 python3 benchmarks/decode_fp8_dots_sweep.py --widen-only \
             --out "$OUT/decode_fp8_widen.json"
         ;;
+    silu-quant)  # the FP8 MLP's SiLU-mul + float8 quantization: launch shapes (bit-equal), 1-8192
+        # rows at d 14336; expectations: benchmarks/silu_quant_expected.md
+        stage silu-quant 200 python3 benchmarks/silu_quant_sweep.py --out "$OUT/silu_quant_sweep.json"
+        ;;
     fp8-linear)  # FP8 W8A8 GEMMs (quantize + _scaled_mm) against bf16, 8B shapes, M=1..8192
         stage fp8-linear 240 python3 benchmarks/fp8_linear_check.py --out "$OUT/fp8_linear.json"
         ;;

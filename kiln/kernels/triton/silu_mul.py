@@ -148,6 +148,15 @@ def _silu_and_mul_quant_fp8_kernel(
             tl.store(out_row + cols, q.to(out_ptr.dtype.element_ty), mask=cols < d)
 
 
+def _quant_tiles(d: int, num_rows: int) -> tuple[bool, int, int]:
+    """(one pass, BLOCK, num_warps) of _silu_and_mul_quant_fp8_kernel for rows of width d (a
+    function so the H200 sweep, benchmarks/silu_quant_sweep.py, can force each)."""
+    # Read at call time (host side), so tests can lower them to run the two-pass loop.
+    one_pass = d <= _QUANT_ONE_PASS_MAX
+    block = triton.next_power_of_2(d) if one_pass else _QUANT_LOOP_BLOCK
+    return one_pass, block, min(16, max(1, block // 1024))
+
+
 def silu_and_mul_quant_fp8(
     x: torch.Tensor,  # [M, 2 * d]: gate in the first half, up in the second
     input_scale: torch.Tensor | None,  # [] fp32 static per-tensor scale; None: per row
@@ -165,13 +174,11 @@ def silu_and_mul_quant_fp8(
         assert input_scale.numel() == 1 and input_scale.dtype == torch.float32
         scale = input_scale
     if num_rows > 0 and d > 0:
-        # Read at call time (host side), so tests can lower them to run the two-pass loop.
-        one_pass = d <= _QUANT_ONE_PASS_MAX
-        block = triton.next_power_of_2(d) if one_pass else _QUANT_LOOP_BLOCK
+        one_pass, block, num_warps = _quant_tiles(d, num_rows)
         _silu_and_mul_quant_fp8_kernel[(num_rows,)](
             x, out, scale, x.stride(0), out.stride(0), d,
             DYNAMIC=dynamic, ONE_PASS=one_pass, BLOCK=block,
             FP8_MAX=FP8_E4M3_MAX, MIN_SCALE=FP8_MIN_SCALE, INTERPRETED=x.device.type != "cuda",
-            num_warps=min(16, max(1, block // 1024)),
+            num_warps=num_warps,
         )  # fmt: skip
     return out, scale
