@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 benchmarks/decode_fp8_dots_sweep.py --out decode_fp8_dots.json
 
 At Llama-3.1-8B shapes (32 heads, 8 KV heads, head_dim 128, block 16), one layer, GPU time in a
-CUDA graph: today's kernel over bf16 and float8 caches, then kernels/triton/decode_attention_fp8.py
+CUDA graph: today's kernel over bf16 and float8 caches, then benchmarks/decode_fp8_kernels.py
 in every (orientation, query dtype, one/two float8 terms) and for the "swap" orientation a tile
 sweep. Each output's error against the fp32 reference over the same float8 values (relative RMS
 and max abs) is recorded beside its time, and the PTX of each variant is counted (wgmma, mma.sync,
@@ -19,12 +19,12 @@ import json
 import re
 from functools import partial
 
+import decode_fp8_kernels as dfp8  # benchmarks/, the script's folder
 import torch
-from tile_sweep import graph_time_ms, sweep  # benchmarks/, the script's folder
+from tile_sweep import graph_time_ms, sweep
 
 from kiln.kernels import reference
 from kiln.kernels.triton import decode_attention as da
-from kiln.kernels.triton import decode_attention_fp8 as dfp8
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 SHAPES = [(384, 1500), (512, 192), (64, 4096), (32, 1024), (1, 1024)]

@@ -203,7 +203,7 @@ for s in "$@"; do
         stage fp8-sweep 300 python3 benchmarks/kv_fp8_kernel_sweep.py \
             --out "$OUT/kv_fp8_kernel_sweep.json"
         ;;
-    fp8-dots)  # float8 decode attention with float8 tensor-core dots (decode_attention_fp8.py)
+    fp8-dots)  # float8 decode attention with float8 tensor-core dots (decode_fp8_kernels.py)
         # against today's widening kernel, every variant's error and PTX; expectations:
         # benchmarks/decode_fp8_dots_expected.md
         stage fp8-dots 420 python3 benchmarks/decode_fp8_dots_sweep.py \

@@ -1,4 +1,7 @@
-"""Paged decode attention over a float8 cache with float8 tensor-core dots (experimental).
+"""Experimental decode-attention kernels over a float8 cache, measured on the H200 and not used by
+the engine (benchmarks/decode_fp8_dots_sweep.py; results/2026-12-02-h200-fp8-decode-tiles/): float8
+tensor-core dots (2x slower than the engine's kernel), and the engine's kernel with its float8 ->
+fp16 widening done by integer bits or not at all (the conversions cost 2.5%).
 
 Why: the decode kernel of decode_attention.py widens float8 K and V to fp16 before its dots, at
 one query token padded to 16 rows (mma.sync). On an H200 it reads a float8 cache at ~2.5 TB/s
@@ -14,7 +17,7 @@ kernel puts 64 rows where they exist:
 
 The query is quantized to float8 per head (scale amax/448) and the probabilities as p * 256 (the
 tile's maximum becomes 256, so weights down to 2^-17 of it survive instead of 2^-9), which the
-final division takes back. The twin is reference.paged_decode_attention_fp8_dots.
+final division takes back. (No PyTorch twin: not a product kernel.)
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.triton._device import num_sms, output_like
-from kiln.kernels.triton._fp8 import fp8e4m3_no_widening, fp8e4m3_to_fp16, fp8e4m3_to_fp16_div256
+from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 from kiln.kernels.triton._online_softmax import online_softmax_update
 from kiln.kernels.triton.decode_attention import (
     _LOG2E,
@@ -33,6 +36,50 @@ from kiln.kernels.triton.decode_attention import (
     _tile_offsets,
     choose_num_splits,
 )
+
+
+@triton.jit
+def fp8e4m3_to_fp16_div256(x, PURE: tl.constexpr):
+    # The same widening by integer operations instead of cvt: an e4m3 byte's sign and its
+    # exponent+mantissa bits moved into fp16's places give value / 256 exactly (the exponent
+    # biases differ by 8), subnormals included. Two byte permutes spread four bytes into two
+    # (0, b, 0, b) words; shifts and masks place the bits.
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1, s0, s1, u0, u1;
+        prmt.b32 t0, $2, 0, 0x4140;
+        prmt.b32 t1, $2, 0, 0x4342;
+        shl.b32 s0, t0, 8;
+        shl.b32 u0, t0, 7;
+        and.b32 s0, s0, 0x80008000;
+        and.b32 u0, u0, 0x3f803f80;
+        or.b32 $0, s0, u0;
+        shl.b32 s1, t1, 8;
+        shl.b32 u1, t1, 7;
+        and.b32 s1, s1, 0x80008000;
+        and.b32 u1, u1, 0x3f803f80;
+        or.b32 $1, s1, u1;
+        }""",
+        constraints="=r,=r,r",
+        args=[x.to(tl.uint8, bitcast=True)],
+        dtype=tl.float16,
+        is_pure=PURE,
+        pack=4,
+    )
+
+
+@triton.jit
+def fp8e4m3_no_widening(x, PURE: tl.constexpr):
+    # Timing only (wrong values): the raw bytes handed on as fp16 registers, no conversion work.
+    return tl.inline_asm_elementwise(
+        asm="mov.b32 $0, $2; mov.b32 $1, $2;",
+        constraints="=r,=r,r",
+        args=[x.to(tl.uint8, bitcast=True)],
+        dtype=tl.float16,
+        is_pure=PURE,
+        pack=4,
+    )
+
 
 _FP8_MAX = 448.0
 _P_SCALE = 256.0  # probabilities enter the P @ V dot as p * 256 (see the module docstring)
