@@ -72,6 +72,13 @@ def kernel_tiles(
             })  # fmt: skip
     kv_fp8 = kv_cache_dtype == torch.float8_e4m3fn
     block_n, num_warps, num_stages = _tile_config(_DEFAULT_BLOCK_SIZE, device, kv_fp8)
+    # From this many programs (sequences x KV heads x splits) a float8 cache's kernel runs
+    # one-warp programs instead (decode_attention._tile_config).
+    one_warp_from = (
+        decode_attention._FP8_ONE_WARP_PROGRAMS_PER_SM * small_batch_tiles.num_sms(device)
+        if kv_fp8
+        else None
+    )
     return {
         "gpu_class": gpu_class,
         "num_sms": small_batch_tiles.num_sms(device),
@@ -83,6 +90,7 @@ def kernel_tiles(
             "num_warps": num_warps,
             "num_stages": num_stages,
             "prefetch_fp8_v": bool(decode_attention.PREFETCH_FP8_V) if kv_fp8 else None,
+            "one_warp_32_keys_from_programs": one_warp_from,
             "split_k": {
                 "target_programs_per_sm": decode_attention._TARGET_PROGRAMS_PER_SM,
                 "min_tokens_per_split": decode_attention._MIN_TOKENS_PER_SPLIT,
@@ -110,5 +118,10 @@ def describe(tiles: dict[str, Any] | None, reason: str | None) -> str:
         f"  decode attention ({'float8' if d['kv_cache_float8'] else 'model-dtype'} cache, block "
         f"{d['block_size']}): {d['block_n']} keys/tile {d['num_warps']} warps "
         f"{d['num_stages']} stages; split-K up to {d['split_k']['max_splits']}"
+        + (
+            f"; 32 keys/tile 1 warp from {d['one_warp_32_keys_from_programs']} programs"
+            if d.get("one_warp_32_keys_from_programs")
+            else ""
+        )
     )
     return "\n".join(lines)

@@ -250,19 +250,29 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return max(1, min(wanted, useful, _MAX_SPLITS))
 
 
+# A float8 cache's decode kernel at many programs runs one-warp programs over 32-key tiles: its
+# four-warp program holds 128 registers a thread (V is loaded a tile ahead into registers), so an
+# SM keeps only 4 programs and too few loads in flight (Nsight Compute at 384 x 1.5k: 25%
+# occupancy, DRAM 41% busy). One warp of 32 keys was 9-10% faster at 3072 and 4096 programs
+# (384 x 1.5k: 475 -> 429 us; 512 x 192: 93 -> 85) and 35% slower at 512 (64 x 4k), where one-warp
+# programs leave SMs idle (docs/performance.md, "Float8 decode: one-warp programs").
+_FP8_ONE_WARP_PROGRAMS_PER_SM = 12
+
+
 def _tile_config(
-    block_size: int, device: torch.device, kv_fp8: bool = False
+    block_size: int, device: torch.device, kv_fp8: bool = False, programs: int = 0
 ) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages)."""
+    """(BLOCK_N, num_warps, num_stages); `programs` is the grid's size (sequences x KV heads x
+    splits), a host int."""
     if device.type != "cuda":
         return 16, 4, 1  # the interpreter's cost grows with tile size; 16 is tl.dot's minimum
     if kv_fp8:
+        if programs >= _FP8_ONE_WARP_PROGRAMS_PER_SM * num_sms(device):
+            return 32, 1, 2
         # Float8 K/V (V widened by _fp8.fp8e4m3_to_fp16, loaded a tile ahead): 64 keys, 4 warps,
         # 2 stages were best of 18 at 384 x 1.5k and 64 x 4k, within 10% at batch 1 (6.6 vs 6.0 us)
-        # (docs/performance.md, "FP8 KV cache"). One-warp programs over 32 keys were 9-10% faster
-        # in the kernel's own benchmark at 3072-4096 programs (randomly placed blocks) and changed
-        # nothing inside the 8B engine's decode graphs at 1000/1000 or 128/128, so they are not
-        # used ("Float8 decode: what limits it", 2026-12-02).
+        # (docs/performance.md, "FP8 KV cache"); of 27 smaller tiles and fewer warps, still best
+        # at 64 x 4k and 32 x 1k.
         return 64, 4, 2
     # Tiles of whole cache blocks (or whole tiles of one block), at least 64 keys per tile.
     # 64 keys, 4 warps, 3 stages was within 1-3% of the best of {32,64,128} x {2,4,8} x {2,3} at
@@ -316,12 +326,14 @@ def paged_decode_attention_splits(
         block_tables = block_tables.contiguous()
     group = num_heads // num_kv_heads
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
-    block_n, num_warps, num_stages = _tile_config(block_size, query.device, kv_fp8)
     # The grid's split count is taken as given (not trimmed to what max_seq_len can use): each
     # sequence's partitions depend on its own length and this count only, so a graph replay and
     # an eager step with the same count compute the same partitions; splits a sequence cannot
     # use exit at once.
     num_splits = max(num_splits, 1)
+    block_n, num_warps, num_stages = _tile_config(
+        block_size, query.device, kv_fp8, num_seqs * num_kv_heads * num_splits
+    )
     split = num_splits > 1
     if split:
         part_out = torch.empty(
