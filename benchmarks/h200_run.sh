@@ -15,7 +15,10 @@ mkdir -p "$OUT"
 export PYTHONPATH=${KILN_TREE:-.}
 export PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false
-BENCH="python3 -m kiln.cli.main bench"
+# -P: `python3 -m` would put the working directory first on sys.path, so KILN_TREE's kiln would
+# lose to the checkout's (every KILN_TREE A/B of `kiln bench` before 2026-12-02's second run ran
+# this tree on both sides)
+BENCH="python3 -P -m kiln.cli.main bench"
 COMMON="--model llama-3.1-8b --load-format dummy --dtype bfloat16 --no-progress"
 
 stage() {  # name, seconds, command...
@@ -83,7 +86,7 @@ for s in "$@"; do
         ;;
     startup)  # cold process to the first token / healthy, dummy 8B and the embedded SmolLM2
         stage startup 300 bash -c "python3 benchmarks/startup.py generate --runs 3 \
-            --output-json $OUT/startup$SFX.jsonl -- python3 -m kiln.cli.main generate \
+            --output-json $OUT/startup$SFX.jsonl -- python3 -P -m kiln.cli.main generate \
             --max-tokens 8 'What is the capital of France?' && python3 benchmarks/startup.py \
             health --runs 3 --port 8131 --output-json $OUT/startup$SFX.jsonl -- python3 -m \
             kiln.cli.main serve --port 8131 $COMMON"

@@ -255,7 +255,9 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 # SM keeps only 4 programs and too few loads in flight (Nsight Compute at 384 x 1.5k: 25%
 # occupancy, DRAM 41% busy). One warp of 32 keys was 9-10% faster at 3072 and 4096 programs
 # (384 x 1.5k: 475 -> 429 us; 512 x 192: 93 -> 85) and 35% slower at 512 (64 x 4k), where one-warp
-# programs leave SMs idle (docs/performance.md, "Float8 decode: one-warp programs").
+# programs leave SMs idle. In the engine, 1000/1000's decode graph step took 20.7 ms of GPU time
+# with them against 22.0-22.7 in earlier runs without (not yet a same-run A/B; docs/performance.md,
+# "The H200 on 2026-12-02, second run").
 _FP8_ONE_WARP_PROGRAMS_PER_SM = 12
 
 
