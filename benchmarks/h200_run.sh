@@ -221,6 +221,10 @@ for s in "$@"; do
         # rows at d 14336; expectations: benchmarks/silu_quant_expected.md
         stage silu-quant 200 python3 benchmarks/silu_quant_sweep.py --out "$OUT/silu_quant_sweep.json"
         ;;
+    scaled-mm)  # the FP8 GEMM's _scaled_mm forms at 512-8192 rows: rowwise (today), tensorwise,
+        # each with and without use_fast_accum, against bf16 (benchmarks/scaled_mm_expected.md)
+        stage scaled-mm 300 python3 benchmarks/scaled_mm_scaling.py --out "$OUT/scaled_mm_scaling.json"
+        ;;
     fp8-linear)  # FP8 W8A8 GEMMs (quantize + _scaled_mm) against bf16, 8B shapes, M=1..8192
         stage fp8-linear 240 python3 benchmarks/fp8_linear_check.py --out "$OUT/fp8_linear.json"
         ;;
