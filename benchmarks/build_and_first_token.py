@@ -10,8 +10,7 @@ Writes an HF-format checkpoint of the preset with dummy weights (normal, std 0.0
 Every "first process" gets an empty Triton cache of its own (TRITON_CACHE_DIR), as on a fresh
 machine; its "again" run reuses that cache (a second process). The engine's carried kernels
 (kiln.kernel_cache) are measured on and off (KILN_ENGINE_KERNEL_CACHE=0), so are the shards
-hashed beside torch's import (KILN_ENGINE_PREHASH=0) and the build's recorded activation peak
-(KILN_ENGINE_ACTIVATION_RECORD=0), and with --base-tree
+hashed beside torch's import (KILN_ENGINE_PREHASH=0), and with --base-tree
 the same engine is loaded by an older kiln checkout too (PYTHONPATH), the before of one run.
 Usage: python benchmarks/build_and_first_token.py --preset llama-3.1-8b --work /tmp/w \
     --output-json F [--base-tree DIR]
@@ -193,16 +192,11 @@ def main() -> None:
         result["first_token_from_engine_again"] = first_token(
             engine, args.prompt_len, env=cache("on")
         )
-        # The A/B of each startup change, each a first process of its own: the shards hashed
-        # by the loader (not beside torch's import), the profile step run (not the build's
-        # recorded peak).
-        for name, switch in (
-            ("no_prehash", "KILN_ENGINE_PREHASH"),
-            ("profiled", "KILN_ENGINE_ACTIVATION_RECORD"),
-        ):
-            result[f"first_token_from_engine_{name}"] = first_token(
-                engine, args.prompt_len, env={**cache(name), switch: "0"}
-            )
+        # The A/B of the background hashing, a first process of its own: the shards hashed by
+        # the loader (not beside torch's import).
+        result["first_token_from_engine_no_prehash"] = first_token(
+            engine, args.prompt_len, env={**cache("no_prehash"), "KILN_ENGINE_PREHASH": "0"}
+        )
         # Without CUDA graphs: what startup costs besides capturing them.
         result["first_token_from_engine_eager"] = first_token(
             engine, args.prompt_len, eager=True, env=cache("on")

@@ -300,9 +300,8 @@ for s in "$@"; do
     build8b)  # kiln build of an 8B dummy HF checkpoint to FP8, then cold first token from it:
         # first and second process of the older loader (KILN_BASE_COMMIT, default 5c1028b: before
         # issue 13's startup work; 6143508: before the startup2 branch) and of this tree, with
-        # and without the engine's carried Triton kernels, the shards hashed beside torch's
-        # import (KILN_ENGINE_PREHASH) and the build's recorded activation peak
-        # (KILN_ENGINE_ACTIVATION_RECORD), each first process on an empty Triton cache
+        # and without the engine's carried Triton kernels and the shards hashed beside torch's
+        # import (KILN_ENGINE_PREHASH), each first process on an empty Triton cache
         # (expectations: benchmarks/startup_expected.md, benchmarks/startup2_expected.md)
         BASE_TREE=${KILN_BASE_TREE:-/tmp/kiln_startup_base_tree}
         BASE_ARG=()

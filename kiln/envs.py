@@ -49,10 +49,6 @@ class Envs:
     """Loading an engine directory built on a GPU copies its compiled Triton kernels into the
     Triton cache when the GPU and Triton match (kiln.kernel_cache); off (0): compile as without
     them, the A/B of a first process's start (benchmarks/build_and_first_token.py)."""
-    engine_activation_record: bool = True
-    """Loading an engine directory built on a GPU takes the activation peak its build profiled
-    when the profile's key matches (kiln.runtime.activation_record); off (0): profile anyway,
-    the A/B of a start's plan (benchmarks/build_and_first_token.py)."""
     engine_prehash: bool = True
     """`LLM(engine dir)` hashes the weight shards in a child process while torch imports, on
     hosts of 4 cores or more (kiln.checkpoint.prehash); off (0): the loader hashes as it reads,

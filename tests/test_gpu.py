@@ -276,40 +276,6 @@ def test_memory_plan_with_a_step_budget_beyond_the_context(tiny_gpu_path):
     assert len(out[0].outputs[0].token_ids) == 8
 
 
-def test_a_gpu_built_engine_carries_its_profiled_peak(tiny_gpu_path, tmp_path, monkeypatch):
-    """kiln build's warm-up records the plan's activation profile; a load with the same key takes
-    it (no profile step) and plans the same activation bytes as profiling does; any other
-    max_num_seqs profiles (kiln.runtime.activation_record)."""
-    from kiln.builder.build import BuildOptions, build_engine
-    from kiln.builder.manifest import EngineManifest
-    from kiln.envs import envs
-
-    engine = str(tmp_path / "engine")
-    build_engine(tiny_gpu_path, engine, BuildOptions(), None)
-    record = EngineManifest.read(engine).activation_profile
-    assert record is not None and record["key"]["gpu_class"] == torch.cuda.get_device_name()
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    small = dict(kv_cache_memory_gb=1.0)  # three engines in one process (not in the key)
-    recorded = LLM(engine, **small)
-    assert recorded.engine.memory_plan.activation_profile.source == "recorded"
-    want = _tokens(recorded.generate([[3] * 40], params))
-    del recorded
-    monkeypatch.setenv("KILN_ENGINE_ACTIVATION_RECORD", "0")
-    envs.cache_clear()
-    try:
-        profiled = LLM(engine, **small)
-    finally:
-        monkeypatch.delenv("KILN_ENGINE_ACTIVATION_RECORD")
-        envs.cache_clear()
-    plan = profiled.engine.memory_plan
-    assert plan.activation_profile.source == "profiled"
-    assert plan.activation_bytes == record["peak_bytes"]  # the same step, the same peak
-    assert _tokens(profiled.generate([[3] * 40], params)) == want
-    del profiled
-    other = LLM(engine, max_num_seqs=7, **small)
-    assert other.engine.memory_plan.activation_profile.source == "profiled"
-
-
 @pytest.mark.parametrize("method", ["oracle", "ngram", "draft_model", "eagle3"])
 def test_speculative_decoding_is_exact_on_gpu(tiny_gpu_path, alone_gpu, method, tmp_path):
     """Verification steps through the decode graphs (one row per token) and the Triton kernels:

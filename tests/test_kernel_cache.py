@@ -155,13 +155,11 @@ def test_a_changed_carried_kernel_is_a_corrupt_engine(tiny_engine, tmp_path, mon
 def test_the_build_warm_up_runs_an_engine(tiny_engine, tmp_path):
     # The child `kiln build` starts on a GPU to compile the kernels; here it only has to run.
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "c"), "OMP_NUM_THREADS": "1"}
-    record = tmp_path / "activation_profile.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kiln.builder.warm", tiny_engine, "auto", "0", str(record)],
+        [sys.executable, "-m", "kiln.builder.warm", tiny_engine, "auto", "0"],
         env=env, capture_output=True, text=True, check=False, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert not record.exists()  # the CPU's plan profiles nothing: no peak to record
 
 
 def test_an_unwritable_triton_cache_only_costs_the_compiles(carried, tmp_path, monkeypatch):

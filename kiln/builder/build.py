@@ -247,24 +247,20 @@ def build_engine(
         else:
             accuracy = prequantized.accuracy(tmp, options, source_ppl, calibrated is None)
         files = dict(manifest.files)
-        activation_profile = None
         if options.warm_kernels and device.type == "cuda" and options.tensor_parallel_size == 1:
             from kiln.builder.warm import warm_kernels
 
             gc.collect()
             torch.cuda.empty_cache()  # the child process's memory plan takes what is free
             # Its files are verified at load like the weights: a changed cubin is a corrupt engine.
-            kernels, activation_profile = warm_kernels(
-                tmp, options.kv_cache_dtype, options.max_model_len
-            )
+            kernels = warm_kernels(tmp, options.kv_cache_dtype, options.max_model_len)
             kernel_digests = hash_files([os.path.join(tmp, n) for n in kernels])
             files.update(
                 {n: {"size": d.size, "blake2b": d.blake2b} for n, d in zip(kernels, kernel_digests)}
             )
         manifest = EngineManifest(
             **{**asdict(manifest), "accuracy": accuracy, "files": files,
-               "build_seconds": round(time.perf_counter() - start, 3),
-               "activation_profile": activation_profile}
+               "build_seconds": round(time.perf_counter() - start, 3)}
         )  # fmt: skip
         manifest.write(tmp)
         if accuracy.get("passed") is False and fp8 is not None:

@@ -68,10 +68,6 @@ class EngineManifest:
     came from. None: kiln quantized the engine itself (or it is unquantized)."""
     kernel_tiles_reason: str | None = None
     """Why `kernel_tiles` is None."""
-    activation_profile: dict[str, Any] | None = None
-    """Built on a GPU: the memory plan's profiled activation peak from the kernel warm-up's run
-    and the key it was measured under (kiln.runtime.activation_record); a load under the same
-    key takes it instead of running the profile step. None: not recorded."""
 
     def write(self, directory: str) -> None:
         with open(os.path.join(directory, MANIFEST_FILE), "w", encoding="utf-8") as f:

@@ -1,8 +1,6 @@
 """`kiln build` on a GPU: run the new engine once against an empty Triton cache and keep the
 kernels it compiled in the engine (kiln.kernel_cache), so its first process loads them instead
-of compiling (4.8 s in the memory profile and 6.2 s of graph warm-up on the H200). The same run's
-memory profile is kept too (kiln.runtime.activation_record): a load under the same key skips
-its profile step.
+of compiling (4.8 s in the memory profile and 6.2 s of graph warm-up on the H200).
 
 The run is a child process: Triton's cache folder is chosen per process, and the engine must be
 warmed exactly as a cold `LLM(DIR)` starts (the profile forward, every CUDA graph batch size).
@@ -11,7 +9,6 @@ A failed warm-up costs only the carried kernels: the engine is complete without 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import subprocess
@@ -25,51 +22,37 @@ logger = logging.getLogger("kiln")
 _WARM_TIMEOUT_S = 600
 
 
-def warm_kernels(
-    engine_dir: str, kv_cache_dtype: str, max_model_len: int | None
-) -> tuple[list[str], dict | None]:
+def warm_kernels(engine_dir: str, kv_cache_dtype: str, max_model_len: int | None) -> list[str]:
     """Warm `engine_dir` in a child process and capture its Triton cache into it. Returns the
-    files written (relative to engine_dir; empty without CUDA/Triton or when the run failed) and
-    the run's activation profile record (None when it failed or did not profile)."""
+    files written (relative to engine_dir; empty without CUDA/Triton or when the run failed)."""
     key = kernel_cache_key()
     if key is None:
-        return [], None
+        return []
     with tempfile.TemporaryDirectory(prefix="kiln-warm-") as cache:
         env = {**os.environ, "TRITON_CACHE_DIR": cache, "KILN_ENGINE_KERNEL_CACHE": "0"}
-        record_file = os.path.join(cache, "activation_profile.json.tmp")  # not a cache entry
         args = [sys.executable, "-m", "kiln.builder.warm", engine_dir, kv_cache_dtype]
-        args += [str(max_model_len or 0), record_file]
+        args += [str(max_model_len or 0)]
         try:
             proc = subprocess.run(
                 args, env=env, capture_output=True, text=True, timeout=_WARM_TIMEOUT_S
             )
         except subprocess.TimeoutExpired:
             logger.warning("kernel warm-up timed out: the engine carries no compiled kernels")
-            return [], None
+            return []
         if proc.returncode:
             logger.warning(
                 "kernel warm-up failed (the engine carries no compiled kernels):\n%s",
                 proc.stderr[-2000:],
             )
-            return [], None
-        record = None
-        if os.path.isfile(record_file):
-            with open(record_file, encoding="utf-8") as f:
-                record = json.load(f)
-            os.remove(record_file)
-        return capture(cache, engine_dir, key), record
+            return []
+        return capture(cache, engine_dir, key)
 
 
-def _warm(engine_dir: str, kv_cache_dtype: str, max_model_len: int, record_file: str) -> None:
+def _warm(engine_dir: str, kv_cache_dtype: str, max_model_len: int) -> None:
     from kiln.llm import LLM
     from kiln.sampling_params import SamplingParams
 
     llm = LLM(engine_dir, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len or None)
-    profile = llm.engine.memory_plan.activation_profile
-    if profile is not None and profile.source == "profiled" and profile.key:
-        # What this cold start's plan measured, under the key a later load compares with.
-        with open(record_file, "w", encoding="utf-8") as f:
-            json.dump(profile.as_record(), f)
     # One prompt and one decode step: the prefill and sampling kernels; the memory profile and
     # the CUDA graphs (every captured batch size) compiled the rest while LLM() started.
     llm.generate(
@@ -79,4 +62,4 @@ def _warm(engine_dir: str, kv_cache_dtype: str, max_model_len: int, record_file:
 
 
 if __name__ == "__main__":
-    _warm(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    _warm(sys.argv[1], sys.argv[2], int(sys.argv[3]))

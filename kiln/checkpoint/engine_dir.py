@@ -91,16 +91,6 @@ def runtime_defaults(model: str | None) -> dict[str, Any]:
     return defaults
 
 
-def recorded_activation_profile(model: str | None) -> tuple[str | None, dict[str, Any] | None]:
-    """(engine id, the activation profile its build recorded on a GPU) of an engine directory
-    (kiln.runtime.activation_record); (None, None) for any other model, (id, None) for an
-    engine without one."""
-    if not model or not os.path.isdir(model) or not is_engine_dir(model):
-        return None, None
-    manifest = read_manifest(model)
-    return manifest.get("engine_id"), manifest.get("activation_profile")
-
-
 def read_manifest(path: str) -> dict[str, Any]:
     file = os.path.join(path, MANIFEST_FILE)
     try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.checkpoint.engine_dir import recorded_activation_profile, runtime_defaults
+from kiln.checkpoint.engine_dir import runtime_defaults
 from kiln.config import EngineConfig
 from kiln.distributed.comm import all_reduce_min, barrier
 from kiln.distributed.parallel_state import ParallelContext
@@ -102,16 +102,8 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
         draft = load_draft_model(config, spec, loaded, device, dtype, load_model)
     elif spec is not None and spec.method == "eagle3":
         draft = load_eagle3(config, spec, loaded, device, dtype)
-    engine_id, recorded = recorded_activation_profile(config.model)
     memory_plan = plan_kv_blocks(
-        config,
-        loaded.model,
-        max_model_len,
-        device,
-        kv_cache_dtype,
-        draft_model=draft,
-        engine_id=engine_id,
-        recorded_profile=recorded,
+        config, loaded.model, max_model_len, device, kv_cache_dtype, draft_model=draft
     )
     if parallel is not None:
         # Every rank holds the same blocks (of its own heads and layers): the fewest that fit.
@@ -158,8 +150,6 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
         "plan_s": t_planned - t_loaded,
         "runner_s": time.perf_counter() - t_planned,
         "load_phases": loaded.phases,  # load_s's parts
-        # "profiled" / "recorded" (the engine build's, same key) / None on the CPU
-        "activation_peak": profile.source if (profile := memory_plan.activation_profile) else None,
     }
     capacity = KVCapacity(num_blocks, config.block_size, capped)
     return Rank(facts, memory_plan, capacity, runner, startup)

@@ -2,12 +2,10 @@
 
 On CUDA: weights are loaded; a dummy step at the largest shape the scheduler can hand out
 (max_num_batched_tokens tokens, max_num_seqs sampling rows, random sampling with top-k/top-p) is
-run and its peak measured (or, for an engine directory built on this GPU under the same key, the
-peak its build measured: kiln.runtime.activation_record); whatever `gpu_memory_utilization` of
-the card is left after weights, that peak, memory outside PyTorch's allocator (CUDA context,
-cuBLAS workspaces, other processes) and a reserve for the decode graphs becomes KV cache. No
-step the scheduler can form needs more than the profiled one, so no load the plan admits runs
-out of memory.
+run and its peak measured; whatever `gpu_memory_utilization` of the card is left after weights,
+that peak, memory outside PyTorch's allocator (CUDA context, cuBLAS workspaces, other processes)
+and a reserve for the decode graphs becomes KV cache. No step the scheduler can form needs more
+than the profiled one, so no load the plan admits runs out of memory.
 """
 
 from __future__ import annotations
@@ -19,15 +17,9 @@ import torch
 
 from kiln.attention.backend import AttentionMetadata, get_attention_backend
 from kiln.config import EngineConfig
-from kiln.envs import envs
 from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
 from kiln.models.config import ModelConfig
 from kiln.models.llama import LlamaForCausalLM
-from kiln.runtime.activation_record import (
-    ActivationProfile,
-    profile_key,
-    resolve_activation_profile,
-)
 from kiln.sampling.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger("kiln")
@@ -37,8 +29,6 @@ _CPU_DEFAULT_KV_GB = 2.0
 # Beyond the profiled peaks: allocator fragmentation, the graph capture stream's cuBLAS workspace,
 # Triton's launch-time scratch. Measured slack on an H200 was well under this.
 _SAFETY_MARGIN = GiB // 2
-# Logprobs every row of the profiled step returns (the sampler's largest temporaries).
-_PROFILE_LOGPROBS = 5
 
 
 @dataclass(frozen=True)
@@ -53,9 +43,6 @@ class MemoryPlan:
     non_torch_bytes: int = 0  # CUDA context, library workspaces, other processes
     total_bytes: int = 0  # the device's memory (0 on the CPU)
     kv_dtype: str = ""  # the cache's element type, e.g. "bfloat16" or "float8_e4m3fn"
-    # CUDA: the activation profile behind activation_bytes ("profiled" here, or "recorded" by
-    # the engine's build under the same key); None on the CPU.
-    activation_profile: ActivationProfile | None = None
 
     @property
     def kv_tokens(self) -> int:
@@ -79,8 +66,6 @@ class MemoryPlan:
                 f"{self.graph_reserve_bytes / GiB:.2f} GiB, outside torch "
                 f"{self.non_torch_bytes / GiB:.2f} GiB, of {self.total_bytes / GiB:.1f} GiB"
             )
-        if self.activation_profile is not None:
-            text += f" (activation peak {self.activation_profile.source})"
         return text
 
     def as_dict(self) -> dict:
@@ -93,7 +78,6 @@ class MemoryPlan:
             "kv_blocks": self.num_blocks,
             "kv_tokens": self.kv_tokens,
             "kv_dtype": self.kv_dtype,
-            "activation_source": self.activation_profile and self.activation_profile.source,
         }
 
 
@@ -115,12 +99,7 @@ def plan_kv_blocks(
     device: torch.device,
     kv_dtype: torch.dtype,
     draft_model: LlamaForCausalLM | None = None,
-    engine_id: str | None = None,
-    recorded_profile: dict | None = None,
 ) -> MemoryPlan:
-    """`engine_id`, `recorded_profile`: an engine directory's id and the activation profile its
-    build recorded (the manifest's `activation_profile`), used instead of profiling when its key
-    equals this load's (kiln.runtime.activation_record)."""
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     per_block = kv_bytes_per_block(model, config.block_size, kv_dtype)
     if draft_model is not None:
@@ -129,21 +108,10 @@ def plan_kv_blocks(
         weight_bytes += sum(p.numel() * p.element_size() for p in draft_model.parameters())
         per_block += kv_bytes_per_block(draft_model, config.block_size, kv_dtype)
     activation = graph_reserve = non_torch = total = 0
-    profile = None
     if device.type == "cuda":
-        key = None
-        if not envs().engine_activation_record:
-            recorded_profile = None  # KILN_ENGINE_ACTIVATION_RECORD=0: the A/B of the plan
-        if engine_id is not None:
-            key = profile_key(
-                engine_id, profile_shapes(config, model, max_model_len, device, kv_dtype)
-            )
-        profile = resolve_activation_profile(
-            key,
-            recorded_profile,
-            lambda: measure_activation_profile(config, model, max_model_len, device, kv_dtype),
+        activation, forward_peak = profile_activation_peak(
+            config, model, max_model_len, device, kv_dtype
         )
-        activation, forward_peak = profile.peak_bytes, profile.forward_peak_bytes
         graph_reserve = 0
         if not config.enforce_eager:
             # The pool holds one decode forward's intermediates at the largest graph batch size
@@ -152,10 +120,6 @@ def plan_kv_blocks(
             graph_reserve = int(per_token * config.max_num_seqs) + 256 * (1 << 20)
         free, total = torch.cuda.mem_get_info(device)
         non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
-        if profile.source == "recorded":
-            # What running the step would have added outside torch by now (kernel modules,
-            # library handles), as the build's run of it measured.
-            non_torch += profile.non_torch_growth_bytes
     if config.kv_cache_memory_gb is not None:
         budget = int(config.kv_cache_memory_gb * GiB)
     elif device.type == "cuda":
@@ -192,53 +156,9 @@ def plan_kv_blocks(
         non_torch,
         total,
         str(kv_dtype).removeprefix("torch."),
-        profile,
     )
     logger.info("memory plan: %s", plan.describe(max_model_len))
     return plan
-
-
-def profile_shapes(
-    config: EngineConfig,
-    model: LlamaForCausalLM,
-    max_model_len: int,
-    device: torch.device,
-    kv_dtype: torch.dtype,
-) -> dict:
-    """What of the resolved config and the loaded model the profiled step depends on (its
-    shapes, dtypes, kernels and rank), as plain JSON values: part of the record's key."""
-    parallel = getattr(model, "parallel", None)
-    return {
-        "max_num_batched_tokens": config.max_num_batched_tokens,
-        "max_num_seqs": config.max_num_seqs,
-        "max_model_len": max_model_len,
-        "block_size": config.block_size,
-        "dtype": config.dtype,
-        "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
-        "quantization": config.quantization,
-        "lm_head_quantization": config.lm_head_quantization,
-        "kernels": resolve_kernel_backend(config.attention_backend, device),
-        "tp": [parallel.tp_size, parallel.tp_rank] if parallel is not None else [1, 0],
-        "pp": [parallel.pp_size, parallel.pp_rank] if parallel is not None else [1, 0],
-        "max_num_logprobs": _PROFILE_LOGPROBS,
-    }
-
-
-def measure_activation_profile(
-    config: EngineConfig,
-    model: LlamaForCausalLM,
-    max_model_len: int,
-    device: torch.device,
-    kv_dtype: torch.dtype,
-) -> tuple[int, int, int]:
-    """(peak, forward peak, device memory outside torch the step added), in bytes: the profile
-    step run now."""
-    free_before, total = torch.cuda.mem_get_info(device)
-    outside_before = (total - free_before) - torch.cuda.memory_reserved(device)
-    peak, forward_peak = profile_activation_peak(config, model, max_model_len, device, kv_dtype)
-    free_after, _ = torch.cuda.mem_get_info(device)
-    outside_after = (total - free_after) - torch.cuda.memory_reserved(device)
-    return peak, forward_peak, max(0, outside_after - outside_before)
 
 
 @torch.inference_mode()
@@ -359,7 +279,7 @@ def _heaviest_sampling(num_seqs: int, device: torch.device) -> SamplingMetadata:
         output_token_ids=[[4]] * num_seqs,
         generators=[None] * num_seqs,
         min_tokens_mask_ids=[[] for _ in range(num_seqs)],
-        max_num_logprobs=_PROFILE_LOGPROBS,
+        max_num_logprobs=5,
         all_greedy=False,
         all_random=True,
         no_penalties=False,
