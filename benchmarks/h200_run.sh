@@ -221,6 +221,11 @@ for s in "$@"; do
         # rows at d 14336; expectations: benchmarks/silu_quant_expected.md
         stage silu-quant 200 python3 benchmarks/silu_quant_sweep.py --out "$OUT/silu_quant_sweep.json"
         ;;
+    fp8-tiles)  # today's float8 decode kernel over 27 tiles (16-64 keys, 1-4 warps, 1-3 stages),
+        # cache blocks placed as a fresh engine places them (sequential)
+        stage fp8-tiles 300 python3 benchmarks/decode_fp8_dots_sweep.py --today-tiles \
+            --placement sequential --out "$OUT/decode_fp8_tiles_sequential.json"
+        ;;
     scaled-mm)  # the FP8 GEMM's _scaled_mm forms at 512-8192 rows: rowwise (today), tensorwise,
         # each with and without use_fast_accum, against bf16 (benchmarks/scaled_mm_expected.md)
         stage scaled-mm 300 python3 benchmarks/scaled_mm_scaling.py --out "$OUT/scaled_mm_scaling.json"
