@@ -68,6 +68,9 @@ class EngineManifest:
     came from. None: kiln quantized the engine itself (or it is unquantized)."""
     kernel_tiles_reason: str | None = None
     """Why `kernel_tiles` is None."""
+    smoothing: str = "none"
+    """"smoothquant:<alpha>": the FP8 projections' inputs were smoothed per channel on the
+    calibration text (kiln.quantization.smoothing), the factors folded into the weights."""
 
     def write(self, directory: str) -> None:
         with open(os.path.join(directory, MANIFEST_FILE), "w", encoding="utf-8") as f:
