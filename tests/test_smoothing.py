@@ -71,7 +71,8 @@ def test_a_smoothed_checkpoint_computes_what_the_source_does(variant, tmp_path):
 def outlier_source(tmp_path_factory) -> str:
     """The tiny chat Llama (with a tokenizer) with outlier input channels injected at every
     projection kind, each compensated exactly in the weights after it: the same function, but
-    activations with a few channels ~3000x the others, as SmolLM2's massive activations."""
+    activations with a few channels 1e5x the others: past e4m3's range (2^-9..448), so unsmoothed
+    the others underflow (per token) and the outliers' weight columns round to zero."""
     from safetensors.torch import load_file, save_file
 
     from tests.tiny_tokenizer import build_tiny_chat_model
@@ -79,7 +80,7 @@ def outlier_source(tmp_path_factory) -> str:
     path = build_tiny_chat_model(str(tmp_path_factory.mktemp("outliers")))
     file = Path(path) / "model.safetensors"
     t = load_file(str(file))
-    k, heads, kv_heads, head_dim = 3000.0, 4, 2, 16
+    k, heads, kv_heads, head_dim = 1e5, 4, 2, 16
     for i in range(2):
         p = f"model.layers.{i}."
         for norm, projs in (
@@ -109,24 +110,41 @@ def fp8_builds(outlier_source, tmp_path_factory):
     return plain, smooth, out
 
 
-def test_smoothing_brings_the_fp8_error_of_outlier_channels_down(fp8_builds):
-    plain, smooth, _ = fp8_builds
-    a, b = plain.accuracy, smooth.accuracy
-    assert a["source_word_perplexity"] == b["source_word_perplexity"]  # the same source
-    assert a["word_perplexity_increase_pct"] > 2.0  # the outliers cost the plain build (+4.2%)
-    assert abs(b["word_perplexity_increase_pct"]) < a["word_perplexity_increase_pct"] / 4
+def _token_logprobs(path: str, text: str) -> torch.Tensor:
+    """Each token's logprob given the ones before it (teacher-forced) under the model at `path`."""
+    llm = LLM(path, dtype="float32", kv_cache_memory_gb=0.05, max_num_seqs=2, max_model_len=128)
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)[:120]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True)
+    out = llm.generate([ids], params)[0]
+    return torch.tensor([lps[t].logprob for lps, t in zip(out.prompt_logprobs[1:], ids[1:])])
+
+
+def test_smoothing_brings_the_fp8_error_of_outlier_channels_down(fp8_builds, outlier_source):
+    """Per-token logprob error against the unquantized source on held-out text (a tiny random
+    model's perplexity moves either way by chance; its per-token error does not)."""
+    from kiln.builder.accuracy import HELD_OUT_FILE
+
+    plain, smooth, out = fp8_builds
+    assert plain.accuracy["checked"] and smooth.accuracy["checked"]
+    with open(HELD_OUT_FILE, encoding="utf-8") as f:
+        text = f.read(2000)
+    want = _token_logprobs(outlier_source, text)
+    err_plain = (_token_logprobs(str(out / "plain"), text) - want).abs().mean()
+    err_smooth = (_token_logprobs(str(out / "smooth"), text) - want).abs().mean()
+    assert err_plain > 0.3  # the injected outliers cost the plain build
+    assert err_smooth < err_plain / 2  # measured 0.61 -> 0.16 (0.14-0.15: fp8 without outliers)
 
 
 def test_the_manifest_and_the_engine_id_carry_the_smoothing(fp8_builds):
     plain, smooth, out = fp8_builds
     assert smooth.engine_id != plain.engine_id
-    assert smooth.smoothing == "smoothquant:0.8" and plain.smoothing == "none"
-    assert "SmoothQuant, alpha 0.8" in smooth.scales_method
+    assert smooth.smoothing == "smoothquant:0.7" and plain.smoothing == "none"
+    assert "SmoothQuant, alpha 0.7" in smooth.scales_method
     assert "SmoothQuant" not in plain.scales_method
     written = json.loads((out / "smooth" / "kiln_engine.json").read_text())
-    assert written["smoothing"] == "smoothquant:0.8"
-    # The default alpha named or not: one engine (the canonical form names it).
-    assert BuildOptions(quantization="fp8", smoothing="smoothquant:0.80").smoothing == (
+    assert written["smoothing"] == "smoothquant:0.7"
+    # The default alpha named or not: one engine (the canonical form names it); per scheme.
+    assert BuildOptions(quantization="fp8", smoothing="smoothquant:0.30").smoothing == (
         BuildOptions(quantization="fp8", smoothing="smoothquant").smoothing
     )
 
@@ -142,9 +160,9 @@ def test_smoothing_in_place_leaves_the_unquantized_model_as_it_was(outlier_sourc
     want = llm.generate(PROMPTS, GREEDY)
     with open(CALIBRATION_FILE, encoding="utf-8") as f:
         text = f.read(20_000)
-    factors = smooth_source(llm, outlier_source, text, "smoothquant:0.8")
+    factors = smooth_source(llm, outlier_source, text, "smoothquant:0.7")
     norm = llm.engine.executor.runner.model.layers[0].input_layernorm
-    assert float(norm.detach().abs().max()) < 1000.0  # the injected 3000x channels were smoothed
+    assert float(norm.detach().abs().max()) < 1000.0  # the injected 1e5x channels were smoothed
     assert len(factors) == 8
     assert_same_completions(llm.generate(PROMPTS, GREEDY), want, atol=1e-5)
 
@@ -170,3 +188,58 @@ def tiny_hf_source(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("plain") / "llama")
     build_tiny_hf_model("llama-gqa", path)
     return path
+
+
+def test_a_tp_build_smooths_whole_tensors_before_the_cut(fp8_builds, outlier_source, tmp_path):
+    """-tp 2: each rank's shard is its cut of the TP=1 smoothed engine's tensors (the factors
+    come from, and fold into, whole tensors; a row-parallel o_proj / down_proj keeps its
+    columns' factors)."""
+    from safetensors.torch import load_file
+
+    from kiln.checkpoint.engine_dir import rank_dir_name
+
+    _, smooth, out = fp8_builds
+    options = BuildOptions(quantization="fp8-dynamic", max_model_len=128, smoothing="smoothquant",
+                           tensor_parallel_size=2, accuracy_check=False)  # fmt: skip
+    sharded = build_engine(outlier_source, str(tmp_path / "tp2"), options, None)
+    assert sharded.smoothing == smooth.smoothing and sharded.engine_id != smooth.engine_id
+
+    def tensors(directory: Path) -> dict[str, torch.Tensor]:
+        found = {}
+        for file in directory.glob("*.safetensors"):
+            found.update(load_file(str(file)))
+        return found
+
+    whole = tensors(out / "smooth")
+    for rank in range(2):
+        part = tensors(tmp_path / "tp2" / rank_dir_name(rank, 2))
+        for name in ("layers.0.input_layernorm", "layers.1.post_attention_layernorm"):
+            assert torch.equal(part[name], whole[name])
+        for name in ("layers.0.self_attn.o_proj.weight", "layers.1.mlp.down_proj.weight"):
+            cols = whole[name].shape[1] // 2
+            want = whole[name][:, rank * cols : (rank + 1) * cols]
+            assert torch.equal(part[name].view(torch.uint8), want.view(torch.uint8))
+
+
+def test_unquantized_layers_stay_in_the_model_dtype_and_load_so(outlier_source, tmp_path):
+    from safetensors.torch import load_file
+
+    options = BuildOptions(quantization="fp8", max_model_len=128, accuracy_check=False,
+                           unquantized_layers=("layers.1.mlp.*",))  # fmt: skip
+    built = build_engine(outlier_source, str(tmp_path / "kept"), options, None)
+    assert built.unquantized_layers == ["layers.1.mlp.gate_up_proj", "layers.1.mlp.down_proj"]
+    file = next(n for n in built.files if n.endswith(".safetensors"))
+    t = load_file(str(tmp_path / "kept" / file))
+    assert t["layers.1.mlp.down_proj.weight"].dtype == torch.float32
+    assert "layers.1.mlp.down_proj.weight_scale" not in t
+    assert t["layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    llm = LLM(str(tmp_path / "kept"), kv_cache_memory_gb=0.05, max_num_seqs=2)
+    mlp = llm.engine.executor.runner.model.layers[1].mlp
+    assert mlp.down_proj.weight.dtype == torch.float32
+    out = llm.generate(PROMPTS, GREEDY)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in out)
+    with pytest.raises(BuildError, match="matches no projection"):
+        options = BuildOptions(quantization="fp8", unquantized_layers=("layers.*.mlp.up_proj",))
+        build_engine(outlier_source, str(tmp_path / "typo"), options, None)
+    with pytest.raises(BuildError, match="needs --quantization fp8 or fp8-dynamic"):
+        BuildOptions(quantization="none", unquantized_layers=("layers.0.*",))

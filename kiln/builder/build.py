@@ -4,6 +4,7 @@ tokenizer and configs, check accuracy, write the manifest, move the directory in
 
 from __future__ import annotations
 
+import fnmatch
 import gc
 import json
 import os
@@ -92,11 +93,16 @@ class BuildOptions:
     """How float8 weights round: "nearest", or "gptq" (kiln.quantization.gptq: each projection's
     rounding error spread over its other weights by its inputs' statistics on the calibration
     text; the same format, scales and kernels, a slower build)."""
+    unquantized_layers: tuple[str, ...] = ()
+    """Decoder projections kept in the model dtype in a quantized build, as fnmatch patterns
+    over kiln's layer names ("layers.*.mlp.gate_up_proj", "layers.29.*"); each must match one.
+    Like llm-compressor's and ModelOpt's ignore lists: accuracy bought with those layers'
+    speed and bytes. The manifest lists the layers matched."""
     smoothing: str = "none"
     """"none", or "smoothquant[:alpha]" (kiln.quantization.smoothing: each FP8 projection's input
     channels divided by factors calibrated on the calibration text, the weights' columns
     multiplied by them, folded into the ops before; the same format and kernels). Stored as
-    "smoothquant:<alpha>", the default alpha filled in."""
+    "smoothquant:<alpha>", the default alpha filled in (0.7 for fp8-dynamic, 0.3 for fp8)."""
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -109,7 +115,7 @@ class BuildOptions:
             if getattr(self, name) not in allowed:
                 raise BuildError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         try:
-            spec = SmoothingSpec.parse(self.smoothing)
+            spec = SmoothingSpec.parse(self.smoothing, self.quantization)
         except ValueError as e:
             raise BuildError(str(e)) from None
         object.__setattr__(self, "smoothing", str(spec))  # canonical: names the engine
@@ -118,6 +124,10 @@ class BuildOptions:
                 f'smoothing "{self.smoothing}" moves FP8 activations\' range into the weights: it '
                 "needs --quantization fp8 or fp8-dynamic"
             )
+        object.__setattr__(self, "unquantized_layers", tuple(self.unquantized_layers))
+        if self.unquantized_layers and self.quantization == "none":
+            raise BuildError("unquantized_layers keeps layers of a quantized build: it needs "
+                             "--quantization fp8 or fp8-dynamic")  # fmt: skip
         if self.max_model_len is not None and self.max_model_len < 1:
             raise BuildError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
@@ -156,6 +166,13 @@ def build_engine(
             f"{path} is quantized already: its float8 weights are carried as written "
             '(weight_rounding "gptq" rounds weights from a higher-precision source)'
         )
+    if options.unquantized_layers and (fp8 is not None or options.quantization == "none"):
+        raise BuildError(
+            f"{path} is quantized already: its float8 weights are carried as written "
+            "(--unquantized-layers chooses what kiln quantizes)"
+            if fp8 is not None
+            else "--unquantized-layers needs --quantization fp8 or fp8-dynamic"
+        )
     if options.smoothing != "none" and (fp8 is not None or options.quantization == "none"):
         raise BuildError(
             f"{path} is quantized already: its float8 weights are carried as written "
@@ -182,6 +199,8 @@ def build_engine(
         del key["weight_rounding"]  # and engines rounded to nearest
     if options.smoothing == "none":
         del key["smoothing"]  # and unsmoothed ones
+    if not options.unquantized_layers:
+        del key["unquantized_layers"]  # and ones that quantize every projection
     source_digest = cache.source_hash(path)
     engine_id = cache.engine_id(source_digest, key)
     cache_dir = cache_dir or (cache.default_cache_dir() if out_dir is None else None)
@@ -196,6 +215,7 @@ def build_engine(
 
     source = find_model_source(path, "auto")
     cfg = source.config
+    kept = _unquantized_layers(cfg, options.unquantized_layers)
     max_model_len = options.max_model_len or cfg.max_position_embeddings
     kv_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, dtype)
     plan = plan_memory(cfg, dtype, kv_dtype, options.quantization, max_model_len, device)
@@ -219,7 +239,7 @@ def build_engine(
             scales, kv_scales = fp8.input_scales, calibrated or fp8.kv_scales
             # Its own k/v scales fold in for a float8 cache only, as loading it directly does.
             kv_in_weights = is_float8_kv_cache(options.kv_cache_dtype)
-        factory = linear_method_factory(options.quantization, scales, hessians)
+        factory = linear_method_factory(options.quantization, scales, hessians, kept)
         head = Fp8LinearMethod("dynamic") if options.lm_head_quantization == "fp8" else None
         with torch.device(device):
             # Made in `dtype` (not .to(dtype) after): float8 weights and scales keep their types.
@@ -272,6 +292,7 @@ def build_engine(
             quantization_source=origin,
             kernel_tiles_reason=tiles_reason,
             smoothing=options.smoothing,
+            unquantized_layers=kept or None,
         )
         manifest.write(tmp)  # the check loads the engine from tmp: it needs a manifest
         if fp8 is None:
@@ -311,6 +332,23 @@ def build_engine(
         cache.copy_engine(target, cached)
     print(f"built engine {engine_id} in {manifest.build_seconds:.1f} s: {target}")
     return manifest
+
+
+def _unquantized_layers(cfg: ModelConfig, patterns: tuple[str, ...]) -> list[str]:
+    """The decoder projections `patterns` name, in layer order; a pattern matching none is an
+    error (a typo would otherwise quantize what it meant to keep)."""
+    names = [
+        f"layers.{i}.{kind}"
+        for i in range(cfg.num_hidden_layers)
+        for kind in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    ]
+    for pattern in patterns:
+        if not fnmatch.filter(names, pattern):
+            raise BuildError(
+                f"--unquantized-layers {pattern!r} matches no projection (names are like "
+                f"{names[2]!r}; patterns as fnmatch: 'layers.*.mlp.gate_up_proj')"
+            )
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
 def _already_built(engine_id: str, target: str, cached: str | None) -> EngineManifest | None:
@@ -422,13 +460,13 @@ def _run_source(
         if calibration is not None:
             if options.smoothing != "none":
                 smoothing = smooth_source(llm, path, calibration, options.smoothing)
-            scales, kv_scales, hessians = calibrate(
-                llm,
-                calibration,
+            wanted = (
                 options.quantization == "fp8",
                 is_float8_kv_cache(options.kv_cache_dtype),
                 options.weight_rounding == "gptq",
             )
+            if any(wanted):  # smoothing alone needs no second pass
+                scales, kv_scales, hessians = calibrate(llm, calibration, *wanted)
     return source_ppl, scales, kv_scales, hessians, smoothing
 
 

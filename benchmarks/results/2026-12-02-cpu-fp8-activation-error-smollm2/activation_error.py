@@ -3,16 +3,17 @@ projection kind at a time (weights unquantized, fp32), the build's own held-out 
 the inputs' per-channel statistics; and SmoothQuant's alpha chosen on the calibration text with
 W8A8 fake-quantized everywhere.
 
-    OMP_NUM_THREADS=1 python activation_error.py OUT.json [PARTS [ALPHAS]]
+    OMP_NUM_THREADS=1 python activation_error.py OUT.json [PARTS [ALPHAS [ARTICLE]]]
 
 PARTS (comma-separated, default all): stats (the inputs' per-channel amax), kinds (the
-per-kind table), grid (alpha on the calibration text; ALPHAS, default none,0.3,0.5,0.7). The
-JSON is rewritten after each part.
+per-kind table), keep (projections kept unquantized, on the calibration text), grid (alpha on
+the calibration text; ALPHAS, default none,0.3,0.5,0.7). The JSON is rewritten after each part.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from types import ModuleType
@@ -77,6 +78,58 @@ def unwrap(saved):
 
 def kind_of(name):
     return name.rsplit(".", 1)[-1]
+
+
+# Projections kept unquantized (fp32), the rest W8A8 fake-quantized and smoothed at KEEP_ALPHA
+# (env, default 0.8; KEEP_MODES, default both):
+# which layers are worth `--unquantized-layers`, on the calibration text.
+KEEP = {
+    "none": (),
+    "gate_up all layers": ("layers.*.mlp.gate_up_proj",),
+    "MLP of layers 28-29": ("layers.28.mlp.*", "layers.29.mlp.*"),
+    "massive: down 11, 28; gate_up 28, 29": (
+        "layers.11.mlp.down_proj",
+        "layers.28.mlp.*",
+        "layers.29.mlp.gate_up_proj",
+    ),
+}
+KEEP_MODES = ("dynamic", "static")
+
+
+KEEP_ALPHA = float(os.environ.get("KEEP_ALPHA", "0.8"))
+if os.environ.get("KEEP_MODES"):
+    KEEP_MODES = tuple(os.environ["KEEP_MODES"].split(","))
+ARTICLE = 1  # which article of the test split the grid and keep parts read (argv[4])
+
+
+def keep_candidates(llm, model, amax, result, save):
+    from fnmatch import fnmatchcase
+
+    docs = wikitext_articles(CALIBRATION_FILE, ARTICLE)[ARTICLE - 1 :]
+    base = rolling_perplexity(llm, docs).word_perplexity
+    s = smoothing_factors(model, amax, KEEP_ALPHA)
+    table = {}
+    for label, patterns in KEEP.items():
+        for mode in KEEP_MODES:
+
+            def make(name, m, patterns=patterns, mode=mode):
+                if any(fnmatchcase(name, p) for p in patterns):
+                    return None
+                sc = None
+                if mode == "static":
+                    sc = torch.tensor(float((amax[name] / s[name]).max()) / FP8_E4M3_MAX)
+                return FakeQuant(m.method, m, sc, s[name], weights=True)
+
+            saved = wrap(model, make)
+            try:
+                ppl = rolling_perplexity(llm, docs).word_perplexity
+            finally:
+                unwrap(saved)
+            inc = 100 * (ppl / base - 1)
+            table[f"{mode}/{label}"] = {"word_perplexity": ppl, "word_ppl_increase_pct": inc}
+            print("keep", mode, label, f"{inc:+.2f}%", flush=True)
+    result["keep_unquantized_calibration_text"] = {"source": base, **table}
+    save()
 
 
 def main(out_path, parts, alphas):
@@ -145,12 +198,14 @@ def main(out_path, parts, alphas):
     if table:
         result["activations_only"] = table
         save()
+    if "keep" in parts:
+        keep_candidates(llm, model, amax, result, save)
     if "grid" not in parts:
         return
 
     # alpha on the calibration text (its first articles, not the held-out valid split): W8A8
     # fake-quantized at every kind, nearest rounding, both activation modes.
-    calib_docs = wikitext_articles(CALIBRATION_FILE, 1)
+    calib_docs = wikitext_articles(CALIBRATION_FILE, ARTICLE)[ARTICLE - 1 :]
     base = ppl_with(lambda n, m: None, calib_docs)
     grid = {"source": base}
     for alpha in alphas:
@@ -174,6 +229,7 @@ def main(out_path, parts, alphas):
 
 
 if __name__ == "__main__":
+    ARTICLE = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     alphas = [None, 0.3, 0.5, 0.7]
     if len(sys.argv) > 3:
         alphas = [None if a == "none" else float(a) for a in sys.argv[3].split(",")]
