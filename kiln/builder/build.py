@@ -4,6 +4,7 @@ tokenizer and configs, check accuracy, write the manifest, move the directory in
 
 from __future__ import annotations
 
+import fnmatch
 import gc
 import json
 import os
@@ -23,6 +24,7 @@ from kiln.builder.quantize import (
     WEIGHT_ROUNDINGS,
     calibrate,
     linear_method_factory,
+    smooth_source,
     text_hash,
 )
 from kiln.builder.tiles import kernel_tiles
@@ -34,6 +36,7 @@ from kiln.models.config import ModelConfig
 from kiln.models.llama import LlamaForCausalLM
 from kiln.quantization.fp8 import Fp8LinearMethod
 from kiln.quantization.kv_scales import fold_kv_scales
+from kiln.quantization.smoothing import SmoothingSpec, smooth_checkpoint
 from kiln.runtime.model_loader import (
     find_model_source,
     is_float8_kv_cache,
@@ -90,6 +93,16 @@ class BuildOptions:
     """How float8 weights round: "nearest", or "gptq" (kiln.quantization.gptq: each projection's
     rounding error spread over its other weights by its inputs' statistics on the calibration
     text; the same format, scales and kernels, a slower build)."""
+    unquantized_layers: tuple[str, ...] = ()
+    """Decoder projections kept in the model dtype in a quantized build, as fnmatch patterns
+    over kiln's layer names ("layers.*.mlp.gate_up_proj", "layers.29.*"); each must match one.
+    Like llm-compressor's and ModelOpt's ignore lists: accuracy bought with those layers'
+    speed and bytes. The manifest lists the layers matched."""
+    smoothing: str = "none"
+    """"none", or "smoothquant[:alpha]" (kiln.quantization.smoothing: each FP8 projection's input
+    channels divided by factors calibrated on the calibration text, the weights' columns
+    multiplied by them, folded into the ops before; the same format and kernels). Stored as
+    "smoothquant:<alpha>", the default alpha filled in (0.7 for fp8-dynamic, 0.3 for fp8)."""
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -101,6 +114,20 @@ class BuildOptions:
         ):
             if getattr(self, name) not in allowed:
                 raise BuildError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        try:
+            spec = SmoothingSpec.parse(self.smoothing, self.quantization)
+        except ValueError as e:
+            raise BuildError(str(e)) from None
+        object.__setattr__(self, "smoothing", str(spec))  # canonical: names the engine
+        if spec.method != "none" and self.quantization == "none":
+            raise BuildError(
+                f'smoothing "{self.smoothing}" moves FP8 activations\' range into the weights: it '
+                "needs --quantization fp8 or fp8-dynamic"
+            )
+        object.__setattr__(self, "unquantized_layers", tuple(self.unquantized_layers))
+        if self.unquantized_layers and self.quantization == "none":
+            raise BuildError("unquantized_layers keeps layers of a quantized build: it needs "
+                             "--quantization fp8 or fp8-dynamic")  # fmt: skip
         if self.max_model_len is not None and self.max_model_len < 1:
             raise BuildError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
@@ -139,6 +166,20 @@ def build_engine(
             f"{path} is quantized already: its float8 weights are carried as written "
             '(weight_rounding "gptq" rounds weights from a higher-precision source)'
         )
+    if options.unquantized_layers and (fp8 is not None or options.quantization == "none"):
+        raise BuildError(
+            f"{path} is quantized already: its float8 weights are carried as written "
+            "(--unquantized-layers chooses what kiln quantizes)"
+            if fp8 is not None
+            else "--unquantized-layers needs --quantization fp8 or fp8-dynamic"
+        )
+    if options.smoothing != "none" and (fp8 is not None or options.quantization == "none"):
+        raise BuildError(
+            f"{path} is quantized already: its float8 weights are carried as written "
+            f'(smoothing "{options.smoothing}" changes weights before they are quantized)'
+            if fp8 is not None
+            else f'smoothing "{options.smoothing}" needs --quantization fp8 or fp8-dynamic'
+        )
     if fp8 is None:
         calibration = _calibration_text(options)
     else:  # its weight and input scales are its own: only a float8 KV cache may calibrate
@@ -156,6 +197,10 @@ def build_engine(
         del key["lm_head_quantization"]  # likewise engines with the head in the model dtype
     if options.weight_rounding == "nearest":
         del key["weight_rounding"]  # and engines rounded to nearest
+    if options.smoothing == "none":
+        del key["smoothing"]  # and unsmoothed ones
+    if not options.unquantized_layers:
+        del key["unquantized_layers"]  # and ones that quantize every projection
     source_digest = cache.source_hash(path)
     engine_id = cache.engine_id(source_digest, key)
     cache_dir = cache_dir or (cache.default_cache_dir() if out_dir is None else None)
@@ -170,6 +215,7 @@ def build_engine(
 
     source = find_model_source(path, "auto")
     cfg = source.config
+    kept = _unquantized_layers(cfg, options.unquantized_layers)
     max_model_len = options.max_model_len or cfg.max_position_embeddings
     kv_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, dtype)
     plan = plan_memory(cfg, dtype, kv_dtype, options.quantization, max_model_len, device)
@@ -183,20 +229,25 @@ def build_engine(
         check = options.accuracy_check and (fp8 is not None or _changes_arithmetic(options))
         calibrated = None
         if fp8 is None:
-            source_ppl, scales, kv_scales, hessians = _run_source(path, options, calibration, check)
+            source_ppl, scales, kv_scales, hessians, smoothing = _run_source(
+                path, options, calibration, check
+            )
             kv_in_weights = True
         else:  # its own float8 weights and scales, loaded as written
             source_ppl, calibrated = prequantized.run_source(path, options, calibration, check)
-            hessians = None
+            hessians = smoothing = None
             scales, kv_scales = fp8.input_scales, calibrated or fp8.kv_scales
             # Its own k/v scales fold in for a float8 cache only, as loading it directly does.
             kv_in_weights = is_float8_kv_cache(options.kv_cache_dtype)
-        factory = linear_method_factory(options.quantization, scales, hessians)
+        factory = linear_method_factory(options.quantization, scales, hessians, kept)
         head = Fp8LinearMethod("dynamic") if options.lm_head_quantization == "fp8" else None
         with torch.device(device):
             # Made in `dtype` (not .to(dtype) after): float8 weights and scales keep their types.
             net = LlamaForCausalLM(cfg, max_model_len, factory, dtype, lm_head_method=head)
-        net.load_weights(tqdm(source.weights, desc="loading source", unit=" tensors", leave=False))
+        weights = source.weights
+        if smoothing is not None:  # whole tensors, before any -tp cut
+            weights = smooth_checkpoint(weights, smoothing, cfg)
+        net.load_weights(tqdm(weights, desc="loading source", unit=" tensors", leave=False))
         if kv_scales is not None and kv_in_weights:
             fold_kv_scales(net, kv_scales)  # the weights hold them; loading folds the rest
         if options.tensor_parallel_size == 1:
@@ -240,6 +291,8 @@ def build_engine(
             kv_scales_in_weights=kv_scales is None or kv_in_weights,
             quantization_source=origin,
             kernel_tiles_reason=tiles_reason,
+            smoothing=options.smoothing,
+            unquantized_layers=kept or None,
         )
         manifest.write(tmp)  # the check loads the engine from tmp: it needs a manifest
         if fp8 is None:
@@ -281,6 +334,23 @@ def build_engine(
     return manifest
 
 
+def _unquantized_layers(cfg: ModelConfig, patterns: tuple[str, ...]) -> list[str]:
+    """The decoder projections `patterns` name, in layer order; a pattern matching none is an
+    error (a typo would otherwise quantize what it meant to keep)."""
+    names = [
+        f"layers.{i}.{kind}"
+        for i in range(cfg.num_hidden_layers)
+        for kind in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    ]
+    for pattern in patterns:
+        if not fnmatch.filter(names, pattern):
+            raise BuildError(
+                f"--unquantized-layers {pattern!r} matches no projection (names are like "
+                f"{names[2]!r}; patterns as fnmatch: 'layers.*.mlp.gate_up_proj')"
+            )
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+
 def _already_built(engine_id: str, target: str, cached: str | None) -> EngineManifest | None:
     """The finished engine at `target`, or the cache's (copied to `target`), or None."""
     for candidate in (target, cached):
@@ -305,6 +375,12 @@ def _kv_origin(checkpoint: object, calibrated: object, folded: bool) -> str | No
 
 def _scales_method(options: BuildOptions) -> str | None:
     method = SCALES_METHOD.get(options.quantization)
+    if method and options.smoothing != "none":
+        alpha = options.smoothing.partition(":")[2]
+        method += (
+            f"; inputs smoothed per channel (SmoothQuant, alpha {alpha}) on the calibration text, "
+            "folded into the norms, up_proj and v_proj"
+        )
     if method and options.weight_rounding == "gptq":
         method += "; weights rounded by GPTQ on the calibration text's input statistics"
     return method
@@ -312,8 +388,13 @@ def _scales_method(options: BuildOptions) -> str | None:
 
 def _calibration_text(options: BuildOptions) -> str | None:
     """The text scales are calibrated on: "fp8"'s static input scales, a float8 KV cache's
-    per-layer scales and GPTQ's input statistics calibrate; nothing else does."""
-    calibrates = options.quantization == "fp8" or options.weight_rounding == "gptq"
+    per-layer scales, GPTQ's input statistics and smoothing's factors calibrate; nothing else
+    does."""
+    calibrates = (
+        options.quantization == "fp8"
+        or options.weight_rounding == "gptq"
+        or options.smoothing != "none"
+    )
     if not calibrates and not is_float8_kv_cache(options.kv_cache_dtype):
         return None
     from kiln.builder.accuracy import CALIBRATION_FILE
@@ -361,27 +442,32 @@ def _run_source(
     dict[str, float] | None,
     list[tuple[float, float]] | None,
     dict[str, torch.Tensor] | None,
+    dict[str, torch.Tensor] | None,
 ]:
     """(the source's held-out perplexity if checked, static input scales if "fp8", KV cache
-    scales if float8, GPTQ's input statistics if weight_rounding "gptq") from one `LLM` of the
-    unquantized source, freed before the quantized model is made."""
+    scales if float8, GPTQ's input statistics if weight_rounding "gptq", smoothing factors if
+    smoothing) from one `LLM` of the unquantized source, freed before the quantized model is
+    made. With smoothing, its model is smoothed before the other calibrations: their scales and
+    statistics are of the smoothed inputs and weights the engine holds."""
     if not check and calibration is None:
-        return None, None, None, None
+        return None, None, None, None, None
     from kiln.builder.accuracy import measure, measuring_llm
 
-    scales = kv_scales = hessians = None
+    scales = kv_scales = hessians = smoothing = None
     with measuring_llm(path, dtype=options.dtype, max_model_len=options.max_model_len,
                        enable_prefix_caching=False) as llm:  # fmt: skip
         source_ppl = measure(llm, options.max_model_len) if check else None
         if calibration is not None:
-            scales, kv_scales, hessians = calibrate(
-                llm,
-                calibration,
+            if options.smoothing != "none":
+                smoothing = smooth_source(llm, path, calibration, options.smoothing)
+            wanted = (
                 options.quantization == "fp8",
                 is_float8_kv_cache(options.kv_cache_dtype),
                 options.weight_rounding == "gptq",
             )
-    return source_ppl, scales, kv_scales, hessians
+            if any(wanted):  # smoothing alone needs no second pass
+                scales, kv_scales, hessians = calibrate(llm, calibration, *wanted)
+    return source_ppl, scales, kv_scales, hessians, smoothing
 
 
 def _accuracy(engine: str, options: BuildOptions, source_ppl: dict[str, float] | None) -> dict:

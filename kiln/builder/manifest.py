@@ -68,6 +68,12 @@ class EngineManifest:
     came from. None: kiln quantized the engine itself (or it is unquantized)."""
     kernel_tiles_reason: str | None = None
     """Why `kernel_tiles` is None."""
+    unquantized_layers: list[str] | None = None
+    """Decoder projections kept in the model dtype in a quantized engine (`--unquantized-layers`);
+    loading makes them unquantized. None: every projection is quantized."""
+    smoothing: str = "none"
+    """"smoothquant:<alpha>": the FP8 projections' inputs were smoothed per channel on the
+    calibration text (kiln.quantization.smoothing), the factors folded into the weights."""
 
     def write(self, directory: str) -> None:
         with open(os.path.join(directory, MANIFEST_FILE), "w", encoding="utf-8") as f:

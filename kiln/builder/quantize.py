@@ -19,11 +19,56 @@ SCALES_METHOD = {
 
 WEIGHT_ROUNDINGS = ("nearest", "gptq")
 
-__all__ = ["SCALES_METHOD", "WEIGHT_ROUNDINGS", "calibrate", "linear_method_factory", "text_hash"]
+__all__ = [
+    "SCALES_METHOD",
+    "WEIGHT_ROUNDINGS",
+    "calibrate",
+    "calibration_batches",
+    "linear_method_factory",
+    "smooth_source",
+    "text_hash",
+]
 
 
 def text_hash(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=32).hexdigest()
+
+
+def calibration_batches(llm: object, text: str) -> list[list[int]]:
+    """The calibration windows: the first tokens of `text`, in windows that share no prefix
+    (the engine's prefix cache would skip repeated ones)."""
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    # A window and its one generated token must fit the model's context.
+    n = min(_CALIBRATION_TOKENS, llm.engine.max_model_len - 1)
+    return [ids[i : i + n] for i in range(0, len(ids), n)][:_CALIBRATION_BATCHES]
+
+
+def smooth_source(llm: object, path: str, text: str, smoothing: str) -> dict:
+    """Smooth `llm`'s unquantized model in place (kiln.quantization.smoothing): its inputs'
+    per-channel amax over the calibration windows of `text`, the factors from them and the
+    weights, then the source's weights (read from `path` again) loaded through the same
+    smooth_checkpoint the engine's weights go through. Returns the factors (layer name ->
+    [in_features]), for the engine's weights."""
+    from kiln.quantization.smoothing import (
+        SmoothingSpec,
+        calibrate_channel_amax,
+        smooth_checkpoint,
+        smoothing_factors,
+    )
+    from kiln.runtime.model_loader import find_model_source
+    from kiln.sampling_params import SamplingParams
+
+    if llm.get_tokenizer() is None:
+        raise BuildError(f'smoothing "{smoothing}" calibrates on text: the source has no tokenizer')
+    model = llm.engine.executor.runner.model
+    one_token = SamplingParams(max_tokens=1, temperature=0.0)
+    amax = calibrate_channel_amax(
+        model, calibration_batches(llm, text), lambda b: llm.generate(b, one_token)
+    )
+    factors = smoothing_factors(model, amax, SmoothingSpec.parse(smoothing).alpha)
+    source = find_model_source(path, "auto")
+    model.load_weights(smooth_checkpoint(source.weights, factors, model.config))
+    return factors
 
 
 def calibrate(
@@ -48,10 +93,7 @@ def calibrate(
             )
         print("the source has no tokenizer: its float8 KV cache stays unscaled", flush=True)
         return None, None, None
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    # A window and its one generated token must fit the model's context.
-    n = min(_CALIBRATION_TOKENS, llm.engine.max_model_len - 1)
-    batches = [ids[i : i + n] for i in range(0, len(ids), n)][:_CALIBRATION_BATCHES]
+    batches = calibration_batches(llm, text)
     model = llm.engine.executor.runner.model
     one_token = SamplingParams(max_tokens=1, temperature=0.0)
 

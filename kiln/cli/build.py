@@ -22,6 +22,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="gptq: float8 weights rounded by GPTQ on the calibration text (slower build)",
     )  # fmt: skip
     p.add_argument(
+        "--smoothing", default="none", metavar="none|smoothquant[:ALPHA]",
+        help="smoothquant: FP8 inputs' outlier channels moved into the weights (SmoothQuant, "
+        "folded into the ops before; default alpha 0.7 for fp8-dynamic, 0.3 for fp8); none",
+    )  # fmt: skip
+    p.add_argument(
+        "--unquantized-layers", default="", metavar="PATTERN[,PATTERN]",
+        help="decoder projections kept in the model dtype, fnmatch over names like "
+        "layers.3.mlp.gate_up_proj (an ignore list: their accuracy for their speed)",
+    )  # fmt: skip
+    p.add_argument(
         "--lm-head-quantization", choices=("none", "fp8"), default="none",
         help="fp8: the LM head in float8 with per-row scales (half its bytes; see docs)",
     )  # fmt: skip
@@ -67,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         warm_kernels=args.warm_kernels,
         weight_rounding=args.weight_rounding,
+        smoothing=args.smoothing,
+        unquantized_layers=tuple(p for p in args.unquantized_layers.split(",") if p),
         lm_head_quantization=args.lm_head_quantization,
     )
     manifest = build_engine(args.model, args.output, options, args.cache_dir)

@@ -3,7 +3,7 @@ name -> a function giving each projection (by its qualified name) its LinearMeth
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -17,6 +17,7 @@ def linear_method_factory(
     quantization: str,
     input_scales: dict[str, float] | None = None,
     hessians: dict[str, torch.Tensor] | None = None,
+    unquantized: Collection[str] = (),
 ) -> Callable[[str], LinearMethod]:
     """name (e.g. "layers.3.self_attn.qkv_proj") -> a new LinearMethod for that projection.
 
@@ -24,13 +25,18 @@ def linear_method_factory(
     weights, activations with static per-tensor scales from `input_scales` (layer name ->
     scale, as calibrate_input_scales makes them), which `kiln build` calibrates. `hessians`
     (layer name -> input statistics, as kiln.quantization.gptq.calibrate_hessians makes them):
-    float8 weights rounded by GPTQ instead of to nearest."""
+    float8 weights rounded by GPTQ instead of to nearest. `unquantized`: layer names kept in
+    the model dtype (`kiln build --unquantized-layers`)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"unknown quantization {quantization!r}; known: {', '.join(QUANTIZATIONS)}"
         )
     if quantization == "none":
         return lambda name: UnquantizedLinearMethod()
+    if unquantized:
+        quantized = linear_method_factory(quantization, input_scales, hessians)
+        kept = frozenset(unquantized)
+        return lambda name: UnquantizedLinearMethod() if name in kept else quantized(name)
     from kiln.quantization.fp8 import Fp8LinearMethod
 
     def hessian(name: str) -> torch.Tensor | None:

@@ -47,6 +47,8 @@ class ModelSource:
     kv_scales_in_weights: bool = False
     # An engine built with a float8 LM head (`kiln build --lm-head-quantization fp8`).
     lm_head_quantization: str = "none"
+    # An engine's decoder projections kept in the model dtype (`kiln build --unquantized-layers`).
+    unquantized_layers: tuple[str, ...] = ()
 
 
 @dataclass
@@ -168,6 +170,7 @@ def _engine_dir_source(
         # False: a pre-quantized checkpoint's scales, folded at load for a float8 cache only.
         kv_scales_in_weights=engine.manifest.get("kv_scales_in_weights", True),
         lm_head_quantization=engine.manifest.get("lm_head_quantization", "none"),
+        unquantized_layers=tuple(engine.manifest.get("unquantized_layers") or ()),
     )
 
 
@@ -181,7 +184,9 @@ def _linear_method(engine_config: EngineConfig, source: ModelSource) -> LinearMe
             f"{source.description} holds {source.quantization!r} weights; it cannot load as "
             f"quantization={engine_config.quantization!r} (build another engine for that)"
         )
-    return linear_method_factory(source.quantization, source.input_scales)
+    return linear_method_factory(
+        source.quantization, source.input_scales, unquantized=source.unquantized_layers
+    )
 
 
 def lm_head_method(engine_config: EngineConfig, source: ModelSource) -> LinearMethod | None:
