@@ -269,7 +269,7 @@ def _tile_config(
     if device.type != "cuda":
         return 16, 4, 1  # the interpreter's cost grows with tile size; 16 is tl.dot's minimum
     if kv_fp8:
-        if programs >= _FP8_ONE_WARP_PROGRAMS_PER_SM * num_sms(device):
+        if programs and programs >= _FP8_ONE_WARP_PROGRAMS_PER_SM * num_sms(device):
             return 32, 1, 2
         # Float8 K/V (V widened by _fp8.fp8e4m3_to_fp16, loaded a tile ahead): 64 keys, 4 warps,
         # 2 stages were best of 18 at 384 x 1.5k and 64 x 4k, within 10% at batch 1 (6.6 vs 6.0 us)
