@@ -43,8 +43,13 @@ def _keep_short(case) -> None:
     for key in ("n", "best_of"):  # best_of: a beam search's width
         if _is_int(body.get(key)) and body[key] > _MAX_N:
             body[key] = _MAX_N
-    if case.path == "/v1/chat/completions" and "max_tokens" not in body:
-        body.setdefault("max_completion_tokens", _MAX_TOKENS)  # chat defaults to the context
+    # An explicit null (or no limit on chat) means "up to the context", as in vLLM: on the CPU up
+    # to the whole context for each of four prompts, which once outlasted the client's timeout.
+    if case.path == "/v1/completions" and "max_tokens" in body and body["max_tokens"] is None:
+        body["max_tokens"] = _MAX_TOKENS
+    if case.path == "/v1/chat/completions" and body.get("max_tokens") is None:
+        if body.get("max_completion_tokens") is None:
+            body["max_completion_tokens"] = _MAX_TOKENS
     if isinstance(body.get("prompt"), list):
         body["prompt"] = body["prompt"][:_MAX_PROMPTS]
 
