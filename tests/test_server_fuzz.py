@@ -47,9 +47,9 @@ def _keep_short(case) -> None:
     # to the whole context for each of four prompts, which once outlasted the client's timeout.
     if case.path == "/v1/completions" and "max_tokens" in body and body["max_tokens"] is None:
         body["max_tokens"] = _MAX_TOKENS
-    if case.path == "/v1/chat/completions" and body.get("max_tokens") is None:
-        if body.get("max_completion_tokens") is None:
-            body["max_completion_tokens"] = _MAX_TOKENS
+    no_limit = body.get("max_tokens") is None and body.get("max_completion_tokens") is None
+    if case.path == "/v1/chat/completions" and no_limit:
+        body["max_completion_tokens"] = _MAX_TOKENS
     if isinstance(body.get("prompt"), list):
         body["prompt"] = body["prompt"][:_MAX_PROMPTS]
 
