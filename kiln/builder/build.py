@@ -161,25 +161,20 @@ def build_engine(
     device = resolve_device("auto")
     dtype = resolve_dtype(options.dtype, device)
     gpu_class = current_gpu_class() if device.type == "cuda" else None
-    if fp8 is not None and options.weight_rounding != "nearest":
-        raise BuildError(
-            f"{path} is quantized already: its float8 weights are carried as written "
-            '(weight_rounding "gptq" rounds weights from a higher-precision source)'
-        )
-    if options.unquantized_layers and (fp8 is not None or options.quantization == "none"):
-        raise BuildError(
-            f"{path} is quantized already: its float8 weights are carried as written "
-            "(--unquantized-layers chooses what kiln quantizes)"
-            if fp8 is not None
-            else "--unquantized-layers needs --quantization fp8 or fp8-dynamic"
-        )
-    if options.smoothing != "none" and (fp8 is not None or options.quantization == "none"):
-        raise BuildError(
-            f"{path} is quantized already: its float8 weights are carried as written "
-            f'(smoothing "{options.smoothing}" changes weights before they are quantized)'
-            if fp8 is not None
-            else f'smoothing "{options.smoothing}" needs --quantization fp8 or fp8-dynamic'
-        )
+    # (Options that need a quantized build were refused when `replace` resolved "auto".)
+    if fp8 is not None:
+        for changes_weights, why in (
+            (options.weight_rounding != "nearest",
+             'weight_rounding "gptq" rounds weights from a higher-precision source'),
+            (bool(options.unquantized_layers), "--unquantized-layers chooses what kiln quantizes"),
+            (options.smoothing != "none",
+             f'smoothing "{options.smoothing}" changes weights before they are quantized'),
+        ):  # fmt: skip
+            if changes_weights:
+                raise BuildError(
+                    f"{path} is quantized already: its float8 weights are carried as written "
+                    f"({why})"
+                )
     if fp8 is None:
         calibration = _calibration_text(options)
     else:  # its weight and input scales are its own: only a float8 KV cache may calibrate
