@@ -56,7 +56,7 @@ class LLM:
             and c.load_format == "auto"
             and c.tensor_parallel_size == 1
             and c.pipeline_parallel_size == 1
-            and os.path.isfile(os.path.join(os.path.expanduser(c.model), "kiln_engine.json"))
+            and os.path.isfile(os.path.join(os.path.expanduser(c.model), prehash.MANIFEST_FILE))
         )
 
     def shutdown(self) -> None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from kiln.checkpoint.file_hash import CHUNK_BYTES, DIGEST_BYTES
 from kiln.envs import envs
 
-_MANIFEST_FILE = "kiln_engine.json"  # kiln.checkpoint.engine_dir's (which imports torch)
+MANIFEST_FILE = "kiln_engine.json"  # kiln.checkpoint.engine_dir's (which imports torch)
 _WEIGHT_INDEX_FILE = "weights.index.json"
 # The importer needs a core; below this many there is none to spare for hashing beside it.
 MIN_CORES = 4
@@ -82,7 +82,7 @@ def start(engine_dir: str) -> int:
     in a child process. Returns how many shards it was given (0: not such an engine, unreadable,
     or the child did not start: the loader then reads, hashes and reports as before)."""
     try:
-        with open(os.path.join(engine_dir, _MANIFEST_FILE), encoding="utf-8") as f:
+        with open(os.path.join(engine_dir, MANIFEST_FILE), encoding="utf-8") as f:
             manifest = json.load(f)
         if manifest.get("tensor_parallel_size", 1) != 1:
             return 0
