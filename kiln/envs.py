@@ -33,6 +33,12 @@ class Envs:
     fp8_small_batch_dot: bool = True
     """The FP8 small-batch kernels multiply float8 x float8 on the tensor cores; off (0) widens
     both operands to fp16 first (exact, more ALU work): the A/B of the two on the GPU."""
+    fp8_fast_accum: bool = True
+    """The FP8 GEMMs (`torch._scaled_mm`) use Hopper's fast float8 accumulation (use_fast_accum:
+    no periodic promotion of the partial sums to fp32), as vLLM's and TensorRT-LLM's FP8 GEMMs
+    do: 7-12% faster at 2048-8192 rows, relative error against the fp32 product 2.1e-3 instead
+    of 1.7e-3 (3.3e-3 at K=14336; docs/performance.md). Off (0): cuBLAS's promoted accumulation,
+    the A/B; kernels.triton.fp8_gemm reads it at import."""
     cpu_fake_graphs: bool = False
     """Capture decode "graphs" on the CPU with FakeGraph, which re-runs the captured forward at
     replay (never faster): how tests run the graph path end to end without a GPU, under tensor

@@ -640,3 +640,19 @@ def test_smollm2_fp8_dynamic_prompt_logprobs_close_to_fp32(smollm2_path, smollm2
     diffs = _prompt_logprobs(llm, prompts) - want
     assert float(diffs.abs().mean()) < SMOLLM2_MEAN_BOUND, diffs
     assert float(diffs.mean()) > -SMOLLM2_MEAN_SHIFT, diffs  # the perplexity's rise, in nats
+
+
+def test_dummy_weights_run_static_fp8(tiny) -> None:
+    # Static "fp8" needs calibrated scales; dummy weights get stand-in ones (DummyInputScales),
+    # so benchmarks measure TensorRT-LLM's static setup without a build.
+    from kiln.runtime.model_loader import DummyInputScales
+
+    path, _, _ = tiny
+    llm = LLM(path, device="cpu", load_format="dummy", quantization="fp8")
+    linears = _linears(llm)
+    assert linears and all(m.weight.dtype == FP8 for _, m in linears)
+    assert all(float(m.input_scale) == pytest.approx(DummyInputScales.SCALE) for _, m in linears)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 3
+    with pytest.raises(ModelLoadError, match="calibrated"):  # real weights still need a build
+        LLM(path, device="cpu", quantization="fp8")

@@ -3,7 +3,7 @@ name -> a function giving each projection (by its qualified name) its LinearMeth
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 
@@ -15,7 +15,7 @@ QUANTIZATIONS = ("none", "fp8", "fp8-dynamic")
 
 def linear_method_factory(
     quantization: str,
-    input_scales: dict[str, float] | None = None,
+    input_scales: Mapping[str, float] | None = None,
     hessians: dict[str, torch.Tensor] | None = None,
     unquantized: Collection[str] = (),
 ) -> Callable[[str], LinearMethod]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -174,11 +174,36 @@ def _engine_dir_source(
     )
 
 
+class DummyInputScales(Mapping[str, float]):
+    """Static input scales for dummy weights, one for every projection: `quantization="fp8"`
+    (TensorRT-LLM's headline FP8 setup, per-tensor activation scales) then runs on a preset
+    without a calibrated build, as dummy weights stand in for a checkpoint's. Its speed does
+    not depend on the value: 4 / 448 puts the RMSNorm outputs of the dummy draw (about unit
+    variance) inside e4m3's range."""
+
+    SCALE = 4.0 / 448.0
+
+    def __getitem__(self, name: str) -> float:
+        return self.SCALE
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
 def _linear_method(engine_config: EngineConfig, source: ModelSource) -> LinearMethodFactory:
     """An engine directory's or a pre-quantized checkpoint's own scheme (and its static scales)
     make its linear methods; any other source takes EngineConfig.quantization."""
     if not source.weights_fused and source.quantization == "none":
-        return linear_method_factory(engine_config.quantization)
+        dummy_static = source.weights is None and engine_config.quantization == "fp8"
+        return linear_method_factory(
+            engine_config.quantization, DummyInputScales() if dummy_static else None
+        )
     if engine_config.quantization not in ("none", source.quantization):
         raise ModelLoadError(
             f"{source.description} holds {source.quantization!r} weights; it cannot load as "

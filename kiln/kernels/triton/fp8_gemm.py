@@ -19,11 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.envs import envs
 from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE
 
 # From this many rows on, rowwise-scaled _scaled_mm; below, unit scales and _scale_epilogue
 # (see the module docstring).
 _ROWWISE_MIN_ROWS = 256
+# Hopper's float8 accumulation without promotion to fp32 (KILN_FP8_FAST_ACCUM, kiln.envs).
+_FAST_ACCUM = envs().fp8_fast_accum
 
 
 @triton.jit
@@ -208,7 +211,15 @@ def fp8_matmul(
             scale_b=weight_scale.view(1, n),
             bias=bias,
             out_dtype=out_dtype,
+            use_fast_accum=_FAST_ACCUM,
         )
     one = _one(x_fp8.device)
-    acc = torch._scaled_mm(x_fp8, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    acc = torch._scaled_mm(
+        x_fp8,
+        weight.t(),
+        scale_a=one,
+        scale_b=one,
+        out_dtype=torch.float32,
+        use_fast_accum=_FAST_ACCUM,
+    )
     return _scale_epilogue(acc, x_scale, weight_scale, bias, out_dtype)
