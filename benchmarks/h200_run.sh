@@ -42,7 +42,8 @@ for s in "$@"; do
     # KV cache ("-fp8nopf": without the float8 decode kernel's V prefetch), "-gc0" Python's
     # default GC threshold (the engine raises it; A/B of that), "-fp8w" FP8 W8A8 weights
     # (--quantization fp8-dynamic), "-w8kv8" FP8 weights and a float8 KV cache together,
-    # "-fp8wh8" / "-w8kv8h8" those with a float8 LM head (--lm-head-quantization fp8).
+    # "-fp8wh8" / "-w8kv8h8" those with a float8 LM head (--lm-head-quantization fp8), "-s8kv8"
+    # static fp8 (--quantization fp8) with a float8 KV cache.
     VARIANT="" SFX="" HF_BASELINE="--baseline hf"
     unset KILN_PREFETCH_FP8_V
     if [[ $s == *-fp8nopf ]]; then  # float8 without the decode kernel's V prefetch: its A/B
@@ -54,6 +55,10 @@ for s in "$@"; do
         s=${s%-fp8w} VARIANT="--quantization fp8-dynamic" SFX=_fp8w HF_BASELINE=""
     elif [[ $s == *-w8kv8 ]]; then  # FP8 W8A8 weights and a float8 KV cache: TRT-LLM's FP8 setup
         s=${s%-w8kv8} VARIANT="--quantization fp8-dynamic --kv-cache-dtype fp8" SFX=_fp8w_fp8kv
+        HF_BASELINE=""
+    elif [[ $s == *-s8kv8 ]]; then  # static FP8 (per-tensor input scales; dummy weights get
+        # stand-in ones) and a float8 KV cache: ModelOpt's FP8 checkpoints, TensorRT-LLM's setup
+        s=${s%-s8kv8} VARIANT="--quantization fp8 --kv-cache-dtype fp8" SFX=_fp8s_fp8kv
         HF_BASELINE=""
     elif [[ $s == *-w8kv8h8 ]]; then  # ... and the LM head in float8 (--lm-head-quantization)
         s=${s%-w8kv8h8} SFX=_fp8w_fp8kv_fp8head HF_BASELINE=""
