@@ -22,10 +22,17 @@ from types import ModuleType
 
 import torch
 
-from kiln.attention.backend import AttentionBackend, AttentionMetadata
 from kiln.kernels.reference import quantize_fp8
 from kiln.layers.linear import Linear, LinearMethod
-from kiln.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+# The attention types through the model that takes them: quantization sits above models, not
+# beside attention (tests/test_layering.py).
+from kiln.models.llama import (
+    AttentionBackend,
+    AttentionMetadata,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+)
 from kiln.quantization import gptq
 
 _BLOCK_SIZE = 16  # the calibration's own KV cache's block size (any works: one prefill)
