@@ -24,6 +24,7 @@ from kiln.builder.quantize import (
     WEIGHT_ROUNDINGS,
     calibrate,
     linear_method_factory,
+    round_weights,
     smooth_source,
     text_hash,
 )
@@ -92,7 +93,11 @@ class BuildOptions:
     weight_rounding: str = "nearest"
     """How float8 weights round: "nearest", or "gptq" (kiln.quantization.gptq: each projection's
     rounding error spread over its other weights by its inputs' statistics on the calibration
-    text; the same format, scales and kernels, a slower build)."""
+    text; the same format, scales and kernels, a slower build). "gptq-aware": GPTQ of the
+    activation-aware target (the weights first corrected for the engine's float8 input, the
+    statistics those of that input); "gptq-sequential" / "gptq-aware-sequential": layer after
+    layer, each from the inputs of a model whose earlier layers are float8 already
+    (kiln.quantization.sequential; -tp 1)."""
     unquantized_layers: tuple[str, ...] = ()
     """Decoder projections kept in the model dtype in a quantized build, as fnmatch patterns
     over kiln's layer names ("layers.*.mlp.gate_up_proj", "layers.29.*"); each must match one.
@@ -132,10 +137,15 @@ class BuildOptions:
             raise BuildError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
             raise BuildError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.weight_rounding == "gptq" and self.quantization == "none":
+        if self.weight_rounding != "nearest" and self.quantization == "none":
             raise BuildError(
-                'weight_rounding "gptq" rounds float8 weights: it needs --quantization fp8 '
-                "or fp8-dynamic"
+                f'weight_rounding "{self.weight_rounding}" rounds float8 weights: it needs '
+                "--quantization fp8 or fp8-dynamic"
+            )
+        if self.weight_rounding.endswith("-sequential") and self.tensor_parallel_size != 1:
+            raise BuildError(
+                f'weight_rounding "{self.weight_rounding}" rounds whole weights in one process: '
+                "build with -tp 1"
             )
         if self.lm_head_quantization != "none" and self.tensor_parallel_size != 1:
             raise BuildError("a float8 LM head (--lm-head-quantization fp8) needs -tp 1")
@@ -165,7 +175,8 @@ def build_engine(
     if fp8 is not None:
         for changes_weights, why in (
             (options.weight_rounding != "nearest",
-             'weight_rounding "gptq" rounds weights from a higher-precision source'),
+             f'weight_rounding "{options.weight_rounding}" rounds weights from a '
+             "higher-precision source"),
             (bool(options.unquantized_layers), "--unquantized-layers chooses what kiln quantizes"),
             (options.smoothing != "none",
              f'smoothing "{options.smoothing}" changes weights before they are quantized'),
@@ -224,17 +235,18 @@ def build_engine(
         check = options.accuracy_check and (fp8 is not None or _changes_arithmetic(options))
         calibrated = None
         if fp8 is None:
-            source_ppl, scales, kv_scales, hessians, smoothing = _run_source(
-                path, options, calibration, check
+            source_ppl, scales, kv_scales, hessians, smoothing, gptq = _run_source(
+                path, options, calibration, check, kept
             )
             kv_in_weights = True
         else:  # its own float8 weights and scales, loaded as written
             source_ppl, calibrated = prequantized.run_source(path, options, calibration, check)
             hessians = smoothing = None
+            gptq = (None, None)
             scales, kv_scales = fp8.input_scales, calibrated or fp8.kv_scales
             # Its own k/v scales fold in for a float8 cache only, as loading it directly does.
             kv_in_weights = is_float8_kv_cache(options.kv_cache_dtype)
-        factory = linear_method_factory(options.quantization, scales, hessians, kept)
+        factory = linear_method_factory(options.quantization, scales, hessians, kept, *gptq)
         head = Fp8LinearMethod("dynamic") if options.lm_head_quantization == "fp8" else None
         with torch.device(device):
             # Made in `dtype` (not .to(dtype) after): float8 weights and scales keep their types.
@@ -376,8 +388,12 @@ def _scales_method(options: BuildOptions) -> str | None:
             f"; inputs smoothed per channel (SmoothQuant, alpha {alpha}) on the calibration text, "
             "folded into the norms, up_proj and v_proj"
         )
-    if method and options.weight_rounding == "gptq":
+    if method and options.weight_rounding != "nearest":
         method += "; weights rounded by GPTQ on the calibration text's input statistics"
+        if "aware" in options.weight_rounding:
+            method += " (activation-aware: against the engine's float8 inputs)"
+        if options.weight_rounding.endswith("-sequential"):
+            method += ", layer after layer"
     return method
 
 
@@ -387,7 +403,7 @@ def _calibration_text(options: BuildOptions) -> str | None:
     does."""
     calibrates = (
         options.quantization == "fp8"
-        or options.weight_rounding == "gptq"
+        or options.weight_rounding != "nearest"
         or options.smoothing != "none"
     )
     if not calibrates and not is_float8_kv_cache(options.kv_cache_dtype):
@@ -431,24 +447,27 @@ def _changes_arithmetic(options: BuildOptions) -> bool:
 
 
 def _run_source(
-    path: str, options: BuildOptions, calibration: str | None, check: bool
+    path: str, options: BuildOptions, calibration: str | None, check: bool, kept: list[str]
 ) -> tuple[
     dict[str, float] | None,
     dict[str, float] | None,
     list[tuple[float, float]] | None,
     dict[str, torch.Tensor] | None,
     dict[str, torch.Tensor] | None,
+    tuple[dict | None, dict | None],
 ]:
     """(the source's held-out perplexity if checked, static input scales if "fp8", KV cache
-    scales if float8, GPTQ's input statistics if weight_rounding "gptq", smoothing factors if
-    smoothing) from one `LLM` of the unquantized source, freed before the quantized model is
-    made. With smoothing, its model is smoothed before the other calibrations: their scales and
-    statistics are of the smoothed inputs and weights the engine holds."""
+    scales if float8, GPTQ's input statistics if weight_rounding "gptq" or "gptq-aware",
+    smoothing factors if smoothing, and the aware target's cross statistics and the sequential
+    roundings' float8 weights) from one `LLM` of the unquantized source, freed before the
+    quantized model is made. With smoothing, its model is smoothed before the other
+    calibrations: their scales and statistics are of the smoothed inputs and weights the
+    engine holds."""
     if not check and calibration is None:
-        return None, None, None, None, None
+        return None, None, None, None, None, (None, None)
     from kiln.builder.accuracy import measure, measuring_llm
 
-    scales = kv_scales = hessians = smoothing = None
+    scales = kv_scales = hessians = smoothing = crosses = rounded = None
     with measuring_llm(path, dtype=options.dtype, max_model_len=options.max_model_len,
                        enable_prefix_caching=False) as llm:  # fmt: skip
         source_ppl = measure(llm, options.max_model_len) if check else None
@@ -462,7 +481,11 @@ def _run_source(
             )
             if any(wanted):  # smoothing alone needs no second pass
                 scales, kv_scales, hessians = calibrate(llm, calibration, *wanted)
-    return source_ppl, scales, kv_scales, hessians, smoothing
+            if options.weight_rounding not in ("nearest", "gptq"):  # needs the static scales
+                hessians, crosses, rounded = round_weights(
+                    llm, calibration, options.weight_rounding, scales, kept
+                )
+    return source_ppl, scales, kv_scales, hessians, smoothing, (crosses, rounded)
 
 
 def _accuracy(engine: str, options: BuildOptions, source_ppl: dict[str, float] | None) -> dict:

@@ -17,7 +17,10 @@ SCALES_METHOD = {
     "fp8-dynamic": "dynamic per-token input scales; per-channel weights",
 }
 
-WEIGHT_ROUNDINGS = ("nearest", "gptq")
+# "gptq": H = X X^T of the source's inputs, one pass. "-aware": the activation-aware target
+# (kiln.quantization.gptq.activation_aware_weight). "-sequential": layer after layer, from the
+# inputs of the model whose earlier layers are float8 already (kiln.quantization.sequential).
+WEIGHT_ROUNDINGS = ("nearest", "gptq", "gptq-aware", "gptq-sequential", "gptq-aware-sequential")
 
 __all__ = [
     "SCALES_METHOD",
@@ -25,6 +28,7 @@ __all__ = [
     "calibrate",
     "calibration_batches",
     "linear_method_factory",
+    "round_weights",
     "smooth_source",
     "text_hash",
 ]
@@ -88,7 +92,7 @@ def calibrate(
     if tokenizer is None:  # calibration text needs the model's tokenizer
         if input_scales or hessians:
             raise BuildError(
-                'quantization "fp8" and weight_rounding "gptq" calibrate on text: the source '
+                'quantization "fp8" and GPTQ weight rounding calibrate on text: the source '
                 "has no tokenizer"
             )
         print("the source has no tokenizer: its float8 KV cache stays unscaled", flush=True)
@@ -116,3 +120,39 @@ def calibrate(
 
     nest(0, batches)
     return found.get("scales"), found.get("kv"), found.get("hessians")
+
+
+def round_weights(
+    llm: object,
+    text: str,
+    rounding: str,
+    input_scales: dict[str, float] | None,
+    kept: list[str],
+) -> tuple[dict | None, dict | None, dict | None]:
+    """GPTQ's inputs for weight_rounding values other than "nearest" and "gptq" (which
+    `calibrate` collects): (hessians, crosses) for "gptq-aware", one more pass of `llm`'s
+    unquantized model over the calibration windows of `text`; rounded float8 weights for the
+    "-sequential" ones, layer after layer (the `kept` projections stay unquantized in it).
+    `input_scales`: the static scales the engine's inputs quantize with, None per token."""
+    from kiln.sampling_params import SamplingParams
+
+    batches = calibration_batches(llm, text)
+    model = llm.engine.executor.runner.model
+    if rounding == "gptq-aware":
+        from kiln.quantization.gptq import calibrate_activation_aware
+
+        one_token = SamplingParams(max_tokens=1, temperature=0.0)
+        run = lambda b: llm.generate(b, one_token)
+        hessians, crosses = calibrate_activation_aware(model, batches, run, input_scales)
+        return hessians, crosses, None
+    import torch
+
+    from kiln.quantization.sequential import RoundingSpec, round_sequentially
+
+    runner = llm.engine.executor.runner
+    spec = RoundingSpec(aware=rounding == "gptq-aware-sequential")
+    with torch.no_grad():
+        rounded = round_sequentially(
+            model, runner.ops, runner.backend, batches, spec, input_scales, kept
+        )
+    return None, None, rounded

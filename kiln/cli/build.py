@@ -18,8 +18,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument(
-        "--weight-rounding", choices=("nearest", "gptq"), default="nearest",
-        help="gptq: float8 weights rounded by GPTQ on the calibration text (slower build)",
+        "--weight-rounding",
+        choices=("nearest", "gptq", "gptq-aware", "gptq-sequential", "gptq-aware-sequential"),
+        default="nearest",
+        help="gptq: float8 weights rounded by GPTQ on the calibration text (slower build); "
+        "gptq-sequential: layer after layer, from the float8 model's own inputs (-tp 1)",
     )  # fmt: skip
     p.add_argument(
         "--smoothing", default="none", metavar="none|smoothquant[:ALPHA]",

@@ -18,6 +18,8 @@ def linear_method_factory(
     input_scales: Mapping[str, float] | None = None,
     hessians: dict[str, torch.Tensor] | None = None,
     unquantized: Collection[str] = (),
+    crosses: dict[str, torch.Tensor] | None = None,
+    rounded: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> Callable[[str], LinearMethod]:
     """name (e.g. "layers.3.self_attn.qkv_proj") -> a new LinearMethod for that projection.
 
@@ -26,7 +28,10 @@ def linear_method_factory(
     scale, as calibrate_input_scales makes them), which `kiln build` calibrates. `hessians`
     (layer name -> input statistics, as kiln.quantization.gptq.calibrate_hessians makes them):
     float8 weights rounded by GPTQ instead of to nearest. `unquantized`: layer names kept in
-    the model dtype (`kiln build --unquantized-layers`)."""
+    the model dtype (`kiln build --unquantized-layers`). `crosses` (layer name -> X Xq^T, with
+    `hessians` then Xq Xq^T): GPTQ of the activation-aware target (kiln.quantization.gptq).
+    `rounded` (layer name -> float8 codes and scales, kiln.quantization.sequential): weights
+    rounded already, loaded as they are."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"unknown quantization {quantization!r}; known: {', '.join(QUANTIZATIONS)}"
@@ -34,7 +39,9 @@ def linear_method_factory(
     if quantization == "none":
         return lambda name: UnquantizedLinearMethod()
     if unquantized:
-        quantized = linear_method_factory(quantization, input_scales, hessians)
+        quantized = linear_method_factory(
+            quantization, input_scales, hessians, (), crosses, rounded
+        )
         kept = frozenset(unquantized)
         return lambda name: UnquantizedLinearMethod() if name in kept else quantized(name)
     from kiln.quantization.fp8 import Fp8LinearMethod
@@ -46,8 +53,17 @@ def linear_method_factory(
             raise ModelLoadError(f"GPTQ rounding: no calibrated input statistics for {name!r}")
         return hessians[name]
 
+    def rounding(name: str) -> dict:
+        if rounded is not None and name not in rounded:
+            raise ModelLoadError(f"layer-sequential GPTQ: no rounded weights for {name!r}")
+        return {
+            "hessian": hessian(name),
+            "cross": None if crosses is None else crosses[name],
+            "rounded": None if rounded is None else rounded[name],
+        }
+
     if quantization == "fp8-dynamic":
-        return lambda name: Fp8LinearMethod("dynamic", hessian=hessian(name))
+        return lambda name: Fp8LinearMethod("dynamic", **rounding(name))
     if input_scales is None:  # a loading error: the CLI prints it as one line
         raise ModelLoadError(
             'quantization "fp8" uses static activation scales calibrated on sample text: build '
@@ -60,6 +76,6 @@ def linear_method_factory(
             raise ModelLoadError(
                 f'quantization "fp8": no calibrated input scale for layer {name!r}'
             )
-        return Fp8LinearMethod("static", scales[name], hessian(name))
+        return Fp8LinearMethod("static", scales[name], **rounding(name))
 
     return static

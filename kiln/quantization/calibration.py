@@ -59,17 +59,19 @@ def calibrate_input_scales(
 
 def observe_projections(
     model: LlamaForCausalLM,
-    make_observer: Callable[[LinearMethod], ObserverT],
+    make_observer: Callable[[LinearMethod], ObserverT] | None,
     token_batches: list[list[int]],
     run: Callable[[list[list[int]]], object],
+    named: Callable[[LinearMethod, str], ObserverT] | None = None,
 ) -> dict[str, ObserverT]:
     """Layer name -> the observer that wrapped that decoder projection's method (every Linear
     but the LM head) while `run(token_batches)` ran; the methods are restored afterwards, also
-    when `run` raises."""
+    when `run` raises. `named`, if given, makes the observers instead, from the method and the
+    layer's name."""
     wrapped: dict[str, tuple[Linear, ObserverT]] = {}
     for name, module in model.named_modules():
         if isinstance(module, Linear) and name != "lm_head":
-            observer = make_observer(module.method)
+            observer = make_observer(module.method) if named is None else named(module.method, name)
             wrapped[name] = (module, observer)
             module.method = observer
     try:

@@ -38,6 +38,8 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
         activation_scheme: Literal["dynamic", "static"],
         input_scale: float | None = None,
         hessian: torch.Tensor | None = None,
+        cross: torch.Tensor | None = None,
+        rounded: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         if activation_scheme not in ("dynamic", "static"):
             raise ValueError(
@@ -51,7 +53,13 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
         self.static_input_scale = input_scale
         # The layer's input statistics (kiln.quantization.gptq): weights round by GPTQ, not to
         # nearest. Whole rows only, as both load paths below quantize them.
+        # With `cross` (X Xq^T; `hessian` then Xq Xq^T) the activation-aware target: weights
+        # corrected for the engine's quantized input before they round.
         self.hessian = hessian
+        self.cross = cross
+        # Float8 codes [out, in] and scales [out, 1] rounded already (layer-sequential GPTQ,
+        # kiln.quantization.sequential): loaded as they are, the source's weight ignored.
+        self.rounded = rounded
         self._gptq_factor: torch.Tensor | None = None  # from the hessian, once for all shards
         self._layer: weakref.ref[Linear] | None = None
 
@@ -78,6 +86,12 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
             param.copy_(loaded)  # the bias, a scale, or weights quantized already (an engine)
             return
         layer = self._layer()
+        if self.rounded is not None:  # the same rows of the whole weight's rounding
+            codes, scale = self.rounded
+            param.copy_(layer.shard_view(codes, shard))
+            rows = layer.shard_view(scale.view(-1), shard)
+            layer.shard_view(layer.weight_scale, shard).copy_(rows)
+            return
         # [rows, in] -> float8 rows and their [rows, 1] scales, on the weight's device.
         weight_fp8, scale = self._quantize_rows(loaded.to(param.device))
         param.copy_(weight_fp8)
@@ -103,6 +117,11 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
             return quantize_fp8(weight, None)
         from kiln.quantization.gptq import inverse_factor, round_with_factor
 
+        if self.cross is not None:
+            from kiln.quantization.gptq import activation_aware_weight
+
+            device = weight.device
+            weight = activation_aware_weight(weight, self.cross.to(device), self.hessian.to(device))
         if self._gptq_factor is None:
             self._gptq_factor = inverse_factor(self.hessian.to(weight.device))
         return round_with_factor(weight, self._gptq_factor)

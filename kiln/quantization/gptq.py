@@ -17,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE
+from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE, quantize_fp8
 from kiln.layers.linear import Linear, LinearMethod
 from kiln.models.llama import LlamaForCausalLM
 from kiln.quantization.calibration import observe_projections
@@ -29,27 +29,69 @@ _DAMP = 0.01  # of H's mean diagonal, added to it: keeps H invertible with few t
 def gptq_fp8(
     weight: torch.Tensor,  # [out, in]
     hessian: torch.Tensor,  # [in, in] fp32: sum of x x^T (any positive multiple)
+    damp: float = _DAMP,
+    act_order: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([out, in] float8 e4m3, [out, 1] fp32 scale)
     """weight ~= w_fp8 * scale with each row's scale its absmax / 448, as quantize_fp8 (the
     error feedback changes values below the absmax, never the scale). Columns whose input was
-    always zero are rounded to nearest (they cannot move the output)."""
-    return round_with_factor(weight, inverse_factor(hessian))
+    always zero are rounded to nearest (they cannot move the output). `act_order`: columns
+    round by descending diag(H), the most active inputs first (their error has the most
+    columns left to absorb it)."""
+    order = column_order(hessian) if act_order else None
+    return round_with_factor(weight, inverse_factor(hessian, damp, order), order)
 
 
-def inverse_factor(hessian: torch.Tensor) -> torch.Tensor:  # [in, in] float64
-    """The upper Cholesky factor of (damped) H^-1: row i holds how column i's rounding error
-    moves the columns after it. One per layer input: a fused projection's shards (q, k, v;
-    gate, up) share it."""
+def column_order(hessian: torch.Tensor) -> torch.Tensor:  # [in] int64
+    """act-order's permutation: columns by descending diag(H)."""
+    return torch.argsort(torch.diag(hessian), descending=True, stable=True)
+
+
+def damped(hessian: torch.Tensor, damp: float) -> torch.Tensor:  # [in, in] float64
+    """H + damp * mean(diag H) * I, with never-seen inputs' diagonal set to 1 first."""
     h = hessian.double().clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
-    h += _DAMP * torch.diag(h).mean() * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    h += damp * torch.diag(h).mean() * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    return h
+
+
+def inverse_factor(
+    hessian: torch.Tensor, damp: float = _DAMP, order: torch.Tensor | None = None
+) -> torch.Tensor:  # [in, in] float64
+    """The upper Cholesky factor of (damped) H^-1: row i holds how column i's rounding error
+    moves the columns after it. One per layer input: a fused projection's shards (q, k, v;
+    gate, up) share it. With `order`, of H's rows and columns in that order."""
+    h = damped(hessian, damp)
+    if order is not None:
+        h = h[order][:, order]
     return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
 
 
+def activation_aware_weight(
+    weight: torch.Tensor,  # [out, in]
+    cross: torch.Tensor,  # [in, in]: sum of x xq^T (x the source's input, xq the engine's)
+    hessian_q: torch.Tensor,  # [in, in]: sum of xq xq^T, the same multiple as `cross`
+    damp: float = _DAMP,
+) -> torch.Tensor:  # [out, in] float64
+    """The W' minimising ||W X - W' Xq||^2 + lam ||W' - W||^2: W (C + lam I)(B + lam I)^-1,
+    with C = X Xq^T, B = Xq Xq^T and lam = damp * mean(diag B). The engine multiplies its
+    quantized input Xq where the source multiplied X; W' absorbs the part of that difference
+    that is linear in Xq (a systematic rounding or an upstream layer's error); the ridge term,
+    the same damping GPTQ takes, pulls W' to W where the calibration text says little."""
+    b = damped(hessian_q, damp)
+    lam = b.diagonal() - hessian_q.double().diagonal()  # the damping on each diagonal entry
+    c = cross.double() + torch.diag(lam)
+    chol = torch.linalg.cholesky(b)
+    return torch.cholesky_solve(c.T @ weight.double().T, chol).T
+
+
 def round_with_factor(
-    weight: torch.Tensor, hinv: torch.Tensor
+    weight: torch.Tensor, hinv: torch.Tensor, order: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:  # as gptq_fp8, from inverse_factor's result
+    """With `order` (the one inverse_factor took), columns round in that order."""
+    if order is not None:
+        codes, scale = round_with_factor(weight[:, order], hinv)
+        return codes[:, torch.argsort(order)], scale
     w = weight.double().clone()
     in_features = w.shape[1]
     scale = (w.abs().amax(dim=1, keepdim=True) / FP8_E4M3_MAX).clamp(min=FP8_MIN_SCALE)
@@ -91,6 +133,62 @@ class HessianObserver(LinearMethod):
             self.hessian.addmm_(rows.T, rows)
             self.rows += rows.shape[0]
         return self.inner.apply(layer, ops, x)
+
+
+class ActivationAwareObserver(LinearMethod):
+    """HessianObserver for the activation-aware target: of every input row x and xq, the row
+    as the engine quantizes it (the quantize_fp8 twin: per token, or with the layer's static
+    scale), adds x xq^T to `cross` and xq xq^T to `hessian`."""
+
+    def __init__(self, inner: LinearMethod, input_scale: float | None) -> None:
+        self.inner = inner
+        self.input_scale = input_scale
+        self.cross: torch.Tensor | None = None
+        self.hessian: torch.Tensor | None = None
+        self.rows = 0
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
+        raise RuntimeError("an observing method wraps a built layer")
+
+    def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).float()
+        if rows.shape[0]:
+            scale = None
+            if self.input_scale is not None:
+                scale = torch.tensor(self.input_scale, dtype=torch.float32, device=rows.device)
+            codes, s = quantize_fp8(rows, scale)
+            xq = codes.float() * s
+            if self.hessian is None:
+                n = rows.shape[1]
+                self.cross = torch.zeros(n, n, device=rows.device)
+                self.hessian = torch.zeros(n, n, device=rows.device)
+            self.cross.addmm_(rows.T, xq)
+            self.hessian.addmm_(xq.T, xq)
+            self.rows += rows.shape[0]
+        return self.inner.apply(layer, ops, x)
+
+
+def calibrate_activation_aware(
+    model: LlamaForCausalLM,
+    token_batches: list[list[int]],
+    run: Callable[[list[list[int]]], object],
+    input_scales: dict[str, float] | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(layer name -> Xq Xq^T / rows, layer name -> X Xq^T / rows), on the CPU, for every
+    decoder projection, as calibrate_hessians; `input_scales` (static "fp8") quantize the
+    inputs as the engine will, None per token."""
+
+    def observer(inner: LinearMethod, name: str) -> ActivationAwareObserver:
+        return ActivationAwareObserver(inner, None if input_scales is None else input_scales[name])
+
+    observers = observe_projections(model, None, token_batches, run, named=observer)
+    unseen = [name for name, observer in observers.items() if observer.hessian is None]
+    if unseen:
+        raise ValueError(f"calibration saw no input to {len(unseen)} layers, e.g. {unseen[:3]}")
+    return (
+        {name: (o.hessian / o.rows).cpu() for name, o in observers.items()},
+        {name: (o.cross / o.rows).cpu() for name, o in observers.items()},
+    )
 
 
 def calibrate_hessians(
