@@ -135,20 +135,15 @@ class HessianObserver(LinearMethod):
         return self.inner.apply(layer, ops, x)
 
 
-class ActivationAwareObserver(LinearMethod):
+class ActivationAwareObserver(HessianObserver):
     """HessianObserver for the activation-aware target: of every input row x and xq, the row
     as the engine quantizes it (the quantize_fp8 twin: per token, or with the layer's static
     scale), adds x xq^T to `cross` and xq xq^T to `hessian`."""
 
     def __init__(self, inner: LinearMethod, input_scale: float | None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.input_scale = input_scale
         self.cross: torch.Tensor | None = None
-        self.hessian: torch.Tensor | None = None
-        self.rows = 0
-
-    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
-        raise RuntimeError("an observing method wraps a built layer")
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).float()
