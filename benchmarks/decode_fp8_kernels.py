@@ -114,6 +114,7 @@ def _decode_fp8_kernel(
     TWO_TERMS: tl.constexpr,  # float8 operands as a value plus its rounding error (2 dots each)
     FP8_MAX: tl.constexpr,
     P_SCALE: tl.constexpr,
+    PV_FP16: tl.constexpr = False,  # P @ V in fp16, V widened by _fp8.py's cvt (swap only)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -178,9 +179,13 @@ def _decode_fp8_kernel(
             p = tl.exp2(s - m_new[None, :])
             l_i = l_i * alpha + tl.sum(p, 0)
             p_scaled = p * P_SCALE
-            p8 = p_scaled.to(tl.float8e4nv)
-            acc = tl.dot(tl.trans(v), p8, acc * alpha[None, :])
-            if TWO_TERMS:
+            if PV_FP16:
+                v16 = fp8e4m3_to_fp16(v)
+                acc = tl.dot(tl.trans(v16), p_scaled.to(tl.float16), acc * alpha[None, :])
+            else:
+                p8 = p_scaled.to(tl.float8e4nv)
+                acc = tl.dot(tl.trans(v), p8, acc * alpha[None, :])
+            if TWO_TERMS and not PV_FP16:
                 p_lo = ((p_scaled - p8.to(tl.float32)) * 16.0).to(tl.float8e4nv)
                 acc += tl.dot(tl.trans(v), p_lo) * 0.0625
         else:
@@ -244,6 +249,7 @@ def paged_decode_attention_fp8_dots(
     orient: str = "swap",
     q_fp8: bool = True,
     two_terms: bool = False,
+    pv_fp16: bool = False,
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -302,6 +308,7 @@ def paged_decode_attention_fp8_dots(
         TWO_TERMS=two_terms,
         FP8_MAX=_FP8_MAX,
         P_SCALE=_P_SCALE,
+        PV_FP16=pv_fp16,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -134,6 +134,12 @@ for s in "$@"; do
             --num-requests 432 --max-num-seqs 432 --max-num-batched-tokens 8192 \
             --max-model-len 2048 --warmup 24 --output-json "$OUT/tput1000_max$SFX.json"
         ;;
+    tput1000-3000)  # 1000/1000 as TensorRT-LLM's perf overview runs it: 3000 requests (its
+        # figure's count), 768 in flight (what a float8 cache holds at 2000 tokens each)
+        stage tput1000-3000 420 $BENCH throughput $COMMON $VARIANT --input-len 1000 \
+            --output-len 1000 --num-requests 3000 --max-num-seqs 768 --max-num-batched-tokens 8192 \
+            --max-model-len 2048 --warmup 24 --output-json "$OUT/tput1000_3000$SFX.json"
+        ;;
     tput1000-768)  # 1000/1000 with 768 in flight: only a float8 cache holds them (2000 tokens each)
         stage tput1000-768 200 $BENCH throughput $COMMON $VARIANT --input-len 1000 --output-len 1000 \
             --num-requests 768 --max-num-seqs 768 --max-num-batched-tokens 8192 \
@@ -230,6 +236,11 @@ for s in "$@"; do
         # cache blocks placed as a fresh engine places them (sequential)
         stage fp8-tiles 300 python3 benchmarks/decode_fp8_dots_sweep.py --today-tiles \
             --placement sequential --out "$OUT/decode_fp8_tiles_sequential.json"
+        ;;
+    fp8-occupancy)  # today's float8 decode kernel with capped registers, and float8 Q @ K^T on
+        # wgmma with fp16 P @ V (benchmarks/decode_fp8_occupancy_expected.md)
+        stage fp8-occupancy 300 python3 benchmarks/decode_fp8_occupancy_sweep.py \
+            --out "$OUT/decode_fp8_occupancy.json"
         ;;
     scaled-mm)  # the FP8 GEMM's _scaled_mm forms at 512-8192 rows: rowwise (today), tensorwise,
         # each with and without use_fast_accum, against bf16 (benchmarks/scaled_mm_expected.md)
