@@ -33,6 +33,7 @@ from kiln.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
 )
+from kiln.models.packed_prefill import packed_prefill_metadata
 from kiln.quantization import gptq
 
 _BLOCK_SIZE = 16  # the calibration's own KV cache's block size (any works: one prefill)
@@ -118,24 +119,7 @@ def _packed_prefill(
     lens = [len(b) for b in token_batches]
     if not lens or min(lens) == 0:
         raise ValueError("layer-sequential rounding needs non-empty calibration windows")
-    blocks = [-(-n // _BLOCK_SIZE) for n in lens]
-    tables = torch.zeros((len(lens), max(blocks)), dtype=torch.int32)
-    slots, first = [], 0
-    for r, (n, b) in enumerate(zip(lens, blocks)):
-        tables[r, :b] = torch.arange(first, first + b, dtype=torch.int32)
-        slots.append(torch.arange(n) + first * _BLOCK_SIZE)
-        first += b
-    starts = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    starts[1:] = torch.cumsum(torch.tensor(lens), 0)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.cat(slots).to(device),
-        query_start_loc=starts.to(device),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        block_tables=tables.to(device),
-        num_decodes=0,
-        max_query_len=max(lens),
-        max_seq_len=max(lens),
-    )
+    metadata, first = packed_prefill_metadata(lens, _BLOCK_SIZE, device)
     shape = (first, _BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
     dtype = model.norm.dtype
     return _Step(

@@ -20,6 +20,7 @@ from kiln.config import EngineConfig
 from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
 from kiln.models.config import ModelConfig
 from kiln.models.llama import LlamaForCausalLM
+from kiln.models.packed_prefill import packed_prefill_metadata
 from kiln.sampling.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger("kiln")
@@ -227,35 +228,18 @@ def _largest_step(
     block_size = config.block_size
     lens = [num_tokens // num_seqs] * num_seqs
     lens[-1] += num_tokens - sum(lens)
-    blocks = [-(-n // block_size) for n in lens]
-    shape = (sum(blocks), block_size, cfg.num_key_value_heads, cfg.head_dim)
+    metadata, num_blocks = packed_prefill_metadata(lens, block_size, device)
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     caches = [
         tuple(torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(2))
         for _ in range(cfg.num_hidden_layers)
     ]
-    tables = torch.zeros((num_seqs, max(blocks)), dtype=torch.int32)
-    slots, first = [], 0
-    for r, (n, b) in enumerate(zip(lens, blocks)):
-        tables[r, :b] = torch.arange(first, first + b, dtype=torch.int32)
-        slots.append(torch.arange(n) + first * block_size)
-        first += b
-    starts = torch.zeros(num_seqs + 1, dtype=torch.int32)
-    starts[1:] = torch.cumsum(torch.tensor(lens), 0)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.cat(slots).to(device),
-        query_start_loc=starts.to(device),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        block_tables=tables.to(device),
-        num_decodes=0,
-        max_query_len=max(lens),
-        max_seq_len=max(lens),
-    )
     return _ProfileStep(
         input_ids=torch.randint(0, cfg.vocab_size, (num_tokens,), device=device),
         positions=torch.cat([torch.arange(n) for n in lens]).to(device),
         caches=caches,
         metadata=metadata,
-        last_token_indices=(starts[1:] - 1).to(device),
+        last_token_indices=metadata.query_start_loc[1:] - 1,
         num_seqs=num_seqs,
     )
 
