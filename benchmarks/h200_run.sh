@@ -43,7 +43,7 @@ for s in "$@"; do
     # default GC threshold (the engine raises it; A/B of that), "-fp8w" FP8 W8A8 weights
     # (--quantization fp8-dynamic), "-w8kv8" FP8 weights and a float8 KV cache together,
     # "-fp8wh8" / "-w8kv8h8" those with a float8 LM head (--lm-head-quantization fp8), "-s8kv8"
-    # static fp8 (--quantization fp8) with a float8 KV cache.
+    # static fp8 (--quantization fp8) with a float8 KV cache ("-s8kv8h8": and a float8 LM head).
     VARIANT="" SFX="" HF_BASELINE="--baseline hf"
     unset KILN_PREFETCH_FP8_V
     if [[ $s == *-fp8nopf ]]; then  # float8 without the decode kernel's V prefetch: its A/B
@@ -60,6 +60,9 @@ for s in "$@"; do
         # stand-in ones) and a float8 KV cache: ModelOpt's FP8 checkpoints, TensorRT-LLM's setup
         s=${s%-s8kv8} VARIANT="--quantization fp8 --kv-cache-dtype fp8" SFX=_fp8s_fp8kv
         HF_BASELINE=""
+    elif [[ $s == *-s8kv8h8 ]]; then  # static FP8, a float8 KV cache and a float8 LM head
+        s=${s%-s8kv8h8} SFX=_fp8s_fp8kv_fp8head HF_BASELINE=""
+        VARIANT="--quantization fp8 --kv-cache-dtype fp8 --lm-head-quantization fp8"
     elif [[ $s == *-w8kv8h8 ]]; then  # ... and the LM head in float8 (--lm-head-quantization)
         s=${s%-w8kv8h8} SFX=_fp8w_fp8kv_fp8head HF_BASELINE=""
         VARIANT="--quantization fp8-dynamic --kv-cache-dtype fp8 --lm-head-quantization fp8"
@@ -158,6 +161,11 @@ for s in "$@"; do
         stage tput2048-512seqs 330 $BENCH throughput $COMMON $VARIANT --input-len 2048 \
             --output-len 128 --num-requests 3000 --max-num-seqs 512 --max-num-batched-tokens 8192 \
             --max-model-len 2176 --warmup 12 --output-json "$OUT/tput2048_512seqs$SFX.json"
+        ;;
+    tput2048-16k)  # the same with 16384-token steps: prefill GEMMs twice as tall, half the steps
+        stage tput2048-16k 330 $BENCH throughput $COMMON $VARIANT --input-len 2048 \
+            --output-len 128 --num-requests 3000 --max-num-seqs 512 --max-num-batched-tokens 16384 \
+            --max-model-len 2176 --warmup 12 --output-json "$OUT/tput2048_16k$SFX.json"
         ;;
     tput2048-short)  # the same with 256 requests (tput2048 before it took TensorRT-LLM's 3000): one wave and its tail
         stage tput2048-short 170 $BENCH throughput $COMMON $VARIANT --input-len 2048 --output-len 128 \
