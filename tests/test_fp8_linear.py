@@ -433,6 +433,10 @@ def test_fp8_mlp_hands_down_proj_float8_above_small_batch_rows(monkeypatch, stat
         monkeypatch, small_batch_linear, ["silu_and_mul", "silu_and_mul_quant_fp8"]
     )
     quantized = _count_calls(monkeypatch, small_batch_linear.fp8_gemm, ["quantize_fp8"])
+    # The reference ops take the same route (float8 always), on the CPU, before the layers move
+    # to the Triton ops' device.
+    ref_got, _ = gate_up.silu_mul_into(reference, down, x, residual, norm_weight, 1e-5)
+    gate_up.to(DEVICE), down.to(DEVICE)
     got, got_sum = gate_up.silu_mul_into(triton_ops, down, *_on(x, residual, norm_weight), 1e-5)
     if rows > small_batch_linear.MAX_ROWS:
         assert calls == {"silu_and_mul": 0, "silu_and_mul_quant_fp8": 1}
@@ -443,8 +447,6 @@ def test_fp8_mlp_hands_down_proj_float8_above_small_batch_rows(monkeypatch, stat
     torch.testing.assert_close(
         got.cpu(), want, rtol=0, atol=FUSED_REL[torch.float32] * float(want.abs().max())
     )
-    # The reference ops take the same route (float8 always) to the same result.
-    ref_got, _ = gate_up.silu_mul_into(reference, down, x, residual, norm_weight, 1e-5)
     torch.testing.assert_close(ref_got, want, rtol=0, atol=1e-6 * float(want.abs().max()))
 
 
