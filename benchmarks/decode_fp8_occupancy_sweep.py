@@ -52,6 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="decode_fp8_occupancy.json")
     parser.add_argument("--placement", choices=("random", "sequential"), default="sequential")
+    parser.add_argument("--heads-first-only", action="store_true", help="only the grid order")
     args = parser.parse_args()
     PLACEMENT["mode"] = args.placement
     record: dict = {"gpu": torch.cuda.get_device_name(), "placement": args.placement, "shapes": []}
@@ -71,8 +72,23 @@ def main() -> None:
         row: dict = {"batch": batch, "context": context, "capped": [], "swap": []}
         row["bf16_us"] = graph_time_ms([partial(today, kb, vb)], 20, 3) * 1e3
         row["fp8_us"] = graph_time_ms([partial(today, k8, v8)], 20, 3) * 1e3
-        row["fp8_err"] = errors(today(k8, v8), ref)
+        today_out = today(k8, v8)
+        row["fp8_err"] = errors(today_out, ref)
         row["fp8_TBps"] = fp8_bytes / row["fp8_us"] / 1e6
+        # The grid with a sequence's KV heads as neighbouring programs (da.HEADS_FIRST_GRID).
+        da.HEADS_FIRST_GRID = True
+        try:
+            row["heads_first_bf16_us"] = graph_time_ms([partial(today, kb, vb)], 20, 3) * 1e3
+            row["heads_first_fp8_us"] = graph_time_ms([partial(today, k8, v8)], 20, 3) * 1e3
+            row["heads_first_fp8_equal"] = bool(torch.equal(today(k8, v8), today_out))
+        finally:
+            da.HEADS_FIRST_GRID = False
+        hf_bf16, hf_fp8 = row["heads_first_bf16_us"], row["heads_first_fp8_us"]
+        print(batch, context, "heads first: bf16", round(hf_bf16, 1), "fp8", round(hf_fp8, 1),
+              row["heads_first_fp8_equal"], flush=True)  # fmt: skip
+        if args.heads_first_only:
+            record["shapes"].append(row)
+            continue
         for tile, cap in CAPPED:
             entry: dict = {"tile": list(tile), "maxnreg": cap}
             da._decode_kernel = _RegisterCap(kernel, cap)
@@ -115,6 +131,8 @@ def main() -> None:
         record["shapes"].append(row)
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":

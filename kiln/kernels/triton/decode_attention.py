@@ -35,6 +35,11 @@ _MAX_SPLITS = 64
 # Whether decode over a float8 cache loads V a tile ahead (module-level so the H200 sweep can
 # measure both in one process; KILN_PREFETCH_FP8_V=0 turns it off for an end-to-end A/B).
 PREFETCH_FP8_V = envs().prefetch_fp8_v
+# Whether the grid runs a sequence's KV heads as neighbouring programs (their rows share the
+# cache's DRAM pages: one token's heads are adjacent) rather than one head of neighbouring
+# sequences. Module-level so the H200 sweep measures both
+# (benchmarks/decode_fp8_occupancy_sweep.py); KILN_DECODE_HEADS_FIRST=1 for an end-to-end A/B.
+HEADS_FIRST_GRID = envs().decode_heads_first
 
 
 @triton.jit
@@ -84,9 +89,14 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
     PREFETCH_V: tl.constexpr,  # load V a tile ahead (float8 caches)
+    HEADS_FIRST: tl.constexpr = False,  # grid (kv heads, sequences, splits): see HEADS_FIRST_GRID
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     partition_size, num_valid = _partition(seq_len, num_splits, BLOCK_N)
@@ -347,7 +357,13 @@ def paged_decode_attention_splits(
     else:
         part_out = part_lse = out  # unused by the kernel
     block_d = triton.next_power_of_2(head_dim)
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    heads_first = HEADS_FIRST_GRID
+    grid = (
+        (num_kv_heads, num_seqs, num_splits)
+        if heads_first
+        else (num_seqs, num_kv_heads, num_splits)
+    )
+    _decode_kernel[grid](
         query,
         k_cache,
         v_cache,
@@ -374,6 +390,7 @@ def paged_decode_attention_splits(
         DOT_PRECISION=dot_precision(query.dtype),
         FP16_DOTS=fp16_dots(query, k_cache),
         PREFETCH_V=kv_fp8 and PREFETCH_FP8_V,
+        HEADS_FIRST=heads_first,
         num_warps=num_warps,
         num_stages=num_stages,
     )
