@@ -66,6 +66,17 @@ def inputs(batch: int, context: int):
     return q, k, v, table, lens
 
 
+def inputs_and_reference(batch: int, context: int, scale: float):
+    """inputs() plus the caches widened to bf16 and the fp32 reference over the float8 values:
+    (q, k8, v8, table, lens, kb, vb, ref)."""
+    q, k8, v8, table, lens = inputs(batch, context)
+    kb, vb = k8.bfloat16(), v8.bfloat16()
+    ref = reference.paged_decode_attention(
+        q.float(), kb.float(), vb.float(), table, lens, scale, context
+    )
+    return q, k8, v8, table, lens, kb, vb, ref
+
+
 def errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
     diff = out.float() - ref
     return {
@@ -193,11 +204,7 @@ def main() -> None:
     record: dict = {"gpu": torch.cuda.get_device_name(), "shapes": []}
     scale = HEAD_DIM**-0.5
     for batch, context in SHAPES:
-        q, k8, v8, table, lens = inputs(batch, context)
-        kb, vb = k8.bfloat16(), v8.bfloat16()
-        ref = reference.paged_decode_attention(
-            q.float(), kb.float(), vb.float(), table, lens, scale, context
-        )
+        q, k8, v8, table, lens, kb, vb, ref = inputs_and_reference(batch, context, scale)
         kv_bytes_fp8 = 2 * batch * context * KV_HEADS * HEAD_DIM
         row: dict = {"batch": batch, "context": context}
 

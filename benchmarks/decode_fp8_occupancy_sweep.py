@@ -25,10 +25,9 @@ from functools import partial
 
 import decode_fp8_kernels as dfp8  # benchmarks/, the script's folder
 import torch
-from decode_fp8_dots_sweep import HEAD_DIM, KV_HEADS, PLACEMENT, errors, inputs
+from decode_fp8_dots_sweep import HEAD_DIM, KV_HEADS, PLACEMENT, errors, inputs_and_reference
 from tile_sweep import forced_tile_config, graph_time_ms
 
-from kiln.kernels import reference
 from kiln.kernels.triton import decode_attention as da
 
 SHAPES = [(384, 1500), (512, 192), (64, 4096), (32, 1024)]
@@ -59,11 +58,7 @@ def main() -> None:
     scale = HEAD_DIM**-0.5
     kernel = da._decode_kernel
     for batch, context in SHAPES:
-        q, k8, v8, table, lens = inputs(batch, context)
-        kb, vb = k8.bfloat16(), v8.bfloat16()
-        ref = reference.paged_decode_attention(
-            q.float(), kb.float(), vb.float(), table, lens, scale, context
-        )
+        q, k8, v8, table, lens, kb, vb, ref = inputs_and_reference(batch, context, scale)
         fp8_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM
 
         def today(kc, vc, q=q, table=table, lens=lens, context=context):
