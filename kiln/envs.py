@@ -26,10 +26,10 @@ class Envs:
     prefetch_fp8_v: bool = True
     """Decode attention over a float8 KV cache loads V a tile ahead. Off (0) is the end-to-end A/B
     of the prefetch (benchmarks/h200_run.sh); kernels.triton.decode_attention reads it at import."""
-    decode_heads_first: bool = False
-    """Decode attention's grid runs one sequence's KV heads as neighbouring programs (on, 1)
-    instead of one head of neighbouring sequences: the end-to-end A/B of the grid order
-    (kernels.triton.decode_attention reads it at import)."""
+    decode_heads_first: bool | None = None
+    """Decode attention's grid order: 1 runs one sequence's KV heads as neighbouring programs, 0
+    one head of neighbouring sequences; unset, heads first over 16- and 32-bit caches and not
+    over float8 ones, as measured (kernels.triton.decode_attention reads it at import)."""
     fused_linear_max_rows: int = 8
     """Most rows the fused small-batch linear kernels take (above it cuBLAS's GEMM tiles win). 0
     turns them off, the benchmarks' A/B switch; kernels.triton.small_batch_linear reads it at

@@ -444,9 +444,11 @@ def test_fp8_mlp_hands_down_proj_float8_above_small_batch_rows(monkeypatch, stat
     else:
         assert calls["silu_and_mul_quant_fp8"] == 0
     assert torch.equal(got_sum.cpu(), want_sum)
-    torch.testing.assert_close(
-        got.cpu(), want, rtol=0, atol=FUSED_REL[torch.float32] * float(want.abs().max())
-    )
+    # The interpreter repeats the reference's arithmetic; on a GPU the SiLU-mul's fused exp can
+    # put an activation on the neighbouring float8 code before down_proj (measured on an H200 at
+    # 12 rows: 1.2e-3 of the output's largest value, dynamic scales; 7e-5 static).
+    rel = FUSED_REL[torch.float32] if INTERPRET else 5e-3
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=rel * float(want.abs().max()))
     torch.testing.assert_close(ref_got, want, rtol=0, atol=1e-6 * float(want.abs().max()))
 
 

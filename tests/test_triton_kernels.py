@@ -179,14 +179,15 @@ def test_decode_attention_fp8_cache(dtype: torch.dtype, num_splits: int) -> None
     _check_decode([1, 13, 137], 4, 2, 16, 4, dtype, num_splits, cache_dtype=FP8)
 
 
+@pytest.mark.parametrize("heads_first", [True, False], ids=["heads-first", "seqs-first"])
 @pytest.mark.parametrize("cache_dtype", [None, FP8], ids=["cache-dtype", "fp8-cache"])
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["nosplit", "split3"])
-def test_decode_attention_heads_first_grid(monkeypatch, cache_dtype, num_splits: int) -> None:
-    # The grid order with a sequence's KV heads as neighbouring programs computes the same
-    # attention (the programs swap their first two grid coordinates).
+def test_decode_attention_grid_orders(monkeypatch, heads_first, cache_dtype, num_splits) -> None:
+    # Both grid orders (a sequence's KV heads as neighbouring programs, or one head of
+    # neighbouring sequences; the default picks by cache dtype) compute the same attention.
     from kiln.kernels.triton import decode_attention
 
-    monkeypatch.setattr(decode_attention, "HEADS_FIRST_GRID", True)
+    monkeypatch.setattr(decode_attention, "HEADS_FIRST_GRID", heads_first)
     _check_decode([1, 13, 137], 4, 2, 16, 4, torch.float32, num_splits, cache_dtype=cache_dtype)
 
 

@@ -35,11 +35,15 @@ _MAX_SPLITS = 64
 # Whether decode over a float8 cache loads V a tile ahead (module-level so the H200 sweep can
 # measure both in one process; KILN_PREFETCH_FP8_V=0 turns it off for an end-to-end A/B).
 PREFETCH_FP8_V = envs().prefetch_fp8_v
-# Whether the grid runs a sequence's KV heads as neighbouring programs (their rows share the
-# cache's DRAM pages: one token's heads are adjacent) rather than one head of neighbouring
-# sequences. Module-level so the H200 sweep measures both
-# (benchmarks/decode_fp8_occupancy_sweep.py); KILN_DECODE_HEADS_FIRST=1 for an end-to-end A/B.
-HEADS_FIRST_GRID = envs().decode_heads_first
+# Whether the grid runs a sequence's KV heads as neighbouring programs (one token's heads are
+# adjacent in the cache, so neighbouring programs share its DRAM pages) rather than one head of
+# neighbouring sequences; None: by the cache's dtype. Measured on an H200, one layer, same run
+# (docs/performance.md, "The H200 on 2026-12-02, fourth run"): a bf16 cache 10-14% faster heads
+# first at 384 x 1.5k, 512 x 192 and 64 x 4k (608 -> 521 us at 384 x 1.5k), equal at 32 x 1k; a
+# float8 cache equal at 384 x 1.5k and 512 x 192 but 36-48% slower at 64 x 4k and 32 x 1k.
+# Module-level so the sweep measures both orders (benchmarks/decode_fp8_occupancy_sweep.py);
+# KILN_DECODE_HEADS_FIRST=0/1 forces one for an end-to-end A/B.
+HEADS_FIRST_GRID: bool | None = envs().decode_heads_first
 
 
 @triton.jit
@@ -357,7 +361,7 @@ def paged_decode_attention_splits(
     else:
         part_out = part_lse = out  # unused by the kernel
     block_d = triton.next_power_of_2(head_dim)
-    heads_first = HEADS_FIRST_GRID
+    heads_first = not kv_fp8 if HEADS_FIRST_GRID is None else HEADS_FIRST_GRID
     grid = (
         (num_kv_heads, num_seqs, num_splits)
         if heads_first
