@@ -76,9 +76,15 @@ def smooth_source(llm: object, path: str, text: str, smoothing: str) -> dict:
 
 
 def calibrate(
-    llm: object, text: str, input_scales: bool, kv_scales: bool, hessians: bool = False
+    llm: object,
+    text: str,
+    input_scales: bool,
+    kv_scales: bool,
+    hessians: bool = False,
+    activation_scales: str = "amax",
 ) -> tuple[dict[str, float] | None, list[tuple[float, float]] | None, dict | None]:
-    """(static input scales, layer name -> absmax / 448, if `input_scales`; per-layer float8 KV
+    """(static input scales, layer name -> absmax / 448 (`activation_scales` "mse": the
+    searched multiple of it, kiln.quantization.calibration), if `input_scales`; per-layer float8 KV
     cache scales if `kv_scales`; layer name -> GPTQ's input statistics if `hessians`) from
     `llm`'s unquantized model run over the first tokens of `text`, in windows that share no
     prefix (the engine's prefix cache would skip repeated ones), in one pass: each observer
@@ -119,6 +125,12 @@ def calibrate(
         found[key] = calibrator(model, b, lambda inner: nest(depth + 1, inner))
 
     nest(0, batches)
+    if input_scales and activation_scales != "amax":  # a second pass of its own, from absmax
+        from kiln.quantization.calibration import search_input_scales
+
+        found["scales"] = search_input_scales(
+            model, batches, lambda b: llm.generate(b, one_token), found["scales"]
+        )
     return found.get("scales"), found.get("kv"), found.get("hessians")
 
 
