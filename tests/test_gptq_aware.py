@@ -183,3 +183,16 @@ def test_gptq_sequential_rounds_from_its_own_windows_and_damp(monkeypatch):
     assert seen["windows"] == 32 and seen["spec"].damp == 0.1 and not seen["spec"].aware
     quantize.round_weights(llm, text, "gptq-aware-sequential", None, [])
     assert seen["windows"] == 8 and seen["spec"].damp == 0.01 and seen["spec"].aware
+
+
+def test_the_sequential_roundings_parameters_name_the_engine(chat_source, tmp_path, monkeypatch):
+    """Changed defaults build a different engine: its id changes, so no cache hands back one
+    rounded the old way."""
+    from kiln.builder import build
+
+    options = BuildOptions(quantization="fp8-dynamic", weight_rounding="gptq-sequential",
+                           accuracy_check=False)  # fmt: skip
+    first = build_engine(chat_source, str(tmp_path / "a"), options, None)
+    monkeypatch.setattr(build, "SEQUENTIAL_DAMP", 0.5)
+    second = build_engine(chat_source, str(tmp_path / "b"), options, None)
+    assert first.engine_id != second.engine_id

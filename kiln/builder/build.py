@@ -21,6 +21,8 @@ from kiln.builder.manifest import EngineManifest
 from kiln.builder.plan import plan_memory
 from kiln.builder.quantize import (
     SCALES_METHOD,
+    SEQUENTIAL_DAMP,
+    SEQUENTIAL_WINDOWS,
     WEIGHT_ROUNDINGS,
     calibrate,
     linear_method_factory,
@@ -218,6 +220,8 @@ def build_engine(
         del key["smoothing"]  # and unsmoothed ones
     if options.activation_scales == "amax":
         del key["activation_scales"]  # and ones whose static scales are absmax / 448
+    if options.weight_rounding == "gptq-sequential":  # its defaults changed: not the old engine
+        key["sequential_rounding"] = {"windows": SEQUENTIAL_WINDOWS, "damp": SEQUENTIAL_DAMP}
     if not options.unquantized_layers:
         del key["unquantized_layers"]  # and ones that quantize every projection
     source_digest = cache.source_hash(path)

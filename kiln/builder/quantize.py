@@ -17,8 +17,8 @@ _CALIBRATION_BATCHES = 8
 # on three), 32 and 0.1 +0.86% (+0.57%); either alone did not help on three articles
 # (benchmarks/results/2026-12-02-cpu-fp8-accuracy-smollm2). With 16 rows per weight column of
 # tokens more, the fit needs the stronger ridge less, yet both together were best.
-_SEQUENTIAL_BATCHES = 32
-_SEQUENTIAL_DAMP = 0.1
+SEQUENTIAL_WINDOWS = 32
+SEQUENTIAL_DAMP = 0.1
 SCALES_METHOD = {
     "fp8": "static per-tensor input scales calibrated at build time; per-channel weights",
     "fp8-dynamic": "dynamic per-token input scales; per-channel weights",
@@ -31,6 +31,8 @@ WEIGHT_ROUNDINGS = ("nearest", "gptq", "gptq-aware", "gptq-sequential", "gptq-aw
 
 __all__ = [
     "SCALES_METHOD",
+    "SEQUENTIAL_DAMP",
+    "SEQUENTIAL_WINDOWS",
     "WEIGHT_ROUNDINGS",
     "calibrate",
     "calibration_batches",
@@ -158,7 +160,7 @@ def round_weights(
     from kiln.sampling_params import SamplingParams
 
     plain = rounding == "gptq-sequential"
-    batches = calibration_batches(llm, text, _SEQUENTIAL_BATCHES if plain else _CALIBRATION_BATCHES)
+    batches = calibration_batches(llm, text, SEQUENTIAL_WINDOWS if plain else _CALIBRATION_BATCHES)
     model = llm.engine.executor.runner.model
     if rounding == "gptq-aware":
         from kiln.quantization.gptq import calibrate_activation_aware
@@ -172,7 +174,7 @@ def round_weights(
     from kiln.quantization.sequential import RoundingSpec, round_sequentially
 
     runner = llm.engine.executor.runner
-    spec = RoundingSpec(aware=False, damp=_SEQUENTIAL_DAMP) if plain else RoundingSpec(aware=True)
+    spec = RoundingSpec(aware=False, damp=SEQUENTIAL_DAMP) if plain else RoundingSpec(aware=True)
     with torch.no_grad():
         rounded = round_sequentially(
             model, runner.ops, runner.backend, batches, spec, input_scales, kept
