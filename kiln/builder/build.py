@@ -21,6 +21,8 @@ from kiln.builder.manifest import EngineManifest
 from kiln.builder.plan import plan_memory
 from kiln.builder.quantize import (
     SCALES_METHOD,
+    SEQUENTIAL_DAMP,
+    SEQUENTIAL_WINDOWS,
     WEIGHT_ROUNDINGS,
     calibrate,
     linear_method_factory,
@@ -35,6 +37,7 @@ from kiln.checkpoint.file_hash import hash_files
 from kiln.errors import BuildError
 from kiln.models.config import ModelConfig
 from kiln.models.llama import LlamaForCausalLM
+from kiln.quantization.calibration import ACTIVATION_SCALES
 from kiln.quantization.fp8 import Fp8LinearMethod
 from kiln.quantization.kv_scales import fold_kv_scales
 from kiln.quantization.smoothing import SmoothingSpec, smooth_checkpoint
@@ -103,6 +106,10 @@ class BuildOptions:
     over kiln's layer names ("layers.*.mlp.gate_up_proj", "layers.29.*"); each must match one.
     Like llm-compressor's and ModelOpt's ignore lists: accuracy bought with those layers'
     speed and bytes. The manifest lists the layers matched."""
+    activation_scales: str = "amax"
+    """How "fp8"'s static input scales calibrate: "amax" (absmax / 448 of the calibration
+    inputs) or "mse" (the multiple of it, down to 0.3, whose quantized inputs move each layer's
+    output least: kiln.quantization.calibration)."""
     smoothing: str = "none"
     """"none", or "smoothquant[:alpha]" (kiln.quantization.smoothing: each FP8 projection's input
     channels divided by factors calibrated on the calibration text, the weights' columns
@@ -116,6 +123,7 @@ class BuildOptions:
             ("dtype", DTYPES),
             ("lm_head_quantization", ("none", "fp8")),
             ("weight_rounding", WEIGHT_ROUNDINGS),
+            ("activation_scales", ACTIVATION_SCALES),
         ):
             if getattr(self, name) not in allowed:
                 raise BuildError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -128,6 +136,11 @@ class BuildOptions:
             raise BuildError(
                 f'smoothing "{self.smoothing}" moves FP8 activations\' range into the weights: it '
                 "needs --quantization fp8 or fp8-dynamic"
+            )
+        if self.activation_scales != "amax" and self.quantization != "fp8":
+            raise BuildError(
+                f'activation_scales "{self.activation_scales}" calibrates static input scales: '
+                "it needs --quantization fp8"
             )
         object.__setattr__(self, "unquantized_layers", tuple(self.unquantized_layers))
         if self.unquantized_layers and self.quantization == "none":
@@ -205,6 +218,10 @@ def build_engine(
         del key["weight_rounding"]  # and engines rounded to nearest
     if options.smoothing == "none":
         del key["smoothing"]  # and unsmoothed ones
+    if options.activation_scales == "amax":
+        del key["activation_scales"]  # and ones whose static scales are absmax / 448
+    if options.weight_rounding == "gptq-sequential":  # its defaults changed: not the old engine
+        key["sequential_rounding"] = {"windows": SEQUENTIAL_WINDOWS, "damp": SEQUENTIAL_DAMP}
     if not options.unquantized_layers:
         del key["unquantized_layers"]  # and ones that quantize every projection
     source_digest = cache.source_hash(path)
@@ -382,6 +399,8 @@ def _kv_origin(checkpoint: object, calibrated: object, folded: bool) -> str | No
 
 def _scales_method(options: BuildOptions) -> str | None:
     method = SCALES_METHOD.get(options.quantization)
+    if method and options.activation_scales == "mse":
+        method += "; each input scale the multiple of absmax / 448 with the least output error"
     if method and options.smoothing != "none":
         alpha = options.smoothing.partition(":")[2]
         method += (
@@ -480,7 +499,9 @@ def _run_source(
                 options.weight_rounding == "gptq",
             )
             if any(wanted):  # smoothing alone needs no second pass
-                scales, kv_scales, hessians = calibrate(llm, calibration, *wanted)
+                scales, kv_scales, hessians = calibrate(
+                    llm, calibration, *wanted, activation_scales=options.activation_scales
+                )
             if options.weight_rounding not in ("nearest", "gptq"):  # needs the static scales
                 hessians, crosses, rounded = round_weights(
                     llm, calibration, options.weight_rounding, scales, kept

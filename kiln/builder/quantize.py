@@ -12,6 +12,13 @@ from kiln.quantization import linear_method_factory
 
 _CALIBRATION_TOKENS = 512
 _CALIBRATION_BATCHES = 8
+# "gptq-sequential"'s own: 32 windows (16,384 tokens) and damp 0.1 of H's mean diagonal. On
+# SmolLM2 fp8-dynamic, 8 windows and damp 0.01 read +1.60% on the build's held-out article (+2.03%
+# on three), 32 and 0.1 +0.86% (+0.57%); either alone did not help on three articles
+# (benchmarks/results/2026-12-02-cpu-fp8-accuracy-smollm2). With 16 rows per weight column of
+# tokens more, the fit needs the stronger ridge less, yet both together were best.
+SEQUENTIAL_WINDOWS = 32
+SEQUENTIAL_DAMP = 0.1
 SCALES_METHOD = {
     "fp8": "static per-tensor input scales calibrated at build time; per-channel weights",
     "fp8-dynamic": "dynamic per-token input scales; per-channel weights",
@@ -24,6 +31,8 @@ WEIGHT_ROUNDINGS = ("nearest", "gptq", "gptq-aware", "gptq-sequential", "gptq-aw
 
 __all__ = [
     "SCALES_METHOD",
+    "SEQUENTIAL_DAMP",
+    "SEQUENTIAL_WINDOWS",
     "WEIGHT_ROUNDINGS",
     "calibrate",
     "calibration_batches",
@@ -38,13 +47,15 @@ def text_hash(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=32).hexdigest()
 
 
-def calibration_batches(llm: object, text: str) -> list[list[int]]:
-    """The calibration windows: the first tokens of `text`, in windows that share no prefix
-    (the engine's prefix cache would skip repeated ones)."""
+def calibration_batches(
+    llm: object, text: str, batches: int = _CALIBRATION_BATCHES
+) -> list[list[int]]:
+    """The calibration windows: the first `batches` windows of `text`'s tokens, sharing no
+    prefix (the engine's prefix cache would skip repeated ones)."""
     ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
     # A window and its one generated token must fit the model's context.
     n = min(_CALIBRATION_TOKENS, llm.engine.max_model_len - 1)
-    return [ids[i : i + n] for i in range(0, len(ids), n)][:_CALIBRATION_BATCHES]
+    return [ids[i : i + n] for i in range(0, len(ids), n)][:batches]
 
 
 def smooth_source(llm: object, path: str, text: str, smoothing: str) -> dict:
@@ -76,9 +87,15 @@ def smooth_source(llm: object, path: str, text: str, smoothing: str) -> dict:
 
 
 def calibrate(
-    llm: object, text: str, input_scales: bool, kv_scales: bool, hessians: bool = False
+    llm: object,
+    text: str,
+    input_scales: bool,
+    kv_scales: bool,
+    hessians: bool = False,
+    activation_scales: str = "amax",
 ) -> tuple[dict[str, float] | None, list[tuple[float, float]] | None, dict | None]:
-    """(static input scales, layer name -> absmax / 448, if `input_scales`; per-layer float8 KV
+    """(static input scales, layer name -> absmax / 448 (`activation_scales` "mse": the
+    searched multiple of it, kiln.quantization.calibration), if `input_scales`; per-layer float8 KV
     cache scales if `kv_scales`; layer name -> GPTQ's input statistics if `hessians`) from
     `llm`'s unquantized model run over the first tokens of `text`, in windows that share no
     prefix (the engine's prefix cache would skip repeated ones), in one pass: each observer
@@ -119,6 +136,12 @@ def calibrate(
         found[key] = calibrator(model, b, lambda inner: nest(depth + 1, inner))
 
     nest(0, batches)
+    if input_scales and activation_scales != "amax":  # a second pass of its own, from absmax
+        from kiln.quantization.calibration import search_input_scales
+
+        found["scales"] = search_input_scales(
+            model, batches, lambda b: llm.generate(b, one_token), found["scales"]
+        )
     return found.get("scales"), found.get("kv"), found.get("hessians")
 
 
@@ -136,7 +159,8 @@ def round_weights(
     `input_scales`: the static scales the engine's inputs quantize with, None per token."""
     from kiln.sampling_params import SamplingParams
 
-    batches = calibration_batches(llm, text)
+    plain = rounding == "gptq-sequential"
+    batches = calibration_batches(llm, text, SEQUENTIAL_WINDOWS if plain else _CALIBRATION_BATCHES)
     model = llm.engine.executor.runner.model
     if rounding == "gptq-aware":
         from kiln.quantization.gptq import calibrate_activation_aware
@@ -150,7 +174,7 @@ def round_weights(
     from kiln.quantization.sequential import RoundingSpec, round_sequentially
 
     runner = llm.engine.executor.runner
-    spec = RoundingSpec(aware=rounding == "gptq-aware-sequential")
+    spec = RoundingSpec(aware=False, damp=SEQUENTIAL_DAMP) if plain else RoundingSpec(aware=True)
     with torch.no_grad():
         rounded = round_sequentially(
             model, runner.ops, runner.backend, batches, spec, input_scales, kept

@@ -25,6 +25,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "gptq-sequential: layer after layer, from the float8 model's own inputs (-tp 1)",
     )  # fmt: skip
     p.add_argument(
+        "--activation-scales", choices=("amax", "mse"), default="amax",
+        help="fp8's static input scales: amax (absmax / 448 of the calibration inputs) or mse "
+        "(the multiple of it with the least output error on them; a second calibration pass)",
+    )  # fmt: skip
+    p.add_argument(
         "--smoothing", default="none", metavar="none|smoothquant[:ALPHA]",
         help="smoothquant: FP8 inputs' outlier channels moved into the weights (SmoothQuant, "
         "folded into the ops before; default alpha 0.7 for fp8-dynamic, 0.3 for fp8); none",
@@ -81,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         warm_kernels=args.warm_kernels,
         weight_rounding=args.weight_rounding,
         smoothing=args.smoothing,
+        activation_scales=args.activation_scales,
         unquantized_layers=tuple(p for p in args.unquantized_layers.split(",") if p),
         lm_head_quantization=args.lm_head_quantization,
     )
