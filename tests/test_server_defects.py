@@ -171,7 +171,8 @@ def test_metrics_answer_at_once_from_the_last_step_during_a_long_step(tmp_path):
     engine = AsyncEngine(core)
     try:
         with ServerThread(build_app(engine, "tiny")) as srv:
-            body = {"prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True, "stream": True}
+            # Long enough to still run 0.8 s in on a quiet host (the tiny model holds 512).
+            body = {"prompt": [5, 6, 7], "max_tokens": 480, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", srv.base_url + "/v1/completions", json=body) as response:
                 lines = response.iter_lines()
                 next(lines)
