@@ -280,6 +280,7 @@ class Scheduler:
         allocate_slots = self.kv_cache.allocate_slots
         micro_batches = self.num_micro_batches > 1
         max_model_len = self.max_model_len
+        cached_requests = plan.cached_requests
         while index < len(running) and plan.budget > 0:
             request = running[index]
             placeholders = request.num_output_placeholders
@@ -296,8 +297,10 @@ class Scheduler:
             if len(plan.num_scheduled) >= plan.max_requests:
                 break
             num_new = min(num_tokens - request.num_computed_tokens, plan.budget)
-            drafts = self._drafts_to_verify(request, plan.budget) if request.spec_token_ids else []
-            num_new += len(drafts)
+            drafts = None
+            if request.spec_token_ids:
+                drafts = self._drafts_to_verify(request, plan.budget)
+                num_new += len(drafts)
             new_blocks = allocate_slots(request, num_new)
             if new_blocks is None and self._reclaim_retained():
                 new_blocks = allocate_slots(request, num_new)
@@ -313,7 +316,7 @@ class Scheduler:
             plan.add(request, num_new)
             if drafts:
                 plan.spec_tokens[request.req_id] = drafts
-            plan.cached_requests.append(
+            cached_requests.append(
                 CachedRequestData(
                     request.req_id,
                     [b.block_id for b in new_blocks] if new_blocks else [],
