@@ -21,10 +21,12 @@ engine.step() whose submitted step is a pure decode of `--batch` rows is split i
       process            OutputProcessor.process
     driver             run_kiln's own loop between two engine.step() calls (token times,
                        finished_output, new requests)
+    gc                 the cyclic GC's pauses inside engine.step() (gc_mean_us: their mean a
+                       step; the median step has none)
 
 `host` = engine_step - forward - logits - argmax + driver: the host's Python a step, which on
-a GPU must stay under the GPU's step time for the GPU to stay busy. Medians over the steps,
-one engine per repeat (a fresh process state each, in one process).
+a GPU must stay under the GPU's step time for the GPU to stay busy. Medians over the steps;
+a fresh engine each repeat, all in one process.
 
     OMP_NUM_THREADS=1 python benchmarks/step_host_batch_cpu.py [--num-requests 1024]
         [--batch 512] [--repeats 3] [--profile] [--out x.json]
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
+import gc
 import json
 import os
 import pstats
@@ -73,6 +76,7 @@ SPANS = (
     "update",
     "process",
     "driver",
+    "gc",
 )
 COMPUTE = ("forward", "logits", "argmax")  # device work on a GPU, done in line on the CPU
 ENGINE_PARTS = ("schedule", "submit", "collect", "update", "process")
@@ -80,10 +84,18 @@ SUBMIT_PARTS = ("update_states", "prepare", "forward", "logits", "sampling_build
 
 
 class _Clock:
-    """Per-step span totals: `acc` is reset at the start of each engine.step()."""
+    """Per-step span totals: `acc` is reset at the start of each engine.step(). `gc` is the
+    cyclic GC's pauses inside the step (in whichever span allocated then)."""
 
     def __init__(self) -> None:
         self.acc = dict.fromkeys(SPANS, 0.0)
+        self._gc_start = 0.0
+
+    def on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.acc["gc"] += time.perf_counter() - self._gc_start
 
     def wrap(self, name: str, fn):
         acc = self.acc
@@ -153,6 +165,7 @@ def measure(engine: LLMEngine, args: argparse.Namespace, profile: cProfile.Profi
     runner.sampler = _TimedSampler(runner.sampler, clock)
 
     rows: list[dict] = []
+    gc.callbacks.append(clock.on_gc)
     step = engine.step
     last_end = [None]
 
@@ -190,7 +203,10 @@ def measure(engine: LLMEngine, args: argparse.Namespace, profile: cProfile.Profi
         args.num_requests, "128", "128", engine.model_config.vocab_size, 0, engine.eos_token_ids
     )
     t = time.perf_counter()
-    timings = run_kiln(engine, requests, progress=False)
+    try:
+        timings = run_kiln(engine, requests, progress=False)
+    finally:
+        gc.callbacks.remove(clock.on_gc)
     wall = time.perf_counter() - t
     num_tokens = sum(len(r.token_times) for r in timings)
     assert num_tokens == 128 * args.num_requests, num_tokens
@@ -205,6 +221,7 @@ def measure(engine: LLMEngine, args: argparse.Namespace, profile: cProfile.Profi
         out[name + "_us"] = round(statistics.median(r[name] for r in rows) * 1e6, 1)
     # The mean counts the GC's collections, which land in whichever span allocates then.
     out["host_mean_us"] = round(statistics.fmean(r["host"] for r in rows) * 1e6, 1)
+    out["gc_mean_us"] = round(statistics.fmean(r["gc"] for r in rows) * 1e6, 1)
     out["host_per_row_us"] = round(out["host_us"] / args.batch, 2)
     return out
 
