@@ -29,7 +29,7 @@ a GPU must stay under the GPU's step time for the GPU to stay busy. Medians over
 a fresh engine each repeat, all in one process.
 
     OMP_NUM_THREADS=1 python benchmarks/step_host_batch_cpu.py [--num-requests 1024]
-        [--batch 512] [--repeats 3] [--profile] [--out x.json]
+        [--batch 512] [--repeats 3] [--tokenizer] [--profile] [--out x.json]
 
 --profile prints cProfile's top functions over the measured steps (its overhead inflates the
 Python-heavy spans: use the spans' numbers for before/after, the profile for where).
@@ -54,7 +54,7 @@ os.environ.setdefault("KILN_CPU_FAKE_GRAPHS", "1")
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_host_cpu import tiny_model
+from step_host_cpu import TINY
 
 from kiln.bench.offline import run_kiln
 from kiln.bench.workload import synthetic_requests
@@ -125,6 +125,29 @@ class _TimedSampler:
 
     def __getattr__(self, name):
         return getattr(self._sampler, name)
+
+
+def tiny_model(path: str, with_tokenizer: bool) -> str:
+    """step_host_cpu's tiny Llama; with the tests' byte-level BPE tokenizer (384 ids) beside
+    it, the output processor detokenizes every step, as it does for a real checkpoint (the
+    H200's dummy-weight runs have no tokenizer)."""
+    import transformers
+
+    cfg = dict(TINY)
+    tokenizer = None
+    if with_tokenizer:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from tests.tiny_tokenizer import build_tokenizer
+
+        tokenizer = build_tokenizer()
+        cfg["vocab_size"] = len(tokenizer)
+    config = transformers.AutoConfig.for_model("llama", **cfg)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path
 
 
 def build_engine(model: str, args: argparse.Namespace) -> LLMEngine:
@@ -232,6 +255,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--tokenizer", action="store_true", help="detokenize (see tiny_model)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -240,7 +264,7 @@ def main() -> None:
     record: dict = {"env": environment(torch.device("cpu")), "args": vars(args), "runs": []}
     profile = cProfile.Profile() if args.profile else None
     with tempfile.TemporaryDirectory() as d:
-        model = tiny_model(d)
+        model = tiny_model(d, args.tokenizer)
         for _ in range(args.repeats):
             engine = build_engine(model, args)
             record["runs"].append(measure(engine, args, profile))
