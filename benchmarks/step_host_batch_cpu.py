@@ -259,9 +259,11 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
+    import kiln
     from kiln.bench.report import environment
 
     record: dict = {"env": environment(torch.device("cpu")), "args": vars(args), "runs": []}
+    record["kiln_path"] = os.path.dirname(kiln.__file__)  # which tree ran (PYTHONPATH)
     profile = cProfile.Profile() if args.profile else None
     with tempfile.TemporaryDirectory() as d:
         model = tiny_model(d, args.tokenizer)
