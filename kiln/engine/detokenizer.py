@@ -165,6 +165,9 @@ class IncrementalDetokenizer:
 
     def _release(self, new_text: str, *, final: bool) -> str:
         """Emit held + new text, minus what may start a stop string (all of it when final)."""
+        if not self._stop:  # nothing is ever held or looked back at: all of it, as is
+            self.text += new_text
+            return new_text
         lookback = self.text[max(0, len(self.text) - self._max_lookback_chars) :]
         text = lookback + self._held_text + new_text
         # Any match ends in the new text: the rest was searched when it came in. So the search
