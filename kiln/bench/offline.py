@@ -52,11 +52,12 @@ def run_kiln(
             _clock_step(step_clock, trace[num_traced:], now - before)
         for delta in deltas:
             timing = timings[delta.request_id]
-            for completion in delta.outputs:
-                timing.token_times.extend([now] * len(completion.token_ids))
-                timing.num_draft_tokens += completion.num_draft_tokens
-                timing.num_accepted_tokens += completion.num_accepted_tokens
-                timing.num_spec_steps += completion.num_spec_steps
+            for completion in delta.outputs:  # (once per running request a step: kept lean)
+                timing.token_times += [now] * len(completion.token_ids)
+                if completion.num_spec_steps:
+                    timing.num_draft_tokens += completion.num_draft_tokens
+                    timing.num_accepted_tokens += completion.num_accepted_tokens
+                    timing.num_spec_steps += completion.num_spec_steps
             if delta.finished:
                 engine.finished_output(delta.request_id)
                 in_flight -= 1

@@ -33,7 +33,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(c.output.finished for c in self.completions)
+        completions = self.completions
+        if len(completions) == 1:  # (n = 1, read once a step per running request)
+            return completions[0].output.finish_reason is not None
+        return all(c.output.finished for c in completions)
 
     def snapshot(self) -> RequestOutput:
         """The cumulative output so far."""
@@ -115,13 +118,16 @@ class OutputProcessor:
         completions that changed, child ids stopped by a stop string: to abort in the scheduler)."""
         deltas: dict[str, RequestOutput] = {}
         stopped: list[str] = []
+        child_to_parent = self._child_to_parent
+        requests = self.requests
         for out in outputs:
-            parent = self._child_to_parent.get(out.req_id)
+            parent = child_to_parent.get(out.req_id)
             if parent is None:
                 continue
             req_id, index = parent
-            state = self.requests[req_id]
-            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            state = requests[req_id]
+            if out.num_cached_tokens > state.num_cached_tokens:
+                state.num_cached_tokens = out.num_cached_tokens
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 chunk = out.prompt_logprobs
                 for i, entry in enumerate(chunk.entries):
@@ -132,34 +138,35 @@ class OutputProcessor:
             delta = self._apply(completion, out)
             if completion.output.finish_reason is not None and out.finish_reason is None:
                 stopped.append(out.req_id)  # a stop string ended it: the scheduler must let go
-            if completion.output.finished:
-                self._child_to_parent.pop(out.req_id, None)
+            if completion.output.finish_reason is not None:
+                child_to_parent.pop(out.req_id, None)
             request_delta = deltas.get(req_id)
             if request_delta is None:
-                request_delta = RequestOutput(
+                deltas[req_id] = RequestOutput(
                     req_id,
                     state.prompt,
                     state.prompt_token_ids,
-                    [],
-                    False,
-                    prompt_logprobs=state.prompt_logprobs,
-                    num_cached_tokens=state.num_cached_tokens,
+                    [delta],
+                    state.finished,
+                    state.prompt_logprobs,
+                    state.num_cached_tokens,
                 )
-                deltas[req_id] = request_delta
-            request_delta.outputs.append(delta)
-            request_delta.finished = state.finished
+            else:  # another completion of the same request (n > 1)
+                request_delta.outputs.append(delta)
+                request_delta.finished = state.finished
         return list(deltas.values()), stopped
 
     def _apply(self, completion: _Completion, out: EngineCoreOutput) -> CompletionOutput:
         o = completion.output
         text = ""
-        if completion.detokenizer is not None:
-            text = completion.detokenizer.append(out.new_token_ids)
-            if completion.detokenizer.stop_string is not None:
-                o.finish_reason, o.stop_reason = "stop", completion.detokenizer.stop_string
+        detokenizer = completion.detokenizer
+        if detokenizer is not None:
+            text = detokenizer.append(out.new_token_ids)
+            if detokenizer.stop_string is not None:
+                o.finish_reason, o.stop_reason = "stop", detokenizer.stop_string
             elif out.finish_reason is not None:
-                text += completion.detokenizer.flush()
-        o.text += text
+                text += detokenizer.flush()
+            o.text += text
         o.token_ids.extend(out.new_token_ids)
         new_logprobs = None
         if o.logprobs is not None and out.logprobs is not None:
@@ -168,10 +175,12 @@ class OutputProcessor:
         if o.finish_reason is None and out.finish_reason is not None:
             o.finish_reason, o.stop_reason = out.finish_reason, out.stop_reason
             o.error = out.error
-        num_spec_steps = 1 if out.num_draft_tokens else 0
-        o.num_draft_tokens += out.num_draft_tokens
-        o.num_accepted_tokens += out.num_accepted_tokens
-        o.num_spec_steps += num_spec_steps
+        num_spec_steps = 0
+        if out.num_draft_tokens:
+            num_spec_steps = 1
+            o.num_draft_tokens += out.num_draft_tokens
+            o.num_accepted_tokens += out.num_accepted_tokens
+            o.num_spec_steps += 1
         return CompletionOutput(
             o.index,
             text,
@@ -179,10 +188,11 @@ class OutputProcessor:
             new_logprobs,
             o.finish_reason,
             o.stop_reason,
-            num_draft_tokens=out.num_draft_tokens,
-            num_accepted_tokens=out.num_accepted_tokens,
-            num_spec_steps=num_spec_steps,
-            error=o.error,
+            None,
+            out.num_draft_tokens,
+            out.num_accepted_tokens,
+            num_spec_steps,
+            o.error,
         )
 
     def abort(self, req_id: str) -> RequestOutput | None:

@@ -396,9 +396,14 @@ class InputBuffers:
                     ids[qsl[r] : qsl[r + 1]] = s.token_ids[a : a + k] + s.spec_token_ids
                 else:
                     ids[qsl[r] : qsl[r + 1]] = s.token_ids[a : a + num_scheduled[r]]
-        for i, (dst, src) in enumerate(pending):
-            self._pending_dst[i] = dst
-            self._pending_src[i] = src
+        if len(pending) > 8:  # (async decodes: every row) one numpy write, not two a row
+            dst, src = zip(*pending)
+            self._pending_dst[: len(pending)] = dst
+            self._pending_src[: len(pending)] = src
+        else:
+            for i, (dst, src) in enumerate(pending):
+                self._pending_dst[i] = dst
+                self._pending_src[i] = src
         return seq_of_token, positions, len(pending)
 
     def _fill_positions_and_slots(
@@ -443,9 +448,12 @@ class InputBuffers:
         ends = self._qsl[1 : len(states) + 1].tolist()  # each request's last token + 1
         for r, (state, seq_len, end) in enumerate(zip(states, seq_lens, ends)):
             k = len(state.spec_token_ids)
-            if seq_len - k == state.num_tokens:
+            if seq_len - k == len(state.token_ids) + state.num_pending:  # (state.num_tokens)
                 sampling_rows.append(r)
-                logits_idx.extend(range(end - k - 1, end))
+                if k:
+                    logits_idx.extend(range(end - k - 1, end))
+                else:  # a decode: its one token
+                    logits_idx.append(end - 1)
         return sampling_rows, logits_idx
 
     def _logits_indices(self, logits_idx: list[int]) -> torch.Tensor | None:
