@@ -506,6 +506,11 @@ for s in "$@"; do
             ${SPEC_BATCHES:+--batches $SPEC_BATCHES} \
             --out "$OUT/spec_decode_gpu$SFX.json"
         ;;
+    decode-gap)  # float8 decode attention alone vs as the engine's step runs it: 32 layers'
+        # caches, engine-sized pools, a GEMM between calls, grown contexts (512 x 192, 384 x 1.5k)
+        stage decode-gap 300 python3 benchmarks/decode_in_engine_gap.py \
+            --out "$OUT/decode_in_engine_gap$SFX.json"
+        ;;
     test-spec)  # the speculative-decoding tests on the GPU machine (Triton kernels, real graphs)
         # (test_gpu's speculative test: every method on CUDA, async scheduling on by default)
         stage test-spec 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_spec_decode.py \
