@@ -1,0 +1,74 @@
+"""Static fp8 on SmolLM2, weights rounded to nearest: input scales amax * A (headroom above the
+calibration absmax) and more calibration windows, scored on held-out articles (the build's
+word perplexity), beside per-token dynamic scales."""
+import json, math, sys, time
+import torch
+from kiln.builder import quantize as bq
+from kiln.builder.accuracy import CALIBRATION_FILE, HELD_OUT_FILE, wikitext_articles
+from kiln.eval.perplexity import count_words, prefix_token_id, token_loglikelihoods
+from kiln.kernels.reference import quantize_fp8
+from kiln.layers.linear import Linear, LinearMethod
+from kiln.llm import LLM
+from kiln.quantization.calibration import calibrate_input_scales
+from kiln.sampling_params import SamplingParams
+from kiln.quantization.sequential import RoundingSpec, round_sequentially
+
+class Real(LinearMethod):
+    def __init__(self, inner, codes, scale, input_scale):
+        self.inner, self.codes, self.scale = inner, codes, scale.view(-1)
+        self.input_scale = None if input_scale is None else torch.tensor(input_scale)
+    def create_weights(self, layer, dtype):
+        raise RuntimeError
+    def apply(self, layer, ops, x):
+        return ops.fp8_linear(x, self.codes, self.scale, self.input_scale, layer.bias)
+
+N = int(sys.argv[2])
+t0 = time.time()
+llm = LLM(dtype="float32", enable_prefix_caching=False)
+model = llm.engine.executor.runner.model
+tok = llm.get_tokenizer()
+docs = wikitext_articles(HELD_OUT_FILE, N)
+ids = [tok.encode(d, add_special_tokens=False) for d in docs]
+words = [count_words(d) for d in docs]
+def score():
+    lls = token_loglikelihoods(llm, ids, prefix_token_id(llm))
+    return [math.exp(-ll / w) for ll, w in zip(lls, words)] + [math.exp(-math.fsum(lls) / sum(words))]
+source = score()
+print("source", [round(p, 3) for p in source], flush=True)
+text = open(CALIBRATION_FILE, encoding="utf-8").read(2_000_000)
+one = SamplingParams(max_tokens=1, temperature=0.0)
+run = lambda b: llm.generate(b, one)
+modules = dict(model.named_modules())
+layers = {n: m for n, m in modules.items() if isinstance(m, Linear) and n != "lm_head"}
+codes = {n: quantize_fp8(m.weight.detach().float(), None) for n, m in layers.items()}
+scales_by_windows = {}
+result = {"source": source, "configs": {}}
+for config in sys.argv[3:]:
+    kind, *rest = config.split("/")
+    opts = dict(p.split("=") for p in rest)
+    input_scales = None
+    if kind == "static":
+        w = int(opts.get("windows", 8))
+        if w not in scales_by_windows:
+            scales_by_windows[w] = calibrate_input_scales(model, bq.calibration_batches(llm, text, w), run, "amax")
+        a = float(opts.get("A", 1.0))
+        input_scales = {n: s * a for n, s in scales_by_windows[w].items()}
+    found = codes
+    if "gptq" in opts:  # gptq-sequential as the build's defaults: 32 windows, damp 0.1
+        with torch.no_grad():
+            found = round_sequentially(model, llm.engine.executor.runner.ops, llm.engine.executor.runner.backend,
+                                       bq.calibration_batches(llm, text, 32), RoundingSpec(aware=False, damp=0.1), input_scales)
+    saved = []
+    for n, m in layers.items():
+        saved.append((m, m.method))
+        q, s = found[n]
+        m.method = Real(m.method, q, s, None if input_scales is None else input_scales[n])
+    try:
+        ppl = score()
+    finally:
+        for m, method in saved:
+            m.method = method
+    inc = [100 * (p / s - 1) for p, s in zip(ppl, source)]
+    result["configs"][config] = {"word_perplexity": ppl, "increase_pct": inc}
+    print(config, "article 1", f"{inc[0]:+.2f}%", "all", f"{inc[-1]:+.2f}%", [round(i, 2) for i in inc], round(time.time() - t0), flush=True)
+    json.dump(result, open(sys.argv[1], "w"), indent=1)
