@@ -396,14 +396,10 @@ class InputBuffers:
                     ids[qsl[r] : qsl[r + 1]] = s.token_ids[a : a + k] + s.spec_token_ids
                 else:
                     ids[qsl[r] : qsl[r + 1]] = s.token_ids[a : a + num_scheduled[r]]
-        if len(pending) > 8:  # (async decodes: every row) one numpy write, not two a row
+        if pending:  # (async decodes: every row) one numpy write a buffer, not two a row
             dst, src = zip(*pending)
             self._pending_dst[: len(pending)] = dst
             self._pending_src[: len(pending)] = src
-        else:
-            for i, (dst, src) in enumerate(pending):
-                self._pending_dst[i] = dst
-                self._pending_src[i] = src
         return seq_of_token, positions, len(pending)
 
     def _fill_positions_and_slots(
