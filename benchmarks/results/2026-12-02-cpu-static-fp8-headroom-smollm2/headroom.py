@@ -1,6 +1,11 @@
-"""Static fp8 on SmolLM2, weights rounded to nearest: input scales amax * A (headroom above the
-calibration absmax) and more calibration windows, scored on held-out articles (the build's
-word perplexity), beside per-token dynamic scales."""
+"""Static fp8 on SmolLM2: input scales amax * A (headroom above the calibration absmax) and more
+calibration windows, scored on held-out articles (the build's word perplexity), beside per-token
+dynamic scales. Weights rounded to nearest, or with /gptq=1 by gptq-sequential as the build
+rounds them (32 windows, damp 0.1, aware of the static scales).
+
+    OMP_NUM_THREADS=2 python headroom.py OUT.json N_ARTICLES CONFIG [CONFIG ...]
+
+CONFIG: dynamic | static[/A=a][/windows=w][/gptq=1]"""
 import json, math, sys, time
 import torch
 from kiln.builder import quantize as bq
@@ -11,6 +16,7 @@ from kiln.layers.linear import Linear, LinearMethod
 from kiln.llm import LLM
 from kiln.quantization.calibration import calibrate_input_scales
 from kiln.sampling_params import SamplingParams
+from kiln.quantization.sequential import RoundingSpec, round_sequentially
 
 class Real(LinearMethod):
     def __init__(self, inner, codes, scale, input_scale):
@@ -52,10 +58,15 @@ for config in sys.argv[3:]:
             scales_by_windows[w] = calibrate_input_scales(model, bq.calibration_batches(llm, text, w), run, "amax")
         a = float(opts.get("A", 1.0))
         input_scales = {n: s * a for n, s in scales_by_windows[w].items()}
+    found = codes
+    if "gptq" in opts:  # gptq-sequential as the build's defaults: 32 windows, damp 0.1
+        with torch.no_grad():
+            found = round_sequentially(model, llm.engine.executor.runner.ops, llm.engine.executor.runner.backend,
+                                       bq.calibration_batches(llm, text, 32), RoundingSpec(aware=False, damp=0.1), input_scales)
     saved = []
     for n, m in layers.items():
         saved.append((m, m.method))
-        q, s = codes[n]
+        q, s = found[n]
         m.method = Real(m.method, q, s, None if input_scales is None else input_scales[n])
     try:
         ppl = score()
