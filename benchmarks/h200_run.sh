@@ -506,6 +506,12 @@ for s in "$@"; do
             ${SPEC_BATCHES:+--batches $SPEC_BATCHES} \
             --out "$OUT/spec_decode_gpu$SFX.json"
         ;;
+    decode-packed)  # float8 decode attention: decode_attention_packed's kernel (sub-partitions
+        # in tl.dot's padded rows) over its tiles against today's, six shapes; expectations:
+        # benchmarks/decode_packed_expected.md
+        stage decode-packed 300 python3 benchmarks/decode_packed_sweep.py \
+            --out "$OUT/decode_packed$SFX.json"
+        ;;
     decode-gap)  # float8 decode attention alone vs as the engine's step runs it: 32 layers'
         # caches, engine-sized pools, a GEMM between calls, grown contexts (512 x 192, 384 x 1.5k)
         stage decode-gap 300 python3 benchmarks/decode_in_engine_gap.py \

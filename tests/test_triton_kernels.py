@@ -196,6 +196,48 @@ def test_decode_attention_many_splits() -> None:
     _check_decode([5, 70], 4, 1, 16, 4, torch.float32, num_splits=5, seed=3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "block_size"),
+    [(8, 2, 4), (8, 2, 16), (4, 2, 16), (16, 2, 32)],
+    ids=["group4-block4", "group4-block16", "group2", "group8"],
+)
+@pytest.mark.parametrize("num_splits", [1, 3, None], ids=["nosplit", "split3", "auto"])
+def test_decode_attention_packed(
+    monkeypatch, dtype: torch.dtype, num_heads: int, num_kv_heads: int, block_size: int, num_splits
+) -> None:
+    # decode_attention_packed's kernel (a program's keys in 16 / group sub-partitions side by side
+    # in tl.dot's rows) over a float8 cache: sub-tiles inside one block (a scalar block id) and
+    # across blocks (a gather), sub-partitions that end early or hold no key, merged per head.
+    from kiln.kernels.triton import decode_attention_packed
+
+    assert decode_attention_packed.packing(num_heads // num_kv_heads, 16) == 16 // (
+        num_heads // num_kv_heads
+    )
+    monkeypatch.setattr(decode_attention, "PACKED", True)
+    calls = []
+    kernel = decode_attention._decode_packed_kernel
+    monkeypatch.setattr(
+        decode_attention, "_decode_packed_kernel", _Recording(kernel, calls), raising=True
+    )
+    for seq_lens in ([1, 13, 137], [5, 70, 64]):
+        _check_decode(
+            seq_lens, num_heads, num_kv_heads, 16, block_size, dtype, num_splits, cache_dtype=FP8
+        )
+    assert calls, "the packed kernel did not run"
+
+
+class _Recording:
+    """Stands in for a @triton.jit kernel and notes each launch's grid."""
+
+    def __init__(self, kernel, calls: list) -> None:
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]
+
+
 def _decode_inputs(
     seq_lens: list[int], dtype: torch.dtype, cache_dtype, seed: int, num_kv_heads: int = 2
 ):
@@ -222,9 +264,11 @@ GRID_CASES = [
     pytest.param(torch.float16, None, id="fp16"),
     pytest.param(torch.float16, FP8, id="fp16-fp8cache"),
 ]
+PACKED_FP8 = "packed-fp8"  # a float8 cache through decode_attention_packed's kernel
+PACKED_CASES = [pytest.param(torch.float16, PACKED_FP8, id="fp16-fp8cache-packed")]
 
 
-@pytest.mark.parametrize(("dtype", "cache_dtype"), GRID_CASES)
+@pytest.mark.parametrize(("dtype", "cache_dtype"), GRID_CASES + PACKED_CASES)
 def test_decode_attention_graph_grid_mixed_lengths(
     dtype: torch.dtype, cache_dtype, monkeypatch
 ) -> None:
@@ -234,6 +278,8 @@ def test_decode_attention_graph_grid_mixed_lengths(
     # in one batch), so the replay computes bit for bit what an eager step with the same count
     # computes, batched or alone, and matches the reference.
     monkeypatch.setattr(decode_attention, "PREFETCH_FP8_V", True)
+    monkeypatch.setattr(decode_attention, "PACKED", cache_dtype == PACKED_FP8)
+    cache_dtype = FP8 if cache_dtype == PACKED_FP8 else cache_dtype
     seq_lens, bucket, num_splits = [1, 45, 120], 131072, 5
     query, k_cache, v_cache, tables, lens, scale = _decode_inputs(seq_lens, dtype, cache_dtype, 5)
     args = (query, k_cache, v_cache, tables, lens, scale)

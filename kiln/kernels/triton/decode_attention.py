@@ -23,6 +23,7 @@ from kiln.envs import envs
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 from kiln.kernels.triton._online_softmax import online_softmax_update
+from kiln.kernels.triton.decode_attention_packed import _decode_packed_kernel, packing
 
 _LOG2E = 1.4426950408889634
 
@@ -44,6 +45,11 @@ PREFETCH_FP8_V = envs().prefetch_fp8_v
 # Module-level so the sweep measures both orders (benchmarks/decode_fp8_occupancy_sweep.py);
 # KILN_DECODE_HEADS_FIRST=0/1 forces one for an end-to-end A/B.
 HEADS_FIRST_GRID: bool | None = envs().decode_heads_first
+# Whether decode attention over a float8 cache runs decode_attention_packed's kernel (a program's
+# keys in sub-partitions side by side in the rows tl.dot pads to 16) where it applies.
+# Module-level so the sweep measures both (benchmarks/decode_packed_sweep.py); KILN_DECODE_PACKED=1
+# for an end-to-end A/B.
+PACKED: bool = envs().decode_packed
 
 
 @triton.jit
@@ -296,6 +302,19 @@ def _tile_config(
     return max(64, min(block_size, 128)), 4, 3
 
 
+def _packed_tile_config(
+    block_size: int, device: torch.device, programs: int = 0
+) -> tuple[int, int, int]:
+    """The packed kernel's (BLOCK_N keys per sub-tile, num_warps, num_stages); `programs` is the
+    grid's size. One warp where the grid fills the SMs many times over (as the unpacked kernel's
+    one-warp tiles), four where one-warp programs would leave SMs idle."""
+    if device.type != "cuda":
+        return 16, 4, 1
+    if programs >= _FP8_ONE_WARP_PROGRAMS_PER_SM * num_sms(device):
+        return 16, 1, 2
+    return 16, 4, 2
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim], one query token per sequence
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -347,21 +366,20 @@ def paged_decode_attention_splits(
     # an eager step with the same count compute the same partitions; splits a sequence cannot
     # use exit at once.
     num_splits = max(num_splits, 1)
+    heads_first = not kv_fp8 if HEADS_FIRST_GRID is None else HEADS_FIRST_GRID
+    pack = packing(group, head_dim) if kv_fp8 and PACKED else 0
+    if pack:
+        return _packed_decode(
+            query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, pack,
+            heads_first,
+        )  # fmt: skip
     block_n, num_warps, num_stages = _tile_config(
         block_size, query.device, kv_fp8, num_seqs * num_kv_heads * num_splits
     )
     split = num_splits > 1
-    if split:
-        part_out = torch.empty(
-            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
-        )
-        part_lse = torch.empty(
-            (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
-        )
-    else:
-        part_out = part_lse = out  # unused by the kernel
+    # Unsplit, the kernel writes `out` directly and never touches the partial buffers.
+    part_out, part_lse = _split_buffers(query, num_splits) if split else (out, out)
     block_d = triton.next_power_of_2(head_dim)
-    heads_first = not kv_fp8 if HEADS_FIRST_GRID is None else HEADS_FIRST_GRID
     grid = (
         (num_kv_heads, num_seqs, num_splits)
         if heads_first
@@ -399,19 +417,87 @@ def paged_decode_attention_splits(
         num_stages=num_stages,
     )
     if split:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out,
-            part_lse,
-            seq_lens,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_splits,
-            NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            BLOCK_N=block_n,
-            num_warps=4,
-        )
+        _reduce(part_out, part_lse, seq_lens, out, num_splits, block_n)
+    return out
+
+
+def _split_buffers(query: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    num_seqs, num_heads, head_dim = query.shape
+    part_out = torch.empty(
+        (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+    )
+    part_lse = torch.empty(
+        (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
+    )
+    return part_out, part_lse
+
+
+def _reduce(part_out, part_lse, seq_lens, out, num_splits: int, tile: int) -> None:
+    """Merges the splits' partial outputs into `out`; `tile` is the partition granule the decode
+    kernel gave _partition."""
+    num_seqs, num_heads, head_dim = out.shape
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        part_out,
+        part_lse,
+        seq_lens,
+        out,
+        out.stride(0),
+        out.stride(1),
+        num_splits,
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        BLOCK_N=tile,
+        num_warps=4,
+    )
+
+
+def _packed_decode(
+    query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, pack, heads_first
+) -> torch.Tensor:
+    """paged_decode_attention_splits through decode_attention_packed's kernel."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_n, num_warps, num_stages = _packed_tile_config(
+        block_size, query.device, num_seqs * num_kv_heads * num_splits
+    )
+    split = num_splits > 1
+    part_out, part_lse = _split_buffers(query, num_splits) if split else (out, out)
+    grid = (
+        (num_kv_heads, num_seqs, num_splits)
+        if heads_first
+        else (num_seqs, num_kv_heads, num_splits)
+    )
+    _decode_packed_kernel[grid](
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        num_splits,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=num_heads // num_kv_heads,
+        PACK=pack,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        SPLIT=split,
+        DOT_PRECISION=dot_precision(query.dtype),
+        FP16_DOTS=fp16_dots(query, k_cache),
+        HEADS_FIRST=heads_first,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if split:
+        _reduce(part_out, part_lse, seq_lens, out, num_splits, pack * block_n)
     return out
