@@ -30,10 +30,10 @@ class Envs:
     """Decode attention's grid order: 1 runs one sequence's KV heads as neighbouring programs, 0
     one head of neighbouring sequences; unset, heads first over 16- and 32-bit caches and not
     over float8 ones, as measured (kernels.triton.decode_attention reads it at import)."""
-    decode_packed: bool = False
+    decode_packed: bool = True
     """Decode attention over a float8 cache runs the packed kernel (kernels.triton.
     decode_attention_packed: a program's keys in sub-partitions side by side in tl.dot's padded
-    rows) where it applies: the end-to-end A/B switch until the H200 has measured it
+    rows) where it applies; off (0) runs the unpacked kernel, the end-to-end A/B
     (kernels.triton.decode_attention reads it at import)."""
     fused_linear_max_rows: int = 8
     """Most rows the fused small-batch linear kernels take (above it cuBLAS's GEMM tiles win). 0

@@ -173,9 +173,14 @@ def test_decode_attention(
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["nosplit", "split3"])
-def test_decode_attention_fp8_cache(dtype: torch.dtype, num_splits: int) -> None:
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_decode_attention_fp8_cache(
+    monkeypatch, dtype: torch.dtype, num_splits: int, packed: bool
+) -> None:
     # Keys/values stored as float8 e4m3, read and widened to the query's dtype in the kernel; the
-    # reference attends in fp32 over the same float8 values.
+    # reference attends in fp32 over the same float8 values. Both kernels: the packed one (the
+    # default over float8) and the unpacked one (KILN_DECODE_PACKED=0, and groups it cannot pack).
+    monkeypatch.setattr(decode_attention, "PACKED", packed)
     _check_decode([1, 13, 137], 4, 2, 16, 4, dtype, num_splits, cache_dtype=FP8)
 
 

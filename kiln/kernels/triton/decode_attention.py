@@ -46,9 +46,10 @@ PREFETCH_FP8_V = envs().prefetch_fp8_v
 # KILN_DECODE_HEADS_FIRST=0/1 forces one for an end-to-end A/B.
 HEADS_FIRST_GRID: bool | None = envs().decode_heads_first
 # Whether decode attention over a float8 cache runs decode_attention_packed's kernel (a program's
-# keys in sub-partitions side by side in the rows tl.dot pads to 16) where it applies.
-# Module-level so the sweep measures both (benchmarks/decode_packed_sweep.py); KILN_DECODE_PACKED=1
-# for an end-to-end A/B.
+# keys in sub-partitions side by side in the rows tl.dot pads to 16) where it applies: 1.33x at
+# 768 x 1.5k, 1.36x at 384 x 1.5k, 1.27x at 512 x 192 on an H200 (docs/performance.md, "The H200
+# on 2026-12-02, sixth run"). Module-level so the sweep measures both
+# (benchmarks/decode_packed_sweep.py); KILN_DECODE_PACKED=0 for an end-to-end A/B.
 PACKED: bool = envs().decode_packed
 
 
@@ -306,12 +307,17 @@ def _packed_tile_config(
     block_size: int, device: torch.device, programs: int = 0
 ) -> tuple[int, int, int]:
     """The packed kernel's (BLOCK_N keys per sub-tile, num_warps, num_stages); `programs` is the
-    grid's size. One warp where the grid fills the SMs many times over (as the unpacked kernel's
-    one-warp tiles), four where one-warp programs would leave SMs idle."""
+    grid's size. Best of 18 tiles on an H200 at each shape (benchmarks/decode_packed_sweep.py;
+    docs/performance.md, "The H200 on 2026-12-02, sixth run"): one warp of 16-key sub-tiles
+    where the grid fills the SMs many times over (768 / 384 x 1.5k, 512 x 192), two warps of 32
+    at a few programs an SM (64 x 4k, 32 x 1k: 512 programs), four warps of 16 below (batch 1)."""
     if device.type != "cuda":
         return 16, 4, 1
-    if programs >= _FP8_ONE_WARP_PROGRAMS_PER_SM * num_sms(device):
+    sms = num_sms(device)
+    if programs >= _FP8_ONE_WARP_PROGRAMS_PER_SM * sms:
         return 16, 1, 2
+    if programs >= 2 * sms:
+        return 32, 2, 2
     return 16, 4, 2
 
 
