@@ -143,6 +143,11 @@ for s in "$@"; do
             --output-len 1000 --num-requests 3000 --max-num-seqs 768 --max-num-batched-tokens 8192 \
             --max-model-len 2048 --warmup 24 --output-json "$OUT/tput1000_3000$SFX.json"
         ;;
+    tput1000-3000-16k)  # the same with 16384-token steps: the 400 mixed prefill steps halved
+        stage tput1000-3000-16k 420 $BENCH throughput $COMMON $VARIANT --input-len 1000 \
+            --output-len 1000 --num-requests 3000 --max-num-seqs 768 --max-num-batched-tokens 16384 \
+            --max-model-len 2048 --warmup 24 --output-json "$OUT/tput1000_3000_16k$SFX.json"
+        ;;
     tput1000-768)  # 1000/1000 with 768 in flight: only a float8 cache holds them (2000 tokens each)
         stage tput1000-768 200 $BENCH throughput $COMMON $VARIANT --input-len 1000 --output-len 1000 \
             --num-requests 768 --max-num-seqs 768 --max-num-batched-tokens 8192 \
