@@ -11,7 +11,9 @@ This folder's copy of ../2026-12-02-cpu-static-fp8-headroom-smollm2/headroom.py 
 the engine's ops.fp8_linear on the codes; /gptq=1 reproduces the build's static fp8 to the last
 digit), with the "mse" search of kiln/quantization/calibration.py added:
 /mse=up: the search's grid extended above 1 (2.0 ... 0.7, GRID_UP); /mse=build: the build's own
-grid (1.0 ... 0.3). /search=held: the search scores its candidates on the next `windows` windows
+grid (1.0 ... 0.3). /wt=tensor: one float8 weight scale per (fused) projection, absmax / 448 of
+the whole tensor, as ModelOpt's FP8_DEFAULT_CFG (which keeps q, k, v's own), for nearest and for
+GPTQ (gptq.round_with_factor patched to the tensor's scale; the error feedback as it is). /search=held: the search scores its candidates on the next `windows` windows
 of the calibration text, not the ones absmax came from (on the same tokens a scale above 1 only
 adds underflow: no calibration token clips at absmax, so it can never win there)."""
 import json, math, sys, time
@@ -57,6 +59,31 @@ modules = dict(model.named_modules())
 layers = {n: m for n, m in modules.items() if isinstance(m, Linear) and n != "lm_head"}
 codes = {n: quantize_fp8(m.weight.detach().float(), None) for n, m in layers.items()}
 scales_by_windows = {}
+from kiln.kernels.reference import FP8_E4M3_MAX
+from kiln.quantization import gptq
+_per_row = gptq.round_with_factor
+def _tensor_scale(weight, hinv, order=None):
+    """round_with_factor with one scale for the tensor: the rows scaled to the tensor's absmax
+    and back, so each row's own absmax / 448 step is the tensor's."""
+    t = float(weight.abs().max()) / FP8_E4M3_MAX
+    return _patched_rows(weight, hinv, order, t)
+def _patched_rows(weight, hinv, order, t):
+    # The per-row routine rounds w / (rowmax / 448); one pinned element per row at the tensor's
+    # absmax in a column of its own makes every row's scale t (the column is dropped after).
+    rows = weight.shape[0]
+    pin = torch.full((rows, 1), t * FP8_E4M3_MAX, dtype=weight.dtype, device=weight.device)
+    w = torch.cat([weight, pin], dim=1)
+    h = torch.zeros(hinv.shape[0] + 1, hinv.shape[1] + 1, dtype=hinv.dtype, device=hinv.device)
+    h[:-1, :-1] = hinv
+    h[-1, -1] = 1.0  # the last column: rounded last, its error goes nowhere
+    if order is not None:
+        order = torch.cat([order, torch.tensor([len(order)], device=order.device)])
+    codes, scale = _per_row(w, h, order)
+    return codes[:, :-1].contiguous(), scale
+def tensor_codes(w):
+    t = (w.abs().max() / FP8_E4M3_MAX).clamp(min=1e-12)
+    q = (w / t).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, t.expand(w.shape[0], 1).float().contiguous()
 result = {"source": source, "configs": {}}
 for config in sys.argv[3:]:
     kind, *rest = config.split("/")
@@ -76,6 +103,10 @@ for config in sys.argv[3:]:
             ratio = sorted(round(input_scales[n] / scales_by_windows[w][n], 2) for n in input_scales)
             print(config, "alpha chosen (sorted)", ratio, flush=True)
     found = codes
+    tensor = opts.get("wt") == "tensor"
+    gptq.round_with_factor = _tensor_scale if tensor else _per_row
+    if tensor:
+        found = {n: tensor_codes(m.weight.detach().float()) for n, m in layers.items()}
     if "gptq" in opts:  # gptq-sequential as the build's defaults: 32 windows, damp 0.1
         with torch.no_grad():
             found = round_sequentially(model, llm.engine.executor.runner.ops, llm.engine.executor.runner.backend,
