@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kiln.envs import envs
+from kiln.kernels.triton._decode_partition import _partition
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 from kiln.kernels.triton._online_softmax import online_softmax_update
@@ -60,16 +61,6 @@ def _tile_offsets(block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_
     block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     slots = block_ids * BLOCK_SIZE + n % BLOCK_SIZE
     return slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset + dims[None, :]
-
-
-@triton.jit
-def _partition(seq_len, num_splits, BLOCK_N: tl.constexpr):
-    """(tokens per partition, partitions in use) of one sequence: its context cut into at most
-    num_splits partitions of whole BLOCK_N tiles (at least one tile, so a zero length divides by
-    no zero). Both kernels call it, so the reduce merges exactly the partitions written."""
-    tiles = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N), 1)
-    partition_size = tiles * BLOCK_N
-    return partition_size, tl.cdiv(seq_len, partition_size)
 
 
 @triton.jit
@@ -386,27 +377,20 @@ def paged_decode_attention_splits(
     # Unsplit, the kernel writes `out` directly and never touches the partial buffers.
     part_out, part_lse = _split_buffers(query, num_splits) if split else (out, out)
     block_d = triton.next_power_of_2(head_dim)
-    grid = (
-        (num_kv_heads, num_seqs, num_splits)
-        if heads_first
-        else (num_seqs, num_kv_heads, num_splits)
-    )
+    grid = _grid(num_seqs, num_kv_heads, num_splits, heads_first)
     _decode_kernel[grid](
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        out,
-        part_out,
-        part_lse,
-        scale * _LOG2E,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        num_splits,
+        *_pointer_args(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            out,
+            part_out,
+            part_lse,
+            scale,
+            num_splits,
+        ),
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
@@ -425,6 +409,25 @@ def paged_decode_attention_splits(
     if split:
         _reduce(part_out, part_lse, seq_lens, out, num_splits, block_n)
     return out
+
+
+def _grid(num_seqs: int, num_kv_heads: int, num_splits: int, heads_first: bool) -> tuple:
+    """Both decode kernels' grid: (kv heads, sequences, splits) heads first, else (sequences, kv
+    heads, splits)."""
+    if heads_first:
+        return (num_kv_heads, num_seqs, num_splits)
+    return (num_seqs, num_kv_heads, num_splits)
+
+
+def _pointer_args(
+    query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, scale, num_splits
+) -> tuple:
+    """The positional arguments both decode kernels take, in their order."""
+    return (
+        query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * _LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), num_splits,
+    )  # fmt: skip
 
 
 def _split_buffers(query: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -470,27 +473,20 @@ def _packed_decode(
     )
     split = num_splits > 1
     part_out, part_lse = _split_buffers(query, num_splits) if split else (out, out)
-    grid = (
-        (num_kv_heads, num_seqs, num_splits)
-        if heads_first
-        else (num_seqs, num_kv_heads, num_splits)
-    )
+    grid = _grid(num_seqs, num_kv_heads, num_splits, heads_first)
     _decode_packed_kernel[grid](
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        out,
-        part_out,
-        part_lse,
-        scale * _LOG2E,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        num_splits,
+        *_pointer_args(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            out,
+            part_out,
+            part_lse,
+            scale,
+            num_splits,
+        ),
         NUM_KV_HEADS=num_kv_heads,
         GROUP=num_heads // num_kv_heads,
         PACK=pack,

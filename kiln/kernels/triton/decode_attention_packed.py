@@ -29,16 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kiln.kernels.triton._decode_partition import _partition
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
-
-
-@triton.jit
-def _partition(seq_len, num_splits, TILE: tl.constexpr):
-    # decode_attention._partition, repeated here so the two kernels' files do not import each
-    # other (the reduce calls decode_attention's with TILE = PACK * BLOCK_N).
-    tiles = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), TILE), 1)
-    partition_size = tiles * TILE
-    return partition_size, tl.cdiv(seq_len, partition_size)
 
 
 @triton.jit
