@@ -338,7 +338,12 @@ def quantize_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, K] float8 e4m3, the scale: [M, 1] or as given)
     """x ~= x_fp8 * scale. Dynamic (scale None): each row's absmax / 448 (floored at
     FP8_MIN_SCALE), so each row uses e4m3's whole range. Static: x / scale saturates at +-448,
-    as the float8 KV path (to_cache_dtype) does, rather than overflowing to NaN."""
+    as the float8 KV path (to_cache_dtype) does, rather than overflowing to NaN.
+
+    x / scale is the IEEE quotient. The Triton kernels get the same quotient from the scale's
+    reciprocal and one FMA correction (fp8_gemm.scaled_to_e4m3), not a division per value;
+    a bare x * (1 / scale) would break exact ties (frequent with bf16 activations) away from
+    zero and cost SmolLM2 ~1 point of perplexity (results/2026-12-02-cpu-quant-reciprocal)."""
     x32 = x.float()
     if scale is None:
         absmax = x32.abs().amax(dim=-1, keepdim=True)

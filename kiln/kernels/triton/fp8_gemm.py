@@ -44,6 +44,33 @@ def round_to_e4m3_grid(v):
 
 
 @triton.jit
+def scaled_to_e4m3(v, scale, inv_scale, DYNAMIC: tl.constexpr, FP8_MAX: tl.constexpr,
+                   INTERPRETED: tl.constexpr):  # fmt: skip
+    """v / scale, the IEEE quotient, saturated at +-FP8_MAX (on the e4m3 grid under the
+    interpreter), from inv_scale = div_rn(1, scale) computed once a row or tensor: 1 FMUL and
+    2 FFMA a value instead of div_rn's ~12 instructions (its FCHK range check and slow path).
+
+    q = v * inv_scale is within an ulp or two of the quotient, r = fma(q, scale, -v) is exactly
+    its remainder (negated), and fma(-r, inv_scale, q) the correctly rounded quotient
+    (Markstein's final correction). The bare product would not do: bf16 activations over a
+    bf16 absmax / 448 often land exactly on an e4m3 midpoint, where the quotient rounds half to
+    even and the product, an ulp off, mostly away from zero; that bias cost SmolLM2 ~1 point of
+    perplexity (benchmarks/results/2026-12-02-cpu-quant-reciprocal). The signs are arranged so
+    -0 stays -0. With a static scale q is clamped first, so that an overflow cannot make
+    inf - inf; a dynamic scale (the row's absmax / 448) bounds q by 448 already.
+    tests/test_fp8_reciprocal.py checks the formula against the division at every bf16 ratio.
+    The interpreter divides (numpy's division is IEEE; an emulated fma may round twice)."""
+    if INTERPRETED:
+        q = round_to_e4m3_grid(tl.clamp(v / scale, -FP8_MAX, FP8_MAX))
+    else:
+        q = v * inv_scale
+        if not DYNAMIC:
+            q = tl.clamp(q, -2 * FP8_MAX, 2 * FP8_MAX)
+        q = tl.clamp(tl.fma(-tl.fma(q, scale, -v), inv_scale, q), -FP8_MAX, FP8_MAX)
+    return q
+
+
+@triton.jit
 def _quantize_fp8_kernel(
     x_ptr,  # [M, K]
     out_ptr,  # [M, K] float8 e4m3
@@ -70,15 +97,15 @@ def _quantize_fp8_kernel(
         tl.store(scale_ptr + row, scale)
     else:
         scale = tl.load(scale_ptr)
+    # The scale's IEEE reciprocal, once: scaled_to_e4m3 gives the IEEE quotient from it, so the
+    # float8 bits equal the reference's (Triton's `/` is approximate on the GPU, and div_rn per
+    # value was most of the kernel's arithmetic).
+    inv_scale = tl.math.div_rn(1.0, scale)
     for start in range(0, K, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < K
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        # IEEE division (Triton's `/` is approximate on the GPU): the float8 bits then equal the
-        # reference's, so one activation cannot land a step away and move a whole sum.
-        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
-        if INTERPRETED:
-            q = round_to_e4m3_grid(q)
+        q = scaled_to_e4m3(x, scale, inv_scale, DYNAMIC, FP8_MAX, INTERPRETED)
         tl.store(out_ptr + row * stride_out + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
 
 

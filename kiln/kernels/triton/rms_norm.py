@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE
-from kiln.kernels.triton.fp8_gemm import round_to_e4m3_grid
+from kiln.kernels.triton.fp8_gemm import scaled_to_e4m3
 
 
 @triton.jit
@@ -64,9 +64,8 @@ def _rms_norm_kernel(
             tl.store(scale_ptr + row, scale)
         else:
             scale = tl.load(scale_ptr)
-        q = tl.clamp(tl.math.div_rn(out, scale), -FP8_MAX, FP8_MAX)
-        if INTERPRETED:
-            q = round_to_e4m3_grid(q)
+        # The IEEE quotient from the reciprocal, as reference.quantize_fp8 (no division a value).
+        q = scaled_to_e4m3(out, scale, tl.math.div_rn(1.0, scale), DYNAMIC, FP8_MAX, INTERPRETED)
         tl.store(out_ptr + row * stride_out + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE
-from kiln.kernels.triton.fp8_gemm import round_to_e4m3_grid
+from kiln.kernels.triton.fp8_gemm import scaled_to_e4m3
 
 _MAX_BLOCK = 1024
 # silu_and_mul_quant_fp8 holds a whole row in registers up to this width (one pass over HBM,
@@ -81,24 +81,40 @@ def silu_and_mul(
 
 
 @triton.jit
-def _silu_mul_block(x_row, cols, d):
+def _silu_f32(g, INTERPRETED: tl.constexpr):
+    """g / (1 + exp(-g)) in fp32 as the GPU computes Triton's `g / (1.0 + tl.exp(-g))`, with
+    the two SFU instructions that form uses and without its special-case code (~7 of the
+    quantizing kernel's ~28 SASS instructions a value, benchmarks/quant_sass_count.py):
+    tl.exp is ex2.approx.f32 of g * -log2(e), whose non-ftz form rescales inputs below -126
+    (results that are subnormal, where 1 + exp(-g) is 1 either way: ftz gives the same sum);
+    `/` is div.full.f32, the reciprocal of 1 + exp(-g) times g, after rescaling both by 1/4
+    when the denominator exceeds 2^126. Here rcp.approx.ftz.f32 (the same MUFU.RCP) flushes
+    that case's subnormal reciprocal: for g < -87.3, silu(g) is -0 instead of a value under
+    6e-37 in magnitude. Quantized, both are a zero code of the same sign (the scale is at least
+    FP8_MIN_SCALE = 1e-12), so silu_and_mul_quant_fp8's float8 output is unchanged. The
+    interpreter has no inline PTX: it computes the plain form (numpy's exact division)."""
+    if INTERPRETED:
+        return g / (1.0 + tl.exp(-g))
+    minus_g_log2e = g * -1.4426950408889634  # the fp32 product tl.exp(-g) feeds ex2
+    e = tl.inline_asm_elementwise(
+        "ex2.approx.ftz.f32 $0, $1;", "=r,r", [minus_g_log2e], dtype=tl.float32, is_pure=True,
+        pack=1,
+    )  # fmt: skip
+    r = tl.inline_asm_elementwise(
+        "rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e], dtype=tl.float32, is_pure=True, pack=1
+    )
+    return g * r
+
+
+@triton.jit
+def _silu_mul_block(x_row, cols, d, INTERPRETED: tl.constexpr):
     """silu(gate) * up over columns `cols` of one row, rounded as _silu_and_mul_kernel rounds
     it (to the input dtype twice), returned in fp32: what quantize_fp8 would read."""
     mask = cols < d
     gate = tl.load(x_row + cols, mask=mask, other=0.0)
     up = tl.load(x_row + d + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    act = _silu_f32(gate.to(tl.float32), INTERPRETED).to(gate.dtype)
     return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
-
-
-@triton.jit
-def _quantize_block(v, scale, FP8_MAX: tl.constexpr, INTERPRETED: tl.constexpr):
-    # IEEE division, as quantize_fp8's kernel: the float8 bits then equal the reference's.
-    q = tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX, FP8_MAX)
-    if INTERPRETED:
-        q = round_to_e4m3_grid(q)
-    return q
 
 
 @triton.jit
@@ -121,14 +137,14 @@ def _silu_and_mul_quant_fp8_kernel(
     out_row = out_ptr + row * stride_out
     if ONE_PASS:
         cols = tl.arange(0, BLOCK)
-        v = _silu_mul_block(x_row, cols, d)
+        v = _silu_mul_block(x_row, cols, d, INTERPRETED)
         if DYNAMIC:
             absmax = tl.max(tl.where(cols < d, tl.abs(v), 0.0), 0)
             scale = tl.maximum(tl.math.div_rn(absmax, FP8_MAX), MIN_SCALE)
             tl.store(scale_ptr + row, scale)
         else:
             scale = tl.load(scale_ptr)
-        q = _quantize_block(v, scale, FP8_MAX, INTERPRETED)
+        q = scaled_to_e4m3(v, scale, tl.math.div_rn(1.0, scale), DYNAMIC, FP8_MAX, INTERPRETED)
         tl.store(out_row + cols, q.to(out_ptr.dtype.element_ty), mask=cols < d)
     else:
         if DYNAMIC:
@@ -136,15 +152,17 @@ def _silu_and_mul_quant_fp8_kernel(
             absmax = tl.zeros((BLOCK,), dtype=tl.float32)
             for start in range(0, d, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
-                v = _silu_mul_block(x_row, cols, d)
+                v = _silu_mul_block(x_row, cols, d, INTERPRETED)
                 absmax = tl.maximum(absmax, tl.where(cols < d, tl.abs(v), 0.0))
             scale = tl.maximum(tl.math.div_rn(tl.max(absmax, 0), FP8_MAX), MIN_SCALE)
             tl.store(scale_ptr + row, scale)
         else:
             scale = tl.load(scale_ptr)
+        inv_scale = tl.math.div_rn(1.0, scale)
         for start in range(0, d, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            q = _quantize_block(_silu_mul_block(x_row, cols, d), scale, FP8_MAX, INTERPRETED)
+            v = _silu_mul_block(x_row, cols, d, INTERPRETED)
+            q = scaled_to_e4m3(v, scale, inv_scale, DYNAMIC, FP8_MAX, INTERPRETED)
             tl.store(out_row + cols, q.to(out_ptr.dtype.element_ty), mask=cols < d)
 
 

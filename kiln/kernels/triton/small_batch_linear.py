@@ -34,7 +34,7 @@ import triton.language as tl
 from kiln.envs import envs
 from kiln.kernels.triton import fp8_gemm, small_batch_tiles, split_k
 from kiln.kernels.triton._device import dot_precision
-from kiln.kernels.triton.fp8_gemm import round_to_e4m3_grid
+from kiln.kernels.triton.fp8_gemm import scaled_to_e4m3
 from kiln.kernels.triton.rms_norm import add_rms_norm_quant_fp8, fused_add_rms_norm, rms_norm
 from kiln.kernels.triton.silu_mul import silu_and_mul, silu_and_mul_quant_fp8
 
@@ -76,13 +76,13 @@ def _dot_step(a, w_rows, w_rows_hi, k_offsets, w_mask, acc, acc_hi, PAIRED: tl.c
 
 
 @triton.jit
-def _quantize(v, scale, FP8_DOT: tl.constexpr, FP8_MAX: tl.constexpr, INTERPRETED: tl.constexpr):
-    """fp32 activations as the float8 dot operand: v / scale saturated at +-448, rounded to e4m3
-    (IEEE division, as quantize_fp8's kernel, so the float8 bits equal the reference's); widened
-    to fp16 (exact) unless the dot takes float8 itself."""
-    q = tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX, FP8_MAX)
-    if INTERPRETED:
-        q = round_to_e4m3_grid(q)
+def _quantize(v, scale, inv_scale, DYNAMIC: tl.constexpr, FP8_DOT: tl.constexpr,
+              FP8_MAX: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    """fp32 activations as the float8 dot operand: the IEEE quotient v / scale from the scale's
+    reciprocal (inv_scale, div_rn once a row: fp8_gemm.scaled_to_e4m3, as
+    reference.quantize_fp8, so the float8 bits equal the reference's), saturated at +-448,
+    rounded to e4m3; widened to fp16 (exact) unless the dot takes float8 itself."""
+    q = scaled_to_e4m3(v, scale, inv_scale, DYNAMIC, FP8_MAX, INTERPRETED)
     q = q.to(tl.float8e4nv)
     if not FP8_DOT:
         q = q.to(tl.float16)
@@ -138,7 +138,7 @@ def _project(
     if PROLOGUE == 0 and (QUANT == 1 or QUANT == 2):
         # One row quantized here (batch-1 decode: no kernel of its own for it). The row is a
         # [BLOCK_K] vector, put into row 0 of the dot's tile: quantizing a [BLOCK_M, BLOCK_K]
-        # tile would do the arithmetic (an IEEE division per value) for 16 rows.
+        # tile would do the arithmetic (a quotient per value) for 16 rows.
         first_row = rows[:, None] == 0
         if QUANT == 1:
             absmax = tl.zeros([STATS_BLOCK], dtype=tl.float32)
@@ -148,10 +148,11 @@ def _project(
             scale = tl.maximum(tl.math.div_rn(tl.max(absmax, 0), FP8_MAX), MIN_SCALE)
         else:
             scale = tl.load(in_scale_ptr)
+        inv_scale = tl.math.div_rn(1.0, scale)  # once: each value is multiplied by it
         for k in range(k_start, k_stop, BLOCK_K):
             k_mask = (k + ks) < K
             v = tl.load(x_ptr + k + ks, mask=k_mask, other=0.0).to(tl.float32)
-            q = _quantize(v, scale, FP8_DOT, FP8_MAX, INTERPRETED)
+            q = _quantize(v, scale, inv_scale, QUANT == 1, FP8_DOT, FP8_MAX, INTERPRETED)
             a = tl.where(first_row, q[None, :], 0.0).to(q.dtype)
             acc, acc_hi = _dot_step(
                 a, w_rows, w_rows_hi, k + ks, col_mask[:, None] & k_mask[None, :], acc, acc_hi,
@@ -219,6 +220,7 @@ def _project(
             scale = tl.maximum(tl.math.div_rn(absmax, FP8_MAX), MIN_SCALE)
         else:
             scale = tl.load(in_scale_ptr)
+        inv_scale = tl.math.div_rn(1.0, scale)
         for k in range(k_start, k_stop, BLOCK_K):
             k_mask = (k + ks) < K
             xa, xb, nw = _load_input_chunk(
@@ -228,7 +230,7 @@ def _project(
             if PROLOGUE == 2:
                 h32 = (xa.to(tl.float32) + xb.to(tl.float32)).to(dtype).to(tl.float32)
             normed = ((h32 * inv_rms).to(dtype) * nw.to(dtype)).to(tl.float32)
-            q = _quantize(normed, scale, FP8_DOT, FP8_MAX, INTERPRETED)
+            q = _quantize(normed, scale, inv_scale, QUANT == 1, FP8_DOT, FP8_MAX, INTERPRETED)
             a = tl.where(first_row, q[None, :], 0.0).to(q.dtype)
             acc, acc_hi = _dot_step(
                 a, w_rows, w_rows_hi, k + ks, col_mask[:, None] & k_mask[None, :], acc, acc_hi,
