@@ -206,7 +206,7 @@ def _fma_corrected(x: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor) -> t
     """fp8_gemm.scaled_to_e4m3's GPU arithmetic, step by step in fp32."""
     q = (x * inv).clamp(-2 * 448.0, 2 * 448.0)
     r = _fma(q, scale.expand_as(q), -x)
-    return _fma(-r, inv.expand_as(q), q).clamp(-448.0, 448.0)
+    return _fma(r, -inv.expand_as(q), q).clamp(-448.0, 448.0)
 
 
 def _bf16_values(low: float, high: float) -> torch.Tensor:
@@ -227,6 +227,10 @@ def test_the_fma_corrected_quotient_is_the_division_at_every_bf16_ratio() -> Non
     x = torch.where(x.abs() <= absmax[:, None], x, 0.0)
     by_division = _codes(x / scale)
     assert torch.equal(_codes(_fma_corrected(x, scale, inv)), by_division)
+    zeros = torch.tensor([0.0, -0.0])
+    assert torch.equal(
+        _codes(_fma_corrected(zeros, scale[0], inv[0])), torch.tensor([0, 0x80]).byte()
+    )
     ties_moved = int((_codes(x * inv) != by_division).sum())
     assert ties_moved > 100  # the bare product does differ here (the case the formula is for)
 

@@ -51,13 +51,14 @@ def scaled_to_e4m3(v, scale, inv_scale, DYNAMIC: tl.constexpr, FP8_MAX: tl.const
     2 FFMA a value instead of div_rn's ~12 instructions (its FCHK range check and slow path).
 
     q = v * inv_scale is within an ulp or two of the quotient, r = fma(q, scale, -v) is exactly
-    its remainder (negated), and fma(-r, inv_scale, q) the correctly rounded quotient
+    its remainder (negated), and fma(r, -inv_scale, q) the correctly rounded quotient
     (Markstein's final correction). The bare product would not do: bf16 activations over a
     bf16 absmax / 448 often land exactly on an e4m3 midpoint, where the quotient rounds half to
     even and the product, an ulp off, mostly away from zero; that bias cost SmolLM2 ~1 point of
     perplexity (benchmarks/results/2026-12-02-cpu-quant-reciprocal). The signs are arranged so
-    -0 stays -0. With a static scale q is clamped first, so that an overflow cannot make
-    inf - inf; a dynamic scale (the row's absmax / 448) bounds q by 448 already.
+    -0 stays -0 (r is +0 there, and +0 * -inv_scale + -0 is -0). With a static scale q is
+    clamped first, so that an overflow cannot make inf - inf; a dynamic scale (the row's
+    absmax / 448) bounds q by 448 already.
     tests/test_fp8_reciprocal.py checks the formula against the division at every bf16 ratio.
     The interpreter divides (numpy's division is IEEE; an emulated fma may round twice)."""
     if INTERPRETED:
@@ -66,7 +67,10 @@ def scaled_to_e4m3(v, scale, inv_scale, DYNAMIC: tl.constexpr, FP8_MAX: tl.const
         q = v * inv_scale
         if not DYNAMIC:
             q = tl.clamp(q, -2 * FP8_MAX, 2 * FP8_MAX)
-        q = tl.clamp(tl.fma(-tl.fma(q, scale, -v), inv_scale, q), -FP8_MAX, FP8_MAX)
+        # v * -1.0, not -v: Triton lowers -v to 0 - v, which loses -0 (LLVM turns the product
+        # into a sign flip that folds into the FFMA).
+        r = tl.fma(q, scale, v * -1.0)
+        q = tl.clamp(tl.fma(r, inv_scale * -1.0, q), -FP8_MAX, FP8_MAX)
     return q
 
 
