@@ -3,18 +3,22 @@
 ASTSource -> cubin for GPUTarget("cuda", 90, 64), then the bundled nvdisasm and cuobjdump.
 
 At Llama-3.1-8B's constexprs (8 KV heads, GROUP 4, PACK 4, head_dim 128, block_size 16, bf16
-query, fp16 dots, split) and the tiles the engine launches on the H200 (keys a sub-tile, warps,
-stages): (16, 1, 2) at many programs an SM, (32, 2, 2) at 2-11, (16, 4, 2) below. For each: the
-registers a thread, local-memory stores and loads (spills), and the instructions of the main loop
-divided by the keys one trip visits (PACK * BLOCK_N), total and by opcode class. The main loop is
-the longest backward branch's body; with the unmasked/masked loop split (MASK_TAIL) that is the
-unmasked loop, and the masked tail's body is counted apart. Counts are of the code as compiled (a
-loop body counts once, issue per warp), so they compare versions of the kernel at one tile.
+query, fp16 dots, split) for each key loop (VARIANTS: the kernel's LOOP 1, 2, 3) and tile (keys a
+sub-tile, warps, stages[, maxnreg]; TILES: decode_attention._packed_tile_config's (16, 1, 2) at
+many programs an SM, (32, 2, 2) at 2-11, (16, 4, 2) below): registers a thread, shared memory,
+local-memory stores and loads (spills), and the main loop's instructions (the longest backward
+branch holding HMMAs; with LOOP 2/3 the unmasked loop, its masked last trip apart) divided by the
+keys a trip visits (PACK * BLOCK_N), total and by opcode class; `per_key_skipped` leaves out the
+forward-branched blocks inside the loop (LOOP 2/3: the accumulator's rescale, skipped on trips
+where no row's maximum grew). Counts are of the code as compiled (a loop body counts once, per
+warp: multiply by the warps to compare tiles), so they compare versions of the kernel at one
+tile.
 
 Run it with Triton 3.6 (the H200's version), e.g.
   python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install -q triton==3.6.0 torch==2.13.0 pyelftools
   PYTHONPATH=. /tmp/t36/bin/python benchmarks/decode_packed_sass_count.py --out counts.json
-Options: --variant NAME (default: every variant in VARIANTS), --sass-dir DIR (the listings).
+Options: --variant loop2 (repeatable; default all), --tile 16,1,2[,224] (repeatable; default
+TILES), --sass-dir DIR (the listings).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
 
 Each of the packed kernel's key loops (--loops, default 1,2,3: decode_attention.PACKED_LOOP; 1 is
 the first version, 2 the default, benchmarks/results/2026-12-03-cpu-decode-packed-sass/) at its
-default tile and over every tile, the new loops also under register caps (CAPPED_TILES). --smoke
+default tile and over every tile, the new loops also over NEW_TILES (8-key sub-tiles, register
+caps). --smoke
 runs the whole script on the CPU under the Triton interpreter at one tiny shape, two tiles, an
 fp16 query (the interpreter cannot run the bf16 query's inline-PTX widening) and wall-clock
 "times" (meaningless as times: a check that the script and every loop run end to end).
@@ -43,10 +44,18 @@ from kiln.kernels.triton import decode_attention as da
 # 1000/1000's and 2048/128's decode rows, 128/128's, a long context, a short one, batch 1.
 SHAPES = [(768, 1500), (384, 1500), (512, 192), (64, 4096), (32, 1024), (1, 1024)]
 PACKED_TILES = list(itertools.product((16, 32), (1, 2, 4), (1, 2, 3)))
-# The new loops' tiles with a register cap: LOOP 2 at (16, 1, 1) holds 242 registers uncapped
-# (8 one-warp programs an SM), 218 under a 224 cap without spills (9, today's occupancy: its
-# 24 KB of shared memory allow 9); benchmarks/results/2026-12-03-cpu-decode-packed-sass/.
-CAPPED_TILES = [(16, 1, 1, 224), (16, 1, 2, 224), (16, 1, 1, 200)]
+# Tiles only the new loops run (LOOP 1's per-sub-tile P @ V needs BLOCK_N >= 16), some with a
+# register cap (a fourth element, maxnreg). One warp a program was best on 2026-12-02 where the
+# grid fills the SMs many times over, and occupancy mattered (today's (16, 1, 2): 9 programs an
+# SM, 630 us at 768 x 1.5k; (32, 1, 2), 5 an SM: 949). Compiled for sm_90 (benchmarks/results/
+# 2026-12-03-cpu-decode-packed-sass/): LOOP 2 at (16, 1, 2) holds 36 KB of shared memory (6
+# programs an SM); (16, 1, 1, 224) 20 KB and 218 registers (9, no prefetch); (8, 1, 2) 20 KB
+# and 230 registers (8; 9 at 224, 10 at 200), 16.2 instructions a key (14.0 skipping the
+# rescale) against (16, 1, 2)'s 13.5 (12.4).
+NEW_TILES = [
+    (16, 1, 1, 224), (16, 1, 2, 224), (16, 1, 1, 200),
+    (8, 1, 2), (8, 1, 2, 224), (8, 1, 2, 200), (8, 1, 3), (8, 2, 2), (32, 2, 1),
+]  # fmt: skip
 
 
 def time_ms(calls: list) -> float:
@@ -72,9 +81,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU, interpreter, one tiny shape")
     args = parser.parse_args()
     loops = [int(x) for x in args.loops.split(",")]
-    shapes, tiles, capped = SHAPES, PACKED_TILES, CAPPED_TILES
+    shapes, tiles, new_tiles = SHAPES, PACKED_TILES, NEW_TILES
     if args.smoke:
-        shapes, tiles, capped = [(2, 100)], [(16, 1, 2)], [(16, 1, 1, 224)]
+        shapes, tiles, new_tiles = [(2, 100)], [(16, 1, 2)], [(16, 1, 1, 224), (8, 1, 2)]
     if args.shapes:
         shapes = [tuple(int(v) for v in pair.split("x")) for pair in args.shapes.split(",")]
     PLACEMENT["mode"] = args.placement
@@ -113,7 +122,7 @@ def main() -> None:
             row["packed_default_err"] = errors(run(k8, v8), ref)
             for loop in loops:
                 da.PACKED_LOOP = loop
-                for tile in tiles + (capped if loop != 1 else []):
+                for tile in tiles + (new_tiles if loop != 1 else []):
                     entry: dict = {"loop": loop, "tile": list(tile)}
                     try:
                         with forced_tile_config(da, tile, "_packed_tile_config"):

@@ -52,8 +52,9 @@ HEADS_FIRST_GRID: bool | None = envs().decode_heads_first
 # on 2026-12-02, sixth run"). Module-level so the sweep measures both
 # (benchmarks/decode_packed_sweep.py); KILN_DECODE_PACKED=0 for an end-to-end A/B.
 PACKED: bool = envs().decode_packed
-# The packed kernel's key loop (decode_attention_packed's LOOP; module-level so the sweep measures
-# each in one process; KILN_DECODE_PACKED_LOOP=1 for the first version, the end-to-end A/B).
+# The packed kernel's key loop (decode_attention_packed's LOOP): 1 until the new loops (2, 3) and
+# their tiles are timed on an H200. Module-level so the sweep measures each in one process;
+# KILN_DECODE_PACKED_LOOP=2 for the end-to-end A/B.
 PACKED_LOOP: int = envs().decode_packed_loop
 
 

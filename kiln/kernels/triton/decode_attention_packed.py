@@ -216,7 +216,7 @@ def _decode_packed_kernel(
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
     HEADS_FIRST: tl.constexpr,
-    LOOP: tl.constexpr = 2,  # the key loop (see the module's docstring): 1, 2 or 3
+    LOOP: tl.constexpr = 1,  # the key loop (see the module's docstring): 1, 2 or 3
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
