@@ -242,7 +242,9 @@ def test_decode_attention_packed(
     assert calls, "the packed kernel did not run"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=on_gpu)]
+)
 def test_decode_attention_packed_loops_agree(monkeypatch, dtype: torch.dtype) -> None:
     # The packed kernel's key loops compute the same attention: the same products, sums in the
     # same order but for the interpreter's whole-tile dots (on the GPU, P @ V over a tile is the
@@ -259,7 +261,7 @@ def test_decode_attention_packed_loops_agree(monkeypatch, dtype: torch.dtype) ->
         outs[loop] = paged_decode_attention_splits(
             query, k_cache, v_cache, tables, lens, 0.25, max(seq_lens), 3
         ).float()
-    tol = {torch.float32: 1e-6, torch.float16: 1e-3}[dtype]
+    tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
     torch.testing.assert_close(outs[2], outs[1], atol=tol, rtol=0)
     torch.testing.assert_close(outs[3], outs[2], atol=tol, rtol=0)
 
@@ -456,6 +458,18 @@ def test_fp8_to_fp16_conversion_is_exact() -> None:
     assert torch.equal(fp8_to_fp16(every), every.to(torch.float16))
     odd = every[:253]  # a length that is not a multiple of the four-value packing
     assert torch.equal(fp8_to_fp16(odd), odd.to(torch.float16))
+
+
+@on_gpu
+@pytest.mark.parametrize("loop", [1, 2, 3], ids=["loop1", "loop2", "loop3"])
+def test_decode_attention_packed_llama8b_loops(monkeypatch, loop: int) -> None:
+    # Each packed key loop at real shapes with a bf16 query (fp16 dots, the inline-PTX widening
+    # the interpreter cannot run): batch 1 at 4k (split-K) and a batch of 64 mixed lengths.
+    monkeypatch.setattr(decode_attention, "PACKED", True)
+    monkeypatch.setattr(decode_attention, "PACKED_LOOP", loop)
+    _check_decode([4096], 32, 8, 128, 16, torch.bfloat16, None, cache_dtype=FP8)
+    lens = torch.randint(1, 4097, (64,), generator=torch.Generator().manual_seed(5)).tolist()
+    _check_decode(lens, 32, 8, 128, 16, torch.bfloat16, None, seed=5, cache_dtype=FP8)
 
 
 @on_gpu
