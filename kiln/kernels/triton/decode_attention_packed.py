@@ -29,7 +29,7 @@ on every key. Compiled for sm_90 (Triton 3.6, Llama-3.1-8B, one warp of 16-key s
 issues 20.2 instructions a key, 300 of its 1294 a trip register moves: q is re-read from shared
 memory for each of the PACK dots (a dot operand is not kept in registers across the loop) and,
 its 64-bit reads holding halves of two tensor-core fragments (K, widened after its 8-bit
-shared-memory load, sets the operands' k-width to 4), re-assembled for each HMMA; 578 more are
+shared-memory load, sets the operands' k-width to 4), re-assembled for each HMMA; 277 more are
 integer work, mostly the per-key masks and addresses. LOOP 2 (benchmarks/
 decode_packed_sass_count.py; benchmarks/results/2026-12-03-cpu-decode-packed-sass/): 13.5 a key,
 12.4 on a trip that skips the rescale:
