@@ -35,13 +35,6 @@ class Envs:
     decode_attention_packed: a program's keys in sub-partitions side by side in tl.dot's padded
     rows) where it applies; off (0) runs the unpacked kernel, the end-to-end A/B
     (kernels.triton.decode_attention reads it at import)."""
-    decode_packed_loop: int = 1
-    """The packed decode kernel's key loop (kernels.triton.decode_attention_packed, LOOP): 1, the
-    measured first version (PACK dots a trip, masks on every key); 2, one dot for the scores and
-    one for P @ V a trip, unmasked trips, the rescale skipped where no maximum grew (a third fewer
-    instructions a key, more shared memory: not yet timed on a GPU); 3, 2 with K widened after
-    its shared-memory load. 2 or 3 is the A/B (kernels.triton.decode_attention reads it at
-    import)."""
     fused_linear_max_rows: int = 8
     """Most rows the fused small-batch linear kernels take (above it cuBLAS's GEMM tiles win). 0
     turns them off, the benchmarks' A/B switch; kernels.triton.small_batch_linear reads it at

@@ -52,10 +52,6 @@ HEADS_FIRST_GRID: bool | None = envs().decode_heads_first
 # on 2026-12-02, sixth run"). Module-level so the sweep measures both
 # (benchmarks/decode_packed_sweep.py); KILN_DECODE_PACKED=0 for an end-to-end A/B.
 PACKED: bool = envs().decode_packed
-# The packed kernel's key loop (decode_attention_packed's LOOP): 1 until the new loops (2, 3) and
-# their tiles are timed on an H200. Module-level so the sweep measures each in one process;
-# KILN_DECODE_PACKED_LOOP=2 for the end-to-end A/B.
-PACKED_LOOP: int = envs().decode_packed_loop
 
 
 @triton.jit
@@ -472,11 +468,9 @@ def _packed_decode(
     """paged_decode_attention_splits through decode_attention_packed's kernel."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    # A tile may name a register cap (maxnreg) as a fourth element (the sweep's tiles do).
-    block_n, num_warps, num_stages, *maxnreg = _packed_tile_config(
+    block_n, num_warps, num_stages = _packed_tile_config(
         block_size, query.device, num_seqs * num_kv_heads * num_splits
     )
-    caps = {"maxnreg": maxnreg[0]} if maxnreg and maxnreg[0] else {}
     split = num_splits > 1
     part_out, part_lse = _split_buffers(query, num_splits) if split else (out, out)
     grid = _grid(num_seqs, num_kv_heads, num_splits, heads_first)
@@ -503,10 +497,8 @@ def _packed_decode(
         DOT_PRECISION=dot_precision(query.dtype),
         FP16_DOTS=fp16_dots(query, k_cache),
         HEADS_FIRST=heads_first,
-        LOOP=PACKED_LOOP,
         num_warps=num_warps,
         num_stages=num_stages,
-        **caps,
     )
     if split:
         _reduce(part_out, part_lse, seq_lens, out, num_splits, pack * block_n)

@@ -22,29 +22,6 @@ splits. Rows whose sub-partition has no key yet keep m = -inf and l = 0 and weig
 
 When a cache block holds whole sub-tiles (block_size a multiple of BLOCK_N), a sub-tile's keys are
 one block: its block id is one scalar load instead of a gather per key.
-
-LOOP selects the key loop (same results; an A/B switch, decode_attention.PACKED_LOOP). LOOP 1, the
-first version: PACK dots of [ROWS, BLOCK_N] a trip, each multiplying the whole query tile, a mask
-on every key. Compiled for sm_90 (Triton 3.6, Llama-3.1-8B, one warp of 16-key sub-tiles) it
-issues 20.2 instructions a key, 300 of its 1294 a trip register moves: q is re-read from shared
-memory for each of the PACK dots (a dot operand is not kept in registers across the loop) and,
-its 64-bit reads holding halves of two tensor-core fragments (K, widened after its 8-bit
-shared-memory load, sets the operands' k-width to 4), re-assembled for each HMMA; 277 more are
-integer work, mostly the per-key masks and addresses. LOOP 2 (benchmarks/
-decode_packed_sass_count.py; benchmarks/results/2026-12-03-cpu-decode-packed-sass/): 13.5 a key,
-12.4 on a trip that skips the rescale:
-- one [ROWS, PACK * BLOCK_N] dot for the scores and one [ROWS, PACK * BLOCK_N] x [PACK * BLOCK_N,
-  HEAD_DIM] dot for P @ V a trip (q read once, its fragments straight from ldmatrix: K is
-  widened to fp16 right after its global load, as V is, so both operands have k-width 2);
-- rows mapped so that the two rows an mma thread holds (g and g + 8) belong to one
-  sub-partition: the P operand's zeros are whole fragments chosen per lane, not constants the
-  compiler copies into every HMMA's operand registers;
-- each row's own scores picked by multiplying by a 0 / qk_scale table (exact: x * 0 adds 0);
-- the accumulator's rescale skipped when no row's maximum grew (alpha is exactly 1 then);
-- the trips that lie wholly before `end` run without masks, one masked trip after them;
-- whole cache blocks of keys addressed by one block id each.
-LOOP 3 is LOOP 2 with K widened after its shared-memory load (fewer shared-memory bytes a key,
-~100 register moves back for q's fragments).
 """
 
 from __future__ import annotations
@@ -78,118 +55,6 @@ def _sub_tile(
 
 
 @triton.jit
-def _tile(
-    cache_ptr, block_table, n_start, end, head_offset, dims,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    TILE: tl.constexpr, MASKED: tl.constexpr,
-):  # fmt: skip
-    """Keys [n_start, n_start + TILE) of one KV head, [TILE, HEAD_DIM] raw from the cache (zeros
-    past `end` when MASKED; unmasked, every key lies before `end`); n_start is a multiple of
-    TILE."""
-    ROW: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
-    if BLOCK_SIZE % TILE == 0:
-        # The tile lies in one cache block: one scalar block id.
-        if MASKED:
-            block_id = tl.load(block_table + n_start // BLOCK_SIZE, mask=n_start < end, other=0)
-        else:
-            block_id = tl.load(block_table + n_start // BLOCK_SIZE)
-        n = n_start + tl.arange(0, TILE)
-        slots = block_id.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
-        offsets = slots[:, None] * ROW + head_offset + dims[None, :]
-        if MASKED:
-            return tl.load(cache_ptr + offsets, mask=(n < end)[:, None], other=0.0)
-        return tl.load(cache_ptr + offsets)
-    if TILE % BLOCK_SIZE == 0:
-        # Whole cache blocks (n_start is a multiple of TILE, so of BLOCK_SIZE): one block id a
-        # block, a scalar base pointer each, the same offsets within every block.
-        offs_b = tl.arange(0, TILE // BLOCK_SIZE)
-        offs_s = tl.arange(0, BLOCK_SIZE)
-        if MASKED:
-            block_ids = tl.load(
-                block_table + n_start // BLOCK_SIZE + offs_b,
-                mask=n_start + offs_b * BLOCK_SIZE < end, other=0,
-            )  # fmt: skip
-        else:
-            block_ids = tl.load(block_table + n_start // BLOCK_SIZE + offs_b)
-        base = cache_ptr + block_ids.to(tl.int64) * (BLOCK_SIZE * ROW)
-        within = offs_s[:, None] * ROW + head_offset + dims[None, :]
-        ptrs = base[:, None, None] + within[None, :, :]
-        if MASKED:
-            n = n_start + offs_b[:, None, None] * BLOCK_SIZE + offs_s[None, :, None]
-            raw = tl.load(ptrs, mask=n < end, other=0.0)
-        else:
-            raw = tl.load(ptrs)
-        return tl.reshape(raw, [TILE, HEAD_DIM])
-    n = n_start + tl.arange(0, TILE)
-    if MASKED:
-        block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n < end, other=0)
-    else:
-        block_ids = tl.load(block_table + n // BLOCK_SIZE)
-    slots = block_ids.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
-    offsets = slots[:, None] * ROW + head_offset + dims[None, :]
-    if MASKED:
-        return tl.load(cache_ptr + offsets, mask=(n < end)[:, None], other=0.0)
-    return tl.load(cache_ptr + offsets)
-
-
-@triton.jit
-def _packed_step(
-    q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table, n_start, end, head_offset, dims,
-    sub_of_row, qk_scale,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr, K_EARLY: tl.constexpr,
-    MASKED: tl.constexpr,
-):  # fmt: skip
-    """LOOP 2's trip over keys [n_start, n_start + PACK * BLOCK_N): (acc, m_i, l_i) updated.
-    MASKED for the one trip that may reach past `end`. K_EARLY: K widened by fp8e4m3_to_fp16
-    right after its global load (else by Triton after its shared-memory load)."""
-    ROWS: tl.constexpr = PACK * GROUP
-    TILE: tl.constexpr = PACK * BLOCK_N
-    k = _tile(
-        k_cache_ptr, block_table, n_start, end, head_offset, dims, NUM_KV_HEADS, HEAD_DIM,
-        BLOCK_SIZE, TILE, MASKED,
-    )  # fmt: skip
-    if FP16_DOTS and K_EARLY:  # noqa: SIM108 (resolved at compile time)
-        k = fp8e4m3_to_fp16(k)
-    else:
-        k = k.to(q.dtype)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [ROWS, TILE]
-    # Row r keeps columns [sub * BLOCK_N, (sub + 1) * BLOCK_N) of its sub-partition `sub`: a sum
-    # over sub-partitions weighted qk_scale for its own and 0 for the others' (finite scores, so
-    # each product with 0 adds exactly 0: the same value as selecting, scaled, in FMAs).
-    own = sub_of_row[:, None, None] == tl.arange(0, PACK)[None, :, None]  # [ROWS, PACK, 1]
-    s = tl.sum(tl.reshape(scores, [ROWS, PACK, BLOCK_N]) * tl.where(own, qk_scale, 0.0), 1)
-    if MASKED:
-        n = n_start + sub_of_row[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        s = tl.where(n < end, s, float("-inf"))
-    # The online softmax, safe for rows with no key yet (m stays -inf: they weigh nothing).
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_use[:, None])
-    # Where no row's maximum grew, alpha is exp2(0) = 1 (or 0 on rows still empty, whose l and
-    # acc are 0): the rescale changes nothing, and one uniform branch skips it.
-    if tl.max((m_new > m_i).to(tl.int32), 0) != 0:
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha
-        acc = acc * alpha[:, None]
-    l_i = l_i + tl.sum(p, 1)
-    v = _tile(
-        v_cache_ptr, block_table, n_start, end, head_offset, dims, NUM_KV_HEADS, HEAD_DIM,
-        BLOCK_SIZE, TILE, MASKED,
-    )  # fmt: skip
-    if FP16_DOTS:  # noqa: SIM108 (resolved at compile time)
-        v = fp8e4m3_to_fp16(v)  # not v.to(tl.float16): see _fp8.py
-    else:
-        v = v.to(q.dtype)
-    # P over the whole tile: row r's probabilities in its own sub-partition's columns, zeros in
-    # the others' (the same multiply-adds as one dot a sub-partition, in one dot).
-    p_full = tl.reshape(tl.where(own, p[:, None, :], 0.0), [ROWS, TILE]).to(v.dtype)
-    acc = tl.dot(p_full, v, acc, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit
 def _decode_packed_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
@@ -216,7 +81,6 @@ def _decode_packed_kernel(
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
     HEADS_FIRST: tl.constexpr,
-    LOOP: tl.constexpr = 1,  # the key loop (see the module's docstring): 1, 2 or 3
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -234,19 +98,13 @@ def _decode_packed_kernel(
     end = tl.minimum(start + partition_size, seq_len)
 
     ROWS: tl.constexpr = PACK * GROUP
-    # Row r = (hi * PACK + sub) * SPAN + c holds head hi * SPAN + c of sub-partition `sub`.
-    # LOOP 1: SPAN = GROUP (hi = 0: row r is head r % GROUP of sub-partition r // GROUP). LOOP 2
-    # and 3: SPAN = 8 / PACK, so that rows g and g + 8, the two an mma thread holds, share a
-    # sub-partition.
-    SPAN: tl.constexpr = 8 // PACK if LOOP != 1 and ROWS == 16 and PACK <= 8 else GROUP
     rows = tl.arange(0, ROWS)
-    sub_of_row = rows % (PACK * SPAN) // SPAN
-    head_of_row = rows // (PACK * SPAN) * SPAN + rows % SPAN
+    sub_of_row = rows // GROUP
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(
         q_ptr
         + seq.to(tl.int64) * stride_q_seq
-        + (kv_head * GROUP + head_of_row)[:, None] * stride_q_head
+        + (kv_head * GROUP + rows % GROUP)[:, None] * stride_q_head
         + dims[None, :]
     )
     if FP16_DOTS:
@@ -258,64 +116,44 @@ def _decode_packed_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     head_offset = kv_head * HEAD_DIM
-    if LOOP == 1:
-        for n_start in range(start, end, PACK * BLOCK_N):
-            s = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-            for sub in tl.static_range(PACK):
-                k = _sub_tile(
-                    k_cache_ptr, block_table, n_start + sub * BLOCK_N, offs_n, end, head_offset,
-                    dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                )  # fmt: skip
-                scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-                s = tl.where((sub_of_row == sub)[:, None], scores, s)
-            n = n_start + sub_of_row[:, None] * BLOCK_N + offs_n[None, :]
-            s = tl.where(n < end, s * qk_scale, float("-inf"))  # [ROWS, BLOCK_N]
-            # The online softmax, safe for rows with no key yet (m stays -inf: they weigh nothing).
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
-            acc = acc * alpha[:, None]
-            for sub in tl.static_range(PACK):
-                v_raw = _sub_tile(
-                    v_cache_ptr, block_table, n_start + sub * BLOCK_N, offs_n, end, head_offset,
-                    dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                )  # fmt: skip
-                if FP16_DOTS:  # noqa: SIM108 (resolved at compile time)
-                    v = fp8e4m3_to_fp16(v_raw)  # not v.to(tl.float16): see _fp8.py
-                else:
-                    v = v_raw.to(q.dtype)
-                p_sub = tl.where((sub_of_row == sub)[:, None], p, 0.0).to(v.dtype)
-                acc = tl.dot(p_sub, v, acc, input_precision=DOT_PRECISION)
-    else:
-        # Trips wholly before `end` unmasked, then at most one masked trip (partitions are whole
-        # trips, so only a sequence's last one has a partial trip).
-        full_end = start + (end - start) // (PACK * BLOCK_N) * (PACK * BLOCK_N)
-        for n_start in range(start, full_end, PACK * BLOCK_N):
-            acc, m_i, l_i = _packed_step(
-                q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table, n_start, end,
-                head_offset, dims, sub_of_row, qk_scale, NUM_KV_HEADS, GROUP, PACK, HEAD_DIM,
-                BLOCK_SIZE, BLOCK_N, DOT_PRECISION, FP16_DOTS, LOOP == 2, False,
+    for n_start in range(start, end, PACK * BLOCK_N):
+        s = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        for sub in tl.static_range(PACK):
+            k = _sub_tile(
+                k_cache_ptr, block_table, n_start + sub * BLOCK_N, offs_n, end, head_offset,
+                dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
             )  # fmt: skip
-        if full_end < end:
-            acc, m_i, l_i = _packed_step(
-                q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table, full_end, end,
-                head_offset, dims, sub_of_row, qk_scale, NUM_KV_HEADS, GROUP, PACK, HEAD_DIM,
-                BLOCK_SIZE, BLOCK_N, DOT_PRECISION, FP16_DOTS, LOOP == 2, True,
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+            s = tl.where((sub_of_row == sub)[:, None], scores, s)
+        n = n_start + sub_of_row[:, None] * BLOCK_N + offs_n[None, :]
+        s = tl.where(n < end, s * qk_scale, float("-inf"))  # [ROWS, BLOCK_N]
+        # The online softmax, safe for rows with no key yet (m stays -inf: they weigh nothing).
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        acc = acc * alpha[:, None]
+        for sub in tl.static_range(PACK):
+            v_raw = _sub_tile(
+                v_cache_ptr, block_table, n_start + sub * BLOCK_N, offs_n, end, head_offset,
+                dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
             )  # fmt: skip
+            if FP16_DOTS:  # noqa: SIM108 (resolved at compile time)
+                v = fp8e4m3_to_fp16(v_raw)  # not v.to(tl.float16): see _fp8.py
+            else:
+                v = v_raw.to(q.dtype)
+            p_sub = tl.where((sub_of_row == sub)[:, None], p, 0.0).to(v.dtype)
+            acc = tl.dot(p_sub, v, acc, input_precision=DOT_PRECISION)
 
     # Merge each head's PACK rows: weights exp2(m_row - m_head), rows without keys weigh 0.
-    HI: tl.constexpr = GROUP // SPAN
-    m_rows = tl.reshape(m_i, [HI, PACK, SPAN])
-    m_head = tl.max(m_rows, 1)
+    m_rows = tl.reshape(m_i, [PACK, GROUP])
+    m_head = tl.max(m_rows, 0)
     m_head_use = tl.where(m_head == float("-inf"), 0.0, m_head)
-    weights = tl.where(m_rows == float("-inf"), 0.0, tl.exp2(m_rows - m_head_use[:, None, :]))
-    l_head = tl.reshape(tl.sum(tl.reshape(l_i, [HI, PACK, SPAN]) * weights, 1), [GROUP])
-    acc_rows = tl.reshape(acc, [HI, PACK, SPAN, HEAD_DIM])
-    acc_head = tl.reshape(tl.sum(acc_rows * weights[:, :, :, None], 1), [GROUP, HEAD_DIM])
-    m_head = tl.reshape(m_head, [GROUP])
+    weights = tl.where(m_rows == float("-inf"), 0.0, tl.exp2(m_rows - m_head_use[None, :]))
+    l_head = tl.sum(tl.reshape(l_i, [PACK, GROUP]) * weights, 0)
+    acc_head = tl.sum(tl.reshape(acc, [PACK, GROUP, HEAD_DIM]) * weights[:, :, None], 0)
     # Only an empty context (seq_len 0, unsplit) leaves l == 0: it writes zeros.
     nonempty = l_head > 0.0
     out = acc_head / tl.where(nonempty, l_head, 1.0)[:, None]

@@ -16,7 +16,7 @@ tile.
 
 Run it with Triton 3.6 (the H200's version), e.g.
   python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install -q triton==3.6.0 torch==2.13.0 pyelftools
-  PYTHONPATH=. /tmp/t36/bin/python benchmarks/decode_packed_sass_count.py --out counts.json
+  PYTHONPATH=. /tmp/t36/bin/python benchmarks/results/2026-12-03-cpu-decode-packed-sass/decode_packed_sass_count.py --out counts.json
 Options: --variant loop2 (repeatable; default all), --tile 16,1,2[,224] (repeatable; default
 TILES), --sass-dir DIR (the listings).
 """
