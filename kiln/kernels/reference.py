@@ -341,9 +341,9 @@ def quantize_fp8(
     as the float8 KV path (to_cache_dtype) does, rather than overflowing to NaN.
 
     x / scale is the IEEE quotient. The Triton kernels get the same quotient from the scale's
-    reciprocal and one FMA correction (fp8_gemm.scaled_to_e4m3), not a division per value;
-    a bare x * (1 / scale) would break exact ties (frequent with bf16 activations) away from
-    zero and cost SmolLM2 ~1 point of perplexity (results/2026-12-02-cpu-quant-reciprocal)."""
+    reciprocal and two FMAs (fp8_gemm.scaled_to_e4m3), not a division per value; a bare
+    x * (1 / scale) would break exact ties (frequent with bf16 activations) away from zero and
+    cost SmolLM2 ~1 point of perplexity (benchmarks/results/2026-12-02-cpu-quant-reciprocal)."""
     x32 = x.float()
     if scale is None:
         absmax = x32.abs().amax(dim=-1, keepdim=True)
