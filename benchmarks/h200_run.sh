@@ -172,6 +172,11 @@ for s in "$@"; do
             --output-len 128 --num-requests 3000 --max-num-seqs 512 --max-num-batched-tokens 16384 \
             --max-model-len 2176 --warmup 12 --output-json "$OUT/tput2048_16k$SFX.json"
         ;;
+    tput2048-32k)  # ... and with 32768-token steps (16 prompts a step)
+        stage tput2048-32k 330 $BENCH throughput $COMMON $VARIANT --input-len 2048 \
+            --output-len 128 --num-requests 3000 --max-num-seqs 512 --max-num-batched-tokens 32768 \
+            --max-model-len 2176 --warmup 12 --output-json "$OUT/tput2048_32k$SFX.json"
+        ;;
     tput2048-short)  # the same with 256 requests (tput2048 before it took TensorRT-LLM's 3000): one wave and its tail
         stage tput2048-short 170 $BENCH throughput $COMMON $VARIANT --input-len 2048 --output-len 128 \
             --num-requests 256 --max-num-seqs 256 --max-num-batched-tokens 8192 \

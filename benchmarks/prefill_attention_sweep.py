@@ -27,9 +27,12 @@ SHAPES = {  # name: (prompt lengths, cached prefix per prompt)
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
 
-def make_inputs(lens: list[int], prefix: int) -> tuple:
+def make_inputs(lens: list[int], prefix: int | list[int]) -> tuple:
+    """A paged bf16 cache holding each chunk's prefix and itself (blocks in random order), and
+    the queries; `prefix` is one cached prefix length for every chunk, or one per chunk."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    seq_lens = [n + prefix for n in lens]
+    prefixes = prefix if isinstance(prefix, list) else [prefix] * len(lens)
+    seq_lens = [n + p for n, p in zip(lens, prefixes, strict=True)]
     blocks_per_seq = [-(-s // BLOCK_SIZE) for s in seq_lens]
     num_blocks = sum(blocks_per_seq)
     shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)

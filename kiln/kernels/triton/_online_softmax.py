@@ -18,3 +18,16 @@ def online_softmax_update(acc, l_i, m_i, s, v, DOT_PRECISION: tl.constexpr):
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, l_i, m_new
+
+
+@triton.jit
+def online_softmax_update_unscaled(acc, l_i, m_i, s, qk_scale, v, DOT_PRECISION: tl.constexpr):
+    """online_softmax_update for raw scores `s` (masked to -inf, not yet multiplied by
+    qk_scale > 0): the row maxima are taken before scaling, so each score's scale and shift is
+    one FMA instead of a multiply and a subtraction (the scaled scores are never stored)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, l_i, m_new

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
-from kiln.kernels.triton._online_softmax import online_softmax_update
+from kiln.kernels.triton._online_softmax import online_softmax_update_unscaled
 
 _LOG2E = 1.4426950408889634
 
@@ -61,11 +61,12 @@ def _attend_tile(
     else:
         v = v.to(q.dtype)
 
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
     if MASKED:
         s = tl.where((n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
     # Rows fully masked in this tile keep m_i (finite: every row saw a key in an earlier tile).
-    return online_softmax_update(acc, l_i, m_i, s, v, DOT_PRECISION)
+    # The scale goes in after the row maxima: one FFMA a score (online_softmax_update_unscaled).
+    return online_softmax_update_unscaled(acc, l_i, m_i, s, qk_scale, v, DOT_PRECISION)
 
 
 @triton.jit
