@@ -170,7 +170,7 @@ def _decode_kernel(
                 v = v_raw.to(q.dtype)
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
             s = tl.where(n_mask[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
-            acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v, DOT_PRECISION)
+            acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, 1.0, v, DOT_PRECISION)
             v_raw = next_v_raw
     else:
         for n_start in range(start, end, BLOCK_N):
@@ -184,7 +184,7 @@ def _decode_kernel(
             v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             s = tl.where(n_mask[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
-            acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, v, DOT_PRECISION)
+            acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, 1.0, v, DOT_PRECISION)
 
     # Only an empty context (seq_len 0, unsplit) leaves l_i == 0: it writes zeros.
     nonempty = l_i > 0.0

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
-from kiln.kernels.triton._online_softmax import online_softmax_update_unscaled
+from kiln.kernels.triton._online_softmax import online_softmax_update
 
 _LOG2E = 1.4426950408889634
 
@@ -65,8 +65,8 @@ def _attend_tile(
     if MASKED:
         s = tl.where((n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
     # Rows fully masked in this tile keep m_i (finite: every row saw a key in an earlier tile).
-    # The scale goes in after the row maxima: one FFMA a score (online_softmax_update_unscaled).
-    return online_softmax_update_unscaled(acc, l_i, m_i, s, qk_scale, v, DOT_PRECISION)
+    # The scale goes in inside the update, after the row maxima: one FFMA a score.
+    return online_softmax_update(acc, l_i, m_i, s, qk_scale, v, DOT_PRECISION)
 
 
 @triton.jit
