@@ -194,6 +194,10 @@ for s in "$@"; do
         stage prof384 150 python3 benchmarks/profile_decode.py --batch 384 --context 1500 \
             $VARIANT --out "$OUT/profile_decode_b384_1500$SFX.txt"
         ;;
+    prof768)  # ... and 768-row ones (1000/1000 at 3000 requests: 768 in flight over float8 KV)
+        stage prof768 200 python3 benchmarks/profile_decode.py --batch 768 --context 1500 \
+            $VARIANT --out "$OUT/profile_decode_b768_1500$SFX.txt"
+        ;;
     profprefill)  # prefill steps of 8192 tokens: 4 prompts of 2048 (the 2048/128 workload)
         stage profprefill 120 python3 benchmarks/profile_decode.py --prefill --batch 4 \
             --context 2048 --steps 4 $VARIANT --out "$OUT/profile_prefill_4x2048$SFX.txt"
