@@ -1,8 +1,8 @@
 import os, sys
 os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, ".scratch/dp"); sys.path.insert(0, "tests")
+sys.path.insert(0, "tests")  # after git apply decode_pf.patch
 import torch
-import packed_pf
+from kiln.kernels.triton import decode_attention_pf as packed_pf
 from kiln.kernels import reference
 FP8 = torch.float8_e4m3fn
 def run(seq_lens, heads, kvh, hd, bs, splits, bn):

@@ -3,7 +3,7 @@ from functools import partial
 import torch
 from decode_fp8_dots_sweep import HEAD_DIM, PLACEMENT, inputs
 from kiln.kernels.triton import decode_attention as da
-import packed_pf
+from kiln.kernels.triton import decode_attention_pf as packed_pf
 PLACEMENT["mode"] = "random"
 a = [int(x) for x in sys.argv[1:]]
 tiles = (a[0], a[1])

@@ -1,6 +1,6 @@
-"""Hand-pipelined packed float8 decode (packed_pf.py) against the packed kernel, one layer, H200.
+"""The packed float8 decode kernel with overlapped loads (decode_pf.patch) against today's, one layer, H200.
 
-    PYTHONPATH=.:benchmarks:.scratch/dp python3 .scratch/dp/pf_sweep.py --out pf.json
+    git apply decode_pf.patch; PYTHONPATH=.:benchmarks python3 <this folder>/pf_sweep.py --out pf.json
 """
 import argparse, json, sys
 from functools import partial
@@ -8,7 +8,7 @@ import torch
 from decode_fp8_dots_sweep import HEAD_DIM, KV_HEADS, PLACEMENT, errors, inputs_and_reference
 from tile_sweep import graph_time_ms
 from kiln.kernels.triton import decode_attention as da
-import packed_pf
+from kiln.kernels.triton import decode_attention_pf as packed_pf
 
 SHAPES = [(768, 1500, "sequential"), (768, 1500, "random"), (512, 192, "sequential"),
           (64, 4096, "sequential"), (1, 1024, "sequential")]

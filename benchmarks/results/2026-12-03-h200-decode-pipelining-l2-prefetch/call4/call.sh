@@ -3,7 +3,7 @@
 # (3000 requests, 768 in flight), static fp8 + float8 KV: main against the natural-order packed
 # kernel of call 1 (8-key sub-tiles, one warp, three stages), 16384-token steps; then main at
 # 32768-token steps. .scratch/base: `git archive 76a68cb kiln`; .scratch/pftree: the same with
-# call1/engine_hook.patch applied.
+# call1/decode_pf.patch applied.
 set -u
 export NO_HF=1
 R=$OUT/r; mkdir -p $R
