@@ -13,8 +13,10 @@ layer in a CUDA graph, as the step differs from the sweep one way at a time:
 - `layers-pool`: the same with each layer's tensors as large as the engine's pool
   (--pool-gb over all layers; the used blocks at the start, as a fresh allocator hands them
   out), so the step's accesses span the same address range;
-- `layers-gemm`: `layers` with a [rows, 4096] x [4096, 14336] bf16 GEMM before each call (the
-  projections evict L2 between attention calls in the engine);
+- `layers-gemm`: `layers` with a decoder layer's four projections (bf16 GEMMs at Llama-3.1-8B's
+  shapes) before each call, as the step runs them: they evict L2 between attention calls, and
+  they hold the GPU at its power cap, where the SM clock drops (~1,718 MHz against 1,980 in a
+  1000/1000 run), which a latency-bound kernel feels and a one-layer benchmark does not;
 - `layers-grow`: `layers` with contexts spread over 192-212 (the profile's 20 steps) instead of
   192 everywhere.
 
@@ -66,20 +68,23 @@ def case(name: str, batch: int, context: int, pool_gb: float) -> dict:
     scale = HEAD_DIM**-0.5
     max_len = context + 20
     calls = []
-    if name == "layers-gemm":
-        a = torch.randn(batch, 4096, generator=gen, device=DEVICE).to(Q_DTYPE)
-        w = torch.randn(4096, 14336, generator=gen, device=DEVICE).to(Q_DTYPE)
+    projections = []
+    if name == "layers-gemm":  # (input width, output width): qkv, o_proj, gate_up, down
+        for k_in, n_out in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)):
+            a = torch.randn(batch, k_in, generator=gen, device=DEVICE).to(Q_DTYPE)
+            w = torch.randn(k_in, n_out, generator=gen, device=DEVICE).to(Q_DTYPE)
+            projections.append(lambda a=a, w=w: a @ w)
     for k, v in caches:
-        if name == "layers-gemm":
-            calls.append(lambda: a @ w)
+        calls.extend(projections)
         calls.append(
             lambda k=k, v=v: da.paged_decode_attention(q, k, v, table, lens, scale, max_len)
         )
     ms = graph_time_ms(calls, reps=4 if layers > 1 else 64, replays=3)
     per_call = ms * len(calls) / layers  # graph_time_ms divides by every call
     gemm_ms = 0.0
-    if name == "layers-gemm":
-        gemm_ms = graph_time_ms([lambda: a @ w], reps=32, replays=3)
+    if projections:  # alone, per layer: cooler (faster) than between calls, so us_per_layer
+        # below is an upper bound of attention's time there
+        gemm_ms = graph_time_ms(projections, reps=32, replays=3) * len(projections)
     return {
         "case": name, "batch": batch, "context": context, "layers": layers,
         "pool_blocks_per_layer": pool_blocks or None,
@@ -92,7 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="decode_gap.json")
     parser.add_argument("--pool-gb", type=float, default=96.0, help="the engine's KV budget")
-    parser.add_argument("--shapes", default="512x192,384x1500")
+    parser.add_argument("--shapes", default="512x192,384x1500,768x1500")
     args = parser.parse_args()
     rows = []
     for shape in args.shapes.split(","):
