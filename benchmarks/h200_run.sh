@@ -527,8 +527,9 @@ for s in "$@"; do
             --out "$OUT/decode_packed$SFX.json"
         ;;
     decode-gap)  # float8 decode attention alone vs as the engine's step runs it: 32 layers'
-        # caches, engine-sized pools, a GEMM between calls, grown contexts (512 x 192, 384 x 1.5k)
-        stage decode-gap 300 python3 benchmarks/decode_in_engine_gap.py \
+        # caches, engine-sized pools, a layer's projections between calls, grown contexts
+        # (512 x 192, 384 x 1.5k, 768 x 1.5k)
+        stage decode-gap 420 python3 benchmarks/decode_in_engine_gap.py \
             --out "$OUT/decode_in_engine_gap$SFX.json"
         ;;
     test-spec)  # the speculative-decoding tests on the GPU machine (Triton kernels, real graphs)
