@@ -3,7 +3,7 @@
     python3 benchmarks/step_trace_waves.py RESULT.json [RESULT.json ...] [--min-steps 100]
 
 With identical requests (the fixed-length workloads: 1000/1000, 2048/128 ...) the sequences in
-flight start and finish together, so a run is waves: prefill steps, then decode graph steps in
+flight start and finish within a few steps, so a run is waves: prefill steps, then decode steps in
 which every context grows by one token a step. Over such a wave a decode step's GPU time is a
 line in the step's index: everything but attention (projections, norms, sampling) is the same
 every step, so the slope is what one more token in each of the rows' contexts costs, decode
