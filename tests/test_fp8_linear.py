@@ -214,6 +214,37 @@ def test_triton_fp8_linear_llama8b_shapes(num_rows) -> None:
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
 
 
+@on_gpu
+def test_triton_fp8_linear_static_column_kept_in_graphs() -> None:
+    # A static scale's [M, 1] column is kept between calls (eager, then inside a CUDA graph)
+    # and follows an in-place write of the scale.
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(512, 4096, generator=gen).bfloat16()
+    w_fp8, w_scale = _quantized_weight(4096, 4096, gen)
+    scale = torch.nn.Parameter(torch.tensor(float(x.float().abs().max()) / 448), False)
+    args = [t.cuda() for t in (x, w_fp8, w_scale)]
+    scale_gpu = torch.nn.Parameter(scale.detach().cuda(), False)
+    want = reference.fp8_linear(x.float(), w_fp8, w_scale, scale.detach(), None)
+    first = triton_ops.fp8_linear(*args, scale_gpu, None)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_ops.fp8_linear(*args, scale_gpu, None)
+    graph.replay()
+    for got in (first, captured):
+        torch.testing.assert_close(
+            got.float().cpu(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max())
+        )
+    with torch.no_grad():
+        scale_gpu.mul_(2)
+    want = reference.fp8_linear(x.float(), w_fp8, w_scale, scale.detach() * 2, None)
+    eager = triton_ops.fp8_linear(*args, scale_gpu, None)
+    graph.replay()  # the graph reads the rewritten column, as it reads the scale itself
+    for got in (eager, captured):
+        torch.testing.assert_close(
+            got.float().cpu(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max())
+        )
+
+
 # ---- the small-batch float8 kernels (one row fused with the norm; up to MAX_ROWS plain) ------
 
 FUSED_REL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -660,3 +691,32 @@ def test_dummy_weights_run_static_fp8(tiny) -> None:
     assert len(out[0].outputs[0].token_ids) == 3
     with pytest.raises(ModelLoadError, match="calibrated"):  # real weights still need a build
         LLM(path, device="cpu", quantization="fp8")
+
+
+def test_static_scale_column_is_kept_and_follows_writes() -> None:
+    # Rowwise _scaled_mm takes a static scale as an [M, 1] column: kept per scale tensor (no
+    # copy kernel a GEMM), rewritten in place when the scale is, dropped when it is freed.
+    import gc
+
+    from kiln.kernels.triton import fp8_gemm
+
+    scale = torch.nn.Parameter(torch.tensor(0.5), requires_grad=False)
+    first = fp8_gemm._static_column(scale, 300)
+    assert first.shape == (300, 1) and first.is_contiguous() and bool((first == 0.5).all())
+    kept = fp8_gemm._static_column(scale, 200)
+    assert kept.data_ptr() == fp8_gemm._static_column(scale, 100).data_ptr()
+    with torch.no_grad():
+        scale.copy_(torch.tensor(2.0))  # as a loader writes a calibrated scale
+    rewritten = fp8_gemm._static_column(scale, 300)
+    assert rewritten.data_ptr() == first.data_ptr() or rewritten.data_ptr() == kept.data_ptr()
+    assert bool((rewritten == 2.0).all())
+    assert bool((fp8_gemm._static_column(scale, 20000) == 2.0).all())
+    assert fp8_gemm._static_column(scale, 20000).shape == (20000, 1)
+    key = id(scale)
+    del scale
+    gc.collect()
+    assert key not in fp8_gemm._STATIC_COLUMNS
+    with torch.inference_mode():  # no version counter to follow writes: never kept
+        frozen = torch.tensor(3.0)
+    assert bool((fp8_gemm._static_column(frozen, 4) == 3.0).all())
+    assert id(frozen) not in fp8_gemm._STATIC_COLUMNS
