@@ -148,6 +148,21 @@ for s in "$@"; do
             --output-len 1000 --num-requests 3000 --max-num-seqs 768 --max-num-batched-tokens 16384 \
             --max-model-len 2048 --warmup 24 --output-json "$OUT/tput1000_3000_16k$SFX.json"
         ;;
+    tput1000-3000-16k-960)  # ... with 960 in flight: what the memory plan holds at 2000 tokens
+        # each at 0.95 of the card (max_num_seqs x max_model_len caps the cache at 768 above)
+        stage tput1000-3000-16k-960 420 $BENCH throughput $COMMON $VARIANT --input-len 1000 \
+            --output-len 1000 --num-requests 3000 --max-num-seqs 960 --max-num-batched-tokens 16384 \
+            --max-model-len 2048 --gpu-memory-utilization 0.95 --warmup 24 \
+            --output-json "$OUT/tput1000_3000_16k_960$SFX.json"
+        ;;
+    tput1000-3000-16k-1000)  # ... with 1000 in flight: the 3000 requests in three whole waves
+        # (960 leaves a last wave of 120 decoding alone for ~950 steps); 1000 x 2000 tokens need
+        # 122 GiB of float8 cache, 0.985 of the card
+        stage tput1000-3000-16k-1000 420 $BENCH throughput $COMMON $VARIANT --input-len 1000 \
+            --output-len 1000 --num-requests 3000 --max-num-seqs 1000 \
+            --max-num-batched-tokens 16384 --max-model-len 2000 --gpu-memory-utilization 0.985 \
+            --warmup 24 --output-json "$OUT/tput1000_3000_16k_1000$SFX.json"
+        ;;
     tput1000-768)  # 1000/1000 with 768 in flight: only a float8 cache holds them (2000 tokens each)
         stage tput1000-768 200 $BENCH throughput $COMMON $VARIANT --input-len 1000 --output-len 1000 \
             --num-requests 768 --max-num-seqs 768 --max-num-batched-tokens 8192 \
