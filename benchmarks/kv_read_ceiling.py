@@ -41,6 +41,18 @@ def _stream_read(src_ptr, out_ptr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _sub_tile_words(
+    cache_ptr, block_table, n0, offs_n, words, seq_len, kv_head,
+    NUM_KV_HEADS: tl.constexpr, WORDS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """One 16-key sub-tile of one cache block, as the packed kernel's _sub_tile loads it."""
+    block_id = tl.load(block_table + n0 // BLOCK_SIZE, mask=n0 < seq_len, other=0)
+    slots = block_id.to(tl.int64) * BLOCK_SIZE + offs_n
+    offsets = (slots[:, None] * NUM_KV_HEADS + kv_head) * WORDS + words[None, :]
+    return tl.load(cache_ptr + offsets, mask=(n0 + offs_n < seq_len)[:, None], other=0)
+
+
+@triton.jit
 def _paged_read(
     k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, stride_bt_seq,
     NUM_KV_HEADS: tl.constexpr, WORDS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -57,19 +69,11 @@ def _paged_read(
     acc = tl.zeros([BLOCK_SIZE, WORDS], dtype=tl.int32)
     for n_start in range(0, seq_len, PACK * BLOCK_SIZE):
         for sub in tl.static_range(PACK):
-            n0 = n_start + sub * BLOCK_SIZE
-            block_id = tl.load(block_table + n0 // BLOCK_SIZE, mask=n0 < seq_len, other=0)
-            slots = block_id.to(tl.int64) * BLOCK_SIZE + offs_n
-            offsets = (slots[:, None] * NUM_KV_HEADS + kv_head) * WORDS + words[None, :]
-            mask = (n0 + offs_n < seq_len)[:, None]
-            acc += tl.load(k_ptr + offsets, mask=mask, other=0)
+            acc += _sub_tile_words(k_ptr, block_table, n_start + sub * BLOCK_SIZE, offs_n, words,
+                                   seq_len, kv_head, NUM_KV_HEADS, WORDS, BLOCK_SIZE)  # fmt: skip
         for sub in tl.static_range(PACK):
-            n0 = n_start + sub * BLOCK_SIZE
-            block_id = tl.load(block_table + n0 // BLOCK_SIZE, mask=n0 < seq_len, other=0)
-            slots = block_id.to(tl.int64) * BLOCK_SIZE + offs_n
-            offsets = (slots[:, None] * NUM_KV_HEADS + kv_head) * WORDS + words[None, :]
-            mask = (n0 + offs_n < seq_len)[:, None]
-            acc ^= tl.load(v_ptr + offsets, mask=mask, other=0)
+            acc ^= _sub_tile_words(v_ptr, block_table, n_start + sub * BLOCK_SIZE, offs_n, words,
+                                   seq_len, kv_head, NUM_KV_HEADS, WORDS, BLOCK_SIZE)  # fmt: skip
     tl.store(out_ptr + seq * NUM_KV_HEADS + kv_head, tl.sum(tl.sum(acc, 1), 0))
 
 
