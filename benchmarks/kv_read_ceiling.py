@@ -93,6 +93,11 @@ def caches(batch: int, context: int, placement: str):
     return q.bfloat16(), k, v, table, lens
 
 
+def kv_bytes(batch: int, context: int) -> int:
+    """One layer's float8 K and V: what decode attention must read."""
+    return 2 * batch * context * KV_HEADS * HEAD_DIM
+
+
 def tbps(nbytes: int, ms: float) -> float:
     return nbytes / ms / 1e9
 
@@ -100,7 +105,7 @@ def tbps(nbytes: int, ms: float) -> float:
 def placement_row(batch: int, context: int, placement: str) -> dict:
     """The engine's kernel and the paged reads over one cache."""
     q, k, v, table, lens = caches(batch, context, placement)
-    nbytes = 2 * batch * context * KV_HEADS * HEAD_DIM  # what attention needs read
+    nbytes = kv_bytes(batch, context)
     row: dict = {}
 
     def attn() -> None:
@@ -142,7 +147,7 @@ def main() -> None:
         record[placement] = row
         print(placement, f"engine kernel {row['engine_kernel_TBps']:.2f} TB/s,",
               f"paged best {row['paged_best']}", flush=True)  # fmt: skip
-    nbytes = 2 * batch * context * KV_HEADS * HEAD_DIM
+    nbytes = kv_bytes(batch, context)
     flat = torch.randint(-(2**31), 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device="cuda")
     stream = []
     for block, warps in itertools.product((2048, 8192, 32768), (4, 8, 16)):

@@ -49,9 +49,10 @@ class MemoryPlan:
     def kv_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    def max_concurrent_seqs(self, context_len: int) -> int:
+    def max_concurrent_seqs(self, context_len: int, num_blocks: int | None = None) -> int:
+        """Sequences of context_len tokens that num_blocks (default: the cache's) hold at once."""
         blocks_per_seq = -(-max(context_len, 1) // self.block_size)
-        return self.num_blocks // blocks_per_seq
+        return (self.num_blocks if num_blocks is None else num_blocks) // blocks_per_seq
 
     def describe(self, context_len: int) -> str:
         text = (
@@ -70,8 +71,8 @@ class MemoryPlan:
             # The cache never outgrows max_num_seqs full-length sequences; say what the budget
             # would hold (1000/1000 on an H200: 768 x 2048 tokens left 22 GiB of it unused, and
             # 960 in flight ran 1.07% faster than 768: docs/performance.md).
-            room = (self.kv_budget_bytes // self.bytes_per_block) // -(
-                -context_len // self.block_size
+            room = self.max_concurrent_seqs(
+                context_len, self.kv_budget_bytes // self.bytes_per_block
             )
             if room > self.max_concurrent_seqs(context_len):
                 text += (

@@ -210,9 +210,12 @@ _MIN_COLUMN_ROWS = 8192
 
 def _static_column(scale: torch.Tensor, rows: int) -> torch.Tensor:
     """[rows, 1] contiguous fp32, every row `scale` (a one-element static scale)."""
-    fresh = scale.reshape(1, 1).expand(rows, 1)
+
+    def broadcast(length: int) -> torch.Tensor:
+        return scale.reshape(1, 1).expand(length, 1).contiguous()
+
     if scale.is_inference():  # no version counter to follow writes with: not kept
-        return fresh.contiguous()
+        return broadcast(rows)
     key, version = id(scale), scale._version
     capturing = scale.is_cuda and torch.cuda.is_current_stream_capturing()
     cached = _STATIC_COLUMNS.get(key)
@@ -221,20 +224,20 @@ def _static_column(scale: torch.Tensor, rows: int) -> torch.Tensor:
         if kept_version == version:
             return column[:rows]
         if not capturing:
-            column.copy_(scale.reshape(1, 1).expand_as(column))
+            column.copy_(scale.reshape(1, 1).expand_as(column))  # in place: graphs read it
             _STATIC_COLUMNS[key] = (version, column)
             return column[:rows]
     if capturing:
         # Nothing allocated here is kept: it would live in the graph's private pool, which
         # hands its memory to others. Eager steps (the memory profile at
         # max_num_batched_tokens first) fill the cache before any capture.
-        return fresh.contiguous()
+        return broadcast(rows)
     if cached is None:
         weakref.finalize(scale, _STATIC_COLUMNS.pop, key, None)
     else:
         _OUTGROWN_COLUMNS.append(cached[1])
     length = max(rows, _MIN_COLUMN_ROWS, 0 if cached is None else 2 * cached[1].shape[0])
-    column = scale.reshape(1, 1).expand(length, 1).contiguous()
+    column = broadcast(length)
     _STATIC_COLUMNS[key] = (version, column)
     return column[:rows]
 
