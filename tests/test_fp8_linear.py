@@ -400,7 +400,7 @@ def test_fp8_small_batch_llama8b_shapes(rows) -> None:
     "dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=on_gpu)]
 )
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("one_pass", [True, False])  # the row in registers; two 16-wide passes
+@pytest.mark.parametrize("one_pass", [True, False])  # the row in registers; 16-wide blocks
 def test_triton_silu_and_mul_quant_fp8_matches_reference(monkeypatch, dtype, static, one_pass):
     """quantize_fp8(silu_and_mul(x)) in one kernel: the scales exact, the float8 bytes the
     reference's (up to the interpreter's mis-roundings); a zero row gets the floor scale."""
@@ -409,6 +409,10 @@ def test_triton_silu_and_mul_quant_fp8_matches_reference(monkeypatch, dtype, sta
     if not one_pass:
         monkeypatch.setattr(silu_mul, "_QUANT_ONE_PASS_MAX", 16)
         monkeypatch.setattr(silu_mul, "_QUANT_LOOP_BLOCK", 16)
+        # static: three 16-column programs a row, the last one masked
+        monkeypatch.setattr(silu_mul, "_static_quant_tiles", lambda d, rows: (16, 1))
+    else:  # static: the row kernel that many rows take
+        monkeypatch.setattr(silu_mul, "_STATIC_GRID_MAX_ROWS", 0)
     gen = torch.Generator().manual_seed(13)
     x = (torch.randn(4, 2 * 40, generator=gen) * 3).to(dtype)
     x[1] = 0.0

@@ -166,6 +166,43 @@ def _silu_and_mul_quant_fp8_kernel(
             tl.store(out_row + cols, q.to(out_ptr.dtype.element_ty), mask=cols < d)
 
 
+@triton.jit
+def _silu_and_mul_quant_fp8_static_kernel(
+    x_ptr,  # [num_rows, 2 * d]: gate in columns [0, d), up in [d, 2d)
+    out_ptr,  # [num_rows, d] float8 e4m3
+    scale_ptr,  # [1] fp32: the static scale
+    stride_x,
+    stride_out,
+    d,
+    BLOCK: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """A static scale needs no row maximum, so each program takes BLOCK columns of one row
+    (grid: rows x column blocks) instead of a whole row: small programs, many of them, which
+    keep more loads in flight where the rows are few (_STATIC_GRID_MAX_ROWS)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    v = _silu_mul_block(x_ptr + row * stride_x, cols, d, INTERPRETED)
+    scale = tl.load(scale_ptr)
+    q = scaled_to_e4m3(v, scale, tl.math.div_rn(1.0, scale), False, FP8_MAX, INTERPRETED)
+    tl.store(out_ptr + row * stride_out + cols, q.to(out_ptr.dtype.element_ty), mask=cols < d)
+
+
+# Up to this many rows a static scale takes the column grid. H200, d 14336, HBM-resident inputs
+# (benchmarks/results/2026-12-03-h200-silu-static-grid/, silu_quant_static.json): 1024 columns
+# and 4 warps 10-18% faster than the row kernel at 64-1000 rows (960: 20.1 -> 17.7 us); at 8192
+# and 16384 rows the row kernel 1.5-2.7% faster than the grid's best (137.1 against 138.5 us at
+# 8192). Not measured between 1000 and 8192; the switch sits between them.
+_STATIC_GRID_MAX_ROWS = 4096
+
+
+def _static_quant_tiles(d: int, num_rows: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of _silu_and_mul_quant_fp8_static_kernel (a function so the H200
+    sweep, benchmarks/silu_quant_sweep.py --static, can force each)."""
+    return min(1024, triton.next_power_of_2(d)), 4
+
+
 def _quant_tiles(d: int, num_rows: int) -> tuple[bool, int, int]:
     """(one pass, BLOCK, num_warps) of _silu_and_mul_quant_fp8_kernel for rows of width d (a
     function so the H200 sweep, benchmarks/silu_quant_sweep.py, can force each)."""
@@ -191,7 +228,15 @@ def silu_and_mul_quant_fp8(
     else:
         assert input_scale.numel() == 1 and input_scale.dtype == torch.float32
         scale = input_scale
-    if num_rows > 0 and d > 0:
+    if num_rows > 0 and d > 0 and not dynamic and num_rows <= _STATIC_GRID_MAX_ROWS:
+        block, num_warps = _static_quant_tiles(d, num_rows)
+        # Rows on grid axis 0 (2^31 - 1 programs); column blocks on axis 1 (at most 65535).
+        _silu_and_mul_quant_fp8_static_kernel[(num_rows, triton.cdiv(d, block))](
+            x, out, scale, x.stride(0), out.stride(0), d,
+            BLOCK=block, FP8_MAX=FP8_E4M3_MAX, INTERPRETED=x.device.type != "cuda",
+            num_warps=num_warps,
+        )  # fmt: skip
+    elif num_rows > 0 and d > 0:
         one_pass, block, num_warps = _quant_tiles(d, num_rows)
         _silu_and_mul_quant_fp8_kernel[(num_rows,)](
             x, out, scale, x.stride(0), out.stride(0), d,
