@@ -541,6 +541,13 @@ for s in "$@"; do
         stage decode-packed 300 python3 benchmarks/decode_packed_sweep.py \
             --out "$OUT/decode_packed$SFX.json"
         ;;
+    decode-waves)  # float8 decode attention at 640-1088 rows x 1k-2k, 1-3 splits, then rows
+        # every 32 beside grids padded to multiples of 128: the waves of 132 rows
+        stage decode-waves 200 python3 benchmarks/decode_waves_sweep.py \
+            --out "$OUT/decode_waves$SFX.json"
+        stage decode-waves-padding 200 python3 benchmarks/decode_waves_sweep.py --padding \
+            --out "$OUT/decode_waves_padding$SFX.json"
+        ;;
     decode-gap)  # float8 decode attention alone vs as the engine's step runs it: 32 layers'
         # caches, engine-sized pools, a layer's projections between calls, grown contexts
         # (512 x 192, 384 x 1.5k, 768 x 1.5k)

@@ -35,6 +35,9 @@ class Envs:
     decode_attention_packed: a program's keys in sub-partitions side by side in tl.dot's padded
     rows) where it applies; off (0) runs the unpacked kernel, the end-to-end A/B
     (kernels.triton.decode_attention reads it at import)."""
+    decode_num_splits: int = 0
+    """Decode attention's split-K count, forced (0: kernels.triton.decode_attention's
+    choose_num_splits rule); the end-to-end A/B of a split choice (read at import)."""
     fused_linear_max_rows: int = 8
     """Most rows the fused small-batch linear kernels take (above it cuBLAS's GEMM tiles win). 0
     turns them off, the benchmarks' A/B switch; kernels.triton.small_batch_linear reads it at

@@ -327,6 +327,16 @@ def test_choose_num_splits() -> None:
     assert choose_num_splits(1, 8, 64, 132) == 1
 
 
+def test_choose_num_splits_forced(monkeypatch) -> None:
+    # KILN_DECODE_NUM_SPLITS (read at import into FORCED_NUM_SPLITS) overrides the rule
+    # everywhere, the end-to-end A/B of a split count.
+    from kiln.kernels.triton import decode_attention
+
+    monkeypatch.setattr(decode_attention, "FORCED_NUM_SPLITS", 3)
+    assert choose_num_splits(1000, 8, 1500, 132) == 3
+    assert choose_num_splits(1, 8, 4096, 132) == 3
+
+
 @on_gpu
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("batch", [1, 7, 64])

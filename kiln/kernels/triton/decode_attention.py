@@ -52,6 +52,8 @@ HEADS_FIRST_GRID: bool | None = envs().decode_heads_first
 # on 2026-12-02, sixth run"). Module-level so the sweep measures both
 # (benchmarks/decode_packed_sweep.py); KILN_DECODE_PACKED=0 for an end-to-end A/B.
 PACKED: bool = envs().decode_packed
+# KILN_DECODE_NUM_SPLITS forces choose_num_splits' answer (0: the rule below), for an A/B.
+FORCED_NUM_SPLITS: int = envs().decode_num_splits
 
 
 @triton.jit
@@ -256,6 +258,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     _MIN_TOKENS_PER_SPLIT tokens (their merge and fixed costs would outweigh the parallelism).
     Depends only on host ints, so it never synchronises with the GPU.
     """
+    if FORCED_NUM_SPLITS > 0:
+        return FORCED_NUM_SPLITS
     programs = num_seqs * num_kv_heads
     wanted = (_TARGET_PROGRAMS_PER_SM * num_sms) // max(programs, 1)
     useful = triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT)
