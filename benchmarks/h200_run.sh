@@ -548,6 +548,12 @@ for s in "$@"; do
         stage decode-waves-padding 200 python3 benchmarks/decode_waves_sweep.py --padding \
             --out "$OUT/decode_waves_padding$SFX.json"
         ;;
+    decode-occupancy)  # the packed float8 decode kernel's programs an SM: its one-warp tile as
+        # the rule picks it, capped at 168 / 160 registers, with the carveout at its maximum, one
+        # stage capped at 168 / 128; 768-1088 rows x 1.5k / 2k, the driver's occupancy of each
+        stage decode-occupancy 240 python3 benchmarks/decode_waves_sweep.py --occupancy \
+            --out "$OUT/decode_occupancy$SFX.json"
+        ;;
     decode-gap)  # float8 decode attention alone vs as the engine's step runs it: 32 layers'
         # caches, engine-sized pools, a layer's projections between calls, grown contexts
         # (512 x 192, 384 x 1.5k, 768 x 1.5k)

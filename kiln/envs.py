@@ -38,6 +38,11 @@ class Envs:
     decode_num_splits: int = 0
     """Decode attention's split-K count, forced (0: kernels.triton.decode_attention's
     choose_num_splits rule); the end-to-end A/B of a split choice (read at import)."""
+    decode_packed_maxnreg: int = 0
+    """A register cap (Triton's maxnreg) for the packed float8 decode kernel's one-warp tile, the
+    one 1000/1000's rows run (0: the compiler's choice, 197): at 168 or fewer an SM keeps 9 of
+    its programs instead of 8; the end-to-end A/B (kernels.triton.decode_attention reads it at
+    import)."""
     fused_linear_max_rows: int = 8
     """Most rows the fused small-batch linear kernels take (above it cuBLAS's GEMM tiles win). 0
     turns them off, the benchmarks' A/B switch; kernels.triton.small_batch_linear reads it at

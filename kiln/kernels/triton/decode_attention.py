@@ -54,6 +54,10 @@ HEADS_FIRST_GRID: bool | None = envs().decode_heads_first
 PACKED: bool = envs().decode_packed
 # KILN_DECODE_NUM_SPLITS forces choose_num_splits' answer (0: the rule below), for an A/B.
 FORCED_NUM_SPLITS: int = envs().decode_num_splits
+# KILN_DECODE_PACKED_MAXNREG caps the packed kernel's one-warp tile's registers (0: none), for an
+# A/B: its 197 registers fit two warps in an SM sub-partition, so an SM keeps 8 programs and
+# 1000/1000's 8000 run in 7.58 waves (benchmarks/decode_waves_sweep.py --occupancy).
+PACKED_MAXNREG: int = envs().decode_packed_maxnreg
 
 
 @triton.jit
@@ -300,8 +304,8 @@ def _tile_config(
 
 def _packed_tile_config(
     block_size: int, device: torch.device, programs: int = 0
-) -> tuple[int, int, int]:
-    """The packed kernel's (BLOCK_N keys per sub-tile, num_warps, num_stages); `programs` is the
+) -> tuple[int, ...]:
+    """The packed kernel's (BLOCK_N keys per sub-tile, num_warps, num_stages[, maxnreg]); `programs` is the
     grid's size. Best of 18 tiles on an H200 at each shape (benchmarks/decode_packed_sweep.py;
     docs/performance.md, "The H200 on 2026-12-02, sixth run"): one warp of 16-key sub-tiles
     where the grid fills the SMs many times over (768 / 384 x 1.5k, 512 x 192), two warps of 32
@@ -310,7 +314,7 @@ def _packed_tile_config(
         return 16, 4, 1
     sms = num_sms(device)
     if programs >= _FP8_ONE_WARP_PROGRAMS_PER_SM * sms:
-        return 16, 1, 2
+        return (16, 1, 2, PACKED_MAXNREG) if PACKED_MAXNREG else (16, 1, 2)
     if programs >= 2 * sms:
         return 32, 2, 2
     return 16, 4, 2
@@ -472,9 +476,10 @@ def _packed_decode(
     """paged_decode_attention_splits through decode_attention_packed's kernel."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    block_n, num_warps, num_stages = _packed_tile_config(
-        block_size, query.device, num_seqs * num_kv_heads * num_splits
-    )
+    tiles = _packed_tile_config(block_size, query.device, num_seqs * num_kv_heads * num_splits)
+    block_n, num_warps, num_stages = tiles[:3]
+    # A sweep may force a fourth element: the compiler's register cap (Triton's maxnreg).
+    launch_options = {"maxnreg": tiles[3]} if len(tiles) > 3 and tiles[3] else {}
     split = num_splits > 1
     part_out, part_lse = _split_buffers(query, num_splits) if split else (out, out)
     grid = _grid(num_seqs, num_kv_heads, num_splits, heads_first)
@@ -503,6 +508,7 @@ def _packed_decode(
         HEADS_FIRST=heads_first,
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch_options,
     )
     if split:
         _reduce(part_out, part_lse, seq_lens, out, num_splits, pack * block_n)
