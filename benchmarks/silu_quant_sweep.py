@@ -37,6 +37,20 @@ CONFIGS = [(True, 16384, w) for w in (8, 16, 32)] + [
 ]
 
 
+def _time_config(config: tuple, attribute: str, check, calls: list, reps: int, moved: int) -> dict:
+    """One forced launch shape: whether its output passes `check` (bit-equal to the reference),
+    its GPU time in a CUDA graph and bandwidth, or why it failed."""
+    entry: dict = {"config": list(config)}
+    with forced_tile_config(silu_mul, config, attribute):
+        try:
+            entry["bit_equal"] = check()
+            entry["us"] = graph_time_ms(calls, reps, 3) * 1e3
+            entry["TBps"] = moved / entry["us"] / 1e6
+        except Exception as exc:
+            entry["failed"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    return entry
+
+
 def _row_kernel(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The static path before the column grid: one 16-warp program a row, the row held whole."""
     out = torch.empty((x.shape[0], D), dtype=torch.float8_e4m3fn, device=x.device)
@@ -50,6 +64,7 @@ def _row_kernel(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def static_sweep(out_path: str) -> None:
     record: dict = {"gpu": torch.cuda.get_device_name(), "d": D, "rows": []}
     scale = torch.tensor(0.05, device="cuda")
+    silu_mul._STATIC_GRID_MAX_ROWS = 1 << 30  # the grid at every row count swept
     for rows in STATIC_ROWS:
         moved = rows * 2 * D * 2 + rows * D  # bf16 read, float8 written
         copies = max(1, -(-(256 << 20) // moved))
@@ -59,19 +74,16 @@ def static_sweep(out_path: str) -> None:
         row["row_kernel_us"] = (
             graph_time_ms([lambda x=x: _row_kernel(x, scale) for x in xs], 4, 3) * 1e3
         )
-        row["configs"] = []
-        for config in STATIC_CONFIGS:
-            entry: dict = {"config": list(config)}
-            with forced_tile_config(silu_mul, config, "_static_quant_tiles"):
-                try:
-                    q, _ = silu_mul.silu_and_mul_quant_fp8(xs[0], scale)
-                    entry["bit_equal"] = bool(torch.equal(q.view(torch.uint8), want))
-                    calls = [lambda x=x: silu_mul.silu_and_mul_quant_fp8(x, scale) for x in xs]
-                    entry["us"] = graph_time_ms(calls, 4, 3) * 1e3
-                    entry["TBps"] = moved / entry["us"] / 1e6
-                except Exception as exc:
-                    entry["failed"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-            row["configs"].append(entry)
+        calls = [lambda x=x: silu_mul.silu_and_mul_quant_fp8(x, scale) for x in xs]
+
+        def equal(x=xs[0], want=want) -> bool:
+            q, _ = silu_mul.silu_and_mul_quant_fp8(x, scale)
+            return bool(torch.equal(q.view(torch.uint8), want))
+
+        row["configs"] = [
+            _time_config(config, "_static_quant_tiles", equal, calls, 4, moved)
+            for config in STATIC_CONFIGS
+        ]
         best = min((e for e in row["configs"] if "us" in e), key=lambda e: e["us"])
         row["best"] = best
         today = silu_mul._static_quant_tiles(D, rows)
@@ -100,27 +112,22 @@ def main() -> None:
         x = torch.randn(rows, 2 * D, device="cuda", dtype=torch.bfloat16)
         today_q, today_s = silu_mul.silu_and_mul_quant_fp8(x, None)
         moved = x.numel() * 2 + rows * D  # bf16 read, float8 written
-        row: dict = {"rows": rows, "configs": []}
+        row: dict = {"rows": rows}
         row["today_us"] = (
             graph_time_ms([lambda x=x: silu_mul.silu_and_mul_quant_fp8(x, None)], 20, 3) * 1e3
         )
-        for config in CONFIGS:
-            entry: dict = {"config": list(config)}
-            with forced_tile_config(silu_mul, config, "_quant_tiles"):
-                try:
-                    q, s = silu_mul.silu_and_mul_quant_fp8(x, None)
-                    entry["bit_equal"] = bool(
-                        torch.equal(q.view(torch.uint8), today_q.view(torch.uint8))
-                        and torch.equal(s, today_s)
-                    )
-                    entry["us"] = (
-                        graph_time_ms([lambda x=x: silu_mul.silu_and_mul_quant_fp8(x, None)], 20, 3)
-                        * 1e3
-                    )
-                    entry["TBps"] = moved / entry["us"] / 1e6
-                except Exception as exc:
-                    entry["failed"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-            row["configs"].append(entry)
+
+        def equal(x=x, today_q=today_q, today_s=today_s) -> bool:
+            q, s = silu_mul.silu_and_mul_quant_fp8(x, None)
+            return bool(
+                torch.equal(q.view(torch.uint8), today_q.view(torch.uint8))
+                and torch.equal(s, today_s)
+            )
+
+        calls = [lambda x=x: silu_mul.silu_and_mul_quant_fp8(x, None)]
+        row["configs"] = [
+            _time_config(config, "_quant_tiles", equal, calls, 20, moved) for config in CONFIGS
+        ]
         best = min((e for e in row["configs"] if "us" in e), key=lambda e: e["us"])
         row["best"] = best
         print(
