@@ -305,11 +305,12 @@ def _tile_config(
 def _packed_tile_config(
     block_size: int, device: torch.device, programs: int = 0
 ) -> tuple[int, ...]:
-    """The packed kernel's (BLOCK_N keys per sub-tile, num_warps, num_stages[, maxnreg]); `programs` is the
-    grid's size. Best of 18 tiles on an H200 at each shape (benchmarks/decode_packed_sweep.py;
-    docs/performance.md, "The H200 on 2026-12-02, sixth run"): one warp of 16-key sub-tiles
-    where the grid fills the SMs many times over (768 / 384 x 1.5k, 512 x 192), two warps of 32
-    at a few programs an SM (64 x 4k, 32 x 1k: 512 programs), four warps of 16 below (batch 1)."""
+    """The packed kernel's (BLOCK_N keys per sub-tile, num_warps, num_stages[, maxnreg]);
+    `programs` is the grid's size. Best of 18 tiles on an H200 at each shape
+    (benchmarks/decode_packed_sweep.py; docs/performance.md, "The H200 on 2026-12-02, sixth
+    run"): one warp of 16-key sub-tiles where the grid fills the SMs many times over (768 / 384
+    x 1.5k, 512 x 192), two warps of 32 at a few programs an SM (64 x 4k, 32 x 1k: 512
+    programs), four warps of 16 below (batch 1)."""
     if device.type != "cuda":
         return 16, 4, 1
     sms = num_sms(device)
