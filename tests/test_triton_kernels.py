@@ -196,6 +196,17 @@ def test_decode_attention_grid_orders(monkeypatch, heads_first, cache_dtype, num
     _check_decode([1, 13, 137], 4, 2, 16, 4, torch.float32, num_splits, cache_dtype=cache_dtype)
 
 
+def test_decode_attention_packed_register_cap(monkeypatch) -> None:
+    # A tile's fourth element (KILN_DECODE_PACKED_MAXNREG, or a sweep's forced tile) reaches the
+    # packed kernel's launch as Triton's maxnreg; the arithmetic, and so the output, is the same.
+    monkeypatch.setattr(decode_attention, "PACKED", True)
+    chosen = decode_attention._packed_tile_config
+    monkeypatch.setattr(
+        decode_attention, "_packed_tile_config", lambda *a, **k: (*chosen(*a, **k)[:3], 168)
+    )
+    _check_decode([1, 13, 137], 8, 2, 16, 4, torch.float32, 1, cache_dtype=FP8)
+
+
 def test_decode_attention_many_splits() -> None:
     # More splits than tiles for the short sequence; partitions of exactly one tile.
     _check_decode([5, 70], 4, 1, 16, 4, torch.float32, num_splits=5, seed=3)
