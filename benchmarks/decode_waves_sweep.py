@@ -55,20 +55,33 @@ SPLITS = (1, 2, 3)
 PAD_ROWS = 128
 
 
+def _by_registers(registers: int, warps: int) -> int:
+    """Programs an SM keeps by registers as CUDA's occupancy rule counts them
+    (cuda_occupancy.h): a warp's registers (rounded up to 256) come from one of the SM's four
+    sub-partitions of 16,384, so an SM holds 4 x (16384 // per warp) warps."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return 4 * (16384 // per_warp) // warps
+
+
+def _layer(inputs: tuple, scale: float, context: int, splits: int):
+    """One layer's decode attention over `inputs` (q, k8, v8, table, lens), a callable."""
+    q, k8, v8, table, lens = inputs
+    return lambda: da.paged_decode_attention_splits(q, k8, v8, table, lens, scale, context, splits)
+
+
 def _occupancy() -> dict:
     """Registers, shared memory and warps of the packed kernel's compiled variants (Triton's
-    per-device cache), and the programs an SM keeps by registers (65536 a SM)."""
-    found = []
+    per-device cache), and the programs an SM keeps by registers."""
     try:
-        for cache in dap._decode_packed_kernel.device_caches.values():
-            for compiled in cache[0].values():
-                regs, warps = compiled.n_regs, compiled.metadata.num_warps
-                found.append({
-                    "registers": regs, "warps": warps, "shared": compiled.metadata.shared,
-                    "programs_an_sm_by_registers": 65536 // max(regs * 32 * warps, 1),
-                })  # fmt: skip
+        found = [
+            {
+                "registers": c.n_regs, "warps": c.metadata.num_warps, "shared": c.metadata.shared,
+                "programs_an_sm_by_registers": _by_registers(c.n_regs, c.metadata.num_warps),
+            }
+            for c in _compiled().values()
+        ]  # fmt: skip
     except Exception as exc:  # the compiled kernel's API differs across Triton versions
-        found.append({"error": f"{type(exc).__name__}: {exc}"[:200]})
+        found = [{"error": f"{type(exc).__name__}: {exc}"[:200]}]
     return {"variants": found}
 
 
@@ -78,13 +91,9 @@ def _padded(entry: dict, rows: int, context: int, scale: float, padding: bool) -
     padded_rows = -(-rows // PAD_ROWS) * PAD_ROWS
     if not padding or padded_rows == rows:
         return ""
-    q, k8, v8, table, lens = inputs(padded_rows, context)
-    lens[rows:] = 0
-
-    def run():
-        return da.paged_decode_attention_splits(q, k8, v8, table, lens, scale, context, 1)
-
-    us = graph_time_ms([run], 10, 3) * 1e3
+    padded = inputs(padded_rows, context)
+    padded[4][rows:] = 0  # the sequence lengths
+    us = graph_time_ms([_layer(padded, scale, context, 1)], 10, 3) * 1e3
     entry["padded"] = {"grid_rows": padded_rows, "us": us, "us_a_row": us / rows}
     return f", padded to {padded_rows}: {us:.1f} us"
 
@@ -153,17 +162,13 @@ def occupancy_sweep(out_path: str) -> None:
     rule_kernels: list = []
     for context in OCCUPANCY_CONTEXTS:
         for rows in OCCUPANCY_ROWS:
-            q, k8, v8, table, lens = inputs(rows, context)
+            layer = _layer(inputs(rows, context), scale, context, 1)
             entry: dict = {"rows": rows, "context": context}
             reference = None
             for name, tile, carveout in OCCUPANCY_VARIANTS:
-
-                def run(q=q, k8=k8, v8=v8, table=table, lens=lens, c=context):
-                    return da.paged_decode_attention_splits(q, k8, v8, table, lens, scale, c, 1)
-
                 with forced_tile_config(da, tile, "_packed_tile_config"):
                     before = _compiled()
-                    out = run().float()
+                    out = layer().float()
                     new = [c for i, c in _compiled().items() if i not in before]
                     if name == "rule" and new:
                         rule_kernels = new
@@ -172,7 +177,7 @@ def occupancy_sweep(out_path: str) -> None:
                     if name not in record["variants"]:
                         record["variants"][name] = [_driver(c) for c in new or rule_kernels]
                     reference = out if reference is None else reference
-                    us = graph_time_ms([run], 10, 3) * 1e3
+                    us = graph_time_ms([layer], 10, 3) * 1e3
                     if carveout:
                         for c in rule_kernels:
                             _set_carveout(c, -1)
@@ -183,7 +188,7 @@ def occupancy_sweep(out_path: str) -> None:
             times = ", ".join(f"{n} {entry[n]['us']:.1f}" for n, *_ in OCCUPANCY_VARIANTS)
             print(f"{rows}x{context}: {times}", flush=True)
             record["shapes"].append(entry)
-            del q, k8, v8, table, lens
+            del layer
         with open(out_path, "w") as f:
             json.dump(record, f, indent=1)
     print(json.dumps(record["variants"]), flush=True)
@@ -207,7 +212,7 @@ def main() -> None:
     record: dict = {"gpu": torch.cuda.get_device_name(), "sms": sms, "shapes": []}
     for context in CONTEXTS:
         for rows in rows_list:
-            q, k8, v8, table, lens = inputs(rows, context)
+            layer_inputs = inputs(rows, context)
             fp8_bytes = 2 * rows * context * KV_HEADS * HEAD_DIM
             entry: dict = {
                 "rows": rows, "context": context,
@@ -215,12 +220,7 @@ def main() -> None:
             }  # fmt: skip
             unsplit = None
             for splits in splits_list:
-
-                def run(splits=splits, q=q, k8=k8, v8=v8, table=table, lens=lens, c=context):
-                    return da.paged_decode_attention_splits(
-                        q, k8, v8, table, lens, scale, c, splits
-                    )
-
+                run = _layer(layer_inputs, scale, context, splits)
                 out = run().float()
                 if unsplit is None:
                     unsplit = out
@@ -240,7 +240,7 @@ def main() -> None:
                 flush=True,
             )
             record["shapes"].append(entry)
-            del q, k8, v8, table, lens
+            del layer_inputs, run
         record["occupancy"] = _occupancy()
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
