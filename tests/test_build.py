@@ -230,3 +230,30 @@ def test_an_engine_without_a_tokenizer_loads_without_importing_transformers(tiny
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     ).stdout.split()  # fmt: skip
     assert int(out[0]) > 0 and out[1:] == ["None", "False"]
+
+
+def test_every_long_step_of_a_checked_build_shows_a_progress_bar(tmp_path, capfd):
+    """Loading each model, the held-out perplexities and the calibration pass run seconds to
+    minutes on a real model: each shows a bar (its elapsed time redrawn while one engine call
+    runs), as loading and writing the weights do."""
+    from tests.tiny_tokenizer import build_tiny_chat_model
+
+    source = build_tiny_chat_model(str(tmp_path / "chat"))  # calibration needs a tokenizer
+    options = BuildOptions(
+        quantization="fp8", kv_cache_dtype="fp8", max_ppl_increase=1e6, max_model_len=128
+    )
+    manifest = build_engine(source, str(tmp_path / "e"), options, None)
+    assert manifest.accuracy["checked"]
+    err = capfd.readouterr().err
+    steps = [
+        "loading the source",
+        "held-out perplexity of the source",
+        "calibrating (kv, scales)",
+        "loading source",
+        "writing weights",
+        "loading the engine",
+        "held-out perplexity of the engine",
+    ]
+    assert [step for step in steps if step not in err] == []
+    # Positions in order: each step's bar appears as the step begins.
+    assert [err.index(step) for step in steps] == sorted(err.index(step) for step in steps)

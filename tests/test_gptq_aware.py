@@ -159,7 +159,7 @@ def test_gptq_sequential_rounds_from_its_own_windows_and_damp(monkeypatch):
 
     seen = {}
 
-    def fake_round(model, ops, backend, batches, spec, input_scales, kept):
+    def fake_round(model, ops, backend, batches, spec, input_scales, kept, on_layer=None):
         seen["windows"], seen["spec"] = len(batches), spec
         return {}
 
@@ -176,7 +176,8 @@ def test_gptq_sequential_rounds_from_its_own_windows_and_damp(monkeypatch):
             return Tokenizer()
 
     llm = Fake()
-    llm.engine.executor = type("X", (), {"runner": type("R", (), {"model": None, "ops": None,
+    model = type("M", (), {"layers": [None, None]})()  # its layers count the progress bar's steps
+    llm.engine.executor = type("X", (), {"runner": type("R", (), {"model": model, "ops": None,
                                          "backend": None})()})()  # fmt: skip
     text = "x" * (512 * 40)
     quantize.round_weights(llm, text, "gptq-sequential", None, [])

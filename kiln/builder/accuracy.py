@@ -21,15 +21,17 @@ _HELD_OUT_ARTICLES = 1
 
 
 @contextlib.contextmanager
-def measuring_llm(path: str, **engine_args: Any) -> Iterator[Any]:
-    """An `LLM` for one of the build's measurements (source, engine, checkpoint), shut down
-    and its device memory handed back when done: the next one sizes its KV cache from what is
-    free."""
+def measuring_llm(path: str, label: str = "model", **engine_args: Any) -> Iterator[Any]:
+    """An `LLM` for one of the build's measurements (`label`: the source, the engine, the
+    checkpoint), shut down and its device memory handed back when done: the next one sizes its
+    KV cache from what is free."""
     import torch
 
+    from kiln.builder.progress import build_step
     from kiln.llm import LLM
 
-    llm = LLM(path, **engine_args)
+    with build_step(f"loading the {label}"):
+        llm = LLM(path, **engine_args)
     try:
         yield llm
     finally:
@@ -56,12 +58,15 @@ def wikitext_articles(path: str, limit: int) -> list[str]:
     return ["".join(a) for a in articles]
 
 
-def measure(llm: object, max_length: int | None) -> dict[str, float]:
-    """Word and token perplexity of `llm` on the held-out articles."""
+def measure(llm: object, max_length: int | None, label: str = "model") -> dict[str, float]:
+    """Word and token perplexity of `llm` (`label`: the source, the engine) on the held-out
+    articles."""
+    from kiln.builder.progress import build_step, counting
     from kiln.eval.perplexity import rolling_perplexity
 
     documents = wikitext_articles(HELD_OUT_FILE, _HELD_OUT_ARTICLES)
-    result = rolling_perplexity(llm, documents, max_length=max_length)
+    with build_step(f"held-out perplexity of the {label}", unit=" tokens") as bar:
+        result = rolling_perplexity(llm, documents, max_length=max_length, progress=counting(bar))
     return {"word_perplexity": result.word_perplexity, "token_perplexity": result.token_perplexity}
 
 

@@ -487,9 +487,9 @@ def _run_source(
     from kiln.builder.accuracy import measure, measuring_llm
 
     scales = kv_scales = hessians = smoothing = crosses = rounded = None
-    with measuring_llm(path, dtype=options.dtype, max_model_len=options.max_model_len,
+    with measuring_llm(path, "source", dtype=options.dtype, max_model_len=options.max_model_len,
                        enable_prefix_caching=False) as llm:  # fmt: skip
-        source_ppl = measure(llm, options.max_model_len) if check else None
+        source_ppl = measure(llm, options.max_model_len, "source") if check else None
         if calibration is not None:
             if options.smoothing != "none":
                 smoothing = smooth_source(llm, path, calibration, options.smoothing)
@@ -518,9 +518,10 @@ def _accuracy(engine: str, options: BuildOptions, source_ppl: dict[str, float] |
 
     with measuring_llm(
         engine,
+        "engine",
         kv_cache_dtype=options.kv_cache_dtype,
         max_model_len=options.max_model_len,
         tensor_parallel_size=options.tensor_parallel_size,
     ) as llm:
-        engine_ppl = measure(llm, options.max_model_len)
+        engine_ppl = measure(llm, options.max_model_len, "engine")
     return report(source_ppl, engine_ppl, options.max_ppl_increase)

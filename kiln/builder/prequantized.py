@@ -138,10 +138,11 @@ class Scores:
     held_out: str
 
 
-def score(llm: Any, max_length: int | None) -> Scores:
+def score(llm: Any, max_length: int | None, label: str) -> Scores:
     """`llm`'s log-probability of every held-out token, in rolling windows as kiln eval's
-    perplexity (lm-eval's definition) scores them."""
+    perplexity (lm-eval's definition) scores them (`label`: the checkpoint, the engine)."""
     from kiln.builder.accuracy import _HELD_OUT_ARTICLES, HELD_OUT_FILE, wikitext_articles
+    from kiln.builder.progress import build_step
     from kiln.eval.perplexity import (
         WINDOWS_PER_CALL,
         count_words,
@@ -166,12 +167,15 @@ def score(llm: Any, max_length: int | None) -> Scores:
     ]  # fmt: skip
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True)
     logprobs: list[float] = []
-    for start in range(0, len(windows), WINDOWS_PER_CALL):
-        batch = windows[start : start + WINDOWS_PER_CALL]
-        outputs = llm.generate([ctx + cont for ctx, cont in batch], params)
-        for (context, continuation), out in zip(batch, outputs, strict=True):
-            positions = out.prompt_logprobs[len(context) :]
-            logprobs += [lps[t].logprob for lps, t in zip(positions, continuation, strict=True)]
+    total_tokens = sum(len(doc) for doc in token_docs)
+    with build_step(f"held-out log-probabilities of the {label}", total_tokens, " tokens") as bar:
+        for start in range(0, len(windows), WINDOWS_PER_CALL):
+            batch = windows[start : start + WINDOWS_PER_CALL]
+            outputs = llm.generate([ctx + cont for ctx, cont in batch], params)
+            for (context, continuation), out in zip(batch, outputs, strict=True):
+                positions = out.prompt_logprobs[len(context) :]
+                logprobs += [lps[t].logprob for lps, t in zip(positions, continuation, strict=True)]
+                bar.update(len(continuation))
     total = math.fsum(logprobs)
     words = sum(count_words(d) for d in documents) if tokenizer is not None else None
     return Scores(
@@ -198,13 +202,14 @@ def run_source(
     kv_scales = None
     with measuring_llm(
         path,
+        "checkpoint",
         dtype=options.dtype,
         max_model_len=options.max_model_len,
         kv_cache_dtype="auto" if calibration is not None else options.kv_cache_dtype,
         lm_head_quantization=options.lm_head_quantization,
         enable_prefix_caching=False,
     ) as llm:
-        scores = score(llm, options.max_model_len) if check else None
+        scores = score(llm, options.max_model_len, "checkpoint") if check else None
         if calibration is not None:
             _, kv_scales, _ = calibrate(llm, calibration, False, True)
     return scores, kv_scales
@@ -221,12 +226,13 @@ def accuracy(
 
     with measuring_llm(
         engine,
+        "engine",
         kv_cache_dtype=options.kv_cache_dtype,
         max_model_len=options.max_model_len,
         tensor_parallel_size=options.tensor_parallel_size,
         enable_prefix_caching=False,
     ) as llm:
-        got = score(llm, options.max_model_len)
+        got = score(llm, options.max_model_len, "engine")
     metric = "word_perplexity" if baseline.word_perplexity is not None else "token_perplexity"
     source_ppl, engine_ppl = getattr(baseline, metric), getattr(got, metric)
     increase = 100.0 * (engine_ppl / source_ppl - 1.0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 
+from kiln.builder.progress import build_step
 from kiln.errors import BuildError
 from kiln.quantization import linear_method_factory
 
@@ -77,12 +78,14 @@ def smooth_source(llm: object, path: str, text: str, smoothing: str) -> dict:
         raise BuildError(f'smoothing "{smoothing}" calibrates on text: the source has no tokenizer')
     model = llm.engine.executor.runner.model
     one_token = SamplingParams(max_tokens=1, temperature=0.0)
-    amax = calibrate_channel_amax(
-        model, calibration_batches(llm, text), lambda b: llm.generate(b, one_token)
-    )
+    batches = calibration_batches(llm, text)
+    with build_step("smoothing: channel amax", len(batches), " windows") as bar:
+        amax = calibrate_channel_amax(model, batches, lambda b: llm.generate(b, one_token))
+        bar.update(len(batches))
     factors = smoothing_factors(model, amax, SmoothingSpec.parse(smoothing).alpha)
     source = find_model_source(path, "auto")
-    model.load_weights(smooth_checkpoint(source.weights, factors, model.config))
+    with build_step("smoothing: reloading the source"):
+        model.load_weights(smooth_checkpoint(source.weights, factors, model.config))
     return factors
 
 
@@ -135,13 +138,18 @@ def calibrate(
         key, calibrator = calibrators[depth]
         found[key] = calibrator(model, b, lambda inner: nest(depth + 1, inner))
 
-    nest(0, batches)
+    what = ", ".join(key for key, _ in calibrators)
+    with build_step(f"calibrating ({what})", len(batches), " windows") as bar:
+        nest(0, batches)
+        bar.update(len(batches))
     if input_scales and activation_scales != "amax":  # a second pass of its own, from absmax
         from kiln.quantization.calibration import search_input_scales
 
-        found["scales"] = search_input_scales(
-            model, batches, lambda b: llm.generate(b, one_token), found["scales"]
-        )
+        with build_step("searching input scales (mse)", len(batches), " windows") as bar:
+            found["scales"] = search_input_scales(
+                model, batches, lambda b: llm.generate(b, one_token), found["scales"]
+            )
+            bar.update(len(batches))
     return found.get("scales"), found.get("kv"), found.get("hessians")
 
 
@@ -167,7 +175,9 @@ def round_weights(
 
         one_token = SamplingParams(max_tokens=1, temperature=0.0)
         run = lambda b: llm.generate(b, one_token)
-        hessians, crosses = calibrate_activation_aware(model, batches, run, input_scales)
+        with build_step("GPTQ statistics", len(batches), " windows") as bar:
+            hessians, crosses = calibrate_activation_aware(model, batches, run, input_scales)
+            bar.update(len(batches))
         return hessians, crosses, None
     import torch
 
@@ -175,8 +185,10 @@ def round_weights(
 
     runner = llm.engine.executor.runner
     spec = RoundingSpec(aware=False, damp=SEQUENTIAL_DAMP) if plain else RoundingSpec(aware=True)
-    with torch.no_grad():
+    layers = len(model.layers)
+    with torch.no_grad(), build_step(f"rounding weights ({rounding})", layers, " layers") as bar:
         rounded = round_sequentially(
-            model, runner.ops, runner.backend, batches, spec, input_scales, kept
-        )
+            model, runner.ops, runner.backend, batches, spec, input_scales, kept,
+            on_layer=lambda: bar.update(1),
+        )  # fmt: skip
     return None, None, rounded

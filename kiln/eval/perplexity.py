@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kiln.sampling_params import SamplingParams
@@ -91,10 +91,16 @@ def prefix_token_id(llm) -> int:
 
 
 def token_loglikelihoods(
-    llm, documents: Sequence[Sequence[int]], prefix_token: int, max_length: int | None = None
+    llm,
+    documents: Sequence[Sequence[int]],
+    prefix_token: int,
+    max_length: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[float]:
     """Each token document's rolling loglikelihood (nats), scored by the engine's prompt
-    logprobs; the windows of all documents go to the engine together."""
+    logprobs; the windows of all documents go to the engine together. `progress(scored,
+    total)`, if given, hears the predicted tokens scored so far: 0 first, then after each
+    engine call."""
     limit = llm.engine.max_model_len
     max_length = max_length or limit
     if not 3 <= max_length <= limit:
@@ -106,6 +112,10 @@ def token_loglikelihoods(
     ]
     totals = [0.0] * len(documents)
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True)
+    total_tokens = sum(len(tokens) for tokens in documents)
+    scored = 0
+    if progress is not None:
+        progress(scored, total_tokens)
     for start in range(0, len(windows), WINDOWS_PER_CALL):
         batch = windows[start : start + WINDOWS_PER_CALL]
         outputs = llm.generate([ctx + cont for _, ctx, cont in batch], params)
@@ -114,6 +124,9 @@ def token_loglikelihoods(
             totals[doc_index] += math.fsum(
                 lps[t].logprob for lps, t in zip(positions, continuation, strict=True)
             )
+            scored += len(continuation)
+        if progress is not None:
+            progress(scored, total_tokens)
     return totals
 
 
@@ -146,16 +159,17 @@ def rolling_perplexity(
     max_length: int | None = None,
     *,
     counted_texts: list[str] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> PerplexityResult:
     """Perplexity of `llm` on text documents: each is tokenized without special tokens (as
     lm-eval's `tok_encode`), scored in rolling windows of `max_length` (default: the engine's
     max_model_len); words and bytes are counted in `counted_texts` (default: the documents, as
-    lm-eval's generic loglikelihood_rolling tasks count them)."""
+    lm-eval's generic loglikelihood_rolling tasks count them). `progress`: token_loglikelihoods'."""
     if not documents:
         raise ValueError("no documents to score")
     tokenizer = llm.get_tokenizer()
     if tokenizer is None:
         raise ValueError("this model has no tokenizer: use token_loglikelihoods")
     token_docs = [tokenizer.encode(d, add_special_tokens=False) for d in documents]
-    lls = token_loglikelihoods(llm, token_docs, prefix_token_id(llm), max_length)
+    lls = token_loglikelihoods(llm, token_docs, prefix_token_id(llm), max_length, progress)
     return perplexity_metrics(lls, [len(t) for t in token_docs], counted_texts or documents)

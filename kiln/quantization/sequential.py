@@ -16,7 +16,7 @@ Returns each projection's float8 codes and scales; the build loads them as they 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -61,12 +61,14 @@ def round_sequentially(
     spec: RoundingSpec,
     input_scales: dict[str, float] | None,
     kept: Collection[str] = (),
+    on_layer: Callable[[], None] | None = None,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Layer name -> (float8 codes [out, in], fp32 scales [out, 1]) of every decoder projection
     of `model` (unquantized, TP=1 and one pipeline stage), rounded layer after layer over
     `token_batches` (each one sequence). `input_scales` (layer name -> static scale): the
     engine's inputs quantize with them ("fp8"); None: per token ("fp8-dynamic"). `kept`: layer
-    names the engine keeps unquantized (--unquantized-layers): they run as the source's."""
+    names the engine keeps unquantized (--unquantized-layers): they run as the source's.
+    `on_layer`, if given, is called as each decoder layer is done (a build's progress)."""
     if model.parallel is not None:
         raise ValueError("layer-sequential rounding runs the whole model in one process")
     device = model.norm.device
@@ -99,6 +101,8 @@ def round_sequentially(
             if rounder.result is None:
                 raise ValueError(f"calibration saw no input to {name!r}")
             rounded[name] = rounder.result
+        if on_layer is not None:
+            on_layer()
     return rounded
 
 
