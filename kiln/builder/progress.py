@@ -1,11 +1,13 @@
 """Progress bars for `kiln build`'s long steps: loading a model to measure or calibrate, the
 held-out perplexities, calibration passes and layer-by-layer rounding. Some are one engine call
 that reports nothing until it returns (a prefill of a few thousand tokens on the CPU takes
-seconds), so each bar is also redrawn on a timer: its elapsed time moves while the step runs."""
+seconds), so on a terminal each bar is also redrawn on a timer: its elapsed time moves while
+the step runs."""
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -28,13 +30,17 @@ def build_step(desc: str, total: int | None = None, unit: str = "it") -> Iterato
         while not done.wait(_REDRAW_S):
             bar.refresh()
 
-    ticker = threading.Thread(target=redraw, name="kiln-build-progress", daemon=True)
-    ticker.start()
+    # Only a terminal is redrawn on the timer: in a log file each redraw would be another line.
+    ticker = None
+    if sys.stderr.isatty():
+        ticker = threading.Thread(target=redraw, name="kiln-build-progress", daemon=True)
+        ticker.start()
     try:
         yield bar
     finally:
         done.set()
-        ticker.join()
+        if ticker is not None:
+            ticker.join()
         bar.close()
 
 
