@@ -142,14 +142,8 @@ def score(llm: Any, max_length: int | None, label: str) -> Scores:
     """`llm`'s log-probability of every held-out token, in rolling windows as kiln eval's
     perplexity (lm-eval's definition) scores them (`label`: the checkpoint, the engine)."""
     from kiln.builder.accuracy import _HELD_OUT_ARTICLES, HELD_OUT_FILE, wikitext_articles
-    from kiln.builder.progress import build_step
-    from kiln.eval.perplexity import (
-        WINDOWS_PER_CALL,
-        count_words,
-        prefix_token_id,
-        rolling_token_windows,
-    )
-    from kiln.sampling_params import SamplingParams
+    from kiln.builder.progress import build_step, counting
+    from kiln.eval.perplexity import count_words, prefix_token_id, scored_windows
 
     documents = wikitext_articles(HELD_OUT_FILE, _HELD_OUT_ARTICLES)
     held_out = f"wikitext-2 valid.txt, first {_HELD_OUT_ARTICLES} articles"
@@ -160,22 +154,11 @@ def score(llm: Any, max_length: int | None, label: str) -> Scores:
         vocab = llm.engine.model_config.vocab_size
         token_docs = [[b % vocab for b in d.encode()[:_MAX_BYTE_TOKENS]] for d in documents]
         held_out += f" (no tokenizer: its first {_MAX_BYTE_TOKENS} UTF-8 bytes mod the vocabulary)"
-    max_length = max_length or llm.engine.max_model_len
-    windows = [
-        w for doc in token_docs for w in rolling_token_windows(doc, prefix_token_id(llm),
-                                                               max_length - 2)
-    ]  # fmt: skip
-    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True)
     logprobs: list[float] = []
-    total_tokens = sum(len(doc) for doc in token_docs)
-    with build_step(f"held-out log-probabilities of the {label}", total_tokens, " tokens") as bar:
-        for start in range(0, len(windows), WINDOWS_PER_CALL):
-            batch = windows[start : start + WINDOWS_PER_CALL]
-            outputs = llm.generate([ctx + cont for ctx, cont in batch], params)
-            for (context, continuation), out in zip(batch, outputs, strict=True):
-                positions = out.prompt_logprobs[len(context) :]
-                logprobs += [lps[t].logprob for lps, t in zip(positions, continuation, strict=True)]
-                bar.update(len(continuation))
+    with build_step(f"held-out log-probabilities of the {label}", unit=" tokens") as bar:
+        windows = scored_windows(llm, token_docs, prefix_token_id(llm), max_length, counting(bar))
+        for _, window_logprobs in windows:
+            logprobs += window_logprobs
     total = math.fsum(logprobs)
     words = sum(count_words(d) for d in documents) if tokenizer is not None else None
     return Scores(

@@ -90,17 +90,17 @@ def prefix_token_id(llm) -> int:
     return config.bos_token_id if config.bos_token_id is not None else config.eos_token_ids[0]
 
 
-def token_loglikelihoods(
+def scored_windows(
     llm,
     documents: Sequence[Sequence[int]],
     prefix_token: int,
     max_length: int | None = None,
     progress: Callable[[int, int], None] | None = None,
-) -> list[float]:
-    """Each token document's rolling loglikelihood (nats), scored by the engine's prompt
-    logprobs; the windows of all documents go to the engine together. `progress(scored,
-    total)`, if given, hears the predicted tokens scored so far: 0 first, then after each
-    engine call."""
+) -> Iterator[tuple[int, list[float]]]:
+    """(document index, the log-probabilities of the window's predicted tokens) for every
+    rolling window of every token document, in document and token order, scored by the engine's
+    prompt logprobs; the windows go to the engine together. `progress(scored, total)`, if given,
+    hears the predicted tokens scored so far: 0 first, then after each engine call."""
     limit = llm.engine.max_model_len
     max_length = max_length or limit
     if not 3 <= max_length <= limit:
@@ -110,7 +110,6 @@ def token_loglikelihoods(
         for doc_index, tokens in enumerate(documents)
         for context, continuation in rolling_token_windows(tokens, prefix_token, max_length - 2)
     ]
-    totals = [0.0] * len(documents)
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True)
     total_tokens = sum(len(tokens) for tokens in documents)
     scored = 0
@@ -121,12 +120,26 @@ def token_loglikelihoods(
         outputs = llm.generate([ctx + cont for _, ctx, cont in batch], params)
         for (doc_index, context, continuation), out in zip(batch, outputs, strict=True):
             positions = out.prompt_logprobs[len(context) :]
-            totals[doc_index] += math.fsum(
-                lps[t].logprob for lps, t in zip(positions, continuation, strict=True)
+            yield (
+                doc_index,
+                [lps[t].logprob for lps, t in zip(positions, continuation, strict=True)],
             )
             scored += len(continuation)
         if progress is not None:
             progress(scored, total_tokens)
+
+
+def token_loglikelihoods(
+    llm,
+    documents: Sequence[Sequence[int]],
+    prefix_token: int,
+    max_length: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[float]:
+    """Each token document's rolling loglikelihood (nats): scored_windows' sums."""
+    totals = [0.0] * len(documents)
+    for doc_index, logprobs in scored_windows(llm, documents, prefix_token, max_length, progress):
+        totals[doc_index] += math.fsum(logprobs)
     return totals
 
 
