@@ -125,8 +125,9 @@ def paged_prefill_attention(
         keys = _gather_context(k_cache, block_tables[i].long(), seq_len).to(query.dtype)
         values = _gather_context(v_cache, block_tables[i].long(), seq_len).to(query.dtype)
         # 4-D, with a batch of one: torch's CPU SDPA runs its flash kernel only on 4-D inputs
-        # and falls back to the math path (the whole score matrix) on 3-D ones, 5-14x slower
-        # at 1-2k tokens (fp32 / bf16) with the same error against an fp64 reference.
+        # and falls back to the math path (the whole score matrix) on 3-D ones: 2-8x slower in
+        # fp32, 6-24x in bf16 at 121-2048 query tokens, the same error against fp64
+        # (benchmarks/results/2026-12-04-cpu-prefill-attention-4d).
         q = query[start:end].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
         k = keys.transpose(0, 1)[None]  # [1, num_kv_heads, seq_len, head_dim]
         v = values.transpose(0, 1)[None]
