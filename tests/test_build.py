@@ -15,7 +15,7 @@ from kiln import LLM, SamplingParams
 from kiln.builder.build import BuildOptions, build_engine
 from kiln.checkpoint.engine_dir import MANIFEST_FILE
 from kiln.cli.main import main
-from kiln.errors import ModelLoadError
+from kiln.errors import BuildError, ModelLoadError
 from kiln.models.llama import LlamaForCausalLM
 from tests.conftest import assert_same_completions, build_tiny_hf_model
 
@@ -257,3 +257,40 @@ def test_every_long_step_of_a_checked_build_shows_a_progress_bar(tmp_path, capfd
     assert [step for step in steps if step not in err] == []
     # Positions in order: each step's bar appears as the step begins.
     assert [err.index(step) for step in steps] == sorted(err.index(step) for step in steps)
+
+
+def test_a_build_over_the_perplexity_limit_fails_with_its_numbers_and_keeps_nothing(
+    tmp_path, monkeypatch, capsys
+):
+    """The check's verdict, not its measurement (the real measurement is the progress-bar test's
+    and benchmarks/results/2026-12-04-cpu-fp8-builds-smollm2): an engine 5% worse than its
+    source fails the 1% limit with both numbers in one line, and neither the output directory
+    nor the cache keeps it."""
+    from kiln.builder import accuracy
+    from tests.tiny_tokenizer import build_tiny_chat_model
+
+    measured = {"source": 10.0, "engine": 10.5}
+    monkeypatch.setattr(
+        accuracy, "measure",
+        lambda llm, max_length, label: {"word_perplexity": measured[label],
+                                        "token_perplexity": measured[label]},
+    )  # fmt: skip
+    source = build_tiny_chat_model(str(tmp_path / "chat"))
+    out, cache_dir = tmp_path / "e", tmp_path / "cache"
+    argv = ["build", source, "-o", str(out), "--cache-dir", str(cache_dir),
+            "--quantization", "fp8-dynamic", "--max-model-len", "128"]  # fmt: skip
+    assert main(argv) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: ")  # the bars above it aside
+    assert "10.5000 is 5.00% above the source's 10.0000 (limit 1.0%" in errors[0]
+    assert "--weight-rounding gptq-sequential" in errors[0] and "--no-accuracy-check" in errors[0]
+    assert not out.exists() and not any(cache_dir.rglob(MANIFEST_FILE))
+    # Within the limit the same build is written.
+    measured["engine"] = 10.05
+    assert main(argv) == 0 and (out / MANIFEST_FILE).exists()
+
+
+@pytest.mark.parametrize("limit", [-1.0, float("nan"), float("inf")])
+def test_a_perplexity_limit_must_be_a_percentage(limit):
+    with pytest.raises(BuildError, match="max_ppl_increase must be a percentage >= 0"):
+        BuildOptions(quantization="fp8-dynamic", max_ppl_increase=limit)
