@@ -65,12 +65,8 @@ def smooth_source(llm: object, path: str, text: str, smoothing: str) -> dict:
     weights, then the source's weights (read from `path` again) loaded through the same
     smooth_checkpoint the engine's weights go through. Returns the factors (layer name ->
     [in_features]), for the engine's weights."""
-    from kiln.quantization.smoothing import (
-        SmoothingSpec,
-        calibrate_channel_amax,
-        smooth_checkpoint,
-        smoothing_factors,
-    )
+    from kiln.quantization.calibration import calibrate_channel_amax
+    from kiln.quantization.smoothing import SmoothingSpec, smooth_checkpoint, smoothing_factors
     from kiln.runtime.model_loader import find_model_source
     from kiln.sampling_params import SamplingParams
 

@@ -150,3 +150,36 @@ def observe_projections(
         for module, observer in wrapped.values():
             module.method = observer.inner
     return {name: observer for name, (_, observer) in wrapped.items()}
+
+
+class ChannelAmaxObserver(LinearMethod):
+    """Wraps a layer's method: keeps each input channel's largest |x| over every apply (fp32, on
+    the input's device), otherwise the wrapped method's arithmetic."""
+
+    def __init__(self, inner: LinearMethod) -> None:
+        self.inner = inner
+        self.amax: torch.Tensor | None = None
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
+        raise RuntimeError("an observing method wraps a built layer")
+
+    def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0]:
+            amax = rows.abs().amax(dim=0).float()
+            self.amax = amax if self.amax is None else torch.maximum(self.amax, amax)
+        return self.inner.apply(layer, ops, x)
+
+
+def calibrate_channel_amax(
+    model: LlamaForCausalLM,
+    token_batches: list[list[int]],
+    run: Callable[[list[list[int]]], object],
+) -> dict[str, torch.Tensor]:
+    """Layer name -> [in_features] max |input| per channel, on the CPU, for every decoder
+    projection; `run` as calibrate_input_scales takes it (prefills only, prefix caching off)."""
+    observers = observe_projections(model, ChannelAmaxObserver, token_batches, run)
+    unseen = [name for name, observer in observers.items() if observer.amax is None]
+    if unseen:
+        raise ValueError(f"calibration saw no input to {len(unseen)} layers, e.g. {unseen[:3]}")
+    return {name: observer.amax.cpu() for name, observer in observers.items()}
