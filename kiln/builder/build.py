@@ -40,6 +40,7 @@ from kiln.models.llama import LlamaForCausalLM
 from kiln.quantization.calibration import ACTIVATION_SCALES
 from kiln.quantization.fp8 import Fp8LinearMethod
 from kiln.quantization.kv_scales import fold_kv_scales
+from kiln.quantization.outlier_columns import COLUMN_MULTIPLE, choose_channels
 from kiln.quantization.smoothing import SmoothingSpec, smooth_checkpoint
 from kiln.runtime.model_loader import (
     find_model_source,
@@ -116,6 +117,12 @@ class BuildOptions:
     multiplied by them, folded into the ops before; the same format and kernels). Stored as
     "smoothquant:<alpha>", the default alpha filled in (0.7 for fp8-dynamic, 0.3 for fp8)."""
 
+    outlier_columns: int = 0
+    """> 0: each FP8 projection's that many loudest input channels on the calibration text
+    (a multiple of 16) carried as a second float8 term (kiln.quantization.outlier_columns):
+    accuracy near per-token scales' for static "fp8", at K + n GEMM columns and unfused
+    quantization; -tp 1. 0: off."""
+
     def __post_init__(self) -> None:
         for name, allowed in (
             ("quantization", QUANTIZATIONS),
@@ -164,6 +171,17 @@ class BuildOptions:
                 f'weight_rounding "{self.weight_rounding}" rounds whole weights in one process: '
                 "build with -tp 1"
             )
+        if self.outlier_columns:
+            if self.outlier_columns < 0 or self.outlier_columns % COLUMN_MULTIPLE:
+                raise BuildError(
+                    f"outlier_columns must be a multiple of {COLUMN_MULTIPLE}, got "
+                    f"{self.outlier_columns}"
+                )
+            if self.quantization == "none":
+                raise BuildError("outlier columns are float8 inputs' second term: they need "
+                                 "--quantization fp8 or fp8-dynamic")  # fmt: skip
+            if self.tensor_parallel_size != 1:
+                raise BuildError("outlier columns are not cut per tensor rank: build with -tp 1")
         if self.lm_head_quantization != "none" and self.tensor_parallel_size != 1:
             raise BuildError("a float8 LM head (--lm-head-quantization fp8) needs -tp 1")
 
@@ -197,6 +215,7 @@ def build_engine(
             (bool(options.unquantized_layers), "--unquantized-layers chooses what kiln quantizes"),
             (options.smoothing != "none",
              f'smoothing "{options.smoothing}" changes weights before they are quantized'),
+            (options.outlier_columns > 0, "--outlier-columns appends weight columns kiln rounds"),
         ):  # fmt: skip
             if changes_weights:
                 raise BuildError(
@@ -228,6 +247,8 @@ def build_engine(
         key["sequential_rounding"] = {"windows": SEQUENTIAL_WINDOWS, "damp": SEQUENTIAL_DAMP}
     if not options.unquantized_layers:
         del key["unquantized_layers"]  # and ones that quantize every projection
+    if not options.outlier_columns:
+        del key["outlier_columns"]  # and ones without outlier columns
     source_digest = cache.source_hash(path)
     engine_id = cache.engine_id(source_digest, key)
     cache_dir = cache_dir or (cache.default_cache_dir() if out_dir is None else None)
@@ -254,9 +275,9 @@ def build_engine(
     try:
         # A pre-quantized source is always checked: its engine must equal it.
         check = options.accuracy_check and (fp8 is not None or _changes_arithmetic(options))
-        calibrated = None
+        calibrated = outliers = None
         if fp8 is None:
-            source_ppl, scales, kv_scales, hessians, smoothing, gptq = _run_source(
+            source_ppl, scales, kv_scales, hessians, smoothing, gptq, outliers = _run_source(
                 path, options, calibration, check, kept
             )
             kv_in_weights = True
@@ -267,7 +288,9 @@ def build_engine(
             scales, kv_scales = fp8.input_scales, calibrated or fp8.kv_scales
             # Its own k/v scales fold in for a float8 cache only, as loading it directly does.
             kv_in_weights = is_float8_kv_cache(options.kv_cache_dtype)
-        factory = linear_method_factory(options.quantization, scales, hessians, kept, *gptq)
+        factory = linear_method_factory(
+            options.quantization, scales, hessians, kept, *gptq, outlier_channels=outliers
+        )
         head = Fp8LinearMethod("dynamic") if options.lm_head_quantization == "fp8" else None
         with torch.device(device):
             # Made in `dtype` (not .to(dtype) after): float8 weights and scales keep their types.
@@ -321,6 +344,7 @@ def build_engine(
             kernel_tiles_reason=tiles_reason,
             smoothing=options.smoothing,
             unquantized_layers=kept or None,
+            outlier_channels=outliers,
         )
         manifest.write(tmp)  # the check loads the engine from tmp: it needs a manifest
         if fp8 is None:
@@ -412,6 +436,11 @@ def _scales_method(options: BuildOptions) -> str | None:
             method += " (activation-aware: against the engine's float8 inputs)"
         if options.weight_rounding.endswith("-sequential"):
             method += ", layer after layer"
+    if method and options.outlier_columns:
+        method += (
+            f"; each projection's {options.outlier_columns} loudest input channels on the "
+            "calibration text carried as a second float8 term (outlier columns)"
+        )
     return method
 
 
@@ -423,6 +452,7 @@ def _calibration_text(options: BuildOptions) -> str | None:
         options.quantization == "fp8"
         or options.weight_rounding != "nearest"
         or options.smoothing != "none"
+        or options.outlier_columns > 0
     )
     if not calibrates and not is_float8_kv_cache(options.kv_cache_dtype):
         return None
@@ -473,6 +503,7 @@ def _run_source(
     dict[str, torch.Tensor] | None,
     dict[str, torch.Tensor] | None,
     tuple[dict | None, dict | None],
+    dict[str, list[int]] | None,
 ]:
     """(the source's held-out perplexity if checked, static input scales if "fp8", KV cache
     scales if float8, GPTQ's input statistics if weight_rounding "gptq" or "gptq-aware",
@@ -482,10 +513,10 @@ def _run_source(
     calibrations: their scales and statistics are of the smoothed inputs and weights the
     engine holds."""
     if not check and calibration is None:
-        return None, None, None, None, None, (None, None)
+        return None, None, None, None, None, (None, None), None
     from kiln.builder.accuracy import measure, measuring_llm
 
-    scales = kv_scales = hessians = smoothing = crosses = rounded = None
+    scales = kv_scales = hessians = smoothing = crosses = rounded = outliers = None
     with measuring_llm(path, "source", dtype=options.dtype, max_model_len=options.max_model_len,
                        enable_prefix_caching=False) as llm:  # fmt: skip
         source_ppl = measure(llm, options.max_model_len, "source") if check else None
@@ -497,15 +528,28 @@ def _run_source(
                 is_float8_kv_cache(options.kv_cache_dtype),
                 options.weight_rounding == "gptq",
             )
-            if any(wanted):  # smoothing alone needs no second pass
-                scales, kv_scales, hessians = calibrate(
-                    llm, calibration, *wanted, activation_scales=options.activation_scales
-                )
+            if any(wanted) or options.outlier_columns:  # smoothing alone needs no second pass
+                scales, kv_scales, hessians, amax = calibrate(
+                    llm, calibration, *wanted, activation_scales=options.activation_scales,
+                    channel_amax=options.outlier_columns > 0,
+                )  # fmt: skip
+                if amax is not None:
+                    outliers = _outlier_channels(amax, options.outlier_columns, kept)
             if options.weight_rounding not in ("nearest", "gptq"):  # needs the static scales
                 hessians, crosses, rounded = round_weights(
                     llm, calibration, options.weight_rounding, scales, kept
                 )
-    return source_ppl, scales, kv_scales, hessians, smoothing, (crosses, rounded)
+    return source_ppl, scales, kv_scales, hessians, smoothing, (crosses, rounded), outliers
+
+
+def _outlier_channels(
+    amax: dict[str, torch.Tensor], count: int, kept: list[str]
+) -> dict[str, list[int]]:
+    """Each quantized projection's `count` loudest input channels (kept ones run unquantized)."""
+    try:
+        return choose_channels({n: a for n, a in amax.items() if n not in kept}, count)
+    except ValueError as e:
+        raise BuildError(f"--outlier-columns {count}: {e}") from None
 
 
 def _accuracy_failure(accuracy: dict, options: BuildOptions) -> str:

@@ -75,6 +75,11 @@ class EngineManifest:
     """"smoothquant:<alpha>": the FP8 projections' inputs were smoothed per channel on the
     calibration text (kiln.quantization.smoothing), the factors folded into the weights."""
 
+    outlier_channels: dict[str, list[int]] | None = None
+    """`--outlier-columns`: each FP8 projection's input channels carried as a second float8
+    term (kiln.quantization.outlier_columns; its weight holds their columns twice), which
+    loading needs to make the projection's method. None: no outlier columns."""
+
     def write(self, directory: str) -> None:
         with open(os.path.join(directory, MANIFEST_FILE), "w", encoding="utf-8") as f:
             json.dump(asdict(self), f, indent=2, sort_keys=True)

@@ -194,7 +194,7 @@ def run_source(
     ) as llm:
         scores = score(llm, options.max_model_len, "checkpoint") if check else None
         if calibration is not None:
-            _, kv_scales, _ = calibrate(llm, calibration, False, True)
+            _, kv_scales, _, _ = calibrate(llm, calibration, False, True)
     return scores, kv_scales
 
 

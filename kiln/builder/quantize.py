@@ -92,27 +92,29 @@ def calibrate(
     kv_scales: bool,
     hessians: bool = False,
     activation_scales: str = "amax",
-) -> tuple[dict[str, float] | None, list[tuple[float, float]] | None, dict | None]:
+    channel_amax: bool = False,
+) -> tuple[dict[str, float] | None, list[tuple[float, float]] | None, dict | None, dict | None]:
     """(static input scales, layer name -> absmax / 448 (`activation_scales` "mse": the
     searched multiple of it, kiln.quantization.calibration), if `input_scales`; per-layer float8 KV
-    cache scales if `kv_scales`; layer name -> GPTQ's input statistics if `hessians`) from
+    cache scales if `kv_scales`; layer name -> GPTQ's input statistics if `hessians`; layer
+    name -> each input channel's absmax if `channel_amax`) from
     `llm`'s unquantized model run over the first tokens of `text`, in windows that share no
     prefix (the engine's prefix cache would skip repeated ones), in one pass: each observer
     wraps the ones before it."""
-    from kiln.quantization.calibration import calibrate_input_scales
+    from kiln.quantization.calibration import calibrate_channel_amax, calibrate_input_scales
     from kiln.quantization.gptq import calibrate_hessians
     from kiln.quantization.kv_scales import calibrate_kv_scales
     from kiln.sampling_params import SamplingParams
 
     tokenizer = llm.get_tokenizer()
     if tokenizer is None:  # calibration text needs the model's tokenizer
-        if input_scales or hessians:
+        if input_scales or hessians or channel_amax:
             raise BuildError(
-                'quantization "fp8" and GPTQ weight rounding calibrate on text: the source '
-                "has no tokenizer"
+                'quantization "fp8", GPTQ weight rounding and outlier columns calibrate on '
+                "text: the source has no tokenizer"
             )
         print("the source has no tokenizer: its float8 KV cache stays unscaled", flush=True)
-        return None, None, None
+        return None, None, None, None
     batches = calibration_batches(llm, text)
     model = llm.engine.executor.runner.model
     one_token = SamplingParams(max_tokens=1, temperature=0.0)
@@ -121,6 +123,7 @@ def calibrate(
         ("kv", calibrate_kv_scales, kv_scales),
         ("scales", calibrate_input_scales, input_scales),
         ("hessians", calibrate_hessians, hessians),
+        ("channels", calibrate_channel_amax, channel_amax),
     )
     calibrators = [(key, calibrator) for key, calibrator, want in wanted if want]
     found: dict[str, object] = {}
@@ -146,7 +149,7 @@ def calibrate(
                 model, batches, lambda b: llm.generate(b, one_token), found["scales"]
             )
             bar.update(len(batches))
-    return found.get("scales"), found.get("kv"), found.get("hessians")
+    return found.get("scales"), found.get("kv"), found.get("hessians"), found.get("channels")
 
 
 def round_weights(

@@ -40,6 +40,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "layers.3.mlp.gate_up_proj (an ignore list: their accuracy for their speed)",
     )  # fmt: skip
     p.add_argument(
+        "--outlier-columns", type=int, default=0, metavar="N",
+        help="carry each FP8 projection's N loudest input channels (a multiple of 16) as a "
+        "second float8 term: static fp8 near per-token accuracy, K + N GEMM columns (see docs)",
+    )  # fmt: skip
+    p.add_argument(
         "--lm-head-quantization", choices=("none", "fp8"), default="none",
         help="fp8: the LM head in float8 with per-row scales (half its bytes; see docs)",
     )  # fmt: skip
@@ -89,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         activation_scales=args.activation_scales,
         unquantized_layers=tuple(p for p in args.unquantized_layers.split(",") if p),
         lm_head_quantization=args.lm_head_quantization,
+        outlier_columns=args.outlier_columns,
     )
     manifest = build_engine(args.model, args.output, options, args.cache_dir)
     where = args.output or f"{args.cache_dir or default_cache_dir()}/{manifest.engine_id}"

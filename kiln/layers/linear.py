@@ -68,6 +68,13 @@ class LinearMethod(ABC):
         this; at TP=1 nothing is cut."""
         self.load_weight(layer.shard_view(param, shard), shard, layer.cut(param, shard, loaded))
 
+    def checkpoint_shape(
+        self, layer: Linear, param: torch.Tensor, shape: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """The shape a checkpoint tensor for `shape`'s part of `param` has, once cut: the part's
+        own, unless the method lays the parameter out otherwise (outlier columns)."""
+        return shape
+
     def process_weights_after_loading(self, layer: Linear) -> None:  # noqa: B027 (optional hook)
         """Convert loaded weights into what apply() reads (quantize, transpose, ...)."""
 

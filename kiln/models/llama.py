@@ -355,7 +355,7 @@ class LlamaForCausalLM(nn.Module):
             if owner is not None and not _cut_fits(owner, param, shard, tensor):
                 raise ModelLoadError(
                     f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, the model expects "
-                    f"{tuple(owner.shard_view(param, shard).shape)} (of this tensor rank's part)"
+                    f"{_checkpoint_part(owner, param, shard)} (of this tensor rank's part)"
                 )
             if owner is None:
                 self._copy_unsplit(name, param, tensor, hf_name)
@@ -556,9 +556,14 @@ def _scale_rows(
     return tensor.reshape(()).expand(rows)
 
 
+def _checkpoint_part(owner: Linear, param: torch.Tensor, shard: int | None) -> tuple[int, ...]:
+    """The shape of this rank's part of a checkpoint tensor for `param`'s shard `shard`."""
+    return owner.method.checkpoint_shape(owner, param, tuple(owner.shard_view(param, shard).shape))
+
+
 def _cut_fits(owner: Linear, param: torch.Tensor, shard: int | None, tensor: torch.Tensor) -> bool:
     """Whether a full checkpoint tensor, cut to this rank's part, fills its place in `param`."""
-    want = tuple(owner.shard_view(param, shard).shape)
+    want = _checkpoint_part(owner, param, shard)
     if owner.split is None:
         return tuple(tensor.shape) == want
     try:

@@ -3,7 +3,7 @@ name -> a function giving each projection (by its qualified name) its LinearMeth
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 
@@ -20,6 +20,7 @@ def linear_method_factory(
     unquantized: Collection[str] = (),
     crosses: dict[str, torch.Tensor] | None = None,
     rounded: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    outlier_channels: Mapping[str, Sequence[int]] | None = None,
 ) -> Callable[[str], LinearMethod]:
     """name (e.g. "layers.3.self_attn.qkv_proj") -> a new LinearMethod for that projection.
 
@@ -31,7 +32,8 @@ def linear_method_factory(
     the model dtype (`kiln build --unquantized-layers`). `crosses` (layer name -> X Xq^T, with
     `hessians` then Xq Xq^T): GPTQ of the activation-aware target (kiln.quantization.gptq).
     `rounded` (layer name -> float8 codes and scales, kiln.quantization.sequential): weights
-    rounded already, loaded as they are."""
+    rounded already, loaded as they are. `outlier_channels` (layer name -> input channels,
+    kiln.quantization.outlier_columns): those channels carried as a second float8 term."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"unknown quantization {quantization!r}; known: {', '.join(QUANTIZATIONS)}"
@@ -40,7 +42,7 @@ def linear_method_factory(
         return lambda name: UnquantizedLinearMethod()
     if unquantized:
         quantized = linear_method_factory(
-            quantization, input_scales, hessians, (), crosses, rounded
+            quantization, input_scales, hessians, (), crosses, rounded, outlier_channels
         )
         kept = frozenset(unquantized)
         return lambda name: UnquantizedLinearMethod() if name in kept else quantized(name)
@@ -62,8 +64,19 @@ def linear_method_factory(
             "rounded": None if rounded is None else rounded[name],
         }
 
+    def fp8(name: str, *args: object) -> LinearMethod:
+        if outlier_channels is None:
+            return Fp8LinearMethod(*args, **rounding(name))
+        from kiln.quantization.outlier_columns import OutlierColumnsFp8LinearMethod
+
+        if name not in outlier_channels:
+            raise ModelLoadError(f"outlier columns: no chosen channels for layer {name!r}")
+        return OutlierColumnsFp8LinearMethod(
+            *args, channels=outlier_channels[name], **rounding(name)
+        )
+
     if quantization == "fp8-dynamic":
-        return lambda name: Fp8LinearMethod("dynamic", **rounding(name))
+        return lambda name: fp8(name, "dynamic")
     if input_scales is None:  # a loading error: the CLI prints it as one line
         raise ModelLoadError(
             'quantization "fp8" uses static activation scales calibrated on sample text: build '
@@ -76,6 +89,6 @@ def linear_method_factory(
             raise ModelLoadError(
                 f'quantization "fp8": no calibrated input scale for layer {name!r}'
             )
-        return Fp8LinearMethod("static", scales[name], **rounding(name))
+        return fp8(name, "static", scales[name])
 
     return static

@@ -88,14 +88,18 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
         layer = self._layer()
         if self.rounded is not None:  # the same rows of the whole weight's rounding
             codes, scale = self.rounded
-            param.copy_(layer.shard_view(codes, shard))
+            self.store_codes(param, layer.shard_view(codes, shard))
             rows = layer.shard_view(scale.view(-1), shard)
             layer.shard_view(layer.weight_scale, shard).copy_(rows)
             return
         # [rows, in] -> float8 rows and their [rows, 1] scales, on the weight's device.
         weight_fp8, scale = self._quantize_rows(loaded.to(param.device))
-        param.copy_(weight_fp8)
+        self.store_codes(param, weight_fp8)
         layer.shard_view(layer.weight_scale, shard).copy_(scale.view(-1))
+
+    def store_codes(self, param: torch.Tensor, codes: torch.Tensor) -> None:
+        """The weight's rows from their float8 codes (outlier columns append more)."""
+        param.copy_(codes)
 
     def load_checkpoint_tensor(
         self, layer: Linear, param: torch.Tensor, shard: int | None, loaded: torch.Tensor

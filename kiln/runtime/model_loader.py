@@ -49,6 +49,8 @@ class ModelSource:
     lm_head_quantization: str = "none"
     # An engine's decoder projections kept in the model dtype (`kiln build --unquantized-layers`).
     unquantized_layers: tuple[str, ...] = ()
+    # An engine's outlier columns (`kiln build --outlier-columns`): layer name -> input channels.
+    outlier_channels: dict[str, list[int]] | None = None
 
 
 @dataclass
@@ -171,6 +173,7 @@ def _engine_dir_source(
         kv_scales_in_weights=engine.manifest.get("kv_scales_in_weights", True),
         lm_head_quantization=engine.manifest.get("lm_head_quantization", "none"),
         unquantized_layers=tuple(engine.manifest.get("unquantized_layers") or ()),
+        outlier_channels=engine.manifest.get("outlier_channels"),
     )
 
 
@@ -209,9 +212,15 @@ def _linear_method(engine_config: EngineConfig, source: ModelSource) -> LinearMe
             f"{source.description} holds {source.quantization!r} weights; it cannot load as "
             f"quantization={engine_config.quantization!r} (build another engine for that)"
         )
+    if source.outlier_channels and engine_config.tensor_parallel_size > 1:
+        raise ModelLoadError(
+            f"{source.description} has outlier columns (kiln build --outlier-columns), which run "
+            "at tensor_parallel_size 1 only"
+        )
     return linear_method_factory(
-        source.quantization, source.input_scales, unquantized=source.unquantized_layers
-    )
+        source.quantization, source.input_scales, unquantized=source.unquantized_layers,
+        outlier_channels=source.outlier_channels,
+    )  # fmt: skip
 
 
 def lm_head_method(engine_config: EngineConfig, source: ModelSource) -> LinearMethod | None:

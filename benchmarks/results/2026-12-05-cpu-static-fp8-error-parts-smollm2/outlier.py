@@ -6,7 +6,7 @@ source (a damage measure that does not cancel, unlike the perplexity's mean).
 
     OMP_NUM_THREADS=2 python outlier.py OUT.json N_ARTICLES CONFIG [CONFIG ...]
 
-CONFIG: MODE[/w=fp32|nearest|gptq][/fixed=K|/resid=K][/exact=K]; MODE dynamic | static;
+CONFIG: MODE[/w=fp32|nearest|gptq|gptq32][/fixed=K|/resid=K][/exact=K]; MODE dynamic | static;
 fixed=K: the K channels of largest calibration amax of each projection exact at run time;
 resid=K: those channels as two e4m3 terms at the tensor's scale (x ~ q + q(x - q));
 exact=K: each row's K largest |values| exact (not a run-time scheme: the bound);
@@ -119,15 +119,17 @@ for config in sys.argv[3:]:
     scales = None if mode == "dynamic" else static
     k = int(opts.get("fixed", opts.get("resid", 0)))
     w = opts.get("w", "fp32")
-    if w == "gptq":
-        if mode not in gptq_cache:
+    if w.startswith("gptq"):
+        # gptq: 8 windows, damp 0.01; gptq32: the build's 32 windows and damp 0.1
+        windows, damp = (32, 0.1) if w == "gptq32" else (8, 0.01)
+        if (mode, w) not in gptq_cache:
             with torch.no_grad():
                 found = round_sequentially(
-                    model, runner.ops, runner.backend, bq.calibration_batches(llm, text, 8),
-                    RoundingSpec(aware=False), scales,
+                    model, runner.ops, runner.backend, bq.calibration_batches(llm, text, windows),
+                    RoundingSpec(aware=False, damp=damp), scales,
                 )
-            gptq_cache[mode] = {n: q.float() * s.float().view(-1, 1) for n, (q, s) in found.items()}
-        weights = gptq_cache[mode]
+            gptq_cache[mode, w] = {n: q.float() * s.float().view(-1, 1) for n, (q, s) in found.items()}
+        weights = gptq_cache[mode, w]
     else:
         weights = {"fp32": fp32, "nearest": nearest}[w]
     kw = int(opts.get("wexact", 0))

@@ -1,0 +1,139 @@
+"""Outlier columns for FP8 W8A8: each projection's loudest input channels (chosen on the
+calibration text) carried as a second float8 term, so their values keep ~7 bits of mantissa
+instead of e4m3's 3.
+
+Why: a per-token scale makes each row's largest value exact (it *is* the scale, 448 x scale); a
+static one rounds it to 3 bits like any other. Models with massive activations (SmolLM2: a few
+channels in the thousands) keep their largest values in a few fixed channels, and those values'
+rounding is as large as the rest of the row's together, which is most of what static scales
+lose against per-token ones; underflow costs almost nothing
+(benchmarks/results/2026-12-05-cpu-static-fp8-error-parts-smollm2).
+
+The arithmetic, for a projection with input scale s (static, or per token) and chosen channels
+J (n of them, a multiple of 16 so the GEMM's K stays one):
+
+    q   = e4m3(x / s)                         the engine's usual float8 input, [M, K]
+    r_J = e4m3(x_J / s - q_J)                 the chosen channels' remainders, [M, n]
+    y   = s * ([q, r_J] @ [W, W_J]^T) * w     one float8 GEMM, K + n long
+
+[W, W_J] is the float8 weight with the chosen channels' columns appended (the same codes, the same
+per-row scale w). The GEMM is the engine's own (`ops.fp8_matmul`); the remainders are a gather and
+a subtraction in torch, so the op before the projection cannot quantize for it: these projections
+run unfused (norm, then quantize, then the GEMM), on the CPU and on the GPU alike.
+
+Tensor parallelism is not supported (the chosen channels would have to be cut per rank's input
+shard): such an engine builds and loads at -tp 1 only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import ModuleType
+
+import torch
+
+from kiln.kernels.reference import FP8_E4M3_MAX
+from kiln.layers.linear import Fp8Input, Linear, LinearMethod
+from kiln.quantization.fp8 import Fp8LinearMethod
+
+# The GEMM's K must stay a multiple of 16 (torch._scaled_mm's requirement).
+COLUMN_MULTIPLE = 16
+
+
+def choose_channels(channel_amax: Mapping[str, torch.Tensor], count: int) -> dict[str, list[int]]:
+    """Layer name -> its `count` input channels of largest calibration amax, ascending."""
+    chosen = {}
+    for name, amax in channel_amax.items():
+        if count > amax.numel():
+            raise ValueError(
+                f"{count} outlier columns for {name!r}, which has {amax.numel()} input channels"
+            )
+        chosen[name] = sorted(int(i) for i in amax.topk(count).indices)
+    return chosen
+
+
+def remainder_fp8(
+    x: torch.Tensor,  # [M, K] the projection's input in the model dtype
+    x_fp8: torch.Tensor,  # [M, K] float8 e4m3: quantize_fp8(x, scale)
+    scale: torch.Tensor,  # [M, 1] per token, or [] static
+    channels: torch.Tensor,  # [n] int64
+) -> torch.Tensor:  # [M, n] float8 e4m3
+    """e4m3(x_J / s - q_J): what the first float8 term left of the chosen channels. x / s is the
+    IEEE quotient, as quantize_fp8's (both the reference and the Triton kernel); q - x/s is
+    exact in fp32, so the remainder rounds once. A value past 448 (a static scale's saturation)
+    leaves the excess as its remainder, itself saturating at 448 as quantize_fp8 does."""
+    value = x.index_select(1, channels).float() / scale
+    # Gathered as bytes: float8 has no index kernels on every device.
+    first = x_fp8.view(torch.uint8).index_select(1, channels).view(torch.float8_e4m3fn)
+    rest = (value - first.float()).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return rest.to(torch.float8_e4m3fn)
+
+
+class OutlierColumnsFp8LinearMethod(Fp8LinearMethod):
+    """Fp8LinearMethod whose weight is [out, in + n]: the float8 weight, then copies of its
+    `channels` columns; apply() appends the channels' remainders to the float8 input."""
+
+    def __init__(self, *args: object, channels: Sequence[int], **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        if not channels or len(channels) % COLUMN_MULTIPLE:
+            raise ValueError(
+                f"outlier columns come in multiples of {COLUMN_MULTIPLE}, got {len(channels)}"
+            )
+        if len(set(channels)) != len(channels):
+            raise ValueError("outlier columns name each channel once")
+        self.channels = list(channels)
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
+        if layer.split is not None:
+            raise ValueError(
+                "an engine with outlier columns runs at tensor_parallel_size 1 (its chosen "
+                "channels are not cut per tensor rank)"
+            )
+        if max(self.channels) >= layer.in_features:
+            raise ValueError(
+                f"outlier column {max(self.channels)} is past the layer's "
+                f"{layer.in_features} input channels"
+            )
+        super().create_weights(layer, dtype)
+        shape = (layer.out_features, layer.in_features + len(self.channels))
+        layer.weight = torch.nn.Parameter(
+            torch.empty(shape, dtype=torch.float8_e4m3fn), requires_grad=False
+        )
+        # On the model's device from the start (a copy made while a CUDA graph is captured
+        # would fail); not persistent: the manifest names the channels, not the weights.
+        layer.register_buffer("outlier_index", torch.tensor(self.channels), persistent=False)
+
+    def checkpoint_shape(
+        self, layer: Linear, param: torch.Tensor, shape: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        if param is layer.weight:  # the source's weight: the appended columns are made here
+            return (shape[0], layer.in_features)
+        return shape
+
+    def store_codes(self, param: torch.Tensor, codes: torch.Tensor) -> None:
+        k = codes.shape[1]
+        param[:, :k].copy_(codes)
+        index = torch.tensor(self.channels, device=codes.device)
+        param[:, k:].copy_(codes.view(torch.uint8).index_select(1, index).view(codes.dtype))
+
+    def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, layer.in_features)
+        x_fp8, scale = ops.quantize_fp8(x2d, layer.input_scale)
+        rest = remainder_fp8(x2d, x_fp8, scale, layer.outlier_index)
+        # Concatenated as bytes, like the gather.
+        both = torch.cat([x_fp8.view(torch.uint8), rest.view(torch.uint8)], dim=1)
+        y = ops.fp8_matmul(
+            both.view(torch.float8_e4m3fn), scale, layer.weight, layer.weight_scale,
+            layer.bias, x.dtype,
+        )  # fmt: skip
+        return y.reshape(*x.shape[:-1], layer.out_features)
+
+    # Unfused: the ops before a projection quantize only its first K columns.
+
+    def fp8_input(self, layer: Linear) -> Fp8Input | None:
+        return None
+
+    add_rms_norm_apply = LinearMethod.add_rms_norm_apply
+    add_rms_norm_qkv_rotary_write_kv = LinearMethod.add_rms_norm_qkv_rotary_write_kv
+    add_rms_norm_silu_mul = LinearMethod.add_rms_norm_silu_mul
+    add_rms_norm_silu_mul_fp8 = LinearMethod.add_rms_norm_silu_mul_fp8

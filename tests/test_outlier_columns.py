@@ -1,0 +1,229 @@
+"""Outlier columns (kiln.quantization.outlier_columns, `kiln build --outlier-columns`): the chosen
+channels' remainder is a second float8 term, the projection computes exactly that two-term
+arithmetic, and a static fp8 engine of a model with loud channels comes closer to its source
+with them; named in the manifest and the engine id, refused where it cannot apply."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.builder.build import BuildOptions, build_engine
+from kiln.cli.main import main
+from kiln.errors import BuildError
+from kiln.kernels import reference
+from kiln.layers.linear import Linear
+from kiln.llm import LLM
+from kiln.quantization.fp8 import Fp8LinearMethod
+from kiln.quantization.outlier_columns import (
+    OutlierColumnsFp8LinearMethod,
+    choose_channels,
+    remainder_fp8,
+)
+from kiln.sampling_params import SamplingParams
+
+LOUD = [3, 40]  # the input channels made loud in the test model (hidden size 64)
+
+
+def _loud_input(rows: int = 32, k: int = 64, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen)
+    x[:, LOUD] *= 60.0
+    return x
+
+
+def test_the_remainder_carries_the_chosen_channels_to_about_seven_bits():
+    x = _loud_input()
+    scale = torch.tensor(float(x.abs().max()) / reference.FP8_E4M3_MAX)
+    x_fp8, _ = reference.quantize_fp8(x, scale)
+    rest = remainder_fp8(x, x_fp8, scale, torch.tensor(LOUD))
+    exact = x[:, LOUD] / scale
+    one_term = x_fp8[:, LOUD].float()
+    two_terms = one_term + rest.float()
+    # e4m3 keeps 3 bits (relative error up to 1/16); its remainder 3 more of what is left.
+    assert ((one_term - exact).abs() / exact.abs()).max() > 1 / 100
+    assert ((two_terms - exact).abs() / exact.abs()).max() < 1 / 200
+
+
+def test_past_a_static_scale_the_remainder_carries_the_excess():
+    """Unseen text past the calibration's absmax: e4m3 saturates at 448, the remainder carries
+    the excess (itself saturating), so a chosen channel holds up to 2 x 448 x scale."""
+    x = torch.tensor([[592.0, 1.0, -704.0, 2000.0]])
+    x_fp8, scale = reference.quantize_fp8(x, torch.tensor(1.0))
+    rest = remainder_fp8(x, x_fp8, scale, torch.tensor([0, 2, 3]))
+    assert x_fp8.float()[0, [0, 2, 3]].tolist() == [448.0, -448.0, 448.0]
+    assert rest.float()[0].tolist() == [144.0, -256.0, 448.0]
+
+
+def _linear(method: Fp8LinearMethod, weight: torch.Tensor) -> Linear:
+    layer = Linear(weight.shape[1], weight.shape[0], method=method, dtype=torch.float32)
+    layer.weight_loader(layer.weight, None, weight)
+    return layer
+
+
+@pytest.mark.parametrize("scheme", ["static", "dynamic"])
+def test_a_projection_computes_the_two_term_product_and_errs_less(scheme):
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(48, 64, generator=gen) * 0.1
+    x = _loud_input()
+    scale = float(x.abs().max()) / reference.FP8_E4M3_MAX if scheme == "static" else None
+    channels = LOUD + [c for c in range(64) if c not in LOUD][:14]  # 16, in no order
+    plain = _linear(Fp8LinearMethod(scheme, scale), weight)
+    outlier = _linear(OutlierColumnsFp8LinearMethod(scheme, scale, channels=channels), weight)
+
+    codes, w_scale = reference.quantize_fp8(weight, None)
+    assert torch.equal(outlier.weight[:, :64].view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(
+        outlier.weight[:, 64:].view(torch.uint8), codes[:, channels].view(torch.uint8)
+    )
+    y = outlier(reference, x)
+    # The arithmetic in plain fp32, written out.
+    s = torch.tensor(scale) if scale else x.abs().amax(-1, keepdim=True) / reference.FP8_E4M3_MAX
+    q = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    r = (x[:, channels] / s - q[:, channels]).to(torch.float8_e4m3fn).float()
+    want = (torch.cat([q, r], 1) @ codes.float()[:, list(range(64)) + channels].t()) * s
+    want = want * w_scale.view(1, -1)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+
+    exact = x @ (codes.float() * w_scale.view(-1, 1)).t()  # the inputs' error alone
+    err_plain = (plain(reference, x) - exact).norm()
+    err_outlier = (y - exact).norm()
+    if scheme == "static":  # the loud channels' 3-bit rounding is most of static's error
+        assert err_outlier < 0.6 * err_plain
+    else:  # per token the largest value is exact already: the others gain a little
+        assert err_outlier <= err_plain
+
+
+def test_choosing_takes_the_loudest_channels_and_refuses_too_many():
+    amax = torch.arange(32.0)
+    amax[[5, 9]] = 100.0
+    assert choose_channels({"a": amax}, 16) == {"a": [5, 9, *range(18, 32)]}
+    with pytest.raises(ValueError, match="has 32 input channels"):
+        choose_channels({"a": amax}, 48)
+
+
+@pytest.fixture(scope="module")
+def loud_source(tmp_path_factory) -> str:
+    """The tiny chat Llama (it has a tokenizer, which calibration needs) with two channels of
+    each norm's output and two of each SiLU-mul's made 60x louder (not compensated: a model
+    whose loud channels carry much of each projection's output, as massive activations do)."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.tiny_tokenizer import build_tiny_chat_model
+
+    path = build_tiny_chat_model(str(tmp_path_factory.mktemp("loud")))
+    file = Path(path) / "model.safetensors"
+    t = load_file(str(file))
+    for i in range(2):
+        p = f"model.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            t[p + norm + ".weight"][LOUD] *= 60.0
+        t[p + "mlp.up_proj.weight"][[7, 90]] *= 60.0
+    save_file(t, str(file), metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def static_builds(loud_source, tmp_path_factory):
+    out = tmp_path_factory.mktemp("builds")
+    common = dict(quantization="fp8", max_model_len=128, accuracy_check=False)
+    plain = build_engine(loud_source, str(out / "plain"), BuildOptions(**common), None)
+    argv = ["build", loud_source, "-o", str(out / "outlier"), "--quantization", "fp8",
+            "--max-model-len", "128", "--no-accuracy-check", "--outlier-columns", "16"]  # fmt: skip
+    assert main(argv) == 0
+    return plain, out
+
+
+def _token_logprobs(path: str, text: str) -> torch.Tensor:
+    """Each token's logprob given the ones before it (teacher-forced) under the model at `path`."""
+    llm = LLM(path, dtype="float32", kv_cache_memory_gb=0.05, max_num_seqs=2, max_model_len=128)
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)[:120]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True)
+    out = llm.generate([ids], params)[0]
+    return torch.tensor([lps[t].logprob for lps, t in zip(out.prompt_logprobs[1:], ids[1:])])
+
+
+def test_a_static_engine_with_outlier_columns_is_closer_to_its_source(static_builds, loud_source):
+    """Per-token logprob error against the unquantized source on held-out text."""
+    from kiln.builder.accuracy import HELD_OUT_FILE
+
+    _, out = static_builds
+    with open(HELD_OUT_FILE, encoding="utf-8") as f:
+        text = f.read(2000)
+    want = _token_logprobs(loud_source, text)
+    err_plain = (_token_logprobs(str(out / "plain"), text) - want).abs().mean()
+    err_outlier = (_token_logprobs(str(out / "outlier"), text) - want).abs().mean()
+    # Measured 0.241 -> 0.171: the rest is the loud channels' weight columns' rounding, which
+    # outlier columns leave as it is.
+    assert err_outlier < 0.8 * err_plain, (err_outlier, err_plain)
+
+
+def test_the_manifest_names_the_channels_and_the_weights_hold_their_columns(static_builds):
+    from safetensors import safe_open
+
+    plain, out = static_builds
+    manifest = json.loads((out / "outlier" / "kiln_engine.json").read_text())
+    assert manifest["engine_id"] != plain.engine_id and plain.outlier_channels is None
+    channels = manifest["outlier_channels"]
+    assert len(channels) == 8 and all(len(c) == 16 for c in channels.values())
+    assert set(LOUD) <= set(channels["layers.0.self_attn.qkv_proj"])
+    assert {7, 90} <= set(channels["layers.1.mlp.down_proj"])
+    assert "16 loudest input channels" in manifest["scales_method"]
+    with safe_open(str(out / "outlier" / "weights-00001-of-00001.safetensors"), "pt") as f:
+        weight = f.get_tensor("layers.1.mlp.down_proj.weight")
+    assert weight.shape == (64, 128 + 16)
+    assert torch.equal(weight[:, 128:].view(torch.uint8),
+                       weight[:, channels["layers.1.mlp.down_proj"]].view(torch.uint8))  # fmt: skip
+
+
+def test_outlier_columns_where_they_cannot_apply_are_a_clear_error(static_builds):
+    with pytest.raises(BuildError, match="a multiple of 16"):
+        BuildOptions(quantization="fp8", outlier_columns=8)
+    with pytest.raises(BuildError, match="need --quantization fp8 or fp8-dynamic"):
+        BuildOptions(quantization="none", outlier_columns=16)
+    with pytest.raises(BuildError, match="build with -tp 1"):
+        BuildOptions(quantization="fp8-dynamic", outlier_columns=16, tensor_parallel_size=2)
+    # Loading one at -tp 2 (rank 0 of 2, as a worker process would): refused before any weight.
+    from kiln.config import EngineConfig
+    from kiln.distributed.parallel_state import ParallelContext, RankLayout
+    from kiln.errors import ModelLoadError
+    from kiln.runtime.model_loader import load_model
+
+    _, out = static_builds
+    config = EngineConfig(model=str(out / "outlier"), dtype="float32", tensor_parallel_size=2)
+    ctx = ParallelContext(RankLayout(2, 1, 0), None, None, None)
+    with pytest.raises(ModelLoadError, match=r"outlier columns .* tensor_parallel_size 1 only"):
+        load_model(config, torch.device("cpu"), torch.float32, ctx)
+
+
+@pytest.mark.parametrize("scheme", ["static", "dynamic"])
+def test_the_triton_ops_compute_what_the_reference_does(scheme):
+    """The same projection through the Triton ops (the quantize kernel; the GEMM by
+    torch._scaled_mm on the GPU, the reference's sums under the CPU's interpreter), at a shape
+    whose K + 16 the GEMM takes; in a CUDA graph too where there is a GPU."""
+    pytest.importorskip("triton")
+    from kiln.kernels import triton as triton_ops
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(96, 64, generator=gen) * 0.1
+    x = _loud_input(rows=24)
+    scale = float(x.abs().max()) / reference.FP8_E4M3_MAX if scheme == "static" else None
+    method = OutlierColumnsFp8LinearMethod(scheme, scale, channels=list(range(0, 64, 4)))
+    with torch.device(device):
+        layer = Linear(64, 96, method=method, dtype=dtype)
+    layer.weight_loader(layer.weight, None, weight.to(device))
+    x = x.to(device, dtype)
+    want = layer(reference, x).float()
+    got = layer(triton_ops, x)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    if device == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = layer(triton_ops, x)
+        graph.replay()
+        torch.testing.assert_close(captured, got)
