@@ -180,3 +180,18 @@ def generated_logprob_gaps(ours, ref) -> torch.Tensor:
             if ta != tb:
                 break
     return torch.tensor(gaps)
+
+
+def teacher_forced_logprobs(path: str, text: str) -> torch.Tensor:
+    """Each token's logprob given the ones before it under the tiny chat model (or engine) at
+    `path`, fp32: the first 120 tokens of `text`. Per-token error against another model's is
+    what a tiny random model's quantization tests compare (its perplexity moves either way by
+    chance; its per-token error does not)."""
+    from kiln.llm import LLM
+    from kiln.sampling_params import SamplingParams
+
+    llm = LLM(path, dtype="float32", kv_cache_memory_gb=0.05, max_num_seqs=2, max_model_len=128)
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)[:120]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True)
+    out = llm.generate([ids], params)[0]
+    return torch.tensor([lps[t].logprob for lps, t in zip(out.prompt_logprobs[1:], ids[1:])])

@@ -16,14 +16,13 @@ from kiln.cli.main import main
 from kiln.errors import BuildError
 from kiln.kernels import reference
 from kiln.layers.linear import Linear
-from kiln.llm import LLM
 from kiln.quantization.fp8 import Fp8LinearMethod
 from kiln.quantization.outlier_columns import (
     OutlierColumnsFp8LinearMethod,
     choose_channels,
     remainder_fp8,
 )
-from kiln.sampling_params import SamplingParams
+from tests.conftest import teacher_forced_logprobs
 
 LOUD = [3, 40]  # the input channels made loud in the test model (hidden size 64)
 
@@ -137,15 +136,6 @@ def static_builds(loud_source, tmp_path_factory):
     return plain, out
 
 
-def _token_logprobs(path: str, text: str) -> torch.Tensor:
-    """Each token's logprob given the ones before it (teacher-forced) under the model at `path`."""
-    llm = LLM(path, dtype="float32", kv_cache_memory_gb=0.05, max_num_seqs=2, max_model_len=128)
-    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)[:120]
-    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True)
-    out = llm.generate([ids], params)[0]
-    return torch.tensor([lps[t].logprob for lps, t in zip(out.prompt_logprobs[1:], ids[1:])])
-
-
 def test_a_static_engine_with_outlier_columns_is_closer_to_its_source(static_builds, loud_source):
     """Per-token logprob error against the unquantized source on held-out text."""
     from kiln.builder.accuracy import HELD_OUT_FILE
@@ -153,9 +143,9 @@ def test_a_static_engine_with_outlier_columns_is_closer_to_its_source(static_bui
     _, out = static_builds
     with open(HELD_OUT_FILE, encoding="utf-8") as f:
         text = f.read(2000)
-    want = _token_logprobs(loud_source, text)
-    err_plain = (_token_logprobs(str(out / "plain"), text) - want).abs().mean()
-    err_outlier = (_token_logprobs(str(out / "outlier"), text) - want).abs().mean()
+    want = teacher_forced_logprobs(loud_source, text)
+    err_plain = (teacher_forced_logprobs(str(out / "plain"), text) - want).abs().mean()
+    err_outlier = (teacher_forced_logprobs(str(out / "outlier"), text) - want).abs().mean()
     # Measured 0.241 -> 0.171: the rest is the loud channels' weight columns' rounding, which
     # outlier columns leave as it is.
     assert err_outlier < 0.8 * err_plain, (err_outlier, err_plain)

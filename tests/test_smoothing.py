@@ -22,7 +22,11 @@ from kiln.quantization.smoothing import (
 )
 from kiln.runtime.model_loader import find_model_source
 from kiln.sampling_params import SamplingParams
-from tests.conftest import assert_same_completions, build_tiny_hf_model
+from tests.conftest import (
+    assert_same_completions,
+    build_tiny_hf_model,
+    teacher_forced_logprobs,
+)
 
 DATA = Path(__file__).parent / "data" / "fp8_checkpoints"
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
@@ -110,15 +114,6 @@ def fp8_builds(outlier_source, tmp_path_factory):
     return plain, smooth, out
 
 
-def _token_logprobs(path: str, text: str) -> torch.Tensor:
-    """Each token's logprob given the ones before it (teacher-forced) under the model at `path`."""
-    llm = LLM(path, dtype="float32", kv_cache_memory_gb=0.05, max_num_seqs=2, max_model_len=128)
-    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)[:120]
-    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True)
-    out = llm.generate([ids], params)[0]
-    return torch.tensor([lps[t].logprob for lps, t in zip(out.prompt_logprobs[1:], ids[1:])])
-
-
 def test_smoothing_brings_the_fp8_error_of_outlier_channels_down(fp8_builds, outlier_source):
     """Per-token logprob error against the unquantized source on held-out text (a tiny random
     model's perplexity moves either way by chance; its per-token error does not)."""
@@ -128,9 +123,9 @@ def test_smoothing_brings_the_fp8_error_of_outlier_channels_down(fp8_builds, out
     assert plain.accuracy["checked"] and smooth.accuracy["checked"]
     with open(HELD_OUT_FILE, encoding="utf-8") as f:
         text = f.read(2000)
-    want = _token_logprobs(outlier_source, text)
-    err_plain = (_token_logprobs(str(out / "plain"), text) - want).abs().mean()
-    err_smooth = (_token_logprobs(str(out / "smooth"), text) - want).abs().mean()
+    want = teacher_forced_logprobs(outlier_source, text)
+    err_plain = (teacher_forced_logprobs(str(out / "plain"), text) - want).abs().mean()
+    err_smooth = (teacher_forced_logprobs(str(out / "smooth"), text) - want).abs().mean()
     assert err_plain > 0.3  # the injected outliers cost the plain build
     assert err_smooth < err_plain / 2  # measured 0.61 -> 0.16 (0.14-0.15: fp8 without outliers)
 

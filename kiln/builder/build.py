@@ -554,16 +554,22 @@ def _outlier_channels(
 
 def _accuracy_failure(accuracy: dict, options: BuildOptions) -> str:
     """The failed check's one line: the numbers, and what else the user can build."""
-    hint = ""
-    if options.quantization != "none" and options.weight_rounding == "nearest":
-        # On SmolLM2 rounding to nearest costs 2-3 points more than GPTQ's layer-sequential
-        # rounding (benchmarks/results/2026-12-04-cpu-fp8-builds-smollm2).
-        hint = "; --weight-rounding gptq-sequential fits the weights' rounding to their inputs"
+    hints = []
+    if options.quantization != "none" and options.tensor_parallel_size == 1:  # both need -tp 1
+        # On SmolLM2's static fp8: +5.16% to nearest, +2.07% with gptq-sequential, +0.93% with
+        # outlier columns too (benchmarks/results/2026-12-05-cpu-outlier-columns-smollm2).
+        if options.weight_rounding == "nearest":
+            hints.append(
+                "--weight-rounding gptq-sequential fits the weights' rounding to their inputs"
+            )
+        if not options.outlier_columns:
+            hints.append("--outlier-columns 16 keeps the loudest input channels' precision")
+    hints.append("--no-accuracy-check builds it anyway")
     return (
         f"the engine's word perplexity {accuracy['engine_word_perplexity']:.4f} is "
         f"{accuracy['word_perplexity_increase_pct']:.2f}% above the source's "
-        f"{accuracy['source_word_perplexity']:.4f} (limit {options.max_ppl_increase}%{hint}; "
-        "--no-accuracy-check builds it anyway)"
+        f"{accuracy['source_word_perplexity']:.4f} (limit {options.max_ppl_increase}%; "
+        f"{'; '.join(hints)})"
     )
 
 
