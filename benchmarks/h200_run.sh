@@ -560,6 +560,13 @@ for s in "$@"; do
         stage decode-gap 420 python3 benchmarks/decode_in_engine_gap.py \
             --out "$OUT/decode_in_engine_gap$SFX.json"
         ;;
+    outlier-cost)  # outlier columns on the GPU: their tests (Triton ops, a CUDA graph), then
+        # static fp8's attention and MLP blocks with and without them at 8B shapes, 1-8192 rows
+        stage outlier-tests 200 python3 -m pytest -q -x -p no:cacheprovider \
+            tests/test_outlier_columns.py
+        stage outlier-cost 300 python3 benchmarks/outlier_columns_cost.py \
+            --out "$OUT/outlier_columns_cost$SFX.json"
+        ;;
     test-spec)  # the speculative-decoding tests on the GPU machine (Triton kernels, real graphs)
         # (test_gpu's speculative test: every method on CUDA, async scheduling on by default)
         stage test-spec 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_spec_decode.py \
