@@ -21,6 +21,8 @@ for spec in "$@"; do
         static-gptqseq) run $spec --quantization fp8 --weight-rounding gptq-sequential ;;
         dyn-gptqseq) run $spec --quantization fp8-dynamic --weight-rounding gptq-sequential ;;
         static-nearest) run $spec --quantization fp8 ;;
+        static-gptqseq-oc32) run $spec --quantization fp8 --weight-rounding gptq-sequential --outlier-columns 32 ;;
+        dyn-gptqseq-oc32) run $spec --quantization fp8-dynamic --weight-rounding gptq-sequential --outlier-columns 32 ;;
         dyn-nearest) run $spec --quantization fp8-dynamic ;;
     esac
 done
