@@ -275,32 +275,29 @@ def build_engine(
     try:
         # A pre-quantized source is always checked: its engine must equal it.
         check = options.accuracy_check and (fp8 is not None or _changes_arithmetic(options))
-        calibrated = outliers = None
+        calibrated = None
         if fp8 is None:
-            source_ppl, scales, kv_scales, hessians, smoothing, gptq, outliers = _run_source(
-                path, options, calibration, check, kept
-            )
+            found = _run_source(path, options, calibration, check, kept)
             kv_in_weights = True
         else:  # its own float8 weights and scales, loaded as written
             source_ppl, calibrated = prequantized.run_source(path, options, calibration, check)
-            hessians = smoothing = None
-            gptq = (None, None)
-            scales, kv_scales = fp8.input_scales, calibrated or fp8.kv_scales
+            found = _SourcePass(source_ppl, fp8.input_scales, calibrated or fp8.kv_scales)
             # Its own k/v scales fold in for a float8 cache only, as loading it directly does.
             kv_in_weights = is_float8_kv_cache(options.kv_cache_dtype)
         factory = linear_method_factory(
-            options.quantization, scales, hessians, kept, *gptq, outlier_channels=outliers
-        )
+            options.quantization, found.scales, found.hessians, kept, found.crosses,
+            found.rounded, found.outliers,
+        )  # fmt: skip
         head = Fp8LinearMethod("dynamic") if options.lm_head_quantization == "fp8" else None
         with torch.device(device):
             # Made in `dtype` (not .to(dtype) after): float8 weights and scales keep their types.
             net = LlamaForCausalLM(cfg, max_model_len, factory, dtype, lm_head_method=head)
         weights = source.weights
-        if smoothing is not None:  # whole tensors, before any -tp cut
-            weights = smooth_checkpoint(weights, smoothing, cfg)
+        if found.smoothing is not None:  # whole tensors, before any -tp cut
+            weights = smooth_checkpoint(weights, found.smoothing, cfg)
         net.load_weights(tqdm(weights, desc="loading source", unit=" tensors", leave=False))
-        if kv_scales is not None and kv_in_weights:
-            fold_kv_scales(net, kv_scales)  # the weights hold them; loading folds the rest
+        if found.kv_scales is not None and kv_in_weights:
+            fold_kv_scales(net, found.kv_scales)  # the weights hold them; loading folds the rest
         if options.tensor_parallel_size == 1:
             names = write_weights(net.named_parameters(), tmp)
         else:
@@ -330,27 +327,27 @@ def build_engine(
             quantization=options.quantization,
             scales_method=(prequantized.scales_method(fp8) if fp8 else _scales_method(options)),
             calibration_data_hash=key["calibration_data"],
-            input_scales=scales,
+            input_scales=found.scales,
             accuracy={},
             gpu_class=gpu_class,
             kernel_tiles=tiles,
             build_seconds=0.0,
             files={n: {"size": d.size, "blake2b": d.blake2b} for n, d in zip(names, digests)},
             tensor_parallel_size=options.tensor_parallel_size,
-            kv_scales=None if kv_scales is None else [list(s) for s in kv_scales],
+            kv_scales=None if found.kv_scales is None else [list(s) for s in found.kv_scales],
             lm_head_quantization=options.lm_head_quantization,
-            kv_scales_in_weights=kv_scales is None or kv_in_weights,
+            kv_scales_in_weights=found.kv_scales is None or kv_in_weights,
             quantization_source=origin,
             kernel_tiles_reason=tiles_reason,
             smoothing=options.smoothing,
             unquantized_layers=kept or None,
-            outlier_channels=outliers,
+            outlier_channels=found.outliers,
         )
         manifest.write(tmp)  # the check loads the engine from tmp: it needs a manifest
         if fp8 is None:
-            accuracy = _accuracy(tmp, options, source_ppl)
+            accuracy = _accuracy(tmp, options, found.source_ppl)
         else:
-            accuracy = prequantized.accuracy(tmp, options, source_ppl, calibrated is None)
+            accuracy = prequantized.accuracy(tmp, options, found.source_ppl, calibrated is None)
         files = dict(manifest.files)
         if options.warm_kernels and device.type == "cuda" and options.tensor_parallel_size == 1:
             from kiln.builder.warm import warm_kernels
@@ -494,52 +491,57 @@ def _changes_arithmetic(options: BuildOptions) -> bool:
     )
 
 
+@dataclass
+class _SourcePass:
+    """What the build measures and calibrates on the source before the engine is made (None:
+    not asked for)."""
+
+    source_ppl: object = None
+    """The held-out perplexity, if checked (a pre-quantized checkpoint's: its Scores)."""
+    scales: dict[str, float] | None = None  # static input scales ("fp8")
+    kv_scales: list[tuple[float, float]] | None = None  # a float8 KV cache's
+    hessians: dict[str, torch.Tensor] | None = None  # GPTQ's input statistics ("gptq", "-aware")
+    smoothing: dict[str, torch.Tensor] | None = None  # SmoothQuant's factors
+    crosses: dict | None = None  # the activation-aware target's cross statistics
+    rounded: dict | None = None  # the "-sequential" roundings' float8 weights
+    outliers: dict[str, list[int]] | None = None  # --outlier-columns' channels
+
+
 def _run_source(
     path: str, options: BuildOptions, calibration: str | None, check: bool, kept: list[str]
-) -> tuple[
-    dict[str, float] | None,
-    dict[str, float] | None,
-    list[tuple[float, float]] | None,
-    dict[str, torch.Tensor] | None,
-    dict[str, torch.Tensor] | None,
-    tuple[dict | None, dict | None],
-    dict[str, list[int]] | None,
-]:
-    """(the source's held-out perplexity if checked, static input scales if "fp8", KV cache
-    scales if float8, GPTQ's input statistics if weight_rounding "gptq" or "gptq-aware",
-    smoothing factors if smoothing, and the aware target's cross statistics and the sequential
-    roundings' float8 weights) from one `LLM` of the unquantized source, freed before the
-    quantized model is made. With smoothing, its model is smoothed before the other
+) -> _SourcePass:
+    """What the options ask of the source, from one `LLM` of the unquantized source, freed
+    before the quantized model is made. With smoothing, its model is smoothed before the other
     calibrations: their scales and statistics are of the smoothed inputs and weights the
     engine holds."""
+    found = _SourcePass()
     if not check and calibration is None:
-        return None, None, None, None, None, (None, None), None
+        return found
     from kiln.builder.accuracy import measure, measuring_llm
 
-    scales = kv_scales = hessians = smoothing = crosses = rounded = outliers = None
     with measuring_llm(path, "source", dtype=options.dtype, max_model_len=options.max_model_len,
                        enable_prefix_caching=False) as llm:  # fmt: skip
-        source_ppl = measure(llm, options.max_model_len, "source") if check else None
+        found.source_ppl = measure(llm, options.max_model_len, "source") if check else None
         if calibration is not None:
             if options.smoothing != "none":
-                smoothing = smooth_source(llm, path, calibration, options.smoothing)
+                found.smoothing = smooth_source(llm, path, calibration, options.smoothing)
             wanted = (
                 options.quantization == "fp8",
                 is_float8_kv_cache(options.kv_cache_dtype),
                 options.weight_rounding == "gptq",
             )
             if any(wanted) or options.outlier_columns:  # smoothing alone needs no second pass
-                scales, kv_scales, hessians, amax = calibrate(
+                found.scales, found.kv_scales, found.hessians, amax = calibrate(
                     llm, calibration, *wanted, activation_scales=options.activation_scales,
                     channel_amax=options.outlier_columns > 0,
                 )  # fmt: skip
                 if amax is not None:
-                    outliers = _outlier_channels(amax, options.outlier_columns, kept)
+                    found.outliers = _outlier_channels(amax, options.outlier_columns, kept)
             if options.weight_rounding not in ("nearest", "gptq"):  # needs the static scales
-                hessians, crosses, rounded = round_weights(
-                    llm, calibration, options.weight_rounding, scales, kept
+                found.hessians, found.crosses, found.rounded = round_weights(
+                    llm, calibration, options.weight_rounding, found.scales, kept
                 )
-    return source_ppl, scales, kv_scales, hessians, smoothing, (crosses, rounded), outliers
+    return found
 
 
 def _outlier_channels(

@@ -113,7 +113,7 @@ class OutlierColumnsFp8LinearMethod(Fp8LinearMethod):
     def store_codes(self, param: torch.Tensor, codes: torch.Tensor) -> None:
         k = codes.shape[1]
         param[:, :k].copy_(codes)
-        index = torch.tensor(self.channels, device=codes.device)
+        index = self._layer().outlier_index.to(codes.device)
         param[:, k:].copy_(codes.view(torch.uint8).index_select(1, index).view(codes.dtype))
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
