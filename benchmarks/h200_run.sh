@@ -557,15 +557,19 @@ for s in "$@"; do
     decode-gap)  # float8 decode attention alone vs as the engine's step runs it: 32 layers'
         # caches, engine-sized pools, a layer's projections between calls, grown contexts
         # (512 x 192, 384 x 1.5k, 768 x 1.5k)
-        stage decode-gap 420 python3 benchmarks/decode_in_engine_gap.py \
+        stage decode-gap 420 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+            python3 benchmarks/decode_in_engine_gap.py ${GAP_SHAPES:+--shapes $GAP_SHAPES} \
             --out "$OUT/decode_in_engine_gap$SFX.json"
         ;;
     outlier-cost)  # outlier columns on the GPU: their tests (Triton ops, a CUDA graph), then
         # static fp8's attention and MLP blocks with and without them at 8B shapes, 1-8192 rows
         stage outlier-tests 200 python3 -m pytest -q -x -p no:cacheprovider \
-            tests/test_outlier_columns.py
+            tests/test_outlier_columns.py -k "triton_ops or projection or remainder"
         stage outlier-cost 300 python3 benchmarks/outlier_columns_cost.py \
             --out "$OUT/outlier_columns_cost$SFX.json"
+        ;;
+    gemm-k)  # the float8 GEMM at K + 16..128 against K, and the unfused outlier-column pieces
+        stage gemm-k 240 python3 benchmarks/fp8_gemm_k_alignment.py --out "$OUT/gemm_k$SFX.json"
         ;;
     test-spec)  # the speculative-decoding tests on the GPU machine (Triton kernels, real graphs)
         # (test_gpu's speculative test: every method on CUDA, async scheduling on by default)

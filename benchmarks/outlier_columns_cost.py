@@ -43,7 +43,7 @@ def _projection(k: int, n: int, outlier: bool, dtype: torch.dtype, sizes=None) -
     else:
         method = Fp8LinearMethod("static", SCALE)
     layer = Linear(k, n, method=method, dtype=dtype, output_sizes=sizes)
-    weight = (torch.randn(n, k, generator=gen) * 0.02).to(layer.weight_scale.device)
+    weight = (torch.randn(n, k, generator=gen, device="cpu") * 0.02).to(layer.weight_scale.device)
     layer.weight_loader(layer.weight, None, weight)
     return layer
 
@@ -58,9 +58,9 @@ def _blocks(ops, outlier: bool, rows: int, dtype: torch.dtype, scale: int) -> di
     gate_up = _projection(hidden, 2 * inter, outlier, dtype, [inter, inter])
     down = _projection(inter, hidden, outlier, dtype)
     gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, hidden, generator=gen).to(qkv.weight_scale.device, dtype)
-    residual = torch.randn(rows, hidden, generator=gen).to(x.device, dtype)
-    attn_out = torch.randn(rows, q, generator=gen).to(x.device, dtype)
+    x = torch.randn(rows, hidden, generator=gen, device="cpu").to(qkv.weight_scale.device, dtype)
+    residual = torch.randn(rows, hidden, generator=gen, device="cpu").to(x.device, dtype)
+    attn_out = torch.randn(rows, q, generator=gen, device="cpu").to(x.device, dtype)
     norm = torch.ones(hidden, dtype=dtype, device=x.device)
     return {
         "norm + qkv": lambda: qkv.method.add_rms_norm_apply(qkv, ops, x, residual, norm, EPS),
