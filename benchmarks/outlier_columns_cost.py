@@ -3,17 +3,19 @@
     PYTHONPATH=benchmarks:. python3 benchmarks/outlier_columns_cost.py --out outlier_cost.json
     PYTHONPATH=benchmarks:. python3 benchmarks/outlier_columns_cost.py --dry-run   # the CPU
 
-A projection with outlier columns runs unfused (kiln/quantization/outlier_columns.py): the norm,
-the quantize kernel, a torch gather and subtraction for the 16 remainders, a concatenation, then
-`_scaled_mm` over K + 16. This times, at Llama-3.1-8B's shapes (hidden 4096, 32 query / 8 KV
+A projection with outlier columns runs its quantizing op (the norm, the SiLU-mul or the quantize
+kernel, writing the remainders after its own columns), then `_scaled_mm` over K + 16; it loses
+the small-batch kernels. (Until 2026-12-05's third call the remainders were torch ops: gather,
+subtraction, concatenation.) This times, at Llama-3.1-8B's shapes (hidden 4096, 32 query / 8 KV
 heads of 128, intermediate 14336), static fp8, the decoder's own entry points with the engine's
 Fp8LinearMethod and with OutlierColumnsFp8LinearMethod side by side, each inside a CUDA graph:
 the attention block's norm + qkv, o_proj, and the MLP block (norm + gate_up + SiLU-mul + down),
-at 1, 16, 256, 1000 and 8192 rows. Dummy weights (normal, std 0.02) and a static scale of 4/448.
+at 1, 16, 256, 1000 and 8192 rows. Dummy weights (normal, std 0.02) and a static scale of 4/448;
+`--channels` sets the columns (16).
 
-Expected (benchmarks/README.md, "The next H200 session" item 5): batch 1 loses most (one fused
-kernel a projection becomes five to seven), 1000 and 8192 rows a few percent (the GEMMs' K + 16
-is +0.1-0.4%; a bf16 activation written and read again; three small torch kernels).
+Measured: benchmarks/results/2026-12-05-h200-decode-occupancy-outlier-cost/ (unfused 1.4-4.4x a
+block; the remainders fused, 1.05-1.26x, the rest the GEMM's row stride; then rows 128 bytes
+apart).
 """
 
 from __future__ import annotations
@@ -35,20 +37,21 @@ SCALE = 4.0 / 448.0
 EPS = 1e-5
 
 
-def _projection(k: int, n: int, outlier: bool, dtype: torch.dtype, sizes=None) -> Linear:
+def _projection(k: int, n: int, outlier: int, dtype: torch.dtype, sizes=None) -> Linear:
     gen = torch.Generator().manual_seed(k * 7 + n)
-    if outlier:  # spread over the input, as the calibration's loudest channels are
-        channels = list(range(0, k, k // CHANNELS))[:CHANNELS]
+    if outlier:  # that many channels, spread over the input as the loudest ones are
+        channels = list(range(0, k, k // outlier))[:outlier]
         method = OutlierColumnsFp8LinearMethod("static", SCALE, channels=channels)
     else:
         method = Fp8LinearMethod("static", SCALE)
     layer = Linear(k, n, method=method, dtype=dtype, output_sizes=sizes)
     weight = (torch.randn(n, k, generator=gen, device="cpu") * 0.02).to(layer.weight_scale.device)
     layer.weight_loader(layer.weight, None, weight)
+    method.process_weights_after_loading(layer)  # as the model loader does
     return layer
 
 
-def _blocks(ops, outlier: bool, rows: int, dtype: torch.dtype, scale: int) -> dict:
+def _blocks(ops, outlier: int, rows: int, dtype: torch.dtype, scale: int) -> dict:
     """name -> a no-argument call of one decoder block's projections as the model runs them."""
     hidden, inter = HIDDEN // scale, INTERMEDIATE // scale
     heads, kv_heads = HEADS // scale, KV_HEADS // scale
@@ -79,6 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="outlier_columns_cost.json")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, the reference ops")
+    parser.add_argument("--channels", type=int, default=CHANNELS, help="outlier columns")
     args = parser.parse_args()
     if args.dry_run:
         scale, rows_list, dtype = 8, (1, 5), torch.float32
@@ -92,8 +96,8 @@ def main() -> None:
     results = []
     with torch.device(device):
         for rows in rows_list:
-            plain = _blocks(ops, False, rows, dtype, scale)
-            outlier = _blocks(ops, True, rows, dtype, scale)
+            plain = _blocks(ops, 0, rows, dtype, scale)
+            outlier = _blocks(ops, args.channels, rows, dtype, scale)
             for name in plain:
                 row = {"rows": rows, "block": name}
                 if timed:
@@ -107,8 +111,8 @@ def main() -> None:
                 results.append(row)
                 print(json.dumps(row), flush=True)
     with open(args.out, "w") as f:
-        json.dump({"shape": "llama-3.1-8b" if timed else f"1/{scale}", "results": results}, f,
-                  indent=1)  # fmt: skip
+        shape = "llama-3.1-8b" if timed else f"1/{scale}"
+        json.dump({"shape": shape, "channels": args.channels, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

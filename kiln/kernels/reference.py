@@ -339,10 +339,12 @@ FP8_MIN_SCALE = 1e-12  # a dynamic scale's floor: an all-zero row quantizes to z
 def quantize_fp8(
     x: torch.Tensor,  # [M, K]
     scale: torch.Tensor | None,  # [] or [1] fp32 static per-tensor scale; None: per row
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, K] float8 e4m3, the scale: [M, 1] or as given)
+    channels: torch.Tensor | None = None,  # [n] int64: append these columns' remainders
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, K (+ n)] float8 e4m3, [M, 1] or the scale)
     """x ~= x_fp8 * scale. Dynamic (scale None): each row's absmax / 448 (floored at
     FP8_MIN_SCALE), so each row uses e4m3's whole range. Static: x / scale saturates at +-448,
-    as the float8 KV path (to_cache_dtype) does, rather than overflowing to NaN.
+    as the float8 KV path (to_cache_dtype) does, rather than overflowing to NaN. With
+    `channels` (outlier columns) those columns' remainders follow as n more (fp8_remainder).
 
     x / scale is the IEEE quotient. The Triton kernels get the same quotient from the scale's
     reciprocal and two FMAs (fp8_gemm.scaled_to_e4m3), not a division per value; a bare
@@ -353,7 +355,40 @@ def quantize_fp8(
         absmax = x32.abs().amax(dim=-1, keepdim=True)
         scale = (absmax / FP8_E4M3_MAX).clamp(min=FP8_MIN_SCALE)
     scaled = (x32 / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    return scaled.to(torch.float8_e4m3fn), scale
+    return with_remainders(x, scaled.to(torch.float8_e4m3fn), scale, channels), scale
+
+
+def fp8_remainder(
+    x: torch.Tensor,  # [M, K] what was quantized, in its own dtype
+    x_fp8: torch.Tensor,  # [M, K] float8 e4m3: quantize_fp8(x, scale)
+    scale: torch.Tensor,  # [M, 1] per row, or [] static
+    channels: torch.Tensor,  # [n] int64
+) -> torch.Tensor:  # [M, n] float8 e4m3
+    """e4m3(x_J / s - q_J): what the first float8 term left of the chosen channels J (outlier
+    columns, kiln.quantization.outlier_columns). x / s is the IEEE quotient, as quantize_fp8's;
+    q - x/s is exact in fp32, so the remainder rounds once. A value past 448 (a static scale's
+    saturation) leaves the excess as its remainder, itself saturating at 448 as quantize_fp8
+    does."""
+    value = x.index_select(1, channels).float() / scale
+    # Gathered as bytes: float8 has no index kernels on every device.
+    first = x_fp8.view(torch.uint8).index_select(1, channels).view(torch.float8_e4m3fn)
+    rest = (value - first.float()).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return rest.to(torch.float8_e4m3fn)
+
+
+def with_remainders(
+    x: torch.Tensor,  # [M, K]
+    x_fp8: torch.Tensor,  # [M, K] float8 e4m3
+    scale: torch.Tensor,
+    channels: torch.Tensor | None,
+) -> torch.Tensor:  # [M, K + n] float8 e4m3: x_fp8, then fp8_remainder's columns
+    """An outlier-columns projection's float8 input (x_fp8 as it is when channels is None)."""
+    if channels is None:
+        return x_fp8
+    rest = fp8_remainder(x, x_fp8, scale, channels)
+    # Concatenated as bytes, like the gather.
+    both = torch.cat([x_fp8.view(torch.uint8), rest.view(torch.uint8)], dim=1)
+    return both.view(torch.float8_e4m3fn)
 
 
 def add_rms_norm_quant_fp8(
@@ -362,6 +397,7 @@ def add_rms_norm_quant_fp8(
     weight: torch.Tensor,  # [hidden]
     eps: float,
     input_scale: torch.Tensor | None,  # [] fp32 static per-tensor scale; None: per row
+    channels: torch.Tensor | None = None,  # [n] int64: append these columns' remainders
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(quantize_fp8 of rms_norm(x + residual): float8 rows and their scale, x + residual): an
     FP8 projection's input straight from the norm (with no residual, summed is x)."""
@@ -369,7 +405,7 @@ def add_rms_norm_quant_fp8(
         normed, summed = rms_norm(x, weight, eps), x
     else:
         normed, summed = fused_add_rms_norm(x, residual, weight, eps)
-    x_fp8, scale = quantize_fp8(normed, input_scale)
+    x_fp8, scale = quantize_fp8(normed, input_scale, channels)
     return x_fp8, scale, summed
 
 
@@ -410,10 +446,11 @@ def fp8_matmul(
 def silu_and_mul_quant_fp8(
     x: torch.Tensor,  # [M, 2 * d]: gate in the first half, up in the second
     input_scale: torch.Tensor | None,  # [] fp32 static per-tensor scale; None: per row
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, d] float8 e4m3, [M, 1] or input_scale)
+    channels: torch.Tensor | None = None,  # [n] int64: append these columns' remainders
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, d (+ n)] float8 e4m3, [M, 1] or input_scale)
     """quantize_fp8 of silu_and_mul(x): an FP8 down projection's input straight from the
     activation, as add_rms_norm_quant_fp8 is for the projections after a norm."""
-    return quantize_fp8(silu_and_mul(x), input_scale)
+    return quantize_fp8(silu_and_mul(x), input_scale, channels)
 
 
 def add_rms_norm_linear_silu_mul_fp8(

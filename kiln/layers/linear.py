@@ -41,9 +41,11 @@ class TensorSplit:
 class Fp8Input:
     """That a projection takes its input as float8 e4m3 made by the op before it (the MLP's
     SiLU-mul for down_proj), and with which activation scale: per token (None) or this static
-    per-tensor one ([] fp32)."""
+    per-tensor one ([] fp32); with `channels` ([n] int64, outlier columns) the input carries
+    those channels' remainders after its own columns."""
 
     static_scale: torch.Tensor | None
+    channels: torch.Tensor | None = None
 
 
 class LinearMethod(ABC):

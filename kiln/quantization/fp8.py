@@ -161,7 +161,9 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
         eps: float,
         into: Fp8Input,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        if layer.has_bias:  # the fused kernels take no bias: compose instead
+        if layer.has_bias or into.channels is not None:
+            # The fused kernels take no bias, and no outlier columns for the down projection
+            # (its input then comes in the model dtype; down quantizes it): compose instead.
             return super().add_rms_norm_silu_mul_fp8(
                 layer, ops, x, residual, norm_weight, eps, into
             )

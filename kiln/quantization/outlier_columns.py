@@ -17,9 +17,12 @@ J (n of them, a multiple of 16 so the GEMM's K stays one):
     y   = s * ([q, r_J] @ [W, W_J]^T) * w     one float8 GEMM, K + n long
 
 [W, W_J] is the float8 weight with the chosen channels' columns appended (the same codes, the same
-per-row scale w). The GEMM is the engine's own (`ops.fp8_matmul`); the remainders are a gather and
-a subtraction in torch, so the op before the projection cannot quantize for it: these projections
-run unfused (norm, then quantize, then the GEMM), on the CPU and on the GPU alike.
+per-row scale w). The GEMM is the engine's own (`ops.fp8_matmul`); the quantizing op before it
+(the norm, the SiLU-mul, or the quantize kernel) writes [q, r_J] in one pass when given the
+channels (`channels=` of ops.quantize_fp8, add_rms_norm_quant_fp8, silu_and_mul_quant_fp8;
+reference.fp8_remainder is the arithmetic). What these projections lose against plain FP8 is the
+small-batch kernels (norm, quantization and GEMV in one at a handful of rows): they always run
+the quantizing op, then the GEMM.
 
 Tensor parallelism is not supported (the chosen channels would have to be cut per rank's input
 shard): such an engine builds and loads at -tp 1 only.
@@ -32,7 +35,6 @@ from types import ModuleType
 
 import torch
 
-from kiln.kernels.reference import FP8_E4M3_MAX
 from kiln.layers.linear import Fp8Input, Linear, LinearMethod
 from kiln.quantization.fp8 import Fp8LinearMethod
 
@@ -50,23 +52,6 @@ def choose_channels(channel_amax: Mapping[str, torch.Tensor], count: int) -> dic
             )
         chosen[name] = sorted(int(i) for i in amax.topk(count).indices)
     return chosen
-
-
-def remainder_fp8(
-    x: torch.Tensor,  # [M, K] the projection's input in the model dtype
-    x_fp8: torch.Tensor,  # [M, K] float8 e4m3: quantize_fp8(x, scale)
-    scale: torch.Tensor,  # [M, 1] per token, or [] static
-    channels: torch.Tensor,  # [n] int64
-) -> torch.Tensor:  # [M, n] float8 e4m3
-    """e4m3(x_J / s - q_J): what the first float8 term left of the chosen channels. x / s is the
-    IEEE quotient, as quantize_fp8's (both the reference and the Triton kernel); q - x/s is
-    exact in fp32, so the remainder rounds once. A value past 448 (a static scale's saturation)
-    leaves the excess as its remainder, itself saturating at 448 as quantize_fp8 does."""
-    value = x.index_select(1, channels).float() / scale
-    # Gathered as bytes: float8 has no index kernels on every device.
-    first = x_fp8.view(torch.uint8).index_select(1, channels).view(torch.float8_e4m3fn)
-    rest = (value - first.float()).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    return rest.to(torch.float8_e4m3fn)
 
 
 class OutlierColumnsFp8LinearMethod(Fp8LinearMethod):
@@ -103,6 +88,20 @@ class OutlierColumnsFp8LinearMethod(Fp8LinearMethod):
         # would fail); not persistent: the manifest names the channels, not the weights.
         layer.register_buffer("outlier_index", torch.tensor(self.channels), persistent=False)
 
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """On CUDA, the weight's rows re-laid ROW_ALIGN bytes apart (the Triton quantizing
+        kernels lay the input out so too): cuBLAS's float8 GEMM over K + n columns runs 20-30%
+        slower otherwise. Its values and shape are unchanged; the engine writer saves it
+        contiguous."""
+        weight = layer.weight
+        if not weight.is_cuda:
+            return
+        from kiln.kernels.triton.fp8_gemm import aligned_rows
+
+        relaid = aligned_rows(weight.shape[0], weight.shape[1], weight.device)
+        relaid.copy_(weight)
+        layer.weight = torch.nn.Parameter(relaid, requires_grad=False)
+
     def checkpoint_shape(
         self, layer: Linear, param: torch.Tensor, shape: tuple[int, ...]
     ) -> tuple[int, ...]:
@@ -118,22 +117,45 @@ class OutlierColumnsFp8LinearMethod(Fp8LinearMethod):
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, layer.in_features)
-        x_fp8, scale = ops.quantize_fp8(x2d, layer.input_scale)
-        rest = remainder_fp8(x2d, x_fp8, scale, layer.outlier_index)
-        # Concatenated as bytes, like the gather.
-        both = torch.cat([x_fp8.view(torch.uint8), rest.view(torch.uint8)], dim=1)
-        y = ops.fp8_matmul(
-            both.view(torch.float8_e4m3fn), scale, layer.weight, layer.weight_scale,
-            layer.bias, x.dtype,
-        )  # fmt: skip
+        x_fp8, scale = ops.quantize_fp8(x2d, layer.input_scale, layer.outlier_index)
+        y = self.apply_fp8(layer, ops, x_fp8, scale, x.dtype)
         return y.reshape(*x.shape[:-1], layer.out_features)
 
-    # Unfused: the ops before a projection quantize only its first K columns.
+    def add_rms_norm_apply(
+        self,
+        layer: Linear,
+        ops: ModuleType,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = x.reshape(-1, x.shape[-1])
+        x_fp8, scale, summed = ops.add_rms_norm_quant_fp8(
+            rows, None if residual is None else residual.reshape(rows.shape), norm_weight, eps,
+            layer.input_scale, layer.outlier_index,
+        )  # fmt: skip
+        y = self.apply_fp8(layer, ops, x_fp8, scale, x.dtype)
+        return y.reshape(*x.shape[:-1], layer.out_features), summed.reshape(x.shape)
 
     def fp8_input(self, layer: Linear) -> Fp8Input | None:
-        return None
+        return Fp8Input(layer.input_scale, layer.outlier_index)
 
-    add_rms_norm_apply = LinearMethod.add_rms_norm_apply
+    def add_rms_norm_silu_mul_fp8(
+        self,
+        layer: Linear,
+        ops: ModuleType,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        into: Fp8Input,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        gate_up, summed = self.add_rms_norm_apply(layer, ops, x, residual, norm_weight, eps)
+        activation, scale = ops.silu_and_mul_quant_fp8(gate_up, into.static_scale, into.channels)
+        return activation, scale, summed
+
+    # The attention block's and the MLP's entry points compose add_rms_norm_apply (the plain
+    # FP8 method's are single small-batch kernels, which take no outlier columns).
     add_rms_norm_qkv_rotary_write_kv = LinearMethod.add_rms_norm_qkv_rotary_write_kv
     add_rms_norm_silu_mul = LinearMethod.add_rms_norm_silu_mul
-    add_rms_norm_silu_mul_fp8 = LinearMethod.add_rms_norm_silu_mul_fp8

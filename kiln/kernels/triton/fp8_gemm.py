@@ -76,18 +76,61 @@ def scaled_to_e4m3(v, scale, inv_scale, DYNAMIC: tl.constexpr, FP8_MAX: tl.const
 
 
 @triton.jit
+def store_remainders(v, j, n, scale, inv_scale, out_ptr, DYNAMIC: tl.constexpr,
+                     FP8_MAX: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    """Outlier columns' second float8 term, reference.fp8_remainder's twin: for the chosen
+    channels' values v (fp32, as the row's quantization read them; lanes j < n), stores
+    e4m3(v / scale - e4m3(v / scale)) at out_ptr + j. The first term is recomputed as the row's
+    own (scaled_to_e4m3, rounded to e4m3); the quotient is div_rn's IEEE one (n values a row:
+    its cost does not matter), so the difference is exact and rounds once, as in the reference."""
+    first = scaled_to_e4m3(v, scale, inv_scale, DYNAMIC, FP8_MAX, INTERPRETED)
+    first = first.to(out_ptr.dtype.element_ty).to(tl.float32)
+    rest = tl.clamp(tl.math.div_rn(v, scale) - first, -FP8_MAX, FP8_MAX)
+    if INTERPRETED:
+        rest = round_to_e4m3_grid(rest)
+    tl.store(out_ptr + j, rest.to(out_ptr.dtype.element_ty), mask=j < n)
+
+
+# Outlier columns make a GEMM's K odd-sized (4096 + 16); cuBLAS's float8 kernels then run 20-30%
+# slower unless both operands' rows start 128 bytes apart, at which K + 16 costs what K + 128
+# does, +0.4-4% (H200, benchmarks/results/2026-12-05-h200-decode-occupancy-outlier-cost/).
+ROW_ALIGN = 128
+
+
+def aligned_rows(num_rows: int, width: int, device: torch.device) -> torch.Tensor:
+    """[num_rows, width] float8 e4m3 whose rows are ROW_ALIGN-aligned apart (a view of wider
+    rows when width is not a multiple of it)."""
+    stride = -(-width // ROW_ALIGN) * ROW_ALIGN
+    rows = torch.empty((num_rows, stride), dtype=torch.float8_e4m3fn, device=device)
+    return rows[:, :width]
+
+
+def remainder_args(channels: torch.Tensor | None, out: torch.Tensor) -> dict:
+    """The quantizing kernels' outlier-column arguments: the channel indices (any tensor when
+    there are none), their count, and REMAINDERS, their lanes (a power of two; 0: none)."""
+    if channels is None:
+        return {"channels_ptr": out, "n_channels": 0, "REMAINDERS": 0}
+    assert channels.dim() == 1 and channels.device == out.device
+    n = channels.numel()
+    return {"channels_ptr": channels, "n_channels": n, "REMAINDERS": triton.next_power_of_2(n)}
+
+
+@triton.jit
 def _quantize_fp8_kernel(
     x_ptr,  # [M, K]
-    out_ptr,  # [M, K] float8 e4m3
+    out_ptr,  # [M, K + n_channels] float8 e4m3
     scale_ptr,  # [M] fp32 written (DYNAMIC), or [1] fp32 read (static)
     stride_x,
     stride_out,
     K,
+    channels_ptr,  # [n_channels] int64: outlier columns, their remainders after column K
+    n_channels,
     DYNAMIC: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRETED: tl.constexpr,  # the Triton interpreter: see round_to_e4m3_grid
+    REMAINDERS: tl.constexpr = 0,  # lanes for the outlier columns (0: none)
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -112,18 +155,29 @@ def _quantize_fp8_kernel(
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         q = scaled_to_e4m3(x, scale, inv_scale, DYNAMIC, FP8_MAX, INTERPRETED)
         tl.store(out_ptr + row * stride_out + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+    if REMAINDERS > 0:
+        j = tl.arange(0, REMAINDERS)
+        channel = tl.load(channels_ptr + j, mask=j < n_channels, other=0)
+        v = tl.load(x_row + channel).to(tl.float32)
+        out_rest = out_ptr + row * stride_out + K
+        store_remainders(v, j, n_channels, scale, inv_scale, out_rest, DYNAMIC, FP8_MAX,
+                         INTERPRETED)  # fmt: skip
 
 
 def quantize_fp8(
     x: torch.Tensor,  # [M, K]
     scale: torch.Tensor | None,  # [] or [1] fp32 static per-tensor scale; None: per row
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, K] float8 e4m3, the scale: [M, 1] or as given)
+    channels: torch.Tensor | None = None,  # [n] int64: append these columns' remainders
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, K (+ n)] float8 e4m3, [M, 1] or the scale)
     """One program per row; see reference.quantize_fp8 for the contract."""
     assert x.dim() == 2
     if x.stride(-1) != 1:
         x = x.contiguous()
     num_rows, k = x.shape
-    out = torch.empty((num_rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    if channels is None:
+        out = torch.empty((num_rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    else:
+        out = aligned_rows(num_rows, k + channels.numel(), x.device)
     dynamic = scale is None
     if dynamic:
         scale_arg = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
@@ -143,6 +197,7 @@ def quantize_fp8(
             MIN_SCALE=FP8_MIN_SCALE,
             BLOCK=min(triton.next_power_of_2(k), 2048),
             INTERPRETED=x.device.type != "cuda",
+            **remainder_args(channels, out),
         )
     return out, scale_arg
 

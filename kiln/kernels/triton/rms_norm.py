@@ -17,7 +17,12 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE
-from kiln.kernels.triton.fp8_gemm import scaled_to_e4m3
+from kiln.kernels.triton.fp8_gemm import (
+    aligned_rows,
+    remainder_args,
+    scaled_to_e4m3,
+    store_remainders,
+)
 
 
 @triton.jit
@@ -34,6 +39,8 @@ def _rms_norm_kernel(
     hidden,
     eps,
     scale_ptr,  # QUANT: [num_rows] fp32 written (DYNAMIC), or [1] fp32 read (static)
+    channels_ptr,  # QUANT: [n_channels] int64 outlier columns, their remainders after `hidden`
+    n_channels,
     ADD_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= hidden: one row per program
     QUANT: tl.constexpr = False,  # out_ptr is float8 e4m3: quantize the normed row into it
@@ -42,6 +49,7 @@ def _rms_norm_kernel(
     INTERPRETED: tl.constexpr = False,  # the Triton interpreter: see round_to_e4m3_grid
     FP8_MAX: tl.constexpr = 448.0,
     MIN_SCALE: tl.constexpr = 1e-12,
+    REMAINDERS: tl.constexpr = 0,  # QUANT: lanes for the outlier columns (0: none)
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -53,7 +61,8 @@ def _rms_norm_kernel(
         tl.store(sum_ptr + row * stride_sum + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     variance = tl.sum(x32 * x32, 0) / hidden
-    normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
+    inv_rms = tl.rsqrt(variance + eps)
+    normed = (x32 * inv_rms).to(x.dtype)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = normed.to(tl.float32) * weight.to(tl.float32)
     if QUANT:
@@ -65,8 +74,24 @@ def _rms_norm_kernel(
         else:
             scale = tl.load(scale_ptr)
         # The IEEE quotient from the reciprocal, as reference.quantize_fp8 (no division a value).
-        q = scaled_to_e4m3(out, scale, tl.math.div_rn(1.0, scale), DYNAMIC, FP8_MAX, INTERPRETED)
+        inv_scale = tl.math.div_rn(1.0, scale)
+        q = scaled_to_e4m3(out, scale, inv_scale, DYNAMIC, FP8_MAX, INTERPRETED)
         tl.store(out_ptr + row * stride_out + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+        if REMAINDERS > 0:
+            # The chosen channels' values again, from their loads (in L1 by now) and the row's
+            # inv_rms, by the same operations as above: a register row has no gather.
+            j = tl.arange(0, REMAINDERS)
+            channel = tl.load(channels_ptr + j, mask=j < n_channels, other=0)
+            xj = tl.load(x_ptr + row * stride_x + channel)
+            if ADD_RESIDUAL:
+                rj = tl.load(residual_ptr + row * stride_residual + channel)
+                xj = (xj.to(tl.float32) + rj.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+            nj = (xj.to(tl.float32) * inv_rms).to(xj.dtype)
+            wj = tl.load(weight_ptr + channel)
+            vj = (nj.to(tl.float32) * wj.to(tl.float32)).to(OUT_DTYPE).to(tl.float32)
+            out_rest = out_ptr + row * stride_out + hidden
+            store_remainders(vj, j, n_channels, scale, inv_scale, out_rest, DYNAMIC, FP8_MAX,
+                             INTERPRETED)  # fmt: skip
     else:
         tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -111,6 +136,8 @@ def _launch(
             hidden,
             eps,
             out,  # no scale: unused
+            out,  # no outlier columns: unused
+            0,
             ADD_RESIDUAL=summed is not None,
             BLOCK=block,
             num_warps=min(16, max(1, block // 512)),
@@ -149,9 +176,11 @@ def add_rms_norm_quant_fp8(
     weight: torch.Tensor,  # [hidden]
     eps: float,
     input_scale: torch.Tensor | None,  # [] fp32 static per-tensor scale; None: per row
+    channels: torch.Tensor | None = None,  # [n] int64: append these columns' remainders
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(float8 rms_norm(x + residual), its scale: [M, 1] or input_scale, x + residual): what
-    quantize_fp8(fused_add_rms_norm(...)[0]) gives, in one kernel (the reference's twin)."""
+    quantize_fp8(fused_add_rms_norm(...)[0], channels=...) gives, in one kernel (the
+    reference's twin); with channels the float8 rows are hidden + n wide."""
     hidden = x.shape[-1]
     assert x.dim() == 2 and weight.shape == (hidden,) and x.stride(-1) == 1
     num_rows = x.shape[0]
@@ -164,7 +193,10 @@ def add_rms_norm_quant_fp8(
     else:
         summed, norm_dtype = x, x.dtype
     out_dtype = torch.promote_types(weight.dtype, norm_dtype)
-    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    if channels is None:
+        out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    else:
+        out = aligned_rows(num_rows, hidden + channels.numel(), x.device)
     dynamic = input_scale is None
     if dynamic:
         scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
@@ -181,6 +213,6 @@ def add_rms_norm_quant_fp8(
             ADD_RESIDUAL=residual is not None, BLOCK=block, QUANT=True, DYNAMIC=dynamic,
             OUT_DTYPE=_TL_DTYPES[out_dtype], INTERPRETED=x.device.type != "cuda",
             FP8_MAX=FP8_E4M3_MAX, MIN_SCALE=FP8_MIN_SCALE,
-            num_warps=min(16, max(1, block // 512)),
+            num_warps=min(16, max(1, block // 512)), **remainder_args(channels, out),
         )  # fmt: skip
     return out, scale, summed

@@ -20,7 +20,12 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE
-from kiln.kernels.triton.fp8_gemm import scaled_to_e4m3
+from kiln.kernels.triton.fp8_gemm import (
+    aligned_rows,
+    remainder_args,
+    scaled_to_e4m3,
+    store_remainders,
+)
 
 _MAX_BLOCK = 1024
 # silu_and_mul_quant_fp8 holds a whole row in registers up to this width (one pass over HBM,
@@ -120,17 +125,20 @@ def _silu_mul_block(x_row, cols, d, INTERPRETED: tl.constexpr):
 @triton.jit
 def _silu_and_mul_quant_fp8_kernel(
     x_ptr,  # [num_rows, 2 * d]: gate in columns [0, d), up in [d, 2d)
-    out_ptr,  # [num_rows, d] float8 e4m3
+    out_ptr,  # [num_rows, d + n_channels] float8 e4m3
     scale_ptr,  # [num_rows] fp32 written (DYNAMIC), or [1] fp32 read (static)
     stride_x,
     stride_out,
     d,
+    channels_ptr,  # [n_channels] int64: outlier columns, their remainders after column d
+    n_channels,
     DYNAMIC: tl.constexpr,
     ONE_PASS: tl.constexpr,  # BLOCK >= d: the row is held in registers, read once
     BLOCK: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     INTERPRETED: tl.constexpr,  # the Triton interpreter: see fp8_gemm.round_to_e4m3_grid
+    REMAINDERS: tl.constexpr = 0,  # lanes for the outlier columns (0: none)
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -144,7 +152,8 @@ def _silu_and_mul_quant_fp8_kernel(
             tl.store(scale_ptr + row, scale)
         else:
             scale = tl.load(scale_ptr)
-        q = scaled_to_e4m3(v, scale, tl.math.div_rn(1.0, scale), DYNAMIC, FP8_MAX, INTERPRETED)
+        inv_scale = tl.math.div_rn(1.0, scale)
+        q = scaled_to_e4m3(v, scale, inv_scale, DYNAMIC, FP8_MAX, INTERPRETED)
         tl.store(out_row + cols, q.to(out_ptr.dtype.element_ty), mask=cols < d)
     else:
         if DYNAMIC:
@@ -164,29 +173,57 @@ def _silu_and_mul_quant_fp8_kernel(
             v = _silu_mul_block(x_row, cols, d, INTERPRETED)
             q = scaled_to_e4m3(v, scale, inv_scale, DYNAMIC, FP8_MAX, INTERPRETED)
             tl.store(out_row + cols, q.to(out_ptr.dtype.element_ty), mask=cols < d)
+    if REMAINDERS > 0:
+        _store_silu_mul_remainders(
+            x_row, out_row + d, d, channels_ptr, n_channels, scale, inv_scale, DYNAMIC, FP8_MAX,
+            INTERPRETED, REMAINDERS,
+        )  # fmt: skip
+
+
+@triton.jit
+def _store_silu_mul_remainders(x_row, out_rest, d, channels_ptr, n_channels, scale, inv_scale,
+                               DYNAMIC: tl.constexpr, FP8_MAX: tl.constexpr,
+                               INTERPRETED: tl.constexpr, REMAINDERS: tl.constexpr):  # fmt: skip
+    """The outlier columns' remainders of one row: their activations recomputed from their
+    gate and up (_silu_mul_block over the chosen columns, the same arithmetic as the row's)."""
+    j = tl.arange(0, REMAINDERS)
+    channel = tl.load(channels_ptr + j, mask=j < n_channels, other=0)
+    v = _silu_mul_block(x_row, channel, d, INTERPRETED)
+    store_remainders(v, j, n_channels, scale, inv_scale, out_rest, DYNAMIC, FP8_MAX, INTERPRETED)
 
 
 @triton.jit
 def _silu_and_mul_quant_fp8_static_kernel(
     x_ptr,  # [num_rows, 2 * d]: gate in columns [0, d), up in [d, 2d)
-    out_ptr,  # [num_rows, d] float8 e4m3
+    out_ptr,  # [num_rows, d + n_channels] float8 e4m3
     scale_ptr,  # [1] fp32: the static scale
     stride_x,
     stride_out,
     d,
+    channels_ptr,  # [n_channels] int64: outlier columns, their remainders after column d
+    n_channels,
     BLOCK: tl.constexpr,
     FP8_MAX: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    REMAINDERS: tl.constexpr = 0,  # lanes for the outlier columns (0: none)
 ):
     """A static scale needs no row maximum, so each program takes BLOCK columns of one row
     (grid: rows x column blocks) instead of a whole row: small programs, many of them, which
     keep more loads in flight where the rows are few (_STATIC_GRID_MAX_ROWS)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    v = _silu_mul_block(x_ptr + row * stride_x, cols, d, INTERPRETED)
+    x_row = x_ptr + row * stride_x
+    v = _silu_mul_block(x_row, cols, d, INTERPRETED)
     scale = tl.load(scale_ptr)
-    q = scaled_to_e4m3(v, scale, tl.math.div_rn(1.0, scale), False, FP8_MAX, INTERPRETED)
+    inv_scale = tl.math.div_rn(1.0, scale)
+    q = scaled_to_e4m3(v, scale, inv_scale, False, FP8_MAX, INTERPRETED)
     tl.store(out_ptr + row * stride_out + cols, q.to(out_ptr.dtype.element_ty), mask=cols < d)
+    # Nested: a constexpr test first, so the kernel without outlier columns has no branch.
+    if REMAINDERS > 0:  # noqa: SIM102
+        if tl.program_id(1) == 0:  # one program a row writes them
+            _store_silu_mul_remainders(x_row, out_ptr + row * stride_out + d, d, channels_ptr,
+                                       n_channels, scale, inv_scale, False, FP8_MAX, INTERPRETED,
+                                       REMAINDERS)  # fmt: skip
 
 
 # Up to this many rows a static scale takes the column grid. H200, d 14336, HBM-resident inputs
@@ -215,13 +252,18 @@ def _quant_tiles(d: int, num_rows: int) -> tuple[bool, int, int]:
 def silu_and_mul_quant_fp8(
     x: torch.Tensor,  # [M, 2 * d]: gate in the first half, up in the second
     input_scale: torch.Tensor | None,  # [] fp32 static per-tensor scale; None: per row
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, d] float8 e4m3, [M, 1] or input_scale)
-    """quantize_fp8(silu_and_mul(x), input_scale) in one kernel (the reference's twin)."""
+    channels: torch.Tensor | None = None,  # [n] int64: append these columns' remainders
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, d (+ n)] float8 e4m3, [M, 1] or input_scale)
+    """quantize_fp8(silu_and_mul(x), input_scale, channels) in one kernel (the reference's
+    twin)."""
     assert x.dim() == 2 and x.shape[1] % 2 == 0
     if x.stride(-1) != 1:
         x = x.contiguous()
     num_rows, d = x.shape[0], x.shape[1] // 2
-    out = torch.empty((num_rows, d), dtype=torch.float8_e4m3fn, device=x.device)
+    if channels is None:
+        out = torch.empty((num_rows, d), dtype=torch.float8_e4m3fn, device=x.device)
+    else:
+        out = aligned_rows(num_rows, d + channels.numel(), x.device)
     dynamic = input_scale is None
     if dynamic:
         scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
@@ -234,7 +276,7 @@ def silu_and_mul_quant_fp8(
         _silu_and_mul_quant_fp8_static_kernel[(num_rows, triton.cdiv(d, block))](
             x, out, scale, x.stride(0), out.stride(0), d,
             BLOCK=block, FP8_MAX=FP8_E4M3_MAX, INTERPRETED=x.device.type != "cuda",
-            num_warps=num_warps,
+            num_warps=num_warps, **remainder_args(channels, out),
         )  # fmt: skip
     elif num_rows > 0 and d > 0:
         one_pass, block, num_warps = _quant_tiles(d, num_rows)
@@ -242,6 +284,6 @@ def silu_and_mul_quant_fp8(
             x, out, scale, x.stride(0), out.stride(0), d,
             DYNAMIC=dynamic, ONE_PASS=one_pass, BLOCK=block,
             FP8_MAX=FP8_E4M3_MAX, MIN_SCALE=FP8_MIN_SCALE, INTERPRETED=x.device.type != "cuda",
-            num_warps=num_warps,
+            num_warps=num_warps, **remainder_args(channels, out),
         )  # fmt: skip
     return out, scale
