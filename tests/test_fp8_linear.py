@@ -305,6 +305,43 @@ def test_small_batch_fp8_linear_is_the_reference(monkeypatch, dtype, static, row
     "dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=on_gpu)]
 )
 @pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_small_batch_fp8_matmul_takes_float8_input_and_padded_rows(
+    monkeypatch, dtype, static, rows
+) -> None:
+    """fp8_matmul on an input the op before quantized (a scale a row, or one static), in the
+    small-batch kernel: the reference's products, with the weight's and the input's rows further
+    apart than K (outlier columns lay both out 128 bytes apart); more rows than the kernel takes
+    go to the GEMM path."""
+    x, _, _, w_fp8, w_scale, bias = _fp8_inputs(rows, 72, 40, dtype, seed=rows)
+    input_scale = torch.tensor(x.float().abs().max().item() / 300) if static else None
+    x_fp8, x_scale = reference.quantize_fp8(x, input_scale)
+    want = reference.fp8_matmul(x_fp8, x_scale, w_fp8, w_scale, bias, dtype)
+    wide_w = torch.zeros(40, 128, dtype=torch.uint8)
+    wide_w[:, :72] = w_fp8.view(torch.uint8)
+    wide_x = torch.zeros(rows, 128, dtype=torch.uint8)
+    wide_x[:, :72] = x_fp8.view(torch.uint8)
+    padded_w = wide_w.view(torch.float8_e4m3fn)[:, :72]
+    padded_x = wide_x.view(torch.float8_e4m3fn)[:, :72]
+    _no_unfused_path(monkeypatch)
+    got = triton_ops.fp8_matmul(*_on(padded_x, x_scale, padded_w, w_scale, bias), dtype)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(
+        got.cpu().float(), want.float(), rtol=0, atol=FUSED_REL[dtype] * float(want.abs().max())
+    )
+    from kiln.kernels.triton.small_batch_linear import MAX_ROWS
+
+    many = MAX_ROWS + 1  # past the kernel's rows: the GEMM path (failing here)
+    many_x = x_fp8[:1].expand(many, -1)
+    many_scale = x_scale if static else x_scale[:1].expand(many, 1)
+    with pytest.raises(AssertionError, match="unfused"):
+        triton_ops.fp8_matmul(*_on(many_x, many_scale, w_fp8, w_scale, bias), dtype)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=on_gpu)]
+)
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("rows", [1, 3])  # the norm fused in; the norm kernel, then fp8_linear
 def test_fp8_add_rms_norm_linear_and_silu_mul(

@@ -290,20 +290,21 @@ def _outlier_block(scheme: str, dtype: torch.dtype, k: int = 64, inter: int = 96
 
 
 @pytest.mark.parametrize("scheme", ["static", "dynamic"])
-def test_the_triton_ops_compute_what_the_reference_does(scheme):
+@pytest.mark.parametrize("rows", [1, 24])  # the small-batch kernel's GEMV; the GEMM path
+def test_the_triton_ops_compute_what_the_reference_does(monkeypatch, scheme, rows):
     """The decoder's entry points with outlier columns through the Triton ops (the norm and the
-    SiLU-mul writing the remainders; the GEMM by torch._scaled_mm on the GPU, the reference's
-    sums under the CPU's interpreter) against the reference ops; in a CUDA graph too where
-    there is a GPU."""
+    SiLU-mul writing the remainders; the projection in the small-batch kernel at one row, by
+    torch._scaled_mm on the GPU above it, by the reference's sums under the CPU's interpreter)
+    against the reference ops; in a CUDA graph too where there is a GPU."""
     triton_ops = _triton_ops()
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     layers = _outlier_block(scheme, dtype)
     gate_up, down = layers["gate_up"], layers["down"]
     gen = torch.Generator().manual_seed(3)
-    x = (_loud_input(rows=24) / 20).to(DEVICE, dtype)
-    residual = torch.randn(24, 64, generator=gen).to(DEVICE, dtype)
+    x = (_loud_input(rows=rows) / 20).to(DEVICE, dtype)
+    residual = torch.randn(rows, 64, generator=gen).to(DEVICE, dtype)
     norm = torch.ones(64, dtype=dtype, device=DEVICE)
-    activation = torch.randn(24, 96, generator=gen).to(DEVICE, dtype)
+    activation = torch.randn(rows, 96, generator=gen).to(DEVICE, dtype)
 
     def block(ops):
         mlp, summed = gate_up.silu_mul_into(ops, down, x, residual, norm, 1e-5)
@@ -311,8 +312,17 @@ def test_the_triton_ops_compute_what_the_reference_does(scheme):
 
     if DEVICE == "cuda":
         assert gate_up.weight.stride(0) % 128 == 0 and down.weight.stride(0) % 128 == 0
+    from kiln.kernels.triton import small_batch_linear
+
+    launches = []
+    launch = small_batch_linear._launch
+    monkeypatch.setattr(
+        small_batch_linear, "_launch", lambda *a, **k: launches.append(1) or launch(*a, **k)
+    )
     want = block(reference)
     got = block(triton_ops)
+    # One row: gate_up, down and down alone each in the small-batch kernel.
+    assert len(launches) == (3 if rows == 1 else 0)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
     if DEVICE == "cuda":

@@ -292,7 +292,7 @@ def _small_batch_linear_kernel(
     x_ptr,  # [M, K]
     residual_ptr,  # [M, K], read when ADD_NORM
     norm_weight_ptr,  # [K], read when NORM or ADD_NORM
-    w_ptr,  # [N, K], contiguous
+    w_ptr,  # [N, K], rows stride_wn apart (K, or more: outlier columns' aligned rows)
     bias_ptr,  # [N], read when HAS_BIAS
     out_ptr,  # [M, N]: x @ w.T, or with GATED silu(x @ w[:N].T) * (x @ w[N:].T)
     sum_ptr,  # [M, K]: x + residual, written when ADD_NORM
@@ -306,6 +306,7 @@ def _small_batch_linear_kernel(
     k_per_split,  # K when SPLIT_K is 1
     stride_xm,
     stride_om,
+    stride_wn,
     eps,
     PROLOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -324,8 +325,8 @@ def _small_batch_linear_kernel(
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    w_rows = w_ptr + cols[:, None].to(tl.int64) * K
-    up_rows = w_rows + N.to(tl.int64) * K  # GATED: the up projection's rows for these columns
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+    up_rows = w_rows + N.to(tl.int64) * stride_wn  # GATED: the up rows of these columns
     k_start, k_stop = split_k.k_range(K, k_per_split, SPLIT_K)
     acc, acc_up = _project(
         x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_rows, up_rows, col_mask, sum_ptr,
@@ -387,19 +388,24 @@ def _fits(
     if weight_scale is None:
         dtypes_ok = x.dtype == weight.dtype
     else:
-        dtypes_ok = (
-            weight.dtype == torch.float8_e4m3fn
-            and weight_scale.dtype == torch.float32
-            and weight_scale.is_contiguous()
-            and weight_scale.numel() == weight.shape[0]
-            and (input_scale is None or input_scale.numel() == 1)
+        dtypes_ok = _fp8_weight_fits(weight, weight_scale) and (
+            input_scale is None or input_scale.numel() == 1
         )
     return (
         0 < _rows(x) <= (min(1, MAX_ROWS) if one_row else MAX_ROWS)
-        and weight.is_contiguous()
+        and weight.stride(1) == 1  # rows may lie further apart than K (aligned rows)
         and weight.shape[1] == k
         and dtypes_ok
         and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    )
+
+
+def _fp8_weight_fits(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+    return (
+        weight.dtype == torch.float8_e4m3fn
+        and weight_scale.dtype == torch.float32
+        and weight_scale.is_contiguous()
+        and weight_scale.numel() == weight.shape[0]
     )
 
 
@@ -472,6 +478,7 @@ def _launch(
         per_split,
         x2.stride(0),
         out.stride(0),
+        weight.stride(0),
         eps,
         PROLOGUE=prologue,
         HAS_BIAS=bias is not None,
@@ -521,6 +528,38 @@ def fp8_linear(
         return fp8_gemm.fp8_linear(x, weight, weight_scale, input_scale, bias)
     out = _launch_fp8_plain(_rows_2d(x), weight, bias, weight_scale, input_scale, gated=False)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_matmul(
+    x_fp8: torch.Tensor,  # [M, K] float8 e4m3, quantized already (quantize_fp8 or a fused op)
+    x_scale: torch.Tensor,  # [M, 1] per row, or [] / [1] per tensor, fp32
+    weight: torch.Tensor,  # [N, K] float8 e4m3
+    weight_scale: torch.Tensor,  # [N] fp32, per output channel
+    bias: torch.Tensor | None,  # [N]
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N] in out_dtype
+    """reference.fp8_matmul: a handful of rows in the small-batch kernel (float8 input and its
+    scale as given, the weight read once), more by fp8_gemm.fp8_matmul (_scaled_mm). The
+    engine's plain FP8 projections quantize inside that kernel instead (fp8_linear); this serves
+    inputs made by the op before with columns of its own (outlier columns' remainders)."""
+    m = x_fp8.shape[0]
+    fits = (
+        0 < m <= MAX_ROWS
+        and x_fp8.dtype == torch.float8_e4m3fn
+        and x_fp8.stride(1) == 1
+        and weight.stride(1) == 1
+        and weight.shape[1] == x_fp8.shape[1]
+        and _fp8_weight_fits(weight, weight_scale)
+        and out_dtype in (torch.float32, torch.float16, torch.bfloat16)
+        # one static scale ([] or [1]: QUANT 4), or one a row ([M, 1]: QUANT 3)
+        and ((x_scale.numel() == 1 and x_scale.dim() < 2) or x_scale.shape == (m, 1))
+    )
+    if not fits:
+        return fp8_gemm.fp8_matmul(x_fp8, x_scale, weight, weight_scale, bias, out_dtype)
+    return _launch(
+        _PLAIN, x_fp8, weight, bias, weight_scale=weight_scale, input_scale=x_scale,
+        out_dtype=out_dtype,
+    )  # fmt: skip
 
 
 def _launch_fp8_plain(
