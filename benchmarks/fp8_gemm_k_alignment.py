@@ -7,7 +7,8 @@ benchmarks/outlier_columns_cost.py found static fp8's blocks with 16 outlier col
 slower at 1-8192 rows (results/2026-12-05-h200-outlier-cost/), far past what 16 more columns'
 work (+0.1-0.4%) and three small torch kernels explain, e.g. the MLP at 8192 rows 2181 -> 3009 us.
 This times, at Llama-3.1-8B's four projections (inside CUDA graphs, static scales, the engine's
-ops.fp8_matmul: unit-scale _scaled_mm + epilogue below 256 rows, rowwise above):
+ops.fp8_matmul: since 2026-12-05's seventh call the small-batch kernel up to 8 rows, unit-scale
+_scaled_mm + epilogue below 256 rows, rowwise above):
 
 - the GEMM with K, K + 16, K + 32, K + 64 and K + 128 columns (the input and the weight both
   that long), so a K alignment penalty shows apart from the work;

@@ -568,6 +568,11 @@ for s in "$@"; do
         stage outlier-cost 300 python3 benchmarks/outlier_columns_cost.py \
             --out "$OUT/outlier_columns_cost$SFX.json"
         ;;
+    outlier-e2e)  # static fp8 8B engines (dummy weights, README as calibration text) built
+        # with and without 16 outlier columns, then 128/128, 1000/1000 and batch 1 on each
+        stage outlier-e2e 560 python3 benchmarks/outlier_columns_e2e.py \
+            --work "${WORK:-/tmp/kiln-outlier-e2e}" --out "$OUT/outlier_e2e$SFX.json"
+        ;;
     gemm-k)  # the float8 GEMM at K + 16..128 against K, and the unfused outlier-column pieces
         stage gemm-k 240 python3 benchmarks/fp8_gemm_k_alignment.py --out "$OUT/gemm_k$SFX.json"
         ;;
