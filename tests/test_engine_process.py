@@ -136,11 +136,19 @@ def test_second_sigterm_still_ends_streams_with_done(servers):
 @pytest.mark.timeout(120)
 def test_an_engine_that_cannot_start_says_why(tmp_path):
     missing = str(tmp_path / "no-such-model")
-    cmd = [sys.executable, "-m", "kiln.cli.main", "serve", "--model", missing]
+    # -X faulthandler: if it hangs (twice on 2026-12-05, inside the whole suite only: no output
+    # for 110 s where it alone takes 3 s), SIGABRT prints every thread's stack to stderr.
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "kiln.cli.main", "serve", "--model", missing]
     cmd += ["--port", str(free_port()), "--log-level", "warning"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=110)
-    assert done.returncode != 0
-    assert "error:" in done.stderr and "no-such-model" in done.stderr, done.stderr
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = proc.communicate(timeout=110)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, stderr = proc.communicate(timeout=30)
+        pytest.fail(f"`kiln serve` of a missing model hung 110 s; its stacks:\n{stderr[-8000:]}")
+    assert proc.returncode != 0
+    assert "error:" in stderr and "no-such-model" in stderr, stderr
 
 
 @pytest.mark.timeout(240)
