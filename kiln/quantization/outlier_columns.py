@@ -21,8 +21,9 @@ per-row scale w). The GEMM is the engine's own (`ops.fp8_matmul`); the quantizin
 (the norm, the SiLU-mul, or the quantize kernel) writes [q, r_J] in one pass when given the
 channels (`channels=` of ops.quantize_fp8, add_rms_norm_quant_fp8, silu_and_mul_quant_fp8;
 reference.fp8_remainder is the arithmetic). What these projections lose against plain FP8 is the
-small-batch kernels (norm, quantization and GEMV in one at a handful of rows): they always run
-the quantizing op, then the GEMM.
+fused small-batch kernels (norm, quantization and GEMV in one at a handful of rows): they always
+run the quantizing op, then the GEMM (at a handful of rows the small-batch GEMV on its float8
+output).
 
 Tensor parallelism is not supported (the chosen channels would have to be cut per rank's input
 shard): such an engine builds and loads at -tp 1 only.
@@ -90,7 +91,7 @@ class OutlierColumnsFp8LinearMethod(Fp8LinearMethod):
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         """On CUDA, the weight's rows re-laid ROW_ALIGN bytes apart (the Triton quantizing
-        kernels lay the input out so too): cuBLAS's float8 GEMM over K + n columns runs 20-30%
+        kernels lay the input out so too): cuBLAS's float8 GEMM over K + n columns runs 20-33%
         slower otherwise. Its values and shape are unchanged; the engine writer saves it
         contiguous."""
         weight = layer.weight

@@ -91,7 +91,7 @@ def store_remainders(v, j, n, scale, inv_scale, out_ptr, DYNAMIC: tl.constexpr,
     tl.store(out_ptr + j, rest.to(out_ptr.dtype.element_ty), mask=j < n)
 
 
-# Outlier columns make a GEMM's K odd-sized (4096 + 16); cuBLAS's float8 kernels then run 20-30%
+# Outlier columns make a GEMM's K odd-sized (4096 + 16); cuBLAS's float8 kernels then run 20-33%
 # slower unless both operands' rows start 128 bytes apart, at which K + 16 costs what K + 128
 # does, +0.4-4% (H200, benchmarks/results/2026-12-05-h200-decode-occupancy-outlier-cost/).
 ROW_ALIGN = 128
