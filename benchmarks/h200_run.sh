@@ -565,6 +565,8 @@ for s in "$@"; do
         # static fp8's attention and MLP blocks with and without them at 8B shapes, 1-8192 rows
         stage outlier-tests 200 python3 -m pytest -q -x -p no:cacheprovider \
             tests/test_outlier_columns.py -k "triton_ops or projection or remainder"
+        stage small-batch-fp8-tests 200 python3 -m pytest -q -x -p no:cacheprovider \
+            tests/test_fp8_linear.py -k "small_batch_fp8 or llama8b_shapes"
         stage outlier-cost 300 python3 benchmarks/outlier_columns_cost.py \
             --out "$OUT/outlier_columns_cost$SFX.json"
         ;;
@@ -572,6 +574,11 @@ for s in "$@"; do
         # with and without 16 outlier columns, then 128/128, 1000/1000 and batch 1 on each
         stage outlier-e2e 560 python3 benchmarks/outlier_columns_e2e.py \
             --work "${WORK:-/tmp/kiln-outlier-e2e}" --out "$OUT/outlier_e2e$SFX.json"
+        ;;
+    one-row-cost)  # where a one-row float8 projection's time goes: the split-K hand-off,
+        # the launch floor, HBM against L2 (o_proj and down, the measured tiles)
+        stage one-row-cost 240 python3 benchmarks/one_row_fixed_cost.py \
+            --out "$OUT/one_row_fixed_cost$SFX.json"
         ;;
     gemm-k)  # the float8 GEMM at K + 16..128 against K, and the unfused outlier-column pieces
         stage gemm-k 240 python3 benchmarks/fp8_gemm_k_alignment.py --out "$OUT/gemm_k$SFX.json"
