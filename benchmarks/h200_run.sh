@@ -572,7 +572,7 @@ for s in "$@"; do
         ;;
     outlier-e2e)  # static fp8 8B engines (dummy weights, README as calibration text) built
         # with and without 16 outlier columns, then 128/128, 1000/1000 and batch 1 on each
-        stage outlier-e2e 560 python3 benchmarks/outlier_columns_e2e.py \
+        stage outlier-e2e "${E2E_LIMIT:-560}" python3 benchmarks/outlier_columns_e2e.py \
             --work "${WORK:-/tmp/kiln-outlier-e2e}" --out "$OUT/outlier_e2e$SFX.json"
         ;;
     one-row-cost)  # where a one-row float8 projection's time goes: the split-K hand-off,

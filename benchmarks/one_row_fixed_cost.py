@@ -63,6 +63,7 @@ def _no_handoff_kernel() -> triton.JITFunction:
     scope = dict(original.__globals__, split_k=fake_split_k)
     fn = types.FunctionType(original.__code__, scope, original.__name__, original.__defaults__)
     fn.__module__, fn.__qualname__ = original.__module__, original.__qualname__ + "_no_handoff"
+    fn.__annotations__ = original.__annotations__  # which parameters are tl.constexpr
     return triton.jit(fn)
 
 

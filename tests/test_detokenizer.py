@@ -318,6 +318,22 @@ def test_cost_per_token_is_constant(tokenizer: Any):
     assert max(counting.decode_lengths) <= 12
 
 
+@pytest.mark.parametrize("empty", ["special", "past_vocabulary"])
+def test_ids_that_decode_to_nothing_cost_no_more_than_others(bpe: Any, empty: str):
+    # A model may sample a long run of ids with no text (skipped special tokens; a vocabulary
+    # padded past the tokenizer's, as random weights do): each must cost O(1), as any id does.
+    nothing = bpe.convert_tokens_to_ids("<|im_end|>") if empty == "special" else len(bpe) + 7
+    ids = [*encode(bpe, "héllo"), *[nothing] * 500, *encode(bpe, " wörld 😀"), nothing]
+    counting = CountingTokenizer(bpe)
+    detok = IncrementalDetokenizer(counting, encode(bpe, "Hi"))
+    for i in ids:
+        detok.append([i])
+    detok.flush()
+    assert detok.text == bpe.decode(ids, skip_special_tokens=True) == "héllo wörld 😀"
+    assert detok.output_token_ids == ids
+    assert max(counting.decode_lengths) <= 12
+
+
 def test_sentencepiece_leading_space_comes_from_the_prompt():
     # Metaspace decoders strip the "▁" of the first token in a decode; the output's first token is
     # not first, it follows the prompt, so its space must stay.

@@ -145,6 +145,11 @@ class IncrementalDetokenizer:
         if len(window_text) <= len(self._prefix_text) or window_text.endswith(_REPLACEMENT_CHAR):
             # Nothing visible yet (a skipped special token), or a character still incomplete: keep
             # the window as is, so the next decode sees these bytes together with what follows.
+            if window_text == self._prefix_text:
+                # The id added nothing at all (a skipped special token, an id past the
+                # vocabulary): it leaves the window, or a run of them would be decoded again
+                # with every id after it (a model sampling padding ids made a step quadratic).
+                self._window_ids.pop()
             return ""
         new_text = window_text[len(self._prefix_text) :]
         # Slide: the ids just read become the prefix that leads the next decode.
