@@ -108,6 +108,7 @@ class IncrementalDetokenizer:
         self._window_ids = context_ids
         self._read_offset = len(context_ids)
         self._prefix_text = context_text
+        self._window_text = context_text  # the last decode of the whole window
 
     def append(self, new_token_ids: Sequence[int]) -> str:
         """Feed newly generated ids; return the text delta that is now safe to show (maybe "")."""
@@ -145,28 +146,36 @@ class IncrementalDetokenizer:
         if len(window_text) <= len(self._prefix_text) or window_text.endswith(_REPLACEMENT_CHAR):
             # Nothing visible yet (a skipped special token), or a character still incomplete: keep
             # the window as is, so the next decode sees these bytes together with what follows.
-            if window_text == self._prefix_text:
-                # The id added nothing at all (a skipped special token, an id past the
-                # vocabulary): it leaves the window, or a run of them would be decoded again
-                # with every id after it (a model sampling padding ids made a step quadratic).
+            if window_text == self._window_text and self._text_alone(token_id) == "":
+                # The id adds nothing, here or anywhere (a skipped special token, an id past the
+                # vocabulary; a byte of a character still forming decodes to U+FFFD alone and
+                # stays): it leaves the window, or a run of them would be decoded again with
+                # every id after it (a model sampling padding ids made a step quadratic).
                 self._window_ids.pop()
+            self._window_text = window_text
             return ""
         new_text = window_text[len(self._prefix_text) :]
         # Slide: the ids just read become the prefix that leads the next decode.
         del self._window_ids[: self._read_offset]
         self._read_offset = len(self._window_ids)
-        if self._read_offset == 1 and self._single_id_text is not None:
+        if self._read_offset == 1:
             # Nearly always one id (the one just read): its decode alone, the same for every
             # request, is looked up rather than decoded again; one of the two decodes a token
             # costs (~3.5 us each, a few ms a step at 512 requests).
-            token_id = self._window_ids[0]
-            text = self._single_id_text.get(token_id)
-            if text is None:
-                text = self._single_id_text[token_id] = self._decode(self._window_ids)
-            self._prefix_text = text
+            self._prefix_text = self._text_alone(self._window_ids[0])
         else:
             self._prefix_text = self._decode(self._window_ids)
+        self._window_text = self._prefix_text
         return new_text
+
+    def _text_alone(self, token_id: int) -> str:
+        """decode([token_id]), from the table every detokenizer of this tokenizer shares."""
+        if self._single_id_text is None:
+            return self._decode([token_id])
+        text = self._single_id_text.get(token_id)
+        if text is None:
+            text = self._single_id_text[token_id] = self._decode([token_id])
+        return text
 
     def _release(self, new_text: str, *, final: bool) -> str:
         """Emit held + new text, minus what may start a stop string (all of it when final)."""
