@@ -212,6 +212,19 @@ def test_split_k_slices_and_the_default_table(monkeypatch) -> None:
         small_batch_tiles.tile_config("gemv", 16, 16, torch.device("cpu"))
 
 
+def test_outlier_columns_take_the_tiles_measured_for_k_without_them(monkeypatch) -> None:
+    monkeypatch.setattr(small_batch_tiles, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    measured = small_batch_tiles.MEASURED_TILES
+    for n, k in ((4096, 4096), (4096, 14336)):
+        for extra in (16, 128):
+            tiles = small_batch_tiles.tile_config("linear", n, k + extra, cuda, 1, 1)
+            assert tiles == measured["linear", n, k, 1, True]
+        # beyond a few columns, or another element size: the rule's unsplit tiles
+        assert small_batch_tiles.tile_config("linear", n, k + 129, cuda, 1, 1).split_k == 1
+        assert small_batch_tiles.tile_config("linear", n, k + 16, cuda, 2, 1).split_k == 1
+
+
 def test_a_sweeps_suggestions_override_the_table(monkeypatch, tmp_path) -> None:
     """KILN_SMALL_BATCH_TILES' file: the entries fp8_small_batch_sweep.py writes, read back as
     the table's keys and Tiles; anything else is refused naming the variable."""
