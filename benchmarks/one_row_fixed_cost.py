@@ -19,6 +19,10 @@ variant timed as back-to-back calls inside one CUDA graph (as the decode step ru
 
 engine - no_handoff is the hand-off; no_handoff(L2) - empty the pipeline's fill and drain; the
 HBM - L2 difference what the bytes cost on top.
+
+Measured (benchmarks/results/2026-12-05-h200-outlier-e2e-one-row-cost/): the hand-off ~1 us a
+call, the launch floor 1.2, and o_proj from L2 without a hand-off still 6.65 us: the programs'
+own chain over their K-steps, not the bytes or the hand-off.
 """
 
 from __future__ import annotations
