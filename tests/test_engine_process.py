@@ -20,6 +20,9 @@ from conftest import build_tiny_hf_model
 from server_harness import free_port
 from test_server_lifecycle import PROMPT, _start_serve, _Stream, _wait_healthy
 
+from kiln.config import EngineConfig
+from kiln.engine_core.client import ClientAddresses, EngineClient
+
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> str:
@@ -149,6 +152,27 @@ def test_an_engine_that_cannot_start_says_why(tmp_path):
         pytest.fail(f"`kiln serve` of a missing model hung 110 s; its stacks:\n{stderr[-8000:]}")
     assert proc.returncode != 0
     assert "error:" in stderr and "no-such-model" in stderr, stderr
+
+
+class _FailedEngine:
+    """An engine process that reported its startup failure and closed its sockets, but has not
+    exited yet: shutdown finds it running and tells it to stop."""
+
+    def exit_code(self) -> int | None:
+        return None
+
+    def stop(self, timeout: float) -> None:
+        pass
+
+
+@pytest.mark.timeout(30)
+def test_shutdown_does_not_wait_on_an_engine_that_closed_its_end(tmp_path):
+    # The race behind the hang above: a blocking send on a PUSH socket with no peer never returns.
+    addresses = ClientAddresses(f"ipc://{tmp_path}/inputs", f"ipc://{tmp_path}/outputs")
+    client = EngineClient(EngineConfig(), addresses, _FailedEngine())
+    start = time.monotonic()
+    client.shutdown(timeout=1.0)
+    assert time.monotonic() - start < 5
 
 
 @pytest.mark.timeout(240)

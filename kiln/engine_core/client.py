@@ -296,7 +296,10 @@ class EngineClient:
         self._stop = True
         if self._engine.exit_code() is None:
             with contextlib.suppress(zmq.ZMQError):
-                self._send(m.Shutdown())
+                # Without waiting: a PUSH socket with no peer (an engine process that failed to
+                # start has closed its end and not yet exited) blocks a send forever; `kiln
+                # serve` of a missing model hung here when the engine lost that race.
+                self._send(m.Shutdown(), zmq.NOBLOCK)
                 # LINGER 0 drops what is unsent at close: give the Shutdown its moment.
                 self._inputs.setsockopt(zmq.LINGER, 1000)
         self._engine.stop(timeout)
@@ -308,10 +311,10 @@ class EngineClient:
 
     # ---- the reader thread ---------------------------------------------------------------
 
-    def _send(self, msg: m.EngineInput) -> None:
+    def _send(self, msg: m.EngineInput, flags: int = 0) -> None:
         data = m.encoder.encode(msg)
         with self._send_lock:
-            self._inputs.send(data, copy=False)
+            self._inputs.send(data, flags=flags, copy=False)
 
     def _read(self) -> None:
         try:
