@@ -6,6 +6,7 @@ still ends every stream with [DONE]; an engine that cannot start says why and ex
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -16,12 +17,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+import zmq
 from conftest import build_tiny_hf_model
 from server_harness import free_port
 from test_server_lifecycle import PROMPT, _start_serve, _Stream, _wait_healthy
 
 from kiln.config import EngineConfig
+from kiln.engine.async_engine import EngineDeadError
+from kiln.engine_core import client as client_module
+from kiln.engine_core import messages
 from kiln.engine_core.client import ClientAddresses, EngineClient
+from kiln.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +179,34 @@ def test_shutdown_does_not_wait_on_an_engine_that_closed_its_end(tmp_path):
     start = time.monotonic()
     client.shutdown(timeout=1.0)
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.timeout(60)
+def test_a_request_to_an_engine_that_closed_its_end_fails_instead_of_hanging(tmp_path, monkeypatch):
+    # The engine said Ready, then its input socket went away while its process had not exited
+    # yet (the reader would notice the exit; this one never exits): the request's send must not
+    # block the server's event loop forever.
+    monkeypatch.setattr(client_module, "SEND_TIMEOUT_MS", 300)
+    addresses = ClientAddresses(f"ipc://{tmp_path}/inputs", f"ipc://{tmp_path}/outputs")
+    config = EngineConfig(model="llama-3.1-8b", load_format="dummy")
+    client = EngineClient(config, addresses, _FailedEngine())
+    ctx = zmq.Context()
+    engine_inputs = ctx.socket(zmq.PULL)
+    engine_inputs.connect(addresses.inputs)
+    engine_outputs = ctx.socket(zmq.PUSH)
+    engine_outputs.connect(addresses.outputs)
+    engine_outputs.send(messages.encoder.encode(messages.Ready(1, 64, 100, SamplingParams(), {})))
+    try:
+        EngineClient._ready(client, timeout=10)
+        engine_inputs.close(linger=0)
+        time.sleep(0.5)  # the client's socket sees its peer go
+        with pytest.raises(EngineDeadError, match="took no input"):
+            asyncio.run(client.submit([1, 2, 3], None, "r1"))
+        assert not client._streams  # nothing left waiting for an answer
+    finally:
+        client.shutdown(timeout=1.0)
+        engine_outputs.close(linger=0)
+        ctx.term()
 
 
 @pytest.mark.timeout(240)

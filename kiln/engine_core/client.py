@@ -49,6 +49,8 @@ from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 
 logger = logging.getLogger("kiln.engine_core")
+# How long a send may wait for an engine to take it (it waits only when none is connected).
+SEND_TIMEOUT_MS = 5000
 
 
 class EngineStartupError(KilnError):
@@ -144,6 +146,9 @@ class EngineClient:
         self._inputs = self._ctx.socket(zmq.PUSH)
         self._inputs.setsockopt(zmq.SNDHWM, 0)
         self._inputs.setsockopt(zmq.LINGER, 0)
+        # With no queue limit a send waits only when no engine is connected: one that died (or
+        # closed its end) would otherwise block the caller, the server's event loop, forever.
+        self._inputs.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         self._inputs.bind(addresses.inputs)
         self._outputs = self._ctx.socket(zmq.PULL)
         self._outputs.setsockopt(zmq.RCVHWM, 0)
@@ -258,7 +263,11 @@ class EngineClient:
         if not self.healthy:  # died between the check and registering: nobody would tell us
             self._streams.pop(request_id, None)
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        self._send(m.AddRequest(request_id, stream.prompt_token_ids, params, priority))
+        try:
+            self._send(m.AddRequest(request_id, stream.prompt_token_ids, params, priority))
+        except EngineDeadError:
+            self._streams.pop(request_id, None)
+            raise
         try:
             await stream.accepted
         except BaseException:
@@ -285,7 +294,8 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         if self.healthy:
-            self._send(m.Abort([request_id]))
+            with contextlib.suppress(EngineDeadError):  # gone: nothing left to abort
+                self._send(m.Abort([request_id]))
 
     def call(self, fn, *args):
         raise TypeError("the engine runs in its own process: no function can be run on it")
@@ -314,7 +324,15 @@ class EngineClient:
     def _send(self, msg: m.EngineInput, flags: int = 0) -> None:
         data = m.encoder.encode(msg)
         with self._send_lock:
-            self._inputs.send(data, flags=flags, copy=False)
+            try:
+                self._inputs.send(data, flags=flags, copy=False)
+            except zmq.Again:
+                if flags & zmq.NOBLOCK:
+                    raise
+                raise EngineDeadError(
+                    f"the engine process took no input for {SEND_TIMEOUT_MS / 1000:g} s "
+                    "(no engine is connected)"
+                ) from None
 
     def _read(self) -> None:
         try:
