@@ -145,8 +145,9 @@ def test_second_sigterm_still_ends_streams_with_done(servers):
 @pytest.mark.timeout(120)
 def test_an_engine_that_cannot_start_says_why(tmp_path):
     missing = str(tmp_path / "no-such-model")
-    # -X faulthandler: if it hangs (twice on 2026-12-05, inside the whole suite only: no output
-    # for 110 s where it alone takes 3 s), SIGABRT prints every thread's stack to stderr.
+    # -X faulthandler: if it hangs, SIGABRT prints every thread's stack to stderr. It hung three
+    # times inside the whole suite (2026-12-05) in shutdown's blocking send to an engine that had
+    # closed its end (the test below); kept so that any other hang names its place.
     cmd = [sys.executable, "-X", "faulthandler", "-m", "kiln.cli.main", "serve", "--model", missing]
     cmd += ["--port", str(free_port()), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
