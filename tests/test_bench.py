@@ -88,3 +88,17 @@ def test_revision_is_kilns_own_wherever_it_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(other)
     assert kiln_revision().removesuffix("-dirty") == here
     assert len(kiln_source_hash()) == 16
+
+
+def test_a_host_bound_run_says_so():
+    from kiln.bench.runner import _table
+
+    def record(busy: float) -> dict:
+        graph = {"engine_step_ms": 26.3, "outside_runner_ms": 23.0, "gpu_busy_fraction": busy}
+        kiln = {"output_tok_s": 1.0, "total_tok_s": 2.0, "request_s": 0.1}
+        return {"mode": "throughput", "kiln": kiln, "step_profile": {"graph": graph}}
+
+    warning = "host-bound: the GPU was busy 36% of a decode step (26.3 ms, 23.0 of them outside"
+    assert warning in _table(record(0.36))
+    assert "host-bound" not in _table(record(0.99))
+    assert "host-bound" not in _table({**record(0.5), "step_profile": {}})  # no graphs (CPU)

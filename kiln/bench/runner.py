@@ -238,4 +238,22 @@ def _table(record: dict) -> str:
             f"{r['copy_bandwidth_gb_s']:.0f} GB/s -> {r['floor_ms_per_token']:.2f} ms/token; "
             f"achieved {r['achieved_fraction']:.0%}"
         )
-    return table
+    return table + _host_bound_warning(record.get("step_profile", {}))
+
+
+# Below this share of a CUDA-graph decode step the GPU waits on the host: the run then measures
+# scheduling and output processing, not the GPU (an engine whose detokenizer went quadratic ran
+# at 36%, GPU-bound runs at 0.99-1.0: benchmarks/results/2026-12-05-h200-outlier-e2e-one-row-cost).
+HOST_BOUND_FRACTION = 0.8
+
+
+def _host_bound_warning(step_profile: dict) -> str:
+    graph = step_profile.get("graph", {})
+    busy = graph.get("gpu_busy_fraction")
+    if busy is None or busy >= HOST_BOUND_FRACTION:
+        return ""
+    return (
+        f"\nwarning: host-bound: the GPU was busy {busy:.0%} of a decode step "
+        f"({graph['engine_step_ms']:.1f} ms, {graph['outside_runner_ms']:.1f} of them outside the "
+        "model runner: scheduling and output processing); this measures the host, not the GPU"
+    )
