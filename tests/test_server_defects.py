@@ -120,6 +120,21 @@ def test_a_negative_token_id_says_what_is_wrong(http):
     assert "greater than or equal to 0" in message and "-1" in message, message
 
 
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/chat/completions"])
+def test_a_malformed_earlier_tool_call_is_a_400(http, path):
+    # The fuzzer's find (a 500: the template's copy of `function` took dict(True)).
+    calls = [{"function": True}]
+    messages = [{"role": "assistant", "content": None, "tool_calls": calls}]
+    response = http.post(path, json={"messages": messages, "max_tokens": 1})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "got True" in error["message"], error
+    # A well-formed one still goes through to the template.
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": calls}]
+    assert http.post(path, json={"messages": messages, "max_tokens": 1}).status_code == 200
+
+
 @pytest.mark.parametrize(
     "body",
     [

@@ -198,7 +198,9 @@ def template_message(m: ChatMessage) -> dict:
     if m.tool_call_id is not None:
         message["tool_call_id"] = m.tool_call_id
     if m.tool_calls:
-        message["tool_calls"] = [template_tool_call(call) for call in m.tool_calls]
+        message["tool_calls"] = [
+            template_tool_call(call.model_dump(exclude_none=True)) for call in m.tool_calls
+        ]
     return message
 
 

@@ -90,11 +90,24 @@ class TextPart(_Body):
     text: str
 
 
+class MessageToolCallFunction(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends JSON text; an object is taken too
+
+
+class MessageToolCall(_Body):
+    """An assistant's earlier call, as the API returned it (the chat template reads it)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: MessageToolCallFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's result: which call it answers
 
 
