@@ -573,7 +573,8 @@ for s in "$@"; do
     outlier-e2e)  # static fp8 8B engines (dummy weights, README as calibration text) built
         # with and without 16 outlier columns, then 128/128, 1000/1000 and batch 1 on each
         stage outlier-e2e "${E2E_LIMIT:-560}" python3 benchmarks/outlier_columns_e2e.py \
-            --work "${WORK:-/tmp/kiln-outlier-e2e}" --out "$OUT/outlier_e2e$SFX.json"
+            --work "${WORK:-/tmp/kiln-outlier-e2e}" --out "$OUT/outlier_e2e$SFX.json" \
+            --workloads ${E2E_WORKLOADS:-lat1k tput128 tput1000}
         ;;
     one-row-cost)  # where a one-row float8 projection's time goes: the split-K hand-off,
         # the launch floor, HBM against L2 (o_proj and down, the measured tiles)

@@ -98,6 +98,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--outlier-columns", type=int, default=16)
     parser.add_argument("--dry-run", action="store_true", help="tiny workloads (the CPU)")
+    names = [name for name, _ in WORKLOADS]
+    parser.add_argument(
+        "--workloads", nargs="+", choices=names, default=names, help="a subset (e.g. lat1k)"
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     source = os.path.join(args.work, "source")
@@ -109,6 +113,8 @@ def main() -> None:
     }
     record["runs"] = []
     for workload, bench_args in WORKLOADS:
+        if workload not in args.workloads:
+            continue
         for name in engines:
             if record["builds"][name]["exit"]:
                 continue
