@@ -132,7 +132,7 @@ def _function(tool: dict[str, Any], index: int) -> dict[str, Any]:
 def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     """An assistant's earlier call as templates read it: arguments as an object when they parse
     (Qwen2.5's and Llama 3.1's templates apply `tojson` to them)."""
-    function = dict(call.get("function") or {})
+    function = dict(call["function"])  # the request schema requires it (MessageToolCall)
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         with contextlib.suppress(ValueError):  # not JSON: the template gets the text
