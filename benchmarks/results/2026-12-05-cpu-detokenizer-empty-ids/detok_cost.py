@@ -1,7 +1,7 @@
 """The incremental detokenizer's cost a token when most ids decode to nothing: the tests' tiny
 byte-level tokenizer (384 entries) over ids drawn from Llama-3.1-8B's 128,256, as the 8B engines
 of ../2026-12-05-h200-outlier-e2e-one-row-cost sampled them. The code before the fix
-(detokenizer_before.py, this folder: kiln/engine/detokenizer.py at a262726~1) and kiln's, side by
+(kiln/engine/detokenizer.py at a262726~1) and kiln's, side by
 side in one process; 32 requests, one id appended at a time.
 
     PYTHONPATH=. python benchmarks/results/2026-12-05-cpu-detokenizer-empty-ids/detok_cost.py
@@ -11,17 +11,24 @@ import importlib.util
 import json
 import pathlib
 import random
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, ".")
 from kiln.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from tests.tiny_tokenizer import build_tokenizer  # noqa: E402
 
-HERE = pathlib.Path(__file__).parent
-spec = importlib.util.spec_from_file_location("before", HERE / "detokenizer_before.py")
-before = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(before)
+old_source = subprocess.run(
+    ["git", "show", "a262726~1:kiln/engine/detokenizer.py"], capture_output=True, check=True
+).stdout
+with tempfile.TemporaryDirectory() as tmp:
+    path = pathlib.Path(tmp) / "detokenizer_before.py"
+    path.write_bytes(old_source)
+    spec = importlib.util.spec_from_file_location("before", path)
+    before = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(before)
 
 tokenizer = build_tokenizer()
 results = {"tokenizer_entries": len(tokenizer), "us_per_token": {}}
