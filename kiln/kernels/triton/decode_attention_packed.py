@@ -55,52 +55,21 @@ def _sub_tile(
 
 
 @triton.jit
-def _decode_packed_kernel(
-    q_ptr,  # [num_seqs, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
-    v_cache_ptr,
-    block_tables_ptr,  # [num_seqs, max_blocks] int32
-    seq_lens_ptr,  # [num_seqs] int32
-    out_ptr,  # [num_seqs, num_heads, head_dim] (written when not SPLIT)
-    part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32 (written when SPLIT)
-    part_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, log2 domain (written when SPLIT)
-    qk_scale,  # softmax scale * log2(e): the softmax runs on exp2
-    stride_q_seq,
-    stride_q_head,
-    stride_o_seq,
-    stride_o_head,
-    stride_bt_seq,
-    num_splits,
-    NUM_KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,  # query heads per KV head, a power of two
-    PACK: tl.constexpr,  # sub-partitions side by side; PACK * GROUP rows (>= 16, tl.dot's M)
-    HEAD_DIM: tl.constexpr,  # a power of two
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # keys per sub-tile; an iteration visits PACK * BLOCK_N
-    SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
-    HEADS_FIRST: tl.constexpr,
-):
-    if HEADS_FIRST:
-        kv_head = tl.program_id(0)
-        seq = tl.program_id(1)
-    else:
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    partition_size, num_valid = _partition(seq_len, num_splits, PACK * BLOCK_N)
-    if SPLIT:  # noqa: SIM102 (resolved at compile time; the inner `if` is the device's)
-        if split >= num_valid:
-            return  # past this sequence's last partition: the reduce never reads this slot
-    start = split * partition_size
-    end = tl.minimum(start + partition_size, seq_len)
-
+def _attend_packed(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, end, qk_scale,
+    stride_q_seq, stride_q_head, stride_bt_seq,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
+):  # fmt: skip
+    """A KV head's GROUP query heads over keys [start, end) of sequence `seq`: (out [GROUP,
+    HEAD_DIM] fp32, normalised; lse [GROUP], log2 domain). No key (start >= end) gives zeros and
+    lse -inf, which a merge weighs as nothing."""
     ROWS: tl.constexpr = PACK * GROUP
     rows = tl.arange(0, ROWS)
     sub_of_row = rows // GROUP
     dims = tl.arange(0, HEAD_DIM)
+    # The query tile holds the group's heads PACK times over: row r is head r % GROUP.
     q = tl.load(
         q_ptr
         + seq.to(tl.int64) * stride_q_seq
@@ -154,12 +123,64 @@ def _decode_packed_kernel(
     weights = tl.where(m_rows == float("-inf"), 0.0, tl.exp2(m_rows - m_head_use[None, :]))
     l_head = tl.sum(tl.reshape(l_i, [PACK, GROUP]) * weights, 0)
     acc_head = tl.sum(tl.reshape(acc, [PACK, GROUP, HEAD_DIM]) * weights[:, :, None], 0)
-    # Only an empty context (seq_len 0, unsplit) leaves l == 0: it writes zeros.
+    # Only an empty range leaves l == 0: zeros, and an lse of -inf.
     nonempty = l_head > 0.0
     out = acc_head / tl.where(nonempty, l_head, 1.0)[:, None]
+    lse = tl.where(nonempty, m_head + tl.log2(tl.where(nonempty, l_head, 1.0)), float("-inf"))
+    return out, lse
+
+
+@triton.jit
+def _decode_packed_kernel(
+    q_ptr,  # [num_seqs, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    v_cache_ptr,
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    out_ptr,  # [num_seqs, num_heads, head_dim] (written when not SPLIT)
+    part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32 (written when SPLIT)
+    part_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, log2 domain (written when SPLIT)
+    qk_scale,  # softmax scale * log2(e): the softmax runs on exp2
+    stride_q_seq,
+    stride_q_head,
+    stride_o_seq,
+    stride_o_head,
+    stride_bt_seq,
+    num_splits,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head, a power of two
+    PACK: tl.constexpr,  # sub-partitions side by side; PACK * GROUP rows (>= 16, tl.dot's M)
+    HEAD_DIM: tl.constexpr,  # a power of two
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # keys per sub-tile; an iteration visits PACK * BLOCK_N
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
+    HEADS_FIRST: tl.constexpr,
+):
+    if HEADS_FIRST:
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    partition_size, num_valid = _partition(seq_len, num_splits, PACK * BLOCK_N)
+    if SPLIT:  # noqa: SIM102 (resolved at compile time; the inner `if` is the device's)
+        if split >= num_valid:
+            return  # past this sequence's last partition: the reduce never reads this slot
+    start = split * partition_size
+    end = tl.minimum(start + partition_size, seq_len)
+
+    out, lse = _attend_packed(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, end, qk_scale,
+        stride_q_seq, stride_q_head, stride_bt_seq, NUM_KV_HEADS, GROUP, PACK, HEAD_DIM,
+        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, FP16_DOTS,
+    )  # fmt: skip
+    dims = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + tl.arange(0, GROUP)
     if SPLIT:
-        lse = tl.where(nonempty, m_head + tl.log2(tl.where(nonempty, l_head, 1.0)), float("-inf"))
         part_index = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split
         tl.store(part_lse_ptr + part_index, lse)
         tl.store(part_out_ptr + part_index[:, None] * HEAD_DIM + dims[None, :], out)
