@@ -43,6 +43,15 @@ class Envs:
     one 1000/1000's rows run (0: the compiler's choice, 197): at 168 or fewer an SM keeps 9 of
     its programs instead of 8; the end-to-end A/B (kernels.triton.decode_attention reads it at
     import)."""
+    decode_stream_k: bool = False
+    """Decode attention over a float8 cache at many programs an SM runs the stream-K schedule
+    (kernels.triton.decode_attention_stream_k: one resident wave of programs with equal shares
+    of the tiles, against waves of a program per sequence and KV head whose last is partly
+    filled). Off until a GPU measures it; read at import."""
+    decode_stream_k_programs: int = 0
+    """The stream-K decode grid's size, forced (0: kernels.triton.decode_attention.
+    stream_k_programs' rule, the programs the GPU holds at once); a sweep's knob (read at
+    import)."""
     fused_linear_max_rows: int = 8
     """Most rows the fused small-batch linear kernels take (above it cuBLAS's GEMM tiles win). 0
     turns them off, the benchmarks' A/B switch; kernels.triton.small_batch_linear reads it at

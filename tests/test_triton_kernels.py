@@ -325,6 +325,94 @@ def test_decode_attention_more_splits_than_tiles(dtype: torch.dtype, cache_dtype
     )
 
 
+def _stream_k(monkeypatch, programs: int) -> list:
+    """Stream-K decode on for every unsplit packed launch, on a grid of `programs`; returns the
+    list its kernel's launches are recorded in."""
+    monkeypatch.setattr(decode_attention, "STREAM_K", True)
+    monkeypatch.setattr(decode_attention, "STREAM_K_PROGRAMS", programs)
+    monkeypatch.setattr(decode_attention, "_many_programs", lambda query, kv_heads: True)
+    calls: list = []
+    kernel = decode_attention._decode_stream_k_kernel
+    monkeypatch.setattr(decode_attention, "_decode_stream_k_kernel", _Recording(kernel, calls))
+    return calls
+
+
+@pytest.mark.parametrize("programs", [1, 3, 7, 13, 64])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 2)], ids=["group4", "group2"])
+def test_decode_attention_stream_k(monkeypatch, programs: int, num_heads, num_kv_heads) -> None:
+    # decode_attention_stream_k's kernel: the rows' tiles (64 keys for a group of 4, 128 for 2)
+    # cut into equal shares, a share starting and ending inside rows, rows spanning several
+    # programs (1000 keys over 13), programs holding several rows, more programs than tiles
+    # (64: the extra ones exit), contexts of one key; the pieces merged by their last program,
+    # which leaves the counters at zero.
+    calls = _stream_k(monkeypatch, programs)
+    for seq_lens in ([1, 13, 137, 300, 700], [1000], [5, 70, 64]):
+        _check_decode(seq_lens, num_heads, num_kv_heads, 16, 4, torch.float32, 1, cache_dtype=FP8)
+    assert calls == [(programs,)] * 3
+    from kiln.kernels.triton.split_k import counters
+
+    assert not counters(DEVICE)[:programs].any()
+
+
+def test_decode_attention_stream_k_is_deterministic_and_graph_safe(monkeypatch) -> None:
+    # The pieces are merged in program order, so two launches give the same bits; and the
+    # partition depends on seq_lens alone, so a graph replay (its bucket's max_seq_len) computes
+    # what an eager step does. fp16 queries as on the GPU (fp16 dots over the float8 cache).
+    _stream_k(monkeypatch, 5)
+    seq_lens = [1, 45, 120, 300]
+    query, k_cache, v_cache, tables, lens, scale = _decode_inputs(seq_lens, torch.float16, FP8, 7)
+    args = (query, k_cache, v_cache, tables, lens, scale)
+    eager = paged_decode_attention_splits(*args, max(seq_lens), 1)
+    assert torch.equal(eager, paged_decode_attention_splits(*args, max(seq_lens), 1))
+    assert torch.equal(eager, paged_decode_attention_splits(*args, 131072, 1))
+    _assert_close(eager, _reference_decode(*args), ATTN_ATOL[torch.float16])
+
+
+def test_decode_attention_stream_k_only_where_chosen(monkeypatch) -> None:
+    # Stream-K takes only an unsplit launch over a float8 cache at many programs an SM: a split
+    # launch, a 16-bit cache, or its switch off run the packed / unpacked kernels as before.
+    calls = _stream_k(monkeypatch, 4)
+    seq_lens = [13, 137]
+    for cache_dtype, splits in ((FP8, 3), (None, 1)):
+        query, k_cache, v_cache, tables, lens, scale = _decode_inputs(
+            seq_lens, torch.float32, cache_dtype, 8
+        )
+        paged_decode_attention_splits(query, k_cache, v_cache, tables, lens, scale, 137, splits)
+    assert calls == []
+    monkeypatch.setattr(decode_attention, "STREAM_K", False)
+    _check_decode(seq_lens, 4, 2, 16, 4, torch.float32, 1, cache_dtype=FP8)
+    assert calls == []
+    # The rule: a program per (sequence, KV head) at 12 an SM or more (132 SMs here).
+    monkeypatch.undo()
+    query = torch.empty(198, 32, 128)
+    assert decode_attention._many_programs(query, 8)
+    assert not decode_attention._many_programs(query[:197], 8)
+
+
+@on_gpu
+def test_decode_attention_stream_k_llama8b() -> None:
+    # Real shapes on the GPU, as the rule picks it: 400 sequences of 600-900 keys (3200 rows
+    # over 8 programs an SM x the SMs), a bf16 query over a float8 cache; and the compiled kernel
+    # still fits 8 programs an SM.
+    from kiln.kernels.triton.decode_attention_stream_k import _decode_stream_k_kernel
+
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        monkeypatch.setattr(decode_attention, "STREAM_K", True)
+        lens = torch.randint(600, 901, (400,), generator=torch.Generator().manual_seed(9))
+        _check_decode(lens.tolist(), 32, 8, 128, 16, torch.bfloat16, 1, seed=9, cache_dtype=FP8)
+    finally:
+        monkeypatch.undo()
+    compiled = [
+        c for cache in _decode_stream_k_kernel.device_caches.values() for c in cache[0].values()
+    ]
+    assert compiled, "the stream-K kernel did not run"
+    for kernel in compiled:
+        per_warp = -(-kernel.n_regs * 32 // 256) * 256
+        assert 4 * (16384 // per_warp) // kernel.metadata.num_warps >= 8
+        assert 8 * (kernel.metadata.shared + 1024) <= 228 * 1024
+
+
 def test_choose_num_splits() -> None:
     # A full batch keeps the GPU busy on its own: no split.
     assert choose_num_splits(128, 8, 4096, 132) == 1

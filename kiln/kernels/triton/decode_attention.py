@@ -25,6 +25,8 @@ from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, outpu
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 from kiln.kernels.triton._online_softmax import online_softmax_update
 from kiln.kernels.triton.decode_attention_packed import _decode_packed_kernel, packing
+from kiln.kernels.triton.decode_attention_stream_k import _decode_stream_k_kernel
+from kiln.kernels.triton.split_k import counters
 
 _LOG2E = 1.4426950408889634
 
@@ -58,6 +60,13 @@ FORCED_NUM_SPLITS: int = envs().decode_num_splits
 # A/B: its 197 registers fit two warps in an SM sub-partition, so an SM keeps 8 programs and
 # 1000/1000's 8000 run in 7.58 waves (benchmarks/decode_waves_sweep.py --occupancy).
 PACKED_MAXNREG: int = envs().decode_packed_maxnreg
+# Whether a float8 cache's unsplit packed decode at many programs runs the stream-K schedule
+# (decode_attention_stream_k: one resident wave of programs with equal shares of the tiles)
+# instead of a program per (sequence, KV head). Off until measured on a GPU against the packed
+# grid (benchmarks/decode_stream_k_sweep.py); KILN_DECODE_STREAM_K=1 turns it on.
+STREAM_K: bool = envs().decode_stream_k
+# KILN_DECODE_STREAM_K_PROGRAMS forces the stream-K grid's size (0: stream_k_programs' rule).
+STREAM_K_PROGRAMS: int = envs().decode_stream_k_programs
 
 
 @triton.jit
@@ -374,6 +383,10 @@ def paged_decode_attention_splits(
     num_splits = max(num_splits, 1)
     heads_first = not kv_fp8 if HEADS_FIRST_GRID is None else HEADS_FIRST_GRID
     pack = packing(group, head_dim) if kv_fp8 and PACKED else 0
+    if pack and num_splits == 1 and STREAM_K and _many_programs(query, num_kv_heads):
+        return _stream_k_decode(
+            query, k_cache, v_cache, block_tables, seq_lens, scale, out, pack
+        )  # fmt: skip
     if pack:
         return _packed_decode(
             query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, pack,
@@ -418,6 +431,27 @@ def paged_decode_attention_splits(
     if split:
         _reduce(part_out, part_lse, seq_lens, out, num_splits, block_n)
     return out
+
+
+def _many_programs(query: torch.Tensor, num_kv_heads: int) -> bool:
+    """Whether a program per (sequence, KV head) fills the SMs many times over: where the packed
+    kernel runs one-warp programs in waves, and stream-K's one wave applies."""
+    programs = query.shape[0] * num_kv_heads
+    return programs >= _FP8_ONE_WARP_PROGRAMS_PER_SM * num_sms(query.device)
+
+
+# One-warp programs of the packed kernel an SM holds at once: two a sub-partition, its 16,384
+# registers over 32 threads of at most 255 (the packed tile takes 197, the stream-K one about
+# as many), and 24 KiB of shared memory each (9 would fit). The driver confirmed 8 for the
+# packed kernel (docs/performance.md, "The H200 on 2026-12-05"); a GPU test checks the stream-K
+# kernel's registers and shared memory against it.
+STREAM_K_PROGRAMS_PER_SM = 8
+
+
+def stream_k_programs(device: torch.device) -> int:
+    """The stream-K grid: the programs the GPU holds at once (more would run a second, nearly
+    empty wave; fewer would leave SMs short of loads in flight)."""
+    return STREAM_K_PROGRAMS or STREAM_K_PROGRAMS_PER_SM * num_sms(device)
 
 
 def _grid(num_seqs: int, num_kv_heads: int, num_splits: int, heads_first: bool) -> tuple:
@@ -513,4 +547,37 @@ def _packed_decode(
     )
     if split:
         _reduce(part_out, part_lse, seq_lens, out, num_splits, pack * block_n)
+    return out
+
+
+def _stream_k_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, out, pack):
+    """paged_decode_attention_splits, unsplit, through decode_attention_stream_k's kernel."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    # The packed kernel's tile at many programs an SM (its one-warp programs).
+    block_n, num_warps, num_stages = _packed_tile_config(
+        block_size, query.device, num_seqs * num_kv_heads
+    )[:3]
+    programs = stream_k_programs(query.device)
+    part_out = torch.empty(
+        (2 * programs, group, head_dim), dtype=torch.float32, device=query.device
+    )
+    part_lse = torch.empty((2 * programs, group), dtype=torch.float32, device=query.device)
+    _decode_stream_k_kernel[(programs,)](
+        query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        counters(query.device), scale * _LOG2E, query.stride(0), query.stride(1), out.stride(0),
+        out.stride(1), block_tables.stride(0), num_seqs,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        PACK=pack,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision(query.dtype),
+        FP16_DOTS=fp16_dots(query, k_cache),
+        SCAN=1024,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )  # fmt: skip
     return out
