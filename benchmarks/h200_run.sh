@@ -554,6 +554,14 @@ for s in "$@"; do
         stage decode-occupancy 240 python3 benchmarks/decode_waves_sweep.py --occupancy \
             --out "$OUT/decode_occupancy$SFX.json"
         ;;
+    decode-stream-k)  # float8 decode attention's stream-K schedule against the packed grid: the
+        # decode tests on the GPU (stream-K's at 8B shapes), then one layer at 256-1088 rows x
+        # 192-2000 keys, equal and mixed lengths (benchmarks/decode_stream_k_expected.md)
+        stage stream-k-tests 300 python3 -m pytest -q -x -p no:cacheprovider \
+            tests/test_triton_kernels.py -k "decode_attention"
+        stage decode-stream-k 300 python3 benchmarks/decode_stream_k_sweep.py \
+            --out "$OUT/decode_stream_k$SFX.json"
+        ;;
     decode-gap)  # float8 decode attention alone vs as the engine's step runs it: 32 layers'
         # caches, engine-sized pools, a layer's projections between calls, grown contexts
         # (512 x 192, 384 x 1.5k, 768 x 1.5k)

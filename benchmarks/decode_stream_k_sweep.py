@@ -1,0 +1,136 @@
+"""Float8 decode attention: the stream-K schedule against the packed kernel's grid, one layer.
+
+    PYTHONPATH=benchmarks:. python3 benchmarks/decode_stream_k_sweep.py --out decode_stream_k.json
+
+At 1000/1000's shapes the packed kernel runs a program per (sequence, KV head) in waves of 1056
+(8 an SM on an H200), the last partly filled (~3% of decode attention at 1000 x 1.5k:
+docs/performance.md, "The H200 on 2026-12-03, fifth run"). decode_attention_stream_k runs one
+wave of equal shares instead. This times one layer (Llama-3.1-8B: 8 KV heads, head_dim 128,
+block 16, sequential blocks) inside a CUDA graph at 256-1088 rows (every 64, and 960, 1000) and
+contexts of 192, 1500 and 2000 keys, all of one length as in 1000/1000's waves, then at mixed
+lengths (each row uniform in [context / 2, context]); each shape with the packed grid, stream-K
+at the rule's grid (8 an SM) and stream-K at twice it. Each output is checked against the
+packed kernel's (the same keys merged in another order: ~1e-3 relative at bf16 outputs), and
+one shape against the fp32 reference. The stream-K kernel's registers, shared memory and the
+driver's programs an SM are recorded (the rule's grid assumes 8).
+
+What to expect: benchmarks/decode_stream_k_expected.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from decode_fp8_dots_sweep import HEAD_DIM, KV_HEADS, PLACEMENT, errors, inputs
+from decode_waves_sweep import _driver
+from tile_sweep import graph_time_ms
+
+from kiln.kernels import reference
+from kiln.kernels.triton import decode_attention as da
+from kiln.kernels.triton import decode_attention_stream_k as dsk
+
+ROWS = sorted({*range(256, 1089, 64), 960, 1000})
+CONTEXTS = (1500, 2000, 192)
+MIXED_ROWS = (512, 768, 1000)
+# (name, stream-K on, its grid in programs an SM; 0: the rule's)
+VARIANTS = (("packed", False, 0), ("stream_k", True, 0), ("stream_k_x2", True, 16))
+
+
+def _layer(layer_inputs: tuple, scale: float, context: int):
+    q, k8, v8, table, lens = layer_inputs
+    return lambda: da.paged_decode_attention_splits(q, k8, v8, table, lens, scale, context, 1)
+
+
+def _time_variants(layer_inputs: tuple, scale: float, context: int, sms: int) -> dict:
+    """Each variant's us and its output's difference from the packed kernel's."""
+    run = _layer(layer_inputs, scale, context)
+    kv_bytes = 2 * int(layer_inputs[4].sum()) * KV_HEADS * HEAD_DIM  # float8 K and V read
+    found: dict = {}
+    packed = None
+    for name, stream_k, per_sm in VARIANTS:
+        da.STREAM_K, da.STREAM_K_PROGRAMS = stream_k, per_sm * sms
+        out = run().float()
+        packed = out if packed is None else packed
+        us = graph_time_ms([run], 10, 3) * 1e3
+        found[name] = {
+            "us": us,
+            "TBps": kv_bytes / us / 1e6,
+            "rel_diff_vs_packed": float((out - packed).norm() / packed.norm()),
+        }
+    da.STREAM_K, da.STREAM_K_PROGRAMS = False, 0
+    return found
+
+
+def _compiled() -> list:
+    return [
+        c for cache in dsk._decode_stream_k_kernel.device_caches.values() for c in cache[0].values()
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="decode_stream_k.json")
+    args = parser.parse_args()
+    PLACEMENT["mode"] = "sequential"
+    scale = HEAD_DIM**-0.5
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    record: dict = {"gpu": torch.cuda.get_device_name(), "sms": sms, "shapes": [], "mixed": []}
+
+    # The fp32 reference at one 1000/1000 shape (stream-K on, the rule's grid).
+    q, k8, v8, table, lens = inputs(1000, 1500)
+    da.STREAM_K = True
+    out = _layer((q, k8, v8, table, lens), scale, 1500)()
+    da.STREAM_K = False
+    ref = reference.paged_decode_attention(
+        q.float(), k8.float(), v8.float(), table, lens, scale, 1500
+    )
+    record["stream_k_vs_reference_1000x1500"] = errors(out, ref)
+    print(
+        "stream-K against the reference at 1000 x 1500:", record["stream_k_vs_reference_1000x1500"]
+    )
+    del q, k8, v8, table, lens, out, ref
+    record["stream_k_kernel"] = [_driver(c) for c in _compiled()]
+    print("stream-K kernel:", record["stream_k_kernel"], flush=True)
+
+    for context in CONTEXTS:
+        for rows in ROWS:
+            entry = {
+                "rows": rows,
+                "context": context,
+                **_time_variants(inputs(rows, context), scale, context, sms),
+            }
+            record["shapes"].append(entry)
+            print(
+                f"{rows}x{context}: "
+                + ", ".join(f"{n} {entry[n]['us']:.1f}" for n, *_ in VARIANTS),
+                flush=True,
+            )
+            with open(args.out, "w") as f:
+                json.dump(record, f, indent=1)
+
+    for context in (1500, 2000):
+        for rows in MIXED_ROWS:
+            layer_inputs = inputs(rows, context)
+            gen = torch.Generator(device="cuda").manual_seed(rows + context)
+            layer_inputs[4].copy_(
+                torch.randint(context // 2, context + 1, (rows,), device="cuda", generator=gen)
+            )
+            entry = {
+                "rows": rows,
+                "context": f"{context // 2}-{context}",
+                **_time_variants(layer_inputs, scale, context, sms),
+            }
+            record["mixed"].append(entry)
+            print(
+                f"{rows}x[{context // 2}, {context}]: "
+                + ", ".join(f"{n} {entry[n]['us']:.1f}" for n, *_ in VARIANTS),
+                flush=True,
+            )
+            with open(args.out, "w") as f:
+                json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
