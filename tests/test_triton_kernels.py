@@ -366,6 +366,14 @@ def test_decode_attention_stream_k_is_deterministic_and_graph_safe(monkeypatch) 
     assert torch.equal(eager, paged_decode_attention_splits(*args, max(seq_lens), 1))
     assert torch.equal(eager, paged_decode_attention_splits(*args, 131072, 1))
     _assert_close(eager, _reference_decode(*args), ATTN_ATOL[torch.float16])
+    # As a mixed step calls it: the decodes' rows of a larger query and output.
+    wider = torch.cat([query, query[:2]])
+    out = torch.zeros_like(wider)
+    paged_decode_attention_splits(
+        wider[: len(seq_lens)], k_cache, v_cache, tables, lens, scale, 300, 1,
+        out=out[: len(seq_lens)],
+    )  # fmt: skip
+    assert torch.equal(out[: len(seq_lens)], eager) and not out[len(seq_lens) :].any()
 
 
 def test_decode_attention_stream_k_only_where_chosen(monkeypatch) -> None:
