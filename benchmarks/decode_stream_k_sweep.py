@@ -9,10 +9,14 @@ wave of equal shares instead. This times one layer (Llama-3.1-8B: 8 KV heads, he
 block 16, sequential blocks) inside a CUDA graph at 256-1088 rows (every 64, and 960, 1000) and
 contexts of 192, 1500 and 2000 keys, all of one length as in 1000/1000's waves, then at mixed
 lengths (each row uniform in [context / 2, context]); each shape with the packed grid, stream-K
-at the rule's grid (8 an SM) and stream-K at twice it. Each output is checked against the
-packed kernel's (the same keys merged in another order: ~1e-3 relative at bf16 outputs), and
-one shape against the fp32 reference. The stream-K kernel's registers, shared memory and the
-driver's programs an SM are recorded (the rule's grid assumes 8).
+at the rule's grid (8 an SM) and stream-K at twice it, over the engine's token-major cache
+blocks, and the packed grid and stream-K again over the same caches laid out head-major (a
+head's keys of a block contiguous: measured 2.5-4% faster a layer for the kernel before the
+packed one, benchmarks/results/2026-12-02-h200-pdl-kv-layout/, never for the packed one). Each
+output is checked against the packed kernel's (the same keys merged in another order: ~1e-3
+relative at bf16 outputs; bit-equal across layouts), and one shape against the fp32 reference.
+The stream-K kernel's registers, shared memory and the driver's programs an SM are recorded
+(the rule's grid assumes 8).
 
 What to expect: benchmarks/decode_stream_k_expected.md.
 """
@@ -34,8 +38,14 @@ from kiln.kernels.triton import decode_attention_stream_k as dsk
 ROWS = sorted({*range(256, 1089, 64), 960, 1000})
 CONTEXTS = (1500, 2000, 192)
 MIXED_ROWS = (512, 768, 1000)
-# (name, stream-K on, its grid in programs an SM; 0: the rule's)
-VARIANTS = (("packed", False, 0), ("stream_k", True, 0), ("stream_k_x2", True, 16))
+# (name, stream-K on, its grid in programs an SM (0: the rule's), cache blocks head-major)
+VARIANTS = (
+    ("packed", False, 0, False),
+    ("stream_k", True, 0, False),
+    ("stream_k_x2", True, 16, False),
+    ("packed_head_major", False, 0, True),
+    ("stream_k_head_major", True, 0, True),
+)
 
 
 def _layer(layer_inputs: tuple, scale: float, context: int):
@@ -43,14 +53,22 @@ def _layer(layer_inputs: tuple, scale: float, context: int):
     return lambda: da.paged_decode_attention_splits(q, k8, v8, table, lens, scale, context, 1)
 
 
+def _head_major(layer_inputs: tuple) -> tuple:
+    """The same caches (same values at the same indices) with blocks laid out head-major."""
+    q, k8, v8, table, lens = layer_inputs
+    return q, *(c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k8, v8)), table, lens
+
+
 def _time_variants(layer_inputs: tuple, scale: float, context: int, sms: int) -> dict:
     """Each variant's us and its output's difference from the packed kernel's."""
-    run = _layer(layer_inputs, scale, context)
+    runs = {False: _layer(layer_inputs, scale, context)}
+    runs[True] = _layer(_head_major(layer_inputs), scale, context)
     kv_bytes = 2 * int(layer_inputs[4].sum()) * KV_HEADS * HEAD_DIM  # float8 K and V read
     found: dict = {}
     packed = None
-    for name, stream_k, per_sm in VARIANTS:
+    for name, stream_k, per_sm, head_major in VARIANTS:
         da.STREAM_K, da.STREAM_K_PROGRAMS = stream_k, per_sm * sms
+        run = runs[head_major]
         out = run().float()
         packed = out if packed is None else packed
         us = graph_time_ms([run], 10, 3) * 1e3

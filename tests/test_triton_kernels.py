@@ -55,14 +55,19 @@ def _paged_cache(
     gen: torch.Generator,
     extra_blocks: int = 3,
     cache_dtype: torch.dtype | None = None,
+    head_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random caches (unused slots hold random values too) and shuffled block tables; the caches
-    are `cache_dtype` (e.g. float8) when given, else `dtype`."""
+    are `cache_dtype` (e.g. float8) when given, else `dtype`; `head_major`: views of blocks laid
+    out [KV heads, block_size, head_dim] in memory (the same values at the same indices)."""
     blocks_per_seq = [_cdiv(n, block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + extra_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(cache_dtype or dtype)
     v_cache = torch.randn(shape, generator=gen).to(cache_dtype or dtype)
+    if head_major:
+        k_cache = k_cache.transpose(1, 2).contiguous().transpose(1, 2)
+        v_cache = v_cache.transpose(1, 2).contiguous().transpose(1, 2)
     order = torch.randperm(num_blocks, generator=gen)
     block_tables = torch.zeros((len(seq_lens), max(blocks_per_seq) + 1), dtype=torch.int32)
     used = 0
@@ -128,11 +133,13 @@ def _check_decode(
     num_splits: int | None,
     seed: int = 0,
     cache_dtype: torch.dtype | None = None,
+    head_major: bool = False,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_tables = _paged_cache(
-        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype
-    )
+        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype,
+        head_major=head_major,
+    )  # fmt: skip
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim**-0.5
@@ -219,12 +226,15 @@ def test_decode_attention_many_splits() -> None:
     ids=["group4-block4", "group4-block16", "group2", "group8"],
 )
 @pytest.mark.parametrize("num_splits", [1, 3, None], ids=["nosplit", "split3", "auto"])
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
 def test_decode_attention_packed(
-    monkeypatch, dtype: torch.dtype, num_heads: int, num_kv_heads: int, block_size: int, num_splits
-) -> None:
+    monkeypatch, dtype: torch.dtype, num_heads: int, num_kv_heads: int, block_size: int,
+    num_splits, head_major: bool,
+) -> None:  # fmt: skip
     # decode_attention_packed's kernel (a program's keys in 16 / group sub-partitions side by side
     # in tl.dot's rows) over a float8 cache: sub-tiles inside one block (a scalar block id) and
-    # across blocks (a gather), sub-partitions that end early or hold no key, merged per head.
+    # across blocks (a gather), sub-partitions that end early or hold no key, merged per head;
+    # blocks token-major (the engine's) or head-major (a head's keys of a block together).
     from kiln.kernels.triton import decode_attention_packed
 
     assert decode_attention_packed.packing(num_heads // num_kv_heads, 16) == 16 // (
@@ -238,8 +248,9 @@ def test_decode_attention_packed(
     )
     for seq_lens in ([1, 13, 137], [5, 70, 64]):
         _check_decode(
-            seq_lens, num_heads, num_kv_heads, 16, block_size, dtype, num_splits, cache_dtype=FP8
-        )
+            seq_lens, num_heads, num_kv_heads, 16, block_size, dtype, num_splits,
+            cache_dtype=FP8, head_major=head_major,
+        )  # fmt: skip
     assert calls, "the packed kernel did not run"
 
 
@@ -348,7 +359,12 @@ def test_decode_attention_stream_k(monkeypatch, programs: int, num_heads, num_kv
     calls = _stream_k(monkeypatch, programs)
     for seq_lens in ([1, 13, 137, 300, 700], [1000], [5, 70, 64]):
         _check_decode(seq_lens, num_heads, num_kv_heads, 16, 4, torch.float32, 1, cache_dtype=FP8)
-    assert calls == [(programs,)] * 3
+    # Head-major blocks (16 keys: a sub-tile is one block's contiguous rows of a head).
+    _check_decode(
+        [1, 13, 137, 300], num_heads, num_kv_heads, 16, 16, torch.float32, 1, cache_dtype=FP8,
+        head_major=True,
+    )  # fmt: skip
+    assert calls == [(programs,)] * 4
     from kiln.kernels.triton.split_k import counters
 
     assert not counters(DEVICE)[:programs].any()
@@ -395,6 +411,26 @@ def test_decode_attention_stream_k_only_where_chosen(monkeypatch) -> None:
     query = torch.empty(198, 32, 128)
     assert decode_attention._many_programs(query, 8)
     assert not decode_attention._many_programs(query[:197], 8)
+
+
+def test_decode_attention_head_major_only_where_read(monkeypatch) -> None:
+    # Only the packed float8 kernels read head-major blocks: the unpacked kernel (16-bit caches,
+    # or KILN_DECODE_PACKED=0) says so instead of reading the wrong keys; a cache that is
+    # neither layout, or K and V in different ones, is refused too.
+    seq_lens = [13, 40]
+    query, k_cache, v_cache, tables, lens, scale = _decode_inputs(seq_lens, torch.float32, FP8, 3)
+    head_major_k = k_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    head_major_v = v_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    monkeypatch.setattr(decode_attention, "PACKED", False)
+    with pytest.raises(ValueError, match="packed float8 decode kernel only"):
+        paged_decode_attention_splits(query, head_major_k, head_major_v, tables, lens, scale, 40, 1)
+    monkeypatch.setattr(decode_attention, "PACKED", True)
+    with pytest.raises(ValueError, match="share one layout"):
+        paged_decode_attention_splits(query, head_major_k, v_cache, tables, lens, scale, 40, 1)
+    with pytest.raises(ValueError, match="token- or head-major"):
+        paged_decode_attention_splits(
+            query, k_cache[:, :, :1], v_cache[:, :, :1], tables, lens, scale, 40, 1
+        )
 
 
 @on_gpu

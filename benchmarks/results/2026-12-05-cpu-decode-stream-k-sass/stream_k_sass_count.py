@@ -3,7 +3,8 @@ CPU (Triton 3.6's ASTSource -> cubin, then its bundled nvdisasm and cuobjdump; n
 local memory (spills), shared memory, total instructions and the key loop's (the longest backward
 branch holding HMMAs) by opcode class, at Llama-3.1-8B's constexprs (8 KV heads, GROUP 4, PACK 4,
 head_dim 128, block 16, bf16 query, fp16 dots) and the one-warp tile (16-key sub-tiles, 1 warp, 2
-stages) both run at 1000/1000's shapes. Helpers from the 2026-12-03 packed-kernel count.
+stages) both run at 1000/1000's shapes, over token-major cache blocks (the engine's) and head-major
+ones. Helpers from the 2026-12-03 packed-kernel count.
 
   cd benchmarks/results/2026-12-05-cpu-decode-stream-k-sass
   PYTHONPATH=../../.. /tmp/t36/bin/python stream_k_sass_count.py --out counts.json
@@ -32,7 +33,7 @@ CONSTEXPRS = dict(
 )  # fmt: skip
 
 
-def _stream_k_compile():
+def _stream_k_compile(head_major: bool):
     fn = dsk._decode_stream_k_kernel
     types = {
         "q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv",
@@ -42,7 +43,7 @@ def _stream_k_compile():
         "stride_o_seq": "i32", "stride_o_head": "i32", "stride_bt_seq": "i32", "num_seqs": "i32",
     }  # fmt: skip
     aligned = {"stride_q_seq", "stride_q_head", "stride_o_seq", "stride_o_head"}
-    constexprs = {**CONSTEXPRS, "SCAN": 1024}
+    constexprs = {**CONSTEXPRS, "SCAN": 1024, "HEAD_MAJOR": head_major}
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -86,10 +87,13 @@ def main() -> None:
     parser.add_argument("--out", default="counts.json")
     args = parser.parse_args()
     found = {}
-    for split in (False, True):
-        compiled = packed_count._compile({**CONSTEXPRS, "SPLIT": split, "HEADS_FIRST": False}, 1, 2)
-        found[f"packed_{'split' if split else 'unsplit'}"] = _counts(compiled)
-    found["stream_k"] = _counts(_stream_k_compile())
+    for head_major in (False, True):
+        layout = "_head_major" if head_major else ""
+        for split in (False, True):
+            constexprs = {**CONSTEXPRS, "SPLIT": split, "HEADS_FIRST": False}
+            compiled = packed_count._compile({**constexprs, "HEAD_MAJOR": head_major}, 1, 2)
+            found[f"packed_{'split' if split else 'unsplit'}{layout}"] = _counts(compiled)
+        found[f"stream_k{layout}"] = _counts(_stream_k_compile(head_major))
     for name, c in found.items():
         print(name, {k: v for k, v in c.items() if k != "key_loop_by_class"})
     with open(args.out, "w") as f:

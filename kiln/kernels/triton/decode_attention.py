@@ -366,7 +366,7 @@ def paged_decode_attention_splits(
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    head_major = _head_major(k_cache, v_cache)
     out = output_like(query, out)
     if num_seqs == 0:
         return out
@@ -385,13 +385,15 @@ def paged_decode_attention_splits(
     pack = packing(group, head_dim) if kv_fp8 and PACKED else 0
     if pack and num_splits == 1 and STREAM_K and _many_programs(query, num_kv_heads):
         return _stream_k_decode(
-            query, k_cache, v_cache, block_tables, seq_lens, scale, out, pack
+            query, k_cache, v_cache, block_tables, seq_lens, scale, out, pack, head_major
         )  # fmt: skip
     if pack:
         return _packed_decode(
             query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, pack,
-            heads_first,
+            heads_first, head_major,
         )  # fmt: skip
+    if head_major:
+        raise ValueError("a head-major KV cache is read by the packed float8 decode kernel only")
     block_n, num_warps, num_stages = _tile_config(
         block_size, query.device, kv_fp8, num_seqs * num_kv_heads * num_splits
     )
@@ -431,6 +433,27 @@ def paged_decode_attention_splits(
     if split:
         _reduce(part_out, part_lse, seq_lens, out, num_splits, block_n)
     return out
+
+
+def _head_major(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the caches ([num_blocks, block_size, num_kv_heads, head_dim] views) lie head-major
+    in memory ([num_blocks, num_kv_heads, block_size, head_dim] contiguous: a head's keys of a
+    block together, as TensorRT-LLM's and FlashInfer's paged caches keep them) rather than
+    token-major (contiguous). Only the packed float8 kernels read head-major blocks: the layout's
+    A/B (benchmarks/decode_stream_k_sweep.py), before the engine's cache would change."""
+    layouts = []
+    for cache in (k_cache, v_cache):
+        if cache.is_contiguous():
+            layouts.append(False)
+        elif cache.transpose(1, 2).is_contiguous():
+            layouts.append(True)
+        else:
+            raise ValueError(
+                f"a KV cache must be token- or head-major, got strides {cache.stride()}"
+            )
+    if layouts[0] != layouts[1]:
+        raise ValueError("the K and V caches must share one layout")
+    return layouts[0]
 
 
 def _many_programs(query: torch.Tensor, num_kv_heads: int) -> bool:
@@ -506,8 +529,9 @@ def _reduce(part_out, part_lse, seq_lens, out, num_splits: int, tile: int) -> No
 
 
 def _packed_decode(
-    query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, pack, heads_first
-) -> torch.Tensor:
+    query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, pack, heads_first,
+    head_major,
+) -> torch.Tensor:  # fmt: skip
     """paged_decode_attention_splits through decode_attention_packed's kernel."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -541,6 +565,7 @@ def _packed_decode(
         DOT_PRECISION=dot_precision(query.dtype),
         FP16_DOTS=fp16_dots(query, k_cache),
         HEADS_FIRST=heads_first,
+        HEAD_MAJOR=head_major,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_options,
@@ -550,7 +575,7 @@ def _packed_decode(
     return out
 
 
-def _stream_k_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, out, pack):
+def _stream_k_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, out, pack, head_major):
     """paged_decode_attention_splits, unsplit, through decode_attention_stream_k's kernel."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -577,6 +602,7 @@ def _stream_k_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, out
         DOT_PRECISION=dot_precision(query.dtype),
         FP16_DOTS=fp16_dots(query, k_cache),
         SCAN=1024,
+        HEAD_MAJOR=head_major,
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip

@@ -37,20 +37,31 @@ from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 def _sub_tile(
     cache_ptr, block_table, n0, offs_n, end, head_offset, dims,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_MAJOR: tl.constexpr,
 ):  # fmt: skip
     """Keys [n0, n0 + BLOCK_N) of one KV head, [BLOCK_N, HEAD_DIM] raw from the cache (zeros past
-    `end`)."""
+    `end`). The cache's blocks are token-major ([block_size, KV heads, head_dim], `head_offset`
+    kv_head * HEAD_DIM) or, HEAD_MAJOR, head-major ([KV heads, block_size, head_dim], a head's
+    keys of a block contiguous; `head_offset` kv_head * BLOCK_SIZE * HEAD_DIM)."""
     n = n0 + offs_n
     n_mask = n < end
     if BLOCK_SIZE % BLOCK_N == 0:
         # n0 is a multiple of BLOCK_N, so the sub-tile lies in one cache block.
         block_id = tl.load(block_table + n0 // BLOCK_SIZE, mask=n0 < end, other=0).to(tl.int64)
-        slots = block_id * BLOCK_SIZE + (n0 % BLOCK_SIZE) + offs_n
+        if HEAD_MAJOR:
+            rows = block_id * (NUM_KV_HEADS * BLOCK_SIZE) + (n0 % BLOCK_SIZE) + offs_n
+            offsets = rows[:, None] * HEAD_DIM + head_offset + dims[None, :]
+        else:
+            slots = block_id * BLOCK_SIZE + (n0 % BLOCK_SIZE) + offs_n
+            offsets = slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset + dims[None, :]
     else:
         block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        slots = block_ids * BLOCK_SIZE + n % BLOCK_SIZE
-    offsets = slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset + dims[None, :]
+        if HEAD_MAJOR:
+            rows = block_ids * (NUM_KV_HEADS * BLOCK_SIZE) + n % BLOCK_SIZE
+            offsets = rows[:, None] * HEAD_DIM + head_offset + dims[None, :]
+        else:
+            slots = block_ids * BLOCK_SIZE + n % BLOCK_SIZE
+            offsets = slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset + dims[None, :]
     return tl.load(cache_ptr + offsets, mask=n_mask[:, None], other=0.0)
 
 
@@ -60,7 +71,7 @@ def _attend_packed(
     stride_q_seq, stride_q_head, stride_bt_seq,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP16_DOTS: tl.constexpr,
+    FP16_DOTS: tl.constexpr, HEAD_MAJOR: tl.constexpr,
 ):  # fmt: skip
     """A KV head's GROUP query heads over keys [start, end) of sequence `seq`: (out [GROUP,
     HEAD_DIM] fp32, normalised; lse [GROUP], log2 domain). No key (start >= end) gives zeros and
@@ -84,13 +95,13 @@ def _attend_packed(
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    head_offset = kv_head * HEAD_DIM
+    head_offset = kv_head * (BLOCK_SIZE * HEAD_DIM if HEAD_MAJOR else HEAD_DIM)
     for n_start in range(start, end, PACK * BLOCK_N):
         s = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         for sub in tl.static_range(PACK):
             k = _sub_tile(
                 k_cache_ptr, block_table, n_start + sub * BLOCK_N, offs_n, end, head_offset,
-                dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, HEAD_MAJOR,
             )  # fmt: skip
             scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
             s = tl.where((sub_of_row == sub)[:, None], scores, s)
@@ -107,7 +118,7 @@ def _attend_packed(
         for sub in tl.static_range(PACK):
             v_raw = _sub_tile(
                 v_cache_ptr, block_table, n_start + sub * BLOCK_N, offs_n, end, head_offset,
-                dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, HEAD_MAJOR,
             )  # fmt: skip
             if FP16_DOTS:  # noqa: SIM108 (resolved at compile time)
                 v = fp8e4m3_to_fp16(v_raw)  # not v.to(tl.float16): see _fp8.py
@@ -133,7 +144,7 @@ def _attend_packed(
 @triton.jit
 def _decode_packed_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], token- or head-major
     v_cache_ptr,
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
@@ -157,6 +168,7 @@ def _decode_packed_kernel(
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
     HEADS_FIRST: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (see _sub_tile)
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -176,7 +188,7 @@ def _decode_packed_kernel(
     out, lse = _attend_packed(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, end, qk_scale,
         stride_q_seq, stride_q_head, stride_bt_seq, NUM_KV_HEADS, GROUP, PACK, HEAD_DIM,
-        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, FP16_DOTS,
+        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, FP16_DOTS, HEAD_MAJOR,
     )  # fmt: skip
     dims = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + tl.arange(0, GROUP)

@@ -84,7 +84,7 @@ def _merge_pieces(
 @triton.jit
 def _decode_stream_k_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], token- or head-major
     v_cache_ptr,
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
@@ -108,6 +108,7 @@ def _decode_stream_k_kernel(
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
     SCAN: tl.constexpr,  # seq_lens read a SCAN-long chunk at a time to find the share's start
+    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (decode_attention_packed._sub_tile)
 ):
     TILE: tl.constexpr = PACK * BLOCK_N
     pid = tl.program_id(0).to(tl.int64)
@@ -154,7 +155,7 @@ def _decode_stream_k_kernel(
             ((cursor - row_start) * TILE).to(tl.int32),
             tl.minimum((stop - row_start) * TILE, seq_len).to(tl.int32), qk_scale,
             stride_q_seq, stride_q_head, stride_bt_seq, NUM_KV_HEADS, GROUP, PACK, HEAD_DIM,
-            BLOCK_SIZE, BLOCK_N, DOT_PRECISION, FP16_DOTS,
+            BLOCK_SIZE, BLOCK_N, DOT_PRECISION, FP16_DOTS, HEAD_MAJOR,
         )  # fmt: skip
         out_offsets = (
             seq.to(tl.int64) * stride_o_seq
