@@ -463,11 +463,11 @@ def _many_programs(query: torch.Tensor, num_kv_heads: int) -> bool:
     return programs >= _FP8_ONE_WARP_PROGRAMS_PER_SM * num_sms(query.device)
 
 
-# One-warp programs of the packed kernel an SM holds at once: two a sub-partition, its 16,384
-# registers over 32 threads of at most 255 (the packed tile takes 197, the stream-K one about
-# as many), and 24 KiB of shared memory each (9 would fit). The driver confirmed 8 for the
-# packed kernel (docs/performance.md, "The H200 on 2026-12-05"); a GPU test checks the stream-K
-# kernel's registers and shared memory against it.
+# One-warp programs of the packed kernels an SM holds at once: two a sub-partition, its 16,384
+# registers over 32 threads of at most 255 (the packed tile takes 197, the stream-K one 255:
+# benchmarks/results/2026-12-05-cpu-decode-stream-k-sass), and 24 KiB of shared memory each (9
+# would fit). The driver confirmed 8 for the packed kernel (docs/performance.md, "The H200 on
+# 2026-12-05"); a GPU test checks the stream-K kernel's registers and shared memory against it.
 STREAM_K_PROGRAMS_PER_SM = 8
 
 
