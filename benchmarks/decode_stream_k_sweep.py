@@ -87,6 +87,14 @@ def _compiled() -> list:
     ]
 
 
+def _record(record: dict, table: str, label: str, entry: dict, out_path: str) -> None:
+    """Prints a shape's times and rewrites the JSON (a run cut short keeps what it measured)."""
+    record[table].append(entry)
+    print(f"{label}: " + ", ".join(f"{n} {entry[n]['us']:.1f}" for n, *_ in VARIANTS), flush=True)
+    with open(out_path, "w") as f:
+        json.dump(record, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="decode_stream_k.json")
@@ -119,14 +127,7 @@ def main() -> None:
                 "context": context,
                 **_time_variants(inputs(rows, context), scale, context, sms),
             }
-            record["shapes"].append(entry)
-            print(
-                f"{rows}x{context}: "
-                + ", ".join(f"{n} {entry[n]['us']:.1f}" for n, *_ in VARIANTS),
-                flush=True,
-            )
-            with open(args.out, "w") as f:
-                json.dump(record, f, indent=1)
+            _record(record, "shapes", f"{rows}x{context}", entry, args.out)
 
     for context in (1500, 2000):
         for rows in MIXED_ROWS:
@@ -140,14 +141,7 @@ def main() -> None:
                 "context": f"{context // 2}-{context}",
                 **_time_variants(layer_inputs, scale, context, sms),
             }
-            record["mixed"].append(entry)
-            print(
-                f"{rows}x[{context // 2}, {context}]: "
-                + ", ".join(f"{n} {entry[n]['us']:.1f}" for n, *_ in VARIANTS),
-                flush=True,
-            )
-            with open(args.out, "w") as f:
-                json.dump(record, f, indent=1)
+            _record(record, "mixed", f"{rows}x[{context // 2}, {context}]", entry, args.out)
 
 
 if __name__ == "__main__":

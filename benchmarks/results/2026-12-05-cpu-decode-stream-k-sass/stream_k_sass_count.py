@@ -4,7 +4,7 @@ local memory (spills), shared memory, total instructions and the key loop's (the
 branch holding HMMAs) by opcode class, at Llama-3.1-8B's constexprs (8 KV heads, GROUP 4, PACK 4,
 head_dim 128, block 16, bf16 query, fp16 dots) and the one-warp tile (16-key sub-tiles, 1 warp, 2
 stages) both run at 1000/1000's shapes, over token-major cache blocks (the engine's) and head-major
-ones. Helpers from the 2026-12-03 packed-kernel count.
+ones. Helpers from the 2026-12-03 packed-kernel count and benchmarks/quant_sass_count.py.
 
   cd benchmarks/results/2026-12-05-cpu-decode-stream-k-sass
   PYTHONPATH=../../.. /tmp/t36/bin/python stream_k_sass_count.py --out counts.json
@@ -20,10 +20,11 @@ import sys
 
 import triton
 
-sys.path.insert(
-    0, os.path.join(os.path.dirname(__file__), "..", "2026-12-03-cpu-decode-packed-sass")
-)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(_HERE, "..", "2026-12-03-cpu-decode-packed-sass"))
+sys.path.insert(0, os.path.join(_HERE, "..", ".."))  # benchmarks/: quant_sass_count
 import decode_packed_sass_count as packed_count
+import quant_sass_count
 
 from kiln.kernels.triton import decode_attention_stream_k as dsk
 
@@ -34,28 +35,17 @@ CONSTEXPRS = dict(
 
 
 def _stream_k_compile(head_major: bool):
-    fn = dsk._decode_stream_k_kernel
     types = {
         "q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv",
         "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16",
         "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32",
         "qk_scale": "fp32", "stride_q_seq": "i32", "stride_q_head": "i32",
         "stride_o_seq": "i32", "stride_o_head": "i32", "stride_bt_seq": "i32", "num_seqs": "i32",
+        # As the launcher marks them: 16-byte-aligned pointers, strides divisible by 16.
+        "__aligned__": ("stride_q_seq", "stride_q_head", "stride_o_seq", "stride_o_head"),
     }  # fmt: skip
-    aligned = {"stride_q_seq", "stride_q_head", "stride_o_seq", "stride_o_head"}
     constexprs = {**CONSTEXPRS, "SCAN": 1024, "HEAD_MAJOR": head_major}
-    signature, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-            continue
-        signature[name] = types[name]
-        if types[name].startswith("*") or name in aligned:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = triton.compiler.ASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(
-        src, target=packed_count._TARGET, options={"num_warps": 1, "num_stages": 2}
-    )
+    return quant_sass_count._compile(dsk._decode_stream_k_kernel, types, constexprs, 1, 2)
 
 
 def _counts(compiled) -> dict:
