@@ -413,20 +413,33 @@ def test_decode_attention_stream_k_only_where_chosen(monkeypatch) -> None:
     assert not decode_attention._many_programs(query[:197], 8)
 
 
-def test_decode_attention_head_major_only_where_read(monkeypatch) -> None:
-    # Only the packed float8 kernels read head-major blocks: the unpacked kernel (16-bit caches,
-    # or KILN_DECODE_PACKED=0) says so instead of reading the wrong keys; a cache that is
-    # neither layout, or K and V in different ones, is refused too.
+@pytest.mark.parametrize(("dtype", "cache_dtype", "packed"), [
+    pytest.param(torch.float32, None, False, id="fp32"),
+    pytest.param(torch.float16, FP8, False, id="fp8-unpacked"),
+    pytest.param(torch.float16, FP8, True, id="fp8-packed"),
+])  # fmt: skip
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["nosplit", "split3"])
+def test_decode_attention_head_major_blocks(monkeypatch, dtype, cache_dtype, packed, num_splits):
+    # Every decode kernel reads head-major blocks (a head's keys of a block contiguous; the
+    # engine's KILN_KV_CACHE_LAYOUT=head) as the same values: the same bits as token-major.
+    monkeypatch.setattr(decode_attention, "PACKED", packed)
+    seq_lens = [1, 13, 40]
+    query, k_cache, v_cache, tables, lens, scale = _decode_inputs(seq_lens, dtype, cache_dtype, 3)
+    k_head, v_head = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache))
+    args = (query, k_cache, v_cache, tables, lens, scale, 40, num_splits)
+    token_major = paged_decode_attention_splits(*args)
+    head_major = paged_decode_attention_splits(query, k_head, v_head, *args[3:])
+    assert torch.equal(token_major, head_major)
+    _assert_close(head_major, _reference_decode(*args[:6]), ATTN_ATOL[dtype])
+
+
+def test_kv_cache_layouts_are_checked() -> None:
+    # A cache of neither layout, or K and V in different ones, is refused with a clear error.
     seq_lens = [13, 40]
-    query, k_cache, v_cache, tables, lens, scale = _decode_inputs(seq_lens, torch.float32, FP8, 3)
-    head_major_k = k_cache.transpose(1, 2).contiguous().transpose(1, 2)
-    head_major_v = v_cache.transpose(1, 2).contiguous().transpose(1, 2)
-    monkeypatch.setattr(decode_attention, "PACKED", False)
-    with pytest.raises(ValueError, match="packed float8 decode kernel only"):
-        paged_decode_attention_splits(query, head_major_k, head_major_v, tables, lens, scale, 40, 1)
-    monkeypatch.setattr(decode_attention, "PACKED", True)
+    query, k_cache, v_cache, tables, lens, scale = _decode_inputs(seq_lens, torch.float32, None, 3)
+    k_head = k_cache.transpose(1, 2).contiguous().transpose(1, 2)
     with pytest.raises(ValueError, match="share one layout"):
-        paged_decode_attention_splits(query, head_major_k, v_cache, tables, lens, scale, 40, 1)
+        paged_decode_attention_splits(query, k_head, v_cache, tables, lens, scale, 40, 1)
     with pytest.raises(ValueError, match="token- or head-major"):
         paged_decode_attention_splits(
             query, k_cache[:, :, :1], v_cache[:, :, :1], tables, lens, scale, 40, 1

@@ -40,7 +40,11 @@ def write_kv_cache(
         if cache.element_size() == 1:
             # index_copy_ has no float8 kernel on the CPU: copy the bytes.
             cache, x = cache.view(torch.uint8), x.view(torch.uint8)
-        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, x)
+        if cache.is_contiguous():
+            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, x)
+        else:  # head-major blocks (kernels/triton/_kv_layout.py): a token's rows are apart
+            block_size = cache.shape[1]
+            cache[slot_mapping // block_size, slot_mapping % block_size] = x
 
 
 def _gather_context(

@@ -35,6 +35,7 @@ from kiln.interfaces import (
     TokenLogprobs,
 )
 from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
+from kiln.kv_cache.layout import empty_cache, kv_cache_head_major
 from kiln.models.llama import LlamaForCausalLM
 from kiln.runtime.graph_runner import GraphRunner
 from kiln.runtime.input_batch import CachedRequestState, InputBuffers, PackedBatch
@@ -100,12 +101,13 @@ class ModelRunner:
         kernels = resolve_kernel_backend(attention_backend, self.device)
         self.ops = kernel_ops(kernels)
         self.backend = get_attention_backend(kernels, self.device)
-        shape = (num_kv_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         # Zeroed, not empty: padded block-table entries are read (and masked) by the reference
         # decode path, and masked garbage can still be NaN.
         kv_dtype = kv_cache_dtype or self.dtype
+        shape = (num_kv_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        head_major = kv_cache_head_major()
         self.kv_caches = [
-            (_zeros(shape, kv_dtype, self.device), _zeros(shape, kv_dtype, self.device))
+            tuple(empty_cache(*shape, kv_dtype, self.device, head_major, _zeros) for _ in "kv")
             for _ in range(cfg.num_hidden_layers)
         ]
         self._all_caches = [cache for pair in self.kv_caches for cache in pair]  # block copies

@@ -20,9 +20,11 @@ import triton
 import triton.language as tl
 
 from kiln.envs import envs
+from kiln.kernels.triton import _kv_layout as kv_layout
 from kiln.kernels.triton._decode_partition import _partition
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
+from kiln.kernels.triton._kv_layout import kv_head_offset, kv_tile_offsets
 from kiln.kernels.triton._online_softmax import online_softmax_update
 from kiln.kernels.triton.decode_attention_packed import _decode_packed_kernel, packing
 from kiln.kernels.triton.decode_attention_stream_k import _decode_stream_k_kernel
@@ -70,18 +72,22 @@ STREAM_K_PROGRAMS: int = envs().decode_stream_k_programs
 
 
 @triton.jit
-def _tile_offsets(block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE):
+def _tile_offsets(
+    block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HEAD_MAJOR
+):
     """Element offsets of keys n (one KV head's rows) in the paged cache, through the block
     table."""
     block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-    slots = block_ids * BLOCK_SIZE + n % BLOCK_SIZE
-    return slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset + dims[None, :]
+    return kv_tile_offsets(
+        block_ids, n % BLOCK_SIZE, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+        HEAD_MAJOR,
+    )  # fmt: skip
 
 
 @triton.jit
 def _decode_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], token- or head-major
     v_cache_ptr,
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
@@ -107,6 +113,7 @@ def _decode_kernel(
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
     PREFETCH_V: tl.constexpr,  # load V a tile ahead (float8 caches)
     HEADS_FIRST: tl.constexpr = False,  # grid (kv heads, sequences, splits): see HEADS_FIRST_GRID
+    HEAD_MAJOR: tl.constexpr = False,  # the cache's blocks head-major (_kv_layout.py)
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -147,7 +154,7 @@ def _decode_kernel(
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    head_offset = kv_head * HEAD_DIM
+    head_offset = kv_head_offset(kv_head, HEAD_DIM, BLOCK_SIZE, HEAD_MAJOR)
     # Every tile below holds at least one valid key (n_start < end): its row maxima are finite.
     if PREFETCH_V:
         # Float8 cache: V's raw bytes for the next tile are loaded one iteration ahead. V is
@@ -158,14 +165,30 @@ def _decode_kernel(
         n_mask = n < end
         kv_mask = n_mask[:, None] & dim_mask[None, :]
         v_offsets = _tile_offsets(
-            block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
+            block_table,
+            n,
+            n_mask,
+            head_offset,
+            dims,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            HEAD_MAJOR,
         )
         v_raw = tl.load(v_cache_ptr + v_offsets, mask=kv_mask, other=0.0)
         for n_start in range(start, end, BLOCK_N):
             n = n_start + offs_n
             n_mask = n < end
             kv_offsets = _tile_offsets(
-                block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
+                block_table,
+                n,
+                n_mask,
+                head_offset,
+                dims,
+                NUM_KV_HEADS,
+                HEAD_DIM,
+                BLOCK_SIZE,
+                HEAD_MAJOR,
             )
             k = tl.load(
                 k_cache_ptr + kv_offsets, mask=n_mask[:, None] & dim_mask[None, :], other=0.0
@@ -174,7 +197,7 @@ def _decode_kernel(
             next_mask = next_n < end
             next_offsets = _tile_offsets(
                 block_table, next_n, next_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM,
-                BLOCK_SIZE,
+                BLOCK_SIZE, HEAD_MAJOR,
             )  # fmt: skip
             next_v_raw = tl.load(
                 v_cache_ptr + next_offsets, mask=next_mask[:, None] & dim_mask[None, :], other=0.0
@@ -192,7 +215,15 @@ def _decode_kernel(
             n = n_start + offs_n
             n_mask = n < end
             kv_offsets = _tile_offsets(
-                block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
+                block_table,
+                n,
+                n_mask,
+                head_offset,
+                dims,
+                NUM_KV_HEADS,
+                HEAD_DIM,
+                BLOCK_SIZE,
+                HEAD_MAJOR,
             )
             kv_mask = n_mask[:, None] & dim_mask[None, :]
             k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
@@ -366,7 +397,7 @@ def paged_decode_attention_splits(
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
-    head_major = _head_major(k_cache, v_cache)
+    head_major = kv_layout.head_major(k_cache, v_cache)
     out = output_like(query, out)
     if num_seqs == 0:
         return out
@@ -392,8 +423,6 @@ def paged_decode_attention_splits(
             query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, pack,
             heads_first, head_major,
         )  # fmt: skip
-    if head_major:
-        raise ValueError("a head-major KV cache is read by the packed float8 decode kernel only")
     block_n, num_warps, num_stages = _tile_config(
         block_size, query.device, kv_fp8, num_seqs * num_kv_heads * num_splits
     )
@@ -427,33 +456,13 @@ def paged_decode_attention_splits(
         FP16_DOTS=fp16_dots(query, k_cache),
         PREFETCH_V=kv_fp8 and PREFETCH_FP8_V,
         HEADS_FIRST=heads_first,
+        HEAD_MAJOR=head_major,
         num_warps=num_warps,
         num_stages=num_stages,
     )
     if split:
         _reduce(part_out, part_lse, seq_lens, out, num_splits, block_n)
     return out
-
-
-def _head_major(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the caches ([num_blocks, block_size, num_kv_heads, head_dim] views) lie head-major
-    in memory ([num_blocks, num_kv_heads, block_size, head_dim] contiguous: a head's keys of a
-    block together, as TensorRT-LLM's and FlashInfer's paged caches keep them) rather than
-    token-major (contiguous). Only the packed float8 kernels read head-major blocks: the layout's
-    A/B (benchmarks/decode_stream_k_sweep.py), before the engine's cache would change."""
-    layouts = []
-    for cache in (k_cache, v_cache):
-        if cache.is_contiguous():
-            layouts.append(False)
-        elif cache.transpose(1, 2).is_contiguous():
-            layouts.append(True)
-        else:
-            raise ValueError(
-                f"a KV cache must be token- or head-major, got strides {cache.stride()}"
-            )
-    if layouts[0] != layouts[1]:
-        raise ValueError("the K and V caches must share one layout")
-    return layouts[0]
 
 
 def _many_programs(query: torch.Tensor, num_kv_heads: int) -> bool:

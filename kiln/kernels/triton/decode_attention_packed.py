@@ -31,6 +31,7 @@ import triton.language as tl
 
 from kiln.kernels.triton._decode_partition import _partition
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
+from kiln.kernels.triton._kv_layout import kv_head_offset, kv_tile_offsets
 
 
 @triton.jit
@@ -39,29 +40,23 @@ def _sub_tile(
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_MAJOR: tl.constexpr,
 ):  # fmt: skip
-    """Keys [n0, n0 + BLOCK_N) of one KV head, [BLOCK_N, HEAD_DIM] raw from the cache (zeros past
-    `end`). The cache's blocks are token-major ([block_size, KV heads, head_dim], `head_offset`
-    kv_head * HEAD_DIM) or, HEAD_MAJOR, head-major ([KV heads, block_size, head_dim], a head's
-    keys of a block contiguous; `head_offset` kv_head * BLOCK_SIZE * HEAD_DIM)."""
+    """Keys [n0, n0 + BLOCK_N) of one KV head (head_offset: _kv_layout.kv_head_offset), [BLOCK_N,
+    HEAD_DIM] raw from the cache (zeros past `end`), its blocks token- or head-major."""
     n = n0 + offs_n
     n_mask = n < end
     if BLOCK_SIZE % BLOCK_N == 0:
         # n0 is a multiple of BLOCK_N, so the sub-tile lies in one cache block.
         block_id = tl.load(block_table + n0 // BLOCK_SIZE, mask=n0 < end, other=0).to(tl.int64)
-        if HEAD_MAJOR:
-            rows = block_id * (NUM_KV_HEADS * BLOCK_SIZE) + (n0 % BLOCK_SIZE) + offs_n
-            offsets = rows[:, None] * HEAD_DIM + head_offset + dims[None, :]
-        else:
-            slots = block_id * BLOCK_SIZE + (n0 % BLOCK_SIZE) + offs_n
-            offsets = slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset + dims[None, :]
+        offsets = kv_tile_offsets(
+            block_id, (n0 % BLOCK_SIZE) + offs_n, head_offset, dims, NUM_KV_HEADS, HEAD_DIM,
+            BLOCK_SIZE, HEAD_MAJOR,
+        )  # fmt: skip
     else:
         block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        if HEAD_MAJOR:
-            rows = block_ids * (NUM_KV_HEADS * BLOCK_SIZE) + n % BLOCK_SIZE
-            offsets = rows[:, None] * HEAD_DIM + head_offset + dims[None, :]
-        else:
-            slots = block_ids * BLOCK_SIZE + n % BLOCK_SIZE
-            offsets = slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset + dims[None, :]
+        offsets = kv_tile_offsets(
+            block_ids, n % BLOCK_SIZE, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+            HEAD_MAJOR,
+        )  # fmt: skip
     return tl.load(cache_ptr + offsets, mask=n_mask[:, None], other=0.0)
 
 
@@ -95,7 +90,7 @@ def _attend_packed(
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    head_offset = kv_head * (BLOCK_SIZE * HEAD_DIM if HEAD_MAJOR else HEAD_DIM)
+    head_offset = kv_head_offset(kv_head, HEAD_DIM, BLOCK_SIZE, HEAD_MAJOR)
     for n_start in range(start, end, PACK * BLOCK_N):
         s = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         for sub in tl.static_range(PACK):
@@ -168,7 +163,7 @@ def _decode_packed_kernel(
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
     HEADS_FIRST: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (see _sub_tile)
+    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (kernels/triton/_kv_layout.py)
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)

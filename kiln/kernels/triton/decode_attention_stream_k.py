@@ -108,7 +108,7 @@ def _decode_stream_k_kernel(
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
     SCAN: tl.constexpr,  # seq_lens read a SCAN-long chunk at a time to find the share's start
-    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (decode_attention_packed._sub_tile)
+    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (kernels/triton/_kv_layout.py)
 ):
     TILE: tl.constexpr = PACK * BLOCK_N
     pid = tl.program_id(0).to(tl.int64)

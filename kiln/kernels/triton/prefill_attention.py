@@ -13,8 +13,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.triton import _kv_layout as kv_layout
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
+from kiln.kernels.triton._kv_layout import kv_head_offset as kv_head_offset_of
+from kiln.kernels.triton._kv_layout import kv_tile_offsets
 from kiln.kernels.triton._online_softmax import online_softmax_update
 
 _LOG2E = 1.4426950408889634
@@ -43,6 +46,7 @@ def _attend_tile(
     MASKED: tl.constexpr,  # apply the causal / end-of-context mask
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
 ):
     n = n_start + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -51,8 +55,10 @@ def _attend_tile(
     else:
         n_mask = tl.full([BLOCK_N], 1, tl.int1)  # the whole tile lies before seq_len
         block_ids = tl.load(block_table + n // BLOCK_SIZE)
-    slots = block_ids.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
-    kv_offsets = slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head_offset + dims[None, :]
+    kv_offsets = kv_tile_offsets(
+        block_ids.to(tl.int64), n % BLOCK_SIZE, kv_head_offset, dims, NUM_KV_HEADS, HEAD_DIM,
+        BLOCK_SIZE, HEAD_MAJOR,
+    )  # fmt: skip
     kv_mask = n_mask[:, None] & dim_mask[None, :]
     k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
     v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
@@ -72,7 +78,7 @@ def _attend_tile(
 @triton.jit
 def _prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], token- or head-major
     v_cache_ptr,
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
@@ -93,6 +99,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
+    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (_kv_layout.py)
 ):
     # Reversed so the longest (last, most keys under the causal mask) tiles start first.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -127,7 +134,7 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    kv_head_offset = (head // GROUP) * HEAD_DIM
+    kv_head_offset = kv_head_offset_of(head // GROUP, HEAD_DIM, BLOCK_SIZE, HEAD_MAJOR)
 
     # Keys before the tile's first query position are visible to all its rows (and all < seq_len).
     first_pos = context_len + m_block * BLOCK_M
@@ -137,6 +144,7 @@ def _prefill_kernel(
             acc, l_i, m_i, q, q_pos, n_start, seq_len, block_table, k_cache_ptr, v_cache_ptr,
             kv_head_offset, dims, dim_mask, qk_scale,
             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, FP16_DOTS,
+            HEAD_MAJOR,
         )  # fmt: skip
     # The diagonal: the first of these tiles holds key `first_pos`, seen by every row.
     causal_end = tl.minimum(seq_len, first_pos + BLOCK_M)
@@ -145,6 +153,7 @@ def _prefill_kernel(
             acc, l_i, m_i, q, q_pos, n_start, seq_len, block_table, k_cache_ptr, v_cache_ptr,
             kv_head_offset, dims, dim_mask, qk_scale,
             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP16_DOTS,
+            HEAD_MAJOR,
         )  # fmt: skip
 
     out = acc / l_i[:, None]
@@ -201,7 +210,7 @@ def paged_prefill_attention(
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    head_major = kv_layout.head_major(k_cache, v_cache)
     out = output_like(query, out)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
@@ -242,6 +251,7 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(query.dtype),
         FP16_DOTS=fp16_dots(query, k_cache),
+        HEAD_MAJOR=head_major,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -21,8 +21,10 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.reference import FP8_E4M3_MAX, split_qkv_heads
+from kiln.kernels.triton import _kv_layout as kv_layout
 from kiln.kernels.triton import small_batch_tiles, split_k
 from kiln.kernels.triton._device import dot_precision
+from kiln.kernels.triton._kv_layout import kv_head_offset, kv_slot_base
 from kiln.kernels.triton.rotary import _to_output, rotary_embedding_write_kv
 from kiln.kernels.triton.small_batch_linear import (
     _ADD_NORM,
@@ -38,6 +40,20 @@ from kiln.kernels.triton.small_batch_linear import (
 
 
 @triton.jit
+def _cache_columns(
+    slot, columns, KV_SIZE: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
+):  # fmt: skip
+    """Element offsets in a K or V cache of the token at `slot` (int64): columns (head * head_dim
+    + dim) of its KV_SIZE-long row."""
+    if HEAD_MAJOR:
+        base = kv_slot_base(slot, KV_SIZE // (2 * HALF), 2 * HALF, BLOCK_SIZE, True)
+        head = columns // (2 * HALF)
+        return base + kv_head_offset(head, 2 * HALF, BLOCK_SIZE, True) + columns % (2 * HALF)
+    return slot * KV_SIZE + columns  # a token's row: KV_SIZE consecutive elements
+
+
+@triton.jit
 def _qkv_rotary_write_kv_kernel(
     x_ptr,  # [1, K]
     residual_ptr,  # [1, K], read when ADD_NORM
@@ -48,7 +64,7 @@ def _qkv_rotary_write_kv_kernel(
     positions_ptr,  # [1] int64
     cos_sin_ptr,  # [max_positions, 2 * HALF] fp32, contiguous
     q_out_ptr,  # [Q_SIZE]: the rotated query
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], token- or head-major
     v_cache_ptr,
     slot_mapping_ptr,  # [1] int64; negative: a padding token, not written
     w_scale_ptr,  # [Q_SIZE + 2 * KV_SIZE] fp32 per-row weight scales, read when QUANT
@@ -72,6 +88,8 @@ def _qkv_rotary_write_kv_kernel(
     QUANT: tl.constexpr,  # 0, or float8 weights with dynamic (1) / static (2) activations
     FP8_DOT: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # the cache's
+    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (_kv_layout.py)
 ):
     tl.static_assert(SPLIT_K == 1 or QUANT != 0, "bf16 norm: no split-K")
     num_pairs: tl.constexpr = (Q_SIZE + 2 * KV_SIZE) // 2
@@ -122,13 +140,16 @@ def _qkv_rotary_write_kv_kernel(
     tl.store(q_out_ptr + lo + HALF, rot2, mask=is_q)
     slot = tl.load(slot_mapping_ptr).to(tl.int64)
     if slot >= 0:
-        # The cache is contiguous: a slot is KV_SIZE consecutive elements.
         is_k = pair_mask & (lo >= Q_SIZE) & (lo < Q_SIZE + KV_SIZE)
-        k_dst = k_cache_ptr + slot * KV_SIZE + (lo - Q_SIZE)
+        k_dst = k_cache_ptr + _cache_columns(
+            slot, lo - Q_SIZE, KV_SIZE, HALF, BLOCK_SIZE, HEAD_MAJOR
+        )
         tl.store(k_dst, _to_output(rot1, k_cache_ptr, FP8_MAX), mask=is_k)
         tl.store(k_dst + HALF, _to_output(rot2, k_cache_ptr, FP8_MAX), mask=is_k)
         is_v = pair_mask & (lo >= Q_SIZE + KV_SIZE)
-        v_dst = v_cache_ptr + slot * KV_SIZE + (lo - Q_SIZE - KV_SIZE)
+        v_dst = v_cache_ptr + _cache_columns(
+            slot, lo - Q_SIZE - KV_SIZE, KV_SIZE, HALF, BLOCK_SIZE, HEAD_MAJOR
+        )
         tl.store(v_dst, _to_output(x1.to(dtype), v_cache_ptr, FP8_MAX), mask=is_v)
         tl.store(v_dst + HALF, _to_output(x2.to(dtype), v_cache_ptr, FP8_MAX), mask=is_v)
 
@@ -154,8 +175,6 @@ def add_rms_norm_qkv_rotary_write_kv(
     kv_size = k_cache.shape[2] * head_dim
     fused = (
         _fused_norm_fits(x, residual, norm_weight, weight, weight_scale, input_scale)
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
         and k_cache.shape[3] == head_dim
         and head_dim % 2 == 0
         and (weight.shape[0] - 2 * kv_size) % head_dim == 0
@@ -225,6 +244,8 @@ def add_rms_norm_qkv_rotary_write_kv(
         QUANT=_quant_mode(weight_scale, input_scale, x),
         FP8_DOT=_fp8_dot(x.device),
         INTERPRETED=x.device.type != "cuda",
+        BLOCK_SIZE=k_cache.shape[1],
+        HEAD_MAJOR=kv_layout.head_major(k_cache, v_cache),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
