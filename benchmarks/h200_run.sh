@@ -555,10 +555,12 @@ for s in "$@"; do
             --out "$OUT/decode_occupancy$SFX.json"
         ;;
     decode-stream-k)  # float8 decode attention's stream-K schedule against the packed grid: the
-        # decode tests on the GPU (stream-K's at 8B shapes), then one layer at 256-1088 rows x
-        # 192-2000 keys, equal and mixed lengths (benchmarks/decode_stream_k_expected.md)
+        # decode tests on the GPU (stream-K's at 8B shapes) and the KV cache layouts', then one
+        # layer at 256-1088 rows x 192-2000 keys, equal and mixed lengths, over token- and
+        # head-major blocks (benchmarks/decode_stream_k_expected.md)
         stage stream-k-tests 300 python3 -m pytest -q -x -p no:cacheprovider \
-            tests/test_triton_kernels.py -k "decode_attention"
+            tests/test_triton_kernels.py tests/test_kv_cache_layout.py \
+            -k "decode_attention or kv_cache_layout"
         stage decode-stream-k 300 python3 benchmarks/decode_stream_k_sweep.py \
             --out "$OUT/decode_stream_k$SFX.json"
         ;;

@@ -54,8 +54,8 @@ class Envs:
     import)."""
     kv_cache_layout: str = "token"
     """The paged KV cache's blocks: "token" keeps a token's heads together (the default), "head"
-    a head's keys of a block together (kiln.kernels.triton._kv_layout; every kernel reads and
-    writes both). The end-to-end A/B of the layout (read by the model runner)."""
+    a head's keys of a block together (kiln.kernels.kv_layout; every kernel reads and writes
+    both). The end-to-end A/B of the layout (read when the model runner allocates the cache)."""
     fused_linear_max_rows: int = 8
     """Most rows the fused small-batch linear kernels take (above it cuBLAS's GEMM tiles win). 0
     turns them off, the benchmarks' A/B switch; kernels.triton.small_batch_linear reads it at
@@ -132,6 +132,20 @@ def read_envs(environ: Mapping[str, str] | None = None) -> Envs:
         if text:
             values[f.name] = _parse(name, hints[f.name], text)
     return Envs(**values)
+
+
+# Values no record may carry.
+_SECRET = frozenset({"api_key"})
+
+
+def changed(env: Envs) -> dict[str, object]:
+    """The variables `env` sets away from their defaults, by variable name (secrets left out):
+    what a benchmark's JSON records, so an A/B of a switch says which side it was."""
+    return {
+        PREFIX + f.name.upper(): getattr(env, f.name)
+        for f in fields(Envs)
+        if f.name not in _SECRET and getattr(env, f.name) != f.default
+    }
 
 
 @functools.cache

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.envs import Envs, read_envs
+from kiln.envs import Envs, changed, read_envs
 
 KILN = Path(__file__).resolve().parent.parent / "kiln"
 
@@ -35,6 +35,16 @@ def test_set_values_are_parsed():
     assert read_envs({"KILN_PREFETCH_FP8_V": "1"}).prefetch_fp8_v is True
     assert read_envs({"KILN_PREFETCH_FP8_V": "off"}).prefetch_fp8_v is False
     assert read_envs({"KILN_API_KEY": ""}).api_key is None  # empty is unset
+
+
+def test_changed_names_the_switches_set_and_never_the_api_key():
+    # What a benchmark's JSON records (kiln.bench.report.environment): the A/B side it ran.
+    assert changed(Envs()) == {}
+    env = read_envs(
+        {"KILN_DECODE_STREAM_K": "1", "KILN_KV_CACHE_LAYOUT": "head", "KILN_API_KEY": "sk-x"}
+    )
+    assert changed(env) == {"KILN_DECODE_STREAM_K": True, "KILN_KV_CACHE_LAYOUT": "head"}
+    assert changed(read_envs({"KILN_DECODE_PACKED": "1"})) == {}  # the default, set explicitly
 
 
 @pytest.mark.parametrize(

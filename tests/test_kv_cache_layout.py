@@ -1,4 +1,4 @@
-"""Head-major KV cache blocks (kiln.kv_cache.layout, KILN_KV_CACHE_LAYOUT=head) against the
+"""Head-major KV cache blocks (kiln.kernels.kv_layout, KILN_KV_CACHE_LAYOUT=head) against the
 default token-major ones: every op that writes or reads the cache (the KV writes of a prompt and
 of a one-row decode step, prefill and decode attention, block copies), in the Triton kernels and
 the torch reference, gives the same bits over either layout, and so does the engine.
@@ -19,7 +19,7 @@ from kiln.attention.backend import AttentionMetadata
 from kiln.attention.torch_backend import TorchAttentionBackend
 from kiln.envs import envs
 from kiln.kernels import reference
-from kiln.kv_cache.layout import empty_cache, head_major, kv_cache_head_major
+from kiln.kernels.kv_layout import empty_cache, head_major, kv_cache_head_major
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP8 = torch.float8_e4m3fn

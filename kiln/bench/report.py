@@ -14,7 +14,7 @@ import time
 import torch
 
 import kiln
-from kiln.envs import envs
+from kiln.envs import changed, envs
 
 
 def kiln_revision() -> str:
@@ -65,6 +65,8 @@ def environment(device: torch.device) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        # The KILN_* switches this run had (kernel A/Bs: KILN_DECODE_STREAM_K=1 and the like).
+        "kiln_env": changed(envs()),
     }
     try:
         import triton

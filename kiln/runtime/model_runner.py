@@ -34,8 +34,8 @@ from kiln.interfaces import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from kiln.kernels.kv_layout import empty_cache, kv_cache_head_major
 from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
-from kiln.kv_cache.layout import empty_cache, kv_cache_head_major
 from kiln.models.llama import LlamaForCausalLM
 from kiln.runtime.graph_runner import GraphRunner
 from kiln.runtime.input_batch import CachedRequestState, InputBuffers, PackedBatch

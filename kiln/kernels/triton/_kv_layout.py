@@ -1,4 +1,4 @@
-"""Element offsets in a paged KV cache of either block layout (kiln.kv_cache.layout), for the
+"""Element offsets in a paged KV cache of either block layout (kiln.kernels.kv_layout), for the
 kernels that read or write it: HEAD_MAJOR is a constexpr, so each layout compiles to its own
 arithmetic (token-major's is the expression the kernels used before head-major existed)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kiln.kv_cache.layout import head_major
+from kiln.kernels.kv_layout import head_major
 
 __all__ = ["head_major", "kv_head_offset", "kv_slot_base", "kv_tile_offsets"]
 
