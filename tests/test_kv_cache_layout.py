@@ -80,14 +80,37 @@ def _steps(model, ops, backend, caches, prompt_len: int, block_size: int):
     ]
 
 
+class _Launches:
+    """Stands in for a @triton.jit kernel and counts its launches."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, FP8], ids=["fp32-cache", "fp8-cache"])
 @pytest.mark.parametrize("kernels", ["triton", "reference"])
-def test_layouts_give_the_same_bits(cache_dtype: torch.dtype, kernels: str) -> None:
+def test_layouts_give_the_same_bits(monkeypatch, cache_dtype: torch.dtype, kernels: str) -> None:
     pytest.importorskip("triton")
     from kiln.attention.triton_backend import TritonAttentionBackend
     from kiln.kernels import triton as triton_ops
+    from kiln.kernels.triton import decode_attention, prefill_attention, qkv_rotary, rotary
     from kiln.models.llama import LlamaForCausalLM
     from tests.conftest import tiny_model_config
+
+    # Every Triton kernel that writes or reads the cache runs (not a fallback).
+    launches = {}
+    for module, name in (
+        (qkv_rotary, "_qkv_rotary_write_kv_kernel"),
+        (rotary, "_rotary_write_kv_kernel"),
+        (prefill_attention, "_prefill_kernel"),
+        (decode_attention, "_decode_packed_kernel" if cache_dtype == FP8 else "_decode_kernel"),
+    ):
+        launches[name] = _Launches(getattr(module, name))
+        monkeypatch.setattr(module, name, launches[name])
 
     cfg = tiny_model_config("llama")
     torch.manual_seed(0)
@@ -112,6 +135,10 @@ def test_layouts_give_the_same_bits(cache_dtype: torch.dtype, kernels: str) -> N
         for a, b in zip(pair_a, pair_b):
             assert torch.equal(_bits(a), _bits(b))
             assert _bits(a).any()
+    if kernels == "triton":
+        assert all(launched.count for launched in launches.values()), {
+            name: launched.count for name, launched in launches.items()
+        }
 
 
 @pytest.mark.parametrize("kernels", ["triton", "reference"])
