@@ -48,6 +48,11 @@ class Envs:
     (kernels.triton.decode_attention_stream_k: one resident wave of programs with equal shares
     of the tiles, against waves of a program per sequence and KV head whose last is partly
     filled). Off until a GPU measures it; read at import."""
+    decode_stream_k_natural: bool = False
+    """Stream-K decode's key loop keeps two K/V tiles in flight (kernels.triton.
+    decode_attention_packed._attend_packed_natural: 3.3% faster a layer than the packed loop on a
+    per-head grid, 7 programs an SM instead of 8); off until a GPU measures it under stream-K
+    (read at import)."""
     decode_stream_k_programs: int = 0
     """The stream-K decode grid's size, forced (0: kernels.triton.decode_attention.
     stream_k_programs' rule, the programs the GPU holds at once); a sweep's knob (read at

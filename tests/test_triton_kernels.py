@@ -370,6 +370,21 @@ def test_decode_attention_stream_k(monkeypatch, programs: int, num_heads, num_kv
     assert not counters(DEVICE)[:programs].any()
 
 
+@pytest.mark.parametrize("programs", [1, 7, 64])
+def test_decode_attention_stream_k_natural_loop(monkeypatch, programs: int) -> None:
+    # KILN_DECODE_STREAM_K_NATURAL: the key loop with two tiles in flight (8-key sub-tiles, a
+    # trip's keys one tile, the block ids a trip ahead) over the same shares: against the
+    # reference, both layouts, rows over several programs and programs over several rows.
+    calls = _stream_k(monkeypatch, programs)
+    monkeypatch.setattr(decode_attention, "STREAM_K_NATURAL", True)
+    for seq_lens in ([1, 13, 137, 300, 700], [5, 70, 64]):
+        _check_decode(seq_lens, 8, 2, 16, 4, torch.float32, 1, cache_dtype=FP8)
+    _check_decode(
+        [1, 13, 137, 300], 4, 2, 16, 16, torch.float16, 1, cache_dtype=FP8, head_major=True
+    )
+    assert calls == [(programs,)] * 3
+
+
 def test_decode_attention_stream_k_is_deterministic_and_graph_safe(monkeypatch) -> None:
     # The pieces are merged in program order, so two launches give the same bits; and the
     # partition depends on seq_lens alone, so a graph replay (its bucket's max_seq_len) computes
@@ -446,28 +461,38 @@ def test_kv_cache_layouts_are_checked() -> None:
         )
 
 
+def _sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
 @on_gpu
 def test_decode_attention_stream_k_llama8b() -> None:
     # Real shapes on the GPU, as the rule picks it: 400 sequences of 600-900 keys (3200 rows
-    # over 8 programs an SM x the SMs), a bf16 query over a float8 cache; and the compiled kernel
-    # still fits 8 programs an SM.
+    # over 8 programs an SM x the SMs), a bf16 query over a float8 cache, with either key loop;
+    # and the compiled kernels still fit the programs an SM the grid assumes (8, natural 7).
     from kiln.kernels.triton.decode_attention_stream_k import _decode_stream_k_kernel
 
-    monkeypatch = pytest.MonkeyPatch()
-    try:
-        monkeypatch.setattr(decode_attention, "STREAM_K", True)
-        lens = torch.randint(600, 901, (400,), generator=torch.Generator().manual_seed(9))
-        _check_decode(lens.tolist(), 32, 8, 128, 16, torch.bfloat16, 1, seed=9, cache_dtype=FP8)
-    finally:
-        monkeypatch.undo()
-    compiled = [
-        c for cache in _decode_stream_k_kernel.device_caches.values() for c in cache[0].values()
-    ]
-    assert compiled, "the stream-K kernel did not run"
-    for kernel in compiled:
-        per_warp = -(-kernel.n_regs * 32 // 256) * 256
-        assert 4 * (16384 // per_warp) // kernel.metadata.num_warps >= 8
-        assert 8 * (kernel.metadata.shared + 1024) <= 228 * 1024
+    lens = torch.randint(600, 901, (400,), generator=torch.Generator().manual_seed(9))
+    for natural, per_sm in ((False, 8), (True, 7)):
+        monkeypatch = pytest.MonkeyPatch()
+        try:
+            monkeypatch.setattr(decode_attention, "STREAM_K", True)
+            monkeypatch.setattr(decode_attention, "STREAM_K_NATURAL", natural)
+            _check_decode(lens.tolist(), 32, 8, 128, 16, torch.bfloat16, 1, seed=9, cache_dtype=FP8)
+        finally:
+            monkeypatch.undo()
+        compiled = [
+            c
+            for cache in _decode_stream_k_kernel.device_caches.values()
+            for c in cache[0].values()
+            if c.metadata.num_stages == (3 if natural else 2)
+        ]
+        assert compiled, "the stream-K kernel did not run"
+        assert decode_attention.stream_k_programs(DEVICE, natural) == per_sm * _sms()
+        for kernel in compiled:  # the programs the grid assumes fit an SM at once
+            per_warp = -(-kernel.n_regs * 32 // 256) * 256
+            assert 4 * (16384 // per_warp) // kernel.metadata.num_warps >= per_sm
+            assert per_sm * (kernel.metadata.shared + 1024) <= 228 * 1024
 
 
 def test_choose_num_splits() -> None:

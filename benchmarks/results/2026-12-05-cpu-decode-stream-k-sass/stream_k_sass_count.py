@@ -34,7 +34,7 @@ CONSTEXPRS = dict(
 )  # fmt: skip
 
 
-def _stream_k_compile(head_major: bool):
+def _stream_k_compile(head_major: bool, natural: bool = False):
     types = {
         "q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv",
         "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16",
@@ -44,7 +44,10 @@ def _stream_k_compile(head_major: bool):
         # As the launcher marks them: 16-byte-aligned pointers, strides divisible by 16.
         "__aligned__": ("stride_q_seq", "stride_q_head", "stride_o_seq", "stride_o_head"),
     }  # fmt: skip
-    constexprs = {**CONSTEXPRS, "SCAN": 1024, "HEAD_MAJOR": head_major}
+    constexprs = {**CONSTEXPRS, "SCAN": 1024, "HEAD_MAJOR": head_major, "NATURAL": natural}
+    if natural:  # its tile: 8-key sub-tiles, one warp, 3 stages
+        constexprs["BLOCK_N"] = 8
+        return quant_sass_count._compile(dsk._decode_stream_k_kernel, types, constexprs, 1, 3)
     return quant_sass_count._compile(dsk._decode_stream_k_kernel, types, constexprs, 1, 2)
 
 
@@ -84,6 +87,7 @@ def main() -> None:
             compiled = packed_count._compile({**constexprs, "HEAD_MAJOR": head_major}, 1, 2)
             found[f"packed_{'split' if split else 'unsplit'}{layout}"] = _counts(compiled)
         found[f"stream_k{layout}"] = _counts(_stream_k_compile(head_major))
+        found[f"stream_k_natural{layout}"] = _counts(_stream_k_compile(head_major, True))
     for name, c in found.items():
         print(name, {k: v for k, v in c.items() if k != "key_loop_by_class"})
     with open(args.out, "w") as f:

@@ -478,12 +478,19 @@ def _many_programs(query: torch.Tensor, num_kv_heads: int) -> bool:
 # would fit). The driver confirmed 8 for the packed kernel (docs/performance.md, "The H200 on
 # 2026-12-05"); a GPU test checks the stream-K kernel's registers and shared memory against it.
 STREAM_K_PROGRAMS_PER_SM = 8
+# KILN_DECODE_STREAM_K_NATURAL=1: stream-K's key loop keeps two tiles in flight
+# (decode_attention_packed._attend_packed_natural) at its measured tile, 8-key sub-tiles, one
+# warp, 3 stages: 28 KiB of shared memory a program, so 7 an SM. Off until measured.
+STREAM_K_NATURAL: bool = envs().decode_stream_k_natural
+_NATURAL_TILE = (8, 1, 3)
+_NATURAL_PROGRAMS_PER_SM = 7
 
 
-def stream_k_programs(device: torch.device) -> int:
+def stream_k_programs(device: torch.device, natural: bool = False) -> int:
     """The stream-K grid: the programs the GPU holds at once (more would run a second, nearly
     empty wave; fewer would leave SMs short of loads in flight)."""
-    return STREAM_K_PROGRAMS or STREAM_K_PROGRAMS_PER_SM * num_sms(device)
+    per_sm = _NATURAL_PROGRAMS_PER_SM if natural else STREAM_K_PROGRAMS_PER_SM
+    return STREAM_K_PROGRAMS or per_sm * num_sms(device)
 
 
 def _grid(num_seqs: int, num_kv_heads: int, num_splits: int, heads_first: bool) -> tuple:
@@ -589,11 +596,17 @@ def _stream_k_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, out
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    # The packed kernel's tile at many programs an SM (its one-warp programs).
-    block_n, num_warps, num_stages = _packed_tile_config(
-        block_size, query.device, num_seqs * num_kv_heads
-    )[:3]
-    programs = stream_k_programs(query.device)
+    natural = STREAM_K_NATURAL
+    # The packed kernel's tile at many programs an SM (its one-warp programs), or the natural
+    # loop's (the interpreter's cost grows with warps: one there, and its one stage).
+    block_n, num_warps, num_stages = (
+        _NATURAL_TILE
+        if natural
+        else _packed_tile_config(block_size, query.device, num_seqs * num_kv_heads)[:3]
+    )
+    if natural and query.device.type != "cuda":
+        num_stages = 1
+    programs = stream_k_programs(query.device, natural)
     part_out = torch.empty(
         (2 * programs, group, head_dim), dtype=torch.float32, device=query.device
     )
@@ -612,6 +625,7 @@ def _stream_k_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, out
         FP16_DOTS=fp16_dots(query, k_cache),
         SCAN=1024,
         HEAD_MAJOR=head_major,
+        NATURAL=natural,
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip

@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton.decode_attention_packed import _attend_packed
+from kiln.kernels.triton.decode_attention_packed import _attend_packed, _attend_packed_natural
 
 
 @triton.jit
@@ -109,6 +109,7 @@ def _decode_stream_k_kernel(
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
     SCAN: tl.constexpr,  # seq_lens read a SCAN-long chunk at a time to find the share's start
     HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (kernels/triton/_kv_layout.py)
+    NATURAL: tl.constexpr = False,  # the key loop with two tiles in flight (_attend_packed_natural)
 ):
     TILE: tl.constexpr = PACK * BLOCK_N
     pid = tl.program_id(0).to(tl.int64)
@@ -150,13 +151,20 @@ def _decode_stream_k_kernel(
         row_start = seq_base + kv_head * row_tiles
         row_end = row_start + row_tiles
         stop = tl.minimum(row_end, share_end)
-        out, lse = _attend_packed(
-            q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head,
-            ((cursor - row_start) * TILE).to(tl.int32),
-            tl.minimum((stop - row_start) * TILE, seq_len).to(tl.int32), qk_scale,
-            stride_q_seq, stride_q_head, stride_bt_seq, NUM_KV_HEADS, GROUP, PACK, HEAD_DIM,
-            BLOCK_SIZE, BLOCK_N, DOT_PRECISION, FP16_DOTS, HEAD_MAJOR,
-        )  # fmt: skip
+        start = ((cursor - row_start) * TILE).to(tl.int32)
+        end = tl.minimum((stop - row_start) * TILE, seq_len).to(tl.int32)
+        if NATURAL:
+            out, lse = _attend_packed_natural(
+                q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, end,
+                qk_scale, stride_q_seq, stride_q_head, stride_bt_seq, NUM_KV_HEADS, GROUP, PACK,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, FP16_DOTS, HEAD_MAJOR,
+            )  # fmt: skip
+        else:
+            out, lse = _attend_packed(
+                q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, end,
+                qk_scale, stride_q_seq, stride_q_head, stride_bt_seq, NUM_KV_HEADS, GROUP, PACK,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, FP16_DOTS, HEAD_MAJOR,
+            )  # fmt: skip
         out_offsets = (
             seq.to(tl.int64) * stride_o_seq
             + (kv_head * GROUP + groups)[:, None] * stride_o_head
