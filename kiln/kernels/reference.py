@@ -42,7 +42,7 @@ def write_kv_cache(
             cache, x = cache.view(torch.uint8), x.view(torch.uint8)
         if cache.is_contiguous():
             cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, x)
-        else:  # head-major blocks (kernels/triton/_kv_layout.py): a token's rows are apart
+        else:  # head-major blocks (kiln/kernels/kv_layout.py): a token's rows are apart
             block_size = cache.shape[1]
             cache[slot_mapping // block_size, slot_mapping % block_size] = x
 

@@ -7,10 +7,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kiln.kernels.kv_layout import head_major
-
-__all__ = ["head_major", "kv_head_offset", "kv_slot_base", "kv_tile_offsets"]
-
 
 @triton.jit
 def kv_head_offset(

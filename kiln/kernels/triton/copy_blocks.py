@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.kv_layout import head_major
+
 _WORDS_PER_PROGRAM = 1024
 
 # id(caches) -> (caches, [num_caches] int64 addresses, words per block, aligned). The list is
@@ -71,9 +73,8 @@ def _prepare(caches: list[torch.Tensor]) -> tuple[torch.Tensor, int, bool]:
     """The caches' address table, words per block and whether blocks move as 32-bit words."""
     first = caches[0]
     for cache in caches:
-        # Either layout (kernels/triton/_kv_layout.py) keeps each block's bytes together.
-        whole_blocks = cache.is_contiguous() or cache.transpose(1, 2).is_contiguous()
-        assert whole_blocks and cache.shape == first.shape and cache.dtype == first.dtype
+        head_major(cache, cache)  # either layout keeps each block's bytes together; no other
+        assert cache.shape == first.shape and cache.dtype == first.dtype
     block_bytes = first[0].numel() * first.element_size()
     aligned = block_bytes % 4 == 0 and all(c.data_ptr() % 4 == 0 for c in caches)
     addresses = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64, device=first.device)

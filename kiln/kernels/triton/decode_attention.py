@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kiln.envs import envs
-from kiln.kernels.triton import _kv_layout as kv_layout
+from kiln.kernels.kv_layout import head_major as cache_head_major
 from kiln.kernels.triton._decode_partition import _partition
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
@@ -113,7 +113,7 @@ def _decode_kernel(
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
     PREFETCH_V: tl.constexpr,  # load V a tile ahead (float8 caches)
     HEADS_FIRST: tl.constexpr = False,  # grid (kv heads, sequences, splits): see HEADS_FIRST_GRID
-    HEAD_MAJOR: tl.constexpr = False,  # the cache's blocks head-major (_kv_layout.py)
+    HEAD_MAJOR: tl.constexpr = False,  # the cache's blocks head-major (kiln/kernels/kv_layout.py)
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -397,7 +397,7 @@ def paged_decode_attention_splits(
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
-    head_major = kv_layout.head_major(k_cache, v_cache)
+    head_major = cache_head_major(k_cache, v_cache)
     out = output_like(query, out)
     if num_seqs == 0:
         return out

@@ -236,7 +236,7 @@ def _decode_packed_kernel(
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
     HEADS_FIRST: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (kernels/triton/_kv_layout.py)
+    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (kiln/kernels/kv_layout.py)
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)

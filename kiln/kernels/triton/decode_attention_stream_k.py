@@ -51,18 +51,17 @@ def _program_of(tile, total, num_programs):
 
 @triton.jit
 def _merge_pieces(
-    part_out_ptr, part_lse_ptr, row_start, row_end, total, num_programs,
+    part_out_ptr, part_lse_ptr, row_start, first, last, total, num_programs,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
-    """A row's pieces merged by their log-sum-exps, in program order: [GROUP, HEAD_DIM] fp32.
-    Read from L2 (.cg): other programs wrote them during this launch."""
+    """A row's pieces, held by programs first..last, merged by their log-sum-exps in program
+    order: [GROUP, HEAD_DIM] fp32. Read from L2 (.cg): other programs wrote them during this
+    launch."""
     groups = tl.arange(0, GROUP)
     dims = tl.arange(0, HEAD_DIM)
     m = tl.full([GROUP], float("-inf"), dtype=tl.float32)
     weight = tl.zeros([GROUP], dtype=tl.float32)
     acc = tl.zeros([GROUP, HEAD_DIM], dtype=tl.float32)
-    first = _program_of(row_start, total, num_programs)
-    last = _program_of(row_end - 1, total, num_programs)
     for q in range(first, last + 1):
         # The piece is q's first row's when the row holds q's first tile, else q's last row's.
         slot = 2 * q + (row_start > q * total // num_programs).to(tl.int64)
@@ -108,7 +107,7 @@ def _decode_stream_k_kernel(
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
     SCAN: tl.constexpr,  # seq_lens read a SCAN-long chunk at a time to find the share's start
-    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (kernels/triton/_kv_layout.py)
+    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (kiln/kernels/kv_layout.py)
     NATURAL: tl.constexpr = False,  # the key loop with two tiles in flight (_attend_packed_natural)
 ):
     TILE: tl.constexpr = PACK * BLOCK_N
@@ -178,16 +177,16 @@ def _decode_stream_k_kernel(
             tl.store(part_lse_ptr + part, lse)
             tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out)
             first = _program_of(row_start, total, num_programs)
-            pieces = _program_of(row_end - 1, total, num_programs) - first + 1
+            last = _program_of(row_end - 1, total, num_programs)
             # Every thread's stores before the ticket (taken with release semantics at GPU
             # scope; the last taker's acquire orders its reads after every piece's stores).
             tl.debug_barrier()
             ticket = tl.atomic_add(counters_ptr + first, 1, sem="acq_rel", scope="gpu")
-            if ticket == pieces - 1:
+            if ticket == last - first:
                 tl.store(counters_ptr + first, 0)  # no other program touches it this launch
                 merged = _merge_pieces(
-                    part_out_ptr, part_lse_ptr, row_start, row_end, total, num_programs, GROUP,
-                    HEAD_DIM,
+                    part_out_ptr, part_lse_ptr, row_start, first, last, total, num_programs,
+                    GROUP, HEAD_DIM,
                 )  # fmt: skip
                 tl.store(out_ptr + out_offsets, merged.to(out_ptr.dtype.element_ty))
         # Past the sequence's last head: the next sequence's rows start here.

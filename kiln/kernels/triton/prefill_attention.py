@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton import _kv_layout as kv_layout
+from kiln.kernels.kv_layout import head_major as cache_head_major
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 from kiln.kernels.triton._kv_layout import kv_head_offset as kv_head_offset_of
@@ -99,7 +99,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
-    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (_kv_layout.py)
+    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (kiln/kernels/kv_layout.py)
 ):
     # Reversed so the longest (last, most keys under the causal mask) tiles start first.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -210,7 +210,7 @@ def paged_prefill_attention(
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
-    head_major = kv_layout.head_major(k_cache, v_cache)
+    head_major = cache_head_major(k_cache, v_cache)
     out = output_like(query, out)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:

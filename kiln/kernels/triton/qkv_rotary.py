@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.kv_layout import head_major as cache_head_major
 from kiln.kernels.reference import FP8_E4M3_MAX, split_qkv_heads
-from kiln.kernels.triton import _kv_layout as kv_layout
 from kiln.kernels.triton import small_batch_tiles, split_k
 from kiln.kernels.triton._device import dot_precision
 from kiln.kernels.triton._kv_layout import kv_head_offset, kv_slot_base
@@ -89,7 +89,7 @@ def _qkv_rotary_write_kv_kernel(
     FP8_DOT: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # the cache's
-    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (_kv_layout.py)
+    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (kiln/kernels/kv_layout.py)
 ):
     tl.static_assert(SPLIT_K == 1 or QUANT != 0, "bf16 norm: no split-K")
     num_pairs: tl.constexpr = (Q_SIZE + 2 * KV_SIZE) // 2
@@ -245,7 +245,7 @@ def add_rms_norm_qkv_rotary_write_kv(
         FP8_DOT=_fp8_dot(x.device),
         INTERPRETED=x.device.type != "cuda",
         BLOCK_SIZE=k_cache.shape[1],
-        HEAD_MAJOR=kv_layout.head_major(k_cache, v_cache),
+        HEAD_MAJOR=cache_head_major(k_cache, v_cache),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

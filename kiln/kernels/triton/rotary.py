@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.kv_layout import head_major as cache_head_major
 from kiln.kernels.reference import FP8_E4M3_MAX
-from kiln.kernels.triton import _kv_layout as kv_layout
 from kiln.kernels.triton._kv_layout import kv_head_offset, kv_slot_base
 
 
@@ -86,7 +86,7 @@ def _rotary_write_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     FP8_MAX: tl.constexpr,  # > 0 for a float8 cache
     BLOCK_SIZE: tl.constexpr,  # the cache's
-    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (_kv_layout.py)
+    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (kiln/kernels/kv_layout.py)
 ):
     """One program per token: rotates its query heads (out) and key heads (into the cache at its
     slot), and copies its value heads into the cache. One launch instead of a rotary and a
@@ -136,7 +136,7 @@ def rotary_embedding_write_kv(
     num_kv_heads = key.shape[1]
     assert key.shape == value.shape == (num_tokens, num_kv_heads, head_dim)
     assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.shape == v_cache.shape
-    head_major = kv_layout.head_major(k_cache, v_cache)
+    head_major = cache_head_major(k_cache, v_cache)
     assert cos_sin_cache.shape[1] == head_dim and head_dim % 2 == 0, "full-width rotary only"
     query, key, value = (t if t.stride(2) == 1 else t.contiguous() for t in (query, key, value))
     if not cos_sin_cache.is_contiguous():
