@@ -19,7 +19,7 @@ stream, not two with a gap.
 
 The partial sums meet per output tile as split-K's do (split_k.py): each program stores its tile
 and takes a ticket from the tile's counter; the program with the last ticket sums the chunks in
-chunk order (the same bits run to run), scales and stores the tile. Programs visit the tiles in
+a fixed order (the same bits run to run), scales and stores the tile. Programs visit the tiles in
 rotated order (program p starts at tile p), so the last tickets, and the sums, fall to many
 programs rather than all to the one that finishes last.
 """
@@ -101,6 +101,7 @@ def _mlp_one_row_fp8_kernel(
     FP8_DOT: tl.constexpr,
     INTERPRETED: tl.constexpr,
     FP8_MAX: tl.constexpr = 448.0,
+    SUM_ROWS: tl.constexpr = 32,  # partial rows a load of the tile's sum
 ):
     chunk = tl.program_id(0)
     cols = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -147,12 +148,22 @@ def _mlp_one_row_fp8_kernel(
         tl.store(part_ptr + chunk * H + outs, partial, mask=out_mask)
         ticket = split_k.ticket(counter_ptr, tile, NUM_CHUNKS)
         if ticket == NUM_CHUNKS - 1:
-            # Every chunk's partials of this tile are stored: sum them in chunk order (from L2,
-            # .cg: written by other programs during this launch).
+            # Every chunk's partials of this tile are stored: sum them (from L2, .cg: written by
+            # other programs during this launch), SUM_ROWS chunks a load in a fixed order. An
+            # unrolled loop: Triton pipelines no loop that holds another, and this one's loads
+            # of down's tiles must stay pipelined.
             total = tl.zeros([BLOCK_H], dtype=tl.float32)
-            for c in range(0, NUM_CHUNKS):
-                total += tl.load(part_ptr + c * H + outs, mask=out_mask, other=0.0,
-                                 cache_modifier=".cg")  # fmt: skip
+            for first in tl.static_range(0, NUM_CHUNKS, SUM_ROWS):
+                chunks = first + tl.arange(0, SUM_ROWS)
+                total += tl.sum(
+                    tl.load(
+                        part_ptr + chunks[:, None] * H + outs[None, :],
+                        mask=(chunks < NUM_CHUNKS)[:, None] & out_mask[None, :],
+                        other=0.0,
+                        cache_modifier=".cg",
+                    ),
+                    0,
+                )
             # As reference.fp8_matmul: the sum times the input scale, then the weight's.
             total = total * down_in_scale * tl.load(down_scale_ptr + outs, mask=out_mask, other=0.0)
             tl.store(out_ptr + outs, total.to(dtype), mask=out_mask)
