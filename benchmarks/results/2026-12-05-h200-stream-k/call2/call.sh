@@ -9,7 +9,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_mlp_one_row.py tests/test_split_k_linear.py \
     > $OUT/mlp_tests.txt 2>&1
 echo "tests exit $?"; tail -3 $OUT/mlp_tests.txt
-PYTHONPATH=benchmarks:. timeout 240 python3 benchmarks/mlp_one_row_sweep.py \
+PYTHONPATH=benchmarks:. timeout 300 python3 benchmarks/mlp_one_row_sweep.py \
     --out $OUT/mlp_one_row.json > $OUT/mlp_sweep.txt 2>&1
 echo "sweep exit $?"; tail -2 $OUT/mlp_sweep.txt | cut -c1-1500
 BEST=$(python3 -c "import json; t=json.load(open('$OUT/mlp_one_row.json'))['summary']['best_fused']['tiles']; \
