@@ -147,8 +147,33 @@ def test_a_build_with_it_loads_answers_and_names_it(chat_source, tmp_path, round
 def test_what_it_cannot_do_is_a_one_line_error():
     with pytest.raises(BuildError, match="needs --quantization fp8 or fp8-dynamic"):
         BuildOptions(quantization="none", weight_rounding="gptq-aware")
-    with pytest.raises(BuildError, match="build with -tp 1"):
-        BuildOptions(quantization="fp8", weight_rounding="gptq-sequential", tensor_parallel_size=2)
+
+
+def test_a_tp2_sequential_build_is_the_tp1_engines_cut(chat_source, tmp_path):
+    """gptq-sequential rounds the whole model in the build's process; -tp 2 writes each rank
+    the cut of those weights: every rank's parameters equal, byte for byte, what that rank cuts
+    from the -tp 1 engine when it loads it whole."""
+    from kiln.config import EngineConfig
+    from kiln.distributed.parallel_state import ParallelContext, RankLayout
+    from kiln.runtime.model_loader import load_model
+
+    common = dict(quantization="fp8", weight_rounding="gptq-sequential", accuracy_check=False)
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    build_engine(chat_source, one, BuildOptions(**common), None)
+    built = build_engine(chat_source, two, BuildOptions(**common, tensor_parallel_size=2), None)
+    assert built.tensor_parallel_size == 2 and "layer after layer" in built.scales_method
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    for rank in range(2):
+        ctx = ParallelContext(RankLayout(2, 1, rank), None, None, None)
+        config = EngineConfig(model=two, dtype="float32", tensor_parallel_size=2)
+        got = load_model(config, cpu, fp32, ctx).model
+        want = dict(load_model(EngineConfig(model=one, dtype="float32"), cpu, fp32, ctx).model
+                    .named_parameters())  # fmt: skip
+        for name, param in got.named_parameters():
+            a, b = param.detach(), want[name].detach()
+            if a.dtype == torch.float8_e4m3fn:
+                a, b = a.view(torch.uint8), b.view(torch.uint8)
+            assert torch.equal(a, b), (rank, name)
 
 
 def test_gptq_sequential_rounds_from_its_own_windows_and_damp(monkeypatch):

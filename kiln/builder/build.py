@@ -101,7 +101,8 @@ class BuildOptions:
     activation-aware target (the weights first corrected for the engine's float8 input, the
     statistics those of that input); "gptq-sequential" / "gptq-aware-sequential": layer after
     layer, each from the inputs of a model whose earlier layers are float8 already
-    (kiln.quantization.sequential; -tp 1)."""
+    (kiln.quantization.sequential). Every rounding runs on the whole model in the build's one
+    process; -tp N then cuts the rounded weights per rank (write_rank_shards)."""
     unquantized_layers: tuple[str, ...] = ()
     """Decoder projections kept in the model dtype in a quantized build, as fnmatch patterns
     over kiln's layer names ("layers.*.mlp.gate_up_proj", "layers.29.*"); each must match one.
@@ -165,11 +166,6 @@ class BuildOptions:
             raise BuildError(
                 f'weight_rounding "{self.weight_rounding}" rounds float8 weights: it needs '
                 "--quantization fp8 or fp8-dynamic"
-            )
-        if self.weight_rounding.endswith("-sequential") and self.tensor_parallel_size != 1:
-            raise BuildError(
-                f'weight_rounding "{self.weight_rounding}" rounds whole weights in one process: '
-                "build with -tp 1"
             )
         if self.outlier_columns:
             if self.outlier_columns < 0 or self.outlier_columns % COLUMN_MULTIPLE:
@@ -557,14 +553,14 @@ def _outlier_channels(
 def _accuracy_failure(accuracy: dict, options: BuildOptions) -> str:
     """The failed check's one line: the numbers, and what else the user can build."""
     hints = []
-    if options.quantization != "none" and options.tensor_parallel_size == 1:  # both need -tp 1
+    if options.quantization != "none":
         # On SmolLM2's static fp8: +5.16% to nearest, +2.07% with gptq-sequential, +0.93% with
         # outlier columns too (benchmarks/results/2026-12-05-cpu-outlier-columns-smollm2).
         if options.weight_rounding == "nearest":
             hints.append(
                 "--weight-rounding gptq-sequential fits the weights' rounding to their inputs"
             )
-        if not options.outlier_columns:
+        if not options.outlier_columns and options.tensor_parallel_size == 1:  # -tp 1 only
             hints.append("--outlier-columns 16 keeps the loudest input channels' precision")
     hints.append("--no-accuracy-check builds it anyway")
     return (

@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=("nearest", "gptq", "gptq-aware", "gptq-sequential", "gptq-aware-sequential"),
         default="nearest",
         help="gptq: float8 weights rounded by GPTQ on the calibration text (slower build); "
-        "gptq-sequential: layer after layer, from the float8 model's own inputs (-tp 1)",
+        "gptq-sequential: layer after layer, from the float8 model's own inputs",
     )  # fmt: skip
     p.add_argument(
         "--activation-scales", choices=("amax", "mse"), default="amax",
