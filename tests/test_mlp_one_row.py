@@ -126,6 +126,15 @@ def test_tiles_change_the_chunks_not_the_result() -> None:
     assert int(split_k.counters(DEVICE).abs().sum()) == 0
 
 
+def test_more_chunks_than_one_load_of_the_sum() -> None:
+    """41 chunks (the last one partial): the tile's sum takes its partial rows 32 at a time."""
+    block = _block(HIDDEN, 16 * 40 + 8, torch.float32, True, seed=6)
+    want, _ = _reference(block)
+    got, _ = triton_ops.add_rms_norm_mlp_fp8(**block)
+    _assert_close(got, want, 1e-5)
+    assert int(split_k.counters(DEVICE).abs().sum()) == 0
+
+
 def test_what_the_kernel_does_not_take_runs_as_two_kernels() -> None:
     """Three rows, or a dynamic scale for down's input (every chunk's absmax first), are not one
     kernel's: the op composes gate_up's kernels and down's, still the reference's block."""
