@@ -245,3 +245,28 @@ def test_one_row_block_llama8b_in_a_cuda_graph() -> None:
     want, _ = _reference(block)
     _assert_close(out, want, 2e-2)
     assert int(split_k.counters(DEVICE).abs().sum()) == 0
+
+
+@on_gpu
+def test_an_8b_static_fp8_engine_decodes_alike_with_the_switch(monkeypatch) -> None:
+    """Batch-1 greedy decode of a dummy Llama-3.1-8B static-FP8 engine, CUDA graphs on, with
+    KILN_MLP_ONE_KERNEL=1 against without: the same tokens' logprobs within the summation
+    order's rounding (the one-kernel block's graphs capture and replay)."""
+    from kiln import LLM, SamplingParams
+    from tests.conftest import generated_logprob_gaps
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    prompts = [[1, 450, 7483, 310, 3444, 338], [1, 22172, 3186, 29892, 278]]
+    runs = []
+    for switch in ("0", "1"):
+        monkeypatch.setenv("KILN_MLP_ONE_KERNEL", switch)
+        envs.cache_clear()
+        llm = LLM("llama-3.1-8b", load_format="dummy", quantization="fp8", device="cuda",
+                  max_model_len=256, max_num_seqs=1, kv_cache_memory_gb=1.0)  # fmt: skip
+        runs.append(llm.generate(prompts, params))
+        llm.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+    envs.cache_clear()
+    gaps = generated_logprob_gaps(runs[1], runs[0])
+    assert len(gaps) >= len(prompts) * 4 and float(gaps.mean()) < 0.05, gaps
