@@ -63,20 +63,12 @@ def _layer(hidden: int, inter: int, seed: int, device: str) -> dict:
     }
 
 
-def _engine(ops, x, residual, norm, w) -> tuple[torch.Tensor, ...]:
-    act, act_scale, summed = ops.add_rms_norm_linear_silu_mul_fp8(
-        x, residual, norm, EPS, w["gate_up_weight"], w["gate_up_scale"],
-        w["gate_up_input_scale"], w["down_input_scale"],
-    )  # fmt: skip
-    if act_scale is None:
-        return ops.fp8_linear(act, w["down_weight"], w["down_scale"], w["down_input_scale"]), summed
-    return ops.fp8_matmul(act, act_scale, w["down_weight"], w["down_scale"], None, x.dtype), summed
+def _engine(x, residual, norm, w) -> tuple[torch.Tensor, ...]:
+    return mlp_one_row.two_kernels(x, residual, norm, EPS, *w.values())
 
 
 def _fused(x, residual, norm, w, tiles: MlpTiles | None) -> tuple[torch.Tensor, ...]:
-    args = [w[k] for k in ("gate_up_weight", "gate_up_scale", "gate_up_input_scale")]
-    args += [w[k] for k in ("down_weight", "down_scale", "down_input_scale")]
-    return mlp_one_row.launch(x, residual, norm, EPS, *args, tiles=tiles)
+    return mlp_one_row.launch(x, residual, norm, EPS, *w.values(), tiles=tiles)
 
 
 def _reference(x, residual, norm, w) -> torch.Tensor:
@@ -94,7 +86,6 @@ def main() -> None:
     if args.dry_run:
         hidden, inter, dtype, device = 64, 96, torch.float32, "cpu"
         grid = [mlp_one_row.INTERPRETER_TILES, mlp_one_row.INTERPRETER_TILES._replace(block_c=32)]
-        from kiln.kernels import reference as ops
     else:
         from tile_sweep import graph_time_ms
 
@@ -118,10 +109,10 @@ def main() -> None:
         return float((out.float().cpu() - want.cpu()).abs().max() / want.abs().max())
 
     rows = []
-    engine_out, _ = _engine(ops, x, residual, norm, layers[0])
+    engine_out, _ = _engine(x, residual, norm, layers[0])
     rows.append({"variant": "engine", "rel_err": error(engine_out)})
     if device == "cuda":
-        rows[-1]["us"] = timed(lambda w: _engine(ops, x, residual, norm, w))
+        rows[-1]["us"] = timed(lambda w: _engine(x, residual, norm, w))
         rows.append({"variant": "gate_up alone", "us": timed(
             lambda w: ops.add_rms_norm_linear_silu_mul_fp8(
                 x, residual, norm, EPS, w["gate_up_weight"], w["gate_up_scale"],

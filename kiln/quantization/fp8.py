@@ -167,9 +167,8 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
         scheme's without biases and down's activation scale is static (a dynamic one needs the
         whole activation's absmax before any of down); off until a GPU measures it end to end."""
         plain = type(self) is Fp8LinearMethod and type(down.method) is Fp8LinearMethod
-        if not (envs().mlp_one_kernel and plain) or layer.has_bias or down.has_bias:
-            return None
-        if down.input_scale is None:
+        static_down = plain and down.input_scale is not None  # only FP8 layers have the scale
+        if not (envs().mlp_one_kernel and static_down) or layer.has_bias or down.has_bias:
             return None
         return ops.add_rms_norm_mlp_fp8(
             x, residual, norm_weight, eps, layer.weight, layer.weight_scale, layer.input_scale,

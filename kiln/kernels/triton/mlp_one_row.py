@@ -212,15 +212,29 @@ def add_rms_norm_mlp_fp8(
     gate_up_input_scale: torch.Tensor | None,  # [] fp32 static scale of x's norm; None: per token
     down_weight: torch.Tensor,  # [H, I] float8 e4m3
     down_scale: torch.Tensor,  # [H] fp32
-    down_input_scale: torch.Tensor
-    | None,  # [] fp32 static scale of the activation; None: per token
+    down_input_scale: torch.Tensor | None,  # [] fp32 static scale of the activation, or None
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (down(silu(gate) * up), x + residual)
     """The FP8 MLP block (reference.add_rms_norm_mlp_fp8): one kernel for one row with a static
-    activation scale for down; otherwise gate_up's kernels, then down's."""
-    args = (x, residual, norm_weight, gate_up_weight, gate_up_scale, gate_up_input_scale)
-    if fits(*args, down_weight, down_scale, down_input_scale):
-        return launch(x, residual, norm_weight, eps, *args[3:], down_weight, down_scale,
-                      down_input_scale)  # fmt: skip
+    activation scale for down; otherwise two_kernels."""
+    weights = (gate_up_weight, gate_up_scale, gate_up_input_scale, down_weight, down_scale)
+    block = launch if fits(x, residual, norm_weight, *weights, down_input_scale) else two_kernels
+    return block(x, residual, norm_weight, eps, *weights, down_input_scale)
+
+
+def two_kernels(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up_weight: torch.Tensor,
+    gate_up_scale: torch.Tensor,
+    gate_up_input_scale: torch.Tensor | None,
+    down_weight: torch.Tensor,
+    down_scale: torch.Tensor,
+    down_input_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block as the decoder runs it without the one kernel: norm + gate_up + SiLU-mul
+    (add_rms_norm_linear_silu_mul_fp8), then down."""
     act, act_scale, summed = add_rms_norm_linear_silu_mul_fp8(
         x, residual, norm_weight, eps, gate_up_weight, gate_up_scale, gate_up_input_scale,
         down_input_scale,
