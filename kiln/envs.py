@@ -65,14 +65,6 @@ class Envs:
     """Most rows the fused small-batch linear kernels take (above it cuBLAS's GEMM tiles win). 0
     turns them off, the benchmarks' A/B switch; kernels.triton.small_batch_linear reads it at
     import."""
-    mlp_one_kernel: bool = False
-    """A static-FP8 MLP block of one row runs as one kernel (kernels.triton.mlp_one_row: norm,
-    gate_up, SiLU-mul and down, each program a chunk of the activation from gate_up through
-    down) instead of two; off until a GPU measures it end to end (read per call)."""
-    mlp_one_kernel_tiles: str = ""
-    """The one-kernel MLP block's launch shape on the GPU, forced: "block_c,block_k,block_h,
-    num_warps,num_stages,stats_block" (empty: kernels.triton.mlp_one_row.GPU_TILES); a sweep's
-    choice tried end to end before the default is edited."""
     fp8_small_batch_dot: bool = True
     """The FP8 small-batch kernels multiply float8 x float8 on the tensor cores; off (0) widens
     both operands to fp16 first (exact, more ALU work): the A/B of the two on the GPU."""

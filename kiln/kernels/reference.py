@@ -477,26 +477,3 @@ def add_rms_norm_linear_silu_mul_fp8(
     )
     act_fp8, act_scale = quantize_fp8(act.reshape(-1, act.shape[-1]), out_scale)
     return act_fp8, act_scale, summed
-
-
-def add_rms_norm_mlp_fp8(
-    x: torch.Tensor,  # [num_tokens, H]
-    residual: torch.Tensor | None,  # [num_tokens, H], or None: no residual to add
-    norm_weight: torch.Tensor,  # [H]
-    eps: float,
-    gate_up_weight: torch.Tensor,  # [2I, H] float8 e4m3: the gate rows, then the up rows
-    gate_up_scale: torch.Tensor,  # [2I] fp32
-    gate_up_input_scale: torch.Tensor | None,  # [] fp32 static scale of x's norm; None: per token
-    down_weight: torch.Tensor,  # [H, I] float8 e4m3
-    down_scale: torch.Tensor,  # [H] fp32
-    down_input_scale: torch.Tensor
-    | None,  # [] fp32 static scale of the activation; None: per token
-) -> tuple[torch.Tensor, torch.Tensor]:  # (down(silu(gate) * up), x + residual)
-    """The FP8 W8A8 MLP block: add_rms_norm_linear_silu_mul_fp8, then the down projection on
-    its float8 activation (what the decoder runs as two ops; the GPU's one-row kernel is one)."""
-    act, act_scale, summed = add_rms_norm_linear_silu_mul_fp8(
-        x, residual, norm_weight, eps, gate_up_weight, gate_up_scale, gate_up_input_scale,
-        down_input_scale,
-    )  # fmt: skip
-    out = fp8_matmul(act, act_scale, down_weight, down_scale, None, x.dtype)
-    return out.view(*x.shape[:-1], down_weight.shape[0]), summed

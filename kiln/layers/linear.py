@@ -141,20 +141,6 @@ class LinearMethod(ABC):
         """Whether apply_fp8 takes this layer's input already in float8 (None: it does not)."""
         return None
 
-    def add_rms_norm_mlp(
-        self,
-        layer: Linear,
-        ops: ModuleType,
-        down: Linear,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The whole MLP block through `down` as one op (before down's all-reduce), or None
-        where this method has none for that pair: the block then runs as its two projections."""
-        return None
-
     def apply_fp8(
         self,
         layer: Linear,
@@ -331,12 +317,6 @@ class Linear(nn.Module):
         """The MLP block from this gate_up projection through `down`. When down's method takes
         float8 input (FP8 W8A8), the activation may reach it quantized by the SiLU-mul's own
         kernel: no model-dtype activation written and re-read, no quantize kernel of its own."""
-        whole = self.method.add_rms_norm_mlp(self, ops, down, x, residual, norm_weight, eps)
-        if whole is not None:
-            y, summed = whole
-            if down.reduce is not None:  # row-parallel, as forward()
-                tp_all_reduce(down.reduce, y)
-            return y, summed
         into = down.method.fp8_input(down)
         if into is None:
             activation, summed = self.add_rms_norm_silu_mul(ops, x, residual, norm_weight, eps)

@@ -10,7 +10,6 @@ from typing import Literal
 import torch
 from torch import nn
 
-from kiln.envs import envs
 from kiln.kernels.reference import quantize_fp8
 from kiln.layers.linear import Fp8Input, FusedOpsLinearMethod, Linear
 
@@ -151,29 +150,6 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
         return ops.fp8_matmul(
             x_fp8, x_scale, layer.weight, layer.weight_scale, layer.bias, out_dtype
         )
-
-    def add_rms_norm_mlp(
-        self,
-        layer: Linear,
-        ops: ModuleType,
-        down: Linear,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """KILN_MLP_ONE_KERNEL=1: the block as ops.add_rms_norm_mlp_fp8 (one kernel for one row
-        on the GPU, kernels/triton/mlp_one_row.py) where both projections are this plain
-        scheme's without biases and down's activation scale is static (a dynamic one needs the
-        whole activation's absmax before any of down); off until a GPU measures it end to end."""
-        plain = type(self) is Fp8LinearMethod and type(down.method) is Fp8LinearMethod
-        static_down = plain and down.input_scale is not None  # only FP8 layers have the scale
-        if not (envs().mlp_one_kernel and static_down) or layer.has_bias or down.has_bias:
-            return None
-        return ops.add_rms_norm_mlp_fp8(
-            x, residual, norm_weight, eps, layer.weight, layer.weight_scale, layer.input_scale,
-            down.weight, down.weight_scale, down.input_scale,
-        )  # fmt: skip
 
     def add_rms_norm_silu_mul_fp8(
         self,

@@ -75,23 +75,15 @@ def k_range(K, k_per_split, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
-def ticket(counter_ptr, tile, SPLIT_K: tl.constexpr):
-    """After this program's partials are stored: its ticket (0..SPLIT_K-1) from the tile's
-    counter. The program taking SPLIT_K - 1 reads the partials and stores the tile's result;
-    it has reset the counter."""
+def arrive(counter_ptr, tile, like, SPLIT_K: tl.constexpr):
+    """After this program's partials are stored: whether it is the tile's last split to arrive
+    (it then reads the partials and stores the tile's result, and has reset the counter), shaped
+    like `like` (an integer tensor): the mask of the tile's result stores."""
     # Every thread's partial stores before the ticket (one thread takes it, with release
     # semantics at GPU scope; the last taker's acquire orders its reads after all stores).
     tl.debug_barrier()
     taken = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
     tl.store(counter_ptr + tile, 0, mask=taken == SPLIT_K - 1)  # no other program touches it
-    return taken
-
-
-@triton.jit
-def arrive(counter_ptr, tile, like, SPLIT_K: tl.constexpr):
-    """ticket(), as whether this program took the last one, shaped like `like` (an integer
-    tensor): the mask of the tile's result stores."""
-    taken = ticket(counter_ptr, tile, SPLIT_K)
     return (tl.zeros_like(like) + taken) == SPLIT_K - 1
 
 
