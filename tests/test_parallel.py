@@ -141,8 +141,8 @@ def test_step_message_round_trips_as_json() -> None:
     assert decode_step(data) == step
 
 
-def _rank_models(path: str, tp: int, quantization: str = "none"):
-    config = EngineConfig(model=path, dtype="float32", quantization=quantization)
+def _rank_models(path: str, tp: int, quantization: str = "none", **engine: object):
+    config = EngineConfig(model=path, dtype="float32", quantization=quantization, **engine)
     one = load_model(config, torch.device("cpu"), torch.float32).model
     ranks = [
         load_model(
@@ -186,6 +186,23 @@ def test_each_rank_holds_exactly_its_cut_of_the_weights(models, quantization) ->
     vocab = one.embed_tokens.weight
     assert torch.equal(torch.cat([r0.embed_tokens.weight, r1.embed_tokens.weight]), vocab)
     assert r0.config.num_key_value_heads == 1 and r0.config.num_attention_heads == 2
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_float8_lm_head_is_cut_by_vocabulary_rows(tmp_path, tied) -> None:
+    """A float8 head under TP: each rank holds the one-process head's rows (float8 bytes and
+    per-row scales) of its vocabulary part, the last rank's part zero-padded as the embedding's
+    (97 rows over 2 ranks: 49 and 48 + 1). Tied: quantized from the rank's embedding rows."""
+    path = _save_tiny(str(tmp_path / "m"), "llama-gqa", vocab_size=97, tie_word_embeddings=tied)
+    one, ranks = _rank_models(path, 2, lm_head_quantization="fp8")
+    heads = [r.lm_head for r in ranks]
+    assert [h.weight.shape[0] for h in heads] == [49, 49]
+    assert all(h.reduce is None for h in heads)  # column-parallel: gathered, not summed
+    weight = torch.cat([h.weight.view(torch.uint8) for h in heads])
+    assert torch.equal(weight[:97], one.lm_head.weight.view(torch.uint8))
+    assert not weight[97:].any()  # the padding row: zeros, its logit cut off after the gather
+    scales = torch.cat([h.weight_scale for h in heads])
+    assert torch.equal(scales[:97], one.lm_head.weight_scale)
 
 
 def test_heads_that_do_not_split_are_refused(models) -> None:
@@ -237,6 +254,46 @@ class TestLlamaTP2:
         with pytest.raises(RankFailedError, match="already runs in this process"):
             LLM(models["llama"], **COMMON, tensor_parallel_size=2)
         assert llama_tp2.generate(PROMPTS[:1], GREEDY)  # the first one still serves
+
+
+@pytest.fixture(scope="module")
+def tied97(tmp_path_factory) -> str:
+    """A tied model whose vocabulary (97) does not split over 2 ranks: the padded float8 head."""
+    path = str(tmp_path_factory.mktemp("tied97"))
+    return _save_tiny(path, "llama-gqa", vocab_size=97, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="class")
+def tied97_fp8_head_tp2(tied97):
+    yield from _parallel_engine(tied97, 2, 1, lm_head_quantization="fp8")
+
+
+@pytest.fixture(scope="module")
+def tied97_fp8_head_ref(tied97):
+    return LLM(tied97, **COMMON, lm_head_quantization="fp8").generate(PROMPTS_97, GREEDY)
+
+
+PROMPTS_97 = [[t % 97 for t in p] for p in PROMPTS]
+
+
+class TestFloat8HeadTP2:
+    def test_tp2_float8_head_equals_one_process(
+        self, tied97_fp8_head_tp2, tied97_fp8_head_ref
+    ) -> None:
+        _assert_same(tied97_fp8_head_tp2.generate(PROMPTS_97, GREEDY), tied97_fp8_head_ref)
+
+
+@pytest.fixture(scope="class")
+def tied97_fp8_head_pp2(tied97):
+    yield from _parallel_engine(tied97, 1, 2, lm_head_quantization="fp8")
+
+
+class TestFloat8HeadPP2:
+    def test_pp2_float8_head_equals_one_process(
+        self, tied97_fp8_head_pp2, tied97_fp8_head_ref
+    ) -> None:
+        # The last stage holds the whole head, quantized from its (whole) embedding.
+        _assert_same(tied97_fp8_head_pp2.generate(PROMPTS_97, GREEDY), tied97_fp8_head_ref)
 
 
 @pytest.fixture(scope="class")
@@ -458,19 +515,23 @@ def test_smollm2_at_tp3_equals_one_process(smollm2_llm, smollm2_path) -> None:
 
 def test_kiln_build_tp2_writes_each_rank_its_cut(models, tmp_path) -> None:
     """`kiln build -tp 2`: rank R's shard holds exactly what rank R cuts from the whole model
-    (FP8 included), each rank reads only its folder, and the engine refuses another -tp."""
+    (FP8 included, the float8 LM head's vocabulary rows too), each rank reads only its folder,
+    and the engine refuses another -tp."""
     from kiln.builder.build import BuildOptions, build_engine
     from kiln.checkpoint.engine_dir import rank_dir_name
 
     out = str(tmp_path / "engine")
-    options = BuildOptions(quantization="fp8-dynamic", accuracy_check=False, tensor_parallel_size=2)
+    options = BuildOptions(
+        quantization="fp8-dynamic", accuracy_check=False, tensor_parallel_size=2,
+        lm_head_quantization="fp8",
+    )  # fmt: skip
     manifest = build_engine(models["qwen2"], out, options, None)
     assert manifest.tensor_parallel_size == 2
     assert all(
         n.startswith(("rank-0-of-2/", "rank-1-of-2/")) or "/" not in n for n in manifest.files
     )
     assert os.path.isdir(os.path.join(out, rank_dir_name(1, 2)))
-    _, want = _rank_models(models["qwen2"], 2, "fp8-dynamic")
+    _, want = _rank_models(models["qwen2"], 2, "fp8-dynamic", lm_head_quantization="fp8")
     for rank in range(2):
         ctx = ParallelContext(RankLayout(2, 1, rank), None, None, None)
         config = EngineConfig(model=out, dtype="float32", tensor_parallel_size=2)

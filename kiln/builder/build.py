@@ -93,7 +93,8 @@ class BuildOptions:
     """On a GPU: run the engine once and carry the Triton kernels it compiled (kiln.builder.warm),
     so its first process does not compile them. Not part of the engine id: an optimisation."""
     lm_head_quantization: str = "none"
-    """"fp8": the LM head in float8 with per-row scales (tensor_parallel_size 1 only); "none"."""
+    """"fp8": the LM head in float8 with per-row scales (cut by vocabulary rows under -tp N);
+    "none"."""
     weight_rounding: str = "nearest"
     """How float8 weights round: "nearest", or "gptq" (kiln.quantization.gptq: each projection's
     rounding error spread over its other weights by its inputs' statistics on the calibration
@@ -178,8 +179,6 @@ class BuildOptions:
                                  "--quantization fp8 or fp8-dynamic")  # fmt: skip
             if self.tensor_parallel_size != 1:
                 raise BuildError("outlier columns are not cut per tensor rank: build with -tp 1")
-        if self.lm_head_quantization != "none" and self.tensor_parallel_size != 1:
-            raise BuildError("a float8 LM head (--lm-head-quantization fp8) needs -tp 1")
 
 
 def build_engine(
@@ -284,10 +283,13 @@ def build_engine(
             options.quantization, found.scales, found.hessians, kept, found.crosses,
             found.rounded, found.outliers,
         )  # fmt: skip
-        head = Fp8LinearMethod("dynamic") if options.lm_head_quantization == "fp8" else None
+
+        def head() -> Fp8LinearMethod | None:  # a method serves one layer: one per model
+            return Fp8LinearMethod("dynamic") if options.lm_head_quantization == "fp8" else None
+
         with torch.device(device):
             # Made in `dtype` (not .to(dtype) after): float8 weights and scales keep their types.
-            net = LlamaForCausalLM(cfg, max_model_len, factory, dtype, lm_head_method=head)
+            net = LlamaForCausalLM(cfg, max_model_len, factory, dtype, lm_head_method=head())
         weights = source.weights
         if found.smoothing is not None:  # whole tensors, before any -tp cut
             weights = smooth_checkpoint(weights, found.smoothing, cfg)
@@ -299,7 +301,7 @@ def build_engine(
         else:
             names = write_rank_shards(
                 net, options.tensor_parallel_size, tmp,
-                lambda ctx: LlamaForCausalLM(cfg, max_model_len, factory, dtype, ctx),
+                lambda ctx: LlamaForCausalLM(cfg, max_model_len, factory, dtype, ctx, head()),
             )  # fmt: skip
         del net
         names += _write_side_files(path, cfg, source.tokenizer, tmp)

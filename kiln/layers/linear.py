@@ -346,12 +346,18 @@ class Linear(nn.Module):
     def cut(self, param: torch.Tensor, shard: int | None, loaded: torch.Tensor) -> torch.Tensor:
         """This tensor rank's part of full checkpoint tensor `loaded` for `param` (`loaded`
         itself at TP=1). Column-parallel: the rank's rows of each fused block (weights, biases
-        and per-row scales alike). Row-parallel: the weight's input columns; the bias on tensor
-        rank 0 only (it is added once, before the sum); per-row scales whole."""
+        and per-row scales alike; a tensor shorter than the blocks' full sizes, the vocabulary
+        under a padded LM head, is first zero-padded to them). Row-parallel: the weight's input
+        columns; the bias on tensor rank 0 only (it is added once, before the sum); per-row
+        scales whole."""
         split = self.split
         if split is None or loaded.dim() == 0:
             return loaded
         if split.rows is not None:
+            padded = sum(split.full_sizes)
+            if loaded.shape[0] < padded:  # the float8 LM head: rows past the vocabulary are 0
+                pad = loaded.new_zeros(padded - loaded.shape[0], *loaded.shape[1:])
+                loaded = torch.cat([loaded, pad])
             if shard is not None:
                 start, length = split.rows[shard]
                 return loaded.narrow(0, start, length)

@@ -16,7 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.attention.backend import AttentionBackend, AttentionMetadata
-from kiln.distributed.comm import recv_from_prev_stage, send_to_next_stage
+from kiln.distributed.comm import (
+    recv_from_prev_stage,
+    send_to_next_stage,
+    tp_all_gather_last_dim,
+)
 from kiln.distributed.parallel_state import ParallelContext, kv_head_range, split_layers
 from kiln.errors import ModelLoadError
 from kiln.layers.linear import Linear, LinearMethod, TensorSplit, UnquantizedLinearMethod
@@ -167,7 +171,8 @@ class LlamaForCausalLM(nn.Module):
     by qualified name; None: unquantized. The LM head is unquantized unless `lm_head_method`
     gives it one (EngineConfig.lm_head_quantization="fp8": its bytes halve, at an accuracy cost
     measured in docs/performance.md); with tied embeddings the head is then a float8 copy of the
-    embedding, which itself stays in the model dtype for the lookup. TP=1 only.
+    embedding, which itself stays in the model dtype for the lookup. Under TP the float8 head is
+    cut by vocabulary rows as the embedding is, and its logits gathered.
 
     `dtype` is where the parameters are made; with a quantized method pass it rather than calling
     `.to(dtype)` afterwards, which would widen the float8 weights and their fp32 scales.
@@ -220,13 +225,14 @@ class LlamaForCausalLM(nn.Module):
         self.tied_head = cfg.tie_word_embeddings
         self.head_quantized = lm_head_method is not None
         if lm_head_method is not None:
-            if parallel is not None:
-                raise ModelLoadError(
-                    "a float8 LM head (lm_head_quantization='fp8') needs tensor_parallel_size=1 "
-                    "and pipeline_parallel_size=1"
+            rows, split = cfg.vocab_size, None
+            if tp is not None:  # column-parallel: each rank the embedding's rows (zero-padded)
+                rows = -(-cfg.vocab_size // tp.tp_size)
+                split = TensorSplit(
+                    tp, rows=((tp.tp_rank * rows, rows),), full_sizes=(rows * tp.tp_size,)
                 )
             self.lm_head = Linear(
-                cfg.hidden_size, cfg.vocab_size, method=lm_head_method, dtype=dtype
+                cfg.hidden_size, rows, method=lm_head_method, dtype=dtype, split=split
             )
         elif cfg.tie_word_embeddings:
             self.lm_head = None
@@ -316,7 +322,11 @@ class LlamaForCausalLM(nn.Module):
         if self.head_quantized:
             if ops is None:
                 raise ValueError("a quantized LM head needs the kernels: compute_logits(h, ops)")
-            return self.lm_head(ops, hidden)
+            logits = self.lm_head(ops, hidden)
+            if self.lm_head.split is None:
+                return logits
+            full = tp_all_gather_last_dim(self.lm_head.split.ctx, logits)
+            return full[:, : self.full_config.vocab_size]
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, VocabParallelEmbedding):  # TP: a collective of the tensor ranks
             return head.logits(hidden)
