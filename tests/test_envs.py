@@ -41,9 +41,9 @@ def test_changed_names_the_switches_set_and_never_the_api_key():
     # What a benchmark's JSON records (kiln.bench.report.environment): the A/B side it ran.
     assert changed(Envs()) == {}
     env = read_envs(
-        {"KILN_DECODE_STREAM_K": "1", "KILN_KV_CACHE_LAYOUT": "head", "KILN_API_KEY": "sk-x"}
+        {"KILN_DECODE_STREAM_K": "1", "KILN_KV_CACHE_LAYOUT": "token", "KILN_API_KEY": "sk-x"}
     )
-    assert changed(env) == {"KILN_DECODE_STREAM_K": True, "KILN_KV_CACHE_LAYOUT": "head"}
+    assert changed(env) == {"KILN_DECODE_STREAM_K": True, "KILN_KV_CACHE_LAYOUT": "token"}
     assert changed(read_envs({"KILN_DECODE_PACKED": "1"})) == {}  # the default, set explicitly
 
 

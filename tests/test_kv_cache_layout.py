@@ -160,9 +160,10 @@ def test_block_copies_over_head_major_blocks(kernels: str) -> None:
         assert torch.equal(a[3], a[0]) and torch.equal(a[4], a[2])
 
 
-def test_the_engine_generates_the_same_tokens_over_head_major_blocks(tmp_path, monkeypatch) -> None:
-    # The runner allocates head-major caches under KILN_KV_CACHE_LAYOUT=head; greedy tokens
-    # (chunked prompts, a shared prefix from the cache, decode) equal the default layout's.
+def test_the_engine_generates_the_same_tokens_over_either_layout(tmp_path, monkeypatch) -> None:
+    # The runner allocates head-major caches by default and token-major ones under
+    # KILN_KV_CACHE_LAYOUT=token; greedy tokens (chunked prompts, a shared prefix from the
+    # cache, decode) are the same over both.
     from kiln import LLM, SamplingParams
     from tests.conftest import build_tiny_hf_model
 
@@ -177,17 +178,18 @@ def test_the_engine_generates_the_same_tokens_over_head_major_blocks(tmp_path, m
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         return [o.outputs[0].token_ids for o in outs], head_major(*caches[0])
 
+    assert kv_cache_head_major()  # the default
     want, layout = generate()
-    assert layout is False
-    monkeypatch.setenv("KILN_KV_CACHE_LAYOUT", "head")
+    assert layout is True
+    monkeypatch.setenv("KILN_KV_CACHE_LAYOUT", "token")
     envs.cache_clear()
     try:
-        assert kv_cache_head_major()
+        assert not kv_cache_head_major()
         got, layout = generate()
     finally:
         monkeypatch.delenv("KILN_KV_CACHE_LAYOUT")
         envs.cache_clear()
-    assert layout is True
+    assert layout is False
     assert got == want
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Call 3: 1000/1000 at 3000 requests, 1000 in flight, 16k-token steps, static fp8 + float8 KV:
-# the plain engine, then the same with the switches call 1's sweep chose (SWITCHES, e.g.
-# "KILN_DECODE_STREAM_K=1 KILN_KV_CACHE_LAYOUT=head"), on one warm machine, one after the other.
+# the default engine (head-major KV blocks since call 1), then the same with SWITCHES (e.g.
+# "KILN_KV_CACHE_LAYOUT=token", the layout A/B on the H200), on one warm machine, one after the
+# other. Needs an H200's memory (1000 x 2000 tokens of float8 cache: 0.985 of its 141 GB).
 set -u
 python3 -m pip install -q --no-deps --no-index .whl/*.whl 2>&1 | tail -1
 export PYTHONUNBUFFERED=1 DMON=1 NO_HF=1 OUT=$OUT
