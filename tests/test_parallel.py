@@ -263,9 +263,7 @@ def tied97(tmp_path_factory) -> str:
     return _save_tiny(path, "llama-gqa", vocab_size=97, tie_word_embeddings=True)
 
 
-@pytest.fixture(scope="class")
-def tied97_fp8_head_tp2(tied97):
-    yield from _parallel_engine(tied97, 2, 1, lm_head_quantization="fp8")
+PROMPTS_97 = [[t % 97 for t in p] for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -273,27 +271,16 @@ def tied97_fp8_head_ref(tied97):
     return LLM(tied97, **COMMON, lm_head_quantization="fp8").generate(PROMPTS_97, GREEDY)
 
 
-PROMPTS_97 = [[t % 97 for t in p] for p in PROMPTS]
-
-
-class TestFloat8HeadTP2:
-    def test_tp2_float8_head_equals_one_process(
-        self, tied97_fp8_head_tp2, tied97_fp8_head_ref
-    ) -> None:
-        _assert_same(tied97_fp8_head_tp2.generate(PROMPTS_97, GREEDY), tied97_fp8_head_ref)
-
-
-@pytest.fixture(scope="class")
-def tied97_fp8_head_pp2(tied97):
-    yield from _parallel_engine(tied97, 1, 2, lm_head_quantization="fp8")
-
-
-class TestFloat8HeadPP2:
-    def test_pp2_float8_head_equals_one_process(
-        self, tied97_fp8_head_pp2, tied97_fp8_head_ref
-    ) -> None:
-        # The last stage holds the whole head, quantized from its (whole) embedding.
-        _assert_same(tied97_fp8_head_pp2.generate(PROMPTS_97, GREEDY), tied97_fp8_head_ref)
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_a_float8_head_in_parallel_equals_one_process(tied97, tied97_fp8_head_ref, tp, pp) -> None:
+    # TP: each rank its vocabulary rows (the last zero-padded), the logits gathered; PP: the last
+    # stage holds the whole head, quantized from its (whole) embedding.
+    llm = LLM(tied97, tensor_parallel_size=tp, pipeline_parallel_size=pp, **COMMON,
+              lm_head_quantization="fp8")  # fmt: skip
+    try:
+        _assert_same(llm.generate(PROMPTS_97, GREEDY), tied97_fp8_head_ref)
+    finally:
+        llm.shutdown()
 
 
 @pytest.fixture(scope="class")
