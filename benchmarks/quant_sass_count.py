@@ -103,17 +103,22 @@ def count(sass: str) -> dict:
     }
 
 
+# The quantizing kernels' outlier-column arguments (kiln.quantization.outlier_columns), unused
+# here: each case's REMAINDERS is 0.
+_NO_CHANNELS = {"channels_ptr": "*i64", "n_channels": "i32"}
+
+
 def _silu(dynamic: bool) -> tuple:
     d = 14336
     one_pass, block, warps = silu_mul._quant_tiles(d, 512)
     types = {
         "x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
-        "stride_x": "i32", "stride_out": "i32", "d": "i32",
+        "stride_x": "i32", "stride_out": "i32", "d": "i32", **_NO_CHANNELS,
         "__aligned__": ("stride_x", "stride_out", "d"),
     }  # fmt: skip
     constexprs = {
         "DYNAMIC": dynamic, "ONE_PASS": one_pass, "BLOCK": block, "FP8_MAX": FP8_E4M3_MAX,
-        "MIN_SCALE": FP8_MIN_SCALE, "INTERPRETED": False,
+        "MIN_SCALE": FP8_MIN_SCALE, "INTERPRETED": False, "REMAINDERS": 0,
     }  # fmt: skip
     return silu_mul._silu_and_mul_quant_fp8_kernel, types, constexprs, warps, block // (32 * warps)
 
@@ -127,13 +132,13 @@ def _rms(dynamic: bool, residual: bool) -> tuple:
     types = {
         "x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*fp8e4nv",
         "sum_ptr": "*bf16", "stride_x": "i32", "stride_residual": "i32", "stride_out": "i32",
-        "stride_sum": "i32", "hidden": "i32", "eps": "fp32", "scale_ptr": "*fp32",
+        "stride_sum": "i32", "hidden": "i32", "eps": "fp32", "scale_ptr": "*fp32", **_NO_CHANNELS,
         "__aligned__": ("stride_x", "stride_residual", "stride_out", "stride_sum", "hidden"),
     }  # fmt: skip
     constexprs = {
         "ADD_RESIDUAL": residual, "BLOCK": block, "QUANT": True, "DYNAMIC": dynamic,
         "OUT_DTYPE": tl.bfloat16, "INTERPRETED": False, "FP8_MAX": FP8_E4M3_MAX,
-        "MIN_SCALE": FP8_MIN_SCALE,
+        "MIN_SCALE": FP8_MIN_SCALE, "REMAINDERS": 0,
     }  # fmt: skip
     return rms_norm._rms_norm_kernel, types, constexprs, warps, block // (32 * warps)
 
@@ -143,11 +148,12 @@ def _quantize(dynamic: bool) -> tuple:
     block = min(triton.next_power_of_2(k), 2048)
     types = {
         "x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "stride_x": "i32",
-        "stride_out": "i32", "K": "i32", "__aligned__": ("stride_x", "stride_out", "K"),
+        "stride_out": "i32", "K": "i32", **_NO_CHANNELS,
+        "__aligned__": ("stride_x", "stride_out", "K"),
     }  # fmt: skip
     constexprs = {
         "DYNAMIC": dynamic, "FP8_MAX": FP8_E4M3_MAX, "MIN_SCALE": FP8_MIN_SCALE, "BLOCK": block,
-        "INTERPRETED": False,
+        "INTERPRETED": False, "REMAINDERS": 0,
     }  # fmt: skip
     return fp8_gemm._quantize_fp8_kernel, types, constexprs, 4, block // (32 * 4)
 
@@ -159,8 +165,8 @@ def _small_batch(quant: int, prologue: int) -> tuple:
         "w_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
         "w_scale_ptr": "*fp32", "in_scale_ptr": "*fp32", "part_ptr": "*fp32",
         "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32",
-        "stride_xm": "i32", "stride_om": "i32", "eps": "fp32",
-        "__aligned__": ("N", "K", "k_per_split", "stride_xm", "stride_om"),
+        "stride_xm": "i32", "stride_om": "i32", "stride_wn": "i32", "eps": "fp32",
+        "__aligned__": ("N", "K", "k_per_split", "stride_xm", "stride_om", "stride_wn"),
     }  # fmt: skip
     constexprs = {
         "PROLOGUE": prologue, "HAS_BIAS": False, "GATED": False, "BLOCK_M": 16, "BLOCK_N": 64,
