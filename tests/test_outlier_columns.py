@@ -165,24 +165,83 @@ def test_the_manifest_names_the_channels_and_the_weights_hold_their_columns(stat
                        weight[:, channels["layers.1.mlp.down_proj"]].view(torch.uint8))  # fmt: skip
 
 
-def test_outlier_columns_where_they_cannot_apply_are_a_clear_error(static_builds):
+def test_outlier_columns_where_they_cannot_apply_are_a_clear_error():
     with pytest.raises(BuildError, match="a multiple of 16"):
         BuildOptions(quantization="fp8", outlier_columns=8)
     with pytest.raises(BuildError, match="need --quantization fp8 or fp8-dynamic"):
         BuildOptions(quantization="none", outlier_columns=16)
-    with pytest.raises(BuildError, match="build with -tp 1"):
-        BuildOptions(quantization="fp8-dynamic", outlier_columns=16, tensor_parallel_size=2)
-    # Loading one at -tp 2 (rank 0 of 2, as a worker process would): refused before any weight.
+
+
+def _rank_layers(engine: str, name: str, tp: int = 2) -> list[Linear]:
+    """Layer `name` of the one-process model (first) and of each tensor rank's (as a worker
+    process would load it), from one engine directory."""
     from kiln.config import EngineConfig
     from kiln.distributed.parallel_state import ParallelContext, RankLayout
-    from kiln.errors import ModelLoadError
     from kiln.runtime.model_loader import load_model
 
+    config = EngineConfig(model=engine, dtype="float32", tensor_parallel_size=tp)
+    contexts = [None] + [ParallelContext(RankLayout(tp, 1, r), None, None, None) for r in range(tp)]
+    return [
+        load_model(config if ctx else EngineConfig(model=engine, dtype="float32"),
+                   torch.device("cpu"), torch.float32, ctx).model.get_submodule(name)
+        for ctx in contexts
+    ]  # fmt: skip
+
+
+def test_row_parallel_ranks_keep_their_channels_and_sum_to_one_process(static_builds):
+    """down_proj at -tp 2: each rank keeps the chosen channels inside its 64 input columns
+    (renumbered), padded to 16 with channels of its own whose appended columns are zero; the
+    ranks' partial products add up to the one-process projection (the static scale is one
+    tensor, so each rank quantizes its slice exactly as the whole)."""
+    from kiln.kernels import reference as ops
+
     _, out = static_builds
-    config = EngineConfig(model=str(out / "outlier"), dtype="float32", tensor_parallel_size=2)
-    ctx = ParallelContext(RankLayout(2, 1, 0), None, None, None)
-    with pytest.raises(ModelLoadError, match=r"outlier columns .* tensor_parallel_size 1 only"):
-        load_model(config, torch.device("cpu"), torch.float32, ctx)
+    whole, *ranks = _rank_layers(str(out / "outlier"), "layers.1.mlp.down_proj")
+    chosen = whole.method.channels
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
+    x[:, [7, 90]] *= 40.0
+    partial = torch.zeros(5, 64)
+    for rank, layer in enumerate(ranks):
+        start = 64 * rank
+        mine = [c - start for c in chosen if start <= c < start + 64]
+        index = layer.outlier_index.tolist()
+        assert set(mine) <= set(index) and len(index) == 16 and index == sorted(index)
+        extra = layer.weight[:, 64:].view(torch.uint8)
+        for j, channel in enumerate(index):
+            column = extra[:, j]
+            if channel in mine:  # the one-process weight's appended column for that channel
+                want = whole.weight[:, 128 + chosen.index(channel + start)].view(torch.uint8)
+                assert torch.equal(column, want)
+            else:
+                assert not column.any()
+        partial += layer.method.apply(layer, ops, x[:, start : start + 64])
+    torch.testing.assert_close(partial, whole.method.apply(whole, ops, x), rtol=1e-5, atol=1e-5)
+
+
+def test_outlier_engines_at_tp2_equal_one_process(static_builds, loud_source, tmp_path):
+    """The -tp 1 engine loaded at -tp 2 (each rank cuts it), and a -tp 2 build (each rank its
+    shard, the same cut): greedy tokens as one process, logprobs within fp32 summation order."""
+    from kiln import LLM, SamplingParams
+
+    _, out = static_builds
+    split = str(tmp_path / "tp2")
+    options = BuildOptions(quantization="fp8", max_model_len=128, accuracy_check=False,
+                           outlier_columns=16, tensor_parallel_size=2)  # fmt: skip
+    build_engine(loud_source, split, options, None)
+    prompts = [[1, 5, 9, 13, 40, 22, 8], [1, 30, 31, 32]]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
+    common = dict(dtype="float32", num_threads=1, distributed_timeout_s=60, device="cpu")
+    want = LLM(str(out / "outlier"), **common).generate(prompts, params)
+    for engine in (str(out / "outlier"), split):
+        llm = LLM(engine, tensor_parallel_size=2, **common)
+        try:
+            got = llm.generate(prompts, params)
+        finally:
+            llm.shutdown()
+        for a, b in zip(got, want):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids, engine
+            for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa), engine
 
 
 def _triton_ops():

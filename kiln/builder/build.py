@@ -123,7 +123,7 @@ class BuildOptions:
     """> 0: each FP8 projection's that many loudest input channels on the calibration text
     (a multiple of 16) carried as a second float8 term (kiln.quantization.outlier_columns):
     accuracy near per-token scales' for static "fp8", at K + n GEMM columns and unfused
-    quantization; -tp 1. 0: off."""
+    quantization. 0: off."""
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -177,8 +177,6 @@ class BuildOptions:
             if self.quantization == "none":
                 raise BuildError("outlier columns are float8 inputs' second term: they need "
                                  "--quantization fp8 or fp8-dynamic")  # fmt: skip
-            if self.tensor_parallel_size != 1:
-                raise BuildError("outlier columns are not cut per tensor rank: build with -tp 1")
 
 
 def build_engine(
@@ -562,7 +560,7 @@ def _accuracy_failure(accuracy: dict, options: BuildOptions) -> str:
             hints.append(
                 "--weight-rounding gptq-sequential fits the weights' rounding to their inputs"
             )
-        if not options.outlier_columns and options.tensor_parallel_size == 1:  # -tp 1 only
+        if not options.outlier_columns:
             hints.append("--outlier-columns 16 keeps the loudest input channels' precision")
     hints.append("--no-accuracy-check builds it anyway")
     return (

@@ -70,6 +70,12 @@ class LinearMethod(ABC):
         this; at TP=1 nothing is cut."""
         self.load_weight(layer.shard_view(param, shard), shard, layer.cut(param, shard, loaded))
 
+    def input_columns(self, layer: Linear, weight: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's part of its whole weight `weight` (as this method stores it):
+        the rank's input columns. A method laying out more than the input's columns (outlier
+        columns) overrides this."""
+        return weight.narrow(1, *layer.split.cols)
+
     def checkpoint_shape(
         self, layer: Linear, param: torch.Tensor, shape: tuple[int, ...]
     ) -> tuple[int, ...]:
@@ -367,7 +373,7 @@ class Linear(nn.Module):
                 offset += full
             return torch.cat(blocks) if len(blocks) > 1 else blocks[0]
         if param is self.weight:
-            return loaded.narrow(1, *split.cols)
+            return self.method.input_columns(self, loaded)
         if param is self.bias and split.ctx.tp_rank != 0:
             return torch.zeros_like(loaded)
         return loaded

@@ -25,8 +25,11 @@ fused small-batch kernels (norm, quantization and GEMV in one at a handful of ro
 run the quantizing op, then the GEMM (at a handful of rows the small-batch GEMV on its float8
 output).
 
-Tensor parallelism is not supported (the chosen channels would have to be cut per rank's input
-shard): such an engine builds and loads at -tp 1 only.
+Under tensor parallelism a column-parallel projection (qkv, gate_up) sees the whole input and
+keeps every chosen channel, with its rows. A row-parallel one (o_proj, down) keeps the chosen
+channels inside its input columns, renumbered, and pads them to a multiple of 16 with other
+channels of its own whose appended weight columns are zero. Their remainders then add exactly
+nothing, and the ranks' partial sums add up to the one-process product.
 """
 
 from __future__ import annotations
@@ -68,26 +71,53 @@ class OutlierColumnsFp8LinearMethod(Fp8LinearMethod):
         if len(set(channels)) != len(channels):
             raise ValueError("outlier columns name each channel once")
         self.channels = list(channels)
+        # Per appended column of this layer: its position in `channels`, or None for a
+        # row-parallel rank's padding (a zero column).
+        self.slots: list[int | None] = []
 
     def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
-        if layer.split is not None:
-            raise ValueError(
-                "an engine with outlier columns runs at tensor_parallel_size 1 (its chosen "
-                "channels are not cut per tensor rank)"
-            )
-        if max(self.channels) >= layer.in_features:
-            raise ValueError(
-                f"outlier column {max(self.channels)} is past the layer's "
-                f"{layer.in_features} input channels"
-            )
+        local = self._local_channels(layer)
         super().create_weights(layer, dtype)
-        shape = (layer.out_features, layer.in_features + len(self.channels))
+        shape = (layer.out_features, layer.in_features + len(local))
         layer.weight = torch.nn.Parameter(
             torch.empty(shape, dtype=torch.float8_e4m3fn), requires_grad=False
         )
         # On the model's device from the start (a copy made while a CUDA graph is captured
         # would fail); not persistent: the manifest names the channels, not the weights.
-        layer.register_buffer("outlier_index", torch.tensor(self.channels), persistent=False)
+        layer.register_buffer("outlier_index", torch.tensor(local), persistent=False)
+
+    def _local_channels(self, layer: Linear) -> list[int]:
+        """This layer's channels in its own input's numbering (sets self.slots): all of them,
+        unless a row-parallel rank keeps input columns [start, start + length) only."""
+        split = layer.split
+        if split is None or split.cols is None:
+            if max(self.channels) >= layer.in_features:
+                raise ValueError(
+                    f"outlier column {max(self.channels)} is past the layer's "
+                    f"{layer.in_features} input channels"
+                )
+            self.slots = list(range(len(self.channels)))
+            return self.channels
+        start, length = split.cols
+        mine = [(c - start, i) for i, c in enumerate(self.channels) if start <= c < start + length]
+        padded = max(COLUMN_MULTIPLE, -(-len(mine) // COLUMN_MULTIPLE) * COLUMN_MULTIPLE)
+        taken = {c for c, _ in mine}
+        spare = [c for c in range(length) if c not in taken][: padded - len(mine)]
+        pairs = sorted(mine + [(c, None) for c in spare])
+        self.slots = [i for _, i in pairs]
+        return [c for c, _ in pairs]
+
+    def input_columns(self, layer: Linear, weight: torch.Tensor) -> torch.Tensor:
+        """A row-parallel rank's part of the whole [out, in + n] weight (an engine's): its
+        input columns, then the appended columns of its channels (zeros for its padding)."""
+        start, length = layer.split.cols
+        whole = weight.view(torch.uint8)
+        whole_in = whole.shape[1] - len(self.channels)
+        extra = whole.new_zeros(whole.shape[0], len(self.slots))
+        for j, position in enumerate(self.slots):
+            if position is not None:
+                extra[:, j] = whole[:, whole_in + position]
+        return torch.cat([whole[:, start : start + length], extra], 1).view(weight.dtype)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         """On CUDA, the weight's rows re-laid ROW_ALIGN bytes apart (the Triton quantizing
@@ -110,11 +140,31 @@ class OutlierColumnsFp8LinearMethod(Fp8LinearMethod):
             return (shape[0], layer.in_features)
         return shape
 
+    def load_checkpoint_tensor(
+        self, layer: Linear, param: torch.Tensor, shard: int | None, loaded: torch.Tensor
+    ) -> None:
+        """A row-parallel rank from a model-dtype weight: the whole rows quantized and laid out
+        as an engine holds them ([out, in + n]), then cut as an engine's weight is."""
+        split = layer.split
+        row_parallel = split is not None and split.cols is not None
+        if row_parallel and param is layer.weight and loaded.dtype != torch.float8_e4m3fn:
+            codes, scale = self._quantize_rows(loaded.to(param.device))
+            whole = codes.view(torch.uint8)
+            whole = torch.cat([whole, whole[:, self.channels]], 1).view(codes.dtype)
+            param.copy_(self.input_columns(layer, whole))
+            layer.weight_scale.copy_(scale.view(-1))
+            return
+        super().load_checkpoint_tensor(layer, param, shard, loaded)
+
     def store_codes(self, param: torch.Tensor, codes: torch.Tensor) -> None:
         k = codes.shape[1]
         param[:, :k].copy_(codes)
         index = self._layer().outlier_index.to(codes.device)
-        param[:, k:].copy_(codes.view(torch.uint8).index_select(1, index).view(codes.dtype))
+        extra = codes.view(torch.uint8).index_select(1, index)
+        for j, position in enumerate(self.slots):
+            if position is None:  # a row-parallel rank's padding: adds nothing
+                extra[:, j] = 0
+        param[:, k:].copy_(extra.view(codes.dtype))
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, layer.in_features)

@@ -212,11 +212,6 @@ def _linear_method(engine_config: EngineConfig, source: ModelSource) -> LinearMe
             f"{source.description} holds {source.quantization!r} weights; it cannot load as "
             f"quantization={engine_config.quantization!r} (build another engine for that)"
         )
-    if source.outlier_channels and engine_config.tensor_parallel_size > 1:
-        raise ModelLoadError(
-            f"{source.description} has outlier columns (kiln build --outlier-columns), which run "
-            "at tensor_parallel_size 1 only"
-        )
     return linear_method_factory(
         source.quantization, source.input_scales, unquantized=source.unquantized_layers,
         outlier_channels=source.outlier_channels,
