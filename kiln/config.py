@@ -51,7 +51,8 @@ class EngineConfig:
     """The LM head's weights: "none" (the model dtype) or "fp8" (float8 e4m3 per vocabulary row,
     activations per token: half the head's bytes, at an accuracy cost measured in
     docs/performance.md). A tied embedding keeps its own copy for the lookup. An engine built
-    with `--lm-head-quantization fp8` loads with its float8 head whatever this says; TP=1 only."""
+    with `--lm-head-quantization fp8` loads with its float8 head whatever this says. Under TP it
+    is cut by vocabulary rows, as the embedding is."""
     kv_cache_memory_gb: float | None = None
     """KV cache budget in GiB. None: 2 GiB on the CPU; on GPU, from gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.9
