@@ -218,6 +218,28 @@ def test_row_parallel_ranks_keep_their_channels_and_sum_to_one_process(static_bu
     torch.testing.assert_close(partial, whole.method.apply(whole, ops, x), rtol=1e-5, atol=1e-5)
 
 
+def test_a_row_parallel_rank_from_model_dtype_weights_is_the_engine_weights_cut():
+    """A row-parallel rank loading a model-dtype weight (the whole rows quantized, laid out as an
+    engine holds them, then cut) holds what it would cut from the -tp 1 layer's weight; 8 of
+    16 channels in each half, so each rank pads 8 zero columns."""
+    from kiln.distributed.parallel_state import ParallelContext, RankLayout
+    from kiln.layers.linear import TensorSplit
+
+    channels = list(range(0, 128, 8))
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(3))
+    whole = Linear(128, 64, method=OutlierColumnsFp8LinearMethod("dynamic", channels=channels))
+    whole.weight_loader(whole.weight, None, weight)
+    for rank in range(2):
+        ctx = ParallelContext(RankLayout(2, 1, rank), None, None, None)
+        method = OutlierColumnsFp8LinearMethod("dynamic", channels=channels)
+        part = Linear(64, 64, method=method, split=TensorSplit(ctx, cols=(64 * rank, 64)))
+        part.weight_loader(part.weight, None, weight)
+        assert part.outlier_index.numel() == 16 and method.slots.count(None) == 8
+        want = method.input_columns(part, whole.weight.detach())
+        assert torch.equal(part.weight.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(part.weight_scale, whole.weight_scale)
+
+
 def test_outlier_engines_at_tp2_equal_one_process(static_builds, loud_source, tmp_path):
     """The -tp 1 engine loaded at -tp 2 (each rank cuts it), and a -tp 2 build (each rank its
     shard, the same cut): greedy tokens as one process, logprobs within fp32 summation order."""
