@@ -67,6 +67,9 @@ def environment(device: torch.device) -> dict:
         "transformers": transformers.__version__,
         # The KILN_* switches this run had (kernel A/Bs: KILN_DECODE_STREAM_K=1 and the like).
         "kiln_env": changed(envs()),
+        # Named whatever it is: its default changed (token- to head-major, 2026-12-05), so an
+        # empty kiln_env reads differently before and after.
+        "kv_cache_layout": envs().kv_cache_layout,
     }
     try:
         import triton
