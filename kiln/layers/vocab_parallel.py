@@ -14,6 +14,7 @@ from torch import nn
 
 from kiln.distributed.comm import tp_all_gather_last_dim, tp_all_reduce
 from kiln.distributed.parallel_state import ParallelContext
+from kiln.layers.linear import TensorSplit
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -34,8 +35,18 @@ class VocabParallelEmbedding(nn.Module):
         return tp_all_reduce(self.ctx, hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
-        full = tp_all_gather_last_dim(self.ctx, F.linear(hidden, self.weight))
-        return full[:, : self.vocab_size]
+        return self.gather_logits(F.linear(hidden, self.weight))
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:  # [n, rows] -> [n, vocab]
+        """Every rank's logits of its rows (this table's, or a head's cut as row_split cuts
+        it), all-gathered on every tensor rank, the padding dropped."""
+        return tp_all_gather_last_dim(self.ctx, local)[:, : self.vocab_size]
+
+    def row_split(self) -> TensorSplit:
+        """This rank's rows as a column-parallel Linear's cut: a float8 LM head's, whose
+        Linear.cut zero-pads the vocabulary to rows x ranks as this table is."""
+        full = self.rows * self.ctx.tp_size
+        return TensorSplit(self.ctx, rows=((self.start, self.rows),), full_sizes=(full,))
 
     def cut(self, loaded: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the full [vocab, hidden] table, zero-padded to `rows`."""

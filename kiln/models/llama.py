@@ -16,11 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.attention.backend import AttentionBackend, AttentionMetadata
-from kiln.distributed.comm import (
-    recv_from_prev_stage,
-    send_to_next_stage,
-    tp_all_gather_last_dim,
-)
+from kiln.distributed.comm import recv_from_prev_stage, send_to_next_stage
 from kiln.distributed.parallel_state import ParallelContext, kv_head_range, split_layers
 from kiln.errors import ModelLoadError
 from kiln.layers.linear import Linear, LinearMethod, TensorSplit, UnquantizedLinearMethod
@@ -225,12 +221,9 @@ class LlamaForCausalLM(nn.Module):
         self.tied_head = cfg.tie_word_embeddings
         self.head_quantized = lm_head_method is not None
         if lm_head_method is not None:
-            rows, split = cfg.vocab_size, None
-            if tp is not None:  # column-parallel: each rank the embedding's rows (zero-padded)
-                rows = -(-cfg.vocab_size // tp.tp_size)
-                split = TensorSplit(
-                    tp, rows=((tp.tp_rank * rows, rows),), full_sizes=(rows * tp.tp_size,)
-                )
+            # Under TP column-parallel: each rank the embedding's rows (zero-padded alike).
+            split = None if tp is None else self.embed_tokens.row_split()
+            rows = cfg.vocab_size if split is None else split.rows[0][1]
             self.lm_head = Linear(
                 cfg.hidden_size, rows, method=lm_head_method, dtype=dtype, split=split
             )
@@ -323,10 +316,9 @@ class LlamaForCausalLM(nn.Module):
             if ops is None:
                 raise ValueError("a quantized LM head needs the kernels: compute_logits(h, ops)")
             logits = self.lm_head(ops, hidden)
-            if self.lm_head.split is None:
-                return logits
-            full = tp_all_gather_last_dim(self.lm_head.split.ctx, logits)
-            return full[:, : self.full_config.vocab_size]
+            if self.lm_head.split is not None:
+                logits = self.embed_tokens.gather_logits(logits)
+            return logits
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, VocabParallelEmbedding):  # TP: a collective of the tensor ranks
             return head.logits(hidden)

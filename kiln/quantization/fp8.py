@@ -101,6 +101,11 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
         """The weight's rows from their float8 codes (outlier columns append more)."""
         param.copy_(codes)
 
+    def engine_weight(self, codes: torch.Tensor) -> torch.Tensor:
+        """The whole weight as an engine stores it, from its float8 codes [out, in]: what a
+        row-parallel rank cuts its part from (Linear.cut). The codes themselves here."""
+        return codes
+
     def load_checkpoint_tensor(
         self, layer: Linear, param: torch.Tensor, shard: int | None, loaded: torch.Tensor
     ) -> None:
@@ -111,7 +116,7 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
         row_parallel = split is not None and split.cols is not None
         if row_parallel and param is layer.weight and loaded.dtype != torch.float8_e4m3fn:
             weight_fp8, scale = self._quantize_rows(loaded.to(param.device))
-            param.copy_(layer.cut(param, shard, weight_fp8))
+            param.copy_(layer.cut(param, shard, self.engine_weight(weight_fp8)))
             layer.shard_view(layer.weight_scale, shard).copy_(scale.view(-1))
             return
         super().load_checkpoint_tensor(layer, param, shard, loaded)

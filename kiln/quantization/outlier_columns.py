@@ -140,21 +140,10 @@ class OutlierColumnsFp8LinearMethod(Fp8LinearMethod):
             return (shape[0], layer.in_features)
         return shape
 
-    def load_checkpoint_tensor(
-        self, layer: Linear, param: torch.Tensor, shard: int | None, loaded: torch.Tensor
-    ) -> None:
-        """A row-parallel rank from a model-dtype weight: the whole rows quantized and laid out
-        as an engine holds them ([out, in + n]), then cut as an engine's weight is."""
-        split = layer.split
-        row_parallel = split is not None and split.cols is not None
-        if row_parallel and param is layer.weight and loaded.dtype != torch.float8_e4m3fn:
-            codes, scale = self._quantize_rows(loaded.to(param.device))
-            whole = codes.view(torch.uint8)
-            whole = torch.cat([whole, whole[:, self.channels]], 1).view(codes.dtype)
-            param.copy_(self.input_columns(layer, whole))
-            layer.weight_scale.copy_(scale.view(-1))
-            return
-        super().load_checkpoint_tensor(layer, param, shard, loaded)
+    def engine_weight(self, codes: torch.Tensor) -> torch.Tensor:
+        """[out, in + n]: the codes, then the chosen channels' columns again."""
+        whole = codes.view(torch.uint8)
+        return torch.cat([whole, whole[:, self.channels]], 1).view(codes.dtype)
 
     def store_codes(self, param: torch.Tensor, codes: torch.Tensor) -> None:
         k = codes.shape[1]
