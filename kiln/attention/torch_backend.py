@@ -51,10 +51,10 @@ def run_split_attention(
     prefill_qsl = m.query_start_loc[nd:] - nd
     block_tables, seq_lens = m.block_tables[nd:], m.seq_lens[nd:]
     if nd:
-        # Fresh (16-byte aligned) copies: Triton specializes kernels on pointer alignment, and a
-        # view starting at an odd row would compile another variant mid-run (seen on an H200:
-        # one 1.1 s step in a 21 s benchmark).
-        block_tables, seq_lens = block_tables.clone(), seq_lens.clone()
+        # Triton specializes kernels on pointer alignment, and a view starting at an odd row
+        # would compile another variant mid-run (seen on an H200: one 1.1 s step in a 21 s
+        # benchmark). The engine's table rows are 64 bytes apart, so its rows are always aligned.
+        block_tables, seq_lens = aligned(block_tables), aligned(seq_lens)
     # Both kernels write their rows of one output (no concatenation afterwards: a copy of every
     # row per layer, 1.1 ms of a 197 ms mixed step on the H200: docs/performance.md, "Where the
     # time goes").
@@ -77,3 +77,17 @@ def run_split_attention(
             m.max_seq_len, out=out[:nd],
         )  # fmt: skip
     return out
+
+
+def aligned(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` itself when it starts 16-byte aligned, else an aligned copy with the same strides.
+
+    A copy keeps the row stride (unlike clone(), which packs a cut table's rows at its own
+    width): Triton also specializes on whether a stride divides by 16, and a stride that follows
+    the step's width would compile yet another variant whenever the width crosses a multiple of
+    16 (the H200's 1.8 s stall at 1000/1000: docs/performance.md, "No kernel compiles mid-run").
+    """
+    if rows.data_ptr() % 16 == 0:
+        return rows
+    copy = torch.empty_strided(rows.shape, rows.stride(), dtype=rows.dtype, device=rows.device)
+    return copy.copy_(rows)

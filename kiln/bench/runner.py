@@ -16,6 +16,7 @@ from kiln.bench.workload import BenchRequest, synthetic_requests
 from kiln.checkpoint.default_model import default_model_path
 from kiln.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
+from kiln.kernel_cache import compile_watch
 from kiln.runtime.model_runner import TRACE_COLUMNS
 
 
@@ -106,10 +107,18 @@ def _run_kiln_timed(
         )
         run_kiln(engine, warmup, progress=False)
     concurrency = args.concurrency if args.mode == "throughput" else 1
+    compiled_before = len(compile_watch.WATCH.compiles)
     engine.executor.enable_step_timing()  # a few clock reads per step: host vs GPU time
     step_clock: dict = {}
     kiln_report = throughput_report(run_kiln(engine, requests, concurrency, progress, step_clock))
     record["kiln"] = kiln_report
+    # Triton kernels this process compiled during the timed run (each stalled a step), and
+    # whether the watch ran (it needs a GPU and Triton; a multi-process engine's ranks have
+    # their own).
+    record["kernel_compiles"] = {
+        "watched": compile_watch.WATCH.active,
+        "timed_run": compile_watch.WATCH.since(compiled_before),
+    }
     timing = engine.executor.stats().step_timing
     record["step_profile"] = _step_profile(timing, step_clock)
     # Every step, for distributions: the runner's phases and the whole engine step's wall time.
@@ -238,7 +247,18 @@ def _table(record: dict) -> str:
             f"{r['copy_bandwidth_gb_s']:.0f} GB/s -> {r['floor_ms_per_token']:.2f} ms/token; "
             f"achieved {r['achieved_fraction']:.0%}"
         )
+    table += _compile_warning(record.get("kernel_compiles", {}).get("timed_run", []))
     return table + _host_bound_warning(record.get("step_profile", {}))
+
+
+def _compile_warning(compiles: list[dict]) -> str:
+    if not compiles:
+        return ""
+    names = sorted({c["kernel"].rsplit(":", 1)[-1] for c in compiles})
+    return (
+        f"\nwarning: {len(compiles)} Triton kernel variant(s) compiled during the timed run "
+        f"({', '.join(names)}): each stalled a step (record: kernel_compiles)"
+    )
 
 
 # Below this share of a CUDA-graph decode step the GPU waits on the host: the run then measures

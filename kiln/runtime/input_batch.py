@@ -95,9 +95,16 @@ class InputBuffers:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max(max_num_tokens, max_num_seqs)  # a padded decode batch fits
+        # The kernels' table rows are padded to a multiple of 16 entries (64 bytes): Triton
+        # specializes a kernel on whether each int argument divides by 16 and each pointer is
+        # 16-byte aligned, so a row stride that always divides by 16 gives every step (eager or
+        # graph, any table width, any row the prefill rows start at) one compiled variant. A
+        # table cut at a step's own width compiled a second prefill kernel mid-run on the H200
+        # (1.8 s, ~1% of 1000/1000: docs/performance.md, "No kernel compiles mid-run").
         self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.table_row_stride = -(-self.max_blocks_per_seq // 16) * 16
         pin = device.type == "cuda"
-        t, s, w = self.max_num_tokens, max_num_seqs, self.max_blocks_per_seq
+        t, s, w = self.max_num_tokens, max_num_seqs, self.table_row_stride
 
         def host(n: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(n, dtype=dtype, pin_memory=pin)
