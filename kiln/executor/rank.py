@@ -17,7 +17,6 @@ from kiln.config import EngineConfig
 from kiln.distributed.comm import all_reduce_min, barrier
 from kiln.distributed.parallel_state import ParallelContext
 from kiln.executor.base import KVCapacity, ModelFacts
-from kiln.kernel_cache import compile_watch
 from kiln.runtime.memory_plan import MemoryPlan, plan_kv_blocks
 from kiln.runtime.model_loader import (
     load_model,
@@ -153,6 +152,4 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
         "load_phases": loaded.phases,  # load_s's parts
     }
     capacity = KVCapacity(num_blocks, config.block_size, capped)
-    if device.type == "cuda":
-        compile_watch.WATCH.start()  # every kernel a step needs should be compiled by now
     return Rank(facts, memory_plan, capacity, runner, startup)

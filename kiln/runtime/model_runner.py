@@ -34,6 +34,7 @@ from kiln.interfaces import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from kiln.kernel_cache import compile_watch
 from kiln.kernels.kv_layout import empty_cache, kv_cache_head_major
 from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
 from kiln.models.llama import LlamaForCausalLM
@@ -153,6 +154,8 @@ class ModelRunner:
         self._host_slot = 0  # which of the two pinned buffers the next step's ids land in
         # A step whose every sampling row verified drafts samples no ids: this, never written.
         self._no_ids = torch.zeros(0, dtype=torch.long, device=self.device)
+        if self.device.type == "cuda":
+            compile_watch.WATCH.start()  # the profile and the graphs compiled what steps need
 
     # ---- state -------------------------------------------------------------------------------
 
