@@ -146,3 +146,29 @@ def test_bench_warns_of_compiles_in_the_timed_run() -> None:
         + [{"kernel": "m:_decode_kernel", "variant": "v", "after_s": 4.0}]
     )
     assert "3 Triton kernel variant(s)" in text and "_decode_kernel, _prefill_kernel" in text
+
+
+def _variant(kernel, **args) -> tuple:
+    """The part of Triton's variant key its arguments decide (types, "equals 1", "divides by 16"),
+    by Triton's own rule, honouring the kernel's do_not_specialize."""
+    jit = pytest.importorskip("triton.runtime.jit")
+    from triton.backends.compiler import BaseBackend
+
+    options = getattr(kernel, "kwargs", None) or {}  # the interpreter's copy of jit's options
+    skip = set(options.get("do_not_specialize") or getattr(kernel, "do_not_specialize", ()) or ())
+    return tuple(
+        (name, jit.native_specialize_impl(BaseBackend, value, False, name not in skip, True))
+        for name, value in args.items()
+    )
+
+
+def test_decode_reduce_variant_does_not_follow_the_split_count() -> None:
+    # Graph capture runs power-of-two split counts (16 and 32 divide by 16); an eager mixed step
+    # may run any count, e.g. 11 or 24. Each count's variant must be one graphs compiled.
+    pytest.importorskip("triton")
+    from kiln.kernels.triton.decode_attention import _decode_reduce_kernel
+
+    keys = {n: _variant(_decode_reduce_kernel, num_splits=n) for n in (11, 16, 24, 32)}
+    assert keys[11] == keys[16] == keys[24] == keys[32]
+    # The rule itself, on an argument that is specialized: 16 and 11 are different variants.
+    assert _variant(object(), num_splits=16) != _variant(object(), num_splits=11)

@@ -252,7 +252,13 @@ def _decode_kernel(
         )
 
 
-@triton.jit
+# The split count is not specialized on (Triton would otherwise compile one variant for counts
+# that divide by 16 and one for the rest, per SPLITS_PAD). CUDA-graph capture compiles the counts
+# its buckets choose (powers of two: 4, 8 / 16, 32, 64), while an eager mixed step chooses from the
+# batch's own longest context (e.g. 11 splits for one decode at 700 tokens beside a prefill), and
+# each such count would compile a variant mid-run (docs/performance.md, "No kernel compiles
+# mid-run"). The kernel only indexes with it.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32
     part_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, log2 domain
