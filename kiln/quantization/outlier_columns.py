@@ -113,11 +113,18 @@ class OutlierColumnsFp8LinearMethod(Fp8LinearMethod):
         start, length = layer.split.cols
         whole = weight.view(torch.uint8)
         whole_in = whole.shape[1] - len(self.channels)
-        extra = whole.new_zeros(whole.shape[0], len(self.slots))
-        for j, position in enumerate(self.slots):
-            if position is not None:
-                extra[:, j] = whole[:, whole_in + position]
+        index = [whole_in + (0 if position is None else position) for position in self.slots]
+        extra = self._appended(whole, index)
         return torch.cat([whole[:, start : start + length], extra], 1).view(weight.dtype)
+
+    def _appended(self, columns: torch.Tensor, index: torch.Tensor | list[int]) -> torch.Tensor:
+        """The appended columns `columns[:, index]` (uint8 codes, one per slot), with a
+        row-parallel rank's padding slots zeroed: they add nothing."""
+        extra = columns[:, index]
+        padding = [j for j, position in enumerate(self.slots) if position is None]
+        if padding:
+            extra[:, padding] = 0
+        return extra
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         """On CUDA, the weight's rows re-laid ROW_ALIGN bytes apart (the Triton quantizing
@@ -149,11 +156,7 @@ class OutlierColumnsFp8LinearMethod(Fp8LinearMethod):
         k = codes.shape[1]
         param[:, :k].copy_(codes)
         index = self._layer().outlier_index.to(codes.device)
-        extra = codes.view(torch.uint8).index_select(1, index)
-        for j, position in enumerate(self.slots):
-            if position is None:  # a row-parallel rank's padding: adds nothing
-                extra[:, j] = 0
-        param[:, k:].copy_(extra.view(codes.dtype))
+        param[:, k:].copy_(self._appended(codes.view(torch.uint8), index).view(codes.dtype))
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, layer.in_features)
