@@ -171,7 +171,7 @@ def _small_batch(quant: int, prologue: int) -> tuple:
     constexprs = {
         "PROLOGUE": prologue, "HAS_BIAS": False, "GATED": False, "BLOCK_M": 16, "BLOCK_N": 64,
         "BLOCK_K": 256, "STATS_BLOCK": 1024, "SPLIT_K": 4, "DOT_PRECISION": "ieee",
-        "QUANT": quant, "FP8_DOT": True, "INTERPRETED": False,
+        "QUANT": quant, "FP8_DOT": True, "INTERPRETED": False, "SWAP_AB": False,
     }  # fmt: skip
     return small_batch_linear._small_batch_linear_kernel, types, constexprs, 4, None
 

@@ -69,6 +69,11 @@ class Envs:
     fp8_small_batch_dot: bool = True
     """The FP8 small-batch kernels multiply float8 x float8 on the tensor cores; off (0) widens
     both operands to fp16 first (exact, more ALU work): the A/B of the two on the GPU."""
+    small_batch_swap_ab: bool = True
+    """The small-batch kernels over float8 weights multiply weight tile x input rows (the tile
+    as the dot's first operand: a float8 wgmma straight from shared memory on Hopper) instead of
+    input rows x weight tile (an HMMA on the tile widened to fp16 in registers); off (0) is the
+    A/B (kernels.triton.small_batch_linear reads it at import)."""
     fp8_fast_accum: bool = True
     """The FP8 GEMMs (`torch._scaled_mm`) use Hopper's fast float8 accumulation (use_fast_accum:
     no periodic promotion of the partial sums to fp32), as vLLM's and TensorRT-LLM's FP8 GEMMs

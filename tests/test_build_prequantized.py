@@ -248,9 +248,12 @@ def test_the_kernel_tiles_recorded_for_an_h200_build(monkeypatch, capsys):
         == small_batch_tiles.MEASURED_TILES["qkv_rotary", 6144, 4096, 1, True]._asdict()
     )
     assert entries["down_proj", "2-8"]["tiles"]["split_k"] == 4
-    assert entries["gate_up_proj", "1"]["from"] == "rule"  # no measured entry: the rule's choice
+    assert entries["gate_up_proj", "1"]["from"] == "measured"
     want = small_batch_tiles.tile_config("norm_linear_silu_mul", 28672, 4096, cuda, 1, 1)
     assert entries["gate_up_proj", "1"]["tiles"] == want._asdict()
+    assert entries["qkv_proj", "2-8"]["from"] == "rule"  # no measured entry: the rule's choice
+    want = small_batch_tiles.tile_config("linear", 6144, 4096, cuda, 1, 8)
+    assert entries["qkv_proj", "2-8"]["tiles"] == want._asdict()
     attn = tiles["decode_attention"]
     assert (attn["block_n"], attn["num_warps"], attn["num_stages"]) == (64, 4, 2)  # float8 cache
     bf16, _ = kernel_tiles(cfg, "none", torch.bfloat16, torch.bfloat16, cuda, "NVIDIA H200")

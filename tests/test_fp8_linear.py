@@ -115,6 +115,7 @@ def _assert_fp8_close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 pytest.importorskip("triton", reason="triton is not installed (pip install kiln[triton])")
 from kiln.kernels import triton as triton_ops  # noqa: E402
+from kiln.kernels.triton import small_batch_linear as triton_small_batch  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -287,9 +288,11 @@ def _on(*tensors):
 )
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_small_batch_fp8_linear_is_the_reference(monkeypatch, dtype, static, rows) -> None:
+@pytest.mark.parametrize("swap_ab", [True, False])
+def test_small_batch_fp8_linear_is_the_reference(monkeypatch, dtype, static, rows, swap_ab) -> None:
     """Random (off-grid) activations quantized inside the kernel, K and N not multiples of the
     interpreter's tiles: the same float8 products as reference.fp8_linear."""
+    monkeypatch.setattr(triton_small_batch, "SWAP_AB", swap_ab)  # the A/B: both dots
     x, _, _, w_fp8, w_scale, bias = _fp8_inputs(rows, 72, 40, dtype, seed=rows)
     input_scale = torch.tensor(x.float().abs().max().item() / 300) if static else None
     want = reference.fp8_linear(x, w_fp8, w_scale, input_scale, bias)
@@ -306,13 +309,15 @@ def test_small_batch_fp8_linear_is_the_reference(monkeypatch, dtype, static, row
 )
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("swap_ab", [True, False])
 def test_small_batch_fp8_matmul_takes_float8_input_and_padded_rows(
-    monkeypatch, dtype, static, rows
+    monkeypatch, dtype, static, rows, swap_ab
 ) -> None:
     """fp8_matmul on an input the op before quantized (a scale a row, or one static), in the
     small-batch kernel: the reference's products, with the weight's and the input's rows further
     apart than K (outlier columns lay both out 128 bytes apart); more rows than the kernel takes
     go to the GEMM path."""
+    monkeypatch.setattr(triton_small_batch, "SWAP_AB", swap_ab)  # the A/B: both dots
     x, _, _, w_fp8, w_scale, bias = _fp8_inputs(rows, 72, 40, dtype, seed=rows)
     input_scale = torch.tensor(x.float().abs().max().item() / 300) if static else None
     x_fp8, x_scale = reference.quantize_fp8(x, input_scale)
@@ -344,9 +349,11 @@ def test_small_batch_fp8_matmul_takes_float8_input_and_padded_rows(
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("rows", [1, 3])  # the norm fused in; the norm kernel, then fp8_linear
+@pytest.mark.parametrize("swap_ab", [True, False])
 def test_fp8_add_rms_norm_linear_and_silu_mul(
-    monkeypatch, dtype, static, with_residual, rows
+    monkeypatch, dtype, static, with_residual, rows, swap_ab
 ) -> None:
+    monkeypatch.setattr(triton_small_batch, "SWAP_AB", swap_ab)  # the A/B: both dots
     x, residual, norm_weight, w_fp8, w_scale, bias = _fp8_inputs(rows, 72, 80, dtype, seed=9)
     residual = residual if with_residual else None
     input_scale = torch.tensor(0.02) if static else None  # some normed values saturate
@@ -373,9 +380,11 @@ def test_fp8_add_rms_norm_linear_and_silu_mul(
 
 
 @pytest.mark.parametrize("static", [False, True])
-def test_fp8_qkv_rotary_write_kv_one_row(monkeypatch, static) -> None:
+@pytest.mark.parametrize("swap_ab", [True, False])
+def test_fp8_qkv_rotary_write_kv_one_row(monkeypatch, static, swap_ab) -> None:
     """The attention block's fused kernel on float8 weights: query, cache writes and the
     residual stream as reference.add_rms_norm_qkv_rotary_write_kv with the same scales."""
+    monkeypatch.setattr(triton_small_batch, "SWAP_AB", swap_ab)  # the A/B: both dots
     num_heads, num_kv_heads, head_dim, k = 4, 2, 8, 40
     n = (num_heads + 2 * num_kv_heads) * head_dim
     x, residual, norm_weight, w_fp8, w_scale, bias = _fp8_inputs(1, k, n, torch.float32, 11)
@@ -402,10 +411,12 @@ def test_fp8_qkv_rotary_write_kv_one_row(monkeypatch, static) -> None:
 
 @on_gpu
 @pytest.mark.parametrize("rows", [1, 8])
-def test_fp8_small_batch_llama8b_shapes(rows) -> None:
+@pytest.mark.parametrize("swap_ab", [True, False])
+def test_fp8_small_batch_llama8b_shapes(monkeypatch, rows, swap_ab) -> None:
     """Llama-3.1-8B's projections in bf16 through the float8 small-batch kernels (one row: the
     norm fused; 8 rows: the plain kernel after the norm kernel) against the fp32 reference on
     the same float8 weights."""
+    monkeypatch.setattr(triton_small_batch, "SWAP_AB", swap_ab)  # the A/B: both dots
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(rows, 4096, generator=gen).bfloat16()
     residual = torch.randn(rows, 4096, generator=gen).bfloat16()

@@ -36,6 +36,7 @@ from kiln.kernels.triton.small_batch_linear import (
     _rows_2d,
     _write_residual_sum,
     add_rms_norm_linear,
+    swap_ab,
 )
 
 
@@ -88,6 +89,7 @@ def _qkv_rotary_write_kv_kernel(
     QUANT: tl.constexpr,  # 0, or float8 weights with dynamic (1) / static (2) activations
     FP8_DOT: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    SWAP_AB: tl.constexpr,  # small_batch_linear._times
     BLOCK_SIZE: tl.constexpr,  # the cache's
     HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (kiln/kernels/kv_layout.py)
 ):
@@ -102,7 +104,7 @@ def _qkv_rotary_write_kv_kernel(
     acc_lo, acc_hi = _project(
         x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_lo, w_lo + HALF * K, pair_mask, sum_ptr,
         in_scale_ptr, 1, K, k_start, k_stop, 0, eps, PROLOGUE, True, 16, BLOCK_N, BLOCK_K,
-        STATS_BLOCK, DOT_PRECISION, QUANT, FP8_DOT, INTERPRETED,
+        STATS_BLOCK, DOT_PRECISION, QUANT, FP8_DOT, INTERPRETED, SWAP_AB=SWAP_AB,
     )  # fmt: skip
     if PROLOGUE == 2:
         _write_residual_sum(x_ptr, residual_ptr, sum_ptr, K, BLOCK_K)
@@ -192,6 +194,7 @@ def add_rms_norm_qkv_rotary_write_kv(
         )
         return rotated, summed
     q_size = weight.shape[0] - 2 * kv_size
+    quant = _quant_mode(weight_scale, input_scale, x)
     x2 = _rows_2d(x)
     query = torch.empty((1, q_size // head_dim, head_dim), dtype=x.dtype, device=x.device)
     summed = x if residual is None else torch.empty_like(x2)
@@ -241,9 +244,10 @@ def add_rms_norm_qkv_rotary_write_kv(
         SPLIT_K=num_splits,
         DOT_PRECISION=dot_precision(x.dtype),
         FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 0.0,
-        QUANT=_quant_mode(weight_scale, input_scale, x),
+        QUANT=quant,
         FP8_DOT=_fp8_dot(x.device),
         INTERPRETED=x.device.type != "cuda",
+        SWAP_AB=swap_ab(quant, block_n, x.device),
         BLOCK_SIZE=k_cache.shape[1],
         HEAD_MAJOR=cache_head_major(k_cache, v_cache),
         num_warps=tiles.num_warps,

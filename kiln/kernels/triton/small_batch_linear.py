@@ -7,7 +7,8 @@ the small kernels between them cost more than their bytes: on an H200 (Llama-3.1
 benchmarks/results/profile_decode_b1_h200.txt) each layer ran two RMSNorms (2.1 us each), a SiLU-mul
 (1.5 us) and two cuBLAS split-K reduces (1.7 us each) around four GEMVs, ~9 us of a 148 us layer
 plus the gaps between launches. Here each program owns BLOCK_N output columns for every row and
-streams its [BLOCK_N, K] slice of the weight once (rows padded to tl.dot's minimum of 16). A
+streams its [BLOCK_N, K] slice of the weight once (rows padded to tl.dot's minimum of 16; a
+float8 tile of 64 rows or more is the dot's first operand, a wgmma from shared memory: _times). A
 launch may instead cut K over several programs per tile, their partial sums reduced inside the
 same kernel (split_k.py; which launches, and their tiles: small_batch_tiles.py). For one row
 (batch-1 decode) the residual add and RMSNorm before qkv_proj and gate_up_proj run inside the
@@ -41,6 +42,9 @@ from kiln.kernels.triton.silu_mul import silu_and_mul, silu_and_mul_quant_fp8
 # Above this cuBLAS's GEMM tiles win, and the small kernels matter less.
 # KILN_FUSED_LINEAR_MAX_ROWS=0 turns the fused kernels off (the benchmarks' A/B switch).
 MAX_ROWS = envs().fused_linear_max_rows
+# The weight tile as the dot's first operand for float8 weights (_times); a module attribute so
+# a benchmark can time both in one process.
+SWAP_AB = envs().small_batch_swap_ab
 
 _PLAIN, _NORM, _ADD_NORM = 0, 1, 2
 
@@ -59,19 +63,54 @@ def _load_input_chunk(x_ptr, residual_ptr, norm_weight_ptr, offs, mask, PROLOGUE
 
 
 @triton.jit
+def _times(a, w, acc, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr):
+    """acc + a @ w.T ([BLOCK_M, BLOCK_N]), or with SWAP_AB its transpose acc + w @ a.T
+    ([BLOCK_N, BLOCK_M]): the weight tile as the dot's first operand, which on Hopper makes it
+    a float8 wgmma reading the tile straight from shared memory (64 weight rows are its M, the
+    16 padded input rows its N) instead of an HMMA fed by the tile widened to fp16 in registers
+    (sm_90 SASS of the one-row loop: no F2FP, LDSM or HMMA left, 8 QGMMA a trip)."""
+    if SWAP_AB:  # a constexpr branch: one result type per compiled variant
+        acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
+    else:
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """An accumulator for _times: [BLOCK_M, BLOCK_N], transposed with SWAP_AB."""
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _rows_first(acc, acc_hi, SWAP_AB: tl.constexpr):
+    """The accumulators as [BLOCK_M, BLOCK_N] again after the loop (once, not per step)."""
+    if SWAP_AB:
+        acc = tl.trans(acc)
+        acc_hi = tl.trans(acc_hi)
+    return acc, acc_hi
+
+
+@triton.jit
 def _dot_step(a, w_rows, w_rows_hi, k_offsets, w_mask, acc, acc_hi, PAIRED: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr):  # fmt: skip
+              DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr,
+              SWAP_AB: tl.constexpr = False):  # fmt: skip
     """One K-step: the weight tile of w_rows (and of w_rows_hi when PAIRED) times the inputs `a`,
-    accumulated into acc (acc_hi). WIDEN: float8 weights go to fp16 (exact) for an fp16 dot."""
+    accumulated into acc (acc_hi; transposed with SWAP_AB, see _times). WIDEN: float8 weights go
+    to fp16 (exact) for an fp16 dot."""
     w = tl.load(w_rows + k_offsets[None, :], mask=w_mask, other=0.0)
     if WIDEN:
         w = w.to(tl.float16)
-    acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    acc = _times(a, w, acc, DOT_PRECISION, SWAP_AB)
     if PAIRED:
         w_hi = tl.load(w_rows_hi + k_offsets[None, :], mask=w_mask, other=0.0)
         if WIDEN:
             w_hi = w_hi.to(tl.float16)
-        acc_hi = tl.dot(a, tl.trans(w_hi), acc_hi, input_precision=DOT_PRECISION)
+        acc_hi = _times(a, w_hi, acc_hi, DOT_PRECISION, SWAP_AB)
     return acc, acc_hi
 
 
@@ -121,6 +160,7 @@ def _project(
     INTERPRETED: tl.constexpr = False,  # the Triton interpreter (see fp8_gemm.round_to_e4m3_grid)
     FP8_MAX: tl.constexpr = 448.0,
     MIN_SCALE: tl.constexpr = 1e-12,
+    SWAP_AB: tl.constexpr = False,  # float8 weights: the weight tile as the dot's first operand
 ):
     """[BLOCK_M, BLOCK_N] fp32 dot products of the rows' (normed) inputs with w_rows, and with
     w_rows_hi when PAIRED (zeros otherwise), over K in [k_start, k_stop); the weight is streamed
@@ -133,8 +173,9 @@ def _project(
     stats_ks = tl.arange(0, STATS_BLOCK)
     row_mask = rows < M
     widen: tl.constexpr = QUANT != 0 and not FP8_DOT
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_hi = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    tl.static_assert(not SWAP_AB or QUANT != 0, "SWAP_AB: float8 weights only")
+    acc = _zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_hi = _zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     if PROLOGUE == 0 and (QUANT == 1 or QUANT == 2):
         # One row quantized here (batch-1 decode: no kernel of its own for it). The row is a
         # [BLOCK_K] vector, put into row 0 of the dot's tile: quantizing a [BLOCK_M, BLOCK_K]
@@ -156,8 +197,9 @@ def _project(
             a = tl.where(first_row, q[None, :], 0.0).to(q.dtype)
             acc, acc_hi = _dot_step(
                 a, w_rows, w_rows_hi, k + ks, col_mask[:, None] & k_mask[None, :], acc, acc_hi,
-                PAIRED, DOT_PRECISION, widen,
+                PAIRED, DOT_PRECISION, widen, SWAP_AB,
             )  # fmt: skip
+        acc, acc_hi = _rows_first(acc, acc_hi, SWAP_AB)
         acc = acc * scale
         acc_hi = acc_hi * scale
     elif PROLOGUE == 0:
@@ -173,8 +215,9 @@ def _project(
                 a = a.to(tl.float16)
             acc, acc_hi = _dot_step(
                 a, w_rows, w_rows_hi, k + ks, col_mask[:, None] & k_mask[None, :], acc, acc_hi,
-                PAIRED, DOT_PRECISION, widen,
+                PAIRED, DOT_PRECISION, widen, SWAP_AB,
             )  # fmt: skip
+        acc, acc_hi = _rows_first(acc, acc_hi, SWAP_AB)
         if QUANT == 3:
             row_scale = tl.load(in_scale_ptr + rows, mask=row_mask, other=0.0)[:, None]
             acc = acc * row_scale
@@ -234,8 +277,9 @@ def _project(
             a = tl.where(first_row, q[None, :], 0.0).to(q.dtype)
             acc, acc_hi = _dot_step(
                 a, w_rows, w_rows_hi, k + ks, col_mask[:, None] & k_mask[None, :], acc, acc_hi,
-                PAIRED, DOT_PRECISION, widen,
+                PAIRED, DOT_PRECISION, widen, SWAP_AB,
             )  # fmt: skip
+        acc, acc_hi = _rows_first(acc, acc_hi, SWAP_AB)
         acc = acc * scale
         acc_hi = acc_hi * scale
     else:
@@ -320,6 +364,7 @@ def _small_batch_linear_kernel(
     QUANT: tl.constexpr,  # 0, or float8 weights: see _project
     FP8_DOT: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    SWAP_AB: tl.constexpr,  # see _times
 ):
     tl.static_assert(SPLIT_K == 1 or PROLOGUE == 0 or QUANT != 0, "bf16 norm: no split-K")
     rows = tl.arange(0, BLOCK_M)
@@ -331,7 +376,7 @@ def _small_batch_linear_kernel(
     acc, acc_up = _project(
         x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_rows, up_rows, col_mask, sum_ptr,
         in_scale_ptr, M, K, k_start, k_stop, stride_xm, eps, PROLOGUE, GATED, BLOCK_M, BLOCK_N,
-        BLOCK_K, STATS_BLOCK, DOT_PRECISION, QUANT, FP8_DOT, INTERPRETED,
+        BLOCK_K, STATS_BLOCK, DOT_PRECISION, QUANT, FP8_DOT, INTERPRETED, SWAP_AB=SWAP_AB,
     )  # fmt: skip
     if PROLOGUE == 2:
         _write_residual_sum(x_ptr, residual_ptr, sum_ptr, K, BLOCK_K)
@@ -420,6 +465,14 @@ def _quant_mode(
     return 1 if input_scale is None else 2
 
 
+def swap_ab(quant: int, dot_rows: int, device: torch.device) -> bool:
+    """_times' SWAP_AB for a launch of this QUANT whose dots take dot_rows weight rows: float8
+    weights, in tiles of at least 64 rows on the GPU (a wgmma's M; below it Triton makes an HMMA
+    of the swapped dot, with more registers than the plain one). The interpreter runs the same
+    swapped code on its fp16-widened operands at its small tiles."""
+    return SWAP_AB and quant != 0 and (device.type != "cuda" or dot_rows >= 64)
+
+
 def _fp8_dot(device: torch.device) -> bool:
     """float8 x float8 dots on the GPU's tensor cores; the interpreter widens to fp16 (exact)."""
     return device.type == "cuda" and envs().fp8_small_batch_dot
@@ -492,6 +545,7 @@ def _launch(
         QUANT=quant,
         FP8_DOT=_fp8_dot(x2.device),
         INTERPRETED=x2.device.type != "cuda",
+        SWAP_AB=swap_ab(quant, block_n, x2.device),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

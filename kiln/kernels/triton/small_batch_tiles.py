@@ -40,20 +40,25 @@ class Tiles(NamedTuple):
     # absmax of a dynamic activation scale, RMSNorm's sum of squares); 0: block_k
 
 
-# (kernel, weight rows, K, weight element bytes, one row) -> Tiles, from an H200 sweep
-# (benchmarks/fp8_small_batch_sweep.py prints these entries for its best configurations; every
-# configuration it times is checked against the FP8 GEMM path on the GPU). Llama-3.1-8B's float8
-# projections, split-K 4: benchmarks/results/2026-12-01-h200-final-wave/run1 (us per call, the
-# rule's in brackets; batch-1 decode 256.5 -> 314.9 tok/s with them, same run). gate_up and the
-# 2-8 row qkv gained nothing from splitting and keep the rule.
+# (kernel, weight rows, K, weight element bytes, one row) -> Tiles, from GPU sweeps; every
+# configuration they time is checked against a reference on the GPU. Llama-3.1-8B's float8
+# projections: an H200 sweep (benchmarks/fp8_small_batch_sweep.py,
+# benchmarks/results/2026-12-01-h200-final-wave/run1: batch-1 decode 256.5 -> 314.9 tok/s with
+# them), then the one-row entries again for the dot with the weight tile first
+# (small_batch_linear._times; benchmarks/small_batch_swap_ab.py on an H100, static scales,
+# benchmarks/results/2026-12-05-h100-small-batch-swap-ab: batch 1 282.2 -> 291.5 tok/s there).
+# us per call on that H100, the tiles before in brackets. The 2-8 row qkv keeps the rule.
 MEASURED_TILES: dict[tuple[str, int, int, int, bool], Tiles] = {
-    # qkv + rotary + KV write, one row: 12.8 us (16.7)
+    # qkv + rotary + KV write, one row: 13.9 us (the same tiles: 32 pairs of rows a half are too
+    # few for the swapped dot, and 64 were no faster, 14.0)
     ("qkv_rotary", 6144, 4096, 1, True): Tiles(64, 256, 4, 3, split_k=4, stats_block=2048),
-    # o_proj, one row: 9.1 us (12.3); 2-8 rows: 11.1 (12.7)
-    ("linear", 4096, 4096, 1, True): Tiles(64, 256, 4, 3, split_k=4, stats_block=1024),
+    # o_proj, one row: 9.0 us (9.4); 2-8 rows: 10.8 at 8 rows (11.3 with the plain dot)
+    ("linear", 4096, 4096, 1, True): Tiles(128, 256, 4, 3, split_k=4, stats_block=1024),
     ("linear", 4096, 4096, 1, False): Tiles(64, 256, 4, 4, split_k=4, stats_block=0),
-    # down, one row: 20.6 us (32.4); 2-8 rows: 27.3 (32.4)
-    ("linear", 4096, 14336, 1, True): Tiles(64, 256, 4, 4, split_k=4, stats_block=1024),
+    # gate_up (norm, SiLU-mul), one row: 44.9 us (46.9, 64 x 256 unsplit: 32 rows a half)
+    ("norm_linear_silu_mul", 28672, 4096, 1, True): Tiles(128, 256, 4, 3, stats_block=1024),
+    # down, one row: 23.4 us (24.2); 2-8 rows: 28.7 at 8 rows (29.3 with the plain dot)
+    ("linear", 4096, 14336, 1, True): Tiles(64, 256, 4, 3, split_k=4, stats_block=1024),
     ("linear", 4096, 14336, 1, False): Tiles(64, 256, 4, 4, split_k=4, stats_block=0),
 }
 
