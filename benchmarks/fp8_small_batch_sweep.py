@@ -26,7 +26,7 @@ import time
 
 import torch
 import triton
-from tile_sweep import graph_time_ms, sweep  # benchmarks/, the script's own folder
+from tile_sweep import graph_time_ms, rotary_inputs, sweep  # benchmarks/, the script's own folder
 
 from kiln.kernels import reference
 from kiln.kernels.triton import fp8_gemm, qkv_rotary, small_batch_tiles
@@ -61,15 +61,9 @@ class Op:
         self.x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
         self.residual = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
         self.norm_weight = 1 + 0.1 * torch.randn(k, device=dev, dtype=torch.bfloat16)
-        half = torch.arange(HEAD_DIM // 2, dtype=torch.float32, device=dev)
-        freqs = torch.arange(2048, dtype=torch.float32, device=dev)[:, None] / (
-            500000 ** (2 * half / HEAD_DIM)
+        self.cos_sin, self.positions, self.slots, self.caches = rotary_inputs(
+            rows, HEAD_DIM, NUM_KV_HEADS, dev, torch.bfloat16
         )
-        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-        self.positions = torch.arange(1000, 1000 + rows, device=dev)
-        self.slots = torch.arange(rows, device=dev) + 16
-        cache = (4, 16, NUM_KV_HEADS, HEAD_DIM)
-        self.caches = [torch.zeros(cache, device=dev, dtype=torch.bfloat16) for _ in range(2)]
 
     def fused(self, w: torch.Tensor, ws: torch.Tensor | None = None) -> torch.Tensor:
         """The small-batch op (ws: float8 weight scales, dynamic activations)."""

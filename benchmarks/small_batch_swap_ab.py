@@ -22,7 +22,7 @@ import math
 import time
 
 import torch
-from tile_sweep import forced_tile_config, graph_time_ms  # benchmarks/, the script's own folder
+from tile_sweep import forced_tile_config, graph_time_ms, rotary_inputs  # benchmarks/
 
 from kiln.kernels import reference
 from kiln.kernels.triton import qkv_rotary, small_batch_tiles
@@ -89,15 +89,9 @@ class Projection:
         self.in_scale = torch.tensor(4.0 / 448, device=dev)  # |x| up to ~4 as static scales
         if bf16:
             self.in_scale = None
-        half = torch.arange(HEAD_DIM // 2, dtype=torch.float32, device=dev)
-        freqs = torch.arange(2048, dtype=torch.float32, device=dev)[:, None] / (
-            500000 ** (2 * half / HEAD_DIM)
+        self.cos_sin, self.positions, self.slots, self.caches = rotary_inputs(
+            rows, HEAD_DIM, NUM_KV_HEADS, dev, torch.float8_e4m3fn
         )
-        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-        self.positions = torch.arange(1000, 1000 + rows, device=dev)
-        self.slots = torch.arange(rows, device=dev) + 16
-        cache = (4, 16, NUM_KV_HEADS, HEAD_DIM)
-        self.caches = [torch.zeros(cache, device=dev, dtype=torch.float8_e4m3fn) for _ in "kv"]
 
     def call(self, ops, w: torch.Tensor) -> torch.Tensor:
         x, res, nw, ws, s = (

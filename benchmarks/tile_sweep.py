@@ -72,3 +72,24 @@ def graph_time_ms(calls: list[Callable[[], object]], reps: int, replays: int = 1
         end.synchronize()
         best = min(best, start.elapsed_time(end) / (reps * len(calls)))
     return best
+
+
+def rotary_inputs(
+    rows: int, head_dim: int, num_kv_heads: int, dev: str, cache_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(cos_sin, positions, slots, [k_cache, v_cache]) for a one-step qkv + rotary + KV write at
+    decode: Llama-3.1's rope base, positions from 1000, a small paged cache."""
+    half = torch.arange(head_dim // 2, dtype=torch.float32, device=dev)
+    freqs = torch.arange(2048, dtype=torch.float32, device=dev)[:, None] / (
+        500000 ** (2 * half / head_dim)
+    )
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    positions = torch.arange(1000, 1000 + rows, device=dev)
+    slots = torch.arange(rows, device=dev) + 16
+    shape = (4, 16, num_kv_heads, head_dim)
+    return (
+        cos_sin,
+        positions,
+        slots,
+        [torch.zeros(shape, device=dev, dtype=cache_dtype) for _ in "kv"],
+    )
