@@ -56,39 +56,24 @@ CANDIDATES = {  # call 1's fastest first (benchmarks/results/2026-12-05-h100-sma
 }  # fmt: skip
 
 
-# bf16 weights: the 128-row tiles that give gated / qkv programs a 16-bit wgmma (64 rows a half)
-BF16_CANDIDATES = {
-    "qkv": [(128, 128, 4, 3, 1, 0), (128, 64, 4, 4, 1, 0)],
-    "o_proj": [(64, 128, 4, 4, 1, 0), (128, 128, 4, 3, 1, 0)],
-    "gate_up": [(128, 128, 4, 3, 1, 0), (128, 64, 4, 4, 1, 0)],
-    "down": [(64, 128, 4, 4, 1, 0), (128, 128, 4, 3, 1, 0)],
-    "lm_head": [],
-}
-
-
 class Projection:
     """One projection's operands (weight copies from HBM) and its engine call at `rows` rows."""
 
-    def __init__(self, name: str, rows: int, dev: str, bf16: bool = False) -> None:
+    def __init__(self, name: str, rows: int, dev: str) -> None:
         self.name, self.rows = name, rows
         _, n, k = SHAPES[name]
         g = torch.Generator(device=dev).manual_seed(0)
-        # bf16: the unquantized weights (the 16-bit dot's A/B), no scales
         dtype = torch.bfloat16 if dev == "cuda" else torch.float16  # interpreter: fp16 dots
-        wdtype = dtype if bf16 else torch.float8_e4m3fn
-        copies = max(2, math.ceil(3 * L2_BYTES / (n * k * wdtype.itemsize)))
+        copies = max(2, math.ceil(3 * L2_BYTES / (n * k)))
         self.weights = [
-            (0.05 * torch.randn(n, k, device=dev, generator=g)).to(wdtype) for _ in range(copies)
+            (0.05 * torch.randn(n, k, device=dev, generator=g)).to(torch.float8_e4m3fn)
+            for _ in range(copies)
         ]
         self.weight_scale = 0.01 + 0.01 * torch.rand(n, device=dev, generator=g)
-        if bf16:
-            self.weight_scale = None
         self.x = torch.randn(rows, k, device=dev, dtype=dtype, generator=g)
         self.residual = torch.randn(rows, k, device=dev, dtype=dtype, generator=g)
         self.norm_weight = (1 + 0.1 * torch.randn(k, device=dev, generator=g)).to(dtype)
         self.in_scale = torch.tensor(4.0 / 448, device=dev)  # |x| up to ~4 as static scales
-        if bf16:
-            self.in_scale = None
         self.cos_sin, self.positions, self.slots, self.caches = rotary_inputs(
             rows, HEAD_DIM, NUM_KV_HEADS, dev, torch.float8_e4m3fn
         )
@@ -108,8 +93,6 @@ class Projection:
             )[0]  # fmt: skip
         if self.name == "gate_up":
             return ops.add_rms_norm_linear_silu_mul(x, res, nw, 1e-5, w, ws, s)[0]
-        if ws is None:
-            return ops.linear(x, w)
         return ops.fp8_linear(x, w, ws, s)
 
     def fused_op(self):
@@ -129,7 +112,6 @@ def _time_us(proj: Projection, reps: int) -> float:
 def _measure(proj: Projection, tiles: Tiles | None, swap: bool, truth: torch.Tensor, reps: int):
     """us a call and the error against the twin, with these tiles forced (None: the table's)."""
     sbl.SWAP_AB = swap
-    sbl.SWAP_AB_16BIT = swap and proj.weight_scale is None
     try:
         if tiles is None:
             out = proj.call(proj.fused_op(), proj.weights[0])
@@ -140,7 +122,7 @@ def _measure(proj: Projection, tiles: Tiles | None, swap: bool, truth: torch.Ten
             err = _rel_err(out, truth)
             return _time_us(proj, reps), err
     finally:
-        sbl.SWAP_AB, sbl.SWAP_AB_16BIT = True, False
+        sbl.SWAP_AB = True
 
 
 def _rel_err(out: torch.Tensor, truth: torch.Tensor) -> float:
@@ -155,9 +137,6 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--max-rel-err", type=float, default=0.02)
-    parser.add_argument(
-        "--bf16", action="store_true", help="bf16 weights: the 16-bit dot's A/B (table tiles)"
-    )
     parser.add_argument(
         "--tiny", action="store_true", help="CPU smoke run: every size / 32, TRITON_INTERPRET=1"
     )
@@ -177,7 +156,7 @@ def main() -> None:
             if rows > 1 and name in ("qkv", "gate_up", "lm_head"):
                 continue  # 2-8 rows: the plain kernel after the norm kernel; o_proj/down stand in
             t0 = time.time()
-            proj = Projection(name, rows, dev, args.bf16)
+            proj = Projection(name, rows, dev)
             truth = proj.call(reference, proj.weights[0])
             table = small_batch_tiles.tile_config(
                 "linear" if rows > 1 else kernel, n, k, proj.x.device,
@@ -185,8 +164,7 @@ def main() -> None:
             )  # fmt: skip
             entry = {"table_tiles": list(table), "configs": []}
             for tiles, swap in [(None, False), (None, True)] + [
-                (Tiles(*c), True)
-                for c in (BF16_CANDIDATES if args.bf16 else CANDIDATES)[name] * (rows == 1)
+                (Tiles(*c), True) for c in CANDIDATES[name] * (rows == 1)
             ]:
                 try:
                     us, err = _measure(proj, tiles, swap, truth, args.reps)

@@ -74,9 +74,6 @@ class Envs:
     as the dot's first operand: a float8 wgmma straight from shared memory on Hopper) instead of
     input rows x weight tile (an HMMA on the tile widened to fp16 in registers); off (0) is the
     A/B (kernels.triton.small_batch_linear reads it at import)."""
-    small_batch_swap_ab_16bit: bool = False
-    """The same for bf16 / fp16 weights (a 16-bit wgmma from shared memory instead of an HMMA
-    fed through ldmatrix); off until a GPU measures it (read at import)."""
     fp8_fast_accum: bool = True
     """The FP8 GEMMs (`torch._scaled_mm`) use Hopper's fast float8 accumulation (use_fast_accum:
     no periodic promotion of the partial sums to fp32), as vLLM's and TensorRT-LLM's FP8 GEMMs

@@ -903,21 +903,12 @@ def _no_cublas(monkeypatch: pytest.MonkeyPatch, rows: int, fused_op: bool) -> No
         monkeypatch.setattr(small_batch_linear, "F", type("NoLinear", (), {"linear": fail}))
 
 
-def _swap_16bit(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
-    """16-bit weights' dot with the weight tile first (small_batch_linear._times), or not."""
-    from kiln.kernels.triton import small_batch_linear
-
-    monkeypatch.setattr(small_batch_linear, "SWAP_AB_16BIT", on)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3])  # fused for one row; the unfused path for more
 @pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize("swap_ab", [False, True])  # small_batch_linear._times, 16-bit weights
 def test_add_rms_norm_linear(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, with_residual: bool, swap_ab
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, with_residual: bool
 ) -> None:
-    _swap_16bit(monkeypatch, swap_ab)
     gen = torch.Generator().manual_seed(rows)
     k, n = 72, 40  # neither a multiple of the interpreter's 32 x 16 tiles
     x = (3 * torch.randn(rows, k, generator=gen)).to(DEVICE, dtype)
@@ -939,11 +930,9 @@ def test_add_rms_norm_linear(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 12])  # norm fused in; norm kernel + gated; cuBLAS
 @pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize("swap_ab", [False, True])
 def test_add_rms_norm_linear_silu_mul(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, with_residual: bool, swap_ab
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, with_residual: bool
 ) -> None:
-    _swap_16bit(monkeypatch, swap_ab)
     gen = torch.Generator().manual_seed(100 + rows)
     k, n = 72, 40  # 40 output columns: the last 16-wide tile of each half is partly masked
     x = (3 * torch.randn(rows, k, generator=gen)).to(DEVICE, dtype)
@@ -968,10 +957,8 @@ def test_add_rms_norm_linear_silu_mul(
     [(1, True, False), (1, False, False), (1, True, True), (3, True, False)],
     ids=["fused", "fused-first-layer", "fused-padding-slot", "unfused"],
 )
-@pytest.mark.parametrize("swap_ab", [False, True])
 def test_add_rms_norm_qkv_rotary_write_kv(
     monkeypatch: pytest.MonkeyPatch,
-    swap_ab: bool,
     dtype: torch.dtype,
     cache_dtype: torch.dtype,
     num_heads: int,
@@ -985,7 +972,6 @@ def test_add_rms_norm_qkv_rotary_write_kv(
     reference.rotary_embedding_write_kv. Head dim 24 puts rotate-half pairs of two heads in one
     program's tile; keys large enough that a float8 cache saturates; a padding slot (-1) writes
     nothing."""
-    _swap_16bit(monkeypatch, swap_ab)
     gen = torch.Generator().manual_seed(300 + rows + head_dim)
     k = 40
     n = (num_heads + 2 * num_kv_heads) * head_dim

@@ -45,7 +45,6 @@ MAX_ROWS = envs().fused_linear_max_rows
 # The weight tile as the dot's first operand for float8 weights (_times); a module attribute so
 # a benchmark can time both in one process.
 SWAP_AB = envs().small_batch_swap_ab
-SWAP_AB_16BIT = envs().small_batch_swap_ab_16bit  # the same for bf16 / fp16 weights
 
 _PLAIN, _NORM, _ADD_NORM = 0, 1, 2
 
@@ -161,7 +160,7 @@ def _project(
     INTERPRETED: tl.constexpr = False,  # the Triton interpreter (see fp8_gemm.round_to_e4m3_grid)
     FP8_MAX: tl.constexpr = 448.0,
     MIN_SCALE: tl.constexpr = 1e-12,
-    SWAP_AB: tl.constexpr = False,  # the weight tile as the dot's first operand (_times)
+    SWAP_AB: tl.constexpr = False,  # float8 weights: the weight tile as the dot's first operand
 ):
     """[BLOCK_M, BLOCK_N] fp32 dot products of the rows' (normed) inputs with w_rows, and with
     w_rows_hi when PAIRED (zeros otherwise), over K in [k_start, k_stop); the weight is streamed
@@ -174,6 +173,7 @@ def _project(
     stats_ks = tl.arange(0, STATS_BLOCK)
     row_mask = rows < M
     widen: tl.constexpr = QUANT != 0 and not FP8_DOT
+    tl.static_assert(not SWAP_AB or QUANT != 0, "SWAP_AB: float8 weights only")
     acc = _zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     acc_hi = _zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     if PROLOGUE == 0 and (QUANT == 1 or QUANT == 2):
@@ -306,10 +306,9 @@ def _project(
             a = tl.where(first_row, v[None, :], 0.0).to(w_ptr.dtype.element_ty)
             acc, acc_hi = _dot_step(
                 a, w_rows, w_rows_hi, k + ks, col_mask[:, None] & k_mask[None, :], acc, acc_hi,
-                PAIRED, DOT_PRECISION, False, SWAP_AB,
+                PAIRED, DOT_PRECISION, False,
             )  # fmt: skip
             xa, xb, nw = xa_next, xb_next, nw_next
-        acc, acc_hi = _rows_first(acc, acc_hi, SWAP_AB)
         # RMSNorm's scale is one scalar per row: applied to the dot product instead.
         inv_rms = tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
         acc = acc * inv_rms
@@ -471,7 +470,7 @@ def swap_ab(quant: int, dot_rows: int, device: torch.device) -> bool:
     weights, in tiles of at least 64 rows on the GPU (a wgmma's M; below it Triton makes an HMMA
     of the swapped dot, with more registers than the plain one). The interpreter runs the same
     swapped code on its fp16-widened operands at its small tiles."""
-    return SWAP_AB and (quant != 0 or SWAP_AB_16BIT) and (device.type != "cuda" or dot_rows >= 64)
+    return SWAP_AB and quant != 0 and (device.type != "cuda" or dot_rows >= 64)
 
 
 def _fp8_dot(device: torch.device) -> bool:
