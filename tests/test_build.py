@@ -299,3 +299,64 @@ def test_a_build_over_the_perplexity_limit_fails_with_its_numbers_and_keeps_noth
 def test_a_perplexity_limit_must_be_a_percentage(limit):
     with pytest.raises(BuildError, match="max_ppl_increase must be a percentage >= 0"):
         BuildOptions(quantization="fp8-dynamic", max_ppl_increase=limit)
+
+
+def _pretend_gpu(monkeypatch, capability: tuple[int, int], name: str) -> None:
+    """torch sees one CUDA device of this compute capability (nothing is put on it)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+@pytest.mark.parametrize(
+    ("options", "what"),
+    [
+        ({"quantization": "fp8-dynamic"}, "fp8-dynamic weights needs"),
+        ({"kv_cache_dtype": "fp8"}, "a float8 KV cache needs"),
+        (
+            {"quantization": "fp8", "lm_head_quantization": "fp8"},
+            "fp8 weights and a float8 LM head need",
+        ),
+    ],
+)
+def test_float8_on_a_gpu_without_it_is_refused_before_the_build(
+    tiny_source, tmp_path, monkeypatch, options, what
+):
+    """An A100 (8.0) has no float8: Triton would refuse the type at the first kernel compile,
+    deep in calibration. The build says so first, and writes nothing."""
+    import torch
+
+    from kiln.builder import build as build_module
+
+    _pretend_gpu(monkeypatch, (8, 0), "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(build_module, "resolve_device", lambda name: torch.device("cuda"))
+    out = tmp_path / "e"
+    with pytest.raises(BuildError, match=f"{what} float8 support.*A100-SXM4-80GB is 8.0"):
+        build_engine(tiny_source, str(out), BuildOptions(**options), None)
+    assert not out.exists()
+
+
+def test_float8_on_a_gpu_without_it_is_refused_before_loading(monkeypatch):
+    """The loader names each float8 part the engine would run, and passes on Ada or newer and
+    on the CPU (the PyTorch twins)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kiln.config import EngineConfig
+    from kiln.runtime.model_loader import _check_float8_device
+
+    cuda = torch.device("cuda")
+    engine_dir = SimpleNamespace(quantization="fp8", weights_fused=True, lm_head_quantization="fp8")
+    plain = SimpleNamespace(quantization="none", weights_fused=False, lm_head_quantization="none")
+    _pretend_gpu(monkeypatch, (8, 0), "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ModelLoadError, match="fp8 weights and a float8 LM head need float8"):
+        _check_float8_device(EngineConfig(model="m"), engine_dir, cuda)
+    with pytest.raises(ModelLoadError, match=r"a float8 KV cache needs float8 .* is 8\.0\. Run"):
+        _check_float8_device(EngineConfig(model="m", kv_cache_dtype="fp8"), plain, cuda)
+    _check_float8_device(EngineConfig(model="m"), plain, cuda)  # bf16 runs on an A100
+    _check_float8_device(EngineConfig(model="m"), engine_dir, torch.device("cpu"))
+    _pretend_gpu(monkeypatch, (8, 9), "NVIDIA L40S")
+    _check_float8_device(EngineConfig(model="m", kv_cache_dtype="fp8"), engine_dir, cuda)

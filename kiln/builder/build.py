@@ -38,6 +38,7 @@ from kiln.errors import BuildError
 from kiln.models.config import ModelConfig
 from kiln.models.llama import LlamaForCausalLM
 from kiln.quantization.calibration import ACTIVATION_SCALES
+from kiln.quantization.device import check_float8_device
 from kiln.quantization.fp8 import Fp8LinearMethod
 from kiln.quantization.kv_scales import fold_kv_scales
 from kiln.quantization.outlier_columns import COLUMN_MULTIPLE, choose_channels
@@ -199,6 +200,13 @@ def build_engine(
     device = resolve_device("auto")
     dtype = resolve_dtype(options.dtype, device)
     gpu_class = current_gpu_class() if device.type == "cuda" else None
+    uses = {
+        f"{options.quantization} weights": options.quantization != "none",
+        "a float8 LM head": options.lm_head_quantization == "fp8",
+        "a float8 KV cache": options.kv_cache_dtype != "auto",
+    }
+    advice = "Build without them, or on the GPU the engine will serve on (Ada or newer)"
+    check_float8_device(device, uses, BuildError, advice)
     # (Options that need a quantized build were refused when `replace` resolved "auto".)
     if fp8 is not None:
         for changes_weights, why in (

@@ -19,6 +19,7 @@ from kiln.layers.linear import LinearMethod
 from kiln.models.config import PRESETS, ModelConfig
 from kiln.models.llama import LinearMethodFactory, LlamaForCausalLM
 from kiln.quantization import linear_method_factory
+from kiln.quantization.device import check_float8_device
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -218,6 +219,27 @@ def _linear_method(engine_config: EngineConfig, source: ModelSource) -> LinearMe
     )  # fmt: skip
 
 
+def _check_float8_device(
+    engine_config: EngineConfig, source: ModelSource, device: torch.device
+) -> None:
+    """A clear error before anything loads when float8 weights, a float8 LM head or a float8 KV
+    cache meet a GPU without float8 (kiln.quantization.device)."""
+    scheme = source.quantization
+    if scheme == "none" and not source.weights_fused:
+        scheme = engine_config.quantization
+    head = "fp8" in (engine_config.lm_head_quantization, source.lm_head_quantization)
+    uses = {
+        f"{scheme} weights": scheme != "none",
+        "a float8 LM head": head,
+        "a float8 KV cache": is_float8_kv_cache(engine_config.kv_cache_dtype),
+    }
+    advice = (
+        "Run without them (--quantization none, --kv-cache-dtype auto, --lm-head-quantization "
+        "none; an engine built with them cannot), or on a newer GPU"
+    )
+    check_float8_device(device, uses, ModelLoadError, advice)
+
+
 def lm_head_method(engine_config: EngineConfig, source: ModelSource) -> LinearMethod | None:
     """The LM head's method: float8 (weights per vocabulary row, activations per token) when
     asked for or when the engine's head is float8 already; None: the model dtype."""
@@ -354,6 +376,7 @@ def load_model(
     cfg = source.config
     max_positions = engine_config.max_model_len or cfg.max_position_embeddings
     linear_method = _linear_method(engine_config, source)
+    _check_float8_device(engine_config, source, device)
     # Quantized weights may take one byte each: the check must not refuse what would fit.
     weight_bytes = 1 if engine_config.quantization != "none" else dtype.itemsize
     cfg.check_fits(weight_bytes, *_memory_of(device))

@@ -1,0 +1,29 @@
+"""Whether this GPU runs float8: Triton's kernels and torch._scaled_mm take float8 e4m3 from
+compute capability 8.9 (Ada) on. On an A100 Triton refuses the type only when the first kernel
+compiles, deep in an engine's start-up or a build's calibration, as a traceback; this check says
+so before anything loads. The CPU runs the PyTorch twins, any float8."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT8_MIN_CAPABILITY = (8, 9)
+
+
+def check_float8_device(
+    device: torch.device, uses: dict[str, bool], error: type[Exception], advice: str
+) -> None:
+    """Raises `error` naming what asked for float8 (the keys of `uses` whose value is True) when
+    the GPU cannot run it; `advice` says how to run without."""
+    asked = [what for what, used in uses.items() if used]
+    if device.type != "cuda" or not asked:
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability >= FLOAT8_MIN_CAPABILITY:
+        return
+    need = "needs" if len(asked) == 1 else "need"
+    raise error(
+        f"{' and '.join(asked)} {need} float8 support, NVIDIA compute capability "
+        f"{'.'.join(map(str, FLOAT8_MIN_CAPABILITY))} or newer (Ada, Hopper, Blackwell); "
+        f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}. {advice}"
+    )
