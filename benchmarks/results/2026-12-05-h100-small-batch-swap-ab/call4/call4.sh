@@ -11,8 +11,4 @@ for pass in 1 2; do
     KILN_SMALL_BATCH_SWAP_AB=0 TAG=swap0_$pass bash benchmarks/h200_run.sh lat1k-s8kv8h8 2>&1 | grep "exit"
     TAG=swap1_$pass bash benchmarks/h200_run.sh lat1k-s8kv8h8 2>&1 | grep "exit"
 done
-for f in "$OUT"/lat1k*.json; do
-    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); k=d['kiln']; \
-print(sys.argv[1].rsplit('/',1)[1], round(k['output_tok_s'],1), round(k.get('decode_tok_s',0),1), \
-d.get('kernel_compiles'))" "$f"
-done
+python3 benchmarks/bench_summary.py "$OUT"/lat1k*.json
