@@ -68,7 +68,9 @@ def _times(a, w, acc, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr):
     ([BLOCK_N, BLOCK_M]): the weight tile as the dot's first operand, which on Hopper makes it
     a float8 wgmma reading the tile straight from shared memory (64 weight rows are its M, the
     16 padded input rows its N) instead of an HMMA fed by the tile widened to fp16 in registers
-    (sm_90 SASS of the one-row loop: no F2FP, LDSM or HMMA left, 8 QGMMA a trip)."""
+    (sm_90 SASS of the one-row loop: no F2FP, LDSM or HMMA left, 8 QGMMA a trip). Batch-1
+    decode +3.3% on an H100 (docs/performance.md, "Batch 1: the weight tile as the float8 dot's
+    first operand")."""
     if SWAP_AB:  # a constexpr branch: one result type per compiled variant
         acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
     else:
