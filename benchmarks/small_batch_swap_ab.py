@@ -17,6 +17,7 @@ swapped configuration within --max-rel-err of it is written as a KILN_SMALL_BATC
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -60,7 +61,7 @@ class Projection:
     """One projection's operands (weight copies from HBM) and its engine call at `rows` rows."""
 
     def __init__(self, name: str, rows: int, dev: str) -> None:
-        self.name, self.rows = name, rows
+        self.name = name
         _, n, k = SHAPES[name]
         g = torch.Generator(device=dev).manual_seed(0)
         dtype = torch.bfloat16 if dev == "cuda" else torch.float16  # interpreter: fp16 dots
@@ -112,14 +113,12 @@ def _time_us(proj: Projection, reps: int) -> float:
 def _measure(proj: Projection, tiles: Tiles | None, swap: bool, truth: torch.Tensor, reps: int):
     """us a call and the error against the twin, with these tiles forced (None: the table's)."""
     sbl.SWAP_AB = swap
+    forced = contextlib.nullcontext()
+    if tiles is not None:
+        forced = forced_tile_config(small_batch_tiles, tiles, "tile_config")
     try:
-        if tiles is None:
-            out = proj.call(proj.fused_op(), proj.weights[0])
-            err = _rel_err(out, truth)
-            return _time_us(proj, reps), err
-        with forced_tile_config(small_batch_tiles, tiles, "tile_config"):
-            out = proj.call(proj.fused_op(), proj.weights[0])
-            err = _rel_err(out, truth)
+        with forced:
+            err = _rel_err(proj.call(proj.fused_op(), proj.weights[0]), truth)
             return _time_us(proj, reps), err
     finally:
         sbl.SWAP_AB = True

@@ -200,6 +200,14 @@ class DummyInputScales(Mapping[str, float]):
         return 0
 
 
+def _weight_scheme(engine_config: EngineConfig, source: ModelSource) -> str:
+    """The weights' quantization: an engine directory's or a pre-quantized checkpoint's own;
+    any other source's, EngineConfig.quantization."""
+    if not source.weights_fused and source.quantization == "none":
+        return engine_config.quantization
+    return source.quantization
+
+
 def _linear_method(engine_config: EngineConfig, source: ModelSource) -> LinearMethodFactory:
     """An engine directory's or a pre-quantized checkpoint's own scheme (and its static scales)
     make its linear methods; any other source takes EngineConfig.quantization."""
@@ -224,13 +232,10 @@ def _check_float8_device(
 ) -> None:
     """A clear error before anything loads when float8 weights, a float8 LM head or a float8 KV
     cache meet a GPU without float8 (kiln.quantization.device)."""
-    scheme = source.quantization
-    if scheme == "none" and not source.weights_fused:
-        scheme = engine_config.quantization
-    head = "fp8" in (engine_config.lm_head_quantization, source.lm_head_quantization)
+    scheme = _weight_scheme(engine_config, source)
     uses = {
         f"{scheme} weights": scheme != "none",
-        "a float8 LM head": head,
+        "a float8 LM head": _float8_head(engine_config, source),
         "a float8 KV cache": is_float8_kv_cache(engine_config.kv_cache_dtype),
     }
     advice = (
@@ -240,10 +245,15 @@ def _check_float8_device(
     check_float8_device(device, uses, ModelLoadError, advice)
 
 
+def _float8_head(engine_config: EngineConfig, source: ModelSource) -> bool:
+    """Asked for, or the engine's head is float8 already."""
+    return "fp8" in (engine_config.lm_head_quantization, source.lm_head_quantization)
+
+
 def lm_head_method(engine_config: EngineConfig, source: ModelSource) -> LinearMethod | None:
     """The LM head's method: float8 (weights per vocabulary row, activations per token) when
     asked for or when the engine's head is float8 already; None: the model dtype."""
-    if "fp8" not in (engine_config.lm_head_quantization, source.lm_head_quantization):
+    if not _float8_head(engine_config, source):
         return None
     from kiln.quantization.fp8 import Fp8LinearMethod
 
