@@ -7,7 +7,7 @@ them) with the weights cycled through copies larger than L2 (read from HBM, as a
     PYTHONPATH=benchmarks:. python3 benchmarks/one_row_mlp_bench.py --tiny   # the CPU
 
 Each side's outputs are compared bit for bit first (the one launch runs the same programs).
-Both orders are timed twice (two, one, one, two).
+Each side is timed twice, in both orders (two, one, one with prefetch, and back).
 """
 
 from __future__ import annotations
@@ -50,9 +50,15 @@ def _inputs(hidden: int, intermediate: int, dev: str, static: bool) -> dict:
     }
 
 
-def _calls(ops, one_row_mlp, inputs: dict, one: bool) -> list:
+SIDES = {"two": (False, 0), "one": (True, 0), "one_prefetch2": (True, 2)}
+
+
+def _calls(ops, one_row_mlp, inputs: dict, side: str) -> list:
+    """The side's calls, one per weight copy: "two" launches, "one", or "one" with down's first
+    two weight steps asked of L2 before its wait (one_row_mlp.DOWN_PREFETCH_STEPS)."""
+
     def call(w):
-        one_row_mlp.ENABLED = one
+        one_row_mlp.ENABLED, one_row_mlp.DOWN_PREFETCH_STEPS = SIDES[side]
         gu, gu_s, d, d_s = w
         return ops.add_rms_norm_mlp_fp8(
             inputs["x"], inputs["residual"], inputs["norm_weight"], 1e-5, gu, gu_s,
@@ -78,13 +84,14 @@ def main() -> None:
     result = {"gpu": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "blocks": {}}
     for static in (True, False):
         inputs = _inputs(hidden, intermediate, dev, static)
-        sides = {side: _calls(ops, one_row_mlp, inputs, side == "one") for side in ("two", "one")}
+        sides = {side: _calls(ops, one_row_mlp, inputs, side) for side in SIDES}
         equal = all(
-            all(torch.equal(a, b) for a, b in zip(two(), one()))
-            for two, one in zip(sides["two"], sides["one"])
+            all(torch.equal(a, b) for a, b in zip(two(), other()))
+            for side in ("one", "one_prefetch2")
+            for two, other in zip(sides["two"], sides[side])
         )
-        times = {"two": [], "one": []}
-        for side in ("two", "one", "one", "two"):
+        times = {side: [] for side in SIDES}
+        for side in ("two", "one", "one_prefetch2", "one_prefetch2", "one", "two"):
             if dev == "cpu":
                 t0 = time.perf_counter()
                 sides[side][0]()
@@ -96,12 +103,8 @@ def main() -> None:
             times[side].append(1000 * graph_time_ms(sides[side], reps=reps, replays=5))
         name = "static" if static else "dynamic"
         result["blocks"][name] = {"equal_bits": equal, "us": times}
-        print(
-            f"{name:8s} two launches {times['two']} us, one launch {times['one']} us, "
-            f"equal bits {equal}",
-            flush=True,
-        )
-    one_row_mlp.ENABLED = False
+        print(f"{name:8s} us {times}, equal bits {equal}", flush=True)
+    one_row_mlp.ENABLED, one_row_mlp.DOWN_PREFETCH_STEPS = False, 0
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
