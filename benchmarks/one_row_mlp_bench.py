@@ -7,7 +7,7 @@ them) with the weights cycled through copies larger than L2 (read from HBM, as a
     PYTHONPATH=benchmarks:. python3 benchmarks/one_row_mlp_bench.py --tiny   # the CPU
 
 Each side's outputs are compared bit for bit first (the one launch runs the same programs).
-Each side is timed twice, in both orders (two, one, one with prefetch, and back).
+Each side is timed twice, in both orders.
 """
 
 from __future__ import annotations
@@ -50,12 +50,20 @@ def _inputs(hidden: int, intermediate: int, dev: str, static: bool) -> dict:
     }
 
 
-SIDES = {"two": (False, 0), "one": (True, 0), "one_prefetch2": (True, 2)}
+# (one_row_mlp.ENABLED, DOWN_PREFETCH_STEPS): two launches; one with roles by ticket; one as a
+# cooperative grid of resident programs; each of the latter with down's first two weight steps
+# asked of L2 before its wait.
+SIDES = {
+    "two": (0, 0),
+    "ticket": (1, 0),
+    "ticket_prefetch2": (1, 2),
+    "coop": (2, 0),
+    "coop_prefetch2": (2, 2),
+}
 
 
 def _calls(ops, one_row_mlp, inputs: dict, side: str) -> list:
-    """The side's calls, one per weight copy: "two" launches, "one", or "one" with down's first
-    two weight steps asked of L2 before its wait (one_row_mlp.DOWN_PREFETCH_STEPS)."""
+    """The side's calls (SIDES), one per weight copy."""
 
     def call(w):
         one_row_mlp.ENABLED, one_row_mlp.DOWN_PREFETCH_STEPS = SIDES[side]
@@ -84,14 +92,20 @@ def main() -> None:
     result = {"gpu": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "blocks": {}}
     for static in (True, False):
         inputs = _inputs(hidden, intermediate, dev, static)
-        sides = {side: _calls(ops, one_row_mlp, inputs, side) for side in SIDES}
+        sides = {
+            side: _calls(ops, one_row_mlp, inputs, side)
+            for side in SIDES
+            if dev == "cuda" or not side.startswith("coop")  # the interpreter: no cooperative grid
+        }
         equal = all(
             all(torch.equal(a, b) for a, b in zip(two(), other()))
-            for side in ("one", "one_prefetch2")
+            for side in sides
+            if side != "two"
             for two, other in zip(sides["two"], sides[side])
         )
-        times = {side: [] for side in SIDES}
-        for side in ("two", "one", "one_prefetch2", "one_prefetch2", "one", "two"):
+        times = {side: [] for side in sides}
+        order = [side for side in SIDES if dev == "cuda" or not side.startswith("coop")]
+        for side in order + order[::-1]:
             if dev == "cpu":
                 t0 = time.perf_counter()
                 sides[side][0]()

@@ -64,7 +64,7 @@ def test_one_launch_equals_two_and_the_reference(
 ) -> None:
     """K and N not multiples of the interpreter's tiles (masked tails), down split over K: the
     one launch stores the two launches' bits, twice in a row (its counters reset)."""
-    monkeypatch.setattr(one_row_mlp, "ENABLED", True)
+    monkeypatch.setattr(one_row_mlp, "ENABLED", 1)
     monkeypatch.setattr(small_batch_linear, "SWAP_AB", swap_ab)
     x, residual, norm_weight, gate_up, gate_up_scale, down, down_scale = _block(40, 72, dtype)
     residual = residual if with_residual else None
@@ -96,7 +96,7 @@ def test_off_or_several_rows_take_the_two_launches(monkeypatch) -> None:
     )
     monkeypatch.setattr(one_row_mlp, "_launch", lambda *a: pytest.fail("the one-launch kernel ran"))
     for enabled, rows in ((True, 3), (False, 1)):
-        monkeypatch.setattr(one_row_mlp, "ENABLED", enabled)
+        monkeypatch.setattr(one_row_mlp, "ENABLED", int(enabled))
         xs, res = x[:rows], residual[:rows]
         got, got_sum = triton_ops.add_rms_norm_mlp_fp8(
             xs, res, norm_weight, 1e-5, gate_up, gate_up_scale, None, down, down_scale, None
@@ -114,12 +114,13 @@ def test_off_or_several_rows_take_the_two_launches(monkeypatch) -> None:
 
 @on_gpu
 @pytest.mark.parametrize("static", [False, True])
-def test_llama8b_block_in_a_graph(monkeypatch, static) -> None:
+@pytest.mark.parametrize("mode", [1, 2])  # roles by ticket; the cooperative grid
+def test_llama8b_block_in_a_graph(monkeypatch, static, mode) -> None:
     """Llama-3.1-8B's MLP (4096 -> 2 x 14336 -> 4096) at the engine's tiles: the one launch
     captured in a CUDA graph and replayed stores the two launches' bits every time (new inputs
     between replays); a wrong hand-off (down reading a half-written activation) or counters left
     non-zero would show here."""
-    monkeypatch.setattr(one_row_mlp, "ENABLED", True)
+    monkeypatch.setattr(one_row_mlp, "ENABLED", mode)
     x, residual, norm_weight, gate_up, gate_up_scale, down, down_scale = _block(
         4096, 14336, torch.bfloat16, seed=2
     )
@@ -163,7 +164,7 @@ def test_the_mlp_layers_take_the_one_launch(monkeypatch, static, down_bias) -> N
     monkeypatch.setattr(one_row_mlp, "_launch", lambda *a: launches.append(1) or real_launch(*a))
     results = {}
     for enabled in (False, True):
-        monkeypatch.setattr(one_row_mlp, "ENABLED", enabled)
+        monkeypatch.setattr(one_row_mlp, "ENABLED", int(enabled))
         results[enabled] = gate_up.silu_mul_into(triton_ops, down, *args, 1e-5)
     assert len(launches) == (0 if down_bias else 1)
     for got, want in zip(results[True], results[False]):

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from kiln.envs import envs
 from kiln.kernels.triton import small_batch_tiles, split_k
-from kiln.kernels.triton._device import dot_precision
+from kiln.kernels.triton._device import dot_precision, num_sms
 from kiln.kernels.triton.small_batch_linear import (
     _ADD_NORM,
     _NORM,
@@ -48,8 +48,9 @@ from kiln.kernels.triton.small_batch_linear import (
     swap_ab,
 )
 
-# Whether the engine's FP8 MLP at one row runs this launch (KILN_ONE_ROW_MLP=0: the two-kernel
-# path, for an A/B). Module-level so a benchmark can time both in one process.
+# Whether the engine's FP8 MLP at one row runs one launch: 0 its two kernels, 1 the ticket
+# schedule, 2 the cooperative one (GPU only; see _persistent_programs). KILN_ONE_ROW_MLP, read at
+# import; module-level so a benchmark can time each in one process.
 ENABLED = envs().one_row_mlp
 
 # The ticket, gate_up's done-counter, down's finished-counter: one buffer per device, zeroed once.
@@ -111,9 +112,50 @@ def _one_row_mlp_kernel(
     DOT_PRECISION: tl.constexpr,
     FP8_DOT: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    PERSISTENT: tl.constexpr = False,  # the cooperative schedule (see _persistent_programs)
 ):
     gate_up_programs = tl.cdiv(N, GATE_UP_BLOCK_N)
     down_programs = tl.cdiv(K, DOWN_BLOCK_N) * DOWN_SPLIT_K
+    if PERSISTENT:
+        # As many programs as fit on the GPU at once (a cooperative launch: it fails rather than
+        # start fewer), each taking every num_programs-th tile of gate_up, then of down; no
+        # ticket, and every program counts itself done with gate_up once.
+        me = tl.program_id(0)
+        programs = tl.num_programs(0)
+        for item in range(me, gate_up_programs, programs):
+            _linear_program(
+                item, 0, item, gate_up_programs, x_ptr, residual_ptr, norm_weight_ptr,
+                gate_up_ptr, gate_up_ptr, act_ptr, sum_ptr, gate_up_scale_ptr,
+                gate_up_in_scale_ptr, part_ptr, counter_ptr, 1, N, K, K, K, N, stride_gate_up,
+                eps, PROLOGUE, False, True, 16, GATE_UP_BLOCK_N, GATE_UP_BLOCK_K,
+                GATE_UP_STATS_BLOCK, 1, DOT_PRECISION, GATE_UP_QUANT, FP8_DOT, INTERPRETED,
+                GATE_UP_SWAP,
+            )  # fmt: skip
+        tl.debug_barrier()
+        tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
+        if DOWN_PREFETCH_STEPS > 0 and me < down_programs:
+            _prefetch_to_l2(
+                down_ptr, (me // DOWN_SPLIT_K) * DOWN_BLOCK_N,
+                (me % DOWN_SPLIT_K) * down_k_per_split, stride_down, DOWN_BLOCK_N,
+                DOWN_PREFETCH_STEPS * DOWN_BLOCK_K,
+            )  # fmt: skip
+        ready = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
+        while ready < programs:
+            ready = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
+        for item in range(me, down_programs, programs):
+            _linear_program(
+                item // DOWN_SPLIT_K, item % DOWN_SPLIT_K, 0, 1, act_ptr, act_ptr, act_ptr,
+                down_ptr, down_ptr, out_ptr, out_ptr, down_scale_ptr, down_in_scale_ptr,
+                part_ptr, counter_ptr, 1, K, N, down_k_per_split, N, K, stride_down, eps, 0,
+                False, False, 16, DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_STATS_BLOCK, DOWN_SPLIT_K,
+                DOT_PRECISION, DOWN_QUANT, FP8_DOT, INTERPRETED, DOWN_SWAP,
+            )  # fmt: skip
+        tl.debug_barrier()
+        finished = tl.atomic_add(sync_ptr + 2, 1, sem="acq_rel", scope="gpu")
+        if finished == programs - 1:
+            tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed", scope="gpu")
+        return
     work = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
     if work < gate_up_programs:
         _linear_program(
@@ -166,13 +208,22 @@ def _one_launch_fits(
 ) -> bool:
     n = gate_up_weight.shape[0] // 2
     return (
-        ENABLED
+        ENABLED > 0
         and _fits(x, gate_up_weight, x.shape[-1], True, gate_up_scale, gate_up_input_scale)
         and norm_weight.dtype == x.dtype
         and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))
         and down_weight.shape == (x.shape[-1], n)
         and _fits(x.new_empty(1, n), down_weight, n, False, down_scale, down_input_scale)
+        and _same_launch_options(n, x.shape[-1], x.device)
     )
+
+
+def _same_launch_options(n: int, k: int, device: torch.device) -> bool:
+    """Whether gate_up's and down's tiles share warps and stages (one launch has one of each):
+    the measured tiles of Llama-3.1-8B's do; other shapes' rule tiles may not."""
+    gate_up = small_batch_tiles.tile_config("norm_linear_silu_mul", 2 * n, k, device, 1)
+    down = small_batch_tiles.tile_config("linear", k, n, device, 1)
+    return (gate_up.num_warps, gate_up.num_stages) == (down.num_warps, down.num_stages)
 
 
 def add_rms_norm_mlp_fp8(
@@ -224,14 +275,6 @@ def _launch(
     n = gate_up_weight.shape[0] // 2
     gate_up_tiles = small_batch_tiles.tile_config("norm_linear_silu_mul", 2 * n, k, device, 1)
     down_tiles = small_batch_tiles.tile_config("linear", k, n, device, 1)
-    if (gate_up_tiles.num_warps, gate_up_tiles.num_stages) != (
-        down_tiles.num_warps,
-        down_tiles.num_stages,
-    ):
-        raise ValueError(
-            "one-row MLP: gate_up's and down's tiles need the same warps and stages "
-            f"({gate_up_tiles}, {down_tiles})"
-        )
     gate_up_block_n = gate_up_tiles.block_n // 2 if device.type == "cuda" else gate_up_tiles.block_n
     per_split, num_splits = split_k.k_per_split(n, down_tiles.split_k, down_tiles.block_k)
     gate_up_quant = _quant_mode(gate_up_scale, gate_up_input_scale, x2)
@@ -241,6 +284,11 @@ def _launch(
     summed = torch.empty_like(x2) if residual is not None else x2
     part = split_k.partials(num_splits, 1, 1, k, device=device) if num_splits > 1 else out
     programs = triton.cdiv(n, gate_up_block_n) + triton.cdiv(k, down_tiles.block_n) * num_splits
+    persistent = ENABLED == 2 and device.type == "cuda"
+    options = {}
+    if persistent:
+        programs = _persistent_programs(device)
+        options = {"launch_cooperative_grid": True, "PERSISTENT": True}
     sync = split_k.counters(device, _SYNC_WORDS, "one_row_mlp")
     _one_row_mlp_kernel[(programs,)](
         x2, _rows_2d(residual) if residual is not None else x2, norm_weight, summed,
@@ -268,5 +316,16 @@ def _launch(
         INTERPRETED=device.type != "cuda",
         num_warps=gate_up_tiles.num_warps,
         num_stages=gate_up_tiles.num_stages,
+        **options,
     )  # fmt: skip
     return out, summed
+
+
+# Programs an SM keeps of the cooperative schedule: the engine's tiles take 103 KiB of shared
+# memory and 104 registers a thread (sm_90, Triton 3.6), so two fit in an SM's 228 KiB; a launch
+# of more than fit fails (cooperative), it never waits for programs that cannot start.
+PERSISTENT_PROGRAMS_PER_SM = 2
+
+
+def _persistent_programs(device: torch.device) -> int:
+    return PERSISTENT_PROGRAMS_PER_SM * num_sms(device)
