@@ -11,6 +11,8 @@ tail -2 "$OUT/tests.txt"
 PYTHONPATH=benchmarks:. timeout 150 python3 benchmarks/one_row_mlp_bench.py \
     --out "$OUT/one_row_mlp.json" 2>&1 | tail -3
 for pass in 1 2; do
+    # the tree before this session (945f596, extracted to .scratch/base): the refactor's check
+    KILN_TREE=.scratch/base TAG=base_$pass bash benchmarks/h200_run.sh lat1k-s8kv8h8 2>&1 | grep "exit"
     TAG=mlp0_$pass bash benchmarks/h200_run.sh lat1k-s8kv8h8 2>&1 | grep "exit"
     KILN_ONE_ROW_MLP=2 TAG=mlp2_$pass bash benchmarks/h200_run.sh lat1k-s8kv8h8 2>&1 | grep "exit"
 done
