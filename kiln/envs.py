@@ -74,11 +74,6 @@ class Envs:
     as the dot's first operand: a float8 wgmma straight from shared memory on Hopper) instead of
     input rows x weight tile (an HMMA on the tile widened to fp16 in registers); off (0) is the
     A/B (kernels.triton.small_batch_linear reads it at import)."""
-    one_row_mlp: int = 0
-    """The FP8 MLP block of one row (batch-1 decode) in one launch, gate_up's programs then
-    down's, handed over by a counter (kernels.triton.one_row_mlp): 1 with roles by ticket, 2 a
-    cooperative grid of resident programs; 0 (off) runs its two kernels. Off until measured on
-    a GPU: the A/B (read at import)."""
     fp8_fast_accum: bool = True
     """The FP8 GEMMs (`torch._scaled_mm`) use Hopper's fast float8 accumulation (use_fast_accum:
     no periodic promotion of the partial sums to fp32), as vLLM's and TensorRT-LLM's FP8 GEMMs

@@ -477,25 +477,3 @@ def add_rms_norm_linear_silu_mul_fp8(
     )
     act_fp8, act_scale = quantize_fp8(act.reshape(-1, act.shape[-1]), out_scale)
     return act_fp8, act_scale, summed
-
-
-def add_rms_norm_mlp_fp8(
-    x: torch.Tensor,  # [num_tokens, K]
-    residual: torch.Tensor | None,  # [num_tokens, K], or None: no residual to add
-    norm_weight: torch.Tensor,  # [K]
-    eps: float,
-    gate_up_weight: torch.Tensor,  # [2N, K] float8 e4m3: the gate rows, then the up rows
-    gate_up_scale: torch.Tensor,  # [2N] fp32
-    gate_up_input_scale: torch.Tensor | None,  # [] fp32 static; None: per token
-    down_weight: torch.Tensor,  # [K, N] float8 e4m3
-    down_scale: torch.Tensor,  # [K] fp32
-    down_input_scale: torch.Tensor | None,  # [] fp32 static; None: per token
-) -> tuple[torch.Tensor, torch.Tensor]:  # (down(silu(gate) * up), x + residual)
-    """The FP8 MLP block with no bias: add_rms_norm_linear_silu_mul_fp8, its activation
-    quantized with down's input scale, then down's float8 matmul."""
-    act, act_scale, summed = add_rms_norm_linear_silu_mul_fp8(
-        x, residual, norm_weight, eps, gate_up_weight, gate_up_scale, gate_up_input_scale,
-        down_input_scale,
-    )  # fmt: skip
-    y = fp8_matmul(act, act_scale, down_weight, down_scale, None, x.dtype)
-    return y.view(x.shape), summed

@@ -174,22 +174,6 @@ class LinearMethod(ABC):
         activation, summed = self.add_rms_norm_silu_mul(layer, ops, x, residual, norm_weight, eps)
         return activation, None, summed
 
-    def add_rms_norm_mlp(
-        self,
-        layer: Linear,
-        ops: ModuleType,
-        down: Linear,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        into: Fp8Input,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The MLP block through `down`'s projection (before a row-parallel reduce) as one op,
-        (down's output, x + residual), where the method has one for this pair of layers; None:
-        the caller composes add_rms_norm_silu_mul_fp8 and down."""
-        return None
-
 
 class FusedOpsLinearMethod(LinearMethod):
     """A method whose fused entry points are single `ops` calls (one kernel at batch-1 decode on
@@ -343,16 +327,12 @@ class Linear(nn.Module):
         if into is None:
             activation, summed = self.add_rms_norm_silu_mul(ops, x, residual, norm_weight, eps)
             return down(ops, activation), summed
-        block = self.method.add_rms_norm_mlp(self, ops, down, x, residual, norm_weight, eps, into)
-        if block is not None:
-            y, summed = block
-        else:
-            activation, scale, summed = self.method.add_rms_norm_silu_mul_fp8(
-                self, ops, x, residual, norm_weight, eps, into
-            )
-            if scale is None:
-                return down(ops, activation), summed
-            y = down.method.apply_fp8(down, ops, activation, scale, x.dtype)
+        activation, scale, summed = self.method.add_rms_norm_silu_mul_fp8(
+            self, ops, x, residual, norm_weight, eps, into
+        )
+        if scale is None:
+            return down(ops, activation), summed
+        y = down.method.apply_fp8(down, ops, activation, scale, x.dtype)
         if down.reduce is not None:  # row-parallel, as forward()
             tp_all_reduce(down.reduce, y)
         return y, summed

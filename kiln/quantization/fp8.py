@@ -156,27 +156,6 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
             x_fp8, x_scale, layer.weight, layer.weight_scale, layer.bias, out_dtype
         )
 
-    def add_rms_norm_mlp(
-        self,
-        layer: Linear,
-        ops: ModuleType,
-        down: Linear,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        into: Fp8Input,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Plain FP8 gate_up and down with no bias: ops.add_rms_norm_mlp_fp8 (one launch for one
-        row on the GPU, kernels.triton.one_row_mlp). Subclasses (outlier columns) compose."""
-        plain = type(self) is Fp8LinearMethod and type(down.method) is Fp8LinearMethod
-        if not plain or layer.has_bias or down.has_bias or into.channels is not None:
-            return None
-        return ops.add_rms_norm_mlp_fp8(
-            x, residual, norm_weight, eps, layer.weight, layer.weight_scale, layer.input_scale,
-            down.weight, down.weight_scale, into.static_scale,
-        )  # fmt: skip
-
     def add_rms_norm_silu_mul_fp8(
         self,
         layer: Linear,

@@ -9,7 +9,6 @@ from kiln.kernels.triton.argmax import argmax
 from kiln.kernels.triton.copy_blocks import copy_kv_blocks
 from kiln.kernels.triton.decode_attention import paged_decode_attention
 from kiln.kernels.triton.fp8_gemm import quantize_fp8
-from kiln.kernels.triton.one_row_mlp import add_rms_norm_mlp_fp8
 from kiln.kernels.triton.prefill_attention import paged_prefill_attention
 from kiln.kernels.triton.qkv_rotary import add_rms_norm_qkv_rotary_write_kv
 from kiln.kernels.triton.rms_norm import add_rms_norm_quant_fp8, fused_add_rms_norm, rms_norm
@@ -28,7 +27,6 @@ __all__ = [
     "add_rms_norm_linear",
     "add_rms_norm_linear_silu_mul",
     "add_rms_norm_linear_silu_mul_fp8",
-    "add_rms_norm_mlp_fp8",
     "add_rms_norm_qkv_rotary_write_kv",
     "add_rms_norm_quant_fp8",
     "argmax",

@@ -69,8 +69,8 @@ def _times(a, w, acc, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr):
     a float8 wgmma reading the tile straight from shared memory (64 weight rows are its M, the
     16 padded input rows its N) instead of an HMMA fed by the tile widened to fp16 in registers
     (sm_90 SASS of the one-row loop: no F2FP, LDSM or HMMA left, 8 QGMMA a trip). Batch-1
-    decode +3.3% on an H100 (docs/performance.md, "Batch 1: the weight tile as the float8 dot's
-    first operand")."""
+    decode +3.3% on an H100, +1.7% on an H200 (docs/performance.md, "Batch 1: the weight tile
+    as the float8 dot's first operand", "Batch 1 on the H200 with the swapped dot")."""
     if SWAP_AB:  # a constexpr branch: one result type per compiled variant
         acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
     else:
@@ -322,22 +322,12 @@ def _project(
 def _write_residual_sum(x_ptr, residual_ptr, sum_ptr, K, BLOCK_K: tl.constexpr):
     """x + residual (one row) into sum_ptr, written out in slices: each program (over the
     tiles and their splits) its own."""
-    _write_residual_slice(
-        x_ptr, residual_ptr, sum_ptr, K, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-        tl.num_programs(0) * tl.num_programs(1), BLOCK_K,
-    )  # fmt: skip
-
-
-@triton.jit
-def _write_residual_slice(
-    x_ptr, residual_ptr, sum_ptr, K, piece, num_pieces, BLOCK_K: tl.constexpr
-):  # fmt: skip
-    """Piece `piece` of num_pieces of x + residual (one row) into sum_ptr."""
+    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     ks = tl.arange(0, BLOCK_K)
-    per = tl.cdiv(K, num_pieces)
-    for k in range(piece * per, (piece + 1) * per, BLOCK_K):
+    per = tl.cdiv(K, tl.num_programs(0) * tl.num_programs(1))
+    for k in range(pid * per, (pid + 1) * per, BLOCK_K):
         offs = k + ks
-        mask = (offs < K) & (offs < (piece + 1) * per)
+        mask = (offs < K) & (offs < (pid + 1) * per)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         r = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(sum_ptr + offs, (x + r).to(sum_ptr.dtype.element_ty), mask=mask)
@@ -378,57 +368,31 @@ def _small_batch_linear_kernel(
     INTERPRETED: tl.constexpr,
     SWAP_AB: tl.constexpr,  # see _times
 ):
-    _linear_program(
-        tl.program_id(0), tl.program_id(1), tl.program_id(0) * tl.num_programs(1)
-        + tl.program_id(1), tl.num_programs(0) * tl.num_programs(1), x_ptr, residual_ptr,
-        norm_weight_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr, w_scale_ptr, in_scale_ptr, part_ptr,
-        counter_ptr, M, N, K, k_per_split, stride_xm, stride_om, stride_wn, eps, PROLOGUE,
-        HAS_BIAS, GATED, BLOCK_M, BLOCK_N, BLOCK_K, STATS_BLOCK, SPLIT_K, DOT_PRECISION, QUANT,
-        FP8_DOT, INTERPRETED, SWAP_AB,
-    )  # fmt: skip
-
-
-@triton.jit
-def _linear_program(
-    tile,  # this program's column tile
-    split,  # its K slice (split_k.split_range)
-    piece,  # its piece of the residual sum to write (ADD_NORM), of num_pieces
-    num_pieces,
-    x_ptr, residual_ptr, norm_weight_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr, w_scale_ptr,
-    in_scale_ptr, part_ptr, counter_ptr, M, N, K, k_per_split, stride_xm, stride_om, stride_wn,
-    eps, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    STATS_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QUANT: tl.constexpr, FP8_DOT: tl.constexpr, INTERPRETED: tl.constexpr,
-    SWAP_AB: tl.constexpr,
-):  # fmt: skip
-    """One program of _small_batch_linear_kernel (its arguments), given its tile, split and
-    piece: a launch of another shape (one_row_mlp's) runs the same programs."""
     tl.static_assert(SPLIT_K == 1 or PROLOGUE == 0 or QUANT != 0, "bf16 norm: no split-K")
     rows = tl.arange(0, BLOCK_M)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
     up_rows = w_rows + N.to(tl.int64) * stride_wn  # GATED: the up rows of these columns
-    k_start, k_stop = split_k.split_range(split, K, k_per_split, SPLIT_K)
+    k_start, k_stop = split_k.k_range(K, k_per_split, SPLIT_K)
     acc, acc_up = _project(
         x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_rows, up_rows, col_mask, sum_ptr,
         in_scale_ptr, M, K, k_start, k_stop, stride_xm, eps, PROLOGUE, GATED, BLOCK_M, BLOCK_N,
         BLOCK_K, STATS_BLOCK, DOT_PRECISION, QUANT, FP8_DOT, INTERPRETED, SWAP_AB=SWAP_AB,
     )  # fmt: skip
     if PROLOGUE == 2:
-        _write_residual_slice(x_ptr, residual_ptr, sum_ptr, K, piece, num_pieces, BLOCK_K)
+        _write_residual_sum(x_ptr, residual_ptr, sum_ptr, K, BLOCK_K)
     if SPLIT_K > 1:
         # The tile's sums over all K: complete in the program that arrives last, the only one
         # whose stores below are unmasked.
         num_accs: tl.constexpr = 2 if GATED else 1
         part = rows[:, None] * N + cols[None, :]  # [BLOCK_M, BLOCK_N] offsets in one [M, N]
         part_mask = (rows < M)[:, None] & col_mask[None, :]
-        mine = part_ptr + split * (num_accs * M * N)
+        mine = part_ptr + tl.program_id(1) * (num_accs * M * N)
         tl.store(mine + part, acc, mask=part_mask)
         if GATED:
             tl.store(mine + M * N + part, acc_up, mask=part_mask)
-        is_last = split_k.arrive(counter_ptr, tile, cols, SPLIT_K)
+        is_last = split_k.arrive(counter_ptr, tl.program_id(0), cols, SPLIT_K)
         col_mask = col_mask & is_last
         part_mask = part_mask & is_last[None, :]
         acc = split_k.sum_partials(part_ptr, part, part_mask, num_accs * M * N, SPLIT_K)

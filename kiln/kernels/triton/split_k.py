@@ -29,7 +29,7 @@ import triton.language as tl
 # Tiles one split-K launch may have (counters per device: 256 KiB).
 MAX_TILES = 1 << 16
 
-_counters: dict[tuple[torch.device, str], torch.Tensor] = {}
+_counters: dict[torch.device, torch.Tensor] = {}
 
 
 def k_per_split(k: int, split_k: int, block_k: int) -> tuple[int, int]:
@@ -39,22 +39,21 @@ def k_per_split(k: int, split_k: int, block_k: int) -> tuple[int, int]:
     return per, triton.cdiv(k, per) if k else 1
 
 
-def counters(device: torch.device, size: int = MAX_TILES, name: str = "tiles") -> torch.Tensor:
-    """The device's zeroed int32 tile counters (`name`: another kernel's own words, `size` of
-    them, kept at zero the same way). Created by the device's first launch that asks, which must
-    not be under CUDA graph capture (the zeroing would be recorded, not run); the graph runner's
-    warm-up forward before each capture is such a first launch."""
+def counters(device: torch.device) -> torch.Tensor:
+    """The device's zeroed int32 tile counters. Created by the device's first split-K launch,
+    which must not be under CUDA graph capture (the zeroing would be recorded, not run); the
+    graph runner's warm-up forward before each capture is such a first launch."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    buf = _counters.get((device, name))
+    buf = _counters.get(device)
     if buf is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                f"the first {name} counters' launch on a device ran under CUDA graph capture; "
-                "run the forward once outside capture first (its counters are made then)"
+                "the first split-K small-batch launch on a device ran under CUDA graph capture; "
+                "run the forward once outside capture first (its tile counters are made then)"
             )
-        buf = torch.zeros(size, dtype=torch.int32, device=device)
-        _counters[(device, name)] = buf
+        buf = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+        _counters[device] = buf
     return buf
 
 
@@ -67,16 +66,10 @@ def partials(split_k: int, *shape: int, device: torch.device) -> torch.Tensor:
 @triton.jit
 def k_range(K, k_per_split, SPLIT_K: tl.constexpr):
     """[k_start, k_stop) of this program's split, program_id(1); all of K when SPLIT_K is 1."""
-    return split_range(tl.program_id(1), K, k_per_split, SPLIT_K)
-
-
-@triton.jit
-def split_range(split, K, k_per_split, SPLIT_K: tl.constexpr):
-    """[k_start, k_stop) of split `split`; all of K when SPLIT_K is 1."""
     k_start = 0
     k_stop = K
     if SPLIT_K > 1:
-        k_start = split * k_per_split
+        k_start = tl.program_id(1) * k_per_split
         k_stop = tl.minimum(k_start + k_per_split, K)
     return k_start, k_stop
 
