@@ -163,7 +163,7 @@ def main() -> None:
             )  # fmt: skip
             entry = {"table_tiles": list(table), "configs": []}
             for tiles, swap in [(None, False), (None, True)] + [
-                (Tiles(*c), True) for c in CANDIDATES[name] * (rows == 1)
+                (Tiles(*c), True) for c in (CANDIDATES[name] if rows == 1 else [])
             ]:
                 try:
                     us, err = _measure(proj, tiles, swap, truth, args.reps)

@@ -200,13 +200,11 @@ def build_engine(
     device = resolve_device("auto")
     dtype = resolve_dtype(options.dtype, device)
     gpu_class = current_gpu_class() if device.type == "cuda" else None
-    uses = {
-        f"{options.quantization} weights": options.quantization != "none",
-        "a float8 LM head": options.lm_head_quantization == "fp8",
-        "a float8 KV cache": options.kv_cache_dtype != "auto",
-    }
-    advice = "Build without them, or on the GPU the engine will serve on (Ada or newer)"
-    check_float8_device(device, uses, BuildError, advice)
+    check_float8_device(
+        device, options.quantization, options.lm_head_quantization == "fp8",
+        is_float8_kv_cache(options.kv_cache_dtype), BuildError,
+        "Build without them, or on the GPU the engine will serve on (Ada or newer)",
+    )  # fmt: skip
     # (Options that need a quantized build were refused when `replace` resolved "auto".)
     if fp8 is not None:
         for changes_weights, why in (

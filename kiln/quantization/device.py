@@ -11,10 +11,21 @@ FLOAT8_MIN_CAPABILITY = (8, 9)
 
 
 def check_float8_device(
-    device: torch.device, uses: dict[str, bool], error: type[Exception], advice: str
+    device: torch.device,
+    weight_scheme: str,
+    float8_head: bool,
+    float8_kv_cache: bool,
+    error: type[Exception],
+    advice: str,
 ) -> None:
-    """Raises `error` naming what asked for float8 (the keys of `uses` whose value is True) when
-    the GPU cannot run it; `advice` says how to run without."""
+    """Raises `error` naming what asks for float8 (quantized weights of `weight_scheme` unless
+    "none", a float8 LM head, a float8 KV cache) when the GPU cannot run it; `advice` says how to
+    run without."""
+    uses = {
+        f"{weight_scheme} weights": weight_scheme != "none",
+        "a float8 LM head": float8_head,
+        "a float8 KV cache": float8_kv_cache,
+    }
     asked = [what for what, used in uses.items() if used]
     if device.type != "cuda" or not asked:
         return

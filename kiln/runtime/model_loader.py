@@ -200,18 +200,21 @@ class DummyInputScales(Mapping[str, float]):
         return 0
 
 
+def _has_own_scheme(source: ModelSource) -> bool:
+    """An engine directory or a pre-quantized checkpoint: its weights carry their quantization;
+    any other source takes EngineConfig.quantization."""
+    return source.weights_fused or source.quantization != "none"
+
+
 def _weight_scheme(engine_config: EngineConfig, source: ModelSource) -> str:
-    """The weights' quantization: an engine directory's or a pre-quantized checkpoint's own;
-    any other source's, EngineConfig.quantization."""
-    if not source.weights_fused and source.quantization == "none":
-        return engine_config.quantization
-    return source.quantization
+    """The weights' quantization (see _has_own_scheme)."""
+    return source.quantization if _has_own_scheme(source) else engine_config.quantization
 
 
 def _linear_method(engine_config: EngineConfig, source: ModelSource) -> LinearMethodFactory:
     """An engine directory's or a pre-quantized checkpoint's own scheme (and its static scales)
     make its linear methods; any other source takes EngineConfig.quantization."""
-    if not source.weights_fused and source.quantization == "none":
+    if not _has_own_scheme(source):
         dummy_static = source.weights is None and engine_config.quantization == "fp8"
         return linear_method_factory(
             engine_config.quantization, DummyInputScales() if dummy_static else None
@@ -232,17 +235,12 @@ def _check_float8_device(
 ) -> None:
     """A clear error before anything loads when float8 weights, a float8 LM head or a float8 KV
     cache meet a GPU without float8 (kiln.quantization.device)."""
-    scheme = _weight_scheme(engine_config, source)
-    uses = {
-        f"{scheme} weights": scheme != "none",
-        "a float8 LM head": _float8_head(engine_config, source),
-        "a float8 KV cache": is_float8_kv_cache(engine_config.kv_cache_dtype),
-    }
-    advice = (
+    check_float8_device(
+        device, _weight_scheme(engine_config, source), _float8_head(engine_config, source),
+        is_float8_kv_cache(engine_config.kv_cache_dtype), ModelLoadError,
         "Run without them (--quantization none, --kv-cache-dtype auto, --lm-head-quantization "
-        "none; an engine built with them cannot), or on a newer GPU"
-    )
-    check_float8_device(device, uses, ModelLoadError, advice)
+        "none; an engine built with them cannot), or on a newer GPU",
+    )  # fmt: skip
 
 
 def _float8_head(engine_config: EngineConfig, source: ModelSource) -> bool:
