@@ -319,6 +319,30 @@ def test_decode_attention_graph_grid_mixed_lengths(
     _assert_close(replay, _reference_decode(*args), ATTN_ATOL[dtype])
 
 
+@pytest.mark.parametrize(("dtype", "cache_dtype"), GRID_CASES + PACKED_CASES)
+def test_decode_attention_idle_splits_hold_stale_values(
+    dtype: torch.dtype, cache_dtype, monkeypatch
+) -> None:
+    # A graph's split buffers keep what earlier steps wrote (here: a log-sum-exp above any real
+    # one and NaN outputs). A split past a short sequence's last partition must overwrite its
+    # log-sum-exp with -inf, so the reduce (which reads no seq_lens) gives it weight 0.
+    monkeypatch.setattr(decode_attention, "PACKED", cache_dtype == PACKED_FP8)
+    cache_dtype = FP8 if cache_dtype == PACKED_FP8 else cache_dtype
+    split_buffers = decode_attention._split_buffers
+
+    def stale(query, num_splits):
+        part_out, part_lse = split_buffers(query, num_splits)
+        return part_out.fill_(float("nan")), part_lse.fill_(1000.0)
+
+    monkeypatch.setattr(decode_attention, "_split_buffers", stale)
+    seq_lens, num_splits = [1, 45, 120], 5
+    query, k_cache, v_cache, tables, lens, scale = _decode_inputs(seq_lens, dtype, cache_dtype, 7)
+    args = (query, k_cache, v_cache, tables, lens, scale)
+    out = paged_decode_attention_splits(*args, 131072, num_splits)
+    assert not out.isnan().any()
+    _assert_close(out, _reference_decode(*args), ATTN_ATOL[dtype])
+
+
 @pytest.mark.parametrize(("dtype", "cache_dtype"), GRID_CASES)
 def test_decode_attention_more_splits_than_tiles(dtype: torch.dtype, cache_dtype) -> None:
     # The policy's split count for batch 2 at a 128k bucket (64) against contexts of 1 and 3

@@ -127,7 +127,15 @@ def _decode_kernel(
     if SPLIT:  # noqa: SIM102 (resolved at compile time; the inner `if` is the device's)
         if split >= num_valid:
             # Past this sequence's last partition (a short context in a grid sized for a longer
-            # one, as a graph replay has): the reduce never reads this split's slot.
+            # one, as a graph replay has): its heads' slots get a log-sum-exp of -inf (weight
+            # 0), so the reduce needs no seq_len to know which slots hold partitions.
+            heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
+            part_index = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split
+            tl.store(
+                part_lse_ptr + part_index,
+                tl.full([GROUP_PAD], float("-inf"), tl.float32),
+                mask=tl.arange(0, GROUP_PAD) < GROUP,
+            )
             return
     start = split * partition_size
     end = tl.minimum(start + partition_size, seq_len)
@@ -262,7 +270,6 @@ def _decode_kernel(
 def _decode_reduce_kernel(
     part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32
     part_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, log2 domain
-    seq_lens_ptr,
     out_ptr,  # [num_seqs, num_heads, head_dim]
     stride_o_seq,
     stride_o_head,
@@ -271,28 +278,29 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # the decode kernel's, for _partition
 ):
-    """Merges one (sequence, head)'s partial outputs: weights exp2(lse_i - max lse)."""
+    """Merges one (sequence, head)'s partial outputs: weights exp2(lse_i - max lse). A slot
+    past the sequence's last partition holds -inf (the decode kernels write it): weight 0, its
+    stale output never read into the sum. So no load waits for seq_len first."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    _, num_valid = _partition(seq_len, num_splits, BLOCK_N)
     splits = tl.arange(0, SPLITS_PAD)
-    split_mask = splits < num_valid
+    split_mask = splits < num_splits
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     base = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits
     lse = tl.load(part_lse_ptr + base + splits, mask=split_mask, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    weights = tl.where(split_mask, tl.exp2(lse - lse_max), 0.0)
     parts = tl.load(
         part_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
         mask=split_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
+    lse_max = tl.max(lse, 0)
+    used = lse > float("-inf")
+    weights = tl.where(used, tl.exp2(lse - lse_max), 0.0)
     total = tl.sum(weights, 0)
-    out = tl.sum(weights[:, None] * parts, 0) / tl.where(total > 0.0, total, 1.0)
+    terms = tl.where(used[:, None], weights[:, None] * parts, 0.0)
+    out = tl.sum(terms, 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(
         out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + dims,
         out.to(out_ptr.dtype.element_ty),
@@ -467,7 +475,7 @@ def paged_decode_attention_splits(
         num_stages=num_stages,
     )
     if split:
-        _reduce(part_out, part_lse, seq_lens, out, num_splits, block_n)
+        _reduce(part_out, part_lse, out, num_splits)
     return out
 
 
@@ -529,14 +537,12 @@ def _split_buffers(query: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, 
     return part_out, part_lse
 
 
-def _reduce(part_out, part_lse, seq_lens, out, num_splits: int, tile: int) -> None:
-    """Merges the splits' partial outputs into `out`; `tile` is the partition granule the decode
-    kernel gave _partition."""
+def _reduce(part_out, part_lse, out, num_splits: int) -> None:
+    """Merges the splits' partial outputs into `out`."""
     num_seqs, num_heads, head_dim = out.shape
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out,
         part_lse,
-        seq_lens,
         out,
         out.stride(0),
         out.stride(1),
@@ -545,7 +551,6 @@ def _reduce(part_out, part_lse, seq_lens, out, num_splits: int, tile: int) -> No
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         SPLITS_PAD=triton.next_power_of_2(num_splits),
-        BLOCK_N=tile,
         num_warps=4,
     )
 
@@ -593,7 +598,7 @@ def _packed_decode(
         **launch_options,
     )
     if split:
-        _reduce(part_out, part_lse, seq_lens, out, num_splits, pack * block_n)
+        _reduce(part_out, part_lse, out, num_splits)
     return out
 
 

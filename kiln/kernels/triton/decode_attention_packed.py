@@ -249,7 +249,12 @@ def _decode_packed_kernel(
     partition_size, num_valid = _partition(seq_len, num_splits, PACK * BLOCK_N)
     if SPLIT:  # noqa: SIM102 (resolved at compile time; the inner `if` is the device's)
         if split >= num_valid:
-            return  # past this sequence's last partition: the reduce never reads this slot
+            # Past this sequence's last partition: its heads' slots get a log-sum-exp of -inf
+            # (weight 0), so a merge needs no seq_len to know which slots hold partitions.
+            heads = kv_head * GROUP + tl.arange(0, GROUP)
+            part_index = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split
+            tl.store(part_lse_ptr + part_index, tl.full([GROUP], float("-inf"), tl.float32))
+            return
     start = split * partition_size
     end = tl.minimum(start + partition_size, seq_len)
 

@@ -101,6 +101,23 @@ def _qkv_rotary_write_kv_kernel(
     lo = (pairs // HALF) * (2 * HALF) + dims  # the pair's first column; its partner is lo + HALF
     w_lo = w_ptr + lo[:, None].to(tl.int64) * K
     k_start, k_stop = split_k.k_range(K, k_per_split, SPLIT_K)
+    # The epilogue's loads issued before the weight stream: after it (behind the split-K
+    # hand-off's acquire) the position, then its cos/sin, were two more round trips at the end of
+    # the tile's last program, where nothing else is in flight.
+    w_scale_lo = tl.zeros([BLOCK_N], dtype=tl.float32)
+    w_scale_hi = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if QUANT != 0:
+        w_scale_lo = tl.load(w_scale_ptr + lo, mask=pair_mask, other=0.0)
+        w_scale_hi = tl.load(w_scale_ptr + lo + HALF, mask=pair_mask, other=0.0)
+    bias_lo = tl.zeros([BLOCK_N], dtype=tl.float32)
+    bias_hi = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if HAS_BIAS:
+        bias_lo = tl.load(bias_ptr + lo, mask=pair_mask, other=0.0).to(tl.float32)
+        bias_hi = tl.load(bias_ptr + lo + HALF, mask=pair_mask, other=0.0).to(tl.float32)
+    position = tl.load(positions_ptr).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + position * (2 * HALF) + dims, mask=pair_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + dims, mask=pair_mask, other=0.0)
+    slot = tl.load(slot_mapping_ptr).to(tl.int64)
     acc_lo, acc_hi = _project(
         x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_lo, w_lo + HALF * K, pair_mask, sum_ptr,
         in_scale_ptr, 1, K, k_start, k_stop, 0, eps, PROLOGUE, True, 16, BLOCK_N, BLOCK_K,
@@ -123,24 +140,20 @@ def _qkv_rotary_write_kv_kernel(
             part_ptr + num_pairs, pairs, pair_mask, 2 * num_pairs, SPLIT_K
         )
     if QUANT != 0:  # the weight's per-row scales, after the sum as reference.fp8_linear
-        out_lo *= tl.load(w_scale_ptr + lo, mask=pair_mask, other=0.0)
-        out_hi *= tl.load(w_scale_ptr + lo + HALF, mask=pair_mask, other=0.0)
+        out_lo *= w_scale_lo
+        out_hi *= w_scale_hi
     if HAS_BIAS:
-        out_lo += tl.load(bias_ptr + lo, mask=pair_mask, other=0.0).to(tl.float32)
-        out_hi += tl.load(bias_ptr + lo + HALF, mask=pair_mask, other=0.0).to(tl.float32)
+        out_lo += bias_lo
+        out_hi += bias_hi
     dtype = q_out_ptr.dtype.element_ty
     x1 = out_lo.to(dtype).to(tl.float32)  # the projection's output, rounded as unfused
     x2 = out_hi.to(dtype).to(tl.float32)
-    position = tl.load(positions_ptr).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + position * (2 * HALF) + dims, mask=pair_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + dims, mask=pair_mask, other=0.0)
     rot1 = (x1 * cos - x2 * sin).to(dtype)
     rot2 = (x2 * cos + x1 * sin).to(dtype)
 
     is_q = pair_mask & (lo < Q_SIZE)
     tl.store(q_out_ptr + lo, rot1, mask=is_q)
     tl.store(q_out_ptr + lo + HALF, rot2, mask=is_q)
-    slot = tl.load(slot_mapping_ptr).to(tl.int64)
     if slot >= 0:
         is_k = pair_mask & (lo >= Q_SIZE) & (lo < Q_SIZE + KV_SIZE)
         k_dst = k_cache_ptr + _cache_columns(

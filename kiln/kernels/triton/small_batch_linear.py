@@ -375,6 +375,17 @@ def _small_batch_linear_kernel(
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
     up_rows = w_rows + N.to(tl.int64) * stride_wn  # GATED: the up rows of these columns
     k_start, k_stop = split_k.k_range(K, k_per_split, SPLIT_K)
+    # The epilogue's loads issued before the weight stream: after it, an unsplit program (gate_up)
+    # ended on one more round trip, when nothing else was in flight.
+    w_scale = tl.zeros([BLOCK_N], dtype=tl.float32)
+    w_scale_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if QUANT != 0:
+        w_scale = tl.load(w_scale_ptr + cols, mask=col_mask, other=0.0)
+        if GATED:
+            w_scale_up = tl.load(w_scale_ptr + N + cols, mask=col_mask, other=0.0)
+    bias = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     acc, acc_up = _project(
         x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_rows, up_rows, col_mask, sum_ptr,
         in_scale_ptr, M, K, k_start, k_stop, stride_xm, eps, PROLOGUE, GATED, BLOCK_M, BLOCK_N,
@@ -401,11 +412,11 @@ def _small_batch_linear_kernel(
                 part_ptr + M * N, part, part_mask, num_accs * M * N, SPLIT_K
             )
     if QUANT != 0:  # the weight's per-row scales, after the sum as reference.fp8_linear
-        acc *= tl.load(w_scale_ptr + cols, mask=col_mask, other=0.0)[None, :]
+        acc *= w_scale[None, :]
         if GATED:
-            acc_up *= tl.load(w_scale_ptr + N + cols, mask=col_mask, other=0.0)[None, :]
+            acc_up *= w_scale_up[None, :]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        acc += bias[None, :]
     if GATED:
         # silu(gate) * up rounded as reference.silu_and_mul over the unfused projection's
         # output: gate and up to the model dtype, silu in fp32 to the dtype, the product again.
