@@ -55,13 +55,22 @@ def _rows(name: str, dev: str) -> list[dict]:
             prologue=sbl._ADD_NORM,
             kwargs=dict(residual=residual, norm_weight=norm_weight, eps=1e-5, summed=summed),
         ),
+        "norm_no_residual": dict(
+            prologue=sbl._NORM, kwargs=dict(norm_weight=norm_weight, eps=1e-5)
+        ),
+        "norm_fused_one_pass_step": dict(
+            prologue=sbl._ADD_NORM,
+            kwargs=dict(residual=residual, norm_weight=norm_weight, eps=1e-5, summed=summed),
+            tiles=tiles._replace(stats_block=k),
+        ),
         "plain": dict(prologue=sbl._PLAIN, kwargs={}),
     }
     original = small_batch_tiles.tile_config
-    small_batch_tiles.tile_config = lambda *a, **kw: tiles
     rows = []
     try:
         for side, spec in sides.items():
+            side_tiles = spec.get("tiles", tiles)
+            small_batch_tiles.tile_config = lambda *a, t=side_tiles, **kw: t
 
             def call(w, ws, spec=spec):
                 return sbl._launch(
@@ -71,7 +80,7 @@ def _rows(name: str, dev: str) -> list[dict]:
 
             call(*weights[0])
             calls = [functools.partial(call, w, ws) for w, ws in weights]
-            rows.append({"shape": name, "side": side, "tiles": list(tiles),
+            rows.append({"shape": name, "side": side, "tiles": list(side_tiles),
                          "us": _time_us(calls, 2, dev)})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     finally:
