@@ -26,13 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.triton._decode_partition import _mark_unused_split, _partition
 from kiln.kernels.triton._device import num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 from kiln.kernels.triton._online_softmax import online_softmax_update
 from kiln.kernels.triton.decode_attention import (
     _LOG2E,
-    _decode_reduce_kernel,
-    _partition,
+    _reduce,
     _tile_offsets,
     choose_num_splits,
 )
@@ -123,6 +123,9 @@ def _decode_fp8_kernel(
     partition_size, num_valid = _partition(seq_len, num_splits, BLOCK_N)
     if SPLIT:  # noqa: SIM102
         if split >= num_valid:
+            _mark_unused_split(
+                part_lse_ptr, seq, kv_head, split, num_splits, NUM_KV_HEADS, GROUP, GROUP_PAD
+            )
             return
     start = split * partition_size
     end = tl.minimum(start + partition_size, seq_len)
@@ -162,7 +165,7 @@ def _decode_fp8_kernel(
         n = n_start + offs_n
         n_mask = n < end
         offsets = _tile_offsets(
-            block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
+            block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, False
         )
         k = tl.load(k_cache_ptr + offsets, mask=n_mask[:, None], other=0.0)
         if not Q_FP8:
@@ -313,21 +316,7 @@ def paged_decode_attention_fp8_dots(
         num_stages=num_stages,
     )
     if split:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out,
-            part_lse,
-            seq_lens,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_splits,
-            NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim,
-            BLOCK_D=head_dim,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            BLOCK_N=block_n,
-            num_warps=4,
-        )
+        _reduce(part_out, part_lse, out, num_splits)
     return out
 
 
@@ -377,6 +366,9 @@ def _decode_widen_kernel(
     partition_size, num_valid = _partition(seq_len, num_splits, BLOCK_N)
     if SPLIT:  # noqa: SIM102
         if split >= num_valid:
+            _mark_unused_split(
+                part_lse_ptr, seq, kv_head, split, num_splits, NUM_KV_HEADS, GROUP, GROUP_PAD
+            )
             return
     start = split * partition_size
     end = tl.minimum(start + partition_size, seq_len)
@@ -400,20 +392,28 @@ def _decode_widen_kernel(
     n = start + offs_n
     n_mask = n < end
     v_offsets = _tile_offsets(
-        block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
+        block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, False
     )
     v_raw = tl.load(v_cache_ptr + v_offsets, mask=n_mask[:, None], other=0.0)
     for n_start in range(start, end, BLOCK_N):
         n = n_start + offs_n
         n_mask = n < end
         kv_offsets = _tile_offsets(
-            block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
+            block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, False
         )
         k_raw = tl.load(k_cache_ptr + kv_offsets, mask=n_mask[:, None], other=0.0)
         next_n = n + BLOCK_N
         next_mask = next_n < end
         next_offsets = _tile_offsets(
-            block_table, next_n, next_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
+            block_table,
+            next_n,
+            next_mask,
+            head_offset,
+            dims,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            False,
         )
         next_v_raw = tl.load(v_cache_ptr + next_offsets, mask=next_mask[:, None], other=0.0)
         v = _widen(v_raw, V_WIDEN, False)
@@ -474,9 +474,5 @@ def paged_decode_attention_widen(
         K_WIDEN=k_widen, V_WIDEN=v_widen, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_splits,
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=head_dim,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_N=block_n, num_warps=4,
-        )  # fmt: skip
+        _reduce(part_out, part_lse, out, num_splits)
     return out

@@ -1,5 +1,6 @@
-"""How a decode kernel cuts one sequence's context into split-K partitions (shared by the decode
-kernels and their reduce, so the reduce merges exactly the partitions written)."""
+"""How a decode kernel cuts one sequence's context into split-K partitions, and how it marks the
+slots of partitions a sequence does not have (shared by the decode kernels, so their reduce merges
+exactly the partitions written)."""
 
 from __future__ import annotations
 
@@ -15,3 +16,18 @@ def _partition(seq_len, num_splits, BLOCK_N: tl.constexpr):
     tiles = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N), 1)
     partition_size = tiles * BLOCK_N
     return partition_size, tl.cdiv(seq_len, partition_size)
+
+
+@triton.jit
+def _mark_unused_split(part_lse_ptr, seq, kv_head, split, num_splits, NUM_KV_HEADS: tl.constexpr,
+                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr):  # fmt: skip
+    """A split past its sequence's last partition (a short context in a grid sized for a longer
+    one, as a graph replay has) writes a log-sum-exp of -inf into its query heads' slots: weight
+    0 in the reduce, which so needs no seq_len to know which slots hold partitions (its stale
+    output is never read into the sum)."""
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + rows
+    slots = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split
+    tl.store(
+        part_lse_ptr + slots, tl.full([GROUP_PAD], float("-inf"), tl.float32), mask=rows < GROUP
+    )

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kiln.envs import envs
 from kiln.kernels.kv_layout import head_major as cache_head_major
-from kiln.kernels.triton._decode_partition import _partition
+from kiln.kernels.triton._decode_partition import _mark_unused_split, _partition
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 from kiln.kernels.triton._kv_layout import kv_head_offset, kv_tile_offsets
@@ -126,15 +126,8 @@ def _decode_kernel(
     partition_size, num_valid = _partition(seq_len, num_splits, BLOCK_N)
     if SPLIT:  # noqa: SIM102 (resolved at compile time; the inner `if` is the device's)
         if split >= num_valid:
-            # Past this sequence's last partition (a short context in a grid sized for a longer
-            # one, as a graph replay has): its heads' slots get a log-sum-exp of -inf (weight
-            # 0), so the reduce needs no seq_len to know which slots hold partitions.
-            heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
-            part_index = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split
-            tl.store(
-                part_lse_ptr + part_index,
-                tl.full([GROUP_PAD], float("-inf"), tl.float32),
-                mask=tl.arange(0, GROUP_PAD) < GROUP,
+            _mark_unused_split(
+                part_lse_ptr, seq, kv_head, split, num_splits, NUM_KV_HEADS, GROUP, GROUP_PAD
             )
             return
     start = split * partition_size

@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton._decode_partition import _partition
+from kiln.kernels.triton._decode_partition import _mark_unused_split, _partition
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 from kiln.kernels.triton._kv_layout import kv_head_offset, kv_tile_offsets
 
@@ -249,11 +249,9 @@ def _decode_packed_kernel(
     partition_size, num_valid = _partition(seq_len, num_splits, PACK * BLOCK_N)
     if SPLIT:  # noqa: SIM102 (resolved at compile time; the inner `if` is the device's)
         if split >= num_valid:
-            # Past this sequence's last partition: its heads' slots get a log-sum-exp of -inf
-            # (weight 0), so a merge needs no seq_len to know which slots hold partitions.
-            heads = kv_head * GROUP + tl.arange(0, GROUP)
-            part_index = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split
-            tl.store(part_lse_ptr + part_index, tl.full([GROUP], float("-inf"), tl.float32))
+            _mark_unused_split(
+                part_lse_ptr, seq, kv_head, split, num_splits, NUM_KV_HEADS, GROUP, GROUP
+            )
             return
     start = split * partition_size
     end = tl.minimum(start + partition_size, seq_len)
