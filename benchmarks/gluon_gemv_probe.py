@@ -195,7 +195,7 @@ def _time_us(fn, weights: list[torch.Tensor], reps: int) -> float:
     return 1000 * graph_time_ms(calls, max(1, reps // len(weights)), 5)
 
 
-def _shape_entry(name: str, reps: int) -> dict:
+def _shape_entry(name: str, reps: int, configs: list[tuple[int, int, int]]) -> dict:
     from kiln.kernels import reference
     from kiln.kernels.triton import small_batch_linear as sbl
 
@@ -223,7 +223,7 @@ def _shape_entry(name: str, reps: int) -> dict:
         "probe": [],
     }  # fmt: skip
     print(f"{name:8s} engine {entry['engine_us']:7.2f} us err {entry['engine_rel_err']:.1e}")
-    for rows, unroll, warps in CONFIGS:
+    for rows, unroll, warps in configs:
 
         def probe(w: torch.Tensor, rows=rows, unroll=unroll, warps=warps) -> torch.Tensor:
             return gemv_fp8(x.view(-1), w, w_scale, in_scale, rows, unroll, warps)
@@ -266,11 +266,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--ring-only", action="store_true", help="skip the register kernel")
     args = parser.parse_args()
-    if args.ring_only:
-        CONFIGS.clear()
+    configs = [] if args.ring_only else CONFIGS
     result = {"gpu": torch.cuda.get_device_name(), "shapes": {}}
     for name in args.shapes.split(","):
-        result["shapes"][name] = _shape_entry(name, args.reps)
+        result["shapes"][name] = _shape_entry(name, args.reps, configs)
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
