@@ -20,6 +20,7 @@ import argparse
 from kiln.cli.engine_args import add_engine_args, engine_config_from_args
 from kiln.cli.vllm_flags import add_vllm_serve_flags, check_vllm_serve_flags
 from kiln.envs import envs
+from kiln.server.serving import ServeOptions, serve_app
 from kiln.server.tool_calls.parsers import PARSERS
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("error: --api-server-count above 1 needs the engine process")
         from kiln.server.api_servers.launcher import run_api_servers
 
-        return run_api_servers(args, config)
+        return run_api_servers(serve_options(args), config)
     if args.engine_process:
         from kiln.engine_core.client import EngineClient
 
@@ -137,57 +138,27 @@ def run(args: argparse.Namespace) -> int:
         from kiln.engine.async_engine import AsyncEngine
 
         engine = AsyncEngine.from_config(config, stream_interval=args.stream_interval)
-    return serve_app(args, engine, grpc_port=args.grpc_port)
+    return serve_app(serve_options(args), engine, grpc_port=args.grpc_port)
 
 
-def serve_app(
-    args: argparse.Namespace,
-    engine: object,
-    sockets: list | None = None,
-    grpc_port: int | None = None,
-    metrics_dir: str | None = None,
-) -> int:
-    """Serve the app over `engine` (on `sockets`, else --host/--port) until the drain or the
-    engine's death; shuts the engine down. kiln serve's exit status."""
-    import uvicorn
-
-    from kiln.server.app import build_app
-    from kiln.server.lifecycle import DrainingServer
-
-    app = build_app(
-        engine,
-        args.served_model_name or args.model or DEFAULT_MODEL_NAME,
+def serve_options(args: argparse.Namespace) -> ServeOptions:
+    """The server's settings from `kiln serve`'s flags."""
+    return ServeOptions(
+        model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
+        host=args.host,
+        port=args.port,
+        grpc_port=args.grpc_port,
         api_key=args.api_key,
+        metrics_api_key=args.metrics_api_key,
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
+        shutdown_grace=args.shutdown_grace,
         metrics_prefix=args.metrics_prefix,
-        grpc_port=grpc_port,
-        grpc_host=args.host,
+        log_level=args.log_level,
         max_tokens_default=args.max_tokens_default,
         tool_call_parser=args.tool_call_parser,
         max_seqs_per_request=args.max_seqs_per_request,
-        metrics_api_key=args.metrics_api_key,
-        metrics_multiprocess_dir=metrics_dir,
-    )
-    uv_config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=5,
-        lifespan="off" if grpc_port is None else "on",  # the lifespan serves gRPC
-        # One log line per request costs the event loop under load: off unless asked for.
         access_log=args.enable_log_requests,
+        stream_interval=args.stream_interval,
+        api_server_count=args.api_server_count,
     )
-    state = app.state.kiln
-    server = DrainingServer(
-        uv_config,
-        lambda: state.lifecycle.drain(args.shutdown_grace, state.engine.abort),
-        abort_all=lambda: state.lifecycle.abort_all(state.engine.abort),
-    )
-    engine.on_dead = server.engine_died
-    try:
-        server.run(sockets=sockets)
-    finally:
-        engine.shutdown()
-    return 1 if server.engine_dead else 0

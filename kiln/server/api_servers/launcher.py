@@ -28,11 +28,11 @@ import signal
 import socket
 import tempfile
 import time
-from argparse import Namespace
 
 from kiln.config import EngineConfig
 from kiln.engine_core.client import EngineProcess
 from kiln.server.api_servers.worker import run_worker
+from kiln.server.serving import ServeOptions
 
 logger = logging.getLogger("kiln.server")
 LISTEN_BACKLOG = 2048  # uvicorn's default
@@ -60,11 +60,11 @@ def listen_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     return sockets
 
 
-def run_api_servers(args: Namespace, config: EngineConfig) -> int:
-    """Serve with `args.api_server_count` API processes until the server ends; its exit status."""
-    count = args.api_server_count
-    sockets = listen_sockets(args.host, args.port, count)
-    engine = EngineProcess(config, args.stream_interval, num_clients=count)
+def run_api_servers(options: ServeOptions, config: EngineConfig) -> int:
+    """Serve with `options.api_server_count` API processes until the server ends; its status."""
+    count = options.api_server_count
+    sockets = listen_sockets(options.host, options.port, count)
+    engine = EngineProcess(config, options.stream_interval, num_clients=count)
     metrics_dir = tempfile.mkdtemp(prefix="kiln-metrics-")
     # Read by prometheus_client when each API process imports it (spawned: a fresh interpreter).
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
@@ -81,7 +81,7 @@ def run_api_servers(args: Namespace, config: EngineConfig) -> int:
     signal.signal(signal.SIGINT, forward)
     try:
         for index, sock in enumerate(sockets):
-            worker_args = (index, args, config, sock, engine.addresses[index], engine.pid)
+            worker_args = (index, options, config, sock, engine.addresses[index], engine.pid)
             worker = spawn.Process(
                 target=run_worker, args=(*worker_args, metrics_dir), name=f"kiln-api-{index}"
             )
@@ -91,7 +91,7 @@ def run_api_servers(args: Namespace, config: EngineConfig) -> int:
         for sock in sockets:
             sock.close()  # the API processes hold their own copies
     try:
-        return _supervise(engine, workers, args.shutdown_grace)
+        return _supervise(engine, workers, options.shutdown_grace)
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
 

@@ -8,15 +8,15 @@ import os
 import signal
 import socket
 import sys
-from argparse import Namespace
 
 from kiln.config import EngineConfig
 from kiln.engine_core.client import ClientAddresses, EngineClient, EngineStartupError
+from kiln.server.serving import ServeOptions, serve_app
 
 
 def run_worker(
     index: int,
-    args: Namespace,
+    options: ServeOptions,
     config: EngineConfig,
     sock: socket.socket,
     addresses: ClientAddresses,
@@ -24,8 +24,6 @@ def run_worker(
     metrics_dir: str,
 ) -> None:
     """The spawned process's body; exits with kiln serve's status (0 drained, 1 engine died)."""
-    from kiln.cli.serve import serve_app
-
     os.setpgrp()  # signals come from the launcher, once (see launcher.py)
     # Held until uvicorn's handlers are in place (DrainingServer.startup unblocks them): a
     # SIGTERM while this process still starts must drain it, not kill it.
@@ -36,5 +34,5 @@ def run_worker(
     except EngineStartupError:
         sys.exit(2)  # the engine process says why (it may have failed before we listened)
     # One gRPC server (KServe v2) for the whole server: a second could not bind its port.
-    grpc_port = args.grpc_port if index == 0 else None
-    sys.exit(serve_app(args, engine, [sock], grpc_port=grpc_port, metrics_dir=metrics_dir))
+    grpc_port = options.grpc_port if index == 0 else None
+    sys.exit(serve_app(options, engine, [sock], grpc_port=grpc_port, metrics_dir=metrics_dir))

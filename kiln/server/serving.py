@@ -1,0 +1,84 @@
+"""Run the HTTP app over an engine until it drains or the engine dies: what `kiln serve` and each
+API process of `--api-server-count N` do once their engine is attached."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The server's own settings (`kiln serve`'s flags that are not the engine's), plain values
+    so a spawned API process can receive them."""
+
+    model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int | None = None
+    api_key: str | None = None
+    metrics_api_key: str | None = None
+    max_waiting: int = 1024
+    max_body_bytes: int = 16 << 20
+    shutdown_grace: float = 30.0
+    metrics_prefix: str = "kiln"
+    log_level: str = "info"
+    max_tokens_default: int | None = None
+    tool_call_parser: str | None = None
+    max_seqs_per_request: int = 256
+    access_log: bool = False
+    stream_interval: int = 1
+    api_server_count: int = 1
+
+
+def serve_app(
+    options: ServeOptions,
+    engine: object,
+    sockets: list[socket.socket] | None = None,
+    grpc_port: int | None = None,
+    metrics_dir: str | None = None,
+) -> int:
+    """Serve the app over `engine` (on `sockets`, else options.host/port) until the drain or the
+    engine's death; shuts the engine down. kiln serve's exit status."""
+    import uvicorn
+
+    from kiln.server.app import build_app
+    from kiln.server.lifecycle import DrainingServer
+
+    app = build_app(
+        engine,
+        options.model_name,
+        api_key=options.api_key,
+        max_waiting=options.max_waiting,
+        max_body_bytes=options.max_body_bytes,
+        metrics_prefix=options.metrics_prefix,
+        grpc_port=grpc_port,
+        grpc_host=options.host,
+        max_tokens_default=options.max_tokens_default,
+        tool_call_parser=options.tool_call_parser,
+        max_seqs_per_request=options.max_seqs_per_request,
+        metrics_api_key=options.metrics_api_key,
+        metrics_multiprocess_dir=metrics_dir,
+    )
+    uv_config = uvicorn.Config(
+        app,
+        host=options.host,
+        port=options.port,
+        log_level=options.log_level,
+        timeout_graceful_shutdown=5,
+        lifespan="off" if grpc_port is None else "on",  # the lifespan serves gRPC
+        # One log line per request costs the event loop under load: off unless asked for.
+        access_log=options.access_log,
+    )
+    state = app.state.kiln
+    server = DrainingServer(
+        uv_config,
+        lambda: state.lifecycle.drain(options.shutdown_grace, state.engine.abort),
+        abort_all=lambda: state.lifecycle.abort_all(state.engine.abort),
+    )
+    engine.on_dead = server.engine_died
+    try:
+        server.run(sockets=sockets)
+    finally:
+        engine.shutdown()
+    return 1 if server.engine_dead else 0
