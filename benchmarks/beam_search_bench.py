@@ -1,6 +1,5 @@
 """Beam search's cost per step: beam width W at batch 1 against a plain batch-W greedy decode,
-and HF's generate(num_beams=W) on the same weights, in one process (issue 18's target on the
-H200, 8B bf16: <= 1.3x the plain batch-W decode step).
+and HF's generate(num_beams=W) on the same weights, in one process.
 
 kiln's beam step is W one-token requests, each forked copy-on-write from the request that ran
 its parent beam (engine/beam_search.py): the full blocks shared, the last partial block copied
@@ -8,12 +7,8 @@ on the device, so after the prompt a beam step is a decode step of W rows (CUDA 
 GPU). It cannot overlap the host with the device as async scheduling does for a plain decode:
 the next step's beams are known only once the selection has read this step's logprobs.
 
-Besides the times, the record counts what each step computed (tokens, rows, block copies, graph
-replays: a separate, traced run of each, so the timed runs carry no tracing), the host time of
-the selection and forks per beam step, and the beam step's host critical path: from a step's
-results on the host (the end of the runner's wait) to the next step's graph launch, the time the
-device has nothing to run. `--cprofile N` adds the N functions of most own time per beam step
-(cProfile of one more beam run: its overhead inflates Python-heavy code, so read it for shares).
+`--cprofile N` adds the N functions of most own time per beam step (cProfile of one more beam
+run: its overhead inflates Python-heavy code, so read it for shares).
 
     python3 benchmarks/beam_search_bench.py --model llama-3.1-8b --load-format dummy \\
         --dtype bfloat16 --width 4 --input-len 128 --output-len 64 --out beam_search.json
@@ -23,7 +18,6 @@ device has nothing to run. `--cprofile N` adds the N functions of most own time 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import random
 import statistics
@@ -46,13 +40,9 @@ def main() -> None:
 
     import torch
 
-    from kiln.config import EngineConfig
-    from kiln.llm import LLM
-    from kiln.sampling_params import SamplingParams
+    from kiln import LLM, SamplingParams
 
-    llm = LLM(
-        **vars(EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype))
-    )
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype)
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
     prompt = [rng.randrange(vocab // 4, vocab) for _ in range(args.input_len)]
@@ -88,8 +78,6 @@ def main() -> None:
     record["beam_steps"] = steps
     record["beam_step_ms"] = round(1000 * (beam_s - one_prefill_s) / max(steps - 1, 1), 3)
     record["beam_over_plain"] = round(record["beam_step_ms"] / record["plain_batch_step_ms"], 3)
-    record["plain_profile"] = step_profile(llm, lambda: llm.generate(prompts, plain))
-    record["beam_profile"] = step_profile(llm, lambda: llm.generate([prompt], beam))
     if args.cprofile:
         record["beam_cprofile_us_per_step"] = cprofile(
             lambda: llm.generate([prompt], beam), steps, args.cprofile
@@ -100,92 +88,6 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
-
-
-def step_profile(llm, run) -> dict:
-    """One more run, traced: per step after the first (the prompts' prefill), the tokens
-    computed, the rows, the block copies and whether it replayed a CUDA graph; and the host time
-    beam search's selection and forks took per step."""
-    engine = llm.engine
-    executor, manager = engine.executor, engine.beam_search
-    steps, select_s = [], []
-    submit, consume = executor.submit, getattr(manager, "consume", None)
-
-    def recording_submit(step):
-        if not step.is_empty:
-            steps.append(step)
-        return submit(step)
-
-    def timed_consume(*args):
-        t = time.perf_counter()
-        result = consume(*args)
-        select_s.append(time.perf_counter() - t)
-        return result
-
-    runner = getattr(executor, "runner", None)
-    graphs = getattr(runner, "graphs", None)
-    marks: list[tuple[str, float]] = []  # ("back" | "launch", perf_counter)
-    if runner is not None:
-        finish = runner._finish
-
-        def marked_finish(step):
-            result = finish(step)  # (the wait for the step's results, then their lists)
-            marks.append(("back", time.perf_counter()))
-            return result
-
-        runner._finish = marked_finish
-    if graphs is not None:
-        replay = graphs.replay
-
-        def marked_replay(key):
-            marks.append(("launch", time.perf_counter()))
-            return replay(key)
-
-        graphs.replay = marked_replay
-    executor.submit = recording_submit
-    forks = hasattr(manager, "consume")  # (an older tree, run for an A/B, has no forks)
-    if forks:
-        manager.consume = timed_consume
-    if runner is not None:
-        runner.step_timing = {}
-    try:
-        run()
-    finally:
-        del executor.submit  # the instance attributes: back to the methods
-        if forks:
-            del manager.consume
-        if runner is not None:
-            del runner._finish
-        if graphs is not None:
-            del graphs.replay
-    decode = steps[1:]
-    profile = {
-        "steps": len(steps),
-        "tokens_per_step": sorted({s.total_num_scheduled_tokens for s in decode}),
-        "mean_tokens_per_step": round(
-            sum(s.total_num_scheduled_tokens for s in decode) / max(len(decode), 1), 2
-        ),
-        "rows_per_step": sorted({len(s.num_scheduled_tokens) for s in decode}),
-        "block_copies_per_step": round(
-            sum(len(getattr(s, "block_copies", ())) for s in decode) / max(len(decode), 1), 3
-        ),
-    }
-    if runner is not None:
-        trace = runner.step_timing.get("trace", [])[1:]
-        profile["graph_steps"] = sum(1 for row in trace if row[0])
-        runner.step_timing = None
-    if select_s:
-        profile["select_and_fork_ms_per_step"] = round(1000 * sum(select_s) / len(decode), 3)
-    # A step's results back, then the next launch with no other results between: the gap the
-    # device idles through (under async scheduling a plain decode's launch precedes the wait).
-    gaps = [b - a for (x, a), (y, b) in itertools.pairwise(marks) if (x, y) == ("back", "launch")]
-    if gaps:
-        profile["results_to_next_launch_ms"] = {
-            "median": round(1000 * statistics.median(gaps), 3),
-            "mean": round(1000 * statistics.mean(gaps), 3),
-            "steps": len(gaps),
-        }
-    return profile
 
 
 def cprofile(run, steps: int, top: int) -> list[list]:

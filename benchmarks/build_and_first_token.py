@@ -8,12 +8,12 @@ Writes an HF-format checkpoint of the preset with dummy weights (normal, std 0.0
      `prompt_len`-token prompt (`LLM(ENGINE).generate`, token ids, max_tokens=1), and the same
      from the HF source directory (unquantized, fused at load) for comparison.
 Every "first process" gets an empty Triton cache of its own (TRITON_CACHE_DIR), as on a fresh
-machine; its "again" run reuses that cache (a second process). The engine's carried kernels
-(kiln.kernel_cache) are measured on and off (KILN_ENGINE_KERNEL_CACHE=0), so are the shards
-hashed beside torch's import (KILN_ENGINE_PREHASH=0), and with --base-tree
-the same engine is loaded by an older kiln checkout too (PYTHONPATH), the before of one run.
-Usage: python benchmarks/build_and_first_token.py --preset llama-3.1-8b --work /tmp/w \
-    --output-json F [--base-tree DIR]
+machine (a GPU-built engine carries its compiled kernels); its "again" run reuses that cache (a
+second process). With --base-tree the same engine is loaded by an older kiln checkout too
+(PYTHONPATH), the before of one run.
+
+    python3 benchmarks/build_and_first_token.py --preset llama-3.1-8b --work /tmp/w \\
+        --output-json F [--base-tree DIR]
 """
 
 from __future__ import annotations
@@ -46,12 +46,8 @@ out = llm.generate(
     SamplingParams(max_tokens=1, temperature=0),
 )
 print("RESULT", time.time() - t0, t_loaded - t0, len(out[0].outputs[0].token_ids))
-stats = llm.engine.executor.stats()
 phases = {"python_start_s": t_python - t0, "import_kiln_s": t_imported - t_python,
-          "llm_init_s": t_loaded - t_imported, "rank": stats.startup,
-          "cuda_graphs": stats.cuda_graphs,
-          # LLM()'s own parts: torch's import (now inside LLM(), beside the shards' hashing)
-          "llm": getattr(llm, "startup", None)}
+          "llm_init_s": t_loaded - t_imported}
 print("PHASES", json.dumps(phases))
 """
 
@@ -185,17 +181,10 @@ def main() -> None:
             result["base_first_token_from_engine_again"] = first_token(
                 engine, args.prompt_len, env=base
             )
-        off = {**cache("off"), "KILN_ENGINE_KERNEL_CACHE": "0"}
-        result["first_token_from_engine_no_kernels"] = first_token(engine, args.prompt_len, env=off)
         result["first_token_from_engine"] = first_token(engine, args.prompt_len, env=cache("on"))
         # A second cold process: the page cache now holds the engine's files either way.
         result["first_token_from_engine_again"] = first_token(
             engine, args.prompt_len, env=cache("on")
-        )
-        # The A/B of the background hashing, a first process of its own: the shards hashed by
-        # the loader (not beside torch's import).
-        result["first_token_from_engine_no_prehash"] = first_token(
-            engine, args.prompt_len, env={**cache("no_prehash"), "KILN_ENGINE_PREHASH": "0"}
         )
         # Without CUDA graphs: what startup costs besides capturing them.
         result["first_token_from_engine_eager"] = first_token(

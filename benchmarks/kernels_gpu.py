@@ -2,7 +2,7 @@
 attention, against torch's scaled_dot_product_attention on equivalent contiguous data, at
 Llama-3.1-8B shapes.
 
-    python benchmarks/kernels_gpu.py benchmarks/results/kernels_h200.json
+    python benchmarks/kernels_gpu.py kernels.json
     python benchmarks/kernels_gpu.py /tmp/kernels_tiny.json --tiny   # CPU smoke run (interpreter)
 
 Each kernel is timed twice: `eager` (triton.testing.do_bench on the Python call, L2 flushed:

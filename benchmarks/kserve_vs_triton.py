@@ -8,8 +8,23 @@
         sends the same requests to both and prints (and with --output-json records) each one's
         status and message, and whether the model metadata agree.
 
-Triton comes from the `nvidia-pytriton` wheel (its bin/tritonserver and Python-backend stubs);
-how it was started here is in benchmarks/results/2026-12-01-cpu-kserve-vs-triton/README.md.
+Triton comes from the `nvidia-pytriton` wheel (its bin/tritonserver and Python-backend stubs; the
+stub needs Python 3.12, in a venv of its own). On a CPU machine:
+
+    python3.12 -m venv /tmp/pyt && /tmp/pyt/bin/pip install nvidia-pytriton==0.7.0
+    TS=/tmp/pyt/lib/python3.12/site-packages/pytriton/tritonserver
+    cp $TS/python_backend_stubs/3.12/triton_python_backend_stub $TS/backends/python/
+    python benchmarks/kserve_vs_triton.py --write-repo /tmp/repo
+    PATH=/tmp/pyt/bin:$PATH LD_LIBRARY_PATH=$PYTHON312_PREFIX/lib:$TS/lib \\
+      PYTHONPATH=/tmp/pyt/lib/python3.12/site-packages \\
+      $TS/bin/tritonserver --model-repository /tmp/repo --backend-directory $TS/backends \\
+      --http-port 18000 --grpc-port 18001 --metrics-port 18002 --http-address 127.0.0.1 &
+    kiln serve --port 18100 --max-model-len 512 &
+    python benchmarks/kserve_vs_triton.py --triton http://127.0.0.1:18000 \\
+      --kiln http://127.0.0.1:18100 --output-json result.json
+
+Where they differ, kiln is stricter on purpose: a malformed tensor is the client's error (400,
+never Triton's 500), and a request parameter kiln would ignore is refused.
 """
 
 from __future__ import annotations

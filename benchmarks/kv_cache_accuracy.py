@@ -5,7 +5,7 @@ Two measurements on real text, each run with both caches in one process:
 - greedy GSM8K answers (chat template): how many completions are token-for-token identical to
   the "auto" cache's, where they first differ, and the accuracy of the final number of each.
 
-    python benchmarks/kv_cache_accuracy.py --out benchmarks/results/kv_fp8_accuracy_smollm2_cpu.json
+    python benchmarks/kv_cache_accuracy.py --out kv_fp8_accuracy.json
 
 Defaults to the embedded SmolLM2-135M-Instruct (a real model; dummy weights have no meaningful
 perplexity). Data: ../shared/data (WikiText-2 raw, GSM8K test).

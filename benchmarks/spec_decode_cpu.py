@@ -5,7 +5,7 @@ Workload where prompt lookup pays: the chat model is asked to repeat a passage o
 loaded once and run prompt by prompt in turn (plain, ngram, draft, plain, ...), so load drift on
 a shared machine hits them alike. Greedy outputs must be identical across the three (checked).
 
-    python benchmarks/spec_decode_cpu.py --output-json benchmarks/results/.../cpu_spec_decode.json
+    python benchmarks/spec_decode_cpu.py --output-json cpu_spec_decode.json
 """
 
 from __future__ import annotations

@@ -1,34 +1,30 @@
 """Speculative decoding on the GPU as a function of acceptance: Llama-3.1-8B dummy bf16.
 
 Random weights accept nothing a real drafter proposes, so the oracle proposer stands in, deciding
-acceptance by its own seeded draw (`oracle_accept_by_draw`): each verification accepts the first
-n of its K drafts with P(n >= i) = a^i, so the mean acceptance length (tokens per verification
-step) is 1 + a + ... + a^K whatever the random bf16 weights make of the tokens; the target's
-forward and verification run as for any proposer (a step's cost does not depend on which tokens
-it verifies). In one run:
+acceptance by its own seeded draw: each verification accepts the first n of its K drafts with
+P(n >= i) = a^i, so the mean acceptance length (tokens per verification step) is
+1 + a + ... + a^K whatever the random weights make of the tokens; the target's forward and
+verification run as for any proposer (a step's cost does not depend on which tokens it
+verifies). In one run:
 
-1. plain decoding (async scheduling, CUDA graphs): decode tok/s and the GPU time of a step, per
-   batch size;
+1. plain decoding (async scheduling, CUDA graphs): decode tok/s per batch size;
 2. the speculative engine with K wrong drafts every step (a = 0, rejected by the target's own
    verification): each step verifies K + 1 tokens and emits one, so its time per token is the
-   verification step's cost (vs a plain decode step);
+   verification step's cost against a plain decode step;
 3. the oracle at the rates that give mean acceptance lengths 2, 3 and 4 (batch 1), and at 3 for
-   the larger batch sizes (the crossover that the K-by-batch-size policy should follow); each row
-   reports the measured acceptance length beside the set one;
+   the larger batch sizes (where speculation stops paying: the K-by-batch-size policy follows
+   it); each row reports the measured acceptance length beside the set one;
 4. EAGLE-3 with a random head of the target's shapes (Llama-3.1-8B: hidden 4096, a 32,000-token
    draft vocabulary), K drafts a step at batch 1: it accepts next to nothing, so a step emits
-   ~1 token and its time minus the a = 0 verification step's is the head's own cost (K head
-   forwards, the first over the verified positions, plus fusing the target's states).
+   ~1 token and its time minus the a = 0 verification step's is the head's own cost.
 
 Each engine runs in a process of its own (`--phase`; the default `all` runs the phases one after
-another as child processes and merges their JSON): an engine's GPU memory is not given back
-within a process once it is built (LLMEngine freezes the GC over its startup objects, whose
-cycles then stay), so a fourth engine in one process found no memory for its KV cache (the
-2026-12-01 run's EAGLE-3 phase). Phases: `plain`, `spec` (async scheduling, the default on CUDA:
-a speculative step's outputs made while the next step runs), `spec-sync` (the same at batch 1
-with async scheduling off: what that overlap buys, in the same run), `eagle3`.
+another as child processes and merges their JSON), since an engine's GPU memory is not given back
+within a process. Phases: `plain`, `spec` (async scheduling, the default on CUDA), `spec-sync`
+(the same at batch 1 with async scheduling off: what that overlap buys), `eagle3`.
 
-    python benchmarks/spec_decode_gpu.py --out benchmarks/results/.../spec_decode_gpu.json
+    python3 benchmarks/spec_decode_gpu.py --model llama-3.1-8b --load-format dummy \\
+        --dtype bfloat16 --out spec_decode_gpu.json
 """
 
 from __future__ import annotations
@@ -36,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,7 +44,6 @@ from kiln.bench.workload import synthetic_requests
 from kiln.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
 from kiln.runtime.model_loader import find_model_source
-from kiln.runtime.model_runner import TRACE_COLUMNS
 from kiln.sampling_params import SamplingParams
 from kiln.spec_decode.oracle import acceptance_rate_for_length
 
@@ -80,36 +74,16 @@ def run(engine: LLMEngine, prompts: list[list[int]], output_len: int):
     return [timings[k] for k in keys], [outputs[k] for k in keys]
 
 
-def step_times(engine: LLMEngine, num_tokens: int) -> dict[str, float | None]:
-    """Medians over the traced steps with this many tokens (then clears the trace): the GPU
-    time of a step, and the runner's host phases (ms): "prepare" (submit up to the forward's
-    launch), "sample_launch" (the launches after it: logits, verification; a wait for the
-    device in there shows as this phase taking the forward's time), "finish" (collect's work
-    once the ids are back, the proposer included)."""
-    timing = engine.executor.stats().step_timing
-    rows = [r for r in timing.get("trace", []) if r[2] == num_tokens]
-    timing.clear()
-    out = {}
-    for name in ("prepare", "sample_launch", "finish", "gpu"):
-        col = 3 + list(TRACE_COLUMNS[3:]).index(name)
-        values = [r[col] for r in rows if r[col] is not None]
-        out[name] = statistics.median(values) if values else None
-    return out
-
-
 def measure(engine, prompts, output_len, label, k=0):
     timings, outputs = run(engine, prompts, output_len)
     report = throughput_report(timings)
     report["decode_tok_s_per_request"] = 1000.0 / report["tpot"]["mean_ms"]
     b = len(prompts)
-    times = step_times(engine, b * (k + 1))
-    report["step_gpu_ms"] = times.pop("gpu")
-    report["step_host_ms"] = times
     sd = report.get("spec_decode", {})
     print(
         f"{label:28s} batch {b:3d}: {report['output_tok_s']:8.1f} tok/s, TPOT "
-        f"{report['tpot']['mean_ms']:.2f} ms, step GPU {report['step_gpu_ms']} ms, "
-        f"acceptance length {sd.get('mean_acceptance_length')}, host ms {times}"
+        f"{report['tpot']['mean_ms']:.2f} ms, acceptance length "
+        f"{sd.get('mean_acceptance_length')}"
     )
     return report, outputs
 
@@ -155,35 +129,6 @@ def write_random_eagle3_head(path: str, cfg, dtype: str) -> str:  # cfg: the tar
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     return path
-
-
-def syncs_per_submit(engine: LLMEngine, prompt: list[int]) -> float | None:
-    """Synchronising CUDA calls in a step's submit() (torch's sync debug mode), median over a
-    short batch-1 run's steps: one there holds the host behind the step it has just launched
-    (the verification's pageable copies did, before). None off CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    import warnings
-
-    runner = engine.executor.runner
-    submit, counts = runner.submit, []
-
-    def counted(sched):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                return submit(sched)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-                counts.append(sum("synchroniz" in str(w.message).lower() for w in caught))
-
-    runner.submit = counted
-    try:
-        run(engine, [prompt], 24)
-    finally:
-        del runner.submit
-    return statistics.median(counts[1:]) if len(counts) > 1 else None  # (not the prefill)
 
 
 PHASES = ("plain", "spec", "spec-sync", "eagle3")
@@ -260,8 +205,6 @@ def derive(record: dict) -> None:
             if base is None:
                 continue
             report["tpot_vs_plain"] = report["tpot"]["mean_ms"] / base["tpot"]["mean_ms"]
-            if report["step_gpu_ms"] and base["step_gpu_ms"]:
-                report["step_gpu_vs_plain"] = report["step_gpu_ms"] / base["step_gpu_ms"]
     for key in ("oracle", "oracle_sync"):
         for name, report in record.get(key, {}).items():
             base = plain.get(name.split("@")[0])
@@ -324,7 +267,6 @@ def run_phase(args) -> dict:
     prompts = [r.prompt_token_ids for r in requests]
     warm = synthetic_requests(2, args.input_len, "8", vocab, seed=1, avoid_ids=engine.eos_token_ids)
     run(engine, [r.prompt_token_ids for r in warm], 8)
-    engine.executor.enable_step_timing()
     record: dict = {}
     if args.phase == "plain":
         record["plain"] = {b: measure(engine, prompts[:b], args.output_len, "plain")[0]
@@ -360,8 +302,6 @@ def run_phase(args) -> dict:
             report["acceptance_rate_per_token"] = proposer.acceptance_rate
             print(f"{'':28s} set L {length}, measured L {measured}")
             record["oracle" + suffix][f"{b}@{length}"] = report
-    record["syncs_per_submit" + suffix] = syncs_per_submit(engine, prompts[0])
-    print(f"synchronising calls per submit (median): {record['syncs_per_submit' + suffix]}")
     return record
 
 

@@ -1,12 +1,14 @@
 """Structured output's cost: N concurrent JSON-schema requests against the same N unconstrained,
 in one process, alternating rounds (A B A B ...), output tok/s from first submission to last
-completion (MEASURING.md). Issue 18's target: within 10% on the H200, Llama-3.1-8B dummy bf16.
+completion (MEASURING.md), through the offline `LLM` API. Needs xgrammar.
 
-Dummy weights have no tokenizer and produce garbage, so the run makes the grammar's work real:
+A preset with dummy weights has no tokenizer and produces garbage, so the run makes the grammar's
+work real:
 - A synthetic tokenizer of the model's full vocabulary (128,256 for Llama 3.1): a Llama-2-style
   byte-fallback Unigram vocabulary of 256 byte tokens and random ASCII pieces of 1-10 chars, so
   xgrammar's mask covers as many tokens as the real one would, with a realistic mix of pieces
-  that are and are not allowed in each grammar state.
+  that are and are not allowed in each grammar state. It is saved with the preset's config.json
+  in a temporary model directory, which the engine loads with dummy weights.
 - A schema of free-form (unbounded) strings, an integer, an enum and an array of strings, the
   last field a free-form string: a garbage model under the grammar almost never closes it, so
   replies run to max_tokens with every token constrained, and both arms generate N x output_len
@@ -20,6 +22,7 @@ Dummy weights have no tokenizer and produce garbage, so the run makes the gramma
 
     python3 benchmarks/structured_output_bench.py --model llama-3.1-8b --load-format dummy \\
         --dtype bfloat16 --num-requests 64 --output-len 128 --out structured_output.json
+    # a real checkpoint brings its own tokenizer: --model DIR_OR_GGUF --load-format auto
 """
 
 from __future__ import annotations
@@ -71,60 +74,34 @@ def synthetic_tokenizer(vocab_size: int, seed: int = 0):
     )
 
 
-def run_round(engine, prompts, params, label: str) -> dict:
-    runner = engine.executor.runner
-    before = _grammar_stats(runner)
+def run_round(llm, prompts, params, label: str) -> dict:
     t0 = time.perf_counter()
-    ids = [engine.add_request(p, params, request_id=f"{label}-{i}") for i, p in enumerate(prompts)]
-    outputs = {}
-    num_steps = 0
-    while engine.has_unfinished_requests():
-        num_steps += 1
-        for delta in engine.step():
-            if delta.finished:
-                outputs[delta.request_id] = engine.finished_output(delta.request_id)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params)]
     wall = time.perf_counter() - t0
-    after = _grammar_stats(runner)
-    outs = [outputs[i].outputs[0] for i in ids]
     tokens = sum(len(o.token_ids) for o in outs)
-    record = {
+    return {
         "label": label,
         "wall_s": round(wall, 4),
         "output_tokens": tokens,
         "output_tok_s": round(tokens / wall, 1),
-        "engine_steps": num_steps,
         "finish_reasons": sorted({o.finish_reason for o in outs}),
         "_outputs": outs,
     }
-    fills = after["num_fills"] - before["num_fills"]
-    if fills:
-        # Host ms per filled mask (GrammarStats): the runner's thread queuing tokens and
-        # starting the fill (start), the worker waiting to run (start_delay: its wake-up and
-        # the GIL), applying the step's tokens (accept) and filling (fill), the runner's own
-        # work between starting and needing the mask (window) and the runner's thread blocked
-        # on it (wait: what the step loop actually waits for).
-        # ids_wait: the worker waiting for the previous step's ids to land (the fill takes
-        # them from their host copy itself: early_fill_fraction of the fills); start_delay and
-        # window count from the landing.
-        names = ("start_s", "ids_wait_s", "start_delay_s", "accept_s", "fill_s", "window_s")
-        for name in (*names, "wait_s"):
-            key = "mask_" + name.removesuffix("_s") + "_ms_per_step"
-            record[key] = round(1000 * (after[name] - before[name]) / fills, 3)
-        early = after.get("num_early_fills", 0) - before.get("num_early_fills", 0)
-        record["mask_early_fill_fraction"] = round(early / fills, 3)
-        record["mask_rows_per_step"] = round(
-            (after["num_rows_filled"] - before["num_rows_filled"]) / fills, 1
-        )
-    return record
 
 
-def _grammar_stats(runner) -> dict:
-    from dataclasses import asdict
+def model_with_tokenizer(preset: str, vocab_size: int | None = None) -> str:
+    """A model directory for `load_format="dummy"`: the preset's config.json and a synthetic
+    tokenizer of its vocabulary size."""
+    import tempfile
 
-    from kiln.structured_output.matchers import GrammarStats
+    from kiln.models.config import PRESETS
 
-    grammars = runner._grammars  # built on the first grammar request
-    return asdict(GrammarStats() if grammars is None else grammars.stats)
+    config = PRESETS[preset]
+    path = tempfile.mkdtemp(prefix="kiln-so-")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    synthetic_tokenizer(vocab_size or config["vocab_size"]).save_pretrained(path)
+    return path
 
 
 def check_constrained(compiler, spec, outs) -> dict:
@@ -168,37 +145,32 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
-    from kiln.config import EngineConfig
-    from kiln.engine.llm_engine import LLMEngine
+    from kiln import LLM
     from kiln.sampling_params import GuidedDecodingParams, SamplingParams
     from kiln.structured_output import compiler_for
 
-    engine = LLMEngine(
-        EngineConfig(
-            model=args.model,
-            load_format=args.load_format,
-            dtype=args.dtype,
-            max_num_seqs=max(args.num_requests, 8),
-            kv_cache_memory_gb=args.kv_cache_memory_gb,
-            async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
-        )
-    )
-    vocab = engine.model_config.vocab_size
     t = time.perf_counter()
-    if args.load_format == "dummy":
-        tokenizer = synthetic_tokenizer(vocab)
-        # The dummy model has no tokenizer: give the engine (validation, detokenizing) and the
-        # runner (grammar matchers) the synthetic one.
-        engine.tokenizer = tokenizer
-        engine.output_processor.tokenizer = tokenizer
-        engine.executor.runner.tokenizer = tokenizer
-    else:  # a real checkpoint (the CPU run on SmolLM2's GGUF): its own tokenizer
-        tokenizer = engine.tokenizer
+    model = args.model
+    if args.load_format == "dummy" and not os.path.exists(model):
+        model = model_with_tokenizer(model)  # a preset: give it a tokenizer
     tokenizer_s = time.perf_counter() - t
+    async_scheduling = {"auto": None, "on": True, "off": False}[args.async_scheduling]
+    llm = LLM(
+        model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        max_num_seqs=max(args.num_requests, 8),
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        async_scheduling=async_scheduling,
+    )
+    engine = llm.engine
+    tokenizer = engine.tokenizer
+    vocab = engine.model_config.vocab_size
 
     rng = random.Random(0)
     prompts = [
-        [rng.randrange(259, vocab) for _ in range(args.input_len)] for _ in range(args.num_requests)
+        {"prompt_token_ids": [rng.randrange(259, vocab) for _ in range(args.input_len)]}
+        for _ in range(args.num_requests)
     ]
     spec = GuidedDecodingParams(json=SCHEMA)
     n = args.output_len
@@ -214,13 +186,13 @@ def main() -> None:
     # 64-row round of each arm cold (on the H200: plain 9,440 and JSON 3,216 tok/s against
     # ~11,700 and 10,300-11,300 in the rounds after it).
     warm = dict(temperature=0, max_tokens=32, ignore_eos=True)
-    run_round(engine, prompts, SamplingParams(**warm), "w0")
-    run_round(engine, prompts, SamplingParams(**warm, guided_decoding=spec), "w1")
+    run_round(llm, prompts, SamplingParams(**warm), "w0")
+    run_round(llm, prompts, SamplingParams(**warm, guided_decoding=spec), "w1")
 
     rounds = []
     for r in range(args.rounds):
-        rounds.append(run_round(engine, prompts, plain, f"plain{r}"))
-        rounds.append(run_round(engine, prompts, guided, f"json{r}"))
+        rounds.append(run_round(llm, prompts, plain, f"plain{r}"))
+        rounds.append(run_round(llm, prompts, guided, f"json{r}"))
     check = check_constrained(compiler, spec, rounds[-1]["_outputs"])
     sample = rounds[-1]["_outputs"][0].text[:160]
     for r in rounds:
@@ -240,7 +212,7 @@ def main() -> None:
             "grammar_fill_threads": default_fill_threads(),
         },
         "vocab_size": vocab,
-        "synthetic_tokenizer_s": round(tokenizer_s, 2),
+        "model_dir_and_tokenizer_s": round(tokenizer_s, 2),
         "schema_compile_s": round(compile_s, 3),
         "rounds": rounds,
         "plain_output_tok_s_median": statistics.median(plain_tps),

@@ -262,10 +262,10 @@ def test_every_long_step_of_a_checked_build_shows_a_progress_bar(tmp_path, capfd
 def test_a_build_over_the_perplexity_limit_fails_with_its_numbers_and_keeps_nothing(
     tmp_path, monkeypatch, capsys
 ):
-    """The check's verdict, not its measurement (the real measurement is the progress-bar test's
-    and benchmarks/results/2026-12-04-cpu-fp8-builds-smollm2): an engine 5% worse than its
-    source fails the 1% limit with both numbers in one line, and neither the output directory
-    nor the cache keeps it."""
+    """The check's verdict, not its measurement (the real measurement is the progress-bar test's;
+    real FP8 builds of SmolLM2 land at +0.6-2.1%, so the limit is met or missed by real margins):
+    an engine 5% worse than its source fails the 1% limit with both numbers in one line, and
+    neither the output directory nor the cache keeps it."""
     from kiln.builder import accuracy
     from tests.tiny_tokenizer import build_tiny_chat_model
 

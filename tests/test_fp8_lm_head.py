@@ -1,8 +1,8 @@
 """The float8 LM head (EngineConfig.lm_head_quantization / `kiln build --lm-head-quantization`):
 float8 weights per vocabulary row with dynamic per-token activations, loaded from a checkpoint,
 from a tied embedding, from an engine built with or without it; the logits close to the model
-dtype head's. Its accuracy cost on the real SmolLM2 is measured by
-benchmarks/fp8_lm_head_accuracy.py, not here."""
+dtype head's. Its accuracy cost on the real SmolLM2 (+3.1% word perplexity on WikiText-2, why it
+is off by default) is a measurement, not a test."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The float8 (e4m3) KV cache on the CPU path, on the real SmolLM2: it stores four times the
 tokens of an fp32 cache in the same memory and stays close to the unquantized model. What it
-promises across runs and paths (the README's float8 paragraph):
+promises across runs and paths (docs/python_api.md, "The float8 KV cache"):
 
 - reproducible: the same requests in the same order on a cold engine give the same outputs;
 - a prefix hit attends over exactly the float8 bytes the earlier request wrote (not rewritten);
@@ -130,7 +130,7 @@ def test_fp8_prompt_logprobs_close_to_the_unquantized_cache(fp8_llm, smollm2_llm
     print(f"fp8 KV vs fp32 KV: mean |dlogprob| {diffs.mean():.4f}, max {diffs.max():.3f}, "
           f"top-1 agreement {agree:.2f}")  # fmt: skip
     # Measured on these prompts (random word lists): mean 0.13, max 0.67; on WikiText-2 the
-    # perplexity rises 0.9% (benchmarks/results/kv_fp8_accuracy_smollm2_cpu.json). The error is
+    # perplexity rises 0.9% (benchmarks/kv_cache_accuracy.py measures it). The error is
     # e4m3's 3-bit mantissa, mostly on the keys; per-layer scales measured no better (0.127). A
     # cache read with the wrong scale, bytes or dtype is off by whole nats.
     assert diffs.mean() < 0.25

@@ -45,8 +45,8 @@ PROMPTS = [
     [1, 30, 31, 32],
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
-# KILN_PARALLEL_TEST_DEVICE=cuda: the same on GPUs (NCCL; benchmarks/h200_run.sh
-# test-parallel-gpu), less the two tests that need the CPU (below).
+# KILN_PARALLEL_TEST_DEVICE=cuda: the same on GPUs (NCCL; benchmarks/run_suite.sh
+# tests_parallel), less the two tests that need the CPU (below).
 DEVICE = os.environ.get("KILN_PARALLEL_TEST_DEVICE", "cpu")
 COMMON = dict(dtype="float32", num_threads=1, distributed_timeout_s=60, device=DEVICE)
 cpu_only = pytest.mark.skipif(

@@ -589,7 +589,7 @@ def test_grammar_rows_beside_speculating_rows(tiny_path, tiny_llm, async_schedul
 def test_deferred_mask_on_gpu_matches_synchronous(tiny_path):
     """On CUDA: pinned mask buffers reused every other step, asynchronous copies, CUDA graphs,
     two steps in flight. The same tokens as the synchronous engine, mixed with plain rows, and
-    every finished JSON reply validates (benchmarks/h200_run.sh test-so)."""
+    every finished JSON reply validates."""
     from kiln import LLM
 
     args = dict(device="cuda", max_num_seqs=16, kv_cache_memory_gb=0.05, max_model_len=512)

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# kiln's benchmark suite on one machine with CUDA GPUs: one command per published row, the GPU
+# tests and the product benchmarks. Llama-3.1-8B (and 70B) shapes with dummy weights.
+#
+# Usage, from the repository root:
+#   benchmarks/run_suite.sh                 every published row (ROWS below) this card holds
+#   benchmarks/run_suite.sh ROW...          the named rows or benchmarks, in order
+#   benchmarks/run_suite.sh --list          the names and their commands, nothing run
+#   OUT=DIR benchmarks/run_suite.sh ...     where the JSON goes (default benchmarks/out/DATE-GPU,
+#                                           not committed); each name writes OUT/NAME.json
+#   PYTHON=python3.12 ...                   the interpreter (default python3)
+# Compare a run with the recorded baselines:
+#   python3 benchmarks/bench_summary.py OUT --baseline benchmarks/baselines/h200.json
+# Each command has its own time limit, so one that hangs or fails leaves the others their time.
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# Multi-GPU runs keep NVLink multicast off (the lent machines' rule; harmless elsewhere).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+BENCH="$PY -P -m kiln.cli.main bench"
+E8="--model llama-3.1-8b --load-format dummy --dtype bfloat16"  # the engine flags
+M8="$E8 --no-progress"
+M70="--model llama-3.1-70b --load-format dummy --dtype bfloat16 --no-progress"
+FP8="--quantization fp8 --kv-cache-dtype fp8"  # static FP8 weights + float8 KV (TRT-LLM's FP8)
+ROWS="8b_fp8_128x128 8b_fp8_1000x1000 8b_fp8_2048x128 8b_fp8_5000x500 8b_fp8_20000x2000
+      8b_fp8_batch1_decode 8b_bf16_batch1_decode 70b_fp8_128x128 70b_fp8_batch1_decode"
+# The test files with GPU-only tests (those that exist: the list outlives renames).
+GPU_TESTS=$(for f in ${GPU_TESTS:-tests/test_gpu.py tests/test_triton_kernels.py \
+    tests/test_kernel_twins.py tests/test_fp8_linear.py tests/test_split_k_linear.py \
+    tests/test_outlier_columns.py}; do [[ -e $f ]] && echo "$f"; done)
+
+command_of() {  # NAME -> "SECONDS COMMAND..." (O is the output folder)
+    case $1 in
+    8b_fp8_128x128) echo 300 $BENCH throughput $M8 $FP8 --input-len 128 --output-len 128 \
+        --num-requests 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 --max-model-len 256 \
+        --warmup 192 --baseline hf --hf-batch-size 64 --output-json "$O/$1.json" ;;
+    8b_fp8_1000x1000) echo 500 $BENCH throughput $M8 $FP8 --input-len 1000 --output-len 1000 \
+        --num-requests 3000 --max-num-seqs 1000 --max-num-batched-tokens 16384 \
+        --max-model-len 2000 --gpu-memory-utilization 0.985 --warmup 24 \
+        --output-json "$O/$1.json" ;;
+    8b_fp8_2048x128) echo 400 $BENCH throughput $M8 $FP8 --input-len 2048 --output-len 128 \
+        --num-requests 3000 --max-num-seqs 512 --max-num-batched-tokens 16384 \
+        --max-model-len 2176 --warmup 12 --output-json "$O/$1.json" ;;
+    8b_fp8_5000x500) echo 600 $BENCH throughput $M8 $FP8 --input-len 5000 --output-len 500 \
+        --num-requests 1000 --max-num-seqs 512 --max-num-batched-tokens 16384 \
+        --max-model-len 5500 --gpu-memory-utilization 0.95 --warmup 8 --output-json "$O/$1.json" ;;
+    8b_fp8_20000x2000) echo 600 $BENCH throughput $M8 $FP8 --input-len 20000 --output-len 2000 \
+        --num-requests 168 --max-num-seqs 84 --max-num-batched-tokens 16384 \
+        --max-model-len 22000 --gpu-memory-utilization 0.95 --warmup 2 --output-json "$O/$1.json" ;;
+    8b_fp8_batch1_decode) echo 200 $BENCH latency $M8 $FP8 --lm-head-quantization fp8 \
+        --input-len 1024 --output-len 128 --num-requests 3 --max-model-len 1280 \
+        --output-json "$O/$1.json" ;;
+    8b_bf16_batch1_decode) echo 200 $BENCH latency $M8 --input-len 1024 --output-len 128 \
+        --num-requests 3 --max-model-len 1280 --baseline hf --output-json "$O/$1.json" ;;
+    70b_fp8_128x128) echo 600 $BENCH throughput $M70 $FP8 --input-len 128 --output-len 128 \
+        --num-requests 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 --max-model-len 256 \
+        --warmup 192 --output-json "$O/$1.json" ;;
+    70b_fp8_batch1_decode) echo 400 $BENCH latency $M70 $FP8 --input-len 1024 --output-len 128 \
+        --num-requests 3 --max-model-len 1280 --output-json "$O/$1.json" ;;
+    tests) echo 600 $PY -m pytest -q -p no:cacheprovider $GPU_TESTS ;;
+    tests_parallel) echo 400 env KILN_PARALLEL_TEST_DEVICE=cuda $PY -m pytest -q -x \
+        -p no:cacheprovider tests/test_parallel.py ;;
+    kernels) echo 300 $PY benchmarks/kernels_gpu.py "$O/$1.json" ;;
+    serve) echo 560 $PY benchmarks/serve_vs_offline.py --out "$O/$1" --shapes 128x128 \
+        --concurrency 1 64 256 --requests-per-concurrency 2 --check-client-from 256 \
+        --min-requests 8 -- $E8 ;;
+    startup) echo 300 $PY benchmarks/startup.py health --runs 3 --port 8131 \
+        --output-json "$O/$1.jsonl" -- $PY -m kiln.cli.main serve --port 8131 $E8 ;;
+    build) echo 500 $PY benchmarks/build_and_first_token.py --preset llama-3.1-8b \
+        --work /tmp/kiln-suite-build --quantization fp8-dynamic --output-json "$O/$1.json" ;;
+    spec) echo 560 $PY benchmarks/spec_decode_gpu.py $E8 --out "$O/$1.json" ;;
+    structured) echo 600 $PY benchmarks/structured_output_bench.py $E8 --num-requests 64 \
+        --input-len 128 --output-len 128 --rounds 5 --out "$O/$1.json" ;;
+    beams) echo 400 $PY benchmarks/beam_search_bench.py $E8 --width 4 --input-len 128 \
+        --output-len 64 --repeats 3 --out "$O/$1.json" ;;
+    kv_accuracy) echo 600 $PY benchmarks/kv_cache_accuracy.py --out "$O/$1.json" ;;
+    profile) echo 200 $PY benchmarks/profile_decode.py --batch 1 --context 1024 $FP8 \
+        --lm-head-quantization fp8 --out "$O/$1.txt" ;;
+    tiles) echo 400 $PY benchmarks/tile_tuner.py --out "$O/$1.json" ;;
+    *) return 1 ;;
+    esac
+}
+
+gib=$($PY -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)" \
+    2>/dev/null || echo 0)
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+O=${OUT:-benchmarks/out/$(date +%F)-$(echo "${gpu:-gpu}" | tr ' ' '_')}
+if [[ ${1:-} == --list ]]; then
+    shift
+    for name in ${*:-$ROWS tests tests_parallel kernels serve startup build spec structured \
+        beams kv_accuracy profile tiles}; do
+        echo "$name: $(command_of "$name" | cut -d' ' -f2-)"
+    done
+    exit 0
+fi
+mkdir -p "$O"
+echo "=== $gpu, ${gib} GiB; output $O; $(git rev-parse --short HEAD 2>/dev/null)"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv 2>/dev/null
+for name in ${*:-$ROWS}; do
+    if ! spec=$(command_of "$name"); then
+        echo "=== unknown name $name (--list shows them)"
+        continue
+    fi
+    if [[ $name == 70b_* && $gib -lt 100 ]]; then  # 70B FP8 weights alone are ~68 GiB
+        echo "=== $name: skipped, ${gib} GiB is too little for the 70B in FP8 on one card"
+        continue
+    fi
+    limit=${spec%% *}
+    echo "=== $name ($(date +%T), limit ${limit}s): ${spec#* }"
+    t0=$SECONDS
+    # shellcheck disable=SC2086  # the command is a word list by design
+    timeout --kill-after=10 "$limit" ${spec#* } >"$O/$name.log" 2>&1
+    echo "=== $name: exit $? after $((SECONDS - t0))s; log $O/$name.log"
+done
+$PY benchmarks/bench_summary.py "$O"
