@@ -23,40 +23,6 @@ _FALSE = ("0", "false", "no", "off")
 
 @dataclass(frozen=True)
 class Envs:
-    prefetch_fp8_v: bool = True
-    """Decode attention over a float8 KV cache loads V a tile ahead. Off (0) is the end-to-end A/B
-    of the prefetch (benchmarks/h200_run.sh); kernels.triton.decode_attention reads it at import."""
-    decode_heads_first: bool | None = None
-    """Decode attention's grid order: 1 runs one sequence's KV heads as neighbouring programs, 0
-    one head of neighbouring sequences; unset, heads first over 16- and 32-bit caches and not
-    over float8 ones, as measured (kernels.triton.decode_attention reads it at import)."""
-    decode_packed: bool = True
-    """Decode attention over a float8 cache runs the packed kernel (kernels.triton.
-    decode_attention_packed: a program's keys in sub-partitions side by side in tl.dot's padded
-    rows) where it applies; off (0) runs the unpacked kernel, the end-to-end A/B
-    (kernels.triton.decode_attention reads it at import)."""
-    decode_num_splits: int = 0
-    """Decode attention's split-K count, forced (0: kernels.triton.decode_attention's
-    choose_num_splits rule); the end-to-end A/B of a split choice (read at import)."""
-    decode_packed_maxnreg: int = 0
-    """A register cap (Triton's maxnreg) for the packed float8 decode kernel's one-warp tile, the
-    one 1000/1000's rows run (0: the compiler's choice, 197): at 168 or fewer an SM keeps 9 of
-    its programs instead of 8; the end-to-end A/B (kernels.triton.decode_attention reads it at
-    import)."""
-    decode_stream_k: bool = False
-    """Decode attention over a float8 cache at many programs an SM runs the stream-K schedule
-    (kernels.triton.decode_attention_stream_k: one resident wave of programs with equal shares
-    of the tiles, against waves of a program per sequence and KV head whose last is partly
-    filled). Off until a GPU measures it; read at import."""
-    decode_stream_k_natural: bool = False
-    """Stream-K decode's key loop keeps two K/V tiles in flight (kernels.triton.
-    decode_attention_packed._attend_packed_natural: 3.3% faster a layer than the packed loop on a
-    per-head grid, 7 programs an SM instead of 8); off until a GPU measures it under stream-K
-    (read at import)."""
-    decode_stream_k_programs: int = 0
-    """The stream-K decode grid's size, forced (0: kernels.triton.decode_attention.
-    stream_k_programs' rule, the programs the GPU holds at once); a sweep's knob (read at
-    import)."""
     kv_cache_layout: str = "head"
     """The paged KV cache's blocks: "head" keeps a head's keys of a block together (the default:
     float8 decode attention ~5% faster a layer, 1000/1000 +2.6-3.0% on an H100, the rest

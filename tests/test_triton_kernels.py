@@ -178,6 +178,13 @@ def test_decode_attention(
     _check_decode([1, 13, 137], num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits)
 
 
+def _packs(monkeypatch, packed: bool) -> None:
+    """Decode over a float8 cache runs the packed kernel where the group packs (every group
+    here does); not `packed`, the unpacked kernel, which runs the groups it cannot pack."""
+    if not packed:
+        monkeypatch.setattr(decode_attention, "packing", lambda group, head_dim: 0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["nosplit", "split3"])
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
@@ -185,38 +192,10 @@ def test_decode_attention_fp8_cache(
     monkeypatch, dtype: torch.dtype, num_splits: int, packed: bool
 ) -> None:
     # Keys/values stored as float8 e4m3, read and widened to the query's dtype in the kernel; the
-    # reference attends in fp32 over the same float8 values. Both kernels: the packed one (the
-    # default over float8) and the unpacked one (KILN_DECODE_PACKED=0, and groups it cannot pack).
-    monkeypatch.setattr(decode_attention, "PACKED", packed)
+    # reference attends in fp32 over the same float8 values. Both kernels: the packed one (where
+    # the group packs) and the unpacked one (groups it cannot pack).
+    _packs(monkeypatch, packed)
     _check_decode([1, 13, 137], 4, 2, 16, 4, dtype, num_splits, cache_dtype=FP8)
-
-
-@pytest.mark.parametrize("heads_first", [True, False], ids=["heads-first", "seqs-first"])
-@pytest.mark.parametrize("cache_dtype", [None, FP8], ids=["cache-dtype", "fp8-cache"])
-@pytest.mark.parametrize("num_splits", [1, 3], ids=["nosplit", "split3"])
-def test_decode_attention_grid_orders(monkeypatch, heads_first, cache_dtype, num_splits) -> None:
-    # Both grid orders (a sequence's KV heads as neighbouring programs, or one head of
-    # neighbouring sequences; the default picks by cache dtype) compute the same attention.
-    from kiln.kernels.triton import decode_attention
-
-    monkeypatch.setattr(decode_attention, "HEADS_FIRST_GRID", heads_first)
-    _check_decode([1, 13, 137], 4, 2, 16, 4, torch.float32, num_splits, cache_dtype=cache_dtype)
-
-
-def test_decode_attention_packed_register_cap(monkeypatch) -> None:
-    # A tile's fourth element (KILN_DECODE_PACKED_MAXNREG, or a sweep's forced tile) reaches the
-    # packed kernel's launch as Triton's maxnreg; the arithmetic, and so the output, is the same.
-    monkeypatch.setattr(decode_attention, "PACKED", True)
-    chosen = decode_attention._packed_tile_config
-    monkeypatch.setattr(
-        decode_attention, "_packed_tile_config", lambda *a, **k: (*chosen(*a, **k)[:3], 168)
-    )
-    _check_decode([1, 13, 137], 8, 2, 16, 4, torch.float32, 1, cache_dtype=FP8)
-
-
-def test_decode_attention_many_splits() -> None:
-    # More splits than tiles for the short sequence; partitions of exactly one tile.
-    _check_decode([5, 70], 4, 1, 16, 4, torch.float32, num_splits=5, seed=3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -240,7 +219,6 @@ def test_decode_attention_packed(
     assert decode_attention_packed.packing(num_heads // num_kv_heads, 16) == 16 // (
         num_heads // num_kv_heads
     )
-    monkeypatch.setattr(decode_attention, "PACKED", True)
     calls = []
     kernel = decode_attention._decode_packed_kernel
     monkeypatch.setattr(
@@ -285,7 +263,7 @@ def _reference_decode(query, k_cache, v_cache, block_tables, lens, scale) -> tor
     )  # fmt: skip
 
 
-# fp32 and fp16, and a float8 cache through the V-prefetch loop (its default).
+# fp32 and fp16, and a float8 cache through the unpacked kernel's V-prefetch loop.
 GRID_CASES = [
     pytest.param(torch.float32, None, id="fp32"),
     pytest.param(torch.float16, None, id="fp16"),
@@ -304,8 +282,7 @@ def test_decode_attention_graph_grid_mixed_lengths(
     # its own context into partitions of that count (a 1-token, a 3-tile and an 8-tile context
     # in one batch), so the replay computes bit for bit what an eager step with the same count
     # computes, batched or alone, and matches the reference.
-    monkeypatch.setattr(decode_attention, "PREFETCH_FP8_V", True)
-    monkeypatch.setattr(decode_attention, "PACKED", cache_dtype == PACKED_FP8)
+    _packs(monkeypatch, cache_dtype == PACKED_FP8)
     cache_dtype = FP8 if cache_dtype == PACKED_FP8 else cache_dtype
     seq_lens, bucket, num_splits = [1, 45, 120], 131072, 5
     query, k_cache, v_cache, tables, lens, scale = _decode_inputs(seq_lens, dtype, cache_dtype, 5)
@@ -326,7 +303,7 @@ def test_decode_attention_idle_splits_hold_stale_values(
     # A graph's split buffers keep what earlier steps wrote (here: a log-sum-exp above any real
     # one and NaN outputs). A split past a short sequence's last partition must overwrite its
     # log-sum-exp with -inf, so the reduce (which reads no seq_lens) gives it weight 0.
-    monkeypatch.setattr(decode_attention, "PACKED", cache_dtype == PACKED_FP8)
+    _packs(monkeypatch, cache_dtype == PACKED_FP8)
     cache_dtype = FP8 if cache_dtype == PACKED_FP8 else cache_dtype
     split_buffers = decode_attention._split_buffers
 
@@ -360,98 +337,6 @@ def test_decode_attention_more_splits_than_tiles(dtype: torch.dtype, cache_dtype
     )
 
 
-def _stream_k(monkeypatch, programs: int) -> list:
-    """Stream-K decode on for every unsplit packed launch, on a grid of `programs`; returns the
-    list its kernel's launches are recorded in."""
-    monkeypatch.setattr(decode_attention, "STREAM_K", True)
-    monkeypatch.setattr(decode_attention, "STREAM_K_PROGRAMS", programs)
-    monkeypatch.setattr(decode_attention, "_many_programs", lambda query, kv_heads: True)
-    calls: list = []
-    kernel = decode_attention._decode_stream_k_kernel
-    monkeypatch.setattr(decode_attention, "_decode_stream_k_kernel", _Recording(kernel, calls))
-    return calls
-
-
-@pytest.mark.parametrize("programs", [1, 3, 7, 13, 64])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 2)], ids=["group4", "group2"])
-def test_decode_attention_stream_k(monkeypatch, programs: int, num_heads, num_kv_heads) -> None:
-    # decode_attention_stream_k's kernel: the rows' tiles (64 keys for a group of 4, 128 for 2)
-    # cut into equal shares, a share starting and ending inside rows, rows spanning several
-    # programs (1000 keys over 13), programs holding several rows, more programs than tiles
-    # (64: the extra ones exit), contexts of one key; the pieces merged by their last program,
-    # which leaves the counters at zero.
-    calls = _stream_k(monkeypatch, programs)
-    for seq_lens in ([1, 13, 137, 300, 700], [1000], [5, 70, 64]):
-        _check_decode(seq_lens, num_heads, num_kv_heads, 16, 4, torch.float32, 1, cache_dtype=FP8)
-    # Head-major blocks (16 keys: a sub-tile is one block's contiguous rows of a head).
-    _check_decode(
-        [1, 13, 137, 300], num_heads, num_kv_heads, 16, 16, torch.float32, 1, cache_dtype=FP8,
-        head_major=True,
-    )  # fmt: skip
-    assert calls == [(programs,)] * 4
-    from kiln.kernels.triton.split_k import counters
-
-    assert not counters(DEVICE)[:programs].any()
-
-
-@pytest.mark.parametrize("programs", [1, 7, 64])
-def test_decode_attention_stream_k_natural_loop(monkeypatch, programs: int) -> None:
-    # KILN_DECODE_STREAM_K_NATURAL: the key loop with two tiles in flight (8-key sub-tiles, a
-    # trip's keys one tile, the block ids a trip ahead) over the same shares: against the
-    # reference, both layouts, rows over several programs and programs over several rows.
-    calls = _stream_k(monkeypatch, programs)
-    monkeypatch.setattr(decode_attention, "STREAM_K_NATURAL", True)
-    for seq_lens in ([1, 13, 137, 300, 700], [5, 70, 64]):
-        _check_decode(seq_lens, 8, 2, 16, 4, torch.float32, 1, cache_dtype=FP8)
-    _check_decode(
-        [1, 13, 137, 300], 4, 2, 16, 16, torch.float16, 1, cache_dtype=FP8, head_major=True
-    )
-    assert calls == [(programs,)] * 3
-
-
-def test_decode_attention_stream_k_is_deterministic_and_graph_safe(monkeypatch) -> None:
-    # The pieces are merged in program order, so two launches give the same bits; and the
-    # partition depends on seq_lens alone, so a graph replay (its bucket's max_seq_len) computes
-    # what an eager step does. fp16 queries as on the GPU (fp16 dots over the float8 cache).
-    _stream_k(monkeypatch, 5)
-    seq_lens = [1, 45, 120, 300]
-    query, k_cache, v_cache, tables, lens, scale = _decode_inputs(seq_lens, torch.float16, FP8, 7)
-    args = (query, k_cache, v_cache, tables, lens, scale)
-    eager = paged_decode_attention_splits(*args, max(seq_lens), 1)
-    assert torch.equal(eager, paged_decode_attention_splits(*args, max(seq_lens), 1))
-    assert torch.equal(eager, paged_decode_attention_splits(*args, 131072, 1))
-    _assert_close(eager, _reference_decode(*args), ATTN_ATOL[torch.float16])
-    # As a mixed step calls it: the decodes' rows of a larger query and output.
-    wider = torch.cat([query, query[:2]])
-    out = torch.zeros_like(wider)
-    paged_decode_attention_splits(
-        wider[: len(seq_lens)], k_cache, v_cache, tables, lens, scale, 300, 1,
-        out=out[: len(seq_lens)],
-    )  # fmt: skip
-    assert torch.equal(out[: len(seq_lens)], eager) and not out[len(seq_lens) :].any()
-
-
-def test_decode_attention_stream_k_only_where_chosen(monkeypatch) -> None:
-    # Stream-K takes only an unsplit launch over a float8 cache at many programs an SM: a split
-    # launch, a 16-bit cache, or its switch off run the packed / unpacked kernels as before.
-    calls = _stream_k(monkeypatch, 4)
-    seq_lens = [13, 137]
-    for cache_dtype, splits in ((FP8, 3), (None, 1)):
-        query, k_cache, v_cache, tables, lens, scale = _decode_inputs(
-            seq_lens, torch.float32, cache_dtype, 8
-        )
-        paged_decode_attention_splits(query, k_cache, v_cache, tables, lens, scale, 137, splits)
-    assert calls == []
-    monkeypatch.setattr(decode_attention, "STREAM_K", False)
-    _check_decode(seq_lens, 4, 2, 16, 4, torch.float32, 1, cache_dtype=FP8)
-    assert calls == []
-    # The rule: a program per (sequence, KV head) at 12 an SM or more (132 SMs here).
-    monkeypatch.undo()
-    query = torch.empty(198, 32, 128)
-    assert decode_attention._many_programs(query, 8)
-    assert not decode_attention._many_programs(query[:197], 8)
-
-
 @pytest.mark.parametrize(("dtype", "cache_dtype", "packed"), [
     pytest.param(torch.float32, None, False, id="fp32"),
     pytest.param(torch.float16, FP8, False, id="fp8-unpacked"),
@@ -461,7 +346,7 @@ def test_decode_attention_stream_k_only_where_chosen(monkeypatch) -> None:
 def test_decode_attention_head_major_blocks(monkeypatch, dtype, cache_dtype, packed, num_splits):
     # Every decode kernel reads head-major blocks (a head's keys of a block contiguous; the
     # engine's KILN_KV_CACHE_LAYOUT=head) as the same values: the same bits as token-major.
-    monkeypatch.setattr(decode_attention, "PACKED", packed)
+    _packs(monkeypatch, packed)
     seq_lens = [1, 13, 40]
     query, k_cache, v_cache, tables, lens, scale = _decode_inputs(seq_lens, dtype, cache_dtype, 3)
     k_head, v_head = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache))
@@ -485,45 +370,6 @@ def test_kv_cache_layouts_are_checked() -> None:
         )
 
 
-def _sms() -> int:
-    return torch.cuda.get_device_properties(0).multi_processor_count
-
-
-@on_gpu
-def test_decode_attention_stream_k_llama8b() -> None:
-    # Real shapes on the GPU, as the rule picks it: 400 sequences of 600-900 keys (3200 rows
-    # over 8 programs an SM x the SMs), a bf16 query over a float8 cache, with either key loop;
-    # and the compiled kernels still fit the programs an SM the grid assumes (8, natural 7).
-    from kiln.kernels.triton.decode_attention_stream_k import _decode_stream_k_kernel
-
-    lens = torch.randint(600, 901, (400,), generator=torch.Generator().manual_seed(9))
-    for natural, per_sm in ((False, 8), (True, 7)):
-        monkeypatch = pytest.MonkeyPatch()
-        # Only this shape's kernels: earlier tests compile fp32 and other head sizes, whose
-        # registers say nothing of the 8B grid.
-        for cache in _decode_stream_k_kernel.device_caches.values():
-            cache[0].clear()
-        try:
-            monkeypatch.setattr(decode_attention, "STREAM_K", True)
-            monkeypatch.setattr(decode_attention, "STREAM_K_NATURAL", natural)
-            _check_decode(lens.tolist(), 32, 8, 128, 16, torch.bfloat16, 1, seed=9, cache_dtype=FP8)
-        finally:
-            monkeypatch.undo()
-        compiled = [
-            c
-            for cache in _decode_stream_k_kernel.device_caches.values()
-            for c in cache[0].values()
-            if c.metadata.num_stages == (3 if natural else 2)
-        ]
-        assert compiled, "the stream-K kernel did not run"
-        assert decode_attention.stream_k_programs(DEVICE, natural) == per_sm * _sms()
-        for kernel in compiled:  # the programs the grid assumes fit an SM at once
-            per_warp = -(-kernel.n_regs * 32 // 256) * 256
-            fits = 4 * (16384 // per_warp) // kernel.metadata.num_warps
-            assert fits >= per_sm, f"{kernel.n_regs} registers: {fits} programs an SM"
-            assert per_sm * (kernel.metadata.shared + 1024) <= 228 * 1024
-
-
 def test_choose_num_splits() -> None:
     # A full batch keeps the GPU busy on its own: no split.
     assert choose_num_splits(128, 8, 4096, 132) == 1
@@ -535,16 +381,6 @@ def test_choose_num_splits() -> None:
     assert choose_num_splits(1, 8, 4096, 132) == 64
     assert choose_num_splits(1, 8, 1024, 132) == 16
     assert choose_num_splits(1, 8, 64, 132) == 1
-
-
-def test_choose_num_splits_forced(monkeypatch) -> None:
-    # KILN_DECODE_NUM_SPLITS (read at import into FORCED_NUM_SPLITS) overrides the rule
-    # everywhere, the end-to-end A/B of a split count.
-    from kiln.kernels.triton import decode_attention
-
-    monkeypatch.setattr(decode_attention, "FORCED_NUM_SPLITS", 3)
-    assert choose_num_splits(1000, 8, 1500, 132) == 3
-    assert choose_num_splits(1, 8, 4096, 132) == 3
 
 
 @on_gpu

@@ -65,7 +65,7 @@ def environment(device: torch.device) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        # The KILN_* switches this run had (kernel A/Bs: KILN_DECODE_STREAM_K=1 and the like).
+        # The KILN_* variables this run set away from their defaults.
         "kiln_env": changed(envs()),
         # Named whatever it is: its default changed (token- to head-major, 2026-12-05), so an
         # empty kiln_env reads differently before and after.

@@ -89,7 +89,7 @@ def kernel_tiles(
             "block_n": block_n,
             "num_warps": num_warps,
             "num_stages": num_stages,
-            "prefetch_fp8_v": bool(decode_attention.PREFETCH_FP8_V) if kv_fp8 else None,
+            "prefetch_fp8_v": True if kv_fp8 else None,  # V a tile ahead over float8
             "one_warp_32_keys_from_programs": one_warp_from,
             "split_k": {
                 "target_programs_per_sm": decode_attention._TARGET_PROGRAMS_PER_SM,
