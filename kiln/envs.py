@@ -23,11 +23,6 @@ _FALSE = ("0", "false", "no", "off")
 
 @dataclass(frozen=True)
 class Envs:
-    kv_cache_layout: str = "head"
-    """The paged KV cache's blocks: "head" keeps a head's keys of a block together (the default:
-    float8 decode attention ~5% faster a layer, 1000/1000 +2.6-3.0% on an H100, the rest
-    unchanged; docs/performance.md), "token" a token's heads together (kiln.kernels.kv_layout;
-    every kernel reads and writes both). Read when the model runner allocates the cache."""
     fused_linear_max_rows: int = 8
     """Most rows the fused small-batch linear kernels take (above it cuBLAS's GEMM tiles win). 0
     turns them off, the benchmarks' A/B switch; kernels.triton.small_batch_linear reads it at

@@ -90,25 +90,6 @@ def test_revision_is_kilns_own_wherever_it_runs(tmp_path, monkeypatch):
     assert len(kiln_source_hash()) == 16
 
 
-def test_the_record_names_the_kv_cache_layout(monkeypatch):
-    import torch
-
-    from kiln.bench.report import environment
-    from kiln.envs import envs
-
-    assert environment(torch.device("cpu"))["kv_cache_layout"] == "head"  # the default
-    monkeypatch.setenv("KILN_KV_CACHE_LAYOUT", "token")
-    envs.cache_clear()
-    try:
-        record = environment(torch.device("cpu"))
-    finally:
-        monkeypatch.delenv("KILN_KV_CACHE_LAYOUT")
-        envs.cache_clear()
-    assert record["kv_cache_layout"] == "token" and record["kiln_env"] == {
-        "KILN_KV_CACHE_LAYOUT": "token"
-    }
-
-
 def test_a_host_bound_run_says_so():
     from kiln.bench.runner import _table
 

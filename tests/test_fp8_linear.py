@@ -19,6 +19,7 @@ from kiln import LLM, SamplingParams
 from kiln.config import EngineConfig
 from kiln.errors import ModelLoadError
 from kiln.kernels import reference
+from kiln.kernels.kv_layout import empty_cache
 from kiln.layers.linear import Linear
 from kiln.quantization import QUANTIZATIONS, linear_method_factory
 from kiln.quantization.calibration import calibrate_input_scales
@@ -393,7 +394,9 @@ def test_fp8_qkv_rotary_write_kv_one_row(monkeypatch, static, swap_ab) -> None:
     freqs = torch.arange(64, dtype=torch.float32)[:, None] / (10000 ** (2 * half / head_dim))
     cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
     positions, slots = torch.tensor([21]), torch.tensor([5])
-    caches = [torch.zeros(3, 4, num_kv_heads, head_dim) for _ in range(2)]
+    caches = [
+        empty_cache(3, 4, num_kv_heads, head_dim, torch.float32, torch.device("cpu")) for _ in "kv"
+    ]
     want_q, want_sum = reference.add_rms_norm_qkv_rotary_write_kv(
         x, residual, norm_weight, 1e-5, w_fp8, bias, positions, cos_sin, *caches, slots,
         w_scale, input_scale,

@@ -20,6 +20,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install kiln[
 
 from kiln.kernels import reference
 from kiln.kernels import triton as triton_ops
+from kiln.kernels.kv_layout import empty_cache
 from kiln.kernels.triton import small_batch_tiles, split_k
 from kiln.kernels.triton.small_batch_tiles import Tiles
 from tests.test_fp8_linear import _fp8_inputs as inputs
@@ -146,7 +147,9 @@ def test_split_k_fp8_qkv_rotary_write_kv(monkeypatch, split, static) -> None:
     freqs = torch.arange(64, dtype=torch.float32)[:, None] / (10000 ** (2 * half / head_dim))
     cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
     positions, slots = torch.tensor([21]), torch.tensor([5])
-    caches = [torch.zeros(3, 4, num_kv_heads, head_dim) for _ in range(2)]
+    caches = [
+        empty_cache(3, 4, num_kv_heads, head_dim, torch.float32, torch.device("cpu")) for _ in "kv"
+    ]
     want_q, want_sum = reference.add_rms_norm_qkv_rotary_write_kv(
         x, residual, norm_weight, 1e-5, w_fp8, bias, positions, cos_sin, *caches, slots,
         w_scale, input_scale,
@@ -285,7 +288,10 @@ def llama_fp8() -> dict:
         "positions": torch.tensor([1000]),
         "slots": torch.tensor([77]),
     }
-    caches = [torch.zeros(8, 16, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2)]
+    caches = [
+        empty_cache(8, 16, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cpu"))
+        for _ in "kv"
+    ]
     want = _decode_layer(reference, weights, layer, caches)
     return {
         "weights": {name: on(*w) for name, w in weights.items()},

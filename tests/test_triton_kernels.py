@@ -46,6 +46,12 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def _head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same values at the same [block, slot, head, dim] indices, laid out head-major in
+    memory as the kernels require (kiln.kernels.kv_layout)."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _paged_cache(
     seq_lens: list[int],
     block_size: int,
@@ -55,19 +61,14 @@ def _paged_cache(
     gen: torch.Generator,
     extra_blocks: int = 3,
     cache_dtype: torch.dtype | None = None,
-    head_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random caches (unused slots hold random values too) and shuffled block tables; the caches
-    are `cache_dtype` (e.g. float8) when given, else `dtype`; `head_major`: views of blocks laid
-    out [KV heads, block_size, head_dim] in memory (the same values at the same indices)."""
+    """Random head-major caches (unused slots hold random values too) and shuffled block tables;
+    the caches are `cache_dtype` (e.g. float8) when given, else `dtype`."""
     blocks_per_seq = [_cdiv(n, block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + extra_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(cache_dtype or dtype)
-    v_cache = torch.randn(shape, generator=gen).to(cache_dtype or dtype)
-    if head_major:
-        k_cache = k_cache.transpose(1, 2).contiguous().transpose(1, 2)
-        v_cache = v_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    k_cache = _head_major(torch.randn(shape, generator=gen).to(cache_dtype or dtype))
+    v_cache = _head_major(torch.randn(shape, generator=gen).to(cache_dtype or dtype))
     order = torch.randperm(num_blocks, generator=gen)
     block_tables = torch.zeros((len(seq_lens), max(blocks_per_seq) + 1), dtype=torch.int32)
     used = 0
@@ -133,13 +134,11 @@ def _check_decode(
     num_splits: int | None,
     seed: int = 0,
     cache_dtype: torch.dtype | None = None,
-    head_major: bool = False,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_tables = _paged_cache(
-        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype,
-        head_major=head_major,
-    )  # fmt: skip
+        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype
+    )
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim**-0.5
@@ -205,15 +204,13 @@ def test_decode_attention_fp8_cache(
     ids=["group4-block4", "group4-block16", "group2", "group8"],
 )
 @pytest.mark.parametrize("num_splits", [1, 3, None], ids=["nosplit", "split3", "auto"])
-@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
 def test_decode_attention_packed(
     monkeypatch, dtype: torch.dtype, num_heads: int, num_kv_heads: int, block_size: int,
-    num_splits, head_major: bool,
+    num_splits,
 ) -> None:  # fmt: skip
     # decode_attention_packed's kernel (a program's keys in 16 / group sub-partitions side by side
     # in tl.dot's rows) over a float8 cache: sub-tiles inside one block (a scalar block id) and
-    # across blocks (a gather), sub-partitions that end early or hold no key, merged per head;
-    # blocks token-major (the engine's) or head-major (a head's keys of a block together).
+    # across blocks (a gather), sub-partitions that end early or hold no key, merged per head.
     from kiln.kernels.triton import decode_attention_packed
 
     assert decode_attention_packed.packing(num_heads // num_kv_heads, 16) == 16 // (
@@ -227,7 +224,7 @@ def test_decode_attention_packed(
     for seq_lens in ([1, 13, 137], [5, 70, 64]):
         _check_decode(
             seq_lens, num_heads, num_kv_heads, 16, block_size, dtype, num_splits,
-            cache_dtype=FP8, head_major=head_major,
+            cache_dtype=FP8,
         )  # fmt: skip
     assert calls, "the packed kernel did not run"
 
@@ -337,37 +334,28 @@ def test_decode_attention_more_splits_than_tiles(dtype: torch.dtype, cache_dtype
     )
 
 
-@pytest.mark.parametrize(("dtype", "cache_dtype", "packed"), [
-    pytest.param(torch.float32, None, False, id="fp32"),
-    pytest.param(torch.float16, FP8, False, id="fp8-unpacked"),
-    pytest.param(torch.float16, FP8, True, id="fp8-packed"),
-])  # fmt: skip
-@pytest.mark.parametrize("num_splits", [1, 3], ids=["nosplit", "split3"])
-def test_decode_attention_head_major_blocks(monkeypatch, dtype, cache_dtype, packed, num_splits):
-    # Every decode kernel reads head-major blocks (a head's keys of a block contiguous; the
-    # engine's KILN_KV_CACHE_LAYOUT=head) as the same values: the same bits as token-major.
-    _packs(monkeypatch, packed)
-    seq_lens = [1, 13, 40]
-    query, k_cache, v_cache, tables, lens, scale = _decode_inputs(seq_lens, dtype, cache_dtype, 3)
-    k_head, v_head = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache))
-    args = (query, k_cache, v_cache, tables, lens, scale, 40, num_splits)
-    token_major = paged_decode_attention_splits(*args)
-    head_major = paged_decode_attention_splits(query, k_head, v_head, *args[3:])
-    assert torch.equal(token_major, head_major)
-    _assert_close(head_major, _reference_decode(*args[:6]), ATTN_ATOL[dtype])
-
-
-def test_kv_cache_layouts_are_checked() -> None:
-    # A cache of neither layout, or K and V in different ones, is refused with a clear error.
-    seq_lens = [13, 40]
-    query, k_cache, v_cache, tables, lens, scale = _decode_inputs(seq_lens, torch.float32, None, 3)
-    k_head = k_cache.transpose(1, 2).contiguous().transpose(1, 2)
-    with pytest.raises(ValueError, match="share one layout"):
-        paged_decode_attention_splits(query, k_head, v_cache, tables, lens, scale, 40, 1)
-    with pytest.raises(ValueError, match="token- or head-major"):
-        paged_decode_attention_splits(
-            query, k_cache[:, :, :1], v_cache[:, :, :1], tables, lens, scale, 40, 1
+def test_kernels_refuse_a_cache_that_is_not_head_major() -> None:
+    # A token's heads together (a plain contiguous tensor), or a slice of the heads, would be
+    # read and written at the wrong offsets: every kernel that takes a cache refuses it.
+    query, k_cache, v_cache, tables, lens, scale = _decode_inputs([13, 40], torch.float32, None, 3)
+    token_major = k_cache.contiguous()
+    for k, v in ((token_major, v_cache), (k_cache, token_major), (k_cache[:, :, :1], v_cache)):
+        with pytest.raises(ValueError, match="head-major"):
+            paged_decode_attention_splits(query, k, v, tables, lens, scale, 40, 1)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="head-major"):
+        triton_ops.paged_prefill_attention(
+            query, token_major, v_cache, tables, starts, lens, scale, 1, 40
         )
+    key = torch.zeros(2, 2, 16, device=DEVICE)
+    cos_sin = _cos_sin_cache(64, 16).to(DEVICE)
+    positions = slots = torch.tensor([0, 1], device=DEVICE)
+    with pytest.raises(ValueError, match="head-major"):
+        triton_ops.rotary_embedding_write_kv(
+            positions, query[:2], key, key, cos_sin, k_cache, token_major, slots
+        )
+    with pytest.raises(ValueError, match="head-major"):
+        triton_ops.copy_kv_blocks([token_major], torch.tensor([[0, 1]], device=DEVICE))
 
 
 def test_choose_num_splits() -> None:
@@ -645,8 +633,8 @@ def test_rotary_embedding_write_kv(
     slots = torch.tensor([3, 4, -1, 9, 0, 22], dtype=torch.int64, device=DEVICE)  # -1: padding
     cos_sin = _cos_sin_cache(64, head_dim).to(DEVICE)
     shape = (6, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(DEVICE, cache_dtype)
-    v_cache = torch.randn(shape, generator=gen).to(DEVICE, cache_dtype)
+    k_cache = _head_major(torch.randn(shape, generator=gen).to(DEVICE, cache_dtype))
+    v_cache = _head_major(torch.randn(shape, generator=gen).to(DEVICE, cache_dtype))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     qkv_before = qkv.clone()
     args = (positions, query, key, value, cos_sin)
@@ -673,7 +661,7 @@ def test_rotary_embedding_write_kv_llama8b_bf16() -> None:
     positions = torch.randint(0, 8192, (500,), generator=gen).to(DEVICE)
     slots = torch.randperm(64 * 16, generator=gen)[:500].to(DEVICE)
     cos_sin = _cos_sin_cache(8192, 128, base=500000.0).to(DEVICE)
-    k_cache = torch.zeros(64, 16, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+    k_cache = _head_major(torch.zeros(64, 16, 8, 128, dtype=torch.bfloat16, device=DEVICE))
     v_cache, k_ref, v_ref = k_cache.clone(), k_cache.clone(), k_cache.clone()
     args = (positions, query, key, value, cos_sin)
     q_out = triton_ops.rotary_embedding_write_kv(*args, k_cache, v_cache, slots)
@@ -849,8 +837,8 @@ def test_add_rms_norm_qkv_rotary_write_kv(
         slots[0] = -1
     cos_sin = _cos_sin_cache(64, head_dim).to(DEVICE)
     shape = (6, 4, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(DEVICE, cache_dtype)
-    v_cache = torch.randn(shape, generator=gen).to(DEVICE, cache_dtype)
+    k_cache = _head_major(torch.randn(shape, generator=gen).to(DEVICE, cache_dtype))
+    v_cache = _head_major(torch.randn(shape, generator=gen).to(DEVICE, cache_dtype))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     inputs = [t.clone() for t in (x, residual) if t is not None]
 
@@ -950,7 +938,7 @@ def test_add_rms_norm_qkv_rotary_write_kv_llama8b_bf16(cache_dtype: torch.dtype)
     positions = torch.tensor([1000], device=DEVICE)
     slots = torch.tensor([777], device=DEVICE)
     cos_sin = _cos_sin_cache(8192, 128, base=500000.0).to(DEVICE)
-    k_cache = torch.randn(64, 16, 8, 128, generator=gen).to(DEVICE, cache_dtype)
+    k_cache = _head_major(torch.randn(64, 16, 8, 128, generator=gen).to(DEVICE, cache_dtype))
     v_cache, k_ref, v_ref = k_cache.clone(), k_cache.clone(), k_cache.clone()
     head = (x, residual, norm_weight, 1e-5, qkv_w, None, positions, cos_sin)
     q_ref, summed_ref = reference.add_rms_norm_qkv_rotary_write_kv(*head, k_ref, v_ref, slots)
@@ -992,7 +980,7 @@ def test_llama_forward_triton_ops_match_reference(num_tokens: int) -> None:
 
     def forward(ops: object) -> torch.Tensor:
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        caches = [(torch.zeros(shape, device=DEVICE), torch.zeros(shape, device=DEVICE))] * 2
+        caches = [tuple(_head_major(torch.zeros(shape, device=DEVICE)) for _ in "kv")] * 2
         with torch.no_grad():
             return model(ops, TorchAttentionBackend(), input_ids, positions, caches, metadata)
 
@@ -1062,7 +1050,9 @@ def test_copy_kv_blocks(dtype: torch.dtype, head_dim: int) -> None:
         caches = [torch.randint(0, 256, shape, generator=gen, dtype=dtype) for _ in range(2)]
         caches = [c.to(DEVICE) for c in caches]
     else:
-        caches = [torch.randn(shape, generator=gen).to(DEVICE, dtype) for _ in range(3)]
+        caches = [
+            _head_major(torch.randn(shape, generator=gen).to(DEVICE, dtype)) for _ in range(3)
+        ]
     want = [c.clone() for c in caches]
     mapping = torch.tensor([[1, 4], [1, 6], [3, 0]], dtype=torch.int64, device=DEVICE)
     by_hand = [c.view(torch.uint8).clone() for c in caches]  # the bytes, block by block

@@ -67,9 +67,6 @@ def environment(device: torch.device) -> dict:
         "transformers": transformers.__version__,
         # The KILN_* variables this run set away from their defaults.
         "kiln_env": changed(envs()),
-        # Named whatever it is: its default changed (token- to head-major, 2026-12-05), so an
-        # empty kiln_env reads differently before and after.
-        "kv_cache_layout": envs().kv_cache_layout,
     }
     try:
         import triton

@@ -2,7 +2,8 @@
 signature; these are the oracle in tests and the implementation on the CPU.
 
 Shapes: packed tokens (no padding); KV cache per layer [num_blocks, block_size, num_kv_heads,
-head_dim]; a slot is block_id * block_size + offset.
+head_dim] (head-major beneath: kiln.kernels.kv_layout; indexed through the view here); a slot is
+block_id * block_size + offset.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def write_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    block_size = k_cache.shape[1]
     # A negative slot marks a padding token (a decode batch padded to a graph size): skipped, as
     # the Triton kernel does. The check syncs, so only the CPU makes it: on CUDA the reference is
     # never given padding (graphs need a backend with supports_cuda_graphs).
@@ -40,11 +41,8 @@ def write_kv_cache(
         if cache.element_size() == 1:
             # index_copy_ has no float8 kernel on the CPU: copy the bytes.
             cache, x = cache.view(torch.uint8), x.view(torch.uint8)
-        if cache.is_contiguous():
-            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, x)
-        else:  # head-major blocks (kiln/kernels/kv_layout.py): a token's rows are apart
-            block_size = cache.shape[1]
-            cache[slot_mapping // block_size, slot_mapping % block_size] = x
+        # Indexed through the view: a token's rows lie apart in head-major blocks.
+        cache[slot_mapping // block_size, slot_mapping % block_size] = x
 
 
 def _gather_context(

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.kv_layout import head_major as cache_head_major
+from kiln.kernels.kv_layout import check_head_major
 from kiln.kernels.triton._decode_partition import _mark_unused_split, _partition
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
@@ -38,22 +38,19 @@ _MAX_SPLITS = 64
 
 
 @triton.jit
-def _tile_offsets(
-    block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HEAD_MAJOR
-):
+def _tile_offsets(block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE):
     """Element offsets of keys n (one KV head's rows) in the paged cache, through the block
     table."""
     block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     return kv_tile_offsets(
-        block_ids, n % BLOCK_SIZE, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-        HEAD_MAJOR,
-    )  # fmt: skip
+        block_ids, n % BLOCK_SIZE, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
+    )
 
 
 @triton.jit
 def _decode_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], token- or head-major
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], head-major
     v_cache_ptr,
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
@@ -79,7 +76,6 @@ def _decode_kernel(
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
     PREFETCH_V: tl.constexpr,  # load V a tile ahead (float8 caches)
     HEADS_FIRST: tl.constexpr = False,  # grid (kv heads, sequences, splits): see _grid
-    HEAD_MAJOR: tl.constexpr = False,  # the cache's blocks head-major (kiln/kernels/kv_layout.py)
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -121,7 +117,7 @@ def _decode_kernel(
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    head_offset = kv_head_offset(kv_head, HEAD_DIM, BLOCK_SIZE, HEAD_MAJOR)
+    head_offset = kv_head_offset(kv_head, HEAD_DIM, BLOCK_SIZE)
     # Every tile below holds at least one valid key (n_start < end): its row maxima are finite.
     if PREFETCH_V:
         # Float8 cache: V's raw bytes for the next tile are loaded one iteration ahead. V is
@@ -132,30 +128,14 @@ def _decode_kernel(
         n_mask = n < end
         kv_mask = n_mask[:, None] & dim_mask[None, :]
         v_offsets = _tile_offsets(
-            block_table,
-            n,
-            n_mask,
-            head_offset,
-            dims,
-            NUM_KV_HEADS,
-            HEAD_DIM,
-            BLOCK_SIZE,
-            HEAD_MAJOR,
+            block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
         )
         v_raw = tl.load(v_cache_ptr + v_offsets, mask=kv_mask, other=0.0)
         for n_start in range(start, end, BLOCK_N):
             n = n_start + offs_n
             n_mask = n < end
             kv_offsets = _tile_offsets(
-                block_table,
-                n,
-                n_mask,
-                head_offset,
-                dims,
-                NUM_KV_HEADS,
-                HEAD_DIM,
-                BLOCK_SIZE,
-                HEAD_MAJOR,
+                block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
             )
             k = tl.load(
                 k_cache_ptr + kv_offsets, mask=n_mask[:, None] & dim_mask[None, :], other=0.0
@@ -164,7 +144,7 @@ def _decode_kernel(
             next_mask = next_n < end
             next_offsets = _tile_offsets(
                 block_table, next_n, next_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM,
-                BLOCK_SIZE, HEAD_MAJOR,
+                BLOCK_SIZE,
             )  # fmt: skip
             next_v_raw = tl.load(
                 v_cache_ptr + next_offsets, mask=next_mask[:, None] & dim_mask[None, :], other=0.0
@@ -182,15 +162,7 @@ def _decode_kernel(
             n = n_start + offs_n
             n_mask = n < end
             kv_offsets = _tile_offsets(
-                block_table,
-                n,
-                n_mask,
-                head_offset,
-                dims,
-                NUM_KV_HEADS,
-                HEAD_DIM,
-                BLOCK_SIZE,
-                HEAD_MAJOR,
+                block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
             )
             kv_mask = n_mask[:, None] & dim_mask[None, :]
             k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
@@ -362,7 +334,7 @@ def paged_decode_attention_splits(
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
-    head_major = cache_head_major(k_cache, v_cache)
+    check_head_major(k_cache, v_cache)
     out = output_like(query, out)
     if num_seqs == 0:
         return out
@@ -381,9 +353,8 @@ def paged_decode_attention_splits(
     # one on an H200 at 768 x 1.5k, 384 x 1.5k and 512 x 192.
     if kv_fp8 and (pack := packing(group, head_dim)):
         return _packed_decode(
-            query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, pack,
-            head_major,
-        )  # fmt: skip
+            query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, pack
+        )
     # A sequence's KV heads as neighbouring programs over 16- and 32-bit caches, one head of
     # neighbouring sequences over float8 ones: heads first ran a bf16 cache 10-14% faster a layer
     # on an H200 (384 x 1.5k, 512 x 192, 64 x 4k) and a float8 one 36-48% slower (64 x 4k, 32 x 1k).
@@ -421,7 +392,6 @@ def paged_decode_attention_splits(
         FP16_DOTS=fp16_dots(query, k_cache),
         PREFETCH_V=kv_fp8,
         HEADS_FIRST=heads_first,
-        HEAD_MAJOR=head_major,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -479,7 +449,7 @@ def _reduce(part_out, part_lse, out, num_splits: int) -> None:
 
 
 def _packed_decode(
-    query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, pack, head_major
+    query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, pack
 ) -> torch.Tensor:
     """paged_decode_attention_splits through decode_attention_packed's kernel."""
     num_seqs, num_heads, head_dim = query.shape
@@ -512,7 +482,6 @@ def _packed_decode(
         SPLIT=split,
         DOT_PRECISION=dot_precision(query.dtype),
         FP16_DOTS=fp16_dots(query, k_cache),
-        HEAD_MAJOR=head_major,
         num_warps=num_warps,
         num_stages=num_stages,
     )

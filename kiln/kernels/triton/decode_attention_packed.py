@@ -38,10 +38,10 @@ from kiln.kernels.triton._kv_layout import kv_head_offset, kv_tile_offsets
 def _sub_tile(
     cache_ptr, block_table, n0, offs_n, end, head_offset, dims,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_MAJOR: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Keys [n0, n0 + BLOCK_N) of one KV head (head_offset: _kv_layout.kv_head_offset), [BLOCK_N,
-    HEAD_DIM] raw from the cache (zeros past `end`), its blocks token- or head-major."""
+    HEAD_DIM] raw from the cache (zeros past `end`)."""
     n = n0 + offs_n
     n_mask = n < end
     if BLOCK_SIZE % BLOCK_N == 0:
@@ -49,13 +49,12 @@ def _sub_tile(
         block_id = tl.load(block_table + n0 // BLOCK_SIZE, mask=n0 < end, other=0).to(tl.int64)
         offsets = kv_tile_offsets(
             block_id, (n0 % BLOCK_SIZE) + offs_n, head_offset, dims, NUM_KV_HEADS, HEAD_DIM,
-            BLOCK_SIZE, HEAD_MAJOR,
+            BLOCK_SIZE,
         )  # fmt: skip
     else:
         block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         offsets = kv_tile_offsets(
             block_ids, n % BLOCK_SIZE, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-            HEAD_MAJOR,
         )  # fmt: skip
     return tl.load(cache_ptr + offsets, mask=n_mask[:, None], other=0.0)
 
@@ -66,7 +65,7 @@ def _attend_packed(
     stride_q_seq, stride_q_head, stride_bt_seq,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP16_DOTS: tl.constexpr, HEAD_MAJOR: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
 ):  # fmt: skip
     """A KV head's GROUP query heads over keys [start, end) of sequence `seq`: (out [GROUP,
     HEAD_DIM] fp32, normalised; lse [GROUP], log2 domain). No key (start >= end) gives zeros and
@@ -90,13 +89,13 @@ def _attend_packed(
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    head_offset = kv_head_offset(kv_head, HEAD_DIM, BLOCK_SIZE, HEAD_MAJOR)
+    head_offset = kv_head_offset(kv_head, HEAD_DIM, BLOCK_SIZE)
     for n_start in range(start, end, PACK * BLOCK_N):
         s = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         for sub in tl.static_range(PACK):
             k = _sub_tile(
                 k_cache_ptr, block_table, n_start + sub * BLOCK_N, offs_n, end, head_offset,
-                dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, HEAD_MAJOR,
+                dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
             )  # fmt: skip
             scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
             s = tl.where((sub_of_row == sub)[:, None], scores, s)
@@ -113,7 +112,7 @@ def _attend_packed(
         for sub in tl.static_range(PACK):
             v_raw = _sub_tile(
                 v_cache_ptr, block_table, n_start + sub * BLOCK_N, offs_n, end, head_offset,
-                dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, HEAD_MAJOR,
+                dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
             )  # fmt: skip
             if FP16_DOTS:  # noqa: SIM108 (resolved at compile time)
                 v = fp8e4m3_to_fp16(v_raw)  # not v.to(tl.float16): see _fp8.py
@@ -145,7 +144,7 @@ def _merge_rows(m_i, l_i, acc, GROUP: tl.constexpr, PACK: tl.constexpr, HEAD_DIM
 @triton.jit
 def _decode_packed_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], token- or head-major
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], head-major
     v_cache_ptr,
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
@@ -168,7 +167,6 @@ def _decode_packed_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
-    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (kiln/kernels/kv_layout.py)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -187,7 +185,7 @@ def _decode_packed_kernel(
     out, lse = _attend_packed(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, end, qk_scale,
         stride_q_seq, stride_q_head, stride_bt_seq, NUM_KV_HEADS, GROUP, PACK, HEAD_DIM,
-        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, FP16_DOTS, HEAD_MAJOR,
+        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, FP16_DOTS,
     )  # fmt: skip
     dims = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + tl.arange(0, GROUP)
