@@ -23,33 +23,11 @@ _FALSE = ("0", "false", "no", "off")
 
 @dataclass(frozen=True)
 class Envs:
-    fused_linear_max_rows: int = 8
-    """Most rows the fused small-batch linear kernels take (above it cuBLAS's GEMM tiles win). 0
-    turns them off, the benchmarks' A/B switch; kernels.triton.small_batch_linear reads it at
-    import."""
-    fp8_small_batch_dot: bool = True
-    """The FP8 small-batch kernels multiply float8 x float8 on the tensor cores; off (0) widens
-    both operands to fp16 first (exact, more ALU work): the A/B of the two on the GPU."""
-    small_batch_swap_ab: bool = True
-    """The small-batch kernels over float8 weights multiply weight tile x input rows (the tile
-    as the dot's first operand: a float8 wgmma straight from shared memory on Hopper) instead of
-    input rows x weight tile (an HMMA on the tile widened to fp16 in registers); off (0) is the
-    A/B (kernels.triton.small_batch_linear reads it at import)."""
-    fp8_fast_accum: bool = True
-    """The FP8 GEMMs (`torch._scaled_mm`) use Hopper's fast float8 accumulation (use_fast_accum:
-    no periodic promotion of the partial sums to fp32), as vLLM's and TensorRT-LLM's FP8 GEMMs
-    do: 7-12% faster at 2048-8192 rows, relative error against the fp32 product 2.1e-3 instead
-    of 1.7e-3 (3.3e-3 at K=14336; docs/performance.md). Off (0): cuBLAS's promoted accumulation,
-    the A/B; kernels.triton.fp8_gemm reads it at import."""
     cpu_fake_graphs: bool = False
     """Capture decode "graphs" on the CPU with FakeGraph, which re-runs the captured forward at
     replay (never faster): how tests run the graph path end to end without a GPU, under tensor
     parallelism too (every rank captures the same keys in the same order, collectives inside).
     Read by the model runner; worker ranks inherit it from the driver's environment."""
-    small_batch_tiles: str | None = None
-    """A JSON file written by benchmarks/fp8_small_batch_sweep.py: its suggested launch shapes
-    (split-K factors, tiles) override the small-batch kernels' table, the end-to-end A/B of a
-    sweep's choice before it is written into kernels.triton.small_batch_tiles (read at import)."""
     grammar_fill_threads: int = 0
     """Threads that fill a step's grammar masks (structured output); 0: half the CPUs the process
     may run on, at most 8 (kiln.structured_output.matchers)."""

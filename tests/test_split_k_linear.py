@@ -7,7 +7,6 @@ test_fp8_linear's and test_triton_kernels', with every launch cut over K."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -226,27 +225,6 @@ def test_outlier_columns_take_the_tiles_measured_for_k_without_them(monkeypatch)
         # beyond a few columns, or another element size: the rule's unsplit tiles
         assert small_batch_tiles.tile_config("linear", n, k + 129, cuda, 1, 1).split_k == 1
         assert small_batch_tiles.tile_config("linear", n, k + 16, cuda, 2, 1).split_k == 1
-
-
-def test_a_sweeps_suggestions_override_the_table(monkeypatch, tmp_path) -> None:
-    """KILN_SMALL_BATCH_TILES' file: the entries fp8_small_batch_sweep.py writes, read back as
-    the table's keys and Tiles; anything else is refused naming the variable."""
-    path = tmp_path / "sweep.json"
-    entry = ["linear", 4096, 4096, 1, True, [32, 256, 4, 4, 4, 2048], 6.1, 12.3]
-    path.write_text(json.dumps({"results": [], "suggested": [entry]}))
-    table = small_batch_tiles.load_tiles(str(path))
-    assert table == {("linear", 4096, 4096, 1, True): Tiles(32, 256, 4, 4, 4, 2048)}
-    monkeypatch.setattr(small_batch_tiles, "_FROM_ENV", table)
-    monkeypatch.setattr(small_batch_tiles, "MEASURED_TILES", {})
-    monkeypatch.setattr(small_batch_tiles, "num_sms", lambda device: 132)
-    cuda = torch.device("cuda")
-    assert small_batch_tiles.tile_config("linear", 4096, 4096, cuda, 1, 1).split_k == 4
-    assert small_batch_tiles.tile_config("linear", 4096, 4096, cuda, 1, 8).split_k == 1
-    assert small_batch_tiles.tile_config("linear", 4096, 4096, cuda, 2, 1).split_k == 1
-    for bad in ("{}", json.dumps({"suggested": [["gemv", *entry[1:]]]}), "not json"):
-        path.write_text(bad)
-        with pytest.raises(ValueError, match="KILN_SMALL_BATCH_TILES"):
-            small_batch_tiles.load_tiles(str(path))
 
 
 # ---- on the GPU: Llama-3.1-8B's projections, eager and in CUDA graphs -----------------------

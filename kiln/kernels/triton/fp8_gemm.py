@@ -20,14 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.envs import envs
 from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE
 
 # From this many rows on, rowwise-scaled _scaled_mm; below, unit scales and _scale_epilogue
 # (see the module docstring).
 _ROWWISE_MIN_ROWS = 256
-# Hopper's float8 accumulation without promotion to fp32 (KILN_FP8_FAST_ACCUM, kiln.envs).
-_FAST_ACCUM = envs().fp8_fast_accum
 
 
 @triton.jit
@@ -333,6 +330,9 @@ def fp8_matmul(
     if x_fp8.device.type != "cuda" or k % 16 or n % 16:
         acc = x_fp8.float() @ weight.float().t()  # [M, N]: the reference's sums
         return _scale_epilogue(acc, x_scale, weight_scale, bias, out_dtype)
+    # use_fast_accum: Hopper's float8 accumulation without periodic promotion to fp32, as vLLM's
+    # and TensorRT-LLM's FP8 GEMMs run it: 7-12% faster at 2048-8192 rows on an H200, relative
+    # error against the fp32 product 2.1e-3 instead of 1.7e-3 (3.3e-3 at K=14336).
     if num_rows >= _ROWWISE_MIN_ROWS and out_dtype == torch.bfloat16:
         # Rowwise scaling takes an [M, 1] scale_a and a bf16 output only.
         scale_a = x_scale.contiguous() if x_scale.dim() == 2 else _static_column(x_scale, num_rows)
@@ -343,7 +343,7 @@ def fp8_matmul(
             scale_b=weight_scale.view(1, n),
             bias=bias,
             out_dtype=out_dtype,
-            use_fast_accum=_FAST_ACCUM,
+            use_fast_accum=True,
         )
     one = _one(x_fp8.device)
     acc = torch._scaled_mm(
@@ -352,6 +352,6 @@ def fp8_matmul(
         scale_a=one,
         scale_b=one,
         out_dtype=torch.float32,
-        use_fast_accum=_FAST_ACCUM,
+        use_fast_accum=True,
     )
     return _scale_epilogue(acc, x_scale, weight_scale, bias, out_dtype)

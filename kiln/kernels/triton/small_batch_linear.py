@@ -32,19 +32,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kiln.envs import envs
 from kiln.kernels.triton import fp8_gemm, small_batch_tiles, split_k
 from kiln.kernels.triton._device import dot_precision
 from kiln.kernels.triton.fp8_gemm import scaled_to_e4m3
 from kiln.kernels.triton.rms_norm import add_rms_norm_quant_fp8, fused_add_rms_norm, rms_norm
 from kiln.kernels.triton.silu_mul import silu_and_mul, silu_and_mul_quant_fp8
 
-# Above this cuBLAS's GEMM tiles win, and the small kernels matter less.
-# KILN_FUSED_LINEAR_MAX_ROWS=0 turns the fused kernels off (the benchmarks' A/B switch).
-MAX_ROWS = envs().fused_linear_max_rows
-# The weight tile as the dot's first operand for float8 weights (_times); a module attribute so
-# a benchmark can time both in one process.
-SWAP_AB = envs().small_batch_swap_ab
+# Most rows the small-batch kernels take: above it cuBLAS's GEMM tiles win, and the small kernels
+# matter less.
+MAX_ROWS = 8
 
 _PLAIN, _NORM, _ADD_NORM = 0, 1, 2
 
@@ -158,7 +154,7 @@ def _project(
     # the activation scale here and by the caller's per-column weight scales) with activations
     # quantized here per row (1, dynamic) or by in_scale (2, static), or given in float8 with a
     # scale per row (3) or one static scale (4) at in_scale_ptr
-    FP8_DOT: tl.constexpr = False,  # float8 x float8 dots (else both widened to fp16, exact)
+    FP8_DOT: tl.constexpr = False,  # float8 x float8 dots (the interpreter: both widened to fp16)
     INTERPRETED: tl.constexpr = False,  # the Triton interpreter (see fp8_gemm.round_to_e4m3_grid)
     FP8_MAX: tl.constexpr = 448.0,
     MIN_SCALE: tl.constexpr = 1e-12,
@@ -450,7 +446,7 @@ def _fits(
             input_scale is None or input_scale.numel() == 1
         )
     return (
-        0 < _rows(x) <= (min(1, MAX_ROWS) if one_row else MAX_ROWS)
+        0 < _rows(x) <= (1 if one_row else MAX_ROWS)
         and weight.stride(1) == 1  # rows may lie further apart than K (aligned rows)
         and weight.shape[1] == k
         and dtypes_ok
@@ -483,12 +479,13 @@ def swap_ab(quant: int, dot_rows: int, device: torch.device) -> bool:
     weights, in tiles of at least 64 rows on the GPU (a wgmma's M; below it Triton makes an HMMA
     of the swapped dot, with more registers than the plain one). The interpreter runs the same
     swapped code on its fp16-widened operands at its small tiles."""
-    return SWAP_AB and quant != 0 and (device.type != "cuda" or dot_rows >= 64)
+    return quant != 0 and (device.type != "cuda" or dot_rows >= 64)
 
 
 def _fp8_dot(device: torch.device) -> bool:
-    """float8 x float8 dots on the GPU's tensor cores; the interpreter widens to fp16 (exact)."""
-    return device.type == "cuda" and envs().fp8_small_batch_dot
+    """float8 x float8 dots on the GPU's tensor cores; the interpreter, which has no float8 dot,
+    widens both operands to fp16 (exact)."""
+    return device.type == "cuda"
 
 
 def _launch(
