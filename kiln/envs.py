@@ -31,14 +31,6 @@ class Envs:
     grammar_fill_threads: int = 0
     """Threads that fill a step's grammar masks (structured output); 0: half the CPUs the process
     may run on, at most 8 (kiln.structured_output.matchers)."""
-    engine_kernel_cache: bool = True
-    """Loading an engine directory built on a GPU copies its compiled Triton kernels into the
-    Triton cache when the GPU and Triton match (kiln.kernel_cache); off (0): compile as without
-    them, the A/B of a first process's start (benchmarks/build_and_first_token.py)."""
-    engine_prehash: bool = True
-    """`LLM(engine dir)` hashes the weight shards in a child process while torch imports, on
-    hosts of 4 cores or more (kiln.checkpoint.prehash); off (0): the loader hashes as it reads,
-    the A/B of a cold start."""
     api_key: str | None = None
     """Default of `kiln serve --api-key`: a key kept off the command line (and so out of `ps`)."""
     git_revision: str | None = None

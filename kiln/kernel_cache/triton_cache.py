@@ -23,8 +23,6 @@ import os
 import shutil
 from importlib import metadata
 
-from kiln.envs import envs
-
 logger = logging.getLogger("kiln")
 
 CACHE_SUBDIR = "triton_cache"
@@ -92,12 +90,12 @@ def capture(cache_dir: str, engine_dir: str, key: dict[str, str]) -> list[str]:
 def install(engine_dir: str, key: dict[str, str] | None = None) -> int:
     """Copy the engine's captured entries into the active Triton cache when its key equals this
     process's (`key`; default kernel_cache_key()). Returns how many files were copied (0: none
-    carried, switched off by KILN_ENGINE_KERNEL_CACHE=0, another GPU or Triton, or all there).
-    Entries already present are kept; each file lands atomically (ranks of one engine may
-    install at once)."""
+    carried, another GPU or Triton, or all there). Entries already present are kept; each file
+    lands atomically (ranks of one engine may install at once). The loader calls it only where
+    EngineConfig.engine_kernel_cache allows."""
     root = os.path.join(engine_dir, CACHE_SUBDIR)
     key_file = os.path.join(root, KEY_FILE)
-    if not envs().engine_kernel_cache or not os.path.isfile(key_file):
+    if not os.path.isfile(key_file):
         return 0
     with open(key_file, encoding="utf-8") as f:
         built_for = json.load(f)
