@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -14,6 +15,7 @@ import time
 import torch
 
 import kiln
+from kiln.config import EngineConfig
 from kiln.envs import changed, envs
 
 
@@ -44,6 +46,16 @@ def kiln_source_hash() -> str:
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def engine_config_record(config: EngineConfig) -> dict:
+    """The config's fields that are set, as JSON values (an oracle's SpeculativeConfig as its
+    fields)."""
+    return {
+        k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+        for k, v in vars(config).items()
+        if v is not None
+    }
 
 
 def environment(device: torch.device) -> dict:
