@@ -269,7 +269,7 @@ def _compile_warning(compiles: list[dict]) -> str:
 
 # Below this share of a CUDA-graph decode step the GPU waits on the host: the run then measures
 # scheduling and output processing, not the GPU (an engine whose detokenizer went quadratic ran
-# at 36%, GPU-bound runs at 0.99-1.0: benchmarks/results/2026-12-05-h200-outlier-e2e-one-row-cost).
+# at 36%, GPU-bound runs at 0.99-1.0).
 HOST_BOUND_FRACTION = 0.8
 
 

@@ -1,13 +1,13 @@
 """Triton's compiled kernels, carried in an engine directory so a first process need not compile.
 
-A cold process on the H200 spent 4.8 s compiling Triton kernels in the memory profile's forward
-and 6.2 s more warming the CUDA graphs (benchmarks/results/2026-12-01-h200-final-wave). `kiln
-build` on a GPU runs the engine once against an empty Triton cache and keeps what it compiled
-under `triton_cache/` in the engine (capture); loading copies those entries into the Triton
-cache this process will read (install), where they are hits, when the key matches: the same GPU
-class and compute capability and the same Triton version. Otherwise nothing is copied and the
-kernels compile as before. The files are listed in the manifest with their hashes like every
-other engine file, so a changed cubin is a corrupt engine, never loaded.
+A cold process on an H200 spent 4.8 s compiling Triton kernels in the memory profile's forward and
+6.2 s more warming the CUDA graphs. `kiln build` on a GPU runs the engine once against an empty
+Triton cache and keeps what it compiled under `triton_cache/` in the engine (capture); loading
+copies those entries into the Triton cache this process will read (install), where they are hits,
+when the key matches: the same GPU class and compute capability and the same Triton version.
+Otherwise nothing is copied and the kernels compile as before. The files are listed in the manifest
+with their hashes like every other engine file, so a changed cubin is a corrupt engine, never
+loaded.
 
 Triton's cache is a folder per kernel hash (its source, options, backend and Triton's own
 version), so copying entries in can only add hits, never change a kernel. Its group files

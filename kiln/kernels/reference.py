@@ -128,8 +128,7 @@ def paged_prefill_attention(
         values = _gather_context(v_cache, block_tables[i].long(), seq_len).to(query.dtype)
         # 4-D, with a batch of one: torch's CPU SDPA runs its flash kernel only on 4-D inputs
         # and falls back to the math path (the whole score matrix) on 3-D ones: 2-8x slower in
-        # fp32, 6-24x in bf16 at 121-2048 query tokens, the same error against fp64
-        # (benchmarks/results/2026-12-04-cpu-prefill-attention-4d).
+        # fp32, 6-24x in bf16 at 121-2048 query tokens, the same error against fp64.
         q = query[start:end].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
         k = keys.transpose(0, 1)[None]  # [1, num_kv_heads, seq_len, head_dim]
         v = values.transpose(0, 1)[None]
@@ -351,7 +350,7 @@ def quantize_fp8(
     x / scale is the IEEE quotient. The Triton kernels get the same quotient from the scale's
     reciprocal and two FMAs (fp8_gemm.scaled_to_e4m3), not a division per value; a bare
     x * (1 / scale) would break exact ties (frequent with bf16 activations) away from zero and
-    cost SmolLM2 ~1 point of perplexity (benchmarks/results/2026-12-02-cpu-quant-reciprocal)."""
+    cost SmolLM2 ~1 point of perplexity."""
     x32 = x.float()
     if scale is None:
         absmax = x32.abs().amax(dim=-1, keepdim=True)

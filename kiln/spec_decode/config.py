@@ -97,10 +97,10 @@ class SpeculativeConfig:
         """How many drafts a decode verifies when `batch_size` requests run. Speculation pays
         while a step is bound by reading the weights (small batches) and costs compute past it,
         so K falls with the batch: the default keeps K up to 32 running requests, half of it up to
-        64 and none beyond. Measured on an H200 at Llama-3.1-8B shapes, K = 4 (docs/performance.md,
-        the crossover): a verification step costs 1.3x a plain step at 32 requests, 2.0x at 64,
-        3.0x at 128, so at mean acceptance length 3 speculation gives 2.0x / 1.4x / 0.95x; half K
-        keeps 64 requests paying at the lower acceptance a real drafter has there."""
+        64 and none beyond. Measured on an H200 at Llama-3.1-8B shapes, K = 4: a verification step
+        costs 1.3x a plain step at 32 requests, 2.0x at 64, 3.0x at 128, so at mean acceptance
+        length 3 speculation gives 2.0x / 1.4x / 0.95x; half K keeps 64 requests paying at the lower
+        acceptance a real drafter has there."""
         k = self.num_speculative_tokens
         if self.disable_by_batch_size is not None and batch_size > self.disable_by_batch_size:
             return 0

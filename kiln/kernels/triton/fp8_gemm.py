@@ -8,7 +8,7 @@ the GEMM's epilogue) takes them as they are, but runs 0.63-0.81x bf16 at 1-32 ro
 _ROWWISE_MIN_ROWS rows the GEMM instead runs with unit per-tensor scales into fp32 and one Triton
 epilogue applies the scales and the bias: 1.02-1.55x bf16 at 1-128 rows. Rowwise wins from 512
 rows on every Llama-3.1-8B shape and about ties at 256 (H200, torch 2.11, whole calls in CUDA
-graphs: benchmarks/results/2026-12-01-h200-fp8-linear-gemm-choice/).
+graphs).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def scaled_to_e4m3(v, scale, inv_scale, DYNAMIC: tl.constexpr, FP8_MAX: tl.const
     (Markstein's final correction). The bare product would not do: bf16 activations over a
     bf16 absmax / 448 often land exactly on an e4m3 midpoint, where the quotient rounds half to
     even and the product, an ulp off, mostly away from zero; that bias cost SmolLM2 ~1 point of
-    perplexity (benchmarks/results/2026-12-02-cpu-quant-reciprocal). The signs are arranged so
+    perplexity. The signs are arranged so
     -0 stays -0 (r is +0 there, and +0 * -inv_scale + -0 is -0). With a static scale q is
     clamped first, so that an overflow cannot make inf - inf; a dynamic scale (the row's
     absmax / 448) bounds q by 448 already.
@@ -90,7 +90,7 @@ def store_remainders(v, j, n, scale, inv_scale, out_ptr, DYNAMIC: tl.constexpr,
 
 # Outlier columns make a GEMM's K odd-sized (4096 + 16); cuBLAS's float8 kernels then run 20-33%
 # slower unless both operands' rows start 128 bytes apart, at which K + 16 costs what K + 128
-# does, +0.4-4% (H200, benchmarks/results/2026-12-05-h200-decode-occupancy-outlier-cost/).
+# does, +0.4-4% (H200).
 ROW_ALIGN = 128
 
 
@@ -251,8 +251,8 @@ def _scale_epilogue(
 
 # A static input scale broadcast to the [M, 1] column that rowwise _scaled_mm takes, kept per
 # scale tensor: `expand(M, 1).contiguous()` a call was a copy kernel before every static GEMM
-# (128 a Llama-3.1-8B decode step, 0.17 ms of a 33 ms 768-row step: docs/performance.md, "The
-# H200 on 2026-12-03, fourth run"). Keyed by the tensor's id and dropped when it is freed; a
+# (128 a Llama-3.1-8B decode step, 0.17 ms of a 33 ms 768-row step on an H200). Keyed by the
+# tensor's id and dropped when it is freed; a
 # write into the scale (its version counter moves) is copied into the column in place, so CUDA
 # graphs captured with the column read the new value as they do the scale's.
 _STATIC_COLUMNS: dict[int, tuple[int, torch.Tensor]] = {}

@@ -3,20 +3,20 @@ gate_up (twins of reference.linear, reference.add_rms_norm_linear and
 reference.add_rms_norm_linear_silu_mul).
 
 At batch-1 decode a linear layer is a matrix-vector product bound by reading its weight once, and
-the small kernels between them cost more than their bytes: on an H200 (Llama-3.1-8B, 1k context,
-benchmarks/results/profile_decode_b1_h200.txt) each layer ran two RMSNorms (2.1 us each), a SiLU-mul
-(1.5 us) and two cuBLAS split-K reduces (1.7 us each) around four GEMVs, ~9 us of a 148 us layer
-plus the gaps between launches. Here each program owns BLOCK_N output columns for every row and
-streams its [BLOCK_N, K] slice of the weight once (rows padded to tl.dot's minimum of 16; a
-float8 tile of 64 rows or more is the dot's first operand, a wgmma from shared memory: _times). A
-launch may instead cut K over several programs per tile, their partial sums reduced inside the
-same kernel (split_k.py; which launches, and their tiles: small_batch_tiles.py). For one row
-(batch-1 decode) the residual add and RMSNorm before qkv_proj and gate_up_proj run inside the
-matmul's loop, on [BLOCK_K] vectors: h = x + residual (the residual stream, written out in
-slices, one per program), times the norm weight; RMSNorm's scale is one scalar per row, so the
-dot product is scaled by rsqrt(mean(h^2) + eps) at the end and the weight's stream never waits
-for it (in bf16; float8 needs the scale, and the absmax, before quantizing: a first pass over
-the row finds them). Each program reads the whole (tiny) input from L2.
+the small kernels between them cost more than their bytes: on an H200 (Llama-3.1-8B, 1k context)
+each layer ran two RMSNorms (2.1 us each), a SiLU-mul (1.5 us) and two cuBLAS split-K reduces (1.7
+us each) around four GEMVs, ~9 us of a 148 us layer plus the gaps between launches. Here each
+program owns BLOCK_N output columns for every row and streams its [BLOCK_N, K] slice of the weight
+once (rows padded to tl.dot's minimum of 16; a float8 tile of 64 rows or more is the dot's first
+operand, a wgmma from shared memory: _times). A launch may instead cut K over several programs per
+tile, their partial sums reduced inside the same kernel (split_k.py; which launches, and their
+tiles: small_batch_tiles.py). For one row (batch-1 decode) the residual add and RMSNorm before
+qkv_proj and gate_up_proj run inside the matmul's loop, on [BLOCK_K] vectors: h = x + residual (the
+residual stream, written out in slices, one per program), times the norm weight; RMSNorm's scale is
+one scalar per row, so the dot product is scaled by rsqrt(mean(h^2) + eps) at the end and the
+weight's stream never waits for it (in bf16; float8 needs the scale, and the absmax, before
+quantizing: a first pass over the row finds them). Each program reads the whole (tiny) input from
+L2.
 For gate_up a program streams the gate rows of its output columns and the matching up rows, and
 writes silu(gate) * up: the MLP's activation costs no kernel of its own.
 
@@ -65,8 +65,7 @@ def _times(a, w, acc, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr):
     a float8 wgmma reading the tile straight from shared memory (64 weight rows are its M, the
     16 padded input rows its N) instead of an HMMA fed by the tile widened to fp16 in registers
     (sm_90 SASS of the one-row loop: no F2FP, LDSM or HMMA left, 8 QGMMA a trip). Batch-1
-    decode +3.3% on an H100, +1.7% on an H200 (docs/performance.md, "Batch 1: the weight tile
-    as the float8 dot's first operand", "Batch 1 on the H200 with the swapped dot")."""
+    decode +3.3% on an H100, +1.7% on an H200."""
     if SWAP_AB:  # a constexpr branch: one result type per compiled variant
         acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
     else:
