@@ -3,7 +3,8 @@
 A field `name` is the variable `KILN_NAME`. Unset or empty means the default; a value that does not
 parse raises a ValueError naming the variable. Code reads `envs().name`, never `os.environ`: one
 place lists what the environment can change, and a typo in a value fails instead of being ignored.
-The kernels read their switches at import, so a value must be set before kiln is imported.
+No variable switches a kernel or a feature: a real user choice is an EngineConfig field. The values
+are read once, on first use.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ _SECRET = frozenset({"api_key"})
 
 def changed(env: Envs) -> dict[str, object]:
     """The variables `env` sets away from their defaults, by variable name (secrets left out):
-    what a benchmark's JSON records, so an A/B of a switch says which side it was."""
+    what a benchmark's JSON records."""
     return {
         PREFIX + f.name.upper(): getattr(env, f.name)
         for f in fields(Envs)
