@@ -40,8 +40,7 @@ class EngineConfig:
     """Tokens per KV cache block (page)."""
     kv_cache_dtype: str = _one_of("auto", "fp8", "fp8_e4m3")
     """"auto" (the model dtype) or "fp8" (float8 e4m3, unscaled: half the bytes of bf16, so twice
-    the tokens and half the reads per decode step, at a small accuracy cost; see
-    docs/performance.md)."""
+    the tokens and half the reads per decode step, at a small accuracy cost)."""
     quantization: str = _one_of("none", "fp8", "fp8-dynamic")
     """Weights and activations of the decoder's projections: "none" (the model dtype),
     "fp8-dynamic" (float8 e4m3 weights with per-output-channel scales, activations scaled per
@@ -49,10 +48,10 @@ class EngineConfig:
     calibrated by `kiln build`; load its engine directory). The LM head stays unquantized."""
     lm_head_quantization: str = _one_of("none", "fp8")
     """The LM head's weights: "none" (the model dtype) or "fp8" (float8 e4m3 per vocabulary row,
-    activations per token: half the head's bytes, at an accuracy cost measured in
-    docs/performance.md). A tied embedding keeps its own copy for the lookup. An engine built
-    with `--lm-head-quantization fp8` loads with its float8 head whatever this says. Under TP it
-    is cut by vocabulary rows, as the embedding is."""
+    activations per token: half the head's bytes, at a measured accuracy cost). A tied embedding
+    keeps its own copy for the lookup. An engine built with `--lm-head-quantization fp8` loads with
+    its float8 head whatever this says. Under TP it is cut by vocabulary rows, as the embedding
+    is."""
     kv_cache_memory_gb: float | None = None
     """KV cache budget in GiB. None: 2 GiB on the CPU; on GPU, from gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.9
@@ -80,8 +79,7 @@ class EngineConfig:
     """Python's cyclic-GC gen-0 threshold, set process-wide when the engine starts (0: leave
     Python's, 700). With 700, hundreds of running requests allocate enough per step for a full
     collection every ~30 steps, and a full collection walks every live token list: 60-120 ms
-    host stalls that the GPU waited out at 1000/1000 (docs/performance.md). TensorRT-LLM's
-    executor raises it too."""
+    host stalls that the GPU waited out at 1000/1000. TensorRT-LLM's executor raises it too."""
     num_threads: int | None = None
     """torch's intra-op CPU threads, set process-wide when the engine starts (None: torch's
     default, one per core). On a shared machine fewer can be much faster: with two busy cores,
@@ -99,6 +97,10 @@ class EngineConfig:
     distributed_timeout_s: float = 300.0
     """Under TP/PP: how long a rank waits for the others (startup, a collective) before the
     engine stops with an error naming the rank, rather than hanging."""
+    engine_kernel_cache: bool = True
+    """Load the compiled Triton kernels an engine directory built on a GPU carries, when the GPU
+    and Triton match, instead of compiling them: the first process starts seconds sooner. They
+    are native code from the directory; off, kiln compiles its own as for a checkpoint."""
     speculative_config: dict | None = None
     """Speculative decoding, vLLM's dict: {"method": "ngram" | "draft_model",
     "num_speculative_tokens": K, "model": DRAFT, "prompt_lookup_min": N, "prompt_lookup_max": N,

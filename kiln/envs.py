@@ -3,7 +3,8 @@
 A field `name` is the variable `KILN_NAME`. Unset or empty means the default; a value that does not
 parse raises a ValueError naming the variable. Code reads `envs().name`, never `os.environ`: one
 place lists what the environment can change, and a typo in a value fails instead of being ignored.
-The kernels read their switches at import, so a value must be set before kiln is imported.
+No variable switches a kernel or a feature: a real user choice is an EngineConfig field. The values
+are read once, on first use.
 """
 
 from __future__ import annotations
@@ -23,83 +24,14 @@ _FALSE = ("0", "false", "no", "off")
 
 @dataclass(frozen=True)
 class Envs:
-    prefetch_fp8_v: bool = True
-    """Decode attention over a float8 KV cache loads V a tile ahead. Off (0) is the end-to-end A/B
-    of the prefetch (benchmarks/h200_run.sh); kernels.triton.decode_attention reads it at import."""
-    decode_heads_first: bool | None = None
-    """Decode attention's grid order: 1 runs one sequence's KV heads as neighbouring programs, 0
-    one head of neighbouring sequences; unset, heads first over 16- and 32-bit caches and not
-    over float8 ones, as measured (kernels.triton.decode_attention reads it at import)."""
-    decode_packed: bool = True
-    """Decode attention over a float8 cache runs the packed kernel (kernels.triton.
-    decode_attention_packed: a program's keys in sub-partitions side by side in tl.dot's padded
-    rows) where it applies; off (0) runs the unpacked kernel, the end-to-end A/B
-    (kernels.triton.decode_attention reads it at import)."""
-    decode_num_splits: int = 0
-    """Decode attention's split-K count, forced (0: kernels.triton.decode_attention's
-    choose_num_splits rule); the end-to-end A/B of a split choice (read at import)."""
-    decode_packed_maxnreg: int = 0
-    """A register cap (Triton's maxnreg) for the packed float8 decode kernel's one-warp tile, the
-    one 1000/1000's rows run (0: the compiler's choice, 197): at 168 or fewer an SM keeps 9 of
-    its programs instead of 8; the end-to-end A/B (kernels.triton.decode_attention reads it at
-    import)."""
-    decode_stream_k: bool = False
-    """Decode attention over a float8 cache at many programs an SM runs the stream-K schedule
-    (kernels.triton.decode_attention_stream_k: one resident wave of programs with equal shares
-    of the tiles, against waves of a program per sequence and KV head whose last is partly
-    filled). Off until a GPU measures it; read at import."""
-    decode_stream_k_natural: bool = False
-    """Stream-K decode's key loop keeps two K/V tiles in flight (kernels.triton.
-    decode_attention_packed._attend_packed_natural: 3.3% faster a layer than the packed loop on a
-    per-head grid, 7 programs an SM instead of 8); off until a GPU measures it under stream-K
-    (read at import)."""
-    decode_stream_k_programs: int = 0
-    """The stream-K decode grid's size, forced (0: kernels.triton.decode_attention.
-    stream_k_programs' rule, the programs the GPU holds at once); a sweep's knob (read at
-    import)."""
-    kv_cache_layout: str = "head"
-    """The paged KV cache's blocks: "head" keeps a head's keys of a block together (the default:
-    float8 decode attention ~5% faster a layer, 1000/1000 +2.6-3.0% on an H100, the rest
-    unchanged; docs/performance.md), "token" a token's heads together (kiln.kernels.kv_layout;
-    every kernel reads and writes both). Read when the model runner allocates the cache."""
-    fused_linear_max_rows: int = 8
-    """Most rows the fused small-batch linear kernels take (above it cuBLAS's GEMM tiles win). 0
-    turns them off, the benchmarks' A/B switch; kernels.triton.small_batch_linear reads it at
-    import."""
-    fp8_small_batch_dot: bool = True
-    """The FP8 small-batch kernels multiply float8 x float8 on the tensor cores; off (0) widens
-    both operands to fp16 first (exact, more ALU work): the A/B of the two on the GPU."""
-    small_batch_swap_ab: bool = True
-    """The small-batch kernels over float8 weights multiply weight tile x input rows (the tile
-    as the dot's first operand: a float8 wgmma straight from shared memory on Hopper) instead of
-    input rows x weight tile (an HMMA on the tile widened to fp16 in registers); off (0) is the
-    A/B (kernels.triton.small_batch_linear reads it at import)."""
-    fp8_fast_accum: bool = True
-    """The FP8 GEMMs (`torch._scaled_mm`) use Hopper's fast float8 accumulation (use_fast_accum:
-    no periodic promotion of the partial sums to fp32), as vLLM's and TensorRT-LLM's FP8 GEMMs
-    do: 7-12% faster at 2048-8192 rows, relative error against the fp32 product 2.1e-3 instead
-    of 1.7e-3 (3.3e-3 at K=14336; docs/performance.md). Off (0): cuBLAS's promoted accumulation,
-    the A/B; kernels.triton.fp8_gemm reads it at import."""
     cpu_fake_graphs: bool = False
     """Capture decode "graphs" on the CPU with FakeGraph, which re-runs the captured forward at
     replay (never faster): how tests run the graph path end to end without a GPU, under tensor
     parallelism too (every rank captures the same keys in the same order, collectives inside).
     Read by the model runner; worker ranks inherit it from the driver's environment."""
-    small_batch_tiles: str | None = None
-    """A JSON file written by benchmarks/fp8_small_batch_sweep.py: its suggested launch shapes
-    (split-K factors, tiles) override the small-batch kernels' table, the end-to-end A/B of a
-    sweep's choice before it is written into kernels.triton.small_batch_tiles (read at import)."""
     grammar_fill_threads: int = 0
     """Threads that fill a step's grammar masks (structured output); 0: half the CPUs the process
     may run on, at most 8 (kiln.structured_output.matchers)."""
-    engine_kernel_cache: bool = True
-    """Loading an engine directory built on a GPU copies its compiled Triton kernels into the
-    Triton cache when the GPU and Triton match (kiln.kernel_cache); off (0): compile as without
-    them, the A/B of a first process's start (benchmarks/build_and_first_token.py)."""
-    engine_prehash: bool = True
-    """`LLM(engine dir)` hashes the weight shards in a child process while torch imports, on
-    hosts of 4 cores or more (kiln.checkpoint.prehash); off (0): the loader hashes as it reads,
-    the A/B of a cold start."""
     api_key: str | None = None
     """Default of `kiln serve --api-key`: a key kept off the command line (and so out of `ps`)."""
     git_revision: str | None = None
@@ -151,7 +83,7 @@ _SECRET = frozenset({"api_key"})
 
 def changed(env: Envs) -> dict[str, object]:
     """The variables `env` sets away from their defaults, by variable name (secrets left out):
-    what a benchmark's JSON records, so an A/B of a switch says which side it was."""
+    what a benchmark's JSON records."""
     return {
         PREFIX + f.name.upper(): getattr(env, f.name)
         for f in fields(Envs)

@@ -72,6 +72,23 @@ def test_bench_kv_cache_dtype_flag_reaches_the_engine_and_the_roofline(tiny_dir,
     assert kv_auto > 0  # the weights are the same; only the KV share shrank
 
 
+def test_bench_runs_the_oracle_at_a_set_acceptance_length(tiny_dir, tmp_path):
+    """kiln bench's instrument: speculative decoding at a set mean acceptance length on random
+    weights, named in the record; with --speculative-config too, refused."""
+    out = tmp_path / "oracle.json"
+    args = ["bench", "latency", "--model", tiny_dir, "--num-requests", "1", "--input-len", "8",
+            "--output-len", "121", "--oracle-acceptance-length", "3", "--warmup", "0",
+            "--no-progress", "--output-json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    record = json.loads(out.read_text())
+    spec = record["engine_config"]["speculative_config"]
+    assert spec["method"] == "oracle" and spec["instrument"]["accept_by_draw"]
+    assert spec["num_speculative_tokens"] == 4
+    assert abs(record["kiln"]["spec_decode"]["mean_acceptance_length"] - 3.0) < 0.2
+    ngram = '{"method": "ngram", "num_speculative_tokens": 2}'
+    assert main([*args, "--speculative-config", ngram]) == 2
+
+
 def test_revision_is_kilns_own_wherever_it_runs(tmp_path, monkeypatch):
     """Run from another git repository (or none), the record names kiln's checkout, not the
     current directory's."""
@@ -88,25 +105,6 @@ def test_revision_is_kilns_own_wherever_it_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(other)
     assert kiln_revision().removesuffix("-dirty") == here
     assert len(kiln_source_hash()) == 16
-
-
-def test_the_record_names_the_kv_cache_layout(monkeypatch):
-    import torch
-
-    from kiln.bench.report import environment
-    from kiln.envs import envs
-
-    assert environment(torch.device("cpu"))["kv_cache_layout"] == "head"  # the default
-    monkeypatch.setenv("KILN_KV_CACHE_LAYOUT", "token")
-    envs.cache_clear()
-    try:
-        record = environment(torch.device("cpu"))
-    finally:
-        monkeypatch.delenv("KILN_KV_CACHE_LAYOUT")
-        envs.cache_clear()
-    assert record["kv_cache_layout"] == "token" and record["kiln_env"] == {
-        "KILN_KV_CACHE_LAYOUT": "token"
-    }
 
 
 def test_a_host_bound_run_says_so():

@@ -15,40 +15,40 @@ KILN = Path(__file__).resolve().parent.parent / "kiln"
 def test_defaults():
     assert read_envs({}) == Envs()
     assert read_envs({}) == Envs(
-        prefetch_fp8_v=True, fused_linear_max_rows=8, api_key=None, git_revision=None
+        cpu_fake_graphs=False, grammar_fill_threads=0, api_key=None, git_revision=None
     )
 
 
 def test_set_values_are_parsed():
     env = read_envs(
         {
-            "KILN_PREFETCH_FP8_V": "0",
-            "KILN_FUSED_LINEAR_MAX_ROWS": "0",
+            "KILN_CPU_FAKE_GRAPHS": "1",
+            "KILN_GRAMMAR_FILL_THREADS": "3",
             "KILN_API_KEY": "sk-test",
             "KILN_GIT_REVISION": "abc123",
             "HOME": "/nowhere",
         }
     )
     assert env == Envs(
-        prefetch_fp8_v=False, fused_linear_max_rows=0, api_key="sk-test", git_revision="abc123"
+        cpu_fake_graphs=True, grammar_fill_threads=3, api_key="sk-test", git_revision="abc123"
     )
-    assert read_envs({"KILN_PREFETCH_FP8_V": "1"}).prefetch_fp8_v is True
-    assert read_envs({"KILN_PREFETCH_FP8_V": "off"}).prefetch_fp8_v is False
+    assert read_envs({"KILN_CPU_FAKE_GRAPHS": "yes"}).cpu_fake_graphs is True
+    assert read_envs({"KILN_CPU_FAKE_GRAPHS": "off"}).cpu_fake_graphs is False
     assert read_envs({"KILN_API_KEY": ""}).api_key is None  # empty is unset
 
 
-def test_changed_names_the_switches_set_and_never_the_api_key():
-    # What a benchmark's JSON records (kiln.bench.report.environment): the A/B side it ran.
+def test_changed_names_the_variables_set_and_never_the_api_key():
+    # What a benchmark's JSON records (kiln.bench.report.environment).
     assert changed(Envs()) == {}
     env = read_envs(
-        {"KILN_DECODE_STREAM_K": "1", "KILN_KV_CACHE_LAYOUT": "token", "KILN_API_KEY": "sk-x"}
+        {"KILN_GRAMMAR_FILL_THREADS": "2", "KILN_GIT_REVISION": "abc", "KILN_API_KEY": "sk-x"}
     )
-    assert changed(env) == {"KILN_DECODE_STREAM_K": True, "KILN_KV_CACHE_LAYOUT": "token"}
-    assert changed(read_envs({"KILN_DECODE_PACKED": "1"})) == {}  # the default, set explicitly
+    assert changed(env) == {"KILN_GRAMMAR_FILL_THREADS": 2, "KILN_GIT_REVISION": "abc"}
+    assert changed(read_envs({"KILN_CPU_FAKE_GRAPHS": "0"})) == {}  # the default, set explicitly
 
 
 @pytest.mark.parametrize(
-    ("name", "value"), [("KILN_FUSED_LINEAR_MAX_ROWS", "eight"), ("KILN_PREFETCH_FP8_V", "2")]
+    ("name", "value"), [("KILN_GRAMMAR_FILL_THREADS", "eight"), ("KILN_CPU_FAKE_GRAPHS", "2")]
 )
 def test_a_bad_value_names_the_variable(name, value):
     with pytest.raises(ValueError, match=name):

@@ -19,6 +19,7 @@ from kiln import LLM, SamplingParams
 from kiln.config import EngineConfig
 from kiln.errors import ModelLoadError
 from kiln.kernels import reference
+from kiln.kernels.kv_layout import empty_cache
 from kiln.layers.linear import Linear
 from kiln.quantization import QUANTIZATIONS, linear_method_factory
 from kiln.quantization.calibration import calibrate_input_scales
@@ -283,6 +284,17 @@ def _on(*tensors):
     return [t.to(DEVICE) if t is not None else None for t in tensors]
 
 
+def _float8_dot(monkeypatch: pytest.MonkeyPatch, swap_ab: bool) -> None:
+    """Both float8 dots: the weight tile first (swap_ab's choice on the interpreter, and on the
+    GPU for tiles of 64 weight rows or more) or, patched, the input rows first (narrower GPU
+    tiles)."""
+    from kiln.kernels.triton import qkv_rotary
+
+    if not swap_ab:
+        for module in (triton_small_batch, qkv_rotary):
+            monkeypatch.setattr(module, "swap_ab", lambda quant, dot_rows, device: False)
+
+
 @pytest.mark.parametrize(
     "dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=on_gpu)]
 )
@@ -292,7 +304,7 @@ def _on(*tensors):
 def test_small_batch_fp8_linear_is_the_reference(monkeypatch, dtype, static, rows, swap_ab) -> None:
     """Random (off-grid) activations quantized inside the kernel, K and N not multiples of the
     interpreter's tiles: the same float8 products as reference.fp8_linear."""
-    monkeypatch.setattr(triton_small_batch, "SWAP_AB", swap_ab)  # the A/B: both dots
+    _float8_dot(monkeypatch, swap_ab)
     x, _, _, w_fp8, w_scale, bias = _fp8_inputs(rows, 72, 40, dtype, seed=rows)
     input_scale = torch.tensor(x.float().abs().max().item() / 300) if static else None
     want = reference.fp8_linear(x, w_fp8, w_scale, input_scale, bias)
@@ -317,7 +329,7 @@ def test_small_batch_fp8_matmul_takes_float8_input_and_padded_rows(
     small-batch kernel: the reference's products, with the weight's and the input's rows further
     apart than K (outlier columns lay both out 128 bytes apart); more rows than the kernel takes
     go to the GEMM path."""
-    monkeypatch.setattr(triton_small_batch, "SWAP_AB", swap_ab)  # the A/B: both dots
+    _float8_dot(monkeypatch, swap_ab)
     x, _, _, w_fp8, w_scale, bias = _fp8_inputs(rows, 72, 40, dtype, seed=rows)
     input_scale = torch.tensor(x.float().abs().max().item() / 300) if static else None
     x_fp8, x_scale = reference.quantize_fp8(x, input_scale)
@@ -353,7 +365,7 @@ def test_small_batch_fp8_matmul_takes_float8_input_and_padded_rows(
 def test_fp8_add_rms_norm_linear_and_silu_mul(
     monkeypatch, dtype, static, with_residual, rows, swap_ab
 ) -> None:
-    monkeypatch.setattr(triton_small_batch, "SWAP_AB", swap_ab)  # the A/B: both dots
+    _float8_dot(monkeypatch, swap_ab)
     x, residual, norm_weight, w_fp8, w_scale, bias = _fp8_inputs(rows, 72, 80, dtype, seed=9)
     residual = residual if with_residual else None
     input_scale = torch.tensor(0.02) if static else None  # some normed values saturate
@@ -384,7 +396,7 @@ def test_fp8_add_rms_norm_linear_and_silu_mul(
 def test_fp8_qkv_rotary_write_kv_one_row(monkeypatch, static, swap_ab) -> None:
     """The attention block's fused kernel on float8 weights: query, cache writes and the
     residual stream as reference.add_rms_norm_qkv_rotary_write_kv with the same scales."""
-    monkeypatch.setattr(triton_small_batch, "SWAP_AB", swap_ab)  # the A/B: both dots
+    _float8_dot(monkeypatch, swap_ab)
     num_heads, num_kv_heads, head_dim, k = 4, 2, 8, 40
     n = (num_heads + 2 * num_kv_heads) * head_dim
     x, residual, norm_weight, w_fp8, w_scale, bias = _fp8_inputs(1, k, n, torch.float32, 11)
@@ -393,7 +405,9 @@ def test_fp8_qkv_rotary_write_kv_one_row(monkeypatch, static, swap_ab) -> None:
     freqs = torch.arange(64, dtype=torch.float32)[:, None] / (10000 ** (2 * half / head_dim))
     cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
     positions, slots = torch.tensor([21]), torch.tensor([5])
-    caches = [torch.zeros(3, 4, num_kv_heads, head_dim) for _ in range(2)]
+    caches = [
+        empty_cache(3, 4, num_kv_heads, head_dim, torch.float32, torch.device("cpu")) for _ in "kv"
+    ]
     want_q, want_sum = reference.add_rms_norm_qkv_rotary_write_kv(
         x, residual, norm_weight, 1e-5, w_fp8, bias, positions, cos_sin, *caches, slots,
         w_scale, input_scale,
@@ -411,12 +425,10 @@ def test_fp8_qkv_rotary_write_kv_one_row(monkeypatch, static, swap_ab) -> None:
 
 @on_gpu
 @pytest.mark.parametrize("rows", [1, 8])
-@pytest.mark.parametrize("swap_ab", [True, False])
-def test_fp8_small_batch_llama8b_shapes(monkeypatch, rows, swap_ab) -> None:
+def test_fp8_small_batch_llama8b_shapes(rows) -> None:
     """Llama-3.1-8B's projections in bf16 through the float8 small-batch kernels (one row: the
     norm fused; 8 rows: the plain kernel after the norm kernel) against the fp32 reference on
     the same float8 weights."""
-    monkeypatch.setattr(triton_small_batch, "SWAP_AB", swap_ab)  # the A/B: both dots
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(rows, 4096, generator=gen).bfloat16()
     residual = torch.randn(rows, 4096, generator=gen).bfloat16()

@@ -282,8 +282,6 @@ def test_speculative_decoding_is_exact_on_gpu(tiny_gpu_path, alone_gpu, method, 
     greedy tokens as without drafts; the pool back to empty."""
     refs = [p + o for p, o in zip(INVARIANCE_PROMPTS, alone_gpu)]
     spec = {"method": method, "num_speculative_tokens": 3}
-    if method == "oracle":
-        spec |= {"acceptance_rate": 0.6, "oracle_token_ids": refs[::2]}  # half without drafts
     if method == "draft_model":
         spec |= {"model": tiny_gpu_path, "draft_num_hidden_layers": 1}
     if method == "eagle3":  # the target's states written inside the decode graphs' replays
@@ -291,6 +289,10 @@ def test_speculative_decoding_is_exact_on_gpu(tiny_gpu_path, alone_gpu, method, 
 
         write_eagle3_head(str(tmp_path), TINY_BASE, 64, aux_layer_ids=[0, 1, 1])
         spec |= {"model": str(tmp_path)}
+    if method == "oracle":  # kiln bench's instrument, made in Python; half without drafts
+        from kiln.bench.oracle import Oracle, oracle_config
+
+        spec = oracle_config(3, Oracle(0.6, refs[::2]))  # type: ignore[assignment]
     llm = LLM(tiny_gpu_path, device="cuda", dtype="float32", max_num_seqs=128,
               speculative_config=spec)  # fmt: skip
     runner = llm.engine.executor.runner

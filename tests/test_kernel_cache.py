@@ -11,15 +11,16 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from kiln.builder.build import BuildOptions, build_engine
 from kiln.checkpoint.engine_dir import MANIFEST_FILE
 from kiln.checkpoint.file_hash import hash_files
-from kiln.envs import envs
+from kiln.config import EngineConfig
 from kiln.errors import ModelLoadError
 from kiln.kernel_cache import triton_cache
 from kiln.kernel_cache.triton_cache import CACHE_SUBDIR, capture, install
-from kiln.runtime.model_loader import find_model_source
+from kiln.runtime.model_loader import find_model_source, load_model
 from tests.conftest import build_tiny_hf_model
 
 FileCacheManager = pytest.importorskip("triton.runtime.cache").FileCacheManager
@@ -81,20 +82,6 @@ def test_another_gpu_or_triton_is_ignored(carried, tmp_path, monkeypatch, field)
     assert _lookup(dest, monkeypatch) is None
 
 
-def test_switched_off_by_the_environment(carried, tmp_path, monkeypatch):
-    engine, _ = carried
-    dest = str(tmp_path / "cache")
-    monkeypatch.setenv("TRITON_CACHE_DIR", dest)
-    monkeypatch.setenv("KILN_ENGINE_KERNEL_CACHE", "0")
-    envs.cache_clear()
-    try:
-        assert install(engine, KEY) == 0
-    finally:
-        monkeypatch.delenv("KILN_ENGINE_KERNEL_CACHE")
-        envs.cache_clear()
-    assert _lookup(dest, monkeypatch) is None
-
-
 @pytest.fixture(scope="module")
 def tiny_engine(tmp_path_factory) -> str:
     src = str(tmp_path_factory.mktemp("src") / "llama")
@@ -129,14 +116,28 @@ def test_loading_an_engine_installs_its_kernels_before_any_compile(
     dest = str(tmp_path / "cache")
     monkeypatch.setattr(triton_cache, "kernel_cache_key", lambda: KEY)  # "this GPU"
     monkeypatch.setenv("TRITON_CACHE_DIR", dest)
-    source = find_model_source(engine, "auto")
+    source = find_model_source(engine, "auto", engine_kernels=True)
     assert _lookup(dest, monkeypatch) is not None  # before the weights are even read
     assert sum(1 for _ in source.weights) > 0
     monkeypatch.setattr(triton_cache, "kernel_cache_key", lambda: {**KEY, "gpu_class": "other"})
     other = str(tmp_path / "other")
     monkeypatch.setenv("TRITON_CACHE_DIR", other)
-    find_model_source(engine, "auto")
+    find_model_source(engine, "auto", engine_kernels=True)
     assert _lookup(other, monkeypatch) is None
+
+
+def test_the_engine_config_may_refuse_the_carried_kernels(tiny_engine, tmp_path, monkeypatch):
+    # They are native code from the engine directory: EngineConfig.engine_kernel_cache=False
+    # loads the engine without installing them; the default installs them.
+    engine = _with_kernels(tiny_engine, tmp_path, monkeypatch)
+    monkeypatch.setattr(triton_cache, "kernel_cache_key", lambda: KEY)
+    for enabled in (False, True):
+        config = EngineConfig(model=engine, engine_kernel_cache=enabled)
+        dest = str(tmp_path / f"cache-{enabled}")
+        monkeypatch.setenv("TRITON_CACHE_DIR", dest)
+        load_model(config, torch.device("cpu"), torch.float32)
+        assert (_lookup(dest, monkeypatch) is not None) is enabled
+    assert EngineConfig().engine_kernel_cache  # the default
 
 
 def test_a_changed_carried_kernel_is_a_corrupt_engine(tiny_engine, tmp_path, monkeypatch):
@@ -148,7 +149,7 @@ def test_a_changed_carried_kernel_is_a_corrupt_engine(tiny_engine, tmp_path, mon
     dest = str(tmp_path / "cache")
     monkeypatch.setenv("TRITON_CACHE_DIR", dest)
     with pytest.raises(ModelLoadError, match="does not match its hash"):
-        find_model_source(engine, "auto")
+        find_model_source(engine, "auto", engine_kernels=True)
     assert _lookup(dest, monkeypatch) is None  # nothing of it was installed
 
 

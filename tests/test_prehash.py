@@ -180,17 +180,8 @@ def test_llm_on_an_engine_directory_hashes_in_the_background(tmp_path, monkeypat
     assert llm.generate(prompts, params)[0].outputs[0].token_ids == want
 
 
-def test_only_with_cores_to_spare_and_not_switched_off(monkeypatch):
-    from kiln.envs import envs
-
+def test_only_with_cores_to_spare(monkeypatch):
     monkeypatch.setattr(prehash, "usable_cores", lambda: 16)
     assert prehash.worth_it()
-    monkeypatch.setenv("KILN_ENGINE_PREHASH", "0")
-    envs.cache_clear()
-    try:
-        assert not prehash.worth_it()
-    finally:
-        monkeypatch.delenv("KILN_ENGINE_PREHASH")
-        envs.cache_clear()
     monkeypatch.setattr(prehash, "usable_cores", lambda: 2)  # the importer's core and one more
     assert not prehash.worth_it()

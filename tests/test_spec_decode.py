@@ -1,7 +1,7 @@
 """Speculative decoding: scheduling K+1 tokens of a decode, verification, proposers, policy.
 
 Exactness: greedy tokens with drafts equal plain decoding (fp32 CPU) on a tiny random model and
-the real SmolLM2, with the n-gram, draft-model and oracle proposers (the oracle gets a known mix
+the real SmolLM2, with the n-gram and draft-model proposers and kiln bench's oracle (a known mix
 of right and wrong drafts, so both acceptance and rejection are exercised in every case), alone
 and batched with requests that get no drafts, under chunked prefill, preemption and prefix
 caching, with and without async scheduling (with it, a step's outputs are made while the next
@@ -19,6 +19,13 @@ import torch
 from conftest import build_tiny_hf_model
 
 from kiln import LLM
+from kiln.bench.oracle import (
+    Oracle,
+    acceptance_rate_for_length,
+    num_accepted_for_draw,
+    oracle_at_length,
+    oracle_config,
+)
 from kiln.engine.request import Request
 from kiln.engine.scheduler import Scheduler
 from kiln.errors import ModelLoadError
@@ -28,7 +35,6 @@ from kiln.sampling.rejection_sampler import emitted_tokens, rejection_sample
 from kiln.sampling_params import SamplingParams
 from kiln.spec_decode.config import SpeculativeConfig
 from kiln.spec_decode.ngram import ngram_lookup
-from kiln.spec_decode.oracle import acceptance_rate_for_length, num_accepted_for_draw
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory_gb=0.05, num_threads=1)
@@ -112,6 +118,22 @@ def test_bad_config_names_the_key(bad, key):
         LLM(None, speculative_config=bad)
 
 
+def test_the_oracle_is_no_method_and_no_key():
+    # A measuring instrument whose output need not be the model's text: no dict or command line
+    # reaches it, and no message offers it; kiln bench and the tests build it in Python.
+    with pytest.raises(ValueError, match="method") as err:
+        SpeculativeConfig.from_dict({"method": "oracle", "num_speculative_tokens": 2})
+    offered = str(err.value).split(", got")[0]
+    assert offered.endswith('"ngram", "draft_model", "eagle3"') and "oracle" not in offered
+    with pytest.raises(ValueError, match="unknown keys") as err:
+        SpeculativeConfig.from_dict(
+            {"method": "ngram", "num_speculative_tokens": 2, "instrument": 1}
+        )
+    assert "instrument" not in str(err.value).split("known:")[1]
+    spec = oracle_config(2, Oracle(0.5))
+    assert SpeculativeConfig.from_dict(spec) is spec and spec.method == "oracle"
+
+
 def test_cli_takes_speculative_config_as_json():
     import argparse
 
@@ -146,9 +168,7 @@ def test_oracle_accepting_by_its_draw_measures_the_set_length(tiny_paths):
     """The speed benchmark's oracle: the acceptance length measured is the one set, whatever the
     target's tokens are (here a random model's), and the pool is empty after."""
     k, length = 4, 3.0
-    spec = {"method": "oracle", "num_speculative_tokens": k, "oracle_accept_by_draw": True,
-            "acceptance_rate": acceptance_rate_for_length(length, k)}  # fmt: skip
-    llm = LLM(tiny_paths[0], speculative_config=spec, **ENGINE)
+    llm = LLM(tiny_paths[0], speculative_config=oracle_at_length(k, length), **ENGINE)
     params = SamplingParams(max_tokens=241, temperature=0, ignore_eos=True)
     outs = llm.generate([[5, 6, 7], [8, 9, 10, 11]], params)
     steps = sum(o.outputs[0].num_spec_steps for o in outs)
@@ -251,8 +271,7 @@ def tiny_reference(tiny_paths):
 
 def _oracle(prompts, outputs, rate=0.6):
     refs = [p + o for p, o in zip(prompts, outputs)]
-    return {"method": "oracle", "num_speculative_tokens": 3, "acceptance_rate": rate,
-            "oracle_token_ids": refs}  # fmt: skip
+    return oracle_config(3, Oracle(rate, refs))
 
 
 def _check_overlap(llm, overlapped: bool) -> None:

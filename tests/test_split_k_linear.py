@@ -7,7 +7,6 @@ test_fp8_linear's and test_triton_kernels', with every launch cut over K."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -20,6 +19,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install kiln[
 
 from kiln.kernels import reference
 from kiln.kernels import triton as triton_ops
+from kiln.kernels.kv_layout import empty_cache
 from kiln.kernels.triton import small_batch_tiles, split_k
 from kiln.kernels.triton.small_batch_tiles import Tiles
 from tests.test_fp8_linear import _fp8_inputs as inputs
@@ -146,7 +146,9 @@ def test_split_k_fp8_qkv_rotary_write_kv(monkeypatch, split, static) -> None:
     freqs = torch.arange(64, dtype=torch.float32)[:, None] / (10000 ** (2 * half / head_dim))
     cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
     positions, slots = torch.tensor([21]), torch.tensor([5])
-    caches = [torch.zeros(3, 4, num_kv_heads, head_dim) for _ in range(2)]
+    caches = [
+        empty_cache(3, 4, num_kv_heads, head_dim, torch.float32, torch.device("cpu")) for _ in "kv"
+    ]
     want_q, want_sum = reference.add_rms_norm_qkv_rotary_write_kv(
         x, residual, norm_weight, 1e-5, w_fp8, bias, positions, cos_sin, *caches, slots,
         w_scale, input_scale,
@@ -225,27 +227,6 @@ def test_outlier_columns_take_the_tiles_measured_for_k_without_them(monkeypatch)
         assert small_batch_tiles.tile_config("linear", n, k + 16, cuda, 2, 1).split_k == 1
 
 
-def test_a_sweeps_suggestions_override_the_table(monkeypatch, tmp_path) -> None:
-    """KILN_SMALL_BATCH_TILES' file: the entries fp8_small_batch_sweep.py writes, read back as
-    the table's keys and Tiles; anything else is refused naming the variable."""
-    path = tmp_path / "sweep.json"
-    entry = ["linear", 4096, 4096, 1, True, [32, 256, 4, 4, 4, 2048], 6.1, 12.3]
-    path.write_text(json.dumps({"results": [], "suggested": [entry]}))
-    table = small_batch_tiles.load_tiles(str(path))
-    assert table == {("linear", 4096, 4096, 1, True): Tiles(32, 256, 4, 4, 4, 2048)}
-    monkeypatch.setattr(small_batch_tiles, "_FROM_ENV", table)
-    monkeypatch.setattr(small_batch_tiles, "MEASURED_TILES", {})
-    monkeypatch.setattr(small_batch_tiles, "num_sms", lambda device: 132)
-    cuda = torch.device("cuda")
-    assert small_batch_tiles.tile_config("linear", 4096, 4096, cuda, 1, 1).split_k == 4
-    assert small_batch_tiles.tile_config("linear", 4096, 4096, cuda, 1, 8).split_k == 1
-    assert small_batch_tiles.tile_config("linear", 4096, 4096, cuda, 2, 1).split_k == 1
-    for bad in ("{}", json.dumps({"suggested": [["gemv", *entry[1:]]]}), "not json"):
-        path.write_text(bad)
-        with pytest.raises(ValueError, match="KILN_SMALL_BATCH_TILES"):
-            small_batch_tiles.load_tiles(str(path))
-
-
 # ---- on the GPU: Llama-3.1-8B's projections, eager and in CUDA graphs -----------------------
 
 HIDDEN, INTERMEDIATE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS = 4096, 14336, 128, 32, 8
@@ -285,7 +266,10 @@ def llama_fp8() -> dict:
         "positions": torch.tensor([1000]),
         "slots": torch.tensor([77]),
     }
-    caches = [torch.zeros(8, 16, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2)]
+    caches = [
+        empty_cache(8, 16, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cpu"))
+        for _ in "kv"
+    ]
     want = _decode_layer(reference, weights, layer, caches)
     return {
         "weights": {name: on(*w) for name, w in weights.items()},

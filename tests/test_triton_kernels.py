@@ -46,6 +46,12 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def _head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same values at the same [block, slot, head, dim] indices, laid out head-major in
+    memory as the kernels require (kiln.kernels.kv_layout)."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _paged_cache(
     seq_lens: list[int],
     block_size: int,
@@ -55,19 +61,14 @@ def _paged_cache(
     gen: torch.Generator,
     extra_blocks: int = 3,
     cache_dtype: torch.dtype | None = None,
-    head_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random caches (unused slots hold random values too) and shuffled block tables; the caches
-    are `cache_dtype` (e.g. float8) when given, else `dtype`; `head_major`: views of blocks laid
-    out [KV heads, block_size, head_dim] in memory (the same values at the same indices)."""
+    """Random head-major caches (unused slots hold random values too) and shuffled block tables;
+    the caches are `cache_dtype` (e.g. float8) when given, else `dtype`."""
     blocks_per_seq = [_cdiv(n, block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + extra_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(cache_dtype or dtype)
-    v_cache = torch.randn(shape, generator=gen).to(cache_dtype or dtype)
-    if head_major:
-        k_cache = k_cache.transpose(1, 2).contiguous().transpose(1, 2)
-        v_cache = v_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    k_cache = _head_major(torch.randn(shape, generator=gen).to(cache_dtype or dtype))
+    v_cache = _head_major(torch.randn(shape, generator=gen).to(cache_dtype or dtype))
     order = torch.randperm(num_blocks, generator=gen)
     block_tables = torch.zeros((len(seq_lens), max(blocks_per_seq) + 1), dtype=torch.int32)
     used = 0
@@ -133,13 +134,11 @@ def _check_decode(
     num_splits: int | None,
     seed: int = 0,
     cache_dtype: torch.dtype | None = None,
-    head_major: bool = False,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_tables = _paged_cache(
-        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype,
-        head_major=head_major,
-    )  # fmt: skip
+        seq_lens, block_size, num_kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype
+    )
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim**-0.5
@@ -178,6 +177,13 @@ def test_decode_attention(
     _check_decode([1, 13, 137], num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits)
 
 
+def _packs(monkeypatch, packed: bool) -> None:
+    """Decode over a float8 cache runs the packed kernel where the group packs (every group
+    here does); not `packed`, the unpacked kernel, which runs the groups it cannot pack."""
+    if not packed:
+        monkeypatch.setattr(decode_attention, "packing", lambda group, head_dim: 0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["nosplit", "split3"])
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
@@ -185,38 +191,10 @@ def test_decode_attention_fp8_cache(
     monkeypatch, dtype: torch.dtype, num_splits: int, packed: bool
 ) -> None:
     # Keys/values stored as float8 e4m3, read and widened to the query's dtype in the kernel; the
-    # reference attends in fp32 over the same float8 values. Both kernels: the packed one (the
-    # default over float8) and the unpacked one (KILN_DECODE_PACKED=0, and groups it cannot pack).
-    monkeypatch.setattr(decode_attention, "PACKED", packed)
+    # reference attends in fp32 over the same float8 values. Both kernels: the packed one (where
+    # the group packs) and the unpacked one (groups it cannot pack).
+    _packs(monkeypatch, packed)
     _check_decode([1, 13, 137], 4, 2, 16, 4, dtype, num_splits, cache_dtype=FP8)
-
-
-@pytest.mark.parametrize("heads_first", [True, False], ids=["heads-first", "seqs-first"])
-@pytest.mark.parametrize("cache_dtype", [None, FP8], ids=["cache-dtype", "fp8-cache"])
-@pytest.mark.parametrize("num_splits", [1, 3], ids=["nosplit", "split3"])
-def test_decode_attention_grid_orders(monkeypatch, heads_first, cache_dtype, num_splits) -> None:
-    # Both grid orders (a sequence's KV heads as neighbouring programs, or one head of
-    # neighbouring sequences; the default picks by cache dtype) compute the same attention.
-    from kiln.kernels.triton import decode_attention
-
-    monkeypatch.setattr(decode_attention, "HEADS_FIRST_GRID", heads_first)
-    _check_decode([1, 13, 137], 4, 2, 16, 4, torch.float32, num_splits, cache_dtype=cache_dtype)
-
-
-def test_decode_attention_packed_register_cap(monkeypatch) -> None:
-    # A tile's fourth element (KILN_DECODE_PACKED_MAXNREG, or a sweep's forced tile) reaches the
-    # packed kernel's launch as Triton's maxnreg; the arithmetic, and so the output, is the same.
-    monkeypatch.setattr(decode_attention, "PACKED", True)
-    chosen = decode_attention._packed_tile_config
-    monkeypatch.setattr(
-        decode_attention, "_packed_tile_config", lambda *a, **k: (*chosen(*a, **k)[:3], 168)
-    )
-    _check_decode([1, 13, 137], 8, 2, 16, 4, torch.float32, 1, cache_dtype=FP8)
-
-
-def test_decode_attention_many_splits() -> None:
-    # More splits than tiles for the short sequence; partitions of exactly one tile.
-    _check_decode([5, 70], 4, 1, 16, 4, torch.float32, num_splits=5, seed=3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -226,21 +204,18 @@ def test_decode_attention_many_splits() -> None:
     ids=["group4-block4", "group4-block16", "group2", "group8"],
 )
 @pytest.mark.parametrize("num_splits", [1, 3, None], ids=["nosplit", "split3", "auto"])
-@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
 def test_decode_attention_packed(
     monkeypatch, dtype: torch.dtype, num_heads: int, num_kv_heads: int, block_size: int,
-    num_splits, head_major: bool,
+    num_splits,
 ) -> None:  # fmt: skip
     # decode_attention_packed's kernel (a program's keys in 16 / group sub-partitions side by side
     # in tl.dot's rows) over a float8 cache: sub-tiles inside one block (a scalar block id) and
-    # across blocks (a gather), sub-partitions that end early or hold no key, merged per head;
-    # blocks token-major (the engine's) or head-major (a head's keys of a block together).
+    # across blocks (a gather), sub-partitions that end early or hold no key, merged per head.
     from kiln.kernels.triton import decode_attention_packed
 
     assert decode_attention_packed.packing(num_heads // num_kv_heads, 16) == 16 // (
         num_heads // num_kv_heads
     )
-    monkeypatch.setattr(decode_attention, "PACKED", True)
     calls = []
     kernel = decode_attention._decode_packed_kernel
     monkeypatch.setattr(
@@ -249,7 +224,7 @@ def test_decode_attention_packed(
     for seq_lens in ([1, 13, 137], [5, 70, 64]):
         _check_decode(
             seq_lens, num_heads, num_kv_heads, 16, block_size, dtype, num_splits,
-            cache_dtype=FP8, head_major=head_major,
+            cache_dtype=FP8,
         )  # fmt: skip
     assert calls, "the packed kernel did not run"
 
@@ -285,7 +260,7 @@ def _reference_decode(query, k_cache, v_cache, block_tables, lens, scale) -> tor
     )  # fmt: skip
 
 
-# fp32 and fp16, and a float8 cache through the V-prefetch loop (its default).
+# fp32 and fp16, and a float8 cache through the unpacked kernel's V-prefetch loop.
 GRID_CASES = [
     pytest.param(torch.float32, None, id="fp32"),
     pytest.param(torch.float16, None, id="fp16"),
@@ -304,8 +279,7 @@ def test_decode_attention_graph_grid_mixed_lengths(
     # its own context into partitions of that count (a 1-token, a 3-tile and an 8-tile context
     # in one batch), so the replay computes bit for bit what an eager step with the same count
     # computes, batched or alone, and matches the reference.
-    monkeypatch.setattr(decode_attention, "PREFETCH_FP8_V", True)
-    monkeypatch.setattr(decode_attention, "PACKED", cache_dtype == PACKED_FP8)
+    _packs(monkeypatch, cache_dtype == PACKED_FP8)
     cache_dtype = FP8 if cache_dtype == PACKED_FP8 else cache_dtype
     seq_lens, bucket, num_splits = [1, 45, 120], 131072, 5
     query, k_cache, v_cache, tables, lens, scale = _decode_inputs(seq_lens, dtype, cache_dtype, 5)
@@ -326,7 +300,7 @@ def test_decode_attention_idle_splits_hold_stale_values(
     # A graph's split buffers keep what earlier steps wrote (here: a log-sum-exp above any real
     # one and NaN outputs). A split past a short sequence's last partition must overwrite its
     # log-sum-exp with -inf, so the reduce (which reads no seq_lens) gives it weight 0.
-    monkeypatch.setattr(decode_attention, "PACKED", cache_dtype == PACKED_FP8)
+    _packs(monkeypatch, cache_dtype == PACKED_FP8)
     cache_dtype = FP8 if cache_dtype == PACKED_FP8 else cache_dtype
     split_buffers = decode_attention._split_buffers
 
@@ -360,168 +334,28 @@ def test_decode_attention_more_splits_than_tiles(dtype: torch.dtype, cache_dtype
     )
 
 
-def _stream_k(monkeypatch, programs: int) -> list:
-    """Stream-K decode on for every unsplit packed launch, on a grid of `programs`; returns the
-    list its kernel's launches are recorded in."""
-    monkeypatch.setattr(decode_attention, "STREAM_K", True)
-    monkeypatch.setattr(decode_attention, "STREAM_K_PROGRAMS", programs)
-    monkeypatch.setattr(decode_attention, "_many_programs", lambda query, kv_heads: True)
-    calls: list = []
-    kernel = decode_attention._decode_stream_k_kernel
-    monkeypatch.setattr(decode_attention, "_decode_stream_k_kernel", _Recording(kernel, calls))
-    return calls
-
-
-@pytest.mark.parametrize("programs", [1, 3, 7, 13, 64])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 2)], ids=["group4", "group2"])
-def test_decode_attention_stream_k(monkeypatch, programs: int, num_heads, num_kv_heads) -> None:
-    # decode_attention_stream_k's kernel: the rows' tiles (64 keys for a group of 4, 128 for 2)
-    # cut into equal shares, a share starting and ending inside rows, rows spanning several
-    # programs (1000 keys over 13), programs holding several rows, more programs than tiles
-    # (64: the extra ones exit), contexts of one key; the pieces merged by their last program,
-    # which leaves the counters at zero.
-    calls = _stream_k(monkeypatch, programs)
-    for seq_lens in ([1, 13, 137, 300, 700], [1000], [5, 70, 64]):
-        _check_decode(seq_lens, num_heads, num_kv_heads, 16, 4, torch.float32, 1, cache_dtype=FP8)
-    # Head-major blocks (16 keys: a sub-tile is one block's contiguous rows of a head).
-    _check_decode(
-        [1, 13, 137, 300], num_heads, num_kv_heads, 16, 16, torch.float32, 1, cache_dtype=FP8,
-        head_major=True,
-    )  # fmt: skip
-    assert calls == [(programs,)] * 4
-    from kiln.kernels.triton.split_k import counters
-
-    assert not counters(DEVICE)[:programs].any()
-
-
-@pytest.mark.parametrize("programs", [1, 7, 64])
-def test_decode_attention_stream_k_natural_loop(monkeypatch, programs: int) -> None:
-    # KILN_DECODE_STREAM_K_NATURAL: the key loop with two tiles in flight (8-key sub-tiles, a
-    # trip's keys one tile, the block ids a trip ahead) over the same shares: against the
-    # reference, both layouts, rows over several programs and programs over several rows.
-    calls = _stream_k(monkeypatch, programs)
-    monkeypatch.setattr(decode_attention, "STREAM_K_NATURAL", True)
-    for seq_lens in ([1, 13, 137, 300, 700], [5, 70, 64]):
-        _check_decode(seq_lens, 8, 2, 16, 4, torch.float32, 1, cache_dtype=FP8)
-    _check_decode(
-        [1, 13, 137, 300], 4, 2, 16, 16, torch.float16, 1, cache_dtype=FP8, head_major=True
-    )
-    assert calls == [(programs,)] * 3
-
-
-def test_decode_attention_stream_k_is_deterministic_and_graph_safe(monkeypatch) -> None:
-    # The pieces are merged in program order, so two launches give the same bits; and the
-    # partition depends on seq_lens alone, so a graph replay (its bucket's max_seq_len) computes
-    # what an eager step does. fp16 queries as on the GPU (fp16 dots over the float8 cache).
-    _stream_k(monkeypatch, 5)
-    seq_lens = [1, 45, 120, 300]
-    query, k_cache, v_cache, tables, lens, scale = _decode_inputs(seq_lens, torch.float16, FP8, 7)
-    args = (query, k_cache, v_cache, tables, lens, scale)
-    eager = paged_decode_attention_splits(*args, max(seq_lens), 1)
-    assert torch.equal(eager, paged_decode_attention_splits(*args, max(seq_lens), 1))
-    assert torch.equal(eager, paged_decode_attention_splits(*args, 131072, 1))
-    _assert_close(eager, _reference_decode(*args), ATTN_ATOL[torch.float16])
-    # As a mixed step calls it: the decodes' rows of a larger query and output.
-    wider = torch.cat([query, query[:2]])
-    out = torch.zeros_like(wider)
-    paged_decode_attention_splits(
-        wider[: len(seq_lens)], k_cache, v_cache, tables, lens, scale, 300, 1,
-        out=out[: len(seq_lens)],
-    )  # fmt: skip
-    assert torch.equal(out[: len(seq_lens)], eager) and not out[len(seq_lens) :].any()
-
-
-def test_decode_attention_stream_k_only_where_chosen(monkeypatch) -> None:
-    # Stream-K takes only an unsplit launch over a float8 cache at many programs an SM: a split
-    # launch, a 16-bit cache, or its switch off run the packed / unpacked kernels as before.
-    calls = _stream_k(monkeypatch, 4)
-    seq_lens = [13, 137]
-    for cache_dtype, splits in ((FP8, 3), (None, 1)):
-        query, k_cache, v_cache, tables, lens, scale = _decode_inputs(
-            seq_lens, torch.float32, cache_dtype, 8
+def test_kernels_refuse_a_cache_that_is_not_head_major() -> None:
+    # A token's heads together (a plain contiguous tensor), or a slice of the heads, would be
+    # read and written at the wrong offsets: every kernel that takes a cache refuses it.
+    query, k_cache, v_cache, tables, lens, scale = _decode_inputs([13, 40], torch.float32, None, 3)
+    token_major = k_cache.contiguous()
+    for k, v in ((token_major, v_cache), (k_cache, token_major), (k_cache[:, :, :1], v_cache)):
+        with pytest.raises(ValueError, match="head-major"):
+            paged_decode_attention_splits(query, k, v, tables, lens, scale, 40, 1)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="head-major"):
+        triton_ops.paged_prefill_attention(
+            query, token_major, v_cache, tables, starts, lens, scale, 1, 40
         )
-        paged_decode_attention_splits(query, k_cache, v_cache, tables, lens, scale, 137, splits)
-    assert calls == []
-    monkeypatch.setattr(decode_attention, "STREAM_K", False)
-    _check_decode(seq_lens, 4, 2, 16, 4, torch.float32, 1, cache_dtype=FP8)
-    assert calls == []
-    # The rule: a program per (sequence, KV head) at 12 an SM or more (132 SMs here).
-    monkeypatch.undo()
-    query = torch.empty(198, 32, 128)
-    assert decode_attention._many_programs(query, 8)
-    assert not decode_attention._many_programs(query[:197], 8)
-
-
-@pytest.mark.parametrize(("dtype", "cache_dtype", "packed"), [
-    pytest.param(torch.float32, None, False, id="fp32"),
-    pytest.param(torch.float16, FP8, False, id="fp8-unpacked"),
-    pytest.param(torch.float16, FP8, True, id="fp8-packed"),
-])  # fmt: skip
-@pytest.mark.parametrize("num_splits", [1, 3], ids=["nosplit", "split3"])
-def test_decode_attention_head_major_blocks(monkeypatch, dtype, cache_dtype, packed, num_splits):
-    # Every decode kernel reads head-major blocks (a head's keys of a block contiguous; the
-    # engine's KILN_KV_CACHE_LAYOUT=head) as the same values: the same bits as token-major.
-    monkeypatch.setattr(decode_attention, "PACKED", packed)
-    seq_lens = [1, 13, 40]
-    query, k_cache, v_cache, tables, lens, scale = _decode_inputs(seq_lens, dtype, cache_dtype, 3)
-    k_head, v_head = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache))
-    args = (query, k_cache, v_cache, tables, lens, scale, 40, num_splits)
-    token_major = paged_decode_attention_splits(*args)
-    head_major = paged_decode_attention_splits(query, k_head, v_head, *args[3:])
-    assert torch.equal(token_major, head_major)
-    _assert_close(head_major, _reference_decode(*args[:6]), ATTN_ATOL[dtype])
-
-
-def test_kv_cache_layouts_are_checked() -> None:
-    # A cache of neither layout, or K and V in different ones, is refused with a clear error.
-    seq_lens = [13, 40]
-    query, k_cache, v_cache, tables, lens, scale = _decode_inputs(seq_lens, torch.float32, None, 3)
-    k_head = k_cache.transpose(1, 2).contiguous().transpose(1, 2)
-    with pytest.raises(ValueError, match="share one layout"):
-        paged_decode_attention_splits(query, k_head, v_cache, tables, lens, scale, 40, 1)
-    with pytest.raises(ValueError, match="token- or head-major"):
-        paged_decode_attention_splits(
-            query, k_cache[:, :, :1], v_cache[:, :, :1], tables, lens, scale, 40, 1
+    key = torch.zeros(2, 2, 16, device=DEVICE)
+    cos_sin = _cos_sin_cache(64, 16).to(DEVICE)
+    positions = slots = torch.tensor([0, 1], device=DEVICE)
+    with pytest.raises(ValueError, match="head-major"):
+        triton_ops.rotary_embedding_write_kv(
+            positions, query[:2], key, key, cos_sin, k_cache, token_major, slots
         )
-
-
-def _sms() -> int:
-    return torch.cuda.get_device_properties(0).multi_processor_count
-
-
-@on_gpu
-def test_decode_attention_stream_k_llama8b() -> None:
-    # Real shapes on the GPU, as the rule picks it: 400 sequences of 600-900 keys (3200 rows
-    # over 8 programs an SM x the SMs), a bf16 query over a float8 cache, with either key loop;
-    # and the compiled kernels still fit the programs an SM the grid assumes (8, natural 7).
-    from kiln.kernels.triton.decode_attention_stream_k import _decode_stream_k_kernel
-
-    lens = torch.randint(600, 901, (400,), generator=torch.Generator().manual_seed(9))
-    for natural, per_sm in ((False, 8), (True, 7)):
-        monkeypatch = pytest.MonkeyPatch()
-        # Only this shape's kernels: earlier tests compile fp32 and other head sizes, whose
-        # registers say nothing of the 8B grid.
-        for cache in _decode_stream_k_kernel.device_caches.values():
-            cache[0].clear()
-        try:
-            monkeypatch.setattr(decode_attention, "STREAM_K", True)
-            monkeypatch.setattr(decode_attention, "STREAM_K_NATURAL", natural)
-            _check_decode(lens.tolist(), 32, 8, 128, 16, torch.bfloat16, 1, seed=9, cache_dtype=FP8)
-        finally:
-            monkeypatch.undo()
-        compiled = [
-            c
-            for cache in _decode_stream_k_kernel.device_caches.values()
-            for c in cache[0].values()
-            if c.metadata.num_stages == (3 if natural else 2)
-        ]
-        assert compiled, "the stream-K kernel did not run"
-        assert decode_attention.stream_k_programs(DEVICE, natural) == per_sm * _sms()
-        for kernel in compiled:  # the programs the grid assumes fit an SM at once
-            per_warp = -(-kernel.n_regs * 32 // 256) * 256
-            fits = 4 * (16384 // per_warp) // kernel.metadata.num_warps
-            assert fits >= per_sm, f"{kernel.n_regs} registers: {fits} programs an SM"
-            assert per_sm * (kernel.metadata.shared + 1024) <= 228 * 1024
+    with pytest.raises(ValueError, match="head-major"):
+        triton_ops.copy_kv_blocks([token_major], torch.tensor([[0, 1]], device=DEVICE))
 
 
 def test_choose_num_splits() -> None:
@@ -535,16 +369,6 @@ def test_choose_num_splits() -> None:
     assert choose_num_splits(1, 8, 4096, 132) == 64
     assert choose_num_splits(1, 8, 1024, 132) == 16
     assert choose_num_splits(1, 8, 64, 132) == 1
-
-
-def test_choose_num_splits_forced(monkeypatch) -> None:
-    # KILN_DECODE_NUM_SPLITS (read at import into FORCED_NUM_SPLITS) overrides the rule
-    # everywhere, the end-to-end A/B of a split count.
-    from kiln.kernels.triton import decode_attention
-
-    monkeypatch.setattr(decode_attention, "FORCED_NUM_SPLITS", 3)
-    assert choose_num_splits(1000, 8, 1500, 132) == 3
-    assert choose_num_splits(1, 8, 4096, 132) == 3
 
 
 @on_gpu
@@ -809,8 +633,8 @@ def test_rotary_embedding_write_kv(
     slots = torch.tensor([3, 4, -1, 9, 0, 22], dtype=torch.int64, device=DEVICE)  # -1: padding
     cos_sin = _cos_sin_cache(64, head_dim).to(DEVICE)
     shape = (6, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(DEVICE, cache_dtype)
-    v_cache = torch.randn(shape, generator=gen).to(DEVICE, cache_dtype)
+    k_cache = _head_major(torch.randn(shape, generator=gen).to(DEVICE, cache_dtype))
+    v_cache = _head_major(torch.randn(shape, generator=gen).to(DEVICE, cache_dtype))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     qkv_before = qkv.clone()
     args = (positions, query, key, value, cos_sin)
@@ -837,7 +661,7 @@ def test_rotary_embedding_write_kv_llama8b_bf16() -> None:
     positions = torch.randint(0, 8192, (500,), generator=gen).to(DEVICE)
     slots = torch.randperm(64 * 16, generator=gen)[:500].to(DEVICE)
     cos_sin = _cos_sin_cache(8192, 128, base=500000.0).to(DEVICE)
-    k_cache = torch.zeros(64, 16, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+    k_cache = _head_major(torch.zeros(64, 16, 8, 128, dtype=torch.bfloat16, device=DEVICE))
     v_cache, k_ref, v_ref = k_cache.clone(), k_cache.clone(), k_cache.clone()
     args = (positions, query, key, value, cos_sin)
     q_out = triton_ops.rotary_embedding_write_kv(*args, k_cache, v_cache, slots)
@@ -1013,8 +837,8 @@ def test_add_rms_norm_qkv_rotary_write_kv(
         slots[0] = -1
     cos_sin = _cos_sin_cache(64, head_dim).to(DEVICE)
     shape = (6, 4, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(DEVICE, cache_dtype)
-    v_cache = torch.randn(shape, generator=gen).to(DEVICE, cache_dtype)
+    k_cache = _head_major(torch.randn(shape, generator=gen).to(DEVICE, cache_dtype))
+    v_cache = _head_major(torch.randn(shape, generator=gen).to(DEVICE, cache_dtype))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     inputs = [t.clone() for t in (x, residual) if t is not None]
 
@@ -1114,7 +938,7 @@ def test_add_rms_norm_qkv_rotary_write_kv_llama8b_bf16(cache_dtype: torch.dtype)
     positions = torch.tensor([1000], device=DEVICE)
     slots = torch.tensor([777], device=DEVICE)
     cos_sin = _cos_sin_cache(8192, 128, base=500000.0).to(DEVICE)
-    k_cache = torch.randn(64, 16, 8, 128, generator=gen).to(DEVICE, cache_dtype)
+    k_cache = _head_major(torch.randn(64, 16, 8, 128, generator=gen).to(DEVICE, cache_dtype))
     v_cache, k_ref, v_ref = k_cache.clone(), k_cache.clone(), k_cache.clone()
     head = (x, residual, norm_weight, 1e-5, qkv_w, None, positions, cos_sin)
     q_ref, summed_ref = reference.add_rms_norm_qkv_rotary_write_kv(*head, k_ref, v_ref, slots)
@@ -1156,7 +980,7 @@ def test_llama_forward_triton_ops_match_reference(num_tokens: int) -> None:
 
     def forward(ops: object) -> torch.Tensor:
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        caches = [(torch.zeros(shape, device=DEVICE), torch.zeros(shape, device=DEVICE))] * 2
+        caches = [tuple(_head_major(torch.zeros(shape, device=DEVICE)) for _ in "kv")] * 2
         with torch.no_grad():
             return model(ops, TorchAttentionBackend(), input_ids, positions, caches, metadata)
 
@@ -1226,7 +1050,9 @@ def test_copy_kv_blocks(dtype: torch.dtype, head_dim: int) -> None:
         caches = [torch.randint(0, 256, shape, generator=gen, dtype=dtype) for _ in range(2)]
         caches = [c.to(DEVICE) for c in caches]
     else:
-        caches = [torch.randn(shape, generator=gen).to(DEVICE, dtype) for _ in range(3)]
+        caches = [
+            _head_major(torch.randn(shape, generator=gen).to(DEVICE, dtype)) for _ in range(3)
+        ]
     want = [c.clone() for c in caches]
     mapping = torch.tensor([[1, 4], [1, 6], [3, 0]], dtype=torch.int64, device=DEVICE)
     by_hand = [c.view(torch.uint8).clone() for c in caches]  # the bytes, block by block

@@ -40,7 +40,7 @@ class AttentionBackend(ABC):
     (one kernel with the projection at batch-1 decode on the GPU).
 
     KV cache layout, per layer: k_cache and v_cache are each
-    [num_blocks, block_size, num_kv_heads, head_dim].
+    [num_blocks, block_size, num_kv_heads, head_dim], head-major beneath (kiln.kernels.kv_layout).
     """
 
     name: str

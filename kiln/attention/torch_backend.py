@@ -56,8 +56,7 @@ def run_split_attention(
         # benchmark). The engine's table rows are 64 bytes apart, so its rows are always aligned.
         block_tables, seq_lens = aligned(block_tables), aligned(seq_lens)
     # Both kernels write their rows of one output (no concatenation afterwards: a copy of every
-    # row per layer, 1.1 ms of a 197 ms mixed step on the H200: docs/performance.md, "Where the
-    # time goes").
+    # row per layer, 1.1 ms of a 197 ms mixed step on an H200).
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     ops.paged_prefill_attention(
         query[nd:],
@@ -85,7 +84,7 @@ def aligned(rows: torch.Tensor) -> torch.Tensor:
     A copy keeps the row stride (unlike clone(), which packs a cut table's rows at its own
     width): Triton also specializes on whether a stride divides by 16, and a stride that follows
     the step's width would compile yet another variant whenever the width crosses a multiple of
-    16 (the H200's 1.8 s stall at 1000/1000: docs/performance.md, "No kernel compiles mid-run").
+    16 (a 1.8 s stall at 1000/1000 on an H200).
     """
     if rows.data_ptr() % 16 == 0:
         return rows

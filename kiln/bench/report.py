@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -14,6 +15,7 @@ import time
 import torch
 
 import kiln
+from kiln.config import EngineConfig
 from kiln.envs import changed, envs
 
 
@@ -46,6 +48,16 @@ def kiln_source_hash() -> str:
     return digest.hexdigest()
 
 
+def engine_config_record(config: EngineConfig) -> dict:
+    """The config's fields that are set, as JSON values (an oracle's SpeculativeConfig as its
+    fields)."""
+    return {
+        k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+        for k, v in vars(config).items()
+        if v is not None
+    }
+
+
 def environment(device: torch.device) -> dict:
     import transformers
 
@@ -65,11 +77,8 @@ def environment(device: torch.device) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        # The KILN_* switches this run had (kernel A/Bs: KILN_DECODE_STREAM_K=1 and the like).
+        # The KILN_* variables this run set away from their defaults.
         "kiln_env": changed(envs()),
-        # Named whatever it is: its default changed (token- to head-major, 2026-12-05), so an
-        # empty kiln_env reads differently before and after.
-        "kv_cache_layout": envs().kv_cache_layout,
     }
     try:
         import triton

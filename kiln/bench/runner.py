@@ -11,7 +11,13 @@ import torch
 from kiln.bench.hf_baseline import hf_decode_rate, load_hf_model, run_hf
 from kiln.bench.metrics import throughput_report
 from kiln.bench.offline import run_kiln
-from kiln.bench.report import environment, format_table, measure_copy_bandwidth, write_json
+from kiln.bench.report import (
+    engine_config_record,
+    environment,
+    format_table,
+    measure_copy_bandwidth,
+    write_json,
+)
 from kiln.bench.workload import BenchRequest, synthetic_requests
 from kiln.checkpoint.default_model import default_model_path
 from kiln.config import EngineConfig
@@ -76,7 +82,7 @@ def _setup_record(
             "dataset_seed": args.dataset_seed,
             "concurrency": args.concurrency if args.mode == "throughput" else 1,
         },
-        "engine_config": {k: v for k, v in vars(config).items() if v is not None},
+        "engine_config": engine_config_record(config),
         "memory_plan": {
             **stats.memory_plan.as_dict(),
             "summary": stats.memory_plan.describe(longest),
@@ -263,7 +269,7 @@ def _compile_warning(compiles: list[dict]) -> str:
 
 # Below this share of a CUDA-graph decode step the GPU waits on the host: the run then measures
 # scheduling and output processing, not the GPU (an engine whose detokenizer went quadratic ran
-# at 36%, GPU-bound runs at 0.99-1.0: benchmarks/results/2026-12-05-h200-outlier-e2e-one-row-cost).
+# at 36%, GPU-bound runs at 0.99-1.0).
 HOST_BOUND_FRACTION = 0.8
 
 

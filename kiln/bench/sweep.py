@@ -83,7 +83,7 @@ def _engine_levels(args: argparse.Namespace, config: EngineConfig):
 
     from kiln.bench.metrics import throughput_report
     from kiln.bench.offline import run_kiln
-    from kiln.bench.report import environment
+    from kiln.bench.report import engine_config_record, environment
     from kiln.bench.workload import synthetic_requests
     from kiln.engine.llm_engine import LLMEngine
 
@@ -106,7 +106,7 @@ def _engine_levels(args: argparse.Namespace, config: EngineConfig):
         "target": "engine",
         "model": engine.model_description,
         "dtype": engine.dtype,
-        "engine_config": {k: v for k, v in vars(config).items() if v is not None},
+        "engine_config": engine_config_record(config),
         "env": environment(torch.device(engine.device)),
     }
     return facts, run_level

@@ -1,7 +1,7 @@
 """The kernel tile choices an engine will run with on the build's GPU class, for the manifest and
 `kiln build`'s output: the small-batch linear kernels' launch shapes at the model's projection
-shapes (kiln.kernels.triton.small_batch_tiles: a measured H200 entry, a KILN_SMALL_BATCH_TILES
-sweep's, or the rule) and decode attention's tile and split-K policy.
+shapes (kiln.kernels.triton.small_batch_tiles: a measured entry, or the rule) and decode
+attention's tile and split-K policy.
 
 A record, not a tuning: the kernels choose their tiles at run time with these same functions, so
 the record says what runs on a GPU of this class (with this kiln) and where each choice came
@@ -58,12 +58,7 @@ def kernel_tiles(
     for proj, (n, k, launches) in _projections(cfg).items():
         for kernel, rows in launches:
             key = (kernel, n, k, element_bytes, rows == 1)
-            if key in small_batch_tiles._FROM_ENV:
-                origin = "KILN_SMALL_BATCH_TILES"
-            elif key in small_batch_tiles.MEASURED_TILES:
-                origin = "measured"
-            else:
-                origin = "rule"
+            origin = "measured" if key in small_batch_tiles.MEASURED_TILES else "rule"
             tiles = small_batch_tiles.tile_config(kernel, n, k, device, element_bytes, rows)
             linear.append({
                 "projection": proj, "kernel": kernel, "rows": "1" if rows == 1 else "2-8",
@@ -89,7 +84,7 @@ def kernel_tiles(
             "block_n": block_n,
             "num_warps": num_warps,
             "num_stages": num_stages,
-            "prefetch_fp8_v": bool(decode_attention.PREFETCH_FP8_V) if kv_fp8 else None,
+            "prefetch_fp8_v": True if kv_fp8 else None,  # V a tile ahead over float8
             "one_warp_32_keys_from_programs": one_warp_from,
             "split_k": {
                 "target_programs_per_sm": decode_attention._TARGET_PROGRAMS_PER_SM,

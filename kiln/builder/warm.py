@@ -29,7 +29,7 @@ def warm_kernels(engine_dir: str, kv_cache_dtype: str, max_model_len: int | None
     if key is None:
         return []
     with tempfile.TemporaryDirectory(prefix="kiln-warm-") as cache:
-        env = {**os.environ, "TRITON_CACHE_DIR": cache, "KILN_ENGINE_KERNEL_CACHE": "0"}
+        env = {**os.environ, "TRITON_CACHE_DIR": cache}
         args = [sys.executable, "-m", "kiln.builder.warm", engine_dir, kv_cache_dtype]
         args += [str(max_model_len or 0)]
         try:
@@ -52,7 +52,13 @@ def _warm(engine_dir: str, kv_cache_dtype: str, max_model_len: int) -> None:
     from kiln.llm import LLM
     from kiln.sampling_params import SamplingParams
 
-    llm = LLM(engine_dir, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len or None)
+    # Compiled from nothing (no kernels the engine may carry already): those are what it keeps.
+    llm = LLM(
+        engine_dir,
+        kv_cache_dtype=kv_cache_dtype,
+        max_model_len=max_model_len or None,
+        engine_kernel_cache=False,
+    )
     # One prompt and one decode step: the prefill and sampling kernels; the memory profile and
     # the CUDA graphs (every captured batch size) compiled the rest while LLM() started.
     llm.generate(

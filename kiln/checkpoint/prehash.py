@@ -1,9 +1,8 @@
 """Hash an engine directory's weight shards while the process is still importing torch.
 
-A cold `LLM(DIR)` on the H200 host spends ~4 s importing torch and its CUDA libraries (one core)
+A cold `LLM(DIR)` on an H200 host spends ~4 s importing torch and its CUDA libraries (one core)
 before the loader starts, then 2.4 s reading, hashing and copying the 8B FP8 engine's 9.1 GB,
-bound by blake2b (~0.4 GB/s a thread; benchmarks/results/
-2026-12-02-h200-splits-json-spec-prequant-tput/run1). `LLM` calls `start` before its first torch
+bound by blake2b (~0.4 GB/s a thread). `LLM` calls `start` before its first torch
 import: a child process (`_hash_shards` in a fresh interpreter, no torch) hashes every shard's
 8 MiB chunks on a thread pool, in the manifest digests' own chunking, while this process imports.
 A process, not threads here: the importer holds this process's GIL nearly all the time, and
@@ -32,7 +31,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kiln.checkpoint.file_hash import CHUNK_BYTES, DIGEST_BYTES
-from kiln.envs import envs
 
 MANIFEST_FILE = "kiln_engine.json"  # kiln.checkpoint.engine_dir's (which imports torch)
 _WEIGHT_INDEX_FILE = "weights.index.json"
@@ -70,11 +68,10 @@ def usable_cores() -> int:
 
 
 def worth_it() -> bool:
-    """Whether this host has cores to hash on beside the importing one (and KILN_ENGINE_PREHASH
-    is not off). On the 2-core CPU host,
+    """Whether this host has cores to hash on beside the importing one. On a 2-core CPU host,
     hashing SmolLM2's 0.54 GB beside the import made the import as much slower as the load got
     faster (~1.2 s each way): there is no idle core to take the work."""
-    return envs().engine_prehash and usable_cores() >= MIN_CORES
+    return usable_cores() >= MIN_CORES
 
 
 def start(engine_dir: str) -> int:

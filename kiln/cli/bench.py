@@ -10,11 +10,14 @@ beside kiln's (`--num-prompts`, `--max-concurrency`, `--random-input-len`, `--ra
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 
 from kiln.cli.engine_args import add_engine_args, engine_config_from_args
 from kiln.cli.vllm_flags import UnsupportedFlagError
+from kiln.config import EngineConfig
+from kiln.errors import KilnError
 
 _MODES = {
     "throughput": "kiln's engine on synthetic requests, all submitted at once",
@@ -37,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             m.add_argument("--hf-batch-size", type=int, default=None, help="default: all at once")
         if mode != "serve":
             add_engine_args(m)
+            _add_oracle_args(m)
         m.set_defaults(func=run)
 
 
@@ -97,6 +101,41 @@ def _add_workload_args(p: argparse.ArgumentParser, mode: str) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+def _add_oracle_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding at a set acceptance (any weights)")
+    g.add_argument(
+        "--oracle-acceptance-length",
+        type=float,
+        default=None,
+        metavar="L",
+        help="an oracle drafts K tokens a decode step and its own seeded draw accepts them at "
+        "mean length L (1 to K + 1 tokens a verification): speculation's speed on any weights, "
+        "random ones too; the output is then not the model's text",
+    )
+    g.add_argument(
+        "--oracle-num-tokens",
+        type=int,
+        default=4,
+        metavar="K",
+        help="the oracle's drafts a step (default: %(default)s)",
+    )
+
+
+def _with_oracle(args: argparse.Namespace, config: EngineConfig) -> EngineConfig:
+    """The engine config with the oracle as its proposer, where --oracle-acceptance-length asks."""
+    if args.oracle_acceptance_length is None:
+        return config
+    if config.speculative_config is not None:
+        raise KilnError("give --oracle-acceptance-length or --speculative-config, not both")
+    from kiln.bench.oracle import oracle_at_length
+
+    try:
+        spec = oracle_at_length(args.oracle_num_tokens, args.oracle_acceptance_length)
+    except ValueError as exc:
+        raise KilnError(f"--oracle-acceptance-length: {exc}") from None
+    return dataclasses.replace(config, speculative_config=spec)
+
+
 def _add_serve_args(p: argparse.ArgumentParser, optional: bool) -> None:
     title = "server (sweep: give --base-url to sweep a server)" if optional else "server"
     g = p.add_argument_group(title)
@@ -144,9 +183,10 @@ def run(args: argparse.Namespace) -> int:
     if args.mode == "sweep":
         from kiln.bench.sweep import run_sweep
 
-        run_sweep(args, None if args.base_url else engine_config_from_args(args))
+        config = None if args.base_url else _with_oracle(args, engine_config_from_args(args))
+        run_sweep(args, config)
         return 0
     from kiln.bench.runner import run_bench
 
-    run_bench(args, engine_config_from_args(args))
+    run_bench(args, _with_oracle(args, engine_config_from_args(args)))
     return 0

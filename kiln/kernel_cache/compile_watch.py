@@ -6,7 +6,7 @@ variant first needed mid-run stalls that step for the compile (0.2-2 s on an H20
 still loads from disk). The engine is meant to need none after start-up: its memory profile and
 CUDA-graph capture run every kernel it uses, with arguments laid out as later steps lay them out.
 This watch says when that fails (logged, and listed in `kiln bench` records) so the cause can be
-fixed at its source (docs/performance.md, "No kernel compiles mid-run").
+fixed at its source.
 """
 
 from __future__ import annotations

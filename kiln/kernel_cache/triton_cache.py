@@ -1,13 +1,13 @@
 """Triton's compiled kernels, carried in an engine directory so a first process need not compile.
 
-A cold process on the H200 spent 4.8 s compiling Triton kernels in the memory profile's forward
-and 6.2 s more warming the CUDA graphs (benchmarks/results/2026-12-01-h200-final-wave). `kiln
-build` on a GPU runs the engine once against an empty Triton cache and keeps what it compiled
-under `triton_cache/` in the engine (capture); loading copies those entries into the Triton
-cache this process will read (install), where they are hits, when the key matches: the same GPU
-class and compute capability and the same Triton version. Otherwise nothing is copied and the
-kernels compile as before. The files are listed in the manifest with their hashes like every
-other engine file, so a changed cubin is a corrupt engine, never loaded.
+A cold process on an H200 spent 4.8 s compiling Triton kernels in the memory profile's forward and
+6.2 s more warming the CUDA graphs. `kiln build` on a GPU runs the engine once against an empty
+Triton cache and keeps what it compiled under `triton_cache/` in the engine (capture); loading
+copies those entries into the Triton cache this process will read (install), where they are hits,
+when the key matches: the same GPU class and compute capability and the same Triton version.
+Otherwise nothing is copied and the kernels compile as before. The files are listed in the manifest
+with their hashes like every other engine file, so a changed cubin is a corrupt engine, never
+loaded.
 
 Triton's cache is a folder per kernel hash (its source, options, backend and Triton's own
 version), so copying entries in can only add hits, never change a kernel. Its group files
@@ -22,8 +22,6 @@ import logging
 import os
 import shutil
 from importlib import metadata
-
-from kiln.envs import envs
 
 logger = logging.getLogger("kiln")
 
@@ -92,12 +90,12 @@ def capture(cache_dir: str, engine_dir: str, key: dict[str, str]) -> list[str]:
 def install(engine_dir: str, key: dict[str, str] | None = None) -> int:
     """Copy the engine's captured entries into the active Triton cache when its key equals this
     process's (`key`; default kernel_cache_key()). Returns how many files were copied (0: none
-    carried, switched off by KILN_ENGINE_KERNEL_CACHE=0, another GPU or Triton, or all there).
-    Entries already present are kept; each file lands atomically (ranks of one engine may
-    install at once)."""
+    carried, another GPU or Triton, or all there). Entries already present are kept; each file
+    lands atomically (ranks of one engine may install at once). The loader calls it only where
+    EngineConfig.engine_kernel_cache allows."""
     root = os.path.join(engine_dir, CACHE_SUBDIR)
     key_file = os.path.join(root, KEY_FILE)
-    if not envs().engine_kernel_cache or not os.path.isfile(key_file):
+    if not os.path.isfile(key_file):
         return 0
     with open(key_file, encoding="utf-8") as f:
         built_for = json.load(f)

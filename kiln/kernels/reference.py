@@ -2,7 +2,8 @@
 signature; these are the oracle in tests and the implementation on the CPU.
 
 Shapes: packed tokens (no padding); KV cache per layer [num_blocks, block_size, num_kv_heads,
-head_dim]; a slot is block_id * block_size + offset.
+head_dim] (head-major beneath: kiln.kernels.kv_layout; indexed through the view here); a slot is
+block_id * block_size + offset.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def write_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    block_size = k_cache.shape[1]
     # A negative slot marks a padding token (a decode batch padded to a graph size): skipped, as
     # the Triton kernel does. The check syncs, so only the CPU makes it: on CUDA the reference is
     # never given padding (graphs need a backend with supports_cuda_graphs).
@@ -40,11 +41,8 @@ def write_kv_cache(
         if cache.element_size() == 1:
             # index_copy_ has no float8 kernel on the CPU: copy the bytes.
             cache, x = cache.view(torch.uint8), x.view(torch.uint8)
-        if cache.is_contiguous():
-            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, x)
-        else:  # head-major blocks (kiln/kernels/kv_layout.py): a token's rows are apart
-            block_size = cache.shape[1]
-            cache[slot_mapping // block_size, slot_mapping % block_size] = x
+        # Indexed through the view: a token's rows lie apart in head-major blocks.
+        cache[slot_mapping // block_size, slot_mapping % block_size] = x
 
 
 def _gather_context(
@@ -130,8 +128,7 @@ def paged_prefill_attention(
         values = _gather_context(v_cache, block_tables[i].long(), seq_len).to(query.dtype)
         # 4-D, with a batch of one: torch's CPU SDPA runs its flash kernel only on 4-D inputs
         # and falls back to the math path (the whole score matrix) on 3-D ones: 2-8x slower in
-        # fp32, 6-24x in bf16 at 121-2048 query tokens, the same error against fp64
-        # (benchmarks/results/2026-12-04-cpu-prefill-attention-4d).
+        # fp32, 6-24x in bf16 at 121-2048 query tokens, the same error against fp64.
         q = query[start:end].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
         k = keys.transpose(0, 1)[None]  # [1, num_kv_heads, seq_len, head_dim]
         v = values.transpose(0, 1)[None]
@@ -353,7 +350,7 @@ def quantize_fp8(
     x / scale is the IEEE quotient. The Triton kernels get the same quotient from the scale's
     reciprocal and two FMAs (fp8_gemm.scaled_to_e4m3), not a division per value; a bare
     x * (1 / scale) would break exact ties (frequent with bf16 activations) away from zero and
-    cost SmolLM2 ~1 point of perplexity (benchmarks/results/2026-12-02-cpu-quant-reciprocal)."""
+    cost SmolLM2 ~1 point of perplexity."""
     x32 = x.float()
     if scale is None:
         absmax = x32.abs().amax(dim=-1, keepdim=True)

@@ -17,6 +17,7 @@ import torch
 
 from kiln.attention.backend import AttentionMetadata, get_attention_backend
 from kiln.config import EngineConfig
+from kiln.kernels.kv_layout import empty_cache
 from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
 from kiln.models.config import ModelConfig
 from kiln.models.llama import LlamaForCausalLM
@@ -243,7 +244,7 @@ def _largest_step(
     metadata, num_blocks = packed_prefill_metadata(lens, block_size, device)
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     caches = [
-        tuple(torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(2))
+        tuple(empty_cache(*shape, kv_dtype, device) for _ in range(2))
         for _ in range(cfg.num_hidden_layers)
     ]
     return _ProfileStep(

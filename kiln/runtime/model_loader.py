@@ -101,12 +101,15 @@ def find_model_source(
     tp_rank: int = 0,
     device: torch.device | None = None,
     background_tokenizer: bool = False,
+    engine_kernels: bool = False,
 ) -> ModelSource:
     """`tp_rank`: which tensor rank's weights to read from an engine built with one shard per
     rank (other sources hold the whole model, which each rank cuts as it loads). `device`: where
     an engine directory's weights are read to (its shards go there directly).
     `background_tokenizer`: an engine directory's tokenizer loads on a thread while the weights
-    are read, and `tokenizer` is then a Future (load_model resolves it)."""
+    are read, and `tokenizer` is then a Future (load_model resolves it). `engine_kernels`: an
+    engine directory's compiled kernels go into the Triton cache before anything compiles
+    (EngineConfig.engine_kernel_cache)."""
     from kiln.checkpoint.default_model import default_model_path
     from kiln.checkpoint.engine_dir import is_engine_dir
 
@@ -119,7 +122,7 @@ def find_model_source(
         return _gguf_source(path)
     if os.path.isdir(path) and is_engine_dir(path):
         return _engine_dir_source(
-            path, tp_rank, device or torch.device("cpu"), background_tokenizer
+            path, tp_rank, device or torch.device("cpu"), background_tokenizer, engine_kernels
         )
     if os.path.isdir(path):
         return _hf_dir_source(path)
@@ -140,14 +143,19 @@ def _gguf_source(path: str) -> ModelSource:
 
 
 def _engine_dir_source(
-    path: str, tp_rank: int, device: torch.device, background_tokenizer: bool = False
+    path: str,
+    tp_rank: int,
+    device: torch.device,
+    background_tokenizer: bool = False,
+    engine_kernels: bool = False,
 ) -> ModelSource:
     from kiln.checkpoint.engine_dir import iter_engine_weights, open_engine_dir, rank_dir_name
     from kiln.checkpoint.safetensors_loader import read_generation_config
     from kiln.kernel_cache.triton_cache import install
 
     engine = open_engine_dir(path)  # version, GPU class, sizes; the shards' hashes as they load
-    install(path)  # its compiled kernels (verified with the other files), before any compile
+    if engine_kernels:
+        install(path)  # its compiled kernels (verified with the other files), before any compile
     tp = engine.manifest.get("tensor_parallel_size", 1)
     weights_dir = path if tp == 1 else os.path.join(path, rank_dir_name(tp_rank, tp))
     if background_tokenizer:
@@ -372,8 +380,9 @@ def load_model(
         clock.mark("cuda_init_s")
     tp_rank = 0 if parallel is None else parallel.tp_rank
     source = find_model_source(
-        engine_config.model, engine_config.load_format, tp_rank, device, background_tokenizer=True
-    )
+        engine_config.model, engine_config.load_format, tp_rank, device,
+        background_tokenizer=True, engine_kernels=engine_config.engine_kernel_cache,
+    )  # fmt: skip
     clock.mark("source_s")  # manifest, file checks, tokenizer (not an engine's), carried kernels
     if source.tensor_parallel_size not in (1, engine_config.tensor_parallel_size):
         raise ModelLoadError(

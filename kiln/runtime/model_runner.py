@@ -35,7 +35,7 @@ from kiln.interfaces import (
     TokenLogprobs,
 )
 from kiln.kernel_cache import compile_watch
-from kiln.kernels.kv_layout import empty_cache, kv_cache_head_major
+from kiln.kernels.kv_layout import empty_cache
 from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
 from kiln.models.llama import LlamaForCausalLM
 from kiln.runtime.graph_runner import GraphRunner
@@ -106,9 +106,8 @@ class ModelRunner:
         # decode path, and masked garbage can still be NaN.
         kv_dtype = kv_cache_dtype or self.dtype
         shape = (num_kv_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        head_major = kv_cache_head_major()
         self.kv_caches = [
-            tuple(empty_cache(*shape, kv_dtype, self.device, head_major, _zeros) for _ in "kv")
+            tuple(empty_cache(*shape, kv_dtype, self.device, _zeros) for _ in "kv")
             for _ in range(cfg.num_hidden_layers)
         ]
         self._all_caches = [cache for pair in self.kv_caches for cache in pair]  # block copies

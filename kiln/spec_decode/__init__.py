@@ -11,8 +11,6 @@ appends the accepted tokens plus one bonus token and gives back the KV slots of 
 - draft_model.py: a smaller model of the same vocabulary with its own paged KV pool.
 - eagle3/: an EAGLE-3 head over the target's fused low/middle/high hidden states (the
   published checkpoint layout), chain drafting, its own paged KV pool.
-- oracle.py: proposes a known continuation with a set per-token accuracy, or decides acceptance
-  by its own draw (benchmarks only).
 
 This module imports nothing heavy: the engine reads the config and policy without torch.
 """

@@ -7,16 +7,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Protocol
 
-METHODS = ("ngram", "draft_model", "eagle3", "oracle")
+if TYPE_CHECKING:
+    from kiln.spec_decode.proposer import Proposer
+
+METHODS = ("ngram", "draft_model", "eagle3")
+
+
+class ProposerInstrument(Protocol):
+    """A measuring instrument that stands in for a method's proposer (kiln.bench.oracle)."""
+
+    def build(self, num_speculative_tokens: int, vocab_size: int) -> Proposer: ...
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
-    """"ngram" (prompt lookup), "draft_model" (a smaller model of the same vocabulary), "eagle3"
-    (an EAGLE-3 head over the target's hidden states), "oracle"
-    (benchmarks: a known continuation, each token right with probability acceptance_rate)."""
+    """"ngram" (prompt lookup), "draft_model" (a smaller model of the same vocabulary) or
+    "eagle3" (an EAGLE-3 head over the target's hidden states)."""
     num_speculative_tokens: int
     """K: drafts verified per decode step (at most; the policy may lower it by batch size)."""
     model: str | None = None
@@ -28,39 +37,30 @@ class SpeculativeConfig:
     """ngram: the longest suffix tried first (a longer match predicts better)."""
     draft_num_hidden_layers: int | None = None
     """draft_model: keep only the draft's first N decoder layers (a layer-truncated draft)."""
-    acceptance_rate: float = 1.0
-    """oracle: the probability that each proposed token is the reference's."""
-    oracle_token_ids: list[list[int]] = field(default_factory=list)
-    """oracle: reference sequences (prompt + greedy continuation) that requests are matched to."""
-    oracle_always_propose: bool = False
-    """oracle: propose K wrong tokens where no reference matches (verification-shaped steps)."""
-    oracle_accept_by_draw: bool = False
-    """oracle: the oracle's own seeded draw decides how many drafts each verification accepts
-    (P(at least i) = acceptance_rate^i), not the target: the measured acceptance length is the
-    one set whatever the weights do (speed benchmarks on random weights; the text is then not
-    the target's). No references needed."""
     num_speculative_tokens_by_batch_size: dict[int, int] | None = None
     """Policy override: {batch size: K}, read as "up to this many running requests, K drafts";
     past the largest key, no drafts. None: the default policy (see `num_tokens_for_batch`)."""
     disable_by_batch_size: int | None = None
     """vLLM's switch: no drafts while more than this many requests run."""
+    instrument: ProposerInstrument | None = field(default=None, metadata={"internal": True})
+    """Internal to kiln bench and the tests, never read from a dict: a measuring instrument
+    built in place of the method's proposer (kiln.bench.oracle.oracle_config), `method` then
+    only its name. Its output need not be the model's text, so no user setting reaches it."""
 
     def __post_init__(self) -> None:
         def fail(name: str, why: str) -> None:
             raise ValueError(f"speculative_config.{name} {why}, got {getattr(self, name)!r}")
 
-        if self.method not in METHODS:
+        if self.instrument is None and self.method not in METHODS:
             fail("method", "must be one of " + ", ".join(f'"{m}"' for m in METHODS))
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             fail("num_speculative_tokens", "must be an integer >= 1")
-        if self.method in ("draft_model", "eagle3") and not self.model:
+        if self.instrument is None and self.method in ("draft_model", "eagle3") and not self.model:
             fail("model", f'must name the draft model for method "{self.method}"')
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             fail("prompt_lookup_min", "must be >= 1 and <= prompt_lookup_max")
         if self.draft_num_hidden_layers is not None and self.draft_num_hidden_layers < 1:
             fail("draft_num_hidden_layers", "must be >= 1")
-        if not 0.0 <= self.acceptance_rate <= 1.0:
-            fail("acceptance_rate", "must be in [0, 1]")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             fail("disable_by_batch_size", "must be >= 1")
         table = self.num_speculative_tokens_by_batch_size
@@ -69,11 +69,13 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, value: dict | SpeculativeConfig) -> SpeculativeConfig:
+        """A dict's keys are the public fields; a SpeculativeConfig (an instrument's, made in
+        Python) is taken as it is."""
         if isinstance(value, SpeculativeConfig):
             return value
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a dict, got {value!r}")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if not f.metadata.get("internal")}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(
@@ -95,10 +97,10 @@ class SpeculativeConfig:
         """How many drafts a decode verifies when `batch_size` requests run. Speculation pays
         while a step is bound by reading the weights (small batches) and costs compute past it,
         so K falls with the batch: the default keeps K up to 32 running requests, half of it up to
-        64 and none beyond. Measured on an H200 at Llama-3.1-8B shapes, K = 4 (docs/performance.md,
-        the crossover): a verification step costs 1.3x a plain step at 32 requests, 2.0x at 64,
-        3.0x at 128, so at mean acceptance length 3 speculation gives 2.0x / 1.4x / 0.95x; half K
-        keeps 64 requests paying at the lower acceptance a real drafter has there."""
+        64 and none beyond. Measured on an H200 at Llama-3.1-8B shapes, K = 4: a verification step
+        costs 1.3x a plain step at 32 requests, 2.0x at 64, 3.0x at 128, so at mean acceptance
+        length 3 speculation gives 2.0x / 1.4x / 0.95x; half K keeps 64 requests paying at the lower
+        acceptance a real drafter has there."""
         k = self.num_speculative_tokens
         if self.disable_by_batch_size is not None and batch_size > self.disable_by_batch_size:
             return 0

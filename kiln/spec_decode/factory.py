@@ -88,21 +88,12 @@ def build_proposer(
     target_embedding: torch.nn.Module | None = None,  # eagle3: the target's token embedding
 ) -> Proposer:
     k = spec.num_speculative_tokens
+    if spec.instrument is not None:  # kiln bench's and the tests' (kiln.bench.oracle)
+        return spec.instrument.build(k, vocab_size)
     if spec.method == "ngram":
         from kiln.spec_decode.ngram import NgramProposer
 
         return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-    if spec.method == "oracle":
-        from kiln.spec_decode.oracle import OracleProposer
-
-        return OracleProposer(
-            k,
-            spec.oracle_token_ids,
-            spec.acceptance_rate,
-            vocab_size,
-            always_propose=spec.oracle_always_propose,
-            accept_by_draw=spec.oracle_accept_by_draw,
-        )
     if spec.method == "draft_model":
         from kiln.spec_decode.draft_model import DraftModelProposer
 

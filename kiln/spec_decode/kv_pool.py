@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from kiln.attention.backend import AttentionMetadata
+from kiln.kernels.kv_layout import empty_cache
 from kiln.models.config import ModelConfig
 from kiln.sampling.host_copy import to_device
 
@@ -31,10 +32,7 @@ class DraftKVPool:
         self.device = device
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
+            (empty_cache(*shape, dtype, device), empty_cache(*shape, dtype, device))
             for _ in range(num_layers)
         ]
         self._free = list(range(num_blocks - 1, -1, -1))

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.kv_layout import head_major
+from kiln.kernels.kv_layout import check_head_major
 
 _WORDS_PER_PROGRAM = 1024
 
@@ -73,7 +73,7 @@ def _prepare(caches: list[torch.Tensor]) -> tuple[torch.Tensor, int, bool]:
     """The caches' address table, words per block and whether blocks move as 32-bit words."""
     first = caches[0]
     for cache in caches:
-        head_major(cache, cache)  # either layout keeps each block's bytes together; no other
+        check_head_major(cache, cache)  # each block's bytes together
         assert cache.shape == first.shape and cache.dtype == first.dtype
     block_bytes = first[0].numel() * first.element_size()
     aligned = block_bytes % 4 == 0 and all(c.data_ptr() % 4 == 0 for c in caches)

@@ -19,16 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.envs import envs
-from kiln.kernels.kv_layout import head_major as cache_head_major
+from kiln.kernels.kv_layout import check_head_major
 from kiln.kernels.triton._decode_partition import _mark_unused_split, _partition
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 from kiln.kernels.triton._kv_layout import kv_head_offset, kv_tile_offsets
 from kiln.kernels.triton._online_softmax import online_softmax_update
 from kiln.kernels.triton.decode_attention_packed import _decode_packed_kernel, packing
-from kiln.kernels.triton.decode_attention_stream_k import _decode_stream_k_kernel
-from kiln.kernels.triton.split_k import counters
 
 _LOG2E = 1.4426950408889634
 
@@ -38,56 +35,22 @@ _LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS_PER_SM = 4
 _MIN_TOKENS_PER_SPLIT = 64
 _MAX_SPLITS = 64
-# Whether decode over a float8 cache loads V a tile ahead (module-level so the H200 sweep can
-# measure both in one process; KILN_PREFETCH_FP8_V=0 turns it off for an end-to-end A/B).
-PREFETCH_FP8_V = envs().prefetch_fp8_v
-# Whether the grid runs a sequence's KV heads as neighbouring programs (one token's heads are
-# adjacent in the cache, so neighbouring programs share its DRAM pages) rather than one head of
-# neighbouring sequences; None: by the cache's dtype. Measured on an H200, one layer, same run
-# (docs/performance.md, "The H200 on 2026-12-02, fourth run"): a bf16 cache 10-14% faster heads
-# first at 384 x 1.5k, 512 x 192 and 64 x 4k (608 -> 521 us at 384 x 1.5k), equal at 32 x 1k; a
-# float8 cache equal at 384 x 1.5k and 512 x 192 but 36-48% slower at 64 x 4k and 32 x 1k.
-# Module-level so the sweep measures both orders (benchmarks/decode_fp8_occupancy_sweep.py);
-# KILN_DECODE_HEADS_FIRST=0/1 forces one for an end-to-end A/B.
-HEADS_FIRST_GRID: bool | None = envs().decode_heads_first
-# Whether decode attention over a float8 cache runs decode_attention_packed's kernel (a program's
-# keys in sub-partitions side by side in the rows tl.dot pads to 16) where it applies: 1.33x at
-# 768 x 1.5k, 1.36x at 384 x 1.5k, 1.27x at 512 x 192 on an H200 (docs/performance.md, "The H200
-# on 2026-12-02, sixth run"). Module-level so the sweep measures both
-# (benchmarks/decode_packed_sweep.py); KILN_DECODE_PACKED=0 for an end-to-end A/B.
-PACKED: bool = envs().decode_packed
-# KILN_DECODE_NUM_SPLITS forces choose_num_splits' answer (0: the rule below), for an A/B.
-FORCED_NUM_SPLITS: int = envs().decode_num_splits
-# KILN_DECODE_PACKED_MAXNREG caps the packed kernel's one-warp tile's registers (0: none), for an
-# A/B: its 197 registers fit two warps in an SM sub-partition, so an SM keeps 8 programs and
-# 1000/1000's 8000 run in 7.58 waves (benchmarks/decode_waves_sweep.py --occupancy).
-PACKED_MAXNREG: int = envs().decode_packed_maxnreg
-# Whether a float8 cache's unsplit packed decode at many programs runs the stream-K schedule
-# (decode_attention_stream_k: one resident wave of programs with equal shares of the tiles)
-# instead of a program per (sequence, KV head). Off until measured on a GPU against the packed
-# grid (benchmarks/decode_stream_k_sweep.py); KILN_DECODE_STREAM_K=1 turns it on.
-STREAM_K: bool = envs().decode_stream_k
-# KILN_DECODE_STREAM_K_PROGRAMS forces the stream-K grid's size (0: stream_k_programs' rule).
-STREAM_K_PROGRAMS: int = envs().decode_stream_k_programs
 
 
 @triton.jit
-def _tile_offsets(
-    block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HEAD_MAJOR
-):
+def _tile_offsets(block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE):
     """Element offsets of keys n (one KV head's rows) in the paged cache, through the block
     table."""
     block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     return kv_tile_offsets(
-        block_ids, n % BLOCK_SIZE, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-        HEAD_MAJOR,
-    )  # fmt: skip
+        block_ids, n % BLOCK_SIZE, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
+    )
 
 
 @triton.jit
 def _decode_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], token- or head-major
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], head-major
     v_cache_ptr,
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
@@ -112,8 +75,7 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
     PREFETCH_V: tl.constexpr,  # load V a tile ahead (float8 caches)
-    HEADS_FIRST: tl.constexpr = False,  # grid (kv heads, sequences, splits): see HEADS_FIRST_GRID
-    HEAD_MAJOR: tl.constexpr = False,  # the cache's blocks head-major (kiln/kernels/kv_layout.py)
+    HEADS_FIRST: tl.constexpr = False,  # grid (kv heads, sequences, splits): see _grid
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -155,7 +117,7 @@ def _decode_kernel(
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    head_offset = kv_head_offset(kv_head, HEAD_DIM, BLOCK_SIZE, HEAD_MAJOR)
+    head_offset = kv_head_offset(kv_head, HEAD_DIM, BLOCK_SIZE)
     # Every tile below holds at least one valid key (n_start < end): its row maxima are finite.
     if PREFETCH_V:
         # Float8 cache: V's raw bytes for the next tile are loaded one iteration ahead. V is
@@ -166,30 +128,14 @@ def _decode_kernel(
         n_mask = n < end
         kv_mask = n_mask[:, None] & dim_mask[None, :]
         v_offsets = _tile_offsets(
-            block_table,
-            n,
-            n_mask,
-            head_offset,
-            dims,
-            NUM_KV_HEADS,
-            HEAD_DIM,
-            BLOCK_SIZE,
-            HEAD_MAJOR,
+            block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
         )
         v_raw = tl.load(v_cache_ptr + v_offsets, mask=kv_mask, other=0.0)
         for n_start in range(start, end, BLOCK_N):
             n = n_start + offs_n
             n_mask = n < end
             kv_offsets = _tile_offsets(
-                block_table,
-                n,
-                n_mask,
-                head_offset,
-                dims,
-                NUM_KV_HEADS,
-                HEAD_DIM,
-                BLOCK_SIZE,
-                HEAD_MAJOR,
+                block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
             )
             k = tl.load(
                 k_cache_ptr + kv_offsets, mask=n_mask[:, None] & dim_mask[None, :], other=0.0
@@ -198,7 +144,7 @@ def _decode_kernel(
             next_mask = next_n < end
             next_offsets = _tile_offsets(
                 block_table, next_n, next_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM,
-                BLOCK_SIZE, HEAD_MAJOR,
+                BLOCK_SIZE,
             )  # fmt: skip
             next_v_raw = tl.load(
                 v_cache_ptr + next_offsets, mask=next_mask[:, None] & dim_mask[None, :], other=0.0
@@ -216,15 +162,7 @@ def _decode_kernel(
             n = n_start + offs_n
             n_mask = n < end
             kv_offsets = _tile_offsets(
-                block_table,
-                n,
-                n_mask,
-                head_offset,
-                dims,
-                NUM_KV_HEADS,
-                HEAD_DIM,
-                BLOCK_SIZE,
-                HEAD_MAJOR,
+                block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
             )
             kv_mask = n_mask[:, None] & dim_mask[None, :]
             k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
@@ -257,8 +195,8 @@ def _decode_kernel(
 # that divide by 16 and one for the rest, per SPLITS_PAD). CUDA-graph capture compiles the counts
 # its buckets choose (powers of two: 4, 8 / 16, 32, 64), while an eager mixed step chooses from the
 # batch's own longest context (e.g. 11 splits for one decode at 700 tokens beside a prefill), and
-# each such count would compile a variant mid-run (docs/performance.md, "No kernel compiles
-# mid-run"). The kernel only indexes with it.
+# each such count would compile a variant mid-run, stalling every request. The kernel only
+# indexes with it.
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32
@@ -309,8 +247,6 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     _MIN_TOKENS_PER_SPLIT tokens (their merge and fixed costs would outweigh the parallelism).
     Depends only on host ints, so it never synchronises with the GPU.
     """
-    if FORCED_NUM_SPLITS > 0:
-        return FORCED_NUM_SPLITS
     programs = num_seqs * num_kv_heads
     wanted = (_TARGET_PROGRAMS_PER_SM * num_sms) // max(programs, 1)
     useful = triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT)
@@ -318,13 +254,10 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 
 
 # A float8 cache's decode kernel at many programs runs one-warp programs over 32-key tiles: its
-# four-warp program holds 128 registers a thread (V is loaded a tile ahead into registers), so an
-# SM keeps only 4 programs and too few loads in flight (Nsight Compute at 384 x 1.5k: 25%
-# occupancy, DRAM 41% busy). One warp of 32 keys was 9-10% faster at 3072 and 4096 programs
-# (384 x 1.5k: 475 -> 429 us; 512 x 192: 93 -> 85) and 35% slower at 512 (64 x 4k), where one-warp
-# programs leave SMs idle. In the engine, 1000/1000's decode graph step took 20.7 ms of GPU time
-# with them against 22.0-22.7 in earlier runs without (not yet a same-run A/B; docs/performance.md,
-# "The H200 on 2026-12-02, second run").
+# four-warp program holds 128 registers a thread (V is loaded a tile ahead), so an SM keeps only
+# 4 programs and too few loads in flight; one warp of 32 keys was 9-10% faster on an H200 at 3072
+# and 4096 programs (384 x 1.5k, 512 x 192) and 35% slower at 512 (64 x 4k), where it leaves SMs
+# idle.
 _FP8_ONE_WARP_PROGRAMS_PER_SM = 12
 
 
@@ -339,9 +272,8 @@ def _tile_config(
         if programs and programs >= _FP8_ONE_WARP_PROGRAMS_PER_SM * num_sms(device):
             return 32, 1, 2
         # Float8 K/V (V widened by _fp8.fp8e4m3_to_fp16, loaded a tile ahead): 64 keys, 4 warps,
-        # 2 stages were best of 18 at 384 x 1.5k and 64 x 4k, within 10% at batch 1 (6.6 vs 6.0 us)
-        # (docs/performance.md, "FP8 KV cache"); of 27 smaller tiles and fewer warps, still best
-        # at 64 x 4k and 32 x 1k.
+        # 2 stages were best of 18 tiles on an H200 at 384 x 1.5k and 64 x 4k, within 10% at
+        # batch 1.
         return 64, 4, 2
     # Tiles of whole cache blocks (or whole tiles of one block), at least 64 keys per tile.
     # 64 keys, 4 warps, 3 stages was within 1-3% of the best of {32,64,128} x {2,4,8} x {2,3} at
@@ -351,18 +283,16 @@ def _tile_config(
 
 def _packed_tile_config(
     block_size: int, device: torch.device, programs: int = 0
-) -> tuple[int, ...]:
-    """The packed kernel's (BLOCK_N keys per sub-tile, num_warps, num_stages[, maxnreg]);
-    `programs` is the grid's size. Best of 18 tiles on an H200 at each shape
-    (benchmarks/decode_packed_sweep.py; docs/performance.md, "The H200 on 2026-12-02, sixth
-    run"): one warp of 16-key sub-tiles where the grid fills the SMs many times over (768 / 384
-    x 1.5k, 512 x 192), two warps of 32 at a few programs an SM (64 x 4k, 32 x 1k: 512
-    programs), four warps of 16 below (batch 1)."""
+) -> tuple[int, int, int]:
+    """The packed kernel's (BLOCK_N keys per sub-tile, num_warps, num_stages); `programs` is the
+    grid's size. Best of 18 tiles on an H200 at each shape: one warp of 16-key sub-tiles where
+    the grid fills the SMs many times over (768 / 384 x 1.5k, 512 x 192), two warps of 32 at a
+    few programs an SM (64 x 4k, 32 x 1k: 512 programs), four warps of 16 below (batch 1)."""
     if device.type != "cuda":
         return 16, 4, 1
     sms = num_sms(device)
     if programs >= _FP8_ONE_WARP_PROGRAMS_PER_SM * sms:
-        return (16, 1, 2, PACKED_MAXNREG) if PACKED_MAXNREG else (16, 1, 2)
+        return 16, 1, 2
     if programs >= 2 * sms:
         return 32, 2, 2
     return 16, 4, 2
@@ -404,7 +334,7 @@ def paged_decode_attention_splits(
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
-    head_major = cache_head_major(k_cache, v_cache)
+    check_head_major(k_cache, v_cache)
     out = output_like(query, out)
     if num_seqs == 0:
         return out
@@ -419,17 +349,16 @@ def paged_decode_attention_splits(
     # an eager step with the same count compute the same partitions; splits a sequence cannot
     # use exit at once.
     num_splits = max(num_splits, 1)
-    heads_first = not kv_fp8 if HEADS_FIRST_GRID is None else HEADS_FIRST_GRID
-    pack = packing(group, head_dim) if kv_fp8 and PACKED else 0
-    if pack and num_splits == 1 and STREAM_K and _many_programs(query, num_kv_heads):
-        return _stream_k_decode(
-            query, k_cache, v_cache, block_tables, seq_lens, scale, out, pack, head_major
-        )  # fmt: skip
-    if pack:
+    # Over a float8 cache the packed kernel wherever the group packs: 1.27-1.36x the unpacked
+    # one on an H200 at 768 x 1.5k, 384 x 1.5k and 512 x 192.
+    if kv_fp8 and (pack := packing(group, head_dim)):
         return _packed_decode(
-            query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, pack,
-            heads_first, head_major,
-        )  # fmt: skip
+            query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, pack
+        )
+    # A sequence's KV heads as neighbouring programs over 16- and 32-bit caches, one head of
+    # neighbouring sequences over float8 ones: heads first ran a bf16 cache 10-14% faster a layer
+    # on an H200 (384 x 1.5k, 512 x 192, 64 x 4k) and a float8 one 36-48% slower (64 x 4k, 32 x 1k).
+    heads_first = not kv_fp8
     block_n, num_warps, num_stages = _tile_config(
         block_size, query.device, kv_fp8, num_seqs * num_kv_heads * num_splits
     )
@@ -461,43 +390,14 @@ def paged_decode_attention_splits(
         SPLIT=split,
         DOT_PRECISION=dot_precision(query.dtype),
         FP16_DOTS=fp16_dots(query, k_cache),
-        PREFETCH_V=kv_fp8 and PREFETCH_FP8_V,
+        PREFETCH_V=kv_fp8,
         HEADS_FIRST=heads_first,
-        HEAD_MAJOR=head_major,
         num_warps=num_warps,
         num_stages=num_stages,
     )
     if split:
         _reduce(part_out, part_lse, out, num_splits)
     return out
-
-
-def _many_programs(query: torch.Tensor, num_kv_heads: int) -> bool:
-    """Whether a program per (sequence, KV head) fills the SMs many times over: where the packed
-    kernel runs one-warp programs in waves, and stream-K's one wave applies."""
-    programs = query.shape[0] * num_kv_heads
-    return programs >= _FP8_ONE_WARP_PROGRAMS_PER_SM * num_sms(query.device)
-
-
-# One-warp programs of the packed kernels an SM holds at once: two a sub-partition, its 16,384
-# registers over 32 threads of at most 255 (the packed tile takes 197, the stream-K one 255:
-# benchmarks/results/2026-12-05-cpu-decode-stream-k-sass), and 24 KiB of shared memory each (9
-# would fit). The driver confirmed 8 for the packed kernel (docs/performance.md, "The H200 on
-# 2026-12-05"); a GPU test checks the stream-K kernel's registers and shared memory against it.
-STREAM_K_PROGRAMS_PER_SM = 8
-# KILN_DECODE_STREAM_K_NATURAL=1: stream-K's key loop keeps two tiles in flight
-# (decode_attention_packed._attend_packed_natural) at its measured tile, 8-key sub-tiles, one
-# warp, 3 stages: 28 KiB of shared memory a program, so 7 an SM. Off until measured.
-STREAM_K_NATURAL: bool = envs().decode_stream_k_natural
-_NATURAL_TILE = (8, 1, 3)
-_NATURAL_PROGRAMS_PER_SM = 7
-
-
-def stream_k_programs(device: torch.device, natural: bool = False) -> int:
-    """The stream-K grid: the programs the GPU holds at once (more would run a second, nearly
-    empty wave; fewer would leave SMs short of loads in flight)."""
-    per_sm = _NATURAL_PROGRAMS_PER_SM if natural else STREAM_K_PROGRAMS_PER_SM
-    return STREAM_K_PROGRAMS or per_sm * num_sms(device)
 
 
 def _grid(num_seqs: int, num_kv_heads: int, num_splits: int, heads_first: bool) -> tuple:
@@ -549,19 +449,17 @@ def _reduce(part_out, part_lse, out, num_splits: int) -> None:
 
 
 def _packed_decode(
-    query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, pack, heads_first,
-    head_major,
-) -> torch.Tensor:  # fmt: skip
+    query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, pack
+) -> torch.Tensor:
     """paged_decode_attention_splits through decode_attention_packed's kernel."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    tiles = _packed_tile_config(block_size, query.device, num_seqs * num_kv_heads * num_splits)
-    block_n, num_warps, num_stages = tiles[:3]
-    # A sweep may force a fourth element: the compiler's register cap (Triton's maxnreg).
-    launch_options = {"maxnreg": tiles[3]} if len(tiles) > 3 and tiles[3] else {}
+    block_n, num_warps, num_stages = _packed_tile_config(
+        block_size, query.device, num_seqs * num_kv_heads * num_splits
+    )
     split = num_splits > 1
     part_out, part_lse = _split_buffers(query, num_splits) if split else (out, out)
-    grid = _grid(num_seqs, num_kv_heads, num_splits, heads_first)
+    grid = _grid(num_seqs, num_kv_heads, num_splits, heads_first=False)
     _decode_packed_kernel[grid](
         *_pointer_args(
             query,
@@ -584,53 +482,9 @@ def _packed_decode(
         SPLIT=split,
         DOT_PRECISION=dot_precision(query.dtype),
         FP16_DOTS=fp16_dots(query, k_cache),
-        HEADS_FIRST=heads_first,
-        HEAD_MAJOR=head_major,
         num_warps=num_warps,
         num_stages=num_stages,
-        **launch_options,
     )
     if split:
         _reduce(part_out, part_lse, out, num_splits)
-    return out
-
-
-def _stream_k_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, out, pack, head_major):
-    """paged_decode_attention_splits, unsplit, through decode_attention_stream_k's kernel."""
-    num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    natural = STREAM_K_NATURAL
-    # The packed kernel's tile at many programs an SM (its one-warp programs), or the natural
-    # loop's (the interpreter's cost grows with warps: one there, and its one stage).
-    block_n, num_warps, num_stages = (
-        _NATURAL_TILE
-        if natural
-        else _packed_tile_config(block_size, query.device, num_seqs * num_kv_heads)[:3]
-    )
-    if natural and query.device.type != "cuda":
-        num_stages = 1
-    programs = stream_k_programs(query.device, natural)
-    part_out = torch.empty(
-        (2 * programs, group, head_dim), dtype=torch.float32, device=query.device
-    )
-    part_lse = torch.empty((2 * programs, group), dtype=torch.float32, device=query.device)
-    _decode_stream_k_kernel[(programs,)](
-        query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        counters(query.device), scale * _LOG2E, query.stride(0), query.stride(1), out.stride(0),
-        out.stride(1), block_tables.stride(0), num_seqs,
-        NUM_KV_HEADS=num_kv_heads,
-        GROUP=group,
-        PACK=pack,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(query.dtype),
-        FP16_DOTS=fp16_dots(query, k_cache),
-        SCAN=1024,
-        HEAD_MAJOR=head_major,
-        NATURAL=natural,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )  # fmt: skip
     return out

@@ -5,9 +5,9 @@ decode_attention.paged_decode_attention_splits, which picks this kernel).
 Why: decode_attention._decode_kernel puts a KV head's GROUP query heads (4 for Llama-3.1-8B) in the
 M dimension of tl.dot, padded to 16, its minimum. Twelve of the sixteen rows are zeros that the
 program carries through every step: the fp32 accumulator [16, head_dim], the scores and their
-softmax (exp2 on 16 rows a key, 4 of them wanted). Over a float8 cache the one-warp program holds
-255 registers, an SM keeps 8 of them, and per key a float8 tile costs 77% of a bf16 tile for half
-its bytes (docs/performance.md, "The H200 on 2026-12-02, fifth run").
+softmax (exp2 on 16 rows a key, 4 of them wanted). Over a float8 cache the one-warp program held
+255 registers, an SM kept 8 of them, and per key a float8 tile cost 77% of a bf16 tile on an H200
+for half its bytes.
 
 Here row r of the tile is query head r % GROUP of sub-partition r // GROUP: each iteration visits
 PACK * BLOCK_N keys, sub-partition s taking keys [s * BLOCK_N, (s + 1) * BLOCK_N) of it. The query
@@ -38,10 +38,10 @@ from kiln.kernels.triton._kv_layout import kv_head_offset, kv_tile_offsets
 def _sub_tile(
     cache_ptr, block_table, n0, offs_n, end, head_offset, dims,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_MAJOR: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Keys [n0, n0 + BLOCK_N) of one KV head (head_offset: _kv_layout.kv_head_offset), [BLOCK_N,
-    HEAD_DIM] raw from the cache (zeros past `end`), its blocks token- or head-major."""
+    HEAD_DIM] raw from the cache (zeros past `end`)."""
     n = n0 + offs_n
     n_mask = n < end
     if BLOCK_SIZE % BLOCK_N == 0:
@@ -49,13 +49,12 @@ def _sub_tile(
         block_id = tl.load(block_table + n0 // BLOCK_SIZE, mask=n0 < end, other=0).to(tl.int64)
         offsets = kv_tile_offsets(
             block_id, (n0 % BLOCK_SIZE) + offs_n, head_offset, dims, NUM_KV_HEADS, HEAD_DIM,
-            BLOCK_SIZE, HEAD_MAJOR,
+            BLOCK_SIZE,
         )  # fmt: skip
     else:
         block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         offsets = kv_tile_offsets(
             block_ids, n % BLOCK_SIZE, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-            HEAD_MAJOR,
         )  # fmt: skip
     return tl.load(cache_ptr + offsets, mask=n_mask[:, None], other=0.0)
 
@@ -66,7 +65,7 @@ def _attend_packed(
     stride_q_seq, stride_q_head, stride_bt_seq,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP16_DOTS: tl.constexpr, HEAD_MAJOR: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
 ):  # fmt: skip
     """A KV head's GROUP query heads over keys [start, end) of sequence `seq`: (out [GROUP,
     HEAD_DIM] fp32, normalised; lse [GROUP], log2 domain). No key (start >= end) gives zeros and
@@ -90,13 +89,13 @@ def _attend_packed(
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    head_offset = kv_head_offset(kv_head, HEAD_DIM, BLOCK_SIZE, HEAD_MAJOR)
+    head_offset = kv_head_offset(kv_head, HEAD_DIM, BLOCK_SIZE)
     for n_start in range(start, end, PACK * BLOCK_N):
         s = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         for sub in tl.static_range(PACK):
             k = _sub_tile(
                 k_cache_ptr, block_table, n_start + sub * BLOCK_N, offs_n, end, head_offset,
-                dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, HEAD_MAJOR,
+                dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
             )  # fmt: skip
             scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
             s = tl.where((sub_of_row == sub)[:, None], scores, s)
@@ -113,7 +112,7 @@ def _attend_packed(
         for sub in tl.static_range(PACK):
             v_raw = _sub_tile(
                 v_cache_ptr, block_table, n_start + sub * BLOCK_N, offs_n, end, head_offset,
-                dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, HEAD_MAJOR,
+                dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
             )  # fmt: skip
             if FP16_DOTS:  # noqa: SIM108 (resolved at compile time)
                 v = fp8e4m3_to_fp16(v_raw)  # not v.to(tl.float16): see _fp8.py
@@ -143,76 +142,9 @@ def _merge_rows(m_i, l_i, acc, GROUP: tl.constexpr, PACK: tl.constexpr, HEAD_DIM
 
 
 @triton.jit
-def _attend_packed_natural(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, end, qk_scale,
-    stride_q_seq, stride_q_head, stride_bt_seq,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP16_DOTS: tl.constexpr, HEAD_MAJOR: tl.constexpr,
-):  # fmt: skip
-    """_attend_packed's arithmetic (the same keys in the same rows) with the loads of one trip
-    free to overlap the last's: a trip's PACK * BLOCK_N keys are one tile, each row's scores the
-    whole q @ K^T with keys outside its sub-partition at -inf (so P @ V needs no selection), and
-    the block ids are loaded a trip ahead, which lets Triton's pipeliner keep two tiles in flight
-    at 3 stages. 3.3% faster than _attend_packed's loop a layer at 768 x 1.5k on an H200 with
-    8-key sub-tiles, but 7 programs an SM instead of 8 (shared memory), and no faster end to end
-    on a per-head grid (benchmarks/results/2026-12-03-h200-decode-pipelining-l2-prefetch/call1);
-    under stream-K the grid no longer runs in waves, which is what is left to measure."""
-    ROWS: tl.constexpr = PACK * GROUP
-    TILE: tl.constexpr = PACK * BLOCK_N
-    rows = tl.arange(0, ROWS)
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr
-        + seq.to(tl.int64) * stride_q_seq
-        + (kv_head * GROUP + rows % GROUP)[:, None] * stride_q_head
-        + dims[None, :]
-    )
-    if FP16_DOTS:
-        q = q.to(tl.float16)
-    offs = tl.arange(0, TILE)
-    own = (rows // GROUP)[:, None] == (offs // BLOCK_N)[None, :]  # [ROWS, TILE]: block diagonal
-    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    head_offset = kv_head_offset(kv_head, HEAD_DIM, BLOCK_SIZE, HEAD_MAJOR)
-    n = start + offs
-    block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n < end, other=0).to(tl.int64)
-    for n_start in range(start, end, TILE):
-        n = n_start + offs
-        n_mask = n < end
-        n_next = n + TILE
-        next_ids = tl.load(block_table + n_next // BLOCK_SIZE, mask=n_next < end, other=0)
-        offsets = kv_tile_offsets(
-            block_ids, n % BLOCK_SIZE, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-            HEAD_MAJOR,
-        )  # fmt: skip
-        k = tl.load(k_cache_ptr + offsets, mask=n_mask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-        s = tl.where(own & n_mask[None, :], s * qk_scale, float("-inf"))  # [ROWS, TILE]
-        # The online softmax, safe for rows with no key yet (m stays -inf: they weigh nothing).
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-        acc = acc * alpha[:, None]
-        v_raw = tl.load(v_cache_ptr + offsets, mask=n_mask[:, None], other=0.0)
-        if FP16_DOTS:  # noqa: SIM108 (resolved at compile time)
-            v = fp8e4m3_to_fp16(v_raw)  # not v.to(tl.float16): see _fp8.py
-        else:
-            v = v_raw.to(q.dtype)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        block_ids = next_ids.to(tl.int64)
-    return _merge_rows(m_i, l_i, acc, GROUP, PACK, HEAD_DIM)
-
-
-@triton.jit
 def _decode_packed_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], token- or head-major
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], head-major
     v_cache_ptr,
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
@@ -235,15 +167,9 @@ def _decode_packed_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
-    HEADS_FIRST: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (kiln/kernels/kv_layout.py)
 ):
-    if HEADS_FIRST:
-        kv_head = tl.program_id(0)
-        seq = tl.program_id(1)
-    else:
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     partition_size, num_valid = _partition(seq_len, num_splits, PACK * BLOCK_N)
@@ -259,7 +185,7 @@ def _decode_packed_kernel(
     out, lse = _attend_packed(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, end, qk_scale,
         stride_q_seq, stride_q_head, stride_bt_seq, NUM_KV_HEADS, GROUP, PACK, HEAD_DIM,
-        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, FP16_DOTS, HEAD_MAJOR,
+        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, FP16_DOTS,
     )  # fmt: skip
     dims = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + tl.arange(0, GROUP)

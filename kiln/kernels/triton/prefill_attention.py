@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.kv_layout import head_major as cache_head_major
+from kiln.kernels.kv_layout import check_head_major
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 from kiln.kernels.triton._kv_layout import kv_head_offset as kv_head_offset_of
@@ -46,7 +46,6 @@ def _attend_tile(
     MASKED: tl.constexpr,  # apply the causal / end-of-context mask
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr,
 ):
     n = n_start + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -57,7 +56,7 @@ def _attend_tile(
         block_ids = tl.load(block_table + n // BLOCK_SIZE)
     kv_offsets = kv_tile_offsets(
         block_ids.to(tl.int64), n % BLOCK_SIZE, kv_head_offset, dims, NUM_KV_HEADS, HEAD_DIM,
-        BLOCK_SIZE, HEAD_MAJOR,
+        BLOCK_SIZE,
     )  # fmt: skip
     kv_mask = n_mask[:, None] & dim_mask[None, :]
     k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
@@ -78,7 +77,7 @@ def _attend_tile(
 @triton.jit
 def _prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], token- or head-major
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], head-major
     v_cache_ptr,
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
@@ -99,7 +98,6 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
-    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (kiln/kernels/kv_layout.py)
 ):
     # Reversed so the longest (last, most keys under the causal mask) tiles start first.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -134,7 +132,7 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    kv_head_offset = kv_head_offset_of(head // GROUP, HEAD_DIM, BLOCK_SIZE, HEAD_MAJOR)
+    kv_head_offset = kv_head_offset_of(head // GROUP, HEAD_DIM, BLOCK_SIZE)
 
     # Keys before the tile's first query position are visible to all its rows (and all < seq_len).
     first_pos = context_len + m_block * BLOCK_M
@@ -144,7 +142,6 @@ def _prefill_kernel(
             acc, l_i, m_i, q, q_pos, n_start, seq_len, block_table, k_cache_ptr, v_cache_ptr,
             kv_head_offset, dims, dim_mask, qk_scale,
             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, FP16_DOTS,
-            HEAD_MAJOR,
         )  # fmt: skip
     # The diagonal: the first of these tiles holds key `first_pos`, seen by every row.
     causal_end = tl.minimum(seq_len, first_pos + BLOCK_M)
@@ -153,7 +150,6 @@ def _prefill_kernel(
             acc, l_i, m_i, q, q_pos, n_start, seq_len, block_table, k_cache_ptr, v_cache_ptr,
             kv_head_offset, dims, dim_mask, qk_scale,
             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP16_DOTS,
-            HEAD_MAJOR,
         )  # fmt: skip
 
     out = acc / l_i[:, None]
@@ -210,7 +206,7 @@ def paged_prefill_attention(
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
-    head_major = cache_head_major(k_cache, v_cache)
+    check_head_major(k_cache, v_cache)
     out = output_like(query, out)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
@@ -251,7 +247,6 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(query.dtype),
         FP16_DOTS=fp16_dots(query, k_cache),
-        HEAD_MAJOR=head_major,
         num_warps=num_warps,
         num_stages=num_stages,
     )

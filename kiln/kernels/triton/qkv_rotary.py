@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.kv_layout import head_major as cache_head_major
+from kiln.kernels.kv_layout import check_head_major
 from kiln.kernels.reference import FP8_E4M3_MAX, split_qkv_heads
 from kiln.kernels.triton import small_batch_tiles, split_k
 from kiln.kernels.triton._device import dot_precision
@@ -42,16 +42,13 @@ from kiln.kernels.triton.small_batch_linear import (
 
 @triton.jit
 def _cache_columns(
-    slot, columns, KV_SIZE: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr,
-):  # fmt: skip
+    slot, columns, KV_SIZE: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr
+):
     """Element offsets in a K or V cache of the token at `slot` (int64): columns (head * head_dim
     + dim) of its KV_SIZE-long row."""
-    if HEAD_MAJOR:
-        base = kv_slot_base(slot, KV_SIZE // (2 * HALF), 2 * HALF, BLOCK_SIZE, True)
-        head = columns // (2 * HALF)
-        return base + kv_head_offset(head, 2 * HALF, BLOCK_SIZE, True) + columns % (2 * HALF)
-    return slot * KV_SIZE + columns  # a token's row: KV_SIZE consecutive elements
+    base = kv_slot_base(slot, KV_SIZE // (2 * HALF), 2 * HALF, BLOCK_SIZE)
+    head = columns // (2 * HALF)
+    return base + kv_head_offset(head, 2 * HALF, BLOCK_SIZE) + columns % (2 * HALF)
 
 
 @triton.jit
@@ -65,7 +62,7 @@ def _qkv_rotary_write_kv_kernel(
     positions_ptr,  # [1] int64
     cos_sin_ptr,  # [max_positions, 2 * HALF] fp32, contiguous
     q_out_ptr,  # [Q_SIZE]: the rotated query
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], token- or head-major
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], head-major
     v_cache_ptr,
     slot_mapping_ptr,  # [1] int64; negative: a padding token, not written
     w_scale_ptr,  # [Q_SIZE + 2 * KV_SIZE] fp32 per-row weight scales, read when QUANT
@@ -91,7 +88,6 @@ def _qkv_rotary_write_kv_kernel(
     INTERPRETED: tl.constexpr,
     SWAP_AB: tl.constexpr,  # small_batch_linear._times
     BLOCK_SIZE: tl.constexpr,  # the cache's
-    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (kiln/kernels/kv_layout.py)
 ):
     tl.static_assert(SPLIT_K == 1 or QUANT != 0, "bf16 norm: no split-K")
     num_pairs: tl.constexpr = (Q_SIZE + 2 * KV_SIZE) // 2
@@ -156,15 +152,11 @@ def _qkv_rotary_write_kv_kernel(
     tl.store(q_out_ptr + lo + HALF, rot2, mask=is_q)
     if slot >= 0:
         is_k = pair_mask & (lo >= Q_SIZE) & (lo < Q_SIZE + KV_SIZE)
-        k_dst = k_cache_ptr + _cache_columns(
-            slot, lo - Q_SIZE, KV_SIZE, HALF, BLOCK_SIZE, HEAD_MAJOR
-        )
+        k_dst = k_cache_ptr + _cache_columns(slot, lo - Q_SIZE, KV_SIZE, HALF, BLOCK_SIZE)
         tl.store(k_dst, _to_output(rot1, k_cache_ptr, FP8_MAX), mask=is_k)
         tl.store(k_dst + HALF, _to_output(rot2, k_cache_ptr, FP8_MAX), mask=is_k)
         is_v = pair_mask & (lo >= Q_SIZE + KV_SIZE)
-        v_dst = v_cache_ptr + _cache_columns(
-            slot, lo - Q_SIZE - KV_SIZE, KV_SIZE, HALF, BLOCK_SIZE, HEAD_MAJOR
-        )
+        v_dst = v_cache_ptr + _cache_columns(slot, lo - Q_SIZE - KV_SIZE, KV_SIZE, HALF, BLOCK_SIZE)
         tl.store(v_dst, _to_output(x1.to(dtype), v_cache_ptr, FP8_MAX), mask=is_v)
         tl.store(v_dst + HALF, _to_output(x2.to(dtype), v_cache_ptr, FP8_MAX), mask=is_v)
 
@@ -206,6 +198,7 @@ def add_rms_norm_qkv_rotary_write_kv(
             positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping
         )
         return rotated, summed
+    check_head_major(k_cache, v_cache)
     q_size = weight.shape[0] - 2 * kv_size
     quant = _quant_mode(weight_scale, input_scale, x)
     x2 = _rows_2d(x)
@@ -262,7 +255,6 @@ def add_rms_norm_qkv_rotary_write_kv(
         INTERPRETED=x.device.type != "cuda",
         SWAP_AB=swap_ab(quant, block_n, x.device),
         BLOCK_SIZE=k_cache.shape[1],
-        HEAD_MAJOR=cache_head_major(k_cache, v_cache),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

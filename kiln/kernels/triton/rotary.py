@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.kv_layout import head_major as cache_head_major
+from kiln.kernels.kv_layout import check_head_major
 from kiln.kernels.reference import FP8_E4M3_MAX
 from kiln.kernels.triton._kv_layout import kv_head_offset, kv_slot_base
 
@@ -66,7 +66,7 @@ def _rotary_write_kv_kernel(
     k_ptr,  # [num_tokens, num_kv_heads, head_dim]
     v_ptr,  # [num_tokens, num_kv_heads, head_dim]
     q_out_ptr,  # [num_tokens, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], token- or head-major
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], head-major
     v_cache_ptr,
     slot_mapping_ptr,  # [num_tokens] int64; negative: a padding token, not written
     cos_sin_ptr,  # [max_positions, head_dim] fp32, contiguous
@@ -86,7 +86,6 @@ def _rotary_write_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     FP8_MAX: tl.constexpr,  # > 0 for a float8 cache
     BLOCK_SIZE: tl.constexpr,  # the cache's
-    HEAD_MAJOR: tl.constexpr,  # the cache's blocks head-major (kiln/kernels/kv_layout.py)
 ):
     """One program per token: rotates its query heads (out) and key heads (into the cache at its
     slot), and copies its value heads into the cache. One launch instead of a rotary and a
@@ -104,8 +103,8 @@ def _rotary_write_kv_kernel(
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
         # The token's head 0 row in the cache, and the step from one head's row to the next's.
-        base = kv_slot_base(slot, NUM_KV_HEADS, 2 * HALF, BLOCK_SIZE, HEAD_MAJOR)
-        head_stride = kv_head_offset(1, 2 * HALF, BLOCK_SIZE, HEAD_MAJOR)
+        base = kv_slot_base(slot, NUM_KV_HEADS, 2 * HALF, BLOCK_SIZE)
+        head_stride = kv_head_offset(1, 2 * HALF, BLOCK_SIZE)
         _rotate_heads(
             k_ptr, k_cache_ptr + base, token, stride_k_token, stride_k_head, 0, head_stride, cos,
             sin, NUM_KV_HEADS, HALF, BLOCK_KV_H, BLOCK_HALF, FP8_MAX,
@@ -136,7 +135,7 @@ def rotary_embedding_write_kv(
     num_kv_heads = key.shape[1]
     assert key.shape == value.shape == (num_tokens, num_kv_heads, head_dim)
     assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.shape == v_cache.shape
-    head_major = cache_head_major(k_cache, v_cache)
+    check_head_major(k_cache, v_cache)
     assert cos_sin_cache.shape[1] == head_dim and head_dim % 2 == 0, "full-width rotary only"
     query, key, value = (t if t.stride(2) == 1 else t.contiguous() for t in (query, key, value))
     if not cos_sin_cache.is_contiguous():
@@ -158,7 +157,6 @@ def rotary_embedding_write_kv(
         BLOCK_HALF=triton.next_power_of_2(half),
         FP8_MAX=FP8_E4M3_MAX if fp8 else 0.0,
         BLOCK_SIZE=k_cache.shape[1],
-        HEAD_MAJOR=head_major,
         num_warps=4,
     )  # fmt: skip
     return q_out

@@ -89,7 +89,7 @@ def silu_and_mul(
 def _silu_f32(g, INTERPRETED: tl.constexpr):
     """g / (1 + exp(-g)) in fp32 as the GPU computes Triton's `g / (1.0 + tl.exp(-g))`, with
     the two SFU instructions that form uses and without its special-case code (~7 of the
-    quantizing kernel's ~28 SASS instructions a value, benchmarks/quant_sass_count.py):
+    quantizing kernel's ~28 SASS instructions a value):
     tl.exp is ex2.approx.f32 of g * -log2(e), whose non-ftz form rescales inputs below -126
     (results that are subnormal, where 1 + exp(-g) is 1 either way: ftz gives the same sum);
     `/` is div.full.f32, the reciprocal of 1 + exp(-g) times g, after rescaling both by 1/4
@@ -226,23 +226,22 @@ def _silu_and_mul_quant_fp8_static_kernel(
                                        REMAINDERS)  # fmt: skip
 
 
-# Up to this many rows a static scale takes the column grid. H200, d 14336, HBM-resident inputs
-# (benchmarks/results/2026-12-03-h200-silu-static-grid/, silu_quant_static.json): 1024 columns
-# and 4 warps 10-18% faster than the row kernel at 64-1000 rows (960: 20.1 -> 17.7 us); at 8192
-# and 16384 rows the row kernel 1.5-2.7% faster than the grid's best (137.1 against 138.5 us at
-# 8192). Not measured between 1000 and 8192; the switch sits between them.
+# Up to this many rows a static scale takes the column grid. H200, d 14336, HBM-resident inputs:
+# 1024 columns and 4 warps 10-18% faster than the row kernel at 64-1000 rows (960: 20.1 -> 17.7 us);
+# at 8192 and 16384 rows the row kernel 1.5-2.7% faster than the grid's best (137.1 against 138.5 us
+# at 8192). Not measured between 1000 and 8192; the switch sits between them.
 _STATIC_GRID_MAX_ROWS = 4096
 
 
 def _static_quant_tiles(d: int, num_rows: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) of _silu_and_mul_quant_fp8_static_kernel (a function so the H200
-    sweep, benchmarks/silu_quant_sweep.py --static, can force each)."""
+    """(BLOCK, num_warps) of _silu_and_mul_quant_fp8_static_kernel (a function, so a sweep can
+    force each)."""
     return min(1024, triton.next_power_of_2(d)), 4
 
 
 def _quant_tiles(d: int, num_rows: int) -> tuple[bool, int, int]:
     """(one pass, BLOCK, num_warps) of _silu_and_mul_quant_fp8_kernel for rows of width d (a
-    function so the H200 sweep, benchmarks/silu_quant_sweep.py, can force each)."""
+    function, so a sweep can force each)."""
     # Read at call time (host side), so tests can lower them to run the two-pass loop.
     one_pass = d <= _QUANT_ONE_PASS_MAX
     block = triton.next_power_of_2(d) if one_pass else _QUANT_LOOP_BLOCK

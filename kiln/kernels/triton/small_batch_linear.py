@@ -3,20 +3,20 @@ gate_up (twins of reference.linear, reference.add_rms_norm_linear and
 reference.add_rms_norm_linear_silu_mul).
 
 At batch-1 decode a linear layer is a matrix-vector product bound by reading its weight once, and
-the small kernels between them cost more than their bytes: on an H200 (Llama-3.1-8B, 1k context,
-benchmarks/results/profile_decode_b1_h200.txt) each layer ran two RMSNorms (2.1 us each), a SiLU-mul
-(1.5 us) and two cuBLAS split-K reduces (1.7 us each) around four GEMVs, ~9 us of a 148 us layer
-plus the gaps between launches. Here each program owns BLOCK_N output columns for every row and
-streams its [BLOCK_N, K] slice of the weight once (rows padded to tl.dot's minimum of 16; a
-float8 tile of 64 rows or more is the dot's first operand, a wgmma from shared memory: _times). A
-launch may instead cut K over several programs per tile, their partial sums reduced inside the
-same kernel (split_k.py; which launches, and their tiles: small_batch_tiles.py). For one row
-(batch-1 decode) the residual add and RMSNorm before qkv_proj and gate_up_proj run inside the
-matmul's loop, on [BLOCK_K] vectors: h = x + residual (the residual stream, written out in
-slices, one per program), times the norm weight; RMSNorm's scale is one scalar per row, so the
-dot product is scaled by rsqrt(mean(h^2) + eps) at the end and the weight's stream never waits
-for it (in bf16; float8 needs the scale, and the absmax, before quantizing: a first pass over
-the row finds them). Each program reads the whole (tiny) input from L2.
+the small kernels between them cost more than their bytes: on an H200 (Llama-3.1-8B, 1k context)
+each layer ran two RMSNorms (2.1 us each), a SiLU-mul (1.5 us) and two cuBLAS split-K reduces (1.7
+us each) around four GEMVs, ~9 us of a 148 us layer plus the gaps between launches. Here each
+program owns BLOCK_N output columns for every row and streams its [BLOCK_N, K] slice of the weight
+once (rows padded to tl.dot's minimum of 16; a float8 tile of 64 rows or more is the dot's first
+operand, a wgmma from shared memory: _times). A launch may instead cut K over several programs per
+tile, their partial sums reduced inside the same kernel (split_k.py; which launches, and their
+tiles: small_batch_tiles.py). For one row (batch-1 decode) the residual add and RMSNorm before
+qkv_proj and gate_up_proj run inside the matmul's loop, on [BLOCK_K] vectors: h = x + residual (the
+residual stream, written out in slices, one per program), times the norm weight; RMSNorm's scale is
+one scalar per row, so the dot product is scaled by rsqrt(mean(h^2) + eps) at the end and the
+weight's stream never waits for it (in bf16; float8 needs the scale, and the absmax, before
+quantizing: a first pass over the row finds them). Each program reads the whole (tiny) input from
+L2.
 For gate_up a program streams the gate rows of its output columns and the matching up rows, and
 writes silu(gate) * up: the MLP's activation costs no kernel of its own.
 
@@ -32,19 +32,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kiln.envs import envs
 from kiln.kernels.triton import fp8_gemm, small_batch_tiles, split_k
 from kiln.kernels.triton._device import dot_precision
 from kiln.kernels.triton.fp8_gemm import scaled_to_e4m3
 from kiln.kernels.triton.rms_norm import add_rms_norm_quant_fp8, fused_add_rms_norm, rms_norm
 from kiln.kernels.triton.silu_mul import silu_and_mul, silu_and_mul_quant_fp8
 
-# Above this cuBLAS's GEMM tiles win, and the small kernels matter less.
-# KILN_FUSED_LINEAR_MAX_ROWS=0 turns the fused kernels off (the benchmarks' A/B switch).
-MAX_ROWS = envs().fused_linear_max_rows
-# The weight tile as the dot's first operand for float8 weights (_times); a module attribute so
-# a benchmark can time both in one process.
-SWAP_AB = envs().small_batch_swap_ab
+# Most rows the small-batch kernels take: above it cuBLAS's GEMM tiles win, and the small kernels
+# matter less.
+MAX_ROWS = 8
 
 _PLAIN, _NORM, _ADD_NORM = 0, 1, 2
 
@@ -69,8 +65,7 @@ def _times(a, w, acc, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr):
     a float8 wgmma reading the tile straight from shared memory (64 weight rows are its M, the
     16 padded input rows its N) instead of an HMMA fed by the tile widened to fp16 in registers
     (sm_90 SASS of the one-row loop: no F2FP, LDSM or HMMA left, 8 QGMMA a trip). Batch-1
-    decode +3.3% on an H100, +1.7% on an H200 (docs/performance.md, "Batch 1: the weight tile
-    as the float8 dot's first operand", "Batch 1 on the H200 with the swapped dot")."""
+    decode +3.3% on an H100, +1.7% on an H200."""
     if SWAP_AB:  # a constexpr branch: one result type per compiled variant
         acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
     else:
@@ -158,7 +153,7 @@ def _project(
     # the activation scale here and by the caller's per-column weight scales) with activations
     # quantized here per row (1, dynamic) or by in_scale (2, static), or given in float8 with a
     # scale per row (3) or one static scale (4) at in_scale_ptr
-    FP8_DOT: tl.constexpr = False,  # float8 x float8 dots (else both widened to fp16, exact)
+    FP8_DOT: tl.constexpr = False,  # float8 x float8 dots (the interpreter: both widened to fp16)
     INTERPRETED: tl.constexpr = False,  # the Triton interpreter (see fp8_gemm.round_to_e4m3_grid)
     FP8_MAX: tl.constexpr = 448.0,
     MIN_SCALE: tl.constexpr = 1e-12,
@@ -450,7 +445,7 @@ def _fits(
             input_scale is None or input_scale.numel() == 1
         )
     return (
-        0 < _rows(x) <= (min(1, MAX_ROWS) if one_row else MAX_ROWS)
+        0 < _rows(x) <= (1 if one_row else MAX_ROWS)
         and weight.stride(1) == 1  # rows may lie further apart than K (aligned rows)
         and weight.shape[1] == k
         and dtypes_ok
@@ -483,12 +478,13 @@ def swap_ab(quant: int, dot_rows: int, device: torch.device) -> bool:
     weights, in tiles of at least 64 rows on the GPU (a wgmma's M; below it Triton makes an HMMA
     of the swapped dot, with more registers than the plain one). The interpreter runs the same
     swapped code on its fp16-widened operands at its small tiles."""
-    return SWAP_AB and quant != 0 and (device.type != "cuda" or dot_rows >= 64)
+    return quant != 0 and (device.type != "cuda" or dot_rows >= 64)
 
 
 def _fp8_dot(device: torch.device) -> bool:
-    """float8 x float8 dots on the GPU's tensor cores; the interpreter widens to fp16 (exact)."""
-    return device.type == "cuda" and envs().fp8_small_batch_dot
+    """float8 x float8 dots on the GPU's tensor cores; the interpreter, which has no float8 dot,
+    widens both operands to fp16 (exact)."""
+    return device.type == "cuda"
 
 
 def _launch(

@@ -1,21 +1,17 @@
 """The small-batch linear kernels' launch shapes, chosen in one place: the tiles, the pipeline
 depth and the split-K factor of every launch of small_batch_linear's and qkv_rotary's kernels.
 
-A measured entry (MEASURED_TILES, written from an H200 sweep, benchmarks/fp8_small_batch_sweep.py)
-wins; otherwise the rule below, fitted to the bf16 sweeps, with no split (one program per tile).
-KILN_SMALL_BATCH_TILES names a sweep's JSON whose suggestions win over both (the A/B of a sweep's
-choice in the same GPU run, before the table is edited).
+A measured entry (MEASURED_TILES, written from the small-batch tile tuner's GPU sweeps) wins;
+otherwise the rule below, fitted to the bf16 sweeps, with no split (one program per tile).
 """
 
 from __future__ import annotations
 
-import json
 from typing import NamedTuple
 
 import torch
 import triton
 
-from kiln.envs import envs
 from kiln.kernels.triton._device import num_sms
 
 # The kernels, as the table names them: the plain projection (`linear`, also the 2-8 row float8
@@ -40,14 +36,12 @@ class Tiles(NamedTuple):
     # absmax of a dynamic activation scale, RMSNorm's sum of squares); 0: block_k
 
 
-# (kernel, weight rows, K, weight element bytes, one row) -> Tiles, from GPU sweeps; every
-# configuration they time is checked against a reference on the GPU. Llama-3.1-8B's float8
-# projections: an H200 sweep (benchmarks/fp8_small_batch_sweep.py,
-# benchmarks/results/2026-12-01-h200-final-wave/run1: batch-1 decode 256.5 -> 314.9 tok/s with
-# them), then the one-row entries again for the dot with the weight tile first
-# (small_batch_linear._times; benchmarks/small_batch_swap_ab.py on an H100, static scales,
-# benchmarks/results/2026-12-05-h100-small-batch-swap-ab: batch 1 282.2 -> 291.5 tok/s there).
-# us per call on that H100, the tiles before in brackets. The 2-8 row qkv keeps the rule.
+# (kernel, weight rows, K, weight element bytes, one row) -> Tiles, from the tile tuner's GPU
+# sweeps, every configuration checked against a reference on the GPU. Llama-3.1-8B's float8
+# projections: batch-1 decode 256.5 -> 314.9 tok/s on an H200 with them; the one-row entries
+# retimed for the dot with the weight tile first (small_batch_linear._times), static scales,
+# batch 1 282.2 -> 291.5 tok/s on an H100. Times are us per call on that H100, the tiles before
+# in brackets. The 2-8 row qkv keeps the rule.
 MEASURED_TILES: dict[tuple[str, int, int, int, bool], Tiles] = {
     # qkv + rotary + KV write, one row: 13.9 us (the same tiles: 32 pairs of rows a half are too
     # few for the swapped dot, and 64 were no faster, 14.0)
@@ -63,45 +57,23 @@ MEASURED_TILES: dict[tuple[str, int, int, int, bool], Tiles] = {
 }
 
 
-def load_tiles(path: str) -> dict[tuple[str, int, int, int, bool], Tiles]:
-    """The "suggested" entries of a benchmarks/fp8_small_batch_sweep.py JSON, as table entries:
-    each [kernel, weight rows, K, element bytes, one row, [Tiles fields], us, us before]."""
-    try:
-        with open(path) as f:
-            suggested = json.load(f)["suggested"]
-        table = {}
-        for kernel, n, k, element_size, one_row, tiles, *_ in suggested:
-            if kernel not in KERNELS:
-                raise ValueError(f"unknown kernel {kernel!r}")
-            table[(kernel, int(n), int(k), int(element_size), bool(one_row))] = Tiles(*tiles)
-    except (OSError, KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"KILN_SMALL_BATCH_TILES={path}: not a sweep's tiles ({exc})") from None
-    return table
-
-
-_FROM_ENV = load_tiles(envs().small_batch_tiles) if envs().small_batch_tiles else {}
-
-
 # Outlier columns (quantization/outlier_columns.py) append 16-128 remainder columns to a
 # projection's K; such a launch takes the tiles measured for K itself (without them, the rule's
-# unsplit tiles ran a one-row o_proj at K + 16 in 10.3 us against 6.8 for the plain projection:
-# benchmarks/results/2026-12-05-h200-outlier-e2e-one-row-cost/).
+# unsplit tiles ran a one-row o_proj at K + 16 in 10.3 us on an H200 against 6.8 for the plain
+# projection).
 MAX_EXTRA_COLUMNS = 128
 
 
 def _measured(kernel: str, n: int, k: int, element_size: int, one_row: bool) -> Tiles | None:
-    """The entry for this launch (a sweep's first, then the table), or for the largest K up to
-    MAX_EXTRA_COLUMNS below k with everything else equal."""
-    for table in (_FROM_ENV, MEASURED_TILES):
-        near = [
-            (key_k, tiles)
-            for (key_kernel, key_n, key_k, key_size, key_one_row), tiles in table.items()
-            if (key_kernel, key_n, key_size, key_one_row) == (kernel, n, element_size, one_row)
-            and k - MAX_EXTRA_COLUMNS <= key_k <= k
-        ]
-        if near:
-            return max(near)[1]
-    return None
+    """The table's entry for this launch, or for the largest K up to MAX_EXTRA_COLUMNS below k
+    with everything else equal."""
+    near = [
+        (key_k, tiles)
+        for (key_kernel, key_n, key_k, key_size, key_one_row), tiles in MEASURED_TILES.items()
+        if (key_kernel, key_n, key_size, key_one_row) == (kernel, n, element_size, one_row)
+        and k - MAX_EXTRA_COLUMNS <= key_k <= k
+    ]
+    return max(near)[1] if near else None
 
 
 def tile_config(
@@ -117,9 +89,9 @@ def tile_config(
     if measured is not None:
         return measured
     # As many columns per program as still leave about one program per SM. H200 sweeps at
-    # Llama-3.1-8B shapes (benchmarks/results/fused_linear/run2): plain, 32 KiB weight tiles in 4
-    # stages (o_proj, down: 32 x 512); with the norm fused, 3 stages, and 128-wide K steps when
-    # the programs outnumber the SMs (qkv 64 x 256: 17.2 us; gate_up 64 x 128: 57.5 us).
+    # Llama-3.1-8B shapes: plain, 32 KiB weight tiles in 4 stages (o_proj, down: 32 x 512); with
+    # the norm fused, 3 stages, and 128-wide K steps when the programs outnumber the SMs (qkv
+    # 64 x 256: 17.2 us; gate_up 64 x 128: 57.5 us).
     sms = num_sms(device)
     block_n = 64 if triton.cdiv(n, 64) >= 0.7 * sms else 32
     block_k = 32768 // (block_n * element_size)

@@ -5,7 +5,7 @@ Why: at one row a projection is a weight stream, and a program streams its [BLOC
 with as many loads in flight as its pipeline stages allow. With one program per SM (o_proj, down
 and qkv of Llama-3.1-8B at the tiles that keep every column in one program) that is too few
 bytes in flight to reach HBM's bandwidth, and a float8 tile, half the bytes of a bf16 one for
-the same loop cost, makes it worse (benchmarks/results/2026-12-01-h200-fp8-small-batch/). Cutting
+the same loop cost, makes it worse (measured on an H200). Cutting
 K over SPLIT_K programs multiplies the programs, and the loads in flight, by SPLIT_K.
 
 How the sums meet: each program stores its partial tile to a workspace ([SPLIT_K, ...] fp32,

@@ -1,7 +1,10 @@
-"""Benchmark proposer: drafts from a known continuation, each right with a set probability.
+"""The oracle: a measuring instrument that drafts from a known continuation, each draft right
+with a set probability, for `kiln bench` and the tests.
 
 Random weights accept nothing a real drafter proposes, so speed as a function of acceptance is
-measured with this. Two ways to set the acceptance:
+measured with this. It is not a speculative_config method (with `accept_by_draw` its output is
+not the model's text): `oracle_config` makes a SpeculativeConfig whose `instrument` it is, which
+the proposer factory builds in a method's place. Two ways to set the acceptance:
 
 - references (the exactness tests): given the target's own greedy outputs from a plain run,
   propose the next K reference tokens, each replaced by a wrong one with probability
@@ -23,7 +26,9 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+from kiln.spec_decode.config import SpeculativeConfig
 from kiln.spec_decode.proposer import DraftRequest, Proposer
 
 _GOLDEN = 0.6180339887498949  # frac of the golden ratio: the most evenly spread additive sequence
@@ -141,3 +146,61 @@ class OracleProposer(Proposer):
     def remove(self, req_id: str) -> None:
         self._match.pop(req_id, None)
         self._num_accepted.pop(req_id, None)
+
+
+@dataclass(frozen=True)
+class Oracle:
+    """The oracle's settings: a SpeculativeConfig's `instrument` (see oracle_config)."""
+
+    acceptance_rate: float = 1.0
+    """The probability that each proposed token is the reference's (accept_by_draw: that each
+    draft is accepted, until the first that is not)."""
+    token_ids: list[list[int]] = field(default_factory=list)
+    """Reference sequences (prompt + greedy continuation) that requests are matched to."""
+    always_propose: bool = False
+    """Propose K wrong tokens where no reference matches (verification-shaped steps)."""
+    accept_by_draw: bool = False
+    """The oracle's own seeded draw decides how many drafts each verification accepts
+    (P(at least i) = acceptance_rate^i), not the target: the measured acceptance length is the
+    one set whatever the weights do. No references needed; the text is not the target's."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.acceptance_rate <= 1.0:
+            raise ValueError(
+                f"Oracle.acceptance_rate must be in [0, 1], got {self.acceptance_rate!r}"
+            )
+
+    def build(self, num_speculative_tokens: int, vocab_size: int) -> OracleProposer:
+        return OracleProposer(
+            num_speculative_tokens,
+            self.token_ids,
+            self.acceptance_rate,
+            vocab_size,
+            always_propose=self.always_propose,
+            accept_by_draw=self.accept_by_draw,
+        )
+
+
+def oracle_config(
+    num_speculative_tokens: int,
+    oracle: Oracle,
+    num_speculative_tokens_by_batch_size: dict[int, int] | None = None,
+    disable_by_batch_size: int | None = None,
+) -> SpeculativeConfig:
+    """An EngineConfig's speculative_config that runs `oracle` as the proposer, K drafts a step
+    under SpeculativeConfig's K-by-batch policy (its two keys as there). In-process engines
+    only: the instrument is no JSON."""
+    return SpeculativeConfig(
+        method="oracle",
+        num_speculative_tokens=num_speculative_tokens,
+        num_speculative_tokens_by_batch_size=num_speculative_tokens_by_batch_size,
+        disable_by_batch_size=disable_by_batch_size,
+        instrument=oracle,
+    )
+
+
+def oracle_at_length(num_speculative_tokens: int, mean_length: float) -> SpeculativeConfig:
+    """The speed benchmark's oracle: K drafts a step, accepted by its own draw at the rate whose
+    mean acceptance length is `mean_length` (1 to K + 1 tokens a verification)."""
+    rate = acceptance_rate_for_length(mean_length, num_speculative_tokens)
+    return oracle_config(num_speculative_tokens, Oracle(rate, accept_by_draw=True))
