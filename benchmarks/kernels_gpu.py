@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from kiln.kernels.kv_layout import empty_cache
+
 # Runnable from a plain checkout (kiln need not be installed): put the repo root on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -121,6 +123,15 @@ def _time_graph(calls: list[Call], target_ms: float = 30.0) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _random(gen: torch.Generator) -> Callable:
+    """An allocator for empty_cache: standard normal values drawn from `gen`."""
+
+    def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device).to(dtype)
+
+    return allocate
+
+
 def _paged(
     seq_lens: list[int], s: Shapes, device: torch.device, gen: torch.Generator, copies: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -129,8 +140,8 @@ def _paged(
     per_seq = [(n + s.block_size - 1) // s.block_size for n in seq_lens]
     num_blocks = sum(per_seq) * copies
     shape = (num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
-    k_cache = torch.randn(shape, generator=gen, device=device).to(s.dtype)
-    v_cache = torch.randn(shape, generator=gen, device=device).to(s.dtype)
+    # Head-major blocks, as the engine allocates them (kiln.kernels.kv_layout).
+    k_cache, v_cache = (empty_cache(*shape, s.dtype, device, _random(gen)) for _ in "kv")
     order = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32)
     all_tables = []
     used = 0

@@ -40,12 +40,12 @@ import time
 import torch
 
 from kiln.bench.metrics import RequestTiming, throughput_report
+from kiln.bench.oracle import Oracle, acceptance_rate_for_length, oracle_config
 from kiln.bench.workload import synthetic_requests
 from kiln.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
 from kiln.runtime.model_loader import find_model_source
 from kiln.sampling_params import SamplingParams
-from kiln.spec_decode.oracle import acceptance_rate_for_length
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], output_len: int):
@@ -239,14 +239,12 @@ def run_phase(args) -> dict:
         # Every verification step must fit the decode buffers as one row per token.
         max_num_seqs=max(args.batches) * (k + 1),
     )
-    spec = {
-        "method": "oracle",
-        "num_speculative_tokens": k,
-        "acceptance_rate": 0.0,
-        "oracle_always_propose": True,
-        # The crossover is measured, not assumed: K drafts at every batch size here.
-        "num_speculative_tokens_by_batch_size": {max(args.batches): k},
-    }
+    # The crossover is measured, not assumed: K drafts at every batch size here.
+    spec = oracle_config(
+        k,
+        Oracle(acceptance_rate=0.0, always_propose=True),
+        num_speculative_tokens_by_batch_size={max(args.batches): k},
+    )
     batches, suffix = args.batches, ""
     if args.phase == "spec-sync":  # batch 1 only: the overlap's A/B
         base["async_scheduling"], batches, suffix = False, [1], "_sync"

@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from kiln.kernels.kv_layout import empty_cache
+
 HIDDEN, INTERMEDIATE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, VOCAB = 4096, 14336, 128, 32, 8, 128256
 L2_BYTES = 50 * 2**20
 SHAPES = {  # name: (the table's kernel at one row, weight rows, K)
@@ -127,7 +129,7 @@ class Projection:
         self.slots = torch.arange(rows, device=dev) + 16
         cache_shape = (4, 16, NUM_KV_HEADS, HEAD_DIM)
         fp8 = torch.float8_e4m3fn
-        self.caches = [torch.zeros(cache_shape, device=dev, dtype=fp8) for _ in "kv"]
+        self.caches = [empty_cache(*cache_shape, fp8, dev) for _ in "kv"]
 
     def call(self, ops, w: torch.Tensor) -> torch.Tensor:
         """The op as a decode layer calls it, from `ops` (the Triton kernels or their twin)."""
