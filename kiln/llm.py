@@ -5,13 +5,17 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kiln.checkpoint import prehash
 from kiln.config import EngineConfig
 from kiln.errors import InvalidRequestError
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
+from kiln.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 # vLLM's prompt forms: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
 Prompt = str | list[int] | dict[str, Any]
@@ -23,7 +27,7 @@ class LLM:
     `LLM("path/to/hf-dir")`, `LLM("model.gguf")` or `LLM("llama-3.1-8b", load_format="dummy")`
     load others. Keyword arguments are `EngineConfig` fields (max_num_seqs, block_size, ...)."""
 
-    def __init__(self, model: str | None = None, **engine_args: object) -> None:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         unknown = set(engine_args) - EngineConfig.field_names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
@@ -34,8 +38,9 @@ class LLM:
         # no torch for that reason: `from kiln import LLM` is cheap, the import happens below.
         start = time.perf_counter()
         queued = 0
-        if self._prehash_applies() and prehash.worth_it():
-            queued = prehash.start(os.path.expanduser(self.config.model))
+        directory = self._prehash_dir()
+        if directory is not None and prehash.worth_it():
+            queued = prehash.start(directory)
         try:
             from kiln.engine.llm_engine import LLMEngine
 
@@ -47,39 +52,44 @@ class LLM:
         # (torch's, in a fresh process), and how many shards were hashed beside them.
         self.startup = {"engine_import_s": imported - start, "prehash_shards": queued}
 
-    def _prehash_applies(self) -> bool:
-        """An engine directory loaded by this process alone (under TP/PP each rank reads its
-        own shards in its own process)."""
+    def _prehash_dir(self) -> str | None:
+        """The engine directory to prehash: one loaded by this process alone (under TP/PP each
+        rank reads its own shards in its own process); None otherwise."""
         c = self.config
-        return (
-            c.model is not None
-            and c.load_format == "auto"
-            and c.tensor_parallel_size == 1
-            and c.pipeline_parallel_size == 1
-            and os.path.isfile(os.path.join(os.path.expanduser(c.model), prehash.MANIFEST_FILE))
-        )
+        if (
+            c.model is None
+            or c.load_format != "auto"
+            or c.tensor_parallel_size != 1
+            or c.pipeline_parallel_size != 1
+        ):
+            return None
+        directory = os.path.expanduser(c.model)
+        return directory if os.path.isfile(os.path.join(directory, prehash.MANIFEST_FILE)) else None
 
     def shutdown(self) -> None:
         """Stop the engine's rank processes (tensor/pipeline parallel); a no-op otherwise."""
         self.engine.shutdown()
 
-    def get_tokenizer(self) -> object | None:
-        return self.engine.tokenizer
+    def get_tokenizer(self) -> Tokenizer | None:
+        return cast("Tokenizer | None", self.engine.tokenizer)  # the loader's
+
+    def _chat_tokenizer(self) -> Tokenizer:
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template", param="messages")
+        return tokenizer
 
     def apply_chat_template(
         self, messages: list[Message], add_generation_prompt: bool = True
     ) -> str:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise InvalidRequestError("this model has no chat template", param="messages")
-        return tokenizer.apply_chat_template(
+        return self._chat_tokenizer().apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
     def _chat_prompt_ids(self, messages: list[Message]) -> list[int]:
         # The template already holds any BOS token: encode without adding special tokens again.
         text = self.apply_chat_template(messages)
-        return self.engine.tokenizer.encode(text, add_special_tokens=False)
+        return self._chat_tokenizer().encode(text, add_special_tokens=False)
 
     def generate(
         self,
@@ -90,13 +100,11 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); returns outputs in prompt order."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
+        if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
             prompts = [prompts]
-        prompts = [_plain_prompt(p) for p in prompts]
-        texts = [p if isinstance(p, str) else None for p in prompts]
-        token_ids = [p if not isinstance(p, str) else None for p in prompts]
+        plain = [_plain_prompt(p) for p in prompts]
+        texts = [p if isinstance(p, str) else None for p in plain]
+        token_ids = [p if not isinstance(p, str) else None for p in plain]
         return self._run(texts, token_ids, sampling_params, use_tqdm, priority)
 
     def chat(
@@ -107,9 +115,9 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = [messages] if _is_conversation(messages) else messages
         prompt_ids = [self._chat_prompt_ids(c) for c in conversations]
-        texts = [self.engine.tokenizer.decode(ids) for ids in prompt_ids]
+        texts = [self._chat_tokenizer().decode(ids) for ids in prompt_ids]
         return self._run(texts, prompt_ids, sampling_params, use_tqdm, None)
 
     def stream(
@@ -119,9 +127,8 @@ class LLM:
     ) -> Iterator[str]:
         """Yield the text of one completion piece by piece as it is generated (a list of chat
         messages gets the chat template)."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            prompt = self._chat_prompt_ids(prompt)
-        req_id = self.engine.add_request(prompt, sampling_params)
+        plain = self._chat_prompt_ids(prompt) if _is_conversation(prompt) else _plain_prompt(prompt)
+        req_id = self.engine.add_request(plain, sampling_params)
         try:
             finished = False
             while not finished:
@@ -138,13 +145,14 @@ class LLM:
 
     def _run(
         self,
-        texts: list[str | None],
-        token_ids: list[list[int] | None],
+        texts: Sequence[str | None],
+        token_ids: Sequence[list[int] | None],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         priority: Sequence[int] | None,
     ) -> list[RequestOutput]:
         n = len(texts)
+        params_list: list[SamplingParams | None]
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != n:
                 raise InvalidRequestError(
@@ -179,10 +187,22 @@ class LLM:
             while pending:
                 for delta in self.engine.step():
                     if delta.finished and delta.request_id in pending:
-                        results[delta.request_id] = self.engine.finished_output(delta.request_id)
+                        output = self.engine.finished_output(delta.request_id)
+                        assert output is not None  # finished just now: its output is there
+                        results[delta.request_id] = output
                         pending.discard(delta.request_id)
                         bar.update(1)
         return [results[r] for r in req_ids]
+
+
+def _is_token_ids(value: object) -> TypeIs[list[int]]:
+    """One prompt of token ids (not a list of prompts)."""
+    return isinstance(value, list) and bool(value) and isinstance(value[0], int)
+
+
+def _is_conversation(value: object) -> TypeIs[list[Message]]:
+    """One conversation (chat messages), not a list of them."""
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
 
 
 def _plain_prompt(prompt: Prompt) -> str | list[int]:

@@ -144,6 +144,16 @@ def test_stream_stops_early_and_frees(smollm2_llm):
     assert smollm2_llm.engine.kv_cache_usage == 0
 
 
+def test_stream_takes_every_prompt_form(smollm2_llm):
+    params = SamplingParams(temperature=0, max_tokens=4)
+    ids = smollm2_llm.get_tokenizer().encode("Hello", add_special_tokens=True)
+    texts = [
+        "".join(smollm2_llm.stream(prompt, params))
+        for prompt in ("Hello", ids, {"prompt": "Hello"}, {"prompt_token_ids": ids})
+    ]
+    assert texts[0] and len(set(texts)) == 1
+
+
 def test_cli_generate_prompts_file(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("What is 2+2?\nName a colour.\n")

@@ -30,6 +30,7 @@ _ALIASES = {
 def field_docs(cls: type) -> dict[str, str]:
     """The attribute docstrings of a dataclass (the string literal under each field), by field."""
     (node,) = ast.parse(inspect.getsource(cls)).body
+    assert isinstance(node, ast.ClassDef)  # a class's source is its definition
     docs = {}
     for stmt, after in zip(node.body, node.body[1:]):
         if (

@@ -67,17 +67,18 @@ def run(args: argparse.Namespace) -> int:
     if use_chat is None:
         use_chat = bool(tokenizer is not None and getattr(tokenizer, "chat_template", None))
 
-    def as_prompt(text: str) -> str | list[dict]:
-        return [{"role": "user", "content": text}] if use_chat else text
+    def conversation(text: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": text}]
 
     if args.prompt is not None:
         if params.n == 1 and not params.use_beam_search:
-            for piece in llm.stream(as_prompt(args.prompt), params):
+            prompt = conversation(args.prompt) if use_chat else args.prompt
+            for piece in llm.stream(prompt, params):
                 print(piece, end="", flush=True)
             print()
             return 0
         outputs = (
-            llm.chat(as_prompt(args.prompt), params)
+            llm.chat(conversation(args.prompt), params)
             if use_chat
             else llm.generate(args.prompt, params)
         )
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     with open(args.prompts_file, encoding="utf-8") as f:
         prompts = [line.rstrip("\n") for line in f if line.strip()]
     if use_chat:
-        outputs = llm.chat([as_prompt(p) for p in prompts], params, use_tqdm=True)
+        outputs = llm.chat([conversation(p) for p in prompts], params, use_tqdm=True)
     else:
         outputs = llm.generate(prompts, params, use_tqdm=True)
     with open(args.output or os.devnull, "w", encoding="utf-8") as file:

@@ -16,12 +16,16 @@ each with its own share of the connections; /metrics in any of them reports the 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from kiln.cli.engine_args import add_engine_args, engine_config_from_args
 from kiln.cli.vllm_flags import add_vllm_serve_flags, check_vllm_serve_flags
 from kiln.envs import envs
 from kiln.server.serving import ServeOptions, serve_app
 from kiln.server.tool_calls.parsers import PARSERS
+
+if TYPE_CHECKING:  # the engine's imports wait for the branch that needs them
+    from kiln.server.state import ServedEngine
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -130,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         from kiln.server.api_servers.launcher import run_api_servers
 
         return run_api_servers(serve_options(args), config)
+    engine: ServedEngine
     if args.engine_process:
         from kiln.engine_core.client import EngineClient
 

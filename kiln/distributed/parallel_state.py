@@ -99,11 +99,11 @@ class ParallelContext:
     n's ids never holds up its send of micro-batch n+1 to the next stage."""
 
     layout: RankLayout
-    tp_group: object | None
-    world_group: object | None
-    cpu_group: object | None
-    control_group: object | None = None
-    sampled_group: object | None = None
+    tp_group: dist.ProcessGroup | None
+    world_group: dist.ProcessGroup | None
+    cpu_group: dist.ProcessGroup | None
+    control_group: dist.ProcessGroup | None = None
+    sampled_group: dist.ProcessGroup | None = None
 
     @property
     def tp_size(self) -> int:

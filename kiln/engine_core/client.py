@@ -30,6 +30,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import cast
 
 import msgspec
 import zmq
@@ -47,6 +48,7 @@ from kiln.engine_core import messages as m
 from kiln.errors import InvalidRequestError, KilnError
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
+from kiln.tokenizer import Tokenizer
 
 logger = logging.getLogger("kiln.engine_core")
 # How long a send may wait for an engine to take it (it waits only when none is connected).
@@ -190,10 +192,12 @@ class EngineClient:
         # The tokenizer is the API process's own (detokenizing ids for /detokenize, logprobs
         # and echo; tokenizing prompts off the engine): loaded while the engine process loads.
         tokenizer_error: BaseException | None = None
+        self.tokenizer: Tokenizer | None = None
         try:
-            self.tokenizer = find_model_source(self.config.model, self.config.load_format).tokenizer
+            source = find_model_source(self.config.model, self.config.load_format)
+            self.tokenizer = cast("Tokenizer | None", source.tokenizer)  # the loader's
         except BaseException as exc:  # the engine will say the same, better: wait for it
-            tokenizer_error, self.tokenizer = exc, None
+            tokenizer_error = exc
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._outputs.poll(200):

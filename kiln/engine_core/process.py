@@ -94,9 +94,9 @@ def serve(loop: StepLoop, clients: list[tuple[zmq.Socket, zmq.Socket]], parent_p
         routed: list[list] = [[] for _ in clients]
         for delta in deltas:
             delta.prompt_token_ids = []  # the client has each prompt: don't resend it
-            index = owner.pop(delta.request_id) if delta.finished else owner.get(delta.request_id)
-            if index is not None:
-                routed[index].append(delta)
+            client = owner.pop(delta.request_id) if delta.finished else owner.get(delta.request_id)
+            if client is not None:
+                routed[client].append(delta)
         for index in open_clients:
             if accepted[index] or rejected[index] or routed[index] or snapshot is not None:
                 out = m.Outputs(accepted[index], rejected[index], routed[index], snapshot)

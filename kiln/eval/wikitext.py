@@ -25,7 +25,8 @@ def split_documents(text: str) -> list[str]:
     """The article pages of a WikiText split file, as the document-level dataset builds them:
     a line that reads "= Title =" once "= =" runs are closed up starts a page; blank pages are
     dropped; lines keep their spaces and are joined with newlines."""
-    pages, lines = [], []
+    pages: list[str] = []
+    lines: list[str] = []
     for line in text.split("\n"):
         heading = line.replace("= = =", "===").replace("= =", "==").strip()
         if heading.startswith("= ") and heading.endswith(" ="):

@@ -65,7 +65,10 @@ class KVCacheManager:
         self.stats.hits += num_hit_tokens
 
     def allocate_slots(
-        self, request: KVCacheRequest, num_new_tokens: int, new_computed_blocks: list[KVBlock] = ()
+        self,
+        request: KVCacheRequest,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
     ) -> list[KVBlock] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones (prefix hits
         included). Returns the newly allocated blocks, or None when the pool is too small (nothing

@@ -8,14 +8,12 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 import kiln
-from kiln.engine.async_engine import AsyncEngine
-from kiln.engine_core.client import EngineClient
 from kiln.server import chat, completions, kserve, routes
 from kiln.server.errors import install_error_handlers
 from kiln.server.lifecycle import Lifecycle
 from kiln.server.metrics import PREFIXES, ServerMetrics
 from kiln.server.middleware import GuardMiddleware
-from kiln.server.state import ServerState
+from kiln.server.state import ServedEngine, ServerState
 from kiln.server.tool_calls.parsers import PARSERS
 
 DEFAULT_MAX_WAITING = 1024
@@ -23,7 +21,7 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 
 def build_app(
-    async_engine: AsyncEngine | EngineClient,
+    async_engine: ServedEngine,
     served_model_name: str,
     api_key: str | None = None,
     max_waiting: int = DEFAULT_MAX_WAITING,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter
 from starlette.background import BackgroundTask
@@ -147,7 +148,8 @@ async def create_chat_completion(
             chunks, media_type="text/event-stream", background=BackgroundTask(close_later, gen)
         )
 
-    texts, token_ids = [echoed] * n, [[] for _ in range(n)]
+    texts = [echoed] * n
+    token_ids: list[list[int]] = [[] for _ in range(n)]
     logprobs: list[list[dict] | None] = [[] if body.logprobs else None for _ in range(n)]
     finish: list[tuple[str | None, int | str | None]] = [(None, None)] * n
 
@@ -156,9 +158,10 @@ async def create_chat_completion(
             for out in delta.outputs:
                 texts[out.index] += out.text
                 token_ids[out.index] += out.token_ids
-                if logprobs[out.index] is not None and out.logprobs:
+                choice_logprobs = logprobs[out.index]
+                if choice_logprobs is not None and out.logprobs:
                     entries = chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, num_top)
-                    logprobs[out.index] += entries
+                    choice_logprobs.extend(entries)
                 if out.finish_reason is not None:
                     finish[out.index] = (out.finish_reason, out.stop_reason)
 
@@ -216,7 +219,7 @@ def reply_message(plan: ToolPlan | None, text: str, finish: str | None) -> tuple
     if plan is None:
         return {"role": "assistant", "content": text}, finish
     content, calls = plan.message(text) if finish != "length" else (text, [])
-    message = {"role": "assistant", "content": content}
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = [c.to_openai() for c in calls]
         return message, "tool_calls" if finish == "stop" else finish

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kiln.errors import InvalidRequestError
-from kiln.outputs import CompletionOutput, RequestOutput
+from kiln.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kiln.server.errors import error_body
 from kiln.server.generation import (
     SSE_DONE,
@@ -33,7 +33,7 @@ from kiln.server.generation import (
 )
 from kiln.server.logprobs import CompletionLogprobs, finite
 from kiln.server.params import build_sampling_params, check_max_tokens
-from kiln.server.protocol import ERROR_RESPONSES, CompletionRequest, CompletionResponse
+from kiln.server.protocol import ERROR_RESPONSES, CompletionRequest, CompletionResponse, Prompt
 from kiln.server.state import ServerState, State, off_the_loop, text_size
 
 router = APIRouter()
@@ -67,7 +67,7 @@ class _Plan:
     requests: list[EngineRequest] = field(default_factory=list)
 
 
-def _prompts(prompt: object, state: ServerState) -> list[tuple[str | None, list[int]]]:
+def _prompts(prompt: Prompt, state: ServerState) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) per prompt."""
     if isinstance(prompt, str):
         return [(prompt, state.tokenize(prompt))]
@@ -142,10 +142,10 @@ def _advance(
     """Fold one completion delta into its choice; returns the new text (the prompt first, when
     echoing)."""
     text = ""
-    wants_prompt_logprobs = plan.num_prompt_logprobs is not None
-    if wants_prompt_logprobs and choice.prompt_logprobs is None and delta.prompt_logprobs:
+    num_top = plan.num_prompt_logprobs
+    if num_top is not None and choice.prompt_logprobs is None and delta.prompt_logprobs:
         choice.prompt_logprobs = _vllm_prompt_logprobs(
-            plan.prompts[index][1], delta.prompt_logprobs, plan.num_prompt_logprobs
+            plan.prompts[index][1], delta.prompt_logprobs, num_top
         )
     if plan.echo and not choice.echoed:
         choice.echoed = True
@@ -174,7 +174,7 @@ def _max_or_none(*values: int | None) -> int | None:
 
 
 def _vllm_prompt_logprobs(
-    prompt_ids: list[int], positions: list, num_top: int
+    prompt_ids: list[int], positions: list[PositionLogprobs | None], num_top: int
 ) -> list[dict | None]:
     """vLLM's prompt_logprobs: per prompt token, {token id: {logprob, rank, decoded_token}} for
     the token itself and the top `num_top` (None for the first: nothing predicts it)."""

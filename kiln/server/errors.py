@@ -116,9 +116,11 @@ async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(RequestValidationError, _on_validation)
-    app.add_exception_handler(APIError, _on_api_error)
-    app.add_exception_handler(InvalidRequestError, _on_invalid_request)
-    app.add_exception_handler(EngineDeadError, _on_engine_dead)
-    app.add_exception_handler(StarletteHTTPException, _on_http)
+    # Starlette types every handler as taking any Exception, though it calls each only with the
+    # class it is registered for: hence the ignores (starlette's ExceptionHandler alias).
+    app.add_exception_handler(RequestValidationError, _on_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(APIError, _on_api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(InvalidRequestError, _on_invalid_request)  # type: ignore[arg-type]
+    app.add_exception_handler(EngineDeadError, _on_engine_dead)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _on_http)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _on_unexpected)

@@ -12,12 +12,13 @@ from typing import TypeVar
 import orjson
 from starlette.requests import Request
 
-from kiln.engine.async_engine import AsyncEngine, RequestStream
+from kiln.engine.async_engine import RequestStream
 from kiln.errors import InvalidRequestError
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 from kiln.server.lifecycle import Lifecycle
 from kiln.server.metrics import RequestTimer, ServerMetrics
+from kiln.server.state import ServedEngine
 
 T = TypeVar("T")
 SSE_DONE = b"data: [DONE]\n\n"
@@ -66,7 +67,7 @@ class Generation:
     closing aborts unfinished engine requests and frees their KV blocks."""
 
     def __init__(
-        self, engine: AsyncEngine, lifecycle: Lifecycle, metrics: ServerMetrics, n: int
+        self, engine: ServedEngine, lifecycle: Lifecycle, metrics: ServerMetrics, n: int
     ) -> None:
         self.engine = engine
         self.lifecycle = lifecycle
@@ -84,7 +85,7 @@ class Generation:
     @classmethod
     async def start(
         cls,
-        engine: AsyncEngine,
+        engine: ServedEngine,
         lifecycle: Lifecycle,
         metrics: ServerMetrics,
         requests: list[EngineRequest],

@@ -121,9 +121,10 @@ class DrainingServer(uvicorn.Server):
         """The engine is gone (called from its thread): let the open streams send their error
         events, then exit (with status 1, see kiln serve) rather than serve nothing."""
         self.engine_dead = True
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(
-                lambda: self._loop.call_later(1.0, setattr, self, "should_exit", True)
+        loop = self._loop
+        if loop is not None:
+            loop.call_soon_threadsafe(
+                lambda: loop.call_later(1.0, setattr, self, "should_exit", True)
             )
 
     async def _drain(self) -> None:
@@ -131,5 +132,6 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
     async def _abort_all(self) -> None:
+        assert self.abort_all is not None  # handle_exit aborts only with one
         await self.abort_all()
         self.should_exit = True

@@ -9,9 +9,11 @@ Chat: `content` = one entry per token with its `top_logprobs` list.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from kiln.engine.detokenizer import decode_token
 from kiln.outputs import Logprob, PositionLogprobs
+from kiln.tokenizer import Tokenizer
 
 # JSON has no -inf; vLLM reports impossible tokens as -9999.0, and so do we.
 _FLOOR = -9999.0
@@ -21,7 +23,7 @@ def finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) and logprob > _FLOOR else _FLOOR
 
 
-def token_text(tokenizer: object | None, token_id: int, entry: Logprob | None = None) -> str:
+def token_text(tokenizer: Tokenizer | None, token_id: int, entry: Logprob | None = None) -> str:
     if entry is not None and entry.decoded_token is not None:
         return entry.decoded_token
     if tokenizer is None:
@@ -33,7 +35,7 @@ class CompletionLogprobs:
     """Accumulates the completions-format logprobs of one choice; `text_offset` counts from
     `start_offset` (the length of text already returned before these tokens)."""
 
-    def __init__(self, tokenizer: object | None, start_offset: int = 0) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, start_offset: int = 0) -> None:
         self.tokenizer = tokenizer
         self.offset = start_offset
         self.tokens: list[str] = []
@@ -56,7 +58,7 @@ class CompletionLogprobs:
         self.text_offset.append(self.offset)
         self.offset += len(text)
 
-    def extend(self, token_ids: list[int], positions: list[PositionLogprobs | None]) -> None:
+    def extend(self, token_ids: list[int], positions: Sequence[PositionLogprobs | None]) -> None:
         for token_id, position in zip(token_ids, positions):
             self.add(token_id, position)
 
@@ -73,7 +75,7 @@ class CompletionLogprobs:
 
 
 def chat_logprobs(
-    tokenizer: object | None,
+    tokenizer: Tokenizer | None,
     token_ids: list[int],
     positions: list[PositionLogprobs],
     num_top: int,

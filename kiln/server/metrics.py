@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -37,6 +38,9 @@ from kiln.engine.scheduler import SpecDecodeStats
 from kiln.engine.step_loop import EngineSnapshot
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # state.py imports this module
+    from kiln.server.state import ServedEngine
 
 # `--metrics-prefix` choices -> the prefixes every metric is rendered under.
 PREFIXES: dict[str, tuple[str, ...]] = {
@@ -276,7 +280,7 @@ class ServerMetrics:
     def observe_itl(self, seconds: float) -> None:
         self.itl.observe(seconds)  # rendered as time_per_output_token_seconds too
 
-    async def render(self, engine: object) -> bytes:
+    async def render(self, engine: ServedEngine) -> bytes:
         """Render with the engine's last-step snapshot (`engine.stats`, an AsyncEngine or an
         EngineClient): no round trip to the engine, so a long step cannot delay the scrape."""
         self._engine.snapshot = engine.stats

@@ -48,8 +48,8 @@ class GuardMiddleware:
             else self.api_key
         )
         if key is not None and not self._authorized(headers.get(b"authorization", b""), key):
-            message = "invalid or missing API key (Authorization: Bearer <key>)"
-            await _reply(send, 401, message, "invalid_api_key")
+            reason = "invalid or missing API key (Authorization: Bearer <key>)"
+            await _reply(send, 401, reason, "invalid_api_key")
             return
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
@@ -88,8 +88,8 @@ class GuardMiddleware:
                 return
             budget -= len(message.get("body", b""))
             more = message.get("more_body", False)
-        message = f"request body is larger than the limit of {self.max_body_bytes} bytes"
-        await _reply(send, 413, message, "request_too_large")
+        reason = f"request body is larger than the limit of {self.max_body_bytes} bytes"
+        await _reply(send, 413, reason, "request_too_large")
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -3,13 +3,17 @@ refusals of OpenAI features kiln does not implement (a clear 400 rather than sil
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from kiln.errors import InvalidRequestError
 from kiln.sampling_params import SamplingParams
 from kiln.server.protocol import SamplingFields
 from kiln.server.structured_output import guided_decoding_params
 
+T = TypeVar("T")
 
-def _pick(value: object, default: object) -> object:
+
+def _pick(value: T | None, default: T) -> T:
     return default if value is None else value
 
 
@@ -80,5 +84,5 @@ def build_sampling_params(
         use_beam_search=bool(req.use_beam_search),
         best_of=getattr(req, "best_of", None) if req.use_beam_search else None,
         length_penalty=_pick(req.length_penalty, 1.0),
-        early_stopping=_pick(req.early_stopping, False),
+        early_stopping=False if req.early_stopping is None else req.early_stopping,
     )

@@ -86,15 +86,15 @@ async def metrics(state: State) -> Response:
 @router.post("/tokenize", responses=ERROR_RESPONSES)
 async def tokenize(body: TokenizeRequest, state: State) -> JSONResponse:
     state.check_model(body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
     add_generation_prompt = body.add_generation_prompt is not False
-    if body.messages is not None:  # off the event loop, as for generation requests
+    if body.messages is not None and body.prompt is None:  # off the loop, as for generation
         size = text_size(body.messages)
         ids = await off_the_loop(size, chat_prompt_ids, state, body.messages, add_generation_prompt)
-    else:
+    elif body.prompt is not None and body.messages is None:
         special = body.add_special_tokens is not False
         ids = await off_the_loop(len(body.prompt), state.tokenize, body.prompt, special)
+    else:
+        raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the engine's and the app's imports wait until serve_app runs
+    from kiln.server.state import ServedEngine
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class ServeOptions:
 
 def serve_app(
     options: ServeOptions,
-    engine: object,
+    engine: ServedEngine,
     sockets: list[socket.socket] | None = None,
     grpc_port: int | None = None,
     metrics_dir: str | None = None,

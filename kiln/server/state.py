@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, TypeVar
+from typing import Annotated, TypeAlias, TypeVar, cast
 
 from fastapi import Depends
 from starlette.concurrency import run_in_threadpool
@@ -18,13 +18,16 @@ from kiln.sampling_params import SamplingParams
 from kiln.server.errors import APIError
 from kiln.server.lifecycle import Lifecycle
 from kiln.server.metrics import ServerMetrics
+from kiln.tokenizer import Tokenizer
 
 T = TypeVar("T")
+# The engine the server drives: the engine thread, or the engine process's client (same surface).
+ServedEngine: TypeAlias = AsyncEngine | EngineClient
 
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine | EngineClient  # the engine thread, or the engine process's client
+    engine: ServedEngine
     model_name: str
     lifecycle: Lifecycle
     metrics: ServerMetrics
@@ -34,15 +37,15 @@ class ServerState:
     def __post_init__(self) -> None:
         # Read once: immutable after the engine is built, so safe from the event-loop thread.
         info = self.engine.info
-        self.tokenizer = self.engine.tokenizer
+        self.tokenizer = cast("Tokenizer | None", self.engine.tokenizer)  # the loader's
         self.max_model_len: int = info.max_model_len
         self.vocab_size: int = info.vocab_size
         self.defaults: SamplingParams = info.default_params
         # Bounds that reject an over-long prompt from its size alone, before the tokenizer or
         # the chat template spends seconds (and gigabytes) on it: measured on first need (the
-        # vocabulary walk takes ~0.5 s, and only text longer than the context needs it).
-        self._max_chars_per_token: int | None = None
-        self._min_tokens_per_message: int | None = None
+        # vocabulary walk takes ~0.5 s, and only text longer than the context needs it):
+        # the most characters one token stands for, the fewest tokens a chat message costs.
+        self._size_bounds: tuple[int, int] | None = None
 
     def check_model(self, model: str | None) -> None:
         if model:
@@ -55,7 +58,7 @@ class ServerState:
                 code="model_not_found",
             )
 
-    def require_tokenizer(self, param: str) -> object:
+    def require_tokenizer(self, param: str) -> Tokenizer:
         if self.tokenizer is None:
             raise InvalidRequestError(
                 "this model has no tokenizer: send token ids instead", param=param
@@ -68,13 +71,16 @@ class ServerState:
         message costs the template's markup. O(1): the tokenizer never sees such a prompt."""
         if num_chars + num_messages <= self.max_model_len:
             return  # this short, tokenizing is quick and says exactly: no bound needed
-        if self._max_chars_per_token is None:
-            self._max_chars_per_token = _longest_token_chars(self.tokenizer) or 0
-            self._min_tokens_per_message = _min_tokens_per_message(self.tokenizer)
-        if not self._max_chars_per_token:
+        if self._size_bounds is None:
+            self._size_bounds = (
+                _longest_token_chars(self.tokenizer) or 0,
+                _min_tokens_per_message(self.tokenizer),
+            )
+        max_chars_per_token, min_tokens_per_message = self._size_bounds
+        if not max_chars_per_token:
             return
-        at_least = -(-num_chars // self._max_chars_per_token)
-        at_least += num_messages * self._min_tokens_per_message
+        at_least = -(-num_chars // max_chars_per_token)
+        at_least += num_messages * min_tokens_per_message
         if at_least > self.max_model_len:
             raise InvalidRequestError(
                 f"{param} is at least {at_least} tokens long ({num_chars} characters"
@@ -152,7 +158,7 @@ def check_text(text: str, param: str) -> None:
         ) from None
 
 
-def _longest_token_chars(tokenizer: object | None) -> int | None:
+def _longest_token_chars(tokenizer: Tokenizer | None) -> int | None:
     """The most characters one token can stand for: the longest vocabulary entry (byte-level
     BPE writes one character per byte, SentencePiece one per character), special tokens
     included. None when unknown (no tokenizer, no vocabulary): no size bound then."""
@@ -166,7 +172,7 @@ def _longest_token_chars(tokenizer: object | None) -> int | None:
     return longest or None
 
 
-def _min_tokens_per_message(tokenizer: object | None) -> int:
+def _min_tokens_per_message(tokenizer: Tokenizer | None) -> int:
     """The template's markup per chat message, measured once (an empty assistant turn); at
     least 1. A template that renders nothing for it counts 1."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):

@@ -28,6 +28,7 @@ import signal
 import socket
 import tempfile
 import time
+from multiprocessing.process import BaseProcess
 
 from kiln.config import EngineConfig
 from kiln.engine_core.client import EngineProcess
@@ -69,7 +70,7 @@ def run_api_servers(options: ServeOptions, config: EngineConfig) -> int:
     # Read by prometheus_client when each API process imports it (spawned: a fresh interpreter).
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     spawn = multiprocessing.get_context("spawn")
-    workers: list[multiprocessing.Process] = []
+    workers: list[BaseProcess] = []
 
     def forward(signum: int, frame: object) -> None:
         for worker in workers:
@@ -96,9 +97,7 @@ def run_api_servers(options: ServeOptions, config: EngineConfig) -> int:
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def _supervise(
-    engine: EngineProcess, workers: list[multiprocessing.Process], grace_s: float
-) -> int:
+def _supervise(engine: EngineProcess, workers: list[BaseProcess], grace_s: float) -> int:
     while engine.exit_code() is None and all(w.exitcode is None for w in workers):
         multiprocessing.connection.wait([w.sentinel for w in workers], timeout=0.2)
     # Code 0: it stopped because every API process said it was done (they are exiting).
@@ -111,16 +110,15 @@ def _supervise(
         if failed:
             logger.error("API process %s exited with %s", failed[0].name, failed[0].exitcode)
             for w in workers:
-                if w.exitcode is None:
+                if w.exitcode is None and w.pid is not None:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(w.pid, signal.SIGTERM)  # drain: nobody is left mid-stream
         _join(workers, grace_s + 30.0)
     engine.stop(ENGINE_EXIT_WAIT_S)
-    failed = engine_dead or any(w.exitcode != 0 for w in workers)
-    return 1 if failed else 0
+    return 1 if engine_dead or any(w.exitcode != 0 for w in workers) else 0
 
 
-def _join(workers: list[multiprocessing.Process], timeout: float) -> None:
+def _join(workers: list[BaseProcess], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     for w in workers:
         w.join(max(0.0, deadline - time.monotonic()))

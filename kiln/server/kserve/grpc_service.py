@@ -17,7 +17,8 @@ from contextlib import AbstractAsyncContextManager
 
 import grpc
 from google.protobuf import json_format
-from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+from tritonclient.grpc import model_config_pb2, service_pb2_grpc
+from tritonclient.grpc import service_pb2 as pb
 
 import kiln
 from kiln.server.kserve import models, tensors
@@ -33,8 +34,6 @@ from kiln.server.kserve.core import (
 from kiln.server.kserve.errors import KServeError, Status, as_kserve_error, invalid
 from kiln.server.kserve.http import EXTENSIONS
 from kiln.server.state import ServerState
-
-pb = service_pb2
 
 
 def _param_value(p: pb.InferParameter) -> object:
@@ -127,7 +126,9 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             ]
         )
 
-    async def ModelInfer(self, request, context):
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInferResponse:
         error: KServeError | None = None
         try:
             inference = await Inference.start(
@@ -139,6 +140,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     last = response
             finally:
                 inference.close()  # also when the client cancels: its rows are aborted
+            assert last is not None  # a non-streaming inference ends with its one response
             return to_proto(last)
         except Exception as exc:
             error = as_kserve_error(exc)

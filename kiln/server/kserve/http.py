@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import APIRouter
 from fastapi.routing import APIRoute
@@ -238,7 +239,11 @@ def infer_response(request: InferRequest, response: InferResponse) -> Response:
     outputs, blobs = [], []
     for t in response.outputs:
         binary = per_output.get(t.name)
-        entry = {"name": t.name, "datatype": t.datatype, "shape": list(t.array.shape)}
+        entry: dict[str, object] = {
+            "name": t.name,
+            "datatype": t.datatype,
+            "shape": list(t.array.shape),
+        }
         if binary_default if binary is None else binary:
             blob = tensors.to_raw(t.datatype, t.array)
             entry["parameters"] = {"binary_data_size": len(blob)}
@@ -267,6 +272,7 @@ async def _run_to_end(raw: Request, inference: Inference) -> InferResponse | Non
         result = None
         async for response in inference.responses():
             result = response
+        assert result is not None  # a non-streaming inference ends with its one response
         return result
 
     try:
@@ -290,7 +296,8 @@ async def infer(raw: Request, model: str, version: str = "") -> Response:
 
 def _shape_of(name: str, value: object) -> list[int]:
     """The shape of a JSON value: [] for a scalar, nested lists must be rectangular."""
-    shape, level = [], [value]
+    shape: list[int] = []
+    level: list[Any] = [value]  # JSON values
     while all(isinstance(v, list) for v in level):
         sizes = {len(v) for v in level}
         if len(sizes) != 1:

@@ -135,7 +135,11 @@ def config(spec: ModelSpec, max_batch_size: int) -> dict:
     `get_model_config` returns, and parsed into the ModelConfig message for gRPC."""
 
     def tensor(t: TensorSpec, is_input: bool) -> dict:
-        out = {"name": t.name, "data_type": f"TYPE_{_type_name(t.datatype)}", "dims": list(t.dims)}
+        out: dict[str, object] = {
+            "name": t.name,
+            "data_type": f"TYPE_{_type_name(t.datatype)}",
+            "dims": list(t.dims),
+        }
         if is_input:
             out["optional"] = t.optional
         return out

@@ -11,7 +11,9 @@ defaulting to temperature 1, top_k 0 (all), top_p 1.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -35,6 +37,7 @@ _TRTLLM_NAMES = {
 }
 _ENSEMBLE_NAMES = {**_TRTLLM_NAMES, "max_tokens": "max_tokens", "top_k": "top_k", "top_p": "top_p"}
 _SHARED = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+T = TypeVar("T")
 
 
 @dataclass
@@ -155,18 +158,18 @@ def output_tensors(
     tensors: dict[str, tuple[str, np.ndarray]] = {}
     for name in plan.outputs:
         if name == "output_ids":
-            seqs = [r.new_ids if streamed else _full_ids(r) for r in rows]
-            tensors[name] = ("INT32", _padded(seqs, plan.pad_id, np.int32))
+            ids = [r.new_ids if streamed else _full_ids(r) for r in rows]
+            tensors[name] = ("INT32", _padded(ids, plan.pad_id, np.int32))
         elif name == "sequence_length":
-            seqs = [r.new_ids if streamed else _full_ids(r) for r in rows]
-            tensors[name] = ("INT32", np.array([[len(s)] for s in seqs], dtype=np.int32))
+            ids = [r.new_ids if streamed else _full_ids(r) for r in rows]
+            tensors[name] = ("INT32", np.array([[len(s)] for s in ids], dtype=np.int32))
         elif name == "cum_log_probs":
             # Cumulative over everything generated so far, streamed or not (as the backend).
             cum = [[float(np.sum(r.logprobs, dtype=np.float64))] for r in rows]
             tensors[name] = ("FP32", np.array(cum, dtype=np.float32))
         elif name == "output_log_probs":
-            seqs = [r.new_logprobs if streamed else r.logprobs for r in rows]
-            tensors[name] = ("FP32", _padded(seqs, 0.0, np.float32))
+            logprobs = [r.new_logprobs if streamed else r.logprobs for r in rows]
+            tensors[name] = ("FP32", _padded(logprobs, 0.0, np.float32))
         elif name == "text_output":
             texts = [r.new_text if streamed else _full_text(r) for r in rows]
             arr = np.empty((len(rows), 1), dtype=object)
@@ -178,8 +181,9 @@ def output_tensors(
 # ---- helpers -------------------------------------------------------------------------------
 
 
-def _scalar(inputs: dict[str, np.ndarray], name: str, b: int) -> object:
-    """Row b's value of a [batch, 1] input, as a Python scalar; None if not given."""
+def _scalar(inputs: dict[str, np.ndarray], name: str, b: int) -> Any:
+    """Row b's value of a [batch, 1] input, as a Python scalar (an int, float or bool: the
+    input's declared datatype, which core.py checked); None if not given."""
     arr = inputs.get(name)
     if arr is None:
         return None
@@ -255,10 +259,10 @@ def _stop_words_list(inputs: dict[str, np.ndarray], b: int, state: ServerState) 
 
 
 def _sampling_params(
-    get,
+    get: Callable[[str], Any],
     names: dict[str, str],
     spec: ModelSpec,
-    max_tokens: int,
+    max_tokens: int | None,
     stop: list[str],
     stop_ids: list[int],
     want_logprobs: bool,
@@ -305,7 +309,7 @@ def _sampling_params(
         raise invalid(f"input '{tensor or exc.param}': {exc}") from None
 
 
-def _or(value: object, default: object) -> object:
+def _or(value: T | None, default: T) -> T:
     return default if value is None else value
 
 
@@ -317,9 +321,9 @@ def _full_text(row: Row) -> str:
     return row.text if row.exclude_input else (row.prompt_text or "") + row.text
 
 
-def _padded(seqs: list[list], pad: float, dtype: type) -> np.ndarray:
+def _padded(seqs: Sequence[Sequence[float]], pad: float, dtype: type) -> np.ndarray:
     width = max((len(s) for s in seqs), default=0)
-    arr = np.full((len(seqs), 1, width), pad, dtype=dtype)
+    arr: np.ndarray = np.full((len(seqs), 1, width), pad, dtype=dtype)
     for i, s in enumerate(seqs):
         arr[i, 0, : len(s)] = s
     return arr

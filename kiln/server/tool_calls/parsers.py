@@ -20,7 +20,7 @@ class ToolCall:
     id: str = field(default_factory=new_call_id)
 
     def to_openai(self, index: int | None = None) -> dict:
-        call = {
+        call: dict[str, object] = {
             "id": self.id,
             "type": "function",
             "function": {"name": self.name, "arguments": self.arguments},

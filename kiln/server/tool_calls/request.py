@@ -26,6 +26,7 @@ class ToolPlan:
     def message(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The reply's content and tool calls from its whole text."""
         if self.mode == "named":
+            assert self.function_name is not None  # plan_tools names the function
             return None, [ToolCall(self.function_name, text)]
         if self.mode == "required":
             try:
@@ -37,6 +38,7 @@ class ToolPlan:
                 for item in items
             ]
             return None, calls
+        assert self.parser is not None  # auto: plan_tools gives the model's parser
         content, calls = self.parser.parse(text)
         if not self.parallel:
             calls = calls[:1]

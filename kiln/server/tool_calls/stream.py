@@ -17,9 +17,9 @@ class ToolCallStream:
     def feed(self, delta: str) -> str:
         """Content that can be sent now."""
         self.text += delta
-        if self.holding:
-            return ""
         parser = self.plan.parser
+        if self.holding or parser is None:  # no parser: required / named, held from the start
+            return ""
         start = self.sent
         if parser.at_start_only:
             if self.sent == 0:
@@ -78,12 +78,13 @@ def tool_call_chunks(
     content = stream.feed(text)
     if finish_reason is None:
         return [({"content": content} if content else {}, logprobs, None)]
+    calls: list[dict]
     if finish_reason == "length":  # cut short: what was held is text, not a call
         rest, calls = stream.text[stream.sent :], []
         stream.sent = len(stream.text)
     else:
         rest, calls = stream.finish()
-    chunks = []
+    chunks: list[tuple[dict, object, str | None]] = []
     if content or rest or logprobs:
         chunks.append(({"content": content + rest}, logprobs, None))
     if calls:
