@@ -16,6 +16,7 @@ from kiln.cli.main import main
 from kiln.errors import BuildError
 from kiln.kernels import reference
 from kiln.layers.linear import Linear
+from kiln.models.blocks import gated_mlp
 from kiln.quantization.fp8 import Fp8LinearMethod
 from kiln.quantization.outlier_columns import OutlierColumnsFp8LinearMethod, choose_channels
 from tests.conftest import teacher_forced_logprobs
@@ -388,7 +389,7 @@ def test_the_triton_ops_compute_what_the_reference_does(monkeypatch, scheme, row
     activation = torch.randn(rows, 96, generator=gen).to(DEVICE, dtype)
 
     def block(ops):
-        mlp, summed = gate_up.silu_mul_into(ops, down, x, residual, norm, 1e-5)
+        mlp, summed = gated_mlp(ops, gate_up, down, x, residual, norm, 1e-5)
         return mlp, summed, down(ops, activation)  # down alone: apply()'s quantize kernel
 
     if DEVICE == "cuda":

@@ -35,8 +35,8 @@ from kiln.builder.weights import write_rank_shards, write_weights
 from kiln.checkpoint.engine_dir import current_gpu_class, is_engine_dir
 from kiln.checkpoint.file_hash import hash_files
 from kiln.errors import BuildError
+from kiln.models import registry
 from kiln.models.config import ModelConfig
-from kiln.models.llama import LlamaForCausalLM
 from kiln.quantization.calibration import ACTIVATION_SCALES
 from kiln.quantization.device import check_float8_device
 from kiln.quantization.fp8 import Fp8LinearMethod
@@ -291,9 +291,10 @@ def build_engine(
         def head() -> Fp8LinearMethod | None:  # a method serves one layer: one per model
             return Fp8LinearMethod("dynamic") if options.lm_head_quantization == "fp8" else None
 
+        model_class = registry.model_class(cfg.architecture)
         with torch.device(device):
             # Made in `dtype` (not .to(dtype) after): float8 weights and scales keep their types.
-            net = LlamaForCausalLM(cfg, max_model_len, factory, dtype, lm_head_method=head())
+            net = model_class(cfg, max_model_len, factory, dtype, lm_head_method=head())
         weights = source.weights
         if found.smoothing is not None:  # whole tensors, before any -tp cut
             weights = smooth_checkpoint(weights, found.smoothing, cfg)
@@ -305,7 +306,7 @@ def build_engine(
         else:
             names = write_rank_shards(
                 net, options.tensor_parallel_size, tmp,
-                lambda ctx: LlamaForCausalLM(cfg, max_model_len, factory, dtype, ctx, head()),
+                lambda ctx: model_class(cfg, max_model_len, factory, dtype, ctx, head()),
             )  # fmt: skip
         del net
         names += _write_side_files(path, cfg, source.tokenizer, tmp)

@@ -24,7 +24,7 @@ import torch
 
 from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE, quantize_fp8
 from kiln.layers.linear import Linear, LinearMethod
-from kiln.models.llama import LlamaForCausalLM
+from kiln.models.base import CausalLM
 
 ObserverT = TypeVar("ObserverT", bound=LinearMethod)
 
@@ -78,7 +78,7 @@ class _ScaleSearch(LinearMethod):
 
 
 def calibrate_input_scales(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     token_batches: list[list[int]],
     run: Callable[[list[list[int]]], object],
     method: str = "amax",
@@ -108,7 +108,7 @@ def calibrate_input_scales(
 
 
 def search_input_scales(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     token_batches: list[list[int]],
     run: Callable[[list[list[int]]], object],
     amax_scales: dict[str, float],
@@ -128,7 +128,7 @@ def search_input_scales(
 
 
 def observe_projections(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     make_observer: Callable[[LinearMethod], ObserverT] | None,
     token_batches: list[list[int]],
     run: Callable[[list[list[int]]], object],
@@ -172,7 +172,7 @@ class ChannelAmaxObserver(LinearMethod):
 
 
 def calibrate_channel_amax(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     token_batches: list[list[int]],
     run: Callable[[list[list[int]]], object],
 ) -> dict[str, torch.Tensor]:

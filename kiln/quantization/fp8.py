@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from kiln.kernels.reference import quantize_fp8
-from kiln.layers.linear import Fp8Input, FusedOpsLinearMethod, Linear
+from kiln.layers.linear import Fp8Input, FusedOperands, Linear, LinearMethod
 
 
-class Fp8LinearMethod(FusedOpsLinearMethod):
+class Fp8LinearMethod(LinearMethod):
     """weight [out, in] float8 e4m3 and weight_scale [out] fp32 (row absmax / 448), plus
     input_scale [] fp32 for static activations; the bias stays in the model dtype.
 
@@ -27,10 +27,10 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
     One instance per layer (linear_method_factory makes one per name): it keeps a weak reference
     to its layer to find the scale rows of the shard being loaded.
 
-    The fused entry points pass the scales to the same `ops` calls the unquantized method makes,
-    so at batch-1 decode on the GPU the norm, the activation quantization, the float8 projection
-    and its epilogue (rotary + KV write, SiLU-mul) run as one kernel that reads half bf16's
-    weight bytes; more rows run the norm kernel, then quantize + the FP8 GEMM.
+    The fused kernels take its scales beside its weight (fused_operands), so at batch-1 decode on
+    the GPU the norm, the activation quantization, the float8 projection and its epilogue
+    (rotary + KV write, SiLU-mul) run as one kernel that reads half bf16's weight bytes; more
+    rows run the norm kernel, then quantize + the FP8 GEMM.
     """
 
     def __init__(
@@ -138,8 +138,8 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         return ops.fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias)
 
-    def op_scales(self, layer: Linear) -> tuple[torch.Tensor | None, ...]:
-        return layer.weight_scale, layer.input_scale
+    def fused_operands(self, layer: Linear) -> FusedOperands | None:
+        return FusedOperands(layer.weight, layer.bias, layer.weight_scale, layer.input_scale)
 
     def fp8_input(self, layer: Linear) -> Fp8Input | None:
         return Fp8Input(layer.input_scale)
@@ -155,24 +155,3 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
         return ops.fp8_matmul(
             x_fp8, x_scale, layer.weight, layer.weight_scale, layer.bias, out_dtype
         )
-
-    def add_rms_norm_silu_mul_fp8(
-        self,
-        layer: Linear,
-        ops: ModuleType,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        into: Fp8Input,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        if layer.has_bias or into.channels is not None:
-            # The fused kernels take no bias, and no outlier columns for the down projection
-            # (its input then comes in the model dtype; down quantizes it): compose instead.
-            return super().add_rms_norm_silu_mul_fp8(
-                layer, ops, x, residual, norm_weight, eps, into
-            )
-        return ops.add_rms_norm_linear_silu_mul_fp8(
-            x, residual, norm_weight, eps, layer.weight, layer.weight_scale, layer.input_scale,
-            into.static_scale,
-        )  # fmt: skip

@@ -19,7 +19,7 @@ import torch
 
 from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE, quantize_fp8
 from kiln.layers.linear import Linear, LinearMethod
-from kiln.models.llama import LlamaForCausalLM
+from kiln.models.base import CausalLM
 from kiln.quantization.calibration import observe_projections
 
 _BLOCK = 128  # columns rounded together before their error reaches the rest (speed only)
@@ -164,7 +164,7 @@ class ActivationAwareObserver(HessianObserver):
 
 
 def calibrate_activation_aware(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     token_batches: list[list[int]],
     run: Callable[[list[list[int]]], object],
     input_scales: dict[str, float] | None,
@@ -187,7 +187,7 @@ def calibrate_activation_aware(
 
 
 def calibrate_hessians(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     token_batches: list[list[int]],
     run: Callable[[list[list[int]]], object],
 ) -> dict[str, torch.Tensor]:

@@ -30,7 +30,7 @@ import torch
 
 from kiln.kernels.reference import FP8_E4M3_MAX
 from kiln.layers.linear import Linear, LinearMethod
-from kiln.models.llama import LlamaForCausalLM
+from kiln.models.base import CausalLM
 
 KVScales = list[tuple[float, float]]  # per decoder layer: (k_scale, v_scale)
 
@@ -65,7 +65,7 @@ class _KVObserver(LinearMethod):
 
 
 def calibrate_kv_scales(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     token_batches: list[list[int]],
     run: Callable[[list[list[int]]], object],
 ) -> KVScales:
@@ -89,7 +89,7 @@ def calibrate_kv_scales(
 
 
 @torch.no_grad()
-def fold_kv_scales(model: LlamaForCausalLM, scales: KVScales, into_weights: bool = True) -> None:
+def fold_kv_scales(model: CausalLM, scales: KVScales, into_weights: bool = True) -> None:
     """Make `model` write k / k_scale and v / v_scale into its cache and attend as before.
     `into_weights=False`: the weights hold the scales already (an engine built with them), so
     only the softmax scales change."""

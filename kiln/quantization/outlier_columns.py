@@ -39,7 +39,7 @@ from types import ModuleType
 
 import torch
 
-from kiln.layers.linear import Fp8Input, Linear, LinearMethod
+from kiln.layers.linear import Fp8Input, FusedOperands, Linear
 from kiln.quantization.fp8 import Fp8LinearMethod
 
 # The GEMM's K must stay a multiple of 16 (torch._scaled_mm's requirement).
@@ -164,41 +164,10 @@ class OutlierColumnsFp8LinearMethod(Fp8LinearMethod):
         y = self.apply_fp8(layer, ops, x_fp8, scale, x.dtype)
         return y.reshape(*x.shape[:-1], layer.out_features)
 
-    def add_rms_norm_apply(
-        self,
-        layer: Linear,
-        ops: ModuleType,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = x.reshape(-1, x.shape[-1])
-        x_fp8, scale, summed = ops.add_rms_norm_quant_fp8(
-            rows, None if residual is None else residual.reshape(rows.shape), norm_weight, eps,
-            layer.input_scale, layer.outlier_index,
-        )  # fmt: skip
-        y = self.apply_fp8(layer, ops, x_fp8, scale, x.dtype)
-        return y.reshape(*x.shape[:-1], layer.out_features), summed.reshape(x.shape)
-
     def fp8_input(self, layer: Linear) -> Fp8Input | None:
         return Fp8Input(layer.input_scale, layer.outlier_index)
 
-    def add_rms_norm_silu_mul_fp8(
-        self,
-        layer: Linear,
-        ops: ModuleType,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        into: Fp8Input,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        gate_up, summed = self.add_rms_norm_apply(layer, ops, x, residual, norm_weight, eps)
-        activation, scale = ops.silu_and_mul_quant_fp8(gate_up, into.static_scale, into.channels)
-        return activation, scale, summed
-
-    # The attention block's and the MLP's entry points compose add_rms_norm_apply (the plain
-    # FP8 method's are single small-batch kernels, which take no outlier columns).
-    add_rms_norm_qkv_rotary_write_kv = LinearMethod.add_rms_norm_qkv_rotary_write_kv
-    add_rms_norm_silu_mul = LinearMethod.add_rms_norm_silu_mul
+    def fused_operands(self, layer: Linear) -> FusedOperands | None:
+        """None: the fused small-batch kernels take no outlier columns. The blocks then run the
+        norm (or SiLU-mul) quantizing kernel with this layer's channels, then apply_fp8."""
+        return None

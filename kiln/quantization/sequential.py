@@ -27,12 +27,8 @@ from kiln.layers.linear import Linear, LinearMethod
 
 # The attention types through the model that takes them: quantization sits above models, not
 # beside attention (tests/test_layering.py).
-from kiln.models.llama import (
-    AttentionBackend,
-    AttentionMetadata,
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-)
+from kiln.models.blocks import AttentionBackend, AttentionMetadata, DecoderLayer, StepInputs
+from kiln.models.decoder import DecoderForCausalLM
 from kiln.models.packed_prefill import packed_prefill_metadata
 from kiln.quantization import gptq
 
@@ -54,7 +50,7 @@ class RoundingSpec:
 
 
 def round_sequentially(
-    model: LlamaForCausalLM,
+    model: DecoderForCausalLM,
     ops: ModuleType,
     backend: AttentionBackend,
     token_batches: list[list[int]],
@@ -71,7 +67,7 @@ def round_sequentially(
     `on_layer`, if given, is called as each decoder layer is done (a build's progress)."""
     if model.parallel is not None:
         raise ValueError("layer-sequential rounding runs the whole model in one process")
-    device = model.norm.device
+    device = model.device
     step = _packed_prefill(model, token_batches, device)
     source = model.embed_tokens(step.input_ids)
     engine = source.clone()
@@ -116,7 +112,7 @@ class _Step:
 
 
 def _packed_prefill(
-    model: LlamaForCausalLM, token_batches: list[list[int]], device: torch.device
+    model: DecoderForCausalLM, token_batches: list[list[int]], device: torch.device
 ) -> _Step:
     """Every window as one sequence of one prefill step, each in its own blocks."""
     cfg = model.config
@@ -125,7 +121,7 @@ def _packed_prefill(
         raise ValueError("layer-sequential rounding needs non-empty calibration windows")
     metadata, first = packed_prefill_metadata(lens, _BLOCK_SIZE, device)
     shape = (first, _BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
-    dtype = model.norm.dtype
+    dtype = model.dtype
     return _Step(
         input_ids=torch.tensor([t for b in token_batches for t in b], device=device),
         positions=torch.cat([torch.arange(n) for n in lens]).to(device),
@@ -136,30 +132,20 @@ def _packed_prefill(
 
 
 def _layer_forward(
-    model: LlamaForCausalLM,
-    layer: LlamaDecoderLayer,
+    model: DecoderForCausalLM,
+    layer: DecoderLayer,
     ops: ModuleType,
     backend: AttentionBackend,
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
     step: _Step,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decoder layer as LlamaForCausalLM.forward's loop runs it (tests/test_gptq_aware.py
-    checks that the layers in turn give the model's forward)."""
-    eps = model.config.rms_norm_eps
-    attn, mlp = layer.self_attn, layer.mlp
-    query, residual = attn.qkv_proj.add_rms_norm_qkv_rotary_write_kv(
-        ops, hidden, residual, layer.input_layernorm, eps, step.positions, model.cos_sin_cache,
-        step.k_cache, step.v_cache, step.metadata.slot_mapping,
-    )  # fmt: skip
-    out = backend.forward(query, step.k_cache, step.v_cache, step.metadata, attn.scale)
-    hidden = attn.o_proj(ops, out.reshape(-1, attn.q_size))
-    return mlp.gate_up_proj.silu_mul_into(
-        ops, mlp.down_proj, hidden, residual, layer.post_attention_layernorm, eps
-    )
+    """One decoder layer, through the layer's own forward (its block, not a copy of it)."""
+    inputs = StepInputs(ops, backend, step.positions, model.cos_sin_cache, step.metadata)
+    return layer(inputs, hidden, residual, (step.k_cache, step.v_cache))
 
 
-def _projections(layer: LlamaDecoderLayer, prefix: str) -> dict[str, Linear]:
+def _projections(layer: DecoderLayer, prefix: str) -> dict[str, Linear]:
     """Layer name (as linear_method_factory takes it) -> projection."""
     return {
         f"{prefix}.{name}": module

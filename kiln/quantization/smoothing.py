@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.models.base import CausalLM
 from kiln.models.config import ModelConfig
-from kiln.models.llama import LlamaForCausalLM
 
 # The projections whose input can be divided exactly by the op before them.
 KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -73,7 +73,7 @@ class SmoothingSpec:
 
 
 def smoothing_factors(
-    model: LlamaForCausalLM, input_amax: dict[str, torch.Tensor], alpha: float
+    model: CausalLM, input_amax: dict[str, torch.Tensor], alpha: float
 ) -> dict[str, torch.Tensor]:
     """Layer name ("layers.3.mlp.down_proj") -> its [in_features] fp32 factors s, from the
     unquantized, unsharded `model`'s weights and its inputs' per-channel amax (as

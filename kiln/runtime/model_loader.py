@@ -16,8 +16,10 @@ from kiln.config import EngineConfig
 from kiln.distributed.parallel_state import ParallelContext
 from kiln.errors import ModelLoadError
 from kiln.layers.linear import LinearMethod
+from kiln.models import registry
+from kiln.models.base import CausalLM
+from kiln.models.blocks import LinearMethodFactory
 from kiln.models.config import PRESETS, ModelConfig
-from kiln.models.llama import LinearMethodFactory, LlamaForCausalLM
 from kiln.quantization import linear_method_factory
 from kiln.quantization.device import check_float8_device
 
@@ -56,7 +58,7 @@ class ModelSource:
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     config: ModelConfig
     tokenizer: object | None
     generation_defaults: dict
@@ -390,7 +392,7 @@ def load_model(
     cfg.check_fits(weight_bytes, *_memory_of(device))
     with torch.device(device):
         # Made in `dtype`, not `.to(dtype)` after: float8 weights and fp32 scales keep their types.
-        model = LlamaForCausalLM(
+        model = registry.model_class(cfg.architecture)(
             cfg,
             max_positions,
             linear_method,
