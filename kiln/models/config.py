@@ -389,6 +389,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         sliding_window=32768, use_sliding_window=False, max_window_layers=21,
         tie_word_embeddings=True, **_QWEN_IDS,
     ),
+    "qwen3-8b": _preset(
+        "qwen3", 151936, 4096, 12288, 36, 32, 8,
+        head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        use_sliding_window=False, max_window_layers=36, **_QWEN_IDS,
+    ),
     "smollm2-135m": _preset(
         "llama", 49152, 576, 1536, 30, 9, 3,
         rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,

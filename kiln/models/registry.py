@@ -32,6 +32,7 @@ FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family("llama", "kiln.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": Family("mistral", "kiln.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": Family("qwen2", "kiln.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": Family("qwen3", "kiln.models.qwen3", "Qwen3ForCausalLM"),
 }
 
 # llama.cpp's `general.architecture` -> (module, name of its GGUFLayout). Mistral 7B GGUFs are
@@ -39,6 +40,7 @@ FAMILIES: dict[str, Family] = {
 GGUF_LAYOUTS: dict[str, tuple[str, str]] = {
     "llama": ("kiln.models.llama", "LLAMA_GGUF"),
     "qwen2": ("kiln.models.llama", "QWEN2_GGUF"),
+    "qwen3": ("kiln.models.qwen3", "QWEN3_GGUF"),
 }
 
 _BY_ARCHITECTURE = {family.architecture: (cls, family) for cls, family in FAMILIES.items()}
