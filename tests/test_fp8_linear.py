@@ -16,13 +16,13 @@ if not torch.cuda.is_available():
 from conftest import build_tiny_hf_model
 
 from kiln import LLM, SamplingParams
+from kiln.builder.calibrate.calibration import calibrate_input_scales
 from kiln.config import EngineConfig
 from kiln.errors import ModelLoadError
 from kiln.kernels import reference
 from kiln.layers.linear import Linear
+from kiln.layers.quantization import QUANTIZATIONS, linear_method_factory
 from kiln.models.blocks import gated_mlp
-from kiln.quantization import QUANTIZATIONS, linear_method_factory
-from kiln.quantization.calibration import calibrate_input_scales
 
 FP8 = torch.float8_e4m3fn
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -499,7 +499,7 @@ def test_fp8_mlp_hands_down_proj_float8_above_small_batch_rows(monkeypatch, stat
     the model dtype and no quantize kernel; at a few rows the small-batch kernels as before.
     Either way the block's output equals the unfused composition (reference ops)."""
     from kiln.kernels.triton import small_batch_linear
-    from kiln.quantization.fp8 import Fp8LinearMethod
+    from kiln.layers.quantization.fp8 import Fp8LinearMethod
 
     gen = torch.Generator().manual_seed(14)
     x, residual = 3 * torch.randn(rows, 48, generator=gen), torch.randn(rows, 48, generator=gen)
@@ -556,7 +556,7 @@ def test_a_row_parallel_down_proj_reduces_its_float8_product(monkeypatch) -> Non
     """Under TP the down projection is row-parallel: its GEMM on the float8 activation is
     summed over the ranks as forward() sums it (the collective stubbed: it doubles)."""
     import kiln.layers.linear as linear_module
-    from kiln.quantization.fp8 import Fp8LinearMethod
+    from kiln.layers.quantization.fp8 import Fp8LinearMethod
 
     gen = torch.Generator().manual_seed(17)
     gate_up = Linear(16, 32, output_sizes=[16, 16], method=Fp8LinearMethod("dynamic"))
@@ -573,7 +573,7 @@ def test_a_row_parallel_down_proj_reduces_its_float8_product(monkeypatch) -> Non
 
 
 def test_an_unquantized_down_proj_gets_the_model_dtype_activation() -> None:
-    from kiln.quantization.fp8 import Fp8LinearMethod
+    from kiln.layers.quantization.fp8 import Fp8LinearMethod
 
     gen = torch.Generator().manual_seed(16)
     gate_up = Linear(16, 32, output_sizes=[16, 16], method=Fp8LinearMethod("dynamic"))

@@ -123,15 +123,20 @@ def test_tied_embeddings_equal_hf(tmp_path) -> None:
 
 
 def test_an_fp8_build_loads_and_stays_close(qwen3, llm, tmp_path) -> None:
-    """`kiln build --quantization fp8`: static input scales calibrated on text, float8 weights;
-    the q/k norms stay in the model dtype. The engine's tokens stay within float8's noise of the
-    fp32 model (as tests/test_fp8_linear.py holds Llama's)."""
+    """`kiln build --quantization fp8 --kv-cache-dtype fp8`: static input scales and the float8
+    cache's per-layer scales calibrated on text (the keys as the block writes them, after its
+    k-norm), float8 weights; the q/k norms stay in the model dtype, the key scales folded into
+    k_norm. The engine's tokens stay within float8's noise of the fp32 model (the bound the
+    Llama float8 cache is held to)."""
     from kiln.builder.build import BuildOptions, build_engine
 
     out = str(tmp_path / "fp8")
-    options = BuildOptions(quantization="fp8", accuracy_check=False, max_model_len=256)
+    options = BuildOptions(
+        quantization="fp8", kv_cache_dtype="fp8", accuracy_check=False, max_model_len=256
+    )
     manifest = build_engine(qwen3[0], out, options, None)
     assert manifest.quantization == "fp8" and len(manifest.input_scales) == 4 * 2
+    assert len(manifest.kv_scales) == 2 and manifest.kv_scales_in_weights
     engine = LLM(out, max_num_batched_tokens=64, **ARGS)
     model = engine.engine.executor.runner.model
     attn = model.layers[0].self_attn

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 import kiln
 from kiln.builder import cache, prequantized
+from kiln.builder.calibrate.smoothing import SmoothingSpec, smooth_checkpoint
 from kiln.builder.manifest import EngineManifest
 from kiln.builder.plan import plan_memory
 from kiln.builder.quantize import (
@@ -25,7 +26,6 @@ from kiln.builder.quantize import (
     SEQUENTIAL_WINDOWS,
     WEIGHT_ROUNDINGS,
     calibrate,
-    linear_method_factory,
     round_weights,
     smooth_source,
     text_hash,
@@ -35,14 +35,13 @@ from kiln.builder.weights import write_rank_shards, write_weights
 from kiln.checkpoint.engine_dir import current_gpu_class, is_engine_dir
 from kiln.checkpoint.file_hash import hash_files
 from kiln.errors import BuildError
+from kiln.layers.quantization import linear_method_factory
+from kiln.layers.quantization.device import check_float8_device
+from kiln.layers.quantization.fp8 import Fp8LinearMethod
+from kiln.layers.quantization.outlier_columns import COLUMN_MULTIPLE, choose_channels
 from kiln.models import registry
 from kiln.models.config import ModelConfig
-from kiln.quantization.calibration import ACTIVATION_SCALES
-from kiln.quantization.device import check_float8_device
-from kiln.quantization.fp8 import Fp8LinearMethod
-from kiln.quantization.kv_scales import fold_kv_scales
-from kiln.quantization.outlier_columns import COLUMN_MULTIPLE, choose_channels
-from kiln.quantization.smoothing import SmoothingSpec, smooth_checkpoint
+from kiln.models.kv_scales import fold_kv_scales
 from kiln.runtime.model_loader import (
     find_model_source,
     is_float8_kv_cache,
@@ -97,32 +96,27 @@ class BuildOptions:
     """"fp8": the LM head in float8 with per-row scales (cut by vocabulary rows under -tp N);
     "none"."""
     weight_rounding: str = "nearest"
-    """How float8 weights round: "nearest", or "gptq" (kiln.quantization.gptq: each projection's
-    rounding error spread over its other weights by its inputs' statistics on the calibration
-    text; the same format, scales and kernels, a slower build). "gptq-aware": GPTQ of the
-    activation-aware target (the weights first corrected for the engine's float8 input, the
-    statistics those of that input); "gptq-sequential" / "gptq-aware-sequential": layer after
-    layer, each from the inputs of a model whose earlier layers are float8 already
-    (kiln.quantization.sequential). Every rounding runs on the whole model in the build's one
-    process; -tp N then cuts the rounded weights per rank (write_rank_shards)."""
+    """How float8 weights round: "nearest", or "gptq" (kiln.builder.calibrate.gptq: each
+    projection's rounding error spread over its other weights by its inputs' statistics on the
+    calibration text; the same format, scales and kernels, a slower build); "gptq-sequential":
+    layer after layer, each from the inputs of a model whose earlier layers are float8 already
+    (kiln.builder.calibrate.sequential). Every rounding runs on the whole model in the build's
+    one process; -tp N then cuts the rounded weights per rank (write_rank_shards)."""
     unquantized_layers: tuple[str, ...] = ()
     """Decoder projections kept in the model dtype in a quantized build, as fnmatch patterns
     over kiln's layer names ("layers.*.mlp.gate_up_proj", "layers.29.*"); each must match one.
     Like llm-compressor's and ModelOpt's ignore lists: accuracy bought with those layers'
     speed and bytes. The manifest lists the layers matched."""
-    activation_scales: str = "amax"
-    """How "fp8"'s static input scales calibrate: "amax" (absmax / 448 of the calibration
-    inputs) or "mse" (the multiple of it, down to 0.3, whose quantized inputs move each layer's
-    output least: kiln.quantization.calibration)."""
     smoothing: str = "none"
-    """"none", or "smoothquant[:alpha]" (kiln.quantization.smoothing: each FP8 projection's input
-    channels divided by factors calibrated on the calibration text, the weights' columns
-    multiplied by them, folded into the ops before; the same format and kernels). Stored as
-    "smoothquant:<alpha>", the default alpha filled in (0.7 for fp8-dynamic, 0.3 for fp8)."""
+    """"none", or "smoothquant[:alpha]" (kiln.builder.calibrate.smoothing: each FP8
+    projection's input channels divided by factors calibrated on the calibration text, the
+    weights' columns multiplied by them, folded into the ops before; the same format and
+    kernels). Stored as "smoothquant:<alpha>", the default alpha filled in (0.7 for
+    fp8-dynamic, 0.3 for fp8)."""
 
     outlier_columns: int = 0
     """> 0: each FP8 projection's that many loudest input channels on the calibration text
-    (a multiple of 16) carried as a second float8 term (kiln.quantization.outlier_columns):
+    (a multiple of 16) carried as a second float8 term (kiln.layers.quantization.outlier_columns):
     accuracy near per-token scales' for static "fp8", at K + n GEMM columns and unfused
     quantization. 0: off."""
 
@@ -133,7 +127,6 @@ class BuildOptions:
             ("dtype", DTYPES),
             ("lm_head_quantization", ("none", "fp8")),
             ("weight_rounding", WEIGHT_ROUNDINGS),
-            ("activation_scales", ACTIVATION_SCALES),
         ):
             if getattr(self, name) not in allowed:
                 raise BuildError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -146,11 +139,6 @@ class BuildOptions:
             raise BuildError(
                 f'smoothing "{self.smoothing}" moves FP8 activations\' range into the weights: it '
                 "needs --quantization fp8 or fp8-dynamic"
-            )
-        if self.activation_scales != "amax" and self.quantization != "fp8":
-            raise BuildError(
-                f'activation_scales "{self.activation_scales}" calibrates static input scales: '
-                "it needs --quantization fp8"
             )
         object.__setattr__(self, "unquantized_layers", tuple(self.unquantized_layers))
         if self.unquantized_layers and self.quantization == "none":
@@ -240,8 +228,6 @@ def build_engine(
         del key["weight_rounding"]  # and engines rounded to nearest
     if options.smoothing == "none":
         del key["smoothing"]  # and unsmoothed ones
-    if options.activation_scales == "amax":
-        del key["activation_scales"]  # and ones whose static scales are absmax / 448
     if options.weight_rounding == "gptq-sequential":  # its defaults changed: not the old engine
         key["sequential_rounding"] = {"windows": SEQUENTIAL_WINDOWS, "damp": SEQUENTIAL_DAMP}
     if not options.unquantized_layers:
@@ -284,8 +270,8 @@ def build_engine(
             # Its own k/v scales fold in for a float8 cache only, as loading it directly does.
             kv_in_weights = is_float8_kv_cache(options.kv_cache_dtype)
         factory = linear_method_factory(
-            options.quantization, found.scales, found.hessians, kept, found.crosses,
-            found.rounded, found.outliers,
+            options.quantization, found.scales, unquantized=kept, rounded=found.rounded,
+            weight_rounders=_gptq_rounders(found.hessians), outlier_channels=found.outliers,
         )  # fmt: skip
 
         def head() -> Fp8LinearMethod | None:  # a method serves one layer: one per model
@@ -422,8 +408,6 @@ def _kv_origin(checkpoint: object, calibrated: object, folded: bool) -> str | No
 
 def _scales_method(options: BuildOptions) -> str | None:
     method = SCALES_METHOD.get(options.quantization)
-    if method and options.activation_scales == "mse":
-        method += "; each input scale the multiple of absmax / 448 with the least output error"
     if method and options.smoothing != "none":
         alpha = options.smoothing.partition(":")[2]
         method += (
@@ -432,9 +416,7 @@ def _scales_method(options: BuildOptions) -> str | None:
         )
     if method and options.weight_rounding != "nearest":
         method += "; weights rounded by GPTQ on the calibration text's input statistics"
-        if "aware" in options.weight_rounding:
-            method += " (activation-aware: against the engine's float8 inputs)"
-        if options.weight_rounding.endswith("-sequential"):
+        if options.weight_rounding == "gptq-sequential":
             method += ", layer after layer"
     if method and options.outlier_columns:
         method += (
@@ -503,10 +485,9 @@ class _SourcePass:
     """The held-out perplexity, if checked (a pre-quantized checkpoint's: its Scores)."""
     scales: dict[str, float] | None = None  # static input scales ("fp8")
     kv_scales: list[tuple[float, float]] | None = None  # a float8 KV cache's
-    hessians: dict[str, torch.Tensor] | None = None  # GPTQ's input statistics ("gptq", "-aware")
+    hessians: dict[str, torch.Tensor] | None = None  # GPTQ's input statistics ("gptq")
     smoothing: dict[str, torch.Tensor] | None = None  # SmoothQuant's factors
-    crosses: dict | None = None  # the activation-aware target's cross statistics
-    rounded: dict | None = None  # the "-sequential" roundings' float8 weights
+    rounded: dict | None = None  # "gptq-sequential"'s float8 weights
     outliers: dict[str, list[int]] | None = None  # --outlier-columns' channels
 
 
@@ -535,15 +516,12 @@ def _run_source(
             )
             if any(wanted) or options.outlier_columns:  # smoothing alone needs no second pass
                 found.scales, found.kv_scales, found.hessians, amax = calibrate(
-                    llm, calibration, *wanted, activation_scales=options.activation_scales,
-                    channel_amax=options.outlier_columns > 0,
-                )  # fmt: skip
+                    llm, calibration, *wanted, channel_amax=options.outlier_columns > 0
+                )
                 if amax is not None:
                     found.outliers = _outlier_channels(amax, options.outlier_columns, kept)
-            if options.weight_rounding not in ("nearest", "gptq"):  # needs the static scales
-                found.hessians, found.crosses, found.rounded = round_weights(
-                    llm, calibration, options.weight_rounding, found.scales, kept
-                )
+            if options.weight_rounding == "gptq-sequential":  # needs the static scales
+                found.rounded = round_weights(llm, calibration, found.scales, kept)
     return found
 
 
@@ -557,12 +535,21 @@ def _outlier_channels(
         raise BuildError(f"--outlier-columns {count}: {e}") from None
 
 
+def _gptq_rounders(hessians: dict[str, torch.Tensor] | None) -> dict | None:
+    """Each projection's GPTQ row rounder, from its input statistics ("gptq")."""
+    if hessians is None:
+        return None
+    from kiln.builder.calibrate.gptq import GPTQRows
+
+    return {name: GPTQRows(hessian) for name, hessian in hessians.items()}
+
+
 def _accuracy_failure(accuracy: dict, options: BuildOptions) -> str:
     """The failed check's one line: the numbers, and what else the user can build."""
     hints = []
     if options.quantization != "none":
         # On SmolLM2's static fp8: +5.16% to nearest, +2.07% with gptq-sequential, +0.93% with
-        # outlier columns too (benchmarks/results/2026-12-05-cpu-outlier-columns-smollm2).
+        # outlier columns too.
         if options.weight_rounding == "nearest":
             hints.append(
                 "--weight-rounding gptq-sequential fits the weights' rounding to their inputs"

@@ -1,7 +1,7 @@
 """A quantized build's two passes over the source: the unquantized source runs as an `LLM` (its
 perplexity for the accuracy check, and for static "fp8" the activations that calibrate each
-projection's input scale), then the weights load again into a model made with the scheme's
-linear methods, which quantize each tensor as it arrives."""
+projection's input scale: kiln.builder.calibrate), then the weights load again into a model made
+with the scheme's linear methods, which quantize each tensor as it arrives."""
 
 from __future__ import annotations
 
@@ -9,15 +9,12 @@ import hashlib
 
 from kiln.builder.progress import build_step
 from kiln.errors import BuildError
-from kiln.quantization import linear_method_factory
 
 _CALIBRATION_TOKENS = 512
 _CALIBRATION_BATCHES = 8
 # "gptq-sequential"'s own: 32 windows (16,384 tokens) and damp 0.1 of H's mean diagonal. On
 # SmolLM2 fp8-dynamic, 8 windows and damp 0.01 read +1.60% on the build's held-out article (+2.03%
-# on three), 32 and 0.1 +0.86% (+0.57%); either alone did not help on three articles
-# (benchmarks/results/2026-12-02-cpu-fp8-accuracy-smollm2). With 16 rows per weight column of
-# tokens more, the fit needs the stronger ridge less, yet both together were best.
+# on three), 32 and 0.1 +0.86% (+0.57%); either alone did not help on three articles.
 SEQUENTIAL_WINDOWS = 32
 SEQUENTIAL_DAMP = 0.1
 SCALES_METHOD = {
@@ -25,10 +22,10 @@ SCALES_METHOD = {
     "fp8-dynamic": "dynamic per-token input scales; per-channel weights",
 }
 
-# "gptq": H = X X^T of the source's inputs, one pass. "-aware": the activation-aware target
-# (kiln.quantization.gptq.activation_aware_weight). "-sequential": layer after layer, from the
-# inputs of the model whose earlier layers are float8 already (kiln.quantization.sequential).
-WEIGHT_ROUNDINGS = ("nearest", "gptq", "gptq-aware", "gptq-sequential", "gptq-aware-sequential")
+# "gptq": H = X X^T of the source's inputs, one pass (kiln.builder.calibrate.gptq).
+# "gptq-sequential": layer after layer, from the inputs of the model whose earlier layers are
+# float8 already (kiln.builder.calibrate.sequential).
+WEIGHT_ROUNDINGS = ("nearest", "gptq", "gptq-sequential")
 
 __all__ = [
     "SCALES_METHOD",
@@ -37,7 +34,6 @@ __all__ = [
     "WEIGHT_ROUNDINGS",
     "calibrate",
     "calibration_batches",
-    "linear_method_factory",
     "round_weights",
     "smooth_source",
     "text_hash",
@@ -60,13 +56,17 @@ def calibration_batches(
 
 
 def smooth_source(llm: object, path: str, text: str, smoothing: str) -> dict:
-    """Smooth `llm`'s unquantized model in place (kiln.quantization.smoothing): its inputs'
+    """Smooth `llm`'s unquantized model in place (kiln.builder.calibrate.smoothing): its inputs'
     per-channel amax over the calibration windows of `text`, the factors from them and the
     weights, then the source's weights (read from `path` again) loaded through the same
     smooth_checkpoint the engine's weights go through. Returns the factors (layer name ->
     [in_features]), for the engine's weights."""
-    from kiln.quantization.calibration import calibrate_channel_amax
-    from kiln.quantization.smoothing import SmoothingSpec, smooth_checkpoint, smoothing_factors
+    from kiln.builder.calibrate.calibration import calibrate_channel_amax
+    from kiln.builder.calibrate.smoothing import (
+        SmoothingSpec,
+        smooth_checkpoint,
+        smoothing_factors,
+    )
     from kiln.runtime.model_loader import find_model_source
     from kiln.sampling_params import SamplingParams
 
@@ -91,19 +91,16 @@ def calibrate(
     input_scales: bool,
     kv_scales: bool,
     hessians: bool = False,
-    activation_scales: str = "amax",
     channel_amax: bool = False,
 ) -> tuple[dict[str, float] | None, list[tuple[float, float]] | None, dict | None, dict | None]:
-    """(static input scales, layer name -> absmax / 448 (`activation_scales` "mse": the
-    searched multiple of it, kiln.quantization.calibration), if `input_scales`; per-layer float8 KV
+    """(static input scales, layer name -> absmax / 448, if `input_scales`; per-layer float8 KV
     cache scales if `kv_scales`; layer name -> GPTQ's input statistics if `hessians`; layer
-    name -> each input channel's absmax if `channel_amax`) from
-    `llm`'s unquantized model run over the first tokens of `text`, in windows that share no
-    prefix (the engine's prefix cache would skip repeated ones), in one pass: each observer
-    wraps the ones before it."""
-    from kiln.quantization.calibration import calibrate_channel_amax, calibrate_input_scales
-    from kiln.quantization.gptq import calibrate_hessians
-    from kiln.quantization.kv_scales import calibrate_kv_scales
+    name -> each input channel's absmax if `channel_amax`) from `llm`'s unquantized model run
+    over the first tokens of `text`, in windows that share no prefix (the engine's prefix cache
+    would skip repeated ones), in one pass: each observer wraps the ones before it."""
+    from kiln.builder.calibrate.calibration import calibrate_channel_amax, calibrate_input_scales
+    from kiln.builder.calibrate.gptq import calibrate_hessians
+    from kiln.builder.calibrate.kv_scales import calibrate_kv_scales
     from kiln.sampling_params import SamplingParams
 
     tokenizer = llm.get_tokenizer()
@@ -141,53 +138,30 @@ def calibrate(
     with build_step(f"calibrating ({what})", len(batches), " windows") as bar:
         nest(0, batches)
         bar.update(len(batches))
-    if input_scales and activation_scales != "amax":  # a second pass of its own, from absmax
-        from kiln.quantization.calibration import search_input_scales
-
-        with build_step("searching input scales (mse)", len(batches), " windows") as bar:
-            found["scales"] = search_input_scales(
-                model, batches, lambda b: llm.generate(b, one_token), found["scales"]
-            )
-            bar.update(len(batches))
     return found.get("scales"), found.get("kv"), found.get("hessians"), found.get("channels")
 
 
 def round_weights(
     llm: object,
     text: str,
-    rounding: str,
     input_scales: dict[str, float] | None,
     kept: list[str],
-) -> tuple[dict | None, dict | None, dict | None]:
-    """GPTQ's inputs for weight_rounding values other than "nearest" and "gptq" (which
-    `calibrate` collects): (hessians, crosses) for "gptq-aware", one more pass of `llm`'s
-    unquantized model over the calibration windows of `text`; rounded float8 weights for the
-    "-sequential" ones, layer after layer (the `kept` projections stay unquantized in it).
-    `input_scales`: the static scales the engine's inputs quantize with, None per token."""
-    from kiln.sampling_params import SamplingParams
-
-    plain = rounding == "gptq-sequential"
-    batches = calibration_batches(llm, text, SEQUENTIAL_WINDOWS if plain else _CALIBRATION_BATCHES)
-    model = llm.engine.executor.runner.model
-    if rounding == "gptq-aware":
-        from kiln.quantization.gptq import calibrate_activation_aware
-
-        one_token = SamplingParams(max_tokens=1, temperature=0.0)
-        run = lambda b: llm.generate(b, one_token)
-        with build_step("GPTQ statistics", len(batches), " windows") as bar:
-            hessians, crosses = calibrate_activation_aware(model, batches, run, input_scales)
-            bar.update(len(batches))
-        return hessians, crosses, None
+) -> dict[str, tuple]:
+    """ "gptq-sequential"'s float8 weights, rounded layer after layer through `llm`'s unquantized
+    model over SEQUENTIAL_WINDOWS calibration windows of `text` (the `kept` projections stay
+    unquantized in it). `input_scales`: the static scales the engine's inputs quantize with,
+    None per token."""
     import torch
 
-    from kiln.quantization.sequential import RoundingSpec, round_sequentially
+    from kiln.builder.calibrate.sequential import RoundingSpec, round_sequentially
 
+    batches = calibration_batches(llm, text, SEQUENTIAL_WINDOWS)
     runner = llm.engine.executor.runner
-    spec = RoundingSpec(aware=False, damp=SEQUENTIAL_DAMP) if plain else RoundingSpec(aware=True)
-    layers = len(model.layers)
-    with torch.no_grad(), build_step(f"rounding weights ({rounding})", layers, " layers") as bar:
-        rounded = round_sequentially(
-            model, runner.ops, runner.backend, batches, spec, input_scales, kept,
+    spec = RoundingSpec(damp=SEQUENTIAL_DAMP)
+    layers = len(runner.model.layers)
+    rounding = build_step("rounding weights (gptq-sequential)", layers, " layers")
+    with torch.no_grad(), rounding as bar:
+        return round_sequentially(
+            runner.model, runner.ops, runner.backend, batches, spec, input_scales, kept,
             on_layer=lambda: bar.update(1),
         )  # fmt: skip
-    return None, None, rounded

@@ -186,6 +186,16 @@ class Linear(nn.Module):
             tp_all_reduce(self.reduce, y)
         return y
 
+    @torch.no_grad()
+    def scale_output_rows(self, rows: slice, factor: float, bias: bool = True) -> None:
+        """Multiply output rows `rows` by `factor`: through the float8 weight scales where the
+        method keeps them, else the weight's rows; the bias's rows too with `bias`."""
+        scale = getattr(self, "weight_scale", None)
+        target = scale if scale is not None else self.weight
+        target[rows] *= factor
+        if bias and self.bias is not None:
+            self.bias[rows] *= factor
+
     def shard_view(self, param: torch.Tensor, shard: int | None) -> torch.Tensor:
         """The rows of `param` that fused shard `shard` (an index into output_sizes) owns."""
         if shard is None:

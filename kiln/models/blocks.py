@@ -15,6 +15,7 @@ from torch import nn
 
 from kiln.attention.backend import AttentionBackend, AttentionMetadata
 from kiln.distributed.parallel_state import ParallelContext, kv_head_range
+from kiln.kernels import reference
 from kiln.kernels.reference import split_qkv_heads
 from kiln.layers.linear import Linear, LinearMethod, TensorSplit
 from kiln.models.config import ModelConfig
@@ -154,6 +155,36 @@ class RopeAttention(nn.Module):
             step.positions, query, key, value, step.cos_sin_cache, k_cache, v_cache, slots
         )
         return query, summed
+
+    def cache_keys_values(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]: qkv_proj's output
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # each [num_tokens, kv_heads, head_dim]
+        """The keys (before rotary) and values this block writes to the cache for `qkv`, by
+        the reference ops: what KV-cache calibration measures."""
+        _, key, value = split_qkv_heads(qkv, self.head_dim, self.num_kv_heads)
+        if self.k_norm is not None:
+            key = reference.rms_norm(key, self.k_norm, self.eps)
+        return key, value
+
+    @torch.no_grad()
+    def fold_kv_scales(self, k_scale: float, v_scale: float, into_weights: bool = True) -> None:
+        """Write k / k_scale and v / v_scale to the cache and attend as before (see
+        kiln.models.kv_scales): keys through the k rows of qkv_proj, or through k_norm's weight
+        when a k-norm follows them (it would undo a scale folded into the rows); values through
+        the v rows and o_proj. `into_weights=False`: the weights hold them already."""
+        self.scale *= k_scale
+        if not into_weights:
+            return
+        q, kv = self.q_size, self.kv_size
+        if self.k_norm is None:
+            self.qkv_proj.scale_output_rows(slice(q, q + kv), 1.0 / k_scale)
+        else:
+            self.k_norm.mul_(1.0 / k_scale)
+        self.qkv_proj.scale_output_rows(slice(q + kv, q + 2 * kv), 1.0 / v_scale)
+        self.o_proj.scale_output_rows(slice(None), v_scale, bias=False)  # W (v_stored * s) + b
+        if getattr(self.o_proj, "input_scale", None) is not None:
+            self.o_proj.input_scale.div_(v_scale)  # its static scale saw the unscaled inputs
 
     def attend(self, step: StepInputs, query: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         """Attention over the cache, then o_proj: [num_tokens, hidden] (summed over TP ranks)."""

@@ -6,8 +6,8 @@ Why: a per-token scale makes each row's largest value exact (it *is* the scale, 
 static one rounds it to 3 bits like any other. Models with massive activations (SmolLM2: a few
 channels in the thousands) keep their largest values in a few fixed channels, and those values'
 rounding is as large as the rest of the row's together, which is most of what static scales
-lose against per-token ones; underflow costs almost nothing
-(benchmarks/results/2026-12-05-cpu-static-fp8-error-parts-smollm2).
+lose against per-token ones; underflow costs almost nothing (measured on SmolLM2's
+calibration text).
 
 The arithmetic, for a projection with input scale s (static, or per token) and chosen channels
 J (n of them, a multiple of 16 so the GEMM's K stays one):
@@ -40,7 +40,7 @@ from types import ModuleType
 import torch
 
 from kiln.layers.linear import Fp8Input, FusedOperands, Linear
-from kiln.quantization.fp8 import Fp8LinearMethod
+from kiln.layers.quantization.fp8 import Fp8LinearMethod
 
 # The GEMM's K must stay a multiple of 16 (torch._scaled_mm's requirement).
 COLUMN_MULTIPLE = 16

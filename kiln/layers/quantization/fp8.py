@@ -12,6 +12,7 @@ from torch import nn
 
 from kiln.kernels.reference import quantize_fp8
 from kiln.layers.linear import Fp8Input, FusedOperands, Linear, LinearMethod
+from kiln.layers.quantization import RowRounder
 
 
 class Fp8LinearMethod(LinearMethod):
@@ -37,8 +38,7 @@ class Fp8LinearMethod(LinearMethod):
         self,
         activation_scheme: Literal["dynamic", "static"],
         input_scale: float | None = None,
-        hessian: torch.Tensor | None = None,
-        cross: torch.Tensor | None = None,
+        round_rows: RowRounder | None = None,
         rounded: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         if activation_scheme not in ("dynamic", "static"):
@@ -51,16 +51,12 @@ class Fp8LinearMethod(LinearMethod):
             raise ValueError(f"input_scale must be > 0, got {input_scale!r}")
         self.activation_scheme = activation_scheme
         self.static_input_scale = input_scale
-        # The layer's input statistics (kiln.quantization.gptq): weights round by GPTQ, not to
-        # nearest. Whole rows only, as both load paths below quantize them.
-        # With `cross` (X Xq^T; `hessian` then Xq Xq^T) the activation-aware target: weights
-        # corrected for the engine's quantized input before they round.
-        self.hessian = hessian
-        self.cross = cross
+        # Rounds whole weight rows (a build's GPTQ, from the layer's input statistics) instead
+        # of to nearest; both load paths below quantize whole rows.
+        self.round_rows = round_rows
         # Float8 codes [out, in] and scales [out, 1] rounded already (layer-sequential GPTQ,
-        # kiln.quantization.sequential): loaded as they are, the source's weight ignored.
+        # kiln.builder.calibrate.sequential): loaded as they are, the source's weight ignored.
         self.rounded = rounded
-        self._gptq_factor: torch.Tensor | None = None  # from the hessian, once for all shards
         self._layer: weakref.ref[Linear] | None = None
 
     def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
@@ -122,18 +118,9 @@ class Fp8LinearMethod(LinearMethod):
         super().load_checkpoint_tensor(layer, param, shard, loaded)
 
     def _quantize_rows(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.hessian is None:
+        if self.round_rows is None:
             return quantize_fp8(weight, None)
-        from kiln.quantization.gptq import inverse_factor, round_with_factor
-
-        if self.cross is not None:
-            from kiln.quantization.gptq import activation_aware_weight
-
-            device = weight.device
-            weight = activation_aware_weight(weight, self.cross.to(device), self.hessian.to(device))
-        if self._gptq_factor is None:
-            self._gptq_factor = inverse_factor(self.hessian.to(weight.device))
-        return round_with_factor(weight, self._gptq_factor)
+        return self.round_rows(weight)
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         return ops.fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias)
