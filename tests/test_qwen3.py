@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -28,7 +27,7 @@ PROMPTS = [
 SHARED = list(range(100, 132))
 PREFIXED = [[1, *SHARED, 7, 8], [1, *SHARED, 9, 10, 11]]
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-ARGS = dict(block_size=16, kv_cache_memory_gb=0.05, max_num_seqs=8)
+ARGS = dict(block_size=16, kv_cache_memory_gb=0.05, max_num_seqs=8, device="cpu")
 
 
 def save_tiny_qwen3(path: str, seed: int = 0, **overrides: object):
@@ -152,6 +151,7 @@ def _write_qwen3_gguf(path: Path, source: str) -> None:
     tokenizer as "gpt2" metadata."""
     import json
 
+    import gguf
     from safetensors.torch import load_file
 
     config = json.loads((Path(source) / "config.json").read_text())
@@ -220,3 +220,22 @@ def test_each_tensor_rank_holds_its_cut_and_the_whole_qk_norms(qwen3) -> None:
             want["layers.0.self_attn.qkv_proj.weight"],
         )
         assert torch.equal(qkv[:q_rows], full[rank * q_rows : (rank + 1) * q_rows])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_greedy_equals_hf_on_gpu_with_graphs(qwen3, hf_tokens) -> None:
+    """The Triton path (the q/k-norm kernel after the small-batch or GEMM projection), decode
+    in CUDA graphs, fp32: tokens identical to HF's."""
+    gpu = LLM(qwen3[0], device="cuda", dtype="float32", max_num_seqs=16, block_size=16)
+    assert gpu.engine.executor.runner.graphs is not None
+    assert _tokens(gpu.generate(PROMPTS, GREEDY)) == [hf_tokens[tuple(p)] for p in PROMPTS]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fp8_weights_and_cache_on_gpu_stay_within_their_noise(qwen3, llm) -> None:
+    """FP8 W8A8 (the fused small-batch kernels take the float8 operands, then the q/k-norm
+    kernel) with a float8 cache on the GPU, against the CPU's fp32 model."""
+    gpu = LLM(qwen3[0], device="cuda", dtype="float32", quantization="fp8-dynamic",
+              kv_cache_dtype="fp8", max_num_seqs=16, block_size=16)  # fmt: skip
+    gaps = generated_logprob_gaps(gpu.generate(PROMPTS, GREEDY), llm.generate(PROMPTS, GREEDY))
+    assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps

@@ -17,8 +17,8 @@ HELD_OUT_FILE = os.path.normpath(os.path.join(_DATA, "wikitext-2", "valid.txt"))
 CALIBRATION_FILE = os.path.normpath(os.path.join(_DATA, "wikitext-2", "test.txt"))
 # The first articles of the valid split (5,275 words, 7,153 SmolLM2 tokens): an FP8 engine's
 # perplexity on one article moved by up to 0.9% of itself when only the order of fp32 sums
-# changed (a float8 code flips), on three by 0.25% (benchmarks/results/
-# 2026-12-04-cpu-accuracy-check-noise-smollm2); the check adds seconds to a build, not minutes.
+# changed (a float8 code flips), on three by 0.25%; the check adds seconds to a build, not
+# minutes.
 _HELD_OUT_ARTICLES = 3
 
 
