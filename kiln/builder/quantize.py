@@ -6,9 +6,17 @@ with the scheme's linear methods, which quantize each tensor as it arrives."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
 
 from kiln.builder.progress import build_step
 from kiln.errors import BuildError
+from kiln.layers.quantization.outlier_columns import choose_channels
+
+if TYPE_CHECKING:  # options.py imports this module
+    from kiln.builder.options import BuildOptions
 
 _CALIBRATION_TOKENS = 512
 _CALIBRATION_BATCHES = 8
@@ -32,9 +40,12 @@ __all__ = [
     "SEQUENTIAL_DAMP",
     "SEQUENTIAL_WINDOWS",
     "WEIGHT_ROUNDINGS",
+    "SourcePass",
     "calibrate",
     "calibration_batches",
+    "gptq_rounders",
     "round_weights",
+    "run_source",
     "smooth_source",
     "text_hash",
 ]
@@ -151,8 +162,6 @@ def round_weights(
     model over SEQUENTIAL_WINDOWS calibration windows of `text` (the `kept` projections stay
     unquantized in it). `input_scales`: the static scales the engine's inputs quantize with,
     None per token."""
-    import torch
-
     from kiln.builder.calibrate.sequential import RoundingSpec, round_sequentially
 
     batches = calibration_batches(llm, text, SEQUENTIAL_WINDOWS)
@@ -165,3 +174,72 @@ def round_weights(
             runner.model, runner.ops, runner.backend, batches, spec, input_scales, kept,
             on_layer=lambda: bar.update(1),
         )  # fmt: skip
+
+
+@dataclass
+class SourcePass:
+    """What the build measures and calibrates on the source before the engine is made (None:
+    not asked for)."""
+
+    source_ppl: object = None
+    """The held-out perplexity, if checked (a pre-quantized checkpoint's: its Scores)."""
+    scales: dict[str, float] | None = None  # static input scales ("fp8")
+    kv_scales: list[tuple[float, float]] | None = None  # a float8 KV cache's
+    hessians: dict[str, torch.Tensor] | None = None  # GPTQ's input statistics ("gptq")
+    smoothing: dict[str, torch.Tensor] | None = None  # SmoothQuant's factors
+    rounded: dict | None = None  # "gptq-sequential"'s float8 weights
+    outliers: dict[str, list[int]] | None = None  # --outlier-columns' channels
+
+
+def run_source(
+    path: str, options: BuildOptions, calibration: str | None, check: bool, kept: list[str]
+) -> SourcePass:
+    """What the options ask of the source, from one `LLM` of the unquantized source, freed
+    before the quantized model is made. With smoothing, its model is smoothed before the other
+    calibrations: their scales and statistics are of the smoothed inputs and weights the
+    engine holds."""
+    found = SourcePass()
+    if not check and calibration is None:
+        return found
+    from kiln.builder.accuracy import measure, measuring_llm
+    from kiln.runtime.model_loader import is_float8_kv_cache
+
+    with measuring_llm(path, "source", dtype=options.dtype, max_model_len=options.max_model_len,
+                       enable_prefix_caching=False) as llm:  # fmt: skip
+        found.source_ppl = measure(llm, options.max_model_len, "source") if check else None
+        if calibration is not None:
+            if options.smoothing != "none":
+                found.smoothing = smooth_source(llm, path, calibration, options.smoothing)
+            wanted = (
+                options.quantization == "fp8",
+                is_float8_kv_cache(options.kv_cache_dtype),
+                options.weight_rounding == "gptq",
+            )
+            if any(wanted) or options.outlier_columns:  # smoothing alone needs no second pass
+                found.scales, found.kv_scales, found.hessians, amax = calibrate(
+                    llm, calibration, *wanted, channel_amax=options.outlier_columns > 0
+                )
+                if amax is not None:
+                    found.outliers = outlier_channels(amax, options.outlier_columns, kept)
+            if options.weight_rounding == "gptq-sequential":  # needs the static scales
+                found.rounded = round_weights(llm, calibration, found.scales, kept)
+    return found
+
+
+def outlier_channels(
+    amax: dict[str, torch.Tensor], count: int, kept: list[str]
+) -> dict[str, list[int]]:
+    """Each quantized projection's `count` loudest input channels (kept ones run unquantized)."""
+    try:
+        return choose_channels({n: a for n, a in amax.items() if n not in kept}, count)
+    except ValueError as e:
+        raise BuildError(f"--outlier-columns {count}: {e}") from None
+
+
+def gptq_rounders(hessians: dict[str, torch.Tensor] | None) -> dict | None:
+    """Each projection's GPTQ row rounder, from its input statistics ("gptq")."""
+    if hessians is None:
+        return None
+    from kiln.builder.calibrate.gptq import GPTQRows
+
+    return {name: GPTQRows(hessian) for name, hessian in hessians.items()}
