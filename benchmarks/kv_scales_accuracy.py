@@ -15,7 +15,7 @@ import time
 from kiln import LLM
 from kiln.builder.accuracy import CALIBRATION_FILE, measure
 from kiln.builder.quantize import calibrate
-from kiln.models.kv_scales import fold_kv_scales
+from kiln.quantization.kv_scales import fold_kv_scales
 
 
 def main() -> None:

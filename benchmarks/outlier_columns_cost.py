@@ -27,8 +27,8 @@ import torch
 
 from kiln.kernels import reference
 from kiln.layers.linear import Linear
-from kiln.layers.quantization.fp8 import Fp8LinearMethod
-from kiln.layers.quantization.outlier_columns import OutlierColumnsFp8LinearMethod
+from kiln.quantization.fp8 import Fp8LinearMethod
+from kiln.quantization.outlier_columns import OutlierColumnsFp8LinearMethod
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 4096, 32, 8, 128, 14336
 ROWS = (1, 16, 256, 1000, 8192)
