@@ -16,13 +16,14 @@ if not torch.cuda.is_available():
 from conftest import build_tiny_hf_model
 
 from kiln import LLM, SamplingParams
+from kiln.builder.calibrate.calibration import calibrate_input_scales
 from kiln.config import EngineConfig
 from kiln.errors import ModelLoadError
 from kiln.kernels import reference
 from kiln.kernels.kv_layout import empty_cache
 from kiln.layers.linear import Linear
-from kiln.quantization import QUANTIZATIONS, linear_method_factory
-from kiln.quantization.calibration import calibrate_input_scales
+from kiln.layers.quantization import QUANTIZATIONS, linear_method_factory
+from kiln.models.blocks import gated_mlp
 
 FP8 = torch.float8_e4m3fn
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -505,12 +506,12 @@ def _count_calls(monkeypatch: pytest.MonkeyPatch, module: object, names: list[st
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("rows", [3, 12])  # the small-batch kernels (MAX_ROWS 8); the FP8 GEMMs
 def test_fp8_mlp_hands_down_proj_float8_above_small_batch_rows(monkeypatch, static, rows):
-    """The MLP block through Linear.silu_mul_into, FP8 gate_up and down: above the small-batch
+    """The MLP block (blocks.gated_mlp), FP8 gate_up and down: above the small-batch
     rows the SiLU-mul kernel writes float8 and down_proj's GEMM reads it, with no SiLU-mul in
     the model dtype and no quantize kernel; at a few rows the small-batch kernels as before.
     Either way the block's output equals the unfused composition (reference ops)."""
     from kiln.kernels.triton import small_batch_linear
-    from kiln.quantization.fp8 import Fp8LinearMethod
+    from kiln.layers.quantization.fp8 import Fp8LinearMethod
 
     gen = torch.Generator().manual_seed(14)
     x, residual = 3 * torch.randn(rows, 48, generator=gen), torch.randn(rows, 48, generator=gen)
@@ -530,9 +531,9 @@ def test_fp8_mlp_hands_down_proj_float8_above_small_batch_rows(monkeypatch, stat
     quantized = _count_calls(monkeypatch, small_batch_linear.fp8_gemm, ["quantize_fp8"])
     # The reference ops take the same route (float8 always), on the CPU, before the layers move
     # to the Triton ops' device.
-    ref_got, _ = gate_up.silu_mul_into(reference, down, x, residual, norm_weight, 1e-5)
+    ref_got, _ = gated_mlp(reference, gate_up, down, x, residual, norm_weight, 1e-5)
     gate_up.to(DEVICE), down.to(DEVICE)
-    got, got_sum = gate_up.silu_mul_into(triton_ops, down, *_on(x, residual, norm_weight), 1e-5)
+    got, got_sum = gated_mlp(triton_ops, gate_up, down, *_on(x, residual, norm_weight), 1e-5)
     if rows > small_batch_linear.MAX_ROWS:
         assert calls == {"silu_and_mul": 0, "silu_and_mul_quant_fp8": 1}
         assert quantized["quantize_fp8"] == 0
@@ -567,7 +568,7 @@ def test_a_row_parallel_down_proj_reduces_its_float8_product(monkeypatch) -> Non
     """Under TP the down projection is row-parallel: its GEMM on the float8 activation is
     summed over the ranks as forward() sums it (the collective stubbed: it doubles)."""
     import kiln.layers.linear as linear_module
-    from kiln.quantization.fp8 import Fp8LinearMethod
+    from kiln.layers.quantization.fp8 import Fp8LinearMethod
 
     gen = torch.Generator().manual_seed(17)
     gate_up = Linear(16, 32, output_sizes=[16, 16], method=Fp8LinearMethod("dynamic"))
@@ -576,15 +577,15 @@ def test_a_row_parallel_down_proj_reduces_its_float8_product(monkeypatch) -> Non
         shape = (layer.out_features, layer.in_features)
         layer.weight_loader(layer.weight, None, torch.randn(shape, generator=gen))
     x, norm_weight = torch.randn(12, 16, generator=gen), torch.ones(16)
-    want, _ = gate_up.silu_mul_into(reference, down, x, None, norm_weight, 1e-5)
+    want, _ = gated_mlp(reference, gate_up, down, x, None, norm_weight, 1e-5)
     monkeypatch.setattr(linear_module, "tp_all_reduce", lambda ctx, y: y.mul_(2))
     down.reduce = object()  # any context: the stub ignores it
-    got, _ = gate_up.silu_mul_into(reference, down, x, None, norm_weight, 1e-5)
+    got, _ = gated_mlp(reference, gate_up, down, x, None, norm_weight, 1e-5)
     assert torch.equal(got, 2 * want)
 
 
 def test_an_unquantized_down_proj_gets_the_model_dtype_activation() -> None:
-    from kiln.quantization.fp8 import Fp8LinearMethod
+    from kiln.layers.quantization.fp8 import Fp8LinearMethod
 
     gen = torch.Generator().manual_seed(16)
     gate_up = Linear(16, 32, output_sizes=[16, 16], method=Fp8LinearMethod("dynamic"))
@@ -592,8 +593,10 @@ def test_an_unquantized_down_proj_gets_the_model_dtype_activation() -> None:
     down = Linear(16, 16)
     down.weight.data = torch.randn(16, 16, generator=gen)
     x, norm_weight = torch.randn(12, 16, generator=gen), torch.ones(16)
-    act, _ = gate_up.add_rms_norm_silu_mul(reference, x, None, norm_weight, 1e-5)
-    got, _ = gate_up.silu_mul_into(reference, down, x, None, norm_weight, 1e-5)
+    act, _ = reference.add_rms_norm_linear_silu_mul(
+        x, None, norm_weight, 1e-5, gate_up.weight, gate_up.weight_scale, gate_up.input_scale
+    )
+    got, _ = gated_mlp(reference, gate_up, down, x, None, norm_weight, 1e-5)
     assert torch.equal(got, act @ down.weight.t())
 
 

@@ -10,9 +10,9 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.builder.build import BuildOptions, build_engine
+from kiln.builder.calibrate.gptq import gptq_fp8
 from kiln.errors import BuildError
 from kiln.kernels.reference import quantize_fp8
-from kiln.quantization.gptq import gptq_fp8
 
 
 def _correlated_inputs(rows: int, features: int, seed: int) -> torch.Tensor:

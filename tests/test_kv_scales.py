@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.quantization.kv_scales import calibrate_kv_scales, fold_kv_scales, power_of_two_scale
+from kiln.builder.calibrate.kv_scales import calibrate_kv_scales, power_of_two_scale
+from kiln.models.kv_scales import fold_kv_scales
 from tests.conftest import assert_same_completions, build_tiny_hf_model, generated_logprob_gaps
 
 PROMPTS = [[1, 5, 9, 33, 7, 80, 12], [1, 200, 3, 17]]
@@ -62,3 +63,65 @@ def test_a_scaled_float8_cache_holds_keys_that_saturate_an_unscaled_one(tmp_path
     gap_unscaled = generated_logprob_gaps(unscaled.generate(PROMPTS, GREEDY), want).max()
     gap_scaled = generated_logprob_gaps(scaled.generate(PROMPTS, GREEDY), want).max()
     assert gap_scaled < 0.1 < gap_unscaled, (gap_scaled, gap_unscaled)
+
+
+def _prefill(model) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(final hidden states, each layer's fp32 K and V cache) of PROMPTS as one prefill."""
+    from kiln.attention.backend import get_attention_backend
+    from kiln.kernels import reference
+    from kiln.models.packed_prefill import packed_prefill_metadata
+
+    metadata, blocks = packed_prefill_metadata([len(p) for p in PROMPTS], 16, "cpu")
+    cfg = model.config
+    shape = (blocks, 16, cfg.num_key_value_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in model.layers]
+    ids = torch.tensor([t for p in PROMPTS for t in p])
+    positions = torch.cat([torch.arange(len(p)) for p in PROMPTS])
+    backend = get_attention_backend("torch", torch.device("cpu"))
+    with torch.no_grad():
+        hidden = model(reference, backend, ids, positions, caches, metadata)
+    return hidden, caches
+
+
+def test_a_key_scale_after_a_k_norm_folds_into_the_norm(tmp_path):
+    """Qwen3 RMS-normalises each key head after k_proj: a k_scale folded into k_proj's rows (the
+    fold a Llama block takes) is undone by the norm, so the cache would hold k, not k / k_scale,
+    while the softmax scale still multiplies by k_scale: a silently wrong model. The block folds
+    it into the norm's weight instead (RMSNorm(k) * w / s; rotary commutes with a scalar): the
+    cache holds k / k_scale exactly (powers of two) and the layer computes what it did."""
+    from kiln.config import EngineConfig
+    from kiln.runtime.model_loader import load_model
+    from tests.test_qwen3 import save_tiny_qwen3
+
+    save_tiny_qwen3(str(tmp_path))
+    config = EngineConfig(model=str(tmp_path))
+    model = load_model(config, torch.device("cpu"), torch.float32).model
+    want_hidden, want_caches = _prefill(model)
+    scales = [(8.0, 4.0), (2.0**-3, 2.0)]
+    fold_kv_scales(model, scales)
+    hidden, caches = _prefill(model)
+    for (k, v), (want_k, want_v), (k_scale, v_scale) in zip(caches, want_caches, scales):
+        assert torch.equal(k, want_k / k_scale) and torch.equal(v, want_v / v_scale)
+    torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-5)
+
+    # The Llama fold on this block: the norm gives the keys back unscaled (but for its eps).
+    rows_only = load_model(config, torch.device("cpu"), torch.float32).model
+    for layer, (k_scale, _) in zip(rows_only.layers, scales):
+        attn = layer.self_attn
+        attn.qkv_proj.scale_output_rows(slice(attn.q_size, attn.q_size + attn.kv_size), 1 / k_scale)
+    _, caches = _prefill(rows_only)
+    for (k, _), (want_k, _), (k_scale, _) in zip(caches, want_caches, scales):
+        torch.testing.assert_close(k, want_k, rtol=1e-2, atol=1e-3)
+        assert not torch.allclose(k, want_k / k_scale, rtol=0.5)
+
+
+def test_a_block_that_says_nowhere_to_fold_is_refused():
+    from torch import nn
+
+    from kiln.models.kv_scales import KVScaleFoldError
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Module()])
+    model.layers[0].self_attn = nn.Linear(2, 2)  # a block with no fold_kv_scales
+    with pytest.raises(KVScaleFoldError, match="layer 0: a Linear block does not say where"):
+        fold_kv_scales(model, [(2.0, 2.0)])

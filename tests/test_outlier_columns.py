@@ -1,7 +1,7 @@
-"""Outlier columns (kiln.quantization.outlier_columns, `kiln build --outlier-columns`): the chosen
-channels' remainder is a second float8 term, the projection computes exactly that two-term
-arithmetic, and a static fp8 engine of a model with loud channels comes closer to its source
-with them; named in the manifest and the engine id, refused where it cannot apply."""
+"""Outlier columns (kiln.layers.quantization.outlier_columns, `kiln build --outlier-columns`):
+the chosen channels' remainder is a second float8 term, the projection computes exactly that
+two-term arithmetic, and a static fp8 engine of a model with loud channels comes closer to its
+source with them; named in the manifest and the engine id, refused where it cannot apply."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from kiln.cli.main import main
 from kiln.errors import BuildError
 from kiln.kernels import reference
 from kiln.layers.linear import Linear
-from kiln.quantization.fp8 import Fp8LinearMethod
-from kiln.quantization.outlier_columns import OutlierColumnsFp8LinearMethod, choose_channels
+from kiln.layers.quantization.fp8 import Fp8LinearMethod
+from kiln.layers.quantization.outlier_columns import OutlierColumnsFp8LinearMethod, choose_channels
+from kiln.models.blocks import gated_mlp
 from tests.conftest import teacher_forced_logprobs
 
 LOUD = [3, 40]  # the input channels made loud in the test model (hidden size 64)
@@ -388,7 +389,7 @@ def test_the_triton_ops_compute_what_the_reference_does(monkeypatch, scheme, row
     activation = torch.randn(rows, 96, generator=gen).to(DEVICE, dtype)
 
     def block(ops):
-        mlp, summed = gate_up.silu_mul_into(ops, down, x, residual, norm, 1e-5)
+        mlp, summed = gated_mlp(ops, gate_up, down, x, residual, norm, 1e-5)
         return mlp, summed, down(ops, activation)  # down alone: apply()'s quantize kernel
 
     if DEVICE == "cuda":

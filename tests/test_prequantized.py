@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from kiln import LLM, SamplingParams
 from kiln.errors import ModelLoadError
-from kiln.quantization.fp8 import Fp8LinearMethod
+from kiln.layers.quantization.fp8 import Fp8LinearMethod
 
 DATA = Path(__file__).parent / "data" / "fp8_checkpoints"
 PROMPTS = [[1, 5, 9, 33, 7, 100], [1, 200, 3, 17]]

@@ -1,4 +1,4 @@
-"""SmoothQuant smoothing (kiln.quantization.smoothing, `kiln build --smoothing`): exact without
+"""SmoothQuant smoothing (kiln.builder.calibrate.smoothing, `kiln build --smoothing`): exact without
 quantization (HF transformers and kiln's own engine as oracles), named in the manifest and the
 engine id, refused where it cannot apply, and better FP8 accuracy on a model with outliers."""
 
@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from kiln.builder.build import BuildOptions, build_engine
-from kiln.errors import BuildError
-from kiln.llm import LLM
-from kiln.models.llama import LlamaForCausalLM
-from kiln.quantization.smoothing import (
+from kiln.builder.calibrate.smoothing import (
     KINDS,
     SmoothingSpec,
     smooth_checkpoint,
     smoothing_factors,
 )
+from kiln.errors import BuildError
+from kiln.llm import LLM
+from kiln.models.llama import LlamaForCausalLM
 from kiln.runtime.model_loader import find_model_source
 from kiln.sampling_params import SamplingParams
 from tests.conftest import (

@@ -8,17 +8,20 @@ import contextlib
 import gc
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import kiln
+
+if TYPE_CHECKING:
+    from kiln.builder.options import BuildOptions
 
 _DATA = os.path.join(os.path.dirname(os.path.dirname(kiln.__file__)), "..", "shared", "data")
 HELD_OUT_FILE = os.path.normpath(os.path.join(_DATA, "wikitext-2", "valid.txt"))
 CALIBRATION_FILE = os.path.normpath(os.path.join(_DATA, "wikitext-2", "test.txt"))
 # The first articles of the valid split (5,275 words, 7,153 SmolLM2 tokens): an FP8 engine's
 # perplexity on one article moved by up to 0.9% of itself when only the order of fp32 sums
-# changed (a float8 code flips), on three by 0.25% (benchmarks/results/
-# 2026-12-04-cpu-accuracy-check-noise-smollm2); the check adds seconds to a build, not minutes.
+# changed (a float8 code flips), on three by 0.25%; the check adds seconds to a build, not
+# minutes.
 _HELD_OUT_ARTICLES = 3
 
 
@@ -83,3 +86,44 @@ def report(source: dict[str, float], engine: dict[str, float], limit_pct: float)
         "max_ppl_increase_pct": limit_pct,
         "passed": increase <= limit_pct,
     }
+
+
+def failure_message(accuracy: dict, options: BuildOptions) -> str:
+    """The failed check's one line: the numbers, and what else the user can build."""
+    hints = []
+    if options.quantization != "none":
+        # On SmolLM2's static fp8: +5.16% to nearest, +2.07% with gptq-sequential, +0.93% with
+        # outlier columns too.
+        if options.weight_rounding == "nearest":
+            hints.append(
+                "--weight-rounding gptq-sequential fits the weights' rounding to their inputs"
+            )
+        if not options.outlier_columns:
+            hints.append("--outlier-columns 16 keeps the loudest input channels' precision")
+    hints.append("--no-accuracy-check builds it anyway")
+    return (
+        f"the engine's word perplexity {accuracy['engine_word_perplexity']:.4f} is "
+        f"{accuracy['word_perplexity_increase_pct']:.2f}% above the source's "
+        f"{accuracy['source_word_perplexity']:.4f} (limit {options.max_ppl_increase}%; "
+        f"{'; '.join(hints)})"
+    )
+
+
+def check_engine(engine: str, options: BuildOptions, source_ppl: dict[str, float] | None) -> dict:
+    """The accuracy the manifest records: the engine's perplexity against the source's, or why
+    it was not checked."""
+    from kiln.builder.options import changes_arithmetic
+
+    if not changes_arithmetic(options):
+        return {"checked": False, "reason": "unquantized: the weights are the source's, unchanged"}
+    if source_ppl is None:
+        return {"checked": False, "reason": "--no-accuracy-check"}
+    with measuring_llm(
+        engine,
+        "engine",
+        kv_cache_dtype=options.kv_cache_dtype,
+        max_model_len=options.max_model_len,
+        tensor_parallel_size=options.tensor_parallel_size,
+    ) as llm:
+        engine_ppl = measure(llm, options.max_model_len, "engine")
+    return report(source_ppl, engine_ppl, options.max_ppl_increase)

@@ -53,7 +53,7 @@ class EngineManifest:
     """> 1: the weights are one shard per tensor rank (rank-R/...), loadable at this size only."""
     kv_scales: list[list[float]] | None = None
     """`--kv-cache-dtype fp8`: each layer's calibrated [k_scale, v_scale] (powers of two), already
-    folded into the weights (kiln.quantization.kv_scales); loading folds them into the softmax
+    folded into the weights (kiln.models.kv_scales); loading folds them into the softmax
     scales."""
     lm_head_quantization: str = "none"
     """"fp8": the LM head's weights are float8 with per-row scales (`--lm-head-quantization`),
@@ -73,11 +73,11 @@ class EngineManifest:
     loading makes them unquantized. None: every projection is quantized."""
     smoothing: str = "none"
     """"smoothquant:<alpha>": the FP8 projections' inputs were smoothed per channel on the
-    calibration text (kiln.quantization.smoothing), the factors folded into the weights."""
+    calibration text (kiln.builder.calibrate.smoothing), the factors folded into the weights."""
 
     outlier_channels: dict[str, list[int]] | None = None
     """`--outlier-columns`: each FP8 projection's input channels carried as a second float8
-    term (kiln.quantization.outlier_columns; its weight holds their columns twice), which
+    term (kiln.layers.quantization.outlier_columns; its weight holds their columns twice), which
     loading needs to make the projection's method. None: no outlier columns."""
 
     def write(self, directory: str) -> None:

@@ -29,7 +29,7 @@ from kiln.checkpoint.prequantized import PrequantizedFp8, read_prequantized
 from kiln.errors import BuildError
 
 if TYPE_CHECKING:  # build.py imports this module
-    from kiln.builder.build import BuildOptions
+    from kiln.builder.options import BuildOptions
 
 # The engine's and the checkpoint's perplexities may differ by float noise only (the same
 # weights and the same kernels: on the CPU they are equal to the bit; a reordered sum on a GPU

@@ -1,23 +1,28 @@
 """A quantized build's two passes over the source: the unquantized source runs as an `LLM` (its
 perplexity for the accuracy check, and for static "fp8" the activations that calibrate each
-projection's input scale), then the weights load again into a model made with the scheme's
-linear methods, which quantize each tensor as it arrives."""
+projection's input scale: kiln.builder.calibrate), then the weights load again into a model made
+with the scheme's linear methods, which quantize each tensor as it arrives."""
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
 
 from kiln.builder.progress import build_step
 from kiln.errors import BuildError
-from kiln.quantization import linear_method_factory
+from kiln.layers.quantization.outlier_columns import choose_channels
+
+if TYPE_CHECKING:  # options.py imports this module
+    from kiln.builder.options import BuildOptions
 
 _CALIBRATION_TOKENS = 512
 _CALIBRATION_BATCHES = 8
 # "gptq-sequential"'s own: 32 windows (16,384 tokens) and damp 0.1 of H's mean diagonal. On
 # SmolLM2 fp8-dynamic, 8 windows and damp 0.01 read +1.60% on the build's held-out article (+2.03%
-# on three), 32 and 0.1 +0.86% (+0.57%); either alone did not help on three articles
-# (benchmarks/results/2026-12-02-cpu-fp8-accuracy-smollm2). With 16 rows per weight column of
-# tokens more, the fit needs the stronger ridge less, yet both together were best.
+# on three), 32 and 0.1 +0.86% (+0.57%); either alone did not help on three articles.
 SEQUENTIAL_WINDOWS = 32
 SEQUENTIAL_DAMP = 0.1
 SCALES_METHOD = {
@@ -25,20 +30,22 @@ SCALES_METHOD = {
     "fp8-dynamic": "dynamic per-token input scales; per-channel weights",
 }
 
-# "gptq": H = X X^T of the source's inputs, one pass. "-aware": the activation-aware target
-# (kiln.quantization.gptq.activation_aware_weight). "-sequential": layer after layer, from the
-# inputs of the model whose earlier layers are float8 already (kiln.quantization.sequential).
-WEIGHT_ROUNDINGS = ("nearest", "gptq", "gptq-aware", "gptq-sequential", "gptq-aware-sequential")
+# "gptq": H = X X^T of the source's inputs, one pass (kiln.builder.calibrate.gptq).
+# "gptq-sequential": layer after layer, from the inputs of the model whose earlier layers are
+# float8 already (kiln.builder.calibrate.sequential).
+WEIGHT_ROUNDINGS = ("nearest", "gptq", "gptq-sequential")
 
 __all__ = [
     "SCALES_METHOD",
     "SEQUENTIAL_DAMP",
     "SEQUENTIAL_WINDOWS",
     "WEIGHT_ROUNDINGS",
+    "SourcePass",
     "calibrate",
     "calibration_batches",
-    "linear_method_factory",
+    "gptq_rounders",
     "round_weights",
+    "run_source",
     "smooth_source",
     "text_hash",
 ]
@@ -60,13 +67,17 @@ def calibration_batches(
 
 
 def smooth_source(llm: object, path: str, text: str, smoothing: str) -> dict:
-    """Smooth `llm`'s unquantized model in place (kiln.quantization.smoothing): its inputs'
+    """Smooth `llm`'s unquantized model in place (kiln.builder.calibrate.smoothing): its inputs'
     per-channel amax over the calibration windows of `text`, the factors from them and the
     weights, then the source's weights (read from `path` again) loaded through the same
     smooth_checkpoint the engine's weights go through. Returns the factors (layer name ->
     [in_features]), for the engine's weights."""
-    from kiln.quantization.calibration import calibrate_channel_amax
-    from kiln.quantization.smoothing import SmoothingSpec, smooth_checkpoint, smoothing_factors
+    from kiln.builder.calibrate.calibration import calibrate_channel_amax
+    from kiln.builder.calibrate.smoothing import (
+        SmoothingSpec,
+        smooth_checkpoint,
+        smoothing_factors,
+    )
     from kiln.runtime.model_loader import find_model_source
     from kiln.sampling_params import SamplingParams
 
@@ -91,19 +102,16 @@ def calibrate(
     input_scales: bool,
     kv_scales: bool,
     hessians: bool = False,
-    activation_scales: str = "amax",
     channel_amax: bool = False,
 ) -> tuple[dict[str, float] | None, list[tuple[float, float]] | None, dict | None, dict | None]:
-    """(static input scales, layer name -> absmax / 448 (`activation_scales` "mse": the
-    searched multiple of it, kiln.quantization.calibration), if `input_scales`; per-layer float8 KV
+    """(static input scales, layer name -> absmax / 448, if `input_scales`; per-layer float8 KV
     cache scales if `kv_scales`; layer name -> GPTQ's input statistics if `hessians`; layer
-    name -> each input channel's absmax if `channel_amax`) from
-    `llm`'s unquantized model run over the first tokens of `text`, in windows that share no
-    prefix (the engine's prefix cache would skip repeated ones), in one pass: each observer
-    wraps the ones before it."""
-    from kiln.quantization.calibration import calibrate_channel_amax, calibrate_input_scales
-    from kiln.quantization.gptq import calibrate_hessians
-    from kiln.quantization.kv_scales import calibrate_kv_scales
+    name -> each input channel's absmax if `channel_amax`) from `llm`'s unquantized model run
+    over the first tokens of `text`, in windows that share no prefix (the engine's prefix cache
+    would skip repeated ones), in one pass: each observer wraps the ones before it."""
+    from kiln.builder.calibrate.calibration import calibrate_channel_amax, calibrate_input_scales
+    from kiln.builder.calibrate.gptq import calibrate_hessians
+    from kiln.builder.calibrate.kv_scales import calibrate_kv_scales
     from kiln.sampling_params import SamplingParams
 
     tokenizer = llm.get_tokenizer()
@@ -141,53 +149,97 @@ def calibrate(
     with build_step(f"calibrating ({what})", len(batches), " windows") as bar:
         nest(0, batches)
         bar.update(len(batches))
-    if input_scales and activation_scales != "amax":  # a second pass of its own, from absmax
-        from kiln.quantization.calibration import search_input_scales
-
-        with build_step("searching input scales (mse)", len(batches), " windows") as bar:
-            found["scales"] = search_input_scales(
-                model, batches, lambda b: llm.generate(b, one_token), found["scales"]
-            )
-            bar.update(len(batches))
     return found.get("scales"), found.get("kv"), found.get("hessians"), found.get("channels")
 
 
 def round_weights(
     llm: object,
     text: str,
-    rounding: str,
     input_scales: dict[str, float] | None,
     kept: list[str],
-) -> tuple[dict | None, dict | None, dict | None]:
-    """GPTQ's inputs for weight_rounding values other than "nearest" and "gptq" (which
-    `calibrate` collects): (hessians, crosses) for "gptq-aware", one more pass of `llm`'s
-    unquantized model over the calibration windows of `text`; rounded float8 weights for the
-    "-sequential" ones, layer after layer (the `kept` projections stay unquantized in it).
-    `input_scales`: the static scales the engine's inputs quantize with, None per token."""
-    from kiln.sampling_params import SamplingParams
+) -> dict[str, tuple]:
+    """ "gptq-sequential"'s float8 weights, rounded layer after layer through `llm`'s unquantized
+    model over SEQUENTIAL_WINDOWS calibration windows of `text` (the `kept` projections stay
+    unquantized in it). `input_scales`: the static scales the engine's inputs quantize with,
+    None per token."""
+    from kiln.builder.calibrate.sequential import RoundingSpec, round_sequentially
 
-    plain = rounding == "gptq-sequential"
-    batches = calibration_batches(llm, text, SEQUENTIAL_WINDOWS if plain else _CALIBRATION_BATCHES)
-    model = llm.engine.executor.runner.model
-    if rounding == "gptq-aware":
-        from kiln.quantization.gptq import calibrate_activation_aware
-
-        one_token = SamplingParams(max_tokens=1, temperature=0.0)
-        run = lambda b: llm.generate(b, one_token)
-        with build_step("GPTQ statistics", len(batches), " windows") as bar:
-            hessians, crosses = calibrate_activation_aware(model, batches, run, input_scales)
-            bar.update(len(batches))
-        return hessians, crosses, None
-    import torch
-
-    from kiln.quantization.sequential import RoundingSpec, round_sequentially
-
+    batches = calibration_batches(llm, text, SEQUENTIAL_WINDOWS)
     runner = llm.engine.executor.runner
-    spec = RoundingSpec(aware=False, damp=SEQUENTIAL_DAMP) if plain else RoundingSpec(aware=True)
-    layers = len(model.layers)
-    with torch.no_grad(), build_step(f"rounding weights ({rounding})", layers, " layers") as bar:
-        rounded = round_sequentially(
-            model, runner.ops, runner.backend, batches, spec, input_scales, kept,
+    spec = RoundingSpec(damp=SEQUENTIAL_DAMP)
+    layers = len(runner.model.layers)
+    rounding = build_step("rounding weights (gptq-sequential)", layers, " layers")
+    with torch.no_grad(), rounding as bar:
+        return round_sequentially(
+            runner.model, runner.ops, runner.backend, batches, spec, input_scales, kept,
             on_layer=lambda: bar.update(1),
         )  # fmt: skip
-    return None, None, rounded
+
+
+@dataclass
+class SourcePass:
+    """What the build measures and calibrates on the source before the engine is made (None:
+    not asked for)."""
+
+    source_ppl: object = None
+    """The held-out perplexity, if checked (a pre-quantized checkpoint's: its Scores)."""
+    scales: dict[str, float] | None = None  # static input scales ("fp8")
+    kv_scales: list[tuple[float, float]] | None = None  # a float8 KV cache's
+    hessians: dict[str, torch.Tensor] | None = None  # GPTQ's input statistics ("gptq")
+    smoothing: dict[str, torch.Tensor] | None = None  # SmoothQuant's factors
+    rounded: dict | None = None  # "gptq-sequential"'s float8 weights
+    outliers: dict[str, list[int]] | None = None  # --outlier-columns' channels
+
+
+def run_source(
+    path: str, options: BuildOptions, calibration: str | None, check: bool, kept: list[str]
+) -> SourcePass:
+    """What the options ask of the source, from one `LLM` of the unquantized source, freed
+    before the quantized model is made. With smoothing, its model is smoothed before the other
+    calibrations: their scales and statistics are of the smoothed inputs and weights the
+    engine holds."""
+    found = SourcePass()
+    if not check and calibration is None:
+        return found
+    from kiln.builder.accuracy import measure, measuring_llm
+    from kiln.runtime.model_loader import is_float8_kv_cache
+
+    with measuring_llm(path, "source", dtype=options.dtype, max_model_len=options.max_model_len,
+                       enable_prefix_caching=False) as llm:  # fmt: skip
+        found.source_ppl = measure(llm, options.max_model_len, "source") if check else None
+        if calibration is not None:
+            if options.smoothing != "none":
+                found.smoothing = smooth_source(llm, path, calibration, options.smoothing)
+            wanted = (
+                options.quantization == "fp8",
+                is_float8_kv_cache(options.kv_cache_dtype),
+                options.weight_rounding == "gptq",
+            )
+            if any(wanted) or options.outlier_columns:  # smoothing alone needs no second pass
+                found.scales, found.kv_scales, found.hessians, amax = calibrate(
+                    llm, calibration, *wanted, channel_amax=options.outlier_columns > 0
+                )
+                if amax is not None:
+                    found.outliers = outlier_channels(amax, options.outlier_columns, kept)
+            if options.weight_rounding == "gptq-sequential":  # needs the static scales
+                found.rounded = round_weights(llm, calibration, found.scales, kept)
+    return found
+
+
+def outlier_channels(
+    amax: dict[str, torch.Tensor], count: int, kept: list[str]
+) -> dict[str, list[int]]:
+    """Each quantized projection's `count` loudest input channels (kept ones run unquantized)."""
+    try:
+        return choose_channels({n: a for n, a in amax.items() if n not in kept}, count)
+    except ValueError as e:
+        raise BuildError(f"--outlier-columns {count}: {e}") from None
+
+
+def gptq_rounders(hessians: dict[str, torch.Tensor] | None) -> dict | None:
+    """Each projection's GPTQ row rounder, from its input statistics ("gptq")."""
+    if hessians is None:
+        return None
+    from kiln.builder.calibrate.gptq import GPTQRows
+
+    return {name: GPTQRows(hessian) for name, hessian in hessians.items()}

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from kiln.checkpoint.engine_dir import WEIGHT_INDEX_FILE, rank_dir_name
 from kiln.distributed.parallel_state import ParallelContext, RankLayout
-from kiln.models.llama import LlamaForCausalLM
+from kiln.models.base import CausalLM
 
 MAX_SHARD_BYTES = 4 << 30
 # One key only: safetensors writes its metadata map in hash order, which differed between two
@@ -61,13 +61,13 @@ def write_weights(
 
 
 def write_rank_shards(
-    net: LlamaForCausalLM,
+    net: CausalLM,
     tp: int,
     directory: str,
-    make_rank_model: Callable[[ParallelContext], LlamaForCausalLM],
+    make_rank_model: Callable[[ParallelContext], CausalLM],
 ) -> list[str]:
     """`kiln build -tp N`: each tensor rank's cut of the built model (the same cut a rank makes
-    when it loads the whole engine: LlamaForCausalLM.load_fused_weights) into rank-R/, each with
+    when it loads the whole engine: CausalLM.load_fused_weights) into rank-R/, each with
     its own shards and index. Returns the file names, relative to `directory`."""
     full = dict(net.named_parameters())
     names = []

@@ -3,7 +3,7 @@
 hashlib releases the GIL while it hashes a buffer (and os.pread while it reads), so chunks of
 one file hash in parallel: one thread hashes blake2b at ~0.4 GB/s on the H200 host, and 16 GiB
 (an 8B bf16 checkpoint) hashes in 3.2 s there with 32 threads over 8 MiB chunks (4.3 s with
-64 MiB chunks: smaller ones stay in cache; page cache warm, measured 2026-12-01). A file's
+64 MiB chunks: smaller ones stay in cache; page cache warm). A file's
 digest is the blake2b of its size and its chunks' digests in order (a two-level tree), so it
 depends only on the bytes, never on the number of threads. The builder hashes a checkpoint
 with this, and the engine-directory reader re-hashes the engine's own files with it at load.

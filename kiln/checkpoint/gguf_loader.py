@@ -17,7 +17,6 @@ import functools
 import math
 import mmap
 import os
-import re
 import struct
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -30,13 +29,12 @@ from gguf.quants import dequantize
 from kiln.checkpoint import gguf_tokenizer
 from kiln.checkpoint.gguf_dequant import FAST_DEQUANTIZERS
 from kiln.errors import ModelLoadError
+from kiln.models import registry
 from kiln.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-# GGUF architecture -> kiln architecture. Mistral 7B GGUFs are written as "llama".
-SUPPORTED_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B",
     GGUFValueType.INT8: "<b",
@@ -50,23 +48,6 @@ _SCALAR_FORMATS = {
     GGUFValueType.INT64: "<q",
     GGUFValueType.FLOAT64: "<d",
 }
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, folded into ModelConfig.rope_scaling
 _TYPE_IDS = {int(t) for t in GGMLQuantizationType}
 
@@ -173,14 +154,11 @@ class GGUFModel:
         except (_Corrupt, struct.error, ValueError) as e:
             raise ModelLoadError(f"{path}: truncated or corrupt GGUF header ({e})") from e
         self.gguf_architecture: str = self.metadata["general.architecture"]
-        if self.gguf_architecture not in SUPPORTED_GGUF_ARCHITECTURES:
-            raise ModelLoadError(
-                f"{path}: unsupported GGUF architecture {self.gguf_architecture!r}; "
-                f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
-            )
+        # The family's table of tensor names (kiln.models.gguf_names).
+        self.layout = registry.gguf_layout(self.gguf_architecture, path)
         for name in self._tensors:
             if name != _ROPE_FREQS:
-                _hf_name(name, path)  # fails now, not halfway through tensors()
+                self._hf_name(name)  # fails now, not halfway through tensors()
         self.config = _config(self)
 
     @property
@@ -211,14 +189,21 @@ class GGUFModel:
         for info in self._tensors.values():
             if info.name == _ROPE_FREQS:
                 continue
-            hf_name = _hf_name(info.name, self.path)
-            tensor = self._read(info)
-            # Only llama's convert permutes q/k; qwen2's stores HF order.
-            if self.gguf_architecture == "llama" and ".q_proj." in hf_name:
-                tensor = _unpermute_rotary(tensor, self.config.num_attention_heads)
-            elif self.gguf_architecture == "llama" and ".k_proj." in hf_name:
-                tensor = _unpermute_rotary(tensor, self.config.num_key_value_heads)
+            hf_name = self._hf_name(info.name)
+            cfg = self.config
+            tensor = self.layout.to_hf_layout(
+                hf_name, self._read(info), cfg.num_attention_heads, cfg.num_key_value_heads
+            )
             yield hf_name, tensor
+
+    def _hf_name(self, gguf_name: str) -> str:
+        hf_name = self.layout.hf_name(gguf_name)
+        if hf_name is None:
+            raise ModelLoadError(
+                f"{self.path}: tensor {gguf_name!r} has no Hugging Face name in a "
+                f"{self.gguf_architecture} GGUF"
+            )
+        return hf_name
 
     def tokenizer(self) -> PreTrainedTokenizerFast:
         """The file's tokenizer: a byte-level BPE one built by gguf_tokenizer.py from the header
@@ -315,27 +300,6 @@ def _parse(buf: mmap.mmap, path: str) -> tuple[dict[str, Any], dict[str, _Tensor
     return metadata, tensors
 
 
-def _hf_name(gguf_name: str, path: str) -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match and match[2] in _LAYER_NAMES:
-        return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
-    raise ModelLoadError(f"{path}: tensor {gguf_name!r} has no Llama/Qwen2 Hugging Face name")
-
-
-def _unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's convert permutation of q/k rows (weights and biases).
-
-    convert_hf_to_gguf interleaves each head's two rotary halves:
-    `w.reshape(n_head, 2, dim // n_head // 2, *rest).swapaxes(1, 2).reshape(shape)`; this is the
-    inverse, giving HF's rotate_half layout back.
-    """
-    shape = w.shape
-    halves = w.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:])
-    return halves.transpose(1, 2).reshape(shape)
-
-
 @functools.cache
 def _dequantizable() -> dict[int, GGMLQuantizationType]:
     """{type id: type} of the ggml types gguf.quants can dequantize.
@@ -384,7 +348,7 @@ def _config(model: GGUFModel) -> ModelConfig:
         dtype = "float16"
     try:
         return ModelConfig(
-            architecture=SUPPORTED_GGUF_ARCHITECTURES[arch],
+            architecture=model.layout.architecture,
             vocab_size=vocab_size,
             hidden_size=hidden,
             intermediate_size=field("feed_forward_length"),

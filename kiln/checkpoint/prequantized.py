@@ -3,7 +3,7 @@
 with a static per-tensor scale) and what NVIDIA ModelOpt exports (hf_quant_config.json, quant_algo
 FP8: per-tensor `weight_scale` and `input_scale`, optionally the KV cache's `k_scale`/`v_scale`).
 
-Both map onto kiln's FP8 W8A8 (kiln.quantization.fp8): a per-tensor weight scale is a
+Both map onto kiln's FP8 W8A8 (kiln.layers.quantization.fp8): a per-tensor weight scale is a
 per-channel one whose rows are equal, and the static input scales of q/k/v (or gate/up), which
 share one input, become their fused projection's single scale (the largest, so none saturates
 earlier than it did). Anything else a checkpoint declares (int4, NVFP4, block-wise FP8, a
@@ -47,7 +47,7 @@ class PrequantizedFp8:
     quantization: str  # kiln's scheme: "fp8-dynamic" or "fp8" (static input scales)
     input_scales: dict[str, float] | None  # "fp8": kiln layer name -> scale
     # Per layer (k_scale, v_scale) of the float8 KV cache, when the checkpoint has them: folded
-    # into the model (kiln.quantization.kv_scales) when the cache is float8, else unused.
+    # into the model (kiln.models.kv_scales) when the cache is float8, else unused.
     kv_scales: list[tuple[float, float]] | None
 
 

@@ -1,8 +1,8 @@
 """Read an engine's safetensors shards onto the device in one pass, hashing the bytes as they go.
 
-Loading an engine used to read its weights twice: once to check every file's blake2b against the
-manifest, once through safetensors into host tensors, then copy them to the GPU from pageable
-memory (11.3 s of a 15.6 s start for an 8B FP8 engine on the H200, docs/performance.md). Here
+Reading an engine's weights twice (once to check every file's blake2b against the manifest, once
+through safetensors into host tensors, then a copy to the GPU from pageable memory) took 11.3 s
+of a 15.6 s start for an 8B FP8 engine on an H200. Here
 each shard is read once, in the manifest digests' own 8 MiB chunks, on a thread pool (os.pread and
 hashlib release the GIL): a thread reads a chunk, hashes it and copies its tensor bytes into one
 device buffer for the shard: on CUDA through two pinned staging buffers of its own in turn,

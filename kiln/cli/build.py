@@ -18,16 +18,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument(
-        "--weight-rounding",
-        choices=("nearest", "gptq", "gptq-aware", "gptq-sequential", "gptq-aware-sequential"),
-        default="nearest",
+        "--weight-rounding", choices=("nearest", "gptq", "gptq-sequential"), default="nearest",
         help="gptq: float8 weights rounded by GPTQ on the calibration text (slower build); "
         "gptq-sequential: layer after layer, from the float8 model's own inputs",
-    )  # fmt: skip
-    p.add_argument(
-        "--activation-scales", choices=("amax", "mse"), default="amax",
-        help="fp8's static input scales: amax (absmax / 448 of the calibration inputs) or mse "
-        "(the multiple of it with the least output error on them; a second calibration pass)",
     )  # fmt: skip
     p.add_argument(
         "--smoothing", default="none", metavar="none|smoothquant[:ALPHA]",
@@ -92,7 +85,6 @@ def run(args: argparse.Namespace) -> int:
         warm_kernels=args.warm_kernels,
         weight_rounding=args.weight_rounding,
         smoothing=args.smoothing,
-        activation_scales=args.activation_scales,
         unquantized_layers=tuple(p for p in args.unquantized_layers.split(",") if p),
         lm_head_quantization=args.lm_head_quantization,
         outlier_columns=args.outlier_columns,

@@ -297,6 +297,29 @@ def add_rms_norm_qkv_rotary_write_kv(
     return rotated, summed
 
 
+def qk_norm_rotary_write_kv(
+    qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]: a fused qkv projection's output
+    q_norm_weight: torch.Tensor,  # [head_dim]
+    k_norm_weight: torch.Tensor,  # [head_dim]
+    eps: float,
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim] fp32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]: the rotated query
+    """What follows the qkv projection of an attention with a per-head q/k RMSNorm (Qwen3,
+    OLMo 2): each query and key head rms_norm'ed over head_dim with its own weights, then
+    rotary_embedding_write_kv. Rounded as transformers' Qwen3Attention: the norm as rms_norm,
+    then the rotation in fp32 back to the input dtype."""
+    query, key, value = split_qkv_heads(qkv, cos_sin_cache.shape[1], k_cache.shape[2])
+    query = rms_norm(query, q_norm_weight, eps)
+    key = rms_norm(key, k_norm_weight, eps)
+    return rotary_embedding_write_kv(
+        positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping
+    )
+
+
 def add_rms_norm_linear_silu_mul(
     x: torch.Tensor,  # [num_tokens, K]
     residual: torch.Tensor | None,  # [num_tokens, K], or None: no residual to add

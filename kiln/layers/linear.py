@@ -1,11 +1,11 @@
 """Linear layers that own their parameters and a `LinearMethod`: how the weights are made, loaded
 from a checkpoint, processed after loading, and applied.
 
-The model's forward calls a layer, never a raw `.weight`, so a quantization scheme (FP8 next) is
-one more method, not a special case in the model. A layer's entry points include the fused ones
-the decoder uses (residual add + RMSNorm before the projection; rotary + KV write, or SiLU-mul,
-after it): a method with a fused kernel for them overrides them; the defaults compose the method's
-own `apply` with the reference-shaped kernels of `ops`, so a new method works before it is fast.
+The model's blocks call a layer, never a raw `.weight`, so a quantization scheme is one more
+method, not a special case in the model. The blocks pick the fused kernels around a projection
+(residual add + RMSNorm before it; rotary + KV write, or SiLU-mul, after it) themselves; a method
+only says which operands those kernels can take from it (`fused_operands`), and whether its
+input may arrive in float8 (`fp8_input`, `apply_fp8`).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from kiln.distributed.comm import tp_all_reduce
 from kiln.distributed.parallel_state import ParallelContext
-from kiln.kernels.reference import split_qkv_heads
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,17 @@ class TensorSplit:
     cols: tuple[int, int] | None = None
 
 
+class FusedOperands(NamedTuple):
+    """What the fused norm + projection kernels (`ops.add_rms_norm_linear`,
+    `add_rms_norm_qkv_rotary_write_kv`, `add_rms_norm_linear_silu_mul[_fp8]`) take of a
+    projection, in their argument order."""
+
+    weight: torch.Tensor  # [out, in]: the model dtype, or float8 e4m3 with weight_scale
+    bias: torch.Tensor | None  # [out]
+    weight_scale: torch.Tensor | None  # [out] fp32: FP8 W8A8
+    input_scale: torch.Tensor | None  # [] fp32 static; None: per token (or unquantized)
+
+
 @dataclass(frozen=True)
 class Fp8Input:
     """That a projection takes its input as float8 e4m3 made by the op before it (the MLP's
@@ -49,8 +60,9 @@ class Fp8Input:
 
 
 class LinearMethod(ABC):
-    """A scheme's weights and arithmetic. Subclasses define create_weights and apply; the fused
-    entry points default to compositions of `apply` with `ops`' norm, rotary and activation."""
+    """A scheme's weights and arithmetic: create, load, process after loading, apply. A method
+    whose weights the fused kernels can take says so in `fused_operands`; one that takes its
+    input already in float8 (made by the op before it) in `fp8_input`."""
 
     @abstractmethod
     def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
@@ -92,56 +104,10 @@ class LinearMethod(ABC):
     ) -> torch.Tensor:  # [..., out_features]
         ...
 
-    def add_rms_norm_apply(
-        self,
-        layer: Linear,
-        ops: ModuleType,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(apply(rms_norm(x + residual)), x + residual); with no residual, x is the stream."""
-        if residual is None:
-            normed, summed = ops.rms_norm(x, norm_weight, eps), x
-        else:
-            normed, summed = ops.fused_add_rms_norm(x, residual, norm_weight, eps)
-        return self.apply(layer, ops, normed), summed
-
-    def add_rms_norm_qkv_rotary_write_kv(
-        self,
-        layer: Linear,
-        ops: ModuleType,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        positions: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (rotated query, x + residual)
-        """The attention block up to attending: norm, qkv projection, rotary, the KV write."""
-        qkv, summed = self.add_rms_norm_apply(layer, ops, x, residual, norm_weight, eps)
-        query, key, value = split_qkv_heads(qkv, cos_sin_cache.shape[1], k_cache.shape[2])
-        rotated = ops.rotary_embedding_write_kv(
-            positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping
-        )
-        return rotated, summed
-
-    def add_rms_norm_silu_mul(
-        self,
-        layer: Linear,
-        ops: ModuleType,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (silu(gate) * up, x + residual)
-        """The MLP up to its down projection."""
-        gate_up, summed = self.add_rms_norm_apply(layer, ops, x, residual, norm_weight, eps)
-        return ops.silu_and_mul(gate_up), summed
+    def fused_operands(self, layer: Linear) -> FusedOperands | None:
+        """The operands the fused norm + projection kernels take (None: they take none of this
+        method's; the blocks then run the norm, then apply)."""
+        return None
 
     def fp8_input(self, layer: Linear) -> Fp8Input | None:
         """Whether apply_fp8 takes this layer's input already in float8 (None: it does not)."""
@@ -158,82 +124,10 @@ class LinearMethod(ABC):
         """apply() on an input the op before quantized (only where fp8_input is not None)."""
         raise NotImplementedError(f"{type(self).__name__} takes no float8 input")
 
-    def add_rms_norm_silu_mul_fp8(
-        self,
-        layer: Linear,
-        ops: ModuleType,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        into: Fp8Input,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """add_rms_norm_silu_mul for a down projection that takes float8 (`into`): (activation,
-        its scale, x + residual), the activation float8 where the method's kernels make it so,
-        else in the model dtype with scale None (the down projection then quantizes it)."""
-        activation, summed = self.add_rms_norm_silu_mul(layer, ops, x, residual, norm_weight, eps)
-        return activation, None, summed
 
-
-class FusedOpsLinearMethod(LinearMethod):
-    """A method whose fused entry points are single `ops` calls (one kernel at batch-1 decode on
-    the GPU: norm, projection and epilogue), given the weight and what `op_scales` adds to it."""
-
-    def op_scales(self, layer: Linear) -> tuple[torch.Tensor | None, ...]:
-        """The scale arguments the ops take after the weight (none: unquantized)."""
-        return ()
-
-    def add_rms_norm_apply(
-        self,
-        layer: Linear,
-        ops: ModuleType,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.add_rms_norm_linear(
-            x, residual, norm_weight, eps, layer.weight, layer.bias, *self.op_scales(layer)
-        )
-
-    def add_rms_norm_qkv_rotary_write_kv(
-        self,
-        layer: Linear,
-        ops: ModuleType,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        positions: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.add_rms_norm_qkv_rotary_write_kv(
-            x, residual, norm_weight, eps, layer.weight, layer.bias,
-            positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *self.op_scales(layer),
-        )  # fmt: skip
-
-    def add_rms_norm_silu_mul(
-        self,
-        layer: Linear,
-        ops: ModuleType,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer.has_bias:  # the fused kernel takes no bias: compose instead
-            return super().add_rms_norm_silu_mul(layer, ops, x, residual, norm_weight, eps)
-        return ops.add_rms_norm_linear_silu_mul(
-            x, residual, norm_weight, eps, layer.weight, *self.op_scales(layer)
-        )
-
-
-class UnquantizedLinearMethod(FusedOpsLinearMethod):
-    """Weights in the model dtype. Every entry point is one `ops` call, so at batch-1 decode on
-    the GPU the norm, the projection and its epilogue run as one kernel."""
+class UnquantizedLinearMethod(LinearMethod):
+    """Weights in the model dtype; the fused kernels take them, so at batch-1 decode on the GPU
+    the norm, the projection and its epilogue run as one kernel."""
 
     def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
         shape = (layer.out_features, layer.in_features)
@@ -245,6 +139,9 @@ class UnquantizedLinearMethod(FusedOpsLinearMethod):
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, layer.weight, layer.bias)
+
+    def fused_operands(self, layer: Linear) -> FusedOperands | None:
+        return FusedOperands(layer.weight, layer.bias, None, None)
 
 
 class Linear(nn.Module):
@@ -280,62 +177,24 @@ class Linear(nn.Module):
             tp_all_reduce(self.reduce, y)
         return y
 
-    # The decoder's fused entry points (see LinearMethod): residual add + RMSNorm, then this
-    # projection, then its epilogue.
+    def apply_fp8(
+        self, ops: ModuleType, x_fp8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype
+    ) -> torch.Tensor:  # [M, out_features]
+        """forward() on an input the op before quantized as `method.fp8_input` says."""
+        y = self.method.apply_fp8(self, ops, x_fp8, x_scale, out_dtype)
+        if self.reduce is not None:  # row-parallel, as forward()
+            tp_all_reduce(self.reduce, y)
+        return y
 
-    def add_rms_norm_qkv_rotary_write_kv(
-        self,
-        ops: ModuleType,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        positions: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (rotated query, x + residual)
-        return self.method.add_rms_norm_qkv_rotary_write_kv(
-            self, ops, x, residual, norm_weight, eps,
-            positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-        )  # fmt: skip
-
-    def add_rms_norm_silu_mul(
-        self,
-        ops: ModuleType,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (silu(gate) * up, x + residual)
-        return self.method.add_rms_norm_silu_mul(self, ops, x, residual, norm_weight, eps)
-
-    def silu_mul_into(
-        self,
-        ops: ModuleType,
-        down: Linear,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (down(silu(gate) * up), x + residual)
-        """The MLP block from this gate_up projection through `down`. When down's method takes
-        float8 input (FP8 W8A8), the activation may reach it quantized by the SiLU-mul's own
-        kernel: no model-dtype activation written and re-read, no quantize kernel of its own."""
-        into = down.method.fp8_input(down)
-        if into is None:
-            activation, summed = self.add_rms_norm_silu_mul(ops, x, residual, norm_weight, eps)
-            return down(ops, activation), summed
-        activation, scale, summed = self.method.add_rms_norm_silu_mul_fp8(
-            self, ops, x, residual, norm_weight, eps, into
-        )
-        if scale is None:
-            return down(ops, activation), summed
-        y = down.method.apply_fp8(down, ops, activation, scale, x.dtype)
-        if down.reduce is not None:  # row-parallel, as forward()
-            tp_all_reduce(down.reduce, y)
-        return y, summed
+    @torch.no_grad()
+    def scale_output_rows(self, rows: slice, factor: float, bias: bool = True) -> None:
+        """Multiply output rows `rows` by `factor`: through the float8 weight scales where the
+        method keeps them, else the weight's rows; the bias's rows too with `bias`."""
+        scale = getattr(self, "weight_scale", None)
+        target = scale if scale is not None else self.weight
+        target[rows] *= factor
+        if bias and self.bias is not None:
+            self.bias[rows] *= factor
 
     def shard_view(self, param: torch.Tensor, shard: int | None) -> torch.Tensor:
         """The rows of `param` that fused shard `shard` (an index into output_sizes) owns."""

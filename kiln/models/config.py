@@ -1,4 +1,4 @@
-"""ModelConfig: a Llama-family checkpoint's shape, read from (and written back to) HF config.json.
+"""ModelConfig: a decoder checkpoint's shape, read from (and written back to) HF config.json.
 
 Every checkpoint reader (kiln/checkpoint: safetensors, GGUF) and the dummy-weight presets produce
 one of these, so the model code never sees a raw config dict.
@@ -10,14 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.errors import ModelLoadError
+from kiln.models import registry
 
-# HF class name -> kiln architecture name. model_type is the same string as the kiln name.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-_HF_CLASS = {arch: cls for cls, arch in SUPPORTED_ARCHITECTURES.items()}
 # The deepest published decoders have ~130 layers; building 10k layers' modules already takes
 # minutes on a CPU, and a config saying 1e7 would otherwise look like a hang.
 MAX_LAYERS = 10_000
@@ -38,10 +32,11 @@ _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp1
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder: RMSNorm, rotary attention with GQA, SwiGLU MLP."""
+    """A decoder of one of the registered families (kiln.models.registry): RMSNorm, rotary
+    attention with GQA, a gated MLP."""
 
     architecture: str
-    """"llama", "mistral" or "qwen2" (see SUPPORTED_ARCHITECTURES)."""
+    """The family's name, as its HF model_type: "llama", "mistral", "qwen2", "qwen3"."""
     vocab_size: int
     """Rows of the embedding (and of lm_head)."""
     hidden_size: int
@@ -80,9 +75,10 @@ class ModelConfig:
     """Attention window of every layer (mistral v0.1, qwen2 use_sliding_window); None = full."""
 
     def __post_init__(self) -> None:
-        if self.architecture not in _HF_CLASS:
+        if not registry.is_supported(self.architecture):
             raise ModelLoadError(
-                f"unsupported architecture {self.architecture!r}; supported: {_supported_names()}"
+                f"unsupported architecture {self.architecture!r}; "
+                f"supported: {registry.supported_names()}"
             )
         for name in _POSITIVE_FIELDS:
             _require_positive(name, getattr(self, name))
@@ -172,7 +168,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; its config has no flag for them.
+            # Qwen2 always has q/k/v biases; its config has no flag for them (Qwen3's has).
             attention_bias=architecture == "qwen2" or bool(d.get("attention_bias", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_as_ids(d.get("eos_token_id")),
@@ -181,13 +177,13 @@ class ModelConfig:
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """A config.json dict that transformers' Llama/Mistral/Qwen2Config accepts.
+        """A config.json dict that transformers' config class of the architecture accepts.
 
         Rope settings are written both the transformers 4 way (rope_theta + rope_scaling) and the
         transformers 5 way (rope_parameters), so either version reads the same rotary embedding.
         """
         d: dict[str, Any] = {
-            "architectures": [_HF_CLASS[self.architecture]],
+            "architectures": [registry.hf_class_of(self.architecture)],
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -212,19 +208,16 @@ class ModelConfig:
             "dtype": self.torch_dtype,
             "sliding_window": self.sliding_window,
         }
-        if self.architecture == "llama":
+        if self.architecture in ("llama", "qwen3"):
             d["attention_bias"] = self.attention_bias
+        if self.architecture == "llama":
             d["mlp_bias"] = False
-        if self.architecture == "qwen2":
+        if self.architecture in ("qwen2", "qwen3"):
             # max_window_layers=0: the window (when set) applies to every layer, as kiln assumes.
             d["use_sliding_window"] = self.sliding_window is not None
             sliding = self.sliding_window is not None
             d["max_window_layers"] = 0 if sliding else self.num_hidden_layers
         return d
-
-
-def _supported_names() -> str:
-    return ", ".join(f"{cls} ({arch})" for cls, arch in SUPPORTED_ARCHITECTURES.items())
 
 
 def _require_positive(name: str, value: object) -> None:
@@ -236,15 +229,16 @@ def _architecture_of(d: dict[str, Any]) -> str:
     """The kiln architecture name, from `architectures` (preferred) or `model_type`."""
     classes = d.get("architectures") or []
     for cls in classes:
-        if cls in SUPPORTED_ARCHITECTURES:
-            return SUPPORTED_ARCHITECTURES[cls]
+        architecture = registry.architecture_of_class(cls)
+        if architecture is not None:
+            return architecture
     model_type = d.get("model_type")
-    if not classes and model_type in _HF_CLASS:
+    if not classes and model_type is not None and registry.is_supported(model_type):
         return model_type
     named = classes[0] if classes else model_type
     raise ModelLoadError(
         f"unsupported architecture {named!r} (model_type={model_type!r}); "
-        f"supported: {_supported_names()}"
+        f"supported: {registry.supported_names()}"
     )
 
 
@@ -302,7 +296,8 @@ def _sliding_window_of(architecture: str, d: dict[str, Any]) -> int | None:
         return None
     if architecture == "mistral":
         return int(window)
-    # qwen2: no window unless use_sliding_window, and then only from layer max_window_layers on.
+    # qwen2, qwen3: no window unless use_sliding_window, and then only from layer
+    # max_window_layers on.
     if not d.get("use_sliding_window", False):
         return None
     first_sliding = int(d.get("max_window_layers", 0))
@@ -310,7 +305,7 @@ def _sliding_window_of(architecture: str, d: dict[str, Any]) -> int | None:
         return None
     if first_sliding > 0:
         raise ModelLoadError(
-            f"qwen2 sliding window on only layers >= max_window_layers={first_sliding} "
+            f"{architecture} sliding window on only layers >= max_window_layers={first_sliding} "
             "is not supported (kiln applies one window to every layer)"
         )
     return int(window)
@@ -328,7 +323,7 @@ def _preset(
 ) -> dict[str, Any]:
     """An HF config.json dict, with the fields every preset shares filled in."""
     return {
-        "architectures": [_HF_CLASS[architecture]],
+        "architectures": [registry.hf_class_of(architecture)],
         "model_type": architecture,
         "vocab_size": vocab,
         "hidden_size": hidden,
@@ -393,6 +388,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
         sliding_window=32768, use_sliding_window=False, max_window_layers=21,
         tie_word_embeddings=True, **_QWEN_IDS,
+    ),
+    "qwen3-8b": _preset(
+        "qwen3", 151936, 4096, 12288, 36, 32, 8,
+        head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        use_sliding_window=False, max_window_layers=36, **_QWEN_IDS,
     ),
     "smollm2-135m": _preset(
         "llama", 49152, 576, 1536, 30, 9, 3,

@@ -19,8 +19,8 @@ from kiln.attention.backend import AttentionMetadata, get_attention_backend
 from kiln.config import EngineConfig
 from kiln.kernels.kv_layout import empty_cache
 from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
+from kiln.models.base import CausalLM
 from kiln.models.config import ModelConfig
-from kiln.models.llama import LlamaForCausalLM
 from kiln.models.packed_prefill import packed_prefill_metadata
 from kiln.sampling.sampler import Sampler, SamplingMetadata
 
@@ -100,7 +100,7 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_dtype.itemsize
 
 
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: CausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
     cfg = model.config
     elem = kv_dtype.itemsize
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
@@ -108,11 +108,11 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, kv_dtype: torch
 
 def plan_kv_blocks(
     config: EngineConfig,
-    model: LlamaForCausalLM,
+    model: CausalLM,
     max_model_len: int,
     device: torch.device,
     kv_dtype: torch.dtype,
-    draft_model: LlamaForCausalLM | None = None,
+    draft_model: CausalLM | None = None,
 ) -> MemoryPlan:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     per_block = kv_bytes_per_block(model, config.block_size, kv_dtype)
@@ -178,7 +178,7 @@ def plan_kv_blocks(
 @torch.inference_mode()
 def profile_activation_peak(
     config: EngineConfig,
-    model: LlamaForCausalLM,
+    model: CausalLM,
     max_model_len: int,
     device: torch.device,
     kv_dtype: torch.dtype,

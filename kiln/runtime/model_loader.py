@@ -16,10 +16,12 @@ from kiln.config import EngineConfig
 from kiln.distributed.parallel_state import ParallelContext
 from kiln.errors import ModelLoadError
 from kiln.layers.linear import LinearMethod
+from kiln.layers.quantization import linear_method_factory
+from kiln.layers.quantization.device import check_float8_device
+from kiln.models import registry
+from kiln.models.base import CausalLM
+from kiln.models.blocks import LinearMethodFactory
 from kiln.models.config import PRESETS, ModelConfig
-from kiln.models.llama import LinearMethodFactory, LlamaForCausalLM
-from kiln.quantization import linear_method_factory
-from kiln.quantization.device import check_float8_device
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -56,7 +58,7 @@ class ModelSource:
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     config: ModelConfig
     tokenizer: object | None
     generation_defaults: dict
@@ -242,7 +244,7 @@ def _check_float8_device(
     engine_config: EngineConfig, source: ModelSource, device: torch.device
 ) -> None:
     """A clear error before anything loads when float8 weights, a float8 LM head or a float8 KV
-    cache meet a GPU without float8 (kiln.quantization.device)."""
+    cache meet a GPU without float8 (kiln.layers.quantization.device)."""
     check_float8_device(
         device, _weight_scheme(engine_config, source), _float8_head(engine_config, source),
         is_float8_kv_cache(engine_config.kv_cache_dtype), ModelLoadError,
@@ -261,7 +263,7 @@ def lm_head_method(engine_config: EngineConfig, source: ModelSource) -> LinearMe
     asked for or when the engine's head is float8 already; None: the model dtype."""
     if not _float8_head(engine_config, source):
         return None
-    from kiln.quantization.fp8 import Fp8LinearMethod
+    from kiln.layers.quantization.fp8 import Fp8LinearMethod
 
     return Fp8LinearMethod("dynamic")
 
@@ -399,7 +401,7 @@ def load_model(
     cfg.check_fits(weight_bytes, *_memory_of(device))
     with torch.device(device):
         # Made in `dtype`, not `.to(dtype)` after: float8 weights and fp32 scales keep their types.
-        model = LlamaForCausalLM(
+        model = registry.model_class(cfg.architecture)(
             cfg,
             max_positions,
             linear_method,
@@ -421,7 +423,7 @@ def load_model(
     clock.mark("weights_s")  # read, hashed, copied to the device, taken by the parameters
     float8_cache = is_float8_kv_cache(engine_config.kv_cache_dtype)
     if source.kv_scales is not None and (source.kv_scales_in_weights or float8_cache):
-        from kiln.quantization.kv_scales import fold_kv_scales
+        from kiln.models.kv_scales import fold_kv_scales
 
         scales = [tuple(s) for s in source.kv_scales]
         start = model.layer_start  # a pipeline stage holds layers start..start + len - 1

@@ -37,7 +37,7 @@ from kiln.interfaces import (
 from kiln.kernel_cache import compile_watch
 from kiln.kernels.kv_layout import empty_cache
 from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
-from kiln.models.llama import LlamaForCausalLM
+from kiln.models.base import CausalLM
 from kiln.runtime.graph_runner import GraphRunner
 from kiln.runtime.input_batch import CachedRequestState, InputBuffers, PackedBatch
 from kiln.runtime.sampling_inputs import (
@@ -70,7 +70,7 @@ TRACE_COLUMNS = (
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         num_kv_blocks: int,
         block_size: int,
         eos_token_ids: tuple[int, ...],

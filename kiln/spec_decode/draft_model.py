@@ -21,7 +21,7 @@ import torch
 
 from kiln.attention.backend import get_attention_backend
 from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
-from kiln.models.llama import LlamaForCausalLM
+from kiln.models.base import CausalLM
 from kiln.sampling.host_copy import to_device
 from kiln.spec_decode.kv_pool import DraftKVPool
 from kiln.spec_decode.proposer import DraftRequest, Proposer
@@ -36,7 +36,7 @@ class _DraftState:
 class DraftModelProposer(Proposer):
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         num_speculative_tokens: int,
         num_blocks: int,
         block_size: int,
@@ -49,11 +49,11 @@ class DraftModelProposer(Proposer):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
-        self.device = model.norm.device
+        self.device = model.device
         kernels = resolve_kernel_backend(attention_backend, self.device)
         self.ops = kernel_ops(kernels)
         self.backend = get_attention_backend(kernels, self.device)
-        cfg, dtype = model.config, kv_cache_dtype or model.norm.dtype
+        cfg, dtype = model.config, kv_cache_dtype or model.dtype
         self.pool = DraftKVPool(
             cfg, cfg.num_hidden_layers, num_blocks, block_size, dtype, self.device
         )

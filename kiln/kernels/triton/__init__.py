@@ -10,6 +10,7 @@ from kiln.kernels.triton.copy_blocks import copy_kv_blocks
 from kiln.kernels.triton.decode_attention import paged_decode_attention
 from kiln.kernels.triton.fp8_gemm import quantize_fp8
 from kiln.kernels.triton.prefill_attention import paged_prefill_attention
+from kiln.kernels.triton.qk_norm_rotary import qk_norm_rotary_write_kv
 from kiln.kernels.triton.qkv_rotary import add_rms_norm_qkv_rotary_write_kv
 from kiln.kernels.triton.rms_norm import add_rms_norm_quant_fp8, fused_add_rms_norm, rms_norm
 from kiln.kernels.triton.rotary import rotary_embedding_write_kv
@@ -37,6 +38,7 @@ __all__ = [
     "linear",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "qk_norm_rotary_write_kv",
     "quantize_fp8",
     "rms_norm",
     "rotary_embedding_write_kv",

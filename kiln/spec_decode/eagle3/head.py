@@ -33,8 +33,10 @@ from kiln.attention.backend import AttentionBackend, AttentionMetadata
 from kiln.errors import ModelLoadError
 from kiln.layers.linear import Linear, UnquantizedLinearMethod
 from kiln.layers.rotary import build_cos_sin_cache
+from kiln.models.base import CausalLM
+from kiln.models.blocks import DecoderLayer
 from kiln.models.config import ModelConfig
-from kiln.models.llama import LAYER_TENSOR_MAP, LlamaDecoderLayer, LlamaForCausalLM
+from kiln.models.llama import LAYER_TENSOR_MAP
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -64,9 +66,7 @@ class Eagle3Head(nn.Module):
         self.norm_before_residual = norm_before_residual
         hidden = cfg.hidden_size
         self.fc = Linear(len(aux_layer_ids) * target_hidden_size, hidden, dtype=dtype)
-        self.midlayer = LlamaDecoderLayer(
-            cfg, "midlayer", lambda name: UnquantizedLinearMethod(), dtype
-        )
+        self.midlayer = DecoderLayer(cfg, "midlayer", lambda name: UnquantizedLinearMethod(), dtype)
         attn = self.midlayer.self_attn
         # The attention reads concat(normed embedding, normed hidden): twice as wide.
         attn.qkv_proj = Linear(
@@ -118,10 +118,8 @@ class Eagle3Head(nn.Module):
         )
         out = backend.forward(query, kv_cache[0], kv_cache[1], metadata, attn.scale)
         attn_out = attn.o_proj(ops, out.reshape(-1, attn.q_size))
-        activation, residual = mlp.gate_up_proj.add_rms_norm_silu_mul(
-            ops, attn_out, residual, layer.post_attention_layernorm, eps
-        )
-        return ops.fused_add_rms_norm(mlp.down_proj(ops, activation), residual, self.norm, eps)
+        mlp_out, residual = mlp(ops, attn_out, residual, layer.post_attention_layernorm, eps)
+        return ops.fused_add_rms_norm(mlp_out, residual, self.norm, eps)
 
     def fuse(self, ops: ModuleType, aux: torch.Tensor) -> torch.Tensor:
         """[n, 3 * target_hidden] low/middle/high target states -> [n, hidden]."""
@@ -138,7 +136,7 @@ _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 def load_eagle3_head(
-    path: str, target: LlamaForCausalLM, device: torch.device, dtype: torch.dtype
+    path: str, target: CausalLM, device: torch.device, dtype: torch.dtype
 ) -> Eagle3Head:
     """Read an EAGLE-3 checkpoint directory and check it fits `target` (hidden size,
     vocabulary, layers); a ModelLoadError names what does not."""

@@ -3,12 +3,11 @@ are rounded from the inputs they see in a model whose layers 0..i-1 and whose ea
 projections of layer i are already float8, so each compensates the error its inputs really
 carry, not the source model's clean inputs.
 
-The calibration windows run as one packed prefill through one decoder layer at a time (the
-hidden states between layers are kept, so the whole pass costs about two forwards of the model,
-not one per layer): first the source's layer i, recording each projection's input X (the
-target the engine should reproduce), then the same layer with each projection replaced, on
-first sight of its input, by its float8 rounding, whose output (the engine's own fp8_linear
-arithmetic) feeds the next projection and the next layer.
+The calibration windows run as one packed prefill through one decoder layer at a time, through
+the layer's own forward (the hidden states between layers are kept, so the whole pass costs
+about one forward of the model, not one per layer): each projection is replaced, on first sight
+of its input, by its float8 rounding, whose output (the engine's own fp8_linear arithmetic)
+feeds the next projection and the next layer.
 
 Returns each projection's float8 codes and scales; the build loads them as they are
 (Fp8LinearMethod's `rounded`), instead of rounding the source's weights as they arrive.
@@ -22,19 +21,13 @@ from types import ModuleType
 
 import torch
 
+from kiln.attention.backend import AttentionBackend, AttentionMetadata
+from kiln.builder.calibrate import gptq
 from kiln.kernels.reference import quantize_fp8
 from kiln.layers.linear import Linear, LinearMethod
-
-# The attention types through the model that takes them: quantization sits above models, not
-# beside attention (tests/test_layering.py).
-from kiln.models.llama import (
-    AttentionBackend,
-    AttentionMetadata,
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-)
+from kiln.models.blocks import DecoderLayer, StepInputs
+from kiln.models.decoder import DecoderForCausalLM
 from kiln.models.packed_prefill import packed_prefill_metadata
-from kiln.quantization import gptq
 
 _BLOCK_SIZE = 16  # the calibration's own KV cache's block size (any works: one prefill)
 
@@ -43,18 +36,15 @@ _BLOCK_SIZE = 16  # the calibration's own KV cache's block size (any works: one 
 class RoundingSpec:
     """How each projection rounds from the inputs it sees."""
 
-    aware: bool
-    """True: the activation-aware target (gptq.activation_aware_weight) against the source's
-    inputs X, GPTQ with H = Xq Xq^T; False: plain GPTQ of W."""
     quantized_input: bool = True
-    """(not aware) H = xq xq^T of the float8 inputs the engine multiplies; False: x x^T of the
-    inputs seen, before their quantization."""
-    damp: float = gptq._DAMP
+    """H = xq xq^T of the float8 inputs the engine multiplies; False: x x^T of the inputs seen,
+    before their quantization."""
+    damp: float = gptq.DAMP
     act_order: bool = False
 
 
 def round_sequentially(
-    model: LlamaForCausalLM,
+    model: DecoderForCausalLM,
     ops: ModuleType,
     backend: AttentionBackend,
     token_batches: list[list[int]],
@@ -71,32 +61,19 @@ def round_sequentially(
     `on_layer`, if given, is called as each decoder layer is done (a build's progress)."""
     if model.parallel is not None:
         raise ValueError("layer-sequential rounding runs the whole model in one process")
-    device = model.norm.device
-    step = _packed_prefill(model, token_batches, device)
-    source = model.embed_tokens(step.input_ids)
-    engine = source.clone()
-    source_residual = engine_residual = None
+    step = _packed_prefill(model, token_batches)
+    inputs = StepInputs(ops, backend, step.positions, model.cos_sin_cache, step.metadata)
+    hidden, residual = model.embed_tokens(step.input_ids), None
     rounded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for index, layer in enumerate(model.layers):
         projections = _projections(layer, f"layers.{model.layer_start + index}")
-        recorders = {name: _Recorder(p.method) for name, p in projections.items()}
-        with _wrapped(projections, recorders):
-            source, source_residual = _layer_forward(
-                model, layer, ops, backend, source, source_residual, step
-            )
         rounders = {
-            name: _Rounder(
-                p.method, spec, recorders[name].x if spec.aware else None,
-                None if input_scales is None else input_scales[name],
-            )
+            name: _Rounder(p.method, spec, None if input_scales is None else input_scales[name])
             for name, p in projections.items()
             if name not in kept
-        }  # fmt: skip
-        del recorders
+        }
         with _wrapped(projections, rounders):
-            engine, engine_residual = _layer_forward(
-                model, layer, ops, backend, engine, engine_residual, step
-            )
+            hidden, residual = layer(inputs, hidden, residual, (step.k_cache, step.v_cache))
         for name, rounder in rounders.items():
             if rounder.result is None:
                 raise ValueError(f"calibration saw no input to {name!r}")
@@ -115,51 +92,24 @@ class _Step:
     v_cache: torch.Tensor
 
 
-def _packed_prefill(
-    model: LlamaForCausalLM, token_batches: list[list[int]], device: torch.device
-) -> _Step:
+def _packed_prefill(model: DecoderForCausalLM, token_batches: list[list[int]]) -> _Step:
     """Every window as one sequence of one prefill step, each in its own blocks."""
-    cfg = model.config
+    cfg, device = model.config, model.device
     lens = [len(b) for b in token_batches]
     if not lens or min(lens) == 0:
         raise ValueError("layer-sequential rounding needs non-empty calibration windows")
     metadata, first = packed_prefill_metadata(lens, _BLOCK_SIZE, device)
     shape = (first, _BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
-    dtype = model.norm.dtype
     return _Step(
         input_ids=torch.tensor([t for b in token_batches for t in b], device=device),
         positions=torch.cat([torch.arange(n) for n in lens]).to(device),
         metadata=metadata,
-        k_cache=torch.zeros(shape, dtype=dtype, device=device),
-        v_cache=torch.zeros(shape, dtype=dtype, device=device),
+        k_cache=torch.zeros(shape, dtype=model.dtype, device=device),
+        v_cache=torch.zeros(shape, dtype=model.dtype, device=device),
     )
 
 
-def _layer_forward(
-    model: LlamaForCausalLM,
-    layer: LlamaDecoderLayer,
-    ops: ModuleType,
-    backend: AttentionBackend,
-    hidden: torch.Tensor,
-    residual: torch.Tensor | None,
-    step: _Step,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decoder layer as LlamaForCausalLM.forward's loop runs it (tests/test_gptq_aware.py
-    checks that the layers in turn give the model's forward)."""
-    eps = model.config.rms_norm_eps
-    attn, mlp = layer.self_attn, layer.mlp
-    query, residual = attn.qkv_proj.add_rms_norm_qkv_rotary_write_kv(
-        ops, hidden, residual, layer.input_layernorm, eps, step.positions, model.cos_sin_cache,
-        step.k_cache, step.v_cache, step.metadata.slot_mapping,
-    )  # fmt: skip
-    out = backend.forward(query, step.k_cache, step.v_cache, step.metadata, attn.scale)
-    hidden = attn.o_proj(ops, out.reshape(-1, attn.q_size))
-    return mlp.gate_up_proj.silu_mul_into(
-        ops, mlp.down_proj, hidden, residual, layer.post_attention_layernorm, eps
-    )
-
-
-def _projections(layer: LlamaDecoderLayer, prefix: str) -> dict[str, Linear]:
+def _projections(layer: DecoderLayer, prefix: str) -> dict[str, Linear]:
     """Layer name (as linear_method_factory takes it) -> projection."""
     return {
         f"{prefix}.{name}": module
@@ -183,34 +133,12 @@ class _wrapped:
             module.method = method.inner
 
 
-class _Recorder(LinearMethod):
-    """The wrapped method's arithmetic; keeps its (whole packed) input."""
-
-    def __init__(self, inner: LinearMethod) -> None:
-        self.inner = inner
-        self.x: torch.Tensor | None = None
-
-    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
-        raise RuntimeError("an observing method wraps a built layer")
-
-    def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
-        self.x = x.reshape(-1, x.shape[-1])
-        return self.inner.apply(layer, ops, x)
-
-
 class _Rounder(LinearMethod):
     """On its one call (the packed prefill): rounds the layer's weight from the input it is
     given, then answers as the float8 engine would (ops.fp8_linear with those codes)."""
 
-    def __init__(
-        self,
-        inner: LinearMethod,
-        spec: RoundingSpec,
-        source_x: torch.Tensor | None,
-        input_scale: float | None,
-    ) -> None:
-        self.inner, self.spec, self.source_x = inner, spec, source_x
-        self.input_scale = input_scale
+    def __init__(self, inner: LinearMethod, spec: RoundingSpec, input_scale: float | None) -> None:
+        self.inner, self.spec, self.input_scale = inner, spec, input_scale
         self.result: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
@@ -220,21 +148,14 @@ class _Rounder(LinearMethod):
         if self.result is not None:
             raise RuntimeError("layer-sequential rounding runs each layer once")
         rows = x.reshape(-1, x.shape[-1]).float()
-        weight = layer.weight.detach().float()
         scale = None
         if self.input_scale is not None:
             scale = torch.tensor(self.input_scale, dtype=torch.float32, device=x.device)
-        n = rows.shape[0]
-        if self.spec.aware or self.spec.quantized_input:
+        if self.spec.quantized_input:
             q8, s = quantize_fp8(rows, scale)
-            xq = q8.float() * s
-            hessian = xq.T @ xq / n
-        else:
-            hessian = rows.T @ rows / n
-        if self.spec.aware:
-            cross = self.source_x.float().T @ xq / n
-            weight = gptq.activation_aware_weight(weight, cross, hessian, self.spec.damp)
+            rows = q8.float() * s
+        hessian = rows.T @ rows / rows.shape[0]
+        weight = layer.weight.detach().float()
         codes, wscale = gptq.gptq_fp8(weight, hessian, self.spec.damp, self.spec.act_order)
         self.result = (codes, wscale)
-        self.source_x = None
         return ops.fp8_linear(x, codes, wscale.view(-1), scale, layer.bias)

@@ -1,5 +1,7 @@
-"""Weight quantization schemes, one file each; `linear_method_factory` is the registry: a scheme's
-name -> a function giving each projection (by its qualified name) its LinearMethod."""
+"""Run-time weight quantization schemes, one file each; `linear_method_factory` is the registry:
+a scheme's name -> a function giving each projection (by its qualified name) its LinearMethod.
+What only a build computes (calibration, GPTQ, smoothing, KV scales) is kiln.builder.calibrate's.
+"""
 
 from __future__ import annotations
 
@@ -12,28 +14,30 @@ from kiln.layers.linear import LinearMethod, UnquantizedLinearMethod
 
 QUANTIZATIONS = ("none", "fp8", "fp8-dynamic")
 
+# Float8 codes [rows, in] and their scales [rows, 1] of weight rows [rows, in]: how a build
+# rounds one projection's weights when not to nearest (kiln.builder.calibrate.gptq).
+RowRounder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
 
 def linear_method_factory(
     quantization: str,
     input_scales: Mapping[str, float] | None = None,
-    hessians: dict[str, torch.Tensor] | None = None,
+    *,
     unquantized: Collection[str] = (),
-    crosses: dict[str, torch.Tensor] | None = None,
-    rounded: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    weight_rounders: Mapping[str, RowRounder] | None = None,
+    rounded: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     outlier_channels: Mapping[str, Sequence[int]] | None = None,
 ) -> Callable[[str], LinearMethod]:
     """name (e.g. "layers.3.self_attn.qkv_proj") -> a new LinearMethod for that projection.
 
     "fp8-dynamic": float8 weights, activations scaled per token at run time. "fp8": float8
     weights, activations with static per-tensor scales from `input_scales` (layer name ->
-    scale, as calibrate_input_scales makes them), which `kiln build` calibrates. `hessians`
-    (layer name -> input statistics, as kiln.quantization.gptq.calibrate_hessians makes them):
-    float8 weights rounded by GPTQ instead of to nearest. `unquantized`: layer names kept in
-    the model dtype (`kiln build --unquantized-layers`). `crosses` (layer name -> X Xq^T, with
-    `hessians` then Xq Xq^T): GPTQ of the activation-aware target (kiln.quantization.gptq).
-    `rounded` (layer name -> float8 codes and scales, kiln.quantization.sequential): weights
-    rounded already, loaded as they are. `outlier_channels` (layer name -> input channels,
-    kiln.quantization.outlier_columns): those channels carried as a second float8 term."""
+    scale), which `kiln build` calibrates. `unquantized`: layer names kept in the model dtype
+    (`kiln build --unquantized-layers`). `weight_rounders` (layer name -> RowRounder): float8
+    weights rounded by it as they load instead of to nearest. `rounded` (layer name -> float8
+    codes and scales): weights rounded already, loaded as they are. `outlier_channels` (layer
+    name -> input channels, outlier_columns.py): those channels carried as a second float8 term.
+    """
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"unknown quantization {quantization!r}; known: {', '.join(QUANTIZATIONS)}"
@@ -42,32 +46,27 @@ def linear_method_factory(
         return lambda name: UnquantizedLinearMethod()
     if unquantized:
         quantized = linear_method_factory(
-            quantization, input_scales, hessians, (), crosses, rounded, outlier_channels
-        )
+            quantization, input_scales, weight_rounders=weight_rounders, rounded=rounded,
+            outlier_channels=outlier_channels,
+        )  # fmt: skip
         kept = frozenset(unquantized)
         return lambda name: UnquantizedLinearMethod() if name in kept else quantized(name)
-    from kiln.quantization.fp8 import Fp8LinearMethod
-
-    def hessian(name: str) -> torch.Tensor | None:
-        if hessians is None:
-            return None
-        if name not in hessians:
-            raise ModelLoadError(f"GPTQ rounding: no calibrated input statistics for {name!r}")
-        return hessians[name]
+    from kiln.layers.quantization.fp8 import Fp8LinearMethod
 
     def rounding(name: str) -> dict:
+        if weight_rounders is not None and name not in weight_rounders:
+            raise ModelLoadError(f"weight rounding: no rounder for layer {name!r}")
         if rounded is not None and name not in rounded:
             raise ModelLoadError(f"layer-sequential GPTQ: no rounded weights for {name!r}")
         return {
-            "hessian": hessian(name),
-            "cross": None if crosses is None else crosses[name],
+            "round_rows": None if weight_rounders is None else weight_rounders[name],
             "rounded": None if rounded is None else rounded[name],
         }
 
     def fp8(name: str, *args: object) -> LinearMethod:
         if outlier_channels is None:
             return Fp8LinearMethod(*args, **rounding(name))
-        from kiln.quantization.outlier_columns import OutlierColumnsFp8LinearMethod
+        from kiln.layers.quantization.outlier_columns import OutlierColumnsFp8LinearMethod
 
         if name not in outlier_channels:
             raise ModelLoadError(f"outlier columns: no chosen channels for layer {name!r}")

@@ -28,15 +28,15 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.models.base import CausalLM
 from kiln.models.config import ModelConfig
-from kiln.models.llama import LlamaForCausalLM
 
 # The projections whose input can be divided exactly by the op before them.
 KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-# Per activation scheme, chosen on SmolLM2's calibration split outside the calibration windows
-# (benchmarks/results/2026-12-02-cpu-fp8-activation-error-smollm2): per-token scales take a
-# strong migration; one static scale per tensor a mild one, since smoothing flattens the
-# channels' amax and so takes away the headroom that unseen text's larger values need.
+# Per activation scheme, chosen on SmolLM2's calibration split outside the calibration windows:
+# per-token scales take a strong migration; one static scale per tensor a mild one, since
+# smoothing flattens the channels' amax and so takes away the headroom that unseen text's larger
+# values need.
 DEFAULT_ALPHA = {"fp8-dynamic": 0.7, "fp8": 0.3}
 _FLOOR = 1e-5  # a channel never seen, or a weight column of zeros: no factor from it
 
@@ -73,7 +73,7 @@ class SmoothingSpec:
 
 
 def smoothing_factors(
-    model: LlamaForCausalLM, input_amax: dict[str, torch.Tensor], alpha: float
+    model: CausalLM, input_amax: dict[str, torch.Tensor], alpha: float
 ) -> dict[str, torch.Tensor]:
     """Layer name ("layers.3.mlp.down_proj") -> its [in_features] fp32 factors s, from the
     unquantized, unsharded `model`'s weights and its inputs' per-channel amax (as

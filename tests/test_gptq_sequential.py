@@ -1,9 +1,8 @@
-"""Activation-aware and layer-sequential GPTQ (`kiln build --weight-rounding gptq-aware`,
-`gptq-sequential`, `gptq-aware-sequential`): the aware target lowers a layer's output error
-against the source's W x when the engine's input is float8 (outlier channels, per token); the
-sequential pass runs the model's own layers (the unquantized chain is the forward); its first
-projection, whose input no float8 layer precedes, rounds as one-pass GPTQ does; the builds load,
-name the rounding in the manifest and the engine id, and refuse what they cannot do."""
+"""Layer-sequential GPTQ (`kiln build --weight-rounding gptq-sequential`,
+kiln.builder.calibrate.sequential): the pass runs the model's own decoder layers (chained, they
+are the forward); its first projection, whose input no float8 layer precedes, rounds as one-pass
+GPTQ does; the build loads, names the rounding in the manifest and the engine id, cuts per
+tensor rank, and refuses what it cannot do."""
 
 from __future__ import annotations
 
@@ -12,50 +11,8 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.builder.build import BuildOptions, build_engine
+from kiln.builder.calibrate.gptq import gptq_fp8
 from kiln.errors import BuildError
-from kiln.kernels.reference import quantize_fp8
-from kiln.quantization.gptq import activation_aware_weight, gptq_fp8
-
-
-def _outlier_inputs(rows: int, features: int, seed: int) -> torch.Tensor:
-    """Correlated rows with three channels ~300x the rest (the outliers' rounding error, the
-    largest, is what the aware target can reduce)."""
-    directions = torch.randn(8, features, generator=torch.Generator().manual_seed(7))
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, 8, generator=g) @ directions * 0.01 + 0.01 * torch.randn(
-        rows, features, generator=g
-    )
-    x[:, [3, 17, 40]] = 3.0 + 0.3 * torch.randn(rows, 3, generator=g)
-    return x
-
-
-def _engine_input(x: torch.Tensor) -> torch.Tensor:
-    codes, scale = quantize_fp8(x, None)  # per token, as fp8-dynamic's engine quantizes it
-    return codes.float() * scale
-
-
-def test_the_aware_target_lowers_the_output_error_against_the_source():
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(32, 64, generator=g) * 0.05
-    x = _outlier_inputs(2048, 64, seed=1)
-    xq = _engine_input(x)
-    n = x.shape[0]
-    plain = gptq_fp8(w, x.T @ x / n)
-    hq = xq.T @ xq / n
-    aware = gptq_fp8(activation_aware_weight(w, x.T @ xq / n, hq).float(), hq)
-    held_out = _outlier_inputs(2048, 64, seed=2)  # other rows of the same distribution
-    want = held_out @ w.T
-
-    def error(rounded: tuple[torch.Tensor, torch.Tensor]) -> float:
-        q = rounded[0].float() * rounded[1]
-        return float((want - _engine_input(held_out) @ q.T).norm())
-
-    # Per-token rounding noise is mostly independent of x: a linear correction takes a few
-    # percent of it (6% here; the same at 10x and 100x larger outliers, and with static scales).
-    assert error(aware) < 0.97 * error(plain), (error(aware), error(plain))
-    # Without float8 inputs (xq = x) the target is W itself: the aware rounding is GPTQ's.
-    same = activation_aware_weight(w, x.T @ x / n, x.T @ x / n)
-    torch.testing.assert_close(same.float(), w, rtol=0, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -77,17 +34,18 @@ WINDOWS = [[1, 5, 9, 33, 7, 60, 61, 62, 80, 3, 4, 5], [1, 200, 3, 17, 44, 45, 46
 
 
 def test_the_layer_chain_is_the_models_forward(source_llm):
-    from kiln.quantization import sequential
+    from kiln.builder.calibrate import sequential
+    from kiln.models.blocks import StepInputs
 
     runner = source_llm.engine.executor.runner
     model = runner.model
-    step = sequential._packed_prefill(model, WINDOWS, model.norm.device)
+    step = sequential._packed_prefill(model, WINDOWS)
+    inputs = StepInputs(runner.ops, runner.backend, step.positions, model.cos_sin_cache,
+                        step.metadata)  # fmt: skip
     with torch.no_grad():
         hidden, residual = model.embed_tokens(step.input_ids), None
         for layer in model.layers:
-            hidden, residual = sequential._layer_forward(
-                model, layer, runner.ops, runner.backend, hidden, residual, step
-            )
+            hidden, residual = layer(inputs, hidden, residual, (step.k_cache, step.v_cache))
         chained, _ = runner.ops.fused_add_rms_norm(hidden, residual, model.norm, 1e-5)
         caches = [(torch.zeros_like(step.k_cache), torch.zeros_like(step.v_cache))
                   for _ in model.layers]  # fmt: skip
@@ -97,14 +55,14 @@ def test_the_layer_chain_is_the_models_forward(source_llm):
 
 
 def test_sequential_rounding_starts_as_one_pass_gptq_then_differs(source_llm):
-    from kiln.quantization import sequential
-    from kiln.quantization.gptq import calibrate_hessians
+    from kiln.builder.calibrate import sequential
+    from kiln.builder.calibrate.gptq import calibrate_hessians
 
     runner = source_llm.engine.executor.runner
     model = runner.model
     one_token = SamplingParams(max_tokens=1, temperature=0.0)
     hessians = calibrate_hessians(model, WINDOWS, lambda b: source_llm.generate(b, one_token))
-    spec = sequential.RoundingSpec(aware=False, quantized_input=False)
+    spec = sequential.RoundingSpec(quantized_input=False)
     with torch.no_grad():
         rounded = sequential.round_sequentially(
             model, runner.ops, runner.backend, WINDOWS, spec, None
@@ -121,32 +79,11 @@ def test_sequential_rounding_starts_as_one_pass_gptq_then_differs(source_llm):
     assert not torch.equal(rounded[last][0].view(torch.uint8), one_pass(last))
 
 
-@pytest.mark.parametrize("rounding", ["gptq-aware", "gptq-aware-sequential"])
-def test_a_build_with_it_loads_answers_and_names_it(chat_source, tmp_path, rounding):
-    from safetensors.torch import load_file
-
-    common = dict(quantization="fp8", accuracy_check=False)  # static scales: the harder case
-    gptq = build_engine(chat_source, str(tmp_path / "g"), BuildOptions(**common,
-                        weight_rounding="gptq"), None)  # fmt: skip
-    options = BuildOptions(**common, weight_rounding=rounding)
-    built = build_engine(chat_source, str(tmp_path / "a"), options, None)
-    assert built.engine_id != gptq.engine_id
-    assert "activation-aware" in built.scales_method
-    assert ("layer after layer" in built.scales_method) == rounding.endswith("-sequential")
-    name = next(n for n in built.files if n.endswith(".safetensors"))
-    a, b = load_file(str(tmp_path / "g" / name)), load_file(str(tmp_path / "a" / name))
-    key = "layers.1.mlp.down_proj.weight"
-    assert b[key].dtype == torch.float8_e4m3fn
-    assert not torch.equal(a[key].view(torch.uint8), b[key].view(torch.uint8))
-    llm = LLM(str(tmp_path / "a"), kv_cache_memory_gb=0.05, max_num_seqs=2)
-    out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    assert len(out[0].outputs[0].token_ids) == 4
-    llm.shutdown()
-
-
 def test_what_it_cannot_do_is_a_one_line_error():
     with pytest.raises(BuildError, match="needs --quantization fp8 or fp8-dynamic"):
-        BuildOptions(quantization="none", weight_rounding="gptq-aware")
+        BuildOptions(quantization="none", weight_rounding="gptq-sequential")
+    with pytest.raises(BuildError, match="weight_rounding must be one of"):
+        BuildOptions(quantization="fp8", weight_rounding="gptq-aware")  # measured worse: gone
 
 
 def test_a_tp2_sequential_build_is_the_tp1_engines_cut(chat_source, tmp_path):
@@ -178,9 +115,9 @@ def test_a_tp2_sequential_build_is_the_tp1_engines_cut(chat_source, tmp_path):
 
 def test_gptq_sequential_rounds_from_its_own_windows_and_damp(monkeypatch):
     """The build's gptq-sequential: 32 calibration windows and damp 0.1 (the defaults measured
-    best on SmolLM2), the aware variant as before (8 windows, damp 0.01)."""
+    best on SmolLM2)."""
     from kiln.builder import quantize
-    from kiln.quantization import sequential
+    from kiln.builder.calibrate import sequential
 
     seen = {}
 
@@ -205,10 +142,8 @@ def test_gptq_sequential_rounds_from_its_own_windows_and_damp(monkeypatch):
     llm.engine.executor = type("X", (), {"runner": type("R", (), {"model": model, "ops": None,
                                          "backend": None})()})()  # fmt: skip
     text = "x" * (512 * 40)
-    quantize.round_weights(llm, text, "gptq-sequential", None, [])
-    assert seen["windows"] == 32 and seen["spec"].damp == 0.1 and not seen["spec"].aware
-    quantize.round_weights(llm, text, "gptq-aware-sequential", None, [])
-    assert seen["windows"] == 8 and seen["spec"].damp == 0.01 and seen["spec"].aware
+    quantize.round_weights(llm, text, None, [])
+    assert seen["windows"] == 32 and seen["spec"].damp == 0.1
 
 
 def test_the_sequential_roundings_parameters_name_the_engine(chat_source, tmp_path, monkeypatch):

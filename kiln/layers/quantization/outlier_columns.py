@@ -6,8 +6,8 @@ Why: a per-token scale makes each row's largest value exact (it *is* the scale, 
 static one rounds it to 3 bits like any other. Models with massive activations (SmolLM2: a few
 channels in the thousands) keep their largest values in a few fixed channels, and those values'
 rounding is as large as the rest of the row's together, which is most of what static scales
-lose against per-token ones; underflow costs almost nothing
-(benchmarks/results/2026-12-05-cpu-static-fp8-error-parts-smollm2).
+lose against per-token ones; underflow costs almost nothing (measured on SmolLM2's
+calibration text).
 
 The arithmetic, for a projection with input scale s (static, or per token) and chosen channels
 J (n of them, a multiple of 16 so the GEMM's K stays one):
@@ -39,8 +39,8 @@ from types import ModuleType
 
 import torch
 
-from kiln.layers.linear import Fp8Input, Linear, LinearMethod
-from kiln.quantization.fp8 import Fp8LinearMethod
+from kiln.layers.linear import Fp8Input, FusedOperands, Linear
+from kiln.layers.quantization.fp8 import Fp8LinearMethod
 
 # The GEMM's K must stay a multiple of 16 (torch._scaled_mm's requirement).
 COLUMN_MULTIPLE = 16
@@ -164,41 +164,10 @@ class OutlierColumnsFp8LinearMethod(Fp8LinearMethod):
         y = self.apply_fp8(layer, ops, x_fp8, scale, x.dtype)
         return y.reshape(*x.shape[:-1], layer.out_features)
 
-    def add_rms_norm_apply(
-        self,
-        layer: Linear,
-        ops: ModuleType,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = x.reshape(-1, x.shape[-1])
-        x_fp8, scale, summed = ops.add_rms_norm_quant_fp8(
-            rows, None if residual is None else residual.reshape(rows.shape), norm_weight, eps,
-            layer.input_scale, layer.outlier_index,
-        )  # fmt: skip
-        y = self.apply_fp8(layer, ops, x_fp8, scale, x.dtype)
-        return y.reshape(*x.shape[:-1], layer.out_features), summed.reshape(x.shape)
-
     def fp8_input(self, layer: Linear) -> Fp8Input | None:
         return Fp8Input(layer.input_scale, layer.outlier_index)
 
-    def add_rms_norm_silu_mul_fp8(
-        self,
-        layer: Linear,
-        ops: ModuleType,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        into: Fp8Input,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        gate_up, summed = self.add_rms_norm_apply(layer, ops, x, residual, norm_weight, eps)
-        activation, scale = ops.silu_and_mul_quant_fp8(gate_up, into.static_scale, into.channels)
-        return activation, scale, summed
-
-    # The attention block's and the MLP's entry points compose add_rms_norm_apply (the plain
-    # FP8 method's are single small-batch kernels, which take no outlier columns).
-    add_rms_norm_qkv_rotary_write_kv = LinearMethod.add_rms_norm_qkv_rotary_write_kv
-    add_rms_norm_silu_mul = LinearMethod.add_rms_norm_silu_mul
+    def fused_operands(self, layer: Linear) -> FusedOperands | None:
+        """None: the fused small-batch kernels take no outlier columns. The blocks then run the
+        norm (or SiLU-mul) quantizing kernel with this layer's channels, then apply_fp8."""
+        return None

@@ -11,10 +11,11 @@ import torch
 from torch import nn
 
 from kiln.kernels.reference import quantize_fp8
-from kiln.layers.linear import Fp8Input, FusedOpsLinearMethod, Linear
+from kiln.layers.linear import Fp8Input, FusedOperands, Linear, LinearMethod
+from kiln.layers.quantization import RowRounder
 
 
-class Fp8LinearMethod(FusedOpsLinearMethod):
+class Fp8LinearMethod(LinearMethod):
     """weight [out, in] float8 e4m3 and weight_scale [out] fp32 (row absmax / 448), plus
     input_scale [] fp32 for static activations; the bias stays in the model dtype.
 
@@ -27,18 +28,17 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
     One instance per layer (linear_method_factory makes one per name): it keeps a weak reference
     to its layer to find the scale rows of the shard being loaded.
 
-    The fused entry points pass the scales to the same `ops` calls the unquantized method makes,
-    so at batch-1 decode on the GPU the norm, the activation quantization, the float8 projection
-    and its epilogue (rotary + KV write, SiLU-mul) run as one kernel that reads half bf16's
-    weight bytes; more rows run the norm kernel, then quantize + the FP8 GEMM.
+    The fused kernels take its scales beside its weight (fused_operands), so at batch-1 decode on
+    the GPU the norm, the activation quantization, the float8 projection and its epilogue
+    (rotary + KV write, SiLU-mul) run as one kernel that reads half bf16's weight bytes; more
+    rows run the norm kernel, then quantize + the FP8 GEMM.
     """
 
     def __init__(
         self,
         activation_scheme: Literal["dynamic", "static"],
         input_scale: float | None = None,
-        hessian: torch.Tensor | None = None,
-        cross: torch.Tensor | None = None,
+        round_rows: RowRounder | None = None,
         rounded: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         if activation_scheme not in ("dynamic", "static"):
@@ -51,16 +51,12 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
             raise ValueError(f"input_scale must be > 0, got {input_scale!r}")
         self.activation_scheme = activation_scheme
         self.static_input_scale = input_scale
-        # The layer's input statistics (kiln.quantization.gptq): weights round by GPTQ, not to
-        # nearest. Whole rows only, as both load paths below quantize them.
-        # With `cross` (X Xq^T; `hessian` then Xq Xq^T) the activation-aware target: weights
-        # corrected for the engine's quantized input before they round.
-        self.hessian = hessian
-        self.cross = cross
+        # Rounds whole weight rows (a build's GPTQ, from the layer's input statistics) instead
+        # of to nearest; both load paths below quantize whole rows.
+        self.round_rows = round_rows
         # Float8 codes [out, in] and scales [out, 1] rounded already (layer-sequential GPTQ,
-        # kiln.quantization.sequential): loaded as they are, the source's weight ignored.
+        # kiln.builder.calibrate.sequential): loaded as they are, the source's weight ignored.
         self.rounded = rounded
-        self._gptq_factor: torch.Tensor | None = None  # from the hessian, once for all shards
         self._layer: weakref.ref[Linear] | None = None
 
     def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
@@ -122,24 +118,15 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
         super().load_checkpoint_tensor(layer, param, shard, loaded)
 
     def _quantize_rows(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.hessian is None:
+        if self.round_rows is None:
             return quantize_fp8(weight, None)
-        from kiln.quantization.gptq import inverse_factor, round_with_factor
-
-        if self.cross is not None:
-            from kiln.quantization.gptq import activation_aware_weight
-
-            device = weight.device
-            weight = activation_aware_weight(weight, self.cross.to(device), self.hessian.to(device))
-        if self._gptq_factor is None:
-            self._gptq_factor = inverse_factor(self.hessian.to(weight.device))
-        return round_with_factor(weight, self._gptq_factor)
+        return self.round_rows(weight)
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         return ops.fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias)
 
-    def op_scales(self, layer: Linear) -> tuple[torch.Tensor | None, ...]:
-        return layer.weight_scale, layer.input_scale
+    def fused_operands(self, layer: Linear) -> FusedOperands | None:
+        return FusedOperands(layer.weight, layer.bias, layer.weight_scale, layer.input_scale)
 
     def fp8_input(self, layer: Linear) -> Fp8Input | None:
         return Fp8Input(layer.input_scale)
@@ -155,24 +142,3 @@ class Fp8LinearMethod(FusedOpsLinearMethod):
         return ops.fp8_matmul(
             x_fp8, x_scale, layer.weight, layer.weight_scale, layer.bias, out_dtype
         )
-
-    def add_rms_norm_silu_mul_fp8(
-        self,
-        layer: Linear,
-        ops: ModuleType,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        into: Fp8Input,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        if layer.has_bias or into.channels is not None:
-            # The fused kernels take no bias, and no outlier columns for the down projection
-            # (its input then comes in the model dtype; down quantizes it): compose instead.
-            return super().add_rms_norm_silu_mul_fp8(
-                layer, ops, x, residual, norm_weight, eps, into
-            )
-        return ops.add_rms_norm_linear_silu_mul_fp8(
-            x, residual, norm_weight, eps, layer.weight, layer.weight_scale, layer.input_scale,
-            into.static_scale,
-        )  # fmt: skip

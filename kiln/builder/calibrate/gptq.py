@@ -6,8 +6,8 @@ and the same per-output-channel scales as round-to-nearest, so the engine format
 not change).
 
 `kiln build --weight-rounding gptq` collects H per projection while the source runs over the
-calibration text (HessianObserver), then quantizes each weight as it loads with gptq_fp8 instead
-of quantize_fp8.
+calibration text (HessianObserver), then each projection's float8 method rounds its weight rows
+as they load with that layer's GPTQRows instead of to nearest.
 """
 
 from __future__ import annotations
@@ -17,19 +17,19 @@ from types import ModuleType
 
 import torch
 
-from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE, quantize_fp8
+from kiln.builder.calibrate.calibration import observe_projections
+from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE
 from kiln.layers.linear import Linear, LinearMethod
-from kiln.models.llama import LlamaForCausalLM
-from kiln.quantization.calibration import observe_projections
+from kiln.models.base import CausalLM
 
 _BLOCK = 128  # columns rounded together before their error reaches the rest (speed only)
-_DAMP = 0.01  # of H's mean diagonal, added to it: keeps H invertible with few tokens
+DAMP = 0.01  # of H's mean diagonal, added to it: keeps H invertible with few tokens
 
 
 def gptq_fp8(
     weight: torch.Tensor,  # [out, in]
     hessian: torch.Tensor,  # [in, in] fp32: sum of x x^T (any positive multiple)
-    damp: float = _DAMP,
+    damp: float = DAMP,
     act_order: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([out, in] float8 e4m3, [out, 1] fp32 scale)
     """weight ~= w_fp8 * scale with each row's scale its absmax / 448, as quantize_fp8 (the
@@ -56,7 +56,7 @@ def damped(hessian: torch.Tensor, damp: float) -> torch.Tensor:  # [in, in] floa
 
 
 def inverse_factor(
-    hessian: torch.Tensor, damp: float = _DAMP, order: torch.Tensor | None = None
+    hessian: torch.Tensor, damp: float = DAMP, order: torch.Tensor | None = None
 ) -> torch.Tensor:  # [in, in] float64
     """The upper Cholesky factor of (damped) H^-1: row i holds how column i's rounding error
     moves the columns after it. One per layer input: a fused projection's shards (q, k, v;
@@ -65,24 +65,6 @@ def inverse_factor(
     if order is not None:
         h = h[order][:, order]
     return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-
-
-def activation_aware_weight(
-    weight: torch.Tensor,  # [out, in]
-    cross: torch.Tensor,  # [in, in]: sum of x xq^T (x the source's input, xq the engine's)
-    hessian_q: torch.Tensor,  # [in, in]: sum of xq xq^T, the same multiple as `cross`
-    damp: float = _DAMP,
-) -> torch.Tensor:  # [out, in] float64
-    """The W' minimising ||W X - W' Xq||^2 + lam ||W' - W||^2: W (C + lam I)(B + lam I)^-1,
-    with C = X Xq^T, B = Xq Xq^T and lam = damp * mean(diag B). The engine multiplies its
-    quantized input Xq where the source multiplied X; W' absorbs the part of that difference
-    that is linear in Xq (a systematic rounding or an upstream layer's error); the ridge term,
-    the same damping GPTQ takes, pulls W' to W where the calibration text says little."""
-    b = damped(hessian_q, damp)
-    lam = b.diagonal() - hessian_q.double().diagonal()  # the damping on each diagonal entry
-    c = cross.double() + torch.diag(lam)
-    chol = torch.linalg.cholesky(b)
-    return torch.cholesky_solve(c.T @ weight.double().T, chol).T
 
 
 def round_with_factor(
@@ -114,8 +96,8 @@ def round_with_factor(
 
 class HessianObserver(LinearMethod):
     """Wraps a layer's method: adds x x^T of every input row of apply to `hessian` (fp32, on the
-    input's device), otherwise the wrapped method's arithmetic. The fused entry points are the
-    base class's, which call this apply on the normed input: the tensor the projection sees."""
+    input's device), otherwise the wrapped method's arithmetic. It offers the blocks no fused
+    operands, so they run the norm, then this apply: it sees what the projection multiplies."""
 
     def __init__(self, inner: LinearMethod) -> None:
         self.inner = inner
@@ -135,59 +117,8 @@ class HessianObserver(LinearMethod):
         return self.inner.apply(layer, ops, x)
 
 
-class ActivationAwareObserver(HessianObserver):
-    """HessianObserver for the activation-aware target: of every input row x and xq, the row
-    as the engine quantizes it (the quantize_fp8 twin: per token, or with the layer's static
-    scale), adds x xq^T to `cross` and xq xq^T to `hessian`."""
-
-    def __init__(self, inner: LinearMethod, input_scale: float | None) -> None:
-        super().__init__(inner)
-        self.input_scale = input_scale
-        self.cross: torch.Tensor | None = None
-
-    def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).float()
-        if rows.shape[0]:
-            scale = None
-            if self.input_scale is not None:
-                scale = torch.tensor(self.input_scale, dtype=torch.float32, device=rows.device)
-            codes, s = quantize_fp8(rows, scale)
-            xq = codes.float() * s
-            if self.hessian is None:
-                n = rows.shape[1]
-                self.cross = torch.zeros(n, n, device=rows.device)
-                self.hessian = torch.zeros(n, n, device=rows.device)
-            self.cross.addmm_(rows.T, xq)
-            self.hessian.addmm_(xq.T, xq)
-            self.rows += rows.shape[0]
-        return self.inner.apply(layer, ops, x)
-
-
-def calibrate_activation_aware(
-    model: LlamaForCausalLM,
-    token_batches: list[list[int]],
-    run: Callable[[list[list[int]]], object],
-    input_scales: dict[str, float] | None,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(layer name -> Xq Xq^T / rows, layer name -> X Xq^T / rows), on the CPU, for every
-    decoder projection, as calibrate_hessians; `input_scales` (static "fp8") quantize the
-    inputs as the engine will, None per token."""
-
-    def observer(inner: LinearMethod, name: str) -> ActivationAwareObserver:
-        return ActivationAwareObserver(inner, None if input_scales is None else input_scales[name])
-
-    observers = observe_projections(model, None, token_batches, run, named=observer)
-    unseen = [name for name, observer in observers.items() if observer.hessian is None]
-    if unseen:
-        raise ValueError(f"calibration saw no input to {len(unseen)} layers, e.g. {unseen[:3]}")
-    return (
-        {name: (o.hessian / o.rows).cpu() for name, o in observers.items()},
-        {name: (o.cross / o.rows).cpu() for name, o in observers.items()},
-    )
-
-
 def calibrate_hessians(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     token_batches: list[list[int]],
     run: Callable[[list[list[int]]], object],
 ) -> dict[str, torch.Tensor]:
@@ -198,3 +129,18 @@ def calibrate_hessians(
     if unseen:
         raise ValueError(f"calibration saw no input to {len(unseen)} layers, e.g. {unseen[:3]}")
     return {name: (observer.hessian / observer.rows).cpu() for name, observer in observers.items()}
+
+
+class GPTQRows:
+    """A projection's RowRounder (kiln.layers.quantization): its weight rows rounded by GPTQ
+    with the layer's input statistics. One per layer: the factor is computed on first use and
+    shared by its fused shards (q, k, v; gate, up), which have one input."""
+
+    def __init__(self, hessian: torch.Tensor) -> None:
+        self.hessian = hessian
+        self._factor: torch.Tensor | None = None
+
+    def __call__(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._factor is None:
+            self._factor = inverse_factor(self.hessian.to(weight.device))
+        return round_with_factor(weight, self._factor)

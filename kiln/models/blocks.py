@@ -1,0 +1,316 @@
+"""The blocks decoder families share: rotary attention (optionally with a per-head q/k RMSNorm),
+a gated MLP, and the decoder layer that runs them. Each block picks the fused kernels of `ops`
+that fit its shape and takes their weights and scales from its projections' linear methods
+(`fused_operands`, `fp8_input`); where a method offers none, the block composes the norm, the
+method's own `apply` and its epilogue."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from kiln.attention.backend import AttentionBackend, AttentionMetadata
+from kiln.distributed.parallel_state import ParallelContext, kv_head_range
+from kiln.kernels import reference
+from kiln.kernels.reference import split_qkv_heads
+from kiln.layers.linear import Linear, LinearMethod, TensorSplit
+from kiln.models.config import ModelConfig
+
+# A layer's qualified name (e.g. "layers.3.self_attn.qkv_proj") -> its LinearMethod.
+LinearMethodFactory = Callable[[str], LinearMethod]
+KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, kv_heads, head_dim]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What every layer of one forward shares."""
+
+    ops: ModuleType
+    backend: AttentionBackend
+    positions: torch.Tensor  # [num_tokens] int64
+    cos_sin_cache: torch.Tensor  # [max_positions, head_dim] fp32
+    metadata: AttentionMetadata
+
+
+def norm_then_project(
+    ops: ModuleType,
+    layer: Linear,
+    x: torch.Tensor,  # [num_tokens, K]
+    residual: torch.Tensor | None,  # [num_tokens, K], or None: no residual to add
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (layer(rms_norm(x + residual)), x + residual)
+    """A column-parallel projection of the normed stream in the fewest kernels its method
+    allows: one fused op given its operands; else, for a method taking float8 input, the norm
+    that quantizes, then apply_fp8; else the norm, then apply."""
+    operands = layer.method.fused_operands(layer)
+    if operands is not None:
+        return ops.add_rms_norm_linear(x, residual, norm_weight, eps, *operands)
+    into = layer.method.fp8_input(layer)
+    if into is not None:
+        rows = x.reshape(-1, x.shape[-1])
+        x_fp8, scale, summed = ops.add_rms_norm_quant_fp8(
+            rows, None if residual is None else residual.reshape(rows.shape), norm_weight, eps,
+            into.static_scale, into.channels,
+        )  # fmt: skip
+        y = layer.apply_fp8(ops, x_fp8, scale, x.dtype)
+        return y.reshape(*x.shape[:-1], layer.out_features), summed.reshape(x.shape)
+    if residual is None:
+        normed, summed = ops.rms_norm(x, norm_weight, eps), x
+    else:
+        normed, summed = ops.fused_add_rms_norm(x, residual, norm_weight, eps)
+    return layer(ops, normed), summed
+
+
+class RopeAttention(nn.Module):
+    """Rotary multi-head attention with grouped KV heads: a fused qkv projection, rotary
+    embedding, the paged KV cache and o_proj. `qk_norm`: each query and key head is
+    RMS-normed (its own [head_dim] weights, `q_norm` / `k_norm`) before rotary (Qwen3)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        prefix: str,
+        method: LinearMethodFactory,
+        dtype: torch.dtype | None,
+        ctx: ParallelContext | None = None,
+        full: ModelConfig | None = None,
+        qk_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        # cfg is this rank's shard (shard_config); `full` the whole model's, under TP.
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.eps = cfg.rms_norm_eps
+        qkv_split = o_split = None
+        if ctx is not None and ctx.tp_size > 1:
+            # Query heads split evenly; KV heads split, or replicated when fewer than ranks.
+            hd, r = self.head_dim, ctx.tp_rank
+            kv_start, _ = kv_head_range(full.num_key_value_heads, ctx.tp_size, r)
+            q_full, kv_full = full.num_attention_heads * hd, full.num_key_value_heads * hd
+            kv_rows = (kv_start * hd, self.kv_size)
+            qkv_split = TensorSplit(
+                ctx,
+                rows=((r * self.q_size, self.q_size), kv_rows, kv_rows),
+                full_sizes=(q_full, kv_full, kv_full),
+            )
+            o_split = TensorSplit(ctx, cols=(r * self.q_size, self.q_size))
+        self.qkv_proj = Linear(
+            cfg.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            bias=cfg.attention_bias,
+            output_sizes=[self.q_size, self.kv_size, self.kv_size],
+            method=method(f"{prefix}.qkv_proj"),
+            dtype=dtype,
+            split=qkv_split,
+        )
+        self.o_proj = Linear(
+            self.q_size, cfg.hidden_size, method=method(f"{prefix}.o_proj"), dtype=dtype,
+            split=o_split,
+        )  # fmt: skip
+        self.q_norm: nn.Parameter | None = None
+        self.k_norm: nn.Parameter | None = None
+        if qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(self.head_dim, dtype=dtype))
+            self.k_norm = nn.Parameter(torch.ones(self.head_dim, dtype=dtype))
+
+    def project_qkv(
+        self,
+        step: StepInputs,
+        x: torch.Tensor,  # [num_tokens, hidden]: the last block's output
+        residual: torch.Tensor | None,  # the residual stream; None before the first layer
+        norm_weight: torch.Tensor,
+        eps: float,
+        kv_cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, heads, head_dim], x + residual)
+        """The attention block up to attending: norm, qkv projection, (q/k norm,) rotary, and
+        this step's keys and values into the cache. Returns the rotated query."""
+        ops, (k_cache, v_cache) = step.ops, kv_cache
+        slots = step.metadata.slot_mapping
+        operands = self.qkv_proj.method.fused_operands(self.qkv_proj)
+        if operands is not None and self.k_norm is None:
+            # One kernel at batch-1 decode on the GPU, where a step is mostly launch-bound.
+            weight, bias, weight_scale, input_scale = operands
+            return ops.add_rms_norm_qkv_rotary_write_kv(
+                x, residual, norm_weight, eps, weight, bias, step.positions, step.cos_sin_cache,
+                k_cache, v_cache, slots, weight_scale, input_scale,
+            )  # fmt: skip
+        qkv, summed = norm_then_project(ops, self.qkv_proj, x, residual, norm_weight, eps)
+        if self.k_norm is not None:
+            query = ops.qk_norm_rotary_write_kv(
+                qkv, self.q_norm, self.k_norm, self.eps, step.positions, step.cos_sin_cache,
+                k_cache, v_cache, slots,
+            )  # fmt: skip
+            return query, summed
+        query, key, value = split_qkv_heads(qkv, self.head_dim, self.num_kv_heads)
+        query = ops.rotary_embedding_write_kv(
+            step.positions, query, key, value, step.cos_sin_cache, k_cache, v_cache, slots
+        )
+        return query, summed
+
+    def cache_keys_values(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]: qkv_proj's output
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # each [num_tokens, kv_heads, head_dim]
+        """The keys (before rotary) and values this block writes to the cache for `qkv`, by
+        the reference ops: what KV-cache calibration measures."""
+        _, key, value = split_qkv_heads(qkv, self.head_dim, self.num_kv_heads)
+        if self.k_norm is not None:
+            key = reference.rms_norm(key, self.k_norm, self.eps)
+        return key, value
+
+    @torch.no_grad()
+    def fold_kv_scales(self, k_scale: float, v_scale: float, into_weights: bool = True) -> None:
+        """Write k / k_scale and v / v_scale to the cache and attend as before (see
+        kiln.models.kv_scales): keys through the k rows of qkv_proj, or through k_norm's weight
+        when a k-norm follows them (it would undo a scale folded into the rows); values through
+        the v rows and o_proj. `into_weights=False`: the weights hold them already."""
+        self.scale *= k_scale
+        if not into_weights:
+            return
+        q, kv = self.q_size, self.kv_size
+        if self.k_norm is None:
+            self.qkv_proj.scale_output_rows(slice(q, q + kv), 1.0 / k_scale)
+        else:
+            self.k_norm.mul_(1.0 / k_scale)
+        self.qkv_proj.scale_output_rows(slice(q + kv, q + 2 * kv), 1.0 / v_scale)
+        self.o_proj.scale_output_rows(slice(None), v_scale, bias=False)  # W (v_stored * s) + b
+        if getattr(self.o_proj, "input_scale", None) is not None:
+            self.o_proj.input_scale.div_(v_scale)  # its static scale saw the unscaled inputs
+
+    def attend(self, step: StepInputs, query: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        """Attention over the cache, then o_proj: [num_tokens, hidden] (summed over TP ranks)."""
+        out = step.backend.forward(query, kv_cache[0], kv_cache[1], step.metadata, self.scale)
+        return self.o_proj(step.ops, out.reshape(-1, self.q_size))
+
+
+def gated_mlp(
+    ops: ModuleType,
+    gate_up: Linear,
+    down: Linear,
+    x: torch.Tensor,  # [num_tokens, hidden]
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (down(silu(gate) * up), x + residual)
+    """The MLP block from its norm through `down`. When down takes float8 input (FP8 W8A8),
+    the activation reaches it quantized by the SiLU-mul's own kernel: no model-dtype activation
+    written and re-read, no quantize kernel of its own."""
+    into = down.method.fp8_input(down)
+    operands = gate_up.method.fused_operands(gate_up)
+    fused = operands is not None and operands.bias is None  # the fused kernels take no bias
+    scale = None
+    if into is not None and fused and operands.weight_scale is not None and into.channels is None:
+        activation, scale, summed = ops.add_rms_norm_linear_silu_mul_fp8(
+            x, residual, norm_weight, eps, operands.weight, operands.weight_scale,
+            operands.input_scale, into.static_scale,
+        )  # fmt: skip
+    elif fused:
+        activation, summed = ops.add_rms_norm_linear_silu_mul(
+            x, residual, norm_weight, eps, operands.weight, operands.weight_scale,
+            operands.input_scale,
+        )  # fmt: skip
+    else:
+        gate_up_out, summed = norm_then_project(ops, gate_up, x, residual, norm_weight, eps)
+        if into is not None and operands is None:  # a composed projection: quantize here too
+            activation, scale = ops.silu_and_mul_quant_fp8(
+                gate_up_out, into.static_scale, into.channels
+            )
+        else:
+            activation = ops.silu_and_mul(gate_up_out)
+    if scale is None:  # model dtype (the GPU's small-batch rows quantize inside down's kernel)
+        return down(ops, activation), summed
+    return down.apply_fp8(ops, activation, scale, x.dtype), summed
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate) * up), gate and up fused into one projection ([gate; up] rows)."""
+
+    ACTIVATIONS = ("silu",)  # those the fused kernels of `ops` compute
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        prefix: str,
+        method: LinearMethodFactory,
+        dtype: torch.dtype | None,
+        ctx: ParallelContext | None = None,
+        activation: str = "silu",
+    ) -> None:
+        super().__init__()
+        if activation not in self.ACTIVATIONS:
+            raise ValueError(f"no kernels for a gated MLP of {activation!r}: {self.ACTIVATIONS}")
+        self.activation = activation
+        self.intermediate_size = n = cfg.intermediate_size  # this rank's share under TP
+        gate_up_split = down_split = None
+        if ctx is not None and ctx.tp_size > 1:
+            rows = (ctx.tp_rank * n, n)
+            gate_up_split = TensorSplit(ctx, rows=(rows, rows), full_sizes=(n * ctx.tp_size,) * 2)
+            down_split = TensorSplit(ctx, cols=rows)
+        self.gate_up_proj = Linear(
+            cfg.hidden_size, 2 * n, output_sizes=[n, n], method=method(f"{prefix}.gate_up_proj"),
+            dtype=dtype, split=gate_up_split,
+        )  # fmt: skip
+        self.down_proj = Linear(
+            n, cfg.hidden_size, method=method(f"{prefix}.down_proj"), dtype=dtype, split=down_split
+        )
+
+    def forward(
+        self,
+        ops: ModuleType,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (the MLP's output, x + residual)
+        return gated_mlp(ops, self.gate_up_proj, self.down_proj, x, residual, norm_weight, eps)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: x + attention(norm(x)), then + mlp(norm(...)), with the residual
+    add of each block fused into the norm of the next."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        prefix: str,
+        method: LinearMethodFactory,
+        dtype: torch.dtype | None,
+        ctx: ParallelContext | None = None,
+        full: ModelConfig | None = None,
+        qk_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.self_attn = RopeAttention(
+            cfg, f"{prefix}.self_attn", method, dtype, ctx, full, qk_norm
+        )
+        self.mlp = GatedMLP(cfg, f"{prefix}.mlp", method, dtype, ctx)
+        self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
+
+    def forward(
+        self,
+        step: StepInputs,
+        hidden: torch.Tensor,  # [num_tokens, hidden]: the last layer's output (or the embedding)
+        residual: torch.Tensor | None,  # the residual stream; None before the first layer
+        kv_cache: KVCache,
+        tap: Callable[[torch.Tensor], None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, the residual stream)
+        """`tap`, if given, sees the residual stream entering this layer (EAGLE-3's input)."""
+        attn = self.self_attn
+        query, residual = attn.project_qkv(
+            step, hidden, residual, self.input_layernorm, self.eps, kv_cache
+        )
+        if tap is not None:
+            tap(residual)
+        hidden = attn.attend(step, query, kv_cache)
+        return self.mlp(step.ops, hidden, residual, self.post_attention_layernorm, self.eps)

@@ -1,0 +1,93 @@
+"""Which model families kiln runs: a Hugging Face architecture class name (config.json's
+`architectures`) -> the kiln class that runs it, imported only when a model of that family is
+built. A new family is one model file and one line here (docs/adding_a_model.md)."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kiln.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from kiln.models.base import CausalLM
+    from kiln.models.gguf_names import GGUFLayout
+
+
+@dataclass(frozen=True)
+class Family:
+    """One supported architecture."""
+
+    architecture: str
+    """kiln's name for it, the Hugging Face `model_type` ("llama", "qwen3", ...)."""
+    module: str
+    """The module that defines its model class."""
+    class_name: str
+    """The model class in `module`."""
+
+
+# HF class name -> its family. Mistral and Qwen2 are Llama's block shape with options.
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family("llama", "kiln.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": Family("mistral", "kiln.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": Family("qwen2", "kiln.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": Family("qwen3", "kiln.models.qwen3", "Qwen3ForCausalLM"),
+}
+
+# llama.cpp's `general.architecture` -> (module, name of its GGUFLayout). Mistral 7B GGUFs are
+# written as "llama".
+GGUF_LAYOUTS: dict[str, tuple[str, str]] = {
+    "llama": ("kiln.models.llama", "LLAMA_GGUF"),
+    "qwen2": ("kiln.models.llama", "QWEN2_GGUF"),
+    "qwen3": ("kiln.models.qwen3", "QWEN3_GGUF"),
+}
+
+_BY_ARCHITECTURE = {family.architecture: (cls, family) for cls, family in FAMILIES.items()}
+
+
+def supported_names() -> str:
+    """ "LlamaForCausalLM (llama), ..." for error messages."""
+    return ", ".join(f"{cls} ({family.architecture})" for cls, family in FAMILIES.items())
+
+
+def is_supported(architecture: str) -> bool:
+    return architecture in _BY_ARCHITECTURE
+
+
+def architecture_of_class(hf_class: str) -> str | None:
+    """kiln's architecture name for an HF class name, or None if kiln does not run it."""
+    family = FAMILIES.get(hf_class)
+    return None if family is None else family.architecture
+
+
+def hf_class_of(architecture: str) -> str:
+    """The HF class name config.json gives a model of `architecture`."""
+    return _family(architecture)[0]
+
+
+def model_class(architecture: str) -> type[CausalLM]:
+    """The kiln model class of `architecture` (its module imported now)."""
+    family = _family(architecture)[1]
+    return getattr(importlib.import_module(family.module), family.class_name)
+
+
+def gguf_layout(gguf_architecture: str, where: str) -> GGUFLayout:
+    """How a GGUF file of llama.cpp's `gguf_architecture` names its tensors (see gguf_names)."""
+    found = GGUF_LAYOUTS.get(gguf_architecture)
+    if found is None:
+        raise ModelLoadError(
+            f"{where}: unsupported GGUF architecture {gguf_architecture!r}; "
+            f"supported: {', '.join(GGUF_LAYOUTS)}"
+        )
+    module, name = found
+    return getattr(importlib.import_module(module), name)
+
+
+def _family(architecture: str) -> tuple[str, Family]:
+    found = _BY_ARCHITECTURE.get(architecture)
+    if found is None:
+        raise ModelLoadError(
+            f"unsupported architecture {architecture!r}; supported: {supported_names()}"
+        )
+    return found
