@@ -23,6 +23,7 @@ import torch
 
 from kiln.attention.backend import AttentionBackend, AttentionMetadata
 from kiln.builder.calibrate import gptq
+from kiln.kernels.kv_layout import empty_cache
 from kiln.kernels.reference import quantize_fp8
 from kiln.layers.linear import Linear, LinearMethod
 from kiln.models.blocks import DecoderLayer, StepInputs
@@ -100,12 +101,14 @@ def _packed_prefill(model: DecoderForCausalLM, token_batches: list[list[int]]) -
         raise ValueError("layer-sequential rounding needs non-empty calibration windows")
     metadata, first = packed_prefill_metadata(lens, _BLOCK_SIZE, device)
     shape = (first, _BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
+    # Head-major, as the engine's cache: the Triton kernels take no other layout.
+    k_cache, v_cache = (empty_cache(*shape, model.dtype, device) for _ in "kv")
     return _Step(
         input_ids=torch.tensor([t for b in token_batches for t in b], device=device),
         positions=torch.cat([torch.arange(n) for n in lens]).to(device),
         metadata=metadata,
-        k_cache=torch.zeros(shape, dtype=model.dtype, device=device),
-        v_cache=torch.zeros(shape, dtype=model.dtype, device=device),
+        k_cache=k_cache,
+        v_cache=v_cache,
     )
 
 
