@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kiln import GuidedDecodingParams, InvalidRequestError, SamplingParams
+from kiln.engine.grammar_compiles import GrammarCompiles
 from kiln.sampling.logits_processors import (
     TokenBitmaskProcessor,
     forbidden_by_bitmask,
@@ -712,7 +713,7 @@ def test_a_compiling_grammar_does_not_hold_back_plain_requests(llm_name, request
             plain_tokens += len(delta.outputs[0].token_ids)
         steps += 1
     assert plain_tokens == 5 and steps == 5 + lag
-    assert "g" in engine.grammar_waitlist and engine.finished_output("p") is not None
+    assert "g" in engine.hook(GrammarCompiles).waitlist and engine.finished_output("p") is not None
     held_compile.set()
     while engine.has_unfinished_requests():
         engine.step()
