@@ -374,6 +374,7 @@ class ModelRunner:
                 self._finish(older)
         self._deferred = None
         deferred, step.deferred = step.deferred, None
+        assert deferred is not None
         metadata = deferred.hook.deferred_metadata(step, deferred.metadata)
         self._sampled(step, self.sampler(deferred.logits, metadata))
 

@@ -67,7 +67,7 @@ class BeamTopKRows(StepHook):
         if beam is None:
             return
         top = beam.top
-        tensors = (top.scores, top.rows, top.token_ids)
+        tensors: tuple[torch.Tensor, ...] = (top.scores, top.rows, top.token_ids)
         if self.device.type == "cuda":
             tensors = tuple(t.to("cpu", non_blocking=True) for t in tensors)
         beam.host = tensors

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kiln.runtime.in_flight import InFlightStep
@@ -15,7 +17,7 @@ class TargetHiddenStateTap(StepHook):
     of a few layers into `model.aux_hidden_states` each forward, and the proposer keeps the rows
     of the positions each request computed, before their computed-token counts move on."""
 
-    def __init__(self, proposer: Proposer, model: torch.nn.Module) -> None:
+    def __init__(self, proposer: Proposer, model: Any) -> None:  # the runner's model
         self.proposer, self.model = proposer, model
 
     def after_forward(

@@ -110,7 +110,7 @@ class GrammarMask(StepHook):
             return
         from kiln.structured_output.matchers import IncomingTokens
 
-        incoming = []
+        taken, incoming = [], []
         for older in self._in_flight:
             if older is step:
                 break
@@ -118,14 +118,10 @@ class GrammarMask(StepHook):
                 continue  # collected (tokens queued), or a step of prompt chunks only
             if older.arrival is not None or older.host_sampled is None:
                 return
-            incoming.append(older)
-        self._taken.update(incoming)
+            taken.append(older)
+            req_ids = [s.req_id for s in older.states]
+            incoming.append(IncomingTokens(older.host_sampled, older.done, req_ids))
+        self._taken.update(taken)
         assert self.grammars is not None
-        self._fill = self.grammars.start_fill(
-            [s.req_id for s in step.states or ()],
-            self.device,
-            [
-                IncomingTokens(o.host_sampled, o.done, [s.req_id for s in o.states or ()])
-                for o in incoming
-            ],
-        )
+        req_ids = [s.req_id for s in step.states or ()]
+        self._fill = self.grammars.start_fill(req_ids, self.device, incoming)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kiln.interfaces import PromptLogprobsChunk, TokenLogprobs
@@ -16,7 +18,7 @@ class PromptLogprobs(StepHook):
     """Scores the prompt tokens a step computes for the requests that asked, from the step's
     hidden states (position p's logits predict token p + 1)."""
 
-    def __init__(self, model: torch.nn.Module, ops: object, max_num_seqs: int) -> None:
+    def __init__(self, model: Any, ops: Any, max_num_seqs: int) -> None:  # the runner's
         self.model, self.ops = model, ops
         self.max_rows = max_num_seqs
         # The requests that asked: most steps have none, and looking through every state for

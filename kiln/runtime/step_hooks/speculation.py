@@ -69,7 +69,10 @@ class DraftVerification(StepHook):
         finished and then left the GPU idle between the small kernels after it."""
         if not step.sched.scheduled_spec_decode_tokens:
             return logits
-        plain_rows, spec_rows, spec_states, plain_states = [], [], [], []
+        plain_rows: list[int] = []
+        spec_rows: list[int] = []
+        spec_states: list[CachedRequestState] = []
+        plain_states: list[CachedRequestState] = []
         row = 0
         for state in step.states or ():
             n = len(state.spec_token_ids) + 1 if state.spec_token_ids else 1
