@@ -168,7 +168,10 @@ class StepHooks:
 
     def deferring(self, step: InFlightStep) -> StepHook | None:
         """The hook that defers this step's sampler, if one does."""
-        return next((h for h in self._at_defers_sampling if h.defers_sampling(step)), None)
+        for hook in self._at_defers_sampling:
+            if hook.defers_sampling(step):
+                return hook
+        return None
 
     def sampler_launched(self, step: InFlightStep) -> None:
         for hook in self._at_sampler_launched:
