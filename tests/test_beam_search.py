@@ -13,6 +13,7 @@ import torch
 from conftest import build_tiny_hf_model
 
 from kiln import InvalidRequestError, SamplingParams
+from kiln.engine.beam_search import BeamSearchManager
 from kiln.interfaces import SchedulerOutput
 from kiln.runtime.graph_runner import GraphRunner
 
@@ -327,7 +328,8 @@ def test_abort_frees_every_block(tiny):
         engine.step()
     # Between steps the search holds only its next step's queued children (the last step's
     # finished and let go of their blocks).
-    assert engine.scheduler.has_unfinished_requests() and engine.beam_search.active
+    assert engine.scheduler.has_unfinished_requests()
+    assert engine.hook(BeamSearchManager).active
     [final] = engine.abort_request("beam-abort")
     assert final.finished and final.outputs[0].finish_reason == "abort"
     assert not engine.scheduler.has_unfinished_requests() and not engine.has_unfinished_requests()
@@ -338,7 +340,7 @@ def test_abort_frees_every_block(tiny):
     engine.add_request(long_prompt, params, request_id="beam-abort-2")
     sched = engine.scheduler.schedule()
     assert engine.kv_cache.usage > 0.0
-    engine._apply(sched, engine.executor.execute(sched))
+    engine._to_deltas(engine._apply_to_scheduler(sched, engine.executor.execute(sched)))
     engine.abort_request("beam-abort-2")
     assert engine.kv_cache.usage == 0.0 and not engine.has_unfinished_requests()
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kiln import GuidedDecodingParams, InvalidRequestError, SamplingParams
+from kiln.engine.grammar_compiles import GrammarCompiles
 from kiln.sampling.logits_processors import (
     TokenBitmaskProcessor,
     forbidden_by_bitmask,
@@ -162,12 +163,19 @@ def sync_llm(tiny_path):
     )
 
 
+def _grammar_mask(llm):
+    """The runner's grammar hook (its matchers: .grammars, built on first use by .batch())."""
+    from kiln.runtime.step_hooks import GrammarMask
+
+    return llm.engine.executor.runner.hooks.get(GrammarMask)
+
+
 def test_async_scheduling_gives_the_same_outputs(sync_llm, async_llm):
     """The GPU's schedule on the CPU: step N+1 is launched before N's tokens are back, and N+1's
     mask is filled from N's ids as soon as they are on the host (the worker takes them there,
     before the runner's thread collects N). Same tokens as the synchronous engine, for grammar
     rows and the plain rows beside them, through preemptions."""
-    grammars = async_llm.engine.executor.runner._grammars
+    grammars = _grammar_mask(async_llm).grammars
     early = grammars.stats.num_early_fills if grammars is not None else 0
     want = sync_llm.generate(MIXED_PROMPTS, MIXED_PARAMS)
     got = async_llm.generate(MIXED_PROMPTS, MIXED_PARAMS)
@@ -176,8 +184,8 @@ def test_async_scheduling_gives_the_same_outputs(sync_llm, async_llm):
     assert [o.outputs[0].finish_reason for o in got[5:]] == ["length", "stop"]
     assert async_llm.engine.scheduler.num_preemptions_total > 0
     # The fills took the previous step's ids themselves (the synchronous engine's never do).
-    assert async_llm.engine.executor.runner._grammars.stats.num_early_fills > early
-    assert sync_llm.engine.executor.runner._grammars.stats.num_early_fills == 0
+    assert _grammar_mask(async_llm).grammars.stats.num_early_fills > early
+    assert _grammar_mask(sync_llm).grammars.stats.num_early_fills == 0
 
 
 def test_requests_aborted_and_preempted_while_a_fill_runs(tiny_llm, async_llm, monkeypatch):
@@ -191,7 +199,7 @@ def test_requests_aborted_and_preempted_while_a_fill_runs(tiny_llm, async_llm, m
     from kiln.structured_output.matchers import GrammarBatch
 
     engine = async_llm.engine
-    grammars = engine.executor.runner._grammar_batch()
+    grammars = _grammar_mask(async_llm).batch()
     added: dict[str, list[tuple[object, int]]] = {}  # request -> [(its matcher, replayed)]
     applied: dict[int, list[int]] = {}  # id(matcher) -> tokens given to it, in order
     real_add, real_accept, real_work = grammars.add, grammars._batch_accept, GrammarBatch._work
@@ -705,7 +713,7 @@ def test_a_compiling_grammar_does_not_hold_back_plain_requests(llm_name, request
             plain_tokens += len(delta.outputs[0].token_ids)
         steps += 1
     assert plain_tokens == 5 and steps == 5 + lag
-    assert "g" in engine.grammar_waitlist and engine.finished_output("p") is not None
+    assert "g" in engine.hook(GrammarCompiles).waitlist and engine.finished_output("p") is not None
     held_compile.set()
     while engine.has_unfinished_requests():
         engine.step()

@@ -27,9 +27,10 @@ from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kiln.engine.hooks import EngineHook, NewRequest
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import EngineCoreOutput
-from kiln.interfaces import BeamCandidates, BeamRow
+from kiln.interfaces import BeamRow, ModelRunnerOutput
 from kiln.outputs import CompletionOutput, RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -140,9 +141,10 @@ class BeamSearchState:
         return not (self.unsatisfied and open_beam and not all(hit_list))
 
 
-class BeamSearchManager:
-    """The engine's beam searches: queues each step's beams in the scheduler, takes their outputs
-    before the output processor (a beam's one token is not a user's), forks the next step."""
+class BeamSearchManager(EngineHook):
+    """The engine's beam searches (an EngineHook): serves each request with use_beam_search,
+    queues each step's beams in the scheduler, takes their outputs before the output processor
+    (a beam's one token is not a user's) and forks the next step."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -155,25 +157,24 @@ class BeamSearchManager:
     def active(self) -> bool:
         return bool(self.searches)
 
-    def add(
-        self,
-        req_id: str,
-        prompt: str | None,
-        token_ids: list[int],
-        params: SamplingParams,
-        max_tokens: int,
-        priority: int = 0,
-    ) -> str:
+    def has_work(self) -> bool:
+        return self.active
+
+    def add_request(self, new: NewRequest) -> bool:
+        params = new.params
+        if not params.use_beam_search:
+            return False
+        req_id, token_ids = new.request_id, new.prompt_token_ids
         width = params.best_of or params.n
         state = BeamSearchState(
             req_id,
-            prompt,
+            new.prompt,
             token_ids,
             params,
             self.engine.eos_token_ids,
-            max_tokens,
+            new.max_tokens,
             width,
-            priority=priority,
+            priority=new.priority,
             arrival_time=time.monotonic(),
         )
         self._child_params[req_id] = SamplingParams(
@@ -186,7 +187,7 @@ class BeamSearchManager:
         # The first step expands beam 0 alone (the others are the same prompt at -1e9): the
         # prompt's prefill, prefix-cache hits included.
         self.engine.scheduler.add_request(self._child(state, 0, token_ids, 1))
-        return req_id
+        return True
 
     def _child(
         self, state: BeamSearchState, beam: int, token_ids: list[int], num_beams: int
@@ -222,11 +223,14 @@ class BeamSearchManager:
             scheduler.fork(parent, children)
 
     def consume(
-        self, outputs: list[EngineCoreOutput], candidates: dict[str, BeamCandidates]
+        self, outputs: list[EngineCoreOutput], runner_output: ModelRunnerOutput
     ) -> tuple[list[EngineCoreOutput], list[RequestOutput]]:
         """Take the beams' outputs out of a step's (their candidates: the runner's, by the
         request that carries each group); returns the others, and the searches that finished
         (their final outputs)."""
+        if not self.searches:
+            return outputs, []
+        candidates = runner_output.beam_candidates
         rest: list[EngineCoreOutput] = []
         finished: list[RequestOutput] = []
         for out in outputs:
@@ -286,7 +290,7 @@ class BeamSearchManager:
     def owns(self, req_id: str) -> bool:
         return req_id in self.searches or req_id in self._done
 
-    def abort(self, req_id: str) -> RequestOutput | None:
+    def abort(self, req_id: str, child_ids: list[str]) -> RequestOutput | None:
         """Abort a search: its step's beams go, queued, running or finished (their kept KV)."""
         self._done.pop(req_id, None)
         state = self.searches.pop(req_id, None)

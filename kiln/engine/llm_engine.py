@@ -7,24 +7,27 @@ import itertools
 import logging
 import time
 from collections import deque
+from typing import TypeVar
 
 from kiln.config import EngineConfig
 from kiln.engine.beam_search import BeamSearchManager
+from kiln.engine.grammar_compiles import GrammarCompiles
+from kiln.engine.hooks import EngineHook, NewRequest
 from kiln.engine.output_processor import OutputProcessor
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import EngineCoreOutput, Scheduler
 from kiln.errors import InvalidRequestError
 from kiln.executor import create_executor
-from kiln.interfaces import BeamCandidates, ModelRunnerOutput, SchedulerOutput
+from kiln.interfaces import ModelRunnerOutput, SchedulerOutput
 from kiln.kv_cache.manager import KVCacheManager
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
-from kiln.structured_output.waitlist import GrammarWaitlist
 
 logger = logging.getLogger("kiln")
-# An engine with only compiling requests waits at most this long per step() for one to finish
-# (then returns, so its driver can take in new requests).
-GRAMMAR_WAIT_S = 0.01
+H = TypeVar("H", bound=EngineHook)
+# A collected step's outputs, applied to the scheduler and taken by the hooks: (the outputs the
+# output processor turns into deltas, final outputs the hooks made).
+Applied = tuple[list[EngineCoreOutput], list[RequestOutput]]
 
 
 class LLMEngine:
@@ -57,9 +60,18 @@ class LLMEngine:
             num_spec_tokens=spec.num_tokens_for_batch if (spec := config.speculative) else None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.beam_search = BeamSearchManager(self)  # above the scheduler: beams are requests
-        # Requests whose grammar compiles in the background: out of the scheduler until ready.
-        self.grammar_waitlist = GrammarWaitlist()
+        # Features beside the scheduler (kiln.engine.hooks): beams are requests the search
+        # queues; a request whose grammar compiles in the background is held out until ready.
+        self.hooks: list[EngineHook] = [
+            BeamSearchManager(self),
+            GrammarCompiles(
+                self.scheduler,
+                self.tokenizer,
+                facts.config.vocab_size,
+                self.eos_token_ids,
+                config.world_size,
+            ),
+        ]
         self._ids = itertools.count()
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling is None:
@@ -68,19 +80,19 @@ class LLMEngine:
         # accepts decides where the next step starts, so the next step is scheduled only once
         # this one's tokens are back. What async scheduling overlaps instead is everything after
         # that: the previous step's outputs (detokenizing, stop strings, the caller's loop) are
-        # made while the next step runs (_step_overlapping_outputs).
-        self._overlap_outputs = spec is not None and self.async_scheduling
+        # made while the next step runs.
+        self._collect_before_schedule = spec is not None and self.async_scheduling
         # Steps submitted before the oldest is collected: two under async scheduling (the next
         # is scheduled and launched while one runs); under pipeline parallelism one per stage, in
         # micro-batches of different requests (the scheduler then schedules no request whose
         # token is in flight), so stage 0 runs step n+1 while the last stage runs step n.
         self.max_steps_in_flight = 1
-        if self.async_scheduling and not self._overlap_outputs:
+        if self.async_scheduling and not self._collect_before_schedule:
             self.max_steps_in_flight = max(2, config.pipeline_parallel_size)
         if self.async_scheduling and config.pipeline_parallel_size > 1:
             self.scheduler.num_micro_batches = config.pipeline_parallel_size
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted to the runner, uncollected
-        self._failed_deltas: list[RequestOutput] = []  # compiles that failed: out of next step()
+        self._failed_deltas: list[RequestOutput] = []  # held requests that failed: next step()
         # Startup objects (model, tokenizer, graphs) live as long as the engine: keep the cyclic
         # GC from walking them on every full collection while requests churn.
         gc.collect()
@@ -116,6 +128,10 @@ class LLMEngine:
             )
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
+    def hook(self, kind: type[H]) -> H | None:
+        """The engine's hook of this class (e.g. BeamSearchManager), if it has one."""
+        return next((h for h in self.hooks if isinstance(h, kind)), None)
+
     def add_request(
         self,
         prompt: str | list[int] | None,
@@ -128,7 +144,9 @@ class LLMEngine:
         params = params or self.default_sampling_params()
         if request_id is None:
             request_id = str(next(self._ids))
-        if request_id in self.output_processor.requests or self.beam_search.owns(request_id):
+        if request_id in self.output_processor.requests or any(
+            hook.owns(request_id) for hook in self.hooks
+        ):
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt or [])
@@ -136,11 +154,9 @@ class LLMEngine:
         max_tokens = self.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
-        if params.use_beam_search:
-            return self.beam_search.add(request_id, text, token_ids, params, max_tokens, priority)
-        compiled = None
-        if params.guided_decoding is not None:  # validated: its compile starts in the background
-            compiled = self._grammar_compiler().compile_async(params.guided_decoding)
+        new = NewRequest(request_id, text, token_ids, params, max_tokens, priority)
+        if any(hook.add_request(new) for hook in self.hooks):
+            return request_id  # served by a hook (beam search)
         child_ids = self.output_processor.add_request(request_id, text, token_ids, params)
         now = time.monotonic()
         for index, child_id in enumerate(child_ids):
@@ -157,32 +173,18 @@ class LLMEngine:
                 priority=priority,
                 arrival_time=now,
             )
-            if compiled is not None:  # even when done: a failed compile must not be scheduled
-                self.grammar_waitlist.add(child_id, request, compiled)
-            else:
+            if not any(hook.hold(request) for hook in self.hooks):
                 self.scheduler.add_request(request)
-        self._admit_compiled()  # queues a grammar ready already; a failed compile ends it now
+        self._release_held()  # queues what may go on already; a failed compile ends it now
         return request_id
 
-    def _grammar_compiler(self):  # -> kiln.structured_output.GrammarCompilerCache
-        from kiln.structured_output import compiler_for
-
-        return compiler_for(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-
-    def _admit_compiled(self) -> list[RequestOutput]:
-        """Queue the held requests whose grammar is ready (by arrival time: FCFS keeps their
-        place) and finish those whose compile failed, with finish_reason "error"."""
-        if not self.grammar_waitlist:
-            return []
-        ready, failed = self.grammar_waitlist.take_done()
-        for request in ready:
-            self.scheduler.add_request(request)
-        if not failed:
-            return []
-        ended = [EngineCoreOutput(f.item.req_id, [], "error", error=f.error) for f in failed]
-        deltas, _ = self.output_processor.process(ended)
-        self._failed_deltas.extend(deltas)
-        return deltas
+    def _release_held(self) -> None:
+        """Queue the held requests that may go on; those that cannot end, their deltas out of
+        the next step()."""
+        ended = [out for hook in self.hooks for out in hook.release()]
+        if ended:
+            deltas, _ = self.output_processor.process(ended)
+            self._failed_deltas.extend(deltas)
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
@@ -208,19 +210,8 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
-        if params.guided_decoding is not None:
-            # Parse now (cheap; the compile runs in the background): a bad schema or grammar is
-            # a 400 before queueing.
-            if self.tokenizer is None:
-                raise InvalidRequestError(
-                    "structured output needs a tokenizer", param="guided_decoding"
-                )
-            if self.config.world_size > 1:  # the ranks' sampler applies no token bitmask yet
-                raise InvalidRequestError(
-                    "structured output is not supported with tensor or pipeline parallelism yet",
-                    param="guided_decoding",
-                )
-            self._grammar_compiler().validate(params.guided_decoding)
+        for hook in self.hooks:
+            hook.validate(params)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Abort requests: their KV blocks are freed now. Returns their final outputs."""
@@ -228,13 +219,11 @@ class LLMEngine:
             request_ids = [request_ids]
         finals = []
         for req_id in request_ids:
-            beam_final = self.beam_search.abort(req_id)
-            if beam_final is not None:
-                finals.append(beam_final)
-                continue
             children = self.output_processor.child_ids(req_id)
-            for child in children:  # held while compiling: nothing allocated, just let go
-                self.grammar_waitlist.abort(child)
+            served = [f for hook in self.hooks if (f := hook.abort(req_id, children)) is not None]
+            if served:  # a hook's own request (a beam search)
+                finals += served
+                continue
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
             final = self.output_processor.abort(req_id)
             if final is not None:
@@ -247,10 +236,14 @@ class LLMEngine:
         return (
             self.scheduler.has_unfinished_requests()
             or bool(self._in_flight)
-            or self.beam_search.active
-            or bool(self.grammar_waitlist)
+            or any(hook.has_work() for hook in self.hooks)
             or bool(self._failed_deltas)
         )
+
+    @property
+    def num_held(self) -> int:
+        """Requests held out of scheduling by a hook (compiling grammars)."""
+        return sum(len(hook.held_req_ids()) for hook in self.hooks)
 
     # ---- stepping ----------------------------------------------------------------------------
 
@@ -260,61 +253,42 @@ class LLMEngine:
         A delta's completions carry only this step's new text, tokens and logprobs; the full
         output of a finished request is `finished_output(req_id)`.
         """
-        self._admit_compiled()
+        self._release_held()
         failed, self._failed_deltas = self._failed_deltas, []
-        if (
-            self.grammar_waitlist
-            and not self._in_flight
-            and not self.scheduler.has_unfinished_requests()
-        ):
-            # Only compiles to wait for: block briefly on them rather than spin.
-            self.grammar_waitlist.wait(GRAMMAR_WAIT_S)
-            self._admit_compiled()
+        if not self._in_flight and not self.scheduler.has_unfinished_requests():
+            # Only held requests to wait for (if any): block briefly on them rather than spin.
+            for hook in self.hooks:
+                hook.wait_for_held()
+            self._release_held()
         return failed + self._step()
 
     def _step(self) -> list[RequestOutput]:
-        if self._overlap_outputs:
-            return self._step_overlapping_outputs()
+        """One loop for every schedule: submit the next step, and collect the oldest in flight
+        either before scheduling (the schedule needs its tokens: speculation under async
+        scheduling) or after submitting, once max_steps_in_flight are in flight (1 when
+        synchronous: a step's deltas come out of the same call; 2, or one per pipeline stage,
+        under async scheduling: out of the next call). The collected step's deltas are made
+        last, while the submitted step runs; with speculation a request ended by a stop string
+        is then in one more step, whose tokens update() drops, as under plain async scheduling."""
+        applied: Applied | None = None
+        before = self._collect_before_schedule
+        if before and self._in_flight:
+            applied = self._collect_oldest()
         sched = self.scheduler.schedule()
-        if not self.async_scheduling:
-            return self._apply(sched, self.executor.execute(sched))
-        # Async: launch this step, then wait for the previous one and process its tokens while
-        # this one runs. A step's deltas therefore come out of the next call.
-        if self.executor.submit(sched):
+        submitted = self.executor.submit(sched)
+        if submitted:
             self._in_flight.append(sched)
-            if (
-                len(self._in_flight) < self.max_steps_in_flight
-                and self.scheduler.has_unfinished_requests()
-            ):
-                return []  # room for another step: the next call schedules ahead of this one
-        if not self._in_flight:
-            return []
-        deltas = self._apply(self._in_flight.popleft(), self.executor.collect())
-        self._drain_if_idle()
-        return deltas
-
-    def _step_overlapping_outputs(self) -> list[RequestOutput]:
-        """Async scheduling with speculative decoding: wait for the step in flight and apply its
-        tokens to the scheduler (accepted counts, next drafts), schedule and launch the next
-        step, and only then turn the tokens into outputs, while that step runs. The runner sees
-        the same steps in the same order as synchronous stepping (one in flight, each scheduled
-        from all earlier tokens), so the tokens are the same; a request ended by a stop string
-        (found by the output processor) is then in one more step, whose tokens update() drops,
-        as under plain async scheduling. A step's deltas come out of the next call."""
-        core_outputs: list[EngineCoreOutput] | None = []
-        deltas: list[RequestOutput] = []
-        beam_candidates: dict[str, BeamCandidates] = {}
-        if self._in_flight:
-            runner_output = self.executor.collect()
-            core_outputs = self.scheduler.update(self._in_flight.popleft(), runner_output)
-            beam_candidates = runner_output.beam_candidates
-            if self.beam_search.active:  # beams fork on their step's outputs: before scheduling
-                deltas, core_outputs = self._process(core_outputs, beam_candidates), None
-        sched = self.scheduler.schedule()
-        if self.executor.submit(sched):
-            self._in_flight.append(sched)
-        if core_outputs is not None:
-            deltas = self._process(core_outputs, beam_candidates)
+        if (
+            not before
+            and self._in_flight
+            and (
+                not submitted
+                or len(self._in_flight) >= self.max_steps_in_flight
+                or not self.scheduler.has_unfinished_requests()
+            )
+        ):
+            applied = self._collect_oldest()
+        deltas = self._to_deltas(applied) if applied is not None else []
         self._drain_if_idle()
         return deltas
 
@@ -322,36 +296,37 @@ class LLMEngine:
         """No request left (finished early by a stop string, or aborted): what is still in flight
         only computes dropped tokens. Collect it now, so an idle engine holds no step."""
         while self._in_flight and not self.scheduler.has_unfinished_requests():
-            self._apply(self._in_flight.popleft(), self.executor.collect())
+            self._to_deltas(self._collect_oldest())
 
-    def _apply(
+    def _collect_oldest(self) -> Applied:
+        return self._apply_to_scheduler(self._in_flight.popleft(), self.executor.collect())
+
+    def _apply_to_scheduler(
         self, sched: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[RequestOutput]:
+    ) -> Applied:
+        """A step's tokens into the scheduler, and the hooks' outputs out of its outputs (beams
+        fork their next step here: before the next schedule)."""
         core_outputs = self.scheduler.update(sched, runner_output)
-        return self._process(core_outputs, runner_output.beam_candidates)
+        finals: list[RequestOutput] = []
+        for hook in self.hooks:
+            core_outputs, done = hook.consume(core_outputs, runner_output)
+            finals += done
+        return core_outputs, finals
 
-    def _process(
-        self,
-        core_outputs: list[EngineCoreOutput],
-        beam_candidates: dict[str, BeamCandidates],
-    ) -> list[RequestOutput]:
-        """A step's outputs, applied by the scheduler, made into deltas; stop strings end their
-        requests here."""
-        finished_searches: list[RequestOutput] = []
-        if self.beam_search.active:  # beams' one-token steps stay inside
-            core_outputs, finished_searches = self.beam_search.consume(
-                core_outputs, beam_candidates
-            )
+    def _to_deltas(self, applied: Applied) -> list[RequestOutput]:
+        """A step's outputs made into deltas; stop strings end their requests here."""
+        core_outputs, finals = applied
         deltas, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return deltas + finished_searches
+        return deltas + finals
 
     def finished_output(self, request_id: str) -> RequestOutput | None:
         """Pop the cumulative output of a finished request (None if unknown or unfinished)."""
-        beam_final = self.beam_search.finished_output(request_id)
-        if beam_final is not None:
-            return beam_final
+        for hook in self.hooks:
+            final = hook.finished_output(request_id)
+            if final is not None:
+                return final
         state = self.output_processor.requests.get(request_id)
         if state is None or not state.finished:
             return None

@@ -46,7 +46,7 @@ def read_snapshot(
     scheduler = engine.scheduler
     return EngineSnapshot(
         num_running=len(scheduler.running),
-        num_waiting=len(scheduler.waiting) + len(engine.grammar_waitlist),
+        num_waiting=len(scheduler.waiting) + engine.num_held,
         kv_cache_usage=engine.kv_cache_usage,
         prefix_queries=stats.queries,
         prefix_hits=stats.hits,
@@ -188,7 +188,8 @@ class StepLoop:
         if not self._unscheduled:
             return
         waiting = {r.req_id for r in self.engine.scheduler.waiting}
-        waiting |= self.engine.grammar_waitlist.req_ids  # compiling: not scheduled yet
+        for hook in self.engine.hooks:  # held out of the scheduler (compiling): not scheduled yet
+            waiting |= hook.held_req_ids()
         for req_id in list(self._unscheduled):
             children = self.engine.output_processor.child_ids(req_id)
             if not any(child in waiting for child in children):

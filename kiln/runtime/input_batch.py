@@ -99,8 +99,7 @@ class InputBuffers:
         # specializes a kernel on whether each int argument divides by 16 and each pointer is
         # 16-byte aligned, so a row stride that always divides by 16 gives every step (eager or
         # graph, any table width, any row the prefill rows start at) one compiled variant. A
-        # table cut at a step's own width compiled a second prefill kernel mid-run on the H200
-        # (1.8 s, ~1% of 1000/1000: docs/performance.md, "No kernel compiles mid-run").
+        # table cut at a step's own width compiled a second prefill kernel mid-run (1.8 s).
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.table_row_stride = -(-self.max_blocks_per_seq // 16) * 16
         pin = device.type == "cuda"
@@ -134,8 +133,6 @@ class InputBuffers:
         # The step's one device->host copy lands here; two, since with async scheduling a step's
         # ids are copied while the previous step's are still being read.
         self.sampled_cpu = (host(s, torch.int64), host(s, torch.int64))
-        # ... and a greedy verification's argmax ids (a row per verified token), beside them.
-        self.verified_cpu = (host(t, torch.int64), host(t, torch.int64))
         # Pending input tokens (async scheduling): input_ids positions to fill on the device |
         # ... from these rows of the last sampled ids. One copy, as above.
         self._pending_cpu, self._pending = host(2 * s, torch.int64), dev(2 * s, torch.int64)

@@ -70,8 +70,7 @@ class MemoryPlan:
                 f"{self.non_torch_bytes / GiB:.2f} GiB, of {self.total_bytes / GiB:.1f} GiB"
             )
             # The cache never outgrows max_num_seqs full-length sequences; say what the budget
-            # would hold (1000/1000 on an H200: 768 x 2048 tokens left 22 GiB of it unused, and
-            # 960 in flight ran 1.07% faster than 768: docs/performance.md).
+            # would hold (at 1000/1000, 960 sequences in flight ran 1.07% faster than 768).
             room = self.max_concurrent_seqs(
                 context_len, self.kv_budget_bytes // self.bytes_per_block
             )

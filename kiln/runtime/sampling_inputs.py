@@ -3,13 +3,32 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from kiln.runtime.input_batch import CachedRequestState
 from kiln.sampling.host_copy import to_device
 from kiln.sampling.sampler import SamplingMetadata
+from kiln.sampling_params import SamplingParams
+
+
+class SamplingRow(Protocol):
+    """What the metadata reads of a row: a request's state, or one of its verification rows."""
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
 
 
 def step_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
@@ -65,7 +84,7 @@ def _plain_greedy_metadata(num_rows: int, device: torch.device) -> SamplingMetad
 
 
 def build_sampling_metadata(
-    states: list[CachedRequestState],
+    states: Sequence[SamplingRow],
     eos_token_ids: tuple[int, ...],
     vocab_size: int,
     device: torch.device,
@@ -120,7 +139,7 @@ class _VerifyRow:
     """One position a request verifies: the request as it would be after its first i drafts
     (penalties see them, min_tokens counts them, the seed's step is theirs)."""
 
-    sampling_params: object
+    sampling_params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
 

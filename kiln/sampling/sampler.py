@@ -26,6 +26,12 @@ class LogprobsTensors:
     logprobs: torch.Tensor  # [B, 1 + N] float32
     ranks: torch.Tensor  # [B] int64: rank of column 0's token in the vocabulary (1 = most likely)
 
+    def to_host(self) -> LogprobsTensors:
+        """Start the copy of each tensor to the host (pinned: asynchronous)."""
+        return LogprobsTensors(
+            *(t.to("cpu", non_blocking=True) for t in (self.token_ids, self.logprobs, self.ranks))
+        )
+
 
 @dataclass(frozen=True)
 class SamplerOutput:
@@ -248,3 +254,8 @@ def gather_logprobs(
         logprobs=torch.cat([token_logprobs, top_logprobs], dim=1),
         ranks=ranks,
     )
+
+
+def logprobs_to_lists(t: LogprobsTensors) -> list[tuple[list[int], list[float], int]]:
+    """Per row, on the host: (token ids, their logprobs, the rank of the first)."""
+    return list(zip(t.token_ids.tolist(), t.logprobs.tolist(), t.ranks.tolist()))
