@@ -77,8 +77,8 @@ class ModelRunner:
         # back (kiln.spec_decode); the scheduler sends them to verify in the next step.
         self.proposer = proposer
         cfg = model.config
-        self.device = model.norm.device
-        self.dtype = model.norm.dtype
+        self.device = model.device
+        self.dtype = model.dtype
         self.block_size = block_size
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = eos_token_ids
