@@ -48,7 +48,7 @@ class LLM:
             self.engine = LLMEngine(self.config)
         finally:
             prehash.discard()  # whatever the load did not take
-        # For startup breakdowns (benchmarks/build_and_first_token.py): the engine's imports
+        # Where a start's time goes: the engine's imports
         # (torch's, in a fresh process), and how many shards were hashed beside them.
         self.startup = {"engine_import_s": imported - start, "prehash_shards": queued}
 

@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--outlier-columns", type=int, default=0, metavar="N",
         help="carry each FP8 projection's N loudest input channels (a multiple of 16) as a "
         "second float8 term: static fp8 near per-token accuracy for K + N GEMM columns (an 8B "
-        "engine on an H200: ~2%% slower at high throughput, more at batch 1; see docs)",
+        "engine on an H200: ~2%% slower at high throughput, more at batch 1)",
     )  # fmt: skip
     p.add_argument(
         "--lm-head-quantization", choices=("none", "fp8"), default="none",

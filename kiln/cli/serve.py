@@ -100,7 +100,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         help="API processes (uvicorn + FastAPI each) over the one engine process (vLLM's name): "
-        "one streams at most ~10k tok/s per core (docs/performance.md)",
+        "one streams at most ~10k tok/s per core",
     )
     p.add_argument(
         "--stream-interval",
