@@ -17,14 +17,17 @@ from kiln.config import EngineConfig
 from kiln.distributed.comm import all_reduce_min, barrier
 from kiln.distributed.parallel_state import ParallelContext
 from kiln.executor.base import KVCapacity, ModelFacts
+from kiln.models.llama import LlamaForCausalLM
 from kiln.runtime.memory_plan import MemoryPlan, plan_kv_blocks
 from kiln.runtime.model_loader import (
+    LoadedModel,
     load_model,
     resolve_device,
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
 from kiln.runtime.model_runner import ModelRunner
+from kiln.spec_decode.eagle3.head import Eagle3Head
 from kiln.spec_decode.factory import build_proposer, load_draft_model, load_eagle3
 
 logger = logging.getLogger("kiln")
@@ -52,23 +55,7 @@ def rank_device(name: str, parallel: ParallelContext | None) -> torch.device:
 
 
 def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) -> Rank:
-    # An engine directory built with --kv-cache-dtype / --max-model-len runs with them unless
-    # the config chooses otherwise ("auto" and None are not choices).
-    unset = {
-        k: v
-        for k, v in runtime_defaults(config.model).items()
-        if getattr(config, k) in ("auto", None)
-    }
-    config = dataclasses.replace(config, **unset)
-    if parallel is not None and config.speculative_config is not None:
-        raise ValueError(
-            "speculative decoding is not supported with tensor or pipeline parallelism yet"
-        )
-    if parallel is not None and parallel.pp_size > 1:
-        # Tensor ranks capture their decode graphs with the all-reduces inside; pipeline stages
-        # run eager: their send/recv between stages would sit inside the graphs (not built), and
-        # the memory plan then reserves no graph pool.
-        config = dataclasses.replace(config, enforce_eager=True)
+    config = _rank_config(config, parallel)
     device = rank_device(config.device, parallel)
     dtype = resolve_dtype(config.dtype, device)
     torch.manual_seed(config.seed)
@@ -89,15 +76,9 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
         dtype=str(dtype).removeprefix("torch."),
         kv_cache_dtype=str(kv_cache_dtype).removeprefix("torch."),
     )
-    max_model_len = config.max_model_len or loaded.config.max_position_embeddings
-    window = loaded.config.sliding_window
-    if window is not None and window < max_model_len:
-        # Sliding-window attention is not built: within the window it equals full attention,
-        # so cap the context there rather than compute something else past it.
-        logger.warning("sliding window %d: max_model_len capped to it", window)
-        max_model_len = window
+    max_model_len = _max_model_len(config, loaded)
     spec = config.speculative
-    draft = None
+    draft: LlamaForCausalLM | Eagle3Head | None = None
     if spec is not None and spec.method == "draft_model":
         draft = load_draft_model(config, spec, loaded, device, dtype, load_model)
     elif spec is not None and spec.method == "eagle3":
@@ -117,39 +98,87 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
         logger.warning(
             "KV cache holds %d tokens: max_model_len lowered from %d", capped, max_model_len
         )
-    runner = ModelRunner(
-        loaded.model,
-        num_blocks,
-        config.block_size,
-        tuple(loaded.config.eos_token_ids),
-        attention_backend=config.attention_backend,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=capped,
-        enforce_eager=config.enforce_eager,
-        kv_cache_dtype=kv_cache_dtype,
-        tokenizer=loaded.tokenizer,
-        proposer=None
-        if spec is None
-        else build_proposer(
-            spec,
-            loaded.config.vocab_size,
-            draft_model=draft,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=capped,
-            attention_backend=config.attention_backend,
-            kv_cache_dtype=kv_cache_dtype,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            target_embedding=loaded.model.embed_tokens,
-        ),
-    )
-    startup = {
+    capacity = KVCapacity(num_blocks, config.block_size, capped)
+    runner = _make_runner(config, loaded, capacity, kv_cache_dtype, draft)
+    startup: dict[str, object] = {
         "load_s": t_loaded - t_start,
         "plan_s": t_planned - t_loaded,
         "runner_s": time.perf_counter() - t_planned,
         "load_phases": loaded.phases,  # load_s's parts
     }
-    capacity = KVCapacity(num_blocks, config.block_size, capped)
     return Rank(facts, memory_plan, capacity, runner, startup)
+
+
+def _rank_config(config: EngineConfig, parallel: ParallelContext | None) -> EngineConfig:
+    """The config this rank runs: an engine directory's recorded runtime defaults where the
+    config chose nothing, and eager steps under pipeline parallelism."""
+    # An engine directory built with --kv-cache-dtype / --max-model-len runs with them unless
+    # the config chooses otherwise ("auto" and None are not choices).
+    unset = {
+        k: v
+        for k, v in runtime_defaults(config.model).items()
+        if getattr(config, k) in ("auto", None)
+    }
+    config = dataclasses.replace(config, **unset)
+    if parallel is not None and config.speculative_config is not None:
+        raise ValueError(
+            "speculative decoding is not supported with tensor or pipeline parallelism yet"
+        )
+    if parallel is not None and parallel.pp_size > 1:
+        # Tensor ranks capture their decode graphs with the all-reduces inside; pipeline stages
+        # run eager: their send/recv between stages would sit inside the graphs (not built), and
+        # the memory plan then reserves no graph pool.
+        config = dataclasses.replace(config, enforce_eager=True)
+    return config
+
+
+def _max_model_len(config: EngineConfig, loaded: LoadedModel) -> int:
+    """The context the config asks for, or the model's; capped at a sliding window."""
+    max_model_len = config.max_model_len or loaded.config.max_position_embeddings
+    window = loaded.config.sliding_window
+    if window is not None and window < max_model_len:
+        # Sliding-window attention is not built: within the window it equals full attention,
+        # so cap the context there rather than compute something else past it.
+        logger.warning("sliding window %d: max_model_len capped to it", window)
+        max_model_len = window
+    return max_model_len
+
+
+def _make_runner(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    capacity: KVCapacity,
+    kv_cache_dtype: torch.dtype,
+    draft: LlamaForCausalLM | Eagle3Head | None,
+) -> ModelRunner:
+    """The model runner over `capacity`'s blocks, with its proposer when speculation is on."""
+    spec = config.speculative
+    proposer = None
+    if spec is not None:
+        proposer = build_proposer(
+            spec,
+            loaded.config.vocab_size,
+            draft_model=draft,
+            num_blocks=capacity.num_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=capacity.max_model_len,
+            attention_backend=config.attention_backend,
+            kv_cache_dtype=kv_cache_dtype,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            target_embedding=loaded.model.embed_tokens,
+        )
+    return ModelRunner(
+        loaded.model,
+        capacity.num_blocks,
+        config.block_size,
+        tuple(loaded.config.eos_token_ids),
+        attention_backend=config.attention_backend,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=capacity.max_model_len,
+        enforce_eager=config.enforce_eager,
+        kv_cache_dtype=kv_cache_dtype,
+        tokenizer=loaded.tokenizer,
+        proposer=proposer,
+    )
