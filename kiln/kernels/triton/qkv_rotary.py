@@ -161,6 +161,31 @@ def _qkv_rotary_write_kv_kernel(
         tl.store(v_dst + HALF, _to_output(x2.to(dtype), v_cache_ptr, FP8_MAX), mask=is_v)
 
 
+def _qkv_rotary_fits(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight_scale: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+) -> bool:
+    """Whether the one-kernel path takes these operands (else norm + linear, then rotary)."""
+    head_dim = cos_sin_cache.shape[1]
+    kv_size = k_cache.shape[2] * head_dim
+    return (
+        _fused_norm_fits(x, residual, norm_weight, weight, weight_scale, input_scale)
+        and k_cache.shape[3] == head_dim
+        and head_dim % 2 == 0
+        and (weight.shape[0] - 2 * kv_size) % head_dim == 0
+        and cos_sin_cache.is_contiguous()
+        and cos_sin_cache.dtype == torch.float32
+        and (bias is None or bias.is_contiguous())
+    )
+
+
 def add_rms_norm_qkv_rotary_write_kv(
     x: torch.Tensor,  # [num_tokens, K]
     residual: torch.Tensor | None,  # [num_tokens, K], or None: no residual to add
@@ -180,16 +205,9 @@ def add_rms_norm_qkv_rotary_write_kv(
     rotary_embedding_write_kv; one kernel for one row (float8 weights too)."""
     head_dim = cos_sin_cache.shape[1]
     kv_size = k_cache.shape[2] * head_dim
-    fused = (
-        _fused_norm_fits(x, residual, norm_weight, weight, weight_scale, input_scale)
-        and k_cache.shape[3] == head_dim
-        and head_dim % 2 == 0
-        and (weight.shape[0] - 2 * kv_size) % head_dim == 0
-        and cos_sin_cache.is_contiguous()
-        and cos_sin_cache.dtype == torch.float32
-        and (bias is None or bias.is_contiguous())
-    )
-    if not fused:
+    if not _qkv_rotary_fits(
+        x, residual, norm_weight, weight, bias, weight_scale, input_scale, cos_sin_cache, k_cache
+    ):
         qkv, summed = add_rms_norm_linear(
             x, residual, norm_weight, eps, weight, bias, weight_scale, input_scale
         )
