@@ -32,6 +32,16 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    _add_http_args(p)
+    _add_process_args(p)
+    p.add_argument("model_tag", nargs="?", default=None, help="the model, as vLLM takes it")
+    add_vllm_serve_flags(p)
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_http_args(p: argparse.ArgumentParser) -> None:
+    """Where and how the server listens, guards, limits and reports."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -89,6 +99,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="accepted for vLLM compatibility: tool_choice auto is always on",
     )
+
+
+def _add_process_args(p: argparse.ArgumentParser) -> None:
+    """How the server's processes and streams are laid out."""
     p.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
@@ -115,10 +129,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=256,
         help="most sequences one request may ask for (prompts x n); more gets a 400",
     )
-    p.add_argument("model_tag", nargs="?", default=None, help="the model, as vLLM takes it")
-    add_vllm_serve_flags(p)
-    add_engine_args(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

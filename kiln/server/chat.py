@@ -148,9 +148,28 @@ async def create_chat_completion(
             chunks, media_type="text/event-stream", background=BackgroundTask(close_later, gen)
         )
 
+    return await _complete(
+        gen, raw, state, head, n, num_top, bool(body.logprobs), echoed, tool_plan, len(prompt_ids)
+    )
+
+
+async def _complete(
+    gen: Generation,
+    raw: Request,
+    state: State,
+    head: dict,
+    n: int,
+    num_top: int,
+    want_logprobs: bool,
+    echoed: str,
+    tool_plan: ToolPlan | None,
+    num_prompt_tokens: int,
+) -> Response:
+    """A non-streaming chat completion: every choice's text, tokens and logprobs gathered,
+    then one JSON body."""
     texts = [echoed] * n
     token_ids: list[list[int]] = [[] for _ in range(n)]
-    logprobs: list[list[dict] | None] = [[] if body.logprobs else None for _ in range(n)]
+    logprobs: list[list[dict] | None] = [[] if want_logprobs else None for _ in range(n)]
     finish: list[tuple[str | None, int | str | None]] = [(None, None)] * n
 
     async def collect() -> None:
@@ -187,7 +206,7 @@ async def create_chat_completion(
                 }
                 for i in range(n)
             ],
-            "usage": _usage(len(prompt_ids), completion_tokens),
+            "usage": _usage(num_prompt_tokens, completion_tokens),
         }
     )
 
