@@ -237,26 +237,14 @@ def add_rms_norm_qkv_rotary_write_kv(
         assert num_tiles <= split_k.MAX_TILES
         part = split_k.partials(num_splits, 2, weight.shape[0] // 2, device=x.device)
         counters = split_k.counters(x.device)
+    # Absent optional tensors are passed as another tensor the kernel never reads.
     _qkv_rotary_write_kv_kernel[(num_tiles, num_splits)](
-        x2,
-        _rows_2d(residual) if residual is not None else x2,
-        norm_weight,
-        weight,
-        bias if bias is not None else weight,
-        summed,
-        positions,
-        cos_sin_cache,
-        query,
-        k_cache,
-        v_cache,
-        slot_mapping,
+        x2, _rows_2d(residual) if residual is not None else x2, norm_weight, weight,
+        bias if bias is not None else weight, summed, positions, cos_sin_cache, query,
+        k_cache, v_cache, slot_mapping,
         weight_scale if weight_scale is not None else cos_sin_cache,
         input_scale if input_scale is not None else cos_sin_cache,
-        part,
-        counters,
-        weight.shape[1],
-        per_split,
-        eps,
+        part, counters, weight.shape[1], per_split, eps,
         Q_SIZE=q_size,
         KV_SIZE=kv_size,
         HALF=head_dim // 2,
@@ -275,5 +263,5 @@ def add_rms_norm_qkv_rotary_write_kv(
         BLOCK_SIZE=k_cache.shape[1],
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
-    )
+    )  # fmt: skip
     return query, summed.view(x.shape)
