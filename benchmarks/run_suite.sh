@@ -27,9 +27,10 @@ FP8="--quantization fp8 --kv-cache-dtype fp8"  # static FP8 weights + float8 KV 
 ROWS="8b_fp8_128x128 8b_fp8_1000x1000 8b_fp8_2048x128 8b_fp8_5000x500 8b_fp8_20000x2000
       8b_fp8_batch1_decode 8b_bf16_batch1_decode 70b_fp8_128x128 70b_fp8_batch1_decode"
 # The test files with GPU-only tests (those that exist: the list outlives renames).
-GPU_TESTS=$(for f in ${GPU_TESTS:-tests/test_gpu.py tests/test_triton_kernels.py \
-    tests/test_kernel_twins.py tests/test_fp8_linear.py tests/test_split_k_linear.py \
-    tests/test_outlier_columns.py}; do [[ -e $f ]] && echo "$f"; done)
+GPU_TESTS=$(for f in ${GPU_TESTS:-tests/runtime/test_gpu.py tests/kernels/test_triton_kernels.py \
+    tests/kernels/test_kernel_twins.py tests/layers/test_fp8_linear.py \
+    tests/kernels/test_split_k_linear.py tests/layers/test_outlier_columns.py}; do
+    [[ -e $f ]] && echo "$f"; done)
 
 command_of() {  # NAME -> "SECONDS COMMAND..." (O is the output folder)
     case $1 in
@@ -61,7 +62,7 @@ command_of() {  # NAME -> "SECONDS COMMAND..." (O is the output folder)
         --num-requests 3 --max-model-len 1280 --output-json "$O/$1.json" ;;
     tests) echo 600 $PY -m pytest -q -p no:cacheprovider $GPU_TESTS ;;
     tests_parallel) echo 400 env KILN_PARALLEL_TEST_DEVICE=cuda $PY -m pytest -q -x \
-        -p no:cacheprovider tests/test_parallel.py ;;
+        -p no:cacheprovider tests/distributed/test_parallel.py ;;
     kernels) echo 300 $PY benchmarks/kernels_gpu.py "$O/$1.json" ;;
     serve) echo 560 $PY benchmarks/serve_vs_offline.py --out "$O/$1" --shapes 128x128 \
         --concurrency 1 64 256 --requests-per-concurrency 2 --check-client-from 256 \

@@ -16,7 +16,7 @@ from kiln.kv_cache.manager import KVCacheManager
 from kiln.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 from kiln.sampling import LogitsProcessor, MinTokensProcessor, Sampler
 from tests.conftest import build_tiny_hf_model
-from tests.test_sampler import make_metadata
+from tests.sampling.test_sampler import make_metadata
 
 
 @pytest.fixture(scope="module")
