@@ -176,7 +176,7 @@ def quantize_fp8(
     else:
         out = aligned_rows(num_rows, k + channels.numel(), x.device)
     dynamic = scale is None
-    if dynamic:
+    if scale is None:
         scale_arg = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
     else:
         assert scale.numel() == 1 and scale.dtype == torch.float32
