@@ -12,8 +12,8 @@ import sys
 KILN = pathlib.Path(__file__).resolve().parents[1] / "kiln"
 
 # Which kiln packages (top-level folders or modules) each may import. Leaf modules every layer
-# may use: errors, sampling_params, envs.
-LEAVES = {"errors", "sampling_params", "envs"}
+# may use: errors, sampling_params, envs, tokenizer (the Tokenizer protocol).
+LEAVES = {"errors", "sampling_params", "envs", "tokenizer"}
 ALLOWED = {
     "interfaces": set(),
     "kv_cache": {"interfaces"},
