@@ -17,6 +17,7 @@ from kiln.config import EngineConfig
 from kiln.distributed.comm import all_reduce_min, barrier
 from kiln.distributed.parallel_state import ParallelContext
 from kiln.executor.base import KVCapacity, ModelFacts
+from kiln.models.base import CausalLM
 from kiln.runtime.memory_plan import MemoryPlan, plan_kv_blocks
 from kiln.runtime.model_loader import (
     load_model,
@@ -25,6 +26,7 @@ from kiln.runtime.model_loader import (
     resolve_kv_cache_dtype,
 )
 from kiln.runtime.model_runner import ModelRunner
+from kiln.spec_decode.eagle3.head import Eagle3Head
 from kiln.spec_decode.factory import build_proposer, load_draft_model, load_eagle3
 
 logger = logging.getLogger("kiln")
@@ -97,7 +99,7 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
         logger.warning("sliding window %d: max_model_len capped to it", window)
         max_model_len = window
     spec = config.speculative
-    draft = None
+    draft: CausalLM | Eagle3Head | None = None
     if spec is not None and spec.method == "draft_model":
         draft = load_draft_model(config, spec, loaded, device, dtype, load_model)
     elif spec is not None and spec.method == "eagle3":
@@ -145,7 +147,7 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
             target_embedding=loaded.model.embed_tokens,
         ),
     )
-    startup = {
+    startup: dict[str, object] = {
         "load_s": t_loaded - t_start,
         "plan_s": t_planned - t_loaded,
         "runner_s": time.perf_counter() - t_planned,
