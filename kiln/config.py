@@ -8,6 +8,18 @@ once for both; "cli": False keeps a field off the command line.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kiln.spec_decode.config import SpeculativeConfig
+
+    # speculative_config: Python callers may also pass a SpeculativeConfig (a benchmark
+    # instrument's, which SpeculativeConfig.from_dict takes as it is).
+    _SpeculativeSpec = dict | SpeculativeConfig
+else:
+    # At run time the annotation is the dict alone: the CLI's flags and the engine process's
+    # JSON decoding read it.
+    _SpeculativeSpec = dict
 
 
 def _one_of(default: str, *choices: str) -> str:
@@ -101,7 +113,7 @@ class EngineConfig:
     """Load the compiled Triton kernels an engine directory built on a GPU carries, when the GPU
     and Triton match, instead of compiling them: the first process starts seconds sooner. They
     are native code from the directory; off, kiln compiles its own as for a checkpoint."""
-    speculative_config: dict | None = None
+    speculative_config: _SpeculativeSpec | None = None
     """Speculative decoding, vLLM's dict: {"method": "ngram" | "draft_model",
     "num_speculative_tokens": K, "model": DRAFT, "prompt_lookup_min": N, "prompt_lookup_max": N,
     ...} (all keys: kiln.spec_decode.config.SpeculativeConfig; on the command line, JSON).
@@ -146,7 +158,7 @@ class EngineConfig:
             SpeculativeConfig.from_dict(self.speculative_config)  # raises, naming the key
 
     @property
-    def speculative(self):  # -> SpeculativeConfig | None
+    def speculative(self) -> SpeculativeConfig | None:
         """The parsed speculative_config (None: off)."""
         if self.speculative_config is None:
             return None

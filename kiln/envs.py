@@ -15,6 +15,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
 PREFIX = "KILN_"
 
@@ -68,7 +69,7 @@ def read_envs(environ: Mapping[str, str] | None = None) -> Envs:
     """The variables of `environ` (default: the process's), parsed; unset or empty ones default."""
     environ = os.environ if environ is None else environ
     hints = typing.get_type_hints(Envs)
-    values = {}
+    values: dict[str, Any] = {}  # each parsed to its field's type
     for f in fields(Envs):
         name = PREFIX + f.name.upper()
         text = environ.get(name, "")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from kiln.checkpoint import prehash
 from kiln.config import EngineConfig
@@ -71,7 +71,7 @@ class LLM:
         self.engine.shutdown()
 
     def get_tokenizer(self) -> Tokenizer | None:
-        return cast("Tokenizer | None", self.engine.tokenizer)  # the loader's
+        return self.engine.tokenizer
 
     def _chat_tokenizer(self) -> Tokenizer:
         tokenizer = self.get_tokenizer()

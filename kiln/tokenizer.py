@@ -8,7 +8,10 @@ parts (`chat_template`, `get_vocab`, `bos_token_id`) are read with getattr where
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class Tokenizer(Protocol):
@@ -37,3 +40,10 @@ class Tokenizer(Protocol):
         """The conversation rendered by the model's chat template, as text (kiln encodes it
         itself, without adding special tokens: the template holds them)."""
         ...
+
+
+def from_transformers(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
+    """A transformers tokenizer as a Tokenizer. It is one, though the type checker cannot tell:
+    its methods also take a list of ids, `tokenize=True` and more, so their declared results are
+    unions (one token or a list, text or ids) of which kiln's calls get the one named here."""
+    return cast(Tokenizer, tokenizer)

@@ -17,8 +17,9 @@ import sys
 
 KILN = pathlib.Path(__file__).resolve().parents[1] / "kiln"
 
-# Leaf modules every layer may use; they import nothing of kiln but each other.
-LEAVES = {"errors", "sampling_params", "envs"}
+# Leaf modules every layer may use; they import nothing of kiln but each other (tokenizer: the
+# Tokenizer protocol the loader, the engine and the server hold).
+LEAVES = {"errors", "sampling_params", "envs", "tokenizer"}
 # Tools: they may import any layer; nothing imports them back except the CLI (and each other).
 TOOLS = {"builder", "bench", "eval"}
 
@@ -37,7 +38,7 @@ ALLOWED: dict[str, set[str]] = {
         "llm",
         "server",
     },
-    "server": {"config", "engine", "engine_core", "outputs", "tokenizer"},
+    "server": {"config", "engine", "engine_core", "outputs"},
     # The package root: the offline API's names (LLM lazily).
     "__init__": {"config", "llm", "outputs"},
     # Tools beside the stack.
@@ -64,10 +65,10 @@ ALLOWED: dict[str, set[str]] = {
     },
     "eval": set(),
     # The control plane: pure Python, no tensors.
-    "llm": {"checkpoint", "config", "engine", "outputs", "tokenizer"},
+    "llm": {"checkpoint", "config", "engine", "outputs"},
     # The engine's process and its client; the client finds the model source before it starts
     # the engine process (runtime.model_loader, imported lazily).
-    "engine_core": {"config", "engine", "outputs", "runtime", "tokenizer"},
+    "engine_core": {"config", "engine", "outputs", "runtime"},
     "engine": {"config", "executor", "interfaces", "kv_cache", "outputs", "structured_output"},
     "kv_cache": {"interfaces"},
     "interfaces": set(),

@@ -41,7 +41,8 @@ def load_hf_model(model_path: str, dtype: torch.dtype, device: torch.device):
         )
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    return model.to(device).eval()
+    # transformers' decorator on `to` types its bound method as taking the model itself.
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def _preset_kwargs(preset: dict) -> dict:

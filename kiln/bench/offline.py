@@ -41,8 +41,8 @@ def run_kiln(
             in_flight += 1
 
     submit()
-    timing = engine.executor.stats().step_timing
-    trace = timing.setdefault("trace", []) if timing is not None else []
+    step_timing = engine.executor.stats().step_timing
+    trace = step_timing.setdefault("trace", []) if step_timing is not None else []
     while engine.has_unfinished_requests():
         before = time.perf_counter()
         num_traced = len(trace)

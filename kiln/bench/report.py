@@ -23,15 +23,18 @@ def kiln_revision() -> str:
     """kiln's own git revision (of the checkout kiln is imported from, not the current
     directory's), "-dirty" if its tracked files changed; KILN_GIT_REVISION overrides it for trees
     copied without their .git."""
-    if envs().git_revision:
-        return envs().git_revision
+    revision = envs().git_revision
+    if revision:
+        return revision
     here = pathlib.Path(kiln.__file__).resolve().parent
+
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=5, cwd=here)
+        return out.stdout.strip()
+
     try:
-        run = dict(capture_output=True, text=True, timeout=5, cwd=here)
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **run).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no", "."], **run
-        ).stdout.strip()
+        rev = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no", ".")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (rev or "unknown") + ("-dirty" if rev and dirty else "")
@@ -52,7 +55,7 @@ def engine_config_record(config: EngineConfig) -> dict:
     """The config's fields that are set, as JSON values (an oracle's SpeculativeConfig as its
     fields)."""
     return {
-        k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+        k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
         for k, v in vars(config).items()
         if v is not None
     }

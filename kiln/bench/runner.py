@@ -126,6 +126,7 @@ def _run_kiln_timed(
         "timed_run": compile_watch.WATCH.since(compiled_before),
     }
     timing = engine.executor.stats().step_timing
+    assert timing is not None  # enabled above
     record["step_profile"] = _step_profile(timing, step_clock)
     # Every step, for distributions: the runner's phases and the whole engine step's wall time.
     trace, walls = timing.get("trace", []), step_clock.get("walls", [])

@@ -115,7 +115,7 @@ def _engine_levels(args: argparse.Namespace, config: EngineConfig):
 def _serve_levels(args: argparse.Namespace):
     from kiln.bench.serve_client import run_serve_bench
 
-    warmed = []
+    warmed: list[int] = []
 
     def run_level(level: int, num: int, seed: int) -> dict:
         level_args = copy.copy(args)

@@ -37,7 +37,7 @@ def synthetic_requests(
     requests = []
     for _ in range(num_requests):
         n_in = rng.randint(in_lo, in_hi)
-        ids = []
+        ids: list[int] = []
         while len(ids) < n_in:
             t = rng.randrange(3, vocab_size)
             if t not in avoid:

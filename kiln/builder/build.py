@@ -10,6 +10,7 @@ import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, cast
 
 import torch
 from tqdm.auto import tqdm
@@ -45,7 +46,7 @@ from kiln.layers.quantization.device import check_float8_device
 from kiln.layers.quantization.fp8 import Fp8LinearMethod
 from kiln.models import registry
 from kiln.models.config import ModelConfig
-from kiln.models.kv_scales import fold_kv_scales
+from kiln.models.kv_scales import KVScales, fold_kv_scales
 from kiln.runtime.model_loader import (
     ModelSource,
     find_model_source,
@@ -54,6 +55,11 @@ from kiln.runtime.model_loader import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from kiln.tokenizer import Tokenizer
 
 __all__ = ["BuildOptions", "build_engine"]
 
@@ -99,9 +105,10 @@ def build_engine(
     build = _resolve(path, options)
     source_digest = cache.source_hash(path)
     engine_id = cache.engine_id(source_digest, build.key)
-    cache_dir = cache_dir or (cache.default_cache_dir() if out_dir is None else None)
+    cache_dir = cache_dir or (cache.default_cache_dir() if not out_dir else None)
     cached = os.path.join(cache_dir, engine_id) if cache_dir else None
     target = os.path.abspath(os.path.expanduser(out_dir)) if out_dir else cached
+    assert target is not None  # out_dir, or else the cache's directory
     found = _already_built(engine_id, target, cached)
     if found is not None:
         print(f"engine {engine_id} was already built: {target}")
@@ -208,7 +215,7 @@ def _engine_key(
 
 def _write_engine(
     build: _Build, source: ModelSource, kv_dtype: torch.dtype, tmp: str
-) -> tuple[EngineManifest, object, object]:
+) -> tuple[EngineManifest, dict[str, float] | prequantized.Scores | None, KVScales | None]:
     """Calibrate on the source, load it into the scheme's model, write the weights and side
     files into `tmp`: (the manifest of what was written, its id and accuracy to come; the
     source's perplexity if checked; a pre-quantized source's KV scales calibrated here)."""
@@ -295,6 +302,7 @@ def _write_weights(
         # Made in `dtype` (not .to(dtype) after): float8 weights and scales keep their types.
         net = model_class(cfg, max_model_len, factory, dtype, lm_head_method=head())
     weights = source.weights
+    assert weights is not None, "a build's source is a checkpoint, not dummy weights"
     if found.smoothing is not None:  # whole tensors, before any -tp cut
         weights = smooth_checkpoint(weights, found.smoothing, cfg)
     net.load_weights(tqdm(weights, desc="loading source", unit=" tensors", leave=False))
@@ -309,14 +317,20 @@ def _write_weights(
 
 
 def _check_and_warm(
-    build: _Build, manifest: EngineManifest, source_ppl: object, calibrated: object, tmp: str
+    build: _Build,
+    manifest: EngineManifest,
+    source_ppl: dict[str, float] | prequantized.Scores | None,
+    calibrated: KVScales | None,
+    tmp: str,
 ) -> EngineManifest:
     """The accuracy check of the engine in `tmp` (a failure raises: nothing is kept), and on a
     GPU its compiled kernels carried in it."""
     options = build.options
     if build.fp8 is None:
+        assert not isinstance(source_ppl, prequantized.Scores)  # a checkpoint's perplexities
         accuracy = check_engine(tmp, options, source_ppl)
     else:
+        assert not isinstance(source_ppl, dict)  # a pre-quantized checkpoint's scores
         accuracy = prequantized.accuracy(tmp, options, source_ppl, calibrated is None)
     files = dict(manifest.files)
     if options.warm_kernels and build.device.type == "cuda" and options.tensor_parallel_size == 1:
@@ -340,7 +354,9 @@ def _check_and_warm(
 def _already_built(engine_id: str, target: str, cached: str | None) -> EngineManifest | None:
     """The finished engine at `target`, or the cache's (copied to `target`), or None."""
     for candidate in (target, cached):
-        found = candidate and cache.existing_engine(candidate, engine_id)
+        if not candidate:
+            continue
+        found = cache.existing_engine(candidate, engine_id)
         if found:
             if candidate != target:
                 cache.copy_engine(candidate, target)
@@ -360,7 +376,7 @@ def _kv_origin(checkpoint: object, calibrated: object, folded: bool) -> str | No
 
 
 def _write_side_files(
-    source: str, cfg: ModelConfig, tokenizer: object | None, out: str
+    source: str, cfg: ModelConfig, tokenizer: Tokenizer | None, out: str
 ) -> list[str]:
     """config.json, tokenizer files (chat template included) and generation_config.json."""
     before = set(os.listdir(out))
@@ -372,7 +388,8 @@ def _write_side_files(
                 shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
     else:
         if tokenizer is not None:
-            tokenizer.save_pretrained(out)
+            # The loader's tokenizers are transformers ones (a GGUF file's is built as one).
+            cast("PreTrainedTokenizerBase", tokenizer).save_pretrained(out)
         generation = {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids)}
         with open(os.path.join(out, "generation_config.json"), "w", encoding="utf-8") as f:
             json.dump(generation, f, indent=2, sort_keys=True)

@@ -10,13 +10,23 @@ import contextlib
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 # How often a bar is redrawn while nothing updates it.
 _REDRAW_S = 0.5
 
 
+class ProgressBar(Protocol):
+    """What the build's steps use of a tqdm bar."""
+
+    total: float | None
+    n: float
+
+    def update(self, n: float = 1) -> object: ...
+
+
 @contextlib.contextmanager
-def build_step(desc: str, total: int | None = None, unit: str = "it") -> Iterator[object]:
+def build_step(desc: str, total: int | None = None, unit: str = "it") -> Iterator[ProgressBar]:
     """A tqdm bar (stderr, cleared when the step ends) for the step inside the block; the
     block may `update` it. Redrawn every _REDRAW_S seconds by a daemon thread."""
     from tqdm.auto import tqdm
@@ -44,7 +54,7 @@ def build_step(desc: str, total: int | None = None, unit: str = "it") -> Iterato
         bar.close()
 
 
-def counting(bar: object) -> Callable[[int, int], None]:
+def counting(bar: ProgressBar) -> Callable[[int, int], None]:
     """A `progress(done, total)` callback (kiln.eval.perplexity's) that moves `bar`."""
 
     def report(done: int, total: int) -> None:

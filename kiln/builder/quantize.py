@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -17,6 +17,9 @@ from kiln.layers.quantization.outlier_columns import choose_channels
 
 if TYPE_CHECKING:  # options.py imports this module
     from kiln.builder.options import BuildOptions
+    from kiln.builder.prequantized import Scores
+    from kiln.llm import LLM
+    from kiln.runtime.model_runner import ModelRunner
 
 _CALIBRATION_TOKENS = 512
 _CALIBRATION_BATCHES = 8
@@ -55,18 +58,30 @@ def text_hash(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=32).hexdigest()
 
 
+class _InProcess(Protocol):
+    runner: ModelRunner
+
+
+def _source_runner(llm: LLM) -> ModelRunner:
+    """The model runner of the build's source `LLM`, which runs in this process on one device
+    (accuracy.measuring_llm): the calibrations wrap its model's projections."""
+    return cast(_InProcess, llm.engine.executor).runner
+
+
 def calibration_batches(
-    llm: object, text: str, batches: int = _CALIBRATION_BATCHES
+    llm: LLM, text: str, batches: int = _CALIBRATION_BATCHES
 ) -> list[list[int]]:
     """The calibration windows: the first `batches` windows of `text`'s tokens, sharing no
     prefix (the engine's prefix cache would skip repeated ones)."""
-    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer is not None, "the callers refuse a source without a tokenizer"
+    ids = tokenizer.encode(text, add_special_tokens=False)
     # A window and its one generated token must fit the model's context.
     n = min(_CALIBRATION_TOKENS, llm.engine.max_model_len - 1)
     return [ids[i : i + n] for i in range(0, len(ids), n)][:batches]
 
 
-def smooth_source(llm: object, path: str, text: str, smoothing: str) -> dict:
+def smooth_source(llm: LLM, path: str, text: str, smoothing: str) -> dict:
     """Smooth `llm`'s unquantized model in place (kiln.builder.calibrate.smoothing): its inputs'
     per-channel amax over the calibration windows of `text`, the factors from them and the
     weights, then the source's weights (read from `path` again) loaded through the same
@@ -83,21 +98,24 @@ def smooth_source(llm: object, path: str, text: str, smoothing: str) -> dict:
 
     if llm.get_tokenizer() is None:
         raise BuildError(f'smoothing "{smoothing}" calibrates on text: the source has no tokenizer')
-    model = llm.engine.executor.runner.model
+    model = _source_runner(llm).model
     one_token = SamplingParams(max_tokens=1, temperature=0.0)
     batches = calibration_batches(llm, text)
     with build_step("smoothing: channel amax", len(batches), " windows") as bar:
         amax = calibrate_channel_amax(model, batches, lambda b: llm.generate(b, one_token))
         bar.update(len(batches))
-    factors = smoothing_factors(model, amax, SmoothingSpec.parse(smoothing).alpha)
+    alpha = SmoothingSpec.parse(smoothing).alpha
+    assert alpha is not None, "called for smoothquant, whose alpha has a default"
+    factors = smoothing_factors(model, amax, alpha)
     source = find_model_source(path, "auto")
+    assert source.weights is not None, "a checkpoint, not dummy weights"
     with build_step("smoothing: reloading the source"):
         model.load_weights(smooth_checkpoint(source.weights, factors, model.config))
     return factors
 
 
 def calibrate(
-    llm: object,
+    llm: LLM,
     text: str,
     input_scales: bool,
     kv_scales: bool,
@@ -124,7 +142,7 @@ def calibrate(
         print("the source has no tokenizer: its float8 KV cache stays unscaled", flush=True)
         return None, None, None, None
     batches = calibration_batches(llm, text)
-    model = llm.engine.executor.runner.model
+    model = _source_runner(llm).model
     one_token = SamplingParams(max_tokens=1, temperature=0.0)
 
     wanted = (
@@ -134,7 +152,7 @@ def calibrate(
         ("channels", calibrate_channel_amax, channel_amax),
     )
     calibrators = [(key, calibrator) for key, calibrator, want in wanted if want]
-    found: dict[str, object] = {}
+    found: dict[str, Any] = {}  # by key: each calibrator's own result type
 
     def nest(depth: int, b: list[list[int]]) -> None:
         """Each calibrator wraps the layers' methods, then runs the next one inside: every
@@ -153,7 +171,7 @@ def calibrate(
 
 
 def round_weights(
-    llm: object,
+    llm: LLM,
     text: str,
     input_scales: dict[str, float] | None,
     kept: list[str],
@@ -164,8 +182,12 @@ def round_weights(
     None per token."""
     from kiln.builder.calibrate.sequential import RoundingSpec, round_sequentially
 
+    if llm.get_tokenizer() is None:
+        raise BuildError(
+            'weight rounding "gptq-sequential" calibrates on text: the source has no tokenizer'
+        )
     batches = calibration_batches(llm, text, SEQUENTIAL_WINDOWS)
-    runner = llm.engine.executor.runner
+    runner = _source_runner(llm)
     spec = RoundingSpec(damp=SEQUENTIAL_DAMP)
     layers = len(runner.model.layers)
     rounding = build_step("rounding weights (gptq-sequential)", layers, " layers")
@@ -181,7 +203,7 @@ class SourcePass:
     """What the build measures and calibrates on the source before the engine is made (None:
     not asked for)."""
 
-    source_ppl: object = None
+    source_ppl: dict[str, float] | Scores | None = None
     """The held-out perplexity, if checked (a pre-quantized checkpoint's: its Scores)."""
     scales: dict[str, float] | None = None  # static input scales ("fp8")
     kv_scales: list[tuple[float, float]] | None = None  # a float8 KV cache's

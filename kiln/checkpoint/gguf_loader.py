@@ -35,7 +35,7 @@ from kiln.models.config import ModelConfig
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-_SCALAR_FORMATS = {
+_SCALAR_FORMATS: dict[int, str] = {  # keyed by GGUFValueType, an IntEnum
     GGUFValueType.UINT8: "<B",
     GGUFValueType.INT8: "<b",
     GGUFValueType.UINT16: "<H",

@@ -10,7 +10,7 @@ does for a "gpt2" file (the byte alphabet respelling, BPE without dropout or fus
 control tokens as special added tokens, user-defined ones as plain added tokens, the
 pre-tokenizer split of the file's `tokenizer.ggml.pre`), and wraps it in the same
 `PreTrainedTokenizerFast` with the same special tokens and chat template.
-tests/test_gguf_tokenizer.py checks it against transformers' own on the embedded model: the
+tests/checkpoint/test_gguf_fast_paths.py checks it against transformers' own on the embedded model: the
 serialized backend, encodings of varied text, special tokens and the chat template's output.
 Other tokenizer models (sentencepiece "llama", "t5", ...) go through transformers as before.
 """
@@ -98,7 +98,7 @@ def build_tokenizer(metadata: dict[str, Any]) -> PreTrainedTokenizerFast:
             fuse_unk=False,
         )
     )
-    split = _SPLITS.get(metadata.get("tokenizer.ggml.pre"))
+    split = _SPLITS.get(metadata.get("tokenizer.ggml.pre", ""))
     if split is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
@@ -135,7 +135,8 @@ def build_tokenizer(metadata: dict[str, Any]) -> PreTrainedTokenizerFast:
     # `tokenizer_object=` would deep-copy the backend (~0.5 s for 49k merges); a backend already
     # in place is taken as it is, as transformers' own tokenizer classes do (GPT2Tokenizer sets
     # `_tokenizer` before its base __init__).
-    tokenizer = PreTrainedTokenizerFast.__new__(PreTrainedTokenizerFast)
-    tokenizer._tokenizer = backend
-    tokenizer.__init__(**config)
+    tokenizer: PreTrainedTokenizerFast = PreTrainedTokenizerFast.__new__(PreTrainedTokenizerFast)
+    # transformers declares the class attribute as None; its __init__ sets a backend there.
+    tokenizer._tokenizer = backend  # type: ignore[assignment]
+    PreTrainedTokenizerFast.__init__(tokenizer, **config)
     return tokenizer

@@ -40,7 +40,7 @@ MIN_CORES = 4
 _WAIT_S = 120.0
 
 _lock = threading.Lock()
-_pending: dict[str, Future] = {}  # absolute path -> Future of its PrehashedShard (or None)
+_pending: dict[str, Future[PrehashedShard | None]] = {}  # absolute path -> its digests, to come
 _children: list[subprocess.Popen] = []
 
 
@@ -105,7 +105,7 @@ def start(engine_dir: str) -> int:
         )
     except OSError:
         return 0
-    futures = {p: Future() for p in paths}
+    futures: dict[str, Future[PrehashedShard | None]] = {p: Future() for p in paths}
     with _lock:
         _pending.update(futures)
         _children.append(child)
@@ -139,10 +139,14 @@ def discard() -> None:
         child.wait()
 
 
-def _collect(child: subprocess.Popen, futures: dict[str, Future]) -> None:
+def _collect(
+    child: subprocess.Popen[bytes], futures: dict[str, Future[PrehashedShard | None]]
+) -> None:
     """The child's lines -> each shard's Future; a shard it never reported gets None."""
+    stdout = child.stdout
+    assert stdout is not None  # started with stdout=PIPE
     try:
-        for line in child.stdout:
+        for line in stdout:
             try:
                 entry = json.loads(line)
                 shard = PrehashedShard(
@@ -157,7 +161,7 @@ def _collect(child: subprocess.Popen, futures: dict[str, Future]) -> None:
         for future in futures.values():
             if not future.done():
                 future.set_result(None)
-        child.stdout.close()
+        stdout.close()
 
 
 def _hash_shards(chunk_bytes: int, paths: list[str]) -> None:

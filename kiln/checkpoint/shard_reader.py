@@ -134,14 +134,14 @@ class ShardReader:
             # Host memory: read straight into the shard's buffer and hash it there (no staging
             # copy; the buffer is the model's storage once the model takes its tensors).
             view = data[offset - data_start : offset - data_start + CHUNK_BYTES].numpy()
-            n = os.preadv(fd, [memoryview(view)], offset)
+            n = os.preadv(fd, [view.data], offset)
             digest = self._hashed(hashed, offset)
-            return digest or hashlib.blake2b(view[:n], digest_size=DIGEST_BYTES).digest()
+            return digest or hashlib.blake2b(view[:n].data, digest_size=DIGEST_BYTES).digest()
         staging = self._staging()
-        n = os.preadv(fd, [memoryview(staging.numpy())], offset)
+        n = os.preadv(fd, [staging.numpy().data], offset)
         digest = self._hashed(hashed, offset)
         if digest is None:
-            digest = hashlib.blake2b(staging.numpy()[:n], digest_size=DIGEST_BYTES).digest()
+            digest = hashlib.blake2b(staging.numpy()[:n].data, digest_size=DIGEST_BYTES).digest()
         begin = max(offset, data_start)  # the header's bytes are hashed, not copied
         if offset + n > begin:
             src = staging[begin - offset : n]

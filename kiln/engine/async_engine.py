@@ -17,8 +17,9 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, MutableMapping
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from kiln.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
@@ -41,11 +42,24 @@ class _Stream:
     accepted: asyncio.Future  # resolved when the loop thread has queued (or rejected) the request
 
 
+class StreamSource(Protocol):
+    """What a RequestStream uses of the engine that made it: this module's AsyncEngine, or the
+    engine process's client (kiln.engine_core.client.EngineClient)."""
+
+    @property
+    def _streams(self) -> MutableMapping[str, Any]:
+        """request id -> its open stream (each engine's own stream type); a closed stream's
+        entry is removed."""
+        ...
+
+    def abort(self, request_id: str) -> None: ...
+
+
 class RequestStream:
     """Delta outputs of one accepted request, in order. Closing it before the last delta (or
     never iterating it) aborts the request and frees its KV blocks; closing is idempotent."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream) -> None:
+    def __init__(self, engine: StreamSource, request_id: str, stream: _Stream) -> None:
         self.request_id = request_id
         self._engine = engine
         self._stream = stream
@@ -108,7 +122,8 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._stop = False
         self.error: BaseException | None = None
-        self.on_dead = None  # called (from the loop thread) once the loop has died
+        # Called (from the loop thread) once the loop has died.
+        self.on_dead: Callable[[], None] | None = None
         self._thread = threading.Thread(target=self._run, name="kiln-engine-loop", daemon=True)
         self._thread.start()
 

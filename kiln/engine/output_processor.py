@@ -10,6 +10,7 @@ from kiln.engine.scheduler import EngineCoreOutput
 from kiln.interfaces import TokenLogprobs
 from kiln.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from kiln.sampling_params import SamplingParams
+from kiln.tokenizer import Tokenizer
 
 
 @dataclass
@@ -73,7 +74,7 @@ def child_req_id(req_id: str, index: int, n: int) -> str:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: object | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
         self._child_to_parent: dict[str, tuple[str, int]] = {}
@@ -94,12 +95,12 @@ class OutputProcessor:
                     stop=params.stop,
                     include_stop_str_in_output=params.include_stop_str_in_output,
                 )
-            logprobs = [] if params.logprobs is not None else None
+            logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
             completions.append(_Completion(CompletionOutput(index, "", [], logprobs), detok))
             child = child_req_id(req_id, index, params.n)
             self._child_to_parent[child] = (req_id, index)
             child_ids.append(child)
-        prompt_lps = None
+        prompt_lps: list[PositionLogprobs | None] | None = None
         if params.prompt_logprobs is not None:
             prompt_lps = [None] * len(prompt_token_ids)
         self.requests[req_id] = RequestState(

@@ -30,7 +30,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import cast
 
 import msgspec
 import zmq
@@ -195,7 +194,7 @@ class EngineClient:
         self.tokenizer: Tokenizer | None = None
         try:
             source = find_model_source(self.config.model, self.config.load_format)
-            self.tokenizer = cast("Tokenizer | None", source.tokenizer)  # the loader's
+            self.tokenizer = source.tokenizer
         except BaseException as exc:  # the engine will say the same, better: wait for it
             tokenizer_error = exc
         deadline = None if timeout is None else time.monotonic() + timeout

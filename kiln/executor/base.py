@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from kiln.interfaces import EMPTY_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from kiln.models.config import ModelConfig
 from kiln.runtime.memory_plan import MemoryPlan
+from kiln.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class ModelFacts:
     """Host-side facts of the loaded model: what the engine needs to tokenize and validate."""
 
     config: ModelConfig
-    tokenizer: object | None
+    tokenizer: Tokenizer | None
     generation_defaults: dict
     description: str
     device: str  # e.g. "cuda:0" or "cpu"

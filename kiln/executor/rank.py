@@ -17,7 +17,7 @@ from kiln.config import EngineConfig
 from kiln.distributed.comm import all_reduce_min, barrier
 from kiln.distributed.parallel_state import ParallelContext
 from kiln.executor.base import KVCapacity, ModelFacts
-from kiln.models.llama import LlamaForCausalLM
+from kiln.models.base import CausalLM
 from kiln.runtime.memory_plan import MemoryPlan, plan_kv_blocks
 from kiln.runtime.model_loader import (
     LoadedModel,
@@ -78,7 +78,7 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
     )
     max_model_len = _max_model_len(config, loaded)
     spec = config.speculative
-    draft: LlamaForCausalLM | Eagle3Head | None = None
+    draft: CausalLM | Eagle3Head | None = None
     if spec is not None and spec.method == "draft_model":
         draft = load_draft_model(config, spec, loaded, device, dtype, load_model)
     elif spec is not None and spec.method == "eagle3":
@@ -149,7 +149,7 @@ def _make_runner(
     loaded: LoadedModel,
     capacity: KVCapacity,
     kv_cache_dtype: torch.dtype,
-    draft: LlamaForCausalLM | Eagle3Head | None,
+    draft: CausalLM | Eagle3Head | None,
 ) -> ModelRunner:
     """The model runner over `capacity`'s blocks, with its proposer when speculation is on."""
     spec = config.speculative

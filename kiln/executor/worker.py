@@ -89,9 +89,10 @@ def main() -> None:
 
     die_with_parent()
     logging.basicConfig(level=logging.WARNING)
-    if envs().worker_config is None:
+    worker_config = envs().worker_config
+    if worker_config is None:
         raise SystemExit("kiln.executor.worker is started by kiln itself (KILN_WORKER_CONFIG)")
-    config = EngineConfig(**json.loads(envs().worker_config))
+    config = EngineConfig(**json.loads(worker_config))
     try:
         run_worker(config, int(os.environ["RANK"]), envs().worker_init_method or "env://")
     except Exception as exc:  # the driver names the rank and this line

@@ -86,7 +86,7 @@ class LinearMethod(ABC):
         """A row-parallel layer's part of its whole weight `weight` (as this method stores it):
         the rank's input columns. A method laying out more than the input's columns (outlier
         columns) overrides this."""
-        return weight.narrow(1, *layer.split.cols)
+        return weight.narrow(1, *layer.row_parallel_cols())
 
     def checkpoint_shape(
         self, layer: Linear, param: torch.Tensor, shape: tuple[int, ...]
@@ -148,6 +148,15 @@ class Linear(nn.Module):
     """y = x W^T (+ b), with `output_sizes` naming the row blocks of a fused projection
     (q, k, v or gate, up) so checkpoint tensors load into their shard."""
 
+    # What the method registers (create_weights), named so they type as tensors rather than
+    # nn.Module.__getattr__'s union: every method sets weight and bias; float8 methods also
+    # weight_scale and input_scale (None: per-token); outlier columns also outlier_index.
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    weight_scale: torch.Tensor
+    input_scale: torch.Tensor | None
+    outlier_index: torch.Tensor
+
     def __init__(
         self,
         in_features: int,
@@ -196,6 +205,13 @@ class Linear(nn.Module):
         if bias and self.bias is not None:
             self.bias[rows] *= factor
 
+    def row_parallel_cols(self) -> tuple[int, int]:
+        """(start, length) of the input columns this row-parallel rank keeps."""
+        split = self.split
+        if split is None or split.cols is None:
+            raise ValueError(f"{self.extra_repr()}: not a row-parallel layer")
+        return split.cols
+
     def shard_view(self, param: torch.Tensor, shard: int | None) -> torch.Tensor:
         """The rows of `param` that fused shard `shard` (an index into output_sizes) owns."""
         if shard is None:
@@ -219,6 +235,7 @@ class Linear(nn.Module):
         if split is None or loaded.dim() == 0:
             return loaded
         if split.rows is not None:
+            assert split.full_sizes is not None, "a column-parallel split has its full sizes"
             padded = sum(split.full_sizes)
             if loaded.shape[0] < padded:  # the float8 LM head: rows past the vocabulary are 0
                 pad = loaded.new_zeros(padded - loaded.shape[0], *loaded.shape[1:])

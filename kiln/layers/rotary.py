@@ -13,13 +13,14 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None) -> tor
     """Inverse frequencies exactly as transformers computes them (fp32)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
-    rope_type = (rope_scaling or {}).get("rope_type") or (rope_scaling or {}).get("type")
+    scaling = rope_scaling or {}
+    rope_type = scaling.get("rope_type") or scaling.get("type")
     if rope_type in (None, "default"):
         return inv_freq
     if rope_type == "linear":
-        return inv_freq / float(rope_scaling["factor"])
+        return inv_freq / float(scaling["factor"])
     if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, rope_scaling)
+        return _llama3_inv_freq(inv_freq, scaling)
     raise ModelLoadError(
         f"unsupported rope_scaling type {rope_type!r}; supported: default, linear, llama3"
     )

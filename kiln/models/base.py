@@ -4,16 +4,20 @@ executor and speculative decoding use nothing else."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from types import ModuleType
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from kiln.attention.backend import AttentionBackend, AttentionMetadata
 from kiln.distributed.parallel_state import ParallelContext
+from kiln.layers.linear import LinearMethod
 from kiln.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from kiln.models.blocks import LinearMethodFactory
 
 
 @runtime_checkable
@@ -33,14 +37,32 @@ class CausalLM(Protocol):
     """The global index of this stage's first decoder layer."""
     layers: nn.ModuleList
     """This stage's decoder layers (their count sizes the KV cache)."""
-    embed_tokens: nn.Module
-    """The token embedding (EAGLE-3 and draft models share it)."""
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        """The token embedding (EAGLE-3 and draft models share it)."""
+        ...
+
     cos_sin_cache: torch.Tensor
     """[max_positions, head_dim] fp32 rotary table; its length is the longest context."""
     norm: torch.Tensor
     """The final RMSNorm's weight."""
     aux_hidden_states: torch.Tensor | None
     """EAGLE-3's captured residual streams (enable_aux_hidden_states), else None."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        linear_method: LinearMethodFactory | None = None,
+        dtype: torch.dtype | None = None,
+        parallel: ParallelContext | None = None,
+        lm_head_method: LinearMethod | None = None,
+    ) -> None:
+        """How the loader and the builder make one (registry.model_class): `linear_method` gives
+        each decoder projection its LinearMethod by qualified name (None: unquantized), `dtype`
+        is where the parameters are made, `lm_head_method` a quantized head's (None: not)."""
+        ...
 
     @property
     def device(self) -> torch.device: ...
@@ -79,3 +101,13 @@ class CausalLM(Protocol):
         ...
 
     def init_dummy_weights(self, seed: int) -> None: ...
+
+    # nn.Module's, which every model is: the memory plan counts the parameters, the loader
+    # switches to inference mode, the builder writes the parameters and walks the projections.
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+    def named_modules(self) -> Iterator[tuple[str, nn.Module]]: ...
+
+    def eval(self) -> nn.Module: ...

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,6 +20,9 @@ from kiln.kernels import reference
 from kiln.kernels.reference import split_qkv_heads
 from kiln.layers.linear import Linear, LinearMethod, TensorSplit
 from kiln.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from kiln.models.base import CausalLM
 
 # A layer's qualified name (e.g. "layers.3.self_attn.qkv_proj") -> its LinearMethod.
 LinearMethodFactory = Callable[[str], LinearMethod]
@@ -93,6 +97,7 @@ class RopeAttention(nn.Module):
         qkv_split = o_split = None
         if ctx is not None and ctx.tp_size > 1:
             # Query heads split evenly; KV heads split, or replicated when fewer than ranks.
+            assert full is not None, "under TP the layer is also given the whole model's config"
             hd, r = self.head_dim, ctx.tp_rank
             kv_start, _ = kv_head_range(full.num_key_value_heads, ctx.tp_size, r)
             q_full, kv_full = full.num_attention_heads * hd, full.num_key_value_heads * hd
@@ -183,8 +188,9 @@ class RopeAttention(nn.Module):
             self.k_norm.mul_(1.0 / k_scale)
         self.qkv_proj.scale_output_rows(slice(q + kv, q + 2 * kv), 1.0 / v_scale)
         self.o_proj.scale_output_rows(slice(None), v_scale, bias=False)  # W (v_stored * s) + b
-        if getattr(self.o_proj, "input_scale", None) is not None:
-            self.o_proj.input_scale.div_(v_scale)  # its static scale saw the unscaled inputs
+        input_scale = getattr(self.o_proj, "input_scale", None)
+        if input_scale is not None:
+            input_scale.div_(v_scale)  # its static scale saw the unscaled inputs
 
     def attend(self, step: StepInputs, query: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         """Attention over the cache, then o_proj: [num_tokens, hidden] (summed over TP ranks)."""
@@ -206,17 +212,23 @@ def gated_mlp(
     written and re-read, no quantize kernel of its own."""
     into = down.method.fp8_input(down)
     operands = gate_up.method.fused_operands(gate_up)
-    fused = operands is not None and operands.bias is None  # the fused kernels take no bias
+    # The operands the fused kernels take (they take no bias), else None.
+    fused = operands if operands is not None and operands.bias is None else None
     scale = None
-    if into is not None and fused and operands.weight_scale is not None and into.channels is None:
+    if (
+        into is not None
+        and fused is not None
+        and fused.weight_scale is not None
+        and into.channels is None
+    ):
         activation, scale, summed = ops.add_rms_norm_linear_silu_mul_fp8(
-            x, residual, norm_weight, eps, operands.weight, operands.weight_scale,
-            operands.input_scale, into.static_scale,
+            x, residual, norm_weight, eps, fused.weight, fused.weight_scale,
+            fused.input_scale, into.static_scale,
         )  # fmt: skip
-    elif fused:
+    elif fused is not None:
         activation, summed = ops.add_rms_norm_linear_silu_mul(
-            x, residual, norm_weight, eps, operands.weight, operands.weight_scale,
-            operands.input_scale,
+            x, residual, norm_weight, eps, fused.weight, fused.weight_scale,
+            fused.input_scale,
         )  # fmt: skip
     else:
         gate_up_out, summed = norm_then_project(ops, gate_up, x, residual, norm_weight, eps)
@@ -314,3 +326,14 @@ class DecoderLayer(nn.Module):
             tap(residual)
         hidden = attn.attend(step, query, kv_cache)
         return self.mlp(step.ops, hidden, residual, self.post_attention_layernorm, self.eps)
+
+
+def decoder_layers(model: CausalLM) -> list[DecoderLayer]:
+    """The model's decoder layers, as the shared blocks that build-time calibration walks (their
+    projections, attention and MLP); a family with other blocks is refused here, by name."""
+    layers = []
+    for layer in model.layers:
+        if not isinstance(layer, DecoderLayer):
+            raise TypeError(f"calibration walks DecoderLayer blocks, not {type(layer).__name__}")
+        layers.append(layer)
+    return layers

@@ -117,7 +117,7 @@ class ModelConfig:
         need = sum(counts.values()) * bytes_per_weight
         if need <= available_bytes:
             return
-        biggest = max(counts, key=counts.get)
+        biggest = max(counts, key=counts.__getitem__)
         fields = {
             "vocab_size": f"vocab_size={self.vocab_size}, hidden_size={self.hidden_size}",
             "num_hidden_layers": f"num_hidden_layers={self.num_hidden_layers}, hidden_size="

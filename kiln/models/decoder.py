@@ -78,6 +78,13 @@ class DecoderForCausalLM(nn.Module):
     next to the layers."""
 
     layer_tensor_map: ClassVar[LayerTensorMap]
+    # Registered parameters, buffers and submodules, typed here (nn.Module's attribute lookup
+    # types them Tensor | Module). The embedding is cut by vocabulary rows under TP; the head is
+    # None when it is the (model-dtype, tied) embedding.
+    embed_tokens: nn.Embedding | VocabParallelEmbedding
+    lm_head: Linear | VocabParallelEmbedding | None
+    norm: torch.Tensor
+    cos_sin_cache: torch.Tensor
 
     def __init__(
         self,
@@ -148,8 +155,10 @@ class DecoderForCausalLM(nn.Module):
         self.head_quantized = lm_head_method is not None
         if lm_head_method is not None:
             # Under TP column-parallel: each rank the embedding's rows (zero-padded alike).
-            split = None if tp is None else self.embed_tokens.row_split()
-            rows = cfg.vocab_size if split is None else split.rows[0][1]
+            embedding = self.embed_tokens
+            split, rows = None, cfg.vocab_size
+            if isinstance(embedding, VocabParallelEmbedding):
+                split, rows = embedding.row_split(), embedding.rows
             self.lm_head = Linear(
                 cfg.hidden_size, rows, method=lm_head_method, dtype=dtype, split=split
             )
@@ -193,11 +202,13 @@ class DecoderForCausalLM(nn.Module):
         columns = self._aux_columns.get(index)
         if columns is None:
             return None
+        aux = self.aux_hidden_states
+        assert aux is not None, "enable_aux_hidden_states makes the buffer with the columns"
 
         def tap(residual: torch.Tensor) -> None:
             width = residual.shape[1]
             for column in columns:
-                self.aux_hidden_states[:num_tokens, column : column + width].copy_(residual)
+                aux[:num_tokens, column : column + width].copy_(residual)
 
         return tap
 
@@ -225,6 +236,7 @@ class DecoderForCausalLM(nn.Module):
         if pp is not None and not pp.layout.is_last_stage:
             # Both tensors, not their sum: the next stage's first fused add + norm then rounds
             # exactly as one process would.
+            assert residual is not None, "a pipeline stage holds at least one layer"
             send_to_next_stage(pp, torch.stack((hidden, residual)))
             return hidden  # no logits here (computes_logits is False)
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)
@@ -240,9 +252,13 @@ class DecoderForCausalLM(nn.Module):
         if self.head_quantized:
             if ops is None:
                 raise ValueError("a quantized LM head needs the kernels: compute_logits(h, ops)")
-            logits = self.lm_head(ops, hidden)
-            if self.lm_head.split is not None:
-                logits = self.embed_tokens.gather_logits(logits)
+            quantized = self.lm_head
+            assert isinstance(quantized, Linear), "a quantized head is a Linear of its own"
+            logits = quantized(ops, hidden)
+            if quantized.split is not None:  # TP: cut by vocabulary rows, as the embedding is
+                embedding = self.embed_tokens
+                assert isinstance(embedding, VocabParallelEmbedding)
+                logits = embedding.gather_logits(logits)
             return logits
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, VocabParallelEmbedding):  # TP: a collective of the tensor ranks

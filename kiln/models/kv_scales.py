@@ -19,8 +19,13 @@ exactly what the unfolded model does.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
-from torch import nn
+
+if TYPE_CHECKING:
+    from kiln.models.base import CausalLM
 
 KVScales = list[tuple[float, float]]  # per decoder layer: (k_scale, v_scale)
 
@@ -30,7 +35,9 @@ class KVScaleFoldError(ValueError):
 
 
 @torch.no_grad()
-def fold_kv_scales(model: nn.Module, scales: KVScales, into_weights: bool = True) -> None:
+def fold_kv_scales(
+    model: CausalLM, scales: Sequence[tuple[float, float]], into_weights: bool = True
+) -> None:
     """Make `model` write k / k_scale and v / v_scale into its cache and attend as before, each
     layer's attention block folding them where its shape allows (KVScaleFoldError where it
     cannot). `into_weights=False`: the weights hold the scales already (an engine built with

@@ -75,18 +75,19 @@ def load_hf_weights(
         name, shard = target
         if name == "lm_head.weight" and model.tied_head:
             continue  # tied: the embedding serves as the output projection (or fills it)
-        name = local_name(model, name)
-        if name is None:
+        local = local_name(model, name)
+        if local is None:
             continue  # another pipeline stage's layer
-        if name not in params:
+        if local not in params:
             raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in the model")
-        _load_hf_tensor(model, params[name], owners.get(name), name, shard, tensor, hf_name)
-        loaded.add(f"{name}:{shard}")
-        if name == "embed_tokens.weight" and model.tied_head and model.head_quantized:
-            model.lm_head.weight_loader(model.lm_head.weight, None, tensor)
+        _load_hf_tensor(model, params[local], owners.get(local), local, shard, tensor, hf_name)
+        loaded.add(f"{local}:{shard}")
+        if local == "embed_tokens.weight" and model.tied_head and model.head_quantized:
+            head = quantized_head(model)
+            head.weight_loader(head.weight, None, tensor)
             loaded.add("lm_head.weight:None")
         if tensor.dtype == torch.float8_e4m3fn:
-            fp8_loaded.add(f"{name}:{shard}")
+            fp8_loaded.add(f"{local}:{shard}")
     missing = [k for k in _expected_keys(model, owners) if k not in loaded]
     # float8 weights loaded as they are need their scales from the checkpoint too.
     missing += [
@@ -150,8 +151,8 @@ def load_engine_weights(
             pass
         elif owner is not None:  # TP: this rank's part of the fused tensor
             tensor = owner.cut(param, None, tensor)
-        elif isinstance(_vocab_owner(model, name), VocabParallelEmbedding):
-            tensor = _vocab_owner(model, name).cut(tensor)
+        elif isinstance(vocab := _vocab_owner(model, name), VocabParallelEmbedding):
+            tensor = vocab.cut(tensor)
         # An engine built with the head in the model dtype, loaded with a float8 head: the
         # head is quantized here (its scales too), as from a checkpoint.
         quantize_head = (
@@ -198,6 +199,7 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int) -> None:
         if param.dim() == 1 and "bias" not in name:
             param.fill_(1.0)
         elif param.element_size() == 1:  # float8: drawn as a checkpoint would be, then loaded
+            assert owner is not None, "a float8 parameter is a Linear's"
             drawn = torch.empty(param.shape, device=param.device).normal_(0.0, 0.02, generator=gen)
             owner.method.load_weight(param, None, drawn)  # drawn at this rank's shape
         else:
@@ -206,9 +208,16 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int) -> None:
         fill_tied_head(model)
 
 
+def quantized_head(model: DecoderForCausalLM) -> Linear:
+    """The LM head of a model built with a quantized one (head_quantized): a Linear of its own."""
+    head = model.lm_head
+    assert isinstance(head, Linear), "a quantized head is a Linear of its own"
+    return head
+
+
 def fill_tied_head(model: DecoderForCausalLM) -> None:
     """A float8 head of a tied model: the embedding, quantized by the head's method."""
-    head = model.lm_head
+    head = quantized_head(model)
     head.method.load_weight(head.weight, None, model.embed_tokens.weight.detach())
 
 
@@ -290,10 +299,9 @@ def _scale_rows(
     split = owner.split
     if split is None or split.rows is None:  # TP=1, or row-parallel: every row is this rank's
         rows = owner.shard_view(param, shard).shape[0]
-    elif shard is not None:
-        rows = split.full_sizes[shard]
     else:
-        rows = sum(split.full_sizes)
+        assert split.full_sizes is not None, "a column-parallel split has its full sizes"
+        rows = split.full_sizes[shard] if shard is not None else sum(split.full_sizes)
     return tensor.reshape(()).expand(rows)
 
 

@@ -17,17 +17,23 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import gc
 import logging
 import time
 from collections.abc import Callable
 from types import ModuleType
+from typing import TYPE_CHECKING
 from unittest import mock
 
 import torch
 
 from kiln.attention.backend import AttentionBackend, AttentionMetadata
+from kiln.models.base import CausalLM
 from kiln.runtime.input_batch import InputBuffers
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 logger = logging.getLogger("kiln")
 
@@ -59,11 +65,12 @@ class FakeGraph:
         return self._out
 
     def replay(self) -> None:
+        assert self._fn is not None and self._out is not None, "replay before capture"
         self._out.copy_(self._fn())
 
 
 class _CudaGraph:
-    def __init__(self, pool: tuple, capture_error_mode: str) -> None:
+    def __init__(self, pool: _POOL_HANDLE | None, capture_error_mode: str) -> None:
         self.graph = torch.cuda.CUDAGraph()
         self.pool = pool
         self.capture_error_mode = capture_error_mode
@@ -83,7 +90,7 @@ class GraphRunner:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         ops: ModuleType,
         backend: AttentionBackend,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -184,7 +191,7 @@ class GraphRunner:
                     torch.cuda.synchronize(self.device)
                 t1 = time.perf_counter()
                 graph = _CudaGraph(pool, error_mode) if cuda else FakeGraph()
-                hidden = graph.capture(lambda key=key: self._forward(*key))
+                hidden = graph.capture(functools.partial(self._forward, *key))
                 # The first replay uploads the graph: not in a timed step. Not waited for: it
                 # runs on the GPU while the host launches the next key's warm-up behind it on
                 # the same stream (whose synchronize above covers it), so the ~3-10 ms a replay

@@ -18,6 +18,8 @@ from kiln.runtime.input_batch import CachedRequestState
 from kiln.sampling.sampler import LogprobsTensors, SamplingMetadata
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
     from kiln.runtime.step_hooks.base import StepHook
 
 
@@ -26,7 +28,7 @@ class DeferredSample:
     """A step's sampler held back by a hook (the grammar mask): what it will be launched with."""
 
     logits: torch.Tensor  # [sampling rows, vocab]
-    metadata: SamplingMetadata | None  # built before the rows were marked pending
+    metadata: SamplingMetadata  # built before the rows were marked pending
     hook: StepHook  # the hook whose host work the sampler waits for
 
 
@@ -40,7 +42,7 @@ class InFlightStep:
     num_seqs: int
     states: list[CachedRequestState] | None = None  # the rows that sample, in sampled-ids order
     sampled: torch.Tensor | None = None  # [rows] on the device; set when its sampler launches
-    arrival: object | None = None  # TP/PP, not the driver: the pending receive of `sampled`
+    arrival: dist.Work | None = None  # TP/PP, not the driver: the pending receive of `sampled`
     host_sampled: torch.Tensor | None = None
     host_logprobs: LogprobsTensors | None = None
     done: torch.cuda.Event | None = None  # the host copies have landed

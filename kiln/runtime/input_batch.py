@@ -160,7 +160,7 @@ class InputBuffers:
         self._copies_pending = False
         # A step's views of the persistent buffers, by size: slicing a tensor costs ~1-3 us of
         # host time, a step takes a dozen such views, and decode steps repeat a few sizes.
-        self._view_cache: dict[tuple, object] = {}
+        self._view_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self._iota = np.arange(max(t, s) + 1, dtype=np.int32)  # query start locations of rows
 
     def _views(self, kind: str, *size: int) -> tuple[torch.Tensor, ...]:
@@ -217,6 +217,7 @@ class InputBuffers:
         (Normally done: they were queued before the last step's forward, and the host has since
         waited for the step before that.)"""
         if self._copies_pending:
+            assert self._copies_done is not None  # copies are pending only where it records them
             self._copies_done.synchronize()
             self._copies_pending = False
 

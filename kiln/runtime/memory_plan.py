@@ -11,9 +11,12 @@ than the profiled one, so no load the plan admits runs out of memory.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from kiln.attention.backend import AttentionMetadata, get_attention_backend
 from kiln.config import EngineConfig
@@ -31,6 +34,16 @@ _CPU_DEFAULT_KV_GB = 2.0
 # Beyond the profiled peaks: allocator fragmentation, the graph capture stream's cuBLAS workspace,
 # Triton's launch-time scratch. Measured slack on an H200 was well under this.
 _SAFETY_MARGIN = GiB // 2
+
+
+class PlannedModel(Protocol):
+    """What the plan reads of a model or a speculative draft (a draft model, an EAGLE-3 head):
+    the shape its KV cache is sized by, and its weights."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
 
 
 @dataclass(frozen=True)
@@ -99,7 +112,7 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_dtype.itemsize
 
 
-def kv_bytes_per_block(model: CausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: PlannedModel, block_size: int, kv_dtype: torch.dtype) -> int:
     cfg = model.config
     elem = kv_dtype.itemsize
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
@@ -111,7 +124,7 @@ def plan_kv_blocks(
     max_model_len: int,
     device: torch.device,
     kv_dtype: torch.dtype,
-    draft_model: CausalLM | None = None,
+    draft_model: PlannedModel | None = None,
 ) -> MemoryPlan:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     per_block = kv_bytes_per_block(model, config.block_size, kv_dtype)
@@ -243,7 +256,7 @@ def _largest_step(
     metadata, num_blocks = packed_prefill_metadata(lens, block_size, device)
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     caches = [
-        tuple(empty_cache(*shape, kv_dtype, device) for _ in range(2))
+        (empty_cache(*shape, kv_dtype, device), empty_cache(*shape, kv_dtype, device))
         for _ in range(cfg.num_hidden_layers)
     ]
     return _ProfileStep(

@@ -22,6 +22,7 @@ from kiln.models import registry
 from kiln.models.base import CausalLM
 from kiln.models.blocks import LinearMethodFactory
 from kiln.models.config import PRESETS, ModelConfig
+from kiln.tokenizer import Tokenizer, from_transformers
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -32,7 +33,7 @@ class ModelSource:
 
     config: ModelConfig
     weights: Iterator[tuple[str, torch.Tensor]] | None  # None: dummy weights
-    tokenizer: object | None  # a Future of it with find_model_source(background_tokenizer=True)
+    tokenizer: Tokenizer | None  # None: none, or still loading (tokenizer_future)
     generation_defaults: dict
     description: str
     # True for an engine directory: kiln-named, already fused tensors (load_fused_weights).
@@ -54,13 +55,15 @@ class ModelSource:
     unquantized_layers: tuple[str, ...] = ()
     # An engine's outlier columns (`kiln build --outlier-columns`): layer name -> input channels.
     outlier_channels: dict[str, list[int]] | None = None
+    # The tokenizer loading on a thread (find_model_source(background_tokenizer=True)).
+    tokenizer_future: Future[Tokenizer | None] | None = None
 
 
 @dataclass
 class LoadedModel:
     model: CausalLM
     config: ModelConfig
-    tokenizer: object | None
+    tokenizer: Tokenizer | None
     generation_defaults: dict
     description: str
     load_seconds: float
@@ -109,7 +112,7 @@ def find_model_source(
     rank (other sources hold the whole model, which each rank cuts as it loads). `device`: where
     an engine directory's weights are read to (its shards go there directly).
     `background_tokenizer`: an engine directory's tokenizer loads on a thread while the weights
-    are read, and `tokenizer` is then a Future (load_model resolves it). `engine_kernels`: an
+    are read, as `tokenizer_future` (load_model waits for it). `engine_kernels`: an
     engine directory's compiled kernels go into the Triton cache before anything compiles
     (EngineConfig.engine_kernel_cache)."""
     from kiln.checkpoint.default_model import default_model_path
@@ -132,6 +135,7 @@ def find_model_source(
         raise ModelLoadError(
             f"{model!r} is an architecture preset: it has no weights; pass load_format='dummy'"
         )
+    assert model is not None, "the default model is a .gguf file"
     return _hub_source(model)
 
 
@@ -140,7 +144,11 @@ def _gguf_source(path: str) -> ModelSource:
 
     gguf_model = GGUFModel(path)
     return ModelSource(
-        gguf_model.config, gguf_model.tensors(), gguf_model.tokenizer(), {}, f"GGUF {path}"
+        gguf_model.config,
+        gguf_model.tensors(),
+        from_transformers(gguf_model.tokenizer()),
+        {},
+        f"GGUF {path}",
     )
 
 
@@ -165,10 +173,10 @@ def _engine_dir_source(
         # (7.9 s of SmolLM2's engine load on the loaded 2-core CPU); the weight reader's threads
         # mostly release the GIL, so the two overlap.
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-tokenizer")
-        tokenizer: object = pool.submit(_load_engine_tokenizer, path)
+        tokenizer, future = None, pool.submit(_load_engine_tokenizer, path)
         pool.shutdown(wait=False)
     else:
-        tokenizer = _load_engine_tokenizer(path)
+        tokenizer, future = _load_engine_tokenizer(path), None
     return ModelSource(
         engine.config,
         iter_engine_weights(engine, weights_dir, device),
@@ -185,6 +193,7 @@ def _engine_dir_source(
         lm_head_quantization=engine.manifest.get("lm_head_quantization", "none"),
         unquantized_layers=tuple(engine.manifest.get("unquantized_layers") or ()),
         outlier_channels=engine.manifest.get("outlier_channels"),
+        tokenizer_future=future,
     )
 
 
@@ -268,7 +277,7 @@ def lm_head_method(engine_config: EngineConfig, source: ModelSource) -> LinearMe
     return Fp8LinearMethod("dynamic")
 
 
-def _load_engine_tokenizer(path: str) -> object | None:
+def _load_engine_tokenizer(path: str) -> Tokenizer | None:
     """A plain fast tokenizer (what a GGUF source's becomes) loads without AutoTokenizer, whose
     imports add seconds to a cold start (3 s on a 2-core CPU host); others go through it."""
     config_file = os.path.join(path, "tokenizer_config.json")
@@ -279,7 +288,7 @@ def _load_engine_tokenizer(path: str) -> object | None:
             from transformers import PreTrainedTokenizerFast
 
             try:
-                return PreTrainedTokenizerFast.from_pretrained(path)
+                return from_transformers(PreTrainedTokenizerFast.from_pretrained(path))
             except Exception as exc:  # a broken tokenizer file must say which directory
                 raise ModelLoadError(f"could not load the tokenizer in {path}: {exc}") from exc
     return _load_tokenizer(path)
@@ -305,7 +314,7 @@ def _hf_dir_source(path: str) -> ModelSource:
     return source
 
 
-def _load_tokenizer(path: str) -> object | None:
+def _load_tokenizer(path: str) -> Tokenizer | None:
     has_tokenizer = any(
         os.path.exists(os.path.join(path, f))
         for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -315,7 +324,7 @@ def _load_tokenizer(path: str) -> object | None:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return from_transformers(AutoTokenizer.from_pretrained(path))
     except Exception as exc:  # a broken tokenizer file must say which directory
         raise ModelLoadError(f"could not load the tokenizer in {path}: {exc}") from exc
 
@@ -332,7 +341,8 @@ def _dummy_source(name: str) -> ModelSource:
         from kiln.checkpoint.gguf_loader import GGUFModel
 
         gguf_model = GGUFModel(name)
-        return ModelSource(gguf_model.config, None, gguf_model.tokenizer(), {}, f"dummy {name}")
+        tokenizer = from_transformers(gguf_model.tokenizer())
+        return ModelSource(gguf_model.config, None, tokenizer, {}, f"dummy {name}")
     known = ", ".join(sorted(PRESETS))
     raise ModelLoadError(
         f"load_format='dummy' needs a preset ({known}), an HF directory or a GGUF file; "
@@ -425,15 +435,15 @@ def load_model(
     if source.kv_scales is not None and (source.kv_scales_in_weights or float8_cache):
         from kiln.models.kv_scales import fold_kv_scales
 
-        scales = [tuple(s) for s in source.kv_scales]
+        scales = [(k, v) for k, v in source.kv_scales]  # pairs, also when read from JSON
         start = model.layer_start  # a pipeline stage holds layers start..start + len - 1
         scales = scales[start : start + len(model.layers)]
         fold_kv_scales(model, scales, into_weights=not source.kv_scales_in_weights)
     model.eval()
     clock.mark("after_s")
     tokenizer = source.tokenizer
-    if isinstance(tokenizer, Future):
-        tokenizer = tokenizer.result()  # its error, if any, is the load's
+    if source.tokenizer_future is not None:
+        tokenizer = source.tokenizer_future.result()  # its error, if any, is the load's
         clock.mark("tokenizer_wait_s")  # what of the tokenizer's load the weights did not hide
     return LoadedModel(
         model,

@@ -23,11 +23,13 @@ import math
 import mmap
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 
 from kiln.attention.backend import get_attention_backend
 from kiln.distributed.comm import broadcast_sampled
+from kiln.distributed.parallel_state import ParallelContext
 from kiln.envs import envs
 from kiln.interfaces import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kiln.kernel_cache import compile_watch
@@ -49,8 +51,12 @@ from kiln.runtime.step_hooks import (
     StepTimer,
     TargetHiddenStateTap,
 )
-from kiln.sampling.sampler import Sampler, SamplerOutput, logprobs_to_lists
+from kiln.sampling.sampler import LogprobsTensors, Sampler, SamplerOutput, logprobs_to_lists
 from kiln.spec_decode.proposer import Proposer
+from kiln.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 logger = logging.getLogger("kiln")
 
@@ -69,7 +75,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         enforce_eager: bool = False,
         kv_cache_dtype: torch.dtype | None = None,
-        tokenizer: object | None = None,
+        tokenizer: Tokenizer | None = None,
         proposer: Proposer | None = None,
     ) -> None:
         self.model = model
@@ -86,7 +92,7 @@ class ModelRunner:
         self.max_model_len = max_model_len or model.cos_sin_cache.shape[0]
         # Tensor/pipeline parallel (kiln/distributed): None in one process. `cfg` is then this
         # rank's shard (its KV heads and layers size the cache below).
-        self.parallel = getattr(model, "parallel", None)
+        self.parallel: ParallelContext | None = getattr(model, "parallel", None)
         kernels = resolve_kernel_backend(attention_backend, self.device)
         self.ops = kernel_ops(kernels)
         self.backend = get_attention_backend(kernels, self.device)
@@ -95,7 +101,10 @@ class ModelRunner:
         kv_dtype = kv_cache_dtype or self.dtype
         shape = (num_kv_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [
-            tuple(empty_cache(*shape, kv_dtype, self.device, _zeros) for _ in "kv")
+            (
+                empty_cache(*shape, kv_dtype, self.device, _zeros),
+                empty_cache(*shape, kv_dtype, self.device, _zeros),
+            )
             for _ in range(cfg.num_hidden_layers)
         ]
         self._all_caches = [cache for pair in self.kv_caches for cache in pair]  # block copies
@@ -114,7 +123,8 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None  # the latest step's sampled ids (device)
         # TP/PP ranks other than the driver: the pending receive of the driver's ids (a
         # torch.distributed Work), waited on only when they are read.
-        self._sampled_arrival = self._last_arrival = None
+        self._sampled_arrival: dist.Work | None = None
+        self._last_arrival: dist.Work | None = None
         self._num_sampling_steps = 0  # steps that sampled so far (CachedRequestState.pending_step)
         self._host_slot = 0  # which of the two pinned buffers the next step's ids land in
         # A step whose every sampling row verified drafts samples no ids: this, never written.
@@ -142,7 +152,7 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
-    def _features(self, tokenizer: object | None) -> list[StepHook]:
+    def _features(self, tokenizer: Tokenizer | None) -> list[StepHook]:
         """The step's hooks, in the order each point calls them."""
         hooks: list[StepHook] = []
         proposer = self.proposer
@@ -253,6 +263,7 @@ class ModelRunner:
         if batch.num_pending_inputs:
             self._fill_pending_inputs(batch.num_pending_inputs)
         if graph_key is not None:
+            assert self.graphs is not None  # a graph key comes from the graphs
             hidden = self.graphs.replay(graph_key)
         else:
             hidden = self.model(
@@ -329,6 +340,7 @@ class ModelRunner:
         metadata = self.sampling.build(step.states) if step.states else None
         hook = self.hooks.deferring(step)
         if hook is not None:
+            assert metadata is not None, "a hook defers only a step with rows to sample"
             step.deferred = DeferredSample(logits, metadata, hook)
             self._deferred = step
             self._mark_pending(step)
@@ -353,6 +365,7 @@ class ModelRunner:
         """A step's rows will have a token in its sampled ids (launched now, or when its
         deferred sampler is): the next step reads them from there."""
         self._num_sampling_steps += 1
+        assert step.states is not None  # set before its sampler is launched or deferred
         for index, state in enumerate(step.states):
             state.num_pending += 1
             state.pending_index = index
@@ -393,15 +406,18 @@ class ModelRunner:
         """TP/PP: the last stage's tensor ranks make the logits together (a collective), the
         driver (global rank 0) samples, and every rank gets the ids (so each keeps the same
         token history). Logprobs exist on the driver only, the one rank whose output is read."""
-        sampled = logprobs = None
+        parallel, states = self.parallel, step.states
+        assert parallel is not None and states is not None  # (TP/PP; a step that samples)
+        sampled: torch.Tensor | None = None
+        logprobs: LogprobsTensors | None = None
         if self.model.computes_logits:
             logits = self.model.compute_logits(_logits_rows(hidden, batch), self.ops)
-            if self.parallel.layout.samples:
+            if parallel.layout.samples:
                 logits = self.hooks.on_logits(step, logits)  # (beams; no drafts or grammars)
-                result = self.sampler(logits, self.sampling.build(step.states))
+                result = self.sampler(logits, self.sampling.build(states))
                 sampled, logprobs = result.sampled_token_ids, result.logprobs
         sampled, self._sampled_arrival = broadcast_sampled(
-            self.parallel, sampled, len(step.states), self.device
+            parallel, sampled, len(states), self.device
         )
         self._mark_pending(step)
         self._sampled(step, SamplerOutput(sampled, logprobs))
@@ -412,7 +428,9 @@ class ModelRunner:
             self._launch_deferred_sample()
         if self._in_flight[0].output is None:
             self._finish(self._in_flight[0])
-        return self._in_flight.popleft().output
+        output = self._in_flight.popleft().output
+        assert output is not None  # _finish made it
+        return output
 
     def _resolve_in_flight(self) -> None:
         self._launch_deferred_sample()
@@ -426,6 +444,7 @@ class ModelRunner:
         if self._last_arrival is not None:  # TP/PP: the driver's ids have landed (stream order)
             self._last_arrival.wait()
             self._last_arrival = None
+        assert self._last_sampled is not None  # pending inputs follow a step that sampled
         buf.input_ids.index_copy_(
             0, buf.pending_dst[:k], self._last_sampled.index_select(0, buf.pending_src[:k])
         )
@@ -439,10 +458,11 @@ class ModelRunner:
             self.hooks.copy_to_host(step)
             return
         self._host_slot ^= 1
-        num_ids = step.sampled.shape[0]
+        sampled = result.sampled_token_ids  # (step.sampled, set by the caller)
+        num_ids = sampled.shape[0]
         host = self.inputs.sampled_cpu[self._host_slot][:num_ids]
         if num_ids:  # (none: every row verified drafts, whose ids the verification copies)
-            host.copy_(step.sampled, non_blocking=True)
+            host.copy_(sampled, non_blocking=True)
         step.host_sampled = host
         if result.logprobs is not None:
             step.host_logprobs = result.logprobs.to_host()
@@ -455,35 +475,41 @@ class ModelRunner:
         the hooks."""
         t4 = t5 = t6 = time.perf_counter()
         out = StepOutputs()
-        if step.states is not None:
+        states = step.states
+        if states is not None:
             if step.arrival is not None:  # a rank other than the driver: its ids, received
                 step.arrival.wait()
                 if step.arrival is self._last_arrival:
                     self._last_arrival = None
+                assert step.sampled is not None  # received into it
                 step.arrival, step.host_sampled = None, step.sampled.cpu()
             if step.done is not None:
                 step.done.synchronize()
             t5 = time.perf_counter()
-            self._take_tokens(step, out)
+            self._take_tokens(step, states, out)
         self.hooks.finish(step, out)
         step.output = out.freeze()
-        if step.states is not None:
+        if states is not None:
             t6 = time.perf_counter()
         step.times = (*step.times, t4, t5, t6)
         self.hooks.collected(step)
 
-    def _take_tokens(self, step: InFlightStep, out: StepOutputs) -> None:
-        """The sampled ids (and logprobs) on the host, into the rows' states and the output."""
+    def _take_tokens(
+        self, step: InFlightStep, states: list[CachedRequestState], out: StepOutputs
+    ) -> None:
+        """The sampled ids (and logprobs) on the host, into the rows' states (`step.states`)
+        and the output."""
+        assert step.host_sampled is not None  # copied (or received) before the step finishes
         out.row_token_ids = sampled = step.host_sampled.tolist()
         sampled_ids = out.sampled_token_ids
-        for state, token_id in zip(step.states, sampled):
+        for state, token_id in zip(states, sampled):
             state.output_token_ids.append(token_id)
             state.token_ids.append(token_id)
             state.num_pending -= 1
             sampled_ids[state.req_id] = [token_id]
         if step.host_logprobs is not None:
             rows = logprobs_to_lists(step.host_logprobs)
-            for i, state in enumerate(step.states):
+            for i, state in enumerate(states):
                 n = state.sampling_params.logprobs
                 if n is not None:
                     ids, lps, rank = rows[i]

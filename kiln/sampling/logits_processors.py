@@ -56,6 +56,7 @@ class TokenBitmaskProcessor(LogitsProcessor):
         return metadata.token_bitmask is not None
 
     def apply(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        assert metadata.token_bitmask is not None  # applied only where is_active
         forbidden = forbidden_by_bitmask(metadata.token_bitmask, logits.shape[-1])
         return logits.masked_fill(forbidden, float("-inf"))
 

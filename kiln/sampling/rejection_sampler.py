@@ -41,20 +41,20 @@ def rejection_sample(
     draft = to_device(draft_token_ids, torch.long, device)  # pinned: no wait for the stream
     has_draft = draft >= 0
     safe_draft = draft.clamp(min=0)[:, None]
-    accepted = recovered = None
+    greedy = None
     if greedy_ids is not None:
-        accepted = has_draft & (greedy_ids == draft)
-        recovered = greedy_ids
-    if target_probs is not None:
-        r_accepted, r_recovered = _random_rows(
-            target_probs, draft_token_ids, has_draft, safe_draft, generators, draft_probs
-        )
-        if accepted is None:
-            accepted, recovered = r_accepted, r_recovered
-        else:
-            accepted = torch.where(is_greedy, accepted, r_accepted)
-            recovered = torch.where(is_greedy, recovered, r_recovered)
-    return accepted, recovered
+        greedy = has_draft & (greedy_ids == draft), greedy_ids
+    if target_probs is None:
+        assert greedy is not None, "rows without target probs are greedy rows"
+        return greedy
+    r_accepted, r_recovered = _random_rows(
+        target_probs, draft_token_ids, has_draft, safe_draft, generators, draft_probs
+    )
+    if greedy is None:
+        return r_accepted, r_recovered
+    accepted, recovered = greedy
+    accepted = torch.where(is_greedy, accepted, r_accepted)
+    return accepted, torch.where(is_greedy, recovered, r_recovered)
 
 
 def _random_rows(
@@ -67,8 +67,7 @@ def _random_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n = probs.shape[0]
     p_d = probs.gather(1, safe_draft)[:, 0]
-    one_hot = draft_probs is None
-    q = torch.zeros_like(probs).scatter_(1, safe_draft, 1.0) if one_hot else draft_probs
+    q = torch.zeros_like(probs).scatter_(1, safe_draft, 1.0) if draft_probs is None else draft_probs
     q_d = q.gather(1, safe_draft)[:, 0]
     # Uniforms first, then the recovered draw: each row's generator is read in a fixed order.
     u = torch.rand(n, device=probs.device) if any(g is None for g in generators) else None

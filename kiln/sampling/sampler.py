@@ -94,7 +94,8 @@ class Sampler:
 
         logprobs = None
         if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+            assert md.max_num_logprobs is not None  # raw_logprobs are taken only then
+            logprobs = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def _sample(  # [B] int64
@@ -102,6 +103,7 @@ class Sampler:
     ) -> torch.Tensor:
         greedy, probs = self._target(logits, md, processors)
         if probs is None:
+            assert greedy is not None, "no probs: every row is greedy"
             return greedy
         sampled = random_sample(probs, md.generators)
         return sampled if greedy is None else torch.where(md.temperature == 0, greedy, sampled)

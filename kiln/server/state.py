@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, TypeAlias, TypeVar, cast
+from typing import Annotated, TypeAlias, TypeVar
 
 from fastapi import Depends
 from starlette.concurrency import run_in_threadpool
@@ -37,7 +37,7 @@ class ServerState:
     def __post_init__(self) -> None:
         # Read once: immutable after the engine is built, so safe from the event-loop thread.
         info = self.engine.info
-        self.tokenizer = cast("Tokenizer | None", self.engine.tokenizer)  # the loader's
+        self.tokenizer = self.engine.tokenizer
         self.max_model_len: int = info.max_model_len
         self.vocab_size: int = info.vocab_size
         self.defaults: SamplingParams = info.default_params

@@ -10,7 +10,7 @@ import torch
 
 from kiln.config import EngineConfig
 from kiln.errors import ModelLoadError
-from kiln.models.llama import LlamaForCausalLM
+from kiln.models.base import CausalLM
 from kiln.spec_decode.config import SpeculativeConfig
 from kiln.spec_decode.eagle3.head import Eagle3Head, load_eagle3_head
 from kiln.spec_decode.proposer import Proposer
@@ -23,7 +23,7 @@ def load_draft_model(
     device: torch.device,
     dtype: torch.dtype,
     load_model: Callable,  # kiln.runtime.model_loader.load_model (runtime sits above this)
-) -> LlamaForCausalLM:
+) -> CausalLM:
     draft_config = dataclasses.replace(
         config, model=spec.model, speculative_config=None, quantization="none"
     )
@@ -47,6 +47,7 @@ def load_eagle3(
 ) -> Eagle3Head:  # target: kiln.runtime.model_loader.LoadedModel
     """The EAGLE-3 head, checked against the target, and the target told to expose the hidden
     states it fuses (rows for the largest forward: a prefill budget or a graph's padded batch)."""
+    assert spec.model is not None, "SpeculativeConfig requires the head's path for eagle3"
     head = load_eagle3_head(spec.model, target.model, device, dtype)
     rows = max(config.max_num_batched_tokens, config.max_num_seqs)
     target.model.enable_aux_hidden_states(head.aux_layer_ids, rows)
@@ -77,7 +78,7 @@ def build_proposer(
     spec: SpeculativeConfig,
     vocab_size: int,
     *,
-    draft_model: LlamaForCausalLM | Eagle3Head | None,
+    draft_model: CausalLM | Eagle3Head | None,
     num_blocks: int,
     block_size: int,
     max_num_seqs: int,
@@ -101,6 +102,7 @@ def build_proposer(
         # sequence's K draft positions past what the target holds (a few blocks a sequence, not
         # in the plan: the plan's safety margin holds them for a small draft).
         extra = max_num_seqs * -(-(k + 1) // block_size)
+        assert draft_model is not None and not isinstance(draft_model, Eagle3Head)
         return DraftModelProposer(
             draft_model,
             k,
@@ -115,7 +117,9 @@ def build_proposer(
         from kiln.spec_decode.eagle3.proposer import Eagle3Proposer
 
         head = draft_model
+        assert isinstance(head, Eagle3Head)
         embedding = head.embed_tokens if head.embed_tokens is not None else target_embedding
+        assert embedding is not None, "a head without an embedding shares the target's"
         extra = max_num_seqs * -(-(k + 1) // block_size)  # as for draft_model, above
         return Eagle3Proposer(
             head,

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kiln.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 
 class DraftRequest(Protocol):
@@ -38,8 +42,8 @@ class Proposer(ABC):
         self,
         requests: Sequence,  # the step's CachedRequestStates, in row order
         num_scheduled: Sequence[int],
-        query_start_loc: object,  # np.ndarray [len(requests) + 1]: each request's first row
-        aux_hidden_states: object,  # torch.Tensor [>= rows, width]: the target's buffer
+        query_start_loc: np.ndarray,  # [len(requests) + 1]: each request's first row
+        aux_hidden_states: torch.Tensor,  # [>= rows, width]: the target's buffer
     ) -> None:
         """Only where `uses_target_hidden_states`: called after each target forward, before
         the requests' computed-token counts move past the step's positions."""

@@ -60,8 +60,11 @@ def default_fill_threads() -> int:
     runs the engine loop, the tokenizer and CUDA's own threads), at most MAX_FILL_THREADS."""
     if envs().grammar_fill_threads > 0:
         return envs().grammar_fill_threads
-    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count())
-    return max(1, min(MAX_FILL_THREADS, len(usable) // 2))
+    if hasattr(os, "sched_getaffinity"):
+        usable = len(os.sched_getaffinity(0))
+    else:
+        usable = os.cpu_count() or 1
+    return max(1, min(MAX_FILL_THREADS, usable // 2))
 
 
 @dataclass
@@ -293,7 +296,8 @@ class GrammarBatch:
         matcher queued twice, which the runner does not do, takes a second round)."""
         while queued:
             seen: set[int] = set()
-            batch, later = [], []
+            batch: list[tuple[_Row, int]] = []
+            later: list[tuple[_Row, int]] = []
             for item in queued:
                 row = item[0]
                 if row.ended:

@@ -99,6 +99,14 @@ def test_the_cache_returns_a_built_engine_without_loading(tiny_source, tmp_path,
     assert in_cache.engine_id == first.engine_id
 
 
+def test_an_empty_output_directory_builds_into_the_cache(tiny_source, tmp_path, monkeypatch):
+    # `kiln build -o ""` is no output directory: the engine lives in the cache, as without -o.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    manifest = build_engine(tiny_source, "", BuildOptions(), None)
+    engine = tmp_path / "kiln" / "engines" / manifest.engine_id
+    assert (engine / MANIFEST_FILE).is_file()
+
+
 def test_the_memory_plan_is_printed_before_any_weight_loads(
     tiny_source, tmp_path, monkeypatch, capsys
 ):

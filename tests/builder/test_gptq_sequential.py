@@ -157,3 +157,16 @@ def test_the_sequential_roundings_parameters_name_the_engine(chat_source, tmp_pa
     monkeypatch.setattr(build, "SEQUENTIAL_DAMP", 0.5)
     second = build_engine(chat_source, str(tmp_path / "b"), options, None)
     assert first.engine_id != second.engine_id
+
+
+def test_a_source_without_a_tokenizer_is_refused_by_name(tmp_path):
+    """gptq-sequential calibrates on text: a source without a tokenizer is a BuildError saying
+    so, also where no other calibration asked for the tokenizer first."""
+    from tests.conftest import build_tiny_hf_model
+
+    source = str(tmp_path / "src")
+    build_tiny_hf_model("llama-gqa", source)  # no tokenizer files
+    options = BuildOptions(quantization="fp8-dynamic", weight_rounding="gptq-sequential",
+                           accuracy_check=False)  # fmt: skip
+    with pytest.raises(BuildError, match=r"gptq-sequential.*no tokenizer"):
+        build_engine(source, str(tmp_path / "out"), options, None)

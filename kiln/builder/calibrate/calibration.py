@@ -15,10 +15,21 @@ from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE
 from kiln.layers.linear import Linear, LinearMethod
 from kiln.models.base import CausalLM
 
-ObserverT = TypeVar("ObserverT", bound=LinearMethod)
+
+class WrappingMethod(LinearMethod):
+    """A build-time method that wraps a built layer's own (`inner`) for a pass over calibration
+    text, observing or rounding from its inputs; the layer gets `inner` back afterwards."""
+
+    inner: LinearMethod
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
+        raise RuntimeError("an observing method wraps a built layer")
 
 
-class _ObservingMethod(LinearMethod):
+ObserverT = TypeVar("ObserverT", bound=WrappingMethod)
+
+
+class _ObservingMethod(WrappingMethod):
     """Wraps a layer's method: records max |input| of every apply, otherwise the wrapped
     method's arithmetic. It offers the blocks no fused operands, so they run the norm, then this
     apply on the normed input: the tensor a static scale will quantize."""
@@ -26,9 +37,6 @@ class _ObservingMethod(LinearMethod):
     def __init__(self, inner: LinearMethod) -> None:
         self.inner = inner
         self.absmax = 0.0
-
-    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
-        raise RuntimeError("an observing method wraps a built layer")
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         if x.numel():
@@ -72,7 +80,11 @@ def observe_projections(
     wrapped: dict[str, tuple[Linear, ObserverT]] = {}
     for name, module in model.named_modules():
         if isinstance(module, Linear) and name != "lm_head":
-            observer = make_observer(module.method) if named is None else named(module.method, name)
+            if named is not None:
+                observer = named(module.method, name)
+            else:
+                assert make_observer is not None, "observe_projections takes one of the two"
+                observer = make_observer(module.method)
             wrapped[name] = (module, observer)
             module.method = observer
     try:
@@ -83,16 +95,13 @@ def observe_projections(
     return {name: observer for name, (_, observer) in wrapped.items()}
 
 
-class ChannelAmaxObserver(LinearMethod):
+class ChannelAmaxObserver(WrappingMethod):
     """Wraps a layer's method: keeps each input channel's largest |x| over every apply (fp32, on
     the input's device), otherwise the wrapped method's arithmetic."""
 
     def __init__(self, inner: LinearMethod) -> None:
         self.inner = inner
         self.amax: torch.Tensor | None = None
-
-    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
-        raise RuntimeError("an observing method wraps a built layer")
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -113,4 +122,4 @@ def calibrate_channel_amax(
     unseen = [name for name, observer in observers.items() if observer.amax is None]
     if unseen:
         raise ValueError(f"calibration saw no input to {len(unseen)} layers, e.g. {unseen[:3]}")
-    return {name: observer.amax.cpu() for name, observer in observers.items()}
+    return {name: o.amax.cpu() for name, o in observers.items() if o.amax is not None}

@@ -17,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-from kiln.builder.calibrate.calibration import observe_projections
+from kiln.builder.calibrate.calibration import WrappingMethod, observe_projections
 from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE
 from kiln.layers.linear import Linear, LinearMethod
 from kiln.models.base import CausalLM
@@ -94,7 +94,7 @@ def round_with_factor(
     return codes, scale.float()
 
 
-class HessianObserver(LinearMethod):
+class HessianObserver(WrappingMethod):
     """Wraps a layer's method: adds x x^T of every input row of apply to `hessian` (fp32, on the
     input's device), otherwise the wrapped method's arithmetic. It offers the blocks no fused
     operands, so they run the norm, then this apply: it sees what the projection multiplies."""
@@ -103,9 +103,6 @@ class HessianObserver(LinearMethod):
         self.inner = inner
         self.hessian: torch.Tensor | None = None
         self.rows = 0
-
-    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
-        raise RuntimeError("an observing method wraps a built layer")
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).float()
@@ -128,7 +125,9 @@ def calibrate_hessians(
     unseen = [name for name, observer in observers.items() if observer.hessian is None]
     if unseen:
         raise ValueError(f"calibration saw no input to {len(unseen)} layers, e.g. {unseen[:3]}")
-    return {name: (observer.hessian / observer.rows).cpu() for name, observer in observers.items()}
+    return {
+        name: (o.hessian / o.rows).cpu() for name, o in observers.items() if o.hessian is not None
+    }
 
 
 class GPTQRows:

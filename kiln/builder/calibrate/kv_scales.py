@@ -11,9 +11,11 @@ from types import ModuleType
 
 import torch
 
+from kiln.builder.calibrate.calibration import WrappingMethod
 from kiln.kernels.reference import FP8_E4M3_MAX
 from kiln.layers.linear import Linear, LinearMethod
 from kiln.models.base import CausalLM
+from kiln.models.blocks import decoder_layers
 from kiln.models.kv_scales import KVScales
 
 
@@ -24,7 +26,7 @@ def power_of_two_scale(absmax: float) -> float:
     return 2.0 ** math.ceil(math.log2(absmax / FP8_E4M3_MAX))
 
 
-class _KVObserver(LinearMethod):
+class _KVObserver(WrappingMethod):
     """Wraps a qkv_proj's method: records the key (pair-norm) and value magnitudes its attention
     block writes to the cache for its output (`keys_values`, the block's own account)."""
 
@@ -35,9 +37,6 @@ class _KVObserver(LinearMethod):
     ) -> None:
         self.inner, self.keys_values = inner, keys_values
         self.k_absmax = self.v_absmax = 0.0
-
-    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
-        raise RuntimeError("an observing method wraps a built layer")
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         out = self.inner.apply(layer, ops, x)
@@ -58,7 +57,7 @@ def calibrate_kv_scales(
     """Each layer's (k_scale, v_scale), powers of two, from `run(token_batches)` over `model`
     (as calibrate_input_scales takes them: prefills only, every token computed)."""
     observers = []
-    for layer in model.layers:
+    for layer in decoder_layers(model):
         attn = layer.self_attn
         proj = attn.qkv_proj
         observer = _KVObserver(proj.method, attn.cache_keys_values)

@@ -15,7 +15,7 @@ Returns each projection's float8 codes and scales; the build loads them as they 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -23,11 +23,12 @@ import torch
 
 from kiln.attention.backend import AttentionBackend, AttentionMetadata
 from kiln.builder.calibrate import gptq
+from kiln.builder.calibrate.calibration import WrappingMethod
 from kiln.kernels.kv_layout import empty_cache
 from kiln.kernels.reference import quantize_fp8
 from kiln.layers.linear import Linear, LinearMethod
-from kiln.models.blocks import DecoderLayer, StepInputs
-from kiln.models.decoder import DecoderForCausalLM
+from kiln.models.base import CausalLM
+from kiln.models.blocks import DecoderLayer, StepInputs, decoder_layers
 from kiln.models.packed_prefill import packed_prefill_metadata
 
 _BLOCK_SIZE = 16  # the calibration's own KV cache's block size (any works: one prefill)
@@ -45,14 +46,14 @@ class RoundingSpec:
 
 
 def round_sequentially(
-    model: DecoderForCausalLM,
+    model: CausalLM,
     ops: ModuleType,
     backend: AttentionBackend,
     token_batches: list[list[int]],
     spec: RoundingSpec,
     input_scales: dict[str, float] | None,
     kept: Collection[str] = (),
-    on_layer: Callable[[], None] | None = None,
+    on_layer: Callable[[], object] | None = None,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Layer name -> (float8 codes [out, in], fp32 scales [out, 1]) of every decoder projection
     of `model` (unquantized, TP=1 and one pipeline stage), rounded layer after layer over
@@ -66,7 +67,7 @@ def round_sequentially(
     inputs = StepInputs(ops, backend, step.positions, model.cos_sin_cache, step.metadata)
     hidden, residual = model.embed_tokens(step.input_ids), None
     rounded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for index, layer in enumerate(model.layers):
+    for index, layer in enumerate(decoder_layers(model)):
         projections = _projections(layer, f"layers.{model.layer_start + index}")
         rounders = {
             name: _Rounder(p.method, spec, None if input_scales is None else input_scales[name])
@@ -93,7 +94,7 @@ class _Step:
     v_cache: torch.Tensor
 
 
-def _packed_prefill(model: DecoderForCausalLM, token_batches: list[list[int]]) -> _Step:
+def _packed_prefill(model: CausalLM, token_batches: list[list[int]]) -> _Step:
     """Every window as one sequence of one prefill step, each in its own blocks."""
     cfg, device = model.config, model.device
     lens = [len(b) for b in token_batches]
@@ -124,7 +125,7 @@ def _projections(layer: DecoderLayer, prefix: str) -> dict[str, Linear]:
 class _wrapped:
     """Installs `methods` (name -> wrapping method) on `projections` for a with-block."""
 
-    def __init__(self, projections: dict[str, Linear], methods: dict[str, LinearMethod]):
+    def __init__(self, projections: dict[str, Linear], methods: Mapping[str, WrappingMethod]):
         self.pairs = [(projections[n], m) for n, m in methods.items()]
 
     def __enter__(self) -> None:
@@ -136,16 +137,13 @@ class _wrapped:
             module.method = method.inner
 
 
-class _Rounder(LinearMethod):
+class _Rounder(WrappingMethod):
     """On its one call (the packed prefill): rounds the layer's weight from the input it is
     given, then answers as the float8 engine would (ops.fp8_linear with those codes)."""
 
     def __init__(self, inner: LinearMethod, spec: RoundingSpec, input_scale: float | None) -> None:
         self.inner, self.spec, self.input_scale = inner, spec, input_scale
         self.result: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
-        raise RuntimeError("an observing method wraps a built layer")
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         if self.result is not None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.models.base import CausalLM
+from kiln.models.blocks import decoder_layers
 from kiln.models.config import ModelConfig
 
 # The projections whose input can be divided exactly by the op before them.
@@ -81,7 +82,7 @@ def smoothing_factors(
     if model.parallel is not None:
         raise ValueError("smoothing factors come from the whole (unsharded) model")
     factors = {}
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(decoder_layers(model)):
         attn = layer.self_attn
         for kind, proj in (
             ("qkv_proj", attn.qkv_proj),

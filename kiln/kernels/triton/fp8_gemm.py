@@ -57,7 +57,7 @@ def scaled_to_e4m3(v, scale, inv_scale, DYNAMIC: tl.constexpr, FP8_MAX: tl.const
     -0 stays -0 (r is +0 there, and +0 * -inv_scale + -0 is -0). With a static scale q is
     clamped first, so that an overflow cannot make inf - inf; a dynamic scale (the row's
     absmax / 448) bounds q by 448 already.
-    tests/test_fp8_reciprocal.py checks the formula against the division at every bf16 ratio.
+    tests/kernels/test_fp8_reciprocal.py checks the formula against the division at every bf16 ratio.
     The interpreter divides (numpy's division is IEEE; an emulated fma may round twice)."""
     if INTERPRETED:
         q = round_to_e4m3_grid(tl.clamp(v / scale, -FP8_MAX, FP8_MAX))
@@ -176,7 +176,7 @@ def quantize_fp8(
     else:
         out = aligned_rows(num_rows, k + channels.numel(), x.device)
     dynamic = scale is None
-    if dynamic:
+    if scale is None:
         scale_arg = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
     else:
         assert scale.numel() == 1 and scale.dtype == torch.float32

@@ -264,7 +264,7 @@ def silu_and_mul_quant_fp8(
     else:
         out = aligned_rows(num_rows, d + channels.numel(), x.device)
     dynamic = input_scale is None
-    if dynamic:
+    if input_scale is None:
         scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
     else:
         assert input_scale.numel() == 1 and input_scale.dtype == torch.float32

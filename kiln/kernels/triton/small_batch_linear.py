@@ -635,13 +635,16 @@ def _launch_fp8_plain(
 ) -> torch.Tensor:
     """One row is quantized inside the kernel; a few rows by quantize_fp8's kernel first (inside
     the matmul's loop it would quantize a whole 16-row tile per step, padding included)."""
-    scales = {"weight_scale": weight_scale}
     if x2.shape[0] == 1:
-        return _launch(_PLAIN, x2, weight, bias, gated=gated, input_scale=input_scale, **scales)
+        return _launch(
+            _PLAIN, x2, weight, bias, gated=gated, weight_scale=weight_scale,
+            input_scale=input_scale,
+        )  # fmt: skip
     x_fp8, x_scale = fp8_gemm.quantize_fp8(x2, input_scale)
     return _launch(
-        _PLAIN, x_fp8, weight, bias, gated=gated, input_scale=x_scale, out_dtype=x2.dtype, **scales
-    )
+        _PLAIN, x_fp8, weight, bias, gated=gated, weight_scale=weight_scale, input_scale=x_scale,
+        out_dtype=x2.dtype,
+    )  # fmt: skip
 
 
 def _fused_norm_fits(
@@ -712,18 +715,18 @@ def _launch_norm_fused(
     input_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     x2 = _rows_2d(x)
-    scales = {"weight_scale": weight_scale, "input_scale": input_scale}
     if residual is None:
         out = _launch(
-            _NORM, x2, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated, **scales
-        )
+            _NORM, x2, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated,
+            weight_scale=weight_scale, input_scale=input_scale,
+        )  # fmt: skip
         return out, x
     # A new tensor, never x or residual: every program reads all of those while the others
     # write their slices of the sum.
     summed = torch.empty_like(x2)
     out = _launch(
         _ADD_NORM, x2, weight, bias, _rows_2d(residual), norm_weight, eps, summed, gated=gated,
-        **scales,
+        weight_scale=weight_scale, input_scale=input_scale,
     )  # fmt: skip
     return out, summed.view(x.shape)
 

@@ -6,6 +6,7 @@ What only a build computes (calibration, GPTQ, smoothing, KV scales) is kiln.bui
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Literal
 
 import torch
 
@@ -53,25 +54,23 @@ def linear_method_factory(
         return lambda name: UnquantizedLinearMethod() if name in kept else quantized(name)
     from kiln.layers.quantization.fp8 import Fp8LinearMethod
 
-    def rounding(name: str) -> dict:
+    def fp8(
+        name: str, scheme: Literal["dynamic", "static"], input_scale: float | None = None
+    ) -> LinearMethod:
+        if outlier_channels is not None and name not in outlier_channels:
+            raise ModelLoadError(f"outlier columns: no chosen channels for layer {name!r}")
         if weight_rounders is not None and name not in weight_rounders:
             raise ModelLoadError(f"weight rounding: no rounder for layer {name!r}")
         if rounded is not None and name not in rounded:
             raise ModelLoadError(f"layer-sequential GPTQ: no rounded weights for {name!r}")
-        return {
-            "round_rows": None if weight_rounders is None else weight_rounders[name],
-            "rounded": None if rounded is None else rounded[name],
-        }
-
-    def fp8(name: str, *args: object) -> LinearMethod:
+        round_rows = None if weight_rounders is None else weight_rounders[name]
+        codes = None if rounded is None else rounded[name]
         if outlier_channels is None:
-            return Fp8LinearMethod(*args, **rounding(name))
+            return Fp8LinearMethod(scheme, input_scale, round_rows, codes)
         from kiln.layers.quantization.outlier_columns import OutlierColumnsFp8LinearMethod
 
-        if name not in outlier_channels:
-            raise ModelLoadError(f"outlier columns: no chosen channels for layer {name!r}")
         return OutlierColumnsFp8LinearMethod(
-            *args, channels=outlier_channels[name], **rounding(name)
+            scheme, input_scale, round_rows, codes, channels=outlier_channels[name]
         )
 
     if quantization == "fp8-dynamic":

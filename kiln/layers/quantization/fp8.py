@@ -81,7 +81,7 @@ class Fp8LinearMethod(LinearMethod):
         if param.dtype != torch.float8_e4m3fn or loaded.dtype == torch.float8_e4m3fn:
             param.copy_(loaded)  # the bias, a scale, or weights quantized already (an engine)
             return
-        layer = self._layer()
+        layer = self.layer()
         if self.rounded is not None:  # the same rows of the whole weight's rounding
             codes, scale = self.rounded
             self.store_codes(param, layer.shard_view(codes, shard))
@@ -92,6 +92,13 @@ class Fp8LinearMethod(LinearMethod):
         weight_fp8, scale = self._quantize_rows(loaded.to(param.device))
         self.store_codes(param, weight_fp8)
         layer.shard_view(layer.weight_scale, shard).copy_(scale.view(-1))
+
+    def layer(self) -> Linear:
+        """The layer this method serves (alive while its weights load: it holds the method)."""
+        layer = None if self._layer is None else self._layer()
+        if layer is None:
+            raise RuntimeError("this Fp8LinearMethod serves no layer: create_weights never ran")
+        return layer
 
     def store_codes(self, param: torch.Tensor, codes: torch.Tensor) -> None:
         """The weight's rows from their float8 codes (outlier columns append more)."""

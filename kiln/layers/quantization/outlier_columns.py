@@ -36,10 +36,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import ModuleType
+from typing import Literal
 
 import torch
 
 from kiln.layers.linear import Fp8Input, FusedOperands, Linear
+from kiln.layers.quantization import RowRounder
 from kiln.layers.quantization.fp8 import Fp8LinearMethod
 
 # The GEMM's K must stay a multiple of 16 (torch._scaled_mm's requirement).
@@ -62,8 +64,16 @@ class OutlierColumnsFp8LinearMethod(Fp8LinearMethod):
     """Fp8LinearMethod whose weight is [out, in + n]: the float8 weight, then copies of its
     `channels` columns; apply() appends the channels' remainders to the float8 input."""
 
-    def __init__(self, *args: object, channels: Sequence[int], **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        activation_scheme: Literal["dynamic", "static"],
+        input_scale: float | None = None,
+        round_rows: RowRounder | None = None,
+        rounded: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        channels: Sequence[int],
+    ) -> None:
+        super().__init__(activation_scheme, input_scale, round_rows, rounded)
         if not channels or len(channels) % COLUMN_MULTIPLE:
             raise ValueError(
                 f"outlier columns come in multiples of {COLUMN_MULTIPLE}, got {len(channels)}"
@@ -110,7 +120,7 @@ class OutlierColumnsFp8LinearMethod(Fp8LinearMethod):
     def input_columns(self, layer: Linear, weight: torch.Tensor) -> torch.Tensor:
         """A row-parallel rank's part of the whole [out, in + n] weight (an engine's): its
         input columns, then the appended columns of its channels (zeros for its padding)."""
-        start, length = layer.split.cols
+        start, length = layer.row_parallel_cols()
         whole = weight.view(torch.uint8)
         whole_in = whole.shape[1] - len(self.channels)
         index = [whole_in + (0 if position is None else position) for position in self.slots]
@@ -155,7 +165,7 @@ class OutlierColumnsFp8LinearMethod(Fp8LinearMethod):
     def store_codes(self, param: torch.Tensor, codes: torch.Tensor) -> None:
         k = codes.shape[1]
         param[:, :k].copy_(codes)
-        index = self._layer().outlier_index.to(codes.device)
+        index = self.layer().outlier_index.to(codes.device)
         param[:, k:].copy_(self._appended(codes.view(torch.uint8), index).view(codes.dtype))
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:

@@ -73,9 +73,7 @@ class StepHook:
         first, through `deferred_metadata`."""
         return False
 
-    def deferred_metadata(
-        self, step: InFlightStep, metadata: SamplingMetadata | None
-    ) -> SamplingMetadata | None:
+    def deferred_metadata(self, step: InFlightStep, metadata: SamplingMetadata) -> SamplingMetadata:
         """A deferred step's sampler is launched now, with the metadata returned."""
         return metadata
 

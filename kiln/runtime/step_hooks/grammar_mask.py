@@ -77,12 +77,10 @@ class GrammarMask(StepHook):
         self._start_fill()
         return True
 
-    def deferred_metadata(
-        self, step: InFlightStep, metadata: SamplingMetadata | None
-    ) -> SamplingMetadata | None:
+    def deferred_metadata(self, step: InFlightStep, metadata: SamplingMetadata) -> SamplingMetadata:
         self._start_fill()  # (the runner finished the older steps: it can start now)
         pending, self._fill, self._deferred = self._fill, None, None
-        assert self.grammars is not None and pending is not None and metadata is not None
+        assert self.grammars is not None and pending is not None
         bitmask = self.grammars.finish_fill(pending, self.device)
         return metadata if bitmask is None else replace(metadata, token_bitmask=bitmask)
 

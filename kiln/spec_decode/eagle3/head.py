@@ -48,6 +48,10 @@ def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
 
 
 class Eagle3Head(nn.Module):
+    # Registered buffers, typed here (nn.Module's attribute lookup types them Tensor | Module).
+    draft_to_target: torch.Tensor
+    cos_sin_cache: torch.Tensor
+
     def __init__(
         self,
         cfg: ModelConfig,  # the head's: hidden size, heads, MLP width, rope; 1 layer

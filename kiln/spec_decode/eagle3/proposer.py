@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -143,7 +144,8 @@ class Eagle3Proposer(Proposer):
         drafts = [self.head.draft_token_ids(self.ops, normed)]
         states = [s for _, s, _ in work]
         for j in range(1, k):
-            chunks = [((0,), end + j - 1) for _, _, end in work]  # one token each, on the device
+            # One token each, on the device.
+            chunks: list[tuple[Sequence[int], int]] = [((0,), end + j - 1) for _, _, end in work]
             normed, prenorm = self._forward(
                 states, chunks, prenorm, num_decodes=len(work), input_ids=drafts[-1]
             )
@@ -192,7 +194,10 @@ class Eagle3Proposer(Proposer):
                     last_prenorm[index[i]] = prenorm[offset - 1]
         for _, state, _ in work:  # consumed; what is past `end` was rejected drafts'
             state.pending, state.pending_start = [], state.num_seen
-        return torch.stack(last_normed), torch.stack(last_prenorm)
+        # Every request's catch-up reaches its `end`, which filled its row.
+        normed_rows = cast("list[torch.Tensor]", last_normed)
+        prenorm_rows = cast("list[torch.Tensor]", last_prenorm)
+        return torch.stack(normed_rows), torch.stack(prenorm_rows)
 
     def _forward(
         self,
@@ -207,8 +212,8 @@ class Eagle3Proposer(Proposer):
         pos = [p for chunk, start in chunks for p in range(start, start + len(chunk))]
         metadata = self.pool.attention_metadata(
             [s.blocks for s in states],
-            # The head's context starts at its first position (slot 0).
-            [start - s.first for s, (_, start) in zip(states, chunks)],
+            # The head's context starts at its first position (slot 0), set by propose.
+            [start - cast(int, s.first) for s, (_, start) in zip(states, chunks)],
             [len(chunk) for chunk, _ in chunks],
             num_decodes,
         )
