@@ -4,8 +4,8 @@
 ~2 s of SmolLM2-135M's ~4 s load on a 2-core machine; these run each tensor as a handful of torch
 element-wise ops over all its blocks at once (~0.3 s for the model). They compute what gguf's
 numpy code computes, in the same float32 order (scale * q [+ min]), so the results are bitwise
-equal (tests/checkpoint/test_gguf_fast_paths.py checks each type against gguf.quants). Types not here fall back
-to gguf.quants.
+equal (tests/checkpoint/test_gguf_fast_paths.py checks each type against gguf.quants). Types
+not here fall back to gguf.quants.
 """
 
 from __future__ import annotations

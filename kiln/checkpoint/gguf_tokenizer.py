@@ -10,8 +10,9 @@ does for a "gpt2" file (the byte alphabet respelling, BPE without dropout or fus
 control tokens as special added tokens, user-defined ones as plain added tokens, the
 pre-tokenizer split of the file's `tokenizer.ggml.pre`), and wraps it in the same
 `PreTrainedTokenizerFast` with the same special tokens and chat template.
-tests/checkpoint/test_gguf_fast_paths.py checks it against transformers' own on the embedded model: the
-serialized backend, encodings of varied text, special tokens and the chat template's output.
+tests/checkpoint/test_gguf_fast_paths.py checks it against transformers' own on the embedded
+model: the serialized backend, encodings of varied text, special tokens and the chat template's
+output.
 Other tokenizer models (sentencepiece "llama", "t5", ...) go through transformers as before.
 """
 

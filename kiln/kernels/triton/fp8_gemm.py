@@ -57,7 +57,8 @@ def scaled_to_e4m3(v, scale, inv_scale, DYNAMIC: tl.constexpr, FP8_MAX: tl.const
     -0 stays -0 (r is +0 there, and +0 * -inv_scale + -0 is -0). With a static scale q is
     clamped first, so that an overflow cannot make inf - inf; a dynamic scale (the row's
     absmax / 448) bounds q by 448 already.
-    tests/kernels/test_fp8_reciprocal.py checks the formula against the division at every bf16 ratio.
+    tests/kernels/test_fp8_reciprocal.py checks the formula against the division at every bf16
+    ratio.
     The interpreter divides (numpy's division is IEEE; an emulated fma may round twice)."""
     if INTERPRETED:
         q = round_to_e4m3_grid(tl.clamp(v / scale, -FP8_MAX, FP8_MAX))
