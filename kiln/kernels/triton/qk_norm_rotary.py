@@ -4,8 +4,8 @@
 One program per token: each query and key head is normalised over head_dim with its own weights
 (fp32 statistics, rounded to the input dtype, times the weight rounded again, as the reference),
 rotated (rotate-half, fp32, rounded to the input dtype), the keys written to the token's cache
-slot with the values, the queries returned. The cache is addressed by its strides, so either
-block layout (token- or head-major) takes the same kernel.
+slot with the values, the queries returned. The cache is addressed by its strides (the engine's
+is head-major, kiln.kernels.kv_layout).
 """
 
 from __future__ import annotations
