@@ -125,10 +125,12 @@ def loud_source(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def static_builds(loud_source, tmp_path_factory):
     out = tmp_path_factory.mktemp("builds")
-    common = dict(quantization="fp8", max_model_len=128, accuracy_check=False)
+    # float32 as the tests load them (a build on a GPU machine defaults to bfloat16).
+    common = dict(quantization="fp8", max_model_len=128, accuracy_check=False, dtype="float32")
     plain = build_engine(loud_source, str(out / "plain"), BuildOptions(**common), None)
     argv = ["build", loud_source, "-o", str(out / "outlier"), "--quantization", "fp8",
-            "--max-model-len", "128", "--no-accuracy-check", "--outlier-columns", "16"]  # fmt: skip
+            "--max-model-len", "128", "--no-accuracy-check", "--outlier-columns", "16",
+            "--dtype", "float32"]  # fmt: skip
     assert main(argv) == 0
     return plain, out
 
@@ -249,7 +251,7 @@ def test_outlier_engines_at_tp2_equal_one_process(static_builds, loud_source, tm
     _, out = static_builds
     split = str(tmp_path / "tp2")
     options = BuildOptions(quantization="fp8", max_model_len=128, accuracy_check=False,
-                           outlier_columns=16, tensor_parallel_size=2)  # fmt: skip
+                           outlier_columns=16, tensor_parallel_size=2, dtype="float32")  # fmt: skip
     build_engine(loud_source, split, options, None)
     prompts = [[1, 5, 9, 13, 40, 22, 8], [1, 30, 31, 32]]
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
