@@ -131,7 +131,10 @@ def test_an_fp8_build_loads_and_stays_close(qwen3, llm, tmp_path) -> None:
 
     out = str(tmp_path / "fp8")
     options = BuildOptions(
-        quantization="fp8", kv_cache_dtype="fp8", accuracy_check=False, max_model_len=256,
+        quantization="fp8",
+        kv_cache_dtype="fp8",
+        accuracy_check=False,
+        max_model_len=256,
         dtype="float32",
     )
     manifest = build_engine(qwen3[0], out, options, None)
