@@ -13,6 +13,7 @@ from kiln.server.errors import install_error_handlers
 from kiln.server.lifecycle import Lifecycle
 from kiln.server.metrics import PREFIXES, ServerMetrics
 from kiln.server.middleware import GuardMiddleware
+from kiln.server.reasoning import REASONING_PARSERS
 from kiln.server.state import ServedEngine, ServerState
 from kiln.server.tool_calls.parsers import PARSERS
 
@@ -34,6 +35,7 @@ def build_app(
     max_seqs_per_request: int | None = None,
     metrics_api_key: str | None = None,
     metrics_multiprocess_dir: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over a running AsyncEngine. `app.state.kiln` holds the
     ServerState (its `lifecycle.drain` is what SIGTERM calls). `metrics_prefix`: "kiln",
@@ -43,7 +45,9 @@ def build_app(
     lifespan runs. `max_seqs_per_request`: most sequences (prompts x n) one request may ask for
     (None: max_waiting); more is a 400. `api_key` guards every route but /health and /metrics;
     /metrics is open (as vLLM's) unless `metrics_api_key`. `metrics_multiprocess_dir`: the
-    Prometheus multiprocess directory shared by several API processes (kiln.server.api_servers)."""
+    Prometheus multiprocess directory shared by several API processes (kiln.server.api_servers).
+    `reasoning_parser`: split a reasoning model's `<think>` block off its replies (vLLM's names:
+    "qwen3", "deepseek_r1")."""
     if metrics_prefix not in PREFIXES:
         raise ValueError(
             f"metrics_prefix must be one of {sorted(PREFIXES)}, got {metrics_prefix!r}"
@@ -52,6 +56,8 @@ def build_app(
         raise ValueError(f"max_tokens_default must be >= 1, got {max_tokens_default}")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}")
     if max_seqs_per_request is not None and max_seqs_per_request < 1:
         raise ValueError(f"max_seqs_per_request must be >= 1, got {max_seqs_per_request}")
     if max_waiting < 1:
@@ -80,6 +86,7 @@ def build_app(
         ),
         max_tokens_default=max_tokens_default,
         tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
     )
     install_error_handlers(app)
     app.include_router(completions.router)

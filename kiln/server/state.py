@@ -33,6 +33,7 @@ class ServerState:
     metrics: ServerMetrics
     max_tokens_default: int | None = None  # for requests that name no max_tokens
     tool_call_parser: str | None = None  # None: chosen from the model's chat template
+    reasoning_parser: str | None = None  # None: replies are content (no reasoning split)
 
     def __post_init__(self) -> None:
         # Read once: immutable after the engine is built, so safe from the event-loop thread.
