@@ -14,6 +14,8 @@ from kiln.server.lifecycle import Lifecycle
 from kiln.server.metrics import PREFIXES, ServerMetrics
 from kiln.server.middleware import GuardMiddleware
 from kiln.server.reasoning import REASONING_PARSERS
+from kiln.server.serving import DEFAULT_STALL_TIMEOUT_S
+from kiln.server.stall import StallWatch
 from kiln.server.state import ServedEngine, ServerState
 from kiln.server.tool_calls.parsers import PARSERS
 
@@ -36,6 +38,7 @@ def build_app(
     metrics_api_key: str | None = None,
     metrics_multiprocess_dir: str | None = None,
     reasoning_parser: str | None = None,
+    stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
 ) -> FastAPI:
     """An OpenAI-compatible app over a running AsyncEngine. `app.state.kiln` holds the
     ServerState (its `lifecycle.drain` is what SIGTERM calls). `metrics_prefix`: "kiln",
@@ -47,7 +50,8 @@ def build_app(
     /metrics is open (as vLLM's) unless `metrics_api_key`. `metrics_multiprocess_dir`: the
     Prometheus multiprocess directory shared by several API processes (kiln.server.api_servers).
     `reasoning_parser`: split a reasoning model's `<think>` block off its replies (vLLM's names:
-    "qwen3", "deepseek_r1")."""
+    "qwen3", "deepseek_r1"). `stall_timeout_s`: /health and KServe's ready turn 503 once the
+    engine holds work and has made no step for this long (None or 0: never)."""
     if metrics_prefix not in PREFIXES:
         raise ValueError(
             f"metrics_prefix must be one of {sorted(PREFIXES)}, got {metrics_prefix!r}"
@@ -88,6 +92,9 @@ def build_app(
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
     )
+    state = app.state.kiln
+    state.stall = StallWatch(async_engine, state.lifecycle, stall_timeout_s)
+    state.stall.register(state.metrics.registry, metrics_prefix)
     install_error_handlers(app)
     app.include_router(completions.router)
     app.include_router(chat.router)

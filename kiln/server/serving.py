@@ -11,6 +11,9 @@ if TYPE_CHECKING:  # the engine's and the app's imports wait until serve_app run
     from kiln.server.state import ServedEngine
 
 
+DEFAULT_STALL_TIMEOUT_S = 120.0  # above any one step (a long prefill, a first-step compile)
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """The server's own settings (`kiln serve`'s flags that are not the engine's), plain values
@@ -29,6 +32,8 @@ class ServeOptions:
     log_level: str = "info"
     max_tokens_default: int | None = None
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S
     max_seqs_per_request: int = 256
     access_log: bool = False
     stream_interval: int = 1
@@ -60,6 +65,8 @@ def serve_app(
         grpc_host=options.host,
         max_tokens_default=options.max_tokens_default,
         tool_call_parser=options.tool_call_parser,
+        reasoning_parser=options.reasoning_parser,
+        stall_timeout_s=options.stall_timeout_s,
         max_seqs_per_request=options.max_seqs_per_request,
         metrics_api_key=options.metrics_api_key,
         metrics_multiprocess_dir=metrics_dir,

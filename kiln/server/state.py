@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, TypeAlias, TypeVar
+from typing import Annotated, Protocol, TypeAlias, TypeVar
 
 from fastapi import Depends
 from starlette.concurrency import run_in_threadpool
@@ -21,6 +21,12 @@ from kiln.server.metrics import ServerMetrics
 from kiln.tokenizer import Tokenizer
 
 T = TypeVar("T")
+
+
+class StallCheck(Protocol):
+    def reason(self) -> str | None: ...
+
+
 # The engine the server drives: the engine thread, or the engine process's client (same surface).
 ServedEngine: TypeAlias = AsyncEngine | EngineClient
 
@@ -34,6 +40,7 @@ class ServerState:
     max_tokens_default: int | None = None  # for requests that name no max_tokens
     tool_call_parser: str | None = None  # None: chosen from the model's chat template
     reasoning_parser: str | None = None  # None: replies are content (no reasoning split)
+    stall: StallCheck | None = None  # the engine's progress (kiln.server.stall), None: unwatched
 
     def __post_init__(self) -> None:
         # Read once: immutable after the engine is built, so safe from the event-loop thread.
