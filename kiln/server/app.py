@@ -8,12 +8,14 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 import kiln
-from kiln.server import chat, completions, kserve, routes
+from kiln.server import chat, completions, kserve, responses, routes
 from kiln.server.errors import install_error_handlers
 from kiln.server.lifecycle import Lifecycle
 from kiln.server.metrics import PREFIXES, ServerMetrics
 from kiln.server.middleware import GuardMiddleware
 from kiln.server.reasoning import REASONING_PARSERS
+from kiln.server.responses import ResponseStore
+from kiln.server.responses.store import DEFAULT_MAX_ENTRIES
 from kiln.server.serving import DEFAULT_STALL_TIMEOUT_S
 from kiln.server.stall import StallWatch
 from kiln.server.state import ServedEngine, ServerState
@@ -39,6 +41,7 @@ def build_app(
     metrics_multiprocess_dir: str | None = None,
     reasoning_parser: str | None = None,
     stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
+    responses_store_size: int = DEFAULT_MAX_ENTRIES,
 ) -> FastAPI:
     """An OpenAI-compatible app over a running AsyncEngine. `app.state.kiln` holds the
     ServerState (its `lifecycle.drain` is what SIGTERM calls). `metrics_prefix`: "kiln",
@@ -51,7 +54,8 @@ def build_app(
     Prometheus multiprocess directory shared by several API processes (kiln.server.api_servers).
     `reasoning_parser`: split a reasoning model's `<think>` block off its replies (vLLM's names:
     "qwen3", "deepseek_r1"). `stall_timeout_s`: /health and KServe's ready turn 503 once the
-    engine holds work and has made no step for this long (None or 0: never)."""
+    engine holds work and has made no step for this long (None or 0: never).
+    `responses_store_size`: most stored Responses API responses (least recently used go)."""
     if metrics_prefix not in PREFIXES:
         raise ValueError(
             f"metrics_prefix must be one of {sorted(PREFIXES)}, got {metrics_prefix!r}"
@@ -95,10 +99,12 @@ def build_app(
     state = app.state.kiln
     state.stall = StallWatch(async_engine, state.lifecycle, stall_timeout_s)
     state.stall.register(state.metrics.registry, metrics_prefix)
+    app.state.responses = ResponseStore(responses_store_size)
     install_error_handlers(app)
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(routes.router)
+    app.include_router(responses.router)  # OpenAI's Responses API: /v1/responses
     app.include_router(kserve.router)  # KServe v2 / Triton: /v2/...
     app.add_middleware(
         GuardMiddleware,
