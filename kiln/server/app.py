@@ -8,7 +8,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 import kiln
-from kiln.server import chat, completions, kserve, responses, routes
+from kiln.server import chat, completions, kserve, messages, responses, routes
 from kiln.server.errors import install_error_handlers
 from kiln.server.lifecycle import Lifecycle
 from kiln.server.metrics import PREFIXES, ServerMetrics
@@ -105,6 +105,7 @@ def build_app(
     app.include_router(chat.router)
     app.include_router(routes.router)
     app.include_router(responses.router)  # OpenAI's Responses API: /v1/responses
+    app.include_router(messages.router)  # Anthropic's Messages API: /v1/messages
     app.include_router(kserve.router)  # KServe v2 / Triton: /v2/...
     app.add_middleware(
         GuardMiddleware,
