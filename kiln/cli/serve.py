@@ -24,6 +24,7 @@ from kiln.envs import envs
 from kiln.server.reasoning import REASONING_PARSERS
 from kiln.server.serving import DEFAULT_STALL_TIMEOUT_S, ServeOptions, serve_app
 from kiln.server.tool_calls.parsers import PARSERS
+from kiln.server.volatile_lines import DEFAULT_DROP_LINES
 
 if TYPE_CHECKING:  # the engine's imports wait for the branch that needs them
     from kiln.server.state import ServedEngine
@@ -110,6 +111,21 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
         "KServe's ready answer 503 (0: never)",
     )
     p.add_argument(
+        "--drop-prompt-lines",
+        default=DEFAULT_DROP_LINES,
+        metavar="REGEX",
+        help="system-prompt lines that change every request and say nothing to the model, "
+        "dropped so the prefix cache still serves the conversation; '' keeps them "
+        "(default: Claude Code's billing header, %(default)r)",
+    )
+    p.add_argument(
+        "--volatile-prompt-lines",
+        default=None,
+        metavar="REGEX",
+        help="system-prompt lines that change every request (a timestamp), moved to the last "
+        "user message so the prefix cache still serves the conversation before it",
+    )
+    p.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help="accepted for vLLM compatibility: tool_choice auto is always on",
@@ -189,6 +205,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         stall_timeout_s=args.health_stall_timeout,
+        drop_prompt_lines=args.drop_prompt_lines,
+        volatile_prompt_lines=args.volatile_prompt_lines,
         max_seqs_per_request=args.max_seqs_per_request,
         access_log=args.enable_log_requests,
         stream_interval=args.stream_interval,

@@ -20,6 +20,7 @@ from kiln.server.serving import DEFAULT_STALL_TIMEOUT_S
 from kiln.server.stall import StallWatch
 from kiln.server.state import ServedEngine, ServerState
 from kiln.server.tool_calls.parsers import PARSERS
+from kiln.server.volatile_lines import DEFAULT_DROP_LINES, PromptLineRules
 
 DEFAULT_MAX_WAITING = 1024
 DEFAULT_MAX_BODY_BYTES = 16 << 20
@@ -42,6 +43,8 @@ def build_app(
     reasoning_parser: str | None = None,
     stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
     responses_store_size: int = DEFAULT_MAX_ENTRIES,
+    drop_prompt_lines: str | None = DEFAULT_DROP_LINES,
+    volatile_prompt_lines: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over a running AsyncEngine. `app.state.kiln` holds the
     ServerState (its `lifecycle.drain` is what SIGTERM calls). `metrics_prefix`: "kiln",
@@ -55,7 +58,10 @@ def build_app(
     `reasoning_parser`: split a reasoning model's `<think>` block off its replies (vLLM's names:
     "qwen3", "deepseek_r1"). `stall_timeout_s`: /health and KServe's ready turn 503 once the
     engine holds work and has made no step for this long (None or 0: never).
-    `responses_store_size`: most stored Responses API responses (least recently used go)."""
+    `responses_store_size`: most stored Responses API responses (least recently used go).
+    `drop_prompt_lines` / `volatile_prompt_lines`: regexes of system-prompt lines that change
+    every request, dropped / moved after the history so the prefix cache keeps serving it
+    (kiln.server.volatile_lines; None: off)."""
     if metrics_prefix not in PREFIXES:
         raise ValueError(
             f"metrics_prefix must be one of {sorted(PREFIXES)}, got {metrics_prefix!r}"
@@ -97,6 +103,7 @@ def build_app(
         reasoning_parser=reasoning_parser,
     )
     state = app.state.kiln
+    state.prompt_lines = PromptLineRules.parse(drop_prompt_lines, volatile_prompt_lines)
     state.stall = StallWatch(async_engine, state.lifecycle, stall_timeout_s)
     state.stall.register(state.metrics.registry, metrics_prefix)
     app.state.responses = ResponseStore(responses_store_size)

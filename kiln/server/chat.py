@@ -72,6 +72,8 @@ def chat_prompt_ids(
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model has no chat template", param="messages")
     conversation = [template_message(m) for m in messages]
+    if state.prompt_lines is not None:  # lines that change every request: keep the prefix
+        conversation = state.prompt_lines.apply(conversation)
     state.check_messages([c["content"] for c in conversation])  # before the template's work
     try:
         text = tokenizer.apply_chat_template(

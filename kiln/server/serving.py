@@ -7,9 +7,10 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kiln.server.volatile_lines import DEFAULT_DROP_LINES
+
 if TYPE_CHECKING:  # the engine's and the app's imports wait until serve_app runs
     from kiln.server.state import ServedEngine
-
 
 DEFAULT_STALL_TIMEOUT_S = 120.0  # above any one step (a long prefill, a first-step compile)
 
@@ -34,6 +35,8 @@ class ServeOptions:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S
+    drop_prompt_lines: str | None = DEFAULT_DROP_LINES
+    volatile_prompt_lines: str | None = None
     max_seqs_per_request: int = 256
     access_log: bool = False
     stream_interval: int = 1
@@ -67,6 +70,8 @@ def serve_app(
         tool_call_parser=options.tool_call_parser,
         reasoning_parser=options.reasoning_parser,
         stall_timeout_s=options.stall_timeout_s,
+        drop_prompt_lines=options.drop_prompt_lines,
+        volatile_prompt_lines=options.volatile_prompt_lines,
         max_seqs_per_request=options.max_seqs_per_request,
         metrics_api_key=options.metrics_api_key,
         metrics_multiprocess_dir=metrics_dir,

@@ -18,6 +18,7 @@ from kiln.sampling_params import SamplingParams
 from kiln.server.errors import APIError
 from kiln.server.lifecycle import Lifecycle
 from kiln.server.metrics import ServerMetrics
+from kiln.server.volatile_lines import PromptLineRules
 from kiln.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -41,6 +42,7 @@ class ServerState:
     tool_call_parser: str | None = None  # None: chosen from the model's chat template
     reasoning_parser: str | None = None  # None: replies are content (no reasoning split)
     stall: StallCheck | None = None  # the engine's progress (kiln.server.stall), None: unwatched
+    prompt_lines: PromptLineRules | None = None  # volatile system lines dropped or moved
 
     def __post_init__(self) -> None:
         # Read once: immutable after the engine is built, so safe from the event-loop thread.
