@@ -148,11 +148,11 @@ async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    # Starlette types every handler as taking any Exception, though it calls each only with the
-    # class it is registered for: hence the ignores (starlette's ExceptionHandler alias).
-    app.add_exception_handler(RequestValidationError, _shaped(_on_validation))  # type: ignore[arg-type]
-    app.add_exception_handler(APIError, _shaped(_on_api_error))  # type: ignore[arg-type]
-    app.add_exception_handler(InvalidRequestError, _shaped(_on_invalid_request))  # type: ignore[arg-type]
-    app.add_exception_handler(EngineDeadError, _shaped(_on_engine_dead))  # type: ignore[arg-type]
-    app.add_exception_handler(StarletteHTTPException, _shaped(_on_http))  # type: ignore[arg-type]
+    # Starlette calls each handler only with the class it is registered for; `_shaped` takes
+    # any exception, as Starlette's ExceptionHandler alias does.
+    app.add_exception_handler(RequestValidationError, _shaped(_on_validation))
+    app.add_exception_handler(APIError, _shaped(_on_api_error))
+    app.add_exception_handler(InvalidRequestError, _shaped(_on_invalid_request))
+    app.add_exception_handler(EngineDeadError, _shaped(_on_engine_dead))
+    app.add_exception_handler(StarletteHTTPException, _shaped(_on_http))
     app.add_exception_handler(Exception, _shaped(_on_unexpected))

@@ -43,8 +43,8 @@ class ReplyStream:
     ) -> None:
         self.reasoning = reasoning.scanner(prompt_open) if reasoning is not None else None
         self.plan = plan
-        auto = plan is not None and plan.mode == "auto" and plan.parser is not None
-        self.calls = CallScanner(plan.parser) if auto and plan.parser else None
+        parser = plan.parser if plan is not None and plan.mode == "auto" else None
+        self.calls = CallScanner(parser) if parser is not None else None
         self.held = ""  # required / named: the whole reply is the call, sent at the end
         self.ids: list[str] = []
 

@@ -235,11 +235,11 @@ async def _stream(
                 yield b"".join(frames)
         stop_reason, stop_sequence = _stop_reason(*finish, bool(reply.ids))
         usage = {"output_tokens": tokens, "cache_read_input_tokens": cached}
-        delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
+        ending = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
         yield b"".join(
             [
                 *blocks.close(),
-                _sse("message_delta", {"delta": delta, "usage": usage}),
+                _sse("message_delta", {"delta": ending, "usage": usage}),
                 _sse("message_stop", {}),
             ]
         )

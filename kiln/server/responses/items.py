@@ -39,7 +39,7 @@ class OutputBuilder:
                 out.append(self._delta("response.output_text.delta", value, logprobs=[]))
             elif kind == "call":
                 out += self.close()
-                item = {
+                item: dict[str, Any] = {
                     "id": _id("fc"),
                     "type": "function_call",
                     "call_id": call_ids[num_calls],
@@ -50,9 +50,9 @@ class OutputBuilder:
                 num_calls += 1
                 out += self._add(item)
             else:
-                item = self._open
-                assert item is not None and item["type"] == "function_call"
-                item["arguments"] += value
+                call = self._open
+                assert call is not None and call["type"] == "function_call"
+                call["arguments"] += value
                 out.append(
                     self._event_on_item("response.function_call_arguments.delta", delta=value)
                 )
@@ -78,7 +78,7 @@ class OutputBuilder:
         else:
             part = item["content"][0]
             kind = "reasoning_text" if item["type"] == "reasoning" else "output_text"
-            extra = {} if kind == "reasoning_text" else {"logprobs": []}
+            extra: dict[str, Any] = {} if kind == "reasoning_text" else {"logprobs": []}
             out.append(
                 self.event(
                     f"response.{kind}.done", **where, content_index=0, text=part["text"], **extra
@@ -95,6 +95,7 @@ class OutputBuilder:
         if self._open is not None and self._open["type"] == kind:
             return []
         out = self.close()
+        item: dict[str, Any]
         if kind == "reasoning":
             item = {"id": _id("rs"), "type": "reasoning", "summary": [], "status": "in_progress"}
             part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
