@@ -107,6 +107,7 @@ def test_reasoning_and_a_function_call_then_its_output(client):
     first = client.responses.create(**kwargs)
     assert [i.type for i in first.output] == ["reasoning", "function_call"]
     assert first.output[0].content[0].text == "I need the weather."
+    assert 0 < first.usage.output_tokens_details.reasoning_tokens < first.usage.output_tokens
     call = first.output[1]
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Oslo"}
     assert call.call_id.startswith("call_")

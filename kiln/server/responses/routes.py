@@ -68,6 +68,7 @@ class _Turn:
         self.conversation = conversation
         self.prompt_ids = prompt_ids
         self.plan = plan
+        self.tokenizer = state.tokenizer
         self.reasoning = reasoning_for(state.reasoning_parser, state.tokenizer, prompt_ids)
         self.response: dict[str, Any] = {
             "id": state.new_id("resp").replace("-", "_"),
@@ -109,16 +110,24 @@ class _Turn:
         if finish_reason == "length":
             response["status"] = "incomplete"
             response["incomplete_details"] = {"reason": "max_output_tokens"}
+        reasoning_tokens = min(self._reasoning_tokens(items), num_output_tokens)
         response["usage"] = {
             "input_tokens": len(self.prompt_ids),
             "input_tokens_details": {"cached_tokens": num_cached_tokens},
             "output_tokens": num_output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": len(self.prompt_ids) + num_output_tokens,
         }
         if response["store"]:
             store.put(StoredResponse(response, self.conversation + assistant_turns(items)))
         return response
+
+    def _reasoning_tokens(self, items: list[dict[str, Any]]) -> int:
+        """The reasoning's length in tokens, re-encoded from its text (the tags excluded)."""
+        text = "".join(p["text"] for i in items if i["type"] == "reasoning" for p in i["content"])
+        if not text or self.tokenizer is None:
+            return 0
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
 
 
 @router.post("/v1/responses", response_model=None, responses=ERROR_RESPONSES)
