@@ -252,8 +252,12 @@ def template_message(m: ChatMessage) -> dict:
 
 def tool_call_parser(state: ServerState) -> ToolCallParser:
     if state.tool_call_parser is not None:
-        return get_parser(state.tool_call_parser)
-    return detect_parser(getattr(state.tokenizer, "chat_template", None))
+        parser = get_parser(state.tool_call_parser)
+    else:
+        parser = detect_parser(getattr(state.tokenizer, "chat_template", None))
+    if parser.needs_special_tokens:  # the reply keeps them: its EOS text is no content
+        parser.end_text = getattr(state.tokenizer, "eos_token", None)
+    return parser
 
 
 def reply_message(

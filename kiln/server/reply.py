@@ -27,6 +27,9 @@ def whole_reply(
     text: str, reasoning: ReasoningParser | None, prompt_open: bool, plan: ToolPlan | None
 ) -> Reply:
     """A whole reply's parts (the non-streaming path: each parser's `parse`)."""
+    end_text = _end_text(plan)
+    if end_text:
+        text = text.removesuffix(end_text)
     thought = None
     content: str | None = text
     if reasoning is not None:
@@ -47,16 +50,22 @@ class ReplyStream:
         self.calls = CallScanner(parser) if parser is not None else None
         self.held = ""  # required / named: the whole reply is the call, sent at the end
         self.ids: list[str] = []
+        self.end_text = _end_text(plan)
+        self._tail = ""  # what may be the end-of-sequence token's text, held back
 
     def feed(self, text: str) -> list[Event]:
+        if self.end_text:
+            text, self._tail = _hold_suffix(self._tail + text, self.end_text)
         if self.reasoning is None:
             return self._content(text, False)
         return self._split(self.reasoning.feed(text), False)
 
     def finish(self) -> list[Event]:
+        rest = self._tail.removesuffix(self.end_text or "")
+        self._tail = ""
         if self.reasoning is None:
-            return self._content("", True)
-        return self._split(self.reasoning.finish(), True)
+            return self._content(rest, True)
+        return self._split(self.reasoning.feed(rest) + self.reasoning.finish(), True)
 
     def _split(self, events: list[Event], final: bool) -> list[Event]:
         out: list[Event] = []
@@ -99,6 +108,24 @@ class ReplyStream:
                 continue
             out.append((kind, value))
         return out
+
+
+def _end_text(plan: ToolPlan | None) -> str | None:
+    """The end-of-sequence token's text, when the plan keeps special tokens in the reply (the
+    detokenizer then writes it at the end, and it is not the model's content)."""
+    if plan is None or plan.parser is None:
+        return None
+    return plan.parser.end_text
+
+
+def _hold_suffix(text: str, end: str) -> tuple[str, str]:
+    """(what can go now, what may be the start of `end` or `end` itself, held)."""
+    if text.endswith(end):
+        return text[: -len(end)], end
+    for n in range(min(len(end) - 1, len(text)), 0, -1):
+        if text.endswith(end[:n]):
+            return text[:-n], text[-n:]
+    return text, ""
 
 
 def reasoning_for(

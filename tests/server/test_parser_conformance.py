@@ -238,3 +238,23 @@ def test_json_prefix_finds_errors(bad):
     scan.feed(bad)
     scan.finish_number()
     assert scan.error or not scan.done
+
+
+def test_the_eos_text_of_a_reply_that_keeps_special_tokens_is_no_content():
+    """Mistral's replies keep special tokens ([TOOL_CALLS] is one), so the detokenizer writes
+    the EOS token's text at their end: it is held back and dropped, streamed or not."""
+    parser = get_parser("mistral")
+    parser.end_text = "</s>"
+    plan = plan_tools([TOOL], "auto", True, parser)
+    for text, content in [
+        ('Sure.[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]</s>', "Sure."),
+        ("Plain text with </ inside.</s>", "Plain text with </ inside."),
+        ("No end token", "No end token"),
+    ]:
+        whole = whole_reply(text, None, False, plan)
+        assert whole.content == content
+        for pieces in _cuts(text, 1):
+            stream = ReplyStream(None, False, plan)
+            events = [e for piece in pieces for e in stream.feed(piece)] + stream.finish()
+            assert "".join(v for k, v in events if k == "content") == content, pieces
+            assert [v for k, v in events if k == "call"] == [c.name for c in whole.calls]

@@ -51,6 +51,9 @@ class ToolCallParser:
     """A call counts only at the start of the reply (Llama 3.1's bare JSON)."""
     needs_special_tokens: bool = False
     """The marker is a special token the detokenizer must keep (Mistral's [TOOL_CALLS])."""
+    end_text: str | None = None
+    """With special tokens kept: the end-of-sequence token's text, which ends the reply and is
+    no content (the server sets it from the tokenizer)."""
     first_mode: str = "object"
 
     def header(self, text: str, mode: str) -> Header:
