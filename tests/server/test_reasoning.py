@@ -41,7 +41,9 @@ def client():
 def test_reasoning_content_whole_and_streamed(client):
     # DeepSeek-R1 style: no opening tag, reasoning until </think>.
     regex = "Two and two\\. </think>\n\nIt is 4\\."
-    kwargs = dict(model=MODEL, messages=ASK, max_tokens=60, extra_body={"guided_regex": regex})
+    kwargs = dict(
+        model=MODEL, messages=ASK, max_tokens=100, temperature=0, extra_body={"guided_regex": regex}
+    )
     message = client.chat.completions.create(**kwargs).choices[0].message
     assert message.reasoning_content == "Two and two."
     assert message.content == "It is 4."
@@ -66,7 +68,8 @@ def test_reasoning_then_a_tool_call(client):
         model=MODEL,
         messages=ASK,
         tools=[WEATHER],
-        max_tokens=80,
+        max_tokens=160,  # greedy: the regex's text in the same tokens every time
+        temperature=0,
         extra_body={"guided_regex": regex},
     )
     choice = client.chat.completions.create(**kwargs).choices[0]

@@ -94,6 +94,15 @@ def test_streamed_events_in_openai_order_add_up_to_the_response(client):
     whole = client.responses.create(model=MODEL, input="Hi", max_output_tokens=10, temperature=0)
     assert whole.output_text == text
     assert client.responses.retrieve(final.id).output_text == text
+    # The SDK's stream helper accumulates the events into the response (it needs a reply that
+    # completes: an incomplete one ends with response.incomplete, which it does not take).
+    with client.responses.stream(
+        model=MODEL, input="Hi", max_output_tokens=10, extra_body={"guided_regex": "Hello there"}
+    ) as helper:
+        texts = [e.delta for e in helper if e.type == "response.output_text.delta"]
+        accumulated = helper.get_final_response()
+    assert "".join(texts) == accumulated.output_text == "Hello there"
+    assert accumulated.status == "completed"
 
 
 def test_reasoning_and_a_function_call_then_its_output(client):
@@ -101,7 +110,8 @@ def test_reasoning_and_a_function_call_then_its_output(client):
         model=MODEL,
         input=[{"role": "user", "content": "Weather in Oslo?"}],
         tools=[WEATHER],
-        max_output_tokens=80,
+        max_output_tokens=160,  # greedy: the regex's text in the same tokens every time
+        temperature=0,
         extra_body={"guided_regex": THINK_AND_CALL},
     )
     first = client.responses.create(**kwargs)
@@ -122,6 +132,9 @@ def test_reasoning_and_a_function_call_then_its_output(client):
     assert events[-1].type == "response.completed"
     assert [i.type for i in streamed.output] == ["reasoning", "function_call"]
     assert streamed.output[0].content[0].text == "I need the weather."
+    with client.responses.stream(**kwargs) as helper:
+        accumulated = helper.get_final_response()
+    assert json.loads(accumulated.output[1].arguments) == {"city": "Oslo"}
 
     # The next turn sends the call's output only: the server holds the conversation, and the
     # first turn's prompt is the prefix of this one's (the prefix cache serves it).
