@@ -9,8 +9,10 @@
 #   OUT=DIR benchmarks/run_suite.sh ...     where the JSON goes (default benchmarks/out/DATE-GPU,
 #                                           not committed); each name writes OUT/NAME.json
 #   PYTHON=python3.12 ...                   the interpreter (default python3)
-# Compare a run with the recorded baselines:
+# Compare a run with the recorded baselines (the run ends with this against the card's own,
+# and exits 1 when a row's headline metric is more than TOLERANCE, default 3%, below it):
 #   python3 benchmarks/bench_summary.py OUT --baseline benchmarks/baselines/h200.json
+#   python3 -m kiln.cli.main bench compare benchmarks/baselines/h200.json OUT --tolerance 3%
 # Each command has its own time limit, so one that hangs or fails leaves the others their time.
 set -u
 cd "$(dirname "$0")/.."
@@ -116,3 +118,15 @@ for name in ${*:-$ROWS}; do
     echo "=== $name: exit $? after $((SECONDS - t0))s; log $O/$name.log"
 done
 $PY benchmarks/bench_summary.py "$O"
+case "$gpu" in  # the card's recorded baselines, if it has them
+*H200*) base=benchmarks/baselines/h200.json ;;
+*H100*) base=benchmarks/baselines/h100.json ;;
+*) base="" ;;
+esac
+if [[ -n $base ]] && ls "$O"/*.json >/dev/null 2>&1; then
+    echo "=== against $base (judged: output_tok_s, decode_tok_s)"
+    $PY -m kiln.cli.main bench compare "$base" "$O" --tolerance "${TOLERANCE:-3%}" \
+        --metrics output_tok_s,decode_tok_s
+    status=$?
+    exit $((status == 1))  # 2: no published row ran, nothing to judge
+fi

@@ -109,3 +109,19 @@ def offline(engine: AsyncEngine, fn: Callable[[LLM], T]) -> T:
         return await engine.call(on_engine_thread)
 
     return asyncio.run(go())
+
+
+def tiny_chat_engine() -> AsyncEngine:
+    """The tiny random Llama with a Hermes-style chat template (tests/tiny_tokenizer.py) behind
+    an AsyncEngine, built once per process: the agent API tests (Responses, Messages) share it."""
+    if "tiny-chat" not in _engines:
+        import tempfile
+
+        from tests.tiny_tokenizer import build_tiny_chat_model
+
+        path = build_tiny_chat_model(tempfile.mkdtemp(prefix="kiln-tiny-chat-"))
+        config = EngineConfig(
+            model=path, max_model_len=512, kv_cache_memory_gb=0.05, max_num_seqs=8
+        )
+        _engines["tiny-chat"] = AsyncEngine(LLMEngine(config))
+    return _engines["tiny-chat"]

@@ -1,6 +1,7 @@
 """`kiln bench throughput|latency`: kiln on synthetic requests, optionally beside HF generate.
 `kiln bench serve --base-url URL`: the same requests as load on a running server.
 `kiln bench sweep --concurrency 1,8,64`: the throughput-latency curve (table, JSON, PNG).
+`kiln bench compare OLD.json NEW.json`: two records side by side; exit 1 on a regression.
 
 Each mode is its own sub-command with its own `--help`. vLLM's benchmark flag names are accepted
 beside kiln's (`--num-prompts`, `--max-concurrency`, `--random-input-len`, `--random-output-len`,
@@ -14,6 +15,7 @@ import dataclasses
 import datetime
 import os
 
+from kiln.cli import bench_compare
 from kiln.cli.engine_args import add_engine_args, engine_config_from_args
 from kiln.cli.vllm_flags import UnsupportedFlagError
 from kiln.config import EngineConfig
@@ -42,6 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             add_engine_args(m)
             _add_oracle_args(m)
         m.set_defaults(func=run)
+    bench_compare.add_parser(modes)
 
 
 def _add_workload_args(p: argparse.ArgumentParser, mode: str) -> None:

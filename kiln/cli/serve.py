@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING
 from kiln.cli.engine_args import add_engine_args, engine_config_from_args
 from kiln.cli.vllm_flags import add_vllm_serve_flags, check_vllm_serve_flags
 from kiln.envs import envs
-from kiln.server.serving import ServeOptions, serve_app
+from kiln.server.reasoning import REASONING_PARSERS
+from kiln.server.serving import DEFAULT_STALL_TIMEOUT_S, ServeOptions, serve_app
 from kiln.server.tool_calls.parsers import PARSERS
+from kiln.server.volatile_lines import DEFAULT_DROP_LINES
 
 if TYPE_CHECKING:  # the engine's imports wait for the branch that needs them
     from kiln.server.state import ServedEngine
@@ -93,6 +95,35 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
         choices=sorted(PARSERS),
         default=None,
         help="the model's tool-call format for tool_choice auto (default: from its chat template)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="split a reasoning model's <think> block off its replies (vLLM's names): "
+        "reasoning_content in chat, reasoning items in Responses, thinking blocks in Messages",
+    )
+    p.add_argument(
+        "--health-stall-timeout",
+        type=float,
+        default=DEFAULT_STALL_TIMEOUT_S,
+        help="seconds the engine may hold work without finishing a step before /health and "
+        "KServe's ready answer 503 (0: never)",
+    )
+    p.add_argument(
+        "--drop-prompt-lines",
+        default=DEFAULT_DROP_LINES,
+        metavar="REGEX",
+        help="system-prompt lines that change every request and say nothing to the model, "
+        "dropped so the prefix cache still serves the conversation; '' keeps them "
+        "(default: Claude Code's billing header, %(default)r)",
+    )
+    p.add_argument(
+        "--volatile-prompt-lines",
+        default=None,
+        metavar="REGEX",
+        help="system-prompt lines that change every request (a timestamp), moved to the last "
+        "user message so the prefix cache still serves the conversation before it",
     )
     p.add_argument(
         "--enable-auto-tool-choice",
@@ -172,6 +203,10 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         log_level=args.log_level,
         max_tokens_default=args.max_tokens_default,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        stall_timeout_s=args.health_stall_timeout,
+        drop_prompt_lines=args.drop_prompt_lines,
+        volatile_prompt_lines=args.volatile_prompt_lines,
         max_seqs_per_request=args.max_seqs_per_request,
         access_log=args.enable_log_requests,
         stream_interval=args.stream_interval,

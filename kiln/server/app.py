@@ -8,13 +8,19 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 import kiln
-from kiln.server import chat, completions, kserve, routes
+from kiln.server import chat, completions, kserve, messages, responses, routes
 from kiln.server.errors import install_error_handlers
 from kiln.server.lifecycle import Lifecycle
 from kiln.server.metrics import PREFIXES, ServerMetrics
 from kiln.server.middleware import GuardMiddleware
+from kiln.server.reasoning import REASONING_PARSERS
+from kiln.server.responses import ResponseStore
+from kiln.server.responses.store import DEFAULT_MAX_ENTRIES
+from kiln.server.serving import DEFAULT_STALL_TIMEOUT_S
+from kiln.server.stall import StallWatch
 from kiln.server.state import ServedEngine, ServerState
 from kiln.server.tool_calls.parsers import PARSERS
+from kiln.server.volatile_lines import DEFAULT_DROP_LINES, PromptLineRules
 
 DEFAULT_MAX_WAITING = 1024
 DEFAULT_MAX_BODY_BYTES = 16 << 20
@@ -34,6 +40,11 @@ def build_app(
     max_seqs_per_request: int | None = None,
     metrics_api_key: str | None = None,
     metrics_multiprocess_dir: str | None = None,
+    reasoning_parser: str | None = None,
+    stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
+    responses_store_size: int = DEFAULT_MAX_ENTRIES,
+    drop_prompt_lines: str | None = DEFAULT_DROP_LINES,
+    volatile_prompt_lines: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over a running AsyncEngine. `app.state.kiln` holds the
     ServerState (its `lifecycle.drain` is what SIGTERM calls). `metrics_prefix`: "kiln",
@@ -43,7 +54,14 @@ def build_app(
     lifespan runs. `max_seqs_per_request`: most sequences (prompts x n) one request may ask for
     (None: max_waiting); more is a 400. `api_key` guards every route but /health and /metrics;
     /metrics is open (as vLLM's) unless `metrics_api_key`. `metrics_multiprocess_dir`: the
-    Prometheus multiprocess directory shared by several API processes (kiln.server.api_servers)."""
+    Prometheus multiprocess directory shared by several API processes (kiln.server.api_servers).
+    `reasoning_parser`: split a reasoning model's `<think>` block off its replies (vLLM's names:
+    "qwen3", "deepseek_r1"). `stall_timeout_s`: /health and KServe's ready turn 503 once the
+    engine holds work and has made no step for this long (None or 0: never).
+    `responses_store_size`: most stored Responses API responses (least recently used go).
+    `drop_prompt_lines` / `volatile_prompt_lines`: regexes of system-prompt lines that change
+    every request, dropped / moved after the history so the prefix cache keeps serving it
+    (kiln.server.volatile_lines; None: off)."""
     if metrics_prefix not in PREFIXES:
         raise ValueError(
             f"metrics_prefix must be one of {sorted(PREFIXES)}, got {metrics_prefix!r}"
@@ -52,6 +70,8 @@ def build_app(
         raise ValueError(f"max_tokens_default must be >= 1, got {max_tokens_default}")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}")
     if max_seqs_per_request is not None and max_seqs_per_request < 1:
         raise ValueError(f"max_seqs_per_request must be >= 1, got {max_seqs_per_request}")
     if max_waiting < 1:
@@ -80,11 +100,19 @@ def build_app(
         ),
         max_tokens_default=max_tokens_default,
         tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
     )
+    state = app.state.kiln
+    state.prompt_lines = PromptLineRules.parse(drop_prompt_lines, volatile_prompt_lines)
+    state.stall = StallWatch(async_engine, state.lifecycle, stall_timeout_s)
+    state.stall.register(state.metrics.registry, metrics_prefix)
+    app.state.responses = ResponseStore(responses_store_size)
     install_error_handlers(app)
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(routes.router)
+    app.include_router(responses.router)  # OpenAI's Responses API: /v1/responses
+    app.include_router(messages.router)  # Anthropic's Messages API: /v1/messages
     app.include_router(kserve.router)  # KServe v2 / Triton: /v2/...
     app.add_middleware(
         GuardMiddleware,

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kiln.errors import InvalidRequestError
+from kiln.server.chat_stream import reply_chunks
 from kiln.server.errors import error_body
 from kiln.server.generation import (
     SSE_DONE,
@@ -33,9 +34,10 @@ from kiln.server.protocol import (
     ChatCompletionResponse,
     ChatMessage,
 )
+from kiln.server.reasoning import ReasoningParser
+from kiln.server.reply import ReplyStream, reasoning_for, whole_reply
 from kiln.server.state import ServerState, State, off_the_loop, text_size
 from kiln.server.tool_calls import (
-    ToolCallStream,
     ToolPlan,
     apply_plan,
     detect_parser,
@@ -44,7 +46,6 @@ from kiln.server.tool_calls import (
 )
 from kiln.server.tool_calls.parsers import ToolCallParser
 from kiln.server.tool_calls.request import template_tool_call
-from kiln.server.tool_calls.stream import tool_call_chunks
 
 router = APIRouter()
 
@@ -71,6 +72,8 @@ def chat_prompt_ids(
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model has no chat template", param="messages")
     conversation = [template_message(m) for m in messages]
+    if state.prompt_lines is not None:  # lines that change every request: keep the prefix
+        conversation = state.prompt_lines.apply(conversation)
     state.check_messages([c["content"] for c in conversation])  # before the template's work
     try:
         text = tokenizer.apply_chat_template(
@@ -134,6 +137,7 @@ async def create_chat_completion(
         logprobs=num_top if body.logprobs else None,
     )
     params = apply_plan(tool_plan, params)
+    reasoning = reasoning_for(state.reasoning_parser, state.tokenizer, prompt_ids)
     req_id = state.new_id("chatcmpl")
     head = {"id": req_id, "created": int(time.time()), "model": state.model_name}
     engine_request = EngineRequest(req_id, prompt_ids, params, body.priority or 0)
@@ -142,14 +146,33 @@ async def create_chat_completion(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _stream(
-            gen, state, head, n, len(prompt_ids), num_top, include_usage, echoed, tool_plan
+            gen,
+            state,
+            head,
+            n,
+            len(prompt_ids),
+            num_top,
+            include_usage,
+            echoed,
+            tool_plan,
+            reasoning,
         )
         return StreamingResponse(
             chunks, media_type="text/event-stream", background=BackgroundTask(close_later, gen)
         )
 
     return await _complete(
-        gen, raw, state, head, n, num_top, bool(body.logprobs), echoed, tool_plan, len(prompt_ids)
+        gen,
+        raw,
+        state,
+        head,
+        n,
+        num_top,
+        bool(body.logprobs),
+        echoed,
+        tool_plan,
+        len(prompt_ids),
+        reasoning,
     )
 
 
@@ -164,6 +187,7 @@ async def _complete(
     echoed: str,
     tool_plan: ToolPlan | None,
     num_prompt_tokens: int,
+    reasoning: tuple[ReasoningParser | None, bool] = (None, False),
 ) -> Response:
     """A non-streaming chat completion: every choice's text, tokens and logprobs gathered,
     then one JSON body."""
@@ -191,7 +215,7 @@ async def _complete(
     finally:
         gen.close()
     completion_tokens = sum(len(ids) for ids in token_ids)
-    messages = [reply_message(tool_plan, texts[i], finish[i][0]) for i in range(n)]
+    messages = [reply_message(tool_plan, texts[i], finish[i][0], reasoning) for i in range(n)]
     return JSONResponse(
         {
             **head,
@@ -228,17 +252,30 @@ def template_message(m: ChatMessage) -> dict:
 
 def tool_call_parser(state: ServerState) -> ToolCallParser:
     if state.tool_call_parser is not None:
-        return get_parser(state.tool_call_parser)
-    return detect_parser(getattr(state.tokenizer, "chat_template", None))
+        parser = get_parser(state.tool_call_parser)
+    else:
+        parser = detect_parser(getattr(state.tokenizer, "chat_template", None))
+    if parser.needs_special_tokens:  # the reply keeps them: its EOS text is no content
+        parser.end_text = getattr(state.tokenizer, "eos_token", None)
+    return parser
 
 
-def reply_message(plan: ToolPlan | None, text: str, finish: str | None) -> tuple[dict, str | None]:
+def reply_message(
+    plan: ToolPlan | None,
+    text: str,
+    finish: str | None,
+    reasoning: tuple[ReasoningParser | None, bool] = (None, False),
+) -> tuple[dict, str | None]:
     """The assistant message of a whole reply, and its finish_reason ("tool_calls" when the
-    reply is calls, as OpenAI; a reply cut short by max_tokens stays "length")."""
-    if plan is None:
+    reply is calls, as OpenAI; a reply cut short by max_tokens stays "length", its calls
+    closed as when streamed). `reasoning_content` with a reasoning parser (vLLM's field)."""
+    if plan is None and reasoning[0] is None:
         return {"role": "assistant", "content": text}, finish
-    content, calls = plan.message(text) if finish != "length" else (text, [])
+    reply = whole_reply(text, reasoning[0], reasoning[1], plan)
+    content, calls = reply.content, reply.calls
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning[0] is not None:
+        message["reasoning_content"] = reply.reasoning
     if calls:
         message["tool_calls"] = [c.to_openai() for c in calls]
         return message, "tool_calls" if finish == "stop" else finish
@@ -263,6 +300,7 @@ async def _stream(
     include_usage: bool,
     echoed: str,
     tool_plan: ToolPlan | None = None,
+    reasoning: tuple[ReasoningParser | None, bool] = (None, False),
 ) -> AsyncIterator[bytes]:
     head = {**head, "object": "chat.completion.chunk"}
     frames = ChunkFrames(head)
@@ -273,7 +311,10 @@ async def _stream(
         return frames.chunk(choice)
 
     completion_tokens = 0
-    tool_streams = [ToolCallStream(tool_plan) if tool_plan else None for _ in range(n)]
+    parsed = tool_plan is not None or reasoning[0] is not None
+    replies = [
+        ReplyStream(reasoning[0], reasoning[1], tool_plan) if parsed else None for _ in range(n)
+    ]
     try:
         for i in range(n):  # the role first, as OpenAI streams it
             yield chunk(i, {"role": "assistant", "content": echoed})
@@ -290,9 +331,9 @@ async def _stream(
                             state.tokenizer, out.token_ids, out.logprobs, num_top
                         )
                         lps = {"content": entries}
-                    tools = tool_streams[out.index]
-                    if tools is not None:
-                        for part in tool_call_chunks(tools, out.text, out.finish_reason, lps):
+                    reply = replies[out.index]
+                    if reply is not None:
+                        for part in reply_chunks(reply, out.text, out.finish_reason, lps):
                             chunks.append(chunk(out.index, *part[:2], (part[2], out.stop_reason)))
                         continue
                     content = {"content": out.text} if out.text or out.token_ids else {}

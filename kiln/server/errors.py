@@ -4,7 +4,10 @@ exception classes. Validation failures are 400 (as OpenAI answers), never FastAP
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -55,6 +58,35 @@ def error_response(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+ErrorShape = Callable[[int, dict], dict]
+ERROR_SHAPES: dict[str, ErrorShape] = {}
+"""Path prefix -> how its errors look, for routes of a protocol that is not OpenAI's (Anthropic's
+Messages API): the OpenAI error body in, that protocol's body out."""
+
+
+def shaped_body(path: str, status: int, body: dict) -> dict:
+    for prefix, shape in ERROR_SHAPES.items():
+        if path.startswith(prefix):
+            return shape(status, body)
+    return body
+
+
+def _shaped(handler: Callable[[Request, Any], Awaitable[JSONResponse]]):
+    async def run(request: Request, exc: Any) -> JSONResponse:
+        response = await handler(request, exc)
+        path = request.url.path
+        if not any(path.startswith(prefix) for prefix in ERROR_SHAPES):
+            return response
+        body = shaped_body(path, response.status_code, json.loads(bytes(response.body)))
+        shaped = JSONResponse(body, status_code=response.status_code)
+        for name in ("allow", "www-authenticate"):
+            if name in response.headers:
+                shaped.headers[name] = response.headers[name]
+        return shaped
+
+    return run
 
 
 def _validation_param(loc: tuple) -> str | None:
@@ -116,11 +148,11 @@ async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    # Starlette types every handler as taking any Exception, though it calls each only with the
-    # class it is registered for: hence the ignores (starlette's ExceptionHandler alias).
-    app.add_exception_handler(RequestValidationError, _on_validation)  # type: ignore[arg-type]
-    app.add_exception_handler(APIError, _on_api_error)  # type: ignore[arg-type]
-    app.add_exception_handler(InvalidRequestError, _on_invalid_request)  # type: ignore[arg-type]
-    app.add_exception_handler(EngineDeadError, _on_engine_dead)  # type: ignore[arg-type]
-    app.add_exception_handler(StarletteHTTPException, _on_http)  # type: ignore[arg-type]
-    app.add_exception_handler(Exception, _on_unexpected)
+    # Starlette calls each handler only with the class it is registered for; `_shaped` takes
+    # any exception, as Starlette's ExceptionHandler alias does.
+    app.add_exception_handler(RequestValidationError, _shaped(_on_validation))
+    app.add_exception_handler(APIError, _shaped(_on_api_error))
+    app.add_exception_handler(InvalidRequestError, _shaped(_on_invalid_request))
+    app.add_exception_handler(EngineDeadError, _shaped(_on_engine_dead))
+    app.add_exception_handler(StarletteHTTPException, _shaped(_on_http))
+    app.add_exception_handler(Exception, _shaped(_on_unexpected))

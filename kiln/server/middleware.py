@@ -12,7 +12,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kiln.server.errors import error_body
+from kiln.server.errors import error_body, shaped_body
 
 OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentials
 # Open unless --metrics-api-key: vLLM guards only /v1/*, so a Prometheus scrape set up for vLLM
@@ -47,13 +47,13 @@ class GuardMiddleware:
             if path in OPEN_PATHS
             else self.api_key
         )
-        if key is not None and not self._authorized(headers.get(b"authorization", b""), key):
-            reason = "invalid or missing API key (Authorization: Bearer <key>)"
-            await _reply(send, 401, reason, "invalid_api_key")
+        if key is not None and not self._authorized(headers, key):
+            reason = "invalid or missing API key (Authorization: Bearer <key>, or x-api-key)"
+            await _reply(send, 401, reason, "invalid_api_key", path)
             return
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
-            await self._refuse_body(receive, send)
+            await self._refuse_body(receive, send, path=path)
             return
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
@@ -66,19 +66,25 @@ class GuardMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:  # a chunked body has no Content-Length to check
-                await self._refuse_body(receive, send, more=message.get("more_body", False))
+                more = message.get("more_body", False)
+                await self._refuse_body(receive, send, more=more, path=path)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
-    def _authorized(self, header: bytes, key: bytes) -> bool:
-        scheme, _, token = header.partition(b" ")
+    def _authorized(self, headers: dict[bytes, bytes], key: bytes) -> bool:
+        """Bearer (OpenAI's clients) or x-api-key (Anthropic's)."""
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
         # compare_digest takes as long for a wrong key as for a right one: no timing oracle.
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key):
+            return True
+        return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), key)
 
-    async def _refuse_body(self, receive: Receive, send: Send, more: bool = True) -> None:
+    async def _refuse_body(
+        self, receive: Receive, send: Send, more: bool = True, path: str = ""
+    ) -> None:
         """413. A client still sending would see a reset instead of our answer, so read (and
         drop) a bounded amount of what it sends first; past that, it gets the reset."""
         budget = _DISCARD_LIMIT
@@ -89,7 +95,7 @@ class GuardMiddleware:
             budget -= len(message.get("body", b""))
             more = message.get("more_body", False)
         reason = f"request body is larger than the limit of {self.max_body_bytes} bytes"
-        await _reply(send, 413, reason, "request_too_large")
+        await _reply(send, 413, reason, "request_too_large", path)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -105,8 +111,8 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-async def _reply(send: Send, status: int, message: str, code: str | None) -> None:
-    body = json.dumps(error_body(status, message, None, code)).encode()
+async def _reply(send: Send, status: int, message: str, code: str | None, path: str) -> None:
+    body = json.dumps(shaped_body(path, status, error_body(status, message, None, code))).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))

@@ -63,12 +63,16 @@ async def tokenizer_info(state: State) -> dict:
 
 @router.get("/health", responses=ERROR_RESPONSES)
 async def health(state: State) -> Response:
-    """200 while the engine loop runs and the server accepts work; 503 otherwise."""
+    """200 while the engine loop runs, makes progress and the server accepts work; 503 (with
+    the reason) otherwise."""
     if not state.engine.healthy:
         message = f"engine loop is dead: {state.engine.error!r}"
         return error_response(503, message, code="engine_dead")
     if state.lifecycle.draining:
         return error_response(503, "the server is shutting down", code="shutting_down")
+    stalled = state.stall.reason() if state.stall is not None else None
+    if stalled is not None:
+        return error_response(503, stalled, code="engine_stalled")
     return Response(status_code=200)
 
 

@@ -7,8 +7,12 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kiln.server.volatile_lines import DEFAULT_DROP_LINES
+
 if TYPE_CHECKING:  # the engine's and the app's imports wait until serve_app runs
     from kiln.server.state import ServedEngine
+
+DEFAULT_STALL_TIMEOUT_S = 120.0  # above any one step (a long prefill, a first-step compile)
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,10 @@ class ServeOptions:
     log_level: str = "info"
     max_tokens_default: int | None = None
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S
+    drop_prompt_lines: str | None = DEFAULT_DROP_LINES
+    volatile_prompt_lines: str | None = None
     max_seqs_per_request: int = 256
     access_log: bool = False
     stream_interval: int = 1
@@ -60,6 +68,10 @@ def serve_app(
         grpc_host=options.host,
         max_tokens_default=options.max_tokens_default,
         tool_call_parser=options.tool_call_parser,
+        reasoning_parser=options.reasoning_parser,
+        stall_timeout_s=options.stall_timeout_s,
+        drop_prompt_lines=options.drop_prompt_lines,
+        volatile_prompt_lines=options.volatile_prompt_lines,
         max_seqs_per_request=options.max_seqs_per_request,
         metrics_api_key=options.metrics_api_key,
         metrics_multiprocess_dir=metrics_dir,

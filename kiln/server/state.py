@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, TypeAlias, TypeVar
+from typing import Annotated, Protocol, TypeAlias, TypeVar
 
 from fastapi import Depends
 from starlette.concurrency import run_in_threadpool
@@ -18,9 +18,16 @@ from kiln.sampling_params import SamplingParams
 from kiln.server.errors import APIError
 from kiln.server.lifecycle import Lifecycle
 from kiln.server.metrics import ServerMetrics
+from kiln.server.volatile_lines import PromptLineRules
 from kiln.tokenizer import Tokenizer
 
 T = TypeVar("T")
+
+
+class StallCheck(Protocol):
+    def reason(self) -> str | None: ...
+
+
 # The engine the server drives: the engine thread, or the engine process's client (same surface).
 ServedEngine: TypeAlias = AsyncEngine | EngineClient
 
@@ -33,6 +40,9 @@ class ServerState:
     metrics: ServerMetrics
     max_tokens_default: int | None = None  # for requests that name no max_tokens
     tool_call_parser: str | None = None  # None: chosen from the model's chat template
+    reasoning_parser: str | None = None  # None: replies are content (no reasoning split)
+    stall: StallCheck | None = None  # the engine's progress (kiln.server.stall), None: unwatched
+    prompt_lines: PromptLineRules | None = None  # volatile system lines dropped or moved
 
     def __post_init__(self) -> None:
         # Read once: immutable after the engine is built, so safe from the event-loop thread.

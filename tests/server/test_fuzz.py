@@ -37,7 +37,11 @@ def _keep_short(case) -> None:
     body = case.body
     if not isinstance(body, dict):
         return
-    for key, cap in (("max_tokens", _MAX_TOKENS), ("max_completion_tokens", _MAX_TOKENS)):
+    for key, cap in (
+        ("max_tokens", _MAX_TOKENS),
+        ("max_completion_tokens", _MAX_TOKENS),
+        ("max_output_tokens", _MAX_TOKENS),
+    ):
         if _is_int(body.get(key)) and body[key] > cap:
             body[key] = cap
     for key in ("n", "best_of"):  # best_of: a beam search's width
@@ -50,11 +54,20 @@ def _keep_short(case) -> None:
     no_limit = body.get("max_tokens") is None and body.get("max_completion_tokens") is None
     if case.path == "/v1/chat/completions" and no_limit:
         body["max_completion_tokens"] = _MAX_TOKENS
+    if case.path == "/v1/responses" and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = _MAX_TOKENS
     if isinstance(body.get("prompt"), list):
         body["prompt"] = body["prompt"][:_MAX_PROMPTS]
 
 
-POST = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+POST = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/tokenize",
+    "/detokenize",
+]
 GET = ["/v1/models", "/health", "/version", "/metrics"]
 CASES = [(p, "POST", mode) for p in POST for mode in ("positive", "negative")]
 CASES += [(p, "GET", "positive") for p in GET]

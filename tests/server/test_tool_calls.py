@@ -14,7 +14,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from kiln.server.tool_calls import ToolCallStream, ToolPlan, get_parser, plan_tools
+from kiln.server.reply import ReplyStream
+from kiln.server.tool_calls import ToolPlan, get_parser, plan_tools
 from tests.server_harness import ServerThread, offline
 
 MODEL = "tiny"
@@ -318,8 +319,9 @@ def test_auto_parses_the_models_own_format_streamed_and_not(client):
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
     assert content.strip() == "Let me check." and "<tool_call>" not in content
-    assert [(d.index, d.function.name) for d in deltas] == [(0, "get_weather")]
-    assert json.loads(deltas[0].function.arguments) == {"city": "Oslo"}
+    assert [(d.index, d.function.name) for d in deltas if d.function.name] == [(0, "get_weather")]
+    assert deltas[0].id == chunks_id(deltas) and len(deltas) > 2  # the arguments streamed
+    assert json.loads("".join(d.function.arguments for d in deltas)) == {"city": "Oslo"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # Without a call in the text, auto is plain content.
     plain = client.chat.completions.create(
@@ -371,6 +373,13 @@ def test_two_turn_round_trip_with_a_tool_result(client, http):
     assert json.loads(rendered) == {"name": "get_weather", "arguments": arguments}
 
 
+def chunks_id(deltas) -> str:
+    """The call's id: on its first delta only, as OpenAI streams it."""
+    ids = [d.id for d in deltas if d.id]
+    assert len(ids) == 1 and ids[0].startswith("call_")
+    return ids[0]
+
+
 # ---- parsers and the stream, on their own --------------------------------------------------
 
 
@@ -406,16 +415,18 @@ def test_stream_holds_back_calls_char_by_char(parser_name):
     if parser_name == "hermes":
         text, want_content = (
             f"Checking <tool{'_'}x> first. {HERMES_CALL}",
-            "Checking <tool_x> first. ",
+            "Checking <tool_x> first.",
         )
     else:
         text, want_content = '{"name": "get_weather", "parameters": {"city": "Oslo"}}', ""
-    stream = ToolCallStream(plan)
-    sent = "".join(stream.feed(ch) for ch in text)
-    rest, calls = stream.finish()
-    assert sent == want_content and rest == ""
-    assert [c["function"]["name"] for c in calls] == ["get_weather"]
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
-    plain = ToolCallStream(plan)
+    stream = ReplyStream(None, False, plan)
+    events = [e for ch in text for e in stream.feed(ch)] + stream.finish()
+    assert "".join(v for k, v in events if k == "content") == want_content
+    assert [v for k, v in events if k == "call"] == ["get_weather"]
+    arguments = "".join(v for k, v in events if k == "args")
+    assert json.loads(arguments) == {"city": "Oslo"}
+    assert sum(k == "args" for k, _ in events) > 3  # the arguments streamed, not whole
+    plain = ReplyStream(None, False, plan)
     words = "Just words, {no call}."
-    assert "".join(plain.feed(ch) for ch in words) + plain.finish()[0] == words
+    events = [e for ch in words for e in plain.feed(ch)] + plain.finish()
+    assert "".join(v for _, v in events) == words

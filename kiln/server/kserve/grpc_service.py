@@ -89,7 +89,9 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.state = state
 
     def _ready(self) -> bool:
-        return self.state.engine.healthy and not self.state.lifecycle.draining
+        stall = self.state.stall
+        stalled = stall is not None and stall.reason() is not None
+        return self.state.engine.healthy and not self.state.lifecycle.draining and not stalled
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=self.state.engine.healthy)

@@ -89,7 +89,8 @@ def _post(paths: list[str]):
 
 
 def _ready(state: ServerState) -> bool:
-    return state.engine.healthy and not state.lifecycle.draining
+    stalled = state.stall is not None and state.stall.reason() is not None
+    return state.engine.healthy and not state.lifecycle.draining and not stalled
 
 
 # ---- health and metadata -------------------------------------------------------------------

@@ -9,6 +9,7 @@ from typing import Any
 
 from kiln.errors import InvalidRequestError
 from kiln.sampling_params import GuidedDecodingParams, SamplingParams
+from kiln.server.tool_calls.json_prefix import JsonPrefix
 from kiln.server.tool_calls.parsers import ToolCall, ToolCallParser
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -27,7 +28,7 @@ class ToolPlan:
         """The reply's content and tool calls from its whole text."""
         if self.mode == "named":
             assert self.function_name is not None  # plan_tools names the function
-            return None, [ToolCall(self.function_name, text)]
+            return None, [ToolCall(self.function_name, closed_json(text))]
         if self.mode == "required":
             try:
                 items = json.loads(text)
@@ -45,10 +46,22 @@ class ToolPlan:
         return content, calls
 
 
+def closed_json(text: str) -> str:
+    """A named call's arguments: the reply, closed if max_tokens cut it short."""
+    scan = JsonPrefix()
+    scan.feed(text)
+    scan.finish_number()
+    if scan.done:
+        return scan.text
+    return scan.closed() if scan.closable else "{}"
+
+
 def apply_plan(plan: ToolPlan | None, params: SamplingParams) -> SamplingParams:
     """The sampling params a plan needs: the call's grammar (required / named). `auto` changes
     nothing: Hermes' <tool_call> is not a special token in the tokenizers that use it, and
     Llama 3.1's special <|python_tag|> is optional to its parser."""
+    if plan is not None and plan.parser is not None and plan.parser.needs_special_tokens:
+        params = replace(params, skip_special_tokens=False)  # the call's marker is one
     if plan is None or plan.guided is None:
         return params
     if params.guided_decoding is not None:
