@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import APIRouter
 from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -33,7 +34,7 @@ from kiln.server.protocol import (
     ChatCompletionResponse,
     ChatMessage,
 )
-from kiln.server.state import ServerState, State, off_the_loop, text_size
+from kiln.server.state import ServerState, State, text_size
 from kiln.server.tool_calls import (
     ToolCallStream,
     ToolPlan,
@@ -70,8 +71,9 @@ def chat_prompt_ids(
     tokenizer = state.require_tokenizer("messages")
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model has no chat template", param="messages")
+    # Before the template's work: every field it may render counts (tools, call arguments).
+    state.check_messages([_text(m) for m in messages], text_size([messages, tools]))
     conversation = [template_message(m) for m in messages]
-    state.check_messages([c["content"] for c in conversation])  # before the template's work
     try:
         text = tokenizer.apply_chat_template(
             conversation,
@@ -82,6 +84,7 @@ def chat_prompt_ids(
         )
     except Exception as exc:  # a template may reject a conversation (e.g. role order)
         raise InvalidRequestError(f"the chat template failed: {exc}", param="messages") from exc
+    state.check_prompt_size(len(text), "messages")  # what the template made of it, unread yet
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -111,8 +114,8 @@ async def create_chat_completion(
     tool_plan = plan_tools(
         body.tools, body.tool_choice, body.parallel_tool_calls, tool_call_parser(state)
     )
-    prompt_ids = await off_the_loop(  # a long conversation's template takes time
-        text_size(body.messages),
+    # Always a thread: a template can take seconds over a short conversation or large tools.
+    prompt_ids = await run_in_threadpool(
         chat_prompt_ids,
         state,
         body.messages,
