@@ -121,7 +121,7 @@ async def create_chat_completion(
         body.messages,
         body.add_generation_prompt is not False,
         bool(body.continue_final_message),
-        tool_plan and tool_plan.tools,
+        tool_plan.tools if tool_plan else None,
     )
     check_max_tokens(
         body.max_completion_tokens or body.max_tokens, [len(prompt_ids)], state.max_model_len

@@ -83,7 +83,7 @@ class GuardedProtocol(HttpToolsProtocol):
             transport.abort()
             return
         if num_open > self.max_connections - self.health_reserve:
-            self.app = _health_only(self.app)  # type: ignore[assignment]
+            self.app = _health_only(self.app)
         self._arm_header_deadline()
 
     def on_message_begin(self) -> None:

@@ -37,6 +37,7 @@ from kiln.server.kserve.core import (
 )
 from kiln.server.kserve.errors import KServeError, as_kserve_error, invalid
 from kiln.server.state import ServerState, get_state
+from kiln.server.text_check import check_strings, may_hold_surrogates
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "generate", "parameters"]
@@ -167,6 +168,8 @@ def _json_object(data: bytes, what: str) -> dict:
         raise invalid(f"{what} is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise invalid(f"{what} must be a JSON object")
+    if may_hold_surrogates(data):
+        check_strings(obj)  # text_input, stop words, parameters: every string, once
     return obj
 
 
