@@ -62,7 +62,7 @@ def check_json_body(raw: bytes) -> InvalidRequestError | None:
         return None
     try:
         value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     try:
         check_strings(value)

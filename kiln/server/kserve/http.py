@@ -166,6 +166,8 @@ def _json_object(data: bytes, what: str) -> dict:
         obj = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise invalid(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise invalid(f"{what} is nested too deeply") from None
     if not isinstance(obj, dict):
         raise invalid(f"{what} must be a JSON object")
     if may_hold_surrogates(data):
