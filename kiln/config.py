@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
+from kiln.errors import ConfigError
+
 if TYPE_CHECKING:
     from kiln.spec_decode.config import SpeculativeConfig
 
@@ -121,7 +123,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         def fail(name: str, why: str) -> None:
-            raise ValueError(f"EngineConfig.{name} {why}, got {getattr(self, name)!r}")
+            raise ConfigError(f"EngineConfig.{name} {why}, got {getattr(self, name)!r}")
 
         if self.max_num_seqs < 1:
             fail("max_num_seqs", "must be >= 1")

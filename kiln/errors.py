@@ -25,3 +25,8 @@ class BuildError(KilnError):
 
 class EvalError(KilnError):
     """`kiln eval` cannot run a task: an unknown task name, or its data is missing or malformed."""
+
+
+class ConfigError(KilnError, ValueError):
+    """A setting is invalid (a flag, an EngineConfig field, a speculative config, a model's
+    config.json value): the CLI prints it on one line and exits 2."""

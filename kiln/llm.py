@@ -82,9 +82,17 @@ class LLM:
     def apply_chat_template(
         self, messages: list[Message], add_generation_prompt: bool = True
     ) -> str:
-        return self._chat_tokenizer().apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        try:
+            return self._chat_tokenizer().apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # a template may refuse a conversation, or the sandbox it
+            reason = " ".join(str(exc).split())  # one line, as the CLI prints it
+            raise InvalidRequestError(
+                f"the chat template failed: {reason}", param="messages"
+            ) from exc
 
     def _chat_prompt_ids(self, messages: list[Message]) -> list[int]:
         # The template already holds any BOS token: encode without adding special tokens again.

@@ -109,7 +109,8 @@ ALLOWED: dict[str, set[str]] = {
     "layers": {"distributed", "kernels"},
     "attention": {"kernels"},
     "kernels": set(),
-    "kernel_cache": set(),
+    # The manifest's digest, to hash carried kernels as they are installed.
+    "kernel_cache": {"checkpoint.file_hash"},
     "distributed": set(),
     "errors": set(),
     "sampling_params": set(),

@@ -14,14 +14,15 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import msgspec
 import torch
 
 from kiln.checkpoint.file_hash import hash_files
 from kiln.checkpoint.shard_reader import ShardReader
 from kiln.errors import ModelLoadError
-from kiln.models.config import ModelConfig
+from kiln.models.config import MAX_POSITIONS, ModelConfig
 
 MANIFEST_FILE = "kiln_engine.json"
 ENGINE_FORMAT_VERSION = 1
@@ -83,6 +84,8 @@ def runtime_defaults(model: str | None) -> dict[str, Any]:
     if not model or not os.path.isdir(model) or not is_engine_dir(model):
         return {}
     manifest = read_manifest(model)
+    if manifest["format_version"] != ENGINE_FORMAT_VERSION:
+        return {}  # loading it says why
     defaults: dict[str, Any] = {}
     if manifest.get("kv_cache_dtype", "auto") != "auto":
         defaults["kv_cache_dtype"] = manifest["kv_cache_dtype"]
@@ -91,17 +94,68 @@ def runtime_defaults(model: str | None) -> dict[str, Any]:
     return defaults
 
 
+class _FileEntry(msgspec.Struct):
+    size: Annotated[int, msgspec.Meta(ge=0)]
+    blake2b: str
+
+
+class ManifestSchema(msgspec.Struct):
+    """What loading reads of a manifest, typed: the one place its types are checked (the
+    builder's EngineManifest records more, which loading ignores)."""
+
+    format_version: int
+    files: dict[str, _FileEntry]
+    architecture: dict[str, Any]
+    dtype: str
+    quantization: Literal["none", "fp8", "fp8-dynamic"]  # layers.quantization.QUANTIZATIONS
+    gpu_class: str | None = None
+    tensor_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    kv_cache_dtype: str = "auto"
+    max_model_len: Annotated[int, msgspec.Meta(ge=1, le=MAX_POSITIONS)] | None = None
+    input_scales: dict[str, float] | None = None
+    kv_scales: list[list[float]] | None = None
+    kv_scales_in_weights: bool = True
+    lm_head_quantization: Literal["none", "fp8"] = "none"
+    unquantized_layers: list[str] | None = None
+    outlier_channels: dict[str, list[int]] | None = None
+
+
 def read_manifest(path: str) -> dict[str, Any]:
+    """The manifest as a dict, after ManifestSchema's checks and every file name's: a relative
+    path inside the directory. Each failure is one ModelLoadError line."""
     file = os.path.join(path, MANIFEST_FILE)
     try:
         with open(file, encoding="utf-8") as f:
             manifest = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ModelLoadError(f"{file} is not a readable engine manifest: {e}") from e
     for key in ("format_version", "files", "architecture", "dtype", "quantization"):
         if not isinstance(manifest, dict) or key not in manifest:
             raise ModelLoadError(f"{file} is not an engine manifest: it has no {key!r}")
+    if manifest["format_version"] != ENGINE_FORMAT_VERSION:
+        return manifest  # open_engine_dir names both versions
+    try:
+        msgspec.convert(manifest, ManifestSchema)
+    except msgspec.ValidationError as e:
+        raise ModelLoadError(f"{file} is not a valid engine manifest: {e}") from None
+    for name in manifest["files"]:
+        if not is_confined(name):
+            raise ModelLoadError(
+                f"{file} lists {name!r}: an engine's files are relative paths inside it"
+            )
     return manifest
+
+
+def is_confined(name: str) -> bool:
+    """Whether manifest file name `name` is a plain relative path inside its directory."""
+    parts = name.split("/")
+    return (
+        bool(name)
+        and not os.path.isabs(name)
+        and "\\" not in name
+        and "\0" not in name
+        and all(part not in ("", ".", "..") for part in parts)
+    )
 
 
 def verify_files(path: str, files: dict[str, dict[str, Any]], verify_hashes: bool) -> None:

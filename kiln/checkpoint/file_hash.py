@@ -74,3 +74,12 @@ def tree_digest(size: int, chunk_digests: list[bytes]) -> str:
     for digest in chunk_digests:
         root.update(digest)
     return root.hexdigest()
+
+
+def bytes_digest(data: bytes) -> str:
+    """The digest hash_files gives a file holding `data` (for small files read whole)."""
+    chunks = [
+        hashlib.blake2b(data[off : off + CHUNK_BYTES], digest_size=DIGEST_BYTES).digest()
+        for off in range(0, max(len(data), 1), CHUNK_BYTES)
+    ]
+    return tree_digest(len(data), chunks)

@@ -69,6 +69,20 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger bodies get 413")
     p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection has to send its request headers before it is closed",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open connections beyond this are closed at once; the last --health-reserve of "
+        "them serve /health only (default: the descriptor limit less 256)",
+    )
+    p.add_argument("--health-reserve", type=int, default=8, help="see --max-connections")
+    p.add_argument(
         "--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get"
     )
     p.add_argument(
@@ -211,4 +225,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         access_log=args.enable_log_requests,
         stream_interval=args.stream_interval,
         api_server_count=args.api_server_count,
+        header_timeout_s=args.header_timeout,
+        max_connections=args.max_connections,
+        health_reserve=args.health_reserve,
     )

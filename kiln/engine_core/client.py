@@ -109,6 +109,7 @@ class _ProcessWatch:
     turns readable when it exits, zombie or not, and never mistakes a reused pid for it."""
 
     def __init__(self, pid: int) -> None:
+        self.pid = pid
         try:
             self._fd: int | None = os.pidfd_open(pid)
         except ProcessLookupError:
@@ -144,7 +145,10 @@ class EngineClient:
         self._stop = False
         self._engine = engine
         self._ctx = zmq.Context()
+        # Only the engine process may connect (SO_PEERCRED): another process of this user that
+        # connects would otherwise take every other request (PUSH round-robins) or feed outputs.
         self._inputs = self._ctx.socket(zmq.PUSH)
+        self._inputs.setsockopt(zmq.IPC_FILTER_PID, engine.pid)
         self._inputs.setsockopt(zmq.SNDHWM, 0)
         self._inputs.setsockopt(zmq.LINGER, 0)
         # With no queue limit a send waits only when no engine is connected: one that died (or
@@ -152,6 +156,7 @@ class EngineClient:
         self._inputs.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         self._inputs.bind(addresses.inputs)
         self._outputs = self._ctx.socket(zmq.PULL)
+        self._outputs.setsockopt(zmq.IPC_FILTER_PID, engine.pid)
         self._outputs.setsockopt(zmq.RCVHWM, 0)
         self._outputs.bind(addresses.outputs)
         self._reader: threading.Thread | None = None
@@ -200,7 +205,7 @@ class EngineClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._outputs.poll(200):
-                msg = m.output_decoder.decode(self._outputs.recv())
+                msg = m.decode_output(self._outputs.recv())
                 if isinstance(msg, m.StartupFailed):
                     raise EngineStartupError(msg.message)
                 if isinstance(msg, m.Ready):
@@ -345,7 +350,7 @@ class EngineClient:
                     if code is not None and not self._outputs.poll(0):
                         raise EngineDeadError(f"the engine process exited (code {code})")
                     continue
-                msg = m.output_decoder.decode(self._outputs.recv(copy=False).buffer)
+                msg = m.decode_output(self._outputs.recv(copy=False).buffer)
                 if isinstance(msg, m.Outputs):
                     self._dispatch(msg)
                 elif isinstance(msg, m.EngineDied):

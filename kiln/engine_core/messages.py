@@ -1,12 +1,15 @@
 """What crosses the API <-> engine process boundary: msgspec structs (msgpack on the wire), a
 tagged union each way. Nothing is ever unpickled from a socket: a decode either yields one of
-these types, validated field by field, or fails.
+these types, validated field by field, or the frame is dropped and logged (never fatal: the
+sockets take only each other's process, so a bad frame is a bug to report, not a reason to die).
 
 One `Outputs` message per engine step carries every request's delta of that step (token ids and
 text), the acceptances of the adds it took in, and the engine's snapshot when it changed.
 """
 
 from __future__ import annotations
+
+import logging
 
 import msgspec
 
@@ -70,3 +73,24 @@ EngineOutput = Ready | StartupFailed | Outputs | EngineDied
 encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(EngineInput)
 output_decoder = msgspec.msgpack.Decoder(EngineOutput)
+
+
+logger = logging.getLogger("kiln.engine_core")
+
+
+def decode_input(frame: bytes | memoryview) -> EngineInput | None:
+    """An API process's message, or None (logged) if the frame is not one."""
+    return _decode(input_decoder, frame, "API -> engine")
+
+
+def decode_output(frame: bytes | memoryview) -> EngineOutput | None:
+    """The engine's message, or None (logged) if the frame is not one."""
+    return _decode(output_decoder, frame, "engine -> API")
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, frame: bytes | memoryview, where: str):
+    try:
+        return decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        logger.warning("dropped an undecodable %s frame of %d bytes: %s", where, len(frame), exc)
+        return None

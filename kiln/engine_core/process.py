@@ -67,7 +67,9 @@ def serve(loop: StepLoop, clients: list[tuple[zmq.Socket, zmq.Socket]], parent_p
                     raw = inputs.recv(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                msg = m.input_decoder.decode(raw.buffer)
+                msg = m.decode_input(raw.buffer)
+                if msg is None:
+                    continue  # dropped and logged: one bad frame must not end the engine
                 if isinstance(msg, m.AddRequest):
                     try:
                         loop.add(msg.req_id, msg.prompt_token_ids, msg.params, msg.priority)

@@ -15,6 +15,9 @@ from kiln.models import registry
 # The deepest published decoders have ~130 layers; building 10k layers' modules already takes
 # minutes on a CPU, and a config saying 1e7 would otherwise look like a hang.
 MAX_LAYERS = 10_000
+# Longer than any model's context (Llama 4 Scout's 10M included): a larger one is a typo that
+# would size the rotary tables and the default max_model_len to match.
+MAX_POSITIONS = 1 << 24
 _POSITIVE_FIELDS = (
     "vocab_size",
     "hidden_size",
@@ -87,6 +90,11 @@ class ModelConfig:
                 f"num_hidden_layers={self.num_hidden_layers} is more than any model has "
                 f"(kiln builds at most {MAX_LAYERS})"
             )
+        if self.max_position_embeddings > MAX_POSITIONS:
+            raise ModelLoadError(
+                f"max_position_embeddings={self.max_position_embeddings} is longer than any "
+                f"model's context (at most {MAX_POSITIONS})"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelLoadError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -145,8 +153,9 @@ class ModelConfig:
             raise ModelLoadError(f"hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
         if d.get("mlp_bias"):
             raise ModelLoadError("mlp_bias=true is not supported")
-        num_heads = int(d["num_attention_heads"])
-        if not d.get("head_dim") and num_heads > 0 and int(d["hidden_size"]) % num_heads:
+        num_heads = _int(d, "num_attention_heads")
+        hidden_size = _int(d, "hidden_size")
+        if not d.get("head_dim") and num_heads > 0 and hidden_size % num_heads:
             # Else head_dim = hidden // heads silently drops columns (transformers refuses it).
             raise ModelLoadError(
                 f"hidden_size={d['hidden_size']} is not divisible by num_attention_heads="
@@ -155,18 +164,18 @@ class ModelConfig:
         rope_theta, rope_scaling = _rope_of(d)
         return cls(
             architecture=architecture,
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
+            vocab_size=_int(d, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=_int(d, "intermediate_size"),
+            num_hidden_layers=_int(d, "num_hidden_layers"),
             num_attention_heads=num_heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),
+            num_key_value_heads=_opt_int(d, "num_key_value_heads") or num_heads,
             # Mistral configs sometimes carry "head_dim": null, hence `or`.
-            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // num_heads),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            head_dim=_opt_int(d, "head_dim") or hidden_size // max(num_heads, 1),
+            rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_int(d, "max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; its config has no flag for them (Qwen3's has).
             attention_bias=architecture == "qwen2" or bool(d.get("attention_bias", False)),
@@ -218,6 +227,31 @@ class ModelConfig:
             sliding = self.sliding_window is not None
             d["max_window_layers"] = 0 if sliding else self.num_hidden_layers
         return d
+
+
+def _int(d: dict[str, Any], name: str, default: int = 0) -> int:
+    """config.json's integer `name` (a float with an integral value, as 1e9, counts), or
+    `default` when absent or null; anything else names the field."""
+    value = _opt_int(d, name)
+    return default if value is None else value
+
+
+def _opt_int(d: dict[str, Any], name: str) -> int | None:
+    value = d.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ModelLoadError(f"{name}={value!r} in the model's config is not an integer")
+    return value
+
+
+def _float(d: dict[str, Any], name: str, default: float) -> float:
+    value = d.get(name, default)
+    if not isinstance(value, int | float) or isinstance(value, bool) or value != value:
+        raise ModelLoadError(f"{name}={value!r} in the model's config is not a number")
+    return float(value)
 
 
 def _require_positive(name: str, value: object) -> None:

@@ -165,7 +165,8 @@ def _engine_dir_source(
 
     engine = open_engine_dir(path)  # version, GPU class, sizes; the shards' hashes as they load
     if engine_kernels:
-        install(path)  # its compiled kernels (verified with the other files), before any compile
+        # Its compiled device code, only what the manifest lists and hashes, before any compile.
+        install(path, engine.manifest["files"])
     tp = engine.manifest.get("tensor_parallel_size", 1)
     weights_dir = path if tp == 1 else os.path.join(path, rank_dir_name(tp_rank, tp))
     if background_tokenizer:

@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import APIRouter
 from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -36,7 +37,7 @@ from kiln.server.protocol import (
 )
 from kiln.server.reasoning import ReasoningParser
 from kiln.server.reply import ReplyStream, reasoning_for, whole_reply
-from kiln.server.state import ServerState, State, off_the_loop, text_size
+from kiln.server.state import ServerState, State, text_size
 from kiln.server.tool_calls import (
     ToolPlan,
     apply_plan,
@@ -71,10 +72,11 @@ def chat_prompt_ids(
     tokenizer = state.require_tokenizer("messages")
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model has no chat template", param="messages")
+    # Before the template's work: every field it may render counts (tools, call arguments).
+    state.check_messages([_text(m) for m in messages], text_size([messages, tools]))
     conversation = [template_message(m) for m in messages]
     if state.prompt_lines is not None:  # lines that change every request: keep the prefix
         conversation = state.prompt_lines.apply(conversation)
-    state.check_messages([c["content"] for c in conversation])  # before the template's work
     try:
         text = tokenizer.apply_chat_template(
             conversation,
@@ -85,6 +87,7 @@ def chat_prompt_ids(
         )
     except Exception as exc:  # a template may reject a conversation (e.g. role order)
         raise InvalidRequestError(f"the chat template failed: {exc}", param="messages") from exc
+    state.check_prompt_size(len(text), "messages")  # what the template made of it, unread yet
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -114,14 +117,14 @@ async def create_chat_completion(
     tool_plan = plan_tools(
         body.tools, body.tool_choice, body.parallel_tool_calls, tool_call_parser(state)
     )
-    prompt_ids = await off_the_loop(  # a long conversation's template takes time
-        text_size(body.messages),
+    # Always a thread: a template can take seconds over a short conversation or large tools.
+    prompt_ids = await run_in_threadpool(
         chat_prompt_ids,
         state,
         body.messages,
         body.add_generation_prompt is not False,
         bool(body.continue_final_message),
-        tool_plan and tool_plan.tools,
+        tool_plan.tools if tool_plan else None,
     )
     check_max_tokens(
         body.max_completion_tokens or body.max_tokens, [len(prompt_ids)], state.max_model_len

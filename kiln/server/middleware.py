@@ -1,4 +1,5 @@
-"""What every HTTP request passes before routing: the API key, then the body size limit.
+"""What every HTTP request passes before routing: the API key, the body size limit, then valid
+Unicode in every string of an OpenAI route's body (kiln.server.text_check).
 
 Pure ASGI (no BaseHTTPMiddleware), so streaming responses and disconnect messages pass through
 untouched. The body is read here, up to the limit, and replayed to the app; after the replay the
@@ -10,9 +11,11 @@ from __future__ import annotations
 import hmac
 import json
 
+from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.server.errors import error_body, shaped_body
+from kiln.server.text_check import check_json_body, may_hold_surrogates
 
 OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentials
 # Open unless --metrics-api-key: vLLM guards only /v1/*, so a Prometheus scrape set up for vLLM
@@ -72,7 +75,13 @@ class GuardMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+        body = b"".join(chunks)
+        if not path.startswith("/v2/") and may_hold_surrogates(body):  # KServe checks its own
+            error = await run_in_threadpool(check_json_body, body)  # a walk of the whole body
+            if error is not None:
+                await _reply(send, 400, str(error), error.code, path, error.param)
+                return
+        await self.app(scope, _replay(body, receive), send)
 
     def _authorized(self, headers: dict[bytes, bytes], key: bytes) -> bool:
         """Bearer (OpenAI's clients) or x-api-key (Anthropic's)."""
@@ -111,8 +120,10 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-async def _reply(send: Send, status: int, message: str, code: str | None, path: str) -> None:
-    body = json.dumps(shaped_body(path, status, error_body(status, message, None, code))).encode()
+async def _reply(
+    send: Send, status: int, message: str, code: str | None, path: str, param: str | None = None
+) -> None:
+    body = json.dumps(shaped_body(path, status, error_body(status, message, param, code))).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))

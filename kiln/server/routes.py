@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
 import kiln
@@ -14,7 +15,7 @@ from kiln.server.chat import chat_prompt_ids
 from kiln.server.errors import error_response
 from kiln.server.metrics import CONTENT_TYPE
 from kiln.server.protocol import ERROR_RESPONSES, DetokenizeRequest, TokenizeRequest
-from kiln.server.state import ServerState, State, off_the_loop, text_size
+from kiln.server.state import ServerState, State, off_the_loop
 
 router = APIRouter()
 
@@ -92,8 +93,7 @@ async def tokenize(body: TokenizeRequest, state: State) -> JSONResponse:
     state.check_model(body.model)
     add_generation_prompt = body.add_generation_prompt is not False
     if body.messages is not None and body.prompt is None:  # off the loop, as for generation
-        size = text_size(body.messages)
-        ids = await off_the_loop(size, chat_prompt_ids, state, body.messages, add_generation_prompt)
+        ids = await run_in_threadpool(chat_prompt_ids, state, body.messages, add_generation_prompt)
     elif body.prompt is not None and body.messages is None:
         special = body.add_special_tokens is not False
         ids = await off_the_loop(len(body.prompt), state.tokenize, body.prompt, special)

@@ -7,6 +7,7 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kiln.errors import ConfigError
 from kiln.server.volatile_lines import DEFAULT_DROP_LINES
 
 if TYPE_CHECKING:  # the engine's and the app's imports wait until serve_app runs
@@ -41,6 +42,20 @@ class ServeOptions:
     access_log: bool = False
     stream_interval: int = 1
     api_server_count: int = 1
+    header_timeout_s: float = 10.0
+    max_connections: int | None = None  # None: from the descriptor limit
+    health_reserve: int = 8
+
+    def __post_init__(self) -> None:
+        if self.header_timeout_s <= 0:
+            raise ConfigError(f"--header-timeout must be > 0, got {self.header_timeout_s}")
+        if self.max_connections is not None and self.max_connections <= self.health_reserve:
+            raise ConfigError(
+                f"--max-connections must be above --health-reserve ({self.health_reserve}), "
+                f"got {self.max_connections}"
+            )
+        if self.health_reserve < 0:
+            raise ConfigError(f"--health-reserve must be >= 0, got {self.health_reserve}")
 
 
 def serve_app(
@@ -55,6 +70,7 @@ def serve_app(
     import uvicorn
 
     from kiln.server.app import build_app
+    from kiln.server.connections import guarded_protocol
     from kiln.server.lifecycle import DrainingServer
 
     app = build_app(
@@ -85,6 +101,9 @@ def serve_app(
         lifespan="off" if grpc_port is None else "on",  # the lifespan serves gRPC
         # One log line per request costs the event loop under load: off unless asked for.
         access_log=options.access_log,
+        http=guarded_protocol(
+            options.header_timeout_s, options.max_connections, options.health_reserve
+        ),
     )
     state = app.state.kiln
     server = DrainingServer(

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Annotated, Protocol, TypeAlias, TypeVar
 
 from fastapi import Depends
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
@@ -100,11 +101,14 @@ class ServerState:
                 code="context_length_exceeded",
             )
 
-    def check_messages(self, contents: list[str]) -> None:
-        """Chat contents: valid Unicode, and not over the context by their size alone."""
+    def check_messages(self, contents: list[str], num_chars: int | None = None) -> None:
+        """Chat contents: valid Unicode, and not over the context by their size alone
+        (`num_chars`: every character the request gives the template, tools and tool-call
+        arguments included; default the contents')."""
         for content in contents:
             check_text(content, "messages")
-        self.check_prompt_size(sum(map(len, contents)), "messages", len(contents))
+        total = sum(map(len, contents)) if num_chars is None else num_chars
+        self.check_prompt_size(total, "messages", len(contents))
 
     def tokenize(
         self, text: str, add_special_tokens: bool = True, param: str = "prompt"
@@ -144,16 +148,22 @@ async def off_the_loop(num_chars: int, fn: Callable[..., T], *args: object) -> T
 
 
 def text_size(value: object) -> int:
-    """Characters of text in a prompt or chat messages (token ids count nothing)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, list):
-        return sum(text_size(v) for v in value)
-    content = getattr(value, "content", None)  # a ChatMessage
-    if content is not None:
-        return text_size(content)
-    text = getattr(value, "text", None)  # a TextPart
-    return len(text) if isinstance(text, str) else 0
+    """Characters of text anywhere in a request value: strings, dict keys and values, lists,
+    pydantic models' fields (a chat message's content, name, tool calls and their arguments;
+    tools). Token ids count nothing. Iterative: a deeply nested value cannot overflow the stack."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+        elif isinstance(item, BaseModel):
+            stack.extend(item.__dict__.values())
+    return total
 
 
 def check_text(text: str, param: str) -> None:

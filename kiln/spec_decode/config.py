@@ -9,10 +9,15 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Protocol
 
+from kiln.errors import ConfigError
+
 if TYPE_CHECKING:
     from kiln.spec_decode.proposer import Proposer
 
 METHODS = ("ngram", "draft_model", "eagle3")
+# More drafts per step than any method verifies usefully (acceptance falls geometrically with K);
+# the step's buffers are sized by it.
+MAX_SPECULATIVE_TOKENS = 64
 
 
 class ProposerInstrument(Protocol):
@@ -49,22 +54,36 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         def fail(name: str, why: str) -> None:
-            raise ValueError(f"speculative_config.{name} {why}, got {getattr(self, name)!r}")
+            raise ConfigError(f"speculative_config.{name} {why}, got {getattr(self, name)!r}")
+
+        def integer(name: str, low: int, high: int | None = None, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                fail(name, f"must be an integer >= {low}")
+            if high is not None and value > high:
+                fail(name, f"must be at most {high}")
 
         if self.instrument is None and self.method not in METHODS:
             fail("method", "must be one of " + ", ".join(f'"{m}"' for m in METHODS))
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
-            fail("num_speculative_tokens", "must be an integer >= 1")
+        integer("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+        if self.model is not None and not isinstance(self.model, str):
+            fail("model", "must be a path or a hub id")
         if self.instrument is None and self.method in ("draft_model", "eagle3") and not self.model:
             fail("model", f'must name the draft model for method "{self.method}"')
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+        integer("prompt_lookup_min", 1)
+        integer("prompt_lookup_max", 1)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
             fail("prompt_lookup_min", "must be >= 1 and <= prompt_lookup_max")
-        if self.draft_num_hidden_layers is not None and self.draft_num_hidden_layers < 1:
-            fail("draft_num_hidden_layers", "must be >= 1")
-        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
-            fail("disable_by_batch_size", "must be >= 1")
+        integer("draft_num_hidden_layers", 1, optional=True)
+        integer("disable_by_batch_size", 1, optional=True)
         table = self.num_speculative_tokens_by_batch_size
-        if table is not None and (not table or any(b < 1 or k < 0 for b, k in table.items())):
+        if table is not None and (
+            not isinstance(table, dict)
+            or not table
+            or any(b < 1 or k < 0 for b, k in table.items())
+        ):
             fail("num_speculative_tokens_by_batch_size", "must map batch sizes >= 1 to K >= 0")
 
     @classmethod
@@ -74,23 +93,29 @@ class SpeculativeConfig:
         if isinstance(value, SpeculativeConfig):
             return value
         if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict, got {value!r}")
+            raise ConfigError(f"speculative_config must be a dict, got {value!r}")
         known = {f.name for f in fields(cls) if not f.metadata.get("internal")}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ValueError(
+            raise ConfigError(
                 f"speculative_config has unknown keys {unknown}; known: {sorted(known)}"
             )
         for key in ("method", "num_speculative_tokens"):
             if key not in value:
-                raise ValueError(f"speculative_config.{key} is required")
+                raise ConfigError(f"speculative_config.{key} is required")
         value = dict(value)
         # vLLM accepts "draft_model" under the older name too; a model alone means a draft model.
         table = value.get("num_speculative_tokens_by_batch_size")
         if table is not None:
-            value["num_speculative_tokens_by_batch_size"] = {
-                int(b): int(k) for b, k in table.items()
-            }
+            try:
+                value["num_speculative_tokens_by_batch_size"] = {
+                    int(b): int(k) for b, k in table.items()
+                }
+            except (AttributeError, TypeError, ValueError):
+                raise ConfigError(
+                    "speculative_config.num_speculative_tokens_by_batch_size must map batch "
+                    f"sizes to K, got {table!r}"
+                ) from None
         return cls(**value)
 
     def num_tokens_for_batch(self, batch_size: int) -> int:

@@ -163,7 +163,9 @@ def test_an_engine_that_cannot_start_says_why(tmp_path):
 
 class _FailedEngine:
     """An engine process that reported its startup failure and closed its sockets, but has not
-    exited yet: shutdown finds it running and tells it to stop."""
+    exited yet: shutdown finds it running and tells it to stop. The test process plays it."""
+
+    pid = os.getpid()
 
     def exit_code(self) -> int | None:
         return None
@@ -208,6 +210,82 @@ def test_a_request_to_an_engine_that_closed_its_end_fails_instead_of_hanging(tmp
         client.shutdown(timeout=1.0)
         engine_outputs.close(linger=0)
         ctx.term()
+
+
+_FOREIGN_PEER = """
+import sys, time, zmq
+ctx = zmq.Context()
+steal = ctx.socket(zmq.PULL)
+steal.connect(sys.argv[1])
+junk = ctx.socket(zmq.PUSH)
+junk.connect(sys.argv[2])
+junk.send(b"\\xc1 not msgpack")
+print("connected", flush=True)
+got, deadline = 0, time.monotonic() + float(sys.argv[3])
+while time.monotonic() < deadline:
+    if steal.poll(50):
+        steal.recv()
+        got += 1
+print(got, flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_another_process_of_the_user_can_neither_take_requests_nor_kill_the_client(tmp_path):
+    # Issue 57: a PULL on the API process's inputs socket took every other request (PUSH
+    # round-robins) and one malformed frame on outputs made the client declare the engine dead.
+    addresses = ClientAddresses(f"ipc://{tmp_path}/inputs", f"ipc://{tmp_path}/outputs")
+    config = EngineConfig(model="llama-3.1-8b", load_format="dummy")
+    client = EngineClient(config, addresses, _FailedEngine())
+    ctx = zmq.Context()
+    engine_inputs = ctx.socket(zmq.PULL)
+    engine_inputs.connect(addresses.inputs)
+    engine_outputs = ctx.socket(zmq.PUSH)
+    engine_outputs.connect(addresses.outputs)
+    foreign = subprocess.Popen(
+        [sys.executable, "-c", _FOREIGN_PEER, addresses.inputs, addresses.outputs, "3"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert foreign.stdout is not None and foreign.stdout.readline().strip() == "connected"
+        time.sleep(0.3)  # its connections are made (and refused)
+        engine_outputs.send(
+            messages.encoder.encode(messages.Ready(1, 64, 100, SamplingParams(), {}))
+        )
+        EngineClient._ready(client, timeout=10)
+
+        async def submit_all() -> None:
+            for i in range(6):
+                client._send(messages.AddRequest(f"r{i}", [1, 2, 3], SamplingParams()))
+
+        asyncio.run(submit_all())
+        received = []
+        while len(received) < 6 and engine_inputs.poll(2000):
+            received.append(messages.decode_input(engine_inputs.recv()))
+        assert [r.req_id for r in received] == [f"r{i}" for i in range(6)]  # type: ignore[union-attr]
+        out, _ = foreign.communicate(timeout=10)
+        assert out.split() == ["0"]  # before: r1, r3, r5
+        assert client.healthy  # before: the junk frame ended it
+    finally:
+        foreign.kill()
+        client.shutdown(timeout=1.0)
+        engine_inputs.close(linger=0)
+        engine_outputs.close(linger=0)
+        ctx.term()
+
+
+def test_an_undecodable_frame_is_dropped_and_logged(caplog):
+    assert messages.decode_output(b"\\xc1 junk") is None
+    assert (
+        messages.decode_input(
+            messages.encoder.encode(messages.Ready(1, 2, 3, SamplingParams(), {}))
+        )
+        is None
+    )
+    assert "dropped an undecodable" in caplog.text
+    shutdown = messages.decode_input(messages.encoder.encode(messages.Shutdown()))
+    assert isinstance(shutdown, messages.Shutdown)
 
 
 @pytest.mark.timeout(240)

@@ -23,10 +23,22 @@ from kiln.kernel_cache.triton_cache import CACHE_SUBDIR, capture, install
 from kiln.runtime.model_loader import find_model_source, load_model
 from tests.conftest import build_tiny_hf_model
 
-FileCacheManager = pytest.importorskip("triton.runtime.cache").FileCacheManager
+cache_module = pytest.importorskip("triton.runtime.cache")
+FileCacheManager = cache_module.FileCacheManager
+knobs = pytest.importorskip("triton").knobs
 
 KEY = {"gpu_class": "NVIDIA H200", "compute_capability": "9.0", "triton": "3.6.0", "cuda": "12.8"}
 ENTRY = "a" * 52  # Triton names an entry by its kernel's hash
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch) -> str:
+    """A fresh private cache per test, and Triton's cache manager put back afterwards."""
+    private = tmp_path / "private"
+    private.mkdir()
+    monkeypatch.setattr(triton_cache, "_private_dir", str(private))
+    monkeypatch.setattr(knobs.cache, "manager_class", knobs.cache.manager_class)
+    return str(private)
 
 
 def _compiled(cache_dir: str, monkeypatch) -> dict[str, bytes]:
@@ -39,47 +51,113 @@ def _compiled(cache_dir: str, monkeypatch) -> dict[str, bytes]:
     return files
 
 
-def _lookup(cache_dir: str, monkeypatch) -> dict[str, bytes] | None:
-    """Triton's own lookup at compile time: the group and every file it names, or None (a miss)."""
+def _lookup(cache_dir: str, monkeypatch, entry: str = ENTRY) -> dict[str, bytes] | None:
+    """Triton's own lookup at compile time, through whatever cache manager this process uses:
+    the group and every file it names, or None (a miss)."""
     monkeypatch.setenv("TRITON_CACHE_DIR", cache_dir)
-    group = FileCacheManager(ENTRY).get_group("k.json")
+    manager_class = knobs.cache.manager_class or FileCacheManager
+    group = manager_class(entry).get_group("k.json")
     if group is None:
         return None
     return {name: open(path, "rb").read() for name, path in group.items()}
 
 
+def _listed(engine: str, names: list[str]) -> dict[str, dict]:
+    """Manifest entries for `names` (files of `engine`), as a build writes them."""
+    digests = hash_files([os.path.join(engine, n) for n in names])
+    return {n: {"size": d.size, "blake2b": d.blake2b} for n, d in zip(names, digests)}
+
+
 @pytest.fixture
-def carried(tmp_path, monkeypatch) -> tuple[str, dict[str, bytes]]:
-    """An engine folder holding a captured cache; the cache it came from is gone (the build's
-    temporary one), so its absolute paths must have been rewritten."""
+def carried(tmp_path, monkeypatch) -> tuple[str, dict[str, bytes], dict[str, dict]]:
+    """An engine folder holding a captured cache and its manifest entries; the cache it came from
+    is gone (the build's temporary one), so its absolute paths must have been rewritten."""
     source, engine = str(tmp_path / "warm"), str(tmp_path / "engine")
     files = _compiled(source, monkeypatch)
     os.makedirs(engine)
     names = capture(source, engine, KEY)
     assert f"{CACHE_SUBDIR}/key.json" in names and f"{CACHE_SUBDIR}/{ENTRY}/k.cubin" in names
     shutil.rmtree(source)
-    return engine, files
+    return engine, files, _listed(engine, names)
 
 
 def test_matching_key_makes_the_carried_kernels_triton_hits(carried, tmp_path, monkeypatch):
-    engine, files = carried
-    dest = str(tmp_path / "cache")
-    monkeypatch.setenv("TRITON_CACHE_DIR", dest)
-    assert _lookup(dest, monkeypatch) is None  # cold: Triton would compile
-    monkeypatch.setenv("TRITON_CACHE_DIR", dest)
-    assert install(engine, KEY) == 3  # two files and their group
-    assert _lookup(dest, monkeypatch) == files
-    monkeypatch.setenv("TRITON_CACHE_DIR", dest)
-    assert install(engine, KEY) == 0  # already there: kept, nothing copied again
+    engine, files, listed = carried
+    user = str(tmp_path / "cache")
+    assert _lookup(user, monkeypatch) is None  # cold: Triton would compile
+    assert install(engine, listed, KEY) == 3  # two files and their group
+    assert _lookup(user, monkeypatch) == files
+    # The user's persistent cache is never written: a later process does not see them.
+    assert not any(files for _, _, files in os.walk(user))
+    monkeypatch.setattr(knobs.cache, "manager_class", None)
+    assert _lookup(user, monkeypatch) is None
 
 
 @pytest.mark.parametrize("field", ["gpu_class", "compute_capability", "triton"])
 def test_another_gpu_or_triton_is_ignored(carried, tmp_path, monkeypatch, field):
-    engine, _ = carried
-    dest = str(tmp_path / "cache")
-    monkeypatch.setenv("TRITON_CACHE_DIR", dest)
-    assert install(engine, {**KEY, field: "other"}) == 0
-    assert _lookup(dest, monkeypatch) is None
+    engine, _, listed = carried
+    assert install(engine, listed, {**KEY, field: "other"}) == 0
+    assert _lookup(str(tmp_path / "cache"), monkeypatch) is None
+
+
+def test_a_null_key_never_matches(carried, tmp_path, monkeypatch):
+    engine, _, listed = carried
+    monkeypatch.setattr(triton_cache, "kernel_cache_key", lambda: None)  # no CUDA here
+    assert install(engine, listed) == 0
+    key_file = os.path.join(engine, CACHE_SUBDIR, "key.json")
+    with open(key_file, "w") as f:
+        json.dump(None, f)
+    listed = {**listed, **_listed(engine, [f"{CACHE_SUBDIR}/key.json"])}
+    assert install(engine, listed) == 0
+    assert install(engine, listed, KEY) == 0  # a null carried key matches no process either
+    assert _lookup(str(tmp_path / "cache"), monkeypatch) is None
+
+
+def test_only_listed_device_code_is_installed(carried, tmp_path, monkeypatch, private_cache):
+    # The attack, made small: files added to a shared engine's triton_cache/ (unlisted, or
+    # listed with their hashes but host-side modules) must never reach a Triton cache.
+    engine, _, listed = carried
+    other = "b" * 52
+    os.makedirs(os.path.join(engine, CACHE_SUBDIR, other))
+    planted = {
+        f"{CACHE_SUBDIR}/{other}/cuda_utils.so": b"\x7fELF-native",
+        f"{CACHE_SUBDIR}/{other}/__triton_launcher.c": b"int main;",
+        f"{CACHE_SUBDIR}/{ENTRY}/extra.cubin": b"unlisted",
+    }
+    for name, data in planted.items():
+        with open(os.path.join(engine, name), "wb") as f:
+            f.write(data)
+    listed = {**listed, **_listed(engine, [n for n in planted if "extra" not in n])}
+    assert install(engine, listed, KEY) == 3
+    installed = {
+        os.path.relpath(os.path.join(d, f), private_cache)
+        for d, _, fs in os.walk(private_cache)
+        for f in fs
+    }
+    assert installed == {f"{ENTRY}/k.cubin", f"{ENTRY}/k.json", f"{ENTRY}/__grp__k.json"}
+    # Triton's module builds go through the same manager: nothing of the engine is found there.
+    assert knobs.cache.manager_class(other).get_file("cuda_utils.so") is None
+
+
+@pytest.mark.parametrize("child", ["/etc/hostname", "../../x/k.cubin", "bbbb/k.cubin"])
+def test_a_group_naming_files_outside_its_entry_is_not_installed(
+    carried, tmp_path, monkeypatch, child
+):
+    engine, _, listed = carried
+    group = os.path.join(engine, CACHE_SUBDIR, ENTRY, "__grp__k.json")
+    with open(group, "w") as f:
+        json.dump({"child_paths": {"k.cubin": child, "k.json": f"{ENTRY}/k.json"}}, f)
+    listed = {**listed, **_listed(engine, [os.path.relpath(group, engine)])}
+    assert install(engine, listed, KEY) == 2  # its members, never the group
+    assert _lookup(str(tmp_path / "cache"), monkeypatch) is None
+
+
+def test_a_file_changed_after_the_manifest_is_not_installed(carried, tmp_path, monkeypatch):
+    engine, _, listed = carried
+    with open(os.path.join(engine, CACHE_SUBDIR, ENTRY, "k.cubin"), "r+b") as f:
+        f.write(b"\x00")
+    assert install(engine, listed, KEY) == 1  # k.json; the group names a file it lacks
+    assert _lookup(str(tmp_path / "cache"), monkeypatch) is None
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +178,7 @@ def _with_kernels(engine: str, tmp_path, monkeypatch) -> str:
     names = capture(source, copy, KEY)
     with open(os.path.join(copy, MANIFEST_FILE)) as f:
         manifest = json.load(f)
-    digests = hash_files([os.path.join(copy, n) for n in names])
-    manifest["files"].update(
-        {n: {"size": d.size, "blake2b": d.blake2b} for n, d in zip(names, digests)}
-    )
+    manifest["files"].update(_listed(copy, names))
     with open(os.path.join(copy, MANIFEST_FILE), "w") as f:
         json.dump(manifest, f)
     return copy
@@ -120,6 +195,9 @@ def test_loading_an_engine_installs_its_kernels_before_any_compile(
     assert _lookup(dest, monkeypatch) is not None  # before the weights are even read
     assert sum(1 for _ in source.weights) > 0
     monkeypatch.setattr(triton_cache, "kernel_cache_key", lambda: {**KEY, "gpu_class": "other"})
+    monkeypatch.setattr(knobs.cache, "manager_class", None)  # as a fresh process starts
+    (tmp_path / "private2").mkdir()
+    monkeypatch.setattr(triton_cache, "_private_dir", str(tmp_path / "private2"))
     other = str(tmp_path / "other")
     monkeypatch.setenv("TRITON_CACHE_DIR", other)
     find_model_source(engine, "auto", engine_kernels=True)
@@ -163,9 +241,9 @@ def test_the_build_warm_up_runs_an_engine(tiny_engine, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_an_unwritable_triton_cache_only_costs_the_compiles(carried, tmp_path, monkeypatch):
-    engine, _ = carried
+def test_an_unwritable_private_cache_only_costs_the_compiles(carried, tmp_path, monkeypatch):
+    engine, _, listed = carried
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(blocker / "cache"))  # makedirs fails under a file
-    assert install(engine, KEY) == 0
+    monkeypatch.setattr(triton_cache, "_private_dir", str(blocker / "cache"))
+    assert install(engine, listed, KEY) == 0

@@ -33,6 +33,11 @@ BASE = {
         ({"rope_scaling": "yarn"}, "rope_scaling='yarn' must be a dict"),
         ({"rope_scaling": {"rope_type": "linear", "factor": -2}}, "rope_scaling.factor=-2"),
         ({"num_hidden_layers": 10_000_000}, "num_hidden_layers=10000000"),
+        # Issue 57: tracebacks before.
+        ({"hidden_size": "abc"}, "hidden_size='abc' in the model's config is not an integer"),
+        ({"max_position_embeddings": 1e9}, "max_position_embeddings=1000000000 is longer"),
+        ({"rms_norm_eps": "x"}, "rms_norm_eps='x'"),
+        ({"num_key_value_heads": True}, "num_key_value_heads=True"),
     ],
 )
 def test_bad_config_names_the_field(change, named):

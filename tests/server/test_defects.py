@@ -40,12 +40,40 @@ def _raw(http: httpx.Client, path: str, body: str) -> httpx.Response:
         ),
         ("/tokenize", '{"prompt": "a\\udfffb"}', "prompt"),
         ("/v1/completions", '{"model": "\\ud800", "prompt": "hi", "max_tokens": 1}', "model"),
+        # Issue 57: every other string a request carries (each was a 500 before).
+        ("/v1/completions", '{"prompt": "hi", "stop": ["\\ud800"], "max_tokens": 1}', "stop"),
+        ("/v1/completions", '{"prompt": "hi", "guided_regex": "a\\udc00"}', "guided_regex"),
+        ("/v1/completions", '{"prompt": "hi", "guided_choice": ["\\ud800"]}', "guided_choice"),
+        (
+            "/v1/completions",
+            '{"prompt": "hi", "guided_json": {"type": "object", "properties": {"\\ud800": {}}}}',
+            "guided_json",
+        ),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+            '"function": {"name": "f\\ud800"}}], "max_tokens": 1}',
+            "tools",
+        ),
     ],
 )
 def test_lone_surrogates_are_a_400_naming_the_field(http, path, body, param):
     response = _raw(http, path, body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_an_escaped_surrogate_pair_is_text_not_an_error(http):
+    body = '{"prompt": "\\ud83d\\ude00 \\\\ud800", "stop": ["\\ud83d\\ude00"], "max_tokens": 1}'
+    response = _raw(http, "/v1/completions", body)  # an emoji, and "\\ud800" as plain text
+    assert response.status_code == 200, response.text
+
+
+def test_a_lone_surrogate_in_kserve_text_input_is_a_400(http):
+    body = '{"text_input": "a\\ud800", "max_tokens": 1}'
+    response = _raw(http, "/v2/models/ensemble/generate", body)
+    assert response.status_code == 400, response.text
+    assert "text_input" in response.json()["error"]
 
 
 def test_an_over_long_prompt_is_rejected_by_its_size_without_freezing_the_server(http):

@@ -387,14 +387,48 @@ BAD_TENSORS = {
         **_infer_body(),
         "outputs": [{"name": "output_ids", "parameters": {"classification": 3}}],
     },
+    # Issue 57: the limits the OpenAI routes have (each was a 500 or accepted before).
+    "100k dims": _infer_body(
+        input_ids={"datatype": "INT32", "shape": [1, 1] + [1] * 100_000, "data": [1]}
+    ),
+    "max_tokens past the context": _infer_body(
+        request_output_len={"datatype": "INT32", "shape": [1, 1], "data": [2**31 - 1]}
+    ),
+    "NaN temperature": _infer_body(
+        temperature={"datatype": "FP32", "shape": [1, 1], "data": [float("nan")]}
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_TENSORS))
 def test_bad_tensors_get_400_over_http(http, case):
-    reply = http.post("/v2/models/tensorrt_llm/infer", json=BAD_TENSORS[case])
+    body = json.dumps(BAD_TENSORS[case]).encode()  # NaN as JSON's NaN, which httpx refuses
+    reply = http.post("/v2/models/tensorrt_llm/infer", content=body)
     assert reply.status_code == 400, reply.text
     assert isinstance(reply.json()["error"], str) and reply.json()["error"]
+
+
+def test_deeply_nested_data_gets_400(http):
+    depth = 50_000
+    data = "[" * depth + "1" + "]" * depth
+    body = json.dumps(_infer_body()).replace('"data": [1, 2, 3]', f'"data": {data}', 1)
+    reply = http.post("/v2/models/tensorrt_llm/infer", content=body.encode())
+    assert reply.status_code == 400, reply.text
+    generate = '{"text_input": ' + data.replace("1", '"hi"') + ', "max_tokens": 2}'
+    reply = http.post("/v2/models/ensemble/generate", content=generate.encode())
+    assert reply.status_code == 400, reply.text
+
+
+def test_a_streamed_grpc_batch_of_two_is_an_error(tc_grpc, ref):
+    ids = ref["prompt_ids"]
+    arrays = {
+        "input_ids": np.array([ids, ids], dtype=np.int32),
+        "input_lengths": np.array([[len(ids)]] * 2, dtype=np.int32),
+        "request_output_len": np.array([[2]] * 2, dtype=np.int32),
+        "streaming": np.array([[True]] * 2, dtype=bool),
+    }
+    with pytest.raises(InferenceServerException, match="batch size 1"):
+        _stream(tc_grpc, "tensorrt_llm", _inputs(grpcclient, arrays))
 
 
 def test_bad_requests_over_http_and_grpc(http, tc_http, tc_grpc, ref):

@@ -107,6 +107,8 @@ def check_inputs(spec: ModelSpec, inputs: list[InputTensor], max_batch: int) -> 
                 f"unexpected shape for input '{t.name}' for model '{spec.name}'. Expected "
                 f"{expected}, got {shape}"
             )
+        if t.array.dtype.kind == "f" and not np.isfinite(t.array).all():
+            raise invalid(f"input '{t.name}' holds NaN or infinity")
         by_name[t.name] = t.array
     missing = [t.name for t in spec.inputs if not t.optional and t.name not in by_name]
     if missing:

@@ -37,6 +37,7 @@ from kiln.server.kserve.core import (
 )
 from kiln.server.kserve.errors import KServeError, as_kserve_error, invalid
 from kiln.server.state import ServerState, get_state
+from kiln.server.text_check import check_strings, may_hold_surrogates
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "generate", "parameters"]
@@ -166,8 +167,12 @@ def _json_object(data: bytes, what: str) -> dict:
         obj = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise invalid(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise invalid(f"{what} is nested too deeply") from None
     if not isinstance(obj, dict):
         raise invalid(f"{what} must be a JSON object")
+    if may_hold_surrogates(data):
+        check_strings(obj)  # text_input, stop words, parameters: every string, once
     return obj
 
 

@@ -56,7 +56,13 @@ def check_datatype(name: str, datatype: str) -> np.dtype:
     return dtype
 
 
+# More dimensions than any model input declares (and numpy's own limit is 64).
+MAX_DIMS = 8
+
+
 def num_elements(name: str, shape: list[int]) -> int:
+    if len(shape) > MAX_DIMS:
+        raise invalid(f"input '{name}': {len(shape)} dimensions, at most {MAX_DIMS}")
     if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
         raise invalid(f"input '{name}': shape {shape} must be non-negative integers")
     return math.prod(shape)

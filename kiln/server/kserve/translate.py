@@ -23,6 +23,7 @@ from kiln.sampling_params import SamplingParams
 from kiln.server.generation import EngineRequest
 from kiln.server.kserve.errors import invalid
 from kiln.server.kserve.models import ENSEMBLE, TENSORRT_LLM, ModelSpec
+from kiln.server.params import check_max_tokens
 from kiln.server.state import ServerState
 
 # A model's input names for kiln's sampling fields (errors name the tensor the client sent).
@@ -118,6 +119,10 @@ def plan(
                 )
             names = _ENSEMBLE_NAMES
             max_tokens = get("max_tokens")
+        try:  # as the OpenAI routes: a max_tokens past the context is an error, not a cap
+            check_max_tokens(max_tokens, [len(prompt_ids)], state.max_model_len)
+        except InvalidRequestError as exc:
+            raise invalid(f"input '{names['max_tokens']}': {exc}") from None
         if (get("beam_width") or 1) != 1:
             raise invalid("input 'beam_width': only 1 is supported (kiln has no beam search)")
         params = _sampling_params(

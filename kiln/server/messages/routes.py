@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 from fastapi import APIRouter
 from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -34,7 +35,7 @@ from kiln.server.messages.request import (
 )
 from kiln.server.params import build_sampling_params, check_max_tokens
 from kiln.server.reply import Event, ReplyStream, reasoning_for, whole_reply
-from kiln.server.state import ServerState, State, off_the_loop, text_size
+from kiln.server.state import ServerState, State
 from kiln.server.tool_calls import ToolPlan, apply_plan, plan_tools
 
 router = APIRouter()
@@ -82,8 +83,8 @@ async def _prepare(
     choice, parallel = chat_tool_choice(body.tool_choice)
     plan = plan_tools(chat_tools(body.tools), choice, parallel, tool_call_parser(state))
     messages = chat_messages(body)
-    prompt_ids = await off_the_loop(
-        text_size(messages), chat_prompt_ids, state, messages, True, False, plan and plan.tools
+    prompt_ids = await run_in_threadpool(  # always a thread: templates can be slow (as chat)
+        chat_prompt_ids, state, messages, True, False, plan and plan.tools
     )
     check_max_tokens(body.max_tokens, [len(prompt_ids)], state.max_model_len)
     fields = body.model_copy(update={"stop": body.stop_sequences, "n": 1})

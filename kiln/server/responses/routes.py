@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 from fastapi import APIRouter
 from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -36,7 +37,7 @@ from kiln.server.responses.request import (
     input_messages,
 )
 from kiln.server.responses.store import ResponseStore, StoredResponse
-from kiln.server.state import ServerState, State, off_the_loop, text_size
+from kiln.server.state import ServerState, State
 from kiln.server.tool_calls import ToolPlan, apply_plan, plan_tools
 
 router = APIRouter()
@@ -154,8 +155,8 @@ async def create_response(body: ResponsesRequest, raw: Request, state: State) ->
         body.parallel_tool_calls,
         tool_call_parser(state),
     )
-    prompt_ids = await off_the_loop(
-        text_size(messages), chat_prompt_ids, state, messages, True, False, plan and plan.tools
+    prompt_ids = await run_in_threadpool(  # always a thread: templates can be slow (as chat)
+        chat_prompt_ids, state, messages, True, False, plan and plan.tools
     )
     check_max_tokens(body.max_output_tokens, [len(prompt_ids)], state.max_model_len)
     max_tokens = body.max_output_tokens or state.max_tokens_default
