@@ -84,7 +84,7 @@ async def _prepare(
     plan = plan_tools(chat_tools(body.tools), choice, parallel, tool_call_parser(state))
     messages = chat_messages(body)
     prompt_ids = await run_in_threadpool(  # always a thread: templates can be slow (as chat)
-        chat_prompt_ids, state, messages, True, False, plan and plan.tools
+        chat_prompt_ids, state, messages, True, False, plan.tools if plan else None
     )
     check_max_tokens(body.max_tokens, [len(prompt_ids)], state.max_model_len)
     fields = body.model_copy(update={"stop": body.stop_sequences, "n": 1})

@@ -156,7 +156,7 @@ async def create_response(body: ResponsesRequest, raw: Request, state: State) ->
         tool_call_parser(state),
     )
     prompt_ids = await run_in_threadpool(  # always a thread: templates can be slow (as chat)
-        chat_prompt_ids, state, messages, True, False, plan and plan.tools
+        chat_prompt_ids, state, messages, True, False, plan.tools if plan else None
     )
     check_max_tokens(body.max_output_tokens, [len(prompt_ids)], state.max_model_len)
     max_tokens = body.max_output_tokens or state.max_tokens_default
