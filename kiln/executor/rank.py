@@ -94,6 +94,14 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
     t_planned = time.perf_counter()
     # Every admitted request must fit the cache on its own, or preemption could never help.
     capped = min(max_model_len, num_blocks * config.block_size)
+    window = loaded.config.kv_window
+    if window is not None:
+        # A window on every layer: a request holds its window and one step's tokens (a block
+        # each side for where they start and end; kiln.kv_cache frees the blocks behind).
+        spec = config.speculative
+        step = config.max_num_batched_tokens + (spec.num_speculative_tokens if spec else 0)
+        if num_blocks * config.block_size >= window + step + 2 * config.block_size:
+            capped = max_model_len
     if capped < max_model_len:
         logger.warning(
             "KV cache holds %d tokens: max_model_len lowered from %d", capped, max_model_len
@@ -133,15 +141,8 @@ def _rank_config(config: EngineConfig, parallel: ParallelContext | None) -> Engi
 
 
 def _max_model_len(config: EngineConfig, loaded: LoadedModel) -> int:
-    """The context the config asks for, or the model's; capped at a sliding window."""
-    max_model_len = config.max_model_len or loaded.config.max_position_embeddings
-    window = loaded.config.sliding_window
-    if window is not None and window < max_model_len:
-        # Sliding-window attention is not built: within the window it equals full attention,
-        # so cap the context there rather than compute something else past it.
-        logger.warning("sliding window %d: max_model_len capped to it", window)
-        max_model_len = window
-    return max_model_len
+    """The context the config asks for, or the model's (sliding windows attend past it)."""
+    return config.max_model_len or loaded.config.max_position_embeddings
 
 
 def _make_runner(

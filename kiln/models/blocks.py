@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kiln.attention.backend import AttentionBackend, AttentionMetadata
+from kiln.attention.backend import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionKind,
+    AttentionMetadata,
+)
 from kiln.distributed.parallel_state import ParallelContext, kv_head_range
 from kiln.kernels import reference
 from kiln.kernels.reference import split_qkv_heads
@@ -73,7 +78,11 @@ def norm_then_project(
 class RopeAttention(nn.Module):
     """Rotary multi-head attention with grouped KV heads: a fused qkv projection, rotary
     embedding, the paged KV cache and o_proj. `qk_norm`: each query and key head is
-    RMS-normed (its own [head_dim] weights, `q_norm` / `k_norm`) before rotary (Qwen3)."""
+    RMS-normed (its own [head_dim] weights, `q_norm` / `k_norm`) before rotary (Qwen3).
+    `kind`: the layer's window and soft-cap (the decoder sets it from the config's layer kinds);
+    `sinks`: a learned per-head logit in each softmax's denominator (gpt-oss), [num_heads]."""
+
+    kind: AttentionKind = FULL_ATTENTION
 
     def __init__(
         self,
@@ -84,6 +93,7 @@ class RopeAttention(nn.Module):
         ctx: ParallelContext | None = None,
         full: ModelConfig | None = None,
         qk_norm: bool = False,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         # cfg is this rank's shard (shard_config); `full` the whole model's, under TP.
@@ -126,6 +136,11 @@ class RopeAttention(nn.Module):
         if qk_norm:
             self.q_norm = nn.Parameter(torch.ones(self.head_dim, dtype=dtype))
             self.k_norm = nn.Parameter(torch.ones(self.head_dim, dtype=dtype))
+        # fp32 whatever the model's dtype: the kernels add them to fp32 scores. One per query
+        # head of this rank (a family with sinks cuts them under TP as the query heads).
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
 
     def project_qkv(
         self,
@@ -194,7 +209,9 @@ class RopeAttention(nn.Module):
 
     def attend(self, step: StepInputs, query: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         """Attention over the cache, then o_proj: [num_tokens, hidden] (summed over TP ranks)."""
-        out = step.backend.forward(query, kv_cache[0], kv_cache[1], step.metadata, self.scale)
+        out = step.backend.forward(
+            query, kv_cache[0], kv_cache[1], step.metadata, self.scale, self.kind, self.sinks
+        )
         return self.o_proj(step.ops, out.reshape(-1, self.q_size))
 
 

@@ -72,7 +72,28 @@ class ModelConfig:
     torch_dtype: str = "float32"
     """The dtype the checkpoint was trained/saved in: "float32", "float16" or "bfloat16"."""
     sliding_window: int | None = None
-    """Attention window of every layer (mistral v0.1, qwen2 use_sliding_window); None = full."""
+    """Attention window (each query sees the last `sliding_window` positions up to its own) of
+    the layers `layer_types` names, or of every layer; None = full attention everywhere."""
+    layer_types: tuple[str, ...] | None = None
+    """Each layer's attention in Hugging Face's names, "sliding_attention" (the window) or
+    "full_attention" (Qwen2's max_window_layers, Gemma 2/3's alternation); None: every layer
+    alike."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores become c * tanh(scores / c) before the softmax (Gemma 2); None: not."""
+    final_logit_softcapping: float | None = None
+    """Logits become c * tanh(logits / c) (Gemma 2); None: not."""
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer `layer` (its index in the whole model); None: full."""
+        if self.layer_types is None or self.layer_types[layer] == _SLIDING:
+            return self.sliding_window
+        return None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer has, else None: how much history each layer ever reads, so how
+        far back the KV manager keeps a request's blocks."""
+        return self.sliding_window if self.layer_types is None else None
 
     def __post_init__(self) -> None:
         if not registry.is_supported(self.architecture):
@@ -94,6 +115,17 @@ class ModelConfig:
             )
         if self.torch_dtype not in _DTYPES:
             raise ModelLoadError(f"torch_dtype={self.torch_dtype!r} is not one of {_DTYPES}")
+        if self.layer_types is not None and (
+            len(self.layer_types) != self.num_hidden_layers
+            or not set(self.layer_types) <= {_SLIDING, _FULL}
+            or self.sliding_window is None
+        ):
+            raise ModelLoadError(
+                f"layer_types={list(self.layer_types)!r} must name {_SLIDING!r} or {_FULL!r} for "
+                f"each of the {self.num_hidden_layers} layers, with a sliding_window"
+            )
+        if self.sliding_window is not None:
+            _require_positive("sliding_window", self.sliding_window)
         if self.rope_scaling is not None and "rope_type" not in self.rope_scaling:
             raise ModelLoadError(f"rope_scaling={self.rope_scaling!r} has no 'rope_type'")
 
@@ -153,6 +185,7 @@ class ModelConfig:
                 f"{num_heads} (and the config gives no head_dim)"
             )
         rope_theta, rope_scaling = _rope_of(d)
+        window, layer_types = _attention_layout(architecture, d)
         return cls(
             architecture=architecture,
             vocab_size=int(d["vocab_size"]),
@@ -173,7 +206,10 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_as_ids(d.get("eos_token_id")),
             torch_dtype=_dtype_of(d),
-            sliding_window=_sliding_window_of(architecture, d),
+            sliding_window=window,
+            layer_types=layer_types,
+            attn_logit_softcapping=_optional_float(d.get("attn_logit_softcapping")),
+            final_logit_softcapping=_optional_float(d.get("final_logit_softcapping")),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -208,15 +244,21 @@ class ModelConfig:
             "dtype": self.torch_dtype,
             "sliding_window": self.sliding_window,
         }
+        if self.layer_types is not None:
+            d["layer_types"] = list(self.layer_types)
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name)
         if self.architecture in ("llama", "qwen3"):
             d["attention_bias"] = self.attention_bias
         if self.architecture == "llama":
             d["mlp_bias"] = False
         if self.architecture in ("qwen2", "qwen3"):
-            # max_window_layers=0: the window (when set) applies to every layer, as kiln assumes.
+            # Windowed from layer max_window_layers on (layer_types says the same, for HF 5).
             d["use_sliding_window"] = self.sliding_window is not None
-            sliding = self.sliding_window is not None
-            d["max_window_layers"] = 0 if sliding else self.num_hidden_layers
+            types = self.layer_types or (_SLIDING,) * self.num_hidden_layers
+            first = types.index(_SLIDING) if _SLIDING in types else self.num_hidden_layers
+            d["max_window_layers"] = first if self.sliding_window else self.num_hidden_layers
         return d
 
 
@@ -290,25 +332,46 @@ def _dtype_of(d: dict[str, Any]) -> str:
     return name
 
 
-def _sliding_window_of(architecture: str, d: dict[str, Any]) -> int | None:
+_SLIDING, _FULL = "sliding_attention", "full_attention"
+# Families whose window (when the config gives one) is every layer's.
+_WINDOW_EVERYWHERE = ("mistral", "starcoder2")
+# Families that alternate local and global layers: every n-th layer (1-based) is global unless
+# the config lists layer_types (Gemma 3's configs say sliding_window_pattern).
+_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+
+
+def _attention_layout(architecture: str, d: dict[str, Any]) -> tuple[int | None, tuple | None]:
+    """(sliding_window, layer_types) as transformers reads them: None layer_types when every
+    layer has the window; no window when no layer has one."""
     window = d.get("sliding_window")
     if architecture == "llama" or window is None:
+        return None, None
+    num_layers = int(d["num_hidden_layers"])
+    if architecture in _WINDOW_EVERYWHERE:
+        return int(window), None
+    types = d.get("layer_types")
+    if architecture in ("qwen2", "qwen3"):
+        # Qwen2: no window unless use_sliding_window, and then from layer max_window_layers on.
+        if not d.get("use_sliding_window", False):
+            return None, None
+        if types is None:
+            first = int(d.get("max_window_layers", 0))
+            types = [_SLIDING if i >= first else _FULL for i in range(num_layers)]
+    elif types is None:
+        every = int(d.get("sliding_window_pattern") or _GLOBAL_EVERY.get(architecture, 1))
+        types = [_FULL if (i + 1) % every == 0 else _SLIDING for i in range(num_layers)]
+    types = tuple(str(t) for t in types)
+    if _SLIDING not in types:
+        return None, None
+    return int(window), None if set(types) == {_SLIDING} else types
+
+
+def _optional_float(value: object) -> float | None:
+    if value is None:
         return None
-    if architecture == "mistral":
-        return int(window)
-    # qwen2, qwen3: no window unless use_sliding_window, and then only from layer
-    # max_window_layers on.
-    if not d.get("use_sliding_window", False):
-        return None
-    first_sliding = int(d.get("max_window_layers", 0))
-    if first_sliding >= int(d["num_hidden_layers"]):
-        return None
-    if first_sliding > 0:
-        raise ModelLoadError(
-            f"{architecture} sliding window on only layers >= max_window_layers={first_sliding} "
-            "is not supported (kiln applies one window to every layer)"
-        )
-    return int(window)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ModelLoadError(f"a soft-cap of {value!r} must be a positive number")
+    return float(value)
 
 
 def _preset(

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.attention.backend import AttentionBackend, AttentionMetadata
+from kiln.attention.backend import AttentionBackend, AttentionKind, AttentionMetadata
 from kiln.distributed.comm import recv_from_prev_stage, send_to_next_stage
 from kiln.distributed.parallel_state import ParallelContext, kv_head_range, split_layers
 from kiln.errors import ModelLoadError
@@ -57,6 +57,7 @@ def shard_config(cfg: ModelConfig, ctx: ParallelContext | None) -> ModelConfig:
         num_key_value_heads=kv_heads,
         intermediate_size=cfg.intermediate_size // tp,
         num_hidden_layers=len(layers),
+        layer_types=cfg.layer_types and cfg.layer_types[layers.start : layers.stop],
     )
 
 
@@ -121,6 +122,12 @@ class DecoderForCausalLM(nn.Module):
             self.make_layer(self.config, f"layers.{self.layer_start + i}", method, dtype, tp, cfg)
             for i in range(self.config.num_hidden_layers)
         )
+        for i, layer in enumerate(self.layers):
+            # Each layer's kind is data its attention passes to the backend (a window here, full
+            # attention there: Gemma 2/3 alternate).
+            layer.self_attn.kind = AttentionKind(
+                cfg.layer_window(self.layer_start + i), cfg.attn_logit_softcapping
+            )
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
         self._make_head(cfg, dtype, tp, lm_head_method)
         cache = build_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
@@ -259,11 +266,16 @@ class DecoderForCausalLM(nn.Module):
                 embedding = self.embed_tokens
                 assert isinstance(embedding, VocabParallelEmbedding)
                 logits = embedding.gather_logits(logits)
-            return logits
+            return self._soft_cap(logits)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, VocabParallelEmbedding):  # TP: a collective of the tensor ranks
-            return head.logits(hidden)
-        return F.linear(hidden, head.weight)
+            return self._soft_cap(head.logits(hidden))
+        return self._soft_cap(F.linear(hidden, head.weight))
+
+    def _soft_cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's final soft-cap, c * tanh(logits / c), in the logits' dtype as HF does."""
+        cap = self.full_config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # ---- weights (kiln.models.weight_loader) ---------------------------------------------
 

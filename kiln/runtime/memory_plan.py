@@ -160,8 +160,13 @@ def plan_kv_blocks(
     else:
         budget = int(_CPU_DEFAULT_KV_GB * GiB)
     num_blocks = budget // per_block
-    # Never more than every sequence slot at full length could use.
-    blocks_per_seq = -(-max_model_len // config.block_size)
+    # Never more than every sequence slot at full length could use (with a window on every
+    # layer, a sequence holds its window and one step's tokens: kiln.kv_cache frees the rest).
+    held = max_model_len
+    window = model.config.kv_window
+    if window is not None:
+        held = min(held, window + config.max_num_batched_tokens + config.block_size)
+    blocks_per_seq = -(-held // config.block_size)
     num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_seq)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
