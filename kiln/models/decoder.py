@@ -118,16 +118,17 @@ class DecoderForCausalLM(nn.Module):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         else:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(
+        layers = [
             self.make_layer(self.config, f"layers.{self.layer_start + i}", method, dtype, tp, cfg)
             for i in range(self.config.num_hidden_layers)
-        )
-        for i, layer in enumerate(self.layers):
+        ]
+        for i, layer in enumerate(layers):
             # Each layer's kind is data its attention passes to the backend (a window here, full
             # attention there: Gemma 2/3 alternate).
             layer.self_attn.kind = AttentionKind(
                 cfg.layer_window(self.layer_start + i), cfg.attn_logit_softcapping
             )
+        self.layers = nn.ModuleList(layers)
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
         self._make_head(cfg, dtype, tp, lm_head_method)
         cache = build_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
