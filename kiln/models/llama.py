@@ -1,6 +1,7 @@
 """The Llama family (Llama 2/3/3.x, Mistral, Qwen2/2.5, SmolLM2, TinyLlama) over the shared
 blocks: RMSNorm, rotary attention with GQA (q/k/v, o and MLP biases where the checkpoint has
-them: attention_bias, mlp_bias), a SiLU gated MLP. q/k/v and gate/up are fused into one projection each at load time."""
+them: attention_bias, mlp_bias), a SiLU gated MLP. q/k/v and gate/up are fused into one
+projection each at load time."""
 
 from __future__ import annotations
 

@@ -26,9 +26,13 @@ LONG = dict(max_model_len=256)
 VARIANTS = {
     "bias": dict(attention_bias=True, mlp_bias=True),
     "yarn": dict(
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 64},
-    ),  # fmt: skip
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "dynamic": dict(
         max_position_embeddings=64,
         rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
