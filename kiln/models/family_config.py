@@ -15,9 +15,11 @@ if TYPE_CHECKING:
 # The gated MLP's activations kiln has kernels for (kiln.models.blocks.GatedMLP).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # Families whose o_proj has a bias when attention_bias is set (Qwen2's and Mistral's never has).
-_O_BIAS_WITH_ATTENTION_BIAS = ("llama", "qwen3", "gemma", "granite", "olmo2", "cohere")
+# The Gemma generations: sqrt(hidden)-scaled embeddings, (1 + w) norms, tied by default.
+GEMMA = ("gemma", "gemma2", "gemma3_text")
+_O_BIAS_WITH_ATTENTION_BIAS = ("llama", "qwen3", "granite", "olmo2", "cohere", *GEMMA)
 # Families that tie the LM head to the embedding unless config.json says otherwise.
-_TIED_BY_DEFAULT = ("gemma", "cohere")
+_TIED_BY_DEFAULT = ("cohere", *GEMMA)
 
 
 def family_fields(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
@@ -42,7 +44,7 @@ def family_fields(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
         fields["attention_multiplier"] = float(d["query_pre_attn_scalar"]) ** -0.5
     if architecture in _TIED_BY_DEFAULT:
         fields["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", True))
-    if architecture == "gemma":
+    if architecture in GEMMA:
         fields["embedding_multiplier"] = float(d["hidden_size"]) ** 0.5
     elif architecture == "granite":
         fields["embedding_multiplier"] = float(d.get("embedding_multiplier", 1.0))
@@ -74,10 +76,12 @@ def family_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
         d["rope_local_base_freq"] = cfg.rope_local_base_freq
     if arch in ("llama", "granite"):
         d["mlp_bias"] = cfg.mlp_bias
-    if arch in ("gemma", "granite", "olmo2", "cohere", "phi3"):
+    if arch in ("granite", "olmo2", "cohere", "phi3", *GEMMA):
         d["attention_bias"] = cfg.attention_bias
-    if arch == "gemma":
+    if arch in GEMMA:
         d["hidden_activation"] = cfg.hidden_act
+    if cfg.attention_multiplier is not None and arch in GEMMA:
+        d["query_pre_attn_scalar"] = cfg.attention_multiplier**-2
     if arch == "granite":
         d["embedding_multiplier"] = cfg.embedding_multiplier
         d["residual_multiplier"] = cfg.residual_multiplier
