@@ -292,18 +292,24 @@ def rotary_embedding(
     positions: torch.Tensor,  # [num_tokens] int64
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim] fp32: cos in the first half, sin after
+    cos_sin_cache: torch.Tensor,  # [max_positions, rotary_dim] fp32: cos half, then sin half
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half (GPT-NeoX / Hugging Face Llama layout) rotary embedding, computed in fp32."""
-    half = cos_sin_cache.shape[1] // 2
+    """Rotate-half (GPT-NeoX / Hugging Face Llama layout) rotary embedding, computed in fp32.
+    A table narrower than head_dim turns each head's first rotary_dim dims (partial rotary,
+    as transformers' StableLM and Phi); the rest pass unchanged."""
+    rot = cos_sin_cache.shape[1]
+    half = rot // 2
     cos_sin = cos_sin_cache[positions]
     cos = cos_sin[:, None, :half]
     sin = cos_sin[:, None, half:]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        x1, x2 = x32[..., :half], x32[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        x1, x2 = x32[..., :half], x32[..., half:rot]
+        turned = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+        return torch.cat([*turned, x32[..., rot:]] if rot < x.shape[-1] else turned, dim=-1).to(
+            x.dtype
+        )
 
     return rotate(query), rotate(key)
 
@@ -611,3 +617,21 @@ def add_rms_norm_linear_silu_mul_fp8(
     )
     act_fp8, act_scale = quantize_fp8(act.reshape(-1, act.shape[-1]), out_scale)
     return act_fp8, act_scale, summed
+
+
+def gelu_tanh_and_mul(
+    x: torch.Tensor,  # [num_tokens, 2 * d]: gate in the first half, up in the second
+) -> torch.Tensor:  # [num_tokens, d]
+    """GeGLU's activation, gelu_pytorch_tanh(gate) * up, rounded as transformers' GemmaMLP: the
+    gelu in the input dtype (torch computes it in fp32 and rounds), then the product rounded."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def gelu_tanh_and_mul_quant_fp8(
+    x: torch.Tensor,  # [M, 2 * d]: gate in the first half, up in the second
+    input_scale: torch.Tensor | None,  # [] fp32 static per-tensor scale; None: per row
+    channels: torch.Tensor | None = None,  # [n] int64: append these columns' remainders
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, d (+ n)] float8 e4m3, [M, 1] or input_scale)
+    """quantize_fp8 of gelu_tanh_and_mul(x): a GeGLU MLP's FP8 down projection's input."""
+    return quantize_fp8(gelu_tanh_and_mul(x), input_scale, channels)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.errors import ModelLoadError
-from kiln.models import registry
+from kiln.models import family_config, registry
 
 # The deepest published decoders have ~130 layers; building 10k layers' modules already takes
 # minutes on a CPU, and a config saying 1e7 would otherwise look like a hang.
@@ -80,8 +80,34 @@ class ModelConfig:
     alike."""
     attn_logit_softcapping: float | None = None
     """Attention scores become c * tanh(scores / c) before the softmax (Gemma 2); None: not."""
+
+    # The block options of the families beyond Llama (kiln.models.family_config parses them).
+    hidden_act: str = "silu"
+    """The gated MLP's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma)."""
+    mlp_bias: bool = False
+    """gate/up/down projections have biases (Llama's mlp_bias, Granite)."""
+    o_proj_bias: bool = False
+    """o_proj has a bias (Llama, Qwen3, Gemma and Granite give it one with attention_bias)."""
+    partial_rotary_factor: float = 1.0
+    """The fraction of each head's dims that rotary turns (StableLM, Phi-4-mini); the rest pass."""
+    embedding_multiplier: float = 1.0
+    """The embedding's output is multiplied by this (Gemma: sqrt(hidden); Granite)."""
+    residual_multiplier: float = 1.0
+    """Each block's output is multiplied by this before its residual add (Granite)."""
+    attention_multiplier: float | None = None
+    """The attention's query scale; None: head_dim ** -0.5 (Granite; Gemma 2/3's
+    query_pre_attn_scalar ** -0.5)."""
+    logits_multiplier: float = 1.0
+    """Logits are multiplied by this (Granite: 1 / logits_scaling; Cohere: logit_scale)."""
     final_logit_softcapping: float | None = None
-    """Logits become c * tanh(logits / c) (Gemma 2); None: not."""
+    """Logits are soft-capped to +-this, tanh(l / cap) * cap (Gemma 2/3); None: not."""
+    rope_local_base_freq: float | None = None
+    """The rotary base of the local (sliding) layers (Gemma 3); None: rope_theta everywhere."""
+    qk_layernorm: bool = False
+    """Queries and keys are normed per head before rotary (StableLM 2 12B, Cohere use_qk_norm)."""
+    parallel_residual: bool = False
+    """Attention and MLP both read the same normed input and add to the stream together
+    (Cohere, StableLM use_parallel_residual)."""
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer `layer` (its index in the whole model); None: full."""
@@ -128,6 +154,16 @@ class ModelConfig:
             _require_positive("sliding_window", self.sliding_window)
         if self.rope_scaling is not None and "rope_type" not in self.rope_scaling:
             raise ModelLoadError(f"rope_scaling={self.rope_scaling!r} has no 'rope_type'")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ModelLoadError(
+                f"partial_rotary_factor={self.partial_rotary_factor} gives {self.rotary_dim} "
+                f"rotary dims of head_dim={self.head_dim} (needs an even count, at least 2)"
+            )
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head that rotary turns (the first ones; as transformers rounds)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def parameter_counts(self) -> dict[str, int]:
         """Weights per part of the model (no quantization): what a size check names."""
@@ -173,10 +209,6 @@ class ModelConfig:
         ):
             if d.get(name) is None:
                 raise ModelLoadError(f"config for {architecture!r} has no {name!r}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
-        if d.get("mlp_bias"):
-            raise ModelLoadError("mlp_bias=true is not supported")
         num_heads = int(d["num_attention_heads"])
         if not d.get("head_dim") and num_heads > 0 and int(d["hidden_size"]) % num_heads:
             # Else head_dim = hidden // heads silently drops columns (transformers refuses it).
@@ -186,7 +218,7 @@ class ModelConfig:
             )
         rope_theta, rope_scaling = _rope_of(d)
         window, layer_types = _attention_layout(architecture, d)
-        return cls(
+        fields: dict[str, Any] = dict(
             architecture=architecture,
             vocab_size=int(d["vocab_size"]),
             hidden_size=int(d["hidden_size"]),
@@ -209,8 +241,9 @@ class ModelConfig:
             sliding_window=window,
             layer_types=layer_types,
             attn_logit_softcapping=_optional_float(d.get("attn_logit_softcapping")),
-            final_logit_softcapping=_optional_float(d.get("final_logit_softcapping")),
         )
+        fields.update(family_config.family_fields(architecture, d))
+        return cls(**fields)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json dict that transformers' config class of the architecture accepts.
@@ -228,7 +261,6 @@ class ModelConfig:
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
@@ -246,9 +278,8 @@ class ModelConfig:
         }
         if self.layer_types is not None:
             d["layer_types"] = list(self.layer_types)
-        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if getattr(self, name) is not None:
-                d[name] = getattr(self, name)
+        if self.attn_logit_softcapping is not None:
+            d["attn_logit_softcapping"] = self.attn_logit_softcapping
         if self.architecture in ("llama", "qwen3"):
             d["attention_bias"] = self.attention_bias
         if self.architecture == "llama":
@@ -259,6 +290,7 @@ class ModelConfig:
             types = self.layer_types or (_SLIDING,) * self.num_hidden_layers
             first = types.index(_SLIDING) if _SLIDING in types else self.num_hidden_layers
             d["max_window_layers"] = first if self.sliding_window else self.num_hidden_layers
+        d.update(family_config.family_hf_fields(self))
         return d
 
 
@@ -305,6 +337,9 @@ def _rope_of(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if rope_type == "default":
         return float(theta), None
     extra = {k: v for k, v in source.items() if k not in ("rope_theta", "type", "rope_type")}
+    extra.pop("partial_rotary_factor", None)  # transformers 5 moves it here: a field of its own
+    if d.get("original_max_position_embeddings"):  # Phi-3 keeps it beside rope_scaling
+        extra.setdefault("original_max_position_embeddings", d["original_max_position_embeddings"])
     return float(theta), {"rope_type": rope_type, **extra}
 
 
@@ -334,10 +369,10 @@ def _dtype_of(d: dict[str, Any]) -> str:
 
 _SLIDING, _FULL = "sliding_attention", "full_attention"
 # Families whose window (when the config gives one) is every layer's.
-_WINDOW_EVERYWHERE = ("mistral", "starcoder2")
+_WINDOW_EVERYWHERE = ("mistral", "phi3", "starcoder2")
 # Families that alternate local and global layers: every n-th layer (1-based) is global unless
 # the config lists layer_types (Gemma 3's configs say sliding_window_pattern).
-_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+_GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6}
 
 
 def _attention_layout(architecture: str, d: dict[str, Any]) -> tuple[int | None, tuple | None]:

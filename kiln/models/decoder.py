@@ -6,7 +6,7 @@ names its checkpoint tensors (`layer_tensor_map`) and makes its layers (`make_la
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import ModuleType
 from typing import ClassVar
 
@@ -19,7 +19,7 @@ from kiln.distributed.comm import recv_from_prev_stage, send_to_next_stage
 from kiln.distributed.parallel_state import ParallelContext, kv_head_range, split_layers
 from kiln.errors import ModelLoadError
 from kiln.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
-from kiln.layers.rotary import build_cos_sin_cache
+from kiln.layers.rotary import LENGTH_DEPENDENT, StepRope, build_cos_sin_cache, rope_type_of
 from kiln.layers.vocab_parallel import VocabParallelEmbedding
 from kiln.models import weight_loader
 from kiln.models.blocks import DecoderLayer, LinearMethodFactory, StepInputs
@@ -131,8 +131,29 @@ class DecoderForCausalLM(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
         self._make_head(cfg, dtype, tp, lm_head_method)
-        cache = build_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        rope = (cfg.rotary_dim, max_positions)
+        cache = build_cos_sin_cache(
+            *rope, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
+        )
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.step_rope: StepRope | None = None
+        if rope_type_of(cfg.rope_scaling) in LENGTH_DEPENDENT:
+            assert cfg.rope_scaling is not None
+            self.step_rope = StepRope(
+                *rope, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, dtype
+            )
+        # Other tables by name (StepInputs.rope_tables), in the model dtype's values as the
+        # loader rounds the main one.
+        self.rope_tables: dict[str, torch.Tensor] = {}
+        for name, theta in self.extra_rope_bases(cfg).items():
+            if self.step_rope is not None:
+                raise ModelLoadError("per-layer rotary bases with a length-dependent rope_scaling")
+            table = build_cos_sin_cache(*rope, theta, None).to(dtype or torch.float32).float()
+            self.register_buffer(f"rope_table_{name}", table, persistent=False)
+            self.rope_tables[name] = table
+        # The embedding's scale (Gemma's sqrt(hidden), rounded to the model dtype as
+        # transformers rounds it; Granite's embedding_multiplier).
+        self.embedding_multiplier = cfg.embedding_multiplier
         # EAGLE-3 (kiln.spec_decode.eagle3): layer index -> its column blocks in
         # `aux_hidden_states`; empty (and the forward writes nothing) unless a head is loaded.
         self._aux_columns: dict[int, list[int]] = {}
@@ -149,6 +170,55 @@ class DecoderForCausalLM(nn.Module):
     ) -> DecoderLayer:
         """One decoder layer of the family (`cfg` this rank's shard, `full` the whole model's)."""
         return DecoderLayer(cfg, prefix, method, dtype, ctx, full)
+
+    def extra_rope_bases(self, cfg: ModelConfig) -> dict[str, float]:
+        """The rotary tables besides the model's, by name -> base (plain rotary): a layer made
+        with `rope_table=name` rotates by it. Gemma 3's local layers: "local"."""
+        if cfg.rope_local_base_freq is None:
+            return {}
+        return {"local": cfg.rope_local_base_freq}
+
+    def adapt_hf_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A checkpoint's HF-named tensors as the shared blocks compute with them: the block
+        multipliers folded in (Granite's residual_multiplier into o_proj and down_proj, the
+        logits' multiplier into the final norm). A family whose checkpoint differs more (fused
+        tensors, a norm's offset) adapts them first, then calls this."""
+        cfg = self.config
+        residual, logits = cfg.residual_multiplier, cfg.logits_multiplier
+        for name, tensor in weights:
+            if residual != 1.0 and (".o_proj." in name or ".down_proj." in name):
+                if name.endswith((".weight_scale", ".bias")) or (
+                    name.endswith(".weight") and tensor.element_size() > 1
+                ):
+                    tensor = tensor * residual
+            elif logits != 1.0 and name == "model.norm.weight":
+                tensor = tensor * logits
+            yield name, tensor
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        """The first layer's input: the embedding, times the family's multiplier."""
+        hidden = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            hidden = hidden * self.embedding_multiplier
+        return hidden
+
+    def step_inputs(
+        self,
+        ops: ModuleType,
+        backend: AttentionBackend,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> StepInputs:
+        """What every layer of one forward shares: the rotary table(s) and the positions that
+        index them (a length-dependent rope's table is the step's own)."""
+        table = self.cos_sin_cache
+        if self.step_rope is not None:
+            positions, table = self.step_rope(
+                positions, metadata.query_start_loc, metadata.seq_lens, table
+            )
+        return StepInputs(ops, backend, positions, table, metadata, self.rope_tables)
 
     def _make_head(
         self,
@@ -231,12 +301,12 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden], final-normed
         pp = self.parallel if self.parallel is not None and self.parallel.pp_size > 1 else None
         if pp is None or pp.layout.is_first_stage:
-            hidden = self.embed_tokens(input_ids)
+            hidden = self.embed(input_ids)
             residual = None  # the residual stream; `hidden` is the last block's output until added
         else:  # the previous stage's (block output, residual stream), as one [2, n, hidden]
             shape = (2, input_ids.shape[0], self.full_config.hidden_size)
             hidden, residual = recv_from_prev_stage(pp, shape, self.norm).unbind(0)
-        step = StepInputs(ops, backend, positions, self.cos_sin_cache, metadata)
+        step = self.step_inputs(ops, backend, positions, metadata)
         num_tokens = input_ids.shape[0]
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             tap = self._aux_tap(index, num_tokens) if self._aux_columns else None
@@ -254,7 +324,14 @@ class DecoderForCausalLM(nn.Module):
         self, hidden: torch.Tensor, ops: ModuleType | None = None
     ) -> torch.Tensor:  # [n, vocab], model dtype
         """The logits of final-normed rows. `ops` (the forward's kernels) is needed by a
-        quantized head only."""
+        quantized head only. Soft-capped where the family caps them (Gemma 2/3)."""
+        logits = self._head_logits(hidden, ops)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # as transformers: in the logits' dtype
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _head_logits(self, hidden: torch.Tensor, ops: ModuleType | None) -> torch.Tensor:
         # Not cast to fp32 here: a greedy batch takes its argmax on these as they are (the cast
         # is exact, so the argmax is the same) and skips writing and re-reading a fp32 copy.
         if self.head_quantized:
@@ -267,16 +344,11 @@ class DecoderForCausalLM(nn.Module):
                 embedding = self.embed_tokens
                 assert isinstance(embedding, VocabParallelEmbedding)
                 logits = embedding.gather_logits(logits)
-            return self._soft_cap(logits)
+            return logits
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, VocabParallelEmbedding):  # TP: a collective of the tensor ranks
-            return self._soft_cap(head.logits(hidden))
-        return self._soft_cap(F.linear(hidden, head.weight))
-
-    def _soft_cap(self, logits: torch.Tensor) -> torch.Tensor:
-        """Gemma 2's final soft-cap, c * tanh(logits / c), in the logits' dtype as HF does."""
-        cap = self.full_config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+            return head.logits(hidden)
+        return F.linear(hidden, head.weight)
 
     # ---- weights (kiln.models.weight_loader) ---------------------------------------------
 
@@ -284,7 +356,7 @@ class DecoderForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, each through its layer's loader (which places q/k/v
         and gate/up into their fused projection), then let every linear method process them."""
-        weight_loader.load_hf_weights(self, weights, self.layer_tensor_map)
+        weight_loader.load_hf_weights(self, self.adapt_hf_weights(weights), self.layer_tensor_map)
         self.process_weights_after_loading()
 
     @torch.no_grad()

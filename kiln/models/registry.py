@@ -33,6 +33,7 @@ FAMILIES: dict[str, Family] = {
     "MistralForCausalLM": Family("mistral", "kiln.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": Family("qwen2", "kiln.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": Family("qwen3", "kiln.models.qwen3", "Qwen3ForCausalLM"),
+    "GemmaForCausalLM": Family("gemma", "kiln.models.gemma", "GemmaForCausalLM"),
 }
 
 # llama.cpp's `general.architecture` -> (module, name of its GGUFLayout). Mistral 7B GGUFs are
