@@ -216,6 +216,7 @@ class ModelConfig:
                 f"hidden_size={d['hidden_size']} is not divisible by num_attention_heads="
                 f"{num_heads} (and the config gives no head_dim)"
             )
+        d = _per_layer_type_rope(d)
         rope_theta, rope_scaling = _rope_of(d)
         window, layer_types = _attention_layout(architecture, d)
         fields: dict[str, Any] = dict(
@@ -399,6 +400,22 @@ def _attention_layout(architecture: str, d: dict[str, Any]) -> tuple[int | None,
     if _SLIDING not in types:
         return None, None
     return int(window), None if set(types) == {_SLIDING} else types
+
+
+def _per_layer_type_rope(d: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 writes Gemma 3's rotary per layer type, rope_parameters =
+    {"full_attention": {...}, "sliding_attention": {...}}: read as the global layers' parameters
+    and the local layers' base (rope_local_base_freq, transformers 4's name)."""
+    params = d.get("rope_parameters")
+    if not isinstance(params, dict) or _FULL not in params:
+        return d
+    local = params.get(_SLIDING) or {}
+    if local.get("rope_type", "default") != "default":
+        raise ModelLoadError(f"rope_parameters.{_SLIDING}={local!r}: only a plain base is supported")
+    flat = {**d, "rope_parameters": params[_FULL]}
+    if "rope_theta" in local:
+        flat["rope_local_base_freq"] = local["rope_theta"]
+    return flat
 
 
 def _optional_float(value: object) -> float | None:

@@ -34,6 +34,8 @@ FAMILIES: dict[str, Family] = {
     "Qwen2ForCausalLM": Family("qwen2", "kiln.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": Family("qwen3", "kiln.models.qwen3", "Qwen3ForCausalLM"),
     "GemmaForCausalLM": Family("gemma", "kiln.models.gemma", "GemmaForCausalLM"),
+    "Gemma2ForCausalLM": Family("gemma2", "kiln.models.gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": Family("gemma3_text", "kiln.models.gemma3", "Gemma3ForCausalLM"),
 }
 
 # llama.cpp's `general.architecture` -> (module, name of its GGUFLayout). Mistral 7B GGUFs are
