@@ -411,7 +411,7 @@ def _per_layer_type_rope(d: dict[str, Any]) -> dict[str, Any]:
         return d
     local = params.get(_SLIDING) or {}
     if local.get("rope_type", "default") != "default":
-        raise ModelLoadError(f"rope_parameters.{_SLIDING}={local!r}: only a plain base is supported")
+        raise ModelLoadError(f"rope_parameters.{_SLIDING}={local!r}: only a plain base is read")
     flat = {**d, "rope_parameters": params[_FULL]}
     if "rope_theta" in local:
         flat["rope_local_base_freq"] = local["rope_theta"]

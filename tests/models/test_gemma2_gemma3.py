@@ -44,9 +44,7 @@ VARIANTS = {
 def gemma(request, tmp_path_factory):
     model_type, hf_class, overrides = VARIANTS[request.param]
     path = str(tmp_path_factory.mktemp(request.param) / "src")
-    model = save_tiny_hf(
-        path, model_type, hf_class, perturb=perturb_norms_and_biases, **overrides
-    )
+    model = save_tiny_hf(path, model_type, hf_class, perturb=perturb_norms_and_biases, **overrides)
     want = hf_tokens(model, [*PROMPTS, *PREFIXED])
     return request.param, path, want, LLM(path, max_num_batched_tokens=64, **ARGS)
 
