@@ -72,6 +72,9 @@ class KVCacheManager:
             return [], 0
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.sliding_window is not None:
+            hits = self._window_hits(request.block_hashes[:max_blocks])
+            return hits, len(hits) * self.block_size
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)
@@ -79,6 +82,20 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def _window_hits(self, block_hashes: list[bytes]) -> list[KVBlock]:
+        """The longest prefix of n blocks whose last ones, those the token after them reads
+        through the window, are all cached (a chained hash names its whole prefix, so they
+        alone prove it): the blocks before them may be evicted long ago (a conversation's
+        early turns). Those stand as _BEHIND_WINDOW; allocate_slots takes none of them."""
+        found = [self.pool.lookup(h) for h in block_hashes]
+        best, run_start = 0, 0
+        for n in range(1, len(found) + 1):
+            if found[n - 1] is None:
+                run_start = n
+            elif run_start <= self._first_kept_block(n * self.block_size):
+                best = n
+        return [b if b is not None else _BEHIND_WINDOW for b in found[:best]]
 
     def record_admission(self, request: KVCacheRequest, num_hit_tokens: int) -> None:
         """Count a first admission's prefix lookup in the hit-rate statistics."""

@@ -58,14 +58,17 @@ def test_prefix_hit_never_takes_a_reallocated_block() -> None:
     _run(kv, other, chunk=24)
     again = _request("c", [*prompt, 7, 8, 9])
     hits, num_hit_tokens = kv.get_computed_blocks(again)
-    for i, block in enumerate(hits):
-        # A hit is the very block that holds these tokens: still hashed as their chain.
+    first_read = max(0, num_hit_tokens - WINDOW + 1) // BS
+    assert num_hit_tokens > 0  # the prompt's last blocks are still cached
+    for i, block in enumerate(hits[first_read:], first_read):
+        # A hit the next token reads is the very block that holds these tokens: still hashed
+        # as their chain (never one given back and reallocated).
         assert block.block_hash == again.block_hashes[i]
         assert block not in kv.req_to_blocks["b"]
-    # The chain starts at block 0, which went back to the pool first and was reallocated first.
-    assert num_hit_tokens == 0
     assert kv.allocate_slots(again, 8, hits) is not None
-    again.num_computed_tokens = 8
+    again.num_computed_tokens = num_hit_tokens + 8
+    for i in range(first_read):
+        assert kv.req_to_blocks["c"][i].ref_count == 0  # behind the window: nothing taken
     _run(kv, again, chunk=8)
     kv.free(again)
     kv.free(other)
@@ -110,3 +113,20 @@ def test_no_window_keeps_every_block() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=BS)
     request = _request("a", list(range(100, 160)))
     assert _run(kv, request, chunk=4)[-1] == 15
+
+
+def test_conversation_hits_its_window_after_its_start_is_evicted() -> None:
+    # A conversation's next turn: its first blocks went back to the pool as the window moved
+    # and were reallocated, yet the blocks its next token reads are cached: a hit of the prefix.
+    kv = KVCacheManager(num_blocks=6, block_size=BS, sliding_window=WINDOW)
+    turn = _request("a", list(range(100, 140)))  # 10 blocks through a pool of 6
+    _run(kv, turn, chunk=4)
+    kv.free(turn)
+    assert kv.pool.lookup(turn.block_hashes[0]) is None  # its start is gone
+    following = _request("b", [*range(100, 140), 5, 6, 7])
+    hits, num_hit_tokens = kv.get_computed_blocks(following)
+    assert num_hit_tokens == 40
+    assert kv.allocate_slots(following, 3, hits) is not None
+    following.num_computed_tokens = 43
+    kv.free(following)
+    assert kv.pool.num_free_blocks == 6

@@ -102,3 +102,24 @@ def test_prefix_cached(model) -> None:
     again = llm.generate(PROMPTS, PARAMS)  # prompts' blocks now cached (some given back)
     assert _tokens(again) == expected
     assert any(o.num_cached_tokens > 0 for o in again)
+
+
+def test_next_turn_hits_the_window_of_an_evicted_conversation(model) -> None:
+    path, expected, variant = model
+    if variant != "mistral":
+        pytest.skip("only a model windowed on every layer gives blocks back")
+    import transformers
+
+    # 8 blocks of 4: the first turn's early blocks are given back and reused on the way.
+    llm = LLM(path, block_size=4, max_num_batched_tokens=8, num_kv_blocks=8)
+    assert _tokens(llm.generate(PROMPTS[:1], PARAMS)) == expected[:1]
+    turn = [*PROMPTS[0], *expected[0], 5, 6, 7]
+    out = llm.generate([turn], PARAMS)[0]
+    assert out.num_cached_tokens > len(PROMPTS[0])  # the window before the new tokens, cached
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = hf.generate(
+            torch.tensor([turn]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+        )[0, len(turn) :].tolist()
+    assert out.outputs[0].token_ids == want
