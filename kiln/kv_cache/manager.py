@@ -73,8 +73,8 @@ class KVCacheManager:
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         if self.sliding_window is not None:
-            hits = self._window_hits(request.block_hashes[:max_blocks])
-            return hits, len(hits) * self.block_size
+            window_hits = self._window_hits(request.block_hashes[:max_blocks])
+            return window_hits, len(window_hits) * self.block_size
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)
