@@ -83,3 +83,21 @@ def test_preempted_equal_hf(gemma) -> None:
     llm = LLM(path, max_num_batched_tokens=64, **{**ARGS, "num_kv_blocks": 8})
     assert tokens(llm.generate(PROMPTS, GREEDY)) == [want[tuple(p)] for p in PROMPTS]
     assert llm.engine.scheduler.num_preemptions_total > 0
+
+
+def test_engine_directory_keeps_the_layer_kinds(gemma, tmp_path) -> None:
+    """`kiln build` writes the layer kinds, soft-caps and rotary bases into the engine
+    directory's config; the directory loads into the same model and tokens."""
+    from kiln.builder.build import BuildOptions, build_engine
+
+    _, path, want, _ = gemma
+    out = str(tmp_path / "engine")
+    build_engine(path, out, BuildOptions(quantization="none", accuracy_check=False), None)
+    built = LLM(out, max_num_batched_tokens=64, **ARGS)
+    model = built.engine.executor.runner.model
+    source = LLM(path, max_num_batched_tokens=64, **ARGS).engine.executor.runner.model
+    assert model.config == source.config
+    assert [layer.self_attn.kind for layer in model.layers] == [
+        layer.self_attn.kind for layer in source.layers
+    ]
+    assert tokens(built.generate(PROMPTS, GREEDY)) == [want[tuple(p)] for p in PROMPTS]

@@ -123,3 +123,14 @@ def test_next_turn_hits_the_window_of_an_evicted_conversation(model) -> None:
             torch.tensor([turn]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
         )[0, len(turn) :].tolist()
     assert out.outputs[0].token_ids == want
+
+
+def test_engine_directory_keeps_the_windows(model, tmp_path) -> None:
+    from kiln.builder.build import BuildOptions, build_engine
+
+    path, expected, _ = model
+    out = str(tmp_path / "engine")
+    build_engine(path, out, BuildOptions(quantization="none", accuracy_check=False), None)
+    built, source = LLM(out, block_size=4), LLM(path, block_size=4)
+    assert built.engine.model_config == source.engine.model_config
+    assert _tokens(built.generate(PROMPTS, PARAMS)) == expected
