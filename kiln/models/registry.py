@@ -34,6 +34,7 @@ FAMILIES: dict[str, Family] = {
     "Qwen2ForCausalLM": Family("qwen2", "kiln.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": Family("qwen3", "kiln.models.qwen3", "Qwen3ForCausalLM"),
     "GemmaForCausalLM": Family("gemma", "kiln.models.gemma", "GemmaForCausalLM"),
+    "Phi3ForCausalLM": Family("phi3", "kiln.models.phi3", "Phi3ForCausalLM"),
 }
 
 # llama.cpp's `general.architecture` -> (module, name of its GGUFLayout). Mistral 7B GGUFs are
