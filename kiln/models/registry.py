@@ -35,6 +35,8 @@ FAMILIES: dict[str, Family] = {
     "Qwen3ForCausalLM": Family("qwen3", "kiln.models.qwen3", "Qwen3ForCausalLM"),
     "GemmaForCausalLM": Family("gemma", "kiln.models.gemma", "GemmaForCausalLM"),
     "Phi3ForCausalLM": Family("phi3", "kiln.models.phi3", "Phi3ForCausalLM"),
+    "GraniteForCausalLM": Family("granite", "kiln.models.granite", "GraniteForCausalLM"),
+    "Olmo2ForCausalLM": Family("olmo2", "kiln.models.olmo2", "Olmo2ForCausalLM"),
 }
 
 # llama.cpp's `general.architecture` -> (module, name of its GGUFLayout). Mistral 7B GGUFs are
