@@ -37,6 +37,8 @@ FAMILIES: dict[str, Family] = {
     "Phi3ForCausalLM": Family("phi3", "kiln.models.phi3", "Phi3ForCausalLM"),
     "GraniteForCausalLM": Family("granite", "kiln.models.granite", "GraniteForCausalLM"),
     "Olmo2ForCausalLM": Family("olmo2", "kiln.models.olmo2", "Olmo2ForCausalLM"),
+    "StableLmForCausalLM": Family("stablelm", "kiln.models.stablelm", "StableLmForCausalLM"),
+    "CohereForCausalLM": Family("cohere", "kiln.models.cohere", "CohereForCausalLM"),
 }
 
 # llama.cpp's `general.architecture` -> (module, name of its GGUFLayout). Mistral 7B GGUFs are
