@@ -635,3 +635,18 @@ def gelu_tanh_and_mul_quant_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, d (+ n)] float8 e4m3, [M, 1] or input_scale)
     """quantize_fp8 of gelu_tanh_and_mul(x): a GeGLU MLP's FP8 down projection's input."""
     return quantize_fp8(gelu_tanh_and_mul(x), input_scale, channels)
+
+
+def layer_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """LayerNorm (mean subtracted, then scaled and shifted) computed in fp32 and rounded once to
+    the input dtype: transformers' CohereLayerNorm, and nn.LayerNorm as the GPU computes it
+    (StableLM). The GPU runs this too (no fused kernel: the LayerNorm families are few)."""
+    out = F.layer_norm(
+        x.float(), (x.shape[-1],), weight.float(), None if bias is None else bias.float(), eps
+    )
+    return out.to(x.dtype)

@@ -380,7 +380,12 @@ class DecoderLayer(nn.Module):
     normed before its residual add, post_attention_layernorm after attention,
     pre_feedforward_layernorm and post_feedforward_layernorm around the MLP); "post" (OLMo 2:
     the blocks read the stream unnormed, their outputs normed by post_attention_layernorm and
-    post_feedforward_layernorm). `qk_norm` and `rope_table`: RopeAttention's."""
+    post_feedforward_layernorm). `qk_norm` and `rope_table`: RopeAttention's.
+
+    `layer_norm`: LayerNorms (reference.layer_norm on every path, biases `*_bias` with
+    `norm_bias`: StableLM, Cohere) before the blocks, in place of the RMSNorms; with `parallel`
+    attention and MLP read the same normed input (input_layernorm, the only norm) and their
+    outputs join the stream together (Cohere, StableLM use_parallel_residual)."""
 
     NORMS = ("pre", "sandwich", "post")
 
@@ -395,12 +400,18 @@ class DecoderLayer(nn.Module):
         qk_norm: bool | str = False,
         norms: str = "pre",
         rope_table: str | None = None,
+        layer_norm: bool = False,
+        norm_bias: bool = False,
+        parallel: bool = False,
     ) -> None:
         super().__init__()
         if norms not in self.NORMS:
             raise ValueError(f"unknown norm placement {norms!r}; known: {self.NORMS}")
+        if (layer_norm or parallel) and norms != "pre":
+            raise ValueError("LayerNorm and parallel layers place their norms before the blocks")
         self.eps = cfg.rms_norm_eps
         self.norms = norms
+        self.layer_norm, self.parallel = layer_norm, parallel
         self.self_attn = RopeAttention(
             cfg, f"{prefix}.self_attn", method, dtype, ctx, full, qk_norm, rope_table
         )
@@ -411,7 +422,16 @@ class DecoderLayer(nn.Module):
 
         if norms != "post":
             self.input_layernorm = norm()
-        self.post_attention_layernorm = norm()
+        if not parallel:
+            self.post_attention_layernorm = norm()
+        self.input_layernorm_bias: nn.Parameter | None = None
+        self.post_attention_layernorm_bias: nn.Parameter | None = None
+        if norm_bias:
+            self.input_layernorm_bias = nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype))
+            if not parallel:
+                self.post_attention_layernorm_bias = nn.Parameter(
+                    torch.zeros(cfg.hidden_size, dtype=dtype)
+                )
         if norms == "sandwich":
             self.pre_feedforward_layernorm = norm()
         if norms != "pre":
@@ -427,6 +447,8 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, the residual stream)
         """`tap`, if given, sees the residual stream entering this layer (EAGLE-3's input)."""
         attn, ops = self.self_attn, step.ops
+        if self.layer_norm:
+            return self._forward_layer_norm(step, hidden, residual, kv_cache, tap)
         if self.norms == "pre":
             query, residual = attn.project_qkv(
                 step, hidden, residual, self.input_layernorm, self.eps, kv_cache
@@ -446,6 +468,33 @@ class DecoderLayer(nn.Module):
         mlp_norm = self.pre_feedforward_layernorm if sandwich else None
         hidden, residual = self.mlp(ops, hidden, residual, mlp_norm, self.eps)
         return ops.rms_norm(hidden, self.post_feedforward_layernorm, self.eps), residual
+
+    def _forward_layer_norm(
+        self,
+        step: StepInputs,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        tap: Callable[[torch.Tensor], None] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward with LayerNorms: each made here, the blocks then given no norm of theirs."""
+        attn, ops = self.self_attn, step.ops
+        summed = hidden if residual is None else hidden + residual
+        if tap is not None:
+            tap(summed)
+        normed = reference.layer_norm(summed, self.input_layernorm, self.input_layernorm_bias,
+                                      self.eps)  # fmt: skip
+        query, _ = attn.project_qkv(step, normed, None, None, self.eps, kv_cache)
+        attended = attn.attend(step, query, kv_cache)
+        if self.parallel:
+            mlp_out, _ = self.mlp(ops, normed, None, None, self.eps)
+            return attended + mlp_out, summed
+        summed = attended + summed
+        normed = reference.layer_norm(
+            summed, self.post_attention_layernorm, self.post_attention_layernorm_bias, self.eps
+        )
+        mlp_out, _ = self.mlp(ops, normed, None, None, self.eps)
+        return mlp_out, summed
 
 
 def decoder_layers(model: CausalLM) -> list[DecoderLayer]:

@@ -317,8 +317,15 @@ class DecoderForCausalLM(nn.Module):
             assert residual is not None, "a pipeline stage holds at least one layer"
             send_to_next_stage(pp, torch.stack((hidden, residual)))
             return hidden  # no logits here (computes_logits is False)
-        hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)
-        return hidden
+        assert residual is not None, "a model has at least one layer"
+        return self.final_norm(ops, hidden, residual)
+
+    def final_norm(
+        self, ops: ModuleType, hidden: torch.Tensor, residual: torch.Tensor
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """The final norm of the last layer's output added to the stream (a LayerNorm family's
+        is a LayerNorm)."""
+        return ops.fused_add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)[0]
 
     def compute_logits(
         self, hidden: torch.Tensor, ops: ModuleType | None = None

@@ -36,6 +36,11 @@ FAMILIES: dict[str, Family] = {
     "GemmaForCausalLM": Family("gemma", "kiln.models.gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": Family("gemma2", "kiln.models.gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": Family("gemma3_text", "kiln.models.gemma3", "Gemma3ForCausalLM"),
+    "Phi3ForCausalLM": Family("phi3", "kiln.models.phi3", "Phi3ForCausalLM"),
+    "GraniteForCausalLM": Family("granite", "kiln.models.granite", "GraniteForCausalLM"),
+    "Olmo2ForCausalLM": Family("olmo2", "kiln.models.olmo2", "Olmo2ForCausalLM"),
+    "StableLmForCausalLM": Family("stablelm", "kiln.models.stablelm", "StableLmForCausalLM"),
+    "CohereForCausalLM": Family("cohere", "kiln.models.cohere", "CohereForCausalLM"),
 }
 
 # llama.cpp's `general.architecture` -> (module, name of its GGUFLayout). Mistral 7B GGUFs are
