@@ -12,6 +12,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kiln.attention.backend import (
@@ -371,6 +372,51 @@ class GatedMLP(nn.Module):
         )
 
 
+
+class PlainMLP(nn.Module):
+    """c_proj(act(c_fc(x))): the ungated MLP (Starcoder2), biases on both with `cfg.mlp_bias`;
+    the same call as GatedMLP. Its activation runs as torch's (no fused kernel: one family)."""
+
+    ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # -> F.gelu's approximate
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        prefix: str,
+        method: LinearMethodFactory,
+        dtype: torch.dtype | None,
+        ctx: ParallelContext | None = None,
+    ) -> None:
+        super().__init__()
+        if cfg.hidden_act not in self.ACTIVATIONS:
+            raise ValueError(f"no ungated MLP of {cfg.hidden_act!r}: {list(self.ACTIVATIONS)}")
+        self.approximate = self.ACTIVATIONS[cfg.hidden_act]
+        n = cfg.intermediate_size  # this rank's share under TP
+        fc_split = proj_split = None
+        if ctx is not None and ctx.tp_size > 1:
+            rows = (ctx.tp_rank * n, n)
+            fc_split = TensorSplit(ctx, rows=(rows,), full_sizes=(n * ctx.tp_size,))
+            proj_split = TensorSplit(ctx, cols=rows)
+        self.c_fc = Linear(
+            cfg.hidden_size, n, bias=cfg.mlp_bias, method=method(f"{prefix}.c_fc"), dtype=dtype,
+            split=fc_split,
+        )  # fmt: skip
+        self.c_proj = Linear(
+            n, cfg.hidden_size, bias=cfg.mlp_bias, method=method(f"{prefix}.c_proj"),
+            dtype=dtype, split=proj_split,
+        )  # fmt: skip
+
+    def forward(
+        self,
+        ops: ModuleType,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (the MLP's output, x + residual)
+        up, summed = norm_then_project(ops, self.c_fc, x, residual, norm_weight, eps)
+        return self.c_proj(ops, F.gelu(up, approximate=self.approximate)), summed
+
 class DecoderLayer(nn.Module):
     """Pre-norm decoder layer: x + attention(norm(x)), then + mlp(norm(...)), with the residual
     add of each block fused into the norm of the next.
@@ -403,6 +449,7 @@ class DecoderLayer(nn.Module):
         layer_norm: bool = False,
         norm_bias: bool = False,
         parallel: bool = False,
+        gated_mlp: bool = True,
     ) -> None:
         super().__init__()
         if norms not in self.NORMS:
@@ -415,7 +462,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = RopeAttention(
             cfg, f"{prefix}.self_attn", method, dtype, ctx, full, qk_norm, rope_table
         )
-        self.mlp = GatedMLP(cfg, f"{prefix}.mlp", method, dtype, ctx)
+        self.mlp: GatedMLP | PlainMLP
+        if gated_mlp:
+            self.mlp = GatedMLP(cfg, f"{prefix}.mlp", method, dtype, ctx)
+        else:  # `gated_mlp=False`: PlainMLP (Starcoder2)
+            self.mlp = PlainMLP(cfg, f"{prefix}.mlp", method, dtype, ctx)
 
         def norm() -> nn.Parameter:
             return nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))

@@ -19,7 +19,7 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 _O_BIAS_WITH_ATTENTION_BIAS = ("llama", "qwen3", "granite", "olmo2", "cohere", *GEMMA)
 # Families that tie the LM head to the embedding unless config.json says otherwise.
-_TIED_BY_DEFAULT = ("cohere", *GEMMA)
+_TIED_BY_DEFAULT = ("cohere", "starcoder2", *GEMMA)
 
 
 def family_fields(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
@@ -56,6 +56,10 @@ def family_fields(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
         fields["attention_bias"] = bool(d.get("use_qkv_bias", False))
         fields["qk_layernorm"] = bool(d.get("qk_layernorm", False))
         fields["parallel_residual"] = bool(d.get("use_parallel_residual", False))
+    elif architecture == "starcoder2":  # one use_bias for every projection
+        fields["rms_norm_eps"] = float(d.get("norm_epsilon", 1e-5))
+        bias = bool(d.get("use_bias", True))
+        fields.update(attention_bias=bias, o_proj_bias=bias, mlp_bias=bias)
     elif architecture == "cohere":
         fields["rms_norm_eps"] = float(d.get("layer_norm_eps", 1e-5))
         fields["logits_multiplier"] = float(d.get("logit_scale", 1.0))
@@ -96,6 +100,9 @@ def family_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
         d["use_qkv_bias"] = cfg.attention_bias
         d["qk_layernorm"] = cfg.qk_layernorm
         d["use_parallel_residual"] = cfg.parallel_residual
+    if arch == "starcoder2":
+        d["norm_epsilon"] = cfg.rms_norm_eps
+        d["use_bias"] = cfg.attention_bias
     if arch == "cohere":
         d["logit_scale"] = cfg.logits_multiplier
         d["use_qk_norm"] = cfg.qk_layernorm
