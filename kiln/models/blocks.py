@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -372,12 +372,12 @@ class GatedMLP(nn.Module):
         )
 
 
-
 class PlainMLP(nn.Module):
     """c_proj(act(c_fc(x))): the ungated MLP (Starcoder2), biases on both with `cfg.mlp_bias`;
     the same call as GatedMLP. Its activation runs as torch's (no fused kernel: one family)."""
 
-    ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # -> F.gelu's approximate
+    # hidden_act -> F.gelu's `approximate`
+    ACTIVATIONS: ClassVar[dict[str, str]] = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
     def __init__(
         self,
@@ -416,6 +416,7 @@ class PlainMLP(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (the MLP's output, x + residual)
         up, summed = norm_then_project(ops, self.c_fc, x, residual, norm_weight, eps)
         return self.c_proj(ops, F.gelu(up, approximate=self.approximate)), summed
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm decoder layer: x + attention(norm(x)), then + mlp(norm(...)), with the residual

@@ -41,7 +41,9 @@ FAMILIES: dict[str, Family] = {
     "Olmo2ForCausalLM": Family("olmo2", "kiln.models.olmo2", "Olmo2ForCausalLM"),
     "StableLmForCausalLM": Family("stablelm", "kiln.models.stablelm", "StableLmForCausalLM"),
     "CohereForCausalLM": Family("cohere", "kiln.models.cohere", "CohereForCausalLM"),
-    "Starcoder2ForCausalLM": Family("starcoder2", "kiln.models.starcoder2", "Starcoder2ForCausalLM"),
+    "Starcoder2ForCausalLM": Family(
+        "starcoder2", "kiln.models.starcoder2", "Starcoder2ForCausalLM"
+    ),
 }
 
 # llama.cpp's `general.architecture` -> (module, name of its GGUFLayout). Mistral 7B GGUFs are
