@@ -134,6 +134,9 @@ def test_window_past_the_context_is_plain_attention() -> None:
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install kiln[triton])")
 
+from kiln.attention.backend import AttentionKind, AttentionMetadata  # noqa: E402
+from kiln.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from kiln.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from kiln.kernels import triton as triton_ops  # noqa: E402
 from kiln.kernels.triton import decode_attention  # noqa: E402
 from kiln.kernels.triton.decode_attention import paged_decode_attention_splits  # noqa: E402
@@ -201,3 +204,41 @@ def test_decode_kernel_fp8_cache(monkeypatch, window, softcap, sinks_on, packed,
     if not packed:
         monkeypatch.setattr(decode_attention, "packing", lambda group, head_dim: 0)
     _check_decode(torch.float16, window, softcap, sinks_on, num_splits, FP8, group=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "kind",
+    [AttentionKind(5), AttentionKind(None, 2.0), AttentionKind(3, 1.0)],
+    ids=["window", "softcap", "both"],
+)
+@pytest.mark.parametrize("sinks_on", [False, True], ids=["", "sinks"])
+def test_backends_mixed_step(dtype, kind, sinks_on) -> None:
+    # A step of two decodes, a fresh prompt and a chunk after a prefix, through both backends
+    # (run_split_attention hands the layer's kind to both kernels); slots behind the windows
+    # hold NaN.
+    q_lens, seq_lens = [1, 1, 6, 5], [9, 17, 6, 14]
+    window = kind.sliding_window
+    query, k_cache, v_cache, tables, qsl, lens = _inputs(
+        q_lens, seq_lens, 4, 2, 16, 4, dtype, window
+    )
+    metadata = AttentionMetadata(
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64, device=DEVICE),
+        query_start_loc=qsl,
+        seq_lens=lens,
+        block_tables=tables,
+        num_decodes=2,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
+    sinks = _sinks(4, sinks_on)
+    out = TritonAttentionBackend().forward(query, k_cache, v_cache, metadata, 0.25, kind, sinks)
+    expected = TorchAttentionBackend().forward(
+        query.float(), k_cache.float(), v_cache.float(), metadata, 0.25, kind, sinks
+    )
+    _close(out, expected, dtype)
+    brute = _brute_force(
+        query.float(), k_cache.float(), v_cache.float(), tables, qsl, lens, 0.25, window,
+        kind.logit_softcap, sinks,
+    )  # fmt: skip
+    torch.testing.assert_close(expected.double(), brute, atol=1e-5, rtol=1e-5)
