@@ -9,6 +9,7 @@ import pytest
 
 from kiln import LLM
 from kiln.attention.backend import AttentionKind
+from tests.conftest import generated_logprob_gaps
 from tests.models.family_checks import (
     check_alone_and_batched,
     check_chunked,
@@ -101,3 +102,12 @@ def test_engine_directory_keeps_the_layer_kinds(gemma, tmp_path) -> None:
         layer.self_attn.kind for layer in source.layers
     ]
     assert tokens(built.generate(PROMPTS, GREEDY)) == [want[tuple(p)] for p in PROMPTS]
+
+
+def test_float8_kv_cache_stays_close(gemma) -> None:
+    """A float8 KV cache (unscaled e4m3) through the windowed and soft-capped layers: the
+    logprobs of the fp32 cache's run within float8's noise."""
+    _, path, _, llm = gemma
+    fp8 = LLM(path, kv_cache_dtype="fp8", max_num_batched_tokens=64, **ARGS)
+    gaps = generated_logprob_gaps(fp8.generate(PROMPTS, GREEDY), llm.generate(PROMPTS, GREEDY))
+    assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps

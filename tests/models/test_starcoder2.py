@@ -9,6 +9,7 @@ import pytest
 
 from kiln import LLM
 from kiln.attention.backend import AttentionKind
+from tests.conftest import generated_logprob_gaps
 from tests.models.family_checks import (
     check_alone_and_batched,
     check_chunked,
@@ -57,3 +58,10 @@ def test_chunked_and_preempted_equal_hf(starcoder2) -> None:
     llm = LLM(path, max_num_batched_tokens=16, **{**ARGS, "num_kv_blocks": 4})
     assert tokens(llm.generate(PROMPTS, GREEDY)) == [want[tuple(p)] for p in PROMPTS]
     assert llm.engine.scheduler.num_preemptions_total > 0
+
+
+def test_float8_kv_cache_stays_close(starcoder2) -> None:
+    path, _, llm = starcoder2
+    fp8 = LLM(path, kv_cache_dtype="fp8", max_num_batched_tokens=64, **ARGS)
+    gaps = generated_logprob_gaps(fp8.generate(PROMPTS, GREEDY), llm.generate(PROMPTS, GREEDY))
+    assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
