@@ -78,8 +78,6 @@ class ModelConfig:
     """The gated MLP's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma)."""
     mlp_bias: bool = False
     """gate/up/down projections have biases (Llama's mlp_bias, Granite)."""
-    o_proj_bias: bool = False
-    """o_proj has a bias (Llama, Qwen3, Gemma and Granite give it one with attention_bias)."""
     partial_rotary_factor: float = 1.0
     """The fraction of each head's dims that rotary turns (StableLM, Phi-4-mini); the rest pass."""
     embedding_multiplier: float = 1.0
@@ -128,6 +126,12 @@ class ModelConfig:
                 f"partial_rotary_factor={self.partial_rotary_factor} gives {self.rotary_dim} "
                 f"rotary dims of head_dim={self.head_dim} (needs an even count, at least 2)"
             )
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """o_proj has a bias: with attention_bias in the families that give it one (Llama,
+        Qwen3, Gemma, Granite, OLMo 2, Cohere; not Qwen2, Mistral, StableLM, Phi-3)."""
+        return self.attention_bias and self.architecture in family_config.O_BIAS_WITH_ATTENTION_BIAS
 
     @property
     def rotary_dim(self) -> int:

@@ -17,7 +17,7 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # Families whose o_proj has a bias when attention_bias is set (Qwen2's and Mistral's never has).
 # The Gemma generations: sqrt(hidden)-scaled embeddings, (1 + w) norms, tied by default.
 GEMMA = ("gemma", "gemma2", "gemma3_text")
-_O_BIAS_WITH_ATTENTION_BIAS = ("llama", "qwen3", "granite", "olmo2", "cohere", *GEMMA)
+O_BIAS_WITH_ATTENTION_BIAS = ("llama", "qwen3", "granite", "olmo2", "cohere", *GEMMA)
 # Families that tie the LM head to the embedding unless config.json says otherwise.
 _TIED_BY_DEFAULT = ("cohere", *GEMMA)
 
@@ -25,15 +25,14 @@ _TIED_BY_DEFAULT = ("cohere", *GEMMA)
 def family_fields(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig fields (overriding the shared ones where a family names them otherwise) of
     an HF config.json dict `d` of `architecture`."""
-    params = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+    raw = d.get("rope_parameters")
+    params: dict[str, Any] = raw if isinstance(raw, dict) else {}
     act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
     if act not in ACTIVATIONS:
         raise ModelLoadError(f"hidden_act={act!r} is not supported; supported: {ACTIVATIONS}")
-    attention_bias = bool(d.get("attention_bias", False))
     fields: dict[str, Any] = {
         "hidden_act": act,
         "mlp_bias": bool(d.get("mlp_bias", False)),
-        "o_proj_bias": architecture in _O_BIAS_WITH_ATTENTION_BIAS and attention_bias,
         "partial_rotary_factor": float(
             d.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0
         ),
