@@ -28,7 +28,10 @@ SANDWICH_LAYER_TENSOR_MAP: LayerTensorMap = {
 
 # llama.cpp's converter writes Gemma's q/k rows in Hugging Face's order and its norms with the
 # +1 already added (norm_offset: subtracted back, then added again as for a checkpoint).
-GEMMA_GGUF = GGUFLayout("gemma", LLAMA_LAYER_NAMES, permuted_rotary=False, norm_offset=1.0)
+GEMMA_GGUF = GGUFLayout(
+    "gemma", LLAMA_LAYER_NAMES, permuted_rotary=False, norm_offset=1.0,
+    hf_config={"hidden_act": "gelu_pytorch_tanh"},
+)  # fmt: skip
 
 
 class GemmaForCausalLM(DecoderForCausalLM):

@@ -23,6 +23,7 @@ from tests.models.family_checks import (
     hf_tokens,
     perturb_norms_and_biases,
     save_tiny_hf,
+    write_gguf,
 )
 from tests.models.test_models_vs_hf import assert_greedy_matches_hf
 from tests.models.test_qwen3 import ARGS, GREEDY, PREFIXED, PROMPTS
@@ -74,6 +75,26 @@ def test_an_fp8_build_loads_and_stays_close(gemma, tmp_path) -> None:
     assert torch.allclose(norm.float(), llm.engine.executor.runner.model.norm.float())
     gaps = generated_logprob_gaps(engine.generate(PROMPTS, GREEDY), llm.generate(PROMPTS, GREEDY))
     assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
+
+
+def test_a_gguf_file_equals_hf(gemma, tmp_path) -> None:
+    """As llama.cpp's converter writes Gemma: its names, q/k rows in HF's order, every norm
+    weight with 1 added, no output tensor (tied)."""
+    import gguf
+
+    path, want, _ = gemma
+    file = str(tmp_path / "gemma.gguf")
+
+    def converted(name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        if name == "lm_head.weight":
+            return None
+        return tensor + 1 if name.endswith("norm.weight") else tensor
+
+    write_gguf(file, path, gguf.MODEL_ARCH.GEMMA, "gemma", converted)
+    from_gguf = LLM(file, max_num_batched_tokens=64, **ARGS)
+    model = from_gguf.engine.executor.runner.model
+    assert model.config.architecture == "gemma" and model.config.hidden_act == "gelu_pytorch_tanh"
+    check_alone_and_batched(from_gguf, want)
 
 
 class SandwichGemma(GemmaForCausalLM):
