@@ -36,6 +36,7 @@ GEMMA_GGUF = GGUFLayout(
 
 class GemmaForCausalLM(DecoderForCausalLM):
     layer_tensor_map: ClassVar[LayerTensorMap] = LAYER_TENSOR_MAP
+    supports_smoothing = False  # see DecoderForCausalLM
     norms: ClassVar[str] = "pre"  # DecoderLayer's norm placement ("sandwich": Gemma 2/3)
     qk_norm: ClassVar[bool] = False  # Gemma 3's per-head q/k norms, (1 + w) too
 

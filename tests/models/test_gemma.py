@@ -134,3 +134,13 @@ def test_sandwich_norms_equal_hf(sandwich) -> None:
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     out = llm.generate(PROMPTS[0], params)[0].outputs[0]
     assert_greedy_matches_hf(hf_model, PROMPTS[0], out, 1e-4, "gemma2 sandwich")
+
+
+def test_smoothing_is_refused(gemma, tmp_path) -> None:
+    """SmoothQuant would divide w of a (1 + w) norm: refused, not built wrong."""
+    from kiln.builder.build import BuildOptions, build_engine
+
+    options = BuildOptions(quantization="fp8", smoothing="smoothquant", accuracy_check=False,
+                           max_model_len=256)  # fmt: skip
+    with pytest.raises(ValueError, match="smoothing folds into Llama-shaped"):
+        build_engine(gemma[0], str(tmp_path / "smoothed"), options, None)
