@@ -288,6 +288,8 @@ def _rope_of(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     top-level `rope_theta` and `rope_scaling` (whose older files spell rope_type as "type").
     """
     params = d.get("rope_parameters") or {}
+    if isinstance(params.get("full_attention"), dict):  # per layer type (Gemma 3, transformers 5)
+        params = params["full_attention"]
     source = d.get("rope_scaling") or params
     for name, value in (("rope_parameters", params), ("rope_scaling", source)):
         if not isinstance(value, dict):

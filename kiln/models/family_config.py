@@ -27,6 +27,8 @@ def family_fields(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
     an HF config.json dict `d` of `architecture`."""
     raw = d.get("rope_parameters")
     params: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    local = params.get("sliding_attention")  # per layer type (Gemma 3, transformers 5)
+    local_base = local.get("rope_theta") if isinstance(local, dict) else None
     act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
     if act not in ACTIVATIONS:
         raise ModelLoadError(f"hidden_act={act!r} is not supported; supported: {ACTIVATIONS}")
@@ -37,7 +39,7 @@ def family_fields(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
             d.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0
         ),
         "final_logit_softcapping": _optional_float(d.get("final_logit_softcapping")),
-        "rope_local_base_freq": _optional_float(d.get("rope_local_base_freq")),
+        "rope_local_base_freq": _optional_float(d.get("rope_local_base_freq") or local_base),
     }
     if d.get("query_pre_attn_scalar"):  # Gemma 2/3
         fields["attention_multiplier"] = float(d["query_pre_attn_scalar"]) ** -0.5
@@ -73,6 +75,11 @@ def family_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
         d["final_logit_softcapping"] = cfg.final_logit_softcapping
     if cfg.rope_local_base_freq is not None:
         d["rope_local_base_freq"] = cfg.rope_local_base_freq
+        d["rope_parameters"] = {  # transformers 5: one per layer type
+            "full_attention": {**(cfg.rope_scaling or {"rope_type": "default"}),
+                               "rope_theta": cfg.rope_theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_base_freq},
+        }  # fmt: skip
     if arch in ("llama", "granite"):
         d["mlp_bias"] = cfg.mlp_bias
     if arch in ("granite", "olmo2", "cohere", "phi3", *GEMMA):

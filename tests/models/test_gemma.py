@@ -13,7 +13,11 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.models import registry
-from kiln.models.gemma import SANDWICH_LAYER_TENSOR_MAP, GemmaForCausalLM
+from kiln.models.gemma import (
+    QK_NORM_SANDWICH_LAYER_TENSOR_MAP,
+    SANDWICH_LAYER_TENSOR_MAP,
+    GemmaForCausalLM,
+)
 from tests.conftest import generated_logprob_gaps
 from tests.models.family_checks import (
     check_alone_and_batched,
@@ -144,3 +148,43 @@ def test_smoothing_is_refused(gemma, tmp_path) -> None:
                            max_model_len=256)  # fmt: skip
     with pytest.raises(ValueError, match="smoothing folds into Llama-shaped"):
         build_engine(gemma[0], str(tmp_path / "smoothed"), options, None)
+
+
+class LocalRopeGemma(SandwichGemma):
+    """Gemma 3's text layers without windows: per-head (1 + w) q/k norms, and layer 0 (a
+    sliding layer of the checkpoint, its window wider than the context) rotating by the local
+    base through the per-layer rope table API."""
+
+    layer_tensor_map = QK_NORM_SANDWICH_LAYER_TENSOR_MAP
+    qk_norm = True
+
+    def make_layer(self, cfg, prefix, method, dtype, ctx, full):
+        from kiln.models.blocks import DecoderLayer
+
+        table = "local" if prefix == "layers.0" else None
+        return DecoderLayer(cfg, prefix, method, dtype, ctx, full, True, "sandwich", table)
+
+
+@pytest.fixture(scope="module")
+def local_rope(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        family = registry.Family("gemma3_text", __name__, "LocalRopeGemma")
+        patch.setitem(registry.FAMILIES, "Gemma3ForCausalLM", family)
+        patch.setitem(registry._BY_ARCHITECTURE, "gemma3_text", ("Gemma3ForCausalLM", family))
+        path = str(tmp_path_factory.mktemp("gemma3") / "src")
+        model = save_tiny_hf(
+            path, "gemma3_text", "Gemma3ForCausalLM", perturb=perturb_norms_and_biases,
+            layer_types=["sliding_attention", "full_attention"], rope_theta=1e6,
+            rope_local_base_freq=100.0, query_pre_attn_scalar=32, sliding_window=4096, **GEMMA,
+        )  # fmt: skip
+        want = hf_tokens(model, PROMPTS)
+        yield path, want, LLM(path, max_num_batched_tokens=64, **ARGS)
+
+
+def test_per_layer_rope_bases_equal_hf(local_rope) -> None:
+    path, want, llm = local_rope
+    model = llm.engine.executor.runner.model
+    assert model.config.rope_local_base_freq == 100.0 and model.config.rope_theta == 1e6
+    assert model.layers[0].self_attn.rope_table == "local" and "local" in model.rope_tables
+    check_alone_and_batched(llm, want)
+    check_chunked(path, want)
