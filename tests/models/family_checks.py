@@ -81,6 +81,15 @@ def check_prefix_hit(llm: LLM, want: dict) -> None:
     assert tokens(first + second) == [want[tuple(p)] for p in PREFIXED]
 
 
+def check_preempted(path: str, want: dict, prompts: list[list[int]] = PROMPTS) -> None:
+    """8 blocks of 16 tokens: the longest request (83 tokens) fits alone, the four at once (16
+    blocks) do not, so some are preempted and recomputed."""
+    llm = LLM(path, num_kv_blocks=8, block_size=16, enable_prefix_caching=False,
+              max_num_batched_tokens=64, device="cpu")  # fmt: skip
+    assert tokens(llm.generate(prompts, GREEDY)) == [want[tuple(p)] for p in prompts]
+    assert llm.engine.scheduler.num_preemptions_total > 0
+
+
 def check_fp8_close(path: str, llm: LLM, **kw: Any) -> None:
     """FP8 W8A8 with per-token scales (quantization="fp8-dynamic" at load) within the bound
     the Llama float8 paths are held to."""

@@ -1,6 +1,7 @@
 """Gemma on the model plug-in, against Hugging Face in fp32: (1 + w) norms, the sqrt(hidden)
 embedding scale, GeGLU, head_dim 32 != hidden / heads, tied embeddings; greedy tokens equal
-over 32 new tokens alone, batched, chunked and prefix-cached; FP8 weights within float8's noise;
+over 32 new tokens alone, batched, chunked, prefix-cached
+and preempted; FP8 weights within float8's noise;
 a `kiln build` engine directory. The sandwich norms Gemma 2/3 use (with query_pre_attn_scalar
 and the final logit soft-cap) are checked on a Gemma 2 checkpoint without attention soft-capping
 and with a window wider than the context, loaded as the shared Gemma model with
@@ -23,6 +24,7 @@ from tests.models.family_checks import (
     check_alone_and_batched,
     check_chunked,
     check_fp8_close,
+    check_preempted,
     check_prefix_hit,
     hf_tokens,
     perturb_norms_and_biases,
@@ -53,10 +55,11 @@ def test_batched_and_alone_equal_hf(gemma) -> None:
     check_alone_and_batched(llm, want)
 
 
-def test_chunked_and_prefix_cached_equal_hf(gemma) -> None:
+def test_chunked_prefix_cached_and_preempted_equal_hf(gemma) -> None:
     path, want, llm = gemma
     check_prefix_hit(llm, want)
     check_chunked(path, want)
+    check_preempted(path, want)
 
 
 def test_fp8_dynamic_stays_close(gemma) -> None:
