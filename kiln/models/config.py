@@ -438,6 +438,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
         use_sliding_window=False, max_window_layers=36, **_QWEN_IDS,
     ),
+    "gemma-7b": _preset(
+        "gemma", 256000, 3072, 24576, 28, 16, 16,
+        head_dim=256, hidden_act="gelu_pytorch_tanh", rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+    ),
+    # Phi-4 (14B): Phi-3's architecture, no window, no longrope.
+    "phi-4": _preset(
+        "phi3", 100352, 5120, 17920, 40, 40, 10,
+        rms_norm_eps=1e-5, rope_theta=250000.0, max_position_embeddings=16384,
+        sliding_window=None, bos_token_id=100257, eos_token_id=100265,
+    ),
     "smollm2-135m": _preset(
         "llama", 49152, 576, 1536, 30, 9, 3,
         rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
