@@ -198,6 +198,7 @@ def token_seq_lens(
 
 
 class StepRope(torch.nn.Module):
+    short_long: torch.Tensor  # longrope: [2 * max_positions, dim], short rows then long
     """The rotary rows of one step for the length-dependent types, as transformers applies them
     to one sequence: its tokens rotate with the frequencies of the sequence's length after this
     step (a decode's, its position + 1; a prefill's, its prompt's). longrope: the short table

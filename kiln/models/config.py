@@ -86,8 +86,6 @@ class ModelConfig:
     """The gated MLP's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma)."""
     mlp_bias: bool = False
     """gate/up/down projections have biases (Llama's mlp_bias, Granite)."""
-    o_proj_bias: bool = False
-    """o_proj has a bias (Llama, Qwen3, Gemma and Granite give it one with attention_bias)."""
     partial_rotary_factor: float = 1.0
     """The fraction of each head's dims that rotary turns (StableLM, Phi-4-mini); the rest pass."""
     embedding_multiplier: float = 1.0
@@ -161,6 +159,12 @@ class ModelConfig:
             )
 
     @property
+    def o_proj_bias(self) -> bool:
+        """o_proj has a bias: with attention_bias in the families that give it one (Llama,
+        Qwen3, Gemma, Granite, OLMo 2, Cohere; not Qwen2, Mistral, StableLM, Phi-3)."""
+        return self.attention_bias and self.architecture in family_config.O_BIAS_WITH_ATTENTION_BIAS
+
+    @property
     def rotary_dim(self) -> int:
         """The dims of each head that rotary turns (the first ones; as transformers rounds)."""
         return int(self.head_dim * self.partial_rotary_factor)
@@ -216,7 +220,6 @@ class ModelConfig:
                 f"hidden_size={d['hidden_size']} is not divisible by num_attention_heads="
                 f"{num_heads} (and the config gives no head_dim)"
             )
-        d = _per_layer_type_rope(d)
         rope_theta, rope_scaling = _rope_of(d)
         window, layer_types = _attention_layout(architecture, d)
         fields: dict[str, Any] = dict(
@@ -324,6 +327,8 @@ def _rope_of(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     top-level `rope_theta` and `rope_scaling` (whose older files spell rope_type as "type").
     """
     params = d.get("rope_parameters") or {}
+    if isinstance(params.get("full_attention"), dict):  # per layer type (Gemma 3, transformers 5)
+        params = params["full_attention"]
     source = d.get("rope_scaling") or params
     for name, value in (("rope_parameters", params), ("rope_scaling", source)):
         if not isinstance(value, dict):
@@ -400,22 +405,6 @@ def _attention_layout(architecture: str, d: dict[str, Any]) -> tuple[int | None,
     if _SLIDING not in types:
         return None, None
     return int(window), None if set(types) == {_SLIDING} else types
-
-
-def _per_layer_type_rope(d: dict[str, Any]) -> dict[str, Any]:
-    """transformers 5 writes Gemma 3's rotary per layer type, rope_parameters =
-    {"full_attention": {...}, "sliding_attention": {...}}: read as the global layers' parameters
-    and the local layers' base (rope_local_base_freq, transformers 4's name)."""
-    params = d.get("rope_parameters")
-    if not isinstance(params, dict) or _FULL not in params:
-        return d
-    local = params.get(_SLIDING) or {}
-    if local.get("rope_type", "default") != "default":
-        raise ModelLoadError(f"rope_parameters.{_SLIDING}={local!r}: only a plain base is read")
-    flat = {**d, "rope_parameters": params[_FULL]}
-    if "rope_theta" in local:
-        flat["rope_local_base_freq"] = local["rope_theta"]
-    return flat
 
 
 def _optional_float(value: object) -> float | None:
@@ -508,6 +497,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "qwen3", 151936, 4096, 12288, 36, 32, 8,
         head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
         use_sliding_window=False, max_window_layers=36, **_QWEN_IDS,
+    ),
+    "gemma-7b": _preset(
+        "gemma", 256000, 3072, 24576, 28, 16, 16,
+        head_dim=256, hidden_act="gelu_pytorch_tanh", rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+    ),
+    # Phi-4 (14B): Phi-3's architecture, no window, no longrope.
+    "phi-4": _preset(
+        "phi3", 100352, 5120, 17920, 40, 40, 10,
+        rms_norm_eps=1e-5, rope_theta=250000.0, max_position_embeddings=16384,
+        sliding_window=None, bos_token_id=100257, eos_token_id=100265,
     ),
     "smollm2-135m": _preset(
         "llama", 49152, 576, 1536, 30, 9, 3,

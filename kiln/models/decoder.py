@@ -79,6 +79,9 @@ class DecoderForCausalLM(nn.Module):
     next to the layers."""
 
     layer_tensor_map: ClassVar[LayerTensorMap]
+    # SmoothQuant folds into input_layernorm / post_attention_layernorm and the q/k/v, gate/up
+    # checkpoint tensors (kiln.builder.calibrate.smoothing): families shaped otherwise say no.
+    supports_smoothing: ClassVar[bool] = True
     # Registered parameters, buffers and submodules, typed here (nn.Module's attribute lookup
     # types them Tensor | Module). The embedding is cut by vocabulary rows under TP; the head is
     # None when it is the (model-dtype, tied) embedding.

@@ -17,7 +17,7 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # Families whose o_proj has a bias when attention_bias is set (Qwen2's and Mistral's never has).
 # The Gemma generations: sqrt(hidden)-scaled embeddings, (1 + w) norms, tied by default.
 GEMMA = ("gemma", "gemma2", "gemma3_text")
-_O_BIAS_WITH_ATTENTION_BIAS = ("llama", "qwen3", "granite", "olmo2", "cohere", *GEMMA)
+O_BIAS_WITH_ATTENTION_BIAS = ("llama", "qwen3", "granite", "olmo2", "cohere", "starcoder2", *GEMMA)
 # Families that tie the LM head to the embedding unless config.json says otherwise.
 _TIED_BY_DEFAULT = ("cohere", "starcoder2", *GEMMA)
 
@@ -25,20 +25,21 @@ _TIED_BY_DEFAULT = ("cohere", "starcoder2", *GEMMA)
 def family_fields(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig fields (overriding the shared ones where a family names them otherwise) of
     an HF config.json dict `d` of `architecture`."""
-    params = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+    raw = d.get("rope_parameters")
+    params: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    local = params.get("sliding_attention")  # per layer type (Gemma 3, transformers 5)
+    local_base = local.get("rope_theta") if isinstance(local, dict) else None
     act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
     if act not in ACTIVATIONS:
         raise ModelLoadError(f"hidden_act={act!r} is not supported; supported: {ACTIVATIONS}")
-    attention_bias = bool(d.get("attention_bias", False))
     fields: dict[str, Any] = {
         "hidden_act": act,
         "mlp_bias": bool(d.get("mlp_bias", False)),
-        "o_proj_bias": architecture in _O_BIAS_WITH_ATTENTION_BIAS and attention_bias,
         "partial_rotary_factor": float(
             d.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0
         ),
         "final_logit_softcapping": _optional_float(d.get("final_logit_softcapping")),
-        "rope_local_base_freq": _optional_float(d.get("rope_local_base_freq")),
+        "rope_local_base_freq": _optional_float(d.get("rope_local_base_freq") or local_base),
     }
     if d.get("query_pre_attn_scalar"):  # Gemma 2/3
         fields["attention_multiplier"] = float(d["query_pre_attn_scalar"]) ** -0.5
@@ -59,7 +60,7 @@ def family_fields(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
     elif architecture == "starcoder2":  # one use_bias for every projection
         fields["rms_norm_eps"] = float(d.get("norm_epsilon", 1e-5))
         bias = bool(d.get("use_bias", True))
-        fields.update(attention_bias=bias, o_proj_bias=bias, mlp_bias=bias)
+        fields.update(attention_bias=bias, mlp_bias=bias)
     elif architecture == "cohere":
         fields["rms_norm_eps"] = float(d.get("layer_norm_eps", 1e-5))
         fields["logits_multiplier"] = float(d.get("logit_scale", 1.0))
@@ -78,6 +79,11 @@ def family_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
         d["final_logit_softcapping"] = cfg.final_logit_softcapping
     if cfg.rope_local_base_freq is not None:
         d["rope_local_base_freq"] = cfg.rope_local_base_freq
+        d["rope_parameters"] = {  # transformers 5: one per layer type
+            "full_attention": {**(cfg.rope_scaling or {"rope_type": "default"}),
+                               "rope_theta": cfg.rope_theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_base_freq},
+        }  # fmt: skip
     if arch in ("llama", "granite"):
         d["mlp_bias"] = cfg.mlp_bias
     if arch in ("granite", "olmo2", "cohere", "phi3", *GEMMA):

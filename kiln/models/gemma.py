@@ -25,14 +25,24 @@ SANDWICH_LAYER_TENSOR_MAP: LayerTensorMap = {
     "pre_feedforward_layernorm.weight": ("pre_feedforward_layernorm", None),
     "post_feedforward_layernorm.weight": ("post_feedforward_layernorm", None),
 }
+# Gemma 3's: the sandwich norms and per-head (1 + w) q/k norms (qk_norm = True).
+QK_NORM_SANDWICH_LAYER_TENSOR_MAP: LayerTensorMap = {
+    **SANDWICH_LAYER_TENSOR_MAP,
+    "self_attn.q_norm.weight": ("self_attn.q_norm", None),
+    "self_attn.k_norm.weight": ("self_attn.k_norm", None),
+}
 
 # llama.cpp's converter writes Gemma's q/k rows in Hugging Face's order and its norms with the
 # +1 already added (norm_offset: subtracted back, then added again as for a checkpoint).
-GEMMA_GGUF = GGUFLayout("gemma", LLAMA_LAYER_NAMES, permuted_rotary=False, norm_offset=1.0)
+GEMMA_GGUF = GGUFLayout(
+    "gemma", LLAMA_LAYER_NAMES, permuted_rotary=False, norm_offset=1.0,
+    hf_config={"hidden_act": "gelu_pytorch_tanh"},
+)  # fmt: skip
 
 
 class GemmaForCausalLM(DecoderForCausalLM):
     layer_tensor_map: ClassVar[LayerTensorMap] = LAYER_TENSOR_MAP
+    supports_smoothing = False  # see DecoderForCausalLM
     norms: ClassVar[str] = "pre"  # DecoderLayer's norm placement ("sandwich": Gemma 2/3)
     qk_norm: ClassVar[bool] = False  # Gemma 3's per-head q/k norms, (1 + w) too
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -44,6 +45,8 @@ class GGUFLayout:
     Qwen2 and Qwen3 keep Hugging Face's order)."""
     norm_offset: float = 0.0
     """What llama.cpp's converter added to every norm weight (Gemma's (1 + w) norms: 1)."""
+    hf_config: Mapping[str, Any] = field(default_factory=dict)
+    """config.json fields the family's GGUF files imply and do not store (Gemma's activation)."""
 
     def hf_name(self, gguf_name: str) -> str | None:
         """The HF name of a GGUF tensor, or None if this layout has no such tensor."""

@@ -21,6 +21,7 @@ from kiln.models.decoder import DecoderForCausalLM
 
 class LayerNormDecoderForCausalLM(DecoderForCausalLM):
     has_norm_bias: ClassVar[bool] = False  # the norms have biases (StableLM's nn.LayerNorm)
+    supports_smoothing = False  # see DecoderForCausalLM
     norm_bias: nn.Parameter | None
 
     def __init__(

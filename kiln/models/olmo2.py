@@ -23,6 +23,7 @@ OLMO2_LAYER_TENSOR_MAP: LayerTensorMap = {
 
 class Olmo2ForCausalLM(DecoderForCausalLM):
     layer_tensor_map = OLMO2_LAYER_TENSOR_MAP
+    supports_smoothing = False  # see DecoderForCausalLM
 
     def make_layer(
         self,

@@ -24,6 +24,7 @@ PHI3_GGUF = GGUFLayout(
 
 class Phi3ForCausalLM(DecoderForCausalLM):
     layer_tensor_map = LAYER_TENSOR_MAP
+    supports_smoothing = False  # see DecoderForCausalLM
 
     def adapt_hf_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]]

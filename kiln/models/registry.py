@@ -52,6 +52,8 @@ GGUF_LAYOUTS: dict[str, tuple[str, str]] = {
     "llama": ("kiln.models.llama", "LLAMA_GGUF"),
     "qwen2": ("kiln.models.llama", "QWEN2_GGUF"),
     "qwen3": ("kiln.models.qwen3", "QWEN3_GGUF"),
+    "gemma": ("kiln.models.gemma", "GEMMA_GGUF"),
+    "phi3": ("kiln.models.phi3", "PHI3_GGUF"),
 }
 
 _BY_ARCHITECTURE = {family.architecture: (cls, family) for cls, family in FAMILIES.items()}

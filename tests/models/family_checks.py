@@ -81,6 +81,15 @@ def check_prefix_hit(llm: LLM, want: dict) -> None:
     assert tokens(first + second) == [want[tuple(p)] for p in PREFIXED]
 
 
+def check_preempted(path: str, want: dict, prompts: list[list[int]] = PROMPTS) -> None:
+    """8 blocks of 16 tokens: the longest request (83 tokens) fits alone, the four at once (16
+    blocks) do not, so some are preempted and recomputed."""
+    llm = LLM(path, num_kv_blocks=8, block_size=16, enable_prefix_caching=False,
+              max_num_batched_tokens=64, device="cpu")  # fmt: skip
+    assert tokens(llm.generate(prompts, GREEDY)) == [want[tuple(p)] for p in prompts]
+    assert llm.engine.scheduler.num_preemptions_total > 0
+
+
 def check_fp8_close(path: str, llm: LLM, **kw: Any) -> None:
     """FP8 W8A8 with per-token scales (quantization="fp8-dynamic" at load) within the bound
     the Llama float8 paths are held to."""
@@ -89,3 +98,56 @@ def check_fp8_close(path: str, llm: LLM, **kw: Any) -> None:
     assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
     gaps = generated_logprob_gaps(fp8.generate(PROMPTS, GREEDY), llm.generate(PROMPTS, GREEDY))
     assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
+
+
+def write_gguf(
+    path: str,
+    source: str,
+    arch: Any,  # gguf.MODEL_ARCH
+    name: str,
+    adapt: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
+) -> None:
+    """The checkpoint at `source` as llama.cpp's converter writes `name`: its tensor names
+    (gguf's own HF -> GGUF name map), F32, the byte-level tokenizer as "gpt2" metadata.
+    `adapt(hf_name, tensor)`: the converter's change to a tensor (None: it leaves it out)."""
+    import json
+    from pathlib import Path
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    config = json.loads((Path(source) / "config.json").read_text())
+    weights = load_file(str(Path(source) / "model.safetensors"))
+    tokenizer = json.loads((Path(source) / "tokenizer.json").read_text())
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    writer = gguf.GGUFWriter(path, name)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
+    specials = {t["id"] for t in tokenizer["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_types([3 if i in specials else 1 for _, i in vocab])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in
+                             tokenizer["model"]["merges"]])  # fmt: skip
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for hf_name, tensor in weights.items():
+        out = tensor if adapt is None else adapt(hf_name, tensor)
+        if out is not None:
+            writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")),
+                              out.numpy().astype(np.float32))  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -1,7 +1,8 @@
 """Cohere (Command-R) on the model plug-in, against Hugging Face in fp32: LayerNorms without
 biases, attention and MLP in parallel, interleaved rotary (q/k rows reordered at load),
 logit_scale (seen in the logprobs), tied embeddings, attention biases; greedy tokens equal over
-32 new tokens alone, batched, chunked and prefix-cached."""
+32 new tokens alone, batched, chunked, prefix-cached
+and preempted."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from kiln import LLM, SamplingParams
 from tests.models.family_checks import (
     check_alone_and_batched,
     check_chunked,
+    check_preempted,
     check_prefix_hit,
     hf_tokens,
     perturb_norms_and_biases,
@@ -44,3 +46,4 @@ def test_chunked_and_prefix_cached_equal_hf(cohere) -> None:
     path, want, llm, _ = cohere
     check_prefix_hit(llm, want)
     check_chunked(path, want)
+    check_preempted(path, want)

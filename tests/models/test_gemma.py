@@ -1,6 +1,7 @@
 """Gemma on the model plug-in, against Hugging Face in fp32: (1 + w) norms, the sqrt(hidden)
 embedding scale, GeGLU, head_dim 32 != hidden / heads, tied embeddings; greedy tokens equal
-over 32 new tokens alone, batched, chunked and prefix-cached; FP8 weights within float8's noise;
+over 32 new tokens alone, batched, chunked, prefix-cached
+and preempted; FP8 weights within float8's noise;
 a `kiln build` engine directory. The sandwich norms Gemma 2/3 use (with query_pre_attn_scalar
 and the final logit soft-cap) are checked on a Gemma 2 checkpoint without attention soft-capping
 and with a window wider than the context, loaded as the shared Gemma model with
@@ -13,16 +14,22 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.models import registry
-from kiln.models.gemma import SANDWICH_LAYER_TENSOR_MAP, GemmaForCausalLM
+from kiln.models.gemma import (
+    QK_NORM_SANDWICH_LAYER_TENSOR_MAP,
+    SANDWICH_LAYER_TENSOR_MAP,
+    GemmaForCausalLM,
+)
 from tests.conftest import generated_logprob_gaps
 from tests.models.family_checks import (
     check_alone_and_batched,
     check_chunked,
     check_fp8_close,
+    check_preempted,
     check_prefix_hit,
     hf_tokens,
     perturb_norms_and_biases,
     save_tiny_hf,
+    write_gguf,
 )
 from tests.models.test_models_vs_hf import assert_greedy_matches_hf
 from tests.models.test_qwen3 import ARGS, GREEDY, PREFIXED, PROMPTS
@@ -48,10 +55,11 @@ def test_batched_and_alone_equal_hf(gemma) -> None:
     check_alone_and_batched(llm, want)
 
 
-def test_chunked_and_prefix_cached_equal_hf(gemma) -> None:
+def test_chunked_prefix_cached_and_preempted_equal_hf(gemma) -> None:
     path, want, llm = gemma
     check_prefix_hit(llm, want)
     check_chunked(path, want)
+    check_preempted(path, want)
 
 
 def test_fp8_dynamic_stays_close(gemma) -> None:
@@ -74,6 +82,26 @@ def test_an_fp8_build_loads_and_stays_close(gemma, tmp_path) -> None:
     assert torch.allclose(norm.float(), llm.engine.executor.runner.model.norm.float())
     gaps = generated_logprob_gaps(engine.generate(PROMPTS, GREEDY), llm.generate(PROMPTS, GREEDY))
     assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
+
+
+def test_a_gguf_file_equals_hf(gemma, tmp_path) -> None:
+    """As llama.cpp's converter writes Gemma: its names, q/k rows in HF's order, every norm
+    weight with 1 added, no output tensor (tied)."""
+    import gguf
+
+    path, want, _ = gemma
+    file = str(tmp_path / "gemma.gguf")
+
+    def converted(name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        if name == "lm_head.weight":
+            return None
+        return tensor + 1 if name.endswith("norm.weight") else tensor
+
+    write_gguf(file, path, gguf.MODEL_ARCH.GEMMA, "gemma", converted)
+    from_gguf = LLM(file, max_num_batched_tokens=64, **ARGS)
+    model = from_gguf.engine.executor.runner.model
+    assert model.config.architecture == "gemma" and model.config.hidden_act == "gelu_pytorch_tanh"
+    check_alone_and_batched(from_gguf, want)
 
 
 class SandwichGemma(GemmaForCausalLM):
@@ -113,3 +141,53 @@ def test_sandwich_norms_equal_hf(sandwich) -> None:
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     out = llm.generate(PROMPTS[0], params)[0].outputs[0]
     assert_greedy_matches_hf(hf_model, PROMPTS[0], out, 1e-4, "gemma2 sandwich")
+
+
+def test_smoothing_is_refused(gemma, tmp_path) -> None:
+    """SmoothQuant would divide w of a (1 + w) norm: refused, not built wrong."""
+    from kiln.builder.build import BuildOptions, build_engine
+
+    options = BuildOptions(quantization="fp8", smoothing="smoothquant", accuracy_check=False,
+                           max_model_len=256)  # fmt: skip
+    with pytest.raises(ValueError, match="smoothing folds into Llama-shaped"):
+        build_engine(gemma[0], str(tmp_path / "smoothed"), options, None)
+
+
+class LocalRopeGemma(SandwichGemma):
+    """Gemma 3's text layers without windows: per-head (1 + w) q/k norms, and layer 0 (a
+    sliding layer of the checkpoint, its window wider than the context) rotating by the local
+    base through the per-layer rope table API."""
+
+    layer_tensor_map = QK_NORM_SANDWICH_LAYER_TENSOR_MAP
+    qk_norm = True
+
+    def make_layer(self, cfg, prefix, method, dtype, ctx, full):
+        from kiln.models.blocks import DecoderLayer
+
+        table = "local" if prefix == "layers.0" else None
+        return DecoderLayer(cfg, prefix, method, dtype, ctx, full, True, "sandwich", table)
+
+
+@pytest.fixture(scope="module")
+def local_rope(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        family = registry.Family("gemma3_text", __name__, "LocalRopeGemma")
+        patch.setitem(registry.FAMILIES, "Gemma3ForCausalLM", family)
+        patch.setitem(registry._BY_ARCHITECTURE, "gemma3_text", ("Gemma3ForCausalLM", family))
+        path = str(tmp_path_factory.mktemp("gemma3") / "src")
+        model = save_tiny_hf(
+            path, "gemma3_text", "Gemma3ForCausalLM", perturb=perturb_norms_and_biases,
+            layer_types=["sliding_attention", "full_attention"], rope_theta=1e6,
+            rope_local_base_freq=100.0, query_pre_attn_scalar=32, sliding_window=4096, **GEMMA,
+        )  # fmt: skip
+        want = hf_tokens(model, PROMPTS)
+        yield path, want, LLM(path, max_num_batched_tokens=64, **ARGS)
+
+
+def test_per_layer_rope_bases_equal_hf(local_rope) -> None:
+    path, want, llm = local_rope
+    model = llm.engine.executor.runner.model
+    assert model.config.rope_local_base_freq == 100.0 and model.config.rope_theta == 1e6
+    assert model.layers[0].self_attn.rope_table == "local" and "local" in model.rope_tables
+    check_alone_and_batched(llm, want)
+    check_chunked(path, want)

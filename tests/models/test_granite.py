@@ -1,7 +1,8 @@
 """Granite 3 on the model plug-in, against Hugging Face in fp32: its embedding, residual,
 attention and logits multipliers (the logits' shows in the logprobs, not the argmax), tied
 embeddings, attention and MLP biases; greedy tokens equal over 32 new tokens alone, batched,
-chunked and prefix-cached; FP8 weights within float8's noise."""
+chunked, prefix-cached
+and preempted; FP8 weights within float8's noise."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from tests.models.family_checks import (
     check_alone_and_batched,
     check_chunked,
     check_fp8_close,
+    check_preempted,
     check_prefix_hit,
     hf_tokens,
     perturb_norms_and_biases,
@@ -54,6 +56,7 @@ def test_chunked_and_prefix_cached_equal_hf(granite) -> None:
     path, want, llm, _ = granite
     check_prefix_hit(llm, want)
     check_chunked(path, want)
+    check_preempted(path, want)
 
 
 def test_fp8_dynamic_stays_close(granite) -> None:

@@ -1,6 +1,7 @@
 """OLMo 2 on the model plug-in, against Hugging Face in fp32: norms after the blocks, a q/k
 RMSNorm over the whole projection; greedy tokens equal over 32 new tokens alone, batched,
-chunked and prefix-cached; a `kiln build --quantization fp8 --kv-cache-dtype fp8` engine
+chunked, prefix-cached
+and preempted; a `kiln build --quantization fp8 --kv-cache-dtype fp8` engine
 (the key scales folded into the full-width k_norm) within float8's noise."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from tests.conftest import generated_logprob_gaps
 from tests.models.family_checks import (
     check_alone_and_batched,
     check_chunked,
+    check_preempted,
     check_prefix_hit,
     hf_tokens,
     perturb_norms_and_biases,
@@ -40,6 +42,7 @@ def test_chunked_and_prefix_cached_equal_hf(olmo2) -> None:
     path, want, llm = olmo2
     check_prefix_hit(llm, want)
     check_chunked(path, want)
+    check_preempted(path, want)
 
 
 def test_an_fp8_build_loads_and_stays_close(olmo2, tmp_path) -> None:

@@ -19,6 +19,7 @@ from tests.models.family_checks import (
     hf_tokens,
     perturb_norms_and_biases,
     save_tiny_hf,
+    write_gguf,
 )
 from tests.models.test_qwen3 import ARGS, PREFIXED, PROMPTS
 
@@ -104,3 +105,18 @@ def test_each_tensor_rank_holds_its_cut_of_the_fused_tensors(phi3) -> None:
         gate_up = whole["layers.0.mlp.gate_up_proj.weight"]
         want = torch.cat([gate_up[rank * n : (rank + 1) * n], gate_up[2 * n + rank * n :][:n]])
         assert torch.equal(got["layers.0.mlp.gate_up_proj.weight"], want)
+
+
+def test_a_gguf_file_equals_hf(tmp_path) -> None:
+    """As llama.cpp's converter writes Phi-3 (plain rotary: the 4k models): qkv_proj as
+    attn_qkv, gate_up_proj as ffn_up, in HF's row order."""
+    import gguf
+
+    source = str(tmp_path / "src")
+    model = save_tiny_hf(source, "phi3", "Phi3ForCausalLM", perturb=perturb_norms_and_biases,
+                         pad_token_id=0, sliding_window=None)  # fmt: skip
+    file = str(tmp_path / "phi3.gguf")
+    write_gguf(file, source, gguf.MODEL_ARCH.PHI3, "phi3")
+    from_gguf = LLM(file, max_num_batched_tokens=64, **ARGS)
+    assert from_gguf.engine.executor.runner.model.config.architecture == "phi3"
+    check_alone_and_batched(from_gguf, hf_tokens(model, PROMPTS), PROMPTS)

@@ -1,6 +1,7 @@
 """StableLM 2 on the model plug-in, against Hugging Face in fp32: LayerNorms with biases,
 partial rotary (a quarter of each head), q/k/v biases, and the parallel-residual variant;
-greedy tokens equal over 32 new tokens alone, batched, chunked and prefix-cached; FP8 weights
+greedy tokens equal over 32 new tokens alone, batched, chunked, prefix-cached
+and preempted; FP8 weights
 within float8's noise."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from tests.models.family_checks import (
     check_alone_and_batched,
     check_chunked,
     check_fp8_close,
+    check_preempted,
     check_prefix_hit,
     hf_tokens,
     perturb_norms_and_biases,
@@ -43,6 +45,7 @@ def test_chunked_and_prefix_cached_equal_hf(stablelm) -> None:
     _, path, want, llm = stablelm
     check_prefix_hit(llm, want)
     check_chunked(path, want)
+    check_preempted(path, want)
 
 
 def test_fp8_dynamic_stays_close(stablelm) -> None:

@@ -81,6 +81,11 @@ def smoothing_factors(
     calibrate_channel_amax makes them)."""
     if model.parallel is not None:
         raise ValueError("smoothing factors come from the whole (unsharded) model")
+    if not getattr(model, "supports_smoothing", True):
+        raise ValueError(
+            f"smoothing folds into Llama-shaped RMSNorm layers; {model.config.architecture}'s "
+            "norms or checkpoint names differ"
+        )
     factors = {}
     for i, layer in enumerate(decoder_layers(model)):
         attn, mlp = layer.self_attn, layer.mlp
