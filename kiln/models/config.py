@@ -402,6 +402,11 @@ def _attention_layout(architecture: str, d: dict[str, Any]) -> tuple[int | None,
         every = int(d.get("sliding_window_pattern") or _GLOBAL_EVERY.get(architecture, 1))
         types = [_FULL if (i + 1) % every == 0 else _SLIDING for i in range(num_layers)]
     types = tuple(str(t) for t in types)
+    if len(types) != num_layers or not set(types) <= {_SLIDING, _FULL}:
+        raise ModelLoadError(
+            f"layer_types={list(types)!r} must name {_SLIDING!r} or {_FULL!r} for each of the "
+            f"{num_layers} layers"
+        )
     if _SLIDING not in types:
         return None, None
     return int(window), None if set(types) == {_SLIDING} else types
