@@ -13,6 +13,7 @@ from tests.conftest import generated_logprob_gaps
 from tests.models.family_checks import (
     check_alone_and_batched,
     check_chunked,
+    check_fp8_close,
     check_prefix_hit,
     hf_tokens,
     perturb_norms_and_biases,
@@ -65,3 +66,8 @@ def test_float8_kv_cache_stays_close(starcoder2) -> None:
     fp8 = LLM(path, kv_cache_dtype="fp8", max_num_batched_tokens=64, **ARGS)
     gaps = generated_logprob_gaps(fp8.generate(PROMPTS, GREEDY), llm.generate(PROMPTS, GREEDY))
     assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
+
+
+def test_fp8_dynamic_stays_close(starcoder2) -> None:
+    path, _, llm = starcoder2
+    check_fp8_close(path, llm)
