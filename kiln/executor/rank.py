@@ -93,15 +93,11 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
     num_blocks = memory_plan.num_blocks
     t_planned = time.perf_counter()
     # Every admitted request must fit the cache on its own, or preemption could never help.
+    # (With a window on every layer a request holds at most memory_plan.max_tokens_held.)
     capped = min(max_model_len, num_blocks * config.block_size)
-    window = loaded.config.kv_window
-    if window is not None:
-        # A window on every layer: a request holds its window and one step's tokens (a block
-        # each side for where they start and end; kiln.kv_cache frees the blocks behind).
-        spec = config.speculative
-        step = config.max_num_batched_tokens + (spec.num_speculative_tokens if spec else 0)
-        if num_blocks * config.block_size >= window + step + 2 * config.block_size:
-            capped = max_model_len
+    held = memory_plan.max_tokens_held
+    if held is not None and held <= num_blocks * config.block_size:
+        capped = max_model_len
     if capped < max_model_len:
         logger.warning(
             "KV cache holds %d tokens: max_model_len lowered from %d", capped, max_model_len
