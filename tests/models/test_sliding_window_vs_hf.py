@@ -134,3 +134,21 @@ def test_engine_directory_keeps_the_windows(model, tmp_path) -> None:
     built, source = LLM(out, block_size=4), LLM(path, block_size=4)
     assert built.engine.model_config == source.engine.model_config
     assert _tokens(built.generate(PROMPTS, PARAMS)) == expected
+
+
+def test_beam_search_forks_past_the_window(model) -> None:
+    """Beams fork the prompt's KV copy-on-write after the window has freed its start (Mistral;
+    Qwen2's full layer keeps it): the same beams and scores as HF's beam search."""
+    import transformers
+
+    from tests.engine.test_beam_search import hf_beams, kiln_beams
+
+    path, _, _ = model
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, block_size=4, dtype="float32")
+    want, want_scores = hf_beams(hf, PROMPTS[0], 4, 2, 12, 1.0, False)
+    got = kiln_beams(llm, PROMPTS[0], 4, 2, 12, 1.0, False)
+    assert [c.token_ids for c in got.outputs] == want
+    scores = [c.cumulative_logprob / len(c.token_ids) for c in got.outputs]
+    assert scores == pytest.approx(want_scores, abs=1e-4)
+    assert llm.engine.kv_cache.pool.num_free_blocks == llm.engine.kv_cache.pool.num_blocks
