@@ -90,6 +90,18 @@ def check_preempted(path: str, want: dict, prompts: list[list[int]] = PROMPTS) -
     assert llm.engine.scheduler.num_preemptions_total > 0
 
 
+def check_gpu(path: str, want: dict, cpu: LLM, prompts: list[list[int]] = PROMPTS) -> None:
+    """On a GPU: the Triton path with decode in CUDA graphs, fp32, gives HF's tokens; FP8 W8A8
+    with a float8 KV cache stays within float8's noise of the CPU's fp32 model."""
+    gpu = LLM(path, device="cuda", dtype="float32", max_num_seqs=16, block_size=16)
+    assert gpu.engine.executor.runner.graphs is not None
+    assert tokens(gpu.generate(prompts, GREEDY)) == [want[tuple(p)] for p in prompts]
+    fp8 = LLM(path, device="cuda", dtype="float32", quantization="fp8-dynamic",
+              kv_cache_dtype="fp8", max_num_seqs=16, block_size=16)  # fmt: skip
+    gaps = generated_logprob_gaps(fp8.generate(prompts, GREEDY), cpu.generate(prompts, GREEDY))
+    assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
+
+
 def check_fp8_close(path: str, llm: LLM, **kw: Any) -> None:
     """FP8 W8A8 with per-token scales (quantization="fp8-dynamic" at load) within the bound
     the Llama float8 paths are held to."""

@@ -7,11 +7,13 @@ and preempted."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kiln import LLM, SamplingParams
 from tests.models.family_checks import (
     check_alone_and_batched,
     check_chunked,
+    check_gpu,
     check_preempted,
     check_prefix_hit,
     hf_tokens,
@@ -47,3 +49,9 @@ def test_chunked_and_prefix_cached_equal_hf(cohere) -> None:
     check_prefix_hit(llm, want)
     check_chunked(path, want)
     check_preempted(path, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_with_graphs_and_fp8(cohere) -> None:
+    path, want, llm = cohere[:3]
+    check_gpu(path, want, llm, PROMPTS)

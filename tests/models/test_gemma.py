@@ -24,6 +24,7 @@ from tests.models.family_checks import (
     check_alone_and_batched,
     check_chunked,
     check_fp8_close,
+    check_gpu,
     check_preempted,
     check_prefix_hit,
     hf_tokens,
@@ -191,3 +192,9 @@ def test_per_layer_rope_bases_equal_hf(local_rope) -> None:
     assert model.layers[0].self_attn.rope_table == "local" and "local" in model.rope_tables
     check_alone_and_batched(llm, want)
     check_chunked(path, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_with_graphs_and_fp8(gemma) -> None:
+    path, want, llm = gemma[:3]
+    check_gpu(path, want, llm, PROMPTS)

@@ -14,6 +14,7 @@ from tests.conftest import generated_logprob_gaps
 from tests.models.family_checks import (
     check_alone_and_batched,
     check_chunked,
+    check_gpu,
     check_preempted,
     check_prefix_hit,
     hf_tokens,
@@ -60,3 +61,9 @@ def test_an_fp8_build_loads_and_stays_close(olmo2, tmp_path) -> None:
     assert attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
     gaps = generated_logprob_gaps(engine.generate(PROMPTS, GREEDY), llm.generate(PROMPTS, GREEDY))
     assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_with_graphs_and_fp8(olmo2) -> None:
+    path, want, llm = olmo2[:3]
+    check_gpu(path, want, llm, PROMPTS)

@@ -15,6 +15,7 @@ from tests.models.family_checks import (
     check_alone_and_batched,
     check_chunked,
     check_fp8_close,
+    check_gpu,
     check_prefix_hit,
     hf_tokens,
     perturb_norms_and_biases,
@@ -120,3 +121,15 @@ def test_a_gguf_file_equals_hf(tmp_path) -> None:
     from_gguf = LLM(file, max_num_batched_tokens=64, **ARGS)
     assert from_gguf.engine.executor.runner.model.config.architecture == "phi3"
     check_alone_and_batched(from_gguf, hf_tokens(model, PROMPTS), PROMPTS)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_with_graphs_and_fp8(phi3) -> None:
+    path, want, llm = phi3[:3]
+    check_gpu(path, want, llm, LONG)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_short_factors(phi3_short) -> None:
+    path, want, llm = phi3_short[:3]
+    check_gpu(path, want, llm, WITHIN)
