@@ -35,6 +35,13 @@ FAMILIES = {
     "cohere": ("CohereForCausalLM", dict(logit_scale=0.25)),
     "granite": ("GraniteForCausalLM", dict(embedding_multiplier=6.0, residual_multiplier=0.3,
                                            attention_multiplier=0.09, logits_scaling=4.0)),
+    # Windows shorter than the 20-token prompt; Gemma 2's soft-caps in the attention kernels.
+    "gemma2": ("Gemma2ForCausalLM", dict(head_dim=32, hidden_act="gelu_pytorch_tanh",
+                                         sliding_window=5, attn_logit_softcapping=0.5,
+                                         final_logit_softcapping=3.0, query_pre_attn_scalar=24)),
+    "gemma3_text": ("Gemma3ForCausalLM", dict(head_dim=32, sliding_window=7,
+                                              sliding_window_pattern=2, query_pre_attn_scalar=24)),
+    "starcoder2": ("Starcoder2ForCausalLM", dict(sliding_window=7)),
 }  # fmt: skip
 
 

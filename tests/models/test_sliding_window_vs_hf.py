@@ -152,3 +152,14 @@ def test_beam_search_forks_past_the_window(model) -> None:
     scores = [c.cumulative_logprob / len(c.token_ids) for c in got.outputs]
     assert scores == pytest.approx(want_scores, abs=1e-4)
     assert llm.engine.kv_cache.pool.num_free_blocks == llm.engine.kv_cache.pool.num_blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_with_graphs_and_fp8(model) -> None:
+    """Triton kernels with decode in CUDA graphs (the window inside them) equal to HF in fp32;
+    FP8 W8A8 with a float8 KV cache within float8's noise."""
+    from tests.models.family_checks import check_gpu
+
+    path, expected, _ = model
+    want = {tuple(p): tokens for p, tokens in zip(PROMPTS, expected, strict=True)}
+    check_gpu(path, want, LLM(path, block_size=16), PROMPTS)

@@ -6,6 +6,7 @@ new tokens alone, batched, chunked, preempted and prefix-cached."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kiln import LLM
 from kiln.attention.backend import AttentionKind
@@ -14,6 +15,7 @@ from tests.models.family_checks import (
     check_alone_and_batched,
     check_chunked,
     check_fp8_close,
+    check_gpu,
     check_prefix_hit,
     hf_tokens,
     perturb_norms_and_biases,
@@ -71,3 +73,11 @@ def test_float8_kv_cache_stays_close(starcoder2) -> None:
 def test_fp8_dynamic_stays_close(starcoder2) -> None:
     path, _, llm = starcoder2
     check_fp8_close(path, llm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_with_graphs_and_fp8(starcoder2) -> None:
+    """Triton kernels with decode in CUDA graphs (each layer's window and soft-cap inside
+    them) equal to HF in fp32; FP8 W8A8 with a float8 KV cache within float8's noise."""
+    path, want, llm = starcoder2
+    check_gpu(path, want, llm)
