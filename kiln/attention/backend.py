@@ -34,6 +34,20 @@ class AttentionMetadata:
         return self.seq_lens.shape[0]
 
 
+@dataclass(frozen=True)
+class AttentionKind:
+    """What one layer's attention computes beyond causal softmax(q k^T * scale) v: data the
+    backend's kernels (and, for windows, the KV manager and the memory plan) read."""
+
+    sliding_window: int | None = None
+    """Each query sees only the last `sliding_window` positions up to its own; None: all."""
+    logit_softcap: float | None = None
+    """Scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2)."""
+
+
+FULL_ATTENTION = AttentionKind()
+
+
 class AttentionBackend(ABC):
     """Attends over the paged KV cache, which already holds this step's keys and values: the
     model writes them (rotated) in the op that projects them, `ops.add_rms_norm_qkv_rotary_write_kv`
@@ -66,6 +80,8 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        kind: AttentionKind = FULL_ATTENTION,
+        sinks: torch.Tensor | None = None,  # [num_heads] fp32: per-head logits (gpt-oss)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 

@@ -6,7 +6,12 @@ from types import ModuleType
 
 import torch
 
-from kiln.attention.backend import AttentionBackend, AttentionMetadata
+from kiln.attention.backend import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionKind,
+    AttentionMetadata,
+)
 from kiln.kernels import reference
 
 
@@ -23,8 +28,10 @@ class PagedAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        kind: AttentionKind = FULL_ATTENTION,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return run_split_attention(self.ops, query, k_cache, v_cache, metadata, scale)
+        return run_split_attention(self.ops, query, k_cache, v_cache, metadata, scale, kind, sinks)
 
 
 class TorchAttentionBackend(PagedAttentionBackend):
@@ -39,14 +46,20 @@ def run_split_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    kind: AttentionKind = FULL_ATTENTION,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decodes (the first `num_decodes` sequences, one token each) go through the decode kernel,
     the remaining prefill chunks through the prefill kernel; shared by every backend."""
     m = metadata
     nd = m.num_decodes
+    # Only a layer of another kind passes them: a plain layer's calls stay as they were.
+    extra = {}
+    if kind != FULL_ATTENTION or sinks is not None:
+        extra = {"window": kind.sliding_window, "softcap": kind.logit_softcap, "sinks": sinks}
     if nd == m.num_seqs:
         return ops.paged_decode_attention(
-            query, k_cache, v_cache, m.block_tables, m.seq_lens, scale, m.max_seq_len
+            query, k_cache, v_cache, m.block_tables, m.seq_lens, scale, m.max_seq_len, **extra
         )
     prefill_qsl = m.query_start_loc[nd:] - nd
     block_tables, seq_lens = m.block_tables[nd:], m.seq_lens[nd:]
@@ -69,11 +82,12 @@ def run_split_attention(
         m.max_query_len,
         m.max_seq_len,
         out=out[nd:],
+        **extra,
     )
     if nd:
         ops.paged_decode_attention(
             query[:nd], k_cache, v_cache, m.block_tables[:nd], m.seq_lens[:nd], scale,
-            m.max_seq_len, out=out[:nd],
+            m.max_seq_len, out=out[:nd], **extra,
         )  # fmt: skip
     return out
 

@@ -29,7 +29,7 @@ from gguf.quants import dequantize
 from kiln.checkpoint import gguf_tokenizer
 from kiln.checkpoint.gguf_dequant import FAST_DEQUANTIZERS
 from kiln.errors import ModelLoadError
-from kiln.models import registry
+from kiln.models import family_config, registry
 from kiln.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -347,7 +347,7 @@ def _config(model: GGUFModel) -> ModelConfig:
     elif GGMLQuantizationType.F16 in types:
         dtype = "float16"
     try:
-        return ModelConfig(
+        fields: dict[str, Any] = dict(
             architecture=model.layout.architecture,
             vocab_size=vocab_size,
             hidden_size=hidden,
@@ -367,6 +367,11 @@ def _config(model: GGUFModel) -> ModelConfig:
             torch_dtype=dtype,
             sliding_window=meta.get(f"{arch}.attention.sliding_window"),
         )
+        # The block options the family's converter implies (Gemma's GeGLU, scaled embedding).
+        implied = {**model.layout.hf_config, "hidden_size": hidden,
+                   "tie_word_embeddings": fields["tie_word_embeddings"]}  # fmt: skip
+        fields.update(family_config.family_fields(model.layout.architecture, implied))
+        return ModelConfig(**fields)
     except ModelLoadError as e:
         raise ModelLoadError(f"{path}: {e}") from e
 

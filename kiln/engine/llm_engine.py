@@ -49,7 +49,10 @@ class LLMEngine:
         capacity = self.executor.kv_capacity()
         self.max_model_len = capacity.max_model_len
         self.kv_cache = KVCacheManager(
-            capacity.num_blocks, capacity.block_size, config.enable_prefix_caching
+            capacity.num_blocks,
+            capacity.block_size,
+            config.enable_prefix_caching,
+            sliding_window=self.model_config.kv_window,
         )
         self.scheduler = Scheduler(
             self.kv_cache,

@@ -22,7 +22,7 @@ class KVCapacity:
 
     num_blocks: int
     block_size: int
-    max_model_len: int  # the model's context, capped by a sliding window and by the pool
+    max_model_len: int  # the model's context, capped by the pool
 
 
 @dataclass(frozen=True)

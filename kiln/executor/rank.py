@@ -93,7 +93,11 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
     num_blocks = memory_plan.num_blocks
     t_planned = time.perf_counter()
     # Every admitted request must fit the cache on its own, or preemption could never help.
+    # (With a window on every layer a request holds at most memory_plan.max_tokens_held.)
     capped = min(max_model_len, num_blocks * config.block_size)
+    held = memory_plan.max_tokens_held
+    if held is not None and held <= num_blocks * config.block_size:
+        capped = max_model_len
     if capped < max_model_len:
         logger.warning(
             "KV cache holds %d tokens: max_model_len lowered from %d", capped, max_model_len
@@ -133,15 +137,8 @@ def _rank_config(config: EngineConfig, parallel: ParallelContext | None) -> Engi
 
 
 def _max_model_len(config: EngineConfig, loaded: LoadedModel) -> int:
-    """The context the config asks for, or the model's; capped at a sliding window."""
-    max_model_len = config.max_model_len or loaded.config.max_position_embeddings
-    window = loaded.config.sliding_window
-    if window is not None and window < max_model_len:
-        # Sliding-window attention is not built: within the window it equals full attention,
-        # so cap the context there rather than compute something else past it.
-        logger.warning("sliding window %d: max_model_len capped to it", window)
-        max_model_len = window
-    return max_model_len
+    """The context the config asks for, or the model's (sliding windows attend past it)."""
+    return config.max_model_len or loaded.config.max_position_embeddings
 
 
 def _make_runner(

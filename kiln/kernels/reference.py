@@ -63,8 +63,18 @@ def paged_decode_attention(
     scale: float,
     max_seq_len: int,
     out: torch.Tensor | None = None,  # written and returned when given (a slice of a larger one)
+    window: int | None = None,  # sliding window: only the last `window` keys (itself included)
+    softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
+    sinks: torch.Tensor | None = None,  # [num_heads] fp32 learned logits in the denominator
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Each query attends to its sequence's first seq_lens[i] cached tokens (itself included)."""
+    """Each query attends to its sequence's first seq_lens[i] cached tokens (itself included),
+    or to the last `window` of them; with `softcap` and `sinks` as attention_kinds says."""
+    if window is not None or softcap is not None or sinks is not None:
+        starts = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
+        return _paged_attention_kinds(
+            query, k_cache, v_cache, block_tables, starts, seq_lens, scale, out, window,
+            softcap, sinks,
+        )  # fmt: skip
     num_heads = query.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = query.shape[0]
@@ -109,10 +119,18 @@ def paged_prefill_attention(
     max_query_len: int,
     max_seq_len: int,
     out: torch.Tensor | None = None,  # written and returned when given (a slice of a larger one)
+    window: int | None = None,  # sliding window: only the last `window` keys (itself included)
+    softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
+    sinks: torch.Tensor | None = None,  # [num_heads] fp32 learned logits in the denominator
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention for chunks whose earlier context (cached prefix, previous chunks) is
     already in the cache: the j-th of q_len queries sits at position seq_len - q_len + j and sees
-    every key at or before it."""
+    every key at or before it (or the last `window` of them)."""
+    if window is not None or softcap is not None or sinks is not None:
+        return _paged_attention_kinds(
+            query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out, window,
+            softcap, sinks,
+        )  # fmt: skip
     num_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]
     if out is None:
@@ -151,6 +169,102 @@ def paged_prefill_attention(
     return out
 
 
+def _paged_attention_kinds(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], packed sequences
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    out: torch.Tensor | None,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Both twins' path for a layer with a window, a soft-cap or sinks (attention_kinds),
+    sequence by sequence. Only keys some query of the chunk sees are gathered: blocks a window
+    left behind may be another request's by now (kiln.kv_cache frees them)."""
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    if out is None:
+        out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        first = seq_len - q_len  # the chunk's first query position
+        lo = 0 if window is None else max(0, first - window + 1)
+        k_pos = torch.arange(lo, seq_len, device=query.device)
+        table = block_tables[i].long()[k_pos // block_size]
+        keys = _read_cache(k_cache, table, k_pos % block_size).to(query.dtype)
+        values = _read_cache(v_cache, table, k_pos % block_size).to(query.dtype)
+        q_pos = torch.arange(first, seq_len, device=query.device)
+        mask = attention_mask(q_pos, k_pos, window)  # [q_len, num_keys]
+        q = query[start:end].transpose(0, 1)  # [num_heads, q_len, head_dim]
+        k, v = keys.transpose(0, 1), values.transpose(0, 1)  # [num_kv_heads, num_keys, dim]
+        if softcap is None and sinks is None:  # a window alone: torch's own kernel (4-D)
+            o = F.scaled_dot_product_attention(
+                q[None], k[None], v[None], attn_mask=mask, scale=scale,
+                enable_gqa=num_heads != num_kv_heads,
+            )[0]  # fmt: skip
+        else:
+            group = num_heads // num_kv_heads
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+            o = attend_math(q, k, v, mask, scale, softcap, sinks)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def _read_cache(
+    cache: torch.Tensor, block_ids: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:  # [n, num_kv_heads, head_dim]
+    if cache.element_size() == 1:  # float8: no CPU indexing kernel; read the bytes
+        return cache.view(torch.uint8)[block_ids, offsets].view(cache.dtype)
+    return cache[block_ids, offsets]
+
+
+def attention_mask(
+    q_pos: torch.Tensor,  # [q_len] positions of the queries
+    k_pos: torch.Tensor,  # [num_keys] positions of the keys
+    window: int | None,
+) -> torch.Tensor:  # [q_len, num_keys] bool: which keys each query sees
+    """Causal, and with a window of W each query sees only the last W positions up to its own
+    (Hugging Face's sliding_window_overlay: k > q - W)."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
+def attend_math(
+    q: torch.Tensor,  # [num_heads, q_len, head_dim]
+    k: torch.Tensor,  # [num_heads, num_keys, head_dim]
+    v: torch.Tensor,  # [num_heads, num_keys, head_dim]
+    mask: torch.Tensor,  # [q_len, num_keys] bool
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
+) -> torch.Tensor:  # [num_heads, q_len, head_dim]
+    """softmax(q k^T * scale) v, as Hugging Face's eager attention computes it: the scores
+    soft-capped (Gemma 2: softcap * tanh(scores / softcap)) before the mask; a head's sink (gpt-oss)
+    a logit that joins the softmax's denominator and weighs no value."""
+    scores = (q @ k.transpose(1, 2)) * scale  # [num_heads, q_len, num_keys]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores.float(), dim=-1)
+    else:
+        sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        both = torch.cat([scores.float(), sink], dim=-1)
+        both = both - both.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(both, dim=-1)[..., :-1]
+    return (probs.to(v.dtype) @ v).to(q.dtype)
+
+
 def rms_norm(
     x: torch.Tensor,  # [num_tokens, hidden]
     weight: torch.Tensor,  # [hidden]
@@ -178,18 +292,24 @@ def rotary_embedding(
     positions: torch.Tensor,  # [num_tokens] int64
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim] fp32: cos in the first half, sin after
+    cos_sin_cache: torch.Tensor,  # [max_positions, rotary_dim] fp32: cos half, then sin half
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half (GPT-NeoX / Hugging Face Llama layout) rotary embedding, computed in fp32."""
-    half = cos_sin_cache.shape[1] // 2
+    """Rotate-half (GPT-NeoX / Hugging Face Llama layout) rotary embedding, computed in fp32.
+    A table narrower than head_dim turns each head's first rotary_dim dims (partial rotary,
+    as transformers' StableLM and Phi); the rest pass unchanged."""
+    rot = cos_sin_cache.shape[1]
+    half = rot // 2
     cos_sin = cos_sin_cache[positions]
     cos = cos_sin[:, None, :half]
     sin = cos_sin[:, None, half:]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        x1, x2 = x32[..., :half], x32[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        x1, x2 = x32[..., :half], x32[..., half:rot]
+        turned = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+        return torch.cat([*turned, x32[..., rot:]] if rot < x.shape[-1] else turned, dim=-1).to(
+            x.dtype
+        )
 
     return rotate(query), rotate(key)
 
@@ -497,3 +617,36 @@ def add_rms_norm_linear_silu_mul_fp8(
     )
     act_fp8, act_scale = quantize_fp8(act.reshape(-1, act.shape[-1]), out_scale)
     return act_fp8, act_scale, summed
+
+
+def gelu_tanh_and_mul(
+    x: torch.Tensor,  # [num_tokens, 2 * d]: gate in the first half, up in the second
+) -> torch.Tensor:  # [num_tokens, d]
+    """GeGLU's activation, gelu_pytorch_tanh(gate) * up, rounded as transformers' GemmaMLP: the
+    gelu in the input dtype (torch computes it in fp32 and rounds), then the product rounded."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def gelu_tanh_and_mul_quant_fp8(
+    x: torch.Tensor,  # [M, 2 * d]: gate in the first half, up in the second
+    input_scale: torch.Tensor | None,  # [] fp32 static per-tensor scale; None: per row
+    channels: torch.Tensor | None = None,  # [n] int64: append these columns' remainders
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, d (+ n)] float8 e4m3, [M, 1] or input_scale)
+    """quantize_fp8 of gelu_tanh_and_mul(x): a GeGLU MLP's FP8 down projection's input."""
+    return quantize_fp8(gelu_tanh_and_mul(x), input_scale, channels)
+
+
+def layer_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """LayerNorm (mean subtracted, then scaled and shifted) computed in fp32 and rounded once to
+    the input dtype: transformers' CohereLayerNorm, and nn.LayerNorm as the GPU computes it
+    (StableLM). The GPU runs this too (no fused kernel: the LayerNorm families are few)."""
+    out = F.layer_norm(
+        x.float(), (x.shape[-1],), weight.float(), None if bias is None else bias.float(), eps
+    )
+    return out.to(x.dtype)

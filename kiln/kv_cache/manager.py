@@ -1,5 +1,6 @@
 """Maps requests to KV blocks: prefix-cache lookup, slot allocation, copy-on-write forks,
-freeing."""
+freeing; for a model whose every layer has a sliding window, the blocks the window has left
+behind go back to the pool while the request runs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from dataclasses import dataclass
 
 from kiln.interfaces import KVCacheRequest
 from kiln.kv_cache.block_pool import BlockPool, KVBlock, hash_block_tokens
+
+# Stands in a request's block list for a block the window left behind (given back to the pool,
+# never read again: the kernels read no key before a query's window). Never in the pool.
+_BEHIND_WINDOW = KVBlock(block_id=0)
 
 
 @dataclass
@@ -21,9 +26,25 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    """`sliding_window`: every layer attends to at most this many latest positions (the model's
+    ModelConfig.kv_window), so a request's blocks wholly before its next query's window are
+    given back as it runs. They keep their prefix-cache hashes until the pool reallocates them,
+    and a prefix hit only ever takes blocks that are still cached (a reallocated block has lost
+    its hash), so a hit never reads another request's keys; the blocks of a hit that lie behind
+    the window are not taken at all."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        sliding_window: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
+        # How many leading entries of a request's block list are _BEHIND_WINDOW.
+        self._num_behind: dict[str, int] = {}
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are hashed
@@ -51,6 +72,9 @@ class KVCacheManager:
             return [], 0
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.sliding_window is not None:
+            window_hits = self._window_hits(request.block_hashes[:max_blocks])
+            return window_hits, len(window_hits) * self.block_size
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)
@@ -58,6 +82,20 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def _window_hits(self, block_hashes: list[bytes]) -> list[KVBlock]:
+        """The longest prefix of n blocks whose last ones, those the token after them reads
+        through the window, are all cached (a chained hash names its whole prefix, so they
+        alone prove it): the blocks before them may be evicted long ago (a conversation's
+        early turns). Those stand as _BEHIND_WINDOW; allocate_slots takes none of them."""
+        found = [self.pool.lookup(h) for h in block_hashes]
+        best, run_start = 0, 0
+        for n in range(1, len(found) + 1):
+            if found[n - 1] is None:
+                run_start = n
+            elif run_start <= self._first_kept_block(n * self.block_size):
+                best = n
+        return [b if b is not None else _BEHIND_WINDOW for b in found[:best]]
 
     def record_admission(self, request: KVCacheRequest, num_hit_tokens: int) -> None:
         """Count a first admission's prefix lookup in the hit-rate statistics."""
@@ -79,6 +117,8 @@ class KVCacheManager:
             # place, and its full blocks are hashed only when a new one may be publishable; at
             # 512 decodes a step this path is most of the scheduler's time.
             total_tokens = request.num_computed_tokens + num_new_tokens
+            if self.sliding_window is not None:
+                self._free_behind_window(request.req_id, blocks, request.num_computed_tokens)
             num_new_blocks = -(-total_tokens // self.block_size) - len(blocks)
             new_blocks: list[KVBlock] = []
             if num_new_blocks > 0:
@@ -96,14 +136,22 @@ class KVCacheManager:
         total_tokens = num_computed + num_new_tokens
         num_required = -(-total_tokens // self.block_size)
         num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
+        # Hits wholly behind the first new token's window are not taken (a new request has no
+        # blocks yet: its hits start at block 0).
+        num_behind = 0
+        if self.sliding_window is not None and not blocks:
+            num_behind = min(self._first_kept_block(num_computed), len(new_computed_blocks))
+        taken = list(new_computed_blocks[num_behind:])
         # Cached hits nobody references sit on the free list: touching them uses up free blocks.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_count == 0)
+        num_evictable_hits = sum(1 for b in taken if b.ref_count == 0)
         if num_new_blocks + num_evictable_hits > self.pool.num_free_blocks:
             return None
-        self.pool.touch(list(new_computed_blocks))
+        self.pool.touch(taken)
         new_blocks = self.pool.allocate(num_new_blocks)
-        blocks = [*blocks, *new_computed_blocks, *new_blocks]
+        blocks = [*blocks, *[_BEHIND_WINDOW] * num_behind, *taken, *new_blocks]
         self.req_to_blocks[request.req_id] = blocks
+        if num_behind:
+            self._num_behind[request.req_id] = num_behind
         self._cache_full_blocks(request, blocks, total_tokens)
         return new_blocks
 
@@ -117,9 +165,29 @@ class KVCacheManager:
         self._update_block_hashes(request)
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         start = self._num_cached_blocks.get(request.req_id, 0)
+        # Blocks behind the window were hashed before they were given back (or are hits).
+        start = max(start, self._num_behind.get(request.req_id, 0))
         for i in range(start, num_full):
             self.pool.cache_full_block(blocks[i], request.block_hashes[i])
         self._num_cached_blocks[request.req_id] = max(start, num_full)
+
+    def _first_kept_block(self, num_computed: int) -> int:
+        """Index of the first block the next query (at position num_computed) may read."""
+        assert self.sliding_window is not None
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+    def _free_behind_window(self, req_id: str, blocks: list[KVBlock], num_computed: int) -> None:
+        """Give back the blocks wholly before the window of the query at num_computed (and of
+        every later one). A step still in flight (async scheduling) may read them, but a block
+        given back now is written again only by a later step, which runs after it."""
+        first_kept = self._first_kept_block(num_computed)
+        num_behind = self._num_behind.get(req_id, 0)
+        if first_kept <= num_behind:
+            return
+        behind = blocks[num_behind:first_kept]
+        blocks[num_behind:first_kept] = [_BEHIND_WINDOW] * len(behind)
+        self._num_behind[req_id] = first_kept
+        self.pool.free(list(reversed(behind)))
 
     def fork(self, parent: KVCacheRequest, children: Sequence[KVCacheRequest]) -> bool:
         """Copy-on-write: give each child the parent's KV of its first
@@ -144,9 +212,12 @@ class KVCacheManager:
             return False
         shared = blocks[:num_shared]
         num_hashed = min(self._num_cached_blocks.get(parent.req_id, 0), num_full)
+        num_behind = self._num_behind.get(parent.req_id, 0)  # (< num_full: wholly computed)
         for index, child in enumerate(children):
             own = shared if index == 0 else shared[:num_full]
-            self.pool.touch(own)
+            self.pool.touch(own[num_behind:])
+            if num_behind:
+                self._num_behind[child.req_id] = num_behind
             new = self.pool.allocate(num_own[index])
             if index and num_partial:  # the partial block's tokens go first into its own copy
                 self._pending_block_copies.append((shared[-1].block_id, new[0].block_id))
@@ -179,6 +250,7 @@ class KVCacheManager:
     def free(self, request: KVCacheRequest) -> None:
         blocks = self.req_to_blocks.pop(request.req_id, [])
         self._num_cached_blocks.pop(request.req_id, None)
+        blocks = blocks[self._num_behind.pop(request.req_id, 0) :]
         if self._pending_block_copies and blocks:
             # A forked request let go before its copy ran (an abort): the copy would write into
             # a block someone else may get now.

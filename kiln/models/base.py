@@ -17,7 +17,7 @@ from kiln.layers.linear import LinearMethod
 from kiln.models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from kiln.models.blocks import LinearMethodFactory
+    from kiln.models.blocks import LinearMethodFactory, StepInputs
 
 
 @runtime_checkable
@@ -86,6 +86,20 @@ class CausalLM(Protocol):
     def compute_logits(
         self, hidden: torch.Tensor, ops: ModuleType | None = None
     ) -> torch.Tensor:  # [n, vocab]
+        ...
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input for these tokens (the embedding, times its multiplier)."""
+        ...
+
+    def step_inputs(
+        self,
+        ops: ModuleType,
+        backend: AttentionBackend,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> StepInputs:
+        """What every layer of one forward shares (build-time calibration runs the layers)."""
         ...
 
     def enable_aux_hidden_states(self, layer_ids: tuple[int, ...], max_num_tokens: int) -> None: ...

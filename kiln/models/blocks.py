@@ -6,15 +6,21 @@ method's own `apply` and its epilogue."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from kiln.attention.backend import AttentionBackend, AttentionMetadata
+from kiln.attention.backend import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionKind,
+    AttentionMetadata,
+)
 from kiln.distributed.parallel_state import ParallelContext, kv_head_range
 from kiln.kernels import reference
 from kiln.kernels.reference import split_qkv_heads
@@ -36,8 +42,11 @@ class StepInputs:
     ops: ModuleType
     backend: AttentionBackend
     positions: torch.Tensor  # [num_tokens] int64
-    cos_sin_cache: torch.Tensor  # [max_positions, head_dim] fp32
+    cos_sin_cache: torch.Tensor  # [max_positions, rotary_dim] fp32
     metadata: AttentionMetadata
+    # The model's other rotary tables by name (Gemma 3's local layers' base): an attention
+    # made with rope_table=name rotates by its table, indexed by `positions` too.
+    rope_tables: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
 def norm_then_project(
@@ -45,12 +54,16 @@ def norm_then_project(
     layer: Linear,
     x: torch.Tensor,  # [num_tokens, K]
     residual: torch.Tensor | None,  # [num_tokens, K], or None: no residual to add
-    norm_weight: torch.Tensor,
+    norm_weight: torch.Tensor | None,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (layer(rms_norm(x + residual)), x + residual)
     """A column-parallel projection of the normed stream in the fewest kernels its method
     allows: one fused op given its operands; else, for a method taking float8 input, the norm
-    that quantizes, then apply_fp8; else the norm, then apply."""
+    that quantizes, then apply_fp8; else the norm, then apply. `norm_weight` None: no norm
+    (OLMo 2's blocks read the stream itself; parallel blocks one norm made before)."""
+    if norm_weight is None:
+        summed = x if residual is None else x + residual
+        return layer(ops, summed), summed
     operands = layer.method.fused_operands(layer)
     if operands is not None:
         return ops.add_rms_norm_linear(x, residual, norm_weight, eps, *operands)
@@ -73,7 +86,16 @@ def norm_then_project(
 class RopeAttention(nn.Module):
     """Rotary multi-head attention with grouped KV heads: a fused qkv projection, rotary
     embedding, the paged KV cache and o_proj. `qk_norm`: each query and key head is
-    RMS-normed (its own [head_dim] weights, `q_norm` / `k_norm`) before rotary (Qwen3)."""
+    RMS-normed (its own [head_dim] weights, `q_norm` / `k_norm`) before rotary (Qwen3);
+    `qk_norm="full"`: the whole query and the whole key projection are, each with its own
+    [heads * head_dim] weights (OLMo 2). Rotary turns the first `cfg.rotary_dim` dims of each
+    head (partial rotary passes the rest), by `rope_table` (a name of StepInputs.rope_tables)
+    or the model's table. Biases: `cfg.attention_bias` on q/k/v, `cfg.o_proj_bias` on o_proj;
+    the query scale is `cfg.attention_multiplier` when the family gives one.
+    `kind`: the layer's window and soft-cap (the decoder sets it from the config's layer kinds);
+    `sinks`: a learned per-head logit in each softmax's denominator (gpt-oss), [num_heads]."""
+
+    kind: AttentionKind = FULL_ATTENTION
 
     def __init__(
         self,
@@ -83,17 +105,25 @@ class RopeAttention(nn.Module):
         dtype: torch.dtype | None,
         ctx: ParallelContext | None = None,
         full: ModelConfig | None = None,
-        qk_norm: bool = False,
+        qk_norm: bool | str = False,
+        rope_table: str | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         # cfg is this rank's shard (shard_config); `full` the whole model's, under TP.
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
+        self.rotary_dim = cfg.rotary_dim
+        self.rope_table = rope_table
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        multiplier = cfg.attention_multiplier
+        self.scale = self.head_dim**-0.5 if multiplier is None else multiplier
         self.eps = cfg.rms_norm_eps
+        self.full_qk_norm = qk_norm == "full"
+        if self.full_qk_norm and ctx is not None and ctx.tp_size > 1:
+            raise ValueError("a q/k norm over the whole projection does not split over TP ranks")
         qkv_split = o_split = None
         if ctx is not None and ctx.tp_size > 1:
             # Query heads split evenly; KV heads split, or replicated when fewer than ranks.
@@ -118,21 +148,29 @@ class RopeAttention(nn.Module):
             split=qkv_split,
         )
         self.o_proj = Linear(
-            self.q_size, cfg.hidden_size, method=method(f"{prefix}.o_proj"), dtype=dtype,
-            split=o_split,
+            self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias, method=method(f"{prefix}.o_proj"),
+            dtype=dtype, split=o_split,
         )  # fmt: skip
         self.q_norm: nn.Parameter | None = None
         self.k_norm: nn.Parameter | None = None
         if qk_norm:
-            self.q_norm = nn.Parameter(torch.ones(self.head_dim, dtype=dtype))
-            self.k_norm = nn.Parameter(torch.ones(self.head_dim, dtype=dtype))
+            q_width, k_width = self.head_dim, self.head_dim
+            if self.full_qk_norm:
+                q_width, k_width = self.q_size, self.kv_size
+            self.q_norm = nn.Parameter(torch.ones(q_width, dtype=dtype))
+            self.k_norm = nn.Parameter(torch.ones(k_width, dtype=dtype))
+        # fp32 whatever the model's dtype: the kernels add them to fp32 scores. One per query
+        # head of this rank (a family with sinks cuts them under TP as the query heads).
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
 
     def project_qkv(
         self,
         step: StepInputs,
         x: torch.Tensor,  # [num_tokens, hidden]: the last block's output
         residual: torch.Tensor | None,  # the residual stream; None before the first layer
-        norm_weight: torch.Tensor,
+        norm_weight: torch.Tensor | None,  # None: no norm before the projection
         eps: float,
         kv_cache: KVCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, heads, head_dim], x + residual)
@@ -140,25 +178,59 @@ class RopeAttention(nn.Module):
         this step's keys and values into the cache. Returns the rotated query."""
         ops, (k_cache, v_cache) = step.ops, kv_cache
         slots = step.metadata.slot_mapping
+        table = step.cos_sin_cache if self.rope_table is None else step.rope_tables[self.rope_table]
+        if self.rotary_dim != self.head_dim or self.full_qk_norm or norm_weight is None:
+            return self._project_qkv_composed(step, x, residual, norm_weight, eps, kv_cache, table)
         operands = self.qkv_proj.method.fused_operands(self.qkv_proj)
         if operands is not None and self.k_norm is None:
             # One kernel at batch-1 decode on the GPU, where a step is mostly launch-bound.
             weight, bias, weight_scale, input_scale = operands
             return ops.add_rms_norm_qkv_rotary_write_kv(
-                x, residual, norm_weight, eps, weight, bias, step.positions, step.cos_sin_cache,
+                x, residual, norm_weight, eps, weight, bias, step.positions, table,
                 k_cache, v_cache, slots, weight_scale, input_scale,
             )  # fmt: skip
         qkv, summed = norm_then_project(ops, self.qkv_proj, x, residual, norm_weight, eps)
         if self.k_norm is not None:
             query = ops.qk_norm_rotary_write_kv(
-                qkv, self.q_norm, self.k_norm, self.eps, step.positions, step.cos_sin_cache,
+                qkv, self.q_norm, self.k_norm, self.eps, step.positions, table,
                 k_cache, v_cache, slots,
             )  # fmt: skip
             return query, summed
         query, key, value = split_qkv_heads(qkv, self.head_dim, self.num_kv_heads)
         query = ops.rotary_embedding_write_kv(
-            step.positions, query, key, value, step.cos_sin_cache, k_cache, v_cache, slots
+            step.positions, query, key, value, table, k_cache, v_cache, slots
         )
+        return query, summed
+
+    def _project_qkv_composed(
+        self,
+        step: StepInputs,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        kv_cache: KVCache,
+        table: torch.Tensor,  # [max_positions, rotary_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """project_qkv for the shapes the fused q/k ops do not take (partial rotary, a q/k norm
+        over the whole projection, no norm before it): the projection, the norms by
+        `ops.rms_norm`, then the rotary + cache-write op, which turns the table's dims only."""
+        ops = step.ops
+        qkv, summed = norm_then_project(ops, self.qkv_proj, x, residual, norm_weight, eps)
+        query, key, value = split_qkv_heads(qkv, self.head_dim, self.num_kv_heads)
+        if self.q_norm is not None and self.k_norm is not None:
+            q_shape, k_shape = query.shape, key.shape
+            width = None if self.full_qk_norm else self.head_dim  # a row per head, or per token
+            query, key = (
+                query.reshape(-1, width or q_shape[1] * q_shape[2]),
+                key.reshape(-1, width or k_shape[1] * k_shape[2]),
+            )
+            query = ops.rms_norm(query, self.q_norm, self.eps).reshape(q_shape)
+            key = ops.rms_norm(key, self.k_norm, self.eps).reshape(k_shape)
+        query = ops.rotary_embedding_write_kv(
+            step.positions, query, key, value, table, kv_cache[0], kv_cache[1],
+            step.metadata.slot_mapping,
+        )  # fmt: skip
         return query, summed
 
     def cache_keys_values(
@@ -169,7 +241,9 @@ class RopeAttention(nn.Module):
         the reference ops: what KV-cache calibration measures."""
         _, key, value = split_qkv_heads(qkv, self.head_dim, self.num_kv_heads)
         if self.k_norm is not None:
-            key = reference.rms_norm(key, self.k_norm, self.eps)
+            shape = key.shape
+            flat = key.reshape(shape[0], -1) if self.full_qk_norm else key
+            key = reference.rms_norm(flat, self.k_norm, self.eps).reshape(shape)
         return key, value
 
     @torch.no_grad()
@@ -194,7 +268,9 @@ class RopeAttention(nn.Module):
 
     def attend(self, step: StepInputs, query: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         """Attention over the cache, then o_proj: [num_tokens, hidden] (summed over TP ranks)."""
-        out = step.backend.forward(query, kv_cache[0], kv_cache[1], step.metadata, self.scale)
+        out = step.backend.forward(
+            query, kv_cache[0], kv_cache[1], step.metadata, self.scale, self.kind, self.sinks
+        )
         return self.o_proj(step.ops, out.reshape(-1, self.q_size))
 
 
@@ -204,16 +280,20 @@ def gated_mlp(
     down: Linear,
     x: torch.Tensor,  # [num_tokens, hidden]
     residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
+    norm_weight: torch.Tensor | None,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # (down(silu(gate) * up), x + residual)
+    activation: str = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:  # (down(act(gate) * up), x + residual)
     """The MLP block from its norm through `down`. When down takes float8 input (FP8 W8A8),
-    the activation reaches it quantized by the SiLU-mul's own kernel: no model-dtype activation
-    written and re-read, no quantize kernel of its own."""
+    the activation reaches it quantized by the activation-mul's own kernel: no model-dtype
+    activation written and re-read, no quantize kernel of its own. `activation`: "silu", or
+    "gelu_pytorch_tanh" (GeGLU: its own kernels after the projection; the fused norm +
+    projection + activation kernels are SiLU's)."""
     into = down.method.fp8_input(down)
     operands = gate_up.method.fused_operands(gate_up)
     # The operands the fused kernels take (they take no bias), else None.
-    fused = operands if operands is not None and operands.bias is None else None
+    fusable = operands is not None and operands.bias is None and norm_weight is not None
+    fused = operands if fusable and activation == "silu" else None
     scale = None
     if (
         into is not None
@@ -221,32 +301,34 @@ def gated_mlp(
         and fused.weight_scale is not None
         and into.channels is None
     ):
-        activation, scale, summed = ops.add_rms_norm_linear_silu_mul_fp8(
+        activation_out, scale, summed = ops.add_rms_norm_linear_silu_mul_fp8(
             x, residual, norm_weight, eps, fused.weight, fused.weight_scale,
             fused.input_scale, into.static_scale,
         )  # fmt: skip
     elif fused is not None:
-        activation, summed = ops.add_rms_norm_linear_silu_mul(
+        activation_out, summed = ops.add_rms_norm_linear_silu_mul(
             x, residual, norm_weight, eps, fused.weight, fused.weight_scale,
             fused.input_scale,
         )  # fmt: skip
     else:
         gate_up_out, summed = norm_then_project(ops, gate_up, x, residual, norm_weight, eps)
+        silu = activation == "silu"
         if into is not None and operands is None:  # a composed projection: quantize here too
-            activation, scale = ops.silu_and_mul_quant_fp8(
-                gate_up_out, into.static_scale, into.channels
-            )
+            quant = ops.silu_and_mul_quant_fp8 if silu else ops.gelu_tanh_and_mul_quant_fp8
+            act, scale = quant(gate_up_out, into.static_scale, into.channels)
         else:
-            activation = ops.silu_and_mul(gate_up_out)
+            act = (ops.silu_and_mul if silu else ops.gelu_tanh_and_mul)(gate_up_out)
+        activation_out = act
     if scale is None:  # model dtype (the GPU's small-batch rows quantize inside down's kernel)
-        return down(ops, activation), summed
-    return down.apply_fp8(ops, activation, scale, x.dtype), summed
+        return down(ops, activation_out), summed
+    return down.apply_fp8(ops, activation_out, scale, x.dtype), summed
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate) * up), gate and up fused into one projection ([gate; up] rows)."""
+    """down(act(gate) * up), gate and up fused into one projection ([gate; up] rows); biases
+    on all three with `cfg.mlp_bias`."""
 
-    ACTIVATIONS = ("silu",)  # those the fused kernels of `ops` compute
+    ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # those the kernels of `ops` compute
 
     def __init__(
         self,
@@ -255,9 +337,10 @@ class GatedMLP(nn.Module):
         method: LinearMethodFactory,
         dtype: torch.dtype | None,
         ctx: ParallelContext | None = None,
-        activation: str = "silu",
+        activation: str | None = None,  # None: cfg.hidden_act
     ) -> None:
         super().__init__()
+        activation = activation or cfg.hidden_act
         if activation not in self.ACTIVATIONS:
             raise ValueError(f"no kernels for a gated MLP of {activation!r}: {self.ACTIVATIONS}")
         self.activation = activation
@@ -268,27 +351,90 @@ class GatedMLP(nn.Module):
             gate_up_split = TensorSplit(ctx, rows=(rows, rows), full_sizes=(n * ctx.tp_size,) * 2)
             down_split = TensorSplit(ctx, cols=rows)
         self.gate_up_proj = Linear(
-            cfg.hidden_size, 2 * n, output_sizes=[n, n], method=method(f"{prefix}.gate_up_proj"),
-            dtype=dtype, split=gate_up_split,
+            cfg.hidden_size, 2 * n, bias=cfg.mlp_bias, output_sizes=[n, n],
+            method=method(f"{prefix}.gate_up_proj"), dtype=dtype, split=gate_up_split,
         )  # fmt: skip
         self.down_proj = Linear(
-            n, cfg.hidden_size, method=method(f"{prefix}.down_proj"), dtype=dtype, split=down_split
-        )
+            n, cfg.hidden_size, bias=cfg.mlp_bias, method=method(f"{prefix}.down_proj"),
+            dtype=dtype, split=down_split,
+        )  # fmt: skip
 
     def forward(
         self,
         ops: ModuleType,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
+        norm_weight: torch.Tensor | None,
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (the MLP's output, x + residual)
-        return gated_mlp(ops, self.gate_up_proj, self.down_proj, x, residual, norm_weight, eps)
+        return gated_mlp(
+            ops, self.gate_up_proj, self.down_proj, x, residual, norm_weight, eps, self.activation
+        )
+
+
+class PlainMLP(nn.Module):
+    """c_proj(act(c_fc(x))): the ungated MLP (Starcoder2), biases on both with `cfg.mlp_bias`;
+    the same call as GatedMLP. Its activation runs as torch's (no fused kernel: one family)."""
+
+    # hidden_act -> F.gelu's `approximate`
+    ACTIVATIONS: ClassVar[dict[str, str]] = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        prefix: str,
+        method: LinearMethodFactory,
+        dtype: torch.dtype | None,
+        ctx: ParallelContext | None = None,
+    ) -> None:
+        super().__init__()
+        if cfg.hidden_act not in self.ACTIVATIONS:
+            raise ValueError(f"no ungated MLP of {cfg.hidden_act!r}: {list(self.ACTIVATIONS)}")
+        self.approximate = self.ACTIVATIONS[cfg.hidden_act]
+        n = cfg.intermediate_size  # this rank's share under TP
+        fc_split = proj_split = None
+        if ctx is not None and ctx.tp_size > 1:
+            rows = (ctx.tp_rank * n, n)
+            fc_split = TensorSplit(ctx, rows=(rows,), full_sizes=(n * ctx.tp_size,))
+            proj_split = TensorSplit(ctx, cols=rows)
+        self.c_fc = Linear(
+            cfg.hidden_size, n, bias=cfg.mlp_bias, method=method(f"{prefix}.c_fc"), dtype=dtype,
+            split=fc_split,
+        )  # fmt: skip
+        self.c_proj = Linear(
+            n, cfg.hidden_size, bias=cfg.mlp_bias, method=method(f"{prefix}.c_proj"),
+            dtype=dtype, split=proj_split,
+        )  # fmt: skip
+
+    def forward(
+        self,
+        ops: ModuleType,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (the MLP's output, x + residual)
+        up, summed = norm_then_project(ops, self.c_fc, x, residual, norm_weight, eps)
+        return self.c_proj(ops, F.gelu(up, approximate=self.approximate)), summed
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm decoder layer: x + attention(norm(x)), then + mlp(norm(...)), with the residual
-    add of each block fused into the norm of the next."""
+    add of each block fused into the norm of the next.
+
+    `norms` picks where the layer norms: "pre" (Llama: input_layernorm before attention,
+    post_attention_layernorm before the MLP); "sandwich" (Gemma 2/3: also each block's output
+    normed before its residual add, post_attention_layernorm after attention,
+    pre_feedforward_layernorm and post_feedforward_layernorm around the MLP); "post" (OLMo 2:
+    the blocks read the stream unnormed, their outputs normed by post_attention_layernorm and
+    post_feedforward_layernorm). `qk_norm` and `rope_table`: RopeAttention's.
+
+    `layer_norm`: LayerNorms (reference.layer_norm on every path, biases `*_bias` with
+    `norm_bias`: StableLM, Cohere) before the blocks, in place of the RMSNorms; with `parallel`
+    attention and MLP read the same normed input (input_layernorm, the only norm) and their
+    outputs join the stream together (Cohere, StableLM use_parallel_residual)."""
+
+    NORMS = ("pre", "sandwich", "post")
 
     def __init__(
         self,
@@ -298,16 +444,50 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype | None,
         ctx: ParallelContext | None = None,
         full: ModelConfig | None = None,
-        qk_norm: bool = False,
+        qk_norm: bool | str = False,
+        norms: str = "pre",
+        rope_table: str | None = None,
+        layer_norm: bool = False,
+        norm_bias: bool = False,
+        parallel: bool = False,
+        gated_mlp: bool = True,
     ) -> None:
         super().__init__()
+        if norms not in self.NORMS:
+            raise ValueError(f"unknown norm placement {norms!r}; known: {self.NORMS}")
+        if (layer_norm or parallel) and norms != "pre":
+            raise ValueError("LayerNorm and parallel layers place their norms before the blocks")
         self.eps = cfg.rms_norm_eps
+        self.norms = norms
+        self.layer_norm, self.parallel = layer_norm, parallel
         self.self_attn = RopeAttention(
-            cfg, f"{prefix}.self_attn", method, dtype, ctx, full, qk_norm
+            cfg, f"{prefix}.self_attn", method, dtype, ctx, full, qk_norm, rope_table
         )
-        self.mlp = GatedMLP(cfg, f"{prefix}.mlp", method, dtype, ctx)
-        self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
-        self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
+        self.mlp: GatedMLP | PlainMLP
+        if gated_mlp:
+            self.mlp = GatedMLP(cfg, f"{prefix}.mlp", method, dtype, ctx)
+        else:  # `gated_mlp=False`: PlainMLP (Starcoder2)
+            self.mlp = PlainMLP(cfg, f"{prefix}.mlp", method, dtype, ctx)
+
+        def norm() -> nn.Parameter:
+            return nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
+
+        if norms != "post":
+            self.input_layernorm = norm()
+        if not parallel:
+            self.post_attention_layernorm = norm()
+        self.input_layernorm_bias: nn.Parameter | None = None
+        self.post_attention_layernorm_bias: nn.Parameter | None = None
+        if norm_bias:
+            self.input_layernorm_bias = nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype))
+            if not parallel:
+                self.post_attention_layernorm_bias = nn.Parameter(
+                    torch.zeros(cfg.hidden_size, dtype=dtype)
+                )
+        if norms == "sandwich":
+            self.pre_feedforward_layernorm = norm()
+        if norms != "pre":
+            self.post_feedforward_layernorm = norm()
 
     def forward(
         self,
@@ -318,14 +498,55 @@ class DecoderLayer(nn.Module):
         tap: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, the residual stream)
         """`tap`, if given, sees the residual stream entering this layer (EAGLE-3's input)."""
-        attn = self.self_attn
+        attn, ops = self.self_attn, step.ops
+        if self.layer_norm:
+            return self._forward_layer_norm(step, hidden, residual, kv_cache, tap)
+        if self.norms == "pre":
+            query, residual = attn.project_qkv(
+                step, hidden, residual, self.input_layernorm, self.eps, kv_cache
+            )
+            if tap is not None:
+                tap(residual)
+            hidden = attn.attend(step, query, kv_cache)
+            return self.mlp(ops, hidden, residual, self.post_attention_layernorm, self.eps)
+        sandwich = self.norms == "sandwich"
         query, residual = attn.project_qkv(
-            step, hidden, residual, self.input_layernorm, self.eps, kv_cache
+            step, hidden, residual, self.input_layernorm if sandwich else None, self.eps, kv_cache
         )
         if tap is not None:
             tap(residual)
-        hidden = attn.attend(step, query, kv_cache)
-        return self.mlp(step.ops, hidden, residual, self.post_attention_layernorm, self.eps)
+        hidden = ops.rms_norm(attn.attend(step, query, kv_cache), self.post_attention_layernorm,
+                              self.eps)  # fmt: skip
+        mlp_norm = self.pre_feedforward_layernorm if sandwich else None
+        hidden, residual = self.mlp(ops, hidden, residual, mlp_norm, self.eps)
+        return ops.rms_norm(hidden, self.post_feedforward_layernorm, self.eps), residual
+
+    def _forward_layer_norm(
+        self,
+        step: StepInputs,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        tap: Callable[[torch.Tensor], None] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward with LayerNorms: each made here, the blocks then given no norm of theirs."""
+        attn, ops = self.self_attn, step.ops
+        summed = hidden if residual is None else hidden + residual
+        if tap is not None:
+            tap(summed)
+        normed = reference.layer_norm(summed, self.input_layernorm, self.input_layernorm_bias,
+                                      self.eps)  # fmt: skip
+        query, _ = attn.project_qkv(step, normed, None, None, self.eps, kv_cache)
+        attended = attn.attend(step, query, kv_cache)
+        if self.parallel:
+            mlp_out, _ = self.mlp(ops, normed, None, None, self.eps)
+            return attended + mlp_out, summed
+        summed = attended + summed
+        normed = reference.layer_norm(
+            summed, self.post_attention_layernorm, self.post_attention_layernorm_bias, self.eps
+        )
+        mlp_out, _ = self.mlp(ops, normed, None, None, self.eps)
+        return mlp_out, summed
 
 
 def decoder_layers(model: CausalLM) -> list[DecoderLayer]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.errors import ModelLoadError
-from kiln.models import registry
+from kiln.models import family_config, registry
 
 # The deepest published decoders have ~130 layers; building 10k layers' modules already takes
 # minutes on a CPU, and a config saying 1e7 would otherwise look like a hang.
@@ -75,7 +75,52 @@ class ModelConfig:
     torch_dtype: str = "float32"
     """The dtype the checkpoint was trained/saved in: "float32", "float16" or "bfloat16"."""
     sliding_window: int | None = None
-    """Attention window of every layer (mistral v0.1, qwen2 use_sliding_window); None = full."""
+    """Attention window (each query sees the last `sliding_window` positions up to its own) of
+    the layers `layer_types` names, or of every layer; None = full attention everywhere."""
+    layer_types: tuple[str, ...] | None = None
+    """Each layer's attention in Hugging Face's names, "sliding_attention" (the window) or
+    "full_attention" (Qwen2's max_window_layers, Gemma 2/3's alternation); None: every layer
+    alike."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores become c * tanh(scores / c) before the softmax (Gemma 2); None: not."""
+
+    # The block options of the families beyond Llama (kiln.models.family_config parses them).
+    hidden_act: str = "silu"
+    """The gated MLP's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma)."""
+    mlp_bias: bool = False
+    """gate/up/down projections have biases (Llama's mlp_bias, Granite)."""
+    partial_rotary_factor: float = 1.0
+    """The fraction of each head's dims that rotary turns (StableLM, Phi-4-mini); the rest pass."""
+    embedding_multiplier: float = 1.0
+    """The embedding's output is multiplied by this (Gemma: sqrt(hidden); Granite)."""
+    residual_multiplier: float = 1.0
+    """Each block's output is multiplied by this before its residual add (Granite)."""
+    attention_multiplier: float | None = None
+    """The attention's query scale; None: head_dim ** -0.5 (Granite; Gemma 2/3's
+    query_pre_attn_scalar ** -0.5)."""
+    logits_multiplier: float = 1.0
+    """Logits are multiplied by this (Granite: 1 / logits_scaling; Cohere: logit_scale)."""
+    final_logit_softcapping: float | None = None
+    """Logits are soft-capped to +-this, tanh(l / cap) * cap (Gemma 2/3); None: not."""
+    rope_local_base_freq: float | None = None
+    """The rotary base of the local (sliding) layers (Gemma 3); None: rope_theta everywhere."""
+    qk_layernorm: bool = False
+    """Queries and keys are normed per head before rotary (StableLM 2 12B, Cohere use_qk_norm)."""
+    parallel_residual: bool = False
+    """Attention and MLP both read the same normed input and add to the stream together
+    (Cohere, StableLM use_parallel_residual)."""
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer `layer` (its index in the whole model); None: full."""
+        if self.layer_types is None or self.layer_types[layer] == _SLIDING:
+            return self.sliding_window
+        return None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer has, else None: how much history each layer ever reads, so how
+        far back the KV manager keeps a request's blocks."""
+        return self.sliding_window if self.layer_types is None else None
 
     def __post_init__(self) -> None:
         if not registry.is_supported(self.architecture):
@@ -102,8 +147,35 @@ class ModelConfig:
             )
         if self.torch_dtype not in _DTYPES:
             raise ModelLoadError(f"torch_dtype={self.torch_dtype!r} is not one of {_DTYPES}")
+        if self.layer_types is not None and (
+            len(self.layer_types) != self.num_hidden_layers
+            or not set(self.layer_types) <= {_SLIDING, _FULL}
+            or self.sliding_window is None
+        ):
+            raise ModelLoadError(
+                f"layer_types={list(self.layer_types)!r} must name {_SLIDING!r} or {_FULL!r} for "
+                f"each of the {self.num_hidden_layers} layers, with a sliding_window"
+            )
+        if self.sliding_window is not None:
+            _require_positive("sliding_window", self.sliding_window)
         if self.rope_scaling is not None and "rope_type" not in self.rope_scaling:
             raise ModelLoadError(f"rope_scaling={self.rope_scaling!r} has no 'rope_type'")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ModelLoadError(
+                f"partial_rotary_factor={self.partial_rotary_factor} gives {self.rotary_dim} "
+                f"rotary dims of head_dim={self.head_dim} (needs an even count, at least 2)"
+            )
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """o_proj has a bias: with attention_bias in the families that give it one (Llama,
+        Qwen3, Gemma, Granite, OLMo 2, Cohere; not Qwen2, Mistral, StableLM, Phi-3)."""
+        return self.attention_bias and self.architecture in family_config.O_BIAS_WITH_ATTENTION_BIAS
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head that rotary turns (the first ones; as transformers rounds)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def parameter_counts(self) -> dict[str, int]:
         """Weights per part of the model (no quantization): what a size check names."""
@@ -149,10 +221,6 @@ class ModelConfig:
         ):
             if d.get(name) is None:
                 raise ModelLoadError(f"config for {architecture!r} has no {name!r}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
-        if d.get("mlp_bias"):
-            raise ModelLoadError("mlp_bias=true is not supported")
         num_heads = _int(d, "num_attention_heads")
         hidden_size = _int(d, "hidden_size")
         if not d.get("head_dim") and num_heads > 0 and hidden_size % num_heads:
@@ -162,7 +230,8 @@ class ModelConfig:
                 f"{num_heads} (and the config gives no head_dim)"
             )
         rope_theta, rope_scaling = _rope_of(d)
-        return cls(
+        window, layer_types = _attention_layout(architecture, d)
+        fields: dict[str, Any] = dict(
             architecture=architecture,
             vocab_size=_int(d, "vocab_size"),
             hidden_size=hidden_size,
@@ -182,8 +251,12 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_as_ids(d.get("eos_token_id")),
             torch_dtype=_dtype_of(d),
-            sliding_window=_sliding_window_of(architecture, d),
+            sliding_window=window,
+            layer_types=layer_types,
+            attn_logit_softcapping=_optional_float(d.get("attn_logit_softcapping")),
         )
+        fields.update(family_config.family_fields(architecture, d))
+        return cls(**fields)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json dict that transformers' config class of the architecture accepts.
@@ -201,7 +274,6 @@ class ModelConfig:
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
@@ -217,15 +289,21 @@ class ModelConfig:
             "dtype": self.torch_dtype,
             "sliding_window": self.sliding_window,
         }
+        if self.layer_types is not None:
+            d["layer_types"] = list(self.layer_types)
+        if self.attn_logit_softcapping is not None:
+            d["attn_logit_softcapping"] = self.attn_logit_softcapping
         if self.architecture in ("llama", "qwen3"):
             d["attention_bias"] = self.attention_bias
         if self.architecture == "llama":
             d["mlp_bias"] = False
         if self.architecture in ("qwen2", "qwen3"):
-            # max_window_layers=0: the window (when set) applies to every layer, as kiln assumes.
+            # Windowed from layer max_window_layers on (layer_types says the same, for HF 5).
             d["use_sliding_window"] = self.sliding_window is not None
-            sliding = self.sliding_window is not None
-            d["max_window_layers"] = 0 if sliding else self.num_hidden_layers
+            types = self.layer_types or (_SLIDING,) * self.num_hidden_layers
+            first = types.index(_SLIDING) if _SLIDING in types else self.num_hidden_layers
+            d["max_window_layers"] = first if self.sliding_window else self.num_hidden_layers
+        d.update(family_config.family_hf_fields(self))
         return d
 
 
@@ -283,6 +361,8 @@ def _rope_of(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     top-level `rope_theta` and `rope_scaling` (whose older files spell rope_type as "type").
     """
     params = d.get("rope_parameters") or {}
+    if isinstance(params.get("full_attention"), dict):  # per layer type (Gemma 3, transformers 5)
+        params = params["full_attention"]
     source = d.get("rope_scaling") or params
     for name, value in (("rope_parameters", params), ("rope_scaling", source)):
         if not isinstance(value, dict):
@@ -297,6 +377,9 @@ def _rope_of(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if rope_type == "default":
         return float(theta), None
     extra = {k: v for k, v in source.items() if k not in ("rope_theta", "type", "rope_type")}
+    extra.pop("partial_rotary_factor", None)  # transformers 5 moves it here: a field of its own
+    if d.get("original_max_position_embeddings"):  # Phi-3 keeps it beside rope_scaling
+        extra.setdefault("original_max_position_embeddings", d["original_max_position_embeddings"])
     return float(theta), {"rope_type": rope_type, **extra}
 
 
@@ -324,25 +407,51 @@ def _dtype_of(d: dict[str, Any]) -> str:
     return name
 
 
-def _sliding_window_of(architecture: str, d: dict[str, Any]) -> int | None:
+_SLIDING, _FULL = "sliding_attention", "full_attention"
+# Families whose window (when the config gives one) is every layer's.
+_WINDOW_EVERYWHERE = ("mistral", "phi3", "starcoder2")
+# Families that alternate local and global layers: every n-th layer (1-based) is global unless
+# the config lists layer_types (Gemma 3's configs say sliding_window_pattern).
+_GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6}
+
+
+def _attention_layout(architecture: str, d: dict[str, Any]) -> tuple[int | None, tuple | None]:
+    """(sliding_window, layer_types) as transformers reads them: None layer_types when every
+    layer has the window; no window when no layer has one."""
     window = d.get("sliding_window")
     if architecture == "llama" or window is None:
-        return None
-    if architecture == "mistral":
-        return int(window)
-    # qwen2, qwen3: no window unless use_sliding_window, and then only from layer
-    # max_window_layers on.
-    if not d.get("use_sliding_window", False):
-        return None
-    first_sliding = int(d.get("max_window_layers", 0))
-    if first_sliding >= int(d["num_hidden_layers"]):
-        return None
-    if first_sliding > 0:
+        return None, None
+    num_layers = int(d["num_hidden_layers"])
+    if architecture in _WINDOW_EVERYWHERE:
+        return int(window), None
+    types = d.get("layer_types")
+    if architecture in ("qwen2", "qwen3"):
+        # Qwen2: no window unless use_sliding_window, and then from layer max_window_layers on.
+        if not d.get("use_sliding_window", False):
+            return None, None
+        if types is None:
+            first = int(d.get("max_window_layers", 0))
+            types = [_SLIDING if i >= first else _FULL for i in range(num_layers)]
+    elif types is None:
+        every = int(d.get("sliding_window_pattern") or _GLOBAL_EVERY.get(architecture, 1))
+        types = [_FULL if (i + 1) % every == 0 else _SLIDING for i in range(num_layers)]
+    types = tuple(str(t) for t in types)
+    if len(types) != num_layers or not set(types) <= {_SLIDING, _FULL}:
         raise ModelLoadError(
-            f"{architecture} sliding window on only layers >= max_window_layers={first_sliding} "
-            "is not supported (kiln applies one window to every layer)"
+            f"layer_types={list(types)!r} must name {_SLIDING!r} or {_FULL!r} for each of the "
+            f"{num_layers} layers"
         )
-    return int(window)
+    if _SLIDING not in types:
+        return None, None
+    return int(window), None if set(types) == {_SLIDING} else types
+
+
+def _optional_float(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ModelLoadError(f"a soft-cap of {value!r} must be a positive number")
+    return float(value)
 
 
 def _preset(
@@ -427,6 +536,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "qwen3", 151936, 4096, 12288, 36, 32, 8,
         head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
         use_sliding_window=False, max_window_layers=36, **_QWEN_IDS,
+    ),
+    "gemma-7b": _preset(
+        "gemma", 256000, 3072, 24576, 28, 16, 16,
+        head_dim=256, hidden_act="gelu_pytorch_tanh", rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+    ),
+    # Phi-4 (14B): Phi-3's architecture, no window, no longrope.
+    "phi-4": _preset(
+        "phi3", 100352, 5120, 17920, 40, 40, 10,
+        rms_norm_eps=1e-5, rope_theta=250000.0, max_position_embeddings=16384,
+        sliding_window=None, bos_token_id=100257, eos_token_id=100265,
     ),
     "smollm2-135m": _preset(
         "llama", 49152, 576, 1536, 30, 9, 3,

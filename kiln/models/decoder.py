@@ -6,7 +6,7 @@ names its checkpoint tensors (`layer_tensor_map`) and makes its layers (`make_la
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import ModuleType
 from typing import ClassVar
 
@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.attention.backend import AttentionBackend, AttentionMetadata
+from kiln.attention.backend import AttentionBackend, AttentionKind, AttentionMetadata
 from kiln.distributed.comm import recv_from_prev_stage, send_to_next_stage
 from kiln.distributed.parallel_state import ParallelContext, kv_head_range, split_layers
 from kiln.errors import ModelLoadError
 from kiln.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
-from kiln.layers.rotary import build_cos_sin_cache
+from kiln.layers.rotary import LENGTH_DEPENDENT, StepRope, build_cos_sin_cache, rope_type_of
 from kiln.layers.vocab_parallel import VocabParallelEmbedding
 from kiln.models import weight_loader
 from kiln.models.blocks import DecoderLayer, LinearMethodFactory, StepInputs
@@ -57,6 +57,7 @@ def shard_config(cfg: ModelConfig, ctx: ParallelContext | None) -> ModelConfig:
         num_key_value_heads=kv_heads,
         intermediate_size=cfg.intermediate_size // tp,
         num_hidden_layers=len(layers),
+        layer_types=cfg.layer_types and cfg.layer_types[layers.start : layers.stop],
     )
 
 
@@ -78,6 +79,9 @@ class DecoderForCausalLM(nn.Module):
     next to the layers."""
 
     layer_tensor_map: ClassVar[LayerTensorMap]
+    # SmoothQuant folds into input_layernorm / post_attention_layernorm and the q/k/v, gate/up
+    # checkpoint tensors (kiln.builder.calibrate.smoothing): families shaped otherwise say no.
+    supports_smoothing: ClassVar[bool] = True
     # Registered parameters, buffers and submodules, typed here (nn.Module's attribute lookup
     # types them Tensor | Module). The embedding is cut by vocabulary rows under TP; the head is
     # None when it is the (model-dtype, tied) embedding.
@@ -117,14 +121,42 @@ class DecoderForCausalLM(nn.Module):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         else:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(
+        layers = [
             self.make_layer(self.config, f"layers.{self.layer_start + i}", method, dtype, tp, cfg)
             for i in range(self.config.num_hidden_layers)
-        )
+        ]
+        for i, layer in enumerate(layers):
+            # Each layer's kind is data its attention passes to the backend (a window here, full
+            # attention there: Gemma 2/3 alternate).
+            layer.self_attn.kind = AttentionKind(
+                cfg.layer_window(self.layer_start + i), cfg.attn_logit_softcapping
+            )
+        self.layers = nn.ModuleList(layers)
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
         self._make_head(cfg, dtype, tp, lm_head_method)
-        cache = build_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        rope = (cfg.rotary_dim, max_positions)
+        cache = build_cos_sin_cache(
+            *rope, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
+        )
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.step_rope: StepRope | None = None
+        if rope_type_of(cfg.rope_scaling) in LENGTH_DEPENDENT:
+            assert cfg.rope_scaling is not None
+            self.step_rope = StepRope(
+                *rope, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, dtype
+            )
+        # Other tables by name (StepInputs.rope_tables), in the model dtype's values as the
+        # loader rounds the main one.
+        self.rope_tables: dict[str, torch.Tensor] = {}
+        for name, theta in self.extra_rope_bases(cfg).items():
+            if self.step_rope is not None:
+                raise ModelLoadError("per-layer rotary bases with a length-dependent rope_scaling")
+            table = build_cos_sin_cache(*rope, theta, None).to(dtype or torch.float32).float()
+            self.register_buffer(f"rope_table_{name}", table, persistent=False)
+            self.rope_tables[name] = table
+        # The embedding's scale (Gemma's sqrt(hidden), rounded to the model dtype as
+        # transformers rounds it; Granite's embedding_multiplier).
+        self.embedding_multiplier = cfg.embedding_multiplier
         # EAGLE-3 (kiln.spec_decode.eagle3): layer index -> its column blocks in
         # `aux_hidden_states`; empty (and the forward writes nothing) unless a head is loaded.
         self._aux_columns: dict[int, list[int]] = {}
@@ -141,6 +173,55 @@ class DecoderForCausalLM(nn.Module):
     ) -> DecoderLayer:
         """One decoder layer of the family (`cfg` this rank's shard, `full` the whole model's)."""
         return DecoderLayer(cfg, prefix, method, dtype, ctx, full)
+
+    def extra_rope_bases(self, cfg: ModelConfig) -> dict[str, float]:
+        """The rotary tables besides the model's, by name -> base (plain rotary): a layer made
+        with `rope_table=name` rotates by it. Gemma 3's local layers: "local"."""
+        if cfg.rope_local_base_freq is None:
+            return {}
+        return {"local": cfg.rope_local_base_freq}
+
+    def adapt_hf_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A checkpoint's HF-named tensors as the shared blocks compute with them: the block
+        multipliers folded in (Granite's residual_multiplier into o_proj and down_proj, the
+        logits' multiplier into the final norm). A family whose checkpoint differs more (fused
+        tensors, a norm's offset) adapts them first, then calls this."""
+        cfg = self.config
+        residual, logits = cfg.residual_multiplier, cfg.logits_multiplier
+        for name, tensor in weights:
+            if residual != 1.0 and (".o_proj." in name or ".down_proj." in name):
+                if name.endswith((".weight_scale", ".bias")) or (
+                    name.endswith(".weight") and tensor.element_size() > 1
+                ):
+                    tensor = tensor * residual
+            elif logits != 1.0 and name == "model.norm.weight":
+                tensor = tensor * logits
+            yield name, tensor
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        """The first layer's input: the embedding, times the family's multiplier."""
+        hidden = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            hidden = hidden * self.embedding_multiplier
+        return hidden
+
+    def step_inputs(
+        self,
+        ops: ModuleType,
+        backend: AttentionBackend,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> StepInputs:
+        """What every layer of one forward shares: the rotary table(s) and the positions that
+        index them (a length-dependent rope's table is the step's own)."""
+        table = self.cos_sin_cache
+        if self.step_rope is not None:
+            positions, table = self.step_rope(
+                positions, metadata.query_start_loc, metadata.seq_lens, table
+            )
+        return StepInputs(ops, backend, positions, table, metadata, self.rope_tables)
 
     def _make_head(
         self,
@@ -223,12 +304,12 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden], final-normed
         pp = self.parallel if self.parallel is not None and self.parallel.pp_size > 1 else None
         if pp is None or pp.layout.is_first_stage:
-            hidden = self.embed_tokens(input_ids)
+            hidden = self.embed(input_ids)
             residual = None  # the residual stream; `hidden` is the last block's output until added
         else:  # the previous stage's (block output, residual stream), as one [2, n, hidden]
             shape = (2, input_ids.shape[0], self.full_config.hidden_size)
             hidden, residual = recv_from_prev_stage(pp, shape, self.norm).unbind(0)
-        step = StepInputs(ops, backend, positions, self.cos_sin_cache, metadata)
+        step = self.step_inputs(ops, backend, positions, metadata)
         num_tokens = input_ids.shape[0]
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             tap = self._aux_tap(index, num_tokens) if self._aux_columns else None
@@ -239,14 +320,28 @@ class DecoderForCausalLM(nn.Module):
             assert residual is not None, "a pipeline stage holds at least one layer"
             send_to_next_stage(pp, torch.stack((hidden, residual)))
             return hidden  # no logits here (computes_logits is False)
-        hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)
-        return hidden
+        assert residual is not None, "a model has at least one layer"
+        return self.final_norm(ops, hidden, residual)
+
+    def final_norm(
+        self, ops: ModuleType, hidden: torch.Tensor, residual: torch.Tensor
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """The final norm of the last layer's output added to the stream (a LayerNorm family's
+        is a LayerNorm)."""
+        return ops.fused_add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)[0]
 
     def compute_logits(
         self, hidden: torch.Tensor, ops: ModuleType | None = None
     ) -> torch.Tensor:  # [n, vocab], model dtype
         """The logits of final-normed rows. `ops` (the forward's kernels) is needed by a
-        quantized head only."""
+        quantized head only. Soft-capped where the family caps them (Gemma 2/3)."""
+        logits = self._head_logits(hidden, ops)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # as transformers: in the logits' dtype
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _head_logits(self, hidden: torch.Tensor, ops: ModuleType | None) -> torch.Tensor:
         # Not cast to fp32 here: a greedy batch takes its argmax on these as they are (the cast
         # is exact, so the argmax is the same) and skips writing and re-reading a fp32 copy.
         if self.head_quantized:
@@ -271,7 +366,7 @@ class DecoderForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, each through its layer's loader (which places q/k/v
         and gate/up into their fused projection), then let every linear method process them."""
-        weight_loader.load_hf_weights(self, weights, self.layer_tensor_map)
+        weight_loader.load_hf_weights(self, self.adapt_hf_weights(weights), self.layer_tensor_map)
         self.process_weights_after_loading()
 
     @torch.no_grad()

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,6 +43,10 @@ class GGUFLayout:
     permuted_rotary: bool
     """llama.cpp's converter interleaved each q/k head's rotary halves (its LlamaModel does;
     Qwen2 and Qwen3 keep Hugging Face's order)."""
+    norm_offset: float = 0.0
+    """What llama.cpp's converter added to every norm weight (Gemma's (1 + w) norms: 1)."""
+    hf_config: Mapping[str, Any] = field(default_factory=dict)
+    """config.json fields the family's GGUF files imply and do not store (Gemma's activation)."""
 
     def hf_name(self, gguf_name: str) -> str | None:
         """The HF name of a GGUF tensor, or None if this layout has no such tensor."""
@@ -55,7 +60,10 @@ class GGUFLayout:
     def to_hf_layout(
         self, hf_name: str, tensor: torch.Tensor, num_heads: int, num_kv_heads: int
     ) -> torch.Tensor:
-        """A tensor as the HF checkpoint holds it (q/k rows back in rotate-half order)."""
+        """A tensor as the HF checkpoint holds it (q/k rows back in rotate-half order, norms
+        without the converter's offset)."""
+        if self.norm_offset and hf_name.endswith("norm.weight"):
+            return tensor - self.norm_offset
         if not self.permuted_rotary:
             return tensor
         if ".q_proj." in hf_name:

@@ -1,6 +1,7 @@
 """The Llama family (Llama 2/3/3.x, Mistral, Qwen2/2.5, SmolLM2, TinyLlama) over the shared
-blocks: RMSNorm, rotary attention with GQA (q/k/v biases where the checkpoint has them), a SiLU
-gated MLP. q/k/v and gate/up are fused into one projection each at load time."""
+blocks: RMSNorm, rotary attention with GQA (q/k/v, o and MLP biases where the checkpoint has
+them: attention_bias, mlp_bias), a SiLU gated MLP. q/k/v and gate/up are fused into one
+projection each at load time."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ LAYER_TENSOR_MAP: LayerTensorMap = {
     "self_attn.k_proj.bias": ("self_attn.qkv_proj.bias", 1),
     "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", 2),
     "self_attn.o_proj.weight": ("self_attn.o_proj.weight", None),
+    "self_attn.o_proj.bias": ("self_attn.o_proj.bias", None),
     "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
     "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
     "mlp.down_proj.weight": ("mlp.down_proj.weight", None),
+    "mlp.gate_proj.bias": ("mlp.gate_up_proj.bias", 0),
+    "mlp.up_proj.bias": ("mlp.gate_up_proj.bias", 1),
+    "mlp.down_proj.bias": ("mlp.down_proj.bias", None),
     "input_layernorm.weight": ("input_layernorm", None),
     "post_attention_layernorm.weight": ("post_attention_layernorm", None),
 }

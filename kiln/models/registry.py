@@ -33,6 +33,17 @@ FAMILIES: dict[str, Family] = {
     "MistralForCausalLM": Family("mistral", "kiln.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": Family("qwen2", "kiln.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": Family("qwen3", "kiln.models.qwen3", "Qwen3ForCausalLM"),
+    "GemmaForCausalLM": Family("gemma", "kiln.models.gemma", "GemmaForCausalLM"),
+    "Gemma2ForCausalLM": Family("gemma2", "kiln.models.gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": Family("gemma3_text", "kiln.models.gemma3", "Gemma3ForCausalLM"),
+    "Phi3ForCausalLM": Family("phi3", "kiln.models.phi3", "Phi3ForCausalLM"),
+    "GraniteForCausalLM": Family("granite", "kiln.models.granite", "GraniteForCausalLM"),
+    "Olmo2ForCausalLM": Family("olmo2", "kiln.models.olmo2", "Olmo2ForCausalLM"),
+    "StableLmForCausalLM": Family("stablelm", "kiln.models.stablelm", "StableLmForCausalLM"),
+    "CohereForCausalLM": Family("cohere", "kiln.models.cohere", "CohereForCausalLM"),
+    "Starcoder2ForCausalLM": Family(
+        "starcoder2", "kiln.models.starcoder2", "Starcoder2ForCausalLM"
+    ),
 }
 
 # llama.cpp's `general.architecture` -> (module, name of its GGUFLayout). Mistral 7B GGUFs are
@@ -41,6 +52,8 @@ GGUF_LAYOUTS: dict[str, tuple[str, str]] = {
     "llama": ("kiln.models.llama", "LLAMA_GGUF"),
     "qwen2": ("kiln.models.llama", "QWEN2_GGUF"),
     "qwen3": ("kiln.models.qwen3", "QWEN3_GGUF"),
+    "gemma": ("kiln.models.gemma", "GEMMA_GGUF"),
+    "phi3": ("kiln.models.phi3", "PHI3_GGUF"),
 }
 
 _BY_ARCHITECTURE = {family.architecture: (cls, family) for cls, family in FAMILIES.items()}

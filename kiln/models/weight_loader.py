@@ -48,6 +48,8 @@ def map_hf_name(
         return "embed_tokens.weight", None
     if hf_name == "model.norm.weight":
         return "norm", None
+    if hf_name == "model.norm.bias":  # a LayerNorm family's (StableLM)
+        return "norm_bias", None
     if hf_name == "lm_head.weight":
         return "lm_head.weight", None
     match = _LAYER_RE.match(hf_name)

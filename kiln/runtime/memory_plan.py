@@ -58,6 +58,9 @@ class MemoryPlan:
     non_torch_bytes: int = 0  # CUDA context, library workspaces, other processes
     total_bytes: int = 0  # the device's memory (0 on the CPU)
     kv_dtype: str = ""  # the cache's element type, e.g. "bfloat16" or "float8_e4m3fn"
+    # The most tokens' KV one sequence holds at once, whatever its length (a window on every
+    # layer: max_tokens_held); None: its whole context.
+    max_tokens_held: int | None = None
 
     @property
     def kv_tokens(self) -> int:
@@ -65,7 +68,8 @@ class MemoryPlan:
 
     def max_concurrent_seqs(self, context_len: int, num_blocks: int | None = None) -> int:
         """Sequences of context_len tokens that num_blocks (default: the cache's) hold at once."""
-        blocks_per_seq = -(-max(context_len, 1) // self.block_size)
+        held = min(context_len, self.max_tokens_held or context_len)
+        blocks_per_seq = -(-max(held, 1) // self.block_size)
         return (self.num_blocks if num_blocks is None else num_blocks) // blocks_per_seq
 
     def describe(self, context_len: int) -> str:
@@ -118,6 +122,20 @@ def kv_bytes_per_block(model: PlannedModel, block_size: int, kv_dtype: torch.dty
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
+def max_tokens_held(
+    model_config: ModelConfig, config: EngineConfig, max_model_len: int
+) -> int | None:
+    """The most tokens' KV one request holds at once when every layer has a window (None: its
+    whole context): its window and one step's tokens (drafts included), and a block each side
+    for where they start and end (kiln.kv_cache frees the blocks behind the window)."""
+    window = model_config.kv_window
+    if window is None:
+        return None
+    spec = config.speculative
+    step = config.max_num_batched_tokens + (spec.num_speculative_tokens if spec else 0)
+    return min(max_model_len, window + step + 2 * config.block_size)
+
+
 def plan_kv_blocks(
     config: EngineConfig,
     model: CausalLM,
@@ -160,8 +178,10 @@ def plan_kv_blocks(
     else:
         budget = int(_CPU_DEFAULT_KV_GB * GiB)
     num_blocks = budget // per_block
-    # Never more than every sequence slot at full length could use.
-    blocks_per_seq = -(-max_model_len // config.block_size)
+    # Never more than every sequence slot at full length could use (with a window on every
+    # layer, a sequence holds its window and one step's tokens: kiln.kv_cache frees the rest).
+    held = max_tokens_held(model.config, config, max_model_len)
+    blocks_per_seq = -(-(held or max_model_len) // config.block_size)
     num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_seq)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
@@ -182,6 +202,7 @@ def plan_kv_blocks(
         non_torch,
         total,
         str(kv_dtype).removeprefix("torch."),
+        held,
     )
     logger.info("memory plan: %s", plan.describe(max_model_len))
     return plan

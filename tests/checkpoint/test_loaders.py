@@ -33,6 +33,8 @@ _HF_CLASSES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
 }
 _LLAMA3_ROPE = {
     "rope_type": "llama3",

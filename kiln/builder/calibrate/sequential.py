@@ -28,7 +28,7 @@ from kiln.kernels.kv_layout import empty_cache
 from kiln.kernels.reference import quantize_fp8
 from kiln.layers.linear import Linear, LinearMethod
 from kiln.models.base import CausalLM
-from kiln.models.blocks import DecoderLayer, StepInputs, decoder_layers
+from kiln.models.blocks import DecoderLayer, decoder_layers
 from kiln.models.packed_prefill import packed_prefill_metadata
 
 _BLOCK_SIZE = 16  # the calibration's own KV cache's block size (any works: one prefill)
@@ -64,8 +64,8 @@ def round_sequentially(
     if model.parallel is not None:
         raise ValueError("layer-sequential rounding runs the whole model in one process")
     step = _packed_prefill(model, token_batches)
-    inputs = StepInputs(ops, backend, step.positions, model.cos_sin_cache, step.metadata)
-    hidden, residual = model.embed_tokens(step.input_ids), None
+    inputs = model.step_inputs(ops, backend, step.positions, step.metadata)
+    hidden, residual = model.embed(step.input_ids), None
     rounded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for index, layer in enumerate(decoder_layers(model)):
         projections = _projections(layer, f"layers.{model.layer_start + index}")

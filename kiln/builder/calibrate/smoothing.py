@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.models.base import CausalLM
-from kiln.models.blocks import decoder_layers
+from kiln.models.blocks import GatedMLP, decoder_layers
 from kiln.models.config import ModelConfig
 
 # The projections whose input can be divided exactly by the op before them.
@@ -81,14 +81,21 @@ def smoothing_factors(
     calibrate_channel_amax makes them)."""
     if model.parallel is not None:
         raise ValueError("smoothing factors come from the whole (unsharded) model")
+    if not getattr(model, "supports_smoothing", True):
+        raise ValueError(
+            f"smoothing folds into Llama-shaped RMSNorm layers; {model.config.architecture}'s "
+            "norms or checkpoint names differ"
+        )
     factors = {}
     for i, layer in enumerate(decoder_layers(model)):
-        attn = layer.self_attn
+        attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(mlp, GatedMLP):
+            raise ValueError(f"smoothing folds into a gated MLP's norm, not {type(mlp).__name__}")
         for kind, proj in (
             ("qkv_proj", attn.qkv_proj),
             ("o_proj", attn.o_proj),
-            ("gate_up_proj", layer.mlp.gate_up_proj),
-            ("down_proj", layer.mlp.down_proj),
+            ("gate_up_proj", mlp.gate_up_proj),
+            ("down_proj", mlp.down_proj),
         ):
             name = _layer_name(f"layers.{i}", kind)
             x_amax = input_amax[name].float().clamp(min=_FLOOR)

@@ -14,7 +14,12 @@ from kiln.kernels.triton.qk_norm_rotary import qk_norm_rotary_write_kv
 from kiln.kernels.triton.qkv_rotary import add_rms_norm_qkv_rotary_write_kv
 from kiln.kernels.triton.rms_norm import add_rms_norm_quant_fp8, fused_add_rms_norm, rms_norm
 from kiln.kernels.triton.rotary import rotary_embedding_write_kv
-from kiln.kernels.triton.silu_mul import silu_and_mul, silu_and_mul_quant_fp8
+from kiln.kernels.triton.silu_mul import (
+    gelu_tanh_and_mul,
+    gelu_tanh_and_mul_quant_fp8,
+    silu_and_mul,
+    silu_and_mul_quant_fp8,
+)
 from kiln.kernels.triton.small_batch_linear import (
     add_rms_norm_linear,
     add_rms_norm_linear_silu_mul,
@@ -35,6 +40,8 @@ __all__ = [
     "fp8_linear",
     "fp8_matmul",
     "fused_add_rms_norm",
+    "gelu_tanh_and_mul",
+    "gelu_tanh_and_mul_quant_fp8",
     "linear",
     "paged_decode_attention",
     "paged_prefill_attention",

@@ -31,3 +31,14 @@ def _mark_unused_split(part_lse_ptr, seq, kv_head, split, num_splits, NUM_KV_HEA
     tl.store(
         part_lse_ptr + slots, tl.full([GROUP_PAD], float("-inf"), tl.float32), mask=rows < GROUP
     )
+
+
+@triton.jit
+def _window_start(seq_len, window, ALIGN: tl.constexpr, SLIDING: tl.constexpr):
+    """(first key the query sees, that key's tile start, a multiple of ALIGN): a sliding window's
+    last `window` keys, else (0, 0). Partitions cut [tile start, seq_len), so a graph captured
+    at one context stays right at any other."""
+    if SLIDING:
+        lo = tl.maximum(seq_len - window, 0)
+        return lo, (lo // ALIGN) * ALIGN
+    return 0, 0

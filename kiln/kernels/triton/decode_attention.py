@@ -20,11 +20,12 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.kv_layout import check_head_major
-from kiln.kernels.triton._decode_partition import _mark_unused_split, _partition
+from kiln.kernels.triton._attention_kinds import kind_args
+from kiln.kernels.triton._decode_partition import _mark_unused_split, _partition, _window_start
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 from kiln.kernels.triton._kv_layout import kv_head_offset, kv_tile_offsets
-from kiln.kernels.triton._online_softmax import online_softmax_update
+from kiln.kernels.triton._online_softmax import online_softmax_update, soft_cap
 from kiln.kernels.triton.decode_attention_packed import _decode_packed_kernel, packing
 
 _LOG2E = 1.4426950408889634
@@ -47,7 +48,7 @@ def _tile_offsets(block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _decode_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], head-major
@@ -64,6 +65,10 @@ def _decode_kernel(
     stride_o_head,
     stride_bt_seq,
     num_splits,  # the grid's split count; each sequence uses as many as _partition says
+    window,  # SLIDING: the query sees the last `window` keys
+    softcap_in,  # SOFTCAP: scale / softcap
+    softcap_out,  # SOFTCAP: softcap * log2(e)
+    sinks_ptr,  # SINKS: [num_heads] fp32 logits that join each head's softmax denominator
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum M)
@@ -76,6 +81,9 @@ def _decode_kernel(
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
     PREFETCH_V: tl.constexpr,  # load V a tile ahead (float8 caches)
     HEADS_FIRST: tl.constexpr = False,  # grid (kv heads, sequences, splits): see _grid
+    SLIDING: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
+    SINKS: tl.constexpr = False,
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -85,14 +93,15 @@ def _decode_kernel(
         kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    partition_size, num_valid = _partition(seq_len, num_splits, BLOCK_N)
+    lo, tile_lo = _window_start(seq_len, window, BLOCK_N, SLIDING)
+    partition_size, num_valid = _partition(seq_len - tile_lo, num_splits, BLOCK_N)
     if SPLIT:  # noqa: SIM102 (resolved at compile time; the inner `if` is the device's)
         if split >= num_valid:
             _mark_unused_split(
                 part_lse_ptr, seq, kv_head, split, num_splits, NUM_KV_HEADS, GROUP, GROUP_PAD
             )
             return
-    start = split * partition_size
+    start = tile_lo + split * partition_size
     end = tl.minimum(start + partition_size, seq_len)
 
     rows = tl.arange(0, GROUP_PAD)
@@ -114,6 +123,12 @@ def _decode_kernel(
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    if SINKS:  # noqa: SIM102 (resolved at compile time)
+        # The first partition counts the sink once: a key of weight exp(sink) and value 0.
+        if split == 0:
+            sink = tl.load(sinks_ptr + heads, mask=row_mask, other=float("-inf"))
+            m_i = sink * 1.4426950408889634
+            l_i = tl.where(row_mask, 1.0, 0.0)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
@@ -126,6 +141,8 @@ def _decode_kernel(
         # latency overlaps this tile's dots instead of stalling them.
         n = start + offs_n
         n_mask = n < end
+        if SLIDING:  # keys before the window: blocks that may be another request's by now
+            n_mask = n_mask & (n >= lo)
         kv_mask = n_mask[:, None] & dim_mask[None, :]
         v_offsets = _tile_offsets(
             block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
@@ -134,6 +151,8 @@ def _decode_kernel(
         for n_start in range(start, end, BLOCK_N):
             n = n_start + offs_n
             n_mask = n < end
+            if SLIDING:
+                n_mask = n_mask & (n >= lo)
             kv_offsets = _tile_offsets(
                 block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
             )
@@ -153,7 +172,11 @@ def _decode_kernel(
                 v = fp8e4m3_to_fp16(v_raw)  # not v.to(tl.float16): see _fp8.py
             else:
                 v = v_raw.to(q.dtype)
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+            if SOFTCAP:  # noqa: SIM108 (resolved at compile time)
+                s = soft_cap(s, softcap_in, softcap_out)
+            else:
+                s = s * qk_scale
             s = tl.where(n_mask[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
             acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, 1.0, v, DOT_PRECISION)
             v_raw = next_v_raw
@@ -161,13 +184,19 @@ def _decode_kernel(
         for n_start in range(start, end, BLOCK_N):
             n = n_start + offs_n
             n_mask = n < end
+            if SLIDING:
+                n_mask = n_mask & (n >= lo)
             kv_offsets = _tile_offsets(
                 block_table, n, n_mask, head_offset, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
             )
             kv_mask = n_mask[:, None] & dim_mask[None, :]
             k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
             v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if SOFTCAP:  # noqa: SIM108 (resolved at compile time)
+                s = soft_cap(s, softcap_in, softcap_out)
+            else:
+                s = s * qk_scale
             s = tl.where(n_mask[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
             acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, 1.0, v, DOT_PRECISION)
 
@@ -307,15 +336,19 @@ def paged_decode_attention(
     scale: float,
     max_seq_len: int,
     out: torch.Tensor | None = None,  # written and returned when given (a slice of a larger one)
+    window: int | None = None,  # sliding window: only the last `window` keys (itself included)
+    softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
+    sinks: torch.Tensor | None = None,  # [num_heads] fp32 learned logits in the denominator
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Each query attends to its sequence's first seq_lens[i] cached tokens (itself included).
-    max_seq_len (an upper bound of seq_lens) only sets the grid's split count."""
-    num_splits = choose_num_splits(
-        query.shape[0], k_cache.shape[2], max_seq_len, num_sms(query.device)
-    )
+    """Each query attends to its sequence's first seq_lens[i] cached tokens (itself included),
+    or the last `window` of them. max_seq_len (an upper bound of seq_lens) only sets the grid's
+    split count (from at most `window` keys)."""
+    keys = max_seq_len if window is None else min(max_seq_len, window)
+    num_splits = choose_num_splits(query.shape[0], k_cache.shape[2], keys, num_sms(query.device))
     return paged_decode_attention_splits(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num_splits, out
-    )
+        query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num_splits, out,
+        window, softcap, sinks,
+    )  # fmt: skip
 
 
 def paged_decode_attention_splits(
@@ -328,9 +361,15 @@ def paged_decode_attention_splits(
     max_seq_len: int,
     num_splits: int,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_decode_attention with an explicit grid split count (1 = no split-K): each sequence
-    uses up to num_splits partitions of whole tiles, sized from its own length."""
+    uses up to num_splits partitions of whole tiles, sized from its own length (from its
+    window's first tile, with a window)."""
+    kinds = kind_args(query, scale, window, softcap, sinks)
+    flags = {"SLIDING": window is not None, "SOFTCAP": softcap is not None}
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
@@ -351,10 +390,12 @@ def paged_decode_attention_splits(
     num_splits = max(num_splits, 1)
     # Over a float8 cache the packed kernel wherever the group packs: 1.27-1.36x the unpacked
     # one on an H200 at 768 x 1.5k, 384 x 1.5k and 512 x 192.
-    if kv_fp8 and (pack := packing(group, head_dim)):
+    # (Sinks take the unpacked kernel: its rows are query heads, the packed one's are not.)
+    if kv_fp8 and sinks is None and (pack := packing(group, head_dim)):
         return _packed_decode(
-            query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, pack
-        )
+            query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, pack,
+            kinds, flags,
+        )  # fmt: skip
     # A sequence's KV heads as neighbouring programs over 16- and 32-bit caches, one head of
     # neighbouring sequences over float8 ones: heads first ran a bf16 cache 10-14% faster a layer
     # on an H200 (384 x 1.5k, 512 x 192, 64 x 4k) and a float8 one 36-48% slower (64 x 4k, 32 x 1k).
@@ -380,6 +421,7 @@ def paged_decode_attention_splits(
             scale,
             num_splits,
         ),
+        *kinds,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
@@ -392,6 +434,8 @@ def paged_decode_attention_splits(
         FP16_DOTS=fp16_dots(query, k_cache),
         PREFETCH_V=kv_fp8,
         HEADS_FIRST=heads_first,
+        SINKS=sinks is not None,
+        **flags,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -449,7 +493,7 @@ def _reduce(part_out, part_lse, out, num_splits: int) -> None:
 
 
 def _packed_decode(
-    query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, pack
+    query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, pack, kinds, flags
 ) -> torch.Tensor:
     """paged_decode_attention_splits through decode_attention_packed's kernel."""
     num_seqs, num_heads, head_dim = query.shape
@@ -473,6 +517,7 @@ def _packed_decode(
             scale,
             num_splits,
         ),
+        *kinds[:3],
         NUM_KV_HEADS=num_kv_heads,
         GROUP=num_heads // num_kv_heads,
         PACK=pack,
@@ -482,6 +527,7 @@ def _packed_decode(
         SPLIT=split,
         DOT_PRECISION=dot_precision(query.dtype),
         FP16_DOTS=fp16_dots(query, k_cache),
+        **flags,
         num_warps=num_warps,
         num_stages=num_stages,
     )

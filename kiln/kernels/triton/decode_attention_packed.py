@@ -29,21 +29,25 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton._decode_partition import _mark_unused_split, _partition
+from kiln.kernels.triton._decode_partition import _mark_unused_split, _partition, _window_start
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 from kiln.kernels.triton._kv_layout import kv_head_offset, kv_tile_offsets
+from kiln.kernels.triton._online_softmax import soft_cap
 
 
 @triton.jit
 def _sub_tile(
-    cache_ptr, block_table, n0, offs_n, end, head_offset, dims,
+    cache_ptr, block_table, n0, offs_n, lo, end, head_offset, dims,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
 ):  # fmt: skip
     """Keys [n0, n0 + BLOCK_N) of one KV head (head_offset: _kv_layout.kv_head_offset), [BLOCK_N,
-    HEAD_DIM] raw from the cache (zeros past `end`)."""
+    HEAD_DIM] raw from the cache (zeros past `end`, and before `lo` when SLIDING: blocks a
+    window left behind may be another request's)."""
     n = n0 + offs_n
     n_mask = n < end
+    if SLIDING:
+        n_mask = n_mask & (n >= lo)
     if BLOCK_SIZE % BLOCK_N == 0:
         # n0 is a multiple of BLOCK_N, so the sub-tile lies in one cache block.
         block_id = tl.load(block_table + n0 // BLOCK_SIZE, mask=n0 < end, other=0).to(tl.int64)
@@ -62,10 +66,10 @@ def _sub_tile(
 @triton.jit
 def _attend_packed(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, end, qk_scale,
-    stride_q_seq, stride_q_head, stride_bt_seq,
+    stride_q_seq, stride_q_head, stride_bt_seq, lo, softcap_in, softcap_out,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP16_DOTS: tl.constexpr,
+    FP16_DOTS: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """A KV head's GROUP query heads over keys [start, end) of sequence `seq`: (out [GROUP,
     HEAD_DIM] fp32, normalised; lse [GROUP], log2 domain). No key (start >= end) gives zeros and
@@ -94,13 +98,20 @@ def _attend_packed(
         s = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         for sub in tl.static_range(PACK):
             k = _sub_tile(
-                k_cache_ptr, block_table, n_start + sub * BLOCK_N, offs_n, end, head_offset,
-                dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                k_cache_ptr, block_table, n_start + sub * BLOCK_N, offs_n, lo, end, head_offset,
+                dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SLIDING,
             )  # fmt: skip
             scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
             s = tl.where((sub_of_row == sub)[:, None], scores, s)
         n = n_start + sub_of_row[:, None] * BLOCK_N + offs_n[None, :]
-        s = tl.where(n < end, s * qk_scale, float("-inf"))  # [ROWS, BLOCK_N]
+        if SOFTCAP:  # noqa: SIM108 (resolved at compile time)
+            s = soft_cap(s, softcap_in, softcap_out)
+        else:
+            s = s * qk_scale
+        visible = n < end
+        if SLIDING:
+            visible = visible & (n >= lo)
+        s = tl.where(visible, s, float("-inf"))  # [ROWS, BLOCK_N]
         # The online softmax, safe for rows with no key yet (m stays -inf: they weigh nothing).
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -111,8 +122,8 @@ def _attend_packed(
         acc = acc * alpha[:, None]
         for sub in tl.static_range(PACK):
             v_raw = _sub_tile(
-                v_cache_ptr, block_table, n_start + sub * BLOCK_N, offs_n, end, head_offset,
-                dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                v_cache_ptr, block_table, n_start + sub * BLOCK_N, offs_n, lo, end, head_offset,
+                dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SLIDING,
             )  # fmt: skip
             if FP16_DOTS:  # noqa: SIM108 (resolved at compile time)
                 v = fp8e4m3_to_fp16(v_raw)  # not v.to(tl.float16): see _fp8.py
@@ -141,7 +152,7 @@ def _merge_rows(m_i, l_i, acc, GROUP: tl.constexpr, PACK: tl.constexpr, HEAD_DIM
     return out, lse
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _decode_packed_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], head-major
@@ -158,6 +169,9 @@ def _decode_packed_kernel(
     stride_o_head,
     stride_bt_seq,
     num_splits,
+    window,  # SLIDING: the query sees the last `window` keys
+    softcap_in,  # SOFTCAP: scale / softcap
+    softcap_out,  # SOFTCAP: softcap * log2(e)
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head, a power of two
     PACK: tl.constexpr,  # sub-partitions side by side; PACK * GROUP rows (>= 16, tl.dot's M)
@@ -167,25 +181,29 @@ def _decode_packed_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
+    SLIDING: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    partition_size, num_valid = _partition(seq_len, num_splits, PACK * BLOCK_N)
+    # Partitions of whole iterations from the window's first one: sub-tiles stay BLOCK_N-aligned.
+    lo, tile_lo = _window_start(seq_len, window, PACK * BLOCK_N, SLIDING)
+    partition_size, num_valid = _partition(seq_len - tile_lo, num_splits, PACK * BLOCK_N)
     if SPLIT:  # noqa: SIM102 (resolved at compile time; the inner `if` is the device's)
         if split >= num_valid:
             _mark_unused_split(
                 part_lse_ptr, seq, kv_head, split, num_splits, NUM_KV_HEADS, GROUP, GROUP
             )
             return
-    start = split * partition_size
+    start = tile_lo + split * partition_size
     end = tl.minimum(start + partition_size, seq_len)
 
     out, lse = _attend_packed(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, end, qk_scale,
-        stride_q_seq, stride_q_head, stride_bt_seq, NUM_KV_HEADS, GROUP, PACK, HEAD_DIM,
-        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, FP16_DOTS,
+        stride_q_seq, stride_q_head, stride_bt_seq, lo, softcap_in, softcap_out, NUM_KV_HEADS,
+        GROUP, PACK, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, FP16_DOTS, SLIDING, SOFTCAP,
     )  # fmt: skip
     dims = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + tl.arange(0, GROUP)

@@ -14,11 +14,16 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.kv_layout import check_head_major
+from kiln.kernels.triton._attention_kinds import kind_args
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 from kiln.kernels.triton._kv_layout import kv_head_offset as kv_head_offset_of
 from kiln.kernels.triton._kv_layout import kv_tile_offsets
-from kiln.kernels.triton._online_softmax import online_softmax_update
+from kiln.kernels.triton._online_softmax import (
+    online_softmax_update,
+    online_softmax_update_masked,
+    soft_cap,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -32,6 +37,10 @@ def _attend_tile(
     q_pos,  # [BLOCK_M] position of each query row in its sequence
     n_start,
     seq_len,
+    lo,  # SLIDING: the first key any row of the tile sees (keys before it are never read)
+    window,
+    softcap_in,
+    softcap_out,
     block_table,  # pointer to this sequence's row of the block table
     k_cache_ptr,
     v_cache_ptr,
@@ -43,13 +52,17 @@ def _attend_tile(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,  # apply the causal / end-of-context mask
+    MASKED: tl.constexpr,  # apply the causal / end-of-context (and window) mask
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     n = n_start + tl.arange(0, BLOCK_N)
     if MASKED:
         n_mask = n < seq_len
+        if SLIDING:  # a block the window left behind may be another request's by now
+            n_mask = n_mask & (n >= lo)
         block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n_mask, other=0)
     else:
         n_mask = tl.full([BLOCK_N], 1, tl.int1)  # the whole tile lies before seq_len
@@ -67,14 +80,23 @@ def _attend_tile(
         v = v.to(q.dtype)
 
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
+    if SOFTCAP:  # scaled and capped here, in the log2 domain: the update then scales by 1
+        s = soft_cap(s, softcap_in, softcap_out)
+        qk_scale = 1.0
     if MASKED:
-        s = tl.where((n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
+        visible = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if SLIDING:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+    if SLIDING and MASKED:
+        # A row may see no key of this tile and none before it (its window starts later).
+        return online_softmax_update_masked(acc, l_i, m_i, s, qk_scale, v, DOT_PRECISION)
     # Rows fully masked in this tile keep m_i (finite: every row saw a key in an earlier tile).
     # The scale goes in inside the update, after the row maxima: one FFMA a score.
     return online_softmax_update(acc, l_i, m_i, s, qk_scale, v, DOT_PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], head-major
@@ -89,6 +111,10 @@ def _prefill_kernel(
     stride_o_token,
     stride_o_head,
     stride_bt_seq,
+    window,  # SLIDING: each query sees the last `window` positions up to its own
+    softcap_in,  # SOFTCAP: scale / softcap
+    softcap_out,  # SOFTCAP: softcap * log2(e)
+    sinks_ptr,  # SINKS: [num_heads] fp32 logits that join each head's softmax denominator
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
@@ -98,6 +124,9 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 cache, bf16 query: dots in fp16 (see _device.fp16_dots)
+    SLIDING: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
+    SINKS: tl.constexpr = False,
 ):
     # Reversed so the longest (last, most keys under the causal mask) tiles start first.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -130,6 +159,9 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SINKS:  # the sink as a first key of weight exp(sink) and value 0: m and l start there
+        m_i = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(sinks_ptr + head) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     kv_head_offset = kv_head_offset_of(head // GROUP, HEAD_DIM, BLOCK_SIZE)
@@ -137,21 +169,41 @@ def _prefill_kernel(
     # Keys before the tile's first query position are visible to all its rows (and all < seq_len).
     first_pos = context_len + m_block * BLOCK_M
     unmasked_end = (first_pos // BLOCK_N) * BLOCK_N
-    for n_start in range(0, unmasked_end, BLOCK_N):
+    full_start = 0
+    lo = 0
+    if SLIDING:
+        # Keys before the first row's window are skipped; tiles before the last row's window
+        # start are masked per row; from there to the diagonal every row sees every key.
+        lo = tl.maximum(first_pos - window + 1, 0)
+        last_pos = context_len + tl.minimum(m_block * BLOCK_M + BLOCK_M, q_len) - 1
+        full_start = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
+        full_start = tl.maximum(tl.minimum(full_start, unmasked_end), (lo // BLOCK_N) * BLOCK_N)
+        for n_start in range((lo // BLOCK_N) * BLOCK_N, full_start, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, q_pos, n_start, seq_len, lo, window, softcap_in, softcap_out,
+                block_table, k_cache_ptr, v_cache_ptr, kv_head_offset, dims, dim_mask, qk_scale,
+                NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP16_DOTS,
+                SLIDING, SOFTCAP,
+            )  # fmt: skip
+    for n_start in range(full_start, unmasked_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, n_start, seq_len, block_table, k_cache_ptr, v_cache_ptr,
-            kv_head_offset, dims, dim_mask, qk_scale,
+            acc, l_i, m_i, q, q_pos, n_start, seq_len, lo, window, softcap_in, softcap_out,
+            block_table, k_cache_ptr, v_cache_ptr, kv_head_offset, dims, dim_mask, qk_scale,
             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, FP16_DOTS,
+            SLIDING, SOFTCAP,
         )  # fmt: skip
     # The diagonal: the first of these tiles holds key `first_pos`, seen by every row.
     causal_end = tl.minimum(seq_len, first_pos + BLOCK_M)
     for n_start in range(unmasked_end, causal_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, n_start, seq_len, block_table, k_cache_ptr, v_cache_ptr,
-            kv_head_offset, dims, dim_mask, qk_scale,
+            acc, l_i, m_i, q, q_pos, n_start, seq_len, lo, window, softcap_in, softcap_out,
+            block_table, k_cache_ptr, v_cache_ptr, kv_head_offset, dims, dim_mask, qk_scale,
             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP16_DOTS,
+            SLIDING, SOFTCAP,
         )  # fmt: skip
 
+    if SLIDING:  # padding rows past the chunk may have seen no key: no 0 / 0 (never stored)
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + tokens[:, None] * stride_o_token + head * stride_o_head + dims[None, :],
@@ -201,8 +253,12 @@ def paged_prefill_attention(
     max_query_len: int,
     max_seq_len: int,
     out: torch.Tensor | None = None,  # written and returned when given (a slice of a larger one)
+    window: int | None = None,  # sliding window: only the last `window` keys (itself included)
+    softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
+    sinks: torch.Tensor | None = None,  # [num_heads] fp32 learned logits in the denominator
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention for chunks whose earlier context is already in the cache."""
+    """Causal attention for chunks whose earlier context is already in the cache (a window, a
+    soft-cap and sinks as the twin's; without them the kernel compiles as it always did)."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
@@ -238,6 +294,7 @@ def paged_prefill_attention(
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
+        *kind_args(query, scale, window, softcap, sinks),
         NUM_KV_HEADS=num_kv_heads,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
@@ -247,6 +304,9 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(query.dtype),
         FP16_DOTS=fp16_dots(query, k_cache),
+        SLIDING=window is not None,
+        SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -5,7 +5,8 @@ One program per token rotates all its query and key heads (cos/sin read once per
 the rotated keys and the values to its cache slot, and returns the rotated queries. Math in fp32,
 results rounded to the input dtype, then to the cache's (float8 saturating at +-448, as
 reference.to_cache_dtype). Scaled variants (llama3, linear, ...) differ only in the
-cos_sin_cache, so the kernel is the same.
+cos_sin_cache, so the kernel is the same. A table narrower than head_dim turns each head's
+first dims only (partial rotary) and copies the rest: a constexpr, compiled out at full width.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def _rotate_heads(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     FP8_MAX: tl.constexpr,  # > 0: the output is a float8 cache, saturated at +-FP8_MAX
+    HEAD_DIM: tl.constexpr,  # > 2 * HALF: partial rotary, dims [2 * HALF, HEAD_DIM) pass
+    BLOCK_PASS: tl.constexpr,
 ):
     heads = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_HALF)
@@ -50,6 +53,15 @@ def _rotate_heads(
     # Rounded to the input dtype first (as reference.rotary_embedding), then to the output's.
     tl.store(dst, _to_output(out1.to(x1.dtype), out_ptr, FP8_MAX), mask=mask)
     tl.store(dst + HALF, _to_output(out2.to(x1.dtype), out_ptr, FP8_MAX), mask=mask)
+    if HEAD_DIM > 2 * HALF:
+        rest = tl.arange(0, BLOCK_PASS)
+        rest_mask = (heads[:, None] < num_heads) & (rest[None, :] < HEAD_DIM - 2 * HALF)
+        row_x = x_ptr + token * stride_x_token + heads[:, None] * stride_x_head
+        row_out = out_ptr + token * stride_out_token + heads[:, None] * stride_out_head
+        src_rest = row_x + 2 * HALF + rest[None, :]
+        dst_rest = row_out + 2 * HALF + rest[None, :]
+        passed = tl.load(src_rest, mask=rest_mask, other=0.0)
+        tl.store(dst_rest, _to_output(passed, out_ptr, FP8_MAX), mask=rest_mask)
 
 
 @triton.jit
@@ -80,12 +92,15 @@ def _rotary_write_kv_kernel(
     stride_qo_head,
     num_heads,
     NUM_KV_HEADS: tl.constexpr,
-    HALF: tl.constexpr,  # head_dim // 2
+    HALF: tl.constexpr,  # rotary_dim // 2 (head_dim // 2 but for partial rotary)
     BLOCK_H: tl.constexpr,
     BLOCK_KV_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     FP8_MAX: tl.constexpr,  # > 0 for a float8 cache
     BLOCK_SIZE: tl.constexpr,  # the cache's
+    HEAD_DIM: tl.constexpr,  # > 2 * HALF for partial rotary
+    BLOCK_PASS: tl.constexpr,  # next power of two of HEAD_DIM - 2 * HALF (1 at full width)
+    BLOCK_D: tl.constexpr,  # next power of two of HEAD_DIM
 ):
     """One program per token: rotates its query heads (out) and key heads (into the cache at its
     slot), and copies its value heads into the cache. One launch instead of a rotary and a
@@ -98,20 +113,20 @@ def _rotary_write_kv_kernel(
     sin = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + cols, mask=col_mask, other=0.0)
     _rotate_heads(
         q_ptr, q_out_ptr, token, stride_q_token, stride_q_head, stride_qo_token, stride_qo_head,
-        cos, sin, num_heads, HALF, BLOCK_H, BLOCK_HALF, 0.0,
+        cos, sin, num_heads, HALF, BLOCK_H, BLOCK_HALF, 0.0, HEAD_DIM, BLOCK_PASS,
     )  # fmt: skip
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
         # The token's head 0 row in the cache, and the step from one head's row to the next's.
-        base = kv_slot_base(slot, NUM_KV_HEADS, 2 * HALF, BLOCK_SIZE)
-        head_stride = kv_head_offset(1, 2 * HALF, BLOCK_SIZE)
+        base = kv_slot_base(slot, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+        head_stride = kv_head_offset(1, HEAD_DIM, BLOCK_SIZE)
         _rotate_heads(
             k_ptr, k_cache_ptr + base, token, stride_k_token, stride_k_head, 0, head_stride, cos,
-            sin, NUM_KV_HEADS, HALF, BLOCK_KV_H, BLOCK_HALF, FP8_MAX,
+            sin, NUM_KV_HEADS, HALF, BLOCK_KV_H, BLOCK_HALF, FP8_MAX, HEAD_DIM, BLOCK_PASS,
         )  # fmt: skip
         heads = tl.arange(0, BLOCK_KV_H)
-        dims = tl.arange(0, 2 * BLOCK_HALF)
-        mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < 2 * HALF)
+        dims = tl.arange(0, BLOCK_D)
+        mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
         src = v_ptr + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :]
         value = tl.load(src, mask=mask)
         dst = v_cache_ptr + base + heads[:, None] * head_stride
@@ -136,15 +151,22 @@ def rotary_embedding_write_kv(
     assert key.shape == value.shape == (num_tokens, num_kv_heads, head_dim)
     assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.shape == v_cache.shape
     check_head_major(k_cache, v_cache)
-    assert cos_sin_cache.shape[1] == head_dim and head_dim % 2 == 0, "full-width rotary only"
+    rotary_dim = cos_sin_cache.shape[1]
+    assert rotary_dim <= head_dim and rotary_dim % 2 == 0, "rotary turns pairs of a head's dims"
     query, key, value = (t if t.stride(2) == 1 else t.contiguous() for t in (query, key, value))
     if not cos_sin_cache.is_contiguous():
         cos_sin_cache = cos_sin_cache.contiguous()
     q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return q_out
-    half = head_dim // 2
+    half = rotary_dim // 2
     fp8 = k_cache.dtype == torch.float8_e4m3fn
+    # At full width the pass-through is compiled out (Llama's kernel is the same code).
+    partial = dict(
+        HEAD_DIM=head_dim,
+        BLOCK_PASS=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
     _rotary_write_kv_kernel[(num_tokens,)](
         positions, query, key, value, q_out, k_cache, v_cache, slot_mapping, cos_sin_cache,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
@@ -158,5 +180,6 @@ def rotary_embedding_write_kv(
         FP8_MAX=FP8_E4M3_MAX if fp8 else 0.0,
         BLOCK_SIZE=k_cache.shape[1],
         num_warps=4,
+        **partial,
     )  # fmt: skip
     return q_out

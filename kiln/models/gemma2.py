@@ -1,0 +1,16 @@
+"""Gemma 2 over the shared blocks: Gemma's layer (kiln.models.gemma: (1 + w) norms, scaled
+embedding, GeGLU) with sandwich norms, local (sliding-window) and global layers alternating
+(ModelConfig.layer_types, read by the attention backend per layer), attention logits soft-capped
+in the attention kernels, the final logits soft-capped, and query_pre_attn_scalar's scale."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from kiln.models.decoder import LayerTensorMap
+from kiln.models.gemma import SANDWICH_LAYER_TENSOR_MAP, GemmaForCausalLM
+
+
+class Gemma2ForCausalLM(GemmaForCausalLM):
+    layer_tensor_map: ClassVar[LayerTensorMap] = SANDWICH_LAYER_TENSOR_MAP
+    norms: ClassVar[str] = "sandwich"

@@ -1,0 +1,45 @@
+"""Gemma 3 (text, Gemma3ForCausalLM) over the shared blocks: Gemma 2's layer (sandwich norms,
+local and global layers: five local to one global by default) with a (1 + w) RMSNorm of each
+query and key head before rotary, and the local layers' own rotary base
+(ModelConfig.rope_local_base_freq: their table, "local"), the global layers' with the config's
+rope scaling."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from kiln.distributed.parallel_state import ParallelContext
+from kiln.models.blocks import DecoderLayer, LinearMethodFactory
+from kiln.models.config import ModelConfig
+from kiln.models.decoder import LayerTensorMap
+from kiln.models.gemma import SANDWICH_LAYER_TENSOR_MAP, GemmaForCausalLM
+
+GEMMA3_LAYER_TENSOR_MAP: LayerTensorMap = {
+    **SANDWICH_LAYER_TENSOR_MAP,
+    "self_attn.q_norm.weight": ("self_attn.q_norm", None),
+    "self_attn.k_norm.weight": ("self_attn.k_norm", None),
+}
+
+
+class Gemma3ForCausalLM(GemmaForCausalLM):
+    layer_tensor_map: ClassVar[LayerTensorMap] = GEMMA3_LAYER_TENSOR_MAP
+    norms: ClassVar[str] = "sandwich"
+    qk_norm: ClassVar[bool] = True
+
+    def make_layer(
+        self,
+        cfg: ModelConfig,
+        prefix: str,
+        method: LinearMethodFactory,
+        dtype: torch.dtype | None,
+        ctx: ParallelContext | None,
+        full: ModelConfig,
+    ) -> DecoderLayer:
+        # The decoder names layer i "layers.i" (i counted over the whole model).
+        local = full.layer_window(int(prefix.rsplit(".", 1)[1])) is not None
+        table = "local" if local and full.rope_local_base_freq is not None else None
+        return DecoderLayer(
+            cfg, prefix, method, dtype, ctx, full, self.qk_norm, self.norms, rope_table=table
+        )

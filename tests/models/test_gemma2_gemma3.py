@@ -1,0 +1,129 @@
+"""Gemma 2 and Gemma 3 (text) against Hugging Face in fp32 (eager attention), prompts longer
+than the window: local (sliding-window) and global layers alternating, Gemma 2's attention and
+final logit soft-caps, Gemma 3's per-head (1 + w) q/k norms and its local layers' rotary base;
+greedy tokens equal over 32 new tokens alone, batched, chunked, preempted and prefix-cached."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln import LLM
+from kiln.attention.backend import AttentionKind
+from tests.conftest import generated_logprob_gaps
+from tests.models.family_checks import (
+    check_alone_and_batched,
+    check_chunked,
+    check_fp8_close,
+    check_gpu,
+    check_prefix_hit,
+    hf_tokens,
+    perturb_norms_and_biases,
+    save_tiny_hf,
+    tokens,
+)
+from tests.models.test_qwen3 import ARGS, GREEDY, PREFIXED, PROMPTS
+
+GEMMA = dict(head_dim=32, hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=24)
+VARIANTS = {
+    # Layers 0 and 2 local (a window of 5), 1 and 3 global; caps that bite at this scale.
+    "gemma2": (
+        "gemma2", "Gemma2ForCausalLM",
+        dict(num_hidden_layers=4, sliding_window=5, attn_logit_softcapping=0.5,
+             final_logit_softcapping=3.0, **GEMMA),
+    ),
+    # Two local layers (window 7, base 10k) to one global (base 1M, linear scaling x2).
+    "gemma3": (
+        "gemma3_text", "Gemma3ForCausalLM",
+        dict(num_hidden_layers=3, sliding_window=7, sliding_window_pattern=3,
+             rope_parameters={
+                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+             }, **GEMMA),
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def gemma(request, tmp_path_factory):
+    model_type, hf_class, overrides = VARIANTS[request.param]
+    path = str(tmp_path_factory.mktemp(request.param) / "src")
+    model = save_tiny_hf(path, model_type, hf_class, perturb=perturb_norms_and_biases, **overrides)
+    want = hf_tokens(model, [*PROMPTS, *PREFIXED])
+    return request.param, path, want, LLM(path, max_num_batched_tokens=64, **ARGS)
+
+
+def test_layer_kinds(gemma) -> None:
+    variant, _, _, llm = gemma
+    model = llm.engine.executor.runner.model
+    kinds = [layer.self_attn.kind for layer in model.layers]
+    if variant == "gemma2":
+        local, full = AttentionKind(5, 0.5), AttentionKind(None, 0.5)
+        assert kinds == [local, full, local, full]
+        assert model.config.final_logit_softcapping == 3.0
+    else:
+        assert kinds == [AttentionKind(7), AttentionKind(7), AttentionKind(None)]
+        assert model.config.rope_local_base_freq == 1e4 and model.config.rope_theta == 1e6
+        assert [layer.self_attn.rope_table for layer in model.layers] == ["local", "local", None]
+    assert model.layers[0].self_attn.scale == pytest.approx(24**-0.5)
+    # Local and global layers in one model: every layer's blocks are kept (one block table).
+    assert llm.engine.kv_cache.sliding_window is None
+
+
+def test_batched_alone_and_prefix_cached_equal_hf(gemma) -> None:
+    _, _, want, llm = gemma
+    check_alone_and_batched(llm, want)
+    check_prefix_hit(llm, want)
+
+
+def test_chunked_equal_hf(gemma) -> None:
+    _, path, want, _ = gemma
+    check_chunked(path, want)  # chunks of 16 past windows of 5 and 7
+
+
+def test_preempted_equal_hf(gemma) -> None:
+    _, path, want, _ = gemma
+    # 8 blocks of 16 hold the longest request (51 + 32 tokens: 6 blocks), not all four.
+    llm = LLM(path, max_num_batched_tokens=64, **{**ARGS, "num_kv_blocks": 8})
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == [want[tuple(p)] for p in PROMPTS]
+    assert llm.engine.scheduler.num_preemptions_total > 0
+
+
+def test_engine_directory_keeps_the_layer_kinds(gemma, tmp_path) -> None:
+    """`kiln build` writes the layer kinds, soft-caps and rotary bases into the engine
+    directory's config; the directory loads into the same model and tokens."""
+    from kiln.builder.build import BuildOptions, build_engine
+
+    _, path, want, _ = gemma
+    out = str(tmp_path / "engine")
+    build_engine(path, out, BuildOptions(quantization="none", accuracy_check=False), None)
+    built = LLM(out, max_num_batched_tokens=64, **ARGS)
+    model = built.engine.executor.runner.model
+    source = LLM(path, max_num_batched_tokens=64, **ARGS).engine.executor.runner.model
+    assert model.config == source.config
+    assert [layer.self_attn.kind for layer in model.layers] == [
+        layer.self_attn.kind for layer in source.layers
+    ]
+    assert tokens(built.generate(PROMPTS, GREEDY)) == [want[tuple(p)] for p in PROMPTS]
+
+
+def test_float8_kv_cache_stays_close(gemma) -> None:
+    """A float8 KV cache (unscaled e4m3) through the windowed and soft-capped layers: the
+    logprobs of the fp32 cache's run within float8's noise."""
+    _, path, _, llm = gemma
+    fp8 = LLM(path, kv_cache_dtype="fp8", max_num_batched_tokens=64, **ARGS)
+    gaps = generated_logprob_gaps(fp8.generate(PROMPTS, GREEDY), llm.generate(PROMPTS, GREEDY))
+    assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
+
+
+def test_fp8_dynamic_stays_close(gemma) -> None:
+    _, path, _, llm = gemma
+    check_fp8_close(path, llm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_with_graphs_and_fp8(gemma) -> None:
+    """Triton kernels with decode in CUDA graphs (each layer's window and soft-cap inside
+    them) equal to HF in fp32; FP8 W8A8 with a float8 KV cache within float8's noise."""
+    _, path, want, llm = gemma
+    check_gpu(path, want, llm)
