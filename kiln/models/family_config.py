@@ -30,6 +30,8 @@ def family_fields(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
     local = params.get("sliding_attention")  # per layer type (Gemma 3, transformers 5)
     local_base = local.get("rope_theta") if isinstance(local, dict) else None
     act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+    if architecture in GEMMA and act == "gelu":  # Gemma's legacy spelling, as transformers reads it
+        act = "gelu_pytorch_tanh"
     if act not in ACTIVATIONS:
         raise ModelLoadError(f"hidden_act={act!r} is not supported; supported: {ACTIVATIONS}")
     fields: dict[str, Any] = {
