@@ -542,6 +542,25 @@ PRESETS: dict[str, dict[str, Any]] = {
         head_dim=256, hidden_act="gelu_pytorch_tanh", rms_norm_eps=1e-6, rope_theta=10000.0,
         max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
     ),
+    # Gemma 2 9B: alternating 4096-token windows, attention and final logit soft-caps.
+    "gemma-2-9b": _preset(
+        "gemma2", 256000, 3584, 14336, 42, 16, 8,
+        head_dim=256, hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=2,
+        eos_token_id=[1, 107],
+    ),
+    # Gemma 3 12B (text): five 1024-token window layers to one global, two rope bases.
+    "gemma-3-12b": _preset(
+        "gemma3_text", 262208, 3840, 15360, 48, 16, 8,
+        head_dim=256, hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=256, sliding_window=1024, sliding_window_pattern=6,
+        rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, rms_norm_eps=1e-6,
+        max_position_embeddings=131072, tie_word_embeddings=True, bos_token_id=2,
+        eos_token_id=[1, 106],
+    ),
     # Phi-4 (14B): Phi-3's architecture, no window, no longrope.
     "phi-4": _preset(
         "phi3", 100352, 5120, 17920, 40, 40, 10,
