@@ -184,7 +184,7 @@ def test_an_fp8_dynamic_engine_generates_what_the_quantized_source_does(tiny_sou
     """The engine holds the float8 weights and scales the source quantizes to at load, and its
     manifest names the scheme, so it loads them without --quantization."""
     out = str(tmp_path / "fp8")
-    options = BuildOptions(quantization="fp8-dynamic", accuracy_check=False)
+    options = BuildOptions(dtype="float32", quantization="fp8-dynamic", accuracy_check=False)
     manifest = build_engine(tiny_source, out, options, None)
     assert manifest.quantization == "fp8-dynamic" and manifest.scales_method is not None
     assert manifest.accuracy == {"checked": False, "reason": "--no-accuracy-check"}
@@ -248,7 +248,11 @@ def test_every_long_step_of_a_checked_build_shows_a_progress_bar(tmp_path, capfd
 
     source = build_tiny_chat_model(str(tmp_path / "chat"))  # calibration needs a tokenizer
     options = BuildOptions(
-        quantization="fp8", kv_cache_dtype="fp8", max_ppl_increase=1e6, max_model_len=128
+        dtype="float32",
+        quantization="fp8",
+        kv_cache_dtype="fp8",
+        max_ppl_increase=1e6,
+        max_model_len=128,
     )
     manifest = build_engine(source, str(tmp_path / "e"), options, None)
     assert manifest.accuracy["checked"]
@@ -306,7 +310,7 @@ def test_a_build_over_the_perplexity_limit_fails_with_its_numbers_and_keeps_noth
 @pytest.mark.parametrize("limit", [-1.0, float("nan"), float("inf")])
 def test_a_perplexity_limit_must_be_a_percentage(limit):
     with pytest.raises(BuildError, match="max_ppl_increase must be a percentage >= 0"):
-        BuildOptions(quantization="fp8-dynamic", max_ppl_increase=limit)
+        BuildOptions(dtype="float32", quantization="fp8-dynamic", max_ppl_increase=limit)
 
 
 def _pretend_gpu(monkeypatch, capability: tuple[int, int], name: str) -> None:

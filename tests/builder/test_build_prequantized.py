@@ -213,7 +213,7 @@ def test_a_prequantized_build_is_cached_by_content(tmp_path, monkeypatch, capsys
 
     monkeypatch.setattr("kiln.builder.build.find_model_source", no_load)
     # Its scheme named explicitly is the same build as "auto": the same engine, from the cache.
-    options = BuildOptions(quantization="fp8-dynamic", accuracy_check=False)
+    options = BuildOptions(dtype="float32", quantization="fp8-dynamic", accuracy_check=False)
     second = build_engine(src, str(tmp_path / "b"), options, cache)
     assert second == first
     a, b = _tensors(tmp_path / "a"), _tensors(tmp_path / "b")

@@ -93,6 +93,6 @@ def test_a_gptq_build_loads_answers_and_is_its_own_engine(chat_source, tmp_path)
 
 def test_gptq_without_float8_weights_is_a_one_line_error():
     with pytest.raises(BuildError, match="needs --quantization fp8 or fp8-dynamic"):
-        BuildOptions(quantization="none", weight_rounding="gptq")
+        BuildOptions(dtype="float32", quantization="none", weight_rounding="gptq")
     with pytest.raises(BuildError, match="weight_rounding must be one of"):
-        BuildOptions(quantization="fp8-dynamic", weight_rounding="stochastic")
+        BuildOptions(dtype="float32", quantization="fp8-dynamic", weight_rounding="stochastic")

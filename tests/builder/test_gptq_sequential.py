@@ -81,9 +81,11 @@ def test_sequential_rounding_starts_as_one_pass_gptq_then_differs(source_llm):
 
 def test_what_it_cannot_do_is_a_one_line_error():
     with pytest.raises(BuildError, match="needs --quantization fp8 or fp8-dynamic"):
-        BuildOptions(quantization="none", weight_rounding="gptq-sequential")
+        BuildOptions(dtype="float32", quantization="none", weight_rounding="gptq-sequential")
     with pytest.raises(BuildError, match="weight_rounding must be one of"):
-        BuildOptions(quantization="fp8", weight_rounding="gptq-aware")  # measured worse: gone
+        BuildOptions(
+            dtype="float32", quantization="fp8", weight_rounding="gptq-aware"
+        )  # measured worse: gone
 
 
 def test_a_tp2_sequential_build_is_the_tp1_engines_cut(chat_source, tmp_path):
@@ -151,8 +153,8 @@ def test_the_sequential_roundings_parameters_name_the_engine(chat_source, tmp_pa
     rounded the old way."""
     from kiln.builder import build
 
-    options = BuildOptions(quantization="fp8-dynamic", weight_rounding="gptq-sequential",
-                           accuracy_check=False)  # fmt: skip
+    options = BuildOptions(dtype="float32", quantization="fp8-dynamic",
+                           weight_rounding="gptq-sequential", accuracy_check=False)  # fmt: skip
     first = build_engine(chat_source, str(tmp_path / "a"), options, None)
     monkeypatch.setattr(build, "SEQUENTIAL_DAMP", 0.5)
     second = build_engine(chat_source, str(tmp_path / "b"), options, None)
@@ -166,7 +168,7 @@ def test_a_source_without_a_tokenizer_is_refused_by_name(tmp_path):
 
     source = str(tmp_path / "src")
     build_tiny_hf_model("llama-gqa", source)  # no tokenizer files
-    options = BuildOptions(quantization="fp8-dynamic", weight_rounding="gptq-sequential",
-                           accuracy_check=False)  # fmt: skip
+    options = BuildOptions(dtype="float32", quantization="fp8-dynamic",
+                           weight_rounding="gptq-sequential", accuracy_check=False)  # fmt: skip
     with pytest.raises(BuildError, match=r"gptq-sequential.*no tokenizer"):
         build_engine(source, str(tmp_path / "out"), options, None)

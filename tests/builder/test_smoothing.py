@@ -139,8 +139,10 @@ def test_the_manifest_and_the_engine_id_carry_the_smoothing(fp8_builds):
     written = json.loads((out / "smooth" / "kiln_engine.json").read_text())
     assert written["smoothing"] == "smoothquant:0.7"
     # The default alpha named or not: one engine (the canonical form names it); per scheme.
-    assert BuildOptions(quantization="fp8", smoothing="smoothquant:0.30").smoothing == (
-        BuildOptions(quantization="fp8", smoothing="smoothquant").smoothing
+    assert BuildOptions(
+        dtype="float32", quantization="fp8", smoothing="smoothquant:0.30"
+    ).smoothing == (
+        BuildOptions(dtype="float32", quantization="fp8", smoothing="smoothquant").smoothing
     )
 
 
@@ -164,7 +166,7 @@ def test_smoothing_in_place_leaves_the_unquantized_model_as_it_was(outlier_sourc
 
 def test_smoothing_where_it_cannot_apply_is_a_clear_error(tiny_hf_source, tmp_path):
     with pytest.raises(BuildError, match="needs --quantization fp8 or fp8-dynamic"):
-        BuildOptions(quantization="none", smoothing="smoothquant")
+        BuildOptions(dtype="float32", quantization="none", smoothing="smoothquant")
     with pytest.raises(BuildError, match="needs --quantization fp8 or fp8-dynamic"):
         options = BuildOptions(smoothing="smoothquant")  # "auto" of an unquantized source: none
         build_engine(tiny_hf_source, str(tmp_path / "auto"), options, None)
@@ -174,7 +176,7 @@ def test_smoothing_where_it_cannot_apply_is_a_clear_error(tiny_hf_source, tmp_pa
     for bad, says in (("smoothquant:1.5", "in \\[0, 1\\]"), ("smoothquant:x", "a number"),
                       ("awq", "none or smoothquant")):  # fmt: skip
         with pytest.raises(BuildError, match=says):
-            BuildOptions(quantization="fp8", smoothing=bad)
+            BuildOptions(dtype="float32", quantization="fp8", smoothing=bad)
     assert str(SmoothingSpec.parse("none")) == "none"
 
 
@@ -194,8 +196,9 @@ def test_a_tp_build_smooths_whole_tensors_before_the_cut(fp8_builds, outlier_sou
     from kiln.checkpoint.engine_dir import rank_dir_name
 
     _, smooth, out = fp8_builds
-    options = BuildOptions(quantization="fp8-dynamic", max_model_len=128, smoothing="smoothquant",
-                           tensor_parallel_size=2, accuracy_check=False)  # fmt: skip
+    options = BuildOptions(dtype="float32", quantization="fp8-dynamic", max_model_len=128,
+                           smoothing="smoothquant", tensor_parallel_size=2,
+                           accuracy_check=False)  # fmt: skip
     sharded = build_engine(outlier_source, str(tmp_path / "tp2"), options, None)
     assert sharded.smoothing == smooth.smoothing and sharded.engine_id != smooth.engine_id
 
@@ -219,7 +222,7 @@ def test_a_tp_build_smooths_whole_tensors_before_the_cut(fp8_builds, outlier_sou
 def test_unquantized_layers_stay_in_the_model_dtype_and_load_so(outlier_source, tmp_path):
     from safetensors.torch import load_file
 
-    options = BuildOptions(quantization="fp8", max_model_len=128, accuracy_check=False,
+    options = BuildOptions(dtype="float32", quantization="fp8", max_model_len=128, accuracy_check=False,
                            unquantized_layers=("layers.1.mlp.*",))  # fmt: skip
     built = build_engine(outlier_source, str(tmp_path / "kept"), options, None)
     assert built.unquantized_layers == ["layers.1.mlp.gate_up_proj", "layers.1.mlp.down_proj"]
@@ -234,7 +237,9 @@ def test_unquantized_layers_stay_in_the_model_dtype_and_load_so(outlier_source, 
     out = llm.generate(PROMPTS, GREEDY)
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in out)
     with pytest.raises(BuildError, match="matches no projection"):
-        options = BuildOptions(quantization="fp8", unquantized_layers=("layers.*.mlp.up_proj",))
+        options = BuildOptions(
+            dtype="float32", quantization="fp8", unquantized_layers=("layers.*.mlp.up_proj",)
+        )
         build_engine(outlier_source, str(tmp_path / "typo"), options, None)
     with pytest.raises(BuildError, match="needs --quantization fp8 or fp8-dynamic"):
-        BuildOptions(quantization="none", unquantized_layers=("layers.0.*",))
+        BuildOptions(dtype="float32", quantization="none", unquantized_layers=("layers.0.*",))

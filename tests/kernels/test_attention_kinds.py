@@ -61,7 +61,7 @@ def _inputs(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dty
 
 def _brute_force(query, k_cache, v_cache, tables, qsl, lens, scale, window, softcap, sinks):
     """Query by query, head by head, in float64."""
-    out = torch.zeros(query.shape, dtype=torch.float64)
+    out = torch.zeros(query.shape, dtype=torch.float64, device=query.device)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = query.shape[1] // num_kv_heads
     for i, seq_len in enumerate(lens.tolist()):

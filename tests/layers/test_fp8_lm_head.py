@@ -90,6 +90,8 @@ def test_engines_record_the_float8_head_and_load_it(tiny, tmp_path) -> None:
 
 
 def test_an_unknown_head_quantization_is_refused() -> None:
-    BuildOptions(lm_head_quantization="fp8", tensor_parallel_size=2)  # cut per rank (test_parallel)
+    BuildOptions(
+        dtype="float32", lm_head_quantization="fp8", tensor_parallel_size=2
+    )  # cut per rank (test_parallel)
     with pytest.raises(BuildError, match="lm_head_quantization must be one of"):
-        BuildOptions(lm_head_quantization="int8")
+        BuildOptions(dtype="float32", lm_head_quantization="int8")

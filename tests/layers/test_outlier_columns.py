@@ -170,9 +170,9 @@ def test_the_manifest_names_the_channels_and_the_weights_hold_their_columns(stat
 
 def test_outlier_columns_where_they_cannot_apply_are_a_clear_error():
     with pytest.raises(BuildError, match="a multiple of 16"):
-        BuildOptions(quantization="fp8", outlier_columns=8)
+        BuildOptions(dtype="float32", quantization="fp8", outlier_columns=8)
     with pytest.raises(BuildError, match="need --quantization fp8 or fp8-dynamic"):
-        BuildOptions(quantization="none", outlier_columns=16)
+        BuildOptions(dtype="float32", quantization="none", outlier_columns=16)
 
 
 def _rank_layers(engine: str, name: str, tp: int = 2) -> list[Linear]:

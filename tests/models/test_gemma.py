@@ -75,7 +75,9 @@ def test_an_fp8_build_loads_and_stays_close(gemma, tmp_path) -> None:
 
     path, _, llm = gemma
     out = str(tmp_path / "fp8")
-    options = BuildOptions(quantization="fp8", accuracy_check=False, max_model_len=256)
+    options = BuildOptions(
+        dtype="float32", quantization="fp8", accuracy_check=False, max_model_len=256
+    )
     manifest = build_engine(path, out, options, None)
     assert manifest.quantization == "fp8"
     engine = LLM(out, max_num_batched_tokens=64, **ARGS)
@@ -148,7 +150,7 @@ def test_smoothing_is_refused(gemma, tmp_path) -> None:
     """SmoothQuant would divide w of a (1 + w) norm: refused, not built wrong."""
     from kiln.builder.build import BuildOptions, build_engine
 
-    options = BuildOptions(quantization="fp8", smoothing="smoothquant", accuracy_check=False,
+    options = BuildOptions(dtype="float32", quantization="fp8", smoothing="smoothquant", accuracy_check=False,
                            max_model_len=256)  # fmt: skip
     with pytest.raises(ValueError, match="smoothing folds into Llama-shaped"):
         build_engine(gemma[0], str(tmp_path / "smoothed"), options, None)

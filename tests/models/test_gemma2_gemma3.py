@@ -96,7 +96,9 @@ def test_engine_directory_keeps_the_layer_kinds(gemma, tmp_path) -> None:
 
     _, path, want, _ = gemma
     out = str(tmp_path / "engine")
-    build_engine(path, out, BuildOptions(quantization="none", accuracy_check=False), None)
+    build_engine(
+        path, out, BuildOptions(dtype="float32", quantization="none", accuracy_check=False), None
+    )
     built = LLM(out, max_num_batched_tokens=64, **ARGS)
     model = built.engine.executor.runner.model
     source = LLM(path, max_num_batched_tokens=64, **ARGS).engine.executor.runner.model

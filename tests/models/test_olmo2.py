@@ -52,7 +52,11 @@ def test_an_fp8_build_loads_and_stays_close(olmo2, tmp_path) -> None:
     path, _, llm = olmo2
     out = str(tmp_path / "fp8")
     options = BuildOptions(
-        quantization="fp8", kv_cache_dtype="fp8", accuracy_check=False, max_model_len=256
+        dtype="float32",
+        quantization="fp8",
+        kv_cache_dtype="fp8",
+        accuracy_check=False,
+        max_model_len=256,
     )
     manifest = build_engine(path, out, options, None)
     assert len(manifest.kv_scales) == 2 and manifest.kv_scales_in_weights

@@ -130,7 +130,9 @@ def test_engine_directory_keeps_the_windows(model, tmp_path) -> None:
 
     path, expected, _ = model
     out = str(tmp_path / "engine")
-    build_engine(path, out, BuildOptions(quantization="none", accuracy_check=False), None)
+    build_engine(
+        path, out, BuildOptions(dtype="float32", quantization="none", accuracy_check=False), None
+    )
     built, source = LLM(out, block_size=4), LLM(path, block_size=4)
     assert built.engine.model_config == source.engine.model_config
     assert _tokens(built.generate(PROMPTS, PARAMS)) == expected
