@@ -222,7 +222,8 @@ def test_a_tp_build_smooths_whole_tensors_before_the_cut(fp8_builds, outlier_sou
 def test_unquantized_layers_stay_in_the_model_dtype_and_load_so(outlier_source, tmp_path):
     from safetensors.torch import load_file
 
-    options = BuildOptions(dtype="float32", quantization="fp8", max_model_len=128, accuracy_check=False,
+    options = BuildOptions(dtype="float32", quantization="fp8", max_model_len=128,
+                           accuracy_check=False,
                            unquantized_layers=("layers.1.mlp.*",))  # fmt: skip
     built = build_engine(outlier_source, str(tmp_path / "kept"), options, None)
     assert built.unquantized_layers == ["layers.1.mlp.gate_up_proj", "layers.1.mlp.down_proj"]

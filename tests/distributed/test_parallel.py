@@ -508,7 +508,8 @@ def test_kiln_build_tp2_writes_each_rank_its_cut(models, tmp_path) -> None:
     from kiln.checkpoint.engine_dir import rank_dir_name
 
     out = str(tmp_path / "engine")
-    options = BuildOptions(dtype="float32", 
+    options = BuildOptions(
+        dtype="float32",
         quantization="fp8-dynamic", accuracy_check=False, tensor_parallel_size=2,
         lm_head_quantization="fp8",
     )  # fmt: skip

@@ -150,8 +150,8 @@ def test_smoothing_is_refused(gemma, tmp_path) -> None:
     """SmoothQuant would divide w of a (1 + w) norm: refused, not built wrong."""
     from kiln.builder.build import BuildOptions, build_engine
 
-    options = BuildOptions(dtype="float32", quantization="fp8", smoothing="smoothquant", accuracy_check=False,
-                           max_model_len=256)  # fmt: skip
+    options = BuildOptions(dtype="float32", quantization="fp8", smoothing="smoothquant",
+                           accuracy_check=False, max_model_len=256)  # fmt: skip
     with pytest.raises(ValueError, match="smoothing folds into Llama-shaped"):
         build_engine(gemma[0], str(tmp_path / "smoothed"), options, None)
 
