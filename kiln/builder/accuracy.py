@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
+import json
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -73,6 +75,50 @@ def measure(llm: object, max_length: int | None, label: str = "model") -> dict[s
     with build_step(f"held-out perplexity of the {label}", unit=" tokens") as bar:
         result = rolling_perplexity(llm, documents, max_length=max_length, progress=counting(bar))
     return {"word_perplexity": result.word_perplexity, "token_perplexity": result.token_perplexity}
+
+
+def source_perplexity_file(
+    cache_root: str, source_digest: str, options: BuildOptions, dtype: str, device: str
+) -> str:
+    """Where the source's held-out perplexity is kept between builds: keyed by the source's
+    content hash and everything else the number depends on (the held-out text, the context the
+    rolling windows use, the dtype and device it ran in, the kiln that measured it), so a retry
+    or another option's build of the same source skips re-measuring it (4 minutes on 2 CPU
+    cores for SmolLM2)."""
+    key = {
+        "source": source_digest,
+        "held_out": [os.path.basename(HELD_OUT_FILE), _HELD_OUT_ARTICLES],
+        "max_model_len": options.max_model_len,
+        "dtype": dtype,
+        "device": device,
+        "kiln_version": kiln.__version__,
+    }
+    blob = json.dumps(key, sort_keys=True).encode()
+    name = hashlib.blake2b(blob, digest_size=16).hexdigest()
+    return os.path.join(cache_root, "source-perplexity", f"{name}.json")
+
+
+def cached_perplexity(file: str | None) -> dict[str, float] | None:
+    """The source perplexity a build measured before, or None (none kept, or unreadable)."""
+    if file is None or not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            found = json.load(f)
+        return {k: float(found[k]) for k in ("word_perplexity", "token_perplexity")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a damaged entry is measured again
+
+
+def keep_perplexity(file: str | None, ppl: dict[str, float] | None) -> None:
+    """Keep a measured source perplexity for the next build (written aside, then renamed)."""
+    if file is None or ppl is None:
+        return
+    os.makedirs(os.path.dirname(file), exist_ok=True)
+    tmp = f"{file}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(ppl, f)
+    os.replace(tmp, file)
 
 
 def report(source: dict[str, float], engine: dict[str, float], limit_pct: float) -> dict[str, Any]:

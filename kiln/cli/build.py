@@ -54,6 +54,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("--no-accuracy-check", dest="accuracy_check", action="store_false")
     p.add_argument(
+        "--accept", action="store_true",
+        help="publish the engine even if it fails the accuracy check (one a failed build kept "
+        "as OUTPUT.rejected is taken as it is, not rebuilt); its manifest records the numbers",
+    )  # fmt: skip
+    p.add_argument(
         "--no-warm-kernels", dest="warm_kernels", action="store_false",
         help="on a GPU, do not run the engine once to carry its compiled Triton kernels",
     )  # fmt: skip
@@ -89,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         lm_head_quantization=args.lm_head_quantization,
         outlier_columns=args.outlier_columns,
     )
-    manifest = build_engine(args.model, args.output, options, args.cache_dir)
+    manifest = build_engine(args.model, args.output, options, args.cache_dir, accept=args.accept)
     where = args.output or f"{args.cache_dir or default_cache_dir()}/{manifest.engine_id}"
     print(describe_tiles(manifest.kernel_tiles, manifest.kernel_tiles_reason))
     print(f"engine {manifest.engine_id}: {where}")
