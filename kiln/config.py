@@ -56,8 +56,9 @@ class EngineConfig:
     quantization: str = _one_of("none", "fp8", "fp8-dynamic")
     """Weights and activations of the decoder's projections: "none" (the model dtype),
     "fp8-dynamic" (float8 e4m3 weights with per-output-channel scales, activations scaled per
-    token at run time) or "fp8" (the same weights, activations with static per-tensor scales
-    calibrated by `kiln build`; load its engine directory). The LM head stays unquantized."""
+    token at run time) or "fp8" (vLLM's meaning: an engine built with `kiln build --quantization
+    fp8` or a checkpoint with static scales runs with them; any other source is quantized as it
+    loads, activations per token as "fp8-dynamic"). The LM head stays unquantized."""
     lm_head_quantization: str = _one_of("none", "fp8")
     """The LM head's weights: "none" (the model dtype) or "fp8" (float8 e4m3 per vocabulary row,
     activations per token: half the head's bytes, at a measured accuracy cost). A tied embedding
