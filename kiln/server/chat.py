@@ -45,6 +45,7 @@ from kiln.server.tool_calls import (
 from kiln.server.tool_calls.parsers import ToolCallParser
 from kiln.server.tool_calls.request import template_tool_call
 from kiln.server.tool_calls.stream import tool_call_chunks
+from kiln.server.tool_calls.template import check_auto_tools_shown
 
 router = APIRouter()
 
@@ -111,6 +112,8 @@ async def create_chat_completion(
     tool_plan = plan_tools(
         body.tools, body.tool_choice, body.parallel_tool_calls, tool_call_parser(state)
     )
+    if tool_plan is not None and tool_plan.mode == "auto":
+        check_auto_tools_shown(state.require_tokenizer("messages"), state.model_name)
     prompt_ids = await off_the_loop(  # a long conversation's template takes time
         text_size(body.messages),
         chat_prompt_ids,
