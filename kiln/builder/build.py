@@ -372,7 +372,9 @@ def _check_and_warm(
     options = build.options
     if build.fp8 is None:
         assert not isinstance(source_ppl, prequantized.Scores)  # a checkpoint's perplexities
-        accuracy = check_engine(tmp, options, source_ppl)
+        accuracy = check_engine(
+            tmp, options, source_ppl, ModelConfig.from_hf_dict(manifest.architecture)
+        )
     else:
         assert not isinstance(source_ppl, dict)  # a pre-quantized checkpoint's scores
         accuracy = prequantized.accuracy(tmp, options, source_ppl, calibrated is None)

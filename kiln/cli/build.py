@@ -49,8 +49,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--calibration-data", default=None, help="text file for static fp8 scales")
     p.add_argument(
-        "--max-ppl-increase", type=float, default=1.0, metavar="PCT",
-        help="most word-perplexity increase over the source, percent (default: 1)",
+        "--max-ppl-increase", type=float, default=None, metavar="PCT",
+        help="most word-perplexity increase over the source, percent (default: 1 for models "
+        "of 1B parameters and more, 5 below: small models move more under float8)",
     )  # fmt: skip
     p.add_argument("--no-accuracy-check", dest="accuracy_check", action="store_false")
     p.add_argument(
