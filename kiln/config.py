@@ -94,9 +94,11 @@ class EngineConfig:
     collection every ~30 steps, and a full collection walks every live token list: 60-120 ms
     host stalls that the GPU waited out at 1000/1000. TensorRT-LLM's executor raises it too."""
     num_threads: int | None = None
-    """torch's intra-op CPU threads, set process-wide when the engine starts (None: torch's
-    default, one per core). On a shared machine fewer can be much faster: with two busy cores,
-    two threads collapsed batch-1 decode to 0.7 tok/s where one gave 2.5."""
+    """torch's intra-op CPU threads, set process-wide when the engine starts. None: on the CPU,
+    the usable cores (affinity, cgroup quota) less the busy ones by the 1-minute load, at least
+    one (kiln.runtime.cpu_threads; logged at start-up); on a GPU, torch's default. On a shared
+    machine fewer can be much faster: with two busy cores, two threads collapsed batch-1 decode
+    to 0.7 tok/s where one gave 2.5."""
 
     tensor_parallel_size: int = 1
     """Tensor-parallel ranks (vLLM's -tp): every layer's heads and MLP rows, the embedding and

@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         prog = " ".join(["kiln", args.command, *([mode] if mode else [])])
         exit_unsupported(prog, one_line(f"unrecognized arguments: {' '.join(extra)}", prog))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # What the engine starts with (model, dtype, threads, memory plan, KV capacity), as vLLM
+    # says it: INFO lines on stderr, the verbs' output on stdout unchanged.
+    logging.getLogger("kiln.startup").setLevel(logging.INFO)
     try:
         return int(args.func(args) or 0)
     except KilnError as exc:

@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watch = ParentWatch(args.parent_pid)  # a parent gone while this loads ends it too
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kiln.startup").setLevel(logging.INFO)  # `kiln serve`'s start-up lines
 
     if len(args.inputs) != len(args.outputs):
         parser.error("give --inputs and --outputs once per API process")
