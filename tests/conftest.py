@@ -195,3 +195,12 @@ def teacher_forced_logprobs(path: str, text: str) -> torch.Tensor:
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True)
     out = llm.generate([ids], params)[0]
     return torch.tensor([lps[t].logprob for lps, t in zip(out.prompt_logprobs[1:], ids[1:])])
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests tests/slow_tests.py names `slow` (all of a function's parametrizations)."""
+    from tests.slow_tests import SLOW_TESTS
+
+    for item in items:
+        if item.nodeid.split("[")[0] in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
