@@ -110,6 +110,20 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def private_cache_dir(tmp_path_factory):
+    """The session's own $XDG_CACHE_HOME: builds' engine cache and kept source perplexities
+    neither come from nor land in the user's (a kept perplexity would skip a measurement a test
+    checks)."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
+
+
+@pytest.fixture(scope="session", autouse=True)
 def cached_embedded_weights():
     """Dequantize the embedded SmolLM2's Q4_1 tensors once per session, not once per engine.
 

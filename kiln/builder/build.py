@@ -349,7 +349,10 @@ def _write_weights(
     assert weights is not None, "a build's source is a checkpoint, not dummy weights"
     if found.smoothing is not None:  # whole tensors, before any -tp cut
         weights = smooth_checkpoint(weights, found.smoothing, cfg)
-    net.load_weights(tqdm(weights, desc="loading source", unit=" tensors", leave=False))
+    total = _tensor_count(build.path)
+    net.load_weights(
+        tqdm(weights, desc="loading source", unit=" tensors", total=total, leave=False)
+    )
     if found.kv_scales is not None and kv_in_weights:
         fold_kv_scales(net, found.kv_scales)  # the weights hold them; loading folds the rest
     if options.tensor_parallel_size == 1:
@@ -358,6 +361,26 @@ def _write_weights(
         net, options.tensor_parallel_size, tmp,
         lambda ctx: model_class(cfg, max_model_len, factory, dtype, ctx, head()),
     )  # fmt: skip
+
+
+def _tensor_count(path: str) -> int | None:
+    """How many tensors the source's checkpoint holds, from its headers alone (the loading
+    bar's total); None if they cannot be counted."""
+    try:
+        if os.path.isfile(path):  # GGUF (its rope_freqs table is no weight)
+            from kiln.checkpoint.gguf_loader import GGUFModel
+
+            return sum(1 for name in GGUFModel(path).tensor_types if name != "rope_freqs.weight")
+        from safetensors import safe_open
+
+        count = 0
+        for name in sorted(os.listdir(path)):
+            if name.endswith(".safetensors"):
+                with safe_open(os.path.join(path, name), framework="pt") as f:
+                    count += len(list(f.keys()))
+        return count or None
+    except Exception:  # a count for a progress bar: the load itself reports what is wrong
+        return None
 
 
 def _check_and_warm(

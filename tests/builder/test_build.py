@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -270,6 +271,9 @@ def test_every_long_step_of_a_checked_build_shows_a_progress_bar(tmp_path, capfd
     assert [step for step in steps if step not in err] == []
     # Positions in order: each step's bar appears as the step begins.
     assert [err.index(step) for step in steps] == sorted(err.index(step) for step in steps)
+    # Loading the source counts toward its checkpoint's tensors (it had no total).
+    totals = set(re.findall(r"loading source:\s+\d+%\|[^|]*\| \d+/(\d+) \[", err))
+    assert totals == {"21"}, totals  # 2 layers x 9 tensors + embedding, norm, lm_head
 
 
 def test_a_build_over_the_perplexity_limit_fails_with_its_numbers_and_keeps_it_rejected(
