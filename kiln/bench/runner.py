@@ -232,7 +232,7 @@ def _speedups(record: dict) -> dict:
 
 def _table(record: dict) -> str:
     kiln, hf = record["kiln"], record.get("hf")
-    rows = [("metric", "kiln", "hf", "kiln / hf")]
+    rows: list[tuple[str, ...]] = [("metric", "kiln", "hf", "kiln / hf")]
 
     def row(name: str, k: float | None, h: float | None, ratio: bool = True) -> None:
         fmt = lambda v: "-" if v is None else f"{v:,.1f}"
@@ -250,6 +250,8 @@ def _table(record: dict) -> str:
             if stat in kiln.get(metric, {}):
                 theirs = (hf or {}).get(metric, {}).get(stat)
                 row(f"{metric} {stat}", kiln[metric][stat], theirs, ratio=False)
+    if hf is None:  # no baseline: no empty hf and ratio columns
+        rows = [r[:2] for r in rows]
     table = format_table(rows)
     if "spec_decode" in kiln:
         sd = kiln["spec_decode"]

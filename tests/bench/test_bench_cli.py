@@ -104,14 +104,17 @@ def test_sweep_levels_must_be_positive_integers(capsys):
     assert "positive integers" in capsys.readouterr().err
 
 
-def test_output_json_into_a_missing_folder_is_made_before_the_run(tiny_dir, tmp_path):
-    """The folder is made before the benchmark runs (it used to crash after it, losing it)."""
+def test_output_json_into_a_missing_folder_is_made_before_the_run(tiny_dir, tmp_path, capsys):
+    """The folder is made before the benchmark runs (it used to crash after it, losing it); the
+    table has no empty hf columns without a baseline."""
     out = tmp_path / "new" / "deeper" / "t.json"
     argv = ["bench", "throughput", "--model", tiny_dir, "--num-prompts", "2", "--input-len", "4",
             "--output-len", "2", "--no-progress", "--warmup", "0",
             "--output-json", str(out)]  # fmt: skip
     assert main(argv) == 0
     assert json.loads(out.read_text())["kiln"]["output_tokens"] == 4
+    header = next(line for line in capsys.readouterr().out.splitlines() if "metric" in line)
+    assert header.split() == ["metric", "kiln"]
 
 
 def test_an_unwritable_output_is_refused_before_anything_loads(tmp_path, capsys, monkeypatch):

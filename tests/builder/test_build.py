@@ -66,7 +66,10 @@ def test_the_manifest_records_the_build(tiny_engine, tiny_source):
     assert manifest["accuracy"]["checked"] is False  # unquantized: nothing to check
     assert manifest["architecture"]["num_hidden_layers"] == 2
     assert len(manifest["source_hash"]) == 64 and manifest["build_seconds"] > 0
-    assert manifest["source"] == os.path.abspath(tiny_source)
+    assert manifest["source"] == "llama"  # its name, no path of the build machine's
+    assert manifest["built_at"].endswith("+00:00") and manifest["kiln_commit"]
+    assert os.stat(os.path.join(tiny_engine, "weights-00001-of-00001.safetensors")).st_mode & 0o044
+
     for name in ("weights-00001-of-00001.safetensors", "weights.index.json", "config.json"):
         entry = manifest["files"][name]
         assert entry["size"] == os.path.getsize(os.path.join(tiny_engine, name))
