@@ -61,6 +61,11 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
     config = _rank_config(config, parallel)
     device = rank_device(config.device, parallel)
     dtype = resolve_dtype(config.dtype, device)
+    if device.type == "cpu" and dtype == torch.float16:
+        logger.warning(
+            "dtype float16 on the CPU runs slower than float32 (PyTorch's CPU kernels convert "
+            "half values op by op); float32 is the CPU's default (--dtype auto)"
+        )
     torch.manual_seed(config.seed)
     threads = _set_threads(config, device)
     t_start = time.perf_counter()

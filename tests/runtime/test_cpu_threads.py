@@ -1,5 +1,6 @@
 """The CPU thread default: the usable cores (affinity, cgroup quota) less the busy ones, at least
-one; the engine takes it on the CPU when --threads is not given, and says so at start-up."""
+one; the engine takes it on the CPU when --threads is not given, and says so at start-up (with
+a word on float16, which the CPU runs slower than float32)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,13 @@ def test_the_engine_takes_the_free_cores_and_logs_its_start(tmp_path, monkeypatc
         assert "CPU threads: 2 (--threads)" in [r.getMessage() for r in caplog.records]
     finally:
         torch.set_num_threads(before)
+
+
+def test_half_on_the_cpu_is_said_to_be_slower(tmp_path, caplog):
+    from kiln import LLM
+    from tests.conftest import build_tiny_hf_model
+
+    build_tiny_hf_model("llama-gqa", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        LLM(str(tmp_path), device="cpu", dtype="float16", kv_cache_memory_gb=0.01, num_threads=1)
+    assert any("float16 on the CPU runs slower" in r.getMessage() for r in caplog.records)
