@@ -37,7 +37,7 @@ def sharegpt_requests(
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise KilnError(f"--dataset-path {path}: not a ShareGPT JSON file ({exc})") from None
     random.Random(seed).shuffle(pairs)
-    requests = []
+    requests: list[BenchRequest] = []
     for prompt, reply in pairs:
         if len(requests) == num_requests:
             break

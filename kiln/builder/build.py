@@ -19,7 +19,7 @@ import kiln
 from kiln.builder import cache, prequantized
 from kiln.builder.accuracy import check_engine, failure_message, source_perplexity_file
 from kiln.builder.calibrate.smoothing import smooth_checkpoint
-from kiln.builder.manifest import EngineManifest, build_stamp
+from kiln.builder.manifest import EngineManifest, stamped
 from kiln.builder.options import (
     BuildOptions,
     calibration_text,
@@ -149,9 +149,7 @@ def build_engine(
         manifest = replace(manifest, engine_id=engine_id, source_hash=source_digest)
         manifest.write(tmp)  # the check loads the engine from tmp: it needs a manifest
         manifest = _check_and_warm(build, manifest, source_ppl, calibrated, tmp)
-        manifest = replace(
-            manifest, build_seconds=round(time.perf_counter() - start, 3), **build_stamp()
-        )
+        manifest = stamped(manifest, round(time.perf_counter() - start, 3))
         failed = manifest.accuracy.get("passed") is False
         if failed and accept:
             manifest = replace(manifest, accuracy={**manifest.accuracy, "accepted": True})

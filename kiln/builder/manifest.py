@@ -10,7 +10,7 @@ import datetime
 import json
 import os
 import subprocess
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kiln.checkpoint.engine_dir import ENGINE_FORMAT_VERSION, MANIFEST_FILE
@@ -100,10 +100,10 @@ class EngineManifest:
             return cls(**json.load(f))
 
 
-def build_stamp() -> dict[str, str | None]:
-    """The manifest's `built_at` and `kiln_commit` for a build finishing now."""
+def stamped(manifest: EngineManifest, build_seconds: float) -> EngineManifest:
+    """`manifest` with its build time, when it finished (UTC) and the kiln that built it."""
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return {"built_at": now, "kiln_commit": _kiln_commit()}
+    return replace(manifest, build_seconds=build_seconds, built_at=now, kiln_commit=_kiln_commit())
 
 
 def _kiln_commit() -> str | None:

@@ -32,8 +32,6 @@ from kiln.spec_decode.eagle3.head import Eagle3Head
 from kiln.spec_decode.factory import build_proposer, load_draft_model, load_eagle3
 
 logger = logging.getLogger("kiln")
-# The start-up summary's logger: `kiln serve` and the other verbs show it at INFO on stderr.
-STARTUP_LOGGER = "kiln.startup"
 
 
 @dataclass
@@ -133,7 +131,8 @@ def _set_threads(config: EngineConfig, device: torch.device) -> str:
 
 def _log_startup(facts: ModelFacts, threads: str, plan: MemoryPlan, capacity: KVCapacity) -> None:
     """What vLLM says as it starts: the model, dtype, threads, memory plan and KV capacity."""
-    log = logging.getLogger(STARTUP_LOGGER)
+    # kiln.startup: the CLI and the engine process show it at INFO on stderr.
+    log = logging.getLogger("kiln.startup")
     log.info("model: %s", facts.description)
     log.info("device %s, dtype %s, KV cache %s", facts.device, facts.dtype, facts.kv_cache_dtype)
     log.info("CPU threads: %s", threads)
