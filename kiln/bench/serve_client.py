@@ -299,7 +299,9 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
     concurrency = args.concurrency or num_requests  # no cap: all in flight at once
     stream = not getattr(args, "no_stream", False)
     num_clients = getattr(args, "num_clients", None) or default_num_clients(concurrency)
-    model = getattr(args, "model", None) or card["id"]
+    # The server's own name for its one model: vLLM's --model (a hub id, say) names the
+    # tokenizer a dataset of text needs, which the server may serve under another name.
+    model = card["id"]
     requests = benchmark_requests(
         args, num_requests + args.warmup, vocab_size, args.dataset_seed, (),
         lambda: _encoder(getattr(args, "tokenizer", None) or getattr(args, "model", None)),

@@ -189,8 +189,9 @@ def add_vllm_bench_flags(p: argparse.ArgumentParser, mode: str) -> None:
         "workload's)",
     )
     if mode == "serve":
-        g.add_argument("--model", default=None, help="the served model's name (default: the "
-                       "server's first in /v1/models); its tokenizer for sharegpt")  # fmt: skip
+        g.add_argument("--model", default=None, help="vLLM's flag: the model whose tokenizer "
+                       "a sharegpt dataset needs (default: kiln's; requests name the server's "
+                       "model as /v1/models does)")  # fmt: skip
         g.add_argument("--tokenizer", default=None, help="for sharegpt (default: --model)")
         g.add_argument("--host", default=None, help="with --port: the server (--base-url)")
         g.add_argument("--port", type=int, default=None)
