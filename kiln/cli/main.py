@@ -13,11 +13,11 @@ import logging
 import sys
 
 import kiln
-from kiln.cli import bench, build, eval, generate, serve
+from kiln.cli import bench, build, chat, complete, eval, generate, serve
 from kiln.cli.parser import OneLineParser, exit_unsupported, one_line
 from kiln.errors import KilnError
 
-VERBS = (generate, serve, bench, build, eval)
+VERBS = (generate, serve, bench, build, eval, chat, complete)
 
 
 def main(argv: list[str] | None = None) -> int:
