@@ -58,8 +58,9 @@ class EngineConfig:
     quantization: str = _one_of("none", "fp8", "fp8-dynamic")
     """Weights and activations of the decoder's projections: "none" (the model dtype),
     "fp8-dynamic" (float8 e4m3 weights with per-output-channel scales, activations scaled per
-    token at run time) or "fp8" (the same weights, activations with static per-tensor scales
-    calibrated by `kiln build`; load its engine directory). The LM head stays unquantized."""
+    token at run time) or "fp8" (vLLM's meaning: an engine built with `kiln build --quantization
+    fp8` or a checkpoint with static scales runs with them; any other source is quantized as it
+    loads, activations per token as "fp8-dynamic"). The LM head stays unquantized."""
     lm_head_quantization: str = _one_of("none", "fp8")
     """The LM head's weights: "none" (the model dtype) or "fp8" (float8 e4m3 per vocabulary row,
     activations per token: half the head's bytes, at a measured accuracy cost). A tied embedding
@@ -95,9 +96,11 @@ class EngineConfig:
     collection every ~30 steps, and a full collection walks every live token list: 60-120 ms
     host stalls that the GPU waited out at 1000/1000. TensorRT-LLM's executor raises it too."""
     num_threads: int | None = None
-    """torch's intra-op CPU threads, set process-wide when the engine starts (None: torch's
-    default, one per core). On a shared machine fewer can be much faster: with two busy cores,
-    two threads collapsed batch-1 decode to 0.7 tok/s where one gave 2.5."""
+    """torch's intra-op CPU threads, set process-wide when the engine starts. None: on the CPU,
+    the usable cores (affinity, cgroup quota) less the busy ones by the 1-minute load, at least
+    one (kiln.runtime.cpu_threads; logged at start-up); on a GPU, torch's default. On a shared
+    machine fewer can be much faster: with two busy cores, two threads collapsed batch-1 decode
+    to 0.7 tok/s where one gave 2.5."""
 
     tensor_parallel_size: int = 1
     """Tensor-parallel ranks (vLLM's -tp): every layer's heads and MLP rows, the embedding and

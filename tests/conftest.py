@@ -110,6 +110,20 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def private_cache_dir(tmp_path_factory):
+    """The session's own $XDG_CACHE_HOME: builds' engine cache and kept source perplexities
+    neither come from nor land in the user's (a kept perplexity would skip a measurement a test
+    checks)."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
+
+
+@pytest.fixture(scope="session", autouse=True)
 def cached_embedded_weights():
     """Dequantize the embedded SmolLM2's Q4_1 tensors once per session, not once per engine.
 
@@ -195,3 +209,12 @@ def teacher_forced_logprobs(path: str, text: str) -> torch.Tensor:
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True)
     out = llm.generate([ids], params)[0]
     return torch.tensor([lps[t].logprob for lps, t in zip(out.prompt_logprobs[1:], ids[1:])])
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests tests/slow_tests.py names `slow` (all of a function's parametrizations)."""
+    from tests.slow_tests import SLOW_TESTS
+
+    for item in items:
+        if item.nodeid.split("[")[0] in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)

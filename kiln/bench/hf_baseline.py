@@ -3,6 +3,7 @@ on the same requests, in the same process."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -34,7 +35,7 @@ def load_hf_model(model_path: str, dtype: torch.dtype, device: torch.device):
         return model.eval()
     if os.path.isdir(model_path) and is_engine_dir(model_path):
         # transformers cannot read kiln's fused tensors: the baseline runs the engine's source.
-        model_path = read_manifest(model_path)["source"]
+        model_path = _engine_source(model_path, read_manifest(model_path)["source"])
     if model_path.endswith(".gguf"):
         model = AutoModelForCausalLM.from_pretrained(
             os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=dtype
@@ -115,3 +116,20 @@ def hf_decode_rate(model, prompt_ids: list[int], new_tokens: int) -> dict[str, f
         "decode_tok_s": (new_tokens - 1) / (t_all - t_first),
         "e2e_s": t_all,
     }
+
+
+def _engine_source(engine: str, recorded: str) -> str:
+    """The source an engine was built from: its manifest names it (an older kiln wrote the
+    build machine's path); the default model is found by its name."""
+    from kiln.checkpoint.default_model import default_model_path
+    from kiln.errors import KilnError
+
+    if os.path.exists(recorded):
+        return recorded
+    default = default_model_path()
+    if os.path.basename(default) == os.path.basename(recorded):
+        return default
+    raise KilnError(
+        f"the HF baseline runs an engine's source, and {engine} was built from {recorded!r}, "
+        "which is not here: give that checkpoint as --model"
+    )

@@ -11,6 +11,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -112,8 +113,8 @@ def measure_copy_bandwidth(device: torch.device, num_bytes: int = 1 << 30) -> fl
     return 2 * src.numel() * src.element_size() * reps / elapsed
 
 
-def format_table(rows: list[tuple[str, str, str, str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+def format_table(rows: Sequence[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for j, row in enumerate(rows):
         lines.append("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)))

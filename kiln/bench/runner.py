@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -18,10 +19,11 @@ from kiln.bench.report import (
     measure_copy_bandwidth,
     write_json,
 )
-from kiln.bench.workload import BenchRequest, synthetic_requests
+from kiln.bench.workload import BenchRequest, benchmark_requests, synthetic_requests
 from kiln.checkpoint.default_model import default_model_path
 from kiln.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
+from kiln.errors import KilnError
 from kiln.kernel_cache import compile_watch
 from kiln.runtime.model_runner import TRACE_COLUMNS
 
@@ -31,13 +33,13 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> dict:
     engine = LLMEngine(config)
     startup_s = time.perf_counter() - start
     num_requests = args.num_requests or (64 if args.mode == "throughput" else 3)
-    requests = synthetic_requests(
+    requests = benchmark_requests(
+        args,
         num_requests,
-        args.input_len,
-        args.output_len,
         engine.model_config.vocab_size,
-        seed=args.dataset_seed,
-        avoid_ids=engine.eos_token_ids,
+        args.dataset_seed,
+        engine.eos_token_ids,
+        lambda: _encoder(engine),
     )
     record = _setup_record(args, config, engine, requests, startup_s)
     print(f"memory plan: {record['memory_plan']['summary']}")
@@ -61,6 +63,14 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> dict:
     return record
 
 
+def _encoder(engine: LLMEngine) -> Callable[[str], list[int]]:
+    """The engine's tokenizer's encode (a dataset of text needs one)."""
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise KilnError("--dataset-name sharegpt needs a model with a tokenizer")
+    return lambda text: tokenizer.encode(text, add_special_tokens=False)
+
+
 def _setup_record(
     args: argparse.Namespace,
     config: EngineConfig,
@@ -80,6 +90,7 @@ def _setup_record(
             "input_len": args.input_len,
             "output_len": args.output_len,
             "dataset_seed": args.dataset_seed,
+            "dataset": getattr(args, "dataset_path", None) or "random",
             "concurrency": args.concurrency if args.mode == "throughput" else 1,
         },
         "engine_config": engine_config_record(config),
@@ -221,7 +232,7 @@ def _speedups(record: dict) -> dict:
 
 def _table(record: dict) -> str:
     kiln, hf = record["kiln"], record.get("hf")
-    rows = [("metric", "kiln", "hf", "kiln / hf")]
+    rows: list[tuple[str, ...]] = [("metric", "kiln", "hf", "kiln / hf")]
 
     def row(name: str, k: float | None, h: float | None, ratio: bool = True) -> None:
         fmt = lambda v: "-" if v is None else f"{v:,.1f}"
@@ -239,6 +250,8 @@ def _table(record: dict) -> str:
             if stat in kiln.get(metric, {}):
                 theirs = (hf or {}).get(metric, {}).get(stat)
                 row(f"{metric} {stat}", kiln[metric][stat], theirs, ratio=False)
+    if hf is None:  # no baseline: no empty hf and ratio columns
+        rows = [r[:2] for r in rows]
     table = format_table(rows)
     if "spec_decode" in kiln:
         sd = kiln["spec_decode"]

@@ -28,11 +28,13 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import httpx
 
 from kiln.bench.metrics import RequestTiming, throughput_report
-from kiln.bench.workload import BenchRequest, synthetic_requests
+from kiln.bench.workload import BenchRequest, benchmark_requests, synthetic_requests
 
 
 class ServeBenchError(RuntimeError):
@@ -102,16 +104,33 @@ async def _stream_one(
     return timing
 
 
+@dataclass(frozen=True)
+class Arrivals:
+    """When requests are sent: all at once (rate inf), or gaps drawn from a gamma distribution
+    of mean 1/rate and shape `burstiness` (vLLM's: 1 is a Poisson process, lower is burstier)."""
+
+    rate: float = float("inf")
+    burstiness: float = 1.0
+
+    def gap(self, rng: random.Random) -> float:
+        return rng.gammavariate(self.burstiness, 1.0 / (self.rate * self.burstiness))
+
+    def split(self, parts: int) -> Arrivals:
+        """One of `parts` client processes' share (K gamma streams of rate r/K: the same mean)."""
+        return Arrivals(self.rate / parts, self.burstiness)
+
+
 async def _run(
     base_url: str,
     api_key: str | None,
     model: str,
     requests: list[BenchRequest],
     concurrency: int,
-    request_rate: float,
+    request_rate: float | Arrivals,
     seed: int,
     stream: bool = True,
 ) -> tuple[list[RequestTiming], list[str]]:
+    arrivals = request_rate if isinstance(request_rate, Arrivals) else Arrivals(request_rate)
     send = _stream_one if stream else _whole_one
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -134,10 +153,22 @@ async def _run(
         tasks = []
         for request in requests:
             tasks.append(asyncio.create_task(one(request)))
-            if request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(request_rate))
+            if arrivals.rate != float("inf"):
+                await asyncio.sleep(arrivals.gap(rng))
         await asyncio.gather(*tasks)
     return timings, failures
+
+
+def _encoder(model: str | None) -> Callable[[str], list[int]]:
+    """The tokenizer of `model` (a local directory, GGUF file or hub id; None: kiln's default
+    model), for a dataset of text: the server is sent token ids, as for random prompts."""
+    from kiln.checkpoint.default_model import default_model_path
+    from kiln.runtime.model_loader import find_model_source
+
+    tokenizer = find_model_source(model or default_model_path(), "auto").tokenizer
+    if tokenizer is None:
+        raise ServeBenchError(f"{model}: no tokenizer for --dataset-name sharegpt (--tokenizer)")
+    return lambda text: tokenizer.encode(text, add_special_tokens=False)
 
 
 def _server_facts(base_url: str, api_key: str | None) -> dict:
@@ -206,7 +237,7 @@ def run_load(
     model: str,
     requests: list[BenchRequest],
     concurrency: int,
-    request_rate: float,
+    request_rate: float | Arrivals,
     seed: int,
     stream: bool,
     num_clients: int,
@@ -220,7 +251,10 @@ def run_load(
             "model": model,
             "requests": requests[i::num_clients],
             "concurrency": max(1, -(-concurrency // num_clients)),
-            "request_rate": request_rate / num_clients,  # K Poisson streams sum to one
+            # K streams of rate r/K sum to one of rate r.
+            "request_rate": (
+                request_rate if isinstance(request_rate, Arrivals) else Arrivals(request_rate)
+            ).split(num_clients),
             "seed": seed + i,
             "stream": stream,
             "start_at": 0.0,
@@ -265,14 +299,18 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
     concurrency = args.concurrency or num_requests  # no cap: all in flight at once
     stream = not getattr(args, "no_stream", False)
     num_clients = getattr(args, "num_clients", None) or default_num_clients(concurrency)
-    requests = synthetic_requests(
-        num_requests + args.warmup, args.input_len, args.output_len, vocab_size, args.dataset_seed
-    )
-    warmup, requests = requests[: args.warmup], requests[args.warmup :]
+    # The server's own name for its one model: vLLM's --model (a hub id, say) names the
+    # tokenizer a dataset of text needs, which the server may serve under another name.
     model = card["id"]
+    requests = benchmark_requests(
+        args, num_requests + args.warmup, vocab_size, args.dataset_seed, (),
+        lambda: _encoder(getattr(args, "tokenizer", None) or getattr(args, "model", None)),
+    )  # fmt: skip
+    warmup, requests = requests[: args.warmup], requests[args.warmup :]
     if warmup:
         asyncio.run(_run(base_url, args.api_key, model, warmup, 1, float("inf"), 0, stream))
-    load = (base_url, args.api_key, model, requests, concurrency, args.request_rate)
+    rate = Arrivals(args.request_rate, getattr(args, "burstiness", 1.0))
+    load = (base_url, args.api_key, model, requests, concurrency, rate)
     timings, failures, clients = run_load(*load, args.dataset_seed, stream, num_clients)
     if not timings:
         raise ServeBenchError(f"every request failed; first error: {failures[:1]}")
@@ -289,7 +327,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
         fresh = synthetic_requests(
             num_requests, args.input_len, args.output_len, vocab_size, args.dataset_seed + 7919
         )
-        rerun = (base_url, args.api_key, model, fresh, concurrency, args.request_rate)
+        rerun = (base_url, args.api_key, model, fresh, concurrency, rate)
         more, _, _ = run_load(*rerun, args.dataset_seed + 1, stream, len(clients) + 1)
         if more:
             extra = throughput_report(more)["output_tok_s"]
@@ -306,6 +344,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
             "dataset_seed": args.dataset_seed,
             "concurrency": concurrency,
             "request_rate": None if args.request_rate == float("inf") else args.request_rate,
+            "burstiness": getattr(args, "burstiness", 1.0),
             "stream": stream,
             "ignore_eos": True,
             "temperature": 0.0,

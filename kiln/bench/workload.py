@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -44,3 +46,30 @@ def synthetic_requests(
                 ids.append(t)
         requests.append(BenchRequest(ids, rng.randint(out_lo, out_hi)))
     return requests
+
+
+def benchmark_requests(
+    args: argparse.Namespace,
+    num_requests: int,
+    vocab_size: int,
+    seed: int,
+    avoid_ids: tuple[int, ...],
+    encode: Callable[[], Callable[[str], list[int]]],
+) -> list[BenchRequest]:
+    """The bench's requests: vLLM's ShareGPT file when `args.dataset_name` is "sharegpt"
+    (`encode()` gives the tokenizer's encode, asked for only then), else synthetic ones."""
+    if getattr(args, "dataset_name", "random") == "sharegpt":
+        from kiln.bench.sharegpt import sharegpt_requests
+
+        path = args.dataset_path
+        return sharegpt_requests(
+            path, num_requests, encode(), seed, getattr(args, "sharegpt_output_len", None)
+        )
+    return synthetic_requests(
+        num_requests,
+        args.input_len,
+        args.output_len,
+        vocab_size,
+        seed,
+        avoid_ids,
+    )

@@ -17,9 +17,9 @@ from tqdm.auto import tqdm
 
 import kiln
 from kiln.builder import cache, prequantized
-from kiln.builder.accuracy import check_engine, failure_message
+from kiln.builder.accuracy import check_engine, failure_message, source_perplexity_file
 from kiln.builder.calibrate.smoothing import smooth_checkpoint
-from kiln.builder.manifest import EngineManifest
+from kiln.builder.manifest import EngineManifest, stamped
 from kiln.builder.options import (
     BuildOptions,
     calibration_text,
@@ -63,6 +63,9 @@ if TYPE_CHECKING:
 
 __all__ = ["BuildOptions", "build_engine"]
 
+# Beside its target: an engine whose accuracy check failed, kept to inspect or accept.
+REJECTED_SUFFIX = ".rejected"
+
 # Copied verbatim from an HF source directory (the tokenizer, its chat template, sampling
 # defaults); a GGUF source's tokenizer is saved by transformers instead.
 _HF_TOKENIZER_FILES = (
@@ -94,10 +97,17 @@ class _Build:
 
 
 def build_engine(
-    model: str | None, out_dir: str | None, options: BuildOptions, cache_dir: str | None
+    model: str | None,
+    out_dir: str | None,
+    options: BuildOptions,
+    cache_dir: str | None,
+    accept: bool = False,
 ) -> EngineManifest:
     """Build (or find already built) the engine of `model` with `options`. With no out_dir the
-    engine lives in the cache, under its id."""
+    engine lives in the cache, under its id. An engine that fails the accuracy check is kept
+    beside its target as `<target>.rejected` (loadable, to inspect) and the build raises;
+    `accept` publishes such an engine (the one kept, or this build's) with the check's numbers
+    and `"accepted": true` in its manifest."""
     from kiln.checkpoint.default_model import default_model_path
 
     start = time.perf_counter()
@@ -105,6 +115,10 @@ def build_engine(
     build = _resolve(path, options)
     source_digest = cache.source_hash(path)
     engine_id = cache.engine_id(source_digest, build.key)
+    ppl_root = cache_dir or os.path.dirname(cache.default_cache_dir())
+    ppl_file = source_perplexity_file(
+        ppl_root, source_digest, build.options, build.key["dtype"], build.device.type
+    )
     cache_dir = cache_dir or (cache.default_cache_dir() if not out_dir else None)
     cached = os.path.join(cache_dir, engine_id) if cache_dir else None
     target = os.path.abspath(os.path.expanduser(out_dir)) if out_dir else cached
@@ -113,6 +127,9 @@ def build_engine(
     if found is not None:
         print(f"engine {engine_id} was already built: {target}")
         return found
+    rejected = f"{target}{REJECTED_SUFFIX}"
+    if accept and cache.existing_engine(rejected, engine_id):
+        return _accept_rejected(rejected, target, cached)
     if os.path.isdir(target) and os.listdir(target) and not is_engine_dir(target):
         raise BuildError(f"output directory {target} exists and is not an engine directory")
 
@@ -128,18 +145,45 @@ def build_engine(
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        manifest, source_ppl, calibrated = _write_engine(build, source, kv_dtype, tmp)
+        manifest, source_ppl, calibrated = _write_engine(build, source, kv_dtype, tmp, ppl_file)
         manifest = replace(manifest, engine_id=engine_id, source_hash=source_digest)
         manifest.write(tmp)  # the check loads the engine from tmp: it needs a manifest
         manifest = _check_and_warm(build, manifest, source_ppl, calibrated, tmp)
-        manifest = replace(manifest, build_seconds=round(time.perf_counter() - start, 3))
+        manifest = stamped(manifest, round(time.perf_counter() - start, 3))
+        failed = manifest.accuracy.get("passed") is False
+        if failed and accept:
+            manifest = replace(manifest, accuracy={**manifest.accuracy, "accepted": True})
         manifest.write(tmp)
+        if failed and not accept:
+            cache.publish(tmp, rejected)
+            why = (
+                prequantized.failure(manifest.accuracy)
+                if build.fp8
+                else failure_message(manifest.accuracy, build.options)
+            )
+            raise BuildError(
+                f"{why}. The engine is kept, rejected, at {rejected}: load it there to inspect "
+                "it, or run this build again with --accept to take it as it is"
+            )
         cache.publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if cached and cached != target:
         cache.copy_engine(target, cached)
     print(f"built engine {engine_id} in {manifest.build_seconds:.1f} s: {target}")
+    return manifest
+
+
+def _accept_rejected(rejected: str, target: str, cached: str | None) -> EngineManifest:
+    """Publish the engine an earlier build kept as rejected, its check's numbers in its
+    manifest with `"accepted": true` (the manifest is no weight file: nothing else changes)."""
+    manifest = EngineManifest.read(rejected)
+    manifest = replace(manifest, accuracy={**manifest.accuracy, "accepted": True})
+    manifest.write(rejected)
+    cache.publish(rejected, target)
+    if cached and cached != target:
+        cache.copy_engine(target, cached)
+    print(f"accepted engine {manifest.engine_id} (its accuracy check failed): {target}")
     return manifest
 
 
@@ -214,7 +258,7 @@ def _engine_key(
 
 
 def _write_engine(
-    build: _Build, source: ModelSource, kv_dtype: torch.dtype, tmp: str
+    build: _Build, source: ModelSource, kv_dtype: torch.dtype, tmp: str, ppl_file: str
 ) -> tuple[EngineManifest, dict[str, float] | prequantized.Scores | None, KVScales | None]:
     """Calibrate on the source, load it into the scheme's model, write the weights and side
     files into `tmp`: (the manifest of what was written, its id and accuracy to come; the
@@ -225,7 +269,7 @@ def _write_engine(
     check = options.accuracy_check and (build.fp8 is not None or changes_arithmetic(options))
     calibrated = None
     if build.fp8 is None:
-        found = run_source(build.path, options, build.calibration, check, kept)
+        found = run_source(build.path, options, build.calibration, check, kept, ppl_file)
         kv_in_weights = True
     else:  # its own float8 weights and scales, loaded as written
         source_ppl, calibrated = prequantized.run_source(
@@ -247,7 +291,7 @@ def _write_engine(
     manifest = EngineManifest(
         engine_id="",
         kiln_version=kiln.__version__,
-        source=os.path.abspath(build.path),
+        source=os.path.basename(os.path.normpath(build.path)),
         source_hash="",
         architecture=cfg.to_hf_dict(),
         dtype=build.key["dtype"],
@@ -305,7 +349,10 @@ def _write_weights(
     assert weights is not None, "a build's source is a checkpoint, not dummy weights"
     if found.smoothing is not None:  # whole tensors, before any -tp cut
         weights = smooth_checkpoint(weights, found.smoothing, cfg)
-    net.load_weights(tqdm(weights, desc="loading source", unit=" tensors", leave=False))
+    total = _tensor_count(build.path)
+    net.load_weights(
+        tqdm(weights, desc="loading source", unit=" tensors", total=total, leave=False)
+    )
     if found.kv_scales is not None and kv_in_weights:
         fold_kv_scales(net, found.kv_scales)  # the weights hold them; loading folds the rest
     if options.tensor_parallel_size == 1:
@@ -316,6 +363,26 @@ def _write_weights(
     )  # fmt: skip
 
 
+def _tensor_count(path: str) -> int | None:
+    """How many tensors the source's checkpoint holds, from its headers alone (the loading
+    bar's total); None if they cannot be counted."""
+    try:
+        if os.path.isfile(path):  # GGUF (its rope_freqs table is no weight)
+            from kiln.checkpoint.gguf_loader import GGUFModel
+
+            return sum(1 for name in GGUFModel(path).tensor_types if name != "rope_freqs.weight")
+        from safetensors import safe_open
+
+        count = 0
+        for name in sorted(os.listdir(path)):
+            if name.endswith(".safetensors"):
+                with safe_open(os.path.join(path, name), framework="pt") as f:
+                    count += len(list(f.keys()))
+        return count or None
+    except Exception:  # a count for a progress bar: the load itself reports what is wrong
+        return None
+
+
 def _check_and_warm(
     build: _Build,
     manifest: EngineManifest,
@@ -323,12 +390,14 @@ def _check_and_warm(
     calibrated: KVScales | None,
     tmp: str,
 ) -> EngineManifest:
-    """The accuracy check of the engine in `tmp` (a failure raises: nothing is kept), and on a
-    GPU its compiled kernels carried in it."""
+    """The accuracy check of the engine in `tmp` (its verdict in the manifest returned), and on
+    a GPU its compiled kernels carried in it."""
     options = build.options
     if build.fp8 is None:
         assert not isinstance(source_ppl, prequantized.Scores)  # a checkpoint's perplexities
-        accuracy = check_engine(tmp, options, source_ppl)
+        accuracy = check_engine(
+            tmp, options, source_ppl, ModelConfig.from_hf_dict(manifest.architecture)
+        )
     else:
         assert not isinstance(source_ppl, dict)  # a pre-quantized checkpoint's scores
         accuracy = prequantized.accuracy(tmp, options, source_ppl, calibrated is None)
@@ -343,10 +412,6 @@ def _check_and_warm(
         kernel_digests = hash_files([os.path.join(tmp, n) for n in kernels])
         files.update(
             {n: {"size": d.size, "blake2b": d.blake2b} for n, d in zip(kernels, kernel_digests)}
-        )
-    if accuracy.get("passed") is False:
-        raise BuildError(
-            prequantized.failure(accuracy) if build.fp8 else failure_message(accuracy, options)
         )
     return replace(manifest, accuracy=accuracy, files=files)
 

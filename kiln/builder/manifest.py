@@ -6,9 +6,11 @@ loaded directory against `files`; everything else is a record for people and for
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
-from dataclasses import asdict, dataclass, field
+import subprocess
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kiln.checkpoint.engine_dir import ENGINE_FORMAT_VERSION, MANIFEST_FILE
@@ -20,7 +22,8 @@ class EngineManifest:
     """blake2b of the source's content hash, the build options and the kiln version."""
     kiln_version: str
     source: str
-    """The path the engine was built from (informational; `source_hash` identifies it)."""
+    """The name of the file or directory the engine was built from (informational, and no
+    path of the build machine's; `source_hash` identifies it)."""
     source_hash: str
     """blake2b over the source's files (config, weights, tokenizer; or the GGUF file)."""
     architecture: dict[str, Any]
@@ -80,6 +83,12 @@ class EngineManifest:
     term (kiln.layers.quantization.outlier_columns; its weight holds their columns twice), which
     loading needs to make the projection's method. None: no outlier columns."""
 
+    built_at: str | None = None
+    """When the build finished (UTC, ISO 8601)."""
+    kiln_commit: str | None = None
+    """The git revision of the kiln that built it ("-dirty" with uncommitted changes), or None
+    where kiln is not a git checkout."""
+
     def write(self, directory: str) -> None:
         with open(os.path.join(directory, MANIFEST_FILE), "w", encoding="utf-8") as f:
             json.dump(asdict(self), f, indent=2, sort_keys=True)
@@ -89,3 +98,25 @@ class EngineManifest:
     def read(cls, directory: str) -> EngineManifest:
         with open(os.path.join(directory, MANIFEST_FILE), encoding="utf-8") as f:
             return cls(**json.load(f))
+
+
+def stamped(manifest: EngineManifest, build_seconds: float) -> EngineManifest:
+    """`manifest` with its build time, when it finished (UTC) and the kiln that built it."""
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return replace(manifest, build_seconds=build_seconds, built_at=now, kiln_commit=_kiln_commit())
+
+
+def _kiln_commit() -> str | None:
+    """The revision of the checkout this kiln is imported from, not the current directory's."""
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=5, cwd=here)
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    try:
+        rev = git("rev-parse", "--short", "HEAD")
+        dirty = rev and git("status", "--porcelain", "--untracked-files=no", ".")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (rev + ("-dirty" if dirty else "")) or None

@@ -31,8 +31,10 @@ class BuildOptions:
     """Longest prompt + output the memory plan and the accuracy check assume (None: the model's)."""
     calibration_data: str | None = None
     """Text file for static scales (None: the head of WikiText-2's test split)."""
-    max_ppl_increase: float = 1.0
-    """Most word-perplexity increase (percent) over the source a quantized engine may have."""
+    max_ppl_increase: float | None = None
+    """Most word-perplexity increase (percent) over the source a quantized engine may have.
+    None: by the model's size (kiln.builder.accuracy.ppl_limit: 1% from 1B parameters, 5%
+    below)."""
     accuracy_check: bool = True
     """Measure source and engine perplexity on held-out text (quantized builds only)."""
     tensor_parallel_size: int = 1
@@ -85,7 +87,7 @@ class BuildOptions:
             raise BuildError(str(e)) from None
         object.__setattr__(self, "smoothing", str(spec))  # canonical: names the engine
         object.__setattr__(self, "unquantized_layers", tuple(self.unquantized_layers))
-        if not 0 <= self.max_ppl_increase < float("inf"):
+        if self.max_ppl_increase is not None and not 0 <= self.max_ppl_increase < float("inf"):
             raise BuildError(
                 f"max_ppl_increase must be a percentage >= 0, got {self.max_ppl_increase!r}"
             )

@@ -214,21 +214,33 @@ class SourcePass:
 
 
 def run_source(
-    path: str, options: BuildOptions, calibration: str | None, check: bool, kept: list[str]
+    path: str,
+    options: BuildOptions,
+    calibration: str | None,
+    check: bool,
+    kept: list[str],
+    ppl_file: str | None = None,
 ) -> SourcePass:
     """What the options ask of the source, from one `LLM` of the unquantized source, freed
     before the quantized model is made. With smoothing, its model is smoothed before the other
     calibrations: their scales and statistics are of the smoothed inputs and weights the
-    engine holds."""
-    found = SourcePass()
-    if not check and calibration is None:
-        return found
-    from kiln.builder.accuracy import measure, measuring_llm
+    engine holds. The source's perplexity is read from `ppl_file` when an earlier build kept
+    it there (the source is then not loaded at all unless something calibrates), else
+    measured and kept there."""
+    from kiln.builder.accuracy import cached_perplexity, keep_perplexity, measure, measuring_llm
     from kiln.runtime.model_loader import is_float8_kv_cache
 
+    cached = cached_perplexity(ppl_file) if check else None
+    found = SourcePass(source_ppl=cached)
+    if calibration is None and (not check or cached is not None):
+        if cached is not None:
+            print(f"the source's held-out perplexity, measured before: {ppl_file}", flush=True)
+        return found
     with measuring_llm(path, "source", dtype=options.dtype, max_model_len=options.max_model_len,
                        enable_prefix_caching=False) as llm:  # fmt: skip
-        found.source_ppl = measure(llm, options.max_model_len, "source") if check else None
+        if check and cached is None:
+            found.source_ppl = measure(llm, options.max_model_len, "source")
+            keep_perplexity(ppl_file, found.source_ppl)
         if calibration is not None:
             if options.smoothing != "none":
                 found.smoothing = smooth_source(llm, path, calibration, options.smoothing)

@@ -27,6 +27,13 @@ MAX_SHARD_BYTES = 4 << 30
 _METADATA = {"format": "pt"}
 
 
+def _file_mode() -> int:
+    """The mode open() gives a new file here: 0666 less the process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_weights(
     params: Iterable[tuple[str, torch.Tensor]],
     directory: str,
@@ -50,6 +57,8 @@ def write_weights(
         list(zip(names, shards)), desc="writing weights", unit="shard", leave=False
     ):
         save_file(tensors, os.path.join(directory, shard_name), metadata=_METADATA)
+        # safetensors writes 0600; the shard is as readable as the engine's other files.
+        os.chmod(os.path.join(directory, shard_name), _file_mode())
         for name, tensor in tensors.items():
             weight_map[name] = shard_name
             total += tensor.numel() * tensor.element_size()

@@ -17,7 +17,13 @@ import os
 
 from kiln.cli import bench_compare
 from kiln.cli.engine_args import add_engine_args, engine_config_from_args
-from kiln.cli.vllm_flags import UnsupportedFlagError
+from kiln.cli.output_file import check_output_file
+from kiln.cli.vllm_flags import (
+    DEFAULT_BASE_URL,
+    UnsupportedFlagError,
+    add_vllm_bench_flags,
+    resolve_vllm_bench_flags,
+)
 from kiln.config import EngineConfig
 from kiln.errors import KilnError
 
@@ -43,6 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         if mode != "serve":
             add_engine_args(m)
             _add_oracle_args(m)
+        add_vllm_bench_flags(m, mode)
         m.set_defaults(func=run)
     bench_compare.add_parser(modes)
 
@@ -71,7 +78,9 @@ def _add_workload_args(p: argparse.ArgumentParser, mode: str) -> None:
     p.add_argument(
         "--dataset-name",
         default="random",
-        help="vLLM's flag: only 'random' (synthetic token ids, as trtllm-bench's) is built",
+        choices=("random", "sharegpt"),
+        help="random: synthetic token ids, as trtllm-bench's; sharegpt: vLLM's ShareGPT file "
+        "(--dataset-path)",
     )
     if sweep:
         p.add_argument(
@@ -142,7 +151,9 @@ def _with_oracle(args: argparse.Namespace, config: EngineConfig) -> EngineConfig
 def _add_serve_args(p: argparse.ArgumentParser, optional: bool) -> None:
     title = "server (sweep: give --base-url to sweep a server)" if optional else "server"
     g = p.add_argument_group(title)
-    g.add_argument("--base-url", default=None if optional else "http://127.0.0.1:8000")
+    g.add_argument(
+        "--base-url", default=None, help=None if optional else f"default: {DEFAULT_BASE_URL}"
+    )
     g.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson req/s")
     g.add_argument("--api-key", default=None)
     g.add_argument("--vocab-size", type=int, default=None, help="default: from /v1/models")
@@ -161,19 +172,18 @@ def _add_serve_args(p: argparse.ArgumentParser, optional: bool) -> None:
 
 
 def _resolve_vllm_names(args: argparse.Namespace) -> None:
-    if args.dataset_name != "random":
-        raise UnsupportedFlagError(
-            f"not supported: --dataset-name {args.dataset_name} (kiln bench has the 'random' "
-            "dataset only: synthetic token ids of --input-len/--output-len)"
-        )
+    resolve_vllm_bench_flags(args)
     if (args.result_dir or args.result_filename) and not args.save_result:
         raise UnsupportedFlagError("--result-dir/--result-filename need --save-result")
     if args.save_result and not args.output_json:
         date = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         name = args.result_filename or f"kiln-{args.mode}-{date}.json"
         directory = args.result_dir or "."
-        os.makedirs(directory, exist_ok=True)
         args.output_json = os.path.join(directory, name)
+    # Checked (its folder made) before the run: a benchmark is never lost to a missing folder.
+    for flag in ("output_json", "output_png"):
+        if getattr(args, flag, None):
+            check_output_file(getattr(args, flag), "--" + flag.replace("_", "-"))
 
 
 def run(args: argparse.Namespace) -> int:

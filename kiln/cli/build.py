@@ -49,10 +49,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--calibration-data", default=None, help="text file for static fp8 scales")
     p.add_argument(
-        "--max-ppl-increase", type=float, default=1.0, metavar="PCT",
-        help="most word-perplexity increase over the source, percent (default: 1)",
+        "--max-ppl-increase", type=float, default=None, metavar="PCT",
+        help="most word-perplexity increase over the source, percent (default: 1 for models "
+        "of 1B parameters and more, 5 below: small models move more under float8)",
     )  # fmt: skip
     p.add_argument("--no-accuracy-check", dest="accuracy_check", action="store_false")
+    p.add_argument(
+        "--accept", action="store_true",
+        help="publish the engine even if it fails the accuracy check (one a failed build kept "
+        "as OUTPUT.rejected is taken as it is, not rebuilt); its manifest records the numbers",
+    )  # fmt: skip
     p.add_argument(
         "--no-warm-kernels", dest="warm_kernels", action="store_false",
         help="on a GPU, do not run the engine once to carry its compiled Triton kernels",
@@ -89,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         lm_head_quantization=args.lm_head_quantization,
         outlier_columns=args.outlier_columns,
     )
-    manifest = build_engine(args.model, args.output, options, args.cache_dir)
+    manifest = build_engine(args.model, args.output, options, args.cache_dir, accept=args.accept)
     where = args.output or f"{args.cache_dir or default_cache_dir()}/{manifest.engine_id}"
     print(describe_tiles(manifest.kernel_tiles, manifest.kernel_tiles_reason))
     print(f"engine {manifest.engine_id}: {where}")

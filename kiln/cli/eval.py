@@ -9,6 +9,7 @@ import os
 import sys
 
 from kiln.cli.engine_args import add_engine_args, engine_config_from_args
+from kiln.cli.output_file import check_output_file
 
 # A clone sits beside the shared data in CI and on our machines: <repo>/../shared/data.
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
         where = args.data_dir or DEFAULT_DATA_DIR
         print(f"error: data directory {where} not found: give --data-dir", file=sys.stderr)
         return 2
+    if args.output_json:  # before the run: its minutes are not lost to a missing folder
+        check_output_file(args.output_json, "--output-json")
     from kiln.llm import LLM
 
     llm = LLM(**vars(engine_config_from_args(args)))

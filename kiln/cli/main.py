@@ -9,25 +9,32 @@ raised rather than hidden.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
 import kiln
-from kiln.cli import bench, build, eval, generate, serve
+from kiln.cli import bench, build, chat, complete, eval, generate, serve
+from kiln.cli.parser import OneLineParser, exit_unsupported, one_line
 from kiln.errors import KilnError
 
-VERBS = (generate, serve, bench, build, eval)
+VERBS = (generate, serve, bench, build, eval, chat, complete)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kiln", description="kiln LLM inference engine")
+    parser = OneLineParser(prog="kiln", description="kiln LLM inference engine")
     parser.add_argument("--version", action="version", version=f"kiln {kiln.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for verb in VERBS:
         verb.add_parser(sub)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named with the verb (and mode) it was given to, in one line
+        mode = getattr(args, "mode", None)
+        prog = " ".join(["kiln", args.command, *([mode] if mode else [])])
+        exit_unsupported(prog, one_line(f"unrecognized arguments: {' '.join(extra)}", prog))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # What the engine starts with (model, dtype, threads, memory plan, KV capacity), as vLLM
+    # says it: INFO lines on stderr, the verbs' output on stdout unchanged.
+    logging.getLogger("kiln.startup").setLevel(logging.INFO)
     try:
         return int(args.func(args) or 0)
     except KilnError as exc:

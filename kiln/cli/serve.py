@@ -16,6 +16,9 @@ each with its own share of the connections; /metrics in any of them reports the 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kiln.cli.engine_args import add_engine_args, engine_config_from_args
@@ -193,12 +196,29 @@ def run(args: argparse.Namespace) -> int:
     if args.engine_process:
         from kiln.engine_core.client import EngineClient
 
-        engine = EngineClient.start(config, stream_interval=args.stream_interval)
+        with _sigterm_ends_startup():
+            engine = EngineClient.start(config, stream_interval=args.stream_interval)
     else:
         from kiln.engine.async_engine import AsyncEngine
 
         engine = AsyncEngine.from_config(config, stream_interval=args.stream_interval)
     return serve_app(serve_options(args), engine, grpc_port=args.grpc_port)
+
+
+@contextlib.contextmanager
+def _sigterm_ends_startup() -> Iterator[None]:
+    """SIGTERM while the engine starts raises SystemExit here, so starting stops its engine
+    process on the way out (EngineClient._ready) instead of this process vanishing; the
+    server's own drain takes SIGTERM over once it runs."""
+
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, leave)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:

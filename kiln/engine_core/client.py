@@ -30,6 +30,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import msgspec
 import zmq
@@ -44,6 +45,7 @@ from kiln.engine.async_engine import (
 )
 from kiln.engine.step_loop import EngineInfo, EngineSnapshot
 from kiln.engine_core import messages as m
+from kiln.engine_core.parent_watch import kill_with_parent_thread
 from kiln.errors import InvalidRequestError, KilnError
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
@@ -88,7 +90,12 @@ class EngineProcess:
         cmd += ["--config", msgspec.json.encode(config).decode()]
         cmd += ["--stream-interval", str(stream_interval), "--parent-pid", str(os.getpid())]
         # Its own session: a terminal's Ctrl-C goes to the API process, which drains first.
-        self.popen = subprocess.Popen(cmd, start_new_session=True)
+        # Started from the main thread, whose exit is this process's: the kernel ends the
+        # engine with it from the moment it exists (its imports alone take seconds).
+        on_main = threading.current_thread() is threading.main_thread()
+        self.popen = subprocess.Popen(
+            cmd, start_new_session=True, preexec_fn=kill_with_parent_thread if on_main else None
+        )
         self.pid = self.popen.pid
 
     def exit_code(self) -> int | None:
@@ -194,14 +201,22 @@ class EngineClient:
         from kiln.runtime.model_loader import find_model_source
 
         # The tokenizer is the API process's own (detokenizing ids for /detokenize, logprobs
-        # and echo; tokenizing prompts off the engine): loaded while the engine process loads.
-        tokenizer_error: BaseException | None = None
+        # and echo; tokenizing prompts off the engine): loaded while the engine process loads,
+        # on a thread, so this one stays free to take a signal (SIGTERM while starting stops
+        # the engine process at once, not after a GGUF tokenizer's seconds of building).
+        found: dict[str, Any] = {}
         self.tokenizer: Tokenizer | None = None
-        try:
-            source = find_model_source(self.config.model, self.config.load_format)
-            self.tokenizer = source.tokenizer
-        except BaseException as exc:  # the engine will say the same, better: wait for it
-            tokenizer_error = exc
+
+        def load_tokenizer() -> None:
+            try:
+                found["tokenizer"] = find_model_source(
+                    self.config.model, self.config.load_format
+                ).tokenizer
+            except BaseException as exc:  # the engine will say the same, better: wait for it
+                found["error"] = exc
+
+        loader = threading.Thread(target=load_tokenizer, name="kiln-tokenizer", daemon=True)
+        loader.start()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._outputs.poll(200):
@@ -217,8 +232,11 @@ class EngineClient:
                 )
             if deadline is not None and time.monotonic() > deadline:
                 raise EngineStartupError(f"the engine process was not ready within {timeout}s")
-        if tokenizer_error is not None:
-            raise tokenizer_error
+        while loader.is_alive():  # joined in steps: a signal still gets through
+            loader.join(0.2)
+        if "error" in found:
+            raise found["error"]
+        self.tokenizer = found["tokenizer"]
         self.info = EngineInfo(
             msg.max_model_len, msg.vocab_size, msg.default_params, msg.cache_config
         )

@@ -10,6 +10,8 @@ each (`--inputs`/`--outputs` given once per API process, in the same order). A r
 the API process that added it: its acceptance and deltas go to that process alone; Ready, the
 snapshot and a failure go to all of them.
 
+While it starts, it ends as soon as its parent is gone (parent_watch.py), at any stage.
+
 Signals: it ignores SIGINT and SIGTERM. The API process owns the shutdown (its drain lets
 requests finish, then it sends Shutdown); a terminal's Ctrl-C, which reaches the whole process
 group, must not kill the engine under a draining server.
@@ -22,14 +24,18 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
 from kiln.config import EngineConfig
-from kiln.engine.step_loop import StepLoop
 from kiln.engine_core import messages as m
+from kiln.engine_core.parent_watch import ParentWatch
 from kiln.errors import InvalidRequestError, KilnError
+
+if TYPE_CHECKING:  # torch's imports wait until the parent watch runs
+    from kiln.engine.step_loop import StepLoop
 
 logger = logging.getLogger("kiln.engine_core")
 IDLE_POLL_MS = 200  # how often an idle engine checks that its parent is alive
@@ -119,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    watch = ParentWatch(args.parent_pid)  # a parent gone while this loads ends it too
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kiln.startup").setLevel(logging.INFO)  # `kiln serve`'s start-up lines
 
     if len(args.inputs) != len(args.outputs):
         parser.error("give --inputs and --outputs once per API process")
@@ -144,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             config = msgspec.json.decode(args.config.encode(), type=EngineConfig)
             from kiln.engine.llm_engine import LLMEngine
+            from kiln.engine.step_loop import StepLoop
 
             loop = StepLoop(LLMEngine(config), args.stream_interval)
         except BaseException as exc:
@@ -157,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         from kiln.engine.step_loop import engine_info
 
+        watch.stop()  # from here the serve loop checks its parent between steps
         info = engine_info(loop.engine)
         tell_everyone(
             m.Ready(

@@ -96,11 +96,14 @@ def scored_windows(
     prefix_token: int,
     max_length: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    show_progress: bool = False,
 ) -> Iterator[tuple[int, list[float]]]:
     """(document index, the log-probabilities of the window's predicted tokens) for every
     rolling window of every token document, in document and token order, scored by the engine's
     prompt logprobs; the windows go to the engine together. `progress(scored, total)`, if given,
-    hears the predicted tokens scored so far: 0 first, then after each engine call."""
+    hears the predicted tokens scored so far: 0 first, then after each engine call.
+    `show_progress`: a bar on stderr that moves as each window is scored (one engine call may
+    hold every window of a task: minutes on a CPU)."""
     limit = llm.engine.max_model_len
     max_length = max_length or limit
     if not 3 <= max_length <= limit:
@@ -117,7 +120,9 @@ def scored_windows(
         progress(scored, total_tokens)
     for start in range(0, len(windows), WINDOWS_PER_CALL):
         batch = windows[start : start + WINDOWS_PER_CALL]
-        outputs = llm.generate([ctx + cont for _, ctx, cont in batch], params)
+        outputs = llm.generate(
+            [ctx + cont for _, ctx, cont in batch], params, use_tqdm=show_progress
+        )
         for (doc_index, context, continuation), out in zip(batch, outputs, strict=True):
             positions = out.prompt_logprobs[len(context) :]
             yield (
@@ -135,10 +140,12 @@ def token_loglikelihoods(
     prefix_token: int,
     max_length: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    show_progress: bool = False,
 ) -> list[float]:
     """Each token document's rolling loglikelihood (nats): scored_windows' sums."""
     totals = [0.0] * len(documents)
-    for doc_index, logprobs in scored_windows(llm, documents, prefix_token, max_length, progress):
+    windows = scored_windows(llm, documents, prefix_token, max_length, progress, show_progress)
+    for doc_index, logprobs in windows:
         totals[doc_index] += math.fsum(logprobs)
     return totals
 
@@ -173,6 +180,7 @@ def rolling_perplexity(
     *,
     counted_texts: list[str] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    show_progress: bool = False,
 ) -> PerplexityResult:
     """Perplexity of `llm` on text documents: each is tokenized without special tokens (as
     lm-eval's `tok_encode`), scored in rolling windows of `max_length` (default: the engine's
@@ -184,5 +192,7 @@ def rolling_perplexity(
     if tokenizer is None:
         raise ValueError("this model has no tokenizer: use token_loglikelihoods")
     token_docs = [tokenizer.encode(d, add_special_tokens=False) for d in documents]
-    lls = token_loglikelihoods(llm, token_docs, prefix_token_id(llm), max_length, progress)
+    lls = token_loglikelihoods(
+        llm, token_docs, prefix_token_id(llm), max_length, progress, show_progress
+    )
     return perplexity_metrics(lls, [len(t) for t in token_docs], counted_texts or documents)

@@ -81,11 +81,15 @@ def load_documents(data_dir: str, split: str = "test") -> list[str]:
         return split_documents(f.read())
 
 
-def run(llm, data_dir: str, limit: int | None = None, **_: object) -> dict[str, float]:
+def run(
+    llm, data_dir: str, limit: int | None = None, show_progress: bool = True, **_: object
+) -> dict[str, float]:
     """lm-eval's three wikitext metrics (and token perplexity) on the first `limit` pages of
-    the test split."""
+    the test split; a bar on stderr moves as each window is scored (the whole split takes
+    minutes on a CPU)."""
     pages = load_documents(data_dir)[:limit]
-    result = rolling_perplexity(llm, [wikitext_detokenizer(p) for p in pages], counted_texts=pages)
+    texts = [wikitext_detokenizer(p) for p in pages]
+    result = rolling_perplexity(llm, texts, counted_texts=pages, show_progress=show_progress)
     return {
         "word_perplexity": result.word_perplexity,
         "byte_perplexity": result.byte_perplexity,

@@ -18,6 +18,7 @@ from kiln.distributed.comm import all_reduce_min, barrier
 from kiln.distributed.parallel_state import ParallelContext
 from kiln.executor.base import KVCapacity, ModelFacts
 from kiln.models.base import CausalLM
+from kiln.runtime.cpu_threads import choose_threads
 from kiln.runtime.memory_plan import MemoryPlan, plan_kv_blocks
 from kiln.runtime.model_loader import (
     LoadedModel,
@@ -58,9 +59,13 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
     config = _rank_config(config, parallel)
     device = rank_device(config.device, parallel)
     dtype = resolve_dtype(config.dtype, device)
+    if device.type == "cpu" and dtype == torch.float16:
+        logger.warning(
+            "dtype float16 on the CPU runs slower than float32 (PyTorch's CPU kernels convert "
+            "half values op by op); float32 is the CPU's default (--dtype auto)"
+        )
     torch.manual_seed(config.seed)
-    if config.num_threads is not None:
-        torch.set_num_threads(config.num_threads)
+    threads = _set_threads(config, device)
     t_start = time.perf_counter()
     loaded = load_model(config, device, dtype, parallel)
     t_loaded = time.perf_counter()
@@ -103,6 +108,8 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
             "KV cache holds %d tokens: max_model_len lowered from %d", capped, max_model_len
         )
     capacity = KVCapacity(num_blocks, config.block_size, capped)
+    if parallel is None or parallel.rank == 0:
+        _log_startup(facts, threads, memory_plan, capacity)
     runner = _make_runner(config, loaded, capacity, kv_cache_dtype, draft)
     startup: dict[str, object] = {
         "load_s": t_loaded - t_start,
@@ -111,6 +118,34 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
         "load_phases": loaded.phases,  # load_s's parts
     }
     return Rank(facts, memory_plan, capacity, runner, startup)
+
+
+def _set_threads(config: EngineConfig, device: torch.device) -> str:
+    """torch's intra-op threads: the config's, else on the CPU what the machine has free
+    (kiln.runtime.cpu_threads); on a GPU torch's default. Returns the start-up log's words."""
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+        return f"{config.num_threads} (--threads)"
+    if device.type != "cpu":
+        return f"{torch.get_num_threads()} (torch's default)"
+    choice = choose_threads()
+    torch.set_num_threads(choice.threads)
+    return f"{choice.threads} ({choice.reason})"
+
+
+def _log_startup(facts: ModelFacts, threads: str, plan: MemoryPlan, capacity: KVCapacity) -> None:
+    """What vLLM says as it starts: the model, dtype, threads, memory plan and KV capacity."""
+    # kiln.startup: the CLI and the engine process show it at INFO on stderr.
+    log = logging.getLogger("kiln.startup")
+    log.info("model: %s", facts.description)
+    log.info("device %s, dtype %s, KV cache %s", facts.device, facts.dtype, facts.kv_cache_dtype)
+    log.info("CPU threads: %s", threads)
+    log.info("memory plan: %s", plan.describe(capacity.max_model_len))
+    log.info(
+        "KV cache: %d tokens (%d blocks of %d); context %d tokens",
+        capacity.num_blocks * capacity.block_size, capacity.num_blocks, capacity.block_size,
+        capacity.max_model_len,
+    )  # fmt: skip
 
 
 def _rank_config(config: EngineConfig, parallel: ParallelContext | None) -> EngineConfig:

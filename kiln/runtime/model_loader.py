@@ -4,6 +4,7 @@ device in the chosen dtype and fills its weights."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -23,6 +24,8 @@ from kiln.models.base import CausalLM
 from kiln.models.blocks import LinearMethodFactory
 from kiln.models.config import PRESETS, ModelConfig
 from kiln.tokenizer import Tokenizer, from_transformers
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -228,18 +231,36 @@ def _has_own_scheme(source: ModelSource) -> bool:
 
 def _weight_scheme(engine_config: EngineConfig, source: ModelSource) -> str:
     """The weights' quantization (see _has_own_scheme)."""
-    return source.quantization if _has_own_scheme(source) else engine_config.quantization
+    return source.quantization if _has_own_scheme(source) else _online_scheme(engine_config, source)
+
+
+def _online_scheme(engine_config: EngineConfig, source: ModelSource) -> str:
+    """The scheme a source without its own quantizes to as it loads. "fp8" means what it means
+    to vLLM: float8 weights with dynamic per-token activation scales, since nothing calibrated
+    static ones (a `kiln build --quantization fp8` engine carries them); dummy weights keep
+    stand-in static scales (DummyInputScales), so benchmarks measure the static setup."""
+    if engine_config.quantization == "fp8" and source.weights is not None:
+        return "fp8-dynamic"
+    return engine_config.quantization
 
 
 def _linear_method(engine_config: EngineConfig, source: ModelSource) -> LinearMethodFactory:
     """An engine directory's or a pre-quantized checkpoint's own scheme (and its static scales)
     make its linear methods; any other source takes EngineConfig.quantization."""
     if not _has_own_scheme(source):
-        dummy_static = source.weights is None and engine_config.quantization == "fp8"
-        return linear_method_factory(
-            engine_config.quantization, DummyInputScales() if dummy_static else None
-        )
-    if engine_config.quantization not in ("none", source.quantization):
+        scheme = _online_scheme(engine_config, source)
+        if scheme != engine_config.quantization:
+            logger.info(
+                'quantization "fp8" of %s: float8 weights, activations scaled per token at '
+                "run time (static scales need an engine built with `kiln build --quantization "
+                "fp8`)",
+                source.description,
+            )
+        dummy_static = source.weights is None and scheme == "fp8"
+        return linear_method_factory(scheme, DummyInputScales() if dummy_static else None)
+    # "fp8" names any float8 checkpoint's own scheme, as vLLM's --quantization fp8 does.
+    any_fp8 = engine_config.quantization == "fp8" and source.quantization.startswith("fp8")
+    if not any_fp8 and engine_config.quantization not in ("none", source.quantization):
         raise ModelLoadError(
             f"{source.description} holds {source.quantization!r} weights; it cannot load as "
             f"quantization={engine_config.quantization!r} (build another engine for that)"

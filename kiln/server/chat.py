@@ -47,6 +47,7 @@ from kiln.server.tool_calls import (
 )
 from kiln.server.tool_calls.parsers import ToolCallParser
 from kiln.server.tool_calls.request import template_tool_call
+from kiln.server.tool_calls.template import check_auto_tools_shown
 
 router = APIRouter()
 
@@ -117,6 +118,8 @@ async def create_chat_completion(
     tool_plan = plan_tools(
         body.tools, body.tool_choice, body.parallel_tool_calls, tool_call_parser(state)
     )
+    if tool_plan is not None and tool_plan.mode == "auto":
+        check_auto_tools_shown(state.require_tokenizer("messages"), state.model_name)
     # Always a thread: a template can take seconds over a short conversation or large tools.
     prompt_ids = await run_in_threadpool(
         chat_prompt_ids,

@@ -106,3 +106,22 @@ async def tokenize(body: TokenizeRequest, state: State) -> JSONResponse:
 async def detokenize(body: DetokenizeRequest, state: State) -> JSONResponse:
     state.check_model(body.model)
     return JSONResponse({"prompt": state.detokenize(body.tokens)})
+
+
+# OpenAI routes kiln does not serve, refused in one line that says why rather than a bare 404
+# (an openai SDK's embeddings.create used to read "Not Found").
+_UNSERVED = {
+    "/v1/embeddings": "kiln serves generation only: no embeddings (vLLM's --task embed)",
+    "/v1/audio/transcriptions": "kiln serves no audio models",
+}
+
+
+def _refusal(path: str, why: str):  # one closure per route: FastAPI takes a plain function
+    async def refuse() -> Response:
+        return error_response(404, f"{path} is not served: {why}", code="not_supported")
+
+    return refuse
+
+
+for _path, _why in _UNSERVED.items():
+    router.add_api_route(_path, _refusal(_path, _why), methods=["POST"], include_in_schema=False)

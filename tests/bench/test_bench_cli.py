@@ -54,7 +54,7 @@ def test_vllm_benchmark_names_set_kilns_fields():
 
 def test_other_datasets_and_orphan_result_flags_are_refused(capsys):
     assert main(["bench", "serve", "--dataset-name", "sharegpt"]) == 2
-    assert "not supported: --dataset-name sharegpt" in capsys.readouterr().err
+    assert "--dataset-name sharegpt and --dataset-path go together" in capsys.readouterr().err
     assert main(["bench", "serve", "--result-dir", "x"]) == 2
     assert "need --save-result" in capsys.readouterr().err
 
@@ -102,3 +102,68 @@ def test_sweep_without_matplotlib_says_how_to_get_it(tiny_dir, tmp_path, capsys,
 def test_sweep_levels_must_be_positive_integers(capsys):
     assert main(["bench", "sweep", "--base-url", "http://127.0.0.1:9", "--concurrency", "1,x"]) == 2
     assert "positive integers" in capsys.readouterr().err
+
+
+def test_output_json_into_a_missing_folder_is_made_before_the_run(tiny_dir, tmp_path, capsys):
+    """The folder is made before the benchmark runs (it used to crash after it, losing it); the
+    table has no empty hf columns without a baseline."""
+    out = tmp_path / "new" / "deeper" / "t.json"
+    argv = ["bench", "throughput", "--model", tiny_dir, "--num-prompts", "2", "--input-len", "4",
+            "--output-len", "2", "--no-progress", "--warmup", "0",
+            "--output-json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["kiln"]["output_tokens"] == 4
+    header = next(line for line in capsys.readouterr().out.splitlines() if "metric" in line)
+    assert header.split() == ["metric", "kiln"]
+
+
+def test_an_unwritable_output_is_refused_before_anything_loads(tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    argv = ["bench", "latency", "--model", "/no/such/model", "--output-json",
+            str(blocker / "x.json")]  # fmt: skip
+    assert main(argv) == 2  # before the (missing) model is looked at
+    assert "--output-json" in capsys.readouterr().err
+    assert main(["bench", "sweep", "--base-url", "http://127.0.0.1:9", "--output-json",
+                 str(tmp_path)]) == 2  # fmt: skip
+    assert "is a folder" in capsys.readouterr().err
+
+
+def _sharegpt_file(path) -> str:
+    conversations = [
+        {"conversations": [{"from": "human", "value": f"Tell me about item {i} and its uses."},
+                           {"from": "gpt", "value": "It is a thing. " * (2 + i)}]}
+        for i in range(6)
+    ]  # fmt: skip
+    conversations.insert(2, {"conversations": [{"from": "human", "value": "lonely"}]})
+    short = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "a long answer"}]
+    conversations.insert(3, {"conversations": short})
+    path.write_text(json.dumps(conversations))
+    return str(path)
+
+
+def test_vllms_sharegpt_file_drives_the_benchmark(tmp_path):
+    """`--dataset-name sharegpt --dataset-path F` as vLLM's: the first turn is the prompt, the
+    reply's token count the output length; one-turn and too-short conversations are skipped."""
+    from kiln.bench.sharegpt import sharegpt_requests
+    from tests.tiny_tokenizer import build_tiny_chat_model
+
+    model = build_tiny_chat_model(str(tmp_path / "chat"))
+    data = _sharegpt_file(tmp_path / "sg.json")
+    out = tmp_path / "r.json"
+    argv = ["bench", "throughput", "--model", model, "--dataset-name", "sharegpt",
+            "--dataset-path", data, "--num-prompts", "4", "--no-progress", "--warmup", "0",
+            "--output-json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    record = json.loads(out.read_text())
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    requests = sharegpt_requests(data, 4, lambda t: tok.encode(t, add_special_tokens=False))
+    assert record["workload"]["dataset"] == data and len(requests) == 4
+    assert record["kiln"]["output_tokens"] == sum(r.output_len for r in requests)
+    assert all(len(r.prompt_token_ids) >= 4 for r in requests)
+    fixed = sharegpt_requests(data, 3, lambda t: tok.encode(t), output_len=7)
+    assert [r.output_len for r in fixed] == [7, 7, 7]
+    with pytest.raises(Exception, match="usable conversations"):
+        sharegpt_requests(data, 50, lambda t: tok.encode(t))

@@ -149,7 +149,9 @@ def test_eval_cli_on_smollm2(smollm2_llm, short_wikitext_dir, tmp_path, monkeypa
     out = tmp_path / "scores.json"
     argv = ["eval", "--tasks", "wikitext", "--limit", "1", "--data-dir", short_wikitext_dir]
     assert main([*argv, "--output-json", str(out)]) == 0
-    assert "|wikitext||word_perplexity|" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "|wikitext||word_perplexity|" in captured.out
+    assert "generating: 100%" in captured.err  # the scoring shows its progress (it was silent)
     scores = json.loads(out.read_text())["results"]["wikitext"]
     assert scores["num_documents"] == 1 and scores["num_tokens"] == 284
     assert 20 < scores["word_perplexity"] < 150, scores  # measured 59.1

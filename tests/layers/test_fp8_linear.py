@@ -698,7 +698,7 @@ def test_calibrated_static_fp8_model_is_close_to_unquantized(tiny, monkeypatch) 
     monkeypatch.setattr(
         model_loader,
         "linear_method_factory",
-        lambda name, input_scales=None: linear_method_factory(name, scales),
+        lambda name, input_scales=None: linear_method_factory("fp8", scales),
     )
     llm = LLM(path, device="cpu", enable_prefix_caching=False, quantization="fp8")
     linears = _linears(llm)
@@ -755,8 +755,25 @@ def test_dummy_weights_run_static_fp8(tiny) -> None:
     assert all(float(m.input_scale) == pytest.approx(DummyInputScales.SCALE) for _, m in linears)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 3
-    with pytest.raises(ModelLoadError, match="calibrated"):  # real weights still need a build
-        LLM(path, device="cpu", quantization="fp8")
+
+
+def test_fp8_at_load_means_dynamic_scales_as_in_vllm(tiny, tmp_path) -> None:
+    """`--quantization fp8` on a checkpoint without scales is vLLM's online FP8: float8 weights,
+    activations scaled per token (static scales come with a built engine); an fp8-dynamic
+    engine loads under "fp8" too, as vLLM loads any float8 checkpoint under it."""
+    from kiln.builder.build import BuildOptions, build_engine
+
+    path, _, _ = tiny
+    fp8 = LLM(path, device="cpu", quantization="fp8", enable_prefix_caching=False)
+    linears = _linears(fp8)
+    assert linears and all(m.weight.dtype == FP8 and m.input_scale is None for _, m in linears)
+    dynamic = LLM(path, device="cpu", quantization="fp8-dynamic", enable_prefix_caching=False)
+    prompts = [[1, 2, 3, 4]]
+    assert torch.equal(_prompt_logprobs(fp8, prompts), _prompt_logprobs(dynamic, prompts))
+    engine = str(tmp_path / "e")
+    build_engine(path, engine, BuildOptions(quantization="fp8-dynamic", accuracy_check=False), None)
+    loaded = LLM(engine, device="cpu", quantization="fp8", enable_prefix_caching=False)
+    assert torch.equal(_prompt_logprobs(loaded, prompts), _prompt_logprobs(dynamic, prompts))
 
 
 def test_static_scale_column_is_kept_and_follows_writes() -> None:

@@ -240,9 +240,12 @@ def test_a_dead_engine_ends_streams_in_every_api_process_and_the_server(server):
     assert server.proc.wait(30) == 1  # it exits rather than serve nothing
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(400)
 def test_sigterm_drains_every_api_process_then_exits_0(tiny_dir):
-    server = Server(tiny_dir, grace=60)
+    # The grace is wall-clock: on a loaded 2-core machine (the suite beside other work, torch's
+    # two threads per process contending) the 480-token streams outlasted 60 s and were aborted
+    # at the deadline, finishing "abort" (issue 58's failure); 300 s leaves them room.
+    server = Server(tiny_dir, grace=300)
     try:
         # Long streams: the drain must outlast the probes below (a tiny model makes 200 tokens
         # in well under a second, after which the server rightly exits and refuses connections).
@@ -257,7 +260,7 @@ def test_sigterm_drains_every_api_process_then_exits_0(tiny_dir):
             probes += 1
         assert probes >= 1, "the streams ended before any probe: nothing was checked"
         for s in streams:
-            s.join(60)
+            s.join(300)
         assert server.proc.wait(60) == 0
         for s in streams:
             assert s.error is None and s.done and s.finish == "length"

@@ -406,6 +406,8 @@ def test_bad_tensors_get_400_over_http(http, case):
     reply = http.post("/v2/models/tensorrt_llm/infer", content=body)
     assert reply.status_code == 400, reply.text
     assert isinstance(reply.json()["error"], str) and reply.json()["error"]
+    if case == "beam search":  # kiln has beam search: the refusal says where it is
+        assert "use_beam_search" in reply.json()["error"], reply.text
 
 
 def test_deeply_nested_data_gets_400(http):

@@ -430,3 +430,39 @@ def test_stream_holds_back_calls_char_by_char(parser_name):
     words = "Just words, {no call}."
     events = [e for ch in words for e in plain.feed(ch)] + plain.finish()
     assert "".join(v for _, v in events) == words
+
+
+def test_auto_tools_on_a_template_that_cannot_show_them_is_a_400(tmp_path):
+    """The tools would be dropped by the template and never seen: a 400 naming the template,
+    not a reply that silently ignored them; required / named still constrain a call."""
+    from kiln.config import EngineConfig
+    from kiln.engine.async_engine import AsyncEngine
+    from kiln.engine.llm_engine import LLMEngine
+    from kiln.server.app import build_app
+    from tests.tiny_tokenizer import build_tiny_chat_model
+
+    path = build_tiny_chat_model(str(tmp_path / "plain"))
+    config_file = tmp_path / "plain" / "tokenizer_config.json"
+    tok_config = json.loads(config_file.read_text())
+    tok_config["chat_template"] = (
+        "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+    )
+    config_file.write_text(json.dumps(tok_config))
+    (tmp_path / "plain" / "chat_template.jinja").unlink(missing_ok=True)
+    config = EngineConfig(model=path, max_model_len=256, kv_cache_memory_gb=0.02, max_num_seqs=4)
+    engine = AsyncEngine(LLMEngine(config))
+    with (
+        ServerThread(build_app(engine, "plain-model")) as srv,
+        httpx.Client(base_url=srv.base_url, timeout=120) as http,
+    ):
+        body = {"model": "plain-model", "messages": ASK, "max_tokens": 2, "tools": [WEATHER]}
+        for auto in ({}, {"tool_choice": "auto"}):
+            reply = http.post("/v1/chat/completions", json={**body, **auto})
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["param"] == "tools" and "chat template of plain-model" in error["message"]
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for choice in ("required", named, "none"):
+            reply = http.post("/v1/chat/completions", json={**body, "tool_choice": choice})
+            assert reply.status_code == 200, reply.text

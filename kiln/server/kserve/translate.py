@@ -124,7 +124,10 @@ def plan(
         except InvalidRequestError as exc:
             raise invalid(f"input '{names['max_tokens']}': {exc}") from None
         if (get("beam_width") or 1) != 1:
-            raise invalid("input 'beam_width': only 1 is supported (kiln has no beam search)")
+            raise invalid(
+                "input 'beam_width': only 1 is supported over KServe v2 (kiln's beam search is "
+                "on the OpenAI routes: use_beam_search with n / best_of)"
+            )
         params = _sampling_params(
             get, names, spec, max_tokens, stop, stop_ids, want_logprobs, state
         )

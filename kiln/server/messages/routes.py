@@ -37,6 +37,7 @@ from kiln.server.params import build_sampling_params, check_max_tokens
 from kiln.server.reply import Event, ReplyStream, reasoning_for, whole_reply
 from kiln.server.state import ServerState, State
 from kiln.server.tool_calls import ToolPlan, apply_plan, plan_tools
+from kiln.server.tool_calls.template import check_auto_tools_shown
 
 router = APIRouter()
 PREFIX = "/v1/messages"
@@ -82,6 +83,8 @@ async def _prepare(
     state.check_model(body.model)
     choice, parallel = chat_tool_choice(body.tool_choice)
     plan = plan_tools(chat_tools(body.tools), choice, parallel, tool_call_parser(state))
+    if plan is not None and plan.mode == "auto":
+        check_auto_tools_shown(state.require_tokenizer("messages"), state.model_name)
     messages = chat_messages(body)
     prompt_ids = await run_in_threadpool(  # always a thread: templates can be slow (as chat)
         chat_prompt_ids, state, messages, True, False, plan.tools if plan else None

@@ -39,6 +39,7 @@ from kiln.server.responses.request import (
 from kiln.server.responses.store import ResponseStore, StoredResponse
 from kiln.server.state import ServerState, State
 from kiln.server.tool_calls import ToolPlan, apply_plan, plan_tools
+from kiln.server.tool_calls.template import check_auto_tools_shown
 
 router = APIRouter()
 
@@ -155,6 +156,8 @@ async def create_response(body: ResponsesRequest, raw: Request, state: State) ->
         body.parallel_tool_calls,
         tool_call_parser(state),
     )
+    if plan is not None and plan.mode == "auto":
+        check_auto_tools_shown(state.require_tokenizer("input"), state.model_name)
     prompt_ids = await run_in_threadpool(  # always a thread: templates can be slow (as chat)
         chat_prompt_ids, state, messages, True, False, plan.tools if plan else None
     )
