@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from kiln.errors import ModelLoadError
-from kiln.kernels.reference import pack_int4, unpack_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column at bits 4i of an AutoAWQ GEMM word
 _PROJ_SUFFIXES = ("_proj.qweight", "_proj.qzeros", "_proj.scales", "_proj.g_idx",
@@ -105,6 +104,20 @@ def int4_tensors(
         converted = _convert(scheme, kind, tensor)
         if converted is not None:
             yield f"{prefix}.{converted[0]}", converted[1]
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:  # [rows, 8 * cols] int32 in 0..15
+    """[rows, cols] int32 words -> codes, code 8j + i of a row from bits 4i of word j (the
+    kernels' reference.unpack_int4; the checkpoint layer imports no kernels)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 0xF).flatten(-2)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:  # [rows, cols / 8] int32
+    """unpack_int4's inverse (the bits do not overlap, so their sum is their OR)."""
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], -1, 8)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=codes.device)
+    return (c << shifts).sum(-1, dtype=torch.int32)
 
 
 def _convert(
