@@ -180,3 +180,10 @@ def test_a_checkpoint_missing_its_scales_is_refused(tmp_path) -> None:
 
     with pytest.raises(ModelLoadError, match="weight_scales"):
         LLM(str(_edited(tmp_path, "awq", tensor_edit=drop)), **ARGS)
+
+
+def test_kiln_build_refuses_an_int4_checkpoint_by_name() -> None:
+    from kiln.builder.prequantized import inspect
+
+    with pytest.raises(ModelLoadError, match=r"kiln build does not take INT4 \(gptq\)"):
+        inspect(str(DATA / "gptq"))

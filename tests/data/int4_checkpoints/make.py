@@ -67,6 +67,31 @@ def _oneshot(model: LlamaForCausalLM, name: str, scheme: object) -> None:
         recipe = QuantizationModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])
     oneshot(model=model, recipe=recipe)
     model.save_pretrained(os.path.join(HERE, name), save_compressed=True)
+    _check_ct(name)
+
+
+def _check_ct(name: str) -> None:
+    """compressed-tensors' own unpack + dequantize equals the tests' reading of the layout."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))
+    from tests.checkpoint.test_int4_checkpoints import _dequantize
+
+    t = load_file(os.path.join(HERE, name, "model.safetensors"))
+    with open(os.path.join(HERE, name, "config.json")) as f:
+        weights = json.load(f)["quantization_config"]["config_groups"]["group_0"]["weights"]
+    keys = ("num_bits", "type", "symmetric", "strategy", "group_size")
+    args = QuantizationArgs(**{k: v for k, v in weights.items() if k in keys})
+    for prefix in [k.removesuffix(".weight_packed") for k in t if k.endswith("weight_packed")]:
+        shape = torch.Size(t[f"{prefix}.weight_shape"].tolist())
+        scale, zp = t[f"{prefix}.weight_scale"], t.get(f"{prefix}.weight_zero_point")
+        q = unpack_from_int32(t[f"{prefix}.weight_packed"], 4, shape)
+        if zp is not None:
+            zp = unpack_from_int32(zp, 4, torch.Size((shape[0], scale.shape[1])), packed_dim=0)
+        want = dequantize(x_q=q, scale=scale, zero_point=zp, args=args).float()
+        assert torch.equal(want, _dequantize(name, t, prefix, {})), prefix
 
 
 def ct_g128() -> None:
