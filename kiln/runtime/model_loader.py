@@ -234,6 +234,12 @@ def _linear_method(engine_config: EngineConfig, source: ModelSource) -> LinearMe
     """An engine directory's or a pre-quantized checkpoint's own scheme (and its static scales)
     make its linear methods; any other source takes EngineConfig.quantization."""
     if not _has_own_scheme(source):
+        if engine_config.quantization.startswith("int4") and source.weights is not None:
+            raise ModelLoadError(
+                f"{source.description}: kiln does not quantize to INT4 while loading; "
+                f"quantization={engine_config.quantization!r} runs dummy weights (load a GPTQ, "
+                "AWQ or compressed-tensors INT4 checkpoint as it is)"
+            )
         dummy_static = source.weights is None and engine_config.quantization == "fp8"
         return linear_method_factory(
             engine_config.quantization, DummyInputScales() if dummy_static else None

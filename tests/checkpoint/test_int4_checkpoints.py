@@ -187,3 +187,20 @@ def test_kiln_build_refuses_an_int4_checkpoint_by_name() -> None:
 
     with pytest.raises(ModelLoadError, match=r"kiln build does not take INT4 \(gptq\)"):
         inspect(str(DATA / "gptq"))
+
+
+def test_dummy_weights_run_as_int4_and_unquantized_weights_are_refused(tmp_path) -> None:
+    """quantization="int4-g128" is for benchmarks on dummy weights; a 16-bit checkpoint is not
+    rounded to INT4 while loading."""
+    llm = LLM(str(DATA / "gptq"), load_format="dummy", quantization="int4-g128", **ARGS)
+    qkv = llm.engine.executor.runner.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.method, Int4LinearMethod)
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 4
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = json.loads((DATA / "gptq" / "config.json").read_text())
+    del config["quantization_config"]
+    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="does not quantize to INT4 while loading"):
+        LLM(str(tmp_path), quantization="int4-g128", **ARGS)

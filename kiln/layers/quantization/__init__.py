@@ -13,7 +13,7 @@ import torch
 from kiln.errors import ModelLoadError
 from kiln.layers.linear import LinearMethod, UnquantizedLinearMethod
 
-QUANTIZATIONS = ("none", "fp8", "fp8-dynamic")
+QUANTIZATIONS = ("none", "fp8", "fp8-dynamic", "int4-g128")  # int4-g128: dummy weights
 
 # Float8 codes [rows, in] and their scales [rows, 1] of weight rows [rows, in]: how a build
 # rounds one projection's weights when not to nearest (kiln.builder.calibrate.gptq).

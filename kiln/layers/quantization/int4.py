@@ -16,6 +16,7 @@ from kiln.kernels.reference import pack_int4, unpack_int4
 from kiln.layers.linear import Linear, LinearMethod
 
 SYMMETRIC_ZERO = 8.0  # the zero point of symmetric int4 codes 0..15
+DUMMY_SCALE = 0.0025
 
 
 class Int4LinearMethod(LinearMethod):
@@ -49,7 +50,9 @@ class Int4LinearMethod(LinearMethod):
             return nn.Parameter(t, requires_grad=False)
 
         layer.weight = param(torch.zeros(n, k // 8, dtype=torch.int32))
-        layer.weight_scales = param(torch.ones(n, k // group, dtype=torch.float32))
+        # A checkpoint's scales replace these; dummy weights keep them: random codes then
+        # span +-0.02, about the dummy draw of the other schemes.
+        layer.weight_scales = param(torch.full((n, k // group), DUMMY_SCALE))
         layer.weight_zeros = param(torch.full((n, k // group), SYMMETRIC_ZERO))
         layer.weight_g_idx = param(torch.zeros(k, dtype=torch.int32))
         layer.input_order = None
@@ -77,7 +80,11 @@ class Int4LinearMethod(LinearMethod):
             if param is getattr(layer, name):
                 self._loaded.add((name, shard))
         if param.dtype == torch.int32 and loaded.dtype != torch.int32:
-            raise ModelLoadError(f"INT4 codes must be int32 words, got {loaded.dtype}")
+            raise ModelLoadError(
+                f"INT4 weights must be int32 words, got {loaded.dtype}: kiln does not quantize "
+                "to INT4 while loading (load a GPTQ / AWQ / compressed-tensors INT4 checkpoint, "
+                "or dummy weights)"
+            )
         super().load_checkpoint_tensor(layer, param, shard, loaded)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
