@@ -22,7 +22,9 @@ DATA = Path(__file__).parents[1] / "data" / "int4_checkpoints"
 PROMPTS = [[1, 5, 9, 33, 7, 100], [1, 200, 3, 17], [4, 4, 8, 15, 16, 23, 42]]
 TOKENS = 32
 ARGS = dict(kv_cache_memory_gb=0.02, max_num_seqs=4, dtype="float32")
-CHECKPOINTS = ["ct_g128", "ct_g128_asym", "ct_channel", "gptq", "gptq_desc_act", "awq"]
+CHECKPOINTS = [
+    "ct_g128", "ct_g128_asym", "ct_channel", "gptq", "gptq_channel", "gptq_desc_act", "awq",
+]  # fmt: skip
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 

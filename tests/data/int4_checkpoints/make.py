@@ -9,8 +9,9 @@ symmetric int4 scheme, lm_head left out, saved compressed (compressed-tensors `p
 gptq/, gptq_desc_act/: GPTQ's checkpoint layout (AutoGPTQ / GPTQModel `checkpoint_format`
 "gptq", v1: qweight [in/8, out] packed along the input, qzeros [groups, out/8] holding zero - 1,
 scales [groups, out] fp16, g_idx [in]) written here, since GPTQModel needs a CUDA torch: group 128
-symmetric in input order, and group 64 asymmetric with `desc_act` (each input's group from a
-permutation, shared by the projections reading one input, as GPTQ's act-order gives). awq/:
+symmetric in input order (gptq_channel/: per channel, group_size -1), and group 64 asymmetric
+with `desc_act` (each input's group from a permutation, shared by the projections reading one
+input, as GPTQ's act-order gives). awq/:
 AutoAWQ's GEMM layout (qweight [in, out/8] and qzeros [groups, out/8] packed in AWQ's interleaved
 order 0,2,4,6,1,3,5,7, scales [groups, out] fp16; zero points, group 64) written here, checked
 against compressed-tensors' own AutoAWQ reader. The weights are rounded to nearest (no GPTQ / AWQ
@@ -107,7 +108,7 @@ def ct_channel() -> None:
     llm_compressor("ct_channel", dict(targets=["Linear"], weights=weights))
 
 
-def rtn(w: torch.Tensor, group: int, sym: bool, g_idx: torch.Tensor):
+def rtn(w: torch.Tensor, sym: bool, g_idx: torch.Tensor):
     """Codes [out, in] in 0..15, scales and zeros [out, groups], as AutoGPTQ's quantizer rounds
     (symmetric: zero 8, scale 2 absmax / 15); column k uses group g_idx[k]."""
     groups = int(g_idx.max()) + 1
@@ -145,13 +146,13 @@ def quantized_checkpoint(name: str, group: int, sym: bool, desc_act: bool, awq: 
             prefix = f"model.layers.{layer}.{proj}"
             w = state.pop(f"{prefix}.weight")
             k = w.shape[1]
-            g_idx = torch.arange(k) // group
+            g_idx = torch.arange(k) // group if group > 0 else torch.zeros(k, dtype=torch.int64)
             if desc_act:  # act-order: column perm[i] is the i-th quantized, in group i // group
                 key = f"{layer}.{INPUT_OF[proj.split('.')[1]]}"
                 perm = perms.setdefault(key, torch.randperm(k, generator=gen))
                 g_idx = torch.empty(k, dtype=torch.int64)
                 g_idx[perm] = torch.arange(k) // group
-            codes, scales, zeros = rtn(w, group, sym, g_idx)
+            codes, scales, zeros = rtn(w, sym, g_idx)
             if awq:
                 state[f"{prefix}.qweight"] = pack(codes.t().contiguous(), AWQ_ORDER)
                 state[f"{prefix}.qzeros"] = pack(zeros.t().contiguous(), AWQ_ORDER)
@@ -178,6 +179,10 @@ def quantized_checkpoint(name: str, group: int, sym: bool, desc_act: bool, awq: 
 
 def gptq() -> None:
     quantized_checkpoint("gptq", 128, sym=True, desc_act=False, awq=False)
+
+
+def gptq_channel() -> None:
+    quantized_checkpoint("gptq_channel", -1, sym=True, desc_act=False, awq=False)
 
 
 def gptq_desc_act() -> None:
@@ -214,8 +219,8 @@ def _dequant_awq(tensors: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    which = sys.argv[1:] or ["ct_g128", "ct_g128_asym", "ct_channel", "gptq", "gptq_desc_act",
-                             "awq"]  # fmt: skip
+    which = sys.argv[1:] or ["ct_g128", "ct_g128_asym", "ct_channel", "gptq", "gptq_channel",
+                             "gptq_desc_act", "awq"]  # fmt: skip
     for name in which:
         shutil.rmtree(os.path.join(HERE, name), ignore_errors=True)
         globals()[name]()
