@@ -66,3 +66,15 @@ def test_int4_linear_reads_each_groups_own_scale_and_zero() -> None:
     after = int4_linear(x, qweight, scales, zeros)
     torch.testing.assert_close(after, reference.int4_linear(x, qweight, scales, zeros))
     assert not torch.allclose(before, after)
+
+
+@pytest.mark.parametrize("rows", [2, 24])
+def test_a_per_channel_k_that_is_no_multiple_of_the_tile(rows) -> None:
+    qweight, scales, zeros = _operands(40, 72, 1)
+    x = torch.randn(rows, 72, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(
+        int4_linear(x, qweight, scales, zeros),
+        reference.int4_linear(x, qweight, scales, zeros),
+        atol=1e-4,
+        rtol=0,
+    )

@@ -22,15 +22,19 @@ SMALL_BATCH_ROWS = 8  # up to this many rows: _int4_small_batch_kernel
 
 
 @triton.jit
-def _dequantized_tile(w_ptr, s_ptr, z_ptr, offs_k, offs_n, k0, N, K, groups, group_size,
-                      DTYPE: tl.constexpr):  # fmt: skip
-    """The [BLOCK_K, BLOCK_N] weight tile at inputs offs_k (one group: the launcher makes
-    BLOCK_K divide the group size) and outputs offs_n, as (code - zero) * scale in DTYPE."""
+def _dequantized_tile(w_ptr, s_ptr, z_ptr, k0, offs_n, N, K, groups, group_size,
+                      DTYPE: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_N: tl.constexpr):  # fmt: skip
+    """The [BLOCK_K, BLOCK_N] weight tile of inputs k0.. (one group: the launcher makes BLOCK_K
+    divide the group size) and outputs offs_n, as (code - zero) * scale in DTYPE. Each int32
+    word is loaded once and fanned out to its 8 codes in registers."""
     mask_n = offs_n < N
-    mask = (offs_k < K)[:, None] & mask_n[None, :]
-    words = tl.load(w_ptr + offs_n[None, :] * (K // 8) + (offs_k // 8)[:, None], mask=mask,
-                    other=0)  # fmt: skip
-    codes = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    mask = (offs_w < K // 8)[:, None] & mask_n[None, :]
+    words = tl.load(w_ptr + offs_n[None, :] * (K // 8) + offs_w[:, None], mask=mask, other=0)
+    words = tl.reshape(tl.broadcast_to(words[:, None, :], (BLOCK_K // 8, 8, BLOCK_N)),
+                       (BLOCK_K, BLOCK_N))  # fmt: skip
+    codes = (words >> ((tl.arange(0, BLOCK_K) % 8) * 4)[:, None]) & 0xF
     group = k0 // group_size
     scale = tl.load(s_ptr + offs_n * groups + group, mask=mask_n, other=0.0)
     zero = tl.load(z_ptr + offs_n * groups + group, mask=mask_n, other=0.0)
@@ -49,8 +53,8 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=(offs_m < M)[:, None] & (offs_k < K)[None, :], other=0.0)  # fmt: skip
-        w = _dequantized_tile(w_ptr, s_ptr, z_ptr, offs_k, offs_n, k0, N, K, groups,
-                              group_size, x.dtype)  # fmt: skip
+        w = _dequantized_tile(w_ptr, s_ptr, z_ptr, k0, offs_n, N, K, groups, group_size,
+                              x.dtype, BLOCK_K, BLOCK_N)  # fmt: skip
         acc += tl.dot(x, w, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -71,8 +75,8 @@ def _int4_small_batch_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, 
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=(offs_m < M)[:, None] & (offs_k < K)[None, :], other=0.0)  # fmt: skip
-        w = _dequantized_tile(w_ptr, s_ptr, z_ptr, offs_k, offs_n, k0, N, K, groups,
-                              group_size, x.dtype)  # fmt: skip
+        w = _dequantized_tile(w_ptr, s_ptr, z_ptr, k0, offs_n, N, K, groups, group_size,
+                              x.dtype, BLOCK_K, BLOCK_N)  # fmt: skip
         # Products rounded as a dot's inputs are (both in x's dtype), summed in fp32.
         acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
     if HAS_BIAS:
