@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kiln.checkpoint.prequantized import PrequantizedFp8, read_prequantized
-from kiln.errors import BuildError
+from kiln.errors import BuildError, ModelLoadError
 
 if TYPE_CHECKING:  # build.py imports this module
     from kiln.builder.options import BuildOptions
@@ -51,9 +51,17 @@ def inspect(path: str) -> PrequantizedFp8 | None:
     file (what cannot be read is the loader's one-line error)."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         return None
+    from kiln.checkpoint.int4_formats import read_int4
     from kiln.checkpoint.safetensors_loader import read_hf_config
 
-    return read_prequantized(path, read_hf_config(path))
+    config = read_hf_config(path)
+    int4 = read_int4(path, config)
+    if int4 is not None:
+        raise ModelLoadError(
+            f"{path}: kiln build does not take INT4 ({int4.producer}) checkpoints yet; they load "
+            'directly (LLM("./checkpoint"), kiln serve ./checkpoint)'
+        )
+    return read_prequantized(path, config)
 
 
 def resolve_quantization(requested: str, fp8: PrequantizedFp8 | None, path: str) -> str:

@@ -93,7 +93,7 @@ def _compressed_tensors(path: str, declared: dict[str, Any]) -> PrequantizedFp8:
             f"{_describe(inputs)} activations is not supported (kiln loads FP8 weights per "
             "channel or tensor with FP8 activations)"
         )
-    _check_ignored(path, declared.get("ignore") or [], group.get("targets") or [])
+    check_ignored(path, declared.get("ignore") or [], group.get("targets") or [])
     kv_scales = _kv_scales(path) if declared.get("kv_cache_scheme") else None
     if inputs.get("dynamic"):
         if inputs.get("strategy") != "token":
@@ -117,12 +117,12 @@ def _modelopt(path: str, quant: dict[str, Any]) -> PrequantizedFp8:
     if kv_algo not in (None, "FP8"):
         raise ModelLoadError(f"{path}: ModelOpt kv_cache_quant_algo {kv_algo!r} is not supported")
     excluded = quant.get("exclude_modules") or quant.get("ignore") or []
-    _check_ignored(path, excluded, ["Linear"])
+    check_ignored(path, excluded, ["Linear"])
     kv_scales = _kv_scales(path) if kv_algo == "FP8" else None
     return PrequantizedFp8("modelopt", "fp8", _input_scales(path), kv_scales)
 
 
-def _check_ignored(path: str, ignored: list[str], targets: list[str]) -> None:
+def check_ignored(path: str, ignored: list[str], targets: list[str]) -> None:
     """kiln quantizes the decoder's projections and nothing else: lm_head must be left out."""
     if "Linear" not in targets:
         raise ModelLoadError(f"{path}: quantization targets {targets} (kiln expects 'Linear')")

@@ -650,3 +650,47 @@ def layer_norm(
         x.float(), (x.shape[-1],), weight.float(), None if bias is None else bias.float(), eps
     )
     return out.to(x.dtype)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:  # [rows, 8 * cols] int32 in 0..15
+    """[rows, cols] int32 -> the 4-bit codes, code 8j + i of a row at bits 4i of its word j
+    (kiln's INT4 layout: kiln.layers.quantization.int4)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 0xF).flatten(-2)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:  # [rows, cols / 8] int32
+    """unpack_int4's inverse: [rows, cols] codes in 0..15 -> int32 words, 8 codes a word."""
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], -1, 8)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=codes.device)
+    # The bits do not overlap, so the sum is their OR (the top code wraps into the sign bit).
+    return (c << shifts).sum(-1, dtype=torch.int32)
+
+
+def dequantize_int4(
+    qweight: torch.Tensor,  # [N, K / 8] int32: kiln's packed codes
+    scales: torch.Tensor,  # [N, K / group_size] fp32
+    zeros: torch.Tensor,  # [N, K / group_size] fp32, in code units (8: symmetric)
+) -> torch.Tensor:  # [N, K] fp32
+    """W4A16 weights: (code - zero) * scale, input k in group k // group_size."""
+    codes = unpack_int4(qweight).float()
+    group_size = codes.shape[1] // scales.shape[1]
+    s = scales.repeat_interleave(group_size, dim=1)
+    z = zeros.repeat_interleave(group_size, dim=1)
+    return (codes - z) * s
+
+
+def int4_linear(
+    x: torch.Tensor,  # [M, K] fp16 / bf16 / fp32
+    qweight: torch.Tensor,  # [N, K / 8] int32
+    scales: torch.Tensor,  # [N, K / group_size] fp32
+    zeros: torch.Tensor,  # [N, K / group_size] fp32
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """x @ dequantize_int4(...)^T (+ bias): the weights rounded to x's dtype, as the kernel's
+    dot products take them, accumulated in fp32."""
+    w = dequantize_int4(qweight, scales, zeros).to(x.dtype)
+    y = F.linear(x.float(), w.float())
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

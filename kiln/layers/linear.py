@@ -156,6 +156,11 @@ class Linear(nn.Module):
     weight_scale: torch.Tensor
     input_scale: torch.Tensor | None
     outlier_index: torch.Tensor
+    # INT4 W4A16 (kiln.layers.quantization.int4): group scales, zero points, act-order.
+    weight_scales: torch.Tensor
+    weight_zeros: torch.Tensor
+    weight_g_idx: torch.Tensor
+    input_order: torch.Tensor | None
 
     def __init__(
         self,

@@ -93,7 +93,8 @@ def family_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
     if arch in GEMMA:
         d["hidden_activation"] = cfg.hidden_act
     if cfg.attention_multiplier is not None and arch in GEMMA:
-        d["query_pre_attn_scalar"] = cfg.attention_multiplier**-2
+        scalar = cfg.attention_multiplier**-2  # transformers' config types it as an int
+        d["query_pre_attn_scalar"] = round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar
     if arch == "granite":
         d["embedding_multiplier"] = cfg.embedding_multiplier
         d["residual_multiplier"] = cfg.residual_multiplier

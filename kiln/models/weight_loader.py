@@ -30,10 +30,11 @@ _SCALES_READ_ELSEWHERE = (".input_scale", ".k_scale", ".v_scale")
 def with_weight_scales(layer_map: LayerTensorMap) -> dict[str, tuple[str, int | None]]:
     """`layer_map` plus each projection weight's `weight_scale` (a pre-quantized checkpoint's),
     which loads into its projection's shard as its weight does."""
-    scales = {
-        f"{hf}_scale": (f"{ours}_scale", shard)
+    scales = {  # float8: _scale; INT4 (kiln.checkpoint.int4_formats): the others
+        f"{hf}{suffix}": (f"{ours}{suffix}", shard)
         for hf, (ours, shard) in layer_map.items()
         if hf.endswith("proj.weight")
+        for suffix in ("_scale", "_scales", "_zeros", "_g_idx")
     }
     return {**layer_map, **scales}
 
@@ -118,7 +119,9 @@ def _load_hf_tensor(
             f"checkpoint tensor {hf_name!r} is float8 but the model was built without "
             "FP8 weights (the checkpoint declares no FP8 scheme kiln reads)"
         )
-    if owner is not None and not _cut_fits(owner, param, shard, tensor):
+    # An INT4 g_idx is one per input, not rows of the fused layer: its method checks its shape.
+    whole = name.endswith("g_idx")
+    if owner is not None and not whole and not _cut_fits(owner, param, shard, tensor):
         raise ModelLoadError(
             f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, the model expects "
             f"{_checkpoint_part(owner, param, shard)} (of this tensor rank's part)"
@@ -198,7 +201,9 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int) -> None:
         owner = owners.get(name)
         if _derived(name, owner):
             continue
-        if param.dim() == 1 and "bias" not in name:
+        if not param.is_floating_point():  # INT4 codes: random words
+            param.random_(-(2**31), 2**31 - 1, generator=gen)
+        elif param.dim() == 1 and "bias" not in name:
             param.fill_(1.0)
         elif param.element_size() == 1:  # float8: drawn as a checkpoint would be, then loaded
             assert owner is not None, "a float8 parameter is a Linear's"

@@ -248,6 +248,12 @@ def _linear_method(engine_config: EngineConfig, source: ModelSource) -> LinearMe
     """An engine directory's or a pre-quantized checkpoint's own scheme (and its static scales)
     make its linear methods; any other source takes EngineConfig.quantization."""
     if not _has_own_scheme(source):
+        if engine_config.quantization.startswith("int4") and source.weights is not None:
+            raise ModelLoadError(
+                f"{source.description}: kiln does not quantize to INT4 while loading; "
+                f"quantization={engine_config.quantization!r} runs dummy weights (load a GPTQ, "
+                "AWQ or compressed-tensors INT4 checkpoint as it is)"
+            )
         scheme = _online_scheme(engine_config, source)
         if scheme != engine_config.quantization:
             logger.info(
@@ -317,6 +323,7 @@ def _load_engine_tokenizer(path: str) -> Tokenizer | None:
 
 
 def _hf_dir_source(path: str) -> ModelSource:
+    from kiln.checkpoint.int4_formats import int4_tensors, read_int4
     from kiln.checkpoint.prequantized import read_prequantized
     from kiln.checkpoint.safetensors_loader import (
         load_hf_checkpoint,
@@ -324,11 +331,18 @@ def _hf_dir_source(path: str) -> ModelSource:
         read_hf_config,
     )
 
-    fp8 = read_prequantized(path, read_hf_config(path))
-    config, weights = load_hf_checkpoint(path, allow_fp8=fp8 is not None)
+    hf_config = read_hf_config(path)
+    int4 = read_int4(path, hf_config)
+    fp8 = read_prequantized(path, hf_config) if int4 is None else None
+    config, weights = load_hf_checkpoint(path, allow_fp8=fp8 is not None, allow_int=bool(int4))
+    if int4 is not None:
+        weights = int4_tensors(weights, int4)
     source = ModelSource(
         config, weights, _load_tokenizer(path), read_generation_config(path), f"HF {path}"
     )
+    if int4 is not None:
+        source.description = f"HF {path} ({int4.producer} {int4.quantization})"
+        source.quantization = int4.quantization
     if fp8 is not None:
         source.description = f"HF {path} ({fp8.producer} {fp8.quantization})"
         source.quantization, source.input_scales = fp8.quantization, fp8.input_scales

@@ -34,6 +34,8 @@ _HF_CLASSES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
 }
 _LLAMA3_ROPE = {
@@ -191,7 +193,9 @@ def test_presets_parse_and_transformers_accepts_them(name: str) -> None:
     config = ModelConfig.from_hf_dict(PRESETS[name])
     hf = _HF_CLASSES[config.architecture][0](**config.to_hf_dict())
     assert ModelConfig.from_hf_dict(hf.to_dict()) == config
-    assert hf.rope_parameters["rope_theta"] == config.rope_theta
+    rope = hf.rope_parameters
+    rope = rope.get("full_attention", rope)  # Gemma 3: one table per layer type
+    assert rope["rope_theta"] == config.rope_theta
 
 
 # ----------------------------------------------------------------- the embedded SmolLM2 GGUF

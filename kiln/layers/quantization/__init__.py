@@ -13,7 +13,7 @@ import torch
 from kiln.errors import ModelLoadError
 from kiln.layers.linear import LinearMethod, UnquantizedLinearMethod
 
-QUANTIZATIONS = ("none", "fp8", "fp8-dynamic")
+QUANTIZATIONS = ("none", "fp8", "fp8-dynamic", "int4-g128")  # int4-g128: dummy weights
 
 # Float8 codes [rows, in] and their scales [rows, 1] of weight rows [rows, in]: how a build
 # rounds one projection's weights when not to nearest (kiln.builder.calibrate.gptq).
@@ -39,6 +39,8 @@ def linear_method_factory(
     codes and scales): weights rounded already, loaded as they are. `outlier_channels` (layer
     name -> input channels, outlier_columns.py): those channels carried as a second float8 term.
     """
+    if quantization.startswith("int4-"):  # a pre-quantized checkpoint's (int4_formats.py)
+        return _int4(quantization, unquantized)
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"unknown quantization {quantization!r}; known: {', '.join(QUANTIZATIONS)}"
@@ -90,3 +92,24 @@ def linear_method_factory(
         return fp8(name, "static", scales[name])
 
     return static
+
+
+def _int4(quantization: str, unquantized: Collection[str]) -> Callable[[str], LinearMethod]:
+    """ "int4-g<group size>" or "int4-channel", with zero points; "-sym" after it: without
+    (every zero point 8)."""
+    from kiln.layers.quantization.int4 import Int4LinearMethod
+
+    group = quantization.removeprefix("int4-")
+    symmetric = group.endswith("-sym")
+    group = group.removesuffix("-sym")
+    if group != "channel" and not (group.startswith("g") and group[1:].isdigit()):
+        raise ValueError(f"unknown quantization {quantization!r}: int4-g<N> or int4-channel")
+    size = 0 if group == "channel" else int(group[1:])
+    kept = frozenset(unquantized)
+
+    def method(name: str) -> LinearMethod:
+        if name in kept:
+            return UnquantizedLinearMethod()
+        return Int4LinearMethod(size, needs_zeros=not symmetric)
+
+    return method

@@ -22,7 +22,9 @@ def check_float8_device(
     "none", a float8 LM head, a float8 KV cache) when the GPU cannot run it; `advice` says how to
     run without."""
     uses = {
-        f"{weight_scheme} weights": weight_scheme != "none",
+        # INT4 (W4A16) runs on 16-bit dot products: no float8 needed.
+        f"{weight_scheme} weights": weight_scheme != "none"
+        and not weight_scheme.startswith("int4"),
         "a float8 LM head": float8_head,
         "a float8 KV cache": float8_kv_cache,
     }

@@ -1,0 +1,116 @@
+"""W4A16: 4-bit integer weights with a scale and a zero point per group of inputs (or per output
+channel), activations in the model dtype. What GPTQ, AWQ and compressed-tensors `pack-quantized`
+checkpoints hold, read into this one layout by kiln.checkpoint.int4_formats; the weights stay
+packed on the device (a quarter of bf16's bytes) and are dequantized in the kernel's registers
+(ops.int4_linear)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from kiln.errors import ModelLoadError
+from kiln.kernels.reference import pack_int4, unpack_int4
+from kiln.layers.linear import Linear, LinearMethod
+
+SYMMETRIC_ZERO = 8.0  # the zero point of symmetric int4 codes 0..15
+DUMMY_SCALE = 0.0025
+
+
+class Int4LinearMethod(LinearMethod):
+    """weight [out, in / 8] int32 (code 8j + i of a row at bits 4i of word j), weight_scales and
+    weight_zeros [out, groups] fp32 (w = (code - zero) * scale; input k in group k // group_size),
+    weight_g_idx [in] int32 (a checkpoint's own group of each input, GPTQ's act-order), and
+    input_order [in] int64 when that is not k // group_size: after loading, the inputs are
+    reordered so that their groups are contiguous, and apply gathers x's columns in that order.
+
+    Tensor parallelism is not supported yet (a cut of packed words and of act-order groups)."""
+
+    def __init__(self, group_size: int, needs_zeros: bool = True) -> None:
+        if group_size < 0 or group_size % 8:
+            raise ValueError(
+                f"group_size must be a multiple of 8 (0: per channel), got {group_size}"
+            )
+        self.group_size = group_size  # 0: one group of all inputs
+        self.needs_zeros = needs_zeros  # False: symmetric, zeros stay 8 unless loaded
+        self._loaded: set[tuple[str, int | None]] = set()
+        self._g_idx: torch.Tensor | None = None
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
+        if layer.split is not None:
+            raise ModelLoadError("INT4 weights do not support tensor parallelism yet")
+        k, n = layer.in_features, layer.out_features
+        group = self.group_size or k
+        if k % 8 or k % group:
+            raise ModelLoadError(f"INT4: {k} inputs are not whole groups of {group}")
+
+        def param(t: torch.Tensor) -> nn.Parameter:
+            return nn.Parameter(t, requires_grad=False)
+
+        layer.weight = param(torch.zeros(n, k // 8, dtype=torch.int32))
+        # A checkpoint's scales replace these; dummy weights keep them: random codes then
+        # span +-0.02, about the dummy draw of the other schemes.
+        layer.weight_scales = param(torch.full((n, k // group), DUMMY_SCALE))
+        layer.weight_zeros = param(torch.full((n, k // group), SYMMETRIC_ZERO))
+        layer.weight_g_idx = param(torch.zeros(k, dtype=torch.int32))
+        layer.input_order = None
+        layer.bias = None
+        if layer.has_bias:
+            layer.bias = param(torch.empty(n, dtype=dtype))
+
+    def load_checkpoint_tensor(
+        self, layer: Linear, param: torch.Tensor, shard: int | None, loaded: torch.Tensor
+    ) -> None:
+        if param is layer.weight_g_idx:  # one per checkpoint projection, not rows of the layer
+            if loaded.shape != param.shape:
+                raise ModelLoadError(
+                    f"INT4 g_idx of shape {tuple(loaded.shape)}, expected {tuple(param.shape)}"
+                )
+            if self._g_idx is not None and not torch.equal(self._g_idx, loaded.to(self._g_idx)):
+                raise ModelLoadError(
+                    "INT4: the projections fused into one layer (q/k/v, gate/up) order their "
+                    "input groups differently (g_idx); kiln needs one order per input"
+                )
+            self._g_idx = loaded.to(param.device, torch.int32)
+            param.copy_(self._g_idx)
+            return
+        for name in ("weight", "weight_scales", "weight_zeros", "bias"):
+            if param is getattr(layer, name):
+                self._loaded.add((name, shard))
+        if param.dtype == torch.int32 and loaded.dtype != torch.int32:
+            raise ModelLoadError(
+                f"INT4 weights must be int32 words, got {loaded.dtype}: kiln does not quantize "
+                "to INT4 while loading (load a GPTQ / AWQ / compressed-tensors INT4 checkpoint, "
+                "or dummy weights)"
+            )
+        super().load_checkpoint_tensor(layer, param, shard, loaded)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        shards = [None] if len(layer.output_sizes) == 1 else range(len(layer.output_sizes))
+        wanted = ["weight_scales"] + (["weight_zeros"] if self.needs_zeros else [])
+        missing = [f"{w}:{s}" for w in wanted for s in shards if (w, s) not in self._loaded]
+        if self._loaded and missing:  # an engine's or a dummy model's load nothing through here
+            raise ModelLoadError(f"INT4 checkpoint lacks {missing[:3]} of a {layer.extra_repr()}")
+        if self._g_idx is None:
+            return
+        k, group = layer.in_features, self.group_size or layer.in_features
+        order = torch.argsort(self._g_idx.long(), stable=True)
+        regular = torch.arange(k, device=order.device) // group
+        if not torch.equal(self._g_idx.long()[order], regular):
+            raise ModelLoadError(f"INT4 g_idx does not put {group} inputs in each group")
+        self._g_idx = None
+        if torch.equal(order, torch.arange(k, device=order.device)):
+            return  # groups in input order already (desc_act off)
+        codes = unpack_int4(layer.weight.data)[:, order]
+        layer.weight.data = pack_int4(codes)
+        layer.input_order = order
+
+    def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        if layer.input_order is not None:
+            x = x.index_select(1, layer.input_order)
+        y = ops.int4_linear(x, layer.weight, layer.weight_scales, layer.weight_zeros, layer.bias)
+        return y.reshape(*shape[:-1], y.shape[-1])

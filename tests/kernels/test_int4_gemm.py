@@ -1,0 +1,80 @@
+"""The W4A16 Triton kernels (kiln.kernels.triton.int4_gemm: tl.dot tiles, and the 1-8 row
+small-batch kernel) against reference.int4_linear, under TRITON_INTERPRET=1 without a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' @triton.jit
+
+pytest.importorskip("triton", reason="triton is not installed (pip install kiln[triton])")
+
+from kiln.kernels import reference
+from kiln.kernels.triton.int4_gemm import int4_linear
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
+ATOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}
+
+
+def _operands(n: int, k: int, groups: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    scales = torch.rand(n, groups, generator=gen) * 0.02 + 0.005
+    zeros = torch.randint(0, 16, (n, groups), generator=gen).float()
+    return reference.pack_int4(codes), scales, zeros
+
+
+def test_pack_and_unpack_are_inverse() -> None:
+    codes = torch.randint(0, 16, (5, 64))
+    packed = reference.pack_int4(codes)
+    assert packed.dtype == torch.int32 and packed.shape == (5, 8)
+    assert torch.equal(reference.unpack_int4(packed), codes.to(torch.int32))
+    # Code 8j + i of a row at bits 4i of word j.
+    assert int(packed[0, 1]) & 0xF == int(codes[0, 8])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("groups", [1, 2, 4])  # K = 128: per channel, group 64, group 32
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_linear_matches_the_reference(dtype, rows, groups, bias) -> None:
+    n, k = 72, 128  # N not a multiple of the column tiles
+    qweight, scales, zeros = _operands(n, k, groups)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    args = [t.to(DEVICE) if t is not None else None for t in (x, qweight, scales, zeros, b)]
+    got = int4_linear(*args)
+    want = reference.int4_linear(*args)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=ATOL[dtype], rtol=0)
+
+
+def test_int4_linear_reads_each_groups_own_scale_and_zero() -> None:
+    """A kernel that took group 0's scale or zero for every input would still be close on
+    random data: perturb one group and see the output move as the reference's does."""
+    qweight, scales, zeros = _operands(32, 128, 4)
+    x = torch.randn(2, 128)
+    before = int4_linear(x, qweight, scales, zeros)
+    zeros[:, 3] += 1
+    after = int4_linear(x, qweight, scales, zeros)
+    torch.testing.assert_close(after, reference.int4_linear(x, qweight, scales, zeros))
+    assert not torch.allclose(before, after)
+
+
+@pytest.mark.parametrize("rows", [2, 24])
+def test_a_per_channel_k_that_is_no_multiple_of_the_tile(rows) -> None:
+    qweight, scales, zeros = _operands(40, 72, 1)
+    x = torch.randn(rows, 72, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(
+        int4_linear(x, qweight, scales, zeros),
+        reference.int4_linear(x, qweight, scales, zeros),
+        atol=1e-4,
+        rtol=0,
+    )
