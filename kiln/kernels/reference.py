@@ -650,3 +650,22 @@ def layer_norm(
         x.float(), (x.shape[-1],), weight.float(), None if bias is None else bias.float(), eps
     )
     return out.to(x.dtype)
+
+
+def fused_moe(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]: each expert's [gate; up] rows
+    w2: torch.Tensor,  # [num_experts, hidden, inter]: each expert's down projection
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32: each chosen expert's weight
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int: the chosen experts
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """The routed experts' SwiGLU MLPs, weighted and summed per token: a loop over the experts
+    any token chose, each running its tokens' rows in the model dtype (as transformers' Mixtral
+    and Qwen-MoE experts do), the weighted sum kept in fp32 and rounded once."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for expert in torch.unique(topk_ids).tolist():
+        token, slot = torch.nonzero(topk_ids == expert, as_tuple=True)
+        hidden = silu_and_mul(F.linear(x[token], w13[expert]))
+        down = F.linear(hidden, w2[expert])
+        out.index_add_(0, token, down.float() * topk_weights[token, slot, None].float())
+    return out.to(x.dtype)
