@@ -41,16 +41,26 @@ class BuildMemoryPlan:
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int:
     """Bytes of the parameters kiln creates for `cfg`. Quantized: the projections' weights take
     one byte each plus a float32 scale per output channel; embedding, norms and LM head stay in
-    `dtype`."""
+    `dtype`. A sparse layer counts every expert and its router, in `dtype` whatever the
+    quantization (the experts have no float8 method yet), and its shared expert as a dense
+    MLP's projections."""
     h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
-    kv, inter = cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
-    projections = [(h, q + 2 * kv), (q, h), (h, 2 * inter), (inter, h)]  # (in, out)
-    linear = sum(i * o for i, o in projections) * cfg.num_hidden_layers
-    out_channels = sum(o for _, o in projections) * cfg.num_hidden_layers
+    kv, layers = cfg.num_key_value_heads * cfg.head_dim, range(cfg.num_hidden_layers)
+    projections = [(h, q + 2 * kv), (q, h)] * cfg.num_hidden_layers  # (in, out)
+    experts = 0
+    for i in layers:
+        sparse = cfg.is_sparse_layer(i)
+        inter = cfg.shared_expert_intermediate_size if sparse else cfg.intermediate_size
+        if inter:
+            projections += [(h, 2 * inter), (inter, h)]
+        if sparse:  # routed experts and router (and the shared expert's gate row)
+            experts += cfg.mlp_parameter_count(i) - 3 * h * inter
+    linear = sum(i * o for i, o in projections)
+    out_channels = sum(o for _, o in projections)
     bias = (q + 2 * kv) * cfg.num_hidden_layers if cfg.attention_bias else 0
     norms = (2 * cfg.num_hidden_layers + 1) * h
     embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    other = (bias + norms + embeddings) * dtype.itemsize
+    other = (bias + norms + embeddings + experts) * dtype.itemsize
     if quantization == "none":
         return linear * dtype.itemsize + other
     return linear * _FP8_BYTES + out_channels * 4 + other

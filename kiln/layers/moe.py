@@ -1,0 +1,115 @@
+"""The mixture-of-experts layer: a router's top-k choice of experts per token and the experts'
+gated MLPs as one grouped computation (`ops.fused_moe`: the Triton grouped GEMM on the GPU, the
+loop over experts in the reference), behind a method seam as the linear layers' (a method
+creates, loads and applies the experts' weights; the model-dtype one here, a quantized one
+beside it later). Expert parallelism and tensor-parallel expert slices are not built: a model
+with experts runs on one tensor rank."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from types import ModuleType
+
+import torch
+from torch import nn
+
+
+def select_experts(
+    router_logits: torch.Tensor,  # [num_tokens, num_experts]
+    top_k: int,
+    renormalize: bool,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, top_k] fp32 weights, [.., top_k] ids)
+    """Softmax over the experts in fp32, the top k, renormalised to sum to 1 when `renormalize`
+    (Mixtral; Qwen's norm_topk_prob), then rounded to the model dtype `dtype` as transformers
+    rounds them before weighting the experts' outputs."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype).float(), ids
+
+
+class MoEMethod(ABC):
+    """A scheme for the experts' weights: create them on the layer, convert them once loaded,
+    and run the routed tokens through them."""
+
+    @abstractmethod
+    def create_weights(self, layer: FusedMoE, dtype: torch.dtype | None) -> None:
+        """Register the experts' parameters (shapes from the layer's sizes)."""
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:  # noqa: B027 (optional)
+        """Convert loaded weights into what apply() reads (quantize, ...)."""
+
+    @abstractmethod
+    def apply(
+        self,
+        layer: FusedMoE,
+        ops: ModuleType,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+        topk_ids: torch.Tensor,  # [num_tokens, top_k]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        ...
+
+
+class UnquantizedMoEMethod(MoEMethod):
+    """Every expert's gate_up ([gate; up] rows) and down weights in the model dtype, stacked
+    by expert: w13_weight [E, 2 * inter, hidden], w2_weight [E, hidden, inter]."""
+
+    def create_weights(self, layer: FusedMoE, dtype: torch.dtype | None) -> None:
+        e, h, n = layer.num_experts, layer.hidden_size, layer.intermediate_size
+        layer.w13_weight = nn.Parameter(torch.empty(e, 2 * n, h, dtype=dtype), requires_grad=False)
+        layer.w2_weight = nn.Parameter(torch.empty(e, h, n, dtype=dtype), requires_grad=False)
+
+    def apply(
+        self,
+        layer: FusedMoE,
+        ops: ModuleType,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        return ops.fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+
+
+class FusedMoE(nn.Module):
+    """`num_experts` SwiGLU experts of width `intermediate_size`, each token run through the
+    `top_k` its router logits pick and their outputs summed by the routing weights."""
+
+    w13_weight: torch.Tensor
+    w2_weight: torch.Tensor
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        dtype: torch.dtype | None,
+        method: MoEMethod | None = None,
+    ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be 1 to num_experts={num_experts}")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.renormalize = renormalize
+        self.method = method or UnquantizedMoEMethod()
+        self.method.create_weights(self, dtype)
+
+    def forward(
+        self,
+        ops: ModuleType,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        router_logits: torch.Tensor,  # [num_tokens, num_experts]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize, x.dtype)
+        return self.method.apply(self, ops, x, weights, ids)
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+            f"inter={self.intermediate_size}, renormalize={self.renormalize}"
+        )
