@@ -73,12 +73,54 @@ class UnquantizedMoEMethod(MoEMethod):
         return ops.fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
 
 
+def quantize_experts_fp8(
+    weight: torch.Tensor,  # [num_experts, rows, cols]
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([E, rows, cols] float8 e4m3, [E] fp32 scales)
+    """Each expert's weights in float8 e4m3 with one scale per expert: its absmax / 448."""
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    amax = weight.detach().abs().amax(dim=(1, 2)).float().clamp(min=1e-12)
+    scale = amax / fp8_max
+    scaled = (weight.float() / scale[:, None, None]).clamp(-fp8_max, fp8_max)
+    return scaled.to(torch.float8_e4m3fn), scale
+
+
+class Fp8MoEMethod(UnquantizedMoEMethod):
+    """The experts' weights loaded in the model dtype, then quantized to float8 e4m3 with a
+    per-expert per-tensor scale (quantization="fp8-dynamic" at load): half the bytes a decode
+    step reads. The kernels widen them to the activations' dtype (weight-only FP8; no float8
+    tensor-core GEMM yet)."""
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        for name in ("w13", "w2"):
+            weight = getattr(layer, f"{name}_weight")
+            if weight.dtype == torch.float8_e4m3fn:
+                continue  # already processed
+            fp8, scale = quantize_experts_fp8(weight)
+            setattr(layer, f"{name}_weight", nn.Parameter(fp8, requires_grad=False))
+            setattr(layer, f"{name}_weight_scale", nn.Parameter(scale, requires_grad=False))
+
+    def apply(
+        self,
+        layer: FusedMoE,
+        ops: ModuleType,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        return ops.fused_moe(
+            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+            layer.w13_weight_scale, layer.w2_weight_scale,
+        )  # fmt: skip
+
+
 class FusedMoE(nn.Module):
     """`num_experts` SwiGLU experts of width `intermediate_size`, each token run through the
     `top_k` its router logits pick and their outputs summed by the routing weights."""
 
     w13_weight: torch.Tensor
     w2_weight: torch.Tensor
+    w13_weight_scale: torch.Tensor  # float8 methods' [num_experts] fp32
+    w2_weight_scale: torch.Tensor
 
     def __init__(
         self,
@@ -107,6 +149,9 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize, x.dtype)
         return self.method.apply(self, ops, x, weights, ids)
+
+    def process_weights_after_loading(self) -> None:
+        self.method.process_weights_after_loading(self)
 
     def extra_repr(self) -> str:
         return (

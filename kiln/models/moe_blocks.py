@@ -16,7 +16,8 @@ from torch import nn
 from kiln.distributed.parallel_state import ParallelContext
 from kiln.errors import ModelLoadError
 from kiln.layers.linear import Linear, UnquantizedLinearMethod
-from kiln.layers.moe import FusedMoE
+from kiln.layers.moe import Fp8MoEMethod, FusedMoE, MoEMethod, UnquantizedMoEMethod
+from kiln.layers.quantization.fp8 import Fp8LinearMethod
 from kiln.models.blocks import GatedMLP, LinearMethodFactory
 from kiln.models.config import ModelConfig
 
@@ -30,7 +31,8 @@ class SparseMoeBlock(nn.Module):
     """router (`gate`, kept in the model dtype whatever the projections' method: a few columns
     that pick the experts), `experts`, and with cfg.shared_expert_intermediate_size a
     `shared_expert` (a GatedMLP, by the projections' method) scaled by
-    sigmoid(`shared_expert_gate`(x))."""
+    sigmoid(`shared_expert_gate`(x)). The experts are float8 under quantization="fp8-dynamic"
+    (kiln.layers.moe.Fp8MoEMethod), else in the model dtype."""
 
     def __init__(
         self,
@@ -47,7 +49,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(h, cfg.num_experts, method=UnquantizedLinearMethod(), dtype=dtype)
         self.experts = FusedMoE(
             cfg.num_experts, cfg.num_experts_per_tok, h, cfg.moe_intermediate_size,
-            cfg.norm_topk_prob, dtype,
+            cfg.norm_topk_prob, dtype, _experts_method(method, f"{prefix}.experts"),
         )  # fmt: skip
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Linear | None = None
@@ -75,6 +77,19 @@ class SparseMoeBlock(nn.Module):
             shared, _ = self.shared_expert(ops, normed, None, None, eps)
             out = out + torch.sigmoid(self.shared_expert_gate(ops, normed)) * shared
         return out, summed
+
+
+def _experts_method(method: LinearMethodFactory, name: str) -> MoEMethod:
+    """float8 experts where the projections' method is FP8 with dynamic activation scales
+    (quantization="fp8-dynamic" at load); else (static FP8 has no calibrated scales for the
+    experts) the model dtype."""
+    try:
+        linear = method(name)
+    except ModelLoadError:
+        return UnquantizedMoEMethod()
+    if isinstance(linear, Fp8LinearMethod) and linear.activation_scheme == "dynamic":
+        return Fp8MoEMethod()
+    return UnquantizedMoEMethod()
 
 
 def stack_expert_weights(

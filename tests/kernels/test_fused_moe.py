@@ -52,6 +52,23 @@ def test_grouped_gemm_equals_the_loop_over_experts(num_tokens, top_k, dtype) -> 
     torch.testing.assert_close(got, want, atol=tol * peak, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float8_experts_equal_the_loop_and_stay_near_the_unquantized(dtype) -> None:
+    from kiln.layers.moe import quantize_experts_fp8
+
+    x, w13, w2, weights, ids = _case(21, 2, dtype)
+    (w13_fp8, s13), (w2_fp8, s2) = quantize_experts_fp8(w13), quantize_experts_fp8(w2)
+    assert w13_fp8.dtype == torch.float8_e4m3fn and s13.shape == (4,)
+    args = (x, w13_fp8, w2_fp8, weights, ids, s13, s2)
+    got = triton_moe.fused_moe(*args).float()
+    want = reference.fused_moe(*args).float()
+    peak = want.abs().max()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol * peak, rtol=0)
+    exact = reference.fused_moe(x, w13, w2, weights, ids).float()
+    assert (want - exact).abs().max() < 0.1 * peak  # float8's noise, not another function
+
+
 def test_align_groups_pairs_by_expert_padded_to_the_block() -> None:
     ids = torch.tensor([[2, 0], [0, 2], [2, 1]])
     pairs, block_experts, num_rows = triton_moe.align_by_expert(ids, 4, 4)

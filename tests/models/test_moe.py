@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from kiln import LLM
+from kiln.builder.plan import weight_bytes
+from tests.conftest import generated_logprob_gaps
 from tests.models.family_checks import (
     check_alone_and_batched,
     check_chunked,
@@ -71,9 +73,26 @@ def test_an_engine_directory_builds_and_loads(moe, tmp_path) -> None:
     assert tokens(engine.generate(PROMPTS, GREEDY)) == [want[tuple(p)] for p in PROMPTS]
 
 
-def test_the_memory_plan_counts_every_expert(moe) -> None:
-    from kiln.builder.plan import weight_bytes
+def test_fp8_dynamic_experts_stay_close(moe) -> None:
+    family, path, _, llm = moe
+    if family != "qwen2_moe":
+        pytest.skip("one MoE family's float8 experts")
+    fp8 = LLM(path, quantization="fp8-dynamic", max_num_batched_tokens=64, **ARGS)
+    layer = fp8.engine.executor.runner.model.layers[0]
+    assert layer.mlp.experts.w13_weight.dtype == torch.float8_e4m3fn
+    assert layer.mlp.experts.w2_weight_scale.shape == (4,)
+    assert layer.mlp.shared_expert.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+    assert layer.mlp.gate.weight.dtype == torch.float32  # the router stays unquantized
+    made = fp8.engine.executor.runner.model.parameters()
+    made_bytes = sum(p.numel() * p.element_size() for p in made)
+    assert fp8.engine.memory_plan.weight_bytes == made_bytes
+    plan = weight_bytes(fp8.engine.executor.runner.model.config, torch.float32, "fp8-dynamic")
+    assert plan == made_bytes
+    gaps = generated_logprob_gaps(fp8.generate(PROMPTS, GREEDY), llm.generate(PROMPTS, GREEDY))
+    assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
 
+
+def test_the_memory_plan_counts_every_expert(moe) -> None:
     _, _, _, llm = moe
     model = llm.engine.executor.runner.model
     made = sum(p.numel() * p.element_size() for p in model.parameters())

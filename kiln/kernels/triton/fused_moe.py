@@ -58,6 +58,7 @@ def _grouped_gemm_kernel(
     w_ptr,  # [num_experts, N, K]
     out_ptr,  # [num_pairs, N]
     weights_ptr,  # [num_pairs] fp32 routing weights (read with MUL_WEIGHT only)
+    scale_ptr,  # [num_experts] fp32: float8 weights' per-expert scale (read with SCALED only)
     sorted_pairs_ptr,  # [max_rows] int32
     block_experts_ptr,  # [max_rows / BLOCK_M] int32
     num_rows_ptr,  # [1] int32
@@ -70,6 +71,7 @@ def _grouped_gemm_kernel(
     stride_out,
     A_PER_ROW: tl.constexpr,  # pairs sharing one row of a (top_k for the token's hidden state)
     MUL_WEIGHT: tl.constexpr,
+    SCALED: tl.constexpr,  # float8 weights: widened to a's dtype (exact), the sums scaled
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,  # the interpreter's bf16 tl.dot returns garbage: widen first
     BLOCK_M: tl.constexpr,
@@ -101,7 +103,11 @@ def _grouped_gemm_kernel(
         )
         if INTERPRETED:
             a, w = a.to(tl.float32), w.to(tl.float32)
+        elif SCALED:
+            w = w.to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    if SCALED:
+        acc *= tl.load(scale_ptr + expert)
     if MUL_WEIGHT:
         acc *= tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
     out = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + cols[None, :]
@@ -113,6 +119,7 @@ def _grouped_gemm(
     w: torch.Tensor,
     out: torch.Tensor,
     weights: torch.Tensor,
+    scale: torch.Tensor | None,
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     a_per_row: int,
     mul_weight: bool,
@@ -121,9 +128,10 @@ def _grouped_gemm(
     n, k = w.shape[1], w.shape[2]
     grid = (block_experts.numel(), triton.cdiv(n, _BLOCK_N))
     _grouped_gemm_kernel[grid](
-        a, w, out, weights, sorted_pairs, block_experts, num_rows, out.shape[0], n, k,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        A_PER_ROW=a_per_row, MUL_WEIGHT=mul_weight, DOT_PRECISION=dot_precision(a.dtype),
+        a, w, out, weights, weights if scale is None else scale, sorted_pairs, block_experts,
+        num_rows, out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        A_PER_ROW=a_per_row, MUL_WEIGHT=mul_weight, SCALED=scale is not None,
+        DOT_PRECISION=dot_precision(a.dtype),
         INTERPRETED=a.device.type != "cuda",
         BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
     )  # fmt: skip
@@ -135,6 +143,8 @@ def fused_moe(
     w2: torch.Tensor,  # [num_experts, hidden, inter]: each expert's down projection
     topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32: each chosen expert's weight
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int: the chosen experts
+    w13_scale: torch.Tensor | None = None,  # [num_experts] fp32: float8 w13's per-expert scale
+    w2_scale: torch.Tensor | None = None,  # [num_experts] fp32: float8 w2's per-expert scale
 ) -> torch.Tensor:  # [num_tokens, hidden]
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
@@ -142,9 +152,9 @@ def fused_moe(
     aligned = align_by_expert(topk_ids, w13.shape[0], _BLOCK_M)
     weights = topk_weights.reshape(-1).float().contiguous()
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, weights, aligned, top_k, mul_weight=False)
+    _grouped_gemm(x, w13, gate_up, weights, w13_scale, aligned, top_k, mul_weight=False)
     hidden = silu_and_mul(gate_up)
     # fp32 rows, so the top-k sum rounds once, as the reference's.
     down = torch.empty(num_pairs, w2.shape[1], dtype=torch.float32, device=x.device)
-    _grouped_gemm(hidden, w2, down, weights, aligned, 1, mul_weight=True)
+    _grouped_gemm(hidden, w2, down, weights, w2_scale, aligned, 1, mul_weight=True)
     return down.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
