@@ -84,20 +84,20 @@ def quantize_experts_fp8(
     return scaled.to(torch.float8_e4m3fn), scale
 
 
-class Fp8MoEMethod(UnquantizedMoEMethod):
-    """The experts' weights loaded in the model dtype, then quantized to float8 e4m3 with a
-    per-expert per-tensor scale (quantization="fp8-dynamic" at load): half the bytes a decode
-    step reads. The kernels widen them to the activations' dtype (weight-only FP8; no float8
+class Fp8MoEMethod(MoEMethod):
+    """The experts' weights in float8 e4m3 with a per-expert per-tensor scale each
+    (quantization="fp8-dynamic"): half the bytes a decode step reads. A model-dtype checkpoint's
+    experts are quantized as they load (quantize_experts_fp8); an engine directory holds them
+    quantized. The kernels widen them to the activations' dtype (weight-only FP8; no float8
     tensor-core GEMM yet)."""
 
-    def process_weights_after_loading(self, layer: FusedMoE) -> None:
-        for name in ("w13", "w2"):
-            weight = getattr(layer, f"{name}_weight")
-            if weight.dtype == torch.float8_e4m3fn:
-                continue  # already processed
-            fp8, scale = quantize_experts_fp8(weight)
-            setattr(layer, f"{name}_weight", nn.Parameter(fp8, requires_grad=False))
-            setattr(layer, f"{name}_weight_scale", nn.Parameter(scale, requires_grad=False))
+    def create_weights(self, layer: FusedMoE, dtype: torch.dtype | None) -> None:
+        e, h, n = layer.num_experts, layer.hidden_size, layer.intermediate_size
+        fp8 = torch.float8_e4m3fn
+        layer.w13_weight = nn.Parameter(torch.empty(e, 2 * n, h, dtype=fp8), requires_grad=False)
+        layer.w2_weight = nn.Parameter(torch.empty(e, h, n, dtype=fp8), requires_grad=False)
+        layer.w13_weight_scale = nn.Parameter(torch.ones(e), requires_grad=False)
+        layer.w2_weight_scale = nn.Parameter(torch.ones(e), requires_grad=False)
 
     def apply(
         self,

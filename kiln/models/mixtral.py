@@ -14,7 +14,7 @@ from kiln.models.blocks import DecoderLayer, LinearMethodFactory
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import DecoderForCausalLM, LayerTensorMap
 from kiln.models.llama import LAYER_TENSOR_MAP
-from kiln.models.moe_blocks import EXPERT_TENSOR_MAP, SparseMoeBlock, stack_expert_weights
+from kiln.models.moe_blocks import EXPERT_TENSOR_MAP, SparseMoeBlock, adapt_expert_weights
 
 MIXTRAL_LAYER_TENSOR_MAP: LayerTensorMap = {
     **{k: v for k, v in LAYER_TENSOR_MAP.items() if not k.startswith("mlp.")},
@@ -43,5 +43,5 @@ class MixtralForCausalLM(DecoderForCausalLM):
     def adapt_hf_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        stacked = stack_expert_weights(weights, self.config.num_experts, MIXTRAL_EXPERT_PARTS)
-        return super().adapt_hf_weights(stacked)
+        experts = adapt_expert_weights(self, weights, self.config.num_experts, MIXTRAL_EXPERT_PARTS)
+        return super().adapt_hf_weights(experts)

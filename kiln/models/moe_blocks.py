@@ -16,7 +16,13 @@ from torch import nn
 from kiln.distributed.parallel_state import ParallelContext
 from kiln.errors import ModelLoadError
 from kiln.layers.linear import Linear, UnquantizedLinearMethod
-from kiln.layers.moe import Fp8MoEMethod, FusedMoE, MoEMethod, UnquantizedMoEMethod
+from kiln.layers.moe import (
+    Fp8MoEMethod,
+    FusedMoE,
+    MoEMethod,
+    UnquantizedMoEMethod,
+    quantize_experts_fp8,
+)
 from kiln.layers.quantization.fp8 import Fp8LinearMethod
 from kiln.models.blocks import GatedMLP, LinearMethodFactory
 from kiln.models.config import ModelConfig
@@ -131,9 +137,43 @@ def stack_expert_weights(
         )
 
 
+def adapt_expert_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    num_experts: int,
+    parts: Mapping[str, tuple[str, int]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A MoE family's checkpoint as its model loads it: the experts stacked, and quantized
+    where the model's experts are float8. `model`: a DecoderForCausalLM (its layer_start)."""
+    start = getattr(model, "layer_start", 0)
+    params = {}
+    for name, param in model.named_parameters():
+        if name.startswith("layers.") and ".experts." in name:
+            index, rest = name.removeprefix("layers.").split(".", 1)
+            params[f"model.layers.{start + int(index)}.{rest}"] = param
+    return quantize_float8_experts(stack_expert_weights(weights, num_experts, parts), params)
+
+
+def quantize_float8_experts(
+    weights: Iterable[tuple[str, torch.Tensor]], params: Mapping[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stacked experts' tensors (stack_expert_weights's) in the model dtype whose parameter in
+    `params` (the model's, by HF name) is float8: quantized, each followed by its scale."""
+    for name, tensor in weights:
+        param = params.get(name)
+        if param is None or param.dtype != torch.float8_e4m3fn or tensor.element_size() == 1:
+            yield name, tensor
+            continue
+        fp8, scale = quantize_experts_fp8(tensor)
+        yield name, fp8
+        yield f"{name}_scale", scale
+
+
 # The experts' stacked parameters, loaded whole (as stack_expert_weights names them).
 EXPERT_TENSOR_MAP = {
     "mlp.gate.weight": ("mlp.gate.weight", None),
     "mlp.experts.w13_weight": ("mlp.experts.w13_weight", None),
     "mlp.experts.w2_weight": ("mlp.experts.w2_weight", None),
+    "mlp.experts.w13_weight_scale": ("mlp.experts.w13_weight_scale", None),
+    "mlp.experts.w2_weight_scale": ("mlp.experts.w2_weight_scale", None),
 }

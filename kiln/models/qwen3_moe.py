@@ -13,7 +13,7 @@ from kiln.distributed.parallel_state import ParallelContext
 from kiln.models.blocks import DecoderLayer, LinearMethodFactory
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import DecoderForCausalLM, LayerTensorMap
-from kiln.models.moe_blocks import EXPERT_TENSOR_MAP, SparseMoeBlock, stack_expert_weights
+from kiln.models.moe_blocks import EXPERT_TENSOR_MAP, SparseMoeBlock, adapt_expert_weights
 from kiln.models.qwen3 import QWEN3_LAYER_TENSOR_MAP
 
 QWEN3_MOE_LAYER_TENSOR_MAP: LayerTensorMap = {**QWEN3_LAYER_TENSOR_MAP, **EXPERT_TENSOR_MAP}
@@ -47,5 +47,5 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
     def adapt_hf_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        stacked = stack_expert_weights(weights, self.config.num_experts, QWEN_EXPERT_PARTS)
-        return super().adapt_hf_weights(stacked)
+        experts = adapt_expert_weights(self, weights, self.config.num_experts, QWEN_EXPERT_PARTS)
+        return super().adapt_hf_weights(experts)

@@ -92,6 +92,24 @@ def test_fp8_dynamic_experts_stay_close(moe) -> None:
     assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
 
 
+def test_an_fp8_dynamic_engine_directory_and_dummy_weights(moe, tmp_path) -> None:
+    from kiln.builder.build import BuildOptions, build_engine
+
+    family, path, _, llm = moe
+    if family != "qwen2_moe":
+        pytest.skip("one MoE family's float8 engine")
+    out = str(tmp_path / "fp8")
+    options = BuildOptions(quantization="fp8-dynamic", accuracy_check=False, max_model_len=256)
+    build_engine(path, out, options, None)
+    engine = LLM(out, max_num_batched_tokens=64, **ARGS)
+    experts = engine.engine.executor.runner.model.layers[0].mlp.experts
+    assert experts.w2_weight.dtype == torch.float8_e4m3fn
+    gaps = generated_logprob_gaps(engine.generate(PROMPTS, GREEDY), llm.generate(PROMPTS, GREEDY))
+    assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
+    dummy = LLM(path, quantization="fp8-dynamic", load_format="dummy", **ARGS)
+    assert len(tokens(dummy.generate(PROMPTS[:1], GREEDY))[0]) == 32
+
+
 def test_the_memory_plan_counts_every_expert(moe) -> None:
     _, _, _, llm = moe
     model = llm.engine.executor.runner.model
