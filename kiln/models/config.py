@@ -553,6 +553,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
     ),
+    # The MoE benchmarks' models: 128 experts of 768, 8 a token (3.3B of 30.5B active); Mixtral's
+    # 8 experts of 14336, 2 a token.
+    "qwen3-30b-a3b": _preset(
+        "qwen3_moe", 151936, 2048, 6144, 48, 32, 4,
+        head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+        max_window_layers=48, **_QWEN_IDS,
+    ),
+    "mixtral-8x7b": _preset(
+        "mixtral", 32000, 4096, 14336, 32, 32, 8,
+        rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=32768,
+        num_local_experts=8, num_experts_per_tok=2, sliding_window=None, bos_token_id=1,
+        eos_token_id=2,
+    ),
     "tinyllama-1.1b": _preset(
         "llama", 32000, 2048, 5632, 22, 32, 4,
         rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048,

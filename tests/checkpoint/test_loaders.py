@@ -35,6 +35,8 @@ _HF_CLASSES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
 }
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
