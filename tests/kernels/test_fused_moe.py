@@ -69,6 +69,13 @@ def test_float8_experts_equal_the_loop_and_stay_near_the_unquantized(dtype) -> N
     assert (want - exact).abs().max() < 0.1 * peak  # float8's noise, not another function
 
 
+def test_the_gpus_prefill_tiles_equal_the_loop() -> None:
+    args = _case(21, 2, torch.float32)
+    got = triton_moe.fused_moe_tiled(*args, None, None, triton_moe._PREFILL_TILES)
+    want = reference.fused_moe(*args)
+    torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max(), rtol=0)
+
+
 def test_align_groups_pairs_by_expert_padded_to_the_block() -> None:
     ids = torch.tensor([[2, 0], [0, 2], [2, 1]])
     pairs, block_experts, num_rows = triton_moe.align_by_expert(ids, 4, 4)

@@ -18,9 +18,19 @@ import triton.language as tl
 from kiln.kernels.triton._device import dot_precision
 from kiln.kernels.triton.silu_mul import silu_and_mul
 
-_BLOCK_M = 16  # rows of a block: one expert's (token, expert) pairs, padded
-_BLOCK_N = 32
-_BLOCK_K = 32
+# (BLOCK_M, BLOCK_N, BLOCK_K): rows of a block (one expert's (token, expert) pairs, padded),
+# output columns, reduction step. The interpreter's cost grows with the tiles; 16 is tl.dot's
+# least M, which decode's few pairs per expert barely fill; prefill's many fill 64.
+_INTERPRETER_TILES = (16, 32, 32)
+_DECODE_TILES = (16, 64, 128)
+_PREFILL_TILES = (64, 128, 64)
+_PREFILL_PAIRS = 1024  # pairs from which the larger row block pays for its padding
+
+
+def _tiles(num_pairs: int, device: torch.device) -> tuple[int, int, int]:
+    if device.type != "cuda":
+        return _INTERPRETER_TILES
+    return _PREFILL_TILES if num_pairs >= _PREFILL_PAIRS else _DECODE_TILES
 
 
 def align_by_expert(
@@ -36,7 +46,9 @@ def align_by_expert(
     num_pairs = flat.numel()
     max_rows = num_pairs + num_experts * (block_m - 1)
     max_rows = triton.cdiv(max_rows, block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount sizes its output by a max it reads back (a host sync).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
@@ -123,17 +135,19 @@ def _grouped_gemm(
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     a_per_row: int,
     mul_weight: bool,
+    tiles: tuple[int, int, int],
 ) -> None:
     sorted_pairs, block_experts, num_rows = aligned
     n, k = w.shape[1], w.shape[2]
-    grid = (block_experts.numel(), triton.cdiv(n, _BLOCK_N))
+    block_m, block_n, block_k = tiles
+    grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, w, out, weights, weights if scale is None else scale, sorted_pairs, block_experts,
         num_rows, out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         A_PER_ROW=a_per_row, MUL_WEIGHT=mul_weight, SCALED=scale is not None,
         DOT_PRECISION=dot_precision(a.dtype),
         INTERPRETED=a.device.type != "cuda",
-        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
 
 
@@ -146,15 +160,30 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,  # [num_experts] fp32: float8 w13's per-expert scale
     w2_scale: torch.Tensor | None = None,  # [num_experts] fp32: float8 w2's per-expert scale
 ) -> torch.Tensor:  # [num_tokens, hidden]
+    tiles = _tiles(topk_ids.numel(), x.device)
+    return fused_moe_tiled(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, tiles)
+
+
+def fused_moe_tiled(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    tiles: tuple[int, int, int],  # (BLOCK_M, BLOCK_N, BLOCK_K)
+) -> torch.Tensor:
+    """fused_moe at given tiles (tests run the GPU's under the interpreter)."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    aligned = align_by_expert(topk_ids, w13.shape[0], _BLOCK_M)
+    aligned = align_by_expert(topk_ids, w13.shape[0], tiles[0])
     weights = topk_weights.reshape(-1).float().contiguous()
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, weights, w13_scale, aligned, top_k, mul_weight=False)
+    _grouped_gemm(x, w13, gate_up, weights, w13_scale, aligned, top_k, False, tiles)
     hidden = silu_and_mul(gate_up)
     # fp32 rows, so the top-k sum rounds once, as the reference's.
     down = torch.empty(num_pairs, w2.shape[1], dtype=torch.float32, device=x.device)
-    _grouped_gemm(hidden, w2, down, weights, w2_scale, aligned, 1, mul_weight=True)
+    _grouped_gemm(hidden, w2, down, weights, w2_scale, aligned, 1, True, tiles)
     return down.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
