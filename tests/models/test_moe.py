@@ -1,8 +1,9 @@
 """The mixture-of-experts families (Mixtral, Qwen3-MoE, Qwen2-MoE) against Hugging Face in fp32
 (eager attention) on tiny random checkpoints: greedy tokens equal over 32 new tokens alone,
-batched, chunked and prefix-cached; Qwen3-MoE's dense `mlp_only_layers` and renormalised top-k,
-Qwen2-MoE's sigmoid-gated shared expert and unrenormalised top-k; an engine directory built
-from a Qwen3-MoE checkpoint and loaded; the memory plan counting every expert."""
+batched, chunked, prefix-cached and preempted; Qwen3-MoE's dense `mlp_only_layers` and
+renormalised top-k, Qwen2-MoE's sigmoid-gated shared expert and unrenormalised top-k; engine
+directories built and loaded (Qwen3-MoE; Qwen2-MoE with fp8-dynamic experts); float8 experts
+within float8's noise; the memory plan counting every expert."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tests.conftest import generated_logprob_gaps
 from tests.models.family_checks import (
     check_alone_and_batched,
     check_chunked,
+    check_preempted,
     check_prefix_hit,
     hf_tokens,
     perturb_norms_and_biases,
@@ -59,6 +61,7 @@ def test_chunked_and_prefix_cached_equal_hf(moe) -> None:
     _, path, want, llm = moe
     check_prefix_hit(llm, want)
     check_chunked(path, want)
+    check_preempted(path, want)
 
 
 def test_an_engine_directory_builds_and_loads(moe, tmp_path) -> None:
