@@ -31,15 +31,13 @@ def select_experts(
 
 
 class MoEMethod(ABC):
-    """A scheme for the experts' weights: create them on the layer, convert them once loaded,
-    and run the routed tokens through them."""
+    """A scheme for the experts' weights: create them on the layer and run the routed tokens
+    through them (a model-dtype checkpoint's experts are quantized as they load, by the
+    families' adapter: kiln.models.moe_blocks.adapt_expert_weights)."""
 
     @abstractmethod
     def create_weights(self, layer: FusedMoE, dtype: torch.dtype | None) -> None:
         """Register the experts' parameters (shapes from the layer's sizes)."""
-
-    def process_weights_after_loading(self, layer: FusedMoE) -> None:  # noqa: B027 (optional)
-        """Convert loaded weights into what apply() reads (quantize, ...)."""
 
     @abstractmethod
     def apply(
@@ -149,9 +147,6 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize, x.dtype)
         return self.method.apply(self, ops, x, weights, ids)
-
-    def process_weights_after_loading(self) -> None:
-        self.method.process_weights_after_loading(self)
 
     def extra_repr(self) -> str:
         return (

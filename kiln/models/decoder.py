@@ -19,7 +19,6 @@ from kiln.distributed.comm import recv_from_prev_stage, send_to_next_stage
 from kiln.distributed.parallel_state import ParallelContext, kv_head_range, split_layers
 from kiln.errors import ModelLoadError
 from kiln.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
-from kiln.layers.moe import FusedMoE
 from kiln.layers.rotary import LENGTH_DEPENDENT, StepRope, build_cos_sin_cache, rope_type_of
 from kiln.layers.vocab_parallel import VocabParallelEmbedding
 from kiln.models import weight_loader
@@ -388,8 +387,6 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.method.process_weights_after_loading(module)
-            elif isinstance(module, FusedMoE):  # float8 experts quantize here
-                module.process_weights_after_loading()
 
     @torch.no_grad()
     def init_dummy_weights(self, seed: int) -> None:
