@@ -694,3 +694,35 @@ def int4_linear(
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def fused_moe(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]: each expert's [gate; up] rows
+    w2: torch.Tensor,  # [num_experts, hidden, inter]: each expert's down projection
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32: each chosen expert's weight
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int: the chosen experts
+    w13_scale: torch.Tensor | None = None,  # [num_experts] fp32: float8 w13's per-expert scale
+    w2_scale: torch.Tensor | None = None,  # [num_experts] fp32: float8 w2's per-expert scale
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """The routed experts' SwiGLU MLPs, weighted and summed per token: a loop over the experts
+    any token chose, each running its tokens' rows in the model dtype (as transformers' Mixtral
+    and Qwen-MoE experts do), the weighted sum kept in fp32 and rounded once. Float8 weights
+    (with their scales) are widened to the model dtype (exact) and their products scaled in
+    fp32 before rounding: weight-only FP8."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for expert in torch.unique(topk_ids).tolist():
+        token, slot = torch.nonzero(topk_ids == expert, as_tuple=True)
+        gate_up = _expert_linear(x[token], w13[expert], w13_scale, expert)
+        down = _expert_linear(silu_and_mul(gate_up), w2[expert], w2_scale, expert)
+        out.index_add_(0, token, down.float() * topk_weights[token, slot, None].float())
+    return out.to(x.dtype)
+
+
+def _expert_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, expert: int
+) -> torch.Tensor:
+    if scale is None:
+        return F.linear(x, weight)
+    product = F.linear(x.float(), weight.float())  # fp32 as the kernel's accumulator
+    return (product * scale[expert]).to(x.dtype)

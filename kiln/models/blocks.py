@@ -432,7 +432,8 @@ class DecoderLayer(nn.Module):
     `layer_norm`: LayerNorms (reference.layer_norm on every path, biases `*_bias` with
     `norm_bias`: StableLM, Cohere) before the blocks, in place of the RMSNorms; with `parallel`
     attention and MLP read the same normed input (input_layernorm, the only norm) and their
-    outputs join the stream together (Cohere, StableLM use_parallel_residual)."""
+    outputs join the stream together (Cohere, StableLM use_parallel_residual). `mlp`: a
+    block in place of the gated MLP, with its call (kiln.models.moe_blocks.SparseMoeBlock)."""
 
     NORMS = ("pre", "sandwich", "post")
 
@@ -451,6 +452,7 @@ class DecoderLayer(nn.Module):
         norm_bias: bool = False,
         parallel: bool = False,
         gated_mlp: bool = True,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         if norms not in self.NORMS:
@@ -463,8 +465,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = RopeAttention(
             cfg, f"{prefix}.self_attn", method, dtype, ctx, full, qk_norm, rope_table
         )
-        self.mlp: GatedMLP | PlainMLP
-        if gated_mlp:
+        self.mlp: GatedMLP | PlainMLP | nn.Module
+        if mlp is not None:  # the family's own block, called as GatedMLP is (MoE)
+            self.mlp = mlp
+        elif gated_mlp:
             self.mlp = GatedMLP(cfg, f"{prefix}.mlp", method, dtype, ctx)
         else:  # `gated_mlp=False`: PlainMLP (Starcoder2)
             self.mlp = PlainMLP(cfg, f"{prefix}.mlp", method, dtype, ctx)

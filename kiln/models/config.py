@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.errors import ModelLoadError
-from kiln.models import family_config, registry
+from kiln.models import family_config, moe_config, registry
 
 # The deepest published decoders have ~130 layers; building 10k layers' modules already takes
 # minutes on a CPU, and a config saying 1e7 would otherwise look like a hang.
@@ -110,11 +110,46 @@ class ModelConfig:
     """Attention and MLP both read the same normed input and add to the stream together
     (Cohere, StableLM use_parallel_residual)."""
 
+    # Mixture-of-experts MLPs (kiln.models.moe_config parses them); num_experts 0: dense.
+    num_experts: int = 0
+    """Routed experts of each sparse layer's MLP (Mixtral num_local_experts, Qwen num_experts)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Width of each expert's gated MLP (a dense layer's is intermediate_size)."""
+    norm_topk_prob: bool = True
+    """The top-k routing weights are renormalised to sum to 1 (Mixtral always; Qwen by flag)."""
+    decoder_sparse_step: int = 1
+    """Every n-th layer (1-based) is sparse, unless listed in mlp_only_layers (Qwen-MoE)."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layers whose MLP is dense though the step would make them sparse (Qwen-MoE)."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the shared expert every token also runs, gated by a sigmoid (Qwen2-MoE); 0: none."""
+
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer `layer` (its index in the whole model); None: full."""
         if self.layer_types is None or self.layer_types[layer] == _SLIDING:
             return self.sliding_window
         return None
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (its index in the whole model) has a mixture-of-experts MLP."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    def mlp_parameter_count(self, layer: int) -> int:
+        """Weights of layer `layer`'s MLP: every expert's (and the router's, the shared
+        expert's) in a sparse layer, the gated MLP's in a dense one."""
+        h = self.hidden_size
+        if not self.is_sparse_layer(layer):
+            return 3 * h * self.intermediate_size
+        count = self.num_experts * 3 * h * self.moe_intermediate_size + self.num_experts * h
+        if self.shared_expert_intermediate_size:
+            count += 3 * h * self.shared_expert_intermediate_size + h
+        return count
 
     @property
     def kv_window(self) -> int | None:
@@ -182,11 +217,11 @@ class ModelConfig:
         kv_width = self.num_key_value_heads * self.head_dim
         attention = self.hidden_size * (self.num_attention_heads * self.head_dim) * 2
         attention += self.hidden_size * kv_width * 2
-        per_layer = attention + 3 * self.hidden_size * self.intermediate_size
+        mlps = sum(self.mlp_parameter_count(i) for i in range(self.num_hidden_layers))
         embeddings = self.vocab_size * self.hidden_size
         return {
             "vocab_size": embeddings * (1 if self.tie_word_embeddings else 2),
-            "num_hidden_layers": self.num_hidden_layers * per_layer,
+            "num_hidden_layers": self.num_hidden_layers * attention + mlps,
         }
 
     def check_fits(self, bytes_per_weight: int, available_bytes: int, where: str) -> None:
@@ -256,6 +291,7 @@ class ModelConfig:
             attn_logit_softcapping=_optional_float(d.get("attn_logit_softcapping")),
         )
         fields.update(family_config.family_fields(architecture, d))
+        fields.update(moe_config.moe_fields(architecture, d))
         return cls(**fields)
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -297,13 +333,14 @@ class ModelConfig:
             d["attention_bias"] = self.attention_bias
         if self.architecture == "llama":
             d["mlp_bias"] = False
-        if self.architecture in ("qwen2", "qwen3"):
+        if self.architecture in _QWEN_WINDOWS:
             # Windowed from layer max_window_layers on (layer_types says the same, for HF 5).
             d["use_sliding_window"] = self.sliding_window is not None
             types = self.layer_types or (_SLIDING,) * self.num_hidden_layers
             first = types.index(_SLIDING) if _SLIDING in types else self.num_hidden_layers
             d["max_window_layers"] = first if self.sliding_window else self.num_hidden_layers
         d.update(family_config.family_hf_fields(self))
+        d.update(moe_config.moe_hf_fields(self))
         return d
 
 
@@ -409,7 +446,9 @@ def _dtype_of(d: dict[str, Any]) -> str:
 
 _SLIDING, _FULL = "sliding_attention", "full_attention"
 # Families whose window (when the config gives one) is every layer's.
-_WINDOW_EVERYWHERE = ("mistral", "phi3", "starcoder2")
+_WINDOW_EVERYWHERE = ("mistral", "mixtral", "phi3", "starcoder2")
+# Families with Qwen2's use_sliding_window / max_window_layers.
+_QWEN_WINDOWS = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # Families that alternate local and global layers: every n-th layer (1-based) is global unless
 # the config lists layer_types (Gemma 3's configs say sliding_window_pattern).
 _GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6}
@@ -425,7 +464,7 @@ def _attention_layout(architecture: str, d: dict[str, Any]) -> tuple[int | None,
     if architecture in _WINDOW_EVERYWHERE:
         return int(window), None
     types = d.get("layer_types")
-    if architecture in ("qwen2", "qwen3"):
+    if architecture in _QWEN_WINDOWS:
         # Qwen2: no window unless use_sliding_window, and then from layer max_window_layers on.
         if not d.get("use_sliding_window", False):
             return None, None
@@ -571,6 +610,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         "llama", 49152, 576, 1536, 30, 9, 3,
         rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    ),
+    # The MoE benchmarks' models: 128 experts of 768, 8 a token (3.3B of 30.5B active); Mixtral's
+    # 8 experts of 14336, 2 a token.
+    "qwen3-30b-a3b": _preset(
+        "qwen3_moe", 151936, 2048, 6144, 48, 32, 4,
+        head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+        max_window_layers=48, **_QWEN_IDS,
+    ),
+    "mixtral-8x7b": _preset(
+        "mixtral", 32000, 4096, 14336, 32, 32, 8,
+        rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=32768,
+        num_local_experts=8, num_experts_per_tok=2, sliding_window=None, bos_token_id=1,
+        eos_token_id=2,
     ),
     "tinyllama-1.1b": _preset(
         "llama", 32000, 2048, 5632, 22, 32, 4,

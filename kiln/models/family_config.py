@@ -17,7 +17,16 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # Families whose o_proj has a bias when attention_bias is set (Qwen2's and Mistral's never has).
 # The Gemma generations: sqrt(hidden)-scaled embeddings, (1 + w) norms, tied by default.
 GEMMA = ("gemma", "gemma2", "gemma3_text")
-O_BIAS_WITH_ATTENTION_BIAS = ("llama", "qwen3", "granite", "olmo2", "cohere", "starcoder2", *GEMMA)
+O_BIAS_WITH_ATTENTION_BIAS = (
+    "llama",
+    "qwen3",
+    "qwen3_moe",
+    "granite",
+    "olmo2",
+    "cohere",
+    "starcoder2",
+    *GEMMA,
+)
 # Families that tie the LM head to the embedding unless config.json says otherwise.
 _TIED_BY_DEFAULT = ("cohere", "starcoder2", *GEMMA)
 

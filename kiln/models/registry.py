@@ -41,6 +41,9 @@ FAMILIES: dict[str, Family] = {
     "Olmo2ForCausalLM": Family("olmo2", "kiln.models.olmo2", "Olmo2ForCausalLM"),
     "StableLmForCausalLM": Family("stablelm", "kiln.models.stablelm", "StableLmForCausalLM"),
     "CohereForCausalLM": Family("cohere", "kiln.models.cohere", "CohereForCausalLM"),
+    "MixtralForCausalLM": Family("mixtral", "kiln.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": Family("qwen2_moe", "kiln.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": Family("qwen3_moe", "kiln.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "Starcoder2ForCausalLM": Family(
         "starcoder2", "kiln.models.starcoder2", "Starcoder2ForCausalLM"
     ),

@@ -206,9 +206,11 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int) -> None:
         elif param.dim() == 1 and "bias" not in name:
             param.fill_(1.0)
         elif param.element_size() == 1:  # float8: drawn as a checkpoint would be, then loaded
-            assert owner is not None, "a float8 parameter is a Linear's"
             drawn = torch.empty(param.shape, device=param.device).normal_(0.0, 0.02, generator=gen)
-            owner.method.load_weight(param, None, drawn)  # drawn at this rank's shape
+            if owner is None:  # float8 experts (kiln.layers.moe), at their scales of 1
+                param.copy_(drawn.to(param.dtype))
+            else:
+                owner.method.load_weight(param, None, drawn)  # drawn at this rank's shape
         else:
             param.normal_(0.0, 0.02, generator=gen)
     if model.head_quantized and model.tied_head:

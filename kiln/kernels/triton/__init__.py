@@ -9,6 +9,7 @@ from kiln.kernels.triton.argmax import argmax
 from kiln.kernels.triton.copy_blocks import copy_kv_blocks
 from kiln.kernels.triton.decode_attention import paged_decode_attention
 from kiln.kernels.triton.fp8_gemm import quantize_fp8
+from kiln.kernels.triton.fused_moe import fused_moe
 from kiln.kernels.triton.int4_gemm import int4_linear
 from kiln.kernels.triton.prefill_attention import paged_prefill_attention
 from kiln.kernels.triton.qk_norm_rotary import qk_norm_rotary_write_kv
@@ -41,6 +42,7 @@ __all__ = [
     "fp8_linear",
     "fp8_matmul",
     "fused_add_rms_norm",
+    "fused_moe",
     "gelu_tanh_and_mul",
     "gelu_tanh_and_mul_quant_fp8",
     "int4_linear",

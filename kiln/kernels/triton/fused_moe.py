@@ -1,0 +1,189 @@
+"""The routed experts as two grouped GEMMs (twin of reference.fused_moe), the fused-MoE design
+vLLM and SGLang use: the (token, expert) pairs are sorted by expert and each expert's run padded
+to the GEMM's row block, so every row block of the sorted list belongs to one expert; one launch
+multiplies each block by its expert's weights (gate_up), the SiLU-mul kernel runs over the
+pairs, a second launch multiplies by the experts' down weights and scales each row by its
+routing weight, and the top-k rows of each token are summed in token order.
+
+The sort is torch ops with shapes fixed by the token count alone (no host sync), so a CUDA graph
+can capture it: the padded list is sized for the worst case, num_pairs + num_experts *
+(BLOCK_M - 1) rows, and the blocks past the real end return at once."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.triton._device import dot_precision
+from kiln.kernels.triton.silu_mul import silu_and_mul
+
+# (BLOCK_M, BLOCK_N, BLOCK_K): rows of a block (one expert's (token, expert) pairs, padded),
+# output columns, reduction step. The interpreter's cost grows with the tiles; 16 is tl.dot's
+# least M, which decode's few pairs per expert barely fill; prefill's many fill 64.
+_INTERPRETER_TILES = (16, 32, 32)
+_DECODE_TILES = (16, 64, 128)
+_PREFILL_TILES = (64, 128, 64)
+_PREFILL_PAIRS = 1024  # pairs from which the larger row block pays for its padding
+
+
+def _tiles(num_pairs: int, device: torch.device) -> tuple[int, int, int]:
+    if device.type != "cuda":
+        return _INTERPRETER_TILES
+    return _PREFILL_TILES if num_pairs >= _PREFILL_PAIRS else _DECODE_TILES
+
+
+def align_by_expert(
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_pairs [max_rows] int32: each row's flat (token * top_k + k) pair index, or
+    num_pairs for padding; block_experts [max_rows / block_m] int32: each row block's expert;
+    num_rows [1] int32: the padded rows in use), the pairs grouped by expert (stable, so in token
+    order within an expert) and each expert's run padded to a multiple of `block_m`."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs = flat.numel()
+    max_rows = num_pairs + num_experts * (block_m - 1)
+    max_rows = triton.cdiv(max_rows, block_m) * block_m
+    # scatter_add, not bincount: bincount sizes its output by a max it reads back (a host sync).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    experts = flat[order]
+    # A pair's place: its expert's padded start plus its rank among that expert's pairs.
+    rank = torch.arange(num_pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[experts]
+    dest = (padded_end - padded)[experts] + rank
+    sorted_pairs = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_pairs[dest] = order.to(torch.int32)
+    block_starts = torch.arange(0, max_rows, block_m, device=flat.device)
+    block_experts = torch.searchsorted(padded_end, block_starts, right=True)
+    block_experts = block_experts.clamp(max=num_experts - 1).to(torch.int32)
+    return sorted_pairs, block_experts, padded_end[-1:].to(torch.int32)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,  # [num_pairs // a_per_row, K]: the rows each pair reads (a token's, or its own)
+    w_ptr,  # [num_experts, N, K]
+    out_ptr,  # [num_pairs, N]
+    weights_ptr,  # [num_pairs] fp32 routing weights (read with MUL_WEIGHT only)
+    scale_ptr,  # [num_experts] fp32: float8 weights' per-expert scale (read with SCALED only)
+    sorted_pairs_ptr,  # [max_rows] int32
+    block_experts_ptr,  # [max_rows / BLOCK_M] int32
+    num_rows_ptr,  # [1] int32
+    num_pairs,
+    N,
+    K,
+    stride_a,
+    stride_we,
+    stride_wn,
+    stride_out,
+    A_PER_ROW: tl.constexpr,  # pairs sharing one row of a (top_k for the token's hidden state)
+    MUL_WEIGHT: tl.constexpr,
+    SCALED: tl.constexpr,  # float8 weights: widened to a's dtype (exact), the sums scaled
+    DOT_PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,  # the interpreter's bf16 tl.dot returns garbage: widen first
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return  # past the padded list's real end: the worst case's spare blocks
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    valid = pairs < num_pairs
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    a_rows = (pairs // A_PER_ROW).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_a + ks[None, :],
+            mask=valid[:, None] & (ks[None, :] < K),
+            other=0.0,
+        )
+        w = tl.load(  # [BLOCK_K, BLOCK_N]: the expert's rows `cols`, transposed
+            w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
+            mask=(cols[None, :] < N) & (ks[:, None] < K),
+            other=0.0,
+        )
+        if INTERPRETED:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        elif SCALED:
+            w = w.to(a.dtype)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    if SCALED:
+        acc *= tl.load(scale_ptr + expert)
+    if MUL_WEIGHT:
+        acc *= tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
+    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+
+
+def _grouped_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    weights: torch.Tensor,
+    scale: torch.Tensor | None,
+    aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    a_per_row: int,
+    mul_weight: bool,
+    tiles: tuple[int, int, int],
+) -> None:
+    sorted_pairs, block_experts, num_rows = aligned
+    n, k = w.shape[1], w.shape[2]
+    block_m, block_n, block_k = tiles
+    grid = (block_experts.numel(), triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        a, w, out, weights, weights if scale is None else scale, sorted_pairs, block_experts,
+        num_rows, out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        A_PER_ROW=a_per_row, MUL_WEIGHT=mul_weight, SCALED=scale is not None,
+        DOT_PRECISION=dot_precision(a.dtype),
+        INTERPRETED=a.device.type != "cuda",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+
+
+def fused_moe(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]: each expert's [gate; up] rows
+    w2: torch.Tensor,  # [num_experts, hidden, inter]: each expert's down projection
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32: each chosen expert's weight
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int: the chosen experts
+    w13_scale: torch.Tensor | None = None,  # [num_experts] fp32: float8 w13's per-expert scale
+    w2_scale: torch.Tensor | None = None,  # [num_experts] fp32: float8 w2's per-expert scale
+) -> torch.Tensor:  # [num_tokens, hidden]
+    tiles = _tiles(topk_ids.numel(), x.device)
+    return fused_moe_tiled(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, tiles)
+
+
+def fused_moe_tiled(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    tiles: tuple[int, int, int],  # (BLOCK_M, BLOCK_N, BLOCK_K)
+) -> torch.Tensor:
+    """fused_moe at given tiles (tests run the GPU's under the interpreter)."""
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    aligned = align_by_expert(topk_ids, w13.shape[0], tiles[0])
+    weights = topk_weights.reshape(-1).float().contiguous()
+    gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, gate_up, weights, w13_scale, aligned, top_k, False, tiles)
+    hidden = silu_and_mul(gate_up)
+    # fp32 rows, so the top-k sum rounds once, as the reference's.
+    down = torch.empty(num_pairs, w2.shape[1], dtype=torch.float32, device=x.device)
+    _grouped_gemm(hidden, w2, down, weights, w2_scale, aligned, 1, True, tiles)
+    return down.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)

@@ -1,0 +1,78 @@
+"""The config.json fields of the mixture-of-experts families, read into ModelConfig's MoE fields
+(and written back, so an engine directory's config round-trips): how many experts, how many a
+token runs, their width, the routing's renormalisation, which layers are sparse and the shared
+expert."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kiln.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from kiln.models.config import ModelConfig
+
+# Families whose every layer is sparse, each expert as wide as intermediate_size.
+_MIXTRAL = ("mixtral",)
+# Families with Qwen's moe_intermediate_size, decoder_sparse_step and mlp_only_layers.
+_QWEN_MOE = ("qwen2_moe", "qwen3_moe")
+
+
+def moe_fields(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's MoE fields of an HF config.json dict `d` of `architecture` ({} if dense)."""
+    if architecture in _MIXTRAL:
+        fields: dict[str, Any] = {
+            "num_experts": int(d.get("num_local_experts", 8)),
+            "moe_intermediate_size": int(d["intermediate_size"]),
+            "norm_topk_prob": True,  # Mixtral's router always renormalises its top-k
+        }
+    elif architecture in _QWEN_MOE:
+        fields = {
+            "num_experts": int(d.get("num_experts") or d.get("num_local_experts") or 60),
+            "moe_intermediate_size": int(d.get("moe_intermediate_size") or 0),
+            "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+            "decoder_sparse_step": int(d.get("decoder_sparse_step") or 1),
+            "mlp_only_layers": tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+        }
+        if architecture == "qwen2_moe":
+            fields["shared_expert_intermediate_size"] = int(
+                d.get("shared_expert_intermediate_size") or 0
+            )
+            fields["attention_bias"] = bool(d.get("qkv_bias", True))  # q/k/v only
+    else:
+        return {}
+    fields["num_experts_per_tok"] = int(d.get("num_experts_per_tok", 2))
+    if not 0 < fields["num_experts_per_tok"] <= fields["num_experts"]:
+        raise ModelLoadError(
+            f"num_experts_per_tok={fields['num_experts_per_tok']} must be 1 to the "
+            f"{fields['num_experts']} experts"
+        )
+    if fields["moe_intermediate_size"] <= 0:
+        raise ModelLoadError("an MoE config needs a positive moe_intermediate_size")
+    return fields
+
+
+def moe_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """The fields moe_fields reads, as transformers' config class of the family names them."""
+    arch = cfg.architecture
+    if arch in _MIXTRAL:
+        return {
+            "num_local_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.num_experts_per_tok,
+        }
+    if arch not in _QWEN_MOE:
+        return {}
+    d: dict[str, Any] = {
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "decoder_sparse_step": cfg.decoder_sparse_step,
+        "mlp_only_layers": list(cfg.mlp_only_layers),
+    }
+    if arch == "qwen2_moe":
+        d["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+        d["qkv_bias"] = cfg.attention_bias
+    else:
+        d["attention_bias"] = cfg.attention_bias
+    return d

@@ -1,0 +1,53 @@
+"""The GPU path of the mixture-of-experts families: one prefill forward of a tiny Qwen2-MoE
+checkpoint (routed experts, a dense layer, the shared expert) through the Triton kernels, the
+fused-MoE grouped GEMM among them (TRITON_INTERPRET=1 without a GPU), against the same forward
+through the reference ops, which tests/models/test_moe.py holds to transformers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' @triton.jit
+
+pytest.importorskip("triton", reason="triton is not installed (pip install kiln[triton])")
+
+from kiln.attention.backend import get_attention_backend
+from kiln.config import EngineConfig
+from kiln.kernels import reference
+from kiln.kernels import triton as triton_ops
+from kiln.kernels.kv_layout import empty_cache
+from kiln.models.packed_prefill import packed_prefill_metadata
+from kiln.runtime.model_loader import load_model
+from tests.models.family_checks import perturb_norms_and_biases, save_tiny_hf
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_triton_forward_equals_the_reference(tmp_path) -> None:
+    save_tiny_hf(str(tmp_path), "qwen2_moe", "Qwen2MoeForCausalLM",
+                 perturb=perturb_norms_and_biases, num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                 mlp_only_layers=[1])  # fmt: skip
+    model = load_model(EngineConfig(model=str(tmp_path)), DEVICE, torch.float32).model
+    cfg = model.config
+    assert hasattr(model.layers[0].mlp, "experts") and not hasattr(model.layers[1].mlp, "experts")
+    lens = [20, 7]
+    metadata, blocks = packed_prefill_metadata(lens, 16, DEVICE)
+    ids = torch.randint(3, cfg.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
+    outs = []
+    for ops, backend in ((reference, "torch"), (triton_ops, "triton")):
+        shape = (blocks, 16, cfg.num_key_value_heads, cfg.head_dim)
+        caches = [
+            (empty_cache(*shape, torch.float32, DEVICE), empty_cache(*shape, torch.float32, DEVICE))
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        attention = get_attention_backend(backend, DEVICE)
+        with torch.no_grad():
+            hidden = model(ops, attention, ids.to(DEVICE), positions, caches, metadata)
+            outs.append(model.compute_logits(hidden, ops).float())
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-4, rtol=2e-4)
