@@ -28,10 +28,17 @@ M70="--model llama-3.1-70b --load-format dummy --dtype bfloat16 --no-progress"
 FP8="--quantization fp8 --kv-cache-dtype fp8"  # static FP8 weights + float8 KV (TRT-LLM's FP8)
 ROWS="8b_fp8_128x128 8b_fp8_1000x1000 8b_fp8_2048x128 8b_fp8_5000x500 8b_fp8_20000x2000
       8b_fp8_batch1_decode 8b_bf16_batch1_decode 70b_fp8_128x128 70b_fp8_batch1_decode"
+# The model families beside Llama (docs/performance.md): PRESET_fp8dyn_batch1 / _1000x1000.
+FAMILY_ROWS=$(for m in llama-3.1-8b qwen3-8b gemma-2-9b gemma-3-12b phi-4; do
+    echo "${m}_fp8dyn_batch1 ${m}_fp8dyn_1000x1000"; done)
 # The test files with GPU-only tests (those that exist: the list outlives renames).
 GPU_TESTS=$(for f in ${GPU_TESTS:-tests/runtime/test_gpu.py tests/kernels/test_triton_kernels.py \
     tests/kernels/test_kernel_twins.py tests/layers/test_fp8_linear.py \
-    tests/kernels/test_split_k_linear.py tests/layers/test_outlier_columns.py}; do
+    tests/kernels/test_split_k_linear.py tests/layers/test_outlier_columns.py \
+    tests/kernels/test_qk_norm_rotary.py tests/kernels/test_attention_kinds.py \
+    tests/kernels/test_block_kernels.py tests/models/test_family_kernels.py \
+    tests/kernels/test_int4_gemm.py tests/kernels/test_fused_moe.py \
+    tests/models/test_moe_kernels.py}; do
     [[ -e $f ]] && echo "$f"; done)
 
 command_of() {  # NAME -> "SECONDS COMMAND..." (O is the output folder)
@@ -62,6 +69,15 @@ command_of() {  # NAME -> "SECONDS COMMAND..." (O is the output folder)
         --warmup 192 --output-json "$O/$1.json" ;;
     70b_fp8_batch1_decode) echo 400 $BENCH latency $M70 $FP8 --input-len 1024 --output-len 128 \
         --num-requests 3 --max-model-len 1280 --output-json "$O/$1.json" ;;
+    *_fp8dyn_batch1) echo 200 $BENCH latency --model "${1%_fp8dyn_batch1}" --load-format dummy \
+        --dtype bfloat16 --no-progress --quantization fp8-dynamic --kv-cache-dtype fp8 \
+        --input-len 1024 --output-len 128 --num-requests 3 --max-model-len 1280 \
+        --output-json "$O/$1.json" ;;
+    *_fp8dyn_1000x1000) echo 300 $BENCH throughput --model "${1%_fp8dyn_1000x1000}" \
+        --load-format dummy --dtype bfloat16 --no-progress --quantization fp8-dynamic \
+        --kv-cache-dtype fp8 --input-len 1000 --output-len 1000 --num-requests 256 \
+        --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 2048 --warmup 32 \
+        --output-json "$O/$1.json" ;;
     tests) echo 600 $PY -m pytest -q -p no:cacheprovider $GPU_TESTS ;;
     tests_parallel) echo 400 env KILN_PARALLEL_TEST_DEVICE=cuda $PY -m pytest -q -x \
         -p no:cacheprovider tests/distributed/test_parallel.py ;;
@@ -92,8 +108,8 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 O=${OUT:-benchmarks/out/$(date +%F)-$(echo "${gpu:-gpu}" | tr ' ' '_')}
 if [[ ${1:-} == --list ]]; then
     shift
-    for name in ${*:-$ROWS tests tests_parallel kernels serve startup build spec structured \
-        beams kv_accuracy profile tiles}; do
+    for name in ${*:-$ROWS $FAMILY_ROWS tests tests_parallel kernels serve startup build spec \
+        structured beams kv_accuracy profile tiles}; do
         echo "$name: $(command_of "$name" | cut -d' ' -f2-)"
     done
     exit 0
