@@ -24,7 +24,7 @@ def _serve_args(argv: list[str]) -> argparse.Namespace:
     "argv, named",
     [
         (["serve", "--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype fp8_e5m2"),
-        (["serve", "--tool-call-parser", "mistral"], "--tool-call-parser mistral"),
+        (["serve", "--tool-call-parser", "pythonic"], "--tool-call-parser pythonic"),
         (["serve", "--revision", "v2"], "--revision v2"),
         (["serve", "--limit-mm-per-prompt", "image=2"], "--limit-mm-per-prompt image=2"),
         (["serve", "--guided-decoding-backend", "outlines"], "--guided-decoding-backend out"),
