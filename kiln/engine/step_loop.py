@@ -138,6 +138,7 @@ class StepLoop:
     def step(self) -> list[RequestOutput]:
         """One engine step; the deltas due now (all of them with stream_interval 1)."""
         step_start = time.monotonic()
+        was_idle = self.snapshot.num_running + self.snapshot.num_waiting == 0
         deltas = self.engine.step()
         self._stamp_scheduled(step_start)
         self._count_iteration_tokens(deltas)
@@ -151,7 +152,8 @@ class StepLoop:
             ready = self._coalesce(delta)
             if ready is not None:
                 due.append(ready)
-        self.refresh_snapshot(force=False)
+        # Out of idle, now: a wedge within the snapshot period must still show as held work.
+        self.refresh_snapshot(force=was_idle)
         return due
 
     def refresh_snapshot(self, force: bool) -> bool:

@@ -123,3 +123,22 @@ def test_the_watch_on_a_fake_clock():
     engine.healthy = False  # a dead loop is /health's other answer, not a stall
     engine.stats = _Snapshot(num_running=1, time=0.0)
     assert watch.reason() is None
+
+
+def test_the_first_step_out_of_idle_shows_its_work_at_once(tmp_path):
+    """The snapshot /health reads is refreshed at most every SNAPSHOT_PERIOD_S while stepping;
+    the first step after idle refreshes it at once, or a wedge within that period would show
+    an idle engine and never a stall."""
+    from kiln.config import EngineConfig
+    from kiln.engine.llm_engine import LLMEngine
+    from kiln.engine.step_loop import StepLoop
+    from kiln.sampling_params import SamplingParams
+    from tests.tiny_tokenizer import build_tiny_chat_model
+
+    path = build_tiny_chat_model(str(tmp_path / "tiny"))
+    config = EngineConfig(model=path, max_model_len=256, kv_cache_memory_gb=0.02, max_num_seqs=4)
+    loop = StepLoop(LLMEngine(config), 1)
+    loop.refresh_snapshot(force=True)  # idle, just now
+    loop.add("r1", "Hello", SamplingParams(max_tokens=8, ignore_eos=True), 0)
+    loop.step()
+    assert loop.snapshot.num_running == 1
