@@ -104,10 +104,10 @@ def test_prefix_cached(model) -> None:
     assert any(o.num_cached_tokens > 0 for o in again)
 
 
+# Only a model windowed on every layer gives blocks back.
+@pytest.mark.parametrize("model", ["mistral"], indirect=True)
 def test_next_turn_hits_the_window_of_an_evicted_conversation(model) -> None:
-    path, expected, variant = model
-    if variant != "mistral":
-        pytest.skip("only a model windowed on every layer gives blocks back")
+    path, expected, _ = model
     import transformers
 
     # 8 blocks of 4: the first turn's early blocks are given back and reused on the way.
