@@ -324,6 +324,18 @@ def gated_mlp(
     return down.apply_fp8(ops, activation_out, scale, x.dtype), summed
 
 
+def _mlp_splits(
+    ctx: ParallelContext | None, n: int, parts: int
+) -> tuple[TensorSplit | None, TensorSplit | None]:
+    """An MLP's tensor-parallel cuts: this rank's `n` rows of each of the up projection's
+    `parts` (gate, up), and the same `n` columns of the down projection; None at TP=1."""
+    if ctx is None or ctx.tp_size == 1:
+        return None, None
+    rows = (ctx.tp_rank * n, n)
+    up = TensorSplit(ctx, rows=(rows,) * parts, full_sizes=(n * ctx.tp_size,) * parts)
+    return up, TensorSplit(ctx, cols=rows)
+
+
 class GatedMLP(nn.Module):
     """down(act(gate) * up), gate and up fused into one projection ([gate; up] rows); biases
     on all three with `cfg.mlp_bias`."""
@@ -345,11 +357,7 @@ class GatedMLP(nn.Module):
             raise ValueError(f"no kernels for a gated MLP of {activation!r}: {self.ACTIVATIONS}")
         self.activation = activation
         self.intermediate_size = n = cfg.intermediate_size  # this rank's share under TP
-        gate_up_split = down_split = None
-        if ctx is not None and ctx.tp_size > 1:
-            rows = (ctx.tp_rank * n, n)
-            gate_up_split = TensorSplit(ctx, rows=(rows, rows), full_sizes=(n * ctx.tp_size,) * 2)
-            down_split = TensorSplit(ctx, cols=rows)
+        gate_up_split, down_split = _mlp_splits(ctx, n, parts=2)
         self.gate_up_proj = Linear(
             cfg.hidden_size, 2 * n, bias=cfg.mlp_bias, output_sizes=[n, n],
             method=method(f"{prefix}.gate_up_proj"), dtype=dtype, split=gate_up_split,
@@ -392,11 +400,7 @@ class PlainMLP(nn.Module):
             raise ValueError(f"no ungated MLP of {cfg.hidden_act!r}: {list(self.ACTIVATIONS)}")
         self.approximate = self.ACTIVATIONS[cfg.hidden_act]
         n = cfg.intermediate_size  # this rank's share under TP
-        fc_split = proj_split = None
-        if ctx is not None and ctx.tp_size > 1:
-            rows = (ctx.tp_rank * n, n)
-            fc_split = TensorSplit(ctx, rows=(rows,), full_sizes=(n * ctx.tp_size,))
-            proj_split = TensorSplit(ctx, cols=rows)
+        fc_split, proj_split = _mlp_splits(ctx, n, parts=1)
         self.c_fc = Linear(
             cfg.hidden_size, n, bias=cfg.mlp_bias, method=method(f"{prefix}.c_fc"), dtype=dtype,
             split=fc_split,
