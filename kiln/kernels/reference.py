@@ -726,3 +726,34 @@ def _expert_linear(
         return F.linear(x, weight)
     product = F.linear(x.float(), weight.float())  # fp32 as the kernel's accumulator
     return (product * scale[expert]).to(x.dtype)
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [T, hidden_in]
+    lora_a: torch.Tensor,  # [slots, slices * rank, hidden_in]: each slot's stacked A matrices
+    token_slots: torch.Tensor,  # [T] int32: each token's adapter slot, -1 for none
+) -> torch.Tensor:  # [T, slices * rank] in x's dtype, zero where the slot is -1
+    """LoRA's first product for a step that mixes adapters: each token's row times its own
+    slot's A (all slices at once), accumulated in fp32 and rounded once."""
+    picked = lora_a[token_slots.clamp(min=0).long()].float()  # [T, K, hidden_in]
+    y = torch.einsum("th,tkh->tk", x.float(), picked)
+    return torch.where((token_slots >= 0)[:, None], y, 0.0).to(x.dtype)
+
+
+def lora_expand(
+    out: torch.Tensor,  # [T, n_out] the base layer's output, added to in place
+    y: torch.Tensor,  # [T, slices * rank]: lora_shrink's result
+    lora_b: torch.Tensor,  # [slots, n_out, rank]: each slot's B rows, the scaling folded in
+    token_slots: torch.Tensor,  # [T] int32: each token's adapter slot, -1 for none
+    slice_bounds: tuple[int, ...],  # column boundaries of the fused slices: (0, q, q+k, ..., n_out)
+) -> None:
+    """LoRA's second product added to the base output: output column n of slice i reads the
+    slice's own rank-wide block of y, so a fused qkv or gate_up layer runs one expand."""
+    rank = lora_b.shape[2]
+    picked = lora_b[token_slots.clamp(min=0).long()].float()  # [T, n_out, rank]
+    live = (token_slots >= 0)[:, None]
+    for i in range(len(slice_bounds) - 1):
+        lo, hi = slice_bounds[i], slice_bounds[i + 1]
+        block = y[:, i * rank : (i + 1) * rank].float()
+        delta = torch.einsum("tr,tnr->tn", block, picked[:, lo:hi])
+        out[:, lo:hi] += torch.where(live, delta, 0.0).to(out.dtype)

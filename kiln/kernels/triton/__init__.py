@@ -5,6 +5,7 @@ Importing this package imports triton: do it only when the triton backend is cho
 without a GPU the kernels run under the interpreter when TRITON_INTERPRET=1 is set before import.
 """
 
+from kiln.kernels.reference import lora_expand, lora_shrink
 from kiln.kernels.triton.argmax import argmax
 from kiln.kernels.triton.copy_blocks import copy_kv_blocks
 from kiln.kernels.triton.decode_attention import paged_decode_attention
@@ -47,6 +48,8 @@ __all__ = [
     "gelu_tanh_and_mul_quant_fp8",
     "int4_linear",
     "linear",
+    "lora_expand",
+    "lora_shrink",
     "paged_decode_attention",
     "paged_prefill_attention",
     "qk_norm_rotary_write_kv",
