@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,9 @@ class LLM:
             self.engine = LLMEngine(self.config)
         finally:
             prehash.discard()  # whatever the load did not take
+        # The engine froze its startup objects out of the cyclic GC: a dropped LLM shuts its
+        # engine down, which thaws them, so the memory comes back (a notebook's second LLM).
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
         # Where a start's time goes: the engine's imports
         # (torch's, in a fresh process), and how many shards were hashed beside them.
         self.startup = {"engine_import_s": imported - start, "prehash_shards": queued}
@@ -67,8 +71,9 @@ class LLM:
         return directory if os.path.isfile(os.path.join(directory, prehash.MANIFEST_FILE)) else None
 
     def shutdown(self) -> None:
-        """Stop the engine's rank processes (tensor/pipeline parallel); a no-op otherwise."""
-        self.engine.shutdown()
+        """Stop the engine's rank processes (tensor/pipeline parallel) and let the GC take the
+        engine once it is dropped; called when the LLM is dropped, at most once."""
+        self._finalizer()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer

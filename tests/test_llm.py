@@ -235,3 +235,19 @@ def test_engine_raises_the_gc_gen0_threshold(tiny_chat_path):
         assert gc.get_threshold() == (20_000, *saved[1:])
     finally:
         gc.set_threshold(*saved)
+
+
+def test_dropped_llm_frees_its_engine(tmp_path):
+    # Startup freezes the engine's objects out of the cyclic GC; without the thaw on drop every
+    # LLM made in a process stayed in memory (the suite grew by 0.6 GB an engine).
+    import gc
+    import weakref
+
+    from tests.conftest import build_tiny_hf_model
+
+    build_tiny_hf_model("llama-gqa", str(tmp_path))
+    llm = LLM(str(tmp_path), kv_cache_memory_gb=0.01)
+    engine = weakref.ref(llm.engine)
+    del llm
+    gc.collect()
+    assert engine() is None

@@ -337,8 +337,10 @@ class LLMEngine:
         return state.snapshot()
 
     def shutdown(self) -> None:
-        """Release the executor's workers and devices (a parallel engine's rank processes)."""
+        """Release the executor's workers and devices (a parallel engine's rank processes), and
+        thaw what startup froze so the engine's cycles are collectable once it is dropped."""
         self.executor.shutdown()
+        gc.unfreeze()
 
     @property
     def kv_cache_usage(self) -> float:
