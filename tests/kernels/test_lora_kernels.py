@@ -101,7 +101,7 @@ def test_each_row_reads_its_own_slot() -> None:
     """All rows on one slot, then the same rows moved to another: the result follows the slot."""
     x, lora_a, lora_b, _, out = _operands(20, 8, (0, 24, 88), 40, torch.float32, seed=3)
     for slot in range(NUM_SLOTS):
-        slots = torch.full((20,), slot, dtype=torch.int32)
+        slots = torch.full((20,), slot, dtype=torch.int32, device=DEVICE)
         y = lora.lora_shrink(x, lora_a, slots)
         torch.testing.assert_close(y, x @ lora_a[slot].T, atol=1e-4, rtol=0)
         got, want = out.clone(), out.clone()
@@ -113,10 +113,10 @@ def test_each_row_reads_its_own_slot() -> None:
 
 def test_no_adapter_anywhere() -> None:
     x, lora_a, lora_b, _, out = _operands(5, 8, (0, 24), 40, torch.float32)
-    slots = torch.full((5,), -1, dtype=torch.int32)
+    slots = torch.full((5,), -1, dtype=torch.int32, device=DEVICE)
     assert not lora.lora_shrink(x, lora_a, slots).any()
     base = out.clone()
-    lora.lora_expand(out, torch.ones(5, 8), lora_b, slots, (0, 24))
+    lora.lora_expand(out, torch.ones(5, 8, device=DEVICE), lora_b, slots, (0, 24))
     assert torch.equal(out, base)
 
 
@@ -124,9 +124,9 @@ def test_expand_adds_into_a_strided_view() -> None:
     """`out` as a column slice of a wider tensor and as a transposed (column-major) tensor."""
     x, lora_a, lora_b, slots, _ = _operands(9, 12, (0, 40, 56, 72), 48, torch.float32, seed=4)
     y = reference.lora_shrink(x, lora_a, slots)
-    wide = torch.randn(9, 100)
+    wide = torch.randn(9, 100, device=DEVICE)
     wide_before = wide.clone()
-    column_major = torch.randn(72, 9).T
+    column_major = torch.randn(72, 9, device=DEVICE).T
     for out in (wide[:, 10:82], column_major):
         want = out.clone()
         reference.lora_expand(want, y, lora_b, slots, (0, 40, 56, 72))
