@@ -131,7 +131,10 @@ def _lora_expand_kernel(
     r_ok = offs_r < rank
     col_slice = (offs_n >= bound1).to(tl.int32) + (offs_n >= bound2).to(tl.int32)
     todo, _ = _tile_slots(slots_ptr, offs_m, T, groups)
-    live = todo >= 0
+    mask = (todo >= 0)[:, None] & col_ok[None, :]
+    # The base output's tile first: its load does not wait on the adapters' passes.
+    out_ptrs = out_ptr + local[:, None] * stride_ot + offs_n[None, :] * stride_on
+    base = tl.load(out_ptrs, mask=mask, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     slot = tl.max(todo, axis=0)
     while slot >= 0:
@@ -151,9 +154,6 @@ def _lora_expand_kernel(
                 acc += tl.dot(y, b_i, input_precision=PRECISION)
         todo = tl.where(hit, -1, todo)
         slot = tl.max(todo, axis=0)
-    mask = live[:, None] & col_ok[None, :]
-    out_ptrs = out_ptr + local[:, None] * stride_ot + offs_n[None, :] * stride_on
-    base = tl.load(out_ptrs, mask=mask, other=0.0)
     tl.store(out_ptrs, (base.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
