@@ -18,9 +18,9 @@ adapters of rank 16 on Llama-3.1-8B (x and out bf16):
 - sorted by slot (vLLM's SGMV: token indices grouped by adapter): each adapter once per 64 of its
   own rows, but the grouping is a sort per step that this signature (token_slots only) would
   have to redo in every layer, and rows are gathered and scattered through the permutation.
-Decode tiles hold few rows, so a launch also cuts the slots into SLOT_GROUPS classes (slot %
-groups), one program each, when the tiles alone would leave SMs idle (BGMV's parallelism at 1-8
-rows: each program one adapter), and the shrink cuts its reduction (hidden) over several programs
+Decode tiles are few, so a launch also cuts the slots into classes (slot % LoraPlan.slot_groups),
+one program each, when the tiles alone would leave SMs idle (BGMV's parallelism at 1-8 rows: each
+program one adapter), and the shrink cuts its reduction (hidden) over several programs
 per tile, reduced in the same kernel (split_k.py: no memset, no second launch, a fixed sum order).
 
 CUDA graphs: every launch's grid, tiles and workspace depend only on shapes; which slots a tile
