@@ -4,6 +4,7 @@ Llama-3.1-8B shapes.
 
     python benchmarks/kernels_gpu.py kernels.json
     python benchmarks/kernels_gpu.py /tmp/kernels_tiny.json --tiny   # CPU smoke run (interpreter)
+    python benchmarks/kernels_gpu.py lora.json --only lora            # the LoRA rows alone
 
 Each kernel is timed twice: `eager` (triton.testing.do_bench on the Python call, L2 flushed:
 includes launch overhead whenever that exceeds the GPU time) and `graph` (the calls captured in a
@@ -167,7 +168,7 @@ def _err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.float() - expected.float()).abs().max())
 
 
-def run(shapes: Shapes, device: torch.device) -> list[dict]:
+def run(shapes: Shapes, device: torch.device, only: str | None = None) -> list[dict]:
     import torch.nn.functional as F
 
     from kiln.kernels import reference
@@ -203,6 +204,10 @@ def run(shapes: Shapes, device: torch.device) -> list[dict]:
             row["TFLOP/s"] = row["flops"] / ms / 1e9
         rows.append(row)
         _print_row(row)
+
+    if only == "lora":
+        _lora_rows(s, device, gen, record)
+        return rows
 
     # --- decode attention: every sequence at the same context length ---------------------------
     for batch in s.decode_batches:
@@ -415,6 +420,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tiny", action="store_true", help="tiny fp32 shapes (a smoke run; CPU interpreter)"
     )
+    parser.add_argument("--only", choices=("lora",), help="these rows only (default: all)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         if not args.tiny:
@@ -428,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{gpu}; torch {torch.__version__}; triton {triton.__version__}; dtype {shapes.dtype}")
     print(f"{'kernel':<19}{'case':<24}{'impl':<16}{'eager us':>10}{'graph us':>10}{'rate':>18}")
     with torch.inference_mode():
-        rows = run(shapes, device)
+        rows = run(shapes, device, args.only)
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "git_revision": _git_revision(),
