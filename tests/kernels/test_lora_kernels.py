@@ -27,8 +27,9 @@ ATOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 
 # (rank, slice_bounds, hidden): fused qkv-like (3 unequal slices, two boundaries inside one
 # 64-column tile, a rank that is no power of two), gate_up-like (a hidden that is no multiple of
-# the hidden step), one slice past one column tile.
-CASES = [(12, (0, 40, 56, 72), 48), (8, (0, 24, 88), 40), (16, (0, 72), 64)]
+# the hidden step), one slice past one column tile, the largest rank over three slices.
+CASES = [(12, (0, 40, 56, 72), 48), (8, (0, 24, 88), 40), (16, (0, 72), 64),
+         (64, (0, 40, 56, 72), 48)]  # fmt: skip
 NUM_SLOTS = 4
 
 
