@@ -4,6 +4,7 @@ Llama-3.1-8B shapes.
 
     python benchmarks/kernels_gpu.py kernels.json
     python benchmarks/kernels_gpu.py /tmp/kernels_tiny.json --tiny   # CPU smoke run (interpreter)
+    python benchmarks/kernels_gpu.py lora.json --only lora            # the LoRA rows alone
 
 Each kernel is timed twice: `eager` (triton.testing.do_bench on the Python call, L2 flushed:
 includes launch overhead whenever that exceeds the GPU time) and `graph` (the calls captured in a
@@ -26,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -48,11 +50,13 @@ class Shapes:
     prefill_tokens: int
     prefix_tokens: int  # a chunk of prefill_tokens // 4 after this many cached tokens
     norm_tokens: tuple[int, ...]
+    intermediate: int
+    lora: tuple[int, int, int]  # LoRA rows: (tokens, adapters, rank)
 
 
 LLAMA_8B = Shapes(32, 8, 128, 4096, 16, torch.bfloat16, (1, 32, 128), (1024, 4096), 2048, 6144,
-                  (128, 2048))  # fmt: skip
-TINY = Shapes(4, 2, 16, 64, 4, torch.float32, (1, 2), (20, 40), 24, 16, (3,))
+                  (128, 2048), 14336, (256, 8, 16))  # fmt: skip
+TINY = Shapes(4, 2, 16, 64, 4, torch.float32, (1, 2), (20, 40), 24, 16, (3,), 96, (6, 3, 12))
 
 
 def _git_revision() -> str:
@@ -164,7 +168,7 @@ def _err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.float() - expected.float()).abs().max())
 
 
-def run(shapes: Shapes, device: torch.device) -> list[dict]:
+def run(shapes: Shapes, device: torch.device, only: str | None = None) -> list[dict]:
     import torch.nn.functional as F
 
     from kiln.kernels import reference
@@ -200,6 +204,10 @@ def run(shapes: Shapes, device: torch.device) -> list[dict]:
             row["TFLOP/s"] = row["flops"] / ms / 1e9
         rows.append(row)
         _print_row(row)
+
+    if only == "lora":
+        _lora_rows(s, device, gen, record)
+        return rows
 
     # --- decode attention: every sequence at the same context length ---------------------------
     for batch in s.decode_batches:
@@ -318,7 +326,74 @@ def run(shapes: Shapes, device: torch.device) -> list[dict]:
                     o.rotary_embedding_write_kv(*a)],
                    bytes=2 * (query.numel() + 2 * key.numel()) * elem,
                    **({"max_abs_err": rot_err} if impl == "triton" else {}))  # fmt: skip
+
+    _lora_rows(s, device, gen, record)
     return rows
+
+
+def _lora_rows(s: Shapes, device: torch.device, gen: torch.Generator, record: Callable) -> None:
+    """LoRA on the fused qkv and gate_up layers: shrink + expand over a step whose rows are spread
+    over the adapters, beside the base layer's linear at the same rows. Adapters and base weights
+    are rotated over copies spanning ROTATE_BYTES, as each layer of a model has its own."""
+    tokens, num_slots, _ = s.lora
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    slots = (torch.randperm(tokens, generator=gen, device=device) % num_slots).to(torch.int32)
+    x = torch.randn(tokens, s.hidden, generator=gen, device=device).to(s.dtype)
+    for layer, bounds in (("qkv", (0, q, q + kv, q + 2 * kv)),
+                          ("gate_up", (0, s.intermediate, 2 * s.intermediate))):  # fmt: skip
+        _lora_layer(f"{layer} rows={tokens}", bounds, x, slots, s, device, gen, record)
+
+
+def _lora_layer(case: str, bounds: tuple[int, ...], x: torch.Tensor, slots: torch.Tensor,
+                s: Shapes, device: torch.device, gen: torch.Generator,
+                record: Callable) -> None:  # fmt: skip
+    import torch.nn.functional as F
+
+    from kiln.kernels import reference
+    from kiln.kernels import triton as triton_ops
+
+    tokens, num_slots, rank = s.lora
+    case += f" {num_slots}x r{rank}"
+    elem = torch.finfo(s.dtype).bits // 8
+    n_out, slices = bounds[-1], len(bounds) - 1
+    a_bytes, b_bytes = num_slots * rank * slices * s.hidden * elem, num_slots * rank * n_out * elem
+    copies = max(1, ROTATE_BYTES // (a_bytes + b_bytes)) if device.type == "cuda" else 1
+    adapters = [
+        (torch.randn(num_slots, slices * rank, s.hidden, generator=gen, device=device)
+         .mul(s.hidden**-0.5).to(s.dtype),
+         torch.randn(num_slots, n_out, rank, generator=gen, device=device)
+         .mul(rank**-0.5).to(s.dtype))
+        for _ in range(copies)
+    ]  # fmt: skip
+    out = torch.randn(tokens, n_out, generator=gen, device=device).to(s.dtype)
+
+    def lora(ops: ModuleType, a: torch.Tensor, b: torch.Tensor, o: torch.Tensor = out) -> None:
+        ops.lora_expand(o, ops.lora_shrink(x, a, slots), b, slots, bounds)
+
+    want, got = out.clone(), out.clone()
+    lora(reference, *adapters[0], o=want)
+    lora(triton_ops, *adapters[0], o=got)
+    x_bytes, out_bytes = tokens * s.hidden * elem, tokens * n_out * elem
+    # Unique bytes: x, every adapter once, out read and written.
+    record("lora", case, "triton", [lambda a=a, b=b: lora(triton_ops, a, b) for a, b in adapters],
+           bytes=a_bytes + b_bytes + x_bytes + 2 * out_bytes,
+           max_abs_err=_err(got, want))  # fmt: skip
+    record("lora", case, "triton_shrink",
+           [lambda a=a: triton_ops.lora_shrink(x, a, slots) for a, _ in adapters],
+           bytes=a_bytes + x_bytes)  # fmt: skip
+    y = triton_ops.lora_shrink(x, adapters[0][0], slots)
+    record("lora", case, "triton_expand",
+           [lambda b=b: triton_ops.lora_expand(out, y, b, slots, bounds) for _, b in adapters],
+           bytes=b_bytes + 2 * out_bytes)  # fmt: skip
+    record("lora", case, "reference", [lambda: lora(reference, *adapters[0])],
+           bytes=a_bytes + b_bytes + x_bytes + 2 * out_bytes)  # fmt: skip
+    # The base layer at the same rows: a weight of its own per copy, as for the adapters.
+    w_bytes = n_out * s.hidden * elem
+    copies = max(1, ROTATE_BYTES // w_bytes) if device.type == "cuda" else 1
+    weights = [torch.randn(n_out, s.hidden, generator=gen, device=device).to(s.dtype)
+               for _ in range(copies)]  # fmt: skip
+    record("lora", case, "base_linear", [lambda w=w: F.linear(x, w) for w in weights],
+           bytes=w_bytes + x_bytes + out_bytes)  # fmt: skip
 
 
 def _print_row(row: dict) -> None:
@@ -345,6 +420,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tiny", action="store_true", help="tiny fp32 shapes (a smoke run; CPU interpreter)"
     )
+    parser.add_argument("--only", choices=("lora",), help="these rows only (default: all)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         if not args.tiny:
@@ -358,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{gpu}; torch {torch.__version__}; triton {triton.__version__}; dtype {shapes.dtype}")
     print(f"{'kernel':<19}{'case':<24}{'impl':<16}{'eager us':>10}{'graph us':>10}{'rate':>18}")
     with torch.inference_mode():
-        rows = run(shapes, device)
+        rows = run(shapes, device, args.only)
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "git_revision": _git_revision(),

@@ -5,13 +5,13 @@ Importing this package imports triton: do it only when the triton backend is cho
 without a GPU the kernels run under the interpreter when TRITON_INTERPRET=1 is set before import.
 """
 
-from kiln.kernels.reference import lora_expand, lora_shrink
 from kiln.kernels.triton.argmax import argmax
 from kiln.kernels.triton.copy_blocks import copy_kv_blocks
 from kiln.kernels.triton.decode_attention import paged_decode_attention
 from kiln.kernels.triton.fp8_gemm import quantize_fp8
 from kiln.kernels.triton.fused_moe import fused_moe
 from kiln.kernels.triton.int4_gemm import int4_linear
+from kiln.kernels.triton.lora import lora_expand, lora_shrink
 from kiln.kernels.triton.prefill_attention import paged_prefill_attention
 from kiln.kernels.triton.qk_norm_rotary import qk_norm_rotary_write_kv
 from kiln.kernels.triton.qkv_rotary import add_rms_norm_qkv_rotary_write_kv
