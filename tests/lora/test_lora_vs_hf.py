@@ -151,3 +151,20 @@ def test_prefix_cache_is_keyed_by_adapter(setup: Setup, llm: LLM) -> None:
     assert cached(None) == 0  # nor under the base
     assert cached(b) == 32  # under the same adapter: a hit
     assert cached(a) == 32
+
+
+def test_fp8_base(setup: Setup) -> None:
+    """Over FP8 W8A8 weights the LoRA-targeted projections run unfused: the base's requests
+    keep the plain FP8 engine's tokens, and an adapter's its own (HF has no FP8 oracle: its
+    layer-level check is tests/lora/test_layers.py)."""
+    llm = LLM(setup.path, quantization="fp8-dynamic", enable_lora=True, max_lora_rank=8)
+    plain = LLM(setup.path, quantization="fp8-dynamic")
+    assert _tokens(llm.generate(PROMPTS, PARAMS)) == _tokens(plain.generate(PROMPTS, PARAMS))
+    lora = setup.requests[1]
+    mixed = _tokens(llm.generate(PROMPTS, PARAMS, lora_request=[lora, None, lora]))
+    alone = _tokens(llm.generate(PROMPTS, PARAMS, lora_request=lora))
+    assert (
+        mixed[0] == alone[0]
+        and mixed[2] == alone[2]
+        and alone != _tokens(plain.generate(PROMPTS, PARAMS))
+    )
