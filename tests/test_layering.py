@@ -69,7 +69,7 @@ ALLOWED: dict[str, set[str]] = {
     "llm": {"checkpoint", "config", "engine", "lora.request", "outputs"},
     # The engine's process and its client; the client finds the model source before it starts
     # the engine process (runtime.model_loader, imported lazily).
-    "engine_core": {"config", "engine", "outputs", "runtime"},
+    "engine_core": {"config", "engine", "lora.request", "outputs", "runtime"},
     "engine": {
         "config",
         "executor",
