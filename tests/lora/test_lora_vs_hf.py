@@ -168,3 +168,17 @@ def test_fp8_base(setup: Setup) -> None:
         and mixed[2] == alone[2]
         and alone != _tokens(plain.generate(PROMPTS, PARAMS))
     )
+
+
+def test_chunked_and_preempted(setup: Setup) -> None:
+    """Prompts prefilled in chunks of 8 tokens and a KV pool too small for every request at
+    once (preemption, then a recompute that takes its adapter's slot again): tokens unchanged."""
+    llm = LLM(
+        setup.path, enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=16,
+        max_num_batched_tokens=8, num_kv_blocks=9, block_size=4,
+    )  # fmt: skip
+    loras = [setup.requests[1 + i % 3] for i in range(5)] + [None]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(loras))]
+    got = _tokens(llm.generate(prompts, PARAMS, lora_request=loras))
+    assert got == [setup.expected[_id(r)][i % len(PROMPTS)] for i, r in enumerate(loras)]
+    assert llm.engine.scheduler.num_preemptions_total > 0
