@@ -57,6 +57,9 @@ class LoRAModel:
         self.dtype = model.dtype
         self.inputs = LoRAInputs(max_num_tokens, model.device)
         self.residual_multiplier = float(getattr(model.config, "residual_multiplier", 1.0))
+        self.attention = {
+            start + i: getattr(b, "self_attn", None) for i, b in enumerate(model.layers)
+        }
         self.methods: dict[str, LoRALinearMethod] = {}  # "layers.3.self_attn.qkv_proj" -> method
         self.linears: dict[str, Linear] = {}
         for i, block in enumerate(model.layers):
@@ -123,13 +126,31 @@ class LoRAModel:
                 )
             host_a, host_b = layers[key]
             rank, start = module.rank, sum(linear.output_sizes[:piece])
-            if name in _RESIDUAL_SCALED and self.residual_multiplier != 1.0:
-                lora_b = lora_b * self.residual_multiplier
+            factor = self._output_factor(index, name, piece)
+            if factor != 1.0:
+                lora_b = lora_b * factor
             host_a[piece * self.max_rank : piece * self.max_rank + rank] = lora_a
             host_b[start : start + out_size, :rank] = lora_b
         if self.inputs.token_slots.device.type == "cuda":
             layers = {k: (a.pin_memory(), b.pin_memory()) for k, (a, b) in layers.items()}
         return layers
+
+    def _output_factor(self, index: int, name: str, piece: int) -> float:
+        """What the model scaled this projection's output by after the checkpoint (folded into
+        its weights), so the adapter's B is scaled alike: Granite's residual multiplier on o
+        and down; a float8 KV cache's folded scales on k (1 / k_scale), v (1 / v_scale) and o
+        (v_scale: its input is v / v_scale)."""
+        factor = self.residual_multiplier if name in _RESIDUAL_SCALED else 1.0
+        folded = getattr(self.attention.get(index), "folded_kv_scales", None)
+        if folded is not None:
+            k_scale, v_scale, k_rows = folded
+            if name == "self_attn.qkv_proj" and piece == 1 and k_rows:
+                factor /= k_scale
+            elif name == "self_attn.qkv_proj" and piece == 2:
+                factor /= v_scale
+            elif name == "self_attn.o_proj":
+                factor *= v_scale
+        return factor
 
     # ---- device slots ------------------------------------------------------------------------
 
