@@ -47,6 +47,7 @@ from kiln.engine.step_loop import EngineInfo, EngineSnapshot
 from kiln.engine_core import messages as m
 from kiln.engine_core.parent_watch import kill_with_parent_thread
 from kiln.errors import InvalidRequestError, KilnError
+from kiln.lora.request import LoRARequest
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 from kiln.tokenizer import Tokenizer
@@ -273,6 +274,7 @@ class EngineClient:
         params: SamplingParams | None,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """As AsyncEngine.submit: returns the delta stream once the engine process accepted the
         request; its InvalidRequestError is raised here (a 400 before any byte is streamed)."""
@@ -290,7 +292,9 @@ class EngineClient:
             self._streams.pop(request_id, None)
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         try:
-            self._send(m.AddRequest(request_id, stream.prompt_token_ids, params, priority))
+            self._send(
+                m.AddRequest(request_id, stream.prompt_token_ids, params, priority, lora_request)
+            )
         except EngineDeadError:
             self._streams.pop(request_id, None)
             raise
@@ -310,8 +314,9 @@ class EngineClient:
         params: SamplingParams | None,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        stream = await self.submit(prompt, params, request_id, priority)
+        stream = await self.submit(prompt, params, request_id, priority, lora_request)
         try:
             async for delta in stream:
                 yield delta

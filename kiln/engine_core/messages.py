@@ -14,6 +14,7 @@ import logging
 import msgspec
 
 from kiln.engine.step_loop import EngineSnapshot
+from kiln.lora.request import LoRARequest
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -24,6 +25,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    lora: LoRARequest | None = None  # its LoRA adapter (a dataclass: msgspec checks each field)
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):

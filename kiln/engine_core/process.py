@@ -78,7 +78,9 @@ def serve(loop: StepLoop, clients: list[tuple[zmq.Socket, zmq.Socket]], parent_p
                     continue  # dropped and logged: one bad frame must not end the engine
                 if isinstance(msg, m.AddRequest):
                     try:
-                        loop.add(msg.req_id, msg.prompt_token_ids, msg.params, msg.priority)
+                        loop.add(
+                            msg.req_id, msg.prompt_token_ids, msg.params, msg.priority, msg.lora
+                        )
                         owner[msg.req_id] = index
                         accepted[index].append(msg.req_id)
                     except InvalidRequestError as exc:
