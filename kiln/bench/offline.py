@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from kiln.bench.metrics import RequestTiming
 from kiln.bench.workload import BenchRequest
 from kiln.engine.llm_engine import LLMEngine
+from kiln.lora.request import LoRARequest
 from kiln.sampling_params import SamplingParams
 
 
@@ -18,9 +19,10 @@ def run_kiln(
     concurrency: int | None = None,
     progress: bool = True,
     step_clock: dict | None = None,
+    loras: list[LoRARequest] | None = None,
 ) -> list[RequestTiming]:
     """Submit every request at t=0 (or keep `concurrency` in flight), EOS ignored; record the
-    wall time of every generated token."""
+    wall time of every generated token. With `loras`, request i runs adapter i mod len(loras)."""
     timings: dict[str, RequestTiming] = {}
     pending = list(enumerate(requests))
     pending.reverse()
@@ -37,7 +39,8 @@ def run_kiln(
             )
             req_id = f"bench-{index}"
             timings[req_id] = RequestTiming(time.perf_counter(), [], len(req.prompt_token_ids))
-            engine.add_request(req.prompt_token_ids, params, request_id=req_id)
+            lora = loras[index % len(loras)] if loras else None
+            engine.add_request(req.prompt_token_ids, params, request_id=req_id, lora_request=lora)
             in_flight += 1
 
     submit()

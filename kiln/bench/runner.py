@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import tempfile
 import time
 from collections.abc import Callable
 
 import torch
 
+from kiln.bench.dummy_lora import dummy_adapters
 from kiln.bench.hf_baseline import hf_decode_rate, load_hf_model, run_hf
 from kiln.bench.metrics import throughput_report
 from kiln.bench.offline import run_kiln
@@ -25,6 +27,7 @@ from kiln.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
 from kiln.errors import KilnError
 from kiln.kernel_cache import compile_watch
+from kiln.lora.request import LoRARequest
 from kiln.runtime.model_runner import TRACE_COLUMNS
 
 
@@ -43,7 +46,14 @@ def run_bench(args: argparse.Namespace, config: EngineConfig) -> dict:
     )
     record = _setup_record(args, config, engine, requests, startup_s)
     print(f"memory plan: {record['memory_plan']['summary']}")
-    _run_kiln_timed(args, engine, requests, record)
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-lora-") as lora_dir:
+        loras = None
+        if args.lora_adapters:
+            loras = dummy_adapters(
+                engine.model_config, args.lora_adapters, args.lora_rank, lora_dir
+            )
+            record["lora"] = {"adapters": args.lora_adapters, "rank": args.lora_rank}
+        _run_kiln_timed(args, engine, requests, record, loras)
     if args.baseline == "hf":
         model_path = config.model or default_model_path()
         dtype, device = getattr(torch, engine.dtype), torch.device(engine.device)
@@ -107,7 +117,11 @@ def _setup_record(
 
 
 def _run_kiln_timed(
-    args: argparse.Namespace, engine: LLMEngine, requests: list[BenchRequest], record: dict
+    args: argparse.Namespace,
+    engine: LLMEngine,
+    requests: list[BenchRequest],
+    record: dict,
+    loras: list[LoRARequest] | None = None,
 ) -> None:
     """Warm up on other prompts, then the timed run with per-step timings, into `record`."""
     progress = not args.no_progress
@@ -122,12 +136,14 @@ def _run_kiln_timed(
             seed=args.dataset_seed + 1,
             avoid_ids=engine.eos_token_ids,
         )
-        run_kiln(engine, warmup, progress=False)
+        run_kiln(engine, warmup, progress=False, loras=loras)
     concurrency = args.concurrency if args.mode == "throughput" else 1
     compiled_before = len(compile_watch.WATCH.compiles)
     engine.executor.enable_step_timing()  # a few clock reads per step: host vs GPU time
     step_clock: dict = {}
-    kiln_report = throughput_report(run_kiln(engine, requests, concurrency, progress, step_clock))
+    kiln_report = throughput_report(
+        run_kiln(engine, requests, concurrency, progress, step_clock, loras)
+    )
     record["kiln"] = kiln_report
     # Triton kernels this process compiled during the timed run (each stalled a step), and
     # whether the watch ran (it needs a GPU and Triton; a multi-process engine's ranks have

@@ -46,6 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         if mode in ("throughput", "latency"):
             m.add_argument("--baseline", choices=["none", "hf"], default="none")
             m.add_argument("--hf-batch-size", type=int, default=None, help="default: all at once")
+            _add_lora_args(m)
         if mode != "serve":
             add_engine_args(m)
             _add_oracle_args(m)
@@ -133,6 +134,34 @@ def _add_oracle_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_lora_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA's cost (random adapters of the model's shapes)")
+    g.add_argument(
+        "--lora-adapters",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N random adapters on all seven projections, request i running adapter i mod N "
+        "(turns --enable-lora on with max_loras >= N)",
+    )
+    g.add_argument("--lora-rank", type=int, default=16, help="their rank (default: 16)")
+
+
+def _with_lora(args: argparse.Namespace, config: EngineConfig) -> EngineConfig:
+    """The engine config with room for --lora-adapters' adapters."""
+    count = getattr(args, "lora_adapters", 0)
+    if not count:
+        return config
+    if count < 0 or args.lora_rank < 1:
+        raise KilnError("--lora-adapters and --lora-rank must be positive")
+    return dataclasses.replace(
+        config,
+        enable_lora=True,
+        max_loras=max(config.max_loras, count),
+        max_lora_rank=max(config.max_lora_rank, args.lora_rank),
+    )
+
+
 def _with_oracle(args: argparse.Namespace, config: EngineConfig) -> EngineConfig:
     """The engine config with the oracle as its proposer, where --oracle-acceptance-length asks."""
     if args.oracle_acceptance_length is None:
@@ -201,5 +230,5 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from kiln.bench.runner import run_bench
 
-    run_bench(args, _with_oracle(args, engine_config_from_args(args)))
+    run_bench(args, _with_lora(args, _with_oracle(args, engine_config_from_args(args))))
     return 0

@@ -167,3 +167,29 @@ def test_vllms_sharegpt_file_drives_the_benchmark(tmp_path):
     assert [r.output_len for r in fixed] == [7, 7, 7]
     with pytest.raises(Exception, match="usable conversations"):
         sharegpt_requests(data, 50, lambda t: tok.encode(t))
+
+
+def test_lora_adapters_run_random_adapters_of_the_models_shapes(tiny_dir, tmp_path):
+    # Each request names one of the adapters, which the engine loads and checks against the
+    # base's shapes when the request arrives: a wrong shape or module would fail the run.
+    out = tmp_path / "lora.json"
+    argv = ["bench", "throughput", "--model", tiny_dir, "--num-requests", "4",
+            "--input-len", "8", "--output-len", "3", "--no-progress", "--warmup", "0",
+            "--lora-adapters", "3", "--lora-rank", "4", "--output-json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    record = json.loads(out.read_text())
+    assert record["lora"] == {"adapters": 3, "rank": 4}
+    assert record["engine_config"]["enable_lora"] and record["engine_config"]["max_loras"] >= 3
+    assert record["kiln"]["output_tokens"] == 12
+
+
+def test_dummy_adapter_reads_as_a_peft_adapter_on_every_projection(tmp_path):
+    from kiln.bench.dummy_lora import write_dummy_adapter
+    from kiln.lora.peft import PROJECTIONS, read_peft_adapter
+    from tests.conftest import tiny_model_config
+
+    cfg = tiny_model_config()
+    write_dummy_adapter(cfg, 4, str(tmp_path), seed=1)
+    adapter = read_peft_adapter("d", str(tmp_path))
+    assert adapter.max_rank == 4
+    assert {name for (_, name) in adapter.modules} == set(PROJECTIONS)
