@@ -1,7 +1,8 @@
 """kiln: an LLM inference engine with in-flight batching over a paged KV cache."""
 
 from kiln.config import EngineConfig
-from kiln.errors import InvalidRequestError, KilnError, ModelLoadError
+from kiln.errors import InvalidRequestError, KilnError, LoRAError, ModelLoadError
+from kiln.lora.request import LoRARequest
 from kiln.outputs import CompletionOutput, Logprob, RequestOutput
 from kiln.sampling_params import GuidedDecodingParams, SamplingParams
 
@@ -24,6 +25,8 @@ __all__ = [
     "GuidedDecodingParams",
     "InvalidRequestError",
     "KilnError",
+    "LoRAError",
+    "LoRARequest",
     "Logprob",
     "ModelLoadError",
     "RequestOutput",

@@ -126,6 +126,22 @@ class EngineConfig:
     ...} (all keys: kiln.spec_decode.config.SpeculativeConfig; on the command line, JSON).
     None: off."""
 
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT format) over the base model: requests name one with a
+    LoRARequest (kiln.lora), requests of different adapters (and of none) run in the same
+    step. The q/k/v/o and gate/up/down projections then run unfused from their norms (LoRA
+    reads their unquantized input), whatever adapters are loaded."""
+    max_loras: int = 4
+    """With enable_lora: adapters a step may use at once (the device's slots); requests of
+    other adapters wait until a slot's adapter has no running request (least recently used
+    first)."""
+    max_lora_rank: int = 16
+    """With enable_lora: the largest adapter rank; the slots are sized for it."""
+    max_cpu_loras: int | None = None
+    """With enable_lora: adapters kept loaded in host memory; past it, adding one drops the
+    least recently used adapter no request uses (a later request that names it by path loads
+    it again). None: no limit."""
+
     def __post_init__(self) -> None:
         def fail(name: str, why: str) -> None:
             raise ConfigError(f"EngineConfig.{name} {why}, got {getattr(self, name)!r}")
@@ -159,6 +175,14 @@ class EngineConfig:
             fail("num_kv_blocks", "must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             fail("max_model_len", "must be >= 1")
+        if self.max_loras < 1:
+            fail("max_loras", "must be >= 1")
+        if self.max_lora_rank < 1:
+            fail("max_lora_rank", "must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            fail("max_cpu_loras", f"must be >= max_loras ({self.max_loras})")
+        if self.enable_lora and self.world_size > 1:
+            fail("enable_lora", "is not supported with tensor or pipeline parallelism yet")
         if self.speculative_config is not None:
             from kiln.spec_decode.config import SpeculativeConfig  # pure Python, no cycle
 

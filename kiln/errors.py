@@ -30,3 +30,9 @@ class EvalError(KilnError):
 class ConfigError(KilnError, ValueError):
     """A setting is invalid (a flag, an EngineConfig field, a speculative config, a model's
     config.json value): the CLI prints it on one line and exits 2."""
+
+
+class LoRAError(KilnError, ValueError):
+    """A LoRA adapter cannot be served: missing files, a format or option kiln does not read
+    (DoRA, modules_to_save, biases), shapes or a target module the base model does not have, a
+    rank over max_lora_rank, an unknown or busy adapter id. One line, naming the adapter."""

@@ -25,6 +25,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_int_id: int | None = None  # its LoRA adapter (resident in a slot while it runs)
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ class SchedulerOutput:
     # Beam-search rows of this step, by request id (the driver's runner alone reads them: the
     # other ranks' runners return no sampled values, so the rank message leaves them out).
     beam_rows: dict[str, BeamRow] = field(default_factory=dict)
+    # LoRA (kiln.lora.slots): (slot, adapter id) loads the runner performs, in order, before
+    # this step's forward; every scheduled request's adapter is resident by then.
+    lora_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -126,6 +130,7 @@ class KVCacheRequest(Protocol):
     sampling_params: SamplingParams
     num_computed_tokens: int
     block_hashes: list[bytes]  # chained hashes of its full blocks, filled by the manager
+    hash_root: bytes | None  # the first block's parent hash (a LoRA adapter's); None: the base's
 
     @property
     def all_token_ids(self) -> list[int]: ...

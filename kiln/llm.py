@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from kiln.checkpoint import prehash
 from kiln.config import EngineConfig
 from kiln.errors import InvalidRequestError
+from kiln.lora.request import LoRARequest
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 from kiln.tokenizer import Tokenizer
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 # vLLM's prompt forms: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
 Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, str]
+# One adapter for every prompt, or one per prompt (None: the base model).
+LoRARequests = LoRARequest | Sequence[LoRARequest | None] | None
 
 
 class LLM:
@@ -106,14 +109,17 @@ class LLM:
         *,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequests = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); returns outputs in prompt order."""
+        """Generate for every prompt (text or token ids); returns outputs in prompt order.
+        `lora_request`: the LoRA adapter (an engine with enable_lora=True) of every prompt, or
+        a list with one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
             prompts = [prompts]
         plain = [_plain_prompt(p) for p in prompts]
         texts = [p if isinstance(p, str) else None for p in plain]
         token_ids = [p if not isinstance(p, str) else None for p in plain]
-        return self._run(texts, token_ids, sampling_params, use_tqdm, priority)
+        return self._run(texts, token_ids, sampling_params, use_tqdm, priority, lora_request)
 
     def chat(
         self,
@@ -121,12 +127,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        lora_request: LoRARequests = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the model's chat template to one conversation (or a list of them) and generate
+        (`lora_request` as generate's)."""
         conversations = [messages] if _is_conversation(messages) else messages
         prompt_ids = [self._chat_prompt_ids(c) for c in conversations]
         texts = [self._chat_tokenizer().decode(ids) for ids in prompt_ids]
-        return self._run(texts, prompt_ids, sampling_params, use_tqdm, None)
+        return self._run(texts, prompt_ids, sampling_params, use_tqdm, None, lora_request)
 
     def stream(
         self,
@@ -158,8 +166,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         priority: Sequence[int] | None,
+        lora_request: LoRARequests = None,
     ) -> list[RequestOutput]:
         n = len(texts)
+        loras: list[LoRARequest | None]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * n
+        else:
+            loras = list(lora_request)
+            if len(loras) != n:
+                raise InvalidRequestError(
+                    f"got {len(loras)} LoRA requests for {n} prompts", "lora_request"
+                )
         params_list: list[SamplingParams | None]
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != n:
@@ -178,7 +196,10 @@ class LLM:
                 prompt = token_ids[i] if token_ids[i] is not None else texts[i]
                 req_ids.append(
                     self.engine.add_request(
-                        prompt, params_list[i], priority=priority[i] if priority else 0
+                        prompt,
+                        params_list[i],
+                        priority=priority[i] if priority else 0,
+                        lora_request=loras[i],
                     )
                 )
                 state = self.engine.output_processor.requests.get(req_ids[-1])

@@ -40,7 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "server": {"config", "engine", "engine_core", "outputs"},
     # The package root: the offline API's names (LLM lazily).
-    "__init__": {"config", "llm", "outputs"},
+    "__init__": {"config", "llm", "lora.request", "outputs"},
     # Tools beside the stack.
     "builder": {
         "attention",
@@ -65,11 +65,20 @@ ALLOWED: dict[str, set[str]] = {
     },
     "eval": set(),
     # The control plane: pure Python, no tensors.
-    "llm": {"checkpoint", "config", "engine", "outputs"},
+    "llm": {"checkpoint", "config", "engine", "lora.request", "outputs"},
     # The engine's process and its client; the client finds the model source before it starts
     # the engine process (runtime.model_loader, imported lazily).
     "engine_core": {"config", "engine", "outputs", "runtime"},
-    "engine": {"config", "executor", "interfaces", "kv_cache", "outputs", "structured_output"},
+    "engine": {
+        "config",
+        "executor",
+        "interfaces",
+        "kv_cache",
+        "lora.request",
+        "lora.slots",
+        "outputs",
+        "structured_output",
+    },
     "kv_cache": {"interfaces"},
     "interfaces": set(),
     # EngineConfig validates and parses speculative_config with spec_decode's plain dataclass.
@@ -82,6 +91,7 @@ ALLOWED: dict[str, set[str]] = {
         "config",
         "distributed",
         "interfaces",
+        "lora",
         "models",
         "runtime",
         "spec_decode",
@@ -95,12 +105,16 @@ ALLOWED: dict[str, set[str]] = {
         "kernel_cache",
         "kernels",
         "layers",
+        "lora",
         "models",
         "sampling",
         "spec_decode",
         "structured_output",
     },
     "spec_decode": {"attention", "config", "kernels", "layers", "models", "sampling"},
+    # LoRA: the request and slot book (pure Python, for the control plane: its modules
+    # request.py and slots.py import no layer), the adapter reader and the layers' LoRA method.
+    "lora": {"layers", "models"},
     "structured_output": set(),
     "sampling": {"kernels"},
     "checkpoint": {"models"},

@@ -13,13 +13,16 @@ from kiln.config import EngineConfig
 from kiln.engine.beam_search import BeamSearchManager
 from kiln.engine.grammar_compiles import GrammarCompiles
 from kiln.engine.hooks import EngineHook, NewRequest
+from kiln.engine.loras import LoRARegistry, RegisteredLoRA
 from kiln.engine.output_processor import OutputProcessor
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import EngineCoreOutput, Scheduler
-from kiln.errors import InvalidRequestError
+from kiln.errors import InvalidRequestError, LoRAError
 from kiln.executor import create_executor
 from kiln.interfaces import ModelRunnerOutput, SchedulerOutput
 from kiln.kv_cache.manager import KVCacheManager
+from kiln.lora.request import LoRARequest
+from kiln.lora.slots import LoRASlots
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -61,7 +64,14 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
             num_spec_tokens=spec.num_tokens_for_batch if (spec := config.speculative) else None,
+            lora_slots=LoRASlots(config.max_loras) if config.enable_lora else None,
         )
+        # LoRA adapters registered with the runner, and the adapter of each unfinished request
+        # that names one (kept until it is seen finished: removal waits for them).
+        self.loras = LoRARegistry(
+            self.executor.add_lora, self._drop_lora, self._lora_in_use, config.max_cpu_loras
+        )
+        self._lora_of_req: dict[str, int] = {}
         self.output_processor = OutputProcessor(self.tokenizer)
         # Features beside the scheduler (kiln.engine.hooks): beams are requests the search
         # queues; a request whose grammar compiles in the background is held out until ready.
@@ -142,8 +152,11 @@ class LLMEngine:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
-        """Validate and queue a request (a text prompt or token ids); returns its id."""
+        """Validate and queue a request (a text prompt or token ids); returns its id.
+        `lora_request`: the adapter it runs with (loaded now if its id is new; LoRAError if
+        it cannot be), None for the base model."""
         params = params or self.default_sampling_params()
         if request_id is None:
             request_id = str(next(self._ids))
@@ -154,6 +167,14 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt or [])
         self._validate(token_ids, params)
+        lora_int_id = hash_root = None
+        if lora_request is not None:
+            if params.use_beam_search:
+                raise InvalidRequestError(
+                    "beam search with a LoRA adapter is not supported", param="lora_request"
+                )
+            lora = self._resolve_lora(lora_request)
+            lora_int_id, hash_root = lora_request.lora_int_id, lora.hash_root
         max_tokens = self.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
@@ -175,11 +196,58 @@ class LLMEngine:
                 max_tokens,
                 priority=priority,
                 arrival_time=now,
+                lora_int_id=lora_int_id,
+                hash_root=hash_root,
             )
+            if lora_int_id is not None:
+                self._lora_of_req[child_id] = lora_int_id
             if not any(hook.hold(request) for hook in self.hooks):
                 self.scheduler.add_request(request)
         self._release_held()  # queues what may go on already; a failed compile ends it now
         return request_id
+
+    # ---- LoRA adapters -----------------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter into host memory and register it under its id (vLLM's add_lora);
+        False if that id is registered already. LoRAError, one line, if it cannot be served;
+        the engine serves the others as before."""
+        self._check_lora_enabled()
+        return self.loras.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter (its slot and host memory); False if no adapter has this id.
+        LoRAError while an unfinished request uses it."""
+        self._check_lora_enabled()
+        return self.loras.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the registered adapters (vLLM's list_loras)."""
+        return self.loras.ids()
+
+    def lora_requests(self) -> list[LoRARequest]:
+        """The registered adapters, least recently used first."""
+        return [lora.request for lora in self.loras.loras.values()]
+
+    def _check_lora_enabled(self) -> None:
+        if not self.config.enable_lora:
+            raise LoRAError("LoRA adapters need an engine started with enable_lora=True")
+
+    def _resolve_lora(self, lora_request: LoRARequest) -> RegisteredLoRA:
+        self._check_lora_enabled()
+        return self.loras.resolve(lora_request)
+
+    def _drop_lora(self, lora_int_id: int) -> None:
+        assert self.scheduler.lora_slots is not None  # (enable_lora)
+        self.scheduler.lora_slots.forget(lora_int_id)
+        self.executor.remove_lora(lora_int_id)
+
+    def _lora_in_use(self, lora_int_id: int) -> bool:
+        """Whether an unfinished request (queued, running or held by a hook) uses it."""
+        live = self.scheduler.requests.keys() | {r for h in self.hooks for r in h.held_req_ids()}
+        for req_id in [r for r in self._lora_of_req if r not in live]:
+            del self._lora_of_req[req_id]
+        return lora_int_id in self._lora_of_req.values()
 
     def _release_held(self) -> None:
         """Queue the held requests that may go on; those that cannot end, their deltas out of

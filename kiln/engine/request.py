@@ -69,6 +69,10 @@ class Request:
     retain_kv: bool = False
     # A beam-search step's row: the runner returns the search's best continuations, not logprobs.
     beam: BeamRow | None = None
+    # Its LoRA adapter (kiln.lora), None for the base model; the adapter's prefix-cache root
+    # (the first block's parent hash: two adapters' KV of one prompt differ, so never shared).
+    lora_int_id: int | None = None
+    hash_root: bytes | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -29,6 +29,7 @@ from kiln.interfaces import (
     TokenLogprobs,
 )
 from kiln.kv_cache.manager import KVCacheManager
+from kiln.lora.slots import LoRASlots
 
 
 @dataclass(slots=True)
@@ -89,8 +90,12 @@ class Scheduler:
         policy: str = "fcfs",
         num_spec_tokens: Callable[[int], int] | None = None,
         num_micro_batches: int = 1,
+        lora_slots: LoRASlots | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        # LoRA: the device's adapter slots. A request runs only while its adapter holds one,
+        # so a step uses at most max_loras adapters; one whose adapter finds no slot waits.
+        self.lora_slots = lora_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -146,7 +151,7 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue
             if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
+                self._stop_running(request)
             elif request in self.forked:
                 self.forked.remove(request)
             else:
@@ -215,9 +220,16 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
 
+    def _stop_running(self, request: Request) -> None:
+        """Take a request out of the running list (finished or preempted): its adapter's slot
+        may go to another adapter once no running request uses it."""
+        self.running.remove(request)
+        if request.lora_int_id is not None and self.lora_slots is not None:
+            self.lora_slots.release(request.lora_int_id)
+
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
-        self.running.remove(request)
+        self._stop_running(request)
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -267,6 +279,7 @@ class Scheduler:
             scheduled_spec_decode_tokens=plan.spec_tokens,
             block_copies=block_copies,
             beam_rows={r: q.beam for r, q in scheduled.items() if q.beam is not None},
+            lora_loads=self.lora_slots.take_loads() if self.lora_slots is not None else [],
         )
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -338,23 +351,30 @@ class Scheduler:
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
         """Admit waiting requests, prefix hits first, while budget, sequence slots and blocks
-        allow."""
+        allow. A request whose LoRA adapter finds no free slot is passed over (those behind it
+        may run: their adapters are resident, or they have none)."""
+        index = 0
+        slots = self.lora_slots
         while (
-            self.waiting
+            index < len(self.waiting)
             and plan.budget > 0
             and len(self.running) < self.max_num_seqs
             and len(plan.num_scheduled) < plan.max_requests
         ):
-            request = self.waiting[0]
+            request = self.waiting[index]
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: resent in full once it is back
+            lora = request.lora_int_id
+            if lora is not None and slots is not None and not slots.can_acquire(lora):
+                index += 1
+                continue
             hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, plan.budget)
             if self.kv_cache.allocate_slots(request, num_new, hit_blocks) is None:
                 if self._reclaim_retained():
                     continue  # (its prefix hits looked up again)
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             if request.num_preemptions == 0:
                 self.kv_cache.record_admission(request, num_hit_tokens)
                 request.num_cached_tokens = num_hit_tokens
@@ -364,6 +384,8 @@ class Scheduler:
     def _start(self, request: Request, num_new: int, plan: _StepPlan) -> None:
         """An admitted request runs from this step, its blocks allocated: sent in full."""
         request.status = RequestStatus.RUNNING
+        if request.lora_int_id is not None and self.lora_slots is not None:
+            self.lora_slots.acquire(request.lora_int_id)
         bisect.insort(self.running, request, key=self._key)
         plan.add(request, num_new)
         plan.new_requests.append(
@@ -374,6 +396,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=self.kv_cache.block_ids(request.req_id),
                 num_computed_tokens=request.num_computed_tokens,
+                lora_int_id=request.lora_int_id,
             )
         )
 
@@ -428,7 +451,7 @@ class Scheduler:
             new_token_ids, finish = self._append_until_stop(request, token_ids)
             if finish is not None:
                 if request.status == RequestStatus.RUNNING:
-                    self.running.remove(request)
+                    self._stop_running(request)
                 else:  # preempted while its token was in flight
                     self.waiting.remove(request)
                 self._free(request, finish)

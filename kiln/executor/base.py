@@ -10,7 +10,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from kiln.errors import LoRAError
 from kiln.interfaces import EMPTY_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
+from kiln.lora.request import LoRARequest
 from kiln.models.config import ModelConfig
 from kiln.runtime.memory_plan import MemoryPlan
 from kiln.tokenizer import Tokenizer
@@ -68,6 +70,15 @@ class Executor(ABC):
 
     @abstractmethod
     def stats(self) -> ExecutorStats: ...
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read a LoRA adapter into the runner's host memory, checked against the model
+        (LoRAError, one line, if it cannot be served)."""
+        raise LoRAError("this engine serves no LoRA adapters (start it with enable_lora=True)")
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Let an adapter's host copy go (its slot is simply no longer named by any step)."""
+        raise LoRAError("this engine serves no LoRA adapters (start it with enable_lora=True)")
 
     @abstractmethod
     def enable_step_timing(self) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from kiln.config import EngineConfig
+from kiln.errors import LoRAError
 from kiln.executor.base import Executor, ExecutorStats, KVCapacity
 from kiln.executor.rank import build_rank
 from kiln.interfaces import ModelRunnerOutput, SchedulerOutput
+from kiln.lora.request import LoRARequest
 from kiln.runtime.memory_plan import MemoryPlan
 from kiln.runtime.model_runner import ModelRunner
 
@@ -28,6 +30,17 @@ class InProcessExecutor(Executor):
 
     def enable_step_timing(self) -> None:
         self.runner.step_timing = {}
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        if self.runner.lora is None:
+            super().add_lora(lora_request)
+        else:
+            self.runner.lora.add_adapter(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        if self.runner.lora is None:
+            raise LoRAError("this engine serves no LoRA adapters (start it with enable_lora=True)")
+        self.runner.lora.remove_adapter(lora_int_id)
 
     def shutdown(self) -> None:
         pass  # the runner's tensors go with the executor

@@ -17,6 +17,7 @@ from kiln.config import EngineConfig
 from kiln.distributed.comm import all_reduce_min, barrier
 from kiln.distributed.parallel_state import ParallelContext
 from kiln.executor.base import KVCapacity, ModelFacts
+from kiln.lora.model import LoRAModel
 from kiln.models.base import CausalLM
 from kiln.runtime.cpu_threads import choose_threads
 from kiln.runtime.memory_plan import MemoryPlan, plan_kv_blocks
@@ -88,6 +89,14 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
         draft = load_draft_model(config, spec, loaded, device, dtype, load_model)
     elif spec is not None and spec.method == "eagle3":
         draft = load_eagle3(config, spec, loaded, device, dtype)
+    lora = None
+    if config.enable_lora:  # before the plan: the slots are weights, their shrink activations
+        lora = LoRAModel(
+            loaded.model,
+            config.max_loras,
+            config.max_lora_rank,
+            max(config.max_num_batched_tokens, config.max_num_seqs),
+        )
     memory_plan = plan_kv_blocks(
         config, loaded.model, max_model_len, device, kv_cache_dtype, draft_model=draft
     )
@@ -110,7 +119,7 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
     capacity = KVCapacity(num_blocks, config.block_size, capped)
     if parallel is None or parallel.rank == 0:
         _log_startup(facts, threads, memory_plan, capacity)
-    runner = _make_runner(config, loaded, capacity, kv_cache_dtype, draft)
+    runner = _make_runner(config, loaded, capacity, kv_cache_dtype, draft, lora)
     startup: dict[str, object] = {
         "load_s": t_loaded - t_start,
         "plan_s": t_planned - t_loaded,
@@ -182,6 +191,7 @@ def _make_runner(
     capacity: KVCapacity,
     kv_cache_dtype: torch.dtype,
     draft: CausalLM | Eagle3Head | None,
+    lora: LoRAModel | None = None,
 ) -> ModelRunner:
     """The model runner over `capacity`'s blocks, with its proposer when speculation is on."""
     spec = config.speculative
@@ -213,4 +223,5 @@ def _make_runner(
         kv_cache_dtype=kv_cache_dtype,
         tokenizer=loaded.tokenizer,
         proposer=proposer,
+        lora=lora,
     )

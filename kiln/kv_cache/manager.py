@@ -62,7 +62,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         while (len(hashes) + 1) * bs <= request.num_tokens:
             start = len(hashes) * bs
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else request.hash_root
             hashes.append(hash_block_tokens(parent, request.all_token_ids[start : start + bs]))
 
     def get_computed_blocks(self, request: KVCacheRequest) -> tuple[list[KVBlock], int]:

@@ -42,6 +42,8 @@ class CachedRequestState:
     """Sampling reads every generated token (penalties), not just how many there are."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Drafts this step verifies (speculative decoding): input tokens after the last known one."""
+    lora_int_id: int | None = None
+    """Its LoRA adapter (the runner's LoRAModel knows the slot holding it); None: the base."""
 
     def __post_init__(self) -> None:
         self.token_ids = [*self.prompt_token_ids, *self.output_token_ids]

@@ -35,6 +35,7 @@ from kiln.interfaces import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kiln.kernel_cache import compile_watch
 from kiln.kernels.kv_layout import empty_cache
 from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
+from kiln.lora.model import LoRAModel
 from kiln.models.base import CausalLM
 from kiln.runtime.graph_runner import GraphRunner
 from kiln.runtime.in_flight import DeferredSample, InFlightStep, StepOutputs
@@ -77,8 +78,11 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype | None = None,
         tokenizer: Tokenizer | None = None,
         proposer: Proposer | None = None,
+        lora: LoRAModel | None = None,
     ) -> None:
         self.model = model
+        # LoRA adapters (kiln.lora): the model's LoRA layers, already attached; None: off.
+        self.lora = lora
         # Speculative decoding: proposes each sampling request's next drafts once its tokens are
         # back (kiln.spec_decode); the scheduler sends them to verify in the next step.
         self.proposer = proposer
@@ -212,6 +216,7 @@ class ModelRunner:
                 sampling_params=new.sampling_params,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                lora_int_id=new.lora_int_id,
             )
             hooks.add_request(state)
             state.row = self.inputs.add_request(state.block_ids)
@@ -234,6 +239,9 @@ class ModelRunner:
         """Launch a step; False if it had no tokens (then there is nothing to collect)."""
         t0 = time.perf_counter()
         self._update_states(sched)
+        if sched.lora_loads:  # before any forward that reads the adapters' slots
+            assert self.lora is not None  # the scheduler places adapters only with LoRA on
+            self.lora.load_slots(sched.lora_loads)
         if sched.block_copies:  # before any step's forward reads or writes these blocks
             self._copy_blocks(sched.block_copies)
         if sched.is_empty:
@@ -252,6 +260,10 @@ class ModelRunner:
             self._resolve_in_flight()
         flatten, graph_key = self._layout(sched, states, num_scheduled, num_decodes)
         batch = self.inputs.prepare(states, num_scheduled, graph_key and graph_key[0], flatten)
+        if self.lora is not None:
+            self.lora.fill_token_slots(
+                [s.lora_int_id for s in states], num_scheduled, batch.num_padded_seqs
+            )
         # A deferred sampler is launched as late as it can be, just before this step's forward
         # (whose inputs may be its tokens): the host work up to here (states, block copies,
         # packing) ran while its hook prepared it. Its rows are marked pending already, so the
