@@ -38,7 +38,7 @@ ALLOWED: dict[str, set[str]] = {
         "llm",
         "server",
     },
-    "server": {"config", "engine", "engine_core", "outputs"},
+    "server": {"config", "engine", "engine_core", "lora.request", "outputs"},
     # The package root: the offline API's names (LLM lazily).
     "__init__": {"config", "llm", "lora.request", "outputs"},
     # Tools beside the stack.
@@ -68,7 +68,7 @@ ALLOWED: dict[str, set[str]] = {
     "llm": {"checkpoint", "config", "engine", "lora.request", "outputs"},
     # The engine's process and its client; the client finds the model source before it starts
     # the engine process (runtime.model_loader, imported lazily).
-    "engine_core": {"config", "engine", "outputs", "runtime"},
+    "engine_core": {"config", "engine", "lora.request", "outputs", "runtime"},
     "engine": {
         "config",
         "executor",

@@ -25,6 +25,7 @@ from kiln.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.step_loop import EngineInfo, EngineSnapshot, StepLoop, engine_info
 from kiln.errors import KilnError
+from kiln.lora.request import LoRARequest
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -152,9 +153,11 @@ class AsyncEngine:
         params: SamplingParams | None,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Queue a request; returns its delta stream once the engine has accepted it. Invalid
-        input raises InvalidRequestError here, so a server can answer 400 before streaming."""
+        """Queue a request (`lora_request`: the adapter it runs with, None for the base);
+        returns its delta stream once the engine has accepted it. Invalid input raises
+        InvalidRequestError here, so a server can answer 400 before streaming."""
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         loop = asyncio.get_running_loop()
@@ -163,7 +166,7 @@ class AsyncEngine:
         if not self.healthy:  # died between the check and registering: nobody would tell us
             self._streams.pop(request_id, None)
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        self._send(("add", request_id, prompt, params, priority, stream.accepted))
+        self._send(("add", request_id, prompt, params, priority, lora_request, stream.accepted))
         try:
             await stream.accepted  # raises InvalidRequestError from the engine thread
         except BaseException:
@@ -180,10 +183,11 @@ class AsyncEngine:
         params: SamplingParams | None,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its delta outputs until it finishes. Invalid input raises
         here, before anything is yielded. Leaving the iteration early aborts the request."""
-        stream = await self.submit(prompt, params, request_id, priority)
+        stream = await self.submit(prompt, params, request_id, priority, lora_request)
         try:
             async for delta in stream:
                 yield delta
@@ -203,6 +207,16 @@ class AsyncEngine:
             return fut
         self._send(("call", fn, args, fut))
         return fut
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter in the engine, between steps; a bad one raises LoRAError."""
+        return await self.call(_add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self.call(_remove_lora, lora_int_id)
+
+    async def list_loras(self) -> set[int]:
+        return await self.call(_list_loras)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop = True
@@ -257,8 +271,8 @@ class AsyncEngine:
                 return
             kind = command[0]
             if kind == "add":
-                _, req_id, prompt, params, priority, accepted = command
-                self._add(req_id, prompt, params, priority, accepted)
+                _, req_id, prompt, params, priority, lora_request, accepted = command
+                self._add(req_id, prompt, params, priority, lora_request, accepted)
             elif kind == "abort":
                 self._abort(command[1])
             elif kind == "call":
@@ -269,12 +283,14 @@ class AsyncEngine:
                 except Exception as exc:
                     fut.get_loop().call_soon_threadsafe(_set_exception, fut, exc)
 
-    def _add(self, req_id, prompt, params, priority, accepted: asyncio.Future) -> None:
+    def _add(
+        self, req_id, prompt, params, priority, lora_request, accepted: asyncio.Future
+    ) -> None:
         loop = accepted.get_loop()
         if req_id not in self._streams:  # the client left before we got to it
             return
         try:
-            self._loop.add(req_id, prompt, params, priority)
+            self._loop.add(req_id, prompt, params, priority, lora_request)
         except Exception as exc:
             loop.call_soon_threadsafe(_set_exception, accepted, exc)
             return
@@ -298,6 +314,18 @@ class AsyncEngine:
             self._streams.pop(req_id, None)
             if isinstance(item, RequestOutput) and not item.finished:
                 self._abort(req_id)
+
+
+def _add_lora(engine: LLMEngine, lora_request: LoRARequest) -> bool:
+    return engine.add_lora(lora_request)
+
+
+def _remove_lora(engine: LLMEngine, lora_int_id: int) -> bool:
+    return engine.remove_lora(lora_int_id)
+
+
+def _list_loras(engine: LLMEngine) -> set[int]:
+    return set(engine.list_loras())
 
 
 def _set_result(fut: asyncio.Future, value: object) -> None:

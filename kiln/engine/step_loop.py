@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.scheduler import SpecDecodeStats
+from kiln.lora.request import LoRARequest
 from kiln.outputs import CompletionOutput, RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -106,9 +107,18 @@ class StepLoop:
     def has_work(self) -> bool:
         return self.engine.has_unfinished_requests()
 
-    def add(self, req_id: str, prompt, params: SamplingParams | None, priority: int) -> None:
+    def add(
+        self,
+        req_id: str,
+        prompt,
+        params: SamplingParams | None,
+        priority: int,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
         """Queue a request; raises InvalidRequestError for invalid input."""
-        self.engine.add_request(prompt, params, request_id=req_id, priority=priority)
+        self.engine.add_request(
+            prompt, params, request_id=req_id, priority=priority, lora_request=lora_request
+        )
         self._unscheduled.add(req_id)
 
     def abort(self, req_id: str) -> list[RequestOutput]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import select
@@ -46,7 +47,8 @@ from kiln.engine.async_engine import (
 from kiln.engine.step_loop import EngineInfo, EngineSnapshot
 from kiln.engine_core import messages as m
 from kiln.engine_core.parent_watch import kill_with_parent_thread
-from kiln.errors import InvalidRequestError, KilnError
+from kiln.errors import InvalidRequestError, KilnError, LoRAError
+from kiln.lora.request import LoRARequest
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 from kiln.tokenizer import Tokenizer
@@ -148,6 +150,8 @@ class EngineClient:
         self.on_dead: Callable[[], None] | None = None
         self.stats = EngineSnapshot()
         self._streams: dict[str, _ClientStream] = {}
+        self._lora_calls: dict[int, asyncio.Future] = {}  # call id -> its caller's future
+        self._lora_call_ids = itertools.count(1)
         self._send_lock = threading.Lock()
         self._stop = False
         self._engine = engine
@@ -273,6 +277,7 @@ class EngineClient:
         params: SamplingParams | None,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """As AsyncEngine.submit: returns the delta stream once the engine process accepted the
         request; its InvalidRequestError is raised here (a 400 before any byte is streamed)."""
@@ -290,7 +295,8 @@ class EngineClient:
             self._streams.pop(request_id, None)
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         try:
-            self._send(m.AddRequest(request_id, stream.prompt_token_ids, params, priority))
+            lora = m.LoRA.of(lora_request)
+            self._send(m.AddRequest(request_id, stream.prompt_token_ids, params, priority, lora))
         except EngineDeadError:
             self._streams.pop(request_id, None)
             raise
@@ -310,8 +316,9 @@ class EngineClient:
         params: SamplingParams | None,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        stream = await self.submit(prompt, params, request_id, priority)
+        stream = await self.submit(prompt, params, request_id, priority, lora_request)
         try:
             async for delta in stream:
                 yield delta
@@ -325,6 +332,35 @@ class EngineClient:
 
     def call(self, fn, *args):
         raise TypeError("the engine runs in its own process: no function can be run on it")
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """As AsyncEngine.add_lora: the engine process reads and checks the adapter; a bad
+        one raises LoRAError with the engine's message."""
+        reply = await self._lora_call(lora=m.LoRA.of(lora_request))
+        return reply.result
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        reply = await self._lora_call(remove_id=lora_int_id)
+        return reply.result
+
+    async def list_loras(self) -> set[int]:
+        reply = await self._lora_call()
+        return set(reply.lora_ids)
+
+    async def _lora_call(self, lora: m.LoRA | None = None, remove_id: int | None = None):
+        if not self.healthy:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        call_id = next(self._lora_call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._lora_calls[call_id] = future
+        try:
+            self._send(m.LoRACall(call_id, lora, remove_id))
+            reply = await future
+        finally:
+            self._lora_calls.pop(call_id, None)
+        if reply.error is not None:
+            raise LoRAError(reply.error)
+        return reply
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Tell the engine process this client is done (it stops once all of its clients are);
@@ -371,6 +407,11 @@ class EngineClient:
                 msg = m.decode_output(self._outputs.recv(copy=False).buffer)
                 if isinstance(msg, m.Outputs):
                     self._dispatch(msg)
+                elif isinstance(msg, m.LoRAReply):
+                    future = self._lora_calls.get(msg.call_id)
+                    if future is not None:
+                        with contextlib.suppress(RuntimeError):  # its event loop is closed
+                            future.get_loop().call_soon_threadsafe(_set_result, future, msg)
                 elif isinstance(msg, m.EngineDied):
                     raise EngineDeadError(f"engine loop died: {msg.message}")
         except BaseException as exc:
@@ -414,6 +455,9 @@ class EngineClient:
                 loop.call_soon_threadsafe(_apply, items)
 
     def _fail_everyone(self, dead: EngineDeadError) -> None:
+        for future in list(self._lora_calls.values()):
+            with contextlib.suppress(RuntimeError):
+                future.get_loop().call_soon_threadsafe(_set_exception, future, dead)
         for stream in list(self._streams.values()):
             items = [(_set_exception, stream.accepted, dead), (_put, stream.queue, dead)]
             with contextlib.suppress(RuntimeError):

@@ -14,16 +14,35 @@ import logging
 import msgspec
 
 from kiln.engine.step_loop import EngineSnapshot
+from kiln.lora.request import LoRARequest
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 
 
 # ---- API process -> engine process ---------------------------------------------------------
+class LoRA(msgspec.Struct, array_like=True):
+    """A LoRARequest on the wire."""
+
+    name: str
+    int_id: int
+    path: str
+
+    @classmethod
+    def of(cls, request: LoRARequest | None) -> LoRA | None:
+        if request is None:
+            return None
+        return cls(request.lora_name, request.lora_int_id, request.lora_path)
+
+    def request(self) -> LoRARequest:
+        return LoRARequest(self.name, self.int_id, self.path)
+
+
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    lora: LoRA | None = None  # None: the base model
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
@@ -34,7 +53,16 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-EngineInput = AddRequest | Abort | Shutdown
+class LoRACall(msgspec.Struct, tag="lora", array_like=True):
+    """add_lora (`lora` given), remove_lora (`remove_id` given) or list_loras (neither),
+    answered by a LoRAReply with the same `call_id` to the API process that asked."""
+
+    call_id: int
+    lora: LoRA | None = None
+    remove_id: int | None = None
+
+
+EngineInput = AddRequest | Abort | Shutdown | LoRACall
 
 
 # ---- engine process -> API process ---------------------------------------------------------
@@ -68,7 +96,14 @@ class EngineDied(msgspec.Struct, tag="died", array_like=True):
     message: str
 
 
-EngineOutput = Ready | StartupFailed | Outputs | EngineDied
+class LoRAReply(msgspec.Struct, tag="lora_reply", array_like=True):
+    call_id: int
+    error: str | None = None  # the engine's one-line LoRAError; None: done
+    result: bool = True  # add_lora / remove_lora's
+    lora_ids: list[int] = []  # list_loras'
+
+
+EngineOutput = Ready | StartupFailed | Outputs | EngineDied | LoRAReply
 
 encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(EngineInput)

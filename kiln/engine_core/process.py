@@ -32,7 +32,7 @@ import zmq
 from kiln.config import EngineConfig
 from kiln.engine_core import messages as m
 from kiln.engine_core.parent_watch import ParentWatch
-from kiln.errors import InvalidRequestError, KilnError
+from kiln.errors import InvalidRequestError, KilnError, LoRAError
 
 if TYPE_CHECKING:  # torch's imports wait until the parent watch runs
     from kiln.engine.step_loop import StepLoop
@@ -78,15 +78,22 @@ def serve(loop: StepLoop, clients: list[tuple[zmq.Socket, zmq.Socket]], parent_p
                     continue  # dropped and logged: one bad frame must not end the engine
                 if isinstance(msg, m.AddRequest):
                     try:
-                        loop.add(msg.req_id, msg.prompt_token_ids, msg.params, msg.priority)
+                        lora = None if msg.lora is None else msg.lora.request()
+                        loop.add(msg.req_id, msg.prompt_token_ids, msg.params, msg.priority, lora)
                         owner[msg.req_id] = index
                         accepted[index].append(msg.req_id)
                     except InvalidRequestError as exc:
                         reason = m.Rejected(msg.req_id, str(exc), exc.param, exc.code)
                         rejected[index].append(reason)
+                    except LoRAError as exc:  # its adapter could not be (re)loaded
+                        reason = m.Rejected(msg.req_id, str(exc), "model", "invalid_lora")
+                        rejected[index].append(reason)
                 elif isinstance(msg, m.Abort):
                     for req_id in msg.req_ids:
                         deltas.extend(loop.abort(req_id))
+                elif isinstance(msg, m.LoRACall):
+                    reply = lora_call(loop, msg)
+                    clients[index][1].send(m.encoder.encode(reply), copy=False)
                 else:  # Shutdown: this API process is done
                     open_clients.discard(index)
                     if not open_clients:
@@ -109,6 +116,22 @@ def serve(loop: StepLoop, clients: list[tuple[zmq.Socket, zmq.Socket]], parent_p
             if accepted[index] or rejected[index] or routed[index] or snapshot is not None:
                 out = m.Outputs(accepted[index], rejected[index], routed[index], snapshot)
                 clients[index][1].send(m.encoder.encode(out), copy=False)
+
+
+def lora_call(loop: StepLoop, call: m.LoRACall) -> m.LoRAReply:
+    """Run one add_lora / remove_lora / list_loras between steps. A bad adapter's error goes
+    back to the API process; it never ends the engine."""
+    engine = loop.engine
+    try:
+        if call.lora is not None:
+            return m.LoRAReply(call.call_id, result=bool(engine.add_lora(call.lora.request())))
+        if call.remove_id is not None:
+            return m.LoRAReply(call.call_id, result=bool(engine.remove_lora(call.remove_id)))
+        return m.LoRAReply(call.call_id, lora_ids=sorted(engine.list_loras()))
+    except Exception as exc:
+        if not isinstance(exc, KilnError):
+            logger.exception("a LoRA call failed")
+        return m.LoRAReply(call.call_id, error=describe(exc))
 
 
 def main(argv: list[str] | None = None) -> int:
