@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -210,6 +211,33 @@ def test_requests_of_several_adapters_at_once(http, engine, files):
     with ThreadPoolExecutor(len(models)) as pool:
         got = list(pool.map(lambda m: _complete(http, m, files["prompt"]).json(), models))
     assert [g["choices"][0]["text"] for g in got] == [want[m] for m in models]
+
+
+def test_an_adapter_in_use_is_not_unloaded(http, files):
+    """Unloading while a request runs with it is a 400; it stays served and unloads after."""
+    _load(http, "busy", str(files["root"] / "sql"))
+    body = {"model": "busy", "prompt": files["prompt"], "max_tokens": 200, "stream": True}
+    with http.stream("POST", "/v1/completions", json={**body, "ignore_eos": True}) as stream:
+        lines = stream.iter_lines()
+        assert next(x for x in lines if x.startswith("data: {"))  # it runs
+        refused = http.post("/v1/unload_lora_adapter", json={"lora_name": "busy"})
+        assert refused.status_code == 400 and "in use" in refused.json()["error"]["message"]
+    assert "busy" in [m["id"] for m in http.get("/v1/models").json()["data"]]
+    deadline = time.monotonic() + 30  # the closed stream's abort reaches the engine
+    while (
+        gone := http.post("/v1/unload_lora_adapter", json={"lora_name": "busy"})
+    ).status_code != 200:
+        assert time.monotonic() < deadline, gone.text
+        time.sleep(0.1)
+
+
+def test_with_several_api_processes_the_run_time_routes_are_refused(engine):
+    from kiln.server.app import build_app
+
+    with ServerThread(build_app(engine, MODEL, lora_runtime_updates=False)) as srv:
+        body = {"lora_name": "x", "lora_path": "/x"}
+        response = httpx.post(srv.base_url + "/v1/load_lora_adapter", json=body)
+        assert response.status_code == 400 and "--api-server-count" in response.text
 
 
 def _bad_adapters(root, base: str) -> dict[str, tuple[str, str]]:
