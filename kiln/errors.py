@@ -32,7 +32,9 @@ class ConfigError(KilnError, ValueError):
     config.json value): the CLI prints it on one line and exits 2."""
 
 
-class LoRAError(KilnError, ValueError):
+class LoRAError(InvalidRequestError):
     """A LoRA adapter cannot be served: missing files, a format or option kiln does not read
     (DoRA, modules_to_save, biases), shapes or a target module the base model does not have, a
-    rank over max_lora_rank, an unknown or busy adapter id. One line, naming the adapter."""
+    rank over max_lora_rank, an unknown or busy adapter id. One line, naming the adapter. An
+    InvalidRequestError (so a ValueError): a request naming such an adapter is refused as any
+    invalid request is, and the engine serves the others."""

@@ -140,11 +140,12 @@ class LLM:
         self,
         prompt: Prompt | list[Message],
         sampling_params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Iterator[str]:
         """Yield the text of one completion piece by piece as it is generated (a list of chat
-        messages gets the chat template)."""
+        messages gets the chat template; `lora_request` as generate's)."""
         plain = self._chat_prompt_ids(prompt) if _is_conversation(prompt) else _plain_prompt(prompt)
-        req_id = self.engine.add_request(plain, sampling_params)
+        req_id = self.engine.add_request(plain, sampling_params, lora_request=lora_request)
         try:
             finished = False
             while not finished:

@@ -36,6 +36,7 @@ ALLOWED: dict[str, set[str]] = {
         "engine_core",
         "eval",
         "llm",
+        "lora.request",
         "server",
     },
     "server": {"config", "engine", "engine_core", "lora.request", "outputs"},

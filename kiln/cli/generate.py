@@ -33,6 +33,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="beam search with this many beams (returns --n of them; sampling flags unused)",
     )
     p.add_argument("--length-penalty", type=float, default=1.0, help="beam search: as HF's")
+    p.add_argument(
+        "--lora",
+        metavar="PATH",
+        help="a PEFT LoRA adapter directory to generate with (turns on --enable-lora)",
+    )
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=run)
@@ -58,10 +63,20 @@ def run(args: argparse.Namespace) -> int:
         except InvalidRequestError as exc:
             print(f"error: --beam-width: {exc}", file=sys.stderr)
             return 2
+    from dataclasses import replace
+
     from kiln.llm import LLM
+    from kiln.lora.request import LoRARequest
 
     config = engine_config_from_args(args)
+    lora = None
+    if args.lora is not None:
+        config = replace(config, enable_lora=True)
+        name = os.path.basename(os.path.normpath(args.lora)) or "lora"
+        lora = LoRARequest(name, 1, args.lora)
     llm = LLM(**vars(config))
+    if lora is not None:
+        llm.engine.add_lora(lora)  # a bad adapter fails here, before any output
     tokenizer = llm.get_tokenizer()
     use_chat = args.chat
     if use_chat is None:
@@ -73,14 +88,14 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         if params.n == 1 and not params.use_beam_search:
             prompt = conversation(args.prompt) if use_chat else args.prompt
-            for piece in llm.stream(prompt, params):
+            for piece in llm.stream(prompt, params, lora_request=lora):
                 print(piece, end="", flush=True)
             print()
             return 0
         outputs = (
-            llm.chat(conversation(args.prompt), params)
+            llm.chat(conversation(args.prompt), params, lora_request=lora)
             if use_chat
-            else llm.generate(args.prompt, params)
+            else llm.generate(args.prompt, params, lora_request=lora)
         )
         for completion in outputs[0].outputs:
             print(f"[{completion.index}] {completion.text}")
@@ -89,9 +104,11 @@ def run(args: argparse.Namespace) -> int:
     with open(args.prompts_file, encoding="utf-8") as f:
         prompts = [line.rstrip("\n") for line in f if line.strip()]
     if use_chat:
-        outputs = llm.chat([conversation(p) for p in prompts], params, use_tqdm=True)
+        outputs = llm.chat(
+            [conversation(p) for p in prompts], params, use_tqdm=True, lora_request=lora
+        )
     else:
-        outputs = llm.generate(prompts, params, use_tqdm=True)
+        outputs = llm.generate(prompts, params, use_tqdm=True, lora_request=lora)
     with open(args.output or os.devnull, "w", encoding="utf-8") as file:
         sink = file if args.output else sys.stdout
         for prompt, out in zip(prompts, outputs):

@@ -155,9 +155,9 @@ class AsyncEngine:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Queue a request (`lora_request`: the adapter it runs with, None for the base);
-        returns its delta stream once the engine has accepted it. Invalid input raises
-        InvalidRequestError here, so a server can answer 400 before streaming."""
+        """Queue a request; returns its delta stream once the engine has accepted it. Invalid
+        input raises InvalidRequestError here, so a server can answer 400 before streaming
+        (a LoRA adapter that cannot be loaded: LoRAError, one)."""
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         loop = asyncio.get_running_loop()
@@ -271,8 +271,8 @@ class AsyncEngine:
                 return
             kind = command[0]
             if kind == "add":
-                _, req_id, prompt, params, priority, lora_request, accepted = command
-                self._add(req_id, prompt, params, priority, lora_request, accepted)
+                _, req_id, prompt, params, priority, lora, accepted = command
+                self._add(req_id, prompt, params, priority, lora, accepted)
             elif kind == "abort":
                 self._abort(command[1])
             elif kind == "call":
@@ -283,14 +283,12 @@ class AsyncEngine:
                 except Exception as exc:
                     fut.get_loop().call_soon_threadsafe(_set_exception, fut, exc)
 
-    def _add(
-        self, req_id, prompt, params, priority, lora_request, accepted: asyncio.Future
-    ) -> None:
+    def _add(self, req_id, prompt, params, priority, lora, accepted: asyncio.Future) -> None:
         loop = accepted.get_loop()
         if req_id not in self._streams:  # the client left before we got to it
             return
         try:
-            self._loop.add(req_id, prompt, params, priority, lora_request)
+            self._loop.add(req_id, prompt, params, priority, lora)
         except Exception as exc:
             loop.call_soon_threadsafe(_set_exception, accepted, exc)
             return

@@ -115,7 +115,7 @@ class StepLoop:
         priority: int,
         lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request; raises InvalidRequestError for invalid input."""
+        """Queue a request; raises InvalidRequestError (LoRAError too) for invalid input."""
         self.engine.add_request(
             prompt, params, request_id=req_id, priority=priority, lora_request=lora_request
         )

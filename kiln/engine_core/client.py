@@ -295,8 +295,9 @@ class EngineClient:
             self._streams.pop(request_id, None)
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         try:
-            lora = m.LoRA.of(lora_request)
-            self._send(m.AddRequest(request_id, stream.prompt_token_ids, params, priority, lora))
+            self._send(
+                m.AddRequest(request_id, stream.prompt_token_ids, params, priority, lora_request)
+            )
         except EngineDeadError:
             self._streams.pop(request_id, None)
             raise
@@ -336,7 +337,7 @@ class EngineClient:
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """As AsyncEngine.add_lora: the engine process reads and checks the adapter; a bad
         one raises LoRAError with the engine's message."""
-        reply = await self._lora_call(lora=m.LoRA.of(lora_request))
+        reply = await self._lora_call(lora=lora_request)
         return reply.result
 
     async def remove_lora(self, lora_int_id: int) -> bool:
@@ -347,7 +348,7 @@ class EngineClient:
         reply = await self._lora_call()
         return set(reply.lora_ids)
 
-    async def _lora_call(self, lora: m.LoRA | None = None, remove_id: int | None = None):
+    async def _lora_call(self, lora: LoRARequest | None = None, remove_id: int | None = None):
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         call_id = next(self._lora_call_ids)

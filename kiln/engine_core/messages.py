@@ -20,29 +20,12 @@ from kiln.sampling_params import SamplingParams
 
 
 # ---- API process -> engine process ---------------------------------------------------------
-class LoRA(msgspec.Struct, array_like=True):
-    """A LoRARequest on the wire."""
-
-    name: str
-    int_id: int
-    path: str
-
-    @classmethod
-    def of(cls, request: LoRARequest | None) -> LoRA | None:
-        if request is None:
-            return None
-        return cls(request.lora_name, request.lora_int_id, request.lora_path)
-
-    def request(self) -> LoRARequest:
-        return LoRARequest(self.name, self.int_id, self.path)
-
-
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
-    lora: LoRA | None = None  # None: the base model
+    lora: LoRARequest | None = None  # its LoRA adapter (a dataclass: msgspec checks each field)
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
@@ -58,7 +41,7 @@ class LoRACall(msgspec.Struct, tag="lora", array_like=True):
     answered by a LoRAReply with the same `call_id` to the API process that asked."""
 
     call_id: int
-    lora: LoRA | None = None
+    lora: LoRARequest | None = None
     remove_id: int | None = None
 
 

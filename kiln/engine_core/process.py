@@ -32,7 +32,7 @@ import zmq
 from kiln.config import EngineConfig
 from kiln.engine_core import messages as m
 from kiln.engine_core.parent_watch import ParentWatch
-from kiln.errors import InvalidRequestError, KilnError, LoRAError
+from kiln.errors import InvalidRequestError, KilnError
 
 if TYPE_CHECKING:  # torch's imports wait until the parent watch runs
     from kiln.engine.step_loop import StepLoop
@@ -78,15 +78,13 @@ def serve(loop: StepLoop, clients: list[tuple[zmq.Socket, zmq.Socket]], parent_p
                     continue  # dropped and logged: one bad frame must not end the engine
                 if isinstance(msg, m.AddRequest):
                     try:
-                        lora = None if msg.lora is None else msg.lora.request()
-                        loop.add(msg.req_id, msg.prompt_token_ids, msg.params, msg.priority, lora)
+                        loop.add(
+                            msg.req_id, msg.prompt_token_ids, msg.params, msg.priority, msg.lora
+                        )
                         owner[msg.req_id] = index
                         accepted[index].append(msg.req_id)
                     except InvalidRequestError as exc:
                         reason = m.Rejected(msg.req_id, str(exc), exc.param, exc.code)
-                        rejected[index].append(reason)
-                    except LoRAError as exc:  # its adapter could not be (re)loaded
-                        reason = m.Rejected(msg.req_id, str(exc), "model", "invalid_lora")
                         rejected[index].append(reason)
                 elif isinstance(msg, m.Abort):
                     for req_id in msg.req_ids:
@@ -124,7 +122,7 @@ def lora_call(loop: StepLoop, call: m.LoRACall) -> m.LoRAReply:
     engine = loop.engine
     try:
         if call.lora is not None:
-            return m.LoRAReply(call.call_id, result=bool(engine.add_lora(call.lora.request())))
+            return m.LoRAReply(call.call_id, result=bool(engine.add_lora(call.lora)))
         if call.remove_id is not None:
             return m.LoRAReply(call.call_id, result=bool(engine.remove_lora(call.remove_id)))
         return m.LoRAReply(call.call_id, lora_ids=sorted(engine.list_loras()))

@@ -151,3 +151,34 @@ def test_prefix_cache_is_keyed_by_adapter(setup: Setup, llm: LLM) -> None:
     assert cached(None) == 0  # nor under the base
     assert cached(b) == 32  # under the same adapter: a hit
     assert cached(a) == 32
+
+
+def test_fp8_base(setup: Setup) -> None:
+    """Over FP8 W8A8 weights the LoRA-targeted projections run unfused: the base's requests
+    keep the plain FP8 engine's tokens, and an adapter's its own (HF has no FP8 oracle: its
+    layer-level check is tests/lora/test_layers.py)."""
+    llm = LLM(setup.path, quantization="fp8-dynamic", enable_lora=True, max_lora_rank=8)
+    plain = LLM(setup.path, quantization="fp8-dynamic")
+    assert _tokens(llm.generate(PROMPTS, PARAMS)) == _tokens(plain.generate(PROMPTS, PARAMS))
+    lora = setup.requests[1]
+    mixed = _tokens(llm.generate(PROMPTS, PARAMS, lora_request=[lora, None, lora]))
+    alone = _tokens(llm.generate(PROMPTS, PARAMS, lora_request=lora))
+    assert (
+        mixed[0] == alone[0]
+        and mixed[2] == alone[2]
+        and alone != _tokens(plain.generate(PROMPTS, PARAMS))
+    )
+
+
+def test_chunked_and_preempted(setup: Setup) -> None:
+    """Prompts prefilled in chunks of 8 tokens and a KV pool too small for every request at
+    once (preemption, then a recompute that takes its adapter's slot again): tokens unchanged."""
+    llm = LLM(
+        setup.path, enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=16,
+        max_num_batched_tokens=8, num_kv_blocks=9, block_size=4,
+    )  # fmt: skip
+    loras = [setup.requests[1 + i % 3] for i in range(5)] + [None]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(loras))]
+    got = _tokens(llm.generate(prompts, PARAMS, lora_request=loras))
+    assert got == [setup.expected[_id(r)][i % len(PROMPTS)] for i, r in enumerate(loras)]
+    assert llm.engine.scheduler.num_preemptions_total > 0

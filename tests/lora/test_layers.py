@@ -1,0 +1,53 @@
+"""A LoRA-wrapped projection adds each token's adapter to the base method's output, reading the
+unquantized input also over a float8 (FP8 W8A8) base, a fused qkv projection's slices each in
+its own columns; and the wrapper offers the fused norm kernels nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.kernels import reference
+from kiln.layers.linear import Linear, UnquantizedLinearMethod
+from kiln.layers.quantization import linear_method_factory
+from kiln.lora.layers import LoRAInputs, LoRALinearMethod
+
+SIZES = [16, 8, 8]  # q, k, v rows of a fused projection
+IN, RANK, MAX_RANK, SLOTS = 32, 2, 4, 3
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp8-dynamic"])
+def test_lora_adds_each_tokens_adapter(scheme: str) -> None:
+    torch.manual_seed(0)
+    base = UnquantizedLinearMethod() if scheme == "none" else linear_method_factory(scheme)("qkv")
+    layer = Linear(IN, sum(SIZES), output_sizes=SIZES, method=base, dtype=torch.float32)
+    layer.weight_loader(layer.weight, None, torch.randn(sum(SIZES), IN) * 0.1)
+    layer.method.process_weights_after_loading(layer)
+    inputs = LoRAInputs(8, torch.device("cpu"))
+    lora = LoRALinearMethod(layer.method, inputs, layer, SLOTS, MAX_RANK, torch.float32)
+    assert lora.fused_operands(layer) is None and lora.fp8_input(layer) is None
+    layer.method = lora
+    # Slot 1: an adapter on q and v only (k's slice zero), rank 2 of the slots' 4.
+    a = {0: torch.randn(RANK, IN), 2: torch.randn(RANK, IN)}
+    b = {0: torch.randn(SIZES[0], RANK), 2: torch.randn(SIZES[2], RANK)}
+    starts = [0, SIZES[0], SIZES[0] + SIZES[1]]
+    for piece in a:
+        lora.lora_a[1, piece * MAX_RANK : piece * MAX_RANK + RANK] = a[piece]
+        lora.lora_b[1, starts[piece] : starts[piece] + SIZES[piece], :RANK] = b[piece]
+    x = torch.randn(5, IN)
+    inputs.fill([1, -1, 1], [2, 2, 1], 5)  # tokens 0-1 and 4: slot 1; 2-3: the base
+    got = layer(reference, x)
+    base_out = base.apply(layer, reference, x)
+    expected = base_out.clone()
+    for piece in a:
+        delta = x @ a[piece].T @ b[piece].T  # the unquantized input's product
+        cols = slice(starts[piece], starts[piece] + SIZES[piece])
+        expected[[0, 1, 4], cols] += delta[[0, 1, 4]]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[2:4], base_out[2:4])
+
+
+def test_token_slots_pad_with_no_adapter() -> None:
+    inputs = LoRAInputs(8, torch.device("cpu"))
+    inputs.fill([2, 0], [1, 3], 6)
+    assert inputs.token_slots[:6].tolist() == [2, 0, 0, 0, -1, -1]
