@@ -10,14 +10,17 @@ import time
 from dataclasses import dataclass
 
 from fastapi import APIRouter
-from pydantic import Field
 from starlette.responses import PlainTextResponse
 
 from kiln.errors import LoRAError
 from kiln.lora.request import LoRARequest
 from kiln.server.errors import APIError
 from kiln.server.lora_modules import LoRAModule
-from kiln.server.protocol import ERROR_RESPONSES, _Body
+from kiln.server.protocol import (
+    ERROR_RESPONSES,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 from kiln.server.state import ServedEngine, ServerState, State, check_text
 
 router = APIRouter()
@@ -117,17 +120,7 @@ async def load_modules(state: ServerState, modules: tuple[LoRAModule, ...]) -> N
     state.metrics.set_adapters(state.adapters.names())
 
 
-class LoadLoRAAdapterRequest(_Body):
-    lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1)
-
-
-class UnloadLoRAAdapterRequest(_Body):
-    lora_name: str = Field(min_length=1)
-    lora_int_id: int | None = None  # vLLM's field, accepted; the name decides
-
-
-def _adapters(state: ServerState):
+def _adapters(state: ServerState) -> LoRAAdapters:
     if state.adapters is None:
         raise APIError(
             404,
