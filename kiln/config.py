@@ -181,8 +181,6 @@ class EngineConfig:
             fail("max_lora_rank", "must be >= 1")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             fail("max_cpu_loras", f"must be >= max_loras ({self.max_loras})")
-        if self.enable_lora and self.world_size > 1:
-            fail("enable_lora", "is not supported with tensor or pipeline parallelism yet")
         if self.speculative_config is not None:
             from kiln.spec_decode.config import SpeculativeConfig  # pure Python, no cycle
 

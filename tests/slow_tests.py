@@ -114,6 +114,23 @@ _BY_FILE = {
     "tests/test_typecheck.py": (  # 6 s
         "test_mypy_clean",
     ),
+    # LoRA: engines and HF + PEFT oracles on tiny models; test_each_adapter_alone_matches_hf,
+    # the bad adapters, the slots and the layers stay in the fast subset.
+    "tests/lora/test_lora_vs_hf.py": (
+        "test_three_adapters_and_the_base_in_one_batch",
+        "test_unload_and_reload",
+        "test_an_adapter_in_use_is_not_removed",
+        "test_more_adapters_than_slots",
+        "test_decode_graphs_pad_with_no_adapter",
+        "test_prefix_cache_is_keyed_by_adapter",
+        "test_fp8_base",
+        "test_chunked_and_preempted",
+        "test_folded_kv_cache_scales",
+        "test_granite_multipliers",
+    ),
+    "tests/lora/test_lora_parallel.py": ("test_parallel_lora_equals_hf",),
+    "tests/lora/test_async_engine.py": ("test_async_engine_serves_adapters",),
+    "tests/cli/test_generate_lora.py": ("test_generate_with_an_adapter",),
     "tests/engine_core/test_startup_interruption.py": (  # 30 s
         "test_the_engine_process_goes_with_its_parent_at_any_stage",
     ),

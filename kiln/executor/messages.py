@@ -23,6 +23,8 @@ class Kind(IntEnum):
     STEP = 1
     ENABLE_TIMING = 2
     SHUTDOWN = 3
+    ADD_LORA = 4  # JSON {lora_name, lora_int_id, lora_path}: read it into host memory
+    REMOVE_LORA = 5  # JSON {lora_int_id}
 
 
 def encode_step(step: SchedulerOutput) -> bytes:
@@ -42,6 +44,7 @@ def encode_step(step: SchedulerOutput) -> bytes:
         "preempted": step.num_preempted,
         "step_id": step.step_id,
         "copies": step.block_copies,
+        "loras": step.lora_loads,
     }
     return json.dumps(body, separators=(",", ":")).encode()
 
@@ -61,6 +64,7 @@ def decode_step(data: bytes) -> SchedulerOutput:
         num_preempted=body["preempted"],
         step_id=body["step_id"],
         block_copies=[tuple(c) for c in body["copies"]],
+        lora_loads=[tuple(x) for x in body["loras"]],
     )
 
 

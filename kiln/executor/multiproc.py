@@ -39,6 +39,7 @@ from kiln.executor.messages import Kind, encode_step, send_message
 from kiln.executor.rank import build_rank
 from kiln.executor.worker import data_backend_for
 from kiln.interfaces import ModelRunnerOutput, SchedulerOutput
+from kiln.lora.request import LoRARequest
 
 logger = logging.getLogger("kiln")
 
@@ -178,6 +179,26 @@ class MultiprocExecutor(Executor):
             return self.runner.collect()
         except RuntimeError as exc:
             raise self._failed(exc) from exc
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """The driver reads and checks the adapter first (a bad one is refused here, no rank
+        having taken it); then every other rank reads its own cut."""
+        self._check()
+        if self.runner.lora is None:
+            super().add_lora(lora_request)
+            return
+        self.runner.lora.add_adapter(lora_request)
+        body = json.dumps(dataclasses.asdict(lora_request)).encode()
+        send_message(self.parallel, Kind.ADD_LORA, body, self._timeout)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._check()
+        if self.runner.lora is None:
+            super().remove_lora(lora_int_id)
+            return
+        self.runner.lora.remove_adapter(lora_int_id)
+        body = json.dumps({"lora_int_id": lora_int_id}).encode()
+        send_message(self.parallel, Kind.REMOVE_LORA, body, self._timeout)
 
     def enable_step_timing(self) -> None:
         self._check()

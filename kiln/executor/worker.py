@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from kiln.config import EngineConfig
 from kiln.distributed.parallel_state import (
@@ -22,6 +23,10 @@ from kiln.distributed.parallel_state import (
     init_process_groups,
 )
 from kiln.executor.messages import Kind, decode_step, recv_message
+from kiln.lora.request import LoRARequest
+
+if TYPE_CHECKING:
+    from kiln.runtime.model_runner import ModelRunner
 
 logger = logging.getLogger("kiln")
 
@@ -58,12 +63,25 @@ def run_worker(config: EngineConfig, rank: int, init_method: str = "env://") -> 
         if kind is Kind.ENABLE_TIMING:
             runner.step_timing = {}
             continue
+        if kind in (Kind.ADD_LORA, Kind.REMOVE_LORA):
+            apply_lora_message(runner, kind, payload)
+            continue
         if runner.submit(decode_step(payload)):
             num_uncollected += 1
         while num_uncollected > keep_uncollected:
             runner.collect()  # this rank's copy of the output: the driver's is the one read
             num_uncollected -= 1
     destroy_process_groups()
+
+
+def apply_lora_message(runner: ModelRunner, kind: Kind, payload: bytes) -> None:
+    """An adapter the driver read (so checked) already: this rank reads its own cut of it."""
+    assert runner.lora is not None  # the driver sends these only with enable_lora
+    body = json.loads(payload)
+    if kind is Kind.ADD_LORA:
+        runner.lora.add_adapter(LoRARequest(**body))
+    else:
+        runner.lora.remove_adapter(body["lora_int_id"])
 
 
 def die_with_parent() -> None:

@@ -11,7 +11,7 @@ import torch
 from kiln.errors import LoRAError
 from kiln.layers.linear import Linear
 from kiln.lora.layers import LoRAInputs, LoRALinearMethod
-from kiln.lora.peft import PeftAdapter, read_peft_adapter
+from kiln.lora.peft import LoRAModule, PeftAdapter, read_peft_adapter
 from kiln.lora.request import LoRARequest
 from kiln.models.base import CausalLM
 
@@ -50,14 +50,16 @@ class LoRAModel:
     each device slot holds."""
 
     def __init__(self, model: CausalLM, max_loras: int, max_rank: int, max_num_tokens: int) -> None:
-        parallel = getattr(model, "parallel", None)
-        if parallel is not None:
-            raise LoRAError("LoRA is not supported with tensor or pipeline parallelism yet")
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.num_layers = len(model.layers)
+        # Under pipeline parallelism this stage's layers are layer_start.. of the model's.
+        self.num_layers = model.full_config.num_hidden_layers
+        start = model.layer_start
         self.dtype = model.dtype
         self.inputs = LoRAInputs(max_num_tokens, model.device)
         self.residual_multiplier = float(getattr(model.config, "residual_multiplier", 1.0))
+        self.attention = {
+            start + i: getattr(b, "self_attn", None) for i, b in enumerate(model.layers)
+        }
         self.methods: dict[str, LoRALinearMethod] = {}  # "layers.3.self_attn.qkv_proj" -> method
         self.linears: dict[str, Linear] = {}
         for i, block in enumerate(model.layers):
@@ -69,7 +71,7 @@ class LoRAModel:
                     linear.method, self.inputs, linear, max_loras, max_rank, self.dtype
                 )
                 linear.method = method
-                key = f"layers.{i}.{name}"
+                key = f"layers.{start + i}.{name}"
                 self.methods[key], self.linears[key] = method, linear
         if not self.methods:
             raise LoRAError(f"{type(model).__name__} has no projections LoRA applies to")
@@ -99,18 +101,23 @@ class LoRAModel:
         for (index, proj), module in adapter.modules.items():
             name, piece = PROJECTION_LAYERS[proj]
             key = f"layers.{index}.{name}"
+            if index >= self.num_layers:
+                raise LoRAError(
+                    f"{where}: targets layers.{index}.{proj}, but the base model has no "
+                    f"layers.{index}"
+                )
+            if not any(k.startswith(f"layers.{index}.") for k in self.linears):
+                continue  # another pipeline stage's layer
             linear = self.linears.get(key)
             if linear is None:
-                what = f"layers.{index}" if index >= self.num_layers else f"a LoRA layer {name}"
                 raise LoRAError(
-                    f"{where}: targets layers.{index}.{proj}, but the base model has no {what}"
+                    f"{where}: targets layers.{index}.{proj}, but the base model has no LoRA "
+                    f"layer {name}"
                 )
+            lora_a, lora_b = _this_ranks_cut(
+                linear, piece, module, f"{where}: layers.{index}.{proj}"
+            )
             out_size, in_size = linear.output_sizes[piece], linear.in_features
-            if module.lora_a.shape[1] != in_size or module.lora_b.shape[0] != out_size:
-                raise LoRAError(
-                    f"{where}: layers.{index}.{proj} is [{module.lora_b.shape[0]} x "
-                    f"{module.lora_a.shape[1]}], the base model's is [{out_size} x {in_size}]"
-                )
             if key not in layers:
                 slices = len(linear.output_sizes)
                 layers[key] = (
@@ -119,14 +126,31 @@ class LoRAModel:
                 )
             host_a, host_b = layers[key]
             rank, start = module.rank, sum(linear.output_sizes[:piece])
-            lora_b = module.lora_b
-            if name in _RESIDUAL_SCALED and self.residual_multiplier != 1.0:
-                lora_b = lora_b * self.residual_multiplier
-            host_a[piece * self.max_rank : piece * self.max_rank + rank] = module.lora_a
+            factor = self._output_factor(index, name, piece)
+            if factor != 1.0:
+                lora_b = lora_b * factor
+            host_a[piece * self.max_rank : piece * self.max_rank + rank] = lora_a
             host_b[start : start + out_size, :rank] = lora_b
         if self.inputs.token_slots.device.type == "cuda":
             layers = {k: (a.pin_memory(), b.pin_memory()) for k, (a, b) in layers.items()}
         return layers
+
+    def _output_factor(self, index: int, name: str, piece: int) -> float:
+        """What the model scaled this projection's output by after the checkpoint (folded into
+        its weights), so the adapter's B is scaled alike: Granite's residual multiplier on o
+        and down; a float8 KV cache's folded scales on k (1 / k_scale), v (1 / v_scale) and o
+        (v_scale: its input is v / v_scale)."""
+        factor = self.residual_multiplier if name in _RESIDUAL_SCALED else 1.0
+        folded = getattr(self.attention.get(index), "folded_kv_scales", None)
+        if folded is not None:
+            k_scale, v_scale, k_rows = folded
+            if name == "self_attn.qkv_proj" and piece == 1 and k_rows:
+                factor /= k_scale
+            elif name == "self_attn.qkv_proj" and piece == 2:
+                factor /= v_scale
+            elif name == "self_attn.o_proj":
+                factor *= v_scale
+        return factor
 
     # ---- device slots ------------------------------------------------------------------------
 
@@ -159,6 +183,35 @@ class LoRAModel:
         slot_of = self.slot_of
         slots = [-1 if i is None else slot_of[i] for i in lora_int_ids]
         self.inputs.fill(slots, num_scheduled, num_rows)
+
+
+def _this_ranks_cut(
+    linear: Linear, piece: int, module: LoRAModule, where: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) of one projection as this tensor rank applies them, checked against the whole
+    layer's shape. Column-parallel (qkv, gate_up): A whole, B's rows of the rank's output rows.
+    Row-parallel (o, down): A's columns of the rank's input columns, B whole; each rank adds
+    B (A_r x_r) to its partial output, which the layer's all-reduce then sums to B A x."""
+    split = linear.split
+    out_full, in_full = linear.output_sizes[piece], linear.in_features
+    rows = cols = None
+    if split is not None and split.rows is not None:
+        assert split.full_sizes is not None  # a column-parallel split has its full sizes
+        out_full, rows = split.full_sizes[piece], split.rows[piece]
+    elif split is not None and split.cols is not None:
+        cols = split.cols
+        in_full = cols[1] * split.ctx.tp_size  # query heads and MLP rows split evenly
+    a, b = module.lora_a, module.lora_b
+    if a.shape[1] != in_full or b.shape[0] != out_full:
+        raise LoRAError(
+            f"{where} is [{b.shape[0]} x {a.shape[1]}], the base model's is "
+            f"[{out_full} x {in_full}]"
+        )
+    if rows is not None:
+        b = b.narrow(0, *rows)
+    if cols is not None:
+        a = a.narrow(1, *cols)
+    return a, b
 
 
 def _submodule(block: torch.nn.Module, dotted: str) -> torch.nn.Module | None:

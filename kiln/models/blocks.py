@@ -96,6 +96,8 @@ class RopeAttention(nn.Module):
     `sinks`: a learned per-head logit in each softmax's denominator (gpt-oss), [num_heads]."""
 
     kind: AttentionKind = FULL_ATTENTION
+    # (k_scale, v_scale, whether the k rows hold 1 / k_scale) once fold_kv_scales ran.
+    folded_kv_scales: tuple[float, float, bool] | None = None
 
     def __init__(
         self,
@@ -253,6 +255,8 @@ class RopeAttention(nn.Module):
         when a k-norm follows them (it would undo a scale folded into the rows); values through
         the v rows and o_proj. `into_weights=False`: the weights hold them already."""
         self.scale *= k_scale
+        # What a LoRA adapter's k, v and o_proj outputs are scaled by to match (kiln.lora.model).
+        self.folded_kv_scales = (k_scale, v_scale, self.k_norm is None)
         if not into_weights:
             return
         q, kv = self.q_size, self.kv_size

@@ -151,3 +151,12 @@ def test_lora_request_list_must_match_prompts(root, llm: LLM) -> None:
 
     with pytest.raises(InvalidRequestError, match="got 1 LoRA requests for 2 prompts"):
         llm.generate([PROMPT, PROMPT], PARAMS, lora_request=[None])
+
+
+def test_beam_search_with_an_adapter_is_refused(root, llm: LLM) -> None:
+    from kiln import InvalidRequestError
+
+    beams = SamplingParams(max_tokens=4, use_beam_search=True, best_of=2)
+    good = LoRARequest("good", 1, str(root / "good"))
+    with pytest.raises(InvalidRequestError, match="beam search with a LoRA adapter"):
+        llm.generate([PROMPT], beams, lora_request=good)

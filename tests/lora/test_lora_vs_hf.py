@@ -182,3 +182,40 @@ def test_chunked_and_preempted(setup: Setup) -> None:
     got = _tokens(llm.generate(prompts, PARAMS, lora_request=loras))
     assert got == [setup.expected[_id(r)][i % len(PROMPTS)] for i, r in enumerate(loras)]
     assert llm.engine.scheduler.num_preemptions_total > 0
+
+
+def test_folded_kv_cache_scales(setup: Setup) -> None:
+    """KV-cache scales folded into the k, v and o_proj weights (a float8 cache's calibrated
+    scales; here in fp32, where attention is unchanged by them): the adapters' k, v and o
+    outputs are scaled alike, so the tokens stay HF + PEFT's."""
+    from kiln.models.kv_scales import fold_kv_scales
+
+    llm = LLM(setup.path, enable_lora=True, max_loras=3, max_lora_rank=8)
+    model = llm.engine.executor.runner.model
+    fold_kv_scales(model, [(2.0, 0.25)] * len(model.layers))
+    loras = setup.requests[1:]
+    got = _tokens(llm.generate(PROMPTS, PARAMS, lora_request=loras))
+    assert got == [setup.expected[_id(r)][i] for i, r in enumerate(loras)]
+
+
+def test_granite_multipliers(tmp_path) -> None:
+    """Granite folds its residual multiplier into o_proj and down_proj as they load: the
+    adapters' outputs there are scaled alike."""
+    import torch
+    import transformers
+
+    from tests.conftest import TINY_BASE
+    from tests.lora.adapters import ALL_SEVEN, AdapterSpec
+
+    config = transformers.GraniteConfig(
+        **TINY_BASE, residual_multiplier=0.5, embedding_multiplier=2.0,
+        attention_multiplier=0.2, logits_scaling=4.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    base = transformers.GraniteForCausalLM(config).eval()
+    base.save_pretrained(tmp_path / "base")
+    peft_model = build_adapter(base, AdapterSpec("g", 4, 8, ALL_SEVEN), str(tmp_path / "g"), 1)
+    expected = [hf_greedy(peft_model, p, MAX_TOKENS) for p in PROMPTS]
+    llm = LLM(str(tmp_path / "base"), enable_lora=True, max_lora_rank=8)
+    lora = LoRARequest("g", 1, str(tmp_path / "g"))
+    assert _tokens(llm.generate(PROMPTS, PARAMS, lora_request=lora)) == expected
