@@ -129,6 +129,15 @@ class _EngineCollector:
                 [*values, ",".join(self.adapters), str(self.max_loras)], len(self.adapters)
             )
             yield lora
+            # vLLM's: the adapters of running and waiting requests as labels, the value a time.
+            requests = GaugeMetricFamily(
+                "lora_requests_info",
+                "LoRA adapters of the running and waiting requests (labels); value: when.",
+                labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            )
+            labels = [",".join(s.running_loras), ",".join(s.waiting_loras), str(self.max_loras)]
+            requests.add_metric(labels, time.time())
+            yield requests
 
     @staticmethod
     def _spec_decode(sd: SpecDecodeStats, counter, names: list[str], values: list[str]):

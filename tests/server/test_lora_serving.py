@@ -173,6 +173,7 @@ def test_models_lists_the_adapters(client, http):
     metrics = http.get("/metrics").text
     (line,) = [x for x in metrics.splitlines() if x.startswith("kiln:lora_adapters_info{")]
     assert 'adapters="sql' in line and 'max_lora="2"' in line
+    assert 'kiln:lora_requests_info{max_lora="2",running_lora_adapters=""' in metrics
 
 
 def test_load_and_unload_at_run_time(server, http, engine, files):
@@ -222,6 +223,10 @@ def test_an_adapter_in_use_is_not_unloaded(http, files):
         assert next(x for x in lines if x.startswith("data: {"))  # it runs
         refused = http.post("/v1/unload_lora_adapter", json={"lora_name": "busy"})
         assert refused.status_code == 400 and "in use" in refused.json()["error"]["message"]
+        deadline = time.monotonic() + 10  # vLLM's gauge names it (from the engine's snapshot)
+        while 'running_lora_adapters="busy"' not in http.get("/metrics").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
     assert "busy" in [m["id"] for m in http.get("/v1/models").json()["data"]]
     deadline = time.monotonic() + 30  # the closed stream's abort reaches the engine
     while (
@@ -323,6 +328,7 @@ def test_kiln_serve_with_the_engine_process(http, files):
                 got = _complete(remote, model, files["prompt"]).json()["choices"][0]["text"]
                 assert got == want, model
             assert _load(remote, "chat", chat).status_code == 200
+            _load(http, "chat", chat)  # on the in-process server too (200, or loaded before)
             want = _complete(http, "chat", files["prompt"]).json()["choices"][0]["text"]
             assert _complete(remote, "chat", files["prompt"]).json()["choices"][0]["text"] == want
             wide = _load(remote, "wide", str(files["root"] / "wide"))
