@@ -348,7 +348,9 @@ class EngineClient:
         reply = await self._lora_call()
         return set(reply.lora_ids)
 
-    async def _lora_call(self, lora: LoRARequest | None = None, remove_id: int | None = None):
+    async def _lora_call(
+        self, lora: LoRARequest | None = None, remove_id: int | None = None
+    ) -> m.LoRAReply:
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         call_id = next(self._lora_call_ids)
