@@ -81,6 +81,9 @@ _BY_FILE = {
         "test_local_chat_completions_generation",
         "test_local_completions_generation_choices_and_rolling",
     ),
+    "tests/server/test_lora_serving.py": (  # two kiln serve processes, ~60 s of starting
+        "test_kiln_serve_with_the_engine_process",
+    ),
     "tests/server/test_openai_api.py": (  # 37 s
         "test_64_concurrent_streams_equal_alone",
         "test_completions_equal_offline",

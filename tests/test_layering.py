@@ -39,7 +39,7 @@ ALLOWED: dict[str, set[str]] = {
         "lora.request",
         "server",
     },
-    "server": {"config", "engine", "engine_core", "outputs"},
+    "server": {"config", "engine", "engine_core", "lora.request", "outputs"},
     # The package root: the offline API's names (LLM lazily).
     "__init__": {"config", "llm", "lora.request", "outputs"},
     # Tools beside the stack.

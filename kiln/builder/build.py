@@ -5,6 +5,7 @@ tokenizer and configs, check accuracy, write the manifest, move the directory in
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ import kiln
 from kiln.builder import cache, prequantized
 from kiln.builder.accuracy import check_engine, failure_message, source_perplexity_file
 from kiln.builder.calibrate.smoothing import smooth_checkpoint
+from kiln.builder.lora_merge import MergeAdapter, merged_source, read_adapter
 from kiln.builder.manifest import EngineManifest, stamped
 from kiln.builder.options import (
     BuildOptions,
@@ -94,6 +96,8 @@ class _Build:
     gpu_class: str | None
     calibration: str | None  # the calibration text, if any option calibrates
     key: dict  # what names the engine (with the source's hash)
+    adapter: MergeAdapter | None = None  # --lora: merged into `path`'s weights before the build
+    source_name: str = ""  # the source's file or directory name, for the manifest
 
 
 def build_engine(
@@ -112,13 +116,15 @@ def build_engine(
 
     start = time.perf_counter()
     path = default_model_path() if model is None else os.path.expanduser(model)
-    build = _resolve(path, options)
+    adapter = read_adapter(options.lora) if options.lora else None
+    build = _resolve(path, options, adapter)
     source_digest = cache.source_hash(path)
     engine_id = cache.engine_id(source_digest, build.key)
     ppl_root = cache_dir or os.path.dirname(cache.default_cache_dir())
     ppl_file = source_perplexity_file(
-        ppl_root, source_digest, build.options, build.key["dtype"], build.device.type
-    )
+        ppl_root, _reference_digest(source_digest, adapter), build.options, build.key["dtype"],
+        build.device.type,
+    )  # fmt: skip
     cache_dir = cache_dir or (cache.default_cache_dir() if not out_dir else None)
     cached = os.path.join(cache_dir, engine_id) if cache_dir else None
     target = os.path.abspath(os.path.expanduser(out_dir)) if out_dir else cached
@@ -127,13 +133,30 @@ def build_engine(
     if found is not None:
         print(f"engine {engine_id} was already built: {target}")
         return found
-    rejected = f"{target}{REJECTED_SUFFIX}"
-    if accept and cache.existing_engine(rejected, engine_id):
-        return _accept_rejected(rejected, target, cached)
+    if accept and cache.existing_engine(f"{target}{REJECTED_SUFFIX}", engine_id):
+        return _accept_rejected(f"{target}{REJECTED_SUFFIX}", target, cached)
     if os.path.isdir(target) and os.listdir(target) and not is_engine_dir(target):
         raise BuildError(f"output directory {target} exists and is not an engine directory")
 
-    source = find_model_source(path, "auto")
+    with merged_source(path, adapter, target) as build.path:  # the adapter's merged in
+        ids = (engine_id, source_digest)
+        return _build_into(build, target, cached, ids, ppl_file, accept, start)
+
+
+def _build_into(
+    build: _Build,
+    target: str,
+    cached: str | None,
+    ids: tuple[str, str],
+    ppl_file: str,
+    accept: bool,
+    start: float,
+) -> EngineManifest:
+    """The build proper, from `build.path`, into `target` (or `<target>.rejected`); `ids`:
+    the engine's id and its source's hash."""
+    engine_id, source_digest = ids
+    rejected = f"{target}{REJECTED_SUFFIX}"
+    source = find_model_source(build.path, "auto")
     cfg, options = source.config, build.options
     kv_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, build.dtype)
     max_model_len = options.max_model_len or cfg.max_position_embeddings
@@ -187,11 +210,13 @@ def _accept_rejected(rejected: str, target: str, cached: str | None) -> EngineMa
     return manifest
 
 
-def _resolve(path: str, options: BuildOptions) -> _Build:
+def _resolve(path: str, options: BuildOptions, adapter: MergeAdapter | None = None) -> _Build:
     """The build's device, dtype, scheme ("auto" resolved by a pre-quantized checkpoint's own),
     calibration text and engine key; what cannot be built is refused here, before any load."""
     if os.path.isdir(path) and is_engine_dir(path):
         raise BuildError(f"{path} is already an engine directory; build from its source")
+    if adapter is not None and not os.path.isdir(path):
+        raise BuildError(f"--lora merges into a Hugging Face directory's weights, not {path}")
     # A pre-quantized checkpoint's scheme decides "auto" (and refuses a contradicting one)
     # before the options name the engine.
     fp8 = prequantized.inspect(path) if os.path.isdir(path) else None
@@ -210,15 +235,21 @@ def _resolve(path: str, options: BuildOptions) -> _Build:
     if fp8 is None:
         calibration = calibration_text(options)
     else:  # its weight and input scales are its own: only a float8 KV cache may calibrate
-        _refuse_weight_changes(path, options)
+        _refuse_weight_changes(path, options, adapter)
         calibration = prequantized.kv_calibration(path, fp8, options, calibration_text)
     key = _engine_key(options, dtype, calibration, gpu_class)
-    return _Build(path, options, fp8, device, dtype, gpu_class, calibration, key)
+    if adapter is not None:  # its bytes name the engine, not where it lies
+        key["lora"] = adapter.digest
+    name = os.path.basename(os.path.normpath(path))
+    return _Build(path, options, fp8, device, dtype, gpu_class, calibration, key, adapter, name)
 
 
-def _refuse_weight_changes(path: str, options: BuildOptions) -> None:
+def _refuse_weight_changes(
+    path: str, options: BuildOptions, adapter: MergeAdapter | None = None
+) -> None:
     """A pre-quantized checkpoint's float8 weights are carried as written."""
     for changes_weights, why in (
+        (adapter is not None, "--lora merges an adapter into higher-precision weights"),
         (options.weight_rounding != "nearest",
          f'weight_rounding "{options.weight_rounding}" rounds weights from a '
          "higher-precision source"),
@@ -247,7 +278,7 @@ def _engine_key(
     del key["warm_kernels"]  # the same weights either way
     defaults = {
         "tensor_parallel_size": 1, "lm_head_quantization": "none", "weight_rounding": "nearest",
-        "smoothing": "none", "unquantized_layers": (), "outlier_columns": 0,
+        "smoothing": "none", "unquantized_layers": (), "outlier_columns": 0, "lora": None,
     }  # fmt: skip
     for name, default in defaults.items():
         if getattr(options, name) == default:
@@ -255,6 +286,14 @@ def _engine_key(
     if options.weight_rounding == "gptq-sequential":  # its defaults changed: not the old engine
         key["sequential_rounding"] = {"windows": SEQUENTIAL_WINDOWS, "damp": SEQUENTIAL_DAMP}
     return key
+
+
+def _reference_digest(source_digest: str, adapter: MergeAdapter | None) -> str:
+    """What the accuracy check's reference is: the source, or the source with the adapter
+    merged (its perplexity is kept under this)."""
+    if adapter is None:
+        return source_digest
+    return hashlib.blake2b(f"{source_digest}+lora:{adapter.digest}".encode()).hexdigest()
 
 
 def _write_engine(
@@ -291,7 +330,7 @@ def _write_engine(
     manifest = EngineManifest(
         engine_id="",
         kiln_version=kiln.__version__,
-        source=os.path.basename(os.path.normpath(build.path)),
+        source=build.source_name,
         source_hash="",
         architecture=cfg.to_hf_dict(),
         dtype=build.key["dtype"],
@@ -317,6 +356,7 @@ def _write_engine(
         smoothing=options.smoothing,
         unquantized_layers=kept or None,
         outlier_channels=found.outliers,
+        lora_adapter=None if build.adapter is None else build.adapter.manifest_entry(),
     )
     return manifest, found.source_ppl, calibrated
 

@@ -83,6 +83,10 @@ class EngineManifest:
     term (kiln.layers.quantization.outlier_columns; its weight holds their columns twice), which
     loading needs to make the projection's method. None: no outlier columns."""
 
+    lora_adapter: dict[str, Any] | None = None
+    """`--lora`: the PEFT adapter merged into the weights (its directory's name, the blake2b of
+    its files, rank, alpha); None: none."""
+
     built_at: str | None = None
     """When the build finished (UTC, ISO 8601)."""
     kiln_commit: str | None = None

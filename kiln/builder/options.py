@@ -71,6 +71,11 @@ class BuildOptions:
     accuracy near per-token scales' for static "fp8", at K + n GEMM columns and unfused
     quantization. 0: off."""
 
+    lora: str | None = None
+    """A PEFT LoRA adapter directory merged into the weights before anything else
+    (kiln.builder.lora_merge): the engine is the fine-tuned model, its accuracy checked against
+    the merged model. Its bytes, not its path, name the engine."""
+
     def __post_init__(self) -> None:
         for name, allowed in (
             ("quantization", QUANTIZATIONS),

@@ -71,6 +71,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--cache-dir", default=None,
         help="engine cache (default with no -o: $XDG_CACHE_HOME/kiln/engines or ~/.cache/...)",
     )  # fmt: skip
+    p.add_argument(
+        "--lora", default=None, metavar="PATH",
+        help="merge this PEFT LoRA adapter into the weights first (W += scaling * B @ A): the "
+        "engine is the fine-tuned model, checked against it",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -94,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         unquantized_layers=tuple(p for p in args.unquantized_layers.split(",") if p),
         lm_head_quantization=args.lm_head_quantization,
         outlier_columns=args.outlier_columns,
+        lora=args.lora,
     )
     manifest = build_engine(args.model, args.output, options, args.cache_dir, accept=args.accept)
     where = args.output or f"{args.cache_dir or default_cache_dir()}/{manifest.engine_id}"

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 from kiln.cli.engine_args import add_engine_args, engine_config_from_args
 from kiln.cli.vllm_flags import add_vllm_serve_flags, check_vllm_serve_flags
 from kiln.envs import envs
+from kiln.errors import ConfigError
+from kiln.server.lora_modules import LoRAModule, parse_lora_modules
 from kiln.server.reasoning import REASONING_PARSERS
 from kiln.server.serving import DEFAULT_STALL_TIMEOUT_S, ServeOptions, serve_app
 from kiln.server.tool_calls.parsers import PARSERS
@@ -186,12 +188,15 @@ def run(args: argparse.Namespace) -> int:
     if args.api_server_count < 1:
         raise SystemExit(f"error: --api-server-count must be >= 1, got {args.api_server_count}")
     config = engine_config_from_args(args)
+    options = serve_options(args)  # a malformed --lora-modules fails before the model loads
+    if options.lora_modules and not config.enable_lora:
+        raise ConfigError("--lora-modules needs --enable-lora")
     if args.api_server_count > 1:
         if not args.engine_process:
             raise SystemExit("error: --api-server-count above 1 needs the engine process")
         from kiln.server.api_servers.launcher import run_api_servers
 
-        return run_api_servers(serve_options(args), config)
+        return run_api_servers(options, config)
     engine: ServedEngine
     if args.engine_process:
         from kiln.engine_core.client import EngineClient
@@ -202,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         from kiln.engine.async_engine import AsyncEngine
 
         engine = AsyncEngine.from_config(config, stream_interval=args.stream_interval)
-    return serve_app(serve_options(args), engine, grpc_port=args.grpc_port)
+    return serve_app(options, engine, grpc_port=args.grpc_port)
 
 
 @contextlib.contextmanager
@@ -223,8 +228,10 @@ def _sigterm_ends_startup() -> Iterator[None]:
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:
     """The server's settings from `kiln serve`'s flags."""
+    model_name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    lora_modules: tuple[LoRAModule, ...] = parse_lora_modules(args.lora_modules, model_name)
     return ServeOptions(
-        model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
+        model_name=model_name,
         host=args.host,
         port=args.port,
         grpc_port=args.grpc_port,
@@ -248,4 +255,5 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         header_timeout_s=args.header_timeout,
         max_connections=args.max_connections,
         health_reserve=args.health_reserve,
+        lora_modules=lora_modules,
     )

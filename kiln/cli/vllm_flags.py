@@ -106,6 +106,20 @@ def add_vllm_serve_flags(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="vLLM's flag: kiln's structured output runs on xgrammar (auto or xgrammar only)",
     )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served from the start, each as name=path or "
+        'vLLM\'s JSON \'{"name": ..., "path": ..., "base_model_name": ...}\'; a request\'s '
+        "model names one (needs --enable-lora)",
+    )
+    p.add_argument(
+        "--lora-dtype",
+        default="auto",
+        help="vLLM's flag; \"auto\" only (adapters run in the model's dtype)",
+    )
     for flag, why in _REFUSED_SERVE_FLAGS.items():
         p.add_argument(flag, default=None, help=f"vLLM's flag; not supported ({why})")
 
@@ -116,7 +130,6 @@ _REFUSED_SERVE_FLAGS = {
     "--tokenizer-revision": "kiln uses the model's own tokenizer",
     "--code-revision": "kiln never runs code shipped with a checkpoint",
     "--limit-mm-per-prompt": "kiln serves no multimodal models",
-    "--lora-modules": "kiln has no LoRA adapters",
     "--task": "kiln serves generation only",
 }
 
@@ -137,6 +150,10 @@ def check_vllm_serve_flags(args: argparse.Namespace) -> None:
     if args.max_logprobs != 20:
         raise UnsupportedFlagError(
             f"not supported: --max-logprobs {args.max_logprobs} (kiln's limit is 20)"
+        )
+    if args.lora_dtype != "auto":
+        raise UnsupportedFlagError(
+            f"not supported: --lora-dtype {args.lora_dtype} (adapters run in the model's dtype)"
         )
     if args.chat_template is not None:
         raise UnsupportedFlagError(

@@ -208,6 +208,16 @@ class AsyncEngine:
         self._send(("call", fn, args, fut))
         return fut
 
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter in the engine, between steps; a bad one raises LoRAError."""
+        return await self.call(_add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self.call(_remove_lora, lora_int_id)
+
+    async def list_loras(self) -> set[int]:
+        return await self.call(_list_loras)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop = True
         self._wakeup.set()
@@ -302,6 +312,18 @@ class AsyncEngine:
             self._streams.pop(req_id, None)
             if isinstance(item, RequestOutput) and not item.finished:
                 self._abort(req_id)
+
+
+def _add_lora(engine: LLMEngine, lora_request: LoRARequest) -> bool:
+    return engine.add_lora(lora_request)
+
+
+def _remove_lora(engine: LLMEngine, lora_int_id: int) -> bool:
+    return engine.remove_lora(lora_int_id)
+
+
+def _list_loras(engine: LLMEngine) -> set[int]:
+    return set(engine.list_loras())
 
 
 def _set_result(fut: asyncio.Future, value: object) -> None:

@@ -37,6 +37,9 @@ class EngineSnapshot:
     iteration_tokens: dict[int, int] = field(default_factory=dict)  # tokens in a step -> steps
     time: float = 0.0  # time.monotonic() of the step it describes
     spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
+    # The LoRA adapters of running / waiting requests, by name (vLLM's lora_requests_info).
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 def read_snapshot(
@@ -54,12 +57,27 @@ def read_snapshot(
         num_preemptions=scheduler.num_preemptions_total,
         iteration_tokens=dict(iteration_tokens),
         time=now,
+        **_lora_names(engine),
         spec_decode=None
         if scheduler.num_spec_tokens is None
         else dataclasses.replace(
             scheduler.spec_stats, accepted_per_pos=list(scheduler.spec_stats.accepted_per_pos)
         ),
     )
+
+
+def _lora_names(engine: LLMEngine) -> dict[str, tuple[str, ...]]:
+    """The adapters the running and the waiting requests use (empty without enable_lora)."""
+    if not engine.config.enable_lora:
+        return {}
+    names = {i: lora.request.lora_name for i, lora in engine.loras.loras.items()}
+
+    def of(requests) -> tuple[str, ...]:
+        ids = {r.lora_int_id for r in requests if r.lora_int_id is not None}
+        return tuple(sorted(names[i] for i in ids if i in names))
+
+    scheduler = engine.scheduler
+    return {"running_loras": of(scheduler.running), "waiting_loras": of(scheduler.waiting)}
 
 
 @dataclass(frozen=True)

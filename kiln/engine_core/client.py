@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import select
@@ -46,7 +47,7 @@ from kiln.engine.async_engine import (
 from kiln.engine.step_loop import EngineInfo, EngineSnapshot
 from kiln.engine_core import messages as m
 from kiln.engine_core.parent_watch import kill_with_parent_thread
-from kiln.errors import InvalidRequestError, KilnError
+from kiln.errors import InvalidRequestError, KilnError, LoRAError
 from kiln.lora.request import LoRARequest
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
@@ -149,6 +150,8 @@ class EngineClient:
         self.on_dead: Callable[[], None] | None = None
         self.stats = EngineSnapshot()
         self._streams: dict[str, _ClientStream] = {}
+        self._lora_calls: dict[int, asyncio.Future] = {}  # call id -> its caller's future
+        self._lora_call_ids = itertools.count(1)
         self._send_lock = threading.Lock()
         self._stop = False
         self._engine = engine
@@ -331,6 +334,37 @@ class EngineClient:
     def call(self, fn, *args):
         raise TypeError("the engine runs in its own process: no function can be run on it")
 
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """As AsyncEngine.add_lora: the engine process reads and checks the adapter; a bad
+        one raises LoRAError with the engine's message."""
+        reply = await self._lora_call(lora=lora_request)
+        return reply.result
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        reply = await self._lora_call(remove_id=lora_int_id)
+        return reply.result
+
+    async def list_loras(self) -> set[int]:
+        reply = await self._lora_call()
+        return set(reply.lora_ids)
+
+    async def _lora_call(
+        self, lora: LoRARequest | None = None, remove_id: int | None = None
+    ) -> m.LoRAReply:
+        if not self.healthy:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        call_id = next(self._lora_call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._lora_calls[call_id] = future
+        try:
+            self._send(m.LoRACall(call_id, lora, remove_id))
+            reply = await future
+        finally:
+            self._lora_calls.pop(call_id, None)
+        if reply.error is not None:
+            raise LoRAError(reply.error)
+        return reply
+
     def shutdown(self, timeout: float = 5.0) -> None:
         """Tell the engine process this client is done (it stops once all of its clients are);
         if this client started it, wait up to `timeout` for it to exit, then kill it."""
@@ -376,6 +410,11 @@ class EngineClient:
                 msg = m.decode_output(self._outputs.recv(copy=False).buffer)
                 if isinstance(msg, m.Outputs):
                     self._dispatch(msg)
+                elif isinstance(msg, m.LoRAReply):
+                    future = self._lora_calls.get(msg.call_id)
+                    if future is not None:
+                        with contextlib.suppress(RuntimeError):  # its event loop is closed
+                            future.get_loop().call_soon_threadsafe(_set_result, future, msg)
                 elif isinstance(msg, m.EngineDied):
                     raise EngineDeadError(f"engine loop died: {msg.message}")
         except BaseException as exc:
@@ -419,6 +458,9 @@ class EngineClient:
                 loop.call_soon_threadsafe(_apply, items)
 
     def _fail_everyone(self, dead: EngineDeadError) -> None:
+        for future in list(self._lora_calls.values()):
+            with contextlib.suppress(RuntimeError):
+                future.get_loop().call_soon_threadsafe(_set_exception, future, dead)
         for stream in list(self._streams.values()):
             items = [(_set_exception, stream.accepted, dead), (_put, stream.queue, dead)]
             with contextlib.suppress(RuntimeError):

@@ -36,7 +36,16 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-EngineInput = AddRequest | Abort | Shutdown
+class LoRACall(msgspec.Struct, tag="lora", array_like=True):
+    """add_lora (`lora` given), remove_lora (`remove_id` given) or list_loras (neither),
+    answered by a LoRAReply with the same `call_id` to the API process that asked."""
+
+    call_id: int
+    lora: LoRARequest | None = None
+    remove_id: int | None = None
+
+
+EngineInput = AddRequest | Abort | Shutdown | LoRACall
 
 
 # ---- engine process -> API process ---------------------------------------------------------
@@ -70,7 +79,14 @@ class EngineDied(msgspec.Struct, tag="died", array_like=True):
     message: str
 
 
-EngineOutput = Ready | StartupFailed | Outputs | EngineDied
+class LoRAReply(msgspec.Struct, tag="lora_reply", array_like=True):
+    call_id: int
+    error: str | None = None  # the engine's one-line LoRAError; None: done
+    result: bool = True  # add_lora / remove_lora's
+    lora_ids: list[int] = []  # list_loras'
+
+
+EngineOutput = Ready | StartupFailed | Outputs | EngineDied | LoRAReply
 
 encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(EngineInput)

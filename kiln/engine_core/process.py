@@ -89,6 +89,9 @@ def serve(loop: StepLoop, clients: list[tuple[zmq.Socket, zmq.Socket]], parent_p
                 elif isinstance(msg, m.Abort):
                     for req_id in msg.req_ids:
                         deltas.extend(loop.abort(req_id))
+                elif isinstance(msg, m.LoRACall):
+                    reply = lora_call(loop, msg)
+                    clients[index][1].send(m.encoder.encode(reply), copy=False)
                 else:  # Shutdown: this API process is done
                     open_clients.discard(index)
                     if not open_clients:
@@ -111,6 +114,22 @@ def serve(loop: StepLoop, clients: list[tuple[zmq.Socket, zmq.Socket]], parent_p
             if accepted[index] or rejected[index] or routed[index] or snapshot is not None:
                 out = m.Outputs(accepted[index], rejected[index], routed[index], snapshot)
                 clients[index][1].send(m.encoder.encode(out), copy=False)
+
+
+def lora_call(loop: StepLoop, call: m.LoRACall) -> m.LoRAReply:
+    """Run one add_lora / remove_lora / list_loras between steps. A bad adapter's error goes
+    back to the API process; it never ends the engine."""
+    engine = loop.engine
+    try:
+        if call.lora is not None:
+            return m.LoRAReply(call.call_id, result=bool(engine.add_lora(call.lora)))
+        if call.remove_id is not None:
+            return m.LoRAReply(call.call_id, result=bool(engine.remove_lora(call.remove_id)))
+        return m.LoRAReply(call.call_id, lora_ids=sorted(engine.list_loras()))
+    except Exception as exc:
+        if not isinstance(exc, KilnError):
+            logger.exception("a LoRA call failed")
+        return m.LoRAReply(call.call_id, error=describe(exc))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 import kiln
-from kiln.server import chat, completions, kserve, messages, responses, routes
+from kiln.server import chat, completions, kserve, lora, messages, responses, routes
 from kiln.server.errors import install_error_handlers
 from kiln.server.lifecycle import Lifecycle
 from kiln.server.metrics import PREFIXES, ServerMetrics
@@ -45,6 +45,7 @@ def build_app(
     responses_store_size: int = DEFAULT_MAX_ENTRIES,
     drop_prompt_lines: str | None = DEFAULT_DROP_LINES,
     volatile_prompt_lines: str | None = None,
+    lora_runtime_updates: bool = True,
 ) -> FastAPI:
     """An OpenAI-compatible app over a running AsyncEngine. `app.state.kiln` holds the
     ServerState (its `lifecycle.drain` is what SIGTERM calls). `metrics_prefix`: "kiln",
@@ -61,7 +62,9 @@ def build_app(
     `responses_store_size`: most stored Responses API responses (least recently used go).
     `drop_prompt_lines` / `volatile_prompt_lines`: regexes of system-prompt lines that change
     every request, dropped / moved after the history so the prefix cache keeps serving it
-    (kiln.server.volatile_lines; None: off)."""
+    (kiln.server.volatile_lines; None: off). An engine with `enable_lora` serves LoRA adapters
+    by name (kiln.server.lora; load them with `lora.load_modules`); `lora_runtime_updates`
+    False refuses /v1/load_lora_adapter and /v1/unload_lora_adapter (several API processes)."""
     if metrics_prefix not in PREFIXES:
         raise ValueError(
             f"metrics_prefix must be one of {sorted(PREFIXES)}, got {metrics_prefix!r}"
@@ -106,11 +109,16 @@ def build_app(
     state.prompt_lines = PromptLineRules.parse(drop_prompt_lines, volatile_prompt_lines)
     state.stall = StallWatch(async_engine, state.lifecycle, stall_timeout_s)
     state.stall.register(state.metrics.registry, metrics_prefix)
+    engine_config = async_engine.engine.config
+    if engine_config.enable_lora:
+        state.adapters = lora.LoRAAdapters(served_model_name, lora_runtime_updates)
+        state.metrics.set_adapters([], engine_config.max_loras)
     app.state.responses = ResponseStore(responses_store_size)
     install_error_handlers(app)
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(routes.router)
+    app.include_router(lora.router)  # vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter
     app.include_router(responses.router)  # OpenAI's Responses API: /v1/responses
     app.include_router(messages.router)  # Anthropic's Messages API: /v1/messages
     app.include_router(kserve.router)  # KServe v2 / Triton: /v2/...

@@ -113,7 +113,7 @@ def _refuse_unsupported(body: ChatCompletionRequest) -> None:
 async def create_chat_completion(
     body: ChatCompletionRequest, raw: Request, state: State
 ) -> Response:
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     _refuse_unsupported(body)
     tool_plan = plan_tools(
         body.tools, body.tool_choice, body.parallel_tool_calls, tool_call_parser(state)
@@ -145,8 +145,8 @@ async def create_chat_completion(
     params = apply_plan(tool_plan, params)
     reasoning = reasoning_for(state.reasoning_parser, state.tokenizer, prompt_ids)
     req_id = state.new_id("chatcmpl")
-    head = {"id": req_id, "created": int(time.time()), "model": state.model_name}
-    engine_request = EngineRequest(req_id, prompt_ids, params, body.priority or 0)
+    head = {"id": req_id, "created": int(time.time()), "model": state.response_model(lora)}
+    engine_request = EngineRequest(req_id, prompt_ids, params, body.priority or 0, lora)
     gen = await Generation.start(state.engine, state.lifecycle, state.metrics, [engine_request])
     n = params.n
     if body.stream:

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kiln.errors import InvalidRequestError
+from kiln.lora.request import LoRARequest
 from kiln.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kiln.server.errors import error_body
 from kiln.server.generation import (
@@ -86,7 +87,7 @@ def _prompts(prompt: Prompt, state: ServerState) -> list[tuple[str | None, list[
     return [(None, list(ids)) for ids in id_lists]
 
 
-def _plan(body: CompletionRequest, state: ServerState) -> _Plan:
+def _plan(body: CompletionRequest, state: ServerState, lora: LoRARequest | None) -> _Plan:
     if body.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
     n = body.n or 1
@@ -115,7 +116,7 @@ def _plan(body: CompletionRequest, state: ServerState) -> _Plan:
     )
     plan = _Plan(
         id=state.new_id("cmpl"),
-        model=state.model_name,
+        model=state.response_model(lora),
         created=int(time.time()),  # this response's, as OpenAI's (not the server's start)
         n=n,
         prompts=prompts,
@@ -125,7 +126,7 @@ def _plan(body: CompletionRequest, state: ServerState) -> _Plan:
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
     )
     plan.requests = [
-        EngineRequest(f"{plan.id}-{i}", ids, params, body.priority or 0)
+        EngineRequest(f"{plan.id}-{i}", ids, params, body.priority or 0, lora)
         for i, (_, ids) in enumerate(prompts)
     ]
     return plan
@@ -229,8 +230,9 @@ def _head(plan: _Plan) -> dict:
     responses={200: {"model": CompletionResponse}, **ERROR_RESPONSES},
 )
 async def create_completion(body: CompletionRequest, raw: Request, state: State) -> Response:
-    state.check_model(body.model)
-    plan = await off_the_loop(text_size(body.prompt), _plan, body, state)  # long text: a thread
+    lora = state.check_model(body.model)
+    # Long text: on a thread.
+    plan = await off_the_loop(text_size(body.prompt), _plan, body, state, lora)
     choices = _choices(plan, state, body.logprobs is not None)
     gen = await Generation.start(state.engine, state.lifecycle, state.metrics, plan.requests)
     if body.stream:

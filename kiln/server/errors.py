@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.engine.async_engine import EngineDeadError
-from kiln.errors import InvalidRequestError
+from kiln.errors import InvalidRequestError, LoRAError
 
 logger = logging.getLogger("kiln.server")
 
@@ -131,6 +131,11 @@ async def _on_invalid_request(_: Request, exc: InvalidRequestError) -> JSONRespo
     return error_response(400, str(exc), exc.param, exc.code)
 
 
+async def _on_lora(_: Request, exc: LoRAError) -> JSONResponse:
+    # An adapter the engine could not (re)load for a request: its files changed or went away.
+    return error_response(400, str(exc), "model", "invalid_lora")
+
+
 async def _on_engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
     return error_response(503, str(exc), code="engine_dead")
 
@@ -153,6 +158,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _shaped(_on_validation))
     app.add_exception_handler(APIError, _shaped(_on_api_error))
     app.add_exception_handler(InvalidRequestError, _shaped(_on_invalid_request))
+    app.add_exception_handler(LoRAError, _shaped(_on_lora))
     app.add_exception_handler(EngineDeadError, _shaped(_on_engine_dead))
     app.add_exception_handler(StarletteHTTPException, _shaped(_on_http))
     app.add_exception_handler(Exception, _shaped(_on_unexpected))

@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from kiln.engine.async_engine import RequestStream
 from kiln.errors import InvalidRequestError
+from kiln.lora.request import LoRARequest
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 from kiln.server.lifecycle import Lifecycle
@@ -56,6 +57,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    lora_request: LoRARequest | None = None  # None: the base model
 
 
 class ClientDisconnected(Exception):
@@ -104,7 +106,9 @@ class Generation:
             lifecycle.num_waiting += r.params.n
             lifecycle.in_flight.add(r.req_id)
         tasks = [
-            asyncio.ensure_future(engine.submit(r.prompt_token_ids, r.params, r.req_id, r.priority))
+            asyncio.ensure_future(
+                engine.submit(r.prompt_token_ids, r.params, r.req_id, r.priority, r.lora_request)
+            )
             for r in requests
         ]
         interrupted = True

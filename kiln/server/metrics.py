@@ -79,6 +79,8 @@ class _EngineCollector:
         self.labels = labels
         self.cache_info = cache_info
         self.snapshot = EngineSnapshot()
+        self.adapters: list[str] | None = None  # the LoRA adapters served; None: LoRA is off
+        self.max_loras = 0
 
     def collect(self) -> Iterator[Metric]:
         s, names, values = self.snapshot, list(self.labels), list(self.labels.values())
@@ -116,6 +118,26 @@ class _EngineCollector:
         yield self._iteration_tokens(names, values)
         if s.spec_decode is not None:
             yield from self._spec_decode(s.spec_decode, counter, names, values)
+        if self.adapters is not None:
+            lora = GaugeMetricFamily(
+                "lora_adapters_info",
+                "LoRA adapters served (value: how many; labels: their names, comma-separated, "
+                "and the GPU slots, --max-loras).",
+                labels=[*names, "adapters", "max_lora"],
+            )
+            lora.add_metric(
+                [*values, ",".join(self.adapters), str(self.max_loras)], len(self.adapters)
+            )
+            yield lora
+            # vLLM's: the adapters of running and waiting requests as labels, the value a time.
+            requests = GaugeMetricFamily(
+                "lora_requests_info",
+                "LoRA adapters of the running and waiting requests (labels); value: when.",
+                labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            )
+            labels = [",".join(s.running_loras), ",".join(s.waiting_loras), str(self.max_loras)]
+            requests.add_metric(labels, time.time())
+            yield requests
 
     @staticmethod
     def _spec_decode(sd: SpecDecodeStats, counter, names: list[str], values: list[str]):
@@ -273,6 +295,12 @@ class ServerMetrics:
         if max_tokens is None:  # up to the context: what vLLM's server would have filled in
             max_tokens = max(1, self.max_model_len - num_prompt_tokens)
         self.params_max_tokens.observe(max_tokens)
+
+    def set_adapters(self, names: list[str], max_loras: int | None = None) -> None:
+        """The LoRA adapters this server serves now (`lora_adapters_info`)."""
+        self._engine.adapters = list(names)
+        if max_loras is not None:
+            self._engine.max_loras = max_loras
 
     def finished(self, reason: str) -> None:
         self._success.labels(**self._labels, finished_reason=reason).inc()

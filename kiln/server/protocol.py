@@ -153,6 +153,20 @@ class DetokenizeRequest(_Body):
     tokens: list[TokenId]
 
 
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's /v1/unload_lora_adapter body (its lora_int_id accepted; the name decides)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 # ---- responses (documentation of what the handlers return) ------------------------------------
 
 

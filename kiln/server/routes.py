@@ -34,14 +34,21 @@ def _model_card(state: ServerState) -> dict:
 
 @router.get("/v1/models", responses=ERROR_RESPONSES)
 async def list_models(state: State) -> dict:
-    return {"object": "list", "data": [_model_card(state)]}
+    """The base model, then each LoRA adapter (its `parent` the base, as vLLM lists them)."""
+    return {"object": "list", "data": [_model_card(state), *_adapter_cards(state)]}
+
+
+def _adapter_cards(state: ServerState) -> list[dict]:
+    return [] if state.adapters is None else state.adapters.cards(state.max_model_len)
 
 
 @router.get("/v1/models/{model_id:path}", responses=ERROR_RESPONSES)
 async def retrieve_model(model_id: str, state: State) -> dict:
     """The openai SDK's models.retrieve; ids may contain slashes (hub-style names)."""
-    state.check_model(model_id)
-    return _model_card(state)
+    lora = state.check_model(model_id)
+    if lora is None:
+        return _model_card(state)
+    return next(card for card in _adapter_cards(state) if card["id"] == lora.lora_name)
 
 
 @router.get("/tokenizer_info", responses=ERROR_RESPONSES)

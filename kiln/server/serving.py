@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kiln.errors import ConfigError
+from kiln.server.lora_modules import LoRAModule
 from kiln.server.volatile_lines import DEFAULT_DROP_LINES
 
 if TYPE_CHECKING:  # the engine's and the app's imports wait until serve_app runs
@@ -45,6 +46,7 @@ class ServeOptions:
     header_timeout_s: float = 10.0
     max_connections: int | None = None  # None: from the descriptor limit
     health_reserve: int = 8
+    lora_modules: tuple[LoRAModule, ...] = ()  # adapters served from the start (--lora-modules)
 
     def __post_init__(self) -> None:
         if self.header_timeout_s <= 0:
@@ -67,6 +69,8 @@ def serve_app(
 ) -> int:
     """Serve the app over `engine` (on `sockets`, else options.host/port) until the drain or the
     engine's death; shuts the engine down. kiln serve's exit status."""
+    import asyncio
+
     import uvicorn
 
     from kiln.server.app import build_app
@@ -91,6 +95,7 @@ def serve_app(
         max_seqs_per_request=options.max_seqs_per_request,
         metrics_api_key=options.metrics_api_key,
         metrics_multiprocess_dir=metrics_dir,
+        lora_runtime_updates=options.api_server_count == 1,
     )
     uv_config = uvicorn.Config(
         app,
@@ -113,6 +118,10 @@ def serve_app(
     )
     engine.on_dead = server.engine_died
     try:
+        if options.lora_modules:
+            from kiln.server.lora import load_modules
+
+            asyncio.run(load_modules(state, options.lora_modules))
         server.run(sockets=sockets)
     finally:
         engine.shutdown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Protocol, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Annotated, Protocol, TypeAlias, TypeVar
 
 from fastapi import Depends
 from pydantic import BaseModel
@@ -21,6 +21,10 @@ from kiln.server.lifecycle import Lifecycle
 from kiln.server.metrics import ServerMetrics
 from kiln.server.volatile_lines import PromptLineRules
 from kiln.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the adapters' module imports this one
+    from kiln.lora.request import LoRARequest
+    from kiln.server.lora import LoRAAdapters
 
 T = TypeVar("T")
 
@@ -44,6 +48,7 @@ class ServerState:
     reasoning_parser: str | None = None  # None: replies are content (no reasoning split)
     stall: StallCheck | None = None  # the engine's progress (kiln.server.stall), None: unwatched
     prompt_lines: PromptLineRules | None = None  # volatile system lines dropped or moved
+    adapters: LoRAAdapters | None = None  # LoRA adapters by name; None: --enable-lora is off
 
     def __post_init__(self) -> None:
         # Read once: immutable after the engine is built, so safe from the event-loop thread.
@@ -58,16 +63,31 @@ class ServerState:
         # the most characters one token stands for, the fewest tokens a chat message costs.
         self._size_bounds: tuple[int, int] | None = None
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names, None for the base model (or no name);
+        any other name is OpenAI's 404."""
         if model:
             check_text(model, "model")
-        if model and model != self.model_name:
+        if not model or model == self.model_name:
+            return None
+        lora = self.adapters.get(model) if self.adapters is not None else None
+        if lora is None:
+            served = ", ".join(f"`{n}`" for n in self.served_names())
             raise APIError(
                 404,
-                f"The model `{model}` does not exist; this server serves `{self.model_name}`",
+                f"The model `{model}` does not exist; this server serves {served}",
                 param="model",
                 code="model_not_found",
             )
+        return lora
+
+    def served_names(self) -> list[str]:
+        """The base model's name, then the adapters'."""
+        return [self.model_name, *(self.adapters.names() if self.adapters is not None else [])]
+
+    def response_model(self, lora: LoRARequest | None) -> str:
+        """The `model` a response names: the adapter asked for, else the base model."""
+        return self.model_name if lora is None else lora.lora_name
 
     def require_tokenizer(self, param: str) -> Tokenizer:
         if self.tokenizer is None:

@@ -34,6 +34,7 @@ def _serve_args(argv: list[str]) -> argparse.Namespace:
         (["bench", "serve", "--dataset-name", "sonnet"], "--dataset-name sonnet"),
         (["bench", "latency", "--batch-size", "8"], "--batch-size 8"),
         (["bench", "throughput", "--swap-space", "4"], "--swap-space 4"),
+        (["serve", "--lora-dtype", "float16"], "--lora-dtype float16"),
     ],
 )
 def test_what_kiln_lacks_is_one_line_naming_the_flag(argv, named, capsys):
@@ -66,6 +67,54 @@ def test_vllm_serve_flags_kiln_can_honour_are_accepted(tmp_path, monkeypatch, ca
         check_vllm_serve_flags(args)
     assert os.environ["HF_HUB_CACHE"] == str(tmp_path)
     assert "--swap-space 4.0 has no effect" in caplog.text  # accepted, not silently
+
+
+def test_vllm_lora_flags_parse():
+    """vLLM's LoRA command line: both --lora-modules spellings, the engine's limits."""
+    from kiln.cli.engine_args import engine_config_from_args
+    from kiln.cli.serve import serve_options
+    from kiln.cli.vllm_flags import check_vllm_serve_flags
+    from kiln.server.lora_modules import LoRAModule
+
+    args = _serve_args(["base", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "32",
+                        "--max-cpu-loras", "4", "--lora-modules", "sql=/a/sql-lora",
+                        '{"name": "chat", "path": "/b/chat", "base_model_name": "llama"}',
+                        "--lora-dtype", "auto"])  # fmt: skip
+    check_vllm_serve_flags(args)
+    config = engine_config_from_args(args)
+    assert config.enable_lora and (config.max_loras, config.max_lora_rank) == (2, 32)
+    assert config.max_cpu_loras == 4
+    assert serve_options(args).lora_modules == (
+        LoRAModule("sql", "/a/sql-lora"),
+        LoRAModule("chat", "/b/chat", "llama"),
+    )
+    assert not engine_config_from_args(_serve_args(["base"])).enable_lora
+    assert serve_options(_serve_args(["base"])).lora_modules == ()
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--lora-modules", "sql"], "--lora-modules sql: give name=path"),
+        (["--lora-modules", "=/a"], "the adapter's name is empty"),
+        (["--lora-modules", '{"name": "x"}'], "the adapter's path is empty"),
+        (["--lora-modules", '{"name": "x", "path": "/a", "rank": 8}'], "the keys name, path"),
+        (["--lora-modules", "{not json"], "not JSON"),
+        (["--lora-modules", "a=/x", "a=/y"], "the name 'a' is given twice"),
+        (["--lora-modules", "m=/x"], "that is the base model's name"),
+        (["--max-loras", "0"], "EngineConfig.max_loras must be >= 1"),
+    ],
+)
+def test_a_wrong_lora_flag_is_one_line(argv, says, capsys):
+    assert main(["serve", "m", "--enable-lora", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+
+
+def test_lora_modules_need_enable_lora(capsys):
+    """Refused before any model loads."""
+    assert main(["serve", "no-such-model", "--lora-modules", "a=/x"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --lora-modules needs --enable-lora"
 
 
 def test_vllm_bench_serve_flags_are_accepted():

@@ -80,7 +80,7 @@ def _stop_reason(finish: str | None, stop: int | str | None, calls: bool) -> tup
 async def _prepare(
     body: MessagesRequest, state: ServerState
 ) -> tuple[list[int], ToolPlan | None, EngineRequest]:
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     choice, parallel = chat_tool_choice(body.tool_choice)
     plan = plan_tools(chat_tools(body.tools), choice, parallel, tool_call_parser(state))
     if plan is not None and plan.mode == "auto":
@@ -95,7 +95,7 @@ async def _prepare(
         fields, state.defaults, state.vocab_size, max_tokens=body.max_tokens
     )
     params = apply_plan(plan, params)
-    request = EngineRequest(state.new_id("msg").replace("-", "_"), prompt_ids, params)
+    request = EngineRequest(state.new_id("msg").replace("-", "_"), prompt_ids, params, 0, lora)
     return prompt_ids, plan, request
 
 

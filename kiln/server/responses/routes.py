@@ -134,7 +134,7 @@ class _Turn:
 
 @router.post("/v1/responses", response_model=None, responses=ERROR_RESPONSES)
 async def create_response(body: ResponsesRequest, raw: Request, state: State) -> Response:
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     if (body.n or 1) != 1:
         raise InvalidRequestError("the Responses API makes one reply: n must be 1", param="n")
     store = _store(raw)
@@ -166,7 +166,8 @@ async def create_response(body: ResponsesRequest, raw: Request, state: State) ->
     params = build_sampling_params(body, state.defaults, state.vocab_size, max_tokens=max_tokens)
     params = apply_plan(plan, params)
     turn = _Turn(body, state, conversation, prompt_ids, plan)
-    request = EngineRequest(turn.response["id"], prompt_ids, params, body.priority or 0)
+    turn.response["model"] = state.response_model(lora)
+    request = EngineRequest(turn.response["id"], prompt_ids, params, body.priority or 0, lora)
     gen = await Generation.start(state.engine, state.lifecycle, state.metrics, [request])
     if body.stream:
         return StreamingResponse(
