@@ -443,6 +443,53 @@ def test_prefill_attention_fp8_cache(dtype: torch.dtype) -> None:
     _check_prefill([21, 9, 1, 6], [21, 30, 11, 23], 4, 2, 16, 4, dtype, cache_dtype=FP8)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fp8_dots", ["qk", "all"])
+def test_prefill_attention_fp8_dots(dtype: torch.dtype, fp8_dots: str) -> None:
+    # Float8 dots: the twin quantizes Q and the softmax weights as the kernel does, so they
+    # agree as tightly as the widened path does with its twin (bf16: its query rounding).
+    gen = torch.Generator().manual_seed(11)
+    q_lens, seq_lens = [21, 9, 1, 37], [21, 30, 11, 60]
+    k_cache, v_cache, tables = _paged_cache(seq_lens, 4, 2, 16, dtype, gen, cache_dtype=FP8)
+    query = torch.randn(sum(q_lens), 4, 16, generator=gen).to(DEVICE, dtype)
+    starts = torch.tensor([0, 21, 30, 31, 68], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    args = (tables, starts, lens, 0.25, max(q_lens), max(seq_lens))
+    out = triton_ops.paged_prefill_attention(query, k_cache, v_cache, *args, fp8_dots=fp8_dots)
+    twin = reference.paged_prefill_attention(
+        query.float(), k_cache, v_cache, *args, fp8_dots=fp8_dots
+    )
+    _assert_close(out, twin, ATTN_ATOL[dtype])
+    # A bf16 or fp16 cache ignores the option: the kernel it always ran.
+    cache16 = k_cache.to(torch.float16), v_cache.to(torch.float16)
+    if dtype == torch.float16:
+        plain = triton_ops.paged_prefill_attention(query, *cache16, *args)
+        assert torch.equal(
+            triton_ops.paged_prefill_attention(query, *cache16, *args, fp8_dots=fp8_dots), plain
+        )
+
+
+def test_prefill_fp8_dots_twin_is_independent_of_chunking() -> None:
+    # The whole-number row maxima make each weight's float8 rounding the same whatever keys
+    # came before: a prompt attended in one chunk or in three agrees to fp32 rounding.
+    gen = torch.Generator().manual_seed(12)
+    k_cache, v_cache, tables = _paged_cache([48], 4, 2, 16, torch.float32, gen, cache_dtype=FP8)
+    query = torch.randn(48, 4, 16, generator=gen).to(DEVICE)
+    whole = triton_ops.paged_prefill_attention(
+        query, k_cache, v_cache, tables,
+        torch.tensor([0, 48], dtype=torch.int32, device=DEVICE),
+        torch.tensor([48], dtype=torch.int32, device=DEVICE), 0.25, 48, 48, fp8_dots="all",
+    )  # fmt: skip
+    for lo, hi in ((0, 5), (5, 30), (30, 48)):
+        part = triton_ops.paged_prefill_attention(
+            query[lo:hi], k_cache, v_cache, tables,
+            torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE),
+            torch.tensor([hi], dtype=torch.int32, device=DEVICE), 0.25, hi - lo, hi,
+            fp8_dots="all",
+        )  # fmt: skip
+        _assert_close(part, whole[lo:hi], 2e-6)
+
+
 @on_gpu
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_prefill_attention_llama8b_bf16(block_size: int) -> None:
@@ -492,13 +539,21 @@ def test_prefill_attention_short_chunks_bf16() -> None:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "cache_dtype"),
-    [(torch.float32, None), (torch.float16, None), (torch.float32, FP8)],
+    ("dtype", "cache_dtype", "fp8_dots"),
+    [
+        (torch.float32, None, "all"),
+        (torch.float16, None, "all"),
+        (torch.float32, FP8, "none"),
+        (torch.float32, FP8, "all"),
+    ],
 )
 def test_triton_backend_matches_torch_backend(
-    dtype: torch.dtype, cache_dtype: torch.dtype | None
+    dtype: torch.dtype, cache_dtype: torch.dtype | None, fp8_dots: str
 ) -> None:
     assert isinstance(get_attention_backend("triton", DEVICE), TritonAttentionBackend)
+    # The GPU backend multiplies a float8 cache's prefill in float8; the reference widens.
+    assert TritonAttentionBackend().fp8_dots == "all"
+    assert TorchAttentionBackend().fp8_dots == "none"
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 16, 4
     # Two decodes, then a fresh prompt and a chunk after a cached prefix.
     q_lens = [1, 1, 6, 5]
@@ -524,8 +579,8 @@ def test_triton_backend_matches_torch_backend(
     )
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
     scale = head_dim**-0.5
-    out = TritonAttentionBackend().forward(query, k_cache, v_cache, metadata, scale)
-    expected = TorchAttentionBackend().forward(query, k_cache, v_cache, metadata, scale)
+    out = TritonAttentionBackend(fp8_dots).forward(query, k_cache, v_cache, metadata, scale)
+    expected = TorchAttentionBackend(fp8_dots).forward(query, k_cache, v_cache, metadata, scale)
     _assert_close(out, expected, ATTN_ATOL[dtype] if dtype == torch.float32 else 5e-3)
     # The backends share run_split_attention, which has both kernels write their rows of one
     # output: check the rows against separate reference calls, concatenated.
@@ -537,6 +592,7 @@ def test_triton_backend_matches_torch_backend(
         reference.paged_prefill_attention(
             query[2:], k_cache, v_cache, tables[2:], metadata.query_start_loc[2:] - 2, lens[2:],
             scale, max(q_lens), max(seq_lens),
+            **({"fp8_dots": fp8_dots} if cache_dtype == FP8 else {}),
         ),
     ])  # fmt: skip
     assert torch.equal(expected, separate)
