@@ -369,6 +369,18 @@ def test_choose_num_splits() -> None:
     assert choose_num_splits(1, 8, 4096, 132) == 64
     assert choose_num_splits(1, 8, 1024, 132) == 16
     assert choose_num_splits(1, 8, 64, 132) == 1
+    # Past one wave of programs, long contexts split until the last wave is >= 90% full: 84 x 8
+    # programs at 21k fill 1.27 waves of 528, cut in 3 they fill 95% of 4; 64 x 8 fill one wave
+    # already; short contexts never split there (partitions of >= 1024 keys).
+    assert choose_num_splits(84, 8, 22000, 132) == 3
+    assert choose_num_splits(64, 8, 131072, 132) == 1
+    assert choose_num_splits(72, 8, 131072, 132) == 5
+    assert choose_num_splits(84, 8, 2047, 132) == 1
+    assert choose_num_splits(84, 8, 2048, 132) == 2  # capped by the partition length
+    # Never falls as the context grows (decode graphs rely on it).
+    for batch in (67, 84, 100, 137, 200):
+        counts = [choose_num_splits(batch, 8, n, 132) for n in range(256, 140000, 997)]
+        assert counts == sorted(counts), batch
 
 
 @on_gpu
