@@ -34,6 +34,25 @@ _FP8_MIN_SCALE = tl.constexpr(FP8_MIN_SCALE)
 
 
 @triton.jit
+def _load_v_tile(
+    n_start, lo, end, block_table, v_cache_ptr, kv_head_offset, dims, dim_mask,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
+):  # fmt: skip
+    """The raw V rows of keys [n_start, n_start + BLOCK_N) that lie in [lo, end) (zeros else)."""
+    n = n_start + tl.arange(0, BLOCK_N)
+    n_mask = n < end
+    if SLIDING:
+        n_mask = n_mask & (n >= lo)
+    block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n_mask, other=0)
+    offsets = kv_tile_offsets(
+        block_ids.to(tl.int64), n % BLOCK_SIZE, kv_head_offset, dims, NUM_KV_HEADS, HEAD_DIM,
+        BLOCK_SIZE,
+    )  # fmt: skip
+    return tl.load(v_cache_ptr + offsets, mask=n_mask[:, None] & dim_mask[None, :], other=0.0)
+
+
+@triton.jit
 def _attend_tile(
     acc,
     l_i,
@@ -66,6 +85,8 @@ def _attend_tile(
     FP8_QK: tl.constexpr = False,
     FP8_PV: tl.constexpr = False,
     INTERPRETED: tl.constexpr = False,
+    v_pre=None,  # FP8_PV: this tile's V, loaded a tile ahead (returned: the next tile's)
+    v_end=0,  # FP8_PV: where the keys any tile of this program reads end
 ):
     n = n_start + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -82,7 +103,17 @@ def _attend_tile(
     )  # fmt: skip
     kv_mask = n_mask[:, None] & dim_mask[None, :]
     k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if FP8_PV:
+        # A float8 V operand must reach shared memory transposed (Hopper's float8 MMA reads
+        # both operands K-major), so Triton loads it through registers and cannot pipeline it
+        # as it does K: the next tile's V is loaded here, its latency hidden behind this tile.
+        v = v_pre
+        v_pre = _load_v_tile(
+            n_start + BLOCK_N, lo, v_end, block_table, v_cache_ptr, kv_head_offset, dims,
+            dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SLIDING,
+        )  # fmt: skip
+    else:
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
     if FP8_QK:
         s = tl.dot(q, tl.trans(k))  # float8 x float8, fp32 sums: [BLOCK_M, BLOCK_N], unscaled
     else:
@@ -107,16 +138,19 @@ def _attend_tile(
             row_scale = tl.full(q_scale.shape, 1.0, tl.float32)
         else:
             row_scale = q_scale * qk_scale
-        return online_softmax_update_rows(
+        acc, l_i, m_i = online_softmax_update_rows(
             acc, l_i, m_i, s, row_scale, v, DOT_PRECISION, SLIDING and MASKED, FP8_PV,
             INTERPRETED,
         )  # fmt: skip
+        return acc, l_i, m_i, v_pre
     if SLIDING and MASKED:
         # A row may see no key of this tile and none before it (its window starts later).
-        return online_softmax_update_masked(acc, l_i, m_i, s, qk_scale, v, DOT_PRECISION)
-    # Rows fully masked in this tile keep m_i (finite: every row saw a key in an earlier tile).
-    # The scale goes in inside the update, after the row maxima: one FFMA a score.
-    return online_softmax_update(acc, l_i, m_i, s, qk_scale, v, DOT_PRECISION)
+        acc, l_i, m_i = online_softmax_update_masked(acc, l_i, m_i, s, qk_scale, v, DOT_PRECISION)
+    else:
+        # Rows fully masked in this tile keep m_i (finite: every row saw a key in an earlier
+        # tile). The scale goes in inside the update, after the row maxima: one FFMA a score.
+        acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, qk_scale, v, DOT_PRECISION)
+    return acc, l_i, m_i, v_pre
 
 
 @triton.jit(do_not_specialize=["window"])
@@ -211,6 +245,8 @@ def _prefill_kernel(
     unmasked_end = (first_pos // BLOCK_N) * BLOCK_N
     full_start = 0
     lo = 0
+    # The diagonal's end: keys from here on are past every row of the tile.
+    causal_end = tl.minimum(seq_len, first_pos + BLOCK_M)
     if SLIDING:
         # Keys before the first row's window are skipped; tiles before the last row's window
         # start are masked per row; from there to the diagonal every row sees every key.
@@ -218,28 +254,36 @@ def _prefill_kernel(
         last_pos = context_len + tl.minimum(m_block * BLOCK_M + BLOCK_M, q_len) - 1
         full_start = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
         full_start = tl.maximum(tl.minimum(full_start, unmasked_end), (lo // BLOCK_N) * BLOCK_N)
+    # The three loops below visit contiguous tiles from here: a V prefetch runs through them.
+    if FP8_PV:
+        v_pre = _load_v_tile(
+            (lo // BLOCK_N) * BLOCK_N, lo, causal_end, block_table, v_cache_ptr, kv_head_offset,
+            dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SLIDING,
+        )  # fmt: skip
+    else:
+        v_pre = tl.zeros([1], tl.float32)  # unused
+    if SLIDING:
         for n_start in range((lo // BLOCK_N) * BLOCK_N, full_start, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, v_pre = _attend_tile(
                 acc, l_i, m_i, q, q_scale, q_pos, n_start, seq_len, lo, window, softcap_in,
                 softcap_out, block_table, k_cache_ptr, v_cache_ptr, kv_head_offset, dims, dim_mask,
                 qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
-                FP16_DOTS, SLIDING, SOFTCAP, FP8_QK, FP8_PV, INTERPRETED,
+                FP16_DOTS, SLIDING, SOFTCAP, FP8_QK, FP8_PV, INTERPRETED, v_pre, causal_end,
             )  # fmt: skip
     for n_start in range(full_start, unmasked_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
+        acc, l_i, m_i, v_pre = _attend_tile(
             acc, l_i, m_i, q, q_scale, q_pos, n_start, seq_len, lo, window, softcap_in,
             softcap_out, block_table, k_cache_ptr, v_cache_ptr, kv_head_offset, dims, dim_mask,
             qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, FP16_DOTS,
-            SLIDING, SOFTCAP, FP8_QK, FP8_PV, INTERPRETED,
+            SLIDING, SOFTCAP, FP8_QK, FP8_PV, INTERPRETED, v_pre, causal_end,
         )  # fmt: skip
     # The diagonal: the first of these tiles holds key `first_pos`, seen by every row.
-    causal_end = tl.minimum(seq_len, first_pos + BLOCK_M)
     for n_start in range(unmasked_end, causal_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
+        acc, l_i, m_i, v_pre = _attend_tile(
             acc, l_i, m_i, q, q_scale, q_pos, n_start, seq_len, lo, window, softcap_in,
             softcap_out, block_table, k_cache_ptr, v_cache_ptr, kv_head_offset, dims, dim_mask,
             qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP16_DOTS,
-            SLIDING, SOFTCAP, FP8_QK, FP8_PV, INTERPRETED,
+            SLIDING, SOFTCAP, FP8_QK, FP8_PV, INTERPRETED, v_pre, causal_end,
         )  # fmt: skip
 
     if SLIDING:  # padding rows past the chunk may have seen no key: no 0 / 0 (never stored)
