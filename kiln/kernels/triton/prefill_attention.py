@@ -85,8 +85,9 @@ def _attend_tile(
     FP8_QK: tl.constexpr = False,
     FP8_PV: tl.constexpr = False,
     INTERPRETED: tl.constexpr = False,
-    v_pre=None,  # FP8_PV: this tile's V, loaded a tile ahead (returned: the next tile's)
-    v_end=0,  # FP8_PV: where the keys any tile of this program reads end
+    PREFETCH_V: tl.constexpr = False,
+    v_pre=None,  # PREFETCH_V: this tile's V, loaded a tile ahead (returned: the next tile's)
+    v_end=0,  # PREFETCH_V: where the keys any tile of this program reads end
 ):
     n = n_start + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -103,7 +104,7 @@ def _attend_tile(
     )  # fmt: skip
     kv_mask = n_mask[:, None] & dim_mask[None, :]
     k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-    if FP8_PV:
+    if PREFETCH_V:
         # A float8 V operand must reach shared memory transposed (Hopper's float8 MMA reads
         # both operands K-major), so Triton loads it through registers and cannot pipeline it
         # as it does K: the next tile's V is loaded here, its latency hidden behind this tile.
@@ -187,6 +188,7 @@ def _prefill_kernel(
     FP8_QK: tl.constexpr = False,  # float8 cache: Q per row to e4m3, Q @ K^T a float8 dot
     FP8_PV: tl.constexpr = False,  # and P @ V too (see online_softmax_update_rows)
     INTERPRETED: tl.constexpr = False,  # the Triton interpreter: see round_to_e4m3_grid
+    PREFETCH_V: tl.constexpr = False,  # FP8_PV: V loaded a tile ahead (_attend_tile)
 ):
     # Reversed so the longest (last, most keys under the causal mask) tiles start first.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -255,7 +257,7 @@ def _prefill_kernel(
         full_start = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
         full_start = tl.maximum(tl.minimum(full_start, unmasked_end), (lo // BLOCK_N) * BLOCK_N)
     # The three loops below visit contiguous tiles from here: a V prefetch runs through them.
-    if FP8_PV:
+    if PREFETCH_V:
         v_pre = _load_v_tile(
             (lo // BLOCK_N) * BLOCK_N, lo, causal_end, block_table, v_cache_ptr, kv_head_offset,
             dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SLIDING,
@@ -268,14 +270,16 @@ def _prefill_kernel(
                 acc, l_i, m_i, q, q_scale, q_pos, n_start, seq_len, lo, window, softcap_in,
                 softcap_out, block_table, k_cache_ptr, v_cache_ptr, kv_head_offset, dims, dim_mask,
                 qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
-                FP16_DOTS, SLIDING, SOFTCAP, FP8_QK, FP8_PV, INTERPRETED, v_pre, causal_end,
+                FP16_DOTS, SLIDING, SOFTCAP, FP8_QK, FP8_PV, INTERPRETED, PREFETCH_V, v_pre,
+                causal_end,
             )  # fmt: skip
     for n_start in range(full_start, unmasked_end, BLOCK_N):
         acc, l_i, m_i, v_pre = _attend_tile(
             acc, l_i, m_i, q, q_scale, q_pos, n_start, seq_len, lo, window, softcap_in,
             softcap_out, block_table, k_cache_ptr, v_cache_ptr, kv_head_offset, dims, dim_mask,
             qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, FP16_DOTS,
-            SLIDING, SOFTCAP, FP8_QK, FP8_PV, INTERPRETED, v_pre, causal_end,
+            SLIDING, SOFTCAP, FP8_QK, FP8_PV, INTERPRETED, PREFETCH_V, v_pre,
+            causal_end,
         )  # fmt: skip
     # The diagonal: the first of these tiles holds key `first_pos`, seen by every row.
     for n_start in range(unmasked_end, causal_end, BLOCK_N):
@@ -283,7 +287,8 @@ def _prefill_kernel(
             acc, l_i, m_i, q, q_scale, q_pos, n_start, seq_len, lo, window, softcap_in,
             softcap_out, block_table, k_cache_ptr, v_cache_ptr, kv_head_offset, dims, dim_mask,
             qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP16_DOTS,
-            SLIDING, SOFTCAP, FP8_QK, FP8_PV, INTERPRETED, v_pre, causal_end,
+            SLIDING, SOFTCAP, FP8_QK, FP8_PV, INTERPRETED, PREFETCH_V, v_pre,
+            causal_end,
         )  # fmt: skip
 
     if SLIDING:  # padding rows past the chunk may have seen no key: no 0 / 0 (never stored)
@@ -301,12 +306,14 @@ def _prefill_kernel(
 # Tiles for prompts with many query tiles, keyed by (head_dim up to, how the K/V operands run):
 # (BLOCK_M, BLOCK_N, num_warps, num_stages).
 #   head_dim <= 128, "bf16"        128 x 64, 4 warps, 3 stages (H200 bf16, 8k prompt: 397 TFLOP/s
-#                                  against 380 for 64-row tiles)
+#                                  against 380 for 64-row tiles; compiled by Triton 3.9 it
+#                                  spills 1.7 KB a thread, 8 warps none: the sweep's first check)
 #   head_dim <= 128, "fp8_widened" 128 x 128, 8 warps, 2 stages (float8 K/V widened to 16 bits:
 #                                  best or within 2% of 18 tiles at 2k prompts and a 512-token
 #                                  chunk after 6k, H200)
-#   head_dim <= 128, "fp8_dots"    128 x 128, 8 warps, 3 stages (float8 dots: a 16 KB K and V
-#                                  tile a stage; the Triton FA2-class choice on Hopper, to be
+#   head_dim <= 128, "fp8_dots"    128 x 128, 8 warps, 2 stages (float8 dots, V loaded a tile
+#                                  ahead: compiled for sm_90a by Triton 3.9, 255 registers and no
+#                                  spill, 64 KB of shared memory; 3 stages spill 12 bytes; to be
 #                                  confirmed by benchmarks/kernels_gpu.py --long's sweep)
 #   head_dim <= 256, any           64 x 32, 4 warps, 2 stages (keeps the stages in shared memory)
 # Fewer tiles than 8 programs an SM (short prompts, bf16) take 64 x 64 tiles, which balance the
@@ -315,7 +322,7 @@ def _prefill_kernel(
 PREFILL_TILES: dict[tuple[int, str], tuple[int, int, int, int]] = {
     (128, "bf16"): (128, 64, 4, 3),
     (128, "fp8_widened"): (128, 128, 8, 2),
-    (128, "fp8_dots"): (128, 128, 8, 3),
+    (128, "fp8_dots"): (128, 128, 8, 2),
     (256, "bf16"): (64, 32, 4, 2),
     (256, "fp8_widened"): (64, 32, 4, 2),
     (256, "fp8_dots"): (64, 32, 4, 2),
@@ -345,6 +352,9 @@ def _fp8_flags(fp8_dots: Fp8Dots, query: torch.Tensor) -> dict:
     return {
         "FP8_QK": True,
         "FP8_PV": fp8_dots == "all",
+        # Compiled for sm_90a (Triton 3.9, ptxas -v), 128 x 128 tiles on 8 warps: the widened
+        # V of "qk" spills 2.7x more registers when loaded ahead (720 bytes against 268).
+        "PREFETCH_V": fp8_dots == "all",
         "INTERPRETED": query.device.type != "cuda",
     }
 
@@ -414,7 +424,7 @@ def paged_prefill_attention(
         SLIDING=window is not None,
         SOFTCAP=softcap is not None,
         SINKS=sinks is not None,
-        # Only a float8-dot launch passes its flags: the other variants compile as they did.
+        # Only a float8 cache's launch passes these: a 16-bit cache's kernel is as it was.
         **(_fp8_flags(fp8_dots, query) if fp8_qk else {}),
         num_warps=num_warps,
         num_stages=num_stages,
