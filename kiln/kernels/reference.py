@@ -23,6 +23,18 @@ Fp8Dots = Literal["none", "qk", "all"]
 # row (in (1/2, 1] against a whole-number maximum) lands in (128, 256], below e4m3's 448.
 P_FP8_SCALE = 256.0
 _LOG2E = 1.4426950408889634
+# A float8 tensor-core dot's reduction dimension is at least 32 (Hopper's float8 MMA; Triton
+# refuses less): smaller heads widen as before.
+FP8_DOT_MIN_HEAD_DIM = 32
+
+
+def uses_fp8_dots(fp8_dots: Fp8Dots, k_cache: torch.Tensor) -> bool:
+    """Whether prefill attention over this cache runs float8 dots (both twins ask this)."""
+    return (
+        fp8_dots != "none"
+        and k_cache.dtype == torch.float8_e4m3fn
+        and k_cache.shape[3] >= FP8_DOT_MIN_HEAD_DIM
+    )
 
 
 def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
@@ -139,7 +151,7 @@ def paged_prefill_attention(
     already in the cache: the j-th of q_len queries sits at position seq_len - q_len + j and sees
     every key at or before it (or the last `window` of them). Over a float8 cache, `fp8_dots`
     rounds as the Triton kernel's float8 dots do (_paged_attention_fp8_dots)."""
-    if fp8_dots != "none" and k_cache.dtype == torch.float8_e4m3fn:
+    if uses_fp8_dots(fp8_dots, k_cache):
         return _paged_attention_fp8_dots(
             query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out, window,
             softcap, sinks, fp8_dots == "all",

@@ -174,11 +174,12 @@ def test_prefill_kernel_fp8_dots(dtype, window, softcap, sinks_on, fp8_dots) -> 
     # Float8 dots round Q per row and (with "all") the softmax weights: the twin rounds the same
     # way, so the kernel matches it as tightly as the widened path matches its twin; both stay
     # near the widened result (the float8 rounding itself), which they must differ from.
+    # head_dim 32: float8 tensor-core dots reduce over at least 32 (reference.uses_fp8_dots).
     q_lens, seq_lens = [21, 9, 1, 40], [21, 30, 11, 70]
-    args = _inputs(q_lens, seq_lens, 4, 2, 16, 4, dtype, window, seed=3, cache_dtype=FP8)
+    args = _inputs(q_lens, seq_lens, 4, 2, 32, 4, dtype, window, seed=3, cache_dtype=FP8)
     query, k_cache, v_cache, tables, qsl, lens = args
     kinds = {"window": window, "softcap": softcap, "sinks": _sinks(4, sinks_on)}
-    rest = (tables, qsl, lens, 0.25, 40, 70)
+    rest = (tables, qsl, lens, 32**-0.5, 40, 70)
     out = triton_ops.paged_prefill_attention(
         query, k_cache, v_cache, *rest, **kinds, fp8_dots=fp8_dots
     )

@@ -462,8 +462,9 @@ def test_prefill_attention_fp8_dots(dtype: torch.dtype, fp8_dots: str) -> None:
     # agree as tightly as the widened path does with its twin (bf16: its query rounding).
     gen = torch.Generator().manual_seed(11)
     q_lens, seq_lens = [21, 9, 1, 37], [21, 30, 11, 60]
-    k_cache, v_cache, tables = _paged_cache(seq_lens, 4, 2, 16, dtype, gen, cache_dtype=FP8)
-    query = torch.randn(sum(q_lens), 4, 16, generator=gen).to(DEVICE, dtype)
+    # head_dim 32: float8 tensor-core dots reduce over at least 32 (reference.uses_fp8_dots).
+    k_cache, v_cache, tables = _paged_cache(seq_lens, 4, 2, 32, dtype, gen, cache_dtype=FP8)
+    query = torch.randn(sum(q_lens), 4, 32, generator=gen).to(DEVICE, dtype)
     starts = torch.tensor([0, 21, 30, 31, 68], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     args = (tables, starts, lens, 0.25, max(q_lens), max(seq_lens))
@@ -472,6 +473,8 @@ def test_prefill_attention_fp8_dots(dtype: torch.dtype, fp8_dots: str) -> None:
         query.float(), k_cache, v_cache, *args, fp8_dots=fp8_dots
     )
     _assert_close(out, twin, ATTN_ATOL[dtype])
+    widened = reference.paged_prefill_attention(query.float(), k_cache, v_cache, *args)
+    assert (twin - widened).abs().max() > 1e-3  # the float8 rounding is there
     # A bf16 or fp16 cache ignores the option: the kernel it always ran.
     cache16 = k_cache.to(torch.float16), v_cache.to(torch.float16)
     if dtype == torch.float16:
@@ -481,12 +484,27 @@ def test_prefill_attention_fp8_dots(dtype: torch.dtype, fp8_dots: str) -> None:
         )
 
 
+def test_prefill_fp8_dots_need_head_dim_32() -> None:
+    # Heads under 32 dims widen K and V as before (a float8 MMA reduces over >= 32), in both
+    # twins alike.
+    gen = torch.Generator().manual_seed(13)
+    k_cache, v_cache, tables = _paged_cache([20], 4, 2, 16, torch.float32, gen, cache_dtype=FP8)
+    query = torch.randn(20, 4, 16, generator=gen).to(DEVICE)
+    args = (tables, torch.tensor([0, 20], dtype=torch.int32, device=DEVICE),
+            torch.tensor([20], dtype=torch.int32, device=DEVICE), 0.25, 20, 20)  # fmt: skip
+    for ops in (triton_ops, reference):
+        assert torch.equal(
+            ops.paged_prefill_attention(query, k_cache, v_cache, *args, fp8_dots="all"),
+            ops.paged_prefill_attention(query, k_cache, v_cache, *args),
+        )
+
+
 def test_prefill_fp8_dots_twin_is_independent_of_chunking() -> None:
     # The whole-number row maxima make each weight's float8 rounding the same whatever keys
     # came before: a prompt attended in one chunk or in three agrees to fp32 rounding.
     gen = torch.Generator().manual_seed(12)
-    k_cache, v_cache, tables = _paged_cache([48], 4, 2, 16, torch.float32, gen, cache_dtype=FP8)
-    query = torch.randn(48, 4, 16, generator=gen).to(DEVICE)
+    k_cache, v_cache, tables = _paged_cache([48], 4, 2, 32, torch.float32, gen, cache_dtype=FP8)
+    query = torch.randn(48, 4, 32, generator=gen).to(DEVICE)
     whole = triton_ops.paged_prefill_attention(
         query, k_cache, v_cache, tables,
         torch.tensor([0, 48], dtype=torch.int32, device=DEVICE),
@@ -566,7 +584,7 @@ def test_triton_backend_matches_torch_backend(
     # The GPU backend multiplies a float8 cache's prefill in float8; the reference widens.
     assert TritonAttentionBackend().fp8_dots == "all"
     assert TorchAttentionBackend().fp8_dots == "none"
-    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 16, 4
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 4  # 32: float8 dots
     # Two decodes, then a fresh prompt and a chunk after a cached prefix.
     q_lens = [1, 1, 6, 5]
     seq_lens = [9, 17, 6, 14]

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.kv_layout import check_head_major
-from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE, Fp8Dots
+from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE, Fp8Dots, uses_fp8_dots
 from kiln.kernels.triton._attention_kinds import kind_args
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
@@ -391,7 +391,7 @@ def paged_prefill_attention(
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
-    fp8_qk = kv_fp8 and fp8_dots != "none"
+    fp8_qk = uses_fp8_dots(fp8_dots, k_cache)
     operands = ("fp8_dots" if fp8_qk else "fp8_widened") if kv_fp8 else "bf16"
     block_m, block_n, num_warps, num_stages = _tile_config(
         head_dim, max_query_len, num_heads, num_seqs, query.device, operands
