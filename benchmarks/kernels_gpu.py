@@ -3,8 +3,10 @@ attention, against torch's scaled_dot_product_attention on equivalent contiguous
 Llama-3.1-8B shapes.
 
     python benchmarks/kernels_gpu.py kernels.json
+    python benchmarks/kernels_gpu.py kernels_long.json --long   # the long-context rows (issue 54)
     python benchmarks/kernels_gpu.py /tmp/kernels_tiny.json --tiny   # CPU smoke run (interpreter)
     python benchmarks/kernels_gpu.py lora.json --only lora            # the LoRA rows alone
+    python benchmarks/kernels_gpu.py /tmp/kernels_tiny.json --tiny --long
 
 Each kernel is timed twice: `eager` (triton.testing.do_bench on the Python call, L2 flushed:
 includes launch overhead whenever that exceeds the GPU time) and `graph` (the calls captured in a
@@ -396,6 +398,135 @@ def _lora_layer(case: str, bounds: tuple[int, ...], x: torch.Tensor, slots: torc
            bytes=w_bytes + x_bytes + out_bytes)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class LongShapes:
+    """The long-context rows: one causal prompt (the engine's paged cache, block size 16) and
+    float8 decode at long contexts."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    prompt_tokens: int
+    decode_cases: tuple[tuple[int, int], ...]  # (batch, context)
+    # Tiles tried for each operand kind on top of prefill_attention.PREFILL_TILES' choice.
+    tile_sweep: tuple[tuple[int, int, int, int], ...]
+
+
+LLAMA_8B_LONG = LongShapes(32, 8, 128, 16, 16384, ((1, 4096), (1, 32768), (1, 131072), (64, 4096)),
+                           ((128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3),
+                            (128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 4, 3)))  # fmt: skip
+TINY_LONG = LongShapes(4, 2, 32, 4, 40, ((1, 40), (3, 24)), ())  # float8 dots: head_dim >= 32
+
+
+def run_long(s: LongShapes, device: torch.device) -> list[dict]:
+    """Prefill attention of one causal prompt over the paged cache: a bf16 cache, a float8 cache
+    widened to 16-bit dots, with float8 Q @ K^T, and with float8 P @ V too (TFLOP/s, causal
+    FLOPs 2 * 2 * S * S / 2 * heads * head_dim), beside torch's SDPA (FlashAttention on Hopper)
+    on the same shape, contiguous, bf16; then float8 decode at long contexts (GB/s of K/V, and
+    its fraction of the copy bandwidth measured here)."""
+    import torch.nn.functional as F
+
+    from kiln.bench.report import measure_copy_bandwidth
+    from kiln.kernels import reference
+    from kiln.kernels import triton as triton_ops
+    from kiln.kernels.triton import prefill_attention
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows: list[dict] = []
+    fp8 = torch.float8_e4m3fn
+    scale = s.head_dim**-0.5
+    bandwidth = measure_copy_bandwidth(device) if device.type == "cuda" else 0.0
+
+    def record(kernel: str, case: str, impl: str, calls: list[Call], **extra) -> dict:
+        row: dict = {"kernel": kernel, "case": case, "impl": impl, **extra}
+        try:
+            row["eager_ms"] = _time_eager(calls[0], device)
+            if device.type == "cuda":
+                row["graph_ms"] = _time_graph(calls)
+        except Exception as exc:  # one failing variant must not lose the other rows
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        ms = row.get("graph_ms", row.get("eager_ms"))
+        if ms is not None and "flops" in row:
+            row["TFLOP/s"] = row["flops"] / ms / 1e9
+        if ms is not None and "bytes" in row:
+            row["GB/s"] = row["bytes"] / ms / 1e6
+            if bandwidth:
+                row["of_copy_bandwidth"] = row["GB/s"] * 1e9 / bandwidth
+        rows.append(row)
+        _print_row(row)
+        return row
+
+    if bandwidth:
+        rows.append({"kernel": "copy", "case": "1 GiB", "impl": "torch", "GB/s": bandwidth / 1e9})
+        print(f"copy bandwidth (read + written) {bandwidth / 1e9:.0f} GB/s")
+
+    # --- prefill: one causal prompt -----------------------------------------------------------
+    n = s.prompt_tokens
+    case = f"causal S={n}"
+    flops = 2 * 2 * n * n / 2 * s.num_heads * s.head_dim
+    shapes = Shapes(s.num_heads, s.num_kv_heads, s.head_dim, 0, s.block_size, torch.bfloat16,
+                    (), (), 0, 0, ())  # fmt: skip
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    k16, v16, (tables,) = _paged([n], shapes, device, gen)
+    k16, v16 = k16.to(dtype), v16.to(dtype)
+    query = torch.randn(n, s.num_heads, s.head_dim, generator=gen, device=device).to(dtype)
+    qsl = torch.tensor([0, n], dtype=torch.int32, device=device)
+    lens = torch.tensor([n], dtype=torch.int32, device=device)
+    rest = (tables, qsl, lens, scale, n, n)
+    k8, v8 = k16.to(fp8), v16.to(fp8)
+    widened = reference.paged_prefill_attention(query, k8, v8, *rest)
+    variants = (
+        ("bf16 cache", k16, v16, "none", "bf16"),
+        ("fp8 cache, widened", k8, v8, "none", "fp8_widened"),
+        ("fp8 cache, fp8 QK", k8, v8, "qk", "fp8_dots"),
+        ("fp8 cache, fp8 QK+PV", k8, v8, "all", "fp8_dots"),
+    )
+    for impl, k_cache, v_cache, dots, operands in variants:
+        args = (query, k_cache, v_cache, *rest)
+        expected = widened if k_cache.dtype == fp8 else reference.paged_prefill_attention(*args)
+        out = triton_ops.paged_prefill_attention(*args, fp8_dots=dots)  # type: ignore[arg-type]
+        err = _err(out, expected)
+        rel = float((out.float() - expected.float()).norm() / expected.float().norm())
+        key = (128 if s.head_dim <= 128 else 256, operands)
+        chosen = prefill_attention.PREFILL_TILES[key]
+        for tiles in (chosen, *[t for t in s.tile_sweep if t != chosen]):
+            prefill_attention.PREFILL_TILES[key] = tiles
+            try:
+                record("prefill_long", case, impl,
+                       [lambda a=args, d=dots: triton_ops.paged_prefill_attention(*a, fp8_dots=d)],
+                       flops=flops, tiles=list(tiles), chosen=tiles == chosen,
+                       max_abs_err=err, rel_err=rel)  # fmt: skip
+            finally:
+                prefill_attention.PREFILL_TILES[key] = chosen
+    q4 = query.transpose(0, 1)[None].contiguous()
+    k4, v4 = _contiguous_kv(k16, tables, n), _contiguous_kv(v16, tables, n)
+    record("prefill_long", case, "sdpa_contiguous_bf16",
+           [lambda q=q4, k=k4, v=v4: F.scaled_dot_product_attention(
+               q, k, v, is_causal=True, scale=scale, enable_gqa=True)],
+           flops=flops)  # fmt: skip
+    del k16, v16, k8, v8, k4, v4, q4, widened
+
+    # --- decode over a float8 cache at long contexts -------------------------------------------
+    for batch, context in s.decode_cases:
+        case = f"fp8 batch={batch} ctx={context}"
+        kv_bytes = 2 * batch * context * s.num_kv_heads * s.head_dim  # one byte an element
+        copies = max(1, -(-ROTATE_BYTES // kv_bytes)) if device.type == "cuda" else 1
+        k_cache, v_cache, all_tables = _paged([context] * batch, shapes, device, gen, copies)
+        k_cache, v_cache = k_cache.to(fp8), v_cache.to(fp8)
+        query = torch.randn(batch, s.num_heads, s.head_dim, generator=gen, device=device)
+        query = query.to(dtype)
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        all_args = [(query, k_cache, v_cache, t, seq_lens, scale, context) for t in all_tables]
+        err = _err(triton_ops.paged_decode_attention(*all_args[0]),
+                   reference.paged_decode_attention(*all_args[0]))  # fmt: skip
+        record("decode_long", case, "triton",
+               [lambda a=a: triton_ops.paged_decode_attention(*a) for a in all_args],
+               bytes=kv_bytes, max_abs_err=err)  # fmt: skip
+        del k_cache, v_cache, all_args
+    return rows
+
+
 def _print_row(row: dict) -> None:
     def us(key: str) -> str:
         return f"{row[key] * 1e3:10.1f}" if key in row else f"{'-':>10}"
@@ -410,7 +541,8 @@ def _print_row(row: dict) -> None:
     elif "TFLOP/s" in row:
         rate = f"{row['TFLOP/s']:9.2f} TFLOP/s"
     err = f"  err={row['max_abs_err']:.2e}" if "max_abs_err" in row else ""
-    print(f"{row['kernel']:<19}{row['case']:<24}{row['impl']:<16}{timing}{rate:>18}{err}")
+    tiles = f"  tiles={row['tiles']}" if "tiles" in row else ""
+    print(f"{row['kernel']:<19}{row['case']:<24}{row['impl']:<16}{timing}{rate:>18}{err}{tiles}")
     sys.stdout.flush()
 
 
@@ -421,20 +553,28 @@ def main(argv: list[str] | None = None) -> None:
         "--tiny", action="store_true", help="tiny fp32 shapes (a smoke run; CPU interpreter)"
     )
     parser.add_argument("--only", choices=("lora",), help="these rows only (default: all)")
+    parser.add_argument(
+        "--long", action="store_true", help="the long-context rows: 16k prefill, decode to 128k"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         if not args.tiny:
             parser.error("no CUDA GPU: only --tiny runs here (under the Triton interpreter)")
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shapes = TINY if args.tiny else LLAMA_8B
+    shapes: Shapes | LongShapes = TINY if args.tiny else LLAMA_8B
+    if args.long:
+        shapes = TINY_LONG if args.tiny else LLAMA_8B_LONG
     import triton
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
-    print(f"{gpu}; torch {torch.__version__}; triton {triton.__version__}; dtype {shapes.dtype}")
+    print(f"{gpu}; torch {torch.__version__}; triton {triton.__version__}")
     print(f"{'kernel':<19}{'case':<24}{'impl':<16}{'eager us':>10}{'graph us':>10}{'rate':>18}")
     with torch.inference_mode():
-        rows = run(shapes, device, args.only)
+        if isinstance(shapes, LongShapes):
+            rows = run_long(shapes, device)
+        else:
+            rows = run(shapes, device, args.only)
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "git_revision": _git_revision(),

@@ -27,7 +27,7 @@ M8="$E8 --no-progress"
 M70="--model llama-3.1-70b --load-format dummy --dtype bfloat16 --no-progress"
 FP8="--quantization fp8 --kv-cache-dtype fp8"  # static FP8 weights + float8 KV (TRT-LLM's FP8)
 ROWS="8b_fp8_128x128 8b_fp8_1000x1000 8b_fp8_2048x128 8b_fp8_5000x500 8b_fp8_20000x2000
-      8b_fp8_batch1_decode 8b_bf16_batch1_decode 70b_fp8_128x128 70b_fp8_batch1_decode"
+      8b_fp8_100k_prompt 8b_fp8_batch1_decode 8b_bf16_batch1_decode 70b_fp8_128x128 70b_fp8_batch1_decode"
 # The model families beside Llama (docs/performance.md): PRESET_fp8dyn_batch1 / _1000x1000.
 FAMILY_ROWS=$(for m in llama-3.1-8b qwen3-8b gemma-2-9b gemma-3-12b phi-4; do
     echo "${m}_fp8dyn_batch1 ${m}_fp8dyn_1000x1000"; done)
@@ -59,6 +59,11 @@ command_of() {  # NAME -> "SECONDS COMMAND..." (O is the output folder)
     8b_fp8_20000x2000) echo 600 $BENCH throughput $M8 $FP8 --input-len 20000 --output-len 2000 \
         --num-requests 168 --max-num-seqs 84 --max-num-batched-tokens 16384 \
         --max-model-len 22000 --gpu-memory-utilization 0.95 --warmup 2 --output-json "$O/$1.json" ;;
+    # One 100,000-token prompt (16k-token chunks), then 256 tokens at that context: its time to
+    # first token and its decode's fraction of the bytes' roofline.
+    8b_fp8_100k_prompt) echo 400 $BENCH latency $M8 $FP8 --input-len 100000 --output-len 256 \
+        --num-requests 2 --max-num-batched-tokens 16384 --max-model-len 100352 \
+        --gpu-memory-utilization 0.95 --output-json "$O/$1.json" ;;
     8b_fp8_batch1_decode) echo 200 $BENCH latency $M8 $FP8 --lm-head-quantization fp8 \
         --input-len 1024 --output-len 128 --num-requests 3 --max-model-len 1280 \
         --output-json "$O/$1.json" ;;
@@ -82,6 +87,7 @@ command_of() {  # NAME -> "SECONDS COMMAND..." (O is the output folder)
     tests_parallel) echo 400 env KILN_PARALLEL_TEST_DEVICE=cuda $PY -m pytest -q -x \
         -p no:cacheprovider tests/distributed/test_parallel.py ;;
     kernels) echo 300 $PY benchmarks/kernels_gpu.py "$O/$1.json" ;;
+    kernels_long) echo 400 $PY benchmarks/kernels_gpu.py --long "$O/$1.json" ;;
     serve) echo 560 $PY benchmarks/serve_vs_offline.py --out "$O/$1" --shapes 128x128 \
         --concurrency 1 64 256 --requests-per-concurrency 2 --check-client-from 256 \
         --min-requests 8 -- $E8 ;;
@@ -108,7 +114,7 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 O=${OUT:-benchmarks/out/$(date +%F)-$(echo "${gpu:-gpu}" | tr ' ' '_')}
 if [[ ${1:-} == --list ]]; then
     shift
-    for name in ${*:-$ROWS $FAMILY_ROWS tests tests_parallel kernels serve startup build spec \
+    for name in ${*:-$ROWS $FAMILY_ROWS tests tests_parallel kernels kernels_long serve startup build spec \
         structured beams kv_accuracy profile tiles}; do
         echo "$name: $(command_of "$name" | cut -d' ' -f2-)"
     done

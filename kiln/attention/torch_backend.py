@@ -13,13 +13,19 @@ from kiln.attention.backend import (
     AttentionMetadata,
 )
 from kiln.kernels import reference
+from kiln.kernels.reference import Fp8Dots
 
 
 class PagedAttentionBackend(AttentionBackend):
     """Attends with `ops`' decode and prefill kernels. Backends differ only in their `ops` module
-    (the kernel twins share one signature)."""
+    (the kernel twins share one signature) and in how prefill over a float8 cache multiplies
+    (`fp8_dots`, reference.Fp8Dots)."""
 
     ops: ModuleType
+    default_fp8_dots: Fp8Dots = "none"
+
+    def __init__(self, fp8_dots: Fp8Dots | None = None) -> None:
+        self.fp8_dots: Fp8Dots = self.default_fp8_dots if fp8_dots is None else fp8_dots
 
     def forward(
         self,
@@ -31,10 +37,15 @@ class PagedAttentionBackend(AttentionBackend):
         kind: AttentionKind = FULL_ATTENTION,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return run_split_attention(self.ops, query, k_cache, v_cache, metadata, scale, kind, sinks)
+        return run_split_attention(
+            self.ops, query, k_cache, v_cache, metadata, scale, kind, sinks, self.fp8_dots
+        )
 
 
 class TorchAttentionBackend(PagedAttentionBackend):
+    """The reference: prefill over a float8 cache widens K and V unless asked otherwise (the
+    CPU has no float8 arithmetic to gain from)."""
+
     name = "torch"
     ops = reference
 
@@ -48,15 +59,19 @@ def run_split_attention(
     scale: float,
     kind: AttentionKind = FULL_ATTENTION,
     sinks: torch.Tensor | None = None,
+    fp8_dots: Fp8Dots = "none",
 ) -> torch.Tensor:
     """Decodes (the first `num_decodes` sequences, one token each) go through the decode kernel,
     the remaining prefill chunks through the prefill kernel; shared by every backend."""
     m = metadata
     nd = m.num_decodes
     # Only a layer of another kind passes them: a plain layer's calls stay as they were.
-    extra = {}
+    extra: dict = {}
     if kind != FULL_ATTENTION or sinks is not None:
         extra = {"window": kind.sliding_window, "softcap": kind.logit_softcap, "sinks": sinks}
+    prefill_extra = dict(extra)
+    if fp8_dots != "none" and k_cache.dtype == torch.float8_e4m3fn:
+        prefill_extra["fp8_dots"] = fp8_dots
     if nd == m.num_seqs:
         return ops.paged_decode_attention(
             query, k_cache, v_cache, m.block_tables, m.seq_lens, scale, m.max_seq_len, **extra
@@ -82,7 +97,7 @@ def run_split_attention(
         m.max_query_len,
         m.max_seq_len,
         out=out[nd:],
-        **extra,
+        **prefill_extra,
     )
     if nd:
         ops.paged_decode_attention(

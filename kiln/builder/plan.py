@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from kiln.models.config import ModelConfig
+from kiln.runtime.config_plan import weight_bytes
 from kiln.runtime.memory_plan import _CPU_DEFAULT_KV_GB, GiB, kv_bytes_per_token
 
-_FP8_BYTES = 1
+__all__ = ["BuildMemoryPlan", "plan_memory", "weight_bytes"]
 
 
 @dataclass(frozen=True)
@@ -36,43 +37,6 @@ class BuildMemoryPlan:
             f"GiB = {self.kv_tokens} tokens: {self.max_sequences} sequences of "
             f"{self.max_model_len} tokens at once"
         )
-
-
-def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int:
-    """Bytes of the parameters kiln creates for `cfg`. Quantized: the projections' weights take
-    one byte each plus a float32 scale per output channel; embedding, norms and LM head stay in
-    `dtype`. A sparse layer counts every expert (float8 with a float32 scale per expert and
-    projection under "fp8-dynamic", else in `dtype`: static FP8 leaves them), its router in
-    `dtype`, and its shared expert as a dense MLP's projections."""
-    h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
-    kv, layers = cfg.num_key_value_heads * cfg.head_dim, range(cfg.num_hidden_layers)
-    projections = [(h, q + 2 * kv), (q, h)] * cfg.num_hidden_layers  # (in, out)
-    experts = routers = 0
-    for i in layers:
-        sparse = cfg.is_sparse_layer(i)
-        inter = cfg.shared_expert_intermediate_size if sparse else cfg.intermediate_size
-        if inter:
-            projections += [(h, 2 * inter), (inter, h)]
-        if sparse:  # the rest of its MLP: the router (and the shared expert's gate row)
-            routed = cfg.num_experts * 3 * h * cfg.moe_intermediate_size
-            experts += routed
-            routers += cfg.mlp_parameter_count(i) - routed - 3 * h * inter
-    float8_experts = quantization == "fp8-dynamic"
-    sparse_layers = sum(cfg.is_sparse_layer(i) for i in layers)
-    expert_bytes = (
-        experts * _FP8_BYTES + sparse_layers * 2 * cfg.num_experts * 4
-        if float8_experts
-        else experts * dtype.itemsize
-    )
-    linear = sum(i * o for i, o in projections)
-    out_channels = sum(o for _, o in projections)
-    bias = (q + 2 * kv) * cfg.num_hidden_layers if cfg.attention_bias else 0
-    norms = (2 * cfg.num_hidden_layers + 1) * h
-    embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    other = (bias + norms + embeddings + routers) * dtype.itemsize + expert_bytes
-    if quantization == "none":
-        return linear * dtype.itemsize + other
-    return linear * _FP8_BYTES + out_channels * 4 + other
 
 
 def plan_memory(

@@ -283,60 +283,87 @@ class Scheduler:
         )
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        """Running requests first, in priority order: decodes and unfinished prefill chunks. When
-        the pool is full, the lowest-priority running request is preempted to make room.
+        """Running requests first, in priority order: every decode, then unfinished prefill
+        chunks with the budget the decodes left, so that a long prompt (or a recompute after
+        preemption) never takes a step's whole budget from requests that are generating. When
+        the pool is full, the lowest-priority running request not yet scheduled is preempted to
+        make room.
         One pass a running request a step: the per-request work is kept to plain attribute reads
         (hundreds of decodes a step make each call and property here cost a visible share of
         the host's step)."""
-        index = 0
-        running = self.running
-        allocate_slots = self.kv_cache.allocate_slots
-        micro_batches = self.num_micro_batches > 1
-        max_model_len = self.max_model_len
-        cached_requests = plan.cached_requests
-        while index < len(running) and plan.budget > 0:
-            request = running[index]
+        deferred: list[Request] = []
+        for request in list(self.running):
+            if plan.budget <= 0:
+                return
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted this step to make room for an earlier one
             placeholders = request.num_output_placeholders
             num_tokens = len(request.all_token_ids) + placeholders  # with placeholders
-            if placeholders and (
-                micro_batches
-                # Or its remaining tokens are all scheduled already: the last one it may sample
-                # (by max_tokens or the context length) is in flight, awaiting update().
-                or len(request.output_token_ids) + placeholders >= request.max_tokens
-                or num_tokens >= max_model_len
-            ):
-                index += 1  # its (last) token is in flight: nothing to compute before it is back
+            if num_tokens - request.num_computed_tokens > 1:
+                deferred.append(request)  # a prefill chunk: after the decodes
                 continue
-            if len(plan.num_scheduled) >= plan.max_requests:
-                break
-            num_new = min(num_tokens - request.num_computed_tokens, plan.budget)
-            drafts = None
-            if request.spec_token_ids:
-                drafts = self._drafts_to_verify(request, plan.budget)
-                num_new += len(drafts)
+            if not self._schedule_one(request, num_tokens, placeholders, plan):
+                return
+        for request in deferred:
+            if plan.budget <= 0 or request.status != RequestStatus.RUNNING:
+                continue
+            placeholders = request.num_output_placeholders
+            num_tokens = len(request.all_token_ids) + placeholders
+            if not self._schedule_one(request, num_tokens, placeholders, plan):
+                return
+
+    def _schedule_one(
+        self, request: Request, num_tokens: int, placeholders: int, plan: _StepPlan
+    ) -> bool:
+        """Schedules a running request's next tokens (or skips it: its token is in flight).
+        Returns False when nothing more can be scheduled this step."""
+        if placeholders and (
+            self.num_micro_batches > 1
+            # Or its remaining tokens are all scheduled already: the last one it may sample
+            # (by max_tokens or the context length) is in flight, awaiting update().
+            or len(request.output_token_ids) + placeholders >= request.max_tokens
+            or num_tokens >= self.max_model_len
+        ):
+            return True  # its (last) token is in flight: nothing to compute before it is back
+        if len(plan.num_scheduled) >= plan.max_requests:
+            return False
+        num_new = min(num_tokens - request.num_computed_tokens, plan.budget)
+        drafts = None
+        if request.spec_token_ids:
+            drafts = self._drafts_to_verify(request, plan.budget)
+            num_new += len(drafts)
+        allocate_slots = self.kv_cache.allocate_slots
+        new_blocks = allocate_slots(request, num_new)
+        if new_blocks is None and self._reclaim_retained():
             new_blocks = allocate_slots(request, num_new)
-            if new_blocks is None and self._reclaim_retained():
-                new_blocks = allocate_slots(request, num_new)
-            while new_blocks is None:
-                victim = running[-1]  # lowest priority, never one already scheduled
-                self._preempt(victim)
-                plan.num_preempted += 1
-                if victim is request:
-                    break
-                new_blocks = allocate_slots(request, num_new)
-            if new_blocks is None:
-                break
-            plan.add(request, num_new)
-            if drafts:
-                plan.spec_tokens[request.req_id] = drafts
-            cached_requests.append(
-                CachedRequestData(
-                    request.req_id,
-                    [b.block_id for b in new_blocks] if new_blocks else [],
-                    request.num_computed_tokens,
-                )
+        while new_blocks is None:
+            victim = self._preemption_victim(plan)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            plan.num_preempted += 1
+            if victim is request:
+                return False  # it was the last that could go: the pool is full
+            new_blocks = allocate_slots(request, num_new)
+        plan.add(request, num_new)
+        if drafts:
+            plan.spec_tokens[request.req_id] = drafts
+        plan.cached_requests.append(
+            CachedRequestData(
+                request.req_id,
+                [b.block_id for b in new_blocks] if new_blocks else [],
+                request.num_computed_tokens,
             )
-            index += 1
+        )
+        return True
+
+    def _preemption_victim(self, plan: _StepPlan) -> Request | None:
+        """The lowest-priority running request this step has not scheduled (decodes go first,
+        so a scheduled one may sit behind an unscheduled prefill)."""
+        for request in reversed(self.running):
+            if request.req_id not in plan.num_scheduled:
+                return request
+        return None
 
     def _admit_forked(self, plan: _StepPlan) -> None:
         """Admit forked requests while budget and sequence slots allow: their KV up to their

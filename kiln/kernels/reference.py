@@ -8,10 +8,33 @@ block_id * block_size + offset.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 
 FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
+
+# Prefill attention over a float8 cache: which products run as float8 dots. "none": K and V
+# widened to the query's precision; "qk": Q quantized per (token, head) row to e4m3, Q @ K^T in
+# float8; "all": and the softmax weights to e4m3 (times P_FP8_SCALE) for P @ V.
+Fp8Dots = Literal["none", "qk", "all"]
+# The weights' float8 scale: a power of two, so it folds back exactly; the largest weight of a
+# row (in (1/2, 1] against a whole-number maximum) lands in (128, 256], below e4m3's 448.
+P_FP8_SCALE = 256.0
+_LOG2E = 1.4426950408889634
+# A float8 tensor-core dot's reduction dimension is at least 32 (Hopper's float8 MMA; Triton
+# refuses less): smaller heads widen as before.
+FP8_DOT_MIN_HEAD_DIM = 32
+
+
+def uses_fp8_dots(fp8_dots: Fp8Dots, k_cache: torch.Tensor) -> bool:
+    """Whether prefill attention over this cache runs float8 dots (both twins ask this)."""
+    return (
+        fp8_dots != "none"
+        and k_cache.dtype == torch.float8_e4m3fn
+        and k_cache.shape[3] >= FP8_DOT_MIN_HEAD_DIM
+    )
 
 
 def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
@@ -122,10 +145,17 @@ def paged_prefill_attention(
     window: int | None = None,  # sliding window: only the last `window` keys (itself included)
     softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
     sinks: torch.Tensor | None = None,  # [num_heads] fp32 learned logits in the denominator
+    fp8_dots: Fp8Dots = "none",  # float8 cache: which products run as float8 dots
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention for chunks whose earlier context (cached prefix, previous chunks) is
     already in the cache: the j-th of q_len queries sits at position seq_len - q_len + j and sees
-    every key at or before it (or the last `window` of them)."""
+    every key at or before it (or the last `window` of them). Over a float8 cache, `fp8_dots`
+    rounds as the Triton kernel's float8 dots do (_paged_attention_fp8_dots)."""
+    if uses_fp8_dots(fp8_dots, k_cache):
+        return _paged_attention_fp8_dots(
+            query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out, window,
+            softcap, sinks, fp8_dots == "all",
+        )  # fmt: skip
     if window is not None or softcap is not None or sinks is not None:
         return _paged_attention_kinds(
             query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out, window,
@@ -215,6 +245,84 @@ def _paged_attention_kinds(
             k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
             o = attend_math(q, k, v, mask, scale, softcap, sinks)
         out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def _paged_attention_fp8_dots(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], packed sequences
+    k_cache: torch.Tensor,  # float8 e4m3
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    out: torch.Tensor | None,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    pv_fp8: bool,
+) -> torch.Tensor:
+    """Attention with float8 dots, rounded as the Triton kernel rounds, in the log2 domain:
+    each (token, head) row of Q to e4m3 at its absmax / 448 (quantize_fp8); scores = (q8 . k)
+    times that scale and scale * log2(e) (a soft-cap as the kernel's, from exp2); with `pv_fp8`
+    the row maximum rounded up to a whole number m, the weights exp2(score - m) to
+    e4m3(weight * P_FP8_SCALE) for P @ V, their unrounded sum the denominator. The kernel's
+    running maxima are whole numbers too, so each weight meets the same float8 rounding there
+    (times a power of two) whatever the key tiling. Queries go in slices to bound the scores'
+    memory (this is an oracle, not the CPU's path)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    group = num_heads // k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    if out is None:
+        out = torch.empty_like(query)
+    qk_scale = torch.tensor(scale * _LOG2E, dtype=torch.float32)
+    q8, q_scale = quantize_fp8(query.reshape(-1, head_dim), None)
+    q8 = q8.float().view(query.shape)
+    q_scale = q_scale.view(query.shape[:2])  # [num_tokens, num_heads]
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        first = seq_len - q_len
+        lo = 0 if window is None else max(0, first - window + 1)
+        k_pos = torch.arange(lo, seq_len, device=query.device)
+        table = block_tables[i].long()[k_pos // block_size]
+        keys = _read_cache(k_cache, table, k_pos % block_size).float().transpose(0, 1)
+        values = _read_cache(v_cache, table, k_pos % block_size).float().transpose(0, 1)
+        keys = keys.repeat_interleave(group, 0)  # [num_heads, num_keys, head_dim]
+        values = values.repeat_interleave(group, 0)
+        for a in range(start, end, 256):
+            b = min(a + 256, end)
+            q_pos = torch.arange(first + a - start, first + b - start, device=query.device)
+            mask = attention_mask(q_pos, k_pos, window)  # [rows, num_keys]
+            rows_scale = q_scale[a:b].transpose(0, 1)[:, :, None]  # [num_heads, rows, 1]
+            s = q8[a:b].transpose(0, 1) @ keys.transpose(1, 2)  # [num_heads, rows, num_keys]
+            if softcap is not None:
+                e = torch.exp2((s * rows_scale) * ((scale / softcap) * 2.8853900817779268))
+                s = (softcap * _LOG2E) * (1.0 - 2.0 / (e + 1.0))
+                row_scale = torch.ones_like(rows_scale)
+            else:
+                row_scale = rows_scale * qk_scale
+            s = s.masked_fill(~mask, float("-inf"))
+            m = s.amax(dim=-1, keepdim=True) * row_scale
+            sink = None
+            if sinks is not None:
+                sink = (sinks.float() * _LOG2E)[:, None, None]
+                m = torch.maximum(m, sink.expand_as(m))
+            if pv_fp8:
+                m = torch.ceil(m)
+            m = torch.where(m == float("-inf"), 0.0, m)  # a row that sees nothing (a window)
+            p = torch.exp2(s * row_scale - m)
+            total = p.sum(dim=-1, keepdim=True)
+            if sink is not None:
+                total = total + torch.exp2(sink - m)
+            if pv_fp8:
+                p = (p * P_FP8_SCALE).to(torch.float8_e4m3fn).float()
+                total = total * P_FP8_SCALE
+            o = (p @ values) / torch.where(total > 0, total, 1.0)
+            out[a:b] = o.transpose(0, 1).to(out.dtype)
     return out
 
 

@@ -23,6 +23,7 @@ from kiln.models import registry
 from kiln.models.base import CausalLM
 from kiln.models.blocks import LinearMethodFactory
 from kiln.models.config import PRESETS, ModelConfig
+from kiln.runtime.config_plan import plan_from_config
 from kiln.tokenizer import Tokenizer, from_transformers
 
 logger = logging.getLogger(__name__)
@@ -413,6 +414,21 @@ def _memory_of(device: torch.device) -> tuple[int, str]:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host memory"
 
 
+def _log_config_plan(
+    engine_config: EngineConfig,
+    cfg: ModelConfig,
+    max_model_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """How many sequences of each length the KV cache will hold, from the config alone, before
+    the weights are read (the profiled plan after loading is the one the engine uses)."""
+    kv_dtype = resolve_kv_cache_dtype(engine_config.kv_cache_dtype, dtype)
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    plan = plan_from_config(cfg, engine_config, max_model_len, dtype, kv_dtype, total)
+    logging.getLogger("kiln.startup").info("memory plan %s", plan.describe())
+
+
 def load_model(
     engine_config: EngineConfig,
     device: torch.device,
@@ -445,6 +461,8 @@ def load_model(
     # Quantized weights may take one byte each: the check must not refuse what would fit.
     weight_bytes = 1 if engine_config.quantization != "none" else dtype.itemsize
     cfg.check_fits(weight_bytes, *_memory_of(device))
+    if parallel is None:  # (under TP/PP each rank's share differs: the profiled plan tells)
+        _log_config_plan(engine_config, cfg, max_positions, dtype, device)
     with torch.device(device):
         # Made in `dtype`, not `.to(dtype)` after: float8 weights and fp32 scales keep their types.
         model = registry.model_class(cfg.architecture)(

@@ -142,6 +142,35 @@ def test_token_budget_chunks_prefill_and_mixes_decodes():
     assert out.num_scheduled_tokens == {"a": 1, "b": 1}
 
 
+def test_decodes_go_before_a_long_prefill_of_higher_priority():
+    # A long prompt ahead of a decoding request in priority order takes what the decodes leave,
+    # not the whole budget: every running decode is scheduled every step.
+    s = make_scheduler(budget=16, policy="priority", num_blocks=128, max_model_len=4096)
+    s.add_request(make_request("d", prompt_len=4, max_tokens=50, priority=5))
+    fake_step(s)
+    s.add_request(make_request("long", prompt_len=100, max_tokens=2, priority=0, arrival=1))
+    for _ in range(6):
+        out, _ = fake_step(s)
+        assert out.num_scheduled_tokens["d"] == 1
+        assert out.num_scheduled_tokens.get("long", 0) == 15
+    assert [r.req_id for r in s.running] == ["long", "d"]  # priority order unchanged
+
+
+def test_preemption_spares_decodes_scheduled_before_a_prefill():
+    # Decodes are scheduled first; a prefill chunk that then needs blocks preempts the
+    # lowest-priority request not yet scheduled, never a decode already in the step.
+    s = make_scheduler(budget=64, num_blocks=10, block_size=4, caching=False, policy="priority")
+    s.add_request(make_request("d", prompt_len=4, max_tokens=30, priority=5))
+    fake_step(s)
+    s.add_request(make_request("p", prompt_len=24, max_tokens=2, priority=0, arrival=1))
+    for _ in range(12):
+        out, _ = fake_step(s)
+        if "d" in out.num_scheduled_tokens:
+            assert s.requests["d"].status == RequestStatus.RUNNING
+        if not s.has_unfinished_requests():
+            break
+
+
 def test_max_num_seqs_limits_running():
     s = make_scheduler(max_num_seqs=2)
     for i in range(4):

@@ -165,6 +165,35 @@ def test_prefill_kernel(dtype, window, softcap, sinks_on, num_heads, num_kv_head
     _close(out, expected, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("window", "softcap", "sinks_on"), [pytest.param(None, None, False, id="plain"), *KINDS]
+)
+@pytest.mark.parametrize("fp8_dots", ["qk", "all"])
+def test_prefill_kernel_fp8_dots(dtype, window, softcap, sinks_on, fp8_dots) -> None:
+    # Float8 dots round Q per row and (with "all") the softmax weights: the twin rounds the same
+    # way, so the kernel matches it as tightly as the widened path matches its twin; both stay
+    # near the widened result (the float8 rounding itself), which they must differ from.
+    # head_dim 32: float8 tensor-core dots reduce over at least 32 (reference.uses_fp8_dots).
+    q_lens, seq_lens = [21, 9, 1, 40], [21, 30, 11, 70]
+    args = _inputs(q_lens, seq_lens, 4, 2, 32, 4, dtype, window, seed=3, cache_dtype=FP8)
+    query, k_cache, v_cache, tables, qsl, lens = args
+    kinds = {"window": window, "softcap": softcap, "sinks": _sinks(4, sinks_on)}
+    rest = (tables, qsl, lens, 32**-0.5, 40, 70)
+    out = triton_ops.paged_prefill_attention(
+        query, k_cache, v_cache, *rest, **kinds, fp8_dots=fp8_dots
+    )
+    twin = reference.paged_prefill_attention(
+        query.float(), k_cache, v_cache, *rest, **kinds, fp8_dots=fp8_dots
+    )
+    _close(out, twin, dtype)
+    widened = reference.paged_prefill_attention(
+        query.float(), k_cache.float(), v_cache.float(), *rest, **kinds
+    )
+    error = (twin - widened).abs()
+    assert 0 < error.mean() < 0.02 and error.max() < 0.15, (error.mean(), error.max())
+
+
 def _check_decode(dtype, window, softcap, sinks_on, num_splits, cache_dtype=None, group=2):
     seq_lens = [1, 13, 45, 137]
     num_kv_heads = 2

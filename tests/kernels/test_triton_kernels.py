@@ -369,6 +369,18 @@ def test_choose_num_splits() -> None:
     assert choose_num_splits(1, 8, 4096, 132) == 64
     assert choose_num_splits(1, 8, 1024, 132) == 16
     assert choose_num_splits(1, 8, 64, 132) == 1
+    # Past one wave of programs, long contexts split until the last wave is >= 90% full: 84 x 8
+    # programs at 21k fill 1.27 waves of 528, cut in 3 they fill 95% of 4; 64 x 8 fill one wave
+    # already; short contexts never split there (partitions of >= 1024 keys).
+    assert choose_num_splits(84, 8, 22000, 132) == 3
+    assert choose_num_splits(64, 8, 131072, 132) == 1
+    assert choose_num_splits(72, 8, 131072, 132) == 5
+    assert choose_num_splits(84, 8, 2047, 132) == 1
+    assert choose_num_splits(84, 8, 2048, 132) == 2  # capped by the partition length
+    # Never falls as the context grows (decode graphs rely on it).
+    for batch in (67, 84, 100, 137, 200):
+        counts = [choose_num_splits(batch, 8, n, 132) for n in range(256, 140000, 997)]
+        assert counts == sorted(counts), batch
 
 
 @on_gpu
@@ -443,6 +455,71 @@ def test_prefill_attention_fp8_cache(dtype: torch.dtype) -> None:
     _check_prefill([21, 9, 1, 6], [21, 30, 11, 23], 4, 2, 16, 4, dtype, cache_dtype=FP8)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fp8_dots", ["qk", "all"])
+def test_prefill_attention_fp8_dots(dtype: torch.dtype, fp8_dots: str) -> None:
+    # Float8 dots: the twin quantizes Q and the softmax weights as the kernel does, so they
+    # agree as tightly as the widened path does with its twin (bf16: its query rounding).
+    gen = torch.Generator().manual_seed(11)
+    q_lens, seq_lens = [21, 9, 1, 37], [21, 30, 11, 60]
+    # head_dim 32: float8 tensor-core dots reduce over at least 32 (reference.uses_fp8_dots).
+    k_cache, v_cache, tables = _paged_cache(seq_lens, 4, 2, 32, dtype, gen, cache_dtype=FP8)
+    query = torch.randn(sum(q_lens), 4, 32, generator=gen).to(DEVICE, dtype)
+    starts = torch.tensor([0, 21, 30, 31, 68], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    args = (tables, starts, lens, 0.25, max(q_lens), max(seq_lens))
+    out = triton_ops.paged_prefill_attention(query, k_cache, v_cache, *args, fp8_dots=fp8_dots)
+    twin = reference.paged_prefill_attention(
+        query.float(), k_cache, v_cache, *args, fp8_dots=fp8_dots
+    )
+    _assert_close(out, twin, ATTN_ATOL[dtype])
+    widened = reference.paged_prefill_attention(query.float(), k_cache, v_cache, *args)
+    assert (twin - widened).abs().max() > 1e-3  # the float8 rounding is there
+    # A bf16 or fp16 cache ignores the option: the kernel it always ran.
+    cache16 = k_cache.to(torch.float16), v_cache.to(torch.float16)
+    if dtype == torch.float16:
+        plain = triton_ops.paged_prefill_attention(query, *cache16, *args)
+        assert torch.equal(
+            triton_ops.paged_prefill_attention(query, *cache16, *args, fp8_dots=fp8_dots), plain
+        )
+
+
+def test_prefill_fp8_dots_need_head_dim_32() -> None:
+    # Heads under 32 dims widen K and V as before (a float8 MMA reduces over >= 32), in both
+    # twins alike.
+    gen = torch.Generator().manual_seed(13)
+    k_cache, v_cache, tables = _paged_cache([20], 4, 2, 16, torch.float32, gen, cache_dtype=FP8)
+    query = torch.randn(20, 4, 16, generator=gen).to(DEVICE)
+    args = (tables, torch.tensor([0, 20], dtype=torch.int32, device=DEVICE),
+            torch.tensor([20], dtype=torch.int32, device=DEVICE), 0.25, 20, 20)  # fmt: skip
+    for ops in (triton_ops, reference):
+        assert torch.equal(
+            ops.paged_prefill_attention(query, k_cache, v_cache, *args, fp8_dots="all"),
+            ops.paged_prefill_attention(query, k_cache, v_cache, *args),
+        )
+
+
+def test_prefill_fp8_dots_twin_is_independent_of_chunking() -> None:
+    # The whole-number row maxima make each weight's float8 rounding the same whatever keys
+    # came before: a prompt attended in one chunk or in three agrees to fp32 rounding.
+    gen = torch.Generator().manual_seed(12)
+    k_cache, v_cache, tables = _paged_cache([48], 4, 2, 32, torch.float32, gen, cache_dtype=FP8)
+    query = torch.randn(48, 4, 32, generator=gen).to(DEVICE)
+    whole = triton_ops.paged_prefill_attention(
+        query, k_cache, v_cache, tables,
+        torch.tensor([0, 48], dtype=torch.int32, device=DEVICE),
+        torch.tensor([48], dtype=torch.int32, device=DEVICE), 0.25, 48, 48, fp8_dots="all",
+    )  # fmt: skip
+    for lo, hi in ((0, 5), (5, 30), (30, 48)):
+        part = triton_ops.paged_prefill_attention(
+            query[lo:hi], k_cache, v_cache, tables,
+            torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE),
+            torch.tensor([hi], dtype=torch.int32, device=DEVICE), 0.25, hi - lo, hi,
+            fp8_dots="all",
+        )  # fmt: skip
+        _assert_close(part, whole[lo:hi], 2e-6)
+
+
 @on_gpu
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_prefill_attention_llama8b_bf16(block_size: int) -> None:
@@ -492,14 +569,22 @@ def test_prefill_attention_short_chunks_bf16() -> None:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "cache_dtype"),
-    [(torch.float32, None), (torch.float16, None), (torch.float32, FP8)],
+    ("dtype", "cache_dtype", "fp8_dots"),
+    [
+        (torch.float32, None, "all"),
+        (torch.float16, None, "all"),
+        (torch.float32, FP8, "none"),
+        (torch.float32, FP8, "all"),
+    ],
 )
 def test_triton_backend_matches_torch_backend(
-    dtype: torch.dtype, cache_dtype: torch.dtype | None
+    dtype: torch.dtype, cache_dtype: torch.dtype | None, fp8_dots: str
 ) -> None:
     assert isinstance(get_attention_backend("triton", DEVICE), TritonAttentionBackend)
-    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 16, 4
+    # The GPU backend multiplies a float8 cache's prefill in float8; the reference widens.
+    assert TritonAttentionBackend().fp8_dots == "all"
+    assert TorchAttentionBackend().fp8_dots == "none"
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 4  # 32: float8 dots
     # Two decodes, then a fresh prompt and a chunk after a cached prefix.
     q_lens = [1, 1, 6, 5]
     seq_lens = [9, 17, 6, 14]
@@ -524,8 +609,8 @@ def test_triton_backend_matches_torch_backend(
     )
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
     scale = head_dim**-0.5
-    out = TritonAttentionBackend().forward(query, k_cache, v_cache, metadata, scale)
-    expected = TorchAttentionBackend().forward(query, k_cache, v_cache, metadata, scale)
+    out = TritonAttentionBackend(fp8_dots).forward(query, k_cache, v_cache, metadata, scale)
+    expected = TorchAttentionBackend(fp8_dots).forward(query, k_cache, v_cache, metadata, scale)
     _assert_close(out, expected, ATTN_ATOL[dtype] if dtype == torch.float32 else 5e-3)
     # The backends share run_split_attention, which has both kernels write their rows of one
     # output: check the rows against separate reference calls, concatenated.
@@ -537,6 +622,7 @@ def test_triton_backend_matches_torch_backend(
         reference.paged_prefill_attention(
             query[2:], k_cache, v_cache, tables[2:], metadata.query_start_loc[2:] - 2, lens[2:],
             scale, max(q_lens), max(seq_lens),
+            **({"fp8_dots": fp8_dots} if cache_dtype == FP8 else {}),
         ),
     ])  # fmt: skip
     assert torch.equal(expected, separate)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.kv_layout import check_head_major
+from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE, Fp8Dots, uses_fp8_dots
 from kiln.kernels.triton._attention_kinds import kind_args
 from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
@@ -22,10 +23,33 @@ from kiln.kernels.triton._kv_layout import kv_tile_offsets
 from kiln.kernels.triton._online_softmax import (
     online_softmax_update,
     online_softmax_update_masked,
+    online_softmax_update_rows,
     soft_cap,
 )
+from kiln.kernels.triton.fp8_gemm import scaled_to_e4m3
 
 _LOG2E = 1.4426950408889634
+_FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
+_FP8_MIN_SCALE = tl.constexpr(FP8_MIN_SCALE)
+
+
+@triton.jit
+def _load_v_tile(
+    n_start, lo, end, block_table, v_cache_ptr, kv_head_offset, dims, dim_mask,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
+):  # fmt: skip
+    """The raw V rows of keys [n_start, n_start + BLOCK_N) that lie in [lo, end) (zeros else)."""
+    n = n_start + tl.arange(0, BLOCK_N)
+    n_mask = n < end
+    if SLIDING:
+        n_mask = n_mask & (n >= lo)
+    block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n_mask, other=0)
+    offsets = kv_tile_offsets(
+        block_ids.to(tl.int64), n % BLOCK_SIZE, kv_head_offset, dims, NUM_KV_HEADS, HEAD_DIM,
+        BLOCK_SIZE,
+    )  # fmt: skip
+    return tl.load(v_cache_ptr + offsets, mask=n_mask[:, None] & dim_mask[None, :], other=0.0)
 
 
 @triton.jit
@@ -34,6 +58,7 @@ def _attend_tile(
     l_i,
     m_i,
     q,
+    q_scale,  # FP8_QK: [BLOCK_M] each query row's float8 scale (else unused)
     q_pos,  # [BLOCK_M] position of each query row in its sequence
     n_start,
     seq_len,
@@ -57,6 +82,12 @@ def _attend_tile(
     FP16_DOTS: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    FP8_QK: tl.constexpr = False,
+    FP8_PV: tl.constexpr = False,
+    INTERPRETED: tl.constexpr = False,
+    PREFETCH_V: tl.constexpr = False,
+    v_pre=None,  # PREFETCH_V: this tile's V, loaded a tile ahead (returned: the next tile's)
+    v_end=0,  # PREFETCH_V: where the keys any tile of this program reads end
 ):
     n = n_start + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -72,15 +103,30 @@ def _attend_tile(
         BLOCK_SIZE,
     )  # fmt: skip
     kv_mask = n_mask[:, None] & dim_mask[None, :]
-    k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
-    v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-    if FP16_DOTS:  # noqa: SIM108 (resolved at compile time)
-        v = fp8e4m3_to_fp16(v)  # not v.to(tl.float16): see _fp8.py
+    k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if PREFETCH_V:
+        # A float8 V operand must reach shared memory transposed (Hopper's float8 MMA reads
+        # both operands K-major), so Triton loads it through registers and cannot pipeline it
+        # as it does K: the next tile's V is loaded here, its latency hidden behind this tile.
+        v = v_pre
+        v_pre = _load_v_tile(
+            n_start + BLOCK_N, lo, v_end, block_table, v_cache_ptr, kv_head_offset, dims,
+            dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SLIDING,
+        )  # fmt: skip
     else:
-        v = v.to(q.dtype)
-
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if FP8_QK:
+        s = tl.dot(q, tl.trans(k))  # float8 x float8, fp32 sums: [BLOCK_M, BLOCK_N], unscaled
+    else:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+    if not FP8_PV:
+        if FP16_DOTS:  # noqa: SIM108 (resolved at compile time)
+            v = fp8e4m3_to_fp16(v)  # not v.to(tl.float16): see _fp8.py
+        else:
+            v = v.to(q.dtype if not FP8_QK else tl.float32)
     if SOFTCAP:  # scaled and capped here, in the log2 domain: the update then scales by 1
+        if FP8_QK:
+            s = s * q_scale[:, None]
         s = soft_cap(s, softcap_in, softcap_out)
         qk_scale = 1.0
     if MASKED:
@@ -88,12 +134,24 @@ def _attend_tile(
         if SLIDING:
             visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
+    if FP8_QK:
+        if SOFTCAP:  # noqa: SIM108 (resolved at compile time)
+            row_scale = tl.full(q_scale.shape, 1.0, tl.float32)
+        else:
+            row_scale = q_scale * qk_scale
+        acc, l_i, m_i = online_softmax_update_rows(
+            acc, l_i, m_i, s, row_scale, v, DOT_PRECISION, SLIDING and MASKED, FP8_PV,
+            INTERPRETED,
+        )  # fmt: skip
+        return acc, l_i, m_i, v_pre
     if SLIDING and MASKED:
         # A row may see no key of this tile and none before it (its window starts later).
-        return online_softmax_update_masked(acc, l_i, m_i, s, qk_scale, v, DOT_PRECISION)
-    # Rows fully masked in this tile keep m_i (finite: every row saw a key in an earlier tile).
-    # The scale goes in inside the update, after the row maxima: one FFMA a score.
-    return online_softmax_update(acc, l_i, m_i, s, qk_scale, v, DOT_PRECISION)
+        acc, l_i, m_i = online_softmax_update_masked(acc, l_i, m_i, s, qk_scale, v, DOT_PRECISION)
+    else:
+        # Rows fully masked in this tile keep m_i (finite: every row saw a key in an earlier
+        # tile). The scale goes in inside the update, after the row maxima: one FFMA a score.
+        acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, qk_scale, v, DOT_PRECISION)
+    return acc, l_i, m_i, v_pre
 
 
 @triton.jit(do_not_specialize=["window"])
@@ -127,6 +185,10 @@ def _prefill_kernel(
     SLIDING: tl.constexpr = False,
     SOFTCAP: tl.constexpr = False,
     SINKS: tl.constexpr = False,
+    FP8_QK: tl.constexpr = False,  # float8 cache: Q per row to e4m3, Q @ K^T a float8 dot
+    FP8_PV: tl.constexpr = False,  # and P @ V too (see online_softmax_update_rows)
+    INTERPRETED: tl.constexpr = False,  # the Triton interpreter: see round_to_e4m3_grid
+    PREFETCH_V: tl.constexpr = False,  # FP8_PV: V loaded a tile ahead (_attend_tile)
 ):
     # Reversed so the longest (last, most keys under the causal mask) tiles start first.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -153,15 +215,29 @@ def _prefill_kernel(
         mask=m_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
-    if FP16_DOTS:
+    q_scale = tl.full([BLOCK_M], 1.0, tl.float32)
+    if FP8_QK:
+        # Each (token, head) row to e4m3 with its own absmax / 448 (reference.quantize_fp8's
+        # rounding): finer than a scale per tile or head and no dearer, since a row's scale
+        # joins the one multiply-add each score gets anyway.
+        q = q.to(tl.float32)
+        absmax = tl.max(tl.abs(q), 1)
+        q_scale = tl.maximum(tl.math.div_rn(absmax, _FP8_MAX), _FP8_MIN_SCALE)
+        inv_scale = tl.math.div_rn(1.0, q_scale)
+        q = scaled_to_e4m3(q, q_scale[:, None], inv_scale[:, None], True, _FP8_MAX, INTERPRETED)
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    elif FP16_DOTS:
         q = q.to(tl.float16)
     q_pos = context_len + offs_m
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SINKS:  # the sink as a first key of weight exp(sink) and value 0: m and l start there
-        m_i = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(sinks_ptr + head) * 1.4426950408889634
-        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+        sink = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(sinks_ptr + head) * 1.4426950408889634
+        m_i = sink
+        if FP8_PV:  # whole-number maxima (online_softmax_update_rows): the sink's weight < 1
+            m_i = tl.ceil(sink)
+        l_i = tl.exp2(sink - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     kv_head_offset = kv_head_offset_of(head // GROUP, HEAD_DIM, BLOCK_SIZE)
@@ -171,6 +247,8 @@ def _prefill_kernel(
     unmasked_end = (first_pos // BLOCK_N) * BLOCK_N
     full_start = 0
     lo = 0
+    # The diagonal's end: keys from here on are past every row of the tile.
+    causal_end = tl.minimum(seq_len, first_pos + BLOCK_M)
     if SLIDING:
         # Keys before the first row's window are skipped; tiles before the last row's window
         # start are masked per row; from there to the diagonal every row sees every key.
@@ -178,32 +256,45 @@ def _prefill_kernel(
         last_pos = context_len + tl.minimum(m_block * BLOCK_M + BLOCK_M, q_len) - 1
         full_start = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
         full_start = tl.maximum(tl.minimum(full_start, unmasked_end), (lo // BLOCK_N) * BLOCK_N)
+    # The three loops below visit contiguous tiles from here: a V prefetch runs through them.
+    if PREFETCH_V:
+        v_pre = _load_v_tile(
+            (lo // BLOCK_N) * BLOCK_N, lo, causal_end, block_table, v_cache_ptr, kv_head_offset,
+            dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SLIDING,
+        )  # fmt: skip
+    else:
+        v_pre = tl.zeros([1], tl.float32)  # unused
+    if SLIDING:
         for n_start in range((lo // BLOCK_N) * BLOCK_N, full_start, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, q_pos, n_start, seq_len, lo, window, softcap_in, softcap_out,
-                block_table, k_cache_ptr, v_cache_ptr, kv_head_offset, dims, dim_mask, qk_scale,
-                NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP16_DOTS,
-                SLIDING, SOFTCAP,
+            acc, l_i, m_i, v_pre = _attend_tile(
+                acc, l_i, m_i, q, q_scale, q_pos, n_start, seq_len, lo, window, softcap_in,
+                softcap_out, block_table, k_cache_ptr, v_cache_ptr, kv_head_offset, dims, dim_mask,
+                qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+                FP16_DOTS, SLIDING, SOFTCAP, FP8_QK, FP8_PV, INTERPRETED, PREFETCH_V, v_pre,
+                causal_end,
             )  # fmt: skip
     for n_start in range(full_start, unmasked_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, n_start, seq_len, lo, window, softcap_in, softcap_out,
-            block_table, k_cache_ptr, v_cache_ptr, kv_head_offset, dims, dim_mask, qk_scale,
-            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, FP16_DOTS,
-            SLIDING, SOFTCAP,
+        acc, l_i, m_i, v_pre = _attend_tile(
+            acc, l_i, m_i, q, q_scale, q_pos, n_start, seq_len, lo, window, softcap_in,
+            softcap_out, block_table, k_cache_ptr, v_cache_ptr, kv_head_offset, dims, dim_mask,
+            qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, FP16_DOTS,
+            SLIDING, SOFTCAP, FP8_QK, FP8_PV, INTERPRETED, PREFETCH_V, v_pre,
+            causal_end,
         )  # fmt: skip
     # The diagonal: the first of these tiles holds key `first_pos`, seen by every row.
-    causal_end = tl.minimum(seq_len, first_pos + BLOCK_M)
     for n_start in range(unmasked_end, causal_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, n_start, seq_len, lo, window, softcap_in, softcap_out,
-            block_table, k_cache_ptr, v_cache_ptr, kv_head_offset, dims, dim_mask, qk_scale,
-            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP16_DOTS,
-            SLIDING, SOFTCAP,
+        acc, l_i, m_i, v_pre = _attend_tile(
+            acc, l_i, m_i, q, q_scale, q_pos, n_start, seq_len, lo, window, softcap_in,
+            softcap_out, block_table, k_cache_ptr, v_cache_ptr, kv_head_offset, dims, dim_mask,
+            qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP16_DOTS,
+            SLIDING, SOFTCAP, FP8_QK, FP8_PV, INTERPRETED, PREFETCH_V, v_pre,
+            causal_end,
         )  # fmt: skip
 
     if SLIDING:  # padding rows past the chunk may have seen no key: no 0 / 0 (never stored)
         l_i = tl.where(l_i > 0.0, l_i, 1.0)
+    if FP8_PV:
+        l_i = l_i * 256.0  # P_FP8_SCALE: acc holds the weights times it
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + tokens[:, None] * stride_o_token + head * stride_o_head + dims[None, :],
@@ -212,34 +303,60 @@ def _prefill_kernel(
     )
 
 
+# Tiles for prompts with many query tiles, keyed by (head_dim up to, how the K/V operands run):
+# (BLOCK_M, BLOCK_N, num_warps, num_stages).
+#   head_dim <= 128, "bf16"        128 x 64, 4 warps, 3 stages (H200 bf16, 8k prompt: 397 TFLOP/s
+#                                  against 380 for 64-row tiles; compiled by Triton 3.9 it
+#                                  spills 1.7 KB a thread, 8 warps none: the sweep's first check)
+#   head_dim <= 128, "fp8_widened" 128 x 128, 8 warps, 2 stages (float8 K/V widened to 16 bits:
+#                                  best or within 2% of 18 tiles at 2k prompts and a 512-token
+#                                  chunk after 6k, H200)
+#   head_dim <= 128, "fp8_dots"    128 x 128, 8 warps, 2 stages (float8 dots, V loaded a tile
+#                                  ahead: compiled for sm_90a by Triton 3.9, 255 registers and no
+#                                  spill, 64 KB of shared memory; 3 stages spill 12 bytes; to be
+#                                  confirmed by benchmarks/kernels_gpu.py --long's sweep)
+#   head_dim <= 256, any           64 x 32, 4 warps, 2 stages (keeps the stages in shared memory)
+# Fewer tiles than 8 programs an SM (short prompts, bf16) take 64 x 64 tiles, which balance the
+# causal triangle's uneven work better (2k prompt: 275 against 207 TFLOP/s; a 512-token chunk
+# after a 6k prefix: 349 against 252).
+PREFILL_TILES: dict[tuple[int, str], tuple[int, int, int, int]] = {
+    (128, "bf16"): (128, 64, 4, 3),
+    (128, "fp8_widened"): (128, 128, 8, 2),
+    (128, "fp8_dots"): (128, 128, 8, 2),
+    (256, "bf16"): (64, 32, 4, 2),
+    (256, "fp8_widened"): (64, 32, 4, 2),
+    (256, "fp8_dots"): (64, 32, 4, 2),
+}
+_FEW_TILES = (64, 64, 4, 3)
+
+
 def _tile_config(
     head_dim: int,
     max_query_len: int,
     num_heads: int,
     num_seqs: int,
     device: torch.device,
-    kv_fp8: bool = False,
+    operands: str = "bf16",  # a PREFILL_TILES operand kind
 ) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages).
-
-    Measured on an H200 (Llama-3.1-8B heads, bf16): 128-row tiles win once there are many of them
-    (8k-token prompt: 397 TFLOP/s against 380 for 64-row ones); with fewer, 64-row tiles balance
-    the causal triangle's uneven work better (2k prompt: 275 against 207 TFLOP/s; a 512-token
-    chunk after a 6k prefix: 349 against 252).
-    """
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) from PREFILL_TILES."""
     if device.type != "cuda":
         return 16, 16, 4, 1  # the interpreter's cost grows with tile size; 16 is tl.dot's minimum
-    if head_dim > 128:
-        return 64, 32, 4, 2  # keep the K/V stages within shared memory
-    if kv_fp8:
-        # Float8 K/V: 128 x 128 tiles on 8 warps were best or within 2% for four 2k prompts and a
-        # 512-token chunk after 6k (274 and 318 TFLOP/s; bf16 322 and 338), where the bf16 choices
-        # gave 260 and 242 (fp8_run3/kv_fp8_kernel_sweep.json, before V was widened by _fp8.py;
-        # with it, 270 and 319 at this tile in fp8_run7, whose re-sweep failed on a script bug).
-        return 128, 128, 8, 2
-    if triton.cdiv(max_query_len, 128) * num_heads * num_seqs >= 8 * num_sms(device):
-        return 128, 64, 4, 3
-    return 64, 64, 4, 3
+    key = (128 if head_dim <= 128 else 256, operands)
+    few = triton.cdiv(max_query_len, 128) * num_heads * num_seqs < 8 * num_sms(device)
+    if key[0] == 128 and operands == "bf16" and few:
+        return _FEW_TILES
+    return PREFILL_TILES[key]
+
+
+def _fp8_flags(fp8_dots: Fp8Dots, query: torch.Tensor) -> dict:
+    return {
+        "FP8_QK": True,
+        "FP8_PV": fp8_dots == "all",
+        # Compiled for sm_90a (Triton 3.9, ptxas -v), 128 x 128 tiles on 8 warps: the widened
+        # V of "qk" spills 2.7x more registers when loaded ahead (720 bytes against 268).
+        "PREFETCH_V": fp8_dots == "all",
+        "INTERPRETED": query.device.type != "cuda",
+    }
 
 
 def paged_prefill_attention(
@@ -256,9 +373,11 @@ def paged_prefill_attention(
     window: int | None = None,  # sliding window: only the last `window` keys (itself included)
     softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
     sinks: torch.Tensor | None = None,  # [num_heads] fp32 learned logits in the denominator
+    fp8_dots: Fp8Dots = "none",  # float8 cache: which products run as float8 dots
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention for chunks whose earlier context is already in the cache (a window, a
-    soft-cap and sinks as the twin's; without them the kernel compiles as it always did)."""
+    soft-cap, sinks and float8 dots as the twin's; without them the kernel compiles as it always
+    did)."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
@@ -271,13 +390,11 @@ def paged_prefill_attention(
         query = query.contiguous()
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    fp8_qk = uses_fp8_dots(fp8_dots, k_cache)
+    operands = ("fp8_dots" if fp8_qk else "fp8_widened") if kv_fp8 else "bf16"
     block_m, block_n, num_warps, num_stages = _tile_config(
-        head_dim,
-        max_query_len,
-        num_heads,
-        num_seqs,
-        query.device,
-        kv_fp8=k_cache.dtype == torch.float8_e4m3fn,
+        head_dim, max_query_len, num_heads, num_seqs, query.device, operands
     )
     grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
     _prefill_kernel[grid](
@@ -307,6 +424,8 @@ def paged_prefill_attention(
         SLIDING=window is not None,
         SOFTCAP=softcap is not None,
         SINKS=sinks is not None,
+        # Only a float8 cache's launch passes these: a 16-bit cache's kernel is as it was.
+        **(_fp8_flags(fp8_dots, query) if fp8_qk else {}),
         num_warps=num_warps,
         num_stages=num_stages,
     )

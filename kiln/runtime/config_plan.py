@@ -1,0 +1,145 @@
+"""The memory plan from a model's config alone, before any weight is read: how many sequences of
+each length the KV cache will hold. The runtime's own plan (memory_plan.plan_kv_blocks) profiles
+a real step after loading and is what the engine uses; this one is arithmetic, so a long-context
+setup that cannot fit says so in a second, and `kiln build` prints it too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.config import EngineConfig
+from kiln.models.config import ModelConfig
+from kiln.runtime.memory_plan import _CPU_DEFAULT_KV_GB, GiB, kv_bytes_per_token
+
+_FP8_BYTES = 1
+# The lengths the plan reports besides max_model_len (the long-context rows' sizes).
+REPORT_LENGTHS = (4096, 32768, 131072)
+# What profiling adds beyond the step's tensors on a GPU (the runtime's _SAFETY_MARGIN plus the
+# decode graphs' pool floor, kiln.runtime.memory_plan): a fixed allowance here.
+_FIXED_RESERVE = GiB // 2 + 256 * (1 << 20)
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int:
+    """Bytes of the parameters kiln creates for `cfg`. Quantized: the projections' weights take
+    one byte each plus a float32 scale per output channel; embedding, norms and LM head stay in
+    `dtype`. A sparse layer counts every expert (float8 with a float32 scale per expert and
+    projection under "fp8-dynamic", else in `dtype`: static FP8 leaves them), its router in
+    `dtype`, and its shared expert as a dense MLP's projections."""
+    h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+    kv, layers = cfg.num_key_value_heads * cfg.head_dim, range(cfg.num_hidden_layers)
+    projections = [(h, q + 2 * kv), (q, h)] * cfg.num_hidden_layers  # (in, out)
+    experts = routers = 0
+    for i in layers:
+        sparse = cfg.is_sparse_layer(i)
+        inter = cfg.shared_expert_intermediate_size if sparse else cfg.intermediate_size
+        if inter:
+            projections += [(h, 2 * inter), (inter, h)]
+        if sparse:  # the rest of its MLP: the router (and the shared expert's gate row)
+            routed = cfg.num_experts * 3 * h * cfg.moe_intermediate_size
+            experts += routed
+            routers += cfg.mlp_parameter_count(i) - routed - 3 * h * inter
+    float8_experts = quantization == "fp8-dynamic"
+    sparse_layers = sum(cfg.is_sparse_layer(i) for i in layers)
+    expert_bytes = (
+        experts * _FP8_BYTES + sparse_layers * 2 * cfg.num_experts * 4
+        if float8_experts
+        else experts * dtype.itemsize
+    )
+    linear = sum(i * o for i, o in projections)
+    out_channels = sum(o for _, o in projections)
+    bias = (q + 2 * kv) * cfg.num_hidden_layers if cfg.attention_bias else 0
+    norms = (2 * cfg.num_hidden_layers + 1) * h
+    embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    other = (bias + norms + embeddings + routers) * dtype.itemsize + expert_bytes
+    if quantization == "none":
+        return linear * dtype.itemsize + other
+    return linear * _FP8_BYTES + out_channels * 4 + other
+
+
+def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, config: EngineConfig) -> int:
+    """An estimate of the largest step's transient memory: per batched token its residual,
+    normed input, q/k/v, attention output and the MLP's gate-up and activated halves in `dtype`
+    (layers run one at a time, so one layer's worth), plus fp32 logits and two sampler
+    temporaries of the vocabulary per sequence slot."""
+    tokens = config.max_num_batched_tokens
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    inter = max(cfg.intermediate_size, cfg.moe_intermediate_size or 0)
+    per_token = (3 * cfg.hidden_size + 2 * q + 2 * kv + 3 * inter) * dtype.itemsize
+    rows = min(config.max_num_seqs, tokens)
+    return tokens * per_token + 3 * rows * cfg.vocab_size * 4
+
+
+@dataclass(frozen=True)
+class ConfigPlan:
+    weight_bytes: int
+    activation_bytes: int  # 0 on the CPU, where the budget is a fixed size
+    kv_bytes_per_token: int
+    kv_budget_bytes: int
+    block_size: int
+    max_model_len: int
+    kv_dtype: str
+    target: str  # "cpu" or "<GiB> GiB GPU"
+
+    @property
+    def kv_blocks(self) -> int:
+        return self.kv_budget_bytes // (self.kv_bytes_per_token * self.block_size)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.kv_blocks * self.block_size
+
+    def sequences_of(self, length: int) -> int:
+        """Sequences of `length` tokens the cache holds at once (whole blocks each)."""
+        return self.kv_blocks // -(-length // self.block_size)
+
+    def lengths(self) -> list[int]:
+        return sorted({n for n in REPORT_LENGTHS if n < self.max_model_len} | {self.max_model_len})
+
+    def describe(self) -> str:
+        fits = ", ".join(f"{self.sequences_of(n)} x {n}" for n in self.lengths())
+        activations = (
+            f", activations ~{self.activation_bytes / GiB:.2f} GiB" if self.activation_bytes else ""
+        )
+        return (
+            f"before loading ({self.target}): weights {self.weight_bytes / GiB:.2f} GiB"
+            f"{activations}; KV cache ({self.kv_dtype}, {self.kv_bytes_per_token / 1024:.0f} "
+            f"KiB/token) {self.kv_budget_bytes / GiB:.2f} GiB = {self.kv_tokens} tokens: "
+            f"sequences at once {fits}"
+        )
+
+
+def plan_from_config(
+    cfg: ModelConfig,
+    config: EngineConfig,
+    max_model_len: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    device_bytes: int | None,
+) -> ConfigPlan:
+    """`device_bytes`: the GPU's memory (None: the CPU's fixed KV budget). A GPU's KV budget is
+    gpu_memory_utilization of it less the weights, the activation estimate and a fixed reserve
+    (or kv_cache_memory_gb when set); the profiled plan after loading replaces it."""
+    weights = weight_bytes(cfg, dtype, config.quantization)
+    activations = 0
+    if config.kv_cache_memory_gb is not None:
+        budget = int(config.kv_cache_memory_gb * GiB)
+    elif device_bytes is None:
+        budget = int(_CPU_DEFAULT_KV_GB * GiB)
+    else:
+        activations = activation_bytes(cfg, dtype, config)
+        usable = int(device_bytes * config.gpu_memory_utilization)
+        budget = max(0, usable - weights - activations - _FIXED_RESERVE)
+    target = "cpu" if device_bytes is None else f"{device_bytes / GiB:.0f} GiB GPU"
+    return ConfigPlan(
+        weights,
+        activations,
+        kv_bytes_per_token(cfg, kv_dtype),
+        budget,
+        config.block_size,
+        max_model_len,
+        str(kv_dtype).removeprefix("torch."),
+        target,
+    )
