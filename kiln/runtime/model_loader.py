@@ -323,6 +323,7 @@ def _load_engine_tokenizer(path: str) -> Tokenizer | None:
 
 
 def _hf_dir_source(path: str) -> ModelSource:
+    from kiln.checkpoint.eight_bit_formats import eight_bit_tensors, read_eight_bit
     from kiln.checkpoint.int4_formats import int4_tensors, read_int4
     from kiln.checkpoint.prequantized import read_prequantized
     from kiln.checkpoint.safetensors_loader import (
@@ -332,17 +333,26 @@ def _hf_dir_source(path: str) -> ModelSource:
     )
 
     hf_config = read_hf_config(path)
-    int4 = read_int4(path, hf_config)
-    fp8 = read_prequantized(path, hf_config) if int4 is None else None
-    config, weights = load_hf_checkpoint(path, allow_fp8=fp8 is not None, allow_int=bool(int4))
+    eight_bit = read_eight_bit(path, hf_config)
+    int4 = read_int4(path, hf_config) if eight_bit is None else None
+    fp8 = read_prequantized(path, hf_config) if int4 is None and eight_bit is None else None
+    config, weights = load_hf_checkpoint(
+        path, allow_fp8=fp8 is not None or eight_bit is not None,
+        allow_int=bool(int4) or eight_bit is not None,
+    )  # fmt: skip
     if int4 is not None:
         weights = int4_tensors(weights, int4)
+    if eight_bit is not None:
+        weights = eight_bit_tensors(weights, eight_bit)
     source = ModelSource(
         config, weights, _load_tokenizer(path), read_generation_config(path), f"HF {path}"
     )
     if int4 is not None:
         source.description = f"HF {path} ({int4.producer} {int4.quantization})"
         source.quantization = int4.quantization
+    if eight_bit is not None:
+        source.description = f"HF {path} ({eight_bit.producer} {eight_bit.quantization})"
+        source.quantization = eight_bit.quantization
     if fp8 is not None:
         source.description = f"HF {path} ({fp8.producer} {fp8.quantization})"
         source.quantization, source.input_scales = fp8.quantization, fp8.input_scales
