@@ -31,6 +31,7 @@ SEQUENTIAL_DAMP = 0.1
 SCALES_METHOD = {
     "fp8": "static per-tensor input scales calibrated at build time; per-channel weights",
     "fp8-dynamic": "dynamic per-token input scales; per-channel weights",
+    "int8-w8a8": "int8: dynamic per-token input scales; per-channel weights rounded to nearest",
 }
 
 # "gptq": H = X X^T of the source's inputs, one pass (kiln.builder.calibrate.gptq).
