@@ -343,6 +343,12 @@ def _hf_dir_source(path: str) -> ModelSource:
     if int4 is not None:
         weights = int4_tensors(weights, int4)
     if eight_bit is not None:
+        if config.num_experts:
+            raise ModelLoadError(
+                f"{path}: {eight_bit.quantization} ({eight_bit.producer}) checkpoints of "
+                "mixture-of-experts models are not supported yet (kiln's experts load from "
+                "16-bit weights)"
+            )
         weights = eight_bit_tensors(weights, eight_bit)
     source = ModelSource(
         config, weights, _load_tokenizer(path), read_generation_config(path), f"HF {path}"

@@ -279,3 +279,13 @@ def test_dummy_and_16_bit_weights_round_to_the_scheme_as_they_load(tmp_path, sch
     greedy = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
     got = [list(o.outputs[0].token_ids) for o in rounded.generate(PROMPTS, greedy)]
     assert got == _generate(_hf_model(like, state), PROMPTS)
+
+
+def test_an_eight_bit_mixture_of_experts_checkpoint_is_refused(tmp_path) -> None:
+    path = _edited(tmp_path, "fp8_block_hf")
+    config = json.loads((path / "config.json").read_text())
+    config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=64)  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="mixture-of-experts"):
+        LLM(str(path), **ARGS)
