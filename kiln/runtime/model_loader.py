@@ -459,7 +459,8 @@ def load_model(
     linear_method = _linear_method(engine_config, source)
     _check_float8_device(engine_config, source, device)
     # Quantized weights may take one byte each: the check must not refuse what would fit.
-    weight_bytes = 1 if engine_config.quantization != "none" else dtype.itemsize
+    quantized = engine_config.quantization != "none" or source.quantization != "none"
+    weight_bytes = 1 if quantized else dtype.itemsize  # a pre-quantized checkpoint's too
     cfg.check_fits(weight_bytes, *_memory_of(device))
     with torch.device(device):
         # Made in `dtype`, not `.to(dtype)` after: float8 weights and fp32 scales keep their types.

@@ -140,7 +140,7 @@ def _eight_bit(quantization: str, unquantized: Collection[str]) -> Callable[[str
 
     weight_dtype, _, group = quantization.partition("-w8a16-")
     size = 0
-    if weight_dtype in ("int8", "fp8") and group:
+    if quantization.startswith(W8A16_PREFIXES):
         if group != "channel" and not (group.startswith("g") and group[1:].isdigit()):
             raise ValueError(
                 f"unknown quantization {quantization!r}: {weight_dtype}-w8a16-g<N> or "
