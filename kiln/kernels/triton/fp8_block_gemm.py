@@ -100,7 +100,7 @@ def fp8_block_matmul(
     if m == 0:
         return y
     block_m = 16 if m <= 16 else (64 if m <= 256 else 128)
-    block_n = 64 if m <= 256 else 128
+    block_n = 32 if m <= 16 else (64 if m <= 256 else 128)  # as int8_gemm's (unmeasured)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _fp8_block_gemm_kernel[grid](
         x_fp8, x_scales, weight, weight_scales, bias if bias is not None else weight_scales, y,

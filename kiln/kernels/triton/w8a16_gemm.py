@@ -62,7 +62,7 @@ def w8a16_linear(
     if block_k < 16:
         raise ValueError(f"w8a16_linear: group size {group_size} is not a multiple of 16")
     block_m = 16 if m <= 16 else 64
-    block_n = 64
+    block_n = 32 if m <= 16 else 64  # as int8_gemm's (unmeasured)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _w8a16_gemm_kernel[grid](
         x, weight, scales, bias if bias is not None else scales, y, m, n, k, x.stride(0),
