@@ -85,6 +85,10 @@ def _ct_scheme(path: str, weights: dict[str, Any], inputs: dict[str, Any]) -> st
     described = f"{kind}8/{strategy} weights, {_describe(inputs)} activations"
     if not weights.get("symmetric", True):
         raise ModelLoadError(f"{path}: asymmetric 8-bit weights ({described}) are not supported")
+    if weights.get("actorder") == "group":  # a g_idx per projection: GPTQ's act-order groups
+        raise ModelLoadError(
+            f"{path}: 8-bit weights with actorder 'group' ({described}) are not supported"
+        )
     if kind == "float" and strategy == "block":
         dynamic_groups = inputs.get("dynamic") and inputs.get("strategy") == "group"
         if list(weights.get("block_structure") or []) != [128, 128] or not (
@@ -133,6 +137,10 @@ def eight_bit_tensors(
             continue
         prefix, kind = name.rsplit(".", 1)
         if kind == "weight_shape":  # the shape the packed codes imply already
+            continue
+        if kind == "weight_zero_point":  # older compressed-tensors wrote zeros for symmetric
+            if bool(tensor.any()):
+                raise ModelLoadError(f"{name}: nonzero zero points of a symmetric scheme")
             continue
         if kind == "weight_packed":
             yield f"{prefix}.weight", unpack_int8(tensor)

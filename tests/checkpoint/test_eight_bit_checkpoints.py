@@ -222,6 +222,9 @@ def test_int8_activations_are_rounded_per_token(oracle) -> None:
          lambda q: q["config_groups"]["group_0"]["weights"].update(block_structure=[128, 64]),
          "FP8_BLOCK"),
         ("ct_w8a16_int8", lambda q: q.update(ignore=[]), "lm_head"),
+        ("ct_w8a16_int8",
+         lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"),
+         "actorder"),
     ],
 )  # fmt: skip
 def test_what_kiln_cannot_load_is_refused(tmp_path, name, edit, message) -> None:
@@ -289,3 +292,26 @@ def test_an_eight_bit_mixture_of_experts_checkpoint_is_refused(tmp_path) -> None
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="mixture-of-experts"):
         LLM(str(path), **ARGS)
+
+
+def test_symmetric_zero_points_written_as_zeros_are_skipped(tmp_path, oracle) -> None:
+    """Older compressed-tensors versions wrote a symmetric scheme's zero points (all zero):
+    they load as if absent; a nonzero one is refused."""
+
+    def zeros(tensors: dict[str, torch.Tensor]) -> None:
+        for key in [k for k in tensors if k.endswith("proj.weight_scale")]:
+            tensors[key.replace("weight_scale", "weight_zero_point")] = torch.zeros(
+                tensors[key].shape, dtype=torch.int8
+            )
+
+    assert _kiln(_edited(tmp_path, "ct_w8a8_int8", tensor_edit=zeros)) == _want(
+        oracle, "ct_w8a8_int8"
+    )
+
+    def one(tensors: dict[str, torch.Tensor]) -> None:
+        tensors["model.layers.0.mlp.up_proj.weight_zero_point"] = torch.ones(
+            256, 1, dtype=torch.int8
+        )
+
+    with pytest.raises(ModelLoadError, match="nonzero zero points"):
+        _kiln(_edited(tmp_path / "one", "ct_w8a8_int8", tensor_edit=one))
