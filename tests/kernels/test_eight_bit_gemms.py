@@ -47,7 +47,7 @@ def test_quantize_int8_equals_the_reference_exactly(dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 7, 33])
+@pytest.mark.parametrize("rows", [1, 7, 33, 80])  # 80: cuBLAS on a GPU
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_linear_matches_the_reference(dtype, rows, bias) -> None:
     n, k = 72, 160  # neither a multiple of the tiles
@@ -148,3 +148,20 @@ def test_w8a16_linear_reads_each_groups_own_scale() -> None:
     x = torch.ones(1, 128)
     got = w8a16_gemm.w8a16_linear(*(t.to(DEVICE) for t in (x, w, scales)))
     assert got.cpu().tolist() == [[64.0, 128.0]]
+
+
+def test_the_scale_epilogue_takes_cublas_int32_sums() -> None:
+    """From 64 rows on a GPU, int8_matmul's sums come from torch._int_mm as int32 and go
+    through fp8_gemm's scale epilogue: the epilogue on int32 sums equals int8_matmul's
+    arithmetic (the GEMM itself is cuBLAS's; on a GPU the test above runs it at 80 rows)."""
+    from kiln.kernels.triton.fp8_gemm import _scale_epilogue
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(-127, 128, (5, 64), generator=gen, dtype=torch.int8)
+    w = torch.randint(-127, 128, (24, 64), generator=gen, dtype=torch.int8)
+    xs, ws = torch.rand(5, 1, generator=gen), torch.rand(24, generator=gen)
+    b = torch.randn(24, generator=gen)
+    acc = (x.double() @ w.double().t()).to(torch.int32)
+    got = _scale_epilogue(*(t.to(DEVICE) for t in (acc, xs, ws, b)), torch.float32)
+    want = reference.int8_matmul(x, xs, w, ws, b, torch.float32)
+    assert torch.equal(got.cpu(), want)

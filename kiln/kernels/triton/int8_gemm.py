@@ -2,7 +2,9 @@
 quantizing kernel, then an int8 x int8 tl.dot GEMM accumulating in int32 on the tensor cores,
 the row's and column's scales and the bias applied in its epilogue. The activations are quantized
 in a kernel of their own, not fused into the norm before as FP8's are (add_rms_norm_quant_fp8):
-one more read of each projection's input. Not tuned on a GPU yet (tiles, split-K at small M)."""
+one more read of each projection's input. From _CUBLAS_MIN_ROWS rows on a GPU the GEMM is
+cuBLAS's int8 one (torch._int_mm, int32 out) with fp8_gemm's scale epilogue, as FP8's large
+GEMMs are torch._scaled_mm. Neither path is measured or tuned on a GPU yet."""
 
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kiln.kernels.reference import FP8_MIN_SCALE, INT8_MAX
+from kiln.kernels.triton.fp8_gemm import _scale_epilogue
+
+_CUBLAS_MIN_ROWS = 64  # a guess: prefill and large decode batches to cuBLAS
 
 
 @triton.jit
@@ -104,6 +109,9 @@ def int8_matmul(
     if weight.shape[1] != k or x_scale.numel() != m or weight_scale.numel() != n:
         raise ValueError(f"int8_matmul: x [{m}, {k}] against weight {tuple(weight.shape)}")
     x_int8 = x_int8.contiguous()
+    if x_int8.is_cuda and m >= _CUBLAS_MIN_ROWS and k % 8 == 0 and n % 8 == 0:
+        acc = torch._int_mm(x_int8, weight.t())  # [M, N] int32; weight.t() is column-major
+        return _scale_epilogue(acc, x_scale, weight_scale, bias, out_dtype)
     y = torch.empty((m, n), dtype=out_dtype, device=x_int8.device)
     if m == 0:
         return y
