@@ -107,7 +107,7 @@ class ManifestSchema(msgspec.Struct):
     files: dict[str, _FileEntry]
     architecture: dict[str, Any]
     dtype: str
-    quantization: Literal["none", "fp8", "fp8-dynamic", "int8-w8a8"]  # what `kiln build` makes
+    quantization: Literal["none", "fp8", "fp8-dynamic", "int8-w8a8", "fp8-block"]  # kiln build's
     gpu_class: str | None = None
     tensor_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     kv_cache_dtype: str = "auto"

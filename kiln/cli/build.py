@@ -13,7 +13,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("-o", "--output", default=None, help="engine directory (default: in the cache)")
     p.add_argument(
-        "--quantization", choices=("auto", "none", "fp8", "fp8-dynamic", "int8-w8a8"),
+        "--quantization", choices=("auto", "none", "fp8", "fp8-dynamic", "int8-w8a8", "fp8-block"),
         default="auto", help="auto: a pre-quantized FP8 checkpoint's own scheme (carried as "
         "written), else none; int8-w8a8: int8 weights per channel, activations per token",
     )  # fmt: skip

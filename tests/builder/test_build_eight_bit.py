@@ -1,6 +1,6 @@
-"""`kiln build --quantization int8-w8a8` (W8A8 INT8, SmoothQuant with --smoothing): an engine of
-int8 weights that loads as the scheme, the build's accuracy check run, and smoothing bringing
-the error of a model with outlier channels down."""
+"""`kiln build --quantization int8-w8a8` (W8A8 INT8, SmoothQuant with --smoothing) and
+`fp8-block`: engines of 8-bit weights that load as their scheme, the build's accuracy check run,
+and smoothing bringing INT8's error on a model with outlier channels down."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from kiln.builder.build import BuildOptions, build_engine
 from kiln.errors import BuildError
+from kiln.layers.quantization.fp8_block import Fp8BlockLinearMethod
 from kiln.layers.quantization.int8 import Int8LinearMethod
 from kiln.llm import LLM
 from kiln.sampling_params import SamplingParams
@@ -63,7 +64,26 @@ def test_smoothing_brings_the_int8_error_of_outlier_channels_down(int8_builds, o
     assert err_smooth < err_plain / 2  # measured 1.28 -> 0.25 (fp8-dynamic: 0.61 -> 0.16)
 
 
-def test_float8_only_options_are_refused_for_int8() -> None:
+def test_a_block_fp8_engine_is_the_checkpoint_rounded_as_it_loads(outlier_source, tmp_path):
+    """Block FP8 on the tiny model, whose 64 and 128 inputs are one block, partial or whole."""
+    options = BuildOptions(quantization="fp8-block", max_ppl_increase=1e6, max_model_len=128)
+    manifest = build_engine(outlier_source, str(tmp_path / "block"), options, None)
+    assert manifest.quantization == "fp8-block" and manifest.accuracy["checked"]
+    args = dict(dtype="float32", kv_cache_memory_gb=0.05, max_num_seqs=2, max_model_len=128)
+    engine = LLM(str(tmp_path / "block"), **args)
+    direct = LLM(outlier_source, quantization="fp8-block", **args)
+    down = engine.engine.executor.runner.model.layers[1].mlp.down_proj
+    want = direct.engine.executor.runner.model.layers[1].mlp.down_proj
+    assert isinstance(down.method, Fp8BlockLinearMethod)
+    assert torch.equal(down.weight.view(torch.uint8), want.weight.view(torch.uint8))
+    assert torch.equal(down.weight_scales, want.weight_scales)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, greedy)]
+    assert got == [o.outputs[0].token_ids for o in direct.generate(PROMPTS, greedy)]
+
+
+@pytest.mark.parametrize("scheme", ["int8-w8a8", "fp8-block"])
+def test_float8_only_options_are_refused_for_eight_bit_schemes(scheme) -> None:
     for extra in (dict(weight_rounding="gptq"), dict(outlier_columns=16)):
-        with pytest.raises(BuildError, match="int8-w8a8 rounds to nearest"):
-            BuildOptions(dtype="float32", quantization="int8-w8a8", **extra)
+        with pytest.raises(BuildError, match=f"{scheme} rounds to nearest"):
+            BuildOptions(dtype="float32", quantization=scheme, **extra)
