@@ -123,7 +123,7 @@ def test_fp8_block_matmul_scales_each_block_by_its_own_scales() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weight_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("groups", [1, 2, 4])  # K = 128: per channel, group 64, group 32
-@pytest.mark.parametrize("rows", [1, 9, 40])
+@pytest.mark.parametrize("rows", [1, 3, 9, 40])  # 1-8: the small-batch kernel
 def test_w8a16_linear_matches_the_reference(dtype, weight_dtype, groups, rows) -> None:
     n, k = 72, 128
     gen = torch.Generator().manual_seed(0)
