@@ -82,8 +82,31 @@ def test_a_block_fp8_engine_is_the_checkpoint_rounded_as_it_loads(outlier_source
     assert got == [o.outputs[0].token_ids for o in direct.generate(PROMPTS, greedy)]
 
 
-@pytest.mark.parametrize("scheme", ["int8-w8a8", "fp8-block"])
+@pytest.mark.parametrize("scheme", ["int8-w8a8", "fp8-block", "int8-w8a16-g128"])
 def test_float8_only_options_are_refused_for_eight_bit_schemes(scheme) -> None:
     for extra in (dict(weight_rounding="gptq"), dict(outlier_columns=16)):
         with pytest.raises(BuildError, match=f"{scheme} rounds to nearest"):
             BuildOptions(dtype="float32", quantization=scheme, **extra)
+    if "w8a16" in scheme:
+        with pytest.raises(BuildError, match="quantizes no activations"):
+            BuildOptions(dtype="float32", quantization=scheme, smoothing="smoothquant")
+
+
+@pytest.mark.parametrize("scheme", ["int8-w8a16-channel", "fp8-w8a16-channel"])
+def test_a_weight_only_engine_holds_the_rounded_weights(outlier_source, tmp_path, scheme):
+    """W8A16 builds: each projection's codes times its per-channel scales are the source's
+    weights rounded to nearest (absmax / 127 for int8, / 448 for float8), in the engine."""
+    options = BuildOptions(quantization=scheme, max_ppl_increase=1e6, max_model_len=128)
+    manifest = build_engine(outlier_source, str(tmp_path / "w8a16"), options, None)
+    assert manifest.quantization == scheme and manifest.accuracy["checked"]
+    args = dict(dtype="float32", kv_cache_memory_gb=0.05, max_num_seqs=2, max_model_len=128)
+    engine = LLM(str(tmp_path / "w8a16"), **args)
+    source = LLM(outlier_source, **args)
+    got = engine.engine.executor.runner.model.layers[1].mlp.down_proj
+    w = source.engine.executor.runner.model.layers[1].mlp.down_proj.weight
+    assert got.weight.dtype == (torch.int8 if scheme.startswith("int8") else torch.float8_e4m3fn)
+    top = 127 if scheme.startswith("int8") else 448
+    scale = w.abs().amax(1, keepdim=True) / top
+    codes = torch.round(w / scale) if top == 127 else (w / scale).to(torch.float8_e4m3fn)
+    torch.testing.assert_close(got.weight.float() * got.weight_scales, codes.float() * scale)
+    engine.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0.0))
