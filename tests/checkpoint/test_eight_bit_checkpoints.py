@@ -250,7 +250,7 @@ def test_kiln_build_refuses_an_eight_bit_checkpoint_by_name() -> None:
 def _round_to_nearest(w: torch.Tensor, scheme: str) -> torch.Tensor:
     """w [rows, in] dequantized after rounding to nearest: per row to int8 (absmax / 127), or
     per 128x128 block (the last rows' partial) to float8 (absmax / 448)."""
-    if scheme == "int8-w8a8":
+    if scheme.startswith("int8"):  # int8-w8a8 and int8-w8a16-channel: the same weights
         scale = w.abs().amax(1, keepdim=True) / 127
         return torch.round(w / scale).clamp(-127, 127) * scale
     rows = w.shape[0]
@@ -262,12 +262,15 @@ def _round_to_nearest(w: torch.Tensor, scheme: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("scheme", "like"), [("int8-w8a8", "ct_w8a8_int8"), ("fp8-block", "ct_fp8_block")]
-)
+    ("scheme", "like"),
+    [("int8-w8a8", "ct_w8a8_int8"), ("fp8-block", "ct_fp8_block"),
+     ("int8-w8a16-channel", "ct_w8a16_int8_channel")],
+)  # fmt: skip
 def test_dummy_and_16_bit_weights_round_to_the_scheme_as_they_load(tmp_path, scheme, like) -> None:
-    """quantization="int8-w8a8" / "fp8-block": dummy weights for benchmarks, and a 16-bit
-    checkpoint rounded to nearest as it loads: the tokens of transformers' model with its
-    weights rounded so here and its activations as the scheme rounds them."""
+    """quantization="int8-w8a8" / "fp8-block" / "int8-w8a16-channel": dummy weights for
+    benchmarks, and a 16-bit checkpoint rounded to nearest as it loads: the tokens of
+    transformers' model with its weights rounded so here and its activations as the scheme
+    rounds them."""
     dummy = LLM(str(DATA / like), load_format="dummy", quantization=scheme, **ARGS)
     down = dummy.engine.executor.runner.model.layers[0].mlp.down_proj
     assert down.weight.element_size() == 1 and bool((down.weight.float() != 0).any())
