@@ -156,7 +156,8 @@ class Linear(nn.Module):
     weight_scale: torch.Tensor
     input_scale: torch.Tensor | None
     outlier_index: torch.Tensor
-    # INT4 W4A16 (kiln.layers.quantization.int4): group scales, zero points, act-order.
+    # INT4 W4A16 (kiln.layers.quantization.int4): group scales, zero points, act-order;
+    # weight_scales also block FP8's and W8A16's [out, groups] scales.
     weight_scales: torch.Tensor
     weight_zeros: torch.Tensor
     weight_g_idx: torch.Tensor
