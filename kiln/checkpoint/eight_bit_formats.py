@@ -61,12 +61,13 @@ def read_eight_bit(path: str, config: dict[str, Any]) -> PrequantizedEightBit | 
 def _fp8_release(path: str, declared: dict[str, Any]) -> PrequantizedEightBit:
     block = declared.get("weight_block_size")
     scheme = declared.get("activation_scheme", "dynamic")
-    if block is None or list(block) != [128, 128] or scheme != "dynamic":
+    fmt = declared.get("fmt", "e4m3")
+    if block is None or list(block) != [128, 128] or scheme != "dynamic" or fmt != "e4m3":
         raise ModelLoadError(
-            f"{path}: quant_method 'fp8' with weight_block_size {block} and {scheme} activations "
-            "is not supported (kiln loads 128x128 blocks with dynamic activations, DeepSeek's "
-            "and Qwen's FP8 format; or load the unquantized checkpoint with --quantization "
-            "fp8-dynamic)"
+            f"{path}: quant_method 'fp8' ({fmt}) with weight_block_size {block} and {scheme} "
+            "activations is not supported (kiln loads e4m3 in 128x128 blocks with dynamic "
+            "activations, DeepSeek's and Qwen's FP8 format; or load the unquantized checkpoint "
+            "with --quantization fp8-dynamic)"
         )
     kept = declared.get("modules_to_not_convert") or []
     unknown = [m for m in kept if not m.endswith(_NOT_CONVERTED_OK)]

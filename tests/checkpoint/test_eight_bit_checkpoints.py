@@ -210,6 +210,7 @@ def test_int8_activations_are_rounded_per_token(oracle) -> None:
     [
         ("fp8_block_hf", lambda q: q.update(weight_block_size=[64, 64]), r"\[64, 64\]"),
         ("fp8_block_hf", lambda q: q.update(activation_scheme="static"), "static"),
+        ("fp8_block_hf", lambda q: q.update(fmt="e5m2"), "e5m2"),
         ("fp8_block_hf", lambda q: q.update(modules_to_not_convert=["layers.0.mlp"]), "mlp"),
         ("ct_w8a8_int8",
          lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric=False),
