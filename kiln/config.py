@@ -55,14 +55,21 @@ class EngineConfig:
     kv_cache_dtype: str = _one_of("auto", "fp8", "fp8_e4m3")
     """"auto" (the model dtype) or "fp8" (float8 e4m3, unscaled: half the bytes of bf16, so twice
     the tokens and half the reads per decode step, at a small accuracy cost)."""
-    quantization: str = _one_of("none", "fp8", "fp8-dynamic", "int4-g128")
+    quantization: str = _one_of(
+        "none", "fp8", "fp8-dynamic", "int4-g128", "int8-w8a8", "fp8-block",
+        "int8-w8a16-channel", "int8-w8a16-g128", "fp8-w8a16-channel",
+    )  # fmt: skip
     """Weights and activations of the decoder's projections: "none" (the model dtype),
     "fp8-dynamic" (float8 e4m3 weights with per-output-channel scales, activations scaled per
     token at run time) or "fp8" (vLLM's meaning: an engine built with `kiln build --quantization
     fp8` or a checkpoint with static scales runs with them; any other source is quantized as it
     loads, activations per token as "fp8-dynamic"). The LM head stays unquantized.
     "int4-g128" (W4A16, groups of 128 inputs) runs dummy weights; INT4 checkpoints (GPTQ, AWQ,
-    compressed-tensors) bring their own scheme."""
+    compressed-tensors) bring their own scheme. "int8-w8a8" (int8 weights per output channel,
+    activations per token, int8 GEMMs; no float8 needed) and "fp8-block" (float8 weights with a
+    scale per 128x128 block, activations per group of 128 inputs), and the weight-only
+    "int8-w8a16-channel", "int8-w8a16-g128" and "fp8-w8a16-channel" round 16-bit weights to
+    nearest as they load; their pre-quantized checkpoints bring their own scheme."""
     lm_head_quantization: str = _one_of("none", "fp8")
     """The LM head's weights: "none" (the model dtype) or "fp8" (float8 e4m3 per vocabulary row,
     activations per token: half the head's bytes, at a measured accuracy cost). A tied embedding

@@ -13,7 +13,8 @@ from kiln.layers.quantization.outlier_columns import COLUMN_MULTIPLE
 from kiln.models.config import ModelConfig
 from kiln.runtime.model_loader import is_float8_kv_cache
 
-QUANTIZATIONS = ("auto", "none", "fp8", "fp8-dynamic")
+QUANTIZATIONS = ("auto", "none", "fp8", "fp8-dynamic", "int8-w8a8", "fp8-block",
+                 "int8-w8a16-channel", "int8-w8a16-g128", "fp8-w8a16-channel")  # fmt: skip
 KV_CACHE_DTYPES = ("auto", "fp8")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -21,8 +22,11 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 @dataclass(frozen=True)
 class BuildOptions:
     quantization: str = "auto"
-    """"none", "fp8" (static input scales calibrated at build time), "fp8-dynamic", or "auto": a
-    pre-quantized checkpoint's own scheme (kiln.builder.prequantized), else "none"."""
+    """"none", "fp8" (static input scales calibrated at build time), "fp8-dynamic", "int8-w8a8"
+    (int8 weights per channel, activations per token; with --smoothing, SmoothQuant), "fp8-block"
+    (float8 weights per 128x128 block, activations per group of 128 inputs), weight-only
+    "int8-w8a16-channel", "int8-w8a16-g128" or "fp8-w8a16-channel", or "auto":
+    a pre-quantized checkpoint's own scheme (kiln.builder.prequantized), else "none"."""
     kv_cache_dtype: str = "auto"
     """"auto" (the model dtype) or "fp8"."""
     dtype: str = "auto"
@@ -108,7 +112,20 @@ class BuildOptions:
         self._check_quantized_options()
 
     def _check_quantized_options(self) -> None:
-        """The options that change float8 weights need a quantized build."""
+        """The options that change float8 weights need a quantized build (INT8 takes smoothing
+        and unquantized layers; GPTQ's and outlier columns' float8 codes it cannot)."""
+        if self.quantization.startswith(("int8-", "fp8-block", "fp8-w8a16")) and (
+            self.weight_rounding != "nearest" or self.outlier_columns
+        ):
+            raise BuildError(
+                "weight_rounding and outlier_columns make float8 weights: they need "
+                f"--quantization fp8 or fp8-dynamic ({self.quantization} rounds to nearest)"
+            )
+        if "-w8a16-" in self.quantization and self.smoothing != "none":
+            raise BuildError(
+                f"smoothing moves activations' outliers into the weights: {self.quantization} "
+                "quantizes no activations (build it without --smoothing)"
+            )
         if self.quantization != "none":
             return
         if self.smoothing != "none":

@@ -51,10 +51,17 @@ def inspect(path: str) -> PrequantizedFp8 | None:
     file (what cannot be read is the loader's one-line error)."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         return None
+    from kiln.checkpoint.eight_bit_formats import read_eight_bit
     from kiln.checkpoint.int4_formats import read_int4
     from kiln.checkpoint.safetensors_loader import read_hf_config
 
     config = read_hf_config(path)
+    eight_bit = read_eight_bit(path, config)
+    if eight_bit is not None:
+        raise ModelLoadError(
+            f"{path}: kiln build does not take {eight_bit.quantization} ({eight_bit.producer}) "
+            'checkpoints yet; they load directly (LLM("./checkpoint"), kiln serve ./checkpoint)'
+        )
     int4 = read_int4(path, config)
     if int4 is not None:
         raise ModelLoadError(

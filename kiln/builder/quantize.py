@@ -31,6 +31,11 @@ SEQUENTIAL_DAMP = 0.1
 SCALES_METHOD = {
     "fp8": "static per-tensor input scales calibrated at build time; per-channel weights",
     "fp8-dynamic": "dynamic per-token input scales; per-channel weights",
+    "int8-w8a8": "int8: dynamic per-token input scales; per-channel weights rounded to nearest",
+    "fp8-block": "dynamic input scales per group of 128 inputs; a weight scale per 128x128 block",
+    "int8-w8a16-channel": "weight-only int8, per-channel scales, rounded to nearest",
+    "int8-w8a16-g128": "weight-only int8, a scale per group of 128 inputs, rounded to nearest",
+    "fp8-w8a16-channel": "weight-only float8, per-channel scales, rounded to nearest",
 }
 
 # "gptq": H = X X^T of the source's inputs, one pass (kiln.builder.calibrate.gptq).

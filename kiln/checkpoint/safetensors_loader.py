@@ -40,8 +40,9 @@ def load_hf_checkpoint(
 
     Tensors keep the dtype stored in the file. eos ids are those of config.json followed by any
     extra ones generation_config.json names (chat models list their end-of-turn token there).
-    float8 tensors only with allow_fp8 (a checkpoint that declares its FP8 scheme); int32 / int64
-    ones only with allow_int (one that declares an INT4 scheme: kiln.checkpoint.int4_formats).
+    float8 tensors only with allow_fp8 (a checkpoint that declares its FP8 scheme); int8 / int32 /
+    int64 ones only with allow_int (one that declares an integer scheme: int4_formats.py,
+    eight_bit_formats.py).
     """
     config_dict = read_hf_config(path)
     generation = _read_json(os.path.join(path, "generation_config.json"), required=False)
@@ -52,7 +53,7 @@ def load_hf_checkpoint(
         raise ModelLoadError(f"{os.path.join(path, 'config.json')}: {e}") from e
     files = _weight_files(path)
     for file in files:
-        ints = ("I32", "I64") if allow_int else ()
+        ints = ("I8", "I32", "I64") if allow_int else ()
         _check_file(file, FLOAT_DTYPES + (("F8_E4M3",) if allow_fp8 else ()) + ints)
     return config, _iter_tensors(files)
 

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import argparse
 
+# kiln.builder.options.QUANTIZATIONS, spelled out: importing the builder here would import torch
+# for every verb's --help (tests/cli/test_cli_args.py checks that the two agree).
+_QUANTIZATIONS = ("auto", "none", "fp8", "fp8-dynamic", "int8-w8a8", "fp8-block",
+                  "int8-w8a16-channel", "int8-w8a16-g128", "fp8-w8a16-channel")  # fmt: skip
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("build", help="build an engine directory from a checkpoint")
@@ -13,8 +18,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("-o", "--output", default=None, help="engine directory (default: in the cache)")
     p.add_argument(
-        "--quantization", choices=("auto", "none", "fp8", "fp8-dynamic"), default="auto",
-        help="auto: a pre-quantized FP8 checkpoint's own scheme (carried as written), else none",
+        "--quantization", choices=_QUANTIZATIONS,
+        default="auto", help="auto: a pre-quantized FP8 checkpoint's own scheme (carried as "
+        "written), else none; int8-w8a8: int8 weights per channel, activations per token; "
+        "*-w8a16-*: weight-only",
     )  # fmt: skip
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument(
@@ -25,7 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--smoothing", default="none", metavar="none|smoothquant[:ALPHA]",
         help="smoothquant: FP8 inputs' outlier channels moved into the weights (SmoothQuant, "
-        "folded into the ops before; default alpha 0.7 for fp8-dynamic, 0.3 for fp8); none",
+        "folded into the ops before; default alpha 0.7 for fp8-dynamic, 0.3 for fp8, 0.5 for "
+        "int8-w8a8); none",
     )  # fmt: skip
     p.add_argument(
         "--unquantized-layers", default="", metavar="PATTERN[,PATTERN]",

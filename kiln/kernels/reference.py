@@ -804,6 +804,123 @@ def int4_linear(
     return y.to(x.dtype)
 
 
+# 8-bit schemes (kiln.layers.quantization: int8, fp8_block, w8a16).
+INT8_MAX = 127  # symmetric int8 codes -127..127 (vLLM's and SmoothQuant's per-token range)
+FP8_BLOCK = 128  # DeepSeek-V3's block: 128x128 weight scales, 1x128 activation groups
+
+
+def quantize_int8(
+    x: torch.Tensor,  # [M, K]
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, K] int8, [M, 1] fp32)
+    """Per-token symmetric INT8: x ~= codes * scale, scale the row's absmax / 127 (floored at
+    FP8_MIN_SCALE), codes the IEEE quotient x / scale rounded half to even."""
+    x32 = x.float()
+    scale = (x32.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp(min=FP8_MIN_SCALE)
+    codes = torch.round(x32 / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return codes, scale
+
+
+def int8_matmul(
+    x_int8: torch.Tensor,  # [M, K] int8
+    x_scale: torch.Tensor,  # [M, 1] fp32
+    weight: torch.Tensor,  # [N, K] int8
+    weight_scale: torch.Tensor,  # [N] fp32, per output channel
+    bias: torch.Tensor | None,  # [N]
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N] in out_dtype
+    """INT8 tensor-core arithmetic: int8 x int8 products summed exactly in int32, then (as
+    fp32) scaled by the row's and the column's scales, plus the bias, rounded once."""
+    # float64 holds every int32 partial sum exactly, and CPU matmuls take it.
+    acc = (x_int8.double() @ weight.double().t()).to(torch.int32)
+    y = acc.float() * x_scale * weight_scale.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def int8_linear(
+    x: torch.Tensor,  # [M, K] in the model dtype
+    weight: torch.Tensor,  # [N, K] int8
+    weight_scale: torch.Tensor,  # [N] fp32
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """W8A8 INT8: quantize_int8 of x per token, then int8_matmul."""
+    x_int8, x_scale = quantize_int8(x)
+    return int8_matmul(x_int8, x_scale, weight, weight_scale, bias, x.dtype)
+
+
+def quantize_fp8_groups(
+    x: torch.Tensor,  # [M, K]
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, K] float8 e4m3, [M, ceil(K / 128)] fp32)
+    """Per token-group FP8 (DeepSeek-V3's activations): each run of FP8_BLOCK inputs of a row
+    (the last may be shorter) scaled by its own absmax / 448, as quantize_fp8 scales a row."""
+    m, k = x.shape
+    groups = -(-k // FP8_BLOCK)
+    x32 = F.pad(x.float(), (0, groups * FP8_BLOCK - k)).view(m, groups, FP8_BLOCK)
+    scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_E4M3_MAX).clamp(min=FP8_MIN_SCALE)
+    codes = (x32 / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes.view(m, -1)[:, :k], scale.view(m, groups)
+
+
+def fp8_block_matmul(
+    x_fp8: torch.Tensor,  # [M, K] float8 e4m3 (quantize_fp8_groups)
+    x_scales: torch.Tensor,  # [M, ceil(K / 128)] fp32
+    weight: torch.Tensor,  # [N, K] float8 e4m3
+    weight_scales: torch.Tensor,  # [N, ceil(K / 128)] fp32: each row's scale of each K block
+    bias: torch.Tensor | None,  # [N]
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N] in out_dtype
+    """Block-scaled FP8: per block of FP8_BLOCK inputs, float8 products summed in fp32, scaled
+    by the row's group scale and the column's block scale, added to an fp32 accumulator
+    (DeepSeek-V3's promotion of partial sums); plus the bias, rounded once."""
+    k = x_fp8.shape[1]
+    acc = torch.zeros(x_fp8.shape[0], weight.shape[0], device=x_fp8.device)
+    for g, start in enumerate(range(0, k, FP8_BLOCK)):
+        part = (
+            x_fp8[:, start : start + FP8_BLOCK].float()
+            @ weight[:, start : start + FP8_BLOCK].float().t()
+        )
+        acc += part * x_scales[:, g : g + 1] * weight_scales[:, g].float()
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(out_dtype)
+
+
+def fp8_block_linear(
+    x: torch.Tensor,  # [M, K] in the model dtype
+    weight: torch.Tensor,  # [N, K] float8 e4m3
+    weight_scales: torch.Tensor,  # [N, ceil(K / 128)] fp32
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """FP8 with 128x128 weight blocks: quantize_fp8_groups of x, then fp8_block_matmul."""
+    x_fp8, x_scales = quantize_fp8_groups(x)
+    return fp8_block_matmul(x_fp8, x_scales, weight, weight_scales, bias, x.dtype)
+
+
+def dequantize_w8(
+    weight: torch.Tensor,  # [N, K] int8 or float8 e4m3
+    scales: torch.Tensor,  # [N, groups] fp32: per group of K / groups inputs (1: per channel)
+) -> torch.Tensor:  # [N, K] fp32
+    """Weight-only 8-bit weights: code * its group's scale."""
+    group_size = weight.shape[1] // scales.shape[1]
+    return weight.float() * scales.float().repeat_interleave(group_size, dim=1)
+
+
+def w8a16_linear(
+    x: torch.Tensor,  # [M, K] fp16 / bf16 / fp32
+    weight: torch.Tensor,  # [N, K] int8 or float8 e4m3
+    scales: torch.Tensor,  # [N, groups] fp32
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """W8A16: x @ dequantize_w8(...)^T (+ bias), the weights rounded to x's dtype as the
+    kernel's dot products take them, accumulated in fp32 (int4_linear's arithmetic)."""
+    w = dequantize_w8(weight, scales).to(x.dtype)
+    y = F.linear(x.float(), w.float())
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
 def fused_moe(
     x: torch.Tensor,  # [num_tokens, hidden]
     w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]: each expert's [gate; up] rows

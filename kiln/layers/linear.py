@@ -156,7 +156,8 @@ class Linear(nn.Module):
     weight_scale: torch.Tensor
     input_scale: torch.Tensor | None
     outlier_index: torch.Tensor
-    # INT4 W4A16 (kiln.layers.quantization.int4): group scales, zero points, act-order.
+    # INT4 W4A16 (kiln.layers.quantization.int4): group scales, zero points, act-order;
+    # weight_scales also block FP8's and W8A16's [out, groups] scales.
     weight_scales: torch.Tensor
     weight_zeros: torch.Tensor
     weight_g_idx: torch.Tensor
@@ -202,9 +203,12 @@ class Linear(nn.Module):
 
     @torch.no_grad()
     def scale_output_rows(self, rows: slice, factor: float, bias: bool = True) -> None:
-        """Multiply output rows `rows` by `factor`: through the float8 weight scales where the
-        method keeps them, else the weight's rows; the bias's rows too with `bias`."""
+        """Multiply output rows `rows` by `factor`: through the weight scales where the method
+        keeps them (per row, or per row of each group or block), else the weight's rows; the
+        bias's rows too with `bias`."""
         scale = getattr(self, "weight_scale", None)
+        if scale is None:
+            scale = getattr(self, "weight_scales", None)
         target = scale if scale is not None else self.weight
         target[rows] *= factor
         if bias and self.bias is not None:

@@ -192,7 +192,7 @@ class DecoderForCausalLM(nn.Module):
         residual, logits = cfg.residual_multiplier, cfg.logits_multiplier
         for name, tensor in weights:
             if residual != 1.0 and (".o_proj." in name or ".down_proj." in name):
-                if name.endswith((".weight_scale", ".bias")) or (
+                if name.endswith((".weight_scale", ".weight_scales", ".bias")) or (
                     name.endswith(".weight") and tensor.element_size() > 1
                 ):
                     tensor = tensor * residual

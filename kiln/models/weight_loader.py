@@ -25,6 +25,7 @@ _LOCAL_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 # Read before the model is built (input scales: kiln.checkpoint.prequantized) or not applied
 # (the KV cache's scales: kiln's float8 cache is unscaled; the loader says so).
 _SCALES_READ_ELSEWHERE = (".input_scale", ".k_scale", ".v_scale")
+_SCALE_NAMES = ("weight_scale", "weight_scales")  # an 8-bit weight's, one of them
 
 
 def with_weight_scales(layer_map: LayerTensorMap) -> dict[str, tuple[str, int | None]]:
@@ -70,7 +71,7 @@ def load_hf_weights(
     owners = linear_owners(model)
     names = with_weight_scales(layer_map)
     loaded: set[str] = set()
-    fp8_loaded: set[str] = set()
+    codes_loaded: set[str] = set()
     for hf_name, tensor in weights:
         target = map_hf_name(hf_name, names, model.config.architecture)
         if target is None:
@@ -89,14 +90,15 @@ def load_hf_weights(
             head = quantized_head(model)
             head.weight_loader(head.weight, None, tensor)
             loaded.add("lm_head.weight:None")
-        if tensor.dtype == torch.float8_e4m3fn:
-            fp8_loaded.add(f"{local}:{shard}")
+        if tensor.dtype in (torch.float8_e4m3fn, torch.int8):
+            codes_loaded.add(f"{local}:{shard}")
     missing = [k for k in _expected_keys(model, owners) if k not in loaded]
-    # float8 weights loaded as they are need their scales from the checkpoint too.
+    # 8-bit weights loaded as they are need their scales from the checkpoint too (per row, or
+    # per block / group: weight_scales).
     missing += [
         k.replace(".weight:", ".weight_scale:")
-        for k in sorted(fp8_loaded)
-        if k.replace(".weight:", ".weight_scale:") not in loaded
+        for k in sorted(codes_loaded)
+        if not any(k.replace(".weight:", f".{s}:") in loaded for s in _SCALE_NAMES)
     ]
     if missing:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -201,16 +203,16 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int) -> None:
         owner = owners.get(name)
         if _derived(name, owner):
             continue
-        if not param.is_floating_point():  # INT4 codes: random words
-            param.random_(-(2**31), 2**31 - 1, generator=gen)
-        elif param.dim() == 1 and "bias" not in name:
-            param.fill_(1.0)
-        elif param.element_size() == 1:  # float8: drawn as a checkpoint would be, then loaded
+        if param.element_size() == 1:  # float8 / int8: drawn as a checkpoint would be, then loaded
             drawn = torch.empty(param.shape, device=param.device).normal_(0.0, 0.02, generator=gen)
             if owner is None:  # float8 experts (kiln.layers.moe), at their scales of 1
                 param.copy_(drawn.to(param.dtype))
             else:
                 owner.method.load_weight(param, None, drawn)  # drawn at this rank's shape
+        elif not param.is_floating_point():  # INT4 codes: random words
+            param.random_(-(2**31), 2**31 - 1, generator=gen)
+        elif param.dim() == 1 and "bias" not in name:
+            param.fill_(1.0)
         else:
             param.normal_(0.0, 0.02, generator=gen)
     if model.head_quantized and model.tied_head:

@@ -324,6 +324,7 @@ def _load_engine_tokenizer(path: str) -> Tokenizer | None:
 
 
 def _hf_dir_source(path: str) -> ModelSource:
+    from kiln.checkpoint.eight_bit_formats import eight_bit_tensors, read_eight_bit
     from kiln.checkpoint.int4_formats import int4_tensors, read_int4
     from kiln.checkpoint.prequantized import read_prequantized
     from kiln.checkpoint.safetensors_loader import (
@@ -333,17 +334,32 @@ def _hf_dir_source(path: str) -> ModelSource:
     )
 
     hf_config = read_hf_config(path)
-    int4 = read_int4(path, hf_config)
-    fp8 = read_prequantized(path, hf_config) if int4 is None else None
-    config, weights = load_hf_checkpoint(path, allow_fp8=fp8 is not None, allow_int=bool(int4))
+    eight_bit = read_eight_bit(path, hf_config)
+    int4 = read_int4(path, hf_config) if eight_bit is None else None
+    fp8 = read_prequantized(path, hf_config) if int4 is None and eight_bit is None else None
+    config, weights = load_hf_checkpoint(
+        path, allow_fp8=fp8 is not None or eight_bit is not None,
+        allow_int=bool(int4) or eight_bit is not None,
+    )  # fmt: skip
     if int4 is not None:
         weights = int4_tensors(weights, int4)
+    if eight_bit is not None:
+        if config.num_experts:
+            raise ModelLoadError(
+                f"{path}: {eight_bit.quantization} ({eight_bit.producer}) checkpoints of "
+                "mixture-of-experts models are not supported yet (kiln's experts load from "
+                "16-bit weights)"
+            )
+        weights = eight_bit_tensors(weights, eight_bit)
     source = ModelSource(
         config, weights, _load_tokenizer(path), read_generation_config(path), f"HF {path}"
     )
     if int4 is not None:
         source.description = f"HF {path} ({int4.producer} {int4.quantization})"
         source.quantization = int4.quantization
+    if eight_bit is not None:
+        source.description = f"HF {path} ({eight_bit.producer} {eight_bit.quantization})"
+        source.quantization = eight_bit.quantization
     if fp8 is not None:
         source.description = f"HF {path} ({fp8.producer} {fp8.quantization})"
         source.quantization, source.input_scales = fp8.quantization, fp8.input_scales
@@ -459,7 +475,8 @@ def load_model(
     linear_method = _linear_method(engine_config, source)
     _check_float8_device(engine_config, source, device)
     # Quantized weights may take one byte each: the check must not refuse what would fit.
-    weight_bytes = 1 if engine_config.quantization != "none" else dtype.itemsize
+    quantized = engine_config.quantization != "none" or source.quantization != "none"
+    weight_bytes = 1 if quantized else dtype.itemsize  # a pre-quantized checkpoint's too
     cfg.check_fits(weight_bytes, *_memory_of(device))
     if parallel is None:  # (under TP/PP each rank's share differs: the profiled plan tells)
         _log_config_plan(engine_config, cfg, max_positions, dtype, device)

@@ -206,3 +206,10 @@ def test_threads_flag_sets_torchs_intra_op_threads(tmp_path):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_kiln_builds_quantization_choices_are_the_builders() -> None:
+    from kiln.builder.options import QUANTIZATIONS
+    from kiln.cli.build import _QUANTIZATIONS
+
+    assert _QUANTIZATIONS == QUANTIZATIONS

@@ -156,11 +156,11 @@ def _rank_models(path: str, tp: int, quantization: str = "none", **engine: objec
     return one, ranks
 
 
-@pytest.mark.parametrize("quantization", ["none", "fp8-dynamic"])
+@pytest.mark.parametrize("quantization", ["none", "fp8-dynamic", "int8-w8a8"])
 def test_each_rank_holds_exactly_its_cut_of_the_weights(models, quantization) -> None:
-    """Column-parallel q/k/v (KV head replicated) and gate/up keep their rows, with FP8 scales
-    riding along; row-parallel o/down keep their columns and the whole [out] scale (quantized
-    from the full rows, so the bytes equal one process's)."""
+    """Column-parallel q/k/v (KV head replicated) and gate/up keep their rows, with FP8 / INT8
+    scales riding along; row-parallel o/down keep their columns and the whole [out] scale
+    (quantized from the full rows, so the bytes equal one process's)."""
     one, (r0, r1) = _rank_models(models["qwen2"], 2, quantization)
     as_bits = (lambda t: t.view(torch.uint8)) if quantization != "none" else (lambda t: t)
     full, a, b = one.layers[1].self_attn, r0.layers[1].self_attn, r1.layers[1].self_attn

@@ -37,8 +37,9 @@ KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # Per activation scheme, chosen on SmolLM2's calibration split outside the calibration windows:
 # per-token scales take a strong migration; one static scale per tensor a mild one, since
 # smoothing flattens the channels' amax and so takes away the headroom that unseen text's larger
-# values need.
-DEFAULT_ALPHA = {"fp8-dynamic": 0.7, "fp8": 0.3}
+# values need. INT8 per token takes SmoothQuant's own default, block FP8 (scales per group of
+# 128 inputs) fp8-dynamic's; neither chosen on SmolLM2 yet.
+DEFAULT_ALPHA = {"fp8-dynamic": 0.7, "fp8": 0.3, "int8-w8a8": 0.5, "fp8-block": 0.7}
 _FLOOR = 1e-5  # a channel never seen, or a weight column of zeros: no factor from it
 
 

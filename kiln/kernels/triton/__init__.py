@@ -8,9 +8,15 @@ without a GPU the kernels run under the interpreter when TRITON_INTERPRET=1 is s
 from kiln.kernels.triton.argmax import argmax
 from kiln.kernels.triton.copy_blocks import copy_kv_blocks
 from kiln.kernels.triton.decode_attention import paged_decode_attention
+from kiln.kernels.triton.fp8_block_gemm import (
+    fp8_block_linear,
+    fp8_block_matmul,
+    quantize_fp8_groups,
+)
 from kiln.kernels.triton.fp8_gemm import quantize_fp8
 from kiln.kernels.triton.fused_moe import fused_moe
 from kiln.kernels.triton.int4_gemm import int4_linear
+from kiln.kernels.triton.int8_gemm import int8_linear, int8_matmul, quantize_int8
 from kiln.kernels.triton.lora import lora_expand, lora_shrink
 from kiln.kernels.triton.prefill_attention import paged_prefill_attention
 from kiln.kernels.triton.qk_norm_rotary import qk_norm_rotary_write_kv
@@ -31,6 +37,7 @@ from kiln.kernels.triton.small_batch_linear import (
     fp8_matmul,
     linear,
 )
+from kiln.kernels.triton.w8a16_gemm import w8a16_linear
 
 __all__ = [
     "add_rms_norm_linear",
@@ -40,6 +47,8 @@ __all__ = [
     "add_rms_norm_quant_fp8",
     "argmax",
     "copy_kv_blocks",
+    "fp8_block_linear",
+    "fp8_block_matmul",
     "fp8_linear",
     "fp8_matmul",
     "fused_add_rms_norm",
@@ -47,6 +56,8 @@ __all__ = [
     "gelu_tanh_and_mul",
     "gelu_tanh_and_mul_quant_fp8",
     "int4_linear",
+    "int8_linear",
+    "int8_matmul",
     "linear",
     "lora_expand",
     "lora_shrink",
@@ -54,8 +65,11 @@ __all__ = [
     "paged_prefill_attention",
     "qk_norm_rotary_write_kv",
     "quantize_fp8",
+    "quantize_fp8_groups",
+    "quantize_int8",
     "rms_norm",
     "rotary_embedding_write_kv",
     "silu_and_mul",
     "silu_and_mul_quant_fp8",
+    "w8a16_linear",
 ]

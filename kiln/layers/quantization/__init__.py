@@ -13,7 +13,11 @@ import torch
 from kiln.errors import ModelLoadError
 from kiln.layers.linear import LinearMethod, UnquantizedLinearMethod
 
-QUANTIZATIONS = ("none", "fp8", "fp8-dynamic", "int4-g128")  # int4-g128: dummy weights
+# int4-g128: dummy weights only; the 8-bit ones also round 16-bit weights as they load.
+QUANTIZATIONS = ("none", "fp8", "fp8-dynamic", "int4-g128", "int8-w8a8", "fp8-block",
+                 "int8-w8a16-channel", "int8-w8a16-g128", "fp8-w8a16-channel")  # fmt: skip
+# Weight-only 8-bit, "<int8|fp8>-w8a16-<g<N>|channel>" (pre-quantized checkpoints: any group).
+W8A16_PREFIXES = ("int8-w8a16-", "fp8-w8a16-")
 
 # Float8 codes [rows, in] and their scales [rows, 1] of weight rows [rows, in]: how a build
 # rounds one projection's weights when not to nearest (kiln.builder.calibrate.gptq).
@@ -41,6 +45,8 @@ def linear_method_factory(
     """
     if quantization.startswith("int4-"):  # a pre-quantized checkpoint's (int4_formats.py)
         return _int4(quantization, unquantized)
+    if quantization in ("int8-w8a8", "fp8-block") or quantization.startswith(W8A16_PREFIXES):
+        return _eight_bit(quantization, unquantized)
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"unknown quantization {quantization!r}; known: {', '.join(QUANTIZATIONS)}"
@@ -111,5 +117,39 @@ def _int4(quantization: str, unquantized: Collection[str]) -> Callable[[str], Li
         if name in kept:
             return UnquantizedLinearMethod()
         return Int4LinearMethod(size, needs_zeros=not symmetric)
+
+    return method
+
+
+def _eight_bit(quantization: str, unquantized: Collection[str]) -> Callable[[str], LinearMethod]:
+    """W8A8 INT8 ("int8-w8a8"), FP8 with 128x128 weight blocks ("fp8-block"), weight-only
+    int8 / float8 ("int8-w8a16-g128", "fp8-w8a16-channel", ...; eight_bit_formats.py)."""
+    kept = frozenset(unquantized)
+
+    def make() -> LinearMethod:
+        if quantization == "int8-w8a8":
+            from kiln.layers.quantization.int8 import Int8LinearMethod
+
+            return Int8LinearMethod()
+        if quantization == "fp8-block":
+            from kiln.layers.quantization.fp8_block import Fp8BlockLinearMethod
+
+            return Fp8BlockLinearMethod()
+        from kiln.layers.quantization.w8a16 import W8A16LinearMethod
+
+        return W8A16LinearMethod(weight_dtype, size)
+
+    weight_dtype, _, group = quantization.partition("-w8a16-")
+    size = 0
+    if quantization.startswith(W8A16_PREFIXES):
+        if group != "channel" and not (group.startswith("g") and group[1:].isdigit()):
+            raise ValueError(
+                f"unknown quantization {quantization!r}: {weight_dtype}-w8a16-g<N> or "
+                f"{weight_dtype}-w8a16-channel"
+            )
+        size = 0 if group == "channel" else int(group[1:])
+
+    def method(name: str) -> LinearMethod:
+        return UnquantizedLinearMethod() if name in kept else make()
 
     return method

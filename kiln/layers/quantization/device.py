@@ -22,9 +22,9 @@ def check_float8_device(
     "none", a float8 LM head, a float8 KV cache) when the GPU cannot run it; `advice` says how to
     run without."""
     uses = {
-        # INT4 (W4A16) runs on 16-bit dot products: no float8 needed.
+        # INT4 (W4A16) runs on 16-bit dot products, INT8 on int8 ones: no float8 needed.
         f"{weight_scheme} weights": weight_scheme != "none"
-        and not weight_scheme.startswith("int4"),
+        and not weight_scheme.startswith(("int4", "int8")),
         "a float8 LM head": float8_head,
         "a float8 KV cache": float8_kv_cache,
     }
