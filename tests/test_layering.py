@@ -60,6 +60,7 @@ ALLOWED: dict[str, set[str]] = {
         "config",
         "engine",
         "kernel_cache",
+        "lora",
         "models",
         "runtime",
         "spec_decode",
