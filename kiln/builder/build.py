@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 import kiln
-from kiln.builder import cache, prequantized
+from kiln.builder import cache, fp4_source, prequantized
 from kiln.builder.accuracy import check_engine, failure_message, source_perplexity_file
 from kiln.builder.calibrate.smoothing import smooth_checkpoint
 from kiln.builder.manifest import EngineManifest, stamped
@@ -40,6 +40,7 @@ from kiln.builder.tiles import kernel_tiles
 from kiln.builder.weights import write_rank_shards, write_weights
 from kiln.checkpoint.engine_dir import current_gpu_class, is_engine_dir
 from kiln.checkpoint.file_hash import hash_files
+from kiln.checkpoint.fp4_formats import PrequantizedFp4
 from kiln.errors import BuildError
 from kiln.layers.quantization import linear_method_factory
 from kiln.layers.quantization.device import check_float8_device
@@ -89,6 +90,7 @@ class _Build:
     path: str  # the source
     options: BuildOptions  # "auto" quantization resolved
     fp8: prequantized.PrequantizedFp8 | None  # a pre-quantized source's scheme
+    fp4: PrequantizedFp4 | None  # an FP4 source's scheme (kiln.builder.fp4_source)
     device: torch.device
     dtype: torch.dtype
     gpu_class: str | None
@@ -133,7 +135,7 @@ def build_engine(
     if os.path.isdir(target) and os.listdir(target) and not is_engine_dir(target):
         raise BuildError(f"output directory {target} exists and is not an engine directory")
 
-    source = find_model_source(path, "auto")
+    source = find_model_source(path, fp4_source.weights_format(build.fp4, build.options))
     cfg, options = source.config, build.options
     kv_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, build.dtype)
     max_model_len = options.max_model_len or cfg.max_position_embeddings
@@ -194,10 +196,10 @@ def _resolve(path: str, options: BuildOptions) -> _Build:
         raise BuildError(f"{path} is already an engine directory; build from its source")
     # A pre-quantized checkpoint's scheme decides "auto" (and refuses a contradicting one)
     # before the options name the engine.
-    fp8 = prequantized.inspect(path) if os.path.isdir(path) else None
-    options = replace(
-        options, quantization=prequantized.resolve_quantization(options.quantization, fp8, path)
-    )
+    fp4_scheme = fp4_source.inspect_fp4(path) if os.path.isdir(path) else None
+    fp8 = prequantized.inspect(path) if os.path.isdir(path) and fp4_scheme is None else None
+    requested = fp4_source.resolve_quantization(options.quantization, fp4_scheme)
+    options = replace(options, quantization=prequantized.resolve_quantization(requested, fp8, path))
     device = resolve_device("auto")
     dtype = resolve_dtype(options.dtype, device)
     gpu_class = current_gpu_class() if device.type == "cuda" else None
@@ -213,7 +215,7 @@ def _resolve(path: str, options: BuildOptions) -> _Build:
         _refuse_weight_changes(path, options)
         calibration = prequantized.kv_calibration(path, fp8, options, calibration_text)
     key = _engine_key(options, dtype, calibration, gpu_class)
-    return _Build(path, options, fp8, device, dtype, gpu_class, calibration, key)
+    return _Build(path, options, fp8, fp4_scheme, device, dtype, gpu_class, calibration, key)
 
 
 def _refuse_weight_changes(path: str, options: BuildOptions) -> None:
@@ -269,7 +271,10 @@ def _write_engine(
     check = options.accuracy_check and (build.fp8 is not None or changes_arithmetic(options))
     calibrated = None
     if build.fp8 is None:
-        found = run_source(build.path, options, build.calibration, check, kept, ppl_file)
+        found = run_source(
+            build.path, options, build.calibration, check, kept, ppl_file,
+            fp4_source.source_format(build.fp4),
+        )  # fmt: skip
         kv_in_weights = True
     else:  # its own float8 weights and scales, loaded as written
         source_ppl, calibrated = prequantized.run_source(
@@ -284,6 +289,10 @@ def _write_engine(
     if build.fp8 is not None:
         kv_origin = _kv_origin(build.fp8.kv_scales, calibrated, kv_in_weights)
         origin = prequantized.quantization_source(build.path, build.fp8, kv_origin)
+    if build.fp4 is not None:
+        origin = fp4_source.quantization_source(
+            build.fp4, fp4_source.weights_format(build.fp4, options)
+        )
     tiles, tiles_reason = kernel_tiles(
         cfg, options.quantization, build.dtype, kv_dtype, build.device, build.gpu_class
     )

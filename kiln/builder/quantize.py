@@ -81,7 +81,9 @@ def calibration_batches(
     return [ids[i : i + n] for i in range(0, len(ids), n)][:batches]
 
 
-def smooth_source(llm: LLM, path: str, text: str, smoothing: str) -> dict:
+def smooth_source(
+    llm: LLM, path: str, text: str, smoothing: str, load_format: str = "auto"
+) -> dict:
     """Smooth `llm`'s unquantized model in place (kiln.builder.calibrate.smoothing): its inputs'
     per-channel amax over the calibration windows of `text`, the factors from them and the
     weights, then the source's weights (read from `path` again) loaded through the same
@@ -107,7 +109,7 @@ def smooth_source(llm: LLM, path: str, text: str, smoothing: str) -> dict:
     alpha = SmoothingSpec.parse(smoothing).alpha
     assert alpha is not None, "called for smoothquant, whose alpha has a default"
     factors = smoothing_factors(model, amax, alpha)
-    source = find_model_source(path, "auto")
+    source = find_model_source(path, load_format)
     assert source.weights is not None, "a checkpoint, not dummy weights"
     with build_step("smoothing: reloading the source"):
         model.load_weights(smooth_checkpoint(source.weights, factors, model.config))
@@ -220,13 +222,15 @@ def run_source(
     check: bool,
     kept: list[str],
     ppl_file: str | None = None,
+    load_format: str = "auto",
 ) -> SourcePass:
     """What the options ask of the source, from one `LLM` of the unquantized source, freed
     before the quantized model is made. With smoothing, its model is smoothed before the other
     calibrations: their scales and statistics are of the smoothed inputs and weights the
     engine holds. The source's perplexity is read from `ppl_file` when an earlier build kept
     it there (the source is then not loaded at all unless something calibrates), else
-    measured and kept there."""
+    measured and kept there. `load_format`: "dequantized" for an FP4 source (its exact
+    values, kiln.builder.fp4_source)."""
     from kiln.builder.accuracy import cached_perplexity, keep_perplexity, measure, measuring_llm
     from kiln.runtime.model_loader import is_float8_kv_cache
 
@@ -237,13 +241,15 @@ def run_source(
             print(f"the source's held-out perplexity, measured before: {ppl_file}", flush=True)
         return found
     with measuring_llm(path, "source", dtype=options.dtype, max_model_len=options.max_model_len,
-                       enable_prefix_caching=False) as llm:  # fmt: skip
+                       enable_prefix_caching=False, load_format=load_format) as llm:  # fmt: skip
         if check and cached is None:
             found.source_ppl = measure(llm, options.max_model_len, "source")
             keep_perplexity(ppl_file, found.source_ppl)
         if calibration is not None:
             if options.smoothing != "none":
-                found.smoothing = smooth_source(llm, path, calibration, options.smoothing)
+                found.smoothing = smooth_source(
+                    llm, path, calibration, options.smoothing, load_format
+                )
             wanted = (
                 options.quantization == "fp8",
                 is_float8_kv_cache(options.kv_cache_dtype),

@@ -16,7 +16,7 @@ significand times a power of two, so a power-of-two row scale keeps every one ex
 row's group exponents span at most 14 binades); an NVFP4 value is an e2m1 code times an e4m3
 group scale times the tensor's unit, so a row scale of the unit times 2^k or 1.5 * 2^k (the
 better per row) keeps the most. On the NVFP4 test checkpoint this halves the FP8 weights' error
-against the exact FP4 values (1.37% relative, against 2.57% with absmax scales); MXFP4's is 0.
+against the exact FP4 values (1.39% relative, against 2.57% with absmax scales and 1.91% with 128x128 blocks); MXFP4's is 0.
 """
 
 from __future__ import annotations
@@ -175,12 +175,13 @@ def to_fp8(
     times 1.5 * 2^k), k the smallest that keeps the row's absmax within e4m3's 448; of the
     candidates, each row keeps the one with the least squared error."""
     weight = dequantize(scheme, parts, prefix)
+    multiples: tuple[float, ...] = (1.0, 1.5)
     if scheme.format == "mxfp4":
         unit, multiples = torch.tensor(1.0), (1.0,)
     elif scheme.producer == "modelopt":
-        unit, multiples = parts["weight_scale_2"].float().reshape(()), (1.0, 1.5)
+        unit = parts["weight_scale_2"].float().reshape(())
     else:
-        unit, multiples = 1.0 / parts["weight_global_scale"].float().reshape(()), (1.0, 1.5)
+        unit = 1.0 / parts["weight_global_scale"].float().reshape(())
     absmax = weight.abs().amax(dim=1, keepdim=True)
     best: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     for multiple in multiples:

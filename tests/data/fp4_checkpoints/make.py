@@ -13,7 +13,8 @@ here from nvfp4/'s tensors, since ModelOpt's NVFP4 export needs a GPU.
 <name>_dequantized.safetensors: each projection's weight dequantized in fp32 by
 compressed-tensors' own unpack_fp4_from_uint8 + dequantize (for ModelOpt: scale * scale_2, as
 vLLM's ModelOpt NVFP4 method), the oracle of the bit-exact dequantization tests. Small by design,
-committed, so CI needs none of the tools.
+committed, so CI needs none of the tools. The vocabulary fits tests/tiny_tokenizer.py, which a
+build test adds to a copy (a build calibrates and scores text).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
     rms_norm_eps=1e-5, tie_word_embeddings=False,
 )  # fmt: skip
