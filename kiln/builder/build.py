@@ -19,6 +19,8 @@ import kiln
 from kiln.builder import cache, fp4_source, prequantized
 from kiln.builder.accuracy import check_engine, failure_message, source_perplexity_file
 from kiln.builder.calibrate.smoothing import smooth_checkpoint
+from kiln.builder.int4 import INT4_BUILDS, engine_quantization
+from kiln.builder.int4 import build_factory as int4_factory
 from kiln.builder.manifest import EngineManifest, stamped
 from kiln.builder.options import (
     BuildOptions,
@@ -306,7 +308,7 @@ def _write_engine(
         dtype=build.key["dtype"],
         kv_cache_dtype=options.kv_cache_dtype,
         max_model_len=options.max_model_len,
-        quantization=options.quantization,
+        quantization=engine_quantization(options.quantization, cfg),
         scales_method=(
             prequantized.scales_method(build.fp8) if build.fp8 else scales_method(options)
         ),
@@ -342,10 +344,14 @@ def _write_weights(
     KV scales folded, written as one set of shards or one per tensor rank."""
     options, cfg, dtype = build.options, source.config, build.dtype
     max_model_len = options.max_model_len or cfg.max_position_embeddings
-    factory = linear_method_factory(
-        options.quantization, found.scales, unquantized=kept, rounded=found.rounded,
-        weight_rounders=gptq_rounders(found.hessians), outlier_channels=found.outliers,
-    )  # fmt: skip
+    if options.quantization in INT4_BUILDS:
+        assert found.rounded is not None, "the source pass rounded every INT4 projection"
+        factory = int4_factory(found.rounded, kept)
+    else:
+        factory = linear_method_factory(
+            options.quantization, found.scales, unquantized=kept, rounded=found.rounded,
+            weight_rounders=gptq_rounders(found.hessians), outlier_channels=found.outliers,
+        )  # fmt: skip
 
     def head() -> Fp8LinearMethod | None:  # a method serves one layer: one per model
         return Fp8LinearMethod("dynamic") if options.lm_head_quantization == "fp8" else None

@@ -13,7 +13,7 @@ from kiln.layers.quantization.outlier_columns import COLUMN_MULTIPLE
 from kiln.models.config import ModelConfig
 from kiln.runtime.model_loader import is_float8_kv_cache
 
-QUANTIZATIONS = ("auto", "none", "fp8", "fp8-dynamic")
+QUANTIZATIONS = ("auto", "none", "fp8", "fp8-dynamic", "int4-gptq", "int4-awq")
 KV_CACHE_DTYPES = ("auto", "fp8")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -21,7 +21,9 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 @dataclass(frozen=True)
 class BuildOptions:
     quantization: str = "auto"
-    """"none", "fp8" (static input scales calibrated at build time), "fp8-dynamic", or "auto": a
+    """"none", "fp8" (static input scales calibrated at build time), "fp8-dynamic", "int4-gptq"
+    or "int4-awq" (W4A16, groups of 128 with zero points, rounded by GPTQ layer after layer or
+    by AWQ's scale search on the calibration text: kiln.builder.int4), or "auto": a
     pre-quantized checkpoint's own scheme (kiln.builder.prequantized), else "none"."""
     kv_cache_dtype: str = "auto"
     """"auto" (the model dtype) or "fp8"."""
@@ -103,7 +105,17 @@ class BuildOptions:
         self._check_quantized_options()
 
     def _check_quantized_options(self) -> None:
-        """The options that change float8 weights need a quantized build."""
+        """The options that change float8 weights need a float8 build."""
+        if self.quantization.startswith("int4-"):
+            for name, default in (("smoothing", "none"), ("weight_rounding", "nearest"),
+                                  ("outlier_columns", 0), ("tensor_parallel_size", 1)):  # fmt: skip
+                if getattr(self, name) != default:
+                    raise BuildError(
+                        f"{name} {getattr(self, name)!r} is not supported with quantization "
+                        f"{self.quantization!r} (its rounding is the scheme's own; INT4 runs on "
+                        "one GPU)"
+                    )
+            return
         if self.quantization != "none":
             return
         if self.smoothing != "none":
@@ -164,10 +176,10 @@ def scales_method(options: BuildOptions) -> str | None:
 
 def calibration_text(options: BuildOptions) -> str | None:
     """The text scales are calibrated on: "fp8"'s static input scales, a float8 KV cache's
-    per-layer scales, GPTQ's input statistics and smoothing's factors calibrate; nothing else
-    does."""
+    per-layer scales, GPTQ's input statistics, smoothing's factors and the INT4 builds' rounding
+    calibrate; nothing else does."""
     calibrates = (
-        options.quantization == "fp8"
+        options.quantization in ("fp8", "int4-gptq", "int4-awq")
         or options.weight_rounding != "nearest"
         or options.smoothing != "none"
         or options.outlier_columns > 0

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
+from kiln.builder.int4 import INT4_BUILDS
 from kiln.builder.progress import build_step
 from kiln.errors import BuildError
 from kiln.layers.quantization.outlier_columns import choose_channels
@@ -31,6 +32,7 @@ SEQUENTIAL_DAMP = 0.1
 SCALES_METHOD = {
     "fp8": "static per-tensor input scales calibrated at build time; per-channel weights",
     "fp8-dynamic": "dynamic per-token input scales; per-channel weights",
+    **INT4_BUILDS,
 }
 
 # "gptq": H = X X^T of the source's inputs, one pass (kiln.builder.calibrate.gptq).
@@ -211,7 +213,7 @@ class SourcePass:
     kv_scales: list[tuple[float, float]] | None = None  # a float8 KV cache's
     hessians: dict[str, torch.Tensor] | None = None  # GPTQ's input statistics ("gptq")
     smoothing: dict[str, torch.Tensor] | None = None  # SmoothQuant's factors
-    rounded: dict | None = None  # "gptq-sequential"'s float8 weights
+    rounded: dict | None = None  # "gptq-sequential"'s float8 weights; an INT4 build's codes
     outliers: dict[str, list[int]] | None = None  # --outlier-columns' channels
 
 
@@ -250,6 +252,10 @@ def run_source(
                 found.smoothing = smooth_source(
                     llm, path, calibration, options.smoothing, load_format
                 )
+            if options.quantization in INT4_BUILDS:
+                found.rounded, found.smoothing = _round_int4(
+                    llm, path, calibration, options, kept, load_format
+                )
             wanted = (
                 options.quantization == "fp8",
                 is_float8_kv_cache(options.kv_cache_dtype),
@@ -264,6 +270,25 @@ def run_source(
             if options.weight_rounding == "gptq-sequential":  # needs the static scales
                 found.rounded = round_weights(llm, calibration, found.scales, kept)
     return found
+
+
+def _round_int4(
+    llm: LLM, path: str, text: str, options: BuildOptions, kept: list[str], load_format: str
+) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    """An INT4 build's codes (and AWQ's factors, with which the source is then reloaded, so a
+    float8 KV cache calibrates on the smoothed model the engine is)."""
+    from kiln.builder.calibrate.smoothing import smooth_checkpoint
+    from kiln.builder.int4 import round_int4
+    from kiln.runtime.model_loader import find_model_source, is_float8_kv_cache
+
+    rounded, factors = round_int4(llm, text, options.quantization, kept)
+    if factors is not None and is_float8_kv_cache(options.kv_cache_dtype):
+        model = _source_runner(llm).model
+        source = find_model_source(path, load_format)
+        assert source.weights is not None, "a checkpoint, not dummy weights"
+        with build_step("awq: reloading the source smoothed"):
+            model.load_weights(smooth_checkpoint(source.weights, factors, model.config))
+    return rounded, factors
 
 
 def outlier_channels(

@@ -107,7 +107,8 @@ class ManifestSchema(msgspec.Struct):
     files: dict[str, _FileEntry]
     architecture: dict[str, Any]
     dtype: str
-    quantization: Literal["none", "fp8", "fp8-dynamic"]  # layers.quantization.QUANTIZATIONS
+    # layers.quantization.QUANTIZATIONS, and the INT4 groups `kiln build` writes (builder.int4)
+    quantization: Literal["none", "fp8", "fp8-dynamic", "int4-g128", "int4-g64", "int4-g32"]
     gpu_class: str | None = None
     tensor_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     kv_cache_dtype: str = "auto"
