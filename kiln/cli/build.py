@@ -13,8 +13,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("-o", "--output", default=None, help="engine directory (default: in the cache)")
     p.add_argument(
-        "--quantization", choices=("auto", "none", "fp8", "fp8-dynamic"), default="auto",
-        help="auto: a pre-quantized FP8 checkpoint's own scheme (carried as written), else none",
+        "--quantization", default="auto",
+        choices=("auto", "none", "fp8", "fp8-dynamic", "int4-gptq", "int4-awq"),
+        help="auto: a pre-quantized FP8 checkpoint's own scheme (carried as written), an FP4 "
+        "checkpoint's FP8 conversion, else none; int4-gptq / int4-awq: W4A16 groups of 128 "
+        "rounded by GPTQ or AWQ on the calibration text",
     )  # fmt: skip
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument(
