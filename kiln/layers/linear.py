@@ -202,9 +202,12 @@ class Linear(nn.Module):
 
     @torch.no_grad()
     def scale_output_rows(self, rows: slice, factor: float, bias: bool = True) -> None:
-        """Multiply output rows `rows` by `factor`: through the float8 weight scales where the
-        method keeps them, else the weight's rows; the bias's rows too with `bias`."""
+        """Multiply output rows `rows` by `factor`: through the float8 weight scales (or INT4's
+        group scales) where the method keeps them, else the weight's rows; the bias's rows too
+        with `bias`."""
         scale = getattr(self, "weight_scale", None)
+        if scale is None:
+            scale = getattr(self, "weight_scales", None)
         target = scale if scale is not None else self.weight
         target[rows] *= factor
         if bias and self.bias is not None:
