@@ -4,6 +4,7 @@ Int4LinearMethod layout's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kiln.builder.calibrate import int4
@@ -38,12 +39,17 @@ def test_codes_are_the_int4_layout_and_dequantize_as_the_kernels_read_them() -> 
     assert ((int4.dequantize(weights) - w).abs() <= step / 2 + 1e-7).all()
 
 
-def test_gptq_lowers_the_output_error_of_round_to_nearest() -> None:
+@pytest.mark.parametrize("act_order", [True, False])
+def test_gptq_lowers_the_output_error_of_round_to_nearest(act_order) -> None:
     x, w = _inputs(), _weight()
     hessian = x.T @ x / x.shape[0]
     nearest = _error(w, int4.dequantize(int4.rtn_int4(w)), x)
-    gptq = _error(w, int4.dequantize(int4.gptq_int4(w, hessian)), x)
-    assert gptq < 0.8 * nearest, (gptq, nearest)
+    weights = int4.gptq_int4(w, hessian, act_order=act_order)
+    assert _error(w, int4.dequantize(weights), x) < 0.8 * nearest
+    if act_order:  # static groups: the scales and zeros of round to nearest, codes moved
+        _, scales, zeros = int4.rtn_int4(w)
+        torch.testing.assert_close(weights[1], scales)
+        torch.testing.assert_close(weights[2], zeros)
 
 
 def test_gptq_with_64_input_groups() -> None:

@@ -2,9 +2,10 @@
 codes with a scale and a zero point per group of 128 inputs, the layout Int4LinearMethod runs
 (w = (code - zero) * scale, codes 0..15).
 
-int4-gptq: GPTQ (Frantar et al., 2022) with each group's scale and zero taken from the group's
-weights as they stand when its first column is reached (error from earlier columns included),
-layer after layer through kiln.builder.calibrate.sequential (Int4Rounder).
+int4-gptq: GPTQ (Frantar et al., 2022) with llm-compressor's default activation ordering
+("static": columns by descending diag(H), each group's scale and zero from its weights before
+rounding, the groups contiguous in input order), layer after layer through
+kiln.builder.calibrate.sequential (Int4Rounder).
 
 int4-awq: AWQ's activation-aware scaling (Lin et al., 2023): per projection, input channel j's
 weights are multiplied by s_j = mean|x_j| ^ alpha (and its input divided by s_j, folded into the
@@ -23,7 +24,7 @@ from types import ModuleType
 import torch
 
 from kiln.builder.calibrate.calibration import WrappingMethod, observe_projections
-from kiln.builder.calibrate.gptq import HessianObserver, damped
+from kiln.builder.calibrate.gptq import HessianObserver, column_order, damped
 from kiln.layers.linear import Linear, LinearMethod
 from kiln.models.base import CausalLM
 
@@ -100,32 +101,46 @@ def gptq_int4(
     hessian: torch.Tensor,  # [in, in]
     group_size: int = GROUP_SIZE,
     damp: float = GPTQ_DAMP,
+    act_order: bool = True,
 ) -> Int4Weights:
-    """GPTQ's rounding to asymmetric INT4 groups, columns in input order: a group's scale and
-    zero come from its columns as they stand when its first column rounds; each column's
-    rounding error moves the columns after it through the upper Cholesky factor of H^-1."""
-    h = damped(hessian.to(weight.device), damp)
+    """GPTQ's rounding to asymmetric INT4 groups: each column's rounding error moves the columns
+    not yet rounded through the upper Cholesky factor of H^-1. `act_order` (llm-compressor's
+    default "static" activation ordering): columns round by descending diag(H), each with its
+    input-order group's scale and zero taken from the weights before any rounding (so the
+    groups stay contiguous: no g_idx); else in input order, a group's scale and zero from its
+    columns as they stand when its first column rounds."""
+    out, k = weight.shape
+    w = weight.double()
+    order = column_order(hessian) if act_order else torch.arange(k, device=weight.device)
+    h = damped(hessian.to(weight.device), damp)[order][:, order]
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    w = weight.double().clone()
-    out, k = w.shape
-    codes = torch.empty(out, k, dtype=torch.int32, device=w.device)
     scales = torch.empty(out, k // group_size, dtype=torch.float64, device=w.device)
     zeros = torch.empty_like(scales)
+    if act_order:  # static groups: from the weights as they are
+        scale, zero = group_range(w.reshape(out, k // group_size, group_size))
+        scales, zeros = scale[..., 0], zero[..., 0]
+    group_of = order // group_size  # the group of each column in rounding order
+    w = w[:, order].clone()
+    codes = torch.empty(out, k, dtype=torch.int32, device=w.device)
     for start in range(0, k, group_size):
         end = start + group_size
         block = w[:, start:end].clone()
-        scale, zero = group_range(block)
-        scales[:, start // group_size], zeros[:, start // group_size] = scale[:, 0], zero[:, 0]
+        if not act_order:
+            scale, zero = group_range(block)
+            scales[:, start // group_size], zeros[:, start // group_size] = scale[:, 0], zero[:, 0]
         errors = torch.empty_like(block)
         hb = hinv[start:end, start:end]
         for i in range(group_size):
             column = block[:, i : i + 1]
+            g = int(group_of[start + i])
+            scale, zero = scales[:, g : g + 1], zeros[:, g : g + 1]
             code = quantize_groups(column, scale, zero)
             codes[:, start + i] = code[:, 0].to(torch.int32)
             err = (column - (code - zero) * scale) / hb[i, i]
             block[:, i:] -= err @ hb[i : i + 1, i:]
             errors[:, i : i + 1] = err
         w[:, end:] -= errors @ hinv[start:end, end:]
+    codes = codes[:, torch.argsort(order)]
     return codes, scales.float(), zeros.float()
 
 
