@@ -36,7 +36,7 @@ class BuildOptions:
     max_ppl_increase: float | None = None
     """Most word-perplexity increase (percent) over the source a quantized engine may have.
     None: by the model's size (kiln.builder.accuracy.ppl_limit: 1% from 1B parameters, 5%
-    below)."""
+    below; INT4 builds 5% and 25%)."""
     accuracy_check: bool = True
     """Measure source and engine perplexity on held-out text (quantized builds only)."""
     tensor_parallel_size: int = 1

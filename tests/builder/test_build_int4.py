@@ -49,6 +49,7 @@ def test_an_int4_build_loads_as_int4_and_runs_close_to_its_source(scheme, source
     manifest = build_engine(source, engine, BuildOptions(quantization=scheme), None)
     assert manifest.quantization == "int4-g128"
     assert manifest.accuracy["checked"] and manifest.accuracy["passed"], manifest.accuracy
+    assert manifest.accuracy["max_ppl_increase_pct"] == 25.0  # INT4's default under 1B
     llm, src = LLM(engine, **ARGS), LLM(source, **ARGS)
     model = llm.engine.executor.runner.model
     for proj in (model.layers[0].self_attn.qkv_proj, model.layers[1].mlp.down_proj):
