@@ -136,7 +136,10 @@ def awq_layers(
                 continue
             s = factors[name]
             hessian = stats[name][0] / (s[:, None] * s[None, :])
-            rounded[name] = rounding.clip_int4(weight, hessian, group)
+            # AutoAWQ's: q and k are not clipped (the softmax is more sensitive to them than
+            # their outputs' error says); one search per projection, so qkv is not clipped.
+            clip = None if name.endswith("qkv_proj") else hessian
+            rounded[name] = rounding.clip_int4(weight, clip, group)
         if on_layer is not None:
             on_layer()
     return rounded, factors
