@@ -38,8 +38,10 @@ class EngineConfig:
     model: str | None = None
     """HF model directory, .gguf file, architecture preset (with load_format="dummy") or hub id.
     None means the embedded default (SmolLM2-135M-Instruct)."""
-    load_format: str = _one_of("auto", "dummy")
-    """"auto" (read the checkpoint) or "dummy" (random weights at a sane scale, for benchmarks)."""
+    load_format: str = _one_of("auto", "dummy", "dequantized")
+    """"auto" (read the checkpoint), "dummy" (random weights at a sane scale, for benchmarks) or
+    "dequantized" (an FP4 checkpoint's weights widened exactly to the model dtype and run
+    unquantized, instead of converted to FP8: what the FP8 conversion is checked against)."""
     dtype: str = _one_of("auto", "float32", "float16", "bfloat16")
     """"auto" (float32 on CPU, bfloat16 on GPU), "float32", "float16" or "bfloat16"."""
     device: str = "auto"

@@ -10,6 +10,12 @@ _BY_FILE = {
     "tests/builder/test_build.py": (  # 4 s
         "test_smollm2_gguf_builds_an_engine_that_answers_as_the_gguf",
     ),
+    "tests/builder/test_build_fp4.py": (  # 24 s
+        "test_an_fp4_checkpoint_builds_the_fp8_engine_loading_it_runs",
+    ),
+    "tests/builder/test_build_int4.py": (  # 53 s
+        "test_an_int4_build_loads_as_int4_and_runs_close_to_its_source",
+    ),
     "tests/checkpoint/test_loaders.py": (  # 8 s
         "test_smollm2_tensors_equal_transformers_gguf_load",
     ),

@@ -17,9 +17,11 @@ import torch
 from tqdm.auto import tqdm
 
 import kiln
-from kiln.builder import cache, prequantized
+from kiln.builder import cache, fp4_source, prequantized
 from kiln.builder.accuracy import check_engine, failure_message, source_perplexity_file
 from kiln.builder.calibrate.smoothing import smooth_checkpoint
+from kiln.builder.int4 import INT4_BUILDS, engine_quantization
+from kiln.builder.int4 import build_factory as int4_factory
 from kiln.builder.lora_merge import MergeAdapter, merged_source, read_adapter
 from kiln.builder.manifest import EngineManifest, stamped
 from kiln.builder.options import (
@@ -42,6 +44,7 @@ from kiln.builder.tiles import kernel_tiles
 from kiln.builder.weights import write_rank_shards, write_weights
 from kiln.checkpoint.engine_dir import current_gpu_class, is_engine_dir
 from kiln.checkpoint.file_hash import hash_files
+from kiln.checkpoint.fp4_formats import PrequantizedFp4
 from kiln.errors import BuildError
 from kiln.layers.quantization import linear_method_factory
 from kiln.layers.quantization.device import check_float8_device
@@ -91,6 +94,7 @@ class _Build:
     path: str  # the source
     options: BuildOptions  # "auto" quantization resolved
     fp8: prequantized.PrequantizedFp8 | None  # a pre-quantized source's scheme
+    fp4: PrequantizedFp4 | None  # an FP4 source's scheme (kiln.builder.fp4_source)
     device: torch.device
     dtype: torch.dtype
     gpu_class: str | None
@@ -156,7 +160,7 @@ def _build_into(
     the engine's id and its source's hash."""
     engine_id, source_digest = ids
     rejected = f"{target}{REJECTED_SUFFIX}"
-    source = find_model_source(build.path, "auto")
+    source = find_model_source(build.path, fp4_source.weights_format(build.fp4, build.options))
     cfg, options = source.config, build.options
     kv_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, build.dtype)
     max_model_len = options.max_model_len or cfg.max_position_embeddings
@@ -219,10 +223,10 @@ def _resolve(path: str, options: BuildOptions, adapter: MergeAdapter | None = No
         raise BuildError(f"--lora merges into a Hugging Face directory's weights, not {path}")
     # A pre-quantized checkpoint's scheme decides "auto" (and refuses a contradicting one)
     # before the options name the engine.
-    fp8 = prequantized.inspect(path) if os.path.isdir(path) else None
-    options = replace(
-        options, quantization=prequantized.resolve_quantization(options.quantization, fp8, path)
-    )
+    fp4_scheme = fp4_source.inspect_fp4(path) if os.path.isdir(path) else None
+    fp8 = prequantized.inspect(path) if os.path.isdir(path) and fp4_scheme is None else None
+    requested = fp4_source.resolve_quantization(options.quantization, fp4_scheme)
+    options = replace(options, quantization=prequantized.resolve_quantization(requested, fp8, path))
     device = resolve_device("auto")
     dtype = resolve_dtype(options.dtype, device)
     gpu_class = current_gpu_class() if device.type == "cuda" else None
@@ -241,7 +245,9 @@ def _resolve(path: str, options: BuildOptions, adapter: MergeAdapter | None = No
     if adapter is not None:  # its bytes name the engine, not where it lies
         key["lora"] = adapter.digest
     name = os.path.basename(os.path.normpath(path))
-    return _Build(path, options, fp8, device, dtype, gpu_class, calibration, key, adapter, name)
+    return _Build(
+        path, options, fp8, fp4_scheme, device, dtype, gpu_class, calibration, key, adapter, name
+    )
 
 
 def _refuse_weight_changes(
@@ -308,7 +314,10 @@ def _write_engine(
     check = options.accuracy_check and (build.fp8 is not None or changes_arithmetic(options))
     calibrated = None
     if build.fp8 is None:
-        found = run_source(build.path, options, build.calibration, check, kept, ppl_file)
+        found = run_source(
+            build.path, options, build.calibration, check, kept, ppl_file,
+            fp4_source.source_format(build.fp4),
+        )  # fmt: skip
         kv_in_weights = True
     else:  # its own float8 weights and scales, loaded as written
         source_ppl, calibrated = prequantized.run_source(
@@ -323,6 +332,10 @@ def _write_engine(
     if build.fp8 is not None:
         kv_origin = _kv_origin(build.fp8.kv_scales, calibrated, kv_in_weights)
         origin = prequantized.quantization_source(build.path, build.fp8, kv_origin)
+    if build.fp4 is not None:
+        origin = fp4_source.quantization_source(
+            build.fp4, fp4_source.weights_format(build.fp4, options)
+        )
     tiles, tiles_reason = kernel_tiles(
         cfg, options.quantization, build.dtype, kv_dtype, build.device, build.gpu_class
     )
@@ -336,7 +349,7 @@ def _write_engine(
         dtype=build.key["dtype"],
         kv_cache_dtype=options.kv_cache_dtype,
         max_model_len=options.max_model_len,
-        quantization=options.quantization,
+        quantization=engine_quantization(options.quantization, cfg),
         scales_method=(
             prequantized.scales_method(build.fp8) if build.fp8 else scales_method(options)
         ),
@@ -373,10 +386,14 @@ def _write_weights(
     KV scales folded, written as one set of shards or one per tensor rank."""
     options, cfg, dtype = build.options, source.config, build.dtype
     max_model_len = options.max_model_len or cfg.max_position_embeddings
-    factory = linear_method_factory(
-        options.quantization, found.scales, unquantized=kept, rounded=found.rounded,
-        weight_rounders=gptq_rounders(found.hessians), outlier_channels=found.outliers,
-    )  # fmt: skip
+    if options.quantization in INT4_BUILDS:
+        assert found.rounded is not None, "the source pass rounded every INT4 projection"
+        factory = int4_factory(found.rounded, kept)
+    else:
+        factory = linear_method_factory(
+            options.quantization, found.scales, unquantized=kept, rounded=found.rounded,
+            weight_rounders=gptq_rounders(found.hessians), outlier_channels=found.outliers,
+        )  # fmt: skip
 
     def head() -> Fp8LinearMethod | None:  # a method serves one layer: one per model
         return Fp8LinearMethod("dynamic") if options.lm_head_quantization == "fp8" else None

@@ -33,7 +33,8 @@ class EngineManifest:
     kv_cache_dtype: str
     max_model_len: int | None
     quantization: str
-    """"none", "fp8" (static calibrated input scales) or "fp8-dynamic"."""
+    """"none", "fp8" (static calibrated input scales), "fp8-dynamic" or "int4-g<group>" (an
+    INT4 build's: kiln.builder.int4)."""
     scales_method: str | None
     """How the activation scales were chosen; None when unquantized."""
     calibration_data_hash: str | None

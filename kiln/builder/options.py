@@ -14,7 +14,8 @@ from kiln.models.config import ModelConfig
 from kiln.runtime.model_loader import is_float8_kv_cache
 
 QUANTIZATIONS = ("auto", "none", "fp8", "fp8-dynamic", "int8-w8a8", "fp8-block",
-                 "int8-w8a16-channel", "int8-w8a16-g128", "fp8-w8a16-channel")  # fmt: skip
+                 "int8-w8a16-channel", "int8-w8a16-g128", "fp8-w8a16-channel",
+                 "int4-gptq", "int4-awq")  # fmt: skip
 KV_CACHE_DTYPES = ("auto", "fp8")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -25,8 +26,10 @@ class BuildOptions:
     """"none", "fp8" (static input scales calibrated at build time), "fp8-dynamic", "int8-w8a8"
     (int8 weights per channel, activations per token; with --smoothing, SmoothQuant), "fp8-block"
     (float8 weights per 128x128 block, activations per group of 128 inputs), weight-only
-    "int8-w8a16-channel", "int8-w8a16-g128" or "fp8-w8a16-channel", or "auto":
-    a pre-quantized checkpoint's own scheme (kiln.builder.prequantized), else "none"."""
+    "int8-w8a16-channel", "int8-w8a16-g128" or "fp8-w8a16-channel", "int4-gptq" or "int4-awq"
+    (W4A16, groups of 128 with zero points, rounded by GPTQ layer after layer or by AWQ's scale
+    search on the calibration text: kiln.builder.int4), or "auto": a pre-quantized checkpoint's
+    own scheme (kiln.builder.prequantized), else "none"."""
     kv_cache_dtype: str = "auto"
     """"auto" (the model dtype) or "fp8"."""
     dtype: str = "auto"
@@ -38,7 +41,7 @@ class BuildOptions:
     max_ppl_increase: float | None = None
     """Most word-perplexity increase (percent) over the source a quantized engine may have.
     None: by the model's size (kiln.builder.accuracy.ppl_limit: 1% from 1B parameters, 5%
-    below)."""
+    below; INT4 builds 5% and 25%)."""
     accuracy_check: bool = True
     """Measure source and engine perplexity on held-out text (quantized builds only)."""
     tensor_parallel_size: int = 1
@@ -112,8 +115,18 @@ class BuildOptions:
         self._check_quantized_options()
 
     def _check_quantized_options(self) -> None:
-        """The options that change float8 weights need a quantized build (INT8 takes smoothing
-        and unquantized layers; GPTQ's and outlier columns' float8 codes it cannot)."""
+        """The options that change float8 weights need a float8 build (INT8 takes smoothing and
+        unquantized layers; GPTQ's and outlier columns' float8 codes it cannot)."""
+        if self.quantization.startswith("int4-"):
+            for name, default in (("smoothing", "none"), ("weight_rounding", "nearest"),
+                                  ("outlier_columns", 0), ("tensor_parallel_size", 1)):  # fmt: skip
+                if getattr(self, name) != default:
+                    raise BuildError(
+                        f"{name} {getattr(self, name)!r} is not supported with quantization "
+                        f"{self.quantization!r} (its rounding is the scheme's own; INT4 runs on "
+                        "one GPU)"
+                    )
+            return
         if self.quantization.startswith(("int8-", "fp8-block", "fp8-w8a16")) and (
             self.weight_rounding != "nearest" or self.outlier_columns
         ):
@@ -186,10 +199,10 @@ def scales_method(options: BuildOptions) -> str | None:
 
 def calibration_text(options: BuildOptions) -> str | None:
     """The text scales are calibrated on: "fp8"'s static input scales, a float8 KV cache's
-    per-layer scales, GPTQ's input statistics and smoothing's factors calibrate; nothing else
-    does."""
+    per-layer scales, GPTQ's input statistics, smoothing's factors and the INT4 builds' rounding
+    calibrate; nothing else does."""
     calibrates = (
-        options.quantization == "fp8"
+        options.quantization in ("fp8", "int4-gptq", "int4-awq")
         or options.weight_rounding != "nearest"
         or options.smoothing != "none"
         or options.outlier_columns > 0

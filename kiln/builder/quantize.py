@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
+from kiln.builder.int4 import INT4_BUILDS
 from kiln.builder.progress import build_step
 from kiln.errors import BuildError
 from kiln.layers.quantization.outlier_columns import choose_channels
@@ -36,6 +37,7 @@ SCALES_METHOD = {
     "int8-w8a16-channel": "weight-only int8, per-channel scales, rounded to nearest",
     "int8-w8a16-g128": "weight-only int8, a scale per group of 128 inputs, rounded to nearest",
     "fp8-w8a16-channel": "weight-only float8, per-channel scales, rounded to nearest",
+    **INT4_BUILDS,
 }
 
 # "gptq": H = X X^T of the source's inputs, one pass (kiln.builder.calibrate.gptq).
@@ -86,7 +88,9 @@ def calibration_batches(
     return [ids[i : i + n] for i in range(0, len(ids), n)][:batches]
 
 
-def smooth_source(llm: LLM, path: str, text: str, smoothing: str) -> dict:
+def smooth_source(
+    llm: LLM, path: str, text: str, smoothing: str, load_format: str = "auto"
+) -> dict:
     """Smooth `llm`'s unquantized model in place (kiln.builder.calibrate.smoothing): its inputs'
     per-channel amax over the calibration windows of `text`, the factors from them and the
     weights, then the source's weights (read from `path` again) loaded through the same
@@ -112,7 +116,7 @@ def smooth_source(llm: LLM, path: str, text: str, smoothing: str) -> dict:
     alpha = SmoothingSpec.parse(smoothing).alpha
     assert alpha is not None, "called for smoothquant, whose alpha has a default"
     factors = smoothing_factors(model, amax, alpha)
-    source = find_model_source(path, "auto")
+    source = find_model_source(path, load_format)
     assert source.weights is not None, "a checkpoint, not dummy weights"
     with build_step("smoothing: reloading the source"):
         model.load_weights(smooth_checkpoint(source.weights, factors, model.config))
@@ -214,7 +218,7 @@ class SourcePass:
     kv_scales: list[tuple[float, float]] | None = None  # a float8 KV cache's
     hessians: dict[str, torch.Tensor] | None = None  # GPTQ's input statistics ("gptq")
     smoothing: dict[str, torch.Tensor] | None = None  # SmoothQuant's factors
-    rounded: dict | None = None  # "gptq-sequential"'s float8 weights
+    rounded: dict | None = None  # "gptq-sequential"'s float8 weights; an INT4 build's codes
     outliers: dict[str, list[int]] | None = None  # --outlier-columns' channels
 
 
@@ -225,13 +229,15 @@ def run_source(
     check: bool,
     kept: list[str],
     ppl_file: str | None = None,
+    load_format: str = "auto",
 ) -> SourcePass:
     """What the options ask of the source, from one `LLM` of the unquantized source, freed
     before the quantized model is made. With smoothing, its model is smoothed before the other
     calibrations: their scales and statistics are of the smoothed inputs and weights the
     engine holds. The source's perplexity is read from `ppl_file` when an earlier build kept
     it there (the source is then not loaded at all unless something calibrates), else
-    measured and kept there."""
+    measured and kept there. `load_format`: "dequantized" for an FP4 source (its exact
+    values, kiln.builder.fp4_source)."""
     from kiln.builder.accuracy import cached_perplexity, keep_perplexity, measure, measuring_llm
     from kiln.runtime.model_loader import is_float8_kv_cache
 
@@ -242,13 +248,19 @@ def run_source(
             print(f"the source's held-out perplexity, measured before: {ppl_file}", flush=True)
         return found
     with measuring_llm(path, "source", dtype=options.dtype, max_model_len=options.max_model_len,
-                       enable_prefix_caching=False) as llm:  # fmt: skip
+                       enable_prefix_caching=False, load_format=load_format) as llm:  # fmt: skip
         if check and cached is None:
             found.source_ppl = measure(llm, options.max_model_len, "source")
             keep_perplexity(ppl_file, found.source_ppl)
         if calibration is not None:
             if options.smoothing != "none":
-                found.smoothing = smooth_source(llm, path, calibration, options.smoothing)
+                found.smoothing = smooth_source(
+                    llm, path, calibration, options.smoothing, load_format
+                )
+            if options.quantization in INT4_BUILDS:
+                found.rounded, found.smoothing = _round_int4(
+                    llm, path, calibration, options, kept, load_format
+                )
             wanted = (
                 options.quantization == "fp8",
                 is_float8_kv_cache(options.kv_cache_dtype),
@@ -263,6 +275,25 @@ def run_source(
             if options.weight_rounding == "gptq-sequential":  # needs the static scales
                 found.rounded = round_weights(llm, calibration, found.scales, kept)
     return found
+
+
+def _round_int4(
+    llm: LLM, path: str, text: str, options: BuildOptions, kept: list[str], load_format: str
+) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    """An INT4 build's codes (and AWQ's factors, with which the source is then reloaded, so a
+    float8 KV cache calibrates on the smoothed model the engine is)."""
+    from kiln.builder.calibrate.smoothing import smooth_checkpoint
+    from kiln.builder.int4 import round_int4
+    from kiln.runtime.model_loader import find_model_source, is_float8_kv_cache
+
+    rounded, factors = round_int4(llm, text, options.quantization, kept)
+    if factors is not None and is_float8_kv_cache(options.kv_cache_dtype):
+        model = _source_runner(llm).model
+        source = find_model_source(path, load_format)
+        assert source.weights is not None, "a checkpoint, not dummy weights"
+        with build_step("awq: reloading the source smoothed"):
+            model.load_weights(smooth_checkpoint(source.weights, factors, model.config))
+    return rounded, factors
 
 
 def outlier_channels(

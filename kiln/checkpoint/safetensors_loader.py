@@ -34,7 +34,7 @@ def read_hf_config(path: str) -> dict[str, Any]:
 
 
 def load_hf_checkpoint(
-    path: str, allow_fp8: bool = False, allow_int: bool = False
+    path: str, allow_fp8: bool = False, allow_int: bool = False, allow_fp4: bool = False
 ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
     """(config, lazy iterator of (hf_name, tensor)) for an HF checkpoint directory.
 
@@ -42,7 +42,8 @@ def load_hf_checkpoint(
     extra ones generation_config.json names (chat models list their end-of-turn token there).
     float8 tensors only with allow_fp8 (a checkpoint that declares its FP8 scheme); int8 / int32 /
     int64 ones only with allow_int (one that declares an integer scheme: int4_formats.py,
-    eight_bit_formats.py).
+    eight_bit_formats.py); uint8 codes and float8 scales only with allow_fp4
+    (kiln.checkpoint.fp4_formats).
     """
     config_dict = read_hf_config(path)
     generation = _read_json(os.path.join(path, "generation_config.json"), required=False)
@@ -54,7 +55,8 @@ def load_hf_checkpoint(
     files = _weight_files(path)
     for file in files:
         ints = ("I8", "I32", "I64") if allow_int else ()
-        _check_file(file, FLOAT_DTYPES + (("F8_E4M3",) if allow_fp8 else ()) + ints)
+        fp8 = ("F8_E4M3",) if allow_fp8 or allow_fp4 else ()
+        _check_file(file, FLOAT_DTYPES + fp8 + ints + (("U8",) if allow_fp4 else ()))
     return config, _iter_tensors(files)
 
 

@@ -8,7 +8,8 @@ import argparse
 # kiln.builder.options.QUANTIZATIONS, spelled out: importing the builder here would import torch
 # for every verb's --help (tests/cli/test_cli_args.py checks that the two agree).
 _QUANTIZATIONS = ("auto", "none", "fp8", "fp8-dynamic", "int8-w8a8", "fp8-block",
-                  "int8-w8a16-channel", "int8-w8a16-g128", "fp8-w8a16-channel")  # fmt: skip
+                  "int8-w8a16-channel", "int8-w8a16-g128", "fp8-w8a16-channel",
+                  "int4-gptq", "int4-awq")  # fmt: skip
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,8 +21,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--quantization", choices=_QUANTIZATIONS,
         default="auto", help="auto: a pre-quantized FP8 checkpoint's own scheme (carried as "
-        "written), else none; int8-w8a8: int8 weights per channel, activations per token; "
-        "*-w8a16-*: weight-only",
+        "written), an FP4 checkpoint's FP8 conversion, else none; int8-w8a8: int8 weights per "
+        "channel, activations per token; *-w8a16-*: weight-only; int4-gptq / int4-awq: W4A16 "
+        "groups of 128 rounded by GPTQ or AWQ on the calibration text",
     )  # fmt: skip
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument(

@@ -204,8 +204,8 @@ class Linear(nn.Module):
     @torch.no_grad()
     def scale_output_rows(self, rows: slice, factor: float, bias: bool = True) -> None:
         """Multiply output rows `rows` by `factor`: through the weight scales where the method
-        keeps them (per row, or per row of each group or block), else the weight's rows; the
-        bias's rows too with `bias`."""
+        keeps them (per row, or per row of each group or block; INT4's group scales), else the
+        weight's rows; the bias's rows too with `bias`."""
         scale = getattr(self, "weight_scale", None)
         if scale is None:
             scale = getattr(self, "weight_scales", None)

@@ -134,7 +134,7 @@ def find_model_source(
             path, tp_rank, device or torch.device("cpu"), background_tokenizer, engine_kernels
         )
     if os.path.isdir(path):
-        return _hf_dir_source(path)
+        return _hf_dir_source(path, dequantized=load_format == "dequantized")
     if model in PRESETS:
         raise ModelLoadError(
             f"{model!r} is an architecture preset: it has no weights; pass load_format='dummy'"
@@ -323,8 +323,10 @@ def _load_engine_tokenizer(path: str) -> Tokenizer | None:
     return _load_tokenizer(path)
 
 
-def _hf_dir_source(path: str) -> ModelSource:
+def _hf_dir_source(path: str, dequantized: bool = False) -> ModelSource:
+    """`dequantized`: an FP4 checkpoint's weights run in the model dtype, not converted to FP8."""
     from kiln.checkpoint.eight_bit_formats import eight_bit_tensors, read_eight_bit
+    from kiln.checkpoint.fp4_formats import fp4_tensors, read_fp4
     from kiln.checkpoint.int4_formats import int4_tensors, read_int4
     from kiln.checkpoint.prequantized import read_prequantized
     from kiln.checkpoint.safetensors_loader import (
@@ -336,13 +338,24 @@ def _hf_dir_source(path: str) -> ModelSource:
     hf_config = read_hf_config(path)
     eight_bit = read_eight_bit(path, hf_config)
     int4 = read_int4(path, hf_config) if eight_bit is None else None
-    fp8 = read_prequantized(path, hf_config) if int4 is None and eight_bit is None else None
+    fp4 = read_fp4(path, hf_config) if int4 is None and eight_bit is None else None
+    fp8 = None
+    if int4 is None and eight_bit is None and fp4 is None:
+        fp8 = read_prequantized(path, hf_config)
+    other = int4 or fp8 or eight_bit
+    if dequantized and other is not None:
+        raise ModelLoadError(
+            f"{path}: load_format 'dequantized' widens FP4 checkpoints; this one is "
+            f"{other.producer} {other.quantization}"
+        )
     config, weights = load_hf_checkpoint(
         path, allow_fp8=fp8 is not None or eight_bit is not None,
-        allow_int=bool(int4) or eight_bit is not None,
+        allow_int=bool(int4) or eight_bit is not None, allow_fp4=fp4 is not None,
     )  # fmt: skip
     if int4 is not None:
         weights = int4_tensors(weights, int4)
+    if fp4 is not None:
+        weights = fp4_tensors(weights, fp4, fp8=not dequantized)
     if eight_bit is not None:
         if config.num_experts:
             raise ModelLoadError(
@@ -360,6 +373,13 @@ def _hf_dir_source(path: str) -> ModelSource:
     if eight_bit is not None:
         source.description = f"HF {path} ({eight_bit.producer} {eight_bit.quantization})"
         source.quantization = eight_bit.quantization
+    if fp4 is not None:
+        what = f"{fp4.producer} {fp4.format}"
+        if dequantized:
+            source.description = f"HF {path} ({what}, dequantized)"
+        else:  # converted to float8 per output channel as each weight arrives
+            source.description = f"HF {path} ({what} -> {fp4.quantization})"
+            source.quantization = fp4.quantization
     if fp8 is not None:
         source.description = f"HF {path} ({fp8.producer} {fp8.quantization})"
         source.quantization, source.input_scales = fp8.quantization, fp8.input_scales

@@ -117,8 +117,8 @@ def _lm_head_quantized(c):
     c["quantization_config"]["ignore"] = []
 
 
-def _nvfp4(c):
-    c["quantization"]["quant_algo"] = "NVFP4"
+def _w4a8(c):
+    c["quantization"]["quant_algo"] = "W4A8_AWQ"
 
 
 def _undeclared(c):
@@ -130,10 +130,10 @@ def _undeclared(c):
     [
         ("compressed_tensors", _int4, "int4/group weights"),
         ("compressed_tensors", _lm_head_quantized, "its lm_head is quantized"),
-        ("modelopt", _nvfp4, "quant_algo 'NVFP4' is not supported"),
+        ("modelopt", _w4a8, "quant_algo 'W4A8_AWQ' is not supported"),
         ("compressed_tensors", _undeclared, "has dtype F8_E4M3"),
     ],
-    ids=["int4", "lm-head", "nvfp4", "float8-undeclared"],
+    ids=["int4", "lm-head", "w4a8", "float8-undeclared"],
 )
 def test_what_kiln_cannot_load_is_a_clear_error(tmp_path, name, edit, message) -> None:
     with pytest.raises(ModelLoadError, match=message):

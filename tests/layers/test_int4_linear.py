@@ -77,3 +77,16 @@ def test_uneven_groups_are_refused() -> None:
     g_idx[0] = 1  # group 1 one input too many, group 0 one too few
     with pytest.raises(ModelLoadError, match="inputs in each group"):
         _layer(g_idx)
+
+
+def test_scaling_output_rows_scales_the_group_scales() -> None:
+    """A float8 KV cache's k / v scales fold into qkv's rows (kiln.models.kv_scales): for INT4,
+    through the rows' group scales, so the rows' output scales and the codes stay."""
+    layer, dense = _layer(torch.arange(K) // GROUP)
+    codes = layer.weight.clone()
+    layer.scale_output_rows(slice(48, 72), 0.25)
+    x = torch.randn(3, K)
+    want = x @ dense.T
+    want[:, 48:72] *= 0.25
+    torch.testing.assert_close(layer.method.apply(layer, reference, x), want)
+    assert torch.equal(layer.weight, codes)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -54,23 +55,28 @@ def round_sequentially(
     input_scales: dict[str, float] | None,
     kept: Collection[str] = (),
     on_layer: Callable[[], object] | None = None,
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    make_rounder: Callable[[LinearMethod], Any] | None = None,
+) -> dict[str, tuple[torch.Tensor, ...]]:
     """Layer name -> (float8 codes [out, in], fp32 scales [out, 1]) of every decoder projection
     of `model` (unquantized, TP=1 and one pipeline stage), rounded layer after layer over
     `token_batches` (each one sequence). `input_scales` (layer name -> static scale): the
     engine's inputs quantize with them ("fp8"); None: per token ("fp8-dynamic"). `kept`: layer
     names the engine keeps unquantized (--unquantized-layers): they run as the source's.
-    `on_layer`, if given, is called as each decoder layer is done (a build's progress)."""
+    `on_layer`, if given, is called as each decoder layer is done (a build's progress).
+    `make_rounder`: another rounding than float8's (a WrappingMethod with a `result` after its
+    one call: kiln.builder.calibrate.int4.Int4Rounder), from the layer's method."""
     if model.parallel is not None:
         raise ValueError("layer-sequential rounding runs the whole model in one process")
     step = _packed_prefill(model, token_batches)
     inputs = model.step_inputs(ops, backend, step.positions, step.metadata)
     hidden, residual = model.embed(step.input_ids), None
-    rounded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    rounded: dict[str, tuple[torch.Tensor, ...]] = {}
     for index, layer in enumerate(decoder_layers(model)):
         projections = _projections(layer, f"layers.{model.layer_start + index}")
-        rounders = {
-            name: _Rounder(p.method, spec, None if input_scales is None else input_scales[name])
+        rounders: dict[str, Any] = {
+            name: make_rounder(p.method)
+            if make_rounder is not None
+            else _Rounder(p.method, spec, None if input_scales is None else input_scales[name])
             for name, p in projections.items()
             if name not in kept
         }
