@@ -581,8 +581,8 @@ def test_triton_backend_matches_torch_backend(
     dtype: torch.dtype, cache_dtype: torch.dtype | None, fp8_dots: str
 ) -> None:
     assert isinstance(get_attention_backend("triton", DEVICE), TritonAttentionBackend)
-    # The GPU backend multiplies a float8 cache's prefill in float8; the reference widens.
-    assert TritonAttentionBackend().fp8_dots == "all"
+    # Both widen a float8 cache's prefill unless asked for float8 dots.
+    assert TritonAttentionBackend().fp8_dots == "none"
     assert TorchAttentionBackend().fp8_dots == "none"
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 4  # 32: float8 dots
     # Two decodes, then a fresh prompt and a chunk after a cached prefix.

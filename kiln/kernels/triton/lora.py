@@ -66,7 +66,9 @@ def _tile_slots(slots_ptr, offs_m, T, groups):
     return tl.where(mine, slots, -1), mine
 
 
-@triton.jit
+# A step's token count (and the slot classes it brings) changes with every prefill mix: Triton's
+# specialisation on an argument's value (1, multiples of 16) would compile a variant each.
+@triton.jit(do_not_specialize=["T", "groups"])
 def _lora_shrink_kernel(
     x_ptr, a_ptr, slots_ptr, y_ptr, part_ptr, counter_ptr, T, H, K, h_per_split, groups,
     stride_xt, stride_xh, stride_as, stride_ak, stride_ah, stride_yt, stride_yk,
@@ -112,7 +114,7 @@ def _lora_shrink_kernel(
         tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "groups"])
 def _lora_expand_kernel(
     out_ptr, y_ptr, b_ptr, slots_ptr, T, N, rank, bound1, bound2, groups,
     stride_ot, stride_on, stride_yt, stride_yk, stride_bs, stride_bn, stride_br,
@@ -177,6 +179,7 @@ def shrink_plan(num_tokens: int, hidden: int, rank_cols: int, num_slots: int,
     tiles = triton.cdiv(num_tokens, block_m)
     # Up to 32 splits: the last program of a tile reads every split's partials back.
     want = max(1, min(32, triton.cdiv(2 * num_sms(device), tiles)))
+    want = 1 << (want.bit_length() - 1)  # powers of two: few SPLIT_K variants to compile
     _, splits = split_k.k_per_split(hidden, want, block_h)
     return LoraPlan(block_m, block_h, _slot_groups(tiles * splits, num_slots, device), splits)
 
