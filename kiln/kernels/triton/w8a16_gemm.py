@@ -20,6 +20,23 @@ SMALL_BATCH_ROWS = 8  # up to this many rows: _w8a16_small_batch_kernel
 
 
 @triton.jit
+def _x_and_widened_w(x_ptr, w_ptr, s_ptr, offs_m, offs_n, mask_m, mask_n, k0, K, stride_xm,
+                     stride_wn, groups, group_size, BLOCK_K: tl.constexpr):  # fmt: skip
+    """One K tile: x's rows, and the weight codes widened and scaled to x's dtype."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
+    mask_w = mask_k[:, None] & mask_n[None, :]
+    # No `other`: one literal does not cast to both int8 and float8; zeroed after widening.
+    codes = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask_w)
+    # A K tile lies in one group (the launcher makes BLOCK_K divide the group size).
+    scale = tl.load(s_ptr + offs_n * groups + k0 // group_size, mask=mask_n, other=0.0)
+    w = tl.where(mask_w, codes.to(tl.float32) * scale[None, :], 0.0).to(x.dtype)
+    return x, w
+
+
+@triton.jit
 def _w8a16_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
                        stride_ym, groups, group_size, HAS_BIAS: tl.constexpr,
                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -29,16 +46,8 @@ def _w8a16_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, st
     mask_m, mask_n = offs_m < M, offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
-        mask_w = mask_k[:, None] & mask_n[None, :]
-        # No `other`: one literal does not cast to both int8 and float8; zeroed after widening.
-        codes = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask_w)
-        # A K tile lies in one group (the launcher makes BLOCK_K divide the group size).
-        scale = tl.load(s_ptr + offs_n * groups + k0 // group_size, mask=mask_n, other=0.0)
-        w = tl.where(mask_w, codes.to(tl.float32) * scale[None, :], 0.0).to(x.dtype)
+        x, w = _x_and_widened_w(x_ptr, w_ptr, s_ptr, offs_m, offs_n, mask_m, mask_n, k0, K,
+                                stride_xm, stride_wn, groups, group_size, BLOCK_K)  # fmt: skip
         acc += tl.dot(x, w, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -56,14 +65,8 @@ def _w8a16_small_batch_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride
     mask_m, mask_n = offs_m < M, offs_n < N
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
-        mask_w = mask_k[:, None] & mask_n[None, :]
-        codes = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask_w)
-        scale = tl.load(s_ptr + offs_n * groups + k0 // group_size, mask=mask_n, other=0.0)
-        w = tl.where(mask_w, codes.to(tl.float32) * scale[None, :], 0.0).to(x.dtype)
+        x, w = _x_and_widened_w(x_ptr, w_ptr, s_ptr, offs_m, offs_n, mask_m, mask_n, k0, K,
+                                stride_xm, stride_wn, groups, group_size, BLOCK_K)  # fmt: skip
         # Products rounded as a dot's inputs are (both in x's dtype), summed in fp32.
         acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
     if HAS_BIAS:
