@@ -466,7 +466,7 @@ def run_long(s: LongShapes, device: torch.device) -> list[dict]:
     case = f"causal S={n}"
     flops = 2 * 2 * n * n / 2 * s.num_heads * s.head_dim
     shapes = Shapes(s.num_heads, s.num_kv_heads, s.head_dim, 0, s.block_size, torch.bfloat16,
-                    (), (), 0, 0, ())  # fmt: skip
+                    (), (), 0, 0, (), 0, (0, 0, 0))  # fmt: skip
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     k16, v16, (tables,) = _paged([n], shapes, device, gen)
     k16, v16 = k16.to(dtype), v16.to(dtype)

@@ -588,6 +588,13 @@ def copy_kv_blocks(
 FP8_MIN_SCALE = 1e-12  # a dynamic scale's floor: an all-zero row quantizes to zeros, not NaN
 
 
+def _divided(t: torch.Tensor, divisor: float) -> torch.Tensor:
+    """t / divisor in IEEE division on every device: CUDA divides by a Python number as a
+    multiplication by its reciprocal (one ulp off), so the divisor goes in as a tensor, and the
+    scales match the kernels' div_rn bit for bit on a GPU too."""
+    return t / torch.full_like(t, divisor)
+
+
 def quantize_fp8(
     x: torch.Tensor,  # [M, K]
     scale: torch.Tensor | None,  # [] or [1] fp32 static per-tensor scale; None: per row
@@ -605,7 +612,7 @@ def quantize_fp8(
     x32 = x.float()
     if scale is None:
         absmax = x32.abs().amax(dim=-1, keepdim=True)
-        scale = (absmax / FP8_E4M3_MAX).clamp(min=FP8_MIN_SCALE)
+        scale = _divided(absmax, FP8_E4M3_MAX).clamp(min=FP8_MIN_SCALE)
     scaled = (x32 / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     return with_remainders(x, scaled.to(torch.float8_e4m3fn), scale, channels), scale
 
@@ -815,7 +822,7 @@ def quantize_int8(
     """Per-token symmetric INT8: x ~= codes * scale, scale the row's absmax / 127 (floored at
     FP8_MIN_SCALE), codes the IEEE quotient x / scale rounded half to even."""
     x32 = x.float()
-    scale = (x32.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp(min=FP8_MIN_SCALE)
+    scale = _divided(x32.abs().amax(dim=-1, keepdim=True), INT8_MAX).clamp(min=FP8_MIN_SCALE)
     codes = torch.round(x32 / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return codes, scale
 
@@ -857,7 +864,7 @@ def quantize_fp8_groups(
     m, k = x.shape
     groups = -(-k // FP8_BLOCK)
     x32 = F.pad(x.float(), (0, groups * FP8_BLOCK - k)).view(m, groups, FP8_BLOCK)
-    scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_E4M3_MAX).clamp(min=FP8_MIN_SCALE)
+    scale = _divided(x32.abs().amax(dim=-1, keepdim=True), FP8_E4M3_MAX).clamp(min=FP8_MIN_SCALE)
     codes = (x32 / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return codes.view(m, -1)[:, :k], scale.view(m, groups)
 

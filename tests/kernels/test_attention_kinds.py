@@ -186,12 +186,20 @@ def test_prefill_kernel_fp8_dots(dtype, window, softcap, sinks_on, fp8_dots) -> 
     twin = reference.paged_prefill_attention(
         query.float(), k_cache, v_cache, *rest, **kinds, fp8_dots=fp8_dots
     )
-    _close(out, twin, dtype)
+    if INTERPRET:
+        _close(out, twin, dtype)
+    else:
+        # Hopper's float8 tensor cores accumulate in fewer bits than the twin's fp32, and with
+        # "all" a softmax weight that lands on another side of a float8 rounding boundary moves
+        # by a float8 step: measured up to 1.6e-2 on an H100 (fp16 queries, windowed).
+        assert not out.isnan().any()
+        torch.testing.assert_close(out.float(), twin.float(), atol=2.5e-2, rtol=0)
     widened = reference.paged_prefill_attention(
         query.float(), k_cache.float(), v_cache.float(), *rest, **kinds
     )
-    error = (twin - widened).abs()
-    assert 0 < error.mean() < 0.02 and error.max() < 0.15, (error.mean(), error.max())
+    for result in (twin, out.float()):
+        error = (result - widened).abs()
+        assert 0 < error.mean() < 0.02 and error.max() < 0.15, (error.mean(), error.max())
 
 
 def _check_decode(dtype, window, softcap, sinks_on, num_splits, cache_dtype=None, group=2):

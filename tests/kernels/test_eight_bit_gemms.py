@@ -21,6 +21,10 @@ DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
 # (atol, rtol) of outputs whose fp32 sums differ only in order: one rounding of the output dtype.
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-3), torch.bfloat16: (1e-1, 1e-2)}
+# Hopper's float8 tensor cores keep fewer accumulator bits than fp32 (DeepSeek-V3's report, the
+# reason for its per-block fp32 promotion): against the twin's exact fp32 sums, error up to this
+# fraction of the output's largest magnitude. A wrong or dropped scale is off by far more.
+FP8_DOT_ERROR = 2e-3
 
 
 def _x(rows: int, k: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
@@ -103,6 +107,8 @@ def test_fp8_block_linear_matches_the_reference(dtype, rows, k) -> None:
     want = reference.fp8_block_linear(x, w, ws, b)
     assert got.dtype == dtype and got.shape == (rows, n)
     atol, rtol = TOL[dtype]
+    if not INTERPRET:
+        atol = max(atol, FP8_DOT_ERROR * want.float().abs().max().item())
     torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=atol, rtol=rtol)
 
 
@@ -164,4 +170,8 @@ def test_the_scale_epilogue_takes_cublas_int32_sums() -> None:
     acc = (x.double() @ w.double().t()).to(torch.int32)
     got = _scale_epilogue(*(t.to(DEVICE) for t in (acc, xs, ws, b)), torch.float32)
     want = reference.int8_matmul(x, xs, w, ws, b, torch.float32)
-    assert torch.equal(got.cpu(), want)
+    if INTERPRET:
+        assert torch.equal(got.cpu(), want)
+    else:  # the GPU fuses the last multiply and the bias add (one rounding, not two)
+        ulp = torch.finfo(torch.float32).eps * want.abs().max().item()
+        torch.testing.assert_close(got.cpu(), want, atol=ulp, rtol=0)

@@ -59,8 +59,8 @@ def test_int4_linear_matches_the_reference(dtype, rows, groups, bias) -> None:
 def test_int4_linear_reads_each_groups_own_scale_and_zero() -> None:
     """A kernel that took group 0's scale or zero for every input would still be close on
     random data: perturb one group and see the output move as the reference's does."""
-    qweight, scales, zeros = _operands(32, 128, 4)
-    x = torch.randn(2, 128)
+    qweight, scales, zeros = (t.to(DEVICE) for t in _operands(32, 128, 4))
+    x = torch.randn(2, 128).to(DEVICE)
     before = int4_linear(x, qweight, scales, zeros)
     zeros[:, 3] += 1
     after = int4_linear(x, qweight, scales, zeros)
@@ -70,8 +70,8 @@ def test_int4_linear_reads_each_groups_own_scale_and_zero() -> None:
 
 @pytest.mark.parametrize("rows", [2, 24])
 def test_a_per_channel_k_that_is_no_multiple_of_the_tile(rows) -> None:
-    qweight, scales, zeros = _operands(40, 72, 1)
-    x = torch.randn(rows, 72, generator=torch.Generator().manual_seed(2))
+    qweight, scales, zeros = (t.to(DEVICE) for t in _operands(40, 72, 1))
+    x = torch.randn(rows, 72, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     torch.testing.assert_close(
         int4_linear(x, qweight, scales, zeros),
         reference.int4_linear(x, qweight, scales, zeros),

@@ -44,7 +44,11 @@ def test_each_projection_through_triton_equals_the_reference(name: str) -> None:
             x = torch.randn(27, proj.in_features, generator=gen).to(DEVICE)
             got = proj.method.apply(proj, triton_ops, x)
             want = proj.method.apply(proj, reference, x)
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            atol = 1e-5
+            if DEVICE.type == "cuda" and "fp8_block" in name:
+                # Float8 tensor cores accumulate in fewer bits than fp32 (the twin's exact sums).
+                atol = 2e-3 * want.abs().max().item()
+            torch.testing.assert_close(got, want, atol=atol, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["ct_w8a8_int8", "ct_w8a16_int8"])

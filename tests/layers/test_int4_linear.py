@@ -44,10 +44,12 @@ def _layer(g_idx: torch.Tensor, other_g_idx: torch.Tensor | None = None):
 
 
 def _ops():
+    """Each ops module with the device it runs on (the Triton ops: the GPU when there is one)."""
     pytest.importorskip("triton")
     from kiln.kernels import triton as triton_ops
 
-    return [reference, triton_ops]
+    gpu = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return [(reference, torch.device("cpu")), (triton_ops, gpu)]
 
 
 @pytest.mark.parametrize("act_order", [False, True])
@@ -62,8 +64,9 @@ def test_the_layer_computes_its_dequantized_weight(act_order, rows) -> None:
     assert (layer.input_order is not None) == act_order
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(9))
     want = x @ dense.t()
-    for ops in _ops():
-        torch.testing.assert_close(layer(ops, x), want, atol=1e-4, rtol=1e-4)
+    for ops, device in _ops():
+        got = layer.to(device)(ops, x.to(device)).cpu()
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_shards_with_different_groupings_are_refused() -> None:

@@ -55,7 +55,8 @@ class Int4LinearMethod(LinearMethod):
         layer.weight_scales = param(torch.full((n, k // group), DUMMY_SCALE))
         layer.weight_zeros = param(torch.full((n, k // group), SYMMETRIC_ZERO))
         layer.weight_g_idx = param(torch.zeros(k, dtype=torch.int32))
-        layer.input_order = None
+        # A buffer, so that moving the layer moves the order too.
+        layer.register_buffer("input_order", None, persistent=False)
         layer.bias = None
         if layer.has_bias:
             layer.bias = param(torch.empty(n, dtype=dtype))
