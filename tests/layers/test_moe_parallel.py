@@ -1,0 +1,165 @@
+"""Mixture-of-experts layers cut over tensor ranks (kiln.layers.moe_parallel), without processes:
+each rank's model loaded with its ParallelContext (no process groups), then compared with the
+one-process model. Tensor parallel: every expert's gate/up rows and down columns sliced, the
+shared expert as a dense MLP; expert parallel: whole experts, contiguous, the first ranks one
+more when they do not divide. Float8 experts (fp8-dynamic) are quantized whole before the cut,
+so each rank's bytes and scales are exactly the one-process model's; an engine directory cuts
+the same. The ranks' block outputs, summed (what the block's all-reduce does), equal the whole
+block's; the memory plan counts each rank's experts; impossible splits are refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kiln.config import EngineConfig
+from kiln.distributed.parallel_state import ParallelContext, RankLayout
+from kiln.errors import ModelLoadError
+from kiln.kernels import reference
+from kiln.layers.moe_parallel import expert_range
+from kiln.runtime.config_plan import weight_bytes
+from kiln.runtime.model_loader import load_model
+from tests.models.family_checks import perturb_norms_and_biases, save_tiny_hf
+
+EXPERTS = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("qwen2_moe"))
+    save_tiny_hf(path, "qwen2_moe", "Qwen2MoeForCausalLM", perturb=perturb_norms_and_biases,
+                 num_experts=4, norm_topk_prob=False, shared_expert_intermediate_size=48,
+                 **EXPERTS)  # fmt: skip
+    return path
+
+
+@pytest.fixture(scope="module")
+def mixtral3(tmp_path_factory) -> str:
+    """Three experts: uneven over two expert-parallel ranks (2 + 1)."""
+    path = str(tmp_path_factory.mktemp("mixtral3"))
+    save_tiny_hf(path, "mixtral", "MixtralForCausalLM", num_local_experts=3,
+                 intermediate_size=32, num_experts_per_tok=2)  # fmt: skip
+    return path
+
+
+def _models(path: str, tp: int, ep: bool, quantization: str = "none"):
+    config = EngineConfig(model=path, dtype="float32", quantization=quantization)
+    one = load_model(config, torch.device("cpu"), torch.float32).model
+    ranks = [
+        load_model(config, torch.device("cpu"), torch.float32,
+                   ParallelContext(RankLayout(tp, 1, r), None, None, None, expert_parallel=ep),
+                   ).model
+        for r in range(tp)
+    ]  # fmt: skip
+    return one, ranks
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def test_expert_ranges_spread_the_remainder_over_the_first_ranks() -> None:
+    assert [expert_range(8, 2, r) for r in range(2)] == [(0, 4), (4, 4)]
+    assert [expert_range(7, 3, r) for r in range(3)] == [(0, 3), (3, 2), (5, 2)]
+    with pytest.raises(ValueError, match="num_experts=2 cannot be spread over 4"):
+        expert_range(2, 4, 0)
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8-dynamic"])
+def test_tensor_parallel_ranks_hold_a_slice_of_every_expert(qwen2_moe, quantization) -> None:
+    one, ranks = _models(qwen2_moe, 2, False, quantization)
+    full = one.layers[0].mlp
+    w13, w2 = _bits(full.experts.w13_weight), _bits(full.experts.w2_weight)
+    n = 16  # 32 columns over 2 ranks
+    for r, rank in enumerate(ranks):
+        part = rank.layers[0].mlp
+        assert part.experts.num_experts == 4 and part.experts.intermediate_size == n
+        gate, up = _bits(part.experts.w13_weight).split(n, dim=1)
+        assert torch.equal(gate, w13[:, r * n : (r + 1) * n])
+        assert torch.equal(up, w13[:, 32 + r * n : 32 + (r + 1) * n])
+        assert torch.equal(_bits(part.experts.w2_weight), w2[:, :, r * n : (r + 1) * n])
+        if quantization != "none":  # per-expert scales of the whole expert: the same
+            assert torch.equal(part.experts.w13_weight_scale, full.experts.w13_weight_scale)
+            assert torch.equal(part.experts.w2_weight_scale, full.experts.w2_weight_scale)
+        shared = part.shared_expert.down_proj
+        assert shared.in_features == 24 and shared.reduce is None  # summed with the experts
+        assert part.reduce is not None and torch.equal(part.gate.weight, full.gate.weight)
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8-dynamic"])
+def test_expert_parallel_ranks_hold_whole_experts(mixtral3, quantization) -> None:
+    one, ranks = _models(mixtral3, 2, True, quantization)
+    full = one.layers[1].mlp.experts
+    for rank, (first, count) in zip(ranks, [(0, 2), (2, 1)]):
+        part = rank.layers[1].mlp.experts
+        assert rank.config.expert_range == (first, count)
+        held = slice(first, first + count)
+        assert torch.equal(_bits(part.w13_weight), _bits(full.w13_weight)[held])
+        assert torch.equal(_bits(part.w2_weight), _bits(full.w2_weight)[held])
+        if quantization != "none":
+            assert torch.equal(part.w13_weight_scale, full.w13_weight_scale[held])
+
+
+@pytest.mark.parametrize(
+    ("family", "ep"), [("qwen2_moe", False), ("qwen2_moe", True), ("mixtral3", True)]
+)
+def test_the_ranks_parts_sum_to_the_whole_block(family, ep, request) -> None:
+    """What the block's all-reduce adds: each rank's experts (and shared-expert slice) on the
+    same tokens, its own all-reduce left out. Under EP some tokens chose none of a rank's
+    experts: that rank adds zeros for them."""
+    one, ranks = _models(request.getfixturevalue(family), 2, ep)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(0))
+    norm = one.layers[0].post_attention_layernorm
+    want, _ = one.layers[0].mlp(reference, x, x.flip(0), norm, 1e-5)
+    parts = []
+    for rank in ranks:
+        block = rank.layers[0].mlp
+        block.reduce = None
+        parts.append(block(reference, x, x.flip(0), norm, 1e-5)[0])
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(parts[0] + parts[1], want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(parts[0], want, atol=1e-3)  # each rank only a part
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_an_engine_directory_is_cut_as_the_checkpoint(qwen2_moe, tmp_path, ep) -> None:
+    from kiln.builder.build import BuildOptions, build_engine
+
+    out = str(tmp_path / "engine")
+    options = BuildOptions(quantization="fp8-dynamic", accuracy_check=False, max_model_len=256)
+    build_engine(qwen2_moe, out, options, None)
+    _, want = _models(qwen2_moe, 2, ep, "fp8-dynamic")
+    _, got = _models(out, 2, ep)
+    for a, b in zip(got, want):
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            if ".experts." in name:
+                assert torch.equal(_bits(p.detach()), _bits(q.detach())), name
+
+
+@pytest.mark.parametrize(("family", "ep"), [("qwen2_moe", False), ("mixtral3", True)])
+@pytest.mark.parametrize("quantization", ["none", "fp8-dynamic"])
+def test_the_memory_plan_counts_each_ranks_experts(family, ep, quantization, request) -> None:
+    _, ranks = _models(request.getfixturevalue(family), 2, ep, quantization)
+    for rank in ranks:
+        experts = sum(p.numel() * p.element_size() for n, p in rank.named_parameters()
+                      if ".experts." in n)  # fmt: skip
+        # The plan of this rank's config less the same with no experts held: its experts.
+        plan = weight_bytes(rank.config, torch.float32, quantization)
+        none = dataclasses.replace(rank.config, expert_range=(0, 0))
+        assert plan - weight_bytes(none, torch.float32, quantization) == experts
+
+
+def test_impossible_splits_are_refused_by_name(tmp_path) -> None:
+    path = str(tmp_path / "m")
+    # 2 experts of width 30, 4 query heads: heads split over 4 ranks, experts do not.
+    save_tiny_hf(path, "mixtral", "MixtralForCausalLM", num_local_experts=2,
+                 intermediate_size=30, num_experts_per_tok=1)  # fmt: skip
+    named = r"moe_intermediate_size=30 does not split over tensor_parallel_size=4 \(--enable-e"
+    with pytest.raises(ModelLoadError, match=named):
+        _models(path, 4, False)
+    with pytest.raises(ModelLoadError, match="num_experts=2 cannot be spread over 4"):
+        _models(path, 4, True)
+    _, ranks = _models(path, 2, True)  # one whole expert each: fine, width 30 and all
+    assert [r.layers[0].mlp.experts.w13_weight.shape for r in ranks] == [(1, 60, 64)] * 2
