@@ -10,6 +10,8 @@ block's; the memory plan counts each rank's experts; impossible splits are refus
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from kiln.distributed.parallel_state import ParallelContext, RankLayout
 from kiln.errors import ModelLoadError
 from kiln.kernels import reference
 from kiln.layers.moe_parallel import expert_range
+from kiln.models import moe_blocks
 from kiln.runtime.config_plan import weight_bytes
 from kiln.runtime.model_loader import load_model
 from tests.models.family_checks import perturb_norms_and_biases, save_tiny_hf
@@ -44,6 +47,7 @@ def mixtral3(tmp_path_factory) -> str:
     return path
 
 
+@functools.cache
 def _models(path: str, tp: int, ep: bool, quantization: str = "none"):
     config = EngineConfig(model=path, dtype="float32", quantization=quantization)
     one = load_model(config, torch.device("cpu"), torch.float32).model
@@ -105,7 +109,7 @@ def test_expert_parallel_ranks_hold_whole_experts(mixtral3, quantization) -> Non
 @pytest.mark.parametrize(
     ("family", "ep"), [("qwen2_moe", False), ("qwen2_moe", True), ("mixtral3", True)]
 )
-def test_the_ranks_parts_sum_to_the_whole_block(family, ep, request) -> None:
+def test_the_ranks_parts_sum_to_the_whole_block(family, ep, request, monkeypatch) -> None:
     """What the block's all-reduce adds: each rank's experts (and shared-expert slice) on the
     same tokens, its own all-reduce left out. Under EP some tokens chose none of a rank's
     experts: that rank adds zeros for them."""
@@ -113,11 +117,8 @@ def test_the_ranks_parts_sum_to_the_whole_block(family, ep, request) -> None:
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(0))
     norm = one.layers[0].post_attention_layernorm
     want, _ = one.layers[0].mlp(reference, x, x.flip(0), norm, 1e-5)
-    parts = []
-    for rank in ranks:
-        block = rank.layers[0].mlp
-        block.reduce = None
-        parts.append(block(reference, x, x.flip(0), norm, 1e-5)[0])
+    monkeypatch.setattr(moe_blocks, "tp_all_reduce", lambda ctx, t: t)  # no process group
+    parts = [rank.layers[0].mlp(reference, x, x.flip(0), norm, 1e-5)[0] for rank in ranks]
     assert want.abs().max() > 0.1
     torch.testing.assert_close(parts[0] + parts[1], want, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(parts[0], want, atol=1e-3)  # each rank only a part
@@ -163,3 +164,20 @@ def test_impossible_splits_are_refused_by_name(tmp_path) -> None:
         _models(path, 4, True)
     _, ranks = _models(path, 2, True)  # one whole expert each: fine, width 30 and all
     assert [r.layers[0].mlp.experts.w13_weight.shape for r in ranks] == [(1, 60, 64)] * 2
+
+
+def test_each_rank_is_checked_against_its_device_for_its_own_share(qwen2_moe, monkeypatch) -> None:
+    """The size check before loading counts a rank's shard (its experts' slices), so a model
+    larger than one device but whose shard fits is not refused under TP."""
+    from kiln.models.config import ModelConfig
+    from kiln.runtime import model_loader
+
+    with open(f"{qwen2_moe}/config.json") as f:
+        cfg = ModelConfig.from_hf_dict(json.load(f))
+    whole = sum(cfg.parameter_counts().values()) * 4
+    monkeypatch.setattr(model_loader, "_memory_of", lambda device: (whole - 1, "a small device"))
+    config = EngineConfig(model=qwen2_moe, dtype="float32")
+    with pytest.raises(ModelLoadError, match=r"more than the .* of a small device"):
+        load_model(config, torch.device("cpu"), torch.float32)
+    rank = ParallelContext(RankLayout(2, 1, 1), None, None, None)
+    load_model(config, torch.device("cpu"), torch.float32, rank)  # about half each: fits
