@@ -492,6 +492,12 @@ def load_model(
             f"{engine_config.tensor_parallel_size} (build another engine, or build without -tp)"
         )
     cfg = source.config
+    if source.tensor_parallel_size > 1 and cfg.num_experts and engine_config.enable_expert_parallel:
+        raise ModelLoadError(
+            f"{source.description} holds tensor-parallel slices of every expert (kiln build "
+            "-tp); enable_expert_parallel loads whole experts from an engine built without -tp "
+            "or from the checkpoint"
+        )
     max_positions = engine_config.max_model_len or cfg.max_position_embeddings
     linear_method = _linear_method(engine_config, source)
     _check_float8_device(engine_config, source, device)

@@ -20,7 +20,7 @@ from kiln.config import EngineConfig
 from kiln.distributed.parallel_state import ParallelContext, RankLayout
 from kiln.errors import ModelLoadError
 from kiln.kernels import reference
-from kiln.layers.moe_parallel import expert_range
+from kiln.layers.moe_parallel import ExpertShard, expert_range
 from kiln.models import moe_blocks
 from kiln.runtime.config_plan import weight_bytes
 from kiln.runtime.model_loader import load_model
@@ -181,3 +181,39 @@ def test_each_rank_is_checked_against_its_device_for_its_own_share(qwen2_moe, mo
         load_model(config, torch.device("cpu"), torch.float32)
     rank = ParallelContext(RankLayout(2, 1, 1), None, None, None)
     load_model(config, torch.device("cpu"), torch.float32, rank)  # about half each: fits
+
+
+def test_kiln_build_tp2_writes_each_rank_its_experts_slice(qwen2_moe, tmp_path) -> None:
+    """`kiln build -tp 2`: each rank's shard holds the experts it cuts when loading the whole
+    model; such an engine holds slices, so expert parallelism is refused by name."""
+    from kiln.builder.build import BuildOptions, build_engine
+
+    out = str(tmp_path / "engine")
+    options = BuildOptions(quantization="fp8-dynamic", accuracy_check=False, max_model_len=256,
+                           tensor_parallel_size=2)  # fmt: skip
+    build_engine(qwen2_moe, out, options, None)
+    _, want = _models(qwen2_moe, 2, False, "fp8-dynamic")
+    for r in range(2):
+        config = EngineConfig(model=out, dtype="float32", tensor_parallel_size=2)
+        ctx = ParallelContext(RankLayout(2, 1, r), None, None, None)
+        got = load_model(config, torch.device("cpu"), torch.float32, ctx).model
+        for (name, p), q in zip(got.named_parameters(), want[r].parameters()):
+            assert torch.equal(_bits(p.detach()), _bits(q.detach())), name
+    ep = EngineConfig(model=out, dtype="float32", tensor_parallel_size=2,
+                      enable_expert_parallel=True)  # fmt: skip
+    ctx = ParallelContext(RankLayout(2, 1, 0), None, None, None, expert_parallel=True)
+    with pytest.raises(ModelLoadError, match="tensor-parallel slices of every expert"):
+        load_model(ep, torch.device("cpu"), torch.float32, ctx)
+
+
+def test_per_row_scales_ride_with_their_rows() -> None:
+    """Scales per output row (per channel): w13's are cut with its gate and up rows, w2's
+    rows are the hidden size and stay whole; a per-expert scale is whole."""
+    shard = ExpertShard(None, 4, (0, 4), (2, 2), 4)  # type: ignore[arg-type]
+    w13_rows = torch.arange(4 * 8).reshape(4, 8)  # [E, 2 * width] scales
+    assert shard.cut_stacked("w13_weight_scale", w13_rows)[1].tolist() == [10, 11, 14, 15]
+    w2_rows = torch.arange(4 * 3).reshape(4, 3)  # [E, hidden]
+    assert torch.equal(shard.cut_stacked("w2_weight_scale", w2_rows), w2_rows)
+    assert torch.equal(shard.cut_stacked("w13_weight_scale", torch.ones(4)), torch.ones(4))
+    w2 = torch.arange(3 * 4).reshape(3, 4)  # one expert's [hidden, width]
+    assert shard.cut_expert("w2_weight", w2).tolist() == [[2, 3], [6, 7], [10, 11]]
