@@ -217,3 +217,16 @@ def test_per_row_scales_ride_with_their_rows() -> None:
     assert torch.equal(shard.cut_stacked("w13_weight_scale", torch.ones(4)), torch.ones(4))
     w2 = torch.arange(3 * 4).reshape(3, 4)  # one expert's [hidden, width]
     assert shard.cut_expert("w2_weight", w2).tolist() == [[2, 3], [6, 7], [10, 11]]
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_dummy_weights_fill_each_ranks_experts(qwen2_moe, ep) -> None:
+    """The benchmarks' dummy weights (float8 experts too) at each rank's shapes."""
+    config = EngineConfig(model=qwen2_moe, dtype="float32", load_format="dummy",
+                          quantization="fp8-dynamic")  # fmt: skip
+    ctx = ParallelContext(RankLayout(2, 1, 1), None, None, None, expert_parallel=ep)
+    experts = (
+        load_model(config, torch.device("cpu"), torch.float32, ctx).model.layers[0].mlp.experts
+    )
+    assert experts.w13_weight.shape == ((2, 64, 64) if ep else (4, 32, 64))
+    assert experts.w13_weight.dtype == torch.float8_e4m3fn and experts.w13_weight.float().std() > 0
