@@ -14,12 +14,15 @@ hold different tokens (data-parallel attention), which kiln does not have."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kiln.distributed.parallel_state import ParallelContext
-from kiln.layers.moe import quantize_experts_fp8
+
+# Stacked experts' weights [E, rows, cols] -> (float8 codes, their scales [E] or [E, rows]).
+Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def expert_range(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
@@ -73,7 +76,8 @@ class ExpertShard:
     `num_experts` held whole, and `columns` (start, length) of each one's `full_width`
     intermediate columns (all of them under EP; all experts under TP). Cuts tensors named as
     the layer's parameters: w13_weight [.., 2 * width, hidden] ([gate; up] rows), w2_weight
-    [.., hidden, width], and their scales (one per expert, or one per row)."""
+    [.., hidden, width], their scales (one per expert, or one per row) and biases (w13_bias
+    by rows; w2_bias, added after the sum, on the first tensor rank only under TP)."""
 
     ctx: ParallelContext
     num_experts: int
@@ -112,6 +116,8 @@ class ExpertShard:
             return torch.cat([gate, up], dim=d)
         if param == "w2_weight":
             return tensor.narrow(d + 1, start, length)
+        if param == "w2_bias" and self.ctx.tp_rank != 0:  # every rank's part sums into one
+            return torch.zeros_like(tensor)
         return tensor
 
     def cut_stacked(self, param: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -121,18 +127,23 @@ class ExpertShard:
         return self.cut_expert(param, tensor.narrow(0, first, count), stacked=True)
 
     def keep(
-        self, param: str, expert: int, whole: torch.Tensor, float8: bool
+        self, param: str, expert: int, whole: torch.Tensor, quantize: Quantize | None = None
     ) -> list[tuple[str, torch.Tensor]]:
         """What this rank keeps of expert `expert`'s whole checkpoint tensor for `param`, as
-        (name suffix, tensor) pairs to stack: nothing for another rank's expert; with `float8`
-        the codes and scale, quantized from the whole expert before the cut, so every rank's
-        float8 bytes and scales equal the one-process model's."""
+        (name suffix, tensor) pairs to stack: nothing for another rank's expert; with
+        `quantize` (float8 experts) the codes and scales, quantized from the whole expert
+        before the cut, so every rank's float8 bytes and scales equal the one-process
+        model's."""
         if not self.holds(expert):
             return []
-        if not float8:
+        if quantize is None:
             return [("", self.cut_expert(param, whole))]
-        codes, scale = quantize_experts_fp8(whole[None])
-        return [("", self.cut_expert(param, codes[0])), ("_scale", scale[0])]
+        codes, scale = quantize(whole[None])
+        scale_name = f"{param}_scale"
+        return [
+            ("", self.cut_expert(param, codes[0])),
+            ("_scale", self.cut_expert(scale_name, scale[0])),
+        ]
 
 
 def rank_shard(

@@ -35,6 +35,9 @@ _EXPERT_RE = re.compile(
 )
 
 
+_STACKED_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(w13_\w+|w2_\w+)$")
+
+
 class SparseMoeBlock(nn.Module):
     """router (`gate`, kept in the model dtype whatever the projections' method: a few columns
     that pick the experts), `experts`, and with cfg.shared_expert_intermediate_size a
@@ -182,11 +185,27 @@ def adapt_expert_weights(
         if module is None or module.shard is None:  # another stage's layer
             return []
         float8 = getattr(module, param).dtype == torch.float8_e4m3fn
-        return module.shard.keep(param, expert, whole, float8 and whole.element_size() > 1)
+        quantize = quantize_experts_fp8 if float8 and whole.element_size() > 1 else None
+        return module.shard.keep(param, expert, whole, quantize)
 
-    sharded = any(m.shard is not None for m in layers.values())
-    stacked = stack_expert_weights(weights, num_experts, parts, keep if sharded else None)
+    if not any(m.shard is not None for m in layers.values()):  # one rank: whole experts
+        return quantize_float8_experts(stack_expert_weights(weights, num_experts, parts), params)
+    stacked = stack_expert_weights(_cut_stacked(weights, layers), num_experts, parts, keep)
     return quantize_float8_experts(stacked, params)
+
+
+def _cut_stacked(
+    weights: Iterable[tuple[str, torch.Tensor]], layers: Mapping[int, FusedMoE]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's experts that come already stacked (model.layers.L.mlp.experts.<param>,
+    as a family's own adapter yields them), cut to this rank's part (TP/EP); other tensors
+    pass through (the per-expert ones are cut as they stack)."""
+    for name, tensor in weights:
+        match = _STACKED_RE.match(name)
+        module = layers.get(int(match.group(1))) if match else None
+        if match is not None and module is not None and module.shard is not None:
+            tensor = module.shard.cut_stacked(match.group(2), tensor)
+        yield name, tensor
 
 
 def quantize_float8_experts(

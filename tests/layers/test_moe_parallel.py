@@ -230,3 +230,50 @@ def test_dummy_weights_fill_each_ranks_experts(qwen2_moe, ep) -> None:
     )
     assert experts.w13_weight.shape == ((2, 64, 64) if ep else (4, 32, 64))
     assert experts.w13_weight.dtype == torch.float8_e4m3fn and experts.w13_weight.float().std() > 0
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_experts_that_come_stacked_are_cut_too(qwen2_moe, ep) -> None:
+    """A family whose adapter yields its experts already stacked (as gpt-oss's checkpoint
+    holds them): each rank keeps the same part as from per-expert tensors."""
+    from safetensors.torch import load_file
+
+    from kiln.models.moe_blocks import stack_expert_weights
+    from kiln.models.qwen3_moe import QWEN_EXPERT_PARTS
+
+    _, want = _models(qwen2_moe, 2, ep)
+    tensors = load_file(f"{qwen2_moe}/model.safetensors")
+    stacked = list(stack_expert_weights(tensors.items(), 4, QWEN_EXPERT_PARTS))
+    assert any(name.endswith("experts.w13_weight") for name, _ in stacked)
+    config = EngineConfig(model=qwen2_moe, dtype="float32", load_format="dummy")
+    for r in range(2):
+        ctx = ParallelContext(RankLayout(2, 1, r), None, None, None, expert_parallel=ep)
+        got = load_model(config, torch.device("cpu"), torch.float32, ctx).model
+        got.load_weights(iter(stacked))
+        for (name, p), q in zip(got.named_parameters(), want[r].parameters()):
+            assert torch.equal(p, q), name
+
+
+def test_per_channel_float8_and_biases_are_cut_with_their_rows() -> None:
+    """What a family with per-row expert scales and expert biases needs (gpt-oss): w13's
+    per-row scales quantized from the whole expert, then cut with its rows; w2's bias added
+    once, by the first tensor rank."""
+
+    def per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = w.abs().amax(dim=2) / 448
+        return (w / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+    ctx1 = ParallelContext(RankLayout(2, 1, 1), None, None, None)
+    shard = ExpertShard(ctx1, 4, (0, 4), (2, 2), 4)
+    whole = torch.randn(8, 6)  # one expert's [gate; up] rows, width 4
+    (_, codes), (suffix, scale) = shard.keep("w13_weight", 1, whole, per_row)
+    all_codes, all_scale = per_row(whole[None])
+    rows = [2, 3, 6, 7]  # this rank's 2 of the gate's 4 rows, and of the up's
+    assert suffix == "_scale"
+    assert torch.equal(codes.view(torch.uint8), all_codes[0, rows].view(torch.uint8))
+    assert torch.equal(scale, all_scale[0, rows])
+    assert shard.cut_expert("w13_bias", torch.arange(8.0)).tolist() == [2, 3, 6, 7]
+    assert not shard.cut_stacked("w2_bias", torch.ones(4, 6)).any()  # rank 1: rank 0 adds it
+    ctx0 = ParallelContext(RankLayout(2, 1, 0), None, None, None)
+    rank0 = ExpertShard(ctx0, 4, (0, 4), (0, 2), 4)
+    assert rank0.cut_stacked("w2_bias", torch.ones(4, 6)).all()
