@@ -277,3 +277,22 @@ def test_per_channel_float8_and_biases_are_cut_with_their_rows() -> None:
     ctx0 = ParallelContext(RankLayout(2, 1, 0), None, None, None)
     rank0 = ExpertShard(ctx0, 4, (0, 4), (0, 2), 4)
     assert rank0.cut_stacked("w2_bias", torch.ones(4, 6)).all()
+
+
+def test_pipeline_stages_hold_their_layers_experts(tmp_path) -> None:
+    """TP=2 x PP=2 with expert parallelism: each rank loads its stage's layers with its whole
+    experts (the stage's tensor group is its expert group), skipping the other stage's."""
+    path = str(tmp_path / "m")
+    save_tiny_hf(path, "qwen3_moe", "Qwen3MoeForCausalLM", num_experts=4, num_hidden_layers=3,
+                 mlp_only_layers=[1], head_dim=32, **EXPERTS)  # fmt: skip
+    config = EngineConfig(model=path, dtype="float32")
+    one = load_model(config, torch.device("cpu"), torch.float32).model
+    for rank in range(4):
+        ctx = ParallelContext(RankLayout(2, 2, rank), None, None, None, expert_parallel=True)
+        got = load_model(config, torch.device("cpu"), torch.float32, ctx).model
+        first = 2 * (rank % 2)  # tensor rank r holds experts 2r, 2r + 1
+        for i, layer in enumerate(got.layers):
+            whole = one.layers[got.layer_start + i].mlp
+            if hasattr(whole, "experts"):
+                part = layer.mlp.experts.w2_weight
+                assert torch.equal(part, whole.experts.w2_weight[first : first + 2])
