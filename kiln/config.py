@@ -122,6 +122,12 @@ class EngineConfig:
     each on its own tensor_parallel_size ranks; hidden states pass from stage to stage. kiln
     starts the tensor_parallel_size x pipeline_parallel_size processes itself, or joins
     torchrun's (several machines: torchrun --nnodes ... --rdzv-endpoint ...)."""
+    enable_expert_parallel: bool = False
+    """Mixture-of-experts layers under tensor_parallel_size > 1 (vLLM's flag): each rank holds
+    whole experts (num_experts / tensor_parallel_size, the first ranks one more when they do
+    not divide) instead of a slice of every expert; attention and dense layers stay
+    tensor-parallel, the router runs on every rank, and the experts' partial outputs are summed
+    in the layer's one all-reduce. No effect on dense models or at tensor_parallel_size=1."""
     distributed_timeout_s: float = 300.0
     """Under TP/PP: how long a rank waits for the others (startup, a collective) before the
     engine stops with an error naming the rank, rather than hanging."""

@@ -104,6 +104,9 @@ class ParallelContext:
     cpu_group: dist.ProcessGroup | None
     control_group: dist.ProcessGroup | None = None
     sampled_group: dist.ProcessGroup | None = None
+    # Mixture-of-experts layers hold whole experts per tensor rank (EngineConfig.
+    # enable_expert_parallel) rather than a slice of each.
+    expert_parallel: bool = False
 
     @property
     def tp_size(self) -> int:
@@ -143,6 +146,7 @@ def init_process_groups(
     backend: str,
     timeout_s: float,
     init_method: str = "env://",
+    expert_parallel: bool = False,
 ) -> ParallelContext:
     """Join the default group (torchrun's env:// rendezvous: MASTER_ADDR/MASTER_PORT/RANK/
     WORLD_SIZE; or kiln's own launcher's tcp://127.0.0.1:PORT) and make the tensor-parallel and
@@ -185,7 +189,7 @@ def init_process_groups(
         group = world if len(ranks) == layout.world_size else dist.new_group(ranks, timeout=timeout)
         if stage == layout.pp_rank:
             tp_group = group
-    return ParallelContext(layout, tp_group, world, cpu, control, sampled)
+    return ParallelContext(layout, tp_group, world, cpu, control, sampled, expert_parallel)
 
 
 def destroy_process_groups() -> None:

@@ -87,6 +87,7 @@ class MultiprocExecutor(Executor):
                 data_backend_for(config),
                 config.distributed_timeout_s,
                 init_method,
+                config.enable_expert_parallel,
             )
             rank = build_rank(config, self.parallel)
         except KilnError:  # this rank's own error (a model that does not split, a bad path):

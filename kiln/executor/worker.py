@@ -47,6 +47,7 @@ def run_worker(config: EngineConfig, rank: int, init_method: str = "env://") -> 
         data_backend_for(config),
         config.distributed_timeout_s,
         init_method,
+        config.enable_expert_parallel,
     )
     runner = build_rank(config, parallel).runner
     # Steps left uncollected after a submit: under pipeline parallelism one fewer than the stages,

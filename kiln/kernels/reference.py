@@ -941,9 +941,12 @@ def fused_moe(
     any token chose, each running its tokens' rows in the model dtype (as transformers' Mixtral
     and Qwen-MoE experts do), the weighted sum kept in fp32 and rounded once. Float8 weights
     (with their scales) are widened to the model dtype (exact) and their products scaled in
-    fp32 before rounding: weight-only FP8."""
+    fp32 before rounding: weight-only FP8. An id outside [0, num_experts) names an expert
+    another rank holds (expert parallelism: -1) and adds nothing."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for expert in torch.unique(topk_ids).tolist():
+        if not 0 <= expert < w13.shape[0]:
+            continue
         token, slot = torch.nonzero(topk_ids == expert, as_tuple=True)
         gate_up = _expert_linear(x[token], w13[expert], w13_scale, expert)
         down = _expert_linear(silu_and_mul(gate_up), w2[expert], w2_scale, expert)

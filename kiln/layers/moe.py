@@ -2,16 +2,20 @@
 gated MLPs as one grouped computation (`ops.fused_moe`: the Triton grouped GEMM on the GPU, the
 loop over experts in the reference), behind a method seam as the linear layers' (a method
 creates, loads and applies the experts' weights; the model-dtype one here, a quantized one
-beside it later). Expert parallelism and tensor-parallel expert slices are not built: a model
-with experts runs on one tensor rank."""
+beside it later). Under tensor or expert parallelism a layer holds its rank's part of the
+experts (kiln.layers.moe_parallel.ExpertShard: a slice of each, or whole experts)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from kiln.layers.moe_parallel import ExpertShard
 
 
 def select_experts(
@@ -113,7 +117,9 @@ class Fp8MoEMethod(MoEMethod):
 
 class FusedMoE(nn.Module):
     """`num_experts` SwiGLU experts of width `intermediate_size`, each token run through the
-    `top_k` its router logits pick and their outputs summed by the routing weights."""
+    `top_k` its router logits pick and their outputs summed by the routing weights. With
+    `shard` (TP/EP) the layer holds this rank's part: num_experts and intermediate_size become
+    the experts and width it holds, and its output is a part the block sums over the ranks."""
 
     w13_weight: torch.Tensor
     w2_weight: torch.Tensor
@@ -129,10 +135,14 @@ class FusedMoE(nn.Module):
         renormalize: bool,
         dtype: torch.dtype | None,
         method: MoEMethod | None = None,
+        shard: ExpertShard | None = None,
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be 1 to num_experts={num_experts}")
+        self.shard = shard
+        if shard is not None:  # the weights made are this rank's experts and columns
+            num_experts, intermediate_size = shard.experts[1], shard.columns[1]
         self.num_experts, self.top_k = num_experts, top_k
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.renormalize = renormalize
@@ -146,6 +156,8 @@ class FusedMoE(nn.Module):
         router_logits: torch.Tensor,  # [num_tokens, num_experts]
     ) -> torch.Tensor:  # [num_tokens, hidden]
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize, x.dtype)
+        if self.shard is not None:
+            ids = self.shard.local_ids(ids)
         return self.method.apply(self, ops, x, weights, ids)
 
     def extra_repr(self) -> str:

@@ -125,6 +125,9 @@ class ModelConfig:
     """Layers whose MLP is dense though the step would make them sparse (Qwen-MoE)."""
     shared_expert_intermediate_size: int = 0
     """Width of the shared expert every token also runs, gated by a sigmoid (Qwen2-MoE); 0: none."""
+    expert_range: tuple[int, int] | None = None
+    """(first, count) of the routed experts one rank holds whole under expert parallelism (a
+    rank's shard_config sets it); None: every expert (one rank, or a slice of each under TP)."""
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer `layer` (its index in the whole model); None: full."""
@@ -140,13 +143,18 @@ class ModelConfig:
             and (layer + 1) % self.decoder_sparse_step == 0
         )
 
+    @property
+    def num_held_experts(self) -> int:
+        """Routed experts whose weights one rank holds (all but under expert parallelism)."""
+        return self.num_experts if self.expert_range is None else self.expert_range[1]
+
     def mlp_parameter_count(self, layer: int) -> int:
-        """Weights of layer `layer`'s MLP: every expert's (and the router's, the shared
+        """Weights of layer `layer`'s MLP: every held expert's (and the router's, the shared
         expert's) in a sparse layer, the gated MLP's in a dense one."""
         h = self.hidden_size
         if not self.is_sparse_layer(layer):
             return 3 * h * self.intermediate_size
-        count = self.num_experts * 3 * h * self.moe_intermediate_size + self.num_experts * h
+        count = self.num_held_experts * 3 * h * self.moe_intermediate_size + self.num_experts * h
         if self.shared_expert_intermediate_size:
             count += 3 * h * self.shared_expert_intermediate_size + h
         return count

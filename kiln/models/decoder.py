@@ -19,6 +19,7 @@ from kiln.distributed.comm import recv_from_prev_stage, send_to_next_stage
 from kiln.distributed.parallel_state import ParallelContext, kv_head_range, split_layers
 from kiln.errors import ModelLoadError
 from kiln.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
+from kiln.layers.moe_parallel import shard_moe_fields
 from kiln.layers.rotary import LENGTH_DEPENDENT, StepRope, build_cos_sin_cache, rope_type_of
 from kiln.layers.vocab_parallel import VocabParallelEmbedding
 from kiln.models import weight_loader
@@ -36,12 +37,16 @@ def _unquantized(name: str) -> LinearMethod:
 
 def shard_config(cfg: ModelConfig, ctx: ParallelContext | None) -> ModelConfig:
     """The part of the model one rank holds, as a ModelConfig: its query and KV heads, its MLP
-    width and its pipeline stage's layers (what the KV cache, the memory plan and the runner are
-    sized by). `cfg` itself at TP=1, PP=1."""
+    width, its experts' width or its experts (expert parallelism) and its pipeline stage's
+    layers (what the KV cache, the memory plan and the runner are sized by). `cfg` itself at
+    TP=1, PP=1."""
     if ctx is None or (ctx.tp_size == 1 and ctx.pp_size == 1):
         return cfg
     tp = ctx.tp_size
-    for name in ("num_attention_heads", "intermediate_size"):
+    # A model whose every MLP is a mixture of experts has no dense width to cut (Mixtral's
+    # intermediate_size is its experts'; shard_moe_fields checks those).
+    dense = any(not cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers))
+    for name in ("num_attention_heads", "intermediate_size")[: 2 if dense else 1]:
         if getattr(cfg, name) % tp:
             raise ModelLoadError(
                 f"{name}={getattr(cfg, name)} does not split over tensor_parallel_size={tp}"
@@ -49,10 +54,17 @@ def shard_config(cfg: ModelConfig, ctx: ParallelContext | None) -> ModelConfig:
     try:
         _, kv_heads = kv_head_range(cfg.num_key_value_heads, tp, ctx.tp_rank)
         layers = split_layers(cfg.num_hidden_layers, ctx.pp_size, ctx.pp_rank)
+        experts = {}
+        if cfg.num_experts and tp > 1:  # a slice of every expert, or whole ones (EP)
+            experts = shard_moe_fields(
+                cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size,
+                tp, ctx.tp_rank, ctx.expert_parallel,
+            )  # fmt: skip
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
     return dataclasses.replace(
         cfg,
+        **experts,  # type: ignore[arg-type]
         num_attention_heads=cfg.num_attention_heads // tp,
         num_key_value_heads=kv_heads,
         intermediate_size=cfg.intermediate_size // tp,

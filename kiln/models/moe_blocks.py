@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import ModuleType
 
 import torch
 from torch import nn
 
+from kiln.distributed.comm import tp_all_reduce
 from kiln.distributed.parallel_state import ParallelContext
 from kiln.errors import ModelLoadError
 from kiln.layers.linear import Linear, UnquantizedLinearMethod
@@ -23,6 +24,7 @@ from kiln.layers.moe import (
     UnquantizedMoEMethod,
     quantize_experts_fp8,
 )
+from kiln.layers.moe_parallel import rank_shard
 from kiln.layers.quantization.fp8 import Fp8LinearMethod
 from kiln.models.blocks import GatedMLP, LinearMethodFactory
 from kiln.models.config import ModelConfig
@@ -31,6 +33,9 @@ from kiln.models.config import ModelConfig
 _EXPERT_RE = re.compile(
     r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
 )
+
+
+_STACKED_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(w13_\w+|w2_\w+)$")
 
 
 class SparseMoeBlock(nn.Module):
@@ -49,19 +54,22 @@ class SparseMoeBlock(nn.Module):
         ctx: ParallelContext | None = None,
     ) -> None:
         super().__init__()
-        if ctx is not None and ctx.tp_size > 1:
-            raise ModelLoadError("mixture-of-experts layers run at tensor_parallel_size=1 only")
         h = cfg.hidden_size
+        # Under TP (cfg is this rank's shard): this rank's part of the experts, and of the
+        # shared expert; their partial outputs are summed in one all-reduce (`reduce`).
+        shard = rank_shard(ctx, cfg.num_experts, cfg.expert_range, cfg.moe_intermediate_size)
+        self.reduce = None if shard is None else shard.ctx
         self.gate = Linear(h, cfg.num_experts, method=UnquantizedLinearMethod(), dtype=dtype)
         self.experts = FusedMoE(
             cfg.num_experts, cfg.num_experts_per_tok, h, cfg.moe_intermediate_size,
-            cfg.norm_topk_prob, dtype, _experts_method(method, f"{prefix}.experts"),
+            cfg.norm_topk_prob, dtype, _experts_method(method, f"{prefix}.experts"), shard,
         )  # fmt: skip
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Linear | None = None
         if cfg.shared_expert_intermediate_size:
             shared = dataclasses.replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
-            self.shared_expert = GatedMLP(shared, f"{prefix}.shared_expert", method, dtype)
+            self.shared_expert = GatedMLP(shared, f"{prefix}.shared_expert", method, dtype, ctx)
+            self.shared_expert.down_proj.reduce = None  # summed with the experts' part below
             self.shared_expert_gate = Linear(h, 1, method=UnquantizedLinearMethod(), dtype=dtype)
 
     def forward(
@@ -82,6 +90,8 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared, _ = self.shared_expert(ops, normed, None, None, eps)
             out = out + torch.sigmoid(self.shared_expert_gate(ops, normed)) * shared
+        if self.reduce is not None:  # the ranks' parts: experts' slices or whole experts
+            tp_all_reduce(self.reduce, out)
         return out, summed
 
 
@@ -98,19 +108,28 @@ def _experts_method(method: LinearMethodFactory, name: str) -> MoEMethod:
     return UnquantizedMoEMethod()
 
 
+# What a rank keeps of one expert's whole tensor: keep(layer, param, expert, whole) ->
+# (name suffix, tensor) pairs stacked into f"{param}{suffix}"; [] for an expert it lacks.
+KeepExpert = Callable[[int, str, int, torch.Tensor], list[tuple[str, torch.Tensor]]]
+
+
 def stack_expert_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
     num_experts: int,
     parts: Mapping[str, tuple[str, int]],
+    keep: KeepExpert | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with each layer's per-expert projections stacked into the
     experts' parameters: `parts` maps a projection's HF name ("w1", "gate_proj") to (the
     FusedMoE parameter, its row block: 0 gate, 1 up, 0 for down alone), yielded as
-    model.layers.L.mlp.experts.<parameter> once every expert's blocks have come. Other tensors
-    pass through."""
+    model.layers.L.mlp.experts.<parameter> once every expert's blocks have come. `keep` (TP/EP:
+    an ExpertShard's cut) takes each expert's whole tensor as soon as it is complete, so a rank
+    holds only its part of the layer's experts; None keeps it whole. Other tensors pass
+    through."""
     blocks_of = {param: 1 + max(b for p, b in parts.values() if p == param) for param, _ in
                  parts.values()}  # fmt: skip
     pending: dict[tuple[int, str], dict[tuple[int, int], torch.Tensor]] = {}
+    kept: dict[tuple[int, str], dict[int, list[tuple[str, torch.Tensor]]]] = {}
     for name, tensor in weights:
         match = _EXPERT_RE.match(name)
         if match is None or match.group(3) not in parts:
@@ -122,17 +141,23 @@ def stack_expert_weights(
         param, block = parts[match.group(3)]
         got = pending.setdefault((layer, param), {})
         got[(expert, block)] = tensor
-        if len(got) == num_experts * blocks_of[param]:
-            del pending[(layer, param)]
-            stacked = torch.stack([
-                torch.cat([got[(e, b)] for b in range(blocks_of[param])])
-                for e in range(num_experts)
-            ])  # fmt: skip
-            yield f"model.layers.{layer}.mlp.experts.{param}", stacked
+        if any((expert, b) not in got for b in range(blocks_of[param])):
+            continue
+        whole = torch.cat([got.pop((expert, b)) for b in range(blocks_of[param])])
+        done = kept.setdefault((layer, param), {})
+        done[expert] = [("", whole)] if keep is None else keep(layer, param, expert, whole)
+        if len(done) < num_experts:
+            continue
+        del pending[(layer, param)], kept[(layer, param)]
+        held = [done[e] for e in range(num_experts) if done[e]]
+        for i, (suffix, _) in enumerate(held[0] if held else []):
+            stacked = torch.stack([pieces[i][1] for pieces in held])
+            yield f"model.layers.{layer}.mlp.experts.{param}{suffix}", stacked
     if pending:
         (layer, param), got = next(iter(pending.items()))
+        have = len(got) + len(kept.get((layer, param), {})) * blocks_of[param]
         raise ModelLoadError(
-            f"checkpoint lacks experts' tensors: layer {layer} {param} has {len(got)} of "
+            f"checkpoint lacks experts' tensors: layer {layer} {param} has {have} of "
             f"{num_experts * blocks_of[param]}"
         )
 
@@ -144,14 +169,43 @@ def adapt_expert_weights(
     parts: Mapping[str, tuple[str, int]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A MoE family's checkpoint as its model loads it: the experts stacked, and quantized
-    where the model's experts are float8. `model`: a DecoderForCausalLM (its layer_start)."""
+    where the model's experts are float8; under TP/EP each expert quantized whole, then cut to
+    this rank's part before stacking. `model`: a DecoderForCausalLM (its layer_start)."""
     start = getattr(model, "layer_start", 0)
-    params = {}
-    for name, param in model.named_parameters():
-        if name.startswith("layers.") and ".experts." in name:
+    params, layers = {}, {}
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE) and name.startswith("layers."):
             index, rest = name.removeprefix("layers.").split(".", 1)
-            params[f"model.layers.{start + int(index)}.{rest}"] = param
-    return quantize_float8_experts(stack_expert_weights(weights, num_experts, parts), params)
+            layers[start + int(index)] = module
+            for param_name, param in module.named_parameters(recurse=False):
+                params[f"model.layers.{start + int(index)}.{rest}.{param_name}"] = param
+
+    def keep(layer: int, param: str, expert: int, whole: torch.Tensor):
+        module = layers.get(layer)
+        if module is None or module.shard is None:  # another stage's layer
+            return []
+        float8 = getattr(module, param).dtype == torch.float8_e4m3fn
+        quantize = quantize_experts_fp8 if float8 and whole.element_size() > 1 else None
+        return module.shard.keep(param, expert, whole, quantize)
+
+    if not any(m.shard is not None for m in layers.values()):  # one rank: whole experts
+        return quantize_float8_experts(stack_expert_weights(weights, num_experts, parts), params)
+    stacked = stack_expert_weights(_cut_stacked(weights, layers), num_experts, parts, keep)
+    return quantize_float8_experts(stacked, params)
+
+
+def _cut_stacked(
+    weights: Iterable[tuple[str, torch.Tensor]], layers: Mapping[int, FusedMoE]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's experts that come already stacked (model.layers.L.mlp.experts.<param>,
+    as a family's own adapter yields them), cut to this rank's part (TP/EP); other tensors
+    pass through (the per-expert ones are cut as they stack)."""
+    for name, tensor in weights:
+        match = _STACKED_RE.match(name)
+        module = layers.get(int(match.group(1))) if match else None
+        if match is not None and module is not None and module.shard is not None:
+            tensor = module.shard.cut_stacked(match.group(2), tensor)
+        yield name, tensor
 
 
 def quantize_float8_experts(

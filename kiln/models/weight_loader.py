@@ -15,6 +15,7 @@ from torch import nn
 
 from kiln.errors import ModelLoadError
 from kiln.layers.linear import Linear
+from kiln.layers.moe import FusedMoE
 from kiln.layers.vocab_parallel import VocabParallelEmbedding
 
 if TYPE_CHECKING:
@@ -160,6 +161,8 @@ def load_engine_weights(
             tensor = owner.cut(param, None, tensor)
         elif isinstance(vocab := _vocab_owner(model, name), VocabParallelEmbedding):
             tensor = vocab.cut(tensor)
+        elif (experts := _expert_owner(model, name)) is not None and experts.shard is not None:
+            tensor = experts.shard.cut_stacked(name.rsplit(".", 1)[1], tensor)  # TP/EP
         # An engine built with the head in the model dtype, loaded with a float8 head: the
         # head is quantized here (its scales too), as from a checkpoint.
         quantize_head = (
@@ -256,6 +259,15 @@ def linear_owners(model: nn.Module) -> dict[str, Linear]:
 
 def _vocab_owner(model: DecoderForCausalLM, name: str) -> nn.Module | None:
     return {"embed_tokens.weight": model.embed_tokens, "lm_head.weight": model.lm_head}.get(name)
+
+
+def _expert_owner(model: DecoderForCausalLM, name: str) -> FusedMoE | None:
+    """The mixture-of-experts layer whose stacked parameter `name` is, if it is one."""
+    module_name = name.rsplit(".", 1)[0]
+    if not module_name.endswith(".experts"):
+        return None
+    module = model.get_submodule(module_name)
+    return module if isinstance(module, FusedMoE) else None
 
 
 def _copy_unsplit(

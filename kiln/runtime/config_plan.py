@@ -26,7 +26,8 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int
     one byte each plus a float32 scale per output channel; embedding, norms and LM head stay in
     `dtype`. A sparse layer counts every expert (float8 with a float32 scale per expert and
     projection under "fp8-dynamic", else in `dtype`: static FP8 leaves them), its router in
-    `dtype`, and its shared expert as a dense MLP's projections."""
+    `dtype`, and its shared expert as a dense MLP's projections. A rank's shard_config counts
+    the experts it holds (expert parallelism) or their slices (tensor parallelism)."""
     h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv, layers = cfg.num_key_value_heads * cfg.head_dim, range(cfg.num_hidden_layers)
     projections = [(h, q + 2 * kv), (q, h)] * cfg.num_hidden_layers  # (in, out)
@@ -37,13 +38,13 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int
         if inter:
             projections += [(h, 2 * inter), (inter, h)]
         if sparse:  # the rest of its MLP: the router (and the shared expert's gate row)
-            routed = cfg.num_experts * 3 * h * cfg.moe_intermediate_size
+            routed = cfg.num_held_experts * 3 * h * cfg.moe_intermediate_size
             experts += routed
             routers += cfg.mlp_parameter_count(i) - routed - 3 * h * inter
     float8_experts = quantization == "fp8-dynamic"
     sparse_layers = sum(cfg.is_sparse_layer(i) for i in layers)
     expert_bytes = (
-        experts * _FP8_BYTES + sparse_layers * 2 * cfg.num_experts * 4
+        experts * _FP8_BYTES + sparse_layers * 2 * cfg.num_held_experts * 4
         if float8_experts
         else experts * dtype.itemsize
     )

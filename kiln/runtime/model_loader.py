@@ -23,6 +23,7 @@ from kiln.models import registry
 from kiln.models.base import CausalLM
 from kiln.models.blocks import LinearMethodFactory
 from kiln.models.config import PRESETS, ModelConfig
+from kiln.models.decoder import shard_config
 from kiln.runtime.config_plan import plan_from_config
 from kiln.tokenizer import Tokenizer, from_transformers
 
@@ -491,13 +492,20 @@ def load_model(
             f"{engine_config.tensor_parallel_size} (build another engine, or build without -tp)"
         )
     cfg = source.config
+    if source.tensor_parallel_size > 1 and cfg.num_experts and engine_config.enable_expert_parallel:
+        raise ModelLoadError(
+            f"{source.description} holds tensor-parallel slices of every expert (kiln build "
+            "-tp); enable_expert_parallel loads whole experts from an engine built without -tp "
+            "or from the checkpoint"
+        )
     max_positions = engine_config.max_model_len or cfg.max_position_embeddings
     linear_method = _linear_method(engine_config, source)
     _check_float8_device(engine_config, source, device)
     # Quantized weights may take one byte each: the check must not refuse what would fit.
     quantized = engine_config.quantization != "none" or source.quantization != "none"
     weight_bytes = 1 if quantized else dtype.itemsize  # a pre-quantized checkpoint's too
-    cfg.check_fits(weight_bytes, *_memory_of(device))
+    # Under TP/PP a rank holds its shard (its experts too): that must fit its device.
+    shard_config(cfg, parallel).check_fits(weight_bytes, *_memory_of(device))
     if parallel is None:  # (under TP/PP each rank's share differs: the profiled plan tells)
         _log_config_plan(engine_config, cfg, max_positions, dtype, device)
     with torch.device(device):

@@ -152,6 +152,8 @@ def test_vllm_engine_flags_alias_what_kiln_has():
     long = ["--tensor-parallel-size", "4", "--pipeline-parallel-size", "2"]
     parallel = engine_config_from_args(_parser().parse_args(long))
     assert (parallel.tensor_parallel_size, parallel.pipeline_parallel_size) == (4, 2)
+    ep = engine_config_from_args(_parser().parse_args(["-tp", "2", "--enable-expert-parallel"]))
+    assert ep.enable_expert_parallel and not parallel.enable_expert_parallel
 
 
 @pytest.mark.parametrize(

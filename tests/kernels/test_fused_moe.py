@@ -84,3 +84,23 @@ def test_align_groups_pairs_by_expert_padded_to_the_block() -> None:
     assert pairs[:12].tolist() == [1, 2, pad, pad, 5, pad, pad, pad, 0, 3, 4, pad]
     assert block_experts[:3].tolist() == [0, 1, 2]
     assert num_rows.item() == 12 and (pairs[12:] == pad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_another_ranks_experts_add_nothing(dtype) -> None:
+    """Expert parallelism: ids outside [0, num_experts) (-1: another rank's expert) are
+    skipped by both twins, so a rank holding experts 2-3 of 0-3 (local ids 0-1) gives exactly
+    the part of the whole output those two experts make, zeros for tokens of neither."""
+    x, w13, w2, weights, ids = _case(21, 2, dtype)
+    local = torch.where(ids >= 2, ids - 2, -1)
+    got = triton_moe.fused_moe(x, w13[2:], w2[2:], weights, local).float()
+    want = reference.fused_moe(x, w13[2:], w2[2:], weights, local).float()
+    mine = reference.fused_moe(x, w13, w2, weights * (ids >= 2), ids).float()
+    peak = mine.abs().max()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(want, mine, atol=tol * peak, rtol=0)
+    torch.testing.assert_close(got, want, atol=tol * peak, rtol=0)
+    neither = (ids < 2).all(dim=1)
+    assert neither.any() and not got[neither].any()
+    _, block_experts, num_rows = triton_moe.align_by_expert(local, 2, 16)
+    assert block_experts[: num_rows.item() // 16].tolist()[-1] == 2  # the skipped run is last

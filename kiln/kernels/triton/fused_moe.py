@@ -41,13 +41,16 @@ def align_by_expert(
     """(sorted_pairs [max_rows] int32: each row's flat (token * top_k + k) pair index, or
     num_pairs for padding; block_experts [max_rows / block_m] int32: each row block's expert;
     num_rows [1] int32: the padded rows in use), the pairs grouped by expert (stable, so in token
-    order within an expert) and each expert's run padded to a multiple of `block_m`."""
+    order within an expert) and each expert's run padded to a multiple of `block_m`. Ids outside
+    [0, num_experts) (another rank's experts under expert parallelism) go last, as expert
+    `num_experts`, whose blocks the GEMMs skip and whose rows come out zero."""
     flat = topk_ids.reshape(-1).to(torch.int64)
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
     num_pairs = flat.numel()
-    max_rows = num_pairs + num_experts * (block_m - 1)
+    max_rows = num_pairs + (num_experts + 1) * (block_m - 1)
     max_rows = triton.cdiv(max_rows, block_m) * block_m
     # scatter_add, not bincount: bincount sizes its output by a max it reads back (a host sync).
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
@@ -60,7 +63,7 @@ def align_by_expert(
     sorted_pairs[dest] = order.to(torch.int32)
     block_starts = torch.arange(0, max_rows, block_m, device=flat.device)
     block_experts = torch.searchsorted(padded_end, block_starts, right=True)
-    block_experts = block_experts.clamp(max=num_experts - 1).to(torch.int32)
+    block_experts = block_experts.clamp(max=num_experts).to(torch.int32)
     return sorted_pairs, block_experts, padded_end[-1:].to(torch.int32)
 
 
@@ -75,6 +78,7 @@ def _grouped_gemm_kernel(
     block_experts_ptr,  # [max_rows / BLOCK_M] int32
     num_rows_ptr,  # [1] int32
     num_pairs,
+    num_experts,  # block_experts' value num_experts: pairs of no expert here (skipped)
     N,
     K,
     stride_a,
@@ -100,6 +104,11 @@ def _grouped_gemm_kernel(
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
     a_rows = (pairs // A_PER_ROW).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    if expert >= num_experts:  # another rank's experts: rows of zeros, no product
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+        tl.store(out, zeros, mask=valid[:, None] & (cols[None, :] < N))
+        return
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -122,7 +131,6 @@ def _grouped_gemm_kernel(
         acc *= tl.load(scale_ptr + expert)
     if MUL_WEIGHT:
         acc *= tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
-    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
 
 
@@ -143,7 +151,8 @@ def _grouped_gemm(
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, w, out, weights, weights if scale is None else scale, sorted_pairs, block_experts,
-        num_rows, out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        num_rows, out.shape[0], w.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1),
+        out.stride(0),
         A_PER_ROW=a_per_row, MUL_WEIGHT=mul_weight, SCALED=scale is not None,
         DOT_PRECISION=dot_precision(a.dtype),
         INTERPRETED=a.device.type != "cuda",
