@@ -82,6 +82,6 @@ def _expert_tensors(
         if transposed:
             tensor = tensor.transpose(1, 2)
         if interleaved:  # rows (or the last dim) 0, 2, 4, ... are the gate's
-            order = torch.cat([torch.arange(0, tensor.shape[1], 2), torch.arange(1, tensor.shape[1], 2)])
-            tensor = tensor.index_select(1, order.to(tensor.device))
+            rows = torch.arange(tensor.shape[1], device=tensor.device)
+            tensor = tensor.index_select(1, torch.cat([rows[0::2], rows[1::2]]))
         yield f"{prefix}.mlp.experts.{param}", tensor.contiguous()

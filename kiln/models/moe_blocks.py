@@ -159,7 +159,7 @@ def expert_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """The experts' parameters of a DecoderForCausalLM by their HF names (its layer_start
     added): model.layers.L.mlp.experts.<parameter>."""
     start = getattr(model, "layer_start", 0)
-    params = {}
+    params: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
         if name.startswith("layers.") and ".experts." in name:
             index, rest = name.removeprefix("layers.").split(".", 1)

@@ -22,17 +22,19 @@ from tests.models.family_checks import (
     hf_tokens,
     perturb_norms_and_biases,
     save_tiny_hf,
-    tokens,
 )
 from tests.models.test_qwen3 import ARGS, GREEDY, PREFIXED, PROMPTS
 
 WINDOW = 8
 # A consistent yarn (factor = max_position_embeddings / original), as gpt-oss's own config.
-YARN = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
-        "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0}
-TINY_GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
-                    head_dim=16, sliding_window=WINDOW, swiglu_limit=0.6, rope_parameters=YARN)
-# fmt: skip
+YARN = {
+    "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+    "original_max_position_embeddings": 64, "rope_theta": 150000.0,
+}  # fmt: skip
+TINY_GPT_OSS = dict(
+    num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
+    sliding_window=WINDOW, swiglu_limit=0.6, rope_parameters=YARN,
+)  # fmt: skip
 
 
 def save_tiny_gpt_oss(path: str) -> torch.nn.Module:
@@ -49,7 +51,7 @@ def gpt_oss(tmp_path_factory):
 
 
 def test_batched_and_alone_equal_hf(gpt_oss) -> None:
-    path, want, llm = gpt_oss
+    _, want, llm = gpt_oss
     model = llm.engine.executor.runner.model
     assert [layer.self_attn.kind.sliding_window for layer in model.layers] == [WINDOW, None]
     attn, experts = model.layers[0].self_attn, model.layers[0].mlp.experts
