@@ -127,3 +127,17 @@ def test_the_mxfp4_model_equals_transformers_dequantized(mxfp4) -> None:
     assert experts.w13_weight_scale.shape == (4, 64)
     assert model.layers[1].self_attn.qkv_proj.weight.dtype == torch.float32  # as shipped
     assert tokens(fp8.generate(PROMPTS, GREEDY)) == [want[tuple(p)] for p in PROMPTS]
+
+
+def test_an_engine_built_from_mxfp4_is_the_exact_model_in_float8(mxfp4, tmp_path) -> None:
+    from kiln.builder.build import BuildOptions, build_engine
+
+    _, path = mxfp4
+    out = str(tmp_path / "engine")
+    build_engine(path, out, BuildOptions(dtype="float32", max_model_len=256), None)
+    engine = LLM(out, max_num_batched_tokens=64, **ARGS)
+    model = engine.engine.executor.runner.model
+    assert model.layers[0].mlp.experts.w2_weight.dtype == torch.float8_e4m3fn
+    assert model.layers[0].self_attn.o_proj.weight.dtype == torch.float32
+    direct = LLM(path, max_num_batched_tokens=64, **ARGS)
+    assert tokens(engine.generate(PROMPTS, GREEDY)) == tokens(direct.generate(PROMPTS, GREEDY))

@@ -22,6 +22,7 @@ from tests.models.family_checks import (
     hf_tokens,
     perturb_norms_and_biases,
     save_tiny_hf,
+    tokens,
 )
 from tests.models.test_qwen3 import ARGS, GREEDY, PREFIXED, PROMPTS
 
@@ -103,3 +104,23 @@ def test_the_presets_are_gpt_oss_and_20b_fits_one_80gb_gpu() -> None:
     assert 116e9 < sum(large.parameter_counts().values()) < 118e9  # 116.8B
     fp8 = weight_bytes(small, torch.bfloat16, "fp8-dynamic")
     assert fp8 < 25 * 2**30  # ~22 GiB: the rest of an 80 GB GPU holds the KV cache
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8-dynamic"])
+def test_an_engine_directory_builds_and_loads(gpt_oss, tmp_path, quantization) -> None:
+    from kiln.builder.build import BuildOptions, build_engine
+
+    path, want, _ = gpt_oss
+    out = str(tmp_path / "engine")
+    options = BuildOptions(
+        dtype="float32", quantization=quantization, accuracy_check=False, max_model_len=256
+    )
+    build_engine(path, out, options, None)
+    engine = LLM(out, max_num_batched_tokens=64, **ARGS)
+    if quantization == "none":
+        assert tokens(engine.generate(PROMPTS, GREEDY)) == [want[tuple(p)] for p in PROMPTS]
+        return
+    experts = engine.engine.executor.runner.model.layers[0].mlp.experts
+    assert experts.w13_weight.dtype == torch.float8_e4m3fn
+    at_load = LLM(path, quantization="fp8-dynamic", max_num_batched_tokens=64, **ARGS)
+    assert tokens(engine.generate(PROMPTS, GREEDY)) == tokens(at_load.generate(PROMPTS, GREEDY))
