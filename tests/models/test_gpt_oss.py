@@ -17,6 +17,7 @@ from tests.conftest import generated_logprob_gaps
 from tests.models.family_checks import (
     check_alone_and_batched,
     check_chunked,
+    check_gpu,
     check_preempted,
     check_prefix_hit,
     hf_tokens,
@@ -124,3 +125,20 @@ def test_an_engine_directory_builds_and_loads(gpt_oss, tmp_path, quantization) -
     assert experts.w13_weight.dtype == torch.float8_e4m3fn
     at_load = LLM(path, quantization="fp8-dynamic", max_num_batched_tokens=64, **ARGS)
     assert tokens(engine.generate(PROMPTS, GREEDY)) == tokens(at_load.generate(PROMPTS, GREEDY))
+
+
+def test_dummy_float8_weights_run_at_unit_expert_scales(gpt_oss) -> None:
+    path, _, _ = gpt_oss
+    dummy = LLM(path, quantization="fp8-dynamic", load_format="dummy", **ARGS)
+    experts = dummy.engine.executor.runner.model.layers[1].mlp.experts
+    assert experts.w13_weight_scale.shape == (4, 64) and (experts.w13_weight_scale == 1).all()
+    assert len(tokens(dummy.generate(PROMPTS[:1], GREEDY))[0]) == 32
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_with_graphs_and_fp8(gpt_oss) -> None:
+    """Triton kernels (sinks and windows in attention, the grouped GEMM with biases and the
+    clamped SwiGLU) with decode in CUDA graphs equal to HF in fp32; FP8 with float8 experts and
+    a float8 KV cache within float8's noise."""
+    path, want, llm = gpt_oss
+    check_gpu(path, want, llm)
