@@ -86,6 +86,8 @@ def test_clamped_swiglu_equals_transformers_gate(dtype) -> None:
     interleaved = (torch.randn(7, 2 * 24, generator=gen) * 6).to(dtype)
     config = type("C", (), dict(intermediate_size=24, num_local_experts=1, hidden_size=8,
                                 swiglu_alpha=1.702, swiglu_limit=7.0))()  # fmt: skip
+    if not hasattr(GptOssExperts, "_apply_gate"):  # older transformers: inline in forward
+        pytest.skip("this transformers' GptOssExperts has no _apply_gate")
     want = GptOssExperts(config)._apply_gate(interleaved)
     halves = torch.cat([interleaved[:, ::2], interleaved[:, 1::2]], dim=1)
     ref = reference.clamped_swiglu(halves, 1.702, 7.0)

@@ -34,7 +34,7 @@ YARN = {
     "original_max_position_embeddings": 64, "rope_theta": 150000.0,
 }  # fmt: skip
 TINY_GPT_OSS = dict(
-    num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
+    num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=32,
     sliding_window=WINDOW, swiglu_limit=0.6, rope_parameters=YARN,
 )  # fmt: skip
 
