@@ -24,6 +24,7 @@ the MXFP4 one, 0.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from typing import Any
 import torch
 
 from kiln.errors import ModelLoadError
+
+logger = logging.getLogger("kiln")
 
 FP8_E4M3_MAX = 448.0
 
@@ -182,7 +185,14 @@ def to_fp8(
     aligned to the FP4 grid (the module docstring): the row's unit times 2^k (and, for NVFP4,
     times 1.5 * 2^k), k the smallest that keeps the row's absmax within e4m3's 448; of the
     candidates, each row keeps the one with the least squared error."""
-    weight = dequantize(scheme, parts, prefix)
+    return _aligned_fp8(scheme, parts, dequantize(scheme, parts, prefix))
+
+
+def _aligned_fp8(
+    scheme: PrequantizedFp4,
+    parts: dict[str, torch.Tensor],
+    weight: torch.Tensor,  # [out, in] fp32: the parts dequantized
+) -> tuple[torch.Tensor, torch.Tensor]:
     multiples: tuple[float, ...] = (1.0, 1.5)
     if scheme.format == "mxfp4":
         unit, multiples = torch.tensor(1.0), (1.0,)
@@ -238,18 +248,25 @@ def openai_mxfp4_tensors(
                 f"MXFP4 checkpoint: {prefix} has blocks {tuple(blocks.shape)} and scales "
                 f"{tuple(scales.shape)}; expected [E, out, in / 32, 16] and [E, out, in / 32]"
             )
-        codes, channel_scales = [], []
+        codes, channel_scales, inexact = [], [], 0
         for expert in range(blocks.shape[0]):
             expert_parts = {
                 "weight_packed": blocks[expert].reshape(blocks.shape[1], -1),
                 "weight_scale": scales[expert],
             }
+            exact = dequantize(scheme, expert_parts, prefix)
             if fp8:
-                code, scale = to_fp8(scheme, expert_parts, prefix)
+                code, scale = _aligned_fp8(scheme, expert_parts, exact)
+                inexact += int((code.float() * scale != exact).sum())
                 codes.append(code)
                 channel_scales.append(scale[:, 0])
             else:
-                codes.append(dequantize(scheme, expert_parts, prefix))
+                codes.append(exact)
+        if inexact:  # a row whose groups' exponents span more than e4m3's 15 binades
+            logger.warning(
+                "%s: %d of %d MXFP4 values round in float8 (per-channel scales)",
+                prefix, inexact, blocks.numel() * 2,
+            )
         yield prefix, torch.stack(codes).transpose(1, 2)
         if fp8:
             yield f"{prefix}_scale", torch.stack(channel_scales)

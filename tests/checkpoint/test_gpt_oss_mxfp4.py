@@ -141,3 +141,19 @@ def test_an_engine_built_from_mxfp4_is_the_exact_model_in_float8(mxfp4, tmp_path
     assert model.layers[0].self_attn.o_proj.weight.dtype == torch.float32
     direct = LLM(path, max_num_batched_tokens=64, **ARGS)
     assert tokens(engine.generate(PROMPTS, GREEDY)) == tokens(direct.generate(PROMPTS, GREEDY))
+
+
+def test_values_float8_cannot_keep_are_counted_and_logged(mxfp4, caplog) -> None:
+    _, path = mxfp4
+    tensors = _packed(path)
+    name = "model.layers.0.mlp.experts.down_proj"
+    with caplog.at_level("WARNING", logger="kiln"):
+        dict(openai_mxfp4_tensors(iter(tensors.items()), fp8=True))
+    assert "round in float8" not in caplog.text  # this checkpoint's rows convert exactly
+    blocks = torch.full((1, 2, 2, 16), 0x22, dtype=torch.uint8)  # every code 1.0
+    scales = torch.tensor([[[127, 127 - 20], [127, 127]]], dtype=torch.uint8)  # 2^0 and 2^-20
+    parts = {f"{name}_blocks": blocks, f"{name}_scales": scales}
+    with caplog.at_level("WARNING", logger="kiln"):
+        out = dict(openai_mxfp4_tensors(iter(parts.items()), fp8=True))
+    assert "32 of 128 MXFP4 values round in float8" in caplog.text  # row 0's 2^-20 group
+    assert (out[name][0, 32:, 0].float() == 0).all()  # flushed below e4m3's least subnormal
