@@ -265,7 +265,9 @@ def openai_mxfp4_tensors(
         if inexact:  # a row whose groups' exponents span more than e4m3's 15 binades
             logger.warning(
                 "%s: %d of %d MXFP4 values round in float8 (per-channel scales)",
-                prefix, inexact, blocks.numel() * 2,
+                prefix,
+                inexact,
+                blocks.numel() * 2,
             )
         yield prefix, torch.stack(codes).transpose(1, 2)
         if fp8:
