@@ -38,7 +38,8 @@ GPU_TESTS=$(for f in ${GPU_TESTS:-tests/runtime/test_gpu.py tests/kernels/test_t
     tests/kernels/test_qk_norm_rotary.py tests/kernels/test_attention_kinds.py \
     tests/kernels/test_block_kernels.py tests/models/test_family_kernels.py \
     tests/kernels/test_int4_gemm.py tests/kernels/test_fused_moe.py \
-    tests/models/test_moe_kernels.py}; do
+    tests/models/test_moe_kernels.py tests/kernels/test_fused_moe_biased.py \
+    tests/models/test_gpt_oss.py}; do
     [[ -e $f ]] && echo "$f"; done)
 
 command_of() {  # NAME -> "SECONDS COMMAND..." (O is the output folder)

@@ -309,7 +309,10 @@ def _write_engine(
     files into `tmp`: (the manifest of what was written, its id and accuracy to come; the
     source's perplexity if checked; a pre-quantized source's KV scales calibrated here)."""
     options, cfg = build.options, source.config
-    kept = unquantized_layer_names(cfg, options.unquantized_layers)
+    # A source that keeps layers unquantized itself (gpt-oss's MXFP4 attention) keeps them so.
+    kept = unquantized_layer_names(cfg, options.unquantized_layers) or list(
+        source.unquantized_layers
+    )
     # A pre-quantized source is always checked: its engine must equal it.
     check = options.accuracy_check and (build.fp8 is not None or changes_arithmetic(options))
     calibrated = None

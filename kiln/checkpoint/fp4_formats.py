@@ -3,7 +3,8 @@
 inputs, an fp32 global scale per tensor, w = code * (scale / global_scale)) and as NVIDIA ModelOpt
 exports it (hf_quant_config.json quant_algo NVFP4: w = code * scale * weight_scale_2), and MXFP4
 (compressed-tensors `mxfp4-pack-quantized`: an e8m0 power-of-two scale per 32 inputs, w = code *
-2^(scale - 127), the arithmetic of transformers' gpt-oss reader).
+2^(scale - 127), the arithmetic of transformers' gpt-oss reader; and OpenAI's own layout of
+gpt-oss's stacked experts, quant_method "mxfp4": openai_mxfp4_tensors).
 
 kiln runs no FP4 arithmetic. Each projection's weight is dequantized to fp32 (the FP4 value each
 code and scale stand for, computed as the producer's own dequantization computes it), then either
@@ -23,6 +24,7 @@ the MXFP4 one, 0.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +33,8 @@ from typing import Any
 import torch
 
 from kiln.errors import ModelLoadError
+
+logger = logging.getLogger("kiln")
 
 FP8_E4M3_MAX = 448.0
 
@@ -42,13 +46,14 @@ _PARTS = {
     "compressed-tensors/nvfp4": ("weight_packed", "weight_scale", "weight_global_scale"),
     "compressed-tensors/mxfp4": ("weight_packed", "weight_scale"),
     "modelopt/nvfp4": ("weight", "weight_scale", "weight_scale_2"),
+    "openai/mxfp4": ("blocks", "scales"),
 }
 _DROPPED = ("input_scale", "input_global_scale", "weight_shape")  # no FP4 activations in kiln
 
 
 @dataclass(frozen=True)
 class PrequantizedFp4:
-    producer: str  # "compressed-tensors" or "modelopt"
+    producer: str  # "compressed-tensors", "modelopt" or "openai" (gpt-oss's stacked experts)
     format: str  # "nvfp4" or "mxfp4"
     group_size: int  # inputs per scale: 16 (NVFP4) or 32 (MXFP4)
 
@@ -83,6 +88,8 @@ def read_fp4(path: str, config: dict[str, Any]) -> PrequantizedFp4 | None:
         check_ignored(path, quant.get("exclude_modules") or [], ["Linear"])
         return PrequantizedFp4("modelopt", "nvfp4", 16)
     declared = config.get("quantization_config") or {}
+    if declared.get("quant_method") == "mxfp4":  # OpenAI's gpt-oss: the experts only
+        return PrequantizedFp4("openai", "mxfp4", 32)
     if declared.get("quant_method") != "compressed-tensors":
         return None
     if declared.get("format") not in _FORMATS:
@@ -115,7 +122,10 @@ def fp4_tensors(
     """The checkpoint's tensors with each FP4 projection's as its `weight` (fp32; with `fp8`,
     float8 e4m3 and its `weight_scale` [out, 1] fp32: to_fp8), yielded once all of its parts
     have arrived (one projection's are held at a time in a file's order); every other tensor as
-    it is."""
+    it is. OpenAI's stacked experts: openai_mxfp4_tensors."""
+    if scheme.producer == "openai":
+        yield from openai_mxfp4_tensors(weights, fp8)
+        return
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         prefix, _, kind = name.rpartition(".")
@@ -147,7 +157,7 @@ def dequantize(
     """One projection's weight from its FP4 parts, as its producer's own code computes it in
     fp32 (compressed-tensors' dequantize: code * (scale / global_scale); ModelOpt, as vLLM reads
     it: code * (scale * scale_2); MXFP4: ldexp(code, scale - 127), as transformers)."""
-    packed = parts["weight" if scheme.producer == "modelopt" else "weight_packed"]
+    packed = parts["weight" if scheme.producer == "modelopt" else "weight_packed"]  # [out, in/2]
     scale = parts["weight_scale"]
     rows, cols = packed.shape[0], 2 * packed.shape[1]
     if packed.dtype != torch.uint8 or scale.shape != (rows, cols // scheme.group_size):
@@ -175,7 +185,14 @@ def to_fp8(
     aligned to the FP4 grid (the module docstring): the row's unit times 2^k (and, for NVFP4,
     times 1.5 * 2^k), k the smallest that keeps the row's absmax within e4m3's 448; of the
     candidates, each row keeps the one with the least squared error."""
-    weight = dequantize(scheme, parts, prefix)
+    return _aligned_fp8(scheme, parts, dequantize(scheme, parts, prefix))
+
+
+def _aligned_fp8(
+    scheme: PrequantizedFp4,
+    parts: dict[str, torch.Tensor],
+    weight: torch.Tensor,  # [out, in] fp32: the parts dequantized
+) -> tuple[torch.Tensor, torch.Tensor]:
     multiples: tuple[float, ...] = (1.0, 1.5)
     if scheme.format == "mxfp4":
         unit, multiples = torch.tensor(1.0), (1.0,)
@@ -202,6 +219,63 @@ def to_fp8(
         )
     assert best is not None
     return best[0], best[1].float()
+
+
+def openai_mxfp4_tensors(
+    weights: Iterator[tuple[str, torch.Tensor]], fp8: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """gpt-oss's MXFP4 experts as OpenAI ships them: `<name>_blocks` uint8 [E, out, in / 32,
+    16] (two e2m1 codes a byte, the low nibble first) and `<name>_scales` uint8 [E, out, in /
+    32] (e8m0 exponents), yielded as `<name>` in the layout of transformers' dequantized
+    parameter, [E, in, out]: fp32 values exactly as transformers' convert_moe_packed_tensors
+    computes them, or (`fp8`) float8 e4m3 with `<name>_scale` [E, out] fp32 per output channel
+    (to_fp8's power-of-two scales: exact). One expert is converted at a time."""
+    scheme = PrequantizedFp4("openai", "mxfp4", 32)
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        prefix, _, kind = name.rpartition("_")
+        if kind not in scheme.parts or tensor.dtype != torch.uint8:
+            yield name, tensor
+            continue
+        parts = pending.setdefault(prefix, {})
+        parts[kind] = tensor
+        if len(parts) < len(scheme.parts):
+            continue
+        del pending[prefix]
+        blocks, scales = parts["blocks"], parts["scales"]
+        if blocks.dim() != 4 or blocks.shape[:3] != scales.shape or blocks.shape[3] != 16:
+            raise ModelLoadError(
+                f"MXFP4 checkpoint: {prefix} has blocks {tuple(blocks.shape)} and scales "
+                f"{tuple(scales.shape)}; expected [E, out, in / 32, 16] and [E, out, in / 32]"
+            )
+        codes, channel_scales, inexact = [], [], 0
+        for expert in range(blocks.shape[0]):
+            expert_parts = {
+                "weight_packed": blocks[expert].reshape(blocks.shape[1], -1),
+                "weight_scale": scales[expert],
+            }
+            exact = dequantize(scheme, expert_parts, prefix)
+            if fp8:
+                code, scale = _aligned_fp8(scheme, expert_parts, exact)
+                inexact += int((code.float() * scale != exact).sum())
+                codes.append(code)
+                channel_scales.append(scale[:, 0])
+            else:
+                codes.append(exact)
+        if inexact:  # a row whose groups' exponents span more than e4m3's 15 binades
+            logger.warning(
+                "%s: %d of %d MXFP4 values round in float8 (per-channel scales)",
+                prefix,
+                inexact,
+                blocks.numel() * 2,
+            )
+        yield prefix, torch.stack(codes).transpose(1, 2)
+        if fp8:
+            yield f"{prefix}_scale", torch.stack(channel_scales)
+    if pending:
+        prefix, parts = next(iter(pending.items()))
+        missing = sorted(set(scheme.parts) - set(parts))
+        raise ModelLoadError(f"MXFP4 checkpoint: {prefix} lacks {missing} ({len(pending)} such)")
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:  # [rows, 2 * cols] fp32

@@ -934,33 +934,62 @@ def fused_moe(
     w2: torch.Tensor,  # [num_experts, hidden, inter]: each expert's down projection
     topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32: each chosen expert's weight
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int: the chosen experts
-    w13_scale: torch.Tensor | None = None,  # [num_experts] fp32: float8 w13's per-expert scale
-    w2_scale: torch.Tensor | None = None,  # [num_experts] fp32: float8 w2's per-expert scale
+    w13_scale: torch.Tensor | None = None,  # [num_experts] or [num_experts, 2 * inter] fp32
+    w2_scale: torch.Tensor | None = None,  # [num_experts] or [num_experts, hidden] fp32
+    w13_bias: torch.Tensor | None = None,  # [num_experts, 2 * inter]
+    w2_bias: torch.Tensor | None = None,  # [num_experts, hidden]
+    swiglu: tuple[float, float] | None = None,  # gpt-oss's clamped SwiGLU (alpha, limit)
 ) -> torch.Tensor:  # [num_tokens, hidden]
-    """The routed experts' SwiGLU MLPs, weighted and summed per token: a loop over the experts
+    """The routed experts' gated MLPs, weighted and summed per token: a loop over the experts
     any token chose, each running its tokens' rows in the model dtype (as transformers' Mixtral
     and Qwen-MoE experts do), the weighted sum kept in fp32 and rounded once. Float8 weights
-    (with their scales) are widened to the model dtype (exact) and their products scaled in
-    fp32 before rounding: weight-only FP8. An id outside [0, num_experts) names an expert
-    another rank holds (expert parallelism: -1) and adds nothing."""
+    (with their per-expert or per-output-channel scales) are widened to the model dtype (exact)
+    and their products scaled in fp32 before rounding: weight-only FP8. Biases (gpt-oss) are
+    added to each projection's output, the down bias before the routing weight; the
+    activation is SiLU(gate) * up, or with `swiglu` clamped_swiglu's. An id outside
+    [0, num_experts) names an expert another rank holds (expert parallelism: -1) and adds
+    nothing."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for expert in torch.unique(topk_ids).tolist():
         if not 0 <= expert < w13.shape[0]:
             continue
         token, slot = torch.nonzero(topk_ids == expert, as_tuple=True)
-        gate_up = _expert_linear(x[token], w13[expert], w13_scale, expert)
-        down = _expert_linear(silu_and_mul(gate_up), w2[expert], w2_scale, expert)
+        gate_up = _expert_linear(x[token], w13[expert], w13_scale, w13_bias, expert)
+        act = silu_and_mul(gate_up) if swiglu is None else clamped_swiglu(gate_up, *swiglu)
+        down = _expert_linear(act, w2[expert], w2_scale, w2_bias, expert)
         out.index_add_(0, token, down.float() * topk_weights[token, slot, None].float())
     return out.to(x.dtype)
 
 
 def _expert_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, expert: int
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    expert: int,
 ) -> torch.Tensor:
+    b = None if bias is None else bias[expert]
     if scale is None:
-        return F.linear(x, weight)
+        return F.linear(x, weight, None if b is None else b.to(x.dtype))
     product = F.linear(x.float(), weight.float())  # fp32 as the kernel's accumulator
-    return (product * scale[expert]).to(x.dtype)
+    product = product * scale[expert]  # [] per expert, or [rows] per output channel
+    if b is not None:
+        product = product + b.float()
+    return product.to(x.dtype)
+
+
+def clamped_swiglu(
+    x: torch.Tensor,  # [num_tokens, 2 * d]: gate in the first half, up in the second
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:  # [num_tokens, d]
+    """gpt-oss's expert activation as transformers' GptOssExperts computes it in the model
+    dtype: gate clamped above at `limit`, up to +-`limit`, (up + 1) * gate * sigmoid(alpha *
+    gate). (Its checkpoint interleaves gate and up columns; kiln's loader makes them halves.)"""
+    gate, up = x.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def lora_shrink(

@@ -63,6 +63,7 @@ class UnquantizedMoEMethod(MoEMethod):
         e, h, n = layer.num_experts, layer.hidden_size, layer.intermediate_size
         layer.w13_weight = nn.Parameter(torch.empty(e, 2 * n, h, dtype=dtype), requires_grad=False)
         layer.w2_weight = nn.Parameter(torch.empty(e, h, n, dtype=dtype), requires_grad=False)
+        create_expert_biases(layer, dtype)
 
     def apply(
         self,
@@ -72,17 +73,42 @@ class UnquantizedMoEMethod(MoEMethod):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
-        return ops.fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+        return ops.fused_moe(
+            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, None, None,
+            *expert_options(layer),
+        )  # fmt: skip
+
+
+def create_expert_biases(layer: FusedMoE, dtype: torch.dtype | None) -> None:
+    """w13_bias [E, 2 * inter] and w2_bias [E, hidden] in the model dtype, if the layer has
+    biases (gpt-oss); every method's experts take them alike."""
+    if layer.has_bias:
+        e, h, n = layer.num_experts, layer.hidden_size, layer.intermediate_size
+        layer.w13_bias = nn.Parameter(torch.empty(e, 2 * n, dtype=dtype), requires_grad=False)
+        layer.w2_bias = nn.Parameter(torch.empty(e, h, dtype=dtype), requires_grad=False)
+
+
+def expert_options(
+    layer: FusedMoE,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[float, float] | None]:
+    """ops.fused_moe's (w13_bias, w2_bias, swiglu) arguments for the layer."""
+    if not layer.has_bias:
+        return None, None, layer.swiglu
+    return layer.w13_bias, layer.w2_bias, layer.swiglu
 
 
 def quantize_experts_fp8(
     weight: torch.Tensor,  # [num_experts, rows, cols]
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([E, rows, cols] float8 e4m3, [E] fp32 scales)
-    """Each expert's weights in float8 e4m3 with one scale per expert: its absmax / 448."""
+    per_channel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([E, rows, cols] float8 e4m3, [E] or [E, rows] fp32)
+    """Each expert's weights in float8 e4m3 with one scale per expert (or, `per_channel`, per
+    output row): its absmax / 448."""
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
-    amax = weight.detach().abs().amax(dim=(1, 2)).float().clamp(min=1e-12)
+    dims = (2,) if per_channel else (1, 2)
+    amax = weight.detach().abs().amax(dim=dims).float().clamp(min=1e-12)
     scale = amax / fp8_max
-    scaled = (weight.float() / scale[:, None, None]).clamp(-fp8_max, fp8_max)
+    shape = scale.shape + (1,) * (3 - scale.dim())
+    scaled = (weight.float() / scale.reshape(shape)).clamp(-fp8_max, fp8_max)
     return scaled.to(torch.float8_e4m3fn), scale
 
 
@@ -91,15 +117,21 @@ class Fp8MoEMethod(MoEMethod):
     (quantization="fp8-dynamic"): half the bytes a decode step reads. A model-dtype checkpoint's
     experts are quantized as they load (quantize_experts_fp8); an engine directory holds them
     quantized. The kernels widen them to the activations' dtype (weight-only FP8; no float8
-    tensor-core GEMM yet)."""
+    tensor-core GEMM yet). `per_channel`: a scale per output row of each expert instead
+    (gpt-oss, whose MXFP4 experts convert to them exactly: kiln.checkpoint.fp4_formats)."""
+
+    def __init__(self, per_channel: bool = False) -> None:
+        self.per_channel = per_channel
 
     def create_weights(self, layer: FusedMoE, dtype: torch.dtype | None) -> None:
         e, h, n = layer.num_experts, layer.hidden_size, layer.intermediate_size
         fp8 = torch.float8_e4m3fn
         layer.w13_weight = nn.Parameter(torch.empty(e, 2 * n, h, dtype=fp8), requires_grad=False)
         layer.w2_weight = nn.Parameter(torch.empty(e, h, n, dtype=fp8), requires_grad=False)
-        layer.w13_weight_scale = nn.Parameter(torch.ones(e), requires_grad=False)
-        layer.w2_weight_scale = nn.Parameter(torch.ones(e), requires_grad=False)
+        rows13, rows2 = ((2 * n,), (h,)) if self.per_channel else ((), ())
+        layer.w13_weight_scale = nn.Parameter(torch.ones(e, *rows13), requires_grad=False)
+        layer.w2_weight_scale = nn.Parameter(torch.ones(e, *rows2), requires_grad=False)
+        create_expert_biases(layer, dtype)
 
     def apply(
         self,
@@ -111,7 +143,7 @@ class Fp8MoEMethod(MoEMethod):
     ) -> torch.Tensor:
         return ops.fused_moe(
             x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-            layer.w13_weight_scale, layer.w2_weight_scale,
+            layer.w13_weight_scale, layer.w2_weight_scale, *expert_options(layer),
         )  # fmt: skip
 
 
@@ -119,12 +151,16 @@ class FusedMoE(nn.Module):
     """`num_experts` SwiGLU experts of width `intermediate_size`, each token run through the
     `top_k` its router logits pick and their outputs summed by the routing weights. With
     `shard` (TP/EP) the layer holds this rank's part: num_experts and intermediate_size become
-    the experts and width it holds, and its output is a part the block sums over the ranks."""
+    the experts and width it holds, and its output is a part the block sums over the ranks.
+    gpt-oss's experts: `bias` on both projections (w13_bias, w2_bias), `swiglu` = (alpha,
+    limit) of its clamped activation (reference.clamped_swiglu) in place of SiLU(gate) * up."""
 
     w13_weight: torch.Tensor
     w2_weight: torch.Tensor
-    w13_weight_scale: torch.Tensor  # float8 methods' [num_experts] fp32
+    w13_weight_scale: torch.Tensor  # float8 methods' [num_experts] (or [E, rows]) fp32
     w2_weight_scale: torch.Tensor
+    w13_bias: torch.Tensor  # with `bias`: [num_experts, 2 * inter], model dtype
+    w2_bias: torch.Tensor  # [num_experts, hidden]
 
     def __init__(
         self,
@@ -136,6 +172,8 @@ class FusedMoE(nn.Module):
         dtype: torch.dtype | None,
         method: MoEMethod | None = None,
         shard: ExpertShard | None = None,
+        bias: bool = False,
+        swiglu: tuple[float, float] | None = None,
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
@@ -146,6 +184,7 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.renormalize = renormalize
+        self.has_bias, self.swiglu = bias, swiglu
         self.method = method or UnquantizedMoEMethod()
         self.method.create_weights(self, dtype)
 

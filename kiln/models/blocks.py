@@ -435,7 +435,7 @@ class DecoderLayer(nn.Module):
     normed before its residual add, post_attention_layernorm after attention,
     pre_feedforward_layernorm and post_feedforward_layernorm around the MLP); "post" (OLMo 2:
     the blocks read the stream unnormed, their outputs normed by post_attention_layernorm and
-    post_feedforward_layernorm). `qk_norm` and `rope_table`: RopeAttention's.
+    post_feedforward_layernorm). `qk_norm`, `rope_table`, `sinks`: RopeAttention's.
 
     `layer_norm`: LayerNorms (reference.layer_norm on every path, biases `*_bias` with
     `norm_bias`: StableLM, Cohere) before the blocks, in place of the RMSNorms; with `parallel`
@@ -461,6 +461,7 @@ class DecoderLayer(nn.Module):
         parallel: bool = False,
         gated_mlp: bool = True,
         mlp: nn.Module | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         if norms not in self.NORMS:
@@ -471,7 +472,7 @@ class DecoderLayer(nn.Module):
         self.norms = norms
         self.layer_norm, self.parallel = layer_norm, parallel
         self.self_attn = RopeAttention(
-            cfg, f"{prefix}.self_attn", method, dtype, ctx, full, qk_norm, rope_table
+            cfg, f"{prefix}.self_attn", method, dtype, ctx, full, qk_norm, rope_table, sinks
         )
         self.mlp: GatedMLP | PlainMLP | nn.Module
         if mlp is not None:  # the family's own block, called as GatedMLP is (MoE)

@@ -128,6 +128,13 @@ class ModelConfig:
     expert_range: tuple[int, int] | None = None
     """(first, count) of the routed experts one rank holds whole under expert parallelism (a
     rank's shard_config sets it); None: every expert (one rank, or a slice of each under TP)."""
+    moe_bias: bool = False
+    """The router and each expert's projections have biases (gpt-oss)."""
+    swiglu_limit: float | None = None
+    """The experts' clamped SwiGLU (gpt-oss): gate clamped above at this, up to +-this, then
+    (up + 1) * gate * sigmoid(swiglu_alpha * gate); None: SiLU(gate) * up."""
+    swiglu_alpha: float = 1.702
+    """The sigmoid's slope of the clamped SwiGLU (with swiglu_limit)."""
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer `layer` (its index in the whole model); None: full."""
@@ -155,6 +162,8 @@ class ModelConfig:
         if not self.is_sparse_layer(layer):
             return 3 * h * self.intermediate_size
         count = self.num_held_experts * 3 * h * self.moe_intermediate_size + self.num_experts * h
+        if self.moe_bias:  # the experts' gate_up and down biases, the router's
+            count += self.num_held_experts * (2 * self.moe_intermediate_size + h) + self.num_experts
         if self.shared_expert_intermediate_size:
             count += 3 * h * self.shared_expert_intermediate_size + h
         return count
@@ -214,6 +223,11 @@ class ModelConfig:
         """o_proj has a bias: with attention_bias in the families that give it one (Llama,
         Qwen3, Gemma, Granite, OLMo 2, Cohere; not Qwen2, Mistral, StableLM, Phi-3)."""
         return self.attention_bias and self.architecture in family_config.O_BIAS_WITH_ATTENTION_BIAS
+
+    @property
+    def attention_sinks(self) -> bool:
+        """Each attention has a learned per-head logit in its softmax's denominator (gpt-oss)."""
+        return self.architecture in family_config.ATTENTION_SINKS
 
     @property
     def rotary_dim(self) -> int:
@@ -459,7 +473,7 @@ _WINDOW_EVERYWHERE = ("mistral", "mixtral", "phi3", "starcoder2")
 _QWEN_WINDOWS = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # Families that alternate local and global layers: every n-th layer (1-based) is global unless
 # the config lists layer_types (Gemma 3's configs say sliding_window_pattern).
-_GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6}
+_GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6, "gpt_oss": 2}
 
 
 def _attention_layout(architecture: str, d: dict[str, Any]) -> tuple[int | None, tuple | None]:
@@ -530,6 +544,14 @@ def _preset(
 
 _LLAMA3_EOS = [128001, 128008, 128009]  # <|end_of_text|>, <|eom_id|>, <|eot_id|> (Instruct)
 _QWEN_IDS = {"bos_token_id": 151643, "eos_token_id": 151645}  # <|endoftext|>, <|im_end|>
+_GPT_OSS = dict(
+    head_dim=64, num_experts_per_tok=4, sliding_window=128, attention_bias=True,
+    rms_norm_eps=1e-5, rope_theta=150000.0, max_position_embeddings=131072,
+    rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                  "truncate": False, "original_max_position_embeddings": 4096},
+    swiglu_limit=7.0, bos_token_id=199998, eos_token_id=[200002, 199999, 200012],
+    pad_token_id=199999,
+)  # fmt: skip
 
 # Published config.json shapes (the Instruct/Chat release where one exists, since that is what gets
 # served), for building engines with dummy weights. Each parses with ModelConfig.from_hf_dict.
@@ -633,6 +655,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=32768,
         num_local_experts=8, num_experts_per_tok=2, sliding_window=None, bos_token_id=1,
         eos_token_id=2,
+    ),
+    # gpt-oss: alternating 128-token windows and full layers, attention sinks, yarn rope, every
+    # layer 32 (120b: 128) experts of 2880 with biases and the clamped SwiGLU, 4 a token.
+    "gpt-oss-20b": _preset(
+        "gpt_oss", 201088, 2880, 2880, 24, 64, 8, **_GPT_OSS,
+        num_local_experts=32,
+    ),
+    "gpt-oss-120b": _preset(
+        "gpt_oss", 201088, 2880, 2880, 36, 64, 8, **_GPT_OSS,
+        num_local_experts=128,
     ),
     "tinyllama-1.1b": _preset(
         "llama", 32000, 2048, 5632, 22, 32, 4,

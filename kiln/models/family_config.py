@@ -25,8 +25,11 @@ O_BIAS_WITH_ATTENTION_BIAS = (
     "olmo2",
     "cohere",
     "starcoder2",
+    "gpt_oss",
     *GEMMA,
 )
+# Families whose attention adds a learned per-head logit to each softmax's denominator.
+ATTENTION_SINKS = ("gpt_oss",)
 # Families that tie the LM head to the embedding unless config.json says otherwise.
 _TIED_BY_DEFAULT = ("cohere", "starcoder2", *GEMMA)
 

@@ -28,6 +28,7 @@ from kiln.layers.moe_parallel import rank_shard
 from kiln.layers.quantization.fp8 import Fp8LinearMethod
 from kiln.models.blocks import GatedMLP, LinearMethodFactory
 from kiln.models.config import ModelConfig
+from kiln.models.moe_config import PER_CHANNEL_EXPERTS
 
 # model.layers.L.<mlp or block_sparse_moe>.experts.E.<projection>.weight
 _EXPERT_RE = re.compile(
@@ -58,11 +59,21 @@ class SparseMoeBlock(nn.Module):
         # Under TP (cfg is this rank's shard): this rank's part of the experts, and of the
         # shared expert; their partial outputs are summed in one all-reduce (`reduce`).
         shard = rank_shard(ctx, cfg.num_experts, cfg.expert_range, cfg.moe_intermediate_size)
+        per_channel = cfg.architecture in PER_CHANNEL_EXPERTS
+        if shard is not None and (cfg.moe_bias or per_channel):
+            raise ModelLoadError(
+                f"{cfg.architecture} experts (biases, per-channel scales) run at "
+                "tensor_parallel_size=1 only: cutting them per rank is not built yet"
+            )
         self.reduce = None if shard is None else shard.ctx
-        self.gate = Linear(h, cfg.num_experts, method=UnquantizedLinearMethod(), dtype=dtype)
+        self.gate = Linear(
+            h, cfg.num_experts, bias=cfg.moe_bias, method=UnquantizedLinearMethod(), dtype=dtype
+        )
+        swiglu = None if cfg.swiglu_limit is None else (cfg.swiglu_alpha, cfg.swiglu_limit)
         self.experts = FusedMoE(
             cfg.num_experts, cfg.num_experts_per_tok, h, cfg.moe_intermediate_size,
-            cfg.norm_topk_prob, dtype, _experts_method(method, f"{prefix}.experts"), shard,
+            cfg.norm_topk_prob, dtype, _experts_method(method, f"{prefix}.experts", per_channel),
+            shard, bias=cfg.moe_bias, swiglu=swiglu,
         )  # fmt: skip
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Linear | None = None
@@ -95,16 +106,16 @@ class SparseMoeBlock(nn.Module):
         return out, summed
 
 
-def _experts_method(method: LinearMethodFactory, name: str) -> MoEMethod:
-    """float8 experts where the projections' method is FP8 with dynamic activation scales
-    (quantization="fp8-dynamic" at load); else (static FP8 has no calibrated scales for the
-    experts) the model dtype."""
+def _experts_method(method: LinearMethodFactory, name: str, per_channel: bool) -> MoEMethod:
+    """float8 experts (scales per expert, or `per_channel`) where the projections' method is
+    FP8 with dynamic activation scales (quantization="fp8-dynamic" at load); else (static FP8
+    has no calibrated scales for the experts) the model dtype."""
     try:
         linear = method(name)
     except ModelLoadError:
         return UnquantizedMoEMethod()
     if isinstance(linear, Fp8LinearMethod) and linear.activation_scheme == "dynamic":
-        return Fp8MoEMethod()
+        return Fp8MoEMethod(per_channel)
     return UnquantizedMoEMethod()
 
 
@@ -194,6 +205,18 @@ def adapt_expert_weights(
     return quantize_float8_experts(stacked, params)
 
 
+
+def expert_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The experts' parameters of a DecoderForCausalLM by their HF names (its layer_start
+    added): model.layers.L.mlp.experts.<parameter>."""
+    start = getattr(model, "layer_start", 0)
+    params: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        if name.startswith("layers.") and ".experts." in name:
+            index, rest = name.removeprefix("layers.").split(".", 1)
+            params[f"model.layers.{start + int(index)}.{rest}"] = param
+    return params
+
 def _cut_stacked(
     weights: Iterable[tuple[str, torch.Tensor]], layers: Mapping[int, FusedMoE]
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -218,7 +241,9 @@ def quantize_float8_experts(
         if param is None or param.dtype != torch.float8_e4m3fn or tensor.element_size() == 1:
             yield name, tensor
             continue
-        fp8, scale = quantize_experts_fp8(tensor)
+        scale_param = params.get(f"{name}_scale")
+        per_channel = scale_param is not None and scale_param.dim() == 2
+        fp8, scale = quantize_experts_fp8(tensor, per_channel)
         yield name, fp8
         yield f"{name}_scale", scale
 
@@ -230,4 +255,6 @@ EXPERT_TENSOR_MAP = {
     "mlp.experts.w2_weight": ("mlp.experts.w2_weight", None),
     "mlp.experts.w13_weight_scale": ("mlp.experts.w13_weight_scale", None),
     "mlp.experts.w2_weight_scale": ("mlp.experts.w2_weight_scale", None),
+    "mlp.experts.w13_bias": ("mlp.experts.w13_bias", None),
+    "mlp.experts.w2_bias": ("mlp.experts.w2_bias", None),
 }

@@ -16,12 +16,25 @@ if TYPE_CHECKING:
 _MIXTRAL = ("mixtral",)
 # Families with Qwen's moe_intermediate_size, decoder_sparse_step and mlp_only_layers.
 _QWEN_MOE = ("qwen2_moe", "qwen3_moe")
+# Families whose float8 experts carry a scale per output channel (gpt-oss: its MXFP4 experts
+# convert to them exactly, kiln.checkpoint.fp4_formats); the others' one per expert.
+PER_CHANNEL_EXPERTS = ("gpt_oss",)
 
 
 def moe_fields(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig's MoE fields of an HF config.json dict `d` of `architecture` ({} if dense)."""
-    if architecture in _MIXTRAL:
+    if architecture == "gpt_oss":  # every layer sparse, with biases and the clamped SwiGLU
         fields: dict[str, Any] = {
+            "num_experts": int(d.get("num_local_experts", 128)),
+            "moe_intermediate_size": int(d["intermediate_size"]),
+            "norm_topk_prob": True,  # a softmax over the top-k logits
+            "moe_bias": True,
+            "swiglu_limit": float(d.get("swiglu_limit", 7.0)),
+            "swiglu_alpha": float(d.get("swiglu_alpha", 1.702)),
+            "attention_bias": bool(d.get("attention_bias", True)),  # q/k/v and o_proj
+        }
+    elif architecture in _MIXTRAL:
+        fields = {
             "num_experts": int(d.get("num_local_experts", 8)),
             "moe_intermediate_size": int(d["intermediate_size"]),
             "norm_topk_prob": True,  # Mixtral's router always renormalises its top-k
@@ -52,9 +65,25 @@ def moe_fields(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def expert_scale_count(cfg: ModelConfig) -> int:
+    """The fp32 scales of one sparse layer's float8 experts: one per expert and projection, or
+    one per output channel (PER_CHANNEL_EXPERTS)."""
+    if cfg.architecture in PER_CHANNEL_EXPERTS:
+        return cfg.num_held_experts * (2 * cfg.moe_intermediate_size + cfg.hidden_size)
+    return 2 * cfg.num_held_experts
+
+
 def moe_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
     """The fields moe_fields reads, as transformers' config class of the family names them."""
     arch = cfg.architecture
+    if arch == "gpt_oss":
+        return {
+            "num_local_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.num_experts_per_tok,
+            "swiglu_limit": cfg.swiglu_limit,
+            "swiglu_alpha": cfg.swiglu_alpha,
+            "attention_bias": cfg.attention_bias,
+        }
     if arch in _MIXTRAL:
         return {
             "num_local_experts": cfg.num_experts,

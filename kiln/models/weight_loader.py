@@ -214,8 +214,8 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int) -> None:
                 owner.method.load_weight(param, None, drawn)  # drawn at this rank's shape
         elif not param.is_floating_point():  # INT4 codes: random words
             param.random_(-(2**31), 2**31 - 1, generator=gen)
-        elif param.dim() == 1 and "bias" not in name:
-            param.fill_(1.0)
+        elif (param.dim() == 1 and "bias" not in name) or name.endswith("_weight_scale"):
+            param.fill_(1.0)  # norms; float8 experts' scales, per expert or per channel
         else:
             param.normal_(0.0, 0.02, generator=gen)
     if model.head_quantized and model.tied_head:

@@ -11,6 +11,7 @@ import torch
 
 from kiln.config import EngineConfig
 from kiln.models.config import ModelConfig
+from kiln.models.moe_config import expert_scale_count
 from kiln.runtime.memory_plan import _CPU_DEFAULT_KV_GB, GiB, kv_bytes_per_token
 
 _FP8_BYTES = 1
@@ -25,8 +26,9 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int
     """Bytes of the parameters kiln creates for `cfg`. Quantized: the projections' weights take
     one byte each plus a float32 scale per output channel; embedding, norms and LM head stay in
     `dtype`. A sparse layer counts every expert (float8 with a float32 scale per expert and
-    projection under "fp8-dynamic", else in `dtype`: static FP8 leaves them), its router in
-    `dtype`, and its shared expert as a dense MLP's projections. A rank's shard_config counts
+    projection, or per output channel, under "fp8-dynamic", else in `dtype`: static FP8 leaves
+    them), its router (and gpt-oss's experts' biases) in `dtype`, and its shared expert as a
+    dense MLP's projections; gpt-oss's attention sinks in fp32. A rank's shard_config counts
     the experts it holds (expert parallelism) or their slices (tensor parallelism)."""
     h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv, layers = cfg.num_key_value_heads * cfg.head_dim, range(cfg.num_hidden_layers)
@@ -44,16 +46,18 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int
     float8_experts = quantization == "fp8-dynamic"
     sparse_layers = sum(cfg.is_sparse_layer(i) for i in layers)
     expert_bytes = (
-        experts * _FP8_BYTES + sparse_layers * 2 * cfg.num_held_experts * 4
+        experts * _FP8_BYTES + sparse_layers * expert_scale_count(cfg) * 4
         if float8_experts
         else experts * dtype.itemsize
     )
     linear = sum(i * o for i, o in projections)
     out_channels = sum(o for _, o in projections)
     bias = (q + 2 * kv) * cfg.num_hidden_layers if cfg.attention_bias else 0
+    bias += h * cfg.num_hidden_layers if cfg.o_proj_bias else 0
+    sinks = cfg.num_attention_heads * cfg.num_hidden_layers if cfg.attention_sinks else 0
     norms = (2 * cfg.num_hidden_layers + 1) * h
     embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    other = (bias + norms + embeddings + routers) * dtype.itemsize + expert_bytes
+    other = (bias + norms + embeddings + routers) * dtype.itemsize + expert_bytes + sinks * 4
     if quantization == "none":
         return linear * dtype.itemsize + other
     return linear * _FP8_BYTES + out_channels * 4 + other

@@ -381,6 +381,12 @@ def _hf_dir_source(path: str, dequantized: bool = False) -> ModelSource:
         else:  # converted to float8 per output channel as each weight arrives
             source.description = f"HF {path} ({what} -> {fp4.quantization})"
             source.quantization = fp4.quantization
+            if fp4.producer == "openai":  # its attention ships unquantized: keep it so
+                source.unquantized_layers = tuple(
+                    f"layers.{i}.self_attn.{p}"
+                    for i in range(config.num_hidden_layers)
+                    for p in ("qkv_proj", "o_proj")
+                )
     if fp8 is not None:
         source.description = f"HF {path} ({fp8.producer} {fp8.quantization})"
         source.quantization, source.input_scales = fp8.quantization, fp8.input_scales

@@ -39,6 +39,7 @@ _HF_CLASSES = {
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
 }
 _LLAMA3_ROPE = {
     "rope_type": "llama3",

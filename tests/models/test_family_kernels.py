@@ -42,6 +42,10 @@ FAMILIES = {
     "gemma3_text": ("Gemma3ForCausalLM", dict(head_dim=32, sliding_window=7,
                                               sliding_window_pattern=2, query_pre_attn_scalar=24)),
     "starcoder2": ("Starcoder2ForCausalLM", dict(sliding_window=7)),
+    # Sinks, alternating windows, yarn; experts with biases and the clamped SwiGLU.
+    "gpt_oss": ("GptOssForCausalLM", dict(head_dim=32, sliding_window=7, num_local_experts=4,
+                                          num_experts_per_tok=2, intermediate_size=32,
+                                          swiglu_limit=0.6)),
 }  # fmt: skip
 
 

@@ -6,6 +6,7 @@ without a GPU the kernels run under the interpreter when TRITON_INTERPRET=1 is s
 """
 
 from kiln.kernels.triton.argmax import argmax
+from kiln.kernels.triton.clamped_swiglu import clamped_swiglu
 from kiln.kernels.triton.copy_blocks import copy_kv_blocks
 from kiln.kernels.triton.decode_attention import paged_decode_attention
 from kiln.kernels.triton.fp8_block_gemm import (
@@ -46,6 +47,7 @@ __all__ = [
     "add_rms_norm_qkv_rotary_write_kv",
     "add_rms_norm_quant_fp8",
     "argmax",
+    "clamped_swiglu",
     "copy_kv_blocks",
     "fp8_block_linear",
     "fp8_block_matmul",

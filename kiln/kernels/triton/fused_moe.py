@@ -1,9 +1,11 @@
 """The routed experts as two grouped GEMMs (twin of reference.fused_moe), the fused-MoE design
 vLLM and SGLang use: the (token, expert) pairs are sorted by expert and each expert's run padded
 to the GEMM's row block, so every row block of the sorted list belongs to one expert; one launch
-multiplies each block by its expert's weights (gate_up), the SiLU-mul kernel runs over the
-pairs, a second launch multiplies by the experts' down weights and scales each row by its
-routing weight, and the top-k rows of each token are summed in token order.
+multiplies each block by its expert's weights (gate_up), the SiLU-mul kernel (gpt-oss: the
+clamped SwiGLU's) runs over the pairs, a second launch multiplies by the experts' down weights
+and scales each row by its routing weight, and the top-k rows of each token are summed in token
+order. Float8 weights carry a scale per expert or per output channel; gpt-oss's experts add a
+bias to each projection's output (the down bias before the routing weight).
 
 The sort is torch ops with shapes fixed by the token count alone (no host sync), so a CUDA graph
 can capture it: the padded list is sized for the worst case, num_pairs + num_experts *
@@ -16,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.triton._device import dot_precision
+from kiln.kernels.triton.clamped_swiglu import clamped_swiglu
 from kiln.kernels.triton.silu_mul import silu_and_mul
 
 # (BLOCK_M, BLOCK_N, BLOCK_K): rows of a block (one expert's (token, expert) pairs, padded),
@@ -73,7 +76,8 @@ def _grouped_gemm_kernel(
     w_ptr,  # [num_experts, N, K]
     out_ptr,  # [num_pairs, N]
     weights_ptr,  # [num_pairs] fp32 routing weights (read with MUL_WEIGHT only)
-    scale_ptr,  # [num_experts] fp32: float8 weights' per-expert scale (read with SCALED only)
+    scale_ptr,  # [num_experts] (or [num_experts, N] PER_CHANNEL) fp32: float8 weights' scales
+    bias_ptr,  # [num_experts, N]: each expert's output bias (read with HAS_BIAS only)
     sorted_pairs_ptr,  # [max_rows] int32
     block_experts_ptr,  # [max_rows / BLOCK_M] int32
     num_rows_ptr,  # [1] int32
@@ -88,6 +92,8 @@ def _grouped_gemm_kernel(
     A_PER_ROW: tl.constexpr,  # pairs sharing one row of a (top_k for the token's hidden state)
     MUL_WEIGHT: tl.constexpr,
     SCALED: tl.constexpr,  # float8 weights: widened to a's dtype (exact), the sums scaled
+    PER_CHANNEL: tl.constexpr,  # the scales are per output column (gpt-oss's MXFP4 as FP8)
+    HAS_BIAS: tl.constexpr,  # added after the scale, before the routing weight (gpt-oss)
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,  # the interpreter's bf16 tl.dot returns garbage: widen first
     BLOCK_M: tl.constexpr,
@@ -128,7 +134,14 @@ def _grouped_gemm_kernel(
             w = w.to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     if SCALED:
-        acc *= tl.load(scale_ptr + expert)
+        if PER_CHANNEL:
+            channel_scale = tl.load(scale_ptr + expert * N + cols, mask=cols < N, other=0.0)
+            acc *= channel_scale[None, :]
+        else:
+            acc *= tl.load(scale_ptr + expert)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert * N + cols, mask=cols < N, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     if MUL_WEIGHT:
         acc *= tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
@@ -140,6 +153,7 @@ def _grouped_gemm(
     out: torch.Tensor,
     weights: torch.Tensor,
     scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     a_per_row: int,
     mul_weight: bool,
@@ -149,11 +163,16 @@ def _grouped_gemm(
     n, k = w.shape[1], w.shape[2]
     block_m, block_n, block_k = tiles
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
+    if scale is not None:
+        scale = scale.float().contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
     _grouped_gemm_kernel[grid](
-        a, w, out, weights, weights if scale is None else scale, sorted_pairs, block_experts,
-        num_rows, out.shape[0], w.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1),
-        out.stride(0),
+        a, w, out, weights, weights if scale is None else scale,
+        weights if bias is None else bias, sorted_pairs, block_experts, num_rows, out.shape[0],
+        w.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         A_PER_ROW=a_per_row, MUL_WEIGHT=mul_weight, SCALED=scale is not None,
+        PER_CHANNEL=scale is not None and scale.dim() == 2, HAS_BIAS=bias is not None,
         DOT_PRECISION=dot_precision(a.dtype),
         INTERPRETED=a.device.type != "cuda",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -166,11 +185,16 @@ def fused_moe(
     w2: torch.Tensor,  # [num_experts, hidden, inter]: each expert's down projection
     topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32: each chosen expert's weight
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int: the chosen experts
-    w13_scale: torch.Tensor | None = None,  # [num_experts] fp32: float8 w13's per-expert scale
-    w2_scale: torch.Tensor | None = None,  # [num_experts] fp32: float8 w2's per-expert scale
+    w13_scale: torch.Tensor | None = None,  # [num_experts] or [num_experts, 2 * inter] fp32
+    w2_scale: torch.Tensor | None = None,  # [num_experts] or [num_experts, hidden] fp32
+    w13_bias: torch.Tensor | None = None,  # [num_experts, 2 * inter]
+    w2_bias: torch.Tensor | None = None,  # [num_experts, hidden]
+    swiglu: tuple[float, float] | None = None,  # gpt-oss's clamped SwiGLU (alpha, limit)
 ) -> torch.Tensor:  # [num_tokens, hidden]
     tiles = _tiles(topk_ids.numel(), x.device)
-    return fused_moe_tiled(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, tiles)
+    return fused_moe_tiled(
+        x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, tiles, w13_bias, w2_bias, swiglu
+    )
 
 
 def fused_moe_tiled(
@@ -182,6 +206,9 @@ def fused_moe_tiled(
     w13_scale: torch.Tensor | None,
     w2_scale: torch.Tensor | None,
     tiles: tuple[int, int, int],  # (BLOCK_M, BLOCK_N, BLOCK_K)
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """fused_moe at given tiles (tests run the GPU's under the interpreter)."""
     num_tokens, top_k = topk_ids.shape
@@ -190,9 +217,9 @@ def fused_moe_tiled(
     aligned = align_by_expert(topk_ids, w13.shape[0], tiles[0])
     weights = topk_weights.reshape(-1).float().contiguous()
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, weights, w13_scale, aligned, top_k, False, tiles)
-    hidden = silu_and_mul(gate_up)
+    _grouped_gemm(x, w13, gate_up, weights, w13_scale, w13_bias, aligned, top_k, False, tiles)
+    hidden = silu_and_mul(gate_up) if swiglu is None else clamped_swiglu(gate_up, *swiglu)
     # fp32 rows, so the top-k sum rounds once, as the reference's.
     down = torch.empty(num_pairs, w2.shape[1], dtype=torch.float32, device=x.device)
-    _grouped_gemm(hidden, w2, down, weights, w2_scale, aligned, 1, True, tiles)
+    _grouped_gemm(hidden, w2, down, weights, w2_scale, w2_bias, aligned, 1, True, tiles)
     return down.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
