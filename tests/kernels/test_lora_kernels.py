@@ -148,6 +148,63 @@ def test_bad_shapes_are_refused() -> None:
         lora.lora_shrink(x[:, :32], lora_a, slots)
 
 
+@pytest.mark.parametrize("per_row", [False, True], ids=["static", "per_token"])
+def test_float8_input_with_its_scale(per_row: bool) -> None:
+    """The shrink of a float8 input (what an FP8 base GEMM read, quantized by the norm before
+    it) counts it as x * scale, a static scale or one per row, as its twin does."""
+    x, lora_a, _, slots, _ = _operands(37, 12, (0, 40, 56, 72), 48, torch.float32, seed=5)
+    scale = (x.abs().amax(dim=1, keepdim=True) if per_row else x.abs().max()) / 448.0
+    x_fp8 = (x / scale).to(torch.float8_e4m3fn)
+    for plan in (None, LoraPlan(16, 16, 3, split_k=2)):
+        y = lora.shrink_with_plan(x_fp8, lora_a, slots, plan, scale)
+        want = reference.lora_shrink(x_fp8, lora_a, slots, scale)
+        assert y.dtype == lora_a.dtype
+        torch.testing.assert_close(y, want, atol=1e-4, rtol=0)
+    dequantized = reference.lora_shrink(x_fp8.float() * scale, lora_a, slots)
+    torch.testing.assert_close(want, dequantized, atol=1e-5, rtol=0)
+
+
+def _binder(kernel):
+    """Triton's own argument specialisation of `kernel` (what keys its compiled variants),
+    built from the kernel's Python function also under the interpreter."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    if not isinstance(kernel, JITFunction):
+        kernel = JITFunction(kernel.fn, **kernel.kwargs)
+    return create_function_from_signature(kernel.signature, kernel.params, BaseBackend)
+
+
+# Token counts a run meets: decode batches (graphs and eager), prefill chunks of any length.
+STEP_TOKENS = [*range(1, 70), 96, 100, 127, 128, 255, 256, 257, 300, 512, 777, 1024, 2048, 8192]
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.float8_e4m3fn])
+def test_no_new_variant_for_a_new_token_count(x_dtype) -> None:
+    """Every step shape maps to one of the variants a 1-token and a max-token forward (the
+    batch-1 decode graph and the memory profile, before the compile watch starts) compile."""
+    shrink, expand = _binder(lora._lora_shrink_kernel), _binder(lora._lora_expand_kernel)
+    cpu, hidden, bounds, rank = torch.device("cpu"), 4096, (0, 4096, 5120, 6144), 16
+    lora_a = torch.zeros(8, 3 * rank, hidden, dtype=torch.float16)
+    lora_b = torch.zeros(8, bounds[-1], rank, dtype=torch.float16)
+
+    def variants(t: int) -> tuple[str, str]:
+        x = torch.empty(t, hidden, dtype=x_dtype)
+        scale = None if x_dtype == torch.float16 else torch.ones(t, 1)
+        slots = torch.full((t,), -1, dtype=torch.int32)
+        y = torch.empty(t, 3 * rank, dtype=torch.float16)
+        out = torch.empty(t, bounds[-1], dtype=torch.float16)
+        s = lora.shrink_launch(
+            x, lora_a, slots, y, lora.shrink_plan(t, hidden, 3 * rank, 8, cpu), scale
+        )
+        e = lora.expand_launch(out, y, lora_b, slots, bounds, lora.expand_plan(t, 6144, 8, cpu))
+        return (str(shrink(*s.args, **s.constexprs)[1]), str(expand(*e.args, **e.constexprs)[1]))
+
+    warmed = {variants(1), variants(STEP_TOKENS[-1])}
+    for t in STEP_TOKENS:
+        assert variants(t) in warmed, f"{t} tokens would compile a new LoRA kernel variant"
+
+
 def test_plans_follow_the_shapes() -> None:
     cpu = torch.device("cpu")  # num_sms pretends 132 off the GPU
     decode = shrink_plan(1, 4096, 48, 8, cpu)
