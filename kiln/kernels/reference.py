@@ -957,7 +957,7 @@ def lora_shrink(
     x: torch.Tensor,  # [T, hidden_in]: the model dtype, or float8 e4m3 with x_scale
     lora_a: torch.Tensor,  # [slots, slices * rank, hidden_in]: each slot's stacked A matrices
     token_slots: torch.Tensor,  # [T] int32: each token's adapter slot, -1 for none
-    x_scale: torch.Tensor | None = None,  # [] or [T, 1] fp32: a float8 x's scale(s)
+    x_scale: torch.Tensor | None = None,  # [] / [1] or [T, 1] fp32: a float8 x's scale(s)
 ) -> torch.Tensor:  # [T, slices * rank] in lora_a's dtype, zero where the slot is -1
     """LoRA's first product for a step that mixes adapters: each token's row times its own
     slot's A (all slices at once), accumulated in fp32 and rounded once. A float8 x (the input
@@ -965,7 +965,7 @@ def lora_shrink(
     picked = lora_a[token_slots.clamp(min=0).long()].float()  # [T, K, hidden_in]
     y = torch.einsum("th,tkh->tk", x.float(), picked)
     if x_scale is not None:
-        y = y * (x_scale.float().reshape(-1, 1) if x_scale.dim() else x_scale.float())
+        y = y * x_scale.float().reshape(-1 if x_scale.dim() == 2 else 1, 1)  # [T, 1] or one
     return torch.where((token_slots >= 0)[:, None], y, 0.0).to(lora_a.dtype)
 
 

@@ -1,9 +1,13 @@
 """LoRA inside a projection: the base layer's own method, then each token's adapter (by its
 slot) added to the output with one shrink and one expand over the step's packed tokens.
 
-`LoRALinearMethod` wraps the projection's method (bf16/fp32, FP8 or INT4 alike) and offers the
-fused norm + projection kernels none of its operands, and no float8 input: LoRA's shrink reads
-the unquantized normed input, so the blocks run the norm, then apply (see kiln.models.blocks)."""
+`LoRALinearMethod` wraps the projection's method (bf16/fp32, FP8 or INT4 alike). It offers the
+fused norm + projection kernels none of its operands (they never write the normed input LoRA's
+shrink reads), but keeps the base's float8 input: where the base takes its input quantized by
+the op before it (FP8 W8A8: the norm that quantizes, the SiLU-mul that quantizes), the shrink
+reads that same float8 input and its scale, so those fused ops stay (kiln.models.blocks).
+A step in which no token has an adapter runs no LoRA kernel when eager; a decode graph, captured
+with them, runs them (rows of slot -1 take no pass)."""
 
 from __future__ import annotations
 
@@ -26,20 +30,41 @@ class LoRAInputs:
         self._host = torch.full((max_num_tokens,), -1, dtype=torch.int32, pin_memory=pin)
         self._host_np = self._host.numpy()
         self._copied = torch.cuda.Event() if pin else None
+        # Whether a token of the step has an adapter: an eager step without runs no LoRA
+        # kernel. True until the first step: the memory profile and the graphs' capture run
+        # (and compile) the kernels.
+        self.active = self._last_active = True
+        self.step_slots = self.token_slots[:0]  # the step's rows' view (one slice per step)
 
     def fill(self, request_slots: list[int], num_scheduled: list[int], num_rows: int) -> None:
         """The step's slots: request i's for its num_scheduled[i] tokens (batch order), -1
         for the padding rows up to num_rows (a decode batch padded to a graph's size)."""
+        n = sum(num_scheduled)
+        rows = max(n, num_rows)
+        self.active = max(request_slots, default=-1) >= 0
+        if self.step_slots.shape[0] != rows:
+            self.step_slots = self.token_slots[:rows]
+        if not self.active and not self._last_active:
+            return  # the device rows are all -1 already (the last step wrote them so)
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy has read the host buffer
-        n = sum(num_scheduled)
         host = self._host_np
-        host[:n] = np.repeat(np.asarray(request_slots, dtype=np.int32), num_scheduled)
-        rows = max(n, num_rows)
-        host[n:rows] = -1
-        self.token_slots[:rows].copy_(self._host[:rows], non_blocking=True)
+        if self.active:
+            host[:n] = np.repeat(np.asarray(request_slots, dtype=np.int32), num_scheduled)
+            host[n:rows] = -1
+            span = rows
+        else:  # every row the device might hold from the last steps goes back to -1
+            host[:] = -1
+            span = host.shape[0]
+        self.token_slots[:span].copy_(self._host[:span], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        self._last_active = self.active
+
+    def slots_for(self, num_rows: int) -> torch.Tensor:
+        """The first num_rows token slots (the step's view when it has that many rows)."""
+        step = self.step_slots
+        return step if step.shape[0] == num_rows else self.token_slots[:num_rows]
 
 
 class LoRALinearMethod(LinearMethod):
@@ -96,15 +121,37 @@ class LoRALinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         y = self.base.apply(layer, ops, x)
-        rows = x.reshape(-1, x.shape[-1])  # [num_tokens, in]
-        out = y.view(-1, y.shape[-1])  # [num_tokens, out]: the expand adds into y itself
-        slots = self.inputs.token_slots[: rows.shape[0]]
-        shrunk = ops.lora_shrink(rows, self.lora_a, slots)  # [num_tokens, slices * max_rank]
-        ops.lora_expand(out, shrunk, self.lora_b, slots, self.slice_bounds)
+        if self.inputs.active:
+            self._add(ops, x.reshape(-1, x.shape[-1]), None, y)
         return y
+
+    def apply_fp8(
+        self,
+        layer: Linear,
+        ops: ModuleType,
+        x_fp8: torch.Tensor,  # [M, in_features] float8 e4m3
+        x_scale: torch.Tensor,  # [M, 1] or [] fp32
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        y = self.base.apply_fp8(layer, ops, x_fp8, x_scale, out_dtype)
+        if self.inputs.active:
+            self._add(ops, x_fp8, x_scale, y)
+        return y
+
+    def _add(
+        self, ops: ModuleType, rows: torch.Tensor, scale: torch.Tensor | None, y: torch.Tensor
+    ) -> None:
+        """Each token's adapter added into y in place; rows: [num_tokens, in] (float8 with
+        its scale, or the model dtype)."""
+        out = y.view(-1, y.shape[-1])  # [num_tokens, out]
+        slots = self.inputs.slots_for(rows.shape[0])
+        shrunk = ops.lora_shrink(rows, self.lora_a, slots, scale)  # [num_tokens, slices * rank]
+        ops.lora_expand(out, shrunk, self.lora_b, slots, self.slice_bounds)
 
     def fused_operands(self, layer: Linear) -> FusedOperands | None:
         return None  # the fused norm + projection kernels would hide LoRA's input
 
     def fp8_input(self, layer: Linear) -> Fp8Input | None:
-        return None  # LoRA's shrink reads the model-dtype input
+        into = self.base.fp8_input(layer)
+        # Outlier columns' remainders ride after the input's columns: not what A multiplies.
+        return into if into is not None and into.channels is None else None

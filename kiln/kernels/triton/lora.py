@@ -231,7 +231,7 @@ def lora_shrink(
     x: torch.Tensor,  # [T, hidden_in]: the model dtype, or float8 e4m3 with x_scale
     lora_a: torch.Tensor,  # [slots, slices * rank, hidden_in]: each slot's stacked A matrices
     token_slots: torch.Tensor,  # [T] int32: each token's adapter slot, -1 for none
-    x_scale: torch.Tensor | None = None,  # [] or [T, 1] fp32: a float8 x's scale(s)
+    x_scale: torch.Tensor | None = None,  # [] / [1] or [T, 1] fp32: a float8 x's scale(s)
 ) -> torch.Tensor:  # [T, slices * rank] in lora_a's dtype, zero where the slot is -1
     return shrink_with_plan(x, lora_a, token_slots, None, x_scale)
 
@@ -274,7 +274,7 @@ def shrink_launch(
         assert tiles * plan.slot_groups <= split_k.MAX_TILES, "lora_shrink: too many tiles"
         part = split_k.partials(splits, t, k, device=x.device)
         counters = split_k.counters(x.device)
-    mode = 0 if x_scale is None else (1 if x_scale.dim() == 0 else 2)  # [] or [T, 1]
+    mode = 0 if x_scale is None else (2 if x_scale.dim() == 2 else 1)  # [T, 1], or [] / [1]
     scale = y if x_scale is None else x_scale.reshape(-1)  # absent: a tensor never read
     return Launch(
         (tiles, splits, plan.slot_groups),
@@ -294,7 +294,7 @@ def shrink_with_plan(
 ) -> torch.Tensor:
     t, h = x.shape
     num_slots, k, h_a = lora_a.shape
-    bad_scale = x_scale is not None and x_scale.dim() != 0 and x_scale.numel() != t
+    bad_scale = x_scale is not None and x_scale.numel() != (t if x_scale.dim() == 2 else 1)
     if h_a != h or token_slots.shape != (t,) or bad_scale:
         raise ValueError(f"lora_shrink: x {tuple(x.shape)}, lora_a {tuple(lora_a.shape)}, "
                          f"token_slots {tuple(token_slots.shape)}")  # fmt: skip
