@@ -191,6 +191,23 @@ def _lora_expand_kernel(
     tl.store(out_ptrs, (base.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# Host arithmetic in plain Python: triton.cdiv and next_power_of_2 are jit functions, ~5-15 us
+# each called from Python, and a launch took eight of them.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+@functools.cache
+def _per_split(hidden: int, splits: int, block: int) -> tuple[int, int]:
+    """split_k.k_per_split, cached."""
+    return split_k.k_per_split(hidden, splits, block)
+
+
 def _block_m(num_tokens: int) -> int:
     # Two tile heights only (a third would be one more variant to compile): 16, tl.dot's
     # smallest, for decode batches up to 16; 64 rows above, sharing each adapter tile's read.
@@ -199,23 +216,23 @@ def _block_m(num_tokens: int) -> int:
 
 def _slot_groups(programs: int, num_slots: int, device: torch.device) -> int:
     """Slot classes that bring a launch to ~4 programs per SM (each class its own program)."""
-    return max(1, min(num_slots, triton.cdiv(4 * num_sms(device), max(programs, 1))))
+    return max(1, min(num_slots, _cdiv(4 * num_sms(device), max(programs, 1))))
 
 
 @functools.lru_cache(maxsize=4096)
 def shrink_plan(num_tokens: int, hidden: int, rank_cols: int, num_slots: int,
                 device: torch.device) -> LoraPlan:  # fmt: skip
     """(Cached: an eager step asks once per LoRA layer, each with the same shapes.)"""
-    block_k = max(16, triton.next_power_of_2(rank_cols))
+    block_k = _pow2_at_least_16(rank_cols)
     # The fp32 accumulator [BLOCK_M, BLOCK_K] at <= 4K values and 64-deep hidden steps (32 past
     # 128 columns): sm_90 builds of every rank x slices up to 64 x 3 then keep to registers.
     block_m = min(_block_m(num_tokens), max(16, 4096 // block_k))
     block_h = 64 if block_k <= 128 else 32
-    tiles = triton.cdiv(num_tokens, block_m)
+    tiles = _cdiv(num_tokens, block_m)
     # Up to 32 splits (a run-time count: any number, no variant each): the last program of a
     # tile reads every split's partials back.
-    want = max(1, min(32, triton.cdiv(2 * num_sms(device), tiles)))
-    _, splits = split_k.k_per_split(hidden, want, block_h)
+    want = max(1, min(32, _cdiv(2 * num_sms(device), tiles)))
+    _, splits = _per_split(hidden, want, block_h)
     return LoraPlan(block_m, block_h, _slot_groups(tiles * splits, num_slots, device), splits)
 
 
@@ -223,7 +240,7 @@ def shrink_plan(num_tokens: int, hidden: int, rank_cols: int, num_slots: int,
 def expand_plan(num_tokens: int, n_out: int, num_slots: int, device: torch.device) -> LoraPlan:
     block_m = _block_m(num_tokens)
     block_n = 64
-    programs = triton.cdiv(num_tokens, block_m) * triton.cdiv(n_out, block_n)
+    programs = _cdiv(num_tokens, block_m) * _cdiv(n_out, block_n)
     return LoraPlan(block_m, block_n, _slot_groups(programs, num_slots, device))
 
 
@@ -267,8 +284,8 @@ def shrink_launch(
     """The shrink's launch for `plan` (y: its [T, K] output)."""
     t, h = x.shape
     k = lora_a.shape[1]
-    per_split, splits = split_k.k_per_split(h, plan.split_k, plan.block_n)
-    tiles = triton.cdiv(t, plan.block_m)
+    per_split, splits = _per_split(h, plan.split_k, plan.block_n)
+    tiles = _cdiv(t, plan.block_m)
     part = counters = y
     if splits > 1:
         assert tiles * plan.slot_groups <= split_k.MAX_TILES, "lora_shrink: too many tiles"
@@ -281,7 +298,7 @@ def shrink_launch(
         (x, scale, lora_a, token_slots, y, part, counters, t, h, k, per_split, splits,
          plan.slot_groups, x.stride(0), x.stride(1), *lora_a.stride(), *y.stride()),
         dict(PRECISION=dot_precision(lora_a.dtype), X_SCALE=mode, BLOCK_M=plan.block_m,
-             BLOCK_H=plan.block_n, BLOCK_K=max(16, triton.next_power_of_2(k))),
+             BLOCK_H=plan.block_n, BLOCK_K=_pow2_at_least_16(k)),
     )  # fmt: skip
 
 
@@ -319,12 +336,12 @@ def expand_launch(
     rank = lora_b.shape[2]
     inner = [*slice_bounds[1:-1], n, n][:2]  # the boundaries between slices, n where fewer
     return Launch(
-        (triton.cdiv(n, plan.block_n), triton.cdiv(t, plan.block_m), plan.slot_groups),
+        (_cdiv(n, plan.block_n), _cdiv(t, plan.block_m), plan.slot_groups),
         (out, y, lora_b, token_slots, t, n, rank, inner[0], inner[1], plan.slot_groups,
          *out.stride(), *y.stride(), *lora_b.stride()),
         dict(PRECISION=dot_precision(y.dtype), SLICES=len(slice_bounds) - 1,
              BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-             BLOCK_R=max(16, triton.next_power_of_2(rank))),
+             BLOCK_R=_pow2_at_least_16(rank)),
     )  # fmt: skip
 
 
