@@ -43,6 +43,7 @@ from kiln.kernels.triton import split_k
 from kiln.kernels.triton._device import dot_precision, num_sms
 
 MAX_SLICES = 3  # fused qkv; gate_up is 2, the other projections 1
+MAX_SPLITS = 32  # the shrink's most programs per tile over the hidden dimension
 
 
 @dataclass(frozen=True)
@@ -77,13 +78,14 @@ def _arrive(counter_ptr, tile, like, splits):
 
 
 @triton.jit
-def _sum_partials(part_ptr, offsets, mask, split_stride, splits):
-    """split_k.sum_partials over a run-time split count, in split order."""
+def _sum_partials(part_ptr, offsets, mask, split_stride, splits, MAX_SPLITS: tl.constexpr):
+    """split_k.sum_partials over a run-time split count, in split order: unrolled to
+    MAX_SPLITS, the loads past `splits` predicated off, so they are all in flight at once."""
     total = tl.load(part_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
-    for split in range(1, splits):
-        total += tl.load(
-            part_ptr + split * split_stride + offsets, mask=mask, other=0.0, cache_modifier=".cg"
-        )
+    for split in tl.static_range(1, MAX_SPLITS):
+        live = mask & ((tl.zeros_like(offsets) + split) < splits)
+        total += tl.load(part_ptr + split * split_stride + offsets, mask=live, other=0.0,
+                         cache_modifier=".cg")  # fmt: skip
     return total
 
 
@@ -99,7 +101,7 @@ def _lora_shrink_kernel(
     x_ptr, x_scale_ptr, a_ptr, slots_ptr, y_ptr, part_ptr, counter_ptr, T, H, K, h_per_split,
     splits, groups, stride_xt, stride_xh, stride_as, stride_ak, stride_ah, stride_yt, stride_yk,
     PRECISION: tl.constexpr, X_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):  # fmt: skip
     m0 = tl.program_id(0) * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -142,7 +144,7 @@ def _lora_shrink_kernel(
         tile = tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
         mask = mask & _arrive(counter_ptr, tile, part, splits)
         part_ptr -= tl.program_id(1).to(tl.int64) * T * K  # split 0's, for the sum
-        acc = _sum_partials(part_ptr, part, mask, T * K, splits)
+        acc = _sum_partials(part_ptr, part, mask, T * K, splits, MAX_SPLITS)
         tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -231,7 +233,7 @@ def shrink_plan(num_tokens: int, hidden: int, rank_cols: int, num_slots: int,
     tiles = _cdiv(num_tokens, block_m)
     # Up to 32 splits (a run-time count: any number, no variant each): the last program of a
     # tile reads every split's partials back.
-    want = max(1, min(32, _cdiv(2 * num_sms(device), tiles)))
+    want = max(1, min(MAX_SPLITS, _cdiv(2 * num_sms(device), tiles)))
     _, splits = _per_split(hidden, want, block_h)
     return LoraPlan(block_m, block_h, _slot_groups(tiles * splits, num_slots, device), splits)
 
@@ -287,6 +289,7 @@ def shrink_launch(
     per_split, splits = _per_split(h, plan.split_k, plan.block_n)
     tiles = _cdiv(t, plan.block_m)
     part = counters = y
+    assert splits <= MAX_SPLITS, f"lora_shrink: {splits} splits, at most {MAX_SPLITS}"
     if splits > 1:
         assert tiles * plan.slot_groups <= split_k.MAX_TILES, "lora_shrink: too many tiles"
         part = split_k.partials(splits, t, k, device=x.device)
@@ -298,7 +301,7 @@ def shrink_launch(
         (x, scale, lora_a, token_slots, y, part, counters, t, h, k, per_split, splits,
          plan.slot_groups, x.stride(0), x.stride(1), *lora_a.stride(), *y.stride()),
         dict(PRECISION=dot_precision(lora_a.dtype), X_SCALE=mode, BLOCK_M=plan.block_m,
-             BLOCK_H=plan.block_n, BLOCK_K=_pow2_at_least_16(k)),
+             BLOCK_H=plan.block_n, BLOCK_K=_pow2_at_least_16(k), MAX_SPLITS=MAX_SPLITS),
     )  # fmt: skip
 
 
