@@ -20,51 +20,73 @@ from kiln.layers.linear import Fp8Input, FusedOperands, Linear, LinearMethod
 
 
 class LoRAInputs:
-    """Each token's adapter slot for the step (-1: the base model alone), in a persistent device
-    buffer every LoRA layer reads the first num_tokens of: its address never changes, so the
-    decode CUDA graphs read each step's slots as they read its input ids."""
+    """Each token's adapter slot for the step (-1: the base model alone), and the step's rows
+    grouped by slot (rows without an adapter last), in persistent device buffers every LoRA
+    layer reads the first num_tokens of: their addresses never change, so the decode CUDA
+    graphs read each step's as they read its input ids. The kernels visit the rows in that
+    order, so a tile of rows holds one or two adapters, not every adapter of the step."""
 
     def __init__(self, max_num_tokens: int, device: torch.device) -> None:
         pin = device.type == "cuda"
-        self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int32, device=device)
-        self._host = torch.full((max_num_tokens,), -1, dtype=torch.int32, pin_memory=pin)
+        # One allocation, one copy a step: slots, then (16-entry aligned) the order.
+        self._cap = cap = -(-max_num_tokens // 16) * 16
+        self._dev = torch.full((2 * cap,), -1, dtype=torch.int32, device=device)
+        self._host = torch.full((2 * cap,), -1, dtype=torch.int32, pin_memory=pin)
         self._host_np = self._host.numpy()
+        self._host_np[cap:] = np.arange(cap, dtype=np.int32)
+        self._dev[cap:].copy_(self._host[cap:])
+        self.token_slots = self._dev[:max_num_tokens]
+        self.token_order = self._dev[cap : cap + max_num_tokens]
         self._copied = torch.cuda.Event() if pin else None
         # Whether a token of the step has an adapter: an eager step without runs no LoRA
         # kernel. True until the first step: the memory profile and the graphs' capture run
         # (and compile) the kernels.
         self.active = self._last_active = True
-        self.step_slots = self.token_slots[:0]  # the step's rows' view (one slice per step)
+        self._views: tuple[torch.Tensor, torch.Tensor] = (self.token_slots, self.token_order)
 
     def fill(self, request_slots: list[int], num_scheduled: list[int], num_rows: int) -> None:
         """The step's slots: request i's for its num_scheduled[i] tokens (batch order), -1
-        for the padding rows up to num_rows (a decode batch padded to a graph's size)."""
+        for the padding rows up to num_rows (a decode batch padded to a graph's size); and
+        their order."""
         n = sum(num_scheduled)
         rows = max(n, num_rows)
         self.active = max(request_slots, default=-1) >= 0
-        if self.step_slots.shape[0] != rows:
-            self.step_slots = self.token_slots[:rows]
+        if self._views[0].shape[0] != rows:
+            self._views = (self.token_slots[:rows], self.token_order[:rows])
         if not self.active and not self._last_active:
-            return  # the device rows are all -1 already (the last step wrote them so)
+            return  # every slot is -1 and the order the rows' own (the last step wrote them)
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy has read the host buffer
-        host = self._host_np
+        host, cap = self._host_np, self._cap
         if self.active:
-            host[:n] = np.repeat(np.asarray(request_slots, dtype=np.int32), num_scheduled)
-            host[n:rows] = -1
-            span = rows
-        else:  # every row the device might hold from the last steps goes back to -1
-            host[:] = -1
-            span = host.shape[0]
-        self.token_slots[:span].copy_(self._host[:span], non_blocking=True)
+            slots = host[:rows]
+            if n == len(request_slots):  # one token each (decodes)
+                slots[:n] = request_slots
+            else:
+                slots[:n] = np.repeat(np.asarray(request_slots, dtype=np.int32), num_scheduled)
+            slots[n:] = -1
+            # int16 keys: numpy's stable sort is then a radix sort, linear in the rows.
+            key = np.where(slots < 0, np.int16(32767), slots.astype(np.int16))
+            host[cap : cap + rows] = np.argsort(key, kind="stable")
+            span = cap + rows
+        else:  # every row back to -1, the order back to the rows' own
+            host[:cap] = -1
+            host[cap:] = np.arange(cap, dtype=np.int32)
+            span = 2 * cap
+        self._dev[:span].copy_(self._host[:span], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         self._last_active = self.active
 
     def slots_for(self, num_rows: int) -> torch.Tensor:
         """The first num_rows token slots (the step's view when it has that many rows)."""
-        step = self.step_slots
+        step = self._views[0]
         return step if step.shape[0] == num_rows else self.token_slots[:num_rows]
+
+    def order_for(self, num_rows: int) -> torch.Tensor:
+        """The step's order of its num_rows rows."""
+        step = self._views[1]
+        return step if step.shape[0] == num_rows else self.token_order[:num_rows]
 
 
 class LoRALinearMethod(LinearMethod):
@@ -144,9 +166,10 @@ class LoRALinearMethod(LinearMethod):
         """Each token's adapter added into y in place; rows: [num_tokens, in] (float8 with
         its scale, or the model dtype)."""
         out = y.view(-1, y.shape[-1])  # [num_tokens, out]
-        slots = self.inputs.slots_for(rows.shape[0])
-        shrunk = ops.lora_shrink(rows, self.lora_a, slots, scale)  # [num_tokens, slices * rank]
-        ops.lora_expand(out, shrunk, self.lora_b, slots, self.slice_bounds)
+        inputs, num = self.inputs, rows.shape[0]
+        slots, order = inputs.slots_for(num), inputs.order_for(num)
+        shrunk = ops.lora_shrink(rows, self.lora_a, slots, scale, order)  # [num, slices * rank]
+        ops.lora_expand(out, shrunk, self.lora_b, slots, self.slice_bounds, order)
 
     def fused_operands(self, layer: Linear) -> FusedOperands | None:
         return None  # the fused norm + projection kernels would hide LoRA's input

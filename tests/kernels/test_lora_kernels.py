@@ -18,6 +18,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install kiln[
 from kiln.kernels import reference
 from kiln.kernels.triton import lora
 from kiln.kernels.triton.lora import LoraPlan, expand_plan, shrink_plan
+from kiln.lora.layers import LoRAInputs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
@@ -47,9 +48,16 @@ def _operands(t, rank, bounds, hidden, dtype, num_slots=NUM_SLOTS, seed=0, devic
             for v in (x, lora_a, lora_b, slots, out)]  # fmt: skip
 
 
-def _check(t, rank, bounds, hidden, dtype, shrink=None, expand=None, seed=0) -> None:
+def _by_slot(slots: torch.Tensor) -> torch.Tensor:
+    """The rows grouped by slot (stable), rows without an adapter last: LoRAInputs' order."""
+    key = torch.where(slots < 0, slots.max() + 1, slots).cpu()
+    return torch.sort(key, stable=True).indices.to(torch.int32).to(slots.device)
+
+
+def _check(t, rank, bounds, hidden, dtype, shrink=None, expand=None, seed=0, order=False) -> None:
     x, lora_a, lora_b, slots, out = _operands(t, rank, bounds, hidden, dtype, seed=seed)
-    y = lora.shrink_with_plan(x, lora_a, slots, shrink)
+    token_order = _by_slot(slots) if order else None
+    y = lora.shrink_with_plan(x, lora_a, slots, shrink, token_order=token_order)
     want_y = reference.lora_shrink(x, lora_a, slots)
     assert y.dtype == dtype and y.shape == want_y.shape
     torch.testing.assert_close(y.float().cpu(), want_y.float().cpu(), atol=ATOL[dtype], rtol=0)
@@ -57,7 +65,7 @@ def _check(t, rank, bounds, hidden, dtype, shrink=None, expand=None, seed=0) -> 
     want_out = out.clone()
     reference.lora_expand(want_out, want_y, lora_b, slots, bounds)
     base = out.clone()
-    lora.expand_with_plan(out, want_y, lora_b, slots, bounds, expand)
+    lora.expand_with_plan(out, want_y, lora_b, slots, bounds, expand, token_order)
     torch.testing.assert_close(out.float().cpu(), want_out.float().cpu(), atol=ATOL[dtype], rtol=0)
     assert torch.equal(out[slots < 0], base[slots < 0]), "rows without an adapter are left alone"
 
@@ -80,8 +88,10 @@ PLANS = [
 
 @pytest.mark.parametrize(("shrink", "expand"), PLANS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_every_launch_path_matches_the_reference(shrink, expand, dtype) -> None:
-    _check(37, 12, (0, 40, 56, 72), 48, dtype, shrink, expand, seed=1)
+@pytest.mark.parametrize("order", [False, True], ids=["step_order", "by_slot"])
+def test_every_launch_path_matches_the_reference(shrink, expand, dtype, order) -> None:
+    """Also with the rows visited grouped by slot (the order LoRAInputs gives the layers)."""
+    _check(37, 12, (0, 40, 56, 72), 48, dtype, shrink, expand, seed=1, order=order)
 
 
 def test_every_element_is_written_not_left_from_the_allocation(monkeypatch) -> None:
@@ -188,16 +198,19 @@ def test_no_new_variant_for_a_new_token_count(x_dtype) -> None:
     lora_a = torch.zeros(8, 3 * rank, hidden, dtype=torch.float16)
     lora_b = torch.zeros(8, bounds[-1], rank, dtype=torch.float16)
 
+    inputs = LoRAInputs(STEP_TOKENS[-1], cpu)  # the persistent slot and order buffers
+
     def variants(t: int) -> tuple[str, str]:
         x = torch.empty(t, hidden, dtype=x_dtype)
         scale = None if x_dtype == torch.float16 else torch.ones(t, 1)
-        slots = torch.full((t,), -1, dtype=torch.int32)
+        inputs.fill([0, -1], [t // 2, t - t // 2], t)
+        slots, order = inputs.slots_for(t), inputs.order_for(t)
         y = torch.empty(t, 3 * rank, dtype=torch.float16)
         out = torch.empty(t, bounds[-1], dtype=torch.float16)
-        s = lora.shrink_launch(
-            x, lora_a, slots, y, lora.shrink_plan(t, hidden, 3 * rank, 8, cpu), scale
-        )
-        e = lora.expand_launch(out, y, lora_b, slots, bounds, lora.expand_plan(t, 6144, 8, cpu))
+        plan = lora.shrink_plan(t, hidden, 3 * rank, 8, cpu)
+        s = lora.shrink_launch(x, lora_a, slots, y, plan, scale, order)
+        plan = lora.expand_plan(t, 6144, 8, cpu)
+        e = lora.expand_launch(out, y, lora_b, slots, bounds, plan, order)
         return (str(shrink(*s.args, **s.constexprs)[1]), str(expand(*e.args, **e.constexprs)[1]))
 
     warmed = {variants(1), variants(STEP_TOKENS[-1])}

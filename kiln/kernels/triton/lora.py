@@ -58,14 +58,16 @@ class LoraPlan:
 
 
 @triton.jit
-def _tile_slots(slots_ptr, offs_m, T, groups):
-    """This program's rows' slots, -1 where the row is past T or in another program's class;
-    and the rows it stores in the shrink (its class, slot -1 rows in class 0)."""
+def _tile_slots(slots_ptr, order_ptr, offs_m, T, groups):
+    """The tile's rows (positions offs_m of the step's slot order) and their slots, -1 where
+    the position is past T or the row in another program's class; and the rows it stores in
+    the shrink (its class, slot -1 rows in class 0)."""
     row_ok = offs_m < T
-    slots = tl.load(slots_ptr + offs_m, mask=row_ok, other=-1)
+    rows = tl.load(order_ptr + offs_m, mask=row_ok, other=0)
+    slots = tl.load(slots_ptr + rows, mask=row_ok, other=-1)
     group = tl.program_id(2)
     mine = row_ok & (tl.where(slots >= 0, slots % groups, 0) == group)
-    return tl.where(mine, slots, -1), mine
+    return rows, tl.where(mine, slots, -1), mine
 
 
 @triton.jit
@@ -98,7 +100,8 @@ EXPAND_NOT_SPECIALIZED = ("T", "groups")
 
 @triton.jit(do_not_specialize=SHRINK_NOT_SPECIALIZED)
 def _lora_shrink_kernel(
-    x_ptr, x_scale_ptr, a_ptr, slots_ptr, y_ptr, part_ptr, counter_ptr, T, H, K, h_per_split,
+    x_ptr, x_scale_ptr, a_ptr, slots_ptr, order_ptr, y_ptr, part_ptr, counter_ptr, T, H, K,
+    h_per_split,
     splits, groups, stride_xt, stride_xh, stride_as, stride_ak, stride_ah, stride_yt, stride_yk,
     PRECISION: tl.constexpr, X_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, MAX_SPLITS: tl.constexpr,
@@ -106,14 +109,12 @@ def _lora_shrink_kernel(
     m0 = tl.program_id(0) * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    # 64-bit tile bases, 32-bit offsets inside the tile (fewer registers per element).
     local = tl.arange(0, BLOCK_M)
-    x_ptr += m0.to(tl.int64) * stride_xt
-    y_ptr += m0.to(tl.int64) * stride_yt
     part_ptr += m0.to(tl.int64) * K + tl.program_id(1).to(tl.int64) * T * K
     h_start = tl.program_id(1) * h_per_split  # one split: h_per_split covers H
     h_stop = tl.minimum(h_start + h_per_split, H)
-    todo, mine = _tile_slots(slots_ptr, offs_m, T, groups)
+    rows, todo, mine = _tile_slots(slots_ptr, order_ptr, offs_m, T, groups)
+    x_rows = x_ptr + rows.to(tl.int64) * stride_xt  # [BLOCK_M] row starts, 64-bit
     acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     slot = tl.max(todo, axis=0)
     while slot >= 0:  # one pass per distinct slot of the tile, largest first
@@ -122,7 +123,7 @@ def _lora_shrink_kernel(
         for h0 in range(h_start, h_stop, BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
             h_ok = offs_h < h_stop
-            x = tl.load(x_ptr + local[:, None] * stride_xt + offs_h[None, :] * stride_xh,
+            x = tl.load(x_rows[:, None] + offs_h[None, :] * stride_xh,
                         mask=hit[:, None] & h_ok[None, :], other=0.0)  # fmt: skip
             a = tl.load(a_base + offs_h[:, None] * stride_ah,
                         mask=h_ok[:, None] & (offs_k < K)[None, :], other=0.0)  # fmt: skip
@@ -133,11 +134,11 @@ def _lora_shrink_kernel(
     if X_SCALE == 1:  # one scale for every row: the products are linear in it
         acc *= tl.load(x_scale_ptr)
     elif X_SCALE == 2:  # a scale per row
-        acc *= tl.load(x_scale_ptr + offs_m, mask=offs_m < T, other=0.0)[:, None]
+        acc *= tl.load(x_scale_ptr + rows, mask=offs_m < T, other=0.0)[:, None]
     mask = mine[:, None] & (offs_k < K)[None, :]
-    y_offs = local[:, None] * stride_yt + offs_k[None, :] * stride_yk
+    y_dst = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + offs_k[None, :] * stride_yk
     if splits == 1:
-        tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_dst, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         part = local[:, None] * K + offs_k[None, :]  # the workspace [splits, T, K]
         tl.store(part_ptr + part, acc, mask=mask)
@@ -145,12 +146,12 @@ def _lora_shrink_kernel(
         mask = mask & _arrive(counter_ptr, tile, part, splits)
         part_ptr -= tl.program_id(1).to(tl.int64) * T * K  # split 0's, for the sum
         acc = _sum_partials(part_ptr, part, mask, T * K, splits, MAX_SPLITS)
-        tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_dst, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=EXPAND_NOT_SPECIALIZED)
 def _lora_expand_kernel(
-    out_ptr, y_ptr, b_ptr, slots_ptr, T, N, rank, bound1, bound2, groups,
+    out_ptr, y_ptr, b_ptr, slots_ptr, order_ptr, T, N, rank, bound1, bound2, groups,
     stride_ot, stride_on, stride_yt, stride_yk, stride_bs, stride_bn, stride_br,
     PRECISION: tl.constexpr, SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -160,16 +161,15 @@ def _lora_expand_kernel(
     m0 = tl.program_id(1) * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
-    local = tl.arange(0, BLOCK_M)
-    out_ptr += m0.to(tl.int64) * stride_ot
-    y_ptr += m0.to(tl.int64) * stride_yt
     col_ok = offs_n < N
     r_ok = offs_r < rank
     col_slice = (offs_n >= bound1).to(tl.int32) + (offs_n >= bound2).to(tl.int32)
-    todo, _ = _tile_slots(slots_ptr, offs_m, T, groups)
+    rows, todo, _ = _tile_slots(slots_ptr, order_ptr, offs_m, T, groups)
+    rows = rows.to(tl.int64)
+    y_rows = y_ptr + rows * stride_yt  # [BLOCK_M] row starts
     mask = (todo >= 0)[:, None] & col_ok[None, :]
     # The base output's tile first: its load does not wait on the adapters' passes.
-    out_ptrs = out_ptr + local[:, None] * stride_ot + offs_n[None, :] * stride_on
+    out_ptrs = out_ptr + rows[:, None] * stride_ot + offs_n[None, :] * stride_on
     base = tl.load(out_ptrs, mask=mask, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     slot = tl.max(todo, axis=0)
@@ -183,8 +183,7 @@ def _lora_expand_kernel(
             lo = 0 if i == 0 else (bound1 if i == 1 else bound2)
             hi = bound1 if i == 0 else (bound2 if i == 1 else N)
             if (n0 < hi) & (n0 + BLOCK_N > lo):
-                y = tl.load(y_ptr + local[:, None] * stride_yt
-                            + (i * rank + offs_r)[None, :] * stride_yk,
+                y = tl.load(y_rows[:, None] + (i * rank + offs_r)[None, :] * stride_yk,
                             mask=hit[:, None] & r_ok[None, :], other=0.0)  # fmt: skip
                 b_i = tl.where((col_slice == i)[None, :], b, 0.0).to(y.dtype)
                 acc += tl.dot(y, b_i, input_precision=PRECISION)
@@ -251,8 +250,9 @@ def lora_shrink(
     lora_a: torch.Tensor,  # [slots, slices * rank, hidden_in]: each slot's stacked A matrices
     token_slots: torch.Tensor,  # [T] int32: each token's adapter slot, -1 for none
     x_scale: torch.Tensor | None = None,  # [] / [1] or [T, 1] fp32: a float8 x's scale(s)
+    token_order: torch.Tensor | None = None,  # [T] int32: the rows grouped by slot; None: as is
 ) -> torch.Tensor:  # [T, slices * rank] in lora_a's dtype, zero where the slot is -1
-    return shrink_with_plan(x, lora_a, token_slots, None, x_scale)
+    return shrink_with_plan(x, lora_a, token_slots, None, x_scale, token_order)
 
 
 def lora_expand(
@@ -261,8 +261,26 @@ def lora_expand(
     lora_b: torch.Tensor,  # [slots, n_out, rank]: each slot's B rows, the scaling folded in
     token_slots: torch.Tensor,  # [T] int32: each token's adapter slot, -1 for none
     slice_bounds: tuple[int, ...],  # column boundaries of the fused slices: (0, q, q+k, ..., n_out)
+    token_order: torch.Tensor | None = None,  # [T] int32: the rows grouped by slot; None: as is
 ) -> None:
-    expand_with_plan(out, y, lora_b, token_slots, slice_bounds, None)
+    expand_with_plan(out, y, lora_b, token_slots, slice_bounds, None, token_order)
+
+
+_identity_orders: dict[torch.device, torch.Tensor] = {}
+
+
+def _order(token_order: torch.Tensor | None, t: int, device: torch.device) -> torch.Tensor:
+    """The step's row order, or the rows as they are (made outside CUDA graph capture: the
+    LoRA layers always pass theirs)."""
+    if token_order is not None:
+        if token_order.shape != (t,):
+            raise ValueError(f"lora: token_order {tuple(token_order.shape)} for {t} rows")
+        return token_order
+    iota = _identity_orders.get(device)
+    if iota is None or iota.shape[0] < t:
+        iota = torch.arange(max(t, 4096), dtype=torch.int32, device=device)
+        _identity_orders[device] = iota
+    return iota[:t]
 
 
 @dataclass(frozen=True)
@@ -281,7 +299,8 @@ def shrink_launch(
     token_slots: torch.Tensor,
     y: torch.Tensor,
     plan: LoraPlan,
-    x_scale: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None,
+    token_order: torch.Tensor,
 ) -> Launch:
     """The shrink's launch for `plan` (y: its [T, K] output)."""
     t, h = x.shape
@@ -298,7 +317,7 @@ def shrink_launch(
     scale = y if x_scale is None else x_scale.reshape(-1)  # absent: a tensor never read
     return Launch(
         (tiles, splits, plan.slot_groups),
-        (x, scale, lora_a, token_slots, y, part, counters, t, h, k, per_split, splits,
+        (x, scale, lora_a, token_slots, token_order, y, part, counters, t, h, k, per_split, splits,
          plan.slot_groups, x.stride(0), x.stride(1), *lora_a.stride(), *y.stride()),
         dict(PRECISION=dot_precision(lora_a.dtype), X_SCALE=mode, BLOCK_M=plan.block_m,
              BLOCK_H=plan.block_n, BLOCK_K=_pow2_at_least_16(k), MAX_SPLITS=MAX_SPLITS),
@@ -311,6 +330,7 @@ def shrink_with_plan(
     token_slots: torch.Tensor,
     plan: LoraPlan | None,  # None: shrink_plan's choice (tests force each path)
     x_scale: torch.Tensor | None = None,
+    token_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     t, h = x.shape
     num_slots, k, h_a = lora_a.shape
@@ -322,7 +342,8 @@ def shrink_with_plan(
     if t == 0:
         return y
     plan = plan or shrink_plan(t, h, k, num_slots, x.device)
-    launch = shrink_launch(x, lora_a, token_slots, y, plan, x_scale)
+    order = _order(token_order, t, x.device)
+    launch = shrink_launch(x, lora_a, token_slots, y, plan, x_scale, order)
     _lora_shrink_kernel[launch.grid](*launch.args, **launch.constexprs)
     return y
 
@@ -334,13 +355,15 @@ def expand_launch(
     token_slots: torch.Tensor,
     slice_bounds: tuple[int, ...],
     plan: LoraPlan,
+    token_order: torch.Tensor,
 ) -> Launch:
     t, n = out.shape
     rank = lora_b.shape[2]
     inner = [*slice_bounds[1:-1], n, n][:2]  # the boundaries between slices, n where fewer
     return Launch(
         (_cdiv(n, plan.block_n), _cdiv(t, plan.block_m), plan.slot_groups),
-        (out, y, lora_b, token_slots, t, n, rank, inner[0], inner[1], plan.slot_groups,
+        (out, y, lora_b, token_slots, token_order, t, n, rank, inner[0], inner[1],
+         plan.slot_groups,
          *out.stride(), *y.stride(), *lora_b.stride()),
         dict(PRECISION=dot_precision(y.dtype), SLICES=len(slice_bounds) - 1,
              BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
@@ -355,6 +378,7 @@ def expand_with_plan(
     token_slots: torch.Tensor,
     slice_bounds: tuple[int, ...],
     plan: LoraPlan | None,  # None: expand_plan's choice (tests force each path)
+    token_order: torch.Tensor | None = None,
 ) -> None:
     t, n = out.shape
     num_slots, n_b, rank = lora_b.shape
@@ -368,5 +392,6 @@ def expand_with_plan(
     if t == 0:
         return
     plan = plan or expand_plan(t, n, num_slots, out.device)
-    launch = expand_launch(out, y, lora_b, token_slots, slice_bounds, plan)
+    order = _order(token_order, t, out.device)
+    launch = expand_launch(out, y, lora_b, token_slots, slice_bounds, plan, order)
     _lora_expand_kernel[launch.grid](*launch.args, **launch.constexprs)
