@@ -221,12 +221,14 @@ def test_no_new_variant_for_a_new_token_count(x_dtype) -> None:
 def test_plans_follow_the_shapes() -> None:
     cpu = torch.device("cpu")  # num_sms pretends 132 off the GPU
     decode = shrink_plan(1, 4096, 48, 8, cpu)
-    assert decode.block_m == 16 and decode.split_k == 32 and decode.slot_groups == 8
+    assert decode.block_m == 16 and decode.split_k == 32 and decode.slot_groups == 1
+    assert shrink_plan(8, 4096, 48, 8, cpu).slot_groups == 8  # one program per adapter class
     prefill = shrink_plan(4096, 4096, 48, 8, cpu)
     assert prefill.block_m == 64 and prefill.split_k < decode.split_k
     wide = shrink_plan(256, 4096, 192, 8, cpu)  # rank 64 x 3 slices: accumulator <= 4K values
     assert wide.block_m * 256 <= 4096 and wide.block_n == 32
-    assert expand_plan(1, 6144, 8, cpu).slot_groups > 1
+    assert expand_plan(1, 6144, 8, cpu).slot_groups == 1  # one token: one adapter at most
+    assert expand_plan(4, 6144, 8, cpu).slot_groups == 4
     assert expand_plan(4096, 28672, 8, cpu).slot_groups == 1
 
 

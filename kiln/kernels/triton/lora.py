@@ -215,9 +215,11 @@ def _block_m(num_tokens: int) -> int:
     return 16 if num_tokens <= 16 else 64
 
 
-def _slot_groups(programs: int, num_slots: int, device: torch.device) -> int:
-    """Slot classes that bring a launch to ~4 programs per SM (each class its own program)."""
-    return max(1, min(num_slots, _cdiv(4 * num_sms(device), max(programs, 1))))
+def _slot_groups(programs: int, num_slots: int, num_tokens: int, device: torch.device) -> int:
+    """Slot classes that bring a launch to ~4 programs per SM (each class its own program); no
+    more than the tokens, which hold at most that many adapters (at batch 1, seven of eight
+    classes' programs found no row and only cost their launch)."""
+    return max(1, min(num_slots, num_tokens, _cdiv(4 * num_sms(device), max(programs, 1))))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -234,7 +236,9 @@ def shrink_plan(num_tokens: int, hidden: int, rank_cols: int, num_slots: int,
     # tile reads every split's partials back.
     want = max(1, min(MAX_SPLITS, _cdiv(2 * num_sms(device), tiles)))
     _, splits = _per_split(hidden, want, block_h)
-    return LoraPlan(block_m, block_h, _slot_groups(tiles * splits, num_slots, device), splits)
+    return LoraPlan(
+        block_m, block_h, _slot_groups(tiles * splits, num_slots, num_tokens, device), splits
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -242,7 +246,7 @@ def expand_plan(num_tokens: int, n_out: int, num_slots: int, device: torch.devic
     block_m = _block_m(num_tokens)
     block_n = 64
     programs = _cdiv(num_tokens, block_m) * _cdiv(n_out, block_n)
-    return LoraPlan(block_m, block_n, _slot_groups(programs, num_slots, device))
+    return LoraPlan(block_m, block_n, _slot_groups(programs, num_slots, num_tokens, device))
 
 
 def lora_shrink(
