@@ -6,8 +6,8 @@ fused norm + projection kernels none of its operands (they never write the norme
 shrink reads), but keeps the base's float8 input: where the base takes its input quantized by
 the op before it (FP8 W8A8: the norm that quantizes, the SiLU-mul that quantizes), the shrink
 reads that same float8 input and its scale, so those fused ops stay (kiln.models.blocks).
-A step in which no token has an adapter runs no LoRA kernel when eager; a decode graph, captured
-with them, runs them (rows of slot -1 take no pass)."""
+A step in which no token has an adapter runs no LoRA kernel: eager, the layers skip them; its
+decode graph is one captured without them (kiln.runtime.graph_runner)."""
 
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ class LoRAInputs:
         self.token_slots = self._dev[:max_num_tokens]
         self.token_order = self._dev[cap : cap + max_num_tokens]
         self._copied = torch.cuda.Event() if pin else None
-        # Whether a token of the step has an adapter: an eager step without runs no LoRA
-        # kernel. True until the first step: the memory profile and the graphs' capture run
-        # (and compile) the kernels.
-        self.active = self._last_active = True
+        # Whether a token of the step has an adapter: a step without runs no LoRA kernel (and
+        # leaves the buffers as they are). True until the first step: the memory profile and
+        # the graphs' capture run (and compile) the kernels.
+        self.active = True
         self._views: tuple[torch.Tensor, torch.Tensor] = (self.token_slots, self.token_order)
 
     def fill(self, request_slots: list[int], num_scheduled: list[int], num_rows: int) -> None:
@@ -53,30 +53,23 @@ class LoRAInputs:
         self.active = max(request_slots, default=-1) >= 0
         if self._views[0].shape[0] != rows:
             self._views = (self.token_slots[:rows], self.token_order[:rows])
-        if not self.active and not self._last_active:
-            return  # every slot is -1 and the order the rows' own (the last step wrote them)
+        if not self.active:
+            return  # no kernel reads them (eager steps and graphs skip LoRA)
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy has read the host buffer
         host, cap = self._host_np, self._cap
-        if self.active:
-            slots = host[:rows]
-            if n == len(request_slots):  # one token each (decodes)
-                slots[:n] = request_slots
-            else:
-                slots[:n] = np.repeat(np.asarray(request_slots, dtype=np.int32), num_scheduled)
-            slots[n:] = -1
-            # int16 keys: numpy's stable sort is then a radix sort, linear in the rows.
-            key = np.where(slots < 0, np.int16(32767), slots.astype(np.int16))
-            host[cap : cap + rows] = np.argsort(key, kind="stable")
-            span = cap + rows
-        else:  # every row back to -1, the order back to the rows' own
-            host[:cap] = -1
-            host[cap:] = np.arange(cap, dtype=np.int32)
-            span = 2 * cap
-        self._dev[:span].copy_(self._host[:span], non_blocking=True)
+        slots = host[:rows]
+        if n == len(request_slots):  # one token each (decodes)
+            slots[:n] = request_slots
+        else:
+            slots[:n] = np.repeat(np.asarray(request_slots, dtype=np.int32), num_scheduled)
+        slots[n:] = -1
+        # int16 keys: numpy's stable sort is then a radix sort, linear in the rows.
+        key = np.where(slots < 0, np.int16(32767), slots.astype(np.int16))
+        host[cap : cap + rows] = np.argsort(key, kind="stable")
+        self._dev[: cap + rows].copy_(self._host[: cap + rows], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        self._last_active = self.active
 
     def slots_for(self, num_rows: int) -> torch.Tensor:
         """The first num_rows token slots (the step's view when it has that many rows)."""
