@@ -269,10 +269,12 @@ def test_lora_in_a_cuda_graph() -> None:
     x, lora_a, lora_b, slots, out = _operands(t, 16, bounds, 4096, torch.bfloat16, num_slots=8)
     base = out.clone()
 
+    order = _by_slot(slots)  # the rows grouped by slot, updated in place as LoRAInputs does
+
     def step() -> torch.Tensor:
         out.copy_(base)
-        y = lora.lora_shrink(x, lora_a, slots)
-        lora.lora_expand(out, y, lora_b, slots, bounds)
+        y = lora.lora_shrink(x, lora_a, slots, None, order)
+        lora.lora_expand(out, y, lora_b, slots, bounds, order)
         return y
 
     step()  # the warm-up a capture needs (compiles; makes the split-K counters)
@@ -285,6 +287,7 @@ def test_lora_in_a_cuda_graph() -> None:
             held.copy_(fresh)
         if seed == 3:
             slots[: t // 2] = -1
+        order.copy_(_by_slot(slots))
         graph.replay()
         want_out = base.clone()
         want_y = _reference_in_chunks(x, lora_a, lora_b, slots, want_out, bounds)
