@@ -380,6 +380,13 @@ def _lora_layer(case: str, bounds: tuple[int, ...], x: torch.Tensor, slots: torc
     record("lora", case, "triton", [lambda a=a, b=b: lora(triton_ops, a, b) for a, b in adapters],
            bytes=a_bytes + b_bytes + x_bytes + 2 * out_bytes,
            max_abs_err=_err(got, want))  # fmt: skip
+    # The rows grouped by adapter, as LoRAInputs orders a step's: 1-2 adapters a tile, not all.
+    order = torch.sort(slots, stable=True).indices.to(torch.int32)
+    record("lora", case, "triton_by_slot",
+           [lambda a=a, b=b: triton_ops.lora_expand(
+               out, triton_ops.lora_shrink(x, a, slots, None, order), b, slots, bounds, order)
+            for a, b in adapters],
+           bytes=a_bytes + b_bytes + x_bytes + 2 * out_bytes)  # fmt: skip
     record("lora", case, "triton_shrink",
            [lambda a=a: triton_ops.lora_shrink(x, a, slots) for a, _ in adapters],
            bytes=a_bytes + x_bytes)  # fmt: skip

@@ -52,6 +52,7 @@ ALLOWED: dict[str, set[str]] = {
         "kernels",
         "layers",
         "llm",
+        "lora.peft",
         "models",
         "runtime",
     },

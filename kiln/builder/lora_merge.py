@@ -4,33 +4,27 @@ W += scaling * B @ A on each projection it targets, before anything else of the 
 
 The merged source is written beside the build as a plain HF directory, and the build runs from it:
 its calibration and its accuracy check's reference are then the merged model's, not the base's.
-The adapter is read as PEFT writes it (`adapter_config.json` + `adapter_model.safetensors`; never a
-pickle); what this merge cannot honour (DoRA, biases, modules_to_save, embedding adapters) is
-refused in one line, as are targets the base lacks and shapes it does not have."""
+The adapter is read by the engine's own reader (kiln.lora.peft.read_peft_modules: PEFT's format,
+never a pickle, each module scaled as PEFT scales it, alpha_pattern and rank_pattern included);
+what it cannot honour (DoRA, biases, modules_to_save, embedding adapters) is refused in one
+line, as are targets the base lacks and shapes it does not have."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
-import math
 import os
-import re
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kiln.checkpoint.file_hash import hash_files
-from kiln.errors import BuildError
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-_PREFIX = "base_model.model."  # PEFT's module names, over the HF model's own
-_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<side>[AB])\.weight")
+from kiln.errors import BuildError, LoRAError
+from kiln.lora.peft import CONFIG_FILE, WEIGHTS_FILE, LoRAModule, read_peft_modules
 
 
 @dataclass(frozen=True)
@@ -42,23 +36,12 @@ class MergeAdapter:
     rank: int
     alpha: float
     use_rslora: bool
-    alpha_pattern: dict[str, float]
-    ranks: dict[str, int]  # HF module name ("model.layers.0.self_attn.q_proj") -> its rank
+    # HF module name ("model.layers.0.self_attn.q_proj") -> A and B, B scaled as PEFT scales it.
+    matrices: dict[str, LoRAModule] = field(repr=False)
 
     @property
     def modules(self) -> list[str]:
-        return sorted(self.ranks)
-
-    def scaling(self, module: str) -> float:
-        """PEFT's: alpha / r (rsLoRA: alpha / sqrt(r)), alpha_pattern's alpha where one matches;
-        r is the module's own (rank_pattern may change it), read from its tensors."""
-        alpha = self.alpha
-        for pattern, value in self.alpha_pattern.items():
-            if re.match(rf"(.*\.)?({pattern})$", module):
-                alpha = value
-                break
-        rank = self.ranks[module]
-        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+        return sorted(self.matrices)
 
     def manifest_entry(self) -> dict:
         """What the engine's manifest records of it."""
@@ -75,70 +58,23 @@ class MergeAdapter:
 def read_adapter(path: str) -> MergeAdapter:
     """The adapter at `path`, its config and tensors checked; BuildError naming what is wrong."""
     path = os.path.expanduser(path)
-    config_file = os.path.join(path, CONFIG_FILE)
-    weights_file = os.path.join(path, WEIGHTS_FILE)
-    for file in (config_file, weights_file):
-        if not os.path.isfile(file):
-            hint = " (a .bin adapter is a pickle: kiln reads safetensors only)" * (
-                file == weights_file and os.path.isfile(os.path.join(path, "adapter_model.bin"))
-            )
-            raise BuildError(f"--lora {path}: no {os.path.basename(file)}{hint}")
     try:
-        with open(config_file, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise BuildError(f"--lora {path}: {CONFIG_FILE} is not readable JSON ({exc})") from None
-    _check_config(path, config)
-    ranks: dict[str, int] = {}
-    with safe_open(weights_file, framework="pt") as f:
-        shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
-    pairs: dict[str, dict[str, tuple[int, ...]]] = {}
-    for key, shape in shapes.items():
-        found = _KEY.fullmatch(key)
-        if found is None or not found["module"].startswith(_PREFIX) or len(shape) != 2:
-            raise BuildError(
-                f"--lora {path}: tensor {key} is not a linear layer's lora_A / lora_B weight "
-                "(embedding adapters, biases and DoRA are not merged)"
-            )
-        pairs.setdefault(found["module"][len(_PREFIX) :], {})[found["side"]] = shape
-    for module, sides in pairs.items():
-        if set(sides) != {"A", "B"}:
-            raise BuildError(f"--lora {path}: {module} has lora_{set('AB') - set(sides)} missing")
-        (rank, _), (_, b_rank) = sides["A"], sides["B"]
-        if rank != b_rank:
-            raise BuildError(
-                f"--lora {path}: {module}'s lora_A rank {rank} != its lora_B's {b_rank}"
-            )
-        ranks[module] = rank
-    if not ranks:
-        raise BuildError(f"--lora {path}: {WEIGHTS_FILE} holds no LoRA weights")
+        read = read_peft_modules(path, f"--lora {path}")
+    except LoRAError as exc:
+        raise BuildError(str(exc)) from None
+    files = [os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)]
     root = hashlib.blake2b(digest_size=32)
-    for file, digest in zip((CONFIG_FILE, WEIGHTS_FILE), hash_files([config_file, weights_file])):
+    for file, digest in zip((CONFIG_FILE, WEIGHTS_FILE), hash_files(files)):
         root.update(f"{file}\0{digest.size}\0{digest.blake2b}\n".encode())
+    config = read.config
     return MergeAdapter(
         path=path,
         digest=root.hexdigest(),
-        rank=int(config.get("r", max(ranks.values()))),
-        alpha=float(config.get("lora_alpha", 8)),
+        rank=int(config["r"]),
+        alpha=float(config["lora_alpha"]),
         use_rslora=bool(config.get("use_rslora", False)),
-        alpha_pattern={str(k): float(v) for k, v in (config.get("alpha_pattern") or {}).items()},
-        ranks=ranks,
+        matrices=read.modules,
     )
-
-
-def _check_config(path: str, config: object) -> None:
-    if not isinstance(config, dict):
-        raise BuildError(f"--lora {path}: {CONFIG_FILE} is not a JSON object")
-    refusals = (
-        (config.get("peft_type", "LORA") != "LORA", f"peft_type {config.get('peft_type')!r}"),
-        (bool(config.get("use_dora")), "DoRA (use_dora)"),
-        (config.get("bias", "none") != "none", f"bias {config.get('bias')!r}"),
-        (bool(config.get("modules_to_save")), "modules_to_save"),
-        (bool(config.get("fan_in_fan_out")), "fan_in_fan_out (GPT-2's Conv1D layers)"),
-    )
-    for refused, what in refusals:
-        if refused:
-            raise BuildError(f"--lora {path}: {what} is not supported (plain LoRA only)")
 
 
 @contextlib.contextmanager
@@ -169,12 +105,6 @@ def merge_into(source: str, adapter: MergeAdapter, out: str) -> None:
         with safe_open(os.path.join(source, shard), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 where[key] = shard
-    weights_file = os.path.join(adapter.path, WEIGHTS_FILE)
-    with safe_open(weights_file, framework="pt") as f:
-        deltas = {
-            m: tuple(f.get_tensor(f"{_PREFIX}{m}.lora_{side}.weight") for side in "AB")
-            for m in adapter.modules
-        }
     by_shard: dict[str, list[str]] = {}
     for module in adapter.modules:
         weight = f"{module}.weight"
@@ -192,17 +122,17 @@ def merge_into(source: str, adapter: MergeAdapter, out: str) -> None:
             tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
             metadata = f.metadata()
         for module in modules:
-            a, b = deltas[module]
+            pair = adapter.matrices[module]
             tensors[f"{module}.weight"] = _merged(
-                tensors[f"{module}.weight"], a, b, adapter.scaling(module), module, adapter.path
+                tensors[f"{module}.weight"], pair.lora_a, pair.lora_b, module, adapter.path
             )
         save_file(tensors, os.path.join(out, shard), metadata=metadata or {"format": "pt"})
 
 
 def _merged(
-    weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, module: str, path: str
+    weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, module: str, path: str
 ) -> torch.Tensor:
-    """W + scaling * B @ A, summed in float32 and cast back to W's dtype."""
+    """W + B @ A (B scaled), summed in float32 and cast back to W's dtype."""
     # weight: [out, in]; a: [r, in]; b: [out, r]
     if weight.dim() != 2 or weight.shape != (b.shape[0], a.shape[1]):
         raise BuildError(
@@ -214,5 +144,5 @@ def _merged(
             f"--lora {path}: {module}'s weight is {weight.dtype}: merge into a quantized "
             "checkpoint is not supported (build from the unquantized model)"
         )
-    delta = scaling * (b.float() @ a.float())
+    delta = b.float() @ a.float()
     return (weight.float() + delta).to(weight.dtype)

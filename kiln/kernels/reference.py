@@ -993,15 +993,21 @@ def clamped_swiglu(
 
 
 def lora_shrink(
-    x: torch.Tensor,  # [T, hidden_in]
+    x: torch.Tensor,  # [T, hidden_in]: the model dtype, or float8 e4m3 with x_scale
     lora_a: torch.Tensor,  # [slots, slices * rank, hidden_in]: each slot's stacked A matrices
     token_slots: torch.Tensor,  # [T] int32: each token's adapter slot, -1 for none
-) -> torch.Tensor:  # [T, slices * rank] in x's dtype, zero where the slot is -1
+    x_scale: torch.Tensor | None = None,  # [] / [1] or [T, 1] fp32: a float8 x's scale(s)
+    token_order: torch.Tensor | None = None,  # [T] int32: the rows grouped by slot; None: as is
+) -> torch.Tensor:  # [T, slices * rank] in lora_a's dtype, zero where the slot is -1
     """LoRA's first product for a step that mixes adapters: each token's row times its own
-    slot's A (all slices at once), accumulated in fp32 and rounded once."""
+    slot's A (all slices at once), accumulated in fp32 and rounded once. A float8 x (the input
+    a float8 base GEMM read) counts as x * x_scale. `token_order` (a permutation of the rows
+    that the kernels visit them in, adapter by adapter) does not change the result."""
     picked = lora_a[token_slots.clamp(min=0).long()].float()  # [T, K, hidden_in]
     y = torch.einsum("th,tkh->tk", x.float(), picked)
-    return torch.where((token_slots >= 0)[:, None], y, 0.0).to(x.dtype)
+    if x_scale is not None:
+        y = y * x_scale.float().reshape(-1 if x_scale.dim() == 2 else 1, 1)  # [T, 1] or one
+    return torch.where((token_slots >= 0)[:, None], y, 0.0).to(lora_a.dtype)
 
 
 def lora_expand(
@@ -1010,9 +1016,11 @@ def lora_expand(
     lora_b: torch.Tensor,  # [slots, n_out, rank]: each slot's B rows, the scaling folded in
     token_slots: torch.Tensor,  # [T] int32: each token's adapter slot, -1 for none
     slice_bounds: tuple[int, ...],  # column boundaries of the fused slices: (0, q, q+k, ..., n_out)
+    token_order: torch.Tensor | None = None,  # [T] int32: the rows grouped by slot; None: as is
 ) -> None:
     """LoRA's second product added to the base output: output column n of slice i reads the
-    slice's own rank-wide block of y, so a fused qkv or gate_up layer runs one expand."""
+    slice's own rank-wide block of y, so a fused qkv or gate_up layer runs one expand.
+    `token_order` as lora_shrink's: the result does not depend on it."""
     rank = lora_b.shape[2]
     picked = lora_b[token_slots.clamp(min=0).long()].float()  # [T, n_out, rank]
     live = (token_slots >= 0)[:, None]

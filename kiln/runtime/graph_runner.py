@@ -9,6 +9,10 @@ Host-side launch choices the kernels make from `max_seq_len` (the decode kernel'
 are frozen at capture, so the attention backend names context buckets per batch size (one per
 distinct choice) and a step replays the graph of the smallest bucket that holds its longest context.
 
+With LoRA adapters (kiln.lora) every key is captured twice: with the LoRA kernels, and without
+them for steps in which no token has an adapter (LoRAInputs.active), which then pay nothing for
+LoRA being on.
+
 On the CPU there are no graphs; `FakeGraph` stands in (it re-runs the captured function into the
 same output tensor), so the bucketing, padding and static-buffer logic is testable anywhere.
 """
@@ -29,6 +33,7 @@ from unittest import mock
 import torch
 
 from kiln.attention.backend import AttentionBackend, AttentionMetadata
+from kiln.lora.layers import LoRAInputs
 from kiln.models.base import CausalLM
 from kiln.runtime.input_batch import InputBuffers
 
@@ -98,8 +103,10 @@ class GraphRunner:
         max_num_seqs: int,
         max_model_len: int,
         fake: bool = False,
+        lora_inputs: LoRAInputs | None = None,  # LoRA on: a second set, without its kernels
     ) -> None:
         self.model, self.ops, self.backend = model, ops, backend
+        self.lora_inputs = lora_inputs
         self.kv_caches, self.buffers = kv_caches, buffers
         self.max_model_len = max_model_len
         self.fake = fake
@@ -111,6 +118,8 @@ class GraphRunner:
             for b in self.batch_sizes
         }
         self.graphs: dict[tuple[int, int], tuple[FakeGraph | _CudaGraph, torch.Tensor]] = {}
+        # LoRA on: the same keys captured without the LoRA kernels (steps without adapters).
+        self.base_graphs: dict[tuple[int, int], tuple[FakeGraph | _CudaGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.pool_bytes = 0
         # Where capture's time goes, summed over graphs: the eager warm-up forwards (first calls
@@ -120,7 +129,7 @@ class GraphRunner:
 
     @property
     def num_graphs(self) -> int:
-        return len(self.graphs)
+        return len(self.graphs) + len(self.base_graphs)
 
     def lookup(self, num_seqs: int, max_seq_len: int) -> tuple[int, int] | None:
         """(padded batch size, context bucket) of the graph for this decode step, if any."""
@@ -135,7 +144,10 @@ class GraphRunner:
         return batch, buckets[j]
 
     def replay(self, key: tuple[int, int]) -> torch.Tensor:  # [padded batch, hidden]
-        graph, hidden = self.graphs[key]
+        """The step's graph: without the LoRA kernels when none of its tokens has an adapter."""
+        lora = self.lora_inputs
+        graphs = self.base_graphs if lora is not None and not lora.active else self.graphs
+        graph, hidden = graphs[key]
         graph.replay()
         return hidden
 
@@ -183,34 +195,47 @@ class GraphRunner:
         parallel = getattr(self.model, "parallel", None) is not None
         error_mode = "thread_local" if parallel else "global"
         reserved_before = torch.cuda.memory_reserved(self.device) if cuda else 0
+        sets = [(True, self.graphs)]
+        if self.lora_inputs is not None:
+            sets.append((False, self.base_graphs))
         with _fast_capture(cuda):
-            for key in sorted(keys, reverse=True):
-                t0 = time.perf_counter()
-                self._forward(*key)  # warm-up: compiles kernels, picks cuBLAS algorithms
-                if cuda:
-                    torch.cuda.synchronize(self.device)
-                t1 = time.perf_counter()
-                graph = _CudaGraph(pool, error_mode) if cuda else FakeGraph()
-                hidden = graph.capture(functools.partial(self._forward, *key))
-                # The first replay uploads the graph: not in a timed step. Not waited for: it
-                # runs on the GPU while the host launches the next key's warm-up behind it on
-                # the same stream (whose synchronize above covers it), so the ~3-10 ms a replay
-                # of the 8B model takes is not added to the host's time 26 times over.
-                graph.replay()
-                self.warmup_seconds += t1 - t0
-                self.record_seconds += time.perf_counter() - t1
-                self.graphs[key] = (graph, hidden)
+            for with_lora, graphs in sets:
+                if self.lora_inputs is not None:
+                    self.lora_inputs.active = with_lora  # what the layers' apply reads
+                for key in sorted(keys, reverse=True):
+                    graphs[key] = self._capture_one(key, cuda, pool, error_mode)
+        if self.lora_inputs is not None:
+            self.lora_inputs.active = True
         if cuda:
             torch.cuda.synchronize(self.device)
             self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         self.capture_seconds = time.perf_counter() - start
         logger.info(
             "captured %d decode graphs (batch sizes %s) in %.1f s, %.2f GiB",
-            len(self.graphs),
+            self.num_graphs,
             self.batch_sizes,
             self.capture_seconds,
             self.pool_bytes / 2**30,
         )
+
+    def _capture_one(
+        self, key: tuple[int, int], cuda: bool, pool: _POOL_HANDLE | None, error_mode: str
+    ) -> tuple[FakeGraph | _CudaGraph, torch.Tensor]:
+        t0 = time.perf_counter()
+        self._forward(*key)  # warm-up: compiles kernels, picks cuBLAS algorithms
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        t1 = time.perf_counter()
+        graph = _CudaGraph(pool, error_mode) if cuda else FakeGraph()
+        hidden = graph.capture(functools.partial(self._forward, *key))
+        # The first replay uploads the graph: not in a timed step. Not waited for: it runs on
+        # the GPU while the host launches the next key's warm-up behind it on the same stream
+        # (whose synchronize above covers it), so the ~3-10 ms a replay of the 8B model takes
+        # is not added to the host's time 26 times over.
+        graph.replay()
+        self.warmup_seconds += t1 - t0
+        self.record_seconds += time.perf_counter() - t1
+        return graph, hidden
 
 
 @contextlib.contextmanager

@@ -152,6 +152,7 @@ class ModelRunner:
             self.max_num_seqs,
             self.max_model_len,
             fake=fake,
+            lora_inputs=self.lora.inputs if self.lora is not None else None,
         )
         graphs.capture()
         return graphs

@@ -18,6 +18,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install kiln[
 from kiln.kernels import reference
 from kiln.kernels.triton import lora
 from kiln.kernels.triton.lora import LoraPlan, expand_plan, shrink_plan
+from kiln.lora.layers import LoRAInputs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
@@ -47,9 +48,16 @@ def _operands(t, rank, bounds, hidden, dtype, num_slots=NUM_SLOTS, seed=0, devic
             for v in (x, lora_a, lora_b, slots, out)]  # fmt: skip
 
 
-def _check(t, rank, bounds, hidden, dtype, shrink=None, expand=None, seed=0) -> None:
+def _by_slot(slots: torch.Tensor) -> torch.Tensor:
+    """The rows grouped by slot (stable), rows without an adapter last: LoRAInputs' order."""
+    key = torch.where(slots < 0, slots.max() + 1, slots).cpu()
+    return torch.sort(key, stable=True).indices.to(torch.int32).to(slots.device)
+
+
+def _check(t, rank, bounds, hidden, dtype, shrink=None, expand=None, seed=0, order=False) -> None:
     x, lora_a, lora_b, slots, out = _operands(t, rank, bounds, hidden, dtype, seed=seed)
-    y = lora.shrink_with_plan(x, lora_a, slots, shrink)
+    token_order = _by_slot(slots) if order else None
+    y = lora.shrink_with_plan(x, lora_a, slots, shrink, token_order=token_order)
     want_y = reference.lora_shrink(x, lora_a, slots)
     assert y.dtype == dtype and y.shape == want_y.shape
     torch.testing.assert_close(y.float().cpu(), want_y.float().cpu(), atol=ATOL[dtype], rtol=0)
@@ -57,7 +65,7 @@ def _check(t, rank, bounds, hidden, dtype, shrink=None, expand=None, seed=0) -> 
     want_out = out.clone()
     reference.lora_expand(want_out, want_y, lora_b, slots, bounds)
     base = out.clone()
-    lora.expand_with_plan(out, want_y, lora_b, slots, bounds, expand)
+    lora.expand_with_plan(out, want_y, lora_b, slots, bounds, expand, token_order)
     torch.testing.assert_close(out.float().cpu(), want_out.float().cpu(), atol=ATOL[dtype], rtol=0)
     assert torch.equal(out[slots < 0], base[slots < 0]), "rows without an adapter are left alone"
 
@@ -80,8 +88,10 @@ PLANS = [
 
 @pytest.mark.parametrize(("shrink", "expand"), PLANS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_every_launch_path_matches_the_reference(shrink, expand, dtype) -> None:
-    _check(37, 12, (0, 40, 56, 72), 48, dtype, shrink, expand, seed=1)
+@pytest.mark.parametrize("order", [False, True], ids=["step_order", "by_slot"])
+def test_every_launch_path_matches_the_reference(shrink, expand, dtype, order) -> None:
+    """Also with the rows visited grouped by slot (the order LoRAInputs gives the layers)."""
+    _check(37, 12, (0, 40, 56, 72), 48, dtype, shrink, expand, seed=1, order=order)
 
 
 def test_every_element_is_written_not_left_from_the_allocation(monkeypatch) -> None:
@@ -148,15 +158,77 @@ def test_bad_shapes_are_refused() -> None:
         lora.lora_shrink(x[:, :32], lora_a, slots)
 
 
+@pytest.mark.parametrize("per_row", [False, True], ids=["static", "per_token"])
+def test_float8_input_with_its_scale(per_row: bool) -> None:
+    """The shrink of a float8 input (what an FP8 base GEMM read, quantized by the norm before
+    it) counts it as x * scale, a static scale or one per row, as its twin does."""
+    x, lora_a, _, slots, _ = _operands(37, 12, (0, 40, 56, 72), 48, torch.float32, seed=5)
+    scale = (x.abs().amax(dim=1, keepdim=True) if per_row else x.abs().max()) / 448.0
+    x_fp8 = (x / scale).to(torch.float8_e4m3fn)
+    for plan in (None, LoraPlan(16, 16, 3, split_k=2)):
+        y = lora.shrink_with_plan(x_fp8, lora_a, slots, plan, scale)
+        want = reference.lora_shrink(x_fp8, lora_a, slots, scale)
+        assert y.dtype == lora_a.dtype
+        torch.testing.assert_close(y, want, atol=1e-4, rtol=0)
+    dequantized = reference.lora_shrink(x_fp8.float() * scale, lora_a, slots)
+    torch.testing.assert_close(want, dequantized, atol=1e-5, rtol=0)
+
+
+def _binder(kernel):
+    """Triton's own argument specialisation of `kernel` (what keys its compiled variants),
+    built from the kernel's Python function also under the interpreter."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    if not isinstance(kernel, JITFunction):
+        kernel = JITFunction(kernel.fn, **kernel.kwargs)
+    return create_function_from_signature(kernel.signature, kernel.params, BaseBackend)
+
+
+# Token counts a run meets: decode batches (graphs and eager), prefill chunks of any length.
+STEP_TOKENS = [*range(1, 70), 96, 100, 127, 128, 255, 256, 257, 300, 512, 777, 1024, 2048, 8192]
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.float8_e4m3fn])
+def test_no_new_variant_for_a_new_token_count(x_dtype) -> None:
+    """Every step shape maps to one of the variants a 1-token and a max-token forward (the
+    batch-1 decode graph and the memory profile, before the compile watch starts) compile."""
+    shrink, expand = _binder(lora._lora_shrink_kernel), _binder(lora._lora_expand_kernel)
+    cpu, hidden, bounds, rank = torch.device("cpu"), 4096, (0, 4096, 5120, 6144), 16
+    lora_a = torch.zeros(8, 3 * rank, hidden, dtype=torch.float16)
+    lora_b = torch.zeros(8, bounds[-1], rank, dtype=torch.float16)
+
+    inputs = LoRAInputs(STEP_TOKENS[-1], cpu)  # the persistent slot and order buffers
+
+    def variants(t: int) -> tuple[str, str]:
+        x = torch.empty(t, hidden, dtype=x_dtype)
+        scale = None if x_dtype == torch.float16 else torch.ones(t, 1)
+        inputs.fill([0, -1], [t // 2, t - t // 2], t)
+        slots, order = inputs.slots_for(t), inputs.order_for(t)
+        y = torch.empty(t, 3 * rank, dtype=torch.float16)
+        out = torch.empty(t, bounds[-1], dtype=torch.float16)
+        plan = lora.shrink_plan(t, hidden, 3 * rank, 8, cpu)
+        s = lora.shrink_launch(x, lora_a, slots, y, plan, scale, order)
+        plan = lora.expand_plan(t, 6144, 8, cpu)
+        e = lora.expand_launch(out, y, lora_b, slots, bounds, plan, order)
+        return (str(shrink(*s.args, **s.constexprs)[1]), str(expand(*e.args, **e.constexprs)[1]))
+
+    warmed = {variants(1), variants(STEP_TOKENS[-1])}
+    for t in STEP_TOKENS:
+        assert variants(t) in warmed, f"{t} tokens would compile a new LoRA kernel variant"
+
+
 def test_plans_follow_the_shapes() -> None:
     cpu = torch.device("cpu")  # num_sms pretends 132 off the GPU
     decode = shrink_plan(1, 4096, 48, 8, cpu)
-    assert decode.block_m == 16 and decode.split_k == 32 and decode.slot_groups == 8
+    assert decode.block_m == 16 and decode.split_k == 32 and decode.slot_groups == 1
+    assert shrink_plan(8, 4096, 48, 8, cpu).slot_groups == 8  # one program per adapter class
     prefill = shrink_plan(4096, 4096, 48, 8, cpu)
     assert prefill.block_m == 64 and prefill.split_k < decode.split_k
     wide = shrink_plan(256, 4096, 192, 8, cpu)  # rank 64 x 3 slices: accumulator <= 4K values
     assert wide.block_m * 256 <= 4096 and wide.block_n == 32
-    assert expand_plan(1, 6144, 8, cpu).slot_groups > 1
+    assert expand_plan(1, 6144, 8, cpu).slot_groups == 1  # one token: one adapter at most
+    assert expand_plan(4, 6144, 8, cpu).slot_groups == 4
     assert expand_plan(4096, 28672, 8, cpu).slot_groups == 1
 
 
@@ -197,10 +269,12 @@ def test_lora_in_a_cuda_graph() -> None:
     x, lora_a, lora_b, slots, out = _operands(t, 16, bounds, 4096, torch.bfloat16, num_slots=8)
     base = out.clone()
 
+    order = _by_slot(slots)  # the rows grouped by slot, updated in place as LoRAInputs does
+
     def step() -> torch.Tensor:
         out.copy_(base)
-        y = lora.lora_shrink(x, lora_a, slots)
-        lora.lora_expand(out, y, lora_b, slots, bounds)
+        y = lora.lora_shrink(x, lora_a, slots, None, order)
+        lora.lora_expand(out, y, lora_b, slots, bounds, order)
         return y
 
     step()  # the warm-up a capture needs (compiles; makes the split-K counters)
@@ -213,6 +287,7 @@ def test_lora_in_a_cuda_graph() -> None:
             held.copy_(fresh)
         if seed == 3:
             slots[: t // 2] = -1
+        order.copy_(_by_slot(slots))
         graph.replay()
         want_out = base.clone()
         want_y = _reference_in_chunks(x, lora_a, lora_b, slots, want_out, bounds)

@@ -123,19 +123,36 @@ def test_more_adapters_than_slots(setup: Setup) -> None:
 
 def test_decode_graphs_pad_with_no_adapter(setup: Setup) -> None:
     """FakeGraph decode steps (a batch of 3 padded to 4) read each step's slots from the
-    persistent buffer the graphs captured."""
+    persistent buffer the graphs captured; steps without an adapter replay the set captured
+    without the LoRA kernels."""
     llm = LLM(setup.path, enable_lora=True, max_loras=3, max_lora_rank=8, max_num_seqs=8)
     runner = llm.engine.executor.runner
     runner.graphs = GraphRunner(
         runner.model, runner.ops, runner.backend, runner.kv_caches, runner.inputs,
-        runner.max_num_seqs, runner.max_model_len, fake=True,
+        runner.max_num_seqs, runner.max_model_len, fake=True, lora_inputs=runner.lora.inputs,
     )  # fmt: skip
     runner.graphs.capture()
+    assert runner.graphs.base_graphs.keys() == runner.graphs.graphs.keys()
+    replays = {"lora": 0, "base": 0}
+    for name, graphs in (("lora", runner.graphs.graphs), ("base", runner.graphs.base_graphs)):
+        for graph, _ in graphs.values():
+            graph.replay = _counted(graph.replay, replays, name)
     runner.step_timing = {}
     loras = [setup.requests[1], None, setup.requests[3]]  # 3 decodes: padded to 4
     got = _tokens(llm.generate(PROMPTS, PARAMS, lora_request=loras))
     assert got == [setup.expected[_id(r)][i] for i, r in enumerate(loras)]
     assert runner.step_timing["graph_steps"] > 0
+    assert replays["lora"] > 0 and replays["base"] == 0
+    assert _tokens(llm.generate(PROMPTS, PARAMS)) == setup.expected[None]
+    assert replays["base"] > 0
+
+
+def _counted(replay, counts: dict, name: str):
+    def counting() -> None:
+        counts[name] += 1
+        replay()
+
+    return counting
 
 
 def test_prefix_cache_is_keyed_by_adapter(setup: Setup, llm: LLM) -> None:
