@@ -127,3 +127,5 @@ def test_the_memory_plan_counts_every_expert(moe) -> None:
     )
     dense = model.config.num_hidden_layers * 3 * 64 * model.config.intermediate_size
     assert made > experts * 4 > dense * 4 / 2  # the experts are most of the MLP bytes
+    # The decode roofline reads the experts apart (kiln.bench.roofline).
+    assert llm.engine.memory_plan.expert_weight_bytes == experts * 4
