@@ -14,7 +14,6 @@ from kiln.bench.dummy_lora import dummy_adapters
 from kiln.bench.hf_baseline import hf_decode_rate, load_hf_model, run_hf
 from kiln.bench.metrics import throughput_report
 from kiln.bench.offline import run_kiln
-from kiln.bench.roofline import decode_step_bytes
 from kiln.bench.report import (
     engine_config_record,
     environment,
@@ -22,6 +21,7 @@ from kiln.bench.report import (
     measure_copy_bandwidth,
     write_json,
 )
+from kiln.bench.roofline import decode_step_bytes
 from kiln.bench.workload import BenchRequest, benchmark_requests, synthetic_requests
 from kiln.checkpoint.default_model import default_model_path
 from kiln.config import EngineConfig
