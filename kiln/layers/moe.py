@@ -13,6 +13,12 @@ from types import ModuleType
 import torch
 from torch import nn
 
+# Up to this many tokens a step reads only the chosen experts' weights (ops.fused_moe_decode:
+# GEMVs per (token, slot), no sort by expert, no padding to a GEMM row block); beyond, a grouped
+# GEMM over tokens sorted by expert: float8 experts on the float8 tensor cores with per-token
+# activation scales (ops.fused_moe_fp8), model-dtype ones in that dtype (ops.fused_moe).
+MAX_DECODE_TOKENS = 16
+
 
 def select_experts(
     router_logits: torch.Tensor,  # [num_tokens, num_experts]
@@ -28,6 +34,25 @@ def select_experts(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(dtype).float(), ids
+
+
+def run_experts(
+    ops: ModuleType,
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]
+    w2: torch.Tensor,  # [num_experts, hidden, inter]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k]
+    w13_scale: torch.Tensor | None = None,  # float8 experts' scales
+    w2_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """The experts' kernel for the step's token count (see MAX_DECODE_TOKENS)."""
+    args = (x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    if x.shape[0] <= MAX_DECODE_TOKENS:
+        return ops.fused_moe_decode(*args)
+    if w13_scale is not None:
+        return ops.fused_moe_fp8(*args)
+    return ops.fused_moe(*args)
 
 
 class MoEMethod(ABC):
@@ -68,7 +93,7 @@ class UnquantizedMoEMethod(MoEMethod):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
-        return ops.fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+        return run_experts(ops, x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
 
 
 def quantize_experts_fp8(
@@ -86,8 +111,8 @@ class Fp8MoEMethod(MoEMethod):
     """The experts' weights in float8 e4m3 with a per-expert per-tensor scale each
     (quantization="fp8-dynamic"): half the bytes a decode step reads. A model-dtype checkpoint's
     experts are quantized as they load (quantize_experts_fp8); an engine directory holds them
-    quantized. The kernels widen them to the activations' dtype (weight-only FP8; no float8
-    tensor-core GEMM yet)."""
+    quantized. A decode step's few tokens widen them to the activations' dtype (weight-only);
+    larger steps quantize the activations per token and run the float8 tensor cores."""
 
     def create_weights(self, layer: FusedMoE, dtype: torch.dtype | None) -> None:
         e, h, n = layer.num_experts, layer.hidden_size, layer.intermediate_size
@@ -105,8 +130,8 @@ class Fp8MoEMethod(MoEMethod):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
-        return ops.fused_moe(
-            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+        return run_experts(
+            ops, x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
             layer.w13_weight_scale, layer.w2_weight_scale,
         )  # fmt: skip
 

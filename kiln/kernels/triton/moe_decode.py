@@ -1,0 +1,204 @@
+"""The routed experts for a few tokens (decode; twin of reference.fused_moe_decode): two GEMV
+launches that read only the chosen experts' weights, with no sort by expert and no padding to a
+GEMM row block. The first runs one program per (token, top-k slot, column tile) of the gate_up
+projection and applies SiLU-and-mul to its gate and up halves in registers; the second runs one
+program per (token, column tile) of the down projection, looping over the token's k slots,
+scaling each expert's product by its routing weight and summing in fp32 (no atomics: the sum
+is in a fixed order). Column tiles are narrow enough that batch 1 launches a few hundred
+programs, so every SM streams weights.
+
+Weights are the model dtype's or float8 e4m3 (widened in registers; weight-only) with a scale
+per expert ([E]) or per expert and output channel ([E, N]). Everything is on the device with
+shapes from the token count alone: no host sync, so a CUDA graph captures it."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.triton._device import num_sms
+from kiln.kernels.triton.silu_mul import _silu_f32
+
+# Up to this many tokens the layer runs these kernels (kiln.layers.moe); beyond, the grouped GEMM.
+MAX_DECODE_TOKENS = 16
+# (gate_up BLOCK_N, gate_up BLOCK_K, down BLOCK_N, down BLOCK_K): None picks BLOCK_N by the
+# launch's size (_block_n); the interpreter's cost grows with the tiles.
+_INTERPRETER_TILES = (8, 16, 8, 16)
+_BLOCK_K = 256
+_COLUMN_TILES = (32, 16, 8)  # widest first: fewer, longer programs while there are enough
+
+
+def _block_n(rows: int, n: int, device: torch.device) -> int:
+    """The widest column tile that still gives every SM two programs (rows x n / BLOCK_N)."""
+    target = 2 * num_sms(device)
+    for block in _COLUMN_TILES:
+        if rows * triton.cdiv(n, block) >= target:
+            return block
+    return _COLUMN_TILES[-1]
+
+
+@triton.jit
+def _gate_up_act_kernel(
+    x_ptr,  # [num_tokens, K]
+    w_ptr,  # [num_experts, 2 * N, K]: gate rows, then up rows
+    scale_ptr,  # [num_experts] or [num_experts, 2 * N] fp32 (read with SCALED only)
+    ids_ptr,  # [num_tokens * top_k] int: each pair's expert
+    out_ptr,  # [num_tokens * top_k, N]: silu(gate) * up in x's dtype
+    top_k,
+    N,
+    K,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,  # 0 for a per-expert scale
+    stride_out,
+    SCALED: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    token = (pair // top_k).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    gate_rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+    up_rows = gate_rows + N * stride_wn
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        xk = tl.load(x_ptr + token * stride_x + ks, mask=k_mask, other=0.0).to(tl.float32)
+        mask = col_mask[:, None] & k_mask[None, :]
+        g = tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc_gate += g * xk[None, :]
+        acc_up += u * xk[None, :]
+    gate = tl.sum(acc_gate, axis=1)
+    up = tl.sum(acc_up, axis=1)
+    if SCALED:
+        scales = scale_ptr + expert * stride_se
+        gate *= tl.load(scales + cols * stride_sn, mask=col_mask, other=0.0)
+        up *= tl.load(scales + (cols + N) * stride_sn, mask=col_mask, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    # Rounded as the reference's gate_up then silu_and_mul are: each to the model dtype.
+    gate = gate.to(dtype)
+    up = up.to(dtype).to(tl.float32)
+    act = _silu_f32(gate.to(tl.float32), INTERPRETED).to(dtype).to(tl.float32)
+    out = out_ptr + pair.to(tl.int64) * stride_out + cols
+    tl.store(out, (act * up).to(dtype), mask=col_mask)
+
+
+@triton.jit
+def _down_sum_kernel(
+    h_ptr,  # [num_tokens * top_k, K]: the activations of each pair
+    w_ptr,  # [num_experts, N, K]
+    scale_ptr,  # [num_experts] or [num_experts, N] fp32 (read with SCALED only)
+    ids_ptr,  # [num_tokens * top_k] int
+    weights_ptr,  # [num_tokens * top_k] fp32 routing weights
+    out_ptr,  # [num_tokens, N]
+    top_k,
+    N,
+    K,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_out,
+    SCALED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in range(top_k):
+        pair = token * top_k + slot
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < K
+            hk = tl.load(h_ptr + pair * stride_h + ks, mask=k_mask, other=0.0).to(tl.float32)
+            w = tl.load(rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += w.to(tl.float32) * hk[None, :]
+        down = tl.sum(acc, axis=1)
+        if SCALED:
+            scales = scale_ptr + expert * stride_se + cols * stride_sn
+            down *= tl.load(scales, mask=col_mask, other=0.0)
+        total += down * tl.load(weights_ptr + pair)
+    out = out_ptr + token * stride_out + cols
+    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def _scale_args(scale: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(the scale tensor, its expert stride, its channel stride: 0 for one scale per expert)."""
+    if scale is None:
+        return like, 0, 0
+    if scale.dim() == 1:
+        return scale, scale.stride(0), 0
+    return scale, scale.stride(0), scale.stride(1)
+
+
+def fused_moe_decode(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]: each expert's [gate; up] rows
+    w2: torch.Tensor,  # [num_experts, hidden, inter]: each expert's down projection
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32: each chosen expert's weight
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int: the chosen experts
+    w13_scale: torch.Tensor | None = None,  # [E] or [E, 2 * inter] fp32: float8 w13's scales
+    w2_scale: torch.Tensor | None = None,  # [E] or [E, hidden] fp32: float8 w2's scales
+) -> torch.Tensor:  # [num_tokens, hidden]
+    return fused_moe_decode_tiled(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, None)
+
+
+def fused_moe_decode_tiled(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    tiles: tuple[int, int, int, int] | None,  # see _INTERPRETER_TILES; None: the device's
+) -> torch.Tensor:
+    """fused_moe_decode at given tiles (tests and the kernel benchmark sweep them)."""
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    hidden, inter = w2.shape[1], w2.shape[2]
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).float().contiguous()
+    interpreted = x.device.type != "cuda"
+    if tiles is None:
+        if interpreted:
+            tiles = _INTERPRETER_TILES
+        else:
+            tiles = (
+                _block_n(num_pairs, inter, x.device), _BLOCK_K,
+                _block_n(num_tokens, hidden, x.device), _BLOCK_K,
+            )  # fmt: skip
+    n1, k1, n2, k2 = tiles
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    s13, s13_e, s13_n = _scale_args(w13_scale, weights)
+    _gate_up_act_kernel[(num_pairs, triton.cdiv(inter, n1))](
+        x, w13, s13, ids, act, top_k, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
+        s13_e, s13_n, act.stride(0), SCALED=w13_scale is not None, INTERPRETED=interpreted,
+        BLOCK_N=n1, BLOCK_K=k1,
+    )  # fmt: skip
+    s2, s2_e, s2_n = _scale_args(w2_scale, weights)
+    _down_sum_kernel[(num_tokens, triton.cdiv(hidden, n2))](
+        act, w2, s2, ids, weights, out, top_k, hidden, inter, act.stride(0), w2.stride(0),
+        w2.stride(1), s2_e, s2_n, out.stride(0), SCALED=w2_scale is not None,
+        BLOCK_N=n2, BLOCK_K=k2,
+    )  # fmt: skip
+    return out
