@@ -944,6 +944,23 @@ def fused_moe(
     return out.to(x.dtype)
 
 
+def moe_route(
+    router_logits: torch.Tensor,  # [num_tokens, num_experts]
+    top_k: int,
+    renormalize: bool,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, top_k] fp32 weights, [.., top_k] ids)
+    """Softmax over the experts in fp32, the top k, renormalised to sum to 1 when `renormalize`
+    (Mixtral; Qwen's norm_topk_prob), then rounded to the model dtype `dtype` as transformers
+    rounds them before weighting the experts' outputs. Device ops of fixed shapes: no host
+    sync."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype).float(), ids
+
+
 def fused_moe_fp8(
     x: torch.Tensor,  # [num_tokens, hidden]
     w13: torch.Tensor,  # [num_experts, 2 * inter, hidden] float8 e4m3

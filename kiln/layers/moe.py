@@ -20,22 +20,6 @@ from torch import nn
 MAX_DECODE_TOKENS = 16
 
 
-def select_experts(
-    router_logits: torch.Tensor,  # [num_tokens, num_experts]
-    top_k: int,
-    renormalize: bool,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, top_k] fp32 weights, [.., top_k] ids)
-    """Softmax over the experts in fp32, the top k, renormalised to sum to 1 when `renormalize`
-    (Mixtral; Qwen's norm_topk_prob), then rounded to the model dtype `dtype` as transformers
-    rounds them before weighting the experts' outputs."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(dtype).float(), ids
-
-
 def run_experts(
     ops: ModuleType,
     x: torch.Tensor,  # [num_tokens, hidden]
@@ -170,7 +154,8 @@ class FusedMoE(nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden]
         router_logits: torch.Tensor,  # [num_tokens, num_experts]
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize, x.dtype)
+        # Softmax, top-k, renormalisation, rounding to x's dtype (reference.moe_route).
+        weights, ids = ops.moe_route(router_logits, self.top_k, self.renormalize, x.dtype)
         return self.method.apply(self, ops, x, weights, ids)
 
     def extra_repr(self) -> str:

@@ -37,7 +37,7 @@ class SparseMoeBlock(nn.Module):
     """router (`gate`, kept in the model dtype whatever the projections' method: a few columns
     that pick the experts), `experts`, and with cfg.shared_expert_intermediate_size a
     `shared_expert` (a GatedMLP, by the projections' method) scaled by
-    sigmoid(`shared_expert_gate`(x)). The experts are float8 under quantization="fp8-dynamic"
+    sigmoid(`shared_expert_gate`(x)). The experts are float8 under an FP8 quantization
     (kiln.layers.moe.Fp8MoEMethod), else in the model dtype."""
 
     def __init__(
@@ -86,14 +86,15 @@ class SparseMoeBlock(nn.Module):
 
 
 def _experts_method(method: LinearMethodFactory, name: str) -> MoEMethod:
-    """float8 experts where the projections' method is FP8 with dynamic activation scales
-    (quantization="fp8-dynamic" at load); else (static FP8 has no calibrated scales for the
+    """float8 experts where the method gives the experts an FP8 method: "fp8-dynamic", or "fp8"
+    with dummy weights' stand-in static scales (the experts' kernels scale their activations
+    per token, so they need no calibrated ones); else (a calibrated static engine names no
     experts) the model dtype."""
     try:
         linear = method(name)
     except ModelLoadError:
         return UnquantizedMoEMethod()
-    if isinstance(linear, Fp8LinearMethod) and linear.activation_scheme == "dynamic":
+    if isinstance(linear, Fp8LinearMethod):
         return Fp8MoEMethod()
     return UnquantizedMoEMethod()
 
