@@ -6,9 +6,9 @@ experts, top-8, hidden 2048, expert width 768; tokens routed uniformly at random
   alone and the whole fused_moe_fp8 call (quantization, sort, activation, sum included), in
   TFLOP/s and as a fraction of the GPU's dense FP8 peak; beside the bf16 grouped GEMM.
 - moe_decode: batch 1, 4 and 16, bf16 and float8 experts: the decode kernels
-  (fused_moe_decode) against the grouped GEMM (fused_moe), in GB/s of the distinct experts the
-  step reads (the roofline's bytes). The calls rotate over 16 routings, so the experts one call
-  reads are mostly not in L2 from the last.
+  (fused_moe_decode, and each of moe_decode.DECODE_TILE_CANDIDATES) against the grouped GEMM
+  (fused_moe), in GB/s of the distinct experts the step reads (the roofline's bytes). The calls
+  rotate over 16 routings, so the experts one call reads are mostly not in L2 from the last.
 - moe_route: the fused router against the reference's five launches, at 1 and 16 tokens."""
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def moe_rows(s: MoeShapes, device: torch.device, gen: torch.Generator, record: C
     them (kernels_gpu.run's)."""
     from kiln.kernels import reference
     from kiln.kernels import triton as triton_ops
-    from kiln.kernels.triton import moe_fp8
+    from kiln.kernels.triton import moe_decode, moe_fp8
     from kiln.kernels.triton.fused_moe import align_by_expert
     from kiln.kernels.triton.silu_mul import silu_and_mul_quant_fp8
 
@@ -145,6 +145,15 @@ def moe_rows(s: MoeShapes, device: torch.device, gen: torch.Generator, record: C
                 record("moe_decode", f"batch={batch} {kind}", impl,
                        [lambda f=fn, args=args: f(*args) for args in all_args],
                        bytes=step_bytes, max_abs_err=_err(fn(*all_args[0]), want))  # fmt: skip
+            if device.type != "cuda":
+                continue
+            for tiles in moe_decode.DECODE_TILE_CANDIDATES:
+                record("moe_decode", f"batch={batch} {kind}", "decode_tiles",
+                       [lambda t=tiles, a=args: moe_decode.fused_moe_decode_tiled(*a, t)
+                        for args in all_args],
+                       bytes=step_bytes, tiles="x".join(map(str, tiles)),
+                       max_abs_err=_err(moe_decode.fused_moe_decode_tiled(*all_args[0], tiles),
+                                        want))  # fmt: skip
 
     # --- the router -------------------------------------------------------------------------
     for batch in (1, 16):

@@ -76,20 +76,19 @@ def test_float8_experts_equal_the_twin(per_channel, dtype) -> None:
         _close(want, reference.fused_moe(*args), dtype)
 
 
-def test_the_gpus_tiles_equal_the_twin() -> None:
-    """The GPU's BLOCK_K (wider than the hidden size: one masked step) and a column tile."""
+@pytest.mark.parametrize("tiles", [(16, 256, 4, 32, 256, 4), (8, 512, 8, 16, 128, 4)])
+def test_the_gpus_tiles_equal_the_twin(tiles) -> None:
+    """Tiles the GPU may run: BLOCK_K wider than the hidden size (one masked step)."""
     args = _case(2, 2, torch.float32)
-    got = moe_decode.fused_moe_decode_tiled(*args, None, None, (16, 256, 32, 256))
+    got = moe_decode.fused_moe_decode_tiled(*args, None, None, tiles)
     _close(got, reference.fused_moe_decode(*args), torch.float32)
 
 
 def test_enough_programs_for_every_sm_at_batch_1() -> None:
-    # Qwen3-30B-A3B: 8 pairs x 768 columns, 1 token x 2048 columns; 132 SMs.
+    # Qwen3-30B-A3B: 8 pairs x 768 columns (gate_up), 8 pairs x 2048 columns (down); 132 SMs.
     device = torch.device("cpu")
-    assert 8 * -(-768 // moe_decode._block_n(8, 768, device)) >= 2 * 132
-    assert -(-2048 // moe_decode._block_n(1, 2048, device)) >= 2 * 132 or (
-        moe_decode._block_n(1, 2048, device) == moe_decode._COLUMN_TILES[-1]
-    )
+    for columns in (768, 2048):
+        assert 8 * -(-columns // moe_decode._block_n(8, columns, device)) >= 2 * 132
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

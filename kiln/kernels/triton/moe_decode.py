@@ -1,11 +1,12 @@
-"""The routed experts for a few tokens (decode; twin of reference.fused_moe_decode): two GEMV
+"""The routed experts for a few tokens (decode; twin of reference.fused_moe_decode): GEMV
 launches that read only the chosen experts' weights, with no sort by expert and no padding to a
 GEMM row block. The first runs one program per (token, top-k slot, column tile) of the gate_up
-projection and applies SiLU-and-mul to its gate and up halves in registers; the second runs one
-program per (token, column tile) of the down projection, looping over the token's k slots,
-scaling each expert's product by its routing weight and summing in fp32 (no atomics: the sum
-is in a fixed order). Column tiles are narrow enough that batch 1 launches a few hundred
-programs, so every SM streams weights.
+projection and applies SiLU-and-mul to its gate and up halves in registers; the second one per
+(token, slot, column tile) of the down projection, scaling the expert's product by its routing
+weight into an fp32 row per (token, slot); a third sums each token's k rows in slot order (no
+atomics: the sum's order is fixed) and rounds once. Column tiles are narrow enough that batch 1
+launches hundreds of programs, each with few serial loads, so every SM keeps weight bytes in
+flight.
 
 Weights are the model dtype's or float8 e4m3 (widened in registers; weight-only) with a scale
 per expert ([E]) or per expert and output channel ([E, N]). Everything is on the device with
@@ -22,11 +23,21 @@ from kiln.kernels.triton.silu_mul import _silu_f32
 
 # Up to this many tokens the layer runs these kernels (kiln.layers.moe); beyond, the grouped GEMM.
 MAX_DECODE_TOKENS = 16
-# (gate_up BLOCK_N, gate_up BLOCK_K, down BLOCK_N, down BLOCK_K): None picks BLOCK_N by the
-# launch's size (_block_n); the interpreter's cost grows with the tiles.
-_INTERPRETER_TILES = (8, 16, 8, 16)
-_BLOCK_K = 256
+# (gate_up BLOCK_N, BLOCK_K, num_warps, down BLOCK_N, BLOCK_K, num_warps); the GPU's BLOCK_N is
+# picked by the launch's size (_block_n). Untuned: benchmarks/kernels_gpu.py --only moe sweeps
+# DECODE_TILE_CANDIDATES. The interpreter's cost grows with the tiles.
+Tiles = tuple[int, int, int, int, int, int]
+_INTERPRETER_TILES: Tiles = (8, 16, 4, 8, 16, 4)
+_BLOCK_K, _NUM_WARPS = 256, 4
 _COLUMN_TILES = (32, 16, 8)  # widest first: fewer, longer programs while there are enough
+DECODE_TILE_CANDIDATES: tuple[Tiles, ...] = (
+    (16, 256, 4, 16, 256, 4),
+    (8, 256, 4, 8, 256, 4),
+    (16, 512, 8, 16, 256, 4),
+    (32, 256, 8, 32, 256, 8),
+    (16, 128, 4, 32, 128, 4),
+    (8, 512, 4, 16, 512, 8),
+)
 
 
 def _block_n(rows: int, n: int, device: torch.device) -> int:
@@ -93,14 +104,13 @@ def _gate_up_act_kernel(
 
 
 @triton.jit
-def _down_sum_kernel(
-    h_ptr,  # [num_tokens * top_k, K]: the activations of each pair
+def _down_kernel(
+    h_ptr,  # [num_pairs, K]: the activations of each (token, slot) pair
     w_ptr,  # [num_experts, N, K]
     scale_ptr,  # [num_experts] or [num_experts, N] fp32 (read with SCALED only)
-    ids_ptr,  # [num_tokens * top_k] int
-    weights_ptr,  # [num_tokens * top_k] fp32 routing weights
-    out_ptr,  # [num_tokens, N]
-    top_k,
+    ids_ptr,  # [num_pairs] int
+    weights_ptr,  # [num_pairs] fp32 routing weights
+    out_ptr,  # [num_pairs, N] fp32: each pair's weighted down product
     N,
     K,
     stride_h,
@@ -113,28 +123,40 @@ def _down_sum_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    pair = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for slot in range(top_k):
-        pair = token * top_k + slot
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_mask = ks < K
-            hk = tl.load(h_ptr + pair * stride_h + ks, mask=k_mask, other=0.0).to(tl.float32)
-            w = tl.load(rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += w.to(tl.float32) * hk[None, :]
-        down = tl.sum(acc, axis=1)
-        if SCALED:
-            scales = scale_ptr + expert * stride_se + cols * stride_sn
-            down *= tl.load(scales, mask=col_mask, other=0.0)
-        total += down * tl.load(weights_ptr + pair)
-    out = out_ptr + token * stride_out + cols
-    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=col_mask)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        hk = tl.load(h_ptr + pair * stride_h + ks, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * hk[None, :]
+    down = tl.sum(acc, axis=1)
+    if SCALED:
+        down *= tl.load(scale_ptr + expert * stride_se + cols * stride_sn, mask=col_mask, other=0.0)
+    down *= tl.load(weights_ptr + pair)
+    tl.store(out_ptr + pair * stride_out + cols, down, mask=col_mask)
+
+
+@triton.jit
+def _sum_slots_kernel(
+    rows_ptr,  # [num_tokens * top_k, N] fp32
+    out_ptr,  # [num_tokens, N]
+    top_k,
+    N,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for slot in range(top_k):  # in slot order, as the reference adds them
+        total += tl.load(rows_ptr + (token * top_k + slot) * N + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + token * N + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _scale_args(scale: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -166,7 +188,7 @@ def fused_moe_decode_tiled(
     topk_ids: torch.Tensor,
     w13_scale: torch.Tensor | None,
     w2_scale: torch.Tensor | None,
-    tiles: tuple[int, int, int, int] | None,  # see _INTERPRETER_TILES; None: the device's
+    tiles: Tiles | None,  # see _INTERPRETER_TILES; None: the device's
 ) -> torch.Tensor:
     """fused_moe_decode at given tiles (tests and the kernel benchmark sweep them)."""
     num_tokens, top_k = topk_ids.shape
@@ -181,10 +203,10 @@ def fused_moe_decode_tiled(
             tiles = _INTERPRETER_TILES
         else:
             tiles = (
-                _block_n(num_pairs, inter, x.device), _BLOCK_K,
-                _block_n(num_tokens, hidden, x.device), _BLOCK_K,
+                _block_n(num_pairs, inter, x.device), _BLOCK_K, _NUM_WARPS,
+                _block_n(num_pairs, hidden, x.device), _BLOCK_K, _NUM_WARPS,
             )  # fmt: skip
-    n1, k1, n2, k2 = tiles
+    n1, k1, warps1, n2, k2, warps2 = tiles
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
@@ -193,12 +215,17 @@ def fused_moe_decode_tiled(
     _gate_up_act_kernel[(num_pairs, triton.cdiv(inter, n1))](
         x, w13, s13, ids, act, top_k, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
         s13_e, s13_n, act.stride(0), SCALED=w13_scale is not None, INTERPRETED=interpreted,
-        BLOCK_N=n1, BLOCK_K=k1,
+        BLOCK_N=n1, BLOCK_K=k1, num_warps=warps1,
     )  # fmt: skip
+    down = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     s2, s2_e, s2_n = _scale_args(w2_scale, weights)
-    _down_sum_kernel[(num_tokens, triton.cdiv(hidden, n2))](
-        act, w2, s2, ids, weights, out, top_k, hidden, inter, act.stride(0), w2.stride(0),
-        w2.stride(1), s2_e, s2_n, out.stride(0), SCALED=w2_scale is not None,
-        BLOCK_N=n2, BLOCK_K=k2,
+    _down_kernel[(num_pairs, triton.cdiv(hidden, n2))](
+        act, w2, s2, ids, weights, down, hidden, inter, act.stride(0), w2.stride(0),
+        w2.stride(1), s2_e, s2_n, down.stride(0), SCALED=w2_scale is not None,
+        BLOCK_N=n2, BLOCK_K=k2, num_warps=warps2,
     )  # fmt: skip
+    block = min(1024, triton.next_power_of_2(hidden))
+    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        down, out, top_k, hidden, BLOCK=block
+    )
     return out
