@@ -973,8 +973,8 @@ def fused_moe_fp8(
     """fused_moe for float8 experts on float8 activations (W8A8, the tensor cores' FP8 GEMM):
     each token's hidden state quantized per row (quantize_fp8, dynamic), gate_up in fp32 scaled
     by the row's and the expert's scales and rounded to x's dtype, silu_and_mul_quant_fp8 per
-    (token, expert) pair, the down product in fp32 scaled likewise, weighted and summed in fp32,
-    rounded once."""
+    (token, expert) pair, the down product in fp32 scaled likewise and weighted, rounded to x's
+    dtype, the k of a token summed in fp32 and rounded once."""
     if w13_scale is None or w2_scale is None:
         raise ValueError("fused_moe_fp8 takes float8 experts with their scales")
     x_fp8, x_scale = quantize_fp8(x, None)
@@ -985,8 +985,8 @@ def fused_moe_fp8(
         gate_up = (gate_up * x_scale[token] * _row_scale(w13_scale, expert)).to(x.dtype)
         act_fp8, act_scale = silu_and_mul_quant_fp8(gate_up, None)
         down = (act_fp8.float() @ w2[expert].float().T) * act_scale
-        down = down * _row_scale(w2_scale, expert)
-        out.index_add_(0, token, down * topk_weights[token, slot, None].float())
+        down = down * _row_scale(w2_scale, expert) * topk_weights[token, slot, None].float()
+        out.index_add_(0, token, down.to(x.dtype).float())
     return out.to(x.dtype)
 
 
