@@ -104,6 +104,7 @@ class MemoryPlan:
     def as_dict(self) -> dict:
         return {
             "weight_gib": self.weight_bytes / GiB,
+            "expert_weight_gib": self.expert_weight_bytes / GiB,
             "activation_gib": self.activation_bytes / GiB,
             "graph_reserve_gib": self.graph_reserve_bytes / GiB,
             "non_torch_gib": self.non_torch_bytes / GiB,

@@ -57,3 +57,32 @@ def test_a_dense_model_reads_every_weight() -> None:
     assert step.experts_per_layer == 0 and step.expert_bytes == 0
     assert step.non_expert_bytes == total - 1000 and step.total_bytes == total - 990
     assert step.active_parameters == step.total_parameters == pytest.approx(8.0e9, rel=0.01)
+
+
+def test_bench_latency_on_a_mixture_of_experts_counts_its_active_experts(tmp_path) -> None:
+    """`kiln bench latency` on a tiny Qwen3-MoE (4 experts, top-2, every layer sparse): the
+    record's roofline reads 2 of 4 experts a layer, and names the active parameters."""
+    import json
+
+    from kiln.cli.main import main
+    from tests.models.family_checks import save_tiny_hf
+
+    src = str(tmp_path / "moe")
+    save_tiny_hf(src, "qwen3_moe", "Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=32, head_dim=32, norm_topk_prob=True)  # fmt: skip
+    out = tmp_path / "lat.json"
+    args = ["bench", "latency", "--model", src, "--num-requests", "1", "--input-len", "8",
+            "--output-len", "4", "--warmup", "0", "--no-progress",
+            "--output-json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    record = json.loads(out.read_text())
+    roofline, plan = record["roofline"], record["memory_plan"]
+    assert roofline["experts_per_layer"] == pytest.approx(2)
+    assert roofline["active_parameters"] < roofline["total_parameters"]
+    expert_bytes = roofline["expert_bytes"]
+    assert expert_bytes == pytest.approx(plan["expert_weight_gib"] * 2**30 / 2)
+    assert expert_bytes > 0 and roofline["bytes_per_step"] == pytest.approx(
+        roofline["non_expert_bytes"] + expert_bytes + roofline["kv_bytes"]
+    )
+    # Half the experts' bytes (2 of 4), the other half not counted: below the weights' total.
+    assert roofline["bytes_per_step"] < plan["weight_gib"] * 2**30 + roofline["kv_bytes"]
