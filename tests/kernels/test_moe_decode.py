@@ -23,6 +23,8 @@ from kiln.layers.moe import quantize_experts_fp8
 moe_decode = importlib.import_module("kiln.kernels.triton.moe_decode")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# bf16 on the GPU only: the interpreter has no bf16 arithmetic of its own.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 HIDDEN, INTER, EXPERTS = 48, 40, 4
 
 
@@ -39,12 +41,13 @@ def _case(num_tokens: int, top_k: int, dtype: torch.dtype):
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     peak = want.float().abs().max()
     assert peak > 0.1  # not a vacuous zero-vs-zero comparison
-    tol = 1e-5 if dtype == torch.float32 else 4e-3  # fp16: gate_up and the activation round
+    # fp16 / bf16: gate_up and the activation round (bf16 keeps 8 bits).
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3}.get(dtype, 2e-2)
     torch.testing.assert_close(got.float(), want.float(), atol=tol * peak, rtol=0)
 
 
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 1), (1, 2), (3, 2), (16, 2)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_kernels_equal_their_twin(num_tokens, top_k, dtype) -> None:
     args = _case(num_tokens, top_k, dtype)
     got = moe_decode.fused_moe_decode(*args)
@@ -59,7 +62,7 @@ def test_the_twin_equals_the_loop_over_experts(dtype) -> None:
 
 
 @pytest.mark.parametrize("per_channel", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_float8_experts_equal_the_twin(per_channel, dtype) -> None:
     x, w13, w2, weights, ids = _case(3, 2, dtype)
     (w13_fp8, s13), (w2_fp8, s2) = quantize_experts_fp8(w13), quantize_experts_fp8(w2)

@@ -45,3 +45,15 @@ def test_rounds_to_a_dtype_other_than_the_logits() -> None:
     assert torch.equal(weights, weights.to(torch.bfloat16).float())
     want, _ = reference.moe_route(logits, 2, True, torch.bfloat16)
     torch.testing.assert_close(weights, want, atol=1e-2, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_cuda_graph_captures_the_router() -> None:
+    logits = torch.randn(4, 128, device=DEVICE).to(torch.bfloat16)
+    eager = moe_router.moe_route(logits, 8, True, torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe_router.moe_route(logits, 8, True, torch.bfloat16)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[1], eager[1]) and torch.equal(captured[0], eager[0])
