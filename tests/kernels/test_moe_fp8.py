@@ -67,11 +67,14 @@ def test_fp8_grouped_gemm_equals_its_twin(num_tokens, top_k, per_channel, dtype)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # silu(-100): -0, as torch's
-def test_the_gpus_tiles_equal_the_twin() -> None:
-    """The default tiles with K a multiple of BLOCK_K (the unmasked loads) and N not of BLOCK_N
-    (the wrapped columns)."""
-    args = _case(21, 2, torch.float32, True, hidden=128, inter=136)
-    got = moe_fp8.fused_moe_fp8_tiled(*args, moe_fp8.DEFAULT_TILES)
+@pytest.mark.parametrize("tma", [0, 1])
+def test_the_gpus_tiles_equal_the_twin(tma) -> None:
+    """The default tiles, by pointer loads or TMA descriptors: K a multiple of BLOCK_K (gate_up:
+    the unmasked loads) and not (down: the masked or zero-filled step), N not a multiple of
+    BLOCK_N (the wrapped columns; TMA's next expert's rows)."""
+    args = _case(21, 2, torch.float32, True, hidden=128, inter=144)
+    tiles = (*moe_fp8.DEFAULT_TILES[:5], tma)
+    got = moe_fp8.fused_moe_fp8_tiled(*args, tiles)
     _close(got, reference.fused_moe_fp8(*args), torch.float32)
 
 

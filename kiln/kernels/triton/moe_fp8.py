@@ -16,23 +16,30 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kiln.kernels.triton.fp8_gemm import quantize_fp8
 from kiln.kernels.triton.fused_moe import align_by_expert
 from kiln.kernels.triton.silu_mul import silu_and_mul_quant_fp8
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). The GPU's default is untuned: the kernel
-# benchmark (benchmarks/kernels_gpu.py, kernel moe_grouped_fp8) sweeps FP8_TILE_CANDIDATES.
-_INTERPRETER_TILES = (16, 32, 32, 4, 1)
-DEFAULT_TILES = (64, 128, 128, 4, 4)
-FP8_TILE_CANDIDATES = (
-    (64, 128, 128, 4, 4),
-    (64, 128, 128, 4, 3),
-    (128, 128, 128, 8, 4),
-    (128, 128, 128, 8, 3),
-    (64, 256, 128, 8, 3),
-    (128, 256, 128, 8, 3),
-    (128, 128, 64, 4, 4),
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, TMA: the weight tiles by the Hopper tensor
+# memory accelerator, 1, or by per-thread pointer loads, 0). The GPU's default is untuned: the
+# kernel benchmark (benchmarks/kernels_gpu.py --only moe) sweeps FP8_TILE_CANDIDATES.
+Tiles = tuple[int, int, int, int, int, int]
+_INTERPRETER_TILES: Tiles = (16, 32, 32, 4, 1, 0)
+DEFAULT_TILES: Tiles = (64, 128, 128, 4, 4, 0)
+FP8_TILE_CANDIDATES: tuple[Tiles, ...] = tuple(
+    (*tiles, tma)
+    for tma in (0, 1)
+    for tiles in (
+        (64, 128, 128, 4, 4),
+        (64, 128, 128, 4, 3),
+        (128, 128, 128, 8, 4),
+        (128, 128, 128, 8, 3),
+        (64, 256, 128, 8, 3),
+        (128, 256, 128, 8, 3),
+        (128, 128, 64, 4, 4),
+    )
 )
 
 
@@ -41,6 +48,7 @@ def _fp8_grouped_gemm_kernel(
     a_ptr,  # [num_pairs // A_PER_ROW, K] float8 e4m3
     a_scale_ptr,  # [num_pairs // A_PER_ROW] fp32: each row's scale
     w_ptr,  # [num_experts, N, K] float8 e4m3
+    w_desc,  # with TMA: a descriptor of w as [num_experts * N, K], [BLOCK_N, BLOCK_K] blocks
     w_scale_ptr,  # [num_experts] or [num_experts, N] fp32
     out_ptr,  # [num_pairs, N]
     weights_ptr,  # [num_pairs] fp32 routing weights (read with MUL_WEIGHT only)
@@ -60,6 +68,7 @@ def _fp8_grouped_gemm_kernel(
     MUL_WEIGHT: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask on the reduction
     INTERPRETED: tl.constexpr,  # the interpreter has no float8 dot: widen to fp32 (exact)
+    TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -79,13 +88,20 @@ def _fp8_grouped_gemm_kernel(
     a_tile = a_ptr + a_rows[:, None] * stride_a
     w_tile = w_ptr + expert * stride_we + w_cols[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # The TMA block's first row: columns past N read the next expert's rows (or zeros past
+    # the last), computed and never stored, as the wrapped pointer columns are.
+    desc_row = (expert * N + pid_n * BLOCK_N).to(tl.int32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             a = tl.load(a_tile + ks[None, :])
-            w = tl.load(w_tile + ks[:, None])  # [BLOCK_K, BLOCK_N]: K-major, as wgmma wants
         else:
             a = tl.load(a_tile + ks[None, :], mask=ks[None, :] < K, other=0.0)
+        if TMA:  # out-of-range K reads zeros
+            w = tl.trans(w_desc.load([desc_row, k0]))
+        elif EVEN_K:
+            w = tl.load(w_tile + ks[:, None])  # [BLOCK_K, BLOCK_N]: K-major, as wgmma wants
+        else:
             w = tl.load(w_tile + ks[:, None], mask=ks[:, None] < K, other=0.0)
         if INTERPRETED:
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
@@ -110,18 +126,22 @@ def _fp8_grouped_gemm(
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     a_per_row: int,
     mul_weight: bool,
-    tiles: tuple[int, int, int, int, int],
+    tiles: Tiles,
 ) -> None:
     sorted_pairs, block_experts, num_rows = aligned
     n, k = w.shape[1], w.shape[2]
-    block_m, block_n, block_k, num_warps, num_stages = tiles
+    block_m, block_n, block_k, num_warps, num_stages, tma = tiles
+    # TMA rows must start 16-byte aligned: one float8 row of K bytes.
+    desc = None
+    if tma and k % 16 == 0:
+        desc = TensorDescriptor.from_tensor(w.view(-1, k), [block_n, block_k])
     stride_sn = w_scale.stride(1) if w_scale.dim() == 2 else 0
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _fp8_grouped_gemm_kernel[grid](
-        a, a_scale, w, w_scale, out, weights, sorted_pairs, block_experts, num_rows,
+        a, a_scale, w, desc, w_scale, out, weights, sorted_pairs, block_experts, num_rows,
         out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), stride_sn,
         out.stride(0), A_PER_ROW=a_per_row, MUL_WEIGHT=mul_weight, EVEN_K=k % block_k == 0,
-        INTERPRETED=a.device.type != "cuda", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        INTERPRETED=a.device.type != "cuda", TMA=desc is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
@@ -147,7 +167,7 @@ def fused_moe_fp8_tiled(
     topk_ids: torch.Tensor,
     w13_scale: torch.Tensor | None,
     w2_scale: torch.Tensor | None,
-    tiles: tuple[int, int, int, int, int],  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+    tiles: Tiles,  # see DEFAULT_TILES
 ) -> torch.Tensor:
     """fused_moe_fp8 at given tiles (tests run the GPU's under the interpreter; the kernel
     benchmark sweeps them)."""
