@@ -141,8 +141,8 @@ def _fp8_grouped_gemm(
         a, a_scale, w, desc, w_scale, out, weights, sorted_pairs, block_experts, num_rows,
         out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), stride_sn,
         out.stride(0), A_PER_ROW=a_per_row, MUL_WEIGHT=mul_weight, EVEN_K=k % block_k == 0,
-        INTERPRETED=a.device.type != "cuda", TMA=desc is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages,
+        INTERPRETED=a.device.type != "cuda", TMA=desc is not None, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 
