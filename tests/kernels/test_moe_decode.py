@@ -87,6 +87,14 @@ def test_the_gpus_tiles_equal_the_twin(tiles) -> None:
     _close(got, reference.fused_moe_decode(*args), torch.float32)
 
 
+def test_a_long_reduction_split_into_chunks_equals_the_twin(monkeypatch) -> None:
+    """The down GEMV's reduction in chunks (Mixtral's 14336 in 2048s; here 40 in three 16s),
+    each chunk's rows summed after."""
+    monkeypatch.setattr(moe_decode, "_MAX_K_CHUNK", 16)
+    args = _case(3, 2, torch.float32)
+    _close(moe_decode.fused_moe_decode(*args), reference.fused_moe_decode(*args), torch.float32)
+
+
 def test_enough_programs_for_every_sm_at_batch_1() -> None:
     # Qwen3-30B-A3B: 8 pairs x 768 columns (gate_up), 8 pairs x 2048 columns (down); 132 SMs.
     device = torch.device("cpu")

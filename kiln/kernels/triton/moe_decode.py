@@ -2,11 +2,11 @@
 launches that read only the chosen experts' weights, with no sort by expert and no padding to a
 GEMM row block. The first runs one program per (token, top-k slot, column tile) of the gate_up
 projection and applies SiLU-and-mul to its gate and up halves in registers; the second one per
-(token, slot, column tile) of the down projection, scaling the expert's product by its routing
-weight into an fp32 row per (token, slot); a third sums each token's k rows in slot order (no
-atomics: the sum's order is fixed) and rounds once. Column tiles are narrow enough that batch 1
-launches hundreds of programs, each with few serial loads, so every SM keeps weight bytes in
-flight.
+(token, slot, column tile, chunk of a long reduction) of the down projection, scaling the
+expert's product by its routing weight into an fp32 row per (token, slot, chunk); a third sums
+each token's rows in slot order (no atomics: the sum's order is fixed) and rounds once. Column
+tiles are narrow enough that batch 1 launches hundreds of programs, each with few serial loads,
+so every SM keeps weight bytes in flight.
 
 Weights are the model dtype's or float8 e4m3 (widened in registers; weight-only) with a scale
 per expert ([E]) or per expert and output channel ([E, N]). Everything is on the device with
@@ -29,6 +29,7 @@ MAX_DECODE_TOKENS = 16
 Tiles = tuple[int, int, int, int, int, int]
 _INTERPRETER_TILES: Tiles = (8, 16, 4, 8, 16, 4)
 _BLOCK_K, _NUM_WARPS = 256, 4
+_MAX_K_CHUNK = 2048  # the down GEMV's reduction per program, at most
 _COLUMN_TILES = (32, 16, 8)  # widest first: fewer, longer programs while there are enough
 DECODE_TILE_CANDIDATES: tuple[Tiles, ...] = (
     (16, 256, 4, 16, 256, 4),
@@ -110,9 +111,10 @@ def _down_kernel(
     scale_ptr,  # [num_experts] or [num_experts, N] fp32 (read with SCALED only)
     ids_ptr,  # [num_pairs] int
     weights_ptr,  # [num_pairs] fp32 routing weights
-    out_ptr,  # [num_pairs, N] fp32: each pair's weighted down product
+    out_ptr,  # [num_pairs * num_splits, N] fp32: each pair's weighted down product, by K chunk
     N,
     K,
+    K_CHUNK,  # a multiple of BLOCK_K: the reduction's split (Mixtral's 14336: several programs)
     stride_h,
     stride_we,
     stride_wn,
@@ -125,11 +127,13 @@ def _down_kernel(
 ):
     pair = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
     col_mask = cols < N
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = split * K_CHUNK
+    for k0 in range(k_start, tl.minimum(k_start + K_CHUNK, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         hk = tl.load(h_ptr + pair * stride_h + ks, mask=k_mask, other=0.0).to(tl.float32)
@@ -139,14 +143,15 @@ def _down_kernel(
     if SCALED:
         down *= tl.load(scale_ptr + expert * stride_se + cols * stride_sn, mask=col_mask, other=0.0)
     down *= tl.load(weights_ptr + pair)
-    tl.store(out_ptr + pair * stride_out + cols, down, mask=col_mask)
+    out_row = pair * tl.num_programs(2) + split
+    tl.store(out_ptr + out_row * stride_out + cols, down, mask=col_mask)
 
 
 @triton.jit
 def _sum_slots_kernel(
-    rows_ptr,  # [num_tokens * top_k, N] fp32
+    rows_ptr,  # [num_tokens * rows_per_token, N] fp32
     out_ptr,  # [num_tokens, N]
-    top_k,
+    rows_per_token,  # top_k x the down GEMV's K splits
     N,
     BLOCK: tl.constexpr,
 ):
@@ -154,8 +159,8 @@ def _sum_slots_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for slot in range(top_k):  # in slot order, as the reference adds them
-        total += tl.load(rows_ptr + (token * top_k + slot) * N + cols, mask=mask, other=0.0)
+    for row in range(rows_per_token):  # in slot order, as the reference adds them
+        total += tl.load(rows_ptr + (token * rows_per_token + row) * N + cols, mask=mask, other=0.0)
     tl.store(out_ptr + token * N + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -217,15 +222,18 @@ def fused_moe_decode_tiled(
         s13_e, s13_n, act.stride(0), SCALED=w13_scale is not None, INTERPRETED=interpreted,
         BLOCK_N=n1, BLOCK_K=k1, num_warps=warps1,
     )  # fmt: skip
-    down = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    # A long reduction (Mixtral's 14336) split into chunks of a few serial loads a program.
+    chunk = triton.cdiv(triton.cdiv(inter, triton.cdiv(inter, _MAX_K_CHUNK)), k2) * k2
+    num_splits = triton.cdiv(inter, chunk)
+    down = torch.empty(num_pairs * num_splits, hidden, dtype=torch.float32, device=x.device)
     s2, s2_e, s2_n = _scale_args(w2_scale, weights)
-    _down_kernel[(num_pairs, triton.cdiv(hidden, n2))](
-        act, w2, s2, ids, weights, down, hidden, inter, act.stride(0), w2.stride(0),
+    _down_kernel[(num_pairs, triton.cdiv(hidden, n2), num_splits)](
+        act, w2, s2, ids, weights, down, hidden, inter, chunk, act.stride(0), w2.stride(0),
         w2.stride(1), s2_e, s2_n, down.stride(0), SCALED=w2_scale is not None,
         BLOCK_N=n2, BLOCK_K=k2, num_warps=warps2,
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        down, out, top_k, hidden, BLOCK=block
+        down, out, top_k * num_splits, hidden, BLOCK=block
     )
     return out
