@@ -79,7 +79,7 @@ def test_float8_experts_equal_the_twin(per_channel, dtype) -> None:
         _close(want, reference.fused_moe(*args), dtype)
 
 
-@pytest.mark.parametrize("tiles", [(16, 256, 4, 32, 256, 4), (8, 512, 8, 16, 128, 4)])
+@pytest.mark.parametrize("tiles", [(16, 256, 4, 32, 256, 4, 3), (8, 512, 8, 16, 128, 4, 2)])
 def test_the_gpus_tiles_equal_the_twin(tiles) -> None:
     """Tiles the GPU may run: BLOCK_K wider than the hidden size (one masked step)."""
     args = _case(2, 2, torch.float32)

@@ -5,8 +5,9 @@ projection and applies SiLU-and-mul to its gate and up halves in registers; the 
 (token, slot, column tile, chunk of a long reduction) of the down projection, scaling the
 expert's product by its routing weight into an fp32 row per (token, slot, chunk); a third sums
 each token's rows in slot order (no atomics: the sum's order is fixed) and rounds once. Column
-tiles are narrow enough that batch 1 launches hundreds of programs, each with few serial loads,
-so every SM keeps weight bytes in flight.
+tiles are narrow enough that batch 1 launches hundreds of programs, and each program's loop is
+software-pipelined (weight tiles stream into shared memory stages ahead of the sums), so every
+SM keeps weight bytes in flight.
 
 Weights are the model dtype's or float8 e4m3 (widened in registers; weight-only) with a scale
 per expert ([E]) or per expert and output channel ([E, N]). Everything is on the device with
@@ -23,21 +24,23 @@ from kiln.kernels.triton.silu_mul import _silu_f32
 
 # Up to this many tokens the layer runs these kernels (kiln.layers.moe); beyond, the grouped GEMM.
 MAX_DECODE_TOKENS = 16
-# (gate_up BLOCK_N, BLOCK_K, num_warps, down BLOCK_N, BLOCK_K, num_warps); the GPU's BLOCK_N is
-# picked by the launch's size (_block_n). Untuned: benchmarks/kernels_gpu.py --only moe sweeps
+# (gate_up BLOCK_N, BLOCK_K, num_warps, down BLOCK_N, BLOCK_K, num_warps, pipeline stages); the
+# GPU's BLOCK_N is picked by the launch's size (_block_n), its BLOCK_K by the weights' width (512
+# bytes of a row a step). Untuned: benchmarks/kernels_gpu.py --only moe sweeps
 # DECODE_TILE_CANDIDATES. The interpreter's cost grows with the tiles.
-Tiles = tuple[int, int, int, int, int, int]
-_INTERPRETER_TILES: Tiles = (8, 16, 4, 8, 16, 4)
-_BLOCK_K, _NUM_WARPS = 256, 4
+Tiles = tuple[int, int, int, int, int, int, int]
+_INTERPRETER_TILES: Tiles = (8, 16, 4, 8, 16, 4, 1)
+_ROW_BYTES, _NUM_WARPS, _NUM_STAGES = 512, 4, 3
 _MAX_K_CHUNK = 2048  # the down GEMV's reduction per program, at most
 _COLUMN_TILES = (32, 16, 8)  # widest first: fewer, longer programs while there are enough
 DECODE_TILE_CANDIDATES: tuple[Tiles, ...] = (
-    (16, 256, 4, 16, 256, 4),
-    (8, 256, 4, 8, 256, 4),
-    (16, 512, 8, 16, 256, 4),
-    (32, 256, 8, 32, 256, 8),
-    (16, 128, 4, 32, 128, 4),
-    (8, 512, 4, 16, 512, 8),
+    (16, 256, 4, 16, 256, 4, 3),
+    (16, 512, 4, 32, 512, 4, 3),
+    (8, 512, 4, 16, 512, 4, 3),
+    (16, 256, 4, 32, 256, 4, 4),
+    (32, 256, 8, 32, 256, 8, 3),
+    (16, 128, 4, 16, 128, 4, 4),
+    (16, 512, 8, 16, 512, 8, 2),
 )
 
 
@@ -70,6 +73,7 @@ def _gate_up_act_kernel(
     INTERPRETED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     pair = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -78,19 +82,18 @@ def _gate_up_act_kernel(
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     gate_rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
     up_rows = gate_rows + N * stride_wn
-    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # Pipelined: the next stages' weight tiles stream into shared memory while one is summed.
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         xk = tl.load(x_ptr + token * stride_x + ks, mask=k_mask, other=0.0).to(tl.float32)
         mask = col_mask[:, None] & k_mask[None, :]
         g = tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc_gate += g * xk[None, :]
-        acc_up += u * xk[None, :]
-    gate = tl.sum(acc_gate, axis=1)
-    up = tl.sum(acc_up, axis=1)
+        gate += tl.sum(g * xk[None, :], axis=1)
+        up += tl.sum(u * xk[None, :], axis=1)
     if SCALED:
         scales = scale_ptr + expert * stride_se
         gate *= tl.load(scales + cols * stride_sn, mask=col_mask, other=0.0)
@@ -124,6 +127,7 @@ def _down_kernel(
     SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -131,15 +135,15 @@ def _down_kernel(
     col_mask = cols < N
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    down = tl.zeros((BLOCK_N,), dtype=tl.float32)
     k_start = split * K_CHUNK
-    for k0 in range(k_start, tl.minimum(k_start + K_CHUNK, K), BLOCK_K):
+    k_end = tl.minimum(k_start + K_CHUNK, K)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         hk = tl.load(h_ptr + pair * stride_h + ks, mask=k_mask, other=0.0).to(tl.float32)
         w = tl.load(rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += w.to(tl.float32) * hk[None, :]
-    down = tl.sum(acc, axis=1)
+        down += tl.sum(w.to(tl.float32) * hk[None, :], axis=1)
     if SCALED:
         down *= tl.load(scale_ptr + expert * stride_se + cols * stride_sn, mask=col_mask, other=0.0)
     down *= tl.load(weights_ptr + pair)
@@ -207,11 +211,12 @@ def fused_moe_decode_tiled(
         if interpreted:
             tiles = _INTERPRETER_TILES
         else:
+            block_k = _ROW_BYTES // w13.element_size()
             tiles = (
-                _block_n(num_pairs, inter, x.device), _BLOCK_K, _NUM_WARPS,
-                _block_n(num_pairs, hidden, x.device), _BLOCK_K, _NUM_WARPS,
+                _block_n(num_pairs, inter, x.device), block_k, _NUM_WARPS,
+                _block_n(num_pairs, hidden, x.device), block_k, _NUM_WARPS, _NUM_STAGES,
             )  # fmt: skip
-    n1, k1, warps1, n2, k2, warps2 = tiles
+    n1, k1, warps1, n2, k2, warps2, stages = tiles
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
@@ -220,7 +225,7 @@ def fused_moe_decode_tiled(
     _gate_up_act_kernel[(num_pairs, triton.cdiv(inter, n1))](
         x, w13, s13, ids, act, top_k, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
         s13_e, s13_n, act.stride(0), SCALED=w13_scale is not None, INTERPRETED=interpreted,
-        BLOCK_N=n1, BLOCK_K=k1, num_warps=warps1,
+        BLOCK_N=n1, BLOCK_K=k1, NUM_STAGES=stages, num_warps=warps1,
     )  # fmt: skip
     # A long reduction (Mixtral's 14336) split into chunks of a few serial loads a program.
     chunk = triton.cdiv(triton.cdiv(inter, triton.cdiv(inter, _MAX_K_CHUNK)), k2) * k2
@@ -230,7 +235,7 @@ def fused_moe_decode_tiled(
     _down_kernel[(num_pairs, triton.cdiv(hidden, n2), num_splits)](
         act, w2, s2, ids, weights, down, hidden, inter, chunk, act.stride(0), w2.stride(0),
         w2.stride(1), s2_e, s2_n, down.stride(0), SCALED=w2_scale is not None,
-        BLOCK_N=n2, BLOCK_K=k2, num_warps=warps2,
+        BLOCK_N=n2, BLOCK_K=k2, NUM_STAGES=stages, num_warps=warps2,
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block))](
