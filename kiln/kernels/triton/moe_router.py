@@ -63,10 +63,14 @@ def moe_route(
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
     if num_tokens == 0:
         return weights, ids
+    block_e = triton.next_power_of_2(num_experts)
+    # One warp holds a few hundred logits: its top-k's 2k reductions stay warp shuffles, with
+    # no shared-memory round trip and barrier each (they run one after another).
     _route_kernel[(num_tokens,)](
         router_logits, weights, ids, num_experts, router_logits.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, ROUND=dtype == router_logits.dtype,
-        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=1 if block_e <= 512 else 4,
     )  # fmt: skip
     if dtype != router_logits.dtype and dtype != torch.float32:
         weights = weights.to(dtype).float()
