@@ -93,10 +93,11 @@ def quantize_experts_fp8(
 
 class Fp8MoEMethod(MoEMethod):
     """The experts' weights in float8 e4m3 with a per-expert per-tensor scale each
-    (quantization="fp8-dynamic"): half the bytes a decode step reads. A model-dtype checkpoint's
-    experts are quantized as they load (quantize_experts_fp8); an engine directory holds them
-    quantized. A decode step's few tokens widen them to the activations' dtype (weight-only);
-    larger steps quantize the activations per token and run the float8 tensor cores."""
+    (quantization="fp8-dynamic", or "fp8" on dummy weights): half the bytes a decode step
+    reads. A model-dtype checkpoint's experts are quantized as they load
+    (quantize_experts_fp8); an engine directory holds them quantized. A decode step's few
+    tokens widen them to the activations' dtype (weight-only); larger steps quantize the
+    activations per token and run the float8 tensor cores."""
 
     def create_weights(self, layer: FusedMoE, dtype: torch.dtype | None) -> None:
         e, h, n = layer.num_experts, layer.hidden_size, layer.intermediate_size
