@@ -22,8 +22,6 @@ import triton.language as tl
 from kiln.kernels.triton._device import num_sms
 from kiln.kernels.triton.silu_mul import _silu_f32
 
-# Up to this many tokens the layer runs these kernels (kiln.layers.moe); beyond, the grouped GEMM.
-MAX_DECODE_TOKENS = 16
 # (gate_up BLOCK_N, BLOCK_K, num_warps, down BLOCK_N, BLOCK_K, num_warps, pipeline stages); the
 # GPU's BLOCK_N is picked by the launch's size (_block_n), its BLOCK_K by the weights' width (512
 # bytes of a row a step). Untuned: benchmarks/kernels_gpu.py --only moe sweeps
