@@ -79,7 +79,10 @@ def test_float8_experts_equal_the_twin(per_channel, dtype) -> None:
         _close(want, reference.fused_moe(*args), dtype)
 
 
-@pytest.mark.parametrize("tiles", [(16, 256, 4, 32, 256, 4, 3), (8, 512, 8, 16, 128, 4, 2)])
+@pytest.mark.parametrize(
+    "tiles",
+    [(16, 256, 4, 32, 256, 4, 3, 1), (8, 512, 8, 16, 128, 4, 2, 0), (8, 16, 4, 8, 16, 4, 1, 0)],
+)
 def test_the_gpus_tiles_equal_the_twin(tiles) -> None:
     """Tiles the GPU may run: BLOCK_K wider than the hidden size (one masked step)."""
     args = _case(2, 2, torch.float32)
@@ -88,18 +91,19 @@ def test_the_gpus_tiles_equal_the_twin(tiles) -> None:
 
 
 def test_a_long_reduction_split_into_chunks_equals_the_twin(monkeypatch) -> None:
-    """The down GEMV's reduction in chunks (Mixtral's 14336 in 2048s; here 40 in three 16s),
-    each chunk's rows summed after."""
+    """The split down variant's reduction in chunks (Mixtral's 14336 in 2048s; here 40 in
+    three 16s), each chunk's rows summed after."""
     monkeypatch.setattr(moe_decode, "_MAX_K_CHUNK", 16)
     args = _case(3, 2, torch.float32)
-    _close(moe_decode.fused_moe_decode(*args), reference.fused_moe_decode(*args), torch.float32)
+    got = moe_decode.fused_moe_decode_tiled(*args, None, None, (8, 16, 4, 8, 16, 4, 1, 0))
+    _close(got, reference.fused_moe_decode(*args), torch.float32)
 
 
 def test_enough_programs_for_every_sm_at_batch_1() -> None:
-    # Qwen3-30B-A3B: 8 pairs x 768 columns (gate_up), 8 pairs x 2048 columns (down); 132 SMs.
+    # Qwen3-30B-A3B: 8 pairs x 768 columns (gate_up), 1 token x 2048 columns (down); 132 SMs.
     device = torch.device("cpu")
-    for columns in (768, 2048):
-        assert 8 * -(-columns // moe_decode._block_n(8, columns, device)) >= 2 * 132
+    assert 8 * -(-768 // moe_decode._block_n(8, 768, device)) >= 2 * 132  # gate_up
+    assert -(-2048 // moe_decode._block_n(1, 2048, device)) >= 2 * 132 - 8  # down: 256
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -39,7 +39,8 @@ def _ptx(fn, signature: dict, constants: dict, num_warps: int = 4, num_stages: i
 
 
 def _compile_all() -> dict[str, str]:
-    """Each case's PTX: the decode kernels at their default tiles (bf16 and float8 weights),
+    """Each case's PTX: the decode kernels at their default tiles (bf16 and float8 weights; the
+    split down variant too),
     the float8 grouped GEMM at its default tiles (pointer loads and TMA), the router."""
     from kiln.kernels.triton import moe_decode, moe_fp8, moe_router
 
@@ -55,6 +56,13 @@ def _compile_all() -> dict[str, str]:
              **dict.fromkeys(_STRIDES, "i32")},
             {"SCALED": scaled, "INTERPRETED": False, "BLOCK_N": 16, "BLOCK_K": block_k,
              "NUM_STAGES": stages},
+        )  # fmt: skip
+        ptx[f"down_sum {weight}"] = _ptx(
+            moe_decode._down_sum_kernel,
+            {"h_ptr": "*bf16", "w_ptr": f"*{weight}", "scale_ptr": "*fp32", "ids_ptr": "*i64",
+             "weights_ptr": "*fp32", "out_ptr": "*bf16", "top_k": "i32", "N": "i32", "K": "i32",
+             "stride_h": "i32", **dict.fromkeys(_STRIDES, "i32")},
+            {"SCALED": scaled, "BLOCK_N": 8, "BLOCK_K": block_k, "NUM_STAGES": stages},
         )  # fmt: skip
         ptx[f"down {weight}"] = _ptx(
             moe_decode._down_kernel,
@@ -101,8 +109,11 @@ def ptx() -> dict[str, str]:
 
 
 def test_decode_kernels_pipeline_their_weight_loads(ptx) -> None:
-    for case in ("gate_up bf16", "down bf16", "gate_up fp8e4nv", "down fp8e4nv"):
-        assert "cp.async" in ptx[case], case  # weight tiles staged in shared memory ahead of use
+    for weight in ("bf16", "fp8e4nv"):
+        for kernel in ("gate_up", "down_sum", "down"):
+            # Weight tiles staged in shared memory ahead of use; the slot loop's expert ids too.
+            assert "cp.async" in ptx[f"{kernel} {weight}"], (kernel, weight)
+        assert "ld.global" not in ptx[f"down_sum {weight}"]
 
 
 def test_the_fp8_grouped_gemm_runs_on_the_float8_tensor_cores(ptx) -> None:

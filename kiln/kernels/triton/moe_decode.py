@@ -2,12 +2,14 @@
 launches that read only the chosen experts' weights, with no sort by expert and no padding to a
 GEMM row block. The first runs one program per (token, top-k slot, column tile) of the gate_up
 projection and applies SiLU-and-mul to its gate and up halves in registers; the second one per
-(token, slot, column tile, chunk of a long reduction) of the down projection, scaling the
-expert's product by its routing weight into an fp32 row per (token, slot, chunk); a third sums
-each token's rows in slot order (no atomics: the sum's order is fixed) and rounds once. Column
-tiles are narrow enough that batch 1 launches hundreds of programs, and each program's loop is
-software-pipelined (weight tiles stream into shared memory stages ahead of the sums), so every
-SM keeps weight bytes in flight.
+(token, column tile) of the down projection, looping over the token's k slots, scaling each
+expert's product by its routing weight and summing in fp32 in slot order (no atomics) into the
+output. Column tiles are narrow enough that batch 1 launches hundreds of programs, and each
+program's loop is software-pipelined (weight tiles, and the next slot's expert id, stream into
+shared memory stages ahead of the sums), so every SM keeps weight bytes in flight. A variant
+of the down projection (tile candidates ending in 0) runs one program per (token, slot, column
+tile, chunk of a long reduction) into fp32 rows and sums them in a third launch: more programs,
+one more launch.
 
 Weights are the model dtype's or float8 e4m3 (widened in registers; weight-only) with a scale
 per expert ([E]) or per expert and output channel ([E, N]). Everything is on the device with
@@ -22,23 +24,28 @@ import triton.language as tl
 from kiln.kernels.triton._device import num_sms
 from kiln.kernels.triton.silu_mul import _silu_f32
 
-# (gate_up BLOCK_N, BLOCK_K, num_warps, down BLOCK_N, BLOCK_K, num_warps, pipeline stages); the
-# GPU's BLOCK_N is picked by the launch's size (_block_n), its BLOCK_K by the weights' width (512
-# bytes of a row a step). Untuned: benchmarks/kernels_gpu.py --only moe sweeps
+# (gate_up BLOCK_N, BLOCK_K, num_warps, down BLOCK_N, BLOCK_K, num_warps, pipeline stages, down
+# variant: 1 one program per (token, column tile) looping over the k slots into the output, 0
+# one per (token, slot, column tile, K chunk) into fp32 rows that a third launch sums). The
+# GPU's BLOCK_N is picked by the launch's size (_block_n), its BLOCK_K by the weights' width
+# (512 bytes of a row a step). Untuned: benchmarks/kernels_gpu.py --only moe sweeps
 # DECODE_TILE_CANDIDATES. The interpreter's cost grows with the tiles.
-Tiles = tuple[int, int, int, int, int, int, int]
-_INTERPRETER_TILES: Tiles = (8, 16, 4, 8, 16, 4, 1)
+Tiles = tuple[int, int, int, int, int, int, int, int]
+_INTERPRETER_TILES: Tiles = (8, 16, 4, 8, 16, 4, 1, 1)
 _ROW_BYTES, _NUM_WARPS, _NUM_STAGES = 512, 4, 3
-_MAX_K_CHUNK = 2048  # the down GEMV's reduction per program, at most
+_MAX_K_CHUNK = 2048  # the split down GEMV's reduction per program, at most
 _COLUMN_TILES = (32, 16, 8)  # widest first: fewer, longer programs while there are enough
-DECODE_TILE_CANDIDATES: tuple[Tiles, ...] = (
-    (16, 256, 4, 16, 256, 4, 3),
-    (16, 512, 4, 32, 512, 4, 3),
-    (8, 512, 4, 16, 512, 4, 3),
-    (16, 256, 4, 32, 256, 4, 4),
-    (32, 256, 8, 32, 256, 8, 3),
-    (16, 128, 4, 16, 128, 4, 4),
-    (16, 512, 8, 16, 512, 8, 2),
+DECODE_TILE_CANDIDATES: tuple[Tiles, ...] = tuple(
+    (*tiles, fused_sum)
+    for fused_sum in (1, 0)
+    for tiles in (
+        (16, 256, 4, 16, 256, 4, 3),
+        (16, 512, 4, 8, 512, 4, 3),
+        (8, 512, 4, 8, 512, 4, 4),
+        (16, 256, 4, 32, 256, 4, 4),
+        (32, 256, 8, 32, 256, 8, 3),
+        (16, 512, 8, 16, 512, 8, 2),
+    )
 )
 
 
@@ -150,6 +157,53 @@ def _down_kernel(
 
 
 @triton.jit
+def _down_sum_kernel(
+    h_ptr,  # [num_tokens * top_k, K]: the activations of each (token, slot) pair
+    w_ptr,  # [num_experts, N, K]
+    scale_ptr,  # [num_experts] or [num_experts, N] fp32 (read with SCALED only)
+    ids_ptr,  # [num_tokens * top_k] int
+    weights_ptr,  # [num_tokens * top_k] fp32 routing weights
+    out_ptr,  # [num_tokens, N]
+    top_k,
+    N,
+    K,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_out,
+    SCALED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    k_steps = tl.cdiv(K, BLOCK_K)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # One loop over (slot, K step), so the pipeline streams the next slot's expert (its id
+    # loaded stages ahead too) while this one's last steps are summed.
+    for i in tl.range(0, top_k * k_steps, num_stages=NUM_STAGES):
+        slot = i // k_steps
+        ks = (i - slot * k_steps) * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        pair = token * top_k + slot
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        hk = tl.load(h_ptr + pair * stride_h + ks, mask=k_mask, other=0.0).to(tl.float32)
+        rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+        w = tl.load(rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        part = tl.sum(w.to(tl.float32) * hk[None, :], axis=1)
+        if SCALED:
+            scales = scale_ptr + expert * stride_se + cols * stride_sn
+            part *= tl.load(scales, mask=col_mask, other=0.0)
+        total += part * tl.load(weights_ptr + pair)
+    out = out_ptr + token * stride_out + cols
+    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
 def _sum_slots_kernel(
     rows_ptr,  # [num_tokens * rows_per_token, N] fp32
     out_ptr,  # [num_tokens, N]
@@ -212,9 +266,9 @@ def fused_moe_decode_tiled(
             block_k = _ROW_BYTES // w13.element_size()
             tiles = (
                 _block_n(num_pairs, inter, x.device), block_k, _NUM_WARPS,
-                _block_n(num_pairs, hidden, x.device), block_k, _NUM_WARPS, _NUM_STAGES,
+                _block_n(num_tokens, hidden, x.device), block_k, _NUM_WARPS, _NUM_STAGES, 1,
             )  # fmt: skip
-    n1, k1, warps1, n2, k2, warps2, stages = tiles
+    n1, k1, warps1, n2, k2, warps2, stages, fused_sum = tiles
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
@@ -225,11 +279,18 @@ def fused_moe_decode_tiled(
         s13_e, s13_n, act.stride(0), SCALED=w13_scale is not None, INTERPRETED=interpreted,
         BLOCK_N=n1, BLOCK_K=k1, NUM_STAGES=stages, num_warps=warps1,
     )  # fmt: skip
+    s2, s2_e, s2_n = _scale_args(w2_scale, weights)
+    if fused_sum:
+        _down_sum_kernel[(num_tokens, triton.cdiv(hidden, n2))](
+            act, w2, s2, ids, weights, out, top_k, hidden, inter, act.stride(0), w2.stride(0),
+            w2.stride(1), s2_e, s2_n, out.stride(0), SCALED=w2_scale is not None,
+            BLOCK_N=n2, BLOCK_K=k2, NUM_STAGES=stages, num_warps=warps2,
+        )  # fmt: skip
+        return out
     # A long reduction (Mixtral's 14336) split into chunks of a few serial loads a program.
     chunk = triton.cdiv(triton.cdiv(inter, triton.cdiv(inter, _MAX_K_CHUNK)), k2) * k2
     num_splits = triton.cdiv(inter, chunk)
     down = torch.empty(num_pairs * num_splits, hidden, dtype=torch.float32, device=x.device)
-    s2, s2_e, s2_n = _scale_args(w2_scale, weights)
     _down_kernel[(num_pairs, triton.cdiv(hidden, n2), num_splits)](
         act, w2, s2, ids, weights, down, hidden, inter, chunk, act.stride(0), w2.stride(0),
         w2.stride(1), s2_e, s2_n, down.stride(0), SCALED=w2_scale is not None,
