@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kiln.kernels.triton.fp8_gemm import quantize_fp8
 from kiln.kernels.triton.fused_moe import align_by_expert
@@ -135,6 +134,9 @@ def _fp8_grouped_gemm(
     # TMA rows must start 16-byte aligned: one float8 row of K bytes.
     desc = None
     if tma and k % 16 == 0:
+        # Imported here: host descriptors came with Triton 3.4; kiln asks for 3.0 and up.
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
         desc = TensorDescriptor.from_tensor(w.view(-1, k), [block_n, block_k])
     stride_sn = w_scale.stride(1) if w_scale.dim() == 2 else 0
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
