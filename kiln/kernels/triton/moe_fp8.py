@@ -134,7 +134,7 @@ def _fp8_grouped_gemm(
     # TMA rows must start 16-byte aligned: one float8 row of K bytes.
     desc = None
     if tma and k % 16 == 0:
-        # Imported here: host descriptors came with Triton 3.4; kiln asks for 3.0 and up.
+        # Imported here: host descriptors are recent in Triton; kiln asks for 3.0 and up.
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         desc = TensorDescriptor.from_tensor(w.view(-1, k), [block_n, block_k])
