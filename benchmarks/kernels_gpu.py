@@ -1,11 +1,12 @@
 """Time each Triton kernel against its pure-PyTorch twin (kiln.kernels.reference) and, for
 attention, against torch's scaled_dot_product_attention on equivalent contiguous data, at
-Llama-3.1-8B shapes.
+Llama-3.1-8B shapes (the mixture-of-experts rows at Qwen3-30B-A3B's: benchmarks/moe_kernels.py).
 
     python benchmarks/kernels_gpu.py kernels.json
     python benchmarks/kernels_gpu.py kernels_long.json --long   # the long-context rows (issue 54)
     python benchmarks/kernels_gpu.py /tmp/kernels_tiny.json --tiny   # CPU smoke run (interpreter)
     python benchmarks/kernels_gpu.py lora.json --only lora            # the LoRA rows alone
+    python benchmarks/kernels_gpu.py moe.json --only moe              # the MoE rows alone
     python benchmarks/kernels_gpu.py /tmp/kernels_tiny.json --tiny --long
 
 Each kernel is timed twice: `eager` (triton.testing.do_bench on the Python call, L2 flushed:
@@ -33,10 +34,11 @@ from types import ModuleType
 
 import torch
 
-from kiln.kernels.kv_layout import empty_cache
-
 # Runnable from a plain checkout (kiln need not be installed): put the repo root on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import moe_kernels
+from kiln.kernels.kv_layout import empty_cache
 
 
 @dataclass(frozen=True)
@@ -204,11 +206,17 @@ def run(shapes: Shapes, device: torch.device, only: str | None = None) -> list[d
             row["GB/s"] = row["bytes"] / ms / 1e6
         if ms is not None and "flops" in row:
             row["TFLOP/s"] = row["flops"] / ms / 1e9
+            if row.get("fp8_peak_tflops"):
+                row["fp8_peak_fraction"] = row["TFLOP/s"] / row["fp8_peak_tflops"]
         rows.append(row)
         _print_row(row)
 
     if only == "lora":
         _lora_rows(s, device, gen, record)
+        return rows
+    moe_shapes = moe_kernels.TINY if s is TINY else moe_kernels.QWEN3_30B_A3B
+    if only == "moe":
+        moe_kernels.moe_rows(moe_shapes, device, gen, record)
         return rows
 
     # --- decode attention: every sequence at the same context length ---------------------------
@@ -330,6 +338,7 @@ def run(shapes: Shapes, device: torch.device, only: str | None = None) -> list[d
                    **({"max_abs_err": rot_err} if impl == "triton" else {}))  # fmt: skip
 
     _lora_rows(s, device, gen, record)
+    moe_kernels.moe_rows(moe_shapes, device, gen, record)
     return rows
 
 
@@ -547,6 +556,8 @@ def _print_row(row: dict) -> None:
         rate = f"{row['GB/s']:9.1f} GB/s"
     elif "TFLOP/s" in row:
         rate = f"{row['TFLOP/s']:9.2f} TFLOP/s"
+        if "fp8_peak_fraction" in row:
+            rate += f" ({row['fp8_peak_fraction']:.0%} of {row['fp8_peak_tflops']:.0f} FP8 peak)"
     err = f"  err={row['max_abs_err']:.2e}" if "max_abs_err" in row else ""
     tiles = f"  tiles={row['tiles']}" if "tiles" in row else ""
     print(f"{row['kernel']:<19}{row['case']:<24}{row['impl']:<16}{timing}{rate:>18}{err}{tiles}")
@@ -559,7 +570,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tiny", action="store_true", help="tiny fp32 shapes (a smoke run; CPU interpreter)"
     )
-    parser.add_argument("--only", choices=("lora",), help="these rows only (default: all)")
+    parser.add_argument("--only", choices=("lora", "moe"), help="these rows only (default: all)")
     parser.add_argument(
         "--long", action="store_true", help="the long-context rows: 16k prefill, decode to 128k"
     )

@@ -21,6 +21,7 @@ from kiln.bench.report import (
     measure_copy_bandwidth,
     write_json,
 )
+from kiln.bench.roofline import decode_step_bytes
 from kiln.bench.workload import BenchRequest, benchmark_requests, synthetic_requests
 from kiln.checkpoint.default_model import default_model_path
 from kiln.config import EngineConfig
@@ -221,18 +222,22 @@ def _step_profile(runner_timing: dict, step_clock: dict) -> dict:
 
 
 def _decode_roofline(engine: LLMEngine, requests: list[BenchRequest], report: dict) -> dict:
-    """Bytes one decode step must read (weights but the embedding table, plus the context's KV)
-    over the measured copy bandwidth: the floor on time per output token."""
+    """Bytes one decode step must read (kiln.bench.roofline: the weights but the embedding table
+    and the experts no token picks, plus the context's KV) over the measured copy bandwidth: the
+    floor on time per output token. Latency mode decodes one sequence at a time: batch 1."""
     plan, cfg = engine.memory_plan, engine.model_config
-    weight_bytes = plan.weight_bytes
+    embedding = 0
     if not cfg.tie_word_embeddings:  # untied: the table is only gathered from, never streamed
-        weight_bytes -= cfg.vocab_size * cfg.hidden_size * getattr(torch, engine.dtype).itemsize
+        embedding = cfg.vocab_size * cfg.hidden_size * getattr(torch, engine.dtype).itemsize
     mean_context = sum(len(r.prompt_token_ids) + r.output_len / 2 for r in requests) / len(requests)
     kv_bytes = plan.bytes_per_block / plan.block_size * mean_context
+    step = decode_step_bytes(
+        cfg, plan.weight_bytes, plan.expert_weight_bytes, embedding, kv_bytes, batch=1
+    )
     bandwidth = measure_copy_bandwidth(torch.device(engine.device))
-    floor_ms = (weight_bytes + kv_bytes) / bandwidth * 1000
+    floor_ms = step.total_bytes / bandwidth * 1000
     return {
-        "bytes_per_step": weight_bytes + kv_bytes,
+        **step.as_dict(),
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "floor_ms_per_token": floor_ms,
         "achieved_fraction": floor_ms / report["tpot"]["mean_ms"],
@@ -278,6 +283,14 @@ def _table(record: dict) -> str:
         )
     if "roofline" in record:
         r = record["roofline"]
+        if r.get("experts_per_layer"):
+            table += (
+                f"\nmixture of experts: {r['active_parameters'] / 1e9:.2f}B of "
+                f"{r['total_parameters'] / 1e9:.2f}B parameters active; a step reads "
+                f"{r['experts_per_layer']:.1f} experts a layer ({r['expert_bytes'] / 1e9:.2f} GB)"
+                f" + {r['non_expert_bytes'] / 1e9:.2f} GB other weights + "
+                f"{r['kv_bytes'] / 1e9:.2f} GB KV"
+            )
         table += (
             f"\ndecode roofline: {r['bytes_per_step'] / 1e9:.2f} GB/step at "
             f"{r['copy_bandwidth_gb_s']:.0f} GB/s -> {r['floor_ms_per_token']:.2f} ms/token; "

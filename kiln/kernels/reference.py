@@ -961,6 +961,95 @@ def fused_moe(
     return out.to(x.dtype)
 
 
+def moe_route(
+    router_logits: torch.Tensor,  # [num_tokens, num_experts]
+    top_k: int,
+    renormalize: bool,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, top_k] fp32 weights, [.., top_k] ids)
+    """Softmax over the experts in fp32, the top k, renormalised to sum to 1 when `renormalize`
+    (Mixtral; Qwen's norm_topk_prob), then rounded to the model dtype `dtype` as transformers
+    rounds them before weighting the experts' outputs. Device ops of fixed shapes: no host
+    sync."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype).float(), ids
+
+
+def fused_moe_fp8(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden] float8 e4m3
+    w2: torch.Tensor,  # [num_experts, hidden, inter] float8 e4m3
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int
+    w13_scale: torch.Tensor | None = None,  # [E] or [E, 2 * inter] fp32 (required)
+    w2_scale: torch.Tensor | None = None,  # [E] or [E, hidden] fp32 (required)
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """fused_moe for float8 experts on float8 activations (W8A8, the tensor cores' FP8 GEMM):
+    each token's hidden state quantized per row (quantize_fp8, dynamic), gate_up in fp32 scaled
+    by the row's and the expert's scales and rounded to x's dtype, silu_and_mul_quant_fp8 per
+    (token, expert) pair, the down product in fp32 scaled likewise and weighted, rounded to x's
+    dtype, the k of a token summed in fp32 and rounded once."""
+    if w13_scale is None or w2_scale is None:
+        raise ValueError("fused_moe_fp8 takes float8 experts with their scales")
+    x_fp8, x_scale = quantize_fp8(x, None)
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for expert in torch.unique(topk_ids).tolist():
+        token, slot = torch.nonzero(topk_ids == expert, as_tuple=True)
+        gate_up = x_fp8[token].float() @ w13[expert].float().T
+        gate_up = (gate_up * x_scale[token] * _row_scale(w13_scale, expert)).to(x.dtype)
+        act_fp8, act_scale = silu_and_mul_quant_fp8(gate_up, None)
+        down = (act_fp8.float() @ w2[expert].float().T) * act_scale
+        down = down * _row_scale(w2_scale, expert) * topk_weights[token, slot, None].float()
+        out.index_add_(0, token, down.to(x.dtype).float())
+    return out.to(x.dtype)
+
+
+def _row_scale(scale: torch.Tensor, expert: int) -> torch.Tensor:
+    """An expert's weight scale, broadcastable over its product's [rows, N]."""
+    return scale[expert] if scale.dim() == 1 else scale[expert][None, :]
+
+
+def fused_moe_decode(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]: each expert's [gate; up] rows
+    w2: torch.Tensor,  # [num_experts, hidden, inter]: each expert's down projection
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32: each chosen expert's weight
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int: the chosen experts
+    w13_scale: torch.Tensor | None = None,  # [E] or [E, 2 * inter] fp32: float8 w13's scales
+    w2_scale: torch.Tensor | None = None,  # [E] or [E, hidden] fp32: float8 w2's scales
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """fused_moe for a few tokens (decode), reading only each (token, slot)'s chosen expert (one
+    gather per slot, no host sync): gate_up in fp32 from the widened weights, scaled, rounded to
+    x's dtype; silu_and_mul; the down product kept in fp32, scaled, weighted and summed over the
+    slots in slot order, rounded once."""
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for slot in range(topk_ids.shape[1]):
+        ids = topk_ids[:, slot].long()
+        gate_up = _gathered_gemv(x.float(), w13, w13_scale, ids).to(x.dtype)
+        down = _gathered_gemv(silu_and_mul(gate_up).float(), w2, w2_scale, ids)
+        out += down * topk_weights[:, slot, None].float()
+    return out.to(x.dtype)
+
+
+def _gathered_gemv(
+    x: torch.Tensor,  # [T, K] fp32
+    weight: torch.Tensor,  # [E, N, K]
+    scale: torch.Tensor | None,  # [E] or [E, N]
+    ids: torch.Tensor,  # [T] int64
+) -> torch.Tensor:  # [T, N] fp32
+    if weight.element_size() == 1:  # gathered as bytes: float8 has no index kernels everywhere
+        rows = weight.view(torch.uint8)[ids].view(weight.dtype).float()
+    else:
+        rows = weight[ids].float()
+    product = torch.bmm(rows, x[:, :, None])[:, :, 0]
+    if scale is None:
+        return product
+    return product * (scale[ids][:, None] if scale.dim() == 1 else scale[ids])
+
+
 def _expert_linear(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -18,20 +18,39 @@ if TYPE_CHECKING:
     from kiln.layers.moe_parallel import ExpertShard
 
 
-def select_experts(
-    router_logits: torch.Tensor,  # [num_tokens, num_experts]
-    top_k: int,
-    renormalize: bool,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, top_k] fp32 weights, [.., top_k] ids)
-    """Softmax over the experts in fp32, the top k, renormalised to sum to 1 when `renormalize`
-    (Mixtral; Qwen's norm_topk_prob), then rounded to the model dtype `dtype` as transformers
-    rounds them before weighting the experts' outputs."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(dtype).float(), ids
+# Up to this many tokens a step reads only the chosen experts' weights (ops.fused_moe_decode:
+# GEMVs per (token, slot), no sort by expert, no padding to a GEMM row block); beyond, a grouped
+# GEMM over tokens sorted by expert: float8 experts on the float8 tensor cores with per-token
+# activation scales (ops.fused_moe_fp8), model-dtype ones in that dtype (ops.fused_moe).
+MAX_DECODE_TOKENS = 16
+
+
+def run_experts(
+    ops: ModuleType,
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]
+    w2: torch.Tensor,  # [num_experts, hidden, inter]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k]
+    w13_scale: torch.Tensor | None = None,  # float8 experts' scales
+    w2_scale: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,  # gpt-oss's expert biases
+    w2_bias: torch.Tensor | None = None,
+    swiglu: tuple[float, float] | None = None,  # gpt-oss's clamped SwiGLU (alpha, limit)
+    remote_ids: bool = False,  # expert parallelism: ids of -1 name another rank's experts
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """The experts' kernel for the step's token count (see MAX_DECODE_TOKENS). Biased or
+    clamped experts (gpt-oss) and steps with other ranks' ids (-1) take the grouped kernel at
+    every size: the decode and float8 kernels run SiLU(gate) * up without biases over ids that
+    all name local experts."""
+    args = (x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    if remote_ids or w13_bias is not None or w2_bias is not None or swiglu is not None:
+        return ops.fused_moe(*args, w13_bias, w2_bias, swiglu)
+    if x.shape[0] <= MAX_DECODE_TOKENS:
+        return ops.fused_moe_decode(*args)
+    if w13_scale is not None:
+        return ops.fused_moe_fp8(*args)
+    return ops.fused_moe(*args)
 
 
 class MoEMethod(ABC):
@@ -73,8 +92,8 @@ class UnquantizedMoEMethod(MoEMethod):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
-        return ops.fused_moe(
-            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, None, None,
+        return run_experts(
+            ops, x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, None, None,
             *expert_options(layer),
         )  # fmt: skip
 
@@ -90,11 +109,12 @@ def create_expert_biases(layer: FusedMoE, dtype: torch.dtype | None) -> None:
 
 def expert_options(
     layer: FusedMoE,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[float, float] | None]:
-    """ops.fused_moe's (w13_bias, w2_bias, swiglu) arguments for the layer."""
+) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[float, float] | None, bool]:
+    """run_experts's (w13_bias, w2_bias, swiglu, remote_ids) arguments for the layer."""
+    remote = layer.shard is not None and layer.shard.expert_parallel
     if not layer.has_bias:
-        return None, None, layer.swiglu
-    return layer.w13_bias, layer.w2_bias, layer.swiglu
+        return None, None, layer.swiglu, remote
+    return layer.w13_bias, layer.w2_bias, layer.swiglu, remote
 
 
 def quantize_experts_fp8(
@@ -114,11 +134,13 @@ def quantize_experts_fp8(
 
 class Fp8MoEMethod(MoEMethod):
     """The experts' weights in float8 e4m3 with a per-expert per-tensor scale each
-    (quantization="fp8-dynamic"): half the bytes a decode step reads. A model-dtype checkpoint's
-    experts are quantized as they load (quantize_experts_fp8); an engine directory holds them
-    quantized. The kernels widen them to the activations' dtype (weight-only FP8; no float8
-    tensor-core GEMM yet). `per_channel`: a scale per output row of each expert instead
-    (gpt-oss, whose MXFP4 experts convert to them exactly: kiln.checkpoint.fp4_formats)."""
+    (quantization="fp8-dynamic", or "fp8" on dummy weights): half the bytes a decode step
+    reads. A model-dtype checkpoint's experts are quantized as they load
+    (quantize_experts_fp8); an engine directory holds them quantized. A decode step's few
+    tokens widen them to the activations' dtype (weight-only); larger steps quantize the
+    activations per token and run the float8 tensor cores. `per_channel`: a scale per output
+    row of each expert instead (gpt-oss, whose MXFP4 experts convert to them exactly:
+    kiln.checkpoint.fp4_formats)."""
 
     def __init__(self, per_channel: bool = False) -> None:
         self.per_channel = per_channel
@@ -141,8 +163,8 @@ class Fp8MoEMethod(MoEMethod):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
-        return ops.fused_moe(
-            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+        return run_experts(
+            ops, x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
             layer.w13_weight_scale, layer.w2_weight_scale, *expert_options(layer),
         )  # fmt: skip
 
@@ -194,7 +216,8 @@ class FusedMoE(nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden]
         router_logits: torch.Tensor,  # [num_tokens, num_experts]
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize, x.dtype)
+        # Softmax, top-k, renormalisation, rounding to x's dtype (reference.moe_route).
+        weights, ids = ops.moe_route(router_logits, self.top_k, self.renormalize, x.dtype)
         if self.shard is not None:
             ids = self.shard.local_ids(ids)
         return self.method.apply(self, ops, x, weights, ids)

@@ -43,7 +43,7 @@ class SparseMoeBlock(nn.Module):
     """router (`gate`, kept in the model dtype whatever the projections' method: a few columns
     that pick the experts), `experts`, and with cfg.shared_expert_intermediate_size a
     `shared_expert` (a GatedMLP, by the projections' method) scaled by
-    sigmoid(`shared_expert_gate`(x)). The experts are float8 under quantization="fp8-dynamic"
+    sigmoid(`shared_expert_gate`(x)). The experts are float8 under an FP8 quantization
     (kiln.layers.moe.Fp8MoEMethod), else in the model dtype."""
 
     def __init__(
@@ -107,14 +107,15 @@ class SparseMoeBlock(nn.Module):
 
 
 def _experts_method(method: LinearMethodFactory, name: str, per_channel: bool) -> MoEMethod:
-    """float8 experts (scales per expert, or `per_channel`) where the projections' method is
-    FP8 with dynamic activation scales (quantization="fp8-dynamic" at load); else (static FP8
-    has no calibrated scales for the experts) the model dtype."""
+    """float8 experts (scales per expert, or `per_channel`) where the method gives the experts
+    an FP8 method: "fp8-dynamic", or "fp8" with dummy weights' stand-in static scales (the
+    experts' kernels scale their activations per token, so they need no calibrated ones); else
+    (a calibrated static engine names no experts) the model dtype."""
     try:
         linear = method(name)
     except ModelLoadError:
         return UnquantizedMoEMethod()
-    if isinstance(linear, Fp8LinearMethod) and linear.activation_scheme == "dynamic":
+    if isinstance(linear, Fp8LinearMethod):
         return Fp8MoEMethod(per_channel)
     return UnquantizedMoEMethod()
 
@@ -205,7 +206,6 @@ def adapt_expert_weights(
     return quantize_float8_experts(stacked, params)
 
 
-
 def expert_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """The experts' parameters of a DecoderForCausalLM by their HF names (its layer_start
     added): model.layers.L.mlp.experts.<parameter>."""
@@ -216,6 +216,7 @@ def expert_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
             index, rest = name.removeprefix("layers.").split(".", 1)
             params[f"model.layers.{start + int(index)}.{rest}"] = param
     return params
+
 
 def _cut_stacked(
     weights: Iterable[tuple[str, torch.Tensor]], layers: Mapping[int, FusedMoE]

@@ -61,6 +61,9 @@ class MemoryPlan:
     # The most tokens' KV one sequence holds at once, whatever its length (a window on every
     # layer: max_tokens_held); None: its whole context.
     max_tokens_held: int | None = None
+    # Of weight_bytes, the routed experts' (weights and scales): a decode step reads only the
+    # experts its tokens pick, so the benchmark's roofline counts these apart.
+    expert_weight_bytes: int = 0
 
     @property
     def kv_tokens(self) -> int:
@@ -101,6 +104,7 @@ class MemoryPlan:
     def as_dict(self) -> dict:
         return {
             "weight_gib": self.weight_bytes / GiB,
+            "expert_weight_gib": self.expert_weight_bytes / GiB,
             "activation_gib": self.activation_bytes / GiB,
             "graph_reserve_gib": self.graph_reserve_bytes / GiB,
             "non_torch_gib": self.non_torch_bytes / GiB,
@@ -109,6 +113,16 @@ class MemoryPlan:
             "kv_tokens": self.kv_tokens,
             "kv_dtype": self.kv_dtype,
         }
+
+
+def routed_expert_bytes(model: PlannedModel) -> int:
+    """Bytes of the parameters of the model's routed experts (kiln.layers.moe.FusedMoE's, named
+    `...experts.*`; a shared expert is dense), 0 for a dense model."""
+    if not isinstance(model, nn.Module):
+        return 0
+    return sum(
+        p.numel() * p.element_size() for name, p in model.named_parameters() if ".experts." in name
+    )
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
@@ -145,6 +159,7 @@ def plan_kv_blocks(
     draft_model: PlannedModel | None = None,
 ) -> MemoryPlan:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    expert_bytes = routed_expert_bytes(model)
     per_block = kv_bytes_per_block(model, config.block_size, kv_dtype)
     if draft_model is not None:
         # Speculative decoding's draft: its weights, and a KV pool of as many blocks as the
@@ -203,6 +218,7 @@ def plan_kv_blocks(
         total,
         str(kv_dtype).removeprefix("torch."),
         held,
+        expert_bytes,
     )
     logger.info("memory plan: %s", plan.describe(max_model_len))
     return plan

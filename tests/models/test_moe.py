@@ -110,6 +110,11 @@ def test_an_fp8_dynamic_engine_directory_and_dummy_weights(moe, tmp_path) -> Non
     assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
     dummy = LLM(path, quantization="fp8-dynamic", load_format="dummy", **ARGS)
     assert len(tokens(dummy.generate(PROMPTS[:1], GREEDY))[0]) == 32
+    # The benchmarks' FP8 setup (dummy weights, stand-in static scales) has float8 experts too.
+    static = LLM(path, quantization="fp8", load_format="dummy", **ARGS)
+    experts = static.engine.executor.runner.model.layers[0].mlp.experts
+    assert experts.w2_weight.dtype == torch.float8_e4m3fn
+    assert len(tokens(static.generate(PROMPTS[:1], GREEDY))[0]) == 32
 
 
 def test_the_memory_plan_counts_every_expert(moe) -> None:
@@ -127,3 +132,5 @@ def test_the_memory_plan_counts_every_expert(moe) -> None:
     )
     dense = model.config.num_hidden_layers * 3 * 64 * model.config.intermediate_size
     assert made > experts * 4 > dense * 4 / 2  # the experts are most of the MLP bytes
+    # The decode roofline reads the experts apart (kiln.bench.roofline).
+    assert llm.engine.memory_plan.expert_weight_bytes == experts * 4

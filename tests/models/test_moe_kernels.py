@@ -1,6 +1,7 @@
 """The GPU path of the mixture-of-experts families: one prefill forward of a tiny Qwen2-MoE
 checkpoint (routed experts, a dense layer, the shared expert) through the Triton kernels, the
-fused-MoE grouped GEMM among them (TRITON_INTERPRET=1 without a GPU), against the same forward
+fused-MoE grouped GEMM (27 tokens) or the decode kernels (5 tokens) among them
+(TRITON_INTERPRET=1 without a GPU), against the same forward
 through the reference ops, which tests/models/test_moe.py holds to transformers."""
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from tests.models.family_checks import perturb_norms_and_biases, save_tiny_hf
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def test_triton_forward_equals_the_reference(tmp_path) -> None:
+@pytest.mark.parametrize("lens", [[20, 7], [3, 2]])  # the grouped GEMM; the decode kernels
+def test_triton_forward_equals_the_reference(tmp_path, lens) -> None:
     save_tiny_hf(str(tmp_path), "qwen2_moe", "Qwen2MoeForCausalLM",
                  perturb=perturb_norms_and_biases, num_experts=4, num_experts_per_tok=2,
                  moe_intermediate_size=32, shared_expert_intermediate_size=48,
@@ -35,7 +37,6 @@ def test_triton_forward_equals_the_reference(tmp_path) -> None:
     model = load_model(EngineConfig(model=str(tmp_path)), DEVICE, torch.float32).model
     cfg = model.config
     assert hasattr(model.layers[0].mlp, "experts") and not hasattr(model.layers[1].mlp, "experts")
-    lens = [20, 7]
     metadata, blocks = packed_prefill_metadata(lens, 16, DEVICE)
     ids = torch.randint(3, cfg.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(0))
     positions = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)

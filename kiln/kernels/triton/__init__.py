@@ -19,6 +19,9 @@ from kiln.kernels.triton.fused_moe import fused_moe
 from kiln.kernels.triton.int4_gemm import int4_linear
 from kiln.kernels.triton.int8_gemm import int8_linear, int8_matmul, quantize_int8
 from kiln.kernels.triton.lora import lora_expand, lora_shrink
+from kiln.kernels.triton.moe_decode import fused_moe_decode
+from kiln.kernels.triton.moe_fp8 import fused_moe_fp8
+from kiln.kernels.triton.moe_router import moe_route
 from kiln.kernels.triton.prefill_attention import paged_prefill_attention
 from kiln.kernels.triton.qk_norm_rotary import qk_norm_rotary_write_kv
 from kiln.kernels.triton.qkv_rotary import add_rms_norm_qkv_rotary_write_kv
@@ -55,6 +58,8 @@ __all__ = [
     "fp8_matmul",
     "fused_add_rms_norm",
     "fused_moe",
+    "fused_moe_decode",
+    "fused_moe_fp8",
     "gelu_tanh_and_mul",
     "gelu_tanh_and_mul_quant_fp8",
     "int4_linear",
@@ -63,6 +68,7 @@ __all__ = [
     "linear",
     "lora_expand",
     "lora_shrink",
+    "moe_route",
     "paged_decode_attention",
     "paged_prefill_attention",
     "qk_norm_rotary_write_kv",

@@ -1,0 +1,163 @@
+"""The mixture-of-experts rows of benchmarks/kernels_gpu.py, at Qwen3-30B-A3B's shapes (128
+experts, top-8, hidden 2048, expert width 768; tokens routed uniformly at random):
+
+- moe_grouped_fp8: the float8 tensor-core grouped GEMM at a prefill's 8192 tokens, each tile
+  candidate (kiln.kernels.triton.moe_fp8.FP8_TILE_CANDIDATES): its gate_up and down launches
+  alone and the whole fused_moe_fp8 call (quantization, sort, activation, sum included), in
+  TFLOP/s and as a fraction of the GPU's dense FP8 peak; beside the bf16 grouped GEMM.
+- moe_decode: batch 1, 4 and 16, bf16 and float8 experts: the decode kernels
+  (fused_moe_decode, and each of moe_decode.DECODE_TILE_CANDIDATES) against the grouped GEMM
+  (fused_moe), in GB/s of the distinct experts the step reads (the roofline's bytes). The calls
+  rotate over 16 routings, so the experts one call reads are mostly not in L2 from the last.
+- moe_route: the fused router against the reference's five launches, at 1 and 16 tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# Dense (no sparsity) FP8 tensor-core peaks in TFLOP/s, by a substring of the device name.
+FP8_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("H20", 296.0))
+
+
+@dataclass(frozen=True)
+class MoeShapes:
+    num_experts: int
+    top_k: int
+    hidden: int
+    inter: int
+    prefill_tokens: int
+    decode_batches: tuple[int, ...]
+    dtype: torch.dtype
+
+
+QWEN3_30B_A3B = MoeShapes(128, 8, 2048, 768, 8192, (1, 4, 16), torch.bfloat16)
+TINY = MoeShapes(8, 2, 64, 48, 40, (1, 3), torch.float32)
+
+
+def fp8_peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in FP8_PEAK_TFLOPS if key in name), None)
+
+
+def _routing(tokens: int, s: MoeShapes, gen: torch.Generator, device: torch.device):
+    scores = torch.rand(tokens, s.num_experts, generator=gen, device=device)
+    weights, ids = torch.topk(scores, s.top_k, dim=-1)
+    return (weights / weights.sum(-1, keepdim=True)).float(), ids
+
+
+def _experts(s: MoeShapes, gen: torch.Generator, device: torch.device):
+    from kiln.layers.moe import quantize_experts_fp8
+
+    w13 = torch.randn(s.num_experts, 2 * s.inter, s.hidden, generator=gen, device=device) * 0.02
+    w2 = torch.randn(s.num_experts, s.hidden, s.inter, generator=gen, device=device) * 0.02
+    w13, w2 = w13.to(s.dtype), w2.to(s.dtype)
+    (w13_fp8, s13), (w2_fp8, s2) = quantize_experts_fp8(w13), quantize_experts_fp8(w2)
+    return (w13, w2), (w13_fp8, w2_fp8, s13, s2)
+
+
+def _err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.float() - expected.float()).abs().max())
+
+
+def moe_rows(s: MoeShapes, device: torch.device, gen: torch.Generator, record: Callable) -> None:
+    """Every MoE row; `record(kernel, case, impl, calls, graph=True, **extra)` times and prints
+    them (kernels_gpu.run's)."""
+    from kiln.kernels import reference
+    from kiln.kernels import triton as triton_ops
+    from kiln.kernels.triton import moe_decode, moe_fp8
+    from kiln.kernels.triton.fused_moe import align_by_expert
+    from kiln.kernels.triton.silu_mul import silu_and_mul_quant_fp8
+
+    (w13, w2), (w13_fp8, w2_fp8, s13, s2) = _experts(s, gen, device)
+    peak = fp8_peak_tflops(device)
+    # --- prefill: the float8 grouped GEMM's tiles ---------------------------------------------
+    tokens = s.prefill_tokens
+    pairs = tokens * s.top_k
+    x = torch.randn(tokens, s.hidden, generator=gen, device=device).to(s.dtype)
+    weights, ids = _routing(tokens, s, gen, device)
+    fp8_args = (x, w13_fp8, w2_fp8, weights, ids, s13, s2)
+    gate_up_flops = 2 * pairs * 2 * s.inter * s.hidden
+    down_flops = 2 * pairs * s.hidden * s.inter
+    case = f"tokens={tokens} E={s.num_experts} k={s.top_k}"
+    expected = reference.fused_moe_fp8(*fp8_args)
+    x_fp8, x_scale = triton_ops.quantize_fp8(x, None)
+    flat = weights.reshape(-1).contiguous()
+    candidates = moe_fp8.FP8_TILE_CANDIDATES if device.type == "cuda" else (None,)
+    for tiles in candidates:
+        tiles = tiles or moe_fp8._INTERPRETER_TILES
+        label = "x".join(map(str, tiles))
+        aligned = align_by_expert(ids, s.num_experts, tiles[0])
+        gate_up = torch.empty(pairs, 2 * s.inter, dtype=s.dtype, device=device)
+        down = torch.empty(pairs, s.hidden, dtype=torch.float32, device=device)
+
+        def gemm1(t=tiles, a=aligned, out=gate_up) -> None:
+            moe_fp8._fp8_grouped_gemm(x_fp8, x_scale, w13_fp8, s13, out, flat, a, s.top_k,
+                                      False, t)  # fmt: skip
+
+        try:
+            gemm1()
+        except Exception as exc:  # a tile that does not fit this GPU's shared memory
+            print(f"moe_grouped_fp8    tiles={label}: {type(exc).__name__}: {exc}"[:300])
+            continue
+        act_fp8, act_scale = silu_and_mul_quant_fp8(gate_up, None)
+
+        def gemm2(t=tiles, a=aligned, act=act_fp8, sc=act_scale, out=down) -> None:
+            moe_fp8._fp8_grouped_gemm(act, sc, w2_fp8, s2, out, flat, a, 1, True, t)
+
+        whole = moe_fp8.fused_moe_fp8_tiled(*fp8_args, tiles)
+        for impl, call, flops, extra in (
+            ("fp8_gate_up", gemm1, gate_up_flops, {}),
+            ("fp8_down", gemm2, down_flops, {}),
+            ("fp8_whole", lambda t=tiles: moe_fp8.fused_moe_fp8_tiled(*fp8_args, t),
+             gate_up_flops + down_flops, {"max_abs_err": _err(whole, expected)}),
+        ):  # fmt: skip
+            record("moe_grouped_fp8", case, impl, [call], flops=flops, tiles=label,
+                   fp8_peak_tflops=peak, **extra)  # fmt: skip
+    bf16_args = (x, w13, w2, weights, ids)
+    bf16_err = _err(triton_ops.fused_moe(*bf16_args), reference.fused_moe(*bf16_args))
+    record("moe_grouped_fp8", case, f"{str(s.dtype).removeprefix('torch.')}_whole",
+           [lambda: triton_ops.fused_moe(*bf16_args)], flops=gate_up_flops + down_flops,
+           max_abs_err=bf16_err)  # fmt: skip
+
+    # --- decode: only the chosen experts' bytes ------------------------------------------------
+    dtype_name = str(s.dtype).removeprefix("torch.")
+    per_expert = {
+        dtype_name: 3 * s.hidden * s.inter * w13.element_size(),
+        "fp8": 3 * s.hidden * s.inter + 8,
+    }
+    for batch in s.decode_batches:
+        xs = torch.randn(batch, s.hidden, generator=gen, device=device).to(s.dtype)
+        routings = [_routing(batch, s, gen, device) for _ in range(16)]
+        distinct = sum(r[1].unique().numel() for r in routings) / len(routings)
+        for kind, weights_args in ((dtype_name, (w13, w2, None, None)),
+                                   ("fp8", (w13_fp8, w2_fp8, s13, s2))):  # fmt: skip
+            a, b, sa, sb = weights_args
+            all_args = [(xs, a, b, w, i, sa, sb) for w, i in routings]
+            step_bytes = distinct * per_expert[kind]
+            want = reference.fused_moe_decode(*all_args[0])
+            for impl, fn in (("decode", triton_ops.fused_moe_decode),
+                             ("grouped", triton_ops.fused_moe)):  # fmt: skip
+                record("moe_decode", f"batch={batch} {kind}", impl,
+                       [lambda f=fn, args=args: f(*args) for args in all_args],
+                       bytes=step_bytes, max_abs_err=_err(fn(*all_args[0]), want))  # fmt: skip
+            if device.type != "cuda":
+                continue
+            for tiles in moe_decode.DECODE_TILE_CANDIDATES:
+                record("moe_decode", f"batch={batch} {kind}", "decode_tiles",
+                       [lambda t=tiles, a=args: moe_decode.fused_moe_decode_tiled(*a, t)
+                        for args in all_args],
+                       bytes=step_bytes, tiles="x".join(map(str, tiles)),
+                       max_abs_err=_err(moe_decode.fused_moe_decode_tiled(*all_args[0], tiles),
+                                        want))  # fmt: skip
+
+    # --- the router -------------------------------------------------------------------------
+    for batch in (1, 16):
+        logits = torch.randn(batch, s.num_experts, generator=gen, device=device).to(s.dtype)
+        for impl, ops in (("triton", triton_ops), ("reference", reference)):
+            record("moe_route", f"tokens={batch} E={s.num_experts}", impl,
+                   [lambda o=ops, z=logits: o.moe_route(z, s.top_k, True, s.dtype)])  # fmt: skip

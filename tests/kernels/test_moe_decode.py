@@ -1,0 +1,119 @@
+"""The small-batch MoE kernels (kiln.kernels.triton.moe_decode) against their twin,
+reference.fused_moe_decode, under the interpreter at tiny shapes (widths not multiples of the
+tiles, so the masks are exercised): one to sixteen tokens, top-1 and top-2, fp32 and fp16,
+float8 experts with per-expert and per-channel scales; and the twin against the loop over experts
+(reference.fused_moe), the oracle the models' tests hold to transformers."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' @triton.jit
+
+pytest.importorskip("triton", reason="triton is not installed (pip install kiln[triton])")
+
+from kiln.kernels import reference
+from kiln.layers.moe import quantize_experts_fp8
+
+moe_decode = importlib.import_module("kiln.kernels.triton.moe_decode")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# bf16 on the GPU only: the interpreter has no bf16 arithmetic of its own.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+HIDDEN, INTER, EXPERTS = 48, 40, 4
+
+
+def _case(num_tokens: int, top_k: int, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(num_tokens * 10 + top_k)
+    x = torch.randn(num_tokens, HIDDEN, generator=gen)
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) * 0.3
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) * 0.3
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:top_k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, top_k, generator=gen)
+    return [t.to(DEVICE) for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids)]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    peak = want.float().abs().max()
+    assert peak > 0.1  # not a vacuous zero-vs-zero comparison
+    # fp16 / bf16: gate_up and the activation round (bf16 keeps 8 bits).
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3}.get(dtype, 2e-2)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol * peak, rtol=0)
+
+
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 1), (1, 2), (3, 2), (16, 2)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_kernels_equal_their_twin(num_tokens, top_k, dtype) -> None:
+    args = _case(num_tokens, top_k, dtype)
+    got = moe_decode.fused_moe_decode(*args)
+    assert got.dtype == dtype and got.shape == (num_tokens, HIDDEN)
+    _close(got, reference.fused_moe_decode(*args), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_twin_equals_the_loop_over_experts(dtype) -> None:
+    args = _case(5, 2, dtype)
+    _close(reference.fused_moe_decode(*args), reference.fused_moe(*args), dtype)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_float8_experts_equal_the_twin(per_channel, dtype) -> None:
+    x, w13, w2, weights, ids = _case(3, 2, dtype)
+    (w13_fp8, s13), (w2_fp8, s2) = quantize_experts_fp8(w13), quantize_experts_fp8(w2)
+    if per_channel:  # the same codes, a scale per output row: each row's own scale differs
+        rows13 = torch.rand(EXPERTS, 2 * INTER, device=DEVICE) + 0.5
+        rows2 = torch.rand(EXPERTS, HIDDEN, device=DEVICE) + 0.5
+        s13, s2 = s13[:, None] * rows13, s2[:, None] * rows2
+    args = (x, w13_fp8, w2_fp8, weights, ids, s13, s2)
+    want = reference.fused_moe_decode(*args)
+    _close(moe_decode.fused_moe_decode(*args), want, dtype)
+    if not per_channel:  # float8's noise, not another function; and the loop's meaning
+        exact = reference.fused_moe_decode(x, w13, w2, weights, ids)
+        assert (want.float() - exact.float()).abs().max() < 0.1 * exact.float().abs().max()
+        _close(want, reference.fused_moe(*args), dtype)
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [(16, 256, 4, 32, 256, 4, 3, 1), (8, 512, 8, 16, 128, 4, 2, 0), (8, 16, 4, 8, 16, 4, 1, 0)],
+)
+def test_the_gpus_tiles_equal_the_twin(tiles) -> None:
+    """Tiles the GPU may run: BLOCK_K wider than the hidden size (one masked step)."""
+    args = _case(2, 2, torch.float32)
+    got = moe_decode.fused_moe_decode_tiled(*args, None, None, tiles)
+    _close(got, reference.fused_moe_decode(*args), torch.float32)
+
+
+def test_a_long_reduction_split_into_chunks_equals_the_twin(monkeypatch) -> None:
+    """The split down variant's reduction in chunks (Mixtral's 14336 in 2048s; here 40 in
+    three 16s), each chunk's rows summed after."""
+    monkeypatch.setattr(moe_decode, "_MAX_K_CHUNK", 16)
+    args = _case(3, 2, torch.float32)
+    got = moe_decode.fused_moe_decode_tiled(*args, None, None, (8, 16, 4, 8, 16, 4, 1, 0))
+    _close(got, reference.fused_moe_decode(*args), torch.float32)
+
+
+def test_enough_programs_for_every_sm_at_batch_1() -> None:
+    # Qwen3-30B-A3B: 8 pairs x 768 columns (gate_up), 1 token x 2048 columns (down); 132 SMs.
+    device = torch.device("cpu")
+    assert 8 * -(-768 // moe_decode._block_n(8, 768, device)) >= 2 * 132  # gate_up
+    assert -(-2048 // moe_decode._block_n(1, 2048, device)) >= 2 * 132 - 8  # down: 256
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_cuda_graph_captures_the_decode_kernels() -> None:
+    """No host sync: the whole call is captured and replays to the eager result."""
+    x, w13, w2, weights, ids = _case(4, 2, torch.bfloat16)
+    eager = moe_decode.fused_moe_decode(x, w13, w2, weights, ids)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe_decode.fused_moe_decode(x, w13, w2, weights, ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, eager, atol=0, rtol=0)

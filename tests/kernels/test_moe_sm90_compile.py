@@ -1,0 +1,132 @@
+"""The MoE kernels compiled for an H100 (sm_90) on the CPU, as a GPU run would JIT them: catches
+what the interpreter cannot (a tile Triton cannot lower, float8 dots off the tensor cores, loops
+left unpipelined). Compiles only, in a subprocess without TRITON_INTERPRET (the interpreter
+replaces the kernels' JIT functions); the numbers come from benchmarks/kernels_gpu.py --only moe."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (pip install kiln[triton])")
+pytest.importorskip("triton.backends.nvidia", reason="triton without its NVIDIA backend")
+
+# Runtime ints the real launches pass as multiples of 16 are specialized so (Triton's JIT does
+# this by value); these are not (top_k 8, per-expert scale strides 1 and 0, counts).
+_NOT_DIVISIBLE = {"top_k", "stride_se", "stride_sn", "num_experts", "num_pairs"}
+_STRIDES = ("stride_we", "stride_wn", "stride_se", "stride_sn", "stride_out")
+
+
+def _ptx(fn, signature: dict, constants: dict, num_warps: int = 4, num_stages: int = 3) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**signature, **dict.fromkeys(constants, "constexpr")}
+    attrs = {
+        (fn.arg_names.index(name),): [["tt.divisibility", 16]]
+        for name, kind in signature.items()
+        if kind != "constexpr" and not kind.startswith("tensordesc") and name not in _NOT_DIVISIBLE
+    }
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def _compile_all() -> dict[str, str]:
+    """Each case's PTX: the decode kernels at their default tiles (bf16 and float8 weights; the
+    split down variant too),
+    the float8 grouped GEMM at its default tiles (pointer loads and TMA), the router."""
+    from kiln.kernels.triton import moe_decode, moe_fp8, moe_router
+
+    ptx = {}
+    for weight in ("bf16", "fp8e4nv"):
+        scaled = weight != "bf16"
+        block_k = moe_decode._ROW_BYTES // (1 if scaled else 2)
+        stages = moe_decode._NUM_STAGES
+        ptx[f"gate_up {weight}"] = _ptx(
+            moe_decode._gate_up_act_kernel,
+            {"x_ptr": "*bf16", "w_ptr": f"*{weight}", "scale_ptr": "*fp32", "ids_ptr": "*i64",
+             "out_ptr": "*bf16", "top_k": "i32", "N": "i32", "K": "i32", "stride_x": "i32",
+             **dict.fromkeys(_STRIDES, "i32")},
+            {"SCALED": scaled, "INTERPRETED": False, "BLOCK_N": 16, "BLOCK_K": block_k,
+             "NUM_STAGES": stages},
+        )  # fmt: skip
+        ptx[f"down_sum {weight}"] = _ptx(
+            moe_decode._down_sum_kernel,
+            {"h_ptr": "*bf16", "w_ptr": f"*{weight}", "scale_ptr": "*fp32", "ids_ptr": "*i64",
+             "weights_ptr": "*fp32", "out_ptr": "*bf16", "top_k": "i32", "N": "i32", "K": "i32",
+             "stride_h": "i32", **dict.fromkeys(_STRIDES, "i32")},
+            {"SCALED": scaled, "BLOCK_N": 8, "BLOCK_K": block_k, "NUM_STAGES": stages},
+        )  # fmt: skip
+        ptx[f"down {weight}"] = _ptx(
+            moe_decode._down_kernel,
+            {"h_ptr": "*bf16", "w_ptr": f"*{weight}", "scale_ptr": "*fp32", "ids_ptr": "*i64",
+             "weights_ptr": "*fp32", "out_ptr": "*fp32", "N": "i32", "K": "i32",
+             "K_CHUNK": "i32", "stride_h": "i32", **dict.fromkeys(_STRIDES, "i32")},
+            {"SCALED": scaled, "BLOCK_N": 32, "BLOCK_K": block_k, "NUM_STAGES": stages},
+        )  # fmt: skip
+    block_m, block_n, block_k, num_warps, num_stages, _ = moe_fp8.DEFAULT_TILES
+    for tma in (0, 1):
+        ptx[f"fp8 gemm tma={tma}"] = _ptx(
+            moe_fp8._fp8_grouped_gemm_kernel,
+            {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv",
+             **({"w_desc": f"tensordesc<fp8e4nv[{block_n}, {block_k}]>"} if tma else {}),
+             "w_scale_ptr": "*fp32", "out_ptr": "*bf16", "weights_ptr": "*fp32",
+             "sorted_pairs_ptr": "*i32", "block_experts_ptr": "*i32", "num_rows_ptr": "*i32",
+             "num_pairs": "i32", "N": "i32", "K": "i32", "stride_a": "i32",
+             "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32",
+             "stride_out": "i32"},
+            {**({} if tma else {"w_desc": None}), "A_PER_ROW": 8, "MUL_WEIGHT": False,
+             "EVEN_K": True, "INTERPRETED": False, "TMA": bool(tma), "BLOCK_M": block_m,
+             "BLOCK_N": block_n, "BLOCK_K": block_k},
+            num_warps, num_stages,
+        )  # fmt: skip
+    ptx["router"] = _ptx(
+        moe_router._route_kernel,
+        {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64", "num_experts": "i32",
+         "stride_logits": "i32"},
+        {"TOP_K": 8, "RENORMALIZE": True, "ROUND": True, "BLOCK_E": 128, "BLOCK_K": 8},
+        num_warps=1,
+    )  # fmt: skip
+    return ptx
+
+
+@pytest.fixture(scope="module")
+def ptx() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                         timeout=600, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def test_decode_kernels_pipeline_their_weight_loads(ptx) -> None:
+    for weight in ("bf16", "fp8e4nv"):
+        for kernel in ("gate_up", "down_sum", "down"):
+            # Weight tiles staged in shared memory ahead of use; the slot loop's expert ids too.
+            assert "cp.async" in ptx[f"{kernel} {weight}"], (kernel, weight)
+        assert "ld.global" not in ptx[f"down_sum {weight}"]
+
+
+def test_the_fp8_grouped_gemm_runs_on_the_float8_tensor_cores(ptx) -> None:
+    for tma in (0, 1):
+        code = ptx[f"fp8 gemm tma={tma}"]
+        assert "wgmma.mma_async" in code and ".e4m3.e4m3" in code  # float8 x float8 MMAs
+        assert ("cp.async.bulk.tensor" in code) == bool(tma)  # TMA loads only where asked
+
+
+def test_the_router_compiles_to_warp_shuffles(ptx) -> None:
+    assert ".entry _route_kernel" in ptx["router"]
+    assert "bar.sync" not in ptx["router"]  # one warp: no barrier between its reductions
+
+
+if __name__ == "__main__":
+    json.dump(_compile_all(), sys.stdout)
