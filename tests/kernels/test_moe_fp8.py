@@ -53,6 +53,10 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     assert peak > 0.1  # not a vacuous zero-vs-zero comparison
     # fp16: gate_up rounds before its quantization; a code may flip, one float8 step of a value.
     tol = {torch.float32: 1e-5, torch.float16: 1e-2}.get(dtype, 3e-2)
+    if DEVICE == "cuda":
+        # Hopper's float8 tensor cores accumulate in fewer bits than the twin's fp32: measured
+        # up to 1.8e-4 of the peak on an H100.
+        tol = max(tol, 2e-3)
     torch.testing.assert_close(got.float(), want.float(), atol=tol * peak, rtol=0)
 
 

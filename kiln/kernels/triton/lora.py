@@ -83,7 +83,9 @@ def _arrive(counter_ptr, tile, like, splits):
 def _sum_partials(part_ptr, offsets, mask, split_stride, splits, MAX_SPLITS: tl.constexpr):
     """split_k.sum_partials over a run-time split count, in split order: unrolled to
     MAX_SPLITS, the loads past `splits` predicated off, so they are all in flight at once."""
-    total = tl.load(part_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+    # fp32 whatever part_ptr is: an unsplit launch passes the output as a stand-in, and both
+    # branches of a run-time `splits` test compile, so their accumulators must agree.
+    total = tl.load(part_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     for split in tl.static_range(1, MAX_SPLITS):
         live = mask & ((tl.zeros_like(offsets) + split) < splits)
         total += tl.load(part_ptr + split * split_stride + offsets, mask=live, other=0.0,
