@@ -228,7 +228,7 @@ def _decode_roofline(engine: LLMEngine, requests: list[BenchRequest], report: di
     if not cfg.tie_word_embeddings:  # untied: the table is only gathered from, never streamed
         weight_bytes -= cfg.vocab_size * cfg.hidden_size * getattr(torch, engine.dtype).itemsize
     mean_context = sum(len(r.prompt_token_ids) + r.output_len / 2 for r in requests) / len(requests)
-    kv_bytes = plan.bytes_per_block / plan.block_size * mean_context
+    kv_bytes = plan.kv_bytes_read(mean_context)  # (windowed layers: their window's)
     bandwidth = measure_copy_bandwidth(torch.device(engine.device))
     floor_ms = (weight_bytes + kv_bytes) / bandwidth * 1000
     return {

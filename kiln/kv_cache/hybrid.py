@@ -44,6 +44,9 @@ class HybridKVCacheManager:
         ]
         self._windowed = [g for g in self.groups if g.sliding_window is not None]
         self.stats = PrefixCacheStats()
+        # The computed-token count at which a running request's next block falls behind a
+        # window: below it, a step that needs no new block and fills none has nothing to do.
+        self._window_mark: dict[str, int] = {}
 
     @property
     def usage(self) -> float:
@@ -84,6 +87,36 @@ class HybridKVCacheManager:
     ) -> list[KVBlock] | None:
         """KVCacheManager.allocate_slots in every group, or in none when the pool cannot hold
         them all. Returns the groups' new blocks in turn (as many in each)."""
+        req_id = request.req_id
+        if not new_computed_blocks:
+            # A decode, most steps: every group's list is as long as the first's, and nothing
+            # changes unless a block is opened, filled or left behind a window.
+            first = self.groups[0]
+            blocks = first.req_to_blocks.get(req_id)
+            if blocks is not None:
+                total = request.num_computed_tokens + num_new_tokens
+                if (
+                    -(-total // self.block_size) <= len(blocks)
+                    and request.num_computed_tokens < self._window_mark.get(req_id, 0)
+                    and (
+                        not self.enable_caching
+                        or total // self.block_size <= first._num_cached_blocks.get(req_id, 0)
+                    )
+                ):
+                    return []
+        new_blocks = self._allocate(request, num_new_tokens, new_computed_blocks)
+        if new_blocks is not None and self._windowed:
+            bs = self.block_size
+            self._window_mark[req_id] = min(
+                (g._num_behind.get(req_id, 0) + 1) * bs + g.sliding_window - 1
+                for g in self._windowed
+                if g.sliding_window is not None
+            )
+        return new_blocks
+
+    def _allocate(
+        self, request: KVCacheRequest, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock]
+    ) -> list[KVBlock] | None:
         groups = self.groups
         n = len(new_computed_blocks) // len(groups)
         hits = [new_computed_blocks[g * n : (g + 1) * n] for g in range(len(groups))]
@@ -121,5 +154,6 @@ class HybridKVCacheManager:
             group.free_excess_slots(request)
 
     def free(self, request: KVCacheRequest) -> None:
+        self._window_mark.pop(request.req_id, None)
         for group in self.groups:
             group.free(request)
