@@ -62,7 +62,7 @@ class HybridKVCacheManager:
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         groups = self.groups
-        groups[0]._update_block_hashes(request)
+        groups[0].update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes[:max_blocks]
         found = [g.lookup(hashes) for g in groups]
@@ -100,7 +100,7 @@ class HybridKVCacheManager:
                     and request.num_computed_tokens < self._window_mark.get(req_id, 0)
                     and (
                         not self.enable_caching
-                        or total // self.block_size <= first._num_cached_blocks.get(req_id, 0)
+                        or total // self.block_size <= first.num_cached_blocks(req_id)
                     )
                 ):
                     return []
@@ -108,7 +108,7 @@ class HybridKVCacheManager:
         if new_blocks is not None and self._windowed:
             bs = self.block_size
             self._window_mark[req_id] = min(
-                (g._num_behind.get(req_id, 0) + 1) * bs + g.sliding_window - 1
+                (g.num_behind(req_id) + 1) * bs + g.sliding_window - 1
                 for g in self._windowed
                 if g.sliding_window is not None
             )

@@ -71,6 +71,18 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else request.hash_root
             hashes.append(hash_block_tokens(parent, request.all_token_ids[start : start + bs]))
 
+    def update_block_hashes(self, request: KVCacheRequest) -> None:
+        """Extend the request's chained hashes to its full blocks."""
+        self._update_block_hashes(request)
+
+    def num_cached_blocks(self, req_id: str) -> int:
+        """How many of the request's first blocks are hashed (registered for prefix reuse)."""
+        return self._num_cached_blocks.get(req_id, 0)
+
+    def num_behind(self, req_id: str) -> int:
+        """How many of the request's first blocks were given back behind the window."""
+        return self._num_behind.get(req_id, 0)
+
     def get_computed_blocks(self, request: KVCacheRequest) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of a waiting request, in whole blocks, leaving at least one
         token to compute (its logits are needed to sample)."""
