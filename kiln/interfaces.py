@@ -23,6 +23,8 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
+    # A hybrid model's KV cache groups (kiln.models.kv_groups): each group's ids in turn, all
+    # of one length (the runner splits them); one group: simply its blocks.
     block_ids: list[int]
     num_computed_tokens: int
     lora_int_id: int | None = None  # its LoRA adapter (resident in a slot while it runs)
@@ -33,7 +35,7 @@ class CachedRequestData:
     """A request the runner already holds: only what changed."""
 
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: list[int]  # (several KV cache groups: as NewRequestData.block_ids)
     num_computed_tokens: int
 
 

@@ -28,6 +28,10 @@ class AttentionMetadata:
     num_decodes: int
     max_query_len: int
     max_seq_len: int
+    # A hybrid model's other KV cache groups (kiln.models.kv_groups), groups 1..: the same
+    # step through each group's block tables and slot mapping (this is group 0's); the decoder
+    # hands each layer its group's. Empty: one group.
+    group_metadata: tuple[AttentionMetadata, ...] = ()
 
     @property
     def num_seqs(self) -> int:

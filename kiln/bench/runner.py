@@ -230,7 +230,7 @@ def _decode_roofline(engine: LLMEngine, requests: list[BenchRequest], report: di
     if not cfg.tie_word_embeddings:  # untied: the table is only gathered from, never streamed
         embedding = cfg.vocab_size * cfg.hidden_size * getattr(torch, engine.dtype).itemsize
     mean_context = sum(len(r.prompt_token_ids) + r.output_len / 2 for r in requests) / len(requests)
-    kv_bytes = plan.bytes_per_block / plan.block_size * mean_context
+    kv_bytes = plan.kv_bytes_read(mean_context)  # (windowed layers: their window's)
     step = decode_step_bytes(
         cfg, plan.weight_bytes, plan.expert_weight_bytes, embedding, kv_bytes, batch=1
     )

@@ -20,6 +20,7 @@ from kiln.engine.scheduler import EngineCoreOutput, Scheduler
 from kiln.errors import InvalidRequestError, LoRAError
 from kiln.executor import create_executor
 from kiln.interfaces import ModelRunnerOutput, SchedulerOutput
+from kiln.kv_cache.hybrid import HybridKVCacheManager
 from kiln.kv_cache.manager import KVCacheManager
 from kiln.lora.request import LoRARequest
 from kiln.lora.slots import LoRASlots
@@ -51,12 +52,22 @@ class LLMEngine:
         self.memory_plan = self.executor.stats().memory_plan
         capacity = self.executor.kv_capacity()
         self.max_model_len = capacity.max_model_len
-        self.kv_cache = KVCacheManager(
-            capacity.num_blocks,
-            capacity.block_size,
-            config.enable_prefix_caching,
-            sliding_window=self.model_config.kv_window,
-        )
+        layout = self.model_config.kv_cache_layout
+        self.kv_cache: KVCacheManager | HybridKVCacheManager
+        if layout.is_hybrid:  # a block table per group (kiln.models.kv_groups)
+            self.kv_cache = HybridKVCacheManager(
+                capacity.num_blocks,
+                capacity.block_size,
+                config.enable_prefix_caching,
+                windows=layout.windows,
+            )
+        else:
+            self.kv_cache = KVCacheManager(
+                capacity.num_blocks,
+                capacity.block_size,
+                config.enable_prefix_caching,
+                sliding_window=self.model_config.kv_window,
+            )
         self.scheduler = Scheduler(
             self.kv_cache,
             max_num_seqs=config.max_num_seqs,

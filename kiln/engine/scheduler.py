@@ -28,6 +28,7 @@ from kiln.interfaces import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from kiln.kv_cache.hybrid import HybridKVCacheManager
 from kiln.kv_cache.manager import KVCacheManager
 from kiln.lora.slots import LoRASlots
 
@@ -83,7 +84,7 @@ class _StepPlan:
 class Scheduler:
     def __init__(
         self,
-        kv_cache: KVCacheManager,
+        kv_cache: KVCacheManager | HybridKVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,

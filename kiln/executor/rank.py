@@ -107,11 +107,8 @@ def build_rank(config: EngineConfig, parallel: ParallelContext | None = None) ->
     num_blocks = memory_plan.num_blocks
     t_planned = time.perf_counter()
     # Every admitted request must fit the cache on its own, or preemption could never help.
-    # (With a window on every layer a request holds at most memory_plan.max_tokens_held.)
-    capped = min(max_model_len, num_blocks * config.block_size)
-    held = memory_plan.max_tokens_held
-    if held is not None and held <= num_blocks * config.block_size:
-        capped = max_model_len
+    # (A windowed group holds at most a window and a step of a request: memory_plan.groups.)
+    capped = memory_plan.longest_fitting(max_model_len)
     if capped < max_model_len:
         logger.warning(
             "KV cache holds %d tokens: max_model_len lowered from %d", capped, max_model_len

@@ -11,6 +11,7 @@ from typing import Any
 
 from kiln.errors import ModelLoadError
 from kiln.models import family_config, moe_config, registry
+from kiln.models.kv_groups import KVCacheLayout, kv_cache_layout
 
 # The deepest published decoders have ~130 layers; building 10k layers' modules already takes
 # minutes on a CPU, and a config saying 1e7 would otherwise look like a hang.
@@ -173,6 +174,12 @@ class ModelConfig:
         """The window every layer has, else None: how much history each layer ever reads, so how
         far back the KV manager keeps a request's blocks."""
         return self.sliding_window if self.layer_types is None else None
+
+    @property
+    def kv_cache_layout(self) -> KVCacheLayout:
+        """The KV cache groups of the whole model (kiln.models.kv_groups): one for a model whose
+        layers attend alike; a full group and windowed ones for a hybrid (Gemma 2/3)."""
+        return kv_cache_layout([self.layer_window(i) for i in range(self.num_hidden_layers)])
 
     def __post_init__(self) -> None:
         if not registry.is_supported(self.architecture):

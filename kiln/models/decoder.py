@@ -144,6 +144,15 @@ class DecoderForCausalLM(nn.Module):
                 cfg.layer_window(self.layer_start + i), cfg.attn_logit_softcapping
             )
         self.layers = nn.ModuleList(layers)
+        # A hybrid model's KV cache group of each layer (kiln.models.kv_groups): the forward
+        # hands a layer its group's block tables. None: one group, one table for all.
+        self.layer_groups: tuple[int, ...] | None = None
+        layout = cfg.kv_cache_layout
+        if layout.is_hybrid:
+            placement = layout.placement()
+            self.layer_groups = tuple(
+                placement[self.layer_start + i][0] for i in range(len(layers))
+            )
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
         self._make_head(cfg, dtype, tp, lm_head_method)
         rope = (cfg.rotary_dim, max_positions)
@@ -323,9 +332,12 @@ class DecoderForCausalLM(nn.Module):
             hidden, residual = recv_from_prev_stage(pp, shape, self.norm).unbind(0)
         step = self.step_inputs(ops, backend, positions, metadata)
         num_tokens = input_ids.shape[0]
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            tap = self._aux_tap(index, num_tokens) if self._aux_columns else None
-            hidden, residual = layer(step, hidden, residual, kv_cache, tap)
+        if metadata.group_metadata and self.layer_groups is not None:
+            hidden, residual = self._grouped_layers(step, hidden, residual, kv_caches)
+        else:
+            for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                tap = self._aux_tap(index, num_tokens) if self._aux_columns else None
+                hidden, residual = layer(step, hidden, residual, kv_cache, tap)
         if pp is not None and not pp.layout.is_last_stage:
             # Both tensors, not their sum: the next stage's first fused add + norm then rounds
             # exactly as one process would.
@@ -334,6 +346,24 @@ class DecoderForCausalLM(nn.Module):
             return hidden  # no logits here (computes_logits is False)
         assert residual is not None, "a model has at least one layer"
         return self.final_norm(ops, hidden, residual)
+
+    def _grouped_layers(
+        self,
+        step: StepInputs,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers of a hybrid model, each over its KV cache group's tables."""
+        assert self.layer_groups is not None
+        others = step.metadata.group_metadata
+        steps = [step, *(dataclasses.replace(step, metadata=m) for m in others)]
+        num_tokens = hidden.shape[0]
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            tap = self._aux_tap(index, num_tokens) if self._aux_columns else None
+            group_step = steps[self.layer_groups[index]]
+            hidden, residual = layer(group_step, hidden, residual, kv_cache, tap)
+        return hidden, residual
 
     def final_norm(
         self, ops: ModuleType, hidden: torch.Tensor, residual: torch.Tensor

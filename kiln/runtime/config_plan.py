@@ -12,7 +12,15 @@ import torch
 from kiln.config import EngineConfig
 from kiln.models.config import ModelConfig
 from kiln.models.moe_config import expert_scale_count
-from kiln.runtime.memory_plan import _CPU_DEFAULT_KV_GB, GiB, kv_bytes_per_token
+from kiln.runtime.memory_plan import (
+    _CPU_DEFAULT_KV_GB,
+    GiB,
+    GroupPlan,
+    group_plans,
+    kv_bytes_per_token,
+    seq_blocks,
+    step_blocks,
+)
 
 _FP8_BYTES = 1
 # The lengths the plan reports besides max_model_len (the long-context rows' sizes).
@@ -87,18 +95,33 @@ class ConfigPlan:
     max_model_len: int
     kv_dtype: str
     target: str  # "cpu" or "<GiB> GiB GPU"
+    # The KV cache groups (kiln.models.kv_groups) and the most tokens a sequence holds in each
+    # (a window's group: its window and a step); empty: one group holding whole contexts.
+    groups: tuple[GroupPlan, ...] = ()
+    # A pool block's bytes: every layer's K and V of block_size tokens, or a hybrid model's
+    # share (its groups' layers share KV tensors); 0: kv_bytes_per_token x block_size.
+    kv_bytes_per_block: int = 0
 
     @property
     def kv_blocks(self) -> int:
-        return self.kv_budget_bytes // (self.kv_bytes_per_token * self.block_size)
+        per_block = self.kv_bytes_per_block or self.kv_bytes_per_token * self.block_size
+        return self.kv_budget_bytes // per_block
 
     @property
     def kv_tokens(self) -> int:
         return self.kv_blocks * self.block_size
 
     def sequences_of(self, length: int) -> int:
-        """Sequences of `length` tokens the cache holds at once (whole blocks each)."""
-        return self.kv_blocks // -(-length // self.block_size)
+        """Sequences of `length` tokens the cache holds at once (whole blocks each; a windowed
+        group's blocks only those its window and a step keep)."""
+        room = self.kv_blocks - step_blocks(self.groups, self.block_size)
+        return max(room, 0) // seq_blocks(self.groups, self.block_size, length)
+
+    def sequences_keeping_every_layer(self, length: int) -> int:
+        """Sequences of `length` tokens the budget would hold if every layer kept its whole
+        context (what a hybrid model's windowed groups save against)."""
+        every_layer = self.kv_budget_bytes // (self.kv_bytes_per_token * self.block_size)
+        return every_layer // -(-length // self.block_size)
 
     def lengths(self) -> list[int]:
         return sorted({n for n in REPORT_LENGTHS if n < self.max_model_len} | {self.max_model_len})
@@ -108,12 +131,22 @@ class ConfigPlan:
         activations = (
             f", activations ~{self.activation_bytes / GiB:.2f} GiB" if self.activation_bytes else ""
         )
-        return (
+        text = (
             f"before loading ({self.target}): weights {self.weight_bytes / GiB:.2f} GiB"
             f"{activations}; KV cache ({self.kv_dtype}, {self.kv_bytes_per_token / 1024:.0f} "
             f"KiB/token) {self.kv_budget_bytes / GiB:.2f} GiB = {self.kv_tokens} tokens: "
             f"sequences at once {fits}"
         )
+        if len(self.groups) > 1:
+            every = ", ".join(
+                f"{self.sequences_keeping_every_layer(n)} x {n}" for n in self.lengths()
+            )
+            windows = sorted({g.window for g in self.groups if g.window is not None})
+            text += (
+                f" (layers of window {', '.join(map(str, windows))} counted at it; every "
+                f"layer's whole context would hold {every})"
+            )
+        return text
 
 
 def plan_from_config(
@@ -138,13 +171,17 @@ def plan_from_config(
         usable = int(device_bytes * config.gpu_memory_utilization)
         budget = max(0, usable - weights - activations - _FIXED_RESERVE)
     target = "cpu" if device_bytes is None else f"{device_bytes / GiB:.0f} GiB GPU"
+    layout = cfg.kv_cache_layout
+    per_token = kv_bytes_per_token(cfg, kv_dtype)
     return ConfigPlan(
         weights,
         activations,
-        kv_bytes_per_token(cfg, kv_dtype),
+        per_token,
         budget,
         config.block_size,
         max_model_len,
         str(kv_dtype).removeprefix("torch."),
         target,
+        group_plans(cfg, config, max_model_len),
+        per_token * layout.num_slots // cfg.num_hidden_layers * config.block_size,
     )

@@ -162,6 +162,8 @@ class GraphRunner:
             max_query_len=1,
             max_seq_len=max_seq_len,
         )
+        if buf.num_groups > 1:  # a hybrid model: each group's tables too, at full width
+            metadata = buf.with_groups(metadata, num_seqs, num_seqs, buf.table_row_stride)
         return self.model(
             self.ops,
             self.backend,
@@ -181,10 +183,11 @@ class GraphRunner:
         size = self.batch_sizes[-1]
         buf.input_ids[:size].zero_()
         buf.positions[:size].zero_()
-        buf.slot_mapping[:size].fill_(-1)
+        for slot_mapping in buf.group_slot_mappings:
+            slot_mapping[:size].fill_(-1)
         buf.seq_lens[:size].fill_(1)
         buf.query_start_loc[: size + 1].copy_(torch.arange(size + 1, dtype=torch.int32))
-        buf.block_tables[:size].zero_()
+        buf.group_block_tables[:, :size].zero_()
         keys = [(b, c) for b in self.batch_sizes for c in self.seq_len_buckets[b]]
         start = time.perf_counter()
         cuda = self.device.type == "cuda" and not self.fake

@@ -9,7 +9,7 @@ with one numpy index instead of converting Python lists.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
 import numpy as np
@@ -27,7 +27,7 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[int]  # (a hybrid model's: its first KV cache group's; InputBuffers has all)
     num_computed_tokens: int
     row: int = -1  # its row in InputBuffers' persistent block table (set by the runner)
     # Sampled in steps whose ids are not back on the host yet (async scheduling: at most 2), and
@@ -92,8 +92,12 @@ class InputBuffers:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        num_groups: int = 1,
     ) -> None:
+        """`num_groups`: KV cache groups (kiln.models.kv_groups), each with its own block-table
+        rows and slot mapping; the first group's are the plain buffers below."""
         self.device = device
+        self.num_groups = g = num_groups
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max(max_num_tokens, max_num_seqs)  # a padded decode batch fits
@@ -118,18 +122,19 @@ class InputBuffers:
         # copy is a launch, ~5-10 us of host time, and a fixed latency on the device), at the
         # price of also moving the unused tails of the buffers before the last (2 * t int64 and
         # 2 * s + 1 int32: ~32 KiB at t = 2048, well under a copy's own latency).
-        # int64, per token: input ids | positions | slot mapping.
-        self._tok_cpu, self._tok = host(3 * t, torch.int64), dev(3 * t, torch.int64)
-        self.input_ids_cpu, self.positions_cpu, self.slot_mapping_cpu = self._tok_cpu.split(t)
-        self.input_ids, self.positions, self.slot_mapping = self._tok.split(t)
-        # int32, per sequence: query start locations | sequence lengths | the compact table.
-        n32 = (s + 1) + s + s * w
+        # int64, per token: input ids | positions | slot mapping (each group's in turn).
+        self._tok_cpu, self._tok = host((2 + g) * t, torch.int64), dev((2 + g) * t, torch.int64)
+        self.input_ids_cpu, self.positions_cpu, self.slot_mapping_cpu = self._tok_cpu.split(t)[:3]
+        self.input_ids, self.positions, self.slot_mapping = self._tok.split(t)[:3]
+        self.group_slot_mappings = self._tok.split(t)[2:]  # [num_groups] of [t]
+        # int32, per sequence: query start locations | sequence lengths | the compact table(s).
+        n32 = (s + 1) + s + g * s * w
         self._seq_cpu, self._seq = host(n32, torch.int32), dev(n32, torch.int32)
         self.query_start_loc_cpu, self.seq_lens_cpu, self.block_table_cpu = self._seq_cpu.split(
-            [s + 1, s, s * w]
+            [s + 1, s, g * s * w]
         )
         self.query_start_loc, self.seq_lens, self.block_table_staging = self._seq.split(
-            [s + 1, s, s * w]
+            [s + 1, s, g * s * w]
         )
         self.logits_indices_cpu = host(t, torch.int64)  # t: a row per verified draft too
         # The step's one device->host copy lands here; two, since with async scheduling a step's
@@ -141,13 +146,16 @@ class InputBuffers:
         self.pending_dst_cpu, self.pending_src_cpu = self._pending_cpu.split(s)
         self.pending_dst, self.pending_src = self._pending.split(s)
 
-        self.block_tables = dev((s, w), torch.int32)  # the kernels' table: row stride w
+        # The kernels' tables, row stride w: each group's.
+        self.group_block_tables = dev((g, s, w), torch.int32)
+        self.block_tables = self.group_block_tables[0]
         self.logits_indices = dev(t, torch.int64)
 
         # numpy views of the host buffers (same memory).
         self._ids = self.input_ids_cpu.numpy()
         self._pos = self.positions_cpu.numpy()
         self._slots = self.slot_mapping_cpu.numpy()
+        self._group_slots = self._tok_cpu[2 * t :].numpy().reshape(g, t)
         self._seq_lens = self.seq_lens_cpu.numpy()
         self._qsl = self.query_start_loc_cpu.numpy()
         self._bt = self.block_table_cpu.numpy()
@@ -155,8 +163,9 @@ class InputBuffers:
         self._pending_dst = self.pending_dst_cpu.numpy()
         self._pending_src = self.pending_src_cpu.numpy()
 
-        # Each live request's block ids, one persistent row each.
-        self.req_block_table = np.zeros((s, w), dtype=np.int32)
+        # Each live request's block ids, one persistent row each (in each group).
+        self.req_block_tables = np.zeros((g, s, w), dtype=np.int32)
+        self.req_block_table = self.req_block_tables[0]
         self._free_rows = list(range(s - 1, -1, -1))
         self._copies_done = torch.cuda.Event() if pin else None
         self._copies_pending = False
@@ -185,8 +194,20 @@ class InputBuffers:
         if kind == "table":  # the kernels' table, and its compact staging, [num_seqs, num_cols]
             k, c = size
             return self.block_tables[:k, :c], self.block_table_staging[: k * c].view(k, c)
+        if kind == "tables":  # every group's: [num_groups, num_seqs, num_cols]
+            k, c = size
+            g = self.num_groups
+            staging = self.block_table_staging[: g * k * c].view(g, k, c)
+            return self.group_block_tables[:, :k, :c], staging
+        if kind == "group":  # group g's slot mapping (num_tokens), table [num_seqs, num_cols]
+            g, t, k, c = size
+            return self.group_slot_mappings[g][:t], self.group_block_tables[g, :k, :c]
         if kind == "copy":  # (device, host) prefixes of one copy's shared allocation
             which, end = size
+            if which == 0:  # per token: ... through the last group's slot mapping
+                end += (self.num_groups - 1) * self.max_num_tokens
+            elif which == 1:  # per sequence: ... through the last group's compact table
+                end += (self.num_groups - 1) * (end - 2 * self.max_num_seqs - 1)
             dev, host = [
                 (self._tok, self._tok_cpu),
                 (self._seq, self._seq_cpu),
@@ -199,15 +220,26 @@ class InputBuffers:
     # ---- per-request rows --------------------------------------------------------------------
 
     def add_request(self, block_ids: list[int]) -> int:
+        """A row for a request's blocks (several groups: each group's in turn, equal lengths)."""
         if not self._free_rows:
             raise RuntimeError(f"more than max_num_seqs={self.max_num_seqs} requests in the runner")
         row = self._free_rows.pop()
+        if self.num_groups > 1:
+            self.append_blocks(row, 0, block_ids)
+            return row
         self.req_block_table[row, : len(block_ids)] = block_ids
         return row
 
     def append_blocks(self, row: int, start: int, block_ids: list[int]) -> None:
-        if block_ids:
-            self.req_block_table[row, start : start + len(block_ids)] = block_ids
+        """Blocks from entry `start` of the row on (several groups: each group's in turn)."""
+        if not block_ids:
+            return
+        if self.num_groups > 1:
+            per_group = len(block_ids) // self.num_groups
+            ids = np.asarray(block_ids, dtype=np.int32).reshape(self.num_groups, per_group)
+            self.req_block_tables[:, row, start : start + per_group] = ids
+            return
+        self.req_block_table[row, start : start + len(block_ids)] = block_ids
 
     def remove_request(self, row: int) -> None:
         self._free_rows.append(row)
@@ -279,6 +311,8 @@ class InputBuffers:
             max_query_len=max(num_scheduled),
             max_seq_len=max_seq_len,
         )
+        if self.num_groups > 1:
+            metadata = self.with_groups(metadata, num_tokens, n, num_cols)
         return self._packed(
             states, num_scheduled, num_tokens, metadata, query_start_loc_np, sampling_rows,
             logits_indices, len(logits_rows), padded, num_pending,
@@ -323,6 +357,9 @@ class InputBuffers:
             self._slots[num_tokens:padded] = -1
             self._seq_lens[num_tokens:padded] = 1
             table[num_tokens:] = 0
+        if self.num_groups > 1:
+            table_rows = rows[seq_of_token]
+            self._fill_groups(table_rows, self._iota[:num_tokens], block, offset, padded, num_cols)
         self._copy_to_device(padded, padded, num_cols, logits_indices, num_pending)
         query_start_loc, seq_lens_dev = self._views("seqs", num_tokens)
         metadata = AttentionMetadata(
@@ -334,6 +371,8 @@ class InputBuffers:
             max_query_len=1,
             max_seq_len=max_seq_len,
         )
+        if self.num_groups > 1:
+            metadata = self.with_groups(metadata, num_tokens, num_tokens, num_cols)
         return self._packed(
             states, num_scheduled, num_tokens, metadata, query_start_loc_np, sampling_rows,
             logits_indices, len(logits_rows), padded, num_pending,
@@ -438,6 +477,39 @@ class InputBuffers:
             self._seq_lens[n:padded] = 1
             qsl[n + 1 : padded + 1] = self._iota[n + 1 : padded + 1]
             table[n:] = 0
+        if self.num_groups > 1:
+            self._fill_groups(rows, seq_of_token, block, offset, padded, num_cols)
+
+    def _fill_groups(
+        self,
+        table_rows: np.ndarray,  # [num_rows] each attention row's request row
+        token_rows: np.ndarray,  # [num_tokens] each token's attention row
+        block: np.ndarray,  # [num_tokens] each token's block index
+        offset: np.ndarray,  # [num_tokens] ... and offset in it
+        padded: int,  # attention rows, padding included (as many tokens past the real ones)
+        num_cols: int,
+    ) -> None:
+        """The other KV cache groups' compact tables and slot mappings (group 0's are filled
+        as a one-group model's): the same tokens through each group's block ids."""
+        g, n, num_tokens = self.num_groups, len(table_rows), len(token_rows)
+        tables = self._bt[: g * padded * num_cols].reshape(g, padded, num_cols)[1:]
+        tables[:, :n] = self.req_block_tables[1:, table_rows, :num_cols]
+        tables[:, n:] = 0
+        slots = self._group_slots[1:]
+        slots[:, :num_tokens] = tables[:, token_rows, block] * self.block_size + offset
+        slots[:, num_tokens : num_tokens + padded - n] = -1  # padding rows write nothing
+
+    def with_groups(
+        self, metadata: AttentionMetadata, num_tokens: int, num_seqs: int, num_cols: int
+    ) -> AttentionMetadata:
+        """`metadata` (group 0's) with the other groups' (slot mapping, table) views over the
+        same rows (AttentionMetadata.group_metadata)."""
+        views = self._views
+        others = []
+        for g in range(1, self.num_groups):
+            slot_mapping, block_tables = views("group", g, num_tokens, num_seqs, num_cols)
+            others.append(replace(metadata, slot_mapping=slot_mapping, block_tables=block_tables))
+        return replace(metadata, group_metadata=tuple(others))
 
     def _sampling_rows(
         self, states: list[CachedRequestState], seq_lens: list[int]
@@ -488,7 +560,7 @@ class InputBuffers:
         # home on the device: a step moves only the columns its longest sequence needs.
         dev, host = views("copy", 1, 2 * s + 1 + num_seqs * num_cols)
         dev.copy_(host, non_blocking=nb)
-        table, staging = views("table", num_seqs, num_cols)
+        table, staging = views("table" if self.num_groups == 1 else "tables", num_seqs, num_cols)
         table.copy_(staging)
         if logits_indices is not None:
             dev, host = views("copy", 3, logits_indices.shape[0])

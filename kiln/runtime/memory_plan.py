@@ -47,6 +47,38 @@ class PlannedModel(Protocol):
 
 
 @dataclass(frozen=True)
+class GroupPlan:
+    """One KV cache group as the plan counts it (kiln.models.kv_groups)."""
+
+    window: int | None  # its layers' window; None: full attention
+    num_layers: int  # this rank's layers in it
+    tokens_held: int | None  # the most tokens' KV a sequence holds in it between steps; None: all
+    # A windowed group's room for one step's new tokens beyond the sequences' windows (a
+    # prompt chunk's blocks are all held while it runs; a step has at most this many tokens).
+    step_tokens: int = 0
+
+
+def step_blocks(groups: tuple[GroupPlan, ...], block_size: int) -> int:
+    """Pool blocks set aside for one step's new tokens in the windowed groups."""
+    return sum(-(-g.step_tokens // block_size) for g in groups)
+
+
+def seq_blocks(
+    groups: tuple[GroupPlan, ...], block_size: int, context_len: int, alone: bool = False
+) -> int:
+    """Pool blocks a sequence of context_len tokens holds between steps (MemoryPlan.groups);
+    `alone`: at its most, its own step's tokens included (a prompt chunk's blocks are all held
+    in a windowed group while it runs)."""
+    if not groups:
+        return -(-max(context_len, 1) // block_size)
+    total = 0
+    for g in groups:
+        held = context_len if g.tokens_held is None else g.tokens_held + alone * g.step_tokens
+        total += -(-max(min(context_len, held), 1) // block_size)
+    return total
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     weight_bytes: int
     bytes_per_block: int
@@ -58,22 +90,59 @@ class MemoryPlan:
     non_torch_bytes: int = 0  # CUDA context, library workspaces, other processes
     total_bytes: int = 0  # the device's memory (0 on the CPU)
     kv_dtype: str = ""  # the cache's element type, e.g. "bfloat16" or "float8_e4m3fn"
-    # The most tokens' KV one sequence holds at once, whatever its length (a window on every
-    # layer: max_tokens_held); None: its whole context.
-    max_tokens_held: int | None = None
     # Of weight_bytes, the routed experts' (weights and scales): a decode step reads only the
     # experts its tokens pick, so the benchmark's roofline counts these apart.
     expert_weight_bytes: int = 0
+    # The KV cache groups, each with the most tokens a sequence holds in it (a window's group:
+    # its window and one step; kiln.kv_cache frees the rest). Empty: one group of every layer,
+    # holding each sequence's whole context.
+    groups: tuple[GroupPlan, ...] = ()
+    layer_token_bytes: int = 0  # K and V of one layer for one token (0: not given)
 
     @property
     def kv_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def max_tokens_held(self) -> int | None:
+        """The most tokens' KV one sequence holds at once with one group (a window on every
+        layer); None: its whole context, or several groups (see blocks_per_seq)."""
+        return self.groups[0].tokens_held if len(self.groups) == 1 else None
+
+    def blocks_per_seq(self, context_len: int) -> int:
+        """Pool blocks one sequence of context_len tokens holds at its longest: a block in each
+        group for each of its blocks of tokens (a windowed group: of those it keeps)."""
+        return seq_blocks(self.groups, self.block_size, context_len)
+
     def max_concurrent_seqs(self, context_len: int, num_blocks: int | None = None) -> int:
         """Sequences of context_len tokens that num_blocks (default: the cache's) hold at once."""
-        held = min(context_len, self.max_tokens_held or context_len)
-        blocks_per_seq = -(-max(held, 1) // self.block_size)
-        return (self.num_blocks if num_blocks is None else num_blocks) // blocks_per_seq
+        num_blocks = self.num_blocks if num_blocks is None else num_blocks
+        room = num_blocks - step_blocks(self.groups, self.block_size)
+        return max(room, 0) // self.blocks_per_seq(context_len)
+
+    def longest_fitting(self, max_model_len: int) -> int:
+        """The longest context (up to max_model_len) one sequence can hold on its own in the
+        cache: every admitted request must, or preemption could never help."""
+        groups, bs = self.groups, self.block_size
+        if seq_blocks(groups, bs, max_model_len, alone=True) <= self.num_blocks:
+            return max_model_len
+        low, high = 0, max_model_len  # the blocks grow with the length: bisect
+        while low < high:
+            mid = (low + high + 1) // 2
+            if seq_blocks(groups, bs, mid, alone=True) <= self.num_blocks:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def kv_bytes_read(self, context_len: float) -> float:
+        """The KV bytes a decode of a context_len-token sequence reads: every layer its
+        window's tokens (all of them without one)."""
+        if not self.groups or not self.layer_token_bytes:
+            return self.bytes_per_block / self.block_size * context_len
+        return self.layer_token_bytes * sum(
+            g.num_layers * min(context_len, g.window or context_len) for g in self.groups
+        )
 
     def describe(self, context_len: int) -> str:
         text = (
@@ -83,6 +152,14 @@ class MemoryPlan:
             f"({self.num_blocks * self.bytes_per_block / GiB:.2f} GiB): "
             f"{self.max_concurrent_seqs(context_len)} sequences of {context_len} tokens at once"
         )
+        if len(self.groups) > 1 and self.layer_token_bytes:
+            # Hybrid: what the windowed groups save over keeping every layer's whole context.
+            every_layer = self.layer_token_bytes * sum(g.num_layers for g in self.groups)
+            seq_bytes = -(-context_len // self.block_size) * self.block_size * every_layer
+            text += (
+                f" (windowed layers at their window; every layer's whole context: "
+                f"{self.num_blocks * self.bytes_per_block // seq_bytes})"
+            )
         if self.total_bytes:
             text += (
                 f"; activations {self.activation_bytes / GiB:.2f} GiB (profiled), graphs "
@@ -131,23 +208,61 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
 
 
 def kv_bytes_per_block(model: PlannedModel, block_size: int, kv_dtype: torch.dtype) -> int:
+    """A pool block: K and V of block_size tokens in each KV tensor this rank makes (a hybrid
+    model's layers share tensors: kiln.models.kv_groups)."""
     cfg = model.config
     elem = kv_dtype.itemsize
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+    return 2 * _num_kv_tensors(model) * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
-def max_tokens_held(
-    model_config: ModelConfig, config: EngineConfig, max_model_len: int
-) -> int | None:
-    """The most tokens' KV one request holds at once when every layer has a window (None: its
-    whole context): its window and one step's tokens (drafts included), and a block each side
-    for where they start and end (kiln.kv_cache frees the blocks behind the window)."""
-    window = model_config.kv_window
+def _stage_layers(model: PlannedModel) -> range:
+    """This rank's layers, as indices in the whole model."""
+    start = getattr(model, "layer_start", 0)
+    return range(start, start + model.config.num_hidden_layers)
+
+
+def _num_kv_tensors(model: PlannedModel) -> int:
+    full = getattr(model, "full_config", model.config)
+    layout = full.kv_cache_layout
+    if not layout.is_hybrid:
+        return model.config.num_hidden_layers
+    placement = layout.placement()
+    return len({placement[i][1] for i in _stage_layers(model)})
+
+
+def max_tokens_held(window: int | None, block_size: int, max_model_len: int) -> int | None:
+    """The most tokens' KV one request holds between steps in layers of this window (None: its
+    whole context): the window's blocks (kiln.kv_cache frees those behind it), one more where
+    it starts mid-block and one for the next token."""
     if window is None:
         return None
+    return min(max_model_len, window - 1 + 2 * block_size)
+
+
+def step_tokens(config: EngineConfig) -> int:
+    """The most new tokens one step computes (drafts included)."""
     spec = config.speculative
-    step = config.max_num_batched_tokens + (spec.num_speculative_tokens if spec else 0)
-    return min(max_model_len, window + step + 2 * config.block_size)
+    return config.max_num_batched_tokens + (spec.num_speculative_tokens if spec else 0)
+
+
+def group_plans(
+    model_config: ModelConfig,
+    config: EngineConfig,
+    max_model_len: int,
+    layers: range | None = None,
+) -> tuple[GroupPlan, ...]:
+    """Each KV cache group of the model (its layers among `layers`, default all) and the most
+    tokens a sequence holds in it."""
+    layers = range(model_config.num_hidden_layers) if layers is None else layers
+    return tuple(
+        GroupPlan(
+            g.window,
+            sum(1 for i in g.layers if i in layers),
+            max_tokens_held(g.window, config.block_size, max_model_len),
+            0 if g.window is None else step_tokens(config),
+        )
+        for g in model_config.kv_cache_layout.groups
+    )
 
 
 def plan_kv_blocks(
@@ -161,6 +276,9 @@ def plan_kv_blocks(
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     expert_bytes = routed_expert_bytes(model)
     per_block = kv_bytes_per_block(model, config.block_size, kv_dtype)
+    cfg = model.config
+    layer_token_bytes = 2 * cfg.num_key_value_heads * cfg.head_dim * kv_dtype.itemsize
+    groups = group_plans(model.full_config, config, max_model_len, _stage_layers(model))
     if draft_model is not None:
         # Speculative decoding's draft: its weights, and a KV pool of as many blocks as the
         # target's (kiln.spec_decode.draft_model), so every target block costs both.
@@ -193,11 +311,10 @@ def plan_kv_blocks(
     else:
         budget = int(_CPU_DEFAULT_KV_GB * GiB)
     num_blocks = budget // per_block
-    # Never more than every sequence slot at full length could use (with a window on every
-    # layer, a sequence holds its window and one step's tokens: kiln.kv_cache frees the rest).
-    held = max_tokens_held(model.config, config, max_model_len)
-    blocks_per_seq = -(-(held or max_model_len) // config.block_size)
-    num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_seq)
+    # Never more than every sequence slot at full length could use (a windowed group holds a
+    # sequence's window and one step's tokens: kiln.kv_cache frees the rest).
+    most = config.max_num_seqs * seq_blocks(groups, config.block_size, max_model_len)
+    num_blocks = min(num_blocks, most + step_blocks(groups, config.block_size))
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     if num_blocks < 1:
@@ -217,8 +334,9 @@ def plan_kv_blocks(
         non_torch,
         total,
         str(kv_dtype).removeprefix("torch."),
-        held,
         expert_bytes,
+        groups,
+        layer_token_bytes,
     )
     logger.info("memory plan: %s", plan.describe(max_model_len))
     return plan

@@ -104,16 +104,28 @@ class ModelRunner:
         # decode path, and masked garbage can still be NaN.
         kv_dtype = kv_cache_dtype or self.dtype
         shape = (num_kv_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [
-            (
-                empty_cache(*shape, kv_dtype, self.device, _zeros),
-                empty_cache(*shape, kv_dtype, self.device, _zeros),
-            )
-            for _ in range(cfg.num_hidden_layers)
-        ]
-        self._all_caches = [cache for pair in self.kv_caches for cache in pair]  # block copies
+        layout = model.full_config.kv_cache_layout
+        self.num_kv_groups = len(layout.groups)
+        if layout.is_hybrid:
+            self.kv_caches = _shared_slot_caches(model, shape, kv_dtype)
+        else:
+            self.kv_caches = [
+                (
+                    empty_cache(*shape, kv_dtype, self.device, _zeros),
+                    empty_cache(*shape, kv_dtype, self.device, _zeros),
+                )
+                for _ in range(cfg.num_hidden_layers)
+            ]
+        # Block copies: each tensor once (a hybrid model's layers share them).
+        distinct = {id(pair): pair for pair in self.kv_caches}.values()
+        self._all_caches = [cache for pair in distinct for cache in pair]
         self.inputs = InputBuffers(
-            max_num_batched_tokens, max_num_seqs, self.max_model_len, block_size, self.device
+            max_num_batched_tokens,
+            max_num_seqs,
+            self.max_model_len,
+            block_size,
+            self.device,
+            self.num_kv_groups,
         )
         self.sampler = Sampler(argmax=self.ops.argmax)
         self.sampling = SamplingMetadataBuilder(eos_token_ids, self.vocab_size, self.device)
@@ -210,17 +222,20 @@ class ModelRunner:
             old = self.requests.pop(new.req_id, None)
             if old is not None:
                 self.inputs.remove_request(old.row)
+            block_ids = new.block_ids
+            if self.num_kv_groups > 1:  # each group's in turn: the state keeps the first's
+                block_ids = block_ids[: len(block_ids) // self.num_kv_groups]
             state = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=new.prompt_token_ids,
                 output_token_ids=list(new.output_token_ids),
                 sampling_params=new.sampling_params,
-                block_ids=list(new.block_ids),
+                block_ids=list(block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 lora_int_id=new.lora_int_id,
             )
             hooks.add_request(state)
-            state.row = self.inputs.add_request(state.block_ids)
+            state.row = self.inputs.add_request(new.block_ids)
             self.requests[new.req_id] = state
         for cached in sched.cached_requests:
             state = self.requests[cached.req_id]
@@ -228,9 +243,12 @@ class ModelRunner:
                 # It verified drafts: the scheduler gave back the blocks only rejected ones used.
                 del state.block_ids[-(-cached.num_computed_tokens // self.block_size) :]
                 state.spec_token_ids = []
-            if cached.new_block_ids:
-                self.inputs.append_blocks(state.row, len(state.block_ids), cached.new_block_ids)
-                state.block_ids.extend(cached.new_block_ids)
+            new_ids = cached.new_block_ids
+            if new_ids:
+                self.inputs.append_blocks(state.row, len(state.block_ids), new_ids)
+                if self.num_kv_groups > 1:
+                    new_ids = new_ids[: len(new_ids) // self.num_kv_groups]
+                state.block_ids.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     # ---- one step ----------------------------------------------------------------------------
@@ -535,6 +553,25 @@ def _logits_rows(hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     if batch.logits_indices is None:
         return hidden[: batch.num_logits_rows]
     return hidden[batch.logits_indices]
+
+
+def _shared_slot_caches(
+    model: CausalLM, shape: tuple[int, int, int, int], kv_dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A hybrid model's per-layer caches: layer i writes the K/V tensors of its slot, which one
+    layer of every KV cache group shares (kiln.models.kv_groups); a pipeline stage makes only
+    the slots its layers use."""
+    placement = model.full_config.kv_cache_layout.placement()
+    device = model.device
+    layers = range(model.layer_start, model.layer_start + model.config.num_hidden_layers)
+    slots = {
+        slot: (
+            empty_cache(*shape, kv_dtype, device, _zeros),
+            empty_cache(*shape, kv_dtype, device, _zeros),
+        )
+        for slot in sorted({placement[i][1] for i in layers})
+    }
+    return [slots[placement[i][1]] for i in layers]
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 
 from kiln import LLM
 from kiln.attention.backend import AttentionKind
+from kiln.kv_cache.hybrid import HybridKVCacheManager
 from tests.conftest import generated_logprob_gaps
 from tests.models.family_checks import (
     check_alone_and_batched,
@@ -66,8 +67,12 @@ def test_layer_kinds(gemma) -> None:
         assert model.config.rope_local_base_freq == 1e4 and model.config.rope_theta == 1e6
         assert [layer.self_attn.rope_table for layer in model.layers] == ["local", "local", None]
     assert model.layers[0].self_attn.scale == pytest.approx(24**-0.5)
-    # Local and global layers in one model: every layer's blocks are kept (one block table).
-    assert llm.engine.kv_cache.sliding_window is None
+    # Local and global layers: a block table per KV cache group (kiln.models.kv_groups), the
+    # windowed ones giving back the blocks behind their window.
+    kv = llm.engine.kv_cache
+    assert isinstance(kv, HybridKVCacheManager) and kv.sliding_window is None
+    windows = [g.sliding_window for g in kv.groups]
+    assert windows == ([None, 5] if variant == "gemma2" else [None, 7, 7])
 
 
 def test_batched_alone_and_prefix_cached_equal_hf(gemma) -> None:
@@ -82,9 +87,11 @@ def test_chunked_equal_hf(gemma) -> None:
 
 
 def test_preempted_equal_hf(gemma) -> None:
-    _, path, want, _ = gemma
-    # 8 blocks of 16 hold the longest request (51 + 32 tokens: 6 blocks), not all four.
-    llm = LLM(path, max_num_batched_tokens=64, **{**ARGS, "num_kv_blocks": 8})
+    _, path, want, source = gemma
+    # 6 blocks of 16 in each KV cache group hold the longest request (51 + 32 tokens: 6
+    # blocks; a windowed group holds them all while the prompt runs), not all four.
+    num_blocks = 6 * len(source.engine.kv_cache.groups)
+    llm = LLM(path, max_num_batched_tokens=64, **{**ARGS, "num_kv_blocks": num_blocks})
     assert tokens(llm.generate(PROMPTS, GREEDY)) == [want[tuple(p)] for p in PROMPTS]
     assert llm.engine.scheduler.num_preemptions_total > 0
 

@@ -81,3 +81,29 @@ def test_the_engine_logs_the_plan_before_loading(tmp_path, caplog) -> None:
     first = next(i for i, line in enumerate(lines) if "before loading (cpu)" in line)
     assert "sequences at once" in lines[first] and "x 64" in lines[first]
     assert first < next(i for i, line in enumerate(lines) if line.startswith("model:"))
+
+
+def test_gemma3_12b_counts_its_windowed_layers_at_the_window() -> None:
+    """Gemma-3-12B (40 layers of window 1024, 8 global) with FP8 weights and a float8 cache on
+    a 141 GiB card: its windowed layers hold a window of a long sequence, not the whole of it,
+    so several times more 32k and 128k sequences fit than counting every layer fully."""
+    cfg = ModelConfig.from_hf_dict(PRESETS["gemma-3-12b"])
+    config = EngineConfig(
+        model="gemma-3-12b", quantization="fp8", kv_cache_dtype="fp8",
+        max_num_batched_tokens=8192, max_num_seqs=256, gpu_memory_utilization=0.9,
+    )  # fmt: skip
+    plan = plan_from_config(cfg, config, 131072, torch.bfloat16, torch.float8_e4m3fn, 141 * GiB)
+    assert plan.kv_bytes_per_token == 2 * 48 * 8 * 256  # every layer, as before
+    # A pool block holds 8 layers (a group's: kiln.models.kv_groups), 16 tokens each.
+    assert plan.kv_bytes_per_block == 2 * 8 * 8 * 256 * 16
+    blocks = plan.kv_budget_bytes // plan.kv_bytes_per_block
+    step = 5 * 8192 // 16  # room for one step's tokens in each windowed group
+    # A sequence: its whole context in the full group, 1023 + 32 tokens in each of five.
+    for length, windowed in ((4096, 5 * 66), (32768, 5 * 66), (131072, 5 * 66)):
+        assert plan.sequences_of(length) == (blocks - step) // (length // 16 + windowed)
+    counted_fully = [plan.sequences_keeping_every_layer(n) for n in (4096, 32768, 131072)]
+    fits = [plan.sequences_of(n) for n in (4096, 32768, 131072)]
+    assert counted_fully == [149, 18, 4] and fits == [388, 95, 26]
+    text = plan.describe()
+    assert "388 x 4096, 95 x 32768, 26 x 131072" in text
+    assert "every layer's whole context would hold 149 x 4096, 18 x 32768, 4 x 131072" in text

@@ -108,3 +108,50 @@ def test_mixed_step_with_drafts_and_a_pending_decode():
     assert batch.num_logits_rows == 5
     assert batch.logits_indices.tolist() == [0, 6, 7, 8, 9]
     assert batch.metadata.num_decodes == 1 and batch.metadata.max_seq_len == 20
+
+
+def test_each_kv_cache_group_gets_its_own_table_and_slots():
+    """A hybrid model's groups (kiln.models.kv_groups): the same step through each group's
+    block ids, for a mixed step (a decode and a prefill chunk), a padded decode step and a
+    flattened verification step, each repeated so cached views are read again."""
+    buf = InputBuffers(64, 8, 64, BS, torch.device("cpu"), num_groups=3)
+    groups = [[7, 3, 5], [1, 9, 4], [0, 0, 6]]  # the last group: two blocks behind a window
+    d = CachedRequestState(
+        "d", list(range(10)), [], SamplingParams(temperature=0), list(groups[0]), 9
+    )
+    d.row = buf.add_request([i for g in groups for i in g])
+    other = [[11], [12], [13]]
+    p = CachedRequestState("p", list(range(100, 103)), [], SamplingParams(temperature=0), [11], 0)
+    p.row = buf.add_request([i for g in other for i in g])
+    for _ in range(2):
+        batch = buf.prepare([d, p], [1, 3])
+        md = batch.metadata
+        assert len(md.group_metadata) == 2
+        for blocks, blocks_p, m in zip(groups, other, (md, *md.group_metadata), strict=True):
+            assert m.slot_mapping.tolist() == [_slot(blocks, 9)] + [
+                _slot(blocks_p, q) for q in range(3)
+            ]
+            assert m.block_tables.tolist() == [blocks, [blocks_p[0], 0, 0]]
+            assert m.seq_lens.tolist() == [10, 3] and m.num_decodes == 1
+    # New blocks arrive as each group's in turn.
+    buf.append_blocks(d.row, 3, [20, 21, 22])
+    d.num_computed_tokens = 12
+    groups = [[*g, new] for g, new in zip(groups, (20, 21, 22), strict=True)]
+    for _ in range(2):
+        batch = buf.prepare([d], [1], num_padded_seqs=4)
+        for blocks, g in zip(groups, range(3), strict=True):
+            m = batch.metadata if g == 0 else batch.metadata.group_metadata[g - 1]
+            assert m.slot_mapping.tolist() == [_slot(blocks, 12)]
+            assert m.block_tables.tolist() == [blocks]
+            # Padding rows write nothing and read block 0, in every group.
+            assert buf.group_slot_mappings[g][1:4].tolist() == [-1, -1, -1]
+            assert buf.group_block_tables[g, 1:4, :4].tolist() == [[0] * 4] * 3
+    d.spec_token_ids = [60, 61]
+    d.token_ids.append(59)
+    for _ in range(2):
+        batch = buf.prepare([d], [3], num_padded_seqs=4, flatten=True)
+        for blocks, g in zip(groups, range(3), strict=True):
+            m = batch.metadata if g == 0 else batch.metadata.group_metadata[g - 1]
+            assert m.slot_mapping.tolist() == [_slot(blocks, q) for q in range(12, 15)]
+            assert m.block_tables.tolist() == [blocks] * 3
+            assert buf.group_slot_mappings[g][3:4].tolist() == [-1]

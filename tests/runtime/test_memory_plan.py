@@ -29,14 +29,54 @@ def test_plan_says_when_the_budget_holds_more_sequences_than_the_cache() -> None
 
 def test_a_window_on_every_layer_counts_sequences_at_their_window() -> None:
     from kiln.config import EngineConfig
-    from kiln.runtime.memory_plan import max_tokens_held
+    from kiln.runtime.memory_plan import group_plans
     from tests.conftest import tiny_model_config
 
     config = EngineConfig(max_num_batched_tokens=512, block_size=16)
     mistral = tiny_model_config("mistral", sliding_window=4096)
-    held = max_tokens_held(mistral, config, 32768)
-    assert held == 4096 + 512 + 2 * 16  # the window, one step and a block each side
-    assert max_tokens_held(tiny_model_config("mistral"), config, 32768) is None
-    plan = MemoryPlan(8 * GiB, 1 << 20, 96 * GiB, 96 * 1024, 16, max_tokens_held=held)
-    # 32k-token sequences hold 4640 tokens (290 blocks) each: 338 at once, not 48.
-    assert "338 sequences of 32768 tokens at once" in plan.describe(32768)
+    groups = group_plans(mistral, config, 32768)
+    (held,) = [g.tokens_held for g in groups]
+    # Between steps: the window's blocks, one where it starts mid-block, one for the next token.
+    assert held == 4095 + 2 * 16 and groups[0].step_tokens == 512
+    assert [g.tokens_held for g in group_plans(tiny_model_config("mistral"), config, 32768)] == [
+        None
+    ]
+    plan = MemoryPlan(8 * GiB, 1 << 20, 96 * GiB, 96 * 1024, 16, groups=groups)
+    assert plan.max_tokens_held == held
+    # 32k-token sequences hold 4127 tokens (258 blocks) each, beside one step's 32 blocks:
+    # (98304 - 32) // 258 = 380 at once, not 48.
+    assert "380 sequences of 32768 tokens at once" in plan.describe(32768)
+    assert plan.longest_fitting(32768) == 32768
+
+
+def test_hybrid_groups_count_windowed_layers_at_their_window() -> None:
+    """Gemma-3-12B's shape: 8 full layers and 40 of window 1024, in groups of 8 sharing a pool
+    block (kiln.models.kv_groups): a long sequence holds its whole context in one group and a
+    window in five."""
+    from kiln.config import EngineConfig
+    from kiln.models.config import PRESETS, ModelConfig
+    from kiln.runtime.memory_plan import group_plans
+
+    cfg = ModelConfig.from_hf_dict(PRESETS["gemma-3-12b"])
+    config = EngineConfig(max_num_batched_tokens=2048, block_size=16)
+    groups = group_plans(cfg, config, 131072)
+    assert [(g.window, g.num_layers, g.tokens_held) for g in groups] == [
+        (None, 8, None),
+        *[(1024, 8, 1023 + 32)] * 5,
+    ]
+    # A block of 8 layers' K and V (8 KV heads x 256 dims, float8): 2 x 8 x 16 x 8 x 256 bytes.
+    per_block = 2 * 8 * 16 * 8 * 256
+    plan = MemoryPlan(
+        24 * GiB, per_block, 80 * GiB, 80 * GiB // per_block, 16, groups=groups,
+        layer_token_bytes=2 * 8 * 256,
+    )  # fmt: skip
+    # 128k: 8192 blocks in the full group, 66 in each windowed one; 5 x 128 blocks for a step.
+    assert plan.blocks_per_seq(131072) == 8192 + 5 * 66
+    assert plan.max_concurrent_seqs(131072) == (plan.num_blocks - 640) // 8522 == 19
+    # Every layer keeping its whole context: 48 layers x 128k tokens each = 3 sequences.
+    every_layer = plan.num_blocks * per_block // (131072 * 48 * 2 * 8 * 256)
+    assert every_layer == 3
+    assert "19 sequences of 131072 tokens" in plan.describe(131072)
+    assert "every layer's whole context: 3" in plan.describe(131072)
+    # A decode reads 8 layers' whole context and 40 layers' windows.
+    assert plan.kv_bytes_read(131072) == 2 * 8 * 256 * (8 * 131072 + 40 * 1024)
