@@ -81,10 +81,13 @@ def check_prefix_hit(llm: LLM, want: dict) -> None:
     assert tokens(first + second) == [want[tuple(p)] for p in PREFIXED]
 
 
-def check_preempted(path: str, want: dict, prompts: list[list[int]] = PROMPTS) -> None:
-    """8 blocks of 16 tokens: the longest request (83 tokens) fits alone, the four at once (16
-    blocks) do not, so some are preempted and recomputed."""
-    llm = LLM(path, num_kv_blocks=8, block_size=16, enable_prefix_caching=False,
+def check_preempted(
+    path: str, want: dict, prompts: list[list[int]] = PROMPTS, kv_groups: int = 1
+) -> None:
+    """8 blocks of 16 tokens in each of `kv_groups` KV cache groups (a hybrid model's pool is
+    shared by its groups): the longest request (83 tokens) fits alone, the four at once (16
+    blocks a group) do not, so some are preempted and recomputed."""
+    llm = LLM(path, num_kv_blocks=8 * kv_groups, block_size=16, enable_prefix_caching=False,
               max_num_batched_tokens=64, device="cpu")  # fmt: skip
     assert tokens(llm.generate(prompts, GREEDY)) == [want[tuple(p)] for p in prompts]
     assert llm.engine.scheduler.num_preemptions_total > 0
