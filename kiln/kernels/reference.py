@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
+# An int8 KV cache's codes: symmetric, so -128 is never written (k and -k meet the same rounding).
+INT8_KV_MAX = 127.0
 
 # Prefill attention over a float8 cache: which products run as float8 dots. "none": K and V
 # widened to the query's precision; "qk": Q quantized per (token, head) row to e4m3, Q @ K^T in
@@ -39,7 +41,11 @@ def uses_fp8_dots(fp8_dots: Fp8Dots, k_cache: torch.Tensor) -> bool:
 
 def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """Rounds keys/values to the cache's element type. float8 e4m3 is unscaled and saturates at
-    +-448 (as the GPU's conversion does) rather than overflowing to NaN."""
+    +-448 (as the GPU's conversion does) rather than overflowing to NaN. int8 holds the values
+    rounded half up (floor(x + 0.5) in fp32, the same ops as the Triton kernels') and saturated
+    at +-127: its scales are folded into the weights (kiln.models.kv_scales), as float8's are."""
+    if cache_dtype == torch.int8:
+        return (x.float() + 0.5).floor().clamp(-INT8_KV_MAX, INT8_KV_MAX).to(torch.int8)
     if cache_dtype == torch.float8_e4m3fn:
         x = x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     return x.to(cache_dtype)
