@@ -16,7 +16,7 @@ from kiln.runtime.model_loader import is_float8_kv_cache
 QUANTIZATIONS = ("auto", "none", "fp8", "fp8-dynamic", "int8-w8a8", "fp8-block",
                  "int8-w8a16-channel", "int8-w8a16-g128", "fp8-w8a16-channel",
                  "int4-gptq", "int4-awq")  # fmt: skip
-KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -199,7 +199,7 @@ def scales_method(options: BuildOptions) -> str | None:
 
 def calibration_text(options: BuildOptions) -> str | None:
     """The text scales are calibrated on: "fp8"'s static input scales, a float8 KV cache's
-    per-layer scales, GPTQ's input statistics, smoothing's factors and the INT4 builds' rounding
+    per-layer scales, an int8 one's per-head scales, GPTQ's input statistics, smoothing's factors and the INT4 builds' rounding
     calibrate; nothing else does."""
     calibrates = (
         options.quantization in ("fp8", "int4-gptq", "int4-awq")
@@ -207,7 +207,7 @@ def calibration_text(options: BuildOptions) -> str | None:
         or options.smoothing != "none"
         or options.outlier_columns > 0
     )
-    if not calibrates and not is_float8_kv_cache(options.kv_cache_dtype):
+    if not calibrates and options.kv_cache_dtype == "auto":
         return None
     from kiln.builder.accuracy import CALIBRATION_FILE
 
