@@ -11,7 +11,6 @@ from kiln.builder.quantize import SCALES_METHOD, WEIGHT_ROUNDINGS
 from kiln.errors import BuildError
 from kiln.layers.quantization.outlier_columns import COLUMN_MULTIPLE
 from kiln.models.config import ModelConfig
-from kiln.runtime.model_loader import is_float8_kv_cache
 
 QUANTIZATIONS = ("auto", "none", "fp8", "fp8-dynamic", "int8-w8a8", "fp8-block",
                  "int8-w8a16-channel", "int8-w8a16-g128", "fp8-w8a16-channel",
@@ -199,8 +198,8 @@ def scales_method(options: BuildOptions) -> str | None:
 
 def calibration_text(options: BuildOptions) -> str | None:
     """The text scales are calibrated on: "fp8"'s static input scales, a float8 KV cache's
-    per-layer scales, an int8 one's per-head scales, GPTQ's input statistics, smoothing's factors and the INT4 builds' rounding
-    calibrate; nothing else does."""
+    per-layer scales, an int8 one's per-head scales, GPTQ's input statistics, smoothing's
+    factors and the INT4 builds' rounding calibrate; nothing else does."""
     calibrates = (
         options.quantization in ("fp8", "int4-gptq", "int4-awq")
         or options.weight_rounding != "nearest"

@@ -16,8 +16,8 @@ from kiln.kernels import reference
 from kiln.models.kv_scales import fold_kv_head_scales
 from kiln.runtime.kv_calibration import LOAD_HEADROOM, int8_head_scale
 from tests.conftest import assert_same_completions, build_tiny_hf_model, generated_logprob_gaps
-from tests.runtime.test_kv_cache_fp8 import PROMPTS as SMOLLM2_PROMPTS
 from tests.runtime.test_kv_cache_fp8 import PROMPT_PARAMS, _kv_caches, _prompt_logprob_gap
+from tests.runtime.test_kv_cache_fp8 import PROMPTS as SMOLLM2_PROMPTS
 
 PROMPTS = [[1, 5, 9, 33, 7, 80, 12], [1, 200, 3, 17], [1, 77, 78, 79, 80, 81, 82, 83, 84]]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True)
