@@ -18,8 +18,8 @@ pytest.importorskip("triton", reason="triton is not installed (pip install kiln[
 from kiln.kernels import reference
 from kiln.kernels import triton as triton_ops
 from kiln.kernels.triton.decode_attention import paged_decode_attention_splits
-from tests.kernels.test_qk_norm_rotary import _compare as _compare_qk_norm
 from tests.kernels.test_qk_norm_rotary import _inputs as _qk_norm_inputs
+from tests.kernels.test_qk_norm_rotary import _run as _run_qk_norm
 from tests.kernels.test_triton_kernels import (
     ATTN_ATOL,
     DEVICE,
@@ -109,9 +109,15 @@ def test_qk_norm_rotary_write_kv_writes_the_twins_codes() -> None:
     args = _qk_norm_inputs(5, heads=4, kv_heads=2, head_dim=16, dtype=torch.float32, seed=3)
     args["k_norm_weight"] = args["k_norm_weight"] * 80  # normed keys of tens, some past 127
     args["qkv"] = args["qkv"] * 10
-    k_cache, v_cache = _compare_qk_norm(args, INT8, head_major=True, atol=1.0)
-    assert k_cache.dtype == INT8 and int(k_cache.abs().max()) == 127
-    assert int(v_cache.abs().max()) > 32
+    gen = torch.Generator().manual_seed(9)
+    k_cache, v_cache, k_ref, v_ref = _int8_caches((4, 16, 2, 16), gen)
+    slots = torch.tensor([3, 17, 40, 41, 60], dtype=torch.int64, device=DEVICE)
+    _run_qk_norm(reference, args, (k_ref, v_ref), slots)
+    _run_qk_norm(triton_ops, args, (k_cache, v_cache), slots)
+    _assert_codes(k_cache, k_ref, rotated=True)
+    _assert_codes(v_cache, v_ref, rotated=False)
+    assert int(k_cache.flatten(0, 1)[slots].abs().max()) == 127
+    assert int(v_cache.flatten(0, 1)[slots].abs().max()) > 32
 
 
 def _int8_attention_inputs(seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed):
