@@ -28,6 +28,7 @@ from tests.kernels.test_triton_kernels import (
     _head_major,
     _packs,
     _paged_cache,
+    on_gpu,
 )
 
 INT8 = torch.int8
@@ -58,7 +59,7 @@ def _assert_codes(got: torch.Tensor, want: torch.Tensor, rotated: bool) -> None:
     assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.02
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 16), (3, 1, 24)])
 def test_rotary_write_kv_writes_the_twins_codes(dtype, num_heads, num_kv_heads, head_dim) -> None:
     gen = torch.Generator().manual_seed(7 + head_dim)
@@ -123,12 +124,15 @@ def test_qk_norm_rotary_write_kv_writes_the_twins_codes() -> None:
 def _int8_attention_inputs(seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, tables = _paged_cache(
-        seq_lens, 4, num_kv_heads, head_dim, dtype, gen, cache_dtype=torch.float32
-    )
+        seq_lens, 16 if head_dim > 16 else 4, num_kv_heads, head_dim, dtype, gen,
+        cache_dtype=torch.float32,
+    )  # fmt: skip
     # Codes over the whole range; the scale keeps q . k in a softmax's usual range.
-    k_cache = torch.randint_like(k_cache, -127, 128, dtype=torch.float32).to(INT8)
-    v_cache = torch.randint_like(v_cache, -127, 128, dtype=torch.float32).to(INT8)
-    k_cache, v_cache = _head_major(k_cache), _head_major(v_cache)
+    shape = tuple(k_cache.shape)
+    k_cache, v_cache = (
+        _head_major(torch.randint(-127, 128, shape, generator=gen, dtype=INT8)).to(DEVICE)
+        for _ in "kv"
+    )
     scale = head_dim**-0.5 / 40
     return k_cache, v_cache, tables, scale, gen
 
@@ -158,10 +162,39 @@ def test_decode_attention_over_int8_codes(monkeypatch, dtype, num_splits, packed
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_attention_over_int8_codes(dtype) -> None:
-    q_lens, seq_lens = [21, 9, 1, 6], [21, 30, 11, 23]
-    k_cache, v_cache, tables, scale, gen = _int8_attention_inputs(seq_lens, 4, 2, 16, dtype, 4)
-    query = torch.randn(sum(q_lens), 4, 16, generator=gen).to(DEVICE, dtype)
-    starts = torch.tensor([0, 21, 30, 31, 37], dtype=torch.int32, device=DEVICE)
+    _check_prefill([21, 9, 1, 6], [21, 30, 11, 23], 4, 2, 16, dtype, seed=4)
+
+
+@on_gpu
+def test_int8_attention_at_llama8b_shape_on_gpu(monkeypatch) -> None:
+    """32 query heads over 8 KV heads of 128, bf16 queries: prefill, then decode packed and
+    unpacked, against the reference on the same GPU."""
+    _check_prefill([700, 1, 300], [700, 900, 2000], 32, 8, 128, torch.bfloat16, seed=6)
+    for packed in (True, False):
+        _packs(monkeypatch, packed)
+        seq_lens = [1, 1000, 4000]
+        k_cache, v_cache, tables, scale, gen = _int8_attention_inputs(
+            seq_lens, 32, 8, 128, torch.bfloat16, 7
+        )
+        query = torch.randn(3, 32, 128, generator=gen).to(DEVICE, torch.bfloat16)
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+        out = triton_ops.paged_decode_attention(
+            query, k_cache, v_cache, tables, lens, scale, max(seq_lens)
+        )
+        want = reference.paged_decode_attention(
+            query.float(), k_cache, v_cache, tables, lens, scale, max(seq_lens)
+        )
+        tol = ATTN_ATOL[torch.bfloat16] * 127
+        torch.testing.assert_close(out.float(), want, atol=tol, rtol=ATTN_ATOL[torch.bfloat16])
+
+
+def _check_prefill(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed) -> None:
+    k_cache, v_cache, tables, scale, gen = _int8_attention_inputs(
+        seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed
+    )
+    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    starts = starts.to(DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     args = (tables, starts, lens, scale, max(q_lens), max(seq_lens))
     out = triton_ops.paged_prefill_attention(query, k_cache, v_cache, *args)
