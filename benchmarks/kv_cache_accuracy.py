@@ -60,10 +60,12 @@ def main() -> None:
     p.add_argument("--questions", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--out", default=None)
+    # "valid": text the builds never calibrate on (their default is the test split's start).
+    p.add_argument("--split", default="test", choices=("test", "valid"))
     p.add_argument("--runs", default=None, help='comma-separated run names ("auto" always runs)')
     args = p.parse_args()
 
-    text = (DATA / "wikitext-2" / "test.txt").read_text()
+    text = (DATA / "wikitext-2" / f"{args.split}.txt").read_text()
     questions = [
         json.loads(line) for line in (DATA / "gsm8k" / "test.jsonl").read_text().splitlines()
     ][: args.questions]
@@ -129,7 +131,7 @@ def main() -> None:
     record = {
         "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
         "model": args.model or "SmolLM2-135M-Instruct (embedded GGUF)",
-        "wikitext2_windows": f"{args.windows} x {args.window_len} tokens",
+        "wikitext2_windows": f"{args.windows} x {args.window_len} tokens of {args.split}",
         "gsm8k_questions": len(questions),
         "max_tokens": args.max_tokens,
         "results": results,
