@@ -785,12 +785,17 @@ def dequantize_int4(
     qweight: torch.Tensor,  # [N, K / 8] int32: kiln's packed codes
     scales: torch.Tensor,  # [N, K / group_size] fp32
     zeros: torch.Tensor,  # [N, K / group_size] fp32, in code units (8: symmetric)
+    zero_is_min: bool = False,  # zeros hold each group's min in weight units instead
 ) -> torch.Tensor:  # [N, K] fp32
-    """W4A16 weights: (code - zero) * scale, input k in group k // group_size."""
+    """W4A16 weights: (code - zero) * scale, input k in group k // group_size; with
+    `zero_is_min`, code * scale + min (GGUF's Q4_0 / Q4_1 blocks: their own fp32 arithmetic,
+    so the values equal the file's dequantized ones bit for bit)."""
     codes = unpack_int4(qweight).float()
     group_size = codes.shape[1] // scales.shape[1]
     s = scales.repeat_interleave(group_size, dim=1)
     z = zeros.repeat_interleave(group_size, dim=1)
+    if zero_is_min:
+        return codes * s + z
     return (codes - z) * s
 
 
@@ -800,10 +805,11 @@ def int4_linear(
     scales: torch.Tensor,  # [N, K / group_size] fp32
     zeros: torch.Tensor,  # [N, K / group_size] fp32
     bias: torch.Tensor | None = None,  # [N]
+    zero_is_min: bool = False,  # dequantize_int4's
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """x @ dequantize_int4(...)^T (+ bias): the weights rounded to x's dtype, as the kernel's
     dot products take them, accumulated in fp32."""
-    w = dequantize_int4(qweight, scales, zeros).to(x.dtype)
+    w = dequantize_int4(qweight, scales, zeros, zero_is_min).to(x.dtype)
     y = F.linear(x.float(), w.float())
     if bias is not None:
         y = y + bias.float()

@@ -24,9 +24,10 @@ SMALL_BATCH_ROWS = 8  # up to this many rows: _int4_small_batch_kernel
 @triton.jit
 def _dequantized_tile(w_ptr, s_ptr, z_ptr, k0, offs_n, N, K, groups, group_size,
                       DTYPE: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_N: tl.constexpr):  # fmt: skip
+                      BLOCK_N: tl.constexpr, ZERO_IS_MIN: tl.constexpr):  # fmt: skip
     """The [BLOCK_K, BLOCK_N] weight tile of inputs k0.. (one group: the launcher makes BLOCK_K
-    divide the group size) and outputs offs_n, as (code - zero) * scale in DTYPE. Each int32
+    divide the group size) and outputs offs_n, as (code - zero) * scale in DTYPE (ZERO_IS_MIN:
+    code * scale + min, exact for GGUF's blocks: code * scale takes no rounding). Each int32
     word is loaded once and fanned out to its 8 codes in registers."""
     mask_n = offs_n < N
     offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -38,6 +39,8 @@ def _dequantized_tile(w_ptr, s_ptr, z_ptr, k0, offs_n, N, K, groups, group_size,
     group = k0 // group_size
     scale = tl.load(s_ptr + offs_n * groups + group, mask=mask_n, other=0.0)
     zero = tl.load(z_ptr + offs_n * groups + group, mask=mask_n, other=0.0)
+    if ZERO_IS_MIN:
+        return (codes.to(tl.float32) * scale[None, :] + zero[None, :]).to(DTYPE)
     return ((codes.to(tl.float32) - zero[None, :]) * scale[None, :]).to(DTYPE)
 
 
@@ -45,7 +48,7 @@ def _dequantized_tile(w_ptr, s_ptr, z_ptr, k0, offs_n, N, K, groups, group_size,
 def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                       groups, group_size, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):  # fmt: skip
+                      BLOCK_K: tl.constexpr, ZERO_IS_MIN: tl.constexpr):  # fmt: skip
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -54,7 +57,7 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=(offs_m < M)[:, None] & (offs_k < K)[None, :], other=0.0)  # fmt: skip
         w = _dequantized_tile(w_ptr, s_ptr, z_ptr, k0, offs_n, N, K, groups, group_size,
-                              x.dtype, BLOCK_K, BLOCK_N)  # fmt: skip
+                              x.dtype, BLOCK_K, BLOCK_N, ZERO_IS_MIN)  # fmt: skip
         acc += tl.dot(x, w, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -67,7 +70,7 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_
 def _int4_small_batch_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm,
                              stride_ym, groups, group_size, HAS_BIAS: tl.constexpr,
                              ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):  # fmt: skip
+                             BLOCK_K: tl.constexpr, ZERO_IS_MIN: tl.constexpr):  # fmt: skip
     offs_m = tl.arange(0, ROWS)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
@@ -76,7 +79,7 @@ def _int4_small_batch_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, 
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=(offs_m < M)[:, None] & (offs_k < K)[None, :], other=0.0)  # fmt: skip
         w = _dequantized_tile(w_ptr, s_ptr, z_ptr, k0, offs_n, N, K, groups, group_size,
-                              x.dtype, BLOCK_K, BLOCK_N)  # fmt: skip
+                              x.dtype, BLOCK_K, BLOCK_N, ZERO_IS_MIN)  # fmt: skip
         # Products rounded as a dot's inputs are (both in x's dtype), summed in fp32.
         acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
     if HAS_BIAS:
@@ -92,6 +95,7 @@ def int4_linear(
     scales: torch.Tensor,  # [N, K / group_size] fp32
     zeros: torch.Tensor,  # [N, K / group_size] fp32
     bias: torch.Tensor | None = None,  # [N]
+    zero_is_min: bool = False,  # reference.dequantize_int4's
 ) -> torch.Tensor:  # [M, N] in x's dtype
     m, k = x.shape
     n, groups = qweight.shape[0], scales.shape[1]
@@ -115,7 +119,7 @@ def int4_linear(
         block_n = 32
         _int4_small_batch_kernel[(triton.cdiv(n, block_n),)](
             *args, HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=block_n,
-            BLOCK_K=min(block_k, 32),
+            BLOCK_K=min(block_k, 32), ZERO_IS_MIN=zero_is_min,
         )  # fmt: skip
         return y
     block_m = 16 if m <= 16 else 64
@@ -123,6 +127,6 @@ def int4_linear(
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int4_gemm_kernel[grid](
         *args, HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype), BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_N=block_n, BLOCK_K=block_k, ZERO_IS_MIN=zero_is_min,
     )  # fmt: skip
     return y
