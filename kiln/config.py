@@ -38,13 +38,13 @@ class EngineConfig:
     model: str | None = None
     """HF model directory, .gguf file, architecture preset (with load_format="dummy") or hub id.
     None means the embedded default (SmolLM2-135M-Instruct)."""
-    load_format: str = _one_of("auto", "dummy", "dequantized", "gguf-int4")
+    load_format: str = _one_of("auto", "dummy", "dequantized", "gguf-int")
     """"auto" (read the checkpoint), "dummy" (random weights at a sane scale, for benchmarks),
     "dequantized" (an FP4 checkpoint's weights widened exactly to the model dtype and run
     unquantized, instead of converted to FP8: what the FP8 conversion is checked against) or
-    "gguf-int4" (a GGUF file whose decoder projections are all Q4_0 / Q4_1 keeps them as INT4
-    W4A16 groups of 32, exactly the file's values, a quarter of bf16's bytes; TP=1; on the CPU
-    its twin widens them every step, so slower than "auto", which dequantizes GGUF files)."""
+    "gguf-int" (a GGUF file whose decoder projections are all Q4_0 / Q4_1, or all Q8_0, keeps
+    them on the INT4 W4A16 / INT8 W8A16 methods in groups of 32, exactly the file's values, a
+    quarter / half of bf16's bytes; TP=1; "auto" dequantizes GGUF files)."""
     dtype: str = _one_of("auto", "float32", "float16", "bfloat16")
     """"auto" (float32 on CPU, bfloat16 on GPU), "float32", "float16" or "bfloat16"."""
     device: str = "auto"

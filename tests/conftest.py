@@ -142,11 +142,11 @@ def cached_embedded_weights():
     real = model_loader._gguf_source
     tensors: list[tuple[str, torch.Tensor]] = []
 
-    def cached(path: str, int4: bool = False):
-        # INT4 groups (load_format="gguf-int4") are the file's own bytes: nothing to share.
+    def cached(path: str, integer: bool = False):
+        # Integer groups (load_format="gguf-int") are the file's own bytes: nothing to share.
         mine = smollm2_path is not None and os.path.realpath(path) == os.path.realpath(smollm2_path)
-        if int4 or not mine:
-            return real(path, int4=int4)
+        if integer or not mine:
+            return real(path, integer=integer)
         source = real(path)
         if not tensors:
             tensors.extend(GGUFModel(path).tensors())

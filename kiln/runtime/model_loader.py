@@ -135,12 +135,12 @@ def find_model_source(
     path = default_model_path() if model is None else os.path.expanduser(model)
     if load_format == "dummy":
         return _dummy_source(path)
-    if load_format == "gguf-int4" and not path.endswith(".gguf"):
-        raise ModelLoadError(f'load_format "gguf-int4" reads GGUF files, not {path}')
+    if load_format == "gguf-int" and not path.endswith(".gguf"):
+        raise ModelLoadError(f'load_format "gguf-int" reads GGUF files, not {path}')
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
             raise ModelLoadError(f"GGUF file not found: {path}")
-        return _gguf_source(path, int4=load_format == "gguf-int4")
+        return _gguf_source(path, integer=load_format == "gguf-int")
     if os.path.isdir(path) and is_engine_dir(path):
         return _engine_dir_source(
             path, tp_rank, device or torch.device("cpu"), background_tokenizer, engine_kernels
@@ -155,21 +155,22 @@ def find_model_source(
     return _hub_source(model)
 
 
-def _gguf_source(path: str, int4: bool = False) -> ModelSource:
-    """`int4`: the file's Q4_0 / Q4_1 projections as INT4 groups (kiln.checkpoint.gguf_int4),
-    where every projection is one; else (and by default) every tensor dequantized."""
+def _gguf_source(path: str, integer: bool = False) -> ModelSource:
+    """`integer`: the file's projections on the integer methods (kiln.checkpoint.gguf_int),
+    where all of them map to one; else (and by default) every tensor dequantized."""
     from kiln.checkpoint.gguf_loader import GGUFModel
 
     gguf_model = GGUFModel(path)
-    scheme = gguf_model.int4_scheme() if int4 else None
-    if int4 and scheme is None:
+    scheme = gguf_model.int_scheme() if integer else None
+    if integer and scheme is None:
         raise ModelLoadError(
-            f'{path}: load_format "gguf-int4" needs every decoder projection in Q4_0 or Q4_1 '
-            f"(found {sorted(set(gguf_model.tensor_types.values()))}); load it as it is"
+            f'{path}: load_format "gguf-int" needs every decoder projection in Q4_0 / Q4_1, or '
+            f"every one in Q8_0 (found {sorted(set(gguf_model.tensor_types.values()))}); load "
+            "it as it is"
         )
     source = ModelSource(
         gguf_model.config,
-        gguf_model.tensors(int4=scheme is not None),
+        gguf_model.tensors(integer=scheme is not None),
         from_transformers(gguf_model.tokenizer()),
         {},
         f"GGUF {path}" + (f" ({scheme})" if scheme else ""),

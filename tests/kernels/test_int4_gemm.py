@@ -83,7 +83,7 @@ def test_a_per_channel_k_that_is_no_multiple_of_the_tile(rows) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 40])  # the small-batch kernel, then the tiled one
 def test_mins_instead_of_zero_points_match_the_reference(dtype, rows) -> None:
-    """GGUF's groups (kiln.checkpoint.gguf_int4): code * scale + min, the min in weight units;
+    """GGUF's groups (kiln.checkpoint.gguf_int): code * scale + min, the min in weight units;
     read as a zero point it would give other weights."""
     n, k = 40, 128
     qweight, scales, _ = _operands(n, k, 4, seed=3)
