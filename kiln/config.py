@@ -42,7 +42,7 @@ class EngineConfig:
     """"auto" (read the checkpoint), "dummy" (random weights at a sane scale, for benchmarks),
     "dequantized" (an FP4 checkpoint's weights widened exactly to the model dtype and run
     unquantized, instead of converted to FP8: what the FP8 conversion is checked against) or
-    "gguf-int" (a GGUF file whose decoder projections are all Q4_0 / Q4_1, or all Q8_0, keeps
+    "gguf-int" (a GGUF file whose decoder projections are all Q4_0 / Q4_1 / Q4_K, or all Q8_0, keeps
     them on the INT4 W4A16 / INT8 W8A16 methods in groups of 32, exactly the file's values, a
     quarter / half of bf16's bytes; TP=1; "auto" dequantizes GGUF files, and runs faster on the
     CPU, where the methods' twins widen the weights every step)."""

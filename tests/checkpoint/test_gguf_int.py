@@ -119,3 +119,24 @@ def test_smollm2_as_int4_answers_as_dequantized_in_a_fifth_of_the_bytes(
             for i in range(1, len(ids))
         ]
         assert max(gaps) < 1e-4, gaps  # the same weights; fp32 sums in another order
+
+
+def test_q4_k_super_blocks_are_groups_of_32_with_the_files_values() -> None:
+    """No quantizer for Q4_K in the gguf package: random super-blocks (finite fp16 d and dmin,
+    every 6-bit scale and min, every nibble) against gguf.quants' dequantization."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from kiln.checkpoint.gguf_int import int_groups
+
+    n, k = 6, 512  # 2 super-blocks a row
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(n * k // 256, 144), dtype=np.uint8)
+    raw[:, 0:2] = np.frombuffer(rng.uniform(1e-4, 1e-2, n * k // 256).astype(np.float16).tobytes(),
+                                np.uint8).reshape(-1, 2)  # fmt: skip
+    raw[:, 2:4] = np.frombuffer(rng.uniform(1e-4, 1e-2, n * k // 256).astype(np.float16).tobytes(),
+                                np.uint8).reshape(-1, 2)  # fmt: skip
+    want = torch.from_numpy(dequantize(raw.reshape(n, -1), GGMLQuantizationType.Q4_K))
+    parts = dict(int_groups(raw.reshape(-1), "Q4_K", (n, k)))
+    got = reference.dequantize_int4(parts[""], parts["_scales"], parts["_zeros"], True)
+    assert got.shape == want.shape and torch.equal(got, want.float())
