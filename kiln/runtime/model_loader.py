@@ -165,8 +165,8 @@ def _gguf_source(path: str, integer: bool = False) -> ModelSource:
     if integer and scheme is None:
         raise ModelLoadError(
             f'{path}: load_format "gguf-int" needs every decoder projection in Q4_0 / Q4_1 / '
-            f"Q4_K, or every one in Q8_0 (found {sorted(set(gguf_model.tensor_types.values()))}); load "
-            "it as it is"
+            f"Q4_K, or every one in Q8_0 (found {sorted(set(gguf_model.tensor_types.values()))}); "
+            "load it as it is"
         )
     source = ModelSource(
         gguf_model.config,
