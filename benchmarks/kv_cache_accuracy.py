@@ -1,8 +1,8 @@
 """What a one-byte KV cache costs in accuracy: the same model with kv_cache_dtype "auto" and "fp8",
 "fp8" with prefill's products as float8 dots (the GPU backend's default, reference.Fp8Dots:
 here the CPU reference rounds as the kernel does), and "int8" twice: with the scales measured
-as the model loads (kiln.runtime.kv_calibration, 2x headroom) and as an engine built with
-`kiln build --kv-cache-dtype int8` (scales calibrated on ../shared/data, no headroom).
+as the model loads (kiln.runtime.kv_calibration) and as an engine built with
+`kiln build --kv-cache-dtype int8` (scales calibrated on ../shared/data).
 
 Two measurements on real text, each run with both caches in one process:
 - WikiText-2 (test split) perplexity from prompt logprobs over fixed token windows;

@@ -64,7 +64,7 @@ class EngineConfig:
     codes with a power-of-two scale per layer and KV head, folded into the weights: one byte a
     value on GPUs without float8; an engine built with `kiln build --kv-cache-dtype int8` brings
     scales calibrated on its text, any other model is measured over a short built-in text as
-    it loads, with 2x headroom: kiln.runtime.kv_calibration). int8 takes no LoRA, no draft
+    it loads: kiln.runtime.kv_calibration). int8 takes no LoRA, no draft
     model or EAGLE-3 head, and, without an engine's scales, no TP or PP."""
     quantization: str = _one_of(
         "none", "fp8", "fp8-dynamic", "int4-g128", "int8-w8a8", "fp8-block",

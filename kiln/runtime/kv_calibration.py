@@ -4,10 +4,11 @@ model's own layers, each layer's keys and values read back from the cache they w
 `kiln build --kv-cache-dtype int8` measures them over its calibration text (../shared/data)
 and stores them in the engine. A model that brings none (a checkpoint, a GGUF file, an engine
 built without them) is measured as it loads, over SAMPLE_TEXT (a few hundred tokens of English
-prose, code and numbers), its scales then doubled (LOAD_HEADROOM): less text sees smaller
-extremes, and a value past the largest code saturates, which costs more than the bit of
-resolution the doubling gives up. Without a tokenizer (dummy weights), a fixed run of token ids
-stands in for the text.
+prose, code and numbers), with no headroom (LOAD_HEADROOM 1): on SmolLM2 that leaves 8 key heads
+and 14 value heads of 90 whose WikiText-2 maxima saturate, and still measured better than
+doubling the scales (held-out perplexity +0.29% against +1.79%): clipping a head's rare extremes
+costs less than a bit of resolution on every value. Without a tokenizer (dummy weights), a
+fixed run of token ids stands in for the text.
 
 Keys are measured as each rotary pair's norm (kiln.builder.calibrate.kv_scales: rotation moves
 a pair's magnitude between its two elements, never past the pair's norm), so a key at a position
@@ -30,7 +31,7 @@ from kiln.models.kv_scales import KVHeadScales
 from kiln.models.packed_prefill import packed_prefill_metadata
 from kiln.tokenizer import Tokenizer
 
-LOAD_HEADROOM = 2.0
+LOAD_HEADROOM = 1.0  # times each measured maximum (see above)
 _BLOCK_SIZE = 16  # the measuring pass's own cache (any size works: one prefill)
 _FALLBACK_TOKENS = 256  # token ids standing in for text when there is no tokenizer
 

@@ -339,7 +339,7 @@ def _fold_int8_kv_scales(
         scales = load_time_head_scales(model, tokenizer)
         fold_kv_head_scales(model, scales)
         logging.getLogger("kiln.startup").info(
-            "int8 KV cache: per-head scales measured at load over a built-in text (2x headroom)"
+            "int8 KV cache: per-head scales measured at load over a built-in text"
         )
 
 

@@ -77,8 +77,8 @@ def test_int8_greedy_tokens_are_an_fp32_cache_of_the_same_codes(variant, tmp_pat
 
 def test_int8_stays_close_to_the_unrounded_cache(tmp_path):
     """A tiny random model's flat logits (top-1 ~-3 nats over 256 tokens): int8 at the
-    load-time scales moves a generated token's logprob by at most ~0.2 nats (float8's own
-    distance on this model), well inside a wrong cache's whole nats."""
+    load-time scales moved a generated token's logprob by at most 0.08 nats (float8: 0.16 on
+    this model), well inside a wrong cache's whole nats."""
     src = str(tmp_path / "llama")
     build_tiny_hf_model("llama-gqa", src)
     want = LLM(src, **ARGS).generate(PROMPTS, GREEDY)
@@ -89,7 +89,7 @@ def test_int8_stays_close_to_the_unrounded_cache(tmp_path):
 
 def test_measured_scales_hold_keys_far_past_127(tmp_path, monkeypatch):
     """Keys of magnitude ~1e3 (q scaled down alike: the same logits): the measured scales (8
-    and more) keep them in range, codes reaching past a quarter of it, none saturated; unit
+    and more) keep them in range, codes reaching past half of it, hardly any saturated; unit
     scales saturate most of them, and the logprobs move several times as far."""
     from kiln.runtime import kv_calibration
 
@@ -105,7 +105,8 @@ def test_measured_scales_hold_keys_far_past_127(tmp_path, monkeypatch):
     gap = float(generated_logprob_gaps(llm.generate(PROMPTS, GREEDY), want).max())
     assert all(min(a.folded_kv_head_scales[0]) >= 8.0 for a in _attention(llm))
     keys = torch.cat([k.flatten() for k, _ in _kv_caches(llm)]).int().abs()
-    assert 127 / LOAD_HEADROOM / 4 < int(keys.max()) < 127
+    assert int(keys.max()) > 127 / LOAD_HEADROOM / 2
+    assert int((keys == 127).sum()) <= int((keys > 0).sum()) // 100
     ones = [([1.0, 1.0], [1.0, 1.0])] * 2
     monkeypatch.setattr(kv_calibration, "load_time_head_scales", lambda model, tokenizer: ones)
     unit = LLM(src, kv_cache_dtype="int8", **ARGS)
@@ -149,11 +150,10 @@ def test_int8_prompt_logprobs_close_to_the_unquantized_cache(int8_llm, smollm2_l
     )
     print(f"int8 KV vs fp32 KV: mean |dlogprob| {diffs.mean():.4f}, max {diffs.max():.3f}, "
           f"top-1 agreement {agree:.2f}")  # fmt: skip
-    # Measured on these prompts (random word lists), the load-time scales (2x headroom): mean
-    # 0.19, max 1.14, agreement 0.88, against float8's mean 0.13, max 0.67: 127 even steps up to
-    # a head's largest key spend little on the many small ones, where e4m3's exponent keeps 3
-    # bits; without the headroom int8 measured mean 0.12, max 0.60 (kiln build's calibrated
-    # scales take none). A cache read with the wrong scale or codes is off by whole nats.
+    # Measured on these prompts (random word lists), the load-time scales: mean 0.12, max 0.60,
+    # agreement 0.92, against float8's mean 0.13, max 0.67 (with the scales doubled, int8 was
+    # mean 0.19, max 1.14: 127 even steps up to a head's largest key spend little on the many
+    # small ones). A cache read with the wrong scale or codes is off by whole nats.
     assert diffs.mean() < 0.25
     assert diffs.max() < 1.5
     assert agree >= 0.8
