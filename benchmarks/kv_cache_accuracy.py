@@ -1,6 +1,8 @@
-"""What an FP8 KV cache costs in accuracy: the same model with kv_cache_dtype "auto" and "fp8",
-and "fp8" with prefill's products as float8 dots (the GPU backend's default, reference.Fp8Dots:
-here the CPU reference rounds as the kernel does).
+"""What a one-byte KV cache costs in accuracy: the same model with kv_cache_dtype "auto" and "fp8",
+"fp8" with prefill's products as float8 dots (the GPU backend's default, reference.Fp8Dots:
+here the CPU reference rounds as the kernel does), and "int8" twice: with the scales measured
+as the model loads (kiln.runtime.kv_calibration) and as an engine built with
+`kiln build --kv-cache-dtype int8` (scales calibrated on ../shared/data).
 
 Two measurements on real text, each run with both caches in one process:
 - WikiText-2 (test split) perplexity from prompt logprobs over fixed token windows;
@@ -18,12 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from kiln import LLM, SamplingParams
+from kiln.builder.build import BuildOptions, build_engine
+from kiln.checkpoint.default_model import default_model_path
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 FP8_DOTS_RUN = (("fp8_dots", "fp8", "all"),)
@@ -53,9 +60,12 @@ def main() -> None:
     p.add_argument("--questions", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--out", default=None)
+    # "valid": text the builds never calibrate on (their default is the test split's start).
+    p.add_argument("--split", default="test", choices=("test", "valid"))
+    p.add_argument("--runs", default=None, help='comma-separated run names ("auto" always runs)')
     args = p.parse_args()
 
-    text = (DATA / "wikitext-2" / "test.txt").read_text()
+    text = (DATA / "wikitext-2" / f"{args.split}.txt").read_text()
     questions = [
         json.loads(line) for line in (DATA / "gsm8k" / "test.jsonl").read_text().splitlines()
     ][: args.questions]
@@ -63,11 +73,21 @@ def main() -> None:
     completions: dict[str, list[list[int]]] = {}
     from kiln.attention.torch_backend import TorchAttentionBackend
 
-    for name, kv, dots in (("auto", "auto", "none"), ("fp8", "fp8", "none"), *FP8_DOTS_RUN):
+    runs = [("auto", "auto", "none"), ("fp8", "fp8", "none"), *FP8_DOTS_RUN]
+    runs += [("int8", "int8", "none"), ("int8_built", "int8", "none")]
+    if args.runs:
+        runs = [r for r in runs if r[0] in args.runs.split(",") or r[0] == "auto"]
+    workdir = tempfile.mkdtemp(prefix="kv-accuracy-")
+    for name, kv, dots in runs:
         # The reference backend widens a float8 cache by default; the third run asks it to round
         # as the Triton kernel's float8 dots do (prompt logprobs come from prefill).
         TorchAttentionBackend.default_fp8_dots = dots
-        llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=kv, max_num_seqs=64)
+        model = args.model
+        if name == "int8_built":
+            model = os.path.join(workdir, "int8-engine")
+            options = BuildOptions(kv_cache_dtype="int8", dtype=args.dtype, accuracy_check=False)
+            build_engine(args.model or default_model_path(), model, options, None)
+        llm = LLM(model, dtype=args.dtype, kv_cache_dtype=kv, max_num_seqs=64)
         ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
         n = args.window_len
         windows = [ids[i * n : (i + 1) * n] for i in range(args.windows)]
@@ -91,31 +111,30 @@ def main() -> None:
         del llm
     TorchAttentionBackend.default_fp8_dots = "none"
 
-    ref, fp8 = completions["auto"], completions["fp8"]
-    first_diff = []
-    for a, b in zip(ref, fp8, strict=True):
-        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        if k is None and len(a) != len(b):
-            k = min(len(a), len(b))
-        first_diff.append(k)
-    differing = [k for k in first_diff if k is not None]
+    shutil.rmtree(workdir, ignore_errors=True)
+    ref_ppl = results["auto"]["wikitext2_perplexity"]
+    for name, result in results.items():
+        if name == "auto":
+            continue
+        first_diff = []
+        for a, b in zip(completions["auto"], completions[name], strict=True):
+            k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            if k is None and len(a) != len(b):
+                k = min(len(a), len(b))
+            first_diff.append(k)
+        differing = sorted(k for k in first_diff if k is not None)
+        result["perplexity_change"] = result["wikitext2_perplexity"] / ref_ppl - 1
+        result["identical_greedy_completions"] = sum(k is None for k in first_diff)
+        result["first_differing_token_median"] = (
+            differing[len(differing) // 2] if differing else None
+        )
     record = {
         "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
         "model": args.model or "SmolLM2-135M-Instruct (embedded GGUF)",
-        "wikitext2_windows": f"{args.windows} x {args.window_len} tokens",
+        "wikitext2_windows": f"{args.windows} x {args.window_len} tokens of {args.split}",
         "gsm8k_questions": len(questions),
         "max_tokens": args.max_tokens,
         "results": results,
-        "perplexity_change": results["fp8"]["wikitext2_perplexity"]
-        / results["auto"]["wikitext2_perplexity"]
-        - 1,
-        "fp8_dots_perplexity_change": results["fp8_dots"]["wikitext2_perplexity"]
-        / results["auto"]["wikitext2_perplexity"]
-        - 1,
-        "identical_greedy_completions": sum(k is None for k in first_diff),
-        "first_differing_token_median": sorted(differing)[len(differing) // 2]
-        if differing
-        else None,
     }
     print(json.dumps(record, indent=2))
     if args.out:

@@ -38,10 +38,14 @@ class EngineConfig:
     model: str | None = None
     """HF model directory, .gguf file, architecture preset (with load_format="dummy") or hub id.
     None means the embedded default (SmolLM2-135M-Instruct)."""
-    load_format: str = _one_of("auto", "dummy", "dequantized")
-    """"auto" (read the checkpoint), "dummy" (random weights at a sane scale, for benchmarks) or
+    load_format: str = _one_of("auto", "dummy", "dequantized", "gguf-int")
+    """"auto" (read the checkpoint), "dummy" (random weights at a sane scale, for benchmarks),
     "dequantized" (an FP4 checkpoint's weights widened exactly to the model dtype and run
-    unquantized, instead of converted to FP8: what the FP8 conversion is checked against)."""
+    unquantized, instead of converted to FP8: what the FP8 conversion is checked against) or
+    "gguf-int" (a GGUF file whose decoder projections are all Q4_0 / Q4_1 / Q4_K, or all Q8_0, keeps
+    them on the INT4 W4A16 / INT8 W8A16 methods in groups of 32, exactly the file's values, a
+    quarter / half of bf16's bytes; TP=1; "auto" dequantizes GGUF files, and runs faster on the
+    CPU, where the methods' twins widen the weights every step)."""
     dtype: str = _one_of("auto", "float32", "float16", "bfloat16")
     """"auto" (float32 on CPU, bfloat16 on GPU), "float32", "float16" or "bfloat16"."""
     device: str = "auto"
@@ -54,9 +58,14 @@ class EngineConfig:
     """Token budget of one step: decodes plus prefill chunks. A long prompt is chunked to fit."""
     block_size: int = 16
     """Tokens per KV cache block (page)."""
-    kv_cache_dtype: str = _one_of("auto", "fp8", "fp8_e4m3")
-    """"auto" (the model dtype) or "fp8" (float8 e4m3, unscaled: half the bytes of bf16, so twice
-    the tokens and half the reads per decode step, at a small accuracy cost)."""
+    kv_cache_dtype: str = _one_of("auto", "fp8", "fp8_e4m3", "int8")
+    """"auto" (the model dtype), "fp8" (float8 e4m3, unscaled: half the bytes of bf16, so twice
+    the tokens and half the reads per decode step, at a small accuracy cost) or "int8" (int8
+    codes with a power-of-two scale per layer and KV head, folded into the weights: one byte a
+    value on GPUs without float8; an engine built with `kiln build --kv-cache-dtype int8` brings
+    scales calibrated on its text, any other model is measured over a short built-in text as
+    it loads: kiln.runtime.kv_calibration). int8 takes no LoRA, no draft
+    model or EAGLE-3 head, and, without an engine's scales, no TP or PP."""
     quantization: str = _one_of(
         "none", "fp8", "fp8-dynamic", "int4-g128", "int8-w8a8", "fp8-block",
         "int8-w8a16-channel", "int8-w8a16-g128", "fp8-w8a16-channel",
@@ -199,7 +208,11 @@ class EngineConfig:
         if self.speculative_config is not None:
             from kiln.spec_decode.config import SpeculativeConfig  # pure Python, no cycle
 
-            SpeculativeConfig.from_dict(self.speculative_config)  # raises, naming the key
+            spec = SpeculativeConfig.from_dict(self.speculative_config)  # raises, naming the key
+            if self.kv_cache_dtype == "int8" and spec.method in ("draft_model", "eagle3"):
+                fail("kv_cache_dtype", f"int8 takes no {spec.method} drafts (no scales of theirs)")
+        if self.kv_cache_dtype == "int8" and self.enable_lora:
+            fail("kv_cache_dtype", "int8 takes no LoRA (adapters do not see per-head KV scales)")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

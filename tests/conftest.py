@@ -142,9 +142,11 @@ def cached_embedded_weights():
     real = model_loader._gguf_source
     tensors: list[tuple[str, torch.Tensor]] = []
 
-    def cached(path: str):
-        if smollm2_path is None or os.path.realpath(path) != os.path.realpath(smollm2_path):
-            return real(path)
+    def cached(path: str, integer: bool = False):
+        # Integer groups (load_format="gguf-int") are the file's own bytes: nothing to share.
+        mine = smollm2_path is not None and os.path.realpath(path) == os.path.realpath(smollm2_path)
+        if integer or not mine:
+            return real(path, integer=integer)
         source = real(path)
         if not tensors:
             tensors.extend(GGUFModel(path).tensors())

@@ -16,6 +16,9 @@ _BY_FILE = {
     "tests/builder/test_build_int4.py": (  # 53 s
         "test_an_int4_build_loads_as_int4_and_runs_close_to_its_source",
     ),
+    "tests/builder/test_build_int8_kv.py": (  # 12 s
+        "test_an_int8_kv_build_stores_and_folds_per_head_scales",
+    ),
     "tests/checkpoint/test_loaders.py": (  # 8 s
         "test_smollm2_tensors_equal_transformers_gguf_load",
     ),
@@ -66,6 +69,11 @@ _BY_FILE = {
     "tests/models/test_smollm2_vs_hf.py": (  # 34 s
         "test_greedy_matches_hf_on_8_prompts",
         "test_stream_equals_generate",
+    ),
+    "tests/runtime/test_kv_cache_int8.py": (  # 35 s
+        "test_int8_cache_holds_four_times_the_fp32_tokens",
+        "test_int8_prompt_logprobs_close_to_the_unquantized_cache",
+        "test_measured_scales_hold_keys_far_past_127",
     ),
     "tests/runtime/test_kv_cache_fp8.py": (  # 47 s
         "test_fp8_batched_chunked_preempted_prefix_cached_stay_within_quantization_noise",

@@ -51,7 +51,7 @@ from kiln.layers.quantization.device import check_float8_device
 from kiln.layers.quantization.fp8 import Fp8LinearMethod
 from kiln.models import registry
 from kiln.models.config import ModelConfig
-from kiln.models.kv_scales import KVScales, fold_kv_scales
+from kiln.models.kv_scales import KVScales, fold_kv_head_scales, fold_kv_scales
 from kiln.runtime.model_loader import (
     ModelSource,
     find_model_source,
@@ -367,6 +367,9 @@ def _write_engine(
         kv_scales=None if found.kv_scales is None else [list(s) for s in found.kv_scales],
         lm_head_quantization=options.lm_head_quantization,
         kv_scales_in_weights=found.kv_scales is None or kv_in_weights,
+        kv_head_scales=None
+        if found.kv_head_scales is None
+        else [[list(k), list(v)] for k, v in found.kv_head_scales],
         quantization_source=origin,
         kernel_tiles_reason=tiles_reason,
         smoothing=options.smoothing,
@@ -415,6 +418,9 @@ def _write_weights(
     )
     if found.kv_scales is not None and kv_in_weights:
         fold_kv_scales(net, found.kv_scales)  # the weights hold them; loading folds the rest
+    if found.kv_head_scales is not None:
+        # What the blocks folded (a layer's largest where a shape takes no per-head scale).
+        found.kv_head_scales = fold_kv_head_scales(net, found.kv_head_scales)
     if options.tensor_parallel_size == 1:
         return write_weights(net.named_parameters(), tmp)
     return write_rank_shards(

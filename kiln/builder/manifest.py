@@ -59,6 +59,11 @@ class EngineManifest:
     """`--kv-cache-dtype fp8`: each layer's calibrated [k_scale, v_scale] (powers of two), already
     folded into the weights (kiln.models.kv_scales); loading folds them into the softmax
     scales."""
+    kv_head_scales: list[list[list[float]]] | None = None
+    """`--kv-cache-dtype int8`: each layer's [[k scale per KV head], [v scale per KV head]]
+    (powers of two, the whole model's heads), measured over the calibration text and folded
+    into the weights (kiln.models.kv_scales.fold_kv_head_scales); loading folds the softmax's
+    share. Any engine takes an int8 cache; one without these measures them as it loads."""
     lm_head_quantization: str = "none"
     """"fp8": the LM head's weights are float8 with per-row scales (`--lm-head-quantization`),
     and the engine loads with that head; "none": the model dtype."""

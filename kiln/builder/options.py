@@ -11,12 +11,11 @@ from kiln.builder.quantize import SCALES_METHOD, WEIGHT_ROUNDINGS
 from kiln.errors import BuildError
 from kiln.layers.quantization.outlier_columns import COLUMN_MULTIPLE
 from kiln.models.config import ModelConfig
-from kiln.runtime.model_loader import is_float8_kv_cache
 
 QUANTIZATIONS = ("auto", "none", "fp8", "fp8-dynamic", "int8-w8a8", "fp8-block",
                  "int8-w8a16-channel", "int8-w8a16-g128", "fp8-w8a16-channel",
                  "int4-gptq", "int4-awq")  # fmt: skip
-KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -199,15 +198,15 @@ def scales_method(options: BuildOptions) -> str | None:
 
 def calibration_text(options: BuildOptions) -> str | None:
     """The text scales are calibrated on: "fp8"'s static input scales, a float8 KV cache's
-    per-layer scales, GPTQ's input statistics, smoothing's factors and the INT4 builds' rounding
-    calibrate; nothing else does."""
+    per-layer scales, an int8 one's per-head scales, GPTQ's input statistics, smoothing's
+    factors and the INT4 builds' rounding calibrate; nothing else does."""
     calibrates = (
         options.quantization in ("fp8", "int4-gptq", "int4-awq")
         or options.weight_rounding != "nearest"
         or options.smoothing != "none"
         or options.outlier_columns > 0
     )
-    if not calibrates and not is_float8_kv_cache(options.kv_cache_dtype):
+    if not calibrates and options.kv_cache_dtype == "auto":
         return None
     from kiln.builder.accuracy import CALIBRATION_FILE
 

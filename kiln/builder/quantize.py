@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # options.py imports this module
     from kiln.builder.options import BuildOptions
     from kiln.builder.prequantized import Scores
     from kiln.llm import LLM
+    from kiln.models.kv_scales import KVHeadScales
     from kiln.runtime.model_runner import ModelRunner
 
 _CALIBRATION_TOKENS = 512
@@ -216,6 +217,7 @@ class SourcePass:
     """The held-out perplexity, if checked (a pre-quantized checkpoint's: its Scores)."""
     scales: dict[str, float] | None = None  # static input scales ("fp8")
     kv_scales: list[tuple[float, float]] | None = None  # a float8 KV cache's
+    kv_head_scales: KVHeadScales | None = None  # an int8 KV cache's, per KV head
     hessians: dict[str, torch.Tensor] | None = None  # GPTQ's input statistics ("gptq")
     smoothing: dict[str, torch.Tensor] | None = None  # SmoothQuant's factors
     rounded: dict | None = None  # "gptq-sequential"'s float8 weights; an INT4 build's codes
@@ -239,7 +241,7 @@ def run_source(
     measured and kept there. `load_format`: "dequantized" for an FP4 source (its exact
     values, kiln.builder.fp4_source)."""
     from kiln.builder.accuracy import cached_perplexity, keep_perplexity, measure, measuring_llm
-    from kiln.runtime.model_loader import is_float8_kv_cache
+    from kiln.runtime.model_loader import is_float8_kv_cache, is_int8_kv_cache
 
     cached = cached_perplexity(ppl_file) if check else None
     found = SourcePass(source_ppl=cached)
@@ -274,20 +276,38 @@ def run_source(
                     found.outliers = outlier_channels(amax, options.outlier_columns, kept)
             if options.weight_rounding == "gptq-sequential":  # needs the static scales
                 found.rounded = round_weights(llm, calibration, found.scales, kept)
+            if is_int8_kv_cache(options.kv_cache_dtype):
+                found.kv_head_scales = measure_kv_head_scales(llm, calibration)
     return found
+
+
+def measure_kv_head_scales(llm: LLM, text: str) -> KVHeadScales | None:
+    """An int8 KV cache's per-(layer, KV head) scales over the calibration windows of `text`,
+    measured on `llm`'s unquantized (smoothed, where it is) model."""
+    from kiln.runtime.kv_calibration import head_scales, measure_kv_head_absmax
+
+    if llm.get_tokenizer() is None:
+        print("the source has no tokenizer: its int8 KV cache measures its scales at load")
+        return None
+    runner = _source_runner(llm)
+    batches = calibration_batches(llm, text)
+    with build_step("measuring int8 KV-cache scales", len(batches), " windows") as bar:
+        absmax = measure_kv_head_absmax(runner.model, batches, runner.ops, runner.backend)
+        bar.update(len(batches))
+    return head_scales(absmax)
 
 
 def _round_int4(
     llm: LLM, path: str, text: str, options: BuildOptions, kept: list[str], load_format: str
 ) -> tuple[dict, dict[str, torch.Tensor] | None]:
     """An INT4 build's codes (and AWQ's factors, with which the source is then reloaded, so a
-    float8 KV cache calibrates on the smoothed model the engine is)."""
+    float8 or int8 KV cache calibrates on the smoothed model the engine is)."""
     from kiln.builder.calibrate.smoothing import smooth_checkpoint
     from kiln.builder.int4 import round_int4
-    from kiln.runtime.model_loader import find_model_source, is_float8_kv_cache
+    from kiln.runtime.model_loader import find_model_source
 
     rounded, factors = round_int4(llm, text, options.quantization, kept)
-    if factors is not None and is_float8_kv_cache(options.kv_cache_dtype):
+    if factors is not None and options.kv_cache_dtype != "auto":
         model = _source_runner(llm).model
         source = find_model_source(path, load_format)
         assert source.weights is not None, "a checkpoint, not dummy weights"

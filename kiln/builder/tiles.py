@@ -65,7 +65,7 @@ def kernel_tiles(
                 "n": n, "k": k, "element_bytes": element_bytes, "tiles": tiles._asdict(),
                 "from": origin,
             })  # fmt: skip
-    kv_fp8 = kv_cache_dtype == torch.float8_e4m3fn
+    kv_fp8 = kv_cache_dtype.itemsize == 1  # float8 or int8: the one-byte caches' tiles
     block_n, num_warps, num_stages = _tile_config(_DEFAULT_BLOCK_SIZE, device, kv_fp8)
     # From this many programs (sequences x KV heads x splits) a float8 cache's kernel runs
     # one-warp programs instead (decode_attention._tile_config).

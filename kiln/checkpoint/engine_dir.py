@@ -119,6 +119,7 @@ class ManifestSchema(msgspec.Struct):
     input_scales: dict[str, float] | None = None
     kv_scales: list[list[float]] | None = None
     kv_scales_in_weights: bool = True
+    kv_head_scales: list[list[list[float]]] | None = None
     lm_head_quantization: Literal["none", "fp8"] = "none"
     unquantized_layers: list[str] | None = None
     outlier_channels: dict[str, list[int]] | None = None

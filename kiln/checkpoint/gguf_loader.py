@@ -26,7 +26,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
-from kiln.checkpoint import gguf_tokenizer
+from kiln.checkpoint import gguf_int, gguf_tokenizer
 from kiln.checkpoint.gguf_dequant import FAST_DEQUANTIZERS
 from kiln.errors import ModelLoadError
 from kiln.models import family_config, registry
@@ -184,17 +184,40 @@ class GGUFModel:
             "model_name": meta.get("general.name"),
         }
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(hf_name, float32 tensor) for every weight, in file order, one dequantized at a time."""
+    def tensors(self, integer: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, float32 tensor) for every weight, in file order, one dequantized at a time.
+        `integer` (when int_scheme() says the file allows it): each decoder projection as kiln's
+        integer codes, scales (and INT4 mins) instead (kiln.checkpoint.gguf_int)."""
+        cfg = self.config
         for info in self._tensors.values():
             if info.name == _ROPE_FREQS:
                 continue
             hf_name = self._hf_name(info.name)
-            cfg = self.config
+            if integer and gguf_int.is_projection(hf_name):
+                raw = np.frombuffer(self._buf, np.uint8, info.nbytes, info.start)
+                n, k = info.shape
+                for suffix, part in gguf_int.int_groups(raw, info.qtype.name, (n, k)):
+                    # q/k rows back in rotate-half order: codes, scales and mins alike.
+                    yield (
+                        hf_name + suffix,
+                        self.layout.to_hf_layout(
+                            hf_name, part, cfg.num_attention_heads, cfg.num_key_value_heads
+                        ),
+                    )
+                continue
             tensor = self.layout.to_hf_layout(
                 hf_name, self._read(info), cfg.num_attention_heads, cfg.num_key_value_heads
             )
             yield hf_name, tensor
+
+    def int_scheme(self) -> str | None:
+        """kiln's integer scheme for this file's decoder projections when all of them map to
+        one (gguf_int.SCHEMES: Q4_0 / Q4_1 to INT4, Q8_0 to INT8 W8A16), else None."""
+        return gguf_int.scheme_of([
+            info.qtype.name
+            for info in self._tensors.values()
+            if info.name != _ROPE_FREQS and gguf_int.is_projection(self._hf_name(info.name))
+        ])  # fmt: skip
 
     def _hf_name(self, gguf_name: str) -> str:
         hf_name = self.layout.hf_name(gguf_name)

@@ -10,6 +10,7 @@ import argparse
 _QUANTIZATIONS = ("auto", "none", "fp8", "fp8-dynamic", "int8-w8a8", "fp8-block",
                   "int8-w8a16-channel", "int8-w8a16-g128", "fp8-w8a16-channel",
                   "int4-gptq", "int4-awq")  # fmt: skip
+_KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # kiln.builder.options.KV_CACHE_DTYPES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +26,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "channel, activations per token; *-w8a16-*: weight-only; int4-gptq / int4-awq: W4A16 "
         "groups of 128 rounded by GPTQ or AWQ on the calibration text",
     )  # fmt: skip
-    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    p.add_argument(
+        "--kv-cache-dtype", choices=_KV_CACHE_DTYPES, default="auto",
+        help="fp8: per-layer scales calibrated on the calibration text; int8: per-(layer, KV "
+        "head) scales calibrated there, for GPUs without float8",
+    )  # fmt: skip
     p.add_argument(
         "--weight-rounding", choices=("nearest", "gptq", "gptq-sequential"), default="nearest",
         help="gptq: float8 weights rounded by GPTQ on the calibration text (slower build); "

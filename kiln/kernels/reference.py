@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
+# An int8 KV cache's codes: symmetric, so -128 is never written (k and -k meet the same rounding).
+INT8_KV_MAX = 127.0
 
 # Prefill attention over a float8 cache: which products run as float8 dots. "none": K and V
 # widened to the query's precision; "qk": Q quantized per (token, head) row to e4m3, Q @ K^T in
@@ -39,7 +41,11 @@ def uses_fp8_dots(fp8_dots: Fp8Dots, k_cache: torch.Tensor) -> bool:
 
 def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """Rounds keys/values to the cache's element type. float8 e4m3 is unscaled and saturates at
-    +-448 (as the GPU's conversion does) rather than overflowing to NaN."""
+    +-448 (as the GPU's conversion does) rather than overflowing to NaN. int8 holds the values
+    rounded half up (floor(x + 0.5) in fp32, the same ops as the Triton kernels') and saturated
+    at +-127: its scales are folded into the weights (kiln.models.kv_scales), as float8's are."""
+    if cache_dtype == torch.int8:
+        return (x.float() + 0.5).floor().clamp(-INT8_KV_MAX, INT8_KV_MAX).to(torch.int8)
     if cache_dtype == torch.float8_e4m3fn:
         x = x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     return x.to(cache_dtype)
@@ -786,12 +792,17 @@ def dequantize_int4(
     qweight: torch.Tensor,  # [N, K / 8] int32: kiln's packed codes
     scales: torch.Tensor,  # [N, K / group_size] fp32
     zeros: torch.Tensor,  # [N, K / group_size] fp32, in code units (8: symmetric)
+    zero_is_min: bool = False,  # zeros hold each group's min in weight units instead
 ) -> torch.Tensor:  # [N, K] fp32
-    """W4A16 weights: (code - zero) * scale, input k in group k // group_size."""
+    """W4A16 weights: (code - zero) * scale, input k in group k // group_size; with
+    `zero_is_min`, code * scale + min (GGUF's Q4_0 / Q4_1 blocks: their own fp32 arithmetic,
+    so the values equal the file's dequantized ones bit for bit)."""
     codes = unpack_int4(qweight).float()
     group_size = codes.shape[1] // scales.shape[1]
     s = scales.repeat_interleave(group_size, dim=1)
     z = zeros.repeat_interleave(group_size, dim=1)
+    if zero_is_min:
+        return codes * s + z
     return (codes - z) * s
 
 
@@ -801,10 +812,11 @@ def int4_linear(
     scales: torch.Tensor,  # [N, K / group_size] fp32
     zeros: torch.Tensor,  # [N, K / group_size] fp32
     bias: torch.Tensor | None = None,  # [N]
+    zero_is_min: bool = False,  # dequantize_int4's
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """x @ dequantize_int4(...)^T (+ bias): the weights rounded to x's dtype, as the kernel's
     dot products take them, accumulated in fp32."""
-    w = dequantize_int4(qweight, scales, zeros).to(x.dtype)
+    w = dequantize_int4(qweight, scales, zeros, zero_is_min).to(x.dtype)
     y = F.linear(x.float(), w.float())
     if bias is not None:
         y = y + bias.float()

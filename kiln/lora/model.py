@@ -141,6 +141,11 @@ class LoRAModel:
         and down; a float8 KV cache's folded scales on k (1 / k_scale), v (1 / v_scale) and o
         (v_scale: its input is v / v_scale)."""
         factor = self.residual_multiplier if name in _RESIDUAL_SCALED else 1.0
+        if getattr(self.attention.get(index), "folded_kv_head_scales", None) is not None:
+            raise ValueError(
+                "LoRA adapters do not run over per-head (int8) KV-cache scales: an engine built "
+                "with --kv-cache-dtype int8 takes none"
+            )
         folded = getattr(self.attention.get(index), "folded_kv_scales", None)
         if folded is not None:
             k_scale, v_scale, k_rows = folded

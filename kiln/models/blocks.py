@@ -6,7 +6,7 @@ method's own `apply` and its epilogue."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, ClassVar
@@ -98,6 +98,9 @@ class RopeAttention(nn.Module):
     kind: AttentionKind = FULL_ATTENTION
     # (k_scale, v_scale, whether the k rows hold 1 / k_scale) once fold_kv_scales ran.
     folded_kv_scales: tuple[float, float, bool] | None = None
+    # This rank's (k scales, v scales), one per KV head, once fold_kv_head_scales ran.
+    folded_kv_head_scales: tuple[list[float], list[float]] | None = None
+    kv_head_start: int = 0  # the first KV head of this rank's (tensor parallel) share
 
     def __init__(
         self,
@@ -132,6 +135,7 @@ class RopeAttention(nn.Module):
             assert full is not None, "under TP the layer is also given the whole model's config"
             hd, r = self.head_dim, ctx.tp_rank
             kv_start, _ = kv_head_range(full.num_key_value_heads, ctx.tp_size, r)
+            self.kv_head_start = kv_start
             q_full, kv_full = full.num_attention_heads * hd, full.num_key_value_heads * hd
             kv_rows = (kv_start * hd, self.kv_size)
             qkv_split = TensorSplit(
@@ -270,12 +274,70 @@ class RopeAttention(nn.Module):
         if input_scale is not None:
             input_scale.div_(v_scale)  # its static scale saw the unscaled inputs
 
+    @torch.no_grad()
+    def fold_kv_head_scales(
+        self, k_scales: Sequence[float], v_scales: Sequence[float], into_weights: bool = True
+    ) -> tuple[list[float], list[float]]:
+        """fold_kv_scales with a scale per KV head (`k_scales`, `v_scales`: the whole model's
+        heads; this rank takes its own): head h's keys are k / k_h through its k rows, and its
+        group's query rows times k_h undo it in q . k; its values are v / v_h through its v
+        rows, and o_proj's input columns of its group times v_h undo it. Where a q/k norm
+        follows the rows (it would undo a row scale), the keys take the layer's largest k_h
+        through k_norm and the softmax scale; where o_proj's weights are quantized (their
+        columns hold codes), the values take the layer's largest v_h through o_proj's rows.
+        Returns the scales this rank's heads hold after those choices (per head, in order)."""
+        n, start = self.num_kv_heads, self.kv_head_start
+        ks, vs = list(k_scales[start : start + n]), list(v_scales[start : start + n])
+        if len(ks) != n or len(vs) != n:
+            raise ValueError(f"{len(k_scales)} KV-head scales for KV heads {start}..{start + n}")
+        per_head_k = self.k_norm is None and self.q_norm is None
+        per_head_v = _plain_weight(self.o_proj)
+        if not per_head_k:
+            ks = [max(ks)] * n
+            self.scale *= ks[0]
+        if not per_head_v:
+            vs = [max(vs)] * n
+        self.folded_kv_head_scales = (ks, vs)
+        if not into_weights:
+            return ks, vs
+        q, kv, hd = self.q_size, self.kv_size, self.head_dim
+        group = self.num_heads // n
+        for h in range(n):
+            if per_head_k:
+                self.qkv_proj.scale_output_rows(slice(h * group * hd, (h + 1) * group * hd), ks[h])
+                self.qkv_proj.scale_output_rows(slice(q + h * hd, q + (h + 1) * hd), 1.0 / ks[h])
+            rows = slice(q + kv + h * hd, q + kv + (h + 1) * hd)
+            self.qkv_proj.scale_output_rows(rows, 1.0 / vs[h])
+            if per_head_v:
+                self.o_proj.weight[:, h * group * hd : (h + 1) * group * hd] *= vs[h]
+        if not per_head_k:
+            assert self.k_norm is not None
+            self.k_norm.mul_(1.0 / ks[0])
+        if not per_head_v:
+            self.o_proj.scale_output_rows(slice(None), vs[0], bias=False)
+            input_scale = getattr(self.o_proj, "input_scale", None)
+            if input_scale is not None:
+                input_scale.div_(vs[0])  # its static scale saw the unscaled inputs
+        return ks, vs
+
     def attend(self, step: StepInputs, query: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         """Attention over the cache, then o_proj: [num_tokens, hidden] (summed over TP ranks)."""
         out = step.backend.forward(
             query, kv_cache[0], kv_cache[1], step.metadata, self.scale, self.kind, self.sinks
         )
         return self.o_proj(step.ops, out.reshape(-1, self.q_size))
+
+
+def _plain_weight(proj: Linear) -> bool:
+    """Whether `proj` multiplies by its weight as stored, in a float dtype of 16 bits or more
+    (so scaling its columns scales its inputs exactly)."""
+    weight = getattr(proj, "weight", None)
+    return (
+        isinstance(weight, torch.Tensor)
+        and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and getattr(proj, "weight_scale", None) is None
+        and getattr(proj, "weight_scales", None) is None
+    )
 
 
 def gated_mlp(

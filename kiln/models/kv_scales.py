@@ -15,6 +15,10 @@ scale folded before it, the norm's weight (RMSNorm(k) * w / s == RMSNorm(k) * (w
 scaled cache costs no kernel a single instruction. The scales are powers of two, so folding them
 into bf16 weights changes no mantissa bit: a model with folded scales and a bf16 cache computes
 exactly what the unfolded model does.
+
+An int8 cache (127 levels, no exponent) wants a scale per KV head rather than per layer:
+KVHeadScales, folded by RopeAttention.fold_kv_head_scales (the k scale through the query rows
+of its group, the v scale through o_proj's input columns of its group, where the weights allow).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ if TYPE_CHECKING:
     from kiln.models.base import CausalLM
 
 KVScales = list[tuple[float, float]]  # per decoder layer: (k_scale, v_scale)
+# Per decoder layer: (k scale per KV head, v scale per KV head), the whole model's heads.
+KVHeadScales = list[tuple[list[float], list[float]]]
 
 
 class KVScaleFoldError(ValueError):
@@ -54,3 +60,29 @@ def fold_kv_scales(
                 "KV-cache scale folds; run without KV-cache scales (an unscaled float8 cache)"
             )
         fold(k_scale, v_scale, into_weights)
+
+
+@torch.no_grad()
+def fold_kv_head_scales(
+    model: CausalLM,
+    scales: Sequence[tuple[Sequence[float], Sequence[float]]],
+    into_weights: bool = True,
+) -> KVHeadScales:
+    """fold_kv_scales with a (k, v) scale per KV head of each layer (`scales`: the model's
+    layers, or this pipeline stage's). Returns the scales folded, after each block's choices
+    (RopeAttention.fold_kv_head_scales: a layer's largest where its shape allows no other), for
+    this rank's heads."""
+    layers = model.layers
+    if len(scales) != len(layers):
+        raise ValueError(f"{len(scales)} KV-head scales for {len(layers)} layers")
+    folded: KVHeadScales = []
+    for index, (layer, (k_scales, v_scales)) in enumerate(zip(layers, scales)):
+        attention = layer.self_attn
+        fold = getattr(attention, "fold_kv_head_scales", None)
+        if fold is None:
+            raise KVScaleFoldError(
+                f"layer {index}: a {type(attention).__name__} block does not say where an int8 "
+                "KV-cache scale folds"
+            )
+        folded.append(fold(k_scales, v_scales, into_weights))
+    return folded

@@ -54,6 +54,9 @@ class ModelSource:
     # (kv_scales_in_weights); a pre-quantized checkpoint's are folded in when the cache is float8.
     kv_scales: list[tuple[float, float]] | None = None
     kv_scales_in_weights: bool = False
+    # Per layer ([k scale per KV head], [v scale per KV head]) of an int8 KV cache: an engine
+    # built with `--kv-cache-dtype int8` holds them in its weights already.
+    kv_head_scales: list | None = None
     # An engine built with a float8 LM head (`kiln build --lm-head-quantization fp8`).
     lm_head_quantization: str = "none"
     # An engine's decoder projections kept in the model dtype (`kiln build --unquantized-layers`).
@@ -98,10 +101,17 @@ def is_float8_kv_cache(name: str) -> bool:
     return name in ("fp8", "fp8_e4m3")
 
 
+def is_int8_kv_cache(name: str) -> bool:
+    """Whether a kv_cache_dtype name asks for an int8 cache (codes with per-head scales)."""
+    return name == "int8"
+
+
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type: the model's own, or float8 e4m3 ("fp8")."""
+    """The KV cache's element type: the model's own, float8 e4m3 ("fp8") or int8 ("int8")."""
     if name == "auto":
         return model_dtype
+    if is_int8_kv_cache(name):
+        return torch.int8
     return torch.float8_e4m3fn  # "fp8" / "fp8_e4m3" (validated by EngineConfig)
 
 
@@ -126,10 +136,12 @@ def find_model_source(
     path = default_model_path() if model is None else os.path.expanduser(model)
     if load_format == "dummy":
         return _dummy_source(path)
+    if load_format == "gguf-int" and not path.endswith(".gguf"):
+        raise ModelLoadError(f'load_format "gguf-int" reads GGUF files, not {path}')
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
             raise ModelLoadError(f"GGUF file not found: {path}")
-        return _gguf_source(path)
+        return _gguf_source(path, integer=load_format == "gguf-int")
     if os.path.isdir(path) and is_engine_dir(path):
         return _engine_dir_source(
             path, tp_rank, device or torch.device("cpu"), background_tokenizer, engine_kernels
@@ -144,17 +156,29 @@ def find_model_source(
     return _hub_source(model)
 
 
-def _gguf_source(path: str) -> ModelSource:
+def _gguf_source(path: str, integer: bool = False) -> ModelSource:
+    """`integer`: the file's projections on the integer methods (kiln.checkpoint.gguf_int),
+    where all of them map to one; else (and by default) every tensor dequantized."""
     from kiln.checkpoint.gguf_loader import GGUFModel
 
     gguf_model = GGUFModel(path)
-    return ModelSource(
+    scheme = gguf_model.int_scheme() if integer else None
+    if integer and scheme is None:
+        raise ModelLoadError(
+            f'{path}: load_format "gguf-int" needs every decoder projection in Q4_0 / Q4_1 / '
+            f"Q4_K, or every one in Q8_0 (found {sorted(set(gguf_model.tensor_types.values()))}); "
+            "load it as it is"
+        )
+    source = ModelSource(
         gguf_model.config,
-        gguf_model.tensors(),
+        gguf_model.tensors(integer=scheme is not None),
         from_transformers(gguf_model.tokenizer()),
         {},
-        f"GGUF {path}",
+        f"GGUF {path}" + (f" ({scheme})" if scheme else ""),
     )
+    if scheme is not None:
+        source.quantization = scheme
+    return source
 
 
 def _engine_dir_source(
@@ -196,6 +220,7 @@ def _engine_dir_source(
         kv_scales=engine.manifest.get("kv_scales"),
         # False: a pre-quantized checkpoint's scales, folded at load for a float8 cache only.
         kv_scales_in_weights=engine.manifest.get("kv_scales_in_weights", True),
+        kv_head_scales=engine.manifest.get("kv_head_scales"),
         lm_head_quantization=engine.manifest.get("lm_head_quantization", "none"),
         unquantized_layers=tuple(engine.manifest.get("unquantized_layers") or ()),
         outlier_channels=engine.manifest.get("outlier_channels"),
@@ -290,6 +315,33 @@ def _check_float8_device(
         "Run without them (--quantization none, --kv-cache-dtype auto, --lm-head-quantization "
         "none; an engine built with them cannot), or on a newer GPU",
     )  # fmt: skip
+
+
+def _fold_int8_kv_scales(
+    engine_config: EngineConfig, source: ModelSource, model: CausalLM, tokenizer: Tokenizer | None
+) -> None:
+    """An int8 engine's per-head KV scales (in its weights already: the softmax's share folds
+    here), or, for an int8 cache over a model that brings none, the scales measured now
+    (kiln.runtime.kv_calibration's default)."""
+    from kiln.models.kv_scales import fold_kv_head_scales
+
+    if source.kv_head_scales is not None:
+        start = model.layer_start  # a pipeline stage holds layers start..start + len - 1
+        scales = source.kv_head_scales[start : start + len(model.layers)]
+        fold_kv_head_scales(model, scales, into_weights=False)
+    elif is_int8_kv_cache(engine_config.kv_cache_dtype):
+        from kiln.runtime.kv_calibration import load_time_head_scales
+
+        if model.parallel is not None:
+            raise ModelLoadError(
+                "an int8 KV cache measures its scales at load in one process only: build an "
+                "engine with `kiln build --kv-cache-dtype int8` for tensor or pipeline parallelism"
+            )
+        scales = load_time_head_scales(model, tokenizer)
+        fold_kv_head_scales(model, scales)
+        logging.getLogger("kiln.startup").info(
+            "int8 KV cache: per-head scales measured at load over a built-in text"
+        )
 
 
 def _float8_head(engine_config: EngineConfig, source: ModelSource) -> bool:
@@ -550,6 +602,7 @@ def load_model(
     if source.tokenizer_future is not None:
         tokenizer = source.tokenizer_future.result()  # its error, if any, is the load's
         clock.mark("tokenizer_wait_s")  # what of the tokenizer's load the weights did not hide
+    _fold_int8_kv_scales(engine_config, source, model, tokenizer)
     return LoadedModel(
         model,
         cfg,

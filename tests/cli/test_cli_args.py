@@ -211,7 +211,8 @@ def test_threads_flag_sets_torchs_intra_op_threads(tmp_path):
 
 
 def test_kiln_builds_quantization_choices_are_the_builders() -> None:
-    from kiln.builder.options import QUANTIZATIONS
-    from kiln.cli.build import _QUANTIZATIONS
+    from kiln.builder.options import KV_CACHE_DTYPES, QUANTIZATIONS
+    from kiln.cli.build import _KV_CACHE_DTYPES, _QUANTIZATIONS
 
     assert _QUANTIZATIONS == QUANTIZATIONS
+    assert _KV_CACHE_DTYPES == KV_CACHE_DTYPES

@@ -411,7 +411,8 @@ def paged_decode_attention_splits(
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
     group = num_heads // num_kv_heads
-    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    # float8 or int8: one byte a value, the same tiles and kernels (int8's timed on no GPU yet).
+    kv_fp8 = k_cache.element_size() == 1
     # The grid's split count is taken as given (not trimmed to what max_seq_len can use): each
     # sequence's partitions depend on its own length and this count only, so a graph replay and
     # an eager step with the same count compute the same partitions; splits a sequence cannot

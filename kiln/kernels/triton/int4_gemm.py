@@ -27,9 +27,10 @@ SMALL_BATCH_ROWS = 8  # up to this many rows: _int4_small_batch_kernel
 @triton.jit
 def _dequantized_tile(w_ptr, s_ptr, z_ptr, k0, offs_n, N, K, groups, group_size,
                       DTYPE: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_N: tl.constexpr):  # fmt: skip
+                      BLOCK_N: tl.constexpr, ZERO_IS_MIN: tl.constexpr):  # fmt: skip
     """The [BLOCK_K, BLOCK_N] weight tile of inputs k0.. (one group: the launcher makes BLOCK_K
-    divide the group size) and outputs offs_n, as (code - zero) * scale in DTYPE. Each int32
+    divide the group size) and outputs offs_n, as (code - zero) * scale in DTYPE (ZERO_IS_MIN:
+    code * scale + min, exact for GGUF's blocks: code * scale takes no rounding). Each int32
     word is loaded once and fanned out to its 8 codes in registers."""
     mask_n = offs_n < N
     offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -41,6 +42,8 @@ def _dequantized_tile(w_ptr, s_ptr, z_ptr, k0, offs_n, N, K, groups, group_size,
     group = k0 // group_size
     scale = tl.load(s_ptr + offs_n * groups + group, mask=mask_n, other=0.0)
     zero = tl.load(z_ptr + offs_n * groups + group, mask=mask_n, other=0.0)
+    if ZERO_IS_MIN:
+        return (codes.to(tl.float32) * scale[None, :] + zero[None, :]).to(DTYPE)
     return ((codes.to(tl.float32) - zero[None, :]) * scale[None, :]).to(DTYPE)
 
 
@@ -48,7 +51,7 @@ def _dequantized_tile(w_ptr, s_ptr, z_ptr, k0, offs_n, N, K, groups, group_size,
 def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                       groups, group_size, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):  # fmt: skip
+                      BLOCK_K: tl.constexpr, ZERO_IS_MIN: tl.constexpr):  # fmt: skip
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -57,7 +60,7 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=(offs_m < M)[:, None] & (offs_k < K)[None, :], other=0.0)  # fmt: skip
         w = _dequantized_tile(w_ptr, s_ptr, z_ptr, k0, offs_n, N, K, groups, group_size,
-                              x.dtype, BLOCK_K, BLOCK_N)  # fmt: skip
+                              x.dtype, BLOCK_K, BLOCK_N, ZERO_IS_MIN)  # fmt: skip
         acc += tl.dot(x, w, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -71,13 +74,14 @@ def _int4_small_batch_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr,
                              N, K, stride_xm, stride_ym, groups, group_size, k_per_split,
                              HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT: tl.constexpr,
-                             PRECISION: tl.constexpr):  # fmt: skip
+                             PRECISION: tl.constexpr, ZERO_IS_MIN: tl.constexpr):  # fmt: skip
     """y = sum over groups of scale * (x . codes - zero * sum(x)): the codes (exact in any float
     dtype) meet the activations unscaled and each group's scale and zero apply once per tile
     step, with no per-code dequantization. Code j of every word (inputs 8w + j) is taken in
     turn, so words are never reshaped across threads. One row (DOT off) multiplies and adds in
     fp32 registers; 2-8 rows, padded to ROWS = 16, take tl.dot per j (K = BLOCK_K / 8 >= 16):
-    on an H100 at 8 rows, 178 us a Llama-3.1-8B layer against 551 in registers."""
+    on an H100 at 8 rows, 178 us a Llama-3.1-8B layer against 551 in registers. ZERO_IS_MIN
+    (GGUF's code * scale + min): y sums scale * (x . codes) + min * sum(x) instead."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_m = tl.arange(0, ROWS)
@@ -116,7 +120,10 @@ def _int4_small_batch_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr,
         group = k0 // group_size
         scale = tl.load(s_ptr + offs_n * groups + group, mask=mask_n, other=0.0)
         zero = tl.load(z_ptr + offs_n * groups + group, mask=mask_n, other=0.0)
-        acc += scale[:, None] * (dot - zero[:, None] * tl.sum(x_sum, axis=1)[None, :])
+        if ZERO_IS_MIN:
+            acc += scale[:, None] * dot + zero[:, None] * tl.sum(x_sum, axis=1)[None, :]
+        else:
+            acc += scale[:, None] * (dot - zero[:, None] * tl.sum(x_sum, axis=1)[None, :])
     acc = tl.trans(acc)
     out_mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K > 1:
@@ -147,6 +154,7 @@ def int4_linear(
     scales: torch.Tensor,  # [N, K / group_size] fp32
     zeros: torch.Tensor,  # [N, K / group_size] fp32
     bias: torch.Tensor | None = None,  # [N]
+    zero_is_min: bool = False,  # reference.dequantize_int4's
 ) -> torch.Tensor:  # [M, N] in x's dtype
     m, k = x.shape
     n, groups = qweight.shape[0], scales.shape[1]
@@ -181,8 +189,8 @@ def int4_linear(
             x, qweight, scales, zeros, bias_arg, y, part, counters, m, n, k, x.stride(0),
             y.stride(0), groups, group_size, per_split, HAS_BIAS=bias is not None,
             ROWS=16 if dot else triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-            SPLIT_K=num_splits, DOT=dot, PRECISION=dot_precision(x.dtype), num_warps=4,
-            num_stages=3,
+            SPLIT_K=num_splits, DOT=dot, PRECISION=dot_precision(x.dtype),
+            ZERO_IS_MIN=zero_is_min, num_warps=4, num_stages=3,
         )  # fmt: skip
         return y
     block_m = 16 if m <= 16 else 64
@@ -190,6 +198,6 @@ def int4_linear(
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int4_gemm_kernel[grid](
         *args, HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype), BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_N=block_n, BLOCK_K=block_k, ZERO_IS_MIN=zero_is_min,
     )  # fmt: skip
     return y

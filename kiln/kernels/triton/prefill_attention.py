@@ -390,7 +390,7 @@ def paged_prefill_attention(
         query = query.contiguous()
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
-    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    kv_fp8 = k_cache.element_size() == 1  # float8 or int8: K and V widened alike
     fp8_qk = uses_fp8_dots(fp8_dots, k_cache)
     operands = ("fp8_dots" if fp8_qk else "fp8_widened") if kv_fp8 else "bf16"
     block_m, block_n, num_warps, num_stages = _tile_config(

@@ -15,13 +15,17 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.reference import FP8_E4M3_MAX
+from kiln.kernels.triton._int8_kv import int8_code, is_int8_cache
 from kiln.kernels.triton.fp8_gemm import round_to_e4m3_grid
 
 
 @triton.jit
-def _to_cache(x, cache_ptr, FP8_MAX: tl.constexpr, INTERPRETED: tl.constexpr):
+def _to_cache(x, cache_ptr, FP8_MAX: tl.constexpr, INT8: tl.constexpr, INTERPRETED: tl.constexpr):
     """A value in the cache's element type; a float8 cache saturates at +-FP8_MAX (rounded on
-    the e4m3 grid first under the interpreter, whose own float8 conversion misrounds)."""
+    the e4m3 grid first under the interpreter, whose own float8 conversion misrounds); an int8
+    cache holds codes (_int8_kv.int8_code)."""
+    if INT8:
+        x = int8_code(x)
     if FP8_MAX > 0:
         x = tl.clamp(x.to(tl.float32), -FP8_MAX, FP8_MAX)
         if INTERPRETED:
@@ -86,6 +90,7 @@ def _qk_norm_rotary_write_kv_kernel(
     BLOCK_KV_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     FP8_MAX: tl.constexpr,  # > 0 for a float8 cache
+    INT8: tl.constexpr,  # an int8 cache
     INTERPRETED: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -110,14 +115,14 @@ def _qk_norm_rotary_write_kv_kernel(
         kv_heads = tl.arange(0, BLOCK_KV_H)
         base = (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot
         k_dst = k_cache_ptr + base + kv_heads[:, None] * stride_head + cols[None, :]
-        tl.store(k_dst, _to_cache(k1, k_cache_ptr, FP8_MAX, INTERPRETED), mask=k_mask)
-        tl.store(k_dst + HALF, _to_cache(k2, k_cache_ptr, FP8_MAX, INTERPRETED), mask=k_mask)
+        tl.store(k_dst, _to_cache(k1, k_cache_ptr, FP8_MAX, INT8, INTERPRETED), mask=k_mask)
+        tl.store(k_dst + HALF, _to_cache(k2, k_cache_ptr, FP8_MAX, INT8, INTERPRETED), mask=k_mask)
         dims = tl.arange(0, 2 * BLOCK_HALF)
         v_mask = (kv_heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < 2 * HALF)
         v_src = k_row + NUM_KV_HEADS * (2 * HALF) + kv_heads[:, None] * (2 * HALF) + dims[None, :]
         value = tl.load(v_src, mask=v_mask)
         v_dst = v_cache_ptr + base + kv_heads[:, None] * stride_head + dims[None, :]
-        tl.store(v_dst, _to_cache(value, v_cache_ptr, FP8_MAX, INTERPRETED), mask=v_mask)
+        tl.store(v_dst, _to_cache(value, v_cache_ptr, FP8_MAX, INT8, INTERPRETED), mask=v_mask)
 
 
 def qk_norm_rotary_write_kv(
@@ -156,6 +161,7 @@ def qk_norm_rotary_write_kv(
         BLOCK_KV_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half),
         FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 0.0,
+        INT8=is_int8_cache(k_cache),
         INTERPRETED=qkv.device.type != "cuda",
         num_warps=4,
     )  # fmt: skip

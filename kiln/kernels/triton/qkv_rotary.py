@@ -24,6 +24,7 @@ from kiln.kernels.kv_layout import check_head_major
 from kiln.kernels.reference import FP8_E4M3_MAX, split_qkv_heads
 from kiln.kernels.triton import small_batch_tiles, split_k
 from kiln.kernels.triton._device import dot_precision
+from kiln.kernels.triton._int8_kv import is_int8_cache
 from kiln.kernels.triton._kv_layout import kv_head_offset, kv_slot_base
 from kiln.kernels.triton.rotary import _to_output, rotary_embedding_write_kv
 from kiln.kernels.triton.small_batch_linear import (
@@ -83,6 +84,7 @@ def _qkv_rotary_write_kv_kernel(
     SPLIT_K: tl.constexpr,  # programs per pair tile, program_id(1) the split (split_k.py)
     DOT_PRECISION: tl.constexpr,
     FP8_MAX: tl.constexpr,  # > 0 for a float8 cache
+    INT8: tl.constexpr,  # an int8 cache
     QUANT: tl.constexpr,  # 0, or float8 weights with dynamic (1) / static (2) activations
     FP8_DOT: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -153,12 +155,12 @@ def _qkv_rotary_write_kv_kernel(
     if slot >= 0:
         is_k = pair_mask & (lo >= Q_SIZE) & (lo < Q_SIZE + KV_SIZE)
         k_dst = k_cache_ptr + _cache_columns(slot, lo - Q_SIZE, KV_SIZE, HALF, BLOCK_SIZE)
-        tl.store(k_dst, _to_output(rot1, k_cache_ptr, FP8_MAX), mask=is_k)
-        tl.store(k_dst + HALF, _to_output(rot2, k_cache_ptr, FP8_MAX), mask=is_k)
+        tl.store(k_dst, _to_output(rot1, k_cache_ptr, FP8_MAX, INT8), mask=is_k)
+        tl.store(k_dst + HALF, _to_output(rot2, k_cache_ptr, FP8_MAX, INT8), mask=is_k)
         is_v = pair_mask & (lo >= Q_SIZE + KV_SIZE)
         v_dst = v_cache_ptr + _cache_columns(slot, lo - Q_SIZE - KV_SIZE, KV_SIZE, HALF, BLOCK_SIZE)
-        tl.store(v_dst, _to_output(x1.to(dtype), v_cache_ptr, FP8_MAX), mask=is_v)
-        tl.store(v_dst + HALF, _to_output(x2.to(dtype), v_cache_ptr, FP8_MAX), mask=is_v)
+        tl.store(v_dst, _to_output(x1.to(dtype), v_cache_ptr, FP8_MAX, INT8), mask=is_v)
+        tl.store(v_dst + HALF, _to_output(x2.to(dtype), v_cache_ptr, FP8_MAX, INT8), mask=is_v)
 
 
 def _qkv_rotary_fits(
@@ -256,6 +258,7 @@ def add_rms_norm_qkv_rotary_write_kv(
         SPLIT_K=num_splits,
         DOT_PRECISION=dot_precision(x.dtype),
         FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 0.0,
+        INT8=is_int8_cache(k_cache),
         QUANT=quant,
         FP8_DOT=_fp8_dot(x.device),
         INTERPRETED=x.device.type != "cuda",

@@ -3,10 +3,11 @@ reference.rotary_embedding_write_kv).
 
 One program per token rotates all its query and key heads (cos/sin read once per token), writes
 the rotated keys and the values to its cache slot, and returns the rotated queries. Math in fp32,
-results rounded to the input dtype, then to the cache's (float8 saturating at +-448, as
-reference.to_cache_dtype). Scaled variants (llama3, linear, ...) differ only in the
-cos_sin_cache, so the kernel is the same. A table narrower than head_dim turns each head's
-first dims only (partial rotary) and copies the rest: a constexpr, compiled out at full width.
+results rounded to the input dtype, then to the cache's (float8 saturating at +-448, int8
+rounded half up and saturating at +-127, as reference.to_cache_dtype). Scaled variants
+(llama3, linear, ...) differ only in the cos_sin_cache, so the kernel is the same. A table
+narrower than head_dim turns each head's first dims only (partial rotary) and copies the rest:
+a constexpr, compiled out at full width.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import triton.language as tl
 
 from kiln.kernels.kv_layout import check_head_major
 from kiln.kernels.reference import FP8_E4M3_MAX
+from kiln.kernels.triton._int8_kv import int8_code, is_int8_cache
 from kiln.kernels.triton._kv_layout import kv_head_offset, kv_slot_base
 
 
@@ -38,6 +40,7 @@ def _rotate_heads(
     FP8_MAX: tl.constexpr,  # > 0: the output is a float8 cache, saturated at +-FP8_MAX
     HEAD_DIM: tl.constexpr,  # > 2 * HALF: partial rotary, dims [2 * HALF, HEAD_DIM) pass
     BLOCK_PASS: tl.constexpr,
+    INT8: tl.constexpr,  # the output is an int8 cache: codes (_int8_kv.int8_code)
 ):
     heads = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_HALF)
@@ -51,8 +54,8 @@ def _rotate_heads(
     out2 = x2f * cos[None, :] + x1f * sin[None, :]
     dst = out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + cols[None, :]
     # Rounded to the input dtype first (as reference.rotary_embedding), then to the output's.
-    tl.store(dst, _to_output(out1.to(x1.dtype), out_ptr, FP8_MAX), mask=mask)
-    tl.store(dst + HALF, _to_output(out2.to(x1.dtype), out_ptr, FP8_MAX), mask=mask)
+    tl.store(dst, _to_output(out1.to(x1.dtype), out_ptr, FP8_MAX, INT8), mask=mask)
+    tl.store(dst + HALF, _to_output(out2.to(x1.dtype), out_ptr, FP8_MAX, INT8), mask=mask)
     if HEAD_DIM > 2 * HALF:
         rest = tl.arange(0, BLOCK_PASS)
         rest_mask = (heads[:, None] < num_heads) & (rest[None, :] < HEAD_DIM - 2 * HALF)
@@ -61,11 +64,13 @@ def _rotate_heads(
         src_rest = row_x + 2 * HALF + rest[None, :]
         dst_rest = row_out + 2 * HALF + rest[None, :]
         passed = tl.load(src_rest, mask=rest_mask, other=0.0)
-        tl.store(dst_rest, _to_output(passed, out_ptr, FP8_MAX), mask=rest_mask)
+        tl.store(dst_rest, _to_output(passed, out_ptr, FP8_MAX, INT8), mask=rest_mask)
 
 
 @triton.jit
-def _to_output(x, out_ptr, FP8_MAX: tl.constexpr):
+def _to_output(x, out_ptr, FP8_MAX: tl.constexpr, INT8: tl.constexpr):
+    if INT8:
+        x = int8_code(x)
     if FP8_MAX > 0:
         x = tl.clamp(x.to(tl.float32), -FP8_MAX, FP8_MAX)
     return x.to(out_ptr.dtype.element_ty)
@@ -97,6 +102,7 @@ def _rotary_write_kv_kernel(
     BLOCK_KV_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     FP8_MAX: tl.constexpr,  # > 0 for a float8 cache
+    INT8: tl.constexpr,  # an int8 cache
     BLOCK_SIZE: tl.constexpr,  # the cache's
     HEAD_DIM: tl.constexpr,  # > 2 * HALF for partial rotary
     BLOCK_PASS: tl.constexpr,  # next power of two of HEAD_DIM - 2 * HALF (1 at full width)
@@ -113,7 +119,7 @@ def _rotary_write_kv_kernel(
     sin = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + cols, mask=col_mask, other=0.0)
     _rotate_heads(
         q_ptr, q_out_ptr, token, stride_q_token, stride_q_head, stride_qo_token, stride_qo_head,
-        cos, sin, num_heads, HALF, BLOCK_H, BLOCK_HALF, 0.0, HEAD_DIM, BLOCK_PASS,
+        cos, sin, num_heads, HALF, BLOCK_H, BLOCK_HALF, 0.0, HEAD_DIM, BLOCK_PASS, False,
     )  # fmt: skip
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
@@ -122,7 +128,7 @@ def _rotary_write_kv_kernel(
         head_stride = kv_head_offset(1, HEAD_DIM, BLOCK_SIZE)
         _rotate_heads(
             k_ptr, k_cache_ptr + base, token, stride_k_token, stride_k_head, 0, head_stride, cos,
-            sin, NUM_KV_HEADS, HALF, BLOCK_KV_H, BLOCK_HALF, FP8_MAX, HEAD_DIM, BLOCK_PASS,
+            sin, NUM_KV_HEADS, HALF, BLOCK_KV_H, BLOCK_HALF, FP8_MAX, HEAD_DIM, BLOCK_PASS, INT8,
         )  # fmt: skip
         heads = tl.arange(0, BLOCK_KV_H)
         dims = tl.arange(0, BLOCK_D)
@@ -130,7 +136,7 @@ def _rotary_write_kv_kernel(
         src = v_ptr + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :]
         value = tl.load(src, mask=mask)
         dst = v_cache_ptr + base + heads[:, None] * head_stride
-        tl.store(dst + dims[None, :], _to_output(value, v_cache_ptr, FP8_MAX), mask=mask)
+        tl.store(dst + dims[None, :], _to_output(value, v_cache_ptr, FP8_MAX, INT8), mask=mask)
 
 
 def rotary_embedding_write_kv(
@@ -178,6 +184,7 @@ def rotary_embedding_write_kv(
         BLOCK_KV_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half),
         FP8_MAX=FP8_E4M3_MAX if fp8 else 0.0,
+        INT8=is_int8_cache(k_cache),
         BLOCK_SIZE=k_cache.shape[1],
         num_warps=4,
         **partial,

@@ -102,12 +102,12 @@ def linear_method_factory(
 
 def _int4(quantization: str, unquantized: Collection[str]) -> Callable[[str], LinearMethod]:
     """ "int4-g<group size>" or "int4-channel", with zero points; "-sym" after it: without
-    (every zero point 8)."""
+    (every zero point 8); "-min": a min per group in weight units instead (GGUF's blocks)."""
     from kiln.layers.quantization.int4 import Int4LinearMethod
 
     group = quantization.removeprefix("int4-")
-    symmetric = group.endswith("-sym")
-    group = group.removesuffix("-sym")
+    symmetric, mins = group.endswith("-sym"), group.endswith("-min")
+    group = group.removesuffix("-sym").removesuffix("-min")
     if group != "channel" and not (group.startswith("g") and group[1:].isdigit()):
         raise ValueError(f"unknown quantization {quantization!r}: int4-g<N> or int4-channel")
     size = 0 if group == "channel" else int(group[1:])
@@ -116,7 +116,7 @@ def _int4(quantization: str, unquantized: Collection[str]) -> Callable[[str], Li
     def method(name: str) -> LinearMethod:
         if name in kept:
             return UnquantizedLinearMethod()
-        return Int4LinearMethod(size, needs_zeros=not symmetric)
+        return Int4LinearMethod(size, needs_zeros=not symmetric, zero_is_min=mins)
 
     return method
 

@@ -28,13 +28,18 @@ class Int4LinearMethod(LinearMethod):
 
     Tensor parallelism is not supported yet (a cut of packed words and of act-order groups)."""
 
-    def __init__(self, group_size: int, needs_zeros: bool = True) -> None:
+    def __init__(
+        self, group_size: int, needs_zeros: bool = True, zero_is_min: bool = False
+    ) -> None:
         if group_size < 0 or group_size % 8:
             raise ValueError(
                 f"group_size must be a multiple of 8 (0: per channel), got {group_size}"
             )
         self.group_size = group_size  # 0: one group of all inputs
         self.needs_zeros = needs_zeros  # False: symmetric, zeros stay 8 unless loaded
+        # True: weight_zeros hold each group's min in weight units, w = code * scale + min
+        # (GGUF's Q4_0 / Q4_1 blocks, kiln.checkpoint.gguf_int).
+        self.zero_is_min = zero_is_min
         self._loaded: set[tuple[str, int | None]] = set()
         self._g_idx: torch.Tensor | None = None
 
@@ -113,5 +118,8 @@ class Int4LinearMethod(LinearMethod):
         x = x.reshape(-1, shape[-1])
         if layer.input_order is not None:
             x = x.index_select(1, layer.input_order)
-        y = ops.int4_linear(x, layer.weight, layer.weight_scales, layer.weight_zeros, layer.bias)
+        y = ops.int4_linear(
+            x, layer.weight, layer.weight_scales, layer.weight_zeros, layer.bias,
+            self.zero_is_min,
+        )  # fmt: skip
         return y.reshape(*shape[:-1], y.shape[-1])
