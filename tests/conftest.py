@@ -14,6 +14,11 @@ if not torch.cuda.is_available():
     # kernels indirectly) before the kernel tests run: set it once, here, for the whole session.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.triton_interpreter import install
+
+    install()  # the interpreter patches triton.language once per launch, not per helper call
+
 
 def tiny_model_config(architecture: str = "llama", **overrides):
     """A tiny kiln ModelConfig (2 layers, GQA 4/2, hidden 64; q/k/v biases for qwen2)."""
