@@ -10,13 +10,15 @@ from typing import Annotated, Literal
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel, Field
 
 from kiln.server.reply import ReplyStream
 from kiln.server.tool_calls import ToolPlan, get_parser, plan_tools
+from tests.lazy_import import lazy_import
 from tests.server_harness import ServerThread, offline
+
+openai = lazy_import("openai")
 
 MODEL = "tiny"
 WEATHER = {
