@@ -219,10 +219,10 @@ def teacher_forced_logprobs(path: str, text: str) -> torch.Tensor:
 
 def pytest_collection_finish(session):
     """Freeze the collected session (test modules, torch, transformers: half a million objects)
-    out of the cyclic GC, as a preloading server does. Each engine start used to collect the
-    whole heap before freezing its own objects, and each shutdown thawed it all again: 295 full
+    out of the cyclic GC, as a preloading server does. Each engine start collected the whole
+    heap before freezing its own objects, and each shutdown thawed it all again: 295 full
     collections, 103 s of a 5-minute fast run. An engine in a frozen process leaves the freeze
-    alone (kiln/engine/llm_engine.py), so collections walk only what tests made since."""
+    alone (kiln/engine/llm_engine.py): its startup collection walks only what tests made since."""
     gc.collect()
     gc.freeze()
 

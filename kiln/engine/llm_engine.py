@@ -107,13 +107,14 @@ class LLMEngine:
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted to the runner, uncollected
         self._failed_deltas: list[RequestOutput] = []  # held requests that failed: next step()
         # Startup objects (model, tokenizer, graphs) live as long as the engine: keep the cyclic
-        # GC from walking them on every full collection while requests churn. A process whose
-        # heap is frozen already (another engine's startup, or an application that manages the
-        # GC, as a test session or a preloading server does) keeps its freeze: collecting the
-        # whole heap again, then thawing all of it at shutdown, would undo it.
+        # GC from walking them on every full collection while requests churn. The collection
+        # first takes what is garbage (a dropped engine's cycles). A process whose heap is frozen
+        # already (another engine's startup, or an application that manages the GC, as a test
+        # session or a preloading server does) keeps its freeze, which also keeps the collection
+        # short: freezing it all again, then thawing it all at shutdown, would undo it.
         self._froze_gc = gc.get_freeze_count() == 0
+        gc.collect()
         if self._froze_gc:
-            gc.collect()
             gc.freeze()
         # Process-wide, like the freeze: the loop that drives step() (LLM.generate, the server,
         # kiln bench) allocates between steps too. Full collections come every 100 gen-0 ones.
