@@ -227,6 +227,16 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def freeze_after_each_module():
+    """What a module left behind (imports, session fixtures) frozen too, after its own fixtures
+    are gone and its garbage collected: engine starts in later modules then collect only what
+    those made (the fast subset: 297 start collections, 25 s -> 4 s)."""
+    yield
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture
 def thawed_heap():
     """The heap as a fresh process has it (nothing frozen), for a test of an engine's own freeze

@@ -257,8 +257,9 @@ def test_dropped_llm_frees_its_engine(tmp_path, thawed_heap):
 
 def test_an_engine_keeps_a_frozen_heap_frozen(tmp_path):
     """In a process that froze its heap (this session does, after collecting the tests) an
-    engine neither collects and refreezes it at startup nor thaws it at shutdown; dropped, it is
-    collected all the same."""
+    engine neither freezes its objects on top at startup nor thaws the heap at shutdown;
+    dropped, it is collected all the same. (Frozen objects that lose their last reference are
+    still freed, so the count can only drop.)"""
     import gc
     import weakref
 
@@ -268,9 +269,9 @@ def test_an_engine_keeps_a_frozen_heap_frozen(tmp_path):
     frozen = gc.get_freeze_count()
     assert frozen > 0
     llm = LLM(str(tmp_path), kv_cache_memory_gb=0.01)
-    assert gc.get_freeze_count() == frozen  # the engine's objects were not frozen on top
+    assert gc.get_freeze_count() <= frozen  # the engine's objects were not frozen on top
     engine = weakref.ref(llm.engine)
     del llm
-    assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() > frozen // 2  # not thawed
     gc.collect()
     assert engine() is None
