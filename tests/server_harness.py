@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
+import pytest
 import uvicorn
 
 from kiln.config import EngineConfig
@@ -40,6 +41,16 @@ def shared_engine() -> AsyncEngine:
         )
         _engines["smollm2"] = AsyncEngine(LLMEngine(config))
     return _engines["smollm2"]
+
+
+def selected_tests(request: pytest.FixtureRequest) -> set[str]:
+    """The names of the test functions of the requesting module that this session runs (after
+    -m / -k deselection): a module fixture starts only what they use."""
+    return {
+        item.originalname
+        for item in request.session.items
+        if isinstance(item, pytest.Function) and item.path == request.path
+    }
 
 
 def free_port() -> int:

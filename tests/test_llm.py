@@ -237,7 +237,7 @@ def test_engine_raises_the_gc_gen0_threshold(tiny_chat_path):
         gc.set_threshold(*saved)
 
 
-def test_dropped_llm_frees_its_engine(tmp_path):
+def test_dropped_llm_frees_its_engine(tmp_path, thawed_heap):
     # Startup freezes the engine's objects out of the cyclic GC; without the thaw on drop every
     # LLM made in a process stayed in memory (the suite grew by 0.6 GB an engine).
     import gc
@@ -247,7 +247,31 @@ def test_dropped_llm_frees_its_engine(tmp_path):
 
     build_tiny_hf_model("llama-gqa", str(tmp_path))
     llm = LLM(str(tmp_path), kv_cache_memory_gb=0.01)
+    assert gc.get_freeze_count() > 0  # startup froze the heap, the engine's objects with it
     engine = weakref.ref(llm.engine)
     del llm
+    assert gc.get_freeze_count() == 0  # the drop thawed it
+    gc.collect()
+    assert engine() is None
+
+
+def test_an_engine_keeps_a_frozen_heap_frozen(tmp_path):
+    """In a process that froze its heap (this session does, after collecting the tests) an
+    engine neither freezes its objects on top at startup nor thaws the heap at shutdown;
+    dropped, it is collected all the same. (Frozen objects that lose their last reference are
+    still freed, so the count can only drop.)"""
+    import gc
+    import weakref
+
+    from tests.conftest import build_tiny_hf_model
+
+    build_tiny_hf_model("llama-gqa", str(tmp_path))
+    frozen = gc.get_freeze_count()
+    assert frozen > 0
+    llm = LLM(str(tmp_path), kv_cache_memory_gb=0.01)
+    assert gc.get_freeze_count() <= frozen  # the engine's objects were not frozen on top
+    engine = weakref.ref(llm.engine)
+    del llm
+    assert gc.get_freeze_count() > frozen // 2  # not thawed
     gc.collect()
     assert engine() is None

@@ -118,9 +118,15 @@ class LLMEngine:
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted to the runner, uncollected
         self._failed_deltas: list[RequestOutput] = []  # held requests that failed: next step()
         # Startup objects (model, tokenizer, graphs) live as long as the engine: keep the cyclic
-        # GC from walking them on every full collection while requests churn.
+        # GC from walking them on every full collection while requests churn. The collection
+        # first takes what is garbage (a dropped engine's cycles). A process whose heap is frozen
+        # already (another engine's startup, or an application that manages the GC, as a test
+        # session or a preloading server does) keeps its freeze, which also keeps the collection
+        # short: freezing it all again, then thawing it all at shutdown, would undo it.
+        self._froze_gc = gc.get_freeze_count() == 0
         gc.collect()
-        gc.freeze()
+        if self._froze_gc:
+            gc.freeze()
         # Process-wide, like the freeze: the loop that drives step() (LLM.generate, the server,
         # kiln bench) allocates between steps too. Full collections come every 100 gen-0 ones.
         if config.gc_gen0_threshold:
@@ -419,7 +425,9 @@ class LLMEngine:
         """Release the executor's workers and devices (a parallel engine's rank processes), and
         thaw what startup froze so the engine's cycles are collectable once it is dropped."""
         self.executor.shutdown()
-        gc.unfreeze()
+        if self._froze_gc:
+            self._froze_gc = False  # a second shutdown must not thaw another engine's freeze
+            gc.unfreeze()
 
     @property
     def kv_cache_usage(self) -> float:

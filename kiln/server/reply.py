@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kiln.server.reasoning import ReasoningParser, get_reasoning_parser
+from kiln.server.tool_calls.guided import GuidedCallScanner
 from kiln.server.tool_calls.parsers import ToolCall, new_call_id
 from kiln.server.tool_calls.request import ToolPlan
 from kiln.server.tool_calls.scanner import CallScanner
@@ -47,8 +48,11 @@ class ReplyStream:
         self.reasoning = reasoning.scanner(prompt_open) if reasoning is not None else None
         self.plan = plan
         parser = plan.parser if plan is not None and plan.mode == "auto" else None
-        self.calls = CallScanner(parser) if parser is not None else None
-        self.held = ""  # required / named: the whole reply is the call, sent at the end
+        self.calls: CallScanner | GuidedCallScanner | None = None
+        if parser is not None:
+            self.calls = CallScanner(parser)
+        elif plan is not None:  # required / named: the whole reply is the calls
+            self.calls = plan.guided_scanner()
         self.ids: list[str] = []
         self.end_text = _end_text(plan)
         self._tail = ""  # what may be the end-of-sequence token's text, held back
@@ -81,18 +85,10 @@ class ReplyStream:
         plan = self.plan
         if plan is None:
             return [("content", text)] if text else []
-        if self.calls is not None:
-            events = self.calls.feed(text) if text else []
-            if final:
-                events += self.calls.finish()
-            return self._number(events)
-        self.held += text
-        if not final:
-            return []
-        content, calls = plan.message(self.held)
-        events = [("content", content)] if content and not calls else []
-        for call in calls:
-            events += [("call", call.name), ("args", call.arguments)]
+        assert self.calls is not None  # every plan has its scanner
+        events = self.calls.feed(text) if text else []
+        if final:
+            events += self.calls.finish()
         return self._number(events)
 
     def _number(self, events: list[Event]) -> list[Event]:

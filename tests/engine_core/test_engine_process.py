@@ -27,7 +27,7 @@ from kiln.engine_core.client import ClientAddresses, EngineClient
 from kiln.sampling_params import SamplingParams
 from tests.conftest import build_tiny_hf_model
 from tests.server.test_lifecycle import PROMPT, _start_serve, _Stream, _wait_healthy
-from tests.server_harness import free_port
+from tests.server_harness import free_port, selected_tests
 
 
 @pytest.fixture(scope="module")
@@ -37,17 +37,28 @@ def tiny_dir(tmp_path_factory) -> str:
     return path
 
 
+# Which test ends which server.
+SERVER_OF = {
+    "test_disconnect_frees_blocks_then_a_dead_engine_process_ends_the_server": "disconnect",
+    "test_second_sigterm_still_ends_streams_with_done": "sigterm",
+    "test_grammar_requests_through_the_engine_process": "grammar",
+}
+
+
 @pytest.fixture(scope="module")
-def servers(tiny_dir, tmp_path_factory) -> dict[str, tuple[subprocess.Popen, str]]:
-    """The three `kiln serve` processes this module's tests end, started together: a start is
+def servers(request, tiny_dir, tmp_path_factory) -> dict[str, tuple[subprocess.Popen, str]]:
+    """The `kiln serve` processes this module's selected tests end, started together: a start is
     single-threaded (imports, then the engine process's imports and load), so on the 2-core CI
     the later tests' servers come up while the first test waits for its own instead of one after
-    another (module 62 s -> 52 s on one thread beside another job). Each test still ends its own
-    server; an idle engine process only polls."""
+    another (module 62 s -> 52 s on one thread beside another job). Only the selected tests'
+    servers: `-m "not slow"` runs one of the three. Each test still ends its own server; an
+    idle engine process only polls."""
     from tests.tiny_tokenizer import build_tiny_chat_model
 
     chat_dir = build_tiny_chat_model(str(tmp_path_factory.mktemp("tiny-chat")))
     specs = {"disconnect": (tiny_dir, 30), "sigterm": (tiny_dir, 60), "grammar": (chat_dir, 5)}
+    wanted = {SERVER_OF[name] for name in selected_tests(request) if name in SERVER_OF}
+    specs = {name: spec for name, spec in specs.items() if name in wanted}
     ports: set[int] = set()
     while len(ports) < len(specs):  # a freed port can be handed out twice
         ports.add(free_port())

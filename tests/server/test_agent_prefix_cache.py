@@ -10,11 +10,13 @@ from __future__ import annotations
 import itertools
 import uuid
 
-import anthropic
 import pytest
 
 from kiln.server.volatile_lines import DEFAULT_DROP_LINES, PromptLineRules, compile_pattern
+from tests.lazy_import import lazy_import
 from tests.server_harness import ServerThread, tiny_chat_engine
+
+anthropic = lazy_import("anthropic")
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny"

@@ -10,7 +10,6 @@ import threading
 import time
 
 import httpx
-import openai
 import pytest
 
 from kiln.config import EngineConfig
@@ -18,7 +17,10 @@ from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.llm_engine import LLMEngine
 from kiln.server.app import build_app
 from tests.conftest import build_tiny_hf_model
+from tests.lazy_import import lazy_import
 from tests.server_harness import ServerThread, free_port, read_completion_stream
+
+openai = lazy_import("openai")
 
 PROMPT = [5, 17, 42, 9, 33, 71, 12, 8]
 

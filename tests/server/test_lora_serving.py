@@ -17,7 +17,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import openai
 import pytest
 
 from kiln import LoRARequest, SamplingParams
@@ -25,9 +24,12 @@ from kiln.config import EngineConfig
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.llm_engine import LLMEngine
 from kiln.server.lora_modules import LoRAModule
+from tests.lazy_import import lazy_import
 from tests.peft_adapters import ALL_LINEAR, ATTENTION, hf_greedy, save_adapter
 from tests.server_harness import ServerThread, offline
 from tests.tiny_tokenizer import build_tiny_chat_model
+
+openai = lazy_import("openai")
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny"

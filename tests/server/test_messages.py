@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import re
 
-import anthropic
 import httpx
 import pytest
 
+from tests.lazy_import import lazy_import
 from tests.server_harness import ServerThread, tiny_chat_engine
+
+anthropic = lazy_import("anthropic")
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny"

@@ -13,12 +13,14 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
 from kiln import SamplingParams
 from kiln.server.app import build_app
+from tests.lazy_import import lazy_import
 from tests.server_harness import MODEL_NAME, ServerThread, offline, shared_engine
+
+openai = lazy_import("openai")
 
 pytestmark = pytest.mark.timeout(300)  # the first test also waits for the model to load
 

@@ -86,6 +86,38 @@ TOOL_CASES = [
     ("mistral", "[TOOL_CALLS] nothing here", "[TOOL_CALLS] nothing here", []),
 ]
 
+# tool_choice "required" / named (tool_choice "w"): (choice, reply, content, calls as above);
+# the grammar writes these, cut short by max_tokens anywhere.
+GUIDED_TOOLS = [
+    {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+    for n in ("w", "t")
+]
+GUIDED_CASES = [
+    (
+        "required",
+        f'[{{"name":"w","parameters":{ARGS}}},{{"name":"t","parameters":{{}}}}]',
+        None,
+        [("w", json.loads(ARGS)), ("t", {})],
+    ),
+    (
+        "required",
+        f'[ {{ "name" : "t" , "parameters" : {ARGS} }} ]',
+        None,
+        [("t", json.loads(ARGS))],
+    ),
+    ("required", '[{"parameters":{"q":1},"name":"t"}]', None, [("t", {"q": 1})]),
+    ("required", '[{"name":"w","parameters":{"a":[1,2', None, [("w", None)]),
+    ("required", '[{"name":"w","parameters":{"a":"Os', None, [("w", None)]),
+    ("required", '[{"name":"w","parameters":{}},{"name":"t","para', None, [("w", {}), ("t", {})]),
+    ("required", '[{"name":"w",', None, [("w", {})]),
+    ("required", '[{"na', '[{"na', []),
+    ("named", ARGS, None, [("w", json.loads(ARGS))]),
+    ("named", '{"city": "Oslo", "n": 12', None, [("w", None)]),
+    ("named", '{"a": 1} after', None, [("w", {"a": 1})]),
+    ("named", "", None, [("w", {})]),
+    ("named", "{", None, [("w", {})]),
+]
+
 # (parser, reply, prompt left <think> open, reasoning, content)
 REASONING_CASES = [
     (
@@ -167,6 +199,41 @@ def test_tool_call_parsers_stream_as_they_parse(case):
     whole = (content, [(c.name, c.arguments) for c in calls])
     for pieces in _cuts(text, case):
         assert _streamed(name, pieces) == whole, pieces
+
+
+@pytest.mark.parametrize("case", range(len(GUIDED_CASES)))
+def test_required_and_named_calls_stream_as_they_parse(case):
+    """The constrained replies of tool_choice "required" and a named function: arguments go out
+    as they are written (more than one piece), closed when cut short, streaming equal to the
+    whole-reply message (parameters written before the name wait for it)."""
+    choice, text, want_content, want_calls = GUIDED_CASES[case]
+    tool_choice = (
+        choice if choice == "required" else {"type": "function", "function": {"name": "w"}}
+    )
+    plan = plan_tools(GUIDED_TOOLS, tool_choice, True, get_parser("hermes"))
+    whole = whole_reply(text, None, False, plan)
+    assert whole.content == want_content
+    assert [c.name for c in whole.calls] == [n for n, _ in want_calls]
+    for call, (_, want) in zip(whole.calls, want_calls):
+        parsed = json.loads(call.arguments)  # never malformed, even when cut short
+        assert isinstance(parsed, dict)
+        if want is not None:
+            assert parsed == want
+    want_events = (whole.content, [(c.name, c.arguments) for c in whole.calls])
+    for pieces in _cuts(text, case):
+        stream = ReplyStream(None, False, plan)
+        events = [e for piece in pieces for e in stream.feed(piece)] + stream.finish()
+        content = "".join(v for k, v in events if k == "content") or None
+        calls: list[list[str]] = []
+        for kind, value in events:
+            if kind == "call":
+                calls.append([value, ""])
+            elif kind == "args":
+                calls[-1][1] += value
+        assert (content, [tuple(c) for c in calls]) == want_events, pieces
+        named_first = choice == "named" or text.find('"name"') < text.find('"parameters"')
+        if len(pieces) == len(text) > 20 and calls and named_first:  # a character at a time
+            assert sum(k == "args" for k, _ in events) > len(calls)  # not sent whole
 
 
 @pytest.mark.parametrize("case", range(len(REASONING_CASES)))

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import re
 
-import openai
 import pytest
 
+from tests.lazy_import import lazy_import
 from tests.server_harness import ServerThread, tiny_chat_engine
+
+openai = lazy_import("openai")
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny"

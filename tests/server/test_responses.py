@@ -10,11 +10,13 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from kiln.server.responses.store import ResponseStore, StoredResponse
+from tests.lazy_import import lazy_import
 from tests.server_harness import ServerThread, tiny_chat_engine
+
+openai = lazy_import("openai")
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny"

@@ -15,14 +15,15 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
-import openai
 import pytest
 
 from kiln.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
+from tests.lazy_import import lazy_import
 
 # The checks themselves: pytest collects them here, with this module's fixtures.
 from tests.server.test_openai_api import (  # noqa: F401
@@ -38,15 +39,39 @@ from tests.server.test_openai_api import (  # noqa: F401
 )
 from tests.server_harness import MODEL_NAME, free_port
 
+openai = lazy_import("openai")
+
 pytestmark = pytest.mark.timeout(300)
 ENGINE_ARGS = dict(dtype="float32", num_threads=1, max_model_len=512, kv_cache_memory_gb=0.05)
 
 
-@pytest.fixture(scope="module")
-def tiny_chat_dir(tmp_path_factory) -> str:
+def start_tp2_server(root: Path) -> SimpleNamespace:
+    """The tiny chat model saved under `root` and `kiln serve -tp 2` started on it, not waited
+    for: tests/server/conftest.py calls this when the package's first test begins, so the
+    server's three processes import (seconds each) while the tests before this module run."""
     from tests.tiny_tokenizer import build_tiny_chat_model
 
-    return build_tiny_chat_model(str(tmp_path_factory.mktemp("tiny-chat-tp")))
+    model_dir = build_tiny_chat_model(str(root / "tiny-chat-tp"))
+    port = free_port()
+    log_path = root / "serve.log"
+    cmd = [sys.executable, "-m", "kiln.cli.main", "serve", "--model", model_dir]
+    cmd += ["--served-model-name", MODEL_NAME, "--port", str(port), "--log-level", "info"]
+    cmd += ["--tensor-parallel-size", "2", "--dtype", "float32", "--threads", "1"]
+    cmd += ["--max-model-len", "512", "--kv-cache-memory-gb", "0.05"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    return SimpleNamespace(base_url=base, log_path=log_path, proc=proc, model_dir=model_dir)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class _OneProcessReference:
@@ -60,41 +85,33 @@ class _OneProcessReference:
 
 
 @pytest.fixture(scope="module")
+def tiny_chat_dir(early_servers) -> str:
+    return early_servers["tp2"].model_dir
+
+
+@pytest.fixture(scope="module")
 def engine(tiny_chat_dir) -> _OneProcessReference:
     return _OneProcessReference(tiny_chat_dir)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat_dir, tmp_path_factory):
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("serve-tp2") / "serve.log"
-    cmd = [sys.executable, "-m", "kiln.cli.main", "serve", "--model", tiny_chat_dir]
-    cmd += ["--served-model-name", MODEL_NAME, "--port", str(port), "--log-level", "info"]
-    cmd += ["--tensor-parallel-size", "2", "--dtype", "float32", "--threads", "1"]
-    cmd += ["--max-model-len", "512", "--kv-cache-memory-gb", "0.05"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
+def server(early_servers):
+    started = early_servers["tp2"]
+    proc = started.proc
     try:
         deadline = time.monotonic() + 180
         while True:
-            assert proc.poll() is None, log_path.read_text()
+            assert proc.poll() is None, started.log_path.read_text()
             assert time.monotonic() < deadline, "kiln serve -tp 2 did not become healthy"
             try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                if httpx.get(started.base_url + "/health", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        yield SimpleNamespace(base_url=base, log_path=log_path, proc=proc)
+        yield started
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,15 @@ from typing import Annotated, Literal
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel, Field
 
 from kiln.server.reply import ReplyStream
 from kiln.server.tool_calls import ToolPlan, get_parser, plan_tools
+from tests.lazy_import import lazy_import
 from tests.server_harness import ServerThread, offline
+
+openai = lazy_import("openai")
 
 MODEL = "tiny"
 WEATHER = {
@@ -294,6 +296,50 @@ def test_required_tool_choice_parallel_or_not(client):
             assert len(calls) >= 1 and (parallel or len(calls) == 1)
             for call in calls:
                 _check_call(call)
+
+
+@pytest.mark.parametrize("max_tokens", [120, 9])
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_required_and_named_stream_their_arguments_as_written(client, tool_choice, max_tokens):
+    """The call's arguments arrive in many deltas as the model writes them, and add up to the
+    non-streamed reply's call; cut short by max_tokens, the call is closed, streamed or not."""
+    kwargs = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+        temperature=1.0,
+        seed=3,
+        max_tokens=max_tokens,
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finish == [whole.finish_reason]
+    if not whole.message.tool_calls:  # required, cut before the name: the text, as written
+        assert tool_choice == "required" and max_tokens < 20 and not deltas
+        assert content == whole.message.content and whole.finish_reason == "length"
+        return
+    [call] = whole.message.tool_calls
+    assert whole.finish_reason == ("tool_calls" if max_tokens > 20 else "length")
+    assert [(d.index, d.function.name) for d in deltas if d.function.name] == [
+        (0, call.function.name)
+    ]
+    assert deltas[0].id == chunks_id(deltas) and content == ""
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    assert arguments == call.function.arguments
+    assert isinstance(json.loads(arguments), dict)  # closed when cut short
+    if max_tokens > 20:
+        _check_call(call)
+        assert sum(bool(d.function.arguments) for d in deltas) > 3  # streamed, not whole
+        assert len(chunks) > len(deltas)  # a chunk per token
 
 
 def test_auto_parses_the_models_own_format_streamed_and_not(client):

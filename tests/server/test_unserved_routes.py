@@ -3,11 +3,13 @@ not a bare "Not Found": the openai SDK shows the message as it is."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from tests.conftest import build_tiny_hf_model
+from tests.lazy_import import lazy_import
 from tests.server_harness import ServerThread
+
+openai = lazy_import("openai")
 
 
 @pytest.fixture(scope="module")

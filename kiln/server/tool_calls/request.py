@@ -9,7 +9,7 @@ from typing import Any
 
 from kiln.errors import InvalidRequestError
 from kiln.sampling_params import GuidedDecodingParams, SamplingParams
-from kiln.server.tool_calls.json_prefix import JsonPrefix
+from kiln.server.tool_calls.guided import GuidedCallScanner
 from kiln.server.tool_calls.parsers import ToolCall, ToolCallParser
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -26,34 +26,31 @@ class ToolPlan:
 
     def message(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The reply's content and tool calls from its whole text."""
-        if self.mode == "named":
-            assert self.function_name is not None  # plan_tools names the function
-            return None, [ToolCall(self.function_name, closed_json(text))]
-        if self.mode == "required":
-            try:
-                items = json.loads(text)
-            except ValueError:
-                return text, []  # cut short (finish_reason "length"): not a call
-            calls = [
-                ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-                for item in items
-            ]
-            return None, calls
-        assert self.parser is not None  # auto: plan_tools gives the model's parser
-        content, calls = self.parser.parse(text)
+        if self.mode != "auto":  # the streaming scanner, fed the whole reply
+            scanner = self.guided_scanner()
+            content, calls = events_message(scanner.feed(text) + scanner.finish())
+        else:
+            assert self.parser is not None  # auto: plan_tools gives the model's parser
+            content, calls = self.parser.parse(text)
         if not self.parallel:
             calls = calls[:1]
         return content, calls
 
+    def guided_scanner(self) -> GuidedCallScanner:
+        """required / named: the scanner of the constrained reply."""
+        return GuidedCallScanner(self.mode, self.function_name)
 
-def closed_json(text: str) -> str:
-    """A named call's arguments: the reply, closed if max_tokens cut it short."""
-    scan = JsonPrefix()
-    scan.feed(text)
-    scan.finish_number()
-    if scan.done:
-        return scan.text
-    return scan.closed() if scan.closable else "{}"
+
+def events_message(events: list[tuple[str, str]]) -> tuple[str | None, list[ToolCall]]:
+    """A scanner's events gathered: (content or None, calls)."""
+    content = "".join(v for k, v in events if k == "content")
+    calls: list[list[str]] = []
+    for kind, value in events:
+        if kind == "call":
+            calls.append([value, ""])
+        elif kind == "args":
+            calls[-1][1] += value
+    return content or None, [ToolCall(name, arguments) for name, arguments in calls]
 
 
 def apply_plan(plan: ToolPlan | None, params: SamplingParams) -> SamplingParams:
@@ -106,7 +103,8 @@ def plan_tools(
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if not parallel:
             schema["maxItems"] = 1
-        return ToolPlan("required", tools, None, GuidedDecodingParams(json=schema))
+        guided = GuidedDecodingParams(json=schema)
+        return ToolPlan("required", tools, None, guided, parallel=parallel)
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name")
         if choice.get("type") != "function" or not isinstance(name, str):
