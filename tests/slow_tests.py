@@ -7,6 +7,9 @@ file), and the SmolLM2 start-up interruption test (4 starts, ~30 s). Named here 
 matches a test fails tests/test_slow_tests.py."""
 
 _BY_FILE = {
+    "tests/bench/test_kernels_gpu_smoke.py": (  # 35 s: two interpreted benchmark runs
+        "test_the_tiny_run_writes_every_row",
+    ),
     "tests/builder/test_build.py": (  # 4 s
         "test_smollm2_gguf_builds_an_engine_that_answers_as_the_gguf",
     ),
