@@ -156,11 +156,13 @@ def plan_from_config(
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
     device_bytes: int | None,
+    quantization: str | None = None,
 ) -> ConfigPlan:
     """`device_bytes`: the GPU's memory (None: the CPU's fixed KV budget). A GPU's KV budget is
     gpu_memory_utilization of it less the weights, the activation estimate and a fixed reserve
-    (or kv_cache_memory_gb when set); the profiled plan after loading replaces it."""
-    weights = weight_bytes(cfg, dtype, config.quantization)
+    (or kv_cache_memory_gb when set); the profiled plan after loading replaces it.
+    `quantization`: the weights' scheme when not config's (`kiln build --quantization`)."""
+    weights = weight_bytes(cfg, dtype, quantization or config.quantization)
     activations = 0
     if config.kv_cache_memory_gb is not None:
         budget = int(config.kv_cache_memory_gb * GiB)
