@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from kiln.config import EngineConfig
 from kiln.models.config import ModelConfig
 from kiln.runtime.config_plan import ConfigPlan, plan_from_config, weight_bytes
 
@@ -21,13 +20,12 @@ def plan_memory(
     quantization: str,
     max_model_len: int,
     device: torch.device,
-    gpu_memory_utilization: float = 0.9,
 ) -> ConfigPlan:
-    """On the CPU the runtime's default KV budget; on CUDA what `gpu_memory_utilization` of the
-    card leaves after the weights, the activation estimate and the runtime's reserve, counted
-    in the runtime's default blocks and step (the profiled plan at load replaces it)."""
-    config = EngineConfig(gpu_memory_utilization=gpu_memory_utilization)
+    """On the CPU the runtime's default KV budget; on CUDA what the engine's default
+    gpu_memory_utilization of the card leaves after the weights, the activation estimate and
+    the runtime's reserve, in its default blocks and step (the profiled plan at load replaces
+    it)."""
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     return plan_from_config(
-        cfg, config, max_model_len, dtype, kv_dtype, total, quantization=quantization
+        cfg, None, max_model_len, dtype, kv_dtype, total, quantization=quantization
     )

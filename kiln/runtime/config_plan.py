@@ -151,7 +151,7 @@ class ConfigPlan:
 
 def plan_from_config(
     cfg: ModelConfig,
-    config: EngineConfig,
+    config: EngineConfig | None,
     max_model_len: int,
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
@@ -160,8 +160,10 @@ def plan_from_config(
 ) -> ConfigPlan:
     """`device_bytes`: the GPU's memory (None: the CPU's fixed KV budget). A GPU's KV budget is
     gpu_memory_utilization of it less the weights, the activation estimate and a fixed reserve
-    (or kv_cache_memory_gb when set); the profiled plan after loading replaces it.
-    `quantization`: the weights' scheme when not config's (`kiln build --quantization`)."""
+    (or kv_cache_memory_gb when set); the profiled plan after loading replaces it. `config`
+    None: the engine's defaults (`kiln build`'s plan); `quantization`: the weights' scheme
+    when not config's (`kiln build --quantization`)."""
+    config = EngineConfig() if config is None else config
     weights = weight_bytes(cfg, dtype, quantization or config.quantization)
     activations = 0
     if config.kv_cache_memory_gb is not None:
