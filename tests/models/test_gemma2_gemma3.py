@@ -199,3 +199,17 @@ def test_a_gguf_file_equals_hf(variant, tmp_path) -> None:
     assert got.config.rope_local_base_freq == want_config.config.rope_local_base_freq
     assert got.config.rope_scaling == want_config.config.rope_scaling
     check_alone_and_batched(from_gguf, want)
+
+
+def test_gguf_query_scale_follows_llama_cpp() -> None:
+    """Gemma 2/3 GGUF files store no query_pre_attn_scalar: head_dim's (9B, 12B), hidden /
+    heads for the 27B models (Gemma 2's 46 layers: 144, Gemma 3's 62: 168), as llama.cpp."""
+    from kiln.models.gemma import gguf_query_scalar
+
+    def scalar(layers: int, hidden: int, heads: int, head_dim: int) -> int:
+        shape = dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                     head_dim=head_dim)  # fmt: skip
+        return gguf_query_scalar(shape)["query_pre_attn_scalar"]
+
+    assert scalar(42, 3584, 16, 256) == 256 and scalar(48, 3840, 16, 256) == 256
+    assert scalar(46, 4608, 32, 128) == 144 and scalar(62, 5376, 32, 128) == 168
