@@ -167,7 +167,7 @@ def _build_into(
     plan = plan_memory(
         cfg, build.dtype, kv_dtype, options.quantization, max_model_len, build.device
     )
-    print(plan.describe(), flush=True)
+    print(f"memory plan {plan.describe()}", flush=True)
     tmp = f"{target}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)

@@ -30,7 +30,7 @@ from kiln.checkpoint import gguf_int, gguf_tokenizer
 from kiln.checkpoint.gguf_dequant import FAST_DEQUANTIZERS
 from kiln.errors import ModelLoadError
 from kiln.models import family_config, registry
-from kiln.models.config import ModelConfig
+from kiln.models.config import ModelConfig, attention_layout
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -49,6 +49,9 @@ _SCALAR_FORMATS: dict[int, str] = {  # keyed by GGUFValueType, an IntEnum
     GGUFValueType.FLOAT64: "<d",
 }
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, folded into ModelConfig.rope_scaling
+# Phi-3's longrope factors (llama.cpp's converter writes them as tensors), likewise folded.
+_LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
+_ROPE_TENSORS = (_ROPE_FREQS, *_LONGROPE)
 _TYPE_IDS = {int(t) for t in GGMLQuantizationType}
 
 
@@ -157,7 +160,7 @@ class GGUFModel:
         # The family's table of tensor names (kiln.models.gguf_names).
         self.layout = registry.gguf_layout(self.gguf_architecture, path)
         for name in self._tensors:
-            if name != _ROPE_FREQS:
+            if name not in _ROPE_TENSORS:
                 self._hf_name(name)  # fails now, not halfway through tensors()
         self.config = _config(self)
 
@@ -190,7 +193,7 @@ class GGUFModel:
         integer codes, scales (and INT4 mins) instead (kiln.checkpoint.gguf_int)."""
         cfg = self.config
         for info in self._tensors.values():
-            if info.name == _ROPE_FREQS:
+            if info.name in _ROPE_TENSORS:
                 continue
             hf_name = self._hf_name(info.name)
             if integer and gguf_int.is_projection(hf_name):
@@ -216,7 +219,7 @@ class GGUFModel:
         return gguf_int.scheme_of([
             info.qtype.name
             for info in self._tensors.values()
-            if info.name != _ROPE_FREQS and gguf_int.is_projection(self._hf_name(info.name))
+            if info.name not in _ROPE_TENSORS and gguf_int.is_projection(self._hf_name(info.name))
         ])  # fmt: skip
 
     def _hf_name(self, gguf_name: str) -> str:
@@ -355,7 +358,7 @@ def _config(model: GGUFModel) -> ModelConfig:
     hidden, num_heads = field("embedding_length"), field("attention.head_count")
     head_dim = field("attention.key_length", hidden // num_heads)
     rotary_dim = field("rope.dimension_count", head_dim)
-    if rotary_dim != head_dim:
+    if rotary_dim != head_dim and model.layout.permuted_rotary:
         raise ModelLoadError(f"{path}: partial rotary ({rotary_dim} of {head_dim}) unsupported")
     tokens = meta.get("tokenizer.ggml.tokens")
     embedding = model._tensors.get("token_embd.weight")
@@ -369,13 +372,21 @@ def _config(model: GGUFModel) -> ModelConfig:
         dtype = "bfloat16"
     elif GGMLQuantizationType.F16 in types:
         dtype = "float16"
+    num_layers, architecture = field("block_count"), model.layout.architecture
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if architecture == "llama":  # llama.cpp's llama carries Mistral: a window is every layer's
+        layer_types = None
+    else:  # the family's own alternation of local and global layers (Gemma 2/3), as HF's
+        window, layer_types = attention_layout(
+            architecture, {"sliding_window": window, "num_hidden_layers": num_layers}
+        )
     try:
         fields: dict[str, Any] = dict(
-            architecture=model.layout.architecture,
+            architecture=architecture,
             vocab_size=vocab_size,
             hidden_size=hidden,
             intermediate_size=field("feed_forward_length"),
-            num_hidden_layers=field("block_count"),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=field("attention.head_count_kv", num_heads),
             head_dim=head_dim,
@@ -388,12 +399,31 @@ def _config(model: GGUFModel) -> ModelConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(eos_ids)),
             torch_dtype=dtype,
-            sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+            sliding_window=window,
+            layer_types=layer_types,
+            attn_logit_softcapping=meta.get(f"{arch}.attn_logit_softcapping"),
         )
-        # The block options the family's converter implies (Gemma's GeGLU, scaled embedding).
-        implied = {**model.layout.hf_config, "hidden_size": hidden,
-                   "tie_word_embeddings": fields["tie_word_embeddings"]}  # fmt: skip
-        fields.update(family_config.family_fields(model.layout.architecture, implied))
+        # The block options, by their config.json names: what the family's converter implies
+        # (Gemma's GeGLU, scaled embedding) and what the file's metadata and tensors say.
+        shape = {"num_hidden_layers": num_layers, "hidden_size": hidden,
+                 "num_attention_heads": num_heads, "head_dim": head_dim}  # fmt: skip
+        implied: dict[str, Any] = {
+            **model.layout.hf_config,
+            **(model.layout.implied_by_shape(shape) if model.layout.implied_by_shape else {}),
+            **shape,
+            "tie_word_embeddings": fields["tie_word_embeddings"],
+            "partial_rotary_factor": rotary_dim / head_dim,
+            "mlp_bias": "blk.0.ffn_down.bias" in model._tensors,
+            "use_bias": "blk.0.attn_q.bias" in model._tensors,  # Starcoder2's one flag
+            "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping"),
+        }
+        local_base = meta.get(f"{arch}.rope.freq_base_swa")
+        if local_base is not None:
+            implied["rope_local_base_freq"] = local_base
+        layer_norm_eps = meta.get(f"{arch}.attention.layer_norm_epsilon")
+        if layer_norm_eps is not None:  # a LayerNorm family's, by its config.json names
+            implied.update(layer_norm_eps=layer_norm_eps, norm_epsilon=layer_norm_eps)
+        fields.update(family_config.family_fields(architecture, implied))
         return ModelConfig(**fields)
     except ModelLoadError as e:
         raise ModelLoadError(f"{path}: {e}") from e
@@ -412,6 +442,18 @@ def _rope_scaling(model: GGUFModel, field: Any, theta: float, head_dim: int) -> 
         }
     if kind != "none":
         raise ModelLoadError(f"{model.path}: rope scaling type {kind!r} is not supported")
+    if _LONGROPE[0] in model._tensors:  # Phi-3's 128k models
+        long, short = (model._read(model._tensors[name]).tolist() for name in _LONGROPE)
+        scaling = {
+            "rope_type": "longrope",
+            "long_factor": long,
+            "short_factor": short,
+            "original_max_position_embeddings": field("rope.scaling.original_context_length"),
+        }
+        attention_factor = model.metadata.get(f"{model.gguf_architecture}.rope.scaling.attn_factor")
+        if attention_factor is not None:
+            scaling["attention_factor"] = attention_factor
+        return scaling
     info = model._tensors.get(_ROPE_FREQS)
     if info is None:
         return None

@@ -773,6 +773,18 @@ def layer_norm(
     return out.to(x.dtype)
 
 
+def head_layer_norm(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    weight: torch.Tensor,  # [num_heads, head_dim]: each head its own
+    eps: float,
+) -> torch.Tensor:
+    """LayerNorm of each head over head_dim, without bias, scaled by that head's weights,
+    computed in fp32 and rounded once to the input dtype: the q/k norms of Cohere (use_qk_norm)
+    and StableLM 2 12B (qk_layernorm). Every path runs this (no fused kernel: two families)."""
+    normed = F.layer_norm(x.float(), (x.shape[-1],), None, None, eps)
+    return (normed * weight.float()).to(x.dtype)
+
+
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:  # [rows, 8 * cols] int32 in 0..15
     """[rows, cols] int32 -> the 4-bit codes, code 8j + i of a row at bits 4i of its word j
     (kiln's INT4 layout: kiln.layers.quantization.int4)."""

@@ -88,7 +88,9 @@ class RopeAttention(nn.Module):
     embedding, the paged KV cache and o_proj. `qk_norm`: each query and key head is
     RMS-normed (its own [head_dim] weights, `q_norm` / `k_norm`) before rotary (Qwen3);
     `qk_norm="full"`: the whole query and the whole key projection are, each with its own
-    [heads * head_dim] weights (OLMo 2). Rotary turns the first `cfg.rotary_dim` dims of each
+    [heads * head_dim] weights (OLMo 2); `qk_norm="head_layer"`: each query and key head is
+    LayerNormed (no bias) with weights of its own, [heads, head_dim] (Cohere's use_qk_norm,
+    StableLM 2 12B's qk_layernorm). Rotary turns the first `cfg.rotary_dim` dims of each
     head (partial rotary passes the rest), by `rope_table` (a name of StepInputs.rope_tables)
     or the model's table. Biases: `cfg.attention_bias` on q/k/v, `cfg.o_proj_bias` on o_proj;
     the query scale is `cfg.attention_multiplier` when the family gives one.
@@ -127,6 +129,7 @@ class RopeAttention(nn.Module):
         self.scale = self.head_dim**-0.5 if multiplier is None else multiplier
         self.eps = cfg.rms_norm_eps
         self.full_qk_norm = qk_norm == "full"
+        self.head_layer_norm = qk_norm == "head_layer"
         if self.full_qk_norm and ctx is not None and ctx.tp_size > 1:
             raise ValueError("a q/k norm over the whole projection does not split over TP ranks")
         qkv_split = o_split = None
@@ -163,8 +166,12 @@ class RopeAttention(nn.Module):
             q_width, k_width = self.head_dim, self.head_dim
             if self.full_qk_norm:
                 q_width, k_width = self.q_size, self.kv_size
-            self.q_norm = nn.Parameter(torch.ones(q_width, dtype=dtype))
-            self.k_norm = nn.Parameter(torch.ones(k_width, dtype=dtype))
+            q_shape: tuple[int, ...] = (q_width,)
+            k_shape: tuple[int, ...] = (k_width,)
+            if self.head_layer_norm:  # this rank's heads' (cut at load: kiln.models.layer_norm)
+                q_shape, k_shape = (self.num_heads, q_width), (self.num_kv_heads, k_width)
+            self.q_norm = nn.Parameter(torch.ones(q_shape, dtype=dtype))
+            self.k_norm = nn.Parameter(torch.ones(k_shape, dtype=dtype))
         # fp32 whatever the model's dtype: the kernels add them to fp32 scores. One per query
         # head of this rank (a family with sinks cuts them under TP as the query heads).
         self.sinks: nn.Parameter | None = None
@@ -185,7 +192,8 @@ class RopeAttention(nn.Module):
         ops, (k_cache, v_cache) = step.ops, kv_cache
         slots = step.metadata.slot_mapping
         table = step.cos_sin_cache if self.rope_table is None else step.rope_tables[self.rope_table]
-        if self.rotary_dim != self.head_dim or self.full_qk_norm or norm_weight is None:
+        composed = self.full_qk_norm or self.head_layer_norm or norm_weight is None
+        if self.rotary_dim != self.head_dim or composed:
             return self._project_qkv_composed(step, x, residual, norm_weight, eps, kv_cache, table)
         operands = self.qkv_proj.method.fused_operands(self.qkv_proj)
         if operands is not None and self.k_norm is None:
@@ -219,12 +227,17 @@ class RopeAttention(nn.Module):
         table: torch.Tensor,  # [max_positions, rotary_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """project_qkv for the shapes the fused q/k ops do not take (partial rotary, a q/k norm
-        over the whole projection, no norm before it): the projection, the norms by
-        `ops.rms_norm`, then the rotary + cache-write op, which turns the table's dims only."""
+        over the whole projection or a per-head LayerNorm, no norm before it): the projection,
+        the norms by `ops.rms_norm` (a LayerNorm by the reference's), then the rotary +
+        cache-write op, which turns the table's dims only."""
         ops = step.ops
         qkv, summed = norm_then_project(ops, self.qkv_proj, x, residual, norm_weight, eps)
         query, key, value = split_qkv_heads(qkv, self.head_dim, self.num_kv_heads)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.head_layer_norm:
+            assert self.q_norm is not None and self.k_norm is not None
+            query = reference.head_layer_norm(query, self.q_norm, self.eps)
+            key = reference.head_layer_norm(key, self.k_norm, self.eps)
+        elif self.q_norm is not None and self.k_norm is not None:
             q_shape, k_shape = query.shape, key.shape
             width = None if self.full_qk_norm else self.head_dim  # a row per head, or per token
             query, key = (
@@ -246,7 +259,10 @@ class RopeAttention(nn.Module):
         """The keys (before rotary) and values this block writes to the cache for `qkv`, by
         the reference ops: what KV-cache calibration measures."""
         _, key, value = split_qkv_heads(qkv, self.head_dim, self.num_kv_heads)
-        if self.k_norm is not None:
+        if self.head_layer_norm:
+            assert self.k_norm is not None
+            key = reference.head_layer_norm(key, self.k_norm, self.eps)
+        elif self.k_norm is not None:
             shape = key.shape
             flat = key.reshape(shape[0], -1) if self.full_qk_norm else key
             key = reference.rms_norm(flat, self.k_norm, self.eps).reshape(shape)

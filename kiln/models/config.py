@@ -294,7 +294,7 @@ class ModelConfig:
                 f"{num_heads} (and the config gives no head_dim)"
             )
         rope_theta, rope_scaling = _rope_of(d)
-        window, layer_types = _attention_layout(architecture, d)
+        window, layer_types = attention_layout(architecture, d)
         fields: dict[str, Any] = dict(
             architecture=architecture,
             vocab_size=_int(d, "vocab_size"),
@@ -483,7 +483,7 @@ _QWEN_WINDOWS = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 _GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6, "gpt_oss": 2}
 
 
-def _attention_layout(architecture: str, d: dict[str, Any]) -> tuple[int | None, tuple | None]:
+def attention_layout(architecture: str, d: dict[str, Any]) -> tuple[int | None, tuple | None]:
     """(sliding_window, layer_types) as transformers reads them: None layer_types when every
     layer has the window; no window when no layer has one."""
     window = d.get("sliding_window")

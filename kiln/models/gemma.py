@@ -7,8 +7,8 @@ SANDWICH_LAYER_TENSOR_MAP) and their attention kinds."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import ClassVar
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, ClassVar
 
 import torch
 
@@ -38,6 +38,24 @@ GEMMA_GGUF = GGUFLayout(
     "gemma", LLAMA_LAYER_NAMES, permuted_rotary=False, norm_offset=1.0,
     hf_config={"hidden_act": "gelu_pytorch_tanh"},
 )  # fmt: skip
+# Gemma 2/3's sandwich norms as llama.cpp names them (its ffn_norm is the pre-MLP norm).
+SANDWICH_GGUF_NAMES = {
+    **LLAMA_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# The 27B models' layer counts (Gemma 2's, Gemma 3's), whose query scale llama.cpp takes from
+# hidden / heads rather than head_dim (their query_pre_attn_scalar).
+_SCALED_BY_HIDDEN_LAYERS = (46, 62)
+
+
+def gguf_query_scalar(shape: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 2/3's query_pre_attn_scalar, which their GGUF files do not store: llama.cpp's
+    rule (head_dim, or hidden / heads for the 27B models)."""
+    if shape["num_hidden_layers"] in _SCALED_BY_HIDDEN_LAYERS:
+        return {"query_pre_attn_scalar": shape["hidden_size"] // shape["num_attention_heads"]}
+    return {"query_pre_attn_scalar": shape["head_dim"]}
 
 
 class GemmaForCausalLM(DecoderForCausalLM):

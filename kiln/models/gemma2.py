@@ -8,7 +8,19 @@ from __future__ import annotations
 from typing import ClassVar
 
 from kiln.models.decoder import LayerTensorMap
-from kiln.models.gemma import SANDWICH_LAYER_TENSOR_MAP, GemmaForCausalLM
+from kiln.models.gemma import (
+    SANDWICH_GGUF_NAMES,
+    SANDWICH_LAYER_TENSOR_MAP,
+    GemmaForCausalLM,
+    gguf_query_scalar,
+)
+from kiln.models.gguf_names import GGUFLayout
+
+# Its soft-caps and window are the file's metadata; its layers alternate as llama.cpp's do.
+GEMMA2_GGUF = GGUFLayout(
+    "gemma2", SANDWICH_GGUF_NAMES, permuted_rotary=False, norm_offset=1.0,
+    hf_config={"hidden_act": "gelu_pytorch_tanh"}, implied_by_shape=gguf_query_scalar,
+)  # fmt: skip
 
 
 class Gemma2ForCausalLM(GemmaForCausalLM):

@@ -14,13 +14,30 @@ from kiln.distributed.parallel_state import ParallelContext
 from kiln.models.blocks import DecoderLayer, LinearMethodFactory
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import LayerTensorMap
-from kiln.models.gemma import SANDWICH_LAYER_TENSOR_MAP, GemmaForCausalLM
+from kiln.models.gemma import (
+    SANDWICH_GGUF_NAMES,
+    SANDWICH_LAYER_TENSOR_MAP,
+    GemmaForCausalLM,
+    gguf_query_scalar,
+)
+from kiln.models.gguf_names import GGUFLayout
 
 GEMMA3_LAYER_TENSOR_MAP: LayerTensorMap = {
     **SANDWICH_LAYER_TENSOR_MAP,
     "self_attn.q_norm.weight": ("self_attn.q_norm", None),
     "self_attn.k_norm.weight": ("self_attn.k_norm", None),
 }
+
+# llama.cpp's: five local layers to one global, the local ones on a base of 10000 (unless the
+# file says rope.freq_base_swa), the file's rope scaling the global layers'.
+GEMMA3_GGUF = GGUFLayout(
+    "gemma3_text",
+    {**SANDWICH_GGUF_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    permuted_rotary=False,
+    norm_offset=1.0,
+    hf_config={"hidden_act": "gelu_pytorch_tanh", "rope_local_base_freq": 10000.0},
+    implied_by_shape=gguf_query_scalar,
+)
 
 
 class Gemma3ForCausalLM(GemmaForCausalLM):

@@ -5,7 +5,7 @@ Hugging Face names, which the family's own name map then loads like a safetensor
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +15,7 @@ import torch
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
+    "output_norm.bias": "model.norm.bias",  # a LayerNorm family's (Starcoder2)
     "output.weight": "lm_head.weight",
 }
 # A Llama-shaped decoder layer: GGUF tensor stem -> HF module within the layer.
@@ -47,6 +48,9 @@ class GGUFLayout:
     """What llama.cpp's converter added to every norm weight (Gemma's (1 + w) norms: 1)."""
     hf_config: Mapping[str, Any] = field(default_factory=dict)
     """config.json fields the family's GGUF files imply and do not store (Gemma's activation)."""
+    implied_by_shape: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    """config.json fields llama.cpp derives from the model's shape (its config.json fields:
+    num_hidden_layers, hidden_size, num_attention_heads, head_dim) and does not store."""
 
     def hf_name(self, gguf_name: str) -> str | None:
         """The HF name of a GGUF tensor, or None if this layout has no such tensor."""

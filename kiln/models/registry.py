@@ -57,6 +57,9 @@ GGUF_LAYOUTS: dict[str, tuple[str, str]] = {
     "qwen2": ("kiln.models.llama", "QWEN2_GGUF"),
     "qwen3": ("kiln.models.qwen3", "QWEN3_GGUF"),
     "gemma": ("kiln.models.gemma", "GEMMA_GGUF"),
+    "gemma2": ("kiln.models.gemma2", "GEMMA2_GGUF"),
+    "gemma3": ("kiln.models.gemma3", "GEMMA3_GGUF"),
+    "starcoder2": ("kiln.models.starcoder2", "STARCODER2_GGUF"),
     "phi3": ("kiln.models.phi3", "PHI3_GGUF"),
 }
 

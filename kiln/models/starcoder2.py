@@ -11,6 +11,7 @@ from kiln.distributed.parallel_state import ParallelContext
 from kiln.models.blocks import DecoderLayer, LinearMethodFactory
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import LayerTensorMap
+from kiln.models.gguf_names import LLAMA_LAYER_NAMES, GGUFLayout
 from kiln.models.layer_norm import LayerNormDecoderForCausalLM
 from kiln.models.llama import LAYER_TENSOR_MAP
 
@@ -23,6 +24,14 @@ STARCODER2_LAYER_TENSOR_MAP: LayerTensorMap = {
     "input_layernorm.bias": ("input_layernorm_bias", None),
     "post_attention_layernorm.bias": ("post_attention_layernorm_bias", None),
 }
+
+# llama.cpp's converter: q/k rows in HF's order, c_fc / c_proj as ffn_up / ffn_down.
+STARCODER2_GGUF = GGUFLayout(
+    "starcoder2",
+    {**LLAMA_LAYER_NAMES, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
+    permuted_rotary=False,
+    hf_config={"hidden_act": "gelu_pytorch_tanh"},
+)
 
 
 class Starcoder2ForCausalLM(LayerNormDecoderForCausalLM):

@@ -151,16 +151,20 @@ class ConfigPlan:
 
 def plan_from_config(
     cfg: ModelConfig,
-    config: EngineConfig,
+    config: EngineConfig | None,
     max_model_len: int,
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
     device_bytes: int | None,
+    quantization: str | None = None,
 ) -> ConfigPlan:
     """`device_bytes`: the GPU's memory (None: the CPU's fixed KV budget). A GPU's KV budget is
     gpu_memory_utilization of it less the weights, the activation estimate and a fixed reserve
-    (or kv_cache_memory_gb when set); the profiled plan after loading replaces it."""
-    weights = weight_bytes(cfg, dtype, config.quantization)
+    (or kv_cache_memory_gb when set); the profiled plan after loading replaces it. `config`
+    None: the engine's defaults (`kiln build`'s plan); `quantization`: the weights' scheme
+    when not config's (`kiln build --quantization`)."""
+    config = EngineConfig() if config is None else config
+    weights = weight_bytes(cfg, dtype, quantization or config.quantization)
     activations = 0
     if config.kv_cache_memory_gb is not None:
         budget = int(config.kv_cache_memory_gb * GiB)

@@ -118,7 +118,9 @@ def test_the_memory_plan_is_printed_before_any_weight_loads(
     real = LlamaForCausalLM.load_weights
 
     def load_weights(self, weights):
-        printed_before_load.append("memory plan (cpu): weights" in capsys.readouterr().out)
+        printed_before_load.append(
+            "memory plan before loading (cpu): weights" in capsys.readouterr().out
+        )
         return real(self, weights)
 
     monkeypatch.setattr(LlamaForCausalLM, "load_weights", load_weights)

@@ -121,10 +121,12 @@ def write_gguf(
     arch: Any,  # gguf.MODEL_ARCH
     name: str,
     adapt: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
+    extra: Callable[[Any], None] | None = None,
 ) -> None:
     """The checkpoint at `source` as llama.cpp's converter writes `name`: its tensor names
     (gguf's own HF -> GGUF name map), F32, the byte-level tokenizer as "gpt2" metadata.
-    `adapt(hf_name, tensor)`: the converter's change to a tensor (None: it leaves it out)."""
+    `adapt(hf_name, tensor)`: the converter's change to a tensor (None: it leaves it out);
+    `extra(writer)`: the family's own metadata and tensors (a gguf.GGUFWriter)."""
     import json
     from pathlib import Path
 
@@ -146,8 +148,10 @@ def write_gguf(
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    rope = config["rope_parameters"]
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])  # Gemma 3: global
+    if "rms_norm_eps" in config:
+        writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
     specials = {t["id"] for t in tokenizer["added_tokens"]}
     writer.add_tokenizer_model("gpt2")
@@ -162,6 +166,8 @@ def write_gguf(
         if out is not None:
             writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")),
                               out.numpy().astype(np.float32))  # fmt: skip
+    if extra is not None:
+        extra(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -22,6 +22,7 @@ from tests.models.family_checks import (
     perturb_norms_and_biases,
     save_tiny_hf,
     tokens,
+    write_gguf,
 )
 from tests.models.test_qwen3 import ARGS, GREEDY, PREFIXED, PROMPTS
 
@@ -136,3 +137,79 @@ def test_gpu_with_graphs_and_fp8(gemma) -> None:
     them) equal to HF in fp32; FP8 W8A8 with a float8 KV cache within float8's noise."""
     _, path, want, llm = gemma
     check_gpu(path, want, llm)
+
+
+# As llama.cpp's converter and runtime take them: Gemma 2's layers alternate, Gemma 3's run
+# five local to one global with the local base at 10000; the query scale is head_dim's.
+GGUF_VARIANTS = {
+    "gemma2": (
+        "gemma2", "Gemma2ForCausalLM",
+        dict(num_hidden_layers=4, sliding_window=5, attn_logit_softcapping=0.5,
+             final_logit_softcapping=3.0, head_dim=32, hidden_act="gelu_pytorch_tanh",
+             query_pre_attn_scalar=32),
+    ),
+    "gemma3": (
+        "gemma3_text", "Gemma3ForCausalLM",
+        dict(num_hidden_layers=6, sliding_window=7,
+             rope_parameters={
+                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+             }, head_dim=32, hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=32),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", sorted(GGUF_VARIANTS))
+def test_a_gguf_file_equals_hf(variant, tmp_path) -> None:
+    """As llama.cpp's converter writes Gemma 2 / Gemma 3: its names (post_attention_norm,
+    ffn_norm before the MLP, post_ffw_norm, attn_q_norm / attn_k_norm), every norm weight with
+    1 added, no output tensor; the window, soft-caps and global rope scaling as metadata."""
+    import gguf
+
+    model_type, hf_class, overrides = GGUF_VARIANTS[variant]
+    source = str(tmp_path / "src")
+    model = save_tiny_hf(source, model_type, hf_class, perturb=perturb_norms_and_biases,
+                         **overrides)  # fmt: skip
+    want = hf_tokens(model, PROMPTS)
+
+    def converted(name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        if name == "lm_head.weight":
+            return None
+        return tensor + 1 if name.endswith("norm.weight") else tensor
+
+    def metadata(writer: gguf.GGUFWriter) -> None:
+        writer.add_sliding_window(overrides["sliding_window"])
+        if variant == "gemma2":
+            writer.add_attn_logit_softcapping(0.5)
+            writer.add_final_logit_softcapping(3.0)
+        else:
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(2.0)
+
+    file = str(tmp_path / f"{variant}.gguf")
+    arch = gguf.MODEL_ARCH.GEMMA2 if variant == "gemma2" else gguf.MODEL_ARCH.GEMMA3
+    write_gguf(file, source, arch, variant, converted, metadata)
+    from_gguf = LLM(file, max_num_batched_tokens=64, **ARGS)
+    got = from_gguf.engine.executor.runner.model
+    want_config = LLM(source, max_num_batched_tokens=64, **ARGS).engine.executor.runner.model
+    kinds = [layer.self_attn.kind for layer in got.layers]
+    assert kinds == [layer.self_attn.kind for layer in want_config.layers]
+    assert got.config.layer_types == want_config.config.layer_types
+    assert got.config.final_logit_softcapping == want_config.config.final_logit_softcapping
+    assert got.config.rope_local_base_freq == want_config.config.rope_local_base_freq
+    assert got.config.rope_scaling == want_config.config.rope_scaling
+    check_alone_and_batched(from_gguf, want)
+
+
+def test_gguf_query_scale_follows_llama_cpp() -> None:
+    """Gemma 2/3 GGUF files store no query_pre_attn_scalar: head_dim's (9B, 12B), hidden /
+    heads for the 27B models (Gemma 2's 46 layers: 144, Gemma 3's 62: 168), as llama.cpp."""
+    from kiln.models.gemma import gguf_query_scalar
+
+    def scalar(layers: int, hidden: int, heads: int, head_dim: int) -> int:
+        shape = dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                     head_dim=head_dim)  # fmt: skip
+        return gguf_query_scalar(shape)["query_pre_attn_scalar"]
+
+    assert scalar(42, 3584, 16, 256) == 256 and scalar(48, 3840, 16, 256) == 256
+    assert scalar(46, 4608, 32, 128) == 144 and scalar(62, 5376, 32, 128) == 168

@@ -123,6 +123,36 @@ def test_a_gguf_file_equals_hf(tmp_path) -> None:
     check_alone_and_batched(from_gguf, hf_tokens(model, PROMPTS), PROMPTS)
 
 
+def test_a_longrope_gguf_file_equals_hf(phi3, tmp_path) -> None:
+    """As llama.cpp's converter writes Phi-3 128k: the longrope factors as the tensors
+    rope_factors_long / rope_factors_short, the original context and the attention factor as
+    metadata, the partial rotary's dims as rope.dimension_count."""
+    import math
+
+    import gguf
+    import numpy as np
+
+    path, want, _ = phi3
+    config = phi3_config(16)
+
+    def metadata(writer: gguf.GGUFWriter) -> None:
+        writer.add_rope_dimension_count(2 * HALF_ROTARY)
+        writer.add_rope_scaling_orig_ctx_len(16)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(256 / 16) / math.log(16)))
+        writer.add_sliding_window(config["sliding_window"])
+        rope = config["rope_parameters"]
+        for name in ("long", "short"):
+            factors = np.array(rope[f"{name}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{name}.weight", factors)
+
+    file = str(tmp_path / "phi3-longrope.gguf")
+    write_gguf(file, path, gguf.MODEL_ARCH.PHI3, "phi3", extra=metadata)
+    from_gguf = LLM(file, max_num_batched_tokens=64, **ARGS)
+    cfg = from_gguf.engine.executor.runner.model.config
+    assert cfg.rotary_dim == 8 and cfg.rope_scaling["rope_type"] == "longrope"
+    check_alone_and_batched(from_gguf, want, LONG)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_with_graphs_and_fp8(phi3) -> None:
     path, want, llm = phi3[:3]

@@ -21,6 +21,7 @@ from tests.models.family_checks import (
     perturb_norms_and_biases,
     save_tiny_hf,
     tokens,
+    write_gguf,
 )
 from tests.models.test_qwen3 import ARGS, GREEDY, PREFIXED, PROMPTS
 
@@ -73,6 +74,26 @@ def test_float8_kv_cache_stays_close(starcoder2) -> None:
 def test_fp8_dynamic_stays_close(starcoder2) -> None:
     path, _, llm = starcoder2
     check_fp8_close(path, llm)
+
+
+def test_a_gguf_file_equals_hf(tmp_path) -> None:
+    """As llama.cpp's converter writes Starcoder2: LayerNorm weights and biases (output_norm's
+    too), q/k rows in HF's order, c_fc / c_proj as ffn_up / ffn_down, the LayerNorm epsilon as
+    attention.layer_norm_epsilon; no window (its converter writes none), tied embeddings."""
+    import gguf
+
+    source = str(tmp_path / "src")
+    model = save_tiny_hf(source, "starcoder2", "Starcoder2ForCausalLM",
+                         perturb=perturb_norms_and_biases, sliding_window=None,
+                         norm_epsilon=1e-3)  # fmt: skip
+    file = str(tmp_path / "starcoder2.gguf")
+    write_gguf(file, source, gguf.MODEL_ARCH.STARCODER2, "starcoder2",
+               extra=lambda writer: writer.add_layer_norm_eps(1e-3))  # fmt: skip
+    from_gguf = LLM(file, max_num_batched_tokens=64, **ARGS)
+    cfg = from_gguf.engine.executor.runner.model.config
+    assert cfg.architecture == "starcoder2" and cfg.rms_norm_eps == 1e-3
+    assert cfg.attention_bias and cfg.mlp_bias and cfg.tie_word_embeddings
+    check_alone_and_batched(from_gguf, hf_tokens(model, PROMPTS))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
