@@ -241,3 +241,6 @@ def test_stores_on_one_file_share_entries_order_and_bound(tmp_path):
     assert first.get("b") is None and len(first) == len(second) == 2
     assert second.delete("a") and first.get("a") is None and not first.delete("a")
     assert first.get("c") is not None
+    wide = {"id": "w", "tools": [{"parameters": {"maximum": 2**70}}]}  # JSON allows it
+    first.put(StoredResponse(wide, []))
+    assert second.get("w").response == wide

@@ -10,6 +10,7 @@ serialises the processes' writes); the file is scratch, so nothing is synced to 
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 from dataclasses import dataclass
@@ -41,7 +42,11 @@ class StoredResponse:
 
 def _encode(stored: StoredResponse) -> bytes:
     messages = [m.model_dump(mode="json", exclude_none=True) for m in stored.conversation]
-    return orjson.dumps({"response": stored.response, "conversation": messages})
+    data = {"response": stored.response, "conversation": messages}
+    try:
+        return orjson.dumps(data)
+    except TypeError:  # an integer beyond 64 bits in a client's tool schema: orjson refuses it
+        return json.dumps(data).encode()
 
 
 def _decode(body: bytes) -> StoredResponse:
