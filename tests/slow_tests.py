@@ -43,9 +43,10 @@ _BY_FILE = {
         "test_prefix_cache_hits_do_not_change_outputs",
         "test_tiny_chunked_prefill_budget",
     ),
-    "tests/engine_core/test_engine_process.py": (  # 18 s
+    "tests/engine_core/test_engine_process.py": (  # 18 s, and 11 s of one engine's build
         "test_an_engine_that_cannot_start_says_why",
         "test_disconnect_frees_blocks_then_a_dead_engine_process_ends_the_server",
+        "test_every_api_process_sees_work_before_a_step_out_of_idle_wedges",
     ),
     "tests/eval/test_eval.py": (  # 3 s
         "test_gsm8k_run_on_smollm2",
@@ -84,11 +85,12 @@ _BY_FILE = {
         "test_fp8_prompt_logprobs_close_to_the_unquantized_cache",
         "test_fp8_same_requests_on_a_cold_cache_reproduce",
     ),
-    "tests/server/test_api_servers.py": (  # 100 s
+    "tests/server/test_api_servers.py": (  # 100 s, and 20 s of the Responses store's server
         "test_a_dead_engine_ends_streams_in_every_api_process_and_the_server",
         "test_an_engine_that_cannot_start_says_why_once",
         "test_disconnects_in_every_api_process_free_kv_and_metrics_count_them_all",
         "test_sigterm_drains_every_api_process_then_exits_0",
+        "test_stored_responses_are_shared_by_every_api_process",
     ),
     "tests/server/test_defects.py": (  # 4 s
         "test_metrics_answer_at_once_from_the_last_step_during_a_long_step",

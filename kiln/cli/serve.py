@@ -70,7 +70,10 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--served-model-name", default=None, help="default: --model as given")
     p.add_argument(
-        "--max-waiting", type=int, default=1024, help="requests queued beyond this get 503"
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="requests queued beyond this get 503 (per API process)",
     )
     p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger bodies get 413")
     p.add_argument(
@@ -84,7 +87,7 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="open connections beyond this are closed at once; the last --health-reserve of "
-        "them serve /health only (default: the descriptor limit less 256)",
+        "them serve /health only (default: the descriptor limit less 256; per API process)",
     )
     p.add_argument("--health-reserve", type=int, default=8, help="see --max-connections")
     p.add_argument(

@@ -8,7 +8,8 @@ once every API process has sent Shutdown (exit 0), when its parent goes away, or
 It serves one or more API processes (`kiln serve --api-server-count N`), one pair of sockets
 each (`--inputs`/`--outputs` given once per API process, in the same order). A request belongs to
 the API process that added it: its acceptance and deltas go to that process alone; Ready, the
-snapshot and a failure go to all of them.
+snapshot and a failure go to all of them. The snapshot goes out before the first step out of
+idle too, so each API process's /health sees a wedge in that step (kiln.server.stall).
 
 While it starts, it ends as soon as its parent is gone (parent_watch.py), at any stage.
 
@@ -98,6 +99,15 @@ def serve(loop: StepLoop, clients: list[tuple[zmq.Socket, zmq.Socket]], parent_p
                         return
         version = loop.snapshot
         if loop.has_work():
+            if idle_snapshot_sent:
+                # Out of idle: every API process learns of the work before a step that may
+                # never end, or the stall watch of one that holds none of it sees an idle engine.
+                loop.refresh_snapshot(force=True)
+                for index in open_clients:
+                    out = m.Outputs(accepted[index], rejected[index], [], loop.snapshot)
+                    clients[index][1].send(m.encoder.encode(out), copy=False)
+                    accepted[index], rejected[index] = [], []
+                version = loop.snapshot
             deltas.extend(loop.step())
             idle_snapshot_sent = False
         elif not idle_snapshot_sent:

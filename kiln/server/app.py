@@ -15,7 +15,7 @@ from kiln.server.metrics import PREFIXES, ServerMetrics
 from kiln.server.middleware import GuardMiddleware
 from kiln.server.reasoning import REASONING_PARSERS
 from kiln.server.responses import ResponseStore
-from kiln.server.responses.store import DEFAULT_MAX_ENTRIES
+from kiln.server.responses.store import DEFAULT_MAX_ENTRIES, IN_MEMORY
 from kiln.server.serving import DEFAULT_STALL_TIMEOUT_S
 from kiln.server.stall import StallWatch
 from kiln.server.state import ServedEngine, ServerState
@@ -43,6 +43,7 @@ def build_app(
     reasoning_parser: str | None = None,
     stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
     responses_store_size: int = DEFAULT_MAX_ENTRIES,
+    responses_store_path: str | None = None,
     drop_prompt_lines: str | None = DEFAULT_DROP_LINES,
     volatile_prompt_lines: str | None = None,
     lora_runtime_updates: bool = True,
@@ -59,7 +60,9 @@ def build_app(
     `reasoning_parser`: split a reasoning model's `<think>` block off its replies (vLLM's names:
     "qwen3", "deepseek_r1"). `stall_timeout_s`: /health and KServe's ready turn 503 once the
     engine holds work and has made no step for this long (None or 0: never).
-    `responses_store_size`: most stored Responses API responses (least recently used go).
+    `responses_store_size`: most stored Responses API responses (least recently used go);
+    `responses_store_path`: the store's SQLite file, shared by several API processes (None: in
+    this process's memory).
     `drop_prompt_lines` / `volatile_prompt_lines`: regexes of system-prompt lines that change
     every request, dropped / moved after the history so the prefix cache keeps serving it
     (kiln.server.volatile_lines; None: off). An engine with `enable_lora` serves LoRA adapters
@@ -113,7 +116,7 @@ def build_app(
     if engine_config.enable_lora:
         state.adapters = lora.LoRAAdapters(served_model_name, lora_runtime_updates)
         state.metrics.set_adapters([], engine_config.max_loras)
-    app.state.responses = ResponseStore(responses_store_size)
+    app.state.responses = ResponseStore(responses_store_size, responses_store_path or IN_MEMORY)
     install_error_handlers(app)
     app.include_router(completions.router)
     app.include_router(chat.router)

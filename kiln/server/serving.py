@@ -66,9 +66,11 @@ def serve_app(
     sockets: list[socket.socket] | None = None,
     grpc_port: int | None = None,
     metrics_dir: str | None = None,
+    responses_db: str | None = None,
 ) -> int:
     """Serve the app over `engine` (on `sockets`, else options.host/port) until the drain or the
-    engine's death; shuts the engine down. kiln serve's exit status."""
+    engine's death; shuts the engine down. kiln serve's exit status. `metrics_dir` and
+    `responses_db`: what several API processes share (kiln.server.api_servers)."""
     import asyncio
 
     import uvicorn
@@ -95,6 +97,7 @@ def serve_app(
         max_seqs_per_request=options.max_seqs_per_request,
         metrics_api_key=options.metrics_api_key,
         metrics_multiprocess_dir=metrics_dir,
+        responses_store_path=responses_db,
         lora_runtime_updates=options.api_server_count == 1,
     )
     uv_config = uvicorn.Config(

@@ -5,8 +5,9 @@ say 503 with the reason while the liveness of its loop alone would still say 200
 The evidence is the engine's last-step snapshot (`engine.stats`), which a stepping engine renews
 every SNAPSHOT_PERIOD_S and an idle one once on going idle: a snapshot that shows requests and
 is older than the timeout means no step has finished since. A request sent to an idle engine
-that wedges on its first step leaves an idle snapshot behind; the server's own waiting requests
-(no token yet) count as work then, timed from when the watch first saw them."""
+that wedges on its first step leaves an idle snapshot behind in an in-process engine (the engine
+process sends one showing the work before that step, to every API process); the server's own
+waiting requests (no token yet) count as work then, timed from when the watch first saw them."""
 
 from __future__ import annotations
 

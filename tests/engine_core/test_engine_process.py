@@ -318,3 +318,66 @@ def test_grammar_requests_through_the_engine_process(servers):
     finally:
         proc.kill()
         proc.wait(10)
+
+
+@pytest.mark.timeout(120)
+def test_every_api_process_sees_work_before_a_step_out_of_idle_wedges(tiny_dir):
+    """With several API processes, the one that added a request is not the only one whose
+    /health must see the engine stall on it: the snapshot showing the request reaches every
+    API process before the step out of idle, which here never ends until released."""
+    import threading
+
+    from kiln.engine.llm_engine import LLMEngine
+    from kiln.engine.step_loop import StepLoop
+    from kiln.engine_core.process import serve
+
+    config = EngineConfig(model=tiny_dir, max_model_len=128, kv_cache_memory_gb=0.02)
+    loop = StepLoop(LLMEngine(config), 1)
+    wedged, release = threading.Event(), threading.Event()
+    real_step = loop.engine.step
+
+    def step():
+        wedged.set()
+        assert release.wait(60)
+        return real_step()
+
+    loop.engine.step = step
+    ctx = zmq.Context()
+    engine_side, api_side = [], []
+    for i in range(2):
+        inputs, outputs = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        inputs.bind(f"inproc://in{i}")
+        outputs.bind(f"inproc://out{i}")
+        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        push.connect(f"inproc://in{i}")
+        pull.connect(f"inproc://out{i}")
+        engine_side.append((inputs, outputs))
+        api_side.append((push, pull))
+    engine = threading.Thread(target=serve, args=(loop, engine_side, os.getppid()), daemon=True)
+    engine.start()
+
+    def next_outputs(index: int) -> messages.Outputs:
+        assert api_side[index][1].poll(30_000), f"API process {index} heard nothing"
+        out = messages.decode_output(api_side[index][1].recv())
+        assert isinstance(out, messages.Outputs)
+        return out
+
+    try:
+        for index in range(2):  # the idle engine's snapshot
+            assert next_outputs(index).snapshot.num_waiting == 0
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        api_side[0][0].send(messages.encoder.encode(messages.AddRequest("r1", PROMPT, params)))
+        owner, other = next_outputs(0), next_outputs(1)
+        assert wedged.wait(30) and not release.is_set()  # the step has begun and hangs
+        assert owner.accepted == ["r1"] and owner.snapshot.num_waiting == 1
+        assert other.accepted == [] and other.snapshot.num_waiting == 1
+        assert other.snapshot.time == owner.snapshot.time > 0
+    finally:
+        release.set()
+        for push, _ in api_side:
+            push.send(messages.encoder.encode(messages.Shutdown()))
+        engine.join(30)
+        for socket in [s for pair in engine_side + api_side for s in pair]:
+            socket.close(linger=0)
+        ctx.term()
+    assert not engine.is_alive()

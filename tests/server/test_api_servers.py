@@ -2,7 +2,8 @@
 model (token-id prompts). What one API process guarantees must hold in each: a client that
 leaves frees its KV blocks, /metrics counts every process's requests, SIGTERM drains and exits 0,
 a dead engine turns /health 503 and ends the open streams with an error event in every API
-process (and the server exits 1), an engine that cannot start says why.
+process (and the server exits 1), an engine that cannot start says why, and a stored Responses
+API response is found by every API process (the tiny chat model, which has a template).
 
 Which API process serves a connection is the kernel's choice (SO_REUSEPORT): the tests open
 connections until each process holds one, and find the owner of each from /proc."""
@@ -96,6 +97,14 @@ def _children(pid: int) -> list[int]:
 
 def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+
+
+def _open_files(pid: int) -> list[str]:
+    paths = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed since the listing
+            paths.append(os.readlink(fd))
+    return paths
 
 
 def _tcp_inode(server_port: int, client_port: int) -> str:
@@ -277,3 +286,75 @@ def test_an_engine_that_cannot_start_says_why_once(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=110)
     assert done.returncode != 0
     assert done.stderr.count("error:") == 1 and "no-such-model" in done.stderr, done.stderr
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory) -> str:
+    from tests.tiny_tokenizer import build_tiny_chat_model
+
+    return build_tiny_chat_model(str(tmp_path_factory.mktemp("tiny-chat")))
+
+
+def client_on(server: Server, pid: int) -> httpx.Client:
+    """A client whose keep-alive connection API process `pid` serves."""
+    for _ in range(32):
+        client = httpx.Client(base_url=server.base, timeout=120)
+        if answered_by(server, client.get("/health")) == pid:
+            return client
+        client.close()
+    raise AssertionError(f"32 connections, none to API process {pid}")
+
+
+def answered_by(server: Server, response: httpx.Response) -> int:
+    return server.owner(response.extensions["network_stream"].get_extra_info("client_addr")[1])
+
+
+@pytest.mark.timeout(300)
+def test_stored_responses_are_shared_by_every_api_process(chat_dir):
+    """A Responses API conversation whose turns, GETs and DELETEs each go to the other API
+    process than the one before: every one finds what the other stored."""
+    server = Server(chat_dir)
+    try:
+        one, two = sorted(server.api_pids)
+        clients = {pid: client_on(server, pid) for pid in (one, two)}
+
+        def call(pid: int, method: str, path: str, **kw) -> httpx.Response:
+            response = clients[pid].request(method, path, **kw)
+            assert answered_by(server, response) == pid  # the connection was not remade
+            return response
+
+        previous, responses = None, []
+        for turn, pid in enumerate([one, two, one]):
+            body = {"model": "tiny", "input": f"Turn {turn}: hi", "max_output_tokens": 4}
+            body |= {"temperature": 0, "previous_response_id": previous}
+            response = call(pid, "POST", "/v1/responses", json=body)
+            assert response.status_code == 200, response.text
+            responses.append(response.json())
+            previous = responses[-1]["id"]
+        # Each turn's prompt is the conversation so far: the turn before, its reply, the input.
+        inputs = [r["usage"]["input_tokens"] for r in responses]
+        outputs = [r["usage"]["output_tokens"] for r in responses]
+        assert inputs[1] > inputs[0] + outputs[0] and inputs[2] > inputs[1] + outputs[1]
+        for response, pid in zip(responses, [two, one, two], strict=True):
+            got = call(pid, "GET", f"/v1/responses/{response['id']}")
+            assert got.status_code == 200 and got.json() == response
+        gone = responses[1]["id"]  # stored by the second process
+        deleted = call(one, "DELETE", f"/v1/responses/{gone}")
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+        assert call(two, "GET", f"/v1/responses/{gone}").status_code == 404
+        assert call(two, "DELETE", f"/v1/responses/{gone}").status_code == 404
+        hi = {"model": "tiny", "input": "Hi", "max_output_tokens": 2}
+        after_gone = call(two, "POST", "/v1/responses", json=hi | {"previous_response_id": gone})
+        assert after_gone.status_code == 404
+        unstored = call(one, "POST", "/v1/responses", json=hi | {"store": False}).json()["id"]
+        assert call(two, "GET", f"/v1/responses/{unstored}").status_code == 404
+        # The shared store lives in the server's private directory, removed when it ends.
+        (db,) = {path for path in _open_files(one) if path.endswith("responses.sqlite")}
+        assert os.stat(os.path.dirname(db)).st_mode & 0o077 == 0
+        for client in clients.values():
+            client.close()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0
+        assert not os.path.exists(os.path.dirname(db))
+    finally:
+        server.kill()

@@ -12,6 +12,7 @@ import httpx
 import jsonschema
 import pytest
 
+from kiln.server.protocol import ChatMessage
 from kiln.server.responses.store import ResponseStore, StoredResponse
 from tests.lazy_import import lazy_import
 from tests.server_harness import ServerThread, tiny_chat_engine
@@ -217,3 +218,29 @@ def test_the_store_is_bounded_least_recently_used_first():
     assert store.get("a") is not None  # a is now the most recently used
     store.put(StoredResponse({"id": "c"}, []))
     assert store.get("b") is None and store.get("a") is not None and len(store) == 2
+
+
+def test_stores_on_one_file_share_entries_order_and_bound(tmp_path):
+    """What `--api-server-count N` relies on: each API process opens the same file; a put in
+    one is a get in another, a get anywhere makes an entry recent, a delete is gone for all."""
+    path = str(tmp_path / "responses.sqlite")
+    first, second = ResponseStore(2, path), ResponseStore(2, path)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    conversation = [
+        ChatMessage(role="user", content="Hi"),
+        ChatMessage(role="assistant", content=None, tool_calls=[call]),
+        ChatMessage(role="tool", content="42", tool_call_id="c1"),
+    ]
+    first.put(StoredResponse({"id": "a", "output": [{"type": "message"}]}, conversation))
+    got = second.get("a")
+    assert got is not None and got.response == {"id": "a", "output": [{"type": "message"}]}
+    assert got.conversation == conversation
+    second.put(StoredResponse({"id": "b"}, []))
+    assert first.get("a") is not None  # a is now the most recently used, for both
+    second.put(StoredResponse({"id": "c"}, []))
+    assert first.get("b") is None and len(first) == len(second) == 2
+    assert second.delete("a") and first.get("a") is None and not first.delete("a")
+    assert first.get("c") is not None
+    wide = {"id": "w", "tools": [{"parameters": {"maximum": 2**70}}]}  # JSON allows it
+    first.put(StoredResponse(wide, []))
+    assert second.get("w").response == wide

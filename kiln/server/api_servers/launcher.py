@@ -4,7 +4,9 @@ processes, and how the server ends.
 Each API process listens on its own socket, all bound to the one address with SO_REUSEPORT: the
 kernel spreads new connections over them evenly (a single shared listening socket lets whichever
 process wakes first accept a whole burst, and a client's keep-alive connections then load one
-process). A port another program holds fails here, before anything starts.
+process). A port another program holds fails here, before anything starts. The API processes
+share the Prometheus multiprocess files and the Responses API's store, in a private directory
+removed when the server ends.
 
 Signals: SIGTERM and SIGINT are forwarded to every API process (each drains, then exits 0; a
 second signal aborts what is left, as with one process). The API processes sit in their own
@@ -33,6 +35,7 @@ from multiprocessing.process import BaseProcess
 from kiln.config import EngineConfig
 from kiln.engine_core.client import EngineProcess
 from kiln.server.api_servers.worker import run_worker
+from kiln.server.responses.store import ResponseStore
 from kiln.server.serving import ServeOptions
 
 logger = logging.getLogger("kiln.server")
@@ -66,9 +69,14 @@ def run_api_servers(options: ServeOptions, config: EngineConfig) -> int:
     count = options.api_server_count
     sockets = listen_sockets(options.host, options.port, count)
     engine = EngineProcess(config, options.stream_interval, num_clients=count)
-    metrics_dir = tempfile.mkdtemp(prefix="kiln-metrics-")
+    # What the API processes share, in a directory only this user reads (mkdtemp's 0700).
+    shared_dir = tempfile.mkdtemp(prefix="kiln-serve-")
+    metrics_dir = os.path.join(shared_dir, "metrics")  # prometheus reads every *.db in it
+    os.mkdir(metrics_dir)
     # Read by prometheus_client when each API process imports it (spawned: a fresh interpreter).
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    responses_db = os.path.join(shared_dir, "responses.sqlite")
+    ResponseStore(path=responses_db).close()  # the schema, before the processes open it
     spawn = multiprocessing.get_context("spawn")
     workers: list[BaseProcess] = []
 
@@ -84,7 +92,9 @@ def run_api_servers(options: ServeOptions, config: EngineConfig) -> int:
         for index, sock in enumerate(sockets):
             worker_args = (index, options, config, sock, engine.addresses[index], engine.pid)
             worker = spawn.Process(
-                target=run_worker, args=(*worker_args, metrics_dir), name=f"kiln-api-{index}"
+                target=run_worker,
+                args=(*worker_args, metrics_dir, responses_db),
+                name=f"kiln-api-{index}",
             )
             worker.start()
             workers.append(worker)
@@ -94,7 +104,7 @@ def run_api_servers(options: ServeOptions, config: EngineConfig) -> int:
     try:
         return _supervise(engine, workers, options.shutdown_grace)
     finally:
-        shutil.rmtree(metrics_dir, ignore_errors=True)
+        shutil.rmtree(shared_dir, ignore_errors=True)
 
 
 def _supervise(engine: EngineProcess, workers: list[BaseProcess], grace_s: float) -> int:

@@ -1,5 +1,6 @@
 """One API process of `kiln serve --api-server-count N`: uvicorn + FastAPI on its listening
-socket, attached to the shared engine process, its metrics in the multiprocess directory."""
+socket, attached to the shared engine process, its metrics in the multiprocess directory and
+its stored responses in the shared database."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def run_worker(
     addresses: ClientAddresses,
     engine_pid: int,
     metrics_dir: str,
+    responses_db: str,
 ) -> None:
     """The spawned process's body; exits with kiln serve's status (0 drained, 1 engine died)."""
     os.setpgrp()  # signals come from the launcher, once (see launcher.py)
@@ -35,4 +37,13 @@ def run_worker(
         sys.exit(2)  # the engine process says why (it may have failed before we listened)
     # One gRPC server (KServe v2) for the whole server: a second could not bind its port.
     grpc_port = options.grpc_port if index == 0 else None
-    sys.exit(serve_app(options, engine, [sock], grpc_port=grpc_port, metrics_dir=metrics_dir))
+    sys.exit(
+        serve_app(
+            options,
+            engine,
+            [sock],
+            grpc_port=grpc_port,
+            metrics_dir=metrics_dir,
+            responses_db=responses_db,
+        )
+    )
