@@ -5,7 +5,8 @@ The model's blocks call a layer, never a raw `.weight`, so a quantization scheme
 method, not a special case in the model. The blocks pick the fused kernels around a projection
 (residual add + RMSNorm before it; rotary + KV write, or SiLU-mul, after it) themselves; a method
 only says which operands those kernels can take from it (`fused_operands`), and whether its
-input may arrive in float8 (`fp8_input`, `apply_fp8`).
+input may arrive in float8 (`fp8_input`, `apply_fp8`) or as int8 rows with per-token scales
+(`int8_input`, `apply_int8`).
 """
 
 from __future__ import annotations
@@ -124,6 +125,22 @@ class LinearMethod(ABC):
         """apply() on an input the op before quantized (only where fp8_input is not None)."""
         raise NotImplementedError(f"{type(self).__name__} takes no float8 input")
 
+    def int8_input(self, layer: Linear) -> bool:
+        """Whether apply_int8 takes this layer's input already as int8 rows, each with its own
+        scale (what quantize_int8 makes: W8A8 INT8), quantized by the op before it."""
+        return False
+
+    def apply_int8(
+        self,
+        layer: Linear,
+        ops: ModuleType,
+        x_int8: torch.Tensor,  # [M, in_features] int8, quantized as quantize_int8 does
+        x_scale: torch.Tensor,  # [M, 1] fp32
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:  # [M, out_features] in out_dtype
+        """apply() on an input the op before quantized (only where int8_input is True)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no int8 input")
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """Weights in the model dtype; the fused kernels take them, so at batch-1 decode on the GPU
@@ -197,6 +214,15 @@ class Linear(nn.Module):
     ) -> torch.Tensor:  # [M, out_features]
         """forward() on an input the op before quantized as `method.fp8_input` says."""
         y = self.method.apply_fp8(self, ops, x_fp8, x_scale, out_dtype)
+        if self.reduce is not None:  # row-parallel, as forward()
+            tp_all_reduce(self.reduce, y)
+        return y
+
+    def apply_int8(
+        self, ops: ModuleType, x_int8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype
+    ) -> torch.Tensor:  # [M, out_features]
+        """forward() on an input the op before quantized to int8 (`method.int8_input`)."""
+        y = self.method.apply_int8(self, ops, x_int8, x_scale, out_dtype)
         if self.reduce is not None:  # row-parallel, as forward()
             tp_all_reduce(self.reduce, y)
         return y
