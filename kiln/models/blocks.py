@@ -59,8 +59,9 @@ def norm_then_project(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (layer(rms_norm(x + residual)), x + residual)
     """A column-parallel projection of the normed stream in the fewest kernels its method
     allows: one fused op given its operands; else, for a method taking float8 (int8) input,
-    the norm that quantizes, then apply_fp8 (apply_int8); else the norm, then apply. `norm_weight` None: no norm
-    (OLMo 2's blocks read the stream itself; parallel blocks one norm made before)."""
+    the norm that quantizes, then apply_fp8 (apply_int8); else the norm, then apply.
+    `norm_weight` None: no norm (OLMo 2's blocks read the stream itself; parallel blocks one
+    norm made before)."""
     if norm_weight is None:
         summed = x if residual is None else x + residual
         return layer(ops, summed), summed
@@ -359,9 +360,9 @@ def gated_mlp(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (down(act(gate) * up), x + residual)
     """The MLP block from its norm through `down`. When down takes float8 input (FP8 W8A8) or
     int8 input (W8A8 INT8), the activation reaches it quantized by the activation-mul's own
-    kernel: no model-dtype activation written and re-read, no quantize kernel of its own. `activation`: "silu", or
-    "gelu_pytorch_tanh" (GeGLU: its own kernels after the projection; the fused norm +
-    projection + activation kernels are SiLU's)."""
+    kernel: no model-dtype activation written and re-read, no quantize kernel of its own.
+    `activation`: "silu", or "gelu_pytorch_tanh" (GeGLU: its own kernels after the projection;
+    the fused norm + projection + activation kernels are SiLU's)."""
     into = down.method.fp8_input(down)
     operands = gate_up.method.fused_operands(gate_up)
     # The operands the fused kernels take (they take no bias), else None.
