@@ -21,6 +21,7 @@ from torch import nn
 
 from kiln.distributed.comm import tp_all_reduce
 from kiln.distributed.parallel_state import ParallelContext
+from kiln.errors import ModelLoadError
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,14 @@ class LinearMethod(ABC):
         tensors must be derived before the cut (a row-parallel weight's per-row scale) overrides
         this; at TP=1 nothing is cut."""
         self.load_weight(layer.shard_view(param, shard), shard, layer.cut(param, shard, loaded))
+
+    def cut(
+        self, layer: Linear, param: torch.Tensor, shard: int | None, loaded: torch.Tensor
+    ) -> torch.Tensor:
+        """This tensor rank's part of full tensor `loaded` for `param` (Linear.cut, under TP): the
+        rows or input columns Linear.standard_cut keeps. A method whose tensors are laid out
+        otherwise (packed words, scales per group or block of inputs) overrides this."""
+        return layer.standard_cut(param, shard, loaded)
 
     def input_columns(self, layer: Linear, weight: torch.Tensor) -> torch.Tensor:
         """A row-parallel layer's part of its whole weight `weight` (as this method stores it):
@@ -247,6 +256,19 @@ class Linear(nn.Module):
             raise ValueError(f"{self.extra_repr()}: not a row-parallel layer")
         return split.cols
 
+    def row_parallel_groups(self, group_size: int, what: str) -> tuple[int, int]:
+        """(first, count) of the groups of `group_size` inputs (a scale's columns) that this
+        row-parallel rank's input columns hold whole; a ModelLoadError when a cut falls inside
+        one (its partial sums would need another rank's scale)."""
+        start, length = self.row_parallel_cols()
+        if start % group_size or length % group_size:
+            raise ModelLoadError(
+                f"{what} under tensor parallelism: this rank's input columns [{start}, "
+                f"{start + length}) of {self.extra_repr()} split a group of {group_size} "
+                "inputs; each rank needs whole groups (another tensor_parallel_size, or 1)"
+            )
+        return start // group_size, length // group_size
+
     def shard_view(self, param: torch.Tensor, shard: int | None) -> torch.Tensor:
         """The rows of `param` that fused shard `shard` (an index into output_sizes) owns."""
         if shard is None:
@@ -261,11 +283,20 @@ class Linear(nn.Module):
 
     def cut(self, param: torch.Tensor, shard: int | None, loaded: torch.Tensor) -> torch.Tensor:
         """This tensor rank's part of full checkpoint tensor `loaded` for `param` (`loaded`
-        itself at TP=1). Column-parallel: the rank's rows of each fused block (weights, biases
-        and per-row scales alike; a tensor shorter than the blocks' full sizes, the vocabulary
-        under a padded LM head, is first zero-padded to them). Row-parallel: the weight's input
-        columns; the bias on tensor rank 0 only (it is added once, before the sum); per-row
-        scales whole."""
+        itself at TP=1), as the method cuts it (LinearMethod.cut: standard_cut unless its
+        layout says otherwise)."""
+        if self.split is None or loaded.dim() == 0:
+            return loaded
+        return self.method.cut(self, param, shard, loaded)
+
+    def standard_cut(
+        self, param: torch.Tensor, shard: int | None, loaded: torch.Tensor
+    ) -> torch.Tensor:
+        """Column-parallel: the rank's rows of each fused block (weights, biases and per-row
+        scales alike; a tensor shorter than the blocks' full sizes, the vocabulary under a
+        padded LM head, is first zero-padded to them). Row-parallel: the weight's input columns
+        (method.input_columns); the bias on tensor rank 0 only (it is added once, before the
+        sum); per-row scales whole."""
         split = self.split
         if split is None or loaded.dim() == 0:
             return loaded
