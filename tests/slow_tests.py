@@ -32,6 +32,7 @@ _BY_FILE = {
         "test_tp2_greedy_tokens_equal_one_process",
         "test_16_bit_weights_are_rounded_whole_then_cut",
         "test_a_checkpoints_ranks_compute_one_processs_products",
+        "test_an_engines_whole_tensors_cut_as_the_checkpoints",
     ),
     "tests/distributed/test_parallel.py": (  # 29 s
         "TestQwen2TP2::test_a_hung_rank_ends_the_engine_within_the_timeout",

@@ -94,6 +94,24 @@ def test_a_checkpoints_ranks_compute_one_processs_products(name) -> None:
     _assert_ranks_compute_one_process(str(DATA / folder), method, exact=name != "int8-w8a8")
 
 
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_an_engines_whole_tensors_cut_as_the_checkpoints(name) -> None:
+    """An engine directory holds the one-process model's tensors as they are (packed INT4
+    words, per-row block scales, group scale columns): loaded under TP (load_fused_weights, as
+    `kiln build -tp N` cuts too) each rank gets what it reads from the checkpoint itself."""
+    path = str(DATA / CHECKPOINTS[name][0])
+    whole = dict(_load(path).named_parameters())
+    for rank in range(2):
+        part = _load(path, 2, rank)
+        want = {k: v.detach().clone() for k, v in part.named_parameters()}
+        with torch.no_grad():
+            for param in part.parameters():  # nothing of the checkpoint's load left behind
+                param.view(torch.uint8).zero_()
+        part.load_fused_weights(whole.items())
+        for key, param in part.named_parameters():
+            assert torch.equal(param.view(torch.uint8), want[key].view(torch.uint8)), key
+
+
 @pytest.mark.parametrize(
     ("quantization", "method"),
     [("fp8-block", "Fp8BlockLinearMethod"), ("int8-w8a16-channel", "W8A16LinearMethod"),

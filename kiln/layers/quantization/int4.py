@@ -74,7 +74,8 @@ class Int4LinearMethod(LinearMethod):
         self, layer: Linear, param: torch.Tensor, shard: int | None, loaded: torch.Tensor
     ) -> None:
         if param is layer.weight_g_idx:  # one per checkpoint projection, not rows of the layer
-            loaded = layer.cut(param, shard, loaded)
+            if layer.split is not None and layer.split.cols is not None:
+                loaded = self._row_parallel_g_idx(layer, loaded)
             if loaded.shape != param.shape:
                 raise ModelLoadError(
                     f"INT4 g_idx of shape {tuple(loaded.shape)}, expected {tuple(param.shape)}"
@@ -104,7 +105,9 @@ class Int4LinearMethod(LinearMethod):
         split = layer.split
         assert split is not None, "Linear.cut cuts only under a split"
         if param is layer.weight_g_idx:  # column-parallel: every input's, whole
-            return loaded if split.cols is None else self._row_parallel_g_idx(layer, loaded)
+            # Row-parallel, an engine's: its columns (only a checkpoint's g_idx reorders
+            # inputs, and load_checkpoint_tensor checks and renumbers that one).
+            return loaded if split.cols is None else loaded.narrow(0, *layer.row_parallel_cols())
         if split.cols is None:
             return layer.standard_cut(param, shard, loaded)
         if param is layer.weight_scales or param is layer.weight_zeros:
