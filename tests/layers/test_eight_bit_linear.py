@@ -1,7 +1,8 @@
 """The 8-bit linear methods on the GPU path (TRITON_INTERPRET=1 without a GPU), against the
 reference ops that tests/checkpoint/test_eight_bit_checkpoints.py holds to transformers: each
-projection of each tiny 8-bit checkpoint (tests/data/eight_bit_checkpoints) on one input, and a
-whole forward through the Triton kernels and attention backend.
+projection of each tiny 8-bit checkpoint (tests/data/eight_bit_checkpoints) on one input, a
+whole forward through the Triton kernels and attention backend, and W8A8 INT8's engine with
+its activations quantized by the norm and SiLU-mul kernels against the unfused path.
 
 Block FP8's whole forward is left out: the attention's and norms' fp32 sums in another order
 move an activation across a float8 rounding boundary now and then, a step of up to 1/16 of it,
