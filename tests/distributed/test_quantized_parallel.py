@@ -29,7 +29,9 @@ DATA = Path(__file__).parents[1] / "data"
 CHECKPOINTS = {
     "int4-awq-g64": ("int4_checkpoints/awq", "Int4LinearMethod"),
     "int4-gptq-channel": ("int4_checkpoints/gptq_channel", "Int4LinearMethod"),
+    "int4-ct-channel": ("int4_checkpoints/ct_channel", "Int4LinearMethod"),
     "fp8-block": ("eight_bit_checkpoints/ct_fp8_block", "Fp8BlockLinearMethod"),
+    "fp8-block-release": ("eight_bit_checkpoints/fp8_block_hf", "Fp8BlockLinearMethod"),
     "int8-w8a16-g128": ("eight_bit_checkpoints/ct_w8a16_int8", "W8A16LinearMethod"),
     "fp8-w8a16-channel": ("eight_bit_checkpoints/ct_w8a16_fp8", "W8A16LinearMethod"),
     "int8-w8a8": ("eight_bit_checkpoints/ct_w8a8_int8", "Int8LinearMethod"),
