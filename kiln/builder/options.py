@@ -122,8 +122,8 @@ class BuildOptions:
                 if getattr(self, name) != default:
                     raise BuildError(
                         f"{name} {getattr(self, name)!r} is not supported with quantization "
-                        f"{self.quantization!r} (its rounding is the scheme's own; INT4 runs on "
-                        "one GPU)"
+                        f"{self.quantization!r} (its rounding is the scheme's own; an INT4 "
+                        "engine is built whole and cut as it loads under -tp N)"
                     )
             return
         if self.quantization.startswith(("int8-", "fp8-block", "fp8-w8a16")) and (

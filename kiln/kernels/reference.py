@@ -880,6 +880,37 @@ def int8_linear(
     return int8_matmul(x_int8, x_scale, weight, weight_scale, bias, x.dtype)
 
 
+def add_rms_norm_quant_int8(
+    x: torch.Tensor,  # [M, hidden]
+    residual: torch.Tensor | None,  # [M, hidden], or None: no residual to add
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # ([M, hidden] int8, [M, 1] fp32, sum)
+    """(quantize_int8 of rms_norm(x + residual): int8 rows and their scales, x + residual): a
+    W8A8 INT8 projection's input straight from the norm (with no residual, summed is x)."""
+    if residual is None:
+        normed, summed = rms_norm(x, weight, eps), x
+    else:
+        normed, summed = fused_add_rms_norm(x, residual, weight, eps)
+    codes, scale = quantize_int8(normed)
+    return codes, scale, summed
+
+
+def silu_and_mul_quant_int8(
+    x: torch.Tensor,  # [M, 2 * d]: gate in the first half, up in the second
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, d] int8, [M, 1] fp32)
+    """quantize_int8 of silu_and_mul(x): a W8A8 INT8 down projection's input straight from the
+    activation."""
+    return quantize_int8(silu_and_mul(x))
+
+
+def gelu_tanh_and_mul_quant_int8(
+    x: torch.Tensor,  # [M, 2 * d]: gate in the first half, up in the second
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, d] int8, [M, 1] fp32)
+    """quantize_int8 of gelu_tanh_and_mul(x): a GeGLU MLP's W8A8 INT8 down projection's input."""
+    return quantize_int8(gelu_tanh_and_mul(x))
+
+
 def quantize_fp8_groups(
     x: torch.Tensor,  # [M, K]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, K] float8 e4m3, [M, ceil(K / 128)] fp32)

@@ -5,7 +5,8 @@ The model's blocks call a layer, never a raw `.weight`, so a quantization scheme
 method, not a special case in the model. The blocks pick the fused kernels around a projection
 (residual add + RMSNorm before it; rotary + KV write, or SiLU-mul, after it) themselves; a method
 only says which operands those kernels can take from it (`fused_operands`), and whether its
-input may arrive in float8 (`fp8_input`, `apply_fp8`).
+input may arrive in float8 (`fp8_input`, `apply_fp8`) or as int8 rows with per-token scales
+(`int8_input`, `apply_int8`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 
 from kiln.distributed.comm import tp_all_reduce
 from kiln.distributed.parallel_state import ParallelContext
+from kiln.errors import ModelLoadError
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,14 @@ class LinearMethod(ABC):
         this; at TP=1 nothing is cut."""
         self.load_weight(layer.shard_view(param, shard), shard, layer.cut(param, shard, loaded))
 
+    def cut(
+        self, layer: Linear, param: torch.Tensor, shard: int | None, loaded: torch.Tensor
+    ) -> torch.Tensor:
+        """This tensor rank's part of full tensor `loaded` for `param` (Linear.cut, under TP): the
+        rows or input columns Linear.standard_cut keeps. A method whose tensors are laid out
+        otherwise (packed words, scales per group or block of inputs) overrides this."""
+        return layer.standard_cut(param, shard, loaded)
+
     def input_columns(self, layer: Linear, weight: torch.Tensor) -> torch.Tensor:
         """A row-parallel layer's part of its whole weight `weight` (as this method stores it):
         the rank's input columns. A method laying out more than the input's columns (outlier
@@ -123,6 +133,22 @@ class LinearMethod(ABC):
     ) -> torch.Tensor:  # [M, out_features] in out_dtype
         """apply() on an input the op before quantized (only where fp8_input is not None)."""
         raise NotImplementedError(f"{type(self).__name__} takes no float8 input")
+
+    def int8_input(self, layer: Linear) -> bool:
+        """Whether apply_int8 takes this layer's input already as int8 rows, each with its own
+        scale (what quantize_int8 makes: W8A8 INT8), quantized by the op before it."""
+        return False
+
+    def apply_int8(
+        self,
+        layer: Linear,
+        ops: ModuleType,
+        x_int8: torch.Tensor,  # [M, in_features] int8, quantized as quantize_int8 does
+        x_scale: torch.Tensor,  # [M, 1] fp32
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:  # [M, out_features] in out_dtype
+        """apply() on an input the op before quantized (only where int8_input is True)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no int8 input")
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -201,6 +227,15 @@ class Linear(nn.Module):
             tp_all_reduce(self.reduce, y)
         return y
 
+    def apply_int8(
+        self, ops: ModuleType, x_int8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype
+    ) -> torch.Tensor:  # [M, out_features]
+        """forward() on an input the op before quantized to int8 (`method.int8_input`)."""
+        y = self.method.apply_int8(self, ops, x_int8, x_scale, out_dtype)
+        if self.reduce is not None:  # row-parallel, as forward()
+            tp_all_reduce(self.reduce, y)
+        return y
+
     @torch.no_grad()
     def scale_output_rows(self, rows: slice, factor: float, bias: bool = True) -> None:
         """Multiply output rows `rows` by `factor`: through the weight scales where the method
@@ -221,6 +256,19 @@ class Linear(nn.Module):
             raise ValueError(f"{self.extra_repr()}: not a row-parallel layer")
         return split.cols
 
+    def row_parallel_groups(self, group_size: int, what: str) -> tuple[int, int]:
+        """(first, count) of the groups of `group_size` inputs (a scale's columns) that this
+        row-parallel rank's input columns hold whole; a ModelLoadError when a cut falls inside
+        one (its partial sums would need another rank's scale)."""
+        start, length = self.row_parallel_cols()
+        if start % group_size or length % group_size:
+            raise ModelLoadError(
+                f"{what} under tensor parallelism: this rank's input columns [{start}, "
+                f"{start + length}) of {self.extra_repr()} split a group of {group_size} "
+                "inputs; each rank needs whole groups (another tensor_parallel_size, or 1)"
+            )
+        return start // group_size, length // group_size
+
     def shard_view(self, param: torch.Tensor, shard: int | None) -> torch.Tensor:
         """The rows of `param` that fused shard `shard` (an index into output_sizes) owns."""
         if shard is None:
@@ -235,11 +283,20 @@ class Linear(nn.Module):
 
     def cut(self, param: torch.Tensor, shard: int | None, loaded: torch.Tensor) -> torch.Tensor:
         """This tensor rank's part of full checkpoint tensor `loaded` for `param` (`loaded`
-        itself at TP=1). Column-parallel: the rank's rows of each fused block (weights, biases
-        and per-row scales alike; a tensor shorter than the blocks' full sizes, the vocabulary
-        under a padded LM head, is first zero-padded to them). Row-parallel: the weight's input
-        columns; the bias on tensor rank 0 only (it is added once, before the sum); per-row
-        scales whole."""
+        itself at TP=1), as the method cuts it (LinearMethod.cut: standard_cut unless its
+        layout says otherwise)."""
+        if self.split is None or loaded.dim() == 0:
+            return loaded
+        return self.method.cut(self, param, shard, loaded)
+
+    def standard_cut(
+        self, param: torch.Tensor, shard: int | None, loaded: torch.Tensor
+    ) -> torch.Tensor:
+        """Column-parallel: the rank's rows of each fused block (weights, biases and per-row
+        scales alike; a tensor shorter than the blocks' full sizes, the vocabulary under a
+        padded LM head, is first zero-padded to them). Row-parallel: the weight's input columns
+        (method.input_columns); the bias on tensor rank 0 only (it is added once, before the
+        sum); per-row scales whole."""
         split = self.split
         if split is None or loaded.dim() == 0:
             return loaded

@@ -123,6 +123,11 @@ class LoRALinearMethod(LinearMethod):
     ) -> None:
         self.base.load_checkpoint_tensor(layer, param, shard, loaded)
 
+    def cut(
+        self, layer: Linear, param: torch.Tensor, shard: int | None, loaded: torch.Tensor
+    ) -> torch.Tensor:
+        return self.base.cut(layer, param, shard, loaded)
+
     def input_columns(self, layer: Linear, weight: torch.Tensor) -> torch.Tensor:
         return self.base.input_columns(layer, weight)
 

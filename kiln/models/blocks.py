@@ -58,9 +58,10 @@ def norm_then_project(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (layer(rms_norm(x + residual)), x + residual)
     """A column-parallel projection of the normed stream in the fewest kernels its method
-    allows: one fused op given its operands; else, for a method taking float8 input, the norm
-    that quantizes, then apply_fp8; else the norm, then apply. `norm_weight` None: no norm
-    (OLMo 2's blocks read the stream itself; parallel blocks one norm made before)."""
+    allows: one fused op given its operands; else, for a method taking float8 (int8) input,
+    the norm that quantizes, then apply_fp8 (apply_int8); else the norm, then apply.
+    `norm_weight` None: no norm (OLMo 2's blocks read the stream itself; parallel blocks one
+    norm made before)."""
     if norm_weight is None:
         summed = x if residual is None else x + residual
         return layer(ops, summed), summed
@@ -75,6 +76,13 @@ def norm_then_project(
             into.static_scale, into.channels,
         )  # fmt: skip
         y = layer.apply_fp8(ops, x_fp8, scale, x.dtype)
+        return y.reshape(*x.shape[:-1], layer.out_features), summed.reshape(x.shape)
+    if layer.method.int8_input(layer):  # W8A8 INT8: the norm writes int8 rows and scales
+        rows = x.reshape(-1, x.shape[-1])
+        x_int8, scale, summed = ops.add_rms_norm_quant_int8(
+            rows, None if residual is None else residual.reshape(rows.shape), norm_weight, eps
+        )
+        y = layer.apply_int8(ops, x_int8, scale, x.dtype)
         return y.reshape(*x.shape[:-1], layer.out_features), summed.reshape(x.shape)
     if residual is None:
         normed, summed = ops.rms_norm(x, norm_weight, eps), x
@@ -366,11 +374,11 @@ def gated_mlp(
     eps: float,
     activation: str = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (down(act(gate) * up), x + residual)
-    """The MLP block from its norm through `down`. When down takes float8 input (FP8 W8A8),
-    the activation reaches it quantized by the activation-mul's own kernel: no model-dtype
-    activation written and re-read, no quantize kernel of its own. `activation`: "silu", or
-    "gelu_pytorch_tanh" (GeGLU: its own kernels after the projection; the fused norm +
-    projection + activation kernels are SiLU's)."""
+    """The MLP block from its norm through `down`. When down takes float8 input (FP8 W8A8) or
+    int8 input (W8A8 INT8), the activation reaches it quantized by the activation-mul's own
+    kernel: no model-dtype activation written and re-read, no quantize kernel of its own.
+    `activation`: "silu", or "gelu_pytorch_tanh" (GeGLU: its own kernels after the projection;
+    the fused norm + projection + activation kernels are SiLU's)."""
     into = down.method.fp8_input(down)
     operands = gate_up.method.fused_operands(gate_up)
     # The operands the fused kernels take (they take no bias), else None.
@@ -398,6 +406,10 @@ def gated_mlp(
         if into is not None and operands is None:  # a composed projection: quantize here too
             quant = ops.silu_and_mul_quant_fp8 if silu else ops.gelu_tanh_and_mul_quant_fp8
             act, scale = quant(gate_up_out, into.static_scale, into.channels)
+        elif down.method.int8_input(down):  # W8A8 INT8: the activation writes int8 rows
+            quant = ops.silu_and_mul_quant_int8 if silu else ops.gelu_tanh_and_mul_quant_int8
+            act_int8, act_scale = quant(gate_up_out)
+            return down.apply_int8(ops, act_int8, act_scale, x.dtype), summed
         else:
             act = (ops.silu_and_mul if silu else ops.gelu_tanh_and_mul)(gate_up_out)
         activation_out = act

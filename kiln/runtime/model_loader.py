@@ -549,6 +549,12 @@ def load_model(
             f"{source.tensor_parallel_size}; it cannot load at tensor_parallel_size="
             f"{engine_config.tensor_parallel_size} (build another engine, or build without -tp)"
         )
+    if engine_config.load_format == "gguf-int" and engine_config.tensor_parallel_size > 1:
+        # The integer methods cut per rank, but no test holds a GGUF file's cut to one process.
+        raise ModelLoadError(
+            'load_format "gguf-int" runs at tensor_parallel_size=1 only; load the GGUF file '
+            "dequantized (the default load_format) under tensor parallelism"
+        )
     cfg = source.config
     if source.tensor_parallel_size > 1 and cfg.num_experts and engine_config.enable_expert_parallel:
         raise ModelLoadError(

@@ -91,6 +91,24 @@ def test_other_projection_types_are_refused(tmp_path: Path) -> None:
         LLM(str(tmp_path), load_format="gguf-int")
 
 
+def test_integer_gguf_weights_under_tensor_parallelism_are_refused(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from kiln.config import EngineConfig
+    from kiln.distributed.parallel_state import ParallelContext, RankLayout
+    from kiln.runtime import model_loader
+    from kiln.runtime.model_loader import load_model
+
+    monkeypatch.setattr(GGUFModel, "tokenizer", lambda self: None)
+    monkeypatch.setattr(model_loader, "from_transformers", lambda tokenizer: None)
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, tiny_model_config(), GGMLQuantizationType.Q4_1)
+    config = EngineConfig(model=str(path), load_format="gguf-int", tensor_parallel_size=2)
+    ctx = ParallelContext(RankLayout(2, 1, 0), None, None, None)
+    with pytest.raises(ModelLoadError, match="tensor_parallel_size=1 only"):
+        load_model(config, torch.device("cpu"), torch.float32, ctx)
+
+
 def test_smollm2_as_int4_answers_as_dequantized_in_a_fifth_of_the_bytes(
     smollm2_path, smollm2_llm
 ) -> None:

@@ -1,5 +1,6 @@
 """The 8-bit Triton kernels against their twins under TRITON_INTERPRET=1 without a GPU:
-W8A8 INT8 (int8_gemm.py), block-scaled FP8 (fp8_block_gemm.py) and W8A16 (w8a16_gemm.py)."""
+W8A8 INT8 (int8_gemm.py, and the norm and activation-mul passes that quantize to int8),
+block-scaled FP8 (fp8_block_gemm.py) and W8A16 (w8a16_gemm.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (pip install kiln[triton])")
 
 from kiln.kernels import reference
-from kiln.kernels.triton import fp8_block_gemm, int8_gemm, w8a16_gemm
+from kiln.kernels import triton as triton_ops
+from kiln.kernels.triton import fp8_block_gemm, int8_gemm, silu_mul, w8a16_gemm
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
@@ -48,6 +50,90 @@ def test_quantize_int8_equals_the_reference_exactly(dtype) -> None:
     assert torch.equal(got_scale.cpu(), want_scale.cpu())
     assert torch.equal(got.cpu(), want.cpu())
     assert want[1, :3].tolist() == [0, 2, -2]  # scale 1: 0.5 -> 0, 1.5 -> 2, -2.5 -> -2
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_add_rms_norm_quant_int8_rounds_exactly_as_the_reference(residual) -> None:
+    """x of ones with eps 0 normalises to exactly 1, so the row entering the quantization is the
+    norm weight itself (a norm's fp32 sum may differ by an ulp from torch's): the weight's exact
+    ties of w / scale must round half to even, as quantize_int8's IEEE quotient does."""
+    w = _x(1, 200, torch.float32)[0]
+    w[:4] = torch.tensor([0.5, 1.5, -2.5, 127.0])  # absmax 127 * 20-ish: scale from column 5
+    w[5] = 127.0 * 4  # scale 4 exactly: 0.5 / 4 ... and the ties below
+    w[6:9] = torch.tensor([2.0, 6.0, -10.0])  # 0.5, 1.5, -2.5 in code units
+    x = torch.ones(3, 200, device=DEVICE)
+    r = torch.zeros_like(x) if residual else None
+    got, got_scale, got_sum = triton_ops.add_rms_norm_quant_int8(x, r, w, 0.0)
+    want, want_scale, want_sum = reference.add_rms_norm_quant_int8(x, r, w, 0.0)
+    assert got.dtype == torch.int8 and got_scale.shape == (3, 1)
+    assert want_scale[0].item() == 4.0 and want[0, 6:9].tolist() == [0, 2, -2]
+    assert torch.equal(got_scale.cpu(), want_scale.cpu())
+    assert torch.equal(got.cpu(), want.cpu())
+    assert torch.equal(got_sum.cpu(), want_sum.cpu())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_add_rms_norm_quant_int8_matches_the_reference(dtype, residual) -> None:
+    """Random rows: the residual sum bit for bit, each row's scale to its norm's last ulp, and a
+    code at most one step off (where the norm's sum order moved a value across a midpoint)."""
+    x = _x(5, 200, dtype)
+    r = _x(5, 200, dtype, seed=2) if residual else None
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.rand(200, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    got, got_scale, got_sum = triton_ops.add_rms_norm_quant_int8(x, r, w, 1e-5)
+    want, want_scale, want_sum = reference.add_rms_norm_quant_int8(x, r, w, 1e-5)
+    assert torch.equal(got_sum.cpu(), want_sum.cpu())
+    torch.testing.assert_close(got_scale.cpu(), want_scale.cpu(), rtol=1e-5, atol=0)
+    diff = (got.int() - want.int()).abs().cpu()
+    assert diff.max() <= 1 and (diff == 0).float().mean() > 0.97
+    assert want.abs().max() == 127  # each row's absmax on the top code
+    assert not want[2].any()  # the zero row (x and r both 0 there): its codes stay 0
+
+
+def _two_pass(monkeypatch) -> None:
+    """Rows wider than one register pass: the quantizing activation kernels' two-pass loop."""
+    monkeypatch.setattr(silu_mul, "_QUANT_ONE_PASS_MAX", 64)
+    monkeypatch.setattr(silu_mul, "_QUANT_LOOP_BLOCK", 32)
+
+
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_silu_and_mul_quant_int8_rounds_exactly_as_the_reference(one_pass, monkeypatch) -> None:
+    """silu(32) is 32 exactly in fp32 and 32 * (v / 32) is v: the product entering the
+    quantization is the chosen row, whose exact ties must round half to even."""
+    if not one_pass:
+        _two_pass(monkeypatch)
+    row = _x(1, 100, torch.float32)[0].cpu()
+    row[5] = 127.0 * 4  # scale 4 exactly
+    row[6:9] = torch.tensor([2.0, 6.0, -10.0])  # 0.5, 1.5, -2.5 in code units
+    x = torch.cat([torch.full_like(row, 32.0), row / 32]).view(1, -1).repeat(2, 1).to(DEVICE)
+    got, got_scale = silu_mul.silu_and_mul_quant_int8(x)
+    want, want_scale = reference.silu_and_mul_quant_int8(x.cpu())
+    assert want_scale[0].item() == 4.0 and want[0, 6:9].tolist() == [0, 2, -2]
+    assert torch.equal(got_scale.cpu(), want_scale)
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_act_and_mul_quant_int8_matches_the_reference(dtype, gelu, one_pass, monkeypatch) -> None:
+    """Random rows through SiLU and GeGLU: each row's scale to its activation's last ulp and a
+    code at most one step off (the GPU's silu is approximate; the interpreter's is exact)."""
+    if not one_pass:
+        _two_pass(monkeypatch)
+    x = _x(4, 2 * 100, dtype)
+    kernel = silu_mul.gelu_tanh_and_mul_quant_int8 if gelu else silu_mul.silu_and_mul_quant_int8
+    twin = reference.gelu_tanh_and_mul_quant_int8 if gelu else reference.silu_and_mul_quant_int8
+    got, got_scale = kernel(x)
+    want, want_scale = twin(x)
+    assert got.dtype == torch.int8 and got.shape == (4, 100) and got_scale.shape == (4, 1)
+    torch.testing.assert_close(got_scale.cpu(), want_scale.cpu(), rtol=2e-3, atol=0)
+    diff = (got.int() - want.int()).abs().cpu()
+    assert diff.max() <= 1 and (diff == 0).float().mean() > 0.97
+    if INTERPRET:  # the same fp32 arithmetic: bit for bit
+        assert torch.equal(got_scale.cpu(), want_scale.cpu()) and torch.equal(got, want)
+    assert not want[2].any()  # the zero row: its scale floors, its codes stay 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,7 +1,8 @@
 """The 8-bit linear methods on the GPU path (TRITON_INTERPRET=1 without a GPU), against the
 reference ops that tests/checkpoint/test_eight_bit_checkpoints.py holds to transformers: each
-projection of each tiny 8-bit checkpoint (tests/data/eight_bit_checkpoints) on one input, and a
-whole forward through the Triton kernels and attention backend.
+projection of each tiny 8-bit checkpoint (tests/data/eight_bit_checkpoints) on one input, a
+whole forward through the Triton kernels and attention backend, and W8A8 INT8's engine with
+its activations quantized by the norm and SiLU-mul kernels against the unfused path.
 
 Block FP8's whole forward is left out: the attention's and norms' fp32 sums in another order
 move an activation across a float8 rounding boundary now and then, a step of up to 1/16 of it,
@@ -71,3 +72,47 @@ def test_triton_forward_equals_the_reference(name: str) -> None:
             hidden = model(ops, attention, ids.to(DEVICE), positions, caches, metadata)
             outs.append(model.compute_logits(hidden, ops).float())
     torch.testing.assert_close(outs[1], outs[0], atol=2e-3, rtol=2e-3)
+
+
+def test_int8_activations_quantized_by_the_op_before_give_the_unfused_tokens(monkeypatch) -> None:
+    """llm-compressor's W8A8 INT8 checkpoint through the engine on the Triton kernels: the norms
+    and the SiLU-mul write int8 rows and scales for the int8 GEMM (two norms and one activation
+    a layer; only o_proj quantizes in its own kernel), and the greedy tokens equal those of the
+    unfused path (the norm, then int8_linear quantizing on its own) and of the reference ops."""
+    from kiln import LLM, SamplingParams
+    from kiln.kernels.triton import int8_gemm
+    from kiln.layers.quantization.int8 import Int8LinearMethod
+
+    calls: dict[str, int] = {}
+
+    def spy(module: object, name: str) -> None:
+        real = getattr(module, name)
+
+        def counted(*args: object) -> object:
+            calls[name] = calls.get(name, 0) + 1
+            return real(*args)
+
+        monkeypatch.setattr(module, name, counted)
+
+    spy(triton_ops, "add_rms_norm_quant_int8")
+    spy(triton_ops, "silu_and_mul_quant_int8")
+    spy(int8_gemm, "quantize_int8")
+    prompts = [[1, 5, 9, 33, 7, 100], [1, 200, 3, 17]]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    args = dict(dtype="float32", kv_cache_memory_gb=0.02, max_num_seqs=4, enforce_eager=True,
+                device=DEVICE.type)  # fmt: skip
+
+    def tokens(backend: str) -> list[list[int]]:
+        llm = LLM(str(DATA / "ct_w8a8_int8"), attention_backend=backend, **args)
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]
+
+    fused = tokens("triton")
+    assert calls["add_rms_norm_quant_int8"] == 2 * calls["silu_and_mul_quant_int8"] > 0
+    assert calls["quantize_int8"] == calls["silu_and_mul_quant_int8"]  # o_proj's alone
+    calls.clear()
+    with monkeypatch.context() as m:
+        m.setattr(Int8LinearMethod, "int8_input", lambda self, layer: False)
+        unfused = tokens("triton")
+    assert "add_rms_norm_quant_int8" not in calls and "silu_and_mul_quant_int8" not in calls
+    assert calls["quantize_int8"] > 0
+    assert fused == unfused == tokens("torch")

@@ -25,13 +25,20 @@ from kiln.kernels.triton.moe_router import moe_route
 from kiln.kernels.triton.prefill_attention import paged_prefill_attention
 from kiln.kernels.triton.qk_norm_rotary import qk_norm_rotary_write_kv
 from kiln.kernels.triton.qkv_rotary import add_rms_norm_qkv_rotary_write_kv
-from kiln.kernels.triton.rms_norm import add_rms_norm_quant_fp8, fused_add_rms_norm, rms_norm
+from kiln.kernels.triton.rms_norm import (
+    add_rms_norm_quant_fp8,
+    add_rms_norm_quant_int8,
+    fused_add_rms_norm,
+    rms_norm,
+)
 from kiln.kernels.triton.rotary import rotary_embedding_write_kv
 from kiln.kernels.triton.silu_mul import (
     gelu_tanh_and_mul,
     gelu_tanh_and_mul_quant_fp8,
+    gelu_tanh_and_mul_quant_int8,
     silu_and_mul,
     silu_and_mul_quant_fp8,
+    silu_and_mul_quant_int8,
 )
 from kiln.kernels.triton.small_batch_linear import (
     add_rms_norm_linear,
@@ -49,6 +56,7 @@ __all__ = [
     "add_rms_norm_linear_silu_mul_fp8",
     "add_rms_norm_qkv_rotary_write_kv",
     "add_rms_norm_quant_fp8",
+    "add_rms_norm_quant_int8",
     "argmax",
     "clamped_swiglu",
     "copy_kv_blocks",
@@ -62,6 +70,7 @@ __all__ = [
     "fused_moe_fp8",
     "gelu_tanh_and_mul",
     "gelu_tanh_and_mul_quant_fp8",
+    "gelu_tanh_and_mul_quant_int8",
     "int4_linear",
     "int8_linear",
     "int8_matmul",
@@ -79,5 +88,6 @@ __all__ = [
     "rotary_embedding_write_kv",
     "silu_and_mul",
     "silu_and_mul_quant_fp8",
+    "silu_and_mul_quant_int8",
     "w8a16_linear",
 ]

@@ -1,8 +1,9 @@
 """W8A8 INT8 (twins of reference.quantize_int8 / int8_matmul / int8_linear): a per-token
 quantizing kernel, then an int8 x int8 tl.dot GEMM accumulating in int32 on the tensor cores,
-the row's and column's scales and the bias applied in its epilogue. The activations are quantized
-in a kernel of their own, not fused into the norm before as FP8's are (add_rms_norm_quant_fp8):
-one more read of each projection's input. From _CUBLAS_MIN_ROWS rows on a GPU the GEMM is
+the row's and column's scales and the bias applied in its epilogue. In the model's blocks the
+activations arrive quantized by the op before (add_rms_norm_quant_int8, silu_and_mul_quant_int8:
+scaled_to_int8 below), as FP8's do, and only int8_matmul runs; int8_linear's own quantizing
+kernel serves the projections after attention. From _CUBLAS_MIN_ROWS rows on a GPU the GEMM is
 cuBLAS's int8 one (torch._int_mm, int32 out) with fp8_gemm's scale epilogue, as FP8's large
 GEMMs are torch._scaled_mm. Neither path is measured or tuned on a GPU yet."""
 
@@ -31,6 +32,14 @@ def round_half_even(v, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def scaled_to_int8(v, scale, INT_MAX: tl.constexpr, INTERPRETED: tl.constexpr):
+    """fp32 v / scale as reference.quantize_int8 rounds it: the IEEE quotient (div_rn, what
+    torch divides by a tensor), rounded half to even, clamped to +-INT_MAX; still fp32."""
+    q = round_half_even(tl.math.div_rn(v, scale), INTERPRETED)
+    return tl.clamp(q, -INT_MAX, INT_MAX)
+
+
+@triton.jit
 def _quantize_int8_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_out, K,
                           INT_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
                           INTERPRETED: tl.constexpr):  # fmt: skip
@@ -47,8 +56,7 @@ def _quantize_int8_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_out, K,
         cols = start + tl.arange(0, BLOCK)
         mask = cols < K
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        q = round_half_even(tl.math.div_rn(x, scale), INTERPRETED)
-        q = tl.clamp(q, -INT_MAX, INT_MAX)
+        q = scaled_to_int8(x, scale, INT_MAX, INTERPRETED)
         tl.store(out_ptr + row * stride_out + cols, q.to(tl.int8), mask=mask)
 
 

@@ -8,6 +8,8 @@ add_rms_norm_quant_fp8 is the same pass ending in float8 (the input of an FP8 W8
 above the small-batch kernels' rows): the normed row, rounded as above, is quantized as
 quantize_fp8 would quantize it (its absmax / 448, or a static scale), so a projection's input
 costs one read of x and one float8 write instead of a bf16 round trip and a second kernel.
+add_rms_norm_quant_int8 is that pass for a W8A8 INT8 projection: int8 codes and the row's scale
+(its absmax / 127), as quantize_int8 would make them.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE
+from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE, INT8_MAX
 from kiln.kernels.triton.fp8_gemm import (
     aligned_rows,
     remainder_args,
     scaled_to_e4m3,
     store_remainders,
 )
+from kiln.kernels.triton.int8_gemm import scaled_to_int8
 
 
 @triton.jit
@@ -47,9 +50,10 @@ def _rms_norm_kernel(
     DYNAMIC: tl.constexpr = True,
     OUT_DTYPE: tl.constexpr = tl.float32,  # QUANT: the dtype the unfused norm would write
     INTERPRETED: tl.constexpr = False,  # the Triton interpreter: see round_to_e4m3_grid
-    FP8_MAX: tl.constexpr = 448.0,
+    FP8_MAX: tl.constexpr = 448.0,  # QUANT: the largest code (INT8: 127)
     MIN_SCALE: tl.constexpr = 1e-12,
     REMAINDERS: tl.constexpr = 0,  # QUANT: lanes for the outlier columns (0: none)
+    INT8: tl.constexpr = False,  # QUANT: out_ptr is int8 (per-row scales only, no remainders)
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -67,31 +71,39 @@ def _rms_norm_kernel(
     out = normed.to(tl.float32) * weight.to(tl.float32)
     if QUANT:
         out = out.to(OUT_DTYPE).to(tl.float32)  # what quantize_fp8 would read
-        if DYNAMIC:
+        if INT8:
             absmax = tl.max(tl.where(mask, tl.abs(out), 0.0), 0)
             scale = tl.maximum(tl.math.div_rn(absmax, FP8_MAX), MIN_SCALE)
             tl.store(scale_ptr + row, scale)
+            q = scaled_to_int8(out, scale, FP8_MAX, INTERPRETED)
+            tl.store(out_ptr + row * stride_out + cols, q.to(tl.int8), mask=mask)
         else:
-            scale = tl.load(scale_ptr)
-        # The IEEE quotient from the reciprocal, as reference.quantize_fp8 (no division a value).
-        inv_scale = tl.math.div_rn(1.0, scale)
-        q = scaled_to_e4m3(out, scale, inv_scale, DYNAMIC, FP8_MAX, INTERPRETED)
-        tl.store(out_ptr + row * stride_out + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
-        if REMAINDERS > 0:
-            # The chosen channels' values again, from their loads (in L1 by now) and the row's
-            # inv_rms, by the same operations as above: a register row has no gather.
-            j = tl.arange(0, REMAINDERS)
-            channel = tl.load(channels_ptr + j, mask=j < n_channels, other=0)
-            xj = tl.load(x_ptr + row * stride_x + channel)
-            if ADD_RESIDUAL:
-                rj = tl.load(residual_ptr + row * stride_residual + channel)
-                xj = (xj.to(tl.float32) + rj.to(tl.float32)).to(sum_ptr.dtype.element_ty)
-            nj = (xj.to(tl.float32) * inv_rms).to(xj.dtype)
-            wj = tl.load(weight_ptr + channel)
-            vj = (nj.to(tl.float32) * wj.to(tl.float32)).to(OUT_DTYPE).to(tl.float32)
-            out_rest = out_ptr + row * stride_out + hidden
-            store_remainders(vj, j, n_channels, scale, inv_scale, out_rest, DYNAMIC, FP8_MAX,
-                             INTERPRETED)  # fmt: skip
+            if DYNAMIC:
+                absmax = tl.max(tl.where(mask, tl.abs(out), 0.0), 0)
+                scale = tl.maximum(tl.math.div_rn(absmax, FP8_MAX), MIN_SCALE)
+                tl.store(scale_ptr + row, scale)
+            else:
+                scale = tl.load(scale_ptr)
+            # The IEEE quotient from the reciprocal, as reference.quantize_fp8 (no division a
+            # value).
+            inv_scale = tl.math.div_rn(1.0, scale)
+            q = scaled_to_e4m3(out, scale, inv_scale, DYNAMIC, FP8_MAX, INTERPRETED)
+            tl.store(out_ptr + row * stride_out + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+            if REMAINDERS > 0:
+                # The chosen channels' values again, from their loads (in L1 by now) and the
+                # row's inv_rms, by the same operations as above: a register row has no gather.
+                j = tl.arange(0, REMAINDERS)
+                channel = tl.load(channels_ptr + j, mask=j < n_channels, other=0)
+                xj = tl.load(x_ptr + row * stride_x + channel)
+                if ADD_RESIDUAL:
+                    rj = tl.load(residual_ptr + row * stride_residual + channel)
+                    xj = (xj.to(tl.float32) + rj.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+                nj = (xj.to(tl.float32) * inv_rms).to(xj.dtype)
+                wj = tl.load(weight_ptr + channel)
+                vj = (nj.to(tl.float32) * wj.to(tl.float32)).to(OUT_DTYPE).to(tl.float32)
+                out_rest = out_ptr + row * stride_out + hidden
+                store_remainders(vj, j, n_channels, scale, inv_scale, out_rest, DYNAMIC, FP8_MAX,
+                                 INTERPRETED)  # fmt: skip
     else:
         tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -214,5 +226,42 @@ def add_rms_norm_quant_fp8(
             OUT_DTYPE=_TL_DTYPES[out_dtype], INTERPRETED=x.device.type != "cuda",
             FP8_MAX=FP8_E4M3_MAX, MIN_SCALE=FP8_MIN_SCALE,
             num_warps=min(16, max(1, block // 512)), **remainder_args(channels, out),
+        )  # fmt: skip
+    return out, scale, summed
+
+
+def add_rms_norm_quant_int8(
+    x: torch.Tensor,  # [M, hidden]
+    residual: torch.Tensor | None,  # [M, hidden], or None: no residual to add
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # ([M, hidden] int8, [M, 1] fp32, sum)
+    """(int8 rms_norm(x + residual), its per-row scale, x + residual): what
+    quantize_int8(fused_add_rms_norm(...)[0]) gives, in one kernel (the reference's twin)."""
+    hidden = x.shape[-1]
+    assert x.dim() == 2 and weight.shape == (hidden,) and x.stride(-1) == 1
+    num_rows = x.shape[0]
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(-1) == 1
+        summed = torch.empty(
+            x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device
+        )
+        norm_dtype = summed.dtype
+    else:
+        summed, norm_dtype = x, x.dtype
+    out_dtype = torch.promote_types(weight.dtype, norm_dtype)
+    out = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
+    if num_rows > 0:
+        block = triton.next_power_of_2(hidden)
+        r2d = residual if residual is not None else x
+        _rms_norm_kernel[(num_rows,)](
+            x, r2d, weight, out, summed,
+            x.stride(0), r2d.stride(0), out.stride(0), summed.stride(0),
+            hidden, eps, scale, out, 0,
+            ADD_RESIDUAL=residual is not None, BLOCK=block, QUANT=True, DYNAMIC=True,
+            OUT_DTYPE=_TL_DTYPES[out_dtype], INTERPRETED=x.device.type != "cuda",
+            FP8_MAX=float(INT8_MAX), MIN_SCALE=FP8_MIN_SCALE, INT8=True,
+            num_warps=min(16, max(1, block // 512)),
         )  # fmt: skip
     return out, scale, summed

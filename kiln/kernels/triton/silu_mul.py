@@ -12,6 +12,9 @@ absmax / 448, or a static scale). At 512 decode rows of Llama-3.1-8B this replac
 (10.7 us: 29 MB read, 15 MB written) and a quantize kernel (~12 us: the 15 MB read twice, 7 MB
 written) with one pass that reads 29 MB and writes 7 MB.
 
+silu_and_mul_quant_int8 (and GeGLU's) is the dynamic pass ending in int8 instead (a W8A8 INT8
+down projection's input): the row's absmax / 127 and codes rounded as quantize_int8 rounds them.
+
 gelu_tanh_and_mul (and its _quant_fp8) are the same kernels with GeGLU's activation (Gemma:
 transformers' gelu_pytorch_tanh), picked by a constexpr, so SiLU's compiled code is unchanged.
 """
@@ -22,13 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE
+from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE, INT8_MAX
 from kiln.kernels.triton.fp8_gemm import (
     aligned_rows,
     remainder_args,
     scaled_to_e4m3,
     store_remainders,
 )
+from kiln.kernels.triton.int8_gemm import scaled_to_int8
 
 _MAX_BLOCK = 1024
 # silu_and_mul_quant_fp8 holds a whole row in registers up to this width (one pass over HBM,
@@ -152,9 +156,21 @@ def _silu_mul_block(x_row, cols, d, INTERPRETED: tl.constexpr, GELU: tl.constexp
 
 
 @triton.jit
+def _to_codes(v, scale, inv_scale, DYNAMIC: tl.constexpr, FP8_MAX: tl.constexpr,
+              INTERPRETED: tl.constexpr, INT8: tl.constexpr):  # fmt: skip
+    """A row's fp32 values as the codes its output holds: e4m3 (scaled_to_e4m3), or with INT8
+    the int8 grid (scaled_to_int8, FP8_MAX then 127); still fp32."""
+    if INT8:
+        q = scaled_to_int8(v, scale, FP8_MAX, INTERPRETED)
+    else:
+        q = scaled_to_e4m3(v, scale, inv_scale, DYNAMIC, FP8_MAX, INTERPRETED)
+    return q
+
+
+@triton.jit
 def _silu_and_mul_quant_fp8_kernel(
     x_ptr,  # [num_rows, 2 * d]: gate in columns [0, d), up in [d, 2d)
-    out_ptr,  # [num_rows, d + n_channels] float8 e4m3
+    out_ptr,  # [num_rows, d + n_channels] float8 e4m3 (INT8: [num_rows, d] int8)
     scale_ptr,  # [num_rows] fp32 written (DYNAMIC), or [1] fp32 read (static)
     stride_x,
     stride_out,
@@ -164,11 +180,12 @@ def _silu_and_mul_quant_fp8_kernel(
     DYNAMIC: tl.constexpr,
     ONE_PASS: tl.constexpr,  # BLOCK >= d: the row is held in registers, read once
     BLOCK: tl.constexpr,
-    FP8_MAX: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # the largest code (INT8: 127)
     MIN_SCALE: tl.constexpr,
     INTERPRETED: tl.constexpr,  # the Triton interpreter: see fp8_gemm.round_to_e4m3_grid
     REMAINDERS: tl.constexpr = 0,  # lanes for the outlier columns (0: none)
     GELU: tl.constexpr = False,
+    INT8: tl.constexpr = False,  # int8 codes (DYNAMIC, no remainders)
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -183,7 +200,7 @@ def _silu_and_mul_quant_fp8_kernel(
         else:
             scale = tl.load(scale_ptr)
         inv_scale = tl.math.div_rn(1.0, scale)
-        q = scaled_to_e4m3(v, scale, inv_scale, DYNAMIC, FP8_MAX, INTERPRETED)
+        q = _to_codes(v, scale, inv_scale, DYNAMIC, FP8_MAX, INTERPRETED, INT8)
         tl.store(out_row + cols, q.to(out_ptr.dtype.element_ty), mask=cols < d)
     else:
         if DYNAMIC:
@@ -201,7 +218,7 @@ def _silu_and_mul_quant_fp8_kernel(
         for start in range(0, d, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             v = _silu_mul_block(x_row, cols, d, INTERPRETED, GELU)
-            q = scaled_to_e4m3(v, scale, inv_scale, DYNAMIC, FP8_MAX, INTERPRETED)
+            q = _to_codes(v, scale, inv_scale, DYNAMIC, FP8_MAX, INTERPRETED, INT8)
             tl.store(out_row + cols, q.to(out_ptr.dtype.element_ty), mask=cols < d)
     if REMAINDERS > 0:
         _store_silu_mul_remainders(
@@ -332,5 +349,38 @@ def _act_and_mul_quant_fp8(
             DYNAMIC=dynamic, ONE_PASS=one_pass, BLOCK=block,
             FP8_MAX=FP8_E4M3_MAX, MIN_SCALE=FP8_MIN_SCALE, INTERPRETED=x.device.type != "cuda",
             num_warps=num_warps, **remainder_args(channels, out), **activation,
+        )  # fmt: skip
+    return out, scale
+
+
+def silu_and_mul_quant_int8(
+    x: torch.Tensor,  # [M, 2 * d]: gate in the first half, up in the second
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, d] int8, [M, 1] fp32)
+    """quantize_int8(silu_and_mul(x)) in one kernel (the reference's twin)."""
+    return _act_and_mul_quant_int8(x, gelu=False)
+
+
+def gelu_tanh_and_mul_quant_int8(
+    x: torch.Tensor,  # [M, 2 * d]: gate in the first half, up in the second
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, d] int8, [M, 1] fp32)
+    """quantize_int8(gelu_tanh_and_mul(x)) in one kernel."""
+    return _act_and_mul_quant_int8(x, gelu=True)
+
+
+def _act_and_mul_quant_int8(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    assert x.dim() == 2 and x.shape[1] % 2 == 0
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    num_rows, d = x.shape[0], x.shape[1] // 2
+    out = torch.empty((num_rows, d), dtype=torch.int8, device=x.device)
+    scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
+    if num_rows > 0 and d > 0:
+        one_pass, block, num_warps = _quant_tiles(d, num_rows)
+        _silu_and_mul_quant_fp8_kernel[(num_rows,)](
+            x, out, scale, x.stride(0), out.stride(0), d,
+            DYNAMIC=True, ONE_PASS=one_pass, BLOCK=block,
+            FP8_MAX=float(INT8_MAX), MIN_SCALE=FP8_MIN_SCALE,
+            INTERPRETED=x.device.type != "cuda", num_warps=num_warps,
+            GELU=gelu, INT8=True, **remainder_args(None, out),
         )  # fmt: skip
     return out, scale

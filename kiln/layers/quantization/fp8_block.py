@@ -10,7 +10,6 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from kiln.errors import ModelLoadError
 from kiln.kernels.reference import FP8_BLOCK, FP8_E4M3_MAX, FP8_MIN_SCALE
 from kiln.layers.linear import Linear, LinearMethod
 
@@ -38,14 +37,19 @@ class Fp8BlockLinearMethod(LinearMethod):
     [ceil(rows / 128), ceil(in / 128)] block scales of each fused shard repeated down the shard's
     rows (so q, k and v keep their own blocks wherever their rows start). A checkpoint's codes
     load as they are; 16-bit weights are rounded per 128x128 block as they arrive.
-    No tensor parallelism yet (a row-parallel cut must fall on a block boundary)."""
+
+    Under tensor parallelism a column-parallel rank keeps its rows of the codes and of the
+    per-row scales (any cut: each row carries its blocks' scales); a row-parallel rank its input
+    columns and their blocks' scale columns, which must be whole 128-blocks (its activation
+    groups then are TP=1's). 16-bit weights are rounded whole, then cut, so every rank's codes
+    and scales are the one-process model's."""
 
     def __init__(self) -> None:
         self._layer: weakref.ref[Linear] | None = None
 
     def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
-        if layer.split is not None:
-            raise ModelLoadError("FP8 block-scaled weights do not support tensor parallelism yet")
+        if layer.split is not None and layer.split.cols is not None:  # row-parallel
+            layer.row_parallel_groups(FP8_BLOCK, "FP8 block-scaled weights")
         if self._layer is not None:
             raise RuntimeError("an Fp8BlockLinearMethod serves one layer; make one per layer")
         self._layer = weakref.ref(layer)
@@ -63,16 +67,45 @@ class Fp8BlockLinearMethod(LinearMethod):
     def checkpoint_shape(
         self, layer: Linear, param: torch.Tensor, shape: tuple[int, ...]
     ) -> tuple[int, ...]:
-        if param is layer.weight_scales:  # one scale per block of 128 rows in the checkpoint
+        # One scale per block of 128 rows in the checkpoint; under TP the cut is per row (cut).
+        if param is layer.weight_scales and layer.split is None:
             return (-(-shape[0] // FP8_BLOCK), shape[1])
         return shape
+
+    def cut(
+        self, layer: Linear, param: torch.Tensor, shard: int | None, loaded: torch.Tensor
+    ) -> torch.Tensor:
+        if param is not layer.weight_scales:
+            return layer.standard_cut(param, shard, loaded)
+        split = layer.split
+        assert split is not None, "Linear.cut cuts only under a split"
+        if split.rows is None:  # row-parallel: every row
+            rows = layer.shard_view(param, shard).shape[0]
+        else:
+            assert split.full_sizes is not None, "a column-parallel split has its full sizes"
+            rows = split.full_sizes[shard] if shard is not None else sum(split.full_sizes)
+        if loaded.shape[0] != rows:  # a checkpoint's [row blocks, K blocks]; an engine's per row
+            loaded = rows_of(loaded, rows)
+        if split.cols is None:
+            return layer.standard_cut(param, shard, loaded)
+        return loaded.narrow(1, *layer.row_parallel_groups(FP8_BLOCK, "FP8 block-scaled weights"))
 
     def load_checkpoint_tensor(
         self, layer: Linear, param: torch.Tensor, shard: int | None, loaded: torch.Tensor
     ) -> None:
         if param is layer.weight_scales:
             part = layer.shard_view(param, shard)
-            part.copy_(rows_of(loaded, part.shape[0]))
+            if layer.split is None:
+                part.copy_(rows_of(loaded, part.shape[0]))
+            else:
+                part.copy_(layer.cut(param, shard, loaded))
+            return
+        if layer.split is not None and param is layer.weight and loaded.dtype != param.dtype:
+            # Whole blocks rounded first, then this rank's part of codes and scales.
+            codes, scales = quantize_blocks(loaded.to(param.device))
+            layer.shard_view(param, shard).copy_(layer.cut(param, shard, codes))
+            scale_part = layer.shard_view(layer.weight_scales, shard)
+            scale_part.copy_(layer.cut(layer.weight_scales, shard, scales))
             return
         super().load_checkpoint_tensor(layer, param, shard, loaded)
 

@@ -26,7 +26,11 @@ class Int4LinearMethod(LinearMethod):
     input_order [in] int64 when that is not k // group_size: after loading, the inputs are
     reordered so that their groups are contiguous, and apply gathers x's columns in that order.
 
-    Tensor parallelism is not supported yet (a cut of packed words and of act-order groups)."""
+    Under tensor parallelism a column-parallel rank keeps its output rows of the words, scales
+    and zeros (and the whole g_idx); a row-parallel rank its input columns: words [start / 8,
+    ...), groups [start / group_size, ...) (per-channel scales whole), which must be whole
+    groups, and a checkpoint's act-order (desc_act) is refused there (a rank's inputs would
+    scatter over every group)."""
 
     def __init__(
         self, group_size: int, needs_zeros: bool = True, zero_is_min: bool = False
@@ -44,8 +48,8 @@ class Int4LinearMethod(LinearMethod):
         self._g_idx: torch.Tensor | None = None
 
     def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
-        if layer.split is not None:
-            raise ModelLoadError("INT4 weights do not support tensor parallelism yet")
+        if layer.split is not None and layer.split.cols is not None:  # row-parallel
+            layer.row_parallel_groups(self.group_size or 8, "INT4 weights")  # whole words too
         k, n = layer.in_features, layer.out_features
         group = self.group_size or k
         if k % 8 or k % group:
@@ -70,6 +74,8 @@ class Int4LinearMethod(LinearMethod):
         self, layer: Linear, param: torch.Tensor, shard: int | None, loaded: torch.Tensor
     ) -> None:
         if param is layer.weight_g_idx:  # one per checkpoint projection, not rows of the layer
+            if layer.split is not None and layer.split.cols is not None:
+                loaded = self._row_parallel_g_idx(layer, loaded)
             if loaded.shape != param.shape:
                 raise ModelLoadError(
                     f"INT4 g_idx of shape {tuple(loaded.shape)}, expected {tuple(param.shape)}"
@@ -92,6 +98,42 @@ class Int4LinearMethod(LinearMethod):
                 "or dummy weights)"
             )
         super().load_checkpoint_tensor(layer, param, shard, loaded)
+
+    def cut(
+        self, layer: Linear, param: torch.Tensor, shard: int | None, loaded: torch.Tensor
+    ) -> torch.Tensor:
+        split = layer.split
+        assert split is not None, "Linear.cut cuts only under a split"
+        if param is layer.weight_g_idx:  # column-parallel: every input's, whole
+            # Row-parallel, an engine's: its columns (only a checkpoint's g_idx reorders
+            # inputs, and load_checkpoint_tensor checks and renumbers that one).
+            return loaded if split.cols is None else loaded.narrow(0, *layer.row_parallel_cols())
+        if split.cols is None:
+            return layer.standard_cut(param, shard, loaded)
+        if param is layer.weight_scales or param is layer.weight_zeros:
+            if not self.group_size:
+                return loaded  # per channel: a row's one scale serves every rank's columns
+            return loaded.narrow(1, *layer.row_parallel_groups(self.group_size, "INT4 weights"))
+        return layer.standard_cut(param, shard, loaded)
+
+    def input_columns(self, layer: Linear, weight: torch.Tensor) -> torch.Tensor:
+        """The rank's input columns of packed words [out, in / 8]: 8 codes a word."""
+        return weight.narrow(1, *layer.row_parallel_groups(8, "INT4 weights"))
+
+    def _row_parallel_g_idx(self, layer: Linear, g_idx: torch.Tensor) -> torch.Tensor:
+        """A row-parallel rank's part of a whole projection's g_idx [in], its groups numbered
+        from 0; only the plain order (input k in group k // group_size) cuts into whole groups."""
+        start, length = layer.row_parallel_cols()
+        full = g_idx.long()
+        group = self.group_size or full.numel()
+        plain = torch.arange(full.numel(), device=full.device) // group
+        if not torch.equal(full, plain):
+            raise ModelLoadError(
+                "INT4 act-order (desc_act) weights under tensor parallelism: a row-parallel "
+                f"rank's inputs ({layer.extra_repr()}) would not hold whole groups; load them "
+                "with tensor_parallel_size=1, or a checkpoint quantized without desc_act"
+            )
+        return (full.narrow(0, start, length) - start // group).to(g_idx.dtype)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         shards = [None] if len(layer.output_sizes) == 1 else range(len(layer.output_sizes))

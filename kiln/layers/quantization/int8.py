@@ -1,7 +1,9 @@
 """W8A8 INT8 (SmoothQuant's scheme, llm-compressor's `int-quantized`): int8 weights with a
 symmetric scale per output channel, activations quantized to int8 per token at run time, an int8
-GEMM accumulating in int32 (ops.int8_linear). Smoothing, when a tool applied it, is folded into
-the weights and norms already: nothing here knows of it."""
+GEMM accumulating in int32 (ops.int8_linear). After a norm or the MLP's activation the input
+arrives quantized by that op's kernel (int8_input: add_rms_norm_quant_int8,
+silu_and_mul_quant_int8) and only the GEMM runs (ops.int8_matmul). Smoothing, when a tool
+applied it, is folded into the weights and norms already: nothing here knows of it."""
 
 from __future__ import annotations
 
@@ -71,3 +73,18 @@ class Int8LinearMethod(LinearMethod):
         x2d = x.reshape(-1, x.shape[-1])
         y = ops.int8_linear(x2d, layer.weight, layer.weight_scale, layer.bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def int8_input(self, layer: Linear) -> bool:
+        return True
+
+    def apply_int8(
+        self,
+        layer: Linear,
+        ops: ModuleType,
+        x_int8: torch.Tensor,
+        x_scale: torch.Tensor,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        return ops.int8_matmul(
+            x_int8, x_scale, layer.weight, layer.weight_scale, layer.bias, out_dtype
+        )

@@ -36,7 +36,11 @@ def quantize_groups(
 class W8A16LinearMethod(LinearMethod):
     """weight [out, in] int8 or float8 e4m3, weight_scales [out, in / group_size] fp32 (one
     column per channel when group_size is 0): w = code * scale. A checkpoint's codes load as
-    they are; 16-bit weights are rounded per group as they arrive. No tensor parallelism yet."""
+    they are; 16-bit weights are rounded per group as they arrive.
+
+    Under tensor parallelism a column-parallel rank keeps its rows of codes and scales; a
+    row-parallel rank its input columns and their groups' scale columns (whole groups, else
+    refused; per-channel scales whole), 16-bit weights rounded whole before the cut."""
 
     def __init__(self, weight_dtype: str, group_size: int) -> None:
         if weight_dtype not in WEIGHT_DTYPES:
@@ -50,8 +54,8 @@ class W8A16LinearMethod(LinearMethod):
         self._layer: weakref.ref[Linear] | None = None
 
     def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
-        if layer.split is not None:
-            raise ModelLoadError("W8A16 weights do not support tensor parallelism yet")
+        if layer.split is not None and layer.split.cols is not None and self.group_size:
+            layer.row_parallel_groups(self.group_size, "W8A16 weights")  # row-parallel
         if self._layer is not None:
             raise RuntimeError("a W8A16LinearMethod serves one layer; make one per layer")
         self._layer = weakref.ref(layer)
@@ -78,6 +82,29 @@ class W8A16LinearMethod(LinearMethod):
         codes, scales = quantize_groups(loaded.to(param.device), self.dtype, self.group_size)
         param.copy_(codes)
         layer.shard_view(layer.weight_scales, shard).copy_(scales)
+
+    def cut(
+        self, layer: Linear, param: torch.Tensor, shard: int | None, loaded: torch.Tensor
+    ) -> torch.Tensor:
+        split = layer.split
+        row_parallel = split is not None and split.cols is not None
+        if row_parallel and param is layer.weight_scales and self.group_size:
+            return loaded.narrow(1, *layer.row_parallel_groups(self.group_size, "W8A16 weights"))
+        return layer.standard_cut(param, shard, loaded)  # per-channel scales: whole rows
+
+    def load_checkpoint_tensor(
+        self, layer: Linear, param: torch.Tensor, shard: int | None, loaded: torch.Tensor
+    ) -> None:
+        """Row-parallel 16-bit weights: whole rows rounded first (a per-channel scale is a
+        row's absmax), then this rank's columns and scale columns kept, as at TP=1."""
+        split = layer.split
+        row_parallel = split is not None and split.cols is not None
+        if row_parallel and param is layer.weight and loaded.dtype != self.dtype:
+            codes, scales = quantize_groups(loaded.to(param.device), self.dtype, self.group_size)
+            param.copy_(layer.cut(param, shard, codes))
+            layer.weight_scales.copy_(layer.cut(layer.weight_scales, shard, scales))
+            return
+        super().load_checkpoint_tensor(layer, param, shard, loaded)
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
