@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# Ops that make no kernel: allocations (a graph's pool) and views / metadata.
-_FREE_OPS = ("empty", "promote_types", "view", "reshape", "_unsafe_view", "as_strided", "transpose", "t",
-             "expand", "slice", "select", "unsqueeze", "squeeze", "permute", "alias",
-             "detach", "split", "chunk", "unbind", "lift_fresh", "_reshape_alias")  # fmt: skip
+# Ops that make no kernel: allocations (a graph's pool; every "empty*") and views / metadata.
+_FREE_OPS = frozenset((
+    "promote_types", "view", "reshape", "_unsafe_view", "as_strided", "transpose", "t",
+    "expand", "slice", "select", "unsqueeze", "squeeze", "permute", "alias", "detach", "split",
+    "chunk", "unbind", "lift_fresh", "_reshape_alias",
+))  # fmt: skip
 
 
 @dataclass
@@ -43,7 +45,7 @@ class _Counter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         if self.current is not None and not self.in_triton:
             name = func.overloadpacket.__name__
-            if name.startswith(_FREE_OPS) or name.endswith("_like") and name.startswith("empty"):
+            if name in _FREE_OPS or name.startswith("empty"):
                 self.current.free_ops[name] += 1
             else:
                 self.current.torch_ops.append(name)
