@@ -1040,6 +1040,22 @@ def fused_moe_decode(
     gather per slot, no host sync): gate_up in fp32 from the widened weights, scaled, biased,
     rounded to x's dtype; silu_and_mul (or clamped_swiglu); the down product kept in fp32,
     scaled, biased, weighted and summed over the slots in slot order, rounded once."""
+    args = (x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, w13_bias, w2_bias, swiglu)
+    return _decode_sum(*args).to(x.dtype)
+
+
+def _decode_sum(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    swiglu: tuple[float, float] | None,
+) -> torch.Tensor:  # [num_tokens, hidden] fp32: fused_moe_decode before its rounding
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     for slot in range(topk_ids.shape[1]):
         ids = topk_ids[:, slot].long()
@@ -1052,7 +1068,7 @@ def fused_moe_decode(
         if w2_bias is not None:
             down = down + w2_bias[ids].float()
         out += down * topk_weights[:, slot, None].float()
-    return out.to(x.dtype)
+    return out
 
 
 def fused_moe_decode_routed(
@@ -1069,16 +1085,20 @@ def fused_moe_decode_routed(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     swiglu: tuple[float, float] | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([T, hidden], [T, 1] logits)
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """A decode step's MoE block after its router: rms_norm(x) run through the experts
-    moe_route picks from `router_logits` (fused_moe_decode). The GPU norms and routes inside
-    the experts' first launch: its norm scales the dot products by the row's rsqrt at the end
-    (fp32 agrees to ~1e-6; bf16 within a rounding of the normed input)."""
+    moe_route picks from `router_logits` (fused_moe_decode), plus, with `shared` (Qwen2-MoE:
+    its shared expert's output and its gate's logit), sigmoid(logit) * output, added in fp32
+    before the one rounding. The GPU norms and routes inside the experts' first launch: its
+    norm scales the dot products by the row's rsqrt at the end (fp32 agrees to ~1e-6; bf16
+    within a rounding of the normed input)."""
     normed = x if norm_weight is None else rms_norm(x, norm_weight, eps)
     weights, ids = moe_route(router_logits, top_k, renormalize, x.dtype)
-    return fused_moe_decode(
-        normed, w13, w2, weights, ids, w13_scale, w2_scale, w13_bias, w2_bias, swiglu
-    )
+    out = _decode_sum(normed, w13, w2, weights, ids, w13_scale, w2_scale, w13_bias, w2_bias, swiglu)
+    if shared is not None:
+        out = out + torch.sigmoid(shared[1].float()) * shared[0].float()
+    return out.to(x.dtype)
 
 
 def _gathered_gemv(

@@ -247,13 +247,15 @@ class FusedMoE(nn.Module):
         norm_weight: torch.Tensor | None,  # the block's RMSNorm; None: x is the input
         eps: float,
         router_logits: torch.Tensor,  # [num_tokens, num_experts]
+        shared: tuple[torch.Tensor, torch.Tensor] | None = None,  # a shared expert's output
+        # and its gate's [num_tokens, 1] logits: sigmoid(logits) * output added
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """forward(rms_norm(x), router_logits) where routes_in_experts: the norm, the routing
         and the experts in two launches on the GPU (ops.fused_moe_decode_routed)."""
         w13_bias, w2_bias, swiglu, _ = expert_options(self)
         return ops.fused_moe_decode_routed(
             x, norm_weight, eps, router_logits, self.top_k, self.renormalize,
-            *self.method.expert_weights(self), w13_bias, w2_bias, swiglu,
+            *self.method.expert_weights(self), w13_bias, w2_bias, swiglu, shared,
         )  # fmt: skip
 
     def extra_repr(self) -> str:

@@ -154,13 +154,18 @@ def test_biased_clamped_experts_equal_the_twin(fused_sum, per_channel_fp8, dtype
 
 
 @pytest.mark.parametrize("num_tokens,top_k,num_experts", [(1, 2, 4), (3, 3, 6), (16, 1, 5)])
-@pytest.mark.parametrize("biased", [False, True])
+@pytest.mark.parametrize("variant", ["plain", "biased", "shared", "shared_split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_norm_and_routing_inside_the_kernel_equal_the_twin(
-    num_tokens, top_k, num_experts, biased, dtype
+    num_tokens, top_k, num_experts, variant, dtype, monkeypatch
 ) -> None:
     """fused_moe_decode_routed: the residual stream normed, the router's logits softmaxed and
-    top-k'd inside the gate_up launch (ids and weights written for the down launch)."""
+    top-k'd inside the gate_up launch (ids and weights written for the down launch); gpt-oss's
+    biased clamped experts; a shared expert's gated output added by the last launch (the
+    fused down kernel's, or the split one's sum)."""
+    if variant == "shared_split":
+        split = (8, 16, 4, 8, 16, 4, 1, 0)
+        monkeypatch.setattr(moe_decode, "_INTERPRETER_TILES", split)
     gen = torch.Generator().manual_seed(num_tokens + top_k)
     x = (torch.randn(num_tokens, HIDDEN, generator=gen) * 3).to(dtype).to(DEVICE)
     norm_weight = (torch.rand(HIDDEN, generator=gen) + 0.5).to(dtype).to(DEVICE)
@@ -168,15 +173,24 @@ def test_norm_and_routing_inside_the_kernel_equal_the_twin(
     w13 = (torch.randn(num_experts, 2 * INTER, HIDDEN, generator=gen) * 0.3).to(dtype)
     w2 = (torch.randn(num_experts, HIDDEN, INTER, generator=gen) * 0.3).to(dtype)
     w13, w2 = w13.to(DEVICE), w2.to(DEVICE)
-    b13 = b2 = swiglu = None
-    if biased:
+    b13 = b2 = swiglu = shared = None
+    if variant.startswith("shared"):
+        shared = (
+            torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype).to(DEVICE),
+            torch.randn(num_tokens, 1, generator=gen).to(dtype).to(DEVICE),
+        )
+    if variant == "biased":
         b13 = (torch.randn(num_experts, 2 * INTER, generator=gen) * 0.5).to(dtype).to(DEVICE)
         b2 = (torch.randn(num_experts, HIDDEN, generator=gen) * 0.5).to(dtype).to(DEVICE)
         swiglu = SWIGLU
     for renormalize in (False, True):
         args = (x, norm_weight, 1e-5, logits, top_k, renormalize, w13, w2, None, None)
-        want = reference.fused_moe_decode_routed(*args, b13, b2, swiglu)
-        got = moe_decode.fused_moe_decode_routed(*args, b13, b2, swiglu)
+        want = reference.fused_moe_decode_routed(*args, b13, b2, swiglu, shared)
+        got = moe_decode.fused_moe_decode_routed(*args, b13, b2, swiglu, shared)
         _close(got, want, dtype)
     unnormed = reference.fused_moe_decode_routed(x, None, 1e-5, *args[3:], b13, b2, swiglu)
     assert (want.float() - unnormed.float()).abs().max() > 0.1 * want.float().abs().max()
+    if shared is not None:
+        alone = reference.fused_moe_decode_routed(*args, b13, b2, swiglu)
+        added = torch.sigmoid(shared[1].float()) * shared[0].float()
+        _close(want, alone.float() + added, dtype)

@@ -3,8 +3,8 @@ Triton kernels under the interpreter, the torch ops between them), FP8 dynamic w
 float8 KV cache as the published rows run: a Qwen3-MoE layer one launch more than a dense
 Qwen3 layer (its router's projection, with the post-attention norm inside; the norm again and
 the softmax/top-k inside the experts' first kernel), gpt-oss's biased, clamped experts on the
-same two decode kernels, no torch op launching a kernel of its own in either, and a dense
-Llama layer's five launches as they were."""
+same two decode kernels, Qwen2-MoE's shared expert three launches more, no torch op
+launching a kernel of its own in any, and a dense Llama layer's five launches as they were."""
 
 from __future__ import annotations
 
@@ -33,6 +33,9 @@ FAMILIES = {
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
         head_dim=32)),
     "gpt_oss": ("gpt_oss", "GptOssForCausalLM", TINY_GPT_OSS),
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+        shared_expert_intermediate_size=48)),
 }  # fmt: skip
 
 
@@ -66,6 +69,13 @@ def test_gpt_oss_experts_take_the_decode_kernels(launches) -> None:
     for layer in launches["gpt_oss"]:
         assert layer.triton[-2:] == ["_gate_up_act_kernel", "_down_sum_kernel"], layer.triton
         assert layer.kernels == 6
+
+
+def test_the_shared_expert_adds_three_launches(launches) -> None:
+    """Qwen2-MoE: its norm + gate_up + SiLU-mul, its down and its gate's projection; the
+    sigmoid-gated sum inside the experts' last kernel."""
+    for layer in launches["qwen2_moe"]:
+        assert layer.kernels == 3 + 3 + 3, layer.triton  # attention, router + experts, shared
 
 
 def test_a_dense_llama_layer_launches_as_before(launches) -> None:

@@ -219,6 +219,8 @@ def _down_sum_kernel(
     ids_ptr,  # [num_tokens * top_k] int
     weights_ptr,  # [num_tokens * top_k] fp32 routing weights
     bias_ptr,  # [num_experts, N] (read with HAS_BIAS only)
+    shared_ptr,  # [num_tokens, N]: the shared expert's output (read with SHARED only)
+    shared_gate_ptr,  # [num_tokens] its gate's logits (read with SHARED only)
     out_ptr,  # [num_tokens, N]
     top_k,
     N,
@@ -229,9 +231,12 @@ def _down_sum_kernel(
     stride_se,
     stride_sn,
     stride_be,
+    stride_shared,
+    stride_shared_gate,
     stride_out,
     SCALED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SHARED: tl.constexpr,  # Qwen2-MoE: + sigmoid(shared gate) * shared expert
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -261,16 +266,33 @@ def _down_sum_kernel(
             bias = tl.load(bias_ptr + expert * stride_be + cols, mask=col_mask, other=0.0)
             part += last * bias.to(tl.float32)
         total += part * tl.load(weights_ptr + pair)
+    if SHARED:
+        total = _add_shared(total, shared_ptr, shared_gate_ptr, token, cols, col_mask,
+                            stride_shared, stride_shared_gate)  # fmt: skip
     out = out_ptr + token * stride_out + cols
     tl.store(out, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
+def _add_shared(total, shared_ptr, shared_gate_ptr, token, cols, col_mask, stride_shared,
+                stride_shared_gate):  # fmt: skip
+    """total + sigmoid(the token's shared gate logit) * its shared expert's output, in fp32."""
+    gate = tl.load(shared_gate_ptr + token * stride_shared_gate).to(tl.float32)
+    shared = tl.load(shared_ptr + token * stride_shared + cols, mask=col_mask, other=0.0)
+    return total + shared.to(tl.float32) / (1.0 + tl.exp(-gate))
+
+
+@triton.jit
 def _sum_slots_kernel(
     rows_ptr,  # [num_tokens * rows_per_token, N] fp32
+    shared_ptr,  # as _down_sum_kernel's (read with SHARED only)
+    shared_gate_ptr,
     out_ptr,  # [num_tokens, N]
     rows_per_token,  # top_k x the down GEMV's K splits
     N,
+    stride_shared,
+    stride_shared_gate,
+    SHARED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -279,6 +301,9 @@ def _sum_slots_kernel(
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for row in range(rows_per_token):  # in slot order, as the reference adds them
         total += tl.load(rows_ptr + (token * rows_per_token + row) * N + cols, mask=mask, other=0.0)
+    if SHARED:
+        total = _add_shared(total, shared_ptr, shared_gate_ptr, token, cols, mask, stride_shared,
+                            stride_shared_gate)  # fmt: skip
     tl.store(out_ptr + token * N + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -323,6 +348,7 @@ def fused_moe_decode_routed(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     swiglu: tuple[float, float] | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """See reference.fused_moe_decode_routed: the norm and the routing inside the gate_up
     launch (two launches in all, where rms_norm, moe_route and the experts took four)."""
@@ -337,7 +363,7 @@ def fused_moe_decode_routed(
     return fused_moe_decode_tiled(
         x, w13, w2, weights, ids, w13_scale, w2_scale, None, w13_bias=w13_bias,
         w2_bias=w2_bias, swiglu=swiglu, route=(router_logits.contiguous(), renormalize),
-        norm=None if norm_weight is None else (norm_weight, eps),
+        norm=None if norm_weight is None else (norm_weight, eps), shared=shared,
     )  # fmt: skip
 
 
@@ -357,6 +383,8 @@ def fused_moe_decode_tiled(
     route: tuple[torch.Tensor, bool] | None = None,  # (router logits, renormalize): the
     # gate_up launch routes each token and writes topk_weights and topk_ids (shapes only given)
     norm: tuple[torch.Tensor, float] | None = None,  # (norm weight, eps): x is rms_norm'd here
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([T, hidden] shared expert's
+    # output, [T, 1] its gate's logits): added as sigmoid(gate) * output in the last launch
 ) -> torch.Tensor:
     """fused_moe_decode at given tiles (tests and the kernel benchmark sweep them)."""
     num_tokens, top_k = topk_ids.shape
@@ -400,11 +428,14 @@ def fused_moe_decode_tiled(
     )  # fmt: skip
     s2, s2_e, s2_n = _scale_args(w2_scale, weights)
     b2 = w2_bias if w2_bias is not None else x
+    shared_out, shared_gate = shared if shared is not None else (x, x)
+    shared_strides = (shared_out.stride(0), shared_gate.stride(0))
     if fused_sum:
         _down_sum_kernel[(num_tokens, triton.cdiv(hidden, n2))](
-            act, w2, s2, ids, weights, b2, out, top_k, hidden, inter, act.stride(0),
-            w2.stride(0), w2.stride(1), s2_e, s2_n, b2.stride(0), out.stride(0),
-            SCALED=w2_scale is not None, HAS_BIAS=w2_bias is not None,
+            act, w2, s2, ids, weights, b2, shared_out, shared_gate, out, top_k, hidden, inter,
+            act.stride(0), w2.stride(0), w2.stride(1), s2_e, s2_n, b2.stride(0),
+            *shared_strides, out.stride(0), SCALED=w2_scale is not None,
+            HAS_BIAS=w2_bias is not None, SHARED=shared is not None,
             BLOCK_N=n2, BLOCK_K=k2, NUM_STAGES=stages, num_warps=warps2,
         )  # fmt: skip
         return out
@@ -420,6 +451,7 @@ def fused_moe_decode_tiled(
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        down, out, top_k * num_splits, hidden, BLOCK=block
-    )
+        down, shared_out, shared_gate, out, top_k * num_splits, hidden, *shared_strides,
+        SHARED=shared is not None, BLOCK=block,
+    )  # fmt: skip
     return out
