@@ -194,3 +194,20 @@ def test_norm_and_routing_inside_the_kernel_equal_the_twin(
         alone = reference.fused_moe_decode_routed(*args, b13, b2, swiglu)
         added = torch.sigmoid(shared[1].float()) * shared[0].float()
         _close(want, alone.float() + added, dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_cuda_graph_captures_the_routed_kernels() -> None:
+    """The norm and routing inside the kernels: still no host sync, replayed exactly."""
+    x, w13, w2, _, _ = _case(2, 2, torch.bfloat16)
+    norm_weight = torch.ones(HIDDEN, dtype=torch.bfloat16, device=DEVICE)
+    logits = torch.randn(2, EXPERTS, device=DEVICE).to(torch.bfloat16)
+    b13, b2 = _biases(torch.bfloat16)
+    args = (x, norm_weight, 1e-6, logits, 2, True, w13, w2, None, None, b13, b2, SWIGLU)
+    eager = moe_decode.fused_moe_decode_routed(*args)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe_decode.fused_moe_decode_routed(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, eager, atol=0, rtol=0)
