@@ -12,8 +12,15 @@ tile, chunk of a long reduction) into fp32 rows and sums them in a third launch:
 one more launch.
 
 Weights are the model dtype's or float8 e4m3 (widened in registers; weight-only) with a scale
-per expert ([E]) or per expert and output channel ([E, N]). Everything is on the device with
-shapes from the token count alone: no host sync, so a CUDA graph captures it."""
+per expert ([E]) or per expert and output channel ([E, N]). Constexpr variants: gpt-oss's expert
+biases and clamped SwiGLU; fused_moe_decode_routed's gate_up launch also takes the residual
+stream and the router's logits, RMS-norms the row inside its loop (the norm's scale, one scalar
+a row, multiplies the sums at the end) and routes its token itself (moe_router.route_row, a few
+hundred flops a program), writing the ids and weights the down launch reads; the down launch
+may add a shared expert's sigmoid-gated output (Qwen2-MoE). A batch-1 MoE block is then its
+router's GEMV (the add + norm inside: small_batch_linear) and these two launches. Everything is
+on the device with shapes from the token count alone: no host sync, so a CUDA graph captures
+it."""
 
 from __future__ import annotations
 
