@@ -9,6 +9,8 @@ experts, top-8, hidden 2048, expert width 768; tokens routed uniformly at random
   (fused_moe_decode, and each of moe_decode.DECODE_TILE_CANDIDATES) against the grouped GEMM
   (fused_moe), in GB/s of the distinct experts the step reads (the roofline's bytes). The calls
   rotate over 16 routings, so the experts one call reads are mostly not in L2 from the last.
+  Also the block after its router: rms_norm + moe_route + fused_moe_decode (norm_route_decode)
+  against fused_moe_decode_routed (decode_routed: the norm and routing inside its kernels).
 - moe_route: the fused router against the reference's five launches, at 1 and 16 tokens."""
 
 from __future__ import annotations
@@ -145,6 +147,27 @@ def moe_rows(s: MoeShapes, device: torch.device, gen: torch.Generator, record: C
                 record("moe_decode", f"batch={batch} {kind}", impl,
                        [lambda f=fn, args=args: f(*args) for args in all_args],
                        bytes=step_bytes, max_abs_err=_err(fn(*all_args[0]), want))  # fmt: skip
+            # The block after its router: the norm, the routing and the experts as three ops,
+            # or as the two launches that norm and route inside the experts' first.
+            norm_weight = torch.ones(s.hidden, dtype=s.dtype, device=device)
+            logits = [torch.randn(batch, s.num_experts, generator=gen, device=device).to(s.dtype)
+                      for _ in routings]  # fmt: skip
+
+            def unfused(z, a=a, b=b, sa=sa, sb=sb, xs=xs, nw=norm_weight):
+                normed = triton_ops.rms_norm(xs, nw, 1e-6)
+                w, i = triton_ops.moe_route(z, s.top_k, True, s.dtype)
+                return triton_ops.fused_moe_decode(normed, a, b, w, i, sa, sb)
+
+            routed_args = [(xs, norm_weight, 1e-6, z, s.top_k, True, a, b, sa, sb) for z in logits]
+            routed_want = reference.fused_moe_decode_routed(*routed_args[0])
+            record("moe_decode", f"batch={batch} {kind}", "norm_route_decode",
+                   [lambda z=z: unfused(z) for z in logits], bytes=step_bytes,
+                   max_abs_err=_err(unfused(logits[0]), routed_want))  # fmt: skip
+            record("moe_decode", f"batch={batch} {kind}", "decode_routed",
+                   [lambda r=r: triton_ops.fused_moe_decode_routed(*r) for r in routed_args],
+                   bytes=step_bytes,
+                   max_abs_err=_err(triton_ops.fused_moe_decode_routed(*routed_args[0]),
+                                    routed_want))  # fmt: skip
             if device.type != "cuda":
                 continue
             for tiles in moe_decode.DECODE_TILE_CANDIDATES:

@@ -1075,17 +1075,72 @@ def fused_moe_decode(
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int: the chosen experts
     w13_scale: torch.Tensor | None = None,  # [E] or [E, 2 * inter] fp32: float8 w13's scales
     w2_scale: torch.Tensor | None = None,  # [E] or [E, hidden] fp32: float8 w2's scales
+    w13_bias: torch.Tensor | None = None,  # [E, 2 * inter]: gpt-oss's expert biases
+    w2_bias: torch.Tensor | None = None,  # [E, hidden]
+    swiglu: tuple[float, float] | None = None,  # gpt-oss's clamped SwiGLU (alpha, limit)
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """fused_moe for a few tokens (decode), reading only each (token, slot)'s chosen expert (one
-    gather per slot, no host sync): gate_up in fp32 from the widened weights, scaled, rounded to
-    x's dtype; silu_and_mul; the down product kept in fp32, scaled, weighted and summed over the
-    slots in slot order, rounded once."""
+    gather per slot, no host sync): gate_up in fp32 from the widened weights, scaled, biased,
+    rounded to x's dtype; silu_and_mul (or clamped_swiglu); the down product kept in fp32,
+    scaled, biased, weighted and summed over the slots in slot order, rounded once."""
+    args = (x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, w13_bias, w2_bias, swiglu)
+    return _decode_sum(*args).to(x.dtype)
+
+
+def _decode_sum(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    swiglu: tuple[float, float] | None,
+) -> torch.Tensor:  # [num_tokens, hidden] fp32: fused_moe_decode before its rounding
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     for slot in range(topk_ids.shape[1]):
         ids = topk_ids[:, slot].long()
-        gate_up = _gathered_gemv(x.float(), w13, w13_scale, ids).to(x.dtype)
-        down = _gathered_gemv(silu_and_mul(gate_up).float(), w2, w2_scale, ids)
+        gate_up = _gathered_gemv(x.float(), w13, w13_scale, ids)
+        if w13_bias is not None:
+            gate_up = gate_up + w13_bias[ids].float()
+        gate_up = gate_up.to(x.dtype)
+        act = silu_and_mul(gate_up) if swiglu is None else clamped_swiglu(gate_up, *swiglu)
+        down = _gathered_gemv(act.float(), w2, w2_scale, ids)
+        if w2_bias is not None:
+            down = down + w2_bias[ids].float()
         out += down * topk_weights[:, slot, None].float()
+    return out
+
+
+def fused_moe_decode_routed(
+    x: torch.Tensor,  # [num_tokens, hidden]: the residual stream
+    norm_weight: torch.Tensor | None,  # [hidden]: the RMSNorm before the experts; None: none
+    eps: float,
+    router_logits: torch.Tensor,  # [num_tokens, num_experts] in the model dtype
+    top_k: int,
+    renormalize: bool,
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]
+    w2: torch.Tensor,  # [num_experts, hidden, inter]
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu: tuple[float, float] | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([T, hidden], [T, 1] logits)
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """A decode step's MoE block after its router: rms_norm(x) run through the experts
+    moe_route picks from `router_logits` (fused_moe_decode), plus, with `shared` (Qwen2-MoE:
+    its shared expert's output and its gate's logit), sigmoid(logit) * output, added in fp32
+    before the one rounding. The GPU norms and routes inside the experts' first launch: its
+    norm scales the dot products by the row's rsqrt at the end (fp32 agrees to ~1e-6; bf16
+    within a rounding of the normed input)."""
+    normed = x if norm_weight is None else rms_norm(x, norm_weight, eps)
+    weights, ids = moe_route(router_logits, top_k, renormalize, x.dtype)
+    out = _decode_sum(normed, w13, w2, weights, ids, w13_scale, w2_scale, w13_bias, w2_bias, swiglu)
+    if shared is not None:
+        out = out + torch.sigmoid(shared[1].float()) * shared[0].float()
     return out.to(x.dtype)
 
 

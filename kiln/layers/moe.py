@@ -39,18 +39,21 @@ def run_experts(
     swiglu: tuple[float, float] | None = None,  # gpt-oss's clamped SwiGLU (alpha, limit)
     remote_ids: bool = False,  # expert parallelism: ids of -1 name another rank's experts
 ) -> torch.Tensor:  # [num_tokens, hidden]
-    """The experts' kernel for the step's token count (see MAX_DECODE_TOKENS). Biased or
-    clamped experts (gpt-oss) and steps with other ranks' ids (-1) take the grouped kernel at
-    every size: the decode and float8 kernels run SiLU(gate) * up without biases over ids that
-    all name local experts."""
+    """The experts' kernel for the step's token count (see MAX_DECODE_TOKENS). Steps with other
+    ranks' ids (-1) take the grouped kernel at every size (the decode kernels read every id's
+    expert); biased or clamped experts (gpt-oss) beyond the decode sizes take it too (the
+    float8 grouped kernel runs SiLU(gate) * up without biases)."""
     args = (x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    if not remote_ids and x.shape[0] <= MAX_DECODE_TOKENS:
+        return ops.fused_moe_decode(*args, w13_bias, w2_bias, swiglu)
     if remote_ids or w13_bias is not None or w2_bias is not None or swiglu is not None:
         return ops.fused_moe(*args, w13_bias, w2_bias, swiglu)
-    if x.shape[0] <= MAX_DECODE_TOKENS:
-        return ops.fused_moe_decode(*args)
     if w13_scale is not None:
         return ops.fused_moe_fp8(*args)
     return ops.fused_moe(*args)
+
+
+ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 class MoEMethod(ABC):
@@ -61,6 +64,10 @@ class MoEMethod(ABC):
     @abstractmethod
     def create_weights(self, layer: FusedMoE, dtype: torch.dtype | None) -> None:
         """Register the experts' parameters (shapes from the layer's sizes)."""
+
+    @abstractmethod
+    def expert_weights(self, layer: FusedMoE) -> ExpertWeights:
+        """(w13, w2, w13_scale, w2_scale) as the experts' kernels take them (no scales: None)."""
 
     @abstractmethod
     def apply(
@@ -83,6 +90,9 @@ class UnquantizedMoEMethod(MoEMethod):
         layer.w13_weight = nn.Parameter(torch.empty(e, 2 * n, h, dtype=dtype), requires_grad=False)
         layer.w2_weight = nn.Parameter(torch.empty(e, h, n, dtype=dtype), requires_grad=False)
         create_expert_biases(layer, dtype)
+
+    def expert_weights(self, layer: FusedMoE) -> ExpertWeights:
+        return layer.w13_weight, layer.w2_weight, None, None
 
     def apply(
         self,
@@ -155,6 +165,9 @@ class Fp8MoEMethod(MoEMethod):
         layer.w2_weight_scale = nn.Parameter(torch.ones(e, *rows2), requires_grad=False)
         create_expert_biases(layer, dtype)
 
+    def expert_weights(self, layer: FusedMoE) -> ExpertWeights:
+        return layer.w13_weight, layer.w2_weight, layer.w13_weight_scale, layer.w2_weight_scale
+
     def apply(
         self,
         layer: FusedMoE,
@@ -221,6 +234,29 @@ class FusedMoE(nn.Module):
         if self.shard is not None:
             ids = self.shard.local_ids(ids)
         return self.method.apply(self, ops, x, weights, ids)
+
+    def routes_in_experts(self, num_tokens: int) -> bool:
+        """Whether a step of `num_tokens` takes forward_routed: a decode step's few tokens on
+        one rank's whole experts."""
+        return self.shard is None and num_tokens <= MAX_DECODE_TOKENS
+
+    def forward_routed(
+        self,
+        ops: ModuleType,
+        x: torch.Tensor,  # [num_tokens, hidden]: the residual stream, before the norm
+        norm_weight: torch.Tensor | None,  # the block's RMSNorm; None: x is the input
+        eps: float,
+        router_logits: torch.Tensor,  # [num_tokens, num_experts]
+        shared: tuple[torch.Tensor, torch.Tensor] | None = None,  # a shared expert's output
+        # and its gate's [num_tokens, 1] logits: sigmoid(logits) * output added
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """forward(rms_norm(x), router_logits) where routes_in_experts: the norm, the routing
+        and the experts in two launches on the GPU (ops.fused_moe_decode_routed)."""
+        w13_bias, w2_bias, swiglu, _ = expert_options(self)
+        return ops.fused_moe_decode_routed(
+            x, norm_weight, eps, router_logits, self.top_k, self.renormalize,
+            *self.method.expert_weights(self), w13_bias, w2_bias, swiglu, shared,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (

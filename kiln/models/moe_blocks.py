@@ -26,7 +26,7 @@ from kiln.layers.moe import (
 )
 from kiln.layers.moe_parallel import rank_shard
 from kiln.layers.quantization.fp8 import Fp8LinearMethod
-from kiln.models.blocks import GatedMLP, LinearMethodFactory
+from kiln.models.blocks import GatedMLP, LinearMethodFactory, norm_then_project
 from kiln.models.config import ModelConfig
 from kiln.models.moe_config import PER_CHANNEL_EXPERTS
 
@@ -91,6 +91,20 @@ class SparseMoeBlock(nn.Module):
         norm_weight: torch.Tensor | None,
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (the block's output, x + residual)
+        if self.experts.routes_in_experts(x.shape[0]):
+            # A decode step: the norm inside the router's projection (one kernel at one row)
+            # and again, with the routing, inside the experts' first kernel; the shared
+            # expert's projections norm their own input, its gated sum is the experts' last.
+            logits, summed = norm_then_project(ops, self.gate, x, residual, norm_weight, eps)
+            shared = None
+            if self.shared_expert is not None and self.shared_expert_gate is not None:
+                out, _ = self.shared_expert(ops, x, residual, norm_weight, eps)
+                gate, _ = norm_then_project(
+                    ops, self.shared_expert_gate, x, residual, norm_weight, eps
+                )
+                shared = (out, gate)
+            routed = self.experts.forward_routed(ops, summed, norm_weight, eps, logits, shared)
+            return routed, summed
         if norm_weight is None:
             normed = summed = x if residual is None else x + residual
         elif residual is None:

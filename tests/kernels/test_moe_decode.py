@@ -117,3 +117,97 @@ def test_a_cuda_graph_captures_the_decode_kernels() -> None:
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(captured, eager, atol=0, rtol=0)
+
+
+def _biases(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    b13 = torch.randn(EXPERTS, 2 * INTER, generator=gen) * 0.5
+    b2 = torch.randn(EXPERTS, HIDDEN, generator=gen) * 0.5
+    return b13.to(dtype).to(DEVICE), b2.to(dtype).to(DEVICE)
+
+
+# gpt-oss's (alpha, limit); the limit low enough that the tiny case's gates and ups clip.
+SWIGLU = (1.702, 2.0)
+
+
+@pytest.mark.parametrize("fused_sum", [1, 0])
+@pytest.mark.parametrize("per_channel_fp8", [None, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_biased_clamped_experts_equal_the_twin(fused_sum, per_channel_fp8, dtype) -> None:
+    """gpt-oss's experts (biases on both projections, the clamped SwiGLU) on the decode
+    kernels, both down variants, model-dtype and per-channel float8 weights; the twin against
+    the loop over experts, which the gpt-oss model tests hold to transformers."""
+    x, w13, w2, weights, ids = _case(3, 2, dtype)
+    b13, b2 = _biases(dtype)
+    s13 = s2 = None
+    if per_channel_fp8:
+        (w13, s13), (w2, s2) = quantize_experts_fp8(w13, True), quantize_experts_fp8(w2, True)
+    args = (x, w13, w2, weights, ids, s13, s2)
+    extra = {"w13_bias": b13, "w2_bias": b2, "swiglu": SWIGLU}
+    want = reference.fused_moe_decode(*args, b13, b2, SWIGLU)
+    tiles = (8, 16, 4, 8, 16, 4, 1, fused_sum)
+    _close(moe_decode.fused_moe_decode_tiled(*args, tiles, **extra), want, dtype)
+    unbiased = reference.fused_moe_decode(*args)
+    assert (want.float() - unbiased.float()).abs().max() > 0.1 * want.float().abs().max()
+    if dtype == torch.float32:  # the twin keeps the down product unrounded; the loop rounds it
+        _close(want, reference.fused_moe(*args, b13, b2, SWIGLU), dtype)
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(1, 2, 4), (3, 3, 6), (16, 1, 5)])
+@pytest.mark.parametrize("variant", ["plain", "biased", "shared", "shared_split"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_norm_and_routing_inside_the_kernel_equal_the_twin(
+    num_tokens, top_k, num_experts, variant, dtype, monkeypatch
+) -> None:
+    """fused_moe_decode_routed: the residual stream normed, the router's logits softmaxed and
+    top-k'd inside the gate_up launch (ids and weights written for the down launch); gpt-oss's
+    biased clamped experts; a shared expert's gated output added by the last launch (the
+    fused down kernel's, or the split one's sum)."""
+    if variant == "shared_split":
+        split = (8, 16, 4, 8, 16, 4, 1, 0)
+        monkeypatch.setattr(moe_decode, "_INTERPRETER_TILES", split)
+    gen = torch.Generator().manual_seed(num_tokens + top_k)
+    x = (torch.randn(num_tokens, HIDDEN, generator=gen) * 3).to(dtype).to(DEVICE)
+    norm_weight = (torch.rand(HIDDEN, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    logits = (torch.randn(num_tokens, num_experts, generator=gen) * 2).to(dtype).to(DEVICE)
+    w13 = (torch.randn(num_experts, 2 * INTER, HIDDEN, generator=gen) * 0.3).to(dtype)
+    w2 = (torch.randn(num_experts, HIDDEN, INTER, generator=gen) * 0.3).to(dtype)
+    w13, w2 = w13.to(DEVICE), w2.to(DEVICE)
+    b13 = b2 = swiglu = shared = None
+    if variant.startswith("shared"):
+        shared = (
+            torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype).to(DEVICE),
+            torch.randn(num_tokens, 1, generator=gen).to(dtype).to(DEVICE),
+        )
+    if variant == "biased":
+        b13 = (torch.randn(num_experts, 2 * INTER, generator=gen) * 0.5).to(dtype).to(DEVICE)
+        b2 = (torch.randn(num_experts, HIDDEN, generator=gen) * 0.5).to(dtype).to(DEVICE)
+        swiglu = SWIGLU
+    for renormalize in (False, True):
+        args = (x, norm_weight, 1e-5, logits, top_k, renormalize, w13, w2, None, None)
+        want = reference.fused_moe_decode_routed(*args, b13, b2, swiglu, shared)
+        got = moe_decode.fused_moe_decode_routed(*args, b13, b2, swiglu, shared)
+        _close(got, want, dtype)
+    unnormed = reference.fused_moe_decode_routed(x, None, 1e-5, *args[3:], b13, b2, swiglu)
+    assert (want.float() - unnormed.float()).abs().max() > 0.1 * want.float().abs().max()
+    if shared is not None:
+        alone = reference.fused_moe_decode_routed(*args, b13, b2, swiglu)
+        added = torch.sigmoid(shared[1].float()) * shared[0].float()
+        _close(want, alone.float() + added, dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_cuda_graph_captures_the_routed_kernels() -> None:
+    """The norm and routing inside the kernels: still no host sync, replayed exactly."""
+    x, w13, w2, _, _ = _case(2, 2, torch.bfloat16)
+    norm_weight = torch.ones(HIDDEN, dtype=torch.bfloat16, device=DEVICE)
+    logits = torch.randn(2, EXPERTS, device=DEVICE).to(torch.bfloat16)
+    b13, b2 = _biases(torch.bfloat16)
+    args = (x, norm_weight, 1e-6, logits, 2, True, w13, w2, None, None, b13, b2, SWIGLU)
+    eager = moe_decode.fused_moe_decode_routed(*args)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe_decode.fused_moe_decode_routed(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, eager, atol=0, rtol=0)

@@ -18,7 +18,8 @@ pytest.importorskip("triton.backends.nvidia", reason="triton without its NVIDIA 
 
 # Runtime ints the real launches pass as multiples of 16 are specialized so (Triton's JIT does
 # this by value); these are not (top_k 8, per-expert scale strides 1 and 0, counts).
-_NOT_DIVISIBLE = {"top_k", "stride_se", "stride_sn", "num_experts", "num_pairs"}
+_NOT_DIVISIBLE = {"top_k", "stride_se", "stride_sn", "num_experts", "num_pairs", "eps", "alpha",
+                  "limit", "stride_shared_gate"}  # fmt: skip
 _STRIDES = ("stride_we", "stride_wn", "stride_se", "stride_sn", "stride_out")
 
 
@@ -40,36 +41,58 @@ def _ptx(fn, signature: dict, constants: dict, num_warps: int = 4, num_stages: i
 
 def _compile_all() -> dict[str, str]:
     """Each case's PTX: the decode kernels at their default tiles (bf16 and float8 weights; the
-    split down variant too),
+    split down variant too; routed, normed, biased, clamped and shared variants),
     the float8 grouped GEMM at its default tiles (pointer loads and TMA), the router."""
     from kiln.kernels.triton import moe_decode, moe_fp8, moe_router
 
     ptx = {}
+    gate_up_args = {
+        "x_ptr": "*bf16", "norm_ptr": "*bf16", "logits_ptr": "*bf16", "w_ptr": "*bf16",
+        "scale_ptr": "*fp32", "bias_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32",
+        "out_ptr": "*bf16", "top_k": "i32", "N": "i32", "K": "i32", "num_experts": "i32",
+        "eps": "fp32", "alpha": "fp32", "limit": "fp32", "stride_x": "i32",
+        "stride_logits": "i32", "stride_be": "i32", **dict.fromkeys(_STRIDES, "i32"),
+    }  # fmt: skip
+    plain = {"NORMED": False, "ROUTED": False, "TOP_K": 8, "RENORMALIZE": True, "ROUND": True,
+             "BLOCK_E": 128, "BLOCK_TOP_K": 8, "HAS_BIAS": False, "SWIGLU": False}  # fmt: skip
+    down_sum_args = {
+        "h_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*fp32", "ids_ptr": "*i64",
+        "weights_ptr": "*fp32", "bias_ptr": "*bf16", "shared_ptr": "*bf16",
+        "shared_gate_ptr": "*bf16", "out_ptr": "*bf16", "top_k": "i32", "N": "i32", "K": "i32",
+        "stride_h": "i32", "stride_be": "i32", "stride_shared": "i32",
+        "stride_shared_gate": "i32", **dict.fromkeys(_STRIDES, "i32"),
+    }  # fmt: skip
+    # (name suffix, gate_up's variant, down_sum's): the plain kernels, Qwen3-MoE's routed and
+    # normed decode, gpt-oss's biased and clamped experts, Qwen2-MoE's shared expert.
+    variants = (
+        ("", {}, {"HAS_BIAS": False, "SHARED": False}),
+        (" routed", {"NORMED": True, "ROUTED": True}, {"HAS_BIAS": False, "SHARED": True}),
+        (" biased", {"ROUTED": True, "HAS_BIAS": True, "SWIGLU": True, "BLOCK_E": 32,
+                     "BLOCK_TOP_K": 4, "TOP_K": 4}, {"HAS_BIAS": True, "SHARED": False}),
+    )  # fmt: skip
     for weight in ("bf16", "fp8e4nv"):
         scaled = weight != "bf16"
         block_k = moe_decode._ROW_BYTES // (1 if scaled else 2)
         stages = moe_decode._NUM_STAGES
-        ptx[f"gate_up {weight}"] = _ptx(
-            moe_decode._gate_up_act_kernel,
-            {"x_ptr": "*bf16", "w_ptr": f"*{weight}", "scale_ptr": "*fp32", "ids_ptr": "*i64",
-             "out_ptr": "*bf16", "top_k": "i32", "N": "i32", "K": "i32", "stride_x": "i32",
-             **dict.fromkeys(_STRIDES, "i32")},
-            {"SCALED": scaled, "INTERPRETED": False, "BLOCK_N": 16, "BLOCK_K": block_k,
-             "NUM_STAGES": stages},
-        )  # fmt: skip
-        ptx[f"down_sum {weight}"] = _ptx(
-            moe_decode._down_sum_kernel,
-            {"h_ptr": "*bf16", "w_ptr": f"*{weight}", "scale_ptr": "*fp32", "ids_ptr": "*i64",
-             "weights_ptr": "*fp32", "out_ptr": "*bf16", "top_k": "i32", "N": "i32", "K": "i32",
-             "stride_h": "i32", **dict.fromkeys(_STRIDES, "i32")},
-            {"SCALED": scaled, "BLOCK_N": 8, "BLOCK_K": block_k, "NUM_STAGES": stages},
-        )  # fmt: skip
+        for suffix, gate_up_variant, down_variant in variants:
+            ptx[f"gate_up {weight}{suffix}"] = _ptx(
+                moe_decode._gate_up_act_kernel, {**gate_up_args, "w_ptr": f"*{weight}"},
+                {"SCALED": scaled, **plain, **gate_up_variant, "INTERPRETED": False,
+                 "BLOCK_N": 16, "BLOCK_K": block_k, "NUM_STAGES": stages},
+            )  # fmt: skip
+            ptx[f"down_sum {weight}{suffix}"] = _ptx(
+                moe_decode._down_sum_kernel, {**down_sum_args, "w_ptr": f"*{weight}"},
+                {"SCALED": scaled, **down_variant, "BLOCK_N": 8, "BLOCK_K": block_k,
+                 "NUM_STAGES": stages},
+            )  # fmt: skip
         ptx[f"down {weight}"] = _ptx(
             moe_decode._down_kernel,
             {"h_ptr": "*bf16", "w_ptr": f"*{weight}", "scale_ptr": "*fp32", "ids_ptr": "*i64",
-             "weights_ptr": "*fp32", "out_ptr": "*fp32", "N": "i32", "K": "i32",
-             "K_CHUNK": "i32", "stride_h": "i32", **dict.fromkeys(_STRIDES, "i32")},
-            {"SCALED": scaled, "BLOCK_N": 32, "BLOCK_K": block_k, "NUM_STAGES": stages},
+             "weights_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*fp32", "N": "i32",
+             "K": "i32", "K_CHUNK": "i32", "stride_h": "i32", "stride_be": "i32",
+             **dict.fromkeys(_STRIDES, "i32")},
+            {"SCALED": scaled, "HAS_BIAS": True, "BLOCK_N": 32, "BLOCK_K": block_k,
+             "NUM_STAGES": stages},
         )  # fmt: skip
     block_m, block_n, block_k, num_warps, num_stages, _ = moe_fp8.DEFAULT_TILES
     for tma in (0, 1):
@@ -113,6 +136,9 @@ def test_decode_kernels_pipeline_their_weight_loads(ptx) -> None:
         for kernel in ("gate_up", "down_sum", "down"):
             # Weight tiles staged in shared memory ahead of use; the slot loop's expert ids too.
             assert "cp.async" in ptx[f"{kernel} {weight}"], (kernel, weight)
+        for suffix in ("routed", "biased"):  # the routed, normed, biased, clamped variants
+            for kernel in ("gate_up", "down_sum"):
+                assert "cp.async" in ptx[f"{kernel} {weight} {suffix}"], (kernel, suffix)
         assert "ld.global" not in ptx[f"down_sum {weight}"]
 
 

@@ -2,7 +2,9 @@
 checkpoint (routed experts, a dense layer, the shared expert) through the Triton kernels, the
 fused-MoE grouped GEMM (27 tokens) or the decode kernels (5 tokens) among them
 (TRITON_INTERPRET=1 without a GPU), against the same forward
-through the reference ops, which tests/models/test_moe.py holds to transformers."""
+through the reference ops, which tests/models/test_moe.py holds to transformers; and Qwen3-MoE
+and gpt-oss (biased, clamped experts) at decode sizes, where the block's norm and routing run
+inside the experts' kernel (one token: the norm inside the router's projection too)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from kiln.kernels.kv_layout import empty_cache
 from kiln.models.packed_prefill import packed_prefill_metadata
 from kiln.runtime.model_loader import load_model
 from tests.models.family_checks import perturb_norms_and_biases, save_tiny_hf
+from tests.models.test_gpt_oss import TINY_GPT_OSS
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -39,6 +42,39 @@ def test_triton_forward_equals_the_reference(tmp_path, lens) -> None:
     assert hasattr(model.layers[0].mlp, "experts") and not hasattr(model.layers[1].mlp, "experts")
     metadata, blocks = packed_prefill_metadata(lens, 16, DEVICE)
     ids = torch.randint(3, cfg.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
+    outs = []
+    for ops, backend in ((reference, "torch"), (triton_ops, "triton")):
+        shape = (blocks, 16, cfg.num_key_value_heads, cfg.head_dim)
+        caches = [
+            (empty_cache(*shape, torch.float32, DEVICE), empty_cache(*shape, torch.float32, DEVICE))
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        attention = get_attention_backend(backend, DEVICE)
+        with torch.no_grad():
+            hidden = model(ops, attention, ids.to(DEVICE), positions, caches, metadata)
+            outs.append(model.compute_logits(hidden, ops).float())
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-4, rtol=2e-4)
+
+
+DECODE_FAMILIES = {
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM", dict(
+        num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
+        head_dim=32)),
+    "gpt_oss": ("gpt_oss", "GptOssForCausalLM", TINY_GPT_OSS),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(DECODE_FAMILIES))
+@pytest.mark.parametrize("lens", [[1], [3, 2]])
+def test_decode_sizes_route_inside_the_experts_kernel(tmp_path, family, lens) -> None:
+    model_type, architecture, overrides = DECODE_FAMILIES[family]
+    save_tiny_hf(str(tmp_path), model_type, architecture, perturb=perturb_norms_and_biases,
+                 **overrides)  # fmt: skip
+    model = load_model(EngineConfig(model=str(tmp_path)), DEVICE, torch.float32).model
+    cfg = model.config
+    metadata, blocks = packed_prefill_metadata(lens, 16, DEVICE)
+    ids = torch.randint(3, cfg.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(1))
     positions = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
     outs = []
     for ops, backend in ((reference, "torch"), (triton_ops, "triton")):

@@ -19,7 +19,7 @@ from kiln.kernels.triton.fused_moe import fused_moe
 from kiln.kernels.triton.int4_gemm import int4_linear
 from kiln.kernels.triton.int8_gemm import int8_linear, int8_matmul, quantize_int8
 from kiln.kernels.triton.lora import lora_expand, lora_shrink
-from kiln.kernels.triton.moe_decode import fused_moe_decode
+from kiln.kernels.triton.moe_decode import fused_moe_decode, fused_moe_decode_routed
 from kiln.kernels.triton.moe_fp8 import fused_moe_fp8
 from kiln.kernels.triton.moe_router import moe_route
 from kiln.kernels.triton.prefill_attention import paged_prefill_attention
@@ -67,6 +67,7 @@ __all__ = [
     "fused_add_rms_norm",
     "fused_moe",
     "fused_moe_decode",
+    "fused_moe_decode_routed",
     "fused_moe_fp8",
     "gelu_tanh_and_mul",
     "gelu_tanh_and_mul_quant_fp8",

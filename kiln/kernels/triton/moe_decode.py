@@ -12,8 +12,15 @@ tile, chunk of a long reduction) into fp32 rows and sums them in a third launch:
 one more launch.
 
 Weights are the model dtype's or float8 e4m3 (widened in registers; weight-only) with a scale
-per expert ([E]) or per expert and output channel ([E, N]). Everything is on the device with
-shapes from the token count alone: no host sync, so a CUDA graph captures it."""
+per expert ([E]) or per expert and output channel ([E, N]). Constexpr variants: gpt-oss's expert
+biases and clamped SwiGLU; fused_moe_decode_routed's gate_up launch also takes the residual
+stream and the router's logits, RMS-norms the row inside its loop (the norm's scale, one scalar
+a row, multiplies the sums at the end) and routes its token itself (moe_router.route_row, a few
+hundred flops a program), writing the ids and weights the down launch reads; the down launch
+may add a shared expert's sigmoid-gated output (Qwen2-MoE). A batch-1 MoE block is then its
+router's GEMV (the add + norm inside: small_batch_linear) and these two launches. Everything is
+on the device with shapes from the token count alone: no host sync, so a CUDA graph captures
+it."""
 
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.triton._device import num_sms
+from kiln.kernels.triton.moe_router import route_row
 from kiln.kernels.triton.silu_mul import _silu_f32
 
 # (gate_up BLOCK_N, BLOCK_K, num_warps, down BLOCK_N, BLOCK_K, num_warps, pipeline stages, down
@@ -60,21 +68,40 @@ def _block_n(rows: int, n: int, device: torch.device) -> int:
 
 @triton.jit
 def _gate_up_act_kernel(
-    x_ptr,  # [num_tokens, K]
+    x_ptr,  # [num_tokens, K]: the input (with NORMED the residual stream, normed here)
+    norm_ptr,  # [K]: the RMSNorm's weight (read with NORMED only)
+    logits_ptr,  # [num_tokens, num_experts] router logits (read with ROUTED only)
     w_ptr,  # [num_experts, 2 * N, K]: gate rows, then up rows
     scale_ptr,  # [num_experts] or [num_experts, 2 * N] fp32 (read with SCALED only)
-    ids_ptr,  # [num_tokens * top_k] int: each pair's expert
-    out_ptr,  # [num_tokens * top_k, N]: silu(gate) * up in x's dtype
+    bias_ptr,  # [num_experts, 2 * N] (read with HAS_BIAS only)
+    ids_ptr,  # [num_tokens * top_k] int: each pair's expert (written with ROUTED)
+    weights_ptr,  # [num_tokens * top_k] fp32 routing weights (written with ROUTED)
+    out_ptr,  # [num_tokens * top_k, N]: the activation in x's dtype
     top_k,
     N,
     K,
+    num_experts,
+    eps,
+    alpha,  # the clamped SwiGLU's (with SWIGLU only)
+    limit,
     stride_x,
+    stride_logits,
     stride_we,
     stride_wn,
     stride_se,
     stride_sn,  # 0 for a per-expert scale
+    stride_be,
     stride_out,
     SCALED: tl.constexpr,
+    NORMED: tl.constexpr,  # x is the residual stream: rms_norm it here (dot * rsqrt at the end)
+    ROUTED: tl.constexpr,  # pick the pair's expert from the logits here (moe_router.route_row)
+    TOP_K: tl.constexpr,  # with ROUTED: top_k as a constant
+    RENORMALIZE: tl.constexpr,
+    ROUND: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_TOP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,  # gpt-oss's clamped SwiGLU in place of SiLU(gate) * up
     INTERPRETED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -84,32 +111,60 @@ def _gate_up_act_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     token = (pair // top_k).to(tl.int64)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if ROUTED:  # every column tile routes its token again: a few hundred flops, no launch
+        chosen, chosen_ids = route_row(
+            logits_ptr + token * stride_logits, num_experts, TOP_K, RENORMALIZE, ROUND,
+            BLOCK_E, BLOCK_TOP_K,
+        )  # fmt: skip
+        lane = tl.arange(0, BLOCK_TOP_K) == pair % top_k
+        expert = tl.sum(tl.where(lane, chosen_ids, 0), axis=0)
+        if tl.program_id(1) == 0:  # the down kernel's ids and weights
+            tl.store(ids_ptr + pair, expert)
+            tl.store(weights_ptr + pair, tl.sum(tl.where(lane, chosen, 0.0), axis=0))
+    else:
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
     gate_rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
     up_rows = gate_rows + N * stride_wn
     gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
     up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     # Pipelined: the next stages' weight tiles stream into shared memory while one is summed.
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         xk = tl.load(x_ptr + token * stride_x + ks, mask=k_mask, other=0.0).to(tl.float32)
+        if NORMED:  # RMSNorm's scale is one scalar a row: applied to the sums after the loop
+            squares += xk * xk
+            xk = xk * tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
         mask = col_mask[:, None] & k_mask[None, :]
         g = tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
         gate += tl.sum(g * xk[None, :], axis=1)
         up += tl.sum(u * xk[None, :], axis=1)
+    if NORMED:
+        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+        gate *= rstd
+        up *= rstd
     if SCALED:
         scales = scale_ptr + expert * stride_se
         gate *= tl.load(scales + cols * stride_sn, mask=col_mask, other=0.0)
         up *= tl.load(scales + (cols + N) * stride_sn, mask=col_mask, other=0.0)
+    if HAS_BIAS:
+        biases = bias_ptr + expert * stride_be
+        gate += tl.load(biases + cols, mask=col_mask, other=0.0).to(tl.float32)
+        up += tl.load(biases + N + cols, mask=col_mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    # Rounded as the reference's gate_up then silu_and_mul are: each to the model dtype.
-    gate = gate.to(dtype)
+    # Rounded as the reference's gate_up then activation are: each to the model dtype.
+    gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
-    act = _silu_f32(gate.to(tl.float32), INTERPRETED).to(dtype).to(tl.float32)
+    if SWIGLU:  # reference.clamped_swiglu, in fp32 and rounded once
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+    else:
+        act = _silu_f32(gate, INTERPRETED).to(dtype).to(tl.float32) * up
     out = out_ptr + pair.to(tl.int64) * stride_out + cols
-    tl.store(out, (act * up).to(dtype), mask=col_mask)
+    tl.store(out, act.to(dtype), mask=col_mask)
 
 
 @triton.jit
@@ -119,6 +174,7 @@ def _down_kernel(
     scale_ptr,  # [num_experts] or [num_experts, N] fp32 (read with SCALED only)
     ids_ptr,  # [num_pairs] int
     weights_ptr,  # [num_pairs] fp32 routing weights
+    bias_ptr,  # [num_experts, N] (read with HAS_BIAS only; added by the first chunk)
     out_ptr,  # [num_pairs * num_splits, N] fp32: each pair's weighted down product, by K chunk
     N,
     K,
@@ -128,8 +184,10 @@ def _down_kernel(
     stride_wn,
     stride_se,
     stride_sn,
+    stride_be,
     stride_out,
     SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -151,6 +209,10 @@ def _down_kernel(
         down += tl.sum(w.to(tl.float32) * hk[None, :], axis=1)
     if SCALED:
         down *= tl.load(scale_ptr + expert * stride_se + cols * stride_sn, mask=col_mask, other=0.0)
+    if HAS_BIAS:
+        first = (split == 0).to(tl.float32)
+        bias = tl.load(bias_ptr + expert * stride_be + cols, mask=col_mask, other=0.0)
+        down += first * bias.to(tl.float32)
     down *= tl.load(weights_ptr + pair)
     out_row = pair * tl.num_programs(2) + split
     tl.store(out_ptr + out_row * stride_out + cols, down, mask=col_mask)
@@ -163,6 +225,9 @@ def _down_sum_kernel(
     scale_ptr,  # [num_experts] or [num_experts, N] fp32 (read with SCALED only)
     ids_ptr,  # [num_tokens * top_k] int
     weights_ptr,  # [num_tokens * top_k] fp32 routing weights
+    bias_ptr,  # [num_experts, N] (read with HAS_BIAS only)
+    shared_ptr,  # [num_tokens, N]: the shared expert's output (read with SHARED only)
+    shared_gate_ptr,  # [num_tokens] its gate's logits (read with SHARED only)
     out_ptr,  # [num_tokens, N]
     top_k,
     N,
@@ -172,8 +237,13 @@ def _down_sum_kernel(
     stride_wn,
     stride_se,
     stride_sn,
+    stride_be,
+    stride_shared,
+    stride_shared_gate,
     stride_out,
     SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SHARED: tl.constexpr,  # Qwen2-MoE: + sigmoid(shared gate) * shared expert
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -198,17 +268,38 @@ def _down_sum_kernel(
         if SCALED:
             scales = scale_ptr + expert * stride_se + cols * stride_sn
             part *= tl.load(scales, mask=col_mask, other=0.0)
+        if HAS_BIAS:  # once a slot: on its last K step
+            last = (i - slot * k_steps == k_steps - 1).to(tl.float32)
+            bias = tl.load(bias_ptr + expert * stride_be + cols, mask=col_mask, other=0.0)
+            part += last * bias.to(tl.float32)
         total += part * tl.load(weights_ptr + pair)
+    if SHARED:
+        total = _add_shared(total, shared_ptr, shared_gate_ptr, token, cols, col_mask,
+                            stride_shared, stride_shared_gate)  # fmt: skip
     out = out_ptr + token * stride_out + cols
     tl.store(out, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
+def _add_shared(total, shared_ptr, shared_gate_ptr, token, cols, col_mask, stride_shared,
+                stride_shared_gate):  # fmt: skip
+    """total + sigmoid(the token's shared gate logit) * its shared expert's output, in fp32."""
+    gate = tl.load(shared_gate_ptr + token * stride_shared_gate).to(tl.float32)
+    shared = tl.load(shared_ptr + token * stride_shared + cols, mask=col_mask, other=0.0)
+    return total + shared.to(tl.float32) / (1.0 + tl.exp(-gate))
+
+
+@triton.jit
 def _sum_slots_kernel(
     rows_ptr,  # [num_tokens * rows_per_token, N] fp32
+    shared_ptr,  # as _down_sum_kernel's (read with SHARED only)
+    shared_gate_ptr,
     out_ptr,  # [num_tokens, N]
     rows_per_token,  # top_k x the down GEMV's K splits
     N,
+    stride_shared,
+    stride_shared_gate,
+    SHARED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -217,6 +308,9 @@ def _sum_slots_kernel(
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for row in range(rows_per_token):  # in slot order, as the reference adds them
         total += tl.load(rows_ptr + (token * rows_per_token + row) * N + cols, mask=mask, other=0.0)
+    if SHARED:
+        total = _add_shared(total, shared_ptr, shared_gate_ptr, token, cols, mask, stride_shared,
+                            stride_shared_gate)  # fmt: skip
     tl.store(out_ptr + token * N + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -237,8 +331,47 @@ def fused_moe_decode(
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int: the chosen experts
     w13_scale: torch.Tensor | None = None,  # [E] or [E, 2 * inter] fp32: float8 w13's scales
     w2_scale: torch.Tensor | None = None,  # [E] or [E, hidden] fp32: float8 w2's scales
+    w13_bias: torch.Tensor | None = None,  # [E, 2 * inter]: gpt-oss's expert biases
+    w2_bias: torch.Tensor | None = None,  # [E, hidden]
+    swiglu: tuple[float, float] | None = None,  # gpt-oss's clamped SwiGLU (alpha, limit)
 ) -> torch.Tensor:  # [num_tokens, hidden]
-    return fused_moe_decode_tiled(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, None)
+    return fused_moe_decode_tiled(
+        x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, None,
+        w13_bias=w13_bias, w2_bias=w2_bias, swiglu=swiglu,
+    )  # fmt: skip
+
+
+def fused_moe_decode_routed(
+    x: torch.Tensor,  # [num_tokens, hidden]: the residual stream
+    norm_weight: torch.Tensor | None,  # [hidden]: the RMSNorm before the experts; None: none
+    eps: float,
+    router_logits: torch.Tensor,  # [num_tokens, num_experts] in the model dtype
+    top_k: int,
+    renormalize: bool,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu: tuple[float, float] | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """See reference.fused_moe_decode_routed: the norm and the routing inside the gate_up
+    launch (two launches in all, where rms_norm, moe_route and the experts took four)."""
+    if router_logits.dtype != x.dtype:
+        raise ValueError(
+            f"router logits in {router_logits.dtype}, the stream in {x.dtype}: the kernel "
+            "rounds the routing weights to the logits' dtype, the model's"
+        )
+    num_tokens = x.shape[0]
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
+    return fused_moe_decode_tiled(
+        x, w13, w2, weights, ids, w13_scale, w2_scale, None, w13_bias=w13_bias,
+        w2_bias=w2_bias, swiglu=swiglu, route=(router_logits.contiguous(), renormalize),
+        norm=None if norm_weight is None else (norm_weight, eps), shared=shared,
+    )  # fmt: skip
 
 
 def fused_moe_decode_tiled(
@@ -250,14 +383,25 @@ def fused_moe_decode_tiled(
     w13_scale: torch.Tensor | None,
     w2_scale: torch.Tensor | None,
     tiles: Tiles | None,  # see _INTERPRETER_TILES; None: the device's
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu: tuple[float, float] | None = None,
+    route: tuple[torch.Tensor, bool] | None = None,  # (router logits, renormalize): the
+    # gate_up launch routes each token and writes topk_weights and topk_ids (shapes only given)
+    norm: tuple[torch.Tensor, float] | None = None,  # (norm weight, eps): x is rms_norm'd here
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([T, hidden] shared expert's
+    # output, [T, 1] its gate's logits): added as sigmoid(gate) * output in the last launch
 ) -> torch.Tensor:
     """fused_moe_decode at given tiles (tests and the kernel benchmark sweep them)."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     hidden, inter = w2.shape[1], w2.shape[2]
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    ids = topk_ids.reshape(-1).contiguous()
-    weights = topk_weights.reshape(-1).float().contiguous()
+    ids = topk_ids.reshape(-1)
+    weights = topk_weights.reshape(-1)
+    if route is None:
+        ids, weights = ids.contiguous(), weights.float().contiguous()
     interpreted = x.device.type != "cuda"
     if tiles is None:
         if interpreted:
@@ -274,16 +418,31 @@ def fused_moe_decode_tiled(
         return out
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     s13, s13_e, s13_n = _scale_args(w13_scale, weights)
+    logits, renormalize = route if route is not None else (x, False)
+    norm_weight, eps = norm if norm is not None else (x, 0.0)
+    alpha, limit = swiglu if swiglu is not None else (0.0, 0.0)
+    b13 = w13_bias if w13_bias is not None else x
+    num_experts = logits.shape[1] if route is not None else 1
     _gate_up_act_kernel[(num_pairs, triton.cdiv(inter, n1))](
-        x, w13, s13, ids, act, top_k, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
-        s13_e, s13_n, act.stride(0), SCALED=w13_scale is not None, INTERPRETED=interpreted,
+        x, norm_weight, logits, w13, s13, b13, ids, weights, act, top_k, inter, hidden,
+        num_experts, float(eps), float(alpha), float(limit), x.stride(0), logits.stride(0),
+        w13.stride(0), w13.stride(1), s13_e, s13_n, b13.stride(0), act.stride(0),
+        SCALED=w13_scale is not None, NORMED=norm is not None, ROUTED=route is not None,
+        TOP_K=top_k, RENORMALIZE=renormalize, ROUND=logits.dtype == x.dtype,
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TOP_K=triton.next_power_of_2(top_k),
+        HAS_BIAS=w13_bias is not None, SWIGLU=swiglu is not None, INTERPRETED=interpreted,
         BLOCK_N=n1, BLOCK_K=k1, NUM_STAGES=stages, num_warps=warps1,
     )  # fmt: skip
     s2, s2_e, s2_n = _scale_args(w2_scale, weights)
+    b2 = w2_bias if w2_bias is not None else x
+    shared_out, shared_gate = shared if shared is not None else (x, x)
+    shared_strides = (shared_out.stride(0), shared_gate.stride(0))
     if fused_sum:
         _down_sum_kernel[(num_tokens, triton.cdiv(hidden, n2))](
-            act, w2, s2, ids, weights, out, top_k, hidden, inter, act.stride(0), w2.stride(0),
-            w2.stride(1), s2_e, s2_n, out.stride(0), SCALED=w2_scale is not None,
+            act, w2, s2, ids, weights, b2, shared_out, shared_gate, out, top_k, hidden, inter,
+            act.stride(0), w2.stride(0), w2.stride(1), s2_e, s2_n, b2.stride(0),
+            *shared_strides, out.stride(0), SCALED=w2_scale is not None,
+            HAS_BIAS=w2_bias is not None, SHARED=shared is not None,
             BLOCK_N=n2, BLOCK_K=k2, NUM_STAGES=stages, num_warps=warps2,
         )  # fmt: skip
         return out
@@ -292,12 +451,14 @@ def fused_moe_decode_tiled(
     num_splits = triton.cdiv(inter, chunk)
     down = torch.empty(num_pairs * num_splits, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(num_pairs, triton.cdiv(hidden, n2), num_splits)](
-        act, w2, s2, ids, weights, down, hidden, inter, chunk, act.stride(0), w2.stride(0),
-        w2.stride(1), s2_e, s2_n, down.stride(0), SCALED=w2_scale is not None,
-        BLOCK_N=n2, BLOCK_K=k2, NUM_STAGES=stages, num_warps=warps2,
+        act, w2, s2, ids, weights, b2, down, hidden, inter, chunk, act.stride(0), w2.stride(0),
+        w2.stride(1), s2_e, s2_n, b2.stride(0), down.stride(0), SCALED=w2_scale is not None,
+        HAS_BIAS=w2_bias is not None, BLOCK_N=n2, BLOCK_K=k2, NUM_STAGES=stages,
+        num_warps=warps2,
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        down, out, top_k * num_splits, hidden, BLOCK=block
-    )
+        down, shared_out, shared_gate, out, top_k * num_splits, hidden, *shared_strides,
+        SHARED=shared is not None, BLOCK=block,
+    )  # fmt: skip
     return out

@@ -12,23 +12,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr,  # [num_tokens, num_experts]
-    weights_ptr,  # [num_tokens, TOP_K] fp32
-    ids_ptr,  # [num_tokens, TOP_K] int64
+def route_row(
+    row_ptr,  # one token's [num_experts] logits
     num_experts,
-    stride_logits,
     TOP_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     ROUND: tl.constexpr,  # round the weights to the logits' dtype (the model's)
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    """([BLOCK_K] fp32 weights, [BLOCK_K] int64 ids) of one token's top-k, slot k in lane k
+    (the small-batch experts' kernel routes its own token with it: kiln.kernels.triton.
+    moe_decode)."""
     experts = tl.arange(0, BLOCK_E)
     mask = experts < num_experts
-    logits = tl.load(logits_ptr + token * stride_logits + experts, mask=mask, other=-float("inf"))
-    logits = logits.to(tl.float32)
+    logits = tl.load(row_ptr + experts, mask=mask, other=-float("inf")).to(tl.float32)
     probs = tl.exp(logits - tl.max(logits, axis=0))
     probs = probs / tl.sum(probs, axis=0)
     probs = tl.where(mask, probs, -1.0)  # below every probability: never picked
@@ -44,7 +42,29 @@ def _route_kernel(
     if RENORMALIZE:
         chosen = chosen / tl.sum(tl.where(slots < TOP_K, chosen, 0.0), axis=0)
     if ROUND:
-        chosen = chosen.to(logits_ptr.dtype.element_ty).to(tl.float32)
+        chosen = chosen.to(row_ptr.dtype.element_ty).to(tl.float32)
+    return chosen, chosen_ids
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,  # [num_tokens, num_experts]
+    weights_ptr,  # [num_tokens, TOP_K] fp32
+    ids_ptr,  # [num_tokens, TOP_K] int64
+    num_experts,
+    stride_logits,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    ROUND: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    chosen, chosen_ids = route_row(
+        logits_ptr + token * stride_logits, num_experts, TOP_K, RENORMALIZE, ROUND, BLOCK_E,
+        BLOCK_K,
+    )  # fmt: skip
+    slots = tl.arange(0, BLOCK_K)
     out = token * TOP_K + slots
     tl.store(weights_ptr + out, chosen, mask=slots < TOP_K)
     tl.store(ids_ptr + out, chosen_ids, mask=slots < TOP_K)
