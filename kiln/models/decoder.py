@@ -342,7 +342,7 @@ class DecoderForCausalLM(nn.Module):
             tap = self._aux_tap(index, num_tokens) if self._aux_columns else None
             group = self.layer_groups[index] if len(steps) > 1 and self.layer_groups else 0
             hidden, residual = layer(steps[group], hidden, residual, kv_cache, tap, hidden_norm)
-            hidden_norm = layer.output_norm
+            hidden_norm = getattr(layer, "output_norm", None)
         if pp is not None and not pp.layout.is_last_stage:
             # Both tensors, not their sum: the next stage's first fused add + norm then rounds
             # exactly as one process would.

@@ -27,6 +27,9 @@ dtype instead of normalised-then-rounded twice); fp32 agrees to ~1e-6.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -56,11 +59,14 @@ MAX_ROWS = 8
 _PLAIN, _NORM, _ADD_NORM = 0, 1, 2
 # The gated kernels' ACTIVATION by a gated MLP's activation name (0, SiLU, the default).
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
-_ACT_AND_MUL = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
-_ACT_AND_MUL_QUANT = {
-    "silu": silu_and_mul_quant_fp8,
-    "gelu_pytorch_tanh": gelu_tanh_and_mul_quant_fp8,
-}
+
+
+def _act_and_mul(activation: str, quant: bool = False) -> Callable[..., Any]:
+    """The unfused activation-mul kernel (quant: its float8-writing form) for an activation
+    name, looked up at the call (so a test's patch of this module's names reaches it)."""
+    if ACTIVATIONS[activation] == 0:
+        return silu_and_mul_quant_fp8 if quant else silu_and_mul
+    return gelu_tanh_and_mul_quant_fp8 if quant else gelu_tanh_and_mul
 
 
 @triton.jit
@@ -875,7 +881,7 @@ def add_rms_norm_linear_silu_mul(
     kernel; above that cuBLAS (or the FP8 GEMM) and the SiLU kernel. `activation`
     "gelu_pytorch_tanh": GeGLU's gelu-tanh in place of SiLU in each (a constexpr of the same
     kernels); x_norm_weight: x is reference.sandwich_input(x), normed in the norm's kernel."""
-    act_and_mul = _ACT_AND_MUL[activation]
+    act_and_mul = _act_and_mul(activation)
     x, x_norm_weight = lone_x_norm(x, residual, x_norm_weight, eps)
     scales = {"weight_scale": weight_scale, "input_scale": input_scale}
     if _fused_norm_fits(x, residual, norm_weight, weight, **scales):
@@ -931,6 +937,6 @@ def add_rms_norm_linear_silu_mul_fp8(
     gate_up, summed = _norm_quant_fp8_linear(
         x, residual, norm_weight, eps, weight, None, weight_scale, input_scale, x_norm_weight
     )
-    quant = _ACT_AND_MUL_QUANT[activation]
+    quant = _act_and_mul(activation, quant=True)
     act, act_scale = quant(gate_up.reshape(-1, gate_up.shape[-1]), out_scale)
     return act, act_scale, summed
