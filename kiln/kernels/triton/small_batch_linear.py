@@ -18,7 +18,10 @@ weight's stream never waits for it (in bf16; float8 needs the scale, and the abs
 quantizing: a first pass over the row finds them). Each program reads the whole (tiny) input from
 L2.
 For gate_up a program streams the gate rows of its output columns and the matching up rows, and
-writes silu(gate) * up: the MLP's activation costs no kernel of its own.
+writes silu(gate) * up: the MLP's activation costs no kernel of its own (GeGLU's gelu-tanh with
+ACTIVATION). X_NORM: x is a block's output that joins the stream RMS-normed by its own weight
+(Gemma 2/3's sandwich norms), normalised on the fly with a first pass for its scale, so that
+norm too costs no launch. Both are constexprs a launch passes only when set.
 
 More rows, and operands this kernel does not take, go through the unfused kernels and cuBLAS.
 Rounding differs from the unfused path only inside the norm (h * weight is rounded to the model
