@@ -8,6 +8,7 @@ block_id * block_size + offset.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -396,10 +397,37 @@ def fused_add_rms_norm(
     residual: torch.Tensor,  # [num_tokens, hidden]
     weight: torch.Tensor,
     eps: float,
+    x_norm_weight: torch.Tensor | None = None,  # [hidden]: x is RMS-normed by it first
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (rms_norm(x + residual), x + residual): the residual stream and the next input."""
-    summed = x + residual
+    """Returns (rms_norm(x + residual), x + residual): the residual stream and the next input.
+    With x_norm_weight, x is first rms_norm(x, x_norm_weight) (sandwich_input)."""
+    summed = sandwich_input(x, x_norm_weight, eps) + residual
     return rms_norm(summed, weight, eps), summed
+
+
+def sandwich_input(
+    x: torch.Tensor,  # [num_tokens, hidden]: a block's output
+    x_norm_weight: torch.Tensor | None,  # [hidden], or None: x as it is
+    eps: float,
+) -> torch.Tensor:
+    """A block's output as it joins the residual stream: rms_norm(x, x_norm_weight) where the
+    family norms it there (Gemma 2/3's post-attention and post-feed-forward norms, which the
+    fused add + norm entries of the next block take as their `x_norm_weight`), else x."""
+    return x if x_norm_weight is None else rms_norm(x, x_norm_weight, eps)
+
+
+def _add_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    x_norm_weight: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x' + residual), x' + residual), x' = sandwich_input(x); no residual: x'."""
+    if residual is None:
+        summed = sandwich_input(x, x_norm_weight, eps)
+        return rms_norm(summed, norm_weight, eps), summed
+    return fused_add_rms_norm(x, residual, norm_weight, eps, x_norm_weight)
 
 
 def rotary_embedding(
@@ -474,14 +502,12 @@ def add_rms_norm_linear(
     bias: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,  # [N] fp32: an FP8 W8A8 projection
     input_scale: torch.Tensor | None = None,  # [] fp32 static; None: dynamic per token
+    x_norm_weight: torch.Tensor | None = None,  # [K]: x RMS-normed by it before the add
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(x + residual)), x + residual); with no residual, (linear(rms_norm(x)), x).
     The norm before a projection (the GPU fuses them for a handful of rows); with weight_scale
-    the projection is fp8_linear."""
-    if residual is None:
-        normed, summed = rms_norm(x, norm_weight, eps), x
-    else:
-        normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
+    the projection is fp8_linear. x_norm_weight: x is sandwich_input(x) throughout."""
+    normed, summed = _add_norm(x, residual, norm_weight, eps, x_norm_weight)
     if weight_scale is not None:
         return fp8_linear(normed, weight, weight_scale, input_scale, bias), summed
     return F.linear(normed, weight, bias), summed
@@ -516,13 +542,14 @@ def add_rms_norm_qkv_rotary_write_kv(
     slot_mapping: torch.Tensor,  # [num_tokens] int64
     weight_scale: torch.Tensor | None = None,  # [q_size + 2 * kv_size] fp32: FP8 W8A8
     input_scale: torch.Tensor | None = None,  # [] fp32 static; None: dynamic per token
+    x_norm_weight: torch.Tensor | None = None,  # [K]: x RMS-normed by it before the add
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, num_heads, head_dim], x + residual)
     """The attention block up to attending: the norm and qkv projection (add_rms_norm_linear),
     then rotary embedding on queries and keys and this step's keys/values into the paged cache
     (rotary_embedding_write_kv). Returns (rotated query, x + residual); one kernel at batch-1
     decode on the GPU."""
     qkv, summed = add_rms_norm_linear(
-        x, residual, norm_weight, eps, weight, bias, weight_scale, input_scale
+        x, residual, norm_weight, eps, weight, bias, weight_scale, input_scale, x_norm_weight
     )
     query, key, value = split_qkv_heads(qkv, cos_sin_cache.shape[1], k_cache.shape[2])
     rotated = rotary_embedding_write_kv(
@@ -562,13 +589,24 @@ def add_rms_norm_linear_silu_mul(
     weight: torch.Tensor,  # [2N, K]: the gate projection's rows, then the up projection's
     weight_scale: torch.Tensor | None = None,  # [2N] fp32: an FP8 W8A8 projection
     input_scale: torch.Tensor | None = None,  # [] fp32 static; None: dynamic per token
+    activation: str = "silu",  # or "gelu_pytorch_tanh" (GeGLU: gelu_tanh_and_mul)
+    x_norm_weight: torch.Tensor | None = None,  # [K]: x RMS-normed by it before the add
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, N], [num_tokens, K])
     """(silu_and_mul(add_rms_norm_linear(...)), x + residual): the Llama MLP up to its down
-    projection (one kernel for a handful of rows on the GPU)."""
+    projection (one kernel for a handful of rows on the GPU); GeGLU's with `activation`."""
+    act_and_mul = gated_activation(activation)
     gate_up, summed = add_rms_norm_linear(
-        x, residual, norm_weight, eps, weight, None, weight_scale, input_scale
+        x, residual, norm_weight, eps, weight, None, weight_scale, input_scale, x_norm_weight
     )
-    return silu_and_mul(gate_up), summed
+    return act_and_mul(gate_up), summed
+
+
+def gated_activation(activation: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The reference's act(gate) * up for a gated MLP's activation name."""
+    known = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
+    if activation not in known:
+        raise ValueError(f"no gated activation {activation!r}; known: {', '.join(known)}")
+    return known[activation]
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:  # [rows] int64
@@ -663,13 +701,12 @@ def add_rms_norm_quant_fp8(
     eps: float,
     input_scale: torch.Tensor | None,  # [] fp32 static per-tensor scale; None: per row
     channels: torch.Tensor | None = None,  # [n] int64: append these columns' remainders
+    x_norm_weight: torch.Tensor | None = None,  # [hidden]: x RMS-normed by it before the add
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(quantize_fp8 of rms_norm(x + residual): float8 rows and their scale, x + residual): an
-    FP8 projection's input straight from the norm (with no residual, summed is x)."""
-    if residual is None:
-        normed, summed = rms_norm(x, weight, eps), x
-    else:
-        normed, summed = fused_add_rms_norm(x, residual, weight, eps)
+    FP8 projection's input straight from the norm (with no residual, summed is x); x is
+    sandwich_input(x) with x_norm_weight."""
+    normed, summed = _add_norm(x, residual, weight, eps, x_norm_weight)
     x_fp8, scale = quantize_fp8(normed, input_scale, channels)
     return x_fp8, scale, summed
 
@@ -727,6 +764,8 @@ def add_rms_norm_linear_silu_mul_fp8(
     weight_scale: torch.Tensor,  # [2N] fp32
     input_scale: torch.Tensor | None,  # [] fp32 static scale of x's norm; None: per token
     out_scale: torch.Tensor | None,  # [] fp32 static scale of the activation; None: per token
+    activation: str = "silu",  # or "gelu_pytorch_tanh"
+    x_norm_weight: torch.Tensor | None = None,  # [K]: x RMS-normed by it before the add
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """add_rms_norm_linear_silu_mul for an FP8 W8A8 MLP whose down projection takes float8:
     (activation, its scale, x + residual). The activation is float8 with its scale ([M, 1] per
@@ -734,8 +773,9 @@ def add_rms_norm_linear_silu_mul_fp8(
     its input inside its own kernel (the small-batch rows), in the model dtype with scale None.
     Either way the down projection sees the same float8 values. The reference always quantizes."""
     act, summed = add_rms_norm_linear_silu_mul(
-        x, residual, norm_weight, eps, weight, weight_scale, input_scale
-    )
+        x, residual, norm_weight, eps, weight, weight_scale, input_scale, activation,
+        x_norm_weight,
+    )  # fmt: skip
     act_fp8, act_scale = quantize_fp8(act.reshape(-1, act.shape[-1]), out_scale)
     return act_fp8, act_scale, summed
 

@@ -56,28 +56,34 @@ def norm_then_project(
     residual: torch.Tensor | None,  # [num_tokens, K], or None: no residual to add
     norm_weight: torch.Tensor | None,
     eps: float,
+    x_norm_weight: torch.Tensor | None = None,  # [K]: x RMS-normed by it before the add
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (layer(rms_norm(x + residual)), x + residual)
     """A column-parallel projection of the normed stream in the fewest kernels its method
     allows: one fused op given its operands; else, for a method taking float8 (int8) input,
     the norm that quantizes, then apply_fp8 (apply_int8); else the norm, then apply.
     `norm_weight` None: no norm (OLMo 2's blocks read the stream itself; parallel blocks one
-    norm made before)."""
+    norm made before). `x_norm_weight`: x joins the stream RMS-normed by it (a sandwich layer's
+    block output, reference.sandwich_input), inside the same kernels."""
     if norm_weight is None:
+        x = x if x_norm_weight is None else ops.rms_norm(x, x_norm_weight, eps)
         summed = x if residual is None else x + residual
         return layer(ops, summed), summed
     operands = layer.method.fused_operands(layer)
     if operands is not None:
-        return ops.add_rms_norm_linear(x, residual, norm_weight, eps, *operands)
+        return ops.add_rms_norm_linear(
+            x, residual, norm_weight, eps, *operands, x_norm_weight=x_norm_weight
+        )
     into = layer.method.fp8_input(layer)
     if into is not None:
         rows = x.reshape(-1, x.shape[-1])
         x_fp8, scale, summed = ops.add_rms_norm_quant_fp8(
             rows, None if residual is None else residual.reshape(rows.shape), norm_weight, eps,
-            into.static_scale, into.channels,
+            into.static_scale, into.channels, x_norm_weight=x_norm_weight,
         )  # fmt: skip
         y = layer.apply_fp8(ops, x_fp8, scale, x.dtype)
         return y.reshape(*x.shape[:-1], layer.out_features), summed.reshape(x.shape)
     if layer.method.int8_input(layer):  # W8A8 INT8: the norm writes int8 rows and scales
+        x = x if x_norm_weight is None else ops.rms_norm(x, x_norm_weight, eps)
         rows = x.reshape(-1, x.shape[-1])
         x_int8, scale, summed = ops.add_rms_norm_quant_int8(
             rows, None if residual is None else residual.reshape(rows.shape), norm_weight, eps
@@ -85,9 +91,10 @@ def norm_then_project(
         y = layer.apply_int8(ops, x_int8, scale, x.dtype)
         return y.reshape(*x.shape[:-1], layer.out_features), summed.reshape(x.shape)
     if residual is None:
+        x = x if x_norm_weight is None else ops.rms_norm(x, x_norm_weight, eps)
         normed, summed = ops.rms_norm(x, norm_weight, eps), x
     else:
-        normed, summed = ops.fused_add_rms_norm(x, residual, norm_weight, eps)
+        normed, summed = ops.fused_add_rms_norm(x, residual, norm_weight, eps, x_norm_weight)
     return layer(ops, normed), summed
 
 
@@ -194,24 +201,30 @@ class RopeAttention(nn.Module):
         norm_weight: torch.Tensor | None,  # None: no norm before the projection
         eps: float,
         kv_cache: KVCache,
+        x_norm_weight: torch.Tensor | None = None,  # x RMS-normed by it before the add
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, heads, head_dim], x + residual)
         """The attention block up to attending: norm, qkv projection, (q/k norm,) rotary, and
-        this step's keys and values into the cache. Returns the rotated query."""
+        this step's keys and values into the cache. Returns the rotated query. `x_norm_weight`:
+        norm_then_project's (the layer before's output norm, folded into this entry)."""
         ops, (k_cache, v_cache) = step.ops, kv_cache
         slots = step.metadata.slot_mapping
         table = step.cos_sin_cache if self.rope_table is None else step.rope_tables[self.rope_table]
         composed = self.full_qk_norm or self.head_layer_norm or norm_weight is None
         if self.rotary_dim != self.head_dim or composed:
-            return self._project_qkv_composed(step, x, residual, norm_weight, eps, kv_cache, table)
+            return self._project_qkv_composed(
+                step, x, residual, norm_weight, eps, kv_cache, table, x_norm_weight
+            )
         operands = self.qkv_proj.method.fused_operands(self.qkv_proj)
         if operands is not None and self.k_norm is None:
             # One kernel at batch-1 decode on the GPU, where a step is mostly launch-bound.
             weight, bias, weight_scale, input_scale = operands
             return ops.add_rms_norm_qkv_rotary_write_kv(
                 x, residual, norm_weight, eps, weight, bias, step.positions, table,
-                k_cache, v_cache, slots, weight_scale, input_scale,
+                k_cache, v_cache, slots, weight_scale, input_scale, x_norm_weight=x_norm_weight,
             )  # fmt: skip
-        qkv, summed = norm_then_project(ops, self.qkv_proj, x, residual, norm_weight, eps)
+        qkv, summed = norm_then_project(
+            ops, self.qkv_proj, x, residual, norm_weight, eps, x_norm_weight
+        )
         if self.k_norm is not None:
             query = ops.qk_norm_rotary_write_kv(
                 qkv, self.q_norm, self.k_norm, self.eps, step.positions, table,
@@ -233,13 +246,16 @@ class RopeAttention(nn.Module):
         eps: float,
         kv_cache: KVCache,
         table: torch.Tensor,  # [max_positions, rotary_dim]
+        x_norm_weight: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """project_qkv for the shapes the fused q/k ops do not take (partial rotary, a q/k norm
         over the whole projection or a per-head LayerNorm, no norm before it): the projection,
         the norms by `ops.rms_norm` (a LayerNorm by the reference's), then the rotary +
         cache-write op, which turns the table's dims only."""
         ops = step.ops
-        qkv, summed = norm_then_project(ops, self.qkv_proj, x, residual, norm_weight, eps)
+        qkv, summed = norm_then_project(
+            ops, self.qkv_proj, x, residual, norm_weight, eps, x_norm_weight
+        )
         query, key, value = split_qkv_heads(qkv, self.head_dim, self.num_kv_heads)
         if self.head_layer_norm:
             assert self.q_norm is not None and self.k_norm is not None
@@ -373,17 +389,19 @@ def gated_mlp(
     norm_weight: torch.Tensor | None,
     eps: float,
     activation: str = "silu",
+    x_norm_weight: torch.Tensor | None = None,  # [hidden]: x RMS-normed by it before the add
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (down(act(gate) * up), x + residual)
     """The MLP block from its norm through `down`. When down takes float8 input (FP8 W8A8) or
     int8 input (W8A8 INT8), the activation reaches it quantized by the activation-mul's own
     kernel: no model-dtype activation written and re-read, no quantize kernel of its own.
-    `activation`: "silu", or "gelu_pytorch_tanh" (GeGLU: its own kernels after the projection;
-    the fused norm + projection + activation kernels are SiLU's)."""
+    `activation`: "silu", or "gelu_pytorch_tanh" (GeGLU), an argument of the same fused kernels.
+    `x_norm_weight`: norm_then_project's (a sandwich layer's post-attention norm, folded into
+    this entry)."""
     into = down.method.fp8_input(down)
     operands = gate_up.method.fused_operands(gate_up)
     # The operands the fused kernels take (they take no bias), else None.
     fusable = operands is not None and operands.bias is None and norm_weight is not None
-    fused = operands if fusable and activation == "silu" else None
+    fused = operands if fusable else None
     scale = None
     if (
         into is not None
@@ -393,15 +411,17 @@ def gated_mlp(
     ):
         activation_out, scale, summed = ops.add_rms_norm_linear_silu_mul_fp8(
             x, residual, norm_weight, eps, fused.weight, fused.weight_scale,
-            fused.input_scale, into.static_scale,
+            fused.input_scale, into.static_scale, activation, x_norm_weight,
         )  # fmt: skip
     elif fused is not None:
         activation_out, summed = ops.add_rms_norm_linear_silu_mul(
             x, residual, norm_weight, eps, fused.weight, fused.weight_scale,
-            fused.input_scale,
+            fused.input_scale, activation, x_norm_weight,
         )  # fmt: skip
     else:
-        gate_up_out, summed = norm_then_project(ops, gate_up, x, residual, norm_weight, eps)
+        gate_up_out, summed = norm_then_project(
+            ops, gate_up, x, residual, norm_weight, eps, x_norm_weight
+        )
         silu = activation == "silu"
         if into is not None and operands is None:  # a composed projection: quantize here too
             quant = ops.silu_and_mul_quant_fp8 if silu else ops.gelu_tanh_and_mul_quant_fp8
@@ -468,10 +488,12 @@ class GatedMLP(nn.Module):
         residual: torch.Tensor | None,
         norm_weight: torch.Tensor | None,
         eps: float,
+        x_norm_weight: torch.Tensor | None = None,  # x RMS-normed by it before the add
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (the MLP's output, x + residual)
         return gated_mlp(
-            ops, self.gate_up_proj, self.down_proj, x, residual, norm_weight, eps, self.activation
-        )
+            ops, self.gate_up_proj, self.down_proj, x, residual, norm_weight, eps,
+            self.activation, x_norm_weight,
+        )  # fmt: skip
 
 
 class PlainMLP(nn.Module):
@@ -511,8 +533,9 @@ class PlainMLP(nn.Module):
         residual: torch.Tensor | None,
         norm_weight: torch.Tensor | None,
         eps: float,
+        x_norm_weight: torch.Tensor | None = None,  # x RMS-normed by it before the add
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (the MLP's output, x + residual)
-        up, summed = norm_then_project(ops, self.c_fc, x, residual, norm_weight, eps)
+        up, summed = norm_then_project(ops, self.c_fc, x, residual, norm_weight, eps, x_norm_weight)
         return self.c_proj(ops, F.gelu(up, approximate=self.approximate)), summed
 
 
@@ -523,7 +546,11 @@ class DecoderLayer(nn.Module):
     `norms` picks where the layer norms: "pre" (Llama: input_layernorm before attention,
     post_attention_layernorm before the MLP); "sandwich" (Gemma 2/3: also each block's output
     normed before its residual add, post_attention_layernorm after attention,
-    pre_feedforward_layernorm and post_feedforward_layernorm around the MLP); "post" (OLMo 2:
+    pre_feedforward_layernorm and post_feedforward_layernorm around the MLP; each of those
+    output norms runs inside the next fused add + norm entry, `x_norm_weight`: the MLP's for
+    post_attention_layernorm, and for post_feedforward_layernorm the next layer's attention
+    or the final norm, so the layer returns its MLP's output unnormed and names the norm its
+    reader applies, `output_norm`); "post" (OLMo 2:
     the blocks read the stream unnormed, their outputs normed by post_attention_layernorm and
     post_feedforward_layernorm). `qk_norm`, `rope_table`, `sinks`: RopeAttention's.
 
@@ -599,9 +626,16 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,  # the residual stream; None before the first layer
         kv_cache: KVCache,
         tap: Callable[[torch.Tensor], None] | None = None,
+        hidden_norm: torch.Tensor | None = None,  # the layer before's output_norm
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, the residual stream)
-        """`tap`, if given, sees the residual stream entering this layer (EAGLE-3's input)."""
+        """`tap`, if given, sees the residual stream entering this layer (EAGLE-3's input).
+        `hidden_norm`: `hidden` joins the stream RMS-normed by it (the layer before's
+        output_norm, which its reader must apply). Returns the output unnormed by
+        `self.output_norm`."""
         attn, ops = self.self_attn, step.ops
+        if hidden_norm is not None and self.norms != "sandwich":
+            hidden = ops.rms_norm(hidden, hidden_norm, self.eps)  # not a sandwich pair
+            hidden_norm = None
         if self.layer_norm:
             return self._forward_layer_norm(step, hidden, residual, kv_cache, tap)
         if self.norms == "pre":
@@ -612,17 +646,55 @@ class DecoderLayer(nn.Module):
                 tap(residual)
             hidden = attn.attend(step, query, kv_cache)
             return self.mlp(ops, hidden, residual, self.post_attention_layernorm, self.eps)
-        sandwich = self.norms == "sandwich"
-        query, residual = attn.project_qkv(
-            step, hidden, residual, self.input_layernorm if sandwich else None, self.eps, kv_cache
-        )
+        if self.norms == "sandwich":
+            return self._forward_sandwich(step, hidden, residual, kv_cache, tap, hidden_norm)
+        query, residual = attn.project_qkv(step, hidden, residual, None, self.eps, kv_cache)
         if tap is not None:
             tap(residual)
         hidden = ops.rms_norm(attn.attend(step, query, kv_cache), self.post_attention_layernorm,
                               self.eps)  # fmt: skip
-        mlp_norm = self.pre_feedforward_layernorm if sandwich else None
-        hidden, residual = self.mlp(ops, hidden, residual, mlp_norm, self.eps)
+        hidden, residual = self.mlp(ops, hidden, residual, None, self.eps)
         return ops.rms_norm(hidden, self.post_feedforward_layernorm, self.eps), residual
+
+    @property
+    def output_norm(self) -> torch.Tensor | None:
+        """The RMSNorm weight the reader of this layer's output applies to it before adding it
+        to the stream (a sandwich layer's post_feedforward_layernorm: the next layer's `forward`
+        takes it as `hidden_norm`, the final norm as its own); None: the output as it is."""
+        if self.norms != "sandwich":
+            return None
+        weight: torch.Tensor = self.post_feedforward_layernorm
+        return weight
+
+    def _forward_sandwich(
+        self,
+        step: StepInputs,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        tap: Callable[[torch.Tensor], None] | None,
+        hidden_norm: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward with sandwich norms: each block's output norm folded into the next entry
+        (at batch-1 decode, two RMSNorm launches fewer a layer)."""
+        attn, ops = self.self_attn, step.ops
+        query, residual = attn.project_qkv(
+            step, hidden, residual, self.input_layernorm, self.eps, kv_cache, hidden_norm
+        )
+        if tap is not None:
+            tap(residual)
+        attended = attn.attend(step, query, kv_cache)
+        if isinstance(self.mlp, (GatedMLP, PlainMLP)):
+            return self.mlp(
+                ops, attended, residual, self.pre_feedforward_layernorm, self.eps,
+                self.post_attention_layernorm,
+            )  # fmt: skip
+        # A block of another call (MoE): the post-attention norm as its own kernel.
+        attended = ops.rms_norm(attended, self.post_attention_layernorm, self.eps)
+        out: tuple[torch.Tensor, torch.Tensor] = self.mlp(
+            ops, attended, residual, self.pre_feedforward_layernorm, self.eps
+        )
+        return out
 
     def _forward_layer_norm(
         self,

@@ -331,46 +331,42 @@ class DecoderForCausalLM(nn.Module):
             shape = (2, input_ids.shape[0], self.full_config.hidden_size)
             hidden, residual = recv_from_prev_stage(pp, shape, self.norm).unbind(0)
         step = self.step_inputs(ops, backend, positions, metadata)
-        num_tokens = input_ids.shape[0]
+        steps = [step]
         if metadata.group_metadata and self.layer_groups is not None:
-            hidden, residual = self._grouped_layers(step, hidden, residual, kv_caches)
-        else:
-            for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-                tap = self._aux_tap(index, num_tokens) if self._aux_columns else None
-                hidden, residual = layer(step, hidden, residual, kv_cache, tap)
+            others = metadata.group_metadata
+            steps += [dataclasses.replace(step, metadata=m) for m in others]
+        num_tokens = input_ids.shape[0]
+        # The last layer's output norm, applied by its reader (DecoderLayer.output_norm).
+        hidden_norm: torch.Tensor | None = None
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            tap = self._aux_tap(index, num_tokens) if self._aux_columns else None
+            group = self.layer_groups[index] if len(steps) > 1 and self.layer_groups else 0
+            hidden, residual = layer(steps[group], hidden, residual, kv_cache, tap, hidden_norm)
+            hidden_norm = getattr(layer, "output_norm", None)
         if pp is not None and not pp.layout.is_last_stage:
             # Both tensors, not their sum: the next stage's first fused add + norm then rounds
             # exactly as one process would.
             assert residual is not None, "a pipeline stage holds at least one layer"
+            if hidden_norm is not None:  # the next stage does not hold this layer's norm
+                hidden = ops.rms_norm(hidden, hidden_norm, self.config.rms_norm_eps)
             send_to_next_stage(pp, torch.stack((hidden, residual)))
             return hidden  # no logits here (computes_logits is False)
         assert residual is not None, "a model has at least one layer"
-        return self.final_norm(ops, hidden, residual)
-
-    def _grouped_layers(
-        self,
-        step: StepInputs,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The layers of a hybrid model, each over its KV cache group's tables."""
-        assert self.layer_groups is not None
-        others = step.metadata.group_metadata
-        steps = [step, *(dataclasses.replace(step, metadata=m) for m in others)]
-        num_tokens = hidden.shape[0]
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            tap = self._aux_tap(index, num_tokens) if self._aux_columns else None
-            group_step = steps[self.layer_groups[index]]
-            hidden, residual = layer(group_step, hidden, residual, kv_cache, tap)
-        return hidden, residual
+        return self.final_norm(ops, hidden, residual, hidden_norm)
 
     def final_norm(
-        self, ops: ModuleType, hidden: torch.Tensor, residual: torch.Tensor
+        self,
+        ops: ModuleType,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        hidden_norm: torch.Tensor | None = None,  # the last layer's output_norm
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        """The final norm of the last layer's output added to the stream (a LayerNorm family's
-        is a LayerNorm)."""
-        return ops.fused_add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)[0]
+        """The final norm of the last layer's output (RMS-normed by `hidden_norm` first, in the
+        same kernel) added to the stream (a LayerNorm family's is a LayerNorm)."""
+        eps = self.config.rms_norm_eps
+        if hidden_norm is None:
+            return ops.fused_add_rms_norm(hidden, residual, self.norm, eps)[0]
+        return ops.fused_add_rms_norm(hidden, residual, self.norm, eps, hidden_norm)[0]
 
     def compute_logits(
         self, hidden: torch.Tensor, ops: ModuleType | None = None

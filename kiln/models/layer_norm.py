@@ -84,7 +84,12 @@ class LayerNormDecoderForCausalLM(DecoderForCausalLM):
         return super().adapt_hf_weights((n, cut(n, t)) for n, t in weights)
 
     def final_norm(
-        self, ops: ModuleType, hidden: torch.Tensor, residual: torch.Tensor
+        self,
+        ops: ModuleType,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        hidden_norm: torch.Tensor | None = None,  # None: LayerNorm layers have no output norm
     ) -> torch.Tensor:
+        assert hidden_norm is None, "LayerNorm layers name no output norm"
         summed = hidden + residual
         return reference.layer_norm(summed, self.norm, self.norm_bias, self.config.rms_norm_eps)

@@ -100,11 +100,12 @@ def measure_kv_head_absmax(
     positions = torch.cat([torch.arange(n) for n in lens]).to(device)
     ids = torch.tensor([t for b in token_batches for t in b], device=device)
     inputs = model.step_inputs(ops, backend, positions, metadata)
-    hidden, residual = model.embed(ids), None
+    hidden, residual, hidden_norm = model.embed(ids), None, None
     slots = metadata.slot_mapping
     found = []
     for layer in decoder_layers(model):
-        hidden, residual = layer(inputs, hidden, residual, (k_cache, v_cache))
+        hidden, residual = layer(inputs, hidden, residual, (k_cache, v_cache), None, hidden_norm)
+        hidden_norm = layer.output_norm
         # [tokens, kv_heads, head_dim] as written (keys rotated: pair norms are rotation-free).
         keys = k_cache[slots // _BLOCK_SIZE, slots % _BLOCK_SIZE].float()
         values = v_cache[slots // _BLOCK_SIZE, slots % _BLOCK_SIZE].float()

@@ -6,6 +6,7 @@ projection, post and sandwich norms, LayerNorm layers, longrope's step table."""
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -16,13 +17,14 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed (pip install kiln[triton])")
 
-from kiln.attention.backend import get_attention_backend
+from kiln.attention.backend import AttentionMetadata, get_attention_backend
 from kiln.config import EngineConfig
 from kiln.kernels import reference
 from kiln.kernels import triton as triton_ops
 from kiln.kernels.kv_layout import empty_cache
 from kiln.models.packed_prefill import packed_prefill_metadata
 from kiln.runtime.model_loader import load_model
+from tests.kernels.test_triton_kernels import _head_major
 from tests.models.family_checks import perturb_norms_and_biases, save_tiny_hf
 from tests.models.test_phi3 import phi3_config
 
@@ -72,3 +74,91 @@ def test_triton_forward_equals_the_reference(family: str, tmp_path) -> None:
             hidden = model(ops, attention, ids.to(DEVICE), positions, caches, metadata)
             outs.append(model.compute_logits(hidden, ops).float())
     torch.testing.assert_close(outs[1], outs[0], atol=2e-4, rtol=2e-4)
+
+
+class _Calls:
+    """An ops module that records which of its functions a forward called (and with an
+    x_norm_weight), passing every call through."""
+
+    def __init__(self, ops: object) -> None:
+        self._ops, self.calls, self.x_normed = ops, [], []
+
+    def __getattr__(self, name: str) -> object:
+        fn = getattr(self._ops, name)
+        if not callable(fn):
+            return fn
+
+        def call(*args: object, **kwargs: object) -> object:
+            self.calls.append(name)
+            bound = inspect.signature(fn).bind(*args, **kwargs).arguments
+            if bound.get("x_norm_weight") is not None:
+                self.x_normed.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+
+def _unfused_sandwich_forward(model, ops, backend, ids, positions, caches, metadata):
+    """The sandwich layers as written out unfused: each block's output RMS-normed by its own
+    op before the residual add (what the fused entries' x_norm_weight replaces)."""
+    step = model.step_inputs(ops, backend, positions, metadata)
+    hidden, residual = model.embed(ids), None
+    for layer, kv_cache in zip(model.layers, caches):
+        eps, attn = layer.eps, layer.self_attn
+        summed = hidden if residual is None else hidden + residual
+        normed = ops.rms_norm(summed, layer.input_layernorm, eps)
+        query, _ = attn.project_qkv(step, normed, None, None, eps, kv_cache)
+        attended = ops.rms_norm(attn.attend(step, query, kv_cache), layer.post_attention_layernorm,
+                                eps)  # fmt: skip
+        summed = attended + summed
+        mlp_out, _ = layer.mlp(ops, ops.rms_norm(summed, layer.pre_feedforward_layernorm, eps),
+                               None, None, eps)  # fmt: skip
+        hidden, residual = ops.rms_norm(mlp_out, layer.post_feedforward_layernorm, eps), summed
+    return ops.fused_add_rms_norm(hidden, residual, model.norm, model.config.rms_norm_eps)[0]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+@pytest.mark.parametrize("quantization", ["none", "fp8-dynamic"])
+def test_sandwich_decode_fused_equals_unfused(family: str, quantization: str, tmp_path) -> None:
+    """One batch-1 decode step of a sandwich-norm model through the Triton kernels (the fused
+    one-row entries: each block's output norm inside the next entry, GeGLU inside the gate_up
+    kernel; no RMSNorm of its own but the final one) against the layers written out unfused
+    over the reference ops. FP8: within the float8 rounding a last-bit difference can flip."""
+    architecture, overrides = FAMILIES[family]
+    save_tiny_hf(str(tmp_path), family, architecture, perturb=perturb_norms_and_biases,
+                 **overrides)  # fmt: skip
+    config = EngineConfig(model=str(tmp_path), quantization=quantization)
+    model = load_model(config, DEVICE, torch.float32).model
+    cfg = model.config
+    context = 12  # past gemma2's window of 5 and gemma3's 7
+    gen = torch.Generator().manual_seed(1)
+    shape = (2, 8, cfg.num_key_value_heads, cfg.head_dim)
+    caches = [tuple(torch.randn(shape, generator=gen) for _ in "kv")
+              for _ in range(cfg.num_hidden_layers)]  # fmt: skip
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor([context - 1], device=DEVICE),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor([context], dtype=torch.int32, device=DEVICE),
+        block_tables=torch.tensor([[0, 1]], dtype=torch.int32, device=DEVICE),
+        num_decodes=1, max_query_len=1, max_seq_len=context,
+    )  # fmt: skip
+    ids = torch.tensor([17], device=DEVICE)
+    positions = torch.tensor([context - 1], device=DEVICE)
+
+    def on_device() -> list[tuple[torch.Tensor, ...]]:
+        return [tuple(_head_major(c).to(DEVICE) for c in pair) for pair in caches]
+
+    fused_ops = _Calls(triton_ops)
+    with torch.no_grad():
+        want = _unfused_sandwich_forward(model, reference, get_attention_backend("torch", DEVICE),
+                                         ids, positions, on_device(), metadata)  # fmt: skip
+        got = model(fused_ops, get_attention_backend("triton", DEVICE), ids, positions,
+                    on_device(), metadata)  # fmt: skip
+    scale = float(want.abs().max())
+    tol = 2e-4 if quantization == "none" else 5e-2
+    torch.testing.assert_close(got, want, rtol=0, atol=tol * scale)
+    assert fused_ops.calls.count("rms_norm") == 0, fused_ops.calls
+    gated = "add_rms_norm_linear_silu_mul" + ("_fp8" if quantization != "none" else "")
+    entry = "add_rms_norm_linear" if family == "gemma3_text" else "add_rms_norm_qkv_rotary_write_kv"
+    layers = cfg.num_hidden_layers
+    assert fused_ops.x_normed == [gated, *[entry, gated] * (layers - 1), "fused_add_rms_norm"]

@@ -69,7 +69,7 @@ def round_sequentially(
         raise ValueError("layer-sequential rounding runs the whole model in one process")
     step = _packed_prefill(model, token_batches)
     inputs = model.step_inputs(ops, backend, step.positions, step.metadata)
-    hidden, residual = model.embed(step.input_ids), None
+    hidden, residual, hidden_norm = model.embed(step.input_ids), None, None
     rounded: dict[str, tuple[torch.Tensor, ...]] = {}
     for index, layer in enumerate(decoder_layers(model)):
         projections = _projections(layer, f"layers.{model.layer_start + index}")
@@ -81,7 +81,10 @@ def round_sequentially(
             if name not in kept
         }
         with _wrapped(projections, rounders):
-            hidden, residual = layer(inputs, hidden, residual, (step.k_cache, step.v_cache))
+            hidden, residual = layer(
+                inputs, hidden, residual, (step.k_cache, step.v_cache), None, hidden_norm
+            )
+        hidden_norm = layer.output_norm
         for name, rounder in rounders.items():
             if rounder.result is None:
                 raise ValueError(f"calibration saw no input to {name!r}")

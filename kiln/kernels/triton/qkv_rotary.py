@@ -26,6 +26,7 @@ from kiln.kernels.triton import small_batch_tiles, split_k
 from kiln.kernels.triton._device import dot_precision
 from kiln.kernels.triton._int8_kv import is_int8_cache
 from kiln.kernels.triton._kv_layout import kv_head_offset, kv_slot_base
+from kiln.kernels.triton.rms_norm import lone_x_norm
 from kiln.kernels.triton.rotary import _to_output, rotary_embedding_write_kv
 from kiln.kernels.triton.small_batch_linear import (
     _ADD_NORM,
@@ -36,6 +37,7 @@ from kiln.kernels.triton.small_batch_linear import (
     _quant_mode,
     _rows_2d,
     _write_residual_sum,
+    _x_inv_rms,
     add_rms_norm_linear,
     swap_ab,
 )
@@ -90,6 +92,8 @@ def _qkv_rotary_write_kv_kernel(
     INTERPRETED: tl.constexpr,
     SWAP_AB: tl.constexpr,  # small_batch_linear._times
     BLOCK_SIZE: tl.constexpr,  # the cache's
+    x_norm_weight_ptr=None,  # [K], read when X_NORM
+    X_NORM: tl.constexpr = False,  # ADD_NORM of x RMS-normed first (reference.sandwich_input)
 ):
     tl.static_assert(SPLIT_K == 1 or QUANT != 0, "bf16 norm: no split-K")
     num_pairs: tl.constexpr = (Q_SIZE + 2 * KV_SIZE) // 2
@@ -116,13 +120,18 @@ def _qkv_rotary_write_kv_kernel(
     cos = tl.load(cos_sin_ptr + position * (2 * HALF) + dims, mask=pair_mask, other=0.0)
     sin = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + dims, mask=pair_mask, other=0.0)
     slot = tl.load(slot_mapping_ptr).to(tl.int64)
+    inv_rms_x = 0.0
+    if X_NORM:  # the row's x-norm scale, before the weight's stream (its chunks need it)
+        inv_rms_x = _x_inv_rms(x_ptr, K, eps, STATS_BLOCK)
     acc_lo, acc_hi = _project(
         x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_lo, w_lo + HALF * K, pair_mask, sum_ptr,
         in_scale_ptr, 1, K, k_start, k_stop, 0, eps, PROLOGUE, True, 16, BLOCK_N, BLOCK_K,
         STATS_BLOCK, DOT_PRECISION, QUANT, FP8_DOT, INTERPRETED, SWAP_AB=SWAP_AB,
+        x_norm_weight_ptr=x_norm_weight_ptr, inv_rms_x=inv_rms_x, X_NORM=X_NORM,
     )  # fmt: skip
     if PROLOGUE == 2:
-        _write_residual_sum(x_ptr, residual_ptr, sum_ptr, K, BLOCK_K)
+        _write_residual_sum(x_ptr, residual_ptr, sum_ptr, K, BLOCK_K, x_norm_weight_ptr,
+                            inv_rms_x, X_NORM)  # fmt: skip
     # Row 0 of the dot's tiles (the other rows are exact zeros: their inputs were).
     out_lo = tl.sum(acc_lo, 0)
     out_hi = tl.sum(acc_hi, 0)
@@ -202,16 +211,19 @@ def add_rms_norm_qkv_rotary_write_kv(
     slot_mapping: torch.Tensor,  # [num_tokens] int64
     weight_scale: torch.Tensor | None = None,  # [q_size + 2 * kv_size] fp32: FP8 W8A8
     input_scale: torch.Tensor | None = None,  # [] fp32 static; None: dynamic per token
+    x_norm_weight: torch.Tensor | None = None,  # [K]: x RMS-normed by it before the add
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, num_heads, head_dim], x + residual)
     """(rotated query, x + residual) of add_rms_norm_linear followed by
-    rotary_embedding_write_kv; one kernel for one row (float8 weights too)."""
+    rotary_embedding_write_kv; one kernel for one row (float8 weights too; with
+    x_norm_weight, x normed first in the same kernel: Gemma 2's sandwich norms)."""
+    x, x_norm_weight = lone_x_norm(x, residual, x_norm_weight, eps)
     head_dim = cos_sin_cache.shape[1]
     kv_size = k_cache.shape[2] * head_dim
     if not _qkv_rotary_fits(
         x, residual, norm_weight, weight, bias, weight_scale, input_scale, cos_sin_cache, k_cache
     ):
         qkv, summed = add_rms_norm_linear(
-            x, residual, norm_weight, eps, weight, bias, weight_scale, input_scale
+            x, residual, norm_weight, eps, weight, bias, weight_scale, input_scale, x_norm_weight
         )
         query, key, value = split_qkv_heads(qkv, head_dim, k_cache.shape[2])
         rotated = rotary_embedding_write_kv(
@@ -266,5 +278,6 @@ def add_rms_norm_qkv_rotary_write_kv(
         BLOCK_SIZE=k_cache.shape[1],
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        **({} if x_norm_weight is None else {"x_norm_weight_ptr": x_norm_weight, "X_NORM": True}),
     )  # fmt: skip
     return query, summed.view(x.shape)

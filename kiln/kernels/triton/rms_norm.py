@@ -54,11 +54,21 @@ def _rms_norm_kernel(
     MIN_SCALE: tl.constexpr = 1e-12,
     REMAINDERS: tl.constexpr = 0,  # QUANT: lanes for the outlier columns (0: none)
     INT8: tl.constexpr = False,  # QUANT: out_ptr is int8 (per-row scales only, no remainders)
+    x_norm_weight_ptr=None,  # [hidden], read when X_NORM
+    X_NORM: tl.constexpr = False,  # x is RMS-normed by x_norm_weight before the residual add
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    inv_rms_x = 0.0
+    if X_NORM:
+        # reference.sandwich_input: the block's output normed as rms_norm rounds it.
+        tl.static_assert(ADD_RESIDUAL, "a lone x-norm is rms_norm's own launch")
+        x_in = x.to(tl.float32)
+        inv_rms_x = tl.rsqrt(tl.sum(x_in * x_in, 0) / hidden + eps)
+        x_weight = tl.load(x_norm_weight_ptr + cols, mask=mask, other=0.0)
+        x = ((x_in * inv_rms_x).to(x.dtype).to(tl.float32) * x_weight.to(tl.float32)).to(x.dtype)
     if ADD_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(sum_ptr.dtype.element_ty)
@@ -95,6 +105,10 @@ def _rms_norm_kernel(
                 j = tl.arange(0, REMAINDERS)
                 channel = tl.load(channels_ptr + j, mask=j < n_channels, other=0)
                 xj = tl.load(x_ptr + row * stride_x + channel)
+                if X_NORM:
+                    wxj = tl.load(x_norm_weight_ptr + channel).to(tl.float32)
+                    xj32 = (xj.to(tl.float32) * inv_rms_x).to(xj.dtype).to(tl.float32)
+                    xj = (xj32 * wxj).to(xj.dtype)
                 if ADD_RESIDUAL:
                     rj = tl.load(residual_ptr + row * stride_residual + channel)
                     xj = (xj.to(tl.float32) + rj.to(tl.float32)).to(sum_ptr.dtype.element_ty)
@@ -108,8 +122,30 @@ def _rms_norm_kernel(
         tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _x_norm_args(x: torch.Tensor, x_norm_weight: torch.Tensor | None) -> dict[str, object]:
+    """The kernel's X_NORM arguments (none at all without one: the launch Llama compiles)."""
+    if x_norm_weight is None:
+        return {}
+    assert x_norm_weight.shape == (x.shape[-1],) and x_norm_weight.dtype == x.dtype
+    return {"x_norm_weight_ptr": x_norm_weight, "X_NORM": True}
+
+
+def lone_x_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, x_norm_weight: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x, x_norm_weight) for the fused kernels, which take an x-norm only before a residual
+    add and in x's dtype: otherwise x is normed here (its own launch) and the weight dropped."""
+    if x_norm_weight is None or (residual is not None and x_norm_weight.dtype == x.dtype):
+        return x, x_norm_weight
+    return rms_norm(x, x_norm_weight, eps), None
+
+
 def _launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    x_norm_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     hidden = x.shape[-1]
     assert weight.shape == (hidden,)
@@ -153,6 +189,7 @@ def _launch(
             ADD_RESIDUAL=summed is not None,
             BLOCK=block,
             num_warps=min(16, max(1, block // 512)),
+            **_x_norm_args(x, x_norm_weight),
         )
     out = out.view(x.shape)
     return out, (summed.view(x.shape) if summed is not None else None)
@@ -172,9 +209,12 @@ def fused_add_rms_norm(
     residual: torch.Tensor,  # [num_tokens, hidden]
     weight: torch.Tensor,
     eps: float,
+    x_norm_weight: torch.Tensor | None = None,  # [hidden]: x RMS-normed by it first
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (rms_norm(x + residual), x + residual) in one pass over memory."""
-    normed, summed = _launch(x, residual, weight, eps)
+    """Returns (rms_norm(x + residual), x + residual) in one pass over memory; with
+    x_norm_weight, x is reference.sandwich_input(x) (normed in the same pass)."""
+    x, x_norm_weight = lone_x_norm(x, residual, x_norm_weight, eps)
+    normed, summed = _launch(x, residual, weight, eps, x_norm_weight)
     assert summed is not None
     return normed, summed
 
@@ -189,10 +229,12 @@ def add_rms_norm_quant_fp8(
     eps: float,
     input_scale: torch.Tensor | None,  # [] fp32 static per-tensor scale; None: per row
     channels: torch.Tensor | None = None,  # [n] int64: append these columns' remainders
+    x_norm_weight: torch.Tensor | None = None,  # [hidden]: x RMS-normed by it before the add
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(float8 rms_norm(x + residual), its scale: [M, 1] or input_scale, x + residual): what
     quantize_fp8(fused_add_rms_norm(...)[0], channels=...) gives, in one kernel (the
     reference's twin); with channels the float8 rows are hidden + n wide."""
+    x, x_norm_weight = lone_x_norm(x, residual, x_norm_weight, eps)
     hidden = x.shape[-1]
     assert x.dim() == 2 and weight.shape == (hidden,) and x.stride(-1) == 1
     num_rows = x.shape[0]
@@ -226,6 +268,7 @@ def add_rms_norm_quant_fp8(
             OUT_DTYPE=_TL_DTYPES[out_dtype], INTERPRETED=x.device.type != "cuda",
             FP8_MAX=FP8_E4M3_MAX, MIN_SCALE=FP8_MIN_SCALE,
             num_warps=min(16, max(1, block // 512)), **remainder_args(channels, out),
+            **_x_norm_args(x, x_norm_weight),
         )  # fmt: skip
     return out, scale, summed
 

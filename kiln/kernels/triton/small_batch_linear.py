@@ -18,7 +18,10 @@ weight's stream never waits for it (in bf16; float8 needs the scale, and the abs
 quantizing: a first pass over the row finds them). Each program reads the whole (tiny) input from
 L2.
 For gate_up a program streams the gate rows of its output columns and the matching up rows, and
-writes silu(gate) * up: the MLP's activation costs no kernel of its own.
+writes silu(gate) * up: the MLP's activation costs no kernel of its own (GeGLU's gelu-tanh with
+ACTIVATION). X_NORM: x is a block's output that joins the stream RMS-normed by its own weight
+(Gemma 2/3's sandwich norms), normalised on the fly with a first pass for its scale, so that
+norm too costs no launch. Both are constexprs a launch passes only when set.
 
 More rows, and operands this kernel does not take, go through the unfused kernels and cuBLAS.
 Rounding differs from the unfused path only inside the norm (h * weight is rounded to the model
@@ -26,6 +29,9 @@ dtype instead of normalised-then-rounded twice); fp32 agrees to ~1e-6.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,27 +41,71 @@ import triton.language as tl
 from kiln.kernels.triton import fp8_gemm, small_batch_tiles, split_k
 from kiln.kernels.triton._device import dot_precision
 from kiln.kernels.triton.fp8_gemm import scaled_to_e4m3
-from kiln.kernels.triton.rms_norm import add_rms_norm_quant_fp8, fused_add_rms_norm, rms_norm
-from kiln.kernels.triton.silu_mul import silu_and_mul, silu_and_mul_quant_fp8
+from kiln.kernels.triton.rms_norm import (
+    add_rms_norm_quant_fp8,
+    fused_add_rms_norm,
+    lone_x_norm,
+    rms_norm,
+)
+from kiln.kernels.triton.silu_mul import (
+    _gelu_tanh_f32,
+    gelu_tanh_and_mul,
+    gelu_tanh_and_mul_quant_fp8,
+    silu_and_mul,
+    silu_and_mul_quant_fp8,
+)
 
 # Most rows the small-batch kernels take: above it cuBLAS's GEMM tiles win, and the small kernels
 # matter less.
 MAX_ROWS = 8
 
 _PLAIN, _NORM, _ADD_NORM = 0, 1, 2
+# The gated kernels' ACTIVATION by a gated MLP's activation name (0, SiLU, the default).
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
+
+
+def _act_and_mul(activation: str, quant: bool = False) -> Callable[..., Any]:
+    """The unfused activation-mul kernel (quant: its float8-writing form) for an activation
+    name, looked up at the call (so a test's patch of this module's names reaches it)."""
+    if ACTIVATIONS[activation] == 0:
+        return silu_and_mul_quant_fp8 if quant else silu_and_mul
+    return gelu_tanh_and_mul_quant_fp8 if quant else gelu_tanh_and_mul
 
 
 @triton.jit
-def _load_input_chunk(x_ptr, residual_ptr, norm_weight_ptr, offs, mask, PROLOGUE: tl.constexpr):
+def _load_input_chunk(x_ptr, residual_ptr, norm_weight_ptr, offs, mask, PROLOGUE: tl.constexpr,
+                      x_norm_weight_ptr=None, inv_rms_x=0.0,
+                      X_NORM: tl.constexpr = False):  # fmt: skip
     """One K-chunk of the row's inputs: x, the residual (ADD_NORM; else x again, not loaded) and
-    the norm weight."""
+    the norm weight. X_NORM: x comes normed (_x_normed) by its weight and the row's inv_rms_x."""
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if X_NORM:
+        x = _x_normed(x, tl.load(x_norm_weight_ptr + offs, mask=mask, other=0.0), inv_rms_x)
     if PROLOGUE == 2:  # noqa: SIM108 (a constexpr branch: no load otherwise)
         residual = tl.load(residual_ptr + offs, mask=mask, other=0.0)
     else:
         residual = x
     norm_weight = tl.load(norm_weight_ptr + offs, mask=mask, other=0.0)
     return x, residual, norm_weight
+
+
+@triton.jit
+def _x_normed(x, x_weight, inv_rms_x):
+    """reference.sandwich_input's chunk: x normalised in fp32, rounded to its dtype, times the
+    weight rounded again (rms_norm's rounding)."""
+    normed = (x.to(tl.float32) * inv_rms_x).to(x.dtype).to(tl.float32)
+    return (normed * x_weight.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _x_inv_rms(x_ptr, K, eps, STATS_BLOCK: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) of one row (an X_NORM launch's first pass, from L2)."""
+    ks = tl.arange(0, STATS_BLOCK)
+    sum_sq = tl.zeros([STATS_BLOCK], dtype=tl.float32)
+    for k in range(0, K, STATS_BLOCK):
+        v = tl.load(x_ptr + k + ks, mask=(k + ks) < K, other=0.0).to(tl.float32)
+        sum_sq += v * v
+    return tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
 
 
 @triton.jit
@@ -158,6 +208,9 @@ def _project(
     FP8_MAX: tl.constexpr = 448.0,
     MIN_SCALE: tl.constexpr = 1e-12,
     SWAP_AB: tl.constexpr = False,  # float8 weights: the weight tile as the dot's first operand
+    x_norm_weight_ptr=None,  # [K], read when X_NORM
+    inv_rms_x=0.0,  # X_NORM: the row's _x_inv_rms
+    X_NORM: tl.constexpr = False,  # ADD_NORM with x normed first (reference.sandwich_input)
 ):
     """[BLOCK_M, BLOCK_N] fp32 dot products of the rows' (normed) inputs with w_rows, and with
     w_rows_hi when PAIRED (zeros otherwise), over K in [k_start, k_stop); the weight is streamed
@@ -171,6 +224,7 @@ def _project(
     row_mask = rows < M
     widen: tl.constexpr = QUANT != 0 and not FP8_DOT
     tl.static_assert(not SWAP_AB or QUANT != 0, "SWAP_AB: float8 weights only")
+    tl.static_assert(not X_NORM or PROLOGUE == 2, "an x-norm comes before a residual add")
     acc = _zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     acc_hi = _zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     if PROLOGUE == 0 and (QUANT == 1 or QUANT == 2):
@@ -238,8 +292,9 @@ def _project(
         best_nw = tl.zeros([STATS_BLOCK], dtype=tl.float32)
         for k in range(0, K, STATS_BLOCK):
             xa, xb, nw = _load_input_chunk(
-                x_ptr, residual_ptr, norm_weight_ptr, k + stats_ks, (k + stats_ks) < K, PROLOGUE
-            )
+                x_ptr, residual_ptr, norm_weight_ptr, k + stats_ks, (k + stats_ks) < K, PROLOGUE,
+                x_norm_weight_ptr, inv_rms_x, X_NORM,
+            )  # fmt: skip
             h32 = xa.to(tl.float32)
             if PROLOGUE == 2:
                 h32 = (xa.to(tl.float32) + xb.to(tl.float32)).to(dtype).to(tl.float32)
@@ -264,8 +319,9 @@ def _project(
         for k in range(k_start, k_stop, BLOCK_K):
             k_mask = (k + ks) < K
             xa, xb, nw = _load_input_chunk(
-                x_ptr, residual_ptr, norm_weight_ptr, k + ks, k_mask, PROLOGUE
-            )
+                x_ptr, residual_ptr, norm_weight_ptr, k + ks, k_mask, PROLOGUE,
+                x_norm_weight_ptr, inv_rms_x, X_NORM,
+            )  # fmt: skip
             h32 = xa.to(tl.float32)
             if PROLOGUE == 2:
                 h32 = (xa.to(tl.float32) + xb.to(tl.float32)).to(dtype).to(tl.float32)
@@ -287,13 +343,17 @@ def _project(
         # feed arithmetic, not the dot, so the pipeliner leaves their latency exposed otherwise.
         first_row = rows[:, None] == 0
         sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-        xa, xb, nw = _load_input_chunk(x_ptr, residual_ptr, norm_weight_ptr, ks, ks < K, PROLOGUE)
+        xa, xb, nw = _load_input_chunk(
+            x_ptr, residual_ptr, norm_weight_ptr, ks, ks < K, PROLOGUE, x_norm_weight_ptr,
+            inv_rms_x, X_NORM,
+        )  # fmt: skip
         for k in range(0, K, BLOCK_K):
             k_mask = (k + ks) < K
             nxt = k + BLOCK_K + ks
             xa_next, xb_next, nw_next = _load_input_chunk(
-                x_ptr, residual_ptr, norm_weight_ptr, nxt, nxt < K, PROLOGUE
-            )
+                x_ptr, residual_ptr, norm_weight_ptr, nxt, nxt < K, PROLOGUE, x_norm_weight_ptr,
+                inv_rms_x, X_NORM,
+            )  # fmt: skip
             h = xa
             if PROLOGUE == 2:  # the residual stream rounds to its dtype, as unfused
                 h = (xa.to(tl.float32) + xb.to(tl.float32)).to(sum_ptr.dtype.element_ty)
@@ -314,16 +374,22 @@ def _project(
 
 
 @triton.jit
-def _write_residual_sum(x_ptr, residual_ptr, sum_ptr, K, BLOCK_K: tl.constexpr):
+def _write_residual_sum(x_ptr, residual_ptr, sum_ptr, K, BLOCK_K: tl.constexpr,
+                        x_norm_weight_ptr=None, inv_rms_x=0.0,
+                        X_NORM: tl.constexpr = False):  # fmt: skip
     """x + residual (one row) into sum_ptr, written out in slices: each program (over the
-    tiles and their splits) its own."""
+    tiles and their splits) its own. X_NORM: x normed first (_x_normed)."""
     pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     ks = tl.arange(0, BLOCK_K)
     per = tl.cdiv(K, tl.num_programs(0) * tl.num_programs(1))
     for k in range(pid * per, (pid + 1) * per, BLOCK_K):
         offs = k + ks
         mask = (offs < K) & (offs < (pid + 1) * per)
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if X_NORM:
+            xw = tl.load(x_norm_weight_ptr + offs, mask=mask, other=0.0)
+            x = _x_normed(x, xw, inv_rms_x)
+        x = x.to(tl.float32)
         r = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(sum_ptr + offs, (x + r).to(sum_ptr.dtype.element_ty), mask=mask)
 
@@ -362,6 +428,9 @@ def _small_batch_linear_kernel(
     FP8_DOT: tl.constexpr,
     INTERPRETED: tl.constexpr,
     SWAP_AB: tl.constexpr,  # see _times
+    x_norm_weight_ptr=None,  # [K], read when X_NORM
+    X_NORM: tl.constexpr = False,  # ADD_NORM of x RMS-normed first (reference.sandwich_input)
+    ACTIVATION: tl.constexpr = 0,  # GATED: act(gate) * up with SiLU (0) or gelu-tanh (1)
 ):
     tl.static_assert(SPLIT_K == 1 or PROLOGUE == 0 or QUANT != 0, "bf16 norm: no split-K")
     rows = tl.arange(0, BLOCK_M)
@@ -381,13 +450,18 @@ def _small_batch_linear_kernel(
     bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    inv_rms_x = 0.0
+    if X_NORM:  # the row's x-norm scale, before the weight's stream (its chunks need it)
+        inv_rms_x = _x_inv_rms(x_ptr, K, eps, STATS_BLOCK)
     acc, acc_up = _project(
         x_ptr, residual_ptr, norm_weight_ptr, w_ptr, w_rows, up_rows, col_mask, sum_ptr,
         in_scale_ptr, M, K, k_start, k_stop, stride_xm, eps, PROLOGUE, GATED, BLOCK_M, BLOCK_N,
         BLOCK_K, STATS_BLOCK, DOT_PRECISION, QUANT, FP8_DOT, INTERPRETED, SWAP_AB=SWAP_AB,
+        x_norm_weight_ptr=x_norm_weight_ptr, inv_rms_x=inv_rms_x, X_NORM=X_NORM,
     )  # fmt: skip
     if PROLOGUE == 2:
-        _write_residual_sum(x_ptr, residual_ptr, sum_ptr, K, BLOCK_K)
+        _write_residual_sum(x_ptr, residual_ptr, sum_ptr, K, BLOCK_K, x_norm_weight_ptr,
+                            inv_rms_x, X_NORM)  # fmt: skip
     if SPLIT_K > 1:
         # The tile's sums over all K: complete in the program that arrives last, the only one
         # whose stores below are unmasked.
@@ -414,10 +488,14 @@ def _small_batch_linear_kernel(
         acc += bias[None, :]
     if GATED:
         # silu(gate) * up rounded as reference.silu_and_mul over the unfused projection's
-        # output: gate and up to the model dtype, silu in fp32 to the dtype, the product again.
+        # output: gate and up to the model dtype, silu in fp32 to the dtype, the product again
+        # (gelu-tanh's likewise, as reference.gelu_tanh_and_mul).
         dtype = out_ptr.dtype.element_ty
         gate = acc.to(dtype).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        if ACTIVATION == 1:
+            act = _gelu_tanh_f32(gate).to(dtype).to(tl.float32)
+        else:
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         acc = act * acc_up.to(dtype).to(tl.float32)
     out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & col_mask[None, :])
@@ -500,6 +578,8 @@ def _launch(
     weight_scale: torch.Tensor | None = None,
     input_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    x_norm_weight: torch.Tensor | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
     m = x2.shape[0]
     weight_rows, k = weight.shape
@@ -557,8 +637,20 @@ def _launch(
         SWAP_AB=swap_ab(quant, block_n, x2.device),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        **_variant_args(x_norm_weight, activation),
     )
     return out
+
+
+def _variant_args(x_norm_weight: torch.Tensor | None, activation: str) -> dict[str, object]:
+    """The constexprs of the Gemma variants, passed only when set: a launch without them (every
+    Llama launch) specialises exactly as before they existed."""
+    args: dict[str, object] = {}
+    if x_norm_weight is not None:
+        args.update(x_norm_weight_ptr=x_norm_weight, X_NORM=True)
+    if ACTIVATIONS[activation] != 0:
+        args["ACTIVATION"] = ACTIVATIONS[activation]
+    return args
 
 
 def _rows_2d(x: torch.Tensor) -> torch.Tensor:
@@ -632,18 +724,19 @@ def _launch_fp8_plain(
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None,
     gated: bool,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """One row is quantized inside the kernel; a few rows by quantize_fp8's kernel first (inside
     the matmul's loop it would quantize a whole 16-row tile per step, padding included)."""
     if x2.shape[0] == 1:
         return _launch(
             _PLAIN, x2, weight, bias, gated=gated, weight_scale=weight_scale,
-            input_scale=input_scale,
+            input_scale=input_scale, activation=activation,
         )  # fmt: skip
     x_fp8, x_scale = fp8_gemm.quantize_fp8(x2, input_scale)
     return _launch(
         _PLAIN, x_fp8, weight, bias, gated=gated, weight_scale=weight_scale, input_scale=x_scale,
-        out_dtype=x2.dtype,
+        out_dtype=x2.dtype, activation=activation,
     )  # fmt: skip
 
 
@@ -663,12 +756,17 @@ def _fused_norm_fits(
 
 
 def _add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    x_norm_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual) as kernels of their own: the unfused path."""
+    """(rms_norm(x + residual), x + residual) as kernels of their own: the unfused path (x
+    normed by x_norm_weight first, inside the add's kernel)."""
     if residual is None:
         return rms_norm(x, norm_weight, eps), x
-    return fused_add_rms_norm(x, residual, norm_weight, eps)
+    return fused_add_rms_norm(x, residual, norm_weight, eps, x_norm_weight)
 
 
 def _any_linear(
@@ -693,12 +791,15 @@ def _norm_quant_fp8_linear(
     bias: torch.Tensor | None,
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None,
+    x_norm_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Above the small-batch rows, an FP8 projection's input is quantized by the norm's own
     kernel (add_rms_norm_quant_fp8), then the float8 GEMM: one pass fewer over the activations
     than norm, quantize_fp8, GEMM."""
     x2, r2 = _rows_2d(x).contiguous(), None if residual is None else _rows_2d(residual).contiguous()
-    x_fp8, x_scale, summed = add_rms_norm_quant_fp8(x2, r2, norm_weight, eps, input_scale)
+    x_fp8, x_scale, summed = add_rms_norm_quant_fp8(
+        x2, r2, norm_weight, eps, input_scale, x_norm_weight=x_norm_weight
+    )
     out = fp8_gemm.fp8_matmul(x_fp8, x_scale, weight, weight_scale, bias, x.dtype)
     return out.view(*x.shape[:-1], weight.shape[0]), summed.view(x.shape)
 
@@ -713,12 +814,15 @@ def _launch_norm_fused(
     gated: bool,
     weight_scale: torch.Tensor | None = None,
     input_scale: torch.Tensor | None = None,
+    x_norm_weight: torch.Tensor | None = None,
+    activation: str = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     x2 = _rows_2d(x)
     if residual is None:
+        assert x_norm_weight is None, "lone_x_norm normed x already"
         out = _launch(
             _NORM, x2, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated,
-            weight_scale=weight_scale, input_scale=input_scale,
+            weight_scale=weight_scale, input_scale=input_scale, activation=activation,
         )  # fmt: skip
         return out, x
     # A new tensor, never x or residual: every program reads all of those while the others
@@ -726,7 +830,8 @@ def _launch_norm_fused(
     summed = torch.empty_like(x2)
     out = _launch(
         _ADD_NORM, x2, weight, bias, _rows_2d(residual), norm_weight, eps, summed, gated=gated,
-        weight_scale=weight_scale, input_scale=input_scale,
+        weight_scale=weight_scale, input_scale=input_scale, x_norm_weight=x_norm_weight,
+        activation=activation,
     )  # fmt: skip
     return out, summed.view(x.shape)
 
@@ -740,19 +845,24 @@ def add_rms_norm_linear(
     bias: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,  # [N] fp32: an FP8 W8A8 projection
     input_scale: torch.Tensor | None = None,  # [] fp32 static; None: dynamic per token
+    x_norm_weight: torch.Tensor | None = None,  # [K]: x RMS-normed by it before the add
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(x + residual)), x + residual); with no residual,
-    (linear(rms_norm(x)), x); fp8_linear instead of linear when weight_scale is given."""
+    (linear(rms_norm(x)), x); fp8_linear instead of linear when weight_scale is given; x is
+    reference.sandwich_input(x) with x_norm_weight (normed inside the same kernels)."""
+    x, x_norm_weight = lone_x_norm(x, residual, x_norm_weight, eps)
     if not _fused_norm_fits(x, residual, norm_weight, weight, weight_scale, input_scale):
         if weight_scale is not None:
             return _norm_quant_fp8_linear(
-                x, residual, norm_weight, eps, weight, bias, weight_scale, input_scale
-            )
-        normed, summed = _add_rms_norm(x, residual, norm_weight, eps)
+                x, residual, norm_weight, eps, weight, bias, weight_scale, input_scale,
+                x_norm_weight,
+            )  # fmt: skip
+        normed, summed = _add_rms_norm(x, residual, norm_weight, eps, x_norm_weight)
         return linear(normed, weight, bias), summed
     out, summed = _launch_norm_fused(
-        x, residual, norm_weight, eps, weight, bias, False, weight_scale, input_scale
-    )
+        x, residual, norm_weight, eps, weight, bias, False, weight_scale, input_scale,
+        x_norm_weight,
+    )  # fmt: skip
     return out.view(*x.shape[:-1], weight.shape[0]), summed
 
 
@@ -764,31 +874,40 @@ def add_rms_norm_linear_silu_mul(
     weight: torch.Tensor,  # [2N, K]: the gate projection's rows, then the up projection's
     weight_scale: torch.Tensor | None = None,  # [2N] fp32: an FP8 W8A8 projection
     input_scale: torch.Tensor | None = None,  # [] fp32 static; None: dynamic per token
+    activation: str = "silu",  # or "gelu_pytorch_tanh" (GeGLU)
+    x_norm_weight: torch.Tensor | None = None,  # [K]: x RMS-normed by it before the add
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, N], [num_tokens, K])
     """(silu_and_mul(add_rms_norm_linear(...)), x + residual): the Llama MLP up to its down
     projection. One kernel for one row: each program streams the gate rows of its output columns
     and the matching up rows, so SiLU-mul runs on its accumulators (at batch 1 its own kernel
     was 1.5 us plus a launch gap per layer); the plain gated kernel up to MAX_ROWS after the norm
-    kernel; above that cuBLAS (or the FP8 GEMM) and the SiLU kernel."""
+    kernel; above that cuBLAS (or the FP8 GEMM) and the SiLU kernel. `activation`
+    "gelu_pytorch_tanh": GeGLU's gelu-tanh in place of SiLU in each (a constexpr of the same
+    kernels); x_norm_weight: x is reference.sandwich_input(x), normed in the norm's kernel."""
+    act_and_mul = _act_and_mul(activation)
+    x, x_norm_weight = lone_x_norm(x, residual, x_norm_weight, eps)
     scales = {"weight_scale": weight_scale, "input_scale": input_scale}
     if _fused_norm_fits(x, residual, norm_weight, weight, **scales):
         out, summed = _launch_norm_fused(
-            x, residual, norm_weight, eps, weight, None, True, **scales
-        )
+            x, residual, norm_weight, eps, weight, None, True, **scales,
+            x_norm_weight=x_norm_weight, activation=activation,
+        )  # fmt: skip
         return out.view(*x.shape[:-1], weight.shape[0] // 2), summed
     if weight_scale is not None and not _fits(x, weight, x.shape[-1], False, **scales):
         gate_up, summed = _norm_quant_fp8_linear(
-            x, residual, norm_weight, eps, weight, None, weight_scale, input_scale
+            x, residual, norm_weight, eps, weight, None, weight_scale, input_scale, x_norm_weight
         )
-        return silu_and_mul(gate_up), summed
-    normed, summed = _add_rms_norm(x, residual, norm_weight, eps)
+        return act_and_mul(gate_up), summed
+    normed, summed = _add_rms_norm(x, residual, norm_weight, eps, x_norm_weight)
     if not _fits(normed, weight, normed.shape[-1], False, **scales):
         gate_up = _any_linear(normed, weight, None, weight_scale, input_scale)
-        return silu_and_mul(gate_up), summed
+        return act_and_mul(gate_up), summed
     if weight_scale is None:
-        out = _launch(_PLAIN, _rows_2d(normed), weight, None, gated=True)
+        out = _launch(_PLAIN, _rows_2d(normed), weight, None, gated=True, activation=activation)
     else:
-        out = _launch_fp8_plain(_rows_2d(normed), weight, None, weight_scale, input_scale, True)
+        out = _launch_fp8_plain(
+            _rows_2d(normed), weight, None, weight_scale, input_scale, True, activation
+        )
     return out.view(*x.shape[:-1], weight.shape[0] // 2), summed
 
 
@@ -801,6 +920,8 @@ def add_rms_norm_linear_silu_mul_fp8(
     weight_scale: torch.Tensor,  # [2N] fp32
     input_scale: torch.Tensor | None,  # [] fp32 static scale of x's norm; None: per token
     out_scale: torch.Tensor | None,  # [] fp32 static scale of the activation; None: per token
+    activation: str = "silu",  # or "gelu_pytorch_tanh" (GeGLU)
+    x_norm_weight: torch.Tensor | None = None,  # [K]: x RMS-normed by it before the add
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The FP8 MLP up to a down projection that takes float8 (reference's twin). Up to
     MAX_ROWS rows: add_rms_norm_linear_silu_mul's small-batch kernels, the activation in the
@@ -810,10 +931,15 @@ def add_rms_norm_linear_silu_mul_fp8(
     round trip, no quantize kernel before the down projection."""
     scales = {"weight_scale": weight_scale, "input_scale": input_scale}
     if _fits(x, weight, x.shape[-1], False, **scales):
-        act, summed = add_rms_norm_linear_silu_mul(x, residual, norm_weight, eps, weight, **scales)
+        act, summed = add_rms_norm_linear_silu_mul(
+            x, residual, norm_weight, eps, weight, **scales, activation=activation,
+            x_norm_weight=x_norm_weight,
+        )  # fmt: skip
         return act, None, summed
+    x, x_norm_weight = lone_x_norm(x, residual, x_norm_weight, eps)
     gate_up, summed = _norm_quant_fp8_linear(
-        x, residual, norm_weight, eps, weight, None, weight_scale, input_scale
+        x, residual, norm_weight, eps, weight, None, weight_scale, input_scale, x_norm_weight
     )
-    act, act_scale = silu_and_mul_quant_fp8(gate_up.reshape(-1, gate_up.shape[-1]), out_scale)
+    quant = _act_and_mul(activation, quant=True)
+    act, act_scale = quant(gate_up.reshape(-1, gate_up.shape[-1]), out_scale)
     return act, act_scale, summed
