@@ -12,8 +12,9 @@ tile, chunk of a long reduction) into fp32 rows and sums them in a third launch:
 one more launch.
 
 Weights are the model dtype's or float8 e4m3 (widened in registers; weight-only) with a scale
-per expert ([E]) or per expert and output channel ([E, N]). Everything is on the device with
-shapes from the token count alone: no host sync, so a CUDA graph captures it."""
+per expert ([E]), per expert and output channel ([E, N]) or per 128x128 block ([E, N, K / 128]:
+each row's scale of each 128 inputs, multiplied into the widened codes). Everything is on the
+device with shapes from the token count alone: no host sync, so a CUDA graph captures it."""
 
 from __future__ import annotations
 
@@ -59,10 +60,17 @@ def _block_n(rows: int, n: int, device: torch.device) -> int:
 
 
 @triton.jit
+def _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn):
+    """[len(cols), len(ks)] fp32: each weight's block scale (its row's, of its 128 inputs)."""
+    rows = scale_ptr + expert * stride_se + cols[:, None].to(tl.int64) * stride_sn
+    return tl.load(rows + (ks // 128)[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def _gate_up_act_kernel(
     x_ptr,  # [num_tokens, K]
     w_ptr,  # [num_experts, 2 * N, K]: gate rows, then up rows
-    scale_ptr,  # [num_experts] or [num_experts, 2 * N] fp32 (read with SCALED only)
+    scale_ptr,  # [E], [E, 2 * N] or [E, 2 * N, K / 128] fp32 (read with SCALED only)
     ids_ptr,  # [num_tokens * top_k] int: each pair's expert
     out_ptr,  # [num_tokens * top_k, N]: silu(gate) * up in x's dtype
     top_k,
@@ -75,6 +83,7 @@ def _gate_up_act_kernel(
     stride_sn,  # 0 for a per-expert scale
     stride_out,
     SCALED: tl.constexpr,
+    BLOCK_SCALED: tl.constexpr,  # with SCALED: a scale per row and 128 inputs, on the codes
     INTERPRETED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -97,9 +106,12 @@ def _gate_up_act_kernel(
         mask = col_mask[:, None] & k_mask[None, :]
         g = tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        if BLOCK_SCALED:
+            g *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
+            u *= _block_scales(scale_ptr, expert, cols + N, ks, mask, stride_se, stride_sn)
         gate += tl.sum(g * xk[None, :], axis=1)
         up += tl.sum(u * xk[None, :], axis=1)
-    if SCALED:
+    if SCALED and not BLOCK_SCALED:
         scales = scale_ptr + expert * stride_se
         gate *= tl.load(scales + cols * stride_sn, mask=col_mask, other=0.0)
         up *= tl.load(scales + (cols + N) * stride_sn, mask=col_mask, other=0.0)
@@ -130,6 +142,7 @@ def _down_kernel(
     stride_sn,
     stride_out,
     SCALED: tl.constexpr,
+    BLOCK_SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -147,9 +160,12 @@ def _down_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         hk = tl.load(h_ptr + pair * stride_h + ks, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        down += tl.sum(w.to(tl.float32) * hk[None, :], axis=1)
-    if SCALED:
+        mask = col_mask[:, None] & k_mask[None, :]
+        w = tl.load(rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        if BLOCK_SCALED:
+            w *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
+        down += tl.sum(w * hk[None, :], axis=1)
+    if SCALED and not BLOCK_SCALED:
         down *= tl.load(scale_ptr + expert * stride_se + cols * stride_sn, mask=col_mask, other=0.0)
     down *= tl.load(weights_ptr + pair)
     out_row = pair * tl.num_programs(2) + split
@@ -174,6 +190,7 @@ def _down_sum_kernel(
     stride_sn,
     stride_out,
     SCALED: tl.constexpr,
+    BLOCK_SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -193,9 +210,12 @@ def _down_sum_kernel(
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         hk = tl.load(h_ptr + pair * stride_h + ks, mask=k_mask, other=0.0).to(tl.float32)
         rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
-        w = tl.load(rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        part = tl.sum(w.to(tl.float32) * hk[None, :], axis=1)
-        if SCALED:
+        mask = col_mask[:, None] & k_mask[None, :]
+        w = tl.load(rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        if BLOCK_SCALED:
+            w *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
+        part = tl.sum(w * hk[None, :], axis=1)
+        if SCALED and not BLOCK_SCALED:
             scales = scale_ptr + expert * stride_se + cols * stride_sn
             part *= tl.load(scales, mask=col_mask, other=0.0)
         total += part * tl.load(weights_ptr + pair)
@@ -221,11 +241,14 @@ def _sum_slots_kernel(
 
 
 def _scale_args(scale: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """(the scale tensor, its expert stride, its channel stride: 0 for one scale per expert)."""
+    """(the scale tensor, its expert stride, its channel stride: 0 for one scale per expert);
+    block scales [E, N, K / 128] contiguous in their last dimension."""
     if scale is None:
         return like, 0, 0
     if scale.dim() == 1:
         return scale, scale.stride(0), 0
+    if scale.dim() == 3:
+        scale = scale.float().contiguous()
     return scale, scale.stride(0), scale.stride(1)
 
 
@@ -276,7 +299,8 @@ def fused_moe_decode_tiled(
     s13, s13_e, s13_n = _scale_args(w13_scale, weights)
     _gate_up_act_kernel[(num_pairs, triton.cdiv(inter, n1))](
         x, w13, s13, ids, act, top_k, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
-        s13_e, s13_n, act.stride(0), SCALED=w13_scale is not None, INTERPRETED=interpreted,
+        s13_e, s13_n, act.stride(0), SCALED=w13_scale is not None,
+        BLOCK_SCALED=w13_scale is not None and w13_scale.dim() == 3, INTERPRETED=interpreted,
         BLOCK_N=n1, BLOCK_K=k1, NUM_STAGES=stages, num_warps=warps1,
     )  # fmt: skip
     s2, s2_e, s2_n = _scale_args(w2_scale, weights)
@@ -284,6 +308,7 @@ def fused_moe_decode_tiled(
         _down_sum_kernel[(num_tokens, triton.cdiv(hidden, n2))](
             act, w2, s2, ids, weights, out, top_k, hidden, inter, act.stride(0), w2.stride(0),
             w2.stride(1), s2_e, s2_n, out.stride(0), SCALED=w2_scale is not None,
+            BLOCK_SCALED=w2_scale is not None and w2_scale.dim() == 3,
             BLOCK_N=n2, BLOCK_K=k2, NUM_STAGES=stages, num_warps=warps2,
         )  # fmt: skip
         return out
@@ -294,6 +319,7 @@ def fused_moe_decode_tiled(
     _down_kernel[(num_pairs, triton.cdiv(hidden, n2), num_splits)](
         act, w2, s2, ids, weights, down, hidden, inter, chunk, act.stride(0), w2.stride(0),
         w2.stride(1), s2_e, s2_n, down.stride(0), SCALED=w2_scale is not None,
+            BLOCK_SCALED=w2_scale is not None and w2_scale.dim() == 3,
         BLOCK_N=n2, BLOCK_K=k2, NUM_STAGES=stages, num_warps=warps2,
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))
