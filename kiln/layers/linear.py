@@ -95,6 +95,14 @@ class LinearMethod(ABC):
         own, unless the method lays the parameter out otherwise (outlier columns)."""
         return shape
 
+    def row_parallel_part(
+        self, layer: Linear, param: torch.Tensor, loaded: torch.Tensor
+    ) -> torch.Tensor | None:
+        """A row-parallel rank's part of a full tensor for `param`, a parameter other than the
+        weight that the method lays out by input columns (block scales: by blocks of them);
+        None: Linear.cut's rule (whole, the bias on tensor rank 0)."""
+        return None
+
     def process_weights_after_loading(self, layer: Linear) -> None:  # noqa: B027 (optional hook)
         """Convert loaded weights into what apply() reads (quantize, transpose, ...)."""
 
@@ -259,6 +267,9 @@ class Linear(nn.Module):
             return torch.cat(blocks) if len(blocks) > 1 else blocks[0]
         if param is self.weight:
             return self.method.input_columns(self, loaded)
+        part = self.method.row_parallel_part(self, param, loaded)
+        if part is not None:
+            return part
         if param is self.bias and split.ctx.tp_rank != 0:
             return torch.zeros_like(loaded)
         return loaded

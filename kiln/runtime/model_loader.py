@@ -410,11 +410,11 @@ def _hf_dir_source(path: str, dequantized: bool = False) -> ModelSource:
     if fp4 is not None:
         weights = fp4_tensors(weights, fp4, fp8=not dequantized)
     if eight_bit is not None:
-        if config.num_experts:
+        if config.num_experts and eight_bit.quantization != "fp8-block":
             raise ModelLoadError(
                 f"{path}: {eight_bit.quantization} ({eight_bit.producer}) checkpoints of "
                 "mixture-of-experts models are not supported yet (kiln's experts load from "
-                "16-bit weights)"
+                "16-bit, per-channel / per-tensor FP8 or block FP8 weights)"
             )
         weights = eight_bit_tensors(weights, eight_bit)
     source = ModelSource(

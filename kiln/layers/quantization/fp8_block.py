@@ -37,15 +37,26 @@ class Fp8BlockLinearMethod(LinearMethod):
     """weight [out, in] float8 e4m3, weight_scales [out, ceil(in / 128)] fp32: the checkpoint's
     [ceil(rows / 128), ceil(in / 128)] block scales of each fused shard repeated down the shard's
     rows (so q, k and v keep their own blocks wherever their rows start). A checkpoint's codes
-    load as they are; 16-bit weights are rounded per 128x128 block as they arrive.
-    No tensor parallelism yet (a row-parallel cut must fall on a block boundary)."""
+    load as they are; 16-bit weights are rounded per 128x128 block as they arrive (a rank's
+    part of them under TP). Tensor parallelism: a column-parallel rank keeps its rows' scales
+    (repeated down the full rows first, so a cut inside a block keeps that block's scale); a
+    row-parallel rank's input columns must start on a 128-block (refused otherwise) and it keeps
+    those blocks' scales."""
 
     def __init__(self) -> None:
         self._layer: weakref.ref[Linear] | None = None
 
     def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
-        if layer.split is not None:
-            raise ModelLoadError("FP8 block-scaled weights do not support tensor parallelism yet")
+        split = layer.split
+        if split is not None and split.cols is not None:
+            start, length = split.cols
+            last = split.ctx.tp_rank == split.ctx.tp_size - 1
+            if start % FP8_BLOCK or (length % FP8_BLOCK and not last):
+                raise ModelLoadError(
+                    f"FP8 block-scaled weights: a row-parallel rank's inputs [{start}, "
+                    f"{start + length}) split a 128-wide scale block; use a tensor-parallel "
+                    "size that leaves each rank a multiple of 128 inputs"
+                )
         if self._layer is not None:
             raise RuntimeError("an Fp8BlockLinearMethod serves one layer; make one per layer")
         self._layer = weakref.ref(layer)
@@ -72,9 +83,22 @@ class Fp8BlockLinearMethod(LinearMethod):
     ) -> None:
         if param is layer.weight_scales:
             part = layer.shard_view(param, shard)
-            part.copy_(rows_of(loaded, part.shape[0]))
+            split = layer.split
+            rows = part.shape[0]
+            if split is not None and split.rows is not None:  # the full rows, cut below
+                assert split.full_sizes is not None, "a column-parallel split has its full sizes"
+                rows = split.full_sizes[shard] if shard is not None else sum(split.full_sizes)
+            part.copy_(layer.cut(param, shard, rows_of(loaded, rows)))
             return
         super().load_checkpoint_tensor(layer, param, shard, loaded)
+
+    def row_parallel_part(
+        self, layer: Linear, param: torch.Tensor, loaded: torch.Tensor
+    ) -> torch.Tensor | None:
+        if param is not layer.weight_scales:
+            return None
+        start, length = layer.row_parallel_cols()  # on a block boundary (create_weights)
+        return loaded.narrow(1, start // FP8_BLOCK, -(-length // FP8_BLOCK))
 
     def load_weight(self, param: torch.Tensor, shard: int | None, loaded: torch.Tensor) -> None:
         if param.dtype != torch.float8_e4m3fn or loaded.dtype == torch.float8_e4m3fn:
