@@ -31,11 +31,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logpr
 ARGS = dict(dtype="float32", block_size=16, kv_cache_memory_gb=0.05, max_num_seqs=4, device="cpu")
 # Every prompt longer than MAX_DECODE_TOKENS: its prefill runs the grouped GEMM alone or batched.
 PROMPTS = [[1, *range(40, 60)], [1, *range(100, 133)], [1, *range(7, 58)]]
-# hidden 128 (one input block), experts 256 wide (two; one per rank at TP=2), k_proj's 64 rows
-# (a partial row block).
+# hidden 128 (one input block); 8 heads of 32 (o_proj's 256 inputs), experts and the dense MLP
+# 256 wide: two blocks, one per rank at TP=2; k_proj's 64 rows a partial row block.
 QWEN3_MOE = dict(hidden_size=128, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
                  num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True, head_dim=32,
-                 intermediate_size=256)  # fmt: skip
+                 num_attention_heads=8, num_key_value_heads=2, intermediate_size=256)  # fmt: skip
 
 
 def quantize_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,12 +94,13 @@ def _fp8_groups(x: torch.Tensor) -> torch.Tensor:
     return (q * scale).flatten(-2)[..., :k]
 
 
-def _rounded_experts(experts: torch.nn.Module):
+def _rounded_experts(experts: torch.nn.Module, always: bool):
     """transformers' Qwen3MoeExperts.forward with its inputs rounded as kiln's kernels round
-    them: per group of 128 on steps of more than MAX_DECODE_TOKENS tokens, weight-only below."""
+    them: per group of 128 on steps of more than MAX_DECODE_TOKENS tokens, weight-only below
+    (`always`: at every size, as expert-parallel ranks run)."""
 
     def forward(hidden_states, top_k_index, top_k_weights):
-        rounded = hidden_states.shape[0] > MAX_DECODE_TOKENS
+        rounded = always or hidden_states.shape[0] > MAX_DECODE_TOKENS
         r = _fp8_groups if rounded else (lambda t: t)
         out = torch.zeros_like(hidden_states)
         for expert in torch.unique(top_k_index).tolist():
@@ -116,8 +117,9 @@ def _rounded_experts(experts: torch.nn.Module):
     return forward
 
 
-def oracle(path: str) -> torch.nn.Module:
-    """transformers' Qwen3-MoE on `path`-dequantized in fp32, inputs rounded as kiln's."""
+def oracle(path: str, always_rounded: bool = False) -> torch.nn.Module:
+    """transformers' Qwen3-MoE on `path`-dequantized in fp32, inputs rounded as kiln's
+    (`always_rounded`: the experts' at every step size, as under expert parallelism)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -127,7 +129,7 @@ def oracle(path: str) -> torch.nn.Module:
         if name.endswith("_proj") and isinstance(module, torch.nn.Linear):
             module.register_forward_pre_hook(lambda m, args: (_fp8_groups(args[0]),))
         if type(module).__name__ == "Qwen3MoeExperts":
-            module.forward = _rounded_experts(module)
+            module.forward = _rounded_experts(module, always_rounded)
     return model
 
 
