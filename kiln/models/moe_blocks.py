@@ -63,8 +63,8 @@ class SparseMoeBlock(nn.Module):
         # Under TP (cfg is this rank's shard): this rank's part of the experts, and of the
         # shared expert; their partial outputs are summed in one all-reduce (`reduce`).
         shard = rank_shard(ctx, cfg.num_experts, cfg.expert_range, cfg.moe_intermediate_size)
-        per_channel = cfg.architecture in PER_CHANNEL_EXPERTS
-        if shard is not None and (cfg.moe_bias or per_channel):
+        per_channel = cfg.per_channel_experts
+        if shard is not None and (cfg.moe_bias or cfg.architecture in PER_CHANNEL_EXPERTS):
             raise ModelLoadError(
                 f"{cfg.architecture} experts (biases, per-channel scales) run at "
                 "tensor_parallel_size=1 only: cutting them per rank is not built yet"

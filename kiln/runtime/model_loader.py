@@ -3,6 +3,7 @@ device in the chosen dtype and fills its weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -443,6 +444,8 @@ def _hf_dir_source(path: str, dequantized: bool = False) -> ModelSource:
         source.description = f"HF {path} ({fp8.producer} {fp8.quantization})"
         source.quantization, source.input_scales = fp8.quantization, fp8.input_scales
         source.kv_scales = fp8.kv_scales
+        if config.num_experts:  # its experts' scales per channel (or per tensor) load as theirs
+            source.config = dataclasses.replace(config, per_channel_experts=True)
     return source
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from kiln import LLM, SamplingParams
 from kiln.layers.moe import MAX_DECODE_TOKENS
 from tests.models.family_checks import perturb_norms_and_biases, save_tiny_hf
 
+Rounding = Callable[[torch.Tensor], torch.Tensor]
 TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=0)
 ARGS = dict(dtype="float32", block_size=16, kv_cache_memory_gb=0.05, max_num_seqs=4, device="cpu")
@@ -85,7 +87,7 @@ def write_fp8_release(src: str, dst: str, quantize_routers: bool = False) -> Non
         (Path(out) / "config.json").write_text(json.dumps(written))
 
 
-def _fp8_groups(x: torch.Tensor) -> torch.Tensor:
+def fp8_groups(x: torch.Tensor) -> torch.Tensor:
     """x rounded as DeepSeek-V3's activations: per token-group of 128 to float8 and back."""
     k = x.shape[-1]
     g = torch.nn.functional.pad(x.float(), (0, -k % 128)).unflatten(-1, (-1, 128))
@@ -94,14 +96,20 @@ def _fp8_groups(x: torch.Tensor) -> torch.Tensor:
     return (q * scale).flatten(-2)[..., :k]
 
 
-def _rounded_experts(experts: torch.nn.Module, always: bool):
+def fp8_tokens(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as FP8 W8A8's dynamic activations: per token (row) to float8 and back."""
+    scale = (x.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
+    return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+
+
+def _rounded_experts(experts: torch.nn.Module, always: bool, rounding: Rounding):
     """transformers' Qwen3MoeExperts.forward with its inputs rounded as kiln's kernels round
     them: per group of 128 on steps of more than MAX_DECODE_TOKENS tokens, weight-only below
     (`always`: at every size, as expert-parallel ranks run)."""
 
     def forward(hidden_states, top_k_index, top_k_weights):
         rounded = always or hidden_states.shape[0] > MAX_DECODE_TOKENS
-        r = _fp8_groups if rounded else (lambda t: t)
+        r = rounding if rounded else (lambda t: t)
         out = torch.zeros_like(hidden_states)
         for expert in torch.unique(top_k_index).tolist():
             token, slot = torch.where(top_k_index == expert)
@@ -117,19 +125,23 @@ def _rounded_experts(experts: torch.nn.Module, always: bool):
     return forward
 
 
-def oracle(path: str, always_rounded: bool = False) -> torch.nn.Module:
+def oracle(
+    path: str, always_rounded: bool = False, rounding: Rounding | None = None
+) -> torch.nn.Module:
     """transformers' Qwen3-MoE on `path`-dequantized in fp32, inputs rounded as kiln's
-    (`always_rounded`: the experts' at every step size, as under expert parallelism)."""
+    (`rounding`, per group of 128 by default; `always_rounded`: the experts' at every step
+    size, as under expert parallelism)."""
     import transformers
 
+    r = rounding or fp8_groups
     model = transformers.AutoModelForCausalLM.from_pretrained(
         f"{path}-dequantized", dtype=torch.float32, attn_implementation="eager"
     ).eval()
     for name, module in model.named_modules():
         if name.endswith("_proj") and isinstance(module, torch.nn.Linear):
-            module.register_forward_pre_hook(lambda m, args: (_fp8_groups(args[0]),))
+            module.register_forward_pre_hook(lambda m, args: (r(args[0]),))
         if type(module).__name__ == "Qwen3MoeExperts":
-            module.forward = _rounded_experts(module, always_rounded)
+            module.forward = _rounded_experts(module, always_rounded, r)
     return model
 
 
