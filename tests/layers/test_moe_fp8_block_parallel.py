@@ -98,3 +98,21 @@ def test_a_cut_inside_a_block_is_refused(release) -> None:
     ctx = ParallelContext(RankLayout(4, 1, 0), None, None, None)
     with pytest.raises(ModelLoadError, match=r"splits? a 128-wide scale block"):
         load_model(config, torch.device("cpu"), torch.float32, ctx)
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_an_engine_directory_is_cut_as_the_checkpoint(release, tmp_path, ep) -> None:
+    """`kiln build --quantization fp8-block` from the 32-bit source rounds as the release was
+    written; each rank's part of the engine equals its part of the release, codes and scales."""
+    from kiln.builder.build import BuildOptions, build_engine
+
+    out = str(tmp_path / "engine")
+    options = BuildOptions(dtype="float32", quantization="fp8-block", accuracy_check=False,
+                           max_model_len=256)  # fmt: skip
+    build_engine(release.removesuffix("fp8") + "src", out, options, None)
+    _, want = _models(release, ep)
+    _, got = _models(out, ep)
+    for a, b in zip(got, want):
+        params = dict(b.named_parameters())
+        for name, param in a.named_parameters():
+            assert torch.equal(_bits(param), _bits(params[name])), name
