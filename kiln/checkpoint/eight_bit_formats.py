@@ -26,8 +26,10 @@ import torch
 from kiln.errors import ModelLoadError
 
 # Modules a checkpoint may leave unquantized: kiln keeps them in the model dtype anyway (a
-# mixture of experts' router, `mlp.gate`, and Qwen2-MoE's shared-expert gate too).
-_NOT_CONVERTED_OK = ("lm_head", "embed_tokens", "mlp.gate", "shared_expert_gate")
+# mixture of experts' router, `mlp.gate` (Mixtral's `block_sparse_moe.gate`), and Qwen2-MoE's
+# shared-expert gate too).
+_NOT_CONVERTED_OK = ("lm_head", "embed_tokens", "mlp.gate", "block_sparse_moe.gate",
+                     "shared_expert_gate")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ _KV_SCALE_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:[kv]_proj\.)?([
 # mixture of experts' router, llm-compressor's "re:.*mlp.gate$", and Qwen2-MoE's shared-expert
 # gate too).
 _UNQUANTIZED_OK = ("lm_head", "model.embed_tokens", "embed_tokens", "mlp.gate", "mlp.gate$",
-                   "shared_expert_gate", "shared_expert_gate$")  # fmt: skip
+                   "block_sparse_moe.gate", "block_sparse_moe.gate$", "shared_expert_gate",
+                   "shared_expert_gate$")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from torch import nn
 from kiln.distributed.comm import tp_all_reduce
 from kiln.distributed.parallel_state import ParallelContext
 from kiln.errors import ModelLoadError
+from kiln.kernels.reference import FP8_BLOCK
 from kiln.layers.linear import Linear, UnquantizedLinearMethod
 from kiln.layers.moe import (
     Fp8MoEMethod,
@@ -33,10 +34,11 @@ from kiln.models.config import ModelConfig
 from kiln.models.moe_config import PER_CHANNEL_EXPERTS
 
 # model.layers.L.<mlp or block_sparse_moe>.experts.E.<projection>.<weight, or a pre-quantized
-# checkpoint's scale: weight_scale per channel / tensor, weight_scales per 128x128 block>
+# checkpoint's scale: per channel, per tensor or per 128x128 block (weight_scale_inv: a
+# Mixtral-named release's, which eight_bit_tensors leaves as it is)>
 _EXPERT_RE = re.compile(
     r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\."
-    r"(weight|weight_scales?)$"
+    r"(weight|weight_scales?|weight_scale_inv)$"
 )
 
 
@@ -227,10 +229,11 @@ def expert_scale_rows(
     parts: Mapping[str, tuple[str, int]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A pre-quantized checkpoint's per-expert weight scales as one row per weight row of the
-    whole expert, what the experts' scale parameters stack: per 128x128 block (`weight_scales`,
-    [rows / 128, in / 128]) repeated down the rows to [rows, in / 128]; per channel ([rows, 1])
-    or per tensor (one value) to [rows]. A per-channel checkpoint's experts need per-channel
-    parameters: loading them into one scale per expert is refused by its shape."""
+    whole expert, what the experts' scale parameters stack: for block-scaled experts, per
+    128x128 block ([rows / 128, in / 128]) repeated down the rows to [rows, in / 128]; else per
+    channel ([rows, 1]) or per tensor (one value) to [rows]. A per-channel checkpoint's experts
+    need per-channel parameters: loading them into one scale per expert is refused by its
+    shape."""
     for name, tensor in weights:
         match = _EXPERT_RE.match(name)
         module = None if match is None else layers.get(int(match.group(1)))
@@ -240,10 +243,12 @@ def expert_scale_rows(
         if module is None:  # another pipeline stage's layer: dropped as its weights are
             yield name, tensor
             continue
+        param = parts[match.group(3)][0]
         full = module.intermediate_size if module.shard is None else module.shard.full_width
-        rows = full if parts[match.group(3)][0].startswith("w13") else module.hidden_size
-        if match.group(4) == "weight_scales":
-            yield name, rows_of(tensor, rows)
+        rows = full if param.startswith("w13") else module.hidden_size
+        if getattr(module, f"{param}_scale").dim() == 3:  # block-scaled experts: [rows / 128,
+            blocks = tensor.float().reshape(-(-rows // FP8_BLOCK), -1)  # in / 128] (or one)
+            yield name, rows_of(blocks, rows)
         elif tensor.numel() == 1:
             yield name, tensor.float().reshape(()).expand(rows).clone()
         else:

@@ -16,6 +16,7 @@ same format."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -68,8 +69,9 @@ def write_fp8_release(src: str, dst: str, quantize_routers: bool = False) -> Non
         state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     quantized, dequantized = {}, {}
     for name, tensor in state.items():
-        router = name.endswith("mlp.gate.weight")
-        if name.endswith("_proj.weight") or (router and quantize_routers):
+        router = name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))
+        mixtral_expert = re.search(r"\.experts\.\d+\.w[123]\.weight$", name) is not None
+        if name.endswith("_proj.weight") or mixtral_expert or (router and quantize_routers):
             codes, scale = quantize_block(tensor)
             quantized[name], quantized[f"{name}_scale_inv"] = codes, scale
             dequantized[name] = dequantize_block(codes, scale)
@@ -77,7 +79,8 @@ def write_fp8_release(src: str, dst: str, quantize_routers: bool = False) -> Non
             quantized[name] = dequantized[name] = tensor
     config = json.loads((Path(src) / "config.json").read_text())
     layers = range(config["num_hidden_layers"])
-    routers = [] if quantize_routers else [f"model.layers.{i}.mlp.gate" for i in layers]
+    mlp = "block_sparse_moe" if config["model_type"] == "mixtral" else "mlp"
+    routers = [] if quantize_routers else [f"model.layers.{i}.{mlp}.gate" for i in layers]
     for out, tensors, declared in ((dst, quantized, True), (f"{dst}-dequantized", dequantized,
                                                               False)):  # fmt: skip
         shutil.copytree(src, out)
@@ -143,7 +146,7 @@ def oracle(
     for name, module in model.named_modules():
         if name.endswith("_proj") and isinstance(module, torch.nn.Linear):
             module.register_forward_pre_hook(lambda m, args: (r(args[0]),))
-        if type(module).__name__ == "Qwen3MoeExperts":
+        if type(module).__name__ in ("Qwen3MoeExperts", "MixtralExperts"):
             module.forward = _rounded_experts(module, always_rounded, r)
     return model
 
@@ -260,3 +263,20 @@ def test_fp8_block_quantizes_the_experts_of_a_full_precision_checkpoint(release,
     )  # fmt: skip
     _same_parameters(built, released)
     check_against(model, built, PROMPTS[:1])
+
+
+def test_a_mixtral_release_with_one_block_per_expert(tmp_path) -> None:
+    """Mixtral's expert names (w1 / w2 / w3, whose weight_scale_inv keep their name) and
+    experts of one 128x128 block each (hidden 64, width 32: every scale [1, 1])."""
+    from tests.models.test_moe import FAMILIES
+
+    model_type, architecture, overrides = FAMILIES["mixtral"]
+    src, path = str(tmp_path / "src"), str(tmp_path / "fp8")
+    save_tiny_hf(src, model_type, architecture, perturb=perturb_norms_and_biases, **overrides)
+    write_fp8_release(src, path)
+    llm = LLM(path, **ARGS)
+    experts = llm.engine.executor.runner.model.layers[1].mlp.experts
+    assert experts.w13_weight_scale.shape == (4, 64, 1) and experts.w2_weight_scale.shape == (
+        4, 64, 1,
+    )  # fmt: skip
+    check_against(oracle(path), llm, PROMPTS)
