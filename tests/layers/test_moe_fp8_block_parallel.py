@@ -33,8 +33,8 @@ def release(tmp_path_factory) -> str:
 
 
 @functools.cache
-def _models(path: str, ep: bool):
-    config = EngineConfig(model=path, dtype="float32")
+def _models(path: str, ep: bool, quantization: str = "none"):
+    config = EngineConfig(model=path, dtype="float32", quantization=quantization)
     one = load_model(config, torch.device("cpu"), torch.float32).model
     ctx = [ParallelContext(RankLayout(2, 1, r), None, None, None, expert_parallel=ep)
            for r in range(2)]  # fmt: skip
@@ -116,3 +116,16 @@ def test_an_engine_directory_is_cut_as_the_checkpoint(release, tmp_path, ep) -> 
         params = dict(b.named_parameters())
         for name, param in a.named_parameters():
             assert torch.equal(_bits(param), _bits(params[name])), name
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_a_full_precision_checkpoint_rounds_each_expert_whole_before_the_cut(release, ep):
+    """quantization="fp8-block" from the 32-bit source: each expert rounded per block whole,
+    then cut, so every rank's codes and scales are its part of the release's."""
+    _, want = _models(release, ep)
+    _, got = _models(release.removesuffix("fp8") + "src", ep, "fp8-block")
+    for a, b in zip(got, want):
+        params = dict(b.named_parameters())
+        for name, param in a.named_parameters():
+            if ".experts." in name:
+                assert torch.equal(_bits(param), _bits(params[name])), name
