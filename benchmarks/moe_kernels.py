@@ -4,8 +4,9 @@ experts, top-8, hidden 2048, expert width 768; tokens routed uniformly at random
 - moe_grouped_fp8: the float8 tensor-core grouped GEMM at a prefill's 8192 tokens, each tile
   candidate (kiln.kernels.triton.moe_fp8.FP8_TILE_CANDIDATES): its gate_up and down launches
   alone and the whole fused_moe_fp8 call (quantization, sort, activation, sum included), in
-  TFLOP/s and as a fraction of the GPU's dense FP8 peak; beside the bf16 grouped GEMM.
-- moe_decode: batch 1, 4 and 16, bf16 and float8 experts: the decode kernels
+  TFLOP/s and as a fraction of the GPU's dense FP8 peak; beside the bf16 grouped GEMM and the
+  block-scaled one (128x128 weight blocks, fused_moe_fp8_block, untuned tiles).
+- moe_decode: batch 1, 4 and 16, bf16, float8 and block-scaled float8 experts: the decode kernels
   (fused_moe_decode, and each of moe_decode.DECODE_TILE_CANDIDATES) against the grouped GEMM
   (fused_moe), in GB/s of the distinct experts the step reads (the roofline's bytes). The calls
   rotate over 16 routings, so the experts one call reads are mostly not in L2 from the last.
@@ -60,6 +61,14 @@ def _experts(s: MoeShapes, gen: torch.Generator, device: torch.device):
     w13, w2 = w13.to(s.dtype), w2.to(s.dtype)
     (w13_fp8, s13), (w2_fp8, s2) = quantize_experts_fp8(w13), quantize_experts_fp8(w2)
     return (w13, w2), (w13_fp8, w2_fp8, s13, s2)
+
+
+def _block_experts(w13: torch.Tensor, w2: torch.Tensor):
+    """The experts rounded per 128x128 block (Qwen's / DeepSeek's FP8 format)."""
+    from kiln.layers.moe_fp8_block import quantize_experts_fp8_block
+
+    (w13_fp8, s13), (w2_fp8, s2) = quantize_experts_fp8_block(w13), quantize_experts_fp8_block(w2)
+    return w13_fp8, w2_fp8, s13, s2
 
 
 def _err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -120,6 +129,13 @@ def moe_rows(s: MoeShapes, device: torch.device, gen: torch.Generator, record: C
         ):  # fmt: skip
             record("moe_grouped_fp8", case, impl, [call], flops=flops, tiles=label,
                    fp8_peak_tflops=peak, **extra)  # fmt: skip
+    block_experts = _block_experts(w13, w2)
+    block_args = (x, block_experts[0], block_experts[1], weights, ids, *block_experts[2:])
+    block_err = _err(triton_ops.fused_moe_fp8_block(*block_args),
+                     reference.fused_moe_fp8_block(*block_args))  # fmt: skip
+    record("moe_grouped_fp8", case, "fp8_block_whole",
+           [lambda: triton_ops.fused_moe_fp8_block(*block_args)], flops=gate_up_flops + down_flops,
+           fp8_peak_tflops=peak, max_abs_err=block_err)  # fmt: skip
     bf16_args = (x, w13, w2, weights, ids)
     bf16_err = _err(triton_ops.fused_moe(*bf16_args), reference.fused_moe(*bf16_args))
     record("moe_grouped_fp8", case, f"{str(s.dtype).removeprefix('torch.')}_whole",
@@ -128,22 +144,28 @@ def moe_rows(s: MoeShapes, device: torch.device, gen: torch.Generator, record: C
 
     # --- decode: only the chosen experts' bytes ------------------------------------------------
     dtype_name = str(s.dtype).removeprefix("torch.")
+    block_scales = 2 * s.inter * -(-s.hidden // 128) + s.hidden * -(-s.inter // 128)
     per_expert = {
         dtype_name: 3 * s.hidden * s.inter * w13.element_size(),
         "fp8": 3 * s.hidden * s.inter + 8,
+        "fp8_block": 3 * s.hidden * s.inter + 4 * block_scales,
     }
     for batch in s.decode_batches:
         xs = torch.randn(batch, s.hidden, generator=gen, device=device).to(s.dtype)
         routings = [_routing(batch, s, gen, device) for _ in range(16)]
         distinct = sum(r[1].unique().numel() for r in routings) / len(routings)
         for kind, weights_args in ((dtype_name, (w13, w2, None, None)),
-                                   ("fp8", (w13_fp8, w2_fp8, s13, s2))):  # fmt: skip
+                                   ("fp8", (w13_fp8, w2_fp8, s13, s2)),
+                                   ("fp8_block", block_experts)):  # fmt: skip
             a, b, sa, sb = weights_args
             all_args = [(xs, a, b, w, i, sa, sb) for w, i in routings]
             step_bytes = distinct * per_expert[kind]
             want = reference.fused_moe_decode(*all_args[0])
+            grouped = (
+                triton_ops.fused_moe_fp8_block if kind == "fp8_block" else triton_ops.fused_moe
+            )
             for impl, fn in (("decode", triton_ops.fused_moe_decode),
-                             ("grouped", triton_ops.fused_moe)):  # fmt: skip
+                             ("grouped", grouped)):  # fmt: skip
                 record("moe_decode", f"batch={batch} {kind}", impl,
                        [lambda f=fn, args=args: f(*args) for args in all_args],
                        bytes=step_bytes, max_abs_err=_err(fn(*all_args[0]), want))  # fmt: skip

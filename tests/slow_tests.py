@@ -25,8 +25,16 @@ _BY_FILE = {
     "tests/checkpoint/test_loaders.py": (  # 8 s
         "test_smollm2_tensors_equal_transformers_gguf_load",
     ),
+    "tests/checkpoint/test_moe_fp8_checkpoints.py": (  # 12 s: 3 engines, transformers' oracle
+        "test_fp8_block_experts_from_llm_compressor",
+        "test_per_channel_experts_from_llm_compressor",
+        "test_an_engine_built_from_it_keeps_per_channel_experts",
+    ),
     "tests/distributed/test_moe_parallel.py": (  # 42 s: 6 two-rank engines
         "test_two_ranks_equal_hf",
+    ),
+    "tests/distributed/test_moe_fp8_block_parallel.py": (  # 19 s: 2 two-rank engines
+        "test_two_ranks_equal_hf_dequantized",
     ),
     "tests/distributed/test_quantized_parallel.py": (  # 75 s: 8 two-rank engines, 16-bit loads
         "test_tp2_greedy_tokens_equal_one_process",
@@ -60,6 +68,11 @@ _BY_FILE = {
     "tests/kernels/test_fp8_reciprocal.py": (  # 7 s
         "test_fused_silu_mul_quant_equals_the_unfused_kernels_at_every_bf16_gate",
     ),
+    "tests/kernels/test_moe_fp8_block.py": (  # 24 s: interpreted block GEMMs
+        "test_block_grouped_gemm_equals_its_twin",
+        "test_the_gpus_tiles_equal_the_twin",
+        "test_decode_reads_block_scales_as_its_twin",
+    ),
     "tests/kernels/test_triton_kernels.py": (  # 29 s
         "test_decode_attention",
         "test_decode_attention_fp8_cache",
@@ -69,9 +82,20 @@ _BY_FILE = {
     "tests/layers/test_fp8_linear.py": (  # 5 s
         "test_fp8_add_rms_norm_linear_and_silu_mul",
     ),
+    "tests/layers/test_moe_fp8_block_parallel.py": (  # 50 s: 11 models, 2 builds
+        "test_tensor_ranks_hold_rows_and_whole_input_blocks",
+        "test_an_engine_directory_is_cut_as_the_checkpoint",
+        "test_a_full_precision_checkpoint_rounds_each_expert_whole_before_the_cut",
+    ),
     "tests/layers/test_outlier_columns.py": (  # 11 s
         "test_outlier_engines_at_tp2_equal_one_process",
         "test_the_quantizing_kernels_write_the_reference_remainders",
+    ),
+    "tests/models/test_moe_fp8_block.py": (  # 17 s: 4 engines, a build, transformers' oracle
+        "test_the_fp8_release_format_equals_hf_dequantized",
+        "test_a_quantized_router_is_widened",
+        "test_fp8_block_quantizes_the_experts_of_a_full_precision_checkpoint",
+        "test_a_mixtral_release_with_one_block_per_expert",
     ),
     "tests/models/test_long_context.py": (  # 32 s
         "test_long_prompt_chunked_equals_hf_and_one_chunk",

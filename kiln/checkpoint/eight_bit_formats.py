@@ -25,7 +25,11 @@ import torch
 
 from kiln.errors import ModelLoadError
 
-_NOT_CONVERTED_OK = ("lm_head", "embed_tokens")
+# Modules a checkpoint may leave unquantized: kiln keeps them in the model dtype anyway (a
+# mixture of experts' router, `mlp.gate` (Mixtral's `block_sparse_moe.gate`), and Qwen2-MoE's
+# shared-expert gate too).
+_NOT_CONVERTED_OK = ("lm_head", "embed_tokens", "mlp.gate", "block_sparse_moe.gate",
+                     "shared_expert_gate")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -132,8 +136,18 @@ def eight_bit_tensors(
     """The checkpoint's tensors with each projection's 8-bit ones in kiln's layout (the module
     docstring); every other tensor as it is."""
     scales_per_row = scheme.quantization == "int8-w8a8"  # [out, 1]: the loader's weight_scale
+    routers: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         if "_proj." not in name:
+            prefix, _, kind = name.rpartition(".")
+            if prefix.endswith("gate") and kind in ("weight", "weight_scale", "weight_scale_inv"):
+                got = routers.setdefault(prefix, {})
+                got[kind] = tensor
+                if kind == "weight" and tensor.dtype != torch.float8_e4m3fn:
+                    yield name, routers.pop(prefix)["weight"]
+                elif "weight" in got and len(got) == 2:  # a float8 router and its scales
+                    yield f"{prefix}.weight", _widened_router(routers.pop(prefix), name)
+                continue
             yield name, tensor
             continue
         prefix, kind = name.rsplit(".", 1)
@@ -149,6 +163,20 @@ def eight_bit_tensors(
             yield f"{prefix}.weight_scales", tensor.float()
         else:
             yield name, tensor
+
+
+def _widened_router(parts: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """A float8 router (a checkpoint that quantized `mlp.gate` too) widened to fp32 with its
+    scales, per 128x128 block, per channel or per tensor: kiln keeps routers unquantized."""
+    weight = parts["weight"].float()
+    scale = next(t for k, t in parts.items() if k != "weight").float()
+    rows, k = weight.shape
+    blocks = (-(-rows // 128), -(-k // 128))
+    if scale.dim() == 2 and scale.shape[1] > 1 and tuple(scale.shape) == blocks:
+        return weight * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :k]
+    if scale.numel() in (1, rows):
+        return weight * scale.reshape(-1, 1)
+    raise ModelLoadError(f"{name}: scales {tuple(scale.shape)} for a {rows}x{k} router")
 
 
 def unpack_int8(packed: torch.Tensor) -> torch.Tensor:  # [rows, 4 * cols] int8

@@ -37,8 +37,12 @@ _FUSED = {  # an HF projection -> kiln's fused projection it loads into
 _INPUT_SCALE_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.input_scale$")
 # ModelOpt writes self_attn.k_proj.k_scale / v_proj.v_scale, compressed-tensors self_attn.k_scale.
 _KV_SCALE_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:[kv]_proj\.)?([kv])_scale$")
-# Modules a checkpoint may leave unquantized: kiln keeps them in the model dtype anyway.
-_UNQUANTIZED_OK = ("lm_head", "model.embed_tokens", "embed_tokens")
+# Modules a checkpoint may leave unquantized: kiln keeps them in the model dtype anyway (a
+# mixture of experts' router, llm-compressor's "re:.*mlp.gate$", and Qwen2-MoE's shared-expert
+# gate too).
+_UNQUANTIZED_OK = ("lm_head", "model.embed_tokens", "embed_tokens", "mlp.gate", "mlp.gate$",
+                   "block_sparse_moe.gate", "block_sparse_moe.gate$", "shared_expert_gate",
+                   "shared_expert_gate$")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -1102,6 +1102,49 @@ def fused_moe_fp8(
     return out.to(x.dtype)
 
 
+def fused_moe_fp8_block(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden] float8 e4m3
+    w2: torch.Tensor,  # [num_experts, hidden, inter] float8 e4m3
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int
+    w13_scale: torch.Tensor | None = None,  # [E, 2 * inter, ceil(hidden / 128)] fp32 (required)
+    w2_scale: torch.Tensor | None = None,  # [E, hidden, ceil(inter / 128)] fp32 (required)
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """fused_moe for experts with 128x128 block scales (DeepSeek-V3's recipe, each row's scale
+    of each K block, as fp8_block_linear takes them): each token's hidden state quantized per
+    group of 128 inputs (quantize_fp8_groups), gate_up by fp8_block_matmul rounded to x's
+    dtype, silu_and_mul then quantized per group, the down product in fp32 weighted and
+    rounded to x's dtype, the k of a token summed in fp32 and rounded once. An id outside
+    [0, num_experts) (another rank's expert) adds nothing."""
+    if w13_scale is None or w2_scale is None or w13_scale.dim() != 3 or w2_scale.dim() != 3:
+        raise ValueError("fused_moe_fp8_block takes float8 experts with their block scales")
+    x_fp8, x_scales = quantize_fp8_groups(x)
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for expert in torch.unique(topk_ids).tolist():
+        if not 0 <= expert < w13.shape[0]:
+            continue
+        token, slot = torch.nonzero(topk_ids == expert, as_tuple=True)
+        gate_up = fp8_block_matmul(
+            x_fp8[token], x_scales[token], w13[expert], w13_scale[expert], None, x.dtype
+        )
+        act_fp8, act_scales = quantize_fp8_groups(silu_and_mul(gate_up))
+        down = fp8_block_matmul(act_fp8, act_scales, w2[expert], w2_scale[expert], None,
+                                torch.float32)  # fmt: skip
+        down = (down * topk_weights[token, slot, None].float()).to(x.dtype)
+        out.index_add_(0, token, down.float())
+    return out.to(x.dtype)
+
+
+def dequantize_block_rows(
+    weight: torch.Tensor,  # [..., N, K] float8 e4m3
+    scales: torch.Tensor,  # [..., N, ceil(K / 128)] fp32: each row's scale of each K block
+) -> torch.Tensor:  # [..., N, K] fp32
+    """Block-scaled float8 weights widened: each code times its row's scale of its K block."""
+    k = weight.shape[-1]
+    return weight.float() * scales.float().repeat_interleave(FP8_BLOCK, dim=-1)[..., :k]
+
+
 def _row_scale(scale: torch.Tensor, expert: int) -> torch.Tensor:
     """An expert's weight scale, broadcastable over its product's [rows, N]."""
     return scale[expert] if scale.dim() == 1 else scale[expert][None, :]
@@ -1113,16 +1156,17 @@ def fused_moe_decode(
     w2: torch.Tensor,  # [num_experts, hidden, inter]: each expert's down projection
     topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32: each chosen expert's weight
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int: the chosen experts
-    w13_scale: torch.Tensor | None = None,  # [E] or [E, 2 * inter] fp32: float8 w13's scales
-    w2_scale: torch.Tensor | None = None,  # [E] or [E, hidden] fp32: float8 w2's scales
+    w13_scale: torch.Tensor | None = None,  # [E], [E, 2 * inter] or [E, 2 * inter, KB] fp32
+    w2_scale: torch.Tensor | None = None,  # [E], [E, hidden] or [E, hidden, KB] fp32
     w13_bias: torch.Tensor | None = None,  # [E, 2 * inter]: gpt-oss's expert biases
     w2_bias: torch.Tensor | None = None,  # [E, hidden]
     swiglu: tuple[float, float] | None = None,  # gpt-oss's clamped SwiGLU (alpha, limit)
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """fused_moe for a few tokens (decode), reading only each (token, slot)'s chosen expert (one
-    gather per slot, no host sync): gate_up in fp32 from the widened weights, scaled, biased,
-    rounded to x's dtype; silu_and_mul (or clamped_swiglu); the down product kept in fp32,
-    scaled, biased, weighted and summed over the slots in slot order, rounded once."""
+    gather per slot, no host sync): gate_up in fp32 from the widened weights (block scales, 3-D:
+    each row's scale of each 128 inputs, applied to the widened codes), scaled, biased, rounded
+    to x's dtype; silu_and_mul (or clamped_swiglu); the down product kept in fp32, scaled,
+    biased, weighted and summed over the slots in slot order, rounded once."""
     args = (x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, w13_bias, w2_bias, swiglu)
     return _decode_sum(*args).to(x.dtype)
 
@@ -1194,8 +1238,10 @@ def _gathered_gemv(
         rows = weight.view(torch.uint8)[ids].view(weight.dtype).float()
     else:
         rows = weight[ids].float()
+    if scale is not None and scale.dim() == 3:  # block scales: the widened weights scaled
+        rows = dequantize_block_rows(rows, scale[ids])
     product = torch.bmm(rows, x[:, :, None])[:, :, 0]
-    if scale is None:
+    if scale is None or scale.dim() == 3:
         return product
     return product * (scale[ids][:, None] if scale.dim() == 1 else scale[ids])
 

@@ -42,8 +42,16 @@ def run_experts(
     """The experts' kernel for the step's token count (see MAX_DECODE_TOKENS). Steps with other
     ranks' ids (-1) take the grouped kernel at every size (the decode kernels read every id's
     expert); biased or clamped experts (gpt-oss) beyond the decode sizes take it too (the
-    float8 grouped kernel runs SiLU(gate) * up without biases)."""
+    float8 grouped kernel runs SiLU(gate) * up without biases). Block-scaled experts (3-D
+    scales) take the block grouped GEMM, or the decode GEMVs for a few tokens all of this
+    rank's experts."""
     args = (x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    if w13_scale is not None and w13_scale.dim() == 3:  # 128x128 blocks (moe_fp8_block.py)
+        if w13_bias is not None or w2_bias is not None or swiglu is not None:
+            raise ValueError("block-scaled float8 experts take no biases or clamped SwiGLU")
+        if x.shape[0] <= MAX_DECODE_TOKENS and not remote_ids:
+            return ops.fused_moe_decode(*args)
+        return ops.fused_moe_fp8_block(*args)  # takes other ranks' ids (-1) too
     if not remote_ids and x.shape[0] <= MAX_DECODE_TOKENS:
         return ops.fused_moe_decode(*args, w13_bias, w2_bias, swiglu)
     if remote_ids or w13_bias is not None or w2_bias is not None or swiglu is not None:
@@ -192,7 +200,7 @@ class FusedMoE(nn.Module):
 
     w13_weight: torch.Tensor
     w2_weight: torch.Tensor
-    w13_weight_scale: torch.Tensor  # float8 methods' [num_experts] (or [E, rows]) fp32
+    w13_weight_scale: torch.Tensor  # float8 methods' [E], [E, rows] or [E, rows, K / 128] fp32
     w2_weight_scale: torch.Tensor
     w13_bias: torch.Tensor  # with `bias`: [num_experts, 2 * inter], model dtype
     w2_bias: torch.Tensor  # [num_experts, hidden]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.distributed.parallel_state import ParallelContext
+from kiln.kernels.reference import FP8_BLOCK
 
 # Stacked experts' weights [E, rows, cols] -> (float8 codes, their scales [E] or [E, rows]).
 Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -76,7 +77,8 @@ class ExpertShard:
     `num_experts` held whole, and `columns` (start, length) of each one's `full_width`
     intermediate columns (all of them under EP; all experts under TP). Cuts tensors named as
     the layer's parameters: w13_weight [.., 2 * width, hidden] ([gate; up] rows), w2_weight
-    [.., hidden, width], their scales (one per expert, or one per row) and biases (w13_bias
+    [.., hidden, width], their scales (one per expert, one per row, or one per row and 128
+    inputs: w2's by whole blocks of its columns) and biases (w13_bias
     by rows; w2_bias, added after the sum, on the first tensor rank only under TP)."""
 
     ctx: ParallelContext
@@ -116,6 +118,10 @@ class ExpertShard:
             return torch.cat([gate, up], dim=d)
         if param == "w2_weight":
             return tensor.narrow(d + 1, start, length)
+        if param == "w2_weight_scale" and tensor.dim() == d + 2:  # per 128 inputs: whole blocks
+            if start % FP8_BLOCK:
+                raise ValueError(f"expert columns from {start} split a 128-wide scale block")
+            return tensor.narrow(d + 1, start // FP8_BLOCK, -(-length // FP8_BLOCK))
         if param == "w2_bias" and self.ctx.tp_rank != 0:  # every rank's part sums into one
             return torch.zeros_like(tensor)
         return tensor

@@ -136,6 +136,10 @@ class ModelConfig:
     (up + 1) * gate * sigmoid(swiglu_alpha * gate); None: SiLU(gate) * up."""
     swiglu_alpha: float = 1.702
     """The sigmoid's slope of the clamped SwiGLU (with swiglu_limit)."""
+    per_channel_experts: bool = False
+    """Float8 experts carry a scale per output channel, not one per expert: gpt-oss's (its MXFP4
+    experts convert to them exactly) and a pre-quantized FP8 checkpoint's (llm-compressor's
+    FP8_DYNAMIC per channel, ModelOpt's per tensor)."""
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer `layer` (its index in the whole model); None: full."""

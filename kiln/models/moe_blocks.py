@@ -16,6 +16,7 @@ from torch import nn
 from kiln.distributed.comm import tp_all_reduce
 from kiln.distributed.parallel_state import ParallelContext
 from kiln.errors import ModelLoadError
+from kiln.kernels.reference import FP8_BLOCK
 from kiln.layers.linear import Linear, UnquantizedLinearMethod
 from kiln.layers.moe import (
     Fp8MoEMethod,
@@ -24,15 +25,20 @@ from kiln.layers.moe import (
     UnquantizedMoEMethod,
     quantize_experts_fp8,
 )
+from kiln.layers.moe_fp8_block import Fp8BlockMoEMethod, quantize_experts_fp8_block
 from kiln.layers.moe_parallel import rank_shard
 from kiln.layers.quantization.fp8 import Fp8LinearMethod
+from kiln.layers.quantization.fp8_block import Fp8BlockLinearMethod, rows_of
 from kiln.models.blocks import GatedMLP, LinearMethodFactory, norm_then_project
 from kiln.models.config import ModelConfig
 from kiln.models.moe_config import PER_CHANNEL_EXPERTS
 
-# model.layers.L.<mlp or block_sparse_moe>.experts.E.<projection>.weight
+# model.layers.L.<mlp or block_sparse_moe>.experts.E.<projection>.<weight, or a pre-quantized
+# checkpoint's scale: per channel, per tensor or per 128x128 block (weight_scale_inv: a
+# Mixtral-named release's, which eight_bit_tensors leaves as it is)>
 _EXPERT_RE = re.compile(
-    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\."
+    r"(weight|weight_scales?|weight_scale_inv)$"
 )
 
 
@@ -44,7 +50,8 @@ class SparseMoeBlock(nn.Module):
     that pick the experts), `experts`, and with cfg.shared_expert_intermediate_size a
     `shared_expert` (a GatedMLP, by the projections' method) scaled by
     sigmoid(`shared_expert_gate`(x)). The experts are float8 under an FP8 quantization
-    (kiln.layers.moe.Fp8MoEMethod), else in the model dtype."""
+    (kiln.layers.moe.Fp8MoEMethod; fp8-block: kiln.layers.moe_fp8_block), else in the model
+    dtype."""
 
     def __init__(
         self,
@@ -59,8 +66,8 @@ class SparseMoeBlock(nn.Module):
         # Under TP (cfg is this rank's shard): this rank's part of the experts, and of the
         # shared expert; their partial outputs are summed in one all-reduce (`reduce`).
         shard = rank_shard(ctx, cfg.num_experts, cfg.expert_range, cfg.moe_intermediate_size)
-        per_channel = cfg.architecture in PER_CHANNEL_EXPERTS
-        if shard is not None and (cfg.moe_bias or per_channel):
+        per_channel = cfg.per_channel_experts
+        if shard is not None and (cfg.moe_bias or cfg.architecture in PER_CHANNEL_EXPERTS):
             raise ModelLoadError(
                 f"{cfg.architecture} experts (biases, per-channel scales) run at "
                 "tensor_parallel_size=1 only: cutting them per rank is not built yet"
@@ -131,6 +138,8 @@ def _experts_method(method: LinearMethodFactory, name: str, per_channel: bool) -
         return UnquantizedMoEMethod()
     if isinstance(linear, Fp8LinearMethod):
         return Fp8MoEMethod(per_channel)
+    if isinstance(linear, Fp8BlockLinearMethod):
+        return Fp8BlockMoEMethod()
     return UnquantizedMoEMethod()
 
 
@@ -154,6 +163,7 @@ def stack_expert_weights(
     through."""
     blocks_of = {param: 1 + max(b for p, b in parts.values() if p == param) for param, _ in
                  parts.values()}  # fmt: skip
+    blocks_of.update({f"{param}_scale": count for param, count in list(blocks_of.items())})
     pending: dict[tuple[int, str], dict[tuple[int, int], torch.Tensor]] = {}
     kept: dict[tuple[int, str], dict[int, list[tuple[str, torch.Tensor]]]] = {}
     for name, tensor in weights:
@@ -165,6 +175,8 @@ def stack_expert_weights(
         if not 0 <= expert < num_experts:
             raise ModelLoadError(f"{name!r}: expert {expert} of a {num_experts}-expert model")
         param, block = parts[match.group(3)]
+        if match.group(4) != "weight":  # a scale, by rows (expert_scale_rows), stacked alike
+            param = f"{param}_scale"
         got = pending.setdefault((layer, param), {})
         got[(expert, block)] = tensor
         if any((expert, b) not in got for b in range(blocks_of[param])):
@@ -210,14 +222,52 @@ def adapt_expert_weights(
         module = layers.get(layer)
         if module is None or module.shard is None:  # another stage's layer
             return []
-        float8 = getattr(module, param).dtype == torch.float8_e4m3fn
-        quantize = quantize_experts_fp8 if float8 and whole.element_size() > 1 else None
+        float8 = getattr(module, param, None) is not None and (
+            getattr(module, param).dtype == torch.float8_e4m3fn
+        )
+        quantize = None
+        if float8 and whole.element_size() > 1:
+            block = getattr(module, f"{param}_scale").dim() == 3
+            quantize = quantize_experts_fp8_block if block else quantize_experts_fp8
         return module.shard.keep(param, expert, whole, quantize)
 
+    weights = expert_scale_rows(weights, layers, parts)
     if not any(m.shard is not None for m in layers.values()):  # one rank: whole experts
         return quantize_float8_experts(stack_expert_weights(weights, num_experts, parts), params)
     stacked = stack_expert_weights(_cut_stacked(weights, layers), num_experts, parts, keep)
     return quantize_float8_experts(stacked, params)
+
+
+def expert_scale_rows(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    layers: Mapping[int, FusedMoE],
+    parts: Mapping[str, tuple[str, int]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A pre-quantized checkpoint's per-expert weight scales as one row per weight row of the
+    whole expert, what the experts' scale parameters stack: for block-scaled experts, per
+    128x128 block ([rows / 128, in / 128]) repeated down the rows to [rows, in / 128]; else per
+    channel ([rows, 1]) or per tensor (one value) to [rows]. A per-channel checkpoint's experts
+    need per-channel parameters: loading them into one scale per expert is refused by its
+    shape."""
+    for name, tensor in weights:
+        match = _EXPERT_RE.match(name)
+        module = None if match is None else layers.get(int(match.group(1)))
+        if match is None or match.group(4) == "weight" or match.group(3) not in parts:
+            yield name, tensor
+            continue
+        if module is None:  # another pipeline stage's layer: dropped as its weights are
+            yield name, tensor
+            continue
+        param = parts[match.group(3)][0]
+        full = module.intermediate_size if module.shard is None else module.shard.full_width
+        rows = full if param.startswith("w13") else module.hidden_size
+        if getattr(module, f"{param}_scale").dim() == 3:  # block-scaled experts: [rows / 128,
+            blocks = tensor.float().reshape(-(-rows // FP8_BLOCK), -1)  # in / 128] (or one)
+            yield name, rows_of(blocks, rows)
+        elif tensor.numel() == 1:
+            yield name, tensor.float().reshape(()).expand(rows).clone()
+        else:
+            yield name, tensor.float().reshape(-1)
 
 
 def expert_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -257,8 +307,11 @@ def quantize_float8_experts(
             yield name, tensor
             continue
         scale_param = params.get(f"{name}_scale")
-        per_channel = scale_param is not None and scale_param.dim() == 2
-        fp8, scale = quantize_experts_fp8(tensor, per_channel)
+        if scale_param is not None and scale_param.dim() == 3:  # 128x128 blocks
+            fp8, scale = quantize_experts_fp8_block(tensor)
+        else:
+            per_channel = scale_param is not None and scale_param.dim() == 2
+            fp8, scale = quantize_experts_fp8(tensor, per_channel)
         yield name, fp8
         yield f"{name}_scale", scale
 

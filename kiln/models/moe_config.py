@@ -19,6 +19,9 @@ _QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 # Families whose float8 experts carry a scale per output channel (gpt-oss: its MXFP4 experts
 # convert to them exactly, kiln.checkpoint.fp4_formats); the others' one per expert.
 PER_CHANNEL_EXPERTS = ("gpt_oss",)
+# The config.json key an engine directory records per-channel experts under (a pre-quantized
+# per-channel or per-tensor FP8 checkpoint's: their scales load into per-channel ones).
+PER_CHANNEL_KEY = "kiln_per_channel_experts"
 
 
 def moe_fields(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
@@ -62,19 +65,34 @@ def moe_fields(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
         )
     if fields["moe_intermediate_size"] <= 0:
         raise ModelLoadError("an MoE config needs a positive moe_intermediate_size")
+    fields["per_channel_experts"] = architecture in PER_CHANNEL_EXPERTS or bool(
+        d.get(PER_CHANNEL_KEY)
+    )
     return fields
 
 
-def expert_scale_count(cfg: ModelConfig) -> int:
-    """The fp32 scales of one sparse layer's float8 experts: one per expert and projection, or
-    one per output channel (PER_CHANNEL_EXPERTS)."""
-    if cfg.architecture in PER_CHANNEL_EXPERTS:
-        return cfg.num_held_experts * (2 * cfg.moe_intermediate_size + cfg.hidden_size)
+def expert_scale_count(cfg: ModelConfig, quantization: str = "fp8-dynamic") -> int:
+    """The fp32 scales of one sparse layer's float8 experts: one per expert and projection, one
+    per output channel (cfg.per_channel_experts), or under "fp8-block" one per row and 128
+    inputs."""
+    n, h = cfg.moe_intermediate_size, cfg.hidden_size
+    if quantization == "fp8-block":
+        return cfg.num_held_experts * (2 * n * -(-h // 128) + h * -(-n // 128))
+    if cfg.per_channel_experts:
+        return cfg.num_held_experts * (2 * n + h)
     return 2 * cfg.num_held_experts
 
 
 def moe_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
     """The fields moe_fields reads, as transformers' config class of the family names them."""
+    arch = cfg.architecture
+    written = moe_family_hf_fields(cfg)
+    if written and cfg.per_channel_experts and arch != "gpt_oss":
+        written[PER_CHANNEL_KEY] = True
+    return written
+
+
+def moe_family_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
     arch = cfg.architecture
     if arch == "gpt_oss":
         return {

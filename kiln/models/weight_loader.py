@@ -122,8 +122,11 @@ def _load_hf_tensor(
             f"checkpoint tensor {hf_name!r} is float8 but the model was built without "
             "FP8 weights (the checkpoint declares no FP8 scheme kiln reads)"
         )
-    # An INT4 g_idx is one per input, not rows of the fused layer: its method checks its shape.
-    whole = name.endswith("g_idx")
+    # An INT4 g_idx is one per input, not rows of the fused layer; block scales under TP come
+    # one per 128 rows and are repeated down the rows before the cut: their methods check them.
+    whole = name.endswith("g_idx") or (
+        name.endswith("weight_scales") and owner is not None and owner.split is not None
+    )
     if owner is not None and not whole and not _cut_fits(owner, param, shard, tensor):
         raise ModelLoadError(
             f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, the model expects "

@@ -36,8 +36,9 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int
     `dtype`. A sparse layer counts every expert (float8 with a float32 scale per expert and
     projection, or per output channel, under "fp8-dynamic", else in `dtype`: static FP8 leaves
     them), its router (and gpt-oss's experts' biases) in `dtype`, and its shared expert as a
-    dense MLP's projections; gpt-oss's attention sinks in fp32. A rank's shard_config counts
-    the experts it holds (expert parallelism) or their slices (tensor parallelism)."""
+    dense MLP's projections; gpt-oss's attention sinks in fp32 ("fp8-block": the experts
+    float8 with a scale per row and 128 inputs). A rank's shard_config counts the experts it
+    holds (expert parallelism) or their slices (tensor parallelism)."""
     h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv, layers = cfg.num_key_value_heads * cfg.head_dim, range(cfg.num_hidden_layers)
     projections = [(h, q + 2 * kv), (q, h)] * cfg.num_hidden_layers  # (in, out)
@@ -51,10 +52,10 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int
             routed = cfg.num_held_experts * 3 * h * cfg.moe_intermediate_size
             experts += routed
             routers += cfg.mlp_parameter_count(i) - routed - 3 * h * inter
-    float8_experts = quantization == "fp8-dynamic"
+    float8_experts = quantization in ("fp8-dynamic", "fp8-block")
     sparse_layers = sum(cfg.is_sparse_layer(i) for i in layers)
     expert_bytes = (
-        experts * _FP8_BYTES + sparse_layers * expert_scale_count(cfg) * 4
+        experts * _FP8_BYTES + sparse_layers * expert_scale_count(cfg, quantization) * 4
         if float8_experts
         else experts * dtype.itemsize
     )

@@ -3,6 +3,7 @@ device in the chosen dtype and fills its weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -410,11 +411,11 @@ def _hf_dir_source(path: str, dequantized: bool = False) -> ModelSource:
     if fp4 is not None:
         weights = fp4_tensors(weights, fp4, fp8=not dequantized)
     if eight_bit is not None:
-        if config.num_experts:
+        if config.num_experts and eight_bit.quantization != "fp8-block":
             raise ModelLoadError(
                 f"{path}: {eight_bit.quantization} ({eight_bit.producer}) checkpoints of "
                 "mixture-of-experts models are not supported yet (kiln's experts load from "
-                "16-bit weights)"
+                "16-bit, per-channel / per-tensor FP8 or block FP8 weights)"
             )
         weights = eight_bit_tensors(weights, eight_bit)
     source = ModelSource(
@@ -443,6 +444,8 @@ def _hf_dir_source(path: str, dequantized: bool = False) -> ModelSource:
         source.description = f"HF {path} ({fp8.producer} {fp8.quantization})"
         source.quantization, source.input_scales = fp8.quantization, fp8.input_scales
         source.kv_scales = fp8.kv_scales
+        if config.num_experts:  # its experts' scales per channel (or per tensor) load as theirs
+            source.config = dataclasses.replace(config, per_channel_experts=True)
     return source
 
 

@@ -288,8 +288,9 @@ def test_dummy_and_16_bit_weights_round_to_the_scheme_as_they_load(tmp_path, sch
     assert got == _generate(_hf_model(like, state), PROMPTS)
 
 
-def test_an_eight_bit_mixture_of_experts_checkpoint_is_refused(tmp_path) -> None:
-    path = _edited(tmp_path, "fp8_block_hf")
+def test_an_int8_mixture_of_experts_checkpoint_is_refused(tmp_path) -> None:
+    """Block FP8 experts load (tests/models/test_moe_fp8_block.py); INT8 ones are refused."""
+    path = _edited(tmp_path, "ct_w8a8_int8")
     config = json.loads((path / "config.json").read_text())
     config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4,
                   num_experts_per_tok=2, moe_intermediate_size=64)  # fmt: skip

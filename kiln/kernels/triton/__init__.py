@@ -21,6 +21,7 @@ from kiln.kernels.triton.int8_gemm import int8_linear, int8_matmul, quantize_int
 from kiln.kernels.triton.lora import lora_expand, lora_shrink
 from kiln.kernels.triton.moe_decode import fused_moe_decode, fused_moe_decode_routed
 from kiln.kernels.triton.moe_fp8 import fused_moe_fp8
+from kiln.kernels.triton.moe_fp8_block import fused_moe_fp8_block
 from kiln.kernels.triton.moe_router import moe_route
 from kiln.kernels.triton.prefill_attention import paged_prefill_attention
 from kiln.kernels.triton.qk_norm_rotary import qk_norm_rotary_write_kv
@@ -69,6 +70,7 @@ __all__ = [
     "fused_moe_decode",
     "fused_moe_decode_routed",
     "fused_moe_fp8",
+    "fused_moe_fp8_block",
     "gelu_tanh_and_mul",
     "gelu_tanh_and_mul_quant_fp8",
     "gelu_tanh_and_mul_quant_int8",

@@ -12,15 +12,16 @@ tile, chunk of a long reduction) into fp32 rows and sums them in a third launch:
 one more launch.
 
 Weights are the model dtype's or float8 e4m3 (widened in registers; weight-only) with a scale
-per expert ([E]) or per expert and output channel ([E, N]). Constexpr variants: gpt-oss's expert
-biases and clamped SwiGLU; fused_moe_decode_routed's gate_up launch also takes the residual
-stream and the router's logits, RMS-norms the row inside its loop (the norm's scale, one scalar
-a row, multiplies the sums at the end) and routes its token itself (moe_router.route_row, a few
-hundred flops a program), writing the ids and weights the down launch reads; the down launch
-may add a shared expert's sigmoid-gated output (Qwen2-MoE). A batch-1 MoE block is then its
-router's GEMV (the add + norm inside: small_batch_linear) and these two launches. Everything is
-on the device with shapes from the token count alone: no host sync, so a CUDA graph captures
-it."""
+per expert ([E]), per expert and output channel ([E, N]) or per 128x128 block ([E, N, K / 128]:
+each row's scale of each 128 inputs, multiplied into the widened codes: BLOCK_SCALED).
+Constexpr variants: gpt-oss's expert biases and clamped SwiGLU; fused_moe_decode_routed's
+gate_up launch also takes the residual stream and the router's logits, RMS-norms the row inside
+its loop (the norm's scale, one scalar a row, multiplies the sums at the end, so block scales
+compose with it) and routes its token itself (moe_router.route_row, a few hundred flops a
+program), writing the ids and weights the down launch reads; the down launch may add a shared
+expert's sigmoid-gated output (Qwen2-MoE). A batch-1 MoE block is then its router's GEMV (the
+add + norm inside: small_batch_linear) and these two launches. Everything is on the device with
+shapes from the token count alone: no host sync, so a CUDA graph captures it."""
 
 from __future__ import annotations
 
@@ -67,12 +68,19 @@ def _block_n(rows: int, n: int, device: torch.device) -> int:
 
 
 @triton.jit
+def _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn):
+    """[len(cols), len(ks)] fp32: each weight's block scale (its row's, of its 128 inputs)."""
+    rows = scale_ptr + expert * stride_se + cols[:, None].to(tl.int64) * stride_sn
+    return tl.load(rows + (ks // 128)[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def _gate_up_act_kernel(
     x_ptr,  # [num_tokens, K]: the input (with NORMED the residual stream, normed here)
     norm_ptr,  # [K]: the RMSNorm's weight (read with NORMED only)
     logits_ptr,  # [num_tokens, num_experts] router logits (read with ROUTED only)
     w_ptr,  # [num_experts, 2 * N, K]: gate rows, then up rows
-    scale_ptr,  # [num_experts] or [num_experts, 2 * N] fp32 (read with SCALED only)
+    scale_ptr,  # [E], [E, 2 * N] or [E, 2 * N, K / 128] fp32 (read with SCALED only)
     bias_ptr,  # [num_experts, 2 * N] (read with HAS_BIAS only)
     ids_ptr,  # [num_tokens * top_k] int: each pair's expert (written with ROUTED)
     weights_ptr,  # [num_tokens * top_k] fp32 routing weights (written with ROUTED)
@@ -93,6 +101,7 @@ def _gate_up_act_kernel(
     stride_be,
     stride_out,
     SCALED: tl.constexpr,
+    BLOCK_SCALED: tl.constexpr,  # with SCALED: a scale per row and 128 inputs, on the codes
     NORMED: tl.constexpr,  # x is the residual stream: rms_norm it here (dot * rsqrt at the end)
     ROUTED: tl.constexpr,  # pick the pair's expert from the logits here (moe_router.route_row)
     TOP_K: tl.constexpr,  # with ROUTED: top_k as a constant
@@ -139,13 +148,16 @@ def _gate_up_act_kernel(
         mask = col_mask[:, None] & k_mask[None, :]
         g = tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        if BLOCK_SCALED:  # the norm's rsqrt, one scalar a row, still commutes with these
+            g *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
+            u *= _block_scales(scale_ptr, expert, cols + N, ks, mask, stride_se, stride_sn)
         gate += tl.sum(g * xk[None, :], axis=1)
         up += tl.sum(u * xk[None, :], axis=1)
     if NORMED:
         rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
         gate *= rstd
         up *= rstd
-    if SCALED:
+    if SCALED and not BLOCK_SCALED:
         scales = scale_ptr + expert * stride_se
         gate *= tl.load(scales + cols * stride_sn, mask=col_mask, other=0.0)
         up *= tl.load(scales + (cols + N) * stride_sn, mask=col_mask, other=0.0)
@@ -171,7 +183,7 @@ def _gate_up_act_kernel(
 def _down_kernel(
     h_ptr,  # [num_pairs, K]: the activations of each (token, slot) pair
     w_ptr,  # [num_experts, N, K]
-    scale_ptr,  # [num_experts] or [num_experts, N] fp32 (read with SCALED only)
+    scale_ptr,  # [E], [E, N] or [E, N, K / 128] fp32 (read with SCALED only)
     ids_ptr,  # [num_pairs] int
     weights_ptr,  # [num_pairs] fp32 routing weights
     bias_ptr,  # [num_experts, N] (read with HAS_BIAS only; added by the first chunk)
@@ -187,6 +199,7 @@ def _down_kernel(
     stride_be,
     stride_out,
     SCALED: tl.constexpr,
+    BLOCK_SCALED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -205,9 +218,12 @@ def _down_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         hk = tl.load(h_ptr + pair * stride_h + ks, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        down += tl.sum(w.to(tl.float32) * hk[None, :], axis=1)
-    if SCALED:
+        mask = col_mask[:, None] & k_mask[None, :]
+        w = tl.load(rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        if BLOCK_SCALED:
+            w *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
+        down += tl.sum(w * hk[None, :], axis=1)
+    if SCALED and not BLOCK_SCALED:
         down *= tl.load(scale_ptr + expert * stride_se + cols * stride_sn, mask=col_mask, other=0.0)
     if HAS_BIAS:
         first = (split == 0).to(tl.float32)
@@ -222,7 +238,7 @@ def _down_kernel(
 def _down_sum_kernel(
     h_ptr,  # [num_tokens * top_k, K]: the activations of each (token, slot) pair
     w_ptr,  # [num_experts, N, K]
-    scale_ptr,  # [num_experts] or [num_experts, N] fp32 (read with SCALED only)
+    scale_ptr,  # [E], [E, N] or [E, N, K / 128] fp32 (read with SCALED only)
     ids_ptr,  # [num_tokens * top_k] int
     weights_ptr,  # [num_tokens * top_k] fp32 routing weights
     bias_ptr,  # [num_experts, N] (read with HAS_BIAS only)
@@ -242,6 +258,7 @@ def _down_sum_kernel(
     stride_shared_gate,
     stride_out,
     SCALED: tl.constexpr,
+    BLOCK_SCALED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SHARED: tl.constexpr,  # Qwen2-MoE: + sigmoid(shared gate) * shared expert
     BLOCK_N: tl.constexpr,
@@ -263,9 +280,12 @@ def _down_sum_kernel(
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         hk = tl.load(h_ptr + pair * stride_h + ks, mask=k_mask, other=0.0).to(tl.float32)
         rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
-        w = tl.load(rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        part = tl.sum(w.to(tl.float32) * hk[None, :], axis=1)
-        if SCALED:
+        mask = col_mask[:, None] & k_mask[None, :]
+        w = tl.load(rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        if BLOCK_SCALED:
+            w *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
+        part = tl.sum(w * hk[None, :], axis=1)
+        if SCALED and not BLOCK_SCALED:
             scales = scale_ptr + expert * stride_se + cols * stride_sn
             part *= tl.load(scales, mask=col_mask, other=0.0)
         if HAS_BIAS:  # once a slot: on its last K step
@@ -315,12 +335,21 @@ def _sum_slots_kernel(
 
 
 def _scale_args(scale: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """(the scale tensor, its expert stride, its channel stride: 0 for one scale per expert)."""
+    """(the scale tensor, its expert stride, its channel stride: 0 for one scale per expert);
+    block scales [E, N, K / 128] contiguous in their last dimension."""
     if scale is None:
         return like, 0, 0
     if scale.dim() == 1:
         return scale, scale.stride(0), 0
+    if scale.dim() == 3:
+        scale = scale.float().contiguous()
     return scale, scale.stride(0), scale.stride(1)
+
+
+def _block_scaled(scale: torch.Tensor | None) -> bool:
+    """Whether `scale` is one per row and 128 inputs ([E, N, K / 128]: the BLOCK_SCALED
+    variants)."""
+    return scale is not None and scale.dim() == 3
 
 
 def fused_moe_decode(
@@ -329,8 +358,8 @@ def fused_moe_decode(
     w2: torch.Tensor,  # [num_experts, hidden, inter]: each expert's down projection
     topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32: each chosen expert's weight
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int: the chosen experts
-    w13_scale: torch.Tensor | None = None,  # [E] or [E, 2 * inter] fp32: float8 w13's scales
-    w2_scale: torch.Tensor | None = None,  # [E] or [E, hidden] fp32: float8 w2's scales
+    w13_scale: torch.Tensor | None = None,  # [E], [E, 2 * inter] or [E, 2 * inter, KB] fp32
+    w2_scale: torch.Tensor | None = None,  # [E], [E, hidden] or [E, hidden, KB] fp32
     w13_bias: torch.Tensor | None = None,  # [E, 2 * inter]: gpt-oss's expert biases
     w2_bias: torch.Tensor | None = None,  # [E, hidden]
     swiglu: tuple[float, float] | None = None,  # gpt-oss's clamped SwiGLU (alpha, limit)
@@ -427,7 +456,8 @@ def fused_moe_decode_tiled(
         x, norm_weight, logits, w13, s13, b13, ids, weights, act, top_k, inter, hidden,
         num_experts, float(eps), float(alpha), float(limit), x.stride(0), logits.stride(0),
         w13.stride(0), w13.stride(1), s13_e, s13_n, b13.stride(0), act.stride(0),
-        SCALED=w13_scale is not None, NORMED=norm is not None, ROUTED=route is not None,
+        SCALED=w13_scale is not None, BLOCK_SCALED=_block_scaled(w13_scale),
+        NORMED=norm is not None, ROUTED=route is not None,
         TOP_K=top_k, RENORMALIZE=renormalize, ROUND=logits.dtype == x.dtype,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TOP_K=triton.next_power_of_2(top_k),
         HAS_BIAS=w13_bias is not None, SWIGLU=swiglu is not None, INTERPRETED=interpreted,
@@ -442,7 +472,8 @@ def fused_moe_decode_tiled(
             act, w2, s2, ids, weights, b2, shared_out, shared_gate, out, top_k, hidden, inter,
             act.stride(0), w2.stride(0), w2.stride(1), s2_e, s2_n, b2.stride(0),
             *shared_strides, out.stride(0), SCALED=w2_scale is not None,
-            HAS_BIAS=w2_bias is not None, SHARED=shared is not None,
+            BLOCK_SCALED=_block_scaled(w2_scale), HAS_BIAS=w2_bias is not None,
+            SHARED=shared is not None,
             BLOCK_N=n2, BLOCK_K=k2, NUM_STAGES=stages, num_warps=warps2,
         )  # fmt: skip
         return out
@@ -453,8 +484,8 @@ def fused_moe_decode_tiled(
     _down_kernel[(num_pairs, triton.cdiv(hidden, n2), num_splits)](
         act, w2, s2, ids, weights, b2, down, hidden, inter, chunk, act.stride(0), w2.stride(0),
         w2.stride(1), s2_e, s2_n, b2.stride(0), down.stride(0), SCALED=w2_scale is not None,
-        HAS_BIAS=w2_bias is not None, BLOCK_N=n2, BLOCK_K=k2, NUM_STAGES=stages,
-        num_warps=warps2,
+        BLOCK_SCALED=_block_scaled(w2_scale), HAS_BIAS=w2_bias is not None, BLOCK_N=n2,
+        BLOCK_K=k2, NUM_STAGES=stages, num_warps=warps2,
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block))](
