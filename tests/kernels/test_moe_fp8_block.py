@@ -1,8 +1,9 @@
 """The block-scaled float8 experts' kernels against their twins under the interpreter at tiny
 shapes: the grouped GEMM (kiln.kernels.triton.moe_fp8_block vs reference.fused_moe_fp8_block)
 with widths that end in a partial 128-block, uneven expert loads, another rank's ids (-1), fp32
-and fp16; the decode GEMVs (moe_decode) reading 3-D block scales vs reference.fused_moe_decode;
-and the twins near the experts dequantized in fp32 (activation quantization's noise only)."""
+and fp16; the decode GEMVs (moe_decode) reading 3-D block scales vs reference.fused_moe_decode
+(and the routed ones vs reference.fused_moe_decode_routed); and the twins near the experts
+dequantized in fp32 (activation quantization's noise only)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,24 @@ def test_decode_reads_block_scales_as_its_twin(num_tokens, dtype) -> None:
     want = reference.fused_moe_decode(*args)
     for tiles in DECODE_TILES:
         _close(moe_decode.fused_moe_decode_tiled(*args, tiles), want, dtype)
+
+
+@pytest.mark.parametrize("num_tokens,dtype", [(1, torch.float32), (3, torch.float16)])
+def test_routed_decode_reads_block_scales_as_its_twin(num_tokens, dtype) -> None:
+    """fused_moe_decode_routed (norm and routing inside the gate_up launch) on block-scaled
+    experts, with a shared expert's gated output: the block scales compose with the norm."""
+    x, w13, w2, _, _, s13, s2 = _case(num_tokens, 2, dtype, hidden=136, inter=72)
+    gen = torch.Generator().manual_seed(num_tokens)
+    norm = (torch.rand(136, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    logits = (torch.randn(num_tokens, EXPERTS, generator=gen) * 2).to(dtype).to(DEVICE)
+    shared = (torch.randn(num_tokens, 136, generator=gen).to(dtype).to(DEVICE),
+              torch.randn(num_tokens, 1, generator=gen).to(dtype).to(DEVICE))  # fmt: skip
+    args = (x, norm, 1e-5, logits, 2, True, w13, w2, s13, s2, None, None, None, shared)
+    want = reference.fused_moe_decode_routed(*args)
+    _close(moe_decode.fused_moe_decode_routed(*args), want, dtype)
+    per_expert = (s13.mean((1, 2)), s2.mean((1, 2)))  # the block scales' layout matters
+    unscaled = reference.fused_moe_decode_routed(*args[:8], *per_expert, *args[10:])
+    assert (want.float() - unscaled.float()).abs().max() > 0.1 * want.float().abs().max()
 
 
 def _dequantized_loop(args) -> torch.Tensor:

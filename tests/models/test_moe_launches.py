@@ -2,9 +2,10 @@
 Triton kernels under the interpreter, the torch ops between them), FP8 dynamic weights and a
 float8 KV cache as the published rows run: a Qwen3-MoE layer one launch more than a dense
 Qwen3 layer (its router's projection, with the post-attention norm inside; the norm again and
-the softmax/top-k inside the experts' first kernel), gpt-oss's biased, clamped experts on the
-same two decode kernels, Qwen2-MoE's shared expert three launches more, no torch op
-launching a kernel of its own in any, and a dense Llama layer's five launches as they were."""
+the softmax/top-k inside the experts' first kernel), gpt-oss's biased, clamped experts and
+block-FP8 experts on the same two decode kernels, Qwen2-MoE's shared expert three launches more,
+no torch op launching a kernel of its own in any, and a dense Llama layer's five launches as
+they were."""
 
 from __future__ import annotations
 
@@ -37,18 +38,21 @@ FAMILIES = {
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
         shared_expert_intermediate_size=48)),
 }  # fmt: skip
+QUANTIZATION = {"qwen3_moe_fp8_block": ("qwen3_moe", "fp8-block")}  # another method, a family's
 
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory) -> dict[str, list[LayerLaunches]]:
     out = {}
-    for family, (model_type, architecture, overrides) in FAMILIES.items():
-        path = str(tmp_path_factory.mktemp(family))
+    cases = {family: (family, "fp8-dynamic") for family in FAMILIES} | QUANTIZATION
+    for case, (family, quantization) in cases.items():
+        model_type, architecture, overrides = FAMILIES[family]
+        path = str(tmp_path_factory.mktemp(case))
         save_tiny_hf(path, model_type, architecture, perturb=perturb_norms_and_biases,
                      **overrides)  # fmt: skip
-        config = EngineConfig(model=path, quantization="fp8-dynamic", kv_cache_dtype="fp8")
+        config = EngineConfig(model=path, quantization=quantization, kv_cache_dtype="fp8")
         model = load_model(config, torch.device("cpu"), torch.float16).model
-        out[family] = decode_step_launches(model, torch.float8_e4m3fn)
+        out[case] = decode_step_launches(model, torch.float8_e4m3fn)
     return out
 
 
@@ -63,6 +67,13 @@ def test_a_moe_layer_is_one_launch_more_than_a_dense_one(launches) -> None:
     assert moe.kernels == dense.kernels + 1 == 7, moe.triton
     assert moe.triton[-2:] == ["_gate_up_act_kernel", "_down_sum_kernel"]
     assert "_route_kernel" not in moe.triton and "_rms_norm_kernel" not in moe.triton
+
+
+def test_block_fp8_experts_route_inside_the_decode_kernels(launches) -> None:
+    """fp8-block: the experts' block scales on the same two routed decode launches."""
+    for layer in launches["qwen3_moe_fp8_block"]:
+        assert layer.triton[-2:] == ["_gate_up_act_kernel", "_down_sum_kernel"], layer.triton
+        assert "_route_kernel" not in layer.triton, layer.triton
 
 
 def test_gpt_oss_experts_take_the_decode_kernels(launches) -> None:
