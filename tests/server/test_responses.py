@@ -155,6 +155,19 @@ def test_reasoning_and_a_function_call_then_its_output(client):
     assert cached >= first.usage.input_tokens - 16, (cached, first.usage.input_tokens)
 
 
+def test_a_tool_schema_with_an_integer_beyond_64_bits_streams_and_stores(client):
+    huge = 2**70  # JSON allows it; orjson refuses to write it
+    tool = {**WEATHER, "parameters": {**WEATHER["parameters"], "maxProperties": huge}}
+    stream = client.responses.create(
+        model=MODEL, input="Hi", tools=[tool], max_output_tokens=4, temperature=0, stream=True
+    )
+    events = list(stream)
+    assert events[0].type == "response.created"
+    assert events[0].response.tools[0].parameters["maxProperties"] == huge
+    final = events[-1].response
+    assert client.responses.retrieve(final.id).tools[0].parameters["maxProperties"] == huge
+
+
 def test_named_tool_choice_is_a_valid_call(client):
     time_tool = {
         "type": "function",

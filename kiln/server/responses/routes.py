@@ -9,7 +9,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 from fastapi import APIRouter
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
@@ -36,7 +35,7 @@ from kiln.server.responses.request import (
     chat_tools,
     input_messages,
 )
-from kiln.server.responses.store import ResponseStore, StoredResponse
+from kiln.server.responses.store import ResponseStore, StoredResponse, json_bytes
 from kiln.server.state import ServerState, State
 from kiln.server.tool_calls import ToolPlan, apply_plan, plan_tools
 from kiln.server.tool_calls.template import check_auto_tools_shown
@@ -197,7 +196,7 @@ async def create_response(body: ResponsesRequest, raw: Request, state: State) ->
 
 
 def _sse(event: dict[str, Any]) -> bytes:
-    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+    return b"event: " + event["type"].encode() + b"\ndata: " + json_bytes(event) + b"\n\n"
 
 
 async def _stream(gen: Generation, turn: _Turn, store: ResponseStore) -> AsyncIterator[bytes]:

@@ -40,13 +40,18 @@ class StoredResponse:
     conversation: list[ChatMessage]  # without the request's instructions (not carried over)
 
 
-def _encode(stored: StoredResponse) -> bytes:
-    messages = [m.model_dump(mode="json", exclude_none=True) for m in stored.conversation]
-    data = {"response": stored.response, "conversation": messages}
+def json_bytes(data: Any) -> bytes:
+    """`data` as JSON: orjson's, or the json module's for what orjson refuses (an integer beyond
+    64 bits in a client's tool schema)."""
     try:
         return orjson.dumps(data)
-    except TypeError:  # an integer beyond 64 bits in a client's tool schema: orjson refuses it
+    except TypeError:
         return json.dumps(data).encode()
+
+
+def _encode(stored: StoredResponse) -> bytes:
+    messages = [m.model_dump(mode="json", exclude_none=True) for m in stored.conversation]
+    return json_bytes({"response": stored.response, "conversation": messages})
 
 
 def _decode(body: bytes) -> StoredResponse:
