@@ -72,17 +72,18 @@ def _compile_all() -> dict[str, str]:
     )  # fmt: skip
     for weight in ("bf16", "fp8e4nv"):
         scaled = weight != "bf16"
+        scales = {"SCALED": scaled, "BLOCK_SCALED": False}  # per-channel (block: moe_fp8_block)
         block_k = moe_decode._ROW_BYTES // (1 if scaled else 2)
         stages = moe_decode._NUM_STAGES
         for suffix, gate_up_variant, down_variant in variants:
             ptx[f"gate_up {weight}{suffix}"] = _ptx(
                 moe_decode._gate_up_act_kernel, {**gate_up_args, "w_ptr": f"*{weight}"},
-                {"SCALED": scaled, **plain, **gate_up_variant, "INTERPRETED": False,
+                {**scales, **plain, **gate_up_variant, "INTERPRETED": False,
                  "BLOCK_N": 16, "BLOCK_K": block_k, "NUM_STAGES": stages},
             )  # fmt: skip
             ptx[f"down_sum {weight}{suffix}"] = _ptx(
                 moe_decode._down_sum_kernel, {**down_sum_args, "w_ptr": f"*{weight}"},
-                {"SCALED": scaled, **down_variant, "BLOCK_N": 8, "BLOCK_K": block_k,
+                {**scales, **down_variant, "BLOCK_N": 8, "BLOCK_K": block_k,
                  "NUM_STAGES": stages},
             )  # fmt: skip
         ptx[f"down {weight}"] = _ptx(
@@ -91,7 +92,7 @@ def _compile_all() -> dict[str, str]:
              "weights_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*fp32", "N": "i32",
              "K": "i32", "K_CHUNK": "i32", "stride_h": "i32", "stride_be": "i32",
              **dict.fromkeys(_STRIDES, "i32")},
-            {"SCALED": scaled, "HAS_BIAS": True, "BLOCK_N": 32, "BLOCK_K": block_k,
+            {**scales, "HAS_BIAS": True, "BLOCK_N": 32, "BLOCK_K": block_k,
              "NUM_STAGES": stages},
         )  # fmt: skip
     block_m, block_n, block_k, num_warps, num_stages, _ = moe_fp8.DEFAULT_TILES
