@@ -136,6 +136,20 @@ class ModelConfig:
     (up + 1) * gate * sigmoid(swiglu_alpha * gate); None: SiLU(gate) * up."""
     swiglu_alpha: float = 1.702
     """The sigmoid's slope of the clamped SwiGLU (with swiglu_limit)."""
+    moe_routing: str = "softmax"
+    """How the router picks: "softmax" (top-k of the softmax) or "sigmoid" (DeepSeek-V3's and
+    GLM-4.5's: sigmoid scores, an e_score_correction_bias on the choice, grouped top-k)."""
+    n_group: int = 1
+    """Groups the experts fall into for sigmoid routing (DeepSeek-V3 n_group)."""
+    topk_group: int = 1
+    """Groups whose experts a token may choose among (DeepSeek-V3 topk_group)."""
+    routed_scaling_factor: float = 1.0
+    """The sigmoid routing's weights are multiplied by this."""
+    first_k_dense_replace: int = 0
+    """The first layers whose MLP is dense (DeepSeek-V3, GLM-4.5)."""
+    shared_expert_gated: bool = True
+    """The shared expert's output is scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE);
+    False: added as it is (GLM-4.5's shared_experts)."""
     per_channel_experts: bool = False
     """Float8 experts carry a scale per output channel, not one per expert: gpt-oss's (its MXFP4
     experts convert to them exactly) and a pre-quantized FP8 checkpoint's (llm-compressor's
@@ -151,6 +165,7 @@ class ModelConfig:
         """Whether layer `layer` (its index in the whole model) has a mixture-of-experts MLP."""
         return (
             self.num_experts > 0
+            and layer >= self.first_k_dense_replace
             and layer not in self.mlp_only_layers
             and (layer + 1) % self.decoder_sparse_step == 0
         )
@@ -170,7 +185,10 @@ class ModelConfig:
         if self.moe_bias:  # the experts' gate_up and down biases, the router's
             count += self.num_held_experts * (2 * self.moe_intermediate_size + h) + self.num_experts
         if self.shared_expert_intermediate_size:
-            count += 3 * h * self.shared_expert_intermediate_size + h
+            count += 3 * h * self.shared_expert_intermediate_size
+            count += h if self.shared_expert_gated else 0
+        if self.moe_routing == "sigmoid":  # the choice's e_score_correction_bias
+            count += self.num_experts
         return count
 
     @property

@@ -49,7 +49,8 @@ class SparseMoeBlock(nn.Module):
     """router (`gate`, kept in the model dtype whatever the projections' method: a few columns
     that pick the experts), `experts`, and with cfg.shared_expert_intermediate_size a
     `shared_expert` (a GatedMLP, by the projections' method) scaled by
-    sigmoid(`shared_expert_gate`(x)). The experts are float8 under an FP8 quantization
+    sigmoid(`shared_expert_gate`(x)), or added as it is (cfg.shared_expert_gated False: GLM).
+    The experts are float8 under an FP8 quantization
     (kiln.layers.moe.Fp8MoEMethod; fp8-block: kiln.layers.moe_fp8_block), else in the model
     dtype."""
 
@@ -77,10 +78,13 @@ class SparseMoeBlock(nn.Module):
             h, cfg.num_experts, bias=cfg.moe_bias, method=UnquantizedLinearMethod(), dtype=dtype
         )
         swiglu = None if cfg.swiglu_limit is None else (cfg.swiglu_alpha, cfg.swiglu_limit)
+        grouped = None
+        if cfg.moe_routing == "sigmoid":
+            grouped = (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
         self.experts = FusedMoE(
             cfg.num_experts, cfg.num_experts_per_tok, h, cfg.moe_intermediate_size,
             cfg.norm_topk_prob, dtype, _experts_method(method, f"{prefix}.experts", per_channel),
-            shard, bias=cfg.moe_bias, swiglu=swiglu,
+            shard, bias=cfg.moe_bias, swiglu=swiglu, grouped=grouped,
         )  # fmt: skip
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Linear | None = None
@@ -88,7 +92,9 @@ class SparseMoeBlock(nn.Module):
             shared = dataclasses.replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
             self.shared_expert = GatedMLP(shared, f"{prefix}.shared_expert", method, dtype, ctx)
             self.shared_expert.down_proj.reduce = None  # summed with the experts' part below
-            self.shared_expert_gate = Linear(h, 1, method=UnquantizedLinearMethod(), dtype=dtype)
+            if cfg.shared_expert_gated:
+                gate = Linear(h, 1, method=UnquantizedLinearMethod(), dtype=dtype)
+                self.shared_expert_gate = gate
 
     def forward(
         self,
@@ -98,7 +104,8 @@ class SparseMoeBlock(nn.Module):
         norm_weight: torch.Tensor | None,
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (the block's output, x + residual)
-        if self.experts.routes_in_experts(x.shape[0]):
+        ungated = self.shared_expert is not None and self.shared_expert_gate is None
+        if self.experts.routes_in_experts(x.shape[0]) and not ungated:
             # A decode step: the norm inside the router's projection (one kernel at one row)
             # and again, with the routing, inside the experts' first kernel; the shared
             # expert's projections norm their own input, its gated sum is the experts' last.
@@ -119,9 +126,11 @@ class SparseMoeBlock(nn.Module):
         else:
             normed, summed = ops.fused_add_rms_norm(x, residual, norm_weight, eps)
         out = self.experts(ops, normed, self.gate(ops, normed))
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
+        if self.shared_expert is not None:
             shared, _ = self.shared_expert(ops, normed, None, None, eps)
-            out = out + torch.sigmoid(self.shared_expert_gate(ops, normed)) * shared
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(ops, normed)) * shared
+            out = out + shared
         if self.reduce is not None:  # the ranks' parts: experts' slices or whole experts
             tp_all_reduce(self.reduce, out)
         return out, summed
