@@ -695,6 +695,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "gpt_oss", 201088, 2880, 2880, 36, 64, 8, **_GPT_OSS,
         num_local_experts=128,
     ),
+    # GLM-4.5-Air: the first layer dense, then 128 sigmoid-routed experts of 1408 (one group),
+    # 8 a token, plus one shared; q/k/v biases, rotary on half of each 128-dim head.
+    "glm-4.5-air": _preset(
+        "glm4_moe", 151552, 4096, 10944, 46, 96, 8,
+        head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=131072,
+        partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=False,
+        n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+        routed_scaling_factor=1.0, norm_topk_prob=True, pad_token_id=151329,
+        eos_token_id=[151329, 151336, 151338],
+    ),
     "tinyllama-1.1b": _preset(
         "llama", 32000, 2048, 5632, 22, 32, 4,
         rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048,
