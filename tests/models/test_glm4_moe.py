@@ -3,7 +3,8 @@ checkpoint: the first layer dense, the others DeepSeek-V3's sigmoid-routed exper
 bias large enough to change the choice, 2 groups of which each token keeps 1, a routing scale)
 plus an ungated shared expert; q/k/v biases, per-head q/k RMSNorm, rotary on half of each
 head. Greedy tokens equal over 32 new tokens alone, batched, chunked, prefix-cached and
-preempted; fp8-dynamic experts within float8's noise; the memory plan exact."""
+preempted; fp8-dynamic experts within float8's noise, and as an engine directory; the memory
+plan exact."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tests.models.family_checks import (
     hf_tokens,
     perturb_norms_and_biases,
     save_tiny_hf,
+    tokens,
 )
 from tests.models.test_qwen3 import ARGS, GREEDY, PREFIXED, PROMPTS
 
@@ -80,6 +82,25 @@ def test_chunked_prefix_cached_and_preempted_equal_hf(glm) -> None:
     check_prefix_hit(llm, want)
     check_chunked(path, want)
     check_preempted(path, want)
+
+
+def test_an_fp8_dynamic_engine_directory_builds_and_loads(glm, tmp_path) -> None:
+    from kiln.builder.build import BuildOptions, build_engine
+
+    path, _, llm, _ = glm
+    out = str(tmp_path / "engine")
+    options = BuildOptions(quantization="fp8-dynamic", accuracy_check=False, max_model_len=256)
+    build_engine(path, out, options, None)
+    engine = LLM(out, max_num_batched_tokens=64, **ARGS)
+    cfg = engine.engine.executor.runner.model.config
+    assert (cfg.moe_routing, cfg.n_group, cfg.routed_scaling_factor) == ("sigmoid", 2, 1.5)
+    assert (cfg.first_k_dense_replace, cfg.shared_expert_gated, cfg.rotary_dim) == (1, False, 16)
+    moe = engine.engine.executor.runner.model.layers[1].mlp
+    assert moe.experts.w13_weight.dtype == torch.float8_e4m3fn
+    want = llm.engine.executor.runner.model.layers[1].mlp.experts.e_score_correction_bias
+    assert torch.equal(moe.experts.e_score_correction_bias, want)
+    fp8 = LLM(path, quantization="fp8-dynamic", max_num_batched_tokens=64, **ARGS)
+    assert tokens(engine.generate(PROMPTS, GREEDY)) == tokens(fp8.generate(PROMPTS, GREEDY))
 
 
 def test_fp8_dynamic_experts_stay_close(glm) -> None:
