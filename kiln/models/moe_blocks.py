@@ -74,9 +74,13 @@ class SparseMoeBlock(nn.Module):
                 "tensor_parallel_size=1 only: cutting them per rank is not built yet"
             )
         self.reduce = None if shard is None else shard.ctx
+        # transformers' sigmoid routers project in fp32: in bf16 a near tie of biased scores
+        # would pick another expert.
+        router_dtype = torch.float32 if cfg.moe_routing == "sigmoid" else dtype
         self.gate = Linear(
-            h, cfg.num_experts, bias=cfg.moe_bias, method=UnquantizedLinearMethod(), dtype=dtype
-        )
+            h, cfg.num_experts, bias=cfg.moe_bias, method=UnquantizedLinearMethod(),
+            dtype=router_dtype,
+        )  # fmt: skip
         swiglu = None if cfg.swiglu_limit is None else (cfg.swiglu_alpha, cfg.swiglu_limit)
         grouped = None
         if cfg.moe_routing == "sigmoid":
@@ -125,7 +129,7 @@ class SparseMoeBlock(nn.Module):
             normed, summed = ops.rms_norm(x, norm_weight, eps), x
         else:
             normed, summed = ops.fused_add_rms_norm(x, residual, norm_weight, eps)
-        out = self.experts(ops, normed, self.gate(ops, normed))
+        out = self.experts(ops, normed, self.gate(ops, normed.to(self.gate.weight.dtype)))
         if self.shared_expert is not None:
             shared, _ = self.shared_expert(ops, normed, None, None, eps)
             if self.shared_expert_gate is not None:

@@ -36,7 +36,7 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int
     `dtype`. A sparse layer counts every expert (float8 with a float32 scale per expert and
     projection, or per output channel, under "fp8-dynamic", else in `dtype`: static FP8 leaves
     them), its router (and gpt-oss's experts' biases) in `dtype`, and its shared expert as a
-    dense MLP's projections; gpt-oss's attention sinks and sigmoid routers' biases in fp32
+    dense MLP's projections; gpt-oss's attention sinks and sigmoid routers (and biases) in fp32
     ("fp8-block": the experts float8 with a scale per row and 128 inputs). A rank's
     shard_config counts the experts it holds (expert parallelism) or their slices (tensor
     parallelism)."""
@@ -53,9 +53,9 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int
             routed = cfg.num_held_experts * 3 * h * cfg.moe_intermediate_size
             experts += routed
             routers += cfg.mlp_parameter_count(i) - routed - 3 * h * inter
-            if cfg.moe_routing == "sigmoid":  # its routing bias is fp32, counted below
-                routers -= cfg.num_experts
-                sinks += cfg.num_experts
+            if cfg.moe_routing == "sigmoid":  # its router and routing bias fp32, counted below
+                routers -= cfg.num_experts * (h + 1)
+                sinks += cfg.num_experts * (h + 1)
     float8_experts = quantization in ("fp8-dynamic", "fp8-block")
     sparse_layers = sum(cfg.is_sparse_layer(i) for i in layers)
     expert_bytes = (

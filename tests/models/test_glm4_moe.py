@@ -124,3 +124,16 @@ def test_the_memory_plan_counts_every_parameter(glm) -> None:
     assert llm.engine.memory_plan.weight_bytes == made
     qk_norms = sum(p.numel() * 4 for n, p in model.named_parameters() if n.endswith("k_norm"))
     assert weight_bytes(model.config, torch.float32, "none") == made - 2 * qk_norms
+
+
+def test_bf16_keeps_the_router_and_its_bias_in_fp32(glm) -> None:
+    path, _, _, _ = glm
+    llm = LLM(path, dtype="bfloat16", max_num_batched_tokens=64, **ARGS)
+    model = llm.engine.executor.runner.model
+    moe = model.layers[1].mlp
+    assert moe.experts.w13_weight.dtype == torch.bfloat16
+    assert moe.gate.weight.dtype == moe.experts.e_score_correction_bias.dtype == torch.float32
+    made = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert llm.engine.memory_plan.weight_bytes == made
+    assert weight_bytes(model.config, torch.bfloat16, "none") == made - 2 * 3 * 32 * 2
+    assert len(tokens(llm.generate(PROMPTS[:1], GREEDY))[0]) == 32
