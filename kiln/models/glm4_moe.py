@@ -58,7 +58,7 @@ class Glm4MoeForCausalLM(DecoderForCausalLM):
     def adapt_hf_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        layers = self.config.num_hidden_layers
+        layers = self.full_config.num_hidden_layers  # the MTP layers are numbered after them
         kept = (
             (name, tensor)
             for name, tensor in weights

@@ -70,6 +70,9 @@ def test_the_layers_are_glm_shaped(glm) -> None:
     want = hf.model.layers[1].mlp.gate.e_score_correction_bias
     assert torch.equal(moe.experts.e_score_correction_bias, want)
     assert moe.experts.e_score_correction_bias.dtype == torch.float32
+    # A release's multi-token-prediction layer (numbered after the last) is dropped at load.
+    mtp = [("model.layers.3.eh_proj.weight", torch.zeros(2)), ("model.norm.weight", torch.ones(2))]
+    assert [name for name, _ in model.adapt_hf_weights(mtp)] == ["model.norm.weight"]
 
 
 def test_batched_and_alone_equal_hf(glm) -> None:
