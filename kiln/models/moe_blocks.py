@@ -47,10 +47,10 @@ _STACKED_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(w13_\w+|w2_\w+)
 
 class SparseMoeBlock(nn.Module):
     """router (`gate`, kept in the model dtype whatever the projections' method: a few columns
-    that pick the experts), `experts`, and with cfg.shared_expert_intermediate_size a
-    `shared_expert` (a GatedMLP, by the projections' method) scaled by
-    sigmoid(`shared_expert_gate`(x)), or added as it is (cfg.shared_expert_gated False: GLM).
-    The experts are float8 under an FP8 quantization
+    that pick the experts; fp32 for sigmoid routing, as transformers has it), `experts`, and
+    with cfg.shared_expert_intermediate_size a `shared_expert` (a GatedMLP, by the projections'
+    method) scaled by sigmoid(`shared_expert_gate`(x)), or added as it is
+    (cfg.shared_expert_gated False: GLM). The experts are float8 under an FP8 quantization
     (kiln.layers.moe.Fp8MoEMethod; fp8-block: kiln.layers.moe_fp8_block), else in the model
     dtype."""
 
