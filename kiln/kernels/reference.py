@@ -9,6 +9,7 @@ block_id * block_size + offset.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -1061,16 +1062,59 @@ def moe_route(
     top_k: int,
     renormalize: bool,
     dtype: torch.dtype,
+    grouped: SigmoidRouting | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, top_k] fp32 weights, [.., top_k] ids)
     """Softmax over the experts in fp32, the top k, renormalised to sum to 1 when `renormalize`
     (Mixtral; Qwen's norm_topk_prob), then rounded to the model dtype `dtype` as transformers
-    rounds them before weighting the experts' outputs. Device ops of fixed shapes: no host
-    sync."""
+    rounds them before weighting the experts' outputs. With `grouped`, DeepSeek-V3's routing
+    instead (sigmoid_group_route). Device ops of fixed shapes: no host sync."""
+    if grouped is not None:
+        return sigmoid_group_route(router_logits, top_k, renormalize, grouped)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(dtype).float(), ids
+
+
+@dataclass(frozen=True)
+class SigmoidRouting:
+    """DeepSeek-V3's router (GLM-4.5's too): sigmoid scores, the choice made on the scores
+    plus `bias` (e_score_correction_bias, [num_experts] fp32) within the best `topk_group` of
+    `n_group` equal groups of experts, the weights the chosen experts' unbiased scores times
+    `scaling` (routed_scaling_factor)."""
+
+    bias: torch.Tensor
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0
+
+
+def sigmoid_group_route(
+    router_logits: torch.Tensor,  # [num_tokens, num_experts]
+    top_k: int,
+    renormalize: bool,
+    routing: SigmoidRouting,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, top_k] fp32 weights, [.., top_k] ids)
+    """sigmoid(logits) in fp32; a group's score the sum of its two best biased scores; the top
+    k biased scores among the best topk_group groups' experts (largest first); their unbiased
+    scores, renormalised (+1e-20) with `renormalize`, times the scaling, left in fp32 as
+    transformers weights the experts' outputs with them."""
+    num_tokens, num_experts = router_logits.shape
+    scores = torch.sigmoid(router_logits.float())
+    choice = scores + routing.bias.float()
+    if routing.topk_group < routing.n_group:
+        groups = choice.view(num_tokens, routing.n_group, -1)
+        group_scores = groups.topk(2, dim=-1)[0].sum(dim=-1)
+        best = torch.topk(group_scores, routing.topk_group, dim=-1)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        keep = keep.unsqueeze(-1).expand_as(groups).reshape(num_tokens, num_experts)
+        choice = choice.masked_fill(~keep, float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routing.scaling, ids
 
 
 def fused_moe_fp8(

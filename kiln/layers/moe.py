@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from kiln.kernels.reference import SigmoidRouting
+
 if TYPE_CHECKING:
     from kiln.layers.moe_parallel import ExpertShard
 
@@ -196,7 +198,10 @@ class FusedMoE(nn.Module):
     `shard` (TP/EP) the layer holds this rank's part: num_experts and intermediate_size become
     the experts and width it holds, and its output is a part the block sums over the ranks.
     gpt-oss's experts: `bias` on both projections (w13_bias, w2_bias), `swiglu` = (alpha,
-    limit) of its clamped activation (reference.clamped_swiglu) in place of SiLU(gate) * up."""
+    limit) of its clamped activation (reference.clamped_swiglu) in place of SiLU(gate) * up.
+    `grouped` = (n_group, topk_group, routed_scaling_factor): DeepSeek-V3's sigmoid routing
+    (reference.sigmoid_group_route) with its choice's bias, e_score_correction_bias [E] fp32
+    over every expert of the model."""
 
     w13_weight: torch.Tensor
     w2_weight: torch.Tensor
@@ -204,6 +209,7 @@ class FusedMoE(nn.Module):
     w2_weight_scale: torch.Tensor
     w13_bias: torch.Tensor  # with `bias`: [num_experts, 2 * inter], model dtype
     w2_bias: torch.Tensor  # [num_experts, hidden]
+    e_score_correction_bias: torch.Tensor  # with `grouped`: [all experts] fp32
 
     def __init__(
         self,
@@ -217,10 +223,15 @@ class FusedMoE(nn.Module):
         shard: ExpertShard | None = None,
         bias: bool = False,
         swiglu: tuple[float, float] | None = None,
+        grouped: tuple[int, int, float] | None = None,
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be 1 to num_experts={num_experts}")
+        self.grouped = grouped
+        if grouped is not None:  # the router's, over every expert whichever this rank holds
+            correction = torch.zeros(num_experts, dtype=torch.float32)
+            self.e_score_correction_bias = nn.Parameter(correction, requires_grad=False)
         self.shard = shard
         if shard is not None:  # the weights made are this rank's experts and columns
             num_experts, intermediate_size = shard.experts[1], shard.columns[1]
@@ -237,16 +248,21 @@ class FusedMoE(nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden]
         router_logits: torch.Tensor,  # [num_tokens, num_experts]
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        # Softmax, top-k, renormalisation, rounding to x's dtype (reference.moe_route).
-        weights, ids = ops.moe_route(router_logits, self.top_k, self.renormalize, x.dtype)
+        # Softmax, top-k, renormalisation, rounding to x's dtype (reference.moe_route), or
+        # the sigmoid routing.
+        routing = None
+        if self.grouped is not None:
+            routing = SigmoidRouting(self.e_score_correction_bias, *self.grouped)
+        weights, ids = ops.moe_route(router_logits, self.top_k, self.renormalize, x.dtype, routing)
         if self.shard is not None:
             ids = self.shard.local_ids(ids)
         return self.method.apply(self, ops, x, weights, ids)
 
     def routes_in_experts(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` takes forward_routed: a decode step's few tokens on
-        one rank's whole experts."""
-        return self.shard is None and num_tokens <= MAX_DECODE_TOKENS
+        one rank's whole experts, routed by a softmax (the experts' kernel routes no other
+        way: sigmoid-routed steps take forward, the router's kernel, then the decode GEMVs)."""
+        return self.grouped is None and self.shard is None and num_tokens <= MAX_DECODE_TOKENS
 
     def forward_routed(
         self,
@@ -270,4 +286,5 @@ class FusedMoE(nn.Module):
         return (
             f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
             f"inter={self.intermediate_size}, renormalize={self.renormalize}"
+            + ("" if self.grouped is None else f", sigmoid groups={self.grouped}")
         )

@@ -136,6 +136,20 @@ class ModelConfig:
     (up + 1) * gate * sigmoid(swiglu_alpha * gate); None: SiLU(gate) * up."""
     swiglu_alpha: float = 1.702
     """The sigmoid's slope of the clamped SwiGLU (with swiglu_limit)."""
+    moe_routing: str = "softmax"
+    """How the router picks: "softmax" (top-k of the softmax) or "sigmoid" (DeepSeek-V3's and
+    GLM-4.5's: sigmoid scores, an e_score_correction_bias on the choice, grouped top-k)."""
+    n_group: int = 1
+    """Groups the experts fall into for sigmoid routing (DeepSeek-V3 n_group)."""
+    topk_group: int = 1
+    """Groups whose experts a token may choose among (DeepSeek-V3 topk_group)."""
+    routed_scaling_factor: float = 1.0
+    """The sigmoid routing's weights are multiplied by this."""
+    first_k_dense_replace: int = 0
+    """The first layers whose MLP is dense (DeepSeek-V3, GLM-4.5)."""
+    shared_expert_gated: bool = True
+    """The shared expert's output is scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE);
+    False: added as it is (GLM-4.5's shared_experts)."""
     per_channel_experts: bool = False
     """Float8 experts carry a scale per output channel, not one per expert: gpt-oss's (its MXFP4
     experts convert to them exactly) and a pre-quantized FP8 checkpoint's (llm-compressor's
@@ -151,6 +165,7 @@ class ModelConfig:
         """Whether layer `layer` (its index in the whole model) has a mixture-of-experts MLP."""
         return (
             self.num_experts > 0
+            and layer >= self.first_k_dense_replace
             and layer not in self.mlp_only_layers
             and (layer + 1) % self.decoder_sparse_step == 0
         )
@@ -170,7 +185,10 @@ class ModelConfig:
         if self.moe_bias:  # the experts' gate_up and down biases, the router's
             count += self.num_held_experts * (2 * self.moe_intermediate_size + h) + self.num_experts
         if self.shared_expert_intermediate_size:
-            count += 3 * h * self.shared_expert_intermediate_size + h
+            count += 3 * h * self.shared_expert_intermediate_size
+            count += h if self.shared_expert_gated else 0
+        if self.moe_routing == "sigmoid":  # the choice's e_score_correction_bias
+            count += self.num_experts
         return count
 
     @property
@@ -676,6 +694,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt-oss-120b": _preset(
         "gpt_oss", 201088, 2880, 2880, 36, 64, 8, **_GPT_OSS,
         num_local_experts=128,
+    ),
+    # GLM-4.5-Air: the first layer dense, then 128 sigmoid-routed experts of 1408 (one group),
+    # 8 a token, plus one shared; q/k/v biases, rotary on half of each 128-dim head.
+    "glm-4.5-air": _preset(
+        "glm4_moe", 151552, 4096, 10944, 46, 96, 8,
+        head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=131072,
+        partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=False,
+        n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+        routed_scaling_factor=1.0, norm_topk_prob=True, pad_token_id=151329,
+        eos_token_id=[151329, 151336, 151338],
     ),
     "tinyllama-1.1b": _preset(
         "llama", 32000, 2048, 5632, 22, 32, 4,

@@ -47,9 +47,10 @@ _STACKED_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(w13_\w+|w2_\w+)
 
 class SparseMoeBlock(nn.Module):
     """router (`gate`, kept in the model dtype whatever the projections' method: a few columns
-    that pick the experts), `experts`, and with cfg.shared_expert_intermediate_size a
-    `shared_expert` (a GatedMLP, by the projections' method) scaled by
-    sigmoid(`shared_expert_gate`(x)). The experts are float8 under an FP8 quantization
+    that pick the experts; fp32 for sigmoid routing, as transformers has it), `experts`, and
+    with cfg.shared_expert_intermediate_size a `shared_expert` (a GatedMLP, by the projections'
+    method) scaled by sigmoid(`shared_expert_gate`(x)), or added as it is
+    (cfg.shared_expert_gated False: GLM). The experts are float8 under an FP8 quantization
     (kiln.layers.moe.Fp8MoEMethod; fp8-block: kiln.layers.moe_fp8_block), else in the model
     dtype."""
 
@@ -73,14 +74,21 @@ class SparseMoeBlock(nn.Module):
                 "tensor_parallel_size=1 only: cutting them per rank is not built yet"
             )
         self.reduce = None if shard is None else shard.ctx
+        # transformers' sigmoid routers project in fp32: in bf16 a near tie of biased scores
+        # would pick another expert.
+        router_dtype = torch.float32 if cfg.moe_routing == "sigmoid" else dtype
         self.gate = Linear(
-            h, cfg.num_experts, bias=cfg.moe_bias, method=UnquantizedLinearMethod(), dtype=dtype
-        )
+            h, cfg.num_experts, bias=cfg.moe_bias, method=UnquantizedLinearMethod(),
+            dtype=router_dtype,
+        )  # fmt: skip
         swiglu = None if cfg.swiglu_limit is None else (cfg.swiglu_alpha, cfg.swiglu_limit)
+        grouped = None
+        if cfg.moe_routing == "sigmoid":
+            grouped = (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
         self.experts = FusedMoE(
             cfg.num_experts, cfg.num_experts_per_tok, h, cfg.moe_intermediate_size,
             cfg.norm_topk_prob, dtype, _experts_method(method, f"{prefix}.experts", per_channel),
-            shard, bias=cfg.moe_bias, swiglu=swiglu,
+            shard, bias=cfg.moe_bias, swiglu=swiglu, grouped=grouped,
         )  # fmt: skip
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Linear | None = None
@@ -88,7 +96,9 @@ class SparseMoeBlock(nn.Module):
             shared = dataclasses.replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
             self.shared_expert = GatedMLP(shared, f"{prefix}.shared_expert", method, dtype, ctx)
             self.shared_expert.down_proj.reduce = None  # summed with the experts' part below
-            self.shared_expert_gate = Linear(h, 1, method=UnquantizedLinearMethod(), dtype=dtype)
+            if cfg.shared_expert_gated:
+                gate = Linear(h, 1, method=UnquantizedLinearMethod(), dtype=dtype)
+                self.shared_expert_gate = gate
 
     def forward(
         self,
@@ -98,7 +108,8 @@ class SparseMoeBlock(nn.Module):
         norm_weight: torch.Tensor | None,
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (the block's output, x + residual)
-        if self.experts.routes_in_experts(x.shape[0]):
+        ungated = self.shared_expert is not None and self.shared_expert_gate is None
+        if self.experts.routes_in_experts(x.shape[0]) and not ungated:
             # A decode step: the norm inside the router's projection (one kernel at one row)
             # and again, with the routing, inside the experts' first kernel; the shared
             # expert's projections norm their own input, its gated sum is the experts' last.
@@ -118,10 +129,12 @@ class SparseMoeBlock(nn.Module):
             normed, summed = ops.rms_norm(x, norm_weight, eps), x
         else:
             normed, summed = ops.fused_add_rms_norm(x, residual, norm_weight, eps)
-        out = self.experts(ops, normed, self.gate(ops, normed))
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
+        out = self.experts(ops, normed, self.gate(ops, normed.to(self.gate.weight.dtype)))
+        if self.shared_expert is not None:
             shared, _ = self.shared_expert(ops, normed, None, None, eps)
-            out = out + torch.sigmoid(self.shared_expert_gate(ops, normed)) * shared
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(ops, normed)) * shared
+            out = out + shared
         if self.reduce is not None:  # the ranks' parts: experts' slices or whole experts
             tp_all_reduce(self.reduce, out)
         return out, summed

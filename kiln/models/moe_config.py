@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 _MIXTRAL = ("mixtral",)
 # Families with Qwen's moe_intermediate_size, decoder_sparse_step and mlp_only_layers.
 _QWEN_MOE = ("qwen2_moe", "qwen3_moe")
+# Families with DeepSeek-V3's MoE layers: sigmoid routing with a bias and groups, dense layers
+# first, an ungated shared expert n_shared_experts wide.
+_GLM_MOE = ("glm4_moe",)
 # Families whose float8 experts carry a scale per output channel (gpt-oss: its MXFP4 experts
 # convert to them exactly, kiln.checkpoint.fp4_formats); the others' one per expert.
 PER_CHANNEL_EXPERTS = ("gpt_oss",)
@@ -55,6 +58,8 @@ def moe_fields(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
                 d.get("shared_expert_intermediate_size") or 0
             )
             fields["attention_bias"] = bool(d.get("qkv_bias", True))  # q/k/v only
+    elif architecture in _GLM_MOE:
+        fields = glm_moe_fields(d)
     else:
         return {}
     fields["num_experts_per_tok"] = int(d.get("num_experts_per_tok", 2))
@@ -69,6 +74,37 @@ def moe_fields(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
         d.get(PER_CHANNEL_KEY)
     )
     return fields
+
+
+def glm_moe_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5's MoE fields, and its attention's options (q/k/v biases, per-head q/k RMSNorm,
+    rotary on half of each head by default)."""
+    moe_inter = int(d.get("moe_intermediate_size") or 0)
+    n_group, topk_group = int(d.get("n_group") or 1), int(d.get("topk_group") or 1)
+    num_experts = int(d.get("n_routed_experts") or 128)
+    if num_experts % n_group or not 0 < topk_group <= n_group:
+        raise ModelLoadError(
+            f"n_routed_experts={num_experts} in n_group={n_group} groups with "
+            f"topk_group={topk_group}: the groups must be equal and topk_group 1 to n_group"
+        )
+    params = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+    return {
+        "num_experts": num_experts,
+        "moe_intermediate_size": moe_inter,
+        "norm_topk_prob": bool(d.get("norm_topk_prob", True)),
+        "shared_expert_intermediate_size": moe_inter * int(d.get("n_shared_experts", 1) or 0),
+        "shared_expert_gated": False,
+        "first_k_dense_replace": int(d.get("first_k_dense_replace", 1) or 0),
+        "moe_routing": "sigmoid",
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "routed_scaling_factor": float(d.get("routed_scaling_factor", 1.0)),
+        "attention_bias": bool(d.get("attention_bias", False)),  # q/k/v only
+        "qk_layernorm": bool(d.get("use_qk_norm", False)),
+        "partial_rotary_factor": float(
+            d.get("partial_rotary_factor") or (params or {}).get("partial_rotary_factor") or 0.5
+        ),
+    }
 
 
 def expert_scale_count(cfg: ModelConfig, quantization: str = "fp8-dynamic") -> int:
@@ -106,6 +142,21 @@ def moe_family_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
         return {
             "num_local_experts": cfg.num_experts,
             "num_experts_per_tok": cfg.num_experts_per_tok,
+        }
+    if arch in _GLM_MOE:
+        return {
+            "n_routed_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.num_experts_per_tok,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "n_shared_experts": cfg.shared_expert_intermediate_size // cfg.moe_intermediate_size,
+            "norm_topk_prob": cfg.norm_topk_prob,
+            "first_k_dense_replace": cfg.first_k_dense_replace,
+            "n_group": cfg.n_group,
+            "topk_group": cfg.topk_group,
+            "routed_scaling_factor": cfg.routed_scaling_factor,
+            "attention_bias": cfg.attention_bias,
+            "use_qk_norm": cfg.qk_layernorm,
+            "partial_rotary_factor": cfg.partial_rotary_factor,
         }
     if arch not in _QWEN_MOE:
         return {}

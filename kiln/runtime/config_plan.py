@@ -36,13 +36,14 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int
     `dtype`. A sparse layer counts every expert (float8 with a float32 scale per expert and
     projection, or per output channel, under "fp8-dynamic", else in `dtype`: static FP8 leaves
     them), its router (and gpt-oss's experts' biases) in `dtype`, and its shared expert as a
-    dense MLP's projections; gpt-oss's attention sinks in fp32 ("fp8-block": the experts
-    float8 with a scale per row and 128 inputs). A rank's shard_config counts the experts it
-    holds (expert parallelism) or their slices (tensor parallelism)."""
+    dense MLP's projections; gpt-oss's attention sinks and sigmoid routers (and biases) in fp32
+    ("fp8-block": the experts float8 with a scale per row and 128 inputs). A rank's
+    shard_config counts the experts it holds (expert parallelism) or their slices (tensor
+    parallelism)."""
     h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv, layers = cfg.num_key_value_heads * cfg.head_dim, range(cfg.num_hidden_layers)
     projections = [(h, q + 2 * kv), (q, h)] * cfg.num_hidden_layers  # (in, out)
-    experts = routers = 0
+    experts = routers = sinks = 0  # sinks: fp32 parameters (attention sinks, routing biases)
     for i in layers:
         sparse = cfg.is_sparse_layer(i)
         inter = cfg.shared_expert_intermediate_size if sparse else cfg.intermediate_size
@@ -52,6 +53,9 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int
             routed = cfg.num_held_experts * 3 * h * cfg.moe_intermediate_size
             experts += routed
             routers += cfg.mlp_parameter_count(i) - routed - 3 * h * inter
+            if cfg.moe_routing == "sigmoid":  # its router and routing bias fp32, counted below
+                routers -= cfg.num_experts * (h + 1)
+                sinks += cfg.num_experts * (h + 1)
     float8_experts = quantization in ("fp8-dynamic", "fp8-block")
     sparse_layers = sum(cfg.is_sparse_layer(i) for i in layers)
     expert_bytes = (
@@ -63,7 +67,7 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int
     out_channels = sum(o for _, o in projections)
     bias = (q + 2 * kv) * cfg.num_hidden_layers if cfg.attention_bias else 0
     bias += h * cfg.num_hidden_layers if cfg.o_proj_bias else 0
-    sinks = cfg.num_attention_heads * cfg.num_hidden_layers if cfg.attention_sinks else 0
+    sinks += cfg.num_attention_heads * cfg.num_hidden_layers if cfg.attention_sinks else 0
     norms = (2 * cfg.num_hidden_layers + 1) * h
     embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
     other = (bias + norms + embeddings + routers) * dtype.itemsize + expert_bytes + sinks * 4

@@ -1,8 +1,9 @@
 """Mixture-of-experts models over 2 processes on the CPU (gloo), against Hugging Face in fp32:
 tensor-parallel experts (each rank a slice of every expert; vLLM's default under
 --tensor-parallel-size) and expert parallelism (--enable-expert-parallel: each rank whole
-experts), for Mixtral, Qwen3-MoE (a dense layer among the sparse ones) and Qwen2-MoE (a shared
-expert). Greedy tokens equal HF's for the prompts batched, with 16-token steps (the 51-token
+experts), for Mixtral, Qwen3-MoE (a dense layer among the sparse ones), Qwen2-MoE (a shared
+expert) and GLM-4.5 (sigmoid routing over groups, an ungated shared expert, a dense layer
+first). Greedy tokens equal HF's for the prompts batched, with 16-token steps (the 51-token
 prompt prefilled in 4 chunks beside the others' decodes), and for that prompt alone again (its
 blocks then from the prefix cache). One engine per family and mode: most of the time is the
 worker process starting."""
@@ -14,6 +15,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from tests.models.family_checks import perturb_norms_and_biases, save_tiny_hf
+from tests.models.test_glm4_moe import GLM, perturb_glm
 from tests.models.test_moe import FAMILIES
 from tests.models.test_qwen3 import PROMPTS
 
@@ -28,10 +30,11 @@ ENGINE = dict(dtype="float32", device="cpu", num_threads=1, distributed_timeout_
 def checkpoints(tmp_path_factory) -> dict[str, tuple[str, list[list[int]]]]:
     """Each family's tiny checkpoint (tests/models/test_moe.py's) and HF's greedy tokens."""
     out = {}
-    for family, (model_type, architecture, overrides) in FAMILIES.items():
+    families = {**FAMILIES, "glm4_moe": ("glm4_moe", "Glm4MoeForCausalLM", GLM)}
+    for family, (model_type, architecture, overrides) in families.items():
         path = str(tmp_path_factory.mktemp(family))
-        model = save_tiny_hf(path, model_type, architecture, perturb=perturb_norms_and_biases,
-                             **overrides)  # fmt: skip
+        perturb = perturb_glm if family == "glm4_moe" else perturb_norms_and_biases
+        model = save_tiny_hf(path, model_type, architecture, perturb=perturb, **overrides)
         model.generation_config.eos_token_id = None  # ignore_eos
         want = []
         with torch.no_grad():
@@ -45,14 +48,18 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[str, list[list[int]]]]:
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [*FAMILIES, "glm4_moe"])
 def test_two_ranks_equal_hf(checkpoints, family, expert_parallel) -> None:
     path, want = checkpoints[family]
     llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **ENGINE)
     try:
-        experts = llm.engine.executor.runner.model.layers[0].mlp.experts
-        # 4 experts of width 32: two whole ones (EP), or every one's 16 columns (TP).
-        assert experts.w13_weight.shape == ((2, 64, 64) if expert_parallel else (4, 32, 64))
+        sparse = 1 if family == "glm4_moe" else 0
+        experts = llm.engine.executor.runner.model.layers[sparse].mlp.experts
+        # 4 experts (GLM's 8) of width 32: half of them whole (EP), or every one's 16 columns.
+        count = 8 if family == "glm4_moe" else 4
+        assert experts.w13_weight.shape == (
+            (count // 2, 64, 64) if expert_parallel else (count, 32, 64)
+        )
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         assert got == want
         hits = llm.engine.kv_cache.stats.hits

@@ -111,11 +111,19 @@ def _compile_all() -> dict[str, str]:
              "BLOCK_N": block_n, "BLOCK_K": block_k},
             num_warps, num_stages,
         )  # fmt: skip
+    router_args = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64",
+                   "bias_ptr": "*fp32", "num_experts": "i32", "stride_logits": "i32",
+                   "group_size": "i32", "scaling": "fp32"}  # fmt: skip
     ptx["router"] = _ptx(
-        moe_router._route_kernel,
-        {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64", "num_experts": "i32",
-         "stride_logits": "i32"},
-        {"TOP_K": 8, "RENORMALIZE": True, "ROUND": True, "BLOCK_E": 128, "BLOCK_K": 8},
+        moe_router._route_kernel, router_args,
+        {"TOP_K": 8, "RENORMALIZE": True, "ROUND": True, "BLOCK_E": 128, "BLOCK_K": 8,
+         "SIGMOID": False, "N_GROUP": 1, "TOPK_GROUP": 1, "BLOCK_G": 1},
+        num_warps=1,
+    )  # fmt: skip
+    ptx["sigmoid router"] = _ptx(  # DeepSeek-V3's shape: 256 experts in 8 groups, top 4 groups
+        moe_router._route_kernel, router_args,
+        {"TOP_K": 8, "RENORMALIZE": True, "ROUND": False, "BLOCK_E": 256, "BLOCK_K": 8,
+         "SIGMOID": True, "N_GROUP": 8, "TOPK_GROUP": 4, "BLOCK_G": 8},
         num_warps=1,
     )  # fmt: skip
     return ptx
@@ -153,6 +161,8 @@ def test_the_fp8_grouped_gemm_runs_on_the_float8_tensor_cores(ptx) -> None:
 def test_the_router_compiles_to_warp_shuffles(ptx) -> None:
     assert ".entry _route_kernel" in ptx["router"]
     assert "bar.sync" not in ptx["router"]  # one warp: no barrier between its reductions
+    # The sigmoid variant (DeepSeek-V3's 256 experts in 8 groups) stays one warp's shuffles.
+    assert "ex2.approx" in ptx["sigmoid router"] and "bar.sync" not in ptx["sigmoid router"]
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 kernels and attention backend (TRITON_INTERPRET=1 without a GPU) against the same forward
 through the reference ops, which the HF-equality tests hold to transformers. This covers the
 flavours the fused Llama kernels do not take: GeGLU, partial rotary, a q/k norm over the whole
-projection, post and sandwich norms, LayerNorm layers, longrope's step table."""
+projection, post and sandwich norms, LayerNorm layers, longrope's step table, sigmoid-routed
+experts."""
 
 from __future__ import annotations
 
@@ -48,6 +49,12 @@ FAMILIES = {
     "gpt_oss": ("GptOssForCausalLM", dict(head_dim=32, sliding_window=7, num_local_experts=4,
                                           num_experts_per_tok=2, intermediate_size=32,
                                           swiglu_limit=0.6)),
+    # DeepSeek-V3's sigmoid routing over 2 groups (the router kernel's SIGMOID variant), an
+    # ungated shared expert, q/k norm, q/k/v biases, half-head rotary, a dense first layer.
+    "glm4_moe": ("Glm4MoeForCausalLM", dict(head_dim=32, num_hidden_layers=3, n_routed_experts=8,
+                                            num_experts_per_tok=2, moe_intermediate_size=32,
+                                            n_group=2, topk_group=1, routed_scaling_factor=1.5,
+                                            attention_bias=True, use_qk_norm=True)),
 }  # fmt: skip
 
 

@@ -4,7 +4,8 @@ fused-MoE grouped GEMM (27 tokens) or the decode kernels (5 tokens) among them
 (TRITON_INTERPRET=1 without a GPU), against the same forward
 through the reference ops, which tests/models/test_moe.py holds to transformers; and Qwen3-MoE
 and gpt-oss (biased, clamped experts) at decode sizes, where the block's norm and routing run
-inside the experts' kernel (one token: the norm inside the router's projection too)."""
+inside the experts' kernel (one token: the norm inside the router's projection too); GLM-4.5's
+sigmoid routing at decode sizes: the router's kernel, then the decode GEMVs unrouted."""
 
 from __future__ import annotations
 
@@ -88,3 +89,50 @@ def test_decode_sizes_route_inside_the_experts_kernel(tmp_path, family, lens) ->
             hidden = model(ops, attention, ids.to(DEVICE), positions, caches, metadata)
             outs.append(model.compute_logits(hidden, ops).float())
     torch.testing.assert_close(outs[1], outs[0], atol=2e-4, rtol=2e-4)
+
+
+GLM = dict(
+    head_dim=32,
+    num_hidden_layers=2,
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    moe_intermediate_size=32,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.0,
+)
+
+
+@pytest.mark.parametrize("lens", [[1], [3, 2]])
+def test_sigmoid_routed_decode_takes_the_router_kernel_then_the_gemvs(tmp_path, lens) -> None:
+    save_tiny_hf(str(tmp_path), "glm4_moe", "Glm4MoeForCausalLM",
+                 perturb=perturb_norms_and_biases, **GLM)  # fmt: skip
+    model = load_model(EngineConfig(model=str(tmp_path)), DEVICE, torch.float32).model
+    with torch.no_grad():  # a routing bias that changes the choice
+        model.layers[1].mlp.experts.e_score_correction_bias.copy_(torch.linspace(-0.2, 0.2, 8))
+    cfg = model.config
+    metadata, blocks = packed_prefill_metadata(lens, 16, DEVICE)
+    ids = torch.randint(3, cfg.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
+    outs, calls = [], []
+
+    class Recorded:  # triton_ops, recording which of its functions the forward called
+        def __getattr__(self, name):
+            fn = getattr(triton_ops, name)
+            if not callable(fn):
+                return fn
+            return lambda *a, **k: (calls.append(name), fn(*a, **k))[1]
+
+    for ops, backend in ((reference, "torch"), (Recorded(), "triton")):
+        shape = (blocks, 16, cfg.num_key_value_heads, cfg.head_dim)
+        caches = [
+            (empty_cache(*shape, torch.float32, DEVICE), empty_cache(*shape, torch.float32, DEVICE))
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        attention = get_attention_backend(backend, DEVICE)
+        with torch.no_grad():
+            hidden = model(ops, attention, ids.to(DEVICE), positions, caches, metadata)
+            outs.append(model.compute_logits(hidden, ops).float())
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-4, rtol=2e-4)
+    assert "moe_route" in calls and "fused_moe_decode" in calls
+    assert "fused_moe_decode_routed" not in calls  # its in-kernel routing is softmax only
