@@ -1263,6 +1263,73 @@ def _expert_linear(
     return product.to(x.dtype)
 
 
+def dequantize_int4_experts(
+    qweight: torch.Tensor,  # [E, N, K / 8] int32: each expert's packed codes (kiln's layout)
+    scales: torch.Tensor,  # [E, N, K / group_size] fp32
+    zeros: torch.Tensor,  # [E, N, K / group_size] fp32, in code units
+) -> torch.Tensor:  # [E, N, K] fp32
+    """dequantize_int4 of each expert: (code - zero) * scale, input k in group k // group_size."""
+    codes = unpack_int4(qweight).float()
+    group_size = codes.shape[-1] // scales.shape[-1]
+    s = scales.float().repeat_interleave(group_size, dim=-1)
+    return (codes - zeros.float().repeat_interleave(group_size, dim=-1)) * s
+
+
+def fused_moe_int4(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden / 8] int32: [gate; up] rows' codes
+    w2: torch.Tensor,  # [num_experts, hidden, inter / 8] int32
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int (-1: another rank's expert)
+    w13_scale: torch.Tensor,  # [num_experts, 2 * inter, hidden / group_size] fp32
+    w2_scale: torch.Tensor,  # [num_experts, hidden, inter / group_size] fp32
+    w13_zero: torch.Tensor,  # as w13_scale, zero points in code units (8: symmetric)
+    w2_zero: torch.Tensor,  # as w2_scale
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """W4A16 experts for a step of many tokens (prefill): fused_moe on the experts the step
+    touches, each dequantized (dequantize_int4_experts) and rounded to x's dtype, as
+    int4_linear's dot products take its weights."""
+    num_experts = w13.shape[0]
+    touched = torch.unique(topk_ids)
+    touched = touched[(touched >= 0) & (touched < num_experts)].long()
+    index = torch.full((num_experts,), -1, dtype=torch.long, device=x.device)
+    index[touched] = torch.arange(touched.numel(), device=x.device)
+    local = topk_ids.long()
+    ids = torch.where(
+        (local >= 0) & (local < num_experts), index[local.clamp(0, num_experts - 1)], -1
+    )
+    w13d = dequantize_int4_experts(w13[touched], w13_scale[touched], w13_zero[touched])
+    w2d = dequantize_int4_experts(w2[touched], w2_scale[touched], w2_zero[touched])
+    return fused_moe(x, w13d.to(x.dtype), w2d.to(x.dtype), topk_weights, ids)
+
+
+def fused_moe_int4_decode(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # as fused_moe_int4's
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,  # [num_tokens, top_k]: this rank's experts only
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w13_zero: torch.Tensor,
+    w2_zero: torch.Tensor,
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """fused_moe_decode on W4A16 experts: each (token, slot)'s chosen expert only, its codes
+    dequantized in fp32 ((code - zero) * scale, as the GEMVs do in registers), gate_up rounded
+    to x's dtype, SiLU(gate) * up, the down products weighted and summed in fp32 in slot
+    order, rounded once."""
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for slot in range(topk_ids.shape[1]):
+        ids = topk_ids[:, slot].long()
+        rows = dequantize_int4_experts(w13[ids], w13_scale[ids], w13_zero[ids])
+        gate_up = torch.bmm(rows, x.float()[:, :, None])[:, :, 0].to(x.dtype)
+        act = silu_and_mul(gate_up)
+        rows = dequantize_int4_experts(w2[ids], w2_scale[ids], w2_zero[ids])
+        down = torch.bmm(rows, act.float()[:, :, None])[:, :, 0]
+        out += down * topk_weights[:, slot, None].float()
+    return out.to(x.dtype)
+
+
 def clamped_swiglu(
     x: torch.Tensor,  # [num_tokens, 2 * d]: gate in the first half, up in the second
     alpha: float,

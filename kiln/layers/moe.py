@@ -69,6 +69,10 @@ class MoEMethod(ABC):
     through them (a model-dtype checkpoint's experts are quantized as they load, by the
     families' adapter: kiln.models.moe_blocks.adapt_expert_weights)."""
 
+    # Whether a decode step may norm and route inside the experts' first launch
+    # (ops.fused_moe_decode_routed, which takes expert_weights' float or float8 weights).
+    fused_routing = True
+
     @abstractmethod
     def create_weights(self, layer: FusedMoE, dtype: torch.dtype | None) -> None:
         """Register the experts' parameters (shapes from the layer's sizes)."""
@@ -202,6 +206,10 @@ class FusedMoE(nn.Module):
     w2_weight: torch.Tensor
     w13_weight_scale: torch.Tensor  # float8 methods' [E], [E, rows] or [E, rows, K / 128] fp32
     w2_weight_scale: torch.Tensor
+    w13_weight_scales: torch.Tensor  # INT4 experts' [E, rows, groups] fp32 (moe_int4.py)
+    w2_weight_scales: torch.Tensor
+    w13_weight_zeros: torch.Tensor
+    w2_weight_zeros: torch.Tensor
     w13_bias: torch.Tensor  # with `bias`: [num_experts, 2 * inter], model dtype
     w2_bias: torch.Tensor  # [num_experts, hidden]
 
@@ -246,7 +254,7 @@ class FusedMoE(nn.Module):
     def routes_in_experts(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` takes forward_routed: a decode step's few tokens on
         one rank's whole experts."""
-        return self.shard is None and num_tokens <= MAX_DECODE_TOKENS
+        return self.shard is None and num_tokens <= MAX_DECODE_TOKENS and self.method.fused_routing
 
     def forward_routed(
         self,

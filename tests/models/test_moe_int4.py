@@ -1,0 +1,187 @@
+"""Mixture-of-experts checkpoints in INT4 (W4A16) as the tools write them: a tiny Qwen3-MoE made
+with transformers, every projection (the experts' too; the routers left out, as GPTQModel,
+AutoAWQ and llm-compressor leave them) quantized here to each format as it is defined - GPTQ
+(v1 `checkpoint_format` "gptq": qweight [in / 8, out], qzeros [groups, out / 8] holding zero
+- 1, scales, g_idx; group 128, desc_act off), AutoAWQ GEMM (qweight / qzeros [.., out / 8] in
+AWQ's interleaved order, group 64, zero points) and compressed-tensors pack-quantized
+(weight_packed [out, in / 8] of signed codes + 8, weight_scale, weight_zero_point packed along
+the outputs, weight_shape) - with the dense INT4 tests' rounding and packing
+(tests/data/int4_checkpoints/make.py). The oracle is transformers' Qwen3-MoE in fp32 on the
+checkpoint dequantized exactly: greedy tokens equal over 32 new tokens, alone and batched,
+prompts long enough that prefill runs the grouped path and decode the GEMVs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kiln import LLM, SamplingParams
+from kiln.errors import ModelLoadError
+from kiln.layers.moe_int4 import Int4MoEMethod
+from tests.models.family_checks import save_tiny_hf
+from tests.models.test_qwen3 import hf_greedy_tokens
+
+TOKENS = 32
+GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+ARGS = dict(dtype="float32", block_size=16, kv_cache_memory_gb=0.05, max_num_seqs=4, device="cpu")
+# The first two longer than a decode step's 16 tokens: their prefill takes the grouped path.
+PROMPTS = [[1, *range(40, 60)], [1, *range(100, 125)], [1, 5, 9, 33, 7]]
+# Every projection 128 inputs wide: one group of 128.
+QWEN3_MOE = dict(hidden_size=128, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                 num_hidden_layers=2, norm_topk_prob=True, head_dim=32, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=256)  # fmt: skip
+# format -> (group size, symmetric)
+FORMATS = {"gptq": (128, True), "awq": (64, False), "ct": (128, True), "ct_asym": (32, False),
+           "gptq_g32": (32, False)}  # fmt: skip
+
+
+def _make() -> ModuleType:
+    """The dense INT4 checkpoints' rounding and packing (rtn, pack, AWQ_ORDER)."""
+    path = Path(__file__).parents[1] / "data" / "int4_checkpoints" / "make.py"
+    spec = importlib.util.spec_from_file_location("int4_make", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _quantize(fmt: str, name: str, w: torch.Tensor, desc_act: bool = False):
+    """`name`'s tensors in `fmt` and the weight they dequantize to, exactly."""
+    make = _make()
+    group, sym = FORMATS[fmt]
+    prefix = name.removesuffix(".weight")
+    k = w.shape[1]
+    g_idx = torch.arange(k) // group
+    if desc_act:
+        g_idx = g_idx[torch.randperm(k, generator=torch.Generator().manual_seed(2))]
+    codes, scales, zeros = make.rtn(w.float(), sym, g_idx)
+    dequantized = (codes - zeros[:, g_idx]).float() * scales[:, g_idx]
+    if fmt.startswith("gptq"):
+        tensors = {
+            "qweight": make.pack(codes).t().contiguous(),
+            "qzeros": make.pack((zeros - 1).t().contiguous()),
+            "scales": scales.t().contiguous().half(),
+            "g_idx": g_idx.to(torch.int32),
+        }
+    elif fmt == "awq":
+        tensors = {
+            "qweight": make.pack(codes.t().contiguous(), make.AWQ_ORDER),
+            "qzeros": make.pack(zeros.t().contiguous(), make.AWQ_ORDER),
+            "scales": scales.t().contiguous().half(),
+        }
+    else:  # signed codes - 8 stored + 8: the unsigned codes as they are
+        tensors = {
+            "weight_packed": make.pack(codes),
+            "weight_scale": scales.half(),
+            "weight_shape": torch.tensor(list(w.shape), dtype=torch.int64),
+        }
+        if not sym:  # zero points packed along the outputs: [out / 8, groups]
+            tensors["weight_zero_point"] = make.pack(zeros.t().contiguous()).t().contiguous()
+    return {f"{prefix}.{kind}": t for kind, t in tensors.items()}, dequantized
+
+
+def _config(fmt: str, desc_act: bool) -> dict:
+    group, sym = FORMATS[fmt]
+    if fmt.startswith("gptq"):
+        return dict(quant_method="gptq", bits=4, group_size=group, sym=sym, desc_act=desc_act,
+                    checkpoint_format="gptq", true_sequential=True, damp_percent=0.01)  # fmt: skip
+    if fmt == "awq":
+        return dict(quant_method="awq", bits=4, group_size=group, zero_point=True, version="gemm",
+                    modules_to_not_convert=None)  # fmt: skip
+    weights = dict(num_bits=4, type="int", symmetric=sym, strategy="group", group_size=group,
+                   dynamic=False, actorder=None, observer="minmax")  # fmt: skip
+    return dict(
+        quant_method="compressed-tensors", format="pack-quantized",
+        config_groups={"group_0": dict(targets=["Linear"], weights=weights,
+                                       input_activations=None, output_activations=None)},
+        ignore=["lm_head", "re:.*mlp.gate$"], quantization_status="compressed",
+    )  # fmt: skip
+
+
+def write_int4(src: Path, dst: Path, fmt: str, desc_act: bool = False) -> Path:
+    """`src` in `fmt` at `dst`; its exact dequantization at `dst`-dequantized (returned)."""
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    quantized, dequantized = {}, {}
+    for name, tensor in state.items():
+        if name.endswith("_proj.weight"):
+            tensors, dequantized[name] = _quantize(fmt, name, tensor, desc_act)
+            quantized.update(tensors)
+        else:
+            quantized[name] = dequantized[name] = tensor
+    config = json.loads((src / "config.json").read_text())
+    plain = dst.with_name(f"{dst.name}-dequantized")
+    for out, tensors, declared in ((dst, quantized, True), (plain, dequantized, False)):
+        shutil.copytree(src, out)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        written = {**config, "quantization_config": _config(fmt, desc_act)} if declared else config
+        (out / "config.json").write_text(json.dumps(written))
+    return plain
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("qwen3_moe") / "fp32"
+    save_tiny_hf(str(path), "qwen3_moe", "Qwen3MoeForCausalLM", **QWEN3_MOE)
+    return path
+
+
+def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_int4_moe_checkpoint_generates_the_dequantized_models_tokens(source, tmp_path, fmt):
+    from transformers import AutoModelForCausalLM
+
+    plain = write_int4(source, tmp_path / fmt, fmt)
+    hf = AutoModelForCausalLM.from_pretrained(str(plain), dtype=torch.float32).eval()
+    want = [hf_greedy_tokens(hf, p)[:TOKENS] for p in PROMPTS]
+    llm = LLM(str(tmp_path / fmt), **ARGS)
+    experts = llm.engine.executor.runner.model.layers[0].mlp.experts
+    assert isinstance(experts.method, Int4MoEMethod)
+    assert experts.w13_weight.dtype == torch.int32 and experts.w13_weight.shape == (4, 256, 16)
+    assert [_tokens(llm, [p])[0] for p in PROMPTS] == want
+    assert _tokens(llm, PROMPTS) == want
+
+
+def test_a_wrong_expert_zero_point_changes_the_tokens(source, tmp_path):
+    """The GPTQ v1 checkpoint read as v2: every zero point, the experts' too, off by one."""
+    from transformers import AutoModelForCausalLM
+
+    plain = write_int4(source, tmp_path / "gptq", "gptq")
+    hf = AutoModelForCausalLM.from_pretrained(str(plain), dtype=torch.float32).eval()
+    want = [hf_greedy_tokens(hf, p)[:TOKENS] for p in PROMPTS]
+    path = tmp_path / "gptq"
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["checkpoint_format"] = "gptq_v2"  # zeros read as stored
+    (path / "config.json").write_text(json.dumps(config))
+    assert _tokens(LLM(str(path), **ARGS), PROMPTS) != want
+
+
+def test_act_order_experts_are_refused(source, tmp_path):
+    write_int4(source, tmp_path / "gptq", "gptq_g32", desc_act=True)
+    with pytest.raises(ModelLoadError, match="desc_act"):
+        LLM(str(tmp_path / "gptq"), **ARGS)
+
+
+def test_int4_experts_under_tensor_or_expert_parallelism_are_refused(source, tmp_path):
+    from kiln.config import EngineConfig
+    from kiln.distributed.parallel_state import ParallelContext, RankLayout
+    from kiln.runtime.model_loader import load_model
+
+    write_int4(source, tmp_path / "ct", "ct")
+    for ep in (False, True):
+        config = EngineConfig(model=str(tmp_path / "ct"), dtype="float32", tensor_parallel_size=2,
+                              enable_expert_parallel=ep)  # fmt: skip
+        ctx = ParallelContext(RankLayout(2, 1, 0), None, None, None, expert_parallel=ep)
+        with pytest.raises(ModelLoadError, match="tensor_parallel_size=1"):
+            load_model(config, torch.device("cpu"), torch.float32, ctx)
