@@ -54,8 +54,8 @@ def _compile_all() -> dict[str, str]:
     gate_up_args = {
         "x_ptr": "*bf16", "norm_ptr": "*bf16", "logits_ptr": "*bf16", "w_ptr": "*bf16",
         "scale_ptr": "*fp32", "zero_ptr": "*fp32", "bias_ptr": "*bf16", "ids_ptr": "*i64",
-        "weights_ptr": "*fp32", "out_ptr": "*bf16", "top_k": "i32", "N": "i32", "K": "i32", "num_experts": "i32",
-        "eps": "fp32", "alpha": "fp32", "limit": "fp32", "stride_x": "i32",
+        "weights_ptr": "*fp32", "out_ptr": "*bf16", "top_k": "i32", "N": "i32", "K": "i32",
+        "num_experts": "i32", "eps": "fp32", "alpha": "fp32", "limit": "fp32", "stride_x": "i32",
         "stride_logits": "i32", "stride_be": "i32", **dict.fromkeys(_STRIDES, "i32"),
     }  # fmt: skip
     plain = {"NORMED": False, "ROUTED": False, "TOP_K": 8, "RENORMALIZE": True, "ROUND": True,
