@@ -74,8 +74,12 @@ def moe_fields(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
 def expert_scale_count(cfg: ModelConfig, quantization: str = "fp8-dynamic") -> int:
     """The fp32 scales of one sparse layer's float8 experts: one per expert and projection, one
     per output channel (cfg.per_channel_experts), or under "fp8-block" one per row and 128
-    inputs."""
+    inputs; INT4 experts' ("int4-g<N>", "int4-channel"): their scales and zero points."""
     n, h = cfg.moe_intermediate_size, cfg.hidden_size
+    if quantization.startswith("int4-"):  # a scale and a zero point per row and group
+        groups = quantization.removeprefix("int4-").removesuffix("-sym")
+        size = int(groups.removeprefix("g")) if groups.startswith("g") else 0
+        return 2 * cfg.num_held_experts * (2 * n * (h // (size or h)) + h * (n // (size or n)))
     if quantization == "fp8-block":
         return cfg.num_held_experts * (2 * n * -(-h // 128) + h * -(-n // 128))
     if cfg.per_channel_experts:

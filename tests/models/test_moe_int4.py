@@ -26,6 +26,8 @@ from safetensors.torch import save_file
 from kiln import LLM, SamplingParams
 from kiln.errors import ModelLoadError
 from kiln.layers.moe_int4 import Int4MoEMethod
+from kiln.models.moe_config import expert_scale_count
+from kiln.runtime.config_plan import weight_bytes
 from tests.models.family_checks import save_tiny_hf
 from tests.models.test_qwen3 import hf_greedy_tokens
 
@@ -151,6 +153,20 @@ def test_int4_moe_checkpoint_generates_the_dequantized_models_tokens(source, tmp
     assert experts.w13_weight.dtype == torch.int32 and experts.w13_weight.shape == (4, 256, 16)
     assert [_tokens(llm, [p])[0] for p in PROMPTS] == want
     assert _tokens(llm, PROMPTS) == want
+    # The memory plan counts the experts as made: half a byte a weight, fp32 scales and zeros
+    # (measured against the FP8 plan, whose dense projections it shares).
+    model = llm.engine.executor.runner.model
+    made = sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n
+    )
+    group, sym = FORMATS[fmt]
+    quantization = f"int4-g{group}" + ("-sym" if sym and fmt.startswith("ct") else "")
+    cfg = model.config
+    fp8 = 2 * (3 * 4 * 128 * 128 + expert_scale_count(cfg, "fp8-dynamic") * 4)
+    gap = weight_bytes(cfg, torch.float32, quantization) - weight_bytes(
+        cfg, torch.float32, "fp8-dynamic"
+    )
+    assert gap == made - fp8
 
 
 def test_a_wrong_expert_zero_point_changes_the_tokens(source, tmp_path):
