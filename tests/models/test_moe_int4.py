@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 from pathlib import Path
 from types import ModuleType
@@ -40,6 +41,9 @@ PROMPTS = [[1, *range(40, 60)], [1, *range(100, 125)], [1, 5, 9, 33, 7]]
 QWEN3_MOE = dict(hidden_size=128, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
                  num_hidden_layers=2, norm_topk_prob=True, head_dim=32, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=256)  # fmt: skip
+MIXTRAL = dict(hidden_size=128, intermediate_size=128, num_local_experts=4,
+               num_experts_per_tok=2, num_hidden_layers=2, head_dim=32, num_attention_heads=4,
+               num_key_value_heads=2)  # fmt: skip
 # format -> (group size, symmetric)
 FORMATS = {"gptq": (128, True), "awq": (64, False), "ct": (128, True), "ct_asym": (32, False),
            "gptq_g32": (32, False)}  # fmt: skip
@@ -114,7 +118,7 @@ def write_int4(src: Path, dst: Path, fmt: str, desc_act: bool = False) -> Path:
         state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     quantized, dequantized = {}, {}
     for name, tensor in state.items():
-        if name.endswith("_proj.weight"):
+        if name.endswith("_proj.weight") or re.search(r"\.experts\.\d+\.w[123]\.weight$", name):
             tensors, dequantized[name] = _quantize(fmt, name, tensor, desc_act)
             quantized.update(tensors)
         else:
@@ -167,6 +171,21 @@ def test_int4_moe_checkpoint_generates_the_dequantized_models_tokens(source, tmp
         cfg, torch.float32, "fp8-dynamic"
     )
     assert gap == made - fp8
+
+
+def test_mixtral_int4_experts_load_by_their_w1_w2_w3_names(tmp_path) -> None:
+    """AutoAWQ's Mixtral releases: block_sparse_moe.experts.E.w1 / w2 / w3."""
+    from transformers import AutoModelForCausalLM
+
+    source = tmp_path / "mixtral"
+    save_tiny_hf(str(source), "mixtral", "MixtralForCausalLM", **MIXTRAL)
+    plain = write_int4(source, tmp_path / "awq", "awq")
+    hf = AutoModelForCausalLM.from_pretrained(str(plain), dtype=torch.float32).eval()
+    want = [hf_greedy_tokens(hf, p)[:TOKENS] for p in PROMPTS]
+    llm = LLM(str(tmp_path / "awq"), **ARGS)
+    experts = llm.engine.executor.runner.model.layers[1].mlp.experts
+    assert isinstance(experts.method, Int4MoEMethod)
+    assert _tokens(llm, PROMPTS) == want
 
 
 def test_a_wrong_expert_zero_point_changes_the_tokens(source, tmp_path):
