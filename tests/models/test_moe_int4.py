@@ -220,3 +220,15 @@ def test_int4_experts_under_tensor_or_expert_parallelism_are_refused(source, tmp
         ctx = ParallelContext(RankLayout(2, 1, 0), None, None, None, expert_parallel=ep)
         with pytest.raises(ModelLoadError, match="tensor_parallel_size=1"):
             load_model(config, torch.device("cpu"), torch.float32, ctx)
+
+
+def test_dummy_int4_experts_run_at_their_dummy_scales(source) -> None:
+    """quantization="int4-g128" on dummy weights (the benchmarks'): random codes at the dense
+    INT4's dummy scale, zeros 8, so the experts' weights span about +-0.02."""
+    llm = LLM(str(source), load_format="dummy", quantization="int4-g128", **ARGS)
+    experts = llm.engine.executor.runner.model.layers[0].mlp.experts
+    assert isinstance(experts.method, Int4MoEMethod)
+    assert experts.w13_weight.unique().numel() > 100  # drawn, not left at zero
+    assert torch.all(experts.w13_weight_scales == experts.w13_weight_scales.flatten()[0])
+    assert torch.all(experts.w2_weight_zeros == 8)
+    assert len(_tokens(llm, PROMPTS[:1])[0]) == TOKENS
