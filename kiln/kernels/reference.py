@@ -1213,6 +1213,8 @@ def fused_moe_decode_routed(
     w2_bias: torch.Tensor | None = None,
     swiglu: tuple[float, float] | None = None,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([T, hidden], [T, 1] logits)
+    int4_zeros: tuple[torch.Tensor, torch.Tensor] | None = None,  # INT4 experts' (w13, w2)
+    # zero points: w13 / w2 are packed codes and w13_scale / w2_scale their group scales
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """A decode step's MoE block after its router: rms_norm(x) run through the experts
     moe_route picks from `router_logits` (fused_moe_decode), plus, with `shared` (Qwen2-MoE:
@@ -1222,7 +1224,13 @@ def fused_moe_decode_routed(
     within a rounding of the normed input)."""
     normed = x if norm_weight is None else rms_norm(x, norm_weight, eps)
     weights, ids = moe_route(router_logits, top_k, renormalize, x.dtype)
-    out = _decode_sum(normed, w13, w2, weights, ids, w13_scale, w2_scale, w13_bias, w2_bias, swiglu)
+    if int4_zeros is not None:  # fused_moe_int4_decode's
+        assert w13_scale is not None and w2_scale is not None, "INT4 experts need their scales"
+        out = _int4_decode_sum(normed, w13, w2, weights, ids, w13_scale, w2_scale, *int4_zeros)
+    else:
+        out = _decode_sum(
+            normed, w13, w2, weights, ids, w13_scale, w2_scale, w13_bias, w2_bias, swiglu
+        )
     if shared is not None:
         out = out + torch.sigmoid(shared[1].float()) * shared[0].float()
     return out.to(x.dtype)
@@ -1318,6 +1326,21 @@ def fused_moe_int4_decode(
     dequantized in fp32 ((code - zero) * scale, as the GEMVs do in registers), gate_up rounded
     to x's dtype, SiLU(gate) * up, the down products weighted and summed in fp32 in slot
     order, rounded once."""
+    args = (w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, w13_zero, w2_zero)
+    return _int4_decode_sum(x, *args).to(x.dtype)
+
+
+def _int4_decode_sum(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w13_zero: torch.Tensor,
+    w2_zero: torch.Tensor,
+) -> torch.Tensor:  # [num_tokens, hidden] fp32: fused_moe_int4_decode before its rounding
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     for slot in range(topk_ids.shape[1]):
         ids = topk_ids[:, slot].long()
@@ -1327,7 +1350,7 @@ def fused_moe_int4_decode(
         rows = dequantize_int4_experts(w2[ids], w2_scale[ids], w2_zero[ids])
         down = torch.bmm(rows, act.float()[:, :, None])[:, :, 0]
         out += down * topk_weights[:, slot, None].float()
-    return out.to(x.dtype)
+    return out
 
 
 def clamped_swiglu(

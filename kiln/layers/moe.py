@@ -69,10 +69,6 @@ class MoEMethod(ABC):
     through them (a model-dtype checkpoint's experts are quantized as they load, by the
     families' adapter: kiln.models.moe_blocks.adapt_expert_weights)."""
 
-    # Whether a decode step may norm and route inside the experts' first launch
-    # (ops.fused_moe_decode_routed, which takes expert_weights' float or float8 weights).
-    fused_routing = True
-
     @abstractmethod
     def create_weights(self, layer: FusedMoE, dtype: torch.dtype | None) -> None:
         """Register the experts' parameters (shapes from the layer's sizes)."""
@@ -80,6 +76,11 @@ class MoEMethod(ABC):
     @abstractmethod
     def expert_weights(self, layer: FusedMoE) -> ExpertWeights:
         """(w13, w2, w13_scale, w2_scale) as the experts' kernels take them (no scales: None)."""
+
+    def expert_zeros(self, layer: FusedMoE) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """INT4 experts' (w13, w2) zero points (expert_weights then holds codes and group
+        scales); None for float experts."""
+        return None
 
     @abstractmethod
     def apply(
@@ -254,7 +255,7 @@ class FusedMoE(nn.Module):
     def routes_in_experts(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` takes forward_routed: a decode step's few tokens on
         one rank's whole experts."""
-        return self.shard is None and num_tokens <= MAX_DECODE_TOKENS and self.method.fused_routing
+        return self.shard is None and num_tokens <= MAX_DECODE_TOKENS
 
     def forward_routed(
         self,
@@ -272,6 +273,7 @@ class FusedMoE(nn.Module):
         return ops.fused_moe_decode_routed(
             x, norm_weight, eps, router_logits, self.top_k, self.renormalize,
             *self.method.expert_weights(self), w13_bias, w2_bias, swiglu, shared,
+            self.method.expert_zeros(self),
         )  # fmt: skip
 
     def extra_repr(self) -> str:

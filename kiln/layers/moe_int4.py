@@ -2,7 +2,8 @@
 and compressed-tensors pack-quantized checkpoints (Qwen3-30B-A3B-GPTQ-Int4, llm-compressor's
 W4A16 MoE), each read by the dense INT4 readers (kiln.checkpoint.int4_formats) into the dense
 layout (kiln.layers.quantization.int4) and stacked by expert. A decode step's GEMVs read only
-the chosen experts' packed words and dequantize them in registers (ops.fused_moe_int4_decode);
+the chosen experts' packed words and dequantize them in registers (ops.fused_moe_int4_decode,
+or with the block's norm and routing inside: ops.fused_moe_decode_routed's INT4 variant);
 a larger step runs the grouped GEMM on the experts it touches (ops.fused_moe_int4)."""
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ class Int4MoEMethod(MoEMethod):
     codes a word, code 8j + i of a row at bits 4i of word j), w13_weight_scales / _zeros [E,
     2 * inter, hidden / group] and w2_weight_scales / _zeros [E, hidden, inter / group] fp32:
     w = (code - zero) * scale. Zeros stay 8 (symmetric) where a checkpoint holds none."""
-
-    fused_routing = False  # the routed decode launch reads float weights: route first instead
 
     def __init__(self, group_size: int, needs_zeros: bool = True) -> None:
         self.group_size = group_size  # 0: one group of all inputs (per channel)
@@ -55,6 +54,9 @@ class Int4MoEMethod(MoEMethod):
 
     def expert_weights(self, layer: FusedMoE) -> ExpertWeights:
         return layer.w13_weight, layer.w2_weight, layer.w13_weight_scales, layer.w2_weight_scales
+
+    def expert_zeros(self, layer: FusedMoE) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return layer.w13_weight_zeros, layer.w2_weight_zeros
 
     def apply(
         self,

@@ -96,3 +96,20 @@ def test_the_twins_are_the_loop_over_the_dequantized_experts() -> None:
     args = (x, w13, w2, weights, ids, s13, s2, z13, z2)
     _close(reference.fused_moe_int4(*args), want, torch.float32)
     _close(reference.fused_moe_int4_decode(*args), want, torch.float32)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_int4_routed_decode_equals_its_twin(num_tokens) -> None:
+    """The block's norm and routing inside the INT4 gate_up launch (fused_moe_decode_routed)."""
+    x, w13, w2, _, _, s13, s2, z13, z2 = _case(num_tokens, 2, torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    norm = (torch.rand(HIDDEN, generator=gen) + 0.5).to(DEVICE)
+    logits = torch.randn(num_tokens, EXPERTS, generator=gen).to(DEVICE)
+    args = (x, norm, 1e-6, logits, 2, True, w13, w2, s13, s2, None, None, None, None, (z13, z2))
+    want = reference.fused_moe_decode_routed(*args)
+    _close(moe_decode.fused_moe_decode_routed(*args), want, torch.float32)
+    # The twin is rms_norm, moe_route and the INT4 decode in turn.
+    weights, ids = reference.moe_route(logits, 2, True, x.dtype)
+    normed = reference.rms_norm(x, norm, 1e-6)
+    plain = reference.fused_moe_int4_decode(normed, w13, w2, weights, ids, s13, s2, z13, z2)
+    _close(want, plain, torch.float32)

@@ -439,6 +439,7 @@ def fused_moe_decode_routed(
     w2_bias: torch.Tensor | None = None,
     swiglu: tuple[float, float] | None = None,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    int4_zeros: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """See reference.fused_moe_decode_routed: the norm and the routing inside the gate_up
     launch (two launches in all, where rms_norm, moe_route and the experts took four)."""
@@ -453,7 +454,7 @@ def fused_moe_decode_routed(
     return fused_moe_decode_tiled(
         x, w13, w2, weights, ids, w13_scale, w2_scale, None, w13_bias=w13_bias,
         w2_bias=w2_bias, swiglu=swiglu, route=(router_logits.contiguous(), renormalize),
-        norm=None if norm_weight is None else (norm_weight, eps), shared=shared,
+        norm=None if norm_weight is None else (norm_weight, eps), shared=shared, int4=int4_zeros,
     )  # fmt: skip
 
 
