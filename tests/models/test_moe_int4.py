@@ -232,3 +232,12 @@ def test_dummy_int4_experts_run_at_their_dummy_scales(source) -> None:
     assert torch.all(experts.w13_weight_scales == experts.w13_weight_scales.flatten()[0])
     assert torch.all(experts.w2_weight_zeros == 8)
     assert len(_tokens(llm, PROMPTS[:1])[0]) == TOKENS
+
+
+def test_kiln_build_int4_refuses_a_mixture_of_experts_by_name(source, tmp_path) -> None:
+    from kiln.builder.build import BuildOptions, build_engine
+    from kiln.errors import BuildError
+
+    options = BuildOptions(quantization="int4-gptq", accuracy_check=False, max_model_len=256)
+    with pytest.raises(BuildError, match="mixture-of-experts experts to INT4"):
+        build_engine(str(source), str(tmp_path / "engine"), options, None)
