@@ -76,15 +76,24 @@ def _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn):
 
 
 @triton.jit
-def _int4_weights(rows, scale_ptr, zero_ptr, expert, cols, ks, mask, stride_se, stride_sn,
-                  GROUP: tl.constexpr):  # fmt: skip
-    """[len(cols), len(ks)] fp32: (code - zero) * scale of INT4 weights (kiln's layout: input k
-    at bits 4 (k % 8) of word k // 8 of its row; its group's scale and zero, k // GROUP)."""
-    words = tl.load(rows + (ks // 8)[None, :], mask=mask, other=0)
-    codes = ((words >> ((ks % 8) * 4)[None, :]) & 0xF).to(tl.float32)
-    at = expert * stride_se + cols[:, None].to(tl.int64) * stride_sn + (ks // GROUP)[None, :]
+def _int4_dot(rows, scale_ptr, zero_ptr, expert, cols, col_mask, k0, K, xk, stride_se,
+              stride_sn, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """[len(cols)] fp32: the rows' INT4 weights of inputs k0 .. k0 + BLOCK_K times xk
+    ([BLOCK_K] fp32). kiln's layout: input k at bits 4 (k % 8) of word k // 8 of its row, its
+    group's scale and zero k // GROUP (a multiple of 8, so one a word): each word and scale is
+    loaded once and its 8 codes unpacked in registers as a [rows, words, 8] tile."""
+    words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    mask = col_mask[:, None] & (words_k < K // 8)[None, :]
+    words = tl.load(rows + words_k[None, :], mask=mask, other=0)
+    at = expert * stride_se + cols[:, None].to(tl.int64) * stride_sn
+    at += (words_k * 8 // GROUP)[None, :]
     scale = tl.load(scale_ptr + at, mask=mask, other=0.0)
-    return (codes - tl.load(zero_ptr + at, mask=mask, other=0.0)) * scale
+    zero = tl.load(zero_ptr + at, mask=mask, other=0.0)
+    shifts = tl.arange(0, 8) * 4
+    codes = ((words[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32)
+    w = (codes - zero[:, :, None]) * scale[:, :, None]
+    x3 = tl.reshape(xk, (BLOCK_K // 8, 8))
+    return tl.sum(tl.sum(w * x3[None, :, :], axis=2), axis=1)
 
 
 @triton.jit
@@ -163,18 +172,18 @@ def _gate_up_act_kernel(
             xk = xk * tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
         mask = col_mask[:, None] & k_mask[None, :]
         if INT4:  # only this pair's expert's words are read, a quarter of 16-bit's bytes
-            g = _int4_weights(gate_rows, scale_ptr, zero_ptr, expert, cols, ks, mask, stride_se,
-                              stride_sn, GROUP)  # fmt: skip
-            u = _int4_weights(up_rows, scale_ptr, zero_ptr, expert, cols + N, ks, mask,
-                              stride_se, stride_sn, GROUP)  # fmt: skip
+            gate += _int4_dot(gate_rows, scale_ptr, zero_ptr, expert, cols, col_mask, k0, K, xk,
+                              stride_se, stride_sn, GROUP, BLOCK_K)  # fmt: skip
+            up += _int4_dot(up_rows, scale_ptr, zero_ptr, expert, cols + N, col_mask, k0, K, xk,
+                            stride_se, stride_sn, GROUP, BLOCK_K)  # fmt: skip
         else:
             g = tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
             u = tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-        if BLOCK_SCALED:  # the norm's rsqrt, one scalar a row, still commutes with these
-            g *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
-            u *= _block_scales(scale_ptr, expert, cols + N, ks, mask, stride_se, stride_sn)
-        gate += tl.sum(g * xk[None, :], axis=1)
-        up += tl.sum(u * xk[None, :], axis=1)
+            if BLOCK_SCALED:  # the norm's rsqrt, one scalar a row, still commutes with these
+                g *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
+                u *= _block_scales(scale_ptr, expert, cols + N, ks, mask, stride_se, stride_sn)
+            gate += tl.sum(g * xk[None, :], axis=1)
+            up += tl.sum(u * xk[None, :], axis=1)
     if NORMED:
         rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
         gate *= rstd
@@ -245,13 +254,13 @@ def _down_kernel(
         hk = tl.load(h_ptr + pair * stride_h + ks, mask=k_mask, other=0.0).to(tl.float32)
         mask = col_mask[:, None] & k_mask[None, :]
         if INT4:
-            w = _int4_weights(rows, scale_ptr, zero_ptr, expert, cols, ks, mask, stride_se,
-                              stride_sn, GROUP)  # fmt: skip
+            down += _int4_dot(rows, scale_ptr, zero_ptr, expert, cols, col_mask, k0, K, hk,
+                              stride_se, stride_sn, GROUP, BLOCK_K)  # fmt: skip
         else:
             w = tl.load(rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-        if BLOCK_SCALED:
-            w *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
-        down += tl.sum(w * hk[None, :], axis=1)
+            if BLOCK_SCALED:
+                w *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
+            down += tl.sum(w * hk[None, :], axis=1)
     if SCALED and not BLOCK_SCALED:
         down *= tl.load(scale_ptr + expert * stride_se + cols * stride_sn, mask=col_mask, other=0.0)
     if HAS_BIAS:
@@ -306,7 +315,8 @@ def _down_sum_kernel(
     # loaded stages ahead too) while this one's last steps are summed.
     for i in tl.range(0, top_k * k_steps, num_stages=NUM_STAGES):
         slot = i // k_steps
-        ks = (i - slot * k_steps) * BLOCK_K + tl.arange(0, BLOCK_K)
+        k0 = (i - slot * k_steps) * BLOCK_K
+        ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         pair = token * top_k + slot
         expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -314,13 +324,13 @@ def _down_sum_kernel(
         rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
         mask = col_mask[:, None] & k_mask[None, :]
         if INT4:
-            w = _int4_weights(rows, scale_ptr, zero_ptr, expert, cols, ks, mask, stride_se,
-                              stride_sn, GROUP)  # fmt: skip
+            part = _int4_dot(rows, scale_ptr, zero_ptr, expert, cols, col_mask, k0, K, hk,
+                             stride_se, stride_sn, GROUP, BLOCK_K)  # fmt: skip
         else:
             w = tl.load(rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-        if BLOCK_SCALED:
-            w *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
-        part = tl.sum(w * hk[None, :], axis=1)
+            if BLOCK_SCALED:
+                w *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
+            part = tl.sum(w * hk[None, :], axis=1)
         if SCALED and not BLOCK_SCALED:
             scales = scale_ptr + expert * stride_se + cols * stride_sn
             part *= tl.load(scales, mask=col_mask, other=0.0)
