@@ -44,6 +44,8 @@ QWEN3_MOE = dict(hidden_size=128, num_experts=4, num_experts_per_tok=2, moe_inte
 MIXTRAL = dict(hidden_size=128, intermediate_size=128, num_local_experts=4,
                num_experts_per_tok=2, num_hidden_layers=2, head_dim=32, num_attention_heads=4,
                num_key_value_heads=2)  # fmt: skip
+QWEN2_MOE = dict(QWEN3_MOE, shared_expert_intermediate_size=128)
+QWEN2_MOE.pop("head_dim")
 # format -> (group size, symmetric)
 FORMATS = {"gptq": (128, True), "awq": (64, False), "ct": (128, True), "ct_asym": (32, False),
            "gptq_g32": (32, False)}  # fmt: skip
@@ -185,6 +187,22 @@ def test_mixtral_int4_experts_load_by_their_w1_w2_w3_names(tmp_path) -> None:
     llm = LLM(str(tmp_path / "awq"), **ARGS)
     experts = llm.engine.executor.runner.model.layers[1].mlp.experts
     assert isinstance(experts.method, Int4MoEMethod)
+    assert _tokens(llm, PROMPTS) == want
+
+
+def test_qwen2_moe_int4_experts_beside_an_int4_shared_expert(tmp_path) -> None:
+    """Qwen2-MoE: its shared expert a dense INT4 MLP, its gate left in the model dtype."""
+    from transformers import AutoModelForCausalLM
+
+    source = tmp_path / "qwen2_moe"
+    save_tiny_hf(str(source), "qwen2_moe", "Qwen2MoeForCausalLM", **QWEN2_MOE)
+    plain = write_int4(source, tmp_path / "ct_asym", "ct_asym")
+    hf = AutoModelForCausalLM.from_pretrained(str(plain), dtype=torch.float32).eval()
+    want = [hf_greedy_tokens(hf, p)[:TOKENS] for p in PROMPTS]
+    llm = LLM(str(tmp_path / "ct_asym"), **ARGS)
+    mlp = llm.engine.executor.runner.model.layers[0].mlp
+    assert isinstance(mlp.experts.method, Int4MoEMethod)
+    assert mlp.shared_expert.down_proj.weight.dtype == torch.int32
     assert _tokens(llm, PROMPTS) == want
 
 
