@@ -35,12 +35,19 @@ def _experts(rows: int, cols: int, group: int, gen: torch.Generator):
     return words.to(torch.int32), scales, zeros
 
 
-def _case(num_tokens: int, top_k: int, dtype: torch.dtype, remote: bool = False):
+def _case(
+    num_tokens: int,
+    top_k: int,
+    dtype: torch.dtype,
+    remote: bool = False,
+    shape: tuple[int, int, int, int] = (HIDDEN, INTER, 16, 8),  # hidden, inter, their groups
+):
     """fused_moe_int4's arguments; `remote`: some ids -1 (another rank's experts)."""
+    hidden, inter, group13, group2 = shape
     gen = torch.Generator().manual_seed(num_tokens * 10 + top_k)
-    x = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype)
-    w13, s13, z13 = _experts(2 * INTER, HIDDEN, 16, gen)
-    w2, s2, z2 = _experts(HIDDEN, INTER, 8, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    w13, s13, z13 = _experts(2 * inter, hidden, group13, gen)
+    w2, s2, z2 = _experts(hidden, inter, group2, gen)
     ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:top_k] for _ in range(num_tokens)])
     if remote:
         ids[::3, 0] = -1
@@ -77,10 +84,13 @@ def test_int4_decode_split_down_variant_equals_the_twin() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("remote", [False, True])
-def test_int4_grouped_gemm_equals_its_twin(dtype, remote) -> None:
-    args = _case(21, 2, dtype, remote)
+# Groups narrower than the interpreter's 32-input tile (a scale per input), and as wide or
+# wider (one a column); 72 inputs leave the last tile partial.
+@pytest.mark.parametrize("shape", [(HIDDEN, INTER, 16, 8), (96, 72, 32, 8), (64, 64, 64, 32)])
+def test_int4_grouped_gemm_equals_its_twin(dtype, remote, shape) -> None:
+    args = _case(21, 2, dtype, remote, shape)
     got = fused_moe.fused_moe_int4(*args)
-    assert got.dtype == dtype and got.shape == (21, HIDDEN)
+    assert got.dtype == dtype and got.shape == (21, shape[0])
     _close(got, reference.fused_moe_int4(*args), dtype)
 
 

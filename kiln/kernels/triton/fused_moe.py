@@ -132,13 +132,24 @@ def _grouped_gemm_kernel(
         w_mask = (cols[None, :] < N) & (ks[:, None] < K)
         w_rows = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
         if INT4:  # the tile's codes widened in registers: (code - zero) * scale in a's dtype
-            words = tl.load(w_rows + (ks // 8)[:, None], mask=w_mask, other=0)
+            # Each word loaded once and fanned out to its 8 codes (int4_gemm's tile).
+            words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            words_mask = (cols[None, :] < N) & (words_k < K // 8)[:, None]
+            words = tl.load(w_rows + words_k[:, None], mask=words_mask, other=0)
+            words = tl.reshape(tl.broadcast_to(words[:, None, :], (BLOCK_K // 8, 8, BLOCK_N)),
+                               (BLOCK_K, BLOCK_N))  # fmt: skip
             codes = ((words >> ((ks % 8) * 4)[:, None]) & 0xF).to(tl.float32)
-            at = (
-                expert * stride_se + cols[None, :].to(tl.int64) * stride_sn + (ks // GROUP)[:, None]
-            )
-            zero = tl.load(zero_ptr + at, mask=w_mask, other=0.0)
-            w = ((codes - zero) * tl.load(scale_ptr + at, mask=w_mask, other=0.0)).to(a.dtype)
+            at = expert * stride_se + cols[None, :].to(tl.int64) * stride_sn
+            if GROUP % BLOCK_K == 0:  # the tile within one group: a scale and zero a column
+                at += k0 // GROUP
+                col_mask = cols[None, :] < N
+                zero = tl.load(zero_ptr + at, mask=col_mask, other=0.0)
+                scale = tl.load(scale_ptr + at, mask=col_mask, other=0.0)
+            else:
+                at += (ks // GROUP)[:, None]
+                zero = tl.load(zero_ptr + at, mask=w_mask, other=0.0)
+                scale = tl.load(scale_ptr + at, mask=w_mask, other=0.0)
+            w = ((codes - zero) * scale).to(a.dtype)
         else:  # [BLOCK_K, BLOCK_N]: the expert's rows `cols`, transposed
             w = tl.load(w_rows + ks[:, None], mask=w_mask, other=0.0)
         if INTERPRETED:
