@@ -259,3 +259,36 @@ def test_kiln_build_int4_refuses_a_mixture_of_experts_by_name(source, tmp_path) 
     options = BuildOptions(quantization="int4-gptq", accuracy_check=False, max_model_len=256)
     with pytest.raises(BuildError, match="mixture-of-experts experts to INT4"):
         build_engine(str(source), str(tmp_path / "engine"), options, None)
+
+
+def test_llm_compressors_own_w4a16_moe_checkpoint(tmp_path) -> None:
+    """llm-compressor 0.14's `oneshot` W4A16 on a tiny Qwen3-MoE (routers left out, a dense layer
+    between sparse ones: tests/data/moe_fp8_checkpoints/make.py), dequantized here as the
+    dense INT4 tests read compressed-tensors' layout (checked there against compressed-tensors'
+    own dequantize)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.checkpoint.test_int4_checkpoints import _dequantize
+
+    data = Path(__file__).parents[1] / "data" / "moe_fp8_checkpoints" / "ct_w4a16"
+    with safe_open(str(data / "model.safetensors"), framework="pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    plain = {}
+    for key, value in state.items():
+        if key.endswith("weight_packed"):
+            prefix = key.removesuffix(".weight_packed")
+            plain[f"{prefix}.weight"] = _dequantize("ct_w4a16", state, prefix, {})
+        elif value.is_floating_point() and not key.endswith("weight_scale"):
+            plain[key] = value.float()
+    out = tmp_path / "dequantized"
+    out.mkdir()
+    save_file(plain, str(out / "model.safetensors"))
+    config = json.loads((data / "config.json").read_text())
+    config.pop("quantization_config")
+    (out / "config.json").write_text(json.dumps({**config, "dtype": "float32"}))
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    want = [hf_greedy_tokens(hf, p)[:TOKENS] for p in PROMPTS]
+    llm = LLM(str(data), **ARGS)
+    experts = llm.engine.executor.runner.model.layers[2].mlp.experts
+    assert isinstance(experts.method, Int4MoEMethod) and not experts.method.needs_zeros
+    assert _tokens(llm, PROMPTS) == want
