@@ -61,8 +61,8 @@ class SparseMoeBlock(nn.Module):
     that pick the experts), `experts`, and with cfg.shared_expert_intermediate_size a
     `shared_expert` (a GatedMLP, by the projections' method) scaled by
     sigmoid(`shared_expert_gate`(x)). The experts are float8 under an FP8 quantization
-    (kiln.layers.moe.Fp8MoEMethod; fp8-block: kiln.layers.moe_fp8_block), else in the model
-    dtype."""
+    (kiln.layers.moe.Fp8MoEMethod; fp8-block: kiln.layers.moe_fp8_block), INT4 under an INT4
+    checkpoint's (kiln.layers.moe_int4), else in the model dtype."""
 
     def __init__(
         self,
