@@ -12,6 +12,10 @@ experts, top-8, hidden 2048, expert width 768; tokens routed uniformly at random
   rotate over 16 routings, so the experts one call reads are mostly not in L2 from the last.
   Also the block after its router: rms_norm + moe_route + fused_moe_decode (norm_route_decode)
   against fused_moe_decode_routed (decode_routed: the norm and routing inside its kernels).
+- moe_int4: INT4 W4A16 experts (random codes, groups of 128, scales and zeros): the grouped
+  GEMM dequantizing its tiles (fused_moe_int4) at the prefill's tokens in TFLOP/s, and the
+  decode GEMVs (fused_moe_int4_decode) at batch 1, 4 and 16 in GB/s of the distinct experts'
+  packed words, scales and zeros.
 - moe_route: the fused router against the reference's five launches, at 1 and 16 tokens."""
 
 from __future__ import annotations
@@ -200,9 +204,64 @@ def moe_rows(s: MoeShapes, device: torch.device, gen: torch.Generator, record: C
                        max_abs_err=_err(moe_decode.fused_moe_decode_tiled(*all_args[0], tiles),
                                         want))  # fmt: skip
 
+    int4_rows(s, x, weights, ids, device, gen, record)
+
     # --- the router -------------------------------------------------------------------------
     for batch in (1, 16):
         logits = torch.randn(batch, s.num_experts, generator=gen, device=device).to(s.dtype)
         for impl, ops in (("triton", triton_ops), ("reference", reference)):
             record("moe_route", f"tokens={batch} E={s.num_experts}", impl,
                    [lambda o=ops, z=logits: o.moe_route(z, s.top_k, True, s.dtype)])  # fmt: skip
+
+
+def _int4_experts(s: MoeShapes, gen: torch.Generator, device: torch.device):
+    """Random INT4 experts: packed codes, group scales about the dense INT4's dummy one, zeros."""
+    group = 128 if s.hidden % 128 == 0 and s.inter % 128 == 0 else 16
+
+    def one(rows: int, cols: int):
+        words = torch.randint(-(2**31), 2**31 - 1, (s.num_experts, rows, cols // 8),
+                              generator=gen, device=device, dtype=torch.int32)  # fmt: skip
+        shape = (s.num_experts, rows, cols // group)
+        scales = torch.rand(shape, generator=gen, device=device) * 0.002 + 0.002
+        zeros = torch.randint(0, 16, shape, generator=gen, device=device).float()
+        return words, scales, zeros
+
+    (w13, s13, z13), (w2, s2, z2) = one(2 * s.inter, s.hidden), one(s.hidden, s.inter)
+    return (w13, w2, s13, s2, z13, z2), group
+
+
+def int4_rows(
+    s: MoeShapes,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    device: torch.device,
+    gen: torch.Generator,
+    record: Callable,
+) -> None:
+    """The moe_int4 rows (the module docstring)."""
+    from kiln.kernels import reference
+    from kiln.kernels import triton as triton_ops
+
+    (w13, w2, s13, s2, z13, z2), group = _int4_experts(s, gen, device)
+    quant = (s13, s2, z13, z2)
+    pairs = x.shape[0] * s.top_k
+    flops = 2 * pairs * 3 * s.inter * s.hidden
+    args = (x, w13, w2, weights, ids, *quant)
+    err = _err(triton_ops.fused_moe_int4(*args), reference.fused_moe_int4(*args))
+    record("moe_int4", f"tokens={x.shape[0]} E={s.num_experts} k={s.top_k} g={group}",
+           "grouped", [lambda: triton_ops.fused_moe_int4(*args)], flops=flops,
+           max_abs_err=err)  # fmt: skip
+    scale_bytes = 8 * (2 * s.inter * s.hidden + s.hidden * s.inter) // group
+    per_expert = 3 * s.hidden * s.inter // 2 + scale_bytes
+    for batch in s.decode_batches:
+        xs = torch.randn(batch, s.hidden, generator=gen, device=device).to(s.dtype)
+        routings = [_routing(batch, s, gen, device) for _ in range(16)]
+        distinct = sum(r[1].unique().numel() for r in routings) / len(routings)
+        all_args = [(xs, w13, w2, w, i, *quant) for w, i in routings]
+        want = reference.fused_moe_int4_decode(*all_args[0])
+        for impl, fn in (("decode", triton_ops.fused_moe_int4_decode),
+                         ("grouped", triton_ops.fused_moe_int4)):  # fmt: skip
+            record("moe_int4", f"batch={batch} g={group}", impl,
+                   [lambda f=fn, a=a: f(*a) for a in all_args], bytes=distinct * per_expert,
+                   max_abs_err=_err(fn(*all_args[0]), want))  # fmt: skip

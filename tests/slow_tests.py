@@ -73,6 +73,9 @@ _BY_FILE = {
         "test_the_gpus_tiles_equal_the_twin",
         "test_decode_reads_block_scales_as_its_twin",
     ),
+    "tests/kernels/test_moe_int4.py": (  # 14 s: interpreted INT4 decode GEMVs
+        "test_int4_decode_kernels_equal_their_twin",
+    ),
     "tests/kernels/test_triton_kernels.py": (  # 29 s
         "test_decode_attention",
         "test_decode_attention_fp8_cache",
@@ -96,6 +99,9 @@ _BY_FILE = {
         "test_a_quantized_router_is_widened",
         "test_fp8_block_quantizes_the_experts_of_a_full_precision_checkpoint",
         "test_a_mixtral_release_with_one_block_per_expert",
+    ),
+    "tests/models/test_moe_int4.py": (  # 14 s: 5 INT4 checkpoints, transformers' oracle
+        "test_int4_moe_checkpoint_generates_the_dequantized_models_tokens",
     ),
     "tests/models/test_long_context.py": (  # 32 s
         "test_long_prompt_chunked_equals_hf_and_one_chunk",

@@ -66,6 +66,11 @@ def round_int4(
         raise BuildError(f'quantization "{quantization}" calibrates on text: no tokenizer')
     runner = _source_runner(llm)
     model = runner.model
+    if model.config.num_experts:
+        raise BuildError(
+            f"{quantization}: kiln build does not round mixture-of-experts experts to INT4 yet; "
+            "load a GPTQ / AWQ / compressed-tensors INT4 MoE checkpoint as it is"
+        )
     group = group_size(model.config)
     batches = calibration_batches(llm, text, SEQUENTIAL_WINDOWS)
     if quantization == "int4-gptq":

@@ -11,6 +11,7 @@ act-order; the layer reorders its inputs after loading).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,9 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column at bits 4i of an AutoAWQ GEMM
 _PROJ_SUFFIXES = ("_proj.qweight", "_proj.qzeros", "_proj.scales", "_proj.g_idx",
                   "_proj.weight_packed", "_proj.weight_scale", "_proj.weight_zero_point",
                   "_proj.weight_g_idx", "_proj.weight_shape")  # fmt: skip
+_PROJ_SUFFIXES_BARE = tuple(suffix.removeprefix("_proj") for suffix in _PROJ_SUFFIXES)
+# Mixtral's experts name their projections w1 / w2 / w3 (no "_proj").
+_MIXTRAL_EXPERT_RE = re.compile(r"\.experts\.\d+\.w[123]\.[a-z_]+$")
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,9 @@ def int4_tensors(
     """The checkpoint's tensors with each projection's INT4 ones in kiln's layout (the module
     docstring); every other tensor as it is."""
     for name, tensor in weights:
-        if not name.endswith(_PROJ_SUFFIXES):
+        if not name.endswith(_PROJ_SUFFIXES) and not (
+            _MIXTRAL_EXPERT_RE.search(name) and name.endswith(_PROJ_SUFFIXES_BARE)
+        ):
             yield name, tensor
             continue
         prefix, kind = name.rsplit(".", 1)

@@ -1257,6 +1257,8 @@ def fused_moe_decode_routed(
     w2_bias: torch.Tensor | None = None,
     swiglu: tuple[float, float] | None = None,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([T, hidden], [T, 1] logits)
+    int4_zeros: tuple[torch.Tensor, torch.Tensor] | None = None,  # INT4 experts' (w13, w2)
+    # zero points: w13 / w2 are packed codes and w13_scale / w2_scale their group scales
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """A decode step's MoE block after its router: rms_norm(x) run through the experts
     moe_route picks from `router_logits` (fused_moe_decode), plus, with `shared` (Qwen2-MoE:
@@ -1266,7 +1268,13 @@ def fused_moe_decode_routed(
     within a rounding of the normed input)."""
     normed = x if norm_weight is None else rms_norm(x, norm_weight, eps)
     weights, ids = moe_route(router_logits, top_k, renormalize, x.dtype)
-    out = _decode_sum(normed, w13, w2, weights, ids, w13_scale, w2_scale, w13_bias, w2_bias, swiglu)
+    if int4_zeros is not None:  # fused_moe_int4_decode's
+        assert w13_scale is not None and w2_scale is not None, "INT4 experts need their scales"
+        out = _int4_decode_sum(normed, w13, w2, weights, ids, w13_scale, w2_scale, *int4_zeros)
+    else:
+        out = _decode_sum(
+            normed, w13, w2, weights, ids, w13_scale, w2_scale, w13_bias, w2_bias, swiglu
+        )
     if shared is not None:
         out = out + torch.sigmoid(shared[1].float()) * shared[0].float()
     return out.to(x.dtype)
@@ -1305,6 +1313,88 @@ def _expert_linear(
     if b is not None:
         product = product + b.float()
     return product.to(x.dtype)
+
+
+def dequantize_int4_experts(
+    qweight: torch.Tensor,  # [E, N, K / 8] int32: each expert's packed codes (kiln's layout)
+    scales: torch.Tensor,  # [E, N, K / group_size] fp32
+    zeros: torch.Tensor,  # [E, N, K / group_size] fp32, in code units
+) -> torch.Tensor:  # [E, N, K] fp32
+    """dequantize_int4 of each expert: (code - zero) * scale, input k in group k // group_size."""
+    codes = unpack_int4(qweight).float()
+    group_size = codes.shape[-1] // scales.shape[-1]
+    s = scales.float().repeat_interleave(group_size, dim=-1)
+    return (codes - zeros.float().repeat_interleave(group_size, dim=-1)) * s
+
+
+def fused_moe_int4(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden / 8] int32: [gate; up] rows' codes
+    w2: torch.Tensor,  # [num_experts, hidden, inter / 8] int32
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int (-1: another rank's expert)
+    w13_scale: torch.Tensor,  # [num_experts, 2 * inter, hidden / group_size] fp32
+    w2_scale: torch.Tensor,  # [num_experts, hidden, inter / group_size] fp32
+    w13_zero: torch.Tensor,  # as w13_scale, zero points in code units (8: symmetric)
+    w2_zero: torch.Tensor,  # as w2_scale
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """W4A16 experts for a step of many tokens (prefill): fused_moe on the experts the step
+    touches, each dequantized (dequantize_int4_experts) and rounded to x's dtype, as
+    int4_linear's dot products take its weights."""
+    num_experts = w13.shape[0]
+    touched = torch.unique(topk_ids)
+    touched = touched[(touched >= 0) & (touched < num_experts)].long()
+    index = torch.full((num_experts,), -1, dtype=torch.long, device=x.device)
+    index[touched] = torch.arange(touched.numel(), device=x.device)
+    local = topk_ids.long()
+    ids = torch.where(
+        (local >= 0) & (local < num_experts), index[local.clamp(0, num_experts - 1)], -1
+    )
+    w13d = dequantize_int4_experts(w13[touched], w13_scale[touched], w13_zero[touched])
+    w2d = dequantize_int4_experts(w2[touched], w2_scale[touched], w2_zero[touched])
+    return fused_moe(x, w13d.to(x.dtype), w2d.to(x.dtype), topk_weights, ids)
+
+
+def fused_moe_int4_decode(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # as fused_moe_int4's
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,  # [num_tokens, top_k]: this rank's experts only
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w13_zero: torch.Tensor,
+    w2_zero: torch.Tensor,
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """fused_moe_decode on W4A16 experts: each (token, slot)'s chosen expert only, its codes
+    dequantized in fp32 ((code - zero) * scale, as the GEMVs do in registers), gate_up rounded
+    to x's dtype, SiLU(gate) * up, the down products weighted and summed in fp32 in slot
+    order, rounded once."""
+    args = (w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, w13_zero, w2_zero)
+    return _int4_decode_sum(x, *args).to(x.dtype)
+
+
+def _int4_decode_sum(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w13_zero: torch.Tensor,
+    w2_zero: torch.Tensor,
+) -> torch.Tensor:  # [num_tokens, hidden] fp32: fused_moe_int4_decode before its rounding
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for slot in range(topk_ids.shape[1]):
+        ids = topk_ids[:, slot].long()
+        rows = dequantize_int4_experts(w13[ids], w13_scale[ids], w13_zero[ids])
+        gate_up = torch.bmm(rows, x.float()[:, :, None])[:, :, 0].to(x.dtype)
+        act = silu_and_mul(gate_up)
+        rows = dequantize_int4_experts(w2[ids], w2_scale[ids], w2_zero[ids])
+        down = torch.bmm(rows, act.float()[:, :, None])[:, :, 0]
+        out += down * topk_weights[:, slot, None].float()
+    return out
 
 
 def clamped_swiglu(

@@ -79,6 +79,11 @@ class MoEMethod(ABC):
     def expert_weights(self, layer: FusedMoE) -> ExpertWeights:
         """(w13, w2, w13_scale, w2_scale) as the experts' kernels take them (no scales: None)."""
 
+    def expert_zeros(self, layer: FusedMoE) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """INT4 experts' (w13, w2) zero points (expert_weights then holds codes and group
+        scales); None for float experts."""
+        return None
+
     @abstractmethod
     def apply(
         self,
@@ -207,6 +212,10 @@ class FusedMoE(nn.Module):
     w2_weight: torch.Tensor
     w13_weight_scale: torch.Tensor  # float8 methods' [E], [E, rows] or [E, rows, K / 128] fp32
     w2_weight_scale: torch.Tensor
+    w13_weight_scales: torch.Tensor  # INT4 experts' [E, rows, groups] fp32 (moe_int4.py)
+    w2_weight_scales: torch.Tensor
+    w13_weight_zeros: torch.Tensor
+    w2_weight_zeros: torch.Tensor
     w13_bias: torch.Tensor  # with `bias`: [num_experts, 2 * inter], model dtype
     w2_bias: torch.Tensor  # [num_experts, hidden]
     e_score_correction_bias: torch.Tensor  # with `grouped`: [all experts] fp32
@@ -280,6 +289,7 @@ class FusedMoE(nn.Module):
         return ops.fused_moe_decode_routed(
             x, norm_weight, eps, router_logits, self.top_k, self.renormalize,
             *self.method.expert_weights(self), w13_bias, w2_bias, swiglu, shared,
+            self.method.expert_zeros(self),
         )  # fmt: skip
 
     def extra_repr(self) -> str:

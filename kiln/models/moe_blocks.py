@@ -26,9 +26,11 @@ from kiln.layers.moe import (
     quantize_experts_fp8,
 )
 from kiln.layers.moe_fp8_block import Fp8BlockMoEMethod, quantize_experts_fp8_block
+from kiln.layers.moe_int4 import Int4MoEMethod
 from kiln.layers.moe_parallel import rank_shard
 from kiln.layers.quantization.fp8 import Fp8LinearMethod
 from kiln.layers.quantization.fp8_block import Fp8BlockLinearMethod, rows_of
+from kiln.layers.quantization.int4 import Int4LinearMethod
 from kiln.models.blocks import GatedMLP, LinearMethodFactory, norm_then_project
 from kiln.models.config import ModelConfig
 from kiln.models.moe_config import PER_CHANNEL_EXPERTS
@@ -38,8 +40,17 @@ from kiln.models.moe_config import PER_CHANNEL_EXPERTS
 # Mixtral-named release's, which eight_bit_tensors leaves as it is)>
 _EXPERT_RE = re.compile(
     r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\."
-    r"(weight|weight_scales?|weight_scale_inv)$"
+    r"(weight|weight_scales?|weight_scale_inv|weight_zeros)$"
 )
+# An INT4 expert projection's input groups (kiln.checkpoint.int4_formats' weight_g_idx).
+_EXPERT_G_IDX_RE = re.compile(
+    r"^model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.\d+\.\w+\.weight_g_idx$"
+)
+# A checkpoint tensor's suffix -> the suffix of the stacked parameter it loads into: float8
+# experts' scales (any of their names) into <param>_scale; INT4 experts' (Int4MoEMethod).
+_FLOAT8_SUFFIXES = {"weight": "", "weight_scale": "_scale", "weight_scales": "_scale",
+                    "weight_scale_inv": "_scale"}  # fmt: skip
+INT4_SUFFIXES = {"weight": "", "weight_scales": "_scales", "weight_zeros": "_zeros"}
 
 
 _STACKED_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(w13_\w+|w2_\w+)$")
@@ -51,8 +62,8 @@ class SparseMoeBlock(nn.Module):
     with cfg.shared_expert_intermediate_size a `shared_expert` (a GatedMLP, by the projections'
     method) scaled by sigmoid(`shared_expert_gate`(x)), or added as it is
     (cfg.shared_expert_gated False: GLM). The experts are float8 under an FP8 quantization
-    (kiln.layers.moe.Fp8MoEMethod; fp8-block: kiln.layers.moe_fp8_block), else in the model
-    dtype."""
+    (kiln.layers.moe.Fp8MoEMethod; fp8-block: kiln.layers.moe_fp8_block), INT4 under an INT4
+    checkpoint's (kiln.layers.moe_int4), else in the model dtype."""
 
     def __init__(
         self,
@@ -153,6 +164,8 @@ def _experts_method(method: LinearMethodFactory, name: str, per_channel: bool) -
         return Fp8MoEMethod(per_channel)
     if isinstance(linear, Fp8BlockLinearMethod):
         return Fp8BlockMoEMethod()
+    if isinstance(linear, Int4LinearMethod):  # a pre-quantized INT4 checkpoint's, or dummy
+        return Int4MoEMethod(linear.group_size, linear.needs_zeros)
     return UnquantizedMoEMethod()
 
 
@@ -166,6 +179,7 @@ def stack_expert_weights(
     num_experts: int,
     parts: Mapping[str, tuple[str, int]],
     keep: KeepExpert | None = None,
+    suffixes: Mapping[str, str] = _FLOAT8_SUFFIXES,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with each layer's per-expert projections stacked into the
     experts' parameters: `parts` maps a projection's HF name ("w1", "gate_proj") to (the
@@ -173,23 +187,24 @@ def stack_expert_weights(
     model.layers.L.mlp.experts.<parameter> once every expert's blocks have come. `keep` (TP/EP:
     an ExpertShard's cut) takes each expert's whole tensor as soon as it is complete, so a rank
     holds only its part of the layer's experts; None keeps it whole. Other tensors pass
-    through."""
+    through. `suffixes`: which stacked parameter each tensor of a projection loads into
+    (its weight, <param>; its scales, <param>_scale; INT4's: INT4_SUFFIXES)."""
     blocks_of = {param: 1 + max(b for p, b in parts.values() if p == param) for param, _ in
                  parts.values()}  # fmt: skip
-    blocks_of.update({f"{param}_scale": count for param, count in list(blocks_of.items())})
+    blocks_of.update({f"{param}{suffix}": count for param, count in list(blocks_of.items())
+                      for suffix in set(suffixes.values())})  # fmt: skip
     pending: dict[tuple[int, str], dict[tuple[int, int], torch.Tensor]] = {}
     kept: dict[tuple[int, str], dict[int, list[tuple[str, torch.Tensor]]]] = {}
     for name, tensor in weights:
         match = _EXPERT_RE.match(name)
-        if match is None or match.group(3) not in parts:
+        if match is None or match.group(3) not in parts or match.group(4) not in suffixes:
             yield name, tensor
             continue
         layer, expert = int(match.group(1)), int(match.group(2))
         if not 0 <= expert < num_experts:
             raise ModelLoadError(f"{name!r}: expert {expert} of a {num_experts}-expert model")
         param, block = parts[match.group(3)]
-        if match.group(4) != "weight":  # a scale, by rows (expert_scale_rows), stacked alike
-            param = f"{param}_scale"
+        param += suffixes[match.group(4)]  # a scale: by rows (expert_scale_rows), stacked alike
         got = pending.setdefault((layer, param), {})
         got[(expert, block)] = tensor
         if any((expert, b) not in got for b in range(blocks_of[param])):
@@ -244,6 +259,10 @@ def adapt_expert_weights(
             quantize = quantize_experts_fp8_block if block else quantize_experts_fp8
         return module.shard.keep(param, expert, whole, quantize)
 
+    if any(isinstance(m.method, Int4MoEMethod) for m in layers.values()):  # one rank (TP/EP
+        # refused by the method): the checkpoint's layout stacked as it is
+        int4 = _plain_g_idx(weights, layers)
+        return stack_expert_weights(int4, num_experts, parts, suffixes=INT4_SUFFIXES)
     weights = expert_scale_rows(weights, layers, parts)
     if not any(m.shard is not None for m in layers.values()):  # one rank: whole experts
         return quantize_float8_experts(stack_expert_weights(weights, num_experts, parts), params)
@@ -281,6 +300,27 @@ def expert_scale_rows(
             yield name, tensor.float().reshape(()).expand(rows).clone()
         else:
             yield name, tensor.float().reshape(-1)
+
+
+def _plain_g_idx(
+    weights: Iterable[tuple[str, torch.Tensor]], layers: Mapping[int, FusedMoE]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors without its INT4 experts' g_idx, each checked to put input k
+    in group k // group_size (GPTQ without desc_act: the experts' kernels read groups in input
+    order); act-order experts are refused."""
+    group = next(
+        m.method.group_size for m in layers.values() if isinstance(m.method, Int4MoEMethod)
+    )
+    for name, tensor in weights:
+        if _EXPERT_G_IDX_RE.match(name) is None:
+            yield name, tensor
+            continue
+        plain = torch.arange(tensor.numel(), device=tensor.device) // (group or tensor.numel())
+        if not torch.equal(tensor.long().reshape(-1), plain):
+            raise ModelLoadError(
+                f"{name}: INT4 experts quantized with act-order (GPTQ desc_act) are not "
+                "supported; quantize with desc_act=False"
+            )
 
 
 def expert_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -336,6 +376,10 @@ EXPERT_TENSOR_MAP = {
     "mlp.experts.w2_weight": ("mlp.experts.w2_weight", None),
     "mlp.experts.w13_weight_scale": ("mlp.experts.w13_weight_scale", None),
     "mlp.experts.w2_weight_scale": ("mlp.experts.w2_weight_scale", None),
+    "mlp.experts.w13_weight_scales": ("mlp.experts.w13_weight_scales", None),
+    "mlp.experts.w2_weight_scales": ("mlp.experts.w2_weight_scales", None),
+    "mlp.experts.w13_weight_zeros": ("mlp.experts.w13_weight_zeros", None),
+    "mlp.experts.w2_weight_zeros": ("mlp.experts.w2_weight_zeros", None),
     "mlp.experts.w13_bias": ("mlp.experts.w13_bias", None),
     "mlp.experts.w2_bias": ("mlp.experts.w2_bias", None),
 }

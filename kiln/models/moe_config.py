@@ -5,6 +5,7 @@ expert."""
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from kiln.errors import ModelLoadError
@@ -110,8 +111,13 @@ def glm_moe_fields(d: dict[str, Any]) -> dict[str, Any]:
 def expert_scale_count(cfg: ModelConfig, quantization: str = "fp8-dynamic") -> int:
     """The fp32 scales of one sparse layer's float8 experts: one per expert and projection, one
     per output channel (cfg.per_channel_experts), or under "fp8-block" one per row and 128
-    inputs."""
+    inputs; INT4 experts' ("int4-g<N>", "int4-channel"): their scales and zero points."""
     n, h = cfg.moe_intermediate_size, cfg.hidden_size
+    if quantization.startswith("int4-"):  # a scale and a zero point per row and group
+        # "int4-g<N>" / "int4-channel" (-sym); a build's "int4-gptq" / "int4-awq": groups of 128
+        named = re.fullmatch(r"int4-(?:g(\d+)|(channel))(?:-sym)?", quantization)
+        size = 128 if named is None else int(named.group(1) or 0)
+        return 2 * cfg.num_held_experts * (2 * n * (h // (size or h)) + h * (n // (size or n)))
     if quantization == "fp8-block":
         return cfg.num_held_experts * (2 * n * -(-h // 128) + h * -(-n // 128))
     if cfg.per_channel_experts:

@@ -207,8 +207,8 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int) -> None:
     owners = linear_owners(model)
     for name, param in model.named_parameters():
         owner = owners.get(name)
-        if _derived(name, owner):
-            continue
+        if _derived(name, owner) or name.endswith(("_weight_scales", "_weight_zeros")):
+            continue  # INT4 experts' keep their dummy scales and symmetric zeros
         if param.element_size() == 1:  # float8 / int8: drawn as a checkpoint would be, then loaded
             drawn = torch.empty(param.shape, device=param.device).normal_(0.0, 0.02, generator=gen)
             if owner is None:  # float8 experts (kiln.layers.moe), at their scales of 1
@@ -292,13 +292,21 @@ def _expected_keys(model: DecoderForCausalLM, owners: dict[str, Linear]) -> list
     keys = []
     for name, _ in model.named_parameters():
         owner = owners.get(name)
-        if _derived(name, owner):
+        if _derived(name, owner) or _symmetric_int4_zeros(model, name):
             continue
         if owner is None or len(owner.output_sizes) == 1:
             keys.append(f"{name}:None")
         else:
             keys += [f"{name}:{shard}" for shard in range(len(owner.output_sizes))]
     return keys
+
+
+def _symmetric_int4_zeros(model: DecoderForCausalLM, name: str) -> bool:
+    """INT4 experts' zero points where the checkpoint declares none (symmetric: they stay 8)."""
+    if not name.endswith("_weight_zeros"):
+        return False
+    experts = _expert_owner(model, name)
+    return experts is not None and not getattr(experts.method, "needs_zeros", True)
 
 
 def _can_adopt(param: torch.Tensor, tensor: torch.Tensor) -> bool:

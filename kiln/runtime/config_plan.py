@@ -37,9 +37,9 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int
     projection, or per output channel, under "fp8-dynamic", else in `dtype`: static FP8 leaves
     them), its router (and gpt-oss's experts' biases) in `dtype`, and its shared expert as a
     dense MLP's projections; gpt-oss's attention sinks and sigmoid routers (and biases) in fp32
-    ("fp8-block": the experts float8 with a scale per row and 128 inputs). A rank's
-    shard_config counts the experts it holds (expert parallelism) or their slices (tensor
-    parallelism)."""
+    ("fp8-block": the experts float8 with a scale per row and 128 inputs; "int4-*": half a byte
+    each, an fp32 scale and zero per row and group). A rank's shard_config counts the experts
+    it holds (expert parallelism) or their slices (tensor parallelism)."""
     h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv, layers = cfg.num_key_value_heads * cfg.head_dim, range(cfg.num_hidden_layers)
     projections = [(h, q + 2 * kv), (q, h)] * cfg.num_hidden_layers  # (in, out)
@@ -58,11 +58,13 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int
                 sinks += cfg.num_experts * (h + 1)
     float8_experts = quantization in ("fp8-dynamic", "fp8-block")
     sparse_layers = sum(cfg.is_sparse_layer(i) for i in layers)
-    expert_bytes = (
-        experts * _FP8_BYTES + sparse_layers * expert_scale_count(cfg, quantization) * 4
-        if float8_experts
-        else experts * dtype.itemsize
-    )
+    scale_bytes = sparse_layers * expert_scale_count(cfg, quantization) * 4
+    if float8_experts:
+        expert_bytes = experts * _FP8_BYTES + scale_bytes
+    elif quantization.startswith("int4-"):  # two codes a byte (kiln.layers.moe_int4)
+        expert_bytes = experts // 2 + scale_bytes
+    else:
+        expert_bytes = experts * dtype.itemsize
     linear = sum(i * o for i, o in projections)
     out_channels = sum(o for _, o in projections)
     bias = (q + 2 * kv) * cfg.num_hidden_layers if cfg.attention_bias else 0

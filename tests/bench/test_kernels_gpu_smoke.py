@@ -20,7 +20,10 @@ ROOT = Path(__file__).parents[2]
 @pytest.mark.parametrize(
     ("flags", "kernels"),
     [
-        ([], {"prefill", "decode", "lora", "moe_decode", "moe_grouped_fp8", "moe_route"}),
+        (
+            [],
+            {"prefill", "decode", "lora", "moe_decode", "moe_grouped_fp8", "moe_route", "moe_int4"},
+        ),
         (["--long"], {"prefill_long", "decode_long"}),
     ],
     ids=["default", "long"],

@@ -43,21 +43,26 @@ def _compile_all() -> dict[str, str]:
     """Each case's PTX: the decode kernels at their default tiles (bf16 and float8 weights; the
     split down variant too; routed, normed, biased, clamped and shared variants),
     the float8 grouped GEMM at its default tiles (pointer loads and TMA), the router."""
+    import importlib
+
     from kiln.kernels.triton import moe_decode, moe_fp8, moe_router
+
+    # The module, not the package's function of the same name.
+    fused_moe = importlib.import_module("kiln.kernels.triton.fused_moe")
 
     ptx = {}
     gate_up_args = {
         "x_ptr": "*bf16", "norm_ptr": "*bf16", "logits_ptr": "*bf16", "w_ptr": "*bf16",
-        "scale_ptr": "*fp32", "bias_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32",
-        "out_ptr": "*bf16", "top_k": "i32", "N": "i32", "K": "i32", "num_experts": "i32",
-        "eps": "fp32", "alpha": "fp32", "limit": "fp32", "stride_x": "i32",
+        "scale_ptr": "*fp32", "zero_ptr": "*fp32", "bias_ptr": "*bf16", "ids_ptr": "*i64",
+        "weights_ptr": "*fp32", "out_ptr": "*bf16", "top_k": "i32", "N": "i32", "K": "i32",
+        "num_experts": "i32", "eps": "fp32", "alpha": "fp32", "limit": "fp32", "stride_x": "i32",
         "stride_logits": "i32", "stride_be": "i32", **dict.fromkeys(_STRIDES, "i32"),
     }  # fmt: skip
     plain = {"NORMED": False, "ROUTED": False, "TOP_K": 8, "RENORMALIZE": True, "ROUND": True,
              "BLOCK_E": 128, "BLOCK_TOP_K": 8, "HAS_BIAS": False, "SWIGLU": False}  # fmt: skip
     down_sum_args = {
-        "h_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*fp32", "ids_ptr": "*i64",
-        "weights_ptr": "*fp32", "bias_ptr": "*bf16", "shared_ptr": "*bf16",
+        "h_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*fp32", "zero_ptr": "*fp32",
+        "ids_ptr": "*i64", "weights_ptr": "*fp32", "bias_ptr": "*bf16", "shared_ptr": "*bf16",
         "shared_gate_ptr": "*bf16", "out_ptr": "*bf16", "top_k": "i32", "N": "i32", "K": "i32",
         "stride_h": "i32", "stride_be": "i32", "stride_shared": "i32",
         "stride_shared_gate": "i32", **dict.fromkeys(_STRIDES, "i32"),
@@ -70,10 +75,11 @@ def _compile_all() -> dict[str, str]:
         (" biased", {"ROUTED": True, "HAS_BIAS": True, "SWIGLU": True, "BLOCK_E": 32,
                      "BLOCK_TOP_K": 4, "TOP_K": 4}, {"HAS_BIAS": True, "SHARED": False}),
     )  # fmt: skip
-    for weight in ("bf16", "fp8e4nv"):
-        scaled = weight != "bf16"
-        scales = {"SCALED": scaled, "BLOCK_SCALED": False}  # per-channel (block: moe_fp8_block)
-        block_k = moe_decode._ROW_BYTES // (1 if scaled else 2)
+    for weight in ("bf16", "fp8e4nv", "i32"):  # i32: INT4 experts' packed words
+        scaled, int4 = weight == "fp8e4nv", weight == "i32"
+        # per-channel float8 (block: moe_fp8_block); INT4 in groups of 128
+        scales = {"SCALED": scaled, "BLOCK_SCALED": False, "INT4": int4, "GROUP": 128}
+        block_k = moe_decode._INT4_BLOCK_K if int4 else moe_decode._ROW_BYTES // (2 - scaled)
         stages = moe_decode._NUM_STAGES
         for suffix, gate_up_variant, down_variant in variants:
             ptx[f"gate_up {weight}{suffix}"] = _ptx(
@@ -88,7 +94,8 @@ def _compile_all() -> dict[str, str]:
             )  # fmt: skip
         ptx[f"down {weight}"] = _ptx(
             moe_decode._down_kernel,
-            {"h_ptr": "*bf16", "w_ptr": f"*{weight}", "scale_ptr": "*fp32", "ids_ptr": "*i64",
+            {"h_ptr": "*bf16", "w_ptr": f"*{weight}", "scale_ptr": "*fp32", "zero_ptr": "*fp32",
+             "ids_ptr": "*i64",
              "weights_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*fp32", "N": "i32",
              "K": "i32", "K_CHUNK": "i32", "stride_h": "i32", "stride_be": "i32",
              **dict.fromkeys(_STRIDES, "i32")},
@@ -111,6 +118,18 @@ def _compile_all() -> dict[str, str]:
              "BLOCK_N": block_n, "BLOCK_K": block_k},
             num_warps, num_stages,
         )  # fmt: skip
+    ptx["int4 gemm"] = _ptx(
+        fused_moe._grouped_gemm_kernel,
+        {"a_ptr": "*bf16", "w_ptr": "*i32", "out_ptr": "*bf16", "weights_ptr": "*fp32",
+         "scale_ptr": "*fp32", "zero_ptr": "*fp32", "bias_ptr": "*bf16",
+         "sorted_pairs_ptr": "*i32", "block_experts_ptr": "*i32", "num_rows_ptr": "*i32",
+         "num_pairs": "i32", "num_experts": "i32", "N": "i32", "K": "i32", "stride_a": "i32",
+         "stride_we": "i32", "stride_wn": "i32", "stride_out": "i32", "stride_se": "i32",
+         "stride_sn": "i32"},
+        {"A_PER_ROW": 8, "MUL_WEIGHT": False, "SCALED": False, "PER_CHANNEL": False,
+         "HAS_BIAS": False, "INT4": True, "GROUP": 128, "DOT_PRECISION": "tf32",
+         "INTERPRETED": False, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64},
+    )  # fmt: skip
     router_args = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64",
                    "bias_ptr": "*fp32", "num_experts": "i32", "stride_logits": "i32",
                    "group_size": "i32", "scaling": "fp32"}  # fmt: skip
@@ -141,7 +160,7 @@ def ptx() -> dict[str, str]:
 
 
 def test_decode_kernels_pipeline_their_weight_loads(ptx) -> None:
-    for weight in ("bf16", "fp8e4nv"):
+    for weight in ("bf16", "fp8e4nv", "i32"):
         for kernel in ("gate_up", "down_sum", "down"):
             # Weight tiles staged in shared memory ahead of use; the slot loop's expert ids too.
             assert "cp.async" in ptx[f"{kernel} {weight}"], (kernel, weight)
@@ -156,6 +175,10 @@ def test_the_fp8_grouped_gemm_runs_on_the_float8_tensor_cores(ptx) -> None:
         code = ptx[f"fp8 gemm tma={tma}"]
         assert "wgmma.mma_async" in code and ".e4m3.e4m3" in code  # float8 x float8 MMAs
         assert ("cp.async.bulk.tensor" in code) == bool(tma)  # TMA loads only where asked
+
+
+def test_the_int4_grouped_gemm_dequantizes_onto_the_bf16_tensor_cores(ptx) -> None:
+    assert "wgmma.mma_async" in ptx["int4 gemm"] and ".bf16.bf16" in ptx["int4 gemm"]
 
 
 def test_the_router_compiles_to_warp_shuffles(ptx) -> None:

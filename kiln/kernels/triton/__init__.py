@@ -15,11 +15,15 @@ from kiln.kernels.triton.fp8_block_gemm import (
     quantize_fp8_groups,
 )
 from kiln.kernels.triton.fp8_gemm import quantize_fp8
-from kiln.kernels.triton.fused_moe import fused_moe
+from kiln.kernels.triton.fused_moe import fused_moe, fused_moe_int4
 from kiln.kernels.triton.int4_gemm import int4_linear
 from kiln.kernels.triton.int8_gemm import int8_linear, int8_matmul, quantize_int8
 from kiln.kernels.triton.lora import lora_expand, lora_shrink
-from kiln.kernels.triton.moe_decode import fused_moe_decode, fused_moe_decode_routed
+from kiln.kernels.triton.moe_decode import (
+    fused_moe_decode,
+    fused_moe_decode_routed,
+    fused_moe_int4_decode,
+)
 from kiln.kernels.triton.moe_fp8 import fused_moe_fp8
 from kiln.kernels.triton.moe_fp8_block import fused_moe_fp8_block
 from kiln.kernels.triton.moe_router import moe_route
@@ -71,6 +75,8 @@ __all__ = [
     "fused_moe_decode_routed",
     "fused_moe_fp8",
     "fused_moe_fp8_block",
+    "fused_moe_int4",
+    "fused_moe_int4_decode",
     "gelu_tanh_and_mul",
     "gelu_tanh_and_mul_quant_fp8",
     "gelu_tanh_and_mul_quant_int8",

@@ -76,7 +76,9 @@ def _grouped_gemm_kernel(
     w_ptr,  # [num_experts, N, K]
     out_ptr,  # [num_pairs, N]
     weights_ptr,  # [num_pairs] fp32 routing weights (read with MUL_WEIGHT only)
-    scale_ptr,  # [num_experts] (or [num_experts, N] PER_CHANNEL) fp32: float8 weights' scales
+    scale_ptr,  # [num_experts] (or [num_experts, N] PER_CHANNEL) fp32: float8 weights' scales;
+    # with INT4, [num_experts, N, K / GROUP] group scales
+    zero_ptr,  # [num_experts, N, K / GROUP] fp32: INT4 zero points (read with INT4 only)
     bias_ptr,  # [num_experts, N]: each expert's output bias (read with HAS_BIAS only)
     sorted_pairs_ptr,  # [max_rows] int32
     block_experts_ptr,  # [max_rows / BLOCK_M] int32
@@ -89,11 +91,15 @@ def _grouped_gemm_kernel(
     stride_we,
     stride_wn,
     stride_out,
+    stride_se,  # INT4 scales' and zeros' strides (read with INT4 only)
+    stride_sn,
     A_PER_ROW: tl.constexpr,  # pairs sharing one row of a (top_k for the token's hidden state)
     MUL_WEIGHT: tl.constexpr,
     SCALED: tl.constexpr,  # float8 weights: widened to a's dtype (exact), the sums scaled
     PER_CHANNEL: tl.constexpr,  # the scales are per output column (gpt-oss's MXFP4 as FP8)
     HAS_BIAS: tl.constexpr,  # added after the scale, before the routing weight (gpt-oss)
+    INT4: tl.constexpr,  # w: [num_experts, N, K / 8] int32 words of 8 codes, dequantized here
+    GROUP: tl.constexpr,  # with INT4: inputs per scale and zero
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,  # the interpreter's bf16 tl.dot returns garbage: widen first
     BLOCK_M: tl.constexpr,
@@ -123,11 +129,29 @@ def _grouped_gemm_kernel(
             mask=valid[:, None] & (ks[None, :] < K),
             other=0.0,
         )
-        w = tl.load(  # [BLOCK_K, BLOCK_N]: the expert's rows `cols`, transposed
-            w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
-            mask=(cols[None, :] < N) & (ks[:, None] < K),
-            other=0.0,
-        )
+        w_mask = (cols[None, :] < N) & (ks[:, None] < K)
+        w_rows = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
+        if INT4:  # the tile's codes widened in registers: (code - zero) * scale in a's dtype
+            # Each word loaded once and fanned out to its 8 codes (int4_gemm's tile).
+            words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            words_mask = (cols[None, :] < N) & (words_k < K // 8)[:, None]
+            words = tl.load(w_rows + words_k[:, None], mask=words_mask, other=0)
+            words = tl.reshape(tl.broadcast_to(words[:, None, :], (BLOCK_K // 8, 8, BLOCK_N)),
+                               (BLOCK_K, BLOCK_N))  # fmt: skip
+            codes = ((words >> ((ks % 8) * 4)[:, None]) & 0xF).to(tl.float32)
+            at = expert * stride_se + cols[None, :].to(tl.int64) * stride_sn
+            if GROUP % BLOCK_K == 0:  # the tile within one group: a scale and zero a column
+                at += k0 // GROUP
+                col_mask = cols[None, :] < N
+                zero = tl.load(zero_ptr + at, mask=col_mask, other=0.0)
+                scale = tl.load(scale_ptr + at, mask=col_mask, other=0.0)
+            else:
+                at += (ks // GROUP)[:, None]
+                zero = tl.load(zero_ptr + at, mask=w_mask, other=0.0)
+                scale = tl.load(scale_ptr + at, mask=w_mask, other=0.0)
+            w = ((codes - zero) * scale).to(a.dtype)
+        else:  # [BLOCK_K, BLOCK_N]: the expert's rows `cols`, transposed
+            w = tl.load(w_rows + ks[:, None], mask=w_mask, other=0.0)
         if INTERPRETED:
             a, w = a.to(tl.float32), w.to(tl.float32)
         elif SCALED:
@@ -158,21 +182,28 @@ def _grouped_gemm(
     a_per_row: int,
     mul_weight: bool,
     tiles: tuple[int, int, int],
+    int4: tuple[torch.Tensor, torch.Tensor] | None = None,  # INT4 codes' (scales, zeros)
 ) -> None:
     sorted_pairs, block_experts, num_rows = aligned
-    n, k = w.shape[1], w.shape[2]
+    n, k = w.shape[1], w.shape[2] * (8 if int4 is not None else 1)
     block_m, block_n, block_k = tiles
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     if scale is not None:
         scale = scale.float().contiguous()
     if bias is not None:
         bias = bias.contiguous()
+    group_scale, zero, group = weights, weights, 1
+    if int4 is not None:
+        group_scale, zero = int4[0].float().contiguous(), int4[1].float().contiguous()
+        group = k // group_scale.shape[-1]
     _grouped_gemm_kernel[grid](
-        a, w, out, weights, weights if scale is None else scale,
+        a, w, out, weights, group_scale if scale is None else scale, zero,
         weights if bias is None else bias, sorted_pairs, block_experts, num_rows, out.shape[0],
         w.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        group_scale.stride(0), group_scale.stride(1) if group_scale.dim() > 1 else 0,
         A_PER_ROW=a_per_row, MUL_WEIGHT=mul_weight, SCALED=scale is not None,
         PER_CHANNEL=scale is not None and scale.dim() == 2, HAS_BIAS=bias is not None,
+        INT4=int4 is not None, GROUP=group,
         DOT_PRECISION=dot_precision(a.dtype),
         INTERPRETED=a.device.type != "cuda",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -197,6 +228,24 @@ def fused_moe(
     )
 
 
+def fused_moe_int4(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden / 8] int32: [gate; up] rows' codes
+    w2: torch.Tensor,  # [num_experts, hidden, inter / 8] int32
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int (-1: another rank's expert)
+    w13_scale: torch.Tensor,  # [E, 2 * inter, hidden / group] fp32
+    w2_scale: torch.Tensor,  # [E, hidden, inter / group] fp32
+    w13_zero: torch.Tensor,  # as w13_scale, in code units
+    w2_zero: torch.Tensor,  # as w2_scale
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """W4A16 experts on the grouped GEMMs (reference.fused_moe_int4): each weight tile's codes
+    dequantized in registers to x's dtype before the dot, as int4_gemm's large-M path does."""
+    tiles = _tiles(topk_ids.numel(), x.device)
+    int4 = ((w13_scale, w13_zero), (w2_scale, w2_zero))
+    return fused_moe_tiled(x, w13, w2, topk_weights, topk_ids, None, None, tiles, int4=int4)
+
+
 def fused_moe_tiled(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -209,6 +258,8 @@ def fused_moe_tiled(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     swiglu: tuple[float, float] | None = None,
+    int4: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    | None = None,  # INT4 experts' ((w13 scales, zeros), (w2 scales, zeros))
 ) -> torch.Tensor:
     """fused_moe at given tiles (tests run the GPU's under the interpreter)."""
     num_tokens, top_k = topk_ids.shape
@@ -217,9 +268,10 @@ def fused_moe_tiled(
     aligned = align_by_expert(topk_ids, w13.shape[0], tiles[0])
     weights = topk_weights.reshape(-1).float().contiguous()
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, weights, w13_scale, w13_bias, aligned, top_k, False, tiles)
+    q13, q2 = int4 if int4 is not None else (None, None)
+    _grouped_gemm(x, w13, gate_up, weights, w13_scale, w13_bias, aligned, top_k, False, tiles, q13)
     hidden = silu_and_mul(gate_up) if swiglu is None else clamped_swiglu(gate_up, *swiglu)
     # fp32 rows, so the top-k sum rounds once, as the reference's.
     down = torch.empty(num_pairs, w2.shape[1], dtype=torch.float32, device=x.device)
-    _grouped_gemm(hidden, w2, down, weights, w2_scale, w2_bias, aligned, 1, True, tiles)
+    _grouped_gemm(hidden, w2, down, weights, w2_scale, w2_bias, aligned, 1, True, tiles, q2)
     return down.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)

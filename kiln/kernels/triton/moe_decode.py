@@ -42,6 +42,7 @@ from kiln.kernels.triton.silu_mul import _silu_f32
 Tiles = tuple[int, int, int, int, int, int, int, int]
 _INTERPRETER_TILES: Tiles = (8, 16, 4, 8, 16, 4, 1, 1)
 _ROW_BYTES, _NUM_WARPS, _NUM_STAGES = 512, 4, 3
+_INT4_BLOCK_K = 512  # INT4 codes a step: 256 bytes of packed words a row
 _MAX_K_CHUNK = 2048  # the split down GEMV's reduction per program, at most
 _COLUMN_TILES = (32, 16, 8)  # widest first: fewer, longer programs while there are enough
 DECODE_TILE_CANDIDATES: tuple[Tiles, ...] = tuple(
@@ -75,12 +76,34 @@ def _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn):
 
 
 @triton.jit
+def _int4_dot(rows, scale_ptr, zero_ptr, expert, cols, col_mask, k0, K, xk, stride_se,
+              stride_sn, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """[len(cols)] fp32: the rows' INT4 weights of inputs k0 .. k0 + BLOCK_K times xk
+    ([BLOCK_K] fp32). kiln's layout: input k at bits 4 (k % 8) of word k // 8 of its row, its
+    group's scale and zero k // GROUP (a multiple of 8, so one a word): each word and scale is
+    loaded once and its 8 codes unpacked in registers as a [rows, words, 8] tile."""
+    words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    mask = col_mask[:, None] & (words_k < K // 8)[None, :]
+    words = tl.load(rows + words_k[None, :], mask=mask, other=0)
+    at = expert * stride_se + cols[:, None].to(tl.int64) * stride_sn
+    at += (words_k * 8 // GROUP)[None, :]
+    scale = tl.load(scale_ptr + at, mask=mask, other=0.0)
+    zero = tl.load(zero_ptr + at, mask=mask, other=0.0)
+    shifts = tl.arange(0, 8) * 4
+    codes = ((words[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32)
+    w = (codes - zero[:, :, None]) * scale[:, :, None]
+    x3 = tl.reshape(xk, (BLOCK_K // 8, 8))
+    return tl.sum(tl.sum(w * x3[None, :, :], axis=2), axis=1)
+
+
+@triton.jit
 def _gate_up_act_kernel(
     x_ptr,  # [num_tokens, K]: the input (with NORMED the residual stream, normed here)
     norm_ptr,  # [K]: the RMSNorm's weight (read with NORMED only)
     logits_ptr,  # [num_tokens, num_experts] router logits (read with ROUTED only)
     w_ptr,  # [num_experts, 2 * N, K]: gate rows, then up rows
-    scale_ptr,  # [E], [E, 2 * N] or [E, 2 * N, K / 128] fp32 (read with SCALED only)
+    scale_ptr,  # [E], [E, 2 * N] or [E, 2 * N, K / 128] fp32 (with INT4: [E, 2 * N, K / GROUP])
+    zero_ptr,  # [E, 2 * N, K / GROUP] fp32: INT4 zero points (read with INT4 only)
     bias_ptr,  # [num_experts, 2 * N] (read with HAS_BIAS only)
     ids_ptr,  # [num_tokens * top_k] int: each pair's expert (written with ROUTED)
     weights_ptr,  # [num_tokens * top_k] fp32 routing weights (written with ROUTED)
@@ -102,6 +125,8 @@ def _gate_up_act_kernel(
     stride_out,
     SCALED: tl.constexpr,
     BLOCK_SCALED: tl.constexpr,  # with SCALED: a scale per row and 128 inputs, on the codes
+    INT4: tl.constexpr,  # w: int32 words of 8 codes [E, 2 * N, K / 8], dequantized here
+    GROUP: tl.constexpr,  # with INT4: inputs per scale and zero
     NORMED: tl.constexpr,  # x is the residual stream: rms_norm it here (dot * rsqrt at the end)
     ROUTED: tl.constexpr,  # pick the pair's expert from the logits here (moe_router.route_row)
     TOP_K: tl.constexpr,  # with ROUTED: top_k as a constant
@@ -146,13 +171,19 @@ def _gate_up_act_kernel(
             squares += xk * xk
             xk = xk * tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
         mask = col_mask[:, None] & k_mask[None, :]
-        g = tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-        if BLOCK_SCALED:  # the norm's rsqrt, one scalar a row, still commutes with these
-            g *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
-            u *= _block_scales(scale_ptr, expert, cols + N, ks, mask, stride_se, stride_sn)
-        gate += tl.sum(g * xk[None, :], axis=1)
-        up += tl.sum(u * xk[None, :], axis=1)
+        if INT4:  # only this pair's expert's words are read, a quarter of 16-bit's bytes
+            gate += _int4_dot(gate_rows, scale_ptr, zero_ptr, expert, cols, col_mask, k0, K, xk,
+                              stride_se, stride_sn, GROUP, BLOCK_K)  # fmt: skip
+            up += _int4_dot(up_rows, scale_ptr, zero_ptr, expert, cols + N, col_mask, k0, K, xk,
+                            stride_se, stride_sn, GROUP, BLOCK_K)  # fmt: skip
+        else:
+            g = tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+            if BLOCK_SCALED:  # the norm's rsqrt, one scalar a row, still commutes with these
+                g *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
+                u *= _block_scales(scale_ptr, expert, cols + N, ks, mask, stride_se, stride_sn)
+            gate += tl.sum(g * xk[None, :], axis=1)
+            up += tl.sum(u * xk[None, :], axis=1)
     if NORMED:
         rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
         gate *= rstd
@@ -183,7 +214,8 @@ def _gate_up_act_kernel(
 def _down_kernel(
     h_ptr,  # [num_pairs, K]: the activations of each (token, slot) pair
     w_ptr,  # [num_experts, N, K]
-    scale_ptr,  # [E], [E, N] or [E, N, K / 128] fp32 (read with SCALED only)
+    scale_ptr,  # [E], [E, N] or [E, N, K / 128] fp32 (with INT4: [E, N, K / GROUP])
+    zero_ptr,  # [E, N, K / GROUP] fp32 (read with INT4 only)
     ids_ptr,  # [num_pairs] int
     weights_ptr,  # [num_pairs] fp32 routing weights
     bias_ptr,  # [num_experts, N] (read with HAS_BIAS only; added by the first chunk)
@@ -200,6 +232,8 @@ def _down_kernel(
     stride_out,
     SCALED: tl.constexpr,
     BLOCK_SCALED: tl.constexpr,
+    INT4: tl.constexpr,
+    GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -219,10 +253,14 @@ def _down_kernel(
         k_mask = ks < K
         hk = tl.load(h_ptr + pair * stride_h + ks, mask=k_mask, other=0.0).to(tl.float32)
         mask = col_mask[:, None] & k_mask[None, :]
-        w = tl.load(rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-        if BLOCK_SCALED:
-            w *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
-        down += tl.sum(w * hk[None, :], axis=1)
+        if INT4:
+            down += _int4_dot(rows, scale_ptr, zero_ptr, expert, cols, col_mask, k0, K, hk,
+                              stride_se, stride_sn, GROUP, BLOCK_K)  # fmt: skip
+        else:
+            w = tl.load(rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+            if BLOCK_SCALED:
+                w *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
+            down += tl.sum(w * hk[None, :], axis=1)
     if SCALED and not BLOCK_SCALED:
         down *= tl.load(scale_ptr + expert * stride_se + cols * stride_sn, mask=col_mask, other=0.0)
     if HAS_BIAS:
@@ -238,7 +276,8 @@ def _down_kernel(
 def _down_sum_kernel(
     h_ptr,  # [num_tokens * top_k, K]: the activations of each (token, slot) pair
     w_ptr,  # [num_experts, N, K]
-    scale_ptr,  # [E], [E, N] or [E, N, K / 128] fp32 (read with SCALED only)
+    scale_ptr,  # [E], [E, N] or [E, N, K / 128] fp32 (with INT4: [E, N, K / GROUP])
+    zero_ptr,  # [E, N, K / GROUP] fp32 (read with INT4 only)
     ids_ptr,  # [num_tokens * top_k] int
     weights_ptr,  # [num_tokens * top_k] fp32 routing weights
     bias_ptr,  # [num_experts, N] (read with HAS_BIAS only)
@@ -259,6 +298,8 @@ def _down_sum_kernel(
     stride_out,
     SCALED: tl.constexpr,
     BLOCK_SCALED: tl.constexpr,
+    INT4: tl.constexpr,
+    GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SHARED: tl.constexpr,  # Qwen2-MoE: + sigmoid(shared gate) * shared expert
     BLOCK_N: tl.constexpr,
@@ -274,17 +315,22 @@ def _down_sum_kernel(
     # loaded stages ahead too) while this one's last steps are summed.
     for i in tl.range(0, top_k * k_steps, num_stages=NUM_STAGES):
         slot = i // k_steps
-        ks = (i - slot * k_steps) * BLOCK_K + tl.arange(0, BLOCK_K)
+        k0 = (i - slot * k_steps) * BLOCK_K
+        ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         pair = token * top_k + slot
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         hk = tl.load(h_ptr + pair * stride_h + ks, mask=k_mask, other=0.0).to(tl.float32)
         rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
         mask = col_mask[:, None] & k_mask[None, :]
-        w = tl.load(rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-        if BLOCK_SCALED:
-            w *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
-        part = tl.sum(w * hk[None, :], axis=1)
+        if INT4:
+            part = _int4_dot(rows, scale_ptr, zero_ptr, expert, cols, col_mask, k0, K, hk,
+                             stride_se, stride_sn, GROUP, BLOCK_K)  # fmt: skip
+        else:
+            w = tl.load(rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+            if BLOCK_SCALED:
+                w *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
+            part = tl.sum(w * hk[None, :], axis=1)
         if SCALED and not BLOCK_SCALED:
             scales = scale_ptr + expert * stride_se + cols * stride_sn
             part *= tl.load(scales, mask=col_mask, other=0.0)
@@ -370,6 +416,24 @@ def fused_moe_decode(
     )  # fmt: skip
 
 
+def fused_moe_int4_decode(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden / 8] int32: [gate; up] rows' codes
+    w2: torch.Tensor,  # [num_experts, hidden, inter / 8] int32
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int
+    w13_scale: torch.Tensor,  # [E, 2 * inter, hidden / group] fp32
+    w2_scale: torch.Tensor,  # [E, hidden, inter / group] fp32
+    w13_zero: torch.Tensor,  # as w13_scale, in code units
+    w2_zero: torch.Tensor,  # as w2_scale
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """fused_moe_decode on W4A16 experts (reference.fused_moe_int4_decode): the GEMVs read the
+    chosen experts' packed words and dequantize them in registers (the INT4 variants)."""
+    return fused_moe_decode_tiled(
+        x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, None, int4=(w13_zero, w2_zero)
+    )
+
+
 def fused_moe_decode_routed(
     x: torch.Tensor,  # [num_tokens, hidden]: the residual stream
     norm_weight: torch.Tensor | None,  # [hidden]: the RMSNorm before the experts; None: none
@@ -385,6 +449,7 @@ def fused_moe_decode_routed(
     w2_bias: torch.Tensor | None = None,
     swiglu: tuple[float, float] | None = None,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    int4_zeros: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """See reference.fused_moe_decode_routed: the norm and the routing inside the gate_up
     launch (two launches in all, where rms_norm, moe_route and the experts took four)."""
@@ -399,7 +464,7 @@ def fused_moe_decode_routed(
     return fused_moe_decode_tiled(
         x, w13, w2, weights, ids, w13_scale, w2_scale, None, w13_bias=w13_bias,
         w2_bias=w2_bias, swiglu=swiglu, route=(router_logits.contiguous(), renormalize),
-        norm=None if norm_weight is None else (norm_weight, eps), shared=shared,
+        norm=None if norm_weight is None else (norm_weight, eps), shared=shared, int4=int4_zeros,
     )  # fmt: skip
 
 
@@ -421,11 +486,13 @@ def fused_moe_decode_tiled(
     norm: tuple[torch.Tensor, float] | None = None,  # (norm weight, eps): x is rms_norm'd here
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([T, hidden] shared expert's
     # output, [T, 1] its gate's logits): added as sigmoid(gate) * output in the last launch
+    int4: tuple[torch.Tensor, torch.Tensor] | None = None,  # INT4 experts' (w13, w2) zero
+    # points: w13 / w2 are packed codes, w13_scale / w2_scale their group scales
 ) -> torch.Tensor:
     """fused_moe_decode at given tiles (tests and the kernel benchmark sweep them)."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
-    hidden, inter = w2.shape[1], w2.shape[2]
+    hidden, inter = w2.shape[1], w2.shape[2] * (8 if int4 is not None else 1)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     ids = topk_ids.reshape(-1)
     weights = topk_weights.reshape(-1)
@@ -436,7 +503,7 @@ def fused_moe_decode_tiled(
         if interpreted:
             tiles = _INTERPRETER_TILES
         else:
-            block_k = _ROW_BYTES // w13.element_size()
+            block_k = _INT4_BLOCK_K if int4 is not None else _ROW_BYTES // w13.element_size()
             tiles = (
                 _block_n(num_pairs, inter, x.device), block_k, _NUM_WARPS,
                 _block_n(num_tokens, hidden, x.device), block_k, _NUM_WARPS, _NUM_STAGES, 1,
@@ -447,32 +514,40 @@ def fused_moe_decode_tiled(
         return out
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     s13, s13_e, s13_n = _scale_args(w13_scale, weights)
+    z13, z2 = (s13, s13) if int4 is None else (int4[0].float().contiguous(), int4[1])
+    group13 = hidden // s13.shape[-1] if int4 is not None else 1
+    scaled13 = w13_scale is not None and int4 is None
     logits, renormalize = route if route is not None else (x, False)
     norm_weight, eps = norm if norm is not None else (x, 0.0)
     alpha, limit = swiglu if swiglu is not None else (0.0, 0.0)
     b13 = w13_bias if w13_bias is not None else x
     num_experts = logits.shape[1] if route is not None else 1
     _gate_up_act_kernel[(num_pairs, triton.cdiv(inter, n1))](
-        x, norm_weight, logits, w13, s13, b13, ids, weights, act, top_k, inter, hidden,
+        x, norm_weight, logits, w13, s13, z13, b13, ids, weights, act, top_k, inter, hidden,
         num_experts, float(eps), float(alpha), float(limit), x.stride(0), logits.stride(0),
         w13.stride(0), w13.stride(1), s13_e, s13_n, b13.stride(0), act.stride(0),
-        SCALED=w13_scale is not None, BLOCK_SCALED=_block_scaled(w13_scale),
-        NORMED=norm is not None, ROUTED=route is not None,
+        SCALED=scaled13, BLOCK_SCALED=scaled13 and _block_scaled(w13_scale), INT4=int4 is not None,
+        GROUP=group13, NORMED=norm is not None, ROUTED=route is not None,
         TOP_K=top_k, RENORMALIZE=renormalize, ROUND=logits.dtype == x.dtype,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TOP_K=triton.next_power_of_2(top_k),
         HAS_BIAS=w13_bias is not None, SWIGLU=swiglu is not None, INTERPRETED=interpreted,
         BLOCK_N=n1, BLOCK_K=k1, NUM_STAGES=stages, num_warps=warps1,
     )  # fmt: skip
     s2, s2_e, s2_n = _scale_args(w2_scale, weights)
+    if int4 is not None:
+        z2 = int4[1].float().contiguous()
+    group2 = inter // s2.shape[-1] if int4 is not None else 1
+    scaled2 = w2_scale is not None and int4 is None
+    quant2 = dict(SCALED=scaled2, BLOCK_SCALED=scaled2 and _block_scaled(w2_scale),
+                  INT4=int4 is not None, GROUP=group2)  # fmt: skip
     b2 = w2_bias if w2_bias is not None else x
     shared_out, shared_gate = shared if shared is not None else (x, x)
     shared_strides = (shared_out.stride(0), shared_gate.stride(0))
     if fused_sum:
         _down_sum_kernel[(num_tokens, triton.cdiv(hidden, n2))](
-            act, w2, s2, ids, weights, b2, shared_out, shared_gate, out, top_k, hidden, inter,
+            act, w2, s2, z2, ids, weights, b2, shared_out, shared_gate, out, top_k, hidden, inter,
             act.stride(0), w2.stride(0), w2.stride(1), s2_e, s2_n, b2.stride(0),
-            *shared_strides, out.stride(0), SCALED=w2_scale is not None,
-            BLOCK_SCALED=_block_scaled(w2_scale), HAS_BIAS=w2_bias is not None,
+            *shared_strides, out.stride(0), **quant2, HAS_BIAS=w2_bias is not None,
             SHARED=shared is not None,
             BLOCK_N=n2, BLOCK_K=k2, NUM_STAGES=stages, num_warps=warps2,
         )  # fmt: skip
@@ -482,9 +557,9 @@ def fused_moe_decode_tiled(
     num_splits = triton.cdiv(inter, chunk)
     down = torch.empty(num_pairs * num_splits, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(num_pairs, triton.cdiv(hidden, n2), num_splits)](
-        act, w2, s2, ids, weights, b2, down, hidden, inter, chunk, act.stride(0), w2.stride(0),
-        w2.stride(1), s2_e, s2_n, b2.stride(0), down.stride(0), SCALED=w2_scale is not None,
-        BLOCK_SCALED=_block_scaled(w2_scale), HAS_BIAS=w2_bias is not None, BLOCK_N=n2,
+        act, w2, s2, z2, ids, weights, b2, down, hidden, inter, chunk, act.stride(0), w2.stride(0),
+        w2.stride(1), s2_e, s2_n, b2.stride(0), down.stride(0), **quant2,
+        HAS_BIAS=w2_bias is not None, BLOCK_N=n2,
         BLOCK_K=k2, NUM_STAGES=stages, num_warps=warps2,
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))

@@ -8,7 +8,8 @@ bf16; `oneshot` (QuantizationModifier, round to nearest) quantizes every Linear,
 too (llm-compressor linearizes transformers' stacked experts into per-expert projections), and
 leaves out lm_head and the routers ("re:.*mlp.gate$", llm-compressor's MoE default), saved
 compressed: ct_fp8_block/ FP8_BLOCK (128x128 weight blocks, activations per token-group of 128
-at run time), ct_fp8_dynamic/ FP8_DYNAMIC (float8 weights per channel, activations per token).
+at run time), ct_fp8_dynamic/ FP8_DYNAMIC (float8 weights per channel, activations per token),
+ct_w4a16/ W4A16 (int4 weights in groups of 128, symmetric; pack-quantized). Arguments: which.
 """
 
 from __future__ import annotations
@@ -49,5 +50,7 @@ def make(name: str, scheme: str) -> None:
 
 
 if __name__ == "__main__":
-    make("ct_fp8_block", "FP8_BLOCK")
-    make("ct_fp8_dynamic", "FP8_DYNAMIC")
+    which = sys.argv[1:] or ["ct_fp8_block", "ct_fp8_dynamic", "ct_w4a16"]
+    schemes = {"ct_fp8_block": "FP8_BLOCK", "ct_fp8_dynamic": "FP8_DYNAMIC", "ct_w4a16": "W4A16"}
+    for name in which:
+        make(name, schemes[name])
