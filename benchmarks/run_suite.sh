@@ -39,7 +39,11 @@ GPU_TESTS=$(for f in ${GPU_TESTS:-tests/runtime/test_gpu.py tests/kernels/test_t
     tests/kernels/test_block_kernels.py tests/models/test_family_kernels.py \
     tests/kernels/test_int4_gemm.py tests/kernels/test_fused_moe.py \
     tests/models/test_moe_kernels.py tests/kernels/test_fused_moe_biased.py \
-    tests/models/test_gpt_oss.py}; do
+    tests/models/test_gpt_oss.py tests/kernels/test_moe_decode.py tests/kernels/test_moe_fp8.py \
+    tests/kernels/test_moe_fp8_block.py tests/kernels/test_moe_int4.py \
+    tests/kernels/test_moe_router.py tests/kernels/test_eight_bit_gemms.py \
+    tests/kernels/test_int8_kv_cache.py tests/kernels/test_lora_kernels.py \
+    tests/models/test_gemma2_gemma3.py}; do
     [[ -e $f ]] && echo "$f"; done)
 
 command_of() {  # NAME -> "SECONDS COMMAND..." (O is the output folder)
