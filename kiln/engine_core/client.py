@@ -156,10 +156,20 @@ class EngineClient:
         self._stop = False
         self._engine = engine
         self._ctx = zmq.Context()
+        try:
+            self._open_sockets(addresses, engine.pid)
+        except BaseException:
+            # A context left with open sockets blocks forever in its __del__'s term(): SIGTERM
+            # landing here while `kiln serve` starts hung the process instead of ending it.
+            self._ctx.destroy(linger=0)
+            raise
+        self._reader: threading.Thread | None = None
+
+    def _open_sockets(self, addresses: ClientAddresses, engine_pid: int) -> None:
         # Only the engine process may connect (SO_PEERCRED): another process of this user that
         # connects would otherwise take every other request (PUSH round-robins) or feed outputs.
         self._inputs = self._ctx.socket(zmq.PUSH)
-        self._inputs.setsockopt(zmq.IPC_FILTER_PID, engine.pid)
+        self._inputs.setsockopt(zmq.IPC_FILTER_PID, engine_pid)
         self._inputs.setsockopt(zmq.SNDHWM, 0)
         self._inputs.setsockopt(zmq.LINGER, 0)
         # With no queue limit a send waits only when no engine is connected: one that died (or
@@ -167,10 +177,9 @@ class EngineClient:
         self._inputs.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         self._inputs.bind(addresses.inputs)
         self._outputs = self._ctx.socket(zmq.PULL)
-        self._outputs.setsockopt(zmq.IPC_FILTER_PID, engine.pid)
+        self._outputs.setsockopt(zmq.IPC_FILTER_PID, engine_pid)
         self._outputs.setsockopt(zmq.RCVHWM, 0)
         self._outputs.bind(addresses.outputs)
-        self._reader: threading.Thread | None = None
 
     @classmethod
     def start(
@@ -178,7 +187,12 @@ class EngineClient:
     ) -> EngineClient:
         """Start the engine process and wait until it is ready (or say why it is not)."""
         engine = EngineProcess(config, stream_interval)
-        return cls._ready(cls(config, engine.addresses[0], engine), timeout)
+        try:
+            client = cls(config, engine.addresses[0], engine)
+        except BaseException:  # SIGTERM's SystemExit included: no engine left loading
+            engine.stop(timeout=0)
+            raise
+        return cls._ready(client, timeout)
 
     @classmethod
     def attach(

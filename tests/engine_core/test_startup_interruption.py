@@ -81,3 +81,38 @@ def test_the_engine_process_goes_with_its_parent_at_any_stage(smollm2_path, stag
             proc.wait(10)
         if engine is not None and engine.is_running():
             engine.kill()
+
+
+def test_a_signal_while_the_client_binds_leaves_no_open_context(monkeypatch, tmp_path):
+    """SIGTERM's SystemExit landing between the client's socket calls: the context is closed on
+    the way out (one left with open sockets blocks forever in its __del__'s term())."""
+    import os
+    from types import SimpleNamespace
+
+    import zmq
+
+    from kiln.config import EngineConfig
+    from kiln.engine_core import client as client_module
+
+    contexts: list[zmq.Context] = []
+
+    class Recorded(zmq.Context):
+        def __init__(self) -> None:
+            super().__init__()
+            contexts.append(self)
+
+    binds = iter([None])
+
+    def bind_once_then_signal(self, address):
+        if next(binds, "signal") == "signal":
+            raise SystemExit(143)
+        return zmq.Socket.bind(self, address)
+
+    monkeypatch.setattr(client_module.zmq, "Context", Recorded)
+    monkeypatch.setattr(zmq.Socket, "bind", bind_once_then_signal)
+    addresses = client_module.ClientAddresses(
+        f"ipc://{tmp_path}/inputs", f"ipc://{tmp_path}/outputs"
+    )
+    with pytest.raises(SystemExit):
+        client_module.EngineClient(EngineConfig(), addresses, SimpleNamespace(pid=os.getpid()))
+    assert len(contexts) == 1 and contexts[0].closed
