@@ -84,7 +84,6 @@ class MoEMethod(ABC):
         scales); None for float experts."""
         return None
 
-    @abstractmethod
     def apply(
         self,
         layer: FusedMoE,
@@ -93,7 +92,11 @@ class MoEMethod(ABC):
         topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
         topk_ids: torch.Tensor,  # [num_tokens, top_k]
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        ...
+        """The routed tokens through expert_weights by run_experts (model-dtype and float8
+        experts alike; INT4 experts run their own kernels)."""
+        w13, w2, w13_scale, w2_scale = self.expert_weights(layer)
+        return run_experts(ops, x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale,
+                           *expert_options(layer))  # fmt: skip
 
 
 class UnquantizedMoEMethod(MoEMethod):
@@ -108,19 +111,6 @@ class UnquantizedMoEMethod(MoEMethod):
 
     def expert_weights(self, layer: FusedMoE) -> ExpertWeights:
         return layer.w13_weight, layer.w2_weight, None, None
-
-    def apply(
-        self,
-        layer: FusedMoE,
-        ops: ModuleType,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-    ) -> torch.Tensor:
-        return run_experts(
-            ops, x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, None, None,
-            *expert_options(layer),
-        )  # fmt: skip
 
 
 def create_expert_biases(layer: FusedMoE, dtype: torch.dtype | None) -> None:
@@ -182,19 +172,6 @@ class Fp8MoEMethod(MoEMethod):
 
     def expert_weights(self, layer: FusedMoE) -> ExpertWeights:
         return layer.w13_weight, layer.w2_weight, layer.w13_weight_scale, layer.w2_weight_scale
-
-    def apply(
-        self,
-        layer: FusedMoE,
-        ops: ModuleType,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-    ) -> torch.Tensor:
-        return run_experts(
-            ops, x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-            layer.w13_weight_scale, layer.w2_weight_scale, *expert_options(layer),
-        )  # fmt: skip
 
 
 class FusedMoE(nn.Module):

@@ -7,7 +7,6 @@ reading only the chosen experts with the scales applied to the widened codes."""
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,7 +14,7 @@ from torch import nn
 
 from kiln.errors import ModelLoadError
 from kiln.kernels.reference import FP8_BLOCK
-from kiln.layers.moe import ExpertWeights, MoEMethod, expert_options, run_experts
+from kiln.layers.moe import ExpertWeights, MoEMethod
 from kiln.layers.quantization.fp8_block import quantize_blocks
 
 if TYPE_CHECKING:
@@ -65,16 +64,3 @@ class Fp8BlockMoEMethod(MoEMethod):
 
     def expert_weights(self, layer: FusedMoE) -> ExpertWeights:
         return layer.w13_weight, layer.w2_weight, layer.w13_weight_scale, layer.w2_weight_scale
-
-    def apply(
-        self,
-        layer: FusedMoE,
-        ops: ModuleType,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-    ) -> torch.Tensor:
-        return run_experts(
-            ops, x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-            layer.w13_weight_scale, layer.w2_weight_scale, *expert_options(layer),
-        )  # fmt: skip

@@ -39,17 +39,19 @@ def _case(num_tokens: int, top_k: int, dtype: torch.dtype, experts: int = 4):
     return [t.to(DEVICE) for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids)]
 
 
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    peak = want.float().abs().max()
+    assert peak > 0.1  # not a vacuous zero-vs-zero comparison
+    # bf16: both round gate_up and the activation to bf16, their sums in other orders.
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol * peak, rtol=0)
+
+
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 1), (5, 2), (21, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_gemm_equals_the_loop_over_experts(num_tokens, top_k, dtype) -> None:
     args = _case(num_tokens, top_k, dtype)
-    got = triton_moe.fused_moe(*args).float()
-    want = reference.fused_moe(*args).float()
-    peak = want.abs().max()
-    assert peak > 0.1  # not a vacuous zero-vs-zero comparison
-    # bf16: both round gate_up and the activation to bf16, their sums in other orders.
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got, want, atol=tol * peak, rtol=0)
+    _close(triton_moe.fused_moe(*args), reference.fused_moe(*args), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -60,20 +62,17 @@ def test_float8_experts_equal_the_loop_and_stay_near_the_unquantized(dtype) -> N
     (w13_fp8, s13), (w2_fp8, s2) = quantize_experts_fp8(w13), quantize_experts_fp8(w2)
     assert w13_fp8.dtype == torch.float8_e4m3fn and s13.shape == (4,)
     args = (x, w13_fp8, w2_fp8, weights, ids, s13, s2)
-    got = triton_moe.fused_moe(*args).float()
     want = reference.fused_moe(*args).float()
-    peak = want.abs().max()
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got, want, atol=tol * peak, rtol=0)
+    _close(triton_moe.fused_moe(*args), want, dtype)
     exact = reference.fused_moe(x, w13, w2, weights, ids).float()
-    assert (want - exact).abs().max() < 0.1 * peak  # float8's noise, not another function
+    # float8's noise, not another function
+    assert (want - exact).abs().max() < 0.1 * want.abs().max()
 
 
 def test_the_gpus_prefill_tiles_equal_the_loop() -> None:
     args = _case(21, 2, torch.float32)
     got = triton_moe.fused_moe_tiled(*args, None, None, triton_moe._PREFILL_TILES)
-    want = reference.fused_moe(*args)
-    torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max(), rtol=0)
+    _close(got, reference.fused_moe(*args), torch.float32)
 
 
 def test_align_groups_pairs_by_expert_padded_to_the_block() -> None:
@@ -93,13 +92,10 @@ def test_another_ranks_experts_add_nothing(dtype) -> None:
     the part of the whole output those two experts make, zeros for tokens of neither."""
     x, w13, w2, weights, ids = _case(21, 2, dtype)
     local = torch.where(ids >= 2, ids - 2, -1)
-    got = triton_moe.fused_moe(x, w13[2:], w2[2:], weights, local).float()
-    want = reference.fused_moe(x, w13[2:], w2[2:], weights, local).float()
-    mine = reference.fused_moe(x, w13, w2, weights * (ids >= 2), ids).float()
-    peak = mine.abs().max()
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(want, mine, atol=tol * peak, rtol=0)
-    torch.testing.assert_close(got, want, atol=tol * peak, rtol=0)
+    got = triton_moe.fused_moe(x, w13[2:], w2[2:], weights, local)
+    want = reference.fused_moe(x, w13[2:], w2[2:], weights, local)
+    _close(want, reference.fused_moe(x, w13, w2, weights * (ids >= 2), ids), dtype)
+    _close(got, want, dtype)
     neither = (ids < 2).all(dim=1)
     assert neither.any() and not got[neither].any()
     _, block_experts, num_rows = triton_moe.align_by_expert(local, 2, 16)

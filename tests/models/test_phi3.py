@@ -44,7 +44,7 @@ def phi3_config(original: int) -> dict:
 
 
 # transformers' Phi-3 recomputes a sequence's cache with the long factors when decoding crosses
-# original_max_position_embeddings; kiln (as vLLM) keeps the keys it cached (README limits).
+# original_max_position_embeddings; kiln (as vLLM) keeps the keys it cached (docs/limits.md).
 # So each checkpoint here is run on prompts that never cross it while decoding: with 16, the
 # prompts of 17 tokens and more rotate by the long factors from their first token; with 48,
 # those of at most 17 stay on the short ones (and may be prefilled in chunks). A batch's prompts

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.triton._device import dot_precision
+from kiln.kernels.triton._moe_tiles import sorted_tile, store_pair_rows
 from kiln.kernels.triton.clamped_swiglu import clamped_swiglu
 from kiln.kernels.triton.silu_mul import silu_and_mul
 
@@ -106,20 +107,14 @@ def _grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+    if tl.program_id(0) * BLOCK_M >= tl.load(num_rows_ptr):
         return  # past the padded list's real end: the worst case's spare blocks
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + rows)
-    valid = pairs < num_pairs
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    pairs, valid, expert, cols = sorted_tile(sorted_pairs_ptr, block_experts_ptr, num_pairs,
+                                             BLOCK_M, BLOCK_N)  # fmt: skip
     a_rows = (pairs // A_PER_ROW).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + cols[None, :]
     if expert >= num_experts:  # another rank's experts: rows of zeros, no product
-        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
-        tl.store(out, zeros, mask=valid[:, None] & (cols[None, :] < N))
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        store_pair_rows(out_ptr, stride_out, zeros, pairs, valid, cols, N, weights_ptr, False)
         return
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -166,9 +161,7 @@ def _grouped_gemm_kernel(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + expert * N + cols, mask=cols < N, other=0.0)
         acc += bias.to(tl.float32)[None, :]
-    if MUL_WEIGHT:
-        acc *= tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+    store_pair_rows(out_ptr, stride_out, acc, pairs, valid, cols, N, weights_ptr, MUL_WEIGHT)
 
 
 def _grouped_gemm(

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.triton._moe_tiles import sorted_tile, store_pair_rows
 from kiln.kernels.triton.fp8_gemm import quantize_fp8
 from kiln.kernels.triton.fused_moe import align_by_expert
 from kiln.kernels.triton.silu_mul import silu_and_mul_quant_fp8
@@ -72,24 +73,19 @@ def _fp8_grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+    if tl.program_id(0) * BLOCK_M >= tl.load(num_rows_ptr):
         return  # past the padded list's real end: the worst case's spare blocks
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + rows)
-    valid = pairs < num_pairs
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    pairs, valid, expert, cols = sorted_tile(sorted_pairs_ptr, block_experts_ptr, num_pairs,
+                                             BLOCK_M, BLOCK_N)  # fmt: skip
     # Padding rows read row 0 (their products are never stored): no mask on the A loads.
     a_rows = tl.where(valid, pairs // A_PER_ROW, 0).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w_cols = (cols % N).to(tl.int64)  # wrapped: the columns past N are computed, never stored
     a_tile = a_ptr + a_rows[:, None] * stride_a
     w_tile = w_ptr + expert * stride_we + w_cols[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # The TMA block's first row: columns past N read the next expert's rows (or zeros past
     # the last), computed and never stored, as the wrapped pointer columns are.
-    desc_row = (expert * N + pid_n * BLOCK_N).to(tl.int32)
+    desc_row = (expert * N + tl.program_id(1) * BLOCK_N).to(tl.int32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -110,10 +106,7 @@ def _fp8_grouped_gemm_kernel(
     a_scale = tl.load(a_scale_ptr + a_rows)
     w_scale = tl.load(w_scale_ptr + expert * stride_se + w_cols * stride_sn)
     acc *= a_scale[:, None] * w_scale[None, :]
-    if MUL_WEIGHT:
-        acc *= tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
-    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+    store_pair_rows(out_ptr, stride_out, acc, pairs, valid, cols, N, weights_ptr, MUL_WEIGHT)
 
 
 def _fp8_grouped_gemm(

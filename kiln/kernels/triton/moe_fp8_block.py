@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.reference import FP8_BLOCK
+from kiln.kernels.triton._moe_tiles import sorted_tile, store_pair_rows
 from kiln.kernels.triton.fp8_block_gemm import quantize_fp8_groups
 from kiln.kernels.triton.fused_moe import align_by_expert
 from kiln.kernels.triton.silu_mul import silu_and_mul
@@ -61,21 +62,15 @@ def _fp8_block_grouped_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+    if tl.program_id(0) * BLOCK_M >= tl.load(num_rows_ptr):
         return  # past the padded list's real end: the worst case's spare blocks
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + rows)
-    valid = pairs < num_pairs
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    pairs, valid, expert, cols = sorted_tile(sorted_pairs_ptr, block_experts_ptr, num_pairs,
+                                             BLOCK_M, BLOCK_N)  # fmt: skip
     if expert >= num_experts:  # another rank's experts: rows of zeros, no product
-        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
-        tl.store(out, zeros, mask=valid[:, None] & col_mask[None, :])
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        store_pair_rows(out_ptr, stride_out, zeros, pairs, valid, cols, N, weights_ptr, False)
         return
+    col_mask = cols < N
     # Padding rows read row 0 (their products are never stored).
     a_rows = tl.where(valid, pairs // A_PER_ROW, 0).to(tl.int64)
     w_rows = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
@@ -94,9 +89,7 @@ def _fp8_block_grouped_kernel(
         else:
             part = tl.dot(a, w, out_dtype=tl.float32)
         acc += part * a_scale[:, None] * w_scale[None, :]
-    if MUL_WEIGHT:
-        acc *= tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_mask[None, :])
+    store_pair_rows(out_ptr, stride_out, acc, pairs, valid, cols, N, weights_ptr, MUL_WEIGHT)
 
 
 def _grouped_gemm(
