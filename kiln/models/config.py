@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.errors import ModelLoadError
-from kiln.models import family_config, moe_config, registry
+from kiln.models import family_config, mla_config, moe_config, registry
 from kiln.models.kv_groups import KVCacheLayout, kv_cache_layout
 
 # The deepest published decoders have ~130 layers; building 10k layers' modules already takes
@@ -155,6 +155,22 @@ class ModelConfig:
     experts convert to them exactly) and a pre-quantized FP8 checkpoint's (llm-compressor's
     FP8_DYNAMIC per channel, ModelOpt's per tensor)."""
 
+    # Multi-head latent attention (DeepSeek-V2/V3; kiln.models.mla_config parses them): the
+    # cache then holds one head_dim = kv_lora_rank + qk_rope_head_dim wide "KV head" per token.
+    kv_lora_rank: int = 0
+    """Width of the compressed keys and values, the latent each token caches; 0: not MLA."""
+    q_lora_rank: int | None = None
+    """Width of the query's low-rank projection (q_a_proj); None: one q_proj."""
+    qk_nope_head_dim: int = 0
+    """Each query and key head's dims without rotary (the keys' from the latent)."""
+    qk_rope_head_dim: int = 0
+    """Each query head's rotary dims, and the one rotary key every head shares."""
+    v_head_dim: int = 0
+    """Each head's value width."""
+    rope_interleave: bool = False
+    """The checkpoint rotates dims (2i, 2i+1) as pairs (DeepSeek's); kiln's rotate-half kernels
+    get them de-interleaved by a row permutation at load."""
+
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer `layer` (its index in the whole model); None: full."""
         if self.layer_types is None or self.layer_types[layer] == _SLIDING:
@@ -261,13 +277,24 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         """The dims of each head that rotary turns (the first ones; as transformers rounds)."""
+        if self.kv_lora_rank:  # MLA: the cached head's first dims are its rotary key
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def kv_tensors_per_layer(self) -> int:
+        """Cache tensors a layer needs: K and V, or one for MLA, whose values are the latent
+        the keys hold (kiln.models.mla reads V from the same rows)."""
+        return 1 if self.kv_lora_rank else 2
 
     def parameter_counts(self) -> dict[str, int]:
         """Weights per part of the model (no quantization): what a size check names."""
         kv_width = self.num_key_value_heads * self.head_dim
         attention = self.hidden_size * (self.num_attention_heads * self.head_dim) * 2
         attention += self.hidden_size * kv_width * 2
+        if self.kv_lora_rank:
+            shapes = mla_config.mla_attention_shapes(self)
+            attention = sum(i * o for i, o in shapes) + mla_config.mla_unquantized_count(self)
         mlps = sum(self.mlp_parameter_count(i) for i in range(self.num_hidden_layers))
         embeddings = self.vocab_size * self.hidden_size
         return {
@@ -343,6 +370,7 @@ class ModelConfig:
         )
         fields.update(family_config.family_fields(architecture, d))
         fields.update(moe_config.moe_fields(architecture, d))
+        fields.update(mla_config.mla_fields(architecture, d))
         return cls(**fields)
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -392,6 +420,7 @@ class ModelConfig:
             d["max_window_layers"] = first if self.sliding_window else self.num_hidden_layers
         d.update(family_config.family_hf_fields(self))
         d.update(moe_config.moe_hf_fields(self))
+        d.update(mla_config.mla_hf_fields(self))
         return d
 
 

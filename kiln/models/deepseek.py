@@ -1,0 +1,104 @@
+"""DeepSeek-V3 (DeepseekV3ForCausalLM) and DeepSeek-V2 (DeepseekV2ForCausalLM): multi-head
+latent attention (kiln.models.mla) over GLM-4.5's mixture of experts: the first
+first_k_dense_replace layers' MLPs dense, the others routed experts (V3: sigmoid scores with
+e_score_correction_bias over groups, routed_scaling_factor; V2: a softmax over every expert)
+plus shared experts added ungated. Rotary dims come paired (2i, 2i+1) in the checkpoint
+(rope_interleave): their rows of q_b_proj / q_proj and kv_a_proj_with_mqa are de-interleaved
+at load, so the rotate-half kernels compute the same q . k. Multi-token-prediction layers
+(past num_hidden_layers) are dropped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import cast
+
+import torch
+
+from kiln.distributed.parallel_state import ParallelContext
+from kiln.models.blocks import DecoderLayer, LinearMethodFactory, RopeAttention
+from kiln.models.config import ModelConfig
+from kiln.models.decoder import LayerTensorMap
+from kiln.models.glm4_moe import GLM4_MOE_LAYER_TENSOR_MAP, Glm4MoeForCausalLM
+from kiln.models.mla import LatentAttention
+from kiln.models.moe_blocks import SparseMoeBlock
+
+MLA_TENSOR_MAP: LayerTensorMap = {
+    "self_attn.q_a_proj.weight": ("self_attn.qkv_a_proj.weight", 0),
+    "self_attn.q_a_proj.bias": ("self_attn.qkv_a_proj.bias", 0),
+    "self_attn.q_proj.weight": ("self_attn.qkv_a_proj.weight", 0),  # q_lora_rank None
+    "self_attn.kv_a_proj_with_mqa.weight": ("self_attn.qkv_a_proj.weight", 1),
+    "self_attn.kv_a_proj_with_mqa.bias": ("self_attn.qkv_a_proj.bias", 1),
+    "self_attn.q_a_layernorm.weight": ("self_attn.q_a_layernorm", None),
+    "self_attn.q_b_proj.weight": ("self_attn.q_b_proj.weight", None),
+    "self_attn.kv_a_layernorm.weight": ("self_attn.kv_a_layernorm", None),
+    "self_attn.kv_b_proj.weight": ("self_attn.kv_b_proj.weight", None),
+    "self_attn.o_proj.weight": ("self_attn.o_proj.weight", None),
+    "self_attn.o_proj.bias": ("self_attn.o_proj.bias", None),
+}
+DEEPSEEK_LAYER_TENSOR_MAP: LayerTensorMap = {
+    **{k: v for k, v in GLM4_MOE_LAYER_TENSOR_MAP.items() if not k.startswith("self_attn.")},
+    **MLA_TENSOR_MAP,
+}
+
+
+def deinterleave_rows(tensor: torch.Tensor, rope: int, period: int) -> torch.Tensor:
+    """`tensor` with the last `rope` rows of each `period` rows reordered from pairs (2i, 2i+1)
+    to the evens, then the odds: a rotate-half rotary of the result is the interleaved one's."""
+    order = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+    rows = tensor.view(-1, period, *tensor.shape[1:])
+    head, tail = rows[:, : period - rope], rows[:, period - rope :]
+    return torch.cat([head, tail[:, order]], dim=1).reshape(tensor.shape)
+
+
+class DeepseekV3ForCausalLM(Glm4MoeForCausalLM):
+    layer_tensor_map = DEEPSEEK_LAYER_TENSOR_MAP
+
+    def make_layer(
+        self,
+        cfg: ModelConfig,
+        prefix: str,
+        method: LinearMethodFactory,
+        dtype: torch.dtype | None,
+        ctx: ParallelContext | None,
+        full: ModelConfig,
+    ) -> DecoderLayer:
+        index = int(prefix.rsplit(".", 1)[1])  # the whole model's layer index
+        mlp = None
+        if full.is_sparse_layer(index):
+            mlp = SparseMoeBlock(cfg, f"{prefix}.mlp", method, dtype, ctx)
+        attention = LatentAttention(cfg, f"{prefix}.self_attn", method, dtype, ctx, full)
+        return DecoderLayer(cfg, prefix, method, dtype, ctx, full, mlp=mlp,
+                            attention=cast(RopeAttention, attention))  # fmt: skip
+
+    def adapt_hf_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return super().adapt_hf_weights(self._deinterleaved(weights))
+
+    def _deinterleaved(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        cfg = self.full_config
+        rope = cfg.qk_rope_head_dim
+        periods = {  # a projection -> its rows per head (the rotary ones last in each)
+            "q_proj": cfg.qk_nope_head_dim + rope,
+            "q_b_proj": cfg.qk_nope_head_dim + rope,
+            "kv_a_proj_with_mqa": cfg.kv_lora_rank + rope,
+        }
+        for name, tensor in weights:
+            parts = name.split(".")
+            if (
+                cfg.rope_interleave
+                and len(parts) >= 3
+                and parts[-3] == "self_attn"
+                and parts[-2] in periods
+                and parts[-1] in ("weight", "bias", "weight_scale")
+                and tensor.dim() >= 1
+                and tensor.shape[0] % periods[parts[-2]] == 0
+            ):
+                tensor = deinterleave_rows(tensor, rope, periods[parts[-2]])
+            yield name, tensor
+
+
+class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
+    """V2's layers are V3's; its router a softmax (cfg.moe_routing), no routing bias."""
