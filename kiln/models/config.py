@@ -735,6 +735,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         routed_scaling_factor=1.0, norm_topk_prob=True, pad_token_id=151329,
         eos_token_id=[151329, 151336, 151338],
     ),
+    # DeepSeek-V3 (671B, 37B active): MLA (a 512-wide latent and a 64-dim rotary key cached per
+    # token), three dense layers, then 256 sigmoid-routed experts of 2048 in 8 groups (4 kept),
+    # 8 a token, plus one shared; yarn rope to 160k. Its multi-token-prediction layer is not run.
+    "deepseek-v3": _preset(
+        "deepseek_v3", 129280, 7168, 18432, 61, 128, 128,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
+        n_shared_experts=1, first_k_dense_replace=3, n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=163840, num_nextn_predict_layers=1,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "beta_fast": 32, "beta_slow": 1,
+                      "mscale": 1.0, "mscale_all_dim": 1.0,
+                      "original_max_position_embeddings": 4096},
+        bos_token_id=0, eos_token_id=1,
+    ),
     "tinyllama-1.1b": _preset(
         "llama", 32000, 2048, 5632, 22, 32, 4,
         rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048,

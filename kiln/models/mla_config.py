@@ -38,6 +38,8 @@ def mla_fields(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
             raise ModelLoadError(f"{name}={fields[name]} must be positive")
     if fields["qk_rope_head_dim"] % 2:
         raise ModelLoadError(f"qk_rope_head_dim={fields['qk_rope_head_dim']} must be even")
+    if fields["attention_bias"] and fields["q_lora_rank"] is None:
+        raise ModelLoadError("attention_bias without q_lora_rank (a q_proj without a bias)")
     if fields["q_lora_rank"] is not None and fields["q_lora_rank"] <= 0:
         raise ModelLoadError(f"q_lora_rank={fields['q_lora_rank']} must be positive or null")
     # The cache's one head: [rotary key | latent] per token, shared by every query head.
