@@ -591,9 +591,11 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.norms = norms
         self.layer_norm, self.parallel = layer_norm, parallel
-        self.self_attn = attention if attention is not None else RopeAttention(
-            cfg, f"{prefix}.self_attn", method, dtype, ctx, full, qk_norm, rope_table, sinks
-        )
+        if attention is None:
+            attention = RopeAttention(
+                cfg, f"{prefix}.self_attn", method, dtype, ctx, full, qk_norm, rope_table, sinks
+            )
+        self.self_attn = attention
         self.mlp: GatedMLP | PlainMLP | nn.Module
         if mlp is not None:  # the family's own block, called as GatedMLP is (MoE)
             self.mlp = mlp

@@ -123,7 +123,8 @@ class LatentAttention(nn.Module):
         q = a[:, :q_width]
         if self.q_b_proj is not None:
             assert self.q_a_layernorm is not None
-            q = self.q_b_proj(ops, ops.rms_norm(q.contiguous(), self.q_a_layernorm, LATENT_NORM_EPS))
+            q_normed = ops.rms_norm(q.contiguous(), self.q_a_layernorm, LATENT_NORM_EPS)
+            q = self.q_b_proj(ops, q_normed)
         q = q.reshape(-1, self.num_heads, self.nope + self.rope)
         latent = ops.rms_norm(
             a[:, q_width : q_width + self.lora].contiguous(), self.kv_a_layernorm, LATENT_NORM_EPS

@@ -25,7 +25,6 @@ from tests.models.family_checks import (
     check_prefix_hit,
     hf_tokens,
     save_tiny_hf,
-    tokens,
 )
 from tests.models.test_glm4_moe import perturb_glm
 from tests.models.test_qwen3 import ARGS, GREEDY, PREFIXED, PROMPTS
