@@ -157,3 +157,26 @@ def test_unsupported_v2_routing_is_refused() -> None:
              topk_method="group_limited_greedy", routed_scaling_factor=16.0)  # fmt: skip
     with pytest.raises(ModelLoadError, match="group_limited_greedy"):
         ModelConfig.from_hf_dict(d)
+
+
+def test_a_block_fp8_release_loads(v3, tmp_path) -> None:
+    """DeepSeek-V3's own FP8 format (128x128 weight_scale_inv on every projection): the codes
+    load as written (the fused q_a / kv_a_proj_with_mqa and its de-interleaved rotary rows
+    too), kv_b_proj widened to its dequantized values, within float8's noise of the
+    dequantized checkpoint."""
+    from safetensors import safe_open
+
+    from tests.models.test_moe_fp8_block import write_fp8_release
+
+    path = str(tmp_path / "fp8")
+    write_fp8_release(v3[0], path)
+    fp8 = LLM(path, max_num_batched_tokens=64, **ARGS)
+    dequantized = LLM(f"{path}-dequantized", max_num_batched_tokens=64, **ARGS)
+    attn = fp8.engine.executor.runner.model.layers[1].self_attn
+    assert attn.qkv_a_proj.weight.dtype == attn.q_b_proj.weight.dtype == torch.float8_e4m3fn
+    with safe_open(f"{path}-dequantized/model.safetensors", framework="pt") as f:
+        want = f.get_tensor("model.layers.1.self_attn.kv_b_proj.weight")
+    assert torch.equal(attn.kv_b_proj.weight, want)
+    outputs = fp8.generate(PROMPTS, GREEDY)
+    gaps = generated_logprob_gaps(outputs, dequantized.generate(PROMPTS, GREEDY))
+    assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
