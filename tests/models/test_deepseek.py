@@ -5,8 +5,8 @@ rotary pairs, a dense first layer, then sigmoid routing over 2 groups with a rou
 routing scale and a shared expert; V3 with q_proj (q_lora_rank None) and rotate-half rotary;
 V2-Lite's shape (softmax routing, no renormalisation). Greedy tokens equal over 32 new tokens
 alone, batched, chunked, prefix-cached and preempted; the cache holds one [k_pe | c_kv] row
-per token, one tensor for K and V, and the memory plan counts that; fp8-dynamic within
-float8's noise."""
+per token, one tensor for K and V, and the memory plan counts that; fp8-dynamic weights, a
+float8 cache and DeepSeek's own block-FP8 release within float8's noise."""
 
 from __future__ import annotations
 
@@ -119,6 +119,17 @@ def test_fp8_dynamic_stays_close(v3) -> None:
     made = sum(p.numel() * p.element_size() for p in model.parameters())
     assert fp8.engine.memory_plan.weight_bytes == made
     assert weight_bytes(model.config, torch.float32, "fp8-dynamic") == made
+    gaps = generated_logprob_gaps(fp8.generate(PROMPTS, GREEDY), llm.generate(PROMPTS, GREEDY))
+    assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
+
+
+def test_a_float8_cache_stays_close(v3) -> None:
+    """The latent rows in e4m3 (unscaled, as kiln's float8 cache is without calibration)."""
+    path, _, llm, _ = v3
+    fp8 = LLM(path, kv_cache_dtype="fp8", max_num_batched_tokens=64, **ARGS)
+    k_cache, v_cache = fp8.engine.executor.runner.kv_caches[0]
+    assert k_cache is v_cache and k_cache.dtype == torch.float8_e4m3fn
+    assert fp8.engine.memory_plan.bytes_per_block == 3 * 40 * 16
     gaps = generated_logprob_gaps(fp8.generate(PROMPTS, GREEDY), llm.generate(PROMPTS, GREEDY))
     assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
 
