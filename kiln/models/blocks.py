@@ -736,5 +736,9 @@ def decoder_layers(model: CausalLM) -> list[DecoderLayer]:
     for layer in model.layers:
         if not isinstance(layer, DecoderLayer):
             raise TypeError(f"calibration walks DecoderLayer blocks, not {type(layer).__name__}")
+        if not isinstance(layer.self_attn, RopeAttention):  # MLA (kiln.models.mla)
+            raise TypeError(
+                f"calibration walks RopeAttention blocks, not {type(layer.self_attn).__name__}"
+            )
         layers.append(layer)
     return layers

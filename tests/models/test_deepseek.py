@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kiln import LLM
+from kiln.models.blocks import decoder_layers
 from kiln.models.config import PRESETS, ModelConfig
 from kiln.runtime.config_plan import weight_bytes
 from kiln.runtime.memory_plan import kv_bytes_per_token
@@ -25,6 +26,7 @@ from tests.models.family_checks import (
     check_prefix_hit,
     hf_tokens,
     save_tiny_hf,
+    tokens,
 )
 from tests.models.test_glm4_moe import perturb_glm
 from tests.models.test_qwen3 import ARGS, GREEDY, PREFIXED, PROMPTS
@@ -84,6 +86,8 @@ def test_the_layers_are_mla_shaped(v3) -> None:
     assert k_cache.shape[0] == plan.num_blocks  # one tensor of them per layer
     # The yarn mscale_all_dim's square on the softmax scale, as transformers has it.
     assert model.layers[0].self_attn.scale == pytest.approx(hf.model.layers[0].self_attn.scaling)
+    with pytest.raises(TypeError, match="LatentAttention"):  # calibration walks RopeAttention
+        decoder_layers(model)
     # A release's multi-token-prediction layer (numbered after the last) is dropped at load.
     mtp = [("model.layers.3.eh_proj.weight", torch.zeros(2)), ("model.norm.weight", torch.ones(2))]
     assert [name for name, _ in model.adapt_hf_weights(mtp)] == ["model.norm.weight"]
@@ -121,6 +125,26 @@ def test_fp8_dynamic_stays_close(v3) -> None:
     assert weight_bytes(model.config, torch.float32, "fp8-dynamic") == made
     gaps = generated_logprob_gaps(fp8.generate(PROMPTS, GREEDY), llm.generate(PROMPTS, GREEDY))
     assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
+
+
+def test_an_fp8_dynamic_engine_directory_builds_and_loads(v3, tmp_path) -> None:
+    from kiln.builder.build import BuildOptions, build_engine
+
+    path, _, _, _ = v3
+    out = str(tmp_path / "engine")
+    options = BuildOptions(quantization="fp8-dynamic", accuracy_check=False, max_model_len=256)
+    build_engine(path, out, options, None)
+    engine = LLM(out, max_num_batched_tokens=64, **ARGS)
+    cfg = engine.engine.executor.runner.model.config
+    assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.head_dim, cfg.rope_interleave) == (
+        32,
+        32,
+        40,
+        True,
+    )
+    assert cfg.rope_scaling is not None and cfg.rope_scaling["mscale_all_dim"] == 0.7
+    fp8 = LLM(path, quantization="fp8-dynamic", max_num_batched_tokens=64, **ARGS)
+    assert tokens(engine.generate(PROMPTS, GREEDY)) == tokens(fp8.generate(PROMPTS, GREEDY))
 
 
 def test_a_float8_cache_stays_close(v3) -> None:
