@@ -22,6 +22,7 @@ from tests.conftest import generated_logprob_gaps
 from tests.models.family_checks import (
     check_alone_and_batched,
     check_chunked,
+    check_gpu,
     check_preempted,
     check_prefix_hit,
     hf_tokens,
@@ -215,3 +216,11 @@ def test_a_block_fp8_release_loads(v3, tmp_path) -> None:
     outputs = fp8.generate(PROMPTS, GREEDY)
     gaps = generated_logprob_gaps(outputs, dequantized.generate(PROMPTS, GREEDY))
     assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_gpu_path(v3) -> None:
+    """Triton kernels with decode in CUDA graphs (the shared MQA kernels over the 40-wide
+    latent rows), fp32: HF's tokens; fp8-dynamic with a float8 cache within its noise."""
+    path, want, llm, _ = v3
+    check_gpu(path, want, llm)
