@@ -46,3 +46,36 @@ def test_triton_mla_equals_hf(tmp_path) -> None:
     assert runner.backend.name == "triton" and runner.kv_caches[0][0] is runner.kv_caches[0][1]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     assert tokens(llm.generate(PROMPTS, params)) == want
+
+
+def test_the_attention_kernels_at_a_latent_row_of_576(tmp_path) -> None:
+    """The shared decode and prefill kernels against their twins at DeepSeek's real row (64
+    rotary + 512 latent dims, one KV head read as K and V) for 16 query heads (V2-Lite's; V3's
+    per rank at TP=8), and the small tiles a GPU takes for such a row."""
+    from kiln.kernels import reference
+    from kiln.kernels import triton as triton_ops
+    from kiln.kernels.kv_layout import empty_layer_cache
+    from kiln.kernels.triton import decode_attention, prefill_attention
+    from kiln.models.packed_prefill import packed_prefill_metadata
+
+    cuda = torch.device("cuda")
+    assert decode_attention._tile_config(16, cuda, head_dim=576) == (16, 8, 1)
+    assert prefill_attention._tile_config(576, 512, 16, 1, cuda) == (16, 16, 8, 1)
+    device = cuda if torch.cuda.is_available() else torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    lens = [19, 6]
+    metadata, blocks = packed_prefill_metadata(lens, 16, device)
+    cache, _ = empty_layer_cache((blocks, 16, 1, 576), torch.float32, device, tensors=1)
+    rows = torch.randn(sum(lens), 1, 576, generator=gen).to(device)
+    reference.write_kv_cache(rows, rows, cache, cache, metadata.slot_mapping)
+    query = torch.randn(sum(lens), 16, 576, generator=gen).to(device)
+    m, scale = metadata, 576**-0.5
+    args = (cache, cache, m.block_tables, m.query_start_loc, m.seq_lens, scale, m.max_query_len,
+            m.max_seq_len)  # fmt: skip
+    want = reference.paged_prefill_attention(query, *args)
+    torch.testing.assert_close(triton_ops.paged_prefill_attention(query, *args), want)
+    last = m.query_start_loc[1:].long() - 1  # each sequence's last token, as a decode
+    decode = (query[last], cache, cache, m.block_tables, m.seq_lens, scale, m.max_seq_len)
+    torch.testing.assert_close(
+        triton_ops.paged_decode_attention(*decode), reference.paged_decode_attention(*decode)
+    )
