@@ -69,9 +69,11 @@ class DeepseekV3ForCausalLM(Glm4MoeForCausalLM):
         mlp = None
         if full.is_sparse_layer(index):
             mlp = SparseMoeBlock(cfg, f"{prefix}.mlp", method, dtype, ctx)
-        attention = LatentAttention(cfg, f"{prefix}.self_attn", method, dtype, ctx, full)
-        return DecoderLayer(cfg, prefix, method, dtype, ctx, full, mlp=mlp,
-                            attention=cast(RopeAttention, attention))  # fmt: skip
+        # Typed as RopeAttention for the layer: its call (project_qkv, attend, kind) is the same.
+        attention = cast(
+            RopeAttention, LatentAttention(cfg, f"{prefix}.self_attn", method, dtype, ctx, full)
+        )
+        return DecoderLayer(cfg, prefix, method, dtype, ctx, full, mlp=mlp, attention=attention)
 
     def adapt_hf_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]]
