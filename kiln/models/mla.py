@@ -89,6 +89,7 @@ class LatentAttention(nn.Module):
             self.lora, heads * (self.nope + self.v_dim), bias=False,
             method=UnquantizedLinearMethod(), dtype=dtype, split=kv_b_split,
         )  # fmt: skip
+        self.kv_b_proj.applied = False
         self.o_proj = Linear(
             heads * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias,
             method=method(f"{prefix}.o_proj"), dtype=dtype, split=o_split,

@@ -137,15 +137,28 @@ def test_an_fp8_dynamic_engine_directory_builds_and_loads(v3, tmp_path) -> None:
     build_engine(path, out, options, None)
     engine = LLM(out, max_num_batched_tokens=64, **ARGS)
     cfg = engine.engine.executor.runner.model.config
-    assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.head_dim, cfg.rope_interleave) == (
-        32,
-        32,
-        40,
-        True,
-    )
+    mla = (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.head_dim, cfg.rope_interleave)
+    assert mla == (32, 32, 40, True)
     assert cfg.rope_scaling is not None and cfg.rope_scaling["mscale_all_dim"] == 0.7
     fp8 = LLM(path, quantization="fp8-dynamic", max_num_batched_tokens=64, **ARGS)
     assert tokens(engine.generate(PROMPTS, GREEDY)) == tokens(fp8.generate(PROMPTS, GREEDY))
+
+
+def test_a_static_fp8_build_calibrates_around_the_absorbed_kv_b_proj(v3, tmp_path) -> None:
+    """Calibration observes every applied projection; kv_b_proj (multiplied in, never applied)
+    is left out and stays in the model dtype."""
+    from kiln.builder.build import BuildOptions, build_engine
+
+    path, _, llm, _ = v3
+    out = str(tmp_path / "engine")
+    options = BuildOptions(quantization="fp8", accuracy_check=False, max_model_len=256)
+    build_engine(path, out, options, None)
+    engine = LLM(out, max_num_batched_tokens=64, **ARGS)
+    attn = engine.engine.executor.runner.model.layers[1].self_attn
+    assert attn.o_proj.weight.dtype == torch.float8_e4m3fn and attn.o_proj.input_scale is not None
+    assert attn.kv_b_proj.weight.dtype == torch.float32
+    gaps = generated_logprob_gaps(engine.generate(PROMPTS, GREEDY), llm.generate(PROMPTS, GREEDY))
+    assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
 
 
 def test_a_float8_cache_stays_close(v3) -> None:
