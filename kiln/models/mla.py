@@ -10,10 +10,13 @@ The same call as blocks.RopeAttention (project_qkv, attend, kind), so DecoderLay
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from kiln.attention.backend import FULL_ATTENTION, AttentionKind
+from kiln.attention.torch_backend import aligned
 from kiln.distributed.parallel_state import ParallelContext
 from kiln.kernels import reference
 from kiln.layers.linear import Linear, TensorSplit, UnquantizedLinearMethod
@@ -148,10 +151,34 @@ class LatentAttention(nn.Module):
     def attend(self, step: StepInputs, query: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         """Multi-query attention over the cached rows, the latent columns of its output through
         W_UV per head, then o_proj: [num_tokens, hidden] (summed over TP ranks)."""
-        out = step.backend.forward(
-            query, kv_cache[0], kv_cache[1], step.metadata, self.scale, self.kind
-        )
         _, w_uv = self._absorbed()
-        latent = out[..., self.rope :].transpose(0, 1)  # [heads, num_tokens, lora]
+        latent = self._attend_latent(step, query, kv_cache).transpose(0, 1)  # [heads, n, lora]
         values = torch.bmm(latent, w_uv.transpose(1, 2)).transpose(0, 1)
         return self.o_proj(step.ops, values.reshape(-1, self.num_heads * self.v_dim))
+
+    def _attend_latent(
+        self, step: StepInputs, query: torch.Tensor, kv_cache: KVCache
+    ) -> torch.Tensor:  # [num_tokens, heads, lora]: each head's attended latent
+        """Decodes through ops.mla_decode_attention (each row read once, any number of heads),
+        prefill chunks through the backend's kernels (the rows as K and V, their rotary
+        columns of the output dropped). A float8 or int8 cache takes the backend's for both."""
+        m, cache = step.metadata, kv_cache[0]
+        nd = m.num_decodes
+        if nd == 0 or cache.element_size() == 1 or self.kind != FULL_ATTENTION:
+            out = step.backend.forward(query, cache, kv_cache[1], m, self.scale, self.kind)
+            return out[..., self.rope :]
+        decoded = step.ops.mla_decode_attention(
+            query[:nd], cache, m.block_tables[:nd], m.seq_lens[:nd], self.scale, m.max_seq_len,
+            self.rope,
+        )  # fmt: skip
+        if nd == m.num_seqs:
+            return decoded
+        prefill = dataclasses.replace(
+            m,
+            query_start_loc=m.query_start_loc[nd:] - nd,
+            seq_lens=aligned(m.seq_lens[nd:]),  # see run_split_attention
+            block_tables=aligned(m.block_tables[nd:]),
+            num_decodes=0,
+        )
+        out = step.backend.forward(query[nd:], cache, kv_cache[1], prefill, self.scale, self.kind)
+        return torch.cat([decoded, out[..., self.rope :]])

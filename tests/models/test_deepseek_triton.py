@@ -1,8 +1,8 @@
 """DeepSeek-V3's multi-head latent attention through the Triton kernels and attention backend
 (TRITON_INTERPRET=1 without a GPU), end to end: one cache tensor per layer for K and V (the
-[k_pe | c_kv] rows, 40 wide), written by the rotary + write kernel, read by the prefill and
-decode kernels as multi-query attention; prompts in chunks beside decodes, blocks of 4. Greedy
-tokens equal Hugging Face's in fp32."""
+[k_pe | c_kv] rows, 40 wide), written by the rotary + write kernel, read by the shared prefill
+kernel as multi-query attention and by the MLA decode kernel (kiln.kernels.triton.mla_decode);
+prompts in chunks beside decodes, blocks of 4. Greedy tokens equal Hugging Face's in fp32."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ NEW_TOKENS = 10
 PROMPTS = [[1, *range(40, 62)], [1, 5, 9, 30], [1, *range(200, 215)]]
 
 
-def test_triton_mla_equals_hf(tmp_path) -> None:
+def test_triton_mla_equals_hf(tmp_path, monkeypatch) -> None:
     path = str(tmp_path / "src")
     model = save_tiny_hf(path, "deepseek_v3", "DeepseekV3ForCausalLM", perturb=perturb_glm,
                          **DEEPSEEK_V3)  # fmt: skip
@@ -44,8 +44,19 @@ def test_triton_mla_equals_hf(tmp_path) -> None:
     )  # fmt: skip
     runner = llm.engine.executor.runner
     assert runner.backend.name == "triton" and runner.kv_caches[0][0] is runner.kv_caches[0][1]
+    from kiln.kernels import triton as triton_ops
+
+    decodes = []  # rows each call of the MLA decode kernel took: decode steps and mixed ones
+
+    def counted(query, *args, **kwargs):
+        decodes.append(query.shape[0])
+        return mla_decode_attention(query, *args, **kwargs)
+
+    mla_decode_attention = triton_ops.mla_decode_attention
+    monkeypatch.setattr(triton_ops, "mla_decode_attention", counted)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     assert tokens(llm.generate(PROMPTS, params)) == want
+    assert decodes and max(decodes) == len(PROMPTS)
 
 
 def test_the_attention_kernels_at_a_latent_row_of_576(tmp_path) -> None:
