@@ -750,6 +750,20 @@ PRESETS: dict[str, dict[str, Any]] = {
                       "original_max_position_embeddings": 4096},
         bos_token_id=0, eos_token_id=1,
     ),
+    # DeepSeek-V2-Lite (15.7B, 2.4B active): MLA without the query's low rank, one dense layer,
+    # then 64 softmax-routed experts of 1408, 6 a token, plus two shared; one GPU's MLA model.
+    "deepseek-v2-lite": _preset(
+        "deepseek_v2", 102400, 2048, 10944, 27, 16, 16,
+        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
+        n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy", n_group=1,
+        topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False, rms_norm_eps=1e-6,
+        rope_theta=10000.0, max_position_embeddings=163840,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "beta_fast": 32, "beta_slow": 1,
+                      "mscale": 0.707, "mscale_all_dim": 0.707,
+                      "original_max_position_embeddings": 4096},
+        bos_token_id=100000, eos_token_id=100001,
+    ),
     "tinyllama-1.1b": _preset(
         "llama", 32000, 2048, 5632, 22, 32, 4,
         rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048,

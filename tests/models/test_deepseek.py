@@ -190,12 +190,16 @@ def test_a_q_proj_and_v2_equal_hf(tmp_path_factory, model_type, architecture, ov
     check_alone_and_batched(llm, want)
 
 
-def test_deepseek_v3_preset_has_671b_parameters() -> None:
+def test_the_presets_have_the_published_parameter_counts() -> None:
     cfg = ModelConfig.from_hf_dict(PRESETS["deepseek-v3"])
     total = sum(cfg.parameter_counts().values())
     assert abs(total - 671e9) < 0.005 * 671e9, total  # the published 671B (MTP not counted)
     assert (cfg.head_dim, cfg.num_key_value_heads, cfg.rotary_dim) == (576, 1, 64)
     assert kv_bytes_per_token(cfg, torch.bfloat16) == 61 * 576 * 2  # 69 KiB a token
+    lite = ModelConfig.from_hf_dict(PRESETS["deepseek-v2-lite"])
+    total = sum(lite.parameter_counts().values())
+    assert abs(total - 15.7e9) < 0.005 * 15.7e9, total  # the published 15.7B
+    assert (lite.q_lora_rank, lite.moe_routing, lite.norm_topk_prob) == (None, "softmax", False)
 
 
 def test_unsupported_v2_routing_is_refused() -> None:
