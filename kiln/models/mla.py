@@ -4,7 +4,9 @@ every query head attends to those rows as multi-query attention. kv_b_proj's key
 moves into the query (q_nope @ W_UK per head gives its latent-space part) and its value half
 W_UV after the softmax (the attended latent @ W_UV^T per head gives its value), so K and V are
 the same rows: the runner gives a layer one cache tensor for both (ModelConfig.
-kv_tensors_per_layer), and the attention's output columns past the rotary ones are the latent.
+kv_tensors_per_layer). Decodes read the rows with ops.mla_decode_attention (the latent
+out); prefill chunks with the backend's kernels, whose output columns past the rotary ones are
+the latent.
 
 The same call as blocks.RopeAttention (project_qkv, attend, kind), so DecoderLayer runs it."""
 
