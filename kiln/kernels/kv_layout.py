@@ -43,3 +43,17 @@ def empty_cache(
     """A head-major [num_blocks, block_size, num_kv_heads, head_dim] cache; `allocate` makes the
     memory from a shape, dtype and device (default: torch.zeros)."""
     return allocate((num_blocks, num_kv_heads, block_size, head_dim), dtype, device).transpose(1, 2)
+
+
+def empty_layer_cache(
+    shape: tuple[int, int, int, int],  # [num_blocks, block_size, num_kv_heads, head_dim]
+    dtype: torch.dtype,
+    device: torch.device,
+    allocate: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = _zeros,
+    tensors: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's (k_cache, v_cache); with `tensors=1` one tensor is both (multi-head latent
+    attention: its values are columns of the rows its keys are, kiln.models.mla)."""
+    k_cache = empty_cache(*shape, dtype, device, allocate)
+    return (k_cache, k_cache) if tensors == 1 else (k_cache, empty_cache(*shape, dtype, device,
+                                                                         allocate))  # fmt: skip

@@ -139,6 +139,22 @@ def paged_decode_attention(
     return attended if out is None else out.copy_(attended)
 
 
+def mla_decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, rope + lora], one query token per sequence
+    cache: torch.Tensor,  # [num_blocks, block_size, 1, rope + lora]: the rows, K and V both
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the query token
+    scale: float,
+    max_seq_len: int,
+    rope_dim: int,
+    num_splits: int | None = None,  # the GPU kernel's partitions of the keys; none here
+) -> torch.Tensor:  # [num_seqs, num_heads, lora]: the attended latent
+    """Multi-head latent attention's decode (kiln.models.mla): multi-query attention of every
+    head over the sequence's cached rows [k_pe | c_kv], the rows' latent dims the values."""
+    out = paged_decode_attention(query, cache, cache, block_tables, seq_lens, scale, max_seq_len)
+    return out[..., rope_dim:]
+
+
 def paged_prefill_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim], packed sequences
     k_cache: torch.Tensor,

@@ -188,6 +188,9 @@ class Linear(nn.Module):
     weight_zeros: torch.Tensor
     weight_g_idx: torch.Tensor
     input_order: torch.Tensor | None
+    # False: its block multiplies its weight in itself and never applies it (MLA's absorbed
+    # kv_b_proj, kept in the model dtype): calibration observes no input to it.
+    applied: bool = True
 
     def __init__(
         self,

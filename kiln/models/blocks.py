@@ -558,7 +558,9 @@ class DecoderLayer(nn.Module):
     `norm_bias`: StableLM, Cohere) before the blocks, in place of the RMSNorms; with `parallel`
     attention and MLP read the same normed input (input_layernorm, the only norm) and their
     outputs join the stream together (Cohere, StableLM use_parallel_residual). `mlp`: a
-    block in place of the gated MLP, with its call (kiln.models.moe_blocks.SparseMoeBlock)."""
+    block in place of the gated MLP, with its call (kiln.models.moe_blocks.SparseMoeBlock);
+    `attention`: one in place of RopeAttention, with its project_qkv / attend / kind
+    (kiln.models.mla.LatentAttention)."""
 
     NORMS = ("pre", "sandwich", "post")
 
@@ -579,6 +581,7 @@ class DecoderLayer(nn.Module):
         gated_mlp: bool = True,
         mlp: nn.Module | None = None,
         sinks: bool = False,
+        attention: RopeAttention | None = None,
     ) -> None:
         super().__init__()
         if norms not in self.NORMS:
@@ -588,9 +591,11 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.norms = norms
         self.layer_norm, self.parallel = layer_norm, parallel
-        self.self_attn = RopeAttention(
-            cfg, f"{prefix}.self_attn", method, dtype, ctx, full, qk_norm, rope_table, sinks
-        )
+        if attention is None:
+            attention = RopeAttention(
+                cfg, f"{prefix}.self_attn", method, dtype, ctx, full, qk_norm, rope_table, sinks
+            )
+        self.self_attn = attention
         self.mlp: GatedMLP | PlainMLP | nn.Module
         if mlp is not None:  # the family's own block, called as GatedMLP is (MoE)
             self.mlp = mlp
@@ -731,5 +736,9 @@ def decoder_layers(model: CausalLM) -> list[DecoderLayer]:
     for layer in model.layers:
         if not isinstance(layer, DecoderLayer):
             raise TypeError(f"calibration walks DecoderLayer blocks, not {type(layer).__name__}")
+        if not isinstance(layer.self_attn, RopeAttention):  # MLA (kiln.models.mla)
+            raise TypeError(
+                f"calibration walks RopeAttention blocks, not {type(layer.self_attn).__name__}"
+            )
         layers.append(layer)
     return layers

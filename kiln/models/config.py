@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.errors import ModelLoadError
-from kiln.models import family_config, moe_config, registry
+from kiln.models import family_config, mla_config, moe_config, registry
 from kiln.models.kv_groups import KVCacheLayout, kv_cache_layout
 
 # The deepest published decoders have ~130 layers; building 10k layers' modules already takes
@@ -155,6 +155,22 @@ class ModelConfig:
     experts convert to them exactly) and a pre-quantized FP8 checkpoint's (llm-compressor's
     FP8_DYNAMIC per channel, ModelOpt's per tensor)."""
 
+    # Multi-head latent attention (DeepSeek-V2/V3; kiln.models.mla_config parses them): the
+    # cache then holds one head_dim = kv_lora_rank + qk_rope_head_dim wide "KV head" per token.
+    kv_lora_rank: int = 0
+    """Width of the compressed keys and values, the latent each token caches; 0: not MLA."""
+    q_lora_rank: int | None = None
+    """Width of the query's low-rank projection (q_a_proj); None: one q_proj."""
+    qk_nope_head_dim: int = 0
+    """Each query and key head's dims without rotary (the keys' from the latent)."""
+    qk_rope_head_dim: int = 0
+    """Each query head's rotary dims, and the one rotary key every head shares."""
+    v_head_dim: int = 0
+    """Each head's value width."""
+    rope_interleave: bool = False
+    """The checkpoint rotates dims (2i, 2i+1) as pairs (DeepSeek's); kiln's rotate-half kernels
+    get them de-interleaved by a row permutation at load."""
+
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer `layer` (its index in the whole model); None: full."""
         if self.layer_types is None or self.layer_types[layer] == _SLIDING:
@@ -261,13 +277,24 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         """The dims of each head that rotary turns (the first ones; as transformers rounds)."""
+        if self.kv_lora_rank:  # MLA: the cached head's first dims are its rotary key
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def kv_tensors_per_layer(self) -> int:
+        """Cache tensors a layer needs: K and V, or one for MLA, whose values are the latent
+        the keys hold (kiln.models.mla reads V from the same rows)."""
+        return 1 if self.kv_lora_rank else 2
 
     def parameter_counts(self) -> dict[str, int]:
         """Weights per part of the model (no quantization): what a size check names."""
         kv_width = self.num_key_value_heads * self.head_dim
         attention = self.hidden_size * (self.num_attention_heads * self.head_dim) * 2
         attention += self.hidden_size * kv_width * 2
+        if self.kv_lora_rank:
+            shapes = mla_config.mla_attention_shapes(self)
+            attention = sum(i * o for i, o in shapes) + mla_config.mla_unquantized_count(self)
         mlps = sum(self.mlp_parameter_count(i) for i in range(self.num_hidden_layers))
         embeddings = self.vocab_size * self.hidden_size
         return {
@@ -343,6 +370,7 @@ class ModelConfig:
         )
         fields.update(family_config.family_fields(architecture, d))
         fields.update(moe_config.moe_fields(architecture, d))
+        fields.update(mla_config.mla_fields(architecture, d))
         return cls(**fields)
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -392,6 +420,7 @@ class ModelConfig:
             d["max_window_layers"] = first if self.sliding_window else self.num_hidden_layers
         d.update(family_config.family_hf_fields(self))
         d.update(moe_config.moe_hf_fields(self))
+        d.update(mla_config.mla_hf_fields(self))
         return d
 
 
@@ -705,6 +734,35 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
         routed_scaling_factor=1.0, norm_topk_prob=True, pad_token_id=151329,
         eos_token_id=[151329, 151336, 151338],
+    ),
+    # DeepSeek-V3 (671B, 37B active): MLA (a 512-wide latent and a 64-dim rotary key cached per
+    # token), three dense layers, then 256 sigmoid-routed experts of 2048 in 8 groups (4 kept),
+    # 8 a token, plus one shared; yarn rope to 160k. Its multi-token-prediction layer is not run.
+    "deepseek-v3": _preset(
+        "deepseek_v3", 129280, 7168, 18432, 61, 128, 128,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
+        n_shared_experts=1, first_k_dense_replace=3, n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=163840, num_nextn_predict_layers=1,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "beta_fast": 32, "beta_slow": 1,
+                      "mscale": 1.0, "mscale_all_dim": 1.0,
+                      "original_max_position_embeddings": 4096},
+        bos_token_id=0, eos_token_id=1,
+    ),
+    # DeepSeek-V2-Lite (15.7B, 2.4B active): MLA without the query's low rank, one dense layer,
+    # then 64 softmax-routed experts of 1408, 6 a token, plus two shared; one GPU's MLA model.
+    "deepseek-v2-lite": _preset(
+        "deepseek_v2", 102400, 2048, 10944, 27, 16, 16,
+        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
+        n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy", n_group=1,
+        topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False, rms_norm_eps=1e-6,
+        rope_theta=10000.0, max_position_embeddings=163840,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "beta_fast": 32, "beta_slow": 1,
+                      "mscale": 0.707, "mscale_all_dim": 0.707,
+                      "original_max_position_embeddings": 4096},
+        bos_token_id=100000, eos_token_id=100001,
     ),
     "tinyllama-1.1b": _preset(
         "llama", 32000, 2048, 5632, 22, 32, 4,

@@ -19,7 +19,7 @@ _MIXTRAL = ("mixtral",)
 _QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 # Families with DeepSeek-V3's MoE layers: sigmoid routing with a bias and groups, dense layers
 # first, an ungated shared expert n_shared_experts wide.
-_GLM_MOE = ("glm4_moe",)
+_GLM_MOE = ("glm4_moe", "deepseek_v3")
 # Families whose float8 experts carry a scale per output channel (gpt-oss: its MXFP4 experts
 # convert to them exactly, kiln.checkpoint.fp4_formats); the others' one per expert.
 PER_CHANNEL_EXPERTS = ("gpt_oss",)
@@ -61,6 +61,11 @@ def moe_fields(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
             fields["attention_bias"] = bool(d.get("qkv_bias", True))  # q/k/v only
     elif architecture in _GLM_MOE:
         fields = glm_moe_fields(d)
+        if architecture == "deepseek_v3":  # its attention is MLA's (kiln.models.mla_config)
+            for name in ("attention_bias", "qk_layernorm", "partial_rotary_factor"):
+                del fields[name]
+    elif architecture == "deepseek_v2":
+        fields = deepseek_v2_moe_fields(d)
     else:
         return {}
     fields["num_experts_per_tok"] = int(d.get("num_experts_per_tok", 2))
@@ -108,6 +113,33 @@ def glm_moe_fields(d: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def deepseek_v2_moe_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2's MoE fields: softmax routing over every expert ("greedy", V2-Lite's), the
+    top-k weights not renormalised; dense layers first, an ungated shared expert. Its
+    "group_limited_greedy" routing over groups and a routed_scaling_factor other than 1 (the
+    236B release's) kiln's softmax router does not compute: refused by name."""
+    moe_inter = int(d.get("moe_intermediate_size") or 0)
+    n_group = int(d.get("n_group") or 1)
+    method = d.get("topk_method") or "greedy"
+    scaling = float(d.get("routed_scaling_factor") or 1.0)
+    if (method != "greedy" and n_group > 1) or scaling != 1.0:
+        raise ModelLoadError(
+            f"DeepSeek-V2's topk_method={method!r} with n_group={n_group} and "
+            f"routed_scaling_factor={scaling}: kiln routes V2 by a softmax over every expert "
+            "(topk_method 'greedy') with a scaling of 1 only"
+        )
+    if int(d.get("moe_layer_freq") or 1) != 1:
+        raise ModelLoadError(f"moe_layer_freq={d['moe_layer_freq']}: kiln takes 1 only")
+    return {
+        "num_experts": int(d.get("n_routed_experts") or 64),
+        "moe_intermediate_size": moe_inter,
+        "norm_topk_prob": False,
+        "shared_expert_intermediate_size": moe_inter * int(d.get("n_shared_experts", 2) or 0),
+        "shared_expert_gated": False,
+        "first_k_dense_replace": int(d.get("first_k_dense_replace", 0) or 0),
+    }
+
+
 def expert_scale_count(cfg: ModelConfig, quantization: str = "fp8-dynamic") -> int:
     """The fp32 scales of one sparse layer's float8 experts: one per expert and projection, one
     per output channel (cfg.per_channel_experts), or under "fp8-block" one per row and 128
@@ -148,6 +180,18 @@ def moe_family_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
         return {
             "num_local_experts": cfg.num_experts,
             "num_experts_per_tok": cfg.num_experts_per_tok,
+        }
+    if arch == "deepseek_v2":
+        return {
+            "n_routed_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.num_experts_per_tok,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "n_shared_experts": cfg.shared_expert_intermediate_size // cfg.moe_intermediate_size,
+            "first_k_dense_replace": cfg.first_k_dense_replace,
+            "topk_method": "greedy",
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.0,
         }
     if arch in _GLM_MOE:
         return {

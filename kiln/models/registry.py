@@ -45,6 +45,8 @@ FAMILIES: dict[str, Family] = {
     "Qwen2MoeForCausalLM": Family("qwen2_moe", "kiln.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", "kiln.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "Glm4MoeForCausalLM": Family("glm4_moe", "kiln.models.glm4_moe", "Glm4MoeForCausalLM"),
+    "DeepseekV3ForCausalLM": Family("deepseek_v3", "kiln.models.deepseek", "DeepseekV3ForCausalLM"),
+    "DeepseekV2ForCausalLM": Family("deepseek_v2", "kiln.models.deepseek", "DeepseekV2ForCausalLM"),
     "GptOssForCausalLM": Family("gpt_oss", "kiln.models.gpt_oss", "GptOssForCausalLM"),
     "Starcoder2ForCausalLM": Family(
         "starcoder2", "kiln.models.starcoder2", "Starcoder2ForCausalLM"

@@ -11,6 +11,7 @@ import torch
 
 from kiln.config import EngineConfig
 from kiln.models.config import ModelConfig
+from kiln.models.mla_config import mla_attention_shapes, mla_unquantized_count
 from kiln.models.moe_config import expert_scale_count
 from kiln.runtime.memory_plan import (
     _CPU_DEFAULT_KV_GB,
@@ -43,6 +44,10 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int
     h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv, layers = cfg.num_key_value_heads * cfg.head_dim, range(cfg.num_hidden_layers)
     projections = [(h, q + 2 * kv), (q, h)] * cfg.num_hidden_layers  # (in, out)
+    mla = 0  # MLA's parameters in `dtype` whatever the quantization (kiln.models.mla)
+    if cfg.kv_lora_rank:
+        projections = mla_attention_shapes(cfg) * cfg.num_hidden_layers
+        mla = mla_unquantized_count(cfg) * cfg.num_hidden_layers
     experts = routers = sinks = 0  # sinks: fp32 parameters (attention sinks, routing biases)
     for i in layers:
         sparse = cfg.is_sparse_layer(i)
@@ -68,11 +73,14 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int
     linear = sum(i * o for i, o in projections)
     out_channels = sum(o for _, o in projections)
     bias = (q + 2 * kv) * cfg.num_hidden_layers if cfg.attention_bias else 0
+    if cfg.kv_lora_rank:  # q_a_proj's (none without it) and kv_a_proj_with_mqa's, o_proj's
+        a_out = (cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        bias = (a_out + h) * cfg.num_hidden_layers if cfg.attention_bias else 0
     bias += h * cfg.num_hidden_layers if cfg.o_proj_bias else 0
     sinks += cfg.num_attention_heads * cfg.num_hidden_layers if cfg.attention_sinks else 0
     norms = (2 * cfg.num_hidden_layers + 1) * h
     embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    other = (bias + norms + embeddings + routers) * dtype.itemsize + expert_bytes + sinks * 4
+    other = (bias + norms + embeddings + routers + mla) * dtype.itemsize + expert_bytes + sinks * 4
     if quantization == "none":
         return linear * dtype.itemsize + other
     return linear * _FP8_BYTES + out_channels * 4 + other

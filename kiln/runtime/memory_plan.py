@@ -20,7 +20,7 @@ from torch import nn
 
 from kiln.attention.backend import AttentionMetadata, get_attention_backend
 from kiln.config import EngineConfig
-from kiln.kernels.kv_layout import empty_cache
+from kiln.kernels.kv_layout import empty_layer_cache
 from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
 from kiln.models.base import CausalLM
 from kiln.models.config import ModelConfig
@@ -203,8 +203,10 @@ def routed_expert_bytes(model: PlannedModel) -> int:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
-    """K and V of every layer for one token (what `kiln build` plans with, before any load)."""
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_dtype.itemsize
+    """K and V of every layer for one token (what `kiln build` plans with, before any load); an
+    MLA layer's one latent row (ModelConfig.kv_tensors_per_layer)."""
+    per_layer = cfg.kv_tensors_per_layer * cfg.num_key_value_heads * cfg.head_dim
+    return cfg.num_hidden_layers * per_layer * kv_dtype.itemsize
 
 
 def kv_bytes_per_block(model: PlannedModel, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -212,7 +214,8 @@ def kv_bytes_per_block(model: PlannedModel, block_size: int, kv_dtype: torch.dty
     model's layers share tensors: kiln.models.kv_groups)."""
     cfg = model.config
     elem = kv_dtype.itemsize
-    return 2 * _num_kv_tensors(model) * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+    per_token = cfg.kv_tensors_per_layer * cfg.num_key_value_heads * cfg.head_dim * elem
+    return _num_kv_tensors(model) * block_size * per_token
 
 
 def _stage_layers(model: PlannedModel) -> range:
@@ -277,7 +280,9 @@ def plan_kv_blocks(
     expert_bytes = routed_expert_bytes(model)
     per_block = kv_bytes_per_block(model, config.block_size, kv_dtype)
     cfg = model.config
-    layer_token_bytes = 2 * cfg.num_key_value_heads * cfg.head_dim * kv_dtype.itemsize
+    layer_token_bytes = (
+        cfg.kv_tensors_per_layer * cfg.num_key_value_heads * cfg.head_dim * kv_dtype.itemsize
+    )
     groups = group_plans(model.full_config, config, max_model_len, _stage_layers(model))
     if draft_model is not None:
         # Speculative decoding's draft: its weights, and a KV pool of as many blocks as the
@@ -411,7 +416,7 @@ def _largest_step(
     metadata, num_blocks = packed_prefill_metadata(lens, block_size, device)
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     caches = [
-        (empty_cache(*shape, kv_dtype, device), empty_cache(*shape, kv_dtype, device))
+        empty_layer_cache(shape, kv_dtype, device, tensors=cfg.kv_tensors_per_layer)
         for _ in range(cfg.num_hidden_layers)
     ]
     return _ProfileStep(

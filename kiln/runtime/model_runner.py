@@ -33,7 +33,7 @@ from kiln.distributed.parallel_state import ParallelContext
 from kiln.envs import envs
 from kiln.interfaces import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kiln.kernel_cache import compile_watch
-from kiln.kernels.kv_layout import empty_cache
+from kiln.kernels.kv_layout import empty_cache, empty_layer_cache
 from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
 from kiln.lora.model import LoRAModel
 from kiln.models.base import CausalLM
@@ -110,15 +110,14 @@ class ModelRunner:
             self.kv_caches = _shared_slot_caches(model, shape, kv_dtype)
         else:
             self.kv_caches = [
-                (
-                    empty_cache(*shape, kv_dtype, self.device, _zeros),
-                    empty_cache(*shape, kv_dtype, self.device, _zeros),
-                )
+                empty_layer_cache(shape, kv_dtype, self.device, _zeros, cfg.kv_tensors_per_layer)
                 for _ in range(cfg.num_hidden_layers)
             ]
-        # Block copies: each tensor once (a hybrid model's layers share them).
+        # Block copies: each tensor once (a hybrid model's layers share them, an MLA layer's
+        # K and V are one).
         distinct = {id(pair): pair for pair in self.kv_caches}.values()
-        self._all_caches = [cache for pair in distinct for cache in pair]
+        tensors = {id(cache): cache for pair in distinct for cache in pair}
+        self._all_caches = list(tensors.values())
         self.inputs = InputBuffers(
             max_num_batched_tokens,
             max_num_seqs,

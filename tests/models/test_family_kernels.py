@@ -55,6 +55,19 @@ FAMILIES = {
                                             num_experts_per_tok=2, moe_intermediate_size=32,
                                             n_group=2, topk_group=1, routed_scaling_factor=1.5,
                                             attention_bias=True, use_qk_norm=True)),
+    # Multi-head latent attention: one cached [k_pe | c_kv] row of 40 (not a power of two)
+    # for 4 query heads, interleaved yarn rotary; DeepSeek-V3's routing as GLM's.
+    "deepseek_v3": ("DeepseekV3ForCausalLM", dict(num_key_value_heads=4, num_hidden_layers=3,
+                                                  q_lora_rank=32, kv_lora_rank=32,
+                                                  qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                                  v_head_dim=16, n_routed_experts=8,
+                                                  num_experts_per_tok=2, moe_intermediate_size=32,
+                                                  n_group=2, topk_group=1,
+                                                  routed_scaling_factor=1.5,
+                                                  rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                "mscale_all_dim": 0.7,
+                                                                "original_max_position_embeddings":
+                                                                    128})),
 }  # fmt: skip
 
 

@@ -79,7 +79,7 @@ def observe_projections(
     layer's name."""
     wrapped: dict[str, tuple[Linear, ObserverT]] = {}
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and name != "lm_head":
+        if isinstance(module, Linear) and name != "lm_head" and module.applied:
             if named is not None:
                 observer = named(module.method, name)
             else:

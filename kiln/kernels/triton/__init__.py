@@ -19,6 +19,7 @@ from kiln.kernels.triton.fused_moe import fused_moe, fused_moe_int4
 from kiln.kernels.triton.int4_gemm import int4_linear
 from kiln.kernels.triton.int8_gemm import int8_linear, int8_matmul, quantize_int8
 from kiln.kernels.triton.lora import lora_expand, lora_shrink
+from kiln.kernels.triton.mla_decode import mla_decode_attention
 from kiln.kernels.triton.moe_decode import (
     fused_moe_decode,
     fused_moe_decode_routed,
@@ -86,6 +87,7 @@ __all__ = [
     "linear",
     "lora_expand",
     "lora_shrink",
+    "mla_decode_attention",
     "moe_route",
     "paged_decode_attention",
     "paged_prefill_attention",

@@ -320,12 +320,20 @@ _FP8_ONE_WARP_PROGRAMS_PER_SM = 12
 
 
 def _tile_config(
-    block_size: int, device: torch.device, kv_fp8: bool = False, programs: int = 0
+    block_size: int,
+    device: torch.device,
+    kv_fp8: bool = False,
+    programs: int = 0,
+    head_dim: int = 128,
 ) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages); `programs` is the grid's size (sequences x KV heads x
     splits), a host int."""
     if device.type != "cuda":
         return 16, 4, 1  # the interpreter's cost grows with tile size; 16 is tl.dot's minimum
+    if head_dim > 256:
+        # MLA's 576-wide latent rows (1024-wide tiles): the interpreter's tiles, one stage, so
+        # K and V tiles fit shared memory; untimed, and not yet compiled on a GPU.
+        return 16, 8, 1
     if kv_fp8:
         if programs and programs >= _FP8_ONE_WARP_PROGRAMS_PER_SM * num_sms(device):
             return 32, 1, 2
@@ -431,7 +439,7 @@ def paged_decode_attention_splits(
     # on an H200 (384 x 1.5k, 512 x 192, 64 x 4k) and a float8 one 36-48% slower (64 x 4k, 32 x 1k).
     heads_first = not kv_fp8
     block_n, num_warps, num_stages = _tile_config(
-        block_size, query.device, kv_fp8, num_seqs * num_kv_heads * num_splits
+        block_size, query.device, kv_fp8, num_seqs * num_kv_heads * num_splits, head_dim
     )
     split = num_splits > 1
     # Unsplit, the kernel writes `out` directly and never touches the partial buffers.

@@ -341,6 +341,10 @@ def _tile_config(
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) from PREFILL_TILES."""
     if device.type != "cuda":
         return 16, 16, 4, 1  # the interpreter's cost grows with tile size; 16 is tl.dot's minimum
+    if head_dim > 256:
+        # MLA's 576-wide latent rows (1024-wide tiles): the interpreter's tiles, one stage, so
+        # Q, K and V tiles fit shared memory; untimed, and not yet compiled on a GPU.
+        return 16, 16, 8, 1
     key = (128 if head_dim <= 128 else 256, operands)
     few = triton.cdiv(max_query_len, 128) * num_heads * num_seqs < 8 * num_sms(device)
     if key[0] == 128 and operands == "bf16" and few:
