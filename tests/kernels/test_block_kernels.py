@@ -319,34 +319,32 @@ def test_fp8_add_rms_norm_quant_and_qkv_sandwich(
 def test_sandwich_entries_gemma2_9b_shapes(activation: str) -> None:
     """Gemma-2-9B's decode entries in bf16 on float8 weights (hidden 3584, MLP 14336, q 4096 +
     kv 2 x 2048): the gated MLP entry and the qkv + rotary entry with the x-norm, at one row
-    (the fused kernels, split-K where the tiles cut K) against the fp32 twins."""
+    (the fused kernels, split-K where the tiles cut K) against the twins on the same bf16
+    inputs (the twins round where the kernels do; an fp32 twin is ~3% of the gated product's
+    peak away from the bf16 one at these shapes)."""
     hidden, inter, head_dim, num_kv_heads = 3584, 14336, 256, 8
     gen, x, residual, norm_weight, x_norm_weight = _sandwich_inputs(1, hidden, torch.bfloat16, 9)
     gate_up, gate_up_scale = (t.to(DEVICE) for t in _quantized_weight(2 * inter, hidden, gen))
     qkv, qkv_scale = (t.to(DEVICE) for t in _quantized_weight(8192, hidden, gen))
-    f32 = [t.float() for t in (x, residual, norm_weight, x_norm_weight)]
-    want, _ = reference.add_rms_norm_linear_silu_mul(
-        f32[0], f32[1], f32[2], EPS, gate_up, gate_up_scale, activation=activation,
-        x_norm_weight=f32[3],
-    )  # fmt: skip
-    got, _ = triton_ops.add_rms_norm_linear_silu_mul(
-        x, residual, norm_weight, EPS, gate_up, gate_up_scale, activation=activation,
-        x_norm_weight=x_norm_weight,
-    )  # fmt: skip
-    _assert_close_to_scale(got.float(), want, 3e-2)
+    head = (x, residual, norm_weight, EPS)
+    mlp = (gate_up, gate_up_scale)
+    kw = {"activation": activation, "x_norm_weight": x_norm_weight}
+    want, _ = reference.add_rms_norm_linear_silu_mul(*head, *mlp, **kw)
+    got, _ = triton_ops.add_rms_norm_linear_silu_mul(*head, *mlp, **kw)
+    _assert_close_to_scale(got.float(), want.float(), 1e-2)
     cos_sin = _cos_sin_cache(4096, head_dim).to(DEVICE)
     positions = torch.tensor([1000], device=DEVICE)
     slots = torch.tensor([1000], device=DEVICE)
-    caches = [_head_major(torch.zeros(64, 16, num_kv_heads, head_dim)).to(DEVICE) for _ in "kv"]
+    shape = (64, 16, num_kv_heads, head_dim)
+    caches = [_head_major(torch.zeros(shape)).to(DEVICE, torch.bfloat16) for _ in "kv"]
+    want_caches = [c.clone() for c in caches]
+    rope = (positions, cos_sin)
     want_q, _ = reference.add_rms_norm_qkv_rotary_write_kv(
-        f32[0], f32[1], f32[2], EPS, qkv, None, positions, cos_sin, *caches, slots, qkv_scale,
-        None, f32[3],
-    )  # fmt: skip
-    bf16_caches = [c.bfloat16() for c in caches]
+        *head, qkv, None, *rope, *want_caches, slots, qkv_scale, None, x_norm_weight
+    )
     got_q, _ = triton_ops.add_rms_norm_qkv_rotary_write_kv(
-        x, residual, norm_weight, EPS, qkv, None, positions, cos_sin, *bf16_caches, slots,
-        qkv_scale, None, x_norm_weight,
-    )  # fmt: skip
-    _assert_close_to_scale(got_q.float(), want_q, 3e-2)
-    for g, w in zip(bf16_caches, caches):
-        _assert_close_to_scale(g.float(), w, 3e-2)
+        *head, qkv, None, *rope, *caches, slots, qkv_scale, None, x_norm_weight
+    )
+    _assert_close_to_scale(got_q.float(), want_q.float(), 1e-2)
+    for g, w in zip(caches, want_caches):
+        _assert_close_to_scale(g.float(), w.float(), 1e-2)
