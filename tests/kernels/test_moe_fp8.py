@@ -107,3 +107,13 @@ def test_a_cuda_graph_captures_the_fp8_grouped_gemm() -> None:
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(captured, eager, atol=0, rtol=0)
+
+
+def test_prefill_sized_steps_take_the_wide_tiles() -> None:
+    """The GPU's tiles by rows an expert: the wide ones from 256 routed rows an expert (their
+    BLOCK_M of 128 pads fewer rows too much), the interpreter's on the CPU."""
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert moe_fp8.default_tiles(8192 * 8, 128, gpu) == moe_fp8.LARGE_TILES
+    assert moe_fp8.default_tiles(256 * 128 - 1, 128, gpu) == moe_fp8.DEFAULT_TILES
+    assert moe_fp8.default_tiles(16, 128, gpu) == moe_fp8.DEFAULT_TILES
+    assert moe_fp8.default_tiles(8192 * 8, 128, cpu) == moe_fp8._INTERPRETER_TILES

@@ -102,9 +102,12 @@ def _compile_all() -> dict[str, str]:
             {**scales, "HAS_BIAS": True, "BLOCK_N": 32, "BLOCK_K": block_k,
              "NUM_STAGES": stages},
         )  # fmt: skip
-    block_m, block_n, block_k, num_warps, num_stages, _ = moe_fp8.DEFAULT_TILES
-    for tma in (0, 1):
-        ptx[f"fp8 gemm tma={tma}"] = _ptx(
+    # The default tiles with and without TMA, and the prefill-sized ones as they run.
+    default_tma = (*moe_fp8.DEFAULT_TILES[:5], 1)
+    for name, tiles in (("tma=0", moe_fp8.DEFAULT_TILES), ("tma=1", default_tma),
+                        ("large", moe_fp8.LARGE_TILES)):  # fmt: skip
+        block_m, block_n, block_k, num_warps, num_stages, tma = tiles
+        ptx[f"fp8 gemm {name}"] = _ptx(
             moe_fp8._fp8_grouped_gemm_kernel,
             {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv",
              **({"w_desc": f"tensordesc<fp8e4nv[{block_n}, {block_k}]>"} if tma else {}),
@@ -171,10 +174,10 @@ def test_decode_kernels_pipeline_their_weight_loads(ptx) -> None:
 
 
 def test_the_fp8_grouped_gemm_runs_on_the_float8_tensor_cores(ptx) -> None:
-    for tma in (0, 1):
-        code = ptx[f"fp8 gemm tma={tma}"]
+    for name, tma in (("tma=0", False), ("tma=1", True), ("large", False)):
+        code = ptx[f"fp8 gemm {name}"]
         assert "wgmma.mma_async" in code and ".e4m3.e4m3" in code  # float8 x float8 MMAs
-        assert ("cp.async.bulk.tensor" in code) == bool(tma)  # TMA loads only where asked
+        assert ("cp.async.bulk.tensor" in code) == tma  # TMA loads only where asked
 
 
 def test_the_int4_grouped_gemm_dequantizes_onto_the_bf16_tensor_cores(ptx) -> None:
