@@ -69,10 +69,19 @@ def _block_n(rows: int, n: int, device: torch.device) -> int:
 
 
 @triton.jit
-def _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn):
-    """[len(cols), len(ks)] fp32: each weight's block scale (its row's, of its 128 inputs)."""
+def _block_scaled_dot(w, xk, scale_ptr, expert, cols, col_mask, k0, K, stride_se, stride_sn,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """[len(cols)] fp32: the widened codes w ([BLOCK_N, BLOCK_K], inputs k0 ..) times xk, each
+    128 inputs' partial sums times their row's block scale. One scale a row and 128-input
+    chunk ([BLOCK_N, BLOCK_K / 128]), not one a weight: a per-weight scale tile streamed 4 bytes
+    a code through the pipeline's shared memory, 4x the weights' bytes."""
+    CHUNK: tl.constexpr = min(BLOCK_K, 128)  # BLOCK_K, a power of two, divides 128 or k0 does
+    parts = tl.sum(tl.reshape(w * xk[None, :], (BLOCK_N, BLOCK_K // CHUNK, CHUNK)), axis=2)
+    starts = k0 + tl.arange(0, BLOCK_K // CHUNK) * CHUNK
     rows = scale_ptr + expert * stride_se + cols[:, None].to(tl.int64) * stride_sn
-    return tl.load(rows + (ks // 128)[None, :], mask=mask, other=0.0)
+    mask = col_mask[:, None] & (starts < K)[None, :]
+    scales = tl.load(rows + (starts // 128)[None, :], mask=mask, other=0.0)
+    return tl.sum(parts * scales, axis=1)
 
 
 @triton.jit
@@ -180,10 +189,13 @@ def _gate_up_act_kernel(
             g = tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
             u = tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
             if BLOCK_SCALED:  # the norm's rsqrt, one scalar a row, still commutes with these
-                g *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
-                u *= _block_scales(scale_ptr, expert, cols + N, ks, mask, stride_se, stride_sn)
-            gate += tl.sum(g * xk[None, :], axis=1)
-            up += tl.sum(u * xk[None, :], axis=1)
+                gate += _block_scaled_dot(g, xk, scale_ptr, expert, cols, col_mask, k0, K,
+                                          stride_se, stride_sn, BLOCK_N, BLOCK_K)  # fmt: skip
+                up += _block_scaled_dot(u, xk, scale_ptr, expert, cols + N, col_mask, k0, K,
+                                        stride_se, stride_sn, BLOCK_N, BLOCK_K)  # fmt: skip
+            else:
+                gate += tl.sum(g * xk[None, :], axis=1)
+                up += tl.sum(u * xk[None, :], axis=1)
     if NORMED:
         rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
         gate *= rstd
@@ -259,8 +271,10 @@ def _down_kernel(
         else:
             w = tl.load(rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
             if BLOCK_SCALED:
-                w *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
-            down += tl.sum(w * hk[None, :], axis=1)
+                down += _block_scaled_dot(w, hk, scale_ptr, expert, cols, col_mask, k0, K,
+                                          stride_se, stride_sn, BLOCK_N, BLOCK_K)  # fmt: skip
+            else:
+                down += tl.sum(w * hk[None, :], axis=1)
     if SCALED and not BLOCK_SCALED:
         down *= tl.load(scale_ptr + expert * stride_se + cols * stride_sn, mask=col_mask, other=0.0)
     if HAS_BIAS:
@@ -329,8 +343,10 @@ def _down_sum_kernel(
         else:
             w = tl.load(rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
             if BLOCK_SCALED:
-                w *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
-            part = tl.sum(w * hk[None, :], axis=1)
+                part = _block_scaled_dot(w, hk, scale_ptr, expert, cols, col_mask, k0, K,
+                                         stride_se, stride_sn, BLOCK_N, BLOCK_K)  # fmt: skip
+            else:
+                part = tl.sum(w * hk[None, :], axis=1)
         if SCALED and not BLOCK_SCALED:
             scales = scale_ptr + expert * stride_se + cols * stride_sn
             part *= tl.load(scales, mask=col_mask, other=0.0)
