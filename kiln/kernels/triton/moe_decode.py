@@ -13,7 +13,8 @@ one more launch.
 
 Weights are the model dtype's or float8 e4m3 (widened in registers; weight-only) with a scale
 per expert ([E]), per expert and output channel ([E, N]) or per 128x128 block ([E, N, K / 128]:
-each row's scale of each 128 inputs, multiplied into the widened codes: BLOCK_SCALED).
+each row's scale of each 128 inputs, loaded once a chunk and multiplied into that chunk's
+partial sums, so the loop streams per-channel float8's bytes: BLOCK_SCALED).
 Constexpr variants: gpt-oss's expert biases and clamped SwiGLU; fused_moe_decode_routed's
 gate_up launch also takes the residual stream and the router's logits, RMS-norms the row inside
 its loop (the norm's scale, one scalar a row, multiplies the sums at the end, so block scales
@@ -133,7 +134,7 @@ def _gate_up_act_kernel(
     stride_be,
     stride_out,
     SCALED: tl.constexpr,
-    BLOCK_SCALED: tl.constexpr,  # with SCALED: a scale per row and 128 inputs, on the codes
+    BLOCK_SCALED: tl.constexpr,  # with SCALED: a scale per row and 128 inputs (a chunk's sums)
     INT4: tl.constexpr,  # w: int32 words of 8 codes [E, 2 * N, K / 8], dequantized here
     GROUP: tl.constexpr,  # with INT4: inputs per scale and zero
     NORMED: tl.constexpr,  # x is the residual stream: rms_norm it here (dot * rsqrt at the end)
