@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ pytest.importorskip("triton.backends.nvidia", reason="triton without its NVIDIA 
 # this by value); these are not (top_k 8, per-expert scale strides 1 and 0, counts).
 _NOT_DIVISIBLE = {"top_k", "stride_se", "stride_sn", "num_experts", "num_pairs", "eps", "alpha",
                   "limit", "stride_shared_gate"}  # fmt: skip
+_ASYNC_COPY = re.compile(r"cp\.async\.c[ag]\.")  # a global-to-shared copy, not a commit
 _STRIDES = ("stride_we", "stride_wn", "stride_se", "stride_sn", "stride_out")
 
 
@@ -67,6 +69,12 @@ def _compile_all() -> dict[str, str]:
         "stride_h": "i32", "stride_be": "i32", "stride_shared": "i32",
         "stride_shared_gate": "i32", **dict.fromkeys(_STRIDES, "i32"),
     }  # fmt: skip
+    down_args = {
+        "h_ptr": "*bf16", "scale_ptr": "*fp32", "zero_ptr": "*fp32", "ids_ptr": "*i64",
+        "weights_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*fp32", "N": "i32", "K": "i32",
+        "K_CHUNK": "i32", "stride_h": "i32", "stride_be": "i32",
+        **dict.fromkeys(_STRIDES, "i32"),
+    }  # fmt: skip
     # (name suffix, gate_up's variant, down_sum's): the plain kernels, Qwen3-MoE's routed and
     # normed decode, gpt-oss's biased and clamped experts, Qwen2-MoE's shared expert.
     variants = (
@@ -93,15 +101,26 @@ def _compile_all() -> dict[str, str]:
                  "NUM_STAGES": stages},
             )  # fmt: skip
         ptx[f"down {weight}"] = _ptx(
-            moe_decode._down_kernel,
-            {"h_ptr": "*bf16", "w_ptr": f"*{weight}", "scale_ptr": "*fp32", "zero_ptr": "*fp32",
-             "ids_ptr": "*i64",
-             "weights_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*fp32", "N": "i32",
-             "K": "i32", "K_CHUNK": "i32", "stride_h": "i32", "stride_be": "i32",
-             **dict.fromkeys(_STRIDES, "i32")},
+            moe_decode._down_kernel, {**down_args, "w_ptr": f"*{weight}"},
             {**scales, "HAS_BIAS": True, "BLOCK_N": 32, "BLOCK_K": block_k,
              "NUM_STAGES": stages},
         )  # fmt: skip
+    # Block-scaled float8 (a scale per row and 128 inputs) at per-channel float8's tiles.
+    block = {"SCALED": True, "BLOCK_SCALED": True, "INT4": False, "GROUP": 128}
+    fp8_k = moe_decode._ROW_BYTES
+    ptx["gate_up fp8_block"] = _ptx(
+        moe_decode._gate_up_act_kernel, {**gate_up_args, "w_ptr": "*fp8e4nv"},
+        {**block, **plain, "INTERPRETED": False, "BLOCK_N": 16, "BLOCK_K": fp8_k,
+         "NUM_STAGES": stages},
+    )  # fmt: skip
+    ptx["down_sum fp8_block"] = _ptx(
+        moe_decode._down_sum_kernel, {**down_sum_args, "w_ptr": "*fp8e4nv"},
+        {**block, **variants[0][2], "BLOCK_N": 8, "BLOCK_K": fp8_k, "NUM_STAGES": stages},
+    )  # fmt: skip
+    ptx["down fp8_block"] = _ptx(
+        moe_decode._down_kernel, {**down_args, "w_ptr": "*fp8e4nv"},
+        {**block, "HAS_BIAS": True, "BLOCK_N": 32, "BLOCK_K": fp8_k, "NUM_STAGES": stages},
+    )  # fmt: skip
     # The default tiles with and without TMA, and the prefill-sized ones as they run.
     default_tma = (*moe_fp8.DEFAULT_TILES[:5], 1)
     for name, tiles in (("tma=0", moe_fp8.DEFAULT_TILES), ("tma=1", default_tma),
@@ -171,6 +190,16 @@ def test_decode_kernels_pipeline_their_weight_loads(ptx) -> None:
             for kernel in ("gate_up", "down_sum"):
                 assert "cp.async" in ptx[f"{kernel} {weight} {suffix}"], (kernel, suffix)
         assert "ld.global" not in ptx[f"down_sum {weight}"]
+
+
+def test_block_scaled_decode_copies_what_per_channel_does(ptx) -> None:
+    """Block scales loaded once a row and 128 inputs: the block-scaled GEMVs' async copies are
+    per-channel float8's plus a [BLOCK_N, BLOCK_K / 128] scale tile (gate's and up's) a stage.
+    A scale gathered per weight, staged 4 bytes a code (hundreds of copies), ran 15x slower."""
+    for kernel in ("gate_up", "down_sum", "down"):
+        channel = len(_ASYNC_COPY.findall(ptx[f"{kernel} fp8e4nv"]))
+        block = len(_ASYNC_COPY.findall(ptx[f"{kernel} fp8_block"]))
+        assert channel <= block <= channel + 2 * 3, (kernel, channel, block)  # 3 stages
 
 
 def test_the_fp8_grouped_gemm_runs_on_the_float8_tensor_cores(ptx) -> None:

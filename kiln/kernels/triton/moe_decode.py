@@ -13,7 +13,8 @@ one more launch.
 
 Weights are the model dtype's or float8 e4m3 (widened in registers; weight-only) with a scale
 per expert ([E]), per expert and output channel ([E, N]) or per 128x128 block ([E, N, K / 128]:
-each row's scale of each 128 inputs, multiplied into the widened codes: BLOCK_SCALED).
+each row's scale of each 128 inputs, loaded once a chunk and multiplied into that chunk's
+partial sums, so the loop streams per-channel float8's bytes: BLOCK_SCALED).
 Constexpr variants: gpt-oss's expert biases and clamped SwiGLU; fused_moe_decode_routed's
 gate_up launch also takes the residual stream and the router's logits, RMS-norms the row inside
 its loop (the norm's scale, one scalar a row, multiplies the sums at the end, so block scales
@@ -69,10 +70,19 @@ def _block_n(rows: int, n: int, device: torch.device) -> int:
 
 
 @triton.jit
-def _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn):
-    """[len(cols), len(ks)] fp32: each weight's block scale (its row's, of its 128 inputs)."""
+def _block_scaled_dot(w, xk, scale_ptr, expert, cols, col_mask, k0, K, stride_se, stride_sn,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """[len(cols)] fp32: the widened codes w ([BLOCK_N, BLOCK_K], inputs k0 ..) times xk, each
+    128 inputs' partial sums times their row's block scale. One scale a row and 128-input
+    chunk ([BLOCK_N, BLOCK_K / 128]), not one a weight: a per-weight scale tile streamed 4 bytes
+    a code through the pipeline's shared memory, 4x the weights' bytes."""
+    CHUNK: tl.constexpr = min(BLOCK_K, 128)  # BLOCK_K, a power of two, divides 128 or k0 does
+    parts = tl.sum(tl.reshape(w * xk[None, :], (BLOCK_N, BLOCK_K // CHUNK, CHUNK)), axis=2)
+    starts = k0 + tl.arange(0, BLOCK_K // CHUNK) * CHUNK
     rows = scale_ptr + expert * stride_se + cols[:, None].to(tl.int64) * stride_sn
-    return tl.load(rows + (ks // 128)[None, :], mask=mask, other=0.0)
+    mask = col_mask[:, None] & (starts < K)[None, :]
+    scales = tl.load(rows + (starts // 128)[None, :], mask=mask, other=0.0)
+    return tl.sum(parts * scales, axis=1)
 
 
 @triton.jit
@@ -124,7 +134,7 @@ def _gate_up_act_kernel(
     stride_be,
     stride_out,
     SCALED: tl.constexpr,
-    BLOCK_SCALED: tl.constexpr,  # with SCALED: a scale per row and 128 inputs, on the codes
+    BLOCK_SCALED: tl.constexpr,  # with SCALED: a scale per row and 128 inputs (a chunk's sums)
     INT4: tl.constexpr,  # w: int32 words of 8 codes [E, 2 * N, K / 8], dequantized here
     GROUP: tl.constexpr,  # with INT4: inputs per scale and zero
     NORMED: tl.constexpr,  # x is the residual stream: rms_norm it here (dot * rsqrt at the end)
@@ -180,10 +190,13 @@ def _gate_up_act_kernel(
             g = tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
             u = tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
             if BLOCK_SCALED:  # the norm's rsqrt, one scalar a row, still commutes with these
-                g *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
-                u *= _block_scales(scale_ptr, expert, cols + N, ks, mask, stride_se, stride_sn)
-            gate += tl.sum(g * xk[None, :], axis=1)
-            up += tl.sum(u * xk[None, :], axis=1)
+                gate += _block_scaled_dot(g, xk, scale_ptr, expert, cols, col_mask, k0, K,
+                                          stride_se, stride_sn, BLOCK_N, BLOCK_K)  # fmt: skip
+                up += _block_scaled_dot(u, xk, scale_ptr, expert, cols + N, col_mask, k0, K,
+                                        stride_se, stride_sn, BLOCK_N, BLOCK_K)  # fmt: skip
+            else:
+                gate += tl.sum(g * xk[None, :], axis=1)
+                up += tl.sum(u * xk[None, :], axis=1)
     if NORMED:
         rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
         gate *= rstd
@@ -259,8 +272,10 @@ def _down_kernel(
         else:
             w = tl.load(rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
             if BLOCK_SCALED:
-                w *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
-            down += tl.sum(w * hk[None, :], axis=1)
+                down += _block_scaled_dot(w, hk, scale_ptr, expert, cols, col_mask, k0, K,
+                                          stride_se, stride_sn, BLOCK_N, BLOCK_K)  # fmt: skip
+            else:
+                down += tl.sum(w * hk[None, :], axis=1)
     if SCALED and not BLOCK_SCALED:
         down *= tl.load(scale_ptr + expert * stride_se + cols * stride_sn, mask=col_mask, other=0.0)
     if HAS_BIAS:
@@ -329,8 +344,10 @@ def _down_sum_kernel(
         else:
             w = tl.load(rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
             if BLOCK_SCALED:
-                w *= _block_scales(scale_ptr, expert, cols, ks, mask, stride_se, stride_sn)
-            part = tl.sum(w * hk[None, :], axis=1)
+                part = _block_scaled_dot(w, hk, scale_ptr, expert, cols, col_mask, k0, K,
+                                         stride_se, stride_sn, BLOCK_N, BLOCK_K)  # fmt: skip
+            else:
+                part = tl.sum(w * hk[None, :], axis=1)
         if SCALED and not BLOCK_SCALED:
             scales = scale_ptr + expert * stride_se + cols * stride_sn
             part *= tl.load(scales, mask=col_mask, other=0.0)
