@@ -80,6 +80,7 @@ def _plain_greedy_metadata(num_rows: int, device: torch.device) -> SamplingMetad
         all_greedy=True,
         all_random=False,
         no_penalties=True,
+        no_top_filters=True,
     )
 
 
@@ -131,6 +132,10 @@ def build_sampling_metadata(
         all_greedy=all(p.greedy for p in params),
         all_random=not any(p.greedy for p in params),
         no_penalties=not (any_repetition or any_presence),
+        no_top_filters=all(
+            (p.top_k <= 0 or p.top_k >= vocab_size) and p.top_p >= 1.0 and p.min_p <= 0.0
+            for p in params
+        ),
     )
 
 

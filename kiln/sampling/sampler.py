@@ -60,6 +60,9 @@ class SamplingMetadata:
     all_random: bool
     no_penalties: bool
     token_bitmask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 allowed ids (grammars)
+    # No row sets top-k, top-p or min-p: the random rows skip the filter's sort of the
+    # vocabulary (the memory plan's profiling row leaves it False: the sort's peak counts).
+    no_top_filters: bool = False
 
 
 class Sampler:
@@ -142,7 +145,8 @@ class Sampler:
         is_greedy = md.temperature == 0
         temperature = torch.where(is_greedy, torch.ones_like(md.temperature), md.temperature)
         logits = logits / temperature[:, None]
-        logits = apply_top_k_top_p_min_p(logits, md.top_k, md.top_p, md.min_p)
+        if not md.no_top_filters:
+            logits = apply_top_k_top_p_min_p(logits, md.top_k, md.top_p, md.min_p)
         return greedy, logits.softmax(dim=-1)
 
 

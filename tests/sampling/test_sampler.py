@@ -151,6 +151,54 @@ def test_temperature_frequencies_match_softmax(temperature: float) -> None:
     assert_distribution(counts, torch.softmax(logits / temperature, dim=-1))
 
 
+def test_rows_without_top_filters_skip_the_vocabulary_sort(monkeypatch) -> None:
+    """With no top-k, top-p or min-p in any row the filter (a sort of the whole vocabulary, 262k
+    logits a row on Gemma 3) is skipped, and the draws still follow the softmax."""
+    import dataclasses
+
+    import kiln.sampling.sampler as sampler_module
+
+    def no_sort(*args):
+        raise AssertionError("filtered although no row asked for it")
+
+    monkeypatch.setattr(sampler_module, "apply_top_k_top_p_min_p", no_sort)
+    logits = torch.tensor([1.0, 0.0, -0.5, 2.0, 0.3, -1.0])
+    torch.manual_seed(1234)
+    metadata = dataclasses.replace(make_metadata(NUM_DRAWS), no_top_filters=True)
+    out = Sampler()(logits.expand(NUM_DRAWS, -1).contiguous(), metadata)
+    assert_distribution(torch.bincount(out.sampled_token_ids, minlength=6), logits.softmax(-1))
+    with pytest.raises(AssertionError, match="filtered although"):
+        Sampler()(logits[None], make_metadata(1))  # the flag off: the filter runs
+
+
+@pytest.mark.parametrize(
+    ("params", "skips"),
+    [
+        ({"temperature": 0.7}, True),
+        ({"temperature": 0.7, "top_k": 256}, True),  # top_k at the vocabulary: off
+        ({"temperature": 0.7, "top_k": 40}, False),
+        ({"temperature": 0.7, "top_p": 0.9}, False),
+        ({"temperature": 0.7, "min_p": 0.05}, False),
+    ],
+)
+def test_the_runner_marks_rows_without_top_filters(params: dict, skips: bool) -> None:
+    import dataclasses
+
+    from kiln.runtime.sampling_inputs import build_sampling_metadata
+    from kiln.sampling_params import SamplingParams
+
+    @dataclasses.dataclass
+    class Row:
+        sampling_params: SamplingParams
+        prompt_token_ids: tuple[int, ...] = (1, 2)
+        output_token_ids: tuple[int, ...] = ()
+        num_output_tokens: int = 0
+
+    rows = [Row(SamplingParams(temperature=0.7)), Row(SamplingParams(**params))]
+    metadata = build_sampling_metadata(rows, (2,), 256, torch.device("cpu"))  # type: ignore[arg-type]
+    assert metadata.no_top_filters is skips
+
+
 def test_very_low_temperature_is_greedy() -> None:
     logits = torch.tensor([0.0, 1.5, 1.0, -2.0, 0.5])
     counts = draw_counts(logits, temperature=1e-3)
