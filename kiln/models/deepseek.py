@@ -19,9 +19,8 @@ from kiln.errors import ModelLoadError
 from kiln.models.blocks import DecoderLayer, LinearMethodFactory, RopeAttention
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import LayerTensorMap
-from kiln.models.glm4_moe import GLM4_MOE_LAYER_TENSOR_MAP, Glm4MoeForCausalLM
+from kiln.models.glm4_moe import GLM4_MOE_LAYER_TENSOR_MAP, Glm4MoeForCausalLM, sparse_mlp
 from kiln.models.mla import LatentAttention
-from kiln.models.moe_blocks import SparseMoeBlock
 
 MLA_TENSOR_MAP: LayerTensorMap = {
     "self_attn.q_a_proj.weight": ("self_attn.qkv_a_proj.weight", 0),
@@ -65,10 +64,7 @@ class DeepseekV3ForCausalLM(Glm4MoeForCausalLM):
         ctx: ParallelContext | None,
         full: ModelConfig,
     ) -> DecoderLayer:
-        index = int(prefix.rsplit(".", 1)[1])  # the whole model's layer index
-        mlp = None
-        if full.is_sparse_layer(index):
-            mlp = SparseMoeBlock(cfg, f"{prefix}.mlp", method, dtype, ctx)
+        mlp = sparse_mlp(cfg, prefix, method, dtype, ctx, full)
         # Typed as RopeAttention for the layer: its call (project_qkv, attend, kind) is the same.
         attention = cast(
             RopeAttention, LatentAttention(cfg, f"{prefix}.self_attn", method, dtype, ctx, full)

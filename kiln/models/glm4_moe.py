@@ -35,6 +35,22 @@ GLM4_MOE_LAYER_TENSOR_MAP: LayerTensorMap = {
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
+def sparse_mlp(
+    cfg: ModelConfig,
+    prefix: str,
+    method: LinearMethodFactory,
+    dtype: torch.dtype | None,
+    ctx: ParallelContext | None,
+    full: ModelConfig,
+) -> SparseMoeBlock | None:
+    """The layer's mixture of experts, or None (the layer's own dense MLP) for the first
+    first_k_dense_replace layers; the index is the whole model's, from the prefix."""
+    index = int(prefix.rsplit(".", 1)[1])
+    if full.is_sparse_layer(index):
+        return SparseMoeBlock(cfg, f"{prefix}.mlp", method, dtype, ctx)
+    return None
+
+
 class Glm4MoeForCausalLM(DecoderForCausalLM):
     layer_tensor_map = GLM4_MOE_LAYER_TENSOR_MAP
     supports_smoothing = False  # the sparse layers have no gate/up projection to fold into
@@ -48,10 +64,7 @@ class Glm4MoeForCausalLM(DecoderForCausalLM):
         ctx: ParallelContext | None,
         full: ModelConfig,
     ) -> DecoderLayer:
-        index = int(prefix.rsplit(".", 1)[1])  # the whole model's layer index
-        mlp = None
-        if full.is_sparse_layer(index):
-            mlp = SparseMoeBlock(cfg, f"{prefix}.mlp", method, dtype, ctx)
+        mlp = sparse_mlp(cfg, prefix, method, dtype, ctx, full)
         return DecoderLayer(cfg, prefix, method, dtype, ctx, full, qk_norm=cfg.qk_layernorm,
                             mlp=mlp)  # fmt: skip
 
