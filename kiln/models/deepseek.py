@@ -10,16 +10,12 @@ at load, so the rotate-half kernels compute the same q . k. Multi-token-predicti
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import cast
 
 import torch
 
-from kiln.distributed.parallel_state import ParallelContext
 from kiln.errors import ModelLoadError
-from kiln.models.blocks import DecoderLayer, LinearMethodFactory, RopeAttention
-from kiln.models.config import ModelConfig
 from kiln.models.decoder import LayerTensorMap
-from kiln.models.glm4_moe import GLM4_MOE_LAYER_TENSOR_MAP, Glm4MoeForCausalLM, sparse_mlp
+from kiln.models.glm4_moe import GLM4_MOE_LAYER_TENSOR_MAP, Glm4MoeForCausalLM
 from kiln.models.mla import LatentAttention
 
 MLA_TENSOR_MAP: LayerTensorMap = {
@@ -54,22 +50,7 @@ def deinterleave_rows(tensor: torch.Tensor, rope: int, period: int) -> torch.Ten
 
 class DeepseekV3ForCausalLM(Glm4MoeForCausalLM):
     layer_tensor_map = DEEPSEEK_LAYER_TENSOR_MAP
-
-    def make_layer(
-        self,
-        cfg: ModelConfig,
-        prefix: str,
-        method: LinearMethodFactory,
-        dtype: torch.dtype | None,
-        ctx: ParallelContext | None,
-        full: ModelConfig,
-    ) -> DecoderLayer:
-        mlp = sparse_mlp(cfg, prefix, method, dtype, ctx, full)
-        # Typed as RopeAttention for the layer: its call (project_qkv, attend, kind) is the same.
-        attention = cast(
-            RopeAttention, LatentAttention(cfg, f"{prefix}.self_attn", method, dtype, ctx, full)
-        )
-        return DecoderLayer(cfg, prefix, method, dtype, ctx, full, mlp=mlp, attention=attention)
+    attention_class = LatentAttention
 
     def adapt_hf_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]]

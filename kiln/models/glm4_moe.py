@@ -8,12 +8,14 @@ multi-token-prediction layers (past num_hidden_layers) are dropped."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import cast
 
 import torch
+from torch import nn
 
 from kiln.distributed.parallel_state import ParallelContext
-from kiln.models.blocks import DecoderLayer, LinearMethodFactory
+from kiln.models.blocks import DecoderLayer, LinearMethodFactory, RopeAttention
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import DecoderForCausalLM, LayerTensorMap
 from kiln.models.moe_blocks import EXPERT_TENSOR_MAP, SparseMoeBlock, adapt_expert_weights
@@ -35,25 +37,12 @@ GLM4_MOE_LAYER_TENSOR_MAP: LayerTensorMap = {
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def sparse_mlp(
-    cfg: ModelConfig,
-    prefix: str,
-    method: LinearMethodFactory,
-    dtype: torch.dtype | None,
-    ctx: ParallelContext | None,
-    full: ModelConfig,
-) -> SparseMoeBlock | None:
-    """The layer's mixture of experts, or None (the layer's own dense MLP) for the first
-    first_k_dense_replace layers; the index is the whole model's, from the prefix."""
-    index = int(prefix.rsplit(".", 1)[1])
-    if full.is_sparse_layer(index):
-        return SparseMoeBlock(cfg, f"{prefix}.mlp", method, dtype, ctx)
-    return None
-
-
 class Glm4MoeForCausalLM(DecoderForCausalLM):
     layer_tensor_map = GLM4_MOE_LAYER_TENSOR_MAP
     supports_smoothing = False  # the sparse layers have no gate/up projection to fold into
+    # The layers' attention, built as (cfg, prefix, method, dtype, ctx, full); None:
+    # DecoderLayer's RopeAttention. DeepSeek's is multi-head latent attention.
+    attention_class: Callable[..., nn.Module] | None = None
 
     def make_layer(
         self,
@@ -64,9 +53,19 @@ class Glm4MoeForCausalLM(DecoderForCausalLM):
         ctx: ParallelContext | None,
         full: ModelConfig,
     ) -> DecoderLayer:
-        mlp = sparse_mlp(cfg, prefix, method, dtype, ctx, full)
+        index = int(prefix.rsplit(".", 1)[1])  # the whole model's layer index
+        mlp = None
+        if full.is_sparse_layer(index):
+            mlp = SparseMoeBlock(cfg, f"{prefix}.mlp", method, dtype, ctx)
+        attention = None
+        if self.attention_class is not None:
+            # Typed as RopeAttention for the layer: its call (project_qkv, attend, kind) is one.
+            attention = cast(
+                RopeAttention,
+                self.attention_class(cfg, f"{prefix}.self_attn", method, dtype, ctx, full),
+            )
         return DecoderLayer(cfg, prefix, method, dtype, ctx, full, qk_norm=cfg.qk_layernorm,
-                            mlp=mlp)  # fmt: skip
+                            mlp=mlp, attention=attention)  # fmt: skip
 
     def adapt_hf_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]]

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton._device import dot_precision, num_sms
+from kiln.kernels.triton._device import dot_precision, num_sms, unit_stride_rows
 from kiln.kernels.triton.decode_attention import _reduce
 
 _LOG2E = 1.4426950408889634
@@ -141,10 +141,7 @@ def mla_decode_attention(
     out = torch.empty(num_seqs, num_heads, lora, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
-    if query.stride(2) != 1:
-        query = query.contiguous()
-    if block_tables.stride(1) != 1:
-        block_tables = block_tables.contiguous()
+    query, block_tables = unit_stride_rows(query, block_tables)
     splits = num_splits or choose_mla_splits(num_seqs, num_heads, max_seq_len, query.device)
     split = splits > 1
     part_out = part_lse = out
