@@ -10,18 +10,13 @@ at load, so the rotate-half kernels compute the same q . k. Multi-token-predicti
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import cast
 
 import torch
 
-from kiln.distributed.parallel_state import ParallelContext
 from kiln.errors import ModelLoadError
-from kiln.models.blocks import DecoderLayer, LinearMethodFactory, RopeAttention
-from kiln.models.config import ModelConfig
 from kiln.models.decoder import LayerTensorMap
 from kiln.models.glm4_moe import GLM4_MOE_LAYER_TENSOR_MAP, Glm4MoeForCausalLM
 from kiln.models.mla import LatentAttention
-from kiln.models.moe_blocks import SparseMoeBlock
 
 MLA_TENSOR_MAP: LayerTensorMap = {
     "self_attn.q_a_proj.weight": ("self_attn.qkv_a_proj.weight", 0),
@@ -55,25 +50,7 @@ def deinterleave_rows(tensor: torch.Tensor, rope: int, period: int) -> torch.Ten
 
 class DeepseekV3ForCausalLM(Glm4MoeForCausalLM):
     layer_tensor_map = DEEPSEEK_LAYER_TENSOR_MAP
-
-    def make_layer(
-        self,
-        cfg: ModelConfig,
-        prefix: str,
-        method: LinearMethodFactory,
-        dtype: torch.dtype | None,
-        ctx: ParallelContext | None,
-        full: ModelConfig,
-    ) -> DecoderLayer:
-        index = int(prefix.rsplit(".", 1)[1])  # the whole model's layer index
-        mlp = None
-        if full.is_sparse_layer(index):
-            mlp = SparseMoeBlock(cfg, f"{prefix}.mlp", method, dtype, ctx)
-        # Typed as RopeAttention for the layer: its call (project_qkv, attend, kind) is the same.
-        attention = cast(
-            RopeAttention, LatentAttention(cfg, f"{prefix}.self_attn", method, dtype, ctx, full)
-        )
-        return DecoderLayer(cfg, prefix, method, dtype, ctx, full, mlp=mlp, attention=attention)
+    attention_class = LatentAttention
 
     def adapt_hf_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]]

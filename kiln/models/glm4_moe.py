@@ -8,12 +8,14 @@ multi-token-prediction layers (past num_hidden_layers) are dropped."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import cast
 
 import torch
+from torch import nn
 
 from kiln.distributed.parallel_state import ParallelContext
-from kiln.models.blocks import DecoderLayer, LinearMethodFactory
+from kiln.models.blocks import DecoderLayer, LinearMethodFactory, RopeAttention
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import DecoderForCausalLM, LayerTensorMap
 from kiln.models.moe_blocks import EXPERT_TENSOR_MAP, SparseMoeBlock, adapt_expert_weights
@@ -38,6 +40,9 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 class Glm4MoeForCausalLM(DecoderForCausalLM):
     layer_tensor_map = GLM4_MOE_LAYER_TENSOR_MAP
     supports_smoothing = False  # the sparse layers have no gate/up projection to fold into
+    # The layers' attention, built as (cfg, prefix, method, dtype, ctx, full); None:
+    # DecoderLayer's RopeAttention. DeepSeek's is multi-head latent attention.
+    attention_class: Callable[..., nn.Module] | None = None
 
     def make_layer(
         self,
@@ -52,8 +57,15 @@ class Glm4MoeForCausalLM(DecoderForCausalLM):
         mlp = None
         if full.is_sparse_layer(index):
             mlp = SparseMoeBlock(cfg, f"{prefix}.mlp", method, dtype, ctx)
+        attention = None
+        if self.attention_class is not None:
+            # Typed as RopeAttention for the layer: its call (project_qkv, attend, kind) is one.
+            attention = cast(
+                RopeAttention,
+                self.attention_class(cfg, f"{prefix}.self_attn", method, dtype, ctx, full),
+            )
         return DecoderLayer(cfg, prefix, method, dtype, ctx, full, qk_norm=cfg.qk_layernorm,
-                            mlp=mlp)  # fmt: skip
+                            mlp=mlp, attention=attention)  # fmt: skip
 
     def adapt_hf_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]]

@@ -166,6 +166,17 @@ def moe_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
     return written
 
 
+def _deepseek_expert_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """The expert counts and sizes DeepSeek-V2's and GLM-4.5's configs name alike."""
+    return {
+        "n_routed_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "n_shared_experts": cfg.shared_expert_intermediate_size // cfg.moe_intermediate_size,
+        "first_k_dense_replace": cfg.first_k_dense_replace,
+    }
+
+
 def moe_family_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
     arch = cfg.architecture
     if arch == "gpt_oss":
@@ -183,11 +194,7 @@ def moe_family_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
         }
     if arch == "deepseek_v2":
         return {
-            "n_routed_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.num_experts_per_tok,
-            "moe_intermediate_size": cfg.moe_intermediate_size,
-            "n_shared_experts": cfg.shared_expert_intermediate_size // cfg.moe_intermediate_size,
-            "first_k_dense_replace": cfg.first_k_dense_replace,
+            **_deepseek_expert_fields(cfg),
             "topk_method": "greedy",
             "n_group": 1,
             "topk_group": 1,
@@ -195,12 +202,8 @@ def moe_family_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
         }
     if arch in _GLM_MOE:
         return {
-            "n_routed_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.num_experts_per_tok,
-            "moe_intermediate_size": cfg.moe_intermediate_size,
-            "n_shared_experts": cfg.shared_expert_intermediate_size // cfg.moe_intermediate_size,
+            **_deepseek_expert_fields(cfg),
             "norm_topk_prob": cfg.norm_topk_prob,
-            "first_k_dense_replace": cfg.first_k_dense_replace,
             "n_group": cfg.n_group,
             "topk_group": cfg.topk_group,
             "routed_scaling_factor": cfg.routed_scaling_factor,

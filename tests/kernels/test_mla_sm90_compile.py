@@ -1,20 +1,20 @@
 """Multi-head latent attention's kernels compiled for an H100 (sm_90) on the CPU, as a GPU run
 would JIT them, at DeepSeek's real row (64 rotary + 512 latent dims, bf16): the MLA decode
-kernel and its merge, and the shared prefill and decode kernels at the tiles a GPU takes for a
-576-wide head (16 query heads a KV head: V2-Lite's, V3's per rank at TP=8). Each must fit an
-H100's 227 KiB of shared memory (the shared kernels' usual tiles need 262 KiB and more at this
-width); the MLA decode's dots run on the tensor cores. Compiles only, in a subprocess without
+kernel, the shared decode's merge (which merges its partitions), and the shared prefill and
+decode kernels at the tiles a GPU takes for a 576-wide head (16 query heads a KV head:
+V2-Lite's, V3's per rank at TP=8). Each must fit an H100's 227 KiB of shared memory (the shared
+kernels' usual tiles need 262 KiB and more at this width); the MLA decode's dots run on the
+tensor cores. Compiles only, in a subprocess without
 TRITON_INTERPRET; never run or timed on a GPU here."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from tests.kernels.sm90_compile import compiled_in_subprocess
 
 pytest.importorskip("triton", reason="triton is not installed (pip install kiln[triton])")
 pytest.importorskip("triton.backends.nvidia", reason="triton without its NVIDIA backend")
@@ -54,11 +54,11 @@ def _compile_all() -> dict[str, dict]:
              "BLOCK_H": 16, "BLOCK_N": 32, "SPLIT": split, "DOT_PRECISION": "tf32"},
             4, 2,
         )  # fmt: skip
-    out["mla merge"] = _compile(
-        mla_decode._mla_merge_kernel,
+    out["shared merge"] = _compile(  # the MLA decode's partitions merged, 512 latent dims wide
+        decode_attention._decode_reduce_kernel,
         {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16",
-         "stride_o_seq": "i32", "stride_o_head": "i32", "num_heads": "i32", "num_splits": "i32"},
-        {"LORA": 512, "LORA_PAD": 512, "SPLITS_PAD": 32}, 4, 1,
+         "stride_o_seq": "i32", "stride_o_head": "i32", "num_splits": "i32"},
+        {"NUM_HEADS": 16, "HEAD_DIM": 512, "BLOCK_D": 512, "SPLITS_PAD": 32}, 4, 1,
     )  # fmt: skip
     shared = {"NUM_KV_HEADS": 1, "HEAD_DIM": 576, "BLOCK_D": 1024, "BLOCK_SIZE": 16,
               "DOT_PRECISION": "tf32", "FP16_DOTS": False, "SLIDING": False, "SOFTCAP": False,
@@ -93,17 +93,11 @@ def _compile_all() -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                         timeout=600, check=False)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)
+    return compiled_in_subprocess(__file__)
 
 
 def test_every_kernel_fits_an_h100s_shared_memory(compiled) -> None:
-    assert set(compiled) == {"mla decode split=False", "mla decode split=True", "mla merge",
+    assert set(compiled) == {"mla decode split=False", "mla decode split=True", "shared merge",
                              "shared prefill", "shared decode"}  # fmt: skip
     for name, kernel in compiled.items():
         assert kernel["shared"] <= H100_SHARED_BYTES, (name, kernel["shared"])

@@ -6,13 +6,12 @@ replaces the kernels' JIT functions); the numbers come from benchmarks/kernels_g
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from tests.kernels.sm90_compile import compiled_in_subprocess
 
 pytest.importorskip("triton", reason="triton is not installed (pip install kiln[triton])")
 pytest.importorskip("triton.backends.nvidia", reason="triton without its NVIDIA backend")
@@ -172,13 +171,7 @@ def _compile_all() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def ptx() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                         timeout=600, check=False)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)
+    return compiled_in_subprocess(__file__)
 
 
 def test_decode_kernels_pipeline_their_weight_loads(ptx) -> None:

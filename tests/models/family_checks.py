@@ -62,6 +62,29 @@ def tokens(outputs: list) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+def hf_generated(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """HF generate's greedy continuation of each prompt, alone, EOS not stopping it."""
+    model.generation_config.eos_token_id = None
+    want = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+            )
+            want.append(out[0, len(prompt) :].tolist())
+    return want
+
+
+def triton_chunked_llm(path: str, **kw: Any) -> LLM:
+    """The Triton backend (interpreted without a GPU), eager, blocks of 4 and 12-token steps,
+    so prompts go in chunks beside decodes."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return LLM(
+        path, block_size=4, max_num_batched_tokens=12, max_num_seqs=4, kv_cache_memory_gb=0.01,
+        device=device, attention_backend="triton", enforce_eager=True, **kw,
+    )  # fmt: skip
+
+
 def check_alone_and_batched(llm: LLM, want: dict, prompts: list[list[int]] = PROMPTS) -> None:
     expected = [want[tuple(p)] for p in prompts]
     assert tokens(llm.generate(prompts, GREEDY)) == expected

@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed (pip install kiln[triton])")
 
-from kiln import LLM, SamplingParams
-from tests.models.family_checks import save_tiny_hf, tokens
+from kiln import SamplingParams
+from tests.models.family_checks import hf_generated, save_tiny_hf, tokens, triton_chunked_llm
 from tests.models.test_deepseek import DEEPSEEK_V3
 from tests.models.test_glm4_moe import perturb_glm
 
@@ -29,19 +29,8 @@ def test_triton_mla_equals_hf(tmp_path, monkeypatch) -> None:
     path = str(tmp_path / "src")
     model = save_tiny_hf(path, "deepseek_v3", "DeepseekV3ForCausalLM", perturb=perturb_glm,
                          **DEEPSEEK_V3)  # fmt: skip
-    model.generation_config.eos_token_id = None
-    want = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            out = model.generate(
-                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
-            )
-            want.append(out[0, len(prompt) :].tolist())
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    llm = LLM(
-        path, block_size=4, max_num_batched_tokens=12, max_num_seqs=4, kv_cache_memory_gb=0.01,
-        device=device, attention_backend="triton", enforce_eager=True, dtype="float32",
-    )  # fmt: skip
+    want = hf_generated(model, PROMPTS, NEW_TOKENS)
+    llm = triton_chunked_llm(path, dtype="float32")
     runner = llm.engine.executor.runner
     assert runner.backend.name == "triton" and runner.kv_caches[0][0] is runner.kv_caches[0][1]
     from kiln.kernels import triton as triton_ops

@@ -10,6 +10,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from tests.conftest import TINY_BASE
+from tests.models.family_checks import hf_generated
 
 NEW_TOKENS = 32
 PROMPTS = [
@@ -46,15 +47,7 @@ def model(request, tmp_path_factory):
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
     hf.save_pretrained(path)
-    hf.generation_config.eos_token_id = None
-    expected = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            out = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
-            )
-            expected.append(out[0, len(prompt) :].tolist())
-    return path, expected, variant
+    return path, hf_generated(hf, PROMPTS, NEW_TOKENS), variant
 
 
 def _tokens(outputs) -> list[list[int]]:

@@ -44,3 +44,15 @@ def output_like(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         return torch.empty(query.shape, dtype=query.dtype, device=query.device)
     assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1
     return out
+
+
+def unit_stride_rows(
+    query: torch.Tensor, block_tables: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query's head_dim and the block table's columns at stride 1 (copied only where not),
+    as the attention kernels index them."""
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    return query, block_tables

@@ -22,7 +22,13 @@ import triton.language as tl
 from kiln.kernels.kv_layout import check_head_major
 from kiln.kernels.triton._attention_kinds import kind_args
 from kiln.kernels.triton._decode_partition import _mark_unused_split, _partition, _window_start
-from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
+from kiln.kernels.triton._device import (
+    dot_precision,
+    fp16_dots,
+    num_sms,
+    output_like,
+    unit_stride_rows,
+)
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 from kiln.kernels.triton._kv_layout import kv_head_offset, kv_tile_offsets
 from kiln.kernels.triton._online_softmax import online_softmax_update, soft_cap
@@ -414,10 +420,7 @@ def paged_decode_attention_splits(
     out = output_like(query, out)
     if num_seqs == 0:
         return out
-    if query.stride(2) != 1:
-        query = query.contiguous()
-    if block_tables.stride(1) != 1:
-        block_tables = block_tables.contiguous()
+    query, block_tables = unit_stride_rows(query, block_tables)
     group = num_heads // num_kv_heads
     # float8 or int8: one byte a value, the same tiles and kernels (int8's timed on no GPU yet).
     kv_fp8 = k_cache.element_size() == 1

@@ -8,8 +8,9 @@ q_pe . k_pe + q_lat . c_kv, then the weights times the latent tile (the rows' ro
 never a value, where the shared decode kernel reads every row twice, as K and as V, 1024-wide
 padded). Split-K as the shared kernel: the host picks the split count, each sequence's
 partition comes from its own seq_len on the device, so a CUDA graph captured at a context
-bucket's bound stays right below it; a second kernel merges the partitions by their
-log-sum-exp. 16- and 32-bit caches only (float8 / int8 take the shared kernel)."""
+bucket's bound stays right below it; the shared kernel's merge (its head_dim the latent
+width) merges the partitions by their log-sum-exp. 16- and 32-bit caches only (float8 / int8
+take the shared kernel)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton._device import dot_precision, num_sms
+from kiln.kernels.triton._device import dot_precision, num_sms, unit_stride_rows
+from kiln.kernels.triton.decode_attention import _reduce
 
 _LOG2E = 1.4426950408889634
 _BLOCK_H = 16  # tl.dot's smallest M
@@ -111,38 +113,6 @@ def _mla_decode_kernel(
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _mla_merge_kernel(
-    part_out_ptr,  # [num_seqs, num_heads, num_splits, LORA] fp32
-    part_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, log2 units
-    out_ptr,  # [num_seqs, num_heads, LORA]
-    stride_o_seq,
-    stride_o_head,
-    num_heads,
-    num_splits,
-    LORA: tl.constexpr,
-    LORA_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
-    """One program per (sequence, head): the partitions weighted by exp2(lse - max lse)."""
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
-    c = tl.arange(0, LORA_PAD)
-    s_mask, c_mask = s < num_splits, c < LORA
-    base = (seq * num_heads + head) * num_splits
-    lse = tl.load(part_lse_ptr + base + s, mask=s_mask, other=float("-inf"))
-    top = tl.max(lse, axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    weight = tl.exp2(lse - top)
-    total = tl.sum(weight, axis=0)
-    parts = tl.load(part_out_ptr + (base + s)[:, None] * LORA + c[None, :],
-                    mask=s_mask[:, None] & c_mask[None, :], other=0.0)  # fmt: skip
-    merged = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-    dst = out_ptr + seq * stride_o_seq + head * stride_o_head + c
-    tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=c_mask)
-
-
 def choose_mla_splits(num_seqs: int, num_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Partitions of each sequence's keys: enough programs for about two a multiprocessor,
     none shorter than _MIN_KEYS_PER_SPLIT of the longest context; 1 once the batch fills the
@@ -171,10 +141,7 @@ def mla_decode_attention(
     out = torch.empty(num_seqs, num_heads, lora, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
-    if query.stride(2) != 1:
-        query = query.contiguous()
-    if block_tables.stride(1) != 1:
-        block_tables = block_tables.contiguous()
+    query, block_tables = unit_stride_rows(query, block_tables)
     splits = num_splits or choose_mla_splits(num_seqs, num_heads, max_seq_len, query.device)
     split = splits > 1
     part_out = part_lse = out
@@ -204,10 +171,5 @@ def mla_decode_attention(
         num_stages=num_stages,
     )  # fmt: skip
     if split:
-        _mla_merge_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1), num_heads, splits,
-            LORA=lora,
-            LORA_PAD=max(16, triton.next_power_of_2(lora)),
-            SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
-        )  # fmt: skip
+        _reduce(part_out, part_lse, out, splits)
     return out

@@ -16,7 +16,13 @@ import triton.language as tl
 from kiln.kernels.kv_layout import check_head_major
 from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE, Fp8Dots, uses_fp8_dots
 from kiln.kernels.triton._attention_kinds import kind_args
-from kiln.kernels.triton._device import dot_precision, fp16_dots, num_sms, output_like
+from kiln.kernels.triton._device import (
+    dot_precision,
+    fp16_dots,
+    num_sms,
+    output_like,
+    unit_stride_rows,
+)
 from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 from kiln.kernels.triton._kv_layout import kv_head_offset as kv_head_offset_of
 from kiln.kernels.triton._kv_layout import kv_tile_offsets
@@ -390,10 +396,7 @@ def paged_prefill_attention(
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return out
-    if query.stride(2) != 1:
-        query = query.contiguous()
-    if block_tables.stride(1) != 1:
-        block_tables = block_tables.contiguous()
+    query, block_tables = unit_stride_rows(query, block_tables)
     kv_fp8 = k_cache.element_size() == 1  # float8 or int8: K and V widened alike
     fp8_qk = uses_fp8_dots(fp8_dots, k_cache)
     operands = ("fp8_dots" if fp8_qk else "fp8_widened") if kv_fp8 else "bf16"
