@@ -87,7 +87,8 @@ def test_the_engine_process_goes_with_its_parent_at_any_stage(smollm2_path, stag
 
 # `kiln serve` with the signal sent to itself the moment its first zmq socket exists, before
 # pyzmq registers it with its context: where a handler raised there, the way out closed the
-# context, whose term() waited forever for that socket (1 in ~12 runs of the test above hung).
+# context, whose term() waited forever for that socket (the test above hung so in 3 of 40
+# loaded runs of this file).
 _SIGNAL_AS_THE_SOCKET_OPENS = """
 import os, sys, zmq
 from kiln.cli.main import main
