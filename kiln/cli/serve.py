@@ -2,7 +2,8 @@
 
 SIGTERM (or Ctrl-C) drains: new work gets 503, requests in flight get `--shutdown-grace` seconds
 to finish (the rest are aborted), then the process exits 0. A second signal aborts what is
-still running (each stream still ends with its last event and [DONE]) and exits.
+still running (each stream still ends with its last event and [DONE]) and exits. Before the
+engine is ready, either signal stops the engine process and exits 128 + the signal (143, 130).
 
 The engine (scheduler, executor, model) runs in its own process by default (kiln.engine_core):
 this process's interpreter lock then serves HTTP, JSON and SSE only. `--no-engine-process` keeps
@@ -16,10 +17,9 @@ each with its own share of the connections; /metrics in any of them reports the 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import signal
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+import threading
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kiln.cli.engine_args import add_engine_args, engine_config_from_args
 from kiln.cli.vllm_flags import add_vllm_serve_flags, check_vllm_serve_flags
@@ -202,10 +202,18 @@ def run(args: argparse.Namespace) -> int:
         return run_api_servers(options, config)
     engine: ServedEngine
     if args.engine_process:
-        from kiln.engine_core.client import EngineClient
+        from kiln.engine_core.client import EngineClient, StartupCancelled
 
-        with _sigterm_ends_startup():
-            engine = EngineClient.start(config, stream_interval=args.stream_interval)
+        with _StartupSignals() as signals:
+            try:
+                engine = EngineClient.start(
+                    config, stream_interval=args.stream_interval, cancel=signals.received
+                )
+            except StartupCancelled:
+                signals.leave()
+        if signals.received.is_set():  # came after the start's last look
+            engine.shutdown(timeout=1.0)
+            signals.leave()
     else:
         from kiln.engine.async_engine import AsyncEngine
 
@@ -213,20 +221,35 @@ def run(args: argparse.Namespace) -> int:
     return serve_app(options, engine, grpc_port=args.grpc_port)
 
 
-@contextlib.contextmanager
-def _sigterm_ends_startup() -> Iterator[None]:
-    """SIGTERM while the engine starts raises SystemExit here, so starting stops its engine
-    process on the way out (EngineClient._ready) instead of this process vanishing; the
-    server's own drain takes SIGTERM over once it runs."""
+class _StartupSignals:
+    """SIGTERM or SIGINT while the engine starts is noted in `received`, which the start looks
+    at between its steps: it stops its engine process, then `leave()` exits with 128 + the
+    signal. The server's own drain takes the signals over once it runs. Not raised from the
+    handler: raised wherever the main thread was, the exception landed inside pyzmq between a
+    socket's making and its registration with its context, whose term() then waited forever
+    for that socket (the server hung instead of stopping)."""
 
-    def leave(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    previous = signal.signal(signal.SIGTERM, leave)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    def __init__(self) -> None:
+        self.received = threading.Event()
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
+
+    def _note(self, signum: int, frame: object) -> None:
+        self.signum = self.signum or signum  # the first one says why
+        self.received.set()
+
+    def __enter__(self) -> _StartupSignals:
+        self._previous = {s: signal.signal(s, self._note) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def leave(self) -> NoReturn:
+        raise SystemExit(128 + self.signum)
 
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:

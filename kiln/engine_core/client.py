@@ -62,6 +62,10 @@ class EngineStartupError(KilnError):
     """The engine process could not start; the message is the engine's own reason."""
 
 
+class StartupCancelled(Exception):
+    """The start's `cancel` event was set: the engine process was stopped before it was ready."""
+
+
 @dataclass
 class _ClientStream(_Stream):
     prompt_token_ids: list[int]
@@ -159,8 +163,10 @@ class EngineClient:
         try:
             self._open_sockets(addresses, engine.pid)
         except BaseException:
-            # A context left with open sockets blocks forever in its __del__'s term(): SIGTERM
-            # landing here while `kiln serve` starts hung the process instead of ending it.
+            # A context left with open sockets blocks forever in its __del__'s term(). (An
+            # exception from a signal handler can land inside pyzmq's socket(), before the
+            # socket is registered: then this term() waits too, so `kiln serve`'s handlers
+            # only note the signal, see kiln.cli.serve._StartupSignals.)
             self._ctx.destroy(linger=0)
             raise
         self._reader: threading.Thread | None = None
@@ -183,16 +189,22 @@ class EngineClient:
 
     @classmethod
     def start(
-        cls, config: EngineConfig, stream_interval: int = 1, timeout: float | None = None
+        cls,
+        config: EngineConfig,
+        stream_interval: int = 1,
+        timeout: float | None = None,
+        cancel: threading.Event | None = None,
     ) -> EngineClient:
-        """Start the engine process and wait until it is ready (or say why it is not)."""
+        """Start the engine process and wait until it is ready (or say why it is not). Once
+        `cancel` is set (a signal handler may set it, at any moment), the start stops the
+        engine process at its next look (within 0.2 s) and raises StartupCancelled."""
         engine = EngineProcess(config, stream_interval)
         try:
             client = cls(config, engine.addresses[0], engine)
-        except BaseException:  # SIGTERM's SystemExit included: no engine left loading
+        except BaseException:  # KeyboardInterrupt included: no engine left loading
             engine.stop(timeout=0)
             raise
-        return cls._ready(client, timeout)
+        return cls._ready(client, timeout, cancel)
 
     @classmethod
     def attach(
@@ -207,20 +219,22 @@ class EngineClient:
         return cls._ready(cls(config, addresses, _ProcessWatch(engine_pid)), timeout)
 
     @classmethod
-    def _ready(cls, client: EngineClient, timeout: float | None) -> EngineClient:
+    def _ready(
+        cls, client: EngineClient, timeout: float | None, cancel: threading.Event | None = None
+    ) -> EngineClient:
         try:
-            client._await_ready(timeout)
+            client._await_ready(timeout, cancel)
         except BaseException:
             client.shutdown(timeout=1.0)
             raise
         return client
 
-    def _await_ready(self, timeout: float | None) -> None:
+    def _await_ready(self, timeout: float | None, cancel: threading.Event | None) -> None:
         from kiln.runtime.model_loader import find_model_source
 
         # The tokenizer is the API process's own (detokenizing ids for /detokenize, logprobs
         # and echo; tokenizing prompts off the engine): loaded while the engine process loads,
-        # on a thread, so this one stays free to take a signal (SIGTERM while starting stops
+        # on a thread, so this one stays free to see a cancel (SIGTERM while starting stops
         # the engine process at once, not after a GGUF tokenizer's seconds of building).
         found: dict[str, Any] = {}
         self.tokenizer: Tokenizer | None = None
@@ -236,7 +250,13 @@ class EngineClient:
         loader = threading.Thread(target=load_tokenizer, name="kiln-tokenizer", daemon=True)
         loader.start()
         deadline = None if timeout is None else time.monotonic() + timeout
+
+        def check_cancel() -> None:
+            if cancel is not None and cancel.is_set():
+                raise StartupCancelled("the engine's start was cancelled")
+
         while True:
+            check_cancel()  # first before the poll: a signal during the fork or the binds
             if self._outputs.poll(200):
                 msg = m.decode_output(self._outputs.recv())
                 if isinstance(msg, m.StartupFailed):
@@ -250,7 +270,8 @@ class EngineClient:
                 )
             if deadline is not None and time.monotonic() > deadline:
                 raise EngineStartupError(f"the engine process was not ready within {timeout}s")
-        while loader.is_alive():  # joined in steps: a signal still gets through
+        while loader.is_alive():  # joined in steps: a cancel is still seen
+            check_cancel()
             loader.join(0.2)
         if "error" in found:
             raise found["error"]
