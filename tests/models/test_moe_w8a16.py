@@ -121,27 +121,42 @@ def test_a_wrong_expert_scale_changes_the_tokens(tmp_path) -> None:
     assert _tokens(llm, PROMPTS) != want
 
 
-def test_model_dtype_mixtral_experts_round_to_int8_per_channel(tmp_path) -> None:
-    """quantization="int8-w8a16-channel" on a fp32 Mixtral (w1 / w2 / w3 names): every
-    projection rounded per channel as it loads; the oracle runs the same rounding here."""
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_model_dtype_mixtral_experts_round_to_8_bits_per_channel(tmp_path, dtype) -> None:
+    """quantization="int8-w8a16-channel" (or "fp8-w8a16-channel") on a fp32 Mixtral (w1 / w2 /
+    w3 names): every projection rounded per channel as it loads; the oracle runs the same
+    rounding here."""
     source = tmp_path / "mixtral"
     save_tiny_hf(str(source), "mixtral", "MixtralForCausalLM", **MIXTRAL)
     with safe_open(str(source / "model.safetensors"), framework="pt") as f:
         state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     for key, value in state.items():
         if key.endswith("_proj.weight") or ".experts." in key:
-            codes, scales = quantize_groups(value, torch.int8, 0)
+            codes, scales = quantize_groups(value, dtype, 0)
             state[key] = codes.float() * scales
     rounded = tmp_path / "rounded"
     rounded.mkdir()
     save_file(state, str(rounded / "model.safetensors"))
     (rounded / "config.json").write_text((source / "config.json").read_text())
     want = _want(rounded)
-    llm = LLM(str(source), quantization="int8-w8a16-channel", **ARGS)
+    scheme = "int8" if dtype == torch.int8 else "fp8"
+    llm = LLM(str(source), quantization=f"{scheme}-w8a16-channel", **ARGS)
     experts = llm.engine.executor.runner.model.layers[1].mlp.experts
     assert isinstance(experts.method, W8A16MoEMethod)
-    assert experts.w2_weight.dtype == torch.int8
+    assert experts.w2_weight.dtype == dtype
     assert _tokens(llm, PROMPTS) == want
+
+
+def test_dummy_int8_experts_generate(tmp_path) -> None:
+    """quantization="int8-w8a16-channel" on dummy weights (the benchmarks'): drawn codes."""
+    source = tmp_path / "mixtral"
+    save_tiny_hf(str(source), "mixtral", "MixtralForCausalLM", **MIXTRAL)
+    llm = LLM(str(source), load_format="dummy", quantization="int8-w8a16-channel", **ARGS)
+    experts = llm.engine.executor.runner.model.layers[0].mlp.experts
+    assert isinstance(experts.method, W8A16MoEMethod)
+    assert experts.w13_weight.unique().numel() > 100  # drawn, not left at zero
+    assert 0 < float(experts.w2_weight_scale.max()) < 1e-3  # each row's absmax / 127
+    assert len(_tokens(llm, PROMPTS[:1])[0]) == TOKENS
 
 
 def test_grouped_int8_experts_are_refused_by_name(tmp_path) -> None:
