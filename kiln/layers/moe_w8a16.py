@@ -24,25 +24,42 @@ if TYPE_CHECKING:
     from kiln.layers.moe import FusedMoE
 
 
+# W8A16 experts in groups of inputs take groups of this many (the decode GEMVs' block-scaled
+# variant reads a scale per row and 128 inputs): llm-compressor's W8A16 preset.
+GROUP = 128
+
+
 def quantize_experts_w8(
     weight: torch.Tensor,  # [num_experts, rows, cols]
     dtype: torch.dtype,  # torch.int8 or torch.float8_e4m3fn
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([E, rows, cols] codes, [E, rows] fp32 scales)
-    """Each expert's rows rounded per channel as the dense W8A16's (quantize_groups)."""
+    group_size: int = 0,  # 0: per channel; else GROUP
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([E, rows, cols] codes, [E, rows] or [E, rows,
+    # cols / group_size] fp32 scales)
+    """Each expert's rows rounded per channel (or group) as the dense W8A16's
+    (quantize_groups)."""
     e, rows, cols = weight.shape
-    codes, scales = quantize_groups(weight.reshape(e * rows, cols), dtype, 0)
-    return codes.view(e, rows, cols), scales.view(e, rows)
+    codes, scales = quantize_groups(weight.reshape(e * rows, cols), dtype, group_size)
+    shape = (e, rows, cols // group_size) if group_size else (e, rows)
+    return codes.view(e, rows, cols), scales.view(shape)
 
 
 class W8A16MoEMethod(MoEMethod):
     """w13_weight [E, 2 * inter, hidden] and w2_weight [E, hidden, inter] int8 (or float8
     e4m3), w13_weight_scale [E, 2 * inter] and w2_weight_scale [E, hidden] fp32: w = code *
-    scale. A model-dtype checkpoint's experts are rounded per channel as they load
-    (quantize_experts_w8). One rank only (TP and EP refused by name); no biases or clamped
-    SwiGLU (gpt-oss ships no 8-bit integer experts)."""
+    scale; with `group_size` (GROUP, int8 only) [E, rows, inputs / 128]: each row's scale of
+    each 128 inputs, the block-scaled float8 experts' layout (their decode GEMVs' variant; the
+    weight-only grouped GEMM's ROW_BLOCKS). A model-dtype checkpoint's experts are rounded
+    per channel (or group) as they load (quantize_experts_w8). One rank only (TP and EP
+    refused by name); no biases or clamped SwiGLU (gpt-oss ships no 8-bit integer experts)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, group_size: int = 0) -> None:
+        if group_size not in (0, GROUP):
+            raise ModelLoadError(
+                f"8-bit weight-only experts in groups of {group_size} inputs are not supported "
+                f"(kiln loads them per output channel or in groups of {GROUP})"
+            )
         self.dtype = dtype
+        self.group_size = group_size
 
     def create_weights(self, layer: FusedMoE, dtype: torch.dtype | None) -> None:
         if layer.shard is not None:
@@ -61,8 +78,15 @@ class W8A16MoEMethod(MoEMethod):
 
         layer.w13_weight = param(torch.zeros(e, 2 * n, h, dtype=self.dtype))
         layer.w2_weight = param(torch.zeros(e, h, n, dtype=self.dtype))
-        layer.w13_weight_scale = param(torch.ones(e, 2 * n))
-        layer.w2_weight_scale = param(torch.ones(e, h))
+        if self.group_size and (h % GROUP or n % GROUP):
+            raise ModelLoadError(
+                f"8-bit experts in groups of {GROUP}: hidden {h} and expert width {n} must be "
+                f"multiples of {GROUP}"
+            )
+        groups13 = (h // GROUP,) if self.group_size else ()
+        groups2 = (n // GROUP,) if self.group_size else ()
+        layer.w13_weight_scale = param(torch.ones(e, 2 * n, *groups13))
+        layer.w2_weight_scale = param(torch.ones(e, h, *groups2))
 
     def expert_weights(self, layer: FusedMoE) -> ExpertWeights:
         return layer.w13_weight, layer.w2_weight, layer.w13_weight_scale, layer.w2_weight_scale

@@ -28,7 +28,7 @@ from kiln.layers.moe import (
 from kiln.layers.moe_fp8_block import Fp8BlockMoEMethod, quantize_experts_fp8_block
 from kiln.layers.moe_int4 import Int4MoEMethod
 from kiln.layers.moe_parallel import rank_shard
-from kiln.layers.moe_w8a16 import W8A16MoEMethod, quantize_experts_w8
+from kiln.layers.moe_w8a16 import GROUP, W8A16MoEMethod, quantize_experts_w8
 from kiln.layers.quantization.fp8 import Fp8LinearMethod
 from kiln.layers.quantization.fp8_block import Fp8BlockLinearMethod, rows_of
 from kiln.layers.quantization.int4 import Int4LinearMethod
@@ -173,12 +173,12 @@ def _experts_method(method: LinearMethodFactory, name: str, per_channel: bool) -
     if isinstance(linear, Int8LinearMethod):  # W8A8 INT8: its experts' weights, weight-only
         return W8A16MoEMethod(torch.int8)
     if isinstance(linear, W8A16LinearMethod):
-        if linear.group_size:
+        if linear.group_size and linear.dtype != torch.int8:
             raise ModelLoadError(
-                f"8-bit weight-only experts in groups of {linear.group_size} inputs are not "
-                "supported (kiln loads them per output channel: strategy 'channel')"
+                f"float8 weight-only experts in groups of {linear.group_size} inputs are not "
+                "supported (kiln loads them per output channel)"
             )
-        return W8A16MoEMethod(linear.dtype)
+        return W8A16MoEMethod(linear.dtype, linear.group_size)
     return UnquantizedMoEMethod()
 
 
@@ -306,8 +306,11 @@ def expert_scale_rows(
         param = parts[match.group(3)][0]
         full = module.intermediate_size if module.shard is None else module.shard.full_width
         rows = full if param.startswith("w13") else module.hidden_size
-        if getattr(module, f"{param}_scale").dim() == 3:  # block-scaled experts: [rows / 128,
-            blocks = tensor.float().reshape(-(-rows // FP8_BLOCK), -1)  # in / 128] (or one)
+        block_scaled = getattr(module, f"{param}_scale").dim() == 3
+        if block_scaled and tensor.dim() == 2 and tensor.shape[0] == rows:  # W8A16's groups of
+            yield name, tensor.float()  # 128 inputs: a row each already
+        elif block_scaled:  # block-scaled experts: [rows / 128, in / 128] (or one)
+            blocks = tensor.float().reshape(-(-rows // FP8_BLOCK), -1)
             yield name, rows_of(blocks, rows)
         elif tensor.numel() == 1:
             yield name, tensor.float().reshape(()).expand(rows).clone()
@@ -375,8 +378,9 @@ def quantize_float8_experts(
             yield name, tensor
             continue
         scale_param = params.get(f"{name}_scale")
-        if param.dtype == torch.int8:
-            codes, scale = quantize_experts_w8(tensor, torch.int8)
+        if param.dtype == torch.int8:  # per channel, or per GROUP inputs (3-D scales)
+            group = GROUP if scale_param is not None and scale_param.dim() == 3 else 0
+            codes, scale = quantize_experts_w8(tensor, torch.int8, group)
             yield name, codes
             yield f"{name}_scale", scale
             continue

@@ -12,7 +12,7 @@ import torch
 from kiln.config import EngineConfig
 from kiln.models.config import ModelConfig
 from kiln.models.mla_config import mla_attention_shapes, mla_unquantized_count
-from kiln.models.moe_config import PER_CHANNEL_8BIT, expert_scale_count
+from kiln.models.moe_config import PER_CHANNEL_8BIT, ROW_BLOCK_8BIT, expert_scale_count
 from kiln.runtime.memory_plan import (
     _CPU_DEFAULT_KV_GB,
     GiB,
@@ -62,7 +62,7 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int
             if cfg.moe_routing == "sigmoid":  # its router and routing bias fp32, counted below
                 routers -= cfg.num_experts * (h + 1)
                 sinks += cfg.num_experts * (h + 1)
-    float8_experts = quantization in ("fp8-dynamic", "fp8-block", *PER_CHANNEL_8BIT)
+    float8_experts = quantization in ("fp8-dynamic", *ROW_BLOCK_8BIT, *PER_CHANNEL_8BIT)
     sparse_layers = sum(cfg.is_sparse_layer(i) for i in layers)
     scale_bytes = sparse_layers * expert_scale_count(cfg, quantization) * 4
     if float8_experts:

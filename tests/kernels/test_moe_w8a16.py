@@ -3,7 +3,9 @@ channel) on the float8 per-channel experts' kernels, the codes widened in regist
 their twins under the interpreter at tiny shapes: the decode GEMVs (moe_decode.fused_moe_decode,
 its split down variant and fused_moe_decode_routed) and the weight-only grouped GEMM
 (fused_moe.fused_moe with scales), widths not multiples of the tiles; and the twins against the
-loop over experts on the weights dequantized here (code * scale in fp32)."""
+loop over experts on the weights dequantized here (code * scale in fp32); per channel and with
+a scale per row and 128 inputs (W8A16 in groups of 128: the decode GEMVs' block-scaled variant,
+the grouped GEMM's ROW_BLOCKS)."""
 
 from __future__ import annotations
 
@@ -29,14 +31,23 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" 
 HIDDEN, INTER, EXPERTS = 48, 40, 4  # masked column tiles and reductions
 
 
-def _case(num_tokens: int, top_k: int, dtype: torch.dtype, remote: bool = False):
-    """fused_moe's arguments on int8 experts; `remote`: some ids -1 (another rank's)."""
+# Groups of 128 inputs (W8A16 g128): 2 groups a row each, the last partial.
+G_HIDDEN, G_INTER = 160, 136
+
+
+def _case(num_tokens: int, top_k: int, dtype: torch.dtype, remote: bool = False,
+          grouped: bool = False):  # fmt: skip
+    """fused_moe's arguments on int8 experts; `remote`: some ids -1 (another rank's);
+    `grouped`: a scale per row and 128 inputs ([E, rows, ceil(K / 128)])."""
     gen = torch.Generator().manual_seed(num_tokens * 10 + top_k)
-    x = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype)
-    w13 = torch.randint(-127, 128, (EXPERTS, 2 * INTER, HIDDEN), generator=gen).to(torch.int8)
-    w2 = torch.randint(-127, 128, (EXPERTS, HIDDEN, INTER), generator=gen).to(torch.int8)
-    s13 = torch.rand(EXPERTS, 2 * INTER, generator=gen) * 2e-3 + 1e-3
-    s2 = torch.rand(EXPERTS, HIDDEN, generator=gen) * 2e-3 + 1e-3
+    hidden, inter = (G_HIDDEN, G_INTER) if grouped else (HIDDEN, INTER)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    w13 = torch.randint(-127, 128, (EXPERTS, 2 * inter, hidden), generator=gen).to(torch.int8)
+    w2 = torch.randint(-127, 128, (EXPERTS, hidden, inter), generator=gen).to(torch.int8)
+    blocks13 = (-(-hidden // 128),) if grouped else ()
+    blocks2 = (-(-inter // 128),) if grouped else ()
+    s13 = torch.rand(EXPERTS, 2 * inter, *blocks13, generator=gen) * 2e-3 + 1e-3
+    s2 = torch.rand(EXPERTS, hidden, *blocks2, generator=gen) * 2e-3 + 1e-3
     ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:top_k] for _ in range(num_tokens)])
     if remote:
         ids[::3, 0] = -1
@@ -53,10 +64,11 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 1), (1, 2), (3, 2), (16, 2)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int8_decode_kernels_equal_their_twin(num_tokens, top_k, dtype) -> None:
-    args = _case(num_tokens, top_k, dtype)
+@pytest.mark.parametrize("grouped", [False, True])
+def test_int8_decode_kernels_equal_their_twin(num_tokens, top_k, dtype, grouped) -> None:
+    args = _case(num_tokens, top_k, dtype, grouped=grouped)
     got = moe_decode.fused_moe_decode(*args)
-    assert got.dtype == dtype and got.shape == (num_tokens, HIDDEN)
+    assert got.dtype == dtype and got.shape == (num_tokens, args[0].shape[1])
     _close(got, reference.fused_moe_decode(*args), dtype)
 
 
@@ -70,10 +82,11 @@ def test_int8_decode_split_down_variant_equals_the_twin() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("remote", [False, True])
-def test_int8_weight_only_grouped_gemm_equals_its_twin(dtype, remote) -> None:
-    args = _case(21, 2, dtype, remote)
+@pytest.mark.parametrize("grouped", [False, True])
+def test_int8_weight_only_grouped_gemm_equals_its_twin(dtype, remote, grouped) -> None:
+    args = _case(21, 2, dtype, remote, grouped)
     got = fused_moe.fused_moe(*args)
-    assert got.dtype == dtype and got.shape == (21, HIDDEN)
+    assert got.dtype == dtype and got.shape == (21, args[0].shape[1])
     _close(got, reference.fused_moe(*args), dtype)
 
 
@@ -91,10 +104,15 @@ def test_int8_routed_decode_equals_its_twin() -> None:
     _close(want, reference.fused_moe_decode(normed, w13, w2, weights, ids, s13, s2), torch.float32)
 
 
-def test_the_twins_are_the_loop_over_the_dequantized_experts() -> None:
-    x, w13, w2, weights, ids, s13, s2 = _case(5, 2, torch.float32)
-    dense13 = w13.float() * s13[:, :, None]
-    dense2 = w2.float() * s2[:, :, None]
+@pytest.mark.parametrize("grouped", [False, True])
+def test_the_twins_are_the_loop_over_the_dequantized_experts(grouped) -> None:
+    x, w13, w2, weights, ids, s13, s2 = _case(5, 2, torch.float32, grouped=grouped)
+    if grouped:  # input k of a row scaled by its column k // 128
+        dense13 = w13.float() * s13.repeat_interleave(128, dim=2)[:, :, : w13.shape[2]]
+        dense2 = w2.float() * s2.repeat_interleave(128, dim=2)[:, :, : w2.shape[2]]
+    else:
+        dense13 = w13.float() * s13[:, :, None]
+        dense2 = w2.float() * s2[:, :, None]
     want = reference.fused_moe(x, dense13, dense2, weights, ids)
     args = (x, w13, w2, weights, ids, s13, s2)
     _close(reference.fused_moe(*args), want, torch.float32)

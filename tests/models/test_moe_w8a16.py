@@ -7,11 +7,13 @@ transformers' Qwen3-MoE in fp32 on the checkpoint dequantized here (code * scale
 undone with shifts, not kiln's reader): greedy tokens equal over 32 new tokens, alone and
 batched, prompts long enough that prefill runs the grouped path and decode the GEMVs. Also a
 Mixtral and a model-dtype checkpoint under quantization="int8-w8a16-channel", rounded here as
-kiln rounds its experts, and the refusals (groups of inputs, TP / EP)."""
+kiln rounds its experts, W8A16 in groups of 128 (llm-compressor's W8A16 preset), and the
+refusals (float8 or other groups, TP / EP)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -47,8 +49,10 @@ def _dequantized(data: Path, out: Path) -> Path:
     for key, value in state.items():
         prefix = key.rsplit(".", 1)[0]
         if key.endswith(".weight_packed"):
-            scale = state[f"{prefix}.weight_scale"].float()
-            plain[f"{prefix}.weight"] = _unpack(value).float() * scale
+            codes = _unpack(value).float()
+            scale = state[f"{prefix}.weight_scale"].float()  # [rows, 1] or [rows, K / 128]
+            scale = scale.repeat_interleave(codes.shape[1] // scale.shape[1], dim=1)
+            plain[f"{prefix}.weight"] = codes * scale
         elif key.endswith(".weight") and value.dtype == torch.int8:
             plain[key] = value.float() * state[f"{prefix}.weight_scale"].float()
         elif value.is_floating_point() and not key.endswith("weight_scale"):
@@ -85,14 +89,22 @@ def _want(path: Path, w8a8: bool = False) -> list[list[int]]:
     return [hf_greedy_tokens(hf, p)[:TOKENS] for p in PROMPTS]
 
 
-@pytest.mark.parametrize("name", ["ct_w8a16", "ct_w8a8_int8"])
+# name -> (kiln's scheme, the experts' w13 scale shape)
+CHECKPOINTS = {"ct_w8a16": ("int8-w8a16-channel", (4, 512)),
+               "ct_w8a16_g128": ("int8-w8a16-g128", (4, 512, 1)),
+               "ct_w8a8_int8": ("int8-w8a8", (4, 512))}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_llm_compressors_int8_moe_checkpoint(tmp_path, name) -> None:
     want = _want(_dequantized(DATA / name, tmp_path / "dequantized"), name == "ct_w8a8_int8")
     llm = LLM(str(DATA / name), **ARGS)
     model = llm.engine.executor.runner.model
     experts = model.layers[2].mlp.experts
     assert isinstance(experts.method, W8A16MoEMethod)
-    assert experts.w13_weight.dtype == torch.int8 and experts.w13_weight_scale.shape == (4, 512)
+    quantization, scale_shape = CHECKPOINTS[name]
+    assert experts.w13_weight.dtype == torch.int8
+    assert experts.w13_weight_scale.shape == scale_shape
     assert [_tokens(llm, [p])[0] for p in PROMPTS] == want
     assert _tokens(llm, PROMPTS) == want
     # The memory plan counts the experts as made: a byte a weight, an fp32 scale a row
@@ -104,7 +116,6 @@ def test_llm_compressors_int8_moe_checkpoint(tmp_path, name) -> None:
     sparse = sum(cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers))
     per_layer = 3 * cfg.num_experts * cfg.hidden_size * cfg.moe_intermediate_size
     fp8 = sparse * (per_layer + expert_scale_count(cfg, "fp8-dynamic") * 4)
-    quantization = {"ct_w8a16": "int8-w8a16-channel", "ct_w8a8_int8": "int8-w8a8"}[name]
     gap = weight_bytes(cfg, torch.float32, quantization) - weight_bytes(
         cfg, torch.float32, "fp8-dynamic"
     )
@@ -121,8 +132,10 @@ def test_a_wrong_expert_scale_changes_the_tokens(tmp_path) -> None:
     assert _tokens(llm, PROMPTS) != want
 
 
-@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
-def test_model_dtype_mixtral_experts_round_to_8_bits_per_channel(tmp_path, dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "group"), [(torch.int8, 0), (torch.float8_e4m3fn, 0), (torch.int8, 128)]
+)
+def test_model_dtype_mixtral_experts_round_to_8_bits_per_channel(tmp_path, dtype, group) -> None:
     """quantization="int8-w8a16-channel" (or "fp8-w8a16-channel") on a fp32 Mixtral (w1 / w2 /
     w3 names): every projection rounded per channel as it loads; the oracle runs the same
     rounding here."""
@@ -132,15 +145,16 @@ def test_model_dtype_mixtral_experts_round_to_8_bits_per_channel(tmp_path, dtype
         state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     for key, value in state.items():
         if key.endswith("_proj.weight") or ".experts." in key:
-            codes, scales = quantize_groups(value, dtype, 0)
-            state[key] = codes.float() * scales
+            codes, scales = quantize_groups(value, dtype, group)
+            state[key] = codes.float() * scales.repeat_interleave(group or value.shape[1], 1)
     rounded = tmp_path / "rounded"
     rounded.mkdir()
     save_file(state, str(rounded / "model.safetensors"))
     (rounded / "config.json").write_text((source / "config.json").read_text())
     want = _want(rounded)
     scheme = "int8" if dtype == torch.int8 else "fp8"
-    llm = LLM(str(source), quantization=f"{scheme}-w8a16-channel", **ARGS)
+    llm = LLM(str(source), quantization=f"{scheme}-w8a16-{f'g{group}' if group else 'channel'}",
+              **ARGS)  # fmt: skip
     experts = llm.engine.executor.runner.model.layers[1].mlp.experts
     assert isinstance(experts.method, W8A16MoEMethod)
     assert experts.w2_weight.dtype == dtype
@@ -159,11 +173,18 @@ def test_dummy_int8_experts_generate(tmp_path) -> None:
     assert len(_tokens(llm, PROMPTS[:1])[0]) == TOKENS
 
 
-def test_grouped_int8_experts_are_refused_by_name(tmp_path) -> None:
-    source = tmp_path / "mixtral"
-    save_tiny_hf(str(source), "mixtral", "MixtralForCausalLM", **MIXTRAL)
-    with pytest.raises(ModelLoadError, match="groups of 128 inputs"):
-        LLM(str(source), quantization="int8-w8a16-g128", **ARGS)
+@pytest.mark.parametrize(
+    ("edit", "scheme"),
+    [({"type": "float"}, "fp8-w8a16-g128"), ({"group_size": 64}, "int8-w8a16-g64")],
+)
+def test_float8_groups_or_other_groups_of_experts_are_refused_by_name(tmp_path, edit, scheme):
+    path = tmp_path / "edited"
+    shutil.copytree(DATA / "ct_w8a16_g128", path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"].update(edit)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=f"{scheme}.*mixture-of-experts"):
+        LLM(str(path), **ARGS)
 
 
 def test_int8_experts_under_tensor_or_expert_parallelism_are_refused() -> None:

@@ -11,8 +11,9 @@ compressed: ct_fp8_block/ FP8_BLOCK (128x128 weight blocks, activations per toke
 at run time), ct_fp8_dynamic/ FP8_DYNAMIC (float8 weights per channel, activations per token),
 ct_w4a16/ W4A16 (int4 weights in groups of 128, symmetric; pack-quantized), ct_w8a16/ W8A16
 per channel (int8 weights, symmetric; pack-quantized: the W8A16 preset's scheme with strategy
-"channel" in place of its groups of 128), ct_w8a8_int8/ W8A8 (int8 weights per
-channel, int8 activations per token at run time; int-quantized). Arguments: which.
+"channel" in place of its groups of 128), ct_w8a16_g128/ the W8A16 preset itself (int8 weights
+in groups of 128 inputs), ct_w8a8_int8/ W8A8 (int8 weights per channel, int8 activations per
+token at run time; int-quantized). Arguments: which.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def make(name: str, scheme: str | dict) -> None:
 
 if __name__ == "__main__":
     schemes = {"ct_fp8_block": "FP8_BLOCK", "ct_fp8_dynamic": "FP8_DYNAMIC", "ct_w4a16": "W4A16",
-               "ct_w8a16": W8A16_CHANNEL, "ct_w8a8_int8": "W8A8"}  # fmt: skip
+               "ct_w8a16": W8A16_CHANNEL, "ct_w8a16_g128": "W8A16",
+               "ct_w8a8_int8": "W8A8"}  # fmt: skip
     which = sys.argv[1:] or list(schemes)
     for name in which:
         make(name, schemes[name])
