@@ -198,3 +198,20 @@ def test_int8_experts_under_tensor_or_expert_parallelism_are_refused() -> None:
         ctx = ParallelContext(RankLayout(2, 1, 0), None, None, None, expert_parallel=ep)
         with pytest.raises(ModelLoadError, match="tensor_parallel_size=1"):
             load_model(config, torch.device("cpu"), torch.float32, ctx)
+
+
+@pytest.mark.parametrize("quantization", ["int8-w8a16-channel", "int8-w8a16-g128", "int8-w8a8"])
+def test_kiln_build_writes_int8_experts_that_load_as_rounded(tmp_path, quantization) -> None:
+    """`kiln build --quantization ...` of a Mixtral (no accuracy check, no smoothing): the
+    engine holds int8 experts and generates what the checkpoint rounded at load does."""
+    from kiln.builder.build import BuildOptions, build_engine
+
+    source = tmp_path / "mixtral"
+    save_tiny_hf(str(source), "mixtral", "MixtralForCausalLM", **MIXTRAL)
+    options = BuildOptions(quantization=quantization, accuracy_check=False, max_model_len=256)
+    build_engine(str(source), str(tmp_path / "engine"), options, None)
+    engine = LLM(str(tmp_path / "engine"), **ARGS)
+    experts = engine.engine.executor.runner.model.layers[0].mlp.experts
+    assert isinstance(experts.method, W8A16MoEMethod) and experts.w13_weight.dtype == torch.int8
+    want = _tokens(LLM(str(source), quantization=quantization, **ARGS), PROMPTS)
+    assert _tokens(engine, PROMPTS) == want
