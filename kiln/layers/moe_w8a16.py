@@ -1,12 +1,13 @@
 """Mixture-of-experts weights in 8 bits, weight-only (W8A16): int8 or float8 e4m3 codes with a
-scale per expert and output channel, the experts of compressed-tensors W8A16 checkpoints
-(llm-compressor's `pack-quantized` int8, its float8 weight-only `naive-quantized`) and the
-weights of its W8A8 INT8 ones (`int-quantized`; their activations stay in the model dtype, so
-the experts run as W8A16). A code widened to the activations' dtype is exact (int8 and e4m3
-both fit bf16's mantissa), so the float8 per-channel experts' kernels run them unchanged: the
-decode GEMVs read only the chosen experts' bytes (ops.fused_moe_decode, or with the block's
-norm and routing inside), a larger step the weight-only grouped GEMM (ops.fused_moe with
-scales: the tile's codes widened before the dot, the sums scaled per column)."""
+scale per expert and output channel (int8 also per 128 inputs), the experts of
+compressed-tensors W8A16 checkpoints (llm-compressor's `pack-quantized` int8, its float8
+weight-only `naive-quantized`) and the weights of its W8A8 INT8 ones (`int-quantized`; their
+activations stay in the model dtype, so the experts run as W8A16). A code widened to the
+activations' dtype is exact (int8 and e4m3 both fit bf16's mantissa), so the float8 experts'
+kernels run them: the decode GEMVs read only the chosen experts' bytes (ops.fused_moe_decode,
+or with the block's norm and routing inside; groups of 128 as block FP8's per-row scales), a
+larger step the weight-only grouped GEMM (ops.fused_moe with scales: the tile's codes widened
+before the dot, the sums scaled per column; groups: the codes scaled before it)."""
 
 from __future__ import annotations
 
@@ -72,17 +73,17 @@ class W8A16MoEMethod(MoEMethod):
                 "8-bit weight-only experts with biases or a clamped SwiGLU are not supported"
             )
         e, h, n = layer.num_experts, layer.hidden_size, layer.intermediate_size
+        if self.group_size and (h % GROUP or n % GROUP):
+            raise ModelLoadError(
+                f"8-bit experts in groups of {GROUP}: hidden {h} and expert width {n} must be "
+                f"multiples of {GROUP}"
+            )
 
         def param(t: torch.Tensor) -> nn.Parameter:
             return nn.Parameter(t, requires_grad=False)
 
         layer.w13_weight = param(torch.zeros(e, 2 * n, h, dtype=self.dtype))
         layer.w2_weight = param(torch.zeros(e, h, n, dtype=self.dtype))
-        if self.group_size and (h % GROUP or n % GROUP):
-            raise ModelLoadError(
-                f"8-bit experts in groups of {GROUP}: hidden {h} and expert width {n} must be "
-                f"multiples of {GROUP}"
-            )
         groups13 = (h // GROUP,) if self.group_size else ()
         groups2 = (n // GROUP,) if self.group_size else ()
         layer.w13_weight_scale = param(torch.ones(e, 2 * n, *groups13))
