@@ -73,6 +73,10 @@ _BY_FILE = {
         "test_the_gpus_tiles_equal_the_twin",
         "test_decode_reads_block_scales_as_its_twin",
     ),
+    "tests/kernels/test_moe_w8a16.py": (  # 20 s: interpreted int8 GEMVs, block-scaled too
+        "test_int8_decode_kernels_equal_their_twin",
+        "test_grouped_int8_decode_kernels_equal_their_twin",
+    ),
     "tests/kernels/test_moe_int4.py": (  # 14 s: interpreted INT4 decode GEMVs
         "test_int4_decode_kernels_equal_their_twin",
     ),
@@ -99,6 +103,9 @@ _BY_FILE = {
         "test_a_quantized_router_is_widened",
         "test_fp8_block_quantizes_the_experts_of_a_full_precision_checkpoint",
         "test_a_mixtral_release_with_one_block_per_expert",
+    ),
+    "tests/models/test_moe_w8a16.py": (  # 5 s: the first's transformers oracle
+        "test_llm_compressors_int8_moe_checkpoint",
     ),
     "tests/models/test_moe_int4.py": (  # 14 s: 5 INT4 checkpoints, transformers' oracle
         "test_int4_moe_checkpoint_generates_the_dequantized_models_tokens",

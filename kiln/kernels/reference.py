@@ -1056,7 +1056,9 @@ def fused_moe(
     any token chose, each running its tokens' rows in the model dtype (as transformers' Mixtral
     and Qwen-MoE experts do), the weighted sum kept in fp32 and rounded once. Float8 weights
     (with their per-expert or per-output-channel scales) are widened to the model dtype (exact)
-    and their products scaled in fp32 before rounding: weight-only FP8. Biases (gpt-oss) are
+    and their products scaled in fp32 before rounding: weight-only FP8; 8-bit codes with a
+    scale per row and 128 inputs (3-D scales: W8A16 in groups of 128) are dequantized and
+    rounded to the model dtype before the product. Biases (gpt-oss) are
     added to each projection's output, the down bias before the routing weight; the
     activation is SiLU(gate) * up, or with `swiglu` clamped_swiglu's. An id outside
     [0, num_experts) names an expert another rank holds (expert parallelism: -1) and adds
@@ -1324,6 +1326,10 @@ def _expert_linear(
     b = None if bias is None else bias[expert]
     if scale is None:
         return F.linear(x, weight, None if b is None else b.to(x.dtype))
+    if scale.dim() == 3:  # a scale per row and 128 inputs: the weights rounded to x's dtype
+        w = dequantize_block_rows(weight, scale[expert]).to(x.dtype).float()
+        product = F.linear(x.float(), w)
+        return (product if b is None else product + b.float()).to(x.dtype)
     product = F.linear(x.float(), weight.float())  # fp32 as the kernel's accumulator
     product = product * scale[expert]  # [] per expert, or [rows] per output channel
     if b is not None:

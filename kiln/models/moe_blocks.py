@@ -28,9 +28,12 @@ from kiln.layers.moe import (
 from kiln.layers.moe_fp8_block import Fp8BlockMoEMethod, quantize_experts_fp8_block
 from kiln.layers.moe_int4 import Int4MoEMethod
 from kiln.layers.moe_parallel import rank_shard
+from kiln.layers.moe_w8a16 import GROUP, W8A16MoEMethod, quantize_experts_w8
 from kiln.layers.quantization.fp8 import Fp8LinearMethod
 from kiln.layers.quantization.fp8_block import Fp8BlockLinearMethod, rows_of
 from kiln.layers.quantization.int4 import Int4LinearMethod
+from kiln.layers.quantization.int8 import Int8LinearMethod
+from kiln.layers.quantization.w8a16 import W8A16LinearMethod
 from kiln.models.blocks import GatedMLP, LinearMethodFactory, norm_then_project
 from kiln.models.config import ModelConfig
 from kiln.models.moe_config import PER_CHANNEL_EXPERTS
@@ -63,7 +66,8 @@ class SparseMoeBlock(nn.Module):
     method) scaled by sigmoid(`shared_expert_gate`(x)), or added as it is
     (cfg.shared_expert_gated False: GLM). The experts are float8 under an FP8 quantization
     (kiln.layers.moe.Fp8MoEMethod; fp8-block: kiln.layers.moe_fp8_block), INT4 under an INT4
-    checkpoint's (kiln.layers.moe_int4), else in the model dtype."""
+    checkpoint's (kiln.layers.moe_int4), 8-bit weight-only under a W8A16 or W8A8 INT8 one
+    (kiln.layers.moe_w8a16), else in the model dtype."""
 
     def __init__(
         self,
@@ -166,6 +170,15 @@ def _experts_method(method: LinearMethodFactory, name: str, per_channel: bool) -
         return Fp8BlockMoEMethod()
     if isinstance(linear, Int4LinearMethod):  # a pre-quantized INT4 checkpoint's, or dummy
         return Int4MoEMethod(linear.group_size, linear.needs_zeros)
+    if isinstance(linear, Int8LinearMethod):  # W8A8 INT8: its experts' weights, weight-only
+        return W8A16MoEMethod(torch.int8)
+    if isinstance(linear, W8A16LinearMethod):
+        if linear.group_size and linear.dtype != torch.int8:
+            raise ModelLoadError(
+                f"float8 weight-only experts in groups of {linear.group_size} inputs are not "
+                "supported (kiln loads them per output channel)"
+            )
+        return W8A16MoEMethod(linear.dtype, linear.group_size)
     return UnquantizedMoEMethod()
 
 
@@ -293,8 +306,11 @@ def expert_scale_rows(
         param = parts[match.group(3)][0]
         full = module.intermediate_size if module.shard is None else module.shard.full_width
         rows = full if param.startswith("w13") else module.hidden_size
-        if getattr(module, f"{param}_scale").dim() == 3:  # block-scaled experts: [rows / 128,
-            blocks = tensor.float().reshape(-(-rows // FP8_BLOCK), -1)  # in / 128] (or one)
+        block_scaled = getattr(module, f"{param}_scale").dim() == 3
+        if block_scaled and tensor.dim() == 2 and tensor.shape[0] == rows:  # W8A16's groups of
+            yield name, tensor.float()  # 128 inputs: a row each already
+        elif block_scaled:  # block-scaled experts: [rows / 128, in / 128] (or one)
+            blocks = tensor.float().reshape(-(-rows // FP8_BLOCK), -1)
             yield name, rows_of(blocks, rows)
         elif tensor.numel() == 1:
             yield name, tensor.float().reshape(()).expand(rows).clone()
@@ -353,13 +369,21 @@ def quantize_float8_experts(
     weights: Iterable[tuple[str, torch.Tensor]], params: Mapping[str, torch.Tensor]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stacked experts' tensors (stack_expert_weights's) in the model dtype whose parameter in
-    `params` (the model's, by HF name) is float8: quantized, each followed by its scale."""
+    `params` (the model's, by HF name) is float8 or int8: quantized, each followed by its
+    scale (int8: per channel, W8A16MoEMethod's)."""
     for name, tensor in weights:
         param = params.get(name)
-        if param is None or param.dtype != torch.float8_e4m3fn or tensor.element_size() == 1:
+        eight_bit = param is not None and param.dtype in (torch.float8_e4m3fn, torch.int8)
+        if param is None or not eight_bit or tensor.element_size() == 1:
             yield name, tensor
             continue
         scale_param = params.get(f"{name}_scale")
+        if param.dtype == torch.int8:  # per channel, or per GROUP inputs (3-D scales)
+            group = GROUP if scale_param is not None and scale_param.dim() == 3 else 0
+            codes, scale = quantize_experts_w8(tensor, torch.int8, group)
+            yield name, codes
+            yield f"{name}_scale", scale
+            continue
         if scale_param is not None and scale_param.dim() == 3:  # 128x128 blocks
             fp8, scale = quantize_experts_fp8_block(tensor)
         else:

@@ -140,19 +140,27 @@ def deepseek_v2_moe_fields(d: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# Schemes whose experts are 8-bit with a scale per output channel (kiln.layers.moe_w8a16).
+PER_CHANNEL_8BIT = ("int8-w8a8", "int8-w8a16-channel", "fp8-w8a16-channel")
+# ... and those of a scale per row and 128 inputs, as block FP8's (int8 W8A16 in groups of 128).
+ROW_BLOCK_8BIT = ("fp8-block", "int8-w8a16-g128")
+
+
 def expert_scale_count(cfg: ModelConfig, quantization: str = "fp8-dynamic") -> int:
     """The fp32 scales of one sparse layer's float8 experts: one per expert and projection, one
     per output channel (cfg.per_channel_experts), or under "fp8-block" one per row and 128
-    inputs; INT4 experts' ("int4-g<N>", "int4-channel"): their scales and zero points."""
+    inputs; INT4 experts' ("int4-g<N>", "int4-channel"): their scales and zero points; 8-bit
+    weight-only and W8A8 INT8 experts' (PER_CHANNEL_8BIT): one per output channel
+    ("int8-w8a16-g128": per row and 128 inputs)."""
     n, h = cfg.moe_intermediate_size, cfg.hidden_size
     if quantization.startswith("int4-"):  # a scale and a zero point per row and group
         # "int4-g<N>" / "int4-channel" (-sym); a build's "int4-gptq" / "int4-awq": groups of 128
         named = re.fullmatch(r"int4-(?:g(\d+)|(channel))(?:-sym)?", quantization)
         size = 128 if named is None else int(named.group(1) or 0)
         return 2 * cfg.num_held_experts * (2 * n * (h // (size or h)) + h * (n // (size or n)))
-    if quantization == "fp8-block":
+    if quantization in ("fp8-block", "int8-w8a16-g128"):  # a scale per row and 128 inputs
         return cfg.num_held_experts * (2 * n * -(-h // 128) + h * -(-n // 128))
-    if cfg.per_channel_experts:
+    if cfg.per_channel_experts or quantization in PER_CHANNEL_8BIT:
         return cfg.num_held_experts * (2 * n + h)
     return 2 * cfg.num_held_experts
 

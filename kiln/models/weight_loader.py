@@ -16,6 +16,7 @@ from torch import nn
 from kiln.errors import ModelLoadError
 from kiln.layers.linear import Linear
 from kiln.layers.moe import FusedMoE
+from kiln.layers.moe_w8a16 import GROUP, quantize_experts_w8
 from kiln.layers.vocab_parallel import VocabParallelEmbedding
 
 if TYPE_CHECKING:
@@ -205,13 +206,23 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int) -> None:
     """Normal(0, 0.02) weights, norms at 1 (DecoderForCausalLM.init_dummy_weights)."""
     gen = torch.Generator(device=model.device).manual_seed(seed)
     owners = linear_owners(model)
-    for name, param in model.named_parameters():
+    params = dict(model.named_parameters())
+    expert_scales: dict[str, torch.Tensor] = {}  # int8 experts' per-channel scales, by name
+    for name, param in params.items():
         owner = owners.get(name)
         if _derived(name, owner) or name.endswith(("_weight_scales", "_weight_zeros")):
             continue  # INT4 experts' keep their dummy scales and symmetric zeros
-        if param.element_size() == 1:  # float8 / int8: drawn as a checkpoint would be, then loaded
+        if name in expert_scales:  # registered after its codes
+            param.copy_(expert_scales.pop(name))
+        elif param.element_size() == 1:  # float8 / int8: drawn as a checkpoint would be, loaded
             drawn = torch.empty(param.shape, device=param.device).normal_(0.0, 0.02, generator=gen)
-            if owner is None:  # float8 experts (kiln.layers.moe), at their scales of 1
+            if owner is None and param.dtype == torch.int8:  # kiln.layers.moe_w8a16's experts
+                grouped = params[f"{name}_scale"].dim() == 3  # a scale per row and GROUP
+                codes, expert_scales[f"{name}_scale"] = quantize_experts_w8(
+                    drawn, torch.int8, GROUP if grouped else 0
+                )
+                param.copy_(codes)
+            elif owner is None:  # float8 experts (kiln.layers.moe), at their scales of 1
                 param.copy_(drawn.to(param.dtype))
             else:
                 owner.method.load_weight(param, None, drawn)  # drawn at this rank's shape

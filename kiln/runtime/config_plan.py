@@ -12,7 +12,7 @@ import torch
 from kiln.config import EngineConfig
 from kiln.models.config import ModelConfig
 from kiln.models.mla_config import mla_attention_shapes, mla_unquantized_count
-from kiln.models.moe_config import expert_scale_count
+from kiln.models.moe_config import PER_CHANNEL_8BIT, ROW_BLOCK_8BIT, expert_scale_count
 from kiln.runtime.memory_plan import (
     _CPU_DEFAULT_KV_GB,
     GiB,
@@ -39,7 +39,8 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int
     them), its router (and gpt-oss's experts' biases) in `dtype`, and its shared expert as a
     dense MLP's projections; gpt-oss's attention sinks and sigmoid routers (and biases) in fp32
     ("fp8-block": the experts float8 with a scale per row and 128 inputs; "int4-*": half a byte
-    each, an fp32 scale and zero per row and group). A rank's shard_config counts the experts
+    each, an fp32 scale and zero per row and group; 8-bit weight-only and W8A8 INT8: a byte each
+    and an fp32 scale per row, kiln.layers.moe_w8a16). A rank's shard_config counts the experts
     it holds (expert parallelism) or their slices (tensor parallelism)."""
     h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv, layers = cfg.num_key_value_heads * cfg.head_dim, range(cfg.num_hidden_layers)
@@ -61,7 +62,7 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> int
             if cfg.moe_routing == "sigmoid":  # its router and routing bias fp32, counted below
                 routers -= cfg.num_experts * (h + 1)
                 sinks += cfg.num_experts * (h + 1)
-    float8_experts = quantization in ("fp8-dynamic", "fp8-block")
+    float8_experts = quantization in ("fp8-dynamic", *ROW_BLOCK_8BIT, *PER_CHANNEL_8BIT)
     sparse_layers = sum(cfg.is_sparse_layer(i) for i in layers)
     scale_bytes = sparse_layers * expert_scale_count(cfg, quantization) * 4
     if float8_experts:

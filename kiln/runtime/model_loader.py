@@ -25,6 +25,7 @@ from kiln.models.base import CausalLM
 from kiln.models.blocks import LinearMethodFactory
 from kiln.models.config import PRESETS, ModelConfig
 from kiln.models.decoder import shard_config
+from kiln.models.moe_config import PER_CHANNEL_8BIT, ROW_BLOCK_8BIT
 from kiln.runtime.config_plan import plan_from_config
 from kiln.tokenizer import Tokenizer, from_transformers
 
@@ -411,11 +412,16 @@ def _hf_dir_source(path: str, dequantized: bool = False) -> ModelSource:
     if fp4 is not None:
         weights = fp4_tensors(weights, fp4, fp8=not dequantized)
     if eight_bit is not None:
-        if config.num_experts and eight_bit.quantization != "fp8-block":
+        # Experts take 8-bit weights per channel (kiln.layers.moe_w8a16), int8 in groups of 128
+        # or float8 in 128x128 blocks.
+        if config.num_experts and eight_bit.quantization not in (
+            *ROW_BLOCK_8BIT,
+            *PER_CHANNEL_8BIT,
+        ):
             raise ModelLoadError(
                 f"{path}: {eight_bit.quantization} ({eight_bit.producer}) checkpoints of "
-                "mixture-of-experts models are not supported yet (kiln's experts load from "
-                "16-bit, per-channel / per-tensor FP8 or block FP8 weights)"
+                "mixture-of-experts models are not supported yet (kiln's 8-bit experts load "
+                "per output channel, int8 in groups of 128 or FP8 in 128x128 blocks)"
             )
         weights = eight_bit_tensors(weights, eight_bit)
     source = ModelSource(

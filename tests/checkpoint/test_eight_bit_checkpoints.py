@@ -288,14 +288,19 @@ def test_dummy_and_16_bit_weights_round_to_the_scheme_as_they_load(tmp_path, sch
     assert got == _generate(_hf_model(like, state), PROMPTS)
 
 
-def test_an_int8_mixture_of_experts_checkpoint_is_refused(tmp_path) -> None:
-    """Block FP8 experts load (tests/models/test_moe_fp8_block.py); INT8 ones are refused."""
-    path = _edited(tmp_path, "ct_w8a8_int8")
+def test_a_grouped_int8_mixture_of_experts_checkpoint_is_refused(tmp_path) -> None:
+    """Block FP8 experts load (tests/models/test_moe_fp8_block.py), per-channel 8-bit ones too
+    (tests/models/test_moe_w8a16.py), in groups of 128 too; W8A16 in groups of 64 is refused."""
+
+    def groups_of_64(q: dict) -> None:
+        q["config_groups"]["group_0"]["weights"]["group_size"] = 64
+
+    path = _edited(tmp_path, "ct_w8a16_int8", config_edit=groups_of_64)
     config = json.loads((path / "config.json").read_text())
     config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4,
                   num_experts_per_tok=2, moe_intermediate_size=64)  # fmt: skip
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="mixture-of-experts"):
+    with pytest.raises(ModelLoadError, match=r"int8-w8a16-g64.*mixture-of-experts"):
         LLM(str(path), **ARGS)
 
 

@@ -82,8 +82,9 @@ def _compile_all() -> dict[str, str]:
         (" biased", {"ROUTED": True, "HAS_BIAS": True, "SWIGLU": True, "BLOCK_E": 32,
                      "BLOCK_TOP_K": 4, "TOP_K": 4}, {"HAS_BIAS": True, "SHARED": False}),
     )  # fmt: skip
-    for weight in ("bf16", "fp8e4nv", "i32"):  # i32: INT4 experts' packed words
-        scaled, int4 = weight == "fp8e4nv", weight == "i32"
+    # i32: INT4 experts' packed words; i8: 8-bit integer experts (kiln.layers.moe_w8a16)
+    for weight in ("bf16", "fp8e4nv", "i32", "i8"):
+        scaled, int4 = weight in ("fp8e4nv", "i8"), weight == "i32"
         # per-channel float8 (block: moe_fp8_block); INT4 in groups of 128
         scales = {"SCALED": scaled, "BLOCK_SCALED": False, "INT4": int4, "GROUP": 128}
         block_k = moe_decode._INT4_BLOCK_K if int4 else moe_decode._ROW_BYTES // (2 - scaled)
@@ -139,18 +140,29 @@ def _compile_all() -> dict[str, str]:
              "BLOCK_N": block_n, "BLOCK_K": block_k},
             num_warps, num_stages,
         )  # fmt: skip
-    ptx["int4 gemm"] = _ptx(
-        fused_moe._grouped_gemm_kernel,
-        {"a_ptr": "*bf16", "w_ptr": "*i32", "out_ptr": "*bf16", "weights_ptr": "*fp32",
-         "scale_ptr": "*fp32", "zero_ptr": "*fp32", "bias_ptr": "*bf16",
-         "sorted_pairs_ptr": "*i32", "block_experts_ptr": "*i32", "num_rows_ptr": "*i32",
-         "num_pairs": "i32", "num_experts": "i32", "N": "i32", "K": "i32", "stride_a": "i32",
-         "stride_we": "i32", "stride_wn": "i32", "stride_out": "i32", "stride_se": "i32",
-         "stride_sn": "i32"},
-        {"A_PER_ROW": 8, "MUL_WEIGHT": False, "SCALED": False, "PER_CHANNEL": False,
-         "HAS_BIAS": False, "INT4": True, "GROUP": 128, "DOT_PRECISION": "tf32",
-         "INTERPRETED": False, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64},
-    )  # fmt: skip
+    gemm_args = {
+        "a_ptr": "*bf16", "out_ptr": "*bf16", "weights_ptr": "*fp32",
+        "scale_ptr": "*fp32", "zero_ptr": "*fp32", "bias_ptr": "*bf16",
+        "sorted_pairs_ptr": "*i32", "block_experts_ptr": "*i32", "num_rows_ptr": "*i32",
+        "num_pairs": "i32", "num_experts": "i32", "N": "i32", "K": "i32", "stride_a": "i32",
+        "stride_we": "i32", "stride_wn": "i32", "stride_out": "i32", "stride_se": "i32",
+        "stride_sn": "i32",
+    }  # fmt: skip
+    gemm = {"A_PER_ROW": 8, "MUL_WEIGHT": False, "HAS_BIAS": False, "GROUP": 128,
+            "DOT_PRECISION": "tf32", "INTERPRETED": False, "BLOCK_M": 64, "BLOCK_N": 128,
+            "BLOCK_K": 64}  # fmt: skip
+    # (name, weights, SCALED, PER_CHANNEL, ROW_BLOCKS, INT4): INT4 groups; int8 per channel
+    # and in groups of 128 (weight-only: widened onto the bf16 tensor cores).
+    for name, weight, scaled, channel, row_blocks, int4 in (
+        ("int4 gemm", "*i32", False, False, False, True),
+        ("int8 gemm", "*i8", True, True, False, False),
+        ("int8 g128 gemm", "*i8", True, False, True, False),
+    ):
+        ptx[name] = _ptx(
+            fused_moe._grouped_gemm_kernel, {**gemm_args, "w_ptr": weight},
+            {**gemm, "SCALED": scaled, "PER_CHANNEL": channel, "ROW_BLOCKS": row_blocks,
+             "INT4": int4},
+        )  # fmt: skip
     router_args = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64",
                    "bias_ptr": "*fp32", "num_experts": "i32", "stride_logits": "i32",
                    "group_size": "i32", "scaling": "fp32"}  # fmt: skip
@@ -175,7 +187,7 @@ def ptx() -> dict[str, str]:
 
 
 def test_decode_kernels_pipeline_their_weight_loads(ptx) -> None:
-    for weight in ("bf16", "fp8e4nv", "i32"):
+    for weight in ("bf16", "fp8e4nv", "i32", "i8"):
         for kernel in ("gate_up", "down_sum", "down"):
             # Weight tiles staged in shared memory ahead of use; the slot loop's expert ids too.
             assert "cp.async" in ptx[f"{kernel} {weight}"], (kernel, weight)
@@ -202,8 +214,9 @@ def test_the_fp8_grouped_gemm_runs_on_the_float8_tensor_cores(ptx) -> None:
         assert ("cp.async.bulk.tensor" in code) == tma  # TMA loads only where asked
 
 
-def test_the_int4_grouped_gemm_dequantizes_onto_the_bf16_tensor_cores(ptx) -> None:
-    assert "wgmma.mma_async" in ptx["int4 gemm"] and ".bf16.bf16" in ptx["int4 gemm"]
+@pytest.mark.parametrize("name", ["int4 gemm", "int8 gemm", "int8 g128 gemm"])
+def test_the_integer_grouped_gemms_dequantize_onto_the_bf16_tensor_cores(ptx, name) -> None:
+    assert "wgmma.mma_async" in ptx[name] and ".bf16.bf16" in ptx[name]
 
 
 def test_the_router_compiles_to_warp_shuffles(ptx) -> None:

@@ -4,7 +4,8 @@ to the GEMM's row block, so every row block of the sorted list belongs to one ex
 multiplies each block by its expert's weights (gate_up), the SiLU-mul kernel (gpt-oss: the
 clamped SwiGLU's) runs over the pairs, a second launch multiplies by the experts' down weights
 and scales each row by its routing weight, and the top-k rows of each token are summed in token
-order. Float8 weights carry a scale per expert or per output channel; gpt-oss's experts add a
+order. Float8 (or int8) weights carry a scale per expert, per output channel, or per row and
+128 inputs (W8A16 in groups of 128: the codes scaled, weight-only); gpt-oss's experts add a
 bias to each projection's output (the down bias before the routing weight).
 
 The sort is torch ops with shapes fixed by the token count alone (no host sync), so a CUDA graph
@@ -78,7 +79,7 @@ def _grouped_gemm_kernel(
     out_ptr,  # [num_pairs, N]
     weights_ptr,  # [num_pairs] fp32 routing weights (read with MUL_WEIGHT only)
     scale_ptr,  # [num_experts] (or [num_experts, N] PER_CHANNEL) fp32: float8 weights' scales;
-    # with INT4, [num_experts, N, K / GROUP] group scales
+    # with INT4, [num_experts, N, K / GROUP] group scales; with ROW_BLOCKS [E, N, K / 128]
     zero_ptr,  # [num_experts, N, K / GROUP] fp32: INT4 zero points (read with INT4 only)
     bias_ptr,  # [num_experts, N]: each expert's output bias (read with HAS_BIAS only)
     sorted_pairs_ptr,  # [max_rows] int32
@@ -98,6 +99,8 @@ def _grouped_gemm_kernel(
     MUL_WEIGHT: tl.constexpr,
     SCALED: tl.constexpr,  # float8 weights: widened to a's dtype (exact), the sums scaled
     PER_CHANNEL: tl.constexpr,  # the scales are per output column (gpt-oss's MXFP4 as FP8)
+    ROW_BLOCKS: tl.constexpr,  # 8-bit codes with a scale per row and 128 inputs (W8A16 g128):
+    # the tile's codes times their scales, rounded to a's dtype before the dot
     HAS_BIAS: tl.constexpr,  # added after the scale, before the routing weight (gpt-oss)
     INT4: tl.constexpr,  # w: [num_experts, N, K / 8] int32 words of 8 codes, dequantized here
     GROUP: tl.constexpr,  # with INT4: inputs per scale and zero
@@ -145,6 +148,11 @@ def _grouped_gemm_kernel(
                 zero = tl.load(zero_ptr + at, mask=w_mask, other=0.0)
                 scale = tl.load(scale_ptr + at, mask=w_mask, other=0.0)
             w = ((codes - zero) * scale).to(a.dtype)
+        elif ROW_BLOCKS:
+            w = tl.load(w_rows + ks[:, None], mask=w_mask, other=0.0).to(tl.float32)
+            at = expert * stride_se + cols[None, :].to(tl.int64) * stride_sn
+            scale = tl.load(scale_ptr + at + (ks // 128)[:, None], mask=w_mask, other=0.0)
+            w = (w * scale).to(a.dtype)
         else:  # [BLOCK_K, BLOCK_N]: the expert's rows `cols`, transposed
             w = tl.load(w_rows + ks[:, None], mask=w_mask, other=0.0)
         if INTERPRETED:
@@ -152,7 +160,7 @@ def _grouped_gemm_kernel(
         elif SCALED:
             w = w.to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-    if SCALED:
+    if SCALED and not ROW_BLOCKS:
         if PER_CHANNEL:
             channel_scale = tl.load(scale_ptr + expert * N + cols, mask=cols < N, other=0.0)
             acc *= channel_scale[None, :]
@@ -189,13 +197,17 @@ def _grouped_gemm(
     if int4 is not None:
         group_scale, zero = int4[0].float().contiguous(), int4[1].float().contiguous()
         group = k // group_scale.shape[-1]
+    row_blocks = False
+    if scale is not None and scale.dim() == 3:  # its strides are the kernel's stride_se / _sn
+        group_scale, row_blocks = scale, True
     _grouped_gemm_kernel[grid](
         a, w, out, weights, group_scale if scale is None else scale, zero,
         weights if bias is None else bias, sorted_pairs, block_experts, num_rows, out.shape[0],
         w.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         group_scale.stride(0), group_scale.stride(1) if group_scale.dim() > 1 else 0,
         A_PER_ROW=a_per_row, MUL_WEIGHT=mul_weight, SCALED=scale is not None,
-        PER_CHANNEL=scale is not None and scale.dim() == 2, HAS_BIAS=bias is not None,
+        PER_CHANNEL=scale is not None and scale.dim() == 2, ROW_BLOCKS=row_blocks,
+        HAS_BIAS=bias is not None,
         INT4=int4 is not None, GROUP=group,
         DOT_PRECISION=dot_precision(a.dtype),
         INTERPRETED=a.device.type != "cuda",
@@ -209,8 +221,8 @@ def fused_moe(
     w2: torch.Tensor,  # [num_experts, hidden, inter]: each expert's down projection
     topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32: each chosen expert's weight
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int: the chosen experts
-    w13_scale: torch.Tensor | None = None,  # [num_experts] or [num_experts, 2 * inter] fp32
-    w2_scale: torch.Tensor | None = None,  # [num_experts] or [num_experts, hidden] fp32
+    w13_scale: torch.Tensor | None = None,  # [E], [E, 2 * inter] or [E, 2 * inter, K / 128]
+    w2_scale: torch.Tensor | None = None,  # [E], [E, hidden] or [E, hidden, inter / 128] fp32
     w13_bias: torch.Tensor | None = None,  # [num_experts, 2 * inter]
     w2_bias: torch.Tensor | None = None,  # [num_experts, hidden]
     swiglu: tuple[float, float] | None = None,  # gpt-oss's clamped SwiGLU (alpha, limit)
