@@ -19,6 +19,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install kiln[
 
 from kiln.kernels import reference
 from kiln.layers.moe import quantize_experts_fp8
+from tests.kernels.moe_checks import close_to_peak as _close
 
 moe_decode = importlib.import_module("kiln.kernels.triton.moe_decode")
 
@@ -36,14 +37,6 @@ def _case(num_tokens: int, top_k: int, dtype: torch.dtype):
     ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:top_k] for _ in range(num_tokens)])
     weights = torch.rand(num_tokens, top_k, generator=gen)
     return [t.to(DEVICE) for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids)]
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    peak = want.float().abs().max()
-    assert peak > 0.1  # not a vacuous zero-vs-zero comparison
-    # fp16 / bf16: gate_up and the activation round (bf16 keeps 8 bits).
-    tol = {torch.float32: 1e-5, torch.float16: 4e-3}.get(dtype, 2e-2)
-    torch.testing.assert_close(got.float(), want.float(), atol=tol * peak, rtol=0)
 
 
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 1), (1, 2), (3, 2), (16, 2)])

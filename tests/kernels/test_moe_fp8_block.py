@@ -20,6 +20,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install kiln[
 
 from kiln.kernels import reference
 from kiln.layers.moe_fp8_block import quantize_experts_fp8_block
+from tests.kernels.moe_checks import FLOAT8_TOL, HOPPER_FLOAT8_FLOOR, close_to_peak
 
 moe_fp8_block = importlib.import_module("kiln.kernels.triton.moe_fp8_block")
 moe_decode = importlib.import_module("kiln.kernels.triton.moe_decode")
@@ -49,12 +50,8 @@ def _case(num_tokens: int, top_k: int, dtype: torch.dtype, remote: bool = False,
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    peak = want.float().abs().max()
-    assert peak > 0.1
-    tol = {torch.float32: 1e-5, torch.float16: 1e-2}.get(dtype, 3e-2)
-    if DEVICE == "cuda":
-        tol = max(tol, 2e-3)  # Hopper's float8 accumulation (as test_moe_fp8.py's)
-    torch.testing.assert_close(got.float(), want.float(), atol=tol * peak, rtol=0)
+    floor = HOPPER_FLOAT8_FLOOR if DEVICE == "cuda" else 0.0
+    close_to_peak(got, want, dtype, FLOAT8_TOL, floor)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # silu(-100): -0

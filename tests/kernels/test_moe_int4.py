@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (pip install kiln[triton])")
 
 from kiln.kernels import reference
+from tests.kernels.moe_checks import close_to_peak as _close
 
 moe_decode = importlib.import_module("kiln.kernels.triton.moe_decode")
 fused_moe = importlib.import_module("kiln.kernels.triton.fused_moe")
@@ -54,13 +55,6 @@ def _case(
     weights = torch.rand(num_tokens, top_k, generator=gen)
     args = (x, w13, w2, weights, ids, s13, s2, z13, z2)
     return [t.to(DEVICE) for t in args]
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    peak = want.float().abs().max()
-    assert peak > 0.1  # not a vacuous zero-vs-zero comparison
-    tol = {torch.float32: 1e-5, torch.float16: 4e-3}.get(dtype, 2e-2)
-    torch.testing.assert_close(got.float(), want.float(), atol=tol * peak, rtol=0)
 
 
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 1), (1, 2), (3, 2), (16, 2)])

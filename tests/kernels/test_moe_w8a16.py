@@ -22,6 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install kiln[
 
 from kiln.kernels import reference
 from kiln.layers.moe_w8a16 import quantize_experts_w8
+from tests.kernels.moe_checks import close_to_peak as _close
 
 moe_decode = importlib.import_module("kiln.kernels.triton.moe_decode")
 fused_moe = importlib.import_module("kiln.kernels.triton.fused_moe")
@@ -53,13 +54,6 @@ def _case(num_tokens: int, top_k: int, dtype: torch.dtype, remote: bool = False,
         ids[::3, 0] = -1
     weights = torch.rand(num_tokens, top_k, generator=gen)
     return [t.to(DEVICE) for t in (x, w13, w2, weights, ids, s13, s2)]
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    peak = want.float().abs().max()
-    assert peak > 0.1  # not a vacuous zero-vs-zero comparison
-    tol = {torch.float32: 1e-5, torch.float16: 4e-3}.get(dtype, 2e-2)
-    torch.testing.assert_close(got.float(), want.float(), atol=tol * peak, rtol=0)
 
 
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 1), (1, 2), (3, 2), (16, 2)])
