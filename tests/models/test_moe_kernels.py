@@ -32,20 +32,16 @@ from tests.models.test_gpt_oss import TINY_GPT_OSS
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@pytest.mark.parametrize("lens", [[20, 7], [3, 2]])  # the grouped GEMM; the decode kernels
-def test_triton_forward_equals_the_reference(tmp_path, lens) -> None:
-    save_tiny_hf(str(tmp_path), "qwen2_moe", "Qwen2MoeForCausalLM",
-                 perturb=perturb_norms_and_biases, num_experts=4, num_experts_per_tok=2,
-                 moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                 mlp_only_layers=[1])  # fmt: skip
-    model = load_model(EngineConfig(model=str(tmp_path)), DEVICE, torch.float32).model
+def _assert_triton_forward_equals_reference(model, lens: list[int], seed: int, ops=triton_ops):
+    """One packed prefill of random ids through the reference ops (torch attention) and
+    through `ops` (Triton attention): equal logits."""
     cfg = model.config
-    assert hasattr(model.layers[0].mlp, "experts") and not hasattr(model.layers[1].mlp, "experts")
     metadata, blocks = packed_prefill_metadata(lens, 16, DEVICE)
-    ids = torch.randint(3, cfg.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, cfg.vocab_size, (sum(lens),), generator=gen)
     positions = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
     outs = []
-    for ops, backend in ((reference, "torch"), (triton_ops, "triton")):
+    for run_ops, backend in ((reference, "torch"), (ops, "triton")):
         shape = (blocks, 16, cfg.num_key_value_heads, cfg.head_dim)
         caches = [
             (empty_cache(*shape, torch.float32, DEVICE), empty_cache(*shape, torch.float32, DEVICE))
@@ -53,9 +49,20 @@ def test_triton_forward_equals_the_reference(tmp_path, lens) -> None:
         ]
         attention = get_attention_backend(backend, DEVICE)
         with torch.no_grad():
-            hidden = model(ops, attention, ids.to(DEVICE), positions, caches, metadata)
-            outs.append(model.compute_logits(hidden, ops).float())
+            hidden = model(run_ops, attention, ids.to(DEVICE), positions, caches, metadata)
+            outs.append(model.compute_logits(hidden, run_ops).float())
     torch.testing.assert_close(outs[1], outs[0], atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("lens", [[20, 7], [3, 2]])  # the grouped GEMM; the decode kernels
+def test_triton_forward_equals_the_reference(tmp_path, lens) -> None:
+    save_tiny_hf(str(tmp_path), "qwen2_moe", "Qwen2MoeForCausalLM",
+                 perturb=perturb_norms_and_biases, num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                 mlp_only_layers=[1])  # fmt: skip
+    model = load_model(EngineConfig(model=str(tmp_path)), DEVICE, torch.float32).model
+    assert hasattr(model.layers[0].mlp, "experts") and not hasattr(model.layers[1].mlp, "experts")
+    _assert_triton_forward_equals_reference(model, lens, seed=0)
 
 
 DECODE_FAMILIES = {
@@ -73,22 +80,7 @@ def test_decode_sizes_route_inside_the_experts_kernel(tmp_path, family, lens) ->
     save_tiny_hf(str(tmp_path), model_type, architecture, perturb=perturb_norms_and_biases,
                  **overrides)  # fmt: skip
     model = load_model(EngineConfig(model=str(tmp_path)), DEVICE, torch.float32).model
-    cfg = model.config
-    metadata, blocks = packed_prefill_metadata(lens, 16, DEVICE)
-    ids = torch.randint(3, cfg.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(1))
-    positions = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
-    outs = []
-    for ops, backend in ((reference, "torch"), (triton_ops, "triton")):
-        shape = (blocks, 16, cfg.num_key_value_heads, cfg.head_dim)
-        caches = [
-            (empty_cache(*shape, torch.float32, DEVICE), empty_cache(*shape, torch.float32, DEVICE))
-            for _ in range(cfg.num_hidden_layers)
-        ]
-        attention = get_attention_backend(backend, DEVICE)
-        with torch.no_grad():
-            hidden = model(ops, attention, ids.to(DEVICE), positions, caches, metadata)
-            outs.append(model.compute_logits(hidden, ops).float())
-    torch.testing.assert_close(outs[1], outs[0], atol=2e-4, rtol=2e-4)
+    _assert_triton_forward_equals_reference(model, lens, seed=1)
 
 
 GLM = dict(
@@ -110,11 +102,7 @@ def test_sigmoid_routed_decode_takes_the_router_kernel_then_the_gemvs(tmp_path, 
     model = load_model(EngineConfig(model=str(tmp_path)), DEVICE, torch.float32).model
     with torch.no_grad():  # a routing bias that changes the choice
         model.layers[1].mlp.experts.e_score_correction_bias.copy_(torch.linspace(-0.2, 0.2, 8))
-    cfg = model.config
-    metadata, blocks = packed_prefill_metadata(lens, 16, DEVICE)
-    ids = torch.randint(3, cfg.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(1))
-    positions = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
-    outs, calls = [], []
+    calls = []
 
     class Recorded:  # triton_ops, recording which of its functions the forward called
         def __getattr__(self, name):
@@ -123,16 +111,6 @@ def test_sigmoid_routed_decode_takes_the_router_kernel_then_the_gemvs(tmp_path, 
                 return fn
             return lambda *a, **k: (calls.append(name), fn(*a, **k))[1]
 
-    for ops, backend in ((reference, "torch"), (Recorded(), "triton")):
-        shape = (blocks, 16, cfg.num_key_value_heads, cfg.head_dim)
-        caches = [
-            (empty_cache(*shape, torch.float32, DEVICE), empty_cache(*shape, torch.float32, DEVICE))
-            for _ in range(cfg.num_hidden_layers)
-        ]
-        attention = get_attention_backend(backend, DEVICE)
-        with torch.no_grad():
-            hidden = model(ops, attention, ids.to(DEVICE), positions, caches, metadata)
-            outs.append(model.compute_logits(hidden, ops).float())
-    torch.testing.assert_close(outs[1], outs[0], atol=2e-4, rtol=2e-4)
+    _assert_triton_forward_equals_reference(model, lens, seed=1, ops=Recorded())
     assert "moe_route" in calls and "fused_moe_decode" in calls
     assert "fused_moe_decode_routed" not in calls  # its in-kernel routing is softmax only
