@@ -172,3 +172,16 @@ def test_decode_reduce_variant_does_not_follow_the_split_count() -> None:
     assert keys[11] == keys[16] == keys[24] == keys[32]
     # The rule itself, on an argument that is specialized: 16 and 11 are different variants.
     assert _variant(object(), num_splits=16) != _variant(object(), num_splits=11)
+
+
+def test_moe_grouped_gemm_variants_do_not_follow_the_pair_count() -> None:
+    # A step's pair count (tokens x top_k) takes any value; each must run a variant the warm-up
+    # compiled, not compile one inside the run.
+    pytest.importorskip("triton")
+    from kiln.kernels.triton.fused_moe import _grouped_gemm_kernel
+    from kiln.kernels.triton.moe_fp8 import _fp8_grouped_gemm_kernel
+    from kiln.kernels.triton.moe_fp8_block import _fp8_block_grouped_kernel
+
+    for kernel in (_grouped_gemm_kernel, _fp8_grouped_gemm_kernel, _fp8_block_grouped_kernel):
+        keys = {n: _variant(kernel, num_pairs=n) for n in (1, 14, 16, 2000)}
+        assert keys[1] == keys[14] == keys[16] == keys[2000], kernel
