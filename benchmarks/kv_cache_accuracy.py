@@ -1,5 +1,5 @@
 """What a one-byte KV cache costs in accuracy: the same model with kv_cache_dtype "auto" and "fp8",
-"fp8" with prefill's products as float8 dots (the GPU backend's default, reference.Fp8Dots:
+"fp8" with prefill's Q.K products as float8 dots (the GPU backend's way, reference.uses_fp8_qk:
 here the CPU reference rounds as the kernel does), and "int8" twice: with the scales measured
 as the model loads (kiln.runtime.kv_calibration) and as an engine built with
 `kiln build --kv-cache-dtype int8` (scales calibrated on ../shared/data).
@@ -33,7 +33,6 @@ from kiln.builder.build import BuildOptions, build_engine
 from kiln.checkpoint.default_model import default_model_path
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-FP8_DOTS_RUN = (("fp8_dots", "fp8", "all"),)
 
 
 def perplexity(llm: LLM, windows: list[list[int]]) -> float:
@@ -57,6 +56,8 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--windows", type=int, default=32)
     p.add_argument("--window-len", type=int, default=512)
+    # Below --window-len, prefill runs in chunks that read the earlier ones from the cache.
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--questions", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--out", default=None)
@@ -73,21 +74,24 @@ def main() -> None:
     completions: dict[str, list[list[int]]] = {}
     from kiln.attention.torch_backend import TorchAttentionBackend
 
-    runs = [("auto", "auto", "none"), ("fp8", "fp8", "none"), *FP8_DOTS_RUN]
-    runs += [("int8", "int8", "none"), ("int8_built", "int8", "none")]
+    runs = [("auto", "auto", False), ("fp8", "fp8", False), ("fp8_qk", "fp8", True)]
+    runs += [("int8", "int8", False), ("int8_built", "int8", False)]
     if args.runs:
         runs = [r for r in runs if r[0] in args.runs.split(",") or r[0] == "auto"]
     workdir = tempfile.mkdtemp(prefix="kv-accuracy-")
-    for name, kv, dots in runs:
-        # The reference backend widens a float8 cache by default; the third run asks it to round
-        # as the Triton kernel's float8 dots do (prompt logprobs come from prefill).
-        TorchAttentionBackend.default_fp8_dots = dots
+    for name, kv, fp8_qk in runs:
+        # The reference backend widens a float8 cache; the third run has it round as the Triton
+        # backend's float8 Q.K dots do (prompt logprobs come from prefill).
+        TorchAttentionBackend.fp8_qk = fp8_qk
         model = args.model
         if name == "int8_built":
             model = os.path.join(workdir, "int8-engine")
             options = BuildOptions(kv_cache_dtype="int8", dtype=args.dtype, accuracy_check=False)
             build_engine(args.model or default_model_path(), model, options, None)
-        llm = LLM(model, dtype=args.dtype, kv_cache_dtype=kv, max_num_seqs=64)
+        llm = LLM(
+            model, dtype=args.dtype, kv_cache_dtype=kv, max_num_seqs=64,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )  # fmt: skip
         ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
         n = args.window_len
         windows = [ids[i * n : (i + 1) * n] for i in range(args.windows)]
@@ -109,7 +113,7 @@ def main() -> None:
         }
         print(name, results[name], flush=True)
         del llm
-    TorchAttentionBackend.default_fp8_dots = "none"
+    TorchAttentionBackend.fp8_qk = False
 
     shutil.rmtree(workdir, ignore_errors=True)
     ref_ppl = results["auto"]["wikitext2_perplexity"]

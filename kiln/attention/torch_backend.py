@@ -13,19 +13,15 @@ from kiln.attention.backend import (
     AttentionMetadata,
 )
 from kiln.kernels import reference
-from kiln.kernels.reference import Fp8Dots
 
 
 class PagedAttentionBackend(AttentionBackend):
     """Attends with `ops`' decode and prefill kernels. Backends differ only in their `ops` module
-    (the kernel twins share one signature) and in how prefill over a float8 cache multiplies
-    (`fp8_dots`, reference.Fp8Dots)."""
+    (the kernel twins share one signature) and in whether prefill over a float8 cache runs its
+    Q.K dots in float8 (`fp8_qk`, reference.uses_fp8_qk)."""
 
     ops: ModuleType
-    default_fp8_dots: Fp8Dots = "none"
-
-    def __init__(self, fp8_dots: Fp8Dots | None = None) -> None:
-        self.fp8_dots: Fp8Dots = self.default_fp8_dots if fp8_dots is None else fp8_dots
+    fp8_qk: bool = False
 
     def forward(
         self,
@@ -38,13 +34,13 @@ class PagedAttentionBackend(AttentionBackend):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return run_split_attention(
-            self.ops, query, k_cache, v_cache, metadata, scale, kind, sinks, self.fp8_dots
+            self.ops, query, k_cache, v_cache, metadata, scale, kind, sinks, self.fp8_qk
         )
 
 
 class TorchAttentionBackend(PagedAttentionBackend):
-    """The reference: prefill over a float8 cache widens K and V unless asked otherwise (the
-    CPU has no float8 arithmetic to gain from)."""
+    """The reference: prefill over a float8 cache widens K and V (the CPU has no float8
+    arithmetic to gain from)."""
 
     name = "torch"
     ops = reference
@@ -59,7 +55,7 @@ def run_split_attention(
     scale: float,
     kind: AttentionKind = FULL_ATTENTION,
     sinks: torch.Tensor | None = None,
-    fp8_dots: Fp8Dots = "none",
+    fp8_qk: bool = False,
 ) -> torch.Tensor:
     """Decodes (the first `num_decodes` sequences, one token each) go through the decode kernel,
     the remaining prefill chunks through the prefill kernel; shared by every backend."""
@@ -70,8 +66,8 @@ def run_split_attention(
     if kind != FULL_ATTENTION or sinks is not None:
         extra = {"window": kind.sliding_window, "softcap": kind.logit_softcap, "sinks": sinks}
     prefill_extra = dict(extra)
-    if fp8_dots != "none" and k_cache.dtype == torch.float8_e4m3fn:
-        prefill_extra["fp8_dots"] = fp8_dots
+    if fp8_qk and k_cache.dtype == torch.float8_e4m3fn:
+        prefill_extra["fp8_qk"] = True
     if nd == m.num_seqs:
         return ops.paged_decode_attention(
             query, k_cache, v_cache, m.block_tables, m.seq_lens, scale, m.max_seq_len, **extra

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -19,25 +18,18 @@ FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
 # An int8 KV cache's codes: symmetric, so -128 is never written (k and -k meet the same rounding).
 INT8_KV_MAX = 127.0
 
-# Prefill attention over a float8 cache: which products run as float8 dots. "none": K and V
-# widened to the query's precision; "qk": Q quantized per (token, head) row to e4m3, Q @ K^T in
-# float8; "all": and the softmax weights to e4m3 (times P_FP8_SCALE) for P @ V.
-Fp8Dots = Literal["none", "qk", "all"]
-# The weights' float8 scale: a power of two, so it folds back exactly; the largest weight of a
-# row (in (1/2, 1] against a whole-number maximum) lands in (128, 256], below e4m3's 448.
-P_FP8_SCALE = 256.0
 _LOG2E = 1.4426950408889634
 # A float8 tensor-core dot's reduction dimension is at least 32 (Hopper's float8 MMA; Triton
 # refuses less): smaller heads widen as before.
 FP8_DOT_MIN_HEAD_DIM = 32
 
 
-def uses_fp8_dots(fp8_dots: Fp8Dots, k_cache: torch.Tensor) -> bool:
-    """Whether prefill attention over this cache runs float8 dots (both twins ask this)."""
+def uses_fp8_qk(fp8_qk: bool, k_cache: torch.Tensor) -> bool:
+    """Whether prefill attention over this cache runs Q @ K^T as a float8 dot (both twins ask
+    this): Q quantized per (token, head) row to e4m3, against the float8 keys; P @ V stays
+    widened (float8 weights too ran at 261 TFLOP/s against 474 on an H100, 16k causal)."""
     return (
-        fp8_dots != "none"
-        and k_cache.dtype == torch.float8_e4m3fn
-        and k_cache.shape[3] >= FP8_DOT_MIN_HEAD_DIM
+        fp8_qk and k_cache.dtype == torch.float8_e4m3fn and k_cache.shape[3] >= FP8_DOT_MIN_HEAD_DIM
     )
 
 
@@ -169,16 +161,16 @@ def paged_prefill_attention(
     window: int | None = None,  # sliding window: only the last `window` keys (itself included)
     softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
     sinks: torch.Tensor | None = None,  # [num_heads] fp32 learned logits in the denominator
-    fp8_dots: Fp8Dots = "none",  # float8 cache: which products run as float8 dots
+    fp8_qk: bool = False,  # float8 cache: Q @ K^T as a float8 dot (else K widened)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention for chunks whose earlier context (cached prefix, previous chunks) is
     already in the cache: the j-th of q_len queries sits at position seq_len - q_len + j and sees
-    every key at or before it (or the last `window` of them). Over a float8 cache, `fp8_dots`
-    rounds as the Triton kernel's float8 dots do (_paged_attention_fp8_dots)."""
-    if uses_fp8_dots(fp8_dots, k_cache):
-        return _paged_attention_fp8_dots(
+    every key at or before it (or the last `window` of them). Over a float8 cache, `fp8_qk`
+    rounds as the Triton kernel's float8 Q.K dots do (_paged_attention_fp8_qk)."""
+    if uses_fp8_qk(fp8_qk, k_cache):
+        return _paged_attention_fp8_qk(
             query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out, window,
-            softcap, sinks, fp8_dots == "all",
+            softcap, sinks,
         )  # fmt: skip
     if window is not None or softcap is not None or sinks is not None:
         return _paged_attention_kinds(
@@ -272,7 +264,7 @@ def _paged_attention_kinds(
     return out
 
 
-def _paged_attention_fp8_dots(
+def _paged_attention_fp8_qk(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim], packed sequences
     k_cache: torch.Tensor,  # float8 e4m3
     v_cache: torch.Tensor,
@@ -284,16 +276,12 @@ def _paged_attention_fp8_dots(
     window: int | None,
     softcap: float | None,
     sinks: torch.Tensor | None,
-    pv_fp8: bool,
 ) -> torch.Tensor:
-    """Attention with float8 dots, rounded as the Triton kernel rounds, in the log2 domain:
+    """Attention with float8 Q.K dots, rounded as the Triton kernel rounds, in the log2 domain:
     each (token, head) row of Q to e4m3 at its absmax / 448 (quantize_fp8); scores = (q8 . k)
-    times that scale and scale * log2(e) (a soft-cap as the kernel's, from exp2); with `pv_fp8`
-    the row maximum rounded up to a whole number m, the weights exp2(score - m) to
-    e4m3(weight * P_FP8_SCALE) for P @ V, their unrounded sum the denominator. The kernel's
-    running maxima are whole numbers too, so each weight meets the same float8 rounding there
-    (times a power of two) whatever the key tiling. Queries go in slices to bound the scores'
-    memory (this is an oracle, not the CPU's path)."""
+    times that scale and scale * log2(e) (a soft-cap as the kernel's, from exp2); P @ V on the
+    widened values. Queries go in slices to bound the scores' memory (this is an oracle, not the
+    CPU's path)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     group = num_heads // k_cache.shape[2]
     block_size = k_cache.shape[1]
@@ -335,16 +323,11 @@ def _paged_attention_fp8_dots(
             if sinks is not None:
                 sink = (sinks.float() * _LOG2E)[:, None, None]
                 m = torch.maximum(m, sink.expand_as(m))
-            if pv_fp8:
-                m = torch.ceil(m)
             m = torch.where(m == float("-inf"), 0.0, m)  # a row that sees nothing (a window)
             p = torch.exp2(s * row_scale - m)
             total = p.sum(dim=-1, keepdim=True)
             if sink is not None:
                 total = total + torch.exp2(sink - m)
-            if pv_fp8:
-                p = (p * P_FP8_SCALE).to(torch.float8_e4m3fn).float()
-                total = total * P_FP8_SCALE
             o = (p @ values) / torch.where(total > 0, total, 1.0)
             out[a:b] = o.transpose(0, 1).to(out.dtype)
     return out

@@ -169,29 +169,25 @@ def test_prefill_kernel(dtype, window, softcap, sinks_on, num_heads, num_kv_head
 @pytest.mark.parametrize(
     ("window", "softcap", "sinks_on"), [pytest.param(None, None, False, id="plain"), *KINDS]
 )
-@pytest.mark.parametrize("fp8_dots", ["qk", "all"])
-def test_prefill_kernel_fp8_dots(dtype, window, softcap, sinks_on, fp8_dots) -> None:
-    # Float8 dots round Q per row and (with "all") the softmax weights: the twin rounds the same
-    # way, so the kernel matches it as tightly as the widened path matches its twin; both stay
-    # near the widened result (the float8 rounding itself), which they must differ from.
-    # head_dim 32: float8 tensor-core dots reduce over at least 32 (reference.uses_fp8_dots).
+def test_prefill_kernel_fp8_qk(dtype, window, softcap, sinks_on) -> None:
+    # Float8 Q.K dots round Q per row: the twin rounds the same way, so the kernel matches it as
+    # tightly as the widened path matches its twin; both stay near the widened result (the
+    # float8 rounding itself), which they must differ from.
+    # head_dim 32: float8 tensor-core dots reduce over at least 32 (reference.uses_fp8_qk).
     q_lens, seq_lens = [21, 9, 1, 40], [21, 30, 11, 70]
     args = _inputs(q_lens, seq_lens, 4, 2, 32, 4, dtype, window, seed=3, cache_dtype=FP8)
     query, k_cache, v_cache, tables, qsl, lens = args
     kinds = {"window": window, "softcap": softcap, "sinks": _sinks(4, sinks_on)}
     rest = (tables, qsl, lens, 32**-0.5, 40, 70)
-    out = triton_ops.paged_prefill_attention(
-        query, k_cache, v_cache, *rest, **kinds, fp8_dots=fp8_dots
-    )
+    out = triton_ops.paged_prefill_attention(query, k_cache, v_cache, *rest, **kinds, fp8_qk=True)
     twin = reference.paged_prefill_attention(
-        query.float(), k_cache, v_cache, *rest, **kinds, fp8_dots=fp8_dots
+        query.float(), k_cache, v_cache, *rest, **kinds, fp8_qk=True
     )
     if INTERPRET:
         _close(out, twin, dtype)
     else:
-        # Hopper's float8 tensor cores accumulate in fewer bits than the twin's fp32, and with
-        # "all" a softmax weight that lands on another side of a float8 rounding boundary moves
-        # by a float8 step: measured up to 1.6e-2 on an H100 (fp16 queries, windowed).
+        # Hopper's float8 tensor cores accumulate in fewer bits than the twin's fp32 (with
+        # float8 P.V too, since removed, up to 1.6e-2 on an H100: fp16 queries, windowed).
         assert not out.isnan().any()
         torch.testing.assert_close(out.float(), twin.float(), atol=2.5e-2, rtol=0)
     widened = reference.paged_prefill_attention(

@@ -5,8 +5,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton.fp8_gemm import round_to_e4m3_grid
-
 
 @triton.jit
 def online_softmax_update(acc, l_i, m_i, s, qk_scale, v, DOT_PRECISION: tl.constexpr):
@@ -46,31 +44,13 @@ def soft_cap(s, softcap_in, softcap_out):
     return softcap_out * (1.0 - 2.0 / (e + 1.0))
 
 
-# FP8 dots: the softmax weights go to e4m3 times this power of two, so the largest (in (1/2, 1]
-# once the row maximum is a whole number, as below) lands in (128, 256] and weights down to 2^-14
-# stay normal e4m3 numbers; a power of two folds back exactly.
-P_FP8_SCALE = 256.0
-
-
 @triton.jit
 def online_softmax_update_rows(
-    acc, l_i, m_i, s, row_scale, v,
-    DOT_PRECISION: tl.constexpr, MASKED_ROWS: tl.constexpr, P_FP8: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-):  # fmt: skip
+    acc, l_i, m_i, s, row_scale, v, DOT_PRECISION: tl.constexpr, MASKED_ROWS: tl.constexpr
+):
     """online_softmax_update with a scale per row (`row_scale` [M] > 0: a float8 query's scale
-    times softmax_scale * log2(e)); MASKED_ROWS as online_softmax_update_masked.
-
-    P_FP8 (v float8 e4m3): P @ V runs as a float8 dot. The row maxima are rounded up to whole
-    numbers, so a rescale (alpha) is an exact power of two and each weight's float8 rounding is
-    the one it gets against the row's final maximum (rounding commutes with powers of two): the
-    result does not depend on the key tiling, and reference.paged_prefill_attention rounds the
-    same way in one pass. The weights go in as e4m3(p * P_FP8_SCALE); acc carries that factor
-    (the caller divides it out with l_i)."""
-    m_tile = tl.max(s, 1) * row_scale
-    if P_FP8:
-        m_tile = tl.ceil(m_tile)
-    m_new = tl.maximum(m_i, m_tile)
+    times softmax_scale * log2(e)); MASKED_ROWS as online_softmax_update_masked."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * row_scale)
     if MASKED_ROWS:  # noqa: SIM108 (resolved at compile time)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
@@ -78,11 +58,5 @@ def online_softmax_update_rows(
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s * row_scale[:, None] - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if P_FP8:
-        p = p * 256.0  # P_FP8_SCALE
-        if INTERPRETED:  # the interpreter's float8 conversion mis-rounds: see round_to_e4m3_grid
-            p = round_to_e4m3_grid(p)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, l_i, m_new

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.kv_layout import check_head_major
-from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE, Fp8Dots, uses_fp8_dots
+from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE, uses_fp8_qk
 from kiln.kernels.triton._attention_kinds import kind_args
 from kiln.kernels.triton._device import (
     dot_precision,
@@ -37,25 +37,6 @@ from kiln.kernels.triton.fp8_gemm import scaled_to_e4m3
 _LOG2E = 1.4426950408889634
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 _FP8_MIN_SCALE = tl.constexpr(FP8_MIN_SCALE)
-
-
-@triton.jit
-def _load_v_tile(
-    n_start, lo, end, block_table, v_cache_ptr, kv_head_offset, dims, dim_mask,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
-):  # fmt: skip
-    """The raw V rows of keys [n_start, n_start + BLOCK_N) that lie in [lo, end) (zeros else)."""
-    n = n_start + tl.arange(0, BLOCK_N)
-    n_mask = n < end
-    if SLIDING:
-        n_mask = n_mask & (n >= lo)
-    block_ids = tl.load(block_table + n // BLOCK_SIZE, mask=n_mask, other=0)
-    offsets = kv_tile_offsets(
-        block_ids.to(tl.int64), n % BLOCK_SIZE, kv_head_offset, dims, NUM_KV_HEADS, HEAD_DIM,
-        BLOCK_SIZE,
-    )  # fmt: skip
-    return tl.load(v_cache_ptr + offsets, mask=n_mask[:, None] & dim_mask[None, :], other=0.0)
 
 
 @triton.jit
@@ -89,11 +70,6 @@ def _attend_tile(
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
     FP8_QK: tl.constexpr = False,
-    FP8_PV: tl.constexpr = False,
-    INTERPRETED: tl.constexpr = False,
-    PREFETCH_V: tl.constexpr = False,
-    v_pre=None,  # PREFETCH_V: this tile's V, loaded a tile ahead (returned: the next tile's)
-    v_end=0,  # PREFETCH_V: where the keys any tile of this program reads end
 ):
     n = n_start + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -110,26 +86,15 @@ def _attend_tile(
     )  # fmt: skip
     kv_mask = n_mask[:, None] & dim_mask[None, :]
     k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-    if PREFETCH_V:
-        # A float8 V operand must reach shared memory transposed (Hopper's float8 MMA reads
-        # both operands K-major), so Triton loads it through registers and cannot pipeline it
-        # as it does K: the next tile's V is loaded here, its latency hidden behind this tile.
-        v = v_pre
-        v_pre = _load_v_tile(
-            n_start + BLOCK_N, lo, v_end, block_table, v_cache_ptr, kv_head_offset, dims,
-            dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SLIDING,
-        )  # fmt: skip
-    else:
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
     if FP8_QK:
         s = tl.dot(q, tl.trans(k))  # float8 x float8, fp32 sums: [BLOCK_M, BLOCK_N], unscaled
     else:
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-    if not FP8_PV:
-        if FP16_DOTS:  # noqa: SIM108 (resolved at compile time)
-            v = fp8e4m3_to_fp16(v)  # not v.to(tl.float16): see _fp8.py
-        else:
-            v = v.to(q.dtype if not FP8_QK else tl.float32)
+    if FP16_DOTS:  # noqa: SIM108 (resolved at compile time)
+        v = fp8e4m3_to_fp16(v)  # not v.to(tl.float16): see _fp8.py
+    else:
+        v = v.to(q.dtype if not FP8_QK else tl.float32)
     if SOFTCAP:  # scaled and capped here, in the log2 domain: the update then scales by 1
         if FP8_QK:
             s = s * q_scale[:, None]
@@ -146,10 +111,9 @@ def _attend_tile(
         else:
             row_scale = q_scale * qk_scale
         acc, l_i, m_i = online_softmax_update_rows(
-            acc, l_i, m_i, s, row_scale, v, DOT_PRECISION, SLIDING and MASKED, FP8_PV,
-            INTERPRETED,
-        )  # fmt: skip
-        return acc, l_i, m_i, v_pre
+            acc, l_i, m_i, s, row_scale, v, DOT_PRECISION, SLIDING and MASKED
+        )
+        return acc, l_i, m_i
     if SLIDING and MASKED:
         # A row may see no key of this tile and none before it (its window starts later).
         acc, l_i, m_i = online_softmax_update_masked(acc, l_i, m_i, s, qk_scale, v, DOT_PRECISION)
@@ -157,7 +121,7 @@ def _attend_tile(
         # Rows fully masked in this tile keep m_i (finite: every row saw a key in an earlier
         # tile). The scale goes in inside the update, after the row maxima: one FFMA a score.
         acc, l_i, m_i = online_softmax_update(acc, l_i, m_i, s, qk_scale, v, DOT_PRECISION)
-    return acc, l_i, m_i, v_pre
+    return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=["window"])
@@ -192,9 +156,7 @@ def _prefill_kernel(
     SOFTCAP: tl.constexpr = False,
     SINKS: tl.constexpr = False,
     FP8_QK: tl.constexpr = False,  # float8 cache: Q per row to e4m3, Q @ K^T a float8 dot
-    FP8_PV: tl.constexpr = False,  # and P @ V too (see online_softmax_update_rows)
     INTERPRETED: tl.constexpr = False,  # the Triton interpreter: see round_to_e4m3_grid
-    PREFETCH_V: tl.constexpr = False,  # FP8_PV: V loaded a tile ahead (_attend_tile)
 ):
     # Reversed so the longest (last, most keys under the causal mask) tiles start first.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -241,8 +203,6 @@ def _prefill_kernel(
     if SINKS:  # the sink as a first key of weight exp(sink) and value 0: m and l start there
         sink = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(sinks_ptr + head) * 1.4426950408889634
         m_i = sink
-        if FP8_PV:  # whole-number maxima (online_softmax_update_rows): the sink's weight < 1
-            m_i = tl.ceil(sink)
         l_i = tl.exp2(sink - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
@@ -262,45 +222,32 @@ def _prefill_kernel(
         last_pos = context_len + tl.minimum(m_block * BLOCK_M + BLOCK_M, q_len) - 1
         full_start = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
         full_start = tl.maximum(tl.minimum(full_start, unmasked_end), (lo // BLOCK_N) * BLOCK_N)
-    # The three loops below visit contiguous tiles from here: a V prefetch runs through them.
-    if PREFETCH_V:
-        v_pre = _load_v_tile(
-            (lo // BLOCK_N) * BLOCK_N, lo, causal_end, block_table, v_cache_ptr, kv_head_offset,
-            dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SLIDING,
-        )  # fmt: skip
-    else:
-        v_pre = tl.zeros([1], tl.float32)  # unused
     if SLIDING:
         for n_start in range((lo // BLOCK_N) * BLOCK_N, full_start, BLOCK_N):
-            acc, l_i, m_i, v_pre = _attend_tile(
+            acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, q_scale, q_pos, n_start, seq_len, lo, window, softcap_in,
                 softcap_out, block_table, k_cache_ptr, v_cache_ptr, kv_head_offset, dims, dim_mask,
                 qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
-                FP16_DOTS, SLIDING, SOFTCAP, FP8_QK, FP8_PV, INTERPRETED, PREFETCH_V, v_pre,
-                causal_end,
+                FP16_DOTS, SLIDING, SOFTCAP, FP8_QK,
             )  # fmt: skip
     for n_start in range(full_start, unmasked_end, BLOCK_N):
-        acc, l_i, m_i, v_pre = _attend_tile(
+        acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_scale, q_pos, n_start, seq_len, lo, window, softcap_in,
             softcap_out, block_table, k_cache_ptr, v_cache_ptr, kv_head_offset, dims, dim_mask,
             qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, FP16_DOTS,
-            SLIDING, SOFTCAP, FP8_QK, FP8_PV, INTERPRETED, PREFETCH_V, v_pre,
-            causal_end,
+            SLIDING, SOFTCAP, FP8_QK,
         )  # fmt: skip
     # The diagonal: the first of these tiles holds key `first_pos`, seen by every row.
     for n_start in range(unmasked_end, causal_end, BLOCK_N):
-        acc, l_i, m_i, v_pre = _attend_tile(
+        acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_scale, q_pos, n_start, seq_len, lo, window, softcap_in,
             softcap_out, block_table, k_cache_ptr, v_cache_ptr, kv_head_offset, dims, dim_mask,
             qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP16_DOTS,
-            SLIDING, SOFTCAP, FP8_QK, FP8_PV, INTERPRETED, PREFETCH_V, v_pre,
-            causal_end,
+            SLIDING, SOFTCAP, FP8_QK,
         )  # fmt: skip
 
     if SLIDING:  # padding rows past the chunk may have seen no key: no 0 / 0 (never stored)
         l_i = tl.where(l_i > 0.0, l_i, 1.0)
-    if FP8_PV:
-        l_i = l_i * 256.0  # P_FP8_SCALE: acc holds the weights times it
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + tokens[:, None] * stride_o_token + head * stride_o_head + dims[None, :],
@@ -317,9 +264,8 @@ def _prefill_kernel(
 #   head_dim <= 128, "fp8_widened" 128 x 128, 8 warps, 2 stages (float8 K/V widened to 16 bits:
 #                                  best or within 2% of 18 tiles at 2k prompts and a 512-token
 #                                  chunk after 6k, H200)
-#   head_dim <= 128, "fp8_dots"    128 x 128, 8 warps, 2 stages (float8 dots, V loaded a tile
-#                                  ahead: compiled for sm_90a by Triton 3.9, 255 registers and no
-#                                  spill, 64 KB of shared memory; 3 stages spill 12 bytes; to be
+#   head_dim <= 128, "fp8_qk"      128 x 128, 8 warps, 2 stages (float8 Q.K dots, V widened:
+#                                  474 TFLOP/s at a 16k causal prompt on an H100; to be
 #                                  confirmed by benchmarks/kernels_gpu.py --long's sweep)
 #   head_dim <= 256, any           64 x 32, 4 warps, 2 stages (keeps the stages in shared memory)
 # Fewer tiles than 8 programs an SM (short prompts, bf16) take 64 x 64 tiles, which balance the
@@ -328,10 +274,10 @@ def _prefill_kernel(
 PREFILL_TILES: dict[tuple[int, str], tuple[int, int, int, int]] = {
     (128, "bf16"): (128, 64, 4, 3),
     (128, "fp8_widened"): (128, 128, 8, 2),
-    (128, "fp8_dots"): (128, 128, 8, 2),
+    (128, "fp8_qk"): (128, 128, 8, 2),
     (256, "bf16"): (64, 32, 4, 2),
     (256, "fp8_widened"): (64, 32, 4, 2),
-    (256, "fp8_dots"): (64, 32, 4, 2),
+    (256, "fp8_qk"): (64, 32, 4, 2),
 }
 _FEW_TILES = (64, 64, 4, 3)
 
@@ -358,17 +304,6 @@ def _tile_config(
     return PREFILL_TILES[key]
 
 
-def _fp8_flags(fp8_dots: Fp8Dots, query: torch.Tensor) -> dict:
-    return {
-        "FP8_QK": True,
-        "FP8_PV": fp8_dots == "all",
-        # Compiled for sm_90a (Triton 3.9, ptxas -v), 128 x 128 tiles on 8 warps: the widened
-        # V of "qk" spills 2.7x more registers when loaded ahead (720 bytes against 268).
-        "PREFETCH_V": fp8_dots == "all",
-        "INTERPRETED": query.device.type != "cuda",
-    }
-
-
 def paged_prefill_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim], packed sequences
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -383,7 +318,7 @@ def paged_prefill_attention(
     window: int | None = None,  # sliding window: only the last `window` keys (itself included)
     softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
     sinks: torch.Tensor | None = None,  # [num_heads] fp32 learned logits in the denominator
-    fp8_dots: Fp8Dots = "none",  # float8 cache: which products run as float8 dots
+    fp8_qk: bool = False,  # float8 cache: Q @ K^T as a float8 dot (else K widened)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention for chunks whose earlier context is already in the cache (a window, a
     soft-cap, sinks and float8 dots as the twin's; without them the kernel compiles as it always
@@ -398,8 +333,8 @@ def paged_prefill_attention(
         return out
     query, block_tables = unit_stride_rows(query, block_tables)
     kv_fp8 = k_cache.element_size() == 1  # float8 or int8: K and V widened alike
-    fp8_qk = uses_fp8_dots(fp8_dots, k_cache)
-    operands = ("fp8_dots" if fp8_qk else "fp8_widened") if kv_fp8 else "bf16"
+    fp8_qk = uses_fp8_qk(fp8_qk, k_cache)
+    operands = ("fp8_qk" if fp8_qk else "fp8_widened") if kv_fp8 else "bf16"
     block_m, block_n, num_warps, num_stages = _tile_config(
         head_dim, max_query_len, num_heads, num_seqs, query.device, operands
     )
@@ -431,8 +366,8 @@ def paged_prefill_attention(
         SLIDING=window is not None,
         SOFTCAP=softcap is not None,
         SINKS=sinks is not None,
-        # Only a float8 cache's launch passes these: a 16-bit cache's kernel is as it was.
-        **(_fp8_flags(fp8_dots, query) if fp8_qk else {}),
+        # Only a float8-dot launch passes these: the other kernels compile as they did.
+        **({"FP8_QK": True, "INTERPRETED": query.device.type != "cuda"} if fp8_qk else {}),
         num_warps=num_warps,
         num_stages=num_stages,
     )
