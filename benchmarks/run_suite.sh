@@ -31,6 +31,15 @@ ROWS="8b_fp8_128x128 8b_fp8_1000x1000 8b_fp8_2048x128 8b_fp8_5000x500 8b_fp8_200
 # The model families beside Llama (docs/performance.md): PRESET_fp8dyn_batch1 / _1000x1000.
 FAMILY_ROWS=$(for m in llama-3.1-8b qwen3-8b gemma-2-9b gemma-3-12b phi-4; do
     echo "${m}_fp8dyn_batch1 ${m}_fp8dyn_1000x1000"; done)
+# The quantization matrix on the 8B (docs/performance.md): quant_Q_128x128 (no HF baseline),
+# quant_Q_c32_1000x1000 (32 in flight) and quant_Q_batch1 for Q in fp8, int4 (W4A16, groups of
+# 128), w8a8 (INT8 weights and activations), each with the float8 KV cache.
+QUANT_ROWS=$(for q in fp8 int4 w8a8; do
+    echo "quant_${q}_128x128 quant_${q}_c32_1000x1000 quant_${q}_batch1"; done)
+quant_flags() {  # fp8 | int4 | w8a8 -> the --quantization flags
+    case $1 in fp8) echo "$FP8" ;; int4) echo "--quantization int4-g128 --kv-cache-dtype fp8" ;;
+    w8a8) echo "--quantization int8-w8a8 --kv-cache-dtype fp8" ;; esac
+}
 # The test files with GPU-only tests (those that exist: the list outlives renames).
 GPU_TESTS=$(for f in ${GPU_TESTS:-tests/runtime/test_gpu.py tests/kernels/test_triton_kernels.py \
     tests/kernels/test_kernel_twins.py tests/layers/test_fp8_linear.py \
@@ -80,6 +89,18 @@ command_of() {  # NAME -> "SECONDS COMMAND..." (O is the output folder)
         --warmup 192 --output-json "$O/$1.json" ;;
     70b_fp8_batch1_decode) echo 400 $BENCH latency $M70 $FP8 --input-len 1024 --output-len 128 \
         --num-requests 3 --max-model-len 1280 --output-json "$O/$1.json" ;;
+    quant_*_128x128 | quant_*_c32_1000x1000 | quant_*_batch1) local q=${1#quant_} && q=${q%%_*}
+        [[ -n $(quant_flags "$q") ]] || return 1
+        case $1 in
+        *_128x128) echo 300 $BENCH throughput $M8 $(quant_flags "$q") --input-len 128 \
+            --output-len 128 --num-requests 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 \
+            --max-model-len 256 --warmup 192 --output-json "$O/$1.json" ;;
+        *_c32_1000x1000) echo 300 $BENCH throughput $M8 $(quant_flags "$q") --input-len 1000 \
+            --output-len 1000 --num-requests 96 --max-num-seqs 32 --max-num-batched-tokens 8192 \
+            --max-model-len 2048 --warmup 8 --output-json "$O/$1.json" ;;
+        *) echo 200 $BENCH latency $M8 $(quant_flags "$q") --input-len 1024 --output-len 128 \
+            --num-requests 3 --max-model-len 1280 --max-num-seqs 1 --output-json "$O/$1.json" ;;
+        esac ;;
     *_fp8dyn_batch1) echo 200 $BENCH latency --model "${1%_fp8dyn_batch1}" --load-format dummy \
         --dtype bfloat16 --no-progress --quantization fp8-dynamic --kv-cache-dtype fp8 \
         --input-len 1024 --output-len 128 --num-requests 3 --max-model-len 1280 \
@@ -120,7 +141,7 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 O=${OUT:-benchmarks/out/$(date +%F)-$(echo "${gpu:-gpu}" | tr ' ' '_')}
 if [[ ${1:-} == --list ]]; then
     shift
-    for name in ${*:-$ROWS $FAMILY_ROWS tests tests_parallel kernels kernels_long serve startup build spec \
+    for name in ${*:-$ROWS $FAMILY_ROWS $QUANT_ROWS tests tests_parallel kernels kernels_long serve startup build spec \
         structured beams kv_accuracy profile tiles}; do
         echo "$name: $(command_of "$name" | cut -d' ' -f2-)"
     done
