@@ -31,6 +31,10 @@ ROWS="8b_fp8_128x128 8b_fp8_1000x1000 8b_fp8_2048x128 8b_fp8_5000x500 8b_fp8_200
 # The model families beside Llama (docs/performance.md): PRESET_fp8dyn_batch1 / _1000x1000.
 FAMILY_ROWS=$(for m in llama-3.1-8b qwen3-8b gemma-2-9b gemma-3-12b phi-4; do
     echo "${m}_fp8dyn_batch1 ${m}_fp8dyn_1000x1000"; done)
+# Long prompts against the memory plan: the most 32k-token sequences run at once in a 16 GiB
+# float8 pool beside the plan's count (Gemma-3-12B's windowed layers hold their window: 12 fit,
+# 2 if every layer kept its whole context; Llama-3.1-8B, the control without windows: 8).
+FIT_ROWS="gemma-3-12b_fp8dyn_long32k_fit llama-3.1-8b_fp8dyn_long32k_fit"
 # The test files with GPU-only tests (those that exist: the list outlives renames).
 GPU_TESTS=$(for f in ${GPU_TESTS:-tests/runtime/test_gpu.py tests/kernels/test_triton_kernels.py \
     tests/kernels/test_kernel_twins.py tests/layers/test_fp8_linear.py \
@@ -89,6 +93,13 @@ command_of() {  # NAME -> "SECONDS COMMAND..." (O is the output folder)
         --kv-cache-dtype fp8 --input-len 1000 --output-len 1000 --num-requests 256 \
         --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 2048 --warmup 32 \
         --output-json "$O/$1.json" ;;
+    # Prompts start faster than they end (four 8192-token chunks each, 128 tokens out), so the
+    # pool, not the prompts' pace, limits how many run at once (tests/engine/test_occupancy.py).
+    *_fp8dyn_long32k_fit) echo 240 $BENCH throughput --model "${1%_fp8dyn_long32k_fit}" \
+        --load-format dummy --dtype bfloat16 --no-progress --quantization fp8-dynamic \
+        --kv-cache-dtype fp8 --input-len 32640 --output-len 128 --num-requests 16 \
+        --max-num-seqs 64 --max-num-batched-tokens 8192 --max-model-len 32768 \
+        --kv-cache-memory-gb 16 --warmup 0 --output-json "$O/$1.json" ;;
     tests) echo 600 $PY -m pytest -q -p no:cacheprovider $GPU_TESTS ;;
     tests_parallel) echo 400 env KILN_PARALLEL_TEST_DEVICE=cuda $PY -m pytest -q -x \
         -p no:cacheprovider tests/distributed/test_parallel.py ;;
@@ -120,7 +131,7 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 O=${OUT:-benchmarks/out/$(date +%F)-$(echo "${gpu:-gpu}" | tr ' ' '_')}
 if [[ ${1:-} == --list ]]; then
     shift
-    for name in ${*:-$ROWS $FAMILY_ROWS tests tests_parallel kernels kernels_long serve startup build spec \
+    for name in ${*:-$ROWS $FAMILY_ROWS $FIT_ROWS tests tests_parallel kernels kernels_long serve startup build spec \
         structured beams kv_accuracy profile tiles}; do
         echo "$name: $(command_of "$name" | cut -d' ' -f2-)"
     done

@@ -7,6 +7,9 @@ windows (every layer global) then runs, in the same bytes."""
 from __future__ import annotations
 
 import json
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -14,6 +17,7 @@ from kiln.cli.main import main
 from tests.models.family_checks import save_tiny_hf
 from tests.models.test_gemma2_gemma3 import VARIANTS
 
+_REPO = pathlib.Path(__file__).resolve().parents[2]
 BLOCK = 4
 PROMPT, OUTPUT = 480, 24  # 504 tokens: 126 blocks in the global layer, 4 in each windowed one
 # Tokens a step: a prompt in four chunks, so that sequences start faster than they end and the
@@ -72,3 +76,10 @@ def test_as_many_long_sequences_ran_at_once_as_the_plan_fits(gemma3_paths, tmp_p
     assert every["memory_plan"]["kv_blocks"] == POOL_BLOCKS // 3
     assert every["memory_plan"]["sequences_that_fit"] == {"504": {"planned": 1, "every_layer": 1}}
     assert every["kv_occupancy"]["peak_sequences"] == 1 < occupancy["peak_sequences"]
+
+    # The suite's summary line puts the peak beside the plan's counts.
+    summary = subprocess.run(
+        [sys.executable, "benchmarks/bench_summary.py", str(tmp_path / "windowed.json")],
+        cwd=_REPO, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "at once 4 x 504 (plan 4, every layer 1)" in summary
