@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import pathlib
 import subprocess
-import sys
 
 import pytest
 
@@ -77,7 +76,7 @@ def test_the_suite_rows_run_these_settings():
     listing = subprocess.run(
         ["bash", "benchmarks/run_suite.sh", "--list", "gemma-3-12b_fp8dyn_long32k_fit"],
         cwd=_REPO, capture_output=True, text=True, check=True,
-        env={**os.environ, "PYTHON": sys.executable},
+        env={**os.environ, "PYTHON": "true"},  # no torch import for the card's size: a listing
     ).stdout  # fmt: skip
     flags = listing.split()
     value = {flag: flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag.startswith("--")}
