@@ -48,6 +48,13 @@ def main() -> None:
         name, value = metric(record)
         compiles = len((record.get("kernel_compiles") or {}).get("timed_run", []))
         line = f"{row:26s} {name} {value:10.1f}  compiles {compiles}"
+        occupancy = record.get("kv_occupancy")
+        if occupancy and record.get("mode") == "throughput":  # long rows: what fit at once
+            o = occupancy
+            line += (
+                f"  at once {o['peak_sequences']} x {o['context_len']} (plan "
+                f"{o['plan_sequences']}, every layer {o['plan_sequences_every_layer']})"
+            )
         if "hf" in record:
             line += f"  HF {record['hf'].get(name, 0):.1f} (same run)"
         base = recorded(baselines, row)

@@ -40,6 +40,10 @@ quant_flags() {  # fp8 | int4 | w8a8 -> the --quantization flags
     case $1 in fp8) echo "$FP8" ;; int4) echo "--quantization int4-g128 --kv-cache-dtype fp8" ;;
     w8a8) echo "--quantization int8-w8a8 --kv-cache-dtype fp8" ;; esac
 }
+# Long prompts against the memory plan: the most 32k-token sequences run at once in a 16 GiB
+# float8 pool beside the plan's count (Gemma-3-12B's windowed layers hold their window: 12 fit,
+# 2 if every layer kept its whole context; Llama-3.1-8B, the control without windows: 8).
+FIT_ROWS="gemma-3-12b_fp8dyn_long32k_fit llama-3.1-8b_fp8dyn_long32k_fit"
 # The test files with GPU-only tests (those that exist: the list outlives renames).
 GPU_TESTS=$(for f in ${GPU_TESTS:-tests/runtime/test_gpu.py tests/kernels/test_triton_kernels.py \
     tests/kernels/test_kernel_twins.py tests/layers/test_fp8_linear.py \
@@ -110,6 +114,13 @@ command_of() {  # NAME -> "SECONDS COMMAND..." (O is the output folder)
         --kv-cache-dtype fp8 --input-len 1000 --output-len 1000 --num-requests 256 \
         --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 2048 --warmup 32 \
         --output-json "$O/$1.json" ;;
+    # Prompts start faster than they end (four 8192-token chunks each, 128 tokens out), so the
+    # pool, not the prompts' pace, limits how many run at once (tests/engine/test_occupancy.py).
+    *_fp8dyn_long32k_fit) echo 240 $BENCH throughput --model "${1%_fp8dyn_long32k_fit}" \
+        --load-format dummy --dtype bfloat16 --no-progress --quantization fp8-dynamic \
+        --kv-cache-dtype fp8 --input-len 32640 --output-len 128 --num-requests 16 \
+        --max-num-seqs 64 --max-num-batched-tokens 8192 --max-model-len 32768 \
+        --kv-cache-memory-gb 16 --warmup 0 --output-json "$O/$1.json" ;;
     tests) echo 600 $PY -m pytest -q -p no:cacheprovider $GPU_TESTS ;;
     tests_parallel) echo 400 env KILN_PARALLEL_TEST_DEVICE=cuda $PY -m pytest -q -x \
         -p no:cacheprovider tests/distributed/test_parallel.py ;;
@@ -141,8 +152,8 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 O=${OUT:-benchmarks/out/$(date +%F)-$(echo "${gpu:-gpu}" | tr ' ' '_')}
 if [[ ${1:-} == --list ]]; then
     shift
-    for name in ${*:-$ROWS $FAMILY_ROWS $QUANT_ROWS tests tests_parallel kernels kernels_long serve startup build spec \
-        structured beams kv_accuracy profile tiles}; do
+    for name in ${*:-$ROWS $FAMILY_ROWS $QUANT_ROWS $FIT_ROWS tests tests_parallel kernels kernels_long serve \
+        startup build spec structured beams kv_accuracy profile tiles}; do
         echo "$name: $(command_of "$name" | cut -d' ' -f2-)"
     done
     exit 0

@@ -10,6 +10,9 @@ _BY_FILE = {
     "tests/bench/test_kernels_gpu_smoke.py": (  # 35 s: two interpreted benchmark runs
         "test_the_tiny_run_writes_every_row",
     ),
+    "tests/bench/test_kv_occupancy.py": (  # 5 s: two tiny Gemma 3 engines
+        "test_as_many_long_sequences_ran_at_once_as_the_plan_fits",
+    ),
     "tests/builder/test_build.py": (  # 4 s
         "test_smollm2_gguf_builds_an_engine_that_answers_as_the_gguf",
     ),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import tempfile
 import time
@@ -26,6 +27,7 @@ from kiln.bench.workload import BenchRequest, benchmark_requests, synthetic_requ
 from kiln.checkpoint.default_model import default_model_path
 from kiln.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
+from kiln.engine.occupancy import Occupancy
 from kiln.errors import KilnError
 from kiln.kernel_cache import compile_watch
 from kiln.lora.request import LoRARequest
@@ -106,7 +108,7 @@ def _setup_record(
         },
         "engine_config": engine_config_record(config),
         "memory_plan": {
-            **stats.memory_plan.as_dict(),
+            **stats.memory_plan.as_dict(longest),
             "summary": stats.memory_plan.describe(longest),
         },
         "startup_s": startup_s,
@@ -140,12 +142,16 @@ def _run_kiln_timed(
         run_kiln(engine, warmup, progress=False, loras=loras)
     concurrency = args.concurrency if args.mode == "throughput" else 1
     compiled_before = len(compile_watch.WATCH.compiles)
+    scheduler = engine.scheduler
+    scheduler.occupancy = Occupancy()  # the timed run's, not the warmup's
+    preempted_before = scheduler.num_preemptions_total
     engine.executor.enable_step_timing()  # a few clock reads per step: host vs GPU time
     step_clock: dict = {}
     kiln_report = throughput_report(
         run_kiln(engine, requests, concurrency, progress, step_clock, loras)
     )
     record["kiln"] = kiln_report
+    record["kv_occupancy"] = _kv_occupancy(engine, requests, preempted_before)
     # Triton kernels this process compiled during the timed run (each stalled a step), and
     # whether the watch ran (it needs a GPU and Triton; a multi-process engine's ranks have
     # their own).
@@ -167,6 +173,22 @@ def _run_kiln_timed(
     if args.mode == "latency":
         record["kiln"]["decode_tok_s"] = 1000.0 / kiln_report["tpot"]["mean_ms"]
         record["roofline"] = _decode_roofline(engine, requests, kiln_report)
+
+
+def _kv_occupancy(engine: LLMEngine, requests: list[BenchRequest], preempted_before: int) -> dict:
+    """The most sequences the timed run held at once with their whole context in the cache,
+    beside the memory plan's count of sequences of the longest request's length that fit (and
+    with every layer keeping its whole context: what a windowed layer group saves)."""
+    plan, scheduler = engine.memory_plan, engine.scheduler
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
+    return {
+        **dataclasses.asdict(scheduler.occupancy),
+        "kv_blocks": plan.num_blocks,
+        "preemptions": scheduler.num_preemptions_total - preempted_before,
+        "context_len": longest,
+        "plan_sequences": plan.max_concurrent_seqs(longest),
+        "plan_sequences_every_layer": plan.sequences_keeping_every_layer(longest),
+    }
 
 
 def _run_hf_baseline(
@@ -296,8 +318,20 @@ def _table(record: dict) -> str:
             f"{r['copy_bandwidth_gb_s']:.0f} GB/s -> {r['floor_ms_per_token']:.2f} ms/token; "
             f"achieved {r['achieved_fraction']:.0%}"
         )
+    if record["mode"] == "throughput" and "kv_occupancy" in record:
+        table += _occupancy_line(record["kv_occupancy"])
     table += _compile_warning(record.get("kernel_compiles", {}).get("timed_run", []))
     return table + _host_bound_warning(record.get("step_profile", {}))
+
+
+def _occupancy_line(occ: dict) -> str:
+    return (
+        f"\nKV cache: at most {occ['peak_sequences']} sequences at once with their whole context "
+        f"({occ['blocks_at_peak']:,} of {occ['kv_blocks']:,} blocks); the plan fits "
+        f"{occ['plan_sequences']} x {occ['context_len']} ({occ['plan_sequences_every_layer']} if "
+        f"every layer kept its whole context); {occ['peak_running']} running at most, "
+        f"{occ['preemptions']} preemptions"
+    )
 
 
 def _compile_warning(compiles: list[dict]) -> str:

@@ -19,6 +19,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kiln.engine.occupancy import Occupancy
 from kiln.engine.request import Request, RequestStatus
 from kiln.interfaces import (
     CachedRequestData,
@@ -122,6 +123,7 @@ class Scheduler:
         # Finished requests whose KV is kept (Request.retain_kv) until fork() hands it on.
         self.retained: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        self.occupancy = Occupancy()  # the most sequences run at once (kiln bench reports it)
         self._step_ids = itertools.count(1)
         # The Request objects each scheduled step ran, until update() has applied its output.
         self._scheduled: dict[int, dict[str, Request]] = {}
@@ -254,6 +256,7 @@ class Scheduler:
         # samples, and holds a placeholder until update() brings the token.
         scheduled: dict[str, Request] = {}
         spec_tokens = plan.spec_tokens
+        num_sampling = 0  # requests whose every token is in the cache this step
         for request, num_new in plan.scheduled:
             request.num_computed_tokens += num_new
             num_drafts = len(spec_tokens.get(request.req_id, ())) if spec_tokens else 0
@@ -262,7 +265,9 @@ class Scheduler:
             num_to_sample = len(request.all_token_ids) + placeholders + num_drafts
             if request.num_computed_tokens == num_to_sample:
                 request.num_output_placeholders = placeholders + 1
+                num_sampling += 1
             scheduled[request.req_id] = request
+        self.occupancy.record(num_sampling, len(self.running), self.kv_cache.pool.num_used_blocks)
 
         finished, self._finished_req_ids = self._finished_req_ids, set()
         step_id = next(self._step_ids)

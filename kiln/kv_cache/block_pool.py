@@ -44,6 +44,11 @@ class BlockPool:
         return len(self._free)
 
     @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by requests (cached blocks nobody references are free)."""
+        return self.num_blocks - len(self._free)
+
+    @property
     def usage(self) -> float:
         """Fraction of blocks referenced by running requests (0.0 when idle)."""
         return 1.0 - len(self._free) / self.num_blocks

@@ -13,6 +13,7 @@ from kiln.config import EngineConfig
 from kiln.models.config import ModelConfig
 from kiln.models.mla_config import mla_attention_shapes, mla_unquantized_count
 from kiln.models.moe_config import PER_CHANNEL_8BIT, ROW_BLOCK_8BIT, expert_scale_count
+from kiln.runtime.fits import fits_text, report_lengths
 from kiln.runtime.memory_plan import (
     _CPU_DEFAULT_KV_GB,
     GiB,
@@ -24,8 +25,6 @@ from kiln.runtime.memory_plan import (
 )
 
 _FP8_BYTES = 1
-# The lengths the plan reports besides max_model_len (the long-context rows' sizes).
-REPORT_LENGTHS = (4096, 32768, 131072)
 # What profiling adds beyond the step's tensors on a GPU (the runtime's _SAFETY_MARGIN plus the
 # decode graphs' pool floor, kiln.runtime.memory_plan): a fixed allowance here.
 _FIXED_RESERVE = GiB // 2 + 256 * (1 << 20)
@@ -140,29 +139,23 @@ class ConfigPlan:
         return every_layer // -(-length // self.block_size)
 
     def lengths(self) -> list[int]:
-        return sorted({n for n in REPORT_LENGTHS if n < self.max_model_len} | {self.max_model_len})
+        return report_lengths(self.max_model_len)
 
     def describe(self) -> str:
-        fits = ", ".join(f"{self.sequences_of(n)} x {n}" for n in self.lengths())
+        fits = fits_text(
+            self.lengths(),
+            self.sequences_of,
+            self.sequences_keeping_every_layer,
+            [g.window for g in self.groups],
+        )
         activations = (
             f", activations ~{self.activation_bytes / GiB:.2f} GiB" if self.activation_bytes else ""
         )
-        text = (
+        return (
             f"before loading ({self.target}): weights {self.weight_bytes / GiB:.2f} GiB"
             f"{activations}; KV cache ({self.kv_dtype}, {self.kv_bytes_per_token / 1024:.0f} "
-            f"KiB/token) {self.kv_budget_bytes / GiB:.2f} GiB = {self.kv_tokens} tokens: "
-            f"sequences at once {fits}"
+            f"KiB/token) {self.kv_budget_bytes / GiB:.2f} GiB = {self.kv_tokens} tokens: {fits}"
         )
-        if len(self.groups) > 1:
-            every = ", ".join(
-                f"{self.sequences_keeping_every_layer(n)} x {n}" for n in self.lengths()
-            )
-            windows = sorted({g.window for g in self.groups if g.window is not None})
-            text += (
-                f" (layers of window {', '.join(map(str, windows))} counted at it; every "
-                f"layer's whole context would hold {every})"
-            )
-        return text
 
 
 def plan_from_config(

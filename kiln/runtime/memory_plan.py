@@ -25,6 +25,7 @@ from kiln.kernels.ops import kernel_ops, resolve_kernel_backend
 from kiln.models.base import CausalLM
 from kiln.models.config import ModelConfig
 from kiln.models.packed_prefill import packed_prefill_metadata
+from kiln.runtime.fits import fits_record, fits_text, report_lengths
 from kiln.sampling.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger("kiln")
@@ -144,22 +145,30 @@ class MemoryPlan:
             g.num_layers * min(context_len, g.window or context_len) for g in self.groups
         )
 
+    def sequences_keeping_every_layer(self, context_len: int) -> int:
+        """Sequences of context_len tokens the cache's memory would hold if every layer kept its
+        whole context (what windowed layers save against)."""
+        blocks = -(-context_len // self.block_size)
+        if len(self.groups) > 1 and self.layer_token_bytes:  # a pool block holds some layers
+            layers = sum(g.num_layers for g in self.groups)
+            seq_bytes = blocks * self.block_size * layers * self.layer_token_bytes
+            return self.num_blocks * self.bytes_per_block // seq_bytes
+        return self.num_blocks // blocks
+
     def describe(self, context_len: int) -> str:
+        """The plan in a line; sequences that fit at the report lengths up to context_len."""
+        fits = fits_text(
+            report_lengths(context_len),
+            self.max_concurrent_seqs,
+            self.sequences_keeping_every_layer,
+            [g.window for g in self.groups],
+        )
         text = (
             f"weights {self.weight_bytes / GiB:.2f} GiB, KV cache ({self.kv_dtype}) "
             f"{self.num_blocks} blocks x "
             f"{self.block_size} = {self.kv_tokens} tokens "
-            f"({self.num_blocks * self.bytes_per_block / GiB:.2f} GiB): "
-            f"{self.max_concurrent_seqs(context_len)} sequences of {context_len} tokens at once"
+            f"({self.num_blocks * self.bytes_per_block / GiB:.2f} GiB): {fits}"
         )
-        if len(self.groups) > 1 and self.layer_token_bytes:
-            # Hybrid: what the windowed groups save over keeping every layer's whole context.
-            every_layer = self.layer_token_bytes * sum(g.num_layers for g in self.groups)
-            seq_bytes = -(-context_len // self.block_size) * self.block_size * every_layer
-            text += (
-                f" (windowed layers at their window; every layer's whole context: "
-                f"{self.num_blocks * self.bytes_per_block // seq_bytes})"
-            )
         if self.total_bytes:
             text += (
                 f"; activations {self.activation_bytes / GiB:.2f} GiB (profiled), graphs "
@@ -173,13 +182,15 @@ class MemoryPlan:
             )
             if room > self.max_concurrent_seqs(context_len):
                 text += (
-                    f"; the budget holds {room} such sequences (the cache is capped below it: "
+                    f"; the budget holds {room} x {context_len} (the cache is capped below it: "
                     "max_num_seqs x max_model_len, or num_kv_blocks)"
                 )
         return text
 
-    def as_dict(self) -> dict:
-        return {
+    def as_dict(self, context_len: int | None = None) -> dict:
+        """The plan's numbers; with context_len, the sequences that fit at the report lengths
+        up to it (planned, and with every layer keeping its whole context)."""
+        record = {
             "weight_gib": self.weight_bytes / GiB,
             "expert_weight_gib": self.expert_weight_bytes / GiB,
             "activation_gib": self.activation_bytes / GiB,
@@ -190,6 +201,13 @@ class MemoryPlan:
             "kv_tokens": self.kv_tokens,
             "kv_dtype": self.kv_dtype,
         }
+        if context_len is not None:
+            record["sequences_that_fit"] = fits_record(
+                report_lengths(context_len),
+                self.max_concurrent_seqs,
+                self.sequences_keeping_every_layer,
+            )
+        return record
 
 
 def routed_expert_bytes(model: PlannedModel) -> int:

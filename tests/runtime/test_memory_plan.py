@@ -21,10 +21,10 @@ def _plan(budget_gib: float, num_blocks: int) -> MemoryPlan:
 def test_plan_says_when_the_budget_holds_more_sequences_than_the_cache() -> None:
     # 1000/1000 on an H200: 768 x 2048 tokens of cache, a budget of ~118 GiB.
     capped = _plan(118, 768 * 128).describe(2000)
-    assert "786 sequences of 2000 tokens at once" in capped
-    assert "the budget holds 966 such sequences" in capped
+    assert "sequences at once 786 x 2000;" in capped
+    assert "the budget holds 966 x 2000" in capped
     full = _plan(96, 96 * 1024).describe(2000)
-    assert "786 sequences" in full and "budget holds" not in full
+    assert "786 x 2000" in full and "budget holds" not in full
 
 
 def test_a_window_on_every_layer_counts_sequences_at_their_window() -> None:
@@ -45,7 +45,10 @@ def test_a_window_on_every_layer_counts_sequences_at_their_window() -> None:
     assert plan.max_tokens_held == held
     # 32k-token sequences hold 4127 tokens (258 blocks) each, beside one step's 32 blocks:
     # (98304 - 32) // 258 = 380 at once, not 48.
-    assert "380 sequences of 32768 tokens at once" in plan.describe(32768)
+    # 4k-token sequences hold all of theirs: 256 blocks, (98304 - 32) // 256 = 383.
+    assert "sequences at once 383 x 4096, 380 x 32768" in plan.describe(32768)
+    # One group: no other kind of layer to count against.
+    assert "every layer" not in plan.describe(32768)
     assert plan.longest_fitting(32768) == 32768
 
 
@@ -76,7 +79,17 @@ def test_hybrid_groups_count_windowed_layers_at_their_window() -> None:
     # Every layer keeping its whole context: 48 layers x 128k tokens each = 3 sequences.
     every_layer = plan.num_blocks * per_block // (131072 * 48 * 2 * 8 * 256)
     assert every_layer == 3
-    assert "19 sequences of 131072 tokens" in plan.describe(131072)
-    assert "every layer's whole context: 3" in plan.describe(131072)
+    assert plan.sequences_keeping_every_layer(131072) == every_layer
+    text = plan.describe(131072)
+    # 4k: 163200 // (256 + 330) = 278 against 80 GiB // (4096 x 48 x 4 KiB) = 106; 32k:
+    # 163200 // (2048 + 330) = 68 against 13.
+    assert "sequences at once 278 x 4096, 68 x 32768, 19 x 131072" in text
+    assert "every layer's whole context would hold 106 x 4096, 13 x 32768, 3 x 131072" in text
+    # kiln bench's record: the same numbers at the report lengths up to its longest request.
+    assert plan.as_dict(32768)["sequences_that_fit"] == {
+        "4096": {"planned": 278, "every_layer": 106},
+        "32768": {"planned": 68, "every_layer": 13},
+    }
+    assert "sequences_that_fit" not in plan.as_dict()
     # A decode reads 8 layers' whole context and 40 layers' windows.
     assert plan.kv_bytes_read(131072) == 2 * 8 * 256 * (8 * 131072 + 40 * 1024)
