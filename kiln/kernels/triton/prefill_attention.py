@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kiln.kernels.kv_layout import check_head_major
 from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE, Fp8Dots, uses_fp8_dots
+from kiln.kernels.triton import prefill_attention_hopper
 from kiln.kernels.triton._attention_kinds import kind_args
 from kiln.kernels.triton._device import (
     dot_precision,
@@ -387,7 +388,35 @@ def paged_prefill_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention for chunks whose earlier context is already in the cache (a window, a
     soft-cap, sinks and float8 dots as the twin's; without them the kernel compiles as it always
-    did)."""
+    did). On an H100/H200 the Gluon kernel takes the calls it covers (prefill_attention_hopper)."""
+    if prefill_attention_hopper.applies(query, k_cache, window, softcap, sinks, fp8_dots):
+        return prefill_attention_hopper.paged_prefill_attention(
+            query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+            max_query_len, max_seq_len, out,
+        )  # fmt: skip
+    return triton_paged_prefill_attention(
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len,
+        max_seq_len, out, window, softcap, sinks, fp8_dots,
+    )  # fmt: skip
+
+
+def triton_paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    fp8_dots: Fp8Dots = "none",
+) -> torch.Tensor:
+    """paged_prefill_attention in plain Triton, on any GPU (and the interpreter)."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim

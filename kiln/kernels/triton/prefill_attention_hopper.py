@@ -44,6 +44,10 @@ NUM_WARPS = 8  # the consumer (default) partition
 LOAD_WARPS = 1
 LOAD_REGS = 24
 _CHUNK = 64  # bf16 columns in one 128-byte swizzle row: a TMA box's widest
+# Names that differ between Triton 3.6 (the GPU machines') and later releases.
+_UNDERSCORE_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "_reinterpret"))
+_partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
 
 def _chunk_layout() -> gl.NVMMASharedLayout:
@@ -118,7 +122,7 @@ def _load_tile(
                          NUM_KV_HEADS, BLOCK_SIZE)  # fmt: skip
         for c in gl.static_range(CHUNKS):
             box = smem.index((slot * CHUNKS + c) * PIECES + p)
-            tma.async_copy_global_to_shared(desc, [row, c * CHUNK], ready.index(slot), box)
+            _tma_load(desc, [row, c * CHUNK], ready.index(slot), box)
 
 
 @gluon.jit
@@ -140,7 +144,7 @@ def _load_partition(
 def _release(empty, slot):
     """Frees a slot once every warp of the partition is past the MMA that read it (an mbarrier
     arrive comes from one thread)."""
-    gl.thread_barrier()
+    _partition_barrier()
     mbarrier.arrive(empty.index(slot), count=1)
 
 
@@ -188,7 +192,7 @@ def _attend_partition(
     q_smem.store(q)
     fence_async_shared()
 
-    q_pos = (first_pos + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout)))
+    q_pos = first_pos + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
 
     # Tile 0: its scores, then its weights (the accumulator starts at P0 @ V0 below).
@@ -273,8 +277,12 @@ def _prefill_kernel(
                                            layout)  # fmt: skip
         v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHUNKS * PIECES, ROWS, 64],
                                            layout)  # fmt: skip
-        k_mma = k_smem._reinterpret(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], layout)
-        v_mma = v_smem._reinterpret(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], layout)
+        if _UNDERSCORE_REINTERPRET:
+            k_mma = k_smem._reinterpret(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], layout)
+            v_mma = v_smem._reinterpret(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], layout)
+        else:
+            k_mma = k_smem.reinterpret(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], layout)
+            v_mma = v_smem.reinterpret(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
