@@ -76,10 +76,9 @@ def compiled() -> dict[str, dict[str, str]]:
 def test_the_matmuls_are_warpgroup_mmas(compiled, block_size: int) -> None:
     ptx = compiled[str(block_size)]["ptx"]
     # Q @ K^T and P @ V: 128 / 16 instructions each, in the loop and outside it (tile 0's
-    # scores, the last tile's P @ V); P comes from registers.
-    assert (
-        len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx)) == 32
-    )
+    # scores, the last tile's P @ V), in each of the two attention partitions; P from registers.
+    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx)
+    assert len(mmas) == 2 * 32
     assert "wgmma.wait_group.sync.aligned 1;" in ptx  # S_t waited for while P @ V runs
 
 
@@ -101,7 +100,7 @@ def test_key_tiles_arrive_by_tma_one_copy_a_page_piece(compiled, block_size: int
 @pytest.mark.parametrize("block_size", _BLOCK_SIZES)
 def test_the_partitions_split_the_registers_without_spilling(compiled, block_size: int) -> None:
     ptx, ptxas = compiled[str(block_size)]["ptx"], compiled[str(block_size)]["ptxas"]
-    # Two consumer warpgroups and the load warp's warpgroup (FA3's register split).
+    # Two attention warpgroups and the load warp's warpgroup (FA3's register split).
     assert ".reqntid 384" in ptx
     assert f"setmaxnreg.dec.sync.aligned.u32 \t{hopper.LOAD_REGS};" in ptx
     assert "setmaxnreg.inc.sync.aligned.u32 \t240;" in ptx

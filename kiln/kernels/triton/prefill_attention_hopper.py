@@ -8,9 +8,11 @@ One program per (query head, tile of BLOCK_M query tokens, sequence), warp-speci
   swizzle row), all onto the slot's mbarrier, which expects the whole tile's bytes. Pieces past
   the sequence's end are copied from a row past the cache's end, which TMA fills with zeros, so
   the byte count never depends on the sequence;
-- the default partition (two warpgroups, 64 query rows each) runs Q @ K^T and P @ V as async
-  warpgroup MMAs, the softmax of tile j while the tensor cores run P @ V of tile j - 1, and frees
-  each slot's K and V as soon as the MMA reading it is done.
+- two attention partitions (one warpgroup each: the default partition and a worker, 64 of the
+  tile's query rows each) run Q @ K^T and P @ V as async warpgroup MMAs, the softmax of tile j
+  while the tensor cores run P @ V of tile j - 1, and free each slot's K and V (an mbarrier both
+  arrive at) once the MMA reading it is done. Neither waits for the other, so one's softmax
+  runs while the other's MMAs do (FA3's two warpgroups, without its explicit ping-pong order).
 Only tiles that hold a key past the tile's first query position (the diagonal, the sequence's end)
 are masked. Q is loaded once into shared memory (an MMA operand from there, as in FA3).
 """
@@ -40,7 +42,9 @@ _LOG2E = 1.4426950408889634
 BLOCK_M = 128
 BLOCK_N = 128
 STAGES = 2
-NUM_WARPS = 8  # the consumer (default) partition
+CONSUMERS = 2  # attention partitions of one warpgroup, BLOCK_M // CONSUMERS query rows each
+NUM_WARPS = 4  # a warpgroup: the default partition, and each attention worker
+CONSUMER_REGS = 240  # the attention worker's registers a thread (FA3's)
 LOAD_WARPS = 1
 LOAD_REGS = 24
 _CHUNK = 64  # bf16 columns in one 128-byte swizzle row: a TMA box's widest
@@ -142,8 +146,8 @@ def _load_partition(
 
 @gluon.jit
 def _release(empty, slot):
-    """Frees a slot once every warp of the partition is past the MMA that read it (an mbarrier
-    arrive comes from one thread)."""
+    """This partition's share of freeing a slot (each attention partition arrives once), once
+    every warp of the partition is past the MMA that read it (an arrive comes from one thread)."""
     _partition_barrier()
     mbarrier.arrive(empty.index(slot), count=1)
 
@@ -169,31 +173,37 @@ def _softmax_tile(
 
 @gluon.jit
 def _attend_partition(
-    q_ptr, out_ptr, q_smem, k_mma, v_mma, k_ready, v_ready, k_empty, v_empty,
+    q_ptr, out_ptr, q_all, k_mma, v_mma, k_ready, v_ready, k_empty, v_empty,
     q_start, q_len, m_block, head, seq_len, first_pos, num_tiles, qk_scale,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WG: gl.constexpr, ROWS_WG: gl.constexpr,
 ):  # fmt: skip
-    # Both MMAs on one layout: [BLOCK_M, 128] fp32 over two warpgroups (16 rows a warp).
+    """Warpgroup WG's ROWS_WG query rows of the program's BLOCK_M (first_pos: the program's
+    first query position)."""
+    # Both MMAs on one layout: [ROWS_WG, 128] fp32 on one warpgroup (16 rows a warp).
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_N, 16]
     )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
 
-    # Q into shared memory (rows past the chunk are zeros, never stored).
-    rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io_layout))
+    # This warpgroup's rows of Q into shared memory (rows past the chunk are zeros, unstored).
+    q_smem = q_all.index(WG)
+    row0 = m_block * BLOCK_M + WG * ROWS_WG
+    rows = row0 + gl.arange(0, ROWS_WG, layout=gl.SliceLayout(1, io_layout))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
     tokens = (q_start + rows).to(gl.int64)
     io_mask = (rows < q_len)[:, None]
     q = gl.load(q_ptr + tokens[:, None] * stride_q_token + head * stride_q_head + dims[None, :],
                 mask=io_mask, other=0.0)  # fmt: skip
     q_smem.store(q)
-    fence_async_shared()
+    fence_async_shared()  # the MMAs read it through the async proxy
+    _partition_barrier()
 
-    q_pos = first_pos + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+    first_pos = first_pos + WG * ROWS_WG  # this warpgroup's first query position
+    q_pos = first_pos + gl.arange(0, ROWS_WG, layout=gl.SliceLayout(1, mma_layout))
+    s_zero = gl.zeros([ROWS_WG, BLOCK_N], gl.float32, mma_layout)
 
     # Tile 0: its scores, then its weights (the accumulator starts at P0 @ V0 below).
     mbarrier.wait(k_ready.index(0), 0)
@@ -201,12 +211,12 @@ def _attend_partition(
                           is_async=True)  # fmt: skip
     s = warpgroup_mma_wait(0, deps=(s_tok,))
     _release(k_empty, 0)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, mma_layout))
+    m_i = gl.full([ROWS_WG], float("-inf"), gl.float32, gl.SliceLayout(1, mma_layout))
     p, m_i, alpha = _softmax_tile(s, m_i, q_pos, 0, seq_len, first_pos, qk_scale, BLOCK_N,
                                   mma_layout)  # fmt: skip
     l_i = gl.sum(p, 1)
     p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, mma_layout)
+    acc = gl.zeros([ROWS_WG, HEAD_DIM], gl.float32, mma_layout)
 
     for t in range(1, num_tiles):
         slot = t % STAGES
@@ -246,8 +256,8 @@ def _prefill_kernel(
     stride_q_token, stride_q_head, stride_o_token, stride_o_head, stride_bt_seq,
     NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, ROWS: gl.constexpr, NUM_WARPS: gl.constexpr,
-    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
+    STAGES: gl.constexpr, ROWS: gl.constexpr, NUM_WARPS: gl.constexpr, CONSUMERS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
 ):  # fmt: skip
     # Heads fastest: the GROUP heads reading one KV head's tiles run side by side (L2 reuse);
     # query tiles reversed so the longest (most keys under the causal mask) start first.
@@ -270,7 +280,8 @@ def _prefill_kernel(
         layout: gl.constexpr = gl.NVMMASharedLayout(
             swizzle_byte_width=128, element_bitwidth=16, rank=2
         )
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], layout)
+        ROWS_WG: gl.constexpr = BLOCK_M // CONSUMERS
+        q_all = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, ROWS_WG, HEAD_DIM], layout)
         # TMA writes [ROWS, 64] boxes; the MMAs read [BLOCK_N, HEAD_DIM] tiles of the same bytes
         # (a 128-byte-swizzled tile lies as its 64-column chunks one after the other).
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHUNKS * PIECES, ROWS, 64],
@@ -290,18 +301,25 @@ def _prefill_kernel(
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=CONSUMERS)
+            mbarrier.init(v_empty.index(i), count=CONSUMERS)
         fence_async_shared()
 
         gl.warp_specialize(
             [
                 (
                     _attend_partition,
-                    (q_ptr, out_ptr, q_smem, k_mma, v_mma, k_ready, v_ready, k_empty, v_empty,
+                    (q_ptr, out_ptr, q_all, k_mma, v_mma, k_ready, v_ready, k_empty, v_empty,
                      q_start, q_len, m_block, head, seq_len, first_pos, num_tiles, qk_scale,
                      stride_q_token, stride_q_head, stride_o_token, stride_o_head,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS, 0, ROWS_WG),
+                ),
+                (
+                    _attend_partition,
+                    (q_ptr, out_ptr, q_all, k_mma, v_mma, k_ready, v_ready, k_empty, v_empty,
+                     q_start, q_len, m_block, head, seq_len, first_pos, num_tiles, qk_scale,
+                     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS, 1, ROWS_WG),
                 ),
                 (
                     _load_partition,
@@ -310,8 +328,8 @@ def _prefill_kernel(
                      NUM_KV_HEADS, BLOCK_SIZE, BLOCK_N, HEAD_DIM, STAGES, ROWS),
                 ),
             ],
-            [LOAD_WARPS],
-            [LOAD_REGS],
+            [NUM_WARPS, LOAD_WARPS],
+            [CONSUMER_REGS, LOAD_REGS],
         )  # fmt: skip
 
 
@@ -341,6 +359,8 @@ def launch_config(
         "STAGES": STAGES,
         "ROWS": piece_rows(block_size),
         "NUM_WARPS": NUM_WARPS,
+        "CONSUMERS": CONSUMERS,
+        "CONSUMER_REGS": CONSUMER_REGS,
         "LOAD_WARPS": LOAD_WARPS,
         "LOAD_REGS": LOAD_REGS,
         "num_warps": NUM_WARPS,
