@@ -519,12 +519,24 @@ def run_long(s: LongShapes, device: torch.device) -> list[dict]:
             finally:
                 prefill_attention.PREFILL_TILES[key] = chosen
         if prefill_attention_hopper.applies(query, k_cache, fp8_dots=dots):
-            # The Gluon sm_90 kernel (TMA, wgmma, warp-specialised) where it applies.
-            out = prefill_attention_hopper.paged_prefill_attention(*args)
-            rel = float((out.float() - expected.float()).norm() / expected.float().norm())
-            record("prefill_long", case, f"{impl}, sm90 gluon",
-                   [lambda a=args: prefill_attention_hopper.paged_prefill_attention(*a)],
-                   flops=flops, max_abs_err=_err(out, expected), rel_err=rel)  # fmt: skip
+            # The Gluon sm_90 kernel (TMA, wgmma, warp-specialised) where it applies: its two
+            # attention warpgroups as partitions of their own (the default), then as one.
+            chosen_consumers = prefill_attention_hopper.CONSUMERS
+            for consumers in (chosen_consumers, 3 - chosen_consumers):
+                prefill_attention_hopper.CONSUMERS = consumers
+                try:
+                    out = prefill_attention_hopper.paged_prefill_attention(*args)
+                    rel = float((out.float() - expected.float()).norm() / expected.float().norm())
+                    record("prefill_long", case, f"{impl}, sm90 gluon",
+                           [lambda a=args: prefill_attention_hopper.paged_prefill_attention(*a)],
+                           flops=flops, consumers=consumers, chosen=consumers == chosen_consumers,
+                           max_abs_err=_err(out, expected), rel_err=rel)  # fmt: skip
+                except Exception as exc:  # a compile error loses this row only
+                    rows.append({"kernel": "prefill_long", "case": case, "impl": "sm90 gluon",
+                                 "consumers": consumers, "error": repr(exc)[:300]})  # fmt: skip
+                    _print_row(rows[-1])
+                finally:
+                    prefill_attention_hopper.CONSUMERS = chosen_consumers
     q4 = query.transpose(0, 1)[None].contiguous()
     k4, v4 = _contiguous_kv(k16, tables, n), _contiguous_kv(v16, tables, n)
     record("prefill_long", case, "sdpa_contiguous_bf16",
@@ -570,6 +582,8 @@ def _print_row(row: dict) -> None:
             rate += f" ({row['fp8_peak_fraction']:.0%} of {row['fp8_peak_tflops']:.0f} FP8 peak)"
     err = f"  err={row['max_abs_err']:.2e}" if "max_abs_err" in row else ""
     tiles = f"  tiles={row['tiles']}" if "tiles" in row else ""
+    if "consumers" in row:
+        tiles += f"  consumers={row['consumers']}"
     print(f"{row['kernel']:<19}{row['case']:<24}{row['impl']:<16}{timing}{rate:>18}{err}{tiles}")
     sys.stdout.flush()
 

@@ -139,3 +139,12 @@ def test_a_query_view_of_a_packed_qkv() -> None:
     out = prefill_attention_hopper.paged_prefill_attention(qkv[:, :32], k_cache, v_cache, *args)
     torch.testing.assert_close(out, prefill_attention_hopper.paged_prefill_attention(
         query, k_cache, v_cache, *args), atol=0, rtol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("q_len", [1, 129])
+def test_one_attention_partition_of_two_warpgroups(monkeypatch, q_len: int) -> None:
+    # The variant benchmarks/kernels_gpu.py --long times beside the default.
+    from kiln.kernels.triton import prefill_attention_hopper
+
+    monkeypatch.setattr(prefill_attention_hopper, "CONSUMERS", 1)
+    _check([1000, 512, q_len], [1000, 3000, q_len + 200])

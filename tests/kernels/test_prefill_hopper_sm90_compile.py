@@ -27,7 +27,9 @@ pytest.importorskip("triton.experimental.gluon", reason="triton without Gluon")
 from kiln.kernels.kv_layout import empty_cache
 from kiln.kernels.triton import prefill_attention_hopper as hopper
 
-_BLOCK_SIZES = (16, 128)  # eight page pieces a key tile; one
+# (block size, attention partitions): eight page pieces a key tile or one; two attention
+# warpgroups as partitions of their own (the default) or as one partition.
+_CASES = ((16, 2), (128, 2), (16, 1))
 
 
 class _Shape:
@@ -37,13 +39,14 @@ class _Shape:
         self.shape = shape
 
 
-def _compile(block_size: int) -> dict[str, str]:
+def _compile(block_size: int, consumers: int) -> dict[str, str]:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.experimental.gluon._runtime import GluonASTSource
 
     # Llama-3.1-8B's attention: 32 query heads on 8 KV heads of 128.
+    hopper.CONSUMERS = consumers
     _, meta = hopper.launch_config(_Shape(1, 32, 128), _Shape(1, block_size, 8, 128), 1, 1)
     num_warps = meta.pop("num_warps")
     desc = f"tensordesc<bf16[{hopper.piece_rows(block_size)}, 64],{hopper._chunk_layout()!r}>"
@@ -72,19 +75,21 @@ def compiled() -> dict[str, dict[str, str]]:
     return compiled_in_subprocess(__file__)
 
 
-@pytest.mark.parametrize("block_size", _BLOCK_SIZES)
-def test_the_matmuls_are_warpgroup_mmas(compiled, block_size: int) -> None:
-    ptx = compiled[str(block_size)]["ptx"]
+@pytest.mark.parametrize(("block_size", "consumers"), _CASES)
+def test_the_matmuls_are_warpgroup_mmas(compiled, block_size: int, consumers: int) -> None:
+    ptx = compiled[f"{block_size} {consumers}"]["ptx"]
     # Q @ K^T and P @ V: 128 / 16 instructions each, in the loop and outside it (tile 0's
     # scores, the last tile's P @ V), in each of the two attention partitions; P from registers.
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx)
-    assert len(mmas) == 2 * 32
+    assert len(mmas) == consumers * 32
     assert "wgmma.wait_group.sync.aligned 1;" in ptx  # S_t waited for while P @ V runs
 
 
-@pytest.mark.parametrize("block_size", _BLOCK_SIZES)
-def test_key_tiles_arrive_by_tma_one_copy_a_page_piece(compiled, block_size: int) -> None:
-    ptx = compiled[str(block_size)]["ptx"]
+@pytest.mark.parametrize(("block_size", "consumers"), _CASES)
+def test_key_tiles_arrive_by_tma_one_copy_a_page_piece(
+    compiled, block_size: int, consumers: int
+) -> None:
+    ptx = compiled[f"{block_size} {consumers}"]["ptx"]
     pieces = 128 // hopper.piece_rows(block_size)
     # shared::cluster (Triton 3.6) or shared::cta (later) destinations alike.
     copies = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx)
@@ -97,10 +102,14 @@ def test_key_tiles_arrive_by_tma_one_copy_a_page_piece(compiled, block_size: int
     assert "mbarrier.try_wait.parity" in ptx
 
 
-@pytest.mark.parametrize("block_size", _BLOCK_SIZES)
-def test_the_partitions_split_the_registers_without_spilling(compiled, block_size: int) -> None:
-    ptx, ptxas = compiled[str(block_size)]["ptx"], compiled[str(block_size)]["ptxas"]
-    # Two attention warpgroups and the load warp's warpgroup (FA3's register split).
+@pytest.mark.parametrize(("block_size", "consumers"), _CASES)
+def test_the_partitions_split_the_registers_without_spilling(
+    compiled, block_size: int, consumers: int
+) -> None:
+    case = compiled[f"{block_size} {consumers}"]
+    ptx, ptxas = case["ptx"], case["ptxas"]
+    # Two attention warpgroups and the load warp's warpgroup (FA3's register split); Triton
+    # gives the default partition what the workers leave.
     assert ".reqntid 384" in ptx
     assert f"setmaxnreg.dec.sync.aligned.u32 \t{hopper.LOAD_REGS};" in ptx
     assert "setmaxnreg.inc.sync.aligned.u32 \t240;" in ptx
@@ -131,7 +140,9 @@ def test_the_descriptor_rows_are_page_pieces_of_one_kv_head() -> None:
 def test_the_grid_puts_a_kv_heads_query_heads_side_by_side() -> None:
     grid, meta = hopper.launch_config(_Shape(9, 32, 128), _Shape(4, 16, 8, 128), 300, 3)
     assert grid == (32, 3, 3)  # heads fastest; ceil(300 / 128) query tiles; sequences
-    assert meta["GROUP"] == 4 and meta["ROWS"] == 16 and meta["num_warps"] == hopper.NUM_WARPS
+    assert meta["GROUP"] == 4 and meta["ROWS"] == 16
+    # A warpgroup an attention partition: two of them, or one of two warpgroups.
+    assert (meta["CONSUMERS"], meta["num_warps"]) == (hopper.CONSUMERS, 8 // hopper.CONSUMERS)
 
 
 def test_selection_is_sm90_bf16_head_dim_128_plain_causal_only() -> None:
@@ -150,4 +161,4 @@ def test_selection_is_sm90_bf16_head_dim_128_plain_causal_only() -> None:
 
 
 if __name__ == "__main__":
-    json.dump({str(bs): _compile(bs) for bs in _BLOCK_SIZES}, sys.stdout)
+    json.dump({f"{bs} {c}": _compile(bs, c) for bs, c in _CASES}, sys.stdout)

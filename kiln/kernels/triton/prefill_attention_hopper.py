@@ -42,8 +42,9 @@ _LOG2E = 1.4426950408889634
 BLOCK_M = 128
 BLOCK_N = 128
 STAGES = 2
-CONSUMERS = 2  # attention partitions of one warpgroup, BLOCK_M // CONSUMERS query rows each
-NUM_WARPS = 4  # a warpgroup: the default partition, and each attention worker
+# Attention partitions, BLOCK_M // CONSUMERS query rows each: 2 of one warpgroup each (their
+# softmax and MMAs interleave freely), or 1 of two warpgroups in lockstep (launch_config).
+CONSUMERS = 2
 CONSUMER_REGS = 240  # the attention worker's registers a thread (FA3's)
 LOAD_WARPS = 1
 LOAD_REGS = 24
@@ -305,32 +306,43 @@ def _prefill_kernel(
             mbarrier.init(v_empty.index(i), count=CONSUMERS)
         fence_async_shared()
 
-        gl.warp_specialize(
-            [
-                (
-                    _attend_partition,
-                    (q_ptr, out_ptr, q_all, k_mma, v_mma, k_ready, v_ready, k_empty, v_empty,
-                     q_start, q_len, m_block, head, seq_len, first_pos, num_tiles, qk_scale,
-                     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS, 0, ROWS_WG),
-                ),
-                (
-                    _attend_partition,
-                    (q_ptr, out_ptr, q_all, k_mma, v_mma, k_ready, v_ready, k_empty, v_empty,
-                     q_start, q_len, m_block, head, seq_len, first_pos, num_tiles, qk_scale,
-                     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS, 1, ROWS_WG),
-                ),
-                (
-                    _load_partition,
-                    (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                     block_table, seq_len, num_tiles, kv_row, oob_row,
-                     NUM_KV_HEADS, BLOCK_SIZE, BLOCK_N, HEAD_DIM, STAGES, ROWS),
-                ),
-            ],
-            [NUM_WARPS, LOAD_WARPS],
-            [CONSUMER_REGS, LOAD_REGS],
-        )  # fmt: skip
+        if CONSUMERS == 2:
+            gl.warp_specialize(
+                [
+                    (_attend_partition,
+                     (q_ptr, out_ptr, q_all, k_mma, v_mma, k_ready, v_ready, k_empty, v_empty,
+                      q_start, q_len, m_block, head, seq_len, first_pos, num_tiles, qk_scale,
+                      stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS, 0, ROWS_WG)),
+                    (_attend_partition,
+                     (q_ptr, out_ptr, q_all, k_mma, v_mma, k_ready, v_ready, k_empty, v_empty,
+                      q_start, q_len, m_block, head, seq_len, first_pos, num_tiles, qk_scale,
+                      stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS, 1, ROWS_WG)),
+                    (_load_partition,
+                     (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                      block_table, seq_len, num_tiles, kv_row, oob_row,
+                      NUM_KV_HEADS, BLOCK_SIZE, BLOCK_N, HEAD_DIM, STAGES, ROWS)),
+                ],
+                [NUM_WARPS, LOAD_WARPS],
+                [CONSUMER_REGS, LOAD_REGS],
+            )  # fmt: skip
+        else:  # one attention partition of two warpgroups (their 64-row halves in lockstep)
+            gl.warp_specialize(
+                [
+                    (_attend_partition,
+                     (q_ptr, out_ptr, q_all, k_mma, v_mma, k_ready, v_ready, k_empty, v_empty,
+                      q_start, q_len, m_block, head, seq_len, first_pos, num_tiles, qk_scale,
+                      stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS, 0, ROWS_WG)),
+                    (_load_partition,
+                     (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                      block_table, seq_len, num_tiles, kv_row, oob_row,
+                      NUM_KV_HEADS, BLOCK_SIZE, BLOCK_N, HEAD_DIM, STAGES, ROWS)),
+                ],
+                [LOAD_WARPS],
+                [LOAD_REGS],
+            )  # fmt: skip
 
 
 def cache_descriptor(cache: torch.Tensor) -> TensorDescriptor:
@@ -349,6 +361,7 @@ def launch_config(
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     grid = (num_heads, triton.cdiv(max_query_len, BLOCK_M), num_seqs)
+    num_warps = 4 * (BLOCK_M // 64) // CONSUMERS  # an attention partition's: 64 rows a warpgroup
     meta = {
         "NUM_KV_HEADS": num_kv_heads,
         "GROUP": num_heads // num_kv_heads,
@@ -358,12 +371,12 @@ def launch_config(
         "BLOCK_N": BLOCK_N,
         "STAGES": STAGES,
         "ROWS": piece_rows(block_size),
-        "NUM_WARPS": NUM_WARPS,
+        "NUM_WARPS": num_warps,
         "CONSUMERS": CONSUMERS,
         "CONSUMER_REGS": CONSUMER_REGS,
         "LOAD_WARPS": LOAD_WARPS,
         "LOAD_REGS": LOAD_REGS,
-        "num_warps": NUM_WARPS,
+        "num_warps": num_warps,
     }
     return grid, meta
 
