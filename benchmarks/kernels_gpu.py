@@ -525,10 +525,11 @@ def run_long(s: LongShapes, device: torch.device) -> list[dict]:
             for consumers in (chosen_consumers, 3 - chosen_consumers):
                 prefill_attention_hopper.CONSUMERS = consumers
                 try:
-                    out = prefill_attention_hopper.paged_prefill_attention(*args)
+                    out = prefill_attention_hopper.paged_prefill_attention(*args, fp8_dots=dots)
                     rel = float((out.float() - expected.float()).norm() / expected.float().norm())
                     record("prefill_long", case, f"{impl}, sm90 gluon",
-                           [lambda a=args: prefill_attention_hopper.paged_prefill_attention(*a)],
+                           [lambda a=args, d=dots: prefill_attention_hopper.paged_prefill_attention(
+                               *a, fp8_dots=d)],
                            flops=flops, consumers=consumers, chosen=consumers == chosen_consumers,
                            max_abs_err=_err(out, expected), rel_err=rel)  # fmt: skip
                 except Exception as exc:  # a compile error loses this row only

@@ -17,6 +17,7 @@ sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0
 pytestmark = pytest.mark.skipif(not sm90, reason="needs an sm_90 GPU (H100/H200)")
 
 ATOL = 2e-2  # bf16 output against the fp32 twin on the same bf16 inputs
+FP8 = torch.float8_e4m3fn
 
 
 def _inputs(
@@ -56,21 +57,33 @@ def _check(
     num_heads: int = 32,
     num_kv_heads: int = 8,
     block_size: int = 16,
+    fp8: bool = False,
 ) -> None:
+    """The kernel against the twin; fp8: over a float8 cache with float8 Q @ K^T (the twin
+    rounds Q as the kernel does)."""
     from kiln.kernels.triton import prefill_attention, prefill_attention_hopper
 
     query, k_cache, v_cache, tables, starts, lens = _inputs(
         q_lens, seq_lens, num_heads, num_kv_heads, block_size
     )
-    assert prefill_attention_hopper.applies(query, k_cache)
+    dots = "none"
+    if fp8:
+        k_cache, v_cache, dots = k_cache.to(FP8), v_cache.to(FP8), "qk"
+    assert prefill_attention_hopper.applies(query, k_cache, fp8_dots=dots)
     args = (tables, starts, lens, 128**-0.5, max(q_lens), max(seq_lens))
-    out = prefill_attention_hopper.paged_prefill_attention(query, k_cache, v_cache, *args)
-    expected = reference.paged_prefill_attention(query.float(), k_cache.float(), v_cache.float(),
-                                                 *args)  # fmt: skip
+    out = prefill_attention_hopper.paged_prefill_attention(query, k_cache, v_cache, *args,
+                                                           fp8_dots=dots)  # fmt: skip
+    if fp8:
+        expected = reference.paged_prefill_attention(query.float(), k_cache, v_cache, *args,
+                                                     fp8_dots="qk")  # fmt: skip
+    else:
+        expected = reference.paged_prefill_attention(query.float(), k_cache.float(),
+                                                     v_cache.float(), *args)  # fmt: skip
     assert out.dtype == torch.bfloat16 and out.shape == query.shape
     torch.testing.assert_close(out.float(), expected, atol=ATOL, rtol=ATOL)
     # The Triton backend's entry point takes this kernel here, with the same result.
-    routed = prefill_attention.paged_prefill_attention(query, k_cache, v_cache, *args)
+    routed = prefill_attention.paged_prefill_attention(query, k_cache, v_cache, *args,
+                                                       fp8_dots=dots)  # fmt: skip
     assert torch.equal(routed, out)
 
 
@@ -148,3 +161,25 @@ def test_one_attention_partition_of_two_warpgroups(monkeypatch, q_len: int) -> N
 
     monkeypatch.setattr(prefill_attention_hopper, "CONSUMERS", 1)
     _check([1000, 512, q_len], [1000, 3000, q_len + 200])
+
+
+@pytest.mark.parametrize("consumers", [2, 1])
+def test_float8_cache_with_float8_qk(monkeypatch, consumers: int) -> None:
+    # Float8 K and V through TMA (128-byte rows: one box a page piece), Q @ K^T as a float8 MMA
+    # with each query row's scale folded into the softmax's, V widened to bf16 for P @ V.
+    from kiln.kernels.triton import prefill_attention_hopper
+
+    monkeypatch.setattr(prefill_attention_hopper, "CONSUMERS", consumers)
+    _check([1000, 512, 77, 1, 129], [1000, 3000, 4000, 33, 129], fp8=True)
+    _check([300, 45], [300, 1045], 28, 4, block_size=64, fp8=True)
+
+
+def test_float8_cache_selection() -> None:
+    # Widened float8 (fp8_dots="none") and float8 P @ V ("all") stay with the Triton kernel.
+    from kiln.kernels.triton import prefill_attention_hopper
+
+    query, k_cache, *_ = _inputs([10], [10], 32, 8, 16)
+    k8 = k_cache.to(FP8)
+    assert prefill_attention_hopper.applies(query, k8, fp8_dots="qk")
+    assert not prefill_attention_hopper.applies(query, k8, fp8_dots="none")
+    assert not prefill_attention_hopper.applies(query, k8, fp8_dots="all")

@@ -27,9 +27,10 @@ pytest.importorskip("triton.experimental.gluon", reason="triton without Gluon")
 from kiln.kernels.kv_layout import empty_cache
 from kiln.kernels.triton import prefill_attention_hopper as hopper
 
-# (block size, attention partitions): eight page pieces a key tile or one; two attention
-# warpgroups as partitions of their own (the default) or as one partition.
-_CASES = ((16, 2), (128, 2), (16, 1))
+# (block size, attention partitions, cache): eight page pieces a key tile or one; two attention
+# warpgroups as partitions of their own (the default) or as one partition; a bf16 cache, or a
+# float8 one with float8 Q @ K^T.
+_CASES = ((16, 2, "bf16"), (128, 2, "bf16"), (16, 1, "bf16"), (16, 2, "fp8"), (16, 1, "fp8"))
 
 
 class _Shape:
@@ -39,7 +40,7 @@ class _Shape:
         self.shape = shape
 
 
-def _compile(block_size: int, consumers: int) -> dict[str, str]:
+def _compile(block_size: int, consumers: int, cache: str) -> dict[str, str]:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -47,9 +48,13 @@ def _compile(block_size: int, consumers: int) -> dict[str, str]:
 
     # Llama-3.1-8B's attention: 32 query heads on 8 KV heads of 128.
     hopper.CONSUMERS = consumers
-    _, meta = hopper.launch_config(_Shape(1, 32, 128), _Shape(1, block_size, 8, 128), 1, 1)
+    size = 1 if cache == "fp8" else 2
+    k_cache = torch.empty(1, block_size, 8, 128, dtype=torch.float8_e4m3fn if size == 1 else
+                          torch.bfloat16)  # fmt: skip
+    _, meta = hopper.launch_config(_Shape(1, 32, 128), k_cache, 1, 1)
     num_warps = meta.pop("num_warps")
-    desc = f"tensordesc<bf16[{hopper.piece_rows(block_size)}, 64],{hopper._chunk_layout()!r}>"
+    box = f"[{hopper.piece_rows(block_size)}, {128 // size}]"
+    desc = f"tensordesc<{'fp8e4nv' if size == 1 else 'bf16'}{box},{hopper.chunk_layout(size)!r}>"
     signature = {
         "q_ptr": "*bf16", "k_desc": desc, "v_desc": desc, "block_tables_ptr": "*i32",
         "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16",
@@ -75,38 +80,50 @@ def compiled() -> dict[str, dict[str, str]]:
     return compiled_in_subprocess(__file__)
 
 
-@pytest.mark.parametrize(("block_size", "consumers"), _CASES)
-def test_the_matmuls_are_warpgroup_mmas(compiled, block_size: int, consumers: int) -> None:
-    ptx = compiled[f"{block_size} {consumers}"]["ptx"]
-    # Q @ K^T and P @ V: 128 / 16 instructions each, in the loop and outside it (tile 0's
-    # scores, the last tile's P @ V), in each of the two attention partitions; P from registers.
-    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx)
-    assert len(mmas) == consumers * 32
+def _case(compiled: dict, block_size: int, consumers: int, cache: str) -> dict[str, str]:
+    return compiled[f"{block_size} {consumers} {cache}"]
+
+
+@pytest.mark.parametrize(("block_size", "consumers", "cache"), _CASES)
+def test_the_matmuls_are_warpgroup_mmas(
+    compiled, block_size: int, consumers: int, cache: str
+) -> None:
+    ptx = _case(compiled, block_size, consumers, cache)["ptx"]
+    # Q @ K^T and P @ V: 128 / 16 instructions each (128 / 32 for float8 Q @ K^T), in the loop
+    # and outside it (tile 0's scores, the last tile's P @ V), in each attention partition's
+    # code; P from registers.
+    pv = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx)
+    qk = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx)
+    if cache == "fp8":
+        assert (len(qk), len(pv)) == (consumers * 2 * 4, consumers * 2 * 8)
+    else:
+        assert (len(qk), len(pv)) == (0, consumers * 2 * 2 * 8)
     assert "wgmma.wait_group.sync.aligned 1;" in ptx  # S_t waited for while P @ V runs
 
 
-@pytest.mark.parametrize(("block_size", "consumers"), _CASES)
+@pytest.mark.parametrize(("block_size", "consumers", "cache"), _CASES)
 def test_key_tiles_arrive_by_tma_one_copy_a_page_piece(
-    compiled, block_size: int, consumers: int
+    compiled, block_size: int, consumers: int, cache: str
 ) -> None:
-    ptx = compiled[f"{block_size} {consumers}"]["ptx"]
+    ptx = _case(compiled, block_size, consumers, cache)["ptx"]
     pieces = 128 // hopper.piece_rows(block_size)
+    chunks = 1 if cache == "fp8" else 2  # 128-byte column boxes a 128-wide row
     # shared::cluster (Triton 3.6) or shared::cta (later) destinations alike.
     copies = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx)
-    assert len(copies) == 2 * pieces * 2  # K and V, pieces, two 64-column boxes
-    # One expectation a tile, the whole tile's bytes: 128 keys x 128 dims of bf16.
+    assert len(copies) == 2 * pieces * chunks  # K's and V's
+    # One expectation a tile, the whole tile's bytes: 128 keys x 128 dims.
     expects = re.findall(
         r"mbarrier\.arrive\.expect_tx\.shared(?:::cta)?\.b64 _, \[%r\d+\], (\d+);", ptx
     )
-    assert expects == ["32768", "32768"]  # K's, V's
+    assert expects == [str(128 * 128 * chunks)] * 2  # K's, V's: chunks = element bytes
     assert "mbarrier.try_wait.parity" in ptx
 
 
-@pytest.mark.parametrize(("block_size", "consumers"), _CASES)
+@pytest.mark.parametrize(("block_size", "consumers", "cache"), _CASES)
 def test_the_partitions_split_the_registers_without_spilling(
-    compiled, block_size: int, consumers: int
+    compiled, block_size: int, consumers: int, cache: str
 ) -> None:
-    case = compiled[f"{block_size} {consumers}"]
+    case = _case(compiled, block_size, consumers, cache)
     ptx, ptxas = case["ptx"], case["ptxas"]
     # Two attention warpgroups and the load warp's warpgroup (FA3's register split); Triton
     # gives the default partition what the workers leave.
@@ -138,9 +155,10 @@ def test_the_descriptor_rows_are_page_pieces_of_one_kv_head() -> None:
 
 
 def test_the_grid_puts_a_kv_heads_query_heads_side_by_side() -> None:
-    grid, meta = hopper.launch_config(_Shape(9, 32, 128), _Shape(4, 16, 8, 128), 300, 3)
+    k_cache = torch.empty(4, 16, 8, 128, dtype=torch.bfloat16)
+    grid, meta = hopper.launch_config(_Shape(9, 32, 128), k_cache, 300, 3)
     assert grid == (32, 3, 3)  # heads fastest; ceil(300 / 128) query tiles; sequences
-    assert meta["GROUP"] == 4 and meta["ROWS"] == 16
+    assert meta["GROUP"] == 4 and meta["ROWS"] == 16 and not meta["FP8_QK"]
     # A warpgroup an attention partition: two of them, or one of two warpgroups.
     assert (meta["CONSUMERS"], meta["num_warps"]) == (hopper.CONSUMERS, 8 // hopper.CONSUMERS)
 
@@ -161,4 +179,4 @@ def test_selection_is_sm90_bf16_head_dim_128_plain_causal_only() -> None:
 
 
 if __name__ == "__main__":
-    json.dump({f"{bs} {c}": _compile(bs, c) for bs, c in _CASES}, sys.stdout)
+    json.dump({" ".join(map(str, case)): _compile(*case) for case in _CASES}, sys.stdout)

@@ -392,7 +392,7 @@ def paged_prefill_attention(
     if prefill_attention_hopper.applies(query, k_cache, window, softcap, sinks, fp8_dots):
         return prefill_attention_hopper.paged_prefill_attention(
             query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-            max_query_len, max_seq_len, out,
+            max_query_len, max_seq_len, out, fp8_dots,
         )  # fmt: skip
     return triton_paged_prefill_attention(
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len,

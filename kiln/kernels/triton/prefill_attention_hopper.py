@@ -33,9 +33,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kiln.kernels.kv_layout import check_head_major
+from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE
 from kiln.kernels.triton._device import output_like, unit_stride_rows
 
 _LOG2E = 1.4426950408889634
+_FP8_MAX = gl.constexpr(FP8_E4M3_MAX)
+_FP8_MIN_SCALE = gl.constexpr(FP8_MIN_SCALE)
 
 # The tiles (FA3's for head_dim 128 under a causal mask): 128 query rows on two consumer
 # warpgroups, 128 keys a tile, two K/V slots (Q 32 KB + 2 x (K 32 KB + V 32 KB) of shared memory).
@@ -48,16 +51,15 @@ CONSUMERS = 2
 CONSUMER_REGS = 240  # the attention worker's registers a thread (FA3's)
 LOAD_WARPS = 1
 LOAD_REGS = 24
-_CHUNK = 64  # bf16 columns in one 128-byte swizzle row: a TMA box's widest
 # Names that differ between Triton 3.6 (the GPU machines') and later releases.
 _UNDERSCORE_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "_reinterpret"))
 _partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
 
-def _chunk_layout() -> gl.NVMMASharedLayout:
-    """Shared layout of a TMA box [rows, 64] of bf16: 128-byte rows, 128-byte swizzle."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+def chunk_layout(element_size: int) -> gl.NVMMASharedLayout:
+    """Shared layout of a TMA box of 128-byte rows (64 bf16 or 128 float8): 128-byte swizzle."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8 * element_size, rank=2)
 
 
 def piece_rows(block_size: int) -> int:
@@ -74,21 +76,23 @@ def applies(
     fp8_dots: str = "none",
 ) -> bool:
     """Whether this kernel replaces prefill_attention's on this call: an sm_90 GPU, head_dim
-    128, bf16 query and cache, a power-of-two block size of at least 16, and none of the
-    attention kinds it does not implement (window, soft-cap, sinks, float8 dots)."""
+    128, a bf16 query over a bf16 cache, or over a float8 cache with float8 Q @ K^T
+    (fp8_dots="qk"), a power-of-two block size of at least 16, and none of the attention kinds
+    it does not implement (window, soft-cap, sinks; a widened float8 cache, float8 P @ V)."""
     block_size = k_cache.shape[1]
+    plain = k_cache.dtype == torch.bfloat16  # float8 dots are for float8 caches only
+    fp8_qk = k_cache.dtype == torch.float8_e4m3fn and fp8_dots == "qk"
     return (
         query.is_cuda
         and torch.cuda.get_device_capability(query.device) == (9, 0)
         and query.dtype == torch.bfloat16
-        and k_cache.dtype == torch.bfloat16
+        and (plain or fp8_qk)
         and query.shape[2] == 128
         and block_size >= 16
         and block_size & (block_size - 1) == 0
         and window is None
         and softcap is None
         and sinks is None
-        and fp8_dots == "none"
         and k_cache.numel() // 128 < 2**31 - BLOCK_N  # TMA row coordinates are int32
     )
 
@@ -111,17 +115,17 @@ def _piece_row(
 def _load_tile(
     desc, smem, ready, empty, t, n_start, block_table, seq_len, kv_row, oob_row,
     NUM_KV_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, KV_BYTES: gl.constexpr,
 ):  # fmt: skip
-    """Key tile t's K (or V) into slot t % STAGES, once the consumer freed it; smem is
-    [STAGES * CHUNKS * PIECES, ROWS, 64], a slot's (chunk, piece) boxes in that order."""
-    CHUNK: gl.constexpr = 64
+    """Key tile t's K (or V) into slot t % STAGES, once the consumers freed it; smem is
+    [STAGES * CHUNKS * PIECES, ROWS, CHUNK], a slot's (chunk, piece) boxes in that order."""
+    CHUNK: gl.constexpr = 128 // KV_BYTES  # elements in a 128-byte swizzle row
     CHUNKS: gl.constexpr = HEAD_DIM // CHUNK
     PIECES: gl.constexpr = BLOCK_N // ROWS
     slot = t % STAGES
     # The slot's previous use was tile t - STAGES; a fresh barrier passes phase 1 at once.
     mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
-    mbarrier.expect(ready.index(slot), BLOCK_N * HEAD_DIM * 2)
+    mbarrier.expect(ready.index(slot), BLOCK_N * HEAD_DIM * KV_BYTES)
     for p in gl.static_range(PIECES):
         row = _piece_row(block_table, n_start + p * ROWS, seq_len, kv_row, oob_row,
                          NUM_KV_HEADS, BLOCK_SIZE)  # fmt: skip
@@ -135,14 +139,16 @@ def _load_partition(
     k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
     block_table, seq_len, num_tiles, kv_row, oob_row,
     NUM_KV_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, KV_BYTES: gl.constexpr,
 ):  # fmt: skip
     for t in range(num_tiles):
         n_start = t * BLOCK_N
         _load_tile(k_desc, k_smem, k_ready, k_empty, t, n_start, block_table, seq_len, kv_row,
-                   oob_row, NUM_KV_HEADS, BLOCK_SIZE, BLOCK_N, HEAD_DIM, STAGES, ROWS)  # fmt: skip
+                   oob_row, NUM_KV_HEADS, BLOCK_SIZE, BLOCK_N, HEAD_DIM, STAGES, ROWS,
+                   KV_BYTES)  # fmt: skip
         _load_tile(v_desc, v_smem, v_ready, v_empty, t, n_start, block_table, seq_len, kv_row,
-                   oob_row, NUM_KV_HEADS, BLOCK_SIZE, BLOCK_N, HEAD_DIM, STAGES, ROWS)  # fmt: skip
+                   oob_row, NUM_KV_HEADS, BLOCK_SIZE, BLOCK_N, HEAD_DIM, STAGES, ROWS,
+                   KV_BYTES)  # fmt: skip
 
 
 @gluon.jit
@@ -154,40 +160,58 @@ def _release(empty, slot):
 
 
 @gluon.jit
+def _widen(v8_smem, v16_smem, layout: gl.constexpr):
+    """A float8 V tile to bf16 (exact) in this warpgroup's buffer, for a 16-bit P @ V: Hopper's
+    float8 MMA reads its B operand K-major only, which V (dims contiguous) is not."""
+    v16_smem.store(v8_smem.load(layout).to(gl.bfloat16))
+    fence_async_shared()  # the MMA reads it through the async proxy (after _release's barrier)
+
+
+@gluon.jit
 def _softmax_tile(
-    s, m_i, q_pos, n_start, seq_len, first_pos, qk_scale,
+    s, m_i, q_pos, n_start, seq_len, first_pos, row_scale,
     BLOCK_N: gl.constexpr, mma_layout: gl.constexpr,
 ):  # fmt: skip
-    """Tile scores s (raw Q @ K^T) to unnormalised weights against the new row maxima (log2
-    domain): (p, m_new, alpha). Only a tile holding a key past the first query row's position
-    is masked (the diagonal and the sequence's end lie there)."""
+    """Tile scores s (raw Q @ K^T, each row to be multiplied by its row_scale: softmax scale *
+    log2(e), times a float8 query row's scale) to unnormalised weights against the new row
+    maxima (log2 domain): (p, m_new, alpha). Only a tile holding a key past the first query
+    row's position is masked (the diagonal and the sequence's end lie there)."""
     if n_start + BLOCK_N - 1 > first_pos:
         cols = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
         visible = (cols[None, :] <= q_pos[:, None]) & (cols[None, :] < seq_len)
         s = gl.where(visible, s, float("-inf"))
     # Every row sees key 0 in tile 0, so its maximum is finite from there on.
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_new = gl.maximum(m_i, gl.max(s, 1) * row_scale)
     alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s * qk_scale - m_new[:, None])
+    p = gl.exp2(s * row_scale[:, None] - m_new[:, None])
     return p, m_new, alpha
 
 
 @gluon.jit
 def _attend_partition(
-    q_ptr, out_ptr, q_all, k_mma, v_mma, k_ready, v_ready, k_empty, v_empty,
+    q_ptr, out_ptr, q_all, k_mma, v_mma, v16_all, k_ready, v_ready, k_empty, v_empty,
     q_start, q_len, m_block, head, seq_len, first_pos, num_tiles, qk_scale,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WG: gl.constexpr, ROWS_WG: gl.constexpr,
+    FP8_QK: gl.constexpr,
 ):  # fmt: skip
     """Warpgroup WG's ROWS_WG query rows of the program's BLOCK_M (first_pos: the program's
     first query position)."""
-    # Both MMAs on one layout: [ROWS_WG, 128] fp32 on one warpgroup (16 rows a warp).
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_N, 16]
+    # [ROWS_WG, 128] fp32 accumulators (16 rows a warp): the scores' (K of 32 a float8
+    # instruction) and the output's; the same registers either way.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0],
+        warps_per_cta=[NUM_WARPS, 1],
+        instr_shape=[16, BLOCK_N, 32 if FP8_QK else 16],
     )
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+    widen_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
 
     # This warpgroup's rows of Q into shared memory (rows past the chunk are zeros, unstored).
     q_smem = q_all.index(WG)
@@ -198,13 +222,28 @@ def _attend_partition(
     io_mask = (rows < q_len)[:, None]
     q = gl.load(q_ptr + tokens[:, None] * stride_q_token + head * stride_q_head + dims[None, :],
                 mask=io_mask, other=0.0)  # fmt: skip
-    q_smem.store(q)
+    if FP8_QK:
+        # Each (token, head) row to e4m3 at its absmax / 448, rounded as the twin's
+        # quantize_fp8 (the quotient from the reciprocal and two FMAs: fp8_gemm.scaled_to_e4m3).
+        q = q.to(gl.float32)
+        q_scale = gl.maximum(gl.div_rn(gl.max(gl.abs(q), 1), _FP8_MAX), _FP8_MIN_SCALE)
+        inv_scale = gl.div_rn(gl.full_like(q_scale, 1.0), q_scale)
+        quotient = q * inv_scale[:, None]
+        remainder = gl.fma(quotient, q_scale[:, None], q * -1.0)
+        quotient = gl.fma(remainder, inv_scale[:, None] * -1.0, quotient)
+        quotient = gl.minimum(gl.maximum(quotient, -_FP8_MAX), _FP8_MAX)
+        q_smem.store(quotient.to(gl.float8e4nv))
+        row_scale = gl.convert_layout(q_scale, gl.SliceLayout(1, s_layout)) * qk_scale
+    else:
+        q_smem.store(q)
+        row_scale = gl.full([ROWS_WG], qk_scale, gl.float32, gl.SliceLayout(1, s_layout))
     fence_async_shared()  # the MMAs read it through the async proxy
     _partition_barrier()
 
     first_pos = first_pos + WG * ROWS_WG  # this warpgroup's first query position
-    q_pos = first_pos + gl.arange(0, ROWS_WG, layout=gl.SliceLayout(1, mma_layout))
-    s_zero = gl.zeros([ROWS_WG, BLOCK_N], gl.float32, mma_layout)
+    q_pos = first_pos + gl.arange(0, ROWS_WG, layout=gl.SliceLayout(1, s_layout))
+    s_zero = gl.zeros([ROWS_WG, BLOCK_N], gl.float32, s_layout)
+    v16_smem = v16_all.index(WG)  # FP8_QK: this warpgroup's V tile widened to bf16
 
     # Tile 0: its scores, then its weights (the accumulator starts at P0 @ V0 below).
     mbarrier.wait(k_ready.index(0), 0)
@@ -212,10 +251,10 @@ def _attend_partition(
                           is_async=True)  # fmt: skip
     s = warpgroup_mma_wait(0, deps=(s_tok,))
     _release(k_empty, 0)
-    m_i = gl.full([ROWS_WG], float("-inf"), gl.float32, gl.SliceLayout(1, mma_layout))
-    p, m_i, alpha = _softmax_tile(s, m_i, q_pos, 0, seq_len, first_pos, qk_scale, BLOCK_N,
-                                  mma_layout)  # fmt: skip
-    l_i = gl.sum(p, 1)
+    m_i = gl.full([ROWS_WG], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    p, m_i, alpha = _softmax_tile(s, m_i, q_pos, 0, seq_len, first_pos, row_scale, BLOCK_N,
+                                  s_layout)  # fmt: skip
+    l_i = gl.convert_layout(gl.sum(p, 1), rows_layout)
     p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
     acc = gl.zeros([ROWS_WG, HEAD_DIM], gl.float32, mma_layout)
 
@@ -227,21 +266,34 @@ def _attend_partition(
         s_tok = warpgroup_mma(q_smem, k_mma.index(slot).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)  # fmt: skip
         mbarrier.wait(v_ready.index(prev), ((t - 1) // STAGES) & 1)
-        acc_tok = warpgroup_mma(p_op, v_mma.index(prev), acc, is_async=True)
+        if FP8_QK:  # V_{t-1} widened under Q @ K_t^T; its float8 slot freed at once
+            _widen(v_mma.index(prev), v16_smem, widen_layout)
+            _release(v_empty, prev)
+            acc_tok = warpgroup_mma(p_op, v16_smem, acc, is_async=True)
+        else:
+            acc_tok = warpgroup_mma(p_op, v_mma.index(prev), acc, is_async=True)
         # S_t done (the older group); its softmax runs under P_{t-1} @ V_{t-1}.
         s = warpgroup_mma_wait(1, deps=(s_tok,))
         _release(k_empty, slot)
-        p, m_i, alpha = _softmax_tile(s, m_i, q_pos, t * BLOCK_N, seq_len, first_pos, qk_scale,
-                                      BLOCK_N, mma_layout)  # fmt: skip
+        p, m_i, alpha = _softmax_tile(s, m_i, q_pos, t * BLOCK_N, seq_len, first_pos, row_scale,
+                                      BLOCK_N, s_layout)  # fmt: skip
         acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
-        _release(v_empty, prev)
-        acc = acc * alpha[:, None]
-        l_i = l_i * alpha + gl.sum(p, 1)
+        if FP8_QK:
+            _partition_barrier()  # every warpgroup of the partition is done reading v16_smem
+        else:
+            _release(v_empty, prev)
+        rescale = gl.convert_layout(alpha, rows_layout)
+        acc = acc * rescale[:, None]
+        l_i = l_i * rescale + gl.convert_layout(gl.sum(p, 1), rows_layout)
         p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
 
     last = num_tiles - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-    acc_tok = warpgroup_mma(p_op, v_mma.index(last % STAGES), acc, is_async=True)
+    if FP8_QK:
+        _widen(v_mma.index(last % STAGES), v16_smem, widen_layout)
+        acc_tok = warpgroup_mma(p_op, v16_smem, acc, is_async=True)
+    else:
+        acc_tok = warpgroup_mma(p_op, v_mma.index(last % STAGES), acc, is_async=True)
     acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
 
     out = acc / l_i[:, None]
@@ -259,6 +311,7 @@ def _prefill_kernel(
     BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, ROWS: gl.constexpr, NUM_WARPS: gl.constexpr, CONSUMERS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
+    FP8_QK: gl.constexpr, KV_BYTES: gl.constexpr,
 ):  # fmt: skip
     # Heads fastest: the GROUP heads reading one KV head's tiles run side by side (L2 reuse);
     # query tiles reversed so the longest (most keys under the causal mask) start first.
@@ -275,26 +328,37 @@ def _prefill_kernel(
         block_table = block_tables_ptr + seq.to(gl.int64) * stride_bt_seq
         kv_row = (head // GROUP) * BLOCK_SIZE
 
-        CHUNKS: gl.constexpr = HEAD_DIM // 64
+        CHUNK: gl.constexpr = 128 // KV_BYTES  # elements in a 128-byte swizzle row
+        CHUNKS: gl.constexpr = HEAD_DIM // CHUNK
         PIECES: gl.constexpr = BLOCK_N // ROWS
-        # One layout for all (a leading dimension indexes slots or boxes): 128-byte swizzle.
+        kv_dtype: gl.constexpr = k_desc.dtype
+        # One layout a dtype (a leading dimension indexes slots or boxes): 128-byte swizzle.
         layout: gl.constexpr = gl.NVMMASharedLayout(
             swizzle_byte_width=128, element_bitwidth=16, rank=2
         )
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=8 * KV_BYTES, rank=2
+        )
         ROWS_WG: gl.constexpr = BLOCK_M // CONSUMERS
-        q_all = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, ROWS_WG, HEAD_DIM], layout)
-        # TMA writes [ROWS, 64] boxes; the MMAs read [BLOCK_N, HEAD_DIM] tiles of the same bytes
-        # (a 128-byte-swizzled tile lies as its 64-column chunks one after the other).
-        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHUNKS * PIECES, ROWS, 64],
-                                           layout)  # fmt: skip
-        v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHUNKS * PIECES, ROWS, 64],
-                                           layout)  # fmt: skip
+        # Q as the Q @ K^T MMA reads it: bf16, or float8 beside a float8 K.
+        q_all = gl.allocate_shared_memory(kv_dtype, [CONSUMERS, ROWS_WG, HEAD_DIM], kv_layout)
+        # TMA writes [ROWS, CHUNK] boxes; the MMAs read [BLOCK_N, HEAD_DIM] tiles of the same
+        # bytes (a 128-byte-swizzled tile lies as its 128-byte column chunks one after another).
+        k_smem = gl.allocate_shared_memory(kv_dtype, [STAGES * CHUNKS * PIECES, ROWS, CHUNK],
+                                           kv_layout)  # fmt: skip
+        v_smem = gl.allocate_shared_memory(kv_dtype, [STAGES * CHUNKS * PIECES, ROWS, CHUNK],
+                                           kv_layout)  # fmt: skip
         if _UNDERSCORE_REINTERPRET:
-            k_mma = k_smem._reinterpret(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], layout)
-            v_mma = v_smem._reinterpret(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], layout)
+            k_mma = k_smem._reinterpret(kv_dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+            v_mma = v_smem._reinterpret(kv_dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         else:
-            k_mma = k_smem.reinterpret(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], layout)
-            v_mma = v_smem.reinterpret(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], layout)
+            k_mma = k_smem.reinterpret(kv_dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+            v_mma = v_smem.reinterpret(kv_dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        if FP8_QK:  # each attention partition's V tile widened to bf16
+            v16_all = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, BLOCK_N, HEAD_DIM],
+                                                layout)  # fmt: skip
+        else:
+            v16_all = q_all  # unused
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -310,19 +374,21 @@ def _prefill_kernel(
             gl.warp_specialize(
                 [
                     (_attend_partition,
-                     (q_ptr, out_ptr, q_all, k_mma, v_mma, k_ready, v_ready, k_empty, v_empty,
+                     (q_ptr, out_ptr, q_all, k_mma, v_mma, v16_all, k_ready, v_ready, k_empty,
+                      v_empty,
                       q_start, q_len, m_block, head, seq_len, first_pos, num_tiles, qk_scale,
                       stride_q_token, stride_q_head, stride_o_token, stride_o_head,
-                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS, 0, ROWS_WG)),
+                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS, 0, ROWS_WG, FP8_QK)),
                     (_attend_partition,
-                     (q_ptr, out_ptr, q_all, k_mma, v_mma, k_ready, v_ready, k_empty, v_empty,
+                     (q_ptr, out_ptr, q_all, k_mma, v_mma, v16_all, k_ready, v_ready, k_empty,
+                      v_empty,
                       q_start, q_len, m_block, head, seq_len, first_pos, num_tiles, qk_scale,
                       stride_q_token, stride_q_head, stride_o_token, stride_o_head,
-                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS, 1, ROWS_WG)),
+                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS, 1, ROWS_WG, FP8_QK)),
                     (_load_partition,
                      (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                       block_table, seq_len, num_tiles, kv_row, oob_row,
-                      NUM_KV_HEADS, BLOCK_SIZE, BLOCK_N, HEAD_DIM, STAGES, ROWS)),
+                      NUM_KV_HEADS, BLOCK_SIZE, BLOCK_N, HEAD_DIM, STAGES, ROWS, KV_BYTES)),
                 ],
                 [NUM_WARPS, LOAD_WARPS],
                 [CONSUMER_REGS, LOAD_REGS],
@@ -331,14 +397,15 @@ def _prefill_kernel(
             gl.warp_specialize(
                 [
                     (_attend_partition,
-                     (q_ptr, out_ptr, q_all, k_mma, v_mma, k_ready, v_ready, k_empty, v_empty,
+                     (q_ptr, out_ptr, q_all, k_mma, v_mma, v16_all, k_ready, v_ready, k_empty,
+                      v_empty,
                       q_start, q_len, m_block, head, seq_len, first_pos, num_tiles, qk_scale,
                       stride_q_token, stride_q_head, stride_o_token, stride_o_head,
-                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS, 0, ROWS_WG)),
+                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS, 0, ROWS_WG, FP8_QK)),
                     (_load_partition,
                      (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                       block_table, seq_len, num_tiles, kv_row, oob_row,
-                      NUM_KV_HEADS, BLOCK_SIZE, BLOCK_N, HEAD_DIM, STAGES, ROWS)),
+                      NUM_KV_HEADS, BLOCK_SIZE, BLOCK_N, HEAD_DIM, STAGES, ROWS, KV_BYTES)),
                 ],
                 [LOAD_WARPS],
                 [LOAD_REGS],
@@ -347,11 +414,12 @@ def _prefill_kernel(
 
 def cache_descriptor(cache: torch.Tensor) -> TensorDescriptor:
     """A TMA descriptor over a head-major cache as [num_blocks * num_kv_heads * block_size,
-    head_dim] rows, boxes of one page piece by 64 columns."""
+    head_dim] rows, boxes of one page piece by 128 bytes of columns."""
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     rows = cache.transpose(1, 2).reshape(num_blocks * num_kv_heads * block_size, head_dim)
+    size = cache.element_size()
     return TensorDescriptor(rows, list(rows.shape), list(rows.stride()),
-                            [piece_rows(block_size), _CHUNK], _chunk_layout())  # fmt: skip
+                            [piece_rows(block_size), 128 // size], chunk_layout(size))  # fmt: skip
 
 
 def launch_config(
@@ -376,6 +444,8 @@ def launch_config(
         "CONSUMER_REGS": CONSUMER_REGS,
         "LOAD_WARPS": LOAD_WARPS,
         "LOAD_REGS": LOAD_REGS,
+        "FP8_QK": k_cache.element_size() == 1,
+        "KV_BYTES": k_cache.element_size(),
         "num_warps": num_warps,
     }
     return grid, meta
@@ -392,10 +462,12 @@ def paged_prefill_attention(
     max_query_len: int,
     max_seq_len: int,
     out: torch.Tensor | None = None,
+    fp8_dots: str = "none",  # a float8 cache: "qk" (its only float8 mode)
 ) -> torch.Tensor:  # [num_tokens, num_heads, 128]
     """Causal attention for chunks whose earlier context is in the cache, where applies()."""
     num_tokens, num_heads, head_dim = query.shape
     assert num_heads % k_cache.shape[2] == 0 and k_cache.shape[3] == head_dim
+    assert k_cache.element_size() == 2 or fp8_dots == "qk", fp8_dots
     check_head_major(k_cache, v_cache)
     out = output_like(query, out)
     num_seqs = seq_lens.shape[0]
