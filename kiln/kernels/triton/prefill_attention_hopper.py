@@ -4,7 +4,7 @@ paged cache (twin: reference.paged_prefill_attention).
 One program per (query head, tile of BLOCK_M query tokens, sequence), warp-specialised:
 - a load partition (one warp) copies each key tile's K and V into a ring of STAGES shared-memory
   slots with TMA. TMA cannot gather, so a tile of BLOCK_N keys is one copy per page piece
-  (block_size rows of one KV head lie together, head-major) and per 64 columns (one 128-byte
+  (block_size rows of one KV head lie together, head-major) and per 128 bytes of columns (one
   swizzle row), all onto the slot's mbarrier, which expects the whole tile's bytes. Pieces past
   the sequence's end are copied from a row past the cache's end, which TMA fills with zeros, so
   the byte count never depends on the sequence;
@@ -15,6 +15,13 @@ One program per (query head, tile of BLOCK_M query tokens, sequence), warp-speci
   runs while the other's MMAs do (FA3's two warpgroups, without its explicit ping-pong order).
 Only tiles that hold a key past the tile's first query position (the diagonal, the sequence's end)
 are masked. Q is loaded once into shared memory (an MMA operand from there, as in FA3).
+
+Over a float8 cache with fp8_dots="qk", each query row goes to e4m3 at its own scale (as the
+twin's quantize_fp8), Q @ K^T is a float8 MMA whose row scales join the softmax's, and each
+attention warpgroup widens V to bf16 in its own buffer (under the next tile's Q @ K^T) for a
+16-bit P @ V: Hopper's float8 MMA reads B K-major only, and V's rows are not. Rows of a page
+piece past the sequence's end are read as they lie (masked out of the softmax; the engine's
+caches start zeroed, so they hold finite values).
 """
 
 from __future__ import annotations
@@ -164,7 +171,7 @@ def _widen(v8_smem, v16_smem, layout: gl.constexpr):
     """A float8 V tile to bf16 (exact) in this warpgroup's buffer, for a 16-bit P @ V: Hopper's
     float8 MMA reads its B operand K-major only, which V (dims contiguous) is not."""
     v16_smem.store(v8_smem.load(layout).to(gl.bfloat16))
-    fence_async_shared()  # the MMA reads it through the async proxy (after _release's barrier)
+    fence_async_shared()  # the MMA reads it through the async proxy, after a barrier
 
 
 @gluon.jit
@@ -291,6 +298,7 @@ def _attend_partition(
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
     if FP8_QK:
         _widen(v_mma.index(last % STAGES), v16_smem, widen_layout)
+        _partition_barrier()  # every warp's part of the tile stored before the MMA reads it
         acc_tok = warpgroup_mma(p_op, v16_smem, acc, is_async=True)
     else:
         acc_tok = warpgroup_mma(p_op, v_mma.index(last % STAGES), acc, is_async=True)
