@@ -163,7 +163,7 @@ def test_the_grid_puts_a_kv_heads_query_heads_side_by_side() -> None:
     assert (meta["CONSUMERS"], meta["num_warps"]) == (hopper.CONSUMERS, 8 // hopper.CONSUMERS)
 
 
-def test_selection_is_sm90_bf16_head_dim_128_plain_causal_only() -> None:
+def test_selection_is_sm90_head_dim_128_plain_causal_only() -> None:
     query = torch.zeros(4, 32, 128, dtype=torch.bfloat16)
     cache = empty_cache(2, 16, 8, 128, torch.bfloat16, torch.device("cpu"))
     assert not hopper.applies(query, cache)  # not a GPU
@@ -174,7 +174,12 @@ def test_selection_is_sm90_bf16_head_dim_128_plain_causal_only() -> None:
         assert not hopper.applies(gpu_query, gpu_cache, window=64)
         assert not hopper.applies(gpu_query, gpu_cache, softcap=30.0)
         assert not hopper.applies(gpu_query.half(), gpu_cache.half())
-        assert not hopper.applies(gpu_query, gpu_cache.to(torch.float8_e4m3fn), fp8_dots="qk")
+        fp8_cache = gpu_cache.to(torch.float8_e4m3fn)
+        assert hopper.applies(gpu_query, fp8_cache, fp8_dots="qk") == sm90
+        assert not hopper.applies(gpu_query, fp8_cache)  # widened float8: the Triton kernel's
+        assert not hopper.applies(gpu_query, fp8_cache, fp8_dots="all")
+        small_blocks = empty_cache(4, 8, 8, 128, torch.bfloat16, gpu_query.device)
+        assert not hopper.applies(gpu_query, small_blocks)  # a TMA box of 8 rows: not tried
         assert not hopper.applies(gpu_query[..., :64], gpu_cache[..., :64])
 
 
