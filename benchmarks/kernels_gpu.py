@@ -518,8 +518,8 @@ def run_long(s: LongShapes, device: torch.device) -> list[dict]:
                        max_abs_err=err, rel_err=rel)  # fmt: skip
             finally:
                 prefill_attention.PREFILL_TILES[key] = chosen
-        if prefill_attention_hopper.applies(query, k_cache, fp8_dots=dots):
-            # The Gluon sm_90 kernel (TMA, wgmma, warp-specialised) where it applies: its two
+        if prefill_attention_hopper.supports(query, k_cache, fp8_dots=dots):
+            # The Gluon sm_90 kernel (TMA, wgmma, warp-specialised) where it runs: its two
             # attention warpgroups as partitions of their own (the default), then as one.
             chosen_consumers = prefill_attention_hopper.CONSUMERS
             for consumers in (chosen_consumers, 3 - chosen_consumers):

@@ -69,7 +69,7 @@ def _check(
     dots = "none"
     if fp8:
         k_cache, v_cache, dots = k_cache.to(FP8), v_cache.to(FP8), "qk"
-    assert prefill_attention_hopper.applies(query, k_cache, fp8_dots=dots)
+    assert prefill_attention_hopper.supports(query, k_cache, fp8_dots=dots)
     args = (tables, starts, lens, 128**-0.5, max(q_lens), max(seq_lens))
     out = prefill_attention_hopper.paged_prefill_attention(query, k_cache, v_cache, *args,
                                                            fp8_dots=dots)  # fmt: skip
@@ -81,10 +81,13 @@ def _check(
                                                      v_cache.float(), *args)  # fmt: skip
     assert out.dtype == torch.bfloat16 and out.shape == query.shape
     torch.testing.assert_close(out.float(), expected, atol=ATOL, rtol=ATOL)
-    # The Triton backend's entry point takes this kernel here, with the same result.
+    # The Triton backend's entry point takes this kernel here (unless deselected), alike.
     routed = prefill_attention.paged_prefill_attention(query, k_cache, v_cache, *args,
                                                        fp8_dots=dots)  # fmt: skip
-    assert torch.equal(routed, out)
+    selected = k_cache.dtype in prefill_attention_hopper.SELECTED
+    assert prefill_attention_hopper.applies(query, k_cache, fp8_dots=dots) == selected
+    if selected:
+        assert torch.equal(routed, out)
 
 
 def test_whole_prompt() -> None:
@@ -180,6 +183,6 @@ def test_float8_cache_selection() -> None:
 
     query, k_cache, *_ = _inputs([10], [10], 32, 8, 16)
     k8 = k_cache.to(FP8)
-    assert prefill_attention_hopper.applies(query, k8, fp8_dots="qk")
-    assert not prefill_attention_hopper.applies(query, k8, fp8_dots="none")
-    assert not prefill_attention_hopper.applies(query, k8, fp8_dots="all")
+    assert prefill_attention_hopper.supports(query, k8, fp8_dots="qk")
+    assert not prefill_attention_hopper.supports(query, k8, fp8_dots="none")
+    assert not prefill_attention_hopper.supports(query, k8, fp8_dots="all")

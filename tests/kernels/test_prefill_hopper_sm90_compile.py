@@ -163,24 +163,29 @@ def test_the_grid_puts_a_kv_heads_query_heads_side_by_side() -> None:
     assert (meta["CONSUMERS"], meta["num_warps"]) == (hopper.CONSUMERS, 8 // hopper.CONSUMERS)
 
 
-def test_selection_is_sm90_head_dim_128_plain_causal_only() -> None:
+def test_support_is_sm90_head_dim_128_plain_causal_only() -> None:
     query = torch.zeros(4, 32, 128, dtype=torch.bfloat16)
     cache = empty_cache(2, 16, 8, 128, torch.bfloat16, torch.device("cpu"))
-    assert not hopper.applies(query, cache)  # not a GPU
+    assert not hopper.supports(query, cache) and not hopper.applies(query, cache)  # no GPU
     if torch.cuda.is_available():
         gpu_query, gpu_cache = query.cuda(), cache.cuda()
         sm90 = torch.cuda.get_device_capability() == (9, 0)
-        assert hopper.applies(gpu_query, gpu_cache) == sm90
-        assert not hopper.applies(gpu_query, gpu_cache, window=64)
-        assert not hopper.applies(gpu_query, gpu_cache, softcap=30.0)
-        assert not hopper.applies(gpu_query.half(), gpu_cache.half())
+        assert hopper.supports(gpu_query, gpu_cache) == sm90
+        assert not hopper.supports(gpu_query, gpu_cache, window=64)
+        assert not hopper.supports(gpu_query, gpu_cache, softcap=30.0)
+        assert not hopper.supports(gpu_query.half(), gpu_cache.half())
         fp8_cache = gpu_cache.to(torch.float8_e4m3fn)
-        assert hopper.applies(gpu_query, fp8_cache, fp8_dots="qk") == sm90
-        assert not hopper.applies(gpu_query, fp8_cache)  # widened float8: the Triton kernel's
-        assert not hopper.applies(gpu_query, fp8_cache, fp8_dots="all")
+        assert hopper.supports(gpu_query, fp8_cache, fp8_dots="qk") == sm90
+        assert not hopper.supports(gpu_query, fp8_cache)  # widened float8: the Triton kernel's
+        assert not hopper.supports(gpu_query, fp8_cache, fp8_dots="all")
         small_blocks = empty_cache(4, 8, 8, 128, torch.bfloat16, gpu_query.device)
-        assert not hopper.applies(gpu_query, small_blocks)  # a TMA box of 8 rows: not tried
-        assert not hopper.applies(gpu_query[..., :64], gpu_cache[..., :64])
+        assert not hopper.supports(gpu_query, small_blocks)  # a TMA box of 8 rows: not tried
+        assert not hopper.supports(gpu_query[..., :64], gpu_cache[..., :64])
+        for cache_ in (gpu_cache, fp8_cache):  # selected: supported and not deselected
+            selected = hopper.supports(gpu_query, cache_, fp8_dots="qk" if cache_ is fp8_cache
+                                       else "none") and cache_.dtype in hopper.SELECTED  # fmt: skip
+            assert hopper.applies(gpu_query, cache_, fp8_dots="qk" if cache_ is fp8_cache
+                                  else "none") == selected  # fmt: skip
 
 
 if __name__ == "__main__":

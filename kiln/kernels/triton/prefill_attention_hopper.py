@@ -74,7 +74,7 @@ def piece_rows(block_size: int) -> int:
     return min(block_size, BLOCK_N)
 
 
-def applies(
+def supports(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     window: int | None = None,
@@ -82,10 +82,10 @@ def applies(
     sinks: torch.Tensor | None = None,
     fp8_dots: str = "none",
 ) -> bool:
-    """Whether this kernel replaces prefill_attention's on this call: an sm_90 GPU, head_dim
-    128, a bf16 query over a bf16 cache, or over a float8 cache with float8 Q @ K^T
-    (fp8_dots="qk"), a power-of-two block size of at least 16, and none of the attention kinds
-    it does not implement (window, soft-cap, sinks; a widened float8 cache, float8 P @ V)."""
+    """Whether this kernel can run this call: an sm_90 GPU, head_dim 128, a bf16 query over a
+    bf16 cache, or over a float8 cache with float8 Q @ K^T (fp8_dots="qk"), a power-of-two block
+    size of at least 16, and none of the attention kinds it does not implement (window,
+    soft-cap, sinks; a widened float8 cache, float8 P @ V)."""
     block_size = k_cache.shape[1]
     plain = k_cache.dtype == torch.bfloat16  # float8 dots are for float8 caches only
     fp8_qk = k_cache.dtype == torch.float8_e4m3fn and fp8_dots == "qk"
@@ -102,6 +102,26 @@ def applies(
         and sinks is None
         and k_cache.numel() // 128 < 2**31 - BLOCK_N  # TMA row coordinates are int32
     )
+
+
+# The caches whose calls prefill_attention hands to this kernel where supports() holds: delete
+# a line to keep the Triton kernel for that cache.
+SELECTED: set[torch.dtype] = {
+    torch.bfloat16,
+    torch.float8_e4m3fn,  # with fp8_dots="qk" only
+}
+
+
+def applies(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    fp8_dots: str = "none",
+) -> bool:
+    """Whether prefill_attention.paged_prefill_attention hands this call to this kernel."""
+    return k_cache.dtype in SELECTED and supports(query, k_cache, window, softcap, sinks, fp8_dots)
 
 
 @gluon.jit
@@ -472,7 +492,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     fp8_dots: str = "none",  # a float8 cache: "qk" (its only float8 mode)
 ) -> torch.Tensor:  # [num_tokens, num_heads, 128]
-    """Causal attention for chunks whose earlier context is in the cache, where applies()."""
+    """Causal attention for chunks whose earlier context is in the cache, where supports()."""
     num_tokens, num_heads, head_dim = query.shape
     assert num_heads % k_cache.shape[2] == 0 and k_cache.shape[3] == head_dim
     assert k_cache.element_size() == 2 or fp8_dots == "qk", fp8_dots
