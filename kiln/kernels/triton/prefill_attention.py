@@ -15,7 +15,6 @@ import triton.language as tl
 
 from kiln.kernels.kv_layout import check_head_major
 from kiln.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE, Fp8Dots, uses_fp8_dots
-from kiln.kernels.triton import prefill_attention_hopper
 from kiln.kernels.triton._attention_kinds import kind_args
 from kiln.kernels.triton._device import (
     dot_precision,
@@ -34,6 +33,11 @@ from kiln.kernels.triton._online_softmax import (
     soft_cap,
 )
 from kiln.kernels.triton.fp8_gemm import scaled_to_e4m3
+
+try:  # the sm_90 kernel is Gluon's (Triton >= 3.6); older Tritons keep this file's everywhere
+    from kiln.kernels.triton import prefill_attention_hopper
+except ImportError:  # pragma: no cover (the tested Tritons have Gluon)
+    prefill_attention_hopper = None  # type: ignore[assignment]
 
 _LOG2E = 1.4426950408889634
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
@@ -389,8 +393,9 @@ def paged_prefill_attention(
     """Causal attention for chunks whose earlier context is already in the cache (a window, a
     soft-cap, sinks and float8 dots as the twin's; without them the kernel compiles as it always
     did). On an H100/H200 the Gluon kernel takes the calls it covers (prefill_attention_hopper)."""
-    if prefill_attention_hopper.applies(query, k_cache, window, softcap, sinks, fp8_dots):
-        return prefill_attention_hopper.paged_prefill_attention(
+    hopper = prefill_attention_hopper
+    if hopper is not None and hopper.applies(query, k_cache, window, softcap, sinks, fp8_dots):
+        return hopper.paged_prefill_attention(
             query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
             max_query_len, max_seq_len, out, fp8_dots,
         )  # fmt: skip
