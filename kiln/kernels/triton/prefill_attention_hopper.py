@@ -22,6 +22,9 @@ attention warpgroup widens V to bf16 in its own buffer (under the next tile's Q 
 16-bit P @ V: Hopper's float8 MMA reads B K-major only, and V's rows are not. Rows of a page
 piece past the sequence's end are read as they lie (masked out of the softmax; the engine's
 caches start zeroed, so they hold finite values).
+
+prefill_attention.paged_prefill_attention hands a call here where applies(): supports() (what
+this kernel runs) and the cache's dtype in SELECTED (a line to delete to deselect one).
 """
 
 from __future__ import annotations
