@@ -3,8 +3,8 @@ an H100 (sm_90) on the CPU, as a GPU run would JIT it: its MMAs are warpgroup MM
 arrive by TMA (one copy a page piece and 128 bytes of columns, all on one mbarrier expecting the
 tile's bytes), its partitions split the registers, and ptxas spills (next to) nothing; bf16 and
 float8 caches. Compiles only, in a subprocess without TRITON_INTERPRET; its host-side logic
-(descriptors, grid, selection) runs here. The numbers come from benchmarks/kernels_gpu.py --long, the values from
-tests/kernels/test_prefill_attention_hopper.py on a GPU."""
+(descriptors, grid, selection) runs here. The numbers come from benchmarks/kernels_gpu.py
+--long, the values from tests/kernels/test_prefill_attention_hopper.py on a GPU."""
 
 from __future__ import annotations
 
