@@ -446,7 +446,7 @@ def run_long(s: LongShapes, device: torch.device) -> list[dict]:
     from kiln.bench.report import measure_copy_bandwidth
     from kiln.kernels import reference
     from kiln.kernels import triton as triton_ops
-    from kiln.kernels.triton import prefill_attention
+    from kiln.kernels.triton import prefill_attention, prefill_attention_hopper
 
     gen = torch.Generator(device=device).manual_seed(0)
     rows: list[dict] = []
@@ -497,10 +497,13 @@ def run_long(s: LongShapes, device: torch.device) -> list[dict]:
         ("fp8 cache, widened", k8, v8, False, "fp8_widened"),
         ("fp8 cache, fp8 QK", k8, v8, True, "fp8_qk"),
     )
+    # Today's Triton kernel by name: on an H100/H200 the entry point hands the bf16 cache to
+    # the Gluon kernel, timed in its own row below.
+    triton_prefill = prefill_attention.triton_paged_prefill_attention
     for impl, k_cache, v_cache, dots, operands in variants:
         args = (query, k_cache, v_cache, *rest)
         expected = widened if k_cache.dtype == fp8 else reference.paged_prefill_attention(*args)
-        out = triton_ops.paged_prefill_attention(*args, fp8_qk=dots)
+        out = triton_prefill(*args, fp8_qk=dots)
         err = _err(out, expected)
         rel = float((out.float() - expected.float()).norm() / expected.float().norm())
         key = (128 if s.head_dim <= 128 else 256, operands)
@@ -509,11 +512,31 @@ def run_long(s: LongShapes, device: torch.device) -> list[dict]:
             prefill_attention.PREFILL_TILES[key] = tiles
             try:
                 record("prefill_long", case, impl,
-                       [lambda a=args, d=dots: triton_ops.paged_prefill_attention(*a, fp8_qk=d)],
+                       [lambda a=args, d=dots: triton_prefill(*a, fp8_qk=d)],
                        flops=flops, tiles=list(tiles), chosen=tiles == chosen,
                        max_abs_err=err, rel_err=rel)  # fmt: skip
             finally:
                 prefill_attention.PREFILL_TILES[key] = chosen
+        if prefill_attention_hopper.supports(query, k_cache, fp8_qk=dots):
+            # The Gluon sm_90 kernel (TMA, wgmma, warp-specialised) where it runs: its two
+            # attention warpgroups as partitions of their own (the default), then as one.
+            chosen_consumers = prefill_attention_hopper.CONSUMERS
+            for consumers in (chosen_consumers, 3 - chosen_consumers):
+                prefill_attention_hopper.CONSUMERS = consumers
+                try:
+                    out = prefill_attention_hopper.paged_prefill_attention(*args, fp8_qk=dots)
+                    rel = float((out.float() - expected.float()).norm() / expected.float().norm())
+                    record("prefill_long", case, f"{impl}, sm90 gluon",
+                           [lambda a=args, d=dots: prefill_attention_hopper.paged_prefill_attention(
+                               *a, fp8_qk=d)],
+                           flops=flops, consumers=consumers, chosen=consumers == chosen_consumers,
+                           max_abs_err=_err(out, expected), rel_err=rel)  # fmt: skip
+                except Exception as exc:  # a compile error loses this row only
+                    rows.append({"kernel": "prefill_long", "case": case, "impl": "sm90 gluon",
+                                 "consumers": consumers, "error": repr(exc)[:300]})  # fmt: skip
+                    _print_row(rows[-1])
+                finally:
+                    prefill_attention_hopper.CONSUMERS = chosen_consumers
     q4 = query.transpose(0, 1)[None].contiguous()
     k4, v4 = _contiguous_kv(k16, tables, n), _contiguous_kv(v16, tables, n)
     record("prefill_long", case, "sdpa_contiguous_bf16",
@@ -559,6 +582,8 @@ def _print_row(row: dict) -> None:
             rate += f" ({row['fp8_peak_fraction']:.0%} of {row['fp8_peak_tflops']:.0f} FP8 peak)"
     err = f"  err={row['max_abs_err']:.2e}" if "max_abs_err" in row else ""
     tiles = f"  tiles={row['tiles']}" if "tiles" in row else ""
+    if "consumers" in row:
+        tiles += f"  consumers={row['consumers']}"
     print(f"{row['kernel']:<19}{row['case']:<24}{row['impl']:<16}{timing}{rate:>18}{err}{tiles}")
     sys.stdout.flush()
 

@@ -34,6 +34,11 @@ from kiln.kernels.triton._online_softmax import (
 )
 from kiln.kernels.triton.fp8_gemm import scaled_to_e4m3
 
+try:  # the sm_90 kernel is Gluon's (Triton >= 3.6); older Tritons keep this file's everywhere
+    from kiln.kernels.triton import prefill_attention_hopper
+except ImportError:  # pragma: no cover (the tested Tritons have Gluon)
+    prefill_attention_hopper = None  # type: ignore[assignment]
+
 _LOG2E = 1.4426950408889634
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 _FP8_MIN_SCALE = tl.constexpr(FP8_MIN_SCALE)
@@ -322,7 +327,36 @@ def paged_prefill_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention for chunks whose earlier context is already in the cache (a window, a
     soft-cap, sinks and float8 dots as the twin's; without them the kernel compiles as it always
-    did)."""
+    did). On an H100/H200 the Gluon kernel takes the calls it covers (prefill_attention_hopper)."""
+    hopper = prefill_attention_hopper
+    if hopper is not None and hopper.applies(query, k_cache, window, softcap, sinks, fp8_qk):
+        return hopper.paged_prefill_attention(
+            query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+            max_query_len, max_seq_len, out, fp8_qk,
+        )  # fmt: skip
+    return triton_paged_prefill_attention(
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len,
+        max_seq_len, out, window, softcap, sinks, fp8_qk,
+    )  # fmt: skip
+
+
+def triton_paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    fp8_qk: bool = False,
+) -> torch.Tensor:
+    """paged_prefill_attention in plain Triton, on any GPU (and the interpreter)."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
