@@ -181,8 +181,11 @@ def test_support_is_sm90_head_dim_128_plain_causal_only() -> None:
         assert not hopper.supports(gpu_query, small_blocks)  # a TMA box of 8 rows: not tried
         assert not hopper.supports(gpu_query[..., :64], gpu_cache[..., :64])
         for cache_ in (gpu_cache, fp8_cache):  # selected: supported and not deselected
-            selected = hopper.supports(gpu_query, cache_, fp8_qk=cache_ is fp8_cache) and cache_.dtype in hopper.SELECTED  # fmt: skip
-            assert hopper.applies(gpu_query, cache_, fp8_qk=cache_ is fp8_cache) == selected  # fmt: skip
+            fp8_qk = cache_ is fp8_cache
+            selected = hopper.supports(gpu_query, cache_, fp8_qk=fp8_qk) and (
+                cache_.dtype in hopper.SELECTED
+            )
+            assert hopper.applies(gpu_query, cache_, fp8_qk=fp8_qk) == selected
 
 
 if __name__ == "__main__":
