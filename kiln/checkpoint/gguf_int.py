@@ -9,17 +9,22 @@ gguf.quants' own dequantization takes, so the values are the file's bit for bit:
   8)) is -8d. Q4_K: a super-block of 256 is 8 groups of 32, group j's scale d * sc_j and min
   -dmin * m_j (6-bit sc_j, m_j), both exact in fp32, as is code * scale (4 + 17 bits), so code *
   scale + min rounds once, as ggml's d * q - dm does.
+- Q2_K / Q3_K -> the same INT4 form in groups of 16: Q2_K's 2-bit q with scale d * sc_j and
+  min -dmin * m_j (4-bit sc_j, m_j); Q3_K's q in -4..3 as code q + 4 with min -4 * scale, its
+  scale d * (sc_j - 32) (6-bit sc_j): every product exact, the sum rounding once or not at
+  all (Q3_K's is d * sc_j * q, representable).
 - Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 -> INT8 W8A16 (kiln.layers.quantization.w8a16), one int8
   code a weight: Q8_0's codes as they are, Q5_0's q - 16 and Q6_K's q - 32 (signed, no min:
   w = code * scale), Q5_1's and Q5_K's 5-bit q with a min as Q4_1's and Q4_K's. Q6_K scales
   groups of 16 (d * its int8 sc_j: 11 + 8 bits, times a 6-bit code, exact), the others 32.
 
 A layer kiln fuses (q/k/v into qkv_proj, gate/up into gate_up_proj) takes one method: INT4
-when every part is 4-bit, else INT8 in the smallest group any part needs (16 with a Q6_K part,
-a 32-group's scale and min repeated over its two halves), with mins when any part has them
-(the others' 0). llama.cpp's Q4_K_M puts attn_v and ffn_down in Q6_K on some layers: those
-layers' qkv_proj runs INT8 in groups of 16 with mins, their down_proj INT8 in groups of 16, the
-rest INT4. Other types (IQ*, Q2_K, Q3_K, TQ*, MXFP4, 16- and 32-bit floats) are refused.
+when every part has 4 bits or fewer, else INT8, in the smallest group any part needs (16 with
+a Q2_K / Q3_K / Q6_K part, a 32-group's scale and min repeated over its two halves), with mins
+when any part has them (the others' 0). llama.cpp's Q4_K_M puts attn_v and ffn_down in Q6_K
+on some layers: those layers' qkv_proj runs INT8 in groups of 16 with mins, their down_proj
+INT8 in groups of 16, the rest INT4. Other types (IQ*, TQ*, MXFP4, 16- and 32-bit floats) are
+refused.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 import torch
 
-INT4_SCHEME = "int4-g32-min"
 # ggml type -> (bits of its codes, inputs per scale, whether a group has a min).
 TYPES: dict[str, tuple[int, int, bool]] = {
+    "Q2_K": (2, 16, True),
+    "Q3_K": (3, 16, False),
     "Q4_0": (4, 32, False),
     "Q4_1": (4, 32, True),
     "Q4_K": (4, 32, True),
@@ -52,14 +58,15 @@ def is_projection(hf_name: str) -> bool:
 
 
 def scheme_for(types: list[str]) -> str:
-    """The one scheme that holds every part of a (fused) layer exactly: INT4 when all are 4-bit,
-    else INT8 W8A16 in the smallest group, with mins when any part has them."""
+    """The one scheme that holds every part of a (fused) layer exactly, in the smallest group any
+    part needs: INT4 with mins when all have 4 bits or fewer, else INT8 W8A16, with mins when
+    any part has them."""
     unknown = sorted({t for t in types if t not in TYPES})
     if unknown:
         raise ValueError(f"{', '.join(unknown)} map to no integer method")
-    if all(TYPES[t][0] == 4 for t in types):
-        return INT4_SCHEME
     group = min(TYPES[t][1] for t in types)
+    if all(TYPES[t][0] <= 4 for t in types):
+        return f"int4-g{group}-min"
     return f"int8-w8a16-g{group}" + ("-min" if any(TYPES[t][2] for t in types) else "")
 
 
@@ -142,6 +149,15 @@ def decode(raw: np.ndarray, qtype: str) -> tuple[torch.Tensor, torch.Tensor, tor
         return q.to(torch.int8), _half(blocks, 0), _half(blocks, 2)
     if qtype in ("Q4_K", "Q5_K"):
         return _k_quant(raw, qtype)
+    if qtype == "Q2_K":
+        # 16 bytes of 4-bit scales (low) and mins (high), 64 of 2-bit codes, fp16 d, fp16 dmin.
+        blocks = _blocks(raw, 84)
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+        q = ((blocks[:, 16:80].reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 256)
+        sc, mn = (blocks[:, :16] & 0x0F).float(), (blocks[:, :16] >> 4).float()
+        return q.to(torch.int8), _half(blocks, 80) * sc, -(_half(blocks, 82) * mn)
+    if qtype == "Q3_K":
+        return _q3_k(raw)
     if qtype == "Q6_K":
         # 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, fp16 d.
         blocks = _blocks(raw, 210)
@@ -169,6 +185,23 @@ def _k_quant(raw: np.ndarray, qtype: str) -> tuple[torch.Tensor, torch.Tensor, t
     return q.to(torch.int8), _half(blocks, 0) * sc, -(_half(blocks, 2) * mn)
 
 
+def _q3_k(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """Q3_K's super-blocks (32 bytes of high bits, 64 of 2-bit low bits, 12 of 6-bit scales,
+    fp16 d) as 16 groups of 16, w = d * (sc_j - 32) * q, q in -4..3 (4 less where the high bit
+    is clear), unpacked as gguf.quants.Q3_K does."""
+    blocks = _blocks(raw, 110)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+    low = (blocks[:, 96:104].reshape(-1, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8)
+           .reshape(1, 2, 1)).reshape(-1, 16)  # fmt: skip
+    high = (blocks[:, 104:108].reshape(-1, 1, 4) >> shifts.reshape(1, 4, 1)).reshape(-1, 16)
+    sc = ((low & 0x0F) | ((high & 3) << 4)).float() - 32
+    ql = (blocks[:, 32:96].reshape(-1, 2, 1, 32) >> shifts.reshape(1, 1, 4, 1)) & 3
+    bits = torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1)
+    qh = (blocks[:, :32].reshape(-1, 1, 1, 32) >> bits) & 1
+    q = ql.reshape(-1, 256).to(torch.int8) - 4 * (1 - qh.reshape(-1, 256).to(torch.int8))
+    return q, _half(blocks, 108) * sc, None
+
+
 def int_groups(
     raw: np.ndarray, qtype: str, shape: tuple[int, int], scheme: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -178,20 +211,24 @@ def int_groups(
     without)."""
     n, k = shape
     codes, scales, mins = decode(raw, qtype)
-    if scheme == INT4_SCHEME:
-        if mins is None:  # Q4_0: codes 0..15 with the min -8d (exact, as d * (q - 8))
-            codes, mins = codes + 8, -8.0 * scales
-        yield from _int4_parts(codes, scales, mins, n, k)
-        return
     per_scale = codes.shape[1] // scales.shape[1]
-    group = int(re.sub(r"^int8-w8a16-g(\d+)(-min)?$", r"\1", scheme))
+    group = int(re.sub(r"^int(4|8-w8a16)-g(\d+)(-min)?$", r"\2", scheme))
     if per_scale % group:
         raise ValueError(f"{qtype}'s groups of {per_scale} do not fit {scheme}")
+    repeat = per_scale // group
+    if scheme.startswith("int4-"):
+        if mins is None:  # Q4_0's / Q3_K's signed codes from 0, the offset's share the min
+            offset = 1 << (TYPES[qtype][0] - 1)  # -8d, -4d: exact, as d * (q - offset)
+            codes, mins = codes + offset, -float(offset) * scales
+        yield from _int4_parts(
+            codes, scales.repeat_interleave(repeat, 1), mins.repeat_interleave(repeat, 1), n, k
+        )
+        return
     yield "", codes.reshape(n, k)
-    yield "_scales", scales.reshape(n, -1).repeat_interleave(per_scale // group, dim=1)
+    yield "_scales", scales.reshape(n, -1).repeat_interleave(repeat, dim=1)
     if scheme.endswith("-min"):
         mins = torch.zeros_like(scales) if mins is None else mins
-        yield "_zeros", mins.reshape(n, -1).repeat_interleave(per_scale // group, dim=1)
+        yield "_zeros", mins.reshape(n, -1).repeat_interleave(repeat, dim=1)
     elif mins is not None:
         raise ValueError(f"{qtype} has mins; {scheme} has none")
 
@@ -200,11 +237,11 @@ def _int4_parts(
     codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int, k: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Codes 0..15 in input order (any block shape, [n * k] elements) packed as kiln's INT4
-    words, and the groups' scales and mins [n, k / 32]."""
+    words, and the groups' scales and mins [n, groups]."""
     codes = codes.to(torch.int32).reshape(n, k)
     shifts = torch.arange(0, 32, 4, dtype=torch.int32)
     # Code 8j + i of a row at bits 4i of word j; the bits do not overlap, so the sum is an OR.
     packed = (codes.reshape(n, k // 8, 8) << shifts).sum(-1, dtype=torch.int32)
     yield "", packed
-    yield "_scales", scales.reshape(n, k // 32)
-    yield "_zeros", mins.reshape(n, k // 32)
+    yield "_scales", scales.reshape(n, -1)
+    yield "_zeros", mins.reshape(n, -1)

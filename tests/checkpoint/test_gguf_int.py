@@ -38,7 +38,7 @@ def _integer_weights(model: GGUFModel) -> dict[str, torch.Tensor]:
         if "_scales" not in p:
             continue
         if p[""].dtype == torch.int32:
-            assert schemes[name] == "int4-g32-min"
+            assert schemes[name].startswith("int4-")
             weights[name] = reference.dequantize_int4(p[""], p["_scales"], p["_zeros"], True)
         else:
             assert p[""].dtype == torch.int8 and ("_zeros" in p) == schemes[name].endswith("min")
@@ -78,28 +78,30 @@ def test_integer_groups_are_the_files_dequantized_weights(tmp_path: Path, qtype,
 # A Llama whose rows are whole k-quant super-blocks of 256, with 8 layers for llama.cpp's rule.
 K_CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, head_dim=64)
 _FP16_FIELDS = {  # ggml type -> byte offsets of its fp16 scale (and min) fields
-    "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
-    "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q3_K": (108,), "F16": (),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2),
+    "Q5_0": (0,), "Q5_1": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "IQ4_XS": (0,),
 }  # fmt: skip
+# ggml type -> (its scale d over 1e-4, its min field over d): values at about the 0.02 spread
+# of a model's weights, centred near 0 (a K-quant's dmin against its unsigned codes).
+_SPREAD = {"Q2_K": (17, 1.5), "Q3_K": (5, 0), "Q4_K": (1, 7.5), "Q5_0": (24, 0),
+           "Q5_1": (24, -16), "Q5_K": (0.5, 15.5), "Q6_K": (1, 0), "Q8_0": (3, 0),
+           "IQ4_XS": (10, 0)}  # fmt: skip
 
 
 def _random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random but valid blocks [rows, row bytes] of `qtype`: random bytes, the fp16 scales
-    set to finite values at about the 0.02 spread of a model's weights (K-quants' dmin at 7.5
-    d, so the 4-bit codes' values centre near 0; Q6_K's int8 sub-scales within +-8)."""
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
-    blocks = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
-    d = rng.uniform(6.2e-5, 1.2e-4, len(blocks))
+    """Random but valid blocks [rows, row bytes] of `qtype`: random bytes with the fp16 scale
+    (and min) fields set to finite values (_SPREAD; Q6_K's int8 sub-scales within +-8)."""
     if qtype == "F16":
         values = rng.normal(0.0, 0.02, (rows, cols)).astype(np.float16)
         return values.view(np.uint8).reshape(rows, -1)
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    blocks = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
     if qtype == "Q6_K":
         blocks[:, 192:208] = rng.integers(-8, 9, (len(blocks), 16)).astype(np.int8).view(np.uint8)
-    if qtype in ("Q5_0", "Q5_1", "Q8_0"):
-        d = d * {"Q5_0": 24, "Q5_1": 24, "Q8_0": 3}[qtype]
-    for i, at in enumerate(_FP16_FIELDS[qtype]):
-        field = (d if i == 0 else -d * 16 if qtype == "Q5_1" else d * 7.5).astype(np.float16)
-        blocks[:, at : at + 2] = field.view(np.uint8).reshape(-1, 2)
+    scale, min_over_d = _SPREAD[qtype]
+    d = rng.uniform(0.6, 1.2, len(blocks)) * scale * 1e-4
+    for at, field in zip(_FP16_FIELDS[qtype], (d, d * min_over_d), strict=False):
+        blocks[:, at : at + 2] = field.astype(np.float16).view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
 
 
@@ -109,17 +111,24 @@ def use_more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
-def k_mix_types(base: str, layers: int, fallback: bool = False) -> dict[str, str]:
-    """{gguf tensor name: ggml type} as llama.cpp's Q4_K_M (`base` Q4_K) or Q5_K_M (Q5_K)
-    chooses them: Q6_K for attn_v and ffn_down of use_more_bits layers and the output, `base`
-    for the rest. `fallback`: attn_q/attn_k/attn_output in Q5_0 and gate in Q5_1, the types
-    llama.cpp falls back to where rows are no whole super-blocks (SmolLM2's 576)."""
+def k_mix_types(ftype: str, layers: int, fallback: bool = False) -> dict[str, str]:
+    """{gguf tensor name: ggml type} as llama.cpp's `ftype` chooses them (llama-quant.cpp's
+    llama_tensor_get_type for a Llama): Q4_K_M / Q5_K_M Q6_K for attn_v and ffn_down of the
+    use_more_bits layers, Q4_K / Q5_K elsewhere; Q3_K_M Q3_K, with attn_v in Q5_K on the first
+    two layers and Q4_K on the rest, ffn_down Q5_K in the first 16th and Q4_K after, attn_output
+    Q4_K; the output Q6_K. `fallback`: attn_q/attn_k/attn_output in Q5_0 and gate in Q5_1, the
+    types llama.cpp falls back to where rows are no whole super-blocks (SmolLM2's 576)."""
+    base = ftype[:4]
     types = {"token_embd.weight": base, "output.weight": "Q6_K"}
     for i in range(layers):
         more = use_more_bits(i, layers)
         for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                      "ffn_down"):  # fmt: skip
             qtype = "Q6_K" if more and name in ("attn_v", "ffn_down") else base
+            if ftype == "Q3_K_M":
+                down = "Q5_K" if i < layers // 16 else "Q4_K"
+                qtype = {"attn_v": "Q5_K" if i < 2 else "Q4_K", "attn_output": "Q4_K",
+                         "ffn_down": down}.get(name, base)  # fmt: skip
             if fallback and name in ("attn_q", "attn_k", "attn_output"):
                 qtype = "Q5_0"
             if fallback and name == "ffn_gate":
@@ -163,36 +172,41 @@ def write_k_mix(path: Path, types: dict[str, str], seed: int = 0) -> None:
     writer.close()
 
 
-I4, G16, G16M, G32, G32M = ("int4-g32-min", "int8-w8a16-g16", "int8-w8a16-g16-min",
-                             "int8-w8a16-g32", "int8-w8a16-g32-min")  # fmt: skip
-# (base, fallback, a use_more_bits layer) -> its qkv_proj's, o_proj's, gate_up_proj's and
-# down_proj's schemes: INT4 where every part is 4-bit, else INT8 in the smallest group (16 with a
-# Q6_K part), with mins where a part has them (Q4_K, Q5_K, Q5_1).
+I4, I4G16 = "int4-g32-min", "int4-g16-min"
+G16, G16M, G32, G32M = ("int8-w8a16-g16", "int8-w8a16-g16-min", "int8-w8a16-g32",
+                        "int8-w8a16-g32-min")  # fmt: skip
+# (ftype, fallback, a use_more_bits layer (Q3_K_M: one of the first two)) -> its qkv_proj's,
+# o_proj's, gate_up_proj's and down_proj's schemes: INT4 where every part has 4 bits or fewer,
+# else INT8, in the smallest group (16 with a Q2_K / Q3_K / Q6_K part), with mins where a part
+# has them (Q4_K, Q5_K, Q5_1).
 K_MIX_SCHEMES = {
-    ("Q4_K", False, False): (I4, I4, I4, I4),
-    ("Q4_K", False, True): (G16M, I4, I4, G16),
-    ("Q5_K", False, False): (G32M, G32M, G32M, G32M),
-    ("Q5_K", False, True): (G16M, G32M, G32M, G16),
-    ("Q4_K", True, False): (G32M, G32, G32M, I4),
-    ("Q4_K", True, True): (G16, G32, G32M, G16),
+    ("Q4_K_M", False, False): (I4, I4, I4, I4),
+    ("Q4_K_M", False, True): (G16M, I4, I4, G16),
+    ("Q5_K_M", False, False): (G32M, G32M, G32M, G32M),
+    ("Q5_K_M", False, True): (G16M, G32M, G32M, G16),
+    ("Q4_K_M", True, False): (G32M, G32, G32M, I4),
+    ("Q4_K_M", True, True): (G16, G32, G32M, G16),
+    ("Q3_K_M", False, False): (I4G16, I4, I4G16, I4),
+    ("Q3_K_M", False, True): (G16M, I4, I4G16, I4),
 }
 
 
-@pytest.mark.parametrize(("base", "fallback"), [("Q4_K", False), ("Q5_K", False),
-                                                 ("Q4_K", True)])  # fmt: skip
+@pytest.mark.parametrize(("ftype", "fallback"), [("Q4_K_M", False), ("Q5_K_M", False),
+                                                  ("Q4_K_M", True), ("Q3_K_M", False)])  # fmt: skip
 def test_a_k_quant_mix_keeps_each_layers_values_in_its_scheme(
-    tmp_path: Path, base: str, fallback: bool
+    tmp_path: Path, ftype: str, fallback: bool
 ) -> None:
-    """llama.cpp's Q4_K_M and Q5_K_M (and Q4_K_M's 5-bit fallbacks): each layer on the scheme
-    its parts' types need, every projection's values gguf's own, exactly."""
+    """llama.cpp's Q4_K_M, Q5_K_M and Q3_K_M (and Q4_K_M's 5-bit fallbacks): each layer on the
+    scheme its parts' types need, every projection's values gguf's own, exactly."""
     path = tmp_path / "m.gguf"
-    write_k_mix(path, k_mix_types(base, 8, fallback))
+    write_k_mix(path, k_mix_types(ftype, 8, fallback))
     model = GGUFModel(str(path))
     layers, _ = _schemes(model)
     for i in range(8):
         names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
         got = tuple(layers[f"layers.{i}.{name}"] for name in names)
-        assert got == K_MIX_SCHEMES[base, fallback, use_more_bits(i, 8)], i
+        flag = i < 2 if ftype == "Q3_K_M" else use_more_bits(i, 8)
+        assert got == K_MIX_SCHEMES[ftype, fallback, flag], i
     dequantized = dict(model.tensors())
     weights = _integer_weights(model)
     assert len(weights) == 8 * 7
@@ -230,29 +244,31 @@ def test_an_integer_gguf_engine_answers_as_the_dequantized_one(
 def _bits(scheme: str) -> float:
     """Bits a weight of a scheme's layer: its code and its share of the fp32 scales (and
     mins) of its group."""
-    group = 32 if scheme.startswith("int4") else int(scheme.split("-g")[1].split("-")[0])
+    group = int(scheme.split("-g")[1].split("-")[0])
     code = 4 if scheme.startswith("int4") else 8
     return code + 32 * (2 if scheme.endswith("min") else 1) / group
 
 
-def test_a_q4_k_m_engine_answers_as_the_dequantized_one_in_its_bytes(
-    tmp_path: Path, monkeypatch
+@pytest.mark.parametrize(("ftype", "average_bits"), [("Q4_K_M", 7.11), ("Q3_K_M", 7.56)])
+def test_a_k_quant_engine_answers_as_the_dequantized_one_in_its_bytes(
+    tmp_path: Path, monkeypatch, ftype: str, average_bits: float
 ) -> None:
-    """llama.cpp's Q4_K_M mix on the integer methods: the dequantized model's greedy tokens
-    and logprobs; each projection in its scheme's bytes (INT4 at 6 bits a weight, the
-    more-bits layers' qkv_proj at 12 and down_proj at 10: 7.1 on average, the file's 5.0,
-    bf16's 16)."""
+    """llama.cpp's Q4_K_M and Q3_K_M mixes on the integer methods: the dequantized model's
+    greedy tokens and logprobs; each projection in its scheme's bytes (Q4_K_M: INT4 at 6 bits
+    a weight, the more-bits layers' qkv_proj at 12 and down_proj at 10, the file's 5.0; Q3_K_M:
+    INT4 in groups of 16 at 8 bits where Q3_K parts are, the file's 4.0; bf16's 16). The fp32
+    scales and mins cost more than the codes save."""
     _tiny_llm_without_tokenizer(monkeypatch)
     path = str(tmp_path / "m.gguf")
-    write_k_mix(Path(path), k_mix_types("Q4_K", 8))
+    write_k_mix(Path(path), k_mix_types(ftype, 8))
     args = dict(max_num_seqs=4, kv_cache_memory_gb=0.05)
     greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
     prompts = [[1, 5, 9, 33, 7], [1, 20, 3, 17]]
     want = LLM(path, **args).generate(prompts, greedy)
     llm = LLM(path, load_format="gguf-int", **args)
     model = llm.engine.executor.runner.model
-    assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8  # v in Q6_K
-    assert model.layers[1].self_attn.qkv_proj.weight.dtype == torch.int32
+    assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8  # v in Q6_K / Q5_K
+    assert model.layers[2].self_attn.qkv_proj.weight.dtype == torch.int32
     assert_same_completions(llm.generate(prompts, greedy), want, atol=1e-5)
     layers, _ = _schemes(GGUFModel(path))
     weights = bits = 0.0
@@ -263,12 +279,12 @@ def test_a_q4_k_m_engine_answers_as_the_dequantized_one_in_its_bytes(
                      if k != "weight_g_idx")  # fmt: skip
         assert stored * 8 == n * _bits(scheme), name
         weights, bits = weights + n, bits + n * _bits(scheme)
-    assert 7.0 < bits / weights < 7.2, bits / weights
+    assert abs(bits / weights - average_bits) < 0.05, bits / weights
 
 
-@pytest.mark.parametrize("qtype", ["F16", "Q3_K"])
+@pytest.mark.parametrize("qtype", ["F16", "IQ4_XS"])
 def test_other_projection_types_are_refused_by_name(tmp_path: Path, qtype: str) -> None:
-    types = k_mix_types("Q4_K", 8)
+    types = k_mix_types("Q4_K_M", 8)
     types["blk.2.attn_k.weight"] = qtype
     path = tmp_path / "m.gguf"
     write_k_mix(path, types)
@@ -342,8 +358,8 @@ def test_each_types_blocks_are_the_files_values_in_every_scheme_that_holds_them(
         d = rng.uniform(-1e-2, 1e-2, len(raw)).astype(np.float16)
         raw[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)
     want = torch.from_numpy(dequantize(raw.reshape(n, -1), GGMLQuantizationType[qtype])).float()
-    own = scheme_for([qtype])
-    for scheme in {own, scheme_for([qtype, "Q6_K"]), scheme_for([qtype, "Q4_K", "Q6_K"])}:
+    wider = ([qtype, "Q2_K"], [qtype, "Q6_K"], [qtype, "Q4_K", "Q6_K"])
+    for scheme in {scheme_for([qtype]), *(scheme_for(types) for types in wider)}:
         parts = dict(int_groups(raw.reshape(-1), qtype, (n, k), scheme))
         if scheme.startswith("int4"):
             got = reference.dequantize_int4(parts[""], parts["_scales"], parts["_zeros"], True)
