@@ -366,3 +366,25 @@ def test_each_types_blocks_are_the_files_values_in_every_scheme_that_holds_them(
         else:
             got = reference.dequantize_w8(parts[""], parts["_scales"], parts.get("_zeros"))
         assert got.shape == want.shape and torch.equal(got, want), scheme
+
+
+@pytest.mark.parametrize("scheme", ["int4-g32-min", "int8-w8a16-g16-min"])
+def test_scaling_output_rows_scales_the_mins_too(scheme: str) -> None:
+    """An int8 / float8 KV cache's scales fold into qkv_proj's rows (kiln.models.kv_scales):
+    a GGUF group's w = code * scale + min scales through its scale and its min alike."""
+    from kiln.layers.linear import Linear
+    from kiln.layers.quantization import linear_method_factory
+
+    layer = Linear(64, 8, method=linear_method_factory(scheme)("layers.0.self_attn.qkv_proj"))
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (8, 64), generator=gen)
+    groups = layer.weight_scales.shape[1]
+    layer.weight_scales.copy_(torch.rand(8, groups, generator=gen) * 0.01)
+    layer.weight_zeros.copy_(-torch.rand(8, groups, generator=gen) * 0.05)
+    int4 = scheme.startswith("int4")
+    layer.weight.copy_(reference.pack_int4(codes) if int4 else codes.to(torch.int8))
+    x = torch.randn(3, 64, generator=gen)
+    want = layer.method.apply(layer, reference, x)
+    want[:, 2:5] *= 0.25
+    layer.scale_output_rows(slice(2, 5), 0.25)
+    torch.testing.assert_close(layer.method.apply(layer, reference, x), want)

@@ -55,7 +55,7 @@ class W8A16LinearMethod(LinearMethod):
             )
         self.dtype = WEIGHT_DTYPES[weight_dtype]
         self.group_size = group_size
-        self.mins = mins
+        self.weight_unit_mins = mins
         self._layer: weakref.ref[Linear] | None = None
 
     def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
@@ -74,7 +74,7 @@ class W8A16LinearMethod(LinearMethod):
 
         layer.weight = param(torch.zeros(n, k, dtype=self.dtype))
         layer.weight_scales = param(torch.ones(n, k // group, dtype=torch.float32))
-        if self.mins:
+        if self.weight_unit_mins:
             layer.weight_zeros = param(torch.zeros(n, k // group, dtype=torch.float32))
         layer.bias = None
         if layer.has_bias:
@@ -95,7 +95,9 @@ class W8A16LinearMethod(LinearMethod):
     ) -> torch.Tensor:
         split = layer.split
         row_parallel = split is not None and split.cols is not None
-        scales = param is layer.weight_scales or (self.mins and param is layer.weight_zeros)
+        scales = param is layer.weight_scales or (
+            self.weight_unit_mins and param is layer.weight_zeros
+        )
         if row_parallel and scales and self.group_size:
             return loaded.narrow(1, *layer.row_parallel_groups(self.group_size, "W8A16 weights"))
         return layer.standard_cut(param, shard, loaded)  # per-channel scales: whole rows
@@ -116,6 +118,6 @@ class W8A16LinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
-        mins = layer.weight_zeros if self.mins else None
+        mins = layer.weight_zeros if self.weight_unit_mins else None
         y = ops.w8a16_linear(x2d, layer.weight, layer.weight_scales, layer.bias, mins)
         return y.reshape(*x.shape[:-1], y.shape[-1])
