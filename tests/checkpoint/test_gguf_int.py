@@ -1,8 +1,8 @@
-"""load_format="gguf-int": a GGUF file's 4-bit projections kept as INT4 W4A16 groups of 32, its
-5-, 6- and 8-bit ones (and fused layers mixing widths, llama.cpp's Q4_K_M) as INT8 W8A16 groups
-(kiln.checkpoint.gguf_int): the same weights as the file's dequantization, bit for bit, so the
-same logprobs as loading it dequantized, in a fraction of the bytes; a file with other
-projection types, or another source, is refused."""
+"""load_format="gguf-int": a GGUF file's 2- to 4-bit projections kept as INT4 W4A16 groups (of 32,
+or 16 for Q2_K / Q3_K), its 5-, 6- and 8-bit ones (and fused layers mixing them with narrower
+ones: llama.cpp's Q4_K_M) as INT8 W8A16 groups (kiln.checkpoint.gguf_int): the same weights as
+the file's dequantization, bit for bit, so the same logprobs as loading it dequantized, in a
+fraction of the bytes; a file with other projection types, or another source, is refused."""
 
 from __future__ import annotations
 
