@@ -44,7 +44,7 @@ class EngineConfig:
     unquantized, instead of converted to FP8: what the FP8 conversion is checked against) or
     "gguf-int" (a GGUF file's decoder projections kept on the integer methods, exactly the
     file's values: Q2_K / Q3_K / Q4_0 / Q4_1 / Q4_K on INT4 W4A16, Q5_0 / Q5_1 / Q5_K / Q6_K /
-    Q8_0 on INT8 W8A16, so llama.cpp's K_M mixes too; a fused q/k/v or gate/up layer mixing
+    Q8_0 / IQ4_NL / IQ4_XS on INT8 W8A16, so llama.cpp's K_M mixes too; a fused layer mixing
     widths all on INT8; other types refused; embeddings and LM head dequantized; TP=1; "auto"
     dequantizes GGUF files, and runs faster on the CPU, where the methods' twins widen the
     weights every step)."""

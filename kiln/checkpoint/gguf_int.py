@@ -17,14 +17,17 @@ gguf.quants' own dequantization takes, so the values are the file's bit for bit:
   code a weight: Q8_0's codes as they are, Q5_0's q - 16 and Q6_K's q - 32 (signed, no min:
   w = code * scale), Q5_1's and Q5_K's 5-bit q with a min as Q4_1's and Q4_K's. Q6_K scales
   groups of 16 (d * its int8 sc_j: 11 + 8 bits, times a 6-bit code, exact), the others 32.
+- IQ4_NL / IQ4_XS -> the same INT8 form: their 4-bit indices into llama.cpp's table of 16 int8
+  values stored as the values themselves, scale d (IQ4_XS: d * (sc_j - 32), 6-bit sc_j, per 32):
+  11 + 6 + 7 bits, exact. (A 4-bit kernel with the table would read half the bytes.)
 
 A layer kiln fuses (q/k/v into qkv_proj, gate/up into gate_up_proj) takes one method: INT4
 when every part has 4 bits or fewer, else INT8, in the smallest group any part needs (16 with
 a Q2_K / Q3_K / Q6_K part, a 32-group's scale and min repeated over its two halves), with mins
 when any part has them (the others' 0). llama.cpp's Q4_K_M puts attn_v and ffn_down in Q6_K
 on some layers: those layers' qkv_proj runs INT8 in groups of 16 with mins, their down_proj
-INT8 in groups of 16, the rest INT4. Other types (IQ*, TQ*, MXFP4, 16- and 32-bit floats) are
-refused.
+INT8 in groups of 16, the rest INT4. Other types (IQ1-IQ3, TQ*, MXFP4, 16- and 32-bit floats)
+are refused.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 import torch
 
-# ggml type -> (bits of its codes, inputs per scale, whether a group has a min).
+# ggml type -> (bits of the codes kiln keeps for it, inputs per scale, whether a group has a min).
 TYPES: dict[str, tuple[int, int, bool]] = {
     "Q2_K": (2, 16, True),
     "Q3_K": (3, 16, False),
@@ -48,7 +51,11 @@ TYPES: dict[str, tuple[int, int, bool]] = {
     "Q5_K": (5, 32, True),
     "Q6_K": (6, 16, False),
     "Q8_0": (8, 32, False),
+    "IQ4_NL": (8, 32, False),
+    "IQ4_XS": (8, 32, False),
 }
+# llama.cpp's IQ4_NL / IQ4_XS values of the 4-bit indices (gguf.quants.IQ4_NL.kvalues).
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 _PROJECTION = re.compile(r"^model\.layers\.(\d+)\.(.*_proj\.weight)$")
 
 
@@ -158,6 +165,12 @@ def decode(raw: np.ndarray, qtype: str) -> tuple[torch.Tensor, torch.Tensor, tor
         return q.to(torch.int8), _half(blocks, 80) * sc, -(_half(blocks, 82) * mn)
     if qtype == "Q3_K":
         return _q3_k(raw)
+    if qtype == "IQ4_NL":
+        blocks = _blocks(raw, 18)  # fp16 d, 16 bytes of 4-bit indices: w = d * value
+        table = torch.tensor(IQ4_VALUES, dtype=torch.int8)
+        return table[_nibbles(blocks[:, 2:]).long()], _half(blocks, 0), None
+    if qtype == "IQ4_XS":
+        return _iq4_xs(raw)
     if qtype == "Q6_K":
         # 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, fp16 d.
         blocks = _blocks(raw, 210)
@@ -200,6 +213,20 @@ def _q3_k(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, None]:
     qh = (blocks[:, :32].reshape(-1, 1, 1, 32) >> bits) & 1
     q = ql.reshape(-1, 256).to(torch.int8) - 4 * (1 - qh.reshape(-1, 256).to(torch.int8))
     return q, _half(blocks, 108) * sc, None
+
+
+def _iq4_xs(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """IQ4_XS's super-blocks (fp16 d, 2 bytes of the scales' high 2 bits, 4 of their low 4, 128
+    of 4-bit indices) as 8 groups of 32, group j's scale d * (sc_j - 32), as gguf.quants
+    unpacks them."""
+    blocks = _blocks(raw, 136)
+    low = _nibbles(blocks[:, 4:8].reshape(-1, 4, 1)).reshape(-1, 8)  # byte j: groups 2j, 2j + 1
+    high = blocks[:, 2:4].contiguous().view(torch.int16).int() & 0xFFFF
+    high = (high >> torch.arange(0, 16, 2)) & 3
+    sc = (low.int() | (high << 4)).float() - 32
+    table = torch.tensor(IQ4_VALUES, dtype=torch.int8)
+    codes = table[_nibbles(blocks[:, 8:].reshape(-1, 8, 16)).reshape(-1, 256).long()]
+    return codes, _half(blocks, 0) * sc, None
 
 
 def int_groups(

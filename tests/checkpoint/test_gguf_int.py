@@ -79,13 +79,14 @@ def test_integer_groups_are_the_files_dequantized_weights(tmp_path: Path, qtype,
 K_CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, head_dim=64)
 _FP16_FIELDS = {  # ggml type -> byte offsets of its fp16 scale (and min) fields
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2),
-    "Q5_0": (0,), "Q5_1": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "IQ4_XS": (0,),
+    "Q5_0": (0,), "Q5_1": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "IQ4_NL": (0,),
+    "IQ4_XS": (0,), "IQ3_S": (0,),
 }  # fmt: skip
 # ggml type -> (its scale d over 1e-4, its min field over d): values at about the 0.02 spread
 # of a model's weights, centred near 0 (a K-quant's dmin against its unsigned codes).
 _SPREAD = {"Q2_K": (17, 1.5), "Q3_K": (5, 0), "Q4_K": (1, 7.5), "Q5_0": (24, 0),
            "Q5_1": (24, -16), "Q5_K": (0.5, 15.5), "Q6_K": (1, 0), "Q8_0": (3, 0),
-           "IQ4_XS": (10, 0)}  # fmt: skip
+           "IQ4_NL": (3, 0), "IQ4_XS": (0.16, 0), "IQ3_S": (1, 0)}  # fmt: skip
 
 
 def _random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -116,15 +117,18 @@ def k_mix_types(ftype: str, layers: int, fallback: bool = False) -> dict[str, st
     llama_tensor_get_type for a Llama): Q4_K_M / Q5_K_M Q6_K for attn_v and ffn_down of the
     use_more_bits layers, Q4_K / Q5_K elsewhere; Q3_K_M Q3_K, with attn_v in Q5_K on the first
     two layers and Q4_K on the rest, ffn_down Q5_K in the first 16th and Q4_K after, attn_output
-    Q4_K; the output Q6_K. `fallback`: attn_q/attn_k/attn_output in Q5_0 and gate in Q5_1, the
-    types llama.cpp falls back to where rows are no whole super-blocks (SmolLM2's 576)."""
-    base = ftype[:4]
+    Q4_K; an IQ type, every projection in it; the output Q6_K. `fallback`: attn_q / attn_k /
+    attn_output in Q5_0 and gate in Q5_1, the types llama.cpp falls back to where rows are no
+    whole super-blocks (SmolLM2's 576)."""
+    base = ftype if ftype.startswith("IQ") else ftype[:4]
     types = {"token_embd.weight": base, "output.weight": "Q6_K"}
     for i in range(layers):
         more = use_more_bits(i, layers)
         for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                      "ffn_down"):  # fmt: skip
             qtype = "Q6_K" if more and name in ("attn_v", "ffn_down") else base
+            if ftype.startswith("IQ"):  # every projection in it (here, not llama.cpp's rule)
+                qtype = base
             if ftype == "Q3_K_M":
                 down = "Q5_K" if i < layers // 16 else "Q4_K"
                 qtype = {"attn_v": "Q5_K" if i < 2 else "Q4_K", "attn_output": "Q4_K",
@@ -249,15 +253,17 @@ def _bits(scheme: str) -> float:
     return code + 32 * (2 if scheme.endswith("min") else 1) / group
 
 
-@pytest.mark.parametrize(("ftype", "average_bits"), [("Q4_K_M", 7.11), ("Q3_K_M", 7.56)])
+@pytest.mark.parametrize(
+    ("ftype", "average_bits"), [("Q4_K_M", 7.11), ("Q3_K_M", 7.56), ("IQ4_XS", 9.0)]
+)
 def test_a_k_quant_engine_answers_as_the_dequantized_one_in_its_bytes(
     tmp_path: Path, monkeypatch, ftype: str, average_bits: float
 ) -> None:
-    """llama.cpp's Q4_K_M and Q3_K_M mixes on the integer methods: the dequantized model's
-    greedy tokens and logprobs; each projection in its scheme's bytes (Q4_K_M: INT4 at 6 bits
-    a weight, the more-bits layers' qkv_proj at 12 and down_proj at 10, the file's 5.0; Q3_K_M:
-    INT4 in groups of 16 at 8 bits where Q3_K parts are, the file's 4.0; bf16's 16). The fp32
-    scales and mins cost more than the codes save."""
+    """llama.cpp's Q4_K_M and Q3_K_M mixes and IQ4_XS on the integer methods: the dequantized
+    model's greedy tokens and logprobs; each projection in its scheme's bytes (Q4_K_M: INT4 at 6
+    bits a weight, the more-bits layers' qkv_proj at 12 and down_proj at 10, the file's 5.0;
+    Q3_K_M: INT4 in groups of 16 at 8 bits where Q3_K parts are, the file's 4.0; IQ4_XS: INT8 at
+    9, the file's 4.25; bf16's 16). The fp32 scales and mins cost more than the codes save."""
     _tiny_llm_without_tokenizer(monkeypatch)
     path = str(tmp_path / "m.gguf")
     write_k_mix(Path(path), k_mix_types(ftype, 8))
@@ -268,7 +274,8 @@ def test_a_k_quant_engine_answers_as_the_dequantized_one_in_its_bytes(
     llm = LLM(path, load_format="gguf-int", **args)
     model = llm.engine.executor.runner.model
     assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8  # v in Q6_K / Q5_K
-    assert model.layers[2].self_attn.qkv_proj.weight.dtype == torch.int32
+    int4 = not ftype.startswith("IQ")  # IQ4_XS's table values are int8 codes
+    assert model.layers[2].self_attn.qkv_proj.weight.dtype == (torch.int32 if int4 else torch.int8)
     assert_same_completions(llm.generate(prompts, greedy), want, atol=1e-5)
     layers, _ = _schemes(GGUFModel(path))
     weights = bits = 0.0
@@ -282,7 +289,7 @@ def test_a_k_quant_engine_answers_as_the_dequantized_one_in_its_bytes(
     assert abs(bits / weights - average_bits) < 0.05, bits / weights
 
 
-@pytest.mark.parametrize("qtype", ["F16", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["F16", "IQ3_S"])
 def test_other_projection_types_are_refused_by_name(tmp_path: Path, qtype: str) -> None:
     types = k_mix_types("Q4_K_M", 8)
     types["blk.2.attn_k.weight"] = qtype
