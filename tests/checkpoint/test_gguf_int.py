@@ -395,3 +395,33 @@ def test_scaling_output_rows_scales_the_mins_too(scheme: str) -> None:
     want[:, 2:5] *= 0.25
     layer.scale_output_rows(slice(2, 5), 0.25)
     torch.testing.assert_close(layer.method.apply(layer, reference, x), want)
+
+
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q3_K_M"])
+def test_each_k_mix_projection_through_triton_equals_the_twin(
+    tmp_path: Path, monkeypatch, ftype: str
+) -> None:
+    """The GPU path of a mixed file's layers (TRITON_INTERPRET=1 without a GPU): INT4 in groups
+    of 32 and 16, INT8 in groups of 16 with and without mins, at decode's and prefill's rows."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install kiln[triton])")
+    from kiln.config import EngineConfig
+    from kiln.kernels import triton as triton_ops
+    from kiln.runtime.model_loader import load_model
+
+    _tiny_llm_without_tokenizer(monkeypatch)
+    path = tmp_path / "m.gguf"
+    write_k_mix(path, k_mix_types(ftype, 8))
+    config = EngineConfig(model=str(path), load_format="gguf-int")
+    model = load_model(config, torch.device("cpu"), torch.float32).model
+    gen = torch.Generator().manual_seed(0)
+    layer = model.layers[0]  # a more-bits layer (Q3_K_M: with a Q5_K attn_v)
+    seen = set()
+    for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                 layer.mlp.down_proj):  # fmt: skip
+        seen.add((type(proj.method).__name__, proj.weight_scales.shape[1]))
+        for rows in (2, 20):
+            x = torch.randn(rows, proj.in_features, generator=gen) * 0.5
+            got = proj.method.apply(proj, triton_ops, x)
+            want = proj.method.apply(proj, reference, x)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert len(seen) == 3, seen  # INT8 g16 (with mins), INT4 g32, and INT8 g16 / INT4 g16
