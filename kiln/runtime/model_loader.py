@@ -178,8 +178,8 @@ def _gguf_source(path: str, integer: bool = False) -> ModelSource:
             layers, tensors = gguf_int.projection_schemes(types, model_class.layer_tensor_map)
         except ValueError as e:
             raise ModelLoadError(
-                f'{path}: load_format "gguf-int" keeps decoder projections of '
-                f"{', '.join(gguf_int.TYPES)} integer: {e}; load the file as it is (dequantized)"
+                f'{path}: load_format "gguf-int" cannot keep its projections integer: {e}; load '
+                "the file as it is (dequantized: the default load_format)"
             ) from e
     source = ModelSource(
         gguf_model.config,
