@@ -42,10 +42,12 @@ class EngineConfig:
     """"auto" (read the checkpoint), "dummy" (random weights at a sane scale, for benchmarks),
     "dequantized" (an FP4 checkpoint's weights widened exactly to the model dtype and run
     unquantized, instead of converted to FP8: what the FP8 conversion is checked against) or
-    "gguf-int" (a GGUF file whose decoder projections are all Q4_0 / Q4_1 / Q4_K, or all Q8_0, keeps
-    them on the INT4 W4A16 / INT8 W8A16 methods in groups of 32, exactly the file's values, a
-    quarter / half of bf16's bytes; TP=1; "auto" dequantizes GGUF files, and runs faster on the
-    CPU, where the methods' twins widen the weights every step)."""
+    "gguf-int" (a GGUF file's decoder projections kept on the integer methods, exactly the
+    file's values: Q2_K / Q3_K / Q4_0 / Q4_1 / Q4_K on INT4 W4A16, Q5_0 / Q5_1 / Q5_K / Q6_K /
+    Q8_0 / IQ4_NL / IQ4_XS on INT8 W8A16, so llama.cpp's K_M mixes too; a fused layer mixing
+    widths all on INT8; other types refused; embeddings and LM head dequantized; TP=1; "auto"
+    dequantizes GGUF files, and runs faster on the CPU, where the methods' twins widen the
+    weights every step)."""
     dtype: str = _one_of("auto", "float32", "float16", "bfloat16")
     """"auto" (float32 on CPU, bfloat16 on GPU), "float32", "float16" or "bfloat16"."""
     device: str = "auto"

@@ -18,7 +18,7 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -187,19 +187,22 @@ class GGUFModel:
             "model_name": meta.get("general.name"),
         }
 
-    def tensors(self, integer: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(
+        self, schemes: Mapping[str, str] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, float32 tensor) for every weight, in file order, one dequantized at a time.
-        `integer` (when int_scheme() says the file allows it): each decoder projection as kiln's
-        integer codes, scales (and INT4 mins) instead (kiln.checkpoint.gguf_int)."""
+        `schemes` ({hf tensor name: scheme}, gguf_int.projection_schemes): those projections as
+        kiln's integer codes, scales (and mins) instead (kiln.checkpoint.gguf_int)."""
         cfg = self.config
         for info in self._tensors.values():
             if info.name in _ROPE_TENSORS:
                 continue
             hf_name = self._hf_name(info.name)
-            if integer and gguf_int.is_projection(hf_name):
+            scheme = None if schemes is None else schemes.get(hf_name)
+            if scheme is not None:
                 raw = np.frombuffer(self._buf, np.uint8, info.nbytes, info.start)
                 n, k = info.shape
-                for suffix, part in gguf_int.int_groups(raw, info.qtype.name, (n, k)):
+                for suffix, part in gguf_int.int_groups(raw, info.qtype.name, (n, k), scheme):
                     # q/k rows back in rotate-half order: codes, scales and mins alike.
                     yield (
                         hf_name + suffix,
@@ -213,14 +216,14 @@ class GGUFModel:
             )
             yield hf_name, tensor
 
-    def int_scheme(self) -> str | None:
-        """kiln's integer scheme for this file's decoder projections when all of them map to
-        one (gguf_int.SCHEMES: Q4_0 / Q4_1 to INT4, Q8_0 to INT8 W8A16), else None."""
-        return gguf_int.scheme_of([
-            info.qtype.name
+    def projection_types(self) -> dict[str, str]:
+        """{hf name: ggml type name} of the decoder projections (what gguf-int keeps integer)."""
+        return {
+            hf_name: info.qtype.name
             for info in self._tensors.values()
-            if info.name not in _ROPE_TENSORS and gguf_int.is_projection(self._hf_name(info.name))
-        ])  # fmt: skip
+            if info.name not in _ROPE_TENSORS
+            and gguf_int.is_projection(hf_name := self._hf_name(info.name))
+        }
 
     def _hf_name(self, gguf_name: str) -> str:
         hf_name = self.layout.hf_name(gguf_name)

@@ -1002,10 +1002,15 @@ def fp8_block_linear(
 def dequantize_w8(
     weight: torch.Tensor,  # [N, K] int8 or float8 e4m3
     scales: torch.Tensor,  # [N, groups] fp32: per group of K / groups inputs (1: per channel)
+    mins: torch.Tensor | None = None,  # as scales: each group's min in weight units
 ) -> torch.Tensor:  # [N, K] fp32
-    """Weight-only 8-bit weights: code * its group's scale."""
+    """Weight-only 8-bit weights: code * its group's scale (+ its min: GGUF's blocks, whose
+    code * scale is exact in fp32, so the sum rounds once, as gguf's own arithmetic does)."""
     group_size = weight.shape[1] // scales.shape[1]
-    return weight.float() * scales.float().repeat_interleave(group_size, dim=1)
+    w = weight.float() * scales.float().repeat_interleave(group_size, dim=1)
+    if mins is None:
+        return w
+    return w + mins.float().repeat_interleave(group_size, dim=1)
 
 
 def w8a16_linear(
@@ -1013,10 +1018,11 @@ def w8a16_linear(
     weight: torch.Tensor,  # [N, K] int8 or float8 e4m3
     scales: torch.Tensor,  # [N, groups] fp32
     bias: torch.Tensor | None = None,  # [N]
+    mins: torch.Tensor | None = None,  # [N, groups] fp32 (dequantize_w8's)
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """W8A16: x @ dequantize_w8(...)^T (+ bias), the weights rounded to x's dtype as the
     kernel's dot products take them, accumulated in fp32 (int4_linear's arithmetic)."""
-    w = dequantize_w8(weight, scales).to(x.dtype)
+    w = dequantize_w8(weight, scales, mins).to(x.dtype)
     y = F.linear(x.float(), w.float())
     if bias is not None:
         y = y + bias.float()

@@ -66,6 +66,10 @@ class LinearMethod(ABC):
     whose weights the fused kernels can take says so in `fused_operands`; one that takes its
     input already in float8 (made by the op before it) in `fp8_input`."""
 
+    # True: the layer's weight_zeros hold each group's min in weight units (w = code * scale +
+    # min, GGUF's blocks), so a row scaled scales its mins as well as its scales.
+    weight_unit_mins: bool = False
+
     @abstractmethod
     def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
         """Register the layer's parameters (shapes from layer.in_features/out_features)."""
@@ -242,13 +246,15 @@ class Linear(nn.Module):
     @torch.no_grad()
     def scale_output_rows(self, rows: slice, factor: float, bias: bool = True) -> None:
         """Multiply output rows `rows` by `factor`: through the weight scales where the method
-        keeps them (per row, or per row of each group or block; INT4's group scales), else the
-        weight's rows; the bias's rows too with `bias`."""
+        keeps them (per row, or per row of each group or block; INT4's group scales; and the
+        mins of GGUF's groups), else the weight's rows; the bias's rows too with `bias`."""
         scale = getattr(self, "weight_scale", None)
         if scale is None:
             scale = getattr(self, "weight_scales", None)
         target = scale if scale is not None else self.weight
         target[rows] *= factor
+        if self.method.weight_unit_mins:
+            self.weight_zeros[rows] *= factor
         if bias and self.bias is not None:
             self.bias[rows] *= factor
 

@@ -24,7 +24,7 @@ from kiln.models import registry
 from kiln.models.base import CausalLM
 from kiln.models.blocks import LinearMethodFactory
 from kiln.models.config import PRESETS, ModelConfig
-from kiln.models.decoder import shard_config
+from kiln.models.decoder import DecoderForCausalLM, shard_config
 from kiln.models.moe_config import PER_CHANNEL_8BIT, ROW_BLOCK_8BIT
 from kiln.runtime.config_plan import plan_from_config
 from kiln.tokenizer import Tokenizer, from_transformers
@@ -49,6 +49,9 @@ class ModelSource:
     # "fp8-dynamic"): its model must be built with that scheme's linear methods before its
     # (already quantized) tensors load.
     quantization: str = "none"
+    # A GGUF file's integer projections (load_format="gguf-int"): each layer's own scheme, by
+    # the layer's name ("layers.3.self_attn.qkv_proj"); `quantization` joins them with "+".
+    layer_quantization: dict[str, str] | None = None
     input_scales: dict[str, float] | None = None  # an "fp8" engine's calibrated static scales
     # > 1: an engine built with `kiln build -tp N`; `weights` are then one tensor rank's, cut.
     tensor_parallel_size: int = 1
@@ -159,27 +162,37 @@ def find_model_source(
 
 
 def _gguf_source(path: str, integer: bool = False) -> ModelSource:
-    """`integer`: the file's projections on the integer methods (kiln.checkpoint.gguf_int),
-    where all of them map to one; else (and by default) every tensor dequantized."""
+    """`integer`: the file's projections on the integer methods (kiln.checkpoint.gguf_int), each
+    layer on the one its parts' types map to; else (and by default) every tensor dequantized."""
+    from kiln.checkpoint import gguf_int
     from kiln.checkpoint.gguf_loader import GGUFModel
 
     gguf_model = GGUFModel(path)
-    scheme = gguf_model.int_scheme() if integer else None
-    if integer and scheme is None:
-        raise ModelLoadError(
-            f'{path}: load_format "gguf-int" needs every decoder projection in Q4_0 / Q4_1 / '
-            f"Q4_K, or every one in Q8_0 (found {sorted(set(gguf_model.tensor_types.values()))}); "
-            "load it as it is"
-        )
+    layers: dict[str, str] | None = None
+    tensors: dict[str, str] | None = None
+    if integer:
+        model_class = registry.model_class(gguf_model.config.architecture)
+        assert issubclass(model_class, DecoderForCausalLM), "GGUF's families are decoders"
+        types = gguf_model.projection_types()
+        try:
+            layers, tensors = gguf_int.projection_schemes(types, model_class.layer_tensor_map)
+        except ValueError as e:
+            raise ModelLoadError(
+                f'{path}: load_format "gguf-int" cannot keep its projections integer: {e}; load '
+                "the file as it is (dequantized: the default load_format)"
+            ) from e
     source = ModelSource(
         gguf_model.config,
-        gguf_model.tensors(integer=scheme is not None),
+        gguf_model.tensors(tensors),
         from_transformers(gguf_model.tokenizer()),
         {},
-        f"GGUF {path}" + (f" ({scheme})" if scheme else ""),
+        f"GGUF {path}",
     )
-    if scheme is not None:
-        source.quantization = scheme
+    if layers:
+        # One name for the methods (each layer's own comes from layer_quantization).
+        source.quantization = "+".join(sorted(set(layers.values())))
+        source.layer_quantization = layers
+        source.description += f" ({source.quantization})"
     return source
 
 
@@ -300,6 +313,8 @@ def _linear_method(engine_config: EngineConfig, source: ModelSource) -> LinearMe
             f"{source.description} holds {source.quantization!r} weights; it cannot load as "
             f"quantization={engine_config.quantization!r} (build another engine for that)"
         )
+    if source.layer_quantization is not None:
+        return linear_method_factory(source.quantization, layers=source.layer_quantization)
     return linear_method_factory(
         source.quantization, source.input_scales, unquantized=source.unquantized_layers,
         outlier_channels=source.outlier_channels,

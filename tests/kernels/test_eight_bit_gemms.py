@@ -214,7 +214,7 @@ def test_fp8_block_matmul_scales_each_block_by_its_own_scales() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weight_dtype", [torch.int8, torch.float8_e4m3fn])
-@pytest.mark.parametrize("groups", [1, 2, 4])  # K = 128: per channel, group 64, group 32
+@pytest.mark.parametrize("groups", [1, 2, 4, 8])  # K = 128: per channel, groups of 64, 32, 16
 @pytest.mark.parametrize("rows", [1, 3, 9, 40])  # 1-8: the small-batch kernel
 def test_w8a16_linear_matches_the_reference(dtype, weight_dtype, groups, rows) -> None:
     n, k = 72, 128
@@ -232,6 +232,40 @@ def test_w8a16_linear_matches_the_reference(dtype, weight_dtype, groups, rows) -
     assert got.dtype == dtype and got.shape == (rows, n)
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("groups", [4, 8])  # groups of 32 and 16 (GGUF's Q5 / Q6_K blocks)
+@pytest.mark.parametrize("rows", [1, 9])
+def test_w8a16_linear_with_mins_matches_the_reference(dtype, groups, rows) -> None:
+    """code * scale + min per group (kiln.checkpoint.gguf_int's Q5_1 / Q5_K / mixed layers):
+    the twin's weights are GGUF's arithmetic, and the kernel adds each group's own min."""
+    n, k = 40, 128
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randint(0, 32, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, groups, generator=gen) * 0.002 + 0.0005
+    mins = -16 * scales + 0.001 * torch.randn(n, groups, generator=gen)
+    x = _x(rows, k, dtype).cpu()
+    args = [t.to(DEVICE) for t in (x, w, scales)]
+    got = w8a16_gemm.w8a16_linear(*args, None, mins.to(DEVICE))
+    want = reference.w8a16_linear(*args, None, mins.to(DEVICE))
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=atol, rtol=rtol)
+    without = reference.w8a16_linear(*args)
+    assert not torch.allclose(want.float().cpu(), without.float().cpu(), atol=10 * atol)
+    expanded = (w.float() * scales.repeat_interleave(k // groups, 1)
+                + mins.repeat_interleave(k // groups, 1))  # fmt: skip
+    assert torch.equal(reference.dequantize_w8(w, scales, mins), expanded)
+
+
+def test_w8a16_linear_reads_each_groups_own_min() -> None:
+    w = torch.zeros(2, 128, dtype=torch.int8)
+    scales = torch.ones(2, 8)
+    mins = torch.zeros(2, 8)
+    mins[0, 7], mins[1, 0] = 1.0, -2.0
+    x = torch.ones(1, 128)
+    got = w8a16_gemm.w8a16_linear(*(t.to(DEVICE) for t in (x, w, scales)), None, mins.to(DEVICE))
+    assert got.cpu().tolist() == [[16.0, -32.0]]
 
 
 def test_w8a16_linear_reads_each_groups_own_scale() -> None:

@@ -82,12 +82,14 @@ def test_a_per_channel_k_that_is_no_multiple_of_the_tile(rows) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 40])  # the small-batch kernel, then the tiled one
-def test_mins_instead_of_zero_points_match_the_reference(dtype, rows) -> None:
+@pytest.mark.parametrize("groups", [4, 8])  # groups of 32 and of 16 (GGUF's Q2_K / Q3_K)
+def test_mins_instead_of_zero_points_match_the_reference(dtype, rows, groups) -> None:
     """GGUF's groups (kiln.checkpoint.gguf_int): code * scale + min, the min in weight units;
     read as a zero point it would give other weights."""
     n, k = 40, 128
-    qweight, scales, _ = _operands(n, k, 4, seed=3)
-    mins = -8.0 * scales + 0.001 * torch.randn(n, 4, generator=torch.Generator().manual_seed(2))
+    qweight, scales, _ = _operands(n, k, groups, seed=3)
+    noise = torch.randn(n, groups, generator=torch.Generator().manual_seed(2))
+    mins = -8.0 * scales + 0.001 * noise
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4)).to(dtype)
     args = [t.to(DEVICE) for t in (x, qweight, scales, mins)]
     got = int4_linear(*args, None, True)
@@ -96,5 +98,6 @@ def test_mins_instead_of_zero_points_match_the_reference(dtype, rows) -> None:
     as_zero_points = reference.int4_linear(*args, None, False)
     assert not torch.allclose(want.float(), as_zero_points.float(), atol=1.0)
     codes = reference.unpack_int4(qweight).float()
-    w = codes * scales.repeat_interleave(32, 1) + mins.repeat_interleave(32, 1)
+    size = k // groups
+    w = codes * scales.repeat_interleave(size, 1) + mins.repeat_interleave(size, 1)
     assert torch.equal(reference.dequantize_int4(qweight, scales, mins, True), w)

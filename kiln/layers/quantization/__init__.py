@@ -32,6 +32,7 @@ def linear_method_factory(
     weight_rounders: Mapping[str, RowRounder] | None = None,
     rounded: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     outlier_channels: Mapping[str, Sequence[int]] | None = None,
+    layers: Mapping[str, str] | None = None,
 ) -> Callable[[str], LinearMethod]:
     """name (e.g. "layers.3.self_attn.qkv_proj") -> a new LinearMethod for that projection.
 
@@ -42,7 +43,14 @@ def linear_method_factory(
     weights rounded by it as they load instead of to nearest. `rounded` (layer name -> float8
     codes and scales): weights rounded already, loaded as they are. `outlier_channels` (layer
     name -> input channels, outlier_columns.py): those channels carried as a second float8 term.
+    `layers` (layer name -> scheme; a GGUF file's integer projections): each layer its own
+    scheme's method, a layer not named the model dtype; `quantization` only names them.
     """
+    if layers is not None:
+        factories = {scheme: linear_method_factory(scheme) for scheme in set(layers.values())}
+        return lambda name: (
+            factories[layers[name]](name) if name in layers else UnquantizedLinearMethod()
+        )
     if quantization.startswith("int4-"):  # a pre-quantized checkpoint's (int4_formats.py)
         return _int4(quantization, unquantized)
     if quantization in ("int8-w8a8", "fp8-block") or quantization.startswith(W8A16_PREFIXES):
@@ -123,7 +131,8 @@ def _int4(quantization: str, unquantized: Collection[str]) -> Callable[[str], Li
 
 def _eight_bit(quantization: str, unquantized: Collection[str]) -> Callable[[str], LinearMethod]:
     """W8A8 INT8 ("int8-w8a8"), FP8 with 128x128 weight blocks ("fp8-block"), weight-only
-    int8 / float8 ("int8-w8a16-g128", "fp8-w8a16-channel", ...; eight_bit_formats.py)."""
+    int8 / float8 ("int8-w8a16-g128", "fp8-w8a16-channel", ...; eight_bit_formats.py; "-min"
+    after the group: a min per group too, GGUF's blocks)."""
     kept = frozenset(unquantized)
 
     def make() -> LinearMethod:
@@ -137,9 +146,11 @@ def _eight_bit(quantization: str, unquantized: Collection[str]) -> Callable[[str
             return Fp8BlockLinearMethod()
         from kiln.layers.quantization.w8a16 import W8A16LinearMethod
 
-        return W8A16LinearMethod(weight_dtype, size)
+        return W8A16LinearMethod(weight_dtype, size, mins)
 
     weight_dtype, _, group = quantization.partition("-w8a16-")
+    mins = group.endswith("-min")
+    group = group.removesuffix("-min")
     size = 0
     if quantization.startswith(W8A16_PREFIXES):
         if group != "channel" and not (group.startswith("g") and group[1:].isdigit()):

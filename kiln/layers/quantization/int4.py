@@ -43,7 +43,7 @@ class Int4LinearMethod(LinearMethod):
         self.needs_zeros = needs_zeros  # False: symmetric, zeros stay 8 unless loaded
         # True: weight_zeros hold each group's min in weight units, w = code * scale + min
         # (GGUF's Q4_0 / Q4_1 blocks, kiln.checkpoint.gguf_int).
-        self.zero_is_min = zero_is_min
+        self.zero_is_min = self.weight_unit_mins = zero_is_min
         self._loaded: set[tuple[str, int | None]] = set()
         self._g_idx: torch.Tensor | None = None
 

@@ -1,7 +1,9 @@
 """W8A16: 8-bit weights (int8, or float8 e4m3), activations in the model dtype, the weights
 widened in the GEMM's registers (ops.w8a16_linear): half bf16's weight bytes, no activation
 rounding ("accuracy first"). llm-compressor's W8A16 (`pack-quantized` int8, groups of 128 or per
-channel) and its float8 weight-only schemes (`naive-quantized`) load into it."""
+channel) and its float8 weight-only schemes (`naive-quantized`) load into it, and so do a GGUF
+file's 5-, 6- and 8-bit blocks (kiln.checkpoint.gguf_int), with a min per group where they
+have one."""
 
 from __future__ import annotations
 
@@ -35,14 +37,16 @@ def quantize_groups(
 
 class W8A16LinearMethod(LinearMethod):
     """weight [out, in] int8 or float8 e4m3, weight_scales [out, in / group_size] fp32 (one
-    column per channel when group_size is 0): w = code * scale. A checkpoint's codes load as
-    they are; 16-bit weights are rounded per group as they arrive.
+    column per channel when group_size is 0): w = code * scale; with `mins`, weight_zeros as
+    weight_scales too, each group's min in weight units: w = code * scale + min (GGUF's Q5_1 /
+    Q5_K blocks; 0 where nothing loads one). A checkpoint's codes load as they are; 16-bit
+    weights are rounded per group as they arrive (symmetric: their mins stay 0).
 
     Under tensor parallelism a column-parallel rank keeps its rows of codes and scales; a
     row-parallel rank its input columns and their groups' scale columns (whole groups, else
     refused; per-channel scales whole), 16-bit weights rounded whole before the cut."""
 
-    def __init__(self, weight_dtype: str, group_size: int) -> None:
+    def __init__(self, weight_dtype: str, group_size: int, mins: bool = False) -> None:
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be int8 or fp8, got {weight_dtype!r}")
         if group_size < 0 or group_size % 16:
@@ -51,6 +55,7 @@ class W8A16LinearMethod(LinearMethod):
             )
         self.dtype = WEIGHT_DTYPES[weight_dtype]
         self.group_size = group_size
+        self.weight_unit_mins = mins
         self._layer: weakref.ref[Linear] | None = None
 
     def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
@@ -69,6 +74,8 @@ class W8A16LinearMethod(LinearMethod):
 
         layer.weight = param(torch.zeros(n, k, dtype=self.dtype))
         layer.weight_scales = param(torch.ones(n, k // group, dtype=torch.float32))
+        if self.weight_unit_mins:
+            layer.weight_zeros = param(torch.zeros(n, k // group, dtype=torch.float32))
         layer.bias = None
         if layer.has_bias:
             layer.bias = param(torch.empty(n, dtype=dtype))
@@ -88,7 +95,10 @@ class W8A16LinearMethod(LinearMethod):
     ) -> torch.Tensor:
         split = layer.split
         row_parallel = split is not None and split.cols is not None
-        if row_parallel and param is layer.weight_scales and self.group_size:
+        scales = param is layer.weight_scales or (
+            self.weight_unit_mins and param is layer.weight_zeros
+        )
+        if row_parallel and scales and self.group_size:
             return loaded.narrow(1, *layer.row_parallel_groups(self.group_size, "W8A16 weights"))
         return layer.standard_cut(param, shard, loaded)  # per-channel scales: whole rows
 
@@ -108,5 +118,6 @@ class W8A16LinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
-        y = ops.w8a16_linear(x2d, layer.weight, layer.weight_scales, layer.bias)
+        mins = layer.weight_zeros if self.weight_unit_mins else None
+        y = ops.w8a16_linear(x2d, layer.weight, layer.weight_scales, layer.bias, mins)
         return y.reshape(*x.shape[:-1], y.shape[-1])
