@@ -72,7 +72,7 @@ def _compile_all() -> dict[str, dict]:
                 else "fp32" if name in ("qk_scale", "softcap_in", "softcap_out") else "i32")
          for name in prefill.arg_names[:17]},
         {**shared, "GROUP": 16, "BLOCK_M": block_m, "BLOCK_N": block_n, "FP8_QK": False,
-         "FP8_PV": False, "INTERPRETED": False, "PREFETCH_V": False},
+         "INTERPRETED": False},
         warps, stages,
     )  # fmt: skip
     block_n, warps, stages = decode_attention._tile_config(16, cuda, head_dim=576)
