@@ -17,8 +17,8 @@ significand times a power of two, so a power-of-two row scale keeps every one ex
 row's group exponents span at most 14 binades); an NVFP4 value is an e2m1 code times an e4m3
 group scale times the tensor's unit, so a row scale of the unit times 2^k or 1.5 * 2^k (the
 better per row) keeps the most. On the NVFP4 test checkpoint the FP8 weights' error against the
-exact FP4 values is 1.39% relative (2.57% with absmax scales, 1.91% with 128x128 blocks); on
-the MXFP4 one, 0.
+exact FP4 values is 1.39% relative (2.57% with absmax scales, 1.91% with 128x128 absmax blocks,
+1.46% with aligned ones); on the MXFP4 one, 0.
 
 Loading with another quantization converts to it instead (CONVERSIONS): "fp8-block" (128x128
 blocks with the same aligned scales: MXFP4 exact where a block's exponents fit e4m3, activations
