@@ -166,6 +166,9 @@ def fp4_tensors(
     if scheme.producer == "openai":
         yield from openai_mxfp4_tensors(weights, target is not None)
         return
+    # MXFP4 in float8 is exact unless a row's / block's exponents span more than e4m3's range:
+    # the values that round are counted (NVFP4's float8 codes round by design, int8's never).
+    count = scheme.format == "mxfp4" and target in ("fp8-dynamic", "fp8-block", "fp8-w8a16-channel")
     inexact = [0, 0]  # values the conversion rounds, values converted
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
@@ -185,12 +188,13 @@ def fp4_tensors(
                 yield f"{prefix}.weight", exact
                 continue
             converted = convert(scheme, parts, exact, target)
-            inexact[0] += int((converted.values() != exact).sum())
-            inexact[1] += exact.numel()
+            if count:
+                inexact[0] += int((converted.values() != exact).sum())
+                inexact[1] += exact.numel()
             yield f"{prefix}.weight", converted.codes
             yield f"{prefix}.{converted.scale_name}", converted.scales
     if inexact[0]:
-        logger.info(
+        logger.warning(
             "%s %s -> %s: %d of %d weights rounded (%.2f%%)",
             scheme.producer, scheme.format, target, inexact[0], inexact[1],
             100.0 * inexact[0] / inexact[1],

@@ -15,7 +15,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from kiln import LLM, SamplingParams
-from kiln.checkpoint.fp4_formats import CONVERSIONS, convert, dequantize, read_fp4, to_fp8
+from kiln.checkpoint.fp4_formats import (
+    CONVERSIONS,
+    convert,
+    dequantize,
+    fp4_tensors,
+    read_fp4,
+    to_fp8,
+)
 from kiln.errors import ModelLoadError
 from kiln.kernels.reference import quantize_fp8
 from kiln.layers.quantization.fp8 import Fp8LinearMethod
@@ -162,6 +169,19 @@ def test_mxfp4_blocks_spanning_more_than_e4m3_round_and_are_counted() -> None:
         exact = dequantize(scheme, parts)
         converted = convert(scheme, parts, exact, "fp8-block")
         assert torch.equal(converted.values(), exact) == exact_expected, spread
+
+
+def test_a_loads_rounded_mxfp4_values_are_counted_in_a_warning(caplog) -> None:
+    scales = torch.full((128, 4), 127, dtype=torch.uint8)
+    scales[:, 0] = 107  # 2^20 below the rest of the block: its group underflows e4m3
+    tensors = {
+        "layers.0.mlp.down_proj.weight_packed": torch.full((128, 64), 0x72, dtype=torch.uint8),
+        "layers.0.mlp.down_proj.weight_scale": scales,
+    }
+    with caplog.at_level("WARNING", logger="kiln"):
+        out = dict(fp4_tensors(iter(tensors.items()), _scheme("mxfp4"), "fp8-block"))
+    assert out["layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    assert "mxfp4 -> fp8-block: 4096 of 16384 weights rounded" in caplog.text
 
 
 def _hf_model(name: str):
