@@ -70,7 +70,7 @@ class EngineConfig:
     model or EAGLE-3 head, and, without an engine's scales, no TP or PP."""
     quantization: str = _one_of(
         "none", "fp8", "fp8-dynamic", "int4-g128", "int8-w8a8", "fp8-block",
-        "int8-w8a16-channel", "int8-w8a16-g128", "fp8-w8a16-channel",
+        "int8-w8a16-channel", "int8-w8a16-g128", "int8-w8a16-g16", "fp8-w8a16-channel",
     )  # fmt: skip
     """Weights and activations of the decoder's projections: "none" (the model dtype),
     "fp8-dynamic" (float8 e4m3 weights with per-output-channel scales, activations scaled per
@@ -81,8 +81,10 @@ class EngineConfig:
     compressed-tensors) bring their own scheme. "int8-w8a8" (int8 weights per output channel,
     activations per token, int8 GEMMs; no float8 needed) and "fp8-block" (float8 weights with a
     scale per 128x128 block, activations per group of 128 inputs), and the weight-only
-    "int8-w8a16-channel", "int8-w8a16-g128" and "fp8-w8a16-channel" round 16-bit weights to
-    nearest as they load; their pre-quantized checkpoints bring their own scheme."""
+    "int8-w8a16-channel", "int8-w8a16-g128" (or "-g16") and "fp8-w8a16-channel" round 16-bit
+    weights to nearest as they load; their pre-quantized checkpoints bring their own scheme. An
+    FP4 checkpoint (NVFP4, MXFP4) converts to "fp8-dynamic" by default ("none", "fp8"), or to
+    "fp8-block", "int8-w8a16-g16" (exact) or, MXFP4 only, "fp8-w8a16-channel" (exact)."""
     lm_head_quantization: str = _one_of("none", "fp8")
     """The LM head's weights: "none" (the model dtype) or "fp8" (float8 e4m3 per vocabulary row,
     activations per token: half the head's bytes, at a measured accuracy cost). A tied embedding

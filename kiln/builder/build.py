@@ -160,7 +160,11 @@ def _build_into(
     the engine's id and its source's hash."""
     engine_id, source_digest = ids
     rejected = f"{target}{REJECTED_SUFFIX}"
-    source = find_model_source(build.path, fp4_source.weights_format(build.fp4, build.options))
+    source = find_model_source(
+        build.path,
+        fp4_source.weights_format(build.fp4, build.options),
+        quantization=build.options.quantization,
+    )
     cfg, options = source.config, build.options
     kv_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, build.dtype)
     max_model_len = options.max_model_len or cfg.max_position_embeddings

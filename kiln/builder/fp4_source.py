@@ -2,16 +2,18 @@
 unquantized source whose weights are the FP4 values dequantized exactly. Its perplexity (the
 accuracy check's baseline) is the exact FP4 model's, run in the model dtype (load_format
 "dequantized"); the engine's weights are those values in the build's scheme, "fp8-dynamic"
-unless asked otherwise. A plain FP8 build takes the FP4-aligned float8 conversion loading does
-(the same bytes as loading the checkpoint directly); a build that rounds, smooths or keeps layers
-unquantized quantizes the exact fp32 values as it would any source's."""
+unless asked otherwise. A plain build to a scheme the checkpoint converts to (fp8, fp8-block,
+int8-w8a16-g16, ...: fp4_formats.CONVERSIONS) takes the FP4-aligned conversion loading does (the
+same bytes as loading the checkpoint directly with that quantization); any other build (other
+schemes, rounding, smoothing, layers kept unquantized) quantizes the exact fp32 values as it
+would any source's."""
 
 from __future__ import annotations
 
 import os
 from typing import TYPE_CHECKING, Any
 
-from kiln.checkpoint.fp4_formats import PrequantizedFp4, read_fp4
+from kiln.checkpoint.fp4_formats import CONVERSIONS, PrequantizedFp4, read_fp4
 
 if TYPE_CHECKING:
     from kiln.builder.options import BuildOptions
@@ -34,12 +36,13 @@ def resolve_quantization(requested: str, fp4: PrequantizedFp4 | None) -> str:
 
 
 def weights_format(fp4: PrequantizedFp4 | None, options: BuildOptions) -> str:
-    """How the engine's weights read the source: its float8 conversion ("auto") when the build
-    quantizes to FP8 to nearest and nothing else, else the exact values ("dequantized")."""
+    """How the engine's weights read the source: its conversion ("auto": loading's, to
+    `options.quantization`, PrequantizedFp4.conversion) when the build asks for a scheme the
+    checkpoint converts to and changes nothing else, else the exact values ("dequantized")."""
     if fp4 is None:
         return "auto"
     plain = (
-        options.quantization in ("fp8", "fp8-dynamic")
+        options.quantization in ("fp8", *CONVERSIONS[fp4.format])
         and options.weight_rounding == "nearest"
         and options.smoothing == "none"
         and options.outlier_columns == 0
@@ -56,7 +59,8 @@ def source_format(fp4: PrequantizedFp4 | None) -> str:
 def quantization_source(fp4: PrequantizedFp4, weights: str) -> dict[str, Any]:
     """The manifest's record of where the engine's weights came from."""
     how = (
-        "float8 per output channel, scales aligned to the FP4 grid (kiln.checkpoint.fp4_formats)"
+        "converted as loading converts it, scales aligned to the FP4 grid "
+        "(kiln.checkpoint.fp4_formats)"
         if weights == "auto"
         else "the exact fp32 values, quantized as the build's options say"
     )

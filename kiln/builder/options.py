@@ -13,7 +13,7 @@ from kiln.layers.quantization.outlier_columns import COLUMN_MULTIPLE
 from kiln.models.config import ModelConfig
 
 QUANTIZATIONS = ("auto", "none", "fp8", "fp8-dynamic", "int8-w8a8", "fp8-block",
-                 "int8-w8a16-channel", "int8-w8a16-g128", "fp8-w8a16-channel",
+                 "int8-w8a16-channel", "int8-w8a16-g128", "int8-w8a16-g16", "fp8-w8a16-channel",
                  "int4-gptq", "int4-awq")  # fmt: skip
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -25,7 +25,8 @@ class BuildOptions:
     """"none", "fp8" (static input scales calibrated at build time), "fp8-dynamic", "int8-w8a8"
     (int8 weights per channel, activations per token; with --smoothing, SmoothQuant), "fp8-block"
     (float8 weights per 128x128 block, activations per group of 128 inputs), weight-only
-    "int8-w8a16-channel", "int8-w8a16-g128" or "fp8-w8a16-channel", "int4-gptq" or "int4-awq"
+    "int8-w8a16-channel", "int8-w8a16-g128", "int8-w8a16-g16" (an FP4 checkpoint's exact
+    values) or "fp8-w8a16-channel", "int4-gptq" or "int4-awq"
     (W4A16, groups of 128 with zero points, rounded by GPTQ layer after layer or by AWQ's scale
     search on the calibration text: kiln.builder.int4), or "auto": a pre-quantized checkpoint's
     own scheme (kiln.builder.prequantized), else "none"."""

@@ -37,6 +37,7 @@ SCALES_METHOD = {
     "fp8-block": "dynamic input scales per group of 128 inputs; a weight scale per 128x128 block",
     "int8-w8a16-channel": "weight-only int8, per-channel scales, rounded to nearest",
     "int8-w8a16-g128": "weight-only int8, a scale per group of 128 inputs, rounded to nearest",
+    "int8-w8a16-g16": "weight-only int8, a scale per group of 16 inputs, rounded to nearest",
     "fp8-w8a16-channel": "weight-only float8, per-channel scales, rounded to nearest",
     **INT4_BUILDS,
 }

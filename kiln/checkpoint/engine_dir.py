@@ -110,7 +110,8 @@ class ManifestSchema(msgspec.Struct):
     # layers.quantization.QUANTIZATIONS, and the INT4 groups `kiln build` writes (builder.int4)
     quantization: Literal[
         "none", "fp8", "fp8-dynamic", "int8-w8a8", "fp8-block", "int8-w8a16-channel",
-        "int8-w8a16-g128", "fp8-w8a16-channel", "int4-g128", "int4-g64", "int4-g32",
+        "int8-w8a16-g128", "int8-w8a16-g16", "fp8-w8a16-channel", "int4-g128", "int4-g64",
+        "int4-g32",
     ]  # fmt: skip  # what kiln build makes
     gpu_class: str | None = None
     tensor_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1

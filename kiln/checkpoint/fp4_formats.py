@@ -17,8 +17,15 @@ significand times a power of two, so a power-of-two row scale keeps every one ex
 row's group exponents span at most 14 binades); an NVFP4 value is an e2m1 code times an e4m3
 group scale times the tensor's unit, so a row scale of the unit times 2^k or 1.5 * 2^k (the
 better per row) keeps the most. On the NVFP4 test checkpoint the FP8 weights' error against the
-exact FP4 values is 1.39% relative (2.57% with absmax scales, 1.91% with 128x128 blocks); on
-the MXFP4 one, 0.
+exact FP4 values is 1.39% relative (2.57% with absmax scales, 1.91% with 128x128 absmax blocks,
+1.46% with aligned ones); on the MXFP4 one, 0.
+
+Loading with another quantization converts to it instead (CONVERSIONS): "fp8-block" (128x128
+blocks with the same aligned scales: MXFP4 exact where a block's exponents fit e4m3, activations
+per group of 128 inputs), "fp8-w8a16-channel" (to_fp8's codes, weight-only; MXFP4 only, where
+they are exact) and "int8-w8a16-g16" (weight-only, exact for both: twice an e2m1 code is an
+integer in [-12, 12], its scale half the FP4 group's). Schemes that cannot hold the FP4 values
+(int8 per channel or per 128, W8A8 INT8) are refused by name.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from kiln.errors import ModelLoadError
 logger = logging.getLogger("kiln")
 
 FP8_E4M3_MAX = 448.0
+FP8_BLOCK = 128  # float8 block-scaled weights: 128 outputs x 128 inputs per scale
 
 # The magnitudes of e2m1 codes 0..7 (code 8 + i: minus the same).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -49,6 +57,13 @@ _PARTS = {
     "openai/mxfp4": ("blocks", "scales"),
 }
 _DROPPED = ("input_scale", "input_global_scale", "weight_shape")  # no FP4 activations in kiln
+# What an FP4 checkpoint converts to as it loads, by EngineConfig.quantization: the per-channel
+# float8 default, 128x128 float8 blocks, and weight-only 8-bit that keeps the values (by format).
+DEFAULT_CONVERSION = "fp8-dynamic"
+CONVERSIONS = {
+    "nvfp4": ("fp8-dynamic", "fp8-block", "int8-w8a16-g16"),
+    "mxfp4": ("fp8-dynamic", "fp8-block", "fp8-w8a16-channel", "int8-w8a16-g16"),
+}
 
 
 @dataclass(frozen=True)
@@ -65,6 +80,31 @@ class PrequantizedFp4:
     @property
     def parts(self) -> tuple[str, ...]:
         return _PARTS[f"{self.producer}/{self.format}"]
+
+    def conversion(self, requested: str) -> str:
+        """The scheme loading this checkpoint with quantization `requested` runs: "none" and
+        "fp8" mean the default (per-channel float8); one the FP4 values do not fit is refused."""
+        if requested in ("none", "fp8", DEFAULT_CONVERSION):
+            return DEFAULT_CONVERSION
+        if self.producer == "openai":
+            raise ModelLoadError(
+                f"gpt-oss's MXFP4 experts load as {DEFAULT_CONVERSION} only, not "
+                f"quantization={requested!r}"
+            )
+        if requested in CONVERSIONS[self.format]:
+            return requested
+        why = (
+            "float8 codes per channel round NVFP4's e4m3 group scales (int8-w8a16-g16 keeps "
+            "them exactly)"
+            if requested == "fp8-w8a16-channel"
+            else "its int8 scales per channel or per 128 inputs do not hold the FP4 groups' scales"
+        )
+        raise ModelLoadError(
+            f"{self.producer} {self.format} checkpoint: it cannot load as "
+            f"quantization={requested!r} ({why}); it converts to "
+            f"{', '.join(CONVERSIONS[self.format])}, or runs exactly with "
+            "load_format='dequantized'"
+        )
 
 
 def read_fp4(path: str, config: dict[str, Any]) -> PrequantizedFp4 | None:
@@ -117,15 +157,19 @@ def read_fp4(path: str, config: dict[str, Any]) -> PrequantizedFp4 | None:
 
 
 def fp4_tensors(
-    weights: Iterator[tuple[str, torch.Tensor]], scheme: PrequantizedFp4, fp8: bool
+    weights: Iterator[tuple[str, torch.Tensor]], scheme: PrequantizedFp4, target: str | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors with each FP4 projection's as its `weight` (fp32; with `fp8`,
-    float8 e4m3 and its `weight_scale` [out, 1] fp32: to_fp8), yielded once all of its parts
+    """The checkpoint's tensors with each FP4 projection's as its `weight` (fp32 when `target`
+    is None; else in that scheme, one of CONVERSIONS: convert), yielded once all of its parts
     have arrived (one projection's are held at a time in a file's order); every other tensor as
-    it is. OpenAI's stacked experts: openai_mxfp4_tensors."""
+    it is. OpenAI's stacked experts: openai_mxfp4_tensors (per-channel float8 only)."""
     if scheme.producer == "openai":
-        yield from openai_mxfp4_tensors(weights, fp8)
+        yield from openai_mxfp4_tensors(weights, target is not None)
         return
+    # MXFP4 in float8 is exact unless a row's / block's exponents span more than e4m3's range:
+    # the values that round are counted (NVFP4's float8 codes round by design, int8's never).
+    count = scheme.format == "mxfp4" and target in ("fp8-dynamic", "fp8-block", "fp8-w8a16-channel")
+    inexact = [0, 0]  # values the conversion rounds, values converted
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         prefix, _, kind = name.rpartition(".")
@@ -139,12 +183,22 @@ def fp4_tensors(
         parts[kind] = tensor
         if len(parts) == len(scheme.parts):
             del pending[prefix]
-            if not fp8:
-                yield f"{prefix}.weight", dequantize(scheme, parts, prefix)
+            exact = dequantize(scheme, parts, prefix)
+            if target is None:
+                yield f"{prefix}.weight", exact
                 continue
-            codes, scale = to_fp8(scheme, parts, prefix)
-            yield f"{prefix}.weight", codes
-            yield f"{prefix}.weight_scale", scale
+            converted = convert(scheme, parts, exact, target)
+            if count:
+                inexact[0] += int((converted.values() != exact).sum())
+                inexact[1] += exact.numel()
+            yield f"{prefix}.weight", converted.codes
+            yield f"{prefix}.{converted.scale_name}", converted.scales
+    if inexact[0]:
+        logger.warning(
+            "%s %s -> %s: %d of %d weights rounded (%.2f%%)",
+            scheme.producer, scheme.format, target, inexact[0], inexact[1],
+            100.0 * inexact[0] / inexact[1],
+        )  # fmt: skip
     if pending:
         prefix, parts = next(iter(pending.items()))
         missing = sorted(set(scheme.parts) - set(parts))
@@ -176,6 +230,74 @@ def dequantize(
     else:
         scale32 = scale32 / parts["weight_global_scale"].float()
     return codes * scale32.repeat_interleave(scheme.group_size, 1)
+
+
+@dataclass(frozen=True)
+class Converted:
+    """One projection's weight in a conversion's scheme, as its linear method loads it."""
+
+    codes: torch.Tensor  # [out, in] float8 e4m3 or int8
+    scales: torch.Tensor  # fp32: [out, 1], [ceil(out / 128), ceil(in / 128)] or [out, in / 16]
+    scale_name: str  # the checkpoint name its method reads them by
+    block: bool = False  # scales per 128x128 block
+
+    def values(self) -> torch.Tensor:  # [out, in] fp32
+        """The weight these codes and scales stand for."""
+        scales = self.scales
+        if self.block:
+            scales = scales.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+            scales = scales[: self.codes.shape[0], : self.codes.shape[1]]
+        else:
+            scales = scales.repeat_interleave(self.codes.shape[1] // scales.shape[1], 1)
+        return self.codes.float() * scales
+
+
+def convert(
+    scheme: PrequantizedFp4, parts: dict[str, torch.Tensor], exact: torch.Tensor, target: str
+) -> Converted:
+    """One projection (its FP4 parts and their exact values) in scheme `target` (one of
+    CONVERSIONS[scheme.format]): per-channel float8 (to_fp8, for "fp8-dynamic" and the
+    weight-only "fp8-w8a16-channel"), 128x128 float8 blocks with FP4-aligned scales, or int8
+    codes of twice the e2m1 value with half the group scale per 16 inputs (exact)."""
+    if target in (DEFAULT_CONVERSION, "fp8-w8a16-channel"):
+        codes, scale = _aligned_fp8(scheme, parts, exact)
+        name = "weight_scale" if target == DEFAULT_CONVERSION else "weight_scales"
+        return Converted(codes, scale, name)
+    if target == "fp8-block":
+        codes, scale = _aligned_fp8_blocks(scheme, parts, exact)
+        return Converted(codes, scale, "weight_scales", block=True)
+    assert target == "int8-w8a16-g16", target
+    packed = parts["weight" if scheme.producer == "modelopt" else "weight_packed"]
+    codes = (2 * unpack_e2m1(packed)).to(torch.int8)  # e2m1 values times 2: -12..12
+    halves = group_scales(scheme, parts) / 2  # [out, in / group]: exact, powers of two apart
+    return Converted(codes, halves.repeat_interleave(scheme.group_size // 16, 1), "weight_scales")
+
+
+def group_scales(scheme: PrequantizedFp4, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[out, in / group_size] fp32: the value e2m1 code 1.0 stands for in each group (what
+    dequantize multiplies the codes by)."""
+    scale = parts["weight_scale"]
+    if scheme.format == "mxfp4":
+        return torch.ldexp(torch.ones(scale.shape), scale.to(torch.int32).float() - 127)
+    if scheme.producer == "modelopt":
+        return scale.float() * parts["weight_scale_2"].float()
+    return scale.float() / parts["weight_global_scale"].float()
+
+
+def _aligned_fp8_blocks(
+    scheme: PrequantizedFp4, parts: dict[str, torch.Tensor], weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([out, in] float8, [ceil(out/128), ceil(in/128)])
+    """_aligned_fp8 per 128x128 block (the last ones partial): each block's scale the unit
+    times 2^k (NVFP4: or 1.5 * 2^k, the better per block), k the smallest that fits its absmax."""
+    rows, k = weight.shape
+    rb, kb = -(-rows // FP8_BLOCK), -(-k // FP8_BLOCK)
+    padded = torch.nn.functional.pad(weight, (0, kb * FP8_BLOCK - k, 0, rb * FP8_BLOCK - rows))
+    # [rb * kb, 128 * 128]: each block's values in one row, so the per-row search applies.
+    blocks = padded.view(rb, FP8_BLOCK, kb, FP8_BLOCK).permute(0, 2, 1, 3).reshape(rb * kb, -1)
+    codes, scale = _aligned_fp8(scheme, parts, blocks)
+    codes = codes.view(rb, kb, FP8_BLOCK, FP8_BLOCK).permute(0, 2, 1, 3)
+    codes = codes.reshape(rb * FP8_BLOCK, kb * FP8_BLOCK)[:rows, :k].contiguous()
+    return codes, scale.view(rb, kb)
 
 
 def to_fp8(

@@ -8,7 +8,7 @@ import argparse
 # kiln.builder.options.QUANTIZATIONS, spelled out: importing the builder here would import torch
 # for every verb's --help (tests/cli/test_cli_args.py checks that the two agree).
 _QUANTIZATIONS = ("auto", "none", "fp8", "fp8-dynamic", "int8-w8a8", "fp8-block",
-                  "int8-w8a16-channel", "int8-w8a16-g128", "fp8-w8a16-channel",
+                  "int8-w8a16-channel", "int8-w8a16-g128", "int8-w8a16-g16", "fp8-w8a16-channel",
                   "int4-gptq", "int4-awq")  # fmt: skip
 _KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # kiln.builder.options.KV_CACHE_DTYPES
 

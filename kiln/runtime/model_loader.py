@@ -127,9 +127,12 @@ def find_model_source(
     device: torch.device | None = None,
     background_tokenizer: bool = False,
     engine_kernels: bool = False,
+    quantization: str = "none",
 ) -> ModelSource:
     """`tp_rank`: which tensor rank's weights to read from an engine built with one shard per
-    rank (other sources hold the whole model, which each rank cuts as it loads). `device`: where
+    rank (other sources hold the whole model, which each rank cuts as it loads). `quantization`:
+    the scheme asked for, which an FP4 checkpoint converts to (PrequantizedFp4.conversion).
+    `device`: where
     an engine directory's weights are read to (its shards go there directly).
     `background_tokenizer`: an engine directory's tokenizer loads on a thread while the weights
     are read, as `tokenizer_future` (load_model waits for it). `engine_kernels`: an
@@ -152,7 +155,7 @@ def find_model_source(
             path, tp_rank, device or torch.device("cpu"), background_tokenizer, engine_kernels
         )
     if os.path.isdir(path):
-        return _hf_dir_source(path, dequantized=load_format == "dequantized")
+        return _hf_dir_source(path, load_format == "dequantized", quantization)
     if model in PRESETS:
         raise ModelLoadError(
             f"{model!r} is an architecture preset: it has no weights; pass load_format='dummy'"
@@ -393,8 +396,9 @@ def _load_engine_tokenizer(path: str) -> Tokenizer | None:
     return _load_tokenizer(path)
 
 
-def _hf_dir_source(path: str, dequantized: bool = False) -> ModelSource:
-    """`dequantized`: an FP4 checkpoint's weights run in the model dtype, not converted to FP8."""
+def _hf_dir_source(path: str, dequantized: bool = False, quantization: str = "none") -> ModelSource:
+    """`dequantized`: an FP4 checkpoint's weights run in the model dtype, not converted to FP8
+    (else to `quantization`'s scheme: PrequantizedFp4.conversion)."""
     from kiln.checkpoint.eight_bit_formats import eight_bit_tensors, read_eight_bit
     from kiln.checkpoint.fp4_formats import fp4_tensors, read_fp4
     from kiln.checkpoint.int4_formats import int4_tensors, read_int4
@@ -424,8 +428,9 @@ def _hf_dir_source(path: str, dequantized: bool = False) -> ModelSource:
     )  # fmt: skip
     if int4 is not None:
         weights = int4_tensors(weights, int4)
+    fp4_target = None if fp4 is None or dequantized else fp4.conversion(quantization)
     if fp4 is not None:
-        weights = fp4_tensors(weights, fp4, fp8=not dequantized)
+        weights = fp4_tensors(weights, fp4, fp4_target)
     if eight_bit is not None:
         # Experts take 8-bit weights per channel (kiln.layers.moe_w8a16), int8 in groups of 128
         # or float8 in 128x128 blocks.
@@ -452,9 +457,10 @@ def _hf_dir_source(path: str, dequantized: bool = False) -> ModelSource:
         what = f"{fp4.producer} {fp4.format}"
         if dequantized:
             source.description = f"HF {path} ({what}, dequantized)"
-        else:  # converted to float8 per output channel as each weight arrives
-            source.description = f"HF {path} ({what} -> {fp4.quantization})"
-            source.quantization = fp4.quantization
+        else:  # converted as each weight arrives (float8 per output channel by default)
+            assert fp4_target is not None
+            source.description = f"HF {path} ({what} -> {fp4_target})"
+            source.quantization = fp4_target
             if fp4.producer == "openai":  # its attention ships unquantized: keep it so
                 source.unquantized_layers = tuple(
                     f"layers.{i}.self_attn.{p}"
@@ -565,6 +571,7 @@ def load_model(
     source = find_model_source(
         engine_config.model, engine_config.load_format, tp_rank, device,
         background_tokenizer=True, engine_kernels=engine_config.engine_kernel_cache,
+        quantization=engine_config.quantization,
     )  # fmt: skip
     clock.mark("source_s")  # manifest, file checks, tokenizer (not an engine's), carried kernels
     if source.tensor_parallel_size not in (1, engine_config.tensor_parallel_size):

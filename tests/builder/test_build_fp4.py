@@ -68,3 +68,36 @@ def test_an_unquantized_build_of_fp4_holds_the_exact_values(tmp_path) -> None:
     assert torch.equal(
         written["layers.0.mlp.down_proj.weight"], exact.layers[0].mlp.down_proj.weight
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "target", "scale"),
+    [("mxfp4", "fp8-block", "weight_scales"), ("nvfp4", "int8-w8a16-g16", "weight_scales")],
+)
+def test_an_fp4_build_to_another_conversion_writes_loadings_bytes(
+    name, target, scale, tmp_path
+) -> None:
+    """`--quantization fp8-block | int8-w8a16-g16` of an FP4 checkpoint makes the engine
+    loading it with that quantization runs (the same codes and scales), checked against the
+    exact FP4 model: MXFP4's blocks and NVFP4's int8 groups keep the values, so only the
+    activations (fp8-block's, per group of 128) move the perplexity, and int8-w8a16-g16 not at
+    all."""
+    src = _with_tokenizer(name, tmp_path)
+    engine = str(tmp_path / "engine")
+    manifest = build_engine(src, engine, BuildOptions(quantization=target), None)
+    assert manifest.quantization == target
+    assert manifest.quantization_source is not None
+    assert "converted as loading converts it" in manifest.quantization_source["method"]
+    accuracy = EngineManifest.read(engine).accuracy
+    assert accuracy["checked"] and accuracy["passed"], accuracy
+    if target == "int8-w8a16-g16":
+        assert accuracy["word_perplexity_increase_pct"] == 0.0, accuracy
+    else:
+        assert 0 < abs(accuracy["word_perplexity_increase_pct"]) < 2.0, accuracy
+    direct = LLM(src, quantization=target, **ARGS).engine.executor.runner.model
+    written = _engine_tensors(engine)
+    gate_up = direct.layers[1].mlp.gate_up_proj
+    weight = written["layers.1.mlp.gate_up_proj.weight"]
+    assert weight.dtype == gate_up.weight.dtype
+    assert torch.equal(weight.view(torch.uint8), gate_up.weight.view(torch.uint8))
+    assert torch.equal(written[f"layers.1.mlp.gate_up_proj.{scale}"], gate_up.weight_scales)

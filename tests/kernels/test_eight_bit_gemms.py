@@ -268,6 +268,20 @@ def test_w8a16_linear_reads_each_groups_own_min() -> None:
     assert got.cpu().tolist() == [[16.0, -32.0]]
 
 
+@pytest.mark.parametrize("rows", [2, 24])  # the small-batch kernel and the GEMM
+def test_w8a16_linear_takes_groups_of_16(rows) -> None:
+    """An FP4 checkpoint's exact int8 conversion (kiln.checkpoint.fp4_formats): codes in
+    [-12, 12], a scale per 16 inputs (K tiles of 16), each group's own."""
+    n, k = 40, 128
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randint(-12, 13, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, k // 16, generator=gen) * 0.01 + 0.001
+    x = _x(rows, k, torch.float32).cpu()
+    args = [t.to(DEVICE) for t in (x, w, scales)]
+    got = w8a16_gemm.w8a16_linear(*args)
+    torch.testing.assert_close(got.cpu(), reference.w8a16_linear(*args).cpu())
+
+
 def test_w8a16_linear_reads_each_groups_own_scale() -> None:
     w = torch.ones(2, 128, dtype=torch.int8)
     scales = torch.tensor([[1.0, 0.0], [0.0, 2.0]])

@@ -15,7 +15,8 @@ from kiln.layers.linear import LinearMethod, UnquantizedLinearMethod
 
 # int4-g128: dummy weights only; the 8-bit ones also round 16-bit weights as they load.
 QUANTIZATIONS = ("none", "fp8", "fp8-dynamic", "int4-g128", "int8-w8a8", "fp8-block",
-                 "int8-w8a16-channel", "int8-w8a16-g128", "fp8-w8a16-channel")  # fmt: skip
+                 "int8-w8a16-channel", "int8-w8a16-g128", "int8-w8a16-g16",
+                 "fp8-w8a16-channel")  # fmt: skip
 # Weight-only 8-bit, "<int8|fp8>-w8a16-<g<N>|channel>" (pre-quantized checkpoints: any group).
 W8A16_PREFIXES = ("int8-w8a16-", "fp8-w8a16-")
 
