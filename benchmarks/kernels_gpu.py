@@ -497,8 +497,8 @@ def run_long(s: LongShapes, device: torch.device) -> list[dict]:
         ("fp8 cache, widened", k8, v8, False, "fp8_widened"),
         ("fp8 cache, fp8 QK", k8, v8, True, "fp8_qk"),
     )
-    # Today's Triton kernel by name: on an H100/H200 the entry point hands the bf16 cache to
-    # the Gluon kernel, timed in its own row below.
+    # The Triton kernel by name (the entry point hands the calls that
+    # prefill_attention_hopper.applies() selects to the Gluon kernel, timed in its own row below).
     triton_prefill = prefill_attention.triton_paged_prefill_attention
     for impl, k_cache, v_cache, dots, operands in variants:
         args = (query, k_cache, v_cache, *rest)

@@ -327,7 +327,7 @@ def paged_prefill_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention for chunks whose earlier context is already in the cache (a window, a
     soft-cap, sinks and float8 dots as the twin's; without them the kernel compiles as it always
-    did). On an H100/H200 the Gluon kernel takes the calls it covers (prefill_attention_hopper)."""
+    did). The Gluon sm_90 kernel takes the calls prefill_attention_hopper.applies() selects."""
     hopper = prefill_attention_hopper
     if hopper is not None and hopper.applies(query, k_cache, window, softcap, sinks, fp8_qk):
         return hopper.paged_prefill_attention(
