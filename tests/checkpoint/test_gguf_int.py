@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -19,7 +18,7 @@ from kiln.checkpoint.gguf_int import TYPES, int_groups, projection_schemes, sche
 from kiln.checkpoint.gguf_loader import GGUFModel
 from kiln.errors import ModelLoadError
 from kiln.kernels import reference
-from tests.checkpoint.test_loaders import _write_gguf
+from tests.checkpoint.test_loaders import _write_gguf, gguf_writer
 from tests.conftest import assert_same_completions, tiny_model_config
 
 
@@ -150,18 +149,7 @@ def write_k_mix(path: Path, types: dict[str, str], seed: int = 0) -> None:
               "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
               "ffn_gate": (inter, h), "ffn_up": (inter, h), "ffn_down": (h, inter)}  # fmt: skip
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(h)
-    writer.add_feed_forward_length(inter)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_token_list([f"<t{i}>" for i in range(config.vocab_size)])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    writer = gguf_writer(path, config)
     for name, qtype in types.items():
         rows, cols = shapes[name.split(".")[-2]]
         raw_type = GGMLQuantizationType[qtype]

@@ -305,6 +305,24 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
 
 
+def gguf_writer(path: Path, config: ModelConfig, arch: str = "llama") -> gguf.GGUFWriter:
+    """A GGUFWriter holding `config`'s hyperparameters and a placeholder vocabulary (tokens
+    <t0>..., bos 1, eos 2), as llama.cpp's converter writes them; tensors still to add."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_token_list([f"<t{i}>" for i in range(config.vocab_size)])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    return writer
+
+
 def _write_gguf(
     path: Path,
     config: ModelConfig,
@@ -323,18 +341,7 @@ def _write_gguf(
     weights = {k: v.numpy() for k, v in model_class(hf_config).state_dict().items()}
     if config.tie_word_embeddings:
         del weights["lm_head.weight"]
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_token_list([f"<t{i}>" for i in range(config.vocab_size)])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    writer = gguf_writer(path, config, arch)
     writer.add_eot_token_id(7)
     writer.add_chat_template("{{ messages[0]['content'] }}")
     for hf_name, w in weights.items():
