@@ -132,8 +132,7 @@ def find_model_source(
     """`tp_rank`: which tensor rank's weights to read from an engine built with one shard per
     rank (other sources hold the whole model, which each rank cuts as it loads). `quantization`:
     the scheme asked for, which an FP4 checkpoint converts to (PrequantizedFp4.conversion).
-    `device`: where
-    an engine directory's weights are read to (its shards go there directly).
+    `device`: where an engine directory's weights are read to (its shards go there directly).
     `background_tokenizer`: an engine directory's tokenizer loads on a thread while the weights
     are read, as `tokenizer_future` (load_model waits for it). `engine_kernels`: an
     engine directory's compiled kernels go into the Triton cache before anything compiles
