@@ -40,7 +40,7 @@ from kiln.kernels.triton._device import num_sms
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
 NUM_WARPS = 4  # 64 output columns a program
-X
+MAX_ROWS = 32  # more rows: int4_gemm's kernels (64 would spill: 255 registers)
 MAX_SPLIT = 16
 PROGRAMS_PER_SM = 8  # split-K target: enough 16-byte loads in flight to stream HBM
 # (bits OR-ed onto a nibble pair, the float that makes) for each activation dtype.
@@ -213,8 +213,11 @@ def _words(words, a_layout: gl.constexpr, MAGIC: gl.constexpr, DTYPE: gl.constex
     even, odd = gl.split(words)  # s_lo = 0, 1
     w0, w2 = gl.split(even)
     w1, w3 = gl.split(odd)
-    return (_a_operand(w0, MAGIC, DTYPE, a_layout), _a_operand(w1, MAGIC, DTYPE, a_layout),
-            _a_operand(w2, MAGIC, DTYPE, a_layout), _a_operand(w3, MAGIC, DTYPE, a_layout))  # fmt: skip
+    a0 = _a_operand(w0, MAGIC, DTYPE, a_layout)
+    a1 = _a_operand(w1, MAGIC, DTYPE, a_layout)
+    a2 = _a_operand(w2, MAGIC, DTYPE, a_layout)
+    a3 = _a_operand(w3, MAGIC, DTYPE, a_layout)
+    return a0, a1, a2, a3
 
 
 @gluon.jit
@@ -361,7 +364,8 @@ def int4_linear_mma(
     m, k = x.shape
     n, groups = scales.shape
     group_size = k // groups
-    assert repacked.shape == (repacked_rows(n) // N_TILE, 2 * k) and N_ALIGN % (16 * NUM_WARPS) == 0
+    assert repacked.shape == (repacked_rows(n) // N_TILE, 2 * k)
+    assert N_ALIGN % (16 * NUM_WARPS) == 0  # whole tiles: the weight loads take no mask
     assert m <= MAX_ROWS and group_shift(k, group_size) is not None
     x = x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
