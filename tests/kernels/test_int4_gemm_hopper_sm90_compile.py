@@ -96,8 +96,7 @@ def _compile_small_batch() -> dict[str, str]:
 
     from kiln.kernels.triton import int4_gemm
 
-    names = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "b_ptr", "y_ptr", "part_ptr", "counter_ptr",
-             "M", "N", "K", "stride_xm", "stride_ym", "groups", "group_size", "k_per_split")  # fmt: skip
+    names = (*_NAMES[:13], "groups", "group_size", "k_per_split")
     types = ["*bf16", "*i32", "*fp32", "*fp32", "*fp32", "*bf16", "*fp32", "*i32"] + ["i32"] * 8
     meta = {"HAS_BIAS": False, "ROWS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 8,
             "DOT": False, "PRECISION": "tf32", "ZERO_IS_MIN": False}  # fmt: skip
