@@ -82,8 +82,8 @@ def test_mins_instead_of_zero_points(dtype, m, group_size) -> None:
 
 @pytest.mark.parametrize("m", [1, 3, 17])
 def test_an_odd_n_and_a_short_k(m) -> None:
-    _check(m, 4097 - 64, 192, 64, torch.bfloat16, bias=True, seed=3)  # 3 loop steps, odd N
-    _check(m, 200, 64, 64, torch.float16, seed=4)  # one loop step: no split
+    _check(m, 4097 - 64, 384, 64, torch.bfloat16, bias=True, seed=3)  # 3 iterations, odd N
+    _check(m, 200, 128, 64, torch.float16, seed=4)  # one loop iteration: no split
 
 
 def test_split_k_and_none_agree() -> None:

@@ -18,10 +18,13 @@ twin's. sum(x) is one more MMA a step, A all ones, landing in the accumulator's 
 
 One program: a tile of 16 * num_warps output columns (a warp's 16), ROWS rows of x, one slice of
 K (split-K, as kiln.kernels.triton.split_k does it: partials, a ticket, the last program sums
-them in order). Loads of the next step are issued before the MMAs of this one.
+them in order). A loop iteration takes two steps (128 inputs, groups of 128 and more applied once
+an iteration); the next iteration's loads are issued before this one's MMAs.
 
-Covered: bf16 and fp16 activations, groups of 32, 64, 128, ... and per channel (K a multiple of
-64), zero points and ZERO_IS_MIN, up to MAX_ROWS rows. Selected only for the activation dtypes
+Covered: bf16 and fp16 activations, groups of 32, 64, 128, 256, ... and per channel (K a
+multiple of 128), zero points and ZERO_IS_MIN, up to MAX_ROWS rows. Not covered (int4_gemm's
+kernels keep them): groups of 16 or of 64 * a non-power of two, K not a multiple of 128, fp32
+activations, more than MAX_ROWS rows. Selected only for the activation dtypes
 in SELECTED (none: it has not run on a GPU yet); int4_gemm.int4_linear runs everything else."""
 
 from __future__ import annotations
@@ -56,10 +59,10 @@ SELECTED: set[torch.dtype] = set()
 def group_shift(k: int, group_size: int) -> int | None:
     """The kernel's GROUP_SHIFT: loop step s is in group s >> GROUP_SHIFT (groups of 64 * 2^i
     inputs; 31 per channel: every step in group 0; 0 for groups of 32, two a step). None: a K
-    or group size this kernel does not take (K not a multiple of 64; groups of 16, or of 64 * a
-    non-power of two), left to int4_gemm's kernels."""
+    or group size this kernel does not take (K not a multiple of 128, two steps a loop
+    iteration; groups of 16, or of 64 * a non-power of two), left to int4_gemm's kernels."""
     steps = group_size // K_STEP
-    if k % K_STEP or k % group_size:
+    if k % (2 * K_STEP) or k % group_size:  # two steps a loop iteration
         return None
     if group_size == k:
         return 31
@@ -232,6 +235,38 @@ def _apply_group(total, dot, sums, s_ptr, z_ptr, offs_n, mask_n, groups, group,
 
 
 @gluon.jit
+def _step(words, x, dot, sums, ones, total, step, s_ptr, z_ptr, offs_n, mask_n, groups, zeros,
+          a_layout: gl.constexpr, b_layout: gl.constexpr, MAGIC: gl.constexpr,
+          OFFSET: gl.constexpr, ZERO_IS_MIN: gl.constexpr, GROUP32: gl.constexpr,
+          GROUP_SHIFT: gl.constexpr):  # fmt: skip
+    """One loop step's four MMAs (and four for sum(x)) onto dot and sums; groups of 32 and 64
+    applied to total here (dot and sums come back zero), larger ones by the caller."""
+    DTYPE: gl.constexpr = ones.dtype
+    a0, a1, a2, a3 = _words(words, a_layout, MAGIC, DTYPE)
+    b0, b1, b2, b3 = _b_operands(x, DTYPE, b_layout)
+    dot = mma_v2(a1, b1, mma_v2(a0, b0, dot))
+    sums = mma_v2(ones, b1, mma_v2(ones, b0, sums))
+    if GROUP32:  # two groups a step: each half on its own
+        total = _apply_group(total, dot, sums, s_ptr, z_ptr, offs_n, mask_n, groups, step * 2,
+                             OFFSET, ZERO_IS_MIN)  # fmt: skip
+        dot = zeros
+        sums = zeros
+    dot = mma_v2(a3, b3, mma_v2(a2, b2, dot))
+    sums = mma_v2(ones, b3, mma_v2(ones, b2, sums))
+    if GROUP32:
+        total = _apply_group(total, dot, sums, s_ptr, z_ptr, offs_n, mask_n, groups,
+                             step * 2 + 1, OFFSET, ZERO_IS_MIN)  # fmt: skip
+        dot = zeros
+        sums = zeros
+    elif GROUP_SHIFT == 0:  # groups of 64: one a step
+        total = _apply_group(total, dot, sums, s_ptr, z_ptr, offs_n, mask_n, groups, step,
+                             OFFSET, ZERO_IS_MIN)  # fmt: skip
+        dot = zeros
+        sums = zeros
+    return dot, sums, total
+
+
+@gluon.jit
 def _int4_mma_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, counter_ptr,
     M, N, K, stride_xm, stride_ym, stride_wt, groups, steps_per_split,
@@ -262,7 +297,7 @@ def _int4_mma_kernel(
               + _index4(4, 1, X_LAYOUT) * 4 + _index4(4, 2, X_LAYOUT))  # fmt: skip
     x_mask = rows < M
 
-    step_start = gl.program_id(1) * steps_per_split
+    step_start = gl.program_id(1) * steps_per_split  # even: two steps an iteration
     step_stop = gl.minimum(step_start + steps_per_split, K // 64)
     offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, acc_layout))
     mask_n = offs_n < N
@@ -270,31 +305,30 @@ def _int4_mma_kernel(
     zeros = gl.zeros([BLOCK_N, ROWS], gl.float32, acc_layout)
     total = zeros
 
-    words = gl.load(w_ptr + w_offs + step_start * 128)
-    x = gl.load(x_pairs + x_offs + step_start * 32, mask=x_mask, other=0)
-    for step in range(step_start, step_stop):
-        # The next step's loads go out before this step's arithmetic (the last one re-reads).
-        following = gl.minimum(step + 1, step_stop - 1)
-        next_words = gl.load(w_ptr + w_offs + following * 128)
-        next_x = gl.load(x_pairs + x_offs + following * 32, mask=x_mask, other=0)
-        a0, a1, a2, a3 = _words(words, a_layout, MAGIC, DTYPE)
-        b0, b1, b2, b3 = _b_operands(x, DTYPE, b_layout)
-        dot = mma_v2(a1, b1, mma_v2(a0, b0, zeros))
-        sums = mma_v2(ones, b1, mma_v2(ones, b0, zeros))
-        if GROUP32:  # two groups a step: each half on its own
-            total = _apply_group(total, dot, sums, s_ptr, z_ptr, offs_n, mask_n, groups,
-                                 step * 2, OFFSET, ZERO_IS_MIN)  # fmt: skip
-            dot = mma_v2(a3, b3, mma_v2(a2, b2, zeros))
-            sums = mma_v2(ones, b3, mma_v2(ones, b2, zeros))
-            total = _apply_group(total, dot, sums, s_ptr, z_ptr, offs_n, mask_n, groups,
-                                 step * 2 + 1, OFFSET, ZERO_IS_MIN)  # fmt: skip
-        else:
-            dot = mma_v2(a3, b3, mma_v2(a2, b2, dot))
-            sums = mma_v2(ones, b3, mma_v2(ones, b2, sums))
+    words0 = gl.load(w_ptr + w_offs + step_start * 128)
+    words1 = gl.load(w_ptr + w_offs + step_start * 128 + 128)
+    x0 = gl.load(x_pairs + x_offs + step_start * 32, mask=x_mask, other=0)
+    x1 = gl.load(x_pairs + x_offs + step_start * 32 + 32, mask=x_mask, other=0)
+    for step in range(step_start, step_stop, 2):
+        # The next two steps' loads go out before these two's arithmetic (the last re-reads).
+        following = gl.minimum(step + 2, step_stop - 2)
+        next_words0 = gl.load(w_ptr + w_offs + following * 128)
+        next_words1 = gl.load(w_ptr + w_offs + following * 128 + 128)
+        next_x0 = gl.load(x_pairs + x_offs + following * 32, mask=x_mask, other=0)
+        next_x1 = gl.load(x_pairs + x_offs + following * 32 + 32, mask=x_mask, other=0)
+        dot, sums, total = _step(words0, x0, zeros, zeros, ones, total, step, s_ptr, z_ptr,
+                                 offs_n, mask_n, groups, zeros, a_layout, b_layout, MAGIC,
+                                 OFFSET, ZERO_IS_MIN, GROUP32, GROUP_SHIFT)  # fmt: skip
+        dot, sums, total = _step(words1, x1, dot, sums, ones, total, step + 1, s_ptr, z_ptr,
+                                 offs_n, mask_n, groups, zeros, a_layout, b_layout, MAGIC,
+                                 OFFSET, ZERO_IS_MIN, GROUP32, GROUP_SHIFT)  # fmt: skip
+        if not GROUP32 and GROUP_SHIFT > 0:  # both steps in one group: applied once
             total = _apply_group(total, dot, sums, s_ptr, z_ptr, offs_n, mask_n, groups,
                                  step >> GROUP_SHIFT, OFFSET, ZERO_IS_MIN)  # fmt: skip
-        words = next_words
-        x = next_x
+        words0 = next_words0
+        words1 = next_words1
+        x0 = next_x0
+        x1 = next_x1
 
     offs_m = row0 + gl.arange(0, ROWS, gl.SliceLayout(0, acc_layout))
     out_mask = (offs_m < M)[None, :] & mask_n[:, None]
@@ -325,10 +359,10 @@ def rows_per_program(m: int) -> int:
 def split_count(n: int, k: int, row_tiles: int, device: torch.device) -> tuple[int, int]:
     """(loop steps a split, splits): about PROGRAMS_PER_SM programs an SM, at most MAX_SPLIT."""
     tiles = triton.cdiv(n, 16 * NUM_WARPS) * row_tiles
-    steps = k // K_STEP
-    want = max(1, min(MAX_SPLIT, steps, PROGRAMS_PER_SM * num_sms(device) // tiles))
-    per = triton.cdiv(steps, want)
-    return per, triton.cdiv(steps, per)
+    pairs = k // (2 * K_STEP)  # a split takes whole loop iterations of two steps
+    want = max(1, min(MAX_SPLIT, pairs, PROGRAMS_PER_SM * num_sms(device) // tiles))
+    per = triton.cdiv(pairs, want)
+    return 2 * per, triton.cdiv(pairs, per)
 
 
 def launch_config(m: int, n: int, k: int, group_size: int, dtype: torch.dtype,
