@@ -126,3 +126,39 @@ def test_int4_linear_takes_the_relaid_codes_only_when_selected() -> None:
         int4_gemm_hopper.SELECTED.update(saved)
     torch.testing.assert_close(off.float(), want.float(), atol=0.1, rtol=0.02)
     assert not torch.allclose(on.float(), want.float(), atol=0.1)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_the_int4_method_relays_the_codes_when_selected(act_order) -> None:
+    """Int4LinearMethod re-lays the codes after loading (act-order's reordered ones) where the
+    kernel is selected, and the layer then computes what the twin does over its weight."""
+    from kiln.kernels import triton as triton_ops
+    from kiln.kernels.triton import int4_gemm_hopper
+    from kiln.layers.linear import Linear
+    from kiln.layers.quantization.int4 import Int4LinearMethod
+
+    k, n = 1024, 384
+    qweight, scales, zeros = _operands(n, k, 128, seed=11)
+    g_idx = torch.arange(k) // 128
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=torch.Generator().manual_seed(5))]
+    saved = set(int4_gemm_hopper.SELECTED)
+    try:
+        int4_gemm_hopper.SELECTED.add(torch.bfloat16)
+        with torch.device("cuda"):
+            layer = Linear(k, n, method=Int4LinearMethod(128))
+        for param, tensor in zip(
+            (layer.weight, layer.weight_scales, layer.weight_zeros, layer.weight_g_idx),
+            (qweight, scales, zeros, g_idx.int()),
+        ):
+            layer.weight_loader(param, None, tensor.cuda())  # fmt: skip
+        layer.method.process_weights_after_loading(layer)
+        assert layer.weight_mma is not None
+        assert torch.equal(layer.weight_mma, repack(layer.weight.data))
+        x = torch.randn(3, k, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).cuda()
+        got = layer.method.apply(layer, triton_ops, x)
+    finally:
+        int4_gemm_hopper.SELECTED.clear()
+        int4_gemm_hopper.SELECTED.update(saved)
+    want = layer.method.apply(layer, reference, x)  # reads the original codes, reordered
+    torch.testing.assert_close(got.float(), want.float(), atol=0.1, rtol=0.02)
