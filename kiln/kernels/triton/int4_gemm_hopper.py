@@ -9,12 +9,13 @@ four A fragments in register order, and each 32-bit A register is one shift and 
 1024 + c, exact). No shared memory, no layout conversion of the weights. x is loaded the same
 way, two 16-byte loads a lane (the layout's input order makes a lane's inputs contiguous).
 
-The arithmetic is the small-batch kernel's: the codes meet x unscaled, and each loop step
-(each half of one with groups of 32) adds scale * (dot - (OFFSET + zero) * sum(x)) to an fp32
-accumulator (ZERO_IS_MIN, GGUF's code * scale + min: scale * (dot - OFFSET * sum(x)) + min *
-sum(x)). dot sums 64 or 32 products, so OFFSET * sum(x) cancels with fp32's error at that
-scale; the weights are never rounded to x's dtype, so the result is at least as exact as the
-twin's. sum(x) is one more MMA a step, A all ones, landing in the accumulator's own layout.
+The arithmetic is the small-batch kernel's: the codes meet x unscaled, and each group's part of
+a loop iteration (128 inputs, or 64 or 32 with smaller groups) adds scale * (dot - (OFFSET +
+zero) * sum(x)) to an fp32 accumulator (ZERO_IS_MIN, GGUF's code * scale + min: scale * (dot -
+OFFSET * sum(x)) + min * sum(x)). dot sums at most 128 products, so OFFSET * sum(x) cancels with
+fp32's error at that scale; the weights are never rounded to x's dtype, so the result is at
+least as exact as the twin's. sum(x) is one more MMA a k16 step, A all ones, landing in the
+accumulator's own layout.
 
 One program: a tile of 16 * num_warps output columns (a warp's 16), ROWS rows of x, one slice of
 K (split-K, as kiln.kernels.triton.split_k does it: partials, a ticket, the last program sums
@@ -24,8 +25,8 @@ an iteration); the next iteration's loads are issued before this one's MMAs.
 Covered: bf16 and fp16 activations, groups of 32, 64, 128, 256, ... and per channel (K a
 multiple of 128), zero points and ZERO_IS_MIN, up to MAX_ROWS rows. Not covered (int4_gemm's
 kernels keep them): groups of 16 or of 64 * a non-power of two, K not a multiple of 128, fp32
-activations, more than MAX_ROWS rows. Selected only for the activation dtypes
-in SELECTED (none: it has not run on a GPU yet); int4_gemm.int4_linear runs everything else."""
+activations, more than MAX_ROWS rows. Selected only for the activation dtypes in SELECTED
+(none: it has not run on a GPU yet); int4_gemm.int4_linear runs everything else."""
 
 from __future__ import annotations
 
@@ -99,13 +100,6 @@ def supports(x: torch.Tensor, k: int, group_size: int) -> bool:
 def applies(x: torch.Tensor, k: int, group_size: int) -> bool:
     """Whether int4_gemm.int4_linear hands this call to this kernel."""
     return x.dtype in SELECTED and supports(x, k, group_size)
-
-
-def mma_layout(num_warps: int) -> gl.NVMMADistributedLayout:
-    """The accumulator: [16 * num_warps columns, rows], a warp's 16 columns."""
-    return gl.NVMMADistributedLayout(
-        version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8]
-    )
 
 
 def _bits(n: int) -> list[int]:
