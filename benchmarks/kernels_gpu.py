@@ -7,6 +7,7 @@ Llama-3.1-8B shapes (the mixture-of-experts rows at Qwen3-30B-A3B's: benchmarks/
     python benchmarks/kernels_gpu.py /tmp/kernels_tiny.json --tiny   # CPU smoke run (interpreter)
     python benchmarks/kernels_gpu.py lora.json --only lora            # the LoRA rows alone
     python benchmarks/kernels_gpu.py moe.json --only moe              # the MoE rows alone
+    python benchmarks/kernels_gpu.py int4.json --only int4            # the W4A16 layer rows alone
     python benchmarks/kernels_gpu.py /tmp/kernels_tiny.json --tiny --long
 
 Each kernel is timed twice: `eager` (triton.testing.do_bench on the Python call, L2 flushed:
@@ -218,6 +219,9 @@ def run(shapes: Shapes, device: torch.device, only: str | None = None) -> list[d
     if only == "moe":
         moe_kernels.moe_rows(moe_shapes, device, gen, record)
         return rows
+    if only == "int4":
+        _int4_rows(s, device, gen, record)
+        return rows
 
     # --- decode attention: every sequence at the same context length ---------------------------
     for batch in s.decode_batches:
@@ -353,6 +357,54 @@ def _lora_rows(s: Shapes, device: torch.device, gen: torch.Generator, record: Ca
     for layer, bounds in (("qkv", (0, q, q + kv, q + 2 * kv)),
                           ("gate_up", (0, s.intermediate, 2 * s.intermediate))):  # fmt: skip
         _lora_layer(f"{layer} rows={tokens}", bounds, x, slots, s, device, gen, record)
+
+
+def _int4_rows(s: Shapes, device: torch.device, gen: torch.Generator, record: Callable) -> None:
+    """W4A16 (group 128) over a whole layer's four projections (qkv, o, gate_up, down) at 1, 8
+    and 32 rows: int4_gemm's kernels against the sm_90 Gluon kernel over the re-laid codes
+    (int4_gemm_hopper, run whether or not it is SELECTED), GB/s of codes."""
+    from kiln.kernels import reference
+    from kiln.kernels.int4_mma_layout import repack
+    from kiln.kernels.triton import int4_gemm
+
+    try:
+        from kiln.kernels.triton import int4_gemm_hopper
+    except ImportError:  # a Triton without Gluon: the old kernels' rows only
+        int4_gemm_hopper = None  # type: ignore[assignment]
+    group = 128 if s.hidden % 128 == 0 else 32
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    shapes = ((q + 2 * kv, s.hidden), (q, q), (2 * s.intermediate, s.hidden),
+              (s.hidden, s.intermediate))  # fmt: skip
+    layer = []
+    for n, k in shapes:
+        codes = torch.randint(0, 16, (n, k), generator=gen, device=device)
+        qweight = reference.pack_int4(codes)
+        scales = torch.rand(n, k // group, generator=gen, device=device) * 0.01 + 0.001
+        zeros = torch.full((n, k // group), 8.0, device=device)
+        layer.append((qweight, scales, zeros, repack(qweight) if k % 64 == 0 else None))
+    code_bytes = sum(n * k // 2 for n, k in shapes)
+    for m in (1, 8, 32):
+        xs = [torch.randn(m, k, generator=gen, device=device).to(s.dtype) for _, k in shapes]
+
+        def old(xs: list[torch.Tensor] = xs) -> list[torch.Tensor]:
+            return [int4_gemm.int4_linear(x, w, sc, z) for x, (w, sc, z, _) in zip(xs, layer)]
+
+        def new(xs: list[torch.Tensor] = xs) -> list[torch.Tensor]:
+            assert int4_gemm_hopper is not None
+            return [int4_gemm_hopper.int4_linear_mma(x, r, sc, z)
+                    for x, (_, sc, z, r) in zip(xs, layer)]  # fmt: skip
+
+        want = [reference.int4_linear(x, w, sc, z) for x, (w, sc, z, _) in zip(xs, layer)]
+        err = max(_err(g, w) for g, w in zip(old(), want))
+        case = f"layer rows={m}"
+        record("int4_w4a16", case, "triton", [old], bytes=code_bytes, max_abs_err=err)
+        if (
+            int4_gemm_hopper is not None
+            and all(r is not None for *_, r in layer)
+            and (int4_gemm_hopper.supports(xs[0], s.hidden, group))
+        ):
+            err = max(_err(g, w) for g, w in zip(new(), want))
+            record("int4_w4a16", case, "gluon_sm90", [new], bytes=code_bytes, max_abs_err=err)
 
 
 def _lora_layer(case: str, bounds: tuple[int, ...], x: torch.Tensor, slots: torch.Tensor,
@@ -594,7 +646,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tiny", action="store_true", help="tiny fp32 shapes (a smoke run; CPU interpreter)"
     )
-    parser.add_argument("--only", choices=("lora", "moe"), help="these rows only (default: all)")
+    parser.add_argument(
+        "--only", choices=("lora", "moe", "int4"), help="these rows only (default: all)"
+    )
     parser.add_argument(
         "--long", action="store_true", help="the long-context rows: 16k prefill, decode to 128k"
     )

@@ -865,9 +865,11 @@ def int4_linear(
     zeros: torch.Tensor,  # [N, K / group_size] fp32
     bias: torch.Tensor | None = None,  # [N]
     zero_is_min: bool = False,  # dequantize_int4's
+    mma_weight: torch.Tensor | None = None,  # the same codes re-laid (int4_mma_layout): unread
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """x @ dequantize_int4(...)^T (+ bias): the weights rounded to x's dtype, as the kernel's
-    dot products take them, accumulated in fp32."""
+    dot products take them, accumulated in fp32. `mma_weight` is for the sm_90 kernel
+    (kiln.kernels.triton.int4_gemm_hopper), whose twin this is over `qweight`."""
     w = dequantize_int4(qweight, scales, zeros, zero_is_min).to(x.dtype)
     y = F.linear(x.float(), w.float())
     if bias is not None:

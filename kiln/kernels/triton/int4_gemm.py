@@ -7,8 +7,8 @@ Two kernels: from 9 rows on, tiles of rows through tl.dot on the dequantized wei
 (decode), _int4_small_batch_kernel, which applies scales and zeros per group instead of per code
 (it does not round the dequantized weight to the activations' dtype, so it is at least as exact
 as the twin) and splits K over programs to keep enough loads in flight. The 9+ row kernel is not
-tuned on a GPU yet (a Marlin-style layout that loads words in the dot's register order is left to
-do)."""
+tuned on a GPU yet. On sm_90, int4_gemm_hopper's Gluon kernel (codes re-laid for mma.sync's
+register operand) takes the calls it applies() to."""
 
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ import triton.language as tl
 
 from kiln.kernels.triton import split_k
 from kiln.kernels.triton._device import dot_precision, num_sms
+
+try:  # the sm_90 kernel is Gluon's (Triton >= 3.6); older Tritons keep this file's everywhere
+    from kiln.kernels.triton import int4_gemm_hopper
+except ImportError:  # pragma: no cover (the tested Tritons have Gluon)
+    int4_gemm_hopper = None  # type: ignore[assignment]
 
 SMALL_BATCH_ROWS = 8  # up to this many rows: _int4_small_batch_kernel
 
@@ -155,13 +160,19 @@ def int4_linear(
     zeros: torch.Tensor,  # [N, K / group_size] fp32
     bias: torch.Tensor | None = None,  # [N]
     zero_is_min: bool = False,  # reference.dequantize_int4's
+    mma_weight: torch.Tensor | None = None,  # int4_mma_layout.repack(qweight), where made
 ) -> torch.Tensor:  # [M, N] in x's dtype
+    """The sm_90 Gluon kernel (int4_gemm_hopper) where the codes come re-laid for it and it
+    applies(); this file's kernels otherwise."""
     m, k = x.shape
     n, groups = qweight.shape[0], scales.shape[1]
     group_size = k // groups
     if qweight.shape[1] * 8 != k or group_size * groups != k:
         raise ValueError(f"int4_linear: x [*, {k}] against codes {tuple(qweight.shape)} and "
                          f"{groups} groups")  # fmt: skip
+    hopper = int4_gemm_hopper
+    if mma_weight is not None and hopper is not None and hopper.applies(x, k, group_size):
+        return hopper.int4_linear_mma(x, mma_weight, scales, zeros, bias, zero_is_min)
     x = x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kiln.errors import ModelLoadError
+from kiln.kernels.int4_mma_layout import repack
 from kiln.kernels.reference import pack_int4, unpack_int4
 from kiln.layers.linear import Linear, LinearMethod
 
@@ -66,6 +67,9 @@ class Int4LinearMethod(LinearMethod):
         layer.weight_g_idx = param(torch.zeros(k, dtype=torch.int32))
         # A buffer, so that moving the layer moves the order too.
         layer.register_buffer("input_order", None, persistent=False)
+        # The codes re-laid for the sm_90 kernel where it runs (not saved: an engine holds
+        # weight; kiln.kernels.int4_mma_layout).
+        layer.register_buffer("weight_mma", None, persistent=False)
         layer.bias = None
         if layer.has_bias:
             layer.bias = param(torch.empty(n, dtype=dtype))
@@ -141,6 +145,25 @@ class Int4LinearMethod(LinearMethod):
         missing = [f"{w}:{s}" for w in wanted for s in shards if (w, s) not in self._loaded]
         if self._loaded and missing:  # an engine's or a dummy model's load nothing through here
             raise ModelLoadError(f"INT4 checkpoint lacks {missing[:3]} of a {layer.extra_repr()}")
+        self._order_inputs(layer)
+        self._relay_for_mma(layer)
+
+    def _relay_for_mma(self, layer: Linear) -> None:
+        """On an sm_90 GPU where the Gluon kernel is selected, the codes re-laid for it too
+        (int4_mma_layout.repack; the original stay for the other kernels and the engine writer)."""
+        weight = layer.weight.data
+        if not weight.is_cuda:
+            return
+        try:
+            from kiln.kernels.triton import int4_gemm_hopper
+        except ImportError:  # no triton, or one without Gluon
+            return
+        k = layer.in_features
+        if int4_gemm_hopper.usable(weight.device, k, self.group_size or k):
+            layer.weight_mma = repack(weight)
+
+    def _order_inputs(self, layer: Linear) -> None:
+        """A checkpoint's act-order (g_idx): the inputs reordered so their groups are contiguous."""
         if self._g_idx is None:
             return
         k, group = layer.in_features, self.group_size or layer.in_features
@@ -162,6 +185,6 @@ class Int4LinearMethod(LinearMethod):
             x = x.index_select(1, layer.input_order)
         y = ops.int4_linear(
             x, layer.weight, layer.weight_scales, layer.weight_zeros, layer.bias,
-            self.zero_is_min,
+            self.zero_is_min, mma_weight=layer.weight_mma,
         )  # fmt: skip
         return y.reshape(*shape[:-1], y.shape[-1])
