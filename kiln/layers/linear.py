@@ -112,6 +112,12 @@ class LinearMethod(ABC):
     def process_weights_after_loading(self, layer: Linear) -> None:  # noqa: B027 (optional hook)
         """Convert loaded weights into what apply() reads (quantize, transpose, ...)."""
 
+    def engine_tensor(self, layer: Linear, name: str, param: torch.Tensor) -> torch.Tensor:
+        """What an engine directory holds for the layer's parameter `name` (`param`, as loaded
+        and processed): the parameter itself, unless processing moved its values elsewhere
+        (INT4's codes re-laid for the sm_90 kernel), so that any model writes the same bytes."""
+        return param
+
     @abstractmethod
     def apply(
         self, layer: Linear, ops: ModuleType, x: torch.Tensor
