@@ -198,6 +198,7 @@ class Linear(nn.Module):
     weight_zeros: torch.Tensor
     weight_g_idx: torch.Tensor
     input_order: torch.Tensor | None
+    weight_mma: torch.Tensor | None  # INT4's codes re-laid for the sm_90 kernel, where made
     # False: its block multiplies its weight in itself and never applies it (MLA's absorbed
     # kv_b_proj, kept in the model dtype): calibration observes no input to it.
     applied: bool = True
