@@ -362,7 +362,9 @@ def _lora_rows(s: Shapes, device: torch.device, gen: torch.Generator, record: Ca
 def _int4_rows(s: Shapes, device: torch.device, gen: torch.Generator, record: Callable) -> None:
     """W4A16 (group 128) over a whole layer's four projections (qkv, o, gate_up, down) at 1, 8
     and 32 rows: int4_gemm's kernels against the sm_90 Gluon kernel over the re-laid codes
-    (int4_gemm_hopper, run whether or not it is SELECTED), GB/s of codes."""
+    (int4_gemm_hopper, run whether or not it is SELECTED), and int4_gemm's over the re-laid
+    codes alone (triton_relaid: what a layer that keeps only that copy runs where the Gluon
+    kernel does not apply), GB/s of codes."""
     from kiln.kernels import reference
     from kiln.kernels.int4_mma_layout import repack
     from kiln.kernels.triton import int4_gemm
@@ -394,10 +396,20 @@ def _int4_rows(s: Shapes, device: torch.device, gen: torch.Generator, record: Ca
             return [int4_gemm_hopper.int4_linear_mma(x, r, sc, z)
                     for x, (_, sc, z, r) in zip(xs, layer)]  # fmt: skip
 
+        def relaid(xs: list[torch.Tensor] = xs) -> list[torch.Tensor]:
+            return [int4_gemm.int4_linear(x, None, sc, z, mma_weight=r)
+                    for x, (_, sc, z, r) in zip(xs, layer)]  # fmt: skip
+
         want = [reference.int4_linear(x, w, sc, z) for x, (w, sc, z, _) in zip(xs, layer)]
         err = max(_err(g, w) for g, w in zip(old(), want))
         case = f"layer rows={m}"
         record("int4_w4a16", case, "triton", [old], bytes=code_bytes, max_abs_err=err)
+        if all(r is not None for *_, r in layer) and not (
+            int4_gemm_hopper is not None and int4_gemm_hopper.applies(xs[0], s.hidden, group)
+        ):
+            err = max(_err(g, w) for g, w in zip(relaid(), want))
+            record("int4_w4a16", case, "triton_relaid", [relaid], bytes=code_bytes,
+                   max_abs_err=err)  # fmt: skip
         if (
             int4_gemm_hopper is not None
             and all(r is not None for *_, r in layer)

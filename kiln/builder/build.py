@@ -41,7 +41,7 @@ from kiln.builder.quantize import (
     text_hash,
 )
 from kiln.builder.tiles import kernel_tiles
-from kiln.builder.weights import write_rank_shards, write_weights
+from kiln.builder.weights import engine_tensors, write_rank_shards, write_weights
 from kiln.checkpoint.engine_dir import current_gpu_class, is_engine_dir
 from kiln.checkpoint.file_hash import hash_files
 from kiln.checkpoint.fp4_formats import PrequantizedFp4
@@ -426,7 +426,7 @@ def _write_weights(
         # What the blocks folded (a layer's largest where a shape takes no per-head scale).
         found.kv_head_scales = fold_kv_head_scales(net, found.kv_head_scales)
     if options.tensor_parallel_size == 1:
-        return write_weights(net.named_parameters(), tmp)
+        return write_weights(engine_tensors(net), tmp)
     return write_rank_shards(
         net, options.tensor_parallel_size, tmp,
         lambda ctx: model_class(cfg, max_model_len, factory, dtype, ctx, head()),

@@ -4,14 +4,16 @@ quantized ones as their method made them), into safetensors shards of at most 4 
 The bytes depend only on the tensors: fixed shard names, fixed metadata, parameters in
 `named_parameters()` order (safetensors orders a file's tensors itself, by dtype and name), and a
 key-sorted index, so the same model writes byte-identical files (what the engine cache and its
-content addressing rely on). kiln.checkpoint.engine_dir.iter_engine_weights reads them back.
+content addressing rely on), each tensor as its linear method hands it out (engine_tensors: an
+INT4 layer whose codes were re-laid for the sm_90 kernel writes them back in kiln's layout).
+kiln.checkpoint.engine_dir.iter_engine_weights reads them back.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -19,6 +21,7 @@ from tqdm.auto import tqdm
 
 from kiln.checkpoint.engine_dir import WEIGHT_INDEX_FILE, rank_dir_name
 from kiln.distributed.parallel_state import ParallelContext, RankLayout
+from kiln.layers.linear import Linear
 from kiln.models.base import CausalLM
 
 MAX_SHARD_BYTES = 4 << 30
@@ -32,6 +35,16 @@ def _file_mode() -> int:
     umask = os.umask(0)
     os.umask(umask)
     return 0o666 & ~umask
+
+
+def engine_tensors(net: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """net's parameters as an engine directory holds them: named_parameters()' names and order,
+    a Linear's through its method (LinearMethod.engine_tensor), one at a time."""
+    linears = {name: m for name, m in net.named_modules() if isinstance(m, Linear)}
+    for name, param in net.named_parameters():
+        module, _, attr = name.rpartition(".")
+        owner = linears.get(module)
+        yield name, param if owner is None else owner.method.engine_tensor(owner, attr, param)
 
 
 def write_weights(
@@ -78,16 +91,14 @@ def write_rank_shards(
     """`kiln build -tp N`: each tensor rank's cut of the built model (the same cut a rank makes
     when it loads the whole engine: CausalLM.load_fused_weights) into rank-R/, each with
     its own shards and index. Returns the file names, relative to `directory`."""
-    full = dict(net.named_parameters())
     names = []
     for rank in range(tp):
         part = make_rank_model(ParallelContext(RankLayout(tp, 1, rank), None, None, None))
-        part.load_fused_weights(full.items())
+        part.load_fused_weights(engine_tensors(net))
         sub = rank_dir_name(rank, tp)
         os.makedirs(os.path.join(directory, sub))
         names += [
-            f"{sub}/{n}"
-            for n in write_weights(part.named_parameters(), os.path.join(directory, sub))
+            f"{sub}/{n}" for n in write_weights(engine_tensors(part), os.path.join(directory, sub))
         ]
         del part
     return names

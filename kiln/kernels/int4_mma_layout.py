@@ -2,7 +2,9 @@
 thread's one 16-byte load is its four tensor-core A fragments, in register order, so the codes
 go from the load to the MMA with no shared memory and no shuffle. A pure permutation of kiln's
 layout ([N, K / 8] int32, code 8j + i of a row at bits 4i of word j: reference.unpack_int4),
-made once after loading (kiln.layers.quantization.int4) and undone exactly by `unrepack`.
+made once after loading (kiln.layers.quantization.int4) and undone exactly by `unrepack`. The
+layer then keeps only this copy: int4_gemm's Triton kernels read it too (their MMA_LAYOUT, the
+same map below as index math), and an engine is written from unrepack's codes.
 
 The kernel computes y^T = W @ x^T with the weights as operand A of mma.sync m16n8k16: output
 columns are the MMA's M dimension (16 a warp), rows of x its N (8), so one row wastes nothing on

@@ -860,16 +860,23 @@ def dequantize_int4(
 
 def int4_linear(
     x: torch.Tensor,  # [M, K] fp16 / bf16 / fp32
-    qweight: torch.Tensor,  # [N, K / 8] int32
+    qweight: torch.Tensor | None,  # [N, K / 8] int32; None: only mma_weight holds the codes
     scales: torch.Tensor,  # [N, K / group_size] fp32
     zeros: torch.Tensor,  # [N, K / group_size] fp32
     bias: torch.Tensor | None = None,  # [N]
     zero_is_min: bool = False,  # dequantize_int4's
-    mma_weight: torch.Tensor | None = None,  # the same codes re-laid (int4_mma_layout): unread
+    mma_weight: torch.Tensor | None = None,  # the same codes re-laid (int4_mma_layout)
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """x @ dequantize_int4(...)^T (+ bias): the weights rounded to x's dtype, as the kernel's
-    dot products take them, accumulated in fp32. `mma_weight` is for the sm_90 kernel
-    (kiln.kernels.triton.int4_gemm_hopper), whose twin this is over `qweight`."""
+    dot products take them, accumulated in fp32. The codes are qweight's, or mma_weight's put
+    back in kiln's layout (int4_mma_layout.unrepack, exact; N is the scales' rows) where a
+    layer keeps only the copy re-laid for the sm_90 kernel (kiln.kernels.triton.int4_gemm)."""
+    if qweight is None:
+        if mma_weight is None:
+            raise ValueError("int4_linear: no codes (qweight and mma_weight are both None)")
+        from kiln.kernels.int4_mma_layout import unrepack  # it imports this module
+
+        qweight = unrepack(mma_weight, scales.shape[0])
     w = dequantize_int4(qweight, scales, zeros, zero_is_min).to(x.dtype)
     y = F.linear(x.float(), w.float())
     if bias is not None:

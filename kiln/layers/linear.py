@@ -112,6 +112,12 @@ class LinearMethod(ABC):
     def process_weights_after_loading(self, layer: Linear) -> None:  # noqa: B027 (optional hook)
         """Convert loaded weights into what apply() reads (quantize, transpose, ...)."""
 
+    def engine_tensor(self, layer: Linear, name: str, param: torch.Tensor) -> torch.Tensor:
+        """What an engine directory holds for the layer's parameter `name` (`param`, as loaded
+        and processed): the parameter itself, unless processing moved its values elsewhere
+        (INT4's codes re-laid for the sm_90 kernel), so that any model writes the same bytes."""
+        return param
+
     @abstractmethod
     def apply(
         self, layer: Linear, ops: ModuleType, x: torch.Tensor
@@ -192,6 +198,7 @@ class Linear(nn.Module):
     weight_zeros: torch.Tensor
     weight_g_idx: torch.Tensor
     input_order: torch.Tensor | None
+    weight_mma: torch.Tensor | None  # INT4's codes re-laid for the sm_90 kernel, where made
     # False: its block multiplies its weight in itself and never applies it (MLA's absorbed
     # kv_b_proj, kept in the model dtype): calibration observes no input to it.
     applied: bool = True

@@ -139,6 +139,9 @@ class LoRALinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: Linear) -> None:
         self.base.process_weights_after_loading(layer)
 
+    def engine_tensor(self, layer: Linear, name: str, param: torch.Tensor) -> torch.Tensor:
+        return self.base.engine_tensor(layer, name, param)
+
     def apply(self, layer: Linear, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         y = self.base.apply(layer, ops, x)
         if self.inputs.active:

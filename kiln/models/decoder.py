@@ -429,5 +429,7 @@ class DecoderForCausalLM(nn.Module):
     @torch.no_grad()
     def init_dummy_weights(self, seed: int) -> None:
         """Random weights at the scale of a trained model (normal, std 0.02; norms at 1): not
-        zeros or garbage, which run at different speeds than real data."""
+        zeros or garbage, which run at different speeds than real data; processed as loaded
+        ones are, so they run on the same kernels (INT4's codes re-laid for the sm_90 one)."""
         weight_loader.init_dummy_weights(self, seed)
+        self.process_weights_after_loading()

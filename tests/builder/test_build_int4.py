@@ -84,3 +84,25 @@ def test_int4_refuses_float8_only_options() -> None:
         BuildOptions(quantization="int4-awq", smoothing="smoothquant")
     with pytest.raises(BuildError, match="weight_rounding 'gptq' is not supported"):
         BuildOptions(quantization="int4-gptq", weight_rounding="gptq")
+
+
+def test_a_build_on_the_relaid_path_writes_the_same_engine(source, tmp_path, monkeypatch):
+    """Building where the sm_90 kernel runs (forced here): the rounded layers re-lay their codes
+    after loading and keep only that copy, and the writer puts them back, byte for byte."""
+    from kiln.checkpoint.engine_dir import MANIFEST_FILE
+    from kiln.layers.quantization import int4
+
+    def files(directory):  # the manifest differs only in its build time and date
+        return {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*")
+                if p.is_file() and p.name != MANIFEST_FILE}  # fmt: skip
+
+    options = BuildOptions(quantization="int4-gptq")
+    plain = build_engine(source, str(tmp_path / "plain"), options, None)
+    relaid: list[int] = []
+    monkeypatch.setattr(int4, "relays_codes", lambda device, k, group: relaid.append(k) or True)
+    again = build_engine(source, str(tmp_path / "relaid"), options, None)
+    assert relaid  # the build's model went through the relay
+    assert again.engine_id == plain.engine_id and again.accuracy == plain.accuracy
+    weights = files(tmp_path / "relaid")
+    assert weights == files(tmp_path / "plain")
+    assert any(p.suffix == ".safetensors" for p in weights)

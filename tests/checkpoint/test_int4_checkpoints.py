@@ -121,6 +121,22 @@ def test_int4_checkpoint_generates_the_dequantized_models_tokens(name, oracle) -
     assert batched == want
 
 
+@pytest.mark.parametrize("name", ["gptq_desc_act", "awq", "ct_channel"])
+def test_codes_relaid_for_the_sm90_kernel_generate_the_same_tokens(name, oracle, monkeypatch):
+    """The sm_90 path's load (forced here on the CPU): each layer keeps only its codes re-laid
+    (act-order's reordered ones), and the model generates the dequantized model's tokens."""
+    from kiln.layers.quantization import int4
+
+    monkeypatch.setattr(int4, "relays_codes", lambda device, k, group_size: True)
+    llm = LLM(str(DATA / name), **ARGS)
+    qkv = llm.engine.executor.runner.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight_mma is not None and qkv.weight.numel() == 0
+    greedy = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    assert [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy)] == _want(
+        oracle, name
+    )
+
+
 def _edited(tmp_path: Path, name: str, config_edit=None, tensor_edit=None) -> Path:
     path = tmp_path / name
     shutil.copytree(DATA / name, path)

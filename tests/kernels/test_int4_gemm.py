@@ -1,5 +1,7 @@
 """The W4A16 Triton kernels (kiln.kernels.triton.int4_gemm: tl.dot tiles, and the 1-8 row
-small-batch kernel) against reference.int4_linear, under TRITON_INTERPRET=1 without a GPU."""
+small-batch kernel) against reference.int4_linear, under TRITON_INTERPRET=1 without a GPU: over
+kiln's layout, and over the codes re-laid for the sm_90 kernel (int4_mma_layout) when a layer
+keeps only those."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (pip install kiln[triton])")
 
 from kiln.kernels import reference
+from kiln.kernels.int4_mma_layout import repack
 from kiln.kernels.triton.int4_gemm import int4_linear
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -101,3 +104,58 @@ def test_mins_instead_of_zero_points_match_the_reference(dtype, rows, groups) ->
     size = k // groups
     w = codes * scales.repeat_interleave(size, 1) + mins.repeat_interleave(size, 1)
     assert torch.equal(reference.dequantize_int4(qweight, scales, mins, True), w)
+
+
+# (N, K, group size; 0 per channel): groups of 32, 64 and 128 and per channel; N odd, not a
+# multiple of 16 nor 128, and past one 128-row padding (int4_mma_layout.N_ALIGN).
+_RELAID = [(72, 128, 32), (93, 256, 64), (200, 128, 0), (45, 256, 128)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 9, 30, 70])  # small-batch kernel, then the tiled one
+@pytest.mark.parametrize(("n", "k", "group_size"), _RELAID)
+def test_the_relaid_codes_alone_give_what_kilns_layout_gives(dtype, rows, n, k, group_size):
+    """int4_linear with only the re-laid copy (qweight None; MMA_LAYOUT): the same tiles and
+    arithmetic as over kiln's layout, so the same values bit for bit, and the twin's."""
+    groups = k // group_size if group_size else 1
+    qweight, scales, zeros = _operands(n, k, groups, seed=rows + n)
+    gen = torch.Generator().manual_seed(k + rows)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if rows % 2 else None
+    relaid = repack(qweight)
+    args = [t.to(DEVICE) if t is not None else None for t in (x, qweight, scales, zeros, bias)]
+    x, qweight, scales, zeros, bias = args
+    got = int4_linear(x, None, scales, zeros, bias, mma_weight=relaid.to(DEVICE))
+    plain = int4_linear(x, qweight, scales, zeros, bias)
+    want = reference.int4_linear(x, qweight, scales, zeros, bias)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    assert torch.equal(got, plain)
+    torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=ATOL[dtype], rtol=0)
+    twin = reference.int4_linear(x, None, scales, zeros, bias, mma_weight=relaid.to(DEVICE))
+    assert torch.equal(twin, want)  # the twin unrepacks, exactly
+
+
+@pytest.mark.parametrize("rows", [1, 6, 9, 40])
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_the_relaid_codes_take_mins_instead_of_zero_points(rows, group_size) -> None:
+    n, k = 40, 128
+    qweight, scales, _ = _operands(n, k, k // group_size, seed=3)
+    mins = -8.0 * scales + 0.001 * torch.randn(scales.shape, generator=torch.Generator())
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4))
+    x, qweight, scales, mins = (t.to(DEVICE) for t in (x, qweight, scales, mins))
+    relaid = repack(qweight)
+    got = int4_linear(x, None, scales, mins, None, True, mma_weight=relaid)
+    want = reference.int4_linear(x, qweight, scales, mins, None, True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert torch.equal(reference.int4_linear(x, None, scales, mins, None, True, relaid), want)
+
+
+def test_codes_must_be_given_in_one_layout_with_the_scales_rows() -> None:
+    qweight, scales, zeros = _operands(200, 128, 2)  # re-laid: 256 rows
+    x = torch.randn(2, 128)
+    with pytest.raises(ValueError, match="no codes"):
+        int4_linear(x, None, scales, zeros)
+    with pytest.raises(ValueError, match="no codes"):
+        reference.int4_linear(x, None, scales, zeros)
+    with pytest.raises(ValueError, match="expected"):  # re-laid codes of another N
+        int4_linear(x, None, scales[:40], zeros[:40], mma_weight=repack(qweight))

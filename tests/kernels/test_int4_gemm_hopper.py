@@ -131,7 +131,8 @@ def test_int4_linear_takes_the_relaid_codes_only_when_selected() -> None:
 @pytest.mark.parametrize("act_order", [False, True])
 def test_the_int4_method_relays_the_codes_when_selected(act_order) -> None:
     """Int4LinearMethod re-lays the codes after loading (act-order's reordered ones) where the
-    kernel is selected, and the layer then computes what the twin does over its weight."""
+    kernel is selected and keeps only that copy, and the layer then computes what the twin does
+    over the codes it puts back."""
     from kiln.kernels import triton as triton_ops
     from kiln.kernels.triton import int4_gemm_hopper
     from kiln.layers.linear import Linear
@@ -153,12 +154,18 @@ def test_the_int4_method_relays_the_codes_when_selected(act_order) -> None:
         ):
             layer.weight_loader(param, None, tensor.cuda())  # fmt: skip
         layer.method.process_weights_after_loading(layer)
-        assert layer.weight_mma is not None
-        assert torch.equal(layer.weight_mma, repack(layer.weight.data))
+        # One copy of the codes: the re-laid one (act-order's reordered codes), the original gone.
+        assert layer.weight_mma is not None and layer.weight.numel() == 0
+        codes = reference.unpack_int4(qweight)
+        if act_order:
+            codes = codes[:, layer.input_order]
+        assert torch.equal(layer.weight_mma, repack(reference.pack_int4(codes)))
+        assert torch.equal(layer.method.engine_tensor(layer, "weight", layer.weight),
+                           reference.pack_int4(codes))  # fmt: skip
         x = torch.randn(3, k, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).cuda()
         got = layer.method.apply(layer, triton_ops, x)
     finally:
         int4_gemm_hopper.SELECTED.clear()
         int4_gemm_hopper.SELECTED.update(saved)
-    want = layer.method.apply(layer, reference, x)  # reads the original codes, reordered
+    want = layer.method.apply(layer, reference, x)  # the twin unrepacks the codes
     torch.testing.assert_close(got.float(), want.float(), atol=0.1, rtol=0.02)

@@ -88,8 +88,9 @@ def _compile(rows: int, dtype: str, group: int, zero_is_min: bool, bias: bool) -
     return {**_finish(compiled), "split_k": str(meta["SPLIT_K"])}
 
 
-def _compile_small_batch() -> dict[str, str]:
-    """int4_gemm's one-row kernel at its launch's constexprs for Llama-3.1-8B's o_proj."""
+def _compile_small_batch(rows: int = 1, relaid: bool = False) -> dict[str, str]:
+    """int4_gemm's small-batch kernel at its launch's constexprs for Llama-3.1-8B's o_proj (one
+    row: registers; 2-8: tl.dot), over kiln's layout or the re-laid codes (MMA_LAYOUT)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -98,8 +99,10 @@ def _compile_small_batch() -> dict[str, str]:
 
     names = (*_NAMES[:13], "groups", "group_size", "k_per_split")
     types = ["*bf16", "*i32", "*fp32", "*fp32", "*fp32", "*bf16", "*fp32", "*i32"] + ["i32"] * 8
-    meta = {"HAS_BIAS": False, "ROWS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 8,
-            "DOT": False, "PRECISION": "tf32", "ZERO_IS_MIN": False}  # fmt: skip
+    dot = rows > 1
+    meta = {"HAS_BIAS": False, "ROWS": 16 if dot else 1, "BLOCK_N": 64 if dot else 128,
+            "BLOCK_K": 128, "SPLIT_K": 8, "DOT": dot, "PRECISION": "tf32",
+            "ZERO_IS_MIN": False, "MMA_LAYOUT": relaid}  # fmt: skip
     signature = {**dict(zip(names, types)), **dict.fromkeys(meta, "constexpr")}
     aligned = [i for i, name in enumerate(names) if name in _ALIGNED or name == "k_per_split"]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
@@ -108,6 +111,28 @@ def _compile_small_batch() -> dict[str, str]:
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4, "num_stages": 3})  # fmt: skip
     return {**_finish(compiled), "codes_a_step": str(128 * 128)}
+
+
+def _compile_tiled(relaid: bool) -> dict[str, str]:
+    """int4_gemm's 9+ row tl.dot kernel (64-row tiles) over kiln's layout or the re-laid codes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kiln.kernels.triton import int4_gemm
+
+    names = (*_NAMES[:4], "b_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym", "groups",
+             "group_size")  # fmt: skip
+    types = ["*bf16", "*i32", "*fp32", "*fp32", "*bf16", "*bf16"] + ["i32"] * 7
+    meta = {"HAS_BIAS": False, "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 64,
+            "BLOCK_K": 64, "ZERO_IS_MIN": False, "MMA_LAYOUT": relaid}  # fmt: skip
+    signature = {**dict(zip(names, types)), **dict.fromkeys(meta, "constexpr")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name in _ALIGNED}
+    source = ASTSource(fn=int4_gemm._int4_gemm_kernel, signature=signature, constexprs=meta,
+                       attrs=attrs)  # fmt: skip
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "num_stages": 3})  # fmt: skip
+    return _finish(compiled)
 
 
 def main_loop(sass: str) -> list[str]:
@@ -182,6 +207,17 @@ def test_a_code_costs_a_fraction_of_the_small_batch_kernels_instructions(compile
     assert new <= 2.5 and new * 3 < old
 
 
+@pytest.mark.parametrize("kernel", ["small_batch_relaid", "small_batch_dot_relaid",
+                                    "tiled_relaid"])  # fmt: skip
+def test_int4_gemms_kernels_compile_over_the_relaid_codes(compiled, kernel) -> None:
+    """A layer that keeps only the re-laid codes runs int4_gemm's kernels over them where the
+    Gluon kernel does not apply (MMA_LAYOUT): they compile for sm_90 with nothing spilled."""
+    got = compiled[kernel]
+    assert "ld.local" not in got["ptx"] and "st.local" not in got["ptx"]
+    spilled = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", got["ptxas"])
+    assert spilled is not None and spilled[1] == "0" and spilled[2] == "0", got["ptxas"]
+
+
 def test_launch_config_splits_k_for_enough_programs() -> None:
     # o_proj at one row: 64 column tiles, split 16 ways (1,024 programs on 132 SMs).
     grid, per, meta = hopper.launch_config(1, 4096, 4096, 128, torch.bfloat16,
@@ -217,4 +253,7 @@ if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)
     results = {" ".join(map(str, case)): _compile(*case) for case in _CASES}
     results["small_batch"] = _compile_small_batch()
+    results["small_batch_relaid"] = _compile_small_batch(relaid=True)
+    results["small_batch_dot_relaid"] = _compile_small_batch(rows=8, relaid=True)
+    results["tiled_relaid"] = _compile_tiled(relaid=True)
     json.dump(results, sys.stdout)

@@ -93,3 +93,39 @@ def test_scaling_output_rows_scales_the_group_scales() -> None:
     want[:, 48:72] *= 0.25
     torch.testing.assert_close(layer.method.apply(layer, reference, x), want)
     assert torch.equal(layer.weight, codes)
+
+
+@pytest.fixture
+def relay(monkeypatch):
+    """The sm_90 path's load on the CPU: every INT4 layer's codes re-laid after loading."""
+    from kiln.layers.quantization import int4
+
+    monkeypatch.setattr(int4, "relays_codes", lambda device, k, group_size: True)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_relaid_codes_are_the_layers_only_copy_and_compute_the_same(relay, act_order) -> None:
+    from kiln.kernels.int4_mma_layout import repack
+
+    g_idx = torch.arange(K) // GROUP
+    if act_order:
+        g_idx = g_idx[torch.randperm(K, generator=torch.Generator().manual_seed(5))]
+    layer, dense = _layer(g_idx)
+    assert layer.weight_mma is not None and layer.weight.numel() == 0
+    # The engine's codes: act-order's reordered ones, as a layer without the relay holds them.
+    codes = layer.method.engine_tensor(layer, "weight", layer.weight)
+    assert codes.shape == (sum(SHARDS), K // 8) and torch.equal(layer.weight_mma, repack(codes))
+    assert layer.method.engine_tensor(layer, "weight_scales", layer.weight_scales) is (
+        layer.weight_scales
+    )
+    for rows in (2, 20):  # the small-batch kernel, then the tiled one
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+        for ops, device in _ops():
+            got = layer.to(device)(ops, x.to(device)).cpu()
+            torch.testing.assert_close(got, x @ dense.t(), atol=1e-4, rtol=1e-4)
+
+
+def test_without_the_relay_the_layer_keeps_kilns_layout() -> None:
+    layer, _ = _layer(torch.arange(K) // GROUP)  # on the CPU relays_codes is False
+    assert layer.weight_mma is None and layer.weight.shape == (sum(SHARDS), K // 8)
+    assert layer.method.engine_tensor(layer, "weight", layer.weight) is layer.weight

@@ -8,7 +8,11 @@ Two kernels: from 9 rows on, tiles of rows through tl.dot on the dequantized wei
 (it does not round the dequantized weight to the activations' dtype, so it is at least as exact
 as the twin) and splits K over programs to keep enough loads in flight. The 9+ row kernel is not
 tuned on a GPU yet. On sm_90, int4_gemm_hopper's Gluon kernel (codes re-laid for mma.sync's
-register operand) takes the calls it applies() to."""
+register operand) takes the calls it applies() to.
+
+A layer whose codes were re-laid keeps only that copy (kiln.layers.quantization.int4), so both
+kernels here also read them from int4_mma_layout's order (MMA_LAYOUT): the same tiles, each
+code's word and nibble found by the layout's index math instead of k // 8 and k % 8."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.int4_mma_layout import K_STEP, N_ALIGN, N_TILE, repacked_rows
 from kiln.kernels.triton import split_k
 from kiln.kernels.triton._device import dot_precision, num_sms
 
@@ -30,20 +35,50 @@ SMALL_BATCH_ROWS = 8  # up to this many rows: _int4_small_batch_kernel
 
 
 @triton.jit
-def _dequantized_tile(w_ptr, s_ptr, z_ptr, k0, offs_n, N, K, groups, group_size,
-                      DTYPE: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_N: tl.constexpr, ZERO_IS_MIN: tl.constexpr):  # fmt: skip
+def _mma_words(k, offs_n, K):
+    """The re-laid word (int4_mma_layout) holding input k of output row n: [N_pad / 16, K / 64,
+    8 (g), 4 (t), 2 (h), 2 (s')] for row 16 * nt + 8 * n8 + g, input 64 * it + 32h + 8t + 4s' +
+    2 * k8 + k1; broadcasts k against offs_n. Its nibble: _mma_shift."""
+    return ((offs_n // 16) * (2 * K) + (k // 64) * 128 + (offs_n % 8) * 16 + ((k // 8) % 4) * 4
+            + ((k // 32) % 2) * 2 + (k // 4) % 2)  # fmt: skip
+
+
+@triton.jit
+def _mma_shift(k, offs_n):
+    """The bit of input k of row n in its re-laid word: nibble n8 + 2 * k8 + 4 * k1."""
+    return 4 * ((offs_n // 8) % 2 + 2 * ((k // 2) % 2) + 4 * (k % 2))
+
+
+@triton.jit
+def _dequantized_tile(w_ptr, s_ptr, z_ptr, k0, n0, N, K, groups, group_size,
+                      DTYPE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                      ZERO_IS_MIN: tl.constexpr, MMA_LAYOUT: tl.constexpr):  # fmt: skip
     """The [BLOCK_K, BLOCK_N] weight tile of inputs k0.. (one group: the launcher makes BLOCK_K
-    divide the group size) and outputs offs_n, as (code - zero) * scale in DTYPE (ZERO_IS_MIN:
+    divide the group size) and outputs n0.., as (code - zero) * scale in DTYPE (ZERO_IS_MIN:
     code * scale + min, exact for GGUF's blocks: code * scale takes no rounding). Each int32
-    word is loaded once and fanned out to its 8 codes in registers."""
+    word is loaded once and fanned out to its 8 codes in registers: kiln's layout's word holds
+    8 inputs of one row; a re-laid one (MMA_LAYOUT; n0 and BLOCK_N whole 16-row tiles, K a
+    multiple of 64, rows padded: no mask) 4 inputs (2 * k8 + k1) of rows g and g + 8 (n8)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    mask = (offs_w < K // 8)[:, None] & mask_n[None, :]
-    words = tl.load(w_ptr + offs_n[None, :] * (K // 8) + offs_w[:, None], mask=mask, other=0)
-    words = tl.reshape(tl.broadcast_to(words[:, None, :], (BLOCK_K // 8, 8, BLOCK_N)),
-                       (BLOCK_K, BLOCK_N))  # fmt: skip
-    codes = (words >> ((tl.arange(0, BLOCK_K) % 8) * 4)[:, None]) & 0xF
+    if MMA_LAYOUT:
+        # Words [BLOCK_K / 4 quads of inputs, BLOCK_N / 2 (16-row tile, g)], fanned out to
+        # [quad, 2 * k8 + k1, tile, n8, g] = [input, row].
+        quads = k0 + 4 * tl.arange(0, BLOCK_K // 4)
+        pairs = tl.arange(0, BLOCK_N // 2)
+        pair_rows = n0 + (pairs // 8) * 16 + pairs % 8
+        words = tl.load(w_ptr + _mma_words(quads[:, None], pair_rows[None, :], K))
+        words = tl.reshape(words, (BLOCK_K // 4, 1, BLOCK_N // 16, 1, 8))
+        words = tl.reshape(tl.broadcast_to(words, (BLOCK_K // 4, 4, BLOCK_N // 16, 2, 8)),
+                           (BLOCK_K, BLOCK_N))  # fmt: skip
+        codes = (words >> _mma_shift(tl.arange(0, BLOCK_K)[:, None], offs_n[None, :])) & 0xF
+    else:
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        mask = (offs_w < K // 8)[:, None] & mask_n[None, :]
+        words = tl.load(w_ptr + offs_n[None, :] * (K // 8) + offs_w[:, None], mask=mask, other=0)
+        words = tl.reshape(tl.broadcast_to(words[:, None, :], (BLOCK_K // 8, 8, BLOCK_N)),
+                           (BLOCK_K, BLOCK_N))  # fmt: skip
+        codes = (words >> ((tl.arange(0, BLOCK_K) % 8) * 4)[:, None]) & 0xF
     group = k0 // group_size
     scale = tl.load(s_ptr + offs_n * groups + group, mask=mask_n, other=0.0)
     zero = tl.load(z_ptr + offs_n * groups + group, mask=mask_n, other=0.0)
@@ -55,8 +90,8 @@ def _dequantized_tile(w_ptr, s_ptr, z_ptr, k0, offs_n, N, K, groups, group_size,
 @triton.jit
 def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                       groups, group_size, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, ZERO_IS_MIN: tl.constexpr):  # fmt: skip
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      ZERO_IS_MIN: tl.constexpr, MMA_LAYOUT: tl.constexpr):  # fmt: skip
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -64,8 +99,9 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=(offs_m < M)[:, None] & (offs_k < K)[None, :], other=0.0)  # fmt: skip
-        w = _dequantized_tile(w_ptr, s_ptr, z_ptr, k0, offs_n, N, K, groups, group_size,
-                              x.dtype, BLOCK_K, BLOCK_N, ZERO_IS_MIN)  # fmt: skip
+        w = _dequantized_tile(w_ptr, s_ptr, z_ptr, k0, tl.program_id(1) * BLOCK_N, N, K, groups,
+                              group_size, x.dtype, BLOCK_K, BLOCK_N, ZERO_IS_MIN,
+                              MMA_LAYOUT)  # fmt: skip
         acc += tl.dot(x, w, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -75,18 +111,32 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_
 
 
 @triton.jit
+def _code(words, words_hi, j: tl.constexpr, MMA_LAYOUT: tl.constexpr):
+    """Code j of each word's 8 inputs (the small-batch kernel's words): bits 4j of kiln's word;
+    re-laid, bits 4 * (2 * k8 + 4 * k1) of word s' (j = 4s' + 2 * k8 + k1; n8 shifted out)."""
+    if MMA_LAYOUT:
+        if j < 4:
+            return (words >> (4 * (2 * ((j // 2) % 2) + 4 * (j % 2)))) & 0xF
+        return (words_hi >> (4 * (2 * ((j // 2) % 2) + 4 * (j % 2)))) & 0xF
+    return (words >> (4 * j)) & 0xF
+
+
+@triton.jit
 def _int4_small_batch_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, counter_ptr, M,
                              N, K, stride_xm, stride_ym, groups, group_size, k_per_split,
                              HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT: tl.constexpr,
-                             PRECISION: tl.constexpr, ZERO_IS_MIN: tl.constexpr):  # fmt: skip
+                             PRECISION: tl.constexpr, ZERO_IS_MIN: tl.constexpr,
+                             MMA_LAYOUT: tl.constexpr):  # fmt: skip
     """y = sum over groups of scale * (x . codes - zero * sum(x)): the codes (exact in any float
     dtype) meet the activations unscaled and each group's scale and zero apply once per tile
     step, with no per-code dequantization. Code j of every word (inputs 8w + j) is taken in
     turn, so words are never reshaped across threads. One row (DOT off) multiplies and adds in
     fp32 registers; 2-8 rows, padded to ROWS = 16, take tl.dot per j (K = BLOCK_K / 8 >= 16):
     on an H100 at 8 rows, 178 us a Llama-3.1-8B layer against 551 in registers. ZERO_IS_MIN
-    (GGUF's code * scale + min): y sums scale * (x . codes) + min * sum(x) instead."""
+    (GGUF's code * scale + min): y sums scale * (x . codes) + min * sum(x) instead.
+    MMA_LAYOUT: inputs 8w .. 8w + 7 of a row lie in two re-laid words (s' = 0, 1; an 8-byte
+    load), code j at nibble n8 + 2 * k8 + 4 * k1 of word s' (j = 4s' + 2 * k8 + k1)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_m = tl.arange(0, ROWS)
@@ -99,8 +149,19 @@ def _int4_small_batch_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr,
         # A row's BLOCK_K / 2 bytes of codes are contiguous: each row's words load together.
         offs_w = k0 // 8 + word_ks
         w_mask = offs_w < K // 8
-        words = tl.load(w_ptr + offs_n[:, None] * (K // 8) + offs_w[None, :],
-                        mask=mask_n[:, None] & w_mask[None, :], other=0)  # fmt: skip
+        w_tile_mask = mask_n[:, None] & w_mask[None, :]
+        if MMA_LAYOUT:
+            # [BLOCK_N, WORDS, s'] (the words of inputs 8w.. are two adjacent ones), each row's
+            # nibbles shifted down by 4 * n8 so that code j sits at the same bits in every row.
+            pair = _mma_words(8 * offs_w[None, :], offs_n[:, None], K)
+            pair = pair[:, :, None] + tl.arange(0, 2)[None, None, :]
+            both = tl.load(w_ptr + pair, mask=w_tile_mask[:, :, None], other=0)
+            both = both >> (4 * ((offs_n // 8) % 2))[:, None, None]
+            words, words_hi = tl.split(both)
+        else:
+            words = tl.load(w_ptr + offs_n[:, None] * (K // 8) + offs_w[None, :],
+                            mask=w_tile_mask, other=0)  # fmt: skip
+            words_hi = words
         x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_w[None, :] * 8
         x_mask = mask_m[:, None] & w_mask[None, :]
         x_sum = tl.zeros((ROWS, WORDS), dtype=tl.float32)
@@ -108,7 +169,7 @@ def _int4_small_batch_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr,
             dot = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
             for j in tl.static_range(8):
                 x = tl.load(x_rows + j, mask=x_mask, other=0.0)
-                codes = ((words >> (4 * j)) & 0xF).to(x.dtype)
+                codes = _code(words, words_hi, j, MMA_LAYOUT).to(x.dtype)
                 dot = tl.dot(codes, tl.trans(x), dot, input_precision=PRECISION)
                 x_sum += x.to(tl.float32)
         else:
@@ -116,7 +177,8 @@ def _int4_small_batch_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr,
             for j in tl.static_range(8):
                 # 2^23 + code as fp32 bits, minus 2^23: the code as a float without an int
                 # conversion instruction.
-                codes = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+                codes = _code(words, words_hi, j, MMA_LAYOUT)
+                codes = (codes | 0x4B000000).to(tl.float32, bitcast=True)
                 codes = codes - 8388608.0
                 x = tl.load(x_rows + j, mask=x_mask, other=0.0).to(tl.float32)
                 products += codes[:, None, :] * x[None, :, :]
@@ -155,7 +217,7 @@ def _small_batch_split(n: int, k: int, block_n: int, block_k: int, per_sm: int,
 
 def int4_linear(
     x: torch.Tensor,  # [M, K] fp16 / bf16 / fp32
-    qweight: torch.Tensor,  # [N, K / 8] int32
+    qweight: torch.Tensor | None,  # [N, K / 8] int32; None: only mma_weight holds the codes
     scales: torch.Tensor,  # [N, K / group_size] fp32
     zeros: torch.Tensor,  # [N, K / group_size] fp32
     bias: torch.Tensor | None = None,  # [N]
@@ -163,13 +225,21 @@ def int4_linear(
     mma_weight: torch.Tensor | None = None,  # int4_mma_layout.repack(qweight), where made
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """The sm_90 Gluon kernel (int4_gemm_hopper) where the codes come re-laid for it and it
-    applies(); this file's kernels otherwise."""
+    applies(); this file's kernels otherwise, over qweight, or over mma_weight (MMA_LAYOUT)
+    where a layer keeps only that copy. N is the scales' rows."""
     m, k = x.shape
-    n, groups = qweight.shape[0], scales.shape[1]
+    n, groups = scales.shape
     group_size = k // groups
-    if qweight.shape[1] * 8 != k or group_size * groups != k:
-        raise ValueError(f"int4_linear: x [*, {k}] against codes {tuple(qweight.shape)} and "
-                         f"{groups} groups")  # fmt: skip
+    weight = qweight if qweight is not None else mma_weight
+    if weight is None:
+        raise ValueError("int4_linear: no codes (qweight and mma_weight are both None)")
+    mma_layout = qweight is None
+    if mma_layout and k % K_STEP:
+        raise ValueError(f"int4_linear: re-laid codes need K a multiple of {K_STEP}, got {k}")
+    expected = (repacked_rows(n) // N_TILE, 2 * k) if mma_layout else (n, k // 8)
+    if tuple(weight.shape) != expected or group_size * groups != k:
+        raise ValueError(f"int4_linear: x [*, {k}] against codes {tuple(weight.shape)} "
+                         f"(expected {expected}) and {groups} groups")  # fmt: skip
     hopper = int4_gemm_hopper
     if mma_weight is not None and hopper is not None and hopper.applies(x, k, group_size):
         return hopper.int4_linear_mma(x, mma_weight, scales, zeros, bias, zero_is_min)
@@ -182,7 +252,7 @@ def int4_linear(
     if block_k < 16:
         raise ValueError(f"int4_linear: group size {group_size} is not a multiple of 16")
     bias_arg = bias if bias is not None else scales
-    args = (x, qweight, scales, zeros, bias_arg, y, m, n, k, x.stride(0), y.stride(0), groups,
+    args = (x, weight, scales, zeros, bias_arg, y, m, n, k, x.stride(0), y.stride(0), groups,
             group_size)  # fmt: skip
     if m <= SMALL_BATCH_ROWS:
         # Tiles from an H100 sweep over Llama-3.1-8B's projections (group 128): one row, 128
@@ -190,6 +260,7 @@ def int4_linear(
         block_k = math.gcd(group_size, 128) if groups > 1 else 128
         dot = m > 1 and block_k >= 128
         block_n, per_sm = (64, 4) if dot else (128, 8)
+        assert N_ALIGN % block_n == 0  # re-laid: whole 16-row tiles, inside the padded rows
         split = _small_batch_split(n, k, block_n, block_k, per_sm, x.device)
         per_split, num_splits = split_k.k_per_split(k, split, block_k)
         part = counters = y
@@ -197,18 +268,19 @@ def int4_linear(
             part = split_k.partials(num_splits, m, n, device=x.device)
             counters = split_k.counters(x.device)
         _int4_small_batch_kernel[(triton.cdiv(n, block_n), num_splits)](
-            x, qweight, scales, zeros, bias_arg, y, part, counters, m, n, k, x.stride(0),
+            x, weight, scales, zeros, bias_arg, y, part, counters, m, n, k, x.stride(0),
             y.stride(0), groups, group_size, per_split, HAS_BIAS=bias is not None,
             ROWS=16 if dot else triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
             SPLIT_K=num_splits, DOT=dot, PRECISION=dot_precision(x.dtype),
-            ZERO_IS_MIN=zero_is_min, num_warps=4, num_stages=3,
+            ZERO_IS_MIN=zero_is_min, MMA_LAYOUT=mma_layout, num_warps=4, num_stages=3,
         )  # fmt: skip
         return y
     block_m = 16 if m <= 16 else 64
     block_n = 64
+    assert N_ALIGN % block_n == 0  # re-laid: whole 16-row tiles, inside the padded rows
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int4_gemm_kernel[grid](
         *args, HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype), BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, ZERO_IS_MIN=zero_is_min,
+        BLOCK_N=block_n, BLOCK_K=block_k, ZERO_IS_MIN=zero_is_min, MMA_LAYOUT=mma_layout,
     )  # fmt: skip
     return y

@@ -2,7 +2,8 @@
 channel), activations in the model dtype. What GPTQ, AWQ and compressed-tensors `pack-quantized`
 checkpoints hold, read into this one layout by kiln.checkpoint.int4_formats; the weights stay
 packed on the device (a quarter of bf16's bytes) and are dequantized in the kernel's registers
-(ops.int4_linear)."""
+(ops.int4_linear). Where the sm_90 kernel runs, the codes are re-laid for it after loading and
+only that copy stays on the device (every int4_linear kernel reads it)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,25 @@ import torch
 from torch import nn
 
 from kiln.errors import ModelLoadError
-from kiln.kernels.int4_mma_layout import repack
+from kiln.kernels.int4_mma_layout import repack, unrepack
 from kiln.kernels.reference import pack_int4, unpack_int4
 from kiln.layers.linear import Linear, LinearMethod
 
 SYMMETRIC_ZERO = 8.0  # the zero point of symmetric int4 codes 0..15
 DUMMY_SCALE = 0.0025
+
+
+def relays_codes(device: torch.device, k: int, group_size: int) -> bool:
+    """Whether a layer's codes are re-laid for the sm_90 kernel after loading
+    (int4_gemm_hopper.usable: an sm_90 GPU, the kernel selected, K and the group size it takes).
+    A module-level function, so tests can run the re-laid path on the CPU."""
+    if device.type != "cuda":
+        return False
+    try:
+        from kiln.kernels.triton import int4_gemm_hopper
+    except ImportError:  # no triton, or one without Gluon
+        return False
+    return int4_gemm_hopper.usable(device, k, group_size)
 
 
 class Int4LinearMethod(LinearMethod):
@@ -31,7 +45,12 @@ class Int4LinearMethod(LinearMethod):
     and zeros (and the whole g_idx); a row-parallel rank its input columns: words [start / 8,
     ...), groups [start / group_size, ...) (per-channel scales whole), which must be whole
     groups, and a checkpoint's act-order (desc_act) is refused there (a rank's inputs would
-    scatter over every group)."""
+    scatter over every group).
+
+    Where relays_codes holds, process_weights_after_loading re-lays the codes for the sm_90
+    kernel (weight_mma [N_pad / 16, 2 * in], int4_mma_layout.repack) and drops the original:
+    weight stays a registered parameter (its name, place and device) but empty; what an engine
+    directory holds of it (engine_tensor) is unrepack(weight_mma), the same bytes."""
 
     def __init__(
         self, group_size: int, needs_zeros: bool = True, zero_is_min: bool = False
@@ -68,7 +87,7 @@ class Int4LinearMethod(LinearMethod):
         # A buffer, so that moving the layer moves the order too.
         layer.register_buffer("input_order", None, persistent=False)
         # The codes re-laid for the sm_90 kernel where it runs (not saved: an engine holds
-        # weight; kiln.kernels.int4_mma_layout).
+        # weight, engine_tensor; kiln.kernels.int4_mma_layout).
         layer.register_buffer("weight_mma", None, persistent=False)
         layer.bias = None
         if layer.has_bias:
@@ -149,18 +168,20 @@ class Int4LinearMethod(LinearMethod):
         self._relay_for_mma(layer)
 
     def _relay_for_mma(self, layer: Linear) -> None:
-        """On an sm_90 GPU where the Gluon kernel is selected, the codes re-laid for it too
-        (int4_mma_layout.repack; the original stay for the other kernels and the engine writer)."""
+        """The codes re-laid for the sm_90 kernel where relays_codes says so, and the original
+        layout dropped (one copy on the device; every kernel reads the re-laid one). Runs after
+        _order_inputs: the re-laid codes are the reordered ones."""
         weight = layer.weight.data
-        if not weight.is_cuda:
-            return
-        try:
-            from kiln.kernels.triton import int4_gemm_hopper
-        except ImportError:  # no triton, or one without Gluon
-            return
         k = layer.in_features
-        if int4_gemm_hopper.usable(weight.device, k, self.group_size or k):
-            layer.weight_mma = repack(weight)
+        if layer.weight_mma is not None or not relays_codes(weight.device, k, self.group_size or k):
+            return
+        layer.weight_mma = repack(weight)
+        layer.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
+
+    def engine_tensor(self, layer: Linear, name: str, param: torch.Tensor) -> torch.Tensor:
+        if name == "weight" and layer.weight_mma is not None:
+            return unrepack(layer.weight_mma, layer.out_features)
+        return param
 
     def _order_inputs(self, layer: Linear) -> None:
         """A checkpoint's act-order (g_idx): the inputs reordered so their groups are contiguous."""
@@ -183,8 +204,9 @@ class Int4LinearMethod(LinearMethod):
         x = x.reshape(-1, shape[-1])
         if layer.input_order is not None:
             x = x.index_select(1, layer.input_order)
+        codes = None if layer.weight_mma is not None else layer.weight  # re-laid: the only copy
         y = ops.int4_linear(
-            x, layer.weight, layer.weight_scales, layer.weight_zeros, layer.bias,
-            self.zero_is_min, mma_weight=layer.weight_mma,
+            x, codes, layer.weight_scales, layer.weight_zeros, layer.bias, self.zero_is_min,
+            mma_weight=layer.weight_mma,
         )  # fmt: skip
         return y.reshape(*shape[:-1], y.shape[-1])
