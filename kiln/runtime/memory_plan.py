@@ -286,6 +286,13 @@ def group_plans(
     )
 
 
+def resident_bytes(model: torch.nn.Module) -> int:
+    """A model's parameters, and its weights re-laid into buffers (INT4's codes for the sm_90
+    kernel, whose parameter is then left empty)."""
+    relaid = [b for name, b in model.named_buffers() if name.endswith(".weight_mma")]
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *relaid])
+
+
 def plan_kv_blocks(
     config: EngineConfig,
     model: CausalLM,
@@ -294,7 +301,7 @@ def plan_kv_blocks(
     kv_dtype: torch.dtype,
     draft_model: PlannedModel | None = None,
 ) -> MemoryPlan:
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = resident_bytes(model)
     expert_bytes = routed_expert_bytes(model)
     per_block = kv_bytes_per_block(model, config.block_size, kv_dtype)
     cfg = model.config
@@ -305,7 +312,7 @@ def plan_kv_blocks(
     if draft_model is not None:
         # Speculative decoding's draft: its weights, and a KV pool of as many blocks as the
         # target's (kiln.spec_decode.draft_model), so every target block costs both.
-        weight_bytes += sum(p.numel() * p.element_size() for p in draft_model.parameters())
+        weight_bytes += resident_bytes(draft_model)
         per_block += kv_bytes_per_block(draft_model, config.block_size, kv_dtype)
     activation = graph_reserve = non_torch = total = 0
     if device.type == "cuda":

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from kiln.runtime.memory_plan import GiB, MemoryPlan
+import torch
+from torch import nn
+
+from kiln.runtime.memory_plan import GiB, MemoryPlan, resident_bytes
 
 
 def _plan(budget_gib: float, num_blocks: int) -> MemoryPlan:
@@ -93,3 +96,14 @@ def test_hybrid_groups_count_windowed_layers_at_their_window() -> None:
     assert "sequences_that_fit" not in plan.as_dict()
     # A decode reads 8 layers' whole context and 40 layers' windows.
     assert plan.kv_bytes_read(131072) == 2 * 8 * 256 * (8 * 131072 + 40 * 1024)
+
+
+def test_resident_bytes_count_weights_relaid_into_buffers() -> None:
+    """INT4's codes re-laid for the sm_90 kernel live in a buffer, the parameter left empty:
+    the plan's weight bytes still count them, and no other buffer (rotary tables)."""
+    layer = nn.Linear(8, 4, bias=False)
+    layer.weight = nn.Parameter(torch.empty(0))
+    layer.register_buffer("weight_mma", torch.zeros(16, 4, dtype=torch.int32), persistent=False)
+    layer.register_buffer("cos_sin", torch.zeros(100))
+    model = nn.Sequential(layer)
+    assert resident_bytes(model) == 16 * 4 * 4
