@@ -22,6 +22,7 @@ from kiln.models.llama import LAYER_TENSOR_MAP
 from kiln.models.moe_blocks import (
     EXPERT_TENSOR_MAP,
     SparseMoeBlock,
+    cut_stacked_experts,
     expert_parameters,
     quantize_float8_experts,
 )
@@ -65,7 +66,7 @@ class GptOssForCausalLM(DecoderForCausalLM):
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         experts = quantize_float8_experts(_expert_tensors(weights), expert_parameters(self))
-        return super().adapt_hf_weights(experts)
+        return super().adapt_hf_weights(cut_stacked_experts(self, experts))
 
 
 def _expert_tensors(
