@@ -18,7 +18,6 @@ from kiln.layers.linear import Linear
 from kiln.layers.moe import FusedMoE
 from kiln.layers.moe_w8a16 import GROUP, quantize_experts_w8
 from kiln.layers.vocab_parallel import VocabParallelEmbedding
-
 from kiln.models.blocks import RopeAttention
 
 if TYPE_CHECKING:

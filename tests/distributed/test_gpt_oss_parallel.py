@@ -59,8 +59,10 @@ def gpt_oss(tmp_path_factory) -> dict[str, object]:
     ).eval()  # fmt: skip
     want, want_mxfp4 = hf_tokens(hf, PROMPTS), hf_tokens(dequantized, PROMPTS)
     engine = str(root / "experts_fp8")
-    options = BuildOptions(dtype="float32", quantization="fp8-dynamic", accuracy_check=False,
-                           max_model_len=256, unquantized_layers=("layers.*.self_attn.*",))  # fmt: skip
+    options = BuildOptions(
+        dtype="float32", quantization="fp8-dynamic", accuracy_check=False, max_model_len=256,
+        unquantized_layers=("layers.*.self_attn.*",),
+    )  # fmt: skip
     build_engine(source, engine, options, None)
     one = LLM(engine, **ENGINE)
     return {
