@@ -8,11 +8,12 @@ tests/models/test_gpt_oss.py's (sinks, alternating 8-token windows, q/k/v/o and 
 away from zero, the clamped SwiGLU, interleaved gate_up).
 
 Without processes: each rank's tensors are its cut of the one-process model's (float8 codes and
-scales quantized whole, then cut), and the ranks' block outputs sum to the whole block's (the
-down bias once). With 2 gloo processes: greedy tokens over 32 new tokens equal HF's in fp32,
-batched with 16-token steps (the 51-token prompt, past the window, in 4 chunks) and alone (from
-the prefix cache); float8 experts (an fp8-dynamic engine directory whose attention stays fp32)
-equal the one-process engine's tokens; the MXFP4 checkpoint (float8 at load) HF's dequantized.
+scales quantized whole, then cut; `kiln build -tp 2`'s rank shards too), and the ranks' block
+outputs sum to the whole block's (the down bias once). With 2 gloo processes: greedy tokens
+over 32 new tokens equal HF's in fp32, batched with 16-token steps (the 51-token prompt, past
+the window, in 4 chunks) and alone (from the prefix cache); float8 experts (an fp8-dynamic
+engine directory whose attention stays fp32) equal the one-process engine's tokens; the MXFP4
+checkpoint (float8 at load) HF's dequantized.
 A whole-model fp8-dynamic engine is not compared token for token: its row-parallel o_proj
 scales each rank's slice of the activations per token on its own (any family's, under TP)."""
 
@@ -152,6 +153,25 @@ def test_the_ranks_parts_sum_to_the_whole_block(gpt_oss, mode, quantization, mon
         parts = [rank.layers[0].mlp(reference, x, x.flip(0), norm, 1e-5)[0] for rank in ranks]
         torch.testing.assert_close(parts[0] + parts[1], want, atol=1e-5, rtol=1e-5)
         assert not torch.allclose(parts[0], want, atol=1e-3)  # each rank only a part
+
+
+def test_kiln_build_tp2_writes_each_rank_its_cut(gpt_oss, tmp_path) -> None:
+    """`kiln build -tp 2`: each rank's shard holds what that rank cuts when loading the whole
+    model (its heads' sinks, its experts' float8 slices), and loads without a cut."""
+    from kiln.builder.build import BuildOptions, build_engine
+
+    out = str(tmp_path / "engine")
+    options = BuildOptions(dtype="float32", quantization="fp8-dynamic", accuracy_check=False,
+                           max_model_len=256, tensor_parallel_size=2)  # fmt: skip
+    build_engine(gpt_oss["source"], out, options, None)
+    _, want = _models(gpt_oss["source"], False, "fp8-dynamic")
+    for r in range(2):
+        config = EngineConfig(model=out, dtype="float32", tensor_parallel_size=2)
+        ctx = ParallelContext(RankLayout(2, 1, r), None, None, None)
+        got = load_model(config, torch.device("cpu"), torch.float32, ctx).model
+        assert got.layers[0].self_attn.sinks.shape == (2,)
+        for (name, p), q in zip(got.named_parameters(), want[r].parameters()):
+            assert torch.equal(_bits(p.detach()), _bits(q.detach())), name
 
 
 # ---- two processes ---------------------------------------------------------------------------
