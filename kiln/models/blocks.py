@@ -118,6 +118,7 @@ class RopeAttention(nn.Module):
     # This rank's (k scales, v scales), one per KV head, once fold_kv_head_scales ran.
     folded_kv_head_scales: tuple[list[float], list[float]] | None = None
     kv_head_start: int = 0  # the first KV head of this rank's (tensor parallel) share
+    q_head_start: int = 0  # ... and its first query head
 
     def __init__(
         self,
@@ -153,7 +154,7 @@ class RopeAttention(nn.Module):
             assert full is not None, "under TP the layer is also given the whole model's config"
             hd, r = self.head_dim, ctx.tp_rank
             kv_start, _ = kv_head_range(full.num_key_value_heads, ctx.tp_size, r)
-            self.kv_head_start = kv_start
+            self.kv_head_start, self.q_head_start = kv_start, r * self.num_heads
             q_full, kv_full = full.num_attention_heads * hd, full.num_key_value_heads * hd
             kv_rows = (kv_start * hd, self.kv_size)
             qkv_split = TensorSplit(
@@ -188,10 +189,17 @@ class RopeAttention(nn.Module):
             self.q_norm = nn.Parameter(torch.ones(q_shape, dtype=dtype))
             self.k_norm = nn.Parameter(torch.ones(k_shape, dtype=dtype))
         # fp32 whatever the model's dtype: the kernels add them to fp32 scores. One per query
-        # head of this rank (a family with sinks cuts them under TP as the query heads).
+        # head of this rank (cut_sinks: under TP the rank's heads' of the whole model's).
         self.sinks: nn.Parameter | None = None
         if sinks:
             self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
+
+    def cut_sinks(self, sinks: torch.Tensor) -> torch.Tensor:
+        """This tensor rank's query heads' sinks of the whole model's [num_heads] (itself at
+        TP=1): each head's softmax takes its own sink, so they split as the heads do."""
+        if self.o_proj.split is None:
+            return sinks
+        return sinks.narrow(0, self.q_head_start, self.num_heads)
 
     def project_qkv(
         self,

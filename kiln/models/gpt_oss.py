@@ -6,7 +6,13 @@ whose experts have biases and a clamped SwiGLU, run by kiln.models.moe_blocks.Sp
 Its checkpoint stacks the experts already, transposed ([E, in, out]) and with gate and up
 interleaved column by column (gate_up_proj[..., ::2] is the gate); adapt_hf_weights turns them
 into FusedMoE's [gate; up] rows. OpenAI's MXFP4 experts arrive as float8 with a scale per output
-channel (kiln.checkpoint.fp4_formats.openai_mxfp4_tensors), in the same layout."""
+channel (kiln.checkpoint.fp4_formats.openai_mxfp4_tensors), in the same layout.
+
+Under tensor parallelism (vLLM's layout) the heads and their sinks split as the other families'
+heads (RopeAttention.cut_sinks), and the stacked experts, float8 ones quantized whole, are cut
+to the rank's part (kiln.layers.moe_parallel.ExpertShard: a slice of every expert's gate and up
+rows with their bias and scales and of its down columns, the down bias on the first rank; or
+whole experts under expert parallelism)."""
 
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from kiln.models.llama import LAYER_TENSOR_MAP
 from kiln.models.moe_blocks import (
     EXPERT_TENSOR_MAP,
     SparseMoeBlock,
+    cut_stacked_experts,
     expert_parameters,
     quantize_float8_experts,
 )
@@ -65,7 +72,7 @@ class GptOssForCausalLM(DecoderForCausalLM):
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         experts = quantize_float8_experts(_expert_tensors(weights), expert_parameters(self))
-        return super().adapt_hf_weights(experts)
+        return super().adapt_hf_weights(cut_stacked_experts(self, experts))
 
 
 def _expert_tensors(

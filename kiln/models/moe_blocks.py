@@ -36,7 +36,6 @@ from kiln.layers.quantization.int8 import Int8LinearMethod
 from kiln.layers.quantization.w8a16 import W8A16LinearMethod
 from kiln.models.blocks import GatedMLP, LinearMethodFactory, norm_then_project
 from kiln.models.config import ModelConfig
-from kiln.models.moe_config import PER_CHANNEL_EXPERTS
 
 # model.layers.L.<mlp or block_sparse_moe>.experts.E.<projection>.<weight, or a pre-quantized
 # checkpoint's scale: per channel, per tensor or per 128x128 block (weight_scale_inv: a
@@ -83,11 +82,6 @@ class SparseMoeBlock(nn.Module):
         # shared expert; their partial outputs are summed in one all-reduce (`reduce`).
         shard = rank_shard(ctx, cfg.num_experts, cfg.expert_range, cfg.moe_intermediate_size)
         per_channel = cfg.per_channel_experts
-        if shard is not None and (cfg.moe_bias or cfg.architecture in PER_CHANNEL_EXPERTS):
-            raise ModelLoadError(
-                f"{cfg.architecture} experts (biases, per-channel scales) run at "
-                "tensor_parallel_size=1 only: cutting them per rank is not built yet"
-            )
         self.reduce = None if shard is None else shard.ctx
         # transformers' sigmoid routers project in fp32: in bf16 a near tie of biased scores
         # would pick another expert.
@@ -363,6 +357,22 @@ def _cut_stacked(
         if match is not None and module is not None and module.shard is not None:
             tensor = module.shard.cut_stacked(match.group(2), tensor)
         yield name, tensor
+
+
+def cut_stacked_experts(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A family's experts that its adapter yields stacked and whole (gpt-oss's), float8 ones
+    quantized whole, cut to this rank's part under TP/EP (as adapt_expert_weights cuts each
+    expert): the float8 bytes and scales every rank holds equal the one-process model's.
+    `model`: a DecoderForCausalLM (its layer_start)."""
+    start = getattr(model, "layer_start", 0)
+    layers = {
+        start + int(name.split(".")[1]): module
+        for name, module in model.named_modules()
+        if isinstance(module, FusedMoE) and name.startswith("layers.")
+    }
+    return _cut_stacked(weights, layers)
 
 
 def quantize_float8_experts(

@@ -18,6 +18,7 @@ from kiln.layers.linear import Linear
 from kiln.layers.moe import FusedMoE
 from kiln.layers.moe_w8a16 import GROUP, quantize_experts_w8
 from kiln.layers.vocab_parallel import VocabParallelEmbedding
+from kiln.models.blocks import RopeAttention
 
 if TYPE_CHECKING:
     from kiln.models.decoder import DecoderForCausalLM, LayerTensorMap
@@ -167,6 +168,8 @@ def load_engine_weights(
             tensor = vocab.cut(tensor)
         elif (experts := _expert_owner(model, name)) is not None and experts.shard is not None:
             tensor = experts.shard.cut_stacked(name.rsplit(".", 1)[1], tensor)  # TP/EP
+        elif name.endswith(_SINKS):
+            tensor = _sinks_owner(model, name).cut_sinks(tensor)
         # An engine built with the head in the model dtype, loaded with a float8 head: the
         # head is quantized here (its scales too), as from a checkpoint.
         quantize_head = (
@@ -284,6 +287,15 @@ def _expert_owner(model: DecoderForCausalLM, name: str) -> FusedMoE | None:
     return module if isinstance(module, FusedMoE) else None
 
 
+_SINKS = ".self_attn.sinks"  # attention sinks (gpt-oss), one per query head: cut as the heads
+
+
+def _sinks_owner(model: DecoderForCausalLM, name: str) -> RopeAttention:
+    attention = model.get_submodule(name.removesuffix(".sinks"))
+    assert isinstance(attention, RopeAttention), f"{name}: sinks of a RopeAttention"
+    return attention
+
+
 def _copy_unsplit(
     model: DecoderForCausalLM, name: str, param: torch.Tensor, tensor: torch.Tensor, hf_name: str
 ) -> None:
@@ -291,6 +303,8 @@ def _copy_unsplit(
     owner = _vocab_owner(model, name)
     if isinstance(owner, VocabParallelEmbedding):
         tensor = owner.cut(tensor)
+    elif name.endswith(_SINKS):
+        tensor = _sinks_owner(model, name).cut_sinks(tensor)
     if tuple(param.shape) != tuple(tensor.shape):
         raise ModelLoadError(
             f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, "

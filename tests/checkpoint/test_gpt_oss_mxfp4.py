@@ -50,7 +50,12 @@ def pack_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.fixture(scope="module")
 def mxfp4(tmp_path_factory):
     """(the bf16 source's path, the MXFP4 checkpoint's path)."""
-    root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    return save_tiny_mxfp4(tmp_path_factory.mktemp("gpt_oss_mxfp4"))
+
+
+def save_tiny_mxfp4(root: Path) -> tuple[str, str]:
+    """The tiny gpt-oss in `root`/src and its experts rounded to MXFP4 and packed as OpenAI
+    ships them in `root`/mxfp4: (the source's path, the MXFP4 checkpoint's path)."""
     source, path = root / "src", root / "mxfp4"
     save_tiny_gpt_oss(str(source))
     shutil.copytree(source, path)

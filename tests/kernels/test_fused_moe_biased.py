@@ -1,7 +1,8 @@
 """The fused-MoE grouped GEMM's gpt-oss options against their twins under the interpreter at
 tiny shapes: experts' biases (the down bias before the routing weight), the clamped SwiGLU,
-float8 weights with a scale per output channel; and the clamped SwiGLU kernel alone against
-transformers' GptOssExperts activation on interleaved columns."""
+float8 weights with a scale per output channel, other ranks' experts (-1, expert parallelism)
+adding no bias; and the clamped SwiGLU kernel alone against transformers' GptOssExperts
+activation on interleaved columns."""
 
 from __future__ import annotations
 
@@ -95,3 +96,26 @@ def test_clamped_swiglu_equals_transformers_gate(dtype) -> None:
     got = triton_ops.clamped_swiglu(halves.to(DEVICE), 1.702, 7.0).cpu()
     tol = 1e-6 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.float(), want.float(), atol=tol * 7, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_experts_biases_come_from_its_rank_alone(dtype) -> None:
+    """Expert parallelism (gpt-oss): two ranks holding experts 0-1 and 2-3, other ranks' ids
+    -1. Each adds its own experts' down bias times their routing weight and nothing for
+    another's, so the two parts sum to the whole layer's output (each bias once)."""
+    (x, w13, w2, weights, ids), b13, b2 = _case(21, dtype)
+    kw = dict(w13_bias=b13, w2_bias=b2, swiglu=SWIGLU)
+    whole = reference.fused_moe(x, w13, w2, weights, ids, **kw).float()
+    parts = []
+    for first in (0, 2):
+        held = slice(first, first + 2)
+        local = torch.where((ids >= first) & (ids < first + 2), ids - first, -1)
+        args = (x, w13[held], w2[held], weights, local)
+        kw = dict(w13_bias=b13[held], w2_bias=b2[held], swiglu=SWIGLU)
+        got = triton_moe.fused_moe(*args, **kw).float()
+        want = reference.fused_moe(*args, **kw).float()
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got, want, atol=tol * whole.abs().max(), rtol=0)
+        parts.append(got)
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(parts[0] + parts[1], whole, atol=tol * whole.abs().max(), rtol=0)

@@ -1,9 +1,10 @@
 """gpt-oss against Hugging Face in fp32 (eager attention) on a tiny random checkpoint: attention
 sinks, q/k/v/o biases, alternating 8-token windows (every prompt but one is longer, and all
-grow past it), yarn rope, a biased router, experts with biases and the clamped SwiGLU (a limit
-the activations cross). Greedy tokens equal over 32 new tokens alone, batched, chunked,
-prefix-cached and preempted; float8 experts (a scale per output channel) within float8's
-noise; the memory plan counting every expert, bias and sink; the real presets' sizes."""
+grow past it), yarn rope, a biased router, experts with biases (away from transformers' zero
+init) and the clamped SwiGLU (a limit the activations cross). Greedy tokens equal over 32 new
+tokens alone, batched, chunked, prefix-cached and preempted; float8 experts (a scale per
+output channel) within float8's noise; the memory plan counting every expert, bias and sink;
+the real presets' sizes. Under TP and EP: tests/distributed/test_gpt_oss_parallel.py."""
 
 from __future__ import annotations
 
@@ -39,8 +40,18 @@ TINY_GPT_OSS = dict(
 )  # fmt: skip
 
 
+def perturb_gpt_oss(model: torch.nn.Module) -> None:
+    """Norms and biases off their init, the experts' [E, out] biases too (transformers starts
+    them at zero, where a bias cut or added twice under TP would go unseen)."""
+    perturb_norms_and_biases(model)
+    gen = torch.Generator().manual_seed(11)
+    for name, param in model.named_parameters():
+        if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+            param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+
+
 def save_tiny_gpt_oss(path: str) -> torch.nn.Module:
-    return save_tiny_hf(path, "gpt_oss", "GptOssForCausalLM", perturb=perturb_norms_and_biases,
+    return save_tiny_hf(path, "gpt_oss", "GptOssForCausalLM", perturb=perturb_gpt_oss,
                         **TINY_GPT_OSS)  # fmt: skip
 
 
