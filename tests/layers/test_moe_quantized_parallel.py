@@ -57,13 +57,17 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("moe_quantized_tp")
+def make_sources(root: Path) -> dict[str, Path]:
+    """The tiny fp32 checkpoints the cases are made from, by family."""
     made = {"qwen3_moe": root / "qwen3_moe", "mixtral": root / "mixtral"}
     save_tiny_hf(str(made["qwen3_moe"]), "qwen3_moe", "Qwen3MoeForCausalLM", **QWEN3_MOE_TP)
     save_tiny_hf(str(made["mixtral"]), "mixtral", "MixtralForCausalLM", **MIXTRAL_TP)
     return made
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    return make_sources(tmp_path_factory.mktemp("moe_quantized_tp"))
 
 
 def checkpoint(sources: dict[str, Path], case: str) -> tuple[str, str]:
