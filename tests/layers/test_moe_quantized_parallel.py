@@ -230,3 +230,26 @@ def test_act_order_experts_stay_refused_under_tensor_parallelism(tmp_path) -> No
     for ep in (False, True):
         with pytest.raises(ModelLoadError, match="desc_act"):
             _load(str(tmp_path / "gptq"), "none", 2, 0, ep)
+
+
+@pytest.mark.parametrize("case", ["int8_g128", "fp8_channel"])
+def test_kiln_build_tp2_writes_each_rank_its_experts_slice(sources, tmp_path, case) -> None:
+    """`kiln build -tp 2` rounding 8-bit experts: each rank's shard holds what that rank
+    rounds and cuts from the source itself (INT4 checkpoints load directly, unbuilt)."""
+    from kiln.builder.build import BuildOptions, build_engine
+
+    path, quantization = checkpoint(sources, case)
+    out = str(tmp_path / "engine")
+    options = BuildOptions(quantization=quantization, accuracy_check=False, max_model_len=256,
+                           tensor_parallel_size=2)  # fmt: skip
+    build_engine(path, out, options, None)
+    _, want = _models(path, quantization, False)
+    for r in range(2):
+        config = EngineConfig(model=out, dtype="float32", tensor_parallel_size=2)
+        ctx = ParallelContext(RankLayout(2, 1, r), None, None, None)
+        got = dict(load_model(config, torch.device("cpu"), torch.float32, ctx).model
+                   .named_parameters())  # fmt: skip
+        experts = [(k, p) for k, p in want[r].named_parameters() if ".experts." in k]
+        assert experts
+        for key, param in experts:
+            assert torch.equal(got[key].view(torch.uint8), param.view(torch.uint8)), key
