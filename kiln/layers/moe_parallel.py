@@ -78,7 +78,8 @@ class ExpertShard:
     intermediate columns (all of them under EP; all experts under TP). Cuts tensors named as
     the layer's parameters: w13_weight [.., 2 * width, hidden] ([gate; up] rows), w2_weight
     [.., hidden, width], their scales (one per expert, one per row, or one per row and 128
-    inputs: w2's by whole blocks of its columns) and biases (w13_bias
+    inputs: w2's by whole blocks of its columns; INT4's w2 words 8 columns each, its group
+    scales and zeros by whole groups, per-channel ones whole) and biases (w13_bias
     by rows; w2_bias, added after the sum, on the first tensor rank only under TP)."""
 
     ctx: ParallelContext
@@ -116,8 +117,12 @@ class ExpertShard:
             gate = tensor.narrow(d, start, length)
             up = tensor.narrow(d, self.full_width + start, length)
             return torch.cat([gate, up], dim=d)
-        if param == "w2_weight":
-            return tensor.narrow(d + 1, start, length)
+        if param == "w2_weight":  # INT4's int32 words hold 8 columns each (moe_int4.py)
+            per = 8 if tensor.dtype == torch.int32 else 1
+            return tensor.narrow(d + 1, start // per, length // per)
+        if param in ("w2_weight_scales", "w2_weight_zeros") and tensor.shape[d + 1] > 1:
+            group = self.full_width // tensor.shape[d + 1]  # INT4 groups, whole (create_weights)
+            return tensor.narrow(d + 1, start // group, length // group)
         if param == "w2_weight_scale" and tensor.dim() == d + 2:  # per 128 inputs: whole blocks
             if start % FP8_BLOCK:
                 raise ValueError(f"expert columns from {start} split a 128-wide scale block")

@@ -50,8 +50,12 @@ class W8A16MoEMethod(MoEMethod):
     scale; with `group_size` (GROUP, int8 only) [E, rows, inputs / 128]: each row's scale of
     each 128 inputs, the block-scaled float8 experts' layout (their decode GEMVs' variant; the
     weight-only grouped GEMM's ROW_BLOCKS). A model-dtype checkpoint's experts are rounded
-    per channel (or group) as they load (quantize_experts_w8). One rank only (TP and EP
-    refused by name); no biases or clamped SwiGLU (gpt-oss ships no 8-bit integer experts)."""
+    per channel (or group) as they load (quantize_experts_w8), each expert whole before a
+    tensor rank's cut. Under tensor parallelism a rank holds gate and up rows [start, start +
+    n) with their scales and down's input columns [start, start + n) (groups of 128: whole
+    ones only, refused by name otherwise); under expert parallelism whole experts
+    (kiln.layers.moe_parallel.ExpertShard). No biases or clamped SwiGLU (gpt-oss ships no
+    8-bit integer experts)."""
 
     def __init__(self, dtype: torch.dtype, group_size: int = 0) -> None:
         if group_size not in (0, GROUP):
@@ -63,11 +67,17 @@ class W8A16MoEMethod(MoEMethod):
         self.group_size = group_size
 
     def create_weights(self, layer: FusedMoE, dtype: torch.dtype | None) -> None:
-        if layer.shard is not None:
-            raise ModelLoadError(
-                "8-bit weight-only (INT8 / W8A16) experts run at tensor_parallel_size=1 without "
-                "expert parallelism: cutting them per rank is not built yet"
-            )
+        shard = layer.shard
+        if self.group_size and shard is not None and not shard.expert_parallel:
+            n = layer.intermediate_size
+            if n % GROUP:  # each rank's down inputs whole groups (its start too: rank * n)
+                raise ModelLoadError(
+                    f"8-bit experts in groups of {GROUP} under tensor_parallel_size="
+                    f"{shard.ctx.tp_size}: each rank's {n} of the experts' {shard.full_width} "
+                    f"down inputs (this rank's from {shard.columns[0]}) split a group of "
+                    f"{GROUP} inputs; each rank needs whole groups (another "
+                    "tensor_parallel_size, or --enable-expert-parallel)"
+                )
         if layer.has_bias or layer.swiglu is not None:
             raise ModelLoadError(
                 "8-bit weight-only experts with biases or a clamped SwiGLU are not supported"
@@ -102,6 +112,9 @@ class W8A16MoEMethod(MoEMethod):
     ) -> torch.Tensor:
         w13, w2, w13_scale, w2_scale = self.expert_weights(layer)
         args = (x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
-        if x.shape[0] <= MAX_DECODE_TOKENS:
+        # Expert parallelism's other ranks' ids (-1) take the grouped kernel at every size
+        # (the decode GEMVs read every id's expert).
+        remote = layer.shard is not None and layer.shard.expert_parallel
+        if x.shape[0] <= MAX_DECODE_TOKENS and not remote:
             return ops.fused_moe_decode(*args)
         return ops.fused_moe(*args)  # weight-only: the float8 tensor cores' path is W8A8

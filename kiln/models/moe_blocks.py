@@ -6,6 +6,7 @@ stacks the per-expert tensors Hugging Face saves into the experts' stacked param
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import ModuleType
@@ -27,7 +28,7 @@ from kiln.layers.moe import (
 )
 from kiln.layers.moe_fp8_block import Fp8BlockMoEMethod, quantize_experts_fp8_block
 from kiln.layers.moe_int4 import Int4MoEMethod
-from kiln.layers.moe_parallel import rank_shard
+from kiln.layers.moe_parallel import Quantize, rank_shard
 from kiln.layers.moe_w8a16 import GROUP, W8A16MoEMethod, quantize_experts_w8
 from kiln.layers.quantization.fp8 import Fp8LinearMethod
 from kiln.layers.quantization.fp8_block import Fp8BlockLinearMethod, rows_of
@@ -257,21 +258,20 @@ def adapt_expert_weights(
         module = layers.get(layer)
         if module is None or module.shard is None:  # another stage's layer
             return []
-        float8 = getattr(module, param, None) is not None and (
-            getattr(module, param).dtype == torch.float8_e4m3fn
-        )
         quantize = None
-        if float8 and whole.element_size() > 1:
-            block = getattr(module, f"{param}_scale").dim() == 3
-            quantize = quantize_experts_fp8_block if block else quantize_experts_fp8
+        if whole.element_size() > 1:  # a model-dtype expert into 8-bit experts: rounded whole
+            quantize = expert_rounding(getattr(module, param, None),
+                                       getattr(module, f"{param}_scale", None))  # fmt: skip
         return module.shard.keep(param, expert, whole, quantize)
 
-    if any(isinstance(m.method, Int4MoEMethod) for m in layers.values()):  # one rank (TP/EP
-        # refused by the method): the checkpoint's layout stacked as it is
+    sharded = any(m.shard is not None for m in layers.values())
+    if any(isinstance(m.method, Int4MoEMethod) for m in layers.values()):  # the checkpoint's
+        # layout stacked as it is (under TP/EP each expert's part: ExpertShard.cut_expert)
         int4 = _plain_g_idx(weights, layers)
-        return stack_expert_weights(int4, num_experts, parts, suffixes=INT4_SUFFIXES)
+        return stack_expert_weights(int4, num_experts, parts, keep if sharded else None,
+                                    suffixes=INT4_SUFFIXES)  # fmt: skip
     weights = expert_scale_rows(weights, layers, parts)
-    if not any(m.shard is not None for m in layers.values()):  # one rank: whole experts
+    if not sharded:  # one rank: whole experts
         return quantize_float8_experts(stack_expert_weights(weights, num_experts, parts), params)
     stacked = stack_expert_weights(_cut_stacked(weights, layers), num_experts, parts, keep)
     return quantize_float8_experts(stacked, params)
@@ -382,25 +382,29 @@ def quantize_float8_experts(
     `params` (the model's, by HF name) is float8 or int8: quantized, each followed by its
     scale (int8: per channel, W8A16MoEMethod's)."""
     for name, tensor in weights:
-        param = params.get(name)
-        eight_bit = param is not None and param.dtype in (torch.float8_e4m3fn, torch.int8)
-        if param is None or not eight_bit or tensor.element_size() == 1:
+        rounding = expert_rounding(params.get(name), params.get(f"{name}_scale"))
+        if rounding is None or tensor.element_size() == 1:
             yield name, tensor
             continue
-        scale_param = params.get(f"{name}_scale")
-        if param.dtype == torch.int8:  # per channel, or per GROUP inputs (3-D scales)
-            group = GROUP if scale_param is not None and scale_param.dim() == 3 else 0
-            codes, scale = quantize_experts_w8(tensor, torch.int8, group)
-            yield name, codes
-            yield f"{name}_scale", scale
-            continue
-        if scale_param is not None and scale_param.dim() == 3:  # 128x128 blocks
-            fp8, scale = quantize_experts_fp8_block(tensor)
-        else:
-            per_channel = scale_param is not None and scale_param.dim() == 2
-            fp8, scale = quantize_experts_fp8(tensor, per_channel)
-        yield name, fp8
+        codes, scale = rounding(tensor)
+        yield name, codes
         yield f"{name}_scale", scale
+
+
+def expert_rounding(param: torch.Tensor | None, scale: torch.Tensor | None) -> Quantize | None:
+    """How a model-dtype expert tensor rounds into 8-bit expert parameter `param` given its
+    `scale` parameter's shape: int8 per channel or per GROUP inputs (3-D scales), float8 per
+    128x128 block (3-D), per channel (2-D) or per expert; None for any other parameter."""
+    if param is None or param.dtype not in (torch.float8_e4m3fn, torch.int8):
+        return None
+    scale_dims = 0 if scale is None else scale.dim()
+    if param.dtype == torch.int8:
+        return functools.partial(
+            quantize_experts_w8, dtype=torch.int8, group_size=GROUP if scale_dims == 3 else 0
+        )
+    if scale_dims == 3:
+        return quantize_experts_fp8_block
+    return functools.partial(quantize_experts_fp8, per_channel=scale_dims == 2)
 
 
 # The experts' stacked parameters, loaded whole (as stack_expert_weights names them).

@@ -49,6 +49,8 @@ QWEN2_MOE.pop("head_dim")
 # format -> (group size, symmetric)
 FORMATS = {"gptq": (128, True), "awq": (64, False), "ct": (128, True), "ct_asym": (32, False),
            "gptq_g32": (32, False)}  # fmt: skip
+# Per output channel (group 0: one group of every input; tests/distributed's TP / EP tests).
+CHANNEL_FORMATS = {"gptq_channel": (0, False), "ct_channel": (0, True)}
 
 
 def _make() -> ModuleType:
@@ -64,10 +66,10 @@ def _make() -> ModuleType:
 def _quantize(fmt: str, name: str, w: torch.Tensor, desc_act: bool = False):
     """`name`'s tensors in `fmt` and the weight they dequantize to, exactly."""
     make = _make()
-    group, sym = FORMATS[fmt]
+    group, sym = {**FORMATS, **CHANNEL_FORMATS}[fmt]
     prefix = name.removesuffix(".weight")
     k = w.shape[1]
-    g_idx = torch.arange(k) // group
+    g_idx = torch.arange(k) // (group or k)
     if desc_act:
         g_idx = g_idx[torch.randperm(k, generator=torch.Generator().manual_seed(2))]
     codes, scales, zeros = make.rtn(w.float(), sym, g_idx)
@@ -97,15 +99,17 @@ def _quantize(fmt: str, name: str, w: torch.Tensor, desc_act: bool = False):
 
 
 def _config(fmt: str, desc_act: bool) -> dict:
-    group, sym = FORMATS[fmt]
+    group, sym = {**FORMATS, **CHANNEL_FORMATS}[fmt]
     if fmt.startswith("gptq"):
-        return dict(quant_method="gptq", bits=4, group_size=group, sym=sym, desc_act=desc_act,
-                    checkpoint_format="gptq", true_sequential=True, damp_percent=0.01)  # fmt: skip
+        return dict(quant_method="gptq", bits=4, group_size=group or -1, sym=sym,
+                    desc_act=desc_act, checkpoint_format="gptq", true_sequential=True,
+                    damp_percent=0.01)  # fmt: skip
     if fmt == "awq":
         return dict(quant_method="awq", bits=4, group_size=group, zero_point=True, version="gemm",
                     modules_to_not_convert=None)  # fmt: skip
-    weights = dict(num_bits=4, type="int", symmetric=sym, strategy="group", group_size=group,
-                   dynamic=False, actorder=None, observer="minmax")  # fmt: skip
+    weights = dict(num_bits=4, type="int", symmetric=sym, strategy="group" if group else "channel",
+                   group_size=group or None, dynamic=False, actorder=None,
+                   observer="minmax")  # fmt: skip
     return dict(
         quant_method="compressed-tensors", format="pack-quantized",
         config_groups={"group_0": dict(targets=["Linear"], weights=weights,
@@ -224,20 +228,6 @@ def test_act_order_experts_are_refused(source, tmp_path):
     write_int4(source, tmp_path / "gptq", "gptq_g32", desc_act=True)
     with pytest.raises(ModelLoadError, match="desc_act"):
         LLM(str(tmp_path / "gptq"), **ARGS)
-
-
-def test_int4_experts_under_tensor_or_expert_parallelism_are_refused(source, tmp_path):
-    from kiln.config import EngineConfig
-    from kiln.distributed.parallel_state import ParallelContext, RankLayout
-    from kiln.runtime.model_loader import load_model
-
-    write_int4(source, tmp_path / "ct", "ct")
-    for ep in (False, True):
-        config = EngineConfig(model=str(tmp_path / "ct"), dtype="float32", tensor_parallel_size=2,
-                              enable_expert_parallel=ep)  # fmt: skip
-        ctx = ParallelContext(RankLayout(2, 1, 0), None, None, None, expert_parallel=ep)
-        with pytest.raises(ModelLoadError, match="tensor_parallel_size=1"):
-            load_model(config, torch.device("cpu"), torch.float32, ctx)
 
 
 def test_dummy_int4_experts_run_at_their_dummy_scales(source) -> None:

@@ -8,7 +8,7 @@ undone with shifts, not kiln's reader): greedy tokens equal over 32 new tokens, 
 batched, prompts long enough that prefill runs the grouped path and decode the GEMVs. Also a
 Mixtral and a model-dtype checkpoint under quantization="int8-w8a16-channel", rounded here as
 kiln rounds its experts, W8A16 in groups of 128 (llm-compressor's W8A16 preset), and the
-refusals (float8 or other groups, TP / EP)."""
+refusals (float8 or other groups; TP / EP: tests/layers/test_moe_quantized_parallel.py)."""
 
 from __future__ import annotations
 
@@ -185,19 +185,6 @@ def test_float8_groups_or_other_groups_of_experts_are_refused_by_name(tmp_path, 
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=f"{scheme}.*mixture-of-experts"):
         LLM(str(path), **ARGS)
-
-
-def test_int8_experts_under_tensor_or_expert_parallelism_are_refused() -> None:
-    from kiln.config import EngineConfig
-    from kiln.distributed.parallel_state import ParallelContext, RankLayout
-    from kiln.runtime.model_loader import load_model
-
-    for ep in (False, True):
-        config = EngineConfig(model=str(DATA / "ct_w8a16"), dtype="float32",
-                              tensor_parallel_size=2, enable_expert_parallel=ep)  # fmt: skip
-        ctx = ParallelContext(RankLayout(2, 1, 0), None, None, None, expert_parallel=ep)
-        with pytest.raises(ModelLoadError, match="tensor_parallel_size=1"):
-            load_model(config, torch.device("cpu"), torch.float32, ctx)
 
 
 @pytest.mark.parametrize("quantization", ["int8-w8a16-channel", "int8-w8a16-g128", "int8-w8a8"])
