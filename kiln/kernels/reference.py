@@ -570,22 +570,29 @@ def add_rms_norm_qkv_rotary_write_kv(
 
 def qk_norm_rotary_write_kv(
     qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]: a fused qkv projection's output
-    q_norm_weight: torch.Tensor,  # [head_dim]
-    k_norm_weight: torch.Tensor,  # [head_dim]
+    q_norm_weight: torch.Tensor,  # [head_dim], or [num_heads, head_dim]: a row per head
+    k_norm_weight: torch.Tensor,  # [head_dim], or [num_kv_heads, head_dim]
     eps: float,
     positions: torch.Tensor,  # [num_tokens] int64
-    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim] fp32
+    cos_sin_cache: torch.Tensor,  # [max_positions, rotary_dim] fp32
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    layer_norm: bool = False,  # each head LayerNormed (head_layer_norm)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]: the rotated query
     """What follows the qkv projection of an attention with a per-head q/k RMSNorm (Qwen3,
     OLMo 2): each query and key head rms_norm'ed over head_dim with its own weights, then
     rotary_embedding_write_kv. Rounded as transformers' Qwen3Attention: the norm as rms_norm,
-    then the rotation in fp32 back to the input dtype."""
-    query, key, value = split_qkv_heads(qkv, cos_sin_cache.shape[1], k_cache.shape[2])
-    query = rms_norm(query, q_norm_weight, eps)
-    key = rms_norm(key, k_norm_weight, eps)
+    then the rotation in fp32 back to the input dtype. `layer_norm`: each head
+    head_layer_norm'ed instead (Cohere's use_qk_norm, StableLM 2 12B's qk_layernorm); a table
+    narrower than head_dim rotates the first dims only (partial rotary)."""
+    query, key, value = split_qkv_heads(qkv, k_cache.shape[3], k_cache.shape[2])
+    if layer_norm:
+        query = head_layer_norm(query, q_norm_weight, eps)
+        key = head_layer_norm(key, k_norm_weight, eps)
+    else:
+        query = rms_norm(query, q_norm_weight, eps)
+        key = rms_norm(key, k_norm_weight, eps)
     return rotary_embedding_write_kv(
         positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping
     )
@@ -840,7 +847,7 @@ def head_layer_norm(
 ) -> torch.Tensor:
     """LayerNorm of each head over head_dim, without bias, scaled by that head's weights,
     computed in fp32 and rounded once to the input dtype: the q/k norms of Cohere (use_qk_norm)
-    and StableLM 2 12B (qk_layernorm). Every path runs this (no fused kernel: two families)."""
+    and StableLM 2 12B (qk_layernorm); the GPU runs it inside qk_norm_rotary_write_kv."""
     normed = F.layer_norm(x.float(), (x.shape[-1],), None, None, eps)
     return (normed * weight.float()).to(x.dtype)
 
