@@ -31,7 +31,6 @@ QK_NORM_LAYER_TENSOR_MAP: LayerTensorMap = {
 
 class LayerNormDecoderForCausalLM(DecoderForCausalLM):
     has_norm_bias: ClassVar[bool] = False  # the norms have biases (StableLM's nn.LayerNorm)
-    supports_smoothing = False  # see DecoderForCausalLM
     norm_bias: nn.Parameter | None
 
     def __init__(
