@@ -93,12 +93,9 @@ def norm_then_project(
         x = x if x_norm_weight is None else ops.rms_norm(x, x_norm_weight, eps)
         rows = x.reshape(-1, x.shape[-1])
         x_int8, scale, summed = ops.add_rms_norm_quant_int8(
-            rows,
-            None if residual is None else residual.reshape(rows.shape),
-            norm_weight,
-            eps,
+            rows, None if residual is None else residual.reshape(rows.shape), norm_weight, eps,
             **flavour,
-        )
+        )  # fmt: skip
         y = layer.apply_int8(ops, x_int8, scale, x.dtype)
         return y.reshape(*x.shape[:-1], layer.out_features), summed.reshape(x.shape)
     if residual is None:

@@ -3,7 +3,8 @@ attention backend (TRITON_INTERPRET=1 without a GPU), end to end: every norm run
 kernels' LayerNorm flavour (the residual add fused in; quantizing where the projection takes
 float8), the per-head q/k LayerNorm inside the q/k-norm + rotary kernel, and no reference
 LayerNorm on that path. Greedy tokens equal Hugging Face's in fp32 (prompts in chunks beside
-decodes); FP8 W8A8 and the float8 KV cache take the quantizing norm entries, as Llama's do."""
+decodes); FP8 W8A8, W8A8 INT8 and the float8 KV cache take the quantizing norm entries, as
+Llama's do."""
 
 from __future__ import annotations
 
@@ -109,20 +110,31 @@ def test_triton_layer_norm_families_equal_hf(variant: str, tmp_path, monkeypatch
     assert seen[("fused_add_rms_norm", True)] == forwards * (layers if parallel else 2 * layers)
 
 
-@pytest.mark.parametrize("variant", ["cohere", "stablelm_12b", "starcoder2"])
-def test_fp8_and_float8_kv_take_the_quantizing_layer_norms(
-    variant: str, tmp_path, monkeypatch
+QUANTIZED = {
+    "fp8-dynamic": ("add_rms_norm_quant_fp8", torch.float8_e4m3fn),
+    "int8-w8a8": ("add_rms_norm_quant_int8", torch.int8),
+}
+
+
+@pytest.mark.parametrize(
+    ("variant", "quantization"),
+    [("cohere", "fp8-dynamic"), ("stablelm_12b", "fp8-dynamic"),
+     ("starcoder2", "fp8-dynamic"), ("stablelm", "int8-w8a8"), ("cohere", "int8-w8a8")],
+)  # fmt: skip
+def test_quantized_projections_take_the_quantizing_layer_norms(
+    variant: str, quantization: str, tmp_path, monkeypatch
 ) -> None:
-    """FP8 W8A8 (dynamic scales) and a float8 KV cache through the Triton path: every
-    projection after a norm reads the quantizing LayerNorm's float8 rows (no model-dtype norm
-    but the final one), and the tokens stay those of the reference ops' FP8 forward within
-    float8's noise."""
+    """FP8 W8A8 (dynamic scales) or W8A8 INT8, and a float8 KV cache, through the Triton path:
+    every projection after a norm reads the quantizing LayerNorm's float8 (int8) rows (no
+    model-dtype norm but the final one), and the tokens' logprobs stay within float8's noise
+    of the reference ops' run."""
+    entry, weight_dtype = QUANTIZED[quantization]
     path = str(tmp_path / "src")
     _save(variant, path)
-    llm = triton_chunked_llm(path, dtype="float32", quantization="fp8-dynamic",
+    llm = triton_chunked_llm(path, dtype="float32", quantization=quantization,
                              kv_cache_dtype="fp8")  # fmt: skip
     layer = llm.engine.executor.runner.model.layers[0]
-    assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    assert layer.self_attn.qkv_proj.weight.dtype == weight_dtype
     assert llm.engine.executor.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
     seen = _record(monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
@@ -130,15 +142,14 @@ def test_fp8_and_float8_kv_take_the_quantizing_layer_norms(
     monkeypatch.undo()
     cpu = LLM(path, block_size=4, max_num_batched_tokens=12, max_num_seqs=4,
               kv_cache_memory_gb=0.01, device="cpu", enforce_eager=True, dtype="float32",
-              quantization="fp8-dynamic", kv_cache_dtype="fp8")  # fmt: skip
+              quantization=quantization, kv_cache_dtype="fp8")  # fmt: skip
     assert cpu.engine.executor.runner.backend.name == "torch"
     # The bound the Llama float8 paths are held to (family_checks.check_fp8_close).
     gaps = generated_logprob_gaps(got, cpu.generate(PROMPTS, params))
     assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
-    assert seen[("add_rms_norm_quant_fp8", True)] > 0, seen
     # The model-dtype LayerNorm only as the final norm: one a forward, beside the quantizing
-    # entries' (each layer's one or two, parallel MLPs re-reading the stream).
+    # entries (two a layer: parallel MLPs re-read the stream).
     forwards = seen[("fused_add_rms_norm", True)]
     layers = llm.engine.executor.runner.model.config.num_hidden_layers
-    assert seen[("add_rms_norm_quant_fp8", True)] == 2 * layers * forwards, seen
+    assert forwards > 0 and seen[(entry, True)] == 2 * layers * forwards, seen
     assert not seen[("rms_norm", True)], seen
