@@ -384,8 +384,14 @@ def rms_norm(
     x: torch.Tensor,  # [num_tokens, hidden]
     weight: torch.Tensor,  # [hidden]
     eps: float,
+    bias: torch.Tensor | None = None,  # [hidden], the LayerNorm flavour's
+    layer_norm: bool = False,  # layer_norm(x, weight, bias) instead
 ) -> torch.Tensor:
-    """Transformers' LlamaRMSNorm, bit for bit: normalise in fp32, scale in the input dtype."""
+    """Transformers' LlamaRMSNorm, bit for bit: normalise in fp32, scale in the input dtype.
+    `layer_norm`: the LayerNorm flavour the same kernels compute (StableLM, Cohere)."""
+    if layer_norm:
+        return _layer_norm(x, weight, bias, eps)
+    assert bias is None, "a norm bias is the LayerNorm flavour's"
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -398,11 +404,13 @@ def fused_add_rms_norm(
     weight: torch.Tensor,
     eps: float,
     x_norm_weight: torch.Tensor | None = None,  # [hidden]: x is RMS-normed by it first
+    bias: torch.Tensor | None = None,  # [hidden], the LayerNorm flavour's
+    layer_norm: bool = False,  # the norm is layer_norm(..., weight, bias)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual): the residual stream and the next input.
     With x_norm_weight, x is first rms_norm(x, x_norm_weight) (sandwich_input)."""
     summed = sandwich_input(x, x_norm_weight, eps) + residual
-    return rms_norm(summed, weight, eps), summed
+    return rms_norm(summed, weight, eps, bias, layer_norm), summed
 
 
 def sandwich_input(
@@ -422,12 +430,14 @@ def _add_norm(
     norm_weight: torch.Tensor,
     eps: float,
     x_norm_weight: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+    layer_norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x' + residual), x' + residual), x' = sandwich_input(x); no residual: x'."""
     if residual is None:
         summed = sandwich_input(x, x_norm_weight, eps)
-        return rms_norm(summed, norm_weight, eps), summed
-    return fused_add_rms_norm(x, residual, norm_weight, eps, x_norm_weight)
+        return rms_norm(summed, norm_weight, eps, bias, layer_norm), summed
+    return fused_add_rms_norm(x, residual, norm_weight, eps, x_norm_weight, bias, layer_norm)
 
 
 def rotary_embedding(
@@ -560,22 +570,29 @@ def add_rms_norm_qkv_rotary_write_kv(
 
 def qk_norm_rotary_write_kv(
     qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]: a fused qkv projection's output
-    q_norm_weight: torch.Tensor,  # [head_dim]
-    k_norm_weight: torch.Tensor,  # [head_dim]
+    q_norm_weight: torch.Tensor,  # [head_dim], or [num_heads, head_dim]: a row per head
+    k_norm_weight: torch.Tensor,  # [head_dim], or [num_kv_heads, head_dim]
     eps: float,
     positions: torch.Tensor,  # [num_tokens] int64
-    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim] fp32
+    cos_sin_cache: torch.Tensor,  # [max_positions, rotary_dim] fp32
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    layer_norm: bool = False,  # each head LayerNormed (head_layer_norm)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]: the rotated query
     """What follows the qkv projection of an attention with a per-head q/k RMSNorm (Qwen3,
     OLMo 2): each query and key head rms_norm'ed over head_dim with its own weights, then
     rotary_embedding_write_kv. Rounded as transformers' Qwen3Attention: the norm as rms_norm,
-    then the rotation in fp32 back to the input dtype."""
-    query, key, value = split_qkv_heads(qkv, cos_sin_cache.shape[1], k_cache.shape[2])
-    query = rms_norm(query, q_norm_weight, eps)
-    key = rms_norm(key, k_norm_weight, eps)
+    then the rotation in fp32 back to the input dtype. `layer_norm`: each head
+    head_layer_norm'ed instead (Cohere's use_qk_norm, StableLM 2 12B's qk_layernorm); a table
+    narrower than head_dim rotates the first dims only (partial rotary)."""
+    query, key, value = split_qkv_heads(qkv, k_cache.shape[3], k_cache.shape[2])
+    if layer_norm:
+        query = head_layer_norm(query, q_norm_weight, eps)
+        key = head_layer_norm(key, k_norm_weight, eps)
+    else:
+        query = rms_norm(query, q_norm_weight, eps)
+        key = rms_norm(key, k_norm_weight, eps)
     return rotary_embedding_write_kv(
         positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping
     )
@@ -702,11 +719,13 @@ def add_rms_norm_quant_fp8(
     input_scale: torch.Tensor | None,  # [] fp32 static per-tensor scale; None: per row
     channels: torch.Tensor | None = None,  # [n] int64: append these columns' remainders
     x_norm_weight: torch.Tensor | None = None,  # [hidden]: x RMS-normed by it before the add
+    bias: torch.Tensor | None = None,  # [hidden], the LayerNorm flavour's
+    layer_norm: bool = False,  # the norm is layer_norm(..., weight, bias)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(quantize_fp8 of rms_norm(x + residual): float8 rows and their scale, x + residual): an
     FP8 projection's input straight from the norm (with no residual, summed is x); x is
     sandwich_input(x) with x_norm_weight."""
-    normed, summed = _add_norm(x, residual, weight, eps, x_norm_weight)
+    normed, summed = _add_norm(x, residual, weight, eps, x_norm_weight, bias, layer_norm)
     x_fp8, scale = quantize_fp8(normed, input_scale, channels)
     return x_fp8, scale, summed
 
@@ -806,7 +825,15 @@ def layer_norm(
 ) -> torch.Tensor:
     """LayerNorm (mean subtracted, then scaled and shifted) computed in fp32 and rounded once to
     the input dtype: transformers' CohereLayerNorm, and nn.LayerNorm as the GPU computes it
-    (StableLM). The GPU runs this too (no fused kernel: the LayerNorm families are few)."""
+    (StableLM). The GPU runs it as the LayerNorm flavour of the RMSNorm kernels (rms_norm's
+    `layer_norm`)."""
+    return _layer_norm(x, weight, bias, eps)
+
+
+def _layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """layer_norm's arithmetic, under a name rms_norm's `layer_norm` flag leaves free."""
     out = F.layer_norm(
         x.float(), (x.shape[-1],), weight.float(), None if bias is None else bias.float(), eps
     )
@@ -820,7 +847,7 @@ def head_layer_norm(
 ) -> torch.Tensor:
     """LayerNorm of each head over head_dim, without bias, scaled by that head's weights,
     computed in fp32 and rounded once to the input dtype: the q/k norms of Cohere (use_qk_norm)
-    and StableLM 2 12B (qk_layernorm). Every path runs this (no fused kernel: two families)."""
+    and StableLM 2 12B (qk_layernorm); the GPU runs it inside qk_norm_rotary_write_kv."""
     normed = F.layer_norm(x.float(), (x.shape[-1],), None, None, eps)
     return (normed * weight.float()).to(x.dtype)
 
@@ -934,13 +961,12 @@ def add_rms_norm_quant_int8(
     residual: torch.Tensor | None,  # [M, hidden], or None: no residual to add
     weight: torch.Tensor,  # [hidden]
     eps: float,
+    bias: torch.Tensor | None = None,  # [hidden], the LayerNorm flavour's
+    layer_norm: bool = False,  # the norm is layer_norm(..., weight, bias)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # ([M, hidden] int8, [M, 1] fp32, sum)
     """(quantize_int8 of rms_norm(x + residual): int8 rows and their scales, x + residual): a
     W8A8 INT8 projection's input straight from the norm (with no residual, summed is x)."""
-    if residual is None:
-        normed, summed = rms_norm(x, weight, eps), x
-    else:
-        normed, summed = fused_add_rms_norm(x, residual, weight, eps)
+    normed, summed = _add_norm(x, residual, weight, eps, None, bias, layer_norm)
     codes, scale = quantize_int8(normed)
     return codes, scale, summed
 

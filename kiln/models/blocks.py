@@ -57,18 +57,25 @@ def norm_then_project(
     norm_weight: torch.Tensor | None,
     eps: float,
     x_norm_weight: torch.Tensor | None = None,  # [K]: x RMS-normed by it before the add
+    norm_bias: torch.Tensor | None = None,  # [K]: the LayerNorm's bias
+    layer_norm: bool = False,  # the norm is a LayerNorm (reference.layer_norm)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (layer(rms_norm(x + residual)), x + residual)
     """A column-parallel projection of the normed stream in the fewest kernels its method
     allows: one fused op given its operands; else, for a method taking float8 (int8) input,
     the norm that quantizes, then apply_fp8 (apply_int8); else the norm, then apply.
     `norm_weight` None: no norm (OLMo 2's blocks read the stream itself; parallel blocks one
     norm made before). `x_norm_weight`: x joins the stream RMS-normed by it (a sandwich layer's
-    block output, reference.sandwich_input), inside the same kernels."""
+    block output, reference.sandwich_input), inside the same kernels. `layer_norm`: the norm
+    kernels' LayerNorm flavour (with `norm_bias`); the one-row norm + projection kernels take
+    RMSNorm only (they scale the dot product by its one scalar a row), so a LayerNorm runs as
+    its own fused add + norm (or quantizing norm) kernel before the projection."""
     if norm_weight is None:
         x = x if x_norm_weight is None else ops.rms_norm(x, x_norm_weight, eps)
         summed = x if residual is None else x + residual
         return layer(ops, summed), summed
-    operands = layer.method.fused_operands(layer)
+    # The flavour's arguments only when set: the RMSNorm calls stay as they were.
+    flavour: dict[str, object] = {"bias": norm_bias, "layer_norm": True} if layer_norm else {}
+    operands = None if layer_norm else layer.method.fused_operands(layer)
     if operands is not None:
         return ops.add_rms_norm_linear(
             x, residual, norm_weight, eps, *operands, x_norm_weight=x_norm_weight
@@ -78,7 +85,7 @@ def norm_then_project(
         rows = x.reshape(-1, x.shape[-1])
         x_fp8, scale, summed = ops.add_rms_norm_quant_fp8(
             rows, None if residual is None else residual.reshape(rows.shape), norm_weight, eps,
-            into.static_scale, into.channels, x_norm_weight=x_norm_weight,
+            into.static_scale, into.channels, x_norm_weight=x_norm_weight, **flavour,
         )  # fmt: skip
         y = layer.apply_fp8(ops, x_fp8, scale, x.dtype)
         return y.reshape(*x.shape[:-1], layer.out_features), summed.reshape(x.shape)
@@ -86,15 +93,18 @@ def norm_then_project(
         x = x if x_norm_weight is None else ops.rms_norm(x, x_norm_weight, eps)
         rows = x.reshape(-1, x.shape[-1])
         x_int8, scale, summed = ops.add_rms_norm_quant_int8(
-            rows, None if residual is None else residual.reshape(rows.shape), norm_weight, eps
-        )
+            rows, None if residual is None else residual.reshape(rows.shape), norm_weight, eps,
+            **flavour,
+        )  # fmt: skip
         y = layer.apply_int8(ops, x_int8, scale, x.dtype)
         return y.reshape(*x.shape[:-1], layer.out_features), summed.reshape(x.shape)
     if residual is None:
         x = x if x_norm_weight is None else ops.rms_norm(x, x_norm_weight, eps)
-        normed, summed = ops.rms_norm(x, norm_weight, eps), x
+        normed, summed = ops.rms_norm(x, norm_weight, eps, **flavour), x
     else:
-        normed, summed = ops.fused_add_rms_norm(x, residual, norm_weight, eps, x_norm_weight)
+        normed, summed = ops.fused_add_rms_norm(
+            x, residual, norm_weight, eps, x_norm_weight, **flavour
+        )
     return layer(ops, normed), summed
 
 
@@ -210,19 +220,22 @@ class RopeAttention(nn.Module):
         eps: float,
         kv_cache: KVCache,
         x_norm_weight: torch.Tensor | None = None,  # x RMS-normed by it before the add
+        norm_bias: torch.Tensor | None = None,  # norm_then_project's LayerNorm flavour
+        layer_norm: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, heads, head_dim], x + residual)
         """The attention block up to attending: norm, qkv projection, (q/k norm,) rotary, and
-        this step's keys and values into the cache. Returns the rotated query. `x_norm_weight`:
-        norm_then_project's (the layer before's output norm, folded into this entry)."""
+        this step's keys and values into the cache. Returns the rotated query. `x_norm_weight`,
+        `norm_bias`, `layer_norm`: norm_then_project's (the layer before's output norm, folded
+        into this entry; the LayerNorm flavour)."""
         ops, (k_cache, v_cache) = step.ops, kv_cache
         slots = step.metadata.slot_mapping
         table = step.cos_sin_cache if self.rope_table is None else step.rope_tables[self.rope_table]
-        composed = self.full_qk_norm or self.head_layer_norm or norm_weight is None
-        if self.rotary_dim != self.head_dim or composed:
+        if self.full_qk_norm:
             return self._project_qkv_composed(
                 step, x, residual, norm_weight, eps, kv_cache, table, x_norm_weight
             )
-        operands = self.qkv_proj.method.fused_operands(self.qkv_proj)
+        one_row = norm_weight is not None and not layer_norm and self.rotary_dim == self.head_dim
+        operands = self.qkv_proj.method.fused_operands(self.qkv_proj) if one_row else None
         if operands is not None and self.k_norm is None:
             # One kernel at batch-1 decode on the GPU, where a step is mostly launch-bound.
             weight, bias, weight_scale, input_scale = operands
@@ -231,12 +244,13 @@ class RopeAttention(nn.Module):
                 k_cache, v_cache, slots, weight_scale, input_scale, x_norm_weight=x_norm_weight,
             )  # fmt: skip
         qkv, summed = norm_then_project(
-            ops, self.qkv_proj, x, residual, norm_weight, eps, x_norm_weight
+            ops, self.qkv_proj, x, residual, norm_weight, eps, x_norm_weight, norm_bias, layer_norm
         )
-        if self.k_norm is not None:
+        if self.k_norm is not None:  # per head: RMSNorm (Qwen3) or LayerNorm (Cohere, StableLM)
+            flavour = {"layer_norm": True} if self.head_layer_norm else {}
             query = ops.qk_norm_rotary_write_kv(
                 qkv, self.q_norm, self.k_norm, self.eps, step.positions, table,
-                k_cache, v_cache, slots,
+                k_cache, v_cache, slots, **flavour,
             )  # fmt: skip
             return query, summed
         query, key, value = split_qkv_heads(qkv, self.head_dim, self.num_kv_heads)
@@ -256,28 +270,19 @@ class RopeAttention(nn.Module):
         table: torch.Tensor,  # [max_positions, rotary_dim]
         x_norm_weight: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """project_qkv for the shapes the fused q/k ops do not take (partial rotary, a q/k norm
-        over the whole projection or a per-head LayerNorm, no norm before it): the projection,
-        the norms by `ops.rms_norm` (a LayerNorm by the reference's), then the rotary +
-        cache-write op, which turns the table's dims only."""
+        """project_qkv for a q/k norm over the whole projection (OLMo 2), which the fused q/k
+        op does not take: the projection, the norms by `ops.rms_norm` (a row per token), then
+        the rotary + cache-write op, which turns the table's dims only."""
         ops = step.ops
         qkv, summed = norm_then_project(
             ops, self.qkv_proj, x, residual, norm_weight, eps, x_norm_weight
         )
         query, key, value = split_qkv_heads(qkv, self.head_dim, self.num_kv_heads)
-        if self.head_layer_norm:
-            assert self.q_norm is not None and self.k_norm is not None
-            query = reference.head_layer_norm(query, self.q_norm, self.eps)
-            key = reference.head_layer_norm(key, self.k_norm, self.eps)
-        elif self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q_shape, k_shape = query.shape, key.shape
-            width = None if self.full_qk_norm else self.head_dim  # a row per head, or per token
-            query, key = (
-                query.reshape(-1, width or q_shape[1] * q_shape[2]),
-                key.reshape(-1, width or k_shape[1] * k_shape[2]),
-            )
-            query = ops.rms_norm(query, self.q_norm, self.eps).reshape(q_shape)
-            key = ops.rms_norm(key, self.k_norm, self.eps).reshape(k_shape)
+            query = ops.rms_norm(query.reshape(q_shape[0], -1), self.q_norm, self.eps)
+            key = ops.rms_norm(key.reshape(k_shape[0], -1), self.k_norm, self.eps)
+            query, key = query.reshape(q_shape), key.reshape(k_shape)
         query = ops.rotary_embedding_write_kv(
             step.positions, query, key, value, table, kv_cache[0], kv_cache[1],
             step.metadata.slot_mapping,
@@ -398,17 +403,20 @@ def gated_mlp(
     eps: float,
     activation: str = "silu",
     x_norm_weight: torch.Tensor | None = None,  # [hidden]: x RMS-normed by it before the add
+    norm_bias: torch.Tensor | None = None,  # norm_then_project's LayerNorm flavour
+    layer_norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (down(act(gate) * up), x + residual)
     """The MLP block from its norm through `down`. When down takes float8 input (FP8 W8A8) or
     int8 input (W8A8 INT8), the activation reaches it quantized by the activation-mul's own
     kernel: no model-dtype activation written and re-read, no quantize kernel of its own.
     `activation`: "silu", or "gelu_pytorch_tanh" (GeGLU), an argument of the same fused kernels.
     `x_norm_weight`: norm_then_project's (a sandwich layer's post-attention norm, folded into
-    this entry)."""
+    this entry); `norm_bias`, `layer_norm` too (a LayerNorm: its own kernel, as there)."""
     into = down.method.fp8_input(down)
     operands = gate_up.method.fused_operands(gate_up)
     # The operands the fused kernels take (they take no bias), else None.
     fusable = operands is not None and operands.bias is None and norm_weight is not None
+    fusable = fusable and not layer_norm  # the one-row kernels' norm is RMSNorm
     fused = operands if fusable else None
     scale = None
     if (
@@ -428,7 +436,7 @@ def gated_mlp(
         )  # fmt: skip
     else:
         gate_up_out, summed = norm_then_project(
-            ops, gate_up, x, residual, norm_weight, eps, x_norm_weight
+            ops, gate_up, x, residual, norm_weight, eps, x_norm_weight, norm_bias, layer_norm
         )
         silu = activation == "silu"
         if into is not None and operands is None:  # a composed projection: quantize here too
@@ -497,10 +505,12 @@ class GatedMLP(nn.Module):
         norm_weight: torch.Tensor | None,
         eps: float,
         x_norm_weight: torch.Tensor | None = None,  # x RMS-normed by it before the add
+        norm_bias: torch.Tensor | None = None,  # norm_then_project's LayerNorm flavour
+        layer_norm: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (the MLP's output, x + residual)
         return gated_mlp(
             ops, self.gate_up_proj, self.down_proj, x, residual, norm_weight, eps,
-            self.activation, x_norm_weight,
+            self.activation, x_norm_weight, norm_bias, layer_norm,
         )  # fmt: skip
 
 
@@ -542,8 +552,12 @@ class PlainMLP(nn.Module):
         norm_weight: torch.Tensor | None,
         eps: float,
         x_norm_weight: torch.Tensor | None = None,  # x RMS-normed by it before the add
+        norm_bias: torch.Tensor | None = None,  # norm_then_project's LayerNorm flavour
+        layer_norm: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (the MLP's output, x + residual)
-        up, summed = norm_then_project(ops, self.c_fc, x, residual, norm_weight, eps, x_norm_weight)
+        up, summed = norm_then_project(
+            ops, self.c_fc, x, residual, norm_weight, eps, x_norm_weight, norm_bias, layer_norm
+        )
         return self.c_proj(ops, F.gelu(up, approximate=self.approximate)), summed
 
 
@@ -562,11 +576,11 @@ class DecoderLayer(nn.Module):
     the blocks read the stream unnormed, their outputs normed by post_attention_layernorm and
     post_feedforward_layernorm). `qk_norm`, `rope_table`, `sinks`: RopeAttention's.
 
-    `layer_norm`: LayerNorms (reference.layer_norm on every path, biases `*_bias` with
-    `norm_bias`: StableLM, Cohere) before the blocks, in place of the RMSNorms; with `parallel`
-    attention and MLP read the same normed input (input_layernorm, the only norm) and their
-    outputs join the stream together (Cohere, StableLM use_parallel_residual). `mlp`: a
-    block in place of the gated MLP, with its call (kiln.models.moe_blocks.SparseMoeBlock);
+    `layer_norm`: LayerNorms (the norm kernels' LayerNorm flavour, biases `*_bias` with
+    `norm_bias`: StableLM, Cohere, Starcoder2) before the blocks, in place of the RMSNorms;
+    with `parallel` attention and MLP read the same normed input (input_layernorm, the only
+    norm) and their outputs join the stream together (Cohere, StableLM use_parallel_residual).
+    `mlp`: a block in place of the gated MLP, with its call (kiln.models.moe_blocks.SparseMoeBlock);
     `attention`: one in place of RopeAttention, with its project_qkv / attend / kind
     (kiln.models.mla.LatentAttention)."""
 
@@ -717,24 +731,44 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         tap: Callable[[torch.Tensor], None] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward with LayerNorms: each made here, the blocks then given no norm of theirs."""
-        attn, ops = self.self_attn, step.ops
-        summed = hidden if residual is None else hidden + residual
+        """forward with LayerNorms: the norm kernels' LayerNorm flavour, each residual add fused
+        into the norm after it, and quantizing where the projection takes float8 (int8) input.
+        Parallel blocks read one norm; where a projection quantizes its input, the MLP's
+        quantizing norm reads the stream again (as its own entry, the same normed values)."""
+        attn, ops, eps = self.self_attn, step.ops, self.eps
+        weight, bias = self.input_layernorm, self.input_layernorm_bias
+        mlp = self.mlp
+        assert isinstance(mlp, (GatedMLP, PlainMLP)), "LayerNorm layers run the shared MLPs"
+        first = mlp.gate_up_proj if isinstance(mlp, GatedMLP) else mlp.c_fc
+        if self.parallel and not (_quantized_input(attn.qkv_proj) or _quantized_input(first)):
+            if residual is None:
+                normed, summed = ops.rms_norm(hidden, weight, eps, bias, True), hidden
+            else:
+                normed, summed = ops.fused_add_rms_norm(hidden, residual, weight, eps, None,
+                                                        bias, True)  # fmt: skip
+            if tap is not None:
+                tap(summed)
+            query, _ = attn.project_qkv(step, normed, None, None, eps, kv_cache)
+            attended = attn.attend(step, query, kv_cache)
+            mlp_out, _ = mlp(ops, normed, None, None, eps)
+            return attended + mlp_out, summed
+        query, summed = attn.project_qkv(
+            step, hidden, residual, weight, eps, kv_cache, None, bias, True
+        )
         if tap is not None:
             tap(summed)
-        normed = reference.layer_norm(summed, self.input_layernorm, self.input_layernorm_bias,
-                                      self.eps)  # fmt: skip
-        query, _ = attn.project_qkv(step, normed, None, None, self.eps, kv_cache)
         attended = attn.attend(step, query, kv_cache)
         if self.parallel:
-            mlp_out, _ = self.mlp(ops, normed, None, None, self.eps)
+            mlp_out, _ = mlp(ops, summed, None, weight, eps, None, bias, True)
             return attended + mlp_out, summed
-        summed = attended + summed
-        normed = reference.layer_norm(
-            summed, self.post_attention_layernorm, self.post_attention_layernorm_bias, self.eps
-        )
-        mlp_out, _ = self.mlp(ops, normed, None, None, self.eps)
-        return mlp_out, summed
+        return mlp(ops, attended, summed, self.post_attention_layernorm, eps, None,
+                   self.post_attention_layernorm_bias, True)  # fmt: skip
+
+
+def _quantized_input(layer: Linear) -> bool:
+    """Whether `layer` reads float8 or int8 rows from the norm before it (FP8 W8A8, W8A8
+    INT8): its own quantizing norm entry, not a shared model-dtype norm."""
+    return layer.method.fp8_input(layer) is not None or layer.method.int8_input(layer)
 
 
 def decoder_layers(model: CausalLM) -> list[DecoderLayer]:

@@ -1,5 +1,6 @@
-"""The decoder of the LayerNorm families (StableLM, Cohere): the shared decoder with LayerNorm
-layers (DecoderLayer layer_norm=True, parallel where the config says) and a final LayerNorm,
+"""The decoder of the LayerNorm families (StableLM, Cohere, Starcoder2): the shared decoder with
+LayerNorm layers (DecoderLayer layer_norm=True, parallel where the config says; the norm
+kernels' LayerNorm flavour) and a final LayerNorm (the same kernel, with the last residual add),
 with biases where the family has them (`has_norm_bias`), and a LayerNorm of each query and key
 head before rotary where the config says (qk_layernorm: RopeAttention qk_norm="head_layer",
 its [heads, head_dim] weights cut to a tensor rank's heads at load)."""
@@ -14,7 +15,6 @@ import torch
 from torch import nn
 
 from kiln.distributed.parallel_state import ParallelContext, kv_head_range
-from kiln.kernels import reference
 from kiln.layers.linear import LinearMethod
 from kiln.models.blocks import DecoderLayer, LinearMethodFactory
 from kiln.models.config import ModelConfig
@@ -31,7 +31,6 @@ QK_NORM_LAYER_TENSOR_MAP: LayerTensorMap = {
 
 class LayerNormDecoderForCausalLM(DecoderForCausalLM):
     has_norm_bias: ClassVar[bool] = False  # the norms have biases (StableLM's nn.LayerNorm)
-    supports_smoothing = False  # see DecoderForCausalLM
     norm_bias: nn.Parameter | None
 
     def __init__(
@@ -91,5 +90,5 @@ class LayerNormDecoderForCausalLM(DecoderForCausalLM):
         hidden_norm: torch.Tensor | None = None,  # None: LayerNorm layers have no output norm
     ) -> torch.Tensor:
         assert hidden_norm is None, "LayerNorm layers name no output norm"
-        summed = hidden + residual
-        return reference.layer_norm(summed, self.norm, self.norm_bias, self.config.rms_norm_eps)
+        eps, bias = self.config.rms_norm_eps, self.norm_bias
+        return ops.fused_add_rms_norm(hidden, residual, self.norm, eps, None, bias, True)[0]

@@ -37,6 +37,7 @@ STARCODER2_GGUF = GGUFLayout(
 class Starcoder2ForCausalLM(LayerNormDecoderForCausalLM):
     layer_tensor_map = STARCODER2_LAYER_TENSOR_MAP
     has_norm_bias = True
+    supports_smoothing = False  # an ungated MLP (c_fc): no gate/up projection to fold into
 
     def make_layer(
         self,

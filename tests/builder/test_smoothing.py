@@ -71,6 +71,50 @@ def test_a_smoothed_checkpoint_computes_what_the_source_does(variant, tmp_path):
     assert (got - want).abs().max() < 1e-5
 
 
+LAYER_NORM_VARIANTS = {
+    # StableLM 2 1.6B: biased LayerNorms before each block (weights and biases divided).
+    "stablelm": ("stablelm", "StableLmForCausalLM", dict(use_qkv_bias=True)),
+    # StableLM 2 12B: one biased LayerNorm before parallel blocks, per-head q/k LayerNorms.
+    "stablelm-parallel": ("stablelm", "StableLmForCausalLM",
+                          dict(use_parallel_residual=True, qk_layernorm=True)),
+    # Command R: one LayerNorm without bias before parallel blocks, q/k rows reordered at load.
+    "cohere": ("cohere", "CohereForCausalLM", dict(use_qk_norm=True, logit_scale=0.25)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", sorted(LAYER_NORM_VARIANTS))
+def test_layer_norm_families_smooth_exactly(variant, tmp_path):
+    """The LayerNorm families: the factors fold into the norm's weight and bias; a parallel
+    layer's one norm takes one factor for its attention and MLP."""
+    from kiln.config import EngineConfig
+    from kiln.runtime.model_loader import load_model
+    from tests.models.family_checks import perturb_norms_and_biases, save_tiny_hf
+
+    model_type, architecture, overrides = LAYER_NORM_VARIANTS[variant]
+    hf = save_tiny_hf(str(tmp_path), model_type, architecture,
+                      perturb=perturb_norms_and_biases, **overrides)  # fmt: skip
+    model = load_model(EngineConfig(model=str(tmp_path)), torch.device("cpu"), torch.float32)
+    kiln_model = model.model
+    factors = smoothing_factors(kiln_model, _outlier_amax(kiln_model, seed=1), alpha=0.5)
+    assert all(float(s.max() / s.min()) > 5.0 for s in factors.values())
+    parallel = variant != "stablelm"
+    layer = "layers.0."
+    shared = torch.equal(factors[layer + "self_attn.qkv_proj"], factors[layer + "mlp.gate_up_proj"])
+    assert shared == parallel
+    state = hf.state_dict()
+    smoothed = dict(smooth_checkpoint(state.items(), factors, kiln_model.config))
+    changed = {n for n in state if not torch.equal(state[n], smoothed[n])}
+    assert "model.layers.0.input_layernorm.weight" in changed
+    if model_type == "stablelm":
+        assert "model.layers.0.input_layernorm.bias" in changed
+    ids = torch.tensor([[1, 5, 9, 33, 7, 200, 3, 17, 60, 61]])
+    with torch.no_grad():
+        want = hf(ids).logits
+        hf.load_state_dict(smoothed)
+        got = hf(ids).logits
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+
+
 @pytest.fixture(scope="module")
 def outlier_source(tmp_path_factory) -> str:
     """The tiny chat Llama (with a tokenizer) with outlier input channels injected at every

@@ -11,6 +11,9 @@ are; only the weights written change:
 
   qkv_proj's input     = RMSNorm(x) * g        -> g / s   (input_layernorm)
   gate_up_proj's input = RMSNorm(x) * g        -> g / s   (post_attention_layernorm)
+                         (a LayerNorm's bias too: LayerNorm(x) * g + b -> g / s, b / s; a
+                         parallel layer's one norm feeds both, so they share one s: the max of
+                         their inputs' amax over the max of their weights')
   down_proj's input    = SiLU(gate) * up       -> up's rows / s (linear in up)
   o_proj's input       = softmax(qk) v per head -> v_proj's rows / s (linear in v), with one s
                          per (KV head, dim): query heads sharing a KV head (GQA) share its v, so
@@ -92,6 +95,14 @@ def smoothing_factors(
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(mlp, GatedMLP):
             raise ValueError(f"smoothing folds into a gated MLP's norm, not {type(mlp).__name__}")
+        if layer.parallel:  # one norm before both: one factor for both (the module docstring)
+            projs = (attn.qkv_proj, mlp.gate_up_proj)
+            names = [_layer_name(f"layers.{i}", kind) for kind in ("qkv_proj", "gate_up_proj")]
+            x_amax = torch.maximum(*(input_amax[n].float() for n in names)).clamp(min=_FLOOR)
+            w_amax = torch.maximum(*(p.weight.detach().abs().amax(dim=0).float().cpu()
+                                     for p in projs)).clamp(min=_FLOOR)  # fmt: skip
+            shared = (x_amax.pow(alpha) / w_amax.pow(1.0 - alpha)).clamp(_FLOOR, 1.0 / _FLOOR)
+            factors.update(dict.fromkeys(names, shared))
         for kind, proj in (
             ("qkv_proj", attn.qkv_proj),
             ("o_proj", attn.o_proj),
@@ -99,6 +110,8 @@ def smoothing_factors(
             ("down_proj", mlp.down_proj),
         ):
             name = _layer_name(f"layers.{i}", kind)
+            if name in factors:
+                continue
             x_amax = input_amax[name].float().clamp(min=_FLOOR)
             w_amax = proj.weight.detach().abs().amax(dim=0).float().cpu().clamp(min=_FLOOR)
             if kind == "o_proj":  # one factor per (KV head, dim): see the module docstring
@@ -150,9 +163,9 @@ def _smooth_tensor(
 ) -> torch.Tensor | None:
     """One decoder-layer tensor ("self_attn.v_proj.weight", ...) smoothed, or None: unchanged."""
     t = tensor.float()
-    if key == "input_layernorm.weight":
+    if key in ("input_layernorm.weight", "input_layernorm.bias"):
         return t / s("qkv_proj").to(t.device)
-    if key == "post_attention_layernorm.weight":
+    if key in ("post_attention_layernorm.weight", "post_attention_layernorm.bias"):
         return t / s("gate_up_proj").to(t.device)
     if key in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
         return t * s("qkv_proj").to(t.device)

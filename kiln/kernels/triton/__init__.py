@@ -35,6 +35,7 @@ from kiln.kernels.triton.rms_norm import (
     add_rms_norm_quant_fp8,
     add_rms_norm_quant_int8,
     fused_add_rms_norm,
+    layer_norm,
     rms_norm,
 )
 from kiln.kernels.triton.rotary import rotary_embedding_write_kv
@@ -84,6 +85,7 @@ __all__ = [
     "int4_linear",
     "int8_linear",
     "int8_matmul",
+    "layer_norm",
     "linear",
     "lora_expand",
     "lora_shrink",

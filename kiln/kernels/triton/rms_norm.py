@@ -1,4 +1,6 @@
-"""RMSNorm and fused residual-add + RMSNorm (twins of reference.rms_norm / fused_add_rms_norm).
+"""RMSNorm and fused residual-add + RMSNorm (twins of reference.rms_norm / fused_add_rms_norm),
+each with a LayerNorm flavour (`layer_norm=True`, an optional `bias`: StableLM, Cohere,
+Starcoder2), a constexpr of the same kernel.
 
 Rounding follows the reference (transformers' LlamaRMSNorm): normalise in fp32, round to the input
 dtype, then multiply by the weight in the promoted dtype; the residual sum is rounded to its dtype
@@ -10,6 +12,10 @@ quantize_fp8 would quantize it (its absmax / 448, or a static scale), so a proje
 costs one read of x and one float8 write instead of a bf16 round trip and a second kernel.
 add_rms_norm_quant_int8 is that pass for a W8A8 INT8 projection: int8 codes and the row's scale
 (its absmax / 127), as quantize_int8 would make them.
+
+The LayerNorm flavour rounds as reference.layer_norm: mean and variance in fp32, the centred row
+times rsqrt(variance + eps) times the weight plus the bias in fp32, rounded once to the input
+dtype (what the projections after it, or the quantizing variants, read).
 """
 
 from __future__ import annotations
@@ -56,6 +62,9 @@ def _rms_norm_kernel(
     INT8: tl.constexpr = False,  # QUANT: out_ptr is int8 (per-row scales only, no remainders)
     x_norm_weight_ptr=None,  # [hidden], read when X_NORM
     X_NORM: tl.constexpr = False,  # x is RMS-normed by x_norm_weight before the residual add
+    bias_ptr=None,  # [hidden], read when HAS_BIAS
+    LAYER_NORM: tl.constexpr = False,  # the mean subtracted, rounded once (reference.layer_norm)
+    HAS_BIAS: tl.constexpr = False,  # LAYER_NORM: plus a bias
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -74,11 +83,20 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * stride_sum + cols, x, mask=mask)
     x32 = x.to(tl.float32)
-    variance = tl.sum(x32 * x32, 0) / hidden
-    inv_rms = tl.rsqrt(variance + eps)
-    normed = (x32 * inv_rms).to(x.dtype)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = normed.to(tl.float32) * weight.to(tl.float32)
+    mean = 0.0
+    if LAYER_NORM:
+        mean = tl.sum(x32, 0) / hidden
+        centred = tl.where(mask, x32 - mean, 0.0)
+        inv_rms = tl.rsqrt(tl.sum(centred * centred, 0) / hidden + eps)
+        out = centred * inv_rms * weight.to(tl.float32)
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        variance = tl.sum(x32 * x32, 0) / hidden
+        inv_rms = tl.rsqrt(variance + eps)
+        normed = (x32 * inv_rms).to(x.dtype)
+        out = normed.to(tl.float32) * weight.to(tl.float32)
     if QUANT:
         out = out.to(OUT_DTYPE).to(tl.float32)  # what quantize_fp8 would read
         if INT8:
@@ -112,9 +130,14 @@ def _rms_norm_kernel(
                 if ADD_RESIDUAL:
                     rj = tl.load(residual_ptr + row * stride_residual + channel)
                     xj = (xj.to(tl.float32) + rj.to(tl.float32)).to(sum_ptr.dtype.element_ty)
-                nj = (xj.to(tl.float32) * inv_rms).to(xj.dtype)
-                wj = tl.load(weight_ptr + channel)
-                vj = (nj.to(tl.float32) * wj.to(tl.float32)).to(OUT_DTYPE).to(tl.float32)
+                wj = tl.load(weight_ptr + channel).to(tl.float32)
+                if LAYER_NORM:
+                    vj = (xj.to(tl.float32) - mean) * inv_rms * wj
+                    if HAS_BIAS:
+                        vj += tl.load(bias_ptr + channel).to(tl.float32)
+                else:
+                    vj = (xj.to(tl.float32) * inv_rms).to(xj.dtype).to(tl.float32) * wj
+                vj = vj.to(OUT_DTYPE).to(tl.float32)
                 out_rest = out_ptr + row * stride_out + hidden
                 store_remainders(vj, j, n_channels, scale, inv_scale, out_rest, DYNAMIC, FP8_MAX,
                                  INTERPRETED)  # fmt: skip
@@ -128,6 +151,26 @@ def _x_norm_args(x: torch.Tensor, x_norm_weight: torch.Tensor | None) -> dict[st
         return {}
     assert x_norm_weight.shape == (x.shape[-1],) and x_norm_weight.dtype == x.dtype
     return {"x_norm_weight_ptr": x_norm_weight, "X_NORM": True}
+
+
+def _norm_args(
+    weight: torch.Tensor, bias: torch.Tensor | None, layer_norm: bool
+) -> dict[str, object]:
+    """The kernel's LayerNorm arguments (none for RMSNorm: the launch Llama compiles)."""
+    if not layer_norm:
+        assert bias is None, "a norm bias is the LayerNorm flavour's"
+        return {}
+    args: dict[str, object] = {"LAYER_NORM": True}
+    if bias is not None:
+        assert bias.shape == weight.shape
+        args.update(bias_ptr=bias, HAS_BIAS=True)
+    return args
+
+
+def _out_dtype(weight: torch.Tensor, norm_dtype: torch.dtype, layer_norm: bool) -> torch.dtype:
+    """The normed rows' dtype: RMSNorm's weight multiplies in the promoted dtype, LayerNorm
+    rounds once to the input's (reference.layer_norm)."""
+    return norm_dtype if layer_norm else torch.promote_types(weight.dtype, norm_dtype)
 
 
 def lone_x_norm(
@@ -146,6 +189,8 @@ def _launch(
     weight: torch.Tensor,
     eps: float,
     x_norm_weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    layer_norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     hidden = x.shape[-1]
     assert weight.shape == (hidden,)
@@ -165,9 +210,7 @@ def _launch(
     else:
         r2d = x2d  # unused by the kernel
         norm_dtype = x.dtype
-    out = torch.empty(
-        x2d.shape, dtype=torch.promote_types(weight.dtype, norm_dtype), device=x.device
-    )
+    out = torch.empty(x2d.shape, dtype=_out_dtype(weight, norm_dtype, layer_norm), device=x.device)
     num_rows = x2d.shape[0]
     if num_rows > 0:
         block = triton.next_power_of_2(hidden)
@@ -190,6 +233,7 @@ def _launch(
             BLOCK=block,
             num_warps=min(16, max(1, block // 512)),
             **_x_norm_args(x, x_norm_weight),
+            **_norm_args(weight, bias, layer_norm),
         )
     out = out.view(x.shape)
     return out, (summed.view(x.shape) if summed is not None else None)
@@ -199,9 +243,22 @@ def rms_norm(
     x: torch.Tensor,  # [num_tokens, hidden]
     weight: torch.Tensor,  # [hidden]
     eps: float,
+    bias: torch.Tensor | None = None,  # [hidden], the LayerNorm flavour's
+    layer_norm: bool = False,  # reference.layer_norm instead
 ) -> torch.Tensor:
-    """Transformers' LlamaRMSNorm: normalise in fp32, scale in the input dtype."""
-    return _launch(x, None, weight, eps)[0]
+    """Transformers' LlamaRMSNorm: normalise in fp32, scale in the input dtype; with layer_norm,
+    reference.layer_norm."""
+    return _launch(x, None, weight, eps, None, bias, layer_norm)[0]
+
+
+def layer_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """reference.layer_norm: rms_norm's kernel in its LayerNorm flavour."""
+    return _launch(x, None, weight, eps, None, bias, True)[0]
 
 
 def fused_add_rms_norm(
@@ -210,11 +267,14 @@ def fused_add_rms_norm(
     weight: torch.Tensor,
     eps: float,
     x_norm_weight: torch.Tensor | None = None,  # [hidden]: x RMS-normed by it first
+    bias: torch.Tensor | None = None,  # [hidden], the LayerNorm flavour's
+    layer_norm: bool = False,  # the norm is reference.layer_norm
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual) in one pass over memory; with
-    x_norm_weight, x is reference.sandwich_input(x) (normed in the same pass)."""
+    x_norm_weight, x is reference.sandwich_input(x) (normed in the same pass); with layer_norm,
+    (layer_norm(x + residual, weight, bias), x + residual)."""
     x, x_norm_weight = lone_x_norm(x, residual, x_norm_weight, eps)
-    normed, summed = _launch(x, residual, weight, eps, x_norm_weight)
+    normed, summed = _launch(x, residual, weight, eps, x_norm_weight, bias, layer_norm)
     assert summed is not None
     return normed, summed
 
@@ -230,10 +290,13 @@ def add_rms_norm_quant_fp8(
     input_scale: torch.Tensor | None,  # [] fp32 static per-tensor scale; None: per row
     channels: torch.Tensor | None = None,  # [n] int64: append these columns' remainders
     x_norm_weight: torch.Tensor | None = None,  # [hidden]: x RMS-normed by it before the add
+    bias: torch.Tensor | None = None,  # [hidden], the LayerNorm flavour's
+    layer_norm: bool = False,  # the norm is reference.layer_norm
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(float8 rms_norm(x + residual), its scale: [M, 1] or input_scale, x + residual): what
     quantize_fp8(fused_add_rms_norm(...)[0], channels=...) gives, in one kernel (the
-    reference's twin); with channels the float8 rows are hidden + n wide."""
+    reference's twin); with channels the float8 rows are hidden + n wide; with layer_norm the
+    LayerNorm flavour's rows."""
     x, x_norm_weight = lone_x_norm(x, residual, x_norm_weight, eps)
     hidden = x.shape[-1]
     assert x.dim() == 2 and weight.shape == (hidden,) and x.stride(-1) == 1
@@ -246,7 +309,7 @@ def add_rms_norm_quant_fp8(
         norm_dtype = summed.dtype
     else:
         summed, norm_dtype = x, x.dtype
-    out_dtype = torch.promote_types(weight.dtype, norm_dtype)
+    out_dtype = _out_dtype(weight, norm_dtype, layer_norm)
     if channels is None:
         out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     else:
@@ -268,7 +331,7 @@ def add_rms_norm_quant_fp8(
             OUT_DTYPE=_TL_DTYPES[out_dtype], INTERPRETED=x.device.type != "cuda",
             FP8_MAX=FP8_E4M3_MAX, MIN_SCALE=FP8_MIN_SCALE,
             num_warps=min(16, max(1, block // 512)), **remainder_args(channels, out),
-            **_x_norm_args(x, x_norm_weight),
+            **_x_norm_args(x, x_norm_weight), **_norm_args(weight, bias, layer_norm),
         )  # fmt: skip
     return out, scale, summed
 
@@ -278,9 +341,12 @@ def add_rms_norm_quant_int8(
     residual: torch.Tensor | None,  # [M, hidden], or None: no residual to add
     weight: torch.Tensor,  # [hidden]
     eps: float,
+    bias: torch.Tensor | None = None,  # [hidden], the LayerNorm flavour's
+    layer_norm: bool = False,  # the norm is reference.layer_norm
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # ([M, hidden] int8, [M, 1] fp32, sum)
     """(int8 rms_norm(x + residual), its per-row scale, x + residual): what
-    quantize_int8(fused_add_rms_norm(...)[0]) gives, in one kernel (the reference's twin)."""
+    quantize_int8(fused_add_rms_norm(...)[0]) gives, in one kernel (the reference's twin);
+    with layer_norm the LayerNorm flavour's rows."""
     hidden = x.shape[-1]
     assert x.dim() == 2 and weight.shape == (hidden,) and x.stride(-1) == 1
     num_rows = x.shape[0]
@@ -292,7 +358,7 @@ def add_rms_norm_quant_int8(
         norm_dtype = summed.dtype
     else:
         summed, norm_dtype = x, x.dtype
-    out_dtype = torch.promote_types(weight.dtype, norm_dtype)
+    out_dtype = _out_dtype(weight, norm_dtype, layer_norm)
     out = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
     if num_rows > 0:
@@ -305,6 +371,6 @@ def add_rms_norm_quant_int8(
             ADD_RESIDUAL=residual is not None, BLOCK=block, QUANT=True, DYNAMIC=True,
             OUT_DTYPE=_TL_DTYPES[out_dtype], INTERPRETED=x.device.type != "cuda",
             FP8_MAX=float(INT8_MAX), MIN_SCALE=FP8_MIN_SCALE, INT8=True,
-            num_warps=min(16, max(1, block // 512)),
+            num_warps=min(16, max(1, block // 512)), **_norm_args(weight, bias, layer_norm),
         )  # fmt: skip
     return out, scale, summed
