@@ -113,18 +113,24 @@ def _compile_all() -> dict[str, dict]:
     shared = {"NUM_KV_HEADS": 1, "HEAD_DIM": 576, "BLOCK_D": 1024, "BLOCK_SIZE": 16,
               "DOT_PRECISION": "tf32", "FP16_DOTS": False, "SLIDING": False, "SOFTCAP": False,
               "SINKS": False}  # fmt: skip
-    block_m, block_n, warps, stages = prefill_attention._tile_config(576, 4096, 16, 1, cuda)
     prefill = prefill_attention._prefill_kernel
-    out["shared prefill"] = _compile(
-        prefill,
-        {name: ("*i32" if name in ("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr")
-                else "*bf16" if name.endswith("_ptr")
-                else "fp32" if name in ("qk_scale", "softcap_in", "softcap_out") else "i32")
-         for name in prefill.arg_names[:17]},
-        {**shared, "GROUP": 16, "BLOCK_M": block_m, "BLOCK_N": block_n, "FP8_QK": False,
-         "INTERPRETED": False},
-        warps, stages,
-    )  # fmt: skip
+    for cache in CACHES:  # a float8 cache: Q.K as float8 dots (the Triton backend's prefill)
+        fp8 = cache == "fp8"
+        cache_type = "*fp8e4nv" if fp8 else "*bf16"
+        block_m, block_n, warps, stages = prefill_attention._tile_config(
+            576, 4096, 16, 1, cuda, "fp8_qk" if fp8 else "bf16"
+        )
+        out["shared prefill" + (" fp8" if fp8 else "")] = _compile(
+            prefill,
+            {name: ("*i32" if name in ("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr")
+                    else cache_type if name in ("k_cache_ptr", "v_cache_ptr")
+                    else "*bf16" if name.endswith("_ptr")
+                    else "fp32" if name in ("qk_scale", "softcap_in", "softcap_out") else "i32")
+             for name in prefill.arg_names[:17]},
+            {**shared, "GROUP": 16, "BLOCK_M": block_m, "BLOCK_N": block_n, "FP8_QK": fp8,
+             "INTERPRETED": False, "FP16_DOTS": fp8},
+            warps, stages,
+        )  # fmt: skip
     block_n, warps, stages = decode_attention._tile_config(16, cuda, head_dim=576)
     decode = decode_attention._decode_kernel
     floats = ("qk_scale", "softcap_in", "softcap_out")
@@ -153,7 +159,8 @@ def _mla(compiled: dict) -> dict[str, dict]:
 def test_every_kernel_fits_an_h100s_shared_memory(compiled) -> None:
     mla = {f"mla decode {tp} {cache} split={split}" for tp in V3_HEADS_A_RANK
            for cache in CACHES for split in (False, True)}  # fmt: skip
-    assert set(compiled) == {*mla, "shared merge", "shared prefill", "shared decode"}
+    assert set(compiled) == {*mla, "shared merge", "shared prefill", "shared prefill fp8",
+                             "shared decode"}  # fmt: skip
     for name, kernel in compiled.items():
         assert kernel["shared"] <= H100_SHARED_BYTES, (name, kernel["shared"])
 
