@@ -8,6 +8,7 @@ Llama-3.1-8B shapes (the mixture-of-experts rows at Qwen3-30B-A3B's: benchmarks/
     python benchmarks/kernels_gpu.py lora.json --only lora            # the LoRA rows alone
     python benchmarks/kernels_gpu.py moe.json --only moe              # the MoE rows alone
     python benchmarks/kernels_gpu.py int4.json --only int4            # the W4A16 layer rows alone
+    python benchmarks/kernels_gpu.py mla.json --only mla              # the MLA decode rows alone
     python benchmarks/kernels_gpu.py /tmp/kernels_tiny.json --tiny --long
 
 Each kernel is timed twice: `eager` (triton.testing.do_bench on the Python call, L2 flushed:
@@ -38,7 +39,7 @@ import torch
 # Runnable from a plain checkout (kiln need not be installed): put the repo root on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import moe_kernels
+from benchmarks import mla_kernels, moe_kernels
 from kiln.kernels.kv_layout import empty_cache
 
 
@@ -221,6 +222,10 @@ def run(shapes: Shapes, device: torch.device, only: str | None = None) -> list[d
         return rows
     if only == "int4":
         _int4_rows(s, device, gen, record)
+        return rows
+    if only == "mla":
+        mla_shapes = mla_kernels.TINY if s is TINY else mla_kernels.DEEPSEEK_V3
+        mla_kernels.mla_rows(mla_shapes, device, gen, record, ROTATE_BYTES)
         return rows
 
     # --- decode attention: every sequence at the same context length ---------------------------
@@ -659,7 +664,9 @@ def main(argv: list[str] | None = None) -> None:
         "--tiny", action="store_true", help="tiny fp32 shapes (a smoke run; CPU interpreter)"
     )
     parser.add_argument(
-        "--only", choices=("lora", "moe", "int4"), help="these rows only (default: all)"
+        "--only",
+        choices=("lora", "moe", "int4", "mla"),
+        help="these rows only (default: all but mla)",
     )
     parser.add_argument(
         "--long", action="store_true", help="the long-context rows: 16k prefill, decode to 128k"

@@ -52,6 +52,7 @@ from kiln.layers.quantization.fp8 import Fp8LinearMethod
 from kiln.models import registry
 from kiln.models.config import ModelConfig
 from kiln.models.kv_scales import KVScales, fold_kv_head_scales, fold_kv_scales
+from kiln.models.mla_config import check_mla_kv_cache
 from kiln.runtime.model_loader import (
     ModelSource,
     find_model_source,
@@ -166,6 +167,7 @@ def _build_into(
         quantization=build.options.quantization,
     )
     cfg, options = source.config, build.options
+    check_mla_kv_cache(cfg, options.kv_cache_dtype, BuildError)
     kv_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, build.dtype)
     max_model_len = options.max_model_len or cfg.max_position_embeddings
     plan = plan_memory(

@@ -131,6 +131,18 @@ def paged_decode_attention(
     return attended if out is None else out.copy_(attended)
 
 
+def check_mla_cache(query: torch.Tensor, cache: torch.Tensor) -> None:
+    """An MLA cache holds the query's dtype or unscaled float8 e4m3 (widened exactly to the
+    query's dtype by both decodes). int8 is refused: its codes need per-head scales folded into
+    the weights (kiln.models.kv_scales), which the latent rows (K and V at once) have none of."""
+    if cache.dtype == torch.int8:
+        raise ValueError(
+            "an int8 KV cache for multi-head latent attention (DeepSeek): unsupported, the "
+            "latent rows take no int8 scales; use kv_cache_dtype 'fp8' or 'auto'"
+        )
+    assert cache.dtype in (query.dtype, torch.float8_e4m3fn), (cache.dtype, query.dtype)
+
+
 def mla_decode_attention(
     query: torch.Tensor,  # [num_seqs, num_heads, rope + lora], one query token per sequence
     cache: torch.Tensor,  # [num_blocks, block_size, 1, rope + lora]: the rows, K and V both
@@ -142,7 +154,9 @@ def mla_decode_attention(
     num_splits: int | None = None,  # the GPU kernel's partitions of the keys; none here
 ) -> torch.Tensor:  # [num_seqs, num_heads, lora]: the attended latent
     """Multi-head latent attention's decode (kiln.models.mla): multi-query attention of every
-    head over the sequence's cached rows [k_pe | c_kv], the rows' latent dims the values."""
+    head over the sequence's cached rows [k_pe | c_kv], the rows' latent dims the values. A
+    float8 cache's rows are widened exactly to the query's dtype (check_mla_cache)."""
+    check_mla_cache(query, cache)
     out = paged_decode_attention(query, cache, cache, block_tables, seq_lens, scale, max_seq_len)
     return out[..., rope_dim:]
 

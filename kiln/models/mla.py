@@ -161,12 +161,12 @@ class LatentAttention(nn.Module):
     def _attend_latent(
         self, step: StepInputs, query: torch.Tensor, kv_cache: KVCache
     ) -> torch.Tensor:  # [num_tokens, heads, lora]: each head's attended latent
-        """Decodes through ops.mla_decode_attention (each row read once, any number of heads),
-        prefill chunks through the backend's kernels (the rows as K and V, their rotary
-        columns of the output dropped). A float8 or int8 cache takes the backend's for both."""
+        """Decodes through ops.mla_decode_attention (each row read once, any number of heads,
+        over a 16- or 32-bit or a float8 cache), prefill chunks through the backend's kernels
+        (the rows as K and V, their rotary columns of the output dropped)."""
         m, cache = step.metadata, kv_cache[0]
         nd = m.num_decodes
-        if nd == 0 or cache.element_size() == 1 or self.kind != FULL_ATTENTION:
+        if nd == 0 or self.kind != FULL_ATTENTION:
             out = step.backend.forward(query, cache, kv_cache[1], m, self.scale, self.kind)
             return out[..., self.rope :]
         decoded = step.ops.mla_decode_attention(

@@ -101,3 +101,14 @@ def mla_unquantized_count(cfg: ModelConfig) -> int:
     heads = cfg.num_attention_heads
     kv_b = cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
     return kv_b + cfg.kv_lora_rank + (cfg.q_lora_rank or 0)
+
+
+def check_mla_kv_cache(cfg: ModelConfig, kv_cache_dtype: str, error: type[Exception]) -> None:
+    """Refuses an int8 KV cache for multi-head latent attention: int8 codes need scales folded
+    into the weights, and the latent rows (one tensor for K and V, written after a norm) have
+    no block that folds them (kiln.models.kv_scales); a float8 cache holds them unscaled."""
+    if cfg.kv_lora_rank and kv_cache_dtype == "int8":
+        raise error(
+            f"{cfg.architecture}: an int8 KV cache is not supported with multi-head latent "
+            "attention (its latent rows take no int8 scales); use --kv-cache-dtype fp8 or auto"
+        )

@@ -25,6 +25,7 @@ from kiln.models.base import CausalLM
 from kiln.models.blocks import LinearMethodFactory
 from kiln.models.config import PRESETS, ModelConfig
 from kiln.models.decoder import DecoderForCausalLM, shard_config
+from kiln.models.mla_config import check_mla_kv_cache
 from kiln.models.moe_config import PER_CHANNEL_8BIT, ROW_BLOCK_8BIT
 from kiln.runtime.config_plan import plan_from_config
 from kiln.tokenizer import Tokenizer, from_transformers
@@ -586,6 +587,7 @@ def load_model(
             "dequantized (the default load_format) under tensor parallelism"
         )
     cfg = source.config
+    check_mla_kv_cache(cfg, engine_config.kv_cache_dtype, ModelLoadError)
     if source.tensor_parallel_size > 1 and cfg.num_experts and engine_config.enable_expert_parallel:
         raise ModelLoadError(
             f"{source.description} holds tensor-parallel slices of every expert (kiln build "

@@ -25,8 +25,9 @@ ROOT = Path(__file__).parents[2]
             {"prefill", "decode", "lora", "moe_decode", "moe_grouped_fp8", "moe_route", "moe_int4"},
         ),
         (["--long"], {"prefill_long", "decode_long"}),
+        (["--only", "mla"], {"mla_decode"}),
     ],
-    ids=["default", "long"],
+    ids=["default", "long", "mla"],
 )
 def test_the_tiny_run_writes_every_row(tmp_path, flags, kernels) -> None:
     out = tmp_path / "kernels.json"

@@ -161,15 +161,36 @@ def test_a_static_fp8_build_calibrates_around_the_absorbed_kv_b_proj(v3, tmp_pat
     assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
 
 
-def test_a_float8_cache_stays_close(v3) -> None:
-    """The latent rows in e4m3 (unscaled, as kiln's float8 cache is without calibration)."""
+def test_a_float8_cache_stays_close(v3, monkeypatch) -> None:
+    """The latent rows in e4m3 (unscaled, as kiln's float8 cache is without calibration),
+    decodes reading them through the MLA decode's twin."""
+    from kiln.kernels import reference
+    from tests.models.test_deepseek_triton import record_calls
+
     path, _, llm, _ = v3
     fp8 = LLM(path, kv_cache_dtype="fp8", max_num_batched_tokens=64, **ARGS)
     k_cache, v_cache = fp8.engine.executor.runner.kv_caches[0]
     assert k_cache is v_cache and k_cache.dtype == torch.float8_e4m3fn
     assert fp8.engine.memory_plan.bytes_per_block == 3 * 40 * 16
-    gaps = generated_logprob_gaps(fp8.generate(PROMPTS, GREEDY), llm.generate(PROMPTS, GREEDY))
+    decodes = record_calls(monkeypatch, reference)
+    outputs = fp8.generate(PROMPTS, GREEDY)
+    monkeypatch.undo()
+    assert decodes and {dtype for _, dtype in decodes} == {torch.float8_e4m3fn}
+    gaps = generated_logprob_gaps(outputs, llm.generate(PROMPTS, GREEDY))
     assert gaps.mean() < 0.25 and gaps.max() < 1.5, gaps
+
+
+def test_an_int8_cache_is_refused_by_name(v3, tmp_path) -> None:
+    """At load and at build: the latent rows have no block that folds int8's scales."""
+    from kiln.builder.build import BuildOptions, build_engine
+    from kiln.errors import BuildError, ModelLoadError
+
+    refusal = "int8 KV cache .* multi-head latent attention"
+    with pytest.raises(ModelLoadError, match=refusal):
+        LLM(v3[0], kv_cache_dtype="int8", max_num_batched_tokens=64, **ARGS)
+    options = BuildOptions(kv_cache_dtype="int8", accuracy_check=False, max_model_len=256)
+    with pytest.raises(BuildError, match=refusal):
+        build_engine(v3[0], str(tmp_path / "engine"), options, None)
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,9 @@
 (TRITON_INTERPRET=1 without a GPU), end to end: one cache tensor per layer for K and V (the
 [k_pe | c_kv] rows, 40 wide), written by the rotary + write kernel, read by the shared prefill
 kernel as multi-query attention and by the MLA decode kernel (kiln.kernels.triton.mla_decode);
-prompts in chunks beside decodes, blocks of 4. Greedy tokens equal Hugging Face's in fp32."""
+prompts in chunks beside decodes, blocks of 4. Greedy tokens equal Hugging Face's in fp32; over
+a float8 cache, the MLA decode kernel's tokens equal the reference kernels' (the same rows
+widened)."""
 
 from __future__ import annotations
 
@@ -25,57 +27,63 @@ NEW_TOKENS = 10
 PROMPTS = [[1, *range(40, 62)], [1, 5, 9, 30], [1, *range(200, 215)]]
 
 
-def test_triton_mla_equals_hf(tmp_path, monkeypatch) -> None:
-    path = str(tmp_path / "src")
+PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("deepseek_v3") / "src")
     model = save_tiny_hf(path, "deepseek_v3", "DeepseekV3ForCausalLM", perturb=perturb_glm,
                          **DEEPSEEK_V3)  # fmt: skip
+    return path, model
+
+
+def record_calls(monkeypatch, ops, name: str = "mla_decode_attention") -> list[tuple]:
+    """(rows, cache dtype) of each call of `ops.<name>` (an attention kernel's entry) from now
+    on: for the MLA decode, decode steps and mixed ones."""
+    calls = []
+    kernel = getattr(ops, name)
+
+    def recorded(query, cache, *args, **kwargs):
+        calls.append((query.shape[0], cache.dtype))
+        return kernel(query, cache, *args, **kwargs)
+
+    monkeypatch.setattr(ops, name, recorded)
+    return calls
+
+
+def test_triton_mla_equals_hf(v3, monkeypatch) -> None:
+    path, model = v3
     want = hf_generated(model, PROMPTS, NEW_TOKENS)
     llm = triton_chunked_llm(path, dtype="float32")
     runner = llm.engine.executor.runner
     assert runner.backend.name == "triton" and runner.kv_caches[0][0] is runner.kv_caches[0][1]
     from kiln.kernels import triton as triton_ops
 
-    decodes = []  # rows each call of the MLA decode kernel took: decode steps and mixed ones
-
-    def counted(query, *args, **kwargs):
-        decodes.append(query.shape[0])
-        return mla_decode_attention(query, *args, **kwargs)
-
-    mla_decode_attention = triton_ops.mla_decode_attention
-    monkeypatch.setattr(triton_ops, "mla_decode_attention", counted)
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    assert tokens(llm.generate(PROMPTS, params)) == want
-    assert decodes and max(decodes) == len(PROMPTS)
+    decodes = record_calls(monkeypatch, triton_ops)
+    assert tokens(llm.generate(PROMPTS, PARAMS)) == want
+    assert decodes and max(rows for rows, _ in decodes) == len(PROMPTS)
 
 
-def test_the_attention_kernels_at_a_latent_row_of_576(tmp_path) -> None:
-    """The shared decode and prefill kernels against their twins at DeepSeek's real row (64
-    rotary + 512 latent dims, one KV head read as K and V) for 16 query heads (V2-Lite's; V3's
-    per rank at TP=8), and the small tiles a GPU takes for such a row."""
+def test_a_float8_cache_decodes_in_the_mla_kernel(v3, monkeypatch) -> None:
+    """kv_cache_dtype="fp8": every decode reads the float8 rows in the MLA decode kernel (none
+    in the shared decode kernel), and the tokens equal the same engine's with the kernel's twin
+    (the rows widened exactly) in its place: the same cache bytes and prefill kernels. (Other
+    engines' float8 tokens differ from these from the second on: the tiny random model's
+    greedy choices turn on the float8 roundings of the cache writes and of Q.K in prefill.)"""
+    path, _ = v3
     from kiln.kernels import reference
     from kiln.kernels import triton as triton_ops
-    from kiln.kernels.kv_layout import empty_layer_cache
-    from kiln.kernels.triton import decode_attention, prefill_attention
-    from kiln.models.packed_prefill import packed_prefill_metadata
 
-    cuda = torch.device("cuda")
-    assert decode_attention._tile_config(16, cuda, head_dim=576) == (16, 8, 1)
-    assert prefill_attention._tile_config(576, 512, 16, 1, cuda) == (16, 16, 8, 1)
-    device = cuda if torch.cuda.is_available() else torch.device("cpu")
-    gen = torch.Generator().manual_seed(0)
-    lens = [19, 6]
-    metadata, blocks = packed_prefill_metadata(lens, 16, device)
-    cache, _ = empty_layer_cache((blocks, 16, 1, 576), torch.float32, device, tensors=1)
-    rows = torch.randn(sum(lens), 1, 576, generator=gen).to(device)
-    reference.write_kv_cache(rows, rows, cache, cache, metadata.slot_mapping)
-    query = torch.randn(sum(lens), 16, 576, generator=gen).to(device)
-    m, scale = metadata, 576**-0.5
-    args = (cache, cache, m.block_tables, m.query_start_loc, m.seq_lens, scale, m.max_query_len,
-            m.max_seq_len)  # fmt: skip
-    want = reference.paged_prefill_attention(query, *args)
-    torch.testing.assert_close(triton_ops.paged_prefill_attention(query, *args), want)
-    last = m.query_start_loc[1:].long() - 1  # each sequence's last token, as a decode
-    decode = (query[last], cache, cache, m.block_tables, m.seq_lens, scale, m.max_seq_len)
-    torch.testing.assert_close(
-        triton_ops.paged_decode_attention(*decode), reference.paged_decode_attention(*decode)
-    )
+    llm = triton_chunked_llm(path, dtype="float32", kv_cache_dtype="fp8")
+    assert llm.engine.executor.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    monkeypatch.setattr(triton_ops, "mla_decode_attention", reference.mla_decode_attention)
+    twin_decodes = record_calls(monkeypatch, triton_ops)
+    want = tokens(llm.generate(PROMPTS, PARAMS))
+    monkeypatch.undo()
+    decodes = record_calls(monkeypatch, triton_ops)
+    shared = record_calls(monkeypatch, triton_ops, "paged_decode_attention")
+    assert tokens(llm.generate(PROMPTS, PARAMS)) == want
+    assert twin_decodes and {dtype for _, dtype in decodes} == {torch.float8_e4m3fn}
+    assert max(rows for rows, _ in decodes) == len(PROMPTS)
+    assert not shared

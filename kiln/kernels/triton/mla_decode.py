@@ -9,8 +9,10 @@ never a value, where the shared decode kernel reads every row twice, as K and as
 padded). Split-K as the shared kernel: the host picks the split count, each sequence's
 partition comes from its own seq_len on the device, so a CUDA graph captured at a context
 bucket's bound stays right below it; the shared kernel's merge (its head_dim the latent
-width) merges the partitions by their log-sum-exp. 16- and 32-bit caches only (float8 / int8
-take the shared kernel)."""
+width) merges the partitions by their log-sum-exp. A float8 (e4m3, unscaled) cache's tiles
+are widened to the query's dtype in registers right after their load (exact: every e4m3 value
+is a bf16 and an fp16 one), the dots in that dtype as over a 16-bit cache; an int8 cache is
+refused (the latent rows take no int8 scales: reference.check_mla_cache)"""
 
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.reference import check_mla_cache
 from kiln.kernels.triton._device import dot_precision, num_sms, unit_stride_rows
+from kiln.kernels.triton._fp8 import fp8e4m3_to_fp16
 from kiln.kernels.triton.decode_attention import _reduce
 
 _LOG2E = 1.4426950408889634
@@ -54,6 +58,8 @@ def _mla_decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    CACHE_FP8: tl.constexpr = False,  # float8 e4m3 rows, widened to the query's dtype
+    ASM_WIDEN: tl.constexpr = False,  # CACHE_FP8 on a GPU: through _fp8.fp8e4m3_to_fp16
 ):
     seq = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
@@ -88,6 +94,15 @@ def _mla_decode_kernel(
                        other=0.0)  # fmt: skip
         latent = tl.load(rows[:, None] + ROPE + c[None, :],
                          mask=n_mask[:, None] & c_mask[None, :], other=0.0)  # fmt: skip
+        if ASM_WIDEN:
+            # Widened in registers off the load: a plain .to() keeps the tile 8-bit in shared
+            # memory and reads it back a byte at a time for the transposed dot, converting it
+            # twice (255 registers a thread against 184 this way, compiled for sm_90).
+            k_pe = fp8e4m3_to_fp16(k_pe).to(q_pe.dtype)
+            latent = fp8e4m3_to_fp16(latent).to(q_lat.dtype)
+        elif CACHE_FP8:  # the interpreter's (it runs no inline asm)
+            k_pe = k_pe.to(q_pe.dtype)
+            latent = latent.to(q_lat.dtype)
         scores = tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
         scores += tl.dot(q_lat, tl.trans(latent), input_precision=DOT_PRECISION)
         scores = tl.where(n_mask[None, :], scores * scale_log2, float("-inf"))
@@ -135,7 +150,8 @@ def mla_decode_attention(
     num_splits: int | None = None,  # None: choose_mla_splits
 ) -> torch.Tensor:  # [num_seqs, num_heads, lora]: the attended latent
     num_seqs, num_heads, width = query.shape
-    assert cache.shape[2:] == (1, width) and cache.dtype == query.dtype, "one KV head of rows"
+    check_mla_cache(query, cache)
+    assert cache.shape[2:] == (1, width), "one KV head of rows"
     assert cache.transpose(1, 2).is_contiguous(), "a head-major cache (kv_layout.empty_cache)"
     lora = width - rope_dim
     out = torch.empty(num_seqs, num_heads, lora, dtype=query.dtype, device=query.device)
@@ -151,6 +167,7 @@ def mla_decode_attention(
         part_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32,
                                device=query.device)  # fmt: skip
     interpreted = query.device.type != "cuda"
+    fp8 = cache.dtype == torch.float8_e4m3fn
     # Untimed on a GPU: 32 keys, 4 warps, 2 stages hold a 32 x 512 latent tile a stage.
     block_n, num_warps, num_stages = (16, 4, 1) if interpreted else (32, 4, 2)
     grid = (num_seqs, triton.cdiv(num_heads, _BLOCK_H), splits)
@@ -167,6 +184,8 @@ def mla_decode_attention(
         BLOCK_N=block_n,
         SPLIT=split,
         DOT_PRECISION=dot_precision(query.dtype),
+        CACHE_FP8=fp8,
+        ASM_WIDEN=fp8 and not interpreted,
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
