@@ -57,7 +57,9 @@ GPU_TESTS=$(for f in ${GPU_TESTS:-tests/runtime/test_gpu.py tests/kernels/test_t
     tests/kernels/test_moe_router.py tests/kernels/test_eight_bit_gemms.py \
     tests/kernels/test_int8_kv_cache.py tests/kernels/test_lora_kernels.py \
     tests/models/test_gemma2_gemma3.py tests/models/test_deepseek.py tests/kernels/test_mla_decode.py \
-    tests/models/test_deepseek_triton.py tests/kernels/test_moe_w8a16.py}; do
+    tests/models/test_deepseek_triton.py tests/kernels/test_moe_w8a16.py \
+    tests/kernels/test_prefill_attention_hopper.py tests/kernels/test_int4_gemm_hopper.py \
+    tests/kernels/test_layer_norm_kernels.py}; do
     [[ -e $f ]] && echo "$f"; done)
 
 command_of() {  # NAME -> "SECONDS COMMAND..." (O is the output folder)
