@@ -46,6 +46,10 @@ class PlannedModel(Protocol):
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
 
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]: ...
+
 
 @dataclass(frozen=True)
 class GroupPlan:
@@ -286,7 +290,7 @@ def group_plans(
     )
 
 
-def resident_bytes(model: torch.nn.Module) -> int:
+def resident_bytes(model: PlannedModel) -> int:
     """A model's parameters, and its weights re-laid into buffers (INT4's codes for the sm_90
     kernel, whose parameter is then left empty)."""
     relaid = [b for name, b in model.named_buffers() if name.endswith(".weight_mma")]
