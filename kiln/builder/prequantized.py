@@ -48,7 +48,7 @@ _MAX_BYTE_TOKENS = 4096
 _SCHEMES = {
     "fp8": "FP8 checkpoint with static per-tensor input scales",
     "fp8-dynamic": "FP8 checkpoint with dynamic per-token activation scales",
-    "fp8-block": "block FP8 checkpoint (128x128 weight blocks)",
+    "fp8-block": "block FP8 checkpoint",
     "int8-w8a8": "W8A8 INT8 checkpoint",
 }
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -82,7 +82,8 @@ def describe(scheme: Prequantized) -> str:
         what = "INT4 (W4A16) checkpoint"
     else:
         what = _SCHEMES.get(scheme.quantization, "weight-only 8-bit (W8A16) checkpoint")
-    return f"a {scheme.producer} {what} ({scheme.quantization})"
+    producer = "DeepSeek / Qwen-format" if scheme.producer == "fp8" else scheme.producer
+    return f"a {producer} {what} ({scheme.quantization})"
 
 
 def input_scales(scheme: Prequantized) -> dict[str, float] | None:
