@@ -366,9 +366,7 @@ def _write_engine(
         max_model_len=options.max_model_len,
         quantization=engine_quantization(options.quantization, cfg),
         scales_method=(
-            prequantized.scales_method(build.prequant)
-            if build.prequant
-            else scales_method(options)
+            prequantized.scales_method(build.prequant) if build.prequant else scales_method(options)
         ),
         calibration_data_hash=build.key["calibration_data"],
         input_scales=found.scales,

@@ -73,7 +73,8 @@ def inspect(path: str) -> Prequantized | None:
     from kiln.checkpoint.safetensors_loader import read_hf_config
 
     config = read_hf_config(path)
-    return read_eight_bit(path, config) or read_int4(path, config) or read_prequantized(path, config)
+    eight_bit = read_eight_bit(path, config)
+    return eight_bit or read_int4(path, config) or read_prequantized(path, config)
 
 
 def describe(scheme: Prequantized) -> str:
