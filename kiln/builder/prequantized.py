@@ -153,8 +153,11 @@ def kv_calibration(
 ) -> str | None:
     """The text a float8 KV cache's scales are calibrated on, when the build needs them: the
     cache is float8 and the checkpoint has no k/v scales of its own. Calibration tokenizes text:
-    a checkpoint without a tokenizer keeps an unscaled float8 cache, as loading it does."""
-    if kv_scales(scheme) is not None:
+    a checkpoint without a tokenizer keeps an unscaled float8 cache, as loading it does. An int8
+    cache measures its per-head scales at load, as loading the checkpoint directly does."""
+    from kiln.runtime.model_loader import is_float8_kv_cache
+
+    if kv_scales(scheme) is not None or not is_float8_kv_cache(options.kv_cache_dtype):
         return None
     text = read_text(replace(options, quantization="none"))  # a float8 cache's text, or None
     if text is not None and not any(

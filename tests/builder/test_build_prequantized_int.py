@@ -250,3 +250,17 @@ def test_a_float8_cache_calibrates_as_for_an_fp8_checkpoint(tmp_path):
     assert built.quantization_source["kv_scales"].startswith("calibrated at build time")
     assert built.accuracy["passed"] and "model-dtype KV cache" in built.accuracy["baseline"]
     assert built.quantization == "int4-g128"
+
+
+def test_an_int8_cache_measures_its_scales_at_load_as_the_checkpoint_does(tmp_path):
+    """No per-head scales are stored (none are calibrated for a pre-quantized source): the
+    engine measures them at load as the checkpoint loaded directly does, the same arithmetic."""
+    src = tmp_path / "with-tokenizer"
+    shutil.copytree(INT4 / "awq", src)
+    _char_tokenizer(src)
+    options = BuildOptions(kv_cache_dtype="int8", max_model_len=64)
+    built = build_engine(str(src), str(tmp_path / "int8kv"), options, None)
+    assert built.kv_scales is None and built.kv_head_scales is None
+    assert built.accuracy["passed"] and built.accuracy["max_ppl_increase_pct"] == 0.01
+    int8 = dict(ARGS, kv_cache_dtype="int8")
+    assert _tokens(LLM(str(tmp_path / "int8kv"), **int8)) == _tokens(LLM(str(src), **int8))
