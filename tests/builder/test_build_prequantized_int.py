@@ -264,3 +264,17 @@ def test_an_int8_cache_measures_its_scales_at_load_as_the_checkpoint_does(tmp_pa
     assert built.accuracy["passed"] and built.accuracy["max_ppl_increase_pct"] == 0.01
     int8 = dict(ARGS, kv_cache_dtype="int8")
     assert _tokens(LLM(str(tmp_path / "int8kv"), **int8)) == _tokens(LLM(str(src), **int8))
+
+
+def test_kiln_build_names_the_checkpoints_scheme_on_the_command_line(tmp_path, capsys):
+    """`kiln build gptq_desc_act --quantization int4-g64`: the scheme --help does not list (it
+    is the checkpoint's) is the same build as leaving it out."""
+    src, out = INT4 / "gptq_desc_act", tmp_path / "e"
+    argv = ["build", str(src), "-o", str(out), "--quantization", "int4-g64", "--no-accuracy-check"]
+    assert main(argv) == 0
+    with open(out / MANIFEST_FILE) as f:
+        assert json.load(f)["quantization"] == "int4-g64"
+    capsys.readouterr()
+    argv[3], argv[5] = str(tmp_path / "f"), "int4-g128"  # a valid name, not this checkpoint's
+    assert main(argv) == 2
+    assert "would re-quantize it" in capsys.readouterr().err
