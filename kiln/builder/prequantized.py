@@ -78,7 +78,7 @@ def inspect(path: str) -> Prequantized | None:
 
 
 def describe(scheme: Prequantized) -> str:
-    """The checkpoint in words: "a gptq INT4 checkpoint (int4-g128)"."""
+    """The checkpoint in words: "a gptq INT4 (W4A16) checkpoint (int4-g128)"."""
     if isinstance(scheme, PrequantizedInt4):
         what = "INT4 (W4A16) checkpoint"
     else:
