@@ -238,6 +238,11 @@ _FAST_RUN_TRIM = {
         "test_a_float8_cache_the_checkpoint_has_no_scales_for",
         "test_modelopt_kv_scales_are_the_engines_and_apply_to_a_float8_cache",
     ),
+    "tests/builder/test_build_prequantized_int.py": (  # 16 s: 6 accuracy-checked builds
+        "test_a_float8_cache_calibrates_as_for_an_fp8_checkpoint",
+        "test_an_int8_cache_measures_its_scales_at_load_as_the_checkpoint_does",
+        "test_the_accuracy_check_compares_the_engine_with_the_checkpoint",
+    ),
     "tests/builder/test_gptq.py": (  # 2 s
         "test_a_gptq_build_loads_answers_and_is_its_own_engine",
     ),

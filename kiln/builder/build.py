@@ -94,7 +94,7 @@ class _Build:
 
     path: str  # the source
     options: BuildOptions  # "auto" quantization resolved
-    fp8: prequantized.PrequantizedFp8 | None  # a pre-quantized source's scheme
+    prequant: prequantized.Prequantized | None  # a pre-quantized source's scheme
     fp4: PrequantizedFp4 | None  # an FP4 source's scheme (kiln.builder.fp4_source)
     device: torch.device
     dtype: torch.dtype
@@ -191,7 +191,7 @@ def _build_into(
             cache.publish(tmp, rejected)
             why = (
                 prequantized.failure(manifest.accuracy)
-                if build.fp8
+                if build.prequant
                 else failure_message(manifest.accuracy, build.options)
             )
             raise BuildError(
@@ -230,9 +230,10 @@ def _resolve(path: str, options: BuildOptions, adapter: MergeAdapter | None = No
     # A pre-quantized checkpoint's scheme decides "auto" (and refuses a contradicting one)
     # before the options name the engine.
     fp4_scheme = fp4_source.inspect_fp4(path) if os.path.isdir(path) else None
-    fp8 = prequantized.inspect(path) if os.path.isdir(path) and fp4_scheme is None else None
+    scheme = prequantized.inspect(path) if os.path.isdir(path) and fp4_scheme is None else None
     requested = fp4_source.resolve_quantization(options.quantization, fp4_scheme)
-    options = replace(options, quantization=prequantized.resolve_quantization(requested, fp8, path))
+    resolved = prequantized.resolve_quantization(requested, scheme, path)
+    options = replace(options, quantization=resolved)
     device = resolve_device("auto")
     dtype = resolve_dtype(options.dtype, device)
     gpu_class = current_gpu_class() if device.type == "cuda" else None
@@ -242,24 +243,25 @@ def _resolve(path: str, options: BuildOptions, adapter: MergeAdapter | None = No
         "Build without them, or on the GPU the engine will serve on (Ada or newer)",
     )  # fmt: skip
     # (Options that need a quantized build were refused when `replace` resolved "auto".)
-    if fp8 is None:
+    if scheme is None:
         calibration = calibration_text(options)
     else:  # its weight and input scales are its own: only a float8 KV cache may calibrate
         _refuse_weight_changes(path, options, adapter)
-        calibration = prequantized.kv_calibration(path, fp8, options, calibration_text)
+        prequantized.check_tensor_parallel(path, scheme, options.tensor_parallel_size)
+        calibration = prequantized.kv_calibration(path, scheme, options, calibration_text)
     key = _engine_key(options, dtype, calibration, gpu_class)
     if adapter is not None:  # its bytes name the engine, not where it lies
         key["lora"] = adapter.digest
     name = os.path.basename(os.path.normpath(path))
     return _Build(
-        path, options, fp8, fp4_scheme, device, dtype, gpu_class, calibration, key, adapter, name
+        path, options, scheme, fp4_scheme, device, dtype, gpu_class, calibration, key, adapter, name
     )
 
 
 def _refuse_weight_changes(
     path: str, options: BuildOptions, adapter: MergeAdapter | None = None
 ) -> None:
-    """A pre-quantized checkpoint's float8 weights are carried as written."""
+    """A pre-quantized checkpoint's weights are carried as written."""
     for changes_weights, why in (
         (adapter is not None, "--lora merges an adapter into higher-precision weights"),
         (options.weight_rounding != "nearest",
@@ -272,7 +274,7 @@ def _refuse_weight_changes(
     ):  # fmt: skip
         if changes_weights:
             raise BuildError(
-                f"{path} is quantized already: its float8 weights are carried as written ({why})"
+                f"{path} is quantized already: its weights are carried as written ({why})"
             )
 
 
@@ -320,27 +322,31 @@ def _write_engine(
         source.unquantized_layers
     )
     # A pre-quantized source is always checked: its engine must equal it.
-    check = options.accuracy_check and (build.fp8 is not None or changes_arithmetic(options))
+    check = options.accuracy_check and (build.prequant is not None or changes_arithmetic(options))
     calibrated = None
-    if build.fp8 is None:
+    if build.prequant is None:
         found = run_source(
             build.path, options, build.calibration, check, kept, ppl_file,
             fp4_source.source_format(build.fp4),
         )  # fmt: skip
         kv_in_weights = True
-    else:  # its own float8 weights and scales, loaded as written
+    else:  # its own weights and scales, loaded as written
         source_ppl, calibrated = prequantized.run_source(
             build.path, options, build.calibration, check
         )
-        found = SourcePass(source_ppl, build.fp8.input_scales, calibrated or build.fp8.kv_scales)
+        own_kv = prequantized.kv_scales(build.prequant)
+        found = SourcePass(
+            source_ppl, prequantized.input_scales(build.prequant), calibrated or own_kv
+        )
         # Its own k/v scales fold in for a float8 cache only, as loading it directly does.
         kv_in_weights = is_float8_kv_cache(options.kv_cache_dtype)
     names = _write_weights(build, source, found, kept, kv_in_weights, tmp)
     names += _write_side_files(build.path, cfg, source.tokenizer, tmp)
     origin = None
-    if build.fp8 is not None:
-        kv_origin = _kv_origin(build.fp8.kv_scales, calibrated, kv_in_weights)
-        origin = prequantized.quantization_source(build.path, build.fp8, kv_origin)
+    if build.prequant is not None:
+        own_kv = prequantized.kv_scales(build.prequant)
+        kv_origin = _kv_origin(own_kv, calibrated, kv_in_weights)
+        origin = prequantized.quantization_source(build.path, build.prequant, kv_origin)
     if build.fp4 is not None:
         origin = fp4_source.quantization_source(
             build.fp4, fp4_source.weights_format(build.fp4, options)
@@ -360,7 +366,7 @@ def _write_engine(
         max_model_len=options.max_model_len,
         quantization=engine_quantization(options.quantization, cfg),
         scales_method=(
-            prequantized.scales_method(build.fp8) if build.fp8 else scales_method(options)
+            prequantized.scales_method(build.prequant) if build.prequant else scales_method(options)
         ),
         calibration_data_hash=build.key["calibration_data"],
         input_scales=found.scales,
@@ -465,7 +471,7 @@ def _check_and_warm(
     """The accuracy check of the engine in `tmp` (its verdict in the manifest returned), and on
     a GPU its compiled kernels carried in it."""
     options = build.options
-    if build.fp8 is None:
+    if build.prequant is None:
         assert not isinstance(source_ppl, prequantized.Scores)  # a checkpoint's perplexities
         accuracy = check_engine(
             tmp, options, source_ppl, ModelConfig.from_hf_dict(manifest.architecture)

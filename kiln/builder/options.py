@@ -4,6 +4,7 @@ loads: the calibration text, the layers kept unquantized, the words for the engi
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass
 
 from kiln.builder.calibrate.smoothing import SmoothingSpec
@@ -15,6 +16,9 @@ from kiln.models.config import ModelConfig
 QUANTIZATIONS = ("auto", "none", "fp8", "fp8-dynamic", "int8-w8a8", "fp8-block",
                  "int8-w8a16-channel", "int8-w8a16-g128", "int8-w8a16-g16", "fp8-w8a16-channel",
                  "int4-gptq", "int4-awq")  # fmt: skip
+# What a pre-quantized INT4 / 8-bit checkpoint's own scheme may be called besides QUANTIZATIONS
+# (kiln.checkpoint.int4_formats, eight_bit_formats): "auto" resolves to it, naming it is the same.
+CHECKPOINT_SCHEMES = re.compile(r"int4-(g\d+|channel)(-sym)?|(int8|fp8)-w8a16-(g\d+|channel)")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -29,7 +33,8 @@ class BuildOptions:
     values) or "fp8-w8a16-channel", "int4-gptq" or "int4-awq"
     (W4A16, groups of 128 with zero points, rounded by GPTQ layer after layer or by AWQ's scale
     search on the calibration text: kiln.builder.int4), or "auto": a pre-quantized checkpoint's
-    own scheme (kiln.builder.prequantized), else "none"."""
+    own scheme (kiln.builder.prequantized), else "none". A pre-quantized INT4 / 8-bit
+    checkpoint's scheme may be named too ("int4-g128", "int8-w8a16-g64": CHECKPOINT_SCHEMES)."""
     kv_cache_dtype: str = "auto"
     """"auto" (the model dtype) or "fp8"."""
     dtype: str = "auto"
@@ -91,6 +96,8 @@ class BuildOptions:
             ("lm_head_quantization", ("none", "fp8")),
             ("weight_rounding", WEIGHT_ROUNDINGS),
         ):
+            if name == "quantization" and CHECKPOINT_SCHEMES.fullmatch(self.quantization):
+                continue
             if getattr(self, name) not in allowed:
                 raise BuildError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         try:
@@ -117,7 +124,7 @@ class BuildOptions:
     def _check_quantized_options(self) -> None:
         """The options that change float8 weights need a float8 build (INT8 takes smoothing and
         unquantized layers; GPTQ's and outlier columns' float8 codes it cannot)."""
-        if self.quantization.startswith("int4-"):
+        if self.quantization in ("int4-gptq", "int4-awq"):
             for name, default in (("smoothing", "none"), ("weight_rounding", "nearest"),
                                   ("outlier_columns", 0), ("tensor_parallel_size", 1)):  # fmt: skip
                 if getattr(self, name) != default:

@@ -1,10 +1,15 @@
-"""`kiln build` from a pre-quantized FP8 checkpoint (llm-compressor's compressed-tensors, NVIDIA
-ModelOpt's hf_quant_config.json; read by kiln.checkpoint.prequantized).
+"""`kiln build` from a pre-quantized checkpoint: FP8 (llm-compressor's compressed-tensors, NVIDIA
+ModelOpt's hf_quant_config.json; kiln.checkpoint.prequantized), INT4 W4A16 (GPTQ, AutoAWQ GEMM,
+compressed-tensors pack-quantized; kiln.checkpoint.int4_formats) and 8-bit (block FP8, W8A8
+INT8, W8A16 int8 / float8; kiln.checkpoint.eight_bit_formats).
 
-The engine carries the checkpoint's quantization as it is: its float8 weights byte for byte
-(fused into qkv / gate_up as the loader fuses them), its weight scales as the loader lays them
-out (a per-tensor scale repeated over its rows), its static input scales fused to the largest of
-q/k/v (gate/up), its k_scale / v_scale. Nothing is re-quantized, so the engine must compute what
+The engine carries the checkpoint's quantization as it is, as the loader lays it out: float8
+weights byte for byte (fused into qkv / gate_up as the loader fuses them), weight scales as the
+loader lays them out (a per-tensor scale repeated over its rows), static input scales fused to
+the largest of q/k/v (gate/up), k_scale / v_scale; INT4 codes, scales and zeros in kiln's layout
+(an act-order checkpoint's inputs reordered as the loader reorders them, its g_idx kept, from
+which the engine's loader takes the order); 8-bit codes unpacked, block and group scales as the
+loader reads them. Nothing is re-quantized, so the engine must compute what
 kiln computes loading the checkpoint directly: the accuracy check compares the two (equal within
 float noise) and reports the perplexity of both, whose baseline is the quantized checkpoint, not
 an unquantized model (none is at hand).
@@ -25,8 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from kiln.checkpoint.eight_bit_formats import PrequantizedEightBit
+from kiln.checkpoint.int4_formats import PrequantizedInt4
 from kiln.checkpoint.prequantized import PrequantizedFp8, read_prequantized
-from kiln.errors import BuildError, ModelLoadError
+from kiln.errors import BuildError
 
 if TYPE_CHECKING:  # build.py imports this module
     from kiln.builder.options import BuildOptions
@@ -39,16 +46,26 @@ SAME_ARITHMETIC_PCT = 0.01
 # many as the check scores of a real tokenizer's text, roughly.
 _MAX_BYTE_TOKENS = 4096
 _SCHEMES = {
-    "fp8": "static per-tensor input scales",
-    "fp8-dynamic": "dynamic per-token activation scales",
+    "fp8": "FP8 checkpoint with static per-tensor input scales",
+    "fp8-dynamic": "FP8 checkpoint with dynamic per-token activation scales",
+    "fp8-block": "block FP8 checkpoint",
+    "int8-w8a8": "W8A8 INT8 checkpoint",
 }
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-_PRODUCERS = {"compressed-tensors": "llm-compressor", "modelopt": "NVIDIA ModelOpt"}
+_PRODUCERS = {"compressed-tensors": "llm-compressor", "modelopt": "NVIDIA ModelOpt",
+              "gptq": "AutoGPTQ / GPTQModel", "awq": "AutoAWQ",
+              "fp8": "DeepSeek / Qwen FP8 release"}  # fmt: skip
+# kiln build's names for INT4 rounding that also name a checkpoint rounded so (vLLM's
+# --quantization gptq / awq for such checkpoints).
+_PRODUCER_BUILDS = {"gptq": "int4-gptq", "awq": "int4-awq"}
+
+Prequantized = PrequantizedFp8 | PrequantizedInt4 | PrequantizedEightBit
 
 
-def inspect(path: str) -> PrequantizedFp8 | None:
-    """The FP8 scheme an HF checkpoint directory declares, None for an unquantized one or a GGUF
-    file (what cannot be read is the loader's one-line error)."""
+def inspect(path: str) -> Prequantized | None:
+    """The scheme a pre-quantized HF checkpoint directory declares (read in the loader's order),
+    None for an unquantized one or a GGUF file (what cannot be read is the loader's one-line
+    error)."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         return None
     from kiln.checkpoint.eight_bit_formats import read_eight_bit
@@ -57,50 +74,90 @@ def inspect(path: str) -> PrequantizedFp8 | None:
 
     config = read_hf_config(path)
     eight_bit = read_eight_bit(path, config)
-    if eight_bit is not None:
-        raise ModelLoadError(
-            f"{path}: kiln build does not take {eight_bit.quantization} ({eight_bit.producer}) "
-            'checkpoints yet; they load directly (LLM("./checkpoint"), kiln serve ./checkpoint)'
-        )
-    int4 = read_int4(path, config)
-    if int4 is not None:
-        raise ModelLoadError(
-            f"{path}: kiln build does not take INT4 ({int4.producer}) checkpoints yet; they load "
-            'directly (LLM("./checkpoint"), kiln serve ./checkpoint)'
-        )
-    return read_prequantized(path, config)
+    return eight_bit or read_int4(path, config) or read_prequantized(path, config)
 
 
-def resolve_quantization(requested: str, fp8: PrequantizedFp8 | None, path: str) -> str:
-    """The scheme a build makes: "auto" is the checkpoint's (none for an unquantized one)."""
-    if fp8 is None:
+def describe(scheme: Prequantized) -> str:
+    """The checkpoint in words: "a gptq INT4 (W4A16) checkpoint (int4-g128)"."""
+    if isinstance(scheme, PrequantizedInt4):
+        what = "INT4 (W4A16) checkpoint"
+    else:
+        what = _SCHEMES.get(scheme.quantization, "weight-only 8-bit (W8A16) checkpoint")
+    producer = "DeepSeek / Qwen-format" if scheme.producer == "fp8" else scheme.producer
+    return f"a {producer} {what} ({scheme.quantization})"
+
+
+def input_scales(scheme: Prequantized) -> dict[str, float] | None:
+    """The checkpoint's static input scales (FP8's "fp8" only)."""
+    return scheme.input_scales if isinstance(scheme, PrequantizedFp8) else None
+
+
+def kv_scales(scheme: Prequantized) -> list[tuple[float, float]] | None:
+    """The checkpoint's float8 KV cache scales (the FP8 formats' only: kiln's INT4 and 8-bit
+    readers take none)."""
+    return scheme.kv_scales if isinstance(scheme, PrequantizedFp8) else None
+
+
+def resolve_quantization(requested: str, scheme: Prequantized | None, path: str) -> str:
+    """The scheme a build makes: "auto" is the checkpoint's (none for an unquantized one); the
+    checkpoint's own name, or int4-gptq / int4-awq for a GPTQ / AWQ one, names it too."""
+    from kiln.builder.options import QUANTIZATIONS
+
+    if scheme is None:
+        if requested not in QUANTIZATIONS:  # a checkpoint's own scheme (CHECKPOINT_SCHEMES)
+            raise BuildError(
+                f"--quantization {requested} names a pre-quantized checkpoint's scheme; {path} "
+                f"holds no such weights (kiln builds INT4 from an unquantized checkpoint with "
+                "int4-gptq or int4-awq)"
+            )
         return "none" if requested == "auto" else requested
-    if requested in ("auto", fp8.quantization):
-        return fp8.quantization
-    what = f"{path} is a {fp8.producer} FP8 checkpoint with {_SCHEMES[fp8.quantization]}"
+    own = scheme.quantization
+    if requested in ("auto", own, _PRODUCER_BUILDS.get(scheme.producer)):
+        return own
+    what = f"{path} is {describe(scheme)}"
     if requested == "none":
         raise BuildError(
-            f"{what}: kiln build carries its float8 weights as they are and does not dequantize "
-            f"them; leave --quantization out (or pass {fp8.quantization}), or build from the "
-            "unquantized checkpoint"
+            f"{what}: kiln build carries its weights as they are and does not dequantize them; "
+            f"leave --quantization out (or pass {own}), or build from the unquantized checkpoint"
         )
     raise BuildError(
-        f"{what} (quantization {fp8.quantization}); --quantization {requested} would "
-        f"re-quantize it: leave --quantization out (or pass {fp8.quantization}), or build "
-        f"{requested} from the unquantized checkpoint"
+        f"{what}; --quantization {requested} would re-quantize it: leave --quantization out "
+        f"(or pass {own}), or build {requested} from the unquantized checkpoint"
     )
+
+
+def check_tensor_parallel(path: str, scheme: Prequantized, tp: int) -> None:
+    """-tp N cuts the weights as loading the checkpoint under TP cuts them: INT4 act-order
+    (GPTQ's desc_act, compressed-tensors' actorder "group") does not cut by input columns."""
+    if tp == 1 or not isinstance(scheme, PrequantizedInt4):
+        return
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        declared = json.load(f).get("quantization_config") or {}
+    groups = (declared.get("config_groups") or {}).values()
+    act_order = declared.get("desc_act") or any(
+        (g.get("weights") or {}).get("actorder") == "group" for g in groups
+    )
+    if act_order:
+        raise BuildError(
+            f"{path} is {describe(scheme)} with act-order (desc_act) inputs: a row-parallel "
+            f"rank's inputs would not hold whole groups, so -tp {tp} cannot cut it (loading it "
+            "under tensor parallelism is refused too); build it without -tp"
+        )
 
 
 def kv_calibration(
     path: str,
-    fp8: PrequantizedFp8,
+    scheme: Prequantized,
     options: BuildOptions,
     read_text: Callable[[BuildOptions], str | None],
 ) -> str | None:
     """The text a float8 KV cache's scales are calibrated on, when the build needs them: the
     cache is float8 and the checkpoint has no k/v scales of its own. Calibration tokenizes text:
-    a checkpoint without a tokenizer keeps an unscaled float8 cache, as loading it does."""
-    if fp8.kv_scales is not None:
+    a checkpoint without a tokenizer keeps an unscaled float8 cache, as loading it does. An int8
+    cache measures its per-head scales at load, as loading the checkpoint directly does."""
+    from kiln.runtime.model_loader import is_float8_kv_cache
+
+    if kv_scales(scheme) is not None or not is_float8_kv_cache(options.kv_cache_dtype):
         return None
     text = read_text(replace(options, quantization="none"))  # a float8 cache's text, or None
     if text is not None and not any(
@@ -111,15 +168,28 @@ def kv_calibration(
     return text
 
 
-def scales_method(fp8: PrequantizedFp8) -> str:
-    if fp8.quantization == "fp8":
+def scales_method(scheme: Prequantized) -> str:
+    q = scheme.quantization
+    if isinstance(scheme, PrequantizedInt4):
+        weights = "INT4 codes, scales and zero points as written (in kiln's layout)"
+        inputs = "activations in the model dtype"
+    elif q == "int8-w8a8":
+        weights, inputs = "int8 weights, weight scales as written", "dynamic per-token int8"
+    elif q == "fp8-block":
+        weights = "float8 weights, 128x128 block scales as written"
+        inputs = "dynamic activation scales per group of 128 inputs"
+    elif "-w8a16-" in q:
+        weights, inputs = "8-bit weights, scales as written", "activations in the model dtype"
+    elif q == "fp8":
+        weights = "float8 weights, weight scales as written"
         inputs = "static per-tensor input scales (q/k/v and gate/up fused to their largest)"
     else:
+        weights = "float8 weights, weight scales as written"
         inputs = "dynamic per-token activation scales"
-    return f"the {fp8.producer} checkpoint's: float8 weights, weight scales as written; {inputs}"
+    return f"the {scheme.producer} checkpoint's: {weights}; {inputs}"
 
 
-def quantization_source(path: str, fp8: PrequantizedFp8, kv_origin: str | None) -> dict:
+def quantization_source(path: str, scheme: Prequantized, kv_origin: str | None) -> dict:
     """The manifest's record of where the quantization came from: the method, the checkpoint's
     format and the quantization config it declares (as written), and where the KV scales are
     from."""
@@ -132,11 +202,13 @@ def quantization_source(path: str, fp8: PrequantizedFp8, kv_origin: str | None) 
         config_file = "config.json"
         with open(os.path.join(path, config_file), encoding="utf-8") as f:
             config = json.load(f).get("quantization_config")
+    kind = "INT4" if isinstance(scheme, PrequantizedInt4) else "8-bit"
+    kind = "float8" if isinstance(scheme, PrequantizedFp8) else kind
     return {
-        "method": "pre-quantized checkpoint: its float8 weights and scales carried as written "
+        "method": f"pre-quantized checkpoint: its {kind} weights and scales carried as written "
         "(no re-quantization)",
-        "format": fp8.producer,
-        "producer": _PRODUCERS.get(fp8.producer, fp8.producer),
+        "format": scheme.producer,
+        "producer": _PRODUCERS.get(scheme.producer, scheme.producer),
         "config_file": config_file,
         "config": config,
         "kv_scales": kv_origin,

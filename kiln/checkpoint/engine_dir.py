@@ -99,6 +99,12 @@ class _FileEntry(msgspec.Struct):
     blake2b: str
 
 
+_SCHEME_PATTERN = (
+    r"^(none|fp8|fp8-dynamic|int8-w8a8|fp8-block|int4-(g\d+|channel)(-sym)?"
+    r"|(int8|fp8)-w8a16-(g\d+|channel))$"
+)
+
+
 class ManifestSchema(msgspec.Struct):
     """What loading reads of a manifest, typed: the one place its types are checked (the
     builder's EngineManifest records more, which loading ignores)."""
@@ -107,12 +113,9 @@ class ManifestSchema(msgspec.Struct):
     files: dict[str, _FileEntry]
     architecture: dict[str, Any]
     dtype: str
-    # layers.quantization.QUANTIZATIONS, and the INT4 groups `kiln build` writes (builder.int4)
-    quantization: Literal[
-        "none", "fp8", "fp8-dynamic", "int8-w8a8", "fp8-block", "int8-w8a16-channel",
-        "int8-w8a16-g128", "int8-w8a16-g16", "fp8-w8a16-channel", "int4-g128", "int4-g64",
-        "int4-g32",
-    ]  # fmt: skip  # what kiln build makes
+    # What kiln build makes: layers.quantization.QUANTIZATIONS, its INT4 groups (builder.int4)
+    # and a pre-quantized INT4 / 8-bit checkpoint's own scheme (builder.prequantized).
+    quantization: Annotated[str, msgspec.Meta(pattern=_SCHEME_PATTERN)]
     gpu_class: str | None = None
     tensor_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     kv_cache_dtype: str = "auto"

@@ -1,9 +1,10 @@
-"""`kiln build`: an HF directory (pre-quantized FP8 ones too) or GGUF file -> an engine directory
-(see kiln.builder)."""
+"""`kiln build`: an HF directory (pre-quantized FP8, INT4 and 8-bit ones too) or GGUF file -> an
+engine directory (see kiln.builder)."""
 
 from __future__ import annotations
 
 import argparse
+import re
 
 # kiln.builder.options.QUANTIZATIONS, spelled out: importing the builder here would import torch
 # for every verb's --help (tests/cli/test_cli_args.py checks that the two agree).
@@ -11,6 +12,16 @@ _QUANTIZATIONS = ("auto", "none", "fp8", "fp8-dynamic", "int8-w8a8", "fp8-block"
                   "int8-w8a16-channel", "int8-w8a16-g128", "int8-w8a16-g16", "fp8-w8a16-channel",
                   "int4-gptq", "int4-awq")  # fmt: skip
 _KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # kiln.builder.options.KV_CACHE_DTYPES
+# kiln.builder.options.CHECKPOINT_SCHEMES: a pre-quantized checkpoint's own scheme, named.
+_CHECKPOINT_SCHEMES = re.compile(r"int4-(g\d+|channel)(-sym)?|(int8|fp8)-w8a16-(g\d+|channel)")
+
+
+class _Quantizations(tuple):
+    """The choices --help lists, and a pre-quantized checkpoint's own scheme ("int4-g64")."""
+
+    def __contains__(self, name: object) -> bool:
+        named = isinstance(name, str) and _CHECKPOINT_SCHEMES.fullmatch(name) is not None
+        return named or tuple.__contains__(self, name)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,9 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("-o", "--output", default=None, help="engine directory (default: in the cache)")
     p.add_argument(
-        "--quantization", choices=_QUANTIZATIONS,
-        default="auto", help="auto: a pre-quantized FP8 checkpoint's own scheme (carried as "
-        "written), an FP4 checkpoint's FP8 conversion, else none; int8-w8a8: int8 weights per "
+        "--quantization", choices=_Quantizations(_QUANTIZATIONS),
+        default="auto", help="auto: a pre-quantized (FP8, INT4, 8-bit) checkpoint's own scheme "
+        "(carried as written; naming it, e.g. int4-g128, is the same), an FP4 checkpoint's FP8 "
+        "conversion, else none; int8-w8a8: int8 weights per "
         "channel, activations per token; *-w8a16-*: weight-only; int4-gptq / int4-awq: W4A16 "
         "groups of 128 rounded by GPTQ or AWQ on the calibration text",
     )  # fmt: skip

@@ -157,7 +157,8 @@ def expert_scale_count(cfg: ModelConfig, quantization: str = "fp8-dynamic") -> i
         # "int4-g<N>" / "int4-channel" (-sym); a build's "int4-gptq" / "int4-awq": groups of 128
         named = re.fullmatch(r"int4-(?:g(\d+)|(channel))(?:-sym)?", quantization)
         size = 128 if named is None else int(named.group(1) or 0)
-        return 2 * cfg.num_held_experts * (2 * n * (h // (size or h)) + h * (n // (size or n)))
+        groups_n = n // (size or n) if n else 0  # a dense model has no expert inputs
+        return 2 * cfg.num_held_experts * (2 * n * (h // (size or h)) + h * groups_n)
     if quantization in ("fp8-block", "int8-w8a16-g128"):  # a scale per row and 128 inputs
         return cfg.num_held_experts * (2 * n * -(-h // 128) + h * -(-n // 128))
     if cfg.per_channel_experts or quantization in PER_CHANNEL_8BIT:

@@ -134,6 +134,7 @@ def load_time_head_scales(model: CausalLM, tokenizer: Tokenizer | None) -> KVHea
     from kiln.attention.torch_backend import TorchAttentionBackend
     from kiln.kernels import reference
 
-    ids = sample_token_ids(tokenizer, model.config.vocab_size)
+    # No longer than the model's positions (a short max_model_len's rotary table ends there).
+    ids = sample_token_ids(tokenizer, model.config.vocab_size)[: model.cos_sin_cache.shape[0]]
     absmax = measure_kv_head_absmax(model, [ids], reference, TorchAttentionBackend())
     return head_scales(absmax, LOAD_HEADROOM)

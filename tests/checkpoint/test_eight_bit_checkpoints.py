@@ -241,13 +241,6 @@ def test_a_checkpoint_missing_its_scales_is_refused(tmp_path) -> None:
         LLM(str(_edited(tmp_path, "ct_w8a8_int8", tensor_edit=drop)), **ARGS)
 
 
-def test_kiln_build_refuses_an_eight_bit_checkpoint_by_name() -> None:
-    from kiln.builder.prequantized import inspect
-
-    with pytest.raises(ModelLoadError, match=r"kiln build does not take int8-w8a8"):
-        inspect(str(DATA / "ct_w8a8_int8"))
-
-
 def _round_to_nearest(w: torch.Tensor, scheme: str) -> torch.Tensor:
     """w [rows, in] dequantized after rounding to nearest: per row to int8 (absmax / 127), or
     per 128x128 block (the last rows' partial) to float8 (absmax / 448)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -86,12 +87,17 @@ def test_a_bad_manifest_is_one_line_naming_the_field(tiny_engine, tmp_path, case
 def test_the_schema_knows_every_quantization_a_build_writes():
     from kiln.builder.int4 import INT4_BUILDS
 
-    annotation = typing.get_type_hints(ManifestSchema)["quantization"]
+    annotation = typing.get_type_hints(ManifestSchema, include_extras=True)["quantization"]
+    pattern = typing.get_args(annotation)[1].pattern
     built = set(BUILD_QUANTIZATIONS) - {"auto"}  # "auto" resolves before the manifest is written
     int4_groups = {"int4-g128", "int4-g64", "int4-g32"}  # what an INT4 build's manifest names
-    built = built - set(INT4_BUILDS) | int4_groups
-    schema = set(typing.get_args(annotation))
-    assert built <= schema and schema - int4_groups <= set(QUANTIZATIONS)
+    # A pre-quantized INT4 / 8-bit checkpoint's own scheme (kiln.builder.prequantized).
+    checkpoints = {"int4-channel", "int4-g128-sym", "int4-channel-sym", "int8-w8a16-g64",
+                   "fp8-w8a16-g32", "fp8-w8a16-channel"}  # fmt: skip
+    for name in built - set(INT4_BUILDS) | int4_groups | checkpoints | set(QUANTIZATIONS):
+        assert re.fullmatch(pattern, name), name
+    for name in (*INT4_BUILDS, "auto", "int4", "int4-g", "int8-w8a16", "nvfp4", "fp8 "):
+        assert not re.fullmatch(pattern, name), name
 
 
 def test_a_good_engine_still_opens(tiny_engine):

@@ -200,13 +200,6 @@ def test_a_checkpoint_missing_its_scales_is_refused(tmp_path) -> None:
         LLM(str(_edited(tmp_path, "awq", tensor_edit=drop)), **ARGS)
 
 
-def test_kiln_build_refuses_an_int4_checkpoint_by_name() -> None:
-    from kiln.builder.prequantized import inspect
-
-    with pytest.raises(ModelLoadError, match=r"kiln build does not take INT4 \(gptq\)"):
-        inspect(str(DATA / "gptq"))
-
-
 def test_dummy_weights_run_as_int4_and_unquantized_weights_are_refused(tmp_path) -> None:
     """quantization="int4-g128" is for benchmarks on dummy weights; a 16-bit checkpoint is not
     rounded to INT4 while loading."""

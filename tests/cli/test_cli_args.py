@@ -211,8 +211,9 @@ def test_threads_flag_sets_torchs_intra_op_threads(tmp_path):
 
 
 def test_kiln_builds_quantization_choices_are_the_builders() -> None:
-    from kiln.builder.options import KV_CACHE_DTYPES, QUANTIZATIONS
-    from kiln.cli.build import _KV_CACHE_DTYPES, _QUANTIZATIONS
+    from kiln.builder.options import CHECKPOINT_SCHEMES, KV_CACHE_DTYPES, QUANTIZATIONS
+    from kiln.cli.build import _CHECKPOINT_SCHEMES, _KV_CACHE_DTYPES, _QUANTIZATIONS
 
     assert _QUANTIZATIONS == QUANTIZATIONS
     assert _KV_CACHE_DTYPES == KV_CACHE_DTYPES
+    assert _CHECKPOINT_SCHEMES.pattern == CHECKPOINT_SCHEMES.pattern

@@ -40,6 +40,7 @@ class Int4LinearMethod(LinearMethod):
     weight_g_idx [in] int32 (a checkpoint's own group of each input, GPTQ's act-order), and
     input_order [in] int64 when that is not k // group_size: after loading, the inputs are
     reordered so that their groups are contiguous, and apply gathers x's columns in that order.
+    An engine directory holds the reordered codes and the g_idx, whose order its load restores.
 
     Under tensor parallelism a column-parallel rank keeps its output rows of the words, scales
     and zeros (and the whole g_idx); a row-parallel rank its input columns: words [start / 8,
@@ -164,8 +165,27 @@ class Int4LinearMethod(LinearMethod):
         missing = [f"{w}:{s}" for w in wanted for s in shards if (w, s) not in self._loaded]
         if self._loaded and missing:  # an engine's or a dummy model's load nothing through here
             raise ModelLoadError(f"INT4 checkpoint lacks {missing[:3]} of a {layer.extra_repr()}")
+        if self._g_idx is None:  # nothing loaded through load_checkpoint_tensor's g_idx
+            self._engine_order(layer)
         self._order_inputs(layer)
         self._relay_for_mma(layer)
+
+    def _engine_order(self, layer: Linear) -> None:
+        """An engine's act-order layer: its codes were reordered when it was built (as loading
+        the checkpoint reorders them) and its g_idx kept, so the input order is g_idx's."""
+        if layer.input_order is not None:
+            return
+        g_idx = layer.weight_g_idx.long()
+        order = torch.argsort(g_idx, stable=True)
+        if torch.equal(order, torch.arange(g_idx.numel(), device=order.device)):
+            return  # groups in input order (or no g_idx: all zeros)
+        if layer.split is not None and layer.split.cols is not None:
+            raise ModelLoadError(
+                "an INT4 act-order (desc_act) engine under tensor parallelism: a row-parallel "
+                f"rank's inputs ({layer.extra_repr()}) would not hold whole groups; load it with "
+                "tensor_parallel_size=1"
+            )
+        layer.input_order = order
 
     def _relay_for_mma(self, layer: Linear) -> None:
         """The codes re-laid for the sm_90 kernel where relays_codes says so, and the original
