@@ -22,11 +22,12 @@ K (split-K, as kiln.kernels.triton.split_k does it: partials, a ticket, the last
 them in order). A loop iteration takes two steps (128 inputs, groups of 128 and more applied once
 an iteration); the next iteration's loads are issued before this one's MMAs.
 
-Covered: bf16 and fp16 activations, groups of 32, 64, 128, 256, ... and per channel (K a
-multiple of 128), zero points and ZERO_IS_MIN, up to MAX_ROWS rows. Not covered (int4_gemm's
-kernels keep them, over the same re-laid codes where a layer holds only those): groups of 16 or
-of 64 * a non-power of two, K not a multiple of 128, fp32 activations, more than MAX_ROWS rows. Selected only for the activation dtypes in SELECTED
-(none: it has not run on a GPU yet); int4_gemm.int4_linear runs everything else."""
+Covered: bf16 and fp16 activations, groups of 32, 64, 128, 256, ... and per channel (K a multiple
+of 128), zero points and ZERO_IS_MIN, up to MAX_ROWS rows. Not covered (int4_gemm's kernels keep
+them, over the same re-laid codes where a layer holds only those): groups of 16 or of 64 * a
+non-power of two, K not a multiple of 128, fp32 activations, more than MAX_ROWS rows. Selected only
+for the activation dtypes in SELECTED (none: it has not run on a GPU yet); int4_gemm.int4_linear
+runs everything else."""
 
 from __future__ import annotations
 
