@@ -17,16 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from kiln import LLM
 from kiln.layers.moe_int4 import Int4MoEMethod
 from kiln.layers.moe_w8a16 import W8A16MoEMethod
-from kiln.layers.quantization.w8a16 import quantize_groups
 from tests.layers.test_moe_quantized_parallel import CASES, checkpoint, make_sources
 from tests.models.test_moe_int4 import GREEDY, PROMPTS, TOKENS
-from tests.models.test_moe_w8a16 import _dequantized, _int8_tokens
+from tests.models.test_moe_w8a16 import _dequantized, _int8_tokens, rounded_checkpoint
 from tests.models.test_qwen3 import hf_greedy_tokens
 
 ENGINE = dict(dtype="float32", device="cpu", num_threads=1, distributed_timeout_s=60,
@@ -51,20 +48,10 @@ def _int8_shares(module: torch.nn.Module, args: tuple) -> tuple:
 
 
 def _rounded(source: Path, quantization: str, out: Path) -> Path:
-    """`source` with every projection rounded as quantization=`quantization` rounds it at load
-    (tests/models/test_moe_w8a16.py's Mixtral oracle)."""
+    """`source` with every projection rounded as quantization=`quantization` rounds it at load."""
     dtype = torch.int8 if quantization.startswith("int8") else torch.float8_e4m3fn
     group = 128 if quantization.endswith("g128") else 0
-    with safe_open(str(source / "model.safetensors"), framework="pt") as f:
-        state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    for key, value in state.items():
-        if key.endswith("_proj.weight") or ".experts." in key:
-            codes, scales = quantize_groups(value, dtype, group)
-            state[key] = codes.float() * scales.repeat_interleave(group or value.shape[1], 1)
-    out.mkdir(exist_ok=True)
-    save_file(state, str(out / "model.safetensors"))
-    (out / "config.json").write_text((source / "config.json").read_text())
-    return out
+    return rounded_checkpoint(source, dtype, group, out)
 
 
 def _oracle(sources: dict[str, Path], case: str, tmp_path: Path) -> list[list[int]]:

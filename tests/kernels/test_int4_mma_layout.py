@@ -12,14 +12,7 @@ import torch
 
 from kiln.kernels import int4_mma_layout as layout
 from kiln.kernels import reference
-
-
-def _operands(n: int, k: int, groups: int, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k), generator=gen)
-    scales = torch.rand(n, groups, generator=gen) * 0.02 + 0.005
-    zeros = torch.randint(0, 16, (n, groups), generator=gen).float()
-    return reference.pack_int4(codes), scales, zeros
+from tests.kernels.test_int4_gemm import _operands
 
 
 def test_repack_is_a_permutation_that_unrepack_undoes() -> None:

@@ -132,6 +132,21 @@ def test_a_wrong_expert_scale_changes_the_tokens(tmp_path) -> None:
     assert _tokens(llm, PROMPTS) != want
 
 
+def rounded_checkpoint(source: Path, dtype: torch.dtype, group: int, out: Path) -> Path:
+    """`source` with every projection rounded to `dtype` per channel (group 0) or in groups, as
+    the 8-bit weight-only methods round a 16-bit checkpoint at load: the oracle's weights."""
+    with safe_open(str(source / "model.safetensors"), framework="pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    for key, value in state.items():
+        if key.endswith("_proj.weight") or ".experts." in key:
+            codes, scales = quantize_groups(value, dtype, group)
+            state[key] = codes.float() * scales.repeat_interleave(group or value.shape[1], 1)
+    out.mkdir(exist_ok=True)
+    save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text((source / "config.json").read_text())
+    return out
+
+
 @pytest.mark.parametrize(
     ("dtype", "group"), [(torch.int8, 0), (torch.float8_e4m3fn, 0), (torch.int8, 128)]
 )
@@ -141,17 +156,7 @@ def test_model_dtype_mixtral_experts_round_to_8_bits_per_channel(tmp_path, dtype
     rounding here."""
     source = tmp_path / "mixtral"
     save_tiny_hf(str(source), "mixtral", "MixtralForCausalLM", **MIXTRAL)
-    with safe_open(str(source / "model.safetensors"), framework="pt") as f:
-        state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    for key, value in state.items():
-        if key.endswith("_proj.weight") or ".experts." in key:
-            codes, scales = quantize_groups(value, dtype, group)
-            state[key] = codes.float() * scales.repeat_interleave(group or value.shape[1], 1)
-    rounded = tmp_path / "rounded"
-    rounded.mkdir()
-    save_file(state, str(rounded / "model.safetensors"))
-    (rounded / "config.json").write_text((source / "config.json").read_text())
-    want = _want(rounded)
+    want = _want(rounded_checkpoint(source, dtype, group, tmp_path / "rounded"))
     scheme = "int8" if dtype == torch.int8 else "fp8"
     llm = LLM(str(source), quantization=f"{scheme}-w8a16-{f'g{group}' if group else 'channel'}",
               **ARGS)  # fmt: skip
