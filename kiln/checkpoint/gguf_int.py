@@ -39,6 +39,8 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 import torch
 
+from kiln.checkpoint.int4_formats import pack_int4
+
 # ggml type -> (bits of the codes kiln keeps for it, inputs per scale, whether a group has a min).
 TYPES: dict[str, tuple[int, int, bool]] = {
     "Q2_K": (2, 16, True),
@@ -67,10 +69,7 @@ def is_projection(hf_name: str) -> bool:
 def scheme_for(types: list[str]) -> str:
     """The one scheme that holds every part of a (fused) layer exactly, in the smallest group any
     part needs: INT4 with mins when all have 4 bits or fewer, else INT8 W8A16, with mins when
-    any part has them."""
-    unknown = sorted({t for t in types if t not in TYPES})
-    if unknown:
-        raise ValueError(f"{', '.join(unknown)} map to no integer method")
+    any part has them (projection_schemes has refused types outside TYPES)."""
     group = min(TYPES[t][1] for t in types)
     if all(TYPES[t][0] <= 4 for t in types):
         return f"int4-g{group}-min"
@@ -265,10 +264,6 @@ def _int4_parts(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Codes 0..15 in input order (any block shape, [n * k] elements) packed as kiln's INT4
     words, and the groups' scales and mins [n, groups]."""
-    codes = codes.to(torch.int32).reshape(n, k)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    # Code 8j + i of a row at bits 4i of word j; the bits do not overlap, so the sum is an OR.
-    packed = (codes.reshape(n, k // 8, 8) << shifts).sum(-1, dtype=torch.int32)
-    yield "", packed
+    yield "", pack_int4(codes.reshape(n, k))
     yield "_scales", scales.reshape(n, -1)
     yield "_zeros", mins.reshape(n, -1)

@@ -63,8 +63,8 @@ class Int4LinearMethod(LinearMethod):
         self.group_size = group_size  # 0: one group of all inputs
         self.needs_zeros = needs_zeros  # False: symmetric, zeros stay 8 unless loaded
         # True: weight_zeros hold each group's min in weight units, w = code * scale + min
-        # (GGUF's Q4_0 / Q4_1 blocks, kiln.checkpoint.gguf_int).
-        self.zero_is_min = self.weight_unit_mins = zero_is_min
+        # (GGUF's blocks, kiln.checkpoint.gguf_int).
+        self.weight_unit_mins = zero_is_min
         self._loaded: set[tuple[str, int | None]] = set()
         self._g_idx: torch.Tensor | None = None
 
@@ -226,7 +226,7 @@ class Int4LinearMethod(LinearMethod):
             x = x.index_select(1, layer.input_order)
         codes = None if layer.weight_mma is not None else layer.weight  # re-laid: the only copy
         y = ops.int4_linear(
-            x, codes, layer.weight_scales, layer.weight_zeros, layer.bias, self.zero_is_min,
+            x, codes, layer.weight_scales, layer.weight_zeros, layer.bias, self.weight_unit_mins,
             mma_weight=layer.weight_mma,
         )  # fmt: skip
         return y.reshape(*shape[:-1], y.shape[-1])
