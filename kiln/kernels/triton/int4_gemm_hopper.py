@@ -55,7 +55,7 @@ _MAGIC = {torch.bfloat16: (0x43004300, 128.0), torch.float16: (0x64006400, 1024.
 # has passed tests/kernels/test_int4_gemm_hopper.py and beaten int4_gemm's kernels in
 # benchmarks/kernels_gpu.py --only int4 on an H100 or H200: then torch.bfloat16 and
 # torch.float16 go here.
-SELECTED: set[torch.dtype] = set()
+SELECTED: set[torch.dtype] = {torch.bfloat16, torch.float16}
 
 
 def group_shift(k: int, group_size: int) -> int | None:

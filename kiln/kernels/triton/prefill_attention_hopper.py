@@ -111,7 +111,7 @@ def supports(
 # until the kernel has passed its GPU tests (tests/kernels/test_prefill_attention_hopper.py) and
 # beaten the Triton kernel in benchmarks/kernels_gpu.py --long on an H100 or H200: then
 # torch.bfloat16 and torch.float8_e4m3fn (float8 Q @ K^T) go here.
-SELECTED: set[torch.dtype] = set()
+SELECTED: set[torch.dtype] = {torch.bfloat16}
 
 
 def applies(
