@@ -8,6 +8,7 @@ Llama-3.1-8B shapes (the mixture-of-experts rows at Qwen3-30B-A3B's: benchmarks/
     python benchmarks/kernels_gpu.py lora.json --only lora            # the LoRA rows alone
     python benchmarks/kernels_gpu.py moe.json --only moe              # the MoE rows alone
     python benchmarks/kernels_gpu.py int4.json --only int4            # the W4A16 layer rows alone
+    python benchmarks/kernels_gpu.py int8.json --only int8            # the W8A8 INT8 layer rows
     python benchmarks/kernels_gpu.py mla.json --only mla              # the MLA decode rows alone
     python benchmarks/kernels_gpu.py /tmp/kernels_tiny.json --tiny --long
 
@@ -23,7 +24,9 @@ Every kernel's output is also compared with the reference (max_abs_err): a fast 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import functools
 import json
 import os
 import subprocess
@@ -222,6 +225,9 @@ def run(shapes: Shapes, device: torch.device, only: str | None = None) -> list[d
         return rows
     if only == "int4":
         _int4_rows(s, device, gen, record)
+        return rows
+    if only == "int8":
+        _int8_rows(s, device, gen, record)
         return rows
     if only == "mla":
         mla_shapes = mla_kernels.TINY if s is TINY else mla_kernels.DEEPSEEK_V3
@@ -422,6 +428,84 @@ def _int4_rows(s: Shapes, device: torch.device, gen: torch.Generator, record: Ca
         ):
             err = max(_err(g, w) for g, w in zip(new(), want))
             record("int4_w4a16", case, "gluon_sm90", [new], bytes=code_bytes, max_abs_err=err)
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the fused INT8 GEMM's configs the int8 rows
+# force, besides the tiles int8_matmul picks (kept short: each one compiles).
+INT8_CONFIGS = ((64, 128, 128, 4, 3), (64, 128, 128, 4, 4), (128, 128, 64, 4, 4),
+                (128, 128, 128, 8, 3), (128, 256, 64, 8, 3))  # fmt: skip
+
+
+def _int8_rows(s: Shapes, device: torch.device, gen: torch.Generator, record: Callable) -> None:
+    """W8A8 INT8 over a whole layer's four projections (qkv, o, gate_up, down), operands already
+    quantized (as the model's norms hand them over): int8_matmul as it selects (`selected`), its
+    fused Triton kernel forced at each of INT8_CONFIGS (`triton`), torch._int_mm with the scale
+    epilogue (`int_mm_epilogue`), and, the reference point, kiln's FP8 GEMM (fp8_gemm.fp8_matmul)
+    on float8 operands of the same shapes (`fp8_scaled_mm`). GB/s of weights up to 64 rows,
+    TFLOP/s above."""
+    from kiln.kernels import reference
+    from kiln.kernels.triton import fp8_gemm, int8_gemm
+
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    shapes = ((q + 2 * kv, s.hidden), (q, q), (2 * s.intermediate, s.hidden),
+              (s.hidden, s.intermediate))  # fmt: skip
+
+    def operands(size: tuple[int, int], scale: float) -> tuple[torch.Tensor, ...]:
+        """(int8 codes, float8 values, [size[0]] fp32 scales) of this size."""
+        codes = torch.randint(-127, 128, size, generator=gen, device=device).to(torch.int8)
+        values = (torch.randn(size, generator=gen, device=device) * 64).to(torch.float8_e4m3fn)
+        return codes, values, torch.rand(size[0], generator=gen, device=device) * scale + scale / 10
+
+    weights = [operands((n, k), 1e-3) for n, k in shapes]
+    weight_bytes = sum(n * k for n, k in shapes)
+    cuda = device.type == "cuda"
+    for m in (1, 16) if s is TINY else (1, 16, 64, 256, 512, 8192):
+        xs = [operands((m, k), 1e-2) for _, k in shapes]
+        int8_ops = [(x, xsc[:, None], w, wsc) for (x, _, xsc), (w, _, wsc) in zip(xs, weights)]
+        fp8_ops = [(x, xsc[:, None], w, wsc) for (_, x, xsc), (_, w, wsc) in zip(xs, weights)]
+        want = [reference.int8_matmul(*ops, None, s.dtype) for ops in int8_ops]
+        fp8_want = [reference.fp8_matmul(*ops, None, s.dtype) for ops in fp8_ops]
+        case = f"layer rows={m}"
+        rate = {"bytes": weight_bytes} if m <= 64 else {"flops": 2 * m * weight_bytes}
+        # int8_matmul's condition, less the shapes' (all multiples of 8).
+        if cuda and m >= int8_gemm._CUBLAS_MIN_ROWS:
+            selected = "torch._int_mm + scale epilogue"
+        else:
+            tiles = "/".join(map(str, int8_gemm._tiles(m)))
+            selected = f"triton BLOCK {tiles}, Triton's default warps/stages"
+        _layer_row(record, case, "selected", selected, int8_gemm.int8_matmul, int8_ops, want,
+                   s.dtype, rate)  # fmt: skip
+        for bm, bn, bk, warps, stages in INT8_CONFIGS:
+            forced = functools.partial(int8_gemm._triton_int8_matmul, tiles=(bm, bn, bk),
+                                       num_warps=warps, num_stages=stages)  # fmt: skip
+            config = f"BLOCK {bm}/{bn}/{bk} warps={warps} stages={stages}"
+            _layer_row(record, case, "triton", config, forced, int8_ops, want, s.dtype, rate)
+        _layer_row(record, case, "int_mm_epilogue", "torch._int_mm (int32 [M, N]) + "
+                   "_scale_epilogue", int8_gemm._cublas_int8_matmul, int8_ops, want, s.dtype,
+                   rate)  # fmt: skip
+        if not cuda:
+            fp8 = "fp32 matmul + scale epilogue (no CUDA)"
+        elif m >= fp8_gemm._ROWWISE_MIN_ROWS and s.dtype == torch.bfloat16:
+            fp8 = "_scaled_mm, [M, 1] x [1, N] scales fused"
+        else:
+            fp8 = "_scaled_mm, unit scales, fp32 out + scale epilogue"
+        _layer_row(record, case, "fp8_scaled_mm", fp8, fp8_gemm.fp8_matmul, fp8_ops, fp8_want,
+                   s.dtype, rate)  # fmt: skip
+
+
+def _layer_row(record: Callable, case: str, impl: str, config: str, matmul: Callable,
+               operands: list, want: list[torch.Tensor], dtype: torch.dtype,
+               rate: dict) -> None:  # fmt: skip
+    """One int8_w8a8 row: matmul over each projection's (x, x_scale, weight, weight_scale),
+    timed as one call; a matmul that raises gets record's error row."""
+
+    def layer() -> list[torch.Tensor]:
+        return [matmul(*ops, None, dtype) for ops in operands]
+
+    extra = dict(rate)
+    with contextlib.suppress(Exception):  # record's own call fails the same way: its error row
+        extra["max_abs_err"] = max(_err(got, w) for got, w in zip(layer(), want))
+    record("int8_w8a8", case, impl, [layer], config=config, **extra)
 
 
 def _lora_layer(case: str, bounds: tuple[int, ...], x: torch.Tensor, slots: torch.Tensor,
@@ -651,6 +735,8 @@ def _print_row(row: dict) -> None:
             rate += f" ({row['fp8_peak_fraction']:.0%} of {row['fp8_peak_tflops']:.0f} FP8 peak)"
     err = f"  err={row['max_abs_err']:.2e}" if "max_abs_err" in row else ""
     tiles = f"  tiles={row['tiles']}" if "tiles" in row else ""
+    if "config" in row:
+        tiles += f"  {row['config']}"
     if "consumers" in row:
         tiles += f"  consumers={row['consumers']}"
     print(f"{row['kernel']:<19}{row['case']:<24}{row['impl']:<16}{timing}{rate:>18}{err}{tiles}")
@@ -665,8 +751,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--only",
-        choices=("lora", "moe", "int4", "mla"),
-        help="these rows only (default: all but mla)",
+        choices=("lora", "moe", "int4", "int8", "mla"),
+        help="these rows only (default: all but int4, int8 and mla)",
     )
     parser.add_argument(
         "--long", action="store_true", help="the long-context rows: 16k prefill, decode to 128k"

@@ -118,21 +118,55 @@ def int8_matmul(
         raise ValueError(f"int8_matmul: x [{m}, {k}] against weight {tuple(weight.shape)}")
     x_int8 = x_int8.contiguous()
     if x_int8.is_cuda and m >= _CUBLAS_MIN_ROWS and k % 8 == 0 and n % 8 == 0:
-        acc = torch._int_mm(x_int8, weight.t())  # [M, N] int32; weight.t() is column-major
-        return _scale_epilogue(acc, x_scale, weight_scale, bias, out_dtype)
-    y = torch.empty((m, n), dtype=out_dtype, device=x_int8.device)
-    if m == 0:
-        return y
+        return _cublas_int8_matmul(x_int8, x_scale, weight, weight_scale, bias, out_dtype)
+    return _triton_int8_matmul(x_int8, x_scale, weight, weight_scale, bias, out_dtype, _tiles(m))
+
+
+def _tiles(m: int) -> tuple[int, int, int]:
+    """The Triton GEMM's (BLOCK_M, BLOCK_N, BLOCK_K) at m rows."""
     block_m = 16 if m <= 16 else (64 if m <= 256 else 128)
     # Decode rows: narrower column tiles, twice the programs over a weight read once (a guess,
     # not measured on a GPU yet).
     block_n = 32 if m <= 16 else (64 if m <= 256 else 128)
-    block_k = 64
+    return block_m, block_n, 64
+
+
+def _cublas_int8_matmul(
+    x_int8: torch.Tensor,  # [M, K] int8, contiguous
+    x_scale: torch.Tensor,  # [M, 1] fp32
+    weight: torch.Tensor,  # [N, K] int8
+    weight_scale: torch.Tensor,  # [N] fp32
+    bias: torch.Tensor | None,  # [N]
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N] in out_dtype
+    """int8_matmul's large-M path: cuBLAS's int32 sums, then fp8_gemm's scale epilogue."""
+    acc = torch._int_mm(x_int8, weight.t())  # [M, N] int32; weight.t() is column-major
+    return _scale_epilogue(acc, x_scale, weight_scale, bias, out_dtype)
+
+
+def _triton_int8_matmul(
+    x_int8: torch.Tensor,  # [M, K] int8, contiguous
+    x_scale: torch.Tensor,  # [M, 1] fp32
+    weight: torch.Tensor,  # [N, K] int8
+    weight_scale: torch.Tensor,  # [N] fp32
+    bias: torch.Tensor | None,  # [N]
+    out_dtype: torch.dtype,
+    tiles: tuple[int, int, int],  # (BLOCK_M, BLOCK_N, BLOCK_K)
+    **launch: int,
+) -> torch.Tensor:  # [M, N] in out_dtype
+    """The fused Triton GEMM at these tiles; launch takes Triton's num_warps and num_stages
+    (its defaults where left out) so that benchmarks/kernels_gpu.py can time other configs."""
+    m, k = x_int8.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=out_dtype, device=x_int8.device)
+    if m == 0:
+        return y
+    block_m, block_n, block_k = tiles
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int8_gemm_kernel[grid](
         x_int8, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, y,
         m, n, k, x_int8.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **launch,
     )  # fmt: skip
     return y
 
