@@ -882,21 +882,31 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:  # [rows, cols / 8] int32
 
 
 def dequantize_int4(
-    qweight: torch.Tensor,  # [N, K / 8] int32: kiln's packed codes
+    qweight: torch.Tensor | None,  # [N, K / 8] int32: kiln's packed codes; None: mma_weight's
     scales: torch.Tensor,  # [N, K / group_size] fp32
     zeros: torch.Tensor,  # [N, K / group_size] fp32, in code units (8: symmetric)
     zero_is_min: bool = False,  # zeros hold each group's min in weight units instead
-) -> torch.Tensor:  # [N, K] fp32
-    """W4A16 weights: (code - zero) * scale, input k in group k // group_size; with
-    `zero_is_min`, code * scale + min (GGUF's Q4_0 / Q4_1 blocks: their own fp32 arithmetic,
-    so the values equal the file's dequantized ones bit for bit)."""
+    mma_weight: torch.Tensor | None = None,  # the same codes re-laid (int4_mma_layout)
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:  # [N, K] in dtype
+    """W4A16 weights: (code - zero) * scale, input k in group k // group_size, computed in fp32
+    and rounded once to dtype; with `zero_is_min`, code * scale + min (GGUF's Q4_0 / Q4_1
+    blocks: their own fp32 arithmetic, so the values equal the file's dequantized ones bit for
+    bit). The codes are qweight's, or mma_weight's put back in kiln's layout
+    (int4_mma_layout.unrepack, exact; N is the scales' rows)."""
+    if qweight is None:
+        if mma_weight is None:
+            raise ValueError("dequantize_int4: no codes (qweight and mma_weight are both None)")
+        from kiln.kernels.int4_mma_layout import unrepack  # it imports this module
+
+        qweight = unrepack(mma_weight, scales.shape[0])
     codes = unpack_int4(qweight).float()
     group_size = codes.shape[1] // scales.shape[1]
     s = scales.repeat_interleave(group_size, dim=1)
     z = zeros.repeat_interleave(group_size, dim=1)
     if zero_is_min:
-        return codes * s + z
-    return (codes - z) * s
+        return (codes * s + z).to(dtype)
+    return ((codes - z) * s).to(dtype)
 
 
 def int4_linear(
@@ -912,13 +922,7 @@ def int4_linear(
     dot products take them, accumulated in fp32. The codes are qweight's, or mma_weight's put
     back in kiln's layout (int4_mma_layout.unrepack, exact; N is the scales' rows) where a
     layer keeps only the copy re-laid for the sm_90 kernel (kiln.kernels.triton.int4_gemm)."""
-    if qweight is None:
-        if mma_weight is None:
-            raise ValueError("int4_linear: no codes (qweight and mma_weight are both None)")
-        from kiln.kernels.int4_mma_layout import unrepack  # it imports this module
-
-        qweight = unrepack(mma_weight, scales.shape[0])
-    w = dequantize_int4(qweight, scales, zeros, zero_is_min).to(x.dtype)
+    w = dequantize_int4(qweight, scales, zeros, zero_is_min, mma_weight, x.dtype)
     y = F.linear(x.float(), w.float())
     if bias is not None:
         y = y + bias.float()

@@ -1,7 +1,7 @@
-"""The W4A16 Triton kernels (kiln.kernels.triton.int4_gemm: tl.dot tiles, and the 1-8 row
-small-batch kernel) against reference.int4_linear, under TRITON_INTERPRET=1 without a GPU: over
-kiln's layout, and over the codes re-laid for the sm_90 kernel (int4_mma_layout) when a layer
-keeps only those."""
+"""The W4A16 Triton kernels (kiln.kernels.triton.int4_gemm: tl.dot tiles, the 1-8 row
+small-batch kernel, and the prefill path's dequantize_int4 + cuBLAS) against their twins in
+reference, under TRITON_INTERPRET=1 without a GPU: over kiln's layout, and over the codes re-laid
+for the sm_90 kernel (int4_mma_layout) when a layer keeps only those."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ pytest.importorskip("triton", reason="triton is not installed (pip install kiln[
 
 from kiln.kernels import reference
 from kiln.kernels.int4_mma_layout import repack
-from kiln.kernels.triton.int4_gemm import int4_linear
+from kiln.kernels.triton import int4_gemm
+from kiln.kernels.triton.int4_gemm import dequantize_int4, int4_linear
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
@@ -159,3 +160,66 @@ def test_codes_must_be_given_in_one_layout_with_the_scales_rows() -> None:
         reference.int4_linear(x, None, scales, zeros)
     with pytest.raises(ValueError, match="expected"):  # re-laid codes of another N
         int4_linear(x, None, scales[:40], zeros[:40], mma_weight=repack(qweight))
+
+
+# (N, K, group size; 0 per channel, zero_is_min): kiln's layout takes K = 72 per channel (no
+# multiple of the tile) and groups of 16; the re-laid one K a multiple of 64, N padded to 128.
+_DEQUANTIZE = [(72, 128, 32, False), (40, 72, 0, False), (40, 128, 16, True), (200, 128, 0, True),
+               (93, 256, 64, False), (45, 256, 128, True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("n", "k", "group_size", "mins"), _DEQUANTIZE)
+@pytest.mark.parametrize("relaid", [False, True])
+def test_dequantize_int4_matches_its_twin_bit_for_bit(dtype, n, k, group_size, mins, relaid):
+    """The kernel computes each weight in fp32 as the twin does and rounds it once. Scales
+    with fp16's precision (as checkpoints hold them) make code * scale exact, so a GPU's fused
+    multiply-add gives the same bits too."""
+    if relaid and k % 64:
+        pytest.skip("re-laid codes need K a multiple of 64")
+    groups = k // group_size if group_size else 1
+    qweight, scales, zeros = _operands(n, k, groups, seed=n + k)
+    scales = scales.half().float()
+    if mins:
+        zeros = -8.0 * scales + 0.001 * torch.randn(scales.shape, generator=torch.Generator())
+    codes = (None, repack(qweight)) if relaid else (qweight, None)
+    qw, scales, zeros, mma = (t.to(DEVICE) if t is not None else None
+                              for t in (codes[0], scales, zeros, codes[1]))  # fmt: skip
+    got = dequantize_int4(qw, scales, zeros, mins, mma, dtype)
+    want = reference.dequantize_int4(qw, scales, zeros, mins, mma, dtype)
+    assert got.dtype == dtype and got.shape == (n, k)
+    assert torch.equal(got.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("relaid", [False, True])
+@pytest.mark.parametrize("mins", [False, True])
+def test_int4_linear_dequantizes_once_from_the_prefill_rows_on(monkeypatch, dtype, relaid, mins):
+    """From DEQUANTIZE_ROWS rows on (lowered here), int4_linear is dequantize_int4 then one
+    matmul, and still the reference's int4_linear; below it the tiled kernel runs."""
+    n, k, rows = 93, 256, 40  # past int4_gemm_hopper.MAX_ROWS, which an sm_90 GPU would run
+    qweight, scales, zeros = _operands(n, k, 4, seed=5)
+    if mins:
+        zeros = -8.0 * scales + 0.001 * torch.randn(scales.shape, generator=torch.Generator())
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    x, qweight, scales, zeros, bias = (t.to(DEVICE) for t in (x, qweight, scales, zeros, bias))
+    codes = (None, repack(qweight)) if relaid else (qweight, None)
+    calls = []
+
+    def spy(*args):
+        calls.append(args)
+        return dequantize_int4(*args)
+
+    monkeypatch.setattr(int4_gemm, "dequantize_int4", spy)
+    monkeypatch.setattr(int4_gemm, "DEQUANTIZE_ROWS", rows + 1)
+    tiled = int4_linear(x, codes[0], scales, zeros, bias, mins, codes[1])
+    assert not calls
+    monkeypatch.setattr(int4_gemm, "DEQUANTIZE_ROWS", rows)
+    got = int4_linear(x, codes[0], scales, zeros, bias, mins, codes[1])
+    assert len(calls) == 1
+    want = reference.int4_linear(x, qweight, scales, zeros, bias, mins)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=ATOL[dtype], rtol=0)
+    torch.testing.assert_close(got.float().cpu(), tiled.float().cpu(), atol=ATOL[dtype], rtol=0)

@@ -16,7 +16,7 @@ from kiln.kernels.triton.fp8_block_gemm import (
 )
 from kiln.kernels.triton.fp8_gemm import quantize_fp8
 from kiln.kernels.triton.fused_moe import fused_moe, fused_moe_int4
-from kiln.kernels.triton.int4_gemm import int4_linear
+from kiln.kernels.triton.int4_gemm import dequantize_int4, int4_linear
 from kiln.kernels.triton.int8_gemm import int8_linear, int8_matmul, quantize_int8
 from kiln.kernels.triton.lora import lora_expand, lora_shrink
 from kiln.kernels.triton.mla_decode import mla_decode_attention
@@ -67,6 +67,7 @@ __all__ = [
     "argmax",
     "clamped_swiglu",
     "copy_kv_blocks",
+    "dequantize_int4",
     "fp8_block_linear",
     "fp8_block_matmul",
     "fp8_linear",

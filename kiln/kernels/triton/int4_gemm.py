@@ -8,7 +8,9 @@ Two kernels: from 9 rows on, tiles of rows through tl.dot on the dequantized wei
 (it does not round the dequantized weight to the activations' dtype, so it is at least as exact
 as the twin) and splits K over programs to keep enough loads in flight. The 9+ row kernel is not
 tuned on a GPU yet. On sm_90, int4_gemm_hopper's Gluon kernel (codes re-laid for mma.sync's
-register operand) takes the calls it applies() to.
+register operand) takes the calls it applies() to. From DEQUANTIZE_ROWS rows on (prefill), the
+weight is dequantized once into the activations' dtype (_dequantize_kernel) and cuBLAS
+multiplies: the tiled kernel would dequantize it again for every tile of rows.
 
 A layer whose codes were re-laid keeps only that copy (kiln.layers.quantization.int4), so both
 kernels here also read them from int4_mma_layout's order (MMA_LAYOUT): the same tiles, each
@@ -19,6 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -32,6 +35,13 @@ except ImportError:  # pragma: no cover (the tested Tritons have Gluon)
     int4_gemm_hopper = None  # type: ignore[assignment]
 
 SMALL_BATCH_ROWS = 8  # up to this many rows: _int4_small_batch_kernel
+# From this many rows on: dequantize_int4, then cuBLAS. On an H100 the detour (codes read, bf16
+# weight written and read back: N * K * 4.5 bytes at ~3 TB/s) over the bf16 GEMM (2 * M * N * K
+# at ~650 TFLOP/s) is ~490 / M of it whatever the shape: half at 1024 rows (a third of the
+# call), 6% at 8192, while the tiled kernel (~125 TFLOP/s at 8192 rows) takes ~5x the GEMM. 1024
+# also stays above the decode graphs' rows (max_num_seqs, default 256; a capture never takes
+# this path in any case), which must not hold a transient weight.
+DEQUANTIZE_ROWS = 1024
 
 
 @triton.jit
@@ -205,6 +215,82 @@ def _int4_small_batch_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr,
              acc.to(y_ptr.dtype.element_ty), mask=out_mask)  # fmt: skip
 
 
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, groups, group_size,
+                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ZERO_IS_MIN: tl.constexpr,
+                       MMA_LAYOUT: tl.constexpr):  # fmt: skip
+    """W^T [K, N] in out's dtype: one _dequantized_tile a program, stored as it comes (rows of
+    the tile are contiguous in W^T)."""
+    n0 = tl.program_id(0) * BLOCK_N
+    k0 = tl.program_id(1) * BLOCK_K
+    w = _dequantized_tile(w_ptr, s_ptr, z_ptr, k0, n0, N, K, groups, group_size,
+                          out_ptr.dtype.element_ty, BLOCK_K, BLOCK_N, ZERO_IS_MIN,
+                          MMA_LAYOUT)  # fmt: skip
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    # int64: a large layer's K * N passes 2^31.
+    tl.store(out_ptr + offs_k.to(tl.int64)[:, None] * N + offs_n[None, :], w,
+             mask=(offs_k < K)[:, None] & (offs_n < N)[None, :])  # fmt: skip
+
+
+def _codes(
+    qweight: torch.Tensor | None, mma_weight: torch.Tensor | None, scales: torch.Tensor, k: int
+) -> tuple[torch.Tensor, bool]:
+    """The codes the kernels read (qweight, else mma_weight) and whether they are re-laid
+    (MMA_LAYOUT), checked against K inputs and the scales' rows and groups."""
+    n, groups = scales.shape
+    weight = qweight if qweight is not None else mma_weight
+    if weight is None:
+        raise ValueError("int4_linear: no codes (qweight and mma_weight are both None)")
+    mma_layout = qweight is None
+    if mma_layout and k % K_STEP:
+        raise ValueError(f"int4: re-laid codes need K a multiple of {K_STEP}, got {k}")
+    expected = (repacked_rows(n) // N_TILE, 2 * k) if mma_layout else (n, k // 8)
+    if tuple(weight.shape) != expected or k % groups:
+        raise ValueError(f"int4: x [*, {k}] against codes {tuple(weight.shape)} "
+                         f"(expected {expected}) and {groups} groups")  # fmt: skip
+    return weight, mma_layout
+
+
+def _block_k(group_size: int, groups: int) -> int:
+    """The tiled kernels' K tile: it never straddles two groups; 16 is the smallest a dot takes."""
+    block_k = math.gcd(group_size, 64) if groups > 1 else 64
+    if block_k < 16:
+        raise ValueError(f"int4: group size {group_size} is not a multiple of 16")
+    return block_k
+
+
+def dequantize_int4(
+    qweight: torch.Tensor | None,  # [N, K / 8] int32: kiln's packed codes; None: mma_weight's
+    scales: torch.Tensor,  # [N, K / group_size] fp32
+    zeros: torch.Tensor,  # [N, K / group_size] fp32, in code units (8: symmetric)
+    zero_is_min: bool = False,  # zeros hold each group's min in weight units instead
+    mma_weight: torch.Tensor | None = None,  # the same codes re-laid (int4_mma_layout)
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:  # [N, K] in dtype
+    """The whole weight, as the tiled kernel's tiles hold it: (code - zero) * scale (or code *
+    scale + min) in fp32, rounded once to dtype. Returned as the transpose of a contiguous
+    [K, N], the tiles' own orientation, which F.linear multiplies without a copy."""
+    if qweight is not None:
+        k = qweight.shape[1] * 8
+    elif mma_weight is not None:
+        k = mma_weight.shape[1] // 2
+    else:
+        raise ValueError("dequantize_int4: no codes (qweight and mma_weight are both None)")
+    weight, mma_layout = _codes(qweight, mma_weight, scales, k)
+    n, groups = scales.shape
+    group_size = k // groups
+    block_k, block_n = _block_k(group_size, groups), 128
+    assert N_ALIGN % block_n == 0  # re-laid: whole 16-row tiles, inside the padded rows
+    out = torch.empty(k, n, dtype=dtype, device=weight.device)
+    if n and k:
+        _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+            weight, scales, zeros, out, n, k, groups, group_size, BLOCK_K=block_k,
+            BLOCK_N=block_n, ZERO_IS_MIN=zero_is_min, MMA_LAYOUT=mma_layout,
+        )  # fmt: skip
+    return out.t()
+
+
 def _small_batch_split(n: int, k: int, block_n: int, block_k: int, per_sm: int,
                        device: torch.device) -> int:  # fmt: skip
     """K splits so the launch has about per_sm programs per SM: one row's projection is a
@@ -225,32 +311,25 @@ def int4_linear(
     mma_weight: torch.Tensor | None = None,  # int4_mma_layout.repack(qweight), where made
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """The sm_90 Gluon kernel (int4_gemm_hopper) where the codes come re-laid for it and it
-    applies(); this file's kernels otherwise, over qweight, or over mma_weight (MMA_LAYOUT)
-    where a layer keeps only that copy. N is the scales' rows."""
+    applies(); from DEQUANTIZE_ROWS rows on, dequantize_int4 and cuBLAS; this file's kernels
+    otherwise, over qweight, or over mma_weight (MMA_LAYOUT) where a layer keeps only that
+    copy. N is the scales' rows."""
     m, k = x.shape
     n, groups = scales.shape
     group_size = k // groups
-    weight = qweight if qweight is not None else mma_weight
-    if weight is None:
-        raise ValueError("int4_linear: no codes (qweight and mma_weight are both None)")
-    mma_layout = qweight is None
-    if mma_layout and k % K_STEP:
-        raise ValueError(f"int4_linear: re-laid codes need K a multiple of {K_STEP}, got {k}")
-    expected = (repacked_rows(n) // N_TILE, 2 * k) if mma_layout else (n, k // 8)
-    if tuple(weight.shape) != expected or group_size * groups != k:
-        raise ValueError(f"int4_linear: x [*, {k}] against codes {tuple(weight.shape)} "
-                         f"(expected {expected}) and {groups} groups")  # fmt: skip
+    weight, mma_layout = _codes(qweight, mma_weight, scales, k)
     hopper = int4_gemm_hopper
     if mma_weight is not None and hopper is not None and hopper.applies(x, k, group_size):
         return hopper.int4_linear_mma(x, mma_weight, scales, zeros, bias, zero_is_min)
+    if m >= DEQUANTIZE_ROWS and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # Not inside a graph capture: the transient weight would stay in the graph's pool.
+        w = dequantize_int4(qweight, scales, zeros, zero_is_min, mma_weight, x.dtype)
+        return F.linear(x, w, bias)
     x = x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    # A K tile never straddles two groups; 16 is the smallest a dot takes.
-    block_k = math.gcd(group_size, 64) if groups > 1 else 64
-    if block_k < 16:
-        raise ValueError(f"int4_linear: group size {group_size} is not a multiple of 16")
+    block_k = _block_k(group_size, groups)
     bias_arg = bias if bias is not None else scales
     args = (x, weight, scales, zeros, bias_arg, y, m, n, k, x.stride(0), y.stride(0), groups,
             group_size)  # fmt: skip

@@ -2,8 +2,10 @@
 channel), activations in the model dtype. What GPTQ, AWQ and compressed-tensors `pack-quantized`
 checkpoints hold, read into this one layout by kiln.checkpoint.int4_formats; the weights stay
 packed on the device (a quarter of bf16's bytes) and are dequantized in the kernel's registers
-(ops.int4_linear). Where the sm_90 kernel runs, the codes are re-laid for it after loading and
-only that copy stays on the device (every int4_linear kernel reads it)."""
+(ops.int4_linear; a prefill-sized call dequantizes the whole weight once, a transient copy in
+the activations' dtype, and runs cuBLAS). Where the sm_90 kernel runs, the codes are re-laid
+for it after loading and only that copy stays on the device (every int4_linear kernel reads
+it)."""
 
 from __future__ import annotations
 
