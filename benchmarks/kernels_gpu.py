@@ -10,6 +10,7 @@ Llama-3.1-8B shapes (the mixture-of-experts rows at Qwen3-30B-A3B's: benchmarks/
     python benchmarks/kernels_gpu.py int4.json --only int4            # the W4A16 layer rows alone
     python benchmarks/kernels_gpu.py int8.json --only int8            # the W8A8 INT8 layer rows
     python benchmarks/kernels_gpu.py mla.json --only mla              # the MLA decode rows alone
+    python benchmarks/kernels_gpu.py dec256.json --only decode256     # Gemma-2-9B's decode rows
     python benchmarks/kernels_gpu.py /tmp/kernels_tiny.json --tiny --long
 
 Each kernel is timed twice: `eager` (triton.testing.do_bench on the Python call, L2 flushed:
@@ -66,6 +67,14 @@ class Shapes:
 LLAMA_8B = Shapes(32, 8, 128, 4096, 16, torch.bfloat16, (1, 32, 128), (1024, 4096), 2048, 6144,
                   (128, 2048), 14336, (256, 8, 16))  # fmt: skip
 TINY = Shapes(4, 2, 16, 64, 4, torch.float32, (1, 2), (20, 40), 24, 16, (3,), 96, (6, 3, 12))
+# Gemma-2-9B's decode over a float8 cache (--only decode256): 16 query heads on 8 KV heads of 256
+# dims, logit soft-cap 50, a 4096-key window on alternate layers; batch 1 at 4k and a 1000/1000
+# throughput run's ~177 sequences at ~1.5k. Only the attention fields are read.
+GEMMA2_9B_DECODE = Shapes(16, 8, 256, 3584, 16, torch.bfloat16, (1, 177), (4096, 1536), 0, 0, (),
+                          0, (0, 0, 0))  # fmt: skip
+TINY_DECODE256 = Shapes(4, 2, 32, 0, 4, torch.float32, (2,), (20,), 0, 0, (), 0, (0, 0, 0))
+GEMMA2_SOFTCAP = 50.0
+GEMMA2_WINDOW = 4096
 
 
 def _git_revision() -> str:
@@ -188,6 +197,13 @@ def run(shapes: Shapes, device: torch.device, only: str | None = None) -> list[d
     elem = torch.finfo(s.dtype).bits // 8
     scale = s.head_dim**-0.5
     rows: list[dict] = []
+    bandwidth = 0.0  # the copy bandwidth, where a row kind reports its fraction
+    if only == "decode256" and device.type == "cuda":
+        from kiln.bench.report import measure_copy_bandwidth
+
+        bandwidth = measure_copy_bandwidth(device)
+        rows.append({"kernel": "copy", "case": "1 GiB", "impl": "torch", "GB/s": bandwidth / 1e9})
+        print(f"copy bandwidth (read + written) {bandwidth / 1e9:.0f} GB/s")
 
     def record(
         kernel: str, case: str, impl: str, calls: list[Call], graph: bool = True, **extra
@@ -209,6 +225,8 @@ def run(shapes: Shapes, device: torch.device, only: str | None = None) -> list[d
         ms = row.get("graph_ms", row.get("eager_ms"))
         if ms is not None and "bytes" in row:
             row["GB/s"] = row["bytes"] / ms / 1e6
+            if bandwidth:
+                row["of_copy_bandwidth"] = row["GB/s"] * 1e9 / bandwidth
         if ms is not None and "flops" in row:
             row["TFLOP/s"] = row["flops"] / ms / 1e9
             if row.get("fp8_peak_tflops"):
@@ -232,6 +250,9 @@ def run(shapes: Shapes, device: torch.device, only: str | None = None) -> list[d
     if only == "mla":
         mla_shapes = mla_kernels.TINY if s is TINY else mla_kernels.DEEPSEEK_V3
         mla_kernels.mla_rows(mla_shapes, device, gen, record, ROTATE_BYTES)
+        return rows
+    if only == "decode256":
+        _decode256_rows(TINY_DECODE256 if s is TINY else GEMMA2_9B_DECODE, device, gen, record)
         return rows
 
     # --- decode attention: every sequence at the same context length ---------------------------
@@ -355,6 +376,65 @@ def run(shapes: Shapes, device: torch.device, only: str | None = None) -> list[d
     _lora_rows(s, device, gen, record)
     moe_kernels.moe_rows(moe_shapes, device, gen, record)
     return rows
+
+
+def _decode256_rows(
+    s: Shapes, device: torch.device, gen: torch.Generator, record: Callable
+) -> None:
+    """Decode over a float8 cache at Gemma-2-9B's shapes (GB/s of the K/V the step must read, and
+    of_copy_bandwidth): its global (soft-capped) and sliding (soft-capped, windowed) layers at
+    the tiles the engine chooses, the global layer at head_dim 128's tiles (`128-tiles`: what
+    ran before rows of 256 dims had their own), and the same bytes at head_dim 128 (twice the
+    context): a kernel as good at 256 dims as at 128 reads both at one rate."""
+    from kiln.kernels import reference
+    from kiln.kernels import triton as triton_ops
+    from kiln.kernels.triton import decode_attention
+
+    fp8 = torch.float8_e4m3fn
+    wide = s.head_dim
+    for batch, context in zip(s.decode_batches, s.decode_contexts, strict=True):
+        for head_dim, ctx in ((wide, context), (wide // 2, 2 * context)):
+            shapes = Shapes(s.num_heads, s.num_kv_heads, head_dim, 0, s.block_size, s.dtype,
+                            (), (), 0, 0, (), 0, (0, 0, 0))  # fmt: skip
+            kv_bytes = 2 * batch * ctx * s.num_kv_heads * head_dim  # one byte an element
+            copies = max(1, -(-ROTATE_BYTES // kv_bytes)) if device.type == "cuda" else 1
+            k_cache, v_cache, all_tables = _paged([ctx] * batch, shapes, device, gen, copies)
+            k_cache, v_cache = k_cache.to(fp8), v_cache.to(fp8)
+            query = torch.randn(batch, s.num_heads, head_dim, generator=gen, device=device)
+            query = query.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+            seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+            scale = head_dim**-0.5
+            layers = [("global", None, False), ("sliding", GEMMA2_WINDOW, False)]
+            if head_dim == wide:
+                layers.append(("global 128-tiles", None, True))
+            for layer, window, narrow_tiles in layers:
+                if head_dim != wide and window is not None:
+                    continue
+                kinds = {"softcap": GEMMA2_SOFTCAP, "window": window}
+                # The split count and grid paged_decode_attention chooses (for the record).
+                keys = ctx if window is None else min(ctx, window)
+                splits = decode_attention.choose_num_splits(
+                    batch, s.num_kv_heads, keys, decode_attention.num_sms(device)
+                )
+                programs = batch * s.num_kv_heads * splits
+                args = [(query, k_cache, v_cache, t, seq_lens, scale, ctx) for t in all_tables]
+                wide_from = decode_attention._WIDE_HEAD_DIM
+                if narrow_tiles:
+                    decode_attention._WIDE_HEAD_DIM = 1 << 30
+                try:
+                    tiles = decode_attention._packed_tile_config(
+                        s.block_size, device, programs, head_dim
+                    )
+                    err = _err(triton_ops.paged_decode_attention(*args[0], **kinds),
+                               reference.paged_decode_attention(*args[0], **kinds))  # fmt: skip
+                    record("decode256", f"b={batch} ctx={ctx} d={head_dim}", layer,
+                           [lambda a=a, k=kinds: triton_ops.paged_decode_attention(*a, **k)
+                            for a in args],
+                           bytes=kv_bytes, max_abs_err=err, tiles=list(tiles), splits=splits,
+                           programs=programs)  # fmt: skip
+                finally:
+                    decode_attention._WIDE_HEAD_DIM = wide_from
+            del k_cache, v_cache, all_tables
 
 
 def _lora_rows(s: Shapes, device: torch.device, gen: torch.Generator, record: Callable) -> None:
@@ -751,8 +831,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--only",
-        choices=("lora", "moe", "int4", "int8", "mla"),
-        help="these rows only (default: all but int4, int8 and mla)",
+        choices=("lora", "moe", "int4", "int8", "mla", "decode256"),
+        help="these rows only (default: all but int4, int8, mla and decode256)",
     )
     parser.add_argument(
         "--long", action="store_true", help="the long-context rows: 16k prefill, decode to 128k"

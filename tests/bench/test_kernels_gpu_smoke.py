@@ -27,8 +27,9 @@ ROOT = Path(__file__).parents[2]
         (["--long"], {"prefill_long", "decode_long"}),
         (["--only", "mla"], {"mla_decode"}),
         (["--only", "int8"], {"int8_w8a8"}),
+        (["--only", "decode256"], {"decode256"}),
     ],
-    ids=["default", "long", "mla", "int8"],
+    ids=["default", "long", "mla", "int8", "decode256"],
 )
 def test_the_tiny_run_writes_every_row(tmp_path, flags, kernels) -> None:
     out = tmp_path / "kernels.json"

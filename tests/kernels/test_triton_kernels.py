@@ -232,6 +232,19 @@ def test_decode_attention_packed(
     assert calls, "the packed kernel did not run"
 
 
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["nosplit", "split3"])
+def test_decode_attention_packed_head_dim_256(monkeypatch, num_splits: int) -> None:
+    # Gemma-2's rows (a group of 2, 256 dims) through the packed kernel over a float8 cache: the
+    # width decode_attention gives tiles of its own on a GPU (16-key sub-tiles, as here).
+    calls = []
+    kernel = decode_attention._decode_packed_kernel
+    monkeypatch.setattr(
+        decode_attention, "_decode_packed_kernel", _Recording(kernel, calls), raising=True
+    )
+    _check_decode([5, 37], 4, 2, 256, 16, torch.float16, num_splits, cache_dtype=FP8)
+    assert calls, "the packed kernel did not run"
+
+
 class _Recording:
     """Stands in for a @triton.jit kernel and notes each launch's grid."""
 

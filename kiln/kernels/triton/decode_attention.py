@@ -353,15 +353,27 @@ def _tile_config(
     return max(64, min(block_size, 128)), 4, 3
 
 
+# Rows of 256 dims (Gemma-2/3) outgrow head_dim 128's packed tiles: compiled for sm_90a those
+# spill 1-1.4 KB a thread and the two-warp one takes 153 KiB of shared memory (one program an
+# SM), while four warps of 16-key sub-tiles spill nothing in 81 KiB, two programs an SM each
+# streaming 32 KiB of K an iteration as head_dim 128's do (at 512 dims 128's tiles need 305 KiB,
+# more than an H100 has; these 161). Untimed: benchmarks/kernels_gpu.py --only decode256.
+_WIDE_HEAD_DIM = 256
+_WIDE_PACKED_TILE = (16, 4, 2)
+
+
 def _packed_tile_config(
-    block_size: int, device: torch.device, programs: int = 0
+    block_size: int, device: torch.device, programs: int = 0, head_dim: int = 128
 ) -> tuple[int, int, int]:
     """The packed kernel's (BLOCK_N keys per sub-tile, num_warps, num_stages); `programs` is the
     grid's size. Best of 18 tiles on an H200 at each shape: one warp of 16-key sub-tiles where
     the grid fills the SMs many times over (768 / 384 x 1.5k, 512 x 192), two warps of 32 at a
-    few programs an SM (64 x 4k, 32 x 1k: 512 programs), four warps of 16 below (batch 1)."""
+    few programs an SM (64 x 4k, 32 x 1k: 512 programs), four warps of 16 below (batch 1).
+    Rows of _WIDE_HEAD_DIM and more take _WIDE_PACKED_TILE at every grid size."""
     if device.type != "cuda":
         return 16, 4, 1
+    if head_dim >= _WIDE_HEAD_DIM:
+        return _WIDE_PACKED_TILE
     sms = num_sms(device)
     if programs >= _FP8_ONE_WARP_PROGRAMS_PER_SM * sms:
         return 16, 1, 2
@@ -540,7 +552,7 @@ def _packed_decode(
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     block_n, num_warps, num_stages = _packed_tile_config(
-        block_size, query.device, num_seqs * num_kv_heads * num_splits
+        block_size, query.device, num_seqs * num_kv_heads * num_splits, head_dim
     )
     split = num_splits > 1
     part_out, part_lse = _split_buffers(query, num_splits) if split else (out, out)
