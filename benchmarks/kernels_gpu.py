@@ -98,13 +98,13 @@ ROTATE_BYTES = 256 << 20
 
 def _time_eager(fn: Call, device: torch.device) -> float:
     """Milliseconds per call as launched from Python: triton's do_bench (median, L2 flushed
-    between calls) on a GPU, wall clock otherwise. Includes launch overhead when that dominates."""
+    between calls) on a GPU, one call's wall clock otherwise. Includes launch overhead when that
+    dominates."""
     if device.type == "cuda":
         import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    fn()
-    start = time.perf_counter()
+    start = time.perf_counter()  # the interpreter compiles nothing: no warm-up call
     fn()
     return (time.perf_counter() - start) * 1e3
 
