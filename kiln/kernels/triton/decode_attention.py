@@ -354,7 +354,7 @@ def _tile_config(
 
 
 # Rows of 256 dims (Gemma-2/3) outgrow head_dim 128's packed tiles: compiled for sm_90a those
-# spill 1-1.4 KB a thread and the two-warp one takes 153 KiB of shared memory (one program an
+# spill 228-500 bytes a thread and take 153 KiB of shared memory (one two-warp program an
 # SM), while four warps of 16-key sub-tiles spill nothing in 81 KiB, two programs an SM each
 # streaming 32 KiB of K an iteration as head_dim 128's do (at 512 dims 128's tiles need 305 KiB,
 # more than an H100 has; these 161). Untimed: benchmarks/kernels_gpu.py --only decode256.
